@@ -1,0 +1,75 @@
+"""Process lifecycle (seed 000).
+
+Start: configuration (already loaded) → database pool → plugins and sinks → worker.
+Stop (SIGTERM, SIGINT or the ``stop`` event): stop claiming new batches → in-flight
+deliveries finish within ``publish_timeout`` and their results are written → worker exits →
+sinks close → pool closes. The pool closes last because the worker needs it to write results.
+A killed process leaves its rows pending (leased until the lease expires).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import anyio
+
+from room_outbox.config import Settings
+from room_outbox.dispatcher import Dispatcher, LaneOptions
+from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.redaction import Redactor
+from room_outbox.routing import build_router
+from room_outbox.store.mysql import MySQLAddress, MySQLStore
+
+log = logging.getLogger("room_outbox.app")
+
+
+def redactor_for(settings: Settings) -> Redactor:
+    redactor = Redactor()
+    try:
+        redactor.add(MySQLAddress.from_dsn(settings.mysql.dsn.get_secret_value()).password)
+    except ValueError:
+        pass  # a bad DSN is reported when the pool opens
+    return redactor
+
+
+async def run_service(settings: Settings, stop: anyio.Event | None = None, handle_signals: bool = True) -> None:
+    """Run until a signal (when ``handle_signals``) or ``stop`` is set, then shut down in order."""
+    stop = stop or anyio.Event()
+    redactor = redactor_for(settings)
+    store = await MySQLStore.connect(settings.mysql.dsn.get_secret_value(), settings.mysql.pool_size)
+    log.info("database pool opened", extra={"lifecycle": "pool_opened", "database": store.address.database})
+    try:
+        router = await build_router(make_plugin_manager(settings.plugins.disabled), settings, redactor)
+        log.info(
+            "sinks loaded",
+            extra={"lifecycle": "sinks_loaded", "sinks": sorted(router.sinks), "routes": dict(sorted(router.routes.items()))},
+        )
+        try:
+            dispatcher = Dispatcher(store, router, LaneOptions.from_settings(settings.outbox_worker), settings.node_id, redactor)
+            async with anyio.create_task_group() as workers:
+                if settings.outbox_worker.enabled:
+                    await workers.start(dispatcher.run)
+                else:
+                    log.info("outbox worker disabled by outbox_worker.enabled", extra={"lifecycle": "worker_disabled"})
+                async with anyio.create_task_group() as watch:
+                    if handle_signals:
+                        watch.start_soon(_set_on_signal, stop)
+                    await stop.wait()
+                    watch.cancel_scope.cancel()
+                log.info("stopping: no new batches", extra={"lifecycle": "stop_requested"})
+                dispatcher.stop()
+        finally:
+            await router.aclose()
+            log.info("sinks closed", extra={"lifecycle": "sinks_closed"})
+    finally:
+        await store.aclose()
+        log.info("database pool closed", extra={"lifecycle": "pool_closed"})
+
+
+async def _set_on_signal(stop: anyio.Event) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("signal received", extra={"signal": signal.Signals(signum).name})
+            stop.set()
+            return

@@ -1,0 +1,61 @@
+"""``room-outbox [--config FILE] COMMAND``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import anyio
+
+from room_outbox.app import redactor_for, run_service
+from room_outbox.config import ConfigError, Settings, load_settings
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.telemetry import configure_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="room-outbox", description=__doc__)
+    parser.add_argument(
+        "--config",
+        default=os.environ.get("ROOM_OUTBOX_CONFIG"),
+        help="YAML configuration file (default: $ROOM_OUTBOX_CONFIG; without one, defaults + environment)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("run", help="run the dispatcher until SIGTERM/SIGINT")
+    commands.add_parser("migrate", help="create room_outbox or upgrade a V1 table in place (idempotent)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"room-outbox: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log.level, settings.node_id, redactor_for(settings))
+    try:
+        if args.command == "migrate":
+            return anyio.run(_migrate, settings)
+        anyio.run(run_service, settings)
+        return 0
+    except ConfigError as exc:
+        print(f"room-outbox: {exc}", file=sys.stderr)
+        return 2
+
+
+async def _migrate(settings: Settings) -> int:
+    store = await MySQLStore.connect(settings.mysql.dsn.get_secret_value(), create_database=True)
+    try:
+        changes = await store.migrate()
+    finally:
+        await store.aclose()
+    for change in changes or ["schema already up to date"]:
+        print(change)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Settings: one YAML file plus ``ROOM_OUTBOX__SECTION__KEY`` environment overrides.
+
+Environment beats file, file beats defaults. Sink sections (``sinks.<name>``) are kept as
+plain mappings here and validated by each sink's own model once the plugins are loaded
+(:mod:`room_outbox.registry`), so a third-party sink brings its own configuration schema.
+
+Bad configuration raises :class:`ConfigError` with one line per problem, each naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "ROOM_OUTBOX__"
+RETRY_STRATEGIES = ("fixed_interval",)
+
+_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+class ConfigError(Exception):
+    """Configuration that must stop start-up; the message names every offending key."""
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from ``"500ms"``, ``"1s"``, ``"2m"``, ``"1h"`` or a bare number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as '500ms', '1s' or '2m'")
+    if isinstance(value, int | float):
+        return float(value)
+    match = _DURATION.match(str(value))
+    if not match:
+        raise ValueError(f"{value!r} is not a duration; use a number with ms, s, m or h, e.g. '500ms', '1s', '2m'")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+
+class Section(BaseModel):
+    # A misspelt key is an error, not a silently ignored setting.
+    model_config = ConfigDict(extra="forbid")
+
+
+class MySQLSettings(Section):
+    dsn: SecretStr = SecretStr("mysql://root:@127.0.0.1:3306/room")
+    pool_size: int = Field(default=10, ge=1, le=1000)
+
+
+class OutboxWorkerSettings(Section):
+    """Seed 000's worker options. A value ≤ 0 falls back to the default: never a busy loop,
+    never a full-table scan, never an unbounded publish."""
+
+    enabled: bool = True
+    poll_interval: Duration = 1.0
+    batch_size: int = 100
+    publish_timeout: Duration = 3.0
+    retry_strategy: str = "fixed_interval"
+    #: Deliveries of one batch that run at the same time.
+    concurrency: int = 16
+    #: How long a claimed batch stays reserved for this process. It is renewed while the
+    #: batch is in flight, so it only bounds how long a crashed process's rows wait.
+    #: Default (≤ 0): 10 × publish_timeout.
+    lease: Duration = 0.0
+
+    @field_validator("poll_interval", "batch_size", "publish_timeout", "concurrency")
+    @classmethod
+    def _non_positive_means_default(cls, value: float, info: Any) -> Any:
+        return value if value > 0 else cls.model_fields[info.field_name].default
+
+    @field_validator("retry_strategy")
+    @classmethod
+    def _known_strategy(cls, value: str) -> str:
+        value = value.strip() or "fixed_interval"
+        if value not in RETRY_STRATEGIES:
+            raise ValueError(f"unknown retry strategy {value!r} (allowed: {', '.join(RETRY_STRATEGIES)})")
+        return value
+
+    @property
+    def lease_seconds(self) -> float:
+        return self.lease if self.lease > 0 else 10 * self.publish_timeout
+
+
+class PluginsSettings(Section):
+    #: Entry-point names never to load (built-in or third-party).
+    disabled: list[str] = []
+
+
+class LogSettings(Section):
+    level: str = "INFO"
+
+    @field_validator("level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        value = value.upper()
+        if value not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"unknown log level {value!r} (allowed: DEBUG, INFO, WARNING, ERROR)")
+        return value
+
+
+def default_node_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+    )
+
+    mysql: MySQLSettings = MySQLSettings()
+    node_id: str = ""
+    outbox_worker: OutboxWorkerSettings = OutboxWorkerSettings()
+    #: ``sinks.<name>``: validated by the sink's own settings model once plugins are loaded.
+    sinks: dict[str, dict[str, Any]] = {}
+    plugins: PluginsSettings = PluginsSettings()
+    log: LogSettings = LogSettings()
+
+    @field_validator("node_id")
+    @classmethod
+    def _default_node_id(cls, value: str) -> str:
+        return value.strip() or default_node_id()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The YAML file arrives as init arguments; the environment overrides it.
+        return (env_settings, init_settings)
+
+
+def load_settings(config_file: str | Path | None = None) -> Settings:
+    """Read the YAML file (if any) and the environment; raise :class:`ConfigError`."""
+    data: dict[str, Any] = {}
+    if config_file is not None:
+        path = Path(config_file)
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path}: not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: expected a mapping at the top level")
+        data = loaded or {}
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each naming the dotted key and the reason (never the value of a
+    secret: pydantic's messages do not echo inputs once ``include_input`` is off)."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False):
+        key = ".".join(str(part) for part in (prefix, *error["loc"]) if part != "")
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"{key or 'config'}: {message}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)

@@ -1,0 +1,257 @@
+"""One lane of delivery: claim a batch, route each event to its sink, deliver, record.
+
+The IM lane's state is ``room_outbox.status``. A round is:
+
+1. **claim** up to ``batch_size`` rows in one short transaction, which also records the
+   results of the previous round (one commit per batch, not per row, and not two);
+2. **deliver** outside any transaction, up to ``concurrency`` at once, each bounded by
+   ``publish_timeout``; a failing or hanging event never stops the rest of its batch; the
+   batch's lease is renewed while it is in flight, so it never expires under a live process;
+3. a full batch is followed at once by the next; otherwise the results are written and the
+   lane waits ``poll_interval``.
+
+Store errors are logged and the round is tried again after ``poll_interval``; results that
+could not be written are kept and written with the next successful transaction (they are
+fenced on their claim, so writing them late is safe). The loop never dies of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import TaskStatus
+
+from room_outbox.config import OutboxWorkerSettings
+from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
+from room_outbox.redaction import Redactor
+from room_outbox.routing import Router
+from room_outbox.sink import PermanentSinkError, SinkError
+from room_outbox.store import DeliveryResult, Outcome, OutboxRow, OutboxStore
+from room_outbox.store.mysql import LAST_ERROR_MAX, now_ms
+
+log = logging.getLogger("room_outbox.dispatcher")
+
+
+@dataclass(frozen=True)
+class LaneOptions:
+    batch_size: int = 100
+    poll_interval: float = 1.0
+    publish_timeout: float = 3.0
+    concurrency: int = 16
+    lease: float = 30.0
+    #: Time before a failed event may be claimed again (fixed_interval: the poll interval).
+    retry_delay: float = 1.0
+
+    @classmethod
+    def from_settings(cls, worker: OutboxWorkerSettings) -> LaneOptions:
+        return cls(
+            batch_size=worker.batch_size,
+            poll_interval=worker.poll_interval,
+            publish_timeout=worker.publish_timeout,
+            concurrency=worker.concurrency,
+            lease=worker.lease_seconds,
+            retry_delay=worker.poll_interval,
+        )
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        store: OutboxStore,
+        router: Router,
+        options: LaneOptions,
+        node_id: str,
+        redactor: Redactor | None = None,
+    ) -> None:
+        self.store = store
+        self.router = router
+        self.options = options
+        self.node_id = node_id
+        self.redactor = redactor or Redactor()
+        self._claim_numbers = itertools.count(1)
+        self._unrecorded: list[DeliveryResult] = []
+        self._stopping = anyio.Event()
+
+    # -- control -------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Claim no new batch; in-flight deliveries finish (within ``publish_timeout``), the
+        events of the batch not yet started are released, results are written, ``run`` returns."""
+        self._stopping.set()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The scan loop, until :meth:`stop`."""
+        log.info("worker started", extra={"lifecycle": "worker_started", **self._describe()})
+        task_status.started()
+        try:
+            while not self._stopping.is_set():
+                try:
+                    claimed = await self.run_once()
+                    if claimed >= self.options.batch_size:
+                        continue  # a backlog drains at full speed: no wait after a full batch
+                    await self.flush()
+                except Exception as exc:
+                    log.error(
+                        "outbox round failed; retrying after poll_interval",
+                        extra={"error": self._short(f"{type(exc).__name__}: {exc}"), "unrecorded": len(self._unrecorded)},
+                    )
+                with anyio.move_on_after(self.options.poll_interval):
+                    await self._stopping.wait()
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.options.publish_timeout):
+                await self._final_flush()
+            log.info("worker stopped", extra={"lifecycle": "worker_stopped"})
+
+    async def run_once(self) -> int:
+        """Claim one batch (writing earlier results in the same transaction) and deliver it.
+        Its results are written by the next claim or :meth:`flush`. Returns rows claimed."""
+        claim = f"{self.node_id}#{next(self._claim_numbers)}"
+        lease_until = now_ms() + int(self.options.lease * 1000)
+        rows, stale = await self.store.claim(claim, self.options.batch_size, lease_until, self._unrecorded)
+        self._unrecorded = []
+        self._report_stale(stale)
+        if rows:
+            self._unrecorded = await self._deliver_batch(claim, rows)
+        return len(rows)
+
+    async def flush(self) -> None:
+        """Write the results not yet written."""
+        if self._unrecorded:
+            stale = await self.store.record(self._unrecorded)
+            self._unrecorded = []
+            self._report_stale(stale)
+
+    async def run_until_empty(self) -> int:
+        """Rounds until a batch comes back short, then write the results ("burst" mode for
+        tests and tools). Rows that failed wait for their retry time, so this terminates."""
+        total = 0
+        while True:
+            claimed = await self.run_once()
+            total += claimed
+            if claimed < self.options.batch_size:
+                await self.flush()
+                return total
+
+    # -- delivery ------------------------------------------------------------------------
+
+    async def _deliver_batch(self, claim: str, rows: Sequence[OutboxRow]) -> list[DeliveryResult]:
+        results: list[DeliveryResult] = []
+        limiter = anyio.CapacityLimiter(self.options.concurrency)
+
+        async def deliver(row: OutboxRow) -> None:
+            async with limiter:
+                if self._stopping.is_set():
+                    results.append(DeliveryResult(row.id, row.event_id, claim, Outcome.RELEASED))
+                else:
+                    results.append(await self._attempt(row))
+
+        async with anyio.create_task_group() as renewal:
+            renewal.start_soon(self._keep_lease, claim, [row.id for row in rows])
+            async with anyio.create_task_group() as deliveries:
+                for row in rows:
+                    deliveries.start_soon(deliver, row)
+            renewal.cancel_scope.cancel()
+        return results
+
+    async def _attempt(self, row: OutboxRow) -> DeliveryResult:
+        sink_name = "-"
+        try:
+            envelope = self._envelope_of(row)
+            route = self.router.sink_for(row.event_type)
+            if route is None:
+                raise _BadEvent(f"no sink for event_type {row.event_type}")
+            sink_name, sink = route
+            with anyio.fail_after(self.options.publish_timeout):
+                await sink.deliver(envelope)
+        except _BadEvent as exc:
+            error = str(exc)
+        except TimeoutError:
+            error = f"{sink_name}: no answer within publish_timeout {self.options.publish_timeout:g}s"
+        except PermanentSinkError as exc:
+            error = f"{sink_name}: permanent: {exc}"
+        except SinkError as exc:
+            error = f"{sink_name}: {exc}"
+        except Exception as exc:  # a bug in a sink: recorded as a failure, never lost
+            error = f"{sink_name}: unexpected {type(exc).__name__}: {exc}"
+        else:
+            log.debug("published", extra=self._event_fields(row, "published", sink=sink_name))
+            return DeliveryResult(row.id, row.event_id, row.claim, Outcome.PUBLISHED)
+        error = self._short(error)
+        fields = self._event_fields(row, "pending", sink=sink_name, error=error)
+        fields["retry_count"] = row.retry_count + 1
+        log.warning("delivery failed", extra=fields)
+        retry_at = now_ms() + int(self.options.retry_delay * 1000)
+        return DeliveryResult(row.id, row.event_id, row.claim, Outcome.FAILED, error, retry_at)
+
+    @staticmethod
+    def _envelope_of(row: OutboxRow) -> EventEnvelope:
+        try:
+            envelope = parse_envelope(row.envelope)
+        except EnvelopeError as exc:
+            raise _BadEvent(str(exc)) from exc
+        for field in ("event_id", "event_type", "room_id"):
+            if getattr(envelope, field) != getattr(row, field):
+                raise _BadEvent(f"envelope {field} {getattr(envelope, field)!r} differs from the row's {getattr(row, field)!r}")
+        return envelope
+
+    async def _keep_lease(self, claim: str, row_ids: list[int]) -> None:
+        """Renew the batch's lease every third of its length until cancelled."""
+        interval = self.options.lease / 3
+        while True:
+            await anyio.sleep(interval)
+            try:
+                held = await self.store.renew(claim, row_ids, now_ms() + int(self.options.lease * 1000))
+            except Exception as exc:
+                log.error("lease renewal failed", extra={"claim": claim, "error": self._short(str(exc))})
+                continue
+            if held < len(row_ids):
+                log.warning(
+                    "lease lost on some rows (published by the producer or taken over)",
+                    extra={"claim": claim, "rows": len(row_ids), "held": held},
+                )
+
+    # -- helpers -------------------------------------------------------------------------
+
+    async def _final_flush(self) -> None:
+        try:
+            await self.flush()
+        except Exception as exc:
+            log.error(
+                "could not write results at shutdown; their rows stay leased until the lease expires",
+                extra={"unrecorded": len(self._unrecorded), "error": self._short(str(exc))},
+            )
+
+    def _report_stale(self, stale: Sequence[DeliveryResult]) -> None:
+        for result in stale:
+            log.warning(
+                "result not recorded: the claim no longer holds the row (lease taken over or already published)",
+                extra={"event_id": result.event_id, "claim": result.claim, "outcome": result.outcome.value},
+            )
+
+    def _short(self, text: str) -> str:
+        text = self.redactor.redact(text)
+        return text if len(text) <= LAST_ERROR_MAX else text[: LAST_ERROR_MAX - 1] + "…"
+
+    @staticmethod
+    def _event_fields(row: OutboxRow, status: str, **more: object) -> dict[str, object]:
+        return {
+            "event_id": row.event_id,
+            "event_type": row.event_type,
+            "room_id": row.room_id,
+            "retry_count": row.retry_count,
+            "status": status,
+            **more,
+        }
+
+    def _describe(self) -> dict[str, object]:
+        o = self.options
+        return {"batch_size": o.batch_size, "poll_interval": o.poll_interval, "publish_timeout": o.publish_timeout}
+
+
+class _BadEvent(Exception):
+    """The event itself is unusable (envelope, routing): recorded as a failure."""

@@ -1,0 +1,79 @@
+"""The event envelope stored in ``room_outbox.envelope`` and its parse errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+#: Every event type room-service emits (seed 003). An event type outside this list is bad
+#: input: no sink takes it by default, so it stays pending with a clear ``last_error``.
+KNOWN_EVENT_TYPES: frozenset[str] = frozenset(
+    {
+        "RoomCreated",
+        "RoomClosed",
+        "RoomUserJoined",
+        "RoomUserLeft",
+        "RoomUserKicked",
+        "RoomUserMuted",
+        "RoomUserUnbanned",
+        "RoomMicChanged",
+        "RoomMicSeatLocked",
+        "RoomGiftSent",
+        "RoomProfileUpdated",
+        "RoomBackgroundChanged",
+        "RoomChatEnabledChanged",
+        "RoomAdminChanged",
+        "RoomHeatChanged",
+        "RoomRankChanged",
+        "RoomRocketFuelChanged",
+        "RoomRocketIgnited",
+        "RoomRocketLaunched",
+    }
+)
+
+
+class EnvelopeError(ValueError):
+    """The stored envelope cannot be turned into an :class:`EventEnvelope`."""
+
+
+class EventEnvelope(BaseModel):
+    """One room event. Unknown fields are kept (``model_extra``) and otherwise ignored."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    event_id: str
+    event_type: str
+    room_id: str
+    app_code: str = ""
+    room_version: int | None = None
+    occurred_at_ms: int | None = None
+    request_id: str | None = None
+    command_id: str | None = None
+    traceparent: str | None = None
+    payload: dict[str, Any] | None = None
+
+
+def parse_envelope(raw: str | bytes) -> EventEnvelope:
+    """Parse the envelope column (LONGTEXT, JSON or BLOB) or raise :class:`EnvelopeError`.
+
+    The message names what is wrong without echoing the payload, which may be large.
+    """
+    if isinstance(raw, bytes | bytearray):
+        try:
+            raw = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise EnvelopeError(f"envelope is not valid UTF-8 (byte {exc.start})") from exc
+    try:
+        return EventEnvelope.model_validate_json(raw)
+    except ValidationError as exc:
+        raise EnvelopeError(f"malformed envelope: {_describe(exc)}") from exc
+
+
+def _describe(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors(include_url=False, include_input=False)[:3]:
+        where = ".".join(str(part) for part in error["loc"]) or "document"
+        problems.append(f"{where}: {error['msg']}")
+    more = exc.error_count() - len(problems)
+    return "; ".join(problems) + (f" (+{more} more)" if more > 0 else "")

@@ -1,0 +1,38 @@
+"""The pluggy contract between the core and its plugins.
+
+Hooks are synchronous and only *register* things; the core drives delivery itself. (pluggy
+calls hooks synchronously, and one raising hookimpl would stop the rest, so nothing slow or
+fallible belongs in a hook.) A plugin is a module or object with ``@hookimpl`` functions,
+published under the entry-point group ``room_outbox.plugins``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from room_outbox.sink import SinkSpec
+
+PROJECT_NAME = "room_outbox"
+ENTRY_POINT_GROUP = "room_outbox.plugins"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# -------------------------------------------------------------------------------------------
+# Sinks
+# -------------------------------------------------------------------------------------------
+
+
+@hookspec
+def room_outbox_register_sinks() -> list[SinkSpec]:
+    """Return the sinks this plugin provides.
+
+    Called once per plugin manager, before configuration of the sinks is validated. Every
+    implementation is called; the results are collected. A sink name may be registered by
+    one plugin only: a second registration of the same name stops start-up.
+    """
+    raise NotImplementedError  # pragma: no cover - specification only

@@ -1,0 +1,92 @@
+"""The Sink protocol and the errors a sink raises.
+
+A sink is shaped like an httpx transport: one coroutine that does the work (``deliver``) and
+``aclose`` for the connections it owns. Errors are translated once, at the sink's boundary,
+with the original exception kept as ``__cause__``::
+
+    SinkError                     anything a sink raises on purpose
+    ├── RetryableSinkError        try again later (network, timeout, 5xx, rate limit, ...)
+    └── PermanentSinkError        retrying will not help (bad group, message too big, ...)
+
+Any other exception escaping ``deliver`` is a bug in the sink; the dispatcher records it as a
+retryable failure naming the exception class, so nothing is lost. The dispatcher applies
+``publish_timeout`` around every call; a sink need not (but may) time out by itself.
+
+A sink's error message ends up in ``room_outbox.last_error`` and in logs: it must never
+contain a secret (keys, signatures, DSN passwords) nor a whole remote response body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict
+
+from room_outbox.envelope import EventEnvelope
+
+
+class SinkError(Exception):
+    """Base of the errors a sink raises deliberately."""
+
+    retryable: bool = True
+
+
+class RetryableSinkError(SinkError):
+    """Delivery failed for a reason that may go away: the event is tried again."""
+
+    retryable = True
+
+
+class PermanentSinkError(SinkError):
+    """Delivery can never succeed as the event stands (bad target, message too large...)."""
+
+    retryable = False
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Delivers envelopes to one destination."""
+
+    async def deliver(self, envelope: EventEnvelope) -> None:
+        """Deliver one event; return on success, raise a :class:`SinkError` on failure."""
+
+    async def aclose(self) -> None:
+        """Release connections and clients the sink owns. Called once, at shutdown."""
+
+
+class SinkSettings(BaseModel):
+    """Base of every sink's configuration section (``sinks.<name>``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    #: Event types this sink takes. ``None`` means "every known event type that no other
+    #: sink in the lane takes" (at most one sink of a lane may say so).
+    event_types: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class SinkContext:
+    """What the core hands a sink factory besides its own settings."""
+
+    node_id: str
+    logger: logging.Logger
+    #: Register a secret (a key, a signature) so the core redacts it wherever it might leak.
+    add_secret: Callable[[str], None] = field(default=lambda _secret: None)
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    """A sink as a plugin registers it: a name, its settings model and a factory.
+
+    ``enabled_by_default`` decides whether the sink runs when the configuration has no
+    ``sinks.<name>`` section; built-in sinks say yes, third-party sinks are opt-in.
+    """
+
+    name: str
+    settings_model: type[SinkSettings]
+    factory: Callable[[SinkSettings, SinkContext], Sink]
+    enabled_by_default: bool = False

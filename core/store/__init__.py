@@ -1,0 +1,68 @@
+"""Storage of the IM lane's consumption state: the protocol and the records it trades in.
+
+The dispatcher talks to a store only through :class:`OutboxStore`; :mod:`.mysql` implements
+it on MySQL/MariaDB. Every write of a result is *fenced* on the claim that produced it: a
+result whose claim no longer holds the row (lease expired and taken over, row already
+published by room-service) changes nothing and is reported back as stale.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """A claimed ``room_outbox`` row. ``envelope`` is raw: parsing is the dispatcher's job,
+    so a malformed envelope becomes a recorded failure instead of a store error."""
+
+    id: int
+    event_id: str
+    event_type: str
+    room_id: str
+    app_code: str
+    envelope: str | bytes
+    retry_count: int
+    claim: str
+
+
+class Outcome(enum.Enum):
+    PUBLISHED = "published"
+    FAILED = "failed"  # stays pending: retry_count+1, last_error, retried after retry_at_ms
+    RELEASED = "released"  # not attempted (shutdown): lease dropped, nothing else changes
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryResult:
+    row_id: int
+    event_id: str
+    claim: str
+    outcome: Outcome
+    error: str | None = None
+    #: For FAILED: not claimable again before this time (epoch ms).
+    retry_at_ms: int = 0
+
+
+class OutboxStore(Protocol):
+    async def migrate(self) -> list[str]:
+        """Create or upgrade the schema idempotently; return what was changed."""
+
+    async def claim(
+        self, claim: str, limit: int, lease_until_ms: int, results: Sequence[DeliveryResult] = ()
+    ) -> tuple[list[OutboxRow], list[DeliveryResult]]:
+        """Record ``results`` and claim up to ``limit`` pending rows, in one transaction.
+
+        Returns the claimed rows and the results that turned out stale.
+        """
+
+    async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
+        """Record results in one transaction; return the stale ones."""
+
+    async def renew(self, claim: str, row_ids: Sequence[int], lease_until_ms: int) -> int:
+        """Extend the lease of rows still held by ``claim``; return how many are."""
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""

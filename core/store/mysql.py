@@ -1,0 +1,276 @@
+"""The IM lane's state on MySQL 8 / MariaDB ≥ 10.6, through an aiomysql pool.
+
+Schema added to room-service's V1 ``room_outbox`` (all with defaults, so room-service's own
+INSERT and ``UPDATE … SET status='published' WHERE event_id=?`` keep working):
+
+* ``worker_id``: the claim holding the row (``<node_id>#<n>``), NULL when free.
+* ``lock_until_ms``: the row is not claimable before this time. A claim sets it to the end of
+  its lease; a failed attempt sets it to the retry time. One column for both keeps the claim
+  an exact index range scan (see below).
+* index ``idx_room_outbox_claim (status, lock_until_ms, id)``.
+
+The claim reads ``status='pending' AND lock_until_ms <= now ORDER BY lock_until_ms, id``: a
+range on that index that stops after ``limit`` rows, whatever number of published rows, rows
+leased to others or rows waiting for a retry the table holds. Fresh rows (``lock_until_ms`` 0)
+come first in id order, then rows whose retry time or expired lease came up. Transactions run
+at READ COMMITTED so the claim locks only the rows it takes, and ``SKIP LOCKED`` lets
+concurrent claimants pass each other without waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import aiomysql
+from pymysql.constants import CLIENT
+
+from room_outbox.store import DeliveryResult, Outcome, OutboxRow
+
+TABLE = "room_outbox"
+
+V1_TABLE_DDL = f"""
+CREATE TABLE IF NOT EXISTS {TABLE} (
+  id            BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
+  app_code      VARCHAR(64)  NOT NULL DEFAULT '',
+  event_id      VARCHAR(64)  NOT NULL,
+  event_type    VARCHAR(64)  NOT NULL,
+  room_id       VARCHAR(64)  NOT NULL,
+  envelope      LONGTEXT     NOT NULL,
+  status        VARCHAR(16)  NOT NULL DEFAULT 'pending',
+  retry_count   INT          NOT NULL DEFAULT 0,
+  last_error    VARCHAR(1024) NULL,
+  created_at_ms BIGINT       NOT NULL,
+  updated_at_ms BIGINT       NOT NULL,
+  UNIQUE KEY uk_room_outbox_event_id (event_id),
+  KEY idx_room_outbox_status_id (status, id)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4
+"""
+
+#: What room-outbox adds to the V1 table: column name → definition.
+ADDED_COLUMNS = {
+    "worker_id": "VARCHAR(128) NULL DEFAULT NULL",
+    "lock_until_ms": "BIGINT NOT NULL DEFAULT 0",
+}
+ADDED_INDEXES = {
+    "idx_room_outbox_claim": "(status, lock_until_ms, id)",
+}
+REQUIRED_V1_COLUMNS = (
+    "id", "app_code", "event_id", "event_type", "room_id", "envelope",
+    "status", "retry_count", "last_error", "created_at_ms", "updated_at_ms",
+)  # fmt: skip
+
+LAST_ERROR_MAX = 512
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class MySQLAddress:
+    host: str
+    port: int
+    user: str
+    password: str
+    database: str
+
+    @classmethod
+    def from_dsn(cls, dsn: str) -> MySQLAddress:
+        """``mysql://user:password@host:port/database``. Errors never echo the DSN, which
+        holds the password."""
+        parts = urlsplit(dsn)
+        if parts.scheme not in ("mysql", "mariadb", "mysql+aiomysql"):
+            raise ValueError(f"mysql.dsn: scheme must be mysql:// (got {parts.scheme or 'none'}://)")
+        database = parts.path.lstrip("/")
+        if not database:
+            raise ValueError("mysql.dsn: names no database (mysql://user:password@host:port/DATABASE)")
+        unknown = set(parse_qs(parts.query))
+        if unknown:
+            raise ValueError(f"mysql.dsn: unsupported options {sorted(unknown)}")
+        try:
+            port = parts.port or 3306
+        except ValueError:
+            raise ValueError("mysql.dsn: port is not a number") from None
+        return cls(
+            host=parts.hostname or "127.0.0.1",
+            port=port,
+            user=unquote(parts.username or "root"),
+            password=unquote(parts.password or ""),
+            database=unquote(database),
+        )
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "port": self.port,
+            "user": self.user,
+            "password": self.password,
+            "charset": "utf8mb4",
+            "autocommit": False,
+            # Matched, not changed, rows: a fenced UPDATE then counts what it found.
+            "client_flag": CLIENT.FOUND_ROWS,
+            "init_command": "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+            "connect_timeout": 5,
+        }
+
+
+class MySQLStore:
+    """:class:`~room_outbox.store.OutboxStore` on MySQL/MariaDB."""
+
+    def __init__(self, pool: aiomysql.Pool, address: MySQLAddress) -> None:
+        self._pool = pool
+        self.address = address
+
+    @classmethod
+    async def connect(cls, dsn: str, pool_size: int = 10, create_database: bool = False) -> MySQLStore:
+        address = MySQLAddress.from_dsn(dsn)
+        if create_database:
+            conn = await aiomysql.connect(**address.connect_kwargs())
+            try:
+                async with conn.cursor() as cur:
+                    await cur.execute("SELECT 1 FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = %s", (address.database,))
+                    if not await cur.fetchone():
+                        await cur.execute(f"CREATE DATABASE `{address.database}`")
+            finally:
+                conn.close()
+        pool = await aiomysql.create_pool(
+            minsize=1, maxsize=pool_size, db=address.database, pool_recycle=3600, **address.connect_kwargs()
+        )
+        return cls(pool, address)
+
+    async def aclose(self) -> None:
+        self._pool.close()
+        await self._pool.wait_closed()
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[aiomysql.Cursor]:
+        """A cursor in a transaction: commit on success; on error roll back and drop the
+        connection, which may be broken (a server restart leaves dead ones in the pool)."""
+        conn = await self._pool.acquire()
+        try:
+            async with conn.cursor() as cur:
+                yield cur
+            await conn.commit()
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            self._pool.release(conn)
+
+    # -- schema ------------------------------------------------------------------------
+
+    async def migrate(self) -> list[str]:
+        changes: list[str] = []
+        async with self.transaction() as cur:
+            await cur.execute(
+                "SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
+                (TABLE,),
+            )
+            columns = {row[0].lower() for row in await cur.fetchall()}
+            if not columns:
+                await cur.execute(V1_TABLE_DDL)
+                changes.append(f"created table {TABLE}")
+                columns = set(REQUIRED_V1_COLUMNS)
+            missing_v1 = [c for c in REQUIRED_V1_COLUMNS if c not in columns]
+            if missing_v1:
+                raise RuntimeError(
+                    f"table {TABLE} exists but lacks the V1 columns {missing_v1}; refusing to guess how to upgrade it"
+                )
+            for name, definition in ADDED_COLUMNS.items():
+                if name not in columns:
+                    await cur.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {definition}")
+                    changes.append(f"added column {TABLE}.{name}")
+            await cur.execute(
+                "SELECT DISTINCT INDEX_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
+                (TABLE,),
+            )
+            indexes = {row[0].lower() for row in await cur.fetchall()}
+            for name, columns_sql in ADDED_INDEXES.items():
+                if name not in indexes:
+                    await cur.execute(f"ALTER TABLE {TABLE} ADD INDEX {name} {columns_sql}")
+                    changes.append(f"added index {TABLE}.{name}")
+        return changes
+
+    # -- the lane ------------------------------------------------------------------------
+
+    async def claim(
+        self, claim: str, limit: int, lease_until_ms: int, results: Sequence[DeliveryResult] = ()
+    ) -> tuple[list[OutboxRow], list[DeliveryResult]]:
+        async with self.transaction() as cur:
+            stale = await self._apply_results(cur, results)
+            await cur.execute(
+                f"SELECT id, event_id, event_type, room_id, app_code, envelope, retry_count FROM {TABLE}"
+                " WHERE status = 'pending' AND lock_until_ms <= %s"
+                " ORDER BY lock_until_ms, id LIMIT %s FOR UPDATE SKIP LOCKED",
+                (now_ms(), limit),
+            )
+            found = await cur.fetchall()
+            if found:
+                ids = [row[0] for row in found]
+                await cur.execute(
+                    f"UPDATE {TABLE} SET worker_id = %s, lock_until_ms = %s WHERE id IN ({_marks(ids)})",
+                    (claim, lease_until_ms, *ids),
+                )
+        rows = [OutboxRow(id, eid, etype, room, app, env, retries, claim) for id, eid, etype, room, app, env, retries in found]
+        return rows, stale
+
+    async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
+        if not results:
+            return []
+        async with self.transaction() as cur:
+            return await self._apply_results(cur, results)
+
+    async def renew(self, claim: str, row_ids: Sequence[int], lease_until_ms: int) -> int:
+        if not row_ids:
+            return 0
+        async with self.transaction() as cur:
+            return int(
+                await cur.execute(
+                    f"UPDATE {TABLE} SET lock_until_ms = %s WHERE id IN ({_marks(row_ids)})"
+                    " AND worker_id = %s AND status = 'pending'",
+                    (lease_until_ms, *row_ids, claim),
+                )
+            )
+
+    async def _apply_results(self, cur: aiomysql.Cursor, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
+        """Write results whose claim still holds the row; return the others (stale)."""
+        if not results:
+            return []
+        ids = sorted({r.row_id for r in results})
+        await cur.execute(
+            f"SELECT id, worker_id FROM {TABLE} WHERE id IN ({_marks(ids)}) AND status = 'pending' FOR UPDATE",
+            ids,
+        )
+        holder = dict(await cur.fetchall())
+        held = [r for r in results if holder.get(r.row_id) == r.claim]
+        stale = [r for r in results if holder.get(r.row_id) != r.claim]
+        now = now_ms()
+        published = [r.row_id for r in held if r.outcome is Outcome.PUBLISHED]
+        if published:
+            await cur.execute(
+                f"UPDATE {TABLE} SET status = 'published', last_error = NULL, worker_id = NULL, lock_until_ms = 0,"
+                f" updated_at_ms = %s WHERE id IN ({_marks(published)})",
+                (now, *published),
+            )
+        released = [r.row_id for r in held if r.outcome is Outcome.RELEASED]
+        if released:
+            await cur.execute(
+                f"UPDATE {TABLE} SET worker_id = NULL, lock_until_ms = 0 WHERE id IN ({_marks(released)})", released
+            )
+        failed = [r for r in held if r.outcome is Outcome.FAILED]
+        if failed:
+            await cur.executemany(
+                f"UPDATE {TABLE} SET retry_count = retry_count + 1, last_error = %s, worker_id = NULL,"
+                " lock_until_ms = %s, updated_at_ms = %s WHERE id = %s",
+                [((r.error or "unknown error")[:LAST_ERROR_MAX], r.retry_at_ms, now, r.row_id) for r in failed],
+            )
+        return stale
+
+
+def _marks(values: Sequence[object]) -> str:
+    return ", ".join(["%s"] * len(values))

@@ -1,0 +1,1 @@
+"""Built-in plugins, each registered under a fixed entry-point name."""

@@ -1,0 +1,33 @@
+"""The noop sink: resolves event types that are not pushed to IM as delivered, without I/O.
+
+RoomCreated, RoomHeatChanged and RoomRankChanged are durable facts for other consumers, not
+room messages; resolving them here makes them ``published`` so they never linger as pending.
+"""
+
+from __future__ import annotations
+
+from room_outbox import EventEnvelope, SinkContext, SinkSpec, hookimpl
+from room_outbox.sink import SinkSettings
+
+DEFAULT_EVENT_TYPES = ["RoomCreated", "RoomHeatChanged", "RoomRankChanged"]
+
+
+class NoopSettings(SinkSettings):
+    event_types: list[str] | None = list(DEFAULT_EVENT_TYPES)
+
+
+class NoopSink:
+    async def deliver(self, envelope: EventEnvelope) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _create(settings: SinkSettings, context: SinkContext) -> NoopSink:
+    return NoopSink()
+
+
+@hookimpl
+def room_outbox_register_sinks() -> list[SinkSpec]:
+    return [SinkSpec(name="noop", settings_model=NoopSettings, factory=_create, enabled_by_default=True)]

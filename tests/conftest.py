@@ -1,0 +1,59 @@
+"""Shared fixtures: a fresh MariaDB database per test, stores, dispatchers and test sinks.
+
+The database server is required: when it does not answer, tests fail loudly (never skip).
+Set ROOM_OUTBOX_TEST_MYSQL (mysql://user:password@host:port) to use another server.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from room_outbox.store.mysql import MySQLAddress, MySQLStore
+
+SERVER_DSN = os.environ.get("ROOM_OUTBOX_TEST_MYSQL", "mysql://root:@127.0.0.1:3306")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # aiomysql and aiokafka run on asyncio only
+
+
+@pytest.fixture
+def database_dsn() -> Iterator[str]:
+    """A DSN naming a brand-new database, dropped after the test."""
+    name = f"ro_test_{uuid.uuid4().hex[:12]}"
+    address = MySQLAddress.from_dsn(f"{SERVER_DSN}/{name}")
+    _admin(address, f"CREATE DATABASE `{name}`")
+    try:
+        yield f"{SERVER_DSN}/{name}"
+    finally:
+        _admin(address, f"DROP DATABASE IF EXISTS `{name}`")
+
+
+def _admin(address: MySQLAddress, sql: str) -> None:
+    import pymysql
+
+    try:
+        conn = pymysql.connect(host=address.host, port=address.port, user=address.user, password=address.password)
+    except pymysql.err.OperationalError as exc:  # fail loudly: the suite needs this server
+        pytest.fail(f"MariaDB/MySQL at {address.host}:{address.port} does not answer ({exc}); start it first", pytrace=False)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql)
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+async def store(database_dsn: str) -> AsyncIterator[MySQLStore]:
+    """A migrated store on a fresh database."""
+    store = await MySQLStore.connect(database_dsn)
+    await store.migrate()
+    try:
+        yield store
+    finally:
+        await store.aclose()

@@ -1,0 +1,106 @@
+"""Helpers shared by the tests: room-service-style inserts, row reads, waiting on conditions."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import pytest
+
+from room_outbox.store.mysql import MySQLStore
+
+INSERT_V1 = (
+    "INSERT INTO room_outbox (app_code, event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s)"
+)
+
+
+def envelope(event_id: str, event_type: str = "RoomUserJoined", room_id: str = "r_1", **extra: Any) -> dict[str, Any]:
+    return {
+        "event_id": event_id,
+        "event_type": event_type,
+        "app_code": "default",
+        "room_id": room_id,
+        "room_version": extra.pop("room_version", 1),
+        "occurred_at_ms": int(time.time() * 1000),
+        "payload": extra.pop("payload", {"user_id": "u1"}),
+        **extra,
+    }
+
+
+async def insert_events(store: MySQLStore, envelopes: list[dict[str, Any]]) -> None:
+    """Insert envelopes as room-service does: V1 columns only, status left to its default."""
+    await insert_rows(
+        store, [(e.get("app_code", ""), e["event_id"], e["event_type"], e["room_id"], json.dumps(e)) for e in envelopes]
+    )
+
+
+async def insert_rows(store: MySQLStore, rows: list[tuple[str, str, str, str, str | bytes]]) -> None:
+    """Insert raw rows (app_code, event_id, event_type, room_id, envelope): for bad input."""
+    now = int(time.time() * 1000)
+    async with store.transaction() as cur:
+        await cur.executemany(INSERT_V1, [(*row, now, now) for row in rows])
+
+
+async def fetch_rows(store: MySQLStore) -> dict[str, dict[str, Any]]:
+    """event_id → row (as a dict) for every row of room_outbox."""
+    async with store.transaction() as cur:
+        await cur.execute("SELECT * FROM room_outbox ORDER BY id")
+        names = [d[0] for d in cur.description]
+        return {row[names.index("event_id")]: dict(zip(names, row, strict=True)) for row in await cur.fetchall()}
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0, interval: float = 0.02) -> None:
+    """Poll ``predicate`` until it is true; fail after ``timeout`` seconds (no blind sleeps)."""
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout}s")
+        await anyio.sleep(interval)
+
+
+class RecordingSink:
+    """A sink that records what it received and can fail, hang or dawdle per event_id."""
+
+    def __init__(
+        self,
+        fail: set[str] | None = None,
+        hang: set[str] | None = None,
+        delay: float = 0.0,
+        error: Exception | None = None,
+    ) -> None:
+        self.received: list[str] = []
+        self.fail = fail or set()
+        self.hang = hang or set()
+        self.delay = delay
+        self.error = error
+        self.closed = False
+
+    async def deliver(self, envelope: Any) -> None:
+        from room_outbox.sink import RetryableSinkError
+
+        self.received.append(envelope.event_id)
+        if envelope.event_id in self.hang:
+            await anyio.sleep_forever()
+        if self.delay:
+            await anyio.sleep(self.delay)
+        if envelope.event_id in self.fail:
+            raise self.error or RetryableSinkError(f"refused {envelope.event_id}")
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def make_dispatcher(store: MySQLStore, sink: Any, event_types: Any = None, node_id: str = "test", **options: Any) -> Any:
+    """A dispatcher whose lane routes ``event_types`` (default: every known type) to ``sink``."""
+    from room_outbox.dispatcher import Dispatcher, LaneOptions
+    from room_outbox.envelope import KNOWN_EVENT_TYPES
+    from room_outbox.routing import Router
+
+    routes = {t: "test" for t in (event_types or KNOWN_EVENT_TYPES)}
+    options.setdefault("poll_interval", 0.05)
+    options.setdefault("retry_delay", options["poll_interval"])
+    return Dispatcher(store, Router({"test": sink}, routes), LaneOptions(**options), node_id)
