@@ -7,7 +7,7 @@ receives.
 
 from __future__ import annotations
 
-from room_outbox.envelope import EventEnvelope, EnvelopeError
+from room_outbox.envelope import EnvelopeError, EventEnvelope
 from room_outbox.hookspecs import hookimpl
 from room_outbox.sink import PermanentSinkError, RetryableSinkError, Sink, SinkContext, SinkError, SinkSpec
 

@@ -9,11 +9,12 @@ A killed process leaves its rows pending (leased until the lease expires).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+from collections.abc import Iterable
 
 import anyio
-
 from room_outbox.config import Settings
 from room_outbox.dispatcher import Dispatcher, LaneOptions
 from room_outbox.plugin_manager import make_plugin_manager
@@ -26,27 +27,37 @@ log = logging.getLogger("room_outbox.app")
 
 def redactor_for(settings: Settings) -> Redactor:
     redactor = Redactor()
-    try:
+    with contextlib.suppress(ValueError):  # a bad DSN is reported when the pool opens
         redactor.add(MySQLAddress.from_dsn(settings.mysql.dsn.get_secret_value()).password)
-    except ValueError:
-        pass  # a bad DSN is reported when the pool opens
     return redactor
 
 
-async def run_service(settings: Settings, stop: anyio.Event | None = None, handle_signals: bool = True) -> None:
-    """Run until a signal (when ``handle_signals``) or ``stop`` is set, then shut down in order."""
+async def run_service(
+    settings: Settings,
+    stop: anyio.Event | None = None,
+    handle_signals: bool = True,
+    plugins: Iterable[object] = (),
+) -> None:
+    """Run until a signal (when ``handle_signals``) or ``stop`` is set, then shut down in order.
+    ``plugins`` are registered besides the installed ones (for embedding and tests)."""
     stop = stop or anyio.Event()
     redactor = redactor_for(settings)
     store = await MySQLStore.connect(settings.mysql.dsn.get_secret_value(), settings.mysql.pool_size)
     log.info("database pool opened", extra={"lifecycle": "pool_opened", "database": store.address.database})
     try:
-        router = await build_router(make_plugin_manager(settings.plugins.disabled), settings, redactor)
+        router = await build_router(make_plugin_manager(settings.plugins.disabled, plugins), settings, redactor)
         log.info(
             "sinks loaded",
-            extra={"lifecycle": "sinks_loaded", "sinks": sorted(router.sinks), "routes": dict(sorted(router.routes.items()))},
+            extra={
+                "lifecycle": "sinks_loaded",
+                "sinks": sorted(router.sinks),
+                "routes": dict(sorted(router.routes.items())),
+            },
         )
         try:
-            dispatcher = Dispatcher(store, router, LaneOptions.from_settings(settings.outbox_worker), settings.node_id, redactor)
+            dispatcher = Dispatcher(
+                store, router, LaneOptions.from_settings(settings.outbox_worker), settings.node_id, redactor
+            )
             async with anyio.create_task_group() as workers:
                 if settings.outbox_worker.enabled:
                     await workers.start(dispatcher.run)

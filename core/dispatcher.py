@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskStatus
-
 from room_outbox.config import OutboxWorkerSettings
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.redaction import Redactor
 from room_outbox.routing import Router
 from room_outbox.sink import PermanentSinkError, SinkError
-from room_outbox.store import DeliveryResult, Outcome, OutboxRow, OutboxStore
+from room_outbox.store import DeliveryResult, OutboxRow, OutboxStore, Outcome
 from room_outbox.store.mysql import LAST_ERROR_MAX, now_ms
 
 log = logging.getLogger("room_outbox.dispatcher")
@@ -98,7 +96,10 @@ class Dispatcher:
                 except Exception as exc:
                     log.error(
                         "outbox round failed; retrying after poll_interval",
-                        extra={"error": self._short(f"{type(exc).__name__}: {exc}"), "unrecorded": len(self._unrecorded)},
+                        extra={
+                            "error": self._short(f"{type(exc).__name__}: {exc}"),
+                            "unrecorded": len(self._unrecorded),
+                        },
                     )
                 with anyio.move_on_after(self.options.poll_interval):
                     await self._stopping.wait()
@@ -196,7 +197,9 @@ class Dispatcher:
             raise _BadEvent(str(exc)) from exc
         for field in ("event_id", "event_type", "room_id"):
             if getattr(envelope, field) != getattr(row, field):
-                raise _BadEvent(f"envelope {field} {getattr(envelope, field)!r} differs from the row's {getattr(row, field)!r}")
+                raise _BadEvent(
+                    f"envelope {field} {getattr(envelope, field)!r} differs from the row's {getattr(row, field)!r}"
+                )
         return envelope
 
     async def _keep_lease(self, claim: str, row_ids: list[int]) -> None:

@@ -10,11 +10,12 @@ no hookspec, which is how a misspelt hook name shows up.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from collections.abc import Iterable
 
 import pluggy
-
 from room_outbox import hookspecs
+from room_outbox.config import ConfigError
 
 #: Built-in plugins: entry-point name → module. Registered under these fixed names.
 BUILTIN_PLUGINS = {
@@ -27,11 +28,31 @@ def make_plugin_manager(disabled: Iterable[str] = (), extra_plugins: Iterable[ob
     pm.add_hookspecs(hookspecs)
     for name in disabled:
         pm.set_blocked(name)
-    pm.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
+    _load_entry_points(pm)
     for name, module in BUILTIN_PLUGINS.items():
-        if not pm.is_blocked(name) and pm.get_plugin(name) is None:
+        if not pm.is_blocked(name) and not pm.has_plugin(name):
             pm.register(importlib.import_module(module), name)
     for plugin in extra_plugins:
         pm.register(plugin)
-    pm.check_pending()
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise ConfigError(f"plugin {exc.plugin!r}: {exc}") from exc
     return pm
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    """pluggy's ``load_setuptools_entrypoints``, except that a plugin failing to import stops
+    start-up with an error naming the plugin and its distribution instead of a bare traceback."""
+    for dist in importlib.metadata.distributions():
+        for ep in dist.entry_points:
+            if ep.group != hookspecs.ENTRY_POINT_GROUP or pm.has_plugin(ep.name) or pm.is_blocked(ep.name):
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                raise ConfigError(
+                    f"plugin {ep.name!r} (distribution {dist.metadata['Name']!r}, {ep.value}) failed to load: "
+                    f"{type(exc).__name__}: {exc}; fix it or add {ep.name!r} to plugins.disabled"
+                ) from exc
+            pm.register(plugin, name=ep.name)

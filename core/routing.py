@@ -15,7 +15,6 @@ from typing import Any
 
 import pluggy
 from pydantic import ValidationError
-
 from room_outbox.config import ConfigError, Settings, describe_validation_error
 from room_outbox.envelope import KNOWN_EVENT_TYPES
 from room_outbox.redaction import Redactor
@@ -62,7 +61,9 @@ def enabled_sink_settings(pm: pluggy.PluginManager, settings: Settings) -> dict[
             problems.append(f"sinks.{name}: is enabled, but plugin {name!r} is listed in plugins.disabled")
         else:
             available = ", ".join(sorted(specs)) or "none"
-            problems.append(f"sinks.{name}: no installed plugin provides a sink named {name!r} (available: {available})")
+            problems.append(
+                f"sinks.{name}: no installed plugin provides a sink named {name!r} (available: {available})"
+            )
     enabled: dict[str, tuple[SinkSpec, SinkSettings]] = {}
     for name, spec in specs.items():
         raw: Mapping[str, Any] | None = settings.sinks.get(name)

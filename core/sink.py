@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
-
 from room_outbox.envelope import EventEnvelope
 
 

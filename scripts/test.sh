@@ -4,4 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
 scripts/ensure-services.sh
+if [ "$#" -eq 0 ]; then  # the full run also checks style and types; a focused run does not
+  .venv/bin/ruff check --quiet .
+  scripts/typecheck.sh
+fi
 exec .venv/bin/python -m pytest "$@"

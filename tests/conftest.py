@@ -11,7 +11,6 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
 
 SERVER_DSN = os.environ.get("ROOM_OUTBOX_TEST_MYSQL", "mysql://root:@127.0.0.1:3306")
@@ -40,7 +39,9 @@ def _admin(address: MySQLAddress, sql: str) -> None:
     try:
         conn = pymysql.connect(host=address.host, port=address.port, user=address.user, password=address.password)
     except pymysql.err.OperationalError as exc:  # fail loudly: the suite needs this server
-        pytest.fail(f"MariaDB/MySQL at {address.host}:{address.port} does not answer ({exc}); start it first", pytrace=False)
+        pytest.fail(
+            f"MariaDB/MySQL at {address.host}:{address.port} does not answer ({exc}); start it first", pytrace=False
+        )
     try:
         with conn.cursor() as cur:
             cur.execute(sql)

@@ -9,8 +9,26 @@ from typing import Any
 
 import anyio
 import pytest
-
 from room_outbox.store.mysql import MySQLStore
+
+#: room-service's own V1 table, as DESIGN.md §2.1 gives it.
+V1_DDL = """
+CREATE TABLE room_outbox (
+  id            BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
+  app_code      VARCHAR(64)  NOT NULL DEFAULT '',
+  event_id      VARCHAR(64)  NOT NULL,
+  event_type    VARCHAR(64)  NOT NULL,
+  room_id       VARCHAR(64)  NOT NULL,
+  envelope      LONGTEXT     NOT NULL,
+  status        VARCHAR(16)  NOT NULL DEFAULT 'pending',
+  retry_count   INT          NOT NULL DEFAULT 0,
+  last_error    VARCHAR(1024) NULL,
+  created_at_ms BIGINT       NOT NULL,
+  updated_at_ms BIGINT       NOT NULL,
+  UNIQUE KEY uk_room_outbox_event_id (event_id),
+  KEY idx_room_outbox_status_id (status, id)
+) ENGINE=InnoDB
+"""
 
 INSERT_V1 = (
     "INSERT INTO room_outbox (app_code, event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"
@@ -94,7 +112,9 @@ class RecordingSink:
         self.closed = True
 
 
-def make_dispatcher(store: MySQLStore, sink: Any, event_types: Any = None, node_id: str = "test", **options: Any) -> Any:
+def make_dispatcher(
+    store: MySQLStore, sink: Any, event_types: Any = None, node_id: str = "test", **options: Any
+) -> Any:
     """A dispatcher whose lane routes ``event_types`` (default: every known type) to ``sink``."""
     from room_outbox.dispatcher import Dispatcher, LaneOptions
     from room_outbox.envelope import KNOWN_EVENT_TYPES

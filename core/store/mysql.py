@@ -28,8 +28,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import aiomysql
 from pymysql.constants import CLIENT
-
-from room_outbox.store import DeliveryResult, Outcome, OutboxRow
+from room_outbox.store import DeliveryResult, OutboxRow, Outcome
 
 TABLE = "room_outbox"
 
@@ -65,6 +64,12 @@ REQUIRED_V1_COLUMNS = (
 )  # fmt: skip
 
 LAST_ERROR_MAX = 512
+
+CLAIM_SQL = (
+    f"SELECT id, event_id, event_type, room_id, app_code, envelope, retry_count FROM {TABLE}"
+    " WHERE status = 'pending' AND lock_until_ms <= %s"
+    " ORDER BY lock_until_ms, id LIMIT %s FOR UPDATE SKIP LOCKED"
+)
 
 
 def now_ms() -> int:
@@ -133,7 +138,9 @@ class MySQLStore:
             conn = await aiomysql.connect(**address.connect_kwargs())
             try:
                 async with conn.cursor() as cur:
-                    await cur.execute("SELECT 1 FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = %s", (address.database,))
+                    await cur.execute(
+                        "SELECT 1 FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = %s", (address.database,)
+                    )
                     if not await cur.fetchone():
                         await cur.execute(f"CREATE DATABASE `{address.database}`")
             finally:
@@ -203,12 +210,7 @@ class MySQLStore:
     ) -> tuple[list[OutboxRow], list[DeliveryResult]]:
         async with self.transaction() as cur:
             stale = await self._apply_results(cur, results)
-            await cur.execute(
-                f"SELECT id, event_id, event_type, room_id, app_code, envelope, retry_count FROM {TABLE}"
-                " WHERE status = 'pending' AND lock_until_ms <= %s"
-                " ORDER BY lock_until_ms, id LIMIT %s FOR UPDATE SKIP LOCKED",
-                (now_ms(), limit),
-            )
+            await cur.execute(CLAIM_SQL, (now_ms(), limit))
             found = await cur.fetchall()
             if found:
                 ids = [row[0] for row in found]
@@ -216,7 +218,10 @@ class MySQLStore:
                     f"UPDATE {TABLE} SET worker_id = %s, lock_until_ms = %s WHERE id IN ({_marks(ids)})",
                     (claim, lease_until_ms, *ids),
                 )
-        rows = [OutboxRow(id, eid, etype, room, app, env, retries, claim) for id, eid, etype, room, app, env, retries in found]
+        rows = [
+            OutboxRow(id, eid, etype, room, app, env, retries, claim)
+            for id, eid, etype, room, app, env, retries in found
+        ]
         return rows, stale
 
     async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:

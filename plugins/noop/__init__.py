@@ -6,6 +6,7 @@ room messages; resolving them here makes them ``published`` so they never linger
 
 from __future__ import annotations
 
+from pydantic import Field
 from room_outbox import EventEnvelope, SinkContext, SinkSpec, hookimpl
 from room_outbox.sink import SinkSettings
 
@@ -13,7 +14,7 @@ DEFAULT_EVENT_TYPES = ["RoomCreated", "RoomHeatChanged", "RoomRankChanged"]
 
 
 class NoopSettings(SinkSettings):
-    event_types: list[str] | None = list(DEFAULT_EVENT_TYPES)
+    event_types: list[str] | None = Field(default_factory=lambda: list(DEFAULT_EVENT_TYPES))
 
 
 class NoopSink:

@@ -1,0 +1,140 @@
+"""Configuration: seed 000's defaults and normalisation rules, durations, YAML + environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from room_outbox.config import ConfigError, load_settings, parse_duration
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("ROOM_OUTBOX__"):
+            monkeypatch.delenv(name)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_seed_000_defaults_without_any_file() -> None:
+    worker = load_settings().outbox_worker
+    assert (worker.enabled, worker.poll_interval, worker.batch_size, worker.publish_timeout, worker.retry_strategy) == (
+        True, 1.0, 100, 3.0, "fixed_interval",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        # seed 000: <= 0 falls back to the default (no busy loop, no full scan, no unbounded publish)
+        ("poll_interval", '"0s"', 1.0),
+        ("poll_interval", '"-5s"', 1.0),
+        ("batch_size", "0", 100),
+        ("batch_size", "-1", 100),
+        ("publish_timeout", "0", 3.0),
+        ("publish_timeout", '"-1ms"', 3.0),
+        ("concurrency", "0", 16),
+        # positive values are kept
+        ("poll_interval", '"500ms"', 0.5),
+        ("batch_size", "500", 500),
+        ("publish_timeout", '"2m"', 120.0),
+        # empty retry_strategy means the default
+        ("retry_strategy", '""', "fixed_interval"),
+        ("retry_strategy", '"fixed_interval"', "fixed_interval"),
+        ("enabled", "false", False),
+    ],
+)
+def test_outbox_worker_normalisation(tmp_path: Path, key: str, value: str, expected: object) -> None:
+    settings = load_settings(write(tmp_path, f"outbox_worker:\n  {key}: {value}\n"))
+    assert getattr(settings.outbox_worker, key) == expected
+
+
+def test_unknown_retry_strategy_stops_start_up_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, "outbox_worker:\n  retry_strategy: exponentail\n"))
+    assert "outbox_worker.retry_strategy" in str(info.value)
+    assert "exponentail" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("500ms", 0.5), ("1s", 1.0), ("2m", 120.0), ("1h", 3600.0), ("1.5s", 1.5), (2, 2.0), ("3", 3.0), (0.25, 0.25)],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["soon", "1 fortnight", "", "1sm", True])
+def test_bad_durations_are_rejected(text: object) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_bad_duration_in_file_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, "outbox_worker:\n  poll_interval: soon\n"))
+    assert "outbox_worker.poll_interval" in str(info.value)
+
+
+def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(
+        tmp_path, "outbox_worker:\n  batch_size: 50\n  poll_interval: 2s\nsinks:\n  noop:\n    enabled: true\n"
+    )
+    monkeypatch.setenv("ROOM_OUTBOX__OUTBOX_WORKER__BATCH_SIZE", "500")
+    monkeypatch.setenv("ROOM_OUTBOX__SINKS__NOOP__ENABLED", "false")
+    monkeypatch.setenv("ROOM_OUTBOX__SINKS__TENCENT_IM__SECRET_KEY", "k" * 16)
+    settings = load_settings(path)
+    assert settings.outbox_worker.batch_size == 500
+    assert settings.outbox_worker.poll_interval == 2.0  # from the file, untouched
+    assert settings.sinks["noop"]["enabled"] == "false"  # validated later by the sink's own model
+    assert settings.sinks["tencent_im"]["secret_key"] == "k" * 16
+
+
+def test_misspelt_key_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, "outbox_worker:\n  poll_intervall: 1s\n"))
+    assert "outbox_worker.poll_intervall" in str(info.value)
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, "outbox_worker:\n  retry_strategy: nope\n  batch_size: many\n"))
+    message = str(info.value)
+    assert "outbox_worker.retry_strategy" in message and "outbox_worker.batch_size" in message
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"config file .*missing\.yaml"):
+        load_settings(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_settings(write(tmp_path, "outbox_worker: [\n"))
+    with pytest.raises(ConfigError, match="mapping"):
+        load_settings(write(tmp_path, "- a\n- b\n"))
+
+
+def test_node_id_defaults_to_host_and_pid(tmp_path: Path) -> None:
+    import os
+
+    assert load_settings().node_id.endswith(f"-{os.getpid()}")
+    assert load_settings(write(tmp_path, "node_id: dispatcher-a\n")).node_id == "dispatcher-a"
+
+
+def test_dsn_password_is_not_echoed_in_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, "mysql:\n  dsn: 'mysql://u:hunter22@h/db'\n  pool_size: 0\n"))
+    assert "hunter22" not in str(info.value)
+    assert "mysql.pool_size" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "config.docker.yaml", "config.tencent.example.yaml"])
+def test_shipped_config_files_load(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROOM_OUTBOX__SINKS__TENCENT_IM__SECRET_KEY", "k" * 16)
+    settings = load_settings(Path(__file__).parent.parent / "config" / name)
+    assert settings.outbox_worker.retry_strategy == "fixed_interval"

@@ -1,0 +1,195 @@
+"""The IM lane's dispatcher on a real MariaDB: results, bad input, batching, store errors."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import anyio
+import pytest
+from room_outbox.sink import PermanentSinkError
+from room_outbox.store.mysql import MySQLStore
+from support import RecordingSink, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, wait_until
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_success_marks_published_and_clears_the_lease(store: MySQLStore) -> None:
+    await insert_events(store, [envelope("e1"), envelope("e2", "RoomGiftSent", "r_2")])
+    sink = RecordingSink()
+    assert await make_dispatcher(store, sink).run_until_empty() == 2
+    rows = await fetch_rows(store)
+    assert sorted(sink.received) == ["e1", "e2"]
+    for row in rows.values():
+        assert (row["status"], row["last_error"], row["worker_id"], row["retry_count"]) == ("published", None, None, 0)
+
+
+async def test_failure_stays_pending_with_retry_count_and_error(store: MySQLStore) -> None:
+    await insert_events(store, [envelope("e1"), envelope("e2")])
+    await make_dispatcher(store, RecordingSink(fail={"e1"})).run_until_empty()
+    rows = await fetch_rows(store)
+    assert (rows["e1"]["status"], rows["e1"]["retry_count"], rows["e1"]["last_error"]) == (
+        "pending",
+        1,
+        "test: refused e1",
+    )
+    assert rows["e1"]["worker_id"] is None
+    assert rows["e2"]["status"] == "published"  # one failure does not stop the batch
+
+
+async def test_fixed_interval_retries_on_the_next_scan_and_then_succeeds(store: MySQLStore) -> None:
+    await insert_events(store, [envelope("e1")])
+    sink = RecordingSink(fail={"e1"})
+    dispatcher = make_dispatcher(store, sink, poll_interval=0.05)
+    await dispatcher.run_until_empty()
+    assert await dispatcher.run_until_empty() == 0  # not due before the interval has passed
+    sink.fail.clear()
+
+    async def published() -> bool:
+        await dispatcher.run_until_empty()
+        return (await fetch_rows(store))["e1"]["status"] == "published"
+
+    await wait_until(published)
+    row = (await fetch_rows(store))["e1"]
+    assert (row["retry_count"], row["last_error"]) == (1, None)
+    assert sink.received == ["e1", "e1"]
+
+
+async def test_a_hanging_delivery_is_bounded_by_publish_timeout(store: MySQLStore) -> None:
+    await insert_events(store, [envelope(f"e{i}") for i in range(5)])
+    started = time.monotonic()
+    await make_dispatcher(store, RecordingSink(hang={"e2"}), publish_timeout=0.3).run_until_empty()
+    assert time.monotonic() - started < 2.0
+    rows = await fetch_rows(store)
+    assert rows["e2"]["status"] == "pending"
+    assert rows["e2"]["last_error"] == "test: no answer within publish_timeout 0.3s"
+    assert [rows[f"e{i}"]["status"] for i in (0, 1, 3, 4)] == ["published"] * 4
+
+
+async def test_a_sink_bug_is_recorded_not_lost(store: MySQLStore) -> None:
+    await insert_events(store, [envelope("e1")])
+    await make_dispatcher(store, RecordingSink(fail={"e1"}, error=KeyError("boom"))).run_until_empty()
+    assert (await fetch_rows(store))["e1"]["last_error"] == "test: unexpected KeyError: 'boom'"
+
+
+async def test_a_permanent_error_stays_pending_in_v1(store: MySQLStore) -> None:
+    await insert_events(store, [envelope("e1")])
+    sink = RecordingSink(fail={"e1"}, error=PermanentSinkError("ErrorCode 10010 group dismissed"))
+    await make_dispatcher(store, sink).run_until_empty()
+    row = (await fetch_rows(store))["e1"]
+    assert (row["status"], row["last_error"]) == ("pending", "test: permanent: ErrorCode 10010 group dismissed")
+
+
+@pytest.mark.parametrize(
+    ("row", "error"),
+    [
+        (("", "bad_json", "RoomUserJoined", "r_1", "{not json"), "malformed envelope: document: Invalid JSON"),
+        (("", "no_room", "RoomUserJoined", "r_1", '{"event_id": "no_room", "event_type": "RoomUserJoined"}'),
+         "malformed envelope: room_id: Field required"),
+        (("", "mismatch", "RoomUserJoined", "r_1", '{"event_id": "other", "event_type": "RoomUserJoined", "room_id": "r_1"}'),
+         "envelope event_id 'other' differs from the row's 'mismatch'"),
+        (("", "unknown_type", "RoomTeleported", "r_1", '{"event_id": "unknown_type", "event_type": "RoomTeleported", "room_id": "r_1"}'),
+         "no sink for event_type RoomTeleported"),
+        (("", "bad_utf8", "RoomUserJoined", "r_1", b'{"event_id": "bad_utf8", "x": "\xff\xfe"}'),
+         "envelope is not valid UTF-8"),
+    ],
+)  # fmt: skip
+async def test_bad_input_gets_a_clear_error_and_blocks_nothing(
+    store: MySQLStore, row: tuple[str, str, str, str, str | bytes], error: str
+) -> None:
+    if isinstance(row[4], bytes):
+        async with store.transaction() as cur:  # deployments that store envelopes as BLOB
+            await cur.execute("ALTER TABLE room_outbox MODIFY envelope LONGBLOB NOT NULL")
+    await insert_rows(store, [row])
+    await insert_events(store, [envelope("good")])
+    sink = RecordingSink()
+    await make_dispatcher(store, sink, batch_size=1).run_until_empty()
+    rows = await fetch_rows(store)
+    bad = rows[row[1]]
+    assert bad["status"] == "pending" and bad["retry_count"] == 1
+    assert bad["last_error"].startswith(error), bad["last_error"]
+    assert bad["envelope"] == row[4]  # never rewritten or deleted
+    assert rows["good"]["status"] == "published" and sink.received == ["good"]
+
+
+async def test_last_error_is_short_and_redacted(store: MySQLStore) -> None:
+    await insert_events(store, [envelope("e1")])
+    dispatcher = make_dispatcher(
+        store, RecordingSink(fail={"e1"}, error=RuntimeError("key=TOPSECRETKEY " + "x" * 2000))
+    )
+    dispatcher.redactor.add("TOPSECRETKEY")
+    await dispatcher.run_until_empty()
+    error = (await fetch_rows(store))["e1"]["last_error"]
+    assert len(error) <= 512 and "TOPSECRETKEY" not in error and "[REDACTED]" in error
+
+
+async def test_a_backlog_drains_without_waiting_for_the_poll_interval(store: MySQLStore) -> None:
+    await insert_events(store, [envelope(f"e{i}") for i in range(450)])
+    sink = RecordingSink()
+    dispatcher = make_dispatcher(store, sink, batch_size=100, poll_interval=30.0)
+
+    async def all_published() -> bool:
+        return all(r["status"] == "published" for r in (await fetch_rows(store)).values())
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispatcher.run)
+        await wait_until(all_published, timeout=10.0)  # far less than one 30 s poll interval
+        dispatcher.stop()
+    assert len(sink.received) == 450
+
+
+async def test_results_are_written_in_batches_not_per_row(store: MySQLStore) -> None:
+    await insert_events(store, [envelope(f"e{i}") for i in range(500)])
+    transactions = 0
+    real = store.transaction
+
+    def counting() -> object:
+        nonlocal transactions
+        transactions += 1
+        return real()
+
+    store.transaction = counting  # type: ignore[method-assign]
+    await make_dispatcher(store, RecordingSink(), batch_size=100).run_until_empty()
+    store.transaction = real  # type: ignore[method-assign]
+    # 6 claims, each writing the previous batch's results: one commit per batch, not per row
+    assert transactions == 6
+    assert all(r["status"] == "published" for r in (await fetch_rows(store)).values())
+
+
+async def test_store_errors_are_logged_and_the_loop_survives(
+    store: MySQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    await insert_events(store, [envelope("e1")])
+    sink = RecordingSink()
+    dispatcher = make_dispatcher(store, sink, poll_interval=0.05)
+    async with store.transaction() as cur:
+        await cur.execute("RENAME TABLE room_outbox TO room_outbox_away")
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispatcher.run)
+
+        async def error_logged() -> bool:
+            return any(r.message.startswith("outbox round failed") for r in caplog.records)
+
+        await wait_until(error_logged)
+        async with store.transaction() as cur:
+            await cur.execute("RENAME TABLE room_outbox_away TO room_outbox")
+
+        async def published() -> bool:
+            return (await fetch_rows(store))["e1"]["status"] == "published"
+
+        await wait_until(published)
+        dispatcher.stop()
+    assert sink.received == ["e1"]
+
+
+async def test_failed_events_are_logged_with_seed_000_fields(
+    store: MySQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    await insert_events(store, [envelope("e1", "RoomGiftSent", "r_7")])
+    with caplog.at_level(logging.WARNING):
+        await make_dispatcher(store, RecordingSink(fail={"e1"})).run_until_empty()
+    (record,) = [r for r in caplog.records if r.message == "delivery failed"]
+    assert (record.event_id, record.event_type, record.room_id, record.retry_count, record.status) == (  # type: ignore[attr-defined]
+        "e1", "RoomGiftSent", "r_7", 1, "pending",
+    )  # fmt: skip
+    assert record.error == "test: refused e1"  # type: ignore[attr-defined]

@@ -1,0 +1,40 @@
+"""The envelope: required fields, unknown fields kept, bad input named."""
+
+from __future__ import annotations
+
+import pytest
+from room_outbox.envelope import EnvelopeError, parse_envelope
+
+
+def test_parses_the_design_example_and_keeps_unknown_fields() -> None:
+    env = parse_envelope(
+        '{"event_id": "evt_1", "event_type": "RoomUserJoined", "app_code": "default", "room_id": "r_10001",'
+        ' "room_version": 42, "occurred_at_ms": 1764400000000, "request_id": "req-1", "command_id": "cmd-1",'
+        ' "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "payload": {"user_id": "u1"},'
+        ' "future_field": [1, 2]}'
+    )
+    assert (env.event_id, env.room_version, env.payload) == ("evt_1", 42, {"user_id": "u1"})
+    assert env.model_extra == {"future_field": [1, 2]}
+
+
+def test_bytes_are_decoded_as_utf8() -> None:
+    assert parse_envelope('{"event_id": "é", "event_type": "T", "room_id": "r"}'.encode()).event_id == "é"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("{", "malformed envelope: document: Invalid JSON"),
+        ("[]", "malformed envelope: document: Input should be an object"),
+        ('{"event_type": "T", "room_id": "r"}', "malformed envelope: event_id: Field required"),
+        (
+            '{"event_id": "e", "event_type": "T", "room_id": "r", "room_version": "x"}',
+            "malformed envelope: room_version:",
+        ),
+        (b"\xff", "envelope is not valid UTF-8 (byte 0)"),
+    ],
+)
+def test_bad_envelopes_are_named(raw: str | bytes, message: str) -> None:
+    with pytest.raises(EnvelopeError) as info:
+        parse_envelope(raw)
+    assert str(info.value).startswith(message), str(info.value)

@@ -1,0 +1,206 @@
+"""Plugins: the manager factory, entry points, blocking, routing and sink configuration."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+from room_outbox import EventEnvelope, SinkContext, SinkSpec, hookimpl, hookspecs
+from room_outbox.config import ConfigError, Settings
+from room_outbox.envelope import KNOWN_EVENT_TYPES
+from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.redaction import Redactor
+from room_outbox.routing import build_router
+from room_outbox.sink import SinkSettings
+
+pytestmark = pytest.mark.anyio
+
+
+class CountingSettings(SinkSettings):
+    label: str = "counting"
+
+
+class CountingSink:
+    def __init__(self, settings: CountingSettings) -> None:
+        self.settings = settings
+        self.count = 0
+
+    async def deliver(self, envelope: EventEnvelope) -> None:
+        self.count += 1
+
+    async def aclose(self) -> None:
+        pass
+
+
+def counting_plugin_module() -> types.ModuleType:
+    module = types.ModuleType("room_outbox_counting_plugin")
+
+    @hookimpl
+    def room_outbox_register_sinks() -> list[SinkSpec]:
+        def create(settings: SinkSettings, context: SinkContext) -> CountingSink:
+            assert isinstance(settings, CountingSettings)
+            return CountingSink(settings)
+
+        return [SinkSpec("counting", CountingSettings, create)]
+
+    module.room_outbox_register_sinks = room_outbox_register_sinks  # type: ignore[attr-defined]
+    return module
+
+
+class FakeDistribution(importlib.metadata.Distribution):
+    """A distribution that exists only in memory, publishing one entry point."""
+
+    def __init__(self, name: str, entry_points: str) -> None:
+        self._files = {"METADATA": f"Name: {name}\nVersion: 1.0\n", "entry_points.txt": entry_points}
+
+    def read_text(self, filename: str) -> str | None:
+        return self._files.get(filename)
+
+    def locate_file(self, path: Any) -> Path:
+        return Path(str(path))
+
+
+@pytest.fixture
+def third_party_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Install the counting sink as a third-party package would: through an entry point."""
+    monkeypatch.setitem(sys.modules, "room_outbox_counting_plugin", counting_plugin_module())
+    real = importlib.metadata.distributions
+    fake = FakeDistribution("room-outbox-counting", "[room_outbox.plugins]\ncounting = room_outbox_counting_plugin\n")
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda **kw: [*real(**kw), fake])
+
+
+def settings(**data: Any) -> Settings:
+    return Settings(**data)
+
+
+async def test_builtins_register_under_fixed_names() -> None:
+    pm = make_plugin_manager()
+    assert pm.has_plugin("noop")
+    router = await build_router(pm, settings(sinks={"tencent_im": {"enabled": False}}), Redactor())
+    assert router.routes == {"RoomCreated": "noop", "RoomHeatChanged": "noop", "RoomRankChanged": "noop"}
+
+
+async def test_a_third_party_sink_is_found_through_its_entry_point(third_party_installed: None) -> None:
+    pm = make_plugin_manager()
+    assert pm.has_plugin("counting")
+    cfg = settings(
+        sinks={"tencent_im": {"enabled": False}, "counting": {"event_types": ["RoomGiftSent"], "label": "x"}}
+    )
+    router = await build_router(pm, cfg, Redactor())
+    name, sink = router.sink_for("RoomGiftSent") or ("", None)
+    assert name == "counting" and isinstance(sink, CountingSink) and sink.settings.label == "x"
+    await sink.deliver(EventEnvelope(event_id="e", event_type="RoomGiftSent", room_id="r"))
+    assert sink.count == 1
+
+
+async def test_a_third_party_sink_is_opt_in(third_party_installed: None) -> None:
+    router = await build_router(make_plugin_manager(), settings(sinks={"tencent_im": {"enabled": False}}), Redactor())
+    assert "counting" not in router.sinks
+
+
+async def test_disabled_plugins_are_never_loaded(third_party_installed: None) -> None:
+    pm = make_plugin_manager(disabled=["counting", "noop"])
+    assert not pm.has_plugin("counting") and not pm.has_plugin("noop")
+
+
+async def test_a_sink_enabled_in_config_but_blocked_stops_start_up(third_party_installed: None) -> None:
+    pm = make_plugin_manager(disabled=["counting"])
+    with pytest.raises(
+        ConfigError, match=r"sinks\.counting: is enabled, but plugin 'counting' is listed in plugins\.disabled"
+    ):
+        await build_router(pm, settings(sinks={"counting": {"event_types": ["RoomGiftSent"]}}), Redactor())
+
+
+async def test_an_unknown_sink_in_config_stops_start_up() -> None:
+    with pytest.raises(ConfigError, match=r"sinks\.kafak: no installed plugin provides a sink named 'kafak'"):
+        await build_router(make_plugin_manager(), settings(sinks={"kafak": {"enabled": True}}), Redactor())
+
+
+async def test_an_unknown_sink_that_is_disabled_is_fine() -> None:
+    router = await build_router(
+        make_plugin_manager(),
+        settings(sinks={"kafak": {"enabled": False}, "tencent_im": {"enabled": False}}),
+        Redactor(),
+    )
+    assert "kafak" not in router.sinks
+
+
+async def test_bad_sink_settings_name_the_key(third_party_installed: None) -> None:
+    with pytest.raises(ConfigError) as info:
+        await build_router(
+            make_plugin_manager(),
+            settings(sinks={"counting": {"event_types": ["RoomGiftSent"], "lable": "x"}}),
+            Redactor(),
+        )
+    assert "sinks.counting.lable" in str(info.value)
+
+
+async def test_an_event_type_goes_to_exactly_one_sink(third_party_installed: None) -> None:
+    cfg = settings(sinks={"tencent_im": {"enabled": False}, "counting": {"event_types": ["RoomCreated"]}})
+    with pytest.raises(ConfigError, match="RoomCreated is already taken by sink"):
+        await build_router(make_plugin_manager(), cfg, Redactor())
+
+
+async def test_one_sink_may_take_the_remaining_known_types(third_party_installed: None) -> None:
+    cfg = settings(sinks={"tencent_im": {"enabled": False}, "counting": {"event_types": None}})
+    router = await build_router(make_plugin_manager(), cfg, Redactor())
+    noop_types = {"RoomCreated", "RoomHeatChanged", "RoomRankChanged"}
+    assert {t for t, s in router.routes.items() if s == "counting"} == KNOWN_EVENT_TYPES - noop_types
+    assert router.sink_for("RoomNobodyKnows") is None  # unknown types have no route
+
+
+async def test_a_plugin_that_fails_to_import_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.metadata.distributions
+    broken = FakeDistribution("room-outbox-broken", "[room_outbox.plugins]\nbroken = room_outbox_no_such_module\n")
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda **kw: [*real(**kw), broken])
+    with pytest.raises(ConfigError, match=r"plugin 'broken' \(distribution 'room-outbox-broken'.*failed to load"):
+        make_plugin_manager()
+    assert make_plugin_manager(disabled=["broken"])  # blocking it is the way out
+
+
+async def test_a_misspelt_hook_is_caught() -> None:
+    class Misspelt:
+        @hookimpl
+        def room_outbox_register_sink(self) -> list[SinkSpec]:  # missing "s"
+            return []
+
+    with pytest.raises(ConfigError, match="room_outbox_register_sink"):
+        make_plugin_manager(extra_plugins=[Misspelt()])
+
+
+async def test_a_sink_factory_error_is_named_and_redacted() -> None:
+    class Exploding:
+        @hookimpl
+        def room_outbox_register_sinks(self) -> list[SinkSpec]:
+            def create(settings: SinkSettings, context: SinkContext) -> Any:
+                context.add_secret("s3cr3t-value")
+                raise RuntimeError("cannot reach s3cr3t-value")
+
+            return [SinkSpec("exploding", SinkSettings, create, enabled_by_default=True)]
+
+    redactor = Redactor()
+    with pytest.raises(ConfigError) as info:
+        await build_router(
+            make_plugin_manager(extra_plugins=[Exploding()]),
+            settings(sinks={"tencent_im": {"enabled": False}}),
+            redactor,
+        )
+    assert "sinks.exploding: could not be created" in str(info.value)
+    assert "s3cr3t-value" not in str(info.value)
+
+
+def test_every_hook_is_documented_and_tested() -> None:
+    """Meta-test (after datasette): each hookspec has a docstring, a README entry and a test."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    tests = "".join(p.read_text() for p in Path(__file__).parent.rglob("test_*.py"))
+    hooks = [name for name, _ in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("room_outbox_")]
+    assert hooks
+    for name in hooks:
+        assert inspect.getdoc(getattr(hookspecs, name)), f"{name} has no docstring"
+        assert name in readme, f"{name} is not documented in README.md"
+        assert f"def {name}(" in tests, f"{name} has no test implementing it"
