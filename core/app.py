@@ -15,6 +15,7 @@ import signal
 from collections.abc import Iterable
 
 import anyio
+
 from room_outbox.config import Settings
 from room_outbox.dispatcher import Dispatcher, LaneOptions
 from room_outbox.plugin_manager import make_plugin_manager

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 import anyio
+
 from room_outbox.app import redactor_for, run_service
 from room_outbox.config import ConfigError, Settings, load_settings
 from room_outbox.store.mysql import MySQLStore

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskStatus
+
 from room_outbox.config import OutboxWorkerSettings
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.redaction import Redactor
@@ -160,46 +161,56 @@ class Dispatcher:
         return results
 
     async def _attempt(self, row: OutboxRow) -> DeliveryResult:
+        """Deliver one event and turn what happened into the result to record."""
+        failure = await self._deliver_one(row)
+        if failure is None:
+            log.debug("published", extra=self._event_fields(row, "published"))
+            return DeliveryResult(row.id, row.event_id, row.claim, Outcome.PUBLISHED)
+        fields = self._event_fields(
+            row, "pending", sink=failure.sink, error=failure.error, error_class=failure.error_class
+        )
+        fields["retry_count"] = row.retry_count + 1
+        log.warning("delivery failed", extra=fields)
+        retry_at = now_ms() + int(self.options.retry_delay * 1000)
+        return DeliveryResult(row.id, row.event_id, row.claim, Outcome.FAILED, failure.error, retry_at)
+
+    async def _deliver_one(self, row: OutboxRow) -> Failure | None:
+        """Parse, route and deliver within ``publish_timeout``; ``None`` on success."""
         sink_name = "-"
         try:
             envelope = self._envelope_of(row)
             route = self.router.sink_for(row.event_type)
             if route is None:
-                raise _BadEvent(f"no sink for event_type {row.event_type}")
+                raise _BadEvent(f"no sink for event_type {row.event_type}", "no_route")
             sink_name, sink = route
             with anyio.fail_after(self.options.publish_timeout):
                 await sink.deliver(envelope)
         except _BadEvent as exc:
-            error = str(exc)
+            return self._failure(sink_name, exc.error_class, str(exc))
         except TimeoutError:
-            error = f"{sink_name}: no answer within publish_timeout {self.options.publish_timeout:g}s"
+            text = f"{sink_name}: no answer within publish_timeout {self.options.publish_timeout:g}s"
+            return self._failure(sink_name, "timeout", text)
         except PermanentSinkError as exc:
-            error = f"{sink_name}: permanent: {exc}"
+            return self._failure(sink_name, "permanent", f"{sink_name}: permanent: {exc}", permanent=True)
         except SinkError as exc:
-            error = f"{sink_name}: {exc}"
+            return self._failure(sink_name, "retryable", f"{sink_name}: {exc}")
         except Exception as exc:  # a bug in a sink: recorded as a failure, never lost
-            error = f"{sink_name}: unexpected {type(exc).__name__}: {exc}"
-        else:
-            log.debug("published", extra=self._event_fields(row, "published", sink=sink_name))
-            return DeliveryResult(row.id, row.event_id, row.claim, Outcome.PUBLISHED)
-        error = self._short(error)
-        fields = self._event_fields(row, "pending", sink=sink_name, error=error)
-        fields["retry_count"] = row.retry_count + 1
-        log.warning("delivery failed", extra=fields)
-        retry_at = now_ms() + int(self.options.retry_delay * 1000)
-        return DeliveryResult(row.id, row.event_id, row.claim, Outcome.FAILED, error, retry_at)
+            return self._failure(sink_name, "sink_bug", f"{sink_name}: unexpected {type(exc).__name__}: {exc}")
+        return None
+
+    def _failure(self, sink: str, error_class: str, text: str, permanent: bool = False) -> Failure:
+        return Failure(sink, error_class, self._short(text), permanent)
 
     @staticmethod
     def _envelope_of(row: OutboxRow) -> EventEnvelope:
         try:
             envelope = parse_envelope(row.envelope)
         except EnvelopeError as exc:
-            raise _BadEvent(str(exc)) from exc
+            raise _BadEvent(str(exc), "bad_envelope") from exc
         for field in ("event_id", "event_type", "room_id"):
             if getattr(envelope, field) != getattr(row, field):
-                raise _BadEvent(
-                    f"envelope {field} {getattr(envelope, field)!r} differs from the row's {getattr(row, field)!r}"
-                )
+                mismatch = f"envelope {field} {getattr(envelope, field)!r} differs from the row's {getattr(row, field)!r}"
+                raise _BadEvent(mismatch, "bad_envelope")
         return envelope
 
     async def _keep_lease(self, claim: str, row_ids: list[int]) -> None:
@@ -256,5 +267,20 @@ class Dispatcher:
         return {"batch_size": o.batch_size, "poll_interval": o.poll_interval, "publish_timeout": o.publish_timeout}
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Why one delivery attempt failed. ``error_class`` is a small fixed vocabulary for
+    metrics and spans: bad_envelope, no_route, timeout, permanent, retryable, sink_bug."""
+
+    sink: str
+    error_class: str
+    error: str
+    permanent: bool = False
+
+
 class _BadEvent(Exception):
     """The event itself is unusable (envelope, routing): recorded as a failure."""
+
+    def __init__(self, message: str, error_class: str) -> None:
+        super().__init__(message)
+        self.error_class = error_class

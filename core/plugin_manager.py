@@ -14,12 +14,14 @@ import importlib.metadata
 from collections.abc import Iterable
 
 import pluggy
+
 from room_outbox import hookspecs
 from room_outbox.config import ConfigError
 
 #: Built-in plugins: entry-point name → module. Registered under these fixed names.
 BUILTIN_PLUGINS = {
     "noop": "room_outbox.plugins.noop",
+    "tencent_im": "room_outbox.plugins.tencent_im",
 }
 
 

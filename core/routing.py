@@ -15,6 +15,7 @@ from typing import Any
 
 import pluggy
 from pydantic import ValidationError
+
 from room_outbox.config import ConfigError, Settings, describe_validation_error
 from room_outbox.envelope import KNOWN_EVENT_TYPES
 from room_outbox.redaction import Redactor

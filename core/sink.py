@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
+
 from room_outbox.envelope import EventEnvelope
 
 

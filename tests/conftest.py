@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
 
 SERVER_DSN = os.environ.get("ROOM_OUTBOX_TEST_MYSQL", "mysql://root:@127.0.0.1:3306")

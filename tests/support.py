@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
+
 from room_outbox.store.mysql import MySQLStore
 
 #: room-service's own V1 table, as DESIGN.md §2.1 gives it.

@@ -13,12 +13,13 @@ from typing import Any
 
 import anyio
 import pytest
+from support import V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, wait_until
+
 from room_outbox import SinkContext, SinkSpec, hookimpl
 from room_outbox.app import run_service
 from room_outbox.config import Settings
 from room_outbox.sink import SinkSettings
 from room_outbox.store.mysql import MySQLStore
-from support import V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, wait_until
 
 pytestmark = pytest.mark.anyio
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from room_outbox.config import ConfigError, load_settings, parse_duration
 
 

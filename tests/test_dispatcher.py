@@ -7,9 +7,10 @@ import time
 
 import anyio
 import pytest
+from support import RecordingSink, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, wait_until
+
 from room_outbox.sink import PermanentSinkError
 from room_outbox.store.mysql import MySQLStore
-from support import RecordingSink, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, wait_until
 
 pytestmark = pytest.mark.anyio
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from room_outbox.envelope import EnvelopeError, parse_envelope
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from room_outbox import EventEnvelope, SinkContext, SinkSpec, hookimpl, hookspecs
 from room_outbox.config import ConfigError, Settings
 from room_outbox.envelope import KNOWN_EVENT_TYPES

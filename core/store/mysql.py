@@ -28,6 +28,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import aiomysql
 from pymysql.constants import CLIENT
+
 from room_outbox.store import DeliveryResult, OutboxRow, Outcome
 
 TABLE = "room_outbox"

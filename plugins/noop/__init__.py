@@ -7,6 +7,7 @@ room messages; resolving them here makes them ``published`` so they never linger
 from __future__ import annotations
 
 from pydantic import Field
+
 from room_outbox import EventEnvelope, SinkContext, SinkSpec, hookimpl
 from room_outbox.sink import SinkSettings
 

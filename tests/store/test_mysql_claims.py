@@ -7,9 +7,10 @@ from collections import Counter
 
 import anyio
 import pytest
+from support import RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, wait_until
+
 from room_outbox.store import DeliveryResult, Outcome
 from room_outbox.store.mysql import MySQLStore, now_ms
-from support import RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, wait_until
 
 pytestmark = pytest.mark.anyio
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from room_outbox.store.mysql import CLAIM_SQL, MySQLStore
 from support import INSERT_V1, V1_DDL, fetch_rows
+
+from room_outbox.store.mysql import CLAIM_SQL, MySQLStore
 
 pytestmark = pytest.mark.anyio
 
