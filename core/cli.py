@@ -13,6 +13,7 @@ from room_outbox.app import redactor_for, run_service
 from room_outbox.config import ConfigError, Settings, load_settings
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.telemetry import configure_logging
+from room_outbox.testing.cli import add_fake_im_parser, run_fake_im
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,11 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("run", help="run the dispatcher until SIGTERM/SIGINT")
     commands.add_parser("migrate", help="create room_outbox or upgrade a V1 table in place (idempotent)")
+    add_fake_im_parser(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "fake-im":  # test tooling: needs no configuration
+        return run_fake_im(args)
     try:
         settings = load_settings(args.config)
     except ConfigError as exc:

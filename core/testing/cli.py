@@ -1,0 +1,50 @@
+"""``room-outbox fake-im``: the fake Tencent IM as a process, for demos and local runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+import anyio
+
+from room_outbox.testing.fake_im import DEFAULT_ADMIN, DEV_KEY, DEV_SDKAPPID, Faults, FakeTencentIM
+from room_outbox.testing.server import serve_fake_im
+
+
+def add_fake_im_parser(commands: Any) -> None:
+    """Add the ``fake-im`` subcommand to the CLI's subparsers."""
+    parser = commands.add_parser("fake-im", help="serve a fake Tencent IM on loopback (tests, demos)")
+    parser.add_argument("--port", type=int, default=8090, help="TCP port (0: any free port; default 8090)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--sdkappid", type=int, default=DEV_SDKAPPID, help=f"SDKAppID it serves (default {DEV_SDKAPPID})")
+    parser.add_argument(
+        "--key",
+        default=os.environ.get("ROOM_OUTBOX_FAKE_IM_KEY", DEV_KEY),
+        help="secret key UserSigs are checked against (default: $ROOM_OUTBOX_FAKE_IM_KEY or the dev key)",
+    )
+    parser.add_argument("--identifier", default=DEFAULT_ADMIN, help=f"admin identifier (default {DEFAULT_ADMIN})")
+    parser.add_argument("--faults", default="{}", help='initial faults as JSON, e.g. \'{"error_rate": 0.2}\'')
+
+
+def run_fake_im(args: argparse.Namespace) -> int:
+    try:
+        faults = Faults.model_validate(json.loads(args.faults))
+    except ValueError as exc:
+        print(f"room-outbox fake-im: --faults: {exc}", file=sys.stderr)
+        return 2
+    fake = FakeTencentIM(apps={args.sdkappid: args.key}, admins={args.identifier}, faults=faults)
+    anyio.run(_serve, fake, args.host, args.port)
+    return 0
+
+
+async def _serve(fake: FakeTencentIM, host: str, port: int) -> None:
+    async with serve_fake_im(fake, host, port):
+        app, = fake.apps
+        print(f"fake Tencent IM on {fake.base_url} (sdkappid {app}, identifier {', '.join(fake.admins)})", flush=True)
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                return

@@ -1,0 +1,74 @@
+"""From an :class:`EventEnvelope` to a ``send_group_msg`` request body.
+
+One ``TIMCustomElem`` whose ``Data`` is the compact JSON of the envelope's client-facing
+fields; clients de-duplicate by its ``event_id``.
+
+``Random`` and Tencent's de-duplication
+---------------------------------------
+Tencent discards a message whose ``Random`` equals that of a message sent in the last
+5 minutes (we assume per group, which is how the fake behaves). ``Random`` is the first
+32 bits of SHA-256(event_id), so every retry of an event, from this worker or from
+room-service's synchronous push (when it uses the same rule), is discarded by Tencent too.
+
+The price is that two *different* events can share a ``Random``. For ``n`` distinct events
+in one group within 5 minutes the chance of any collision is ``1 − exp(−n² / 2³³)``
+(≈ ``n² / 2³³`` while small):
+
+====================  ============  ====================
+rate in one group     n in 5 min    P(collision)
+====================  ============  ====================
+1 message/s           300           1.0e-5
+5 messages/s          1,500         2.6e-4
+40/s (the cap)        12,000        1.7e-2
+====================  ============  ====================
+
+A collision loses the later event silently (Tencent answers OK), so busy groups carry a
+small real risk; were the window per app rather than per group, ``n`` would be the app's
+rate × 300 s (200/s → 60,000 → ≈ 34 %). A 32-bit field cannot do better with a hash: any
+derivation that is a pure function of an opaque event_id has the same birthday bound. If
+that is ever unacceptable, room-service must mint event_ids carrying a per-room sequence,
+from which Random can be taken without collisions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from room_outbox.envelope import EventEnvelope
+
+#: Envelope fields a client sees, in this order.
+CLIENT_FIELDS = ("event_id", "event_type", "app_code", "room_id", "room_version", "occurred_at_ms", "payload")
+
+
+def random_for(event_id: str) -> int:
+    """Tencent's ``Random`` (u32) for an event: stable across retries and processes."""
+    return int.from_bytes(hashlib.sha256(event_id.encode("utf-8")).digest()[:4], "big")
+
+
+def compact_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def message_data(envelope: EventEnvelope) -> str:
+    return compact_json({name: getattr(envelope, name) for name in CLIENT_FIELDS})
+
+
+def msg_body(envelope: EventEnvelope) -> list[dict[str, Any]]:
+    return [{"MsgType": "TIMCustomElem", "MsgContent": {"Data": message_data(envelope)}}]
+
+
+def body_size(body: list[dict[str, Any]]) -> int:
+    """Bytes Tencent counts against the message size limit (compact JSON of ``MsgBody``)."""
+    return len(compact_json(body).encode("utf-8"))
+
+
+def group_id_for(template: str, envelope: EventEnvelope) -> str:
+    return template.format(room_id=envelope.room_id, app_code=envelope.app_code)
+
+
+def request_body(group_id: str, envelope: EventEnvelope, body: list[dict[str, Any]], priority: str) -> bytes:
+    return compact_json(
+        {"GroupId": group_id, "Random": random_for(envelope.event_id), "MsgPriority": priority, "MsgBody": body}
+    ).encode("utf-8")

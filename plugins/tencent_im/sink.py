@@ -1,0 +1,186 @@
+"""The Tencent IM sink: one ``send_group_msg`` call per event.
+
+Per delivery: pick the app by ``app_code`` → build the body (refuse > ``max_message_bytes``
+without a request) → wait for a group slot, then an app slot → POST → read the verdict from
+the body. Errors are translated here, once (see :mod:`.errors`), and their text carries the
+HTTP status or ErrorCode/ErrorInfo, never the key, the UserSig or the response body.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+
+from room_outbox.envelope import EventEnvelope
+from room_outbox.plugins.tencent_im.errors import USERSIG_EXPIRED, error_for_code, short_info
+from room_outbox.plugins.tencent_im.message import body_size, group_id_for, msg_body, request_body
+from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindowLimiter
+from room_outbox.plugins.tencent_im.settings import TencentIMSettings
+from room_outbox.plugins.tencent_im.usersig import UserSigCache
+from room_outbox.sink import PermanentSinkError, RetryableSinkError, SinkContext
+
+SEND_GROUP_MSG = "/v4/group_open_http_svc/send_group_msg"
+
+
+@dataclass
+class TencentApp:
+    """One Tencent IM app: where to call, as whom, and its own request-rate limiter."""
+
+    name: str
+    sdkappid: int
+    identifier: str
+    base_url: str
+    usersig: UserSigCache
+    limiter: SlidingWindowLimiter
+
+    @property
+    def url(self) -> str:
+        return self.base_url + SEND_GROUP_MSG
+
+
+class TencentIMSink:
+    def __init__(
+        self,
+        settings: TencentIMSettings,
+        context: SinkContext,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.settings = settings
+        self.log = context.logger
+        self._add_secret = context.add_secret
+        self._secrets: set[str] = set()
+        self._apps_by_code: dict[str, TencentApp] = {}
+        default = self._make_app(
+            "default", settings.sdkappid, settings.identifier, settings.base_url, settings.secret_key.get_secret_value()
+        )
+        for code in settings.default_app_codes:
+            self._apps_by_code[code] = default
+        for code, creds in settings.apps.items():
+            self._apps_by_code[code] = self._make_app(
+                code,
+                creds.sdkappid,
+                creds.identifier or settings.identifier,
+                creds.base_url or settings.base_url,
+                creds.secret_key.get_secret_value(),
+            )
+        self._groups = KeyedLimiter(settings.group_rate_limit)
+        # One pooled client for every app: keep-alive connections are per host anyway.
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.request_timeout, connect=settings.connect_timeout),
+            limits=httpx.Limits(
+                max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
+            ),
+            transport=transport,
+            headers={"Content-Type": "application/json"},
+        )
+
+    def _make_app(self, name: str, sdkappid: int, identifier: str, base_url: str, key: str) -> TencentApp:
+        self._remember_secret(key)
+        usersig = UserSigCache(sdkappid, identifier, key, int(self.settings.usersig_ttl), on_new=self._remember_secret)
+        return TencentApp(name, sdkappid, identifier, base_url, usersig, SlidingWindowLimiter(self.settings.app_rate_limit))
+
+    def _remember_secret(self, secret: str) -> None:
+        self._secrets.add(secret)
+        self._add_secret(secret)
+
+    # -- the Sink protocol ---------------------------------------------------------------
+
+    async def deliver(self, envelope: EventEnvelope) -> None:
+        app = self._apps_by_code.get(envelope.app_code)
+        if app is None:
+            # A configuration gap, like Tencent's own credential errors (70009, 70020):
+            # permanent for this configuration; the event stays in the outbox until fixed.
+            raise PermanentSinkError(
+                f"no Tencent IM credentials for app_code {envelope.app_code!r}: "
+                f"add sinks.tencent_im.apps.{envelope.app_code or '<app_code>'} or list it in default_app_codes"
+            )
+        group_id = group_id_for(self.settings.group_id_template, envelope)
+        body = msg_body(envelope)
+        size = body_size(body)
+        if size > self.settings.max_message_bytes:
+            raise PermanentSinkError(
+                f"message is {size} bytes; Tencent IM accepts at most {self.settings.max_message_bytes} (GroupId {group_id})"
+            )
+        content = request_body(group_id, envelope, body, self.settings.priority_for(envelope.event_type))
+        await self._wait_for_slot(app, group_id)
+        answer = await self._post(app, content, group_id)
+        if answer.get("ErrorCode") == USERSIG_EXPIRED:
+            # Our clock or cache disagrees with Tencent's: make a fresh UserSig, try once more.
+            app.usersig.invalidate()
+            await self._wait_for_slot(app, None)
+            answer = await self._post(app, content, group_id)
+        self._verdict(answer, app, group_id)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    async def _wait_for_slot(self, app: TencentApp, group_id: str | None) -> None:
+        max_wait = self.settings.rate_limit_max_wait
+        if group_id is not None:
+            wait = self._groups.reserve(group_id, max_wait)
+            if wait is None:
+                raise RetryableSinkError(
+                    f"client-side rate limit: group {group_id} is above {self.settings.group_rate_limit} messages/s"
+                )
+            if wait > 0:
+                await anyio.sleep(wait)
+        wait = app.limiter.reserve(max_wait)
+        if wait is None:
+            raise RetryableSinkError(
+                f"client-side rate limit: app {app.name} is above {self.settings.app_rate_limit} requests/s"
+            )
+        if wait > 0:
+            await anyio.sleep(wait)
+
+    async def _post(self, app: TencentApp, content: bytes, group_id: str) -> dict[str, Any]:
+        params = {
+            "sdkappid": str(app.sdkappid),
+            "identifier": app.identifier,
+            "usersig": app.usersig.get(),
+            "random": str(secrets.randbelow(2**32)),
+            "contenttype": "json",
+        }
+        try:
+            response = await self._client.post(app.url, params=params, content=content)
+        except httpx.TimeoutException as exc:
+            raise RetryableSinkError(f"timeout ({type(exc).__name__}) calling Tencent IM app {app.name}") from exc
+        except httpx.HTTPError as exc:
+            raise RetryableSinkError(f"network error ({self._scrub(exc)}) calling Tencent IM app {app.name}") from exc
+        if response.status_code != 200:
+            raise RetryableSinkError(f"HTTP {response.status_code} from Tencent IM (GroupId {group_id})")
+        try:
+            answer = json.loads(response.content)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict) or "ActionStatus" not in answer:
+            raise RetryableSinkError(
+                f"unexpected answer from Tencent IM: HTTP 200 with {len(response.content)} bytes that are not "
+                f"the expected JSON (GroupId {group_id})"
+            )
+        return answer
+
+    def _verdict(self, answer: dict[str, Any], app: TencentApp, group_id: str) -> None:
+        try:
+            code = int(answer.get("ErrorCode", 0))
+        except (TypeError, ValueError):
+            raise RetryableSinkError(f"unexpected answer from Tencent IM: ErrorCode is not a number (GroupId {group_id})") from None
+        if answer.get("ActionStatus") != "OK" or code != 0:
+            raise error_for_code(code or -1, str(answer.get("ErrorInfo", "")), f"GroupId {group_id}, app {app.name}")
+        drop = answer.get("MsgDropReason")
+        if drop:
+            # Accepted, then dropped by Tencent's rate control: not delivered, so not a success.
+            raise RetryableSinkError(f"Tencent IM dropped the message: MsgDropReason {short_info(str(drop))} (GroupId {group_id})")
+
+    def _scrub(self, exc: BaseException) -> str:
+        text = short_info(f"{type(exc).__name__}: {exc}")
+        for secret in self._secrets:
+            text = text.replace(secret, "[REDACTED]")
+        return text
