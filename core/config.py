@@ -16,11 +16,21 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 ENV_PREFIX = "ROOM_OUTBOX__"
-RETRY_STRATEGIES = ("fixed_interval",)
+RETRY_STRATEGIES = ("fixed_interval", "linear", "exponential")
+ORDERINGS = ("none", "per_room")
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
@@ -55,6 +65,26 @@ class MySQLSettings(Section):
     pool_size: int = Field(default=10, ge=1, le=1000)
 
 
+class RetrySettings(Section):
+    """Parameters of ``linear`` (base × attempts) and ``exponential`` (base × factor^(attempts-1),
+    capped, ± jitter) retry strategies; ``fixed_interval`` retries after ``poll_interval``."""
+
+    base: Duration = 1.0
+    factor: float = Field(default=2.0, ge=1.0)
+    cap: Duration = 300.0
+    #: Fraction of the delay added or removed at random, so failed events do not retry in lockstep.
+    jitter: float = Field(default=0.1, ge=0.0, le=1.0)
+    #: Attempts before an event is parked as ``failed`` (needs ``parking: true``); 0 = unlimited.
+    max_attempts: int = Field(default=0, ge=0)
+
+    @field_validator("base", "cap")
+    @classmethod
+    def _positive(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be a positive duration")
+        return value
+
+
 class OutboxWorkerSettings(Section):
     """Seed 000's worker options. A value ≤ 0 falls back to the default: never a busy loop,
     never a full-table scan, never an unbounded publish."""
@@ -70,6 +100,13 @@ class OutboxWorkerSettings(Section):
     #: batch is in flight, so it only bounds how long a crashed process's rows wait.
     #: Default (≤ 0): 10 × publish_timeout.
     lease: Duration = 0.0
+    retry: RetrySettings = RetrySettings()
+    #: Move events that can never succeed (permanent error, bad envelope, no sink, or
+    #: ``retry.max_attempts`` used up) to status ``failed`` instead of retrying them forever.
+    parking: bool = False
+    #: ``per_room``: events of one room are delivered in id order, a failing event holding
+    #: back the later events of its own room only. ``none``: nothing waits for anything.
+    ordering: str = "none"
 
     @field_validator("poll_interval", "batch_size", "publish_timeout", "concurrency")
     @classmethod
@@ -83,6 +120,20 @@ class OutboxWorkerSettings(Section):
         if value not in RETRY_STRATEGIES:
             raise ValueError(f"unknown retry strategy {value!r} (allowed: {', '.join(RETRY_STRATEGIES)})")
         return value
+
+    @field_validator("ordering")
+    @classmethod
+    def _known_ordering(cls, value: str) -> str:
+        value = value.strip() or "none"
+        if value not in ORDERINGS:
+            raise ValueError(f"unknown ordering {value!r} (allowed: {', '.join(ORDERINGS)})")
+        return value
+
+    @model_validator(mode="after")
+    def _max_attempts_needs_parking(self) -> OutboxWorkerSettings:
+        if self.retry.max_attempts and not self.parking:
+            raise ValueError("retry.max_attempts needs parking: true (without parking an event is never given up on)")
+        return self
 
     @property
     def lease_seconds(self) -> float:

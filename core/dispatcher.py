@@ -28,6 +28,7 @@ from anyio.abc import TaskStatus
 from room_outbox.config import OutboxWorkerSettings
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.redaction import Redactor
+from room_outbox.retry import RetryPolicy
 from room_outbox.routing import Router
 from room_outbox.sink import PermanentSinkError, SinkError
 from room_outbox.store import DeliveryResult, OutboxRow, OutboxStore, Outcome
@@ -43,8 +44,8 @@ class LaneOptions:
     publish_timeout: float = 3.0
     concurrency: int = 16
     lease: float = 30.0
-    #: Time before a failed event may be claimed again (fixed_interval: the poll interval).
-    retry_delay: float = 1.0
+    retry: RetryPolicy = RetryPolicy()
+    per_room: bool = False
 
     @classmethod
     def from_settings(cls, worker: OutboxWorkerSettings) -> LaneOptions:
@@ -54,7 +55,8 @@ class LaneOptions:
             publish_timeout=worker.publish_timeout,
             concurrency=worker.concurrency,
             lease=worker.lease_seconds,
-            retry_delay=worker.poll_interval,
+            retry=RetryPolicy.from_settings(worker),
+            per_room=worker.ordering == "per_room",
         )
 
 
@@ -90,8 +92,7 @@ class Dispatcher:
         try:
             while not self._stopping.is_set():
                 try:
-                    claimed = await self.run_once()
-                    if claimed >= self.options.batch_size:
+                    if not (await self.run_once()).exhausted:
                         continue  # a backlog drains at full speed: no wait after a full batch
                     await self.flush()
                 except Exception as exc:
@@ -109,17 +110,19 @@ class Dispatcher:
                 await self._final_flush()
             log.info("worker stopped", extra={"lifecycle": "worker_stopped"})
 
-    async def run_once(self) -> int:
+    async def run_once(self) -> Round:
         """Claim one batch (writing earlier results in the same transaction) and deliver it.
-        Its results are written by the next claim or :meth:`flush`. Returns rows claimed."""
+        Its results are written by the next claim or :meth:`flush`."""
         claim = f"{self.node_id}#{next(self._claim_numbers)}"
         lease_until = now_ms() + int(self.options.lease * 1000)
-        rows, stale = await self.store.claim(claim, self.options.batch_size, lease_until, self._unrecorded)
+        claimed = await self.store.claim(
+            claim, self.options.batch_size, lease_until, self._unrecorded, per_room=self.options.per_room
+        )
         self._unrecorded = []
-        self._report_stale(stale)
-        if rows:
-            self._unrecorded = await self._deliver_batch(claim, rows)
-        return len(rows)
+        self._report_stale(claimed.stale)
+        if claimed.rows:
+            self._unrecorded = await self._deliver_batch(claim, claimed.rows)
+        return Round(len(claimed.rows), claimed.exhausted)
 
     async def flush(self) -> None:
         """Write the results not yet written."""
@@ -133,32 +136,50 @@ class Dispatcher:
         tests and tools). Rows that failed wait for their retry time, so this terminates."""
         total = 0
         while True:
-            claimed = await self.run_once()
-            total += claimed
-            if claimed < self.options.batch_size:
+            round_ = await self.run_once()
+            total += round_.claimed
+            if round_.exhausted:
                 await self.flush()
                 return total
 
     # -- delivery ------------------------------------------------------------------------
 
     async def _deliver_batch(self, claim: str, rows: Sequence[OutboxRow]) -> list[DeliveryResult]:
+        """Deliver a batch, up to ``concurrency`` at once. With per-room ordering, each room's
+        rows go one after another in id order, and a failure releases the rest of its room."""
         results: list[DeliveryResult] = []
         limiter = anyio.CapacityLimiter(self.options.concurrency)
 
-        async def deliver(row: OutboxRow) -> None:
-            async with limiter:
-                if self._stopping.is_set():
-                    results.append(DeliveryResult(row.id, row.event_id, claim, Outcome.RELEASED))
-                else:
-                    results.append(await self._attempt(row))
+        async def deliver_in_order(queue: list[OutboxRow]) -> None:
+            for position, row in enumerate(queue):
+                async with limiter:
+                    result = self._release(row) if self._stopping.is_set() else await self._attempt(row)
+                results.append(result)
+                if result.outcome is not Outcome.PUBLISHED:
+                    results.extend(self._release(later) for later in queue[position + 1 :])
+                    return
 
         async with anyio.create_task_group() as renewal:
             renewal.start_soon(self._keep_lease, claim, [row.id for row in rows])
             async with anyio.create_task_group() as deliveries:
-                for row in rows:
-                    deliveries.start_soon(deliver, row)
+                for queue in self._queues(rows):
+                    deliveries.start_soon(deliver_in_order, queue)
             renewal.cancel_scope.cancel()
         return results
+
+    def _queues(self, rows: Sequence[OutboxRow]) -> list[list[OutboxRow]]:
+        """Rows that must go one after another: one queue per room with per-room ordering,
+        else one queue per row."""
+        if not self.options.per_room:
+            return [[row] for row in rows]
+        rooms: dict[tuple[str, str], list[OutboxRow]] = {}
+        for row in sorted(rows, key=lambda r: r.id):
+            rooms.setdefault((row.app_code, row.room_id), []).append(row)
+        return list(rooms.values())
+
+    @staticmethod
+    def _release(row: OutboxRow) -> DeliveryResult:
+        return DeliveryResult(row.id, row.event_id, row.claim, Outcome.RELEASED)
 
     async def _attempt(self, row: OutboxRow) -> DeliveryResult:
         """Deliver one event and turn what happened into the result to record."""
@@ -166,13 +187,18 @@ class Dispatcher:
         if failure is None:
             log.debug("published", extra=self._event_fields(row, "published"))
             return DeliveryResult(row.id, row.event_id, row.claim, Outcome.PUBLISHED)
+        attempts = row.retry_count + 1
+        if self.options.retry.parks(attempts, failure.permanent):
+            outcome, status, retry_at = Outcome.PARKED, "failed", 0
+        else:
+            outcome, status = Outcome.FAILED, "pending"
+            retry_at = now_ms() + int(self.options.retry.delay(attempts) * 1000)
         fields = self._event_fields(
-            row, "pending", sink=failure.sink, error=failure.error, error_class=failure.error_class
+            row, status, sink=failure.sink, error=failure.error, error_class=failure.error_class
         )
-        fields["retry_count"] = row.retry_count + 1
-        log.warning("delivery failed", extra=fields)
-        retry_at = now_ms() + int(self.options.retry_delay * 1000)
-        return DeliveryResult(row.id, row.event_id, row.claim, Outcome.FAILED, failure.error, retry_at)
+        fields["retry_count"] = attempts
+        log.warning("delivery failed" if outcome is Outcome.FAILED else "delivery failed; event parked", extra=fields)
+        return DeliveryResult(row.id, row.event_id, row.claim, outcome, failure.error, retry_at)
 
     async def _deliver_one(self, row: OutboxRow) -> Failure | None:
         """Parse, route and deliver within ``publish_timeout``; ``None`` on success."""
@@ -185,8 +211,8 @@ class Dispatcher:
             sink_name, sink = route
             with anyio.fail_after(self.options.publish_timeout):
                 await sink.deliver(envelope)
-        except _BadEvent as exc:
-            return self._failure(sink_name, exc.error_class, str(exc))
+        except _BadEvent as exc:  # the event itself is unusable: retrying will not help
+            return self._failure(sink_name, exc.error_class, str(exc), permanent=True)
         except TimeoutError:
             text = f"{sink_name}: no answer within publish_timeout {self.options.publish_timeout:g}s"
             return self._failure(sink_name, "timeout", text)
@@ -209,7 +235,9 @@ class Dispatcher:
             raise _BadEvent(str(exc), "bad_envelope") from exc
         for field in ("event_id", "event_type", "room_id"):
             if getattr(envelope, field) != getattr(row, field):
-                mismatch = f"envelope {field} {getattr(envelope, field)!r} differs from the row's {getattr(row, field)!r}"
+                mismatch = (
+                    f"envelope {field} {getattr(envelope, field)!r} differs from the row's {getattr(row, field)!r}"
+                )
                 raise _BadEvent(mismatch, "bad_envelope")
         return envelope
 
@@ -265,6 +293,13 @@ class Dispatcher:
     def _describe(self) -> dict[str, object]:
         o = self.options
         return {"batch_size": o.batch_size, "poll_interval": o.poll_interval, "publish_timeout": o.publish_timeout}
+
+
+@dataclass(frozen=True)
+class Round:
+    claimed: int
+    #: The claim found fewer rows than a batch: wait ``poll_interval`` before the next.
+    exhausted: bool
 
 
 @dataclass(frozen=True)

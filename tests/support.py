@@ -122,6 +122,8 @@ def make_dispatcher(
     from room_outbox.routing import Router
 
     routes = {t: "test" for t in (event_types or KNOWN_EVENT_TYPES)}
+    from room_outbox.retry import RetryPolicy
+
     options.setdefault("poll_interval", 0.05)
-    options.setdefault("retry_delay", options["poll_interval"])
+    options.setdefault("retry", RetryPolicy(interval=options["poll_interval"]))
     return Dispatcher(store, Router({"test": sink}, routes), LaneOptions(**options), node_id)

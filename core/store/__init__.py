@@ -32,7 +32,8 @@ class OutboxRow:
 class Outcome(enum.Enum):
     PUBLISHED = "published"
     FAILED = "failed"  # stays pending: retry_count+1, last_error, retried after retry_at_ms
-    RELEASED = "released"  # not attempted (shutdown): lease dropped, nothing else changes
+    PARKED = "parked"  # status 'failed': retry_count+1, last_error; never retried unless requeued
+    RELEASED = "released"  # not attempted (shutdown, or held back by its room): lease dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,16 +47,31 @@ class DeliveryResult:
     retry_at_ms: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    rows: list[OutboxRow]
+    #: Results of the previous round whose claim no longer held their row.
+    stale: list[DeliveryResult]
+    #: The scan found fewer claimable rows than asked for: no need to come back at once.
+    exhausted: bool
+
+
 class OutboxStore(Protocol):
     async def migrate(self) -> list[str]:
         """Create or upgrade the schema idempotently; return what was changed."""
 
     async def claim(
-        self, claim: str, limit: int, lease_until_ms: int, results: Sequence[DeliveryResult] = ()
-    ) -> tuple[list[OutboxRow], list[DeliveryResult]]:
+        self,
+        claim: str,
+        limit: int,
+        lease_until_ms: int,
+        results: Sequence[DeliveryResult] = (),
+        per_room: bool = False,
+    ) -> Claimed:
         """Record ``results`` and claim up to ``limit`` pending rows, in one transaction.
 
-        Returns the claimed rows and the results that turned out stale.
+        With ``per_room``, a row is claimed only if no earlier pending row of its room is
+        left outside the claim (waiting for a retry, leased elsewhere, or skipped).
         """
 
     async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:

@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import aiomysql
 from pymysql.constants import CLIENT
 
-from room_outbox.store import DeliveryResult, OutboxRow, Outcome
+from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome
 
 TABLE = "room_outbox"
 
@@ -58,6 +58,8 @@ ADDED_COLUMNS = {
 }
 ADDED_INDEXES = {
     "idx_room_outbox_claim": "(status, lock_until_ms, id)",
+    # per-room ordering asks "which earlier rows of these rooms are still pending?"
+    "idx_room_outbox_room": "(room_id, status, id)",
 }
 REQUIRED_V1_COLUMNS = (
     "id", "app_code", "event_id", "event_type", "room_id", "envelope",
@@ -207,23 +209,47 @@ class MySQLStore:
     # -- the lane ------------------------------------------------------------------------
 
     async def claim(
-        self, claim: str, limit: int, lease_until_ms: int, results: Sequence[DeliveryResult] = ()
-    ) -> tuple[list[OutboxRow], list[DeliveryResult]]:
+        self,
+        claim: str,
+        limit: int,
+        lease_until_ms: int,
+        results: Sequence[DeliveryResult] = (),
+        per_room: bool = False,
+    ) -> Claimed:
         async with self.transaction() as cur:
             stale = await self._apply_results(cur, results)
             await cur.execute(CLAIM_SQL, (now_ms(), limit))
-            found = await cur.fetchall()
-            if found:
-                ids = [row[0] for row in found]
+            found = [
+                OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
+                for id, event_id, event_type, room_id, app_code, envelope, retries in await cur.fetchall()
+            ]
+            rows = await self._heads_of_rooms(cur, found) if per_room else found
+            if rows:
+                ids = [row.id for row in rows]
                 await cur.execute(
                     f"UPDATE {TABLE} SET worker_id = %s, lock_until_ms = %s WHERE id IN ({_marks(ids)})",
                     (claim, lease_until_ms, *ids),
                 )
-        rows = [
-            OutboxRow(id, eid, etype, room, app, env, retries, claim)
-            for id, eid, etype, room, app, env, retries in found
-        ]
-        return rows, stale
+        return Claimed(rows, stale, exhausted=len(found) < limit)
+
+    async def _heads_of_rooms(self, cur: aiomysql.Cursor, found: list[OutboxRow]) -> list[OutboxRow]:
+        """Keep a found row only if every earlier pending row of its room was found too.
+        Rows left out stay locked until commit, then are simply not leased."""
+        if not found:
+            return found
+        rooms = sorted({row.room_id for row in found})
+        found_ids = {row.id for row in found}
+        await cur.execute(
+            f"SELECT id, app_code, room_id FROM {TABLE} WHERE room_id IN ({_marks(rooms)})"
+            " AND status = 'pending' AND id < %s",
+            (*rooms, max(found_ids)),
+        )
+        first_outside: dict[tuple[str, str], int] = {}
+        for row_id, app_code, room_id in await cur.fetchall():
+            key = (app_code, room_id)
+            if row_id not in found_ids and row_id < first_outside.get(key, row_id + 1):
+                first_outside[key] = row_id
+        return [r for r in found if r.id < first_outside.get((r.app_code, r.room_id), r.id + 1)]
 
     async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
         if not results:
@@ -268,12 +294,21 @@ class MySQLStore:
             await cur.execute(
                 f"UPDATE {TABLE} SET worker_id = NULL, lock_until_ms = 0 WHERE id IN ({_marks(released)})", released
             )
-        failed = [r for r in held if r.outcome is Outcome.FAILED]
+        failed = [r for r in held if r.outcome in (Outcome.FAILED, Outcome.PARKED)]
         if failed:
             await cur.executemany(
-                f"UPDATE {TABLE} SET retry_count = retry_count + 1, last_error = %s, worker_id = NULL,"
+                f"UPDATE {TABLE} SET status = %s, retry_count = retry_count + 1, last_error = %s, worker_id = NULL,"
                 " lock_until_ms = %s, updated_at_ms = %s WHERE id = %s",
-                [((r.error or "unknown error")[:LAST_ERROR_MAX], r.retry_at_ms, now, r.row_id) for r in failed],
+                [
+                    (
+                        "failed" if r.outcome is Outcome.PARKED else "pending",
+                        (r.error or "unknown error")[:LAST_ERROR_MAX],
+                        r.retry_at_ms,
+                        now,
+                        r.row_id,
+                    )
+                    for r in failed
+                ],
             )
         return stale
 

@@ -18,11 +18,11 @@ pytestmark = pytest.mark.anyio
 async def test_a_claim_leases_rows_to_its_claimant(store: MySQLStore) -> None:
     await insert_events(store, [envelope(f"e{i}") for i in range(5)])
     until = now_ms() + 60_000
-    rows, _ = await store.claim("a#1", 3, until)
+    rows = (await store.claim("a#1", 3, until)).rows
     assert [r.event_id for r in rows] == ["e0", "e1", "e2"]
     leased = await fetch_rows(store)
     assert [(leased[f"e{i}"]["worker_id"], leased[f"e{i}"]["lock_until_ms"]) for i in range(3)] == [("a#1", until)] * 3
-    others, _ = await store.claim("b#1", 10, now_ms() + 60_000)
+    others = (await store.claim("b#1", 10, now_ms() + 60_000)).rows
     assert [r.event_id for r in others] == ["e3", "e4"]  # leased rows are not claimable
 
 
@@ -31,7 +31,7 @@ async def test_concurrent_claims_skip_locked_rows(store: MySQLStore) -> None:
     results: dict[str, list[str]] = {}
 
     async def claim(name: str) -> None:
-        rows, _ = await store.claim(name, 60, now_ms() + 60_000)
+        rows = (await store.claim(name, 60, now_ms() + 60_000)).rows
         results[name] = [r.event_id for r in rows]
 
     async with anyio.create_task_group() as tg:
@@ -43,8 +43,8 @@ async def test_concurrent_claims_skip_locked_rows(store: MySQLStore) -> None:
 
 async def test_a_stale_claimant_changes_nothing_and_is_reported(store: MySQLStore) -> None:
     await insert_events(store, [envelope("e1")])
-    (row,), _ = await store.claim("a#1", 10, now_ms() - 1)  # a lease that has already run out
-    (taken,), _ = await store.claim("b#1", 10, now_ms() + 60_000)  # another process takes over
+    (row,) = (await store.claim("a#1", 10, now_ms() - 1)).rows  # a lease that has already run out
+    (taken,) = (await store.claim("b#1", 10, now_ms() + 60_000)).rows  # another process takes over
     assert taken.event_id == "e1"
     late = DeliveryResult(row.id, row.event_id, "a#1", Outcome.FAILED, "late failure", 0)
     assert await store.record([late]) == [late]
@@ -56,7 +56,7 @@ async def test_a_stale_claimant_changes_nothing_and_is_reported(store: MySQLStor
 
 async def test_a_result_for_a_row_the_producer_published_is_stale(store: MySQLStore) -> None:
     await insert_events(store, [envelope("e1")])
-    (row,), _ = await store.claim("a#1", 10, now_ms() + 60_000)
+    (row,) = (await store.claim("a#1", 10, now_ms() + 60_000)).rows
     async with store.transaction() as cur:  # room-service's synchronous push succeeded meanwhile
         await cur.execute("UPDATE room_outbox SET status='published' WHERE event_id=%s", ("e1",))
     failure = DeliveryResult(row.id, "e1", "a#1", Outcome.FAILED, "boom", 0)
@@ -66,7 +66,7 @@ async def test_a_result_for_a_row_the_producer_published_is_stale(store: MySQLSt
 
 async def test_a_crashed_processs_rows_are_taken_over_after_the_lease(store: MySQLStore) -> None:
     await insert_events(store, [envelope(f"e{i}") for i in range(3)])
-    crashed, _ = await store.claim("crashed#1", 10, now_ms() + 300)  # claimed, then the process died
+    crashed = (await store.claim("crashed#1", 10, now_ms() + 300)).rows  # claimed, then the process died
     assert len(crashed) == 3
     sink = RecordingSink()
     survivor = make_dispatcher(store, sink, node_id="survivor")

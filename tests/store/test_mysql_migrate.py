@@ -41,6 +41,7 @@ async def test_upgrades_a_v1_table_in_place_keeping_its_rows(database_dsn: str) 
             "added column room_outbox.worker_id",
             "added column room_outbox.lock_until_ms",
             "added index room_outbox.idx_room_outbox_claim",
+            "added index room_outbox.idx_room_outbox_room",
         }
         assert await store.migrate() == []
         row = (await fetch_rows(store))["e_old"]

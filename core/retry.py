@@ -1,0 +1,62 @@
+"""When a failed event is tried again, and when it is given up on (parked).
+
+* ``fixed_interval`` (seed 000, the V1 default): after ``poll_interval``, forever.
+* ``linear`` (seed 001): ``base × attempts``, capped at ``cap``.
+* ``exponential``: ``base × factor^(attempts-1)``, capped at ``cap``.
+
+Linear and exponential delays are spread by ± ``jitter`` so that events failing together (an
+IM outage) do not come back together. With ``parking`` on, a permanent failure, or the
+failure that uses up ``max_attempts``, parks the event as ``failed``; without it the event
+stays pending and is retried for ever (seed 000: room messages are never dropped silently).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from room_outbox.config import OutboxWorkerSettings
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    strategy: str = "fixed_interval"
+    interval: float = 1.0  # fixed_interval's delay: the poll interval
+    base: float = 1.0
+    factor: float = 2.0
+    cap: float = 300.0
+    jitter: float = 0.0
+    max_attempts: int = 0
+    parking: bool = False
+
+    @classmethod
+    def from_settings(cls, worker: OutboxWorkerSettings) -> RetryPolicy:
+        retry = worker.retry
+        return cls(
+            strategy=worker.retry_strategy,
+            interval=worker.poll_interval,
+            base=retry.base,
+            factor=retry.factor,
+            cap=retry.cap,
+            jitter=retry.jitter,
+            max_attempts=retry.max_attempts,
+            parking=worker.parking,
+        )
+
+    def delay(self, attempts: int) -> float:
+        """Seconds to wait after the ``attempts``-th failed attempt (1 for the first)."""
+        if self.strategy == "fixed_interval":
+            return self.interval
+        if self.strategy == "linear":
+            raw = self.base * attempts
+        else:
+            # min() before the power would overflow for large attempt counts.
+            raw = self.cap if attempts > 64 else self.base * self.factor ** (attempts - 1)
+        delay = min(raw, self.cap)
+        return delay * (1 + random.uniform(-self.jitter, self.jitter)) if self.jitter else delay
+
+    def parks(self, attempts: int, permanent: bool) -> bool:
+        """Whether the failure that makes ``attempts`` attempts ends the event's retries."""
+        if not self.parking:
+            return False
+        return permanent or (self.max_attempts > 0 and attempts >= self.max_attempts)
