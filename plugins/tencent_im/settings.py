@@ -17,7 +17,7 @@ from __future__ import annotations
 import string
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 
 from room_outbox.config import Duration
 from room_outbox.sink import SinkSettings
@@ -73,9 +73,9 @@ class TencentIMSettings(SinkSettings):
     identifier: str = "administrator"
     secret_key: SecretStr = Field(default=SecretStr(""), validate_default=True)
     #: app_code values served by the default app.
-    default_app_codes: list[str] = ["", "default"]
+    default_app_codes: list[str] = Field(default_factory=lambda: ["", "default"])
     #: More apps: app_code → credentials.
-    apps: dict[str, AppCredentials] = {}
+    apps: dict[str, AppCredentials] = Field(default_factory=dict)
 
     # -- messages ------------------------------------------------------------------------
     group_id_template: str = "{room_id}"
@@ -157,12 +157,13 @@ class TencentIMSettings(SinkSettings):
                 merged[code] = entry
         return merged
 
-    @model_validator(mode="after")
-    def _no_overlap(self) -> TencentIMSettings:
-        clash = sorted(set(self.apps) & set(self.default_app_codes))
+    @field_validator("apps")
+    @classmethod
+    def _no_overlap(cls, value: dict[str, AppCredentials], info: ValidationInfo) -> dict[str, AppCredentials]:
+        clash = sorted(set(value) & set(info.data.get("default_app_codes", ())))
         if clash:
-            raise ValueError(f"apps: app codes {clash} are also in default_app_codes; list each app code once")
-        return self
+            raise ValueError(f"app codes {clash} are also in default_app_codes; list each app code once")
+        return value
 
     def priority_for(self, event_type: str) -> Priority:
         return self.msg_priority.get(event_type, self.default_msg_priority)

@@ -9,7 +9,6 @@ HTTP status or ErrorCode/ErrorInfo, never the key, the UserSig or the response b
 from __future__ import annotations
 
 import json
-import logging
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +82,9 @@ class TencentIMSink:
     def _make_app(self, name: str, sdkappid: int, identifier: str, base_url: str, key: str) -> TencentApp:
         self._remember_secret(key)
         usersig = UserSigCache(sdkappid, identifier, key, int(self.settings.usersig_ttl), on_new=self._remember_secret)
-        return TencentApp(name, sdkappid, identifier, base_url, usersig, SlidingWindowLimiter(self.settings.app_rate_limit))
+        return TencentApp(
+            name, sdkappid, identifier, base_url, usersig, SlidingWindowLimiter(self.settings.app_rate_limit)
+        )
 
     def _remember_secret(self, secret: str) -> None:
         self._secrets.add(secret)
@@ -171,13 +172,17 @@ class TencentIMSink:
         try:
             code = int(answer.get("ErrorCode", 0))
         except (TypeError, ValueError):
-            raise RetryableSinkError(f"unexpected answer from Tencent IM: ErrorCode is not a number (GroupId {group_id})") from None
+            raise RetryableSinkError(
+                f"unexpected answer from Tencent IM: ErrorCode is not a number (GroupId {group_id})"
+            ) from None
         if answer.get("ActionStatus") != "OK" or code != 0:
             raise error_for_code(code or -1, str(answer.get("ErrorInfo", "")), f"GroupId {group_id}, app {app.name}")
         drop = answer.get("MsgDropReason")
         if drop:
             # Accepted, then dropped by Tencent's rate control: not delivered, so not a success.
-            raise RetryableSinkError(f"Tencent IM dropped the message: MsgDropReason {short_info(str(drop))} (GroupId {group_id})")
+            raise RetryableSinkError(
+                f"Tencent IM dropped the message: MsgDropReason {short_info(str(drop))} (GroupId {group_id})"
+            )
 
     def _scrub(self, exc: BaseException) -> str:
         text = short_info(f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,190 @@
+"""What the sink makes of every kind of answer (DESIGN.md §2.3), and what its errors say."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from im_support import event, make_sink
+
+from room_outbox.plugins.tencent_im.errors import PERMANENT_CODES, RETRYABLE_CODES
+from room_outbox.plugins.tencent_im.settings import TencentIMSettings
+from room_outbox.plugins.tencent_im.sink import TencentIMSink
+from room_outbox.sink import PermanentSinkError, RetryableSinkError, SinkContext
+from room_outbox.testing import DEV_KEY, DEV_SDKAPPID, FakeTencentIM
+
+pytestmark = pytest.mark.anyio
+
+DESIGN_RETRYABLE = [10002, 10006, 10023, 60007, 60008, 60011, 60014, 60018, 60019]
+DESIGN_PERMANENT = [10003, 10004, 10007, 10010, 10015, 10016, 10017, 80001, 80002,
+                    70003, 70009, 70013, 70014, 70016, 70020, 70051, 70107]  # fmt: skip
+
+
+def test_tables_match_design() -> None:
+    assert set(DESIGN_RETRYABLE) | {70001} == RETRYABLE_CODES
+    assert set(DESIGN_PERMANENT) == PERMANENT_CODES
+
+
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [(c, RetryableSinkError) for c in [*DESIGN_RETRYABLE, 12345]]  # an unknown code: retryable
+    + [(c, PermanentSinkError) for c in DESIGN_PERMANENT],
+)
+async def test_error_code_classification(fake: FakeTencentIM, code: int, kind: type[Exception]) -> None:
+    secrets: list[str] = []
+    sink = make_sink(fake, secrets)
+    fake.set_faults(fail_next=[code])
+    try:
+        with pytest.raises(kind) as info:
+            await sink.deliver(event("e1"))
+    finally:
+        await sink.aclose()
+    assert type(info.value) is kind
+    text = str(info.value)
+    assert f"ErrorCode {code}" in text and "injected failure" in text  # code and ErrorInfo
+    assert secrets and not any(secret in text for secret in secrets)  # neither key nor UserSig
+    assert fake.messages == []
+
+
+async def test_usersig_expired_is_regenerated_once_and_retried(fake: FakeTencentIM) -> None:
+    secrets: list[str] = []
+    sink = make_sink(fake, secrets)
+    fake.set_faults(fail_next=[70001])
+    try:
+        await sink.deliver(event("e1"))
+        assert fake.event_ids() == ["e1"]
+        assert [a.error_code for a in fake.arrivals] == [70001, 0]
+        assert len(secrets) == 3  # the key, the first UserSig, the regenerated one
+
+        fake.set_faults(fail_next=[70001, 70001])  # still expired after regenerating: retry later
+        with pytest.raises(RetryableSinkError, match="ErrorCode 70001"):
+            await sink.deliver(event("e2"))
+        assert [a.error_code for a in fake.arrivals][-2:] == [70001, 70001]
+    finally:
+        await sink.aclose()
+
+
+async def test_msg_drop_reason_is_a_retryable_failure(fake: FakeTencentIM) -> None:
+    sink = make_sink(fake)
+    fake.set_faults(drop_rate=1.0)
+    try:
+        with pytest.raises(RetryableSinkError, match="MsgDropReason MsgFreqCtrl"):
+            await sink.deliver(event("e1"))
+    finally:
+        await sink.aclose()
+    assert fake.messages == []
+
+
+async def test_http_5xx_is_retryable_and_never_quotes_the_body(fake: FakeTencentIM) -> None:
+    sink = make_sink(fake)
+    fake.set_faults(http_error_rate=1.0, http_status=503)
+    try:
+        with pytest.raises(RetryableSinkError) as info:
+            await sink.deliver(event("e1"))
+    finally:
+        await sink.aclose()
+    assert "HTTP 503" in str(info.value) and "html" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (200, b"<html>proxy says hi</html>"),  # not JSON
+        (200, b'{"unexpected": true}'),  # JSON, but not Tencent's answer
+        (200, b"[1, 2]"),
+        (404, b'{"ActionStatus": "OK", "ErrorCode": 0}'),  # non-200, whatever the body
+        (301, b""),
+    ],
+)
+async def test_unexpected_answers_are_retryable(status: int, body: bytes) -> None:
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
+    settings = TencentIMSettings(base_url="https://im.invalid", sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY)
+    sink = TencentIMSink(settings, SinkContext("t", __import__("logging").getLogger("t")), transport=transport)
+    try:
+        with pytest.raises(RetryableSinkError) as info:
+            await sink.deliver(event("e1"))
+    finally:
+        await sink.aclose()
+    assert "proxy says hi" not in str(info.value)
+
+
+async def test_error_info_is_bounded_and_masks_a_usersig() -> None:
+    info = "bad usersig=eJyrVgrxCdYrSy1S&x " + "y" * 1000
+    answer = {"ActionStatus": "FAIL", "ErrorCode": 70009, "ErrorInfo": info}
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=answer))
+    settings = TencentIMSettings(base_url="https://im.invalid", sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY)
+    sink = TencentIMSink(settings, SinkContext("t", __import__("logging").getLogger("t")), transport=transport)
+    try:
+        with pytest.raises(PermanentSinkError) as error:
+            await sink.deliver(event("e1"))
+    finally:
+        await sink.aclose()
+    text = str(error.value)
+    assert "eJyrVgrxCdYrSy1S" not in text and "usersig=[REDACTED]" in text
+    assert len(text) < 300
+
+
+async def test_timeouts_and_refused_connections_are_retryable(fake: FakeTencentIM) -> None:
+    sink = make_sink(fake, request_timeout="200ms")
+    fake.set_faults(hang_rate=1.0)
+    try:
+        with pytest.raises(RetryableSinkError, match="timeout"):
+            await sink.deliver(event("e1"))
+    finally:
+        await sink.aclose()
+    closed = make_sink(fake, base_url="http://127.0.0.1:9")  # discard port: nothing listens
+    try:
+        with pytest.raises(RetryableSinkError, match="network error"):
+            await closed.deliver(event("e1"))
+    finally:
+        await closed.aclose()
+
+
+async def test_oversized_message_is_permanent_without_a_request(fake: FakeTencentIM) -> None:
+    sink = make_sink(fake)
+    try:
+        with pytest.raises(PermanentSinkError, match=r"at most 8000"):
+            await sink.deliver(event("big", payload={"blob": "x" * 8000}))
+        await sink.deliver(event("fits", payload={"blob": "x" * 7700}))
+    finally:
+        await sink.aclose()
+    assert [a.group_id for a in fake.arrivals] == ["r_1"]  # only the one that fits was sent
+    assert fake.event_ids() == ["fits"]
+
+
+async def test_the_fake_refuses_what_the_sink_would_have_refused(fake: FakeTencentIM) -> None:
+    """The client-side size check matches Tencent's rule as the fake implements it."""
+    sink = make_sink(fake, max_message_bytes=12000)
+    try:
+        with pytest.raises(PermanentSinkError, match="ErrorCode 80002"):
+            await sink.deliver(event("big", payload={"blob": "x" * 8000}))
+    finally:
+        await sink.aclose()
+
+
+async def test_app_code_without_credentials_fails_clearly(fake: FakeTencentIM) -> None:
+    sink = make_sink(fake)
+    try:
+        with pytest.raises(PermanentSinkError, match=r"no Tencent IM credentials for app_code 'game2'.*apps\.game2"):
+            await sink.deliver(event("e1", app_code="game2"))
+    finally:
+        await sink.aclose()
+    assert fake.arrivals == []
+
+
+async def test_each_app_code_uses_its_own_credentials(fake: FakeTencentIM) -> None:
+    fake.apps[1400000002] = "second-app-key"
+    sink = make_sink(fake, apps={"game2": {"sdkappid": 1400000002, "secret_key": "second-app-key"}})
+    try:
+        await sink.deliver(event("a", app_code="default"))
+        await sink.deliver(event("b", app_code=""))
+        await sink.deliver(event("c", app_code="game2"))
+    finally:
+        await sink.aclose()
+    assert [(m.event_id, m.sdkappid) for m in fake.messages] == [
+        ("a", DEV_SDKAPPID),
+        ("b", DEV_SDKAPPID),
+        ("c", 1400000002),
+    ]
+    assert json.loads(fake.messages[2].data or "")["app_code"] == "game2"

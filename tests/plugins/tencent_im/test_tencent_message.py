@@ -1,0 +1,81 @@
+"""The request the sink sends: body shape, Random, priority, group id, de-duplication."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from im_support import event, make_sink
+
+from room_outbox.plugins.tencent_im.message import random_for
+from room_outbox.testing import FakeTencentIM
+
+pytestmark = pytest.mark.anyio
+
+
+def test_random_is_a_stable_u32_of_the_event_id() -> None:
+    # A fixed value: a change of the derivation would break de-duplication against
+    # messages already sent by a previous version (or by room-service, if it copies it).
+    assert random_for("evt_1") == int.from_bytes(hashlib.sha256(b"evt_1").digest()[:4], "big") == 0x7D4E5A76
+    assert random_for("evt_1") == random_for("evt_1")
+    values = {random_for(f"evt_{i}") for i in range(10_000)}
+    assert all(0 <= v < 2**32 for v in values)
+    assert len(values) >= 9_990  # birthday bound: ~0.012 expected collisions among 10k
+
+
+async def test_body_carries_one_custom_element_with_the_envelope(fake: FakeTencentIM) -> None:
+    sink = make_sink(fake)
+    envelope = event("evt_1", "RoomUserJoined", "r_42", room_version=7, payload={"user_id": "u1", "名字": "小军"})
+    try:
+        await sink.deliver(envelope)
+    finally:
+        await sink.aclose()
+    (message,) = fake.messages
+    assert message.group_id == "r_42"
+    assert message.random == random_for("evt_1")
+    assert message.priority == "Normal"
+    assert [e["MsgType"] for e in message.msg_body] == ["TIMCustomElem"]
+    assert message.data is not None and " " not in message.data  # compact JSON
+    assert json.loads(message.data) == {
+        "event_id": "evt_1",
+        "event_type": "RoomUserJoined",
+        "app_code": "default",
+        "room_id": "r_42",
+        "room_version": 7,
+        "occurred_at_ms": 1764400000000,
+        "payload": {"user_id": "u1", "名字": "小军"},
+    }
+
+
+async def test_priority_per_event_type(fake: FakeTencentIM) -> None:
+    sink = make_sink(fake, msg_priority={"RoomUserLeft": "Low", "RoomClosed": "Normal"})
+    types = ["RoomGiftSent", "RoomUserKicked", "RoomClosed", "RoomUserLeft", "RoomMicChanged"]
+    try:
+        for i, event_type in enumerate(types):
+            await sink.deliver(event(f"e{i}", event_type))
+    finally:
+        await sink.aclose()
+    # Defaults High for gifts/kicks/close, a configured type overrides only itself.
+    assert [m.priority for m in fake.messages] == ["High", "High", "Normal", "Low", "Normal"]
+
+
+async def test_group_id_template(fake: FakeTencentIM) -> None:
+    sink = make_sink(fake, group_id_template="@TGS#{app_code}_{room_id}")
+    try:
+        await sink.deliver(event("e1", room_id="r_9"))
+    finally:
+        await sink.aclose()
+    assert fake.messages[0].group_id == "@TGS#default_r_9"
+
+
+async def test_a_retried_event_is_deduplicated_by_tencent(fake: FakeTencentIM) -> None:
+    sink = make_sink(fake)
+    try:
+        for _ in range(3):
+            await sink.deliver(event("evt_same"))
+        await sink.deliver(event("evt_other"))
+    finally:
+        await sink.aclose()
+    assert fake.event_ids() == ["evt_same", "evt_other"]
+    assert fake.duplicates == 2 and len(fake.arrivals) == 4
