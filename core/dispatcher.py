@@ -33,6 +33,7 @@ from room_outbox.routing import Router
 from room_outbox.sink import PermanentSinkError, SinkError
 from room_outbox.store import DeliveryResult, OutboxRow, OutboxStore, Outcome
 from room_outbox.store.mysql import LAST_ERROR_MAX, now_ms
+from room_outbox.telemetry import NO_ATTEMPT, DeliveryAttempt, Telemetry
 
 log = logging.getLogger("room_outbox.dispatcher")
 
@@ -68,12 +69,15 @@ class Dispatcher:
         options: LaneOptions,
         node_id: str,
         redactor: Redactor | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.store = store
         self.router = router
         self.options = options
         self.node_id = node_id
         self.redactor = redactor or Redactor()
+        #: Spans and metrics; the default records nothing and costs next to nothing.
+        self.telemetry = telemetry or Telemetry()
         self._claim_numbers = itertools.count(1)
         self._unrecorded: list[DeliveryResult] = []
         self._stopping = anyio.Event()
@@ -120,6 +124,7 @@ class Dispatcher:
         )
         self._unrecorded = []
         self._report_stale(claimed.stale)
+        self.telemetry.claimed(len(claimed.rows))
         if claimed.rows:
             self._unrecorded = await self._deliver_batch(claim, claimed.rows)
         return Round(len(claimed.rows), claimed.exhausted)
@@ -183,7 +188,9 @@ class Dispatcher:
 
     async def _attempt(self, row: OutboxRow) -> DeliveryResult:
         """Deliver one event and turn what happened into the result to record."""
-        failure = await self._deliver_one(row)
+        attempt = self.telemetry.attempt(row)
+        failure = await self._deliver_one(row, attempt)
+        attempt.finish(failure)
         if failure is None:
             log.debug("published", extra=self._event_fields(row, "published"))
             return DeliveryResult(row.id, row.event_id, row.claim, Outcome.PUBLISHED)
@@ -200,16 +207,17 @@ class Dispatcher:
         log.warning("delivery failed" if outcome is Outcome.FAILED else "delivery failed; event parked", extra=fields)
         return DeliveryResult(row.id, row.event_id, row.claim, outcome, failure.error, retry_at)
 
-    async def _deliver_one(self, row: OutboxRow) -> Failure | None:
+    async def _deliver_one(self, row: OutboxRow, attempt: DeliveryAttempt = NO_ATTEMPT) -> Failure | None:
         """Parse, route and deliver within ``publish_timeout``; ``None`` on success."""
         sink_name = "-"
         try:
             envelope = self._envelope_of(row)
+            attempt.parsed(envelope)  # its traceparent makes the attempt part of the producer's trace
             route = self.router.sink_for(row.event_type)
             if route is None:
                 raise _BadEvent(f"no sink for event_type {row.event_type}", "no_route")
             sink_name, sink = route
-            with anyio.fail_after(self.options.publish_timeout):
+            with attempt.delivering(sink_name), anyio.fail_after(self.options.publish_timeout):
                 await sink.deliver(envelope)
         except _BadEvent as exc:  # the event itself is unusable: retrying will not help
             return self._failure(sink_name, exc.error_class, str(exc), permanent=True)
@@ -244,6 +252,7 @@ class Dispatcher:
     async def _keep_lease(self, claim: str, row_ids: list[int]) -> None:
         """Renew the batch's lease every third of its length until cancelled."""
         interval = self.options.lease / 3
+        lost = 0  # rows already counted as lost: a later renewal finds them gone again
         while True:
             await anyio.sleep(interval)
             try:
@@ -252,6 +261,8 @@ class Dispatcher:
                 log.error("lease renewal failed", extra={"claim": claim, "error": self._short(str(exc))})
                 continue
             if held < len(row_ids):
+                self.telemetry.leases_lost(len(row_ids) - held - lost, "renewal")
+                lost = max(lost, len(row_ids) - held)
                 log.warning(
                     "lease lost on some rows (published by the producer or taken over)",
                     extra={"claim": claim, "rows": len(row_ids), "held": held},
@@ -269,6 +280,7 @@ class Dispatcher:
             )
 
     def _report_stale(self, stale: Sequence[DeliveryResult]) -> None:
+        self.telemetry.leases_lost(len(stale), "result_write")
         for result in stale:
             log.warning(
                 "result not recorded: the claim no longer holds the row (lease taken over or already published)",

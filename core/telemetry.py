@@ -1,20 +1,63 @@
-"""Structured logs: one JSON object per line on stderr, with seed 000's fields.
+"""Telemetry: structured logs, and the :class:`Telemetry` the dispatcher records into.
 
-Every line carries ``worker`` ("room_outbox") and ``node_id``; event lines add ``event_id``,
-``event_type``, ``room_id``, ``retry_count``, ``status``, ``error`` (passed as ``extra=``).
-The whole line goes through the :class:`~room_outbox.redaction.Redactor` last, so a secret
-that slipped into a message or an exception is still masked.
+**Logs.** One JSON object per line on stderr, with seed 000's fields. Every line carries
+``worker`` ("room_outbox") and ``node_id``; event lines add ``event_id``, ``event_type``,
+``room_id``, ``retry_count``, ``status``, ``error`` (passed as ``extra=``), and a line written
+inside a traced delivery adds ``trace_id`` and ``span_id``. The whole line goes through the
+:class:`~room_outbox.redaction.Redactor` last, so a secret that slipped into a message or an
+exception is still masked.
+
+**Traces and metrics** (:mod:`room_outbox.tracing`, :mod:`room_outbox.metrics`) are set up
+from the standard OpenTelemetry environment by :func:`telemetry_from_environment`:
+
+* ``OTEL_SDK_DISABLED=true``: nothing, whatever else is set.
+* ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: comma-separated ``otlp``, ``console``
+  or ``none``. Unset, OTLP is used when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the signal's own
+  ``…_TRACES_ENDPOINT`` / ``…_METRICS_ENDPOINT``) is set, and nothing otherwise: unlike the
+  SDK's default, an unconfigured process does not try to reach a collector that is not there.
+* ``OTEL_EXPORTER_OTLP[_TRACES|_METRICS]_PROTOCOL``: ``http/protobuf`` (default) or ``grpc``;
+  endpoint, headers, timeouts, ``OTEL_TRACES_SAMPLER``, ``OTEL_SERVICE_NAME``,
+  ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_METRIC_EXPORT_INTERVAL`` are read by the SDK itself.
+
+With no span exporter the dispatcher gets no tracer at all and with no metric reader a no-op
+meter, so an unconfigured process pays a few attribute look-ups per delivery attempt.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
-from typing import IO, Any
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from typing import IO, TYPE_CHECKING, Any
 
+import anyio
+from opentelemetry import trace
+from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
+from opentelemetry.sdk.metrics import MeterProvider as SDKMeterProvider
+from opentelemetry.sdk.metrics.export import (
+    ConsoleMetricExporter,
+    InMemoryMetricReader,
+    MetricExporter,
+    MetricReader,
+    PeriodicExportingMetricReader,
+)
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+from room_outbox.config import ConfigError
+from room_outbox.metrics import OutboxMetrics, render_prometheus
 from room_outbox.redaction import Redactor
+from room_outbox.tracing import SCOPE, AttemptSpan, RedactingSpanExporter
+
+if TYPE_CHECKING:
+    from room_outbox.dispatcher import Failure
+    from room_outbox.envelope import EventEnvelope
+    from room_outbox.store import OutboxRow
 
 WORKER = "room_outbox"
 _RECORD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
@@ -38,6 +81,10 @@ class JsonFormatter(logging.Formatter):
         for key, value in vars(record).items():
             if key not in _RECORD_ATTRS and not key.startswith("_"):
                 doc[key] = value
+        span_context = trace.get_current_span().get_span_context()
+        if span_context.is_valid:  # ties a sink's log line to the attempt's span
+            doc["trace_id"] = trace.format_trace_id(span_context.trace_id)
+            doc["span_id"] = trace.format_span_id(span_context.span_id)
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return self.redactor.redact(json.dumps(doc, default=str, ensure_ascii=False))
@@ -50,3 +97,216 @@ def configure_logging(level: str, node_id: str, redactor: Redactor, stream: IO[s
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+# -- traces and metrics ---------------------------------------------------------------------
+
+
+class Telemetry:
+    """What the dispatcher and the lifecycle record into. ``Telemetry()`` records nothing,
+    cheaply; tests pass SDK providers with in-memory exporters/readers."""
+
+    def __init__(
+        self,
+        tracer_provider: trace.TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+        prometheus: InMemoryMetricReader | None = None,
+    ) -> None:
+        self.tracer = tracer_provider.get_tracer(SCOPE) if tracer_provider is not None else None
+        #: True when some reader or exporter consumes metrics (the backlog timer runs only then).
+        self.metrics_enabled = meter_provider is not None
+        self.metrics = OutboxMetrics((meter_provider or NoOpMeterProvider()).get_meter(SCOPE))
+        self._prometheus = prometheus
+        self._providers: list[Any] = [p for p in (tracer_provider, meter_provider) if p is not None]
+
+    def attempt(self, row: OutboxRow) -> DeliveryAttempt:
+        """Start observing one delivery attempt of ``row``."""
+        if self.tracer is None and not self.metrics_enabled:
+            return NO_ATTEMPT
+        return DeliveryAttempt(self, row)
+
+    def claimed(self, rows: int) -> None:
+        if self.metrics_enabled:
+            self.metrics.claimed.record(rows)
+
+    def leases_lost(self, rows: int, detected_at: str) -> None:
+        """``detected_at``: ``renewal`` (the renewal found rows gone) or ``result_write``
+        (a result could not be written because the claim no longer held the row)."""
+        if rows > 0 and self.metrics_enabled:
+            self.metrics.lost_leases.add(rows, {"detected_at": detected_at})
+
+    def backlog(self, pending: int, oldest_pending_age_ms: int) -> None:
+        self.metrics.pending.set(pending)
+        self.metrics.oldest_pending_age.set(oldest_pending_age_ms)
+
+    @property
+    def serves_prometheus(self) -> bool:
+        return self._prometheus is not None
+
+    def prometheus_text(self) -> str:
+        """The current metrics in Prometheus text format ("" without a Prometheus reader)."""
+        return render_prometheus(self._prometheus.get_metrics_data()) if self._prometheus else ""
+
+    async def aclose(self) -> None:
+        """Flush and stop exporters (they block on network I/O: run off the event loop)."""
+        for provider in self._providers:
+            if hasattr(provider, "shutdown"):
+                await anyio.to_thread.run_sync(provider.shutdown)
+        self._providers = []
+
+
+class DeliveryAttempt:
+    """One delivery attempt being observed: its span (when tracing) and its metrics."""
+
+    __slots__ = ("_row", "_sink", "_span", "_t0", "_telemetry")
+
+    def __init__(self, telemetry: Telemetry, row: OutboxRow) -> None:
+        self._telemetry = telemetry
+        self._row = row
+        self._t0 = time.perf_counter()
+        self._sink = "-"
+        self._span = (
+            AttemptSpan(telemetry.tracer, row.event_id, row.event_type, row.room_id, row.app_code, row.retry_count)
+            if telemetry.tracer is not None
+            else None
+        )
+
+    def parsed(self, envelope: EventEnvelope) -> None:
+        """The envelope parsed: its ``traceparent`` becomes the span's parent."""
+        if self._span is not None:
+            self._span.parsed(envelope)
+
+    def delivering(self, sink: str) -> AbstractContextManager[None]:
+        """Around the sink call: the attempt's span is current, so the sink's spans nest."""
+        self._sink = sink
+        return self._span.delivering(sink) if self._span is not None else nullcontext()
+
+    def finish(self, failure: Failure | None) -> None:
+        """End the span and record the outcome; ``failure`` is ``None`` on success."""
+        elapsed_ms = (time.perf_counter() - self._t0) * 1000
+        sink = failure.sink if failure is not None else self._sink
+        if self._span is not None:
+            if failure is None:
+                self._span.finish(sink, None, None)
+            else:
+                self._span.finish(sink, failure.error_class, failure.error)
+        metrics = self._telemetry.metrics
+        labels = {"sink": sink, "event_type": self._row.event_type}
+        if failure is None:
+            metrics.success.add(1, labels)
+            metrics.latency.record(elapsed_ms, {**labels, "outcome": "published"})
+        else:
+            metrics.failure.add(1, {**labels, "error_class": failure.error_class})
+            metrics.latency.record(elapsed_ms, {**labels, "outcome": "failed"})
+
+
+class _NoAttempt(DeliveryAttempt):
+    """Shared by every attempt when nothing is recorded: no clock, no allocation."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        pass
+
+    def parsed(self, envelope: EventEnvelope) -> None:
+        pass
+
+    def delivering(self, sink: str) -> AbstractContextManager[None]:
+        return _NULL_CONTEXT
+
+    def finish(self, failure: Failure | None) -> None:
+        pass
+
+
+_NULL_CONTEXT: AbstractContextManager[None] = nullcontext()
+#: The attempt that observes nothing.
+NO_ATTEMPT: DeliveryAttempt = _NoAttempt()
+
+_TRACE_EXPORTERS = ("otlp", "console", "none")
+_METRIC_EXPORTERS = ("otlp", "console", "prometheus", "none")
+
+
+def telemetry_from_environment(
+    node_id: str,
+    redactor: Redactor,
+    prometheus: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> Telemetry:
+    """Build :class:`Telemetry` from the ``OTEL_*`` environment (see the module docstring).
+    ``prometheus``: keep metrics for the HTTP endpoint's ``/metrics``. Raises
+    :class:`~room_outbox.config.ConfigError` naming the variable on an unknown exporter."""
+    env = os.environ if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return Telemetry()
+    span_exporters = [RedactingSpanExporter(e, redactor) for e in _span_exporters(env)]
+    readers: list[MetricReader] = [PeriodicExportingMetricReader(e) for e in _metric_exporters(env)]
+    prometheus_reader = InMemoryMetricReader() if prometheus else None
+    if prometheus_reader is not None:
+        readers.append(prometheus_reader)
+    resource = _resource(node_id)
+    tracer_provider = None
+    if span_exporters:
+        tracer_provider = TracerProvider(resource=resource)
+        for exporter in span_exporters:
+            tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
+    meter_provider = SDKMeterProvider(resource=resource, metric_readers=readers) if readers else None
+    return Telemetry(tracer_provider, meter_provider, prometheus_reader)
+
+
+def _resource(node_id: str) -> Resource:
+    resource = Resource.create({"service.instance.id": node_id})  # + OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": "room-outbox"}))
+    return resource
+
+
+def _names(env: Mapping[str, str], variable: str, allowed: tuple[str, ...], signal: str) -> list[str]:
+    raw = env.get(variable)
+    if raw is None or not raw.strip():
+        endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+        return ["otlp"] if endpoint else []
+    names = [name.strip().lower() for name in raw.split(",") if name.strip()]
+    unknown = [name for name in names if name not in allowed]
+    if unknown:
+        raise ConfigError(f"{variable}: unknown exporter {unknown[0]!r} (allowed: {', '.join(allowed)})")
+    return [] if "none" in names else names
+
+
+def _protocol(env: Mapping[str, str], signal: str) -> str:
+    variable = f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL"
+    protocol = (env.get(variable) or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
+    if protocol not in ("http/protobuf", "grpc"):
+        raise ConfigError(f"{variable}: unsupported OTLP protocol {protocol!r} (allowed: http/protobuf, grpc)")
+    return protocol
+
+
+def _span_exporters(env: Mapping[str, str]) -> Iterator[SpanExporter]:
+    for name in _names(env, "OTEL_TRACES_EXPORTER", _TRACE_EXPORTERS, "TRACES"):
+        if name == "console":
+            yield ConsoleSpanExporter()
+        elif _protocol(env, "TRACES") == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
+
+            yield GrpcSpanExporter()
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            yield OTLPSpanExporter()
+
+
+def _metric_exporters(env: Mapping[str, str]) -> Iterator[MetricExporter]:
+    for name in _names(env, "OTEL_METRICS_EXPORTER", _METRIC_EXPORTERS, "METRICS"):
+        if name == "prometheus":
+            continue  # served by the HTTP endpoint (telemetry.http_listen), not pushed
+        if name == "console":
+            yield ConsoleMetricExporter()
+        elif _protocol(env, "METRICS") == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+                OTLPMetricExporter as GrpcMetricExporter,
+            )
+
+            yield GrpcMetricExporter()
+        else:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+            yield OTLPMetricExporter()

@@ -1,0 +1,141 @@
+"""Metrics (seed 000's names plus claim and lease health) and their Prometheus text form.
+
+=========================================  =========  ====================================
+name                                       kind       attributes
+=========================================  =========  ====================================
+``room_outbox_pending_total``              gauge      rows with status ``pending``
+``room_outbox_oldest_pending_age_ms``      gauge      age of the lowest-id pending row
+``room_outbox_publish_success_total``      counter    sink, event_type
+``room_outbox_publish_failure_total``      counter    sink, event_type, error_class
+``room_outbox_publish_latency_ms``         histogram  sink, event_type, outcome
+``room_outbox_claimed_batch_size``         histogram  one observation per claim round
+``room_outbox_lost_leases_total``          counter    detected_at (renewal, result_write)
+=========================================  =========  ====================================
+
+The two gauges come from :func:`room_outbox.ops.sample_backlog` on a timer (two index
+lookups), never from a scan per event. Instruments are named exactly as Prometheus shows them,
+so the OTLP and the ``/metrics`` names agree; :func:`render_prometheus` therefore never
+appends ``_total`` to a counter that already ends with it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+
+from opentelemetry.metrics import Meter
+from opentelemetry.sdk.metrics.export import Gauge, Histogram, MetricsData, NumberDataPoint, Sum
+
+LATENCY_BUCKETS_MS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0)
+BATCH_BUCKETS = (0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
+
+
+class OutboxMetrics:
+    """The instruments; recording on a no-op meter costs a method call."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.pending = meter.create_gauge(
+            "room_outbox_pending_total", unit="{event}", description="Rows of room_outbox with status pending."
+        )
+        self.oldest_pending_age = meter.create_gauge(
+            "room_outbox_oldest_pending_age_ms",
+            unit="ms",
+            description="Age of the oldest (lowest id) pending row; 0 when none is pending.",
+        )
+        self.success = meter.create_counter(
+            "room_outbox_publish_success_total", unit="{event}", description="Delivery attempts that succeeded."
+        )
+        self.failure = meter.create_counter(
+            "room_outbox_publish_failure_total", unit="{event}", description="Delivery attempts that failed."
+        )
+        self.latency = meter.create_histogram(
+            "room_outbox_publish_latency_ms",
+            unit="ms",
+            description="Duration of one delivery attempt (parse, route, sink call).",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_MS,
+        )
+        self.claimed = meter.create_histogram(
+            "room_outbox_claimed_batch_size",
+            unit="{event}",
+            description="Rows taken by one claim round (0 when the lane was idle).",
+            explicit_bucket_boundaries_advisory=BATCH_BUCKETS,
+        )
+        self.lost_leases = meter.create_counter(
+            "room_outbox_lost_leases_total",
+            unit="{event}",
+            description="Claimed rows this process no longer held (taken over or published by the producer).",
+        )
+
+
+# -- Prometheus text exposition format 0.0.4 ------------------------------------------------
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_INVALID_NAME = re.compile(r"[^a-zA-Z0-9_:]")
+_INVALID_LABEL = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def render_prometheus(data: MetricsData | None) -> str:
+    """Cumulative OTel metrics as Prometheus text (counters, gauges, histograms)."""
+    families: dict[str, tuple[str, str, list[str]]] = {}
+    for resource_metrics in data.resource_metrics if data else ():
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                name = _INVALID_NAME.sub("_", metric.name)
+                point_data = metric.data
+                lines: list[str] = []
+                if isinstance(point_data, Sum):
+                    kind = "counter" if point_data.is_monotonic else "gauge"
+                    if kind == "counter" and not name.endswith("_total"):
+                        name += "_total"
+                    lines = [_sample(name, p.attributes, p.value) for p in _numbers(point_data.data_points)]
+                elif isinstance(point_data, Gauge):
+                    kind = "gauge"
+                    lines = [_sample(name, p.attributes, p.value) for p in _numbers(point_data.data_points)]
+                elif isinstance(point_data, Histogram):
+                    kind = "histogram"
+                    for point in point_data.data_points:
+                        cumulative = 0
+                        bounds = [*point.explicit_bounds, math.inf]
+                        for bound, count in zip(bounds, point.bucket_counts, strict=True):
+                            cumulative += count
+                            labels = {**(point.attributes or {}), "le": _number(bound)}
+                            lines.append(_sample(f"{name}_bucket", labels, cumulative))
+                        lines.append(_sample(f"{name}_sum", point.attributes, point.sum))
+                        lines.append(_sample(f"{name}_count", point.attributes, point.count))
+                else:  # exponential histograms are never configured here
+                    continue
+                _, _, existing = families.setdefault(name, (kind, metric.description or "", []))
+                existing.extend(lines)
+    out: list[str] = []
+    for name, (kind, description, lines) in sorted(families.items()):
+        if description:
+            out.append(f"# HELP {name} {description.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + 'n')}")
+        out.append(f"# TYPE {name} {kind}")
+        out.extend(lines)
+    return "\n".join(out) + "\n" if out else ""
+
+
+def _numbers(points: Iterable[object]) -> Iterable[NumberDataPoint]:
+    return (p for p in points if isinstance(p, NumberDataPoint))
+
+
+def _sample(name: str, attributes: Mapping[str, object] | None, value: float) -> str:
+    if not attributes:
+        return f"{name} {_number(value)}"
+    text = ",".join(f'{_INVALID_LABEL.sub("_", k)}="{_escape(v)}"' for k, v in sorted(attributes.items()))
+    return f"{name}{{{text}}} {_number(value)}"
+
+
+def _escape(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)

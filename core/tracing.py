@@ -1,0 +1,267 @@
+"""Spans: one per delivery attempt, child spans for sinks, secrets kept out of both.
+
+Every attempt to deliver an event is one span named ``room_outbox.deliver <EventType>``
+(kind PRODUCER: the outbox relays the producer's message onward). When the envelope carries a
+W3C ``traceparent``, the span is a *child of the producer's span*, so the trace that holds the
+room command also holds every delivery attempt of its event, retries included. Attributes:
+
+==============================  ==========================================================
+``event_id`` ``event_type``      as in the logs (seed 000 field names)
+``room_id`` ``app_code``
+``sink``                        the sink the event was routed to (``-`` when none)
+``retry_count``                 failures before this attempt (0 on the first attempt)
+``outcome``                     ``published`` or ``failed``
+``error.type``                  on failure: bad_envelope, no_route, timeout, permanent,
+                                retryable or sink_bug (the dispatcher's error classes)
+``messaging.system``            the sink name (``tencent_im``, ``noop``...)
+``messaging.message.id``        the event_id
+``messaging.destination.name``  the room_id (the IM group the event is meant for)
+==============================  ==========================================================
+
+A failed attempt has status ERROR with the (already redacted, shortened) ``last_error`` text.
+Exceptions are never recorded as span events: their text may carry a secret.
+
+**Child spans from a sink.** A sink runs inside its attempt's span. To trace its own I/O it
+uses :func:`sink_span` (any operation) or :func:`http_client_span` (an HTTP request; the URL
+is passed through :func:`redact_url`, so ``usersig`` and other credentials in the query
+string never reach a span)::
+
+    from room_outbox.tracing import http_client_span
+
+    with http_client_span("POST", url) as span:
+        response = await client.post(url, json=body)
+        span.set_attribute("http.response.status_code", response.status_code)
+
+Both cost nothing when tracing is off (they hand out a non-recording span) and need no
+tracer of their own: they use the tracer of the attempt they run in. An exception leaving the
+block marks the span ERROR with ``error.type`` set to the exception's class name only.
+
+As a last line of defence every exporter is wrapped in :class:`RedactingSpanExporter`, which
+passes each string attribute, event attribute and status text through the process's
+:class:`~room_outbox.redaction.Redactor` before the span leaves the process.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
+
+from room_outbox.redaction import REDACTED, Redactor
+
+if TYPE_CHECKING:
+    from room_outbox.envelope import EventEnvelope
+
+#: Instrumentation scope of every span and metric room-outbox emits.
+SCOPE = "room_outbox"
+
+#: Query parameters whose values are credentials. ``usersig`` is Tencent IM's; the rest are
+#: common enough in other sinks' URLs to mask by default.
+SECRET_QUERY_PARAMS = frozenset(
+    {"usersig", "sig", "signature", "key", "secret", "secret_key", "token", "access_token", "password", "auth"}
+)
+
+# The tracer of the attempt the current task is delivering, so a sink's child spans go to
+# the same provider without a global: tests and embedders each keep their own provider.
+_active_tracer: contextvars.ContextVar[trace.Tracer | None] = contextvars.ContextVar(
+    "room_outbox_active_tracer", default=None
+)
+_propagator = TraceContextTextMapPropagator()
+
+
+def redact_url(url: str, secret_params: frozenset[str] = SECRET_QUERY_PARAMS) -> str:
+    """``url`` with credential query parameters and any userinfo password masked.
+
+    >>> redact_url("https://im.example/v4/x?sdkappid=1&usersig=eJw-abc&random=7")
+    'https://im.example/v4/x?sdkappid=1&usersig=[REDACTED]&random=7'
+    """
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}:{REDACTED}@{host}" if ":" in userinfo else netloc
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(name.lower() in secret_params for name, _ in pairs):
+            masked = [(name, REDACTED if name.lower() in secret_params else value) for name, value in pairs]
+            # The brackets of the marker stay readable: only what a query needs is escaped.
+            query = urlencode(masked, safe="[]")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def producer_context(traceparent: str | None) -> otel_context.Context | None:
+    """The producer's span context from a W3C ``traceparent``; ``None`` when absent or
+    malformed (a bad header must never fail a delivery: the attempt starts a new trace)."""
+    if not traceparent:
+        return None
+    ctx = _propagator.extract({"traceparent": traceparent})
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+
+
+@contextmanager
+def sink_span(
+    name: str, *, kind: SpanKind = SpanKind.CLIENT, attributes: Mapping[str, AttributeValue] | None = None
+) -> Iterator[Span]:
+    """A child span of the current delivery attempt (see the module docstring).
+
+    Attribute values must not carry secrets; URLs go through :func:`redact_url` first.
+    """
+    tracer = _active_tracer.get()
+    if tracer is None:
+        yield trace.INVALID_SPAN
+        return
+    with tracer.start_as_current_span(
+        name, kind=kind, attributes=attributes, record_exception=False, set_status_on_exception=False
+    ) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            span.set_attribute("error.type", type(exc).__name__)
+            span.set_status(Status(StatusCode.ERROR))
+            raise
+
+
+@contextmanager
+def http_client_span(method: str, url: str, attributes: Mapping[str, AttributeValue] | None = None) -> Iterator[Span]:
+    """An HTTP client child span (semantic conventions: ``http.request.method``,
+    ``url.full`` redacted, ``server.address``); name ``"<METHOD> <path>"``. Set
+    ``http.response.status_code`` on the yielded span once the answer is in."""
+    parts = urlsplit(url)
+    attrs: dict[str, AttributeValue] = {
+        "http.request.method": method.upper(),
+        "url.full": redact_url(url),
+        "server.address": parts.hostname or "",
+    }
+    if parts.port:
+        attrs["server.port"] = parts.port
+    attrs.update(attributes or {})
+    with sink_span(f"{method.upper()} {parts.path or '/'}", kind=SpanKind.CLIENT, attributes=attrs) as span:
+        yield span
+
+
+class AttemptSpan:
+    """The span of one delivery attempt, started once the envelope is known (so it can be a
+    child of the producer's span) but timed from the start of the attempt."""
+
+    __slots__ = ("_parent", "_span", "_start_ns", "_token", "_tracer", "app_code", "retry_count", "row_fields")
+
+    def __init__(
+        self, tracer: trace.Tracer, event_id: str, event_type: str, room_id: str, app_code: str, retry_count: int
+    ) -> None:
+        self._tracer = tracer
+        self._start_ns = time.time_ns()
+        self._parent: otel_context.Context | None = None
+        self._span: Span | None = None
+        self._token: contextvars.Token[trace.Tracer | None] | None = None
+        self.row_fields = (event_id, event_type, room_id)
+        self.app_code = app_code
+        self.retry_count = retry_count
+
+    def parsed(self, envelope: EventEnvelope) -> None:
+        self._parent = producer_context(envelope.traceparent)
+        self.app_code = envelope.app_code or self.app_code
+
+    @contextmanager
+    def delivering(self, sink: str) -> Iterator[None]:
+        """Make the attempt span current while the sink runs, so its child spans nest."""
+        span = self._start(sink)
+        token = _active_tracer.set(self._tracer)
+        try:
+            with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+                yield
+        finally:
+            _active_tracer.reset(token)
+
+    def finish(self, sink: str, error_class: str | None, error: str | None) -> None:
+        span = self._span or self._start(sink)
+        if error_class is None:
+            span.set_attribute("outcome", "published")
+        else:
+            span.set_attributes({"outcome": "failed", "error.type": error_class})
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end()
+
+    def _start(self, sink: str) -> Span:
+        event_id, event_type, room_id = self.row_fields
+        attributes: dict[str, AttributeValue] = {
+            "event_id": event_id,
+            "event_type": event_type,
+            "room_id": room_id,
+            "app_code": self.app_code,
+            "sink": sink,
+            "retry_count": self.retry_count,
+            "messaging.operation.type": "send",
+            "messaging.message.id": event_id,
+            "messaging.destination.name": room_id,
+        }
+        if sink != "-":  # bad input never reached a sink: no messaging system to name
+            attributes["messaging.system"] = sink
+        self._span = self._tracer.start_span(
+            f"room_outbox.deliver {event_type}",
+            context=self._parent,
+            kind=SpanKind.PRODUCER,
+            start_time=self._start_ns,
+            record_exception=False,
+            set_status_on_exception=False,
+            attributes=attributes,
+        )
+        return self._span
+
+
+class RedactingSpanExporter(SpanExporter):
+    """Wraps an exporter; masks registered secrets in every string a span carries."""
+
+    def __init__(self, inner: SpanExporter, redactor: Redactor) -> None:
+        self.inner = inner
+        self.redactor = redactor
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return self.inner.export([self._redacted(span) for span in spans])
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+    def _redacted(self, span: ReadableSpan) -> ReadableSpan:
+        status = span.status
+        if status.description:
+            status = Status(status.status_code, self.redactor.redact(status.description))
+        return ReadableSpan(
+            name=self.redactor.redact(span.name),
+            context=span.context,
+            parent=span.parent,
+            resource=span.resource,
+            attributes=self._attributes(span.attributes),
+            events=[Event(e.name, self._attributes(e.attributes), e.timestamp) for e in span.events],
+            links=[Link(link.context, self._attributes(link.attributes)) for link in span.links],
+            kind=span.kind,
+            status=status,
+            start_time=span.start_time,
+            end_time=span.end_time,
+            instrumentation_scope=span.instrumentation_scope,
+        )
+
+    def _attributes(self, attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+        return {key: self._value(value) for key, value in (attributes or {}).items()}
+
+    def _value(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.redactor.redact(value)
+        if isinstance(value, tuple | list):
+            return tuple(self._value(v) for v in value)
+        return value
