@@ -1,0 +1,147 @@
+"""The producer side of the outbox, for Python services and for our tests.
+
+room-service's pattern (seed 000, "Sync Publish Interaction")::
+
+    async with pool.acquire() as conn:                 # the command's own transaction
+        async with conn.cursor() as cur:
+            await cur.execute("UPDATE rooms ...")      # room state
+            event = await append_event(cur, {...})     # + the outbox row, same transaction
+        await conn.commit()
+    await producer.publish_committed(event)           # after commit: try IM right away
+
+:func:`append_event` writes only room-service's V1 columns, so a table that room-outbox
+never migrated works too. :meth:`OutboxProducer.publish_committed` never raises for a
+delivery problem: a failed push leaves the row ``pending`` untouched (``retry_count`` is the
+worker's count, not the producer's), and a failed ``published`` mark only means the worker
+may deliver the event once more (clients de-duplicate by ``event_id``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiomysql
+import anyio
+
+from room_outbox.envelope import EventEnvelope
+from room_outbox.redaction import Redactor
+from room_outbox.routing import Router
+from room_outbox.sink import SinkError
+
+log = logging.getLogger("room_outbox.producer")
+
+INSERT_EVENT = (
+    "INSERT INTO room_outbox (app_code, event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s)"
+)
+#: Exactly room-service's statement, so both producers behave alike.
+MARK_PUBLISHED = "UPDATE room_outbox SET status='published' WHERE event_id=%s"
+ERROR_MAX = 512
+
+
+async def append_event(cur: aiomysql.Cursor, envelope: EventEnvelope | Mapping[str, Any]) -> EventEnvelope:
+    """Insert the event as a ``pending`` row using the caller's cursor (its transaction).
+
+    Raises pydantic's ``ValidationError`` for an envelope without event_id, event_type or
+    room_id, before anything is written.
+    """
+    event = envelope if isinstance(envelope, EventEnvelope) else EventEnvelope.model_validate(dict(envelope))
+    now = int(time.time() * 1000)
+    await cur.execute(
+        INSERT_EVENT,
+        (event.app_code, event.event_id, event.event_type, event.room_id, event.model_dump_json(), now, now),
+    )
+    return event
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    event_id: str
+    #: The sink accepted the event.
+    published: bool
+    #: The row was marked ``published`` (only tried after a successful push).
+    marked: bool = False
+    #: Why the push or the mark failed (short, secrets redacted).
+    error: str | None = None
+
+
+class OutboxProducer:
+    """Publishes committed events synchronously through the lane's sinks.
+
+    ``pool`` is the service's aiomysql pool (for the ``published`` mark); ``router`` the
+    same routing the worker uses (:func:`room_outbox.routing.build_router`), so a noop event
+    type is marked ``published`` without a Tencent call, as the worker would.
+    """
+
+    def __init__(
+        self, pool: aiomysql.Pool, router: Router, publish_timeout: float = 3.0, redactor: Redactor | None = None
+    ) -> None:
+        self.pool = pool
+        self.router = router
+        self.publish_timeout = publish_timeout
+        self.redactor = redactor or Redactor()
+
+    async def append(self, cur: aiomysql.Cursor, envelope: EventEnvelope | Mapping[str, Any]) -> EventEnvelope:
+        return await append_event(cur, envelope)
+
+    async def publish_committed(self, event: EventEnvelope) -> PublishOutcome:
+        """Push one committed event; on success mark it ``published`` (best effort)."""
+        error = await self._push(event)
+        if error is not None:
+            log.warning(
+                "sync publish failed; the row stays pending for the worker",
+                extra=self._fields(event, status="pending", error=error),
+            )
+            return PublishOutcome(event.event_id, published=False, error=error)
+        try:
+            await self._mark_published(event.event_id)
+        except Exception as exc:  # the command already succeeded: at worst a duplicate push
+            error = self._short(f"marking published failed: {type(exc).__name__}: {exc}")
+            log.warning(
+                "sync publish succeeded but the row could not be marked; the worker may send it again",
+                extra=self._fields(event, status="pending", error=error),
+            )
+            return PublishOutcome(event.event_id, published=True, marked=False, error=error)
+        log.debug("sync publish succeeded", extra=self._fields(event, status="published"))
+        return PublishOutcome(event.event_id, published=True, marked=True)
+
+    async def _push(self, event: EventEnvelope) -> str | None:
+        """``None`` on success, else the short error text."""
+        route = self.router.sink_for(event.event_type)
+        if route is None:
+            return f"no sink for event_type {event.event_type}"
+        name, sink = route
+        try:
+            with anyio.fail_after(self.publish_timeout):
+                await sink.deliver(event)
+        except TimeoutError:
+            return f"{name}: no answer within {self.publish_timeout:g}s"
+        except SinkError as exc:
+            return self._short(f"{name}: {exc}")
+        except Exception as exc:  # a sink bug must not fail a committed command either
+            return self._short(f"{name}: unexpected {type(exc).__name__}: {exc}")
+        return None
+
+    async def _mark_published(self, event_id: str) -> None:
+        conn = await self.pool.acquire()
+        try:
+            async with conn.cursor() as cur:
+                await cur.execute(MARK_PUBLISHED, (event_id,))
+            await conn.commit()
+        except BaseException:
+            conn.close()  # possibly broken: never hand it back to the pool as healthy
+            raise
+        finally:
+            self.pool.release(conn)
+
+    def _short(self, text: str) -> str:
+        text = self.redactor.redact(text)
+        return text if len(text) <= ERROR_MAX else text[: ERROR_MAX - 1] + "…"
+
+    @staticmethod
+    def _fields(event: EventEnvelope, **more: object) -> dict[str, object]:
+        return {"event_id": event.event_id, "event_type": event.event_type, "room_id": event.room_id, **more}
