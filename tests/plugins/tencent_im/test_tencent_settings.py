@@ -94,3 +94,34 @@ async def test_router_sends_every_non_noop_type_to_tencent_and_registers_secrets
         assert redactor.redact("key=dev-key-123") == "key=[REDACTED]"
     finally:
         await router.aclose()
+
+
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "config.docker.yaml", "config.tencent.example.yaml"])
+def test_shipped_sections_validate(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROOM_OUTBOX__SINKS__TENCENT_IM__SECRET_KEY", "key-from-the-environment")
+    (_, validated) = enabled_sink_settings(make_plugin_manager(), load_settings(CONFIG_DIR / name))["tencent_im"]
+    assert isinstance(validated, TencentIMSettings)
+
+
+def test_local_config_matches_the_fake_im_defaults() -> None:
+    """`scripts/run.sh` + `room-outbox fake-im --port 8090` work together out of the box."""
+    from room_outbox.testing import DEV_KEY, DEV_SDKAPPID
+
+    (_, local) = enabled_sink_settings(make_plugin_manager(), load_settings(CONFIG_DIR / "config.yaml"))["tencent_im"]
+    assert isinstance(local, TencentIMSettings)
+    assert (local.base_url, local.sdkappid, local.secret_key.get_secret_value()) == (
+        "http://127.0.0.1:8090",
+        DEV_SDKAPPID,
+        DEV_KEY,
+    )
+
+
+def test_example_documents_every_key() -> None:
+    import yaml
+
+    section = yaml.safe_load((CONFIG_DIR / "config.tencent.example.yaml").read_text())["sinks"]["tencent_im"]
+    assert set(section) == set(TencentIMSettings.model_fields)
+    assert section["secret_key"] == ""  # secrets only through the environment
