@@ -18,6 +18,7 @@ import anyio
 
 from room_outbox.config import Settings
 from room_outbox.dispatcher import Dispatcher, LaneOptions
+from room_outbox.observability import observability
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.redaction import Redactor
 from room_outbox.routing import build_router
@@ -45,7 +46,10 @@ async def run_service(
     redactor = redactor_for(settings)
     store = await MySQLStore.connect(settings.mysql.dsn.get_secret_value(), settings.mysql.pool_size)
     log.info("database pool opened", extra={"lifecycle": "pool_opened", "database": store.address.database})
+    # Telemetry and the HTTP endpoint: up once the pool is, down once the worker has stopped.
+    observed = contextlib.AsyncExitStack()
     try:
+        obs = await observed.enter_async_context(observability(settings, store, redactor))
         router = await build_router(make_plugin_manager(settings.plugins.disabled, plugins), settings, redactor)
         log.info(
             "sinks loaded",
@@ -57,12 +61,19 @@ async def run_service(
         )
         try:
             dispatcher = Dispatcher(
-                store, router, LaneOptions.from_settings(settings.outbox_worker), settings.node_id, redactor
+                store,
+                router,
+                LaneOptions.from_settings(settings.outbox_worker),
+                settings.node_id,
+                redactor,
+                obs.telemetry,
             )
             async with anyio.create_task_group() as workers:
                 if settings.outbox_worker.enabled:
                     await workers.start(dispatcher.run)
+                    obs.health.worker = "running"
                 else:
+                    obs.health.worker = "disabled"
                     log.info("outbox worker disabled by outbox_worker.enabled", extra={"lifecycle": "worker_disabled"})
                 async with anyio.create_task_group() as watch:
                     if handle_signals:
@@ -70,11 +81,14 @@ async def run_service(
                     await stop.wait()
                     watch.cancel_scope.cancel()
                 log.info("stopping: no new batches", extra={"lifecycle": "stop_requested"})
+                obs.health.worker = "stopping"
                 dispatcher.stop()
+            await observed.aclose()
         finally:
             await router.aclose()
             log.info("sinks closed", extra={"lifecycle": "sinks_closed"})
     finally:
+        await observed.aclose()  # a no-op when already closed above
         await store.aclose()
         log.info("database pool closed", extra={"lifecycle": "pool_closed"})
 

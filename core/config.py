@@ -157,6 +157,30 @@ class LogSettings(Section):
         return value
 
 
+class TelemetrySettings(Section):
+    """Observability (:mod:`room_outbox.observability`); traces and metric exporters come from
+    the standard ``OTEL_*`` environment instead."""
+
+    #: ``host:port`` serving /healthz, /readyz and /metrics; empty: no endpoint.
+    http_listen: str = ""
+    #: How often the pending count and oldest pending age are sampled (two index lookups).
+    backlog_interval: Duration = 15.0
+
+    @field_validator("http_listen")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        value = value.strip()
+        _host, sep, port = value.rpartition(":")
+        if value and (not sep or not port.isdigit() or int(port) > 65535):
+            raise ValueError(f"{value!r} is not host:port (e.g. 127.0.0.1:9464); empty turns the endpoint off")
+        return value
+
+    @field_validator("backlog_interval")
+    @classmethod
+    def _positive_interval(cls, value: float) -> float:
+        return value if value > 0 else 15.0
+
+
 def default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -175,6 +199,7 @@ class Settings(BaseSettings):
     sinks: dict[str, dict[str, Any]] = {}
     plugins: PluginsSettings = PluginsSettings()
     log: LogSettings = LogSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
 
     @field_validator("node_id")
     @classmethod

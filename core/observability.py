@@ -1,0 +1,93 @@
+"""The observability side of the lifecycle: telemetry, the backlog timer, the HTTP endpoint.
+
+:func:`observability` is entered right after the database pool opens and left after the
+worker has stopped (before the pool closes): the endpoint answers ``/healthz`` and
+``/metrics`` for the whole life of the worker, and ``/readyz`` turns ready only once the
+lifecycle marks the worker running. On the way out it flushes the span and metric exporters.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+
+from room_outbox.config import ConfigError, Settings
+from room_outbox.http_endpoint import Health, HttpEndpoint, parse_listen
+from room_outbox.ops import sample_backlog
+from room_outbox.redaction import Redactor
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.telemetry import Telemetry, telemetry_from_environment
+
+log = logging.getLogger("room_outbox.observability")
+
+
+@dataclass
+class Observability:
+    telemetry: Telemetry
+    health: Health
+    endpoint: HttpEndpoint | None = None
+
+
+@asynccontextmanager
+async def observability(settings: Settings, store: MySQLStore, redactor: Redactor) -> AsyncIterator[Observability]:
+    options = settings.telemetry
+    listen = None
+    if options.http_listen.strip():
+        try:
+            listen = parse_listen(options.http_listen)
+        except ValueError as exc:  # the settings model checks this too; kept for embedders
+            raise ConfigError(f"telemetry.http_listen: {exc}") from None
+    telemetry = telemetry_from_environment(settings.node_id, redactor, prometheus=listen is not None)
+
+    async def ping() -> None:
+        async with store.transaction() as cur:
+            await cur.execute("SELECT 1")
+
+    obs = Observability(telemetry, Health(ping, redactor=redactor))
+    error: BaseException | None = None
+    try:
+        if listen is not None:
+            obs.endpoint = HttpEndpoint(obs.health, telemetry.prometheus_text)
+            try:
+                port = await obs.endpoint.bind(*listen)
+            except OSError as exc:
+                raise ConfigError(f"telemetry.http_listen: cannot listen on {options.http_listen}: {exc}") from None
+            log.info(
+                "http endpoint listening",
+                extra={"lifecycle": "http_started", "address": f"{listen[0]}:{port}", "port": port},
+            )
+        async with anyio.create_task_group() as background:
+            if obs.endpoint is not None:
+                background.start_soon(obs.endpoint.serve)
+            if telemetry.metrics_enabled:
+                background.start_soon(_sample_backlog, store, telemetry, options.backlog_interval)
+            try:
+                yield obs
+            except BaseException as exc:
+                # Kept aside and re-raised below, so the caller sees its own exception and not
+                # an ExceptionGroup of this task group.
+                error = exc
+            background.cancel_scope.cancel()
+        if obs.endpoint is not None:
+            log.info("http endpoint stopped", extra={"lifecycle": "http_stopped"})
+    finally:
+        with anyio.CancelScope(shield=True):
+            await telemetry.aclose()
+    if error is not None:
+        raise error
+
+
+async def _sample_backlog(store: MySQLStore, telemetry: Telemetry, interval: float) -> None:
+    """Pending count and oldest pending age, every ``interval`` (two index lookups)."""
+    while True:
+        try:
+            backlog = await sample_backlog(store)
+        except Exception as exc:
+            log.warning("backlog sample failed", extra={"error": f"{type(exc).__name__}: {exc}"[:300]})
+        else:
+            telemetry.backlog(backlog.pending, backlog.oldest_pending_age_ms)
+        await anyio.sleep(interval)

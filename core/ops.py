@@ -1,0 +1,253 @@
+"""What an operator asks of the outbox: the backlog, ``room-outbox status`` and ``inspect``.
+
+Every query here reads through ``store.transaction()`` and stays on an index where it runs
+often: :func:`sample_backlog` (the metrics timer) is a range count on
+``idx_room_outbox_status_id (status, id)`` plus one primary-key lookup. The status report
+reads the pending rows themselves (retry counts, errors, leases): it is for a person at a
+terminal, not for a timer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+from room_outbox.envelope import EnvelopeError, parse_envelope
+from room_outbox.store.mysql import TABLE, MySQLStore
+
+#: Retry-count histogram buckets of the status report: (label, lowest, highest).
+RETRY_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2-4", 2, 4), ("5-9", 5, 9), ("10-99", 10, 99), ("100+", 100, None))
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class Backlog:
+    pending: int
+    #: Age of the lowest-id pending row (ids rise with inserts, so it is the oldest but for
+    #: transactions that committed late); 0 when nothing is pending.
+    oldest_pending_age_ms: int
+
+
+async def sample_backlog(store: MySQLStore) -> Backlog:
+    """Pending count and oldest pending age: both read only the index range of pending rows
+    and one row by primary key, however many published rows the table holds."""
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT COUNT(*) FROM {TABLE} WHERE status = 'pending'")
+        (pending,) = await cur.fetchone()
+        await cur.execute(f"SELECT created_at_ms FROM {TABLE} WHERE status = 'pending' ORDER BY id LIMIT 1")
+        oldest = await cur.fetchone()
+    age = max(0, _now_ms() - int(oldest[0])) if oldest else 0
+    return Backlog(int(pending), age)
+
+
+# -- room-outbox status -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    node: str
+    claims: int
+    rows: int
+    #: Latest lease end among its rows (epoch ms).
+    lease_until_ms: int
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    pending: int
+    oldest_pending_age_ms: int
+    #: Pending rows not claimable now: waiting for their retry time.
+    waiting_for_retry: int
+    #: Parked (``failed``) and ``cancelled`` rows, when the lane has them.
+    other_statuses: dict[str, int]
+    retry_histogram: dict[str, int]
+    top_errors: list[tuple[str, int]]
+    leased: int
+    holders: list[LeaseHolder] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["top_errors"] = [{"last_error": error, "rows": rows} for error, rows in self.top_errors]
+        return doc
+
+
+async def status_report(store: MySQLStore, top: int = 10) -> StatusReport:
+    now = _now_ms()
+    backlog = await sample_backlog(store)
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT retry_count, COUNT(*) FROM {TABLE} WHERE status = 'pending' GROUP BY retry_count")
+        by_retries = {int(retries): int(rows) for retries, rows in await cur.fetchall()}
+        await cur.execute(
+            f"SELECT last_error, COUNT(*) AS n FROM {TABLE} WHERE status = 'pending' AND last_error IS NOT NULL"
+            " GROUP BY last_error ORDER BY n DESC, last_error LIMIT %s",
+            (top,),
+        )
+        top_errors = [(str(error), int(rows)) for error, rows in await cur.fetchall()]
+        await cur.execute(
+            f"SELECT worker_id, COUNT(*), MAX(lock_until_ms) FROM {TABLE}"
+            " WHERE status = 'pending' AND worker_id IS NOT NULL AND lock_until_ms > %s GROUP BY worker_id",
+            (now,),
+        )
+        claims = await cur.fetchall()
+        await cur.execute(
+            f"SELECT COUNT(*) FROM {TABLE} WHERE status = 'pending' AND worker_id IS NULL AND lock_until_ms > %s",
+            (now,),
+        )
+        (waiting,) = await cur.fetchone()
+        other: dict[str, int] = {}
+        for status in ("failed", "cancelled"):  # each an index range count; absent statuses cost nothing
+            await cur.execute(f"SELECT COUNT(*) FROM {TABLE} WHERE status = %s", (status,))
+            (count,) = await cur.fetchone()
+            if count:
+                other[status] = int(count)
+    histogram = {
+        label: sum(rows for retries, rows in by_retries.items() if low <= retries and (high is None or retries <= high))
+        for label, low, high in RETRY_BUCKETS
+    }
+    holders: dict[str, list[int]] = {}
+    for worker_id, rows, until in claims:
+        node = str(worker_id).rsplit("#", 1)[0]  # claims are "<node_id>#<n>"
+        entry = holders.setdefault(node, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += int(rows)
+        entry[2] = max(entry[2], int(until))
+    return StatusReport(
+        pending=backlog.pending,
+        oldest_pending_age_ms=backlog.oldest_pending_age_ms,
+        waiting_for_retry=int(waiting),
+        other_statuses=other,
+        retry_histogram=histogram,
+        top_errors=top_errors,
+        leased=sum(entry[1] for entry in holders.values()),
+        holders=[LeaseHolder(node, c, r, u) for node, (c, r, u) in sorted(holders.items())],
+    )
+
+
+def format_status(report: StatusReport) -> str:
+    now = _now_ms()
+    lines = [
+        f"pending               {report.pending}",
+        f"oldest pending age    {format_age(report.oldest_pending_age_ms) if report.pending else '-'}",
+        f"waiting for retry     {report.waiting_for_retry}",
+        f"leased now            {report.leased}",
+    ]
+    lines += [f"{status:<22}{count}" for status, count in sorted(report.other_statuses.items())]
+    lines += ["", "retries  pending rows"]
+    lines += [f"{label:>7}  {rows}" for label, rows in report.retry_histogram.items()]
+    lines += ["", "lease holders"]
+    if report.holders:
+        lines.append(f"  {'node':<40} {'claims':>6} {'rows':>6}  lease ends in")
+        lines += [
+            f"  {h.node:<40} {h.claims:>6} {h.rows:>6}  {format_age(h.lease_until_ms - now)}" for h in report.holders
+        ]
+    else:
+        lines.append("  (none)")
+    lines += ["", "most frequent last_error (pending rows)"]
+    if report.top_errors:
+        lines += [f"  {rows:>6}  {error}" for error, rows in report.top_errors]
+    else:
+        lines.append("  (none)")
+    return "\n".join(lines)
+
+
+def format_age(ms: int) -> str:
+    seconds = max(0, ms) / 1000
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+# -- room-outbox inspect ----------------------------------------------------------------------
+
+
+async def inspect_event(store: MySQLStore, event_id: str) -> dict[str, Any] | None:
+    """The row of ``event_id`` with its parsed envelope (or why it does not parse) and a
+    sentence on its delivery state; ``None`` when no row has that event_id."""
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT * FROM {TABLE} WHERE event_id = %s", (event_id,))
+        found = await cur.fetchone()
+        names = [d[0] for d in cur.description]
+    if found is None:
+        return None
+    row = dict(zip(names, found, strict=True))
+    raw = row.pop("envelope")
+    doc: dict[str, Any] = {"row": row}
+    try:
+        envelope = parse_envelope(raw)
+    except EnvelopeError as exc:
+        doc["envelope_error"] = str(exc)
+        doc["envelope_raw"] = raw.decode("utf-8", "replace") if isinstance(raw, bytes | bytearray) else raw
+    else:
+        doc["envelope"] = envelope.model_dump(mode="json", exclude_none=True)
+        mismatches = [
+            f"envelope {name} {getattr(envelope, name)!r} differs from the row's {row[name]!r}"
+            for name in ("event_id", "event_type", "room_id")
+            if getattr(envelope, name) != row[name]
+        ]
+        if mismatches:
+            doc["envelope_error"] = "; ".join(mismatches)
+    doc["state"] = describe_state(row, _now_ms())
+    return doc
+
+
+def describe_state(row: dict[str, Any], now: int) -> str:
+    status = row["status"]
+    retries = row["retry_count"]
+    lock_until = int(row.get("lock_until_ms") or 0)
+    if status == "published":
+        return "published: delivered (or pushed by room-service itself); nothing left to do"
+    if status == "failed":
+        return f"parked after {retries} attempt(s): never retried until `room-outbox requeue`"
+    if status == "cancelled":
+        return "cancelled by an operator: never delivered"
+    if status != "pending":
+        return f"status {status!r}: not handled by the IM lane"
+    if row.get("worker_id") and lock_until > now:
+        return f"in flight: leased by {row['worker_id']} for another {format_age(lock_until - now)}"
+    if lock_until > now:
+        return f"waiting: failed {retries} time(s), next attempt in {format_age(lock_until - now)}"
+    if row.get("worker_id"):
+        return f"due: the lease of {row['worker_id']} expired; the next scan takes it over"
+    return "due: the next scan claims it" + (f" (failed {retries} time(s) so far)" if retries else "")
+
+
+def format_inspection(doc: dict[str, Any]) -> str:
+    row = doc["row"]
+    width = max(len(name) for name in row)
+    lines = [f"{name:<{width}}  {value}" for name, value in row.items()]
+    lines += ["", f"state: {doc['state']}", ""]
+    if "envelope" in doc:
+        lines.append("envelope:")
+        lines.append(json.dumps(doc["envelope"], indent=2, ensure_ascii=False))
+    if "envelope_error" in doc:
+        lines.append(f"envelope problem: {doc['envelope_error']}")
+    if "envelope_raw" in doc:
+        lines.append(f"raw envelope: {doc['envelope_raw'][:2000]}")
+    return "\n".join(lines)
+
+
+# -- command entry points (called by room_outbox.cli) -----------------------------------------
+
+
+async def status_command(store: MySQLStore, as_json: bool, out: IO[str]) -> int:
+    report = await status_report(store)
+    print(json.dumps(report.to_json(), indent=2) if as_json else format_status(report), file=out)
+    return 0
+
+
+async def inspect_command(store: MySQLStore, event_id: str, as_json: bool, out: IO[str], err: IO[str]) -> int:
+    doc = await inspect_event(store, event_id)
+    if doc is None:
+        print(f"room-outbox inspect: no row with event_id {event_id!r}", file=err)
+        return 1
+    print(json.dumps(doc, indent=2, default=str, ensure_ascii=False) if as_json else format_inspection(doc), file=out)
+    return 0
