@@ -11,6 +11,7 @@ import anyio
 
 from room_outbox.app import redactor_for, run_service
 from room_outbox.config import ConfigError, Settings, load_settings
+from room_outbox.ops import inspect_command, status_command
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.telemetry import configure_logging
 from room_outbox.testing.cli import add_fake_im_parser, run_fake_im
@@ -26,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("run", help="run the dispatcher until SIGTERM/SIGINT")
     commands.add_parser("migrate", help="create room_outbox or upgrade a V1 table in place (idempotent)")
+    status = commands.add_parser("status", help="backlog, retries, frequent errors and leases at a glance")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect = commands.add_parser("inspect", help="one event: its row, parsed envelope and delivery state")
+    inspect.add_argument("event_id")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
     add_fake_im_parser(commands)
     return parser
 
@@ -43,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "migrate":
             return anyio.run(_migrate, settings)
+        if args.command in ("status", "inspect"):
+            return anyio.run(_report, settings, args)
         anyio.run(run_service, settings)
         return 0
     except ConfigError as exc:
@@ -59,6 +67,17 @@ async def _migrate(settings: Settings) -> int:
     for change in changes or ["schema already up to date"]:
         print(change)
     return 0
+
+
+async def _report(settings: Settings, args: argparse.Namespace) -> int:
+    """``status`` and ``inspect``: read-only, one connection (logic in room_outbox.ops)."""
+    store = await MySQLStore.connect(settings.mysql.dsn.get_secret_value(), pool_size=1)
+    try:
+        if args.command == "status":
+            return await status_command(store, args.json, sys.stdout)
+        return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr)
+    finally:
+        await store.aclose()
 
 
 if __name__ == "__main__":
