@@ -9,10 +9,11 @@ from collections.abc import Sequence
 
 import anyio
 
+from room_outbox.admin import cancel_command, requeue_command
 from room_outbox.app import redactor_for, run_service
-from room_outbox.config import ConfigError, Settings, load_settings
+from room_outbox.config import ConfigError, Settings, load_settings, parse_duration
 from room_outbox.ops import inspect_command, status_command
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql import MySQLStore, RequeueFilter
 from room_outbox.telemetry import configure_logging
 from room_outbox.testing.cli import add_fake_im_parser, run_fake_im
 
@@ -27,6 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("run", help="run the dispatcher until SIGTERM/SIGINT")
     commands.add_parser("migrate", help="create room_outbox or upgrade a V1 table in place (idempotent)")
+    requeue = commands.add_parser(
+        "requeue", help="send pending or parked (failed) rows round again; shows them, applies only with --yes"
+    )
+    requeue.add_argument("--event-id", action="append", default=[], help="this event (repeatable)")
+    requeue.add_argument("--event-type", help="events of this type")
+    requeue.add_argument("--error-contains", help="events whose last_error contains this text")
+    requeue.add_argument("--older-than", type=_duration_ms, help="events created at least this long ago (e.g. 10m)")
+    requeue.add_argument("--status", choices=("pending", "failed"), help="only rows in this status (default: both)")
+    requeue.add_argument("--yes", action="store_true", help="apply the change (default: only show it)")
+    cancel = commands.add_parser("cancel", help="mark an event cancelled: never delivered, kept for audit")
+    cancel.add_argument("event_id")
     status = commands.add_parser("status", help="backlog, retries, frequent errors and leases at a glance")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     inspect = commands.add_parser("inspect", help="one event: its row, parsed envelope and delivery state")
@@ -34,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     add_fake_im_parser(commands)
     return parser
+
+
+def _duration_ms(text: str) -> int:
+    try:
+        return int(parse_duration(text) * 1000)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,8 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return anyio.run(_migrate, settings)
         if args.command in ("status", "inspect"):
             return anyio.run(_report, settings, args)
-        anyio.run(run_service, settings)
-        return 0
+        if args.command == "run":
+            anyio.run(run_service, settings)
+            return 0
+        return anyio.run(_with_store, settings, args)
     except ConfigError as exc:
         print(f"room-outbox: {exc}", file=sys.stderr)
         return 2
@@ -67,6 +88,32 @@ async def _migrate(settings: Settings) -> int:
     for change in changes or ["schema already up to date"]:
         print(change)
     return 0
+
+
+async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
+    """Operator commands: one store, one command, closed again."""
+    store = await MySQLStore.connect(settings.mysql.dsn.get_secret_value(), pool_size=1)
+    try:
+        if args.command == "requeue":
+            where = RequeueFilter(
+                event_ids=tuple(args.event_id),
+                event_type=args.event_type,
+                error_contains=args.error_contains,
+                older_than_ms=args.older_than,
+                statuses=(args.status,) if args.status else ("pending", "failed"),
+            )
+            if where == RequeueFilter(statuses=where.statuses):
+                print(
+                    "room-outbox requeue: give at least one of --event-id, --event-type, --error-contains, --older-than",
+                    file=sys.stderr,
+                )
+                return 2
+            return await requeue_command(store, where, args.yes, sys.stdout)
+        if args.command == "cancel":
+            return await cancel_command(store, args.event_id, sys.stdout)
+        raise AssertionError(f"unhandled command {args.command}")
+    finally:
+        await store.aclose()
 
 
 async def _report(settings: Settings, args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from anyio.abc import TaskStatus
@@ -45,7 +45,7 @@ class LaneOptions:
     publish_timeout: float = 3.0
     concurrency: int = 16
     lease: float = 30.0
-    retry: RetryPolicy = RetryPolicy()
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
     per_room: bool = False
 
     @classmethod
@@ -120,7 +120,12 @@ class Dispatcher:
         claim = f"{self.node_id}#{next(self._claim_numbers)}"
         lease_until = now_ms() + int(self.options.lease * 1000)
         claimed = await self.store.claim(
-            claim, self.options.batch_size, lease_until, self._unrecorded, per_room=self.options.per_room
+            claim,
+            self.options.batch_size,
+            lease_until,
+            self._unrecorded,
+            per_room=self.options.per_room,
+            hold_back_ms=int(self.options.poll_interval * 1000),
         )
         self._unrecorded = []
         self._report_stale(claimed.stale)
@@ -241,10 +246,10 @@ class Dispatcher:
             envelope = parse_envelope(row.envelope)
         except EnvelopeError as exc:
             raise _BadEvent(str(exc), "bad_envelope") from exc
-        for field in ("event_id", "event_type", "room_id"):
-            if getattr(envelope, field) != getattr(row, field):
+        for name in ("event_id", "event_type", "room_id"):
+            if getattr(envelope, name) != getattr(row, name):
                 mismatch = (
-                    f"envelope {field} {getattr(envelope, field)!r} differs from the row's {getattr(row, field)!r}"
+                    f"envelope {name} {getattr(envelope, name)!r} differs from the row's {getattr(row, name)!r}"
                 )
                 raise _BadEvent(mismatch, "bad_envelope")
         return envelope

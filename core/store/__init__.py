@@ -67,11 +67,13 @@ class OutboxStore(Protocol):
         lease_until_ms: int,
         results: Sequence[DeliveryResult] = (),
         per_room: bool = False,
+        hold_back_ms: int = 1000,
     ) -> Claimed:
         """Record ``results`` and claim up to ``limit`` pending rows, in one transaction.
 
         With ``per_room``, a row is claimed only if no earlier pending row of its room is
-        left outside the claim (waiting for a retry, leased elsewhere, or skipped).
+        left outside the claim (waiting for a retry, leased elsewhere, or skipped); a row
+        held back is not looked at again for ``hold_back_ms``.
         """
 
     async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:

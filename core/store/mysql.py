@@ -215,6 +215,7 @@ class MySQLStore:
         lease_until_ms: int,
         results: Sequence[DeliveryResult] = (),
         per_room: bool = False,
+        hold_back_ms: int = 1000,
     ) -> Claimed:
         async with self.transaction() as cur:
             stale = await self._apply_results(cur, results)
@@ -223,7 +224,7 @@ class MySQLStore:
                 OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
                 for id, event_id, event_type, room_id, app_code, envelope, retries in await cur.fetchall()
             ]
-            rows = await self._heads_of_rooms(cur, found) if per_room else found
+            rows = await self._heads_of_rooms(cur, found, hold_back_ms) if per_room else found
             if rows:
                 ids = [row.id for row in rows]
                 await cur.execute(
@@ -232,9 +233,13 @@ class MySQLStore:
                 )
         return Claimed(rows, stale, exhausted=len(found) < limit)
 
-    async def _heads_of_rooms(self, cur: aiomysql.Cursor, found: list[OutboxRow]) -> list[OutboxRow]:
+    async def _heads_of_rooms(self, cur: aiomysql.Cursor, found: list[OutboxRow], hold_back_ms: int) -> list[OutboxRow]:
         """Keep a found row only if every earlier pending row of its room was found too.
-        Rows left out stay locked until commit, then are simply not leased."""
+
+        A row held back this way is made unclaimable for ``hold_back_ms``: otherwise a room
+        with a long backlog behind a waiting event would fill every later scan with rows
+        that cannot be taken, and the events they wait for would never come up.
+        """
         if not found:
             return found
         rooms = sorted({row.room_id for row in found})
@@ -249,7 +254,14 @@ class MySQLStore:
             key = (app_code, room_id)
             if row_id not in found_ids and row_id < first_outside.get(key, row_id + 1):
                 first_outside[key] = row_id
-        return [r for r in found if r.id < first_outside.get((r.app_code, r.room_id), r.id + 1)]
+        heads = [r for r in found if r.id < first_outside.get((r.app_code, r.room_id), r.id + 1)]
+        held_back = sorted(found_ids - {r.id for r in heads})
+        if held_back:
+            await cur.execute(
+                f"UPDATE {TABLE} SET lock_until_ms = %s WHERE id IN ({_marks(held_back)})",
+                (now_ms() + hold_back_ms, *held_back),
+            )
+        return heads
 
     async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
         if not results:
@@ -315,3 +327,74 @@ class MySQLStore:
 
 def _marks(values: Sequence[object]) -> str:
     return ", ".join(["%s"] * len(values))
+
+
+@dataclass(frozen=True)
+class RequeueFilter:
+    """Which rows ``room-outbox requeue`` selects; every given criterion must hold."""
+
+    event_ids: tuple[str, ...] = ()
+    event_type: str | None = None
+    error_contains: str | None = None
+    older_than_ms: int | None = None  # created at least this long ago
+    statuses: tuple[str, ...] = ("pending", "failed")
+
+
+async def find_requeue_candidates(store: MySQLStore, where: RequeueFilter, limit: int = 10_000) -> list[dict[str, Any]]:
+    """Rows the filter selects, leaving out rows leased right now (their in-flight result
+    would be lost) and rows neither pending nor failed (published, cancelled)."""
+    statuses = [s for s in where.statuses if s in ("pending", "failed")]
+    if not statuses:
+        return []
+    clauses = [f"status IN ({_marks(statuses)})", "NOT (worker_id IS NOT NULL AND lock_until_ms > %s)"]
+    params: list[Any] = [*statuses, now_ms()]
+    if where.event_ids:
+        clauses.append(f"event_id IN ({_marks(where.event_ids)})")
+        params.extend(where.event_ids)
+    if where.event_type:
+        clauses.append("event_type = %s")
+        params.append(where.event_type)
+    if where.error_contains:
+        clauses.append("INSTR(last_error, %s) > 0")
+        params.append(where.error_contains)
+    if where.older_than_ms is not None:
+        clauses.append("created_at_ms <= %s")
+        params.append(now_ms() - where.older_than_ms)
+    async with store.transaction() as cur:
+        await cur.execute(
+            f"SELECT id, event_id, event_type, room_id, status, retry_count, last_error, created_at_ms FROM {TABLE}"
+            f" WHERE {' AND '.join(clauses)} ORDER BY id LIMIT %s",
+            (*params, limit),
+        )
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
+
+
+async def requeue(store: MySQLStore, row_ids: Sequence[int]) -> int:
+    """Make rows pending and due now, with a fresh attempt count (``max_attempts`` starts
+    over); ``last_error`` is kept until the next attempt. Returns rows changed."""
+    if not row_ids:
+        return 0
+    async with store.transaction() as cur:
+        return int(
+            await cur.execute(
+                f"UPDATE {TABLE} SET status = 'pending', retry_count = 0, lock_until_ms = 0, worker_id = NULL,"
+                f" updated_at_ms = %s WHERE id IN ({_marks(row_ids)}) AND status IN ('pending', 'failed')"
+                " AND NOT (worker_id IS NOT NULL AND lock_until_ms > %s)",
+                (now_ms(), *row_ids, now_ms()),
+            )
+        )
+
+
+async def cancel(store: MySQLStore, event_id: str) -> tuple[bool, str | None]:
+    """Mark a pending or failed event ``cancelled`` (never delivered, kept for audit).
+    Returns whether it was cancelled and the status it has now (None: no such event)."""
+    async with store.transaction() as cur:
+        changed = await cur.execute(
+            f"UPDATE {TABLE} SET status = 'cancelled', worker_id = NULL, lock_until_ms = 0, updated_at_ms = %s"
+            " WHERE event_id = %s AND status IN ('pending', 'failed')",
+            (now_ms(), event_id),
+        )
+        await cur.execute(f"SELECT status FROM {TABLE} WHERE event_id = %s", (event_id,))
+        row = await cur.fetchone()
+    return bool(changed), (row[0] if row else None)

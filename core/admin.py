@@ -1,0 +1,54 @@
+"""Operator commands that change rows: ``requeue`` and ``cancel`` (seed 001's cancelled state).
+
+``requeue`` shows what it would change and changes it only with ``--yes``. It is how rows that
+were parked, or whose envelope did not parse, are sent round again once the cause is fixed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from room_outbox.store.mysql import MySQLStore, RequeueFilter, cancel, find_requeue_candidates, requeue
+
+
+async def requeue_command(store: MySQLStore, where: RequeueFilter, apply: bool, out: Any) -> int:
+    rows = await find_requeue_candidates(store, where)
+    if not rows:
+        print("no rows match (published, cancelled and currently leased rows are never requeued)", file=out)
+        return 0
+    now = time.time() * 1000
+    print(f"{'event_id':<40} {'event_type':<24} {'status':<8} {'retries':>7} {'age':>8}  last_error", file=out)
+    for row in rows:
+        age = _age(now - row["created_at_ms"])
+        error = (row["last_error"] or "")[:60]
+        print(
+            f"{row['event_id']:<40} {row['event_type']:<24} {row['status']:<8} {row['retry_count']:>7} {age:>8}  {error}",
+            file=out,
+        )
+    if not apply:
+        print(f"{len(rows)} row(s) would be requeued; run again with --yes to apply", file=out)
+        return 0
+    changed = await requeue(store, [row["id"] for row in rows])
+    print(f"requeued {changed} row(s)", file=out)
+    return 0
+
+
+async def cancel_command(store: MySQLStore, event_id: str, out: Any) -> int:
+    cancelled, status = await cancel(store, event_id)
+    if cancelled:
+        print(f"cancelled {event_id}: it will never be delivered; the row is kept", file=out)
+        return 0
+    if status is None:
+        print(f"no event {event_id}", file=out)
+    else:
+        print(f"{event_id} is {status}: only pending or failed events can be cancelled", file=out)
+    return 1
+
+
+def _age(ms: float) -> str:
+    seconds = max(ms, 0) / 1000
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
