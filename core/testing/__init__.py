@@ -19,8 +19,8 @@ from room_outbox.testing.fake_im import (
     DEV_KEY,
     DEV_SDKAPPID,
     Arrival,
-    Faults,
     FakeTencentIM,
+    Faults,
     ReceivedMessage,
 )
 from room_outbox.testing.server import serve_fake_im

@@ -11,7 +11,7 @@ from typing import Any
 
 import anyio
 
-from room_outbox.testing.fake_im import DEFAULT_ADMIN, DEV_KEY, DEV_SDKAPPID, Faults, FakeTencentIM
+from room_outbox.testing.fake_im import DEFAULT_ADMIN, DEV_KEY, DEV_SDKAPPID, FakeTencentIM, Faults
 from room_outbox.testing.server import serve_fake_im
 
 
@@ -20,14 +20,16 @@ def add_fake_im_parser(commands: Any) -> None:
     parser = commands.add_parser("fake-im", help="serve a fake Tencent IM on loopback (tests, demos)")
     parser.add_argument("--port", type=int, default=8090, help="TCP port (0: any free port; default 8090)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--sdkappid", type=int, default=DEV_SDKAPPID, help=f"SDKAppID it serves (default {DEV_SDKAPPID})")
+    parser.add_argument(
+        "--sdkappid", type=int, default=DEV_SDKAPPID, help=f"SDKAppID it serves (default {DEV_SDKAPPID})"
+    )
     parser.add_argument(
         "--key",
         default=os.environ.get("ROOM_OUTBOX_FAKE_IM_KEY", DEV_KEY),
         help="secret key UserSigs are checked against (default: $ROOM_OUTBOX_FAKE_IM_KEY or the dev key)",
     )
     parser.add_argument("--identifier", default=DEFAULT_ADMIN, help=f"admin identifier (default {DEFAULT_ADMIN})")
-    parser.add_argument("--faults", default="{}", help='initial faults as JSON, e.g. \'{"error_rate": 0.2}\'')
+    parser.add_argument("--faults", default="{}", help="initial faults as JSON, e.g. '{\"error_rate\": 0.2}'")
 
 
 def run_fake_im(args: argparse.Namespace) -> int:
@@ -43,7 +45,7 @@ def run_fake_im(args: argparse.Namespace) -> int:
 
 async def _serve(fake: FakeTencentIM, host: str, port: int) -> None:
     async with serve_fake_im(fake, host, port):
-        app, = fake.apps
+        (app,) = fake.apps
         print(f"fake Tencent IM on {fake.base_url} (sdkappid {app}, identifier {', '.join(fake.admins)})", flush=True)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:

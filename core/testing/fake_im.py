@@ -395,7 +395,13 @@ def _answer(code: int, info: str) -> Reply:
 
 
 def _ok(msg_seq: int, msg_time: int, drop_reason: str | None = None) -> Reply:
-    doc: dict[str, Any] = {"ActionStatus": "OK", "ErrorCode": 0, "ErrorInfo": "", "MsgTime": msg_time, "MsgSeq": msg_seq}
+    doc: dict[str, Any] = {
+        "ActionStatus": "OK",
+        "ErrorCode": 0,
+        "ErrorInfo": "",
+        "MsgTime": msg_time,
+        "MsgSeq": msg_seq,
+    }
     if drop_reason:
         doc["MsgDropReason"] = drop_reason
     return _json(200, doc)
