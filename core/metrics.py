@@ -99,8 +99,7 @@ def render_prometheus(data: MetricsData | None) -> str:
                         bounds = [*point.explicit_bounds, math.inf]
                         for bound, count in zip(bounds, point.bucket_counts, strict=True):
                             cumulative += count
-                            labels = {**(point.attributes or {}), "le": _number(bound)}
-                            lines.append(_sample(f"{name}_bucket", labels, cumulative))
+                            lines.append(_sample(f"{name}_bucket", point.attributes, cumulative, le=_number(bound)))
                         lines.append(_sample(f"{name}_sum", point.attributes, point.sum))
                         lines.append(_sample(f"{name}_count", point.attributes, point.count))
                 else:  # exponential histograms are never configured here
@@ -120,10 +119,13 @@ def _numbers(points: Iterable[object]) -> Iterable[NumberDataPoint]:
     return (p for p in points if isinstance(p, NumberDataPoint))
 
 
-def _sample(name: str, attributes: Mapping[str, object] | None, value: float) -> str:
-    if not attributes:
+def _sample(name: str, attributes: Mapping[str, object] | None, value: float, le: str | None = None) -> str:
+    pairs = sorted((attributes or {}).items())
+    if le is not None:  # by convention the bucket bound comes last
+        pairs.append(("le", le))
+    if not pairs:
         return f"{name} {_number(value)}"
-    text = ",".join(f'{_INVALID_LABEL.sub("_", k)}="{_escape(v)}"' for k, v in sorted(attributes.items()))
+    text = ",".join(f'{_INVALID_LABEL.sub("_", k)}="{_escape(v)}"' for k, v in pairs)
     return f"{name}{{{text}}} {_number(value)}"
 
 

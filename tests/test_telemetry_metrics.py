@@ -1,0 +1,159 @@
+"""Metrics read back from an in-memory reader; their Prometheus text; exporter set-up from OTEL_*."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import pytest
+from support import RecordingSink, envelope, insert_events, make_dispatcher
+from telemetry_support import capture
+
+from room_outbox.config import ConfigError
+from room_outbox.ops import sample_backlog
+from room_outbox.redaction import Redactor
+from room_outbox.sink import PermanentSinkError
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.telemetry import NO_ATTEMPT, Telemetry, telemetry_from_environment
+
+
+@pytest.mark.anyio
+async def test_success_failure_latency_and_batch_size(store: MySQLStore) -> None:
+    await insert_events(
+        store, [envelope("ok1"), envelope("ok2", "RoomGiftSent"), envelope("bad"), envelope("gone", "RoomClosed")]
+    )
+    captured = capture()
+    sink = RecordingSink(fail={"bad", "gone"})
+    sink.error = None
+    errors = {"gone": PermanentSinkError("group dismissed")}
+
+    async def deliver(env: Any) -> None:
+        if env.event_id in errors:
+            raise errors[env.event_id]
+        await RecordingSink.deliver(sink, env)
+
+    sink.deliver = deliver  # type: ignore[method-assign]
+    dispatcher = make_dispatcher(store, sink)
+    dispatcher.telemetry = captured.telemetry
+    await dispatcher.run_until_empty()
+
+    v = captured.value
+    assert v("room_outbox_publish_success_total", sink="test", event_type="RoomUserJoined") == 1
+    assert v("room_outbox_publish_success_total", sink="test", event_type="RoomGiftSent") == 1
+    assert v("room_outbox_publish_failure_total", event_type="RoomUserJoined", error_class="retryable") == 1
+    assert v("room_outbox_publish_failure_total", event_type="RoomClosed", error_class="permanent") == 1
+    latency = captured.histogram("room_outbox_publish_latency_ms")
+    assert sum(p.count for p in latency) == 4
+    assert sum(p.count for p in latency if p.attributes["outcome"] == "failed") == 2
+    (batches,) = captured.histogram("room_outbox_claimed_batch_size")
+    assert batches.count >= 1 and batches.sum == 4
+
+
+@pytest.mark.anyio
+async def test_a_row_published_by_the_producer_mid_delivery_counts_as_a_lost_lease(store: MySQLStore) -> None:
+    await insert_events(store, [envelope("e1")])
+    captured = capture()
+
+    class ProducerWins(RecordingSink):
+        async def deliver(self, env: Any) -> None:
+            async with store.transaction() as cur:  # room-service's own synchronous push succeeded
+                await cur.execute("UPDATE room_outbox SET status='published' WHERE event_id=%s", (env.event_id,))
+
+    dispatcher = make_dispatcher(store, ProducerWins())
+    dispatcher.telemetry = captured.telemetry
+    await dispatcher.run_until_empty()
+    assert captured.value("room_outbox_lost_leases_total", detected_at="result_write") == 1
+
+
+@pytest.mark.anyio
+async def test_backlog_gauges_come_from_index_lookups(store: MySQLStore) -> None:
+    assert await sample_backlog(store) == (await sample_backlog(store))  # empty table: zeros
+    assert (await sample_backlog(store)).pending == 0
+    await insert_events(store, [envelope("old"), envelope("new")])
+    async with store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET created_at_ms = created_at_ms - 60000 WHERE event_id = 'old'")
+        await cur.execute("EXPLAIN SELECT created_at_ms FROM room_outbox WHERE status='pending' ORDER BY id LIMIT 1")
+        plan = await cur.fetchall()
+    assert any("status" in str(row) for row in plan)  # an index on status, not a table scan
+    backlog = await sample_backlog(store)
+    assert backlog.pending == 2 and 60_000 <= backlog.oldest_pending_age_ms < 120_000
+    captured = capture()
+    captured.telemetry.backlog(backlog.pending, backlog.oldest_pending_age_ms)
+    assert captured.value("room_outbox_pending_total") == 2
+    assert captured.value("room_outbox_oldest_pending_age_ms") == backlog.oldest_pending_age_ms
+
+
+def test_prometheus_text_names_types_labels_and_cumulative_buckets() -> None:
+    captured = capture()
+    m = captured.telemetry.metrics
+    m.success.add(2, {"sink": "tencent_im", "event_type": "RoomGiftSent"})
+    m.failure.add(1, {"sink": "tencent_im", "event_type": "RoomGiftSent", "error_class": 'odd "quote"\n'})
+    for ms in (3.0, 30.0, 30000.0):
+        m.latency.record(ms, {"sink": "noop", "event_type": "RoomCreated", "outcome": "published"})
+    captured.telemetry.backlog(7, 1234)
+    text = captured.telemetry.prometheus_text()
+    lines = text.splitlines()
+    assert "# TYPE room_outbox_publish_success_total counter" in lines
+    assert 'room_outbox_publish_success_total{event_type="RoomGiftSent",sink="tencent_im"} 2' in lines
+    assert 'error_class="odd \\"quote\\"\\n"' in text
+    assert "# TYPE room_outbox_pending_total gauge" in lines and "room_outbox_pending_total 7" in lines
+    assert "room_outbox_oldest_pending_age_ms 1234" in lines
+    assert "# TYPE room_outbox_publish_latency_ms histogram" in lines
+    labels = 'event_type="RoomCreated",outcome="published",sink="noop"'
+    assert f'room_outbox_publish_latency_ms_bucket{{{labels},le="5"}} 1' in lines
+    assert f'room_outbox_publish_latency_ms_bucket{{{labels},le="50"}} 2' in lines
+    assert f'room_outbox_publish_latency_ms_bucket{{{labels},le="10000"}} 2' in lines
+    assert f'room_outbox_publish_latency_ms_bucket{{{labels},le="+Inf"}} 3' in lines
+    assert f"room_outbox_publish_latency_ms_count{{{labels}}} 3" in lines
+    assert f"room_outbox_publish_latency_ms_sum{{{labels}}} 30033" in lines
+    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]\w*="([^"\\]|\\.)*",?)*\})? [-+0-9.eEInfNa]+$')
+    assert all(line.startswith("# ") or sample.match(line) for line in lines), text
+
+
+def test_without_configuration_nothing_is_recorded() -> None:
+    telemetry = telemetry_from_environment("n", Redactor(), environ={})
+    assert telemetry.tracer is None and not telemetry.metrics_enabled and not telemetry.serves_prometheus
+    assert telemetry.attempt(None) is NO_ATTEMPT  # type: ignore[arg-type]
+    assert telemetry.prometheus_text() == ""
+
+
+def test_exporters_follow_the_otel_environment() -> None:
+    console = telemetry_from_environment("n", Redactor(), environ={"OTEL_TRACES_EXPORTER": "console"})
+    assert console.tracer is not None and not console.metrics_enabled
+    endpoint = telemetry_from_environment(
+        "n", Redactor(), environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_METRICS_EXPORTER": "none"}
+    )
+    assert endpoint.tracer is not None and not endpoint.metrics_enabled
+    grpc = telemetry_from_environment(
+        "n", Redactor(), environ={"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    )
+    assert grpc.tracer is not None
+    with_prometheus = telemetry_from_environment("n", Redactor(), prometheus=True, environ={})
+    assert with_prometheus.metrics_enabled and with_prometheus.tracer is None
+    disabled = telemetry_from_environment(
+        "n", Redactor(), prometheus=True, environ={"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "console"}
+    )
+    assert disabled.tracer is None and not disabled.metrics_enabled
+    with pytest.raises(ConfigError, match="OTEL_TRACES_EXPORTER: unknown exporter 'jaeger'"):
+        telemetry_from_environment("n", Redactor(), environ={"OTEL_TRACES_EXPORTER": "jaeger"})
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        telemetry_from_environment(
+            "n", Redactor(), environ={"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
+        )
+    for t in (console, endpoint, grpc, with_prometheus):
+        for provider in t._providers:
+            provider.shutdown()
+
+
+def test_the_disabled_attempt_is_cheap() -> None:
+    """Rough guard on the cost with nothing configured (the figure is in the README)."""
+    telemetry = Telemetry()
+    started = time.perf_counter()
+    for _ in range(20_000):
+        attempt = telemetry.attempt(None)  # type: ignore[arg-type]
+        with attempt.delivering("s"):
+            pass
+        attempt.finish(None)
+    per_attempt_us = (time.perf_counter() - started) / 20_000 * 1e6
+    assert per_attempt_us < 20, per_attempt_us
