@@ -1,0 +1,160 @@
+"""/healthz, /readyz, /metrics over real HTTP: the endpoint alone and inside the lifecycle."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import anyio
+import httpx
+import pytest
+from support import RecordingSink, envelope, fetch_rows, insert_events, wait_until
+
+from room_outbox import SinkContext, SinkSpec, hookimpl
+from room_outbox.app import run_service
+from room_outbox.config import ConfigError, Settings, load_settings
+from room_outbox.http_endpoint import Health, HttpEndpoint, parse_listen
+from room_outbox.redaction import Redactor
+from room_outbox.sink import SinkSettings
+from room_outbox.store.mysql import MySQLStore
+
+pytestmark = pytest.mark.anyio
+
+
+class Database:
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    async def check(self) -> None:
+        if self.error:
+            raise self.error
+
+
+@pytest.fixture
+async def endpoint() -> AsyncIterator[tuple[HttpEndpoint, Database, httpx.AsyncClient]]:
+    database = Database()
+    redactor = Redactor()
+    redactor.add("dbpassw0rd")
+    server = HttpEndpoint(Health(database.check, redactor=redactor), lambda: "room_outbox_pending_total 3\n")
+    port = await server.bind("127.0.0.1", 0)
+    async with anyio.create_task_group() as tg, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        tg.start_soon(server.serve)
+        yield server, database, client
+        tg.cancel_scope.cancel()
+
+
+async def test_health_readiness_and_metrics(endpoint: tuple[HttpEndpoint, Database, httpx.AsyncClient]) -> None:
+    server, database, client = endpoint
+    assert (await client.get("/healthz")).text == "ok\n"
+
+    starting = await client.get("/readyz")
+    assert starting.status_code == 503 and starting.json() == {"ready": False, "worker": "starting", "database": "ok"}
+    server.health.worker = "running"
+    assert (await client.get("/readyz")).json() == {"ready": True, "worker": "running", "database": "ok"}
+    server.health.worker = "disabled"  # outbox_worker.enabled: false serves nothing, yet is not broken
+    assert (await client.get("/readyz")).status_code == 200
+
+    database.error = OSError("Can't connect as room:dbpassw0rd@db")
+    down = await client.get("/readyz")
+    assert down.status_code == 503 and "dbpassw0rd" not in down.text and "[REDACTED]" in down.json()["database"]
+
+    metrics = await client.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert metrics.text == "room_outbox_pending_total 3\n"
+    assert (await client.head("/metrics")).content == b""
+    assert (await client.get("/nope")).status_code == 404
+    assert (await client.post("/healthz")).status_code == 405
+
+
+async def test_garbage_and_silent_clients_do_not_hurt(
+    endpoint: tuple[HttpEndpoint, Database, httpx.AsyncClient],
+) -> None:
+    server, _, client = endpoint
+    async with await anyio.connect_tcp("127.0.0.1", server.port) as stream:
+        await stream.send(b"\x16\x03\x01 not http at all\r\n\r\n")
+        with anyio.fail_after(5):
+            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):  # closed without answer: fine
+                await stream.receive()
+    silent = await anyio.connect_tcp("127.0.0.1", server.port)  # holds a connection open, says nothing
+    try:
+        assert (await client.get("/healthz")).status_code == 200
+    finally:
+        await silent.aclose()
+
+
+def test_listen_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_listen("127.0.0.1:9464") == ("127.0.0.1", 9464)
+    assert parse_listen(":9464") == ("0.0.0.0", 9464)
+    assert parse_listen("[::1]:9464") == ("::1", 9464)
+    with pytest.raises(ValueError):
+        parse_listen("localhost")
+    monkeypatch.setenv("ROOM_OUTBOX__TELEMETRY__HTTP_LISTEN", "nonsense")
+    with pytest.raises(ConfigError, match=r"telemetry\.http_listen: 'nonsense' is not host:port"):
+        load_settings()
+
+
+class FailingSinkPlugin:
+    def __init__(self, sink: RecordingSink) -> None:
+        self.sink = sink
+
+    @hookimpl
+    def room_outbox_register_sinks(self) -> list[SinkSpec]:
+        def create(settings: SinkSettings, context: SinkContext) -> RecordingSink:
+            return self.sink
+
+        return [SinkSpec("flaky", SinkSettings, create)]
+
+
+async def test_the_service_serves_the_endpoint_for_the_life_of_the_worker(
+    database_dsn: str, store: MySQLStore, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    await insert_events(store, [envelope("ok", "RoomGiftSent"), envelope("bad", "RoomUserJoined")])
+    sink = RecordingSink(fail={"bad"})  # a failing sink must not make the process unready
+    settings = Settings(
+        mysql={"dsn": database_dsn},
+        node_id="http-test",
+        outbox_worker={"poll_interval": "50ms"},
+        sinks={"tencent_im": {"enabled": False}, "flaky": {"event_types": ["RoomGiftSent", "RoomUserJoined"]}},
+        telemetry={"http_listen": "127.0.0.1:0", "backlog_interval": "50ms"},
+    )
+    stop = anyio.Event()
+    with caplog.at_level(logging.INFO):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: run_service(settings, stop, False, [FailingSinkPlugin(sink)]))
+            await wait_until(lambda: _logged(caplog, "http_started"))
+            port = next(r.port for r in caplog.records if getattr(r, "lifecycle", "") == "http_started")  # type: ignore[attr-defined]
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+
+                async def ready() -> bool:
+                    return (await client.get("/readyz")).status_code == 200
+
+                await wait_until(ready)
+
+                async def metrics_seen() -> bool:
+                    text = (await client.get("/metrics")).text
+                    return (
+                        'room_outbox_publish_success_total{event_type="RoomGiftSent",sink="flaky"} 1' in text
+                        and "room_outbox_pending_total 1" in text
+                    )
+
+                await wait_until(metrics_seen)
+                text = (await client.get("/metrics")).text
+                assert 'error_class="retryable",event_type="RoomUserJoined",sink="flaky"' in text
+                assert "room_outbox_oldest_pending_age_ms " in text
+                assert "room_outbox_claimed_batch_size_count " in text
+                assert (await client.get("/readyz")).json()["ready"] is True  # failures everywhere, still ready
+                stop.set()
+    order = [r.lifecycle for r in caplog.records if hasattr(r, "lifecycle")]  # type: ignore[attr-defined]
+    assert order[:2] == ["pool_opened", "http_started"]
+    assert order[-5:] == ["stop_requested", "worker_stopped", "http_stopped", "sinks_closed", "pool_closed"]
+    assert (await fetch_rows(store))["ok"]["status"] == "published"
+    with pytest.raises(httpx.ConnectError):
+        async with httpx.AsyncClient() as client:
+            await client.get(f"http://127.0.0.1:{port}/healthz")
+
+
+async def _logged(caplog: pytest.LogCaptureFixture, lifecycle: str) -> bool:
+    return any(getattr(r, "lifecycle", "") == lifecycle for r in caplog.records)
