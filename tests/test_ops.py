@@ -1,0 +1,126 @@
+"""`room-outbox status` and `room-outbox inspect EVENT_ID`, through the CLI's main()."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from support import envelope, insert_events, insert_rows
+
+from room_outbox.cli import main
+from room_outbox.ops import describe_state
+from room_outbox.store.mysql import MySQLStore
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def keep_logging() -> Iterator[None]:
+    """main() routes logging to JSON on stderr; give pytest its handlers back."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    yield
+    root.handlers[:], level = saved
+    root.setLevel(level)
+
+
+async def _cli(capsys: pytest.CaptureFixture[str], tmp_path: Path, dsn: str, *args: str) -> tuple[int, str, str]:
+    config = tmp_path / "config.yaml"
+    config.write_text(f"mysql:\n  dsn: '{dsn}'\n")
+    capsys.readouterr()
+    code = await anyio.to_thread.run_sync(main, ["--config", str(config), *args])  # main() runs its own loop
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+async def _populate(store: MySQLStore) -> None:
+    await insert_events(store, [envelope(f"fresh{i}") for i in range(3)])
+    await insert_events(store, [envelope(f"retry{i}") for i in range(4)] + [envelope("leased1"), envelope("leased2")])
+    await insert_events(store, [envelope("done")])
+    await insert_rows(store, [("", "broken", "RoomUserJoined", "r_1", "{not json")])
+    now = int(time.time() * 1000)
+    async with store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET created_at_ms = %s WHERE event_id = 'fresh0'", (now - 3_600_000,))
+        await cur.execute(
+            "UPDATE room_outbox SET retry_count = 3, last_error = 'tencent_im: ErrorCode 10007 no permission',"
+            " lock_until_ms = %s WHERE event_id IN ('retry0', 'retry1', 'retry2')",
+            (now + 600_000,),
+        )
+        await cur.execute(
+            "UPDATE room_outbox SET retry_count = 12, last_error = 'tencent_im: timeout' WHERE event_id = 'retry3'"
+        )
+        await cur.execute(
+            "UPDATE room_outbox SET worker_id = 'node-a#7', lock_until_ms = %s WHERE event_id LIKE 'leased%%'",
+            (now + 30_000,),
+        )
+        await cur.execute("UPDATE room_outbox SET status = 'published' WHERE event_id = 'done'")
+
+
+async def test_status_json_counts_backlog_retries_errors_and_leases(
+    store: MySQLStore, database_dsn: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, keep_logging: None
+) -> None:
+    await _populate(store)
+    code, out, _ = await _cli(capsys, tmp_path, database_dsn, "status", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["pending"] == 10  # everything but "done"
+    assert 3_600_000 <= doc["oldest_pending_age_ms"] < 3_700_000
+    assert doc["retry_histogram"] == {"0": 6, "1": 0, "2-4": 3, "5-9": 0, "10-99": 1, "100+": 0}
+    assert doc["top_errors"][0] == {"last_error": "tencent_im: ErrorCode 10007 no permission", "rows": 3}
+    assert doc["top_errors"][1] == {"last_error": "tencent_im: timeout", "rows": 1}
+    assert doc["waiting_for_retry"] == 3
+    assert doc["leased"] == 2
+    assert [(h["node"], h["claims"], h["rows"]) for h in doc["holders"]] == [("node-a", 1, 2)]
+
+
+async def test_status_table_is_readable(
+    store: MySQLStore, database_dsn: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, keep_logging: None
+) -> None:
+    await _populate(store)
+    code, out, _ = await _cli(capsys, tmp_path, database_dsn, "status")
+    assert code == 0
+    assert "pending               10" in out
+    assert "oldest pending age    1.0h" in out
+    assert "node-a" in out and "tencent_im: ErrorCode 10007 no permission" in out
+    code, out, _ = await _cli(capsys, tmp_path, database_dsn, "status")  # an empty outbox too
+    assert code == 0
+
+
+async def test_inspect_shows_row_envelope_and_state(
+    store: MySQLStore, database_dsn: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, keep_logging: None
+) -> None:
+    await _populate(store)
+    code, out, _ = await _cli(capsys, tmp_path, database_dsn, "inspect", "retry0", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["row"]["event_id"] == "retry0" and doc["row"]["retry_count"] == 3
+    assert doc["envelope"]["event_id"] == "retry0" and doc["envelope"]["payload"] == {"user_id": "u1"}
+    assert doc["state"].startswith("waiting: failed 3 time(s), next attempt in")
+
+    code, out, _ = await _cli(capsys, tmp_path, database_dsn, "inspect", "broken")
+    assert code == 0
+    assert "envelope problem: malformed envelope" in out and "raw envelope: {not json" in out
+    assert "state: due: the next scan claims it" in out
+
+    code, out, _ = await _cli(capsys, tmp_path, database_dsn, "inspect", "leased1")
+    assert "state: in flight: leased by node-a#7" in out
+
+    code, out, err = await _cli(capsys, tmp_path, database_dsn, "inspect", "nosuch")
+    assert code == 1 and out == "" and "no row with event_id 'nosuch'" in err
+
+
+def test_delivery_states_read_like_sentences() -> None:
+    now = 1_000_000
+    row = {"status": "pending", "retry_count": 2, "worker_id": "n#1", "lock_until_ms": now - 1}
+    assert describe_state(row, now) == "due: the lease of n#1 expired; the next scan takes it over"
+    assert describe_state({**row, "status": "published"}, now).startswith("published")
+    assert describe_state({**row, "status": "failed"}, now).startswith("parked after 2 attempt(s)")
+    assert describe_state({**row, "status": "cancelled"}, now).startswith("cancelled")
+    assert describe_state({**row, "worker_id": None, "lock_until_ms": 0}, now) == (
+        "due: the next scan claims it (failed 2 time(s) so far)"
+    )
