@@ -114,6 +114,7 @@ class TencentIMSink:
         if answer.get("ErrorCode") == USERSIG_EXPIRED:
             # Our clock or cache disagrees with Tencent's: make a fresh UserSig, try once more.
             app.usersig.invalidate()
+            self.log.info("UserSig expired at Tencent (70001); regenerated, retrying once", extra={"app": app.name})
             await self._wait_for_slot(app, None)
             answer = await self._post(app, content, group_id)
         self._verdict(answer, app, group_id)
