@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -72,13 +73,20 @@ async def fetch_rows(store: MySQLStore) -> dict[str, dict[str, Any]]:
         return {row[names.index("event_id")]: dict(zip(names, row, strict=True)) for row in await cur.fetchall()}
 
 
-async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0, interval: float = 0.02) -> None:
-    """Poll ``predicate`` until it is true; fail after ``timeout`` seconds (no blind sleeps)."""
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool] | bool], timeout: float = 10.0, interval: float = 0.02
+) -> None:
+    """Poll ``predicate`` (sync or async) until it is true; fail after ``timeout`` seconds.
+    This is how tests synchronise: on a condition with a deadline, never on a blind sleep."""
     deadline = time.monotonic() + timeout
-    while not await predicate():
+    while not await _truth(predicate()):
         if time.monotonic() > deadline:
             pytest.fail(f"condition not met within {timeout}s")
         await anyio.sleep(interval)
+
+
+async def _truth(value: Awaitable[bool] | bool) -> bool:
+    return await value if inspect.isawaitable(value) else bool(value)
 
 
 class RecordingSink:

@@ -54,7 +54,7 @@ async def test_start_and_stop_order(database_dsn: str, store: MySQLStore, caplog
     with caplog.at_level(logging.INFO):
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: run_service(app_settings(database_dsn), stop, False, [SlowSinkPlugin(sink)]))
-            await wait_until(lambda: _true(len(sink.received) == 3))  # all three in flight
+            await wait_until(lambda: len(sink.received) == 3)  # all three in flight
             stop.set()
     order = [r.lifecycle for r in caplog.records if hasattr(r, "lifecycle")]  # type: ignore[attr-defined]
     assert order == [
@@ -76,9 +76,7 @@ async def test_disabled_worker_starts_nothing(
             tg.start_soon(
                 lambda: run_service(app_settings(database_dsn, enabled=False), stop, False, [SlowSinkPlugin(sink)])
             )
-            await wait_until(
-                lambda: _true(any(getattr(r, "lifecycle", "") == "worker_disabled" for r in caplog.records))
-            )
+            await wait_until(lambda: any(getattr(r, "lifecycle", "") == "worker_disabled" for r in caplog.records))
             stop.set()
     assert sink.received == []
     assert not any(getattr(r, "lifecycle", "") == "worker_started" for r in caplog.records)
@@ -163,7 +161,3 @@ def test_bad_configuration_exits_2_with_one_message(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "outbox_worker.retry_strategy: unknown retry strategy 'sometimes'" in err
     assert "Traceback" not in err
-
-
-async def _true(value: bool) -> bool:
-    return value

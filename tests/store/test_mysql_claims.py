@@ -90,7 +90,7 @@ async def test_a_live_lease_never_expires_under_a_slow_sink(
     rival = make_dispatcher(store, fast, node_id="rival", poll_interval=0.02)
     async with anyio.create_task_group() as tg:
         tg.start_soon(holder.run_until_empty)
-        await wait_until(lambda: _async(len(slow.received) == 4))
+        await wait_until(lambda: len(slow.received) == 4)
         await tg.start(rival.run)
 
         async def published() -> bool:
@@ -130,14 +130,10 @@ async def test_stop_finishes_in_flight_releases_the_rest_and_leaves_no_lease(
     with caplog.at_level(logging.INFO):
         async with anyio.create_task_group() as tg:
             await tg.start(dispatcher.run)
-            await wait_until(lambda: _async(len(sink.received) == 2))
+            await wait_until(lambda: len(sink.received) == 2)
             dispatcher.stop()
     rows = await fetch_rows(store)
     published = sorted(e for e, r in rows.items() if r["status"] == "published")
     assert published == sorted(sink.received) and len(published) == 2
     assert all(r["worker_id"] is None and r["lock_until_ms"] == 0 for r in rows.values() if r["status"] == "pending")
     assert all(r["retry_count"] == 0 for r in rows.values())  # released rows count no attempt
-
-
-async def _async(value: bool) -> bool:
-    return value
