@@ -59,3 +59,16 @@ async def store(database_dsn: str) -> AsyncIterator[MySQLStore]:
         yield store
     finally:
         await store.aclose()
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logging() -> Iterator[None]:
+    """Commands run in-process (``main([...])``) install the JSON log handler on the root
+    logger; put the root logger back so one test's logging set-up never leaks into the next."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
