@@ -1,24 +1,29 @@
 """Client-side rate limits: per Tencent app (default 200 requests/s) and per group (40/s).
 
-A :class:`SlidingWindowLimiter` hands out start times so that no window of ``window``
-seconds ever holds more than ``rate`` starts: the next start is ``rate`` starts after the
-one it displaces, plus the window. Starts are reserved in arrival order (FIFO), which is what
-keeps one busy caller from starving the others.
+Tencent counts requests as they *arrive*, and a request arrives somewhere between the moment
+we send it and the moment its answer is back. So a :class:`SlidingWindowLimiter` holds
+``rate`` slots, and a slot is busy from the start of a request until ``window`` seconds after
+its answer (or its failure). Then no ``window`` can ever see more than ``rate`` arrivals,
+whatever the latency or the jitter: if ``rate + 1`` arrivals fell in one window, the last
+of them would have started while the other ``rate`` slots were still busy. The cost is one
+request latency per slot cycle (at 5 ms, 200/s becomes about 190/s).
 
-The window is one second plus :data:`JITTER_MARGIN`: the server counts arrivals, and a
-request that waited a little longer in the event loop or on the network than the one
-``rate`` places after it would otherwise land in the same server-side second.
+The window is one second plus :data:`JITTER_MARGIN`, to stay clear of rounding in whatever
+way the server buckets time. Waiters are served first come, first served (``anyio.Lock`` is
+fair), which keeps one busy caller from starving the others.
 
-A caller that would have to wait longer than ``max_wait`` gets no reservation: the sink
-then fails that delivery as retryable at once instead of holding a dispatcher slot, so a hot
-room's backlog waits in the outbox while other rooms' events keep flowing.
+A caller that would have to wait longer than ``max_wait`` gets no slot: the sink then fails
+that delivery as retryable at once instead of holding a dispatcher slot, so a hot room's
+backlog waits in the outbox while other rooms' events keep flowing.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections import deque
 from collections.abc import Callable
+
+import anyio
 
 JITTER_MARGIN = 0.05
 
@@ -32,27 +37,64 @@ class SlidingWindowLimiter:
         self.rate = rate
         self.window = window
         self._clock = clock
-        # The last `rate` reserved start times, oldest first; they never decrease.
-        self._starts: deque[float] = deque(maxlen=rate)
+        #: When each slot is free again: ``inf`` while its request is in flight.
+        self._free_at: list[float] = []
+        self._lock = anyio.Lock()
+        self._released = anyio.Event()
 
-    def reserve(self, max_wait: float) -> float | None:
-        """Reserve the earliest allowed start; return the wait until it, or ``None`` (nothing
-        reserved) when that wait would exceed ``max_wait``."""
+    async def acquire(self, max_wait: float) -> int | None:
+        """Wait for a slot; return its number, or ``None`` when none frees within ``max_wait``.
+
+        The caller must :meth:`release` the slot when its request is over.
+        """
+        deadline = self._clock() + max_wait
+        if not self._lock.locked():  # nobody queued: a free slot is taken without a checkpoint
+            slot = self._take_free()
+            if slot is not None:
+                return slot
+        with anyio.move_on_after(max_wait):
+            async with self._lock:
+                while True:
+                    slot = self._take_free()
+                    if slot is not None:
+                        return slot
+                    now = self._clock()
+                    free_at = min(self._free_at)
+                    if free_at > deadline and math.isfinite(free_at):
+                        return None  # known to be too late: say so at once
+                    if math.isfinite(free_at):
+                        await anyio.sleep(free_at - now)
+                    else:  # every slot in flight: their answers decide
+                        if deadline - now < self.window:
+                            return None  # an answer now would still free its slot too late
+                        await self._released.wait()
+        return None
+
+    def _take_free(self) -> int | None:
+        if len(self._free_at) < self.rate:
+            self._free_at.append(math.inf)
+            return len(self._free_at) - 1
+        slot = min(range(self.rate), key=self._free_at.__getitem__)
+        if self._free_at[slot] <= self._clock():
+            self._free_at[slot] = math.inf
+            return slot
+        return None
+
+    def release(self, slot: int, sent: bool = True) -> None:
+        """The request of ``slot`` is over (``sent=False``: it was never sent)."""
+        self._free_at[slot] = self._clock() + self.window if sent else -math.inf
+        self._released.set()
+        self._released = anyio.Event()
+
+    def idle(self) -> bool:
+        """No slot busy and nobody waiting: the limiter holds no information worth keeping."""
         now = self._clock()
-        start = now if len(self._starts) < self.rate else max(now, self._starts[0] + self.window)
-        if start - now > max_wait:
-            return None
-        self._starts.append(start)
-        return start - now
-
-    def idle_since(self) -> float:
-        """Monotonic time of the last reserved start (``-inf`` when none)."""
-        return self._starts[-1] if self._starts else float("-inf")
+        return not self._lock.locked() and all(t <= now for t in self._free_at)
 
 
 class KeyedLimiter:
-    """One :class:`SlidingWindowLimiter` per key (a group), forgotten once idle for a window,
-    so millions of rooms over a day cost memory only for the ones active right now."""
+    """One :class:`SlidingWindowLimiter` per key (a group), forgotten once idle, so millions
+    of rooms over a day cost memory only for the ones active right now."""
 
     _PRUNE_ABOVE = 1024
 
@@ -64,17 +106,16 @@ class KeyedLimiter:
         self._clock = clock
         self._limiters: dict[str, SlidingWindowLimiter] = {}
 
-    def reserve(self, key: str, max_wait: float) -> float | None:
+    def get(self, key: str) -> SlidingWindowLimiter:
         limiter = self._limiters.get(key)
         if limiter is None:
             if len(self._limiters) >= self._PRUNE_ABOVE:
                 self._prune()
             limiter = self._limiters[key] = SlidingWindowLimiter(self.rate, self.window, self._clock)
-        return limiter.reserve(max_wait)
+        return limiter
 
     def _prune(self) -> None:
-        horizon = self._clock() - self.window
-        for key in [k for k, limiter in self._limiters.items() if limiter.idle_since() < horizon]:
+        for key in [k for k, limiter in self._limiters.items() if limiter.idle()]:
             del self._limiters[key]
 
     def __len__(self) -> int:

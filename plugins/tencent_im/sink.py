@@ -13,7 +13,6 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import httpx
 
 from room_outbox.envelope import EventEnvelope
@@ -109,14 +108,12 @@ class TencentIMSink:
                 f"message is {size} bytes; Tencent IM accepts at most {self.settings.max_message_bytes} (GroupId {group_id})"
             )
         content = request_body(group_id, envelope, body, self.settings.priority_for(envelope.event_type))
-        await self._wait_for_slot(app, group_id)
-        answer = await self._post(app, content, group_id)
+        answer = await self._send(app, content, group_id)
         if answer.get("ErrorCode") == USERSIG_EXPIRED:
             # Our clock or cache disagrees with Tencent's: make a fresh UserSig, try once more.
             app.usersig.invalidate()
             self.log.info("UserSig expired at Tencent (70001); regenerated, retrying once", extra={"app": app.name})
-            await self._wait_for_slot(app, None)
-            answer = await self._post(app, content, group_id)
+            answer = await self._send(app, content, group_id)
         self._verdict(answer, app, group_id)
 
     async def aclose(self) -> None:
@@ -124,23 +121,29 @@ class TencentIMSink:
 
     # -- helpers -------------------------------------------------------------------------
 
-    async def _wait_for_slot(self, app: TencentApp, group_id: str | None) -> None:
+    async def _send(self, app: TencentApp, content: bytes, group_id: str) -> dict[str, Any]:
+        """POST within both rate limits; the slots stay busy until the answer is back."""
         max_wait = self.settings.rate_limit_max_wait
-        if group_id is not None:
-            wait = self._groups.reserve(group_id, max_wait)
-            if wait is None:
-                raise RetryableSinkError(
-                    f"client-side rate limit: group {group_id} is above {self.settings.group_rate_limit} messages/s"
-                )
-            if wait > 0:
-                await anyio.sleep(wait)
-        wait = app.limiter.reserve(max_wait)
-        if wait is None:
+        group = self._groups.get(group_id)
+        group_slot = await group.acquire(max_wait)
+        if group_slot is None:
             raise RetryableSinkError(
-                f"client-side rate limit: app {app.name} is above {self.settings.app_rate_limit} requests/s"
+                f"client-side rate limit: group {group_id} is above {self.settings.group_rate_limit} messages/s"
             )
-        if wait > 0:
-            await anyio.sleep(wait)
+        sent = False
+        try:
+            app_slot = await app.limiter.acquire(max_wait)
+            if app_slot is None:
+                raise RetryableSinkError(
+                    f"client-side rate limit: app {app.name} is above {self.settings.app_rate_limit} requests/s"
+                )
+            try:
+                sent = True
+                return await self._post(app, content, group_id)
+            finally:
+                app.limiter.release(app_slot)
+        finally:
+            group.release(group_slot, sent)
 
     async def _post(self, app: TencentApp, content: bytes, group_id: str) -> dict[str, Any]:
         params = {

@@ -18,38 +18,59 @@ from room_outbox.testing import FakeTencentIM
 pytestmark = pytest.mark.anyio
 
 
-def test_sliding_window_never_admits_more_than_rate_in_any_window() -> None:
-    now = [0.0]
-    limiter = SlidingWindowLimiter(rate=7, window=1.0, clock=lambda: now[0])
-    rng = random.Random(3)
-    starts: list[float] = []
-    for _ in range(500):
-        now[0] += rng.expovariate(20.0)  # arrivals at ~20/s against a limit of 7/s
-        wait = limiter.reserve(max_wait=100.0)
-        assert wait is not None
-        starts.append(now[0] + wait)
-    assert starts == sorted(starts)  # first come, first served
-    for i in range(len(starts) - 7):
-        assert starts[i + 7] - starts[i] >= 1.0 - 1e-9  # so no 1 s window holds 8 (float rounding aside)
-    assert starts[-1] - starts[0] < 500 / 7 + 1  # and the limit is used, not wasted
+async def test_a_slot_is_busy_from_start_until_a_window_after_the_answer() -> None:
+    """Whatever the latency, no request starts while `rate` others started before it and
+    answered less than a window ago (or are still in flight): the server-side guarantee."""
+    limiter = SlidingWindowLimiter(rate=3, window=0.2)
+    rng = random.Random(5)
+    spans: list[tuple[float, float]] = []
+
+    async def request() -> None:
+        slot = await limiter.acquire(max_wait=10.0)
+        assert slot is not None
+        start = time.monotonic()
+        await anyio.sleep(rng.uniform(0.0, 0.03))  # the request's own latency
+        spans.append((start, time.monotonic()))
+        limiter.release(slot)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(15):
+            tg.start_soon(request)
+    for start, _ in spans:
+        busy = [s for s, e in spans if s < start and e + 0.2 > start]
+        assert len(busy) < 3
+    first, last = min(s for s, _ in spans), max(s for s, _ in spans)
+    assert last - first < 15 / 3 * (0.2 + 0.03) + 0.2  # the limit is used, not wasted
 
 
-def test_a_wait_beyond_max_wait_reserves_nothing() -> None:
-    limiter = SlidingWindowLimiter(rate=2, window=1.0, clock=lambda: 0.0)
-    assert limiter.reserve(0.5) == 0.0
-    assert limiter.reserve(0.5) == 0.0
-    assert limiter.reserve(0.5) is None
-    assert limiter.reserve(1.0) == 1.0  # the refusal did not take the slot
+async def test_a_wait_beyond_max_wait_gets_no_slot() -> None:
+    limiter = SlidingWindowLimiter(rate=2, window=0.2)
+    first, second = await limiter.acquire(0.5), await limiter.acquire(0.5)
+    assert first is not None and second is not None
+    started = time.monotonic()
+    assert await limiter.acquire(0.1) is None  # both in flight: cannot free within 0.1 s
+    assert time.monotonic() - started < 0.05  # refused at once, not after waiting
+    limiter.release(first)
+    assert await limiter.acquire(0.1) is None  # free again only 0.2 s after the answer
+    assert await limiter.acquire(0.5) == first
+    assert time.monotonic() - started >= 0.2
+    limiter.release(second, sent=False)  # never sent: free at once
+    assert await limiter.acquire(0.0) == second
 
 
-def test_idle_groups_are_forgotten() -> None:
-    now = [0.0]
-    limiter = KeyedLimiter(rate=1, window=1.0, clock=lambda: now[0])
+async def test_idle_groups_are_forgotten() -> None:
+    limiter = KeyedLimiter(rate=1, window=1.0)
     for i in range(KeyedLimiter._PRUNE_ABOVE):
-        limiter.reserve(f"room-{i}", 0.0)
-    now[0] = 5.0
-    limiter.reserve("fresh", 0.0)
-    assert len(limiter) == 1
+        group = limiter.get(f"room-{i}")
+        slot = await group.acquire(0.0)
+        assert slot is not None
+        group.release(slot, sent=False)
+    busy = limiter.get("room-0")
+    slot = await busy.acquire(0.0)
+    assert slot is not None
+    limiter.get("fresh")
+    assert len(limiter) == 2  # the busy one and the new one
+    busy.release(slot)
 
 
 async def _deliver_all(sink: object, events: list[object]) -> list[BaseException | None]:
