@@ -21,8 +21,10 @@ from room_outbox.dispatcher import Dispatcher, LaneOptions
 from room_outbox.observability import observability
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.redaction import Redactor
+from room_outbox.retention import run_retention_job
 from room_outbox.routing import build_router
-from room_outbox.store.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.factory import open_store
+from room_outbox.store.mysql import MySQLAddress
 
 log = logging.getLogger("room_outbox.app")
 
@@ -44,7 +46,7 @@ async def run_service(
     ``plugins`` are registered besides the installed ones (for embedding and tests)."""
     stop = stop or anyio.Event()
     redactor = redactor_for(settings)
-    store = await MySQLStore.connect(settings.mysql.dsn.get_secret_value(), settings.mysql.pool_size)
+    store = await open_store(settings.mysql.dsn.get_secret_value(), settings.mysql.pool_size)
     log.info("database pool opened", extra={"lifecycle": "pool_opened", "database": store.address.database})
     # Telemetry and the HTTP endpoint: up once the pool is, down once the worker has stopped.
     observed = contextlib.AsyncExitStack()
@@ -75,6 +77,8 @@ async def run_service(
                 else:
                     obs.health.worker = "disabled"
                     log.info("outbox worker disabled by outbox_worker.enabled", extra={"lifecycle": "worker_disabled"})
+                if settings.retention.enabled:  # stops by itself once `stop` is set, between two batches
+                    await workers.start(run_retention_job, store, settings.retention, stop)
                 async with anyio.create_task_group() as watch:
                     if handle_signals:
                         watch.start_soon(_set_on_signal, stop)

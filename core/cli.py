@@ -13,6 +13,8 @@ from room_outbox.admin import cancel_command, requeue_command
 from room_outbox.app import redactor_for, run_service
 from room_outbox.config import ConfigError, Settings, load_settings, parse_duration
 from room_outbox.ops import inspect_command, status_command
+from room_outbox.retention import RetentionOptions, cleanup_command
+from room_outbox.store.factory import open_store
 from room_outbox.store.mysql import MySQLStore, RequeueFilter
 from room_outbox.telemetry import configure_logging
 from room_outbox.testing.cli import add_fake_im_parser, run_fake_im
@@ -44,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="one event: its row, parsed envelope and delivery state")
     inspect.add_argument("event_id")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    cleanup = commands.add_parser("cleanup", help="delete (or archive) published rows older than retention.older_than")
+    cleanup.add_argument("--older-than", type=parse_duration, help="override retention.older_than (e.g. 168h)")
+    cleanup.add_argument("--archive", action="store_true", help="move rows to room_outbox_archive instead")
     add_fake_im_parser(commands)
     return parser
 
@@ -80,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _migrate(settings: Settings) -> int:
-    store = await MySQLStore.connect(settings.mysql.dsn.get_secret_value(), create_database=True)
+    store = await open_store(settings.mysql.dsn.get_secret_value(), create_database=True)
     try:
         changes = await store.migrate()
     finally:
@@ -111,6 +116,9 @@ async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
             return await requeue_command(store, where, args.yes, sys.stdout)
         if args.command == "cancel":
             return await cancel_command(store, args.event_id, sys.stdout)
+        if args.command == "cleanup":
+            options = RetentionOptions.from_settings(settings.retention, args.older_than, args.archive)
+            return await cleanup_command(store, options)
         raise AssertionError(f"unhandled command {args.command}")
     finally:
         await store.aclose()
@@ -118,7 +126,7 @@ async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _report(settings: Settings, args: argparse.Namespace) -> int:
     """``status`` and ``inspect``: read-only, one connection (logic in room_outbox.ops)."""
-    store = await MySQLStore.connect(settings.mysql.dsn.get_secret_value(), pool_size=1)
+    store = await open_store(settings.mysql.dsn.get_secret_value(), pool_size=1)
     try:
         if args.command == "status":
             return await status_command(store, args.json, sys.stdout)

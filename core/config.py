@@ -181,6 +181,28 @@ class TelemetrySettings(Section):
         return value if value > 0 else 15.0
 
 
+class RetentionSettings(Section):
+    """``room-outbox cleanup`` and the optional background job (:mod:`room_outbox.retention`):
+    published rows older than ``older_than`` are deleted, or moved to ``room_outbox_archive``."""
+
+    #: Run a pass every ``interval`` inside ``room-outbox run`` (``cleanup`` works either way).
+    enabled: bool = False
+    older_than: Duration = 7 * 86400.0
+    #: Rows per transaction: small, so no statement holds locks for long.
+    batch_size: int = Field(default=1000, ge=1, le=100_000)
+    #: Wait between batches, leaving the database to delivery.
+    pause: Duration = Field(default=0.1, ge=0)
+    archive: bool = False
+    interval: Duration = 3600.0
+
+    @field_validator("older_than", "interval")
+    @classmethod
+    def _positive_duration(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be a positive duration")
+        return value
+
+
 def default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -200,6 +222,7 @@ class Settings(BaseSettings):
     plugins: PluginsSettings = PluginsSettings()
     log: LogSettings = LogSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
+    retention: RetentionSettings = RetentionSettings()
 
     @field_validator("node_id")
     @classmethod

@@ -1,0 +1,214 @@
+"""Retention: delete — or move to ``room_outbox_archive`` — published rows older than ``older_than``.
+
+Age is ``created_at_ms``: room-service sets it on every insert, while its own
+``UPDATE … SET status='published'`` leaves ``updated_at_ms`` alone, so only the creation
+time means the same thing for every row. Only ``published`` rows are ever touched: pending,
+parked (``failed``) and ``cancelled`` rows stay, whatever their age.
+
+How it stays out of delivery's way:
+
+* **Small batches.** A pass walks the ``(status, id)`` index from the lowest published id, at
+  most ``batch_size`` rows per step, so each read is a short index range, never a scan of the
+  table. Ids rise with commit time, so the pass ends at the first batch holding no old row.
+* **Short transactions.** Each batch is removed in its own transaction that locks only those
+  rows (``FOR UPDATE SKIP LOCKED``), then ``pause`` passes before the next: the claim query,
+  which reads the ``pending`` range of another index, never waits on it.
+* **Several processes.** ``SKIP LOCKED`` makes two cleaners split a batch instead of waiting on
+  each other, and the status/age re-check under the lock makes a second removal a no-op; with
+  ``archive`` the copy and the delete share one transaction, so a row is archived exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import anyio
+import pymysql
+from anyio.abc import TaskStatus
+
+from room_outbox.config import RetentionSettings
+from room_outbox.store.mysql import TABLE, MySQLStore, now_ms
+
+log = logging.getLogger("room_outbox.retention")
+
+ARCHIVE_TABLE = f"{TABLE}_archive"
+
+_DEADLOCK_RETRIES = 3
+_LOCK_ERRORS = (1205, 1213)  # lock wait timeout, deadlock
+
+_SCAN_SQL = f"SELECT id, created_at_ms FROM {TABLE} WHERE status = 'published' AND id > %s ORDER BY id LIMIT %s"
+
+
+@dataclass(frozen=True)
+class RetentionOptions:
+    older_than: float = 7 * 86400.0
+    batch_size: int = 1000
+    pause: float = 0.1
+    archive: bool = False
+
+    @classmethod
+    def from_settings(
+        cls, settings: RetentionSettings, older_than: float | None = None, archive: bool = False
+    ) -> RetentionOptions:
+        """The configured options; ``older_than`` and ``archive`` come from the command line."""
+        return cls(
+            older_than if older_than is not None else settings.older_than,
+            settings.batch_size,
+            settings.pause,
+            archive or settings.archive,
+        )
+
+
+@dataclass
+class CleanupReport:
+    #: Rows deleted from ``room_outbox`` (with ``archive``, each was copied first).
+    removed: int = 0
+    #: Transactions that removed at least one row.
+    batches: int = 0
+    #: Most rows removed by one transaction: never above ``batch_size``.
+    largest_batch: int = 0
+    seconds: float = 0.0
+
+
+async def cleanup(
+    store: MySQLStore,
+    options: RetentionOptions,
+    *,
+    now: int | None = None,
+    stop: anyio.Event | None = None,
+) -> CleanupReport:
+    """One pass over the published rows; returns early (between batches) once ``stop`` is set."""
+    started = time.monotonic()
+    cutoff = (now if now is not None else now_ms()) - int(options.older_than * 1000)
+    report = CleanupReport()
+    columns = await _archive_columns(store) if options.archive else []
+    after = 0
+    while stop is None or not stop.is_set():
+        async with store.transaction() as cur:
+            await cur.execute(_SCAN_SQL, (after, options.batch_size))
+            seen: Sequence[tuple[int, int]] = await cur.fetchall()
+        if not seen:
+            break
+        after = seen[-1][0]
+        old = [row_id for row_id, created in seen if created <= cutoff]
+        if not old:
+            break  # ids rise with time: past this batch every published row is younger
+        removed = await _remove(store, old, cutoff, columns)
+        if removed:
+            report.removed += removed
+            report.batches += 1
+            report.largest_batch = max(report.largest_batch, removed)
+        if len(seen) < options.batch_size:
+            break
+        # A pause lets the claims and result writes of delivery take the log flushes.
+        if stop is None:
+            await anyio.sleep(options.pause)
+        else:
+            with anyio.move_on_after(options.pause):
+                await stop.wait()
+    report.seconds = time.monotonic() - started
+    return report
+
+
+async def _remove(store: MySQLStore, candidates: list[int], cutoff: int, archive_columns: list[str]) -> int:
+    """Remove (archiving first when asked) the candidates still published and old, skipping
+    rows another cleaner holds; one transaction."""
+    for attempt in range(_DEADLOCK_RETRIES):
+        try:
+            return await _remove_once(store, candidates, cutoff, archive_columns)
+        except pymysql.err.OperationalError as exc:
+            # InnoDB may still pick a cleaner as a deadlock victim (its transaction is rolled
+            # back whole); the batch is simply taken again.
+            if exc.args[0] not in _LOCK_ERRORS or attempt == _DEADLOCK_RETRIES - 1:
+                raise
+    return 0
+
+
+async def _remove_once(store: MySQLStore, candidates: list[int], cutoff: int, archive_columns: list[str]) -> int:
+    marks = ", ".join(["%s"] * len(candidates))
+    async with store.transaction() as cur:
+        # PRIMARY only: locking through a secondary index would take locks that the DELETE of a
+        # concurrent cleaner needs next, which deadlocks (seen with two cleaners).
+        await cur.execute(
+            f"SELECT id FROM {TABLE} FORCE INDEX (PRIMARY) WHERE id IN ({marks}) AND status = 'published'"
+            " AND created_at_ms <= %s FOR UPDATE SKIP LOCKED",
+            (*candidates, cutoff),
+        )
+        ids = [row[0] for row in await cur.fetchall()]
+        if not ids:
+            return 0
+        held = ", ".join(["%s"] * len(ids))
+        if archive_columns:
+            names = ", ".join(archive_columns)
+            await cur.execute(
+                f"INSERT INTO {ARCHIVE_TABLE} ({names}) SELECT {names} FROM {TABLE} FORCE INDEX (PRIMARY)"
+                f" WHERE id IN ({held})",
+                ids,
+            )
+        # The multi-table form, because only it takes an index hint: on a small table the
+        # optimizer would otherwise scan all rows and wait on those another cleaner holds.
+        return int(await cur.execute(f"DELETE o FROM {TABLE} AS o FORCE INDEX (PRIMARY) WHERE o.id IN ({held})", ids))
+
+
+async def _archive_columns(store: MySQLStore) -> list[str]:
+    """Create the archive table when missing (a copy of ``room_outbox``'s definition) and name
+    the columns both tables have, so a column added to ``room_outbox`` later never breaks
+    archiving (it is simply not archived until added to the archive table too)."""
+    async with store.transaction() as cur:
+        await cur.execute(
+            "SELECT 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
+            (ARCHIVE_TABLE,),
+        )
+        if not await cur.fetchone():  # IF NOT EXISTS alone would warn on every pass
+            await cur.execute(f"CREATE TABLE IF NOT EXISTS {ARCHIVE_TABLE} LIKE {TABLE}")
+        await cur.execute(
+            "SELECT TABLE_NAME, COLUMN_NAME FROM information_schema.COLUMNS"
+            " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME IN (%s, %s) ORDER BY ORDINAL_POSITION",
+            (TABLE, ARCHIVE_TABLE),
+        )
+        found = await cur.fetchall()
+    archived = {column.lower() for table, column in found if table == ARCHIVE_TABLE}
+    return [column for table, column in found if table == TABLE and column.lower() in archived]
+
+
+async def run_retention_job(
+    store: MySQLStore,
+    settings: RetentionSettings,
+    stop: anyio.Event,
+    *,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """The optional background job: a pass every ``interval`` until ``stop`` is set. A failed
+    pass is logged and tried again next interval; it never takes the process down."""
+    options = RetentionOptions.from_settings(settings)
+    log.info(
+        "retention job started",
+        extra={"lifecycle": "retention_started", "older_than": options.older_than, "archive": options.archive},
+    )
+    task_status.started()
+    while not stop.is_set():
+        try:
+            report = await cleanup(store, options, stop=stop)
+            log.info(
+                "retention pass done",
+                extra={"removed": report.removed, "batches": report.batches, "seconds": round(report.seconds, 3)},
+            )
+        except Exception as exc:
+            log.error("retention pass failed; next try after interval", extra={"error": f"{type(exc).__name__}: {exc}"})
+        with anyio.move_on_after(settings.interval):
+            await stop.wait()
+    log.info("retention job stopped", extra={"lifecycle": "retention_stopped"})
+
+
+async def cleanup_command(store: MySQLStore, options: RetentionOptions) -> int:
+    """``room-outbox cleanup``: one pass, then a one-line summary."""
+    report = await cleanup(store, options)
+    where = f"moved to {ARCHIVE_TABLE}" if options.archive else "deleted"
+    print(
+        f"{report.removed} published row(s) older than {options.older_than:g}s {where}"
+        f" in {report.batches} batch(es) of at most {options.batch_size}, {report.seconds:.1f}s"
+    )
+    return 0
