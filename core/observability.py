@@ -19,7 +19,7 @@ from room_outbox.config import ConfigError, Settings
 from room_outbox.http_endpoint import Health, HttpEndpoint, parse_listen
 from room_outbox.ops import sample_backlog
 from room_outbox.redaction import Redactor
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.factory import SQLStore
 from room_outbox.telemetry import Telemetry, telemetry_from_environment
 
 log = logging.getLogger("room_outbox.observability")
@@ -33,7 +33,7 @@ class Observability:
 
 
 @asynccontextmanager
-async def observability(settings: Settings, store: MySQLStore, redactor: Redactor) -> AsyncIterator[Observability]:
+async def observability(settings: Settings, store: SQLStore, redactor: Redactor) -> AsyncIterator[Observability]:
     options = settings.telemetry
     listen = None
     if options.http_listen.strip():
@@ -81,7 +81,7 @@ async def observability(settings: Settings, store: MySQLStore, redactor: Redacto
         raise error
 
 
-async def _sample_backlog(store: MySQLStore, telemetry: Telemetry, interval: float) -> None:
+async def _sample_backlog(store: SQLStore, telemetry: Telemetry, interval: float) -> None:
     """Pending count and oldest pending age, every ``interval`` (two index lookups)."""
     while True:
         try:

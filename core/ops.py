@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 from room_outbox.envelope import EnvelopeError, parse_envelope
-from room_outbox.store.mysql import TABLE, MySQLStore
+from room_outbox.store.factory import SQLStore
+from room_outbox.store.mysql import TABLE
 
 #: Retry-count histogram buckets of the status report: (label, lowest, highest).
 RETRY_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2-4", 2, 4), ("5-9", 5, 9), ("10-99", 10, 99), ("100+", 100, None))
@@ -33,7 +34,7 @@ class Backlog:
     oldest_pending_age_ms: int
 
 
-async def sample_backlog(store: MySQLStore) -> Backlog:
+async def sample_backlog(store: SQLStore) -> Backlog:
     """Pending count and oldest pending age: both read only the index range of pending rows
     and one row by primary key, however many published rows the table holds."""
     async with store.transaction() as cur:
@@ -76,7 +77,7 @@ class StatusReport:
         return doc
 
 
-async def status_report(store: MySQLStore, top: int = 10) -> StatusReport:
+async def status_report(store: SQLStore, top: int = 10) -> StatusReport:
     now = _now_ms()
     backlog = await sample_backlog(store)
     async with store.transaction() as cur:
@@ -169,7 +170,7 @@ def format_age(ms: int) -> str:
 # -- room-outbox inspect ----------------------------------------------------------------------
 
 
-async def inspect_event(store: MySQLStore, event_id: str) -> dict[str, Any] | None:
+async def inspect_event(store: SQLStore, event_id: str) -> dict[str, Any] | None:
     """The row of ``event_id`` with its parsed envelope (or why it does not parse) and a
     sentence on its delivery state; ``None`` when no row has that event_id."""
     async with store.transaction() as cur:
@@ -238,13 +239,13 @@ def format_inspection(doc: dict[str, Any]) -> str:
 # -- command entry points (called by room_outbox.cli) -----------------------------------------
 
 
-async def status_command(store: MySQLStore, as_json: bool, out: IO[str]) -> int:
+async def status_command(store: SQLStore, as_json: bool, out: IO[str]) -> int:
     report = await status_report(store)
     print(json.dumps(report.to_json(), indent=2) if as_json else format_status(report), file=out)
     return 0
 
 
-async def inspect_command(store: MySQLStore, event_id: str, as_json: bool, out: IO[str], err: IO[str]) -> int:
+async def inspect_command(store: SQLStore, event_id: str, as_json: bool, out: IO[str], err: IO[str]) -> int:
     doc = await inspect_event(store, event_id)
     if doc is None:
         print(f"room-outbox inspect: no row with event_id {event_id!r}", file=err)

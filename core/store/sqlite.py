@@ -1,0 +1,346 @@
+"""The IM lane's state in an embedded SQLite file, through aiosqlite: no server to run.
+
+Same protocol and semantics as :mod:`.mysql` — the same columns (``worker_id``,
+``lock_until_ms``), the same claim order, leases, fencing, per-room hold-back and parking —
+so the demo, a single-box deployment and the store contract tests behave as on MySQL.
+
+Concurrency, and why it is safe without ``SKIP LOCKED``: SQLite has one writer at a time.
+Every transaction here starts with ``BEGIN IMMEDIATE``, which takes the write lock up front,
+so a claim (results + select + lease) runs alone; another claimant — a task of this process
+or another process on the same file — waits for the lock (``busy_timeout``) and then sees the
+first one's leases already committed. Claims are short, so the wait is too. The file is in
+WAL mode, so readers (status, the backlog timer) never block the writer nor it them.
+
+One connection per store, its transactions serialised by a lock: a connection holds one
+transaction at a time, and a second connection in the same process would only queue behind
+the same file lock.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import aiosqlite
+import anyio
+
+from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome
+from room_outbox.store.mysql import (
+    ADDED_COLUMNS,
+    ADDED_INDEXES,
+    LAST_ERROR_MAX,
+    REQUIRED_V1_COLUMNS,
+    TABLE,
+    now_ms,
+)
+
+#: room-service's V1 table in SQLite's dialect. AUTOINCREMENT because per-room ordering relies
+#: on ids that only rise: without it SQLite reuses the ids of deleted rows at the top.
+V1_TABLE_DDL = (
+    f"""CREATE TABLE {TABLE} (
+  id            INTEGER PRIMARY KEY AUTOINCREMENT,
+  app_code      TEXT    NOT NULL DEFAULT '',
+  event_id      TEXT    NOT NULL,
+  event_type    TEXT    NOT NULL,
+  room_id       TEXT    NOT NULL,
+  envelope      TEXT    NOT NULL,
+  status        TEXT    NOT NULL DEFAULT 'pending',
+  retry_count   INTEGER NOT NULL DEFAULT 0,
+  last_error    TEXT    NULL,
+  created_at_ms INTEGER NOT NULL,
+  updated_at_ms INTEGER NOT NULL
+)""",
+    f"CREATE UNIQUE INDEX uk_room_outbox_event_id ON {TABLE} (event_id)",
+    f"CREATE INDEX idx_room_outbox_status_id ON {TABLE} (status, id)",
+)
+
+#: MySQL's column definitions in SQLite's types (names and defaults as :data:`ADDED_COLUMNS`).
+_SQLITE_COLUMNS = {
+    "worker_id": "TEXT NULL DEFAULT NULL",
+    "lock_until_ms": "INTEGER NOT NULL DEFAULT 0",
+}
+assert _SQLITE_COLUMNS.keys() == ADDED_COLUMNS.keys(), "keep the SQLite schema in step with MySQL's"
+
+CLAIM_SQL = (
+    f"SELECT id, event_id, event_type, room_id, app_code, envelope, retry_count FROM {TABLE}"
+    " WHERE status = 'pending' AND lock_until_ms <= ? ORDER BY lock_until_ms, id LIMIT ?"
+)
+
+#: Seconds a transaction waits for another writer (another process's claim) before failing.
+BUSY_TIMEOUT = 30.0
+
+#: SQLite ≥ 3.32 allows 32766 bound parameters; stay far below for any batch size.
+_MAX_PARAMS = 900
+
+
+@dataclass(frozen=True)
+class SQLiteAddress:
+    """Where the file is. ``database`` names it in logs, as :class:`MySQLAddress` does."""
+
+    path: Path
+
+    @property
+    def database(self) -> str:
+        return str(self.path)
+
+    @classmethod
+    def from_dsn(cls, dsn: str) -> SQLiteAddress:
+        """``sqlite:///absolute/path.db`` or ``sqlite:relative/path.db``."""
+        parts = urlsplit(dsn)
+        if parts.scheme != "sqlite":
+            raise ValueError(f"mysql.dsn: scheme must be sqlite:// (got {parts.scheme or 'none'}://)")
+        if parts.netloc:
+            raise ValueError("mysql.dsn: a SQLite DSN names a file, not a host: sqlite:///path/to/outbox.db")
+        if parts.query:
+            raise ValueError("mysql.dsn: a SQLite DSN takes no options")
+        path = unquote(parts.path)
+        if not path or path.endswith("/"):
+            raise ValueError("mysql.dsn: names no file (sqlite:///path/to/outbox.db)")
+        return cls(Path(path))
+
+
+class FormatCursor:
+    """A cursor taking MySQL's ``%s`` placeholders, shaped like the parts of aiomysql's cursor
+    the shared code uses (``execute`` returning the row count, ``fetchone``, ``fetchall``,
+    ``description``, ``rowcount``). It lets the store-agnostic SQL of the operator queries,
+    the producer and the tests run unchanged on SQLite."""
+
+    def __init__(self, conn: aiosqlite.Connection) -> None:
+        self._conn = conn
+        self._rows: list[Any] = []
+        self.description: Any = None
+        self.rowcount = -1
+
+    async def execute(self, sql: str, args: Iterable[Any] | None = None) -> int:
+        async with self._conn.execute(_qmark(sql), tuple(args or ())) as cur:
+            self._rows = list(await cur.fetchall())
+            self.description = cur.description
+            self.rowcount = cur.rowcount
+        return len(self._rows) if self.description else max(self.rowcount, 0)
+
+    async def executemany(self, sql: str, args: Iterable[Iterable[Any]]) -> int:
+        async with self._conn.executemany(_qmark(sql), [tuple(a) for a in args]) as cur:
+            self.rowcount = cur.rowcount
+        self._rows, self.description = [], None
+        return max(self.rowcount, 0)
+
+    async def fetchone(self) -> Any:
+        return tuple(self._rows.pop(0)) if self._rows else None
+
+    async def fetchall(self) -> list[Any]:
+        rows, self._rows = self._rows, []
+        return [tuple(row) for row in rows]
+
+
+_FORMAT = re.compile(r"%([s%])")
+
+
+def _qmark(sql: str) -> str:
+    """``%s`` → ``?`` and ``%%`` → ``%``, as the format paramstyle defines them."""
+    return _FORMAT.sub(lambda m: "?" if m.group(1) == "s" else "%", sql)
+
+
+class SQLiteStore:
+    """:class:`~room_outbox.store.OutboxStore` on a SQLite file."""
+
+    def __init__(self, conn: aiosqlite.Connection, address: SQLiteAddress) -> None:
+        self._conn = conn
+        self._lock = anyio.Lock()
+        self.address = address
+
+    @classmethod
+    async def connect(cls, dsn: str, busy_timeout: float = BUSY_TIMEOUT) -> SQLiteStore:
+        address = SQLiteAddress.from_dsn(dsn)
+        address.path.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: no implicit transactions; every one is an explicit BEGIN IMMEDIATE.
+        conn = await aiosqlite.connect(address.path, isolation_level=None, timeout=busy_timeout)
+        try:
+            await conn.execute("PRAGMA journal_mode=WAL")
+            await conn.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
+        except BaseException:
+            await conn.close()
+            raise
+        return cls(conn, address)
+
+    async def aclose(self) -> None:
+        await self._conn.close()
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[FormatCursor]:
+        """A ``%s``-style cursor in a write transaction: commit on success, roll back on error."""
+        async with self._lock, self._begin() as conn:
+            yield FormatCursor(conn)
+
+    @asynccontextmanager
+    async def _begin(self) -> AsyncIterator[aiosqlite.Connection]:
+        """``BEGIN IMMEDIATE`` … ``COMMIT``; the caller holds ``_lock``."""
+        await self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            with anyio.CancelScope(shield=True):  # a cancelled caller must still leave no open transaction
+                await self._conn.rollback()
+            raise
+        with anyio.CancelScope(shield=True):
+            await self._conn.commit()
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[aiosqlite.Connection]:
+        async with self._lock, self._begin() as conn:
+            yield conn
+
+    # -- schema ------------------------------------------------------------------------
+
+    async def migrate(self) -> list[str]:
+        changes: list[str] = []
+        async with self._write() as conn:
+            columns = {str(row[1]).lower() for row in await conn.execute_fetchall(f"PRAGMA table_info({TABLE})")}
+            if not columns:
+                for statement in V1_TABLE_DDL:
+                    await conn.execute(statement)
+                changes.append(f"created table {TABLE}")
+                columns = set(REQUIRED_V1_COLUMNS)
+            missing_v1 = [c for c in REQUIRED_V1_COLUMNS if c not in columns]
+            if missing_v1:
+                raise RuntimeError(
+                    f"table {TABLE} exists but lacks the V1 columns {missing_v1}; refusing to guess how to upgrade it"
+                )
+            for name, definition in _SQLITE_COLUMNS.items():
+                if name not in columns:
+                    await conn.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {definition}")
+                    changes.append(f"added column {TABLE}.{name}")
+            indexes = {str(row[1]).lower() for row in await conn.execute_fetchall(f"PRAGMA index_list({TABLE})")}
+            for name, columns_sql in ADDED_INDEXES.items():
+                if name not in indexes:
+                    await conn.execute(f"CREATE INDEX {name} ON {TABLE} {columns_sql}")
+                    changes.append(f"added index {TABLE}.{name}")
+        return changes
+
+    # -- the lane ------------------------------------------------------------------------
+
+    async def claim(
+        self,
+        claim: str,
+        limit: int,
+        lease_until_ms: int,
+        results: Sequence[DeliveryResult] = (),
+        per_room: bool = False,
+        hold_back_ms: int = 1000,
+    ) -> Claimed:
+        async with self._write() as conn:
+            stale = await self._apply_results(conn, results)
+            found = [
+                OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
+                for id, event_id, event_type, room_id, app_code, envelope, retries in await conn.execute_fetchall(
+                    CLAIM_SQL, (now_ms(), limit)
+                )
+            ]
+            rows = await self._heads_of_rooms(conn, found, hold_back_ms) if per_room else found
+            for ids in _chunks([row.id for row in rows]):
+                await conn.execute(
+                    f"UPDATE {TABLE} SET worker_id = ?, lock_until_ms = ? WHERE id IN ({_marks(ids)})",
+                    (claim, lease_until_ms, *ids),
+                )
+        return Claimed(rows, stale, exhausted=len(found) < limit)
+
+    async def _heads_of_rooms(
+        self, conn: aiosqlite.Connection, found: list[OutboxRow], hold_back_ms: int
+    ) -> list[OutboxRow]:
+        """Keep a found row only if every earlier pending row of its room was found too; hold
+        the others back for ``hold_back_ms`` (see :meth:`MySQLStore._heads_of_rooms` for why)."""
+        if not found:
+            return found
+        found_ids = {row.id for row in found}
+        top = max(found_ids)
+        first_outside: dict[tuple[str, str], int] = {}
+        for rooms in _chunks(sorted({row.room_id for row in found})):
+            for row_id, app_code, room_id in await conn.execute_fetchall(
+                f"SELECT id, app_code, room_id FROM {TABLE} WHERE room_id IN ({_marks(rooms)})"
+                " AND status = 'pending' AND id < ?",
+                (*rooms, top),
+            ):
+                key = (app_code, room_id)
+                if row_id not in found_ids and row_id < first_outside.get(key, row_id + 1):
+                    first_outside[key] = row_id
+        heads = [r for r in found if r.id < first_outside.get((r.app_code, r.room_id), r.id + 1)]
+        for held_back in _chunks(sorted(found_ids - {r.id for r in heads})):
+            await conn.execute(
+                f"UPDATE {TABLE} SET lock_until_ms = ? WHERE id IN ({_marks(held_back)})",
+                (now_ms() + hold_back_ms, *held_back),
+            )
+        return heads
+
+    async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
+        if not results:
+            return []
+        async with self._write() as conn:
+            return await self._apply_results(conn, results)
+
+    async def renew(self, claim: str, row_ids: Sequence[int], lease_until_ms: int) -> int:
+        held = 0
+        async with self._write() as conn:
+            for ids in _chunks(list(row_ids)):
+                async with conn.execute(
+                    f"UPDATE {TABLE} SET lock_until_ms = ? WHERE id IN ({_marks(ids)})"
+                    " AND worker_id = ? AND status = 'pending'",
+                    (lease_until_ms, *ids, claim),
+                ) as cur:
+                    held += cur.rowcount
+        return held
+
+    async def _apply_results(
+        self, conn: aiosqlite.Connection, results: Sequence[DeliveryResult]
+    ) -> list[DeliveryResult]:
+        """Write results whose claim still holds the row; return the others (stale). The
+        write lock taken by BEGIN IMMEDIATE does what MySQL's ``FOR UPDATE`` does."""
+        if not results:
+            return []
+        holder: dict[int, str | None] = {}
+        for ids in _chunks(sorted({r.row_id for r in results})):
+            for row_id, worker_id in await conn.execute_fetchall(
+                f"SELECT id, worker_id FROM {TABLE} WHERE id IN ({_marks(ids)}) AND status = 'pending'", ids
+            ):
+                holder[row_id] = worker_id
+        held = [r for r in results if holder.get(r.row_id) == r.claim]
+        stale = [r for r in results if holder.get(r.row_id) != r.claim]
+        now = now_ms()
+        for published in _chunks([r.row_id for r in held if r.outcome is Outcome.PUBLISHED]):
+            await conn.execute(
+                f"UPDATE {TABLE} SET status = 'published', last_error = NULL, worker_id = NULL, lock_until_ms = 0,"
+                f" updated_at_ms = ? WHERE id IN ({_marks(published)})",
+                (now, *published),
+            )
+        for released in _chunks([r.row_id for r in held if r.outcome is Outcome.RELEASED]):
+            await conn.execute(
+                f"UPDATE {TABLE} SET worker_id = NULL, lock_until_ms = 0 WHERE id IN ({_marks(released)})", released
+            )
+        failed = [r for r in held if r.outcome in (Outcome.FAILED, Outcome.PARKED)]
+        if failed:
+            await conn.executemany(
+                f"UPDATE {TABLE} SET status = ?, retry_count = retry_count + 1, last_error = ?, worker_id = NULL,"
+                " lock_until_ms = ?, updated_at_ms = ? WHERE id = ?",
+                [
+                    (
+                        "failed" if r.outcome is Outcome.PARKED else "pending",
+                        (r.error or "unknown error")[:LAST_ERROR_MAX],
+                        r.retry_at_ms,
+                        now,
+                        r.row_id,
+                    )
+                    for r in failed
+                ],
+            )
+        return stale
+
+
+def _marks(values: Sequence[object]) -> str:
+    return ", ".join(["?"] * len(values))
+
+
+def _chunks(values: Sequence[Any], size: int = _MAX_PARAMS) -> list[Sequence[Any]]:
+    return [values[i : i + size] for i in range(0, len(values), size)]

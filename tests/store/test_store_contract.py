@@ -1,0 +1,380 @@
+"""The store contract: every :class:`~room_outbox.store.OutboxStore` (MySQL, SQLite) behaves
+alike — schema migration, claims and leases, fencing, takeover, renewal, per-room hold-back,
+parking, and claims shared by several processes on one database.
+
+Each test runs once per backend. MySQL-only properties (the claim's index plan, PyMySQL's
+bytes parameters) stay in ``test_mysql_migrate.py``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import yaml
+from processes import FakeIMProcess, dispatchers, write_config
+from support import INSERT_V1, V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, wait_until
+
+from room_outbox.store import DeliveryResult, Outcome
+from room_outbox.store.factory import SQLStore, open_store
+from room_outbox.store.mysql import LAST_ERROR_MAX, now_ms
+from room_outbox.store.sqlite import V1_TABLE_DDL as SQLITE_V1_DDL
+from room_outbox.store.sqlite import SQLiteStore
+
+pytestmark = pytest.mark.anyio
+
+MIGRATION = {
+    "added column room_outbox.worker_id",
+    "added column room_outbox.lock_until_ms",
+    "added index room_outbox.idx_room_outbox_claim",
+    "added index room_outbox.idx_room_outbox_room",
+}
+
+
+@pytest.fixture(params=["mysql", "sqlite"])
+def store_dsn(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "mysql":
+        return str(request.getfixturevalue("database_dsn"))
+    return f"sqlite:///{tmp_path / 'outbox.db'}"
+
+
+@pytest.fixture
+async def bare_store(store_dsn: str) -> AsyncIterator[SQLStore]:
+    store = await open_store(store_dsn)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+@pytest.fixture
+async def any_store(bare_store: SQLStore) -> SQLStore:
+    await bare_store.migrate()
+    return bare_store
+
+
+@pytest.fixture
+async def other_store(store_dsn: str, any_store: SQLStore) -> AsyncIterator[SQLStore]:
+    """A second connection to the same database: what another process would hold."""
+    store = await open_store(store_dsn)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+async def all_published(store: SQLStore) -> bool:
+    return {r["status"] for r in (await fetch_rows(store)).values()} == {"published"}
+
+
+# -- schema ----------------------------------------------------------------------------------
+
+
+async def test_migrate_creates_the_table_and_is_idempotent(bare_store: SQLStore) -> None:
+    assert set(await bare_store.migrate()) == {"created table room_outbox", *MIGRATION}
+    assert await bare_store.migrate() == []
+
+
+async def test_migrate_upgrades_a_v1_table_in_place_keeping_its_rows(bare_store: SQLStore) -> None:
+    async with bare_store.transaction() as cur:
+        for statement in SQLITE_V1_DDL if isinstance(bare_store, SQLiteStore) else (V1_DDL,):
+            await cur.execute(statement)
+        await cur.execute(INSERT_V1, ("default", "e_old", "RoomUserJoined", "r_1", '{"x":1}', 1, 1))
+    assert set(await bare_store.migrate()) == MIGRATION
+    assert await bare_store.migrate() == []
+    row = (await fetch_rows(bare_store))["e_old"]
+    assert (row["status"], row["worker_id"], row["lock_until_ms"], row["envelope"]) == ("pending", None, 0, '{"x":1}')
+
+
+async def test_migrate_refuses_a_table_that_is_not_v1(bare_store: SQLStore) -> None:
+    async with bare_store.transaction() as cur:
+        await cur.execute("CREATE TABLE room_outbox (id BIGINT PRIMARY KEY, event_id VARCHAR(64))")
+    with pytest.raises(RuntimeError, match="lacks the V1 columns"):
+        await bare_store.migrate()
+
+
+async def test_room_service_statements_work_on_the_migrated_table(any_store: SQLStore) -> None:
+    async with any_store.transaction() as cur:
+        await cur.execute(INSERT_V1, ("default", "e_rs", "RoomGiftSent", "r_9", "{}", 5, 5))
+        assert await cur.execute("UPDATE room_outbox SET status='published' WHERE event_id=%s", ("e_rs",)) == 1
+    row = (await fetch_rows(any_store))["e_rs"]
+    assert (row["status"], row["retry_count"], row["lock_until_ms"], row["worker_id"]) == ("published", 0, 0, None)
+
+
+# -- claims, leases, fencing -------------------------------------------------------------------
+
+
+async def test_a_claim_leases_rows_in_id_order_to_its_claimant(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(5)])
+    until = now_ms() + 60_000
+    claimed = await any_store.claim("a#1", 3, until)
+    assert [r.event_id for r in claimed.rows] == ["e0", "e1", "e2"] and not claimed.exhausted
+    assert {r.claim for r in claimed.rows} == {"a#1"} and claimed.stale == []
+    leased = await fetch_rows(any_store)
+    assert [(leased[f"e{i}"]["worker_id"], leased[f"e{i}"]["lock_until_ms"]) for i in range(3)] == [("a#1", until)] * 3
+    others = await any_store.claim("b#1", 10, now_ms() + 60_000)
+    assert [r.event_id for r in others.rows] == ["e3", "e4"] and others.exhausted  # leased rows are not claimable
+
+
+async def test_concurrent_claims_from_two_connections_never_overlap(any_store: SQLStore, other_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(200)])
+    results: dict[str, list[str]] = {}
+
+    async def claim(store: SQLStore, name: str) -> None:
+        for n in range(3):
+            rows = (await store.claim(f"{name}#{n}", 20, now_ms() + 60_000)).rows
+            results[f"{name}#{n}"] = [r.event_id for r in rows]
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(claim, any_store, "a")
+        tg.start_soon(claim, other_store, "b")
+    claimed = [e for ids in results.values() for e in ids]
+    assert len(claimed) == 120 and len(set(claimed)) == 120
+
+
+async def test_results_are_recorded_per_outcome(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(4)])
+    rows = {r.event_id: r for r in (await any_store.claim("a#1", 10, now_ms() + 60_000)).rows}
+    retry_at = now_ms() + 5_000
+    stale = await any_store.record(
+        [
+            DeliveryResult(rows["e0"].id, "e0", "a#1", Outcome.PUBLISHED),
+            DeliveryResult(rows["e1"].id, "e1", "a#1", Outcome.FAILED, "x" * 2000, retry_at),
+            DeliveryResult(rows["e2"].id, "e2", "a#1", Outcome.PARKED, "permanent: group gone"),
+            DeliveryResult(rows["e3"].id, "e3", "a#1", Outcome.RELEASED),
+        ]
+    )
+    assert stale == []
+    got = await fetch_rows(any_store)
+    state = {e: (r["status"], r["retry_count"], r["worker_id"], r["lock_until_ms"]) for e, r in got.items()}
+    assert state == {
+        "e0": ("published", 0, None, 0),
+        "e1": ("pending", 1, None, retry_at),
+        "e2": ("failed", 1, None, 0),
+        "e3": ("pending", 0, None, 0),  # released: no attempt counted, claimable at once
+    }
+    assert got["e1"]["last_error"] == "x" * LAST_ERROR_MAX and got["e0"]["last_error"] is None
+    again = await any_store.claim("b#1", 10, now_ms() + 60_000)
+    assert [r.event_id for r in again.rows] == ["e3"]  # e1 waits for its retry time, e2 is parked
+
+
+async def test_a_stale_claimant_changes_nothing_and_is_reported(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope("e1")])
+    (row,) = (await any_store.claim("a#1", 10, now_ms() - 1)).rows  # a lease that has already run out
+    (taken,) = (await any_store.claim("b#1", 10, now_ms() + 60_000)).rows  # another process takes over
+    assert taken.event_id == "e1"
+    late = DeliveryResult(row.id, row.event_id, "a#1", Outcome.FAILED, "late failure", 0)
+    assert await any_store.record([late]) == [late]
+    assert await any_store.renew("a#1", [row.id], now_ms() + 60_000) == 0
+    current = (await fetch_rows(any_store))["e1"]
+    assert (current["worker_id"], current["retry_count"], current["last_error"]) == ("b#1", 0, None)
+    # The stale result comes back from the claim that carries it, too.
+    claimed = await any_store.claim("a#2", 10, now_ms() + 60_000, [late])
+    assert claimed.stale == [late] and claimed.rows == []
+    assert await any_store.record([DeliveryResult(taken.id, "e1", "b#1", Outcome.PUBLISHED)]) == []
+    assert (await fetch_rows(any_store))["e1"]["status"] == "published"
+
+
+async def test_a_result_for_a_row_the_producer_published_is_stale(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope("e1")])
+    (row,) = (await any_store.claim("a#1", 10, now_ms() + 60_000)).rows
+    async with any_store.transaction() as cur:  # room-service's synchronous push succeeded meanwhile
+        await cur.execute("UPDATE room_outbox SET status='published' WHERE event_id=%s", ("e1",))
+    failure = DeliveryResult(row.id, "e1", "a#1", Outcome.FAILED, "boom", 0)
+    assert await any_store.record([failure]) == [failure]
+    assert (await fetch_rows(any_store))["e1"]["retry_count"] == 0
+
+
+async def test_renew_extends_only_rows_the_claim_still_holds(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(3)])
+    rows = (await any_store.claim("a#1", 10, now_ms() + 1_000)).rows
+    await any_store.record([DeliveryResult(rows[0].id, "e0", "a#1", Outcome.PUBLISHED)])
+    later = now_ms() + 120_000
+    assert await any_store.renew("a#1", [r.id for r in rows], later) == 2
+    assert await any_store.renew("a#1", [], later) == 0
+    got = await fetch_rows(any_store)
+    assert [got[e]["lock_until_ms"] for e in ("e0", "e1", "e2")] == [0, later, later]
+
+
+async def test_a_crashed_processs_rows_are_taken_over_after_the_lease(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(3)])
+    crashed = (await any_store.claim("crashed#1", 10, now_ms() + 300)).rows  # claimed, then the process died
+    assert len(crashed) == 3
+    sink = RecordingSink()
+    survivor = make_dispatcher(any_store, sink, node_id="survivor")
+    assert await survivor.run_until_empty() == 0  # the lease still holds
+
+    async def taken_over() -> bool:
+        await survivor.run_until_empty()
+        return sorted(sink.received) == ["e0", "e1", "e2"]
+
+    await wait_until(taken_over, timeout=5.0)
+    assert await all_published(any_store)
+
+
+async def test_a_live_lease_never_expires_under_a_slow_sink(
+    any_store: SQLStore, other_store: SQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lease 0.3 s, deliveries 1 s: renewal keeps the rows, so the rival never delivers them."""
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(4)])
+    slow, fast = RecordingSink(delay=1.0), RecordingSink()
+    holder = make_dispatcher(any_store, slow, node_id="holder", lease=0.3, publish_timeout=5.0)
+    rival = make_dispatcher(other_store, fast, node_id="rival", poll_interval=0.02)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(holder.run_until_empty)
+        await wait_until(lambda: len(slow.received) == 4)
+        await tg.start(rival.run)
+        await wait_until(lambda: all_published(any_store), timeout=10.0)
+        rival.stop()
+    assert fast.received == []
+    assert not [r for r in caplog.records if "lease lost" in r.message or "not recorded" in r.message]
+
+
+async def test_two_dispatchers_on_two_connections_deliver_each_event_exactly_once(
+    any_store: SQLStore, other_store: SQLStore
+) -> None:
+    await insert_events(any_store, [envelope(f"e{i}", room_id=f"r_{i % 7}") for i in range(600)])
+    sinks = [RecordingSink(), RecordingSink()]
+    dispatchers_ = [
+        make_dispatcher(store, sink, node_id=f"d{n}", batch_size=30)
+        for n, (store, sink) in enumerate(zip((any_store, other_store), sinks, strict=True))
+    ]
+    async with anyio.create_task_group() as tg:
+        for dispatcher in dispatchers_:
+            await tg.start(dispatcher.run)
+        await wait_until(lambda: all_published(any_store), timeout=30.0)
+        for dispatcher in dispatchers_:
+            dispatcher.stop()
+    counts = Counter(sinks[0].received + sinks[1].received)
+    assert len(counts) == 600 and set(counts.values()) == {1}
+    assert sinks[0].received and sinks[1].received  # both took part
+
+
+async def test_stop_finishes_in_flight_releases_the_rest_and_leaves_no_lease(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(10)])
+    sink = RecordingSink(delay=0.3)
+    dispatcher = make_dispatcher(any_store, sink, concurrency=2, publish_timeout=2.0)
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispatcher.run)
+        await wait_until(lambda: len(sink.received) == 2)
+        dispatcher.stop()
+    rows = await fetch_rows(any_store)
+    published = sorted(e for e, r in rows.items() if r["status"] == "published")
+    assert published == sorted(sink.received) and len(published) == 2
+    assert all(r["worker_id"] is None and r["lock_until_ms"] == 0 for r in rows.values() if r["status"] == "pending")
+    assert all(r["retry_count"] == 0 for r in rows.values())
+
+
+# -- per-room ordering and parking ------------------------------------------------------------
+
+
+async def test_per_room_claims_only_heads_and_holds_the_rest_back(any_store: SQLStore) -> None:
+    await insert_events(
+        any_store,
+        [envelope("a1", room_id="A"), envelope("b1", room_id="B"), envelope("a2", room_id="A")],
+    )
+    (a1,) = (await any_store.claim("x#1", 1, now_ms() + 60_000)).rows  # a1 is now leased elsewhere
+    assert a1.event_id == "a1"
+    claimed = await any_store.claim("y#1", 10, now_ms() + 60_000, per_room=True, hold_back_ms=5_000)
+    assert [r.event_id for r in claimed.rows] == ["b1"]  # a2 waits behind a1
+    a2 = (await fetch_rows(any_store))["a2"]
+    assert a2["worker_id"] is None and a2["lock_until_ms"] > now_ms() + 3_000  # held back, not looked at again
+    # Once a1 is published, a2 comes up (after its hold-back) as the head of its room.
+    await any_store.record([DeliveryResult(a1.id, "a1", "x#1", Outcome.PUBLISHED)])
+    async with any_store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET lock_until_ms = 0 WHERE event_id = %s", ("a2",))
+    assert [r.event_id for r in (await any_store.claim("y#2", 10, now_ms() + 60_000, per_room=True)).rows] == ["a2"]
+
+
+async def test_per_room_takes_a_whole_room_when_every_earlier_row_is_in_the_claim(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope(f"a{i}", room_id="A") for i in range(5)])
+    claimed = await any_store.claim("y#1", 10, now_ms() + 60_000, per_room=True)
+    assert [r.event_id for r in claimed.rows] == [f"a{i}" for i in range(5)]
+
+
+async def test_a_parked_event_no_longer_holds_its_room_back(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope("a1", room_id="A"), envelope("a2", room_id="A")])
+    (a1,) = (await any_store.claim("x#1", 1, now_ms() + 60_000)).rows
+    await any_store.record([DeliveryResult(a1.id, "a1", "x#1", Outcome.PARKED, "permanent")])
+    claimed = await any_store.claim("y#1", 10, now_ms() + 60_000, per_room=True)
+    assert [r.event_id for r in claimed.rows] == ["a2"]
+
+
+async def test_per_room_order_holds_across_two_dispatchers_with_failures(
+    any_store: SQLStore, other_store: SQLStore
+) -> None:
+    events = [envelope(f"e{i:03d}", room_id=f"r_{i % 3}") for i in range(60)]
+    await insert_events(any_store, events)
+    delivered: list[tuple[str, str]] = []  # (room, event_id) in delivery order, successes only
+
+    class OrderSink(RecordingSink):
+        def __init__(self) -> None:
+            super().__init__()
+            self.failed_once: set[str] = set()
+
+        async def deliver(self, envelope: Any) -> None:
+            await super().deliver(envelope)
+            if envelope.event_id.endswith("7") and envelope.event_id not in self.failed_once:
+                self.failed_once.add(envelope.event_id)  # every event ending in 7 fails once
+                from room_outbox.sink import RetryableSinkError
+
+                raise RetryableSinkError("first attempt fails")
+            delivered.append((envelope.room_id, envelope.event_id))
+
+    sink = OrderSink()
+    lanes = [
+        make_dispatcher(store, sink, node_id=f"d{n}", batch_size=7, per_room=True, poll_interval=0.02)
+        for n, store in enumerate((any_store, other_store))
+    ]
+    async with anyio.create_task_group() as tg:
+        for lane in lanes:
+            await tg.start(lane.run)
+        await wait_until(lambda: all_published(any_store), timeout=30.0)
+        for lane in lanes:
+            lane.stop()
+    for room in ("r_0", "r_1", "r_2"):
+        order = [e for r, e in delivered if r == room]
+        assert order == sorted(order), room
+        assert len(order) == 20
+
+
+# -- several processes on one database --------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_three_processes_share_one_database_and_send_each_event_once(store_dsn: str, tmp_path: Path) -> None:
+    """Three `room-outbox run` processes on one database (for SQLite: one file), all competing
+    from the first event on: every event reaches IM exactly once and ends published."""
+    store = await open_store(store_dsn)
+    try:
+        await store.migrate()
+        fake = FakeIMProcess(tmp_path)
+        try:
+            config = write_config(tmp_path / "config.yaml", store_dsn, fake, batch_size=20)
+            settings = yaml.safe_load(config.read_text())
+            settings["log"]["level"] = "DEBUG"  # a line per published event names its node
+            config.write_text(yaml.safe_dump(settings))
+            with dispatchers(config, count=3) as procs:
+
+                def all_started() -> bool:
+                    assert all(p.alive() for p in procs), [p.log.read_text()[-2000:] for p in procs]
+                    return all(any(line.get("lifecycle") == "worker_started" for line in p.lines()) for p in procs)
+
+                await wait_until(all_started, timeout=60)
+                await insert_events(store, [envelope(f"p{i:04d}", room_id=f"r_{i % 11}") for i in range(400)])
+                await wait_until(lambda: all_published(store), timeout=60.0, interval=0.1)
+                for proc in procs:
+                    proc.terminate()
+                nodes = {line["node_id"] for p in procs for line in p.lines() if line.get("status") == "published"}
+            received = Counter(m["event_id"] for m in fake.messages())
+            assert len(received) == 400 and set(received.values()) == {1}
+            assert fake.stats()["duplicates"] == 0 and fake.stats()["requests"] == 400  # none sent twice
+            assert len(nodes) >= 2, "the processes did not share the work"
+        finally:
+            fake.close()
+    finally:
+        await store.aclose()
