@@ -12,6 +12,7 @@ import anyio
 from room_outbox.admin import cancel_command, requeue_command
 from room_outbox.app import redactor_for, run_service
 from room_outbox.config import ConfigError, Settings, load_settings, parse_duration
+from room_outbox.demo import add_demo_parser, run_demo_command
 from room_outbox.ops import inspect_command, status_command
 from room_outbox.retention import RetentionOptions, cleanup_command
 from room_outbox.store.factory import open_store
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     cleanup.add_argument("--older-than", type=parse_duration, help="override retention.older_than (e.g. 168h)")
     cleanup.add_argument("--archive", action="store_true", help="move rows to room_outbox_archive instead")
     add_fake_im_parser(commands)
+    add_demo_parser(commands)
     return parser
 
 
@@ -64,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "fake-im":  # test tooling: needs no configuration
         return run_fake_im(args)
+    if args.command == "demo":  # self-contained: its own store, fake IM and settings
+        return run_demo_command(args)
     try:
         settings = load_settings(args.config)
     except ConfigError as exc:
