@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     cleanup.add_argument("--archive", action="store_true", help="move rows to room_outbox_archive instead")
     add_fake_im_parser(commands)
     add_demo_parser(commands)
+    for command in commands.choices.values():  # `room-outbox run --config FILE` too (the image's command)
+        command.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 

@@ -1,0 +1,128 @@
+"""docker-compose.yml, the Dockerfile and the compose MySQL's init SQL.
+
+There is no Docker engine in CI, so: the compose file is validated by ``docker-compose config``
+(the Debian package ``docker-compose``; scripts/test.sh installs it when it runs as root and
+it is missing — without it this test fails, it never skips), its services are checked
+against what the image and the configuration provide, the Dockerfile's promises are read
+from it, and the init SQL is run against MariaDB and then upgraded by ``migrate``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from support import INSERT_V1, fetch_rows
+
+from room_outbox.cli import build_parser
+from room_outbox.config import load_settings
+from room_outbox.store.mysql import MySQLStore
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGE_CONFIG = "/etc/room-outbox/config.yaml"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    tool = shutil.which("docker-compose")
+    if tool is None:
+        pytest.fail(
+            "docker-compose is not installed: install the Debian package docker-compose "
+            "(scripts/test.sh does so when run as root)",
+            pytrace=False,
+        )
+    done = subprocess.run(
+        [tool, "-f", str(ROOT / "docker-compose.yml"), "config"], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert done.returncode == 0, f"docker-compose config rejects docker-compose.yml:\n{done.stderr}"
+    resolved: dict[str, Any] = yaml.safe_load(done.stdout)
+    return resolved
+
+
+def test_compose_has_every_service(compose: dict[str, Any]) -> None:
+    assert set(compose["services"]) == {"mysql", "migrate", "room-outbox", "fake-im", "kafka", "jaeger"}
+
+
+def test_mysql_is_84_and_initialised_with_the_v1_table(compose: dict[str, Any]) -> None:
+    mysql = compose["services"]["mysql"]
+    assert mysql["image"] == "mysql:8.4"
+    mounts = [v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in mysql["volumes"]]
+    init = [m for m in mounts if "/docker-entrypoint-initdb.d" in m]
+    assert init and Path(init[0].split(":")[0]).resolve() == (ROOT / "docker" / "mysql-init").resolve()
+    assert mysql["environment"]["MYSQL_DATABASE"] == "room"
+
+
+def test_the_dispatcher_runs_the_docker_config_after_migrate(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    dispatcher, migrate = services["room-outbox"], services["migrate"]
+    assert dispatcher["command"] == ["run", "--config", IMAGE_CONFIG]
+    assert migrate["command"] == ["migrate", "--config", IMAGE_CONFIG]
+    assert dispatcher["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert migrate["depends_on"]["mysql"]["condition"] == "service_healthy"
+    env = dispatcher["environment"]
+    assert env["ROOM_OUTBOX__SINKS__TENCENT_IM__BASE_URL"] == "http://fake-im:8090"
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
+    # The commands the compose file gives the image are commands the CLI takes.
+    for service in ("room-outbox", "migrate", "fake-im"):
+        build_parser().parse_args(services[service]["command"])
+
+
+def test_the_docker_config_with_the_compose_environment_is_valid(
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in compose["services"]["room-outbox"]["environment"].items():
+        monkeypatch.setenv(name, str(value))
+    settings = load_settings(ROOT / "config" / "config.docker.yaml")
+    assert settings.mysql.dsn.get_secret_value() == "mysql://root:room@mysql:3306/room"
+    assert settings.sinks["tencent_im"]["base_url"] == "http://fake-im:8090"
+    assert settings.sinks["tencent_im"]["secret_key"]
+    assert settings.telemetry.http_listen.endswith(":9464")
+
+
+def test_kafka_runs_in_kraft_mode_and_jaeger_takes_otlp(compose: dict[str, Any]) -> None:
+    kafka = compose["services"]["kafka"]["environment"]
+    assert "controller" in kafka["KAFKA_PROCESS_ROLES"] and "KAFKA_ZOOKEEPER_CONNECT" not in kafka
+    jaeger = compose["services"]["jaeger"]
+    assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert {p["target"] if isinstance(p, dict) else int(p.split(":")[-1]) for p in jaeger["ports"]} >= {4318, 16686}
+
+
+def test_the_dockerfile_is_multi_stage_non_root_with_a_healthcheck_on_healthz() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert len(re.findall(r"^FROM ", text, re.M)) >= 2 and "COPY --from=build" in text
+    assert "-slim" in text
+    user = re.findall(r"^USER (\S+)", text, re.M)
+    assert user and user[-1].split(":")[0] not in ("root", "0")
+    health = re.search(r"^HEALTHCHECK .*?(?<!\\)$", text, re.M | re.S)
+    assert health and "/healthz" in health.group(0)
+    port = re.search(r"127\.0\.0\.1:(\d+)/healthz", health.group(0))
+    assert port and load_settings(ROOT / "config" / "config.docker.yaml").telemetry.http_listen.endswith(
+        f":{port.group(1)}"
+    )
+    assert 'ENTRYPOINT ["room-outbox"]' in text and f'CMD ["run", "--config", "{IMAGE_CONFIG}"]' in text
+    assert f"COPY config/config.docker.yaml {IMAGE_CONFIG}" in text
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
+
+
+@pytest.mark.anyio
+async def test_the_init_sql_creates_room_services_table_and_migrate_upgrades_it(database_dsn: str) -> None:
+    sql = (ROOT / "docker" / "mysql-init" / "01-room-outbox-v1.sql").read_text()
+    statements = [s.strip() for s in re.sub(r"--[^\n]*", "", sql).split(";") if s.strip()]
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        async with store.transaction() as cur:
+            for statement in statements:
+                if not statement.upper().startswith("USE "):  # the test's own database instead of `room`
+                    await cur.execute(statement)
+            await cur.execute(INSERT_V1, ("default", "e_v1", "RoomUserJoined", "r_1", "{}", 1, 1))
+        changes = await store.migrate()
+        assert "created table room_outbox" not in changes and "added column room_outbox.worker_id" in changes
+        assert (await fetch_rows(store))["e_v1"]["status"] == "pending"
+    finally:
+        await store.aclose()
