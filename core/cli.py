@@ -15,7 +15,7 @@ from room_outbox.config import ConfigError, Settings, load_settings, parse_durat
 from room_outbox.demo import add_demo_parser, run_demo_command
 from room_outbox.ops import inspect_command, status_command
 from room_outbox.retention import RetentionOptions, cleanup_command
-from room_outbox.store.factory import open_store
+from room_outbox.store.factory import is_sqlite, open_store
 from room_outbox.store.mysql import MySQLStore, RequeueFilter
 from room_outbox.telemetry import configure_logging
 from room_outbox.testing.cli import add_fake_im_parser, run_fake_im
@@ -103,6 +103,9 @@ async def _migrate(settings: Settings) -> int:
 
 async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
     """Operator commands: one store, one command, closed again."""
+    if is_sqlite(settings.mysql.dsn.get_secret_value()):  # their statements are MySQL's for now
+        print(f"room-outbox {args.command}: needs a MySQL store; mysql.dsn names a SQLite file", file=sys.stderr)
+        return 2
     store = await MySQLStore.connect(settings.mysql.dsn.get_secret_value(), pool_size=1)
     try:
         if args.command == "requeue":

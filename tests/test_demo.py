@@ -8,11 +8,13 @@ import sys
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from room_outbox.cli import main
 from room_outbox.demo import DemoOptions, plan_commands, run_demo, verify
 from room_outbox.envelope import EventEnvelope
+from room_outbox.store.factory import open_store
 
 NOOP = {"RoomCreated": "noop", "RoomHeatChanged": "noop", "RoomUserJoined": "tencent_im", "RoomClosed": "tencent_im"}
 
@@ -111,3 +113,21 @@ def test_verify_fails_each_broken_promise(
 ) -> None:
     checks = verify(EVENTS, statuses, received, NOOP, attempts, per_room=True)
     assert [c.text for c in checks if not c.ok] and all(failing in c.text for c in checks if not c.ok)
+
+
+@pytest.mark.anyio
+async def test_status_reads_a_sqlite_store_and_row_changing_commands_refuse_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the demo's --keep prints: `ROOM_OUTBOX__MYSQL__DSN=sqlite:///… room-outbox status`."""
+    monkeypatch.setenv("ROOM_OUTBOX__MYSQL__DSN", f"sqlite:///{tmp_path / 'outbox.db'}")
+    monkeypatch.setenv("ROOM_OUTBOX__SINKS__TENCENT_IM__ENABLED", "false")
+    store = await open_store(f"sqlite:///{tmp_path / 'outbox.db'}")
+    try:
+        await store.migrate()
+    finally:
+        await store.aclose()
+    assert await anyio.to_thread.run_sync(main, ["status", "--json"]) == 0
+    assert '"pending": 0' in capsys.readouterr().out
+    assert await anyio.to_thread.run_sync(main, ["cancel", "evt_1"]) == 2
+    assert "needs a MySQL store" in capsys.readouterr().err
