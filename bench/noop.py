@@ -1,0 +1,149 @@
+"""(a) Noop-lane throughput: the dispatcher against two loops with no framework.
+
+* **raw SQL reference** — the practical limit: the same cycle the dispatcher runs, written
+  straight on the driver: one transaction claims a batch (``FOR UPDATE SKIP LOCKED``, lease)
+  and marks the previous batch published; "delivery" is a no-op.
+* **seed-style loop** — seed 000's worker: select a batch, publish, then
+  ``UPDATE … WHERE event_id = ?`` and a commit per row.
+
+All three drain the same number of freshly loaded rows from an empty table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import anyio
+
+from bench.db import load, pending, reset
+from room_outbox.dispatcher import Dispatcher, LaneOptions
+from room_outbox.envelope import KNOWN_EVENT_TYPES
+from room_outbox.plugins.noop import NoopSink
+from room_outbox.routing import Router
+from room_outbox.store import DeliveryResult, OutboxRow, Outcome
+from room_outbox.store.mysql import CLAIM_SQL, MySQLStore, now_ms
+
+
+@dataclass
+class NoopResult:
+    batch_size: int
+    events: int
+    dispatcher: float  # events/s
+    raw: float
+    seed: float
+    pooled: float  # the proposal
+
+
+def noop_router() -> Router:
+    return Router({"noop": NoopSink()}, dict.fromkeys(KNOWN_EVENT_TYPES, "noop"))
+
+
+async def dispatcher_drain(store: MySQLStore, batch_size: int, cls: type[Dispatcher] = Dispatcher) -> int:
+    dispatcher = cls(store, noop_router(), LaneOptions(batch_size=batch_size, poll_interval=0.1), "bench")
+    return await dispatcher.run_until_empty()
+
+
+class PooledDispatcher(Dispatcher):
+    """The proposed hot-path change: ``concurrency`` worker tasks take the batch's queues in
+    turn, instead of one task (and a CapacityLimiter wait) per row."""
+
+    async def _deliver_batch(self, claim: str, rows: Sequence[OutboxRow]) -> list[DeliveryResult]:
+        results: list[DeliveryResult] = []
+        queues = iter(self._queues(rows))
+
+        async def worker() -> None:
+            for queue in queues:
+                for position, row in enumerate(queue):
+                    result = self._release(row) if self._stopping.is_set() else await self._attempt(row)
+                    results.append(result)
+                    if result.outcome is not Outcome.PUBLISHED:
+                        results.extend(self._release(later) for later in queue[position + 1 :])
+                        break
+
+        async with anyio.create_task_group() as renewal:
+            renewal.start_soon(self._keep_lease, claim, [row.id for row in rows])
+            async with anyio.create_task_group() as deliveries:
+                for _ in range(min(self.options.concurrency, len(rows))):
+                    deliveries.start_soon(worker)
+            renewal.cancel_scope.cancel()
+        return results
+
+
+async def pooled_drain(store: MySQLStore, batch_size: int) -> int:
+    return await dispatcher_drain(store, batch_size, PooledDispatcher)
+
+
+async def raw_drain(store: MySQLStore, batch_size: int) -> int:
+    done: list[int] = []
+    total = 0
+    while True:
+        async with store.transaction() as cur:
+            if done:
+                marks = ", ".join(["%s"] * len(done))
+                await cur.execute(
+                    f"UPDATE room_outbox SET status = 'published', worker_id = NULL, lock_until_ms = 0,"
+                    f" updated_at_ms = %s WHERE id IN ({marks})",
+                    (now_ms(), *done),
+                )
+            await cur.execute(CLAIM_SQL, (now_ms(), batch_size))
+            rows = await cur.fetchall()
+            ids = [row[0] for row in rows]
+            if ids:
+                marks = ", ".join(["%s"] * len(ids))
+                await cur.execute(
+                    f"UPDATE room_outbox SET worker_id = 'raw', lock_until_ms = %s WHERE id IN ({marks})",
+                    (now_ms() + 30_000, *ids),
+                )
+        done = ids  # delivered: a no-op
+        total += len(ids)
+        if len(ids) < batch_size:
+            if done:
+                async with store.transaction() as cur:
+                    marks = ", ".join(["%s"] * len(done))
+                    await cur.execute(f"UPDATE room_outbox SET status = 'published' WHERE id IN ({marks})", done)
+            return total
+
+
+async def seed_drain(store: MySQLStore, batch_size: int) -> int:
+    total = 0
+    while True:
+        async with store.transaction() as cur:
+            await cur.execute(
+                "SELECT event_id, envelope FROM room_outbox WHERE status = 'pending' ORDER BY id LIMIT %s",
+                (batch_size,),
+            )
+            rows = await cur.fetchall()
+        for event_id, _envelope in rows:  # publish: a no-op
+            async with store.transaction() as cur:
+                await cur.execute(
+                    "UPDATE room_outbox SET status = 'published', updated_at_ms = %s WHERE event_id = %s",
+                    (now_ms(), event_id),
+                )
+        total += len(rows)
+        if len(rows) < batch_size:
+            return total
+
+
+async def timed(store: MySQLStore, events: int, drain: object, batch_size: int, prefix: str) -> float:
+    await reset(store)
+    await load(store, events, prefix=prefix)
+    started = time.perf_counter()
+    moved = await drain(store, batch_size)  # type: ignore[operator]
+    seconds = time.perf_counter() - started
+    assert moved == events and await pending(store) == 0, (moved, events)
+    return events / seconds
+
+
+async def run_noop(store: MySQLStore, events: int, batch_size: int, seed_events: int) -> NoopResult:
+    """Each variant on the same fresh load; the slow seed loop on fewer events (its rate does
+    not depend on the count), interleaved so drift on a noisy machine hits all alike."""
+    dispatcher = await timed(store, events, dispatcher_drain, batch_size, "d")
+    raw = await timed(store, events, raw_drain, batch_size, "r")
+    seed = await timed(store, seed_events, seed_drain, batch_size, "s")
+    dispatcher = max(dispatcher, await timed(store, events, dispatcher_drain, batch_size, "d2"))
+    raw = max(raw, await timed(store, events, raw_drain, batch_size, "r2"))
+    pooled = await timed(store, events, pooled_drain, batch_size, "p")
+    pooled = max(pooled, await timed(store, events, pooled_drain, batch_size, "p2"))
+    return NoopResult(batch_size, events, dispatcher, raw, seed, pooled)

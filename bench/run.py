@@ -1,0 +1,149 @@
+"""``python -m bench [--quick] [--only a,b,c,d,e,r]``: every measurement of issue 6 in one run,
+printed as a table with same-run ratios and the issue's targets."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from bench.bigtable import run_claim, run_retention
+from bench.db import bench_database
+from bench.im import run_overhead, run_quota
+from bench.noop import run_noop
+from bench.service import run_latency, run_rss
+
+SERVER = os.environ.get("ROOM_OUTBOX_TEST_MYSQL", "mysql://root:@127.0.0.1:3306")
+FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events": 3_000, "quota_events": 2_400,
+        "latency_seconds": 20.0, "published": 1_000_000, "claim_rounds": 200, "rss_events": 200_000}  # fmt: skip
+QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300, "quota_events": 300,
+         "latency_seconds": 2.0, "published": 20_000, "claim_rounds": 20, "rss_events": 5_000}  # fmt: skip
+
+Row = tuple[str, str, str, str]  # measurement, figure, ratio, target verdict
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in well under a minute")
+    parser.add_argument("--only", default="a,b,c,d,e,r", help="parts to run (a b c d e, r = retention)")
+    for key, value in FULL.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None, help=f"default {value}")
+    args = parser.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+async def part_a(args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    async with bench_database(SERVER) as (_dsn, store):
+        for batch in (int(b) for b in args.batches.split(",")):
+            r = await run_noop(store, args.events, batch, args.seed_events)
+            rows.append((f"a. raw SQL claim+mark, batch {batch}", f"{r.raw:,.0f} ev/s", "baseline", ""))
+            rows.append(
+                (f"a. seed-style loop, batch {batch}", f"{r.seed:,.0f} ev/s", f"raw = {r.raw / r.seed:.1f}× seed", "")
+            )
+            rows.append((f"a. dispatcher noop lane, batch {batch}", f"{r.dispatcher:,.0f} ev/s",
+                         f"{r.dispatcher / r.raw:.0%} of raw, {r.dispatcher / r.seed:.1f}× seed",
+                         f"≥70 % raw: {verdict(r.dispatcher >= 0.7 * r.raw)}; ≥10× seed: {verdict(r.dispatcher >= 10 * r.seed)}"))  # fmt: skip
+            rows.append((f"a. same, worker-pool delivery, batch {batch}", f"{r.pooled:,.0f} ev/s",
+                         f"{r.pooled / r.raw:.0%} of raw, {r.pooled / r.dispatcher:.2f}× current", "proposal"))  # fmt: skip
+    return rows
+
+
+async def part_b(args: argparse.Namespace) -> list[Row]:
+    async with bench_database(SERVER) as (_dsn, store):
+        o = await run_overhead(store, args.im_events)
+        q = await run_quota(store, args.quota_events)
+    return [
+        ("b. bare httpx loop → fake IM, 16 in flight", f"{o.bare_httpx:,.0f} req/s", "baseline", ""),
+        ("b. TencentIMSink.deliver, limits raised", f"{o.sink:,.0f} ev/s", f"{o.sink / o.bare_httpx:.0%} of bare", ""),
+        ("b. same, httpx-aiohttp transport", f"{o.sink_aiohttp:,.0f} ev/s", f"{o.sink_aiohttp / o.bare_httpx:.1f}× bare", "proposal"),
+        ("b. IM lane (claim+deliver+record)", f"{o.lane:,.0f} ev/s", f"{o.lane / o.bare_httpx:.0%} of bare", ""),
+        ("b. IM lane, httpx-aiohttp transport", f"{o.lane_aiohttp:,.0f} ev/s", f"{o.lane_aiohttp / o.bare_httpx:.1f}× bare", "proposal"),
+        (f"b. IM lane at the default quota ({q.events} ev)", f"{q.rate:,.1f} req/s",
+         f"{q.rate / q.quota:.1%} of {q.quota}/s; {q.rate_limit_errors} rate-limit errors",
+         f"≥95 %, 0 errors: {verdict(q.rate >= 0.95 * q.quota and q.rate_limit_errors == 0)}"),
+        ("b. same, limiter margin 10 ms (variant)", f"{abs(q.tight_rate):,.1f} req/s",
+         f"{abs(q.tight_rate) / q.quota:.1%}" + ("" if q.tight_rate > 0 else " WITH rate-limit errors"), "proposal"),
+    ]  # fmt: skip
+
+
+async def part_c(args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    async with bench_database(SERVER) as (dsn, store):
+        for module, label in (("room_outbox.cli", ""), ("bench.aiohttp_cli", ", httpx-aiohttp")):
+            for poll in (1.0, 0.1):
+                r = await run_latency(store, dsn, poll, 500, args.latency_seconds, module)
+                ok = r.p99_ms <= poll * 1000 + 100
+                rows.append((f"c. commit→IM latency, 500 ev/s, poll {poll:g}s{label}",
+                             f"p50 {r.p50_ms:,.0f} ms, p99 {r.p99_ms:,.0f} ms", f"max {r.max_ms:,.0f} ms, {r.events} ev",
+                             f"p99 ≤ {poll * 1000 + 100:,.0f} ms: {verdict(ok)}"))  # fmt: skip
+    return rows
+
+
+async def part_d(args: argparse.Namespace) -> list[Row]:
+    async with bench_database(SERVER) as (_e, empty), bench_database(SERVER) as (dsn, full):
+        c = await run_claim(empty, full, args.published, args.claim_rounds)
+        rows: list[Row] = [
+            ("d. claim query, 1,000 pending, empty table", f"{c.empty_ms:.2f} ms", f"{c.empty_reads} index reads", ""),
+            (f"d. same behind {c.published:,} published", f"{c.full_ms:.2f} ms",
+             f"{c.full_ms / c.empty_ms:.2f}× empty, {c.full_reads} index reads (load {c.load_seconds:.0f}s)",
+             f"≤1.5×: {verdict(c.full_ms <= 1.5 * c.empty_ms)}"),
+        ]  # fmt: skip
+        if "r" in args.only:
+            r = await run_retention(full, dsn, args.events)
+            rows += [
+                (f"r. noop lane beside {c.published:,} published", f"{r.alone:,.0f} ev/s", "baseline", ""),
+                ("r. same while `room-outbox cleanup` runs", f"{abs(r.with_cleanup):,.0f} ev/s",
+                 f"{abs(r.with_cleanup) / r.alone:.0%} of alone; cleanup {r.cleanup_rows_per_s:,.0f} rows/s"
+                 + ("" if r.with_cleanup > 0 else " (cleanup ended first)"), ""),
+            ]  # fmt: skip
+    return rows
+
+
+async def part_e(args: argparse.Namespace) -> list[Row]:
+    async with bench_database(SERVER) as (dsn, store):
+        r = await run_rss(store, dsn, args.rss_events)
+    return [
+        (f"e. room-outbox run draining {r.events:,}", f"peak RSS {r.peak_mb:.0f} MB",
+         f"idle {r.idle_mb:.0f} MB; {r.events / r.seconds:,.0f} ev/s", f"≤150 MB: {verdict(r.peak_mb <= 150)}"),
+    ]  # fmt: skip
+
+
+PARTS: dict[str, Callable[[argparse.Namespace], Any]] = {
+    "a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e,
+}  # fmt: skip
+
+
+def print_table(rows: list[Row]) -> None:
+    header: Row = ("measurement", "figure", "same-run ratio", "target")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    for row in [header, tuple("-" * w for w in widths), *rows]:
+        print("| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    rows: list[Row] = []
+    started = time.monotonic()
+    for name in args.only.split(","):
+        if name in PARTS:
+            print(f"# part {name}…", flush=True)
+            rows += anyio.run(PARTS[name], args)
+    if "r" in args.only and "d" not in args.only:
+        print("# part r runs inside part d (it needs the big table)")
+    print_table(rows)
+    print(f"\n{time.monotonic() - started:.0f}s, {os.cpu_count()} cores{', --quick' if args.quick else ''}")
+    return 0
