@@ -18,13 +18,16 @@ import anyio
 
 from room_outbox.config import Settings
 from room_outbox.dispatcher import Dispatcher, LaneOptions
+from room_outbox.lanes import lane_store
 from room_outbox.observability import observability
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.redaction import Redactor
 from room_outbox.retention import run_retention_job
-from room_outbox.routing import build_router
+from room_outbox.routing import Lanes, build_lanes
+from room_outbox.store import OutboxStore
 from room_outbox.store.factory import open_store
 from room_outbox.store.mysql import MySQLAddress
+from room_outbox.telemetry import Telemetry
 
 log = logging.getLogger("room_outbox.app")
 
@@ -52,27 +55,22 @@ async def run_service(
     observed = contextlib.AsyncExitStack()
     try:
         obs = await observed.enter_async_context(observability(settings, store, redactor))
-        router = await build_router(make_plugin_manager(settings.plugins.disabled, plugins), settings, redactor)
+        lanes = await build_lanes(make_plugin_manager(settings.plugins.disabled, plugins), settings, redactor)
         log.info(
             "sinks loaded",
             extra={
                 "lifecycle": "sinks_loaded",
-                "sinks": sorted(router.sinks),
-                "routes": dict(sorted(router.routes.items())),
+                "sinks": sorted(lanes.im.sinks),
+                "routes": dict(sorted(lanes.im.routes.items())),
+                "own_lanes": sorted(lanes.own),
             },
         )
         try:
-            dispatcher = Dispatcher(
-                store,
-                router,
-                LaneOptions.from_settings(settings.outbox_worker),
-                settings.node_id,
-                redactor,
-                obs.telemetry,
-            )
+            dispatchers = _dispatchers(settings, store, lanes, redactor, obs.telemetry)
             async with anyio.create_task_group() as workers:
                 if settings.outbox_worker.enabled:
-                    await workers.start(dispatcher.run)
+                    for dispatcher in dispatchers:
+                        await workers.start(dispatcher.run)
                     obs.health.worker = "running"
                 else:
                     obs.health.worker = "disabled"
@@ -86,15 +84,32 @@ async def run_service(
                     watch.cancel_scope.cancel()
                 log.info("stopping: no new batches", extra={"lifecycle": "stop_requested"})
                 obs.health.worker = "stopping"
-                dispatcher.stop()
+                for dispatcher in dispatchers:
+                    dispatcher.stop()
             await observed.aclose()
         finally:
-            await router.aclose()
+            await lanes.aclose()
             log.info("sinks closed", extra={"lifecycle": "sinks_closed"})
     finally:
         await observed.aclose()  # a no-op when already closed above
         await store.aclose()
         log.info("database pool closed", extra={"lifecycle": "pool_closed"})
+
+
+def _dispatchers(
+    settings: Settings, store: OutboxStore, lanes: Lanes, redactor: Redactor, telemetry: Telemetry
+) -> list[Dispatcher]:
+    """One dispatcher per lane: the IM lane's (when any of its sinks is enabled), then one per
+    sink with a lane of its own, each with its own scan loop so none waits for another."""
+    options = LaneOptions.from_settings(settings.outbox_worker)
+    dispatchers = []
+    if lanes.im.sinks:
+        dispatchers.append(Dispatcher(store, lanes.im, options, settings.node_id, redactor, telemetry))
+    for name, router in lanes.own.items():
+        start = settings.sinks.get(name, {}).get("start", "now")
+        lane = lane_store(store, name, settings, start)
+        dispatchers.append(Dispatcher(lane, router, options, settings.node_id, redactor, telemetry))
+    return dispatchers
 
 
 async def _set_on_signal(stop: anyio.Event) -> None:

@@ -13,7 +13,9 @@ from room_outbox.admin import cancel_command, requeue_command
 from room_outbox.app import redactor_for, run_service
 from room_outbox.config import ConfigError, Settings, load_settings, parse_duration
 from room_outbox.demo import add_demo_parser, run_demo_command
+from room_outbox.lanes import migrate_plugins
 from room_outbox.ops import inspect_command, status_command
+from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.retention import RetentionOptions, cleanup_command
 from room_outbox.store.factory import is_sqlite, open_store
 from room_outbox.store.mysql import MySQLStore, RequeueFilter
@@ -94,6 +96,8 @@ async def _migrate(settings: Settings) -> int:
     store = await open_store(settings.mysql.dsn.get_secret_value(), create_database=True)
     try:
         changes = await store.migrate()
+        pm = make_plugin_manager(settings.plugins.disabled)
+        changes += await migrate_plugins(store, pm, settings)  # own-lane sinks' tables, plugin tables
     finally:
         await store.aclose()
     for change in changes or ["schema already up to date"]:

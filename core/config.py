@@ -140,6 +140,21 @@ class OutboxWorkerSettings(Section):
         return self.lease if self.lease > 0 else 10 * self.publish_timeout
 
 
+class LanesSettings(Section):
+    """Lanes of their own (sinks besides IM): how they are fed from room_outbox."""
+
+    #: An id seen missing (a producer transaction not yet committed) for longer than this is
+    #: taken to be a rolled-back insert and skipped. Longer than any room-service transaction.
+    gap_timeout: Duration = 300.0
+    #: Rows read from room_outbox per feeding round.
+    feed_batch: int = Field(default=1000, ge=1, le=100_000)
+
+    @field_validator("gap_timeout")
+    @classmethod
+    def _positive(cls, value: float) -> float:
+        return value if value > 0 else 300.0
+
+
 class PluginsSettings(Section):
     #: Entry-point names never to load (built-in or third-party).
     disabled: list[str] = []
@@ -219,6 +234,7 @@ class Settings(BaseSettings):
     outbox_worker: OutboxWorkerSettings = OutboxWorkerSettings()
     #: ``sinks.<name>``: validated by the sink's own settings model once plugins are loaded.
     sinks: dict[str, dict[str, Any]] = {}
+    lanes: LanesSettings = LanesSettings()
     plugins: PluginsSettings = PluginsSettings()
     log: LogSettings = LogSettings()
     telemetry: TelemetrySettings = TelemetrySettings()

@@ -215,10 +215,12 @@ class Dispatcher:
     async def _deliver_one(self, row: OutboxRow, attempt: DeliveryAttempt = NO_ATTEMPT) -> Failure | None:
         """Parse, route and deliver within ``publish_timeout``; ``None`` on success."""
         sink_name = "-"
+        route = self.router.sink_for(row.event_type)
+        if route is None and self.router.skip_unrouted:
+            return None  # a lane whose sink does not take this type: handled, nothing to send
         try:
             envelope = self._envelope_of(row)
             attempt.parsed(envelope)  # its traceparent makes the attempt part of the producer's trace
-            route = self.router.sink_for(row.event_type)
             if route is None:
                 raise _BadEvent(f"no sink for event_type {row.event_type}", "no_route")
             sink_name, sink = route

@@ -36,3 +36,19 @@ def room_outbox_register_sinks() -> list[SinkSpec]:
     one plugin only: a second registration of the same name stops start-up.
     """
     raise NotImplementedError  # pragma: no cover - specification only
+
+
+# -------------------------------------------------------------------------------------------
+# Schema
+# -------------------------------------------------------------------------------------------
+
+
+@hookspec
+def room_outbox_migrations() -> list[str]:
+    """Return the SQL statements that create what this plugin stores (MySQL dialect).
+
+    Called by ``room-outbox migrate`` after room-outbox's own tables and the lane tables of
+    own-lane sinks; every implementation is called. Each statement must be idempotent
+    (``CREATE TABLE IF NOT EXISTS …``): migrate runs them every time.
+    """
+    raise NotImplementedError  # pragma: no cover - specification only

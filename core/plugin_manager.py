@@ -22,6 +22,7 @@ from room_outbox.config import ConfigError
 BUILTIN_PLUGINS = {
     "noop": "room_outbox.plugins.noop",
     "tencent_im": "room_outbox.plugins.tencent_im",
+    "kafka": "room_outbox.plugins.kafka",
 }
 
 

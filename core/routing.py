@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pluggy
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from room_outbox.config import ConfigError, Settings, describe_validation_error
 from room_outbox.envelope import KNOWN_EVENT_TYPES
@@ -26,11 +26,17 @@ log = logging.getLogger("room_outbox.routing")
 
 @dataclass
 class Router:
+    """The sinks of one lane and which event type goes to which."""
+
     sinks: dict[str, Sink]
     routes: dict[str, str]  # event type → sink name
+    #: A lane of its own whose sink takes every event, known type or not.
+    catch_all: str | None = None
+    #: A lane of its own: an event its sink does not take is done, not an error.
+    skip_unrouted: bool = False
 
     def sink_for(self, event_type: str) -> tuple[str, Sink] | None:
-        name = self.routes.get(event_type)
+        name = self.routes.get(event_type, self.catch_all)
         return (name, self.sinks[name]) if name is not None else None
 
     async def aclose(self) -> None:
@@ -39,6 +45,33 @@ class Router:
                 await sink.aclose()
             except Exception:
                 log.exception("sink %s failed to close", name, extra={"sink": name})
+
+
+@dataclass
+class Lanes:
+    """The IM lane's router (``room_outbox.status``) and one router per sink that keeps a
+    lane of its own (``room_outbox_lane_<sink>``)."""
+
+    im: Router
+    own: dict[str, Router]
+
+    async def aclose(self) -> None:
+        for router in (self.im, *self.own.values()):
+            await router.aclose()
+
+
+def section_enabled(section: Mapping[str, Any] | None, default: bool) -> bool:
+    """``sinks.<name>.enabled`` as configured ("false" from the environment included); no
+    section: the sink's default; a section without the key: enabled."""
+    if section is None:
+        return default
+    try:
+        return _BOOL.validate_python(section.get("enabled", True))
+    except ValidationError:
+        return True  # not a boolean: enabled, so that validating the section reports it
+
+
+_BOOL = TypeAdapter(bool)
 
 
 def registered_sinks(pm: pluggy.PluginManager) -> dict[str, SinkSpec]:
@@ -56,7 +89,7 @@ def enabled_sink_settings(pm: pluggy.PluginManager, settings: Settings) -> dict[
     specs = registered_sinks(pm)
     problems: list[str] = []
     for name, configured in settings.sinks.items():
-        if name in specs or configured.get("enabled") is False:
+        if name in specs or not section_enabled(configured, default=True):
             continue
         if pm.is_blocked(name):
             problems.append(f"sinks.{name}: is enabled, but plugin {name!r} is listed in plugins.disabled")
@@ -69,7 +102,7 @@ def enabled_sink_settings(pm: pluggy.PluginManager, settings: Settings) -> dict[
     for name, spec in specs.items():
         raw: Mapping[str, Any] | None = settings.sinks.get(name)
         # No section: the sink's own default; a section: enabled unless it says otherwise.
-        if not (spec.enabled_by_default if raw is None else raw.get("enabled", True)):
+        if not section_enabled(raw, default=spec.enabled_by_default):
             continue
         try:
             enabled[name] = (spec, spec.settings_model.model_validate({"enabled": True, **(raw or {})}))
@@ -81,15 +114,50 @@ def enabled_sink_settings(pm: pluggy.PluginManager, settings: Settings) -> dict[
 
 
 async def build_router(pm: pluggy.PluginManager, settings: Settings, redactor: Redactor) -> Router:
+    """The IM lane's router alone (for the producer side and tests)."""
+    return (await build_lanes(pm, settings, redactor, include_own=False)).im
+
+
+async def build_lanes(
+    pm: pluggy.PluginManager, settings: Settings, redactor: Redactor, include_own: bool = True
+) -> Lanes:
     enabled = enabled_sink_settings(pm, settings)
+    im = {name: entry for name, entry in enabled.items() if not entry[0].own_lane}
+    own = {name: entry for name, entry in enabled.items() if entry[0].own_lane} if include_own else {}
+    routes = _im_routes({name: cfg for name, (_, cfg) in im.items()})
+    sinks: dict[str, Sink] = {}
+    for name, (spec, cfg) in {**im, **own}.items():
+        context = SinkContext(
+            node_id=settings.node_id, logger=logging.getLogger(f"room_outbox.sink.{name}"), add_secret=redactor.add
+        )
+        try:
+            sinks[name] = spec.factory(cfg, context)
+        except Exception as exc:
+            await Router(sinks, {}).aclose()  # the caller never sees half-built lanes
+            raise ConfigError(f"sinks.{name}: could not be created: {redactor.redact(str(exc))}") from exc
+    return Lanes(
+        im=Router({name: sinks[name] for name in im}, routes),
+        own={
+            name: Router(
+                {name: sinks[name]},
+                {event_type: name for event_type in cfg.event_types or ()},
+                catch_all=name if cfg.event_types is None else None,
+                skip_unrouted=True,
+            )
+            for name, (_, cfg) in own.items()
+        },
+    )
+
+
+def _im_routes(enabled: dict[str, SinkSettings]) -> dict[str, str]:
     routes: dict[str, str] = {}
-    default_sinks = [name for name, (_, cfg) in enabled.items() if cfg.event_types is None]
+    default_sinks = [name for name, cfg in enabled.items() if cfg.event_types is None]
     if len(default_sinks) > 1:
         raise ConfigError(
             f"sinks {', '.join(sorted(default_sinks))} all take the remaining event types; "
             "give all but one of them an explicit event_types list"
         )
-    for name, (_, cfg) in enabled.items():
+    for name, cfg in enabled.items():
         for event_type in cfg.event_types or ():
             if event_type in routes:
                 raise ConfigError(
@@ -100,15 +168,4 @@ async def build_router(pm: pluggy.PluginManager, settings: Settings, redactor: R
     for name in default_sinks:
         for event_type in KNOWN_EVENT_TYPES - routes.keys():
             routes[event_type] = name
-
-    sinks: dict[str, Sink] = {}
-    for name, (spec, cfg) in enabled.items():
-        context = SinkContext(
-            node_id=settings.node_id, logger=logging.getLogger(f"room_outbox.sink.{name}"), add_secret=redactor.add
-        )
-        try:
-            sinks[name] = spec.factory(cfg, context)
-        except Exception as exc:
-            await Router(sinks, {}).aclose()  # the caller never sees a half-built router
-            raise ConfigError(f"sinks.{name}: could not be created: {redactor.redact(str(exc))}") from exc
-    return Router(sinks=sinks, routes=routes)
+    return routes

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -66,6 +66,9 @@ class SinkSettings(BaseModel):
     #: Event types this sink takes. ``None`` means "every known event type that no other
     #: sink in the lane takes" (at most one sink of a lane may say so).
     event_types: list[str] | None = None
+    #: Sinks with a lane of their own: where the lane starts the first time it runs —
+    #: ``now`` (events from now on), ``beginning`` (every row in room_outbox) or an outbox id.
+    start: Literal["now", "beginning"] | int = "now"
 
 
 @dataclass(frozen=True)
@@ -84,9 +87,16 @@ class SinkSpec:
 
     ``enabled_by_default`` decides whether the sink runs when the configuration has no
     ``sinks.<name>`` section; built-in sinks say yes, third-party sinks are opt-in.
+
+    ``own_lane``: the sink keeps its own consumption state (``room_outbox_lane_<name>``, made
+    by ``room-outbox migrate``) and its own scan loop, instead of sharing the IM lane, whose
+    state is ``room_outbox.status``. Every sink besides IM's should say yes: then a slow or
+    broken sink never holds back IM delivery, nor IM it. An own-lane sink with
+    ``event_types`` None takes every event; events it does not take are passed over.
     """
 
     name: str
     settings_model: type[SinkSettings]
     factory: Callable[[SinkSettings, SinkContext], Sink]
     enabled_by_default: bool = False
+    own_lane: bool = False

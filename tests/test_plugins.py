@@ -205,3 +205,22 @@ def test_every_hook_is_documented_and_tested() -> None:
         assert inspect.getdoc(getattr(hookspecs, name)), f"{name} has no docstring"
         assert name in readme, f"{name} is not documented in README.md"
         assert f"def {name}(" in tests, f"{name} has no test implementing it"
+
+
+async def test_plugin_migrations_run_on_migrate(store: Any) -> None:
+    """`room_outbox_migrations`: a plugin's idempotent DDL runs on every `room-outbox migrate`."""
+    from room_outbox.lanes import migrate_plugins
+
+    class WithTable:
+        @hookimpl
+        def room_outbox_migrations(self) -> list[str]:
+            return ["CREATE TABLE IF NOT EXISTS plugin_owned (id INT PRIMARY KEY)"]
+
+    pm = make_plugin_manager(extra_plugins=[WithTable()])
+    cfg = settings(sinks={"tencent_im": {"enabled": False}})
+    for _ in range(2):  # idempotent: the statements run every time without harm
+        changes = await migrate_plugins(store, pm, cfg)
+        assert any(c.endswith("plugin schema statement(s)") for c in changes), changes
+    async with store.transaction() as cur:
+        await cur.execute("SHOW TABLES LIKE 'plugin_owned'")
+        assert await cur.fetchone()

@@ -1,0 +1,271 @@
+"""Consumption lanes besides IM: one table per lane, fed from ``room_outbox`` without gaps.
+
+``room_outbox.status`` belongs to the IM lane. Every other sink (Kafka, audit, activity...)
+keeps its own state in ``room_outbox_lane_<name>``: the same columns and indexes as the IM
+lane's (so the same claim, lease, fencing, retry, parking and per-room code serves it), keyed
+by ``outbox_id``, without a copy of the envelope (read from ``room_outbox`` at claim time).
+
+Why a table per lane rather than one table keyed by (lane, event_id): a lane's backlog, its
+indexes and its clean-up never touch another lane's; a lane is dropped with one statement; and
+every statement is the IM lane's statement with another table name.
+
+**Feeding without gaps.** A lane copies new ``room_outbox`` rows into its table (``INSERT
+...ON DUPLICATE KEY`` no-op: each row once per lane). The catch is that auto-increment ids commit out of order: a
+transaction holding id 100 can commit after id 101 was read. So the lane keeps a watermark in
+``room_outbox_lane_cursor.fed_through_id`` — every id at or below it is fed or known never to
+exist — and remembers the ids it saw missing above it. Each round it (1) reads rows above the
+highest id it has seen, (2) looks again for the missing ids, feeding those that have committed
+since, and (3) moves the watermark up to just below the oldest id still missing. An id missing
+for longer than ``gap_timeout`` is taken to be a rolled-back insert and given up on (logged).
+Limit: a producer transaction that stays open longer than ``gap_timeout`` after taking its id
+is not fed to the lane. Feeding adds nothing to room-service's write path: no trigger, no extra
+write, only reads of ``room_outbox`` by primary key.
+
+Several processes may feed one lane: the cursor row is taken with ``FOR UPDATE SKIP LOCKED``,
+so one of them feeds at a time and the others go straight on to claiming.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+
+import aiomysql
+
+from room_outbox.store import Claimed, DeliveryResult, OutboxRow
+from room_outbox.store.mysql import TABLE, LeasedRows, MySQLStore, _marks, now_ms
+
+log = logging.getLogger("room_outbox.lanes")
+
+CURSOR_TABLE = "room_outbox_lane_cursor"
+CURSOR_DDL = f"""
+CREATE TABLE IF NOT EXISTS {CURSOR_TABLE} (
+  lane           VARCHAR(64)     NOT NULL PRIMARY KEY,
+  fed_through_id BIGINT UNSIGNED NOT NULL,
+  updated_at_ms  BIGINT          NOT NULL
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4
+"""
+_LANE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+
+
+def lane_table(lane: str) -> str:
+    if not _LANE_NAME.match(lane):
+        raise ValueError(f"lane name {lane!r}: use lower-case letters, digits and _ (at most 40)")
+    return f"room_outbox_lane_{lane}"
+
+
+def lane_ddl(lane: str) -> str:
+    table = lane_table(lane)
+    return f"""
+CREATE TABLE IF NOT EXISTS {table} (
+  outbox_id     BIGINT UNSIGNED NOT NULL PRIMARY KEY,
+  event_id      VARCHAR(64)   NOT NULL,
+  event_type    VARCHAR(64)   NOT NULL,
+  room_id       VARCHAR(64)   NOT NULL,
+  app_code      VARCHAR(64)   NOT NULL DEFAULT '',
+  status        VARCHAR(16)   NOT NULL DEFAULT 'pending',
+  retry_count   INT           NOT NULL DEFAULT 0,
+  last_error    VARCHAR(1024) NULL,
+  worker_id     VARCHAR(128)  NULL DEFAULT NULL,
+  lock_until_ms BIGINT        NOT NULL DEFAULT 0,
+  created_at_ms BIGINT        NOT NULL,
+  updated_at_ms BIGINT        NOT NULL,
+  KEY idx_{table}_claim (status, lock_until_ms, outbox_id),
+  KEY idx_{table}_room (room_id, status, outbox_id)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4
+"""
+
+
+async def migrate_lanes(store: MySQLStore, lanes: Sequence[str]) -> list[str]:
+    """Create the cursor table and each lane's table (idempotent)."""
+    changes: list[str] = []
+    async with store.transaction() as cur:
+        await cur.execute("SHOW TABLES")
+        existing = {row[0].lower() for row in await cur.fetchall()}
+        for name, ddl in [(CURSOR_TABLE, CURSOR_DDL), *((lane_table(lane), lane_ddl(lane)) for lane in lanes)]:
+            if name not in existing:
+                await cur.execute(ddl)
+                changes.append(f"created table {name}")
+    return changes
+
+
+def start_id(start: str | int, max_id: int) -> int:
+    """The watermark a new lane starts from: ``now`` (only events from now on), ``beginning``
+    (every row in the table) or an id (that row and everything after it)."""
+    if start == "now":
+        return max_id
+    if start == "beginning":
+        return 0
+    return max(int(start) - 1, 0)
+
+
+@dataclass
+class _Gap:
+    low: int
+    high: int
+    first_seen: float
+
+
+@dataclass
+class LaneStore(LeasedRows):
+    """One lane on MySQL: :class:`~room_outbox.store.OutboxStore` over ``room_outbox_lane_<name>``,
+    sharing the :class:`MySQLStore` pool, fed from ``room_outbox`` before each claim."""
+
+    owner: MySQLStore
+    lane: str
+    start: str | int = "now"
+    gap_timeout: float = 300.0
+    feed_batch: int = 1000
+    key: str = "outbox_id"
+    envelope_column: str = "NULL"
+    _high: int = -1  # the highest room_outbox id this process has seen
+    _gaps: list[_Gap] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.table = lane_table(self.lane)
+
+    def transaction(self) -> AbstractAsyncContextManager[aiomysql.Cursor]:
+        return self.owner.transaction()
+
+    async def migrate(self) -> list[str]:
+        return await migrate_lanes(self.owner, [self.lane])
+
+    async def aclose(self) -> None:
+        """The pool belongs to the :class:`MySQLStore`."""
+
+    async def claim(
+        self,
+        claim: str,
+        limit: int,
+        lease_until_ms: int,
+        results: Sequence[DeliveryResult] = (),
+        per_room: bool = False,
+        hold_back_ms: int = 1000,
+    ) -> Claimed:
+        await self.feed()
+        return await super().claim(claim, limit, lease_until_ms, results, per_room, hold_back_ms)
+
+    async def _with_envelopes(self, cur: aiomysql.Cursor, found: list[OutboxRow]) -> list[OutboxRow]:
+        if not found:
+            return found
+        ids = [row.id for row in found]
+        await cur.execute(f"SELECT id, envelope FROM {TABLE} WHERE id IN ({_marks(ids)})", ids)
+        envelopes = dict(await cur.fetchall())
+        # A row deleted from room_outbox meanwhile gets an empty envelope: it fails as a
+        # malformed envelope, visibly, instead of vanishing.
+        return [
+            OutboxRow(
+                r.id, r.event_id, r.event_type, r.room_id, r.app_code, envelopes.get(r.id, ""), r.retry_count, r.claim
+            )
+            for r in found
+        ]
+
+    # -- feeding -------------------------------------------------------------------------
+
+    async def feed(self) -> int:
+        """One feeding round; returns rows added to the lane. See the module docstring."""
+        async with self.transaction() as cur:
+            watermark = await self._lock_cursor(cur)
+            if watermark is None:
+                return 0  # another process is feeding this lane right now
+            if watermark > self._high:  # another process fed further: start from there
+                self._high = watermark
+            self._gaps = [g for g in self._gaps if g.high > watermark]
+            fresh = await self._read_new(cur)
+            found_again = await self._read_gaps(cur)
+            rows = fresh + found_again
+            if rows:
+                now = now_ms()
+                await cur.executemany(
+                    f"INSERT INTO {self.table} (outbox_id, event_id, event_type, room_id, app_code,"
+                    " created_at_ms, updated_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s)"
+                    " ON DUPLICATE KEY UPDATE outbox_id = outbox_id",  # fed already: keep as is
+                    [(*row, now, now) for row in rows],
+                )
+            self._expire_gaps()
+            new_watermark = (self._gaps[0].low - 1) if self._gaps else self._high
+            if new_watermark > watermark:
+                await cur.execute(
+                    f"UPDATE {CURSOR_TABLE} SET fed_through_id = %s, updated_at_ms = %s WHERE lane = %s",
+                    (new_watermark, now_ms(), self.lane),
+                )
+            return len(rows)
+
+    async def _lock_cursor(self, cur: aiomysql.Cursor) -> int | None:
+        query = f"SELECT fed_through_id FROM {CURSOR_TABLE} WHERE lane = %s FOR UPDATE SKIP LOCKED"
+        await cur.execute(query, (self.lane,))
+        row = await cur.fetchone()
+        if row is not None:
+            return int(row[0])
+        await cur.execute(f"SELECT 1 FROM {CURSOR_TABLE} WHERE lane = %s", (self.lane,))
+        if await cur.fetchone():
+            return None  # exists, locked by another feeder
+        await cur.execute(f"SELECT COALESCE(MAX(id), 0) FROM {TABLE}")
+        (max_id,) = await cur.fetchone()
+        first = start_id(self.start, int(max_id))
+        await cur.execute(
+            f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, updated_at_ms) VALUES (%s, %s, %s)"
+            " ON DUPLICATE KEY UPDATE lane = lane",
+            (self.lane, first, now_ms()),
+        )
+        log.info("lane started", extra={"lane": self.lane, "start": str(self.start), "fed_through_id": first})
+        await cur.execute(query, (self.lane,))
+        row = await cur.fetchone()
+        return int(row[0]) if row else None
+
+    async def _read_new(self, cur: aiomysql.Cursor) -> list[tuple[int, str, str, str, str]]:
+        await cur.execute(
+            f"SELECT id, event_id, event_type, room_id, app_code FROM {TABLE} WHERE id > %s ORDER BY id LIMIT %s",
+            (self._high, self.feed_batch),
+        )
+        rows = [tuple(row) for row in await cur.fetchall()]
+        now = time.monotonic()
+        expected = self._high + 1
+        for row in rows:
+            if row[0] > expected:
+                self._gaps.append(_Gap(expected, row[0] - 1, now))
+            expected = row[0] + 1
+        if rows:
+            self._high = rows[-1][0]
+        return rows
+
+    async def _read_gaps(self, cur: aiomysql.Cursor) -> list[tuple[int, str, str, str, str]]:
+        """Rows that have committed inside the ranges seen missing; the ranges shrink to what
+        is still missing (a range splits around a row that turned up)."""
+        if not self._gaps:
+            return []
+        where = " OR ".join(["id BETWEEN %s AND %s"] * len(self._gaps))
+        params = [bound for gap in self._gaps for bound in (gap.low, gap.high)]
+        await cur.execute(
+            f"SELECT id, event_id, event_type, room_id, app_code FROM {TABLE} WHERE {where} ORDER BY id", params
+        )
+        rows = [tuple(row) for row in await cur.fetchall()]
+        if rows:
+            found = [row[0] for row in rows]
+            remaining: list[_Gap] = []
+            for gap in self._gaps:
+                low = gap.low
+                for row_id in (i for i in found if gap.low <= i <= gap.high):
+                    if row_id > low:
+                        remaining.append(_Gap(low, row_id - 1, gap.first_seen))
+                    low = row_id + 1
+                if low <= gap.high:
+                    remaining.append(_Gap(low, gap.high, gap.first_seen))
+            self._gaps = remaining
+        return rows
+
+    def _expire_gaps(self) -> None:
+        now = time.monotonic()
+        for gap in [g for g in self._gaps if now - g.first_seen > self.gap_timeout]:
+            log.warning(
+                "ids never committed within gap_timeout; taken as rolled back and skipped",
+                extra={"lane": self.lane, "from_id": gap.low, "to_id": gap.high},
+            )
+        self._gaps = [g for g in self._gaps if now - g.first_seen <= self.gap_timeout]
+
+
+__all__ = ["CURSOR_TABLE", "LaneStore", "lane_ddl", "lane_table", "migrate_lanes", "start_id"]

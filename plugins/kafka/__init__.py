@@ -1,0 +1,130 @@
+"""The Kafka sink: every room event to a topic, for downstream consumers (seeds 003, 004).
+
+It keeps a lane of its own (``room_outbox_lane_kafka``), so a Kafka outage never delays IM
+delivery and an IM outage never delays Kafka. Messages: key ``{app_code}:{room_id}`` (one room
+stays in one partition, in order — with ``outbox_worker.ordering: per_room`` the lane also
+sends a room's events one after another), value the envelope as JSON, headers ``event_id``,
+``event_type`` and ``traceparent``. An event counts as delivered only once the broker has
+acknowledged it (``acks=all``); until then it is retried, so a broker outage loses nothing.
+
+``idempotence``: ``auto`` (default) asks the broker for an idempotent producer and, when the
+broker refuses (some Kafka-compatible brokers do not implement InitProducerId), logs it and
+goes on without — duplicates after a retried send are then possible, as with any
+at-least-once delivery; ``true`` refuses to run without it; ``false`` never asks.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import anyio
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
+from pydantic import Field
+
+from room_outbox import EventEnvelope, SinkContext, SinkSpec, hookimpl
+from room_outbox.config import Duration
+from room_outbox.sink import PermanentSinkError, RetryableSinkError, SinkSettings
+
+
+class KafkaSettings(SinkSettings):
+    bootstrap_servers: str = "127.0.0.1:9092"
+    topic: str = "room-events"
+    client_id: str = "room-outbox"
+    idempotence: Literal["auto", "true", "false"] = "auto"
+    #: How long one send may wait for the broker's acknowledgement before failing (retryable).
+    request_timeout: Duration = 5.0
+    max_message_bytes: int = Field(default=1_000_000, ge=1024)
+
+
+class KafkaSink:
+    def __init__(self, settings: KafkaSettings, context: SinkContext) -> None:
+        self.settings = settings
+        self.log = context.logger
+        self._producer: AIOKafkaProducer | None = None
+        self._starting = anyio.Lock()
+
+    async def deliver(self, envelope: EventEnvelope) -> None:
+        producer = await self._started()
+        value = envelope.model_dump_json().encode()
+        if len(value) > self.settings.max_message_bytes:
+            raise PermanentSinkError(
+                f"message of {len(value)} bytes exceeds max_message_bytes {self.settings.max_message_bytes}"
+            )
+        headers = [("event_id", envelope.event_id.encode()), ("event_type", envelope.event_type.encode())]
+        if envelope.traceparent:
+            headers.append(("traceparent", envelope.traceparent.encode()))
+        try:
+            await producer.send_and_wait(
+                self.settings.topic, value, key=f"{envelope.app_code}:{envelope.room_id}".encode(), headers=headers
+            )
+        except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
+            raise PermanentSinkError(f"broker refused the message as too large: {type(exc).__name__}") from exc
+        except KafkaError as exc:
+            raise RetryableSinkError(
+                f"send to topic {self.settings.topic} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def _started(self) -> AIOKafkaProducer:
+        """The producer, started on first use (and again after a failed start), so that a
+        broker that is down at start-up only delays this lane."""
+        async with self._starting:
+            if self._producer is None:
+                idempotent = self.settings.idempotence != "false"
+                try:
+                    self._producer = await self._start(idempotent)
+                except KafkaError as exc:
+                    if self.settings.idempotence != "auto" or not _refused_idempotence(exc):
+                        raise RetryableSinkError(
+                            f"broker {self.settings.bootstrap_servers} unavailable: {exc}"
+                        ) from exc
+                    self.log.warning(
+                        "broker refused an idempotent producer; sending without idempotence",
+                        extra={"sink": "kafka", "error": f"{type(exc).__name__}"},
+                    )
+                    try:
+                        self._producer = await self._start(idempotent=False)
+                    except KafkaError as exc2:
+                        raise RetryableSinkError(
+                            f"broker {self.settings.bootstrap_servers} unavailable: {exc2}"
+                        ) from exc2
+            return self._producer
+
+    async def _start(self, idempotent: bool) -> AIOKafkaProducer:
+        producer = AIOKafkaProducer(
+            bootstrap_servers=self.settings.bootstrap_servers,
+            client_id=self.settings.client_id,
+            acks="all",
+            enable_idempotence=idempotent,
+            request_timeout_ms=int(self.settings.request_timeout * 1000),
+            max_request_size=self.settings.max_message_bytes + 1024,
+        )
+        try:
+            await producer.start()
+        except BaseException:
+            await producer.stop()
+            raise
+        return producer
+
+    async def aclose(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+
+def _refused_idempotence(exc: KafkaError) -> bool:
+    # InitProducerId answered with an error code the broker uses for "not implemented".
+    return type(exc).__name__ in ("UnknownError", "UnsupportedVersionError", "ClusterAuthorizationFailedError")
+
+
+def _create(settings: SinkSettings, context: SinkContext) -> KafkaSink:
+    assert isinstance(settings, KafkaSettings)
+    return KafkaSink(settings, context)
+
+
+@hookimpl
+def room_outbox_register_sinks() -> list[SinkSpec]:
+    return [SinkSpec("kafka", KafkaSettings, _create, enabled_by_default=False, own_lane=True)]
+
+
+__all__ = ["KafkaSettings", "KafkaSink"]

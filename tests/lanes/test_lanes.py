@@ -1,0 +1,335 @@
+"""Lanes of their own: feeding without gaps, start positions, several processes, independence
+from the IM lane, the Kafka sink on a real broker, seed 003's deployment, a third-party sink."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import aiomysql
+import anyio
+import pytest
+import yaml
+from aiokafka import AIOKafkaConsumer
+from lanes.conftest import Broker
+from support import INSERT_V1, RecordingSink, envelope, fetch_rows, insert_events, wait_until
+
+from room_outbox.app import run_service
+from room_outbox.config import Settings, load_settings
+from room_outbox.dispatcher import Dispatcher, LaneOptions
+from room_outbox.retry import RetryPolicy
+from room_outbox.routing import Router
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql_lanes import CURSOR_TABLE, LaneStore, migrate_lanes
+from room_outbox.testing import DEV_KEY, DEV_SDKAPPID, serve_fake_im
+
+pytestmark = pytest.mark.anyio
+
+
+def lane_dispatcher(store: MySQLStore, sink: RecordingSink, lane: str = "t", node: str = "n1", **kw: Any) -> Dispatcher:
+    lane_store = LaneStore(
+        owner=store, lane=lane, start=kw.pop("start", "beginning"), gap_timeout=kw.pop("gap_timeout", 30.0)
+    )
+    router = Router({"t": sink}, {}, catch_all="t", skip_unrouted=True)
+    options = LaneOptions(poll_interval=0.05, retry=RetryPolicy(interval=0.05), **kw)
+    return Dispatcher(lane_store, router, options, node)
+
+
+async def lane_rows(store: MySQLStore, lane: str = "t") -> dict[str, dict[str, Any]]:
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT * FROM room_outbox_lane_{lane} ORDER BY outbox_id")
+        names = [d[0] for d in cur.description]
+        return {row[names.index("event_id")]: dict(zip(names, row, strict=True)) for row in await cur.fetchall()}
+
+
+async def watermark(store: MySQLStore, lane: str = "t") -> int:
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT fed_through_id FROM {CURSOR_TABLE} WHERE lane = %s", (lane,))
+        return int((await cur.fetchone())[0])
+
+
+async def max_id(store: MySQLStore) -> int:
+    async with store.transaction() as cur:
+        await cur.execute("SELECT MAX(id) FROM room_outbox")
+        return int((await cur.fetchone())[0])
+
+
+async def test_migrate_creates_the_lane_tables_idempotently(store: MySQLStore) -> None:
+    assert await migrate_lanes(store, ["kafka", "audit"]) == [
+        "created table room_outbox_lane_cursor", "created table room_outbox_lane_kafka", "created table room_outbox_lane_audit",
+    ]  # fmt: skip
+    assert await migrate_lanes(store, ["kafka", "audit"]) == []
+
+
+async def test_a_row_whose_transaction_commits_late_is_fed_exactly_once(store: MySQLStore, database_dsn: str) -> None:
+    await migrate_lanes(store, ["t"])
+    sink = RecordingSink()
+    dispatcher = lane_dispatcher(store, sink)
+    await insert_events(store, [envelope("before")])
+    late = await aiomysql.connect(**store.address.connect_kwargs(), db=store.address.database)
+    try:
+        async with late.cursor() as cur:  # holds the next id, commits later
+            await cur.execute(
+                INSERT_V1, ("default", "late", "RoomUserJoined", "r_1", json.dumps(envelope("late")), 1, 1)
+            )
+        await insert_events(store, [envelope("after1"), envelope("after2")])
+        for _ in range(4):  # several scan intervals pass while "late" is uncommitted
+            await dispatcher.run_until_empty()
+        assert sorted(sink.received) == ["after1", "after2", "before"]
+        assert await watermark(store) < await max_id(store)  # held below the missing id
+        await late.commit()
+    finally:
+        late.close()
+    await wait_until(lambda: _delivered(dispatcher, sink, "late"))
+    assert sorted(sink.received) == ["after1", "after2", "before", "late"]  # each exactly once
+    await dispatcher.run_until_empty()
+    assert await watermark(store) == await max_id(store)
+    assert {r["status"] for r in (await lane_rows(store)).values()} == {"published"}
+
+
+async def _delivered(dispatcher: Dispatcher, sink: RecordingSink, event_id: str) -> bool:
+    await dispatcher.run_until_empty()
+    return event_id in sink.received
+
+
+async def test_a_rolled_back_id_is_skipped_after_gap_timeout(
+    store: MySQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    await migrate_lanes(store, ["t"])
+    sink = RecordingSink()
+    dispatcher = lane_dispatcher(store, sink, gap_timeout=0.3)
+    async with store.transaction() as cur:
+        await cur.execute(INSERT_V1, ("default", "first", "RoomUserJoined", "r_1", json.dumps(envelope("first")), 1, 1))
+    conn = await aiomysql.connect(**store.address.connect_kwargs(), db=store.address.database)
+    async with conn.cursor() as cur:
+        await cur.execute(INSERT_V1, ("default", "ghost", "RoomUserJoined", "r_1", "{}", 1, 1))
+    await conn.rollback()
+    conn.close()
+    await insert_events(store, [envelope("last")])
+
+    async def advanced() -> bool:
+        await dispatcher.run_until_empty()
+        return await watermark(store) == await max_id(store)
+
+    with caplog.at_level(logging.WARNING):
+        await wait_until(advanced, timeout=10)
+    assert sorted(sink.received) == ["first", "last"]
+    assert any("taken as rolled back" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("start", "expected"), [("now", ["new"]), ("beginning", ["old1", "old2", "new"]), ("id", ["old2", "new"])]
+)
+async def test_start_positions(store: MySQLStore, start: str, expected: list[str]) -> None:
+    await migrate_lanes(store, ["t"])
+    await insert_events(store, [envelope("old1"), envelope("old2")])
+    rows = await fetch_rows(store)
+    position: str | int = rows["old2"]["id"] if start == "id" else start
+    sink = RecordingSink()
+    dispatcher = lane_dispatcher(store, sink, start=position)
+    await dispatcher.run_until_empty()  # the lane starts here
+    await insert_events(store, [envelope("new")])
+    await dispatcher.run_until_empty()
+    assert sink.received == expected
+
+
+async def test_two_processes_feed_and_deliver_each_event_once(store: MySQLStore) -> None:
+    await migrate_lanes(store, ["t"])
+    sinks = [RecordingSink(), RecordingSink()]
+    dispatchers = [lane_dispatcher(store, s, node=f"p{n}", batch_size=40) for n, s in enumerate(sinks)]
+    async with anyio.create_task_group() as tg:
+        for dispatcher in dispatchers:
+            await tg.start(dispatcher.run)
+        for chunk in range(6):
+            await insert_events(store, [envelope(f"e{chunk}-{i}", room_id=f"r_{i % 5}") for i in range(100)])
+
+        async def all_done() -> bool:
+            rows = await lane_rows(store)
+            return len(rows) == 600 and {r["status"] for r in rows.values()} == {"published"}
+
+        await wait_until(all_done, timeout=60)
+        for dispatcher in dispatchers:
+            dispatcher.stop()
+    received = sinks[0].received + sinks[1].received
+    assert len(received) == 600 and len(set(received)) == 600
+
+
+# -- Kafka on a real broker --------------------------------------------------------------------
+
+
+async def consume(broker: Broker, expect: set[str], timeout: float = 30.0) -> list[Any]:
+    """Read the topic from the beginning until every event_id in ``expect`` arrived (or fail).
+    Counting messages is not enough: a send retried after a lost acknowledgement repeats."""
+    consumer = AIOKafkaConsumer(
+        broker.topic, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+    )
+    await consumer.start()
+    messages: list[Any] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while not expect <= set(event_ids(messages)) and time.monotonic() < deadline:
+            for batch in (await consumer.getmany(timeout_ms=500)).values():
+                messages.extend(batch)
+    finally:
+        await consumer.stop()
+    missing = expect - set(event_ids(messages))
+    assert not missing, f"never arrived: {sorted(missing)}"
+    return messages
+
+
+def event_ids(messages: list[Any]) -> list[str]:
+    return [dict(m.headers)["event_id"].decode() for m in messages]
+
+
+def lane_settings(dsn: str, broker: Broker, im_base_url: str | None, **worker: Any) -> Settings:
+    sinks: dict[str, Any] = {
+        "kafka": {"bootstrap_servers": broker.bootstrap, "start": "beginning", "request_timeout": "2s"}
+    }
+    if im_base_url:
+        sinks["tencent_im"] = {"base_url": im_base_url, "sdkappid": DEV_SDKAPPID, "secret_key": DEV_KEY}
+    else:
+        sinks["tencent_im"] = {"enabled": False}
+    return Settings(
+        mysql={"dsn": dsn},
+        node_id="lanes",
+        outbox_worker={"poll_interval": "50ms", "publish_timeout": "1s", "ordering": "per_room", **worker},
+        sinks=sinks,
+    )
+
+
+async def migrate_all(store: MySQLStore, settings: Settings) -> None:
+    from room_outbox.lanes import migrate_plugins
+    from room_outbox.plugin_manager import make_plugin_manager
+
+    await migrate_plugins(store, make_plugin_manager(), settings)
+
+
+async def test_kafka_lane_publishes_one_message_per_event_in_room_order(
+    store: MySQLStore, database_dsn: str, kafka_broker: Broker
+) -> None:
+    async with serve_fake_im() as fake:
+        settings = lane_settings(database_dsn, kafka_broker, fake.base_url)
+        await migrate_all(store, settings)
+        events = [envelope(f"k{v:02}-{room}", room_id=room, room_version=v, traceparent=f"00-{'a' * 32}-{'b' * 16}-01")
+                  for v in range(15) for room in ("r_a", "r_b", "r_c")]  # fmt: skip
+        await insert_events(store, events)
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: run_service(settings, stop, handle_signals=False))
+            messages = await consume(kafka_broker, {e["event_id"] for e in events})
+            await wait_until(lambda: len(fake.messages) == 45, timeout=30)  # the IM lane ran too
+            stop.set()
+    ids = event_ids(messages)
+    assert sorted(ids) == sorted(e["event_id"] for e in events)  # one message per event_id
+    versions: dict[bytes, list[int]] = defaultdict(list)
+    for message in messages:
+        versions[message.key].append(json.loads(message.value)["room_version"])
+        assert dict(message.headers).keys() == {"event_id", "event_type", "traceparent"}
+    assert set(versions) == {b"default:r_a", b"default:r_b", b"default:r_c"}
+    assert all(v == list(range(15)) for v in versions.values()), versions
+    assert {r["status"] for r in (await lane_rows(store, "kafka")).values()} == {"published"}
+
+
+async def test_an_im_outage_does_not_delay_kafka(store: MySQLStore, database_dsn: str, kafka_broker: Broker) -> None:
+    async with serve_fake_im() as fake:
+        fake.set_faults(hang_rate=1.0)  # IM never answers
+        settings = lane_settings(database_dsn, kafka_broker, fake.base_url, publish_timeout="3s")
+        await migrate_all(store, settings)
+        await insert_events(store, [envelope(f"i{n}", room_id=f"r_{n}") for n in range(30)])
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: run_service(settings, stop, handle_signals=False))
+            started = time.monotonic()
+            await consume(kafka_broker, {f"i{n}" for n in range(30)}, timeout=20)
+            assert time.monotonic() - started < 3.0  # sooner than a single IM attempt could time out
+            assert not any(r["status"] == "published" for r in (await fetch_rows(store)).values())
+            stop.set()
+
+
+async def test_a_kafka_outage_does_not_delay_im_and_loses_nothing(
+    store: MySQLStore, database_dsn: str, kafka_broker: Broker
+) -> None:
+    async with serve_fake_im() as fake:
+        settings = lane_settings(database_dsn, kafka_broker, fake.base_url)
+        await migrate_all(store, settings)
+        await insert_events(store, [envelope(f"a{n}", room_id=f"r_{n % 4}", room_version=n) for n in range(20)])
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: run_service(settings, stop, handle_signals=False))
+            await consume(kafka_broker, {f"a{n}" for n in range(20)})
+            kafka_broker.stop()  # the broker goes away mid-run
+            await insert_events(
+                store, [envelope(f"b{n}", room_id=f"r_{n % 4}", room_version=20 + n) for n in range(20)]
+            )
+
+            async def im_done() -> bool:
+                return len(fake.messages) == 40
+
+            await wait_until(im_done, timeout=20)  # IM goes on while Kafka is down
+
+            async def kafka_failing() -> bool:
+                return any(r["retry_count"] > 0 for r in (await lane_rows(store, "kafka")).values())
+
+            await wait_until(kafka_failing, timeout=30)
+            kafka_broker.start()  # back (memory storage: an empty broker)
+            await consume(kafka_broker, {f"b{n}" for n in range(20)}, timeout=60)  # nothing lost
+            stop.set()
+    assert {r["status"] for r in (await lane_rows(store, "kafka")).values()} == {"published"}
+
+
+async def test_seed_003_deployment_kafka_lane_only(
+    store: MySQLStore, database_dsn: str, kafka_broker: Broker, tmp_path: Path
+) -> None:
+    """room-service pushes IM itself; room-outbox runs only the Kafka lane (config/config.kafka-only.yaml)."""
+    config = yaml.safe_load((Path(__file__).parents[2] / "config" / "config.kafka-only.yaml").read_text())
+    config["mysql"]["dsn"] = database_dsn
+    config["sinks"]["kafka"]["bootstrap_servers"] = kafka_broker.bootstrap
+    config["sinks"]["kafka"]["start"] = "beginning"
+    config["outbox_worker"]["poll_interval"] = "50ms"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    settings = load_settings(path)
+    await migrate_all(store, settings)
+    await insert_events(store, [envelope(f"s{n}") for n in range(10)])
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: run_service(settings, stop, handle_signals=False))
+        await consume(kafka_broker, {f"s{n}" for n in range(10)})
+        stop.set()
+    assert {r["status"] for r in (await fetch_rows(store)).values()} == {"pending"}  # the IM lane is room-service's
+
+
+async def test_third_party_audit_sink_end_to_end(store: MySQLStore, database_dsn: str, tmp_path: Path) -> None:
+    """examples/audit_sink, installed through its entry point: migrate makes its tables, run fills them."""
+    from room_outbox.cli import main
+    from room_outbox.plugin_manager import make_plugin_manager
+
+    assert make_plugin_manager().has_plugin("audit"), (
+        "examples/audit_sink is not installed (scripts/install.sh does it)"
+    )
+    path = tmp_path / "config.yaml"
+    sinks = {"tencent_im": {"enabled": False}, "audit": {"enabled": True, "dsn": database_dsn, "start": "beginning"}}
+    path.write_text(
+        yaml.safe_dump({"mysql": {"dsn": database_dsn}, "sinks": sinks, "outbox_worker": {"poll_interval": "50ms"}})
+    )
+    assert await anyio.to_thread.run_sync(main, ["--config", str(path), "migrate"]) == 0
+    await insert_events(
+        store, [envelope(f"au{n}", "RoomGiftSent") for n in range(5)] + [envelope("au-created", "RoomCreated")]
+    )
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: run_service(load_settings(path), stop, handle_signals=False))
+
+        async def audited() -> bool:
+            async with store.transaction() as cur:
+                await cur.execute("SELECT COUNT(*) FROM room_outbox_audit_log")
+                return int((await cur.fetchone())[0]) == 6
+
+        await wait_until(audited, timeout=20)
+        stop.set()
+    rows = await fetch_rows(store)
+    assert rows["au-created"]["status"] == "published"  # noop ran in the IM lane beside it
