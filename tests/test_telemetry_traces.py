@@ -184,3 +184,27 @@ def test_producer_context_ignores_what_is_not_a_traceparent() -> None:
     assert producer_context("garbage") is None
     assert producer_context("00-" + "0" * 32 + "-" + "1" * 16 + "-01") is None  # all-zero trace id is invalid
     assert producer_context(TRACEPARENT) is not None
+
+
+async def test_the_tencent_call_is_a_child_span_with_usersig_masked(store: MySQLStore) -> None:
+    from im_support import im_dispatcher, im_router
+
+    from room_outbox.testing import serve_fake_im
+
+    await insert_events(store, [envelope("e1", "RoomGiftSent", "r_9", traceparent=TRACEPARENT)])
+    captured = capture()
+    async with serve_fake_im() as fake:
+        router = await im_router(fake, captured.redactor)
+        dispatcher = im_dispatcher(store, router, captured.redactor)
+        dispatcher.telemetry = captured.telemetry
+        await dispatcher.run_until_empty()
+        await router.aclose()
+    (attempt,) = captured.spans(DELIVER)
+    (http,) = captured.spans("POST ")
+    assert http.kind is SpanKind.CLIENT and http.parent is not None
+    assert http.parent.span_id == attempt.context.span_id and http.context.trace_id == attempt.context.trace_id
+    attributes = dict(http.attributes or {})
+    assert attributes["http.response.status_code"] == 200
+    url = str(attributes["url.full"])
+    assert "/v4/group_open_http_svc/send_group_msg?" in url and "sdkappid=" in url
+    assert "usersig=" in url and "usersig=eJ" not in url  # the UserSig itself never reaches a span

@@ -12,6 +12,7 @@ import json
 import secrets
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
@@ -22,6 +23,7 @@ from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindow
 from room_outbox.plugins.tencent_im.settings import TencentIMSettings
 from room_outbox.plugins.tencent_im.usersig import UserSigCache
 from room_outbox.sink import PermanentSinkError, RetryableSinkError, SinkContext
+from room_outbox.tracing import http_client_span
 
 SEND_GROUP_MSG = "/v4/group_open_http_svc/send_group_msg"
 
@@ -154,7 +156,10 @@ class TencentIMSink:
             "contenttype": "json",
         }
         try:
-            response = await self._client.post(app.url, params=params, content=content)
+            # The child span's URL carries the query with usersig masked (redact_url).
+            with http_client_span("POST", f"{app.url}?{urlencode(params)}") as span:
+                response = await self._client.post(app.url, params=params, content=content)
+                span.set_attribute("http.response.status_code", response.status_code)
         except httpx.TimeoutException as exc:
             raise RetryableSinkError(f"timeout ({type(exc).__name__}) calling Tencent IM app {app.name}") from exc
         except httpx.HTTPError as exc:
