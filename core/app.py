@@ -108,7 +108,7 @@ def _dispatchers(
     for name, router in lanes.own.items():
         start = settings.sinks.get(name, {}).get("start", "now")
         lane = lane_store(store, name, settings, start)
-        dispatchers.append(Dispatcher(lane, router, options, settings.node_id, redactor, telemetry))
+        dispatchers.append(Dispatcher(lane, router, options, settings.node_id, redactor, telemetry, lane=name))
     return dispatchers
 
 

@@ -70,8 +70,11 @@ class Dispatcher:
         node_id: str,
         redactor: Redactor | None = None,
         telemetry: Telemetry | None = None,
+        lane: str = "im",
     ) -> None:
         self.store = store
+        #: Which lane this is, in every log line: "im" or the sink with a lane of its own.
+        self.lane = lane
         self.router = router
         self.options = options
         self.node_id = node_id
@@ -103,6 +106,7 @@ class Dispatcher:
                     log.error(
                         "outbox round failed; retrying after poll_interval",
                         extra={
+                            "lane": self.lane,
                             "error": self._short(f"{type(exc).__name__}: {exc}"),
                             "unrecorded": len(self._unrecorded),
                         },
@@ -112,7 +116,7 @@ class Dispatcher:
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(self.options.publish_timeout):
                 await self._final_flush()
-            log.info("worker stopped", extra={"lifecycle": "worker_stopped"})
+            log.info("worker stopped", extra={"lifecycle": "worker_stopped", "lane": self.lane})
 
     async def run_once(self) -> Round:
         """Claim one batch (writing earlier results in the same transaction) and deliver it.
@@ -250,9 +254,7 @@ class Dispatcher:
             raise _BadEvent(str(exc), "bad_envelope") from exc
         for name in ("event_id", "event_type", "room_id"):
             if getattr(envelope, name) != getattr(row, name):
-                mismatch = (
-                    f"envelope {name} {getattr(envelope, name)!r} differs from the row's {getattr(row, name)!r}"
-                )
+                mismatch = f"envelope {name} {getattr(envelope, name)!r} differs from the row's {getattr(row, name)!r}"
                 raise _BadEvent(mismatch, "bad_envelope")
         return envelope
 
@@ -298,9 +300,9 @@ class Dispatcher:
         text = self.redactor.redact(text)
         return text if len(text) <= LAST_ERROR_MAX else text[: LAST_ERROR_MAX - 1] + "…"
 
-    @staticmethod
-    def _event_fields(row: OutboxRow, status: str, **more: object) -> dict[str, object]:
+    def _event_fields(self, row: OutboxRow, status: str, **more: object) -> dict[str, object]:
         return {
+            "lane": self.lane,
             "event_id": row.event_id,
             "event_type": row.event_type,
             "room_id": row.room_id,
@@ -311,7 +313,12 @@ class Dispatcher:
 
     def _describe(self) -> dict[str, object]:
         o = self.options
-        return {"batch_size": o.batch_size, "poll_interval": o.poll_interval, "publish_timeout": o.publish_timeout}
+        return {
+            "lane": self.lane,
+            "batch_size": o.batch_size,
+            "poll_interval": o.poll_interval,
+            "publish_timeout": o.publish_timeout,
+        }
 
 
 @dataclass(frozen=True)
