@@ -224,3 +224,19 @@ async def test_plugin_migrations_run_on_migrate(store: Any) -> None:
     async with store.transaction() as cur:
         await cur.execute("SHOW TABLES LIKE 'plugin_owned'")
         assert await cur.fetchone()
+
+
+async def test_migrate_on_sqlite_skips_plugin_tables_but_refuses_own_lanes(tmp_path: Path) -> None:
+    from room_outbox.lanes import migrate_plugins
+    from room_outbox.store.factory import open_store
+
+    store = await open_store(f"sqlite:///{tmp_path / 'outbox.db'}")
+    try:
+        await store.migrate()
+        pm = make_plugin_manager()
+        changes = await migrate_plugins(store, pm, settings(sinks={"tencent_im": {"enabled": False}}))
+        assert all(c.startswith("skipped") for c in changes)
+        with pytest.raises(ConfigError, match="sinks kafka: lanes of their own need a MySQL database"):
+            await migrate_plugins(store, pm, settings(sinks={"kafka": {"enabled": True}}))
+    finally:
+        await store.aclose()
