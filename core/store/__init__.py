@@ -9,7 +9,7 @@ published by room-service) changes nothing and is reported back as stale.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,6 +54,19 @@ class Claimed:
     stale: list[DeliveryResult]
     #: The scan found fewer claimable rows than asked for: no need to come back at once.
     exhausted: bool
+
+
+def room_heads(found: Sequence[OutboxRow], pending: Iterable[tuple[int, str, str]]) -> list[OutboxRow]:
+    """Per-room ordering's rule, the same for every backend: keep a found row only if no
+    earlier pending row of its room (``pending``: ``(id, app_code, room_id)`` of the rooms'
+    pending rows below the highest found id) is left outside ``found``."""
+    found_ids = {row.id for row in found}
+    first_outside: dict[tuple[str, str], int] = {}
+    for row_id, app_code, room_id in pending:
+        key = (app_code, room_id)
+        if row_id not in found_ids and row_id < first_outside.get(key, row_id + 1):
+            first_outside[key] = row_id
+    return [r for r in found if r.id < first_outside.get((r.app_code, r.room_id), r.id + 1)]
 
 
 class OutboxStore(Protocol):

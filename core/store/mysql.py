@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import aiomysql
 from pymysql.constants import CLIENT
 
-from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome
+from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
 
 TABLE = "room_outbox"
 
@@ -197,12 +197,7 @@ class LeasedRows:
             f" AND status = 'pending' AND {self.key} < %s",
             (*rooms, max(found_ids)),
         )
-        first_outside: dict[tuple[str, str], int] = {}
-        for row_id, app_code, room_id in await cur.fetchall():
-            key = (app_code, room_id)
-            if row_id not in found_ids and row_id < first_outside.get(key, row_id + 1):
-                first_outside[key] = row_id
-        heads = [r for r in found if r.id < first_outside.get((r.app_code, r.room_id), r.id + 1)]
+        heads = room_heads(found, await cur.fetchall())
         held_back = sorted(found_ids - {r.id for r in heads})
         if held_back:
             await cur.execute(

@@ -29,7 +29,7 @@ from urllib.parse import unquote, urlsplit
 import aiosqlite
 import anyio
 
-from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome
+from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
 from room_outbox.store.mysql import (
     ADDED_COLUMNS,
     ADDED_INDEXES,
@@ -256,18 +256,17 @@ class SQLiteStore:
         if not found:
             return found
         found_ids = {row.id for row in found}
-        top = max(found_ids)
-        first_outside: dict[tuple[str, str], int] = {}
+        pending: list[tuple[int, str, str]] = []
         for rooms in _chunks(sorted({row.room_id for row in found})):
-            for row_id, app_code, room_id in await conn.execute_fetchall(
-                f"SELECT id, app_code, room_id FROM {TABLE} WHERE room_id IN ({_marks(rooms)})"
-                " AND status = 'pending' AND id < ?",
-                (*rooms, top),
-            ):
-                key = (app_code, room_id)
-                if row_id not in found_ids and row_id < first_outside.get(key, row_id + 1):
-                    first_outside[key] = row_id
-        heads = [r for r in found if r.id < first_outside.get((r.app_code, r.room_id), r.id + 1)]
+            pending.extend(
+                (int(row[0]), str(row[1]), str(row[2]))
+                for row in await conn.execute_fetchall(
+                    f"SELECT id, app_code, room_id FROM {TABLE} WHERE room_id IN ({_marks(rooms)})"
+                    " AND status = 'pending' AND id < ?",
+                    (*rooms, max(found_ids)),
+                )
+            )
+        heads = room_heads(found, pending)
         for held_back in _chunks(sorted(found_ids - {r.id for r in heads})):
             await conn.execute(
                 f"UPDATE {TABLE} SET lock_until_ms = ? WHERE id IN ({_marks(held_back)})",
