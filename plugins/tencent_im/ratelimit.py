@@ -6,10 +6,12 @@ we send it and the moment its answer is back. So a :class:`SlidingWindowLimiter`
 its answer (or its failure). Then no ``window`` can ever see more than ``rate`` arrivals,
 whatever the latency or the jitter: if ``rate + 1`` arrivals fell in one window, the last
 of them would have started while the other ``rate`` slots were still busy. The cost is one
-request latency per slot cycle (at 5 ms, 200/s becomes about 190/s).
+request latency plus the margin per slot cycle: the share of the quota used is
+``1 / (1 + JITTER_MARGIN + latency)`` — 98 % at 10 ms, 94 % against the pure-Python fake IM
+under benchmark load (about 50 ms).
 
 The window is one second plus :data:`JITTER_MARGIN`, to stay clear of rounding in whatever
-way the server buckets time. Waiters are served first come, first served (``anyio.Lock`` is
+way the server buckets time (10 ms: 50 ms cost 4 % of the quota for nothing measurable). Waiters are served first come, first served (``anyio.Lock`` is
 fair), which keeps one busy caller from starving the others.
 
 A caller that would have to wait longer than ``max_wait`` gets no slot: the sink then fails
@@ -25,7 +27,7 @@ from collections.abc import Callable
 
 import anyio
 
-JITTER_MARGIN = 0.05
+JITTER_MARGIN = 0.01
 
 
 class SlidingWindowLimiter:
