@@ -13,6 +13,9 @@ How it stays out of delivery's way:
 * **Short transactions.** Each batch is removed in its own transaction that locks only those
   rows (``FOR UPDATE SKIP LOCKED``), then ``pause`` passes before the next: the claim query,
   which reads the ``pending`` range of another index, never waits on it.
+* **Lanes.** A row stays while any lane of its own (Kafka, audit...) has not been fed it, or
+  holds it pending or parked: that lane still needs its envelope. With the row, the lanes'
+  finished rows for it go too.
 * **Several processes.** ``SKIP LOCKED`` makes two cleaners split a batch instead of waiting on
   each other, and the status/age re-check under the lock makes a second removal a no-op; with
   ``archive`` the copy and the delete share one transaction, so a row is archived exactly once.
@@ -31,6 +34,7 @@ from anyio.abc import TaskStatus
 
 from room_outbox.config import RetentionSettings
 from room_outbox.store.mysql import TABLE, MySQLStore, now_ms
+from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
 
 log = logging.getLogger("room_outbox.retention")
 
@@ -85,6 +89,7 @@ async def cleanup(
     cutoff = (now if now is not None else now_ms()) - int(options.older_than * 1000)
     report = CleanupReport()
     columns = await _archive_columns(store) if options.archive else []
+    lanes, fed_through = await _lanes(store)
     after = 0
     while stop is None or not stop.is_set():
         async with store.transaction() as cur:
@@ -93,10 +98,10 @@ async def cleanup(
         if not seen:
             break
         after = seen[-1][0]
-        old = [row_id for row_id, created in seen if created <= cutoff]
+        old = [row_id for row_id, created in seen if created <= cutoff and row_id <= fed_through]
         if not old:
-            break  # ids rise with time: past this batch every published row is younger
-        removed = await _remove(store, old, cutoff, columns)
+            break  # ids rise with time: past this batch every published row is younger (or unfed)
+        removed = await _remove(store, old, cutoff, columns, lanes)
         if removed:
             report.removed += removed
             report.batches += 1
@@ -113,12 +118,14 @@ async def cleanup(
     return report
 
 
-async def _remove(store: MySQLStore, candidates: list[int], cutoff: int, archive_columns: list[str]) -> int:
+async def _remove(
+    store: MySQLStore, candidates: list[int], cutoff: int, archive_columns: list[str], lanes: list[str]
+) -> int:
     """Remove (archiving first when asked) the candidates still published and old, skipping
     rows another cleaner holds; one transaction."""
     for attempt in range(_DEADLOCK_RETRIES):
         try:
-            return await _remove_once(store, candidates, cutoff, archive_columns)
+            return await _remove_once(store, candidates, cutoff, archive_columns, lanes)
         except pymysql.err.OperationalError as exc:
             # InnoDB may still pick a cleaner as a deadlock victim (its transaction is rolled
             # back whole); the batch is simply taken again.
@@ -127,14 +134,21 @@ async def _remove(store: MySQLStore, candidates: list[int], cutoff: int, archive
     return 0
 
 
-async def _remove_once(store: MySQLStore, candidates: list[int], cutoff: int, archive_columns: list[str]) -> int:
+async def _remove_once(
+    store: MySQLStore, candidates: list[int], cutoff: int, archive_columns: list[str], lanes: list[str]
+) -> int:
     marks = ", ".join(["%s"] * len(candidates))
+    # A lane still owing the event (pending, or parked for a requeue) needs its envelope.
+    owed = "".join(
+        f" AND NOT EXISTS (SELECT 1 FROM {lane} l WHERE l.outbox_id = {TABLE}.id AND l.status IN ('pending', 'failed'))"
+        for lane in lanes
+    )
     async with store.transaction() as cur:
         # PRIMARY only: locking through a secondary index would take locks that the DELETE of a
         # concurrent cleaner needs next, which deadlocks (seen with two cleaners).
         await cur.execute(
             f"SELECT id FROM {TABLE} FORCE INDEX (PRIMARY) WHERE id IN ({marks}) AND status = 'published'"
-            " AND created_at_ms <= %s FOR UPDATE SKIP LOCKED",
+            f" AND created_at_ms <= %s{owed} FOR UPDATE SKIP LOCKED",
             (*candidates, cutoff),
         )
         ids = [row[0] for row in await cur.fetchall()]
@@ -150,7 +164,23 @@ async def _remove_once(store: MySQLStore, candidates: list[int], cutoff: int, ar
             )
         # The multi-table form, because only it takes an index hint: on a small table the
         # optimizer would otherwise scan all rows and wait on those another cleaner holds.
+        for lane in lanes:  # the lanes' rows for these events are done with too
+            await cur.execute(f"DELETE FROM {lane} WHERE outbox_id IN ({held})", ids)
         return int(await cur.execute(f"DELETE o FROM {TABLE} AS o FORCE INDEX (PRIMARY) WHERE o.id IN ({held})", ids))
+
+
+async def _lanes(store: MySQLStore) -> tuple[list[str], int]:
+    """The lane tables, and the highest id every lane has been fed through (rows above it
+    are not removed: a lane has yet to copy them)."""
+    async with store.transaction() as cur:
+        await cur.execute(f"SHOW TABLES LIKE '{CURSOR_TABLE}'")
+        if not await cur.fetchone():
+            return [], 2**63
+        await cur.execute(f"SELECT lane, fed_through_id FROM {CURSOR_TABLE}")
+        rows = await cur.fetchall()
+    if not rows:
+        return [], 2**63
+    return [lane_table(lane) for lane, _ in rows], min(int(fed) for _, fed in rows)
 
 
 async def _archive_columns(store: MySQLStore) -> list[str]:

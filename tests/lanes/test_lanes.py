@@ -333,3 +333,22 @@ async def test_third_party_audit_sink_end_to_end(store: MySQLStore, database_dsn
         stop.set()
     rows = await fetch_rows(store)
     assert rows["au-created"]["status"] == "published"  # noop ran in the IM lane beside it
+
+
+async def test_retention_keeps_rows_a_lane_still_needs(store: MySQLStore) -> None:
+    """Cleanup removes an old published row only once every lane has been fed it and is done
+    with it; the lanes' finished rows go with it."""
+    from room_outbox.retention import RetentionOptions, cleanup
+
+    await migrate_lanes(store, ["t"])
+    sink = RecordingSink(fail={"owed"})
+    dispatcher = lane_dispatcher(store, sink)
+    await insert_events(store, [envelope("done1"), envelope("owed"), envelope("done2")])
+    await dispatcher.run_until_empty()  # the lane: done1, done2 published; owed pending
+    await insert_events(store, [envelope("unfed")])  # the lane has not read this one yet
+    async with store.transaction() as cur:  # all old, all published in the IM lane
+        await cur.execute("UPDATE room_outbox SET status = 'published', created_at_ms = created_at_ms - 864000000")
+    report = await cleanup(store, RetentionOptions(older_than=86400, pause=0))
+    assert report.removed == 2
+    assert sorted(await fetch_rows(store)) == ["owed", "unfed"]
+    assert sorted(await lane_rows(store)) == ["owed"]
