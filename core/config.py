@@ -32,8 +32,8 @@ ENV_PREFIX = "ROOM_OUTBOX__"
 RETRY_STRATEGIES = ("fixed_interval", "linear", "exponential")
 ORDERINGS = ("none", "per_room")
 
-_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
 class ConfigError(Exception):
@@ -41,14 +41,16 @@ class ConfigError(Exception):
 
 
 def parse_duration(value: Any) -> float:
-    """Seconds from ``"500ms"``, ``"1s"``, ``"2m"``, ``"1h"`` or a bare number of seconds."""
+    """Seconds from ``"500ms"``, ``"1s"``, ``"2m"``, ``"1h"``, ``"7d"`` or a bare number of seconds."""
     if isinstance(value, bool):
         raise ValueError("expected a duration such as '500ms', '1s' or '2m'")
     if isinstance(value, int | float):
         return float(value)
     match = _DURATION.match(str(value))
     if not match:
-        raise ValueError(f"{value!r} is not a duration; use a number with ms, s, m or h, e.g. '500ms', '1s', '2m'")
+        raise ValueError(
+            f"{value!r} is not a duration; use a number with ms, s, m, h or d, e.g. '500ms', '1s', '2m', '7d'"
+        )
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 

@@ -66,7 +66,17 @@ def test_unknown_retry_strategy_stops_start_up_naming_the_key(tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("500ms", 0.5), ("1s", 1.0), ("2m", 120.0), ("1h", 3600.0), ("1.5s", 1.5), (2, 2.0), ("3", 3.0), (0.25, 0.25)],
+    [
+        ("500ms", 0.5),
+        ("1s", 1.0),
+        ("2m", 120.0),
+        ("1h", 3600.0),
+        ("7d", 604800.0),
+        ("1.5s", 1.5),
+        (2, 2.0),
+        ("3", 3.0),
+        (0.25, 0.25),
+    ],
 )
 def test_durations(text: object, seconds: float) -> None:
     assert parse_duration(text) == seconds
