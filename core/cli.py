@@ -81,8 +81,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "migrate":
             return anyio.run(_migrate, settings)
-        if args.command in ("status", "inspect"):
-            return anyio.run(_report, settings, args)
         if args.command == "run":
             anyio.run(run_service, settings)
             return 0
@@ -105,13 +103,24 @@ async def _migrate(settings: Settings) -> int:
     return 0
 
 
+#: Operator commands whose statements are MySQL's for now.
+MYSQL_ONLY = ("requeue", "cancel", "cleanup")
+
+
 async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
-    """Operator commands: one store, one command, closed again."""
-    if is_sqlite(settings.mysql.dsn.get_secret_value()):  # their statements are MySQL's for now
+    """Operator commands: one connection, one command, closed again (logic in admin, ops,
+    retention)."""
+    dsn = settings.mysql.dsn.get_secret_value()
+    if args.command in MYSQL_ONLY and is_sqlite(dsn):
         print(f"room-outbox {args.command}: needs a MySQL store; mysql.dsn names a SQLite file", file=sys.stderr)
         return 2
-    store = await MySQLStore.connect(settings.mysql.dsn.get_secret_value(), pool_size=1)
+    store = await open_store(dsn, pool_size=1)
     try:
+        if args.command == "status":
+            return await status_command(store, args.json, sys.stdout)
+        if args.command == "inspect":
+            return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr)
+        assert isinstance(store, MySQLStore)  # MYSQL_ONLY, checked above
         if args.command == "requeue":
             where = RequeueFilter(
                 event_ids=tuple(args.event_id),
@@ -133,17 +142,6 @@ async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
             options = RetentionOptions.from_settings(settings.retention, args.older_than, args.archive)
             return await cleanup_command(store, options)
         raise AssertionError(f"unhandled command {args.command}")
-    finally:
-        await store.aclose()
-
-
-async def _report(settings: Settings, args: argparse.Namespace) -> int:
-    """``status`` and ``inspect``: read-only, one connection (logic in room_outbox.ops)."""
-    store = await open_store(settings.mysql.dsn.get_secret_value(), pool_size=1)
-    try:
-        if args.command == "status":
-            return await status_command(store, args.json, sys.stdout)
-        return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr)
     finally:
         await store.aclose()
 
