@@ -16,7 +16,8 @@ from typing import IO, Any
 
 from room_outbox.envelope import EnvelopeError, parse_envelope
 from room_outbox.store.factory import SQLStore
-from room_outbox.store.mysql import TABLE
+from room_outbox.store.mysql import TABLE, MySQLStore
+from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
 
 #: Retry-count histogram buckets of the status report: (label, lowest, highest).
 RETRY_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2-4", 2, 4), ("5-9", 5, 9), ("10-99", 10, 99), ("100+", 100, None))
@@ -59,6 +60,18 @@ class LeaseHolder:
 
 
 @dataclass(frozen=True)
+class LaneStatus:
+    """A lane of its own (Kafka, audit...): how far it is fed and what it still owes."""
+
+    lane: str
+    fed_through_id: int
+    #: room_outbox rows above the watermark: not yet fed (or ids seen missing, waited for).
+    unfed: int
+    pending: int
+    parked: int
+
+
+@dataclass(frozen=True)
 class StatusReport:
     pending: int
     oldest_pending_age_ms: int
@@ -70,6 +83,7 @@ class StatusReport:
     top_errors: list[tuple[str, int]]
     leased: int
     holders: list[LeaseHolder] = field(default_factory=list)
+    lanes: list[LaneStatus] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -126,7 +140,29 @@ async def status_report(store: SQLStore, top: int = 10) -> StatusReport:
         top_errors=top_errors,
         leased=sum(entry[1] for entry in holders.values()),
         holders=[LeaseHolder(node, c, r, u) for node, (c, r, u) in sorted(holders.items())],
+        lanes=await lane_statuses(store),
     )
+
+
+async def lane_statuses(store: SQLStore) -> list[LaneStatus]:
+    """One line per lane of its own; none on a store without lanes (SQLite)."""
+    if not isinstance(store, MySQLStore):
+        return []
+    lanes = []
+    async with store.transaction() as cur:
+        await cur.execute(f"SHOW TABLES LIKE '{CURSOR_TABLE}'")
+        if not await cur.fetchone():
+            return []
+        await cur.execute(f"SELECT lane, fed_through_id FROM {CURSOR_TABLE} ORDER BY lane")
+        for lane, fed in await cur.fetchall():
+            counts = []
+            for status in ("pending", "failed"):  # index range counts on (status, ...)
+                await cur.execute(f"SELECT COUNT(*) FROM {lane_table(lane)} WHERE status = %s", (status,))
+                counts.append(int((await cur.fetchone())[0]))
+            await cur.execute(f"SELECT COUNT(*) FROM {TABLE} WHERE id > %s", (fed,))
+            unfed = int((await cur.fetchone())[0])
+            lanes.append(LaneStatus(str(lane), int(fed), unfed, counts[0], counts[1]))
+    return lanes
 
 
 def format_status(report: StatusReport) -> str:
@@ -148,6 +184,11 @@ def format_status(report: StatusReport) -> str:
         ]
     else:
         lines.append("  (none)")
+    if report.lanes:
+        lines += ["", f"  {'lane':<20} {'fed through id':>14} {'unfed':>7} {'pending':>8} {'parked':>7}"]
+        lines += [
+            f"  {x.lane:<20} {x.fed_through_id:>14} {x.unfed:>7} {x.pending:>8} {x.parked:>7}" for x in report.lanes
+        ]
     lines += ["", "most frequent last_error (pending rows)"]
     if report.top_errors:
         lines += [f"  {rows:>6}  {error}" for error, rows in report.top_errors]

@@ -352,3 +352,17 @@ async def test_retention_keeps_rows_a_lane_still_needs(store: MySQLStore) -> Non
     assert report.removed == 2
     assert sorted(await fetch_rows(store)) == ["owed", "unfed"]
     assert sorted(await lane_rows(store)) == ["owed"]
+
+
+async def test_status_shows_each_lane(store: MySQLStore) -> None:
+    from room_outbox.ops import format_status, status_report
+
+    await migrate_lanes(store, ["t"])
+    dispatcher = lane_dispatcher(store, RecordingSink(fail={"stuck"}))
+    await insert_events(store, [envelope("ok"), envelope("stuck")])
+    await dispatcher.run_until_empty()
+    await insert_events(store, [envelope("later")])
+    report = await status_report(store)
+    (lane,) = report.lanes
+    assert (lane.lane, lane.unfed, lane.pending, lane.parked) == ("t", 1, 1, 0)
+    assert "fed through id" in format_status(report)
