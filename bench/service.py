@@ -4,6 +4,7 @@ a YAML file as an operator would, against the fake IM in another process."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -46,6 +47,18 @@ def write_config(folder: str, dsn: str, base_url: str, **worker: object) -> str:
     return str(path)
 
 
+def event_row(event_id: str, n: int) -> tuple[object, ...]:
+    envelope = {"event_id": event_id, "event_type": IM_TYPE, "app_code": "default",
+                "room_id": f"r_{n % 100}", "room_version": 1, "payload": {"user_id": "u1"}}  # fmt: skip
+    now = int(time.time() * 1000)
+    return ("default", event_id, IM_TYPE, envelope["room_id"], json.dumps(envelope), now, now)
+
+
+async def insert(store: MySQLStore, rows: list[tuple[object, ...]]) -> None:
+    async with store.transaction() as cur:
+        await cur.executemany(INSERT, rows)
+
+
 @dataclass
 class LatencyResult:
     poll_interval: float
@@ -53,37 +66,48 @@ class LatencyResult:
     p50_ms: float
     p99_ms: float
     max_ms: float
+    delivered_rate: float  # events/s from the first commit to the last receipt
+    # CPU while the load ran, as a share of one core: the fake IM, the worker, this process
+    # (the load generator), and the whole machine (all cores, so 2 cores busy = 2.0)
+    fake_cpu: float
+    worker_cpu: float
+    generator_cpu: float
+    machine_cpu: float
 
 
 async def run_latency(
-    store: MySQLStore, dsn: str, poll_interval: float, rate: int, seconds: float, module: str = "room_outbox.cli"
+    store: MySQLStore, dsn: str, poll_interval: float, rate: int, seconds: float, batch_size: int = 100
 ) -> LatencyResult:
     await reset(store)
-    with procs.fake_im_process() as base_url, tempfile.TemporaryDirectory() as folder:
-        config = write_config(folder, dsn, base_url, poll_interval=f"{poll_interval}s")
-        worker = procs.room_outbox("--config", config, "run", env={}, module=module)
+    with procs.fake_im_child() as (base_url, fake_pid), tempfile.TemporaryDirectory() as folder:
+        config = write_config(folder, dsn, base_url, poll_interval=f"{poll_interval}s", batch_size=batch_size)
+        worker = procs.room_outbox("--config", config, "run", env={})
         try:
             committed: dict[str, float] = {}
             tick = 0.01
             per_tick = max(1, round(rate * tick))
+            # the worker's start-up is not part of the measurement: one event through first
+            await insert(store, [event_row("warm-up", 0)])
+            deadline = time.monotonic() + 60
+            while await pending(store) and time.monotonic() < deadline:
+                await anyio.sleep(0.05)
+            procs.clear(base_url)
+            cpu_before = (procs.cpu_seconds(fake_pid), procs.cpu_seconds(worker.pid), time.process_time())
+            machine_before = procs.machine_cpu()
             started = next_tick = time.monotonic()
             n = 0
             while time.monotonic() - started < seconds:
-                rows = []
-                for _ in range(per_tick):
-                    event_id = f"lat{n}"
-                    envelope = {"event_id": event_id, "event_type": IM_TYPE, "app_code": "default",
-                                "room_id": f"r_{n % 100}", "room_version": 1, "payload": {"user_id": "u1"}}  # fmt: skip
-                    now = int(time.time() * 1000)
-                    rows.append(("default", event_id, IM_TYPE, envelope["room_id"], json.dumps(envelope), now, now))
-                    n += 1
-                async with store.transaction() as cur:
-                    await cur.executemany(INSERT, rows)
+                rows = [event_row(f"lat{n + i}", n + i) for i in range(per_tick)]
+                n += per_tick
+                await insert(store, rows)
                 done = time.time()
                 for row in rows:
-                    committed[row[1]] = done
+                    committed[str(row[1])] = done
                 next_tick += tick
                 await anyio.sleep(max(0.0, next_tick - time.monotonic()))
+            elapsed = time.monotonic() - started
+            cpu_after = (procs.cpu_seconds(fake_pid), procs.cpu_seconds(worker.pid), time.process_time())
+            machine_after = procs.machine_cpu()
             deadline = time.monotonic() + 60
             while await pending(store) and time.monotonic() < deadline:
                 await anyio.sleep(0.1)
@@ -93,7 +117,12 @@ async def run_latency(
     latencies = sorted((received[e] - t) * 1000 for e, t in committed.items() if e in received)
     assert len(latencies) == len(committed), f"{len(committed) - len(latencies)} events not received"
     q = statistics.quantiles(latencies, n=100)
-    return LatencyResult(poll_interval, len(latencies), q[49], q[98], latencies[-1])
+    delivered_rate = len(latencies) / (max(received.values()) - min(committed.values()))
+    fake, worker_cpu, generator = ((a - b) / elapsed for a, b in zip(cpu_after, cpu_before, strict=True))
+    machine = (machine_after[0] - machine_before[0]) / (machine_after[1] - machine_before[1]) * (os.cpu_count() or 1)
+    return LatencyResult(
+        poll_interval, len(latencies), q[49], q[98], latencies[-1], delivered_rate, fake, worker_cpu, generator, machine
+    )
 
 
 @dataclass

@@ -12,4 +12,5 @@ def test_bench_quick_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--claim-rounds", "3"]) == 0
     out = capsys.readouterr().out
     assert "a. dispatcher noop lane, batch 100" in out
+    assert "a. same, former per-row tasks + limiter, batch 100" in out
     assert "d. same behind 2,000 published" in out
