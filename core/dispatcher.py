@@ -8,7 +8,7 @@ The IM lane's state is ``room_outbox.status``. A round is:
    ``publish_timeout``; a failing or hanging event never stops the rest of its batch; the
    batch's lease is renewed while it is in flight, so it never expires under a live process;
 3. a full batch is followed at once by the next; otherwise the results are written and the
-   lane waits ``poll_interval``.
+   next scan starts ``poll_interval`` after this one started (a ticker).
 
 Store errors are logged and the round is tried again after ``poll_interval``; results that
 could not be written are kept and written with the next successful transaction (they are
@@ -98,6 +98,7 @@ class Dispatcher:
         task_status.started()
         try:
             while not self._stopping.is_set():
+                scan_started = anyio.current_time()
                 try:
                     if not (await self.run_once()).exhausted:
                         continue  # a backlog drains at full speed: no wait after a full batch
@@ -111,7 +112,11 @@ class Dispatcher:
                             "unrecorded": len(self._unrecorded),
                         },
                     )
-                with anyio.move_on_after(self.options.poll_interval):
+                # A ticker, as seed 000 has it: the next scan is due poll_interval after this
+                # one began, so the round's own time does not add to the wait of what arrived
+                # during it. A round that took longer is followed at once (it did work).
+                elapsed = anyio.current_time() - scan_started
+                with anyio.move_on_after(max(0.0, self.options.poll_interval - elapsed)):
                     await self._stopping.wait()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(self.options.publish_timeout):
