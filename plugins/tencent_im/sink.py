@@ -161,7 +161,7 @@ class TencentIMSink:
         }
         try:
             # The child span's URL carries the query with usersig masked (redact_url).
-            with http_client_span("POST", f"{app.url}?{urlencode(params)}") as span:
+            with http_client_span("POST", lambda: f"{app.url}?{urlencode(params)}") as span:
                 response = await self._client.post(app.url, params=params, content=content)
                 span.set_attribute("http.response.status_code", response.status_code)
         except httpx.TimeoutException as exc:
