@@ -25,7 +25,8 @@ from room_outbox.envelope import KNOWN_EVENT_TYPES
 from room_outbox.plugins.noop import NoopSink
 from room_outbox.routing import Router
 from room_outbox.store import DeliveryResult, OutboxRow, Outcome
-from room_outbox.store.mysql import CLAIM_SQL, MySQLStore, now_ms
+from room_outbox.store.leased import now_ms
+from room_outbox.store.mysql import CLAIM_SQL, MySQLStore
 
 
 @dataclass

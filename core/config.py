@@ -93,7 +93,8 @@ class OutboxWorkerSettings(Section):
 
     enabled: bool = True
     poll_interval: Duration = 1.0
-    batch_size: int = 100
+    #: At most 10,000: a batch's ids travel as bound parameters (SQLite allows 32,766).
+    batch_size: int = Field(default=100, le=10_000)
     publish_timeout: Duration = 3.0
     retry_strategy: str = "fixed_interval"
     #: Deliveries of one batch that run at the same time.

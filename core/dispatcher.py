@@ -32,7 +32,7 @@ from room_outbox.retry import RetryPolicy
 from room_outbox.routing import Router
 from room_outbox.sink import PermanentSinkError, SinkError
 from room_outbox.store import DeliveryResult, OutboxRow, OutboxStore, Outcome
-from room_outbox.store.mysql import LAST_ERROR_MAX, now_ms
+from room_outbox.store.leased import LAST_ERROR_MAX, now_ms
 from room_outbox.telemetry import NO_ATTEMPT, DeliveryAttempt, Telemetry
 
 log = logging.getLogger("room_outbox.dispatcher")

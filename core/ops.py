@@ -16,7 +16,8 @@ from typing import IO, Any
 
 from room_outbox.envelope import EnvelopeError, parse_envelope
 from room_outbox.store.factory import SQLStore
-from room_outbox.store.mysql import TABLE, MySQLStore
+from room_outbox.store.leased import TABLE
+from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
 
 #: Retry-count histogram buckets of the status report: (label, lowest, highest).

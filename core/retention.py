@@ -33,7 +33,8 @@ import pymysql
 from anyio.abc import TaskStatus
 
 from room_outbox.config import RetentionSettings
-from room_outbox.store.mysql import TABLE, MySQLStore, now_ms
+from room_outbox.store.leased import TABLE, now_ms
+from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
 
 log = logging.getLogger("room_outbox.retention")

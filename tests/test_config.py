@@ -108,6 +108,11 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
     assert settings.sinks["tencent_im"]["secret_key"] == "k" * 16
 
 
+def test_batch_size_is_bounded(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"outbox_worker\.batch_size"):
+        load_settings(write(tmp_path, "outbox_worker:\n  batch_size: 50000\n"))
+
+
 def test_misspelt_key_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(write(tmp_path, "outbox_worker:\n  poll_intervall: 1s\n"))

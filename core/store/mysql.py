@@ -19,9 +19,8 @@ concurrent claimants pass each other without waiting.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -29,9 +28,13 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import aiomysql
 from pymysql.constants import CLIENT
 
-from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
-
-TABLE = "room_outbox"
+from room_outbox.store.leased import (
+    TABLE,
+    LeasedRows,
+    _marks,
+    claim_sql,
+    now_ms,
+)
 
 V1_TABLE_DDL = f"""
 CREATE TABLE IF NOT EXISTS {TABLE} (
@@ -66,22 +69,9 @@ REQUIRED_V1_COLUMNS = (
     "status", "retry_count", "last_error", "created_at_ms", "updated_at_ms",
 )  # fmt: skip
 
-LAST_ERROR_MAX = 512
 
-
-def claim_sql(table: str, key: str, envelope: str) -> str:
-    """The claim scan of one lane's table (see the module docstring)."""
-    return (
-        f"SELECT {key}, event_id, event_type, room_id, app_code, {envelope}, retry_count FROM {table}"
-        f" WHERE status = 'pending' AND lock_until_ms <= %s ORDER BY lock_until_ms, {key} LIMIT %s FOR UPDATE SKIP LOCKED"
-    )
-
-
-CLAIM_SQL = claim_sql(TABLE, "id", "envelope")
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
+#: The IM lane's claim statement (tests read its plan with EXPLAIN).
+CLAIM_SQL = claim_sql(TABLE, "id", "envelope", LeasedRows.row_lock)
 
 
 @dataclass(frozen=True)
@@ -130,144 +120,6 @@ class MySQLAddress:
             "init_command": "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
             "connect_timeout": 5,
         }
-
-
-class LeasedRows:
-    """One lane's consumption state in one table: claims with leases, fenced result writes.
-
-    The IM lane keeps it in ``room_outbox`` itself (key ``id``); every other lane in its own
-    table ``room_outbox_lane_<name>`` (key ``outbox_id``, see :mod:`.mysql_lanes`). Same
-    columns, same indexes, same statements.
-    """
-
-    table = TABLE
-    key = "id"
-    envelope_column = "envelope"
-
-    def transaction(self) -> AbstractAsyncContextManager[aiomysql.Cursor]:
-        raise NotImplementedError
-
-    @property
-    def _claim_sql(self) -> str:
-        return claim_sql(self.table, self.key, self.envelope_column)
-
-    async def _with_envelopes(self, cur: aiomysql.Cursor, found: list[OutboxRow]) -> list[OutboxRow]:
-        """Rows as claimed; a lane whose table holds no envelope fetches them here."""
-        return found
-
-    async def claim(
-        self,
-        claim: str,
-        limit: int,
-        lease_until_ms: int,
-        results: Sequence[DeliveryResult] = (),
-        per_room: bool = False,
-        hold_back_ms: int = 1000,
-    ) -> Claimed:
-        async with self.transaction() as cur:
-            stale = await self._apply_results(cur, results)
-            await cur.execute(self._claim_sql, (now_ms(), limit))
-            found = [
-                OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
-                for id, event_id, event_type, room_id, app_code, envelope, retries in await cur.fetchall()
-            ]
-            found = await self._with_envelopes(cur, found)
-            rows = await self._heads_of_rooms(cur, found, hold_back_ms) if per_room else found
-            if rows:
-                ids = [row.id for row in rows]
-                await cur.execute(
-                    f"UPDATE {self.table} SET worker_id = %s, lock_until_ms = %s WHERE {self.key} IN ({_marks(ids)})",
-                    (claim, lease_until_ms, *ids),
-                )
-        return Claimed(rows, stale, exhausted=len(found) < limit)
-
-    async def _heads_of_rooms(self, cur: aiomysql.Cursor, found: list[OutboxRow], hold_back_ms: int) -> list[OutboxRow]:
-        """Keep a found row only if every earlier pending row of its room was found too.
-
-        A row held back this way is made unclaimable for ``hold_back_ms``: otherwise a room
-        with a long backlog behind a waiting event would fill every later scan with rows
-        that cannot be taken, and the events they wait for would never come up.
-        """
-        if not found:
-            return found
-        rooms = sorted({row.room_id for row in found})
-        found_ids = {row.id for row in found}
-        await cur.execute(
-            f"SELECT {self.key}, app_code, room_id FROM {self.table} WHERE room_id IN ({_marks(rooms)})"
-            f" AND status = 'pending' AND {self.key} < %s",
-            (*rooms, max(found_ids)),
-        )
-        heads = room_heads(found, await cur.fetchall())
-        held_back = sorted(found_ids - {r.id for r in heads})
-        if held_back:
-            await cur.execute(
-                f"UPDATE {self.table} SET lock_until_ms = %s WHERE {self.key} IN ({_marks(held_back)})",
-                (now_ms() + hold_back_ms, *held_back),
-            )
-        return heads
-
-    async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
-        if not results:
-            return []
-        async with self.transaction() as cur:
-            return await self._apply_results(cur, results)
-
-    async def renew(self, claim: str, row_ids: Sequence[int], lease_until_ms: int) -> int:
-        if not row_ids:
-            return 0
-        async with self.transaction() as cur:
-            return int(
-                await cur.execute(
-                    f"UPDATE {self.table} SET lock_until_ms = %s WHERE {self.key} IN ({_marks(row_ids)})"
-                    " AND worker_id = %s AND status = 'pending'",
-                    (lease_until_ms, *row_ids, claim),
-                )
-            )
-
-    async def _apply_results(self, cur: aiomysql.Cursor, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
-        """Write results whose claim still holds the row; return the others (stale)."""
-        if not results:
-            return []
-        ids = sorted({r.row_id for r in results})
-        await cur.execute(
-            f"SELECT {self.key}, worker_id FROM {self.table} WHERE {self.key} IN ({_marks(ids)})"
-            " AND status = 'pending' FOR UPDATE",
-            ids,
-        )
-        holder = dict(await cur.fetchall())
-        held = [r for r in results if holder.get(r.row_id) == r.claim]
-        stale = [r for r in results if holder.get(r.row_id) != r.claim]
-        now = now_ms()
-        published = [r.row_id for r in held if r.outcome is Outcome.PUBLISHED]
-        if published:
-            await cur.execute(
-                f"UPDATE {self.table} SET status = 'published', last_error = NULL, worker_id = NULL, lock_until_ms = 0,"
-                f" updated_at_ms = %s WHERE {self.key} IN ({_marks(published)})",
-                (now, *published),
-            )
-        released = [r.row_id for r in held if r.outcome is Outcome.RELEASED]
-        if released:
-            await cur.execute(
-                f"UPDATE {self.table} SET worker_id = NULL, lock_until_ms = 0 WHERE {self.key} IN ({_marks(released)})",
-                released,
-            )
-        failed = [r for r in held if r.outcome in (Outcome.FAILED, Outcome.PARKED)]
-        if failed:
-            await cur.executemany(
-                f"UPDATE {self.table} SET status = %s, retry_count = retry_count + 1, last_error = %s, worker_id = NULL,"
-                f" lock_until_ms = %s, updated_at_ms = %s WHERE {self.key} = %s",
-                [
-                    (
-                        "failed" if r.outcome is Outcome.PARKED else "pending",
-                        (r.error or "unknown error")[:LAST_ERROR_MAX],
-                        r.retry_at_ms,
-                        now,
-                        r.row_id,
-                    )
-                    for r in failed
-                ],
-            )
-        return stale
 
 
 class MySQLStore(LeasedRows):
@@ -349,10 +201,6 @@ class MySQLStore(LeasedRows):
                     await cur.execute(f"ALTER TABLE {TABLE} ADD INDEX {name} {columns_sql}")
                     changes.append(f"added index {TABLE}.{name}")
         return changes
-
-
-def _marks(values: Sequence[object]) -> str:
-    return ", ".join(["%s"] * len(values))
 
 
 @dataclass(frozen=True)

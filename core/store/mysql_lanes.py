@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import aiomysql
 
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow
-from room_outbox.store.mysql import TABLE, LeasedRows, MySQLStore, _marks, now_ms
+from room_outbox.store.leased import TABLE, LeasedRows, _marks, now_ms
+from room_outbox.store.mysql import MySQLStore
 
 log = logging.getLogger("room_outbox.lanes")
 

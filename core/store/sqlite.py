@@ -19,7 +19,7 @@ the same file lock.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,15 +29,8 @@ from urllib.parse import unquote, urlsplit
 import aiosqlite
 import anyio
 
-from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
-from room_outbox.store.mysql import (
-    ADDED_COLUMNS,
-    ADDED_INDEXES,
-    LAST_ERROR_MAX,
-    REQUIRED_V1_COLUMNS,
-    TABLE,
-    now_ms,
-)
+from room_outbox.store.leased import TABLE, LeasedRows
+from room_outbox.store.mysql import ADDED_COLUMNS, ADDED_INDEXES, REQUIRED_V1_COLUMNS
 
 #: room-service's V1 table in SQLite's dialect. AUTOINCREMENT because per-room ordering relies
 #: on ids that only rise: without it SQLite reuses the ids of deleted rows at the top.
@@ -66,16 +59,9 @@ _SQLITE_COLUMNS = {
 }
 assert _SQLITE_COLUMNS.keys() == ADDED_COLUMNS.keys(), "keep the SQLite schema in step with MySQL's"
 
-CLAIM_SQL = (
-    f"SELECT id, event_id, event_type, room_id, app_code, envelope, retry_count FROM {TABLE}"
-    " WHERE status = 'pending' AND lock_until_ms <= ? ORDER BY lock_until_ms, id LIMIT ?"
-)
 
 #: Seconds a transaction waits for another writer (another process's claim) before failing.
 BUSY_TIMEOUT = 30.0
-
-#: SQLite ≥ 3.32 allows 32766 bound parameters; stay far below for any batch size.
-_MAX_PARAMS = 900
 
 
 @dataclass(frozen=True)
@@ -145,8 +131,12 @@ def _qmark(sql: str) -> str:
     return _FORMAT.sub(lambda m: "?" if m.group(1) == "s" else "%", sql)
 
 
-class SQLiteStore:
-    """:class:`~room_outbox.store.OutboxStore` on a SQLite file."""
+class SQLiteStore(LeasedRows):
+    """:class:`~room_outbox.store.OutboxStore` on a SQLite file: :class:`LeasedRows`'s
+    statements, without row locks (``BEGIN IMMEDIATE`` serialises the writers instead)."""
+
+    row_lock = ""
+    held_lock = ""
 
     def __init__(self, conn: aiosqlite.Connection, address: SQLiteAddress) -> None:
         self._conn = conn
@@ -189,16 +179,11 @@ class SQLiteStore:
         with anyio.CancelScope(shield=True):
             await self._conn.commit()
 
-    @asynccontextmanager
-    async def _write(self) -> AsyncIterator[aiosqlite.Connection]:
-        async with self._lock, self._begin() as conn:
-            yield conn
-
     # -- schema ------------------------------------------------------------------------
 
     async def migrate(self) -> list[str]:
         changes: list[str] = []
-        async with self._write() as conn:
+        async with self._lock, self._begin() as conn:
             columns = {str(row[1]).lower() for row in await conn.execute_fetchall(f"PRAGMA table_info({TABLE})")}
             if not columns:
                 for statement in V1_TABLE_DDL:
@@ -220,126 +205,3 @@ class SQLiteStore:
                     await conn.execute(f"CREATE INDEX {name} ON {TABLE} {columns_sql}")
                     changes.append(f"added index {TABLE}.{name}")
         return changes
-
-    # -- the lane ------------------------------------------------------------------------
-
-    async def claim(
-        self,
-        claim: str,
-        limit: int,
-        lease_until_ms: int,
-        results: Sequence[DeliveryResult] = (),
-        per_room: bool = False,
-        hold_back_ms: int = 1000,
-    ) -> Claimed:
-        async with self._write() as conn:
-            stale = await self._apply_results(conn, results)
-            found = [
-                OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
-                for id, event_id, event_type, room_id, app_code, envelope, retries in await conn.execute_fetchall(
-                    CLAIM_SQL, (now_ms(), limit)
-                )
-            ]
-            rows = await self._heads_of_rooms(conn, found, hold_back_ms) if per_room else found
-            for ids in _chunks([row.id for row in rows]):
-                await conn.execute(
-                    f"UPDATE {TABLE} SET worker_id = ?, lock_until_ms = ? WHERE id IN ({_marks(ids)})",
-                    (claim, lease_until_ms, *ids),
-                )
-        return Claimed(rows, stale, exhausted=len(found) < limit)
-
-    async def _heads_of_rooms(
-        self, conn: aiosqlite.Connection, found: list[OutboxRow], hold_back_ms: int
-    ) -> list[OutboxRow]:
-        """Keep a found row only if every earlier pending row of its room was found too; hold
-        the others back for ``hold_back_ms`` (see :meth:`MySQLStore._heads_of_rooms` for why)."""
-        if not found:
-            return found
-        found_ids = {row.id for row in found}
-        pending: list[tuple[int, str, str]] = []
-        for rooms in _chunks(sorted({row.room_id for row in found})):
-            pending.extend(
-                (int(row[0]), str(row[1]), str(row[2]))
-                for row in await conn.execute_fetchall(
-                    f"SELECT id, app_code, room_id FROM {TABLE} WHERE room_id IN ({_marks(rooms)})"
-                    " AND status = 'pending' AND id < ?",
-                    (*rooms, max(found_ids)),
-                )
-            )
-        heads = room_heads(found, pending)
-        for held_back in _chunks(sorted(found_ids - {r.id for r in heads})):
-            await conn.execute(
-                f"UPDATE {TABLE} SET lock_until_ms = ? WHERE id IN ({_marks(held_back)})",
-                (now_ms() + hold_back_ms, *held_back),
-            )
-        return heads
-
-    async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
-        if not results:
-            return []
-        async with self._write() as conn:
-            return await self._apply_results(conn, results)
-
-    async def renew(self, claim: str, row_ids: Sequence[int], lease_until_ms: int) -> int:
-        held = 0
-        async with self._write() as conn:
-            for ids in _chunks(list(row_ids)):
-                async with conn.execute(
-                    f"UPDATE {TABLE} SET lock_until_ms = ? WHERE id IN ({_marks(ids)})"
-                    " AND worker_id = ? AND status = 'pending'",
-                    (lease_until_ms, *ids, claim),
-                ) as cur:
-                    held += cur.rowcount
-        return held
-
-    async def _apply_results(
-        self, conn: aiosqlite.Connection, results: Sequence[DeliveryResult]
-    ) -> list[DeliveryResult]:
-        """Write results whose claim still holds the row; return the others (stale). The
-        write lock taken by BEGIN IMMEDIATE does what MySQL's ``FOR UPDATE`` does."""
-        if not results:
-            return []
-        holder: dict[int, str | None] = {}
-        for ids in _chunks(sorted({r.row_id for r in results})):
-            for row_id, worker_id in await conn.execute_fetchall(
-                f"SELECT id, worker_id FROM {TABLE} WHERE id IN ({_marks(ids)}) AND status = 'pending'", ids
-            ):
-                holder[row_id] = worker_id
-        held = [r for r in results if holder.get(r.row_id) == r.claim]
-        stale = [r for r in results if holder.get(r.row_id) != r.claim]
-        now = now_ms()
-        for published in _chunks([r.row_id for r in held if r.outcome is Outcome.PUBLISHED]):
-            await conn.execute(
-                f"UPDATE {TABLE} SET status = 'published', last_error = NULL, worker_id = NULL, lock_until_ms = 0,"
-                f" updated_at_ms = ? WHERE id IN ({_marks(published)})",
-                (now, *published),
-            )
-        for released in _chunks([r.row_id for r in held if r.outcome is Outcome.RELEASED]):
-            await conn.execute(
-                f"UPDATE {TABLE} SET worker_id = NULL, lock_until_ms = 0 WHERE id IN ({_marks(released)})", released
-            )
-        failed = [r for r in held if r.outcome in (Outcome.FAILED, Outcome.PARKED)]
-        if failed:
-            await conn.executemany(
-                f"UPDATE {TABLE} SET status = ?, retry_count = retry_count + 1, last_error = ?, worker_id = NULL,"
-                " lock_until_ms = ?, updated_at_ms = ? WHERE id = ?",
-                [
-                    (
-                        "failed" if r.outcome is Outcome.PARKED else "pending",
-                        (r.error or "unknown error")[:LAST_ERROR_MAX],
-                        r.retry_at_ms,
-                        now,
-                        r.row_id,
-                    )
-                    for r in failed
-                ],
-            )
-        return stale
-
-
-def _marks(values: Sequence[object]) -> str:
-    return ", ".join(["?"] * len(values))
-
-
-def _chunks(values: Sequence[Any], size: int = _MAX_PARAMS) -> list[Sequence[Any]]:
-    return [values[i : i + size] for i in range(0, len(values), size)]

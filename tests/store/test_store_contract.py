@@ -21,7 +21,7 @@ from support import INSERT_V1, V1_DDL, RecordingSink, envelope, fetch_rows, inse
 
 from room_outbox.store import DeliveryResult, Outcome
 from room_outbox.store.factory import SQLStore, open_store
-from room_outbox.store.mysql import LAST_ERROR_MAX, now_ms
+from room_outbox.store.leased import LAST_ERROR_MAX, now_ms
 from room_outbox.store.sqlite import V1_TABLE_DDL as SQLITE_V1_DDL
 from room_outbox.store.sqlite import SQLiteStore
 
