@@ -238,8 +238,29 @@ async def inspect_event(store: SQLStore, event_id: str) -> dict[str, Any] | None
         ]
         if mismatches:
             doc["envelope_error"] = "; ".join(mismatches)
-    doc["state"] = describe_state(row, _now_ms())
+    now = _now_ms()
+    doc["state"] = describe_state(row, now)
+    lanes = await _lane_states(store, int(row["id"]), now)
+    if lanes:
+        doc["lanes"] = lanes
     return doc
+
+
+async def _lane_states(store: SQLStore, outbox_id: int, now: int) -> dict[str, str]:
+    """The event's state in each lane of its own (same vocabulary as the IM lane's)."""
+    states: dict[str, str] = {}
+    for lane in await lane_statuses(store):
+        async with store.transaction() as cur:
+            await cur.execute(f"SELECT * FROM {lane_table(lane.lane)} WHERE outbox_id = %s", (outbox_id,))
+            found = await cur.fetchone()
+            names = [d[0] for d in cur.description]
+        if found is not None:
+            states[lane.lane] = describe_state(dict(zip(names, found, strict=True)), now)
+        elif outbox_id > lane.fed_through_id:
+            states[lane.lane] = "not fed to this lane yet"
+        else:
+            states[lane.lane] = "not in this lane (before its start, or cleaned up)"
+    return states
 
 
 def describe_state(row: dict[str, Any], now: int) -> str:
@@ -253,7 +274,7 @@ def describe_state(row: dict[str, Any], now: int) -> str:
     if status == "cancelled":
         return "cancelled by an operator: never delivered"
     if status != "pending":
-        return f"status {status!r}: not handled by the IM lane"
+        return f"status {status!r}: not a status room-outbox writes"
     if row.get("worker_id") and lock_until > now:
         return f"in flight: leased by {row['worker_id']} for another {format_age(lock_until - now)}"
     if lock_until > now:
@@ -267,7 +288,9 @@ def format_inspection(doc: dict[str, Any]) -> str:
     row = doc["row"]
     width = max(len(name) for name in row)
     lines = [f"{name:<{width}}  {value}" for name, value in row.items()]
-    lines += ["", f"state: {doc['state']}", ""]
+    lines += ["", f"state: {doc['state']}"]
+    lines += [f"lane {lane}: {state}" for lane, state in doc.get("lanes", {}).items()]
+    lines.append("")
     if "envelope" in doc:
         lines.append("envelope:")
         lines.append(json.dumps(doc["envelope"], indent=2, ensure_ascii=False))

@@ -366,3 +366,18 @@ async def test_status_shows_each_lane(store: MySQLStore) -> None:
     (lane,) = report.lanes
     assert (lane.lane, lane.unfed, lane.pending, lane.parked) == ("t", 1, 1, 0)
     assert "fed through id" in format_status(report)
+
+
+async def test_inspect_shows_the_event_in_each_lane(store: MySQLStore) -> None:
+    from room_outbox.ops import format_inspection, inspect_event
+
+    await migrate_lanes(store, ["t"])
+    dispatcher = lane_dispatcher(store, RecordingSink(fail={"stuck"}))
+    await insert_events(store, [envelope("ok"), envelope("stuck")])
+    await dispatcher.run_until_empty()
+    await insert_events(store, [envelope("later")])
+    assert (await inspect_event(store, "ok"))["lanes"]["t"].startswith("published")  # type: ignore[index]
+    assert (await inspect_event(store, "stuck"))["lanes"]["t"].startswith("waiting: failed 1 time(s)")  # type: ignore[index]
+    doc = await inspect_event(store, "later")
+    assert doc is not None and doc["lanes"] == {"t": "not fed to this lane yet"}
+    assert "lane t: not fed to this lane yet" in format_inspection(doc)
