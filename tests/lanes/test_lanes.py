@@ -237,7 +237,7 @@ async def test_kafka_lane_publishes_one_message_per_event_in_room_order(
 async def test_an_im_outage_does_not_delay_kafka(store: MySQLStore, database_dsn: str, kafka_broker: Broker) -> None:
     async with serve_fake_im() as fake:
         fake.set_faults(hang_rate=1.0)  # IM never answers
-        settings = lane_settings(database_dsn, kafka_broker, fake.base_url, publish_timeout="3s")
+        settings = lane_settings(database_dsn, kafka_broker, fake.base_url, publish_timeout="10s")
         await migrate_all(store, settings)
         await insert_events(store, [envelope(f"i{n}", room_id=f"r_{n}") for n in range(30)])
         stop = anyio.Event()
@@ -245,7 +245,7 @@ async def test_an_im_outage_does_not_delay_kafka(store: MySQLStore, database_dsn
             tg.start_soon(lambda: run_service(settings, stop, handle_signals=False))
             started = time.monotonic()
             await consume(kafka_broker, {f"i{n}" for n in range(30)}, timeout=20)
-            assert time.monotonic() - started < 3.0  # sooner than a single IM attempt could time out
+            assert time.monotonic() - started < 8.0  # sooner than a single IM attempt could time out
             assert not any(r["status"] == "published" for r in (await fetch_rows(store)).values())
             stop.set()
 
