@@ -11,6 +11,8 @@ from typing import Any
 import anyio
 import pytest
 
+from room_outbox import SinkSpec, hookimpl
+from room_outbox.sink import SinkSettings
 from room_outbox.store.mysql import MySQLStore
 
 #: room-service's own V1 table, as DESIGN.md §2.1 gives it.
@@ -135,3 +137,15 @@ def make_dispatcher(
     options.setdefault("poll_interval", 0.05)
     options.setdefault("retry", RetryPolicy(interval=options["poll_interval"]))
     return Dispatcher(store, Router({"test": sink}, routes), LaneOptions(**options), node_id)
+
+
+class SinkPlugin:
+    """A plugin registering ``sink`` under ``name``: the plugin path, without an entry point."""
+
+    def __init__(self, name: str, sink: Any) -> None:
+        self.name = name
+        self.sink = sink
+
+    @hookimpl
+    def room_outbox_register_sinks(self) -> list[SinkSpec]:
+        return [SinkSpec(self.name, SinkSettings, lambda _settings, _context: self.sink)]

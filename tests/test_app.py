@@ -13,29 +13,13 @@ from typing import Any
 
 import anyio
 import pytest
-from support import V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, wait_until
+from support import V1_DDL, RecordingSink, SinkPlugin, envelope, fetch_rows, insert_events, wait_until
 
-from room_outbox import SinkContext, SinkSpec, hookimpl
 from room_outbox.app import run_service
 from room_outbox.config import Settings
-from room_outbox.sink import SinkSettings
 from room_outbox.store.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
-
-
-class SlowSinkPlugin:
-    """Registers a sink "slow" taking RoomUserJoined, backed by a RecordingSink."""
-
-    def __init__(self, sink: RecordingSink) -> None:
-        self.sink = sink
-
-    @hookimpl
-    def room_outbox_register_sinks(self) -> list[SinkSpec]:
-        def create(settings: SinkSettings, context: SinkContext) -> RecordingSink:
-            return self.sink
-
-        return [SinkSpec("slow", SinkSettings, create)]
 
 
 def app_settings(dsn: str, **worker: Any) -> Settings:
@@ -53,7 +37,7 @@ async def test_start_and_stop_order(database_dsn: str, store: MySQLStore, caplog
     stop = anyio.Event()
     with caplog.at_level(logging.INFO):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: run_service(app_settings(database_dsn), stop, False, [SlowSinkPlugin(sink)]))
+            tg.start_soon(lambda: run_service(app_settings(database_dsn), stop, False, [SinkPlugin("slow", sink)]))
             await wait_until(lambda: len(sink.received) == 3)  # all three in flight
             stop.set()
     order = [r.lifecycle for r in caplog.records if hasattr(r, "lifecycle")]  # type: ignore[attr-defined]
@@ -74,7 +58,7 @@ async def test_disabled_worker_starts_nothing(
     with caplog.at_level(logging.INFO):
         async with anyio.create_task_group() as tg:
             tg.start_soon(
-                lambda: run_service(app_settings(database_dsn, enabled=False), stop, False, [SlowSinkPlugin(sink)])
+                lambda: run_service(app_settings(database_dsn, enabled=False), stop, False, [SinkPlugin("slow", sink)])
             )
             await wait_until(lambda: any(getattr(r, "lifecycle", "") == "worker_disabled" for r in caplog.records))
             stop.set()

@@ -9,14 +9,12 @@ from collections.abc import AsyncIterator
 import anyio
 import httpx
 import pytest
-from support import RecordingSink, envelope, fetch_rows, insert_events, wait_until
+from support import RecordingSink, SinkPlugin, envelope, fetch_rows, insert_events, wait_until
 
-from room_outbox import SinkContext, SinkSpec, hookimpl
 from room_outbox.app import run_service
 from room_outbox.config import ConfigError, Settings, load_settings
 from room_outbox.http_endpoint import Health, HttpEndpoint, parse_listen
 from room_outbox.redaction import Redactor
-from room_outbox.sink import SinkSettings
 from room_outbox.store.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
@@ -94,18 +92,6 @@ def test_listen_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
         load_settings()
 
 
-class FailingSinkPlugin:
-    def __init__(self, sink: RecordingSink) -> None:
-        self.sink = sink
-
-    @hookimpl
-    def room_outbox_register_sinks(self) -> list[SinkSpec]:
-        def create(settings: SinkSettings, context: SinkContext) -> RecordingSink:
-            return self.sink
-
-        return [SinkSpec("flaky", SinkSettings, create)]
-
-
 async def test_the_service_serves_the_endpoint_for_the_life_of_the_worker(
     database_dsn: str, store: MySQLStore, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -123,7 +109,7 @@ async def test_the_service_serves_the_endpoint_for_the_life_of_the_worker(
     stop = anyio.Event()
     with caplog.at_level(logging.INFO):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: run_service(settings, stop, False, [FailingSinkPlugin(sink)]))
+            tg.start_soon(lambda: run_service(settings, stop, False, [SinkPlugin("flaky", sink)]))
             await wait_until(lambda: _logged(caplog, "http_started"))
             port = next(r.port for r in caplog.records if getattr(r, "lifecycle", "") == "http_started")  # type: ignore[attr-defined]
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
