@@ -1,6 +1,8 @@
-"""From registered sinks and their configuration to a routing table: event type → sink.
+"""From registered sinks and their configuration to routing tables: event type → sink.
 
-Each event type of the IM lane goes to exactly one enabled sink. A sink lists the types it
+Sinks registered with ``own_lane`` each get a router of their own (:class:`Lanes`), over
+their own consumption table: there, events the sink does not take are passed over. The rest
+share the IM lane, where each event type goes to exactly one enabled sink. A sink lists the types it
 takes (``event_types``) or, at most one per lane, takes every *known* type nobody else
 listed. An event type no enabled sink takes has no route: the dispatcher leaves such an event
 pending with ``last_error`` "no sink for event_type X", so nothing is lost.
