@@ -45,10 +45,9 @@ class LeasedRows:
     table = TABLE
     key = "id"
     envelope_column = "envelope"
-    #: How the claim scan locks what it takes, and how result writes lock their rows. SQLite
-    #: says "": its BEGIN IMMEDIATE already serialises every writer (see :mod:`.sqlite`).
+    #: How the claim scan locks what it takes. SQLite says "": its BEGIN IMMEDIATE already
+    #: serialises every writer (see :mod:`.sqlite`).
     row_lock = " FOR UPDATE SKIP LOCKED"
-    held_lock = " FOR UPDATE"
 
     def transaction(self) -> AbstractAsyncContextManager[Any]:
         """A cursor taking ``%s`` placeholders in a transaction, committed when the block ends."""
@@ -132,48 +131,60 @@ class LeasedRows:
             )
 
     async def _apply_results(self, cur: Any, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
-        """Write results whose claim still holds the row; return the others (stale)."""
-        if not results:
-            return []
-        ids = sorted({r.row_id for r in results})
-        await cur.execute(
-            f"SELECT {self.key}, worker_id FROM {self.table} WHERE {self.key} IN ({_marks(ids)})"
-            f" AND status = 'pending'{self.held_lock}",
-            ids,
-        )
-        holder = dict(await cur.fetchall())
-        held = [r for r in results if holder.get(r.row_id) == r.claim]
-        stale = [r for r in results if holder.get(r.row_id) != r.claim]
+        """Write results whose claim still holds the row; return the others (stale).
+
+        Every write is fenced in its WHERE (``worker_id`` = the claim, still ``pending``), so
+        a claimant that lost a row changes nothing. Published and released rows go in one
+        statement per claim; only when it matched fewer rows than it was given (a lease taken
+        over, an event the producer published or an operator cancelled meanwhile: rare) does
+        a second read find out which. Failures are one statement each: they carry their own
+        error text, and each one's row count tells whether it was stale."""
         now = now_ms()
-        published = [r.row_id for r in held if r.outcome is Outcome.PUBLISHED]
-        if published:
-            await cur.execute(
-                f"UPDATE {self.table} SET status = 'published', last_error = NULL, worker_id = NULL, lock_until_ms = 0,"
-                f" updated_at_ms = %s WHERE {self.key} IN ({_marks(published)})",
-                (now, *published),
-            )
-        released = [r.row_id for r in held if r.outcome is Outcome.RELEASED]
-        if released:
-            await cur.execute(
-                f"UPDATE {self.table} SET worker_id = NULL, lock_until_ms = 0 WHERE {self.key} IN ({_marks(released)})",
-                released,
-            )
-        failed = [r for r in held if r.outcome in (Outcome.FAILED, Outcome.PARKED)]
-        if failed:
-            await cur.executemany(
-                f"UPDATE {self.table} SET status = %s, retry_count = retry_count + 1, last_error = %s, worker_id = NULL,"
-                f" lock_until_ms = %s, updated_at_ms = %s WHERE {self.key} = %s",
-                [
-                    (
-                        "failed" if r.outcome is Outcome.PARKED else "pending",
-                        (r.error or "unknown error")[:LAST_ERROR_MAX],
-                        r.retry_at_ms,
-                        now,
-                        r.row_id,
+        stale: list[DeliveryResult] = []
+        groups: dict[tuple[str, Outcome], list[DeliveryResult]] = {}
+        for result in results:
+            groups.setdefault((result.claim, result.outcome), []).append(result)
+        for (claim, outcome), group in sorted(groups.items(), key=lambda item: (item[0][0], item[0][1].value)):
+            if outcome in (Outcome.FAILED, Outcome.PARKED):
+                for r in group:
+                    matched = await cur.execute(
+                        f"UPDATE {self.table} SET status = %s, retry_count = retry_count + 1, last_error = %s,"
+                        f" worker_id = NULL, lock_until_ms = %s, updated_at_ms = %s"
+                        f" WHERE {self.key} = %s AND worker_id = %s AND status = 'pending'",
+                        (
+                            "failed" if outcome is Outcome.PARKED else "pending",
+                            (r.error or "unknown error")[:LAST_ERROR_MAX],
+                            r.retry_at_ms,
+                            now,
+                            r.row_id,
+                            claim,
+                        ),
                     )
-                    for r in failed
-                ],
+                    if not matched:
+                        stale.append(r)
+                continue
+            ids = sorted(r.row_id for r in group)
+            if outcome is Outcome.PUBLISHED:
+                change = (
+                    "status = 'published', last_error = NULL, worker_id = NULL, lock_until_ms = 0, updated_at_ms = %s"
+                )
+                done = f"status = 'published' AND worker_id IS NULL AND updated_at_ms = {int(now)}"
+                params: tuple[Any, ...] = (now, *ids, claim)
+            else:  # RELEASED
+                change = "worker_id = NULL, lock_until_ms = 0"
+                done = "status = 'pending' AND worker_id IS NULL"
+                params = (*ids, claim)
+            matched = await cur.execute(
+                f"UPDATE {self.table} SET {change} WHERE {self.key} IN ({_marks(ids)})"
+                " AND worker_id = %s AND status = 'pending'",
+                params,
             )
+            if matched < len(ids):
+                await cur.execute(
+                    f"SELECT {self.key} FROM {self.table} WHERE {self.key} IN ({_marks(ids)}) AND {done}", ids
+                )
+                written = {row[0] for row in await cur.fetchall()}
+                stale.extend(r for r in group if r.row_id not in written)
         return stale
 
 

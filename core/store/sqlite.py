@@ -136,7 +136,6 @@ class SQLiteStore(LeasedRows):
     statements, without row locks (``BEGIN IMMEDIATE`` serialises the writers instead)."""
 
     row_lock = ""
-    held_lock = ""
 
     def __init__(self, conn: aiosqlite.Connection, address: SQLiteAddress) -> None:
         self._conn = conn

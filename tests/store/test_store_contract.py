@@ -189,6 +189,27 @@ async def test_a_result_for_a_row_the_producer_published_is_stale(any_store: SQL
     assert (await fetch_rows(any_store))["e1"]["retry_count"] == 0
 
 
+async def test_in_a_batch_only_the_rows_lost_meanwhile_are_stale(any_store: SQLStore) -> None:
+    """One fenced write per outcome: the rows the claim still holds are written, and exactly
+    those it lost (published by the producer, cancelled, taken over) come back as stale."""
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(6)])
+    rows = (await any_store.claim("a#1", 10, now_ms() + 60_000)).rows
+    by_event = {row.event_id: row for row in rows}
+    async with any_store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET status='published' WHERE event_id=%s", ("e1",))
+        await cur.execute("UPDATE room_outbox SET status='cancelled', worker_id=NULL WHERE event_id=%s", ("e2",))
+        await cur.execute("UPDATE room_outbox SET worker_id='b#9' WHERE event_id IN ('e3', 'e5')")
+    results = [DeliveryResult(by_event[e].id, e, "a#1", Outcome.PUBLISHED) for e in ("e0", "e1", "e2", "e3")]
+    results += [DeliveryResult(by_event["e4"].id, "e4", "a#1", Outcome.RELEASED)]
+    results += [DeliveryResult(by_event["e5"].id, "e5", "a#1", Outcome.FAILED, "boom", 0)]
+    stale = await any_store.record(results)
+    assert sorted(r.event_id for r in stale) == ["e1", "e2", "e3", "e5"]
+    after = await fetch_rows(any_store)
+    assert (after["e0"]["status"], after["e0"]["worker_id"]) == ("published", None)
+    assert (after["e4"]["status"], after["e4"]["worker_id"], after["e4"]["lock_until_ms"]) == ("pending", None, 0)
+    assert (after["e2"]["status"], after["e3"]["worker_id"], after["e5"]["retry_count"]) == ("cancelled", "b#9", 0)
+
+
 async def test_renew_extends_only_rows_the_claim_still_holds(any_store: SQLStore) -> None:
     await insert_events(any_store, [envelope(f"e{i}") for i in range(3)])
     rows = (await any_store.claim("a#1", 10, now_ms() + 1_000)).rows
