@@ -159,10 +159,13 @@ class TencentIMSink:
             "random": str(secrets.randbelow(2**32)),
             "contenttype": "json",
         }
+        # One httpx.URL, parsed once: handing httpx a string plus params made it parse and
+        # encode the URL three times per request, a fifth of the sink's CPU (pyinstrument).
+        url = httpx.URL(f"{app.url}?{urlencode(params)}")
         try:
             # The child span's URL carries the query with usersig masked (redact_url).
-            with http_client_span("POST", lambda: f"{app.url}?{urlencode(params)}") as span:
-                response = await self._client.post(app.url, params=params, content=content)
+            with http_client_span("POST", lambda: str(url)) as span:
+                response = await self._client.post(url, content=content)
                 span.set_attribute("http.response.status_code", response.status_code)
         except httpx.TimeoutException as exc:
             if exc.__cause__ is not None and not isinstance(exc.__cause__, TimeoutError):
