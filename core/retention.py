@@ -43,6 +43,7 @@ ARCHIVE_TABLE = f"{TABLE}_archive"
 
 _DEADLOCK_RETRIES = 3
 _LOCK_ERRORS = (1205, 1213)  # lock wait timeout, deadlock
+_TABLE_EXISTS = 1050
 
 _SCAN_SQL = f"SELECT id, created_at_ms FROM {TABLE} WHERE status = 'published' AND id > %s ORDER BY id LIMIT %s"
 
@@ -193,8 +194,12 @@ async def _archive_columns(store: MySQLStore) -> list[str]:
             "SELECT 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
             (ARCHIVE_TABLE,),
         )
-        if not await cur.fetchone():  # IF NOT EXISTS alone would warn on every pass
-            await cur.execute(f"CREATE TABLE IF NOT EXISTS {ARCHIVE_TABLE} LIKE {TABLE}")
+        if not await cur.fetchone():  # IF NOT EXISTS would warn on every pass
+            try:
+                await cur.execute(f"CREATE TABLE {ARCHIVE_TABLE} LIKE {TABLE}")
+            except pymysql.err.OperationalError as exc:
+                if exc.args[0] != _TABLE_EXISTS:  # another cleaner created it first: fine
+                    raise
         await cur.execute(
             "SELECT TABLE_NAME, COLUMN_NAME FROM information_schema.COLUMNS"
             " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME IN (%s, %s) ORDER BY ORDINAL_POSITION",
