@@ -57,6 +57,14 @@ def parse_duration(value: Any) -> float:
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 
+def _one_of(value: str, allowed: tuple[str, ...], what: str) -> str:
+    """``value``, or the first of ``allowed`` when empty; anything else stops start-up."""
+    value = value.strip() or allowed[0]
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r} (allowed: {', '.join(allowed)})")
+    return value
+
+
 class Section(BaseModel):
     # A misspelt key is an error, not a silently ignored setting.
     model_config = ConfigDict(extra="forbid")
@@ -119,18 +127,12 @@ class OutboxWorkerSettings(Section):
     @field_validator("retry_strategy")
     @classmethod
     def _known_strategy(cls, value: str) -> str:
-        value = value.strip() or "fixed_interval"
-        if value not in RETRY_STRATEGIES:
-            raise ValueError(f"unknown retry strategy {value!r} (allowed: {', '.join(RETRY_STRATEGIES)})")
-        return value
+        return _one_of(value, RETRY_STRATEGIES, "retry strategy")
 
     @field_validator("ordering")
     @classmethod
     def _known_ordering(cls, value: str) -> str:
-        value = value.strip() or "none"
-        if value not in ORDERINGS:
-            raise ValueError(f"unknown ordering {value!r} (allowed: {', '.join(ORDERINGS)})")
-        return value
+        return _one_of(value, ORDERINGS, "ordering")
 
     @model_validator(mode="after")
     def _max_attempts_needs_parking(self) -> OutboxWorkerSettings:

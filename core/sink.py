@@ -31,19 +31,13 @@ from room_outbox.envelope import EventEnvelope
 class SinkError(Exception):
     """Base of the errors a sink raises deliberately."""
 
-    retryable: bool = True
-
 
 class RetryableSinkError(SinkError):
     """Delivery failed for a reason that may go away: the event is tried again."""
 
-    retryable = True
-
 
 class PermanentSinkError(SinkError):
     """Delivery can never succeed as the event stands (bad target, message too large...)."""
-
-    retryable = False
 
 
 @runtime_checkable

@@ -166,7 +166,7 @@ class AttemptSpan:
     """The span of one delivery attempt, started once the envelope is known (so it can be a
     child of the producer's span) but timed from the start of the attempt."""
 
-    __slots__ = ("_parent", "_span", "_start_ns", "_token", "_tracer", "app_code", "retry_count", "row_fields")
+    __slots__ = ("_parent", "_span", "_start_ns", "_tracer", "app_code", "retry_count", "row_fields")
 
     def __init__(
         self, tracer: trace.Tracer, event_id: str, event_type: str, room_id: str, app_code: str, retry_count: int
@@ -175,7 +175,6 @@ class AttemptSpan:
         self._start_ns = time.time_ns()
         self._parent: otel_context.Context | None = None
         self._span: Span | None = None
-        self._token: contextvars.Token[trace.Tracer | None] | None = None
         self.row_fields = (event_id, event_type, room_id)
         self.app_code = app_code
         self.retry_count = retry_count

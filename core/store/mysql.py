@@ -70,6 +70,15 @@ REQUIRED_V1_COLUMNS = (
 )  # fmt: skip
 
 
+def require_v1_columns(columns: set[str]) -> None:
+    """Refuse a ``room_outbox`` that is not room-service's V1 table (whatever the database)."""
+    missing = [c for c in REQUIRED_V1_COLUMNS if c not in columns]
+    if missing:
+        raise RuntimeError(
+            f"table {TABLE} exists but lacks the V1 columns {missing}; refusing to guess how to upgrade it"
+        )
+
+
 #: The IM lane's claim statement (tests read its plan with EXPLAIN).
 CLAIM_SQL = claim_sql(TABLE, "id", "envelope", LeasedRows.row_lock)
 
@@ -182,11 +191,7 @@ class MySQLStore(LeasedRows):
                 await cur.execute(V1_TABLE_DDL)
                 changes.append(f"created table {TABLE}")
                 columns = set(REQUIRED_V1_COLUMNS)
-            missing_v1 = [c for c in REQUIRED_V1_COLUMNS if c not in columns]
-            if missing_v1:
-                raise RuntimeError(
-                    f"table {TABLE} exists but lacks the V1 columns {missing_v1}; refusing to guess how to upgrade it"
-                )
+            require_v1_columns(columns)
             for name, definition in ADDED_COLUMNS.items():
                 if name not in columns:
                     await cur.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {definition}")

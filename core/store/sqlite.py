@@ -30,7 +30,7 @@ import aiosqlite
 import anyio
 
 from room_outbox.store.leased import TABLE, LeasedRows
-from room_outbox.store.mysql import ADDED_COLUMNS, ADDED_INDEXES, REQUIRED_V1_COLUMNS
+from room_outbox.store.mysql import ADDED_COLUMNS, ADDED_INDEXES, REQUIRED_V1_COLUMNS, require_v1_columns
 
 #: room-service's V1 table in SQLite's dialect. AUTOINCREMENT because per-room ordering relies
 #: on ids that only rise: without it SQLite reuses the ids of deleted rows at the top.
@@ -189,11 +189,7 @@ class SQLiteStore(LeasedRows):
                     await conn.execute(statement)
                 changes.append(f"created table {TABLE}")
                 columns = set(REQUIRED_V1_COLUMNS)
-            missing_v1 = [c for c in REQUIRED_V1_COLUMNS if c not in columns]
-            if missing_v1:
-                raise RuntimeError(
-                    f"table {TABLE} exists but lacks the V1 columns {missing_v1}; refusing to guess how to upgrade it"
-                )
+            require_v1_columns(columns)
             for name, definition in _SQLITE_COLUMNS.items():
                 if name not in columns:
                     await conn.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {definition}")
