@@ -18,6 +18,7 @@ import anyio
 
 from room_outbox.config import Settings
 from room_outbox.dispatcher import Dispatcher, LaneOptions
+from room_outbox.health import Health
 from room_outbox.lanes import lane_store
 from room_outbox.observability import observability
 from room_outbox.plugin_manager import make_plugin_manager
@@ -49,7 +50,9 @@ async def run_service(
     ``plugins`` are registered besides the installed ones (for embedding and tests)."""
     stop = stop or anyio.Event()
     redactor = redactor_for(settings)
-    store = await open_store(settings.mysql.dsn.get_secret_value(), settings.mysql.pool_size)
+    store = await open_store(
+        settings.mysql.dsn.get_secret_value(), settings.mysql.pool_size, query_timeout=settings.mysql.query_timeout
+    )
     log.info("database pool opened", extra={"lifecycle": "pool_opened", "database": store.address.database})
     # Telemetry and the HTTP endpoint: up once the pool is, down once the worker has stopped.
     observed = contextlib.AsyncExitStack()
@@ -66,7 +69,7 @@ async def run_service(
             },
         )
         try:
-            dispatchers = _dispatchers(settings, store, lanes, redactor, obs.telemetry)
+            dispatchers = _dispatchers(settings, store, lanes, redactor, obs.telemetry, obs.health)
             async with anyio.create_task_group() as workers:
                 if settings.outbox_worker.enabled:
                     for dispatcher in dispatchers:
@@ -97,18 +100,24 @@ async def run_service(
 
 
 def _dispatchers(
-    settings: Settings, store: OutboxStore, lanes: Lanes, redactor: Redactor, telemetry: Telemetry
+    settings: Settings, store: OutboxStore, lanes: Lanes, redactor: Redactor, telemetry: Telemetry, health: Health
 ) -> list[Dispatcher]:
     """One dispatcher per lane: the IM lane's (when any of its sinks is enabled), then one per
     sink with a lane of its own, each with its own scan loop so none waits for another."""
-    options = LaneOptions.from_settings(settings.outbox_worker)
+    options = LaneOptions.from_settings(settings.outbox_worker, settings.mysql.query_timeout)
     dispatchers = []
     if lanes.im.sinks:
-        dispatchers.append(Dispatcher(store, lanes.im, options, settings.node_id, redactor, telemetry))
+        dispatchers.append(
+            Dispatcher(store, lanes.im, options, settings.node_id, redactor, telemetry, health=health.lane("im"))
+        )
     for name, router in lanes.own.items():
         start = settings.sinks.get(name, {}).get("start", "now")
         lane = lane_store(store, name, settings, start)
-        dispatchers.append(Dispatcher(lane, router, options, settings.node_id, redactor, telemetry, lane=name))
+        dispatchers.append(
+            Dispatcher(
+                lane, router, options, settings.node_id, redactor, telemetry, lane=name, health=health.lane(name)
+            )
+        )
     return dispatchers
 
 

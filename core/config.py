@@ -28,6 +28,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
+
 ENV_PREFIX = "ROOM_OUTBOX__"
 RETRY_STRATEGIES = ("fixed_interval", "linear", "exponential")
 ORDERINGS = ("none", "per_room")
@@ -73,6 +75,12 @@ class Section(BaseModel):
 class MySQLSettings(Section):
     dsn: SecretStr = SecretStr("mysql://root:@127.0.0.1:3306/room")
     pool_size: int = Field(default=10, ge=1, le=1000)
+    #: Every database call (a transaction: taking a connection, its statements, the commit)
+    #: ends within this or fails, and its connection is discarded. Server-side session
+    #: limits derive from it (see ``room_outbox.store.deadline``). Default (≤ 0): 5s, or a
+    #: quarter of ``outbox_worker.lease`` when that is shorter. Must stay below a third of
+    #: the lease (checked by :class:`Settings`).
+    query_timeout: Duration = 0.0
 
 
 class RetrySettings(Section):
@@ -185,6 +193,11 @@ class TelemetrySettings(Section):
     http_listen: str = ""
     #: How often the pending count and oldest pending age are sampled (two index lookups).
     backlog_interval: Duration = 15.0
+    #: /healthz fails once a running lane has ended no round (and no delivery attempt) for
+    #: this many poll intervals (see ``room_outbox.health``).
+    stalled_after_polls: int = Field(default=30, ge=1)
+    #: /readyz fails once a lane has had this many failed rounds in a row.
+    unready_after_failed_rounds: int = Field(default=3, ge=1)
 
     @field_validator("http_listen")
     @classmethod
@@ -249,6 +262,21 @@ class Settings(BaseSettings):
     @classmethod
     def _default_node_id(cls, value: str) -> str:
         return value.strip() or default_node_id()
+
+    @model_validator(mode="after")
+    def _query_timeout_within_lease(self) -> Settings:
+        """A claim computes its lease's end before it runs, and the first renewal comes a
+        third of a lease after it returns; both may take ``query_timeout``. Below a third
+        of the lease, no database call can let a live process's lease run out."""
+        lease = self.outbox_worker.lease_seconds
+        if self.mysql.query_timeout <= 0:
+            self.mysql.query_timeout = min(DEFAULT_QUERY_TIMEOUT, lease / 4)
+        elif self.mysql.query_timeout >= lease / 3:
+            raise ValueError(
+                f"mysql.query_timeout ({self.mysql.query_timeout:g}s) must be below a third of outbox_worker.lease"
+                f" ({lease:g}s): a database call could outlive the lease. Lower query_timeout or raise the lease"
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -10,9 +10,15 @@ The IM lane's state is ``room_outbox.status``. A round is:
 3. a full batch is followed at once by the next; otherwise the results are written and the
    next scan starts ``poll_interval`` after this one started (a ticker).
 
-Store errors are logged and the round is tried again after ``poll_interval``; results that
-could not be written are kept and written with the next successful transaction (they are
-fenced on their claim, so writing them late is safe). The loop never dies of them.
+Store errors — a database call that outlived ``query_timeout`` included — fail the round:
+it is logged with its lane, counted (readiness), and tried again after ``poll_interval``;
+results that could not be written are kept and written with the next successful transaction
+(they are fenced on their claim, so writing them late is safe). The loop never dies of them.
+
+Stopping is bounded whatever the database does: from :meth:`Dispatcher.stop`, the round in
+progress and the final write of results together get ``publish_timeout`` + ``query_timeout``;
+whatever is still unwritten then stays leased until its lease expires (delivered again
+later, never lost).
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ from anyio.abc import TaskStatus
 
 from room_outbox.config import OutboxWorkerSettings
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
+from room_outbox.health import LaneHealth
 from room_outbox.redaction import Redactor
 from room_outbox.retry import RetryPolicy
 from room_outbox.routing import Router
 from room_outbox.sink import PermanentSinkError, SinkError
 from room_outbox.store import DeliveryResult, OutboxRow, OutboxStore, Outcome
+from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.leased import LAST_ERROR_MAX, now_ms
 from room_outbox.telemetry import NO_ATTEMPT, DeliveryAttempt, Telemetry
 
@@ -47,10 +55,13 @@ class LaneOptions:
     lease: float = 30.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     per_room: bool = False
+    #: The store's bound on one database call (``mysql.query_timeout``): here, it bounds shutdown.
+    query_timeout: float = DEFAULT_QUERY_TIMEOUT
 
     @classmethod
-    def from_settings(cls, worker: OutboxWorkerSettings) -> LaneOptions:
+    def from_settings(cls, worker: OutboxWorkerSettings, query_timeout: float = DEFAULT_QUERY_TIMEOUT) -> LaneOptions:
         return cls(
+            query_timeout=query_timeout,
             batch_size=worker.batch_size,
             poll_interval=worker.poll_interval,
             publish_timeout=worker.publish_timeout,
@@ -71,6 +82,7 @@ class Dispatcher:
         redactor: Redactor | None = None,
         telemetry: Telemetry | None = None,
         lane: str = "im",
+        health: LaneHealth | None = None,
     ) -> None:
         self.store = store
         #: Which lane this is, in every log line: "im" or the sink with a lane of its own.
@@ -81,15 +93,25 @@ class Dispatcher:
         self.redactor = redactor or Redactor()
         #: Spans and metrics; the default records nothing and costs next to nothing.
         self.telemetry = telemetry or Telemetry()
+        #: Where rounds are reported for liveness and readiness.
+        self.health = health or LaneHealth(lane)
         self._claim_numbers = itertools.count(1)
         self._unrecorded: list[DeliveryResult] = []
         self._stopping = anyio.Event()
+        #: Until :meth:`stop`: none. Then the time by which the lane must have ended.
+        self._stop_deadline = float("inf")
+        self._round_scope: anyio.CancelScope | None = None
 
     # -- control -------------------------------------------------------------------------
 
     def stop(self) -> None:
         """Claim no new batch; in-flight deliveries finish (within ``publish_timeout``), the
-        events of the batch not yet started are released, results are written, ``run`` returns."""
+        events of the batch not yet started are released, results are written, ``run`` returns:
+        all within ``publish_timeout`` + ``query_timeout`` (see the module docstring)."""
+        if not self._stopping.is_set():
+            self._stop_deadline = anyio.current_time() + self.options.publish_timeout + self.options.query_timeout
+            if self._round_scope is not None:
+                self._round_scope.deadline = self._stop_deadline
         self._stopping.set()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -99,19 +121,22 @@ class Dispatcher:
         try:
             while not self._stopping.is_set():
                 scan_started = anyio.current_time()
-                try:
-                    if not (await self.run_once()).exhausted:
-                        continue  # a backlog drains at full speed: no wait after a full batch
-                    await self.flush()
-                except Exception as exc:
-                    log.error(
-                        "outbox round failed; retrying after poll_interval",
-                        extra={
-                            "lane": self.lane,
-                            "error": self._short(f"{type(exc).__name__}: {exc}"),
-                            "unrecorded": len(self._unrecorded),
-                        },
-                    )
+                with anyio.CancelScope(deadline=self._stop_deadline) as self._round_scope:
+                    try:
+                        round_ = await self.run_once()
+                        if round_.exhausted:
+                            await self.flush()
+                        self.health.round_ended()
+                        if not round_.exhausted:
+                            continue  # a backlog drains at full speed: no wait after a full batch
+                    except Exception as exc:
+                        error = self._short(f"{type(exc).__name__}: {exc}")
+                        self.health.round_ended(error)
+                        log.error(
+                            "outbox round failed; retrying after poll_interval",
+                            extra={"lane": self.lane, "error": error, "unrecorded": len(self._unrecorded)},
+                        )
+                self._round_scope = None
                 # A ticker, as seed 000 has it: the next scan is due poll_interval after this
                 # one began, so the round's own time does not add to the wait of what arrived
                 # during it. A round that took longer is followed at once (it did work).
@@ -119,8 +144,18 @@ class Dispatcher:
                 with anyio.move_on_after(max(0.0, self.options.poll_interval - elapsed)):
                     await self._stopping.wait()
         finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self.options.publish_timeout):
+            self._round_scope = None
+            if self._stopping.is_set():
+                flush_by = self._stop_deadline
+            else:  # cancelled from outside: still try to write what was delivered
+                flush_by = anyio.current_time() + self.options.query_timeout
+            with anyio.CancelScope(shield=True, deadline=flush_by) as flushing:
                 await self._final_flush()
+            if flushing.cancelled_caught:
+                log.error(
+                    "results not written by the shutdown deadline; their rows stay leased until the lease expires",
+                    extra={"lane": self.lane, "unrecorded": len(self._unrecorded)},
+                )
             log.info("worker stopped", extra={"lifecycle": "worker_stopped", "lane": self.lane})
 
     async def run_once(self) -> Round:
@@ -207,6 +242,7 @@ class Dispatcher:
         attempt = self.telemetry.attempt(row)
         failure = await self._deliver_one(row, attempt)
         attempt.finish(failure)
+        self.health.progressed()
         if failure is None:
             log.debug("published", extra=self._event_fields(row, "published"))
             return DeliveryResult(row.id, row.event_id, row.claim, Outcome.PUBLISHED)
@@ -292,7 +328,7 @@ class Dispatcher:
         except Exception as exc:
             log.error(
                 "could not write results at shutdown; their rows stay leased until the lease expires",
-                extra={"unrecorded": len(self._unrecorded), "error": self._short(str(exc))},
+                extra={"lane": self.lane, "unrecorded": len(self._unrecorded), "error": self._short(str(exc))},
             )
 
     def _report_stale(self, stale: Sequence[DeliveryResult]) -> None:

@@ -1,10 +1,8 @@
 """The operator's HTTP endpoint: ``/healthz``, ``/readyz``, ``/metrics`` (off unless configured).
 
-* ``GET /healthz``: 200 while the process serves requests at all.
-* ``GET /readyz``: 200 when the database answers ``SELECT 1`` (within 2 s) and the worker runs
-  (or is disabled by configuration), else 503; the JSON body says which check failed. Sinks
-  are deliberately not checked: Tencent IM jitter must not take the process out of service
-  (seed 000), failing deliveries show in the metrics instead.
+* ``GET /healthz``: 200 while the process is live, else 503 with a JSON body saying which
+  lane stalled; ``GET /readyz``: 200 when ready, else 503, the JSON body saying which check
+  failed. What live and ready mean: :mod:`room_outbox.health`.
 * ``GET /metrics``: Prometheus text format.
 
 A small HTTP/1.1 server on anyio and h11 (already a dependency): one request per connection,
@@ -17,46 +15,22 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import anyio
 import h11
 from anyio.abc import SocketAttribute, SocketListener, SocketStream
 from anyio.streams.stapled import MultiListener
 
+from room_outbox.health import Health
 from room_outbox.metrics import PROMETHEUS_CONTENT_TYPE
-from room_outbox.redaction import Redactor
 
 log = logging.getLogger("room_outbox.http")
 
 READ_TIMEOUT = 5.0
 MAX_REQUEST_BYTES = 16 * 1024
-DATABASE_CHECK_TIMEOUT = 2.0
 
-
-@dataclass
-class Health:
-    """What readiness depends on. The lifecycle sets ``worker``; ``check_database`` raises
-    when the database does not answer."""
-
-    check_database: Callable[[], Awaitable[None]]
-    #: ``starting``, ``running``, ``stopping`` or ``disabled`` (by ``outbox_worker.enabled``).
-    worker: str = "starting"
-    redactor: Redactor = field(default_factory=Redactor)
-
-    async def readiness(self) -> tuple[bool, dict[str, str]]:
-        checks: dict[str, str] = {"worker": self.worker}
-        try:
-            with anyio.fail_after(DATABASE_CHECK_TIMEOUT):
-                await self.check_database()
-            checks["database"] = "ok"
-        except TimeoutError:
-            checks["database"] = f"no answer within {DATABASE_CHECK_TIMEOUT:g}s"
-        except Exception as exc:
-            checks["database"] = self.redactor.redact(f"{type(exc).__name__}: {exc}")[:300]
-        ready = checks["database"] == "ok" and self.worker in ("running", "disabled")
-        return ready, checks
+__all__ = ["Health", "HttpEndpoint", "parse_listen"]
 
 
 def parse_listen(address: str) -> tuple[str, int]:
@@ -135,7 +109,10 @@ class HttpEndpoint:
         if request.method not in (b"GET", b"HEAD"):
             return 405, "text/plain; charset=utf-8", b"method not allowed\n"
         if path == b"/healthz":
-            return 200, "text/plain; charset=utf-8", b"ok\n"
+            live, checks = self.health.liveness()
+            if live:
+                return 200, "text/plain; charset=utf-8", b"ok\n"
+            return 503, "application/json", json.dumps({"live": False, **checks}).encode() + b"\n"
         if path == b"/readyz":
             ready, checks = await self.health.readiness()
             body = json.dumps({"ready": ready, **checks}).encode() + b"\n"

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import anyio
 
 from room_outbox.config import ConfigError, Settings
-from room_outbox.http_endpoint import Health, HttpEndpoint, parse_listen
+from room_outbox.health import Health, stalled_after
+from room_outbox.http_endpoint import HttpEndpoint, parse_listen
 from room_outbox.ops import sample_backlog
 from room_outbox.redaction import Redactor
 from room_outbox.store.factory import SQLStore
@@ -47,7 +48,16 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
         async with store.transaction() as cur:
             await cur.execute("SELECT 1")
 
-    obs = Observability(telemetry, Health(ping, redactor=redactor))
+    worker = settings.outbox_worker
+    health = Health(
+        ping,
+        redactor=redactor,
+        stalled_after=stalled_after(
+            options.stalled_after_polls, worker.poll_interval, settings.mysql.query_timeout, worker.publish_timeout
+        ),
+        unready_after_failed_rounds=options.unready_after_failed_rounds,
+    )
+    obs = Observability(telemetry, health)
     error: BaseException | None = None
     try:
         if listen is not None:

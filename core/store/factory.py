@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from room_outbox.store import OutboxStore
+from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.sqlite import SQLiteStore
 
@@ -37,9 +38,13 @@ def is_sqlite(dsn: str) -> bool:
     return urlsplit(dsn).scheme in SQLITE_SCHEMES
 
 
-async def open_store(dsn: str, pool_size: int = 10, create_database: bool = False) -> SQLStore:
+async def open_store(
+    dsn: str, pool_size: int = 10, create_database: bool = False, query_timeout: float = DEFAULT_QUERY_TIMEOUT
+) -> SQLStore:
     """Connect to the store ``dsn`` names. ``create_database`` creates a missing MySQL
-    database; a SQLite file is created whenever it is missing."""
+    database; a SQLite file is created whenever it is missing. ``query_timeout`` bounds every
+    database call (see :mod:`.deadline`); on SQLite it is how long a transaction waits for
+    another writer's lock."""
     if is_sqlite(dsn):
-        return await SQLiteStore.connect(dsn)
-    return await MySQLStore.connect(dsn, pool_size, create_database)
+        return await SQLiteStore.connect(dsn, busy_timeout=query_timeout)
+    return await MySQLStore.connect(dsn, pool_size, create_database, query_timeout)

@@ -26,8 +26,10 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import aiomysql
+import anyio
 from pymysql.constants import CLIENT
 
+from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT, QueryTimeout, SessionLimits, query_deadline
 from room_outbox.store.leased import (
     TABLE,
     LeasedRows,
@@ -35,6 +37,10 @@ from room_outbox.store.leased import (
     claim_sql,
     now_ms,
 )
+
+#: Client-side bound on ``migrate``'s transaction: adding a column or an index to a large
+#: table may take long. Its lock waits stay bounded by the session's limits.
+SCHEMA_CHANGE_TIMEOUT = 3600.0
 
 V1_TABLE_DDL = f"""
 CREATE TABLE IF NOT EXISTS {TABLE} (
@@ -130,58 +136,119 @@ class MySQLAddress:
             "connect_timeout": 5,
         }
 
+    def session_kwargs(self, server_version: str, limits: SessionLimits) -> dict[str, Any]:
+        """:meth:`connect_kwargs` for the store's pool: every session also gets ``limits``.
+        One statement at connect time; only the isolation variable's name differs between
+        MariaDB (``tx_isolation``) and MySQL (``transaction_isolation``)."""
+        isolation = "tx_isolation" if "mariadb" in server_version.lower() else "transaction_isolation"
+        init = (
+            f"SET SESSION {isolation} = 'READ-COMMITTED', wait_timeout = {limits.idle_seconds},"
+            f" innodb_lock_wait_timeout = {limits.lock_wait_seconds}, lock_wait_timeout = {limits.lock_wait_seconds},"
+            f" net_read_timeout = {limits.network_seconds}, net_write_timeout = {limits.network_seconds}"
+        )
+        return {**self.connect_kwargs(), "init_command": init}
+
 
 class MySQLStore(LeasedRows):
     """:class:`~room_outbox.store.OutboxStore` on MySQL/MariaDB: owns the pool and keeps the
-    IM lane's state in ``room_outbox`` itself."""
+    IM lane's state in ``room_outbox`` itself.
 
-    def __init__(self, pool: aiomysql.Pool, address: MySQLAddress) -> None:
+    Every transaction ends within ``query_timeout`` (see :mod:`.deadline`); every session
+    carries the server-side limits derived from it."""
+
+    def __init__(
+        self, pool: aiomysql.Pool, address: MySQLAddress, query_timeout: float = DEFAULT_QUERY_TIMEOUT
+    ) -> None:
         self._pool = pool
         self.address = address
+        self.query_timeout = query_timeout
+        self.limits = SessionLimits.for_query_timeout(query_timeout)
+        #: Pooled connections last used before this (event-loop) time are not trusted: a
+        #: call timed out since.
+        self._distrust_before = float("-inf")
 
     @classmethod
-    async def connect(cls, dsn: str, pool_size: int = 10, create_database: bool = False) -> MySQLStore:
+    async def connect(
+        cls,
+        dsn: str,
+        pool_size: int = 10,
+        create_database: bool = False,
+        query_timeout: float = DEFAULT_QUERY_TIMEOUT,
+    ) -> MySQLStore:
+        """Open the pool; each step ends within ``query_timeout`` or raises :class:`QueryTimeout`."""
         address = MySQLAddress.from_dsn(dsn)
-        if create_database:
+        limits = SessionLimits.for_query_timeout(query_timeout)
+        with query_deadline(query_timeout):
             conn = await aiomysql.connect(**address.connect_kwargs())
             try:
-                async with conn.cursor() as cur:
-                    await cur.execute(
-                        "SELECT 1 FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = %s", (address.database,)
-                    )
-                    if not await cur.fetchone():
-                        await cur.execute(f"CREATE DATABASE `{address.database}`")
+                server_version = conn.get_server_info()
+                if create_database:
+                    async with conn.cursor() as cur:
+                        await cur.execute(
+                            "SELECT 1 FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = %s", (address.database,)
+                        )
+                        if not await cur.fetchone():
+                            await cur.execute(f"CREATE DATABASE `{address.database}`")
             finally:
                 conn.close()
-        pool = await aiomysql.create_pool(
-            minsize=1, maxsize=pool_size, db=address.database, pool_recycle=3600, **address.connect_kwargs()
-        )
-        return cls(pool, address)
+            pool = await aiomysql.create_pool(
+                minsize=1,
+                maxsize=pool_size,
+                db=address.database,
+                pool_recycle=limits.pool_recycle,
+                **address.session_kwargs(server_version, limits),
+            )
+        return cls(pool, address, query_timeout)
 
     async def aclose(self) -> None:
+        """Close the pool. Connections still in use get ``query_timeout`` to come back; then
+        they are closed regardless, so closing never waits on the database for longer."""
         self._pool.close()
-        await self._pool.wait_closed()
+        with anyio.move_on_after(self.query_timeout):
+            await self._pool.wait_closed()
+            return
+        self._pool.terminate()
+        with anyio.move_on_after(1.0):
+            await self._pool.wait_closed()
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[aiomysql.Cursor]:
+    async def transaction(self, timeout: float | None = None) -> AsyncIterator[aiomysql.Cursor]:
         """A cursor in a transaction: commit on success; on error roll back and drop the
-        connection, which may be broken (a server restart leaves dead ones in the pool)."""
-        conn = await self._pool.acquire()
+        connection, which may be broken (a server restart leaves dead ones in the pool).
+
+        The whole transaction — taking a connection, the block, the commit — ends within
+        ``timeout`` (default ``query_timeout``) or raises :class:`QueryTimeout`."""
+        started = anyio.current_time()
         try:
-            async with conn.cursor() as cur:
-                yield cur
-            await conn.commit()
-        except BaseException:
-            conn.close()
+            with query_deadline(timeout or self.query_timeout):
+                conn = await self._acquire()
+                try:
+                    async with conn.cursor() as cur:
+                        yield cur
+                    await conn.commit()
+                except BaseException:
+                    conn.close()
+                    raise
+                finally:
+                    self._pool.release(conn)
+        except QueryTimeout:
+            self._distrust_before = max(self._distrust_before, started)
             raise
-        finally:
+
+    async def _acquire(self) -> aiomysql.Connection:
+        """A connection from the pool, passing over those idle since before the last timeout."""
+        while True:
+            conn = await self._pool.acquire()
+            if conn.last_usage >= self._distrust_before:
+                return conn
+            conn.close()
             self._pool.release(conn)
 
     # -- schema ------------------------------------------------------------------------
 
     async def migrate(self) -> list[str]:
         changes: list[str] = []
-        async with self.transaction() as cur:
+        async with self.transaction(SCHEMA_CHANGE_TIMEOUT) as cur:
             await cur.execute(
                 "SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
                 (TABLE,),

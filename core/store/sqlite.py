@@ -29,6 +29,7 @@ from urllib.parse import unquote, urlsplit
 import aiosqlite
 import anyio
 
+from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.leased import TABLE, LeasedRows
 from room_outbox.store.mysql import ADDED_COLUMNS, ADDED_INDEXES, REQUIRED_V1_COLUMNS, require_v1_columns
 
@@ -60,8 +61,11 @@ _SQLITE_COLUMNS = {
 assert _SQLITE_COLUMNS.keys() == ADDED_COLUMNS.keys(), "keep the SQLite schema in step with MySQL's"
 
 
-#: Seconds a transaction waits for another writer (another process's claim) before failing.
-BUSY_TIMEOUT = 30.0
+#: Seconds a transaction waits for another writer (another process's claim) before failing:
+#: ``mysql.query_timeout``, the bound on every database call. (A statement SQLite is already
+#: running cannot be interrupted from here; with no network in between, only lock waits can
+#: be long.)
+BUSY_TIMEOUT = DEFAULT_QUERY_TIMEOUT
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,117 @@
+"""Liveness and readiness: what ``/healthz`` and ``/readyz`` (and the Docker HEALTHCHECK) answer.
+
+* **Live** (``/healthz``): every lane that should be running rounds has made progress — a
+  round ended, successfully or not, or a delivery attempt ended — within ``stalled_after``
+  seconds (``telemetry.stalled_after_polls`` × ``poll_interval``, and never less than the
+  longest a healthy lane goes between two such ends: ``poll_interval`` + ``query_timeout`` +
+  ``publish_timeout``). A lane blocked for good (on a database or a sink that never answers)
+  fails it; restarting the process is the cure. A database that is down does not: rounds
+  keep ending (each failed one within ``query_timeout``), and a restart would not help.
+* **Ready** (``/readyz``): the worker runs (or is disabled by configuration), the database
+  answers ``SELECT 1`` within 2 s, and no lane has had ``telemetry.unready_after_failed_rounds``
+  failed rounds in a row. Sinks are not checked: a sink's jitter must not take the process
+  out of service; failing deliveries show in the metrics instead.
+
+The dispatchers report to their :class:`LaneHealth`; the lifecycle sets :attr:`Health.worker`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from room_outbox.redaction import Redactor
+
+DATABASE_CHECK_TIMEOUT = 2.0
+#: Defaults of ``telemetry.stalled_after_polls`` and ``telemetry.unready_after_failed_rounds``.
+STALLED_AFTER_POLLS = 30
+UNREADY_AFTER_FAILED_ROUNDS = 3
+
+
+@dataclass
+class LaneHealth:
+    """One lane's rounds, as its dispatcher reports them."""
+
+    name: str
+    #: ``time.monotonic()`` when a round or a delivery attempt last ended (or the lane started).
+    last_progress: float = field(default_factory=time.monotonic)
+    failed_in_a_row: int = 0
+    last_error: str = ""
+
+    def progressed(self) -> None:
+        self.last_progress = time.monotonic()
+
+    def round_ended(self, error: str | None = None) -> None:
+        """A round ended: successfully (``error`` None) or not."""
+        self.progressed()
+        if error is None:
+            self.failed_in_a_row = 0
+        else:
+            self.failed_in_a_row += 1
+            self.last_error = error
+
+
+async def _no_database_check() -> None:
+    return None
+
+
+@dataclass
+class Health:
+    """What liveness and readiness depend on. ``check_database`` raises when the database
+    does not answer."""
+
+    check_database: Callable[[], Awaitable[None]] = _no_database_check
+    #: ``starting``, ``running``, ``stopping`` or ``disabled`` (by ``outbox_worker.enabled``).
+    worker: str = "starting"
+    redactor: Redactor = field(default_factory=Redactor)
+    #: Seconds a running lane may go without progress before the process counts as not live.
+    stalled_after: float = 30.0
+    #: Failed rounds in a row (in any lane) that make the process not ready.
+    unready_after_failed_rounds: int = UNREADY_AFTER_FAILED_ROUNDS
+    lanes: dict[str, LaneHealth] = field(default_factory=dict)
+
+    def lane(self, name: str) -> LaneHealth:
+        """The record a lane's dispatcher reports to (created when first asked for)."""
+        return self.lanes.setdefault(name, LaneHealth(name))
+
+    def liveness(self) -> tuple[bool, dict[str, str]]:
+        checks: dict[str, str] = {"worker": self.worker}
+        live = True
+        if self.worker == "running":  # starting, stopping or disabled: no rounds expected
+            now = time.monotonic()
+            for name, lane in sorted(self.lanes.items()):
+                idle = now - lane.last_progress
+                if idle > self.stalled_after:
+                    live = False
+                    checks[f"lane {name}"] = f"no round ended for {idle:.0f}s (limit {self.stalled_after:g}s)"
+                else:
+                    checks[f"lane {name}"] = "ok"
+        return live, checks
+
+    async def readiness(self) -> tuple[bool, dict[str, str]]:
+        checks: dict[str, str] = {"worker": self.worker}
+        try:
+            with anyio.fail_after(DATABASE_CHECK_TIMEOUT):
+                await self.check_database()
+            checks["database"] = "ok"
+        except TimeoutError:
+            checks["database"] = f"no answer within {DATABASE_CHECK_TIMEOUT:g}s"
+        except Exception as exc:
+            checks["database"] = self.redactor.redact(f"{type(exc).__name__}: {exc}")[:300]
+        ready = checks["database"] == "ok" and self.worker in ("running", "disabled")
+        for name, lane in sorted(self.lanes.items()):
+            if lane.failed_in_a_row >= self.unready_after_failed_rounds:
+                ready = False
+                error = self.redactor.redact(lane.last_error)[:300]
+                checks[f"lane {name}"] = f"{lane.failed_in_a_row} rounds failed in a row: {error}"
+        return ready, checks
+
+
+def stalled_after(polls: int, poll_interval: float, query_timeout: float, publish_timeout: float) -> float:
+    """Liveness's limit: ``polls`` × ``poll_interval``, but never less than the longest a
+    healthy lane goes between two ends of a round or a delivery attempt (a wait, a claim, a
+    delivery)."""
+    return max(polls * poll_interval, poll_interval + query_timeout + publish_timeout)

@@ -1,0 +1,80 @@
+"""Deadlines on database calls, the same rule for every store.
+
+**Client side.** A store call — taking a connection, its statements, the commit — ends within
+``query_timeout`` or fails with :class:`QueryTimeout`. The connection it was using is thrown
+away, never handed back to the pool: a statement may be half-sent or its answer half-read,
+and on a half-open network path (a partition: nothing answers, nothing closes) it would block
+the next caller for ever. Connections that sat idle in the pool since before the call began
+are distrusted too: they share the path that just failed, and each would cost one more
+``query_timeout`` to find dead.
+
+**Server side.** A client that vanished cannot roll back its transaction; its session lives
+on, holding whatever row locks it took, until the server notices. :class:`SessionLimits`
+derives from ``query_timeout`` the per-session limits each store sets when it connects, so a
+session whose client is gone ends (its transaction rolled back, its locks freed) within
+:attr:`SessionLimits.idle_seconds`; a pooled connection idle for
+:attr:`SessionLimits.pool_recycle` is replaced before use, so the pool never hands out a
+connection the server is about to close.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import anyio
+
+#: ``mysql.query_timeout`` when the configuration says nothing and the lease allows it.
+DEFAULT_QUERY_TIMEOUT = 5.0
+
+
+class QueryTimeout(TimeoutError):
+    """A database call did not end within ``query_timeout``; its connection was discarded."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the database did not answer within mysql.query_timeout {seconds:g}s; connection discarded")
+        self.seconds = seconds
+
+
+@contextmanager
+def query_deadline(seconds: float) -> Iterator[None]:
+    """Cancel the block after ``seconds`` and raise :class:`QueryTimeout` instead.
+
+    The block's own clean-up (closing its connection) runs before the error is raised; a
+    ``TimeoutError`` of the block's own making passes through unchanged."""
+    with anyio.move_on_after(seconds) as scope:
+        yield
+    if scope.cancelled_caught:
+        raise QueryTimeout(seconds)
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Server-side bounds on one database session, derived from ``query_timeout``."""
+
+    #: A session idle this long (its client gone, or a transaction left open) is ended by the
+    #: server: its transaction rolled back, its locks freed. Three query timeouts: the
+    #: client gives up after one, so no live client leaves a session idle that long, in a
+    #: transaction or not.
+    idle_seconds: int
+    #: A statement waits this long for a row or metadata lock, then fails: no longer than
+    #: the client would wait for it.
+    lock_wait_seconds: int
+    #: The server waits this long for the rest of a half-sent request, or for the client to
+    #: take a result.
+    network_seconds: int
+
+    @classmethod
+    def for_query_timeout(cls, query_timeout: float) -> SessionLimits:
+        per_call = max(1, math.ceil(query_timeout))
+        return cls(
+            idle_seconds=max(3, math.ceil(3 * query_timeout)), lock_wait_seconds=per_call, network_seconds=per_call
+        )
+
+    @property
+    def pool_recycle(self) -> float:
+        """Seconds a pooled connection may sit idle before it is replaced: two thirds of the
+        server's idle limit, so the server never closes a connection about to be used."""
+        return self.idle_seconds * 2 / 3
