@@ -16,13 +16,18 @@ from room_outbox.store.mysql import MySQLAddress, MySQLStore
 NOOP_TYPE = "RoomHeatChanged"
 IM_TYPE = "RoomUserJoined"
 DAY_MS = 86_400_000
+#: Loading millions of rows takes statements far longer than a service's query_timeout.
+BULK_QUERY_TIMEOUT = 600.0
 
 
 def admin(server: str, sql: str) -> None:
     address = MySQLAddress.from_dsn(f"{server}/mysql")
-    conn = pymysql.connect(host=address.host, port=address.port, user=address.user, password=address.password)
+    conn = pymysql.connect(
+        host=address.host, port=address.port, user=address.user, password=address.password, read_timeout=60
+    )
     try:
         with conn.cursor() as cur:
+            cur.execute("SET SESSION lock_wait_timeout = 30")  # a leaked session fails, never hangs
             cur.execute(sql)
     finally:
         conn.close()
@@ -35,7 +40,7 @@ async def bench_database(server: str, pool_size: int = 4) -> AsyncIterator[tuple
     admin(server, f"CREATE DATABASE `{name}`")
     dsn = f"{server}/{name}"
     try:
-        store = await MySQLStore.connect(dsn, pool_size=pool_size)
+        store = await MySQLStore.connect(dsn, pool_size=pool_size, query_timeout=BULK_QUERY_TIMEOUT)
         try:
             await store.migrate()
             yield dsn, store

@@ -16,6 +16,12 @@ from room_outbox.store.mysql import MySQLAddress, MySQLStore
 
 SERVER_DSN = os.environ.get("ROOM_OUTBOX_TEST_MYSQL", "mysql://root:@127.0.0.1:3306")
 
+#: Administrative statements (CREATE/DROP DATABASE) wait at most this long for a metadata
+#: lock, and the client at most ADMIN_READ_TIMEOUT for an answer: a session leaked by a test
+#: (holding a lock on the database) fails that test instead of hanging the suite.
+ADMIN_LOCK_WAIT_TIMEOUT = 30
+ADMIN_READ_TIMEOUT = 60
+
 
 @pytest.fixture
 def anyio_backend() -> str:
@@ -38,13 +44,22 @@ def _admin(address: MySQLAddress, sql: str) -> None:
     import pymysql
 
     try:
-        conn = pymysql.connect(host=address.host, port=address.port, user=address.user, password=address.password)
+        conn = pymysql.connect(
+            host=address.host,
+            port=address.port,
+            user=address.user,
+            password=address.password,
+            connect_timeout=10,
+            read_timeout=ADMIN_READ_TIMEOUT,
+            write_timeout=ADMIN_READ_TIMEOUT,
+        )
     except pymysql.err.OperationalError as exc:  # fail loudly: the suite needs this server
         pytest.fail(
             f"MariaDB/MySQL at {address.host}:{address.port} does not answer ({exc}); start it first", pytrace=False
         )
     try:
         with conn.cursor() as cur:
+            cur.execute(f"SET SESSION lock_wait_timeout = {ADMIN_LOCK_WAIT_TIMEOUT}")
             cur.execute(sql)
     finally:
         conn.close()

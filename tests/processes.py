@@ -62,13 +62,19 @@ class FakeIMProcess:
         self.proc.wait(timeout=10)
 
 
-def write_config(path: Path, dsn: str, fake: FakeIMProcess, **worker: Any) -> Path:
-    config = {
+def write_config(
+    path: Path, dsn: str, fake: FakeIMProcess, sections: dict[str, dict[str, Any]] | None = None, **worker: Any
+) -> Path:
+    """A `room-outbox run` configuration; ``worker`` goes to outbox_worker, ``sections`` are
+    merged into the other sections (``{"mysql": {"query_timeout": "1s"}}``)."""
+    config: dict[str, Any] = {
         "mysql": {"dsn": dsn, "pool_size": 4},
         "outbox_worker": {"poll_interval": "100ms", "publish_timeout": "1s", "lease": "3s", **worker},
         "sinks": {"tencent_im": {"base_url": fake.base_url, "sdkappid": DEV_SDKAPPID}},
         "log": {"level": "INFO"},
     }
+    for name, values in (sections or {}).items():
+        config[name] = {**config.get(name, {}), **values}
     path.write_text(yaml.safe_dump(config))
     return path
 
