@@ -29,8 +29,8 @@ ENV PATH=/opt/room-outbox/bin:$PATH \
 USER 10001:10001
 # /healthz, /readyz, /metrics (telemetry.http_listen in config.docker.yaml).
 EXPOSE 9464
-# /healthz answers while the process runs; /readyz (database + worker) is for orchestrators
-# that route traffic or gate rollouts. Python's urllib: the slim image has no curl.
+# /healthz fails when a lane has stopped ending rounds (stuck for good: restart); /readyz
+# (database, failed rounds, worker) is for orchestrators that route traffic or gate rollouts. Python's urllib: the slim image has no curl.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
   CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:9464/healthz', timeout=2).status != 200)"]
 ENTRYPOINT ["room-outbox"]

@@ -18,7 +18,7 @@ from support import envelope, fetch_rows, insert_events, insert_rows, wait_until
 
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
 
-pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture

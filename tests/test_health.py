@@ -1,0 +1,111 @@
+"""Liveness and readiness mean something: /healthz fails when a running lane stops ending
+rounds, /readyz after consecutive failed rounds; a dispatcher cut off from its database (a
+half-open partition, in process) keeps ending rounds, reports them failed, recovers by
+itself, and stops within publish_timeout + query_timeout."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import httpx
+import pytest
+from faults.tcp_proxy import TcpProxy
+from support import RecordingSink, envelope, insert_events, make_dispatcher, wait_until
+
+from room_outbox.health import Health, stalled_after
+from room_outbox.http_endpoint import HttpEndpoint
+from room_outbox.store.mysql import MySQLAddress, MySQLStore
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[Health, httpx.AsyncClient]]:
+    health = Health(stalled_after=5.0, unready_after_failed_rounds=3)
+    server = HttpEndpoint(health, lambda: "")
+    port = await server.bind("127.0.0.1", 0)
+    async with anyio.create_task_group() as tg, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        tg.start_soon(server.serve)
+        yield health, client
+        tg.cancel_scope.cancel()
+
+
+async def test_healthz_fails_when_a_running_lane_ends_no_round(served: tuple[Health, httpx.AsyncClient]) -> None:
+    health, client = served
+    lane = health.lane("im")
+    lane.last_progress = time.monotonic() - 60  # stuck for a minute
+    assert (await client.get("/healthz")).status_code == 200  # starting: no rounds expected yet
+    health.worker = "running"
+    stalled = await client.get("/healthz")
+    assert stalled.status_code == 503
+    assert stalled.json()["live"] is False and stalled.json()["lane im"].startswith("no round ended for 60s")
+    lane.round_ended("QueryTimeout: ...")  # a failed round is still a round that ended
+    assert (await client.get("/healthz")).status_code == 200
+    lane.last_progress = time.monotonic() - 60
+    health.worker = "stopping"
+    assert (await client.get("/healthz")).status_code == 200
+
+
+async def test_readyz_fails_after_consecutive_failed_rounds(served: tuple[Health, httpx.AsyncClient]) -> None:
+    health, client = served
+    health.worker = "running"
+    lane = health.lane("kafka")
+    for _ in range(2):
+        lane.round_ended("QueryTimeout: the database did not answer")
+    assert (await client.get("/readyz")).status_code == 200
+    lane.round_ended("QueryTimeout: the database did not answer")
+    unready = await client.get("/readyz")
+    assert unready.status_code == 503
+    assert unready.json()["lane kafka"] == "3 rounds failed in a row: QueryTimeout: the database did not answer"
+    lane.round_ended()
+    assert (await client.get("/readyz")).status_code == 200
+
+
+def test_the_stall_limit_is_never_shorter_than_a_healthy_gap() -> None:
+    assert stalled_after(30, 1.0, 5.0, 3.0) == 30.0
+    assert stalled_after(30, 0.1, 5.0, 3.0) == 0.1 + 5.0 + 3.0
+
+
+async def test_a_dispatcher_cut_off_from_its_database_reports_recovers_and_stops_in_time(database_dsn: str) -> None:
+    real = MySQLAddress.from_dsn(database_dsn)
+    query_timeout, publish_timeout = 0.5, 0.5
+    async with TcpProxy(real.host, real.port) as proxy:
+        direct = await MySQLStore.connect(database_dsn)
+        await direct.migrate()
+        store = await MySQLStore.connect(
+            f"mysql://{real.user}:{real.password}@127.0.0.1:{proxy.port}/{real.database}", query_timeout=query_timeout
+        )
+        health = Health(unready_after_failed_rounds=2)
+        sink = RecordingSink()
+        dispatcher = make_dispatcher(
+            store, sink, poll_interval=0.05, publish_timeout=publish_timeout, query_timeout=query_timeout, lease=3.0
+        )
+        dispatcher.health = health.lane("im")
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(dispatcher.run)
+                await insert_events(direct, [envelope("before")])
+                await wait_until(lambda: sink.received == ["before"], timeout=10)
+
+                proxy.partition()
+                await wait_until(lambda: health.lanes["im"].failed_in_a_row >= 2, timeout=10)
+                assert "query_timeout" in health.lanes["im"].last_error
+                ready, checks = await health.readiness()
+                assert not ready and "rounds failed in a row" in checks["lane im"]
+
+                proxy.heal()
+                await insert_events(direct, [envelope("after")])
+                await wait_until(lambda: sink.received == ["before", "after"], timeout=query_timeout + 5)
+                await wait_until(lambda: health.lanes["im"].failed_in_a_row == 0, timeout=5)
+
+                proxy.partition()
+                await wait_until(lambda: health.lanes["im"].failed_in_a_row >= 1, timeout=10)
+                started = anyio.current_time()
+                dispatcher.stop()
+            took = anyio.current_time() - started
+        finally:
+            await store.aclose()
+            await direct.aclose()
+    assert took <= publish_timeout + query_timeout + 0.3, took
