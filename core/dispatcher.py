@@ -310,7 +310,9 @@ class Dispatcher:
             try:
                 held = await self.store.renew(claim, row_ids, now_ms() + int(self.options.lease * 1000))
             except Exception as exc:
-                log.error("lease renewal failed", extra={"claim": claim, "error": self._short(str(exc))})
+                log.error(
+                    "lease renewal failed", extra={"lane": self.lane, "claim": claim, "error": self._short(str(exc))}
+                )
                 continue
             if held < len(row_ids):
                 self.telemetry.leases_lost(len(row_ids) - held - lost, "renewal")

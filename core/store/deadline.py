@@ -50,6 +50,29 @@ def query_deadline(seconds: float) -> Iterator[None]:
         raise QueryTimeout(seconds)
 
 
+class TimeoutWatch:
+    """A pool's memory of its last timeout: :meth:`call` bounds one call; connections last
+    used before a call that timed out began are not to be trusted (:meth:`trusts`)."""
+
+    def __init__(self) -> None:
+        self._distrust_before = float("-inf")
+
+    @contextmanager
+    def call(self, seconds: float) -> Iterator[None]:
+        """:func:`query_deadline`, remembering when a call that timed out began."""
+        started = anyio.current_time()
+        try:
+            with query_deadline(seconds):
+                yield
+        except QueryTimeout:
+            self._distrust_before = max(self._distrust_before, started)
+            raise
+
+    def trusts(self, last_used: float) -> bool:
+        """Whether a connection last used at ``last_used`` (event-loop time) may be handed out."""
+        return last_used >= self._distrust_before
+
+
 @dataclass(frozen=True)
 class SessionLimits:
     """Server-side bounds on one database session, derived from ``query_timeout``."""

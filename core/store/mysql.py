@@ -29,7 +29,7 @@ import aiomysql
 import anyio
 from pymysql.constants import CLIENT
 
-from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT, QueryTimeout, SessionLimits, query_deadline
+from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT, SessionLimits, TimeoutWatch, query_deadline
 from room_outbox.store.leased import (
     TABLE,
     LeasedRows,
@@ -163,9 +163,7 @@ class MySQLStore(LeasedRows):
         self.address = address
         self.query_timeout = query_timeout
         self.limits = SessionLimits.for_query_timeout(query_timeout)
-        #: Pooled connections last used before this (event-loop) time are not trusted: a
-        #: call timed out since.
-        self._distrust_before = float("-inf")
+        self._timeouts = TimeoutWatch()
 
     @classmethod
     async def connect(
@@ -218,28 +216,23 @@ class MySQLStore(LeasedRows):
 
         The whole transaction — taking a connection, the block, the commit — ends within
         ``timeout`` (default ``query_timeout``) or raises :class:`QueryTimeout`."""
-        started = anyio.current_time()
-        try:
-            with query_deadline(timeout or self.query_timeout):
-                conn = await self._acquire()
-                try:
-                    async with conn.cursor() as cur:
-                        yield cur
-                    await conn.commit()
-                except BaseException:
-                    conn.close()
-                    raise
-                finally:
-                    self._pool.release(conn)
-        except QueryTimeout:
-            self._distrust_before = max(self._distrust_before, started)
-            raise
+        with self._timeouts.call(timeout or self.query_timeout):
+            conn = await self._acquire()
+            try:
+                async with conn.cursor() as cur:
+                    yield cur
+                await conn.commit()
+            except BaseException:
+                conn.close()
+                raise
+            finally:
+                self._pool.release(conn)
 
     async def _acquire(self) -> aiomysql.Connection:
         """A connection from the pool, passing over those idle since before the last timeout."""
         while True:
             conn = await self._pool.acquire()
-            if conn.last_usage >= self._distrust_before:
+            if self._timeouts.trusts(conn.last_usage):
                 return conn
             conn.close()
             self._pool.release(conn)

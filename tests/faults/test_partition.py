@@ -109,6 +109,10 @@ async def test_the_running_process_resumes_after_a_partition_heals(
             assert (await http.get(f"{base}/healthz")).status_code == 200
             assert not {f"b{i}" for i in range(20)} & set(received_ids(fake_im))
 
+            # Heal just after a round failed: the next one has just begun on a dark connection
+            # and must run out its query_timeout first, the worst case of the bound.
+            failures = len(failed_rounds(proc))
+            await wait_until(lambda: len(failed_rounds(proc)) > failures, timeout=5 * QUERY_TIMEOUT)
             healed = time.monotonic()
             proxy.heal()
             await wait_until(lambda: {f"b{i}" for i in range(20)} <= set(received_ids(fake_im)), timeout=30)
