@@ -88,13 +88,15 @@ class SessionLimits:
     #: The server waits this long for the rest of a half-sent request, or for the client to
     #: take a result.
     network_seconds: int
+    #: A statement running this long is stopped by the server (locks and all): its client,
+    #: which waits one query timeout, is long gone.
+    statement_seconds: int
 
     @classmethod
     def for_query_timeout(cls, query_timeout: float) -> SessionLimits:
         per_call = max(1, math.ceil(query_timeout))
-        return cls(
-            idle_seconds=max(3, math.ceil(3 * query_timeout)), lock_wait_seconds=per_call, network_seconds=per_call
-        )
+        idle = max(3, math.ceil(3 * query_timeout))
+        return cls(idle_seconds=idle, lock_wait_seconds=per_call, network_seconds=per_call, statement_seconds=idle)
 
     @property
     def pool_recycle(self) -> float:

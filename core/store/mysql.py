@@ -137,16 +137,29 @@ class MySQLAddress:
         }
 
     def session_kwargs(self, server_version: str, limits: SessionLimits) -> dict[str, Any]:
-        """:meth:`connect_kwargs` for the store's pool: every session also gets ``limits``.
-        One statement at connect time; only the isolation variable's name differs between
-        MariaDB (``tx_isolation``) and MySQL (``transaction_isolation``)."""
-        isolation = "tx_isolation" if "mariadb" in server_version.lower() else "transaction_isolation"
+        """:meth:`connect_kwargs` for the store's pool: every session also gets ``limits``,
+        in one statement at connect time. MariaDB and MySQL name two of the variables
+        differently: the isolation level, and the statement time limit (MySQL's applies to
+        SELECTs only, the claim's among them)."""
+        isolation = "tx_isolation" if is_mariadb(server_version) else "transaction_isolation"
         init = (
             f"SET SESSION {isolation} = 'READ-COMMITTED', wait_timeout = {limits.idle_seconds},"
             f" innodb_lock_wait_timeout = {limits.lock_wait_seconds}, lock_wait_timeout = {limits.lock_wait_seconds},"
-            f" net_read_timeout = {limits.network_seconds}, net_write_timeout = {limits.network_seconds}"
+            f" net_read_timeout = {limits.network_seconds}, net_write_timeout = {limits.network_seconds},"
+            f" {statement_time_limit(server_version, limits.statement_seconds)}"
         )
         return {**self.connect_kwargs(), "init_command": init}
+
+
+def is_mariadb(server_version: str) -> bool:
+    return "mariadb" in server_version.lower()
+
+
+def statement_time_limit(server_version: str, seconds: int) -> str:
+    """The assignment capping a statement's run time (0: none), in the server's dialect."""
+    if is_mariadb(server_version):
+        return f"max_statement_time = {seconds}"
+    return f"max_execution_time = {seconds * 1000}"
 
 
 class MySQLStore(LeasedRows):
@@ -157,11 +170,17 @@ class MySQLStore(LeasedRows):
     carries the server-side limits derived from it."""
 
     def __init__(
-        self, pool: aiomysql.Pool, address: MySQLAddress, query_timeout: float = DEFAULT_QUERY_TIMEOUT
+        self,
+        pool: aiomysql.Pool,
+        address: MySQLAddress,
+        query_timeout: float = DEFAULT_QUERY_TIMEOUT,
+        server_version: str = "",
     ) -> None:
         self._pool = pool
         self.address = address
         self.query_timeout = query_timeout
+        #: The server's version string, as its greeting gives it ("10.11.19-MariaDB…", "8.4.3").
+        self.server_version = server_version
         self.limits = SessionLimits.for_query_timeout(query_timeout)
         self._timeouts = TimeoutWatch()
 
@@ -196,7 +215,7 @@ class MySQLStore(LeasedRows):
                 pool_recycle=limits.pool_recycle,
                 **address.session_kwargs(server_version, limits),
             )
-        return cls(pool, address, query_timeout)
+        return cls(pool, address, query_timeout, server_version)
 
     async def aclose(self) -> None:
         """Close the pool. Connections still in use get ``query_timeout`` to come back; then
@@ -242,30 +261,38 @@ class MySQLStore(LeasedRows):
     async def migrate(self) -> list[str]:
         changes: list[str] = []
         async with self.transaction(SCHEMA_CHANGE_TIMEOUT) as cur:
-            await cur.execute(
-                "SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
-                (TABLE,),
-            )
-            columns = {row[0].lower() for row in await cur.fetchall()}
-            if not columns:
-                await cur.execute(V1_TABLE_DDL)
-                changes.append(f"created table {TABLE}")
-                columns = set(REQUIRED_V1_COLUMNS)
-            require_v1_columns(columns)
-            for name, definition in ADDED_COLUMNS.items():
-                if name not in columns:
-                    await cur.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {definition}")
-                    changes.append(f"added column {TABLE}.{name}")
-            await cur.execute(
-                "SELECT DISTINCT INDEX_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
-                (TABLE,),
-            )
-            indexes = {row[0].lower() for row in await cur.fetchall()}
-            for name, columns_sql in ADDED_INDEXES.items():
-                if name not in indexes:
-                    await cur.execute(f"ALTER TABLE {TABLE} ADD INDEX {name} {columns_sql}")
-                    changes.append(f"added index {TABLE}.{name}")
+            # The session's statement time limit would stop a long ALTER TABLE half-way; it is
+            # lifted for this transaction and put back before the connection returns to the pool.
+            await cur.execute(f"SET SESSION {statement_time_limit(self.server_version, 0)}")
+            await self._migrate(cur, changes)
+            await cur.execute(f"SET SESSION {statement_time_limit(self.server_version, self.limits.statement_seconds)}")
         return changes
+
+    async def _migrate(self, cur: aiomysql.Cursor, changes: list[str]) -> None:
+        """Add to ``room_outbox`` what is missing (creating the V1 table when there is none)."""
+        await cur.execute(
+            "SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
+            (TABLE,),
+        )
+        columns = {row[0].lower() for row in await cur.fetchall()}
+        if not columns:
+            await cur.execute(V1_TABLE_DDL)
+            changes.append(f"created table {TABLE}")
+            columns = set(REQUIRED_V1_COLUMNS)
+        require_v1_columns(columns)
+        for name, definition in ADDED_COLUMNS.items():
+            if name not in columns:
+                await cur.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {definition}")
+                changes.append(f"added column {TABLE}.{name}")
+        await cur.execute(
+            "SELECT DISTINCT INDEX_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
+            (TABLE,),
+        )
+        indexes = {row[0].lower() for row in await cur.fetchall()}
+        for name, columns_sql in ADDED_INDEXES.items():
+            if name not in indexes:
+                await cur.execute(f"ALTER TABLE {TABLE} ADD INDEX {name} {columns_sql}")
+                changes.append(f"added index {TABLE}.{name}")
 
 
 @dataclass(frozen=True)

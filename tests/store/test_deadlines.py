@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import anyio
+import pymysql
 import pytest
 
 from room_outbox.config import ConfigError, Settings, describe_validation_error, load_settings
@@ -71,13 +72,37 @@ async def test_every_session_carries_the_server_side_limits(database_dsn: str) -
         async with store.transaction() as cur:
             await cur.execute(
                 "SELECT @@SESSION.wait_timeout, @@SESSION.innodb_lock_wait_timeout, @@SESSION.lock_wait_timeout,"
-                " @@SESSION.net_read_timeout, @@SESSION.net_write_timeout, @@SESSION.tx_isolation"
+                " @@SESSION.net_read_timeout, @@SESSION.net_write_timeout, @@SESSION.tx_isolation,"
+                " @@SESSION.max_statement_time"
             )
             found = await cur.fetchone()
     finally:
         await store.aclose()
     assert limits.idle_seconds == 6 and limits.pool_recycle < limits.idle_seconds
-    assert tuple(found) == (6, 2, 2, 2, 2, "READ-COMMITTED")
+    assert tuple(found) == (6, 2, 2, 2, 2, "READ-COMMITTED", 6.0)
+
+
+async def test_the_server_stops_a_statement_its_client_no_longer_waits_for(database_dsn: str) -> None:
+    store = await MySQLStore.connect(database_dsn, query_timeout=0.5)  # statements: at most 3 s
+    try:
+        started = time.monotonic()
+        with pytest.raises(pymysql.err.OperationalError, match="max_statement_time"):
+            async with store.transaction(timeout=30) as cur:  # a client that would wait on
+                await cur.execute("SELECT SLEEP(20)")
+        assert time.monotonic() - started < store.limits.statement_seconds + 2
+    finally:
+        await store.aclose()
+
+
+async def test_migrate_lifts_the_statement_limit_for_its_own_transaction_only(database_dsn: str) -> None:
+    store = await MySQLStore.connect(database_dsn, pool_size=1, query_timeout=0.5)
+    try:
+        assert await store.migrate()
+        async with store.transaction() as cur:  # the pool's one connection, back from migrate
+            await cur.execute("SELECT @@SESSION.max_statement_time")
+            assert (await cur.fetchone())[0] == store.limits.statement_seconds
+    finally:
+        await store.aclose()
 
 
 async def test_a_session_whose_client_vanished_ends_within_the_idle_limit(database_dsn: str) -> None:
