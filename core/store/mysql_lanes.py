@@ -147,7 +147,11 @@ class LaneStore(LeasedRows):
         per_room: bool = False,
         hold_back_ms: int = 1000,
     ) -> Claimed:
+        fed_from = now_ms()
         await self.feed()
+        # The lease counts from the claim's own transaction, as on the IM lane: feeding (a
+        # transaction of its own, up to query_timeout) must not eat into it.
+        lease_until_ms += now_ms() - fed_from
         return await super().claim(claim, limit, lease_until_ms, results, per_room, hold_back_ms)
 
     async def _with_envelopes(self, cur: aiomysql.Cursor, found: list[OutboxRow]) -> list[OutboxRow]:
