@@ -28,6 +28,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from room_outbox.health import STALLED_AFTER_POLLS, UNREADY_AFTER_FAILED_ROUNDS
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 
 ENV_PREFIX = "ROOM_OUTBOX__"
@@ -195,9 +196,9 @@ class TelemetrySettings(Section):
     backlog_interval: Duration = 15.0
     #: /healthz fails once a running lane has ended no round (and no delivery attempt) for
     #: this many poll intervals (see ``room_outbox.health``).
-    stalled_after_polls: int = Field(default=30, ge=1)
+    stalled_after_polls: int = Field(default=STALLED_AFTER_POLLS, ge=1)
     #: /readyz fails once a lane has had this many failed rounds in a row.
-    unready_after_failed_rounds: int = Field(default=3, ge=1)
+    unready_after_failed_rounds: int = Field(default=UNREADY_AFTER_FAILED_ROUNDS, ge=1)
 
     @field_validator("http_listen")
     @classmethod
