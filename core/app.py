@@ -1,6 +1,7 @@
 """Process lifecycle (seed 000).
 
-Start: configuration (already loaded) → database pool → plugins and sinks → worker.
+Start: configuration (already loaded) checked whole, sinks included → database pool (waited
+for up to ``mysql.connect_wait``) → schema checked → plugins and sinks → worker.
 Stop (SIGTERM, SIGINT or the ``stop`` event): stop claiming new batches → in-flight
 deliveries finish within ``publish_timeout`` and their results are written → worker exits →
 sinks close → pool closes. The pool closes last because the worker needs it to write results.
@@ -25,8 +26,8 @@ from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.redaction import Redactor
 from room_outbox.retention import run_retention_job
 from room_outbox.routing import Lanes, build_lanes
+from room_outbox.startup import check_configuration, open_checked_store
 from room_outbox.store import OutboxStore
-from room_outbox.store.factory import open_store
 from room_outbox.store.mysql import MySQLAddress
 from room_outbox.telemetry import Telemetry
 
@@ -50,15 +51,15 @@ async def run_service(
     ``plugins`` are registered besides the installed ones (for embedding and tests)."""
     stop = stop or anyio.Event()
     redactor = redactor_for(settings)
-    store = await open_store(
-        settings.mysql.dsn.get_secret_value(), settings.mysql.pool_size, query_timeout=settings.mysql.query_timeout
-    )
+    pm = make_plugin_manager(settings.plugins.disabled, plugins)
+    checked = check_configuration(settings, pm)  # all of it, before anything connects
+    store = await open_checked_store(settings, checked.own_lanes)
     log.info("database pool opened", extra={"lifecycle": "pool_opened", "database": store.address.database})
     # Telemetry and the HTTP endpoint: up once the pool is, down once the worker has stopped.
     observed = contextlib.AsyncExitStack()
     try:
         obs = await observed.enter_async_context(observability(settings, store, redactor))
-        lanes = await build_lanes(make_plugin_manager(settings.plugins.disabled, plugins), settings, redactor)
+        lanes = await build_lanes(pm, settings, redactor)
         log.info(
             "sinks loaded",
             extra={

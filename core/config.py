@@ -28,6 +28,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from room_outbox.errors import ConfigurationError
 from room_outbox.health import STALLED_AFTER_POLLS, UNREADY_AFTER_FAILED_ROUNDS
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 
@@ -39,8 +40,8 @@ _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
-class ConfigError(Exception):
-    """Configuration that must stop start-up; the message names every offending key."""
+#: The configuration error of :mod:`room_outbox.errors`, under the name this module always had.
+ConfigError = ConfigurationError
 
 
 def parse_duration(value: Any) -> float:
@@ -82,6 +83,9 @@ class MySQLSettings(Section):
     #: quarter of ``outbox_worker.lease`` when that is shorter. Must stay below a third of
     #: the lease (checked by :class:`Settings`).
     query_timeout: Duration = 0.0
+    #: How long ``run`` and ``migrate`` wait for a database that cannot be reached yet (down,
+    #: starting) before giving up with exit code 3; 0: try once.
+    connect_wait: Duration = Field(default=30.0, ge=0)
 
 
 class RetrySettings(Section):

@@ -10,6 +10,9 @@ The IM lane's state is ``room_outbox.status``. A round is:
 3. a full batch is followed at once by the next; otherwise the results are written and the
    next scan starts ``poll_interval`` after this one started (a ticker).
 
+A failure retrying cannot fix backs off exponentially (:mod:`room_outbox.retry`), and a row
+that fails again and again is logged once, then summarised (:mod:`.delivery.failure_log`).
+
 Store errors — a database call that outlived ``query_timeout`` included — fail the round:
 it is logged with its lane, counted (readiness), and tried again after ``poll_interval``;
 results that could not be written are kept and written with the next successful transaction
@@ -32,6 +35,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from room_outbox.config import OutboxWorkerSettings
+from room_outbox.delivery.failure_log import FailureLog
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.health import LaneHealth
 from room_outbox.redaction import Redactor
@@ -57,6 +61,8 @@ class LaneOptions:
     per_room: bool = False
     #: The store's bound on one database call (``mysql.query_timeout``): here, it bounds shutdown.
     query_timeout: float = DEFAULT_QUERY_TIMEOUT
+    #: How often repeated failures of the same rows are summarised in one log line.
+    failure_summary_interval: float = 60.0
 
     @classmethod
     def from_settings(cls, worker: OutboxWorkerSettings, query_timeout: float = DEFAULT_QUERY_TIMEOUT) -> LaneOptions:
@@ -101,6 +107,8 @@ class Dispatcher:
         #: Until :meth:`stop`: none. Then the time by which the lane must have ended.
         self._stop_deadline = float("inf")
         self._round_scope: anyio.CancelScope | None = None
+        #: A row failing again and again is logged once, then in a summary per interval.
+        self.failures = FailureLog(log, options.failure_summary_interval, lane=lane)
 
     # -- control -------------------------------------------------------------------------
 
@@ -121,6 +129,7 @@ class Dispatcher:
         try:
             while not self._stopping.is_set():
                 scan_started = anyio.current_time()
+                self.failures.summarise()  # a no-op but once per interval
                 with anyio.CancelScope(deadline=self._stop_deadline) as self._round_scope:
                     try:
                         round_ = await self.run_once()
@@ -245,18 +254,23 @@ class Dispatcher:
         self.health.progressed()
         if failure is None:
             log.debug("published", extra=self._event_fields(row, "published"))
+            self.failures.forget(row.event_id)
             return DeliveryResult(row.id, row.event_id, row.claim, Outcome.PUBLISHED)
         attempts = row.retry_count + 1
         if self.options.retry.parks(attempts, failure.permanent):
             outcome, status, retry_at = Outcome.PARKED, "failed", 0
         else:
             outcome, status = Outcome.FAILED, "pending"
-            retry_at = now_ms() + int(self.options.retry.delay(attempts) * 1000)
+            retry_at = now_ms() + int(self.options.retry.delay(attempts, failure.permanent) * 1000)
         fields = self._event_fields(
             row, status, sink=failure.sink, error=failure.error, error_class=failure.error_class
         )
         fields["retry_count"] = attempts
-        log.warning("delivery failed" if outcome is Outcome.FAILED else "delivery failed; event parked", extra=fields)
+        if outcome is Outcome.PARKED:
+            log.warning("delivery failed; event parked", extra=fields)
+            self.failures.forget(row.event_id)
+        else:
+            self.failures.failed(row.event_id, "delivery failed", fields, failure.error)
         return DeliveryResult(row.id, row.event_id, row.claim, outcome, failure.error, retry_at)
 
     async def _deliver_one(self, row: OutboxRow, attempt: DeliveryAttempt = NO_ATTEMPT) -> Failure | None:

@@ -6,6 +6,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from room_outbox.errors import EnvelopeError
+
+__all__ = ["KNOWN_EVENT_TYPES", "EnvelopeError", "EventEnvelope", "parse_envelope"]
+
 #: Every event type room-service emits (seed 003). An event type outside this list is bad
 #: input: no sink takes it by default, so it stays pending with a clear ``last_error``.
 KNOWN_EVENT_TYPES: frozenset[str] = frozenset(
@@ -31,10 +35,6 @@ KNOWN_EVENT_TYPES: frozenset[str] = frozenset(
         "RoomRocketLaunched",
     }
 )
-
-
-class EnvelopeError(ValueError):
-    """The stored envelope cannot be turned into an :class:`EventEnvelope`."""
 
 
 class EventEnvelope(BaseModel):

@@ -4,6 +4,12 @@
 * ``linear`` (seed 001): ``base × attempts``, capped at ``cap``.
 * ``exponential``: ``base × factor^(attempts-1)``, capped at ``cap``.
 
+A failure that retrying cannot fix (a bad envelope, no sink for the event type, a permanent
+sink error) backs off exponentially whatever the strategy — ``base × factor^(attempts-1)`` up
+to ``cap`` — when it is not parked: such a row is still tried now and then (its cause may be
+fixed: a sink enabled, a group created), but no longer every ``poll_interval``, which would
+cost a write and a warning per bad row per second for ever.
+
 Linear and exponential delays are spread by ± ``jitter`` so that events failing together (an
 IM outage) do not come back together. With ``parking`` on, a permanent failure, or the
 failure that uses up ``max_attempts``, parks the event as ``failed``; without it the event
@@ -43,11 +49,12 @@ class RetryPolicy:
             parking=worker.parking,
         )
 
-    def delay(self, attempts: int) -> float:
-        """Seconds to wait after the ``attempts``-th failed attempt (1 for the first)."""
-        if self.strategy == "fixed_interval":
+    def delay(self, attempts: int, permanent: bool = False) -> float:
+        """Seconds to wait after the ``attempts``-th failed attempt (1 for the first);
+        ``permanent``: a failure retrying cannot fix (always exponential)."""
+        if self.strategy == "fixed_interval" and not permanent:
             return self.interval
-        if self.strategy == "linear":
+        if self.strategy == "linear" and not permanent:
             raw = self.base * attempts
         else:
             # min() before the power would overflow for large attempt counts.

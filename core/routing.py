@@ -115,6 +115,14 @@ def enabled_sink_settings(pm: pluggy.PluginManager, settings: Settings) -> dict[
     return enabled
 
 
+def validate_sinks(pm: pluggy.PluginManager, settings: Settings) -> dict[str, tuple[SinkSpec, SinkSettings]]:
+    """Every enabled sink's settings and the IM lane's routes, checked without creating a sink
+    (nothing connects): what :func:`build_lanes` would refuse, refused here first."""
+    enabled = enabled_sink_settings(pm, settings)
+    _im_routes({name: cfg for name, (spec, cfg) in enabled.items() if not spec.own_lane})
+    return enabled
+
+
 async def build_router(pm: pluggy.PluginManager, settings: Settings, redactor: Redactor) -> Router:
     """The IM lane's router alone (for the producer side and tests)."""
     return (await build_lanes(pm, settings, redactor, include_own=False)).im

@@ -2,7 +2,7 @@
 
 A sink is shaped like an httpx transport: one coroutine that does the work (``deliver``) and
 ``aclose`` for the connections it owns. Errors are translated once, at the sink's boundary,
-with the original exception kept as ``__cause__``::
+with the original exception kept as ``__cause__`` (the classes live in :mod:`room_outbox.errors`)::
 
     SinkError                     anything a sink raises on purpose
     ├── RetryableSinkError        try again later (network, timeout, 5xx, rate limit, ...)
@@ -26,18 +26,17 @@ from typing import Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from room_outbox.envelope import EventEnvelope
+from room_outbox.errors import PermanentSinkError, RetryableSinkError, SinkError
 
-
-class SinkError(Exception):
-    """Base of the errors a sink raises deliberately."""
-
-
-class RetryableSinkError(SinkError):
-    """Delivery failed for a reason that may go away: the event is tried again."""
-
-
-class PermanentSinkError(SinkError):
-    """Delivery can never succeed as the event stands (bad target, message too large...)."""
+__all__ = [
+    "PermanentSinkError",
+    "RetryableSinkError",
+    "Sink",
+    "SinkContext",
+    "SinkError",
+    "SinkSettings",
+    "SinkSpec",
+]
 
 
 @runtime_checkable

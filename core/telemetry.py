@@ -253,6 +253,18 @@ def telemetry_from_environment(
     return Telemetry(tracer_provider, meter_provider, prometheus_reader)
 
 
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`~room_outbox.config.ConfigError` for an ``OTEL_*`` exporter or protocol
+    room-outbox does not know, without building anything (``room-outbox check-config``)."""
+    env = os.environ if environ is None else environ
+    for variable, allowed, signal in (
+        ("OTEL_TRACES_EXPORTER", _TRACE_EXPORTERS, "TRACES"),
+        ("OTEL_METRICS_EXPORTER", _METRIC_EXPORTERS, "METRICS"),
+    ):
+        if "otlp" in _names(env, variable, allowed, signal):
+            _protocol(env, signal)
+
+
 def _resource(node_id: str) -> Resource:
     resource = Resource.create({"service.instance.id": node_id})  # + OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):

@@ -1,0 +1,1 @@
+"""Delivery: what happens around one attempt to hand an event to its sink."""

@@ -1,0 +1,68 @@
+"""Every error room-outbox raises on purpose, in one tree::
+
+    RoomOutboxError                 root: the CLI prints its message as one line and exits
+    ├── ConfigurationError          bad configuration (exit 2); ``config.ConfigError`` is this class
+    ├── StoreError                  the database (exit 3)
+    │   ├── StoreUnavailable        cannot connect, log in, or find the database
+    │   └── SchemaError             connected, but the tables are not migrated
+    ├── EnvelopeError               a row's envelope does not parse (also a ``ValueError``)
+    └── SinkError                   raised by a sink on purpose
+        ├── RetryableSinkError      may go away: the event is tried again
+        └── PermanentSinkError      retrying will not help
+
+Driver errors (PyMySQL, aiomysql, sqlite3) are translated once, at the store's boundary
+(:mod:`room_outbox.store.errors`), with the driver's exception kept as ``__cause__``.
+
+A message is one line that names the cause and, where there is one, the fix ("table
+room_outbox lacks lock_until_ms: run `room-outbox migrate`"). It never holds a secret: a DSN
+password, a key, a signature.
+"""
+
+from __future__ import annotations
+
+
+class RoomOutboxError(Exception):
+    """Root of room-outbox's own errors. ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class ConfigurationError(RoomOutboxError):
+    """Configuration that must stop start-up; the message names every offending key."""
+
+    exit_code = 2
+
+
+class StoreError(RoomOutboxError):
+    """The database is unreachable or not usable as it stands."""
+
+    exit_code = 3
+
+
+class StoreUnavailable(StoreError):
+    """Cannot connect to, log in to or open the database. ``transient``: the kind of failure
+    that goes away by itself (server down or starting); start-up waits for those."""
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+class SchemaError(StoreError):
+    """Connected, but a table or column room-outbox needs is missing: ``room-outbox migrate``."""
+
+
+class EnvelopeError(RoomOutboxError, ValueError):
+    """The stored envelope cannot be turned into an event envelope."""
+
+
+class SinkError(RoomOutboxError):
+    """Base of the errors a sink raises deliberately."""
+
+
+class RetryableSinkError(SinkError):
+    """Delivery failed for a reason that may go away: the event is tried again."""
+
+
+class PermanentSinkError(SinkError):
+    """Delivery can never succeed as the event stands (bad target, message too large...)."""

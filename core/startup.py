@@ -1,0 +1,93 @@
+"""What ``run`` checks before it delivers anything, in this order:
+
+1. **The whole configuration, offline** (:func:`check_configuration`): the settings file and
+   environment (already parsed into :class:`Settings`), the DSN, every enabled sink's section,
+   the routes, lanes of their own, the ``OTEL_*`` exporters. Nothing connects, so
+   ``room-outbox check-config`` runs the same check on a machine without a database.
+2. **The database** (:func:`open_checked_store`): waited for up to ``mysql.connect_wait`` while
+   it cannot be reached (a server still starting), then
+3. **the schema**: every column and lane table room-outbox uses, or "run `room-outbox migrate`".
+
+Each failure is one :class:`~room_outbox.errors.RoomOutboxError` (a configuration error, exit 2;
+the database unreachable or not migrated, exit 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pluggy
+
+from room_outbox.config import Settings
+from room_outbox.errors import ConfigurationError
+from room_outbox.routing import validate_sinks
+from room_outbox.store.errors import translated
+from room_outbox.store.factory import SQLStore, describe, is_sqlite, open_store, store_address
+from room_outbox.store.mysql_lanes import lane_table
+from room_outbox.store.schema import check_schema
+from room_outbox.telemetry import check_environment
+
+
+@dataclass(frozen=True)
+class CheckedConfiguration:
+    """What the configuration turns out to run."""
+
+    #: Enabled sinks sharing the IM lane, and those with a lane of their own.
+    im_sinks: list[str]
+    own_lanes: list[str]
+    database: str
+
+
+def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> CheckedConfiguration:
+    """Validate everything ``run`` needs short of connecting; one :class:`ConfigurationError`
+    names every problem found."""
+    problems: list[str] = []
+    database = ""
+    try:
+        database = store_address(settings.mysql.dsn.get_secret_value()).database
+    except ConfigurationError as exc:
+        problems.append(str(exc))
+    try:
+        check_environment()
+    except ConfigurationError as exc:
+        problems.append(str(exc))
+    im_sinks: list[str] = []
+    own_lanes: list[str] = []
+    try:
+        enabled = validate_sinks(pm, settings)
+    except ConfigurationError as exc:
+        problems.extend(_lines(exc))
+    else:
+        im_sinks = sorted(name for name, (spec, _) in enabled.items() if not spec.own_lane)
+        own_lanes = sorted(name for name, (spec, _) in enabled.items() if spec.own_lane)
+    for lane in own_lanes:
+        try:
+            lane_table(lane)
+        except ValueError as exc:
+            problems.append(f"sinks.{lane}: {exc}")
+    if own_lanes and is_sqlite(settings.mysql.dsn.get_secret_value()):
+        problems.append(f"sinks {', '.join(own_lanes)}: lanes of their own need a MySQL database (mysql.dsn)")
+    if problems:
+        raise ConfigurationError("invalid configuration:\n  " + "\n  ".join(problems))
+    return CheckedConfiguration(im_sinks, own_lanes, database)
+
+
+async def open_checked_store(settings: Settings, own_lanes: list[str]) -> SQLStore:
+    """The store, once reachable (waiting up to ``mysql.connect_wait``) and migrated."""
+    mysql = settings.mysql
+    store = await open_store(
+        mysql.dsn.get_secret_value(), mysql.pool_size, query_timeout=mysql.query_timeout, wait=mysql.connect_wait
+    )
+    try:
+        with translated(describe(store_address(mysql.dsn.get_secret_value()))):
+            await check_schema(store, own_lanes)
+    except BaseException:
+        await store.aclose()
+        raise
+    return store
+
+
+def _lines(exc: ConfigurationError) -> list[str]:
+    """The problems of an error that may already be an "invalid configuration" list."""
+    lines = str(exc).splitlines()
+    return [line.strip() for line in lines[1:]] if lines[0] == "invalid configuration:" else lines

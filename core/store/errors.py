@@ -1,0 +1,87 @@
+"""Driver errors turned into room-outbox's own, once, at the store's boundary.
+
+PyMySQL/aiomysql and sqlite3 report a wrong password, a missing database, a server that is
+down and a table that was never migrated each in their own way. :func:`translate` turns them
+into :class:`~room_outbox.errors.StoreUnavailable` or :class:`~room_outbox.errors.SchemaError`
+with a message that names the server, the cause and the fix, and never the password; the
+driver's exception stays the ``__cause__``. Anything else is left alone (a bug, not a
+deployment problem, deserves its traceback).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pymysql
+
+from room_outbox.errors import RoomOutboxError, SchemaError, StoreUnavailable
+
+#: MySQL client and server error numbers, by what they mean to an operator.
+_CANNOT_CONNECT = {2003: "connection refused or unreachable", 2005: "unknown host"}
+_CONNECTION_LOST = {2006: "server has gone away", 2013: "lost connection during the query"}
+_BUSY = {1040: "too many connections", 1203: "user has too many connections"}
+_ACCESS_DENIED = (1044, 1045, 1698)
+_UNKNOWN_DATABASE = 1049
+_NO_SUCH_TABLE = 1146
+_NO_SUCH_COLUMN = 1054
+
+
+def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxError | None:
+    """The room-outbox error for a driver error (``None``: not one we know). ``where`` names the
+    store for the message: ``MySQL at host:port (database 'x', user 'u')`` or the SQLite file."""
+    if isinstance(exc, RoomOutboxError):
+        return exc
+    reason = _reason(exc, password)
+    if isinstance(exc, pymysql.err.Error) and exc.args and isinstance(exc.args[0], int):
+        code = exc.args[0]
+        if code in _CANNOT_CONNECT or code in _CONNECTION_LOST or code in _BUSY:
+            what = {**_CANNOT_CONNECT, **_CONNECTION_LOST, **_BUSY}[code]
+            return StoreUnavailable(
+                f"cannot reach {where}: {what}; is the server running, and are mysql.dsn's host and port right?",
+                transient=True,
+            )
+        if code in _ACCESS_DENIED:
+            return StoreUnavailable(f"{where} refused the login: {reason}; check the user and password in mysql.dsn")
+        if code == _UNKNOWN_DATABASE:
+            return StoreUnavailable(
+                f"{where}: the database does not exist; create it, or run `room-outbox migrate`, which creates it"
+            )
+        if code in (_NO_SUCH_TABLE, _NO_SUCH_COLUMN):
+            return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
+        if isinstance(exc, pymysql.err.OperationalError):
+            return StoreUnavailable(f"{where}: {reason}")
+        return None
+    if isinstance(exc, sqlite3.Error):
+        if "no such table" in reason or "no such column" in reason:
+            return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
+        if isinstance(exc, sqlite3.OperationalError):
+            locked = "locked" in reason or "busy" in reason
+            return StoreUnavailable(f"{where}: {reason}; check mysql.dsn's file and its directory", transient=locked)
+        return None
+    if isinstance(exc, BrokenPipeError):
+        return None  # our own standard output closed (`| head`), not the database
+    if isinstance(exc, ConnectionError | TimeoutError):
+        return StoreUnavailable(f"cannot reach {where}: {reason}; is the server running?", transient=True)
+    return None
+
+
+@contextmanager
+def translated(where: str, password: str = "") -> Iterator[None]:
+    """Re-raise driver errors inside the block as room-outbox's own (cause kept)."""
+    try:
+        yield
+    except Exception as exc:
+        mapped = translate(exc, where, password)
+        if mapped is None or mapped is exc:
+            raise
+        raise mapped from exc
+
+
+def _reason(exc: BaseException, password: str) -> str:
+    """The driver's own words, on one line and without the password."""
+    args: tuple[object, ...] = tuple(getattr(exc, "args", ()))
+    text = str(args[1]) if len(args) > 1 and isinstance(args[0], int) else str(exc) or type(exc).__name__
+    text = " ".join(text.split())
+    return text.replace(password, "***") if password else text

@@ -1,0 +1,61 @@
+"""Is the schema migrated? ``run`` asks once at start, before any worker claims a row.
+
+A table that was never migrated would otherwise let the process start, report ready and fail
+every round on a missing column. The check reads the catalogue only (``information_schema``
+or SQLite's ``PRAGMA table_info``) and names the first thing missing together with the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from room_outbox.errors import SchemaError
+from room_outbox.store.factory import SQLStore
+from room_outbox.store.leased import TABLE
+from room_outbox.store.mysql import ADDED_COLUMNS, REQUIRED_V1_COLUMNS, MySQLStore
+from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
+
+#: Columns of a lane's own table that its statements read or write.
+LANE_COLUMNS = ("outbox_id", "status", "retry_count", "last_error", "worker_id", "lock_until_ms")
+
+_FIX = "run `room-outbox migrate`"
+
+
+async def check_schema(store: SQLStore, lanes: Sequence[str] = ()) -> None:
+    """Raise :class:`SchemaError` unless ``room_outbox`` has every column room-outbox uses and
+    each lane in ``lanes`` (enabled sinks with a lane of their own) has its table."""
+    required = {TABLE: (*REQUIRED_V1_COLUMNS, *ADDED_COLUMNS)}
+    if lanes:
+        required[CURSOR_TABLE] = ("lane", "fed_through_id")
+        required.update({lane_table(lane): LANE_COLUMNS for lane in lanes})
+    found = await _columns(store, list(required))
+    for table, columns in required.items():
+        have = found.get(table, set())
+        if not have:
+            raise SchemaError(f"table {table} does not exist: {_FIX}")
+        missing = [column for column in columns if column not in have]
+        if missing:
+            raise SchemaError(f"table {table} lacks {', '.join(missing)}: {_FIX}")
+
+
+async def _columns(store: SQLStore, tables: list[str]) -> dict[str, set[str]]:
+    """Column names (lower case) of each of ``tables`` that exists."""
+    found: dict[str, set[str]] = {}
+    if isinstance(store, MySQLStore):
+        marks = ", ".join(["%s"] * len(tables))
+        async with store.transaction() as cur:
+            await cur.execute(
+                "SELECT TABLE_NAME, COLUMN_NAME FROM information_schema.COLUMNS"
+                f" WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME IN ({marks})",
+                tables,
+            )
+            for table, column in await cur.fetchall():
+                found.setdefault(str(table).lower(), set()).add(str(column).lower())
+        return found
+    async with store.transaction() as cur:  # SQLite
+        for table in tables:
+            await cur.execute(f"PRAGMA table_info({table})")
+            columns = {str(row[1]).lower() for row in await cur.fetchall()}
+            if columns:
+                found[table] = columns
+    return found

@@ -1,0 +1,152 @@
+"""Bad rows don't flood: failures retrying cannot fix back off exponentially up to retry.cap,
+even with the V1 defaults (fixed interval, no parking), and a row failing again and again is
+logged once, then in a periodic summary with counts."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from support import RecordingSink, envelope, insert_events, insert_rows, make_dispatcher
+
+from room_outbox.delivery.failure_log import FailureLog
+from room_outbox.dispatcher import Dispatcher
+from room_outbox.retry import RetryPolicy
+from room_outbox.sink import PermanentSinkError
+from room_outbox.store.leased import now_ms
+from room_outbox.store.mysql import MySQLStore
+
+pytestmark = pytest.mark.anyio
+
+#: The V1 default strategy; the exponential parameters only apply to unfixable failures.
+V1_RETRY = RetryPolicy(strategy="fixed_interval", interval=0.05, base=0.1, factor=2.0, cap=0.8, jitter=0.0)
+
+
+def test_unfixable_failures_back_off_exponentially_whatever_the_strategy() -> None:
+    for strategy in ("fixed_interval", "linear", "exponential"):
+        policy = RetryPolicy(strategy=strategy, interval=1.0, base=1.0, factor=2.0, cap=300.0)
+        delays = [policy.delay(n, permanent=True) for n in (1, 2, 3, 4, 9, 10, 1000)]
+        assert delays == [1.0, 2.0, 4.0, 8.0, 256.0, 300.0, 300.0], strategy
+    assert RetryPolicy(interval=1.0).delay(50) == 1.0  # a retryable failure keeps poll_interval
+
+
+async def _retry_delays(store: MySQLStore, dispatcher: Dispatcher, event_id: str, attempts: int) -> list[float]:
+    """The delay each attempt set before the row's next one (seconds, to the millisecond the
+    clock allows). Between attempts the row is made due at once, as if the wait had passed,
+    so the test waits for nothing."""
+    delays = []
+    for _ in range(attempts):
+        before = now_ms()
+        assert (await dispatcher.run_once()).claimed == 1
+        after = now_ms()
+        (result,) = [r for r in dispatcher._unrecorded if r.event_id == event_id]
+        await dispatcher.flush()
+        # The delay was added to a time between `before` and `after`.
+        low, high = (result.retry_at_ms - after) / 1000, (result.retry_at_ms - before) / 1000
+        matches = [d for d in (0.05, 0.1, 0.2, 0.4, 0.8) if low <= d <= high]
+        delays.append(matches[0] if matches else round(low, 3))
+        async with store.transaction() as cur:
+            await cur.execute("UPDATE room_outbox SET lock_until_ms = 0 WHERE event_id = %s", (event_id,))
+    return delays
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["bad_envelope", "no_route", "permanent"],
+)
+async def test_a_bad_row_backs_off_up_to_the_cap_without_parking(store: MySQLStore, kind: str) -> None:
+    sink = RecordingSink(fail={"bad"}, error=PermanentSinkError("group gone"))
+    if kind == "bad_envelope":
+        await insert_rows(store, [("default", "bad", "RoomUserJoined", "r_1", "{not json")])
+    else:
+        await insert_events(store, [envelope("bad", "RoomUserJoined")])
+    event_types = {"RoomCreated"} if kind == "no_route" else None
+    dispatcher = make_dispatcher(store, sink, event_types=event_types, retry=V1_RETRY)
+    delays = await _retry_delays(store, dispatcher, "bad", 6)
+    assert delays == [0.1, 0.2, 0.4, 0.8, 0.8, 0.8]
+
+
+async def test_a_retryable_failure_keeps_the_poll_interval(store: MySQLStore) -> None:
+    await insert_events(store, [envelope("flaky")])
+    dispatcher = make_dispatcher(store, RecordingSink(fail={"flaky"}), retry=V1_RETRY)
+    assert await _retry_delays(store, dispatcher, "flaky", 4) == [0.05, 0.05, 0.05, 0.05]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _warnings(caplog: pytest.LogCaptureFixture, message: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "room_outbox.dispatcher" and r.getMessage() == message]
+
+
+async def test_repeated_failures_of_a_row_are_logged_once_then_summarised(
+    store: MySQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    await insert_rows(store, [("default", f"bad{n}", "RoomUserJoined", "r_1", "{not json") for n in range(3)])
+    await insert_events(store, [envelope("flaky")])
+    sink = RecordingSink(fail={"flaky"})
+    dispatcher = make_dispatcher(store, sink, retry=V1_RETRY)
+    clock = Clock()
+    dispatcher.failures = FailureLog(logging.getLogger("room_outbox.dispatcher"), 60.0, clock=clock, lane="im")
+    caplog.set_level(logging.WARNING, "room_outbox.dispatcher")
+    for _ in range(5):  # five failed attempts of every row
+        assert (await dispatcher.run_once()).claimed == 4
+        await dispatcher.flush()
+        async with store.transaction() as cur:
+            await cur.execute("UPDATE room_outbox SET lock_until_ms = 0")
+        clock.now += 1
+        dispatcher.failures.summarise()  # not due yet: nothing
+    first = _warnings(caplog, "delivery failed")
+    assert sorted(r.__dict__["event_id"] for r in first) == ["bad0", "bad1", "bad2", "flaky"]  # 20 failures, 4 lines
+    assert _warnings(caplog, "repeated delivery failures (not logged one by one)") == []
+
+    clock.now += 60
+    dispatcher.failures.summarise()
+    (summary,) = _warnings(caplog, "repeated delivery failures (not logged one by one)")
+    fields: dict[str, Any] = summary.__dict__
+    assert (fields["held_back"], fields["rows"], fields["lane"]) == (16, 4, "im")
+    assert {entry["event_id"]: entry["failures"] for entry in fields["most_frequent"]} == {
+        "bad0": 4, "bad1": 4, "bad2": 4, "flaky": 4,
+    }  # fmt: skip
+    assert fields["most_frequent"][0]["error"]  # the latest error of each
+
+    # A row that is published again is forgotten: its next failure is news, logged in full.
+    sink.fail.clear()
+    assert (await dispatcher.run_once()).claimed == 4
+    await dispatcher.flush()
+    sink.fail.add("flaky")
+    async with store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET status = 'pending', lock_until_ms = 0 WHERE event_id = 'flaky'")
+    caplog.clear()
+    await dispatcher.run_once()
+    assert [r.__dict__["event_id"] for r in _warnings(caplog, "delivery failed")] == ["flaky"]
+
+
+def test_the_failure_log_forgets_quiet_rows_and_stays_bounded() -> None:
+    clock = Clock()
+    records: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("test.failure_log")
+    logger.addHandler(Capture())
+    logger.propagate = False
+    failures = FailureLog(logger, interval=10.0, max_rows=100, clock=clock)
+    for n in range(1000):
+        failures.failed(f"e{n}", "delivery failed", {}, "boom")
+    assert len(failures._rows) == 100 and records.count("delivery failed") == 1000
+    failures.failed("e999", "delivery failed", {}, "boom")  # remembered: counted, not logged
+    assert records.count("delivery failed") == 1000
+    clock.now += 11 * 10.0 + 1
+    failures.summarise()
+    assert len(failures._rows) == 0  # quiet for ten intervals: forgotten
+    failures.failed("e999", "delivery failed", {}, "boom")
+    assert records.count("delivery failed") == 1001

@@ -1,0 +1,317 @@
+"""Failures that stop a command: one line on stderr naming the cause and the fix, a documented
+exit code (2 configuration, 3 database unreachable or not migrated), never a traceback.
+
+Commands run in-process through ``main([...])`` where that is enough, and as real processes
+where the process itself is the point (waiting for a database, a closed pipe)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from conftest import SERVER_DSN
+from faults.tcp_proxy import TcpProxy
+from support import V1_DDL, RecordingSink, envelope, insert_events, wait_until
+
+from room_outbox import SinkSpec, hookimpl
+from room_outbox.app import run_service
+from room_outbox.cli import main
+from room_outbox.config import load_settings
+from room_outbox.errors import ConfigurationError, RoomOutboxError, SchemaError, StoreUnavailable
+from room_outbox.sink import SinkSettings
+from room_outbox.store.mysql import MySQLAddress, MySQLStore
+
+pytestmark = pytest.mark.anyio
+
+#: Sinks that need no credentials, so a configuration names only what a test is about.
+QUIET_SINKS = "sinks:\n  tencent_im:\n    enabled: false\n"
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("ROOM_OUTBOX"):
+            monkeypatch.delenv(name)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def write_config(tmp_path: Path, dsn: str, extra: str = QUIET_SINKS) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(f"mysql:\n  dsn: '{dsn}'\n  connect_wait: 0\n{extra}")
+    return str(path)
+
+
+async def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, list[str]]:
+    """Exit code, stdout and the lines of stderr of ``room-outbox ARGV`` run in-process."""
+    capsys.readouterr()
+    code = await anyio.to_thread.run_sync(main, list(argv))  # main() runs its own event loop
+    out, err = capsys.readouterr()
+    return code, out, err.splitlines()
+
+
+def server(port: int | None = None, user: str | None = None, password: str | None = None, database: str = "x") -> str:
+    """A DSN for the test server with one part changed."""
+    address = MySQLAddress.from_dsn(f"{SERVER_DSN}/{database}")
+    return (
+        f"mysql://{user or address.user}:{address.password if password is None else password}"
+        f"@{address.host}:{port or address.port}/{database}"
+    )
+
+
+# -- the database: exit 3 -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["status"], ["migrate"], ["run"], ["inspect", "e1"]])
+async def test_server_down_or_wrong_port(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    port = free_port()
+    code, _, err = await cli(capsys, "--config", write_config(tmp_path, server(port=port)), *command)
+    assert code == 3
+    assert err == [
+        f"room-outbox: cannot reach MySQL at 127.0.0.1:{port} (database 'x', user 'root'): connection refused or"
+        " unreachable; is the server running, and are mysql.dsn's host and port right?"
+    ]
+
+
+async def test_wrong_password_names_the_fix_and_never_the_password(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = await cli(capsys, "--config", write_config(tmp_path, server(password="s3cret-Pw*")), "status")
+    assert code == 3 and len(err) == 1
+    assert "refused the login" in err[0] and err[0].endswith("check the user and password in mysql.dsn")
+    assert "s3cret" not in err[0]
+
+
+async def test_wrong_database_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = await cli(capsys, "--config", write_config(tmp_path, server(database="no_such_db_here")), "status")
+    assert code == 3
+    assert err == [
+        "room-outbox: MySQL at 127.0.0.1:3306 (database 'no_such_db_here', user 'root'): the database does not"
+        " exist; create it, or run `room-outbox migrate`, which creates it"
+    ]
+
+
+async def test_operator_command_on_a_table_never_migrated(
+    database_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = await cli(capsys, "--config", write_config(tmp_path, database_dsn), "status")
+    assert code == 3 and len(err) == 1
+    assert "Table" in err[0] and "room_outbox' doesn't exist; run `room-outbox migrate`" in err[0]
+
+
+async def test_run_checks_the_schema_at_start(
+    database_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """room-service's V1 table, not migrated: `run` stops before it starts a worker."""
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        async with store.transaction() as cur:
+            await cur.execute(V1_DDL)
+    finally:
+        await store.aclose()
+    code, _, err = await cli(capsys, "--config", write_config(tmp_path, database_dsn), "run")
+    assert code == 3
+    assert err[-1] == "room-outbox: table room_outbox lacks worker_id, lock_until_ms: run `room-outbox migrate`"
+    assert not any("worker_started" in line for line in err)
+
+
+class OwnLanePlugin:
+    @hookimpl
+    def room_outbox_register_sinks(self) -> list[SinkSpec]:
+        sink = RecordingSink()
+        return [SinkSpec("ledger", SinkSettings, lambda _s, _c: sink, enabled_by_default=True, own_lane=True)]
+
+
+async def test_run_checks_the_lane_tables_of_enabled_own_lane_sinks(
+    store: MySQLStore, database_dsn: str, tmp_path: Path
+) -> None:
+    """room_outbox is migrated, the lane tables of an enabled own-lane sink are not."""
+    settings = load_settings(write_config(tmp_path, database_dsn))
+    with pytest.raises(SchemaError, match=r"^table room_outbox_lane_cursor does not exist: run `room-outbox migrate`$"):
+        await run_service(settings, handle_signals=False, plugins=[OwnLanePlugin()])
+
+
+# -- configuration: exit 2, before anything connects ----------------------------------------
+
+
+async def test_unsupported_dsn_scheme(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = await cli(
+        capsys, "--config", write_config(tmp_path, "postgresql://u:pw-secret@db:5432/room"), "status"
+    )
+    assert code == 2
+    assert err == [
+        "room-outbox: mysql.dsn: scheme must be mysql:// (got postgresql://); expected"
+        " mysql://user:password@host:port/database or sqlite:///path/outbox.db"
+    ]
+
+
+async def test_bad_sink_section_stops_run_before_any_connection(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The database is down, the sink section is wrong: the configuration is reported (exit 2),
+    and at once: nothing waited for the database."""
+    port = free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"mysql:\n  dsn: '{server(port=port)}'\n  connect_wait: 60s\n"
+        "sinks:\n  tencent_im:\n    sdkappid: 1400000000\n    identifier: admin\n    colour: blue\n"
+    )
+    with anyio.fail_after(20):  # far below connect_wait
+        code, _, err = await cli(capsys, "--config", str(config), "run")
+    assert code == 2
+    assert err[0] == "room-outbox: invalid configuration:"
+    assert "  sinks.tencent_im.colour: Extra inputs are not permitted" in err
+    assert not any("waiting_for_database" in line for line in err)
+
+
+async def test_check_config_is_offline_and_says_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(tmp_path, server(port=free_port()))  # nothing listens there
+    code, out, err = await cli(capsys, "check-config", "--config", config)
+    assert (code, err) == (0, [])
+    assert out.startswith(f"configuration OK ({config}): database 'x'; IM lane sinks: noop;")
+
+
+async def test_check_config_reports_every_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "mysql:\n  dsn: 'redis://h/0'\n"
+        "sinks:\n  tencent_im:\n    sdkappid: 1400000000\n    secret_key: k\n    colour: blue\n"
+        "  noop:\n    event_types: [RoomCreated]\n  nosuchsink: {}\n"
+    )
+    code, out, err = await cli(capsys, "check-config", "--config", str(config))
+    assert (code, out) == (2, "")
+    assert err[0] == "room-outbox: invalid configuration:"
+    problems = " | ".join(err[1:])
+    for expected in (
+        "mysql.dsn: scheme must be mysql://",
+        "sinks.nosuchsink: no installed plugin",
+        "sinks.tencent_im.colour",
+    ):
+        assert expected in problems
+
+
+# -- waiting for the database ---------------------------------------------------------------
+
+
+def _start(tmp_path: Path, config: str, *command: str) -> tuple[subprocess.Popen[bytes], Path]:
+    log = tmp_path / "stderr.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "room_outbox.cli", "--config", config, *command],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+        env=env,
+    )
+    return proc, log
+
+
+def _waits(log: Path) -> list[dict[str, Any]]:
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    return [line for line in lines if line.get("lifecycle") == "waiting_for_database"]
+
+
+async def test_start_up_waits_for_a_database_that_comes_up(database_dsn: str, tmp_path: Path) -> None:
+    """`migrate` against a port nothing listens on yet; a proxy to the server opens there later:
+    the command logs that it waits, then connects and finishes."""
+    upstream = MySQLAddress.from_dsn(database_dsn)
+    port = free_port()
+    dsn = f"mysql://{upstream.user}:{upstream.password}@127.0.0.1:{port}/{upstream.database}"
+    config = tmp_path / "config.yaml"
+    config.write_text(f"mysql:\n  dsn: '{dsn}'\n  connect_wait: 60s\n{QUIET_SINKS}")
+    proc, log = _start(tmp_path, str(config), "migrate")
+    try:
+        await wait_until(lambda: len(_waits(log)) >= 3, timeout=30)  # it waits, and says so
+        async with anyio.create_task_group() as tg:
+            proxy = TcpProxy(upstream.host, upstream.port)
+            proxy.port = port
+            await proxy.start(tg)
+            await wait_until(lambda: proc.poll() is not None, timeout=30)
+            tg.cancel_scope.cancel()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, log.read_text()
+    waits = _waits(log)
+    assert waits[0]["level"] == "warning" and f"127.0.0.1:{port}" in waits[0]["error"]
+    pauses = [w["retry_in"] for w in waits]
+    assert pauses[:3] == [0.25, 0.5, 1.0]  # exponential backoff
+    assert max(pauses) <= 5.0  # bounded
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        await insert_events(store, [envelope("e1")])  # the table migrate made through the proxy
+    finally:
+        await store.aclose()
+
+
+async def test_start_up_gives_up_after_connect_wait(tmp_path: Path) -> None:
+    port = free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(f"mysql:\n  dsn: '{server(port=port)}'\n  connect_wait: 1500ms\n{QUIET_SINKS}")
+    proc, log = _start(tmp_path, str(config), "run")
+    try:
+        assert proc.wait(timeout=30) == 3
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = log.read_text().splitlines()
+    assert len(_waits(log)) >= 3
+    assert lines[-1].startswith(f"room-outbox: cannot reach MySQL at 127.0.0.1:{port}")
+    assert lines[-1].endswith("(gave up after waiting 1.5s: mysql.connect_wait)")
+    assert "Traceback" not in log.read_text()
+
+
+# -- a closed pipe ----------------------------------------------------------------------------
+
+
+async def test_output_to_a_closed_pipe_ends_quietly(store: MySQLStore, database_dsn: str, tmp_path: Path) -> None:
+    """`room-outbox inspect --json EVENT | head -c 100`: far more output than a pipe holds; the
+    reader closes after 100 bytes. The command stops quietly (141, as for SIGPIPE), no traceback."""
+    await insert_events(store, [envelope("big", payload={"text": "x" * 1_000_000})])
+    config = write_config(tmp_path, database_dsn)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "room_outbox.cli", "--config", config, "inspect", "big", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        head = proc.stdout.read(100)
+        proc.stdout.close()
+        err = proc.stderr.read()
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert head.startswith(b"{")
+    assert (code, err) == (141, b"")
+
+
+# -- the error tree ---------------------------------------------------------------------------
+
+
+def test_one_root_and_the_old_names_still_work() -> None:
+    from room_outbox.config import ConfigError
+    from room_outbox.envelope import EnvelopeError
+    from room_outbox.sink import PermanentSinkError, RetryableSinkError, SinkError
+
+    assert ConfigError is ConfigurationError
+    for error in (ConfigError, EnvelopeError, SinkError, RetryableSinkError, PermanentSinkError, StoreUnavailable):
+        assert issubclass(error, RoomOutboxError)
+    assert issubclass(EnvelopeError, ValueError)  # callers catching ValueError keep working
+    assert (ConfigurationError.exit_code, StoreUnavailable.exit_code, SchemaError.exit_code) == (2, 3, 3)
