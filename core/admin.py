@@ -11,9 +11,16 @@ from typing import Any
 
 from room_outbox.store.mysql import MySQLStore, RequeueFilter, cancel, find_requeue_candidates, requeue
 
+#: Rows one ``requeue`` changes at most: one statement, a list a person can still read.
+REQUEUE_LIMIT = 10_000
 
-async def requeue_command(store: MySQLStore, where: RequeueFilter, apply: bool, out: Any) -> int:
-    rows = await find_requeue_candidates(store, where)
+
+async def requeue_command(
+    store: MySQLStore, where: RequeueFilter, apply: bool, out: Any, limit: int = REQUEUE_LIMIT
+) -> int:
+    rows = await find_requeue_candidates(store, where, limit + 1)  # one more: are there more?
+    more = len(rows) > limit
+    rows = rows[:limit]
     if not rows:
         print("no rows match (published, cancelled and currently leased rows are never requeued)", file=out)
         return 0
@@ -26,23 +33,36 @@ async def requeue_command(store: MySQLStore, where: RequeueFilter, apply: bool, 
             f"{row['event_id']:<40} {row['event_type']:<24} {row['status']:<8} {row['retry_count']:>7} {age:>8}  {error}",
             file=out,
         )
+    beyond = f"; more than {limit:,} rows match: only the first {limit:,} (lowest ids) are taken" if more else ""
     if not apply:
-        print(f"{len(rows)} row(s) would be requeued; run again with --yes to apply", file=out)
+        print(f"{len(rows)} row(s) would be requeued{beyond}; run again with --yes to apply", file=out)
         return 0
     changed = await requeue(store, [row["id"] for row in rows])
-    print(f"requeued {changed} row(s)", file=out)
+    note = ""
+    if changed < len(rows):  # claimed, published or cancelled since they were listed
+        note = f"; {len(rows) - changed} of the {len(rows)} listed changed meanwhile (leased, published or cancelled)"
+    # Requeued rows are pending and may match again: the rest is reached by a narrower filter
+    # (with --status failed, the rows just requeued no longer match).
+    again = (
+        f"; more than {limit:,} rows matched: only the first {limit:,} (lowest ids) were taken;"
+        " narrow the filter (--status failed, --event-type, --older-than) to reach the rest"
+        if more
+        else ""
+    )
+    print(f"requeued {changed} row(s){note}{again}", file=out)
     return 0
 
 
-async def cancel_command(store: MySQLStore, event_id: str, out: Any) -> int:
+async def cancel_command(store: MySQLStore, event_id: str, out: Any, err: Any) -> int:
+    """Result on ``out``; why nothing was cancelled on ``err`` (exit code 1)."""
     cancelled, status = await cancel(store, event_id)
     if cancelled:
         print(f"cancelled {event_id}: it will never be delivered; the row is kept", file=out)
         return 0
     if status is None:
-        print(f"no event {event_id}", file=out)
+        print(f"room-outbox cancel: no event {event_id}", file=err)
     else:
-        print(f"{event_id} is {status}: only pending or failed events can be cancelled", file=out)
+        print(f"room-outbox cancel: {event_id} is {status}: only pending or failed events can be cancelled", file=err)
     return 1
 
 

@@ -1,21 +1,24 @@
-"""``room-outbox [--config FILE] COMMAND``."""
+"""The ``room-outbox`` command line: one subcommand per task, each with a description and
+examples in its ``--help``; errors as one line on stderr with a documented exit code."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
 
 import anyio
+import pluggy
 
 from room_outbox.admin import cancel_command, requeue_command
 from room_outbox.app import redactor_for, run_service
 from room_outbox.config import Settings, load_settings, parse_duration
 from room_outbox.demo import add_demo_parser, run_demo_command
 from room_outbox.errors import ConfigurationError, RoomOutboxError
-from room_outbox.lanes import migrate_plugins
+from room_outbox.lanes import migrate_plugins, plugins_migration_plan
 from room_outbox.ops import inspect_command, status_command
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.retention import RetentionOptions, cleanup_command
@@ -26,44 +29,170 @@ from room_outbox.store.mysql import MySQLStore, RequeueFilter
 from room_outbox.telemetry import configure_logging
 from room_outbox.testing.cli import add_fake_im_parser, run_fake_im
 
+DESCRIPTION = """\
+Guaranteed delivery of room events: room-outbox reads the room_outbox table that room-service
+writes in its own transactions and delivers each event to Tencent Cloud IM and the other
+configured sinks, at least once. `room-outbox COMMAND --help` describes each command."""
+
+EPILOG = """\
+examples:
+  room-outbox check-config --config config/config.yaml
+  room-outbox migrate --config config/config.yaml
+  room-outbox run --config config/config.yaml
+  room-outbox status --json | jq .pending
+
+The configuration comes from --config FILE (default $ROOM_OUTBOX_CONFIG) and the environment
+(ROOM_OUTBOX__SECTION__KEY, which wins over the file). Exit codes: 0 done, 1 unexpected error,
+2 configuration, 3 database unreachable or not migrated, 141 output closed early."""
+
+#: Every subcommand: (one-line summary for the command list, description, examples).
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "run": (
+        "run the dispatcher until SIGTERM/SIGINT",
+        "Deliver events until SIGTERM or SIGINT. Before anything is claimed: the whole configuration\n"
+        "is checked, the database is waited for (up to mysql.connect_wait) and its schema is checked.",
+        "room-outbox run --config /etc/room-outbox/config.yaml\nROOM_OUTBOX__LOG__LEVEL=DEBUG room-outbox run",
+    ),
+    "check-config": (
+        "validate the whole configuration offline: OK, or every error",
+        "Validate the configuration file and environment as `run` would, sink sections, routes and\n"
+        "OTEL_* exporters included, without connecting to anything. Prints OK or every problem.",
+        "room-outbox check-config --config config/config.yaml\n"
+        "ROOM_OUTBOX__SINKS__TENCENT_IM__SECRET_KEY=... room-outbox check-config",
+    ),
+    "migrate": (
+        "create room_outbox or upgrade a V1 table in place (idempotent)",
+        "Create room_outbox (and the database) when missing, or add room-outbox's columns and indexes\n"
+        "to room-service's V1 table in place; create the tables of lanes of their own. Running it\n"
+        "again changes nothing. --sql prints the statements it would run instead of running them.",
+        "room-outbox migrate --sql\nroom-outbox migrate --config config/config.yaml",
+    ),
+    "status": (
+        "backlog, retries, frequent errors and leases at a glance",
+        "The backlog (pending rows, the oldest one's time), rows waiting for a retry, the retry-count\n"
+        "histogram, lease holders, lanes of their own and the most frequent last_error values.",
+        "room-outbox status\nroom-outbox status --json | jq .oldest_pending_age_ms",
+    ),
+    "inspect": (
+        "one event: its row, parsed envelope and delivery state",
+        "One event by event_id: its row (times in local time, with how long ago), its parsed\n"
+        "envelope or why it does not parse, and its state in every lane. --json keeps raw values.",
+        "room-outbox inspect evt_01J9ZQ\nroom-outbox inspect evt_01J9ZQ --json | jq .row.last_error",
+    ),
+    "requeue": (
+        "send pending or parked (failed) rows round again; shows them, applies only with --yes",
+        "Make pending or parked (failed) rows due now with retry_count 0. Without --yes it only\n"
+        "lists the rows it would change. At most 10,000 rows a run; it says so when more match.\n"
+        "Published, cancelled and currently leased rows are never touched.",
+        'room-outbox requeue --error-contains "group gone"\n'
+        "room-outbox requeue --event-type RoomGiftSent --status failed --yes",
+    ),
+    "cancel": (
+        "mark an event cancelled: never delivered, kept for audit",
+        "Mark a pending or parked event cancelled: it is never delivered; the row is kept.",
+        "room-outbox cancel evt_01J9ZQ",
+    ),
+    "cleanup": (
+        "delete (or archive) published rows older than retention.older_than; previews without --yes",
+        "Remove published rows older than retention.older_than (or --older-than), in small batches;\n"
+        "with --archive move them to room_outbox_archive. Without --yes nothing is removed: it\n"
+        "counts what would be (as --dry-run does). On a terminal, a progress line per batch.",
+        "room-outbox cleanup --older-than 30d\nroom-outbox cleanup --older-than 30d --yes\n"
+        "room-outbox cleanup --archive --yes",
+    ),
+    "demo": (
+        "run the whole pipeline on SQLite with a fake Tencent IM and verify it (no services needed)",
+        "Produce events into a SQLite outbox, deliver them through a fake Tencent IM that fails a\n"
+        "share of requests, and check that every event arrived once, in order per room. Needs no\n"
+        "configuration and no services (it ignores --config).",
+        "room-outbox demo\nroom-outbox demo --events 5000 --failure-rate 0.3 --seed 7",
+    ),
+    "fake-im": (
+        "serve a fake Tencent IM on loopback (tests, demos)",
+        "Serve a fake Tencent IM REST API (send_group_msg and friends) with a control API for\n"
+        "faults, for tests and local runs. Needs no configuration (it ignores --config).",
+        "room-outbox fake-im --port 8090\nroom-outbox fake-im --port 0 --faults '{\"error_rate\": 0.2}'",
+    ),
+}
+
+#: Commands that read no configuration.
+SELF_CONTAINED = ("demo", "fake-im")
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("room-outbox")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="room-outbox", description=__doc__)
-    parser.add_argument(
-        "--config",
-        default=os.environ.get("ROOM_OUTBOX_CONFIG"),
-        help="YAML configuration file (default: $ROOM_OUTBOX_CONFIG; without one, defaults + environment)",
+    parser = argparse.ArgumentParser(
+        prog="room-outbox",
+        usage="room-outbox [--config FILE] COMMAND [options]",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("run", help="run the dispatcher until SIGTERM/SIGINT")
-    commands.add_parser(
-        "check-config", help="validate the whole configuration, sink sections included, without connecting"
+    parser.add_argument("--version", action="version", version=f"room-outbox {version()}")
+    parser.add_argument("--config", default=os.environ.get("ROOM_OUTBOX_CONFIG"), metavar="FILE", help=CONFIG_HELP)
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", title="commands", prog="room-outbox"
     )
-    commands.add_parser("migrate", help="create room_outbox or upgrade a V1 table in place (idempotent)")
-    requeue = commands.add_parser(
-        "requeue", help="send pending or parked (failed) rows round again; shows them, applies only with --yes"
-    )
+
+    def command(name: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=COMMANDS[name][0])
+
+    command("run")
+    command("check-config")
+    migrate = command("migrate")
+    migrate.add_argument("--sql", action="store_true", help="print the statements it would run; change nothing")
+    status = command("status")
+    status.add_argument("--json", action="store_true", help="machine-readable output (raw values: epoch ms)")
+    inspect = command("inspect")
+    inspect.add_argument("event_id", help="the event's event_id")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output (raw values: epoch ms)")
+    requeue = command("requeue")
     requeue.add_argument("--event-id", action="append", default=[], help="this event (repeatable)")
     requeue.add_argument("--event-type", help="events of this type")
     requeue.add_argument("--error-contains", help="events whose last_error contains this text")
-    requeue.add_argument("--older-than", type=_duration_ms, help="events created at least this long ago (e.g. 10m)")
+    requeue.add_argument(
+        "--older-than", type=_duration_ms, metavar="DURATION", help="events created at least this long ago (e.g. 10m)"
+    )
     requeue.add_argument("--status", choices=("pending", "failed"), help="only rows in this status (default: both)")
     requeue.add_argument("--yes", action="store_true", help="apply the change (default: only show it)")
-    cancel = commands.add_parser("cancel", help="mark an event cancelled: never delivered, kept for audit")
-    cancel.add_argument("event_id")
-    status = commands.add_parser("status", help="backlog, retries, frequent errors and leases at a glance")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
-    inspect = commands.add_parser("inspect", help="one event: its row, parsed envelope and delivery state")
-    inspect.add_argument("event_id")
-    inspect.add_argument("--json", action="store_true", help="machine-readable output")
-    cleanup = commands.add_parser("cleanup", help="delete (or archive) published rows older than retention.older_than")
-    cleanup.add_argument("--older-than", type=parse_duration, help="override retention.older_than (e.g. 168h)")
+    cancel = command("cancel")
+    cancel.add_argument("event_id", help="the event's event_id")
+    cleanup = command("cleanup")
+    cleanup.add_argument(
+        "--older-than", type=_duration, metavar="DURATION", help="override retention.older_than (e.g. 168h, 30d)"
+    )
     cleanup.add_argument("--archive", action="store_true", help="move rows to room_outbox_archive instead")
+    preview = cleanup.add_mutually_exclusive_group()
+    preview.add_argument("--dry-run", action="store_true", help="count what would be removed; remove nothing (default)")
+    preview.add_argument("--yes", action="store_true", help="remove the rows (without it, only a count)")
     add_fake_im_parser(commands)
     add_demo_parser(commands)
-    for command in commands.choices.values():  # `room-outbox run --config FILE` too (the image's command)
-        command.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    for name, sub in commands.choices.items():
+        _summary, description, examples = COMMANDS[name]
+        sub.description = description
+        sub.epilog = "examples:\n" + "\n".join(f"  {line}" for line in examples.splitlines())
+        sub.formatter_class = argparse.RawDescriptionHelpFormatter
+        # `room-outbox run --config FILE` too (the image's command); SUPPRESS keeps a --config
+        # given before the command when none follows it.
+        shown = argparse.SUPPRESS if name in SELF_CONTAINED else CONFIG_HELP
+        sub.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help=shown)
     return parser
+
+
+CONFIG_HELP = "YAML configuration file (default: $ROOM_OUTBOX_CONFIG; without one, defaults + environment)"
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _duration_ms(text: str) -> int:
@@ -112,7 +241,7 @@ def _command(args: argparse.Namespace) -> int:
         return _check_config(settings, args.config)
     configure_logging(settings.log.level, settings.node_id, redactor_for(settings))
     if args.command == "migrate":
-        return anyio.run(_migrate, settings)
+        return anyio.run(_migrate, settings, args.sql)
     if args.command == "run":
         anyio.run(run_service, settings)
         return 0
@@ -158,18 +287,40 @@ def _check_config(settings: Settings, source: str | None) -> int:
     return 0
 
 
-async def _migrate(settings: Settings) -> int:
+async def _migrate(settings: Settings, sql_only: bool) -> int:
     dsn = settings.mysql.dsn.get_secret_value()
+    pm = make_plugin_manager(settings.plugins.disabled)
+    if sql_only:
+        return await _print_migration(settings, pm)
     store = await open_store(dsn, create_database=True, wait=settings.mysql.connect_wait)
     try:
         with _translated(dsn):
             changes = await store.migrate()
-            pm = make_plugin_manager(settings.plugins.disabled)
             changes += await migrate_plugins(store, pm, settings)  # own-lane sinks' tables, plugin tables
     finally:
         await store.aclose()
     for change in changes or ["schema already up to date"]:
         print(change)
+    return 0
+
+
+async def _print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
+    """``migrate --sql``: the statements ``migrate`` would run on this database, as a script
+    to read or hand to a DBA; nothing is changed (the catalogue is only read)."""
+    dsn = settings.mysql.dsn.get_secret_value()
+    store = await open_store(dsn, wait=settings.mysql.connect_wait)
+    try:
+        with _translated(dsn):
+            plan = await store.migration_plan() + await plugins_migration_plan(store, pm, settings)
+    finally:
+        await store.aclose()
+    print(f"-- room-outbox migrate for {describe(store_address(dsn))}: nothing has been run")
+    if not plan:
+        print("-- schema already up to date: no statement to run")
+    for step in plan:
+        print(f"\n-- {step.change}")
+        for statement in step.statements:
+            print(statement.strip().rstrip(";") + ";")
     return 0
 
 
@@ -219,10 +370,10 @@ async def _operator_command(store: SQLStore, settings: Settings, args: argparse.
             return 2
         return await requeue_command(store, where, args.yes, sys.stdout)
     if args.command == "cancel":
-        return await cancel_command(store, args.event_id, sys.stdout)
+        return await cancel_command(store, args.event_id, sys.stdout, sys.stderr)
     if args.command == "cleanup":
         options = RetentionOptions.from_settings(settings.retention, args.older_than, args.archive)
-        return await cleanup_command(store, options)
+        return await cleanup_command(store, options, args.yes, sys.stdout, sys.stderr, sys.stderr.isatty())
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -12,8 +12,8 @@ import pluggy
 
 from room_outbox.config import ConfigError, Settings
 from room_outbox.routing import registered_sinks, section_enabled
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_lanes import LaneStore, migrate_lanes
+from room_outbox.store.mysql import Migration, MySQLStore
+from room_outbox.store.mysql_lanes import LaneStore, lanes_migration_plan, migrate_lanes
 
 
 def own_lane_sinks(pm: pluggy.PluginManager, settings: Settings) -> list[str]:
@@ -24,6 +24,21 @@ def own_lane_sinks(pm: pluggy.PluginManager, settings: Settings) -> list[str]:
         for name, spec in registered_sinks(pm).items()
         if spec.own_lane and section_enabled(settings.sinks.get(name), spec.enabled_by_default)
     )
+
+
+async def plugins_migration_plan(store: object, pm: pluggy.PluginManager, settings: Settings) -> list[Migration]:
+    """What :func:`migrate_plugins` would run: the missing lane tables, then every plugin's
+    own statements (they are idempotent, so all of them)."""
+    lanes = own_lane_sinks(pm, settings)
+    statements = tuple(ddl for plugin_ddl in pm.hook.room_outbox_migrations() for ddl in plugin_ddl)
+    if not isinstance(store, MySQLStore):
+        if lanes:
+            raise ConfigError(f"sinks {', '.join(lanes)}: lanes of their own need a MySQL database (mysql.dsn)")
+        return []
+    plan = await lanes_migration_plan(store, lanes)
+    if statements:
+        plan.append(Migration(f"ran {len(statements)} plugin schema statement(s)", statements))
+    return plan
 
 
 async def migrate_plugins(store: object, pm: pluggy.PluginManager, settings: Settings) -> list[str]:

@@ -170,7 +170,7 @@ def format_status(report: StatusReport) -> str:
     now = _now_ms()
     lines = [
         f"pending               {report.pending}",
-        f"oldest pending age    {format_age(report.oldest_pending_age_ms) if report.pending else '-'}",
+        f"oldest pending        {format_time(now - report.oldest_pending_age_ms, now) if report.pending else '-'}",
         f"waiting for retry     {report.waiting_for_retry}",
         f"leased now            {report.leased}",
     ]
@@ -179,9 +179,9 @@ def format_status(report: StatusReport) -> str:
     lines += [f"{label:>7}  {rows}" for label, rows in report.retry_histogram.items()]
     lines += ["", "lease holders"]
     if report.holders:
-        lines.append(f"  {'node':<40} {'claims':>6} {'rows':>6}  lease ends in")
+        lines.append(f"  {'node':<40} {'claims':>6} {'rows':>6}  lease ends")
         lines += [
-            f"  {h.node:<40} {h.claims:>6} {h.rows:>6}  {format_age(h.lease_until_ms - now)}" for h in report.holders
+            f"  {h.node:<40} {h.claims:>6} {h.rows:>6}  {format_time(h.lease_until_ms, now)}" for h in report.holders
         ]
     else:
         lines.append("  (none)")
@@ -196,6 +196,28 @@ def format_status(report: StatusReport) -> str:
     else:
         lines.append("  (none)")
     return "\n".join(lines)
+
+
+def format_time(epoch_ms: int, now_ms: int) -> str:
+    """``2026-12-01 09:01:02 (3 min ago)`` or ``(in 25 s)``: local time, for a person; the
+    ``--json`` output keeps the epoch milliseconds."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch_ms / 1000))
+    return f"{stamp} ({format_relative(epoch_ms - now_ms)})"
+
+
+def format_relative(delta_ms: int) -> str:
+    """``3 min ago`` for a negative difference, ``in 3 min`` for a positive one (whole units)."""
+    seconds = abs(delta_ms) // 1000
+    unit, size = next(((unit, size) for unit, size in _UNITS if seconds >= size), ("s", 1))
+    amount = f"{seconds // size} {unit}"
+    return f"{amount} ago" if delta_ms <= 0 else f"in {amount}"
+
+
+_UNITS = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
+
+
+#: Row columns that hold an epoch-ms time (0: none).
+TIME_COLUMNS = ("created_at_ms", "updated_at_ms", "lock_until_ms")
 
 
 def format_age(ms: int) -> str:
@@ -287,7 +309,11 @@ def describe_state(row: dict[str, Any], now: int) -> str:
 def format_inspection(doc: dict[str, Any]) -> str:
     row = doc["row"]
     width = max(len(name) for name in row)
-    lines = [f"{name:<{width}}  {value}" for name, value in row.items()]
+    now = _now_ms()
+    lines = [
+        f"{name:<{width}}  {value}" + (f"  {format_time(int(value), now)}" if name in TIME_COLUMNS and value else "")
+        for name, value in row.items()
+    ]
     lines += ["", f"state: {doc['state']}"]
     lines += [f"lane {lane}: {state}" for lane, state in doc.get("lanes", {}).items()]
     lines.append("")

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import IO
 
 import anyio
 import pymysql
@@ -77,6 +78,8 @@ class CleanupReport:
     #: Most rows removed by one transaction: never above ``batch_size``.
     largest_batch: int = 0
     seconds: float = 0.0
+    #: The highest id looked at so far.
+    last_id: int = 0
 
 
 async def cleanup(
@@ -85,12 +88,16 @@ async def cleanup(
     *,
     now: int | None = None,
     stop: anyio.Event | None = None,
+    dry_run: bool = False,
+    progress: Callable[[CleanupReport], None] | None = None,
 ) -> CleanupReport:
-    """One pass over the published rows; returns early (between batches) once ``stop`` is set."""
+    """One pass over the published rows; returns early (between batches) once ``stop`` is set.
+    ``dry_run``: the same walk, counting the rows each batch would remove, changing nothing.
+    ``progress`` is called after each batch."""
     started = time.monotonic()
     cutoff = (now if now is not None else now_ms()) - int(options.older_than * 1000)
     report = CleanupReport()
-    columns = await _archive_columns(store) if options.archive else []
+    columns = await _archive_columns(store) if options.archive and not dry_run else []
     lanes, fed_through = await _lanes(store)
     after = 0
     while stop is None or not stop.is_set():
@@ -103,13 +110,22 @@ async def cleanup(
         old = [row_id for row_id, created in seen if created <= cutoff and row_id <= fed_through]
         if not old:
             break  # ids rise with time: past this batch every published row is younger (or unfed)
-        removed = await _remove(store, old, cutoff, columns, lanes)
+        if dry_run:
+            removed = await _count_removable(store, old, cutoff, lanes)
+        else:
+            removed = await _remove(store, old, cutoff, columns, lanes)
         if removed:
             report.removed += removed
             report.batches += 1
             report.largest_batch = max(report.largest_batch, removed)
+        report.last_id = after
+        report.seconds = time.monotonic() - started
+        if progress is not None:
+            progress(report)
         if len(seen) < options.batch_size:
             break
+        if dry_run:
+            continue  # nothing was written: no pause owed to delivery
         # A pause lets the claims and result writes of delivery take the log flushes.
         if stop is None:
             await anyio.sleep(options.pause)
@@ -136,15 +152,31 @@ async def _remove(
     return 0
 
 
+def _not_owed(lanes: list[str]) -> str:
+    """A lane still owing the event (pending, or parked for a requeue) needs its envelope."""
+    return "".join(
+        f" AND NOT EXISTS (SELECT 1 FROM {lane} l WHERE l.outbox_id = {TABLE}.id AND l.status IN ('pending', 'failed'))"
+        for lane in lanes
+    )
+
+
+async def _count_removable(store: MySQLStore, candidates: list[int], cutoff: int, lanes: list[str]) -> int:
+    """How many of the candidates a removal would take now (``--dry-run``): its conditions, no lock."""
+    marks = ", ".join(["%s"] * len(candidates))
+    async with store.transaction() as cur:
+        await cur.execute(
+            f"SELECT COUNT(*) FROM {TABLE} FORCE INDEX (PRIMARY) WHERE id IN ({marks}) AND status = 'published'"
+            f" AND created_at_ms <= %s{_not_owed(lanes)}",
+            (*candidates, cutoff),
+        )
+        return int((await cur.fetchone())[0])
+
+
 async def _remove_once(
     store: MySQLStore, candidates: list[int], cutoff: int, archive_columns: list[str], lanes: list[str]
 ) -> int:
     marks = ", ".join(["%s"] * len(candidates))
-    # A lane still owing the event (pending, or parked for a requeue) needs its envelope.
-    owed = "".join(
-        f" AND NOT EXISTS (SELECT 1 FROM {lane} l WHERE l.outbox_id = {TABLE}.id AND l.status IN ('pending', 'failed'))"
-        for lane in lanes
-    )
+    owed = _not_owed(lanes)
     async with store.transaction() as cur:
         # PRIMARY only: locking through a secondary index would take locks that the DELETE of a
         # concurrent cleaner needs next, which deadlocks (seen with two cleaners).
@@ -239,12 +271,35 @@ async def run_retention_job(
     log.info("retention job stopped", extra={"lifecycle": "retention_stopped"})
 
 
-async def cleanup_command(store: MySQLStore, options: RetentionOptions) -> int:
-    """``room-outbox cleanup``: one pass, then a one-line summary."""
-    report = await cleanup(store, options)
-    where = f"moved to {ARCHIVE_TABLE}" if options.archive else "deleted"
+async def cleanup_command(
+    store: MySQLStore, options: RetentionOptions, apply: bool, out: IO[str], err: IO[str], show_progress: bool
+) -> int:
+    """``room-outbox cleanup``: one pass, removing rows only when ``apply`` (``--yes``), else
+    counting them; a progress line per batch on ``err`` when ``show_progress`` (a terminal);
+    then a one-line summary on ``out``."""
+    verb = ("moved to " + ARCHIVE_TABLE if options.archive else "deleted") if apply else "would be removed"
+
+    def progress(report: CleanupReport) -> None:
+        print(
+            f"batch {report.batches}: {report.removed:,} row(s) {verb} so far (ids up to {report.last_id},"
+            f" {report.seconds:.1f}s)",
+            file=err,
+            flush=True,
+        )
+
+    report = await cleanup(store, options, dry_run=not apply, progress=progress if show_progress else None)
+    older = f"older than {options.older_than:g}s"
+    if not apply:
+        target = f"moved to {ARCHIVE_TABLE}" if options.archive else "deleted"
+        print(
+            f"{report.removed} published row(s) {older} would be {target} (dry run: nothing changed;"
+            " run again with --yes to remove them)",
+            file=out,
+        )
+        return 0
     print(
-        f"{report.removed} published row(s) older than {options.older_than:g}s {where}"
-        f" in {report.batches} batch(es) of at most {options.batch_size}, {report.seconds:.1f}s"
+        f"{report.removed} published row(s) {older} {verb}"
+        f" in {report.batches} batch(es) of at most {options.batch_size}, {report.seconds:.1f}s",
+        file=out,
     )
     return 0

@@ -16,7 +16,6 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import SERVER_DSN
 from faults.tcp_proxy import TcpProxy
 from support import V1_DDL, RecordingSink, envelope, insert_events, wait_until
 
@@ -62,13 +61,19 @@ async def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str,
     return code, out, err.splitlines()
 
 
-def server(port: int | None = None, user: str | None = None, password: str | None = None, database: str = "x") -> str:
+def server(database_dsn: str, port: int | None = None, password: str | None = None, database: str = "x") -> str:
     """A DSN for the test server with one part changed."""
-    address = MySQLAddress.from_dsn(f"{SERVER_DSN}/{database}")
+    address = MySQLAddress.from_dsn(database_dsn)
     return (
-        f"mysql://{user or address.user}:{address.password if password is None else password}"
+        f"mysql://{address.user}:{address.password if password is None else password}"
         f"@{address.host}:{port or address.port}/{database}"
     )
+
+
+def where(database_dsn: str, port: int | None = None, database: str = "x") -> str:
+    """How messages name the store."""
+    address = MySQLAddress.from_dsn(database_dsn)
+    return f"MySQL at {address.host}:{port or address.port} (database {database!r}, user {address.user!r})"
 
 
 # -- the database: exit 3 -----------------------------------------------------------------
@@ -76,31 +81,33 @@ def server(port: int | None = None, user: str | None = None, password: str | Non
 
 @pytest.mark.parametrize("command", [["status"], ["migrate"], ["run"], ["inspect", "e1"]])
 async def test_server_down_or_wrong_port(
-    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    command: list[str], database_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     port = free_port()
-    code, _, err = await cli(capsys, "--config", write_config(tmp_path, server(port=port)), *command)
+    code, _, err = await cli(capsys, "--config", write_config(tmp_path, server(database_dsn, port=port)), *command)
     assert code == 3
     assert err == [
-        f"room-outbox: cannot reach MySQL at 127.0.0.1:{port} (database 'x', user 'root'): connection refused or"
+        f"room-outbox: cannot reach {where(database_dsn, port)}: connection refused or"
         " unreachable; is the server running, and are mysql.dsn's host and port right?"
     ]
 
 
 async def test_wrong_password_names_the_fix_and_never_the_password(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    database_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, _, err = await cli(capsys, "--config", write_config(tmp_path, server(password="s3cret-Pw*")), "status")
+    dsn = server(database_dsn, password="s3cret-Pw*")
+    code, _, err = await cli(capsys, "--config", write_config(tmp_path, dsn), "status")
     assert code == 3 and len(err) == 1
     assert "refused the login" in err[0] and err[0].endswith("check the user and password in mysql.dsn")
     assert "s3cret" not in err[0]
 
 
-async def test_wrong_database_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = await cli(capsys, "--config", write_config(tmp_path, server(database="no_such_db_here")), "status")
+async def test_wrong_database_name(database_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dsn = server(database_dsn, database="no_such_db_here")
+    code, _, err = await cli(capsys, "--config", write_config(tmp_path, dsn), "status")
     assert code == 3
     assert err == [
-        "room-outbox: MySQL at 127.0.0.1:3306 (database 'no_such_db_here', user 'root'): the database does not"
+        f"room-outbox: {where(database_dsn, database='no_such_db_here')}: the database does not"
         " exist; create it, or run `room-outbox migrate`, which creates it"
     ]
 
@@ -160,14 +167,14 @@ async def test_unsupported_dsn_scheme(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 async def test_bad_sink_section_stops_run_before_any_connection(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    database_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The database is down, the sink section is wrong: the configuration is reported (exit 2),
     and at once: nothing waited for the database."""
     port = free_port()
     config = tmp_path / "config.yaml"
     config.write_text(
-        f"mysql:\n  dsn: '{server(port=port)}'\n  connect_wait: 60s\n"
+        f"mysql:\n  dsn: '{server(database_dsn, port=port)}'\n  connect_wait: 60s\n"
         "sinks:\n  tencent_im:\n    sdkappid: 1400000000\n    identifier: admin\n    colour: blue\n"
     )
     with anyio.fail_after(20):  # far below connect_wait
@@ -179,7 +186,7 @@ async def test_bad_sink_section_stops_run_before_any_connection(
 
 
 async def test_check_config_is_offline_and_says_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    config = write_config(tmp_path, server(port=free_port()))  # nothing listens there
+    config = write_config(tmp_path, f"mysql://root:pw@127.0.0.1:{free_port()}/x")  # nothing listens there
     code, out, err = await cli(capsys, "check-config", "--config", config)
     assert (code, err) == (0, [])
     assert out.startswith(f"configuration OK ({config}): database 'x'; IM lane sinks: noop;")
@@ -257,10 +264,10 @@ async def test_start_up_waits_for_a_database_that_comes_up(database_dsn: str, tm
         await store.aclose()
 
 
-async def test_start_up_gives_up_after_connect_wait(tmp_path: Path) -> None:
+async def test_start_up_gives_up_after_connect_wait(database_dsn: str, tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / "config.yaml"
-    config.write_text(f"mysql:\n  dsn: '{server(port=port)}'\n  connect_wait: 1500ms\n{QUIET_SINKS}")
+    config.write_text(f"mysql:\n  dsn: '{server(database_dsn, port=port)}'\n  connect_wait: 1500ms\n{QUIET_SINKS}")
     proc, log = _start(tmp_path, str(config), "run")
     try:
         assert proc.wait(timeout=30) == 3
@@ -269,7 +276,7 @@ async def test_start_up_gives_up_after_connect_wait(tmp_path: Path) -> None:
             proc.kill()
     lines = log.read_text().splitlines()
     assert len(_waits(log)) >= 3
-    assert lines[-1].startswith(f"room-outbox: cannot reach MySQL at 127.0.0.1:{port}")
+    assert lines[-1].startswith(f"room-outbox: cannot reach {where(database_dsn, port)}")
     assert lines[-1].endswith("(gave up after waiting 1.5s: mysql.connect_wait)")
     assert "Traceback" not in log.read_text()
 

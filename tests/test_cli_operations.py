@@ -46,7 +46,7 @@ async def test_requeue_and_cancel_from_the_command_line(
     assert await anyio.to_thread.run_sync(main, ["--config", config, "cancel", "c1"]) == 0
     assert (await fetch_rows(store))["c1"]["status"] == "cancelled"
     assert await anyio.to_thread.run_sync(main, ["--config", config, "cancel", "c1"]) == 1
-    assert "c1 is cancelled" in capsys.readouterr().out
+    assert "c1 is cancelled" in capsys.readouterr().err
 
 
 async def test_requeue_without_a_filter_refuses(config: str, capsys: pytest.CaptureFixture[str]) -> None:

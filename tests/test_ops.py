@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,7 +86,7 @@ async def test_status_table_is_readable(
     code, out, _ = await _cli(capsys, tmp_path, database_dsn, "status")
     assert code == 0
     assert "pending               10" in out
-    assert "oldest pending age    1.0h" in out
+    assert re.search(r"^oldest pending        \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(1 h ago\)$", out, re.M)
     assert "node-a" in out and "tencent_im: ErrorCode 10007 no permission" in out
     code, out, _ = await _cli(capsys, tmp_path, database_dsn, "status")  # an empty outbox too
     assert code == 0

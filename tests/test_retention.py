@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -152,10 +155,27 @@ async def test_cleanup_command(
     await add_rows(store, "older_", 6, 10 * DAY_MS, "published")
     await add_rows(store, "old_", 9, 3 * DAY_MS, "published")
 
-    assert await anyio.to_thread.run_sync(main, ["--config", str(config), "cleanup"]) == 0
-    assert "6 published row(s) older than 604800s deleted in 2 batch(es)" in capsys.readouterr().out
+    # Without --yes (or with --dry-run): a count, nothing removed, no archive table made.
+    for preview in ([], ["--dry-run"]):
+        assert await anyio.to_thread.run_sync(main, ["--config", str(config), "cleanup", *preview]) == 0
+        assert capsys.readouterr().out == (
+            "6 published row(s) older than 604800s would be deleted (dry run: nothing changed;"
+            " run again with --yes to remove them)\n"
+        )
+    argv = ["--config", str(config), "cleanup", "--older-than", "48h", "--archive", "--dry-run"]
+    assert await anyio.to_thread.run_sync(main, argv) == 0
+    assert f"15 published row(s) older than 172800s would be moved to {ARCHIVE_TABLE}" in capsys.readouterr().out
+    assert len(await fetch_rows(store)) == 15
+    async with store.transaction() as cur:
+        await cur.execute(f"SHOW TABLES LIKE '{ARCHIVE_TABLE}'")
+        assert await cur.fetchone() is None
 
-    argv = ["--config", str(config), "cleanup", "--older-than", "48h", "--archive"]
+    assert await anyio.to_thread.run_sync(main, ["--config", str(config), "cleanup", "--yes"]) == 0
+    out, err = capsys.readouterr()
+    assert "6 published row(s) older than 604800s deleted in 2 batch(es)" in out
+    assert err == ""  # not a terminal: no progress lines
+
+    argv = ["--config", str(config), "cleanup", "--older-than", "48h", "--archive", "--yes"]
     assert await anyio.to_thread.run_sync(main, argv) == 0
     assert f"9 published row(s) older than 172800s moved to {ARCHIVE_TABLE}" in capsys.readouterr().out
     assert await fetch_rows(store) == {}
@@ -171,3 +191,59 @@ def test_retention_settings(tmp_path: Path) -> None:
         load_settings(bad)
     assert "retention.older_than: must be a positive duration" in str(caught.value)
     assert "retention.batch_size" in str(caught.value)
+
+
+def test_cleanup_dry_run_and_yes_exclude_each_other(capsys: Any) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["cleanup", "--dry-run", "--yes"])
+    assert exit_.value.code == 2
+    assert "not allowed with argument --dry-run" in capsys.readouterr().err
+
+
+async def test_cleanup_shows_a_progress_line_per_batch_on_a_terminal(
+    store: MySQLStore, database_dsn: str, tmp_path: Path
+) -> None:
+    """A real process whose stderr is a terminal (a pseudo-terminal): one line per batch there;
+    stdout, a file here, gets the summary only."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"mysql:\n  dsn: '{database_dsn}'\nretention:\n  batch_size: 4\n  pause: 0s\n")
+    await add_rows(store, "older_", 10, 10 * DAY_MS, "published")
+    primary, secondary = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
+    with (tmp_path / "out").open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "room_outbox.cli", "--config", str(config), "cleanup", "--yes"],
+            stdout=out,
+            stderr=secondary,
+            env=env,
+        )
+        os.close(secondary)
+        try:
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    terminal = _read_all(primary)
+    assert code == 0
+    lines = [line for line in terminal.splitlines() if line.startswith("batch ")]
+    assert [line.split(" (")[0] for line in lines] == [
+        "batch 1: 4 row(s) deleted so far",
+        "batch 2: 8 row(s) deleted so far",
+        "batch 3: 10 row(s) deleted so far",
+    ]
+    assert (tmp_path / "out").read_text().startswith("10 published row(s) older than 604800s deleted in 3 batch(es)")
+
+
+def _read_all(fd: int) -> str:
+    """What the process wrote to the terminal; EIO once it has exited and closed its side."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks).decode().replace("\r\n", "\n")

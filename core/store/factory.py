@@ -16,7 +16,7 @@ from room_outbox.errors import ConfigurationError, StoreUnavailable
 from room_outbox.store import OutboxStore
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.errors import translated
-from room_outbox.store.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.mysql import Migration, MySQLAddress, MySQLStore
 from room_outbox.store.sqlite import SQLiteAddress, SQLiteStore
 
 log = logging.getLogger("room_outbox.store")
@@ -37,6 +37,10 @@ class StoreAddress(Protocol):
 class SQLStore(OutboxStore, Protocol):
     @property
     def address(self) -> StoreAddress: ...
+
+    async def migration_plan(self) -> list[Migration]:
+        """The statements :meth:`migrate` would run now (``migrate --sql``)."""
+        ...
 
     def transaction(self) -> AbstractAsyncContextManager[Any]:
         """A cursor (``execute``/``executemany`` with ``%s`` placeholders, ``fetchone``,

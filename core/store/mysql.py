@@ -29,6 +29,7 @@ import aiomysql
 import anyio
 from pymysql.constants import CLIENT
 
+from room_outbox.errors import SchemaError
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT, SessionLimits, TimeoutWatch, query_deadline
 from room_outbox.store.leased import (
     TABLE,
@@ -80,9 +81,17 @@ def require_v1_columns(columns: set[str]) -> None:
     """Refuse a ``room_outbox`` that is not room-service's V1 table (whatever the database)."""
     missing = [c for c in REQUIRED_V1_COLUMNS if c not in columns]
     if missing:
-        raise RuntimeError(
+        raise SchemaError(
             f"table {TABLE} exists but lacks the V1 columns {missing}; refusing to guess how to upgrade it"
         )
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One step of a migration: its statements and the line ``migrate`` reports once they ran."""
+
+    change: str
+    statements: tuple[str, ...]
 
 
 #: The IM lane's claim statement (tests read its plan with EXPLAIN).
@@ -259,40 +268,51 @@ class MySQLStore(LeasedRows):
     # -- schema ------------------------------------------------------------------------
 
     async def migrate(self) -> list[str]:
-        changes: list[str] = []
         async with self.transaction(SCHEMA_CHANGE_TIMEOUT) as cur:
+            plan = await self._plan(cur)
             # The session's statement time limit would stop a long ALTER TABLE half-way; it is
             # lifted for this transaction and put back before the connection returns to the pool.
             await cur.execute(f"SET SESSION {statement_time_limit(self.server_version, 0)}")
-            await self._migrate(cur, changes)
+            for step in plan:
+                for statement in step.statements:
+                    await cur.execute(statement)
             await cur.execute(f"SET SESSION {statement_time_limit(self.server_version, self.limits.statement_seconds)}")
-        return changes
+        return [step.change for step in plan]
 
-    async def _migrate(self, cur: aiomysql.Cursor, changes: list[str]) -> None:
-        """Add to ``room_outbox`` what is missing (creating the V1 table when there is none)."""
+    async def migration_plan(self) -> list[Migration]:
+        """The statements that bring ``room_outbox`` up to date, read from the catalogue; none
+        when it is. ``migrate`` runs them; ``migrate --sql`` prints them."""
+        async with self.transaction() as cur:
+            return await self._plan(cur)
+
+    async def _plan(self, cur: aiomysql.Cursor) -> list[Migration]:
+        """What is missing from ``room_outbox``, read in the caller's transaction."""
         await cur.execute(
             "SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
             (TABLE,),
         )
         columns = {row[0].lower() for row in await cur.fetchall()}
-        if not columns:
-            await cur.execute(V1_TABLE_DDL)
-            changes.append(f"created table {TABLE}")
-            columns = set(REQUIRED_V1_COLUMNS)
-        require_v1_columns(columns)
-        for name, definition in ADDED_COLUMNS.items():
-            if name not in columns:
-                await cur.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {definition}")
-                changes.append(f"added column {TABLE}.{name}")
         await cur.execute(
             "SELECT DISTINCT INDEX_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
             (TABLE,),
         )
         indexes = {row[0].lower() for row in await cur.fetchall()}
+        plan: list[Migration] = []
+        if not columns:
+            plan.append(Migration(f"created table {TABLE}", (V1_TABLE_DDL.strip(),)))
+            columns = set(REQUIRED_V1_COLUMNS)
+        require_v1_columns(columns)
+        for name, definition in ADDED_COLUMNS.items():
+            if name not in columns:
+                plan.append(
+                    Migration(f"added column {TABLE}.{name}", (f"ALTER TABLE {TABLE} ADD COLUMN {name} {definition}",))
+                )
         for name, columns_sql in ADDED_INDEXES.items():
             if name not in indexes:
-                await cur.execute(f"ALTER TABLE {TABLE} ADD INDEX {name} {columns_sql}")
-                changes.append(f"added index {TABLE}.{name}")
+                plan.append(
+                    Migration(f"added index {TABLE}.{name}", (f"ALTER TABLE {TABLE} ADD INDEX {name} {columns_sql}",))
+                )
+        return plan
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import aiomysql
 
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow
 from room_outbox.store.leased import TABLE, LeasedRows, _marks, now_ms
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql import Migration, MySQLStore
 
 log = logging.getLogger("room_outbox.lanes")
 
@@ -83,15 +83,24 @@ CREATE TABLE IF NOT EXISTS {table} (
 
 async def migrate_lanes(store: MySQLStore, lanes: Sequence[str]) -> list[str]:
     """Create the cursor table and each lane's table (idempotent)."""
-    changes: list[str] = []
+    plan = await lanes_migration_plan(store, lanes)
+    async with store.transaction() as cur:
+        for step in plan:
+            for statement in step.statements:
+                await cur.execute(statement)
+    return [step.change for step in plan]
+
+
+async def lanes_migration_plan(store: MySQLStore, lanes: Sequence[str]) -> list[Migration]:
+    """The tables :func:`migrate_lanes` would create: the cursor table and each lane's, when missing."""
     async with store.transaction() as cur:
         await cur.execute("SHOW TABLES")
         existing = {row[0].lower() for row in await cur.fetchall()}
-        for name, ddl in [(CURSOR_TABLE, CURSOR_DDL), *((lane_table(lane), lane_ddl(lane)) for lane in lanes)]:
-            if name not in existing:
-                await cur.execute(ddl)
-                changes.append(f"created table {name}")
-    return changes
+    return [
+        Migration(f"created table {name}", (ddl.strip(),))
+        for name, ddl in [(CURSOR_TABLE, CURSOR_DDL), *((lane_table(lane), lane_ddl(lane)) for lane in lanes)]
+        if name not in existing
+    ]
 
 
 def start_id(start: str | int, max_id: int) -> int:

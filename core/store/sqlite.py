@@ -31,7 +31,13 @@ import anyio
 
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.leased import TABLE, LeasedRows
-from room_outbox.store.mysql import ADDED_COLUMNS, ADDED_INDEXES, REQUIRED_V1_COLUMNS, require_v1_columns
+from room_outbox.store.mysql import (
+    ADDED_COLUMNS,
+    ADDED_INDEXES,
+    REQUIRED_V1_COLUMNS,
+    Migration,
+    require_v1_columns,
+)
 
 #: room-service's V1 table in SQLite's dialect. AUTOINCREMENT because per-room ordering relies
 #: on ids that only rise: without it SQLite reuses the ids of deleted rows at the top.
@@ -185,22 +191,31 @@ class SQLiteStore(LeasedRows):
     # -- schema ------------------------------------------------------------------------
 
     async def migrate(self) -> list[str]:
-        changes: list[str] = []
+        plan = await self.migration_plan()
+        async with self._lock, self._begin() as conn:
+            for step in plan:
+                for statement in step.statements:
+                    await conn.execute(statement)
+        return [step.change for step in plan]
+
+    async def migration_plan(self) -> list[Migration]:
+        """As :meth:`MySQLStore.migration_plan`, in SQLite's dialect."""
         async with self._lock, self._begin() as conn:
             columns = {str(row[1]).lower() for row in await conn.execute_fetchall(f"PRAGMA table_info({TABLE})")}
-            if not columns:
-                for statement in V1_TABLE_DDL:
-                    await conn.execute(statement)
-                changes.append(f"created table {TABLE}")
-                columns = set(REQUIRED_V1_COLUMNS)
-            require_v1_columns(columns)
-            for name, definition in _SQLITE_COLUMNS.items():
-                if name not in columns:
-                    await conn.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {definition}")
-                    changes.append(f"added column {TABLE}.{name}")
             indexes = {str(row[1]).lower() for row in await conn.execute_fetchall(f"PRAGMA index_list({TABLE})")}
-            for name, columns_sql in ADDED_INDEXES.items():
-                if name not in indexes:
-                    await conn.execute(f"CREATE INDEX {name} ON {TABLE} {columns_sql}")
-                    changes.append(f"added index {TABLE}.{name}")
-        return changes
+        plan: list[Migration] = []
+        if not columns:
+            plan.append(Migration(f"created table {TABLE}", V1_TABLE_DDL))
+            columns = set(REQUIRED_V1_COLUMNS)
+        require_v1_columns(columns)
+        for name, definition in _SQLITE_COLUMNS.items():
+            if name not in columns:
+                plan.append(
+                    Migration(f"added column {TABLE}.{name}", (f"ALTER TABLE {TABLE} ADD COLUMN {name} {definition}",))
+                )
+        for name, columns_sql in ADDED_INDEXES.items():
+            if name not in indexes:
+                plan.append(
+                    Migration(f"added index {TABLE}.{name}", (f"CREATE INDEX {name} ON {TABLE} {columns_sql}",))
+                )
+        return plan

@@ -19,6 +19,7 @@ import yaml
 from processes import FakeIMProcess, dispatchers, write_config
 from support import INSERT_V1, V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, wait_until
 
+from room_outbox.errors import SchemaError
 from room_outbox.store import DeliveryResult, Outcome
 from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.leased import LAST_ERROR_MAX, now_ms
@@ -93,7 +94,7 @@ async def test_migrate_upgrades_a_v1_table_in_place_keeping_its_rows(bare_store:
 async def test_migrate_refuses_a_table_that_is_not_v1(bare_store: SQLStore) -> None:
     async with bare_store.transaction() as cur:
         await cur.execute("CREATE TABLE room_outbox (id BIGINT PRIMARY KEY, event_id VARCHAR(64))")
-    with pytest.raises(RuntimeError, match="lacks the V1 columns"):
+    with pytest.raises(SchemaError, match="lacks the V1 columns"):
         await bare_store.migrate()
 
 

@@ -1,0 +1,225 @@
+"""The command line as an operator meets it: --version, help with a description and examples
+for every command, --config everywhere, human times next to raw ones, requeue's limit, and
+migrate --sql."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+
+import anyio
+import pytest
+from support import V1_DDL, envelope, insert_events
+
+from room_outbox.admin import requeue_command
+from room_outbox.cli import COMMANDS, SELF_CONTAINED, build_parser, main, version
+from room_outbox.ops import format_relative, format_time
+from room_outbox.store.factory import open_store
+from room_outbox.store.leased import now_ms
+from room_outbox.store.mysql import MySQLStore, RequeueFilter
+
+pytestmark = pytest.mark.anyio
+
+HUMAN_TIME = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \((\d+ (s|min|h|d) ago|in \d+ (s|min|h|d))\)"
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("ROOM_OUTBOX"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def config(tmp_path: Path, database_dsn: str) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(f"mysql:\n  dsn: '{database_dsn}'\nsinks:\n  tencent_im:\n    enabled: false\n")
+    return str(path)
+
+
+async def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = await anyio.to_thread.run_sync(main, list(argv))  # main() runs its own event loop
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def help_of(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+# -- version and help ---------------------------------------------------------------------------
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"room-outbox {version()}\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", version())
+
+
+def test_top_level_help_describes_the_tool_and_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    text = help_of(capsys)
+    assert text.startswith("usage: room-outbox [--config FILE] COMMAND [options]\n\nGuaranteed delivery of room events")
+    assert "``" not in text  # no raw docstring markup
+    for name in COMMANDS:
+        assert re.search(rf"^    {re.escape(name)}\b", text, re.M), name
+    assert "examples:\n  room-outbox check-config" in text and "Exit codes: 0 done" in text
+
+
+def test_every_command_has_a_description_an_example_and_config(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if a.dest == "command").choices
+    assert subcommands is not None and set(subcommands) == set(COMMANDS)
+    for name in COMMANDS:
+        text = help_of(capsys, name)
+        assert text.startswith(f"usage: room-outbox {name} "), name
+        _summary, description, _examples = COMMANDS[name]
+        assert description.splitlines()[0] in text, name
+        examples = text.split("examples:\n", 1)[1].splitlines()
+        assert examples and all(line.startswith("  ") and "room-outbox " in line for line in examples), name
+        if name not in SELF_CONTAINED:
+            assert "--config FILE" in text and "$ROOM_OUTBOX_CONFIG" in text, name
+        for example in examples:  # every example parses
+            words = shlex.split(example.split(" | ")[0])
+            build_parser().parse_args(words[words.index("room-outbox") + 1 :])
+
+
+def test_config_after_the_command_wins_and_before_it_is_kept() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["--config", "a.yaml", "status"]).config == "a.yaml"
+    assert parser.parse_args(["status", "--config", "b.yaml"]).config == "b.yaml"
+
+
+# -- errors on stderr -----------------------------------------------------------------------------
+
+
+async def test_cancel_errors_go_to_stderr(store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = await cli(capsys, "--config", config, "cancel", "nosuch")
+    assert (code, out, err) == (1, "", "room-outbox cancel: no event nosuch\n")
+
+
+# -- human times ----------------------------------------------------------------------------------
+
+
+def test_human_times_read_like_the_clock_and_say_how_long_ago() -> None:
+    now = 1_764_579_662_000
+    assert format_relative(-180_000) == "3 min ago" and format_relative(25_000) == "in 25 s"
+    assert format_relative(-2 * 86_400_000) == "2 d ago" and format_relative(0) == "0 s ago"
+    assert re.fullmatch(HUMAN_TIME, format_time(now - 180_000, now))
+    assert format_time(now - 180_000, now).endswith(" (3 min ago)")
+
+
+async def test_inspect_shows_human_times_and_json_keeps_raw_ones(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await insert_events(store, [envelope("e1")])
+    async with store.transaction() as cur:
+        await cur.execute(
+            "UPDATE room_outbox SET created_at_ms = created_at_ms - 180000, lock_until_ms = %s", (now_ms() + 60_000,)
+        )
+    code, out, _ = await cli(capsys, "--config", config, "inspect", "e1")
+    assert code == 0
+    created = next(line for line in out.splitlines() if line.startswith("created_at_ms"))
+    assert re.fullmatch(rf"created_at_ms\s+\d{{13}}  {HUMAN_TIME}", created) and "(3 min ago)" in created
+    lock = next(line for line in out.splitlines() if line.startswith("lock_until_ms"))
+    assert re.search(r"\(in (59|60) s\)$", lock)
+    code, out, _ = await cli(capsys, "--config", config, "inspect", "e1", "--json")
+    row = json.loads(out)["row"]
+    assert isinstance(row["created_at_ms"], int) and isinstance(row["lock_until_ms"], int)
+
+
+async def test_status_shows_the_oldest_pending_time(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await insert_events(store, [envelope("e1")])
+    async with store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET created_at_ms = created_at_ms - 7200000")
+    code, out, _ = await cli(capsys, "--config", config, "status")
+    assert code == 0
+    assert re.search(rf"^oldest pending        {HUMAN_TIME}$", out, re.M) and "(2 h ago)" in out
+    code, out, _ = await cli(capsys, "--config", config, "status", "--json")
+    assert 7_200_000 <= json.loads(out)["oldest_pending_age_ms"] < 7_300_000
+
+
+# -- requeue's limit ------------------------------------------------------------------------------
+
+
+async def test_requeue_says_when_more_rows_match_than_it_changes(store: MySQLStore) -> None:
+    await insert_events(store, [envelope(f"e{n}") for n in range(5)])
+    async with store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET status = 'failed', last_error = 'gone'")
+    where = RequeueFilter(error_contains="gone", statuses=("failed",))
+    out = io.StringIO()
+    assert await requeue_command(store, where, False, out, limit=3) == 0
+    assert out.getvalue().splitlines()[-1] == (
+        "3 row(s) would be requeued; more than 3 rows match: only the first 3 (lowest ids) are taken;"
+        " run again with --yes to apply"
+    )
+    out = io.StringIO()
+    assert await requeue_command(store, where, True, out, limit=3) == 0
+    assert out.getvalue().splitlines()[-1] == (
+        "requeued 3 row(s); more than 3 rows matched: only the first 3 (lowest ids) were taken;"
+        " narrow the filter (--status failed, --event-type, --older-than) to reach the rest"
+    )
+    out = io.StringIO()  # the rows just requeued are pending now: --status failed reaches the rest
+    assert await requeue_command(store, where, True, out, limit=3) == 0
+    assert out.getvalue().splitlines()[-1] == "requeued 2 row(s)"  # nothing more to say
+
+
+# -- migrate --sql --------------------------------------------------------------------------------
+
+
+async def test_migrate_sql_prints_what_migrate_would_run_and_runs_nothing(
+    database_dsn: str, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = await open_store(database_dsn)
+    try:
+        async with store.transaction() as cur:
+            await cur.execute(V1_DDL)
+        code, out, _ = await cli(capsys, "--config", config, "migrate", "--sql")
+        assert code == 0
+        assert "-- added column room_outbox.lock_until_ms\nALTER TABLE room_outbox ADD COLUMN lock_until_ms" in out
+        assert "-- created table room_outbox_lane_cursor" in out  # the kafka sink's lane is enabled here
+        assert await store.migration_plan() != []  # nothing was run
+        # The script is what migrate would run: run it, and migrate has nothing left to do.
+        async with store.transaction() as cur:
+            for statement in out.split(";\n"):
+                sql = "\n".join(line for line in statement.splitlines() if not line.startswith("--")).strip()
+                if sql:
+                    await cur.execute(sql)
+        assert await store.migration_plan() == []
+        # Left: only the plugins' own statements, which are idempotent and always run.
+        code, out, _ = await cli(capsys, "--config", config, "migrate", "--sql")
+        steps = [line for line in out.splitlines() if line.startswith("-- ")][1:]
+        assert all(re.fullmatch(r"-- ran \d+ plugin schema statement\(s\)", step) for step in steps), steps
+        code, out, _ = await cli(capsys, "--config", config, "migrate")
+        assert code == 0 and all(
+            re.fullmatch(r"ran \d+ plugin schema statement\(s\)", line) for line in out.splitlines()
+        )
+    finally:
+        await store.aclose()
+
+
+async def test_migrate_sql_on_sqlite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"mysql:\n  dsn: 'sqlite:///{tmp_path / 'outbox.db'}'\n"
+        "sinks:\n  tencent_im:\n    enabled: false\n  kafka:\n    enabled: false\n"
+    )
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql")
+    assert code == 0
+    assert "CREATE TABLE room_outbox (\n  id            INTEGER PRIMARY KEY AUTOINCREMENT" in out
+    store = await open_store(f"sqlite:///{tmp_path / 'outbox.db'}")
+    try:
+        assert next(step.change for step in await store.migration_plan()) == "created table room_outbox"
+    finally:
+        await store.aclose()
