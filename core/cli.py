@@ -118,6 +118,18 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 #: Commands that read no configuration.
 SELF_CONTAINED = ("demo", "fake-im")
 
+CONFIG_HELP = "YAML configuration file (default: $ROOM_OUTBOX_CONFIG; without one, defaults + environment)"
+
+#: Exit codes, as the README documents them.
+EXIT_CODES = {
+    0: "done",
+    1: "unexpected error (a bug: the traceback says where), or the command's own 'no' (no such event)",
+    2: "configuration: a key, the DSN, a sink section, a command-line argument",
+    3: "database: unreachable, refusing the login, missing, or not migrated",
+    141: "standard output closed early (`room-outbox status --json | head`)",
+}
+EXIT_CLOSED_PIPE = 141  # what a shell reports for a process ended by SIGPIPE (128 + 13)
+
 
 def version() -> str:
     try:
@@ -185,9 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-CONFIG_HELP = "YAML configuration file (default: $ROOM_OUTBOX_CONFIG; without one, defaults + environment)"
-
-
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
@@ -218,17 +227,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if mine is None:
             raise
         return _fail(mine)
-
-
-#: Exit codes, as the README documents them.
-EXIT_CODES = {
-    0: "done",
-    1: "unexpected error (a bug: the traceback says where), or the command's own 'no' (no such event)",
-    2: "configuration: a key, the DSN, a sink section, a command-line argument",
-    3: "database: unreachable, refusing the login, missing, or not migrated",
-    141: "standard output closed early (`room-outbox status --json | head`)",
-}
-EXIT_CLOSED_PIPE = 141  # what a shell reports for a process ended by SIGPIPE (128 + 13)
 
 
 def _command(args: argparse.Namespace) -> int:

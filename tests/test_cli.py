@@ -16,7 +16,7 @@ import pytest
 from support import V1_DDL, envelope, insert_events
 
 from room_outbox.admin import requeue_command
-from room_outbox.cli import COMMANDS, SELF_CONTAINED, build_parser, main, version
+from room_outbox.cli import COMMANDS, EXIT_CODES, SELF_CONTAINED, build_parser, main, version
 from room_outbox.ops import format_relative, format_time
 from room_outbox.store.factory import open_store
 from room_outbox.store.leased import now_ms
@@ -223,3 +223,13 @@ async def test_migrate_sql_on_sqlite(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert next(step.change for step in await store.migration_plan()) == "created table room_outbox"
     finally:
         await store.aclose()
+
+
+def test_the_readme_documents_every_exit_code() -> None:
+    from room_outbox.errors import ConfigurationError, RoomOutboxError, SchemaError, StoreUnavailable
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    documented = {int(code) for code in re.findall(r"^\| (\d+) \| ", readme, re.M)}
+    assert documented == set(EXIT_CODES)
+    for error in (RoomOutboxError, ConfigurationError, StoreUnavailable, SchemaError):
+        assert error.exit_code in EXIT_CODES
