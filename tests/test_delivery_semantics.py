@@ -171,10 +171,10 @@ async def test_requeue_never_touches_published_or_leased_rows(store: MySQLStore)
 async def test_cancel_keeps_the_row_and_is_never_delivered(store: MySQLStore) -> None:
     await insert_events(store, [envelope("c1"), envelope("c2")])
     out = io.StringIO()
-    assert await cancel_command(store, "c1", out) == 0
+    assert await cancel_command(store, "c1", out, out) == 0
     sink = RecordingSink()
     await make_dispatcher(store, sink).run_until_empty()
     rows = await fetch_rows(store)
     assert rows["c1"]["status"] == "cancelled" and sink.received == ["c2"]
-    assert await cancel_command(store, "c2", out) == 1 and "c2 is published" in out.getvalue()
-    assert await cancel_command(store, "nope", out) == 1 and "no event nope" in out.getvalue()
+    assert await cancel_command(store, "c2", out, out) == 1 and "c2 is published" in out.getvalue()
+    assert await cancel_command(store, "nope", out, out) == 1 and "no event nope" in out.getvalue()
