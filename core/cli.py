@@ -26,6 +26,7 @@ from room_outbox.startup import check_configuration
 from room_outbox.store.errors import translated
 from room_outbox.store.factory import SQLStore, describe, is_sqlite, open_store, store_address
 from room_outbox.store.mysql import MySQLStore, RequeueFilter
+from room_outbox.store.sqlite import SQLiteAddress
 from room_outbox.telemetry import configure_logging
 from room_outbox.testing.cli import add_fake_im_parser, run_fake_im
 
@@ -192,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.formatter_class = argparse.RawDescriptionHelpFormatter
         # `room-outbox run --config FILE` too (the image's command); SUPPRESS keeps a --config
         # given before the command when none follows it.
-        shown = argparse.SUPPRESS if name in SELF_CONTAINED else CONFIG_HELP
+        shown = "accepted, not used: this command needs no configuration" if name in SELF_CONTAINED else CONFIG_HELP
         sub.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help=shown)
     return parser
 
@@ -306,13 +307,18 @@ async def _print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
     """``migrate --sql``: the statements ``migrate`` would run on this database, as a script
     to read or hand to a DBA; nothing is changed (the catalogue is only read)."""
     dsn = settings.mysql.dsn.get_secret_value()
-    store = await open_store(dsn, wait=settings.mysql.connect_wait)
+    address = store_address(dsn)
+    if isinstance(address, SQLiteAddress) and not address.path.exists():
+        # Opening a SQLite file creates it: plan against an empty in-memory database instead.
+        store = await open_store("sqlite::memory:")
+    else:
+        store = await open_store(dsn, wait=settings.mysql.connect_wait)
     try:
         with _translated(dsn):
             plan = await store.migration_plan() + await plugins_migration_plan(store, pm, settings)
     finally:
         await store.aclose()
-    print(f"-- room-outbox migrate for {describe(store_address(dsn))}: nothing has been run")
+    print(f"-- room-outbox migrate for {describe(address)}: nothing has been run")
     if not plan:
         print("-- schema already up to date: no statement to run")
     for step in plan:
