@@ -127,8 +127,10 @@ EXIT_CODES = {
     1: "unexpected error (a bug: the traceback says where), or the command's own 'no' (no such event)",
     2: "configuration: a key, the DSN, a sink section, a command-line argument",
     3: "database: unreachable, refusing the login, missing, or not migrated",
+    130: "interrupted (Ctrl-C) before the command finished",
     141: "standard output closed early (`room-outbox status --json | head`)",
 }
+EXIT_INTERRUPTED = 130  # what a shell reports for a process ended by SIGINT (128 + 2)
 EXIT_CLOSED_PIPE = 141  # what a shell reports for a process ended by SIGPIPE (128 + 13)
 
 
@@ -221,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     except BrokenPipeError:
         return _closed_pipe()
+    except KeyboardInterrupt:  # Ctrl-C before `run` handles signals itself (waiting for the database, say)
+        print("room-outbox: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except RoomOutboxError as exc:
         return _fail(exc)
     except BaseExceptionGroup as group:  # raised inside a task group: report ours the same way

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -279,6 +280,22 @@ async def test_start_up_gives_up_after_connect_wait(database_dsn: str, tmp_path:
     assert lines[-1].startswith(f"room-outbox: cannot reach {where(database_dsn, port)}")
     assert lines[-1].endswith("(gave up after waiting 1.5s: mysql.connect_wait)")
     assert "Traceback" not in log.read_text()
+
+
+async def test_ctrl_c_while_waiting_ends_with_one_line(database_dsn: str, tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    port = free_port()
+    config.write_text(f"mysql:\n  dsn: '{server(database_dsn, port=port)}'\n  connect_wait: 60s\n{QUIET_SINKS}")
+    proc, log = _start(tmp_path, str(config), "migrate")
+    try:
+        await wait_until(lambda: len(_waits(log)) >= 1, timeout=30)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert text.splitlines()[-1] == "room-outbox: interrupted" and "Traceback" not in text
 
 
 # -- a closed pipe ----------------------------------------------------------------------------
