@@ -191,8 +191,10 @@ class SQLiteStore(LeasedRows):
     # -- schema ------------------------------------------------------------------------
 
     async def migrate(self) -> list[str]:
-        plan = await self.migration_plan()
+        # One write transaction from the look at the catalogue to the last statement: a second
+        # migrate on the same file waits for it and then finds nothing left to do.
         async with self._lock, self._begin() as conn:
+            plan = await self._plan(conn)
             for step in plan:
                 for statement in step.statements:
                     await conn.execute(statement)
@@ -201,8 +203,12 @@ class SQLiteStore(LeasedRows):
     async def migration_plan(self) -> list[Migration]:
         """As :meth:`MySQLStore.migration_plan`, in SQLite's dialect."""
         async with self._lock, self._begin() as conn:
-            columns = {str(row[1]).lower() for row in await conn.execute_fetchall(f"PRAGMA table_info({TABLE})")}
-            indexes = {str(row[1]).lower() for row in await conn.execute_fetchall(f"PRAGMA index_list({TABLE})")}
+            return await self._plan(conn)
+
+    async def _plan(self, conn: aiosqlite.Connection) -> list[Migration]:
+        """What is missing from ``room_outbox``, read in the caller's transaction."""
+        columns = {str(row[1]).lower() for row in await conn.execute_fetchall(f"PRAGMA table_info({TABLE})")}
+        indexes = {str(row[1]).lower() for row in await conn.execute_fetchall(f"PRAGMA index_list({TABLE})")}
         plan: list[Migration] = []
         if not columns:
             plan.append(Migration(f"created table {TABLE}", V1_TABLE_DDL))
