@@ -296,7 +296,8 @@ async def _migrate(settings: Settings, sql_only: bool) -> int:
     pm = make_plugin_manager(settings.plugins.disabled)
     if sql_only:
         return await _print_migration(settings, pm)
-    store = await open_store(dsn, create_database=True, wait=settings.mysql.connect_wait)
+    mysql = settings.mysql
+    store = await open_store(dsn, create_database=True, query_timeout=mysql.query_timeout, wait=mysql.connect_wait)
     try:
         with _translated(dsn):
             changes = await store.migrate()
@@ -317,7 +318,7 @@ async def _print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
         # Opening a SQLite file creates it: plan against an empty in-memory database instead.
         store = await open_store("sqlite::memory:")
     else:
-        store = await open_store(dsn, wait=settings.mysql.connect_wait)
+        store = await open_store(dsn, query_timeout=settings.mysql.query_timeout, wait=settings.mysql.connect_wait)
     try:
         with _translated(dsn):
             plan = await store.migration_plan() + await plugins_migration_plan(store, pm, settings)
@@ -349,7 +350,7 @@ async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
     dsn = settings.mysql.dsn.get_secret_value()
     if args.command in MYSQL_ONLY and is_sqlite(dsn):
         raise ConfigurationError(f"{args.command} needs a MySQL store; mysql.dsn names a SQLite file")
-    store = await open_store(dsn, pool_size=1)
+    store = await open_store(dsn, pool_size=1, query_timeout=settings.mysql.query_timeout)
     try:
         with _translated(dsn):
             return await _operator_command(store, settings, args)

@@ -6,6 +6,7 @@ where the process itself is the point (waiting for a database, a closed pipe).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from typing import Any
 
 import anyio
 import pytest
-from faults.tcp_proxy import TcpProxy
+from anyio.abc import SocketStream, TaskStatus
 from support import V1_DDL, RecordingSink, envelope, insert_events, wait_until
 
 from room_outbox import SinkSpec, hookimpl
@@ -215,6 +216,30 @@ async def test_check_config_reports_every_error(tmp_path: Path, capsys: pytest.C
 # -- waiting for the database ---------------------------------------------------------------
 
 
+async def forward(
+    port: int, host: str, upstream_port: int, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """Listen on ``port`` from now on and pass each connection through to the server; every
+    socket is closed when its connection ends or the task is cancelled."""
+
+    async def pipe(client: SocketStream) -> None:
+        async with client, await anyio.connect_tcp(host, upstream_port) as upstream:
+
+            async def copy(source: SocketStream, sink: SocketStream) -> None:
+                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    async for chunk in source:
+                        await sink.send(chunk)
+                tg.cancel_scope.cancel()  # one side ended: end the other
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(copy, client, upstream)
+                tg.start_soon(copy, upstream, client)
+
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=port) as listener:
+        task_status.started()
+        await listener.serve(pipe)
+
+
 def _start(tmp_path: Path, config: str, *command: str) -> tuple[subprocess.Popen[bytes], Path]:
     log = tmp_path / "stderr.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
@@ -244,9 +269,7 @@ async def test_start_up_waits_for_a_database_that_comes_up(database_dsn: str, tm
     try:
         await wait_until(lambda: len(_waits(log)) >= 3, timeout=30)  # it waits, and says so
         async with anyio.create_task_group() as tg:
-            proxy = TcpProxy(upstream.host, upstream.port)
-            proxy.port = port
-            await proxy.start(tg)
+            await tg.start(forward, port, upstream.host, upstream.port)  # the database "comes up"
             await wait_until(lambda: proc.poll() is not None, timeout=30)
             tg.cancel_scope.cancel()
     finally:
