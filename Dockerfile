@@ -5,17 +5,23 @@
 # caches and build tools stay there); the second copies only that virtualenv onto a slim
 # Python and runs it as an unprivileged user.
 
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# A patch release, so a rebuild gets the same interpreter; move it on purpose.
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/room-outbox
 WORKDIR /src
-# Dependencies first, so a code change does not reinstall them.
+# The locked dependencies first, in a layer of their own: a code change does not reinstall
+# them. --require-hashes: every file must match requirements.lock's hashes.
+COPY requirements.lock ./
+RUN /opt/room-outbox/bin/pip install --require-hashes --no-deps -r requirements.lock
 COPY pyproject.toml README.md ./
 COPY core ./core
 COPY plugins ./plugins
-RUN /opt/room-outbox/bin/pip install . \
+# --no-deps: nothing beyond the lock; `pip check` fails the build if the lock misses a requirement.
+RUN /opt/room-outbox/bin/pip install --no-deps . \
+ && /opt/room-outbox/bin/pip check \
  && /opt/room-outbox/bin/room-outbox --help >/dev/null
 
 FROM ${PYTHON_IMAGE}
@@ -23,11 +29,14 @@ RUN groupadd --system --gid 10001 room-outbox \
  && useradd --system --uid 10001 --gid room-outbox --no-create-home --shell /usr/sbin/nologin room-outbox
 COPY --from=build /opt/room-outbox /opt/room-outbox
 COPY config/config.docker.yaml /etc/room-outbox/config.yaml
+# The HTTP endpoint is on in the image whatever config file is mounted, so the HEALTHCHECK
+# below always has something to probe (a `-e ROOM_OUTBOX__TELEMETRY__HTTP_LISTEN=...` moves it).
 ENV PATH=/opt/room-outbox/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    PYTHONDONTWRITEBYTECODE=1 \
+    ROOM_OUTBOX__TELEMETRY__HTTP_LISTEN=:9464
 USER 10001:10001
-# /healthz, /readyz, /metrics (telemetry.http_listen in config.docker.yaml).
+# /healthz, /readyz, /metrics (telemetry.http_listen, set above).
 EXPOSE 9464
 # /healthz fails when a lane has stopped ending rounds (stuck for good: restart); /readyz
 # (database, failed rounds, worker) is for orchestrators that route traffic or gate rollouts. Python's urllib: the slim image has no curl.

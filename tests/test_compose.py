@@ -45,7 +45,35 @@ def compose() -> dict[str, Any]:
 
 
 def test_compose_has_every_service(compose: dict[str, Any]) -> None:
-    assert set(compose["services"]) == {"mysql", "migrate", "room-outbox", "fake-im", "kafka", "jaeger"}
+    assert set(compose["services"]) >= {
+        "mysql",
+        "migrate",
+        "room-outbox",
+        "fake-im",
+        "kafka",
+        "otel-collector",
+        "jaeger",
+        "prometheus",
+        "grafana",
+    }
+
+
+def test_every_port_is_published_on_loopback_only(compose: dict[str, Any]) -> None:
+    published = 0
+    for name, service in compose["services"].items():
+        for port in service.get("ports", []):
+            host_ip = port.get("host_ip") if isinstance(port, dict) else port.split(":")[0]
+            assert host_ip == "127.0.0.1", f"service {name} publishes {port} beyond loopback"
+            published += 1
+    assert published >= 9
+
+
+def test_kafka_keeps_its_data_in_the_volume(compose: dict[str, Any]) -> None:
+    kafka = compose["services"]["kafka"]
+    mounts = [v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in kafka["volumes"]]
+    data = [m.split(":")[1] for m in mounts if m.startswith("kafka-data:")]
+    # The image writes to log.dirs (its default: /tmp/kraft-combined-logs); the volume must be there.
+    assert data == [kafka["environment"]["KAFKA_LOG_DIRS"]]
 
 
 def test_mysql_is_84_and_initialised_with_the_v1_table(compose: dict[str, Any]) -> None:
@@ -66,7 +94,10 @@ def test_the_dispatcher_runs_the_docker_config_after_migrate(compose: dict[str, 
     assert migrate["depends_on"]["mysql"]["condition"] == "service_healthy"
     env = dispatcher["environment"]
     assert env["ROOM_OUTBOX__SINKS__TENCENT_IM__BASE_URL"] == "http://fake-im:8090"
-    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
+    # Traces to the collector; metrics only by scrape (pushed too, they would reach a backend
+    # that takes none, or be counted twice).
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
+    assert env["OTEL_METRICS_EXPORTER"] == "none" and env["OTEL_TRACES_EXPORTER"] == "otlp"
     # The commands the compose file gives the image are commands the CLI takes.
     for service in ("room-outbox", "migrate", "fake-im"):
         build_parser().parse_args(services[service]["command"])
@@ -84,12 +115,25 @@ def test_the_docker_config_with_the_compose_environment_is_valid(
     assert settings.telemetry.http_listen.endswith(":9464")
 
 
-def test_kafka_runs_in_kraft_mode_and_jaeger_takes_otlp(compose: dict[str, Any]) -> None:
+def test_kafka_runs_in_kraft_mode_and_jaeger_is_v2(compose: dict[str, Any]) -> None:
     kafka = compose["services"]["kafka"]["environment"]
     assert "controller" in kafka["KAFKA_PROCESS_ROLES"] and "KAFKA_ZOOKEEPER_CONNECT" not in kafka
     jaeger = compose["services"]["jaeger"]
-    assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
-    assert {p["target"] if isinstance(p, dict) else int(p.split(":")[-1]) for p in jaeger["ports"]} >= {4318, 16686}
+    assert re.fullmatch(r"jaegertracing/jaeger:2\.\d+\.\d+", jaeger["image"])
+    collector = compose["services"]["otel-collector"]
+    assert {_container_port(p) for p in collector["ports"]} >= {4317, 4318}
+
+
+def _container_port(port: str | dict[str, Any]) -> int:
+    """The container side of a published port, in either of docker-compose's notations."""
+    return int(port["target"]) if isinstance(port, dict) else int(port.split(":")[-1].split("/")[0])
+
+
+def test_every_image_is_pinned_to_a_version(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        image = service.get("image", "")
+        if "build" not in service:
+            assert re.search(r":v?\d+\.\d+", image), f"service {name}: image {image!r} has no version tag"
 
 
 def test_the_dockerfile_is_multi_stage_non_root_with_a_healthcheck_on_healthz() -> None:
@@ -104,6 +148,13 @@ def test_the_dockerfile_is_multi_stage_non_root_with_a_healthcheck_on_healthz() 
     assert port and load_settings(ROOT / "config" / "config.docker.yaml").telemetry.http_listen.endswith(
         f":{port.group(1)}"
     )
+    # The image turns the endpoint on by environment, so a mounted config (where http_listen is
+    # off by default) still answers the HEALTHCHECK.
+    assert re.search(rf"ROOM_OUTBOX__TELEMETRY__HTTP_LISTEN=\S*:{port.group(1)}\b", text)
+    # A patch-level base image, and the locked dependencies installed before the code is copied.
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.\d+\.\d+-slim", text, re.M)
+    lock = text.index("--require-hashes --no-deps -r requirements.lock")
+    assert text.index("COPY requirements.lock") < lock < text.index("COPY core")
     assert 'ENTRYPOINT ["room-outbox"]' in text and f'CMD ["run", "--config", "{IMAGE_CONFIG}"]' in text
     assert f"COPY config/config.docker.yaml {IMAGE_CONFIG}" in text
     ignored = (ROOT / ".dockerignore").read_text().split()
