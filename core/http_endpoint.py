@@ -5,30 +5,30 @@
   failed. What live and ready mean: :mod:`room_outbox.health`.
 * ``GET /metrics``: Prometheus text format.
 
-A small HTTP/1.1 server on anyio and h11 (already a dependency): one request per connection,
-bounded reads and a read timeout, so a slow or hostile client costs one task and nothing else.
-It only ever binds the address it is given; bind it to loopback or a management network.
+Served by ``aiohttp.web`` (aiohttp is already the Tencent sink's transport): its request
+parser bounds header sizes, every connection is its own task, and a slow or hostile client
+costs that task and nothing else. It only ever binds the address it is given; bind it to
+loopback or a management network.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
-import h11
-from anyio.abc import SocketAttribute, SocketListener, SocketStream
-from anyio.streams.stapled import MultiListener
+from aiohttp import web
 
 from room_outbox.health import Health
 from room_outbox.metrics import PROMETHEUS_CONTENT_TYPE
 
 log = logging.getLogger("room_outbox.http")
 
+#: A connection that sends no complete request within this long is closed (idle keep-alive too).
 READ_TIMEOUT = 5.0
-MAX_REQUEST_BYTES = 16 * 1024
+#: How long stopping waits for requests in progress (a scrape or a probe takes milliseconds).
+SHUTDOWN_TIMEOUT = 2.0
 
 __all__ = ["Health", "HttpEndpoint", "parse_listen"]
 
@@ -47,77 +47,68 @@ class HttpEndpoint:
         self.metrics = metrics
         #: The bound port, once :meth:`bind` has run (useful with port 0).
         self.port = 0
-        self._listener: MultiListener[SocketStream] | SocketListener | None = None
+        self._runner: web.AppRunner | None = None
 
     async def bind(self, host: str, port: int) -> int:
         """Bind now, so a taken port fails start-up at once; returns the bound port."""
-        self._listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
-        self.port = int(self._listener.extra(SocketAttribute.local_port))
+        app = web.Application(middlewares=[_plain_errors])
+        app.router.add_get("/healthz", self._healthz)  # GET routes answer HEAD too, without a body
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/metrics", self._metrics)
+        # No access log: a scrape every few seconds would drown the service's own lines.
+        runner = web.AppRunner(app, access_log=None, keepalive_timeout=READ_TIMEOUT, shutdown_timeout=SHUTDOWN_TIMEOUT)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
         return self.port
 
     async def serve(self) -> None:
         """Answer requests until cancelled, then close the listener."""
-        assert self._listener is not None, "bind() first"
-        async with self._listener:
-            await self._listener.serve(self._connection)
+        assert self._runner is not None, "bind() first"
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._runner.cleanup()
 
-    async def _connection(self, stream: SocketStream) -> None:
-        async with stream:
-            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
-            request: h11.Request | None = None
-            try:
-                with anyio.fail_after(READ_TIMEOUT):
-                    request = await self._read_request(stream, conn)
-                if request is None:
-                    return
-                status, content_type, body = await self._route(request)
-            except (TimeoutError, h11.RemoteProtocolError, anyio.EndOfStream, OSError, anyio.BrokenResourceError):
-                return  # a client that speaks no HTTP or goes away gets nothing
-            except Exception:
-                log.exception("http endpoint: handler failed")
-                status, content_type, body = 500, "text/plain; charset=utf-8", b"internal error\n"
-            headers = [
-                ("Content-Type", content_type),
-                ("Content-Length", str(len(body))),
-                ("Connection", "close"),
-                ("Cache-Control", "no-store"),
-            ]
-            data = conn.send(h11.Response(status_code=status, headers=headers)) or b""
-            if request is not None and request.method != b"HEAD":
-                data += conn.send(h11.Data(data=body)) or b""
-            data += conn.send(h11.EndOfMessage()) or b""
-            with contextlib.suppress(anyio.BrokenResourceError, OSError):  # the client left: nothing to do
-                await stream.send(data)
+    async def _healthz(self, request: web.Request) -> web.Response:
+        live, checks = self.health.liveness()
+        if live:
+            return web.Response(text="ok\n")
+        body = json.dumps({"live": False, **checks}) + "\n"
+        return web.Response(status=503, text=body, content_type="application/json")
 
-    @staticmethod
-    async def _read_request(stream: SocketStream, conn: h11.Connection) -> h11.Request | None:
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                try:
-                    conn.receive_data(await stream.receive(4096))
-                except anyio.EndOfStream:
-                    conn.receive_data(b"")
-                continue
-            if isinstance(event, h11.Request):
-                return event
-            if isinstance(event, h11.ConnectionClosed):
-                return None
+    async def _readyz(self, request: web.Request) -> web.Response:
+        ready, checks = await self.health.readiness()
+        body = json.dumps({"ready": ready, **checks}) + "\n"
+        return web.Response(status=200 if ready else 503, text=body, content_type="application/json")
 
-    async def _route(self, request: h11.Request) -> tuple[int, str, bytes]:
-        path = request.target.split(b"?", 1)[0]
-        if request.method not in (b"GET", b"HEAD"):
-            return 405, "text/plain; charset=utf-8", b"method not allowed\n"
-        if path == b"/healthz":
-            live, checks = self.health.liveness()
-            if live:
-                return 200, "text/plain; charset=utf-8", b"ok\n"
-            return 503, "application/json", json.dumps({"live": False, **checks}).encode() + b"\n"
-        if path == b"/readyz":
-            ready, checks = await self.health.readiness()
-            body = json.dumps({"ready": ready, **checks}).encode() + b"\n"
-            return (200 if ready else 503), "application/json", body
-        if path == b"/metrics":
-            text = await anyio.to_thread.run_sync(self.metrics)  # collection takes locks: off the loop
-            return 200, PROMETHEUS_CONTENT_TYPE, text.encode()
-        return 404, "text/plain; charset=utf-8", b"not found: try /healthz, /readyz or /metrics\n"
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = await anyio.to_thread.run_sync(self.metrics)  # collection takes locks: off the loop
+        return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+
+
+@web.middleware
+async def _plain_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Plain-text errors that say where to go, a logged 500 for a failing handler, and no
+    caching anywhere (probes and scrapes must see the present)."""
+    try:
+        response = await handler(request)
+    except web.HTTPNotFound:
+        response = web.Response(status=404, text="not found: try /healthz, /readyz or /metrics\n")
+    except web.HTTPMethodNotAllowed:
+        response = web.Response(status=405, text="method not allowed\n")
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("http endpoint: handler failed")
+        response = web.Response(status=500, text="internal error\n")
+    response.headers["Cache-Control"] = "no-store"
+    return response

@@ -12,6 +12,13 @@ name                                       kind       attributes
 ``room_outbox_lost_leases_total``          counter    detected_at (renewal, result_write)
 =========================================  =========  ====================================
 
+Next to them ``/metrics`` carries the process and runtime metrics of ``prometheus_client``'s
+process, platform and GC collectors (``process_cpu_seconds_total``,
+``process_resident_memory_bytes``, ``process_open_fds``, ``python_gc_*``, ``python_info``...):
+the names every Prometheus user's dashboards already know, from a small, pure-Python library
+maintained by the Prometheus project (OpenTelemetry's system-metrics instrumentation would need
+psutil and names them ``process_runtime_*`` instead).
+
 The two gauges come from :func:`room_outbox.ops.sample_backlog` on a timer (two index
 lookups), never from a scan per event. Instruments are named exactly as Prometheus shows them,
 so the OTLP and the ``/metrics`` names agree; :func:`render_prometheus` therefore never
@@ -26,6 +33,7 @@ from collections.abc import Iterable, Mapping
 
 from opentelemetry.metrics import Meter
 from opentelemetry.sdk.metrics.export import Gauge, Histogram, MetricsData, NumberDataPoint, Sum
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 
 LATENCY_BUCKETS_MS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0)
 BATCH_BUCKETS = (0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
@@ -113,6 +121,17 @@ def render_prometheus(data: MetricsData | None) -> str:
         out.append(f"# TYPE {name} {kind}")
         out.extend(lines)
     return "\n".join(out) + "\n" if out else ""
+
+
+_RUNTIME = CollectorRegistry(auto_describe=False)
+ProcessCollector(registry=_RUNTIME)  # reads /proc/self; nothing on systems without it
+PlatformCollector(registry=_RUNTIME)
+GCCollector(registry=_RUNTIME)
+
+
+def render_runtime() -> str:
+    """``process_*`` and ``python_*`` of this process, Prometheus text format 0.0.4."""
+    return generate_latest(_RUNTIME).decode()
 
 
 def _numbers(points: Iterable[object]) -> Iterable[NumberDataPoint]:

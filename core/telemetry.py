@@ -50,7 +50,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
 from room_outbox.config import ConfigError
-from room_outbox.metrics import OutboxMetrics, render_prometheus
+from room_outbox.metrics import OutboxMetrics, render_prometheus, render_runtime
 from room_outbox.redaction import Redactor
 from room_outbox.tracing import SCOPE, AttemptSpan, RedactingSpanExporter
 
@@ -144,8 +144,11 @@ class Telemetry:
         return self._prometheus is not None
 
     def prometheus_text(self) -> str:
-        """The current metrics in Prometheus text format ("" without a Prometheus reader)."""
-        return render_prometheus(self._prometheus.get_metrics_data()) if self._prometheus else ""
+        """The current metrics, process and runtime ones included, in Prometheus text format
+        ("" without a Prometheus reader)."""
+        if self._prometheus is None:
+            return ""
+        return render_prometheus(self._prometheus.get_metrics_data()) + render_runtime()
 
     async def aclose(self) -> None:
         """Flush and stop exporters (they block on network I/O: run off the event loop)."""

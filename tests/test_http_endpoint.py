@@ -11,6 +11,7 @@ import httpx
 import pytest
 from support import RecordingSink, SinkPlugin, envelope, fetch_rows, insert_events, wait_until
 
+from room_outbox import http_endpoint
 from room_outbox.app import run_service
 from room_outbox.config import ConfigError, Settings, load_settings
 from room_outbox.http_endpoint import Health, HttpEndpoint, parse_listen
@@ -61,7 +62,9 @@ async def test_health_readiness_and_metrics(endpoint: tuple[HttpEndpoint, Databa
     assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert metrics.text == "room_outbox_pending_total 3\n"
     assert (await client.head("/metrics")).content == b""
-    assert (await client.get("/nope")).status_code == 404
+    assert metrics.headers["cache-control"] == "no-store"
+    nope = await client.get("/nope")
+    assert nope.status_code == 404 and "/healthz" in nope.text
     assert (await client.post("/healthz")).status_code == 405
 
 
@@ -79,6 +82,21 @@ async def test_garbage_and_silent_clients_do_not_hurt(
         assert (await client.get("/healthz")).status_code == 200
     finally:
         await silent.aclose()
+
+
+async def test_a_client_that_sends_no_request_is_disconnected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_endpoint, "READ_TIMEOUT", 0.3)
+    server = HttpEndpoint(Health(Database().check), lambda: "")
+    port = await server.bind("127.0.0.1", 0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve)
+        for sent in (b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"):  # nothing, or half a request
+            async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+                if sent:
+                    await stream.send(sent)
+                with anyio.fail_after(5), pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                    await stream.receive()
+        tg.cancel_scope.cancel()
 
 
 def test_listen_addresses(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from support import RecordingSink, envelope, insert_events, make_dispatcher
 from telemetry_support import capture
 
@@ -109,6 +110,18 @@ def test_prometheus_text_names_types_labels_and_cumulative_buckets() -> None:
     assert f"room_outbox_publish_latency_ms_sum{{{labels}}} 30033" in lines
     sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]\w*="([^"\\]|\\.)*",?)*\})? [-+0-9.eEInfNa]+$')
     assert all(line.startswith("# ") or sample.match(line) for line in lines), text
+
+
+def test_process_and_runtime_metrics_come_with_ours() -> None:
+    captured = capture()
+    captured.telemetry.backlog(3, 10)
+    families = {f.name: f for f in text_string_to_metric_families(captured.telemetry.prometheus_text())}
+    # Prometheus's own parser takes the whole exposition, ours and the collectors' together.
+    assert families["room_outbox_pending_total"].samples[0].value == 3
+    assert families["process_resident_memory_bytes"].samples[0].value > 1 << 20
+    assert families["process_cpu_seconds"].type == "counter"
+    assert families["process_open_fds"].samples[0].value > 0
+    assert families["python_gc_collections"].samples and "python_info" in families
 
 
 def test_without_configuration_nothing_is_recorded() -> None:

@@ -178,6 +178,22 @@ async def test_hang_holds_the_request_until_the_client_gives_up(fake: FakeTencen
     assert len(fake.arrivals) == 1 and fake.messages == []
 
 
+async def test_chunked_bodies_are_read_and_oversized_ones_refused(
+    fake: FakeTencentIM, client: httpx.AsyncClient
+) -> None:
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: Transfer-Encoding chunked
+        data = json.dumps(body()).encode()
+        yield data[:10]
+        yield data[10:]
+
+    chunked = await client.post(PATH, params=params(), content=chunks())
+    assert chunked.json()["ErrorCode"] == 0 and len(fake.messages) == 1
+    too_large = await client.post(PATH, params=params(), content=b"x" * (2 << 20))
+    assert too_large.status_code == 413 and too_large.json() == {"error": "body too large"}
+    assert len(fake.messages) == 1
+    assert (await send(client, payload=body(random=7)))["ErrorCode"] == 0  # the server still answers
+
+
 async def test_rate_limit_errors_above_a_qps(fake: FakeTencentIM, client: httpx.AsyncClient) -> None:
     fake.set_faults(group_qps_limit=3)
     codes = [(await send(client, payload=body(random=i)))["ErrorCode"] for i in range(5)]
