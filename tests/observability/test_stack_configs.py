@@ -1,0 +1,225 @@
+"""Every config file the compose stack's observability services read: syntax and structure,
+and that the files agree with each other and with docker-compose.yml.
+
+Prometheus's config and rules go through the real ``promtool`` (Debian package prometheus;
+scripts/test.sh installs it). The collector and Grafana cannot be installed here, so their
+files are checked as YAML/JSON with the structure those programs require; every PromQL
+expression of the dashboard goes through ``promtool`` too, as a recording rule.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from observability_stack import (
+    ALERTS,
+    COLLECTOR_CONFIG,
+    DASHBOARDS,
+    GRAFANA_PROVISIONING,
+    PROMETHEUS_CONFIG,
+    ROOT,
+    alert_rules,
+    dashboards,
+    load_yaml,
+    panel_queries,
+)
+
+from room_outbox.config import load_settings
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    tool = shutil.which("promtool")
+    if tool is None:
+        pytest.fail(
+            "promtool is not installed: install the Debian package prometheus (scripts/test.sh does so as root)",
+            pytrace=False,
+        )
+    return subprocess.run([tool, *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    """docker-compose.yml as written (paths relative to the repository)."""
+    return dict(load_yaml(ROOT / "docker-compose.yml"))
+
+
+def bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """container path -> repository path of the service's ``./...`` bind mounts."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith("./"):
+            mounts[target] = ROOT / source
+    return mounts
+
+
+def test_every_bind_mounted_file_exists(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        for target, source in bind_mounts(service).items():
+            assert source.exists(), f"service {name} mounts {source} at {target}, which does not exist"
+
+
+# -- Prometheus ------------------------------------------------------------------------------
+
+
+def test_promtool_accepts_the_prometheus_config_and_its_rules() -> None:
+    checked = promtool("check", "config", str(PROMETHEUS_CONFIG))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    rules = promtool("check", "rules", str(ALERTS))
+    assert rules.returncode == 0, rules.stdout + rules.stderr
+    assert f"SUCCESS: {len(alert_rules())} rules found" in rules.stdout
+
+
+def test_prometheus_loads_the_alerts_and_scrapes_the_services_on_their_ports(compose: dict[str, Any]) -> None:
+    config = load_yaml(PROMETHEUS_CONFIG)
+    prometheus = compose["services"]["prometheus"]
+    mounts = bind_mounts(prometheus)
+    assert mounts["/etc/prometheus"] == PROMETHEUS_CONFIG.parent
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    assert [PROMETHEUS_CONFIG.parent / f for f in config["rule_files"]] == [ALERTS]
+    targets = {
+        job["job_name"]: target
+        for job in config["scrape_configs"]
+        for s in job["static_configs"]
+        for target in s["targets"]
+    }
+    # The dispatcher's port is the one its image serves /metrics on.
+    listen = load_settings(ROOT / "config" / "config.docker.yaml").telemetry.http_listen
+    assert targets["room-outbox"] == f"room-outbox:{listen.rsplit(':', 1)[1]}"
+    collector = load_yaml(COLLECTOR_CONFIG)
+    assert (
+        targets["otel-collector"] == "otel-collector:" + collector["exporters"]["prometheus"]["endpoint"].split(":")[1]
+    )
+    for target in targets.values():
+        host = target.split(":")[0]
+        assert host == "localhost" or host in compose["services"], f"scrape target {target}: no such service"
+
+
+def test_every_alert_says_what_and_how_bad() -> None:
+    names = [rule["alert"] for rule in alert_rules()]
+    assert len(names) == len(set(names))
+    for rule in alert_rules():
+        assert rule["labels"]["severity"] in ("page", "warning"), rule["alert"]
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
+
+
+def test_the_readme_shows_the_alerts_of_the_rules_file() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "docker/prometheus/alerts.yml" in readme
+    for rule in alert_rules():
+        assert f"`{rule['alert']}`" in readme, f"README does not list {rule['alert']}"
+
+
+# -- OpenTelemetry Collector -----------------------------------------------------------------
+
+
+def test_the_collector_config_wires_every_pipeline_to_defined_components(compose: dict[str, Any]) -> None:
+    config = load_yaml(COLLECTOR_CONFIG)
+    assert set(config) <= {"receivers", "processors", "exporters", "extensions", "connectors", "service"}
+    service = config["service"]
+    used: dict[str, set[str]] = {"receivers": set(), "processors": set(), "exporters": set()}
+    for name, pipeline in service["pipelines"].items():
+        assert name.split("/")[0] in ("traces", "metrics", "logs"), f"pipeline {name}: unknown signal"
+        assert pipeline["receivers"] and pipeline["exporters"], f"pipeline {name} needs receivers and exporters"
+        for kind in used:
+            for component in pipeline.get(kind, []):
+                assert component in config[kind], f"pipeline {name} uses undefined {kind[:-1]} {component}"
+                used[kind].add(component)
+    for kind, names in used.items():
+        assert set(config[kind]) == names, f"{kind} defined but in no pipeline: {set(config[kind]) - names}"
+    assert set(service.get("extensions", [])) == set(config.get("extensions", {}))
+    # memory_limiter must run first in each pipeline (the collector's own rule).
+    for pipeline in service["pipelines"].values():
+        assert pipeline["processors"][0] == "memory_limiter"
+
+
+def test_the_collector_sends_traces_to_jaeger_and_metrics_to_prometheus(compose: dict[str, Any]) -> None:
+    config = load_yaml(COLLECTOR_CONFIG)
+    pipelines = config["service"]["pipelines"]
+    jaeger = config["exporters"][pipelines["traces"]["exporters"][0]]
+    host, port = jaeger["endpoint"].split(":")
+    assert host == "jaeger" and port == "4317" and jaeger["tls"]["insecure"] is True
+    assert re.fullmatch(r"jaegertracing/jaeger:2\.\d+\.\d+", compose["services"]["jaeger"]["image"])
+    assert pipelines["metrics"]["exporters"] == ["prometheus"]
+    collector = compose["services"]["otel-collector"]
+    # The contrib image reads this path when started without arguments.
+    assert bind_mounts(collector)["/etc/otelcol-contrib/config.yaml"] == COLLECTOR_CONFIG
+    assert "command" not in collector
+    receivers = config["receivers"]["otlp"]["protocols"]
+    published = {int(p.split(":")[-1]) for p in collector["ports"]}
+    for protocol, port in (("grpc", 4317), ("http", 4318)):
+        # 0.0.0.0: the collector's default (localhost) would refuse the other containers.
+        assert receivers[protocol]["endpoint"] == f"0.0.0.0:{port}" and port in published
+    # The dispatcher's OTLP endpoint is this collector.
+    env = compose["x-room-outbox-env"]
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
+
+
+# -- Grafana ---------------------------------------------------------------------------------
+
+
+def test_grafana_provisions_the_data_sources_and_the_dashboards_folder(compose: dict[str, Any]) -> None:
+    grafana = compose["services"]["grafana"]
+    mounts = bind_mounts(grafana)
+    assert mounts["/etc/grafana/provisioning"] == GRAFANA_PROVISIONING
+    datasources = load_yaml(GRAFANA_PROVISIONING / "datasources" / "datasources.yaml")
+    assert datasources["apiVersion"] == 1
+    by_uid = {d["uid"]: d for d in datasources["datasources"]}
+    assert by_uid["prometheus"]["type"] == "prometheus" and by_uid["prometheus"]["url"] == "http://prometheus:9090"
+    assert by_uid["jaeger"]["type"] == "jaeger" and by_uid["jaeger"]["url"] == "http://jaeger:16686"
+    assert sum(1 for d in by_uid.values() if d.get("isDefault")) == 1
+    providers = load_yaml(GRAFANA_PROVISIONING / "dashboards" / "dashboards.yaml")
+    assert providers["apiVersion"] == 1
+    (provider,) = providers["providers"]
+    assert provider["type"] == "file" and mounts[provider["options"]["path"]] == DASHBOARDS
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home.startswith(provider["options"]["path"] + "/")
+    assert (DASHBOARDS / home.rsplit("/", 1)[1]).is_file()
+
+
+def test_the_dashboard_has_the_panels_an_operator_needs() -> None:
+    datasources = {
+        d["uid"] for d in load_yaml(GRAFANA_PROVISIONING / "datasources" / "datasources.yaml")["datasources"]
+    }
+    (dashboard,) = dashboards().values()
+    assert dashboard["uid"] and dashboard["title"] and isinstance(dashboard["schemaVersion"], int)
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert {"h", "w", "x", "y"} <= set(grid) and grid["x"] + grid["w"] <= 24, panel["title"]
+        assert panel["datasource"]["uid"] in datasources, panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs and len(refs) == len(set(refs)), panel["title"]
+    exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
+    for metric in (
+        "room_outbox_pending_total",
+        "room_outbox_oldest_pending_age_ms",
+        "room_outbox_publish_success_total",
+        "room_outbox_publish_failure_total",
+        "room_outbox_publish_latency_ms_bucket",
+        "room_outbox_lost_leases_total",
+        "room_outbox_consumer_lag",
+    ):
+        assert metric in exprs, f"no panel shows {metric}"
+    assert "by (lane)" in exprs and "by (sink, error_class)" in exprs
+
+
+def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
+    queries = panel_queries()
+    rules = {
+        "groups": [
+            {"name": "panels", "rules": [{"record": f"panel:{n}", "expr": q.expr} for n, q in enumerate(queries)]}
+        ]
+    }
+    path = tmp_path / "panels.yml"
+    path.write_text(yaml.safe_dump(rules))
+    checked = promtool("check", "rules", str(path))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"SUCCESS: {len(queries)} rules found" in checked.stdout
