@@ -276,13 +276,17 @@ def render(tally: Tally, snap: Snapshot, total: int, elapsed: float) -> list[str
 
 
 class LiveView:
-    """Redraws the table in place on a terminal; elsewhere prints it about once a second."""
+    """On a terminal, redraws the table in place. Elsewhere (a pipe, a file, CI's log) a table
+    redrawn is a table repeated, so it prints one plain progress line every few seconds and
+    the table once, at the end."""
+
+    PROGRESS_EVERY = 2.0
 
     def __init__(self, out: IO[str]) -> None:
         self.out = out
         self.tty = out.isatty()
         self._lines = 0
-        self._last = 0.0
+        self._last = time.monotonic()
 
     def show(self, lines: list[str], final: bool = False) -> None:
         now = time.monotonic()
@@ -290,10 +294,17 @@ class LiveView:
             up = f"\x1b[{self._lines}F" if self._lines else ""
             self.out.write(up + "".join(f"\x1b[2K{line}\n" for line in lines))
             self._lines = len(lines)
-        elif final or now - self._last >= 1.0:
+        elif final:
             self.out.write("\n".join(lines) + "\n\n")
+        elif now - self._last >= self.PROGRESS_EVERY:
+            self.out.write(f"  progress: {progress(lines)}\n")
             self._last = now
         self.out.flush()
+
+
+def progress(lines: list[str]) -> str:
+    """The table's first line without its bar: ``120/200 published   3.1s``."""
+    return " ".join(lines[0].split("]", 1)[-1].split())
 
 
 @dataclass(frozen=True)

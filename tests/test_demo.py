@@ -36,6 +36,11 @@ def test_the_default_demo_runs_on_a_bare_machine_verified_and_short(tmp_path: Pa
     assert "200/200 events published" in done.stdout
     assert took < 20, f"the default demo took {took:.1f}s"
     assert done.stderr == ""  # log lines go to the demo's own log file, not over the table
+    # Not a terminal: the table once, at the end; before it only plain progress lines.
+    assert done.stdout.count("  sync push ") == 1 and "\x1b[" not in done.stdout
+    table = done.stdout.index("  outbox     [")
+    before = [line for line in done.stdout[:table].splitlines() if line.strip()]
+    assert all(line.startswith("  progress: ") or not line.startswith("  ") for line in before), before
 
 
 def test_the_demo_runs_against_mysql_with_its_options(database_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,73 @@
+"""Reproducible builds: requirements.lock (the image's dependencies, hashed) agrees with
+pyproject.toml, and the version floors exclude releases with known vulnerabilities."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCK = ROOT / "requirements.lock"
+
+
+def requirements(extra: str | None = None) -> dict[str, Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    listed = project["optional-dependencies"][extra] if extra else project["dependencies"]
+    return {Requirement(r).name.lower(): Requirement(r) for r in listed}
+
+
+def locked() -> dict[str, str]:
+    return {name.lower(): version for name, version in re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", LOCK.read_text(), re.M)}
+
+
+def test_the_floors_exclude_known_vulnerable_releases() -> None:
+    deps = requirements()
+    for name, vulnerable, fixed in (
+        ("h11", "0.15.0", "0.16.0"),  # CVE-2025-43859
+        ("pymysql", "1.1.0", "1.1.1"),  # CVE-2024-36039
+        ("aiohttp", "3.12.13", "3.12.14"),  # CVE-2025-53643
+    ):
+        assert not deps[name].specifier.contains(vulnerable), f"{name} admits {vulnerable}"
+        assert deps[name].specifier.contains(fixed), f"{name} refuses {fixed}"
+    assert not deps["pymysql"].specifier.contains("1.2.0")  # aiomysql breaks on 1.2
+
+
+def test_test_tools_are_pinned() -> None:
+    for name, requirement in requirements("test").items():
+        assert re.fullmatch(r"==[\w.]+", str(requirement.specifier)), f"test extra {name} is not pinned"
+
+
+def test_every_locked_file_is_hashed_and_every_dependency_locked_within_its_bounds() -> None:
+    entries = re.split(r"\n(?=[A-Za-z0-9_.-]+==)", LOCK.read_text().split("\n", 2)[2])
+    assert entries and all("--hash=sha256:" in entry for entry in entries)
+    pins = locked()
+    for name, requirement in requirements().items():
+        assert name in pins, f"{name} is not in requirements.lock: run scripts/lock.sh"
+        assert requirement.specifier.contains(pins[name]), f"{name}=={pins[name]} is outside {requirement}"
+
+
+def test_the_lock_is_what_uv_resolves_from_pyproject(tmp_path: Path) -> None:
+    """uv keeps the lock's pins while they satisfy pyproject.toml, so re-resolving into a copy
+    changes nothing unless pyproject.toml changed without scripts/lock.sh."""
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+    assert uv, "uv is missing: scripts/install.sh installs it with the test extras"
+    copy = tmp_path / "requirements.lock"
+    shutil.copy(LOCK, copy)
+    command = (ROOT / "scripts" / "lock.sh").read_text()
+    args = re.search(r"uv pip compile (.*?) -o requirements\.lock", command, re.S)
+    assert args, "scripts/lock.sh no longer runs `uv pip compile ... -o requirements.lock`"
+    done = subprocess.run(
+        [uv, "pip", "compile", *args.group(1).replace("\\\n", " ").split(), "-o", str(copy)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert copy.read_text() == LOCK.read_text(), "requirements.lock is out of date: run scripts/lock.sh"
