@@ -21,6 +21,7 @@ from support import INSERT_V1, fetch_rows
 
 from room_outbox.cli import build_parser
 from room_outbox.config import load_settings
+from room_outbox.envelope import parse_envelope
 from room_outbox.store.mysql import MySQLStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,3 +178,26 @@ async def test_the_init_sql_creates_room_services_table_and_migrate_upgrades_it(
         assert (await fetch_rows(store))["e_v1"]["status"] == "pending"
     finally:
         await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_the_sample_events_parse_as_the_dispatcher_reads_them(database_dsn: str) -> None:
+    """docker/sample-events.sql, the README's way to feed the compose stack's dashboard."""
+    sql = (ROOT / "docker" / "sample-events.sql").read_text()
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        await store.migrate()
+        async with store.transaction() as cur:
+            for statement in [s.strip() for s in re.sub(r"--[^\n]*", "", sql).split(";") if s.strip()]:
+                await cur.execute(statement)
+        rows = await fetch_rows(store)
+        async with store.transaction() as cur:
+            await cur.execute("SELECT event_id, event_type, room_id, envelope FROM room_outbox")
+            envelopes = await cur.fetchall()
+    finally:
+        await store.aclose()
+    assert len(rows) == 1000 and all(r["status"] == "pending" for r in rows.values())
+    for event_id, event_type, room_id, raw in envelopes:
+        parsed = parse_envelope(raw)
+        assert (parsed.event_id, parsed.event_type, parsed.room_id) == (event_id, event_type, room_id)
+    assert {e[1] for e in envelopes} == {"RoomUserJoined", "RoomGiftSent", "RoomMicChanged", "RoomHeatChanged"}
