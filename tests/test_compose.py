@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import yaml
 from support import INSERT_V1, fetch_rows
@@ -22,7 +23,9 @@ from support import INSERT_V1, fetch_rows
 from room_outbox.cli import build_parser
 from room_outbox.config import load_settings
 from room_outbox.envelope import parse_envelope
+from room_outbox.redaction import Redactor
 from room_outbox.store.mysql import MySQLStore
+from room_outbox.telemetry import telemetry_from_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE_CONFIG = "/etc/room-outbox/config.yaml"
@@ -114,6 +117,17 @@ def test_the_docker_config_with_the_compose_environment_is_valid(
     assert settings.sinks["tencent_im"]["base_url"] == "http://fake-im:8090"
     assert settings.sinks["tencent_im"]["secret_key"]
     assert settings.telemetry.http_listen.endswith(":9464")
+
+
+def test_the_compose_environment_pushes_traces_and_no_metrics(compose: dict[str, Any]) -> None:
+    env = {k: str(v) for k, v in compose["services"]["room-outbox"]["environment"].items()}
+    telemetry = telemetry_from_environment("compose", Redactor(), prometheus=False, environ=env)
+    try:
+        # No metric reader at all without /metrics: nothing is pushed over OTLP (the collector's
+        # Jaeger takes traces only, and Prometheus scrapes /metrics instead).
+        assert telemetry.tracer is not None and not telemetry.metrics_enabled
+    finally:
+        anyio.run(telemetry.aclose)
 
 
 def test_kafka_runs_in_kraft_mode_and_jaeger_is_v2(compose: dict[str, Any]) -> None:
