@@ -10,6 +10,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,3 +72,25 @@ def test_the_lock_is_what_uv_resolves_from_pyproject(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert copy.read_text() == LOCK.read_text(), "requirements.lock is out of date: run scripts/lock.sh"
+
+
+@pytest.mark.slow
+def test_the_images_install_steps_work_from_the_lock_alone(tmp_path: Path) -> None:
+    """The Dockerfile's build stage, without Docker: a fresh virtualenv, the locked and
+    hash-checked dependencies, then room-outbox without dependencies, then `pip check`."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    steps = [
+        ["pip", "install", "--quiet", "--require-hashes", "--no-deps", "-r", str(LOCK)],
+        ["pip", "install", "--quiet", "--no-deps", str(ROOT)],
+        ["pip", "check"],
+        ["room-outbox", "--help"],
+    ]
+    for step in ("pip install --require-hashes --no-deps -r requirements.lock", "pip install --no-deps .", "pip check"):
+        assert f"/opt/room-outbox/bin/{step}" in dockerfile, f"the Dockerfile no longer runs {step!r}"
+    venv = tmp_path / "image"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    for step in steps:
+        done = subprocess.run(
+            [str(venv / "bin" / step[0]), *step[1:]], capture_output=True, text=True, timeout=600, cwd=tmp_path
+        )
+        assert done.returncode == 0, f"{' '.join(step)}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
