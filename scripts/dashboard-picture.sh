@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 scripts/install.sh
 .venv/bin/python -m pip install --quiet --disable-pip-version-check matplotlib
 ROOM_OUTBOX_DASHBOARD_PNG="$PWD/docs/dashboard.png" \
-  .venv/bin/python -m pytest -q -x tests/observability/test_prometheus_scrape.py
+  .venv/bin/python -m pytest -q -x --timeout=900 tests/observability/test_prometheus_scrape.py
 echo "wrote docs/dashboard.png"

@@ -53,6 +53,7 @@ def test_every_locked_file_is_hashed_and_every_dependency_locked_within_its_boun
         assert requirement.specifier.contains(pins[name]), f"{name}=={pins[name]} is outside {requirement}"
 
 
+@pytest.mark.timeout(400)  # a cold uv cache fetches every package's metadata
 def test_the_lock_is_what_uv_resolves_from_pyproject(tmp_path: Path) -> None:
     """uv keeps the lock's pins while they satisfy pyproject.toml, so re-resolving into a copy
     changes nothing unless pyproject.toml changed without scripts/lock.sh."""
@@ -75,6 +76,7 @@ def test_the_lock_is_what_uv_resolves_from_pyproject(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # downloads and installs every locked package
 def test_the_images_install_steps_work_from_the_lock_alone(tmp_path: Path) -> None:
     """The Dockerfile's build stage, without Docker: a fresh virtualenv, the locked and
     hash-checked dependencies, then room-outbox without dependencies, then `pip check`."""

@@ -199,6 +199,7 @@ async def provoked_alerts_active(prometheus: PrometheusProcess) -> bool:
     return all(rules[name]["state"] in ("pending", "firing") for name in PROVOKED)
 
 
+@pytest.mark.timeout(300)  # its own deadlines (start-up 60 s, series 90 s, alerts 60 s) say what failed
 async def test_every_alert_and_dashboard_query_returns_series_from_a_dispatcher_under_load(
     store: MySQLStore, fake_im: FakeIMProcess, dispatcher: DispatcherProcess, prometheus: PrometheusProcess
 ) -> None:
