@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from room_outbox.ops import printable
 from room_outbox.store.mysql import MySQLStore, RequeueFilter, cancel, find_requeue_candidates, requeue
 
 #: Rows one ``requeue`` changes at most: one statement, a list a person can still read.
@@ -28,11 +29,9 @@ async def requeue_command(
     print(f"{'event_id':<40} {'event_type':<24} {'status':<8} {'retries':>7} {'age':>8}  last_error", file=out)
     for row in rows:
         age = _age(now - row["created_at_ms"])
-        error = (row["last_error"] or "")[:60]
-        print(
-            f"{row['event_id']:<40} {row['event_type']:<24} {row['status']:<8} {row['retry_count']:>7} {age:>8}  {error}",
-            file=out,
-        )
+        error = printable((row["last_error"] or "")[:60])
+        event_id, event_type, status = (printable(row[name]) for name in ("event_id", "event_type", "status"))
+        print(f"{event_id:<40} {event_type:<24} {status:<8} {row['retry_count']:>7} {age:>8}  {error}", file=out)
     beyond = f"; more than {limit:,} rows match: only the first {limit:,} (lowest ids) are taken" if more else ""
     if not apply:
         print(f"{len(rows)} row(s) would be requeued{beyond}; run again with --yes to apply", file=out)
@@ -56,13 +55,17 @@ async def requeue_command(
 async def cancel_command(store: MySQLStore, event_id: str, out: Any, err: Any) -> int:
     """Result on ``out``; why nothing was cancelled on ``err`` (exit code 1)."""
     cancelled, status = await cancel(store, event_id)
+    shown = printable(event_id)
     if cancelled:
-        print(f"cancelled {event_id}: it will never be delivered; the row is kept", file=out)
+        print(f"cancelled {shown}: it will never be delivered; the row is kept", file=out)
         return 0
     if status is None:
-        print(f"room-outbox cancel: no event {event_id}", file=err)
+        print(f"room-outbox cancel: no event {shown}", file=err)
     else:
-        print(f"room-outbox cancel: {event_id} is {status}: only pending or failed events can be cancelled", file=err)
+        print(
+            f"room-outbox cancel: {shown} is {printable(status)}: only pending or failed events can be cancelled",
+            file=err,
+        )
     return 1
 
 

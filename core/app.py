@@ -23,22 +23,14 @@ from room_outbox.health import Health
 from room_outbox.lanes import lane_store
 from room_outbox.observability import observability
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.redaction import Redactor
+from room_outbox.redaction import Redactor, redactor_for
 from room_outbox.retention import run_retention_job
 from room_outbox.routing import Lanes, build_lanes
 from room_outbox.startup import check_configuration, open_checked_store
 from room_outbox.store import OutboxStore
-from room_outbox.store.mysql import MySQLAddress
 from room_outbox.telemetry import Telemetry
 
 log = logging.getLogger("room_outbox.app")
-
-
-def redactor_for(settings: Settings) -> Redactor:
-    redactor = Redactor()
-    with contextlib.suppress(ValueError):  # a bad DSN is reported when the pool opens
-        redactor.add(MySQLAddress.from_dsn(settings.mysql.dsn.get_secret_value()).password)
-    return redactor
 
 
 async def run_service(
@@ -46,11 +38,14 @@ async def run_service(
     stop: anyio.Event | None = None,
     handle_signals: bool = True,
     plugins: Iterable[object] = (),
+    redactor: Redactor | None = None,
 ) -> None:
     """Run until a signal (when ``handle_signals``) or ``stop`` is set, then shut down in order.
-    ``plugins`` are registered besides the installed ones (for embedding and tests)."""
+    ``plugins`` are registered besides the installed ones (for embedding and tests).
+    ``redactor``: the one the process's log handler uses (sinks register their secrets with
+    it); default: a new one from :func:`~room_outbox.redaction.redactor_for`."""
     stop = stop or anyio.Event()
-    redactor = redactor_for(settings)
+    redactor = redactor or redactor_for(settings)
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
     checked = check_configuration(settings, pm)  # all of it, before anything connects
     store = await open_checked_store(settings, checked.own_lanes)

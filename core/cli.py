@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.metadata
 import os
 import sys
@@ -14,13 +15,14 @@ import anyio
 import pluggy
 
 from room_outbox.admin import cancel_command, requeue_command
-from room_outbox.app import redactor_for, run_service
+from room_outbox.app import run_service
 from room_outbox.config import Settings, load_settings, parse_duration
 from room_outbox.demo import add_demo_parser, run_demo_command
 from room_outbox.errors import ConfigurationError, RoomOutboxError
 from room_outbox.lanes import migrate_plugins, plugins_migration_plan
 from room_outbox.ops import inspect_command, status_command
 from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.redaction import redactor_for
 from room_outbox.retention import RetentionOptions, cleanup_command
 from room_outbox.startup import check_configuration
 from room_outbox.store.errors import translated
@@ -243,11 +245,12 @@ def _command(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     if args.command == "check-config":
         return _check_config(settings, args.config)
-    configure_logging(settings.log.level, settings.node_id, redactor_for(settings))
+    redactor = redactor_for(settings)  # the process's one redactor: logs, spans, last_error, sinks
+    configure_logging(settings.log.level, settings.node_id, redactor, library_level=settings.log.library_level)
     if args.command == "migrate":
         return anyio.run(_migrate, settings, args.sql)
     if args.command == "run":
-        anyio.run(run_service, settings)
+        anyio.run(functools.partial(run_service, settings, redactor=redactor))
         return 0
     return anyio.run(_with_store, settings, args)
 

@@ -180,8 +180,12 @@ class PluginsSettings(Section):
 
 class LogSettings(Section):
     level: str = "INFO"
+    #: Level of the libraries' own loggers (httpx, httpcore, aiohttp, aiokafka, aiomysql,
+    #: asyncio). Kept at WARNING whatever ``level`` says: at INFO httpx logs every request
+    #: URL, and their DEBUG is noise. Their records are redacted like every other.
+    library_level: str = "WARNING"
 
-    @field_validator("level")
+    @field_validator("level", "library_level")
     @classmethod
     def _known_level(cls, value: str) -> str:
         value = value.upper()
@@ -306,7 +310,7 @@ def load_settings(config_file: str | Path | None = None) -> Settings:
         except OSError as exc:
             raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path}: not valid YAML: {exc}") from None
+            raise ConfigError(f"config file {path}: not valid YAML: {describe_yaml_error(exc)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
         data = loaded or {}
@@ -314,6 +318,34 @@ def load_settings(config_file: str | Path | None = None) -> Settings:
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
+
+
+# A quoted fragment of the file in a YAML message: kept when it is a token name or a single
+# character, masked otherwise (an undefined alias named by a secret that starts with ``*``).
+_QUOTED = re.compile(r"'([^']*)'|\"([^\"]*)\"")
+
+
+def describe_yaml_error(exc: yaml.YAMLError) -> str:
+    """Where and what: line, column and PyYAML's problem, never the offending line itself
+    (PyYAML's own message quotes it, and it may hold a secret)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        problem = _QUOTED.sub(_quoted_fragment, exc.problem or "syntax error")
+        context = ""
+        if exc.context and not _QUOTED.search(exc.context):
+            started = exc.context_mark
+            where = f" at line {started.line + 1}, column {started.column + 1}" if started is not None else ""
+            context = f" ({exc.context}{where})"
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}{context}"
+    if isinstance(exc, yaml.reader.ReaderError):
+        return f"{exc.reason} (character #x{exc.character:04x} at position {exc.position})"
+    return type(exc).__name__
+
+
+def _quoted_fragment(match: re.Match[str]) -> str:
+    fragment = match.group(1) if match.group(1) is not None else match.group(2)
+    keep = (fragment.startswith("<") and fragment.endswith(">")) or len(fragment) <= 2
+    return match.group(0) if keep else "'…'"
 
 
 def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:

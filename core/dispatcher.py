@@ -248,7 +248,7 @@ class Dispatcher:
 
     async def _attempt(self, row: OutboxRow) -> DeliveryResult:
         """Deliver one event and turn what happened into the result to record."""
-        attempt = self.telemetry.attempt(row)
+        attempt = self.telemetry.attempt(row, self.router.event_label(row.event_type))
         failure = await self._deliver_one(row, attempt)
         attempt.finish(failure)
         self.health.progressed()
@@ -309,7 +309,8 @@ class Dispatcher:
             envelope = parse_envelope(row.envelope)
         except EnvelopeError as exc:
             raise _BadEvent(str(exc), "bad_envelope") from exc
-        for name in ("event_id", "event_type", "room_id"):
+        # app_code too: the sink picks credentials by the envelope's, ordering goes by the row's.
+        for name in ("event_id", "event_type", "room_id", "app_code"):
             if getattr(envelope, name) != getattr(row, name):
                 mismatch = f"envelope {name} {getattr(envelope, name)!r} differs from the row's {getattr(row, name)!r}"
                 raise _BadEvent(mismatch, "bad_envelope")

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from room_outbox.errors import EnvelopeError
 
-__all__ = ["KNOWN_EVENT_TYPES", "EnvelopeError", "EventEnvelope", "parse_envelope"]
+__all__ = [
+    "KNOWN_EVENT_TYPES",
+    "OTHER_EVENT_TYPE",
+    "EnvelopeError",
+    "EventEnvelope",
+    "event_type_label",
+    "parse_envelope",
+]
 
 #: Every event type room-service emits (seed 003). An event type outside this list is bad
 #: input: no sink takes it by default, so it stays pending with a clear ``last_error``.
@@ -35,6 +43,17 @@ KNOWN_EVENT_TYPES: frozenset[str] = frozenset(
         "RoomRocketLaunched",
     }
 )
+
+
+#: The metric label and span-name part for an event type nobody routes: rows must not mint
+#: label values (each one a new time series) or span names without bound.
+OTHER_EVENT_TYPE = "other"
+
+
+def event_type_label(event_type: str, routed: Container[str] = frozenset()) -> str:
+    """``event_type`` when it is a known type or one the routing names (``routed``), else
+    :data:`OTHER_EVENT_TYPE`."""
+    return event_type if event_type in KNOWN_EVENT_TYPES or event_type in routed else OTHER_EVENT_TYPE
 
 
 class EventEnvelope(BaseModel):

@@ -74,7 +74,7 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
             if obs.endpoint is not None:
                 background.start_soon(obs.endpoint.serve)
             if telemetry.metrics_enabled:
-                background.start_soon(_sample_backlog, store, telemetry, options.backlog_interval)
+                background.start_soon(_sample_backlog, store, telemetry, options.backlog_interval, redactor)
             try:
                 yield obs
             except BaseException as exc:
@@ -91,13 +91,14 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
         raise error
 
 
-async def _sample_backlog(store: SQLStore, telemetry: Telemetry, interval: float) -> None:
+async def _sample_backlog(store: SQLStore, telemetry: Telemetry, interval: float, redactor: Redactor) -> None:
     """Pending count and oldest pending age, every ``interval`` (two index lookups)."""
     while True:
         try:
             backlog = await sample_backlog(store)
         except Exception as exc:
-            log.warning("backlog sample failed", extra={"error": f"{type(exc).__name__}: {exc}"[:300]})
+            # Masked before it is shortened: a secret cut in two would no longer match.
+            log.warning("backlog sample failed", extra={"error": redactor.redact(f"{type(exc).__name__}: {exc}")[:300]})
         else:
             telemetry.backlog(backlog.pending, backlog.oldest_pending_age_ms)
         await anyio.sleep(interval)

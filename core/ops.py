@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import unicodedata
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
@@ -166,6 +167,34 @@ async def lane_statuses(store: SQLStore) -> list[LaneStatus]:
     return lanes
 
 
+# -- human output ------------------------------------------------------------------------------
+
+#: Format characters kept as they are: the joiner inside emoji sequences.
+_KEPT_FORMAT_CHARACTERS = frozenset("\u200d")
+
+
+def printable(value: object, keep_newlines: bool = False) -> str:
+    """``value`` as text safe for a terminal: control characters (ESC sequences, carriage
+    returns, newlines unless ``keep_newlines``...), line separators and invisible format
+    characters (bidirectional overrides, zero-width spaces) written as ``\\xNN`` or
+    ``\\uNNNN``. Row values are producer data: printed raw, they could rewrite the screen or
+    hide text from the operator reading it. JSON output needs none of this: JSON escapes."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(char if (keep_newlines and char == "\n") or not _hidden(char) else _escaped(char) for char in text)
+
+
+def _hidden(char: str) -> bool:
+    category = unicodedata.category(char)
+    return category in ("Cc", "Zl", "Zp") or (category == "Cf" and char not in _KEPT_FORMAT_CHARACTERS)
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 def format_status(report: StatusReport) -> str:
     now = _now_ms()
     lines = [
@@ -181,18 +210,20 @@ def format_status(report: StatusReport) -> str:
     if report.holders:
         lines.append(f"  {'node':<40} {'claims':>6} {'rows':>6}  lease ends")
         lines += [
-            f"  {h.node:<40} {h.claims:>6} {h.rows:>6}  {format_time(h.lease_until_ms, now)}" for h in report.holders
+            f"  {printable(h.node):<40} {h.claims:>6} {h.rows:>6}  {format_time(h.lease_until_ms, now)}"
+            for h in report.holders
         ]
     else:
         lines.append("  (none)")
     if report.lanes:
         lines += ["", f"  {'lane':<20} {'fed through id':>14} {'unfed':>7} {'pending':>8} {'parked':>7}"]
         lines += [
-            f"  {x.lane:<20} {x.fed_through_id:>14} {x.unfed:>7} {x.pending:>8} {x.parked:>7}" for x in report.lanes
+            f"  {printable(x.lane):<20} {x.fed_through_id:>14} {x.unfed:>7} {x.pending:>8} {x.parked:>7}"
+            for x in report.lanes
         ]
     lines += ["", "most frequent last_error (pending rows)"]
     if report.top_errors:
-        lines += [f"  {rows:>6}  {error}" for error, rows in report.top_errors]
+        lines += [f"  {rows:>6}  {printable(error)}" for error, rows in report.top_errors]
     else:
         lines.append("  (none)")
     return "\n".join(lines)
@@ -255,7 +286,7 @@ async def inspect_event(store: SQLStore, event_id: str) -> dict[str, Any] | None
         doc["envelope"] = envelope.model_dump(mode="json", exclude_none=True)
         mismatches = [
             f"envelope {name} {getattr(envelope, name)!r} differs from the row's {row[name]!r}"
-            for name in ("event_id", "event_type", "room_id")
+            for name in ("event_id", "event_type", "room_id", "app_code")
             if getattr(envelope, name) != row[name]
         ]
         if mismatches:
@@ -311,19 +342,21 @@ def format_inspection(doc: dict[str, Any]) -> str:
     width = max(len(name) for name in row)
     now = _now_ms()
     lines = [
-        f"{name:<{width}}  {value}" + (f"  {format_time(int(value), now)}" if name in TIME_COLUMNS and value else "")
+        f"{name:<{width}}  {printable(value)}"
+        + (f"  {format_time(int(value), now)}" if name in TIME_COLUMNS and value else "")
         for name, value in row.items()
     ]
-    lines += ["", f"state: {doc['state']}"]
-    lines += [f"lane {lane}: {state}" for lane, state in doc.get("lanes", {}).items()]
+    lines += ["", f"state: {printable(doc['state'])}"]
+    lines += [f"lane {printable(lane)}: {printable(state)}" for lane, state in doc.get("lanes", {}).items()]
     lines.append("")
     if "envelope" in doc:
         lines.append("envelope:")
-        lines.append(json.dumps(doc["envelope"], indent=2, ensure_ascii=False))
+        # JSON escapes C0 controls inside strings; C1 controls and format characters it keeps.
+        lines.append(printable(json.dumps(doc["envelope"], indent=2, ensure_ascii=False), keep_newlines=True))
     if "envelope_error" in doc:
-        lines.append(f"envelope problem: {doc['envelope_error']}")
+        lines.append(f"envelope problem: {printable(doc['envelope_error'])}")
     if "envelope_raw" in doc:
-        lines.append(f"raw envelope: {doc['envelope_raw'][:2000]}")
+        lines.append(f"raw envelope: {printable(doc['envelope_raw'][:2000])}")
     return "\n".join(lines)
 
 
@@ -339,7 +372,7 @@ async def status_command(store: SQLStore, as_json: bool, out: IO[str]) -> int:
 async def inspect_command(store: SQLStore, event_id: str, as_json: bool, out: IO[str], err: IO[str]) -> int:
     doc = await inspect_event(store, event_id)
     if doc is None:
-        print(f"room-outbox inspect: no row with event_id {event_id!r}", file=err)
+        print(f"room-outbox inspect: no row with event_id {printable(event_id)!r}", file=err)
         return 1
     print(json.dumps(doc, indent=2, default=str, ensure_ascii=False) if as_json else format_inspection(doc), file=out)
     return 0

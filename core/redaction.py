@@ -1,22 +1,124 @@
-"""Secrets never leave the process: every text bound for a log, a span or ``last_error``
-passes through :meth:`Redactor.redact`, which replaces each registered secret."""
+"""Secrets never leave the process: every text bound for a log line, a span or ``last_error``
+passes through :meth:`Redactor.redact`, which masks each registered secret.
+
+One :class:`Redactor` serves the whole process. :func:`redactor_for` makes it from the
+configuration (the DSN password, every sink setting named like a credential, OTLP header
+values); the JSON log formatter, the span exporters, the dispatcher's ``last_error`` and
+``/readyz`` all use it, and sinks add what they create at run time (Tencent IM's UserSigs)
+through ``SinkContext.add_secret``.
+
+A secret is masked however it travels: raw, percent-encoded as in a URL query (a UserSig's
+``*`` goes out as ``%2A``, ``+``/``/``/``=`` as ``%2B``/``%2F``/``%3D``, a space as ``+`` or
+``%20``, hex digits in either case) or escaped inside a JSON string.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from room_outbox.config import Settings
+
 REDACTED = "[REDACTED]"
+
+#: Shorter values would mask ordinary words; no real credential is that short.
+MIN_SECRET_LENGTH = 4
+
+#: Setting names (in any sink section, at any depth) whose values are credentials.
+SECRET_SETTING = re.compile(
+    r"(secret|password|passwd|token|credential|private_key|api_key|authorization|sasl_plain)", re.I
+)
+
+#: OpenTelemetry variables whose values are ``key=value`` headers, typically an API token.
+OTLP_HEADER_VARIABLES = (
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+    "OTEL_EXPORTER_OTLP_METRICS_HEADERS",
+)
 
 
 class Redactor:
+    """Masks registered secrets in any text. Thread-safe: :meth:`add` swaps in a new
+    pattern in one assignment, so an exporter thread redacting meanwhile sees the old or
+    the new one, both valid."""
+
     def __init__(self) -> None:
         self._secrets: set[str] = set()
+        self._pattern: re.Pattern[str] | None = None
 
     def add(self, secret: str) -> None:
-        # Very short values would redact ordinary words; nothing real is that short.
-        if len(secret) >= 4:
-            self._secrets.add(secret)
+        secret = secret.strip()
+        if len(secret) < MIN_SECRET_LENGTH or secret in self._secrets:
+            return
+        self._secrets.add(secret)
+        # Longest first: a secret that contains another is masked whole, not in pieces.
+        forms = sorted(self._secrets, key=len, reverse=True)
+        self._pattern = re.compile("|".join(_encodings(secret) for secret in forms))
 
     def redact(self, text: str) -> str:
-        for secret in self._secrets:
-            if secret in text:
-                text = text.replace(secret, REDACTED)
-        return text
+        pattern = self._pattern
+        return text if pattern is None else pattern.sub(REDACTED, text)
+
+    def __contains__(self, secret: str) -> bool:
+        return secret.strip() in self._secrets
+
+
+def _encodings(secret: str) -> str:
+    """A regular expression matching ``secret`` raw, percent-encoded (``quote`` and
+    ``quote_plus``, any safe set, either hex case) and JSON-escaped, character by character,
+    so a text that encodes some characters and not others is matched too."""
+    return "".join(_char_forms(char) for char in secret)
+
+
+def _char_forms(char: str) -> str:
+    if char.isascii() and char.isalnum():
+        return char  # no encoder in use escapes letters or digits
+    forms = [re.escape(char)]
+    forms.append("".join(_percent(byte) for byte in char.encode()))
+    if char == " ":
+        forms.append(r"\+")
+    for ensure_ascii in (False, True):
+        escaped = json.dumps(char, ensure_ascii=ensure_ascii)[1:-1]
+        if escaped != char:
+            forms.append(re.escape(escaped))
+    return "(?:" + "|".join(dict.fromkeys(forms)) + ")"
+
+
+def _percent(byte: int) -> str:
+    """``%XX`` for ``byte``, hex digits in either case."""
+    return "%" + "".join(f"[{digit}{digit.lower()}]" for digit in f"{byte:02X}")
+
+
+def redactor_for(settings: Settings, environ: Mapping[str, str] | None = None) -> Redactor:
+    """The process's redactor, knowing every secret in the configuration before any
+    connection is made: the DSN password, each sink setting whose name says it is a
+    credential (``secret_key``, ``password``, ``sasl_plain_password``, ``token``...), and
+    the values of the OTLP header variables."""
+    from room_outbox.store.mysql import MySQLAddress
+
+    redactor = Redactor()
+    with contextlib.suppress(ValueError):  # a bad DSN is reported where it is used
+        redactor.add(MySQLAddress.from_dsn(settings.mysql.dsn.get_secret_value()).password)
+    for secret in _secret_settings(settings.sinks):
+        redactor.add(secret)
+    env = os.environ if environ is None else environ
+    for variable in OTLP_HEADER_VARIABLES:
+        for header in env.get(variable, "").split(","):
+            redactor.add(header.partition("=")[2])
+    return redactor
+
+
+def _secret_settings(section: Any, secret: bool = False) -> Iterator[str]:
+    if isinstance(section, Mapping):
+        for key, value in section.items():
+            yield from _secret_settings(value, secret or bool(SECRET_SETTING.search(str(key))))
+    elif isinstance(section, list | tuple):
+        for value in section:
+            yield from _secret_settings(value, secret)
+    elif secret and section is not None:
+        yield str(section.get_secret_value() if hasattr(section, "get_secret_value") else section)

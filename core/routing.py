@@ -19,7 +19,7 @@ import pluggy
 from pydantic import TypeAdapter, ValidationError
 
 from room_outbox.config import ConfigError, Settings, describe_validation_error
-from room_outbox.envelope import KNOWN_EVENT_TYPES
+from room_outbox.envelope import KNOWN_EVENT_TYPES, event_type_label
 from room_outbox.redaction import Redactor
 from room_outbox.sink import Sink, SinkContext, SinkSettings, SinkSpec
 
@@ -36,6 +36,11 @@ class Router:
     catch_all: str | None = None
     #: A lane of its own: an event its sink does not take is done, not an error.
     skip_unrouted: bool = False
+
+    def event_label(self, event_type: str) -> str:
+        """The event type as a metric label and span name: ``other`` unless the type is known
+        or routed by name here (see :func:`~room_outbox.envelope.event_type_label`)."""
+        return event_type_label(event_type, self.routes)
 
     def sink_for(self, event_type: str) -> tuple[str, Sink] | None:
         name = self.routes.get(event_type, self.catch_all)

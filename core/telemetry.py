@@ -50,6 +50,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
 from room_outbox.config import ConfigError
+from room_outbox.envelope import event_type_label
 from room_outbox.metrics import OutboxMetrics, render_prometheus, render_runtime
 from room_outbox.redaction import Redactor
 from room_outbox.tracing import SCOPE, AttemptSpan, RedactingSpanExporter
@@ -90,13 +91,28 @@ class JsonFormatter(logging.Formatter):
         return self.redactor.redact(json.dumps(doc, default=str, ensure_ascii=False))
 
 
-def configure_logging(level: str, node_id: str, redactor: Redactor, stream: IO[str] | None = None) -> None:
-    """Route every logger to JSON lines on ``stream`` (stderr by default)."""
+#: Libraries whose loggers get ``log.library_level`` instead of ``log.level``.
+LIBRARY_LOGGERS = ("httpx", "httpcore", "aiohttp", "aiokafka", "aiomysql", "asyncio")
+
+
+def configure_logging(
+    level: str,
+    node_id: str,
+    redactor: Redactor,
+    stream: IO[str] | None = None,
+    library_level: str = "WARNING",
+) -> None:
+    """Route every logger to JSON lines on ``stream`` (stderr by default), through one handler
+    whose formatter redacts the whole line: a library's record is masked like our own.
+    Libraries log at ``library_level``; Python warnings become log records too."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter(node_id, redactor))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(library_level)
+    logging.captureWarnings(True)
 
 
 # -- traces and metrics ---------------------------------------------------------------------
@@ -119,11 +135,14 @@ class Telemetry:
         self._prometheus = prometheus
         self._providers: list[Any] = [p for p in (tracer_provider, meter_provider) if p is not None]
 
-    def attempt(self, row: OutboxRow) -> DeliveryAttempt:
-        """Start observing one delivery attempt of ``row``."""
+    def attempt(self, row: OutboxRow, event_label: str | None = None) -> DeliveryAttempt:
+        """Start observing one delivery attempt of ``row``. ``event_label``: the event type as
+        metric label and span name, ``other`` for a type the routing does not know (the
+        dispatcher's :meth:`~room_outbox.routing.Router.event_label`): a type comes from a row,
+        and rows must not mint label values without bound. Default: the known types' rule."""
         if self.tracer is None and not self.metrics_enabled:
             return NO_ATTEMPT
-        return DeliveryAttempt(self, row)
+        return DeliveryAttempt(self, row, event_label or event_type_label(row.event_type))
 
     def claimed(self, rows: int) -> None:
         if self.metrics_enabled:
@@ -161,18 +180,14 @@ class Telemetry:
 class DeliveryAttempt:
     """One delivery attempt being observed: its span (when tracing) and its metrics."""
 
-    __slots__ = ("_row", "_sink", "_span", "_t0", "_telemetry")
+    __slots__ = ("_event_label", "_sink", "_span", "_t0", "_telemetry")
 
-    def __init__(self, telemetry: Telemetry, row: OutboxRow) -> None:
+    def __init__(self, telemetry: Telemetry, row: OutboxRow, event_label: str) -> None:
         self._telemetry = telemetry
-        self._row = row
+        self._event_label = event_label
         self._t0 = time.perf_counter()
         self._sink = "-"
-        self._span = (
-            AttemptSpan(telemetry.tracer, row.event_id, row.event_type, row.room_id, row.app_code, row.retry_count)
-            if telemetry.tracer is not None
-            else None
-        )
+        self._span = AttemptSpan(telemetry.tracer, row, event_label) if telemetry.tracer is not None else None
 
     def parsed(self, envelope: EventEnvelope) -> None:
         """The envelope parsed: its ``traceparent`` becomes the span's parent."""
@@ -194,7 +209,7 @@ class DeliveryAttempt:
             else:
                 self._span.finish(sink, failure.error_class, failure.error)
         metrics = self._telemetry.metrics
-        labels = {"sink": sink, "event_type": self._row.event_type}
+        labels = {"sink": sink, "event_type": self._event_label}
         if failure is None:
             metrics.success.add(1, labels)
             metrics.latency.record(elapsed_ms, {**labels, "outcome": "published"})

@@ -1,7 +1,8 @@
 """Spans: one per delivery attempt, child spans for sinks, secrets kept out of both.
 
 Every attempt to deliver an event is one span named ``room_outbox.deliver <EventType>``
-(kind PRODUCER: the outbox relays the producer's message onward). When the envelope carries a
+(``room_outbox.deliver other`` for a type the routing does not know: span names must stay a
+small set, and the type comes from a row; the attribute keeps the row's value) (kind PRODUCER: the outbox relays the producer's message onward). When the envelope carries a
 W3C ``traceparent``, the span is a *child of the producer's span*, so the trace that holds the
 room command also holds every delivery attempt of its event, retries included. Attributes:
 
@@ -62,6 +63,7 @@ from room_outbox.redaction import REDACTED, Redactor
 
 if TYPE_CHECKING:
     from room_outbox.envelope import EventEnvelope
+    from room_outbox.store import OutboxRow
 
 #: Instrumentation scope of every span and metric room-outbox emits.
 SCOPE = "room_outbox"
@@ -166,18 +168,17 @@ class AttemptSpan:
     """The span of one delivery attempt, started once the envelope is known (so it can be a
     child of the producer's span) but timed from the start of the attempt."""
 
-    __slots__ = ("_parent", "_span", "_start_ns", "_tracer", "app_code", "retry_count", "row_fields")
+    __slots__ = ("_event_label", "_parent", "_row", "_span", "_start_ns", "_tracer", "app_code")
 
-    def __init__(
-        self, tracer: trace.Tracer, event_id: str, event_type: str, room_id: str, app_code: str, retry_count: int
-    ) -> None:
+    def __init__(self, tracer: trace.Tracer, row: OutboxRow, event_label: str) -> None:
         self._tracer = tracer
         self._start_ns = time.time_ns()
         self._parent: otel_context.Context | None = None
         self._span: Span | None = None
-        self.row_fields = (event_id, event_type, room_id)
-        self.app_code = app_code
-        self.retry_count = retry_count
+        self._row = row
+        #: The span name's event type: ``other`` for one the routing does not know.
+        self._event_label = event_label
+        self.app_code = row.app_code
 
     def parsed(self, envelope: EventEnvelope) -> None:
         self._parent = producer_context(envelope.traceparent)
@@ -204,22 +205,22 @@ class AttemptSpan:
         span.end()
 
     def _start(self, sink: str) -> Span:
-        event_id, event_type, room_id = self.row_fields
+        row = self._row
         attributes: dict[str, AttributeValue] = {
-            "event_id": event_id,
-            "event_type": event_type,
-            "room_id": room_id,
+            "event_id": row.event_id,
+            "event_type": row.event_type,
+            "room_id": row.room_id,
             "app_code": self.app_code,
             "sink": sink,
-            "retry_count": self.retry_count,
+            "retry_count": row.retry_count,
             "messaging.operation.type": "send",
-            "messaging.message.id": event_id,
-            "messaging.destination.name": room_id,
+            "messaging.message.id": row.event_id,
+            "messaging.destination.name": row.room_id,
         }
         if sink != "-":  # bad input never reached a sink: no messaging system to name
             attributes["messaging.system"] = sink
         self._span = self._tracer.start_span(
-            f"room_outbox.deliver {event_type}",
+            f"room_outbox.deliver {self._event_label}",
             context=self._parent,
             kind=SpanKind.PRODUCER,
             start_time=self._start_ns,

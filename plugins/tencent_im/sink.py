@@ -23,6 +23,7 @@ from room_outbox.plugins.tencent_im.message import body_size, group_id_for, msg_
 from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindowLimiter
 from room_outbox.plugins.tencent_im.settings import TencentIMSettings
 from room_outbox.plugins.tencent_im.usersig import UserSigCache
+from room_outbox.redaction import Redactor
 from room_outbox.sink import PermanentSinkError, RetryableSinkError, SinkContext
 from room_outbox.tracing import http_client_span
 
@@ -55,7 +56,9 @@ class TencentIMSink:
         self.settings = settings
         self.log = context.logger
         self._add_secret = context.add_secret
-        self._secrets: set[str] = set()
+        # The sink's own secrets, masked in its error texts even before they reach the core
+        # (which masks them again with the process's redactor, told through add_secret).
+        self._own_secrets = Redactor()
         self._apps_by_code: dict[str, TencentApp] = {}
         default = self._make_app(
             "default", settings.sdkappid, settings.identifier, settings.base_url, settings.secret_key.get_secret_value()
@@ -92,7 +95,8 @@ class TencentIMSink:
         )
 
     def _remember_secret(self, secret: str) -> None:
-        self._secrets.add(secret)
+        """Every secret key and every UserSig the cache makes (raw and URL-encoded forms)."""
+        self._own_secrets.add(secret)
         self._add_secret(secret)
 
     # -- the Sink protocol ---------------------------------------------------------------
@@ -206,7 +210,5 @@ class TencentIMSink:
             )
 
     def _scrub(self, exc: BaseException) -> str:
-        text = short_info(f"{type(exc).__name__}: {exc}")
-        for secret in self._secrets:
-            text = text.replace(secret, "[REDACTED]")
-        return text
+        # Masked before it is shortened: a secret cut in two would no longer match.
+        return short_info(self._own_secrets.redact(f"{type(exc).__name__}: {exc}"))

@@ -1,0 +1,328 @@
+"""Secrets stay inside the process: the one redactor, its encodings, and a real dispatcher
+whose every output channel is scanned for the Tencent key, the UserSig and the DB password."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, quote_plus, urlencode
+
+import anyio
+import httpx
+import pytest
+import yaml
+from conftest import SERVER_DSN
+from support import envelope, fetch_rows, insert_events, insert_rows, wait_until
+
+from room_outbox.config import Settings
+from room_outbox.redaction import REDACTED, Redactor, redactor_for
+from room_outbox.store.mysql import MySQLAddress, MySQLStore
+from room_outbox.telemetry import LIBRARY_LOGGERS, configure_logging
+from room_outbox.testing import FakeTencentIM, serve_fake_im
+
+# -- the redactor ------------------------------------------------------------------------------
+
+USERSIG = "eJwtzF0LgiAYBeD-8l4Hbza*Ylq-/a+2/k-_x"
+
+
+def encoded_forms(secret: str) -> set[str]:
+    """How a secret can travel: raw, in a URL query (both encoders, both hex cases), in JSON."""
+    forms = {secret, json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=True)[1:-1]}
+    for encoded in (quote(secret, safe=""), quote(secret), quote_plus(secret, safe=""), quote_plus(secret)):
+        forms |= {encoded, re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), encoded)}
+    return forms
+
+
+@pytest.mark.parametrize("secret", [USERSIG, 'pa ss"w\\rd+/=*', "密钥-key_123", "k3y\twith\ncontrol"])
+def test_every_encoding_of_a_secret_is_masked(secret: str) -> None:
+    redactor = Redactor()
+    redactor.add(secret)
+    for form in encoded_forms(secret):
+        assert redactor.redact(f"GET /v4?usersig={form}&random=7 done") == f"GET /v4?usersig={REDACTED}&random=7 done"
+
+
+def test_a_url_built_by_urlencode_is_masked_and_the_rest_kept() -> None:
+    redactor = Redactor()
+    redactor.add(USERSIG)
+    url = "https://im.example/v4/x?" + urlencode({"sdkappid": "1", "usersig": USERSIG, "random": "7"})
+    assert "%2A" in url  # the UserSig's * as httpx logs it
+    assert redactor.redact(f"HTTP Request: POST {url}") == (
+        f"HTTP Request: POST https://im.example/v4/x?sdkappid=1&usersig={REDACTED}&random=7"
+    )
+
+
+def test_short_values_and_ordinary_text_are_left_alone() -> None:
+    redactor = Redactor()
+    for value in ("", "  ", "abc"):
+        redactor.add(value)
+    assert redactor.redact("abc def") == "abc def"
+    redactor.add("sup3rsecret")
+    redactor.add("sup3rsecretlonger")  # the longer one is masked whole, not in pieces
+    assert redactor.redact("a sup3rsecretlonger b sup3rsecret") == f"a {REDACTED} b {REDACTED}"
+    assert "sup3rsecret" in redactor and "abc" not in redactor
+
+
+def test_the_process_redactor_knows_every_secret_in_the_configuration() -> None:
+    settings = Settings(
+        mysql={"dsn": "mysql://app:" + quote("p@ss/w:rd", safe="") + "@db:3306/room"},
+        sinks={
+            "tencent_im": {"secret_key": "tencent-key-1", "apps": {"b": {"secret_key": "tencent-key-2"}}},
+            "kafka": {"sasl_plain_password": "kafka-pass", "topic": "room-events", "bootstrap_servers": "k:9092"},
+            "webhook": {
+                "headers": {"Authorization": "Bearer abc123"},
+                "api_token": "tok-123456",
+                "tokens": ["tok-a-1", "tok-b-2"],
+            },
+        },
+    )
+    redactor = redactor_for(settings, environ={"OTEL_EXPORTER_OTLP_HEADERS": "api-key=otlp-key-9,x-tenant=acme"})
+    expected = ("p@ss/w:rd", "tencent-key-1", "tencent-key-2", "kafka-pass", "tok-123456", "tok-a-1", "Bearer abc123")
+    for secret in (*expected, "otlp-key-9", "acme"):  # any OTLP header value may be a credential
+        assert secret in redactor, secret
+    for setting in ("room-events", "k:9092", "127.0.0.1"):
+        assert setting not in redactor
+
+
+def test_library_loggers_stay_at_warning_and_their_records_are_masked() -> None:
+    stream = io.StringIO()
+    redactor = Redactor()
+    redactor.add(USERSIG)
+    saved = {name: logging.getLogger(name).level for name in LIBRARY_LOGGERS}
+    try:
+        configure_logging("DEBUG", "n1", redactor, stream)
+        url = "https://im.example/v4?" + urlencode({"usersig": USERSIG})
+        logging.getLogger("httpx").info("HTTP Request: POST %s", url)  # dropped: below WARNING
+        logging.getLogger("aiokafka").warning("connection to %s failed", url)  # kept, masked
+        logging.getLogger("room_outbox.dispatcher").debug("ours at DEBUG")
+        assert {name: logging.getLogger(name).getEffectiveLevel() for name in LIBRARY_LOGGERS} == dict.fromkeys(
+            LIBRARY_LOGGERS, logging.WARNING
+        )
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+        logging.captureWarnings(False)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(d["logger"], d["msg"]) for d in lines] == [
+        ("aiokafka", f"connection to https://im.example/v4?usersig={REDACTED} failed"),
+        ("room_outbox.dispatcher", "ours at DEBUG"),
+    ]
+
+
+def test_tencent_sink_registers_its_key_and_every_usersig_with_the_process_redactor() -> None:
+    from room_outbox.plugins.tencent_im import TencentIMSettings, TencentIMSink
+    from room_outbox.sink import SinkContext
+
+    redactor = Redactor()
+    settings = TencentIMSettings(
+        sdkappid=1400000001, secret_key="tencent-key-1", apps={"b": {"sdkappid": 2, "secret_key": "tencent-key-2"}}
+    )
+    sink = TencentIMSink(settings, SinkContext("n", logging.getLogger("t"), add_secret=redactor.add))
+    assert "tencent-key-1" in redactor and "tencent-key-2" in redactor
+    usersig = sink._apps_by_code["b"].usersig.get()
+    assert usersig in redactor
+
+
+# -- a real dispatcher, every output channel scanned ---------------------------------------------
+
+SDKAPPID = 1400000777
+
+
+class RecordingFakeIM(FakeTencentIM):
+    """The fake Tencent IM, also keeping every UserSig it was sent (the secret to look for)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.usersigs: set[str] = set()
+
+    async def handle(self, method: str, target: str, body: bytes) -> Any:
+        from urllib.parse import parse_qs, urlsplit
+
+        self.usersigs.update(parse_qs(urlsplit(target).query).get("usersig", []))
+        return await super().handle(method, target, body)
+
+
+@pytest.fixture
+def password_dsn(database_dsn: str) -> Iterator[tuple[str, str]]:
+    """A MariaDB user with a password (URL-encoded in the DSN) for the test database; dropped after."""
+    import pymysql
+
+    database = MySQLAddress.from_dsn(database_dsn).database
+    user = f"ro_secret_{uuid.uuid4().hex[:8]}"
+    password = f"Pw*{secrets.token_hex(8)}/+=:@ %"
+    root = MySQLAddress.from_dsn(f"{SERVER_DSN}/x")
+
+    def admin(*statements: str) -> None:
+        conn = pymysql.connect(
+            host=root.host, port=root.port, user=root.user, password=root.password, connect_timeout=5, read_timeout=10
+        )
+        try:
+            with conn.cursor() as cur:
+                for statement in statements:
+                    cur.execute(statement)
+        finally:
+            conn.close()
+
+    escaped = password.replace("\\", "\\\\").replace("'", "\\'")
+    admin(
+        f"CREATE USER '{user}'@'%' IDENTIFIED BY '{escaped}'",
+        f"GRANT ALL PRIVILEGES ON `{database}`.* TO '{user}'@'%'",
+    )
+    try:
+        yield f"mysql://{user}:{quote(password, safe='')}@{root.host}:{root.port}/{database}", password
+    finally:
+        admin(f"DROP USER IF EXISTS '{user}'@'%'")
+
+
+@pytest.fixture
+async def fake_im() -> AsyncIterator[RecordingFakeIM]:
+    # A long identifier makes a long UserSig: one without a * (a + before Tencent's alphabet)
+    # becomes vanishingly unlikely. The test asserts the UserSigs it saw did contain one.
+    identifier = "admin_" + secrets.token_urlsafe(600)
+    fake = RecordingFakeIM(apps={SDKAPPID: "tencent-Secret/Key+42="}, admins={identifier})
+    async with serve_fake_im(fake) as served:
+        yield served
+
+
+def _env(secret_key: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROOM_OUTBOX", "OTEL_"))}
+    env.update(
+        ROOM_OUTBOX__SINKS__TENCENT_IM__SECRET_KEY=secret_key,
+        ROOM_OUTBOX__NODE_ID="secrets-test",
+        OTEL_TRACES_EXPORTER="console",
+        OTEL_METRICS_EXPORTER="console",
+        OTEL_METRIC_EXPORT_INTERVAL="300",
+        OTEL_BSP_SCHEDULE_DELAY="200",
+    )
+    return env
+
+
+async def _cli(config: Path, env: dict[str, str], *args: str) -> str:
+    """A `room-outbox` command as an operator runs it: stdout and stderr, as text."""
+    with anyio.fail_after(30):
+        done = await anyio.run_process(
+            [sys.executable, "-m", "room_outbox.cli", "--config", str(config), *args], env=env, check=False
+        )
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout.decode() + done.stderr.decode()
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_no_output_channel_carries_a_secret(
+    store: MySQLStore, password_dsn: tuple[str, str], fake_im: RecordingFakeIM, tmp_path: Path
+) -> None:
+    dsn, db_password = password_dsn
+    (identifier,) = fake_im.admins
+    secret_key = fake_im.apps[SDKAPPID]
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "mysql": {"dsn": dsn, "pool_size": 2},
+                "outbox_worker": {"poll_interval": "100ms", "publish_timeout": "2s"},
+                "sinks": {"tencent_im": {"base_url": fake_im.base_url, "sdkappid": SDKAPPID, "identifier": identifier}},
+                "log": {"level": "DEBUG", "library_level": "DEBUG"},  # the libraries' URL lines too
+                "telemetry": {"http_listen": "127.0.0.1:0", "backlog_interval": "200ms"},
+            }
+        )
+    )
+    env = _env(secret_key)
+    # 70001: the sink makes a new UserSig and retries at once; 10002: a failure in last_error.
+    fake_im.set_faults(fail_next=[70001, 10002, 10002])
+    good = [envelope(f"ok{i}", room_id=f"r_{i}") for i in range(4)]
+    await insert_events(store, [*good, envelope("ghost_app", app_code="ghost")])
+    await insert_rows(
+        store,
+        [
+            ("default", "bad_json", "RoomUserJoined", "r_1", "{not json"),
+            ("default", "mixed_app", "RoomUserJoined", "r_1", json.dumps(envelope("mixed_app", app_code="other_app"))),
+            ("default", "unknown_type", "RoomTeleported", "r_1", json.dumps(envelope("unknown_type", "RoomTeleported"))),
+        ],
+    )  # fmt: skip
+    bad = ("ghost_app", "bad_json", "mixed_app", "unknown_type")
+
+    stdout, stderr = tmp_path / "run.stdout", tmp_path / "run.stderr"
+    with stdout.open("w") as out, stderr.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "room_outbox.cli", "--config", str(config), "run"], stdout=out, stderr=err, env=env
+        )
+    last_errors: set[str] = set()
+    try:
+
+        async def delivered_and_failed() -> bool:
+            assert proc.poll() is None, stderr.read_text()
+            rows = await fetch_rows(store)
+            last_errors.update(r["last_error"] for r in rows.values() if r["last_error"])
+            return all(rows[e["event_id"]]["status"] == "published" for e in good) and all(
+                rows[e]["retry_count"] >= 2 for e in bad
+            )
+
+        await wait_until(delivered_and_failed, timeout=30)
+        port = next(d["port"] for d in _log_lines(stderr) if d.get("lifecycle") == "http_started")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+
+            async def metrics_text() -> str:
+                text = (await client.get("/metrics")).text
+                return text if 'event_type="other"' in text and "room_outbox_pending_total" in text else ""
+
+            await wait_until(metrics_text, timeout=10)
+            metrics = await metrics_text()
+            readiness = (await client.get("/readyz")).text
+        operator = [await _cli(config, env, "status"), await _cli(config, env, "status", "--json")]
+        for event_id in (*bad, "ok0"):
+            operator.append(await _cli(config, env, "inspect", event_id))
+            operator.append(await _cli(config, env, "inspect", event_id, "--json"))
+        operator.append(await _cli(config, env, "requeue", "--event-type", "RoomTeleported"))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+            pytest.fail("room-outbox run did not stop on SIGTERM")
+    last_errors.update(r["last_error"] for r in (await fetch_rows(store)).values() if r["last_error"])
+
+    # What was scanned really carried what a leak would ride on.
+    assert fake_im.usersigs and all("*" in sig for sig in fake_im.usersigs), fake_im.usersigs
+    logs = stderr.read_text()
+    assert re.search(r"HTTP Request: POST [^ ]+usersig=\[REDACTED\]&", logs), "httpx logged no request URL"
+    assert "UserSig expired at Tencent (70001)" in logs
+    spans = stdout.read_text()
+    assert '"name": "room_outbox.deliver RoomUserJoined"' in spans
+    assert '"name": "room_outbox.deliver other"' in spans  # an unknown type mints no span name
+    assert "room_outbox_publish_success_total" in spans  # console metrics
+    assert 'event_type="other"' in metrics and "RoomTeleported" not in metrics
+    assert any("ErrorCode 10002" in e for e in last_errors)
+    assert any("envelope app_code 'other_app' differs from the row's 'default'" in e for e in last_errors)
+    assert any("no Tencent IM credentials for app_code 'ghost'" in e for e in last_errors)
+
+    channels = {
+        "stderr logs": logs,
+        "stdout spans and metrics": spans,
+        "/metrics": metrics,
+        "/readyz": readiness,
+        "operator commands": "\n".join(operator),
+        "last_error": "\n".join(sorted(last_errors)),
+    }
+    forbidden = {"secret key": secret_key, "database password": db_password}
+    forbidden |= {f"UserSig {n}": sig for n, sig in enumerate(sorted(fake_im.usersigs))}
+    for channel, text in channels.items():
+        for name, secret in forbidden.items():
+            for form in encoded_forms(secret):
+                assert form not in text, f"{name} ({form[:12]}…) in {channel}"
+
+
+def _log_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
