@@ -154,3 +154,21 @@ def test_shipped_config_files_load(name: str, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("ROOM_OUTBOX__SINKS__TENCENT_IM__SECRET_KEY", "k" * 16)
     settings = load_settings(Path(__file__).parent.parent / "config" / name)
     assert settings.outbox_worker.retry_strategy == "fixed_interval"
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("mysql:\n  dsn: 'mysql://u:hunter22@h/db'\n  pool_size: 2\n   bad: indent\n", "line 4, column 7"),
+        ("sinks:\n  tencent_im:\n    secret_key: *hunter22Key\n", "line 3, column 17: found undefined alias '…'"),
+        ("mysql:\n  dsn: 'mysql://u:hunter22@h/db\nlog: {level: INFO\n", "(while scanning a quoted scalar at line 2, column 8)"),
+        ("sinks:\n  tencent_im: {secret_key: hunter22, sdkappid: [1, 2}\n", "line 2, column 53: expected ',' or ']', but got '}'"),
+    ],
+)  # fmt: skip
+def test_yaml_errors_say_where_and_what_but_never_echo_the_line(tmp_path: Path, text: str, where: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, text))
+    message = str(info.value)
+    assert message.startswith(f"config file {tmp_path / 'config.yaml'}: not valid YAML: line "), message
+    assert where in message, message
+    assert "hunter22" not in message and "\n" not in message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -89,6 +90,10 @@ async def test_a_permanent_error_stays_pending_in_v1(store: MySQLStore) -> None:
          "malformed envelope: room_id: Field required"),
         (("", "mismatch", "RoomUserJoined", "r_1", '{"event_id": "other", "event_type": "RoomUserJoined", "room_id": "r_1"}'),
          "envelope event_id 'other' differs from the row's 'mismatch'"),
+        (("app_b", "other_app", "RoomUserJoined", "r_1", '{"event_id": "other_app", "event_type": "RoomUserJoined", "room_id": "r_1", "app_code": "app_a"}'),
+         "envelope app_code 'app_a' differs from the row's 'app_b'"),
+        (("app_b", "no_app", "RoomUserJoined", "r_1", '{"event_id": "no_app", "event_type": "RoomUserJoined", "room_id": "r_1"}'),
+         "envelope app_code '' differs from the row's 'app_b'"),
         (("", "unknown_type", "RoomTeleported", "r_1", '{"event_id": "unknown_type", "event_type": "RoomTeleported", "room_id": "r_1"}'),
          "no sink for event_type RoomTeleported"),
         (("", "bad_utf8", "RoomUserJoined", "r_1", b'{"event_id": "bad_utf8", "x": "\xff\xfe"}'),
@@ -111,6 +116,19 @@ async def test_bad_input_gets_a_clear_error_and_blocks_nothing(
     assert bad["last_error"].startswith(error), bad["last_error"]
     assert bad["envelope"] == row[4]  # never rewritten or deleted
     assert rows["good"]["status"] == "published" and sink.received == ["good"]
+
+
+async def test_an_app_code_mismatch_is_a_permanent_bad_envelope(store: MySQLStore) -> None:
+    """Credentials follow the envelope's app_code, ordering the row's: they must agree."""
+    from room_outbox.retry import RetryPolicy
+
+    mixed = envelope("mixed", app_code="app_a")
+    await insert_rows(store, [("app_b", "mixed", "RoomUserJoined", "r_1", json.dumps(mixed))])
+    sink = RecordingSink()
+    await make_dispatcher(store, sink, retry=RetryPolicy(interval=0.05, parking=True)).run_until_empty()
+    row = (await fetch_rows(store))["mixed"]
+    assert (row["status"], row["last_error"]) == ("failed", "envelope app_code 'app_a' differs from the row's 'app_b'")
+    assert sink.received == []
 
 
 async def test_last_error_is_short_and_redacted(store: MySQLStore) -> None:

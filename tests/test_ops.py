@@ -125,3 +125,41 @@ def test_delivery_states_read_like_sentences() -> None:
     assert describe_state({**row, "worker_id": None, "lock_until_ms": 0}, now) == (
         "due: the next scan claims it (failed 2 time(s) so far)"
     )
+
+
+def _terminal_controls(text: str) -> list[str]:
+    """Characters a terminal would act on or hide, other than the line breaks of the layout."""
+    import unicodedata
+
+    return [c for c in text if c != "\n" and unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") and c != "\u200d"]
+
+
+async def test_human_output_escapes_control_characters_from_rows(
+    store: MySQLStore, database_dsn: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, keep_logging: None
+) -> None:
+    evil_id = "evil\x1b[2J"
+    evil = envelope(evil_id, room_id="r\u202egnp", payload={"nick": "\x9b31mred\u2028x", "gift": "🎁👨\u200d👩"})
+    await insert_events(store, [evil])
+    async with store.transaction() as cur:
+        await cur.execute(
+            "UPDATE room_outbox SET retry_count = 2, last_error = %s, worker_id = %s, lock_until_ms = %s",
+            ("\x1b]0;pwned\x07 line1\r\nline2", "node\x1b[1m#3", int(time.time() * 1000) + 60_000),
+        )
+    outputs = []
+    for args in (("status",), ("inspect", evil_id)):
+        code, out, err = await _cli(capsys, tmp_path, database_dsn, *args)
+        assert code == 0, err
+        outputs.append(out)
+    async with store.transaction() as cur:  # lease gone, so requeue and cancel take the row
+        await cur.execute("UPDATE room_outbox SET worker_id = NULL, lock_until_ms = 0")
+    for args in (("requeue", "--error-contains", "pwned"), ("cancel", evil_id), ("cancel", evil_id)):
+        _, out, _ = await _cli(capsys, tmp_path, database_dsn, *args)
+        outputs.append(out)
+    status, inspection, requeue, cancelled, again = outputs
+    for out in outputs:
+        assert _terminal_controls(out) == [], out
+    assert "\\x1b]0;pwned\\x07 line1\\x0d\\x0aline2" in status and "node\\x1b[1m" in status
+    assert "evil\\x1b[2J" in inspection and "r\\u202egnp" in inspection and "\\x9b31mred\\u2028x" in inspection
+    assert "🎁👨\u200d👩" in inspection  # emoji sequences stay readable
+    assert "evil\\x1b[2J" in requeue and "\\x1b]0;pwned" in requeue
+    assert cancelled.startswith("cancelled evil\\x1b[2J:") and again.startswith("evil\\x1b[2J is cancelled")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Any
@@ -65,6 +66,34 @@ async def test_a_row_published_by_the_producer_mid_delivery_counts_as_a_lost_lea
     dispatcher.telemetry = captured.telemetry
     await dispatcher.run_until_empty()
     assert captured.value("room_outbox_lost_leases_total", detected_at="result_write") == 1
+
+
+@pytest.mark.anyio
+async def test_event_types_the_routing_does_not_know_are_labelled_other(store: MySQLStore) -> None:
+    """Rows name the event type: unknown ones must not mint label values or span names."""
+    from support import insert_rows
+
+    from room_outbox.envelope import KNOWN_EVENT_TYPES
+
+    strange = [f"RoomTeleported{n}\x1b" for n in range(3)]
+    await insert_rows(
+        store,
+        [("default", f"u{n}", t, "r_1", json.dumps(envelope(f"u{n}", t))) for n, t in enumerate(strange)]
+        + [("default", "custom", "RoomCustomThing", "r_1", json.dumps(envelope("custom", "RoomCustomThing")))],
+    )
+    await insert_events(store, [envelope("known", "RoomGiftSent")])
+    captured = capture()
+    dispatcher = make_dispatcher(store, RecordingSink(), event_types=[*KNOWN_EVENT_TYPES, "RoomCustomThing"])
+    dispatcher.telemetry = captured.telemetry
+    await dispatcher.run_until_empty()
+
+    labels = {p.attributes["event_type"] for p in captured.points("room_outbox_publish_latency_ms")}
+    assert labels == {"other", "RoomCustomThing", "RoomGiftSent"}  # routed by name: kept
+    assert captured.value("room_outbox_publish_failure_total", event_type="other", error_class="no_route") == 3
+    names = sorted(span.name for span in captured.spans("room_outbox.deliver "))
+    assert names == ["room_outbox.deliver " + t for t in ("RoomCustomThing", "RoomGiftSent", "other", "other", "other")]
+    by_id = {span.attributes["event_id"]: span.attributes for span in captured.spans() if span.attributes}
+    assert by_id["u0"]["event_type"] == strange[0]  # the attribute keeps what the row says
 
 
 @pytest.mark.anyio
