@@ -44,28 +44,48 @@ OTLP_HEADER_VARIABLES = (
 
 class Redactor:
     """Masks registered secrets in any text. Thread-safe: :meth:`add` swaps in a new
-    pattern in one assignment, so an exporter thread redacting meanwhile sees the old or
+    matcher in one assignment, so an exporter thread redacting meanwhile sees the old or
     the new one, both valid."""
 
     def __init__(self) -> None:
         self._secrets: set[str] = set()
-        self._pattern: re.Pattern[str] | None = None
+        self._matcher: _Matcher | None = None
 
     def add(self, secret: str) -> None:
         secret = secret.strip()
         if len(secret) < MIN_SECRET_LENGTH or secret in self._secrets:
             return
         self._secrets.add(secret)
-        # Longest first: a secret that contains another is masked whole, not in pieces.
-        forms = sorted(self._secrets, key=len, reverse=True)
-        self._pattern = re.compile("|".join(_encodings(secret) for secret in forms))
+        self._matcher = _Matcher(self._secrets)
 
     def redact(self, text: str) -> str:
-        pattern = self._pattern
-        return text if pattern is None else pattern.sub(REDACTED, text)
+        matcher = self._matcher
+        return text if matcher is None else matcher.redact(text)
 
     def __contains__(self, secret: str) -> bool:
         return secret.strip() in self._secrets
+
+
+class _Matcher:
+    """One pattern for every secret, and each secret's anchor: its longest run of ASCII
+    letters and digits, which no encoding changes. A text holding no anchor holds no secret,
+    and a substring search is several times cheaper than the pattern (most log lines)."""
+
+    def __init__(self, secrets: set[str]) -> None:
+        # Longest first: a secret that contains another is masked whole, not in pieces.
+        ordered = sorted(secrets, key=len, reverse=True)
+        self.pattern = re.compile("|".join(_encodings(secret) for secret in ordered))
+        anchors = [max(_ALNUM_RUN.findall(secret), key=len, default="") for secret in ordered]
+        #: None when a secret has no anchor long enough: then every text goes through the pattern.
+        self.anchors = anchors if all(len(a) >= MIN_SECRET_LENGTH for a in anchors) else None
+
+    def redact(self, text: str) -> str:
+        if self.anchors is not None and not any(anchor in text for anchor in self.anchors):
+            return text
+        return self.pattern.sub(REDACTED, text)
+
+
+_ALNUM_RUN = re.compile(r"[A-Za-z0-9]+")
 
 
 def _encodings(secret: str) -> str:
