@@ -22,7 +22,6 @@ import anyio
 import httpx
 import pytest
 import yaml
-from conftest import SERVER_DSN
 from support import envelope, fetch_rows, insert_events, insert_rows, wait_until
 
 from room_outbox.config import Settings
@@ -158,10 +157,10 @@ def password_dsn(database_dsn: str) -> Iterator[tuple[str, str]]:
     """A MariaDB user with a password (URL-encoded in the DSN) for the test database; dropped after."""
     import pymysql
 
-    database = MySQLAddress.from_dsn(database_dsn).database
+    root = MySQLAddress.from_dsn(database_dsn)  # the test server's administrative account
+    database = root.database
     user = f"ro_secret_{uuid.uuid4().hex[:8]}"
     password = f"Pw*{secrets.token_hex(8)}/+=:@ %"
-    root = MySQLAddress.from_dsn(f"{SERVER_DSN}/x")
 
     def admin(*statements: str) -> None:
         conn = pymysql.connect(
