@@ -1,8 +1,9 @@
 """Spans: one per delivery attempt, child spans for sinks, secrets kept out of both.
 
 Every attempt to deliver an event is one span named ``room_outbox.deliver <EventType>``
-(``room_outbox.deliver other`` for a type the routing does not know: span names must stay a
-small set, and the type comes from a row; the attribute keeps the row's value) (kind PRODUCER: the outbox relays the producer's message onward). When the envelope carries a
+(kind PRODUCER: the outbox relays the producer's message onward); a type the routing does not
+know is named ``other`` there, since the type comes from a row and span names must stay a
+small set (the ``event_type`` attribute keeps the row's value). When the envelope carries a
 W3C ``traceparent``, the span is a *child of the producer's span*, so the trace that holds the
 room command also holds every delivery attempt of its event, retries included. Attributes:
 
