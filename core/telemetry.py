@@ -29,9 +29,11 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
 import anyio
@@ -113,6 +115,19 @@ def configure_logging(
     for name in LIBRARY_LOGGERS:
         logging.getLogger(name).setLevel(library_level)
     logging.captureWarnings(True)
+    # An exception nobody caught would be printed raw by the interpreter; as a log record its
+    # traceback is one JSON line, redacted like the rest.
+    sys.excepthook = log_uncaught
+    threading.excepthook = lambda args: log_uncaught(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+def log_uncaught(exc_type: type[BaseException], exc: BaseException | None, traceback: TracebackType | None) -> None:
+    """``sys.excepthook``: the uncaught exception as an error record (Ctrl-C stays quiet)."""
+    if issubclass(exc_type, KeyboardInterrupt):
+        return
+    logging.getLogger("room_outbox").critical(
+        "uncaught exception: %s", exc_type.__name__, exc_info=(exc_type, exc or exc_type(), traceback)
+    )
 
 
 # -- traces and metrics ---------------------------------------------------------------------

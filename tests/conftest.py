@@ -81,9 +81,13 @@ def restore_root_logging() -> Iterator[None]:
     """Commands run in-process (``main([...])``) install the JSON log handler on the root
     logger; put the root logger back so one test's logging set-up never leaks into the next."""
     import logging
+    import sys
+    import threading
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    hooks = sys.excepthook, threading.excepthook  # configure_logging routes them to the log
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+    sys.excepthook, threading.excepthook = hooks

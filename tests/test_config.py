@@ -172,3 +172,10 @@ def test_yaml_errors_say_where_and_what_but_never_echo_the_line(tmp_path: Path, 
     assert message.startswith(f"config file {tmp_path / 'config.yaml'}: not valid YAML: line "), message
     assert where in message, message
     assert "hunter22" not in message and "\n" not in message
+
+
+def test_library_log_level_defaults_to_warning_and_is_checked(tmp_path: Path) -> None:
+    assert load_settings().log.library_level == "WARNING"
+    assert load_settings(write(tmp_path, "log:\n  library_level: debug\n")).log.library_level == "DEBUG"
+    with pytest.raises(ConfigError, match="log.library_level: unknown log level 'CHATTY'"):
+        load_settings(write(tmp_path, "log:\n  library_level: chatty\n"))

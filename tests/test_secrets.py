@@ -119,6 +119,22 @@ def test_library_loggers_stay_at_warning_and_their_records_are_masked() -> None:
     ]
 
 
+def test_an_uncaught_exception_is_one_redacted_log_line() -> None:
+    stream = io.StringIO()
+    redactor = Redactor()
+    redactor.add(USERSIG)
+    configure_logging("INFO", "n1", redactor, stream)
+    try:
+        raise RuntimeError(f"GET /v4?usersig={quote(USERSIG, safe='')}")
+    except RuntimeError as exc:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    sys.excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)  # Ctrl-C: nothing to report
+    (line,) = stream.getvalue().splitlines()
+    doc = json.loads(line)
+    assert (doc["level"], doc["msg"]) == ("critical", "uncaught exception: RuntimeError")
+    assert f"RuntimeError: GET /v4?usersig={REDACTED}" in doc["exc"] and "Traceback" in doc["exc"]
+
+
 def test_tencent_sink_registers_its_key_and_every_usersig_with_the_process_redactor() -> None:
     from room_outbox.plugins.tencent_im import TencentIMSettings, TencentIMSink
     from room_outbox.sink import SinkContext
