@@ -177,5 +177,5 @@ def test_yaml_errors_say_where_and_what_but_never_echo_the_line(tmp_path: Path, 
 def test_library_log_level_defaults_to_warning_and_is_checked(tmp_path: Path) -> None:
     assert load_settings().log.library_level == "WARNING"
     assert load_settings(write(tmp_path, "log:\n  library_level: debug\n")).log.library_level == "DEBUG"
-    with pytest.raises(ConfigError, match="log.library_level: unknown log level 'CHATTY'"):
+    with pytest.raises(ConfigError, match=r"log\.library_level: unknown log level 'CHATTY'"):
         load_settings(write(tmp_path, "log:\n  library_level: chatty\n"))
