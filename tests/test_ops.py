@@ -153,8 +153,8 @@ async def test_human_output_escapes_control_characters_from_rows(
     async with store.transaction() as cur:  # lease gone, so requeue and cancel take the row
         await cur.execute("UPDATE room_outbox SET worker_id = NULL, lock_until_ms = 0")
     for args in (("requeue", "--error-contains", "pwned"), ("cancel", evil_id), ("cancel", evil_id)):
-        _, out, _ = await _cli(capsys, tmp_path, database_dsn, *args)
-        outputs.append(out)
+        _, out, err = await _cli(capsys, tmp_path, database_dsn, *args)
+        outputs.append(out + err)
     status, inspection, requeue, cancelled, again = outputs
     for out in outputs:
         assert _terminal_controls(out) == [], out
@@ -162,4 +162,4 @@ async def test_human_output_escapes_control_characters_from_rows(
     assert "evil\\x1b[2J" in inspection and "r\\u202egnp" in inspection and "\\x9b31mred\\u2028x" in inspection
     assert "🎁👨\u200d👩" in inspection  # emoji sequences stay readable
     assert "evil\\x1b[2J" in requeue and "\\x1b]0;pwned" in requeue
-    assert cancelled.startswith("cancelled evil\\x1b[2J:") and again.startswith("evil\\x1b[2J is cancelled")
+    assert cancelled.startswith("cancelled evil\\x1b[2J:") and "room-outbox cancel: evil\\x1b[2J is cancelled" in again
