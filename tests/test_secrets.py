@@ -298,7 +298,7 @@ async def test_no_output_channel_carries_a_secret(
         operator = [await _cli(config, env, "status"), await _cli(config, env, "status", "--json")]
         for event_id in (*bad, "ok0"):
             operator.append(await _cli(config, env, "inspect", event_id))
-            operator.append(await _cli(config, env, "inspect", event_id, "--json"))
+        operator.append(await _cli(config, env, "inspect", "ghost_app", "--json"))
         operator.append(await _cli(config, env, "requeue", "--event-type", "RoomTeleported"))
     finally:
         proc.send_signal(signal.SIGTERM)
