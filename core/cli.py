@@ -22,7 +22,7 @@ from room_outbox.errors import ConfigurationError, RoomOutboxError
 from room_outbox.lanes import migrate_plugins, plugins_migration_plan
 from room_outbox.ops import inspect_command, status_command
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.redaction import redactor_for
+from room_outbox.redaction import Redactor, redactor_for
 from room_outbox.retention import RetentionOptions, cleanup_command
 from room_outbox.startup import check_configuration
 from room_outbox.store.errors import translated
@@ -219,8 +219,11 @@ def _duration_ms(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit code (see :data:`EXIT_CODES`). An error room-outbox expects
     (configuration, database, schema) is one line on stderr, never a traceback."""
+    # The process's one redactor: it learns the configuration's secrets as soon as they are
+    # loaded, so even the one line a failing command prints is masked.
+    redactor = Redactor()
     try:
-        code = _command(build_parser().parse_args(argv))
+        code = _command(build_parser().parse_args(argv), redactor)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
         return code
     except BrokenPipeError:
@@ -229,23 +232,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("room-outbox: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except RoomOutboxError as exc:
-        return _fail(exc)
+        return _fail(exc, redactor)
     except BaseExceptionGroup as group:  # raised inside a task group: report ours the same way
         mine = _only_our_error(group)
         if mine is None:
             raise
-        return _fail(mine)
+        return _fail(mine, redactor)
 
 
-def _command(args: argparse.Namespace) -> int:
+def _command(args: argparse.Namespace, redactor: Redactor) -> int:
     if args.command == "fake-im":  # test tooling: needs no configuration
         return run_fake_im(args)
     if args.command == "demo":  # self-contained: its own store, fake IM and settings
         return run_demo_command(args)
     settings = load_settings(args.config)
+    redactor.add_all(redactor_for(settings))  # logs, spans, last_error, sinks and failures share it
     if args.command == "check-config":
         return _check_config(settings, args.config)
-    redactor = redactor_for(settings)  # the process's one redactor: logs, spans, last_error, sinks
     configure_logging(settings.log.level, settings.node_id, redactor, library_level=settings.log.library_level)
     if args.command == "migrate":
         return anyio.run(_migrate, settings, args.sql)
@@ -255,8 +258,8 @@ def _command(args: argparse.Namespace) -> int:
     return anyio.run(_with_store, settings, args)
 
 
-def _fail(exc: RoomOutboxError) -> int:
-    print(f"room-outbox: {exc}", file=sys.stderr)
+def _fail(exc: RoomOutboxError, redactor: Redactor) -> int:
+    print(redactor.redact(f"room-outbox: {exc}"), file=sys.stderr)
     return exc.exit_code
 
 

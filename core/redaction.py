@@ -58,6 +58,10 @@ class Redactor:
         self._secrets.add(secret)
         self._matcher = _Matcher(self._secrets)
 
+    def add_all(self, other: Redactor) -> None:
+        for secret in other._secrets:
+            self.add(secret)
+
     def redact(self, text: str) -> str:
         matcher = self._matcher
         return text if matcher is None else matcher.redact(text)

@@ -362,3 +362,22 @@ def test_one_root_and_the_old_names_still_work() -> None:
         assert issubclass(error, RoomOutboxError)
     assert issubclass(EnvelopeError, ValueError)  # callers catching ValueError keep working
     assert (ConfigurationError.exit_code, StoreUnavailable.exit_code, SchemaError.exit_code) == (2, 3, 3)
+
+
+def test_a_failure_line_never_carries_a_configured_secret(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A check that echoes a value (a third-party sink's validator, say) still prints no secret:
+    the one line goes through the process's redactor."""
+    secret = "k3y*Secret/With=Signs"
+    config = tmp_path / "config.yaml"
+    config.write_text(f"sinks:\n  tencent_im:\n    enabled: true\n    secret_key: '{secret}'\n")
+
+    def echoing_check(*_: Any, **__: Any) -> None:
+        raise ConfigurationError(f"sinks.tencent_im.secret_key: {secret!r} is not a key this app knows")
+
+    monkeypatch.setattr("room_outbox.cli.check_configuration", echoing_check)
+    assert main(["--config", str(config), "check-config"]) == 2
+    err = capsys.readouterr().err
+    assert "sinks.tencent_im.secret_key: '[REDACTED]' is not a key" in err
+    assert secret not in err and "k3y%2ASecret" not in err
