@@ -4,7 +4,7 @@
   claim, deliver, record) against bare httpx loops posting the same requests with the same
   16 in flight: on httpx's default transport (the baseline) and on httpx-aiohttp's
   transport, the sink's default (the practical limit of any sink on it). Also the sink forced
-  back onto httpx's default transport (DESIGN §4: it slows down as concurrency rises).
+  back onto httpx's default transport (which slows down as concurrency rises).
 * **quota**: the default 200 requests/s, the fake enforcing 200/s as Tencent does
   (ErrorCode 60011 above it): the share of the quota used, the rate-limit errors, and how
   long each app-limiter slot was busy (acquire to release), which bounds the share at

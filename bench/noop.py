@@ -3,7 +3,7 @@
 * **raw SQL reference** — the practical limit: the same cycle the dispatcher runs, written
   straight on the driver: one transaction claims a batch (``FOR UPDATE SKIP LOCKED``, lease)
   and marks the previous batch published; "delivery" is a no-op.
-* **seed-style loop** — seed 000's worker: select a batch, publish, then
+* **seed-style loop** — room-service's V1 worker: select a batch, publish, then
   ``UPDATE … WHERE event_id = ?`` and a commit per row.
 * **per-row tasks** (history) — the dispatcher as it was before its fixed pool of delivery
   workers: one task per row, each waiting on a ``CapacityLimiter`` of ``concurrency``.

@@ -1,5 +1,5 @@
-"""``python -m bench [--quick] [--only a,b,c,d,e,r]``: every measurement of issue 6 in one run,
-printed as a table with same-run ratios and the issue's targets."""
+"""``python -m bench [--quick] [--only a,b,c,d,e,r]``: every measurement in one run,
+printed as a table with same-run ratios and the targets each must meet."""
 
 from __future__ import annotations
 

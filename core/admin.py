@@ -1,4 +1,4 @@
-"""Operator commands that change rows: ``requeue`` and ``cancel`` (seed 001's cancelled state).
+"""Operator commands that change rows: ``requeue`` and ``cancel`` (status ``cancelled``).
 
 ``requeue`` shows what it would change and changes it only with ``--yes``. It is how rows that
 were parked, or whose envelope did not parse, are sent round again once the cause is fixed.

@@ -1,4 +1,4 @@
-"""Process lifecycle (seed 000).
+"""Process lifecycle.
 
 Start: configuration (already loaded) checked whole, sinks included → database pool (waited
 for up to ``mysql.connect_wait``) → schema checked → plugins and sinks → worker.

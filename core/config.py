@@ -2,7 +2,7 @@
 
 Environment beats file, file beats defaults. Sink sections (``sinks.<name>``) are kept as
 plain mappings here and validated by each sink's own model once the plugins are loaded
-(:mod:`room_outbox.registry`), so a third-party sink brings its own configuration schema.
+(:func:`room_outbox.routing.enabled_sink_settings`), so a third-party sink brings its own configuration schema.
 
 Bad configuration raises :class:`ConfigError` with one line per problem, each naming the key.
 """
@@ -109,7 +109,7 @@ class RetrySettings(Section):
 
 
 class OutboxWorkerSettings(Section):
-    """Seed 000's worker options. A value ≤ 0 falls back to the default: never a busy loop,
+    """The delivery loop's options. A value ≤ 0 falls back to the default: never a busy loop,
     never a full-table scan, never an unbounded publish."""
 
     enabled: bool = True

@@ -45,7 +45,7 @@ from room_outbox.sink import PermanentSinkError, SinkError
 from room_outbox.store import DeliveryResult, OutboxRow, OutboxStore, Outcome
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.leased import LAST_ERROR_MAX, now_ms
-from room_outbox.telemetry import NO_ATTEMPT, DeliveryAttempt, Telemetry
+from room_outbox.telemetry import NO_ATTEMPT, DeliveryAttempt, Failure, Telemetry
 
 log = logging.getLogger("room_outbox.dispatcher")
 
@@ -146,7 +146,7 @@ class Dispatcher:
                             extra={"lane": self.lane, "error": error, "unrecorded": len(self._unrecorded)},
                         )
                 self._round_scope = None
-                # A ticker, as seed 000 has it: the next scan is due poll_interval after this
+                # A ticker: the next scan is due poll_interval after this
                 # one began, so the round's own time does not add to the wait of what arrived
                 # during it. A round that took longer is followed at once (it did work).
                 elapsed = anyio.current_time() - scan_started
@@ -386,17 +386,6 @@ class Round:
     claimed: int
     #: The claim found fewer rows than a batch: wait ``poll_interval`` before the next.
     exhausted: bool
-
-
-@dataclass(frozen=True)
-class Failure:
-    """Why one delivery attempt failed. ``error_class`` is a small fixed vocabulary for
-    metrics and spans: bad_envelope, no_route, timeout, permanent, retryable, sink_bug."""
-
-    sink: str
-    error_class: str
-    error: str
-    permanent: bool = False
 
 
 class _BadEvent(Exception):

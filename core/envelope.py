@@ -18,7 +18,7 @@ __all__ = [
     "parse_envelope",
 ]
 
-#: Every event type room-service emits (seed 003). An event type outside this list is bad
+#: Every event type room-service emits. An event type outside this list is bad
 #: input: no sink takes it by default, so it stays pending with a clear ``last_error``.
 KNOWN_EVENT_TYPES: frozenset[str] = frozenset(
     {

@@ -1,4 +1,4 @@
-"""Metrics (seed 000's names plus claim and lease health) and their Prometheus text form.
+"""Metrics (delivery counts and latency, backlog, claim and lease health) and their Prometheus text form.
 
 =========================================  =========  ====================================
 name                                       kind       attributes

@@ -1,6 +1,6 @@
 """The producer side of the outbox, for Python services and for our tests.
 
-room-service's pattern (seed 000, "Sync Publish Interaction")::
+room-service's pattern: write state and event in one transaction, then push at once::
 
     async with pool.acquire() as conn:                 # the command's own transaction
         async with conn.cursor() as cur:
@@ -84,9 +84,6 @@ class OutboxProducer:
         self.router = router
         self.publish_timeout = publish_timeout
         self.redactor = redactor or Redactor()
-
-    async def append(self, cur: aiomysql.Cursor, envelope: EventEnvelope | Mapping[str, Any]) -> EventEnvelope:
-        return await append_event(cur, envelope)
 
     async def publish_committed(self, event: EventEnvelope) -> PublishOutcome:
         """Push one committed event; on success mark it ``published`` (best effort)."""

@@ -1,7 +1,7 @@
 """When a failed event is tried again, and when it is given up on (parked).
 
-* ``fixed_interval`` (seed 000, the V1 default): after ``poll_interval``, forever.
-* ``linear`` (seed 001): ``base × attempts``, capped at ``cap``.
+* ``fixed_interval`` (the default, as room-service's V1 worker does): after ``poll_interval``.
+* ``linear``: ``base × attempts``, capped at ``cap``.
 * ``exponential``: ``base × factor^(attempts-1)``, capped at ``cap``.
 
 A failure that retrying cannot fix (a bad envelope, no sink for the event type, a permanent
@@ -13,7 +13,7 @@ cost a write and a warning per bad row per second for ever.
 Linear and exponential delays are spread by ± ``jitter`` so that events failing together (an
 IM outage) do not come back together. With ``parking`` on, a permanent failure, or the
 failure that uses up ``max_attempts``, parks the event as ``failed``; without it the event
-stays pending and is retried for ever (seed 000: room messages are never dropped silently).
+stays pending and is retried for ever: a room message is never dropped silently.
 """
 
 from __future__ import annotations

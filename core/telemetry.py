@@ -1,6 +1,6 @@
 """Telemetry: structured logs, and the :class:`Telemetry` the dispatcher records into.
 
-**Logs.** One JSON object per line on stderr, with seed 000's fields. Every line carries
+**Logs.** One JSON object per line on stderr, with the fields below. Every line carries
 ``worker`` ("room_outbox") and ``node_id``; event lines add ``event_id``, ``event_type``,
 ``room_id``, ``retry_count``, ``status``, ``error`` (passed as ``extra=``), and a line written
 inside a traced delivery adds ``trace_id`` and ``span_id``. The whole line goes through the
@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
@@ -58,7 +59,6 @@ from room_outbox.redaction import Redactor
 from room_outbox.tracing import SCOPE, AttemptSpan, RedactingSpanExporter
 
 if TYPE_CHECKING:
-    from room_outbox.dispatcher import Failure
     from room_outbox.envelope import EventEnvelope
     from room_outbox.store import OutboxRow
 
@@ -355,3 +355,14 @@ def _metric_exporters(env: Mapping[str, str]) -> Iterator[MetricExporter]:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
             yield OTLPMetricExporter()
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why one delivery attempt failed. ``error_class`` is a small fixed vocabulary for
+    metrics and spans: bad_envelope, no_route, timeout, permanent, retryable, sink_bug."""
+
+    sink: str
+    error_class: str
+    error: str
+    permanent: bool = False

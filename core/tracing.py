@@ -8,7 +8,7 @@ W3C ``traceparent``, the span is a *child of the producer's span*, so the trace 
 room command also holds every delivery attempt of its event, retries included. Attributes:
 
 ==============================  ==========================================================
-``event_id`` ``event_type``      as in the logs (seed 000 field names)
+``event_id`` ``event_type``      as in the logs
 ``room_id`` ``app_code``
 ``sink``                        the sink the event was routed to (``-`` when none)
 ``retry_count``                 failures before this attempt (0 on the first attempt)

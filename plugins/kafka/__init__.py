@@ -1,4 +1,4 @@
-"""The Kafka sink: every room event to a topic, for downstream consumers (seeds 003, 004).
+"""The Kafka sink: every room event to a topic, for downstream consumers.
 
 It keeps a lane of its own (``room_outbox_lane_kafka``), so a Kafka outage never delays IM
 delivery and an IM outage never delays Kafka. Messages: key ``{app_code}:{room_id}`` (one room

@@ -1,4 +1,4 @@
-"""Which Tencent IM answers are worth retrying (DESIGN.md §2.3), and the error text we keep.
+"""Which Tencent IM answers are worth retrying, and the error text we keep.
 
 Tencent answers HTTP 200 for most failures; the verdict is in the body's ``ErrorCode``.
 Codes not listed are treated as retryable: an unknown code is more likely a new transient

@@ -67,7 +67,7 @@ class AppCredentials(BaseModel):
 
 
 class TencentIMSettings(SinkSettings):
-    # -- the default app (DESIGN.md §2.4) ------------------------------------------------
+    # -- the default app (for the app codes in default_app_codes) -----------------------
     base_url: str = DEFAULT_BASE_URL
     sdkappid: int = Field(default=0, validate_default=True)
     identifier: str = "administrator"
