@@ -1,24 +1,39 @@
 """room-outbox: guaranteed delivery of room events from a MySQL transactional outbox.
 
 The public plugin API lives here: ``hookimpl`` marks a plugin's hook implementations,
-``Sink`` and its errors are what a sink implements and raises, ``EventEnvelope`` is what it
-receives.
+``SinkSpec`` registers a sink with its ``SinkSettings`` model, ``Sink`` and its errors are
+what a sink implements and raises, ``EventEnvelope`` is what it receives. ``Duration`` reads
+``"500ms"``/``"2s"``/``"1m"`` in a settings model as room-outbox's own settings do, and
+``MySQLAddress`` parses a ``mysql://`` DSN, for sinks that write to MySQL themselves.
 """
 
 from __future__ import annotations
 
+from room_outbox.config import Duration
 from room_outbox.envelope import EnvelopeError, EventEnvelope
 from room_outbox.hookspecs import hookimpl
-from room_outbox.sink import PermanentSinkError, RetryableSinkError, Sink, SinkContext, SinkError, SinkSpec
+from room_outbox.sink import (
+    PermanentSinkError,
+    RetryableSinkError,
+    Sink,
+    SinkContext,
+    SinkError,
+    SinkSettings,
+    SinkSpec,
+)
+from room_outbox.store.mysql import MySQLAddress
 
 __all__ = [
+    "Duration",
     "EnvelopeError",
     "EventEnvelope",
+    "MySQLAddress",
     "PermanentSinkError",
     "RetryableSinkError",
     "Sink",
     "SinkContext",
     "SinkError",
+    "SinkSettings",
     "SinkSpec",
     "hookimpl",
 ]

@@ -8,7 +8,7 @@ published under the entry-point group ``room_outbox.plugins``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -28,7 +28,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec
-def room_outbox_register_sinks() -> list[SinkSpec]:
+def room_outbox_register_sinks() -> list[SinkSpec[Any]]:
     """Return the sinks this plugin provides.
 
     Called once per plugin manager, before configuration of the sinks is validated. Every

@@ -81,8 +81,8 @@ def section_enabled(section: Mapping[str, Any] | None, default: bool) -> bool:
 _BOOL = TypeAdapter(bool)
 
 
-def registered_sinks(pm: pluggy.PluginManager) -> dict[str, SinkSpec]:
-    specs: dict[str, SinkSpec] = {}
+def registered_sinks(pm: pluggy.PluginManager) -> dict[str, SinkSpec[Any]]:
+    specs: dict[str, SinkSpec[Any]] = {}
     for plugin_specs in pm.hook.room_outbox_register_sinks():
         for spec in plugin_specs:
             if spec.name in specs:
@@ -91,7 +91,9 @@ def registered_sinks(pm: pluggy.PluginManager) -> dict[str, SinkSpec]:
     return specs
 
 
-def enabled_sink_settings(pm: pluggy.PluginManager, settings: Settings) -> dict[str, tuple[SinkSpec, SinkSettings]]:
+def enabled_sink_settings(
+    pm: pluggy.PluginManager, settings: Settings
+) -> dict[str, tuple[SinkSpec[Any], SinkSettings]]:
     """Validate every enabled sink's section; raise one :class:`ConfigError` naming each bad key."""
     specs = registered_sinks(pm)
     problems: list[str] = []
@@ -105,7 +107,7 @@ def enabled_sink_settings(pm: pluggy.PluginManager, settings: Settings) -> dict[
             problems.append(
                 f"sinks.{name}: no installed plugin provides a sink named {name!r} (available: {available})"
             )
-    enabled: dict[str, tuple[SinkSpec, SinkSettings]] = {}
+    enabled: dict[str, tuple[SinkSpec[Any], SinkSettings]] = {}
     for name, spec in specs.items():
         raw: Mapping[str, Any] | None = settings.sinks.get(name)
         # No section: the sink's own default; a section: enabled unless it says otherwise.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -74,9 +74,17 @@ class SinkContext:
     add_secret: Callable[[str], None] = field(default=lambda _secret: None)
 
 
+#: A sink's own settings model: what :attr:`SinkSpec.factory` receives, already validated.
+SettingsT = TypeVar("SettingsT", bound=SinkSettings)
+
+
 @dataclass(frozen=True)
-class SinkSpec:
+class SinkSpec(Generic[SettingsT]):
     """A sink as a plugin registers it: a name, its settings model and a factory.
+
+    The factory receives an instance of ``settings_model`` (the core validates
+    ``sinks.<name>`` with it), so ``SinkSpec("kafka", KafkaSettings, KafkaSink)`` type-checks
+    only when ``KafkaSink`` takes ``KafkaSettings``; a factory never needs to check the type.
 
     ``enabled_by_default`` decides whether the sink runs when the configuration has no
     ``sinks.<name>`` section; built-in sinks say yes, third-party sinks are opt-in.
@@ -89,7 +97,7 @@ class SinkSpec:
     """
 
     name: str
-    settings_model: type[SinkSettings]
-    factory: Callable[[SinkSettings, SinkContext], Sink]
+    settings_model: type[SettingsT]
+    factory: Callable[[SettingsT, SinkContext], Sink]
     enabled_by_default: bool = False
     own_lane: bool = False

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import inspect
+import re
 import sys
 import types
 from pathlib import Path
@@ -11,13 +13,12 @@ from typing import Any
 
 import pytest
 
-from room_outbox import EventEnvelope, SinkContext, SinkSpec, hookimpl, hookspecs
+from room_outbox import EventEnvelope, SinkContext, SinkSettings, SinkSpec, hookimpl, hookspecs
 from room_outbox.config import ConfigError, Settings
 from room_outbox.envelope import KNOWN_EVENT_TYPES
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.redaction import Redactor
 from room_outbox.routing import build_router
-from room_outbox.sink import SinkSettings
 
 pytestmark = pytest.mark.anyio
 
@@ -42,9 +43,8 @@ def counting_plugin_module() -> types.ModuleType:
     module = types.ModuleType("room_outbox_counting_plugin")
 
     @hookimpl
-    def room_outbox_register_sinks() -> list[SinkSpec]:
-        def create(settings: SinkSettings, context: SinkContext) -> CountingSink:
-            assert isinstance(settings, CountingSettings)
+    def room_outbox_register_sinks() -> list[SinkSpec[CountingSettings]]:
+        def create(settings: CountingSettings, context: SinkContext) -> CountingSink:
             return CountingSink(settings)
 
         return [SinkSpec("counting", CountingSettings, create)]
@@ -167,7 +167,7 @@ async def test_a_plugin_that_fails_to_import_is_named(monkeypatch: pytest.Monkey
 async def test_a_misspelt_hook_is_caught() -> None:
     class Misspelt:
         @hookimpl
-        def room_outbox_register_sink(self) -> list[SinkSpec]:  # missing "s"
+        def room_outbox_register_sink(self) -> list[SinkSpec[SinkSettings]]:  # missing "s"
             return []
 
     with pytest.raises(ConfigError, match="room_outbox_register_sink"):
@@ -177,7 +177,7 @@ async def test_a_misspelt_hook_is_caught() -> None:
 async def test_a_sink_factory_error_is_named_and_redacted() -> None:
     class Exploding:
         @hookimpl
-        def room_outbox_register_sinks(self) -> list[SinkSpec]:
+        def room_outbox_register_sinks(self) -> list[SinkSpec[SinkSettings]]:
             def create(settings: SinkSettings, context: SinkContext) -> Any:
                 context.add_secret("s3cr3t-value")
                 raise RuntimeError("cannot reach s3cr3t-value")
@@ -195,16 +195,59 @@ async def test_a_sink_factory_error_is_named_and_redacted() -> None:
     assert "s3cr3t-value" not in str(info.value)
 
 
-def test_every_hook_is_documented_and_tested() -> None:
-    """Meta-test (after datasette): each hookspec has a docstring, a README entry and a test."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    tests = "".join(p.read_text() for p in Path(__file__).parent.rglob("test_*.py"))
+ROOT = Path(__file__).parent.parent
+
+
+def _signature(function: ast.FunctionDef) -> tuple[list[str], str]:
+    """Parameter names (``self`` left out) and the return annotation, a plugin type's own
+    type argument left out (``SinkSpec[KafkaSettings]`` is the spec's ``SinkSpec[Any]``)."""
+
+    class Unparameterise(ast.NodeTransformer):
+        def visit_Subscript(self, node: ast.Subscript) -> ast.AST:
+            if isinstance(node.value, ast.Name) and node.value.id.endswith("Spec"):
+                return node.value
+            return self.generic_visit(node)
+
+    params = [a.arg for a in (*function.args.posonlyargs, *function.args.args, *function.args.kwonlyargs)]
+    returns = Unparameterise().visit(function.returns) if function.returns is not None else None
+    return [p for p in params if p != "self"], ast.unparse(returns) if returns is not None else ""
+
+
+def _implementations(name: str, sources: dict[str, str]) -> dict[str, tuple[list[str], str]]:
+    found = {}
+    for where, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef) and node.name == name:
+                found[f"{where}:{node.lineno}"] = _signature(node)
+    return found
+
+
+def test_every_hook_is_documented_tested_and_implemented_as_specified() -> None:
+    """Meta-test (after datasette): each hookspec has a docstring, a README entry and a test
+    implementing it; every implementation in the tests, the README's examples, the built-in
+    plugins and the example plugins takes only the spec's arguments and returns its type."""
+    readme = (ROOT / "README.md").read_text()
+    readme_code = "\n".join(re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL))
+    tests = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "tests").rglob("*.py")}
+    shipped = {
+        str(p.relative_to(ROOT)): p.read_text() for d in ("plugins", "examples") for p in (ROOT / d).rglob("*.py")
+    }
     hooks = [name for name, _ in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("room_outbox_")]
     assert hooks
     for name in hooks:
-        assert inspect.getdoc(getattr(hookspecs, name)), f"{name} has no docstring"
+        spec = getattr(hookspecs, name)
+        assert inspect.getdoc(spec), f"{name} has no docstring"
         assert name in readme, f"{name} is not documented in README.md"
-        assert f"def {name}(" in tests, f"{name} has no test implementing it"
+        spec_node = next(iter(_implementations(name, {"hookspecs": inspect.getsource(hookspecs)}).values()))
+        assert list(inspect.signature(spec).parameters) == spec_node[0]
+        in_tests = _implementations(name, tests)
+        assert in_tests, f"{name} has no test implementing it"
+        for where, (params, returns) in {
+            **in_tests,
+            **_implementations(name, {"README.md": readme_code, **shipped}),
+        }.items():
+            assert set(params) <= set(spec_node[0]), f"{where}: {name} takes {params}, the spec only {spec_node[0]}"
+            assert returns == spec_node[1], f"{where}: {name} returns {returns}, the spec {spec_node[1]}"
 
 
 async def test_plugin_migrations_run_on_migrate(store: Any) -> None:

@@ -22,9 +22,16 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
 from pydantic import Field
 
-from room_outbox import EventEnvelope, SinkContext, SinkSpec, hookimpl
-from room_outbox.config import Duration
-from room_outbox.sink import PermanentSinkError, RetryableSinkError, SinkSettings
+from room_outbox import (
+    Duration,
+    EventEnvelope,
+    PermanentSinkError,
+    RetryableSinkError,
+    SinkContext,
+    SinkSettings,
+    SinkSpec,
+    hookimpl,
+)
 
 
 class KafkaSettings(SinkSettings):
@@ -117,14 +124,9 @@ def _refused_idempotence(exc: KafkaError) -> bool:
     return type(exc).__name__ in ("UnknownError", "UnsupportedVersionError", "ClusterAuthorizationFailedError")
 
 
-def _create(settings: SinkSettings, context: SinkContext) -> KafkaSink:
-    assert isinstance(settings, KafkaSettings)
-    return KafkaSink(settings, context)
-
-
 @hookimpl
-def room_outbox_register_sinks() -> list[SinkSpec]:
-    return [SinkSpec("kafka", KafkaSettings, _create, enabled_by_default=False, own_lane=True)]
+def room_outbox_register_sinks() -> list[SinkSpec[KafkaSettings]]:
+    return [SinkSpec("kafka", KafkaSettings, KafkaSink, enabled_by_default=False, own_lane=True)]
 
 
 __all__ = ["KafkaSettings", "KafkaSink"]

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from room_outbox import EventEnvelope, SinkContext, SinkSpec, hookimpl
-from room_outbox.sink import SinkSettings
+from room_outbox import EventEnvelope, SinkContext, SinkSettings, SinkSpec, hookimpl
 
 DEFAULT_EVENT_TYPES = ["RoomCreated", "RoomHeatChanged", "RoomRankChanged"]
 
@@ -26,10 +25,10 @@ class NoopSink:
         return None
 
 
-def _create(settings: SinkSettings, context: SinkContext) -> NoopSink:
+def _create(settings: NoopSettings, context: SinkContext) -> NoopSink:
     return NoopSink()
 
 
 @hookimpl
-def room_outbox_register_sinks() -> list[SinkSpec]:
+def room_outbox_register_sinks() -> list[SinkSpec[NoopSettings]]:
     return [SinkSpec(name="noop", settings_model=NoopSettings, factory=_create, enabled_by_default=True)]

@@ -8,19 +8,15 @@ takes (so not the noop sink's RoomCreated, RoomHeatChanged, RoomRankChanged). Se
 
 from __future__ import annotations
 
-from room_outbox import SinkContext, SinkSpec, hookimpl
+from room_outbox import SinkSpec, hookimpl
 from room_outbox.plugins.tencent_im.settings import TencentIMSettings
 from room_outbox.plugins.tencent_im.sink import TencentIMSink
-from room_outbox.sink import SinkSettings
 
 __all__ = ["TencentIMSettings", "TencentIMSink", "room_outbox_register_sinks"]
 
 
-def _create(settings: SinkSettings, context: SinkContext) -> TencentIMSink:
-    assert isinstance(settings, TencentIMSettings)  # the core validated it with our model
-    return TencentIMSink(settings, context)
-
-
 @hookimpl
-def room_outbox_register_sinks() -> list[SinkSpec]:
-    return [SinkSpec(name="tencent_im", settings_model=TencentIMSettings, factory=_create, enabled_by_default=True)]
+def room_outbox_register_sinks() -> list[SinkSpec[TencentIMSettings]]:
+    return [
+        SinkSpec(name="tencent_im", settings_model=TencentIMSettings, factory=TencentIMSink, enabled_by_default=True)
+    ]

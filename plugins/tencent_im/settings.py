@@ -19,8 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 
-from room_outbox.config import Duration
-from room_outbox.sink import SinkSettings
+from room_outbox import Duration, SinkSettings
 
 Priority = Literal["High", "Normal", "Low"]
 

@@ -18,9 +18,15 @@ import aiomysql
 import anyio
 from pydantic import SecretStr
 
-from room_outbox import EventEnvelope, RetryableSinkError, SinkContext, SinkSpec, hookimpl
-from room_outbox.sink import SinkSettings
-from room_outbox.store.mysql import MySQLAddress
+from room_outbox import (
+    EventEnvelope,
+    MySQLAddress,
+    RetryableSinkError,
+    SinkContext,
+    SinkSettings,
+    SinkSpec,
+    hookimpl,
+)
 
 TABLE_DDL = """
 CREATE TABLE IF NOT EXISTS room_outbox_audit_log (
@@ -72,14 +78,9 @@ class AuditSink:
             await self._pool.wait_closed()
 
 
-def _create(settings: SinkSettings, context: SinkContext) -> AuditSink:
-    assert isinstance(settings, AuditSettings)
-    return AuditSink(settings, context)
-
-
 @hookimpl
-def room_outbox_register_sinks() -> list[SinkSpec]:
-    return [SinkSpec("audit", AuditSettings, _create, own_lane=True)]
+def room_outbox_register_sinks() -> list[SinkSpec[AuditSettings]]:
+    return [SinkSpec("audit", AuditSettings, AuditSink, own_lane=True)]
 
 
 @hookimpl
