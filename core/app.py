@@ -1,10 +1,10 @@
 """Process lifecycle.
 
 Start: configuration (already loaded) checked whole, sinks included → database pool (waited
-for up to ``mysql.connect_wait``) → schema checked → plugins and sinks → worker.
-Stop (SIGTERM, SIGINT or the ``stop`` event): stop claiming new batches → in-flight
-deliveries finish within ``publish_timeout`` and their results are written → worker exits →
-sinks close → pool closes. The pool closes last because the worker needs it to write results.
+for up to ``mysql.connect_wait``) → schema checked → plugins and sinks → telemetry and the
+HTTP endpoint → worker. Stop (SIGTERM, SIGINT or the ``stop`` event): stop claiming new
+batches → in-flight deliveries finish within ``publish_timeout`` and their results are
+written → worker exits → telemetry flushes, the endpoint stops → sinks close → pool closes. The pool closes last because the worker needs it to write results.
 A killed process leaves its rows pending (leased until the lease expires).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
 
@@ -48,13 +48,17 @@ async def run_service(
     redactor = redactor or redactor_for(settings)
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
     checked = check_configuration(settings, pm)  # all of it, before anything connects
-    store = await open_checked_store(settings, checked.own_lanes)
-    log.info("database pool opened", extra={"lifecycle": "pool_opened", "database": store.address.database})
-    # Telemetry and the HTTP endpoint: up once the pool is, down once the worker has stopped.
-    observed = contextlib.AsyncExitStack()
-    try:
-        obs = await observed.enter_async_context(observability(settings, store, redactor))
+    # Parts are pushed in the reverse of their shutdown order, and the stack runs them
+    # whatever ends the run: once the workers have stopped, telemetry flushes and the HTTP
+    # endpoint stops (it answers for the whole life of the workers), then the sinks close,
+    # then the pool (last: the workers need it to write results).
+    async with contextlib.AsyncExitStack() as lifecycle:
+        store = await open_checked_store(settings, checked.own_lanes)
+        lifecycle.push_async_callback(_close, store.aclose, "database pool closed", "pool_closed")
+        log.info("database pool opened", extra={"lifecycle": "pool_opened", "database": store.address.database})
         lanes = await build_lanes(pm, settings, redactor)
+        lifecycle.push_async_callback(_close, lanes.aclose, "sinks closed", "sinks_closed")
+        obs = await lifecycle.enter_async_context(observability(settings, store, redactor))
         log.info(
             "sinks loaded",
             extra={
@@ -64,35 +68,31 @@ async def run_service(
                 "own_lanes": sorted(lanes.own),
             },
         )
-        try:
-            dispatchers = _dispatchers(settings, store, lanes, redactor, obs.telemetry, obs.health)
-            async with anyio.create_task_group() as workers:
-                if settings.outbox_worker.enabled:
-                    for dispatcher in dispatchers:
-                        await workers.start(dispatcher.run)
-                    obs.health.worker = "running"
-                else:
-                    obs.health.worker = "disabled"
-                    log.info("outbox worker disabled by outbox_worker.enabled", extra={"lifecycle": "worker_disabled"})
-                if settings.retention.enabled:  # stops by itself once `stop` is set, between two batches
-                    await workers.start(run_retention_job, store, settings.retention, stop)
-                async with anyio.create_task_group() as watch:
-                    if handle_signals:
-                        watch.start_soon(_set_on_signal, stop)
-                    await stop.wait()
-                    watch.cancel_scope.cancel()
-                log.info("stopping: no new batches", extra={"lifecycle": "stop_requested"})
-                obs.health.worker = "stopping"
+        dispatchers = _dispatchers(settings, store, lanes, redactor, obs.telemetry, obs.health)
+        async with anyio.create_task_group() as workers:
+            if settings.outbox_worker.enabled:
                 for dispatcher in dispatchers:
-                    dispatcher.stop()
-            await observed.aclose()
-        finally:
-            await lanes.aclose()
-            log.info("sinks closed", extra={"lifecycle": "sinks_closed"})
-    finally:
-        await observed.aclose()  # a no-op when already closed above
-        await store.aclose()
-        log.info("database pool closed", extra={"lifecycle": "pool_closed"})
+                    await workers.start(dispatcher.run)
+                obs.health.worker = "running"
+            else:
+                obs.health.worker = "disabled"
+                log.info("outbox worker disabled by outbox_worker.enabled", extra={"lifecycle": "worker_disabled"})
+            if settings.retention.enabled:  # stops by itself once `stop` is set, between two batches
+                await workers.start(run_retention_job, store, settings.retention, stop)
+            async with anyio.create_task_group() as watch:
+                if handle_signals:
+                    watch.start_soon(_set_on_signal, stop)
+                await stop.wait()
+                watch.cancel_scope.cancel()
+            log.info("stopping: no new batches", extra={"lifecycle": "stop_requested"})
+            obs.health.worker = "stopping"
+            for dispatcher in dispatchers:
+                dispatcher.stop()
+
+
+async def _close(aclose: Callable[[], Awaitable[None]], message: str, lifecycle: str) -> None:
+    await aclose()
+    log.info(message, extra={"lifecycle": lifecycle})
 
 
 def _dispatchers(
