@@ -24,7 +24,7 @@ from room_outbox.dispatcher import Dispatcher, LaneOptions
 from room_outbox.envelope import KNOWN_EVENT_TYPES
 from room_outbox.plugins.noop import NoopSink
 from room_outbox.routing import Router
-from room_outbox.store import DeliveryResult, OutboxRow, Outcome
+from room_outbox.store import DeliveryResult, OutboxRow
 from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql import CLAIM_SQL, MySQLStore
 
@@ -50,27 +50,19 @@ async def dispatcher_drain(store: MySQLStore, batch_size: int, cls: type[Dispatc
 
 class PerRowDispatcher(Dispatcher):
     """The dispatcher's delivery before the fixed worker pool, kept as the historical
-    comparison: one task per queue, each row waiting on a ``CapacityLimiter``."""
+    comparison: one task per queue (here one row), each waiting on a ``CapacityLimiter``."""
 
-    async def _deliver_batch(self, claim: str, rows: Sequence[OutboxRow]) -> list[DeliveryResult]:
+    async def deliver_queues(self, queues: Sequence[list[OutboxRow]]) -> list[DeliveryResult]:
         results: list[DeliveryResult] = []
         limiter = anyio.CapacityLimiter(self.options.concurrency)
 
-        async def deliver_in_order(queue: list[OutboxRow]) -> None:
-            for position, row in enumerate(queue):
-                async with limiter:
-                    result = self._release(row) if self._stopping.is_set() else await self._attempt(row)
-                results.append(result)
-                if result.outcome is not Outcome.PUBLISHED:
-                    results.extend(self._release(later) for later in queue[position + 1 :])
-                    return
+        async def deliver(queue: list[OutboxRow]) -> None:
+            async with limiter:
+                results.extend(await self.deliver_queue(queue))
 
-        async with anyio.create_task_group() as renewal:
-            renewal.start_soon(self._keep_lease, claim, [row.id for row in rows])
-            async with anyio.create_task_group() as deliveries:
-                for queue in self._queues(rows):
-                    deliveries.start_soon(deliver_in_order, queue)
-            renewal.cancel_scope.cancel()
+        async with anyio.create_task_group() as deliveries:
+            for queue in queues:
+                deliveries.start_soon(deliver, queue)
         return results
 
 
