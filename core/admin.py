@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from room_outbox.ops import printable
+from room_outbox.ops import format_age, printable
 from room_outbox.store.mysql import MySQLStore, RequeueFilter, cancel, find_requeue_candidates, requeue
 
 #: Rows one ``requeue`` changes at most: one statement, a list a person can still read.
@@ -28,7 +28,7 @@ async def requeue_command(
     now = time.time() * 1000
     print(f"{'event_id':<40} {'event_type':<24} {'status':<8} {'retries':>7} {'age':>8}  last_error", file=out)
     for row in rows:
-        age = _age(now - row["created_at_ms"])
+        age = format_age(now - row["created_at_ms"])
         error = printable((row["last_error"] or "")[:60])
         event_id, event_type, status = (printable(row[name]) for name in ("event_id", "event_type", "status"))
         print(f"{event_id:<40} {event_type:<24} {status:<8} {row['retry_count']:>7} {age:>8}  {error}", file=out)
@@ -67,11 +67,3 @@ async def cancel_command(store: MySQLStore, event_id: str, out: Any, err: Any) -
             file=err,
         )
     return 1
-
-
-def _age(ms: float) -> str:
-    seconds = max(ms, 0) / 1000
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"

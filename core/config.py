@@ -30,6 +30,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from room_outbox.errors import ConfigurationError
 from room_outbox.health import STALLED_AFTER_POLLS, UNREADY_AFTER_FAILED_ROUNDS
+from room_outbox.http_endpoint import parse_listen
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 
 ENV_PREFIX = "ROOM_OUTBOX__"
@@ -212,9 +213,11 @@ class TelemetrySettings(Section):
     @classmethod
     def _host_port(cls, value: str) -> str:
         value = value.strip()
-        _host, sep, port = value.rpartition(":")
-        if value and (not sep or not port.isdigit() or int(port) > 65535):
-            raise ValueError(f"{value!r} is not host:port (e.g. 127.0.0.1:9464); empty turns the endpoint off")
+        if value:
+            try:
+                parse_listen(value)
+            except ValueError as exc:
+                raise ValueError(f"{exc}; empty turns the endpoint off") from None
         return value
 
     @field_validator("backlog_interval")

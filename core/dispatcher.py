@@ -38,7 +38,7 @@ from room_outbox.config import OutboxWorkerSettings
 from room_outbox.delivery.failure_log import FailureLog
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.health import LaneHealth
-from room_outbox.redaction import Redactor
+from room_outbox.redaction import Redactor, redact_and_shorten
 from room_outbox.retry import RetryPolicy
 from room_outbox.routing import Router
 from room_outbox.sink import PermanentSinkError, SinkError
@@ -369,8 +369,7 @@ class Dispatcher:
             )
 
     def _short(self, text: str) -> str:
-        text = self.redactor.redact(text)
-        return text if len(text) <= LAST_ERROR_MAX else text[: LAST_ERROR_MAX - 1] + "…"
+        return redact_and_shorten(self.redactor, text, LAST_ERROR_MAX)
 
     def _event_fields(self, row: OutboxRow, status: str, **more: object) -> dict[str, object]:
         return {

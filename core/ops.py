@@ -237,11 +237,18 @@ def format_time(epoch_ms: int, now_ms: int) -> str:
 
 
 def format_relative(delta_ms: int) -> str:
-    """``3 min ago`` for a negative difference, ``in 3 min`` for a positive one (whole units)."""
-    seconds = abs(delta_ms) // 1000
-    unit, size = next(((unit, size) for unit, size in _UNITS if seconds >= size), ("s", 1))
-    amount = f"{seconds // size} {unit}"
+    """``3 min ago`` for a negative difference, ``in 3 min`` for a positive one."""
+    amount = format_age(abs(delta_ms))
     return f"{amount} ago" if delta_ms <= 0 else f"in {amount}"
+
+
+def format_age(ms: float) -> str:
+    """A duration in milliseconds as a person reads it, in whole units of the largest that
+    fits: ``25 s``, ``3 min``, ``2 h``, ``7 d`` (negative: ``0 s``). Every command's ages and
+    waits use it."""
+    seconds = int(max(0, ms)) // 1000
+    unit, size = next(((unit, size) for unit, size in _UNITS if seconds >= size), ("s", 1))
+    return f"{seconds // size} {unit}"
 
 
 _UNITS = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
@@ -249,17 +256,6 @@ _UNITS = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
 
 #: Row columns that hold an epoch-ms time (0: none).
 TIME_COLUMNS = ("created_at_ms", "updated_at_ms", "lock_until_ms")
-
-
-def format_age(ms: int) -> str:
-    seconds = max(0, ms) / 1000
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{seconds / 60:.1f}m"
-    if seconds < 86400:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
 
 
 # -- room-outbox inspect ----------------------------------------------------------------------

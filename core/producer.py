@@ -28,9 +28,10 @@ import aiomysql
 import anyio
 
 from room_outbox.envelope import EventEnvelope
-from room_outbox.redaction import Redactor
+from room_outbox.redaction import Redactor, redact_and_shorten
 from room_outbox.routing import Router
 from room_outbox.sink import SinkError
+from room_outbox.store.leased import LAST_ERROR_MAX
 
 log = logging.getLogger("room_outbox.producer")
 
@@ -40,7 +41,6 @@ INSERT_EVENT = (
 )
 #: Exactly room-service's statement, so both producers behave alike.
 MARK_PUBLISHED = "UPDATE room_outbox SET status='published' WHERE event_id=%s"
-ERROR_MAX = 512
 
 
 async def append_event(cur: aiomysql.Cursor, envelope: EventEnvelope | Mapping[str, Any]) -> EventEnvelope:
@@ -136,8 +136,7 @@ class OutboxProducer:
             self.pool.release(conn)
 
     def _short(self, text: str) -> str:
-        text = self.redactor.redact(text)
-        return text if len(text) <= ERROR_MAX else text[: ERROR_MAX - 1] + "…"
+        return redact_and_shorten(self.redactor, text, LAST_ERROR_MAX)
 
     @staticmethod
     def _fields(event: EventEnvelope, **more: object) -> dict[str, object]:

@@ -146,3 +146,10 @@ def _secret_settings(section: Any, secret: bool = False) -> Iterator[str]:
             yield from _secret_settings(value, secret)
     elif secret and section is not None:
         yield str(section.get_secret_value() if hasattr(section, "get_secret_value") else section)
+
+
+def redact_and_shorten(redactor: Redactor, text: str, limit: int) -> str:
+    """``text`` with its secrets masked, then cut to at most ``limit`` characters (the last
+    one "…"). Masked first: a secret cut in two would no longer be recognised."""
+    text = redactor.redact(text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
