@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -62,6 +63,17 @@ def parse_duration(value: Any) -> float:
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 
+def _above_zero(value: float) -> float:
+    if value <= 0:
+        raise ValueError("must be a positive duration")
+    return value
+
+
+#: A :data:`Duration` that must be above zero: zero or less stops start-up, naming the key.
+#: (Worker options instead fall back to their default when ≤ 0, as V1 configurations expect.)
+PositiveDuration = Annotated[Duration, AfterValidator(_above_zero)]
+
+
 def _one_of(value: str, allowed: tuple[str, ...], what: str) -> str:
     """``value``, or the first of ``allowed`` when empty; anything else stops start-up."""
     value = value.strip() or allowed[0]
@@ -93,20 +105,13 @@ class RetrySettings(Section):
     """Parameters of ``linear`` (base × attempts) and ``exponential`` (base × factor^(attempts-1),
     capped, ± jitter) retry strategies; ``fixed_interval`` retries after ``poll_interval``."""
 
-    base: Duration = 1.0
+    base: PositiveDuration = 1.0
     factor: float = Field(default=2.0, ge=1.0)
-    cap: Duration = 300.0
+    cap: PositiveDuration = 300.0
     #: Fraction of the delay added or removed at random, so failed events do not retry in lockstep.
     jitter: float = Field(default=0.1, ge=0.0, le=1.0)
     #: Attempts before an event is parked as ``failed`` (needs ``parking: true``); 0 = unlimited.
     max_attempts: int = Field(default=0, ge=0)
-
-    @field_validator("base", "cap")
-    @classmethod
-    def _positive(cls, value: float) -> float:
-        if value <= 0:
-            raise ValueError("must be a positive duration")
-        return value
 
 
 class OutboxWorkerSettings(Section):
@@ -232,20 +237,13 @@ class RetentionSettings(Section):
 
     #: Run a pass every ``interval`` inside ``room-outbox run`` (``cleanup`` works either way).
     enabled: bool = False
-    older_than: Duration = 7 * 86400.0
+    older_than: PositiveDuration = 7 * 86400.0
     #: Rows per transaction: small, so no statement holds locks for long.
     batch_size: int = Field(default=1000, ge=1, le=100_000)
     #: Wait between batches, leaving the database to delivery.
     pause: Duration = Field(default=0.1, ge=0)
     archive: bool = False
-    interval: Duration = 3600.0
-
-    @field_validator("older_than", "interval")
-    @classmethod
-    def _positive_duration(cls, value: float) -> float:
-        if value <= 0:
-            raise ValueError("must be a positive duration")
-        return value
+    interval: PositiveDuration = 3600.0
 
 
 def default_node_id() -> str:

@@ -23,17 +23,20 @@ from dataclasses import dataclass
 
 from room_outbox.config import OutboxWorkerSettings
 
+#: The defaults of every retry option: those of the configuration, never a second copy.
+_DEFAULTS = OutboxWorkerSettings()
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    strategy: str = "fixed_interval"
-    interval: float = 1.0  # fixed_interval's delay: the poll interval
-    base: float = 1.0
-    factor: float = 2.0
-    cap: float = 300.0
-    jitter: float = 0.0
-    max_attempts: int = 0
-    parking: bool = False
+    strategy: str = _DEFAULTS.retry_strategy
+    interval: float = _DEFAULTS.poll_interval  # fixed_interval's delay: the poll interval
+    base: float = _DEFAULTS.retry.base
+    factor: float = _DEFAULTS.retry.factor
+    cap: float = _DEFAULTS.retry.cap
+    jitter: float = _DEFAULTS.retry.jitter
+    max_attempts: int = _DEFAULTS.retry.max_attempts
+    parking: bool = _DEFAULTS.parking
 
     @classmethod
     def from_settings(cls, worker: OutboxWorkerSettings) -> RetryPolicy:

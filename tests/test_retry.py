@@ -15,12 +15,12 @@ def test_fixed_interval_retries_after_the_poll_interval_forever() -> None:
 
 
 def test_linear_is_base_times_attempts_capped() -> None:
-    policy = RetryPolicy(strategy="linear", base=1.5, cap=5.0)
+    policy = RetryPolicy(strategy="linear", base=1.5, cap=5.0, jitter=0)
     assert [policy.delay(n) for n in (1, 2, 3, 4)] == [1.5, 3.0, 4.5, 5.0]
 
 
 def test_exponential_doubles_up_to_the_cap() -> None:
-    policy = RetryPolicy(strategy="exponential", base=1.0, factor=2.0, cap=60.0)
+    policy = RetryPolicy(strategy="exponential", base=1.0, factor=2.0, cap=60.0, jitter=0)
     assert [policy.delay(n) for n in (1, 2, 3, 4, 6, 7, 1000)] == [1.0, 2.0, 4.0, 8.0, 32.0, 60.0, 60.0]
 
 
