@@ -122,7 +122,7 @@ def enabled_sink_settings(
     return enabled
 
 
-def validate_sinks(pm: pluggy.PluginManager, settings: Settings) -> dict[str, tuple[SinkSpec, SinkSettings]]:
+def validate_sinks(pm: pluggy.PluginManager, settings: Settings) -> dict[str, tuple[SinkSpec[Any], SinkSettings]]:
     """Every enabled sink's settings and the IM lane's routes, checked without creating a sink
     (nothing connects): what :func:`build_lanes` would refuse, refused here first."""
     enabled = enabled_sink_settings(pm, settings)
