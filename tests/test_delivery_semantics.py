@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from collections import defaultdict
+from typing import Any
 
 import anyio
 import pytest
@@ -124,12 +125,36 @@ async def test_per_room_order_holds_across_dispatchers_with_failures(store: MySQ
         assert sorted(set(per_room[room])) == list(range(40))
 
 
-async def test_a_slow_room_does_not_serialise_the_batch(store: MySQLStore) -> None:
+class AllAtOnceSink:
+    """Each delivery returns only once ``expected`` deliveries are in flight together: run one
+    after another, the first would wait until ``publish_timeout`` and fail."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.all_in = anyio.Event()
+
+    async def deliver(self, envelope: Any) -> None:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        if self.in_flight == self.expected:
+            self.all_in.set()
+        try:
+            await self.all_in.wait()
+        finally:
+            self.in_flight -= 1
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_rooms_of_one_batch_are_delivered_side_by_side(store: MySQLStore) -> None:
     await insert_events(store, [envelope(f"e{i}", room_id=f"r_{i}") for i in range(20)])
-    sink = RecordingSink(delay=0.2)
-    started = anyio.current_time()
-    await make_dispatcher(store, sink, concurrency=20, per_room=True).run_until_empty()
-    assert anyio.current_time() - started < 2.0  # 20 × 0.2 s one after another would be 4 s
+    sink = AllAtOnceSink(expected=20)
+    await make_dispatcher(store, sink, concurrency=20, per_room=True, publish_timeout=5.0).run_until_empty()
+    assert sink.most_in_flight == 20
+    assert {row["status"] for row in (await fetch_rows(store)).values()} == {"published"}
 
 
 async def test_requeue_shows_then_applies(store: MySQLStore) -> None:

@@ -243,10 +243,11 @@ async def test_an_im_outage_does_not_delay_kafka(store: MySQLStore, database_dsn
         stop = anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: run_service(settings, stop, handle_signals=False))
-            started = time.monotonic()
             await consume(kafka_broker, {f"i{n}" for n in range(30)}, timeout=20)
-            assert time.monotonic() - started < 8.0  # sooner than a single IM attempt could time out
-            assert not any(r["status"] == "published" for r in (await fetch_rows(store)).values())
+            # Kafka has every event while IM's first attempts are still waiting for an answer
+            # (none has ended: that takes publish_timeout), so the Kafka lane waited for none.
+            im_rows = (await fetch_rows(store)).values()
+            assert all((r["status"], r["retry_count"], r["last_error"]) == ("pending", 0, None) for r in im_rows)
             stop.set()
 
 
