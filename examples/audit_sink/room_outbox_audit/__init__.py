@@ -16,7 +16,7 @@ import json
 
 import aiomysql
 import anyio
-from pydantic import SecretStr
+from pydantic import SecretStr, field_validator
 
 from room_outbox import (
     EventEnvelope,
@@ -41,6 +41,12 @@ CREATE TABLE IF NOT EXISTS room_outbox_audit_log (
 
 class AuditSettings(SinkSettings):
     dsn: SecretStr = SecretStr("mysql://root:@127.0.0.1:3306/room")
+
+    @field_validator("dsn")
+    @classmethod
+    def _mysql_dsn(cls, value: SecretStr) -> SecretStr:
+        MySQLAddress.from_dsn(value.get_secret_value())  # its errors name the problem, never the DSN
+        return value
 
 
 class AuditSink:

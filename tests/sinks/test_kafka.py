@@ -1,0 +1,92 @@
+"""The Kafka sink keeps the sink contract, against a real broker (tansu, memory only); the
+silent broker is a stopped process (SIGSTOP), resumed with SIGCONT."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from contract import Harness, SinkContract, event
+from lanes.conftest import Broker
+
+from room_outbox import EventEnvelope
+from room_outbox.plugins import kafka
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Broker]:
+    broker = Broker(tmp_path / "tansu.log")
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])  # closed again on leaving: nothing listens there
+
+
+class TestKafkaSink(SinkContract):
+    plugin = kafka
+    name = "kafka"
+
+    @pytest.fixture
+    def harness(self, broker: Broker) -> Harness:
+        section = {"bootstrap_servers": broker.bootstrap, "topic": broker.topic}
+
+        async def delivered(sent: EventEnvelope) -> bool:
+            """Whether the topic holds ``sent``: every partition read to its end offset."""
+            partitions = [TopicPartition(broker.topic, p) for p in range(broker.partitions)]
+            consumer = AIOKafkaConsumer(bootstrap_servers=broker.bootstrap, enable_auto_commit=False)
+            await consumer.start()
+            seen: set[str] = set()
+            try:
+                consumer.assign(partitions)
+                with anyio.fail_after(10):
+                    ends = await consumer.end_offsets(partitions)
+                    await consumer.seek_to_beginning(*partitions)
+                    while not all([await consumer.position(tp) >= ends[tp] for tp in partitions]):
+                        for batch in (await consumer.getmany(*partitions, timeout_ms=200)).values():
+                            seen.update(dict(m.headers)["event_id"].decode() for m in batch)
+            finally:
+                await consumer.stop()
+            return sent.event_id in seen
+
+        @asynccontextmanager
+        async def no_broker() -> AsyncIterator[dict[str, Any]]:
+            yield {**section, "bootstrap_servers": f"127.0.0.1:{closed_port()}", "request_timeout": "1s"}
+
+        @asynccontextmanager
+        async def stopped_broker() -> AsyncIterator[dict[str, Any]]:
+            assert broker.proc is not None
+            broker.proc.send_signal(signal.SIGSTOP)
+            try:
+                yield section
+            finally:
+                broker.proc.send_signal(signal.SIGCONT)
+
+        return Harness(
+            section=section,
+            delivered=delivered,
+            invalid=[
+                ({"max_message_bytes": 10}, "max_message_bytes"),
+                ({"idempotence": "maybe"}, "idempotence"),
+                ({"request_timeout": "soon"}, "request_timeout"),
+            ],
+            outage=no_broker,
+            hang=stopped_broker,
+            permanent=(
+                {**section, "max_message_bytes": 1024},
+                event("contract-too-large", payload={"blob": "x" * 2048}),
+            ),
+        )
