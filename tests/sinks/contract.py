@@ -23,6 +23,7 @@ with that reason.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
@@ -63,6 +64,13 @@ class Harness:
     permanent: tuple[dict[str, Any], EventEnvelope] | None
     #: Secrets in ``section`` besides those the sink registers through ``add_secret``.
     secrets: list[str] = field(default_factory=list)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed again on leaving)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def event(event_id: str, **overrides: Any) -> EventEnvelope:

@@ -3,7 +3,6 @@ silent database is a row lock held by another session on the very event being wr
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -11,18 +10,12 @@ from typing import Any
 import aiomysql
 import pytest
 import room_outbox_audit
-from contract import Harness, SinkContract
+from contract import Harness, SinkContract, closed_port
 
 from room_outbox import EventEnvelope, MySQLAddress
 
 #: A password that must never show in an error (the test server itself needs none).
 PASSWORD = "audit-s3cret-pw"
-
-
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @asynccontextmanager

@@ -4,36 +4,18 @@ silent broker is a stopped process (SIGSTOP), resumed with SIGCONT."""
 from __future__ import annotations
 
 import signal
-import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from contract import Harness, SinkContract, event
+from contract import Harness, SinkContract, closed_port, event
 from lanes.conftest import Broker
 
 from room_outbox import EventEnvelope
 from room_outbox.plugins import kafka
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[Broker]:
-    broker = Broker(tmp_path / "tansu.log")
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
-
-
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])  # closed again on leaving: nothing listens there
 
 
 class TestKafkaSink(SinkContract):
@@ -41,7 +23,8 @@ class TestKafkaSink(SinkContract):
     name = "kafka"
 
     @pytest.fixture
-    def harness(self, broker: Broker) -> Harness:
+    def harness(self, kafka_broker: Broker) -> Harness:
+        broker = kafka_broker
         section = {"bootstrap_servers": broker.bootstrap, "topic": broker.topic}
 
         async def delivered(sent: EventEnvelope) -> bool:
