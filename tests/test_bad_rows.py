@@ -25,7 +25,7 @@ V1_RETRY = RetryPolicy(strategy="fixed_interval", interval=0.05, base=0.1, facto
 
 def test_unfixable_failures_back_off_exponentially_whatever_the_strategy() -> None:
     for strategy in ("fixed_interval", "linear", "exponential"):
-        policy = RetryPolicy(strategy=strategy, interval=1.0, base=1.0, factor=2.0, cap=300.0)
+        policy = RetryPolicy(strategy=strategy, interval=1.0, base=1.0, factor=2.0, cap=300.0, jitter=0.0)
         delays = [policy.delay(n, permanent=True) for n in (1, 2, 3, 4, 9, 10, 1000)]
         assert delays == [1.0, 2.0, 4.0, 8.0, 256.0, 300.0, 300.0], strategy
     assert RetryPolicy(interval=1.0).delay(50) == 1.0  # a retryable failure keeps poll_interval
