@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from room_outbox.redaction import Redactor
+from room_outbox.redaction import Redactor, redact_and_shorten
 
 DATABASE_CHECK_TIMEOUT = 2.0
+#: Longest error text in a check (and in a backlog-sample warning): a line, not a dump.
+CHECK_TEXT_MAX = 300
 #: Defaults of ``telemetry.stalled_after_polls`` and ``telemetry.unready_after_failed_rounds``.
 STALLED_AFTER_POLLS = 30
 UNREADY_AFTER_FAILED_ROUNDS = 3
@@ -100,12 +102,12 @@ class Health:
         except TimeoutError:
             checks["database"] = f"no answer within {DATABASE_CHECK_TIMEOUT:g}s"
         except Exception as exc:
-            checks["database"] = self.redactor.redact(f"{type(exc).__name__}: {exc}")[:300]
+            checks["database"] = redact_and_shorten(self.redactor, f"{type(exc).__name__}: {exc}", CHECK_TEXT_MAX)
         ready = checks["database"] == "ok" and self.worker in ("running", "disabled")
         for name, lane in sorted(self.lanes.items()):
             if lane.failed_in_a_row >= self.unready_after_failed_rounds:
                 ready = False
-                error = self.redactor.redact(lane.last_error)[:300]
+                error = redact_and_shorten(self.redactor, lane.last_error, CHECK_TEXT_MAX)
                 checks[f"lane {name}"] = f"{lane.failed_in_a_row} rounds failed in a row: {error}"
         return ready, checks
 

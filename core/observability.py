@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import anyio
 
 from room_outbox.config import ConfigError, Settings
-from room_outbox.health import Health, stalled_after
+from room_outbox.health import CHECK_TEXT_MAX, Health, stalled_after
 from room_outbox.http_endpoint import HttpEndpoint, parse_listen
 from room_outbox.ops import sample_backlog
-from room_outbox.redaction import Redactor
+from room_outbox.redaction import Redactor, redact_and_shorten
 from room_outbox.store.factory import SQLStore
 from room_outbox.telemetry import Telemetry, telemetry_from_environment
 
@@ -97,8 +97,8 @@ async def _sample_backlog(store: SQLStore, telemetry: Telemetry, interval: float
         try:
             backlog = await sample_backlog(store)
         except Exception as exc:
-            # Masked before it is shortened: a secret cut in two would no longer match.
-            log.warning("backlog sample failed", extra={"error": redactor.redact(f"{type(exc).__name__}: {exc}")[:300]})
+            error = redact_and_shorten(redactor, f"{type(exc).__name__}: {exc}", CHECK_TEXT_MAX)
+            log.warning("backlog sample failed", extra={"error": error})
         else:
             telemetry.backlog(backlog.pending, backlog.oldest_pending_age_ms)
         await anyio.sleep(interval)
