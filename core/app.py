@@ -20,12 +20,12 @@ import anyio
 from room_outbox.config import Settings
 from room_outbox.dispatcher import Dispatcher, LaneOptions
 from room_outbox.health import Health
-from room_outbox.lanes import lane_store
+from room_outbox.lanes import delivery_settings, lane_plan, lane_store
 from room_outbox.observability import observability
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.redaction import Redactor, redactor_for
 from room_outbox.retention import run_retention_job
-from room_outbox.routing import Lanes, build_lanes
+from room_outbox.routing import IM_LANE, Lanes, build_lanes
 from room_outbox.startup import check_configuration, open_checked_store
 from room_outbox.store import OutboxStore
 from room_outbox.telemetry import Telemetry
@@ -59,6 +59,9 @@ async def run_service(
         lanes = await build_lanes(pm, settings, redactor)
         lifecycle.push_async_callback(_close, lanes.aclose, "sinks closed", "sinks_closed")
         obs = await lifecycle.enter_async_context(observability(settings, store, redactor))
+        plan = lane_plan(pm, settings)
+        obs.telemetry.metrics.start_at_zero(lanes.series())
+        obs.watch(plan)
         log.info(
             "sinks loaded",
             extra={
@@ -78,7 +81,7 @@ async def run_service(
                 obs.health.worker = "disabled"
                 log.info("outbox worker disabled by outbox_worker.enabled", extra={"lifecycle": "worker_disabled"})
             if settings.retention.enabled:  # stops by itself once `stop` is set, between two batches
-                await workers.start(run_retention_job, store, settings.retention, stop)
+                await workers.start(run_retention_job, store, settings.retention, stop, plan)
             async with anyio.create_task_group() as watch:
                 if handle_signals:
                     watch.start_soon(_set_on_signal, stop)
@@ -100,21 +103,33 @@ def _dispatchers(
 ) -> list[Dispatcher]:
     """One dispatcher per lane: the IM lane's (when any of its sinks is enabled), then one per
     sink with a lane of its own, each with its own scan loop so none waits for another."""
-    options = LaneOptions.from_settings(settings.outbox_worker, settings.mysql.query_timeout)
     dispatchers = []
     if lanes.im.sinks:
+        options = _options(settings, IM_LANE)
         dispatchers.append(
-            Dispatcher(store, lanes.im, options, settings.node_id, redactor, telemetry, health=health.lane("im"))
+            Dispatcher(store, lanes.im, options, settings.node_id, redactor, telemetry, health=health.lane(IM_LANE))
         )
     for name, router in lanes.own.items():
         start = settings.sinks.get(name, {}).get("start", "now")
         lane = lane_store(store, name, settings, start)
         dispatchers.append(
             Dispatcher(
-                lane, router, options, settings.node_id, redactor, telemetry, lane=name, health=health.lane(name)
+                lane,
+                router,
+                _options(settings, name),
+                settings.node_id,
+                redactor,
+                telemetry,
+                lane=name,
+                health=health.lane(name),
             )
         )
     return dispatchers
+
+
+def _options(settings: Settings, lane: str) -> LaneOptions:
+    """The lane's delivery options: ``outbox_worker.lanes.<lane>`` over ``outbox_worker``."""
+    return LaneOptions.from_settings(delivery_settings(settings, lane), settings.mysql.query_timeout)
 
 
 async def _set_on_signal(stop: anyio.Event) -> None:

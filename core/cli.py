@@ -19,7 +19,8 @@ from room_outbox.app import run_service
 from room_outbox.config import Settings, load_settings, parse_duration
 from room_outbox.demo import add_demo_parser, run_demo_command
 from room_outbox.errors import ConfigurationError, RoomOutboxError
-from room_outbox.lanes import migrate_plugins, plugins_migration_plan
+from room_outbox.lane_admin import LANES_COMMAND, add_lanes_parser, lanes_command
+from room_outbox.lanes import lane_plan, migrate_plugins, plugins_migration_plan
 from room_outbox.ops import inspect_command, status_command
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.redaction import Redactor, redactor_for
@@ -103,6 +104,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "room-outbox cleanup --older-than 30d\nroom-outbox cleanup --older-than 30d --yes\n"
         "room-outbox cleanup --archive --yes",
     ),
+    "lanes": LANES_COMMAND,
     "demo": (
         "run the whole pipeline on SQLite with a fake Tencent IM and verify it (no services needed)",
         "Produce events into a SQLite outbox, deliver them through a fake Tencent IM that fails a\n"
@@ -188,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     preview = cleanup.add_mutually_exclusive_group()
     preview.add_argument("--dry-run", action="store_true", help="count what would be removed; remove nothing (default)")
     preview.add_argument("--yes", action="store_true", help="remove the rows (without it, only a count)")
+    add_lanes_parser(commands, COMMANDS["lanes"][0])
     add_fake_im_parser(commands)
     add_demo_parser(commands)
     for name, sub in commands.choices.items():
@@ -347,7 +350,7 @@ def _translated(dsn: str) -> contextlib.AbstractContextManager[None]:
 
 
 #: Operator commands whose statements are MySQL's for now.
-MYSQL_ONLY = ("requeue", "cancel", "cleanup")
+MYSQL_ONLY = ("requeue", "cancel", "cleanup", "lanes")
 
 
 async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
@@ -366,7 +369,8 @@ async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _operator_command(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
     if args.command == "status":
-        return await status_command(store, args.json, sys.stdout)
+        im_lane = lane_plan(make_plugin_manager(settings.plugins.disabled), settings).im
+        return await status_command(store, args.json, sys.stdout, im_lane)
     if args.command == "inspect":
         return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr)
     assert isinstance(store, MySQLStore)  # MYSQL_ONLY, checked above
@@ -389,7 +393,11 @@ async def _operator_command(store: SQLStore, settings: Settings, args: argparse.
         return await cancel_command(store, args.event_id, sys.stdout, sys.stderr)
     if args.command == "cleanup":
         options = RetentionOptions.from_settings(settings.retention, args.older_than, args.archive)
-        return await cleanup_command(store, options, args.yes, sys.stdout, sys.stderr, sys.stderr.isatty())
+        plan = lane_plan(make_plugin_manager(settings.plugins.disabled), settings)
+        return await cleanup_command(store, options, args.yes, sys.stdout, sys.stderr, sys.stderr.isatty(), plan)
+    if args.command == "lanes":
+        plan = lane_plan(make_plugin_manager(settings.plugins.disabled), settings)
+        return await lanes_command(store, plan, args, sys.stdout, sys.stderr)
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -27,6 +28,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from room_outbox.errors import ConfigurationError
@@ -37,6 +39,7 @@ from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 ENV_PREFIX = "ROOM_OUTBOX__"
 RETRY_STRATEGIES = ("fixed_interval", "linear", "exponential")
 ORDERINGS = ("none", "per_room")
+IM_DEFAULTS = ("all", "known")
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -164,6 +167,63 @@ class OutboxWorkerSettings(Section):
         return self.lease if self.lease > 0 else 10 * self.publish_timeout
 
 
+#: Keys of ``outbox_worker`` that a lane may not override: they belong to the process.
+_PROCESS_KEYS = ("enabled", "lanes")
+
+
+class DeliverySettings(OutboxWorkerSettings):
+    """``outbox_worker``: the delivery settings of every lane, plus per-lane overrides.
+
+    ``outbox_worker.lanes.<lane>`` (``im`` for the IM lane, the sink's name for a lane of its
+    own) holds any of the keys above but ``enabled``; a key it leaves out comes from
+    ``outbox_worker``, and ``retry`` is merged key by key. The merged section is validated as
+    a whole, so an override is checked exactly as ``outbox_worker`` itself is, and an error
+    names ``outbox_worker.lanes.<lane>.<key>``.
+    """
+
+    lanes: dict[str, dict[str, Any]] = {}
+
+    @model_validator(mode="after")
+    def _valid_lanes(self) -> DeliverySettings:
+        errors: list[InitErrorDetails] = []
+        for lane in self.lanes:  # whether each lane exists is checked once the plugins are loaded
+            try:
+                self.for_lane(lane)
+            except ValidationError as exc:
+                for error in exc.errors(include_url=False, include_input=False):
+                    errors.append(_error(("lanes", lane, *error["loc"]), error["msg"].removeprefix("Value error, ")))
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        return self
+
+    def for_lane(self, lane: str) -> OutboxWorkerSettings:
+        """The settings ``lane`` runs with: ``outbox_worker`` with ``lanes.<lane>`` over it."""
+        override = dict(self.lanes.get(lane) or {})
+        base = self.model_dump(exclude=set(_PROCESS_KEYS))
+        errors = [
+            _error((key,), "belongs to outbox_worker, not to one lane") for key in _PROCESS_KEYS if key in override
+        ]
+        for key in _PROCESS_KEYS:
+            override.pop(key, None)
+        retry = override.get("retry")
+        if isinstance(retry, Mapping):
+            override["retry"] = {**base["retry"], **retry}
+        try:
+            merged = OutboxWorkerSettings.model_validate({**base, **override})
+        except ValidationError as exc:
+            errors += [
+                _error(e["loc"], e["msg"].removeprefix("Value error, "))
+                for e in exc.errors(include_url=False, include_input=False)
+            ]
+        if errors:
+            raise ValidationError.from_exception_data("OutboxWorkerSettings", errors)
+        return merged
+
+
+def _error(loc: tuple[str | int, ...], message: str) -> InitErrorDetails:
+    return InitErrorDetails(type=PydanticCustomError("value_error", message), loc=loc, input=None)
+
+
 class LanesSettings(Section):
     """Lanes of their own (sinks besides IM): how they are fed from room_outbox."""
 
@@ -172,11 +232,28 @@ class LanesSettings(Section):
     gap_timeout: Duration = 300.0
     #: Rows read from room_outbox per feeding round.
     feed_batch: int = Field(default=1000, ge=1, le=100_000)
+    #: Most ranges of missing ids a lane waits for at once. Beyond it the longest-missing are
+    #: given up on early (logged), so the feeding query stays small whatever happens to ids.
+    max_gaps: int = Field(default=256, ge=1, le=10_000)
 
     @field_validator("gap_timeout")
     @classmethod
     def _positive(cls, value: float) -> float:
-        return value if value > 0 else 300.0
+        return value if value > 0 else float(cls.model_fields["gap_timeout"].default)
+
+
+class RoutingSettings(Section):
+    """Which IM-lane sink takes an event type that no IM-lane sink lists."""
+
+    #: ``all``: the IM lane's default sink (the one without ``event_types``) takes every
+    #: type nobody lists, catalogued or not, as V1 sends every type to IM. ``known``: only
+    #: the catalogued types; an event of any other type is parked with ``no_route``.
+    im_default: str = "all"
+
+    @field_validator("im_default")
+    @classmethod
+    def _known_choice(cls, value: str) -> str:
+        return _one_of(value, IM_DEFAULTS, "choice")
 
 
 class PluginsSettings(Section):
@@ -228,7 +305,7 @@ class TelemetrySettings(Section):
     @field_validator("backlog_interval")
     @classmethod
     def _positive_interval(cls, value: float) -> float:
-        return value if value > 0 else 15.0
+        return value if value > 0 else float(cls.model_fields["backlog_interval"].default)
 
 
 class RetentionSettings(Section):
@@ -259,10 +336,11 @@ class Settings(BaseSettings):
 
     mysql: MySQLSettings = MySQLSettings()
     node_id: str = ""
-    outbox_worker: OutboxWorkerSettings = OutboxWorkerSettings()
+    outbox_worker: DeliverySettings = DeliverySettings()
     #: ``sinks.<name>``: validated by the sink's own settings model once plugins are loaded.
     sinks: dict[str, dict[str, Any]] = {}
     lanes: LanesSettings = LanesSettings()
+    routing: RoutingSettings = RoutingSettings()
     plugins: PluginsSettings = PluginsSettings()
     log: LogSettings = LogSettings()
     telemetry: TelemetrySettings = TelemetrySettings()

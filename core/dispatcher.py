@@ -40,7 +40,7 @@ from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.health import LaneHealth
 from room_outbox.redaction import Redactor, redact_and_shorten
 from room_outbox.retry import RetryPolicy
-from room_outbox.routing import Router
+from room_outbox.routing import IM_LANE, Router
 from room_outbox.sink import PermanentSinkError, SinkError
 from room_outbox.store import DeliveryResult, OutboxRow, OutboxStore, Outcome
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
@@ -50,15 +50,22 @@ from room_outbox.telemetry import NO_ATTEMPT, DeliveryAttempt, Failure, Telemetr
 log = logging.getLogger("room_outbox.dispatcher")
 
 
+#: The defaults of every lane option: those of the configuration, never a second copy.
+_DEFAULTS = OutboxWorkerSettings()
+
+
 @dataclass(frozen=True)
 class LaneOptions:
-    batch_size: int = 100
-    poll_interval: float = 1.0
-    publish_timeout: float = 3.0
-    concurrency: int = 16
-    lease: float = 30.0
+    """How one lane delivers: its ``outbox_worker`` settings (``outbox_worker.lanes.<lane>``
+    merged over them, see :meth:`~room_outbox.config.DeliverySettings.for_lane`)."""
+
+    batch_size: int = _DEFAULTS.batch_size
+    poll_interval: float = _DEFAULTS.poll_interval
+    publish_timeout: float = _DEFAULTS.publish_timeout
+    concurrency: int = _DEFAULTS.concurrency
+    lease: float = _DEFAULTS.lease_seconds
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    per_room: bool = False
+    per_room: bool = _DEFAULTS.ordering == "per_room"
     #: The store's bound on one database call (``mysql.query_timeout``): here, it bounds shutdown.
     query_timeout: float = DEFAULT_QUERY_TIMEOUT
     #: How often repeated failures of the same rows are summarised in one log line.
@@ -87,7 +94,7 @@ class Dispatcher:
         node_id: str,
         redactor: Redactor | None = None,
         telemetry: Telemetry | None = None,
-        lane: str = "im",
+        lane: str = IM_LANE,
         health: LaneHealth | None = None,
     ) -> None:
         self.store = store
@@ -269,7 +276,9 @@ class Dispatcher:
             self.failures.forget(row.event_id)
             return DeliveryResult(row.id, row.event_id, row.claim, Outcome.PUBLISHED)
         attempts = row.retry_count + 1
-        if self.options.retry.parks(attempts, failure.permanent):
+        # An event no sink takes is parked even without `parking`: no retry can route it
+        # before the configuration changes, and left pending it would hold back its room.
+        if failure.error_class == "no_route" or self.options.retry.parks(attempts, failure.permanent):
             outcome, status, retry_at = Outcome.PARKED, "failed", 0
         else:
             outcome, status = Outcome.FAILED, "pending"
@@ -389,6 +398,10 @@ class Dispatcher:
             "batch_size": o.batch_size,
             "poll_interval": o.poll_interval,
             "publish_timeout": o.publish_timeout,
+            "concurrency": o.concurrency,
+            "retry_strategy": o.retry.strategy,
+            "parking": o.retry.parking,
+            "ordering": "per_room" if o.per_room else "none",
         }
 
 

@@ -1,28 +1,49 @@
-"""Lanes of their own: what ``migrate`` creates for them and the store each one runs on.
+"""Lanes: which ones a configuration runs, what ``migrate`` creates for them, the store each
+one of its own runs on, and the delivery settings of each.
 
-The IM lane lives in ``room_outbox``; a sink registered with ``own_lane=True`` gets
-``room_outbox_lane_<name>`` (see :mod:`room_outbox.store.mysql_lanes`) and its own dispatcher.
+The IM lane (``im``) lives in ``room_outbox.status`` and runs while any IM-lane sink is
+enabled; a sink registered with ``own_lane=True`` gets ``room_outbox_lane_<name>`` (see
+:mod:`room_outbox.store.mysql_lanes`) and its own dispatcher.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import pluggy
 
-from room_outbox.config import ConfigError, Settings
-from room_outbox.routing import registered_sinks, section_enabled
+from room_outbox.config import ConfigError, OutboxWorkerSettings, Settings
+from room_outbox.routing import IM_LANE, registered_sinks, section_enabled
 from room_outbox.store.mysql import Migration, MySQLStore
 from room_outbox.store.mysql_lanes import LaneStore, lanes_migration_plan, migrate_lanes
 
 
-def own_lane_sinks(pm: pluggy.PluginManager, settings: Settings) -> list[str]:
-    """Names of the enabled sinks that keep a lane of their own (without validating their
-    settings: migrate must not need, say, a Tencent key)."""
-    return sorted(
-        name
-        for name, spec in registered_sinks(pm).items()
-        if spec.own_lane and section_enabled(settings.sinks.get(name), spec.enabled_by_default)
+@dataclass(frozen=True)
+class LanePlan:
+    """The lanes a configuration runs (without validating sink settings: ``migrate``,
+    ``cleanup``, ``status`` and ``lanes`` must not need, say, a Tencent key)."""
+
+    #: The IM lane runs: some sink sharing it is enabled. When it does not (room-service
+    #: pushes IM itself), ``room_outbox.status`` is room-service's alone: no backlog of
+    #: room-outbox's, and retention goes by the lanes that run instead.
+    im: bool
+    #: Enabled sinks with a lane of their own, sorted.
+    own: tuple[str, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ((IM_LANE,) if self.im else ()) + self.own
+
+
+def lane_plan(pm: pluggy.PluginManager, settings: Settings) -> LanePlan:
+    specs = registered_sinks(pm)
+    enabled = {
+        name for name, spec in specs.items() if section_enabled(settings.sinks.get(name), spec.enabled_by_default)
+    }
+    return LanePlan(
+        im=any(not specs[name].own_lane for name in enabled),
+        own=tuple(sorted(name for name in enabled if specs[name].own_lane)),
     )
 
 
@@ -39,6 +60,16 @@ async def plugins_migration_plan(store: object, pm: pluggy.PluginManager, settin
     if statements:
         plan.append(Migration(f"ran {len(statements)} plugin schema statement(s)", statements))
     return plan
+
+
+def own_lane_sinks(pm: pluggy.PluginManager, settings: Settings) -> list[str]:
+    """Names of the enabled sinks that keep a lane of their own."""
+    return list(lane_plan(pm, settings).own)
+
+
+def delivery_settings(settings: Settings, lane: str) -> OutboxWorkerSettings:
+    """The settings ``lane`` delivers with: ``outbox_worker.lanes.<lane>`` over ``outbox_worker``."""
+    return settings.outbox_worker.for_lane(lane)
 
 
 async def migrate_plugins(store: object, pm: pluggy.PluginManager, settings: Settings) -> list[str]:
@@ -71,4 +102,5 @@ def lane_store(store: object, lane: str, settings: Settings, start: str | int) -
         start=start,
         gap_timeout=settings.lanes.gap_timeout,
         feed_batch=settings.lanes.feed_batch,
+        max_gaps=settings.lanes.max_gaps,
     )

@@ -3,8 +3,8 @@
 =========================================  =========  ====================================
 name                                       kind       attributes
 =========================================  =========  ====================================
-``room_outbox_pending_total``              gauge      rows with status ``pending``
-``room_outbox_oldest_pending_age_ms``      gauge      age of the lowest-id pending row
+``room_outbox_pending_total``              gauge      lane: events the lane still owes
+``room_outbox_oldest_pending_age_ms``      gauge      lane: age of the oldest of them
 ``room_outbox_publish_success_total``      counter    sink, event_type
 ``room_outbox_publish_failure_total``      counter    sink, event_type, error_class
 ``room_outbox_publish_latency_ms``         histogram  sink, event_type, outcome
@@ -19,8 +19,13 @@ the names every Prometheus user's dashboards already know, from a small, pure-Py
 maintained by the Prometheus project (OpenTelemetry's system-metrics instrumentation would need
 psutil and names them ``process_runtime_*`` instead).
 
-The two gauges come from :func:`room_outbox.ops.sample_backlog` on a timer (two index
-lookups), never from a scan per event. Instruments are named exactly as Prometheus shows them,
+The two gauges come from a timer (:mod:`room_outbox.observability`), one series per lane the
+configuration runs: ``lane="im"`` counts pending rows of ``room_outbox`` (only while the IM
+lane runs: otherwise ``status`` is room-service's and no backlog of anyone's here), a lane of
+its own counts its pending rows plus the rows not fed to it yet. Every counter is exported
+from start-up at 0 for the label sets known then (each sink with each event type it takes,
+each error class, each detection point), so that an alert expression has a series to
+evaluate before the first failure ever happens. Instruments are named exactly as Prometheus shows them,
 so the OTLP and the ``/metrics`` names agree; :func:`render_prometheus` therefore never
 appends ``_total`` to a counter that already ends with it.
 """
@@ -37,6 +42,14 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 
 LATENCY_BUCKETS_MS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0)
 BATCH_BUCKETS = (0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
+
+
+#: ``error_class`` of a failed attempt. The first two are found before any sink is called
+#: (their ``sink`` label is "-"); the others come from a sink.
+ROUTING_ERROR_CLASSES = ("bad_envelope", "no_route")
+SINK_ERROR_CLASSES = ("timeout", "permanent", "retryable", "sink_bug")
+#: ``detected_at`` of a lost lease.
+LEASE_LOSS_POINTS = ("renewal", "result_write")
 
 
 class OutboxMetrics:
@@ -74,6 +87,22 @@ class OutboxMetrics:
             unit="{event}",
             description="Claimed rows this process no longer held (taken over or published by the producer).",
         )
+
+    def start_at_zero(self, routes: Iterable[tuple[str, str]]) -> None:
+        """Export every counter at 0 for ``routes`` ((sink, event_type) pairs) and the fixed
+        label values, before anything has happened."""
+        event_types: set[str] = set()
+        for sink, event_type in routes:
+            event_types.add(event_type)
+            labels = {"sink": sink, "event_type": event_type}
+            self.success.add(0, labels)
+            for error_class in SINK_ERROR_CLASSES:
+                self.failure.add(0, {**labels, "error_class": error_class})
+        for event_type in sorted(event_types):
+            for error_class in ROUTING_ERROR_CLASSES:
+                self.failure.add(0, {"sink": "-", "event_type": event_type, "error_class": error_class})
+        for point in LEASE_LOSS_POINTS:
+            self.lost_leases.add(0, {"detected_at": point})
 
 
 # -- Prometheus text exposition format 0.0.4 ------------------------------------------------

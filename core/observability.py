@@ -11,16 +11,20 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 
 from room_outbox.config import ConfigError, Settings
 from room_outbox.health import CHECK_TEXT_MAX, Health, stalled_after
 from room_outbox.http_endpoint import HttpEndpoint, parse_listen
+from room_outbox.lanes import LanePlan
 from room_outbox.ops import sample_backlog
 from room_outbox.redaction import Redactor, redact_and_shorten
+from room_outbox.routing import IM_LANE
 from room_outbox.store.factory import SQLStore
+from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
+from room_outbox.store.mysql import MySQLStore
 from room_outbox.telemetry import Telemetry, telemetry_from_environment
 
 log = logging.getLogger("room_outbox.observability")
@@ -31,6 +35,14 @@ class Observability:
     telemetry: Telemetry
     health: Health
     endpoint: HttpEndpoint | None = None
+    #: The lanes whose backlog the timer samples, known once the sinks are loaded (:meth:`watch`).
+    lanes: LanePlan | None = None
+    _lanes_known: anyio.Event = field(default_factory=anyio.Event)
+
+    def watch(self, plan: LanePlan) -> None:
+        """Sample the backlog of ``plan``'s lanes from now on."""
+        self.lanes = plan
+        self._lanes_known.set()
 
 
 @asynccontextmanager
@@ -48,12 +60,20 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
         async with store.transaction() as cur:
             await cur.execute("SELECT 1")
 
-    worker = settings.outbox_worker
+    # One limit for every lane: the slowest lane's (outbox_worker.lanes may lengthen one lane's
+    # poll interval or publish timeout).
+    workers = [
+        settings.outbox_worker,
+        *(settings.outbox_worker.for_lane(lane) for lane in settings.outbox_worker.lanes),
+    ]
     health = Health(
         ping,
         redactor=redactor,
-        stalled_after=stalled_after(
-            options.stalled_after_polls, worker.poll_interval, settings.mysql.query_timeout, worker.publish_timeout
+        stalled_after=max(
+            stalled_after(
+                options.stalled_after_polls, worker.poll_interval, settings.mysql.query_timeout, worker.publish_timeout
+            )
+            for worker in workers
         ),
         unready_after_failed_rounds=options.unready_after_failed_rounds,
     )
@@ -74,7 +94,7 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
             if obs.endpoint is not None:
                 background.start_soon(obs.endpoint.serve)
             if telemetry.metrics_enabled:
-                background.start_soon(_sample_backlog, store, telemetry, options.backlog_interval, redactor)
+                background.start_soon(_sample_backlog, store, obs, options.backlog_interval, redactor)
             try:
                 yield obs
             except BaseException as exc:
@@ -91,14 +111,28 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
         raise error
 
 
-async def _sample_backlog(store: SQLStore, telemetry: Telemetry, interval: float, redactor: Redactor) -> None:
-    """Pending count and oldest pending age, every ``interval`` (two index lookups)."""
+async def _sample_backlog(store: SQLStore, obs: Observability, interval: float, redactor: Redactor) -> None:
+    """Each running lane's backlog, every ``interval`` (index range counts, see
+    :mod:`room_outbox.store.lane_catalog`)."""
+    await obs._lanes_known.wait()
     while True:
-        try:
-            backlog = await sample_backlog(store)
-        except Exception as exc:
-            error = redact_and_shorten(redactor, f"{type(exc).__name__}: {exc}", CHECK_TEXT_MAX)
-            log.warning("backlog sample failed", extra={"error": error})
-        else:
-            telemetry.backlog(backlog.pending, backlog.oldest_pending_age_ms)
+        if obs.lanes is not None:
+            try:
+                await _sample_lanes(store, obs.telemetry, obs.lanes)
+            except Exception as exc:
+                error = redact_and_shorten(redactor, f"{type(exc).__name__}: {exc}", CHECK_TEXT_MAX)
+                log.warning("backlog sample failed", extra={"error": error})
         await anyio.sleep(interval)
+
+
+async def _sample_lanes(store: SQLStore, telemetry: Telemetry, plan: LanePlan) -> None:
+    if plan.im:  # while it is off, room_outbox.status is room-service's: no backlog here
+        backlog = await sample_backlog(store)
+        telemetry.backlog(backlog.pending, backlog.oldest_pending_age_ms, IM_LANE)
+    if plan.own and isinstance(store, MySQLStore):
+        stored = {lane.name: lane for lane in await stored_lanes(store)}
+        for name in plan.own:
+            lane = stored.get(name)
+            if lane is not None:
+                owed = await own_lane_backlog(store, lane)
+                telemetry.backlog(owed.backlog, owed.oldest_age_ms(), name)

@@ -17,9 +17,10 @@ from typing import IO, Any
 
 from room_outbox.envelope import EnvelopeError, parse_envelope
 from room_outbox.store.factory import SQLStore
+from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.leased import TABLE
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
+from room_outbox.store.mysql_lanes import lane_table
 
 #: Retry-count histogram buckets of the status report: (label, lowest, highest).
 RETRY_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2-4", 2, 4), ("5-9", 5, 9), ("10-99", 10, 99), ("100+", 100, None))
@@ -67,7 +68,7 @@ class LaneStatus:
 
     lane: str
     fed_through_id: int
-    #: room_outbox rows above the watermark: not yet fed (or ids seen missing, waited for).
+    #: room_outbox rows not in the lane's table yet (above its watermark).
     unfed: int
     pending: int
     parked: int
@@ -86,6 +87,9 @@ class StatusReport:
     leased: int
     holders: list[LeaseHolder] = field(default_factory=list)
     lanes: list[LaneStatus] = field(default_factory=list)
+    #: False when no IM-lane sink is enabled: ``room_outbox.status`` is then room-service's
+    #: alone, and its pending rows are nobody's backlog here (the IM figures above are 0).
+    im_lane: bool = True
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -93,7 +97,10 @@ class StatusReport:
         return doc
 
 
-async def status_report(store: SQLStore, top: int = 10) -> StatusReport:
+async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) -> StatusReport:
+    if not im_lane:
+        empty = {label: 0 for label, _, _ in RETRY_BUCKETS}
+        return StatusReport(0, 0, 0, {}, empty, [], 0, lanes=await lane_statuses(store), im_lane=False)
     now = _now_ms()
     backlog = await sample_backlog(store)
     async with store.transaction() as cur:
@@ -147,23 +154,15 @@ async def status_report(store: SQLStore, top: int = 10) -> StatusReport:
 
 
 async def lane_statuses(store: SQLStore) -> list[LaneStatus]:
-    """One line per lane of its own; none on a store without lanes (SQLite)."""
+    """One line per lane of its own that has run; none on a store without lanes (SQLite)."""
     if not isinstance(store, MySQLStore):
         return []
     lanes = []
-    async with store.transaction() as cur:
-        await cur.execute(f"SHOW TABLES LIKE '{CURSOR_TABLE}'")
-        if not await cur.fetchone():
-            return []
-        await cur.execute(f"SELECT lane, fed_through_id FROM {CURSOR_TABLE} ORDER BY lane")
-        for lane, fed in await cur.fetchall():
-            counts = []
-            for status in ("pending", "failed"):  # index range counts on (status, ...)
-                await cur.execute(f"SELECT COUNT(*) FROM {lane_table(lane)} WHERE status = %s", (status,))
-                counts.append(int((await cur.fetchone())[0]))
-            await cur.execute(f"SELECT COUNT(*) FROM {TABLE} WHERE id > %s", (fed,))
-            unfed = int((await cur.fetchone())[0])
-            lanes.append(LaneStatus(str(lane), int(fed), unfed, counts[0], counts[1]))
+    for lane in await stored_lanes(store):
+        if lane.fed_through_id is None:
+            continue
+        owed = await own_lane_backlog(store, lane)
+        lanes.append(LaneStatus(lane.name, lane.fed_through_id, owed.unfed, owed.pending, owed.parked))
     return lanes
 
 
@@ -197,6 +196,10 @@ def _escaped(char: str) -> str:
 
 def format_status(report: StatusReport) -> str:
     now = _now_ms()
+    if not report.im_lane:
+        lines = ["IM lane               disabled: room_outbox.status is room-service's, not a backlog here"]
+        lines += _format_lanes(report)
+        return "\n".join(lines)
     lines = [
         f"pending               {report.pending}",
         f"oldest pending        {format_time(now - report.oldest_pending_age_ms, now) if report.pending else '-'}",
@@ -215,12 +218,7 @@ def format_status(report: StatusReport) -> str:
         ]
     else:
         lines.append("  (none)")
-    if report.lanes:
-        lines += ["", f"  {'lane':<20} {'fed through id':>14} {'unfed':>7} {'pending':>8} {'parked':>7}"]
-        lines += [
-            f"  {printable(x.lane):<20} {x.fed_through_id:>14} {x.unfed:>7} {x.pending:>8} {x.parked:>7}"
-            for x in report.lanes
-        ]
+    lines += _format_lanes(report)
     lines += ["", "most frequent last_error (pending rows)"]
     if report.top_errors:
         lines += [f"  {rows:>6}  {printable(error)}" for error, rows in report.top_errors]
@@ -256,6 +254,17 @@ _UNITS = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
 
 #: Row columns that hold an epoch-ms time (0: none).
 TIME_COLUMNS = ("created_at_ms", "updated_at_ms", "lock_until_ms")
+
+
+def _format_lanes(report: StatusReport) -> list[str]:
+    if not report.lanes:
+        return []
+    lines = ["", f"  {'lane':<20} {'fed through id':>14} {'unfed':>7} {'pending':>8} {'parked':>7}"]
+    lines += [
+        f"  {printable(x.lane):<20} {x.fed_through_id:>14} {x.unfed:>7} {x.pending:>8} {x.parked:>7}"
+        for x in report.lanes
+    ]
+    return lines
 
 
 # -- room-outbox inspect ----------------------------------------------------------------------
@@ -359,8 +368,8 @@ def format_inspection(doc: dict[str, Any]) -> str:
 # -- command entry points (called by room_outbox.cli) -----------------------------------------
 
 
-async def status_command(store: SQLStore, as_json: bool, out: IO[str]) -> int:
-    report = await status_report(store)
+async def status_command(store: SQLStore, as_json: bool, out: IO[str], im_lane: bool = True) -> int:
+    report = await status_report(store, im_lane=im_lane)
     print(json.dumps(report.to_json(), indent=2) if as_json else format_status(report), file=out)
     return 0
 

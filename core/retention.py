@@ -1,4 +1,12 @@
-"""Retention: delete — or move to ``room_outbox_archive`` — published rows older than ``older_than``.
+"""Retention: delete — or move to ``room_outbox_archive`` — finished rows older than ``older_than``.
+
+**When a row is finished.** While the IM lane runs, a row is finished when it is
+``published`` (by room-outbox or by room-service's own push) and every lane of its own is done
+with it (below). While the IM lane does not run — no IM-lane sink enabled: room-service pushes
+IM itself and room-outbox only fans events out (Kafka) — ``status`` is room-service's alone
+and says nothing about room-outbox's work, so a row is finished once every lane of its own is
+done with it, *whatever its status* (a row whose synchronous push failed is nobody's to retry
+here). With no lane running at all, nothing can finish a row: the IM rule applies.
 
 Age is ``created_at_ms``: room-service sets it on every insert, while its own
 ``UPDATE … SET status='published'`` leaves ``updated_at_ms`` alone, so only the creation
@@ -7,7 +15,8 @@ parked (``failed``) and ``cancelled`` rows stay, whatever their age.
 
 How it stays out of delivery's way:
 
-* **Small batches.** A pass walks the ``(status, id)`` index from the lowest published id, at
+* **Small batches.** A pass walks the ``(status, id)`` index from the lowest published id (the
+  primary key while the IM lane is off), at
   most ``batch_size`` rows per step, so each read is a short index range, never a scan of the
   table. Ids rise with commit time, so the pass ends at the first batch holding no old row.
 * **Short transactions.** Each batch is removed in its own transaction that locks only those
@@ -15,7 +24,10 @@ How it stays out of delivery's way:
   which reads the ``pending`` range of another index, never waits on it.
 * **Lanes.** A row stays while any lane of its own (Kafka, audit...) has not been fed it, or
   holds it pending or parked: that lane still needs its envelope. With the row, the lanes'
-  finished rows for it go too.
+  finished rows for it go too. A lane enabled but not started yet holds every row (it may
+  start from the beginning). A lane no longer enabled still counts — the database cannot
+  tell a lane switched off for an hour from one gone for good — and each pass warns, naming
+  it, while its leftovers hold rows back: ``room-outbox lanes retire NAME --yes`` drops them.
 * **Several processes.** ``SKIP LOCKED`` makes two cleaners split a batch instead of waiting on
   each other, and the status/age re-check under the lock makes a second removal a no-op; with
   ``archive`` the copy and the delete share one transaction, so a row is archived exactly once.
@@ -26,7 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO
 
 import anyio
@@ -34,9 +46,11 @@ import pymysql
 from anyio.abc import TaskStatus
 
 from room_outbox.config import RetentionSettings
+from room_outbox.lanes import LanePlan
+from room_outbox.store.lane_catalog import first_row_after, owes_rows, stored_lanes
 from room_outbox.store.leased import TABLE, now_ms
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
+from room_outbox.store.mysql_lanes import lane_table
 
 log = logging.getLogger("room_outbox.retention")
 
@@ -47,6 +61,8 @@ _LOCK_ERRORS = (1205, 1213)  # lock wait timeout, deadlock
 _TABLE_EXISTS = 1050
 
 _SCAN_SQL = f"SELECT id, created_at_ms FROM {TABLE} WHERE status = 'published' AND id > %s ORDER BY id LIMIT %s"
+#: While the IM lane is off, status does not decide: the primary key is walked instead.
+_SCAN_ALL_SQL = f"SELECT id, created_at_ms FROM {TABLE} WHERE id > %s ORDER BY id LIMIT %s"
 
 
 @dataclass(frozen=True)
@@ -80,29 +96,39 @@ class CleanupReport:
     seconds: float = 0.0
     #: The highest id looked at so far.
     last_id: int = 0
+    #: Lanes no longer enabled whose leftovers hold rows back (warned about).
+    held_back_by: list[str] = field(default_factory=list)
+    #: Enabled lanes that have never run: nothing is removed until they have (warned about).
+    waiting_for: list[str] = field(default_factory=list)
+    #: Whether ``status`` decided (the IM lane runs, or no lane does).
+    by_status: bool = True
 
 
 async def cleanup(
     store: MySQLStore,
     options: RetentionOptions,
+    plan: LanePlan | None = None,
     *,
     now: int | None = None,
     stop: anyio.Event | None = None,
     dry_run: bool = False,
     progress: Callable[[CleanupReport], None] | None = None,
 ) -> CleanupReport:
-    """One pass over the published rows; returns early (between batches) once ``stop`` is set.
-    ``dry_run``: the same walk, counting the rows each batch would remove, changing nothing.
-    ``progress`` is called after each batch."""
+    """One pass over the finished rows; returns early (between batches) once ``stop`` is set.
+    ``plan``: the lanes the configuration runs (default: the IM lane alone). ``dry_run``: the
+    same walk, counting the rows each batch would remove, changing nothing. ``progress`` is
+    called after each batch."""
     started = time.monotonic()
     cutoff = (now if now is not None else now_ms()) - int(options.older_than * 1000)
-    report = CleanupReport()
+    plan = plan or LanePlan(im=True, own=())
+    by_status = plan.im or not plan.own
+    report = CleanupReport(by_status=by_status)
     columns = await _archive_columns(store) if options.archive and not dry_run else []
-    lanes, fed_through = await _lanes(store)
+    lanes, fed_through, report.held_back_by, report.waiting_for = await _lanes(store, plan, cutoff)
     after = 0
     while stop is None or not stop.is_set():
         async with store.transaction() as cur:
-            await cur.execute(_SCAN_SQL, (after, options.batch_size))
+            await cur.execute(_SCAN_SQL if by_status else _SCAN_ALL_SQL, (after, options.batch_size))
             seen: Sequence[tuple[int, int]] = await cur.fetchall()
         if not seen:
             break
@@ -111,9 +137,9 @@ async def cleanup(
         if not old:
             break  # ids rise with time: past this batch every published row is younger (or unfed)
         if dry_run:
-            removed = await _count_removable(store, old, cutoff, lanes)
+            removed = await _count_removable(store, old, cutoff, lanes, by_status)
         else:
-            removed = await _remove(store, old, cutoff, columns, lanes)
+            removed = await _remove(store, old, cutoff, columns, lanes, by_status)
         if removed:
             report.removed += removed
             report.batches += 1
@@ -137,13 +163,18 @@ async def cleanup(
 
 
 async def _remove(
-    store: MySQLStore, candidates: list[int], cutoff: int, archive_columns: list[str], lanes: list[str]
+    store: MySQLStore,
+    candidates: list[int],
+    cutoff: int,
+    archive_columns: list[str],
+    lanes: list[str],
+    by_status: bool,
 ) -> int:
-    """Remove (archiving first when asked) the candidates still published and old, skipping
+    """Remove (archiving first when asked) the candidates still finished and old, skipping
     rows another cleaner holds; one transaction."""
     for attempt in range(_DEADLOCK_RETRIES):
         try:
-            return await _remove_once(store, candidates, cutoff, archive_columns, lanes)
+            return await _remove_once(store, candidates, cutoff, archive_columns, lanes, by_status)
         except pymysql.err.OperationalError as exc:
             # InnoDB may still pick a cleaner as a deadlock victim (its transaction is rolled
             # back whole); the batch is simply taken again.
@@ -160,12 +191,19 @@ def _not_owed(lanes: list[str]) -> str:
     )
 
 
-async def _count_removable(store: MySQLStore, candidates: list[int], cutoff: int, lanes: list[str]) -> int:
+def _finished(by_status: bool) -> str:
+    """While the IM lane runs (or no lane does), only ``published`` rows are finished."""
+    return " AND status = 'published'" if by_status else ""
+
+
+async def _count_removable(
+    store: MySQLStore, candidates: list[int], cutoff: int, lanes: list[str], by_status: bool
+) -> int:
     """How many of the candidates a removal would take now (``--dry-run``): its conditions, no lock."""
     marks = ", ".join(["%s"] * len(candidates))
     async with store.transaction() as cur:
         await cur.execute(
-            f"SELECT COUNT(*) FROM {TABLE} FORCE INDEX (PRIMARY) WHERE id IN ({marks}) AND status = 'published'"
+            f"SELECT COUNT(*) FROM {TABLE} FORCE INDEX (PRIMARY) WHERE id IN ({marks}){_finished(by_status)}"
             f" AND created_at_ms <= %s{_not_owed(lanes)}",
             (*candidates, cutoff),
         )
@@ -173,7 +211,12 @@ async def _count_removable(store: MySQLStore, candidates: list[int], cutoff: int
 
 
 async def _remove_once(
-    store: MySQLStore, candidates: list[int], cutoff: int, archive_columns: list[str], lanes: list[str]
+    store: MySQLStore,
+    candidates: list[int],
+    cutoff: int,
+    archive_columns: list[str],
+    lanes: list[str],
+    by_status: bool,
 ) -> int:
     marks = ", ".join(["%s"] * len(candidates))
     owed = _not_owed(lanes)
@@ -181,7 +224,7 @@ async def _remove_once(
         # PRIMARY only: locking through a secondary index would take locks that the DELETE of a
         # concurrent cleaner needs next, which deadlocks (seen with two cleaners).
         await cur.execute(
-            f"SELECT id FROM {TABLE} FORCE INDEX (PRIMARY) WHERE id IN ({marks}) AND status = 'published'"
+            f"SELECT id FROM {TABLE} FORCE INDEX (PRIMARY) WHERE id IN ({marks}){_finished(by_status)}"
             f" AND created_at_ms <= %s{owed} FOR UPDATE SKIP LOCKED",
             (*candidates, cutoff),
         )
@@ -203,18 +246,38 @@ async def _remove_once(
         return int(await cur.execute(f"DELETE o FROM {TABLE} AS o FORCE INDEX (PRIMARY) WHERE o.id IN ({held})", ids))
 
 
-async def _lanes(store: MySQLStore) -> tuple[list[str], int]:
-    """The lane tables, and the highest id every lane has been fed through (rows above it
-    are not removed: a lane has yet to copy them)."""
-    async with store.transaction() as cur:
-        await cur.execute(f"SHOW TABLES LIKE '{CURSOR_TABLE}'")
-        if not await cur.fetchone():
-            return [], 2**63
-        await cur.execute(f"SELECT lane, fed_through_id FROM {CURSOR_TABLE}")
-        rows = await cur.fetchall()
-    if not rows:
-        return [], 2**63
-    return [lane_table(lane) for lane, _ in rows], min(int(fed) for _, fed in rows)
+async def _lanes(store: MySQLStore, plan: LanePlan, cutoff: int) -> tuple[list[str], int, list[str], list[str]]:
+    """The lane tables; the highest id every lane has been fed through (rows above it are not
+    removed: a lane has yet to copy them); the lanes no longer enabled whose leftovers hold
+    old rows back, and the enabled lanes that never ran (each named in a warning)."""
+    stored = await stored_lanes(store)
+    fed = {lane.name: lane.fed_through_id for lane in stored if lane.fed_through_id is not None}
+    waiting = [lane for lane in plan.own if lane not in fed]  # enabled, never ran: may start at the beginning
+    for name in waiting:
+        log.warning(
+            "an enabled lane has never run; retention removes nothing until it has",
+            extra={"lane": name, "lifecycle": "retention_held_back"},
+        )
+    fed_through = min([*fed.values(), *(0 for _ in waiting)], default=2**63)
+    enabled_low = min([fed[lane] for lane in plan.own if lane in fed] + [0 for _ in waiting], default=None)
+    held_back_by = []
+    for lane in stored:
+        if lane.name in plan.own:
+            continue
+        # Its watermark holds back the old rows above it that the enabled lanes have passed;
+        # its pending and parked rows hold back theirs.
+        behind = False
+        if lane.fed_through_id is not None and (enabled_low is None or lane.fed_through_id < enabled_low):
+            first = await first_row_after(store, lane.fed_through_id)
+            behind = first is not None and first <= cutoff
+        if behind or (lane.has_table and await owes_rows(store, lane.name)):
+            held_back_by.append(lane.name)
+            log.warning(
+                "a lane that is not enabled holds back retention; `room-outbox lanes retire %s --yes` drops it",
+                lane.name,
+                extra={"lane": lane.name, "fed_through_id": lane.fed_through_id, "lifecycle": "retention_held_back"},
+            )
+    return [lane_table(lane.name) for lane in stored if lane.has_table], fed_through, held_back_by, waiting
 
 
 async def _archive_columns(store: MySQLStore) -> list[str]:
@@ -246,6 +309,7 @@ async def run_retention_job(
     store: MySQLStore,
     settings: RetentionSettings,
     stop: anyio.Event,
+    plan: LanePlan | None = None,
     *,
     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -259,7 +323,7 @@ async def run_retention_job(
     task_status.started()
     while not stop.is_set():
         try:
-            report = await cleanup(store, options, stop=stop)
+            report = await cleanup(store, options, plan, stop=stop)
             log.info(
                 "retention pass done",
                 extra={"removed": report.removed, "batches": report.batches, "seconds": round(report.seconds, 3)},
@@ -272,11 +336,17 @@ async def run_retention_job(
 
 
 async def cleanup_command(
-    store: MySQLStore, options: RetentionOptions, apply: bool, out: IO[str], err: IO[str], show_progress: bool
+    store: MySQLStore,
+    options: RetentionOptions,
+    apply: bool,
+    out: IO[str],
+    err: IO[str],
+    show_progress: bool,
+    plan: LanePlan | None = None,
 ) -> int:
     """``room-outbox cleanup``: one pass, removing rows only when ``apply`` (``--yes``), else
     counting them; a progress line per batch on ``err`` when ``show_progress`` (a terminal);
-    then a one-line summary on ``out``."""
+    then a one-line summary on ``out``, and a line per lane that holds rows back."""
     verb = ("moved to " + ARCHIVE_TABLE if options.archive else "deleted") if apply else "would be removed"
 
     def progress(report: CleanupReport) -> None:
@@ -287,19 +357,30 @@ async def cleanup_command(
             flush=True,
         )
 
-    report = await cleanup(store, options, dry_run=not apply, progress=progress if show_progress else None)
+    report = await cleanup(store, options, plan, dry_run=not apply, progress=progress if show_progress else None)
     older = f"older than {options.older_than:g}s"
+    what = "published row(s)" if report.by_status else "row(s) every enabled lane has finished"
     if not apply:
         target = f"moved to {ARCHIVE_TABLE}" if options.archive else "deleted"
         print(
-            f"{report.removed} published row(s) {older} would be {target} (dry run: nothing changed;"
+            f"{report.removed} {what} {older} would be {target} (dry run: nothing changed;"
             " run again with --yes to remove them)",
             file=out,
         )
-        return 0
-    print(
-        f"{report.removed} published row(s) {older} {verb}"
-        f" in {report.batches} batch(es) of at most {options.batch_size}, {report.seconds:.1f}s",
-        file=out,
-    )
+    else:
+        print(
+            f"{report.removed} {what} {older} {verb}"
+            f" in {report.batches} batch(es) of at most {options.batch_size}, {report.seconds:.1f}s",
+            file=out,
+        )
+    for lane in report.waiting_for:
+        print(
+            f"lane {lane} is enabled but has never run; nothing is removed until it has (`room-outbox run`)", file=out
+        )
+    for lane in report.held_back_by:
+        print(
+            f"lane {lane} is not enabled, but its leftovers hold rows back; "
+            f"`room-outbox lanes retire {lane} --yes` drops them",
+            file=out,
+        )
     return 0

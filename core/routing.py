@@ -2,10 +2,16 @@
 
 Sinks registered with ``own_lane`` each get a router of their own (:class:`Lanes`), over
 their own consumption table: there, events the sink does not take are passed over. The rest
-share the IM lane, where each event type goes to exactly one enabled sink. A sink lists the types it
-takes (``event_types``) or, at most one per lane, takes every *known* type nobody else
-listed. An event type no enabled sink takes has no route: the dispatcher leaves such an event
-pending with ``last_error`` "no sink for event_type X", so nothing is lost.
+share the IM lane, where each event type goes to exactly one enabled sink. A sink lists the
+types it takes (``event_types``) or, at most one per lane, is the lane's *default sink*
+(``event_types`` left out), which takes every type nobody else listed. With
+``routing.im_default: all`` (the default, as V1 sends every type to IM) that includes types
+outside the built-in catalogue, so a type room-service adds later is delivered at once;
+with ``known`` only catalogued types are, and a new type waits, parked, until it is routed.
+An event no enabled sink takes is parked by the dispatcher (``last_error`` "no sink for
+event_type X") whatever ``parking`` says: retrying cannot help until the configuration
+changes, and a pending row would hold back its room under per-room ordering. Nothing is
+lost: ``room-outbox requeue --event-type X --yes`` sends it round again once it has a route.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from room_outbox.sink import Sink, SinkContext, SinkSettings, SinkSpec
 
 log = logging.getLogger("room_outbox.routing")
 
+#: The IM lane's name in logs, metrics, ``outbox_worker.lanes`` and ``room-outbox lanes``.
+IM_LANE = "im"
+
 
 @dataclass
 class Router:
@@ -32,7 +41,8 @@ class Router:
 
     sinks: dict[str, Sink]
     routes: dict[str, str]  # event type → sink name
-    #: A lane of its own whose sink takes every event, known type or not.
+    #: The sink taking every event type not in ``routes``, catalogued or not: a lane of its
+    #: own without ``event_types``, or the IM lane's default sink under ``routing.im_default: all``.
     catch_all: str | None = None
     #: A lane of its own: an event its sink does not take is done, not an error.
     skip_unrouted: bool = False
@@ -61,6 +71,16 @@ class Lanes:
 
     im: Router
     own: dict[str, Router]
+
+    def series(self) -> list[tuple[str, str]]:
+        """(sink, event_type) pairs known at start-up: each sink with each catalogued type it
+        takes (a sink taking every type is listed with the catalogue)."""
+        pairs: set[tuple[str, str]] = set()
+        for router in (self.im, *self.own.values()):
+            pairs.update((sink, event_type) for event_type, sink in router.routes.items())
+            if router.catch_all is not None:
+                pairs.update((router.catch_all, t) for t in KNOWN_EVENT_TYPES if t not in router.routes)
+        return sorted(pairs)
 
     async def aclose(self) -> None:
         for router in (self.im, *self.own.values()):
@@ -107,6 +127,7 @@ def enabled_sink_settings(
             problems.append(
                 f"sinks.{name}: no installed plugin provides a sink named {name!r} (available: {available})"
             )
+    problems.extend(lane_override_problems(specs, settings))
     enabled: dict[str, tuple[SinkSpec[Any], SinkSettings]] = {}
     for name, spec in specs.items():
         raw: Mapping[str, Any] | None = settings.sinks.get(name)
@@ -128,6 +149,27 @@ def validate_sinks(pm: pluggy.PluginManager, settings: Settings) -> dict[str, tu
     enabled = enabled_sink_settings(pm, settings)
     _im_routes({name: cfg for name, (spec, cfg) in enabled.items() if not spec.own_lane})
     return enabled
+
+
+def lane_override_problems(specs: Mapping[str, SinkSpec[Any]], settings: Settings) -> list[str]:
+    """``outbox_worker.lanes.<lane>`` must name a lane: ``im`` or a sink with a lane of its
+    own (enabled or not, so an override may stay while its sink is switched off)."""
+    problems = []
+    own = sorted(name for name, spec in specs.items() if spec.own_lane)
+    if IM_LANE in own:
+        problems.append(
+            f"sinks.{IM_LANE}: a sink with a lane of its own cannot be named {IM_LANE!r} (the IM lane's name)"
+        )
+    for lane in settings.outbox_worker.lanes:
+        if lane == IM_LANE or lane in own:
+            continue
+        if lane in specs:
+            problems.append(
+                f"outbox_worker.lanes.{lane}: sink {lane!r} shares the IM lane; its settings are outbox_worker.lanes.im"
+            )
+        else:
+            problems.append(f"outbox_worker.lanes.{lane}: no lane named {lane!r} (lanes: {', '.join([IM_LANE, *own])})")
+    return problems
 
 
 async def build_router(pm: pluggy.PluginManager, settings: Settings, redactor: Redactor) -> Router:
@@ -152,8 +194,13 @@ async def build_lanes(
         except Exception as exc:
             await Router(sinks, {}).aclose()  # the caller never sees half-built lanes
             raise ConfigError(f"sinks.{name}: could not be created: {redactor.redact(str(exc))}") from exc
+    default_sink = next((name for name, (_, cfg) in im.items() if cfg.event_types is None), None)
     return Lanes(
-        im=Router({name: sinks[name] for name in im}, routes),
+        im=Router(
+            {name: sinks[name] for name in im},
+            routes,
+            catch_all=default_sink if settings.routing.im_default == "all" else None,
+        ),
         own={
             name: Router(
                 {name: sinks[name]},

@@ -169,9 +169,10 @@ class Telemetry:
         if rows > 0 and self.metrics_enabled:
             self.metrics.lost_leases.add(rows, {"detected_at": detected_at})
 
-    def backlog(self, pending: int, oldest_pending_age_ms: int) -> None:
-        self.metrics.pending.set(pending)
-        self.metrics.oldest_pending_age.set(oldest_pending_age_ms)
+    def backlog(self, pending: int, oldest_pending_age_ms: int, lane: str = "im") -> None:
+        labels = {"lane": lane}
+        self.metrics.pending.set(pending, labels)
+        self.metrics.oldest_pending_age.set(oldest_pending_age_ms, labels)
 
     @property
     def serves_prometheus(self) -> bool:

@@ -121,15 +121,15 @@ async def test_migrate_then_run_publishes_v1_rows_and_stops_on_sigterm(database_
         assert [line["lifecycle"] for line in lines if "lifecycle" in line][-4:] == [
             "stop_requested", "worker_stopped", "sinks_closed", "pool_closed",
         ]  # fmt: skip
-        failure = next(line for line in lines if line["msg"] == "delivery failed")
+        failure = next(line for line in lines if line["msg"] == "delivery failed; event parked")
         assert {k: failure[k] for k in ("worker", "event_id", "event_type", "room_id", "status", "error")} == {
             "worker": "room_outbox", "event_id": "joined", "event_type": "RoomUserJoined", "room_id": "r_1",
-            "status": "pending", "error": "no sink for event_type RoomUserJoined",
+            "status": "failed", "error": "no sink for event_type RoomUserJoined",
         }  # fmt: skip
         assert failure["node_id"] and failure["retry_count"] >= 1
         rows = await fetch_rows(store)
-        assert (
-            rows["joined"]["status"] == "pending"
+        assert (  # no route: parked (kept for a requeue once routed), not retried for ever
+            rows["joined"]["status"] == "failed"
             and rows["joined"]["last_error"] == "no sink for event_type RoomUserJoined"
         )
         assert all(r["worker_id"] is None for r in rows.values())

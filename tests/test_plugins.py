@@ -147,12 +147,19 @@ async def test_an_event_type_goes_to_exactly_one_sink(third_party_installed: Non
         await build_router(make_plugin_manager(), cfg, Redactor())
 
 
-async def test_one_sink_may_take_the_remaining_known_types(third_party_installed: None) -> None:
+async def test_one_sink_may_take_the_remaining_types(third_party_installed: None) -> None:
     cfg = settings(sinks={"tencent_im": {"enabled": False}, "counting": {"event_types": None}})
     router = await build_router(make_plugin_manager(), cfg, Redactor())
     noop_types = {"RoomCreated", "RoomHeatChanged", "RoomRankChanged"}
     assert {t for t, s in router.routes.items() if s == "counting"} == KNOWN_EVENT_TYPES - noop_types
-    assert router.sink_for("RoomNobodyKnows") is None  # unknown types have no route
+    route = router.sink_for("RoomNobodyKnows")  # routing.im_default: all, as V1 sends every type
+    assert route is not None and route[0] == "counting"
+    assert router.sink_for("RoomCreated") is not None and router.sink_for("RoomCreated")[0] == "noop"  # type: ignore[index]
+    known_only = await build_router(
+        make_plugin_manager(), settings(sinks=cfg.sinks, routing={"im_default": "known"}), Redactor()
+    )
+    assert known_only.sink_for("RoomNobodyKnows") is None  # parked with no_route instead
+    assert known_only.sink_for("RoomGiftSent") is not None
 
 
 async def test_a_plugin_that_fails_to_import_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,6 +66,16 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
     return dict(action.choices)
 
 
+def options_of(parser: argparse.ArgumentParser) -> set[str]:
+    """A command's options, its sub-commands' (``lanes retire --yes``) included."""
+    options = {o for a in parser._actions for o in a.option_strings}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                options |= options_of(sub)
+    return options
+
+
 def test_the_readme_shows_the_two_commands_first() -> None:
     first = shell_lines()[:2]
     assert [program(line)[0] for line in first] == ["scripts/demo.sh", "scripts/test.sh"]
@@ -82,7 +92,7 @@ def test_every_room_outbox_command_in_the_readme_exists() -> None:
             words = [w for w in re.sub(r"\[--config FILE\]", "", " ".join(args)).replace("[", " ").split()]
             command = words[0]
             assert command in commands, line
-            known = {o for a in commands[command]._actions for o in a.option_strings}
+            known = options_of(commands[command])
             for option in (w.rstrip("]") for w in words if w.startswith("--")):
                 assert option in known, f"{line}: {command} has no option {option}"
         else:

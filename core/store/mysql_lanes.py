@@ -21,6 +21,16 @@ Limit: a producer transaction that stays open longer than ``gap_timeout`` after 
 is not fed to the lane. Feeding adds nothing to room-service's write path: no trigger, no extra
 write, only reads of ``room_outbox`` by primary key.
 
+**Id steps above 1.** With ``auto_increment_increment`` > 1 (Galera, some HA set-ups, or a
+session that sets it) the ids skipped between two inserts are not missing: they will never
+exist. The feeder learns the step from the ids themselves — the greatest common divisor of the
+differences between ids it has read (at least :data:`STEP_EVIDENCE` of them), which every real
+step divides — and waits only for ids on that lattice. Should an id off the lattice turn up later (another writer with another offset),
+the lattice gets finer, and every id read within the last ``gap_timeout`` is looked at again
+once, so an id of the new writer that committed late is still fed. Whatever happens to ids,
+at most ``max_gaps`` ranges are waited for: beyond that the longest-missing are given up on
+early, with a warning, so the feeding query never grows past ``max_gaps`` range terms.
+
 Several processes may feed one lane: the cursor row is taken with ``FOR UPDATE SKIP LOCKED``,
 so one of them feeds at a time and the others go straight on to claiming.
 """
@@ -28,6 +38,7 @@ so one of them feeds at a time and the others go straight on to claiming.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -36,6 +47,7 @@ from dataclasses import dataclass, field
 
 import aiomysql
 
+from room_outbox.config import LanesSettings
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow
 from room_outbox.store.leased import TABLE, LeasedRows, _marks, now_ms
 from room_outbox.store.mysql import Migration, MySQLStore
@@ -115,9 +127,16 @@ def start_id(start: str | int, max_id: int) -> int:
 
 @dataclass
 class _Gap:
+    """Ids in ``[low, high]`` on the feeder's lattice, missing since ``first_seen`` (monotonic)."""
+
     low: int
     high: int
     first_seen: float
+
+
+_FEEDING = LanesSettings()
+#: Differences between ids read before a step above 1 is believed.
+STEP_EVIDENCE = 16
 
 
 @dataclass
@@ -128,12 +147,21 @@ class LaneStore(LeasedRows):
     owner: MySQLStore
     lane: str
     start: str | int = "now"
-    gap_timeout: float = 300.0
-    feed_batch: int = 1000
+    gap_timeout: float = _FEEDING.gap_timeout
+    feed_batch: int = _FEEDING.feed_batch
+    max_gaps: int = _FEEDING.max_gaps
     key: str = "outbox_id"
     envelope_column: str = "NULL"
     _high: int = -1  # the highest room_outbox id this process has seen
     _gaps: list[_Gap] = field(default_factory=list)
+    #: The greatest common divisor of the differences between ids read (0: none yet), and how
+    #: many differences it is built on.
+    _gcd: int = 0
+    _differences: int = 0
+    _last_id: int | None = None
+    #: (monotonic time, lowest id read then), one entry a second at most, back ``gap_timeout``:
+    #: where to look again from when the lattice gets finer.
+    _recent: list[tuple[float, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.table = lane_table(self.lane)
@@ -189,7 +217,7 @@ class LaneStore(LeasedRows):
             if watermark > self._high:  # another process fed further: start from there
                 self._high = watermark
             self._gaps = [g for g in self._gaps if g.high > watermark]
-            fresh = await self._read_new(cur)
+            fresh = await self._read_new(cur, watermark)
             found_again = await self._read_gaps(cur)
             rows = fresh + found_again
             if rows:
@@ -201,7 +229,8 @@ class LaneStore(LeasedRows):
                     [(*row, now, now) for row in rows],
                 )
             self._expire_gaps()
-            new_watermark = (self._gaps[0].low - 1) if self._gaps else self._high
+            self._bound_gaps()
+            new_watermark = min(g.low for g in self._gaps) - 1 if self._gaps else self._high
             if new_watermark > watermark:
                 await cur.execute(
                     f"UPDATE {CURSOR_TABLE} SET fed_through_id = %s, updated_at_ms = %s WHERE lane = %s",
@@ -231,21 +260,72 @@ class LaneStore(LeasedRows):
         row = await cur.fetchone()
         return int(row[0]) if row else None
 
-    async def _read_new(self, cur: aiomysql.Cursor) -> list[tuple[int, str, str, str, str]]:
+    async def _read_new(self, cur: aiomysql.Cursor, watermark: int) -> list[tuple[int, str, str, str, str]]:
         await cur.execute(
             f"SELECT id, event_id, event_type, room_id, app_code FROM {TABLE} WHERE id > %s ORDER BY id LIMIT %s",
             (self._high, self.feed_batch),
         )
         rows = [tuple(row) for row in await cur.fetchall()]
+        if not rows:
+            return rows
         now = time.monotonic()
-        expected = self._high + 1
+        self._remember(now, rows[0][0])
+        previous = self._last_id
+        for row in rows:  # learn the step before deciding what is missing
+            if previous is not None:
+                self._learn_step(row[0] - previous, watermark, now)
+            previous = row[0]
+        after = self._high
         for row in rows:
-            if row[0] > expected:
-                self._gaps.append(_Gap(expected, row[0] - 1, now))
-            expected = row[0] + 1
-        if rows:
-            self._high = rows[-1][0]
+            self._add_gap(after, row[0], now)
+            after = row[0]
+        self._high = self._last_id = rows[-1][0]
+        self._gaps = [trimmed for gap in self._gaps if (trimmed := self._on_lattice(gap))]
         return rows
+
+    def _remember(self, now: float, first_id: int) -> None:
+        if not self._recent or now - self._recent[-1][0] >= 1.0:
+            self._recent.append((now, first_id))
+        while len(self._recent) > 1 and now - self._recent[1][0] > self.gap_timeout:
+            self._recent.pop(0)  # the oldest kept entry still reaches back gap_timeout
+
+    @property
+    def _step(self) -> int:
+        """Ids are ``_last_id`` plus a multiple of this. Believed only on enough evidence: two
+        ids around one rolled-back insert differ by 2 whatever the step."""
+        return self._gcd if self._differences >= STEP_EVIDENCE else 1
+
+    def _learn_step(self, difference: int, watermark: int, now: float) -> None:
+        before = self._step
+        self._gcd = math.gcd(self._gcd, difference)
+        self._differences += 1
+        step = self._step
+        if step < before:
+            # A finer lattice: ids between the old lattice's points were never waited for.
+            # Look at everything read within gap_timeout once more (rows fed already are
+            # inserted again as no-ops); what stays missing is waited for as usual.
+            low = min([watermark, *(first_id - 1 for _, first_id in self._recent)]) + 1
+            log.warning(
+                "room_outbox ids follow a finer step than seen so far; recent ids are looked at again",
+                extra={"lane": self.lane, "step": step, "previous_step": before, "from_id": low},
+            )
+            self._gaps = [_Gap(low, self._high, now)] if low <= self._high else []
+
+    def _add_gap(self, after: int, before: int, now: float) -> None:
+        """Wait for the ids strictly between ``after`` and the id ``before`` that was just read."""
+        gap = self._on_lattice(_Gap(after + 1, before - 1, now), anchor=before)
+        if gap is not None:
+            self._gaps.append(gap)
+
+    def _on_lattice(self, gap: _Gap, anchor: int | None = None) -> _Gap | None:
+        """``gap`` narrowed to the ids that can exist (``anchor``: an id known to exist)."""
+        anchor = self._last_id if anchor is None else anchor
+        step = self._step
+        if anchor is None or step == 1:
+            return gap if gap.low <= gap.high else None
+        low = gap.low + (anchor - gap.low) % step
+        high = gap.high - (gap.high - anchor) % step
+        return _Gap(low, high, gap.first_seen) if low <= high else None
 
     async def _read_gaps(self, cur: aiomysql.Cursor) -> list[tuple[int, str, str, str, str]]:
         """Rows that have committed inside the ranges seen missing; the ranges shrink to what
@@ -269,7 +349,7 @@ class LaneStore(LeasedRows):
                     low = row_id + 1
                 if low <= gap.high:
                     remaining.append(_Gap(low, gap.high, gap.first_seen))
-            self._gaps = remaining
+            self._gaps = [trimmed for gap in remaining if (trimmed := self._on_lattice(gap))]
         return rows
 
     def _expire_gaps(self) -> None:
@@ -280,6 +360,25 @@ class LaneStore(LeasedRows):
                 extra={"lane": self.lane, "from_id": gap.low, "to_id": gap.high},
             )
         self._gaps = [g for g in self._gaps if now - g.first_seen <= self.gap_timeout]
+
+    def _bound_gaps(self) -> None:
+        """At most ``max_gaps`` ranges: the longest-missing beyond that are given up on now."""
+        excess = len(self._gaps) - self.max_gaps
+        if excess <= 0:
+            return
+        oldest = sorted(self._gaps, key=lambda g: (g.first_seen, g.low))[:excess]
+        log.warning(
+            "more ranges of ids missing than lanes.max_gaps; the longest-missing are skipped before gap_timeout",
+            extra={
+                "lane": self.lane,
+                "skipped_ranges": excess,
+                "from_id": min(g.low for g in oldest),
+                "to_id": max(g.high for g in oldest),
+                "max_gaps": self.max_gaps,
+            },
+        )
+        dropped = {id(g) for g in oldest}
+        self._gaps = [g for g in self._gaps if id(g) not in dropped]
 
 
 __all__ = ["CURSOR_TABLE", "LaneStore", "lane_ddl", "lane_table", "migrate_lanes", "start_id"]

@@ -35,7 +35,7 @@ def lane_dispatcher(store: MySQLStore, sink: RecordingSink, lane: str = "t", nod
         owner=store, lane=lane, start=kw.pop("start", "beginning"), gap_timeout=kw.pop("gap_timeout", 30.0)
     )
     router = Router({"t": sink}, {}, catch_all="t", skip_unrouted=True)
-    options = LaneOptions(poll_interval=0.05, retry=RetryPolicy(interval=0.05), **kw)
+    options = LaneOptions(poll_interval=0.05, **{"retry": RetryPolicy(interval=0.05), **kw})
     return Dispatcher(lane_store, router, options, node)
 
 
@@ -373,7 +373,8 @@ async def test_inspect_shows_the_event_in_each_lane(store: MySQLStore) -> None:
     from room_outbox.ops import format_inspection, inspect_event
 
     await migrate_lanes(store, ["t"])
-    dispatcher = lane_dispatcher(store, RecordingSink(fail={"stuck"}))
+    # "stuck" waits a minute for its retry, so it is still waiting however slow the machine is
+    dispatcher = lane_dispatcher(store, RecordingSink(fail={"stuck"}), retry=RetryPolicy(interval=60))
     await insert_events(store, [envelope("ok"), envelope("stuck")])
     await dispatcher.run_until_empty()
     await insert_events(store, [envelope("later")])

@@ -1,0 +1,141 @@
+"""``room-outbox lanes`` and ``room-outbox lanes retire NAME``: the lanes an operator sees and
+drops.
+
+A lane is *enabled* when the configuration runs it (the IM lane while an IM-lane sink is
+enabled; a lane of its own while its sink is). A lane of its own that was enabled once and is
+not any more leaves its table and cursor behind; they hold back retention (its rows are
+still owed to it, as far as the database can tell) until the lane runs again or is retired.
+Retiring drops both. It refuses an enabled lane: stop running it first, on every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from typing import IO, Any
+
+from room_outbox.lanes import LanePlan
+from room_outbox.ops import format_age
+from room_outbox.routing import IM_LANE
+from room_outbox.store.lane_catalog import (
+    LaneBacklog,
+    im_lane_backlog,
+    own_lane_backlog,
+    retire_lane,
+    stored_lanes,
+)
+from room_outbox.store.mysql import MySQLStore
+
+#: ``lanes`` in the command list: (summary, description, examples).
+LANES_COMMAND = (
+    "each lane: enabled, watermark, backlog, parked; `lanes retire NAME` drops a disabled one",
+    "Every lane: the IM lane, each enabled sink with a lane of its own, and every lane table or\n"
+    "cursor the database still holds, with its state, watermark (fed through id), pending, unfed\n"
+    "and parked rows and the age of the oldest event it owes. `lanes retire NAME` shows what a\n"
+    "disabled lane leaves behind; with --yes it drops its table and cursor.",
+    "room-outbox lanes\nroom-outbox lanes --json | jq '.[] | {lane, pending}'\nroom-outbox lanes retire audit --yes",
+)
+
+
+def add_lanes_parser(commands: Any, summary: str) -> None:
+    lanes = commands.add_parser("lanes", help=summary)
+    lanes.add_argument("--json", action="store_true", help="machine-readable output")
+    actions = lanes.add_subparsers(dest="lanes_action", metavar="ACTION")
+    retire = actions.add_parser(
+        "retire", help="drop a disabled lane's table and cursor; shows it, drops only with --yes"
+    )
+    retire.add_argument("name", help="the lane (the sink's name)")
+    retire.add_argument("--yes", action="store_true", help="drop it (default: only show what would be dropped)")
+
+
+@dataclass(frozen=True)
+class LaneRow:
+    lane: str
+    #: ``enabled``, ``enabled, not started yet``, ``disabled``, or for IM ``disabled (...)``.
+    state: str
+    enabled: bool
+    fed_through_id: int | None
+    pending: int | None
+    unfed: int | None
+    parked: int | None
+    oldest_owed_age_ms: int | None
+
+
+async def lane_rows(store: MySQLStore, plan: LanePlan) -> list[LaneRow]:
+    rows: list[LaneRow] = []
+    if plan.im:
+        rows.append(_row(IM_LANE, "enabled", True, None, await im_lane_backlog(store)))
+    else:
+        # room_outbox.status is room-service's alone then: not a backlog of anyone's here.
+        rows.append(LaneRow(IM_LANE, "disabled (room_outbox.status is room-service's)", False, *[None] * 5))
+    stored = {lane.name: lane for lane in await stored_lanes(store)}
+    for name in sorted(stored.keys() | set(plan.own)):
+        enabled = name in plan.own
+        lane = stored.get(name)
+        if lane is None or lane.fed_through_id is None:
+            state = "enabled, not started yet" if enabled else "disabled, never ran"
+        else:
+            state = "enabled" if enabled else "disabled: holds back retention until retired"
+        backlog = await own_lane_backlog(store, lane) if lane is not None else LaneBacklog(0, 0, 0, None)
+        rows.append(_row(name, state, enabled, lane.fed_through_id if lane else None, backlog))
+    return rows
+
+
+def _row(name: str, state: str, enabled: bool, fed: int | None, backlog: LaneBacklog) -> LaneRow:
+    return LaneRow(name, state, enabled, fed, backlog.pending, backlog.unfed, backlog.parked, backlog.oldest_age_ms())
+
+
+def format_lanes(rows: list[LaneRow]) -> str:
+    def cell(value: int | None) -> str:
+        return "-" if value is None else str(value)
+
+    lines = [
+        f"{'lane':<16} {'fed through id':>14} {'pending':>8} {'unfed':>7} {'parked':>7} {'oldest owed':>11}  state"
+    ]
+    for r in rows:
+        age = "-" if r.oldest_owed_age_ms is None or not (r.pending or r.unfed) else format_age(r.oldest_owed_age_ms)
+        lines.append(
+            f"{r.lane:<16} {cell(r.fed_through_id):>14} {cell(r.pending):>8} {cell(r.unfed):>7}"
+            f" {cell(r.parked):>7} {age:>11}  {r.state}"
+        )
+    return "\n".join(lines)
+
+
+async def lanes_command(store: MySQLStore, plan: LanePlan, args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
+    if getattr(args, "lanes_action", None) == "retire":
+        return await _retire(store, plan, args.name, args.yes, out, err)
+    rows = await lane_rows(store, plan)
+    print(json.dumps([asdict(r) for r in rows], indent=2) if args.json else format_lanes(rows), file=out)
+    return 0
+
+
+async def _retire(store: MySQLStore, plan: LanePlan, name: str, yes: bool, out: IO[str], err: IO[str]) -> int:
+    if name == IM_LANE:
+        print("room-outbox lanes retire: the IM lane is room_outbox.status itself; it cannot be retired", file=err)
+        return 2
+    if name in plan.own:
+        print(
+            f"room-outbox lanes retire: lane {name} is enabled (sinks.{name}); set sinks.{name}.enabled: false"
+            " and stop every process that runs it first",
+            file=err,
+        )
+        return 2
+    rows = {row.lane: row for row in await lane_rows(store, plan)}
+    row = rows.get(name)
+    if row is None:
+        others = ", ".join(lane for lane in rows if lane != IM_LANE) or "none"
+        print(
+            f"room-outbox lanes retire: no lane named {name!r} in this database (lanes of their own: {others})",
+            file=err,
+        )
+        return 1
+    owed = f"{row.pending} pending, {row.unfed} unfed, {row.parked} parked"
+    if not yes:
+        print(f"would drop lane {name} (fed through id {row.fed_through_id}; {owed}): its table and cursor", file=out)
+        print("run again with --yes to drop it", file=out)
+        return 0
+    for change in await retire_lane(store, name):
+        print(change, file=out)
+    print(f"lane {name} retired ({owed} given up)", file=out)
+    return 0
