@@ -4,16 +4,18 @@
 * ``linear``: ``base × attempts``, capped at ``cap``.
 * ``exponential``: ``base × factor^(attempts-1)``, capped at ``cap``.
 
-A failure that retrying cannot fix (a bad envelope, no sink for the event type, a permanent
-sink error) backs off exponentially whatever the strategy — ``base × factor^(attempts-1)`` up
-to ``cap`` — when it is not parked: such a row is still tried now and then (its cause may be
-fixed: a sink enabled, a group created), but no longer every ``poll_interval``, which would
-cost a write and a warning per bad row per second for ever.
+A failure that retrying cannot fix (a bad envelope, a permanent sink error) backs off
+exponentially whatever the strategy — ``base × factor^(attempts-1)`` up to ``cap`` — when it
+is not parked: such a row is still tried now and then (its cause may be fixed: a group
+created), but no longer every ``poll_interval``, which would cost a write and a warning per
+bad row per second for ever.
 
 Linear and exponential delays are spread by ± ``jitter`` so that events failing together (an
 IM outage) do not come back together. With ``parking`` on, a permanent failure, or the
 failure that uses up ``max_attempts``, parks the event as ``failed``; without it the event
-stays pending and is retried for ever: a room message is never dropped silently.
+stays pending and is retried for ever: a room message is never dropped silently. An event
+no sink takes is parked by the dispatcher whatever ``parking`` says (see
+:mod:`room_outbox.routing`).
 """
 
 from __future__ import annotations

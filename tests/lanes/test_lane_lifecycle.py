@@ -210,7 +210,11 @@ async def test_a_retired_lane_is_named_while_it_holds_retention_back_and_retire_
     assert listing.returncode == 0, listing.stderr
     (kafka_line,) = [line for line in listing.stdout.splitlines() if line.startswith("kafka ")]
     assert "disabled: holds back retention until retired" in kafka_line and " 5 " in kafka_line  # 5 unfed
-    cleanup = cli(without, "cleanup")
+    preview = cli(without, "cleanup")  # without --yes: counts, names the lane, removes nothing
+    assert preview.returncode == 0, preview.stderr
+    assert preview.stdout.startswith("5 published row(s)") and "would be deleted" in preview.stdout
+    assert "lane kafka is not enabled, but its leftovers hold rows back" in preview.stdout
+    cleanup = cli(without, "cleanup", "--yes")
     assert cleanup.returncode == 0, cleanup.stderr
     assert cleanup.stdout.startswith("5 published row(s)")  # Kafka had c0..c4; d0..d4 are held
     assert "lane kafka is not enabled, but its leftovers hold rows back" in cleanup.stdout
@@ -227,7 +231,7 @@ async def test_a_retired_lane_is_named_while_it_holds_retention_back_and_retire_
     unknown = cli(without, "lanes", "retire", "kafka", "--yes")
     assert unknown.returncode == 1 and "no lane named 'kafka'" in unknown.stderr
 
-    cleanup = cli(without, "cleanup")
+    cleanup = cli(without, "cleanup", "--yes")
     assert cleanup.stdout.startswith("5 published row(s)") and "leftovers" not in cleanup.stdout
     assert await fetch_rows(store) == {}
     assert json.loads(cli(without, "lanes", "--json").stdout)[0]["lane"] == "im"
