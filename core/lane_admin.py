@@ -68,7 +68,8 @@ async def lane_rows(store: MySQLStore, plan: LanePlan) -> list[LaneRow]:
         rows.append(_row(IM_LANE, "enabled", True, None, await im_lane_backlog(store)))
     else:
         # room_outbox.status is room-service's alone then: not a backlog of anyone's here.
-        rows.append(LaneRow(IM_LANE, "disabled (room_outbox.status is room-service's)", False, *[None] * 5))
+        state = "disabled (room_outbox.status is room-service's)"
+        rows.append(LaneRow(IM_LANE, state, False, None, None, None, None, None))
     stored = {lane.name: lane for lane in await stored_lanes(store)}
     for name in sorted(stored.keys() | set(plan.own)):
         enabled = name in plan.own

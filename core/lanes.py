@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pluggy
 
 from room_outbox.config import ConfigError, OutboxWorkerSettings, Settings
-from room_outbox.routing import IM_LANE, registered_sinks, section_enabled
+from room_outbox.routing import registered_sinks, section_enabled
 from room_outbox.store.mysql import Migration, MySQLStore
 from room_outbox.store.mysql_lanes import LaneStore, lanes_migration_plan, migrate_lanes
 
@@ -30,10 +30,6 @@ class LanePlan:
     im: bool
     #: Enabled sinks with a lane of their own, sorted.
     own: tuple[str, ...]
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return ((IM_LANE,) if self.im else ()) + self.own
 
 
 def lane_plan(pm: pluggy.PluginManager, settings: Settings) -> LanePlan:

@@ -25,11 +25,12 @@ write, only reads of ``room_outbox`` by primary key.
 session that sets it) the ids skipped between two inserts are not missing: they will never
 exist. The feeder learns the step from the ids themselves — the greatest common divisor of the
 differences between ids it has read (at least :data:`STEP_EVIDENCE` of them), which every real
-step divides — and waits only for ids on that lattice. Should an id off the lattice turn up later (another writer with another offset),
-the lattice gets finer, and every id read within the last ``gap_timeout`` is looked at again
-once, so an id of the new writer that committed late is still fed. Whatever happens to ids,
-at most ``max_gaps`` ranges are waited for: beyond that the longest-missing are given up on
-early, with a warning, so the feeding query never grows past ``max_gaps`` range terms.
+step divides — and waits only for ids on that lattice. Should an id off the lattice turn up
+later (another writer with another offset), the lattice gets finer, and every id read within
+the last ``gap_timeout`` is looked at again once, so an id of the new writer that committed
+late is still fed. Whatever happens to ids, at most ``max_gaps`` ranges are waited for: beyond
+that the longest-missing are given up on early, with a warning, so the feeding query never
+grows past ``max_gaps`` range terms.
 
 Several processes may feed one lane: the cursor row is taken with ``FOR UPDATE SKIP LOCKED``,
 so one of them feeds at a time and the others go straight on to claiming.
