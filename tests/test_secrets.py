@@ -250,6 +250,7 @@ async def test_no_output_channel_carries_a_secret(
                 "sinks": {"tencent_im": {"base_url": fake_im.base_url, "sdkappid": SDKAPPID, "identifier": identifier}},
                 "log": {"level": "DEBUG", "library_level": "DEBUG"},  # the libraries' URL lines too
                 "telemetry": {"http_listen": "127.0.0.1:0", "backlog_interval": "200ms"},
+                "routing": {"im_default": "known"},  # so that RoomTeleported fails (no_route), parked
             }
         )
     )
@@ -280,8 +281,10 @@ async def test_no_output_channel_carries_a_secret(
             assert proc.poll() is None, stderr.read_text()
             rows = await fetch_rows(store)
             last_errors.update(r["last_error"] for r in rows.values() if r["last_error"])
-            return all(rows[e["event_id"]]["status"] == "published" for e in good) and all(
-                rows[e]["retry_count"] >= 2 for e in bad
+            return (
+                all(rows[e["event_id"]]["status"] == "published" for e in good)
+                and all(rows[e]["retry_count"] >= 2 for e in bad if e != "unknown_type")
+                and rows["unknown_type"]["status"] == "failed"  # no route: parked after one attempt
             )
 
         await wait_until(delivered_and_failed, timeout=30)
