@@ -206,7 +206,7 @@ class QuotaResult:
 async def run_quota(store: MySQLStore, count: int) -> QuotaResult:
     with procs.fake_im_process() as base_url:
         procs.set_faults(base_url, app_qps_limit=200, group_qps_limit=40)
-        sink = make_sink(base_url)
+        sink = make_sink(base_url, reserved_share=0)  # the whole quota: one process, no room-service
         limiter = TimedLimiter(sink.settings.app_rate_limit)
         for app in {id(a): a for a in sink._apps_by_code.values()}.values():
             app.limiter = limiter

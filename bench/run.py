@@ -1,5 +1,5 @@
-"""``python -m bench [--quick] [--only a,b,c,d,e,r]``: every measurement in one run,
-printed as a table with same-run ratios and the targets each must meet."""
+"""``python -m bench [--quick] [--only a,b,c,d,e,r,o]``: every measurement in one run, printed
+as a table with same-run ratios and the targets (o: per-room ordering with 1-3 processes)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,16 @@ from bench.bigtable import run_claim, run_retention
 from bench.db import bench_database
 from bench.im import run_overhead, run_quota
 from bench.noop import run_noop
+from bench.ordered import run_ordered
 from bench.service import run_latency, run_rss
 
 SERVER = os.environ.get("ROOM_OUTBOX_TEST_MYSQL", "mysql://root:@127.0.0.1:3306")
 FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events": 3_000, "quota_events": 2_400,
-        "latency_seconds": 20.0, "latency_batch": 100, "published": 1_000_000, "claim_rounds": 200, "rss_events": 200_000}  # fmt: skip
+        "latency_seconds": 20.0, "latency_batch": 100, "published": 1_000_000, "claim_rounds": 200, "rss_events": 200_000,
+        "ordered_events": 20_000, "ordered_rooms": "50,500,5000"}  # fmt: skip
 QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300, "quota_events": 300,
-         "latency_seconds": 2.0, "latency_batch": 100, "published": 20_000, "claim_rounds": 20, "rss_events": 5_000}  # fmt: skip
+         "latency_seconds": 2.0, "latency_batch": 100, "published": 20_000, "claim_rounds": 20, "rss_events": 5_000,
+         "ordered_events": 2_000, "ordered_rooms": "50,500"}  # fmt: skip
 
 Row = tuple[str, str, str, str]  # measurement, figure, ratio, target verdict
 
@@ -30,7 +33,9 @@ Row = tuple[str, str, str, str]  # measurement, figure, ratio, target verdict
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in well under a minute")
-    parser.add_argument("--only", default="a,b,c,d,e,r", help="parts to run (a b c d e, r = retention)")
+    parser.add_argument(
+        "--only", default="a,b,c,d,e,r,o", help="parts to run (a b c d e, r = retention, o = ordered processes)"
+    )
     for key, value in FULL.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None, help=f"default {value}")
     args = parser.parse_args(argv)
@@ -129,8 +134,24 @@ async def part_e(args: argparse.Namespace) -> list[Row]:
     ]  # fmt: skip
 
 
+async def part_o(args: argparse.Namespace) -> list[Row]:
+    batches = [int(b) for b in args.batches.split(",")]
+    rooms = [int(r) for r in args.ordered_rooms.split(",")]
+    async with bench_database(SERVER) as (dsn, store):
+        results = await run_ordered(store, dsn, args.ordered_events, batches, rooms)
+    one = {(r.ordering, r.batch_size, r.rooms): r.rate for r in results if r.processes == 1}
+    rows: list[Row] = []
+    for r in results:
+        base = one[(r.ordering, r.batch_size, r.rooms)]
+        target = "" if r.processes == 1 else f"≥ 1 process: {verdict(r.rate >= base * 0.9)}"
+        rows.append((f"o. {r.ordering}, batch {r.batch_size}, {r.rooms:,} rooms, {r.processes} process(es)",
+                     f"{r.rate:,.0f} ev/s", "baseline" if r.processes == 1 else f"{r.rate / base:.2f}× 1 process",
+                     target))  # fmt: skip
+    return rows
+
+
 PARTS: dict[str, Callable[[argparse.Namespace], Any]] = {
-    "a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e,
+    "a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "o": part_o,
 }  # fmt: skip
 
 

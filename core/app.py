@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
 
+from room_outbox.cluster.membership import Membership
+from room_outbox.cluster.quota import QuotaShare
 from room_outbox.config import Settings
 from room_outbox.dispatcher import Dispatcher, LaneOptions
 from room_outbox.health import Health
@@ -28,6 +30,9 @@ from room_outbox.retention import run_retention_job
 from room_outbox.routing import IM_LANE, Lanes, build_lanes
 from room_outbox.startup import check_configuration, open_checked_store
 from room_outbox.store import OutboxStore
+from room_outbox.store.leased import TABLE
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql_lanes import lane_table
 from room_outbox.telemetry import Telemetry
 
 log = logging.getLogger("room_outbox.app")
@@ -56,7 +61,8 @@ async def run_service(
         store = await open_checked_store(settings, checked.own_lanes)
         lifecycle.push_async_callback(_close, store.aclose, "database pool closed", "pool_closed")
         log.info("database pool opened", extra={"lifecycle": "pool_opened", "database": store.address.database})
-        lanes = await build_lanes(pm, settings, redactor)
+        quota = QuotaShare()
+        lanes = await build_lanes(pm, settings, redactor, quota=quota)
         lifecycle.push_async_callback(_close, lanes.aclose, "sinks closed", "sinks_closed")
         obs = await lifecycle.enter_async_context(observability(settings, store, redactor))
         plan = lane_plan(pm, settings)
@@ -71,6 +77,8 @@ async def run_service(
                 "own_lanes": sorted(lanes.own),
             },
         )
+        if settings.outbox_worker.enabled:  # leaves once the dispatchers have stopped
+            await _join_cluster(lifecycle, settings, store, lanes, quota)
         dispatchers = _dispatchers(settings, store, lanes, redactor, obs.telemetry, obs.health)
         async with anyio.create_task_group() as workers:
             if settings.outbox_worker.enabled:
@@ -130,6 +138,30 @@ def _dispatchers(
 def _options(settings: Settings, lane: str) -> LaneOptions:
     """The lane's delivery options: ``outbox_worker.lanes.<lane>`` over ``outbox_worker``."""
     return LaneOptions.from_settings(delivery_settings(settings, lane), settings.mysql.query_timeout)
+
+
+async def _join_cluster(
+    stack: contextlib.AsyncExitStack, settings: Settings, store: OutboxStore, lanes: Lanes, quota: QuotaShare
+) -> None:
+    """On MySQL: heartbeats in the membership, room buckets for per-room claims, and this
+    process's quota share, until ``stack`` closes. SQLite is one box: every process there
+    claims every room and uses whole limits."""
+    if not isinstance(store, MySQLStore):
+        return
+    membership = Membership(
+        store,
+        settings.node_id,
+        [TABLE, *(lane_table(name) for name in lanes.own)],
+        settings.cluster.heartbeat_interval,
+        settings.cluster.node_timeout,
+        quota,
+    )
+    await stack.enter_async_context(membership.running())
+    store.room_buckets = membership.room_buckets
+    quota.rooms_owned = delivery_settings(settings, IM_LANE).ordering == "per_room"
+    # Start delivering once the others have made room in the quota (a few heartbeats).
+    if not await membership.wait_joined(settings.cluster.node_timeout * 2):
+        log.warning("membership not settled yet; delivering once it is", extra={"nodes": membership.live})
 
 
 async def _set_on_signal(stop: anyio.Event) -> None:

@@ -256,6 +256,27 @@ class RoutingSettings(Section):
         return _one_of(value, IM_DEFAULTS, "choice")
 
 
+class ClusterSettings(Section):
+    """The processes of one deployment (MySQL): heartbeats, room buckets, quota shares
+    (:mod:`room_outbox.cluster`)."""
+
+    #: How often each process renews its heartbeat and rebalances room buckets.
+    heartbeat_interval: Duration = 1.0
+    #: A process whose heartbeat is older than this is dead: its buckets and its quota share
+    #: go to the others. At least three heartbeats.
+    node_timeout: Duration = 5.0
+
+    @model_validator(mode="after")
+    def _timeout_spans_heartbeats(self) -> ClusterSettings:
+        if self.heartbeat_interval <= 0:
+            raise ValueError("heartbeat_interval must be a positive duration")
+        if self.node_timeout < 3 * self.heartbeat_interval or self.node_timeout < self.heartbeat_interval + 2.5:
+            # A process stops sending once its heartbeat is node_timeout less two rate-limit
+            # windows old; that must leave room for at least one heartbeat.
+            raise ValueError("node_timeout must be at least 3 × heartbeat_interval and heartbeat_interval + 2.5s")
+        return self
+
+
 class PluginsSettings(Section):
     #: Entry-point names never to load (built-in or third-party).
     disabled: list[str] = []
@@ -341,6 +362,7 @@ class Settings(BaseSettings):
     sinks: dict[str, dict[str, Any]] = {}
     lanes: LanesSettings = LanesSettings()
     routing: RoutingSettings = RoutingSettings()
+    cluster: ClusterSettings = ClusterSettings()
     plugins: PluginsSettings = PluginsSettings()
     log: LogSettings = LogSettings()
     telemetry: TelemetrySettings = TelemetrySettings()

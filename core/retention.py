@@ -297,7 +297,9 @@ async def _archive_columns(store: MySQLStore) -> list[str]:
                     raise
         await cur.execute(
             "SELECT TABLE_NAME, COLUMN_NAME FROM information_schema.COLUMNS"
-            " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME IN (%s, %s) ORDER BY ORDINAL_POSITION",
+            " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME IN (%s, %s)"
+            " AND EXTRA NOT LIKE '%%GENERATED%%'"  # computed, never copied (room_bucket)
+            " ORDER BY ORDINAL_POSITION",
             (TABLE, ARCHIVE_TABLE),
         )
         found = await cur.fetchall()

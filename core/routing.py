@@ -24,6 +24,7 @@ from typing import Any
 import pluggy
 from pydantic import TypeAdapter, ValidationError
 
+from room_outbox.cluster.quota import QuotaShare
 from room_outbox.config import ConfigError, Settings, describe_validation_error
 from room_outbox.envelope import KNOWN_EVENT_TYPES, event_type_label
 from room_outbox.redaction import Redactor
@@ -178,7 +179,11 @@ async def build_router(pm: pluggy.PluginManager, settings: Settings, redactor: R
 
 
 async def build_lanes(
-    pm: pluggy.PluginManager, settings: Settings, redactor: Redactor, include_own: bool = True
+    pm: pluggy.PluginManager,
+    settings: Settings,
+    redactor: Redactor,
+    include_own: bool = True,
+    quota: QuotaShare | None = None,
 ) -> Lanes:
     enabled = enabled_sink_settings(pm, settings)
     im = {name: entry for name, entry in enabled.items() if not entry[0].own_lane}
@@ -187,7 +192,10 @@ async def build_lanes(
     sinks: dict[str, Sink] = {}
     for name, (spec, cfg) in {**im, **own}.items():
         context = SinkContext(
-            node_id=settings.node_id, logger=logging.getLogger(f"room_outbox.sink.{name}"), add_secret=redactor.add
+            node_id=settings.node_id,
+            logger=logging.getLogger(f"room_outbox.sink.{name}"),
+            add_secret=redactor.add,
+            quota=quota or QuotaShare(),
         )
         try:
             sinks[name] = spec.factory(cfg, context)

@@ -25,6 +25,7 @@ from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
+from room_outbox.cluster.quota import QuotaShare
 from room_outbox.envelope import EventEnvelope
 from room_outbox.errors import PermanentSinkError, RetryableSinkError, SinkError
 
@@ -72,6 +73,8 @@ class SinkContext:
     logger: logging.Logger
     #: Register a secret (a key, a signature) so the core redacts it wherever it might leak.
     add_secret: Callable[[str], None] = field(default=lambda _secret: None)
+    #: This process's share of rate limits the deployment's processes share (one process: all).
+    quota: QuotaShare = field(default_factory=QuotaShare)
 
 
 #: A sink's own settings model: what :attr:`SinkSpec.factory` receives, already validated.

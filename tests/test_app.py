@@ -42,7 +42,8 @@ async def test_start_and_stop_order(database_dsn: str, store: MySQLStore, caplog
             stop.set()
     order = [r.lifecycle for r in caplog.records if hasattr(r, "lifecycle")]  # type: ignore[attr-defined]
     assert order == [
-        "pool_opened", "sinks_loaded", "worker_started", "stop_requested", "worker_stopped", "sinks_closed", "pool_closed",
+        "pool_opened", "sinks_loaded", "membership_joined", "worker_started", "stop_requested", "worker_stopped",
+        "membership_left", "sinks_closed", "pool_closed",
     ]  # fmt: skip
     assert sink.closed
     rows = await fetch_rows(store)  # in-flight deliveries finished and were recorded before the pool closed
@@ -118,8 +119,8 @@ async def test_migrate_then_run_publishes_v1_rows_and_stops_on_sigterm(database_
                 run.kill()
         assert run.returncode == 0, err
         lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
-        assert [line["lifecycle"] for line in lines if "lifecycle" in line][-4:] == [
-            "stop_requested", "worker_stopped", "sinks_closed", "pool_closed",
+        assert [line["lifecycle"] for line in lines if "lifecycle" in line][-5:] == [
+            "stop_requested", "worker_stopped", "membership_left", "sinks_closed", "pool_closed",
         ]  # fmt: skip
         failure = next(line for line in lines if line["msg"] == "delivery failed; event parked")
         assert {k: failure[k] for k in ("worker", "event_id", "event_type", "room_id", "status", "error")} == {

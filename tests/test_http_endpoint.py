@@ -153,7 +153,9 @@ async def test_the_service_serves_the_endpoint_for_the_life_of_the_worker(
                 stop.set()
     order = [r.lifecycle for r in caplog.records if hasattr(r, "lifecycle")]  # type: ignore[attr-defined]
     assert order[:2] == ["pool_opened", "http_started"]
-    assert order[-5:] == ["stop_requested", "worker_stopped", "http_stopped", "sinks_closed", "pool_closed"]
+    assert order[-6:] == [
+        "stop_requested", "worker_stopped", "membership_left", "http_stopped", "sinks_closed", "pool_closed",
+    ]  # fmt: skip
     assert (await fetch_rows(store))["ok"]["status"] == "published"
     with pytest.raises(httpx.ConnectError):
         async with httpx.AsyncClient() as client:

@@ -12,13 +12,15 @@ published rows, leased rows or rows waiting for a retry the table holds.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
 
 TABLE = "room_outbox"
+#: Reads the room buckets a claim may take, with the claim's cursor (``None``: every room).
+BucketReader = Callable[[Any], Awaitable[list[int] | None]]
 LAST_ERROR_MAX = 512
 
 
@@ -26,11 +28,13 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def claim_sql(table: str, key: str, envelope: str, lock: str) -> str:
-    """The claim scan of one lane's table (see the module docstring)."""
+def claim_sql(table: str, key: str, envelope: str, lock: str, buckets: int = 0) -> str:
+    """The claim scan of one lane's table (see the module docstring). ``buckets``: how many
+    room buckets the scan is limited to (placeholders after the time; 0: every room)."""
+    only = f" AND room_bucket IN ({_marks(range(buckets))})" if buckets else ""
     return (
         f"SELECT {key}, event_id, event_type, room_id, app_code, {envelope}, retry_count FROM {table}"
-        f" WHERE status = 'pending' AND lock_until_ms <= %s ORDER BY lock_until_ms, {key} LIMIT %s{lock}"
+        f" WHERE status = 'pending' AND lock_until_ms <= %s{only} ORDER BY lock_until_ms, {key} LIMIT %s{lock}"
     )
 
 
@@ -48,6 +52,10 @@ class LeasedRows:
     #: How the claim scan locks what it takes. SQLite says "": its BEGIN IMMEDIATE already
     #: serialises every writer (see :mod:`.sqlite`).
     row_lock = " FOR UPDATE SKIP LOCKED"
+    #: With per-room ordering: reads, inside the claim's transaction, the room buckets this
+    #: process may claim now (``None`` back: all of them). Set by the cluster membership
+    #: (:mod:`.membership`); unset, every process claims every room (SQLite, a single box).
+    room_buckets: BucketReader | None = None
 
     def transaction(self) -> AbstractAsyncContextManager[Any]:
         """A cursor taking ``%s`` placeholders in a transaction, committed when the block ends."""
@@ -56,6 +64,9 @@ class LeasedRows:
     @property
     def _claim_sql(self) -> str:
         return claim_sql(self.table, self.key, self.envelope_column, self.row_lock)
+
+    def _room_buckets(self) -> BucketReader | None:
+        return self.room_buckets
 
     async def _with_envelopes(self, cur: Any, found: list[OutboxRow]) -> list[OutboxRow]:
         """Rows as claimed; a lane whose table holds no envelope fetches them here."""
@@ -70,12 +81,28 @@ class LeasedRows:
         per_room: bool = False,
         hold_back_ms: int = 1000,
     ) -> Claimed:
+        read_buckets = self._room_buckets() if per_room else None
         async with self.transaction() as cur:
             stale = await self._apply_results(cur, results)
-            await cur.execute(self._claim_sql, (now_ms(), limit))
+            buckets = None if read_buckets is None else await read_buckets(cur)
+            if buckets is None:
+                await cur.execute(self._claim_sql, (now_ms(), limit))
+            elif not buckets:  # none of its own yet (joining), or all handed over
+                return Claimed([], stale, exhausted=True)
+            else:
+                # A locking scan would lock, for a moment, every row it reads, other processes'
+                # rooms' among them, and make their claims skip those rows and hold their rooms
+                # back. So: read without locks, then lock what was found by key.
+                await cur.execute(
+                    claim_sql(self.table, self.key, self.envelope_column, "", len(buckets)), (now_ms(), *buckets, limit)
+                )
+            scanned = await cur.fetchall()
+            exhausted = len(scanned) < limit
+            if buckets and scanned:
+                scanned = await self._lock_found(cur, scanned)
             found = [
                 OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
-                for id, event_id, event_type, room_id, app_code, envelope, retries in await cur.fetchall()
+                for id, event_id, event_type, room_id, app_code, envelope, retries in scanned
             ]
             found = await self._with_envelopes(cur, found)
             rows = await self._heads_of_rooms(cur, found, hold_back_ms) if per_room else found
@@ -85,7 +112,18 @@ class LeasedRows:
                     f"UPDATE {self.table} SET worker_id = %s, lock_until_ms = %s WHERE {self.key} IN ({_marks(ids)})",
                     (claim, lease_until_ms, *ids),
                 )
-        return Claimed(rows, stale, exhausted=len(found) < limit)
+        return Claimed(rows, stale, exhausted=exhausted)
+
+    async def _lock_found(self, cur: Any, scanned: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
+        """Of rows read without locks, those still claimable, locked (others skipped)."""
+        ids = [row[0] for row in scanned]
+        await cur.execute(
+            f"SELECT {self.key} FROM {self.table} WHERE {self.key} IN ({_marks(ids)})"
+            f" AND status = 'pending' AND lock_until_ms <= %s{self.row_lock}",
+            (*ids, now_ms()),
+        )
+        locked = {row[0] for row in await cur.fetchall()}
+        return [row for row in scanned if row[0] in locked]
 
     async def _heads_of_rooms(self, cur: Any, found: list[OutboxRow], hold_back_ms: int) -> list[OutboxRow]:
         """Keep a found row only if every earlier pending row of its room was found too.

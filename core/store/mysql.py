@@ -38,6 +38,7 @@ from room_outbox.store.leased import (
     claim_sql,
     now_ms,
 )
+from room_outbox.store.membership import bucket_plan
 
 #: Client-side bound on ``migrate``'s transaction: adding a column or an index to a large
 #: table may take long. Its lock waits stay bounded by the session's limits.
@@ -312,6 +313,7 @@ class MySQLStore(LeasedRows):
                 plan.append(
                     Migration(f"added index {TABLE}.{name}", (f"ALTER TABLE {TABLE} ADD INDEX {name} {columns_sql}",))
                 )
+        plan += [Migration(change, statements) for change, statements in await bucket_plan(cur, [TABLE])]
         return plan
 
 

@@ -50,7 +50,8 @@ import aiomysql
 
 from room_outbox.config import LanesSettings
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow
-from room_outbox.store.leased import TABLE, LeasedRows, _marks, now_ms
+from room_outbox.store.leased import TABLE, BucketReader, LeasedRows, _marks, now_ms
+from room_outbox.store.membership import bucket_plan
 from room_outbox.store.mysql import Migration, MySQLStore
 
 log = logging.getLogger("room_outbox.lanes")
@@ -109,11 +110,13 @@ async def lanes_migration_plan(store: MySQLStore, lanes: Sequence[str]) -> list[
     async with store.transaction() as cur:
         await cur.execute("SHOW TABLES")
         existing = {row[0].lower() for row in await cur.fetchall()}
-    return [
-        Migration(f"created table {name}", (ddl.strip(),))
-        for name, ddl in [(CURSOR_TABLE, CURSOR_DDL), *((lane_table(lane), lane_ddl(lane)) for lane in lanes)]
-        if name not in existing
-    ]
+        plan = [
+            Migration(f"created table {name}", (ddl.strip(),))
+            for name, ddl in [(CURSOR_TABLE, CURSOR_DDL), *((lane_table(lane), lane_ddl(lane)) for lane in lanes)]
+            if name not in existing
+        ]
+        buckets = await bucket_plan(cur, [lane_table(lane) for lane in lanes], membership=False)
+    return plan + [Migration(change, statements) for change, statements in buckets]
 
 
 def start_id(start: str | int, max_id: int) -> int:
@@ -169,6 +172,9 @@ class LaneStore(LeasedRows):
 
     def transaction(self) -> AbstractAsyncContextManager[aiomysql.Cursor]:
         return self.owner.transaction()
+
+    def _room_buckets(self) -> BucketReader | None:
+        return self.owner.room_buckets  # one membership per process: every lane claims the same rooms
 
     async def migrate(self) -> list[str]:
         return await migrate_lanes(self.owner, [self.lane])

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from room_outbox.errors import SchemaError
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.leased import TABLE
+from room_outbox.store.membership import BUCKET_COLUMN, BUCKET_TABLE, NODE_TABLE
 from room_outbox.store.mysql import ADDED_COLUMNS, REQUIRED_V1_COLUMNS, MySQLStore
 from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
 
@@ -24,10 +25,16 @@ _FIX = "run `room-outbox migrate`"
 async def check_schema(store: SQLStore, lanes: Sequence[str] = ()) -> None:
     """Raise :class:`SchemaError` unless ``room_outbox`` has every column room-outbox uses and
     each lane in ``lanes`` (enabled sinks with a lane of their own) has its table."""
-    required = {TABLE: (*REQUIRED_V1_COLUMNS, *ADDED_COLUMNS)}
+    # MySQL: the processes' membership and the room buckets (SQLite is one box, without them)
+    mysql = isinstance(store, MySQLStore)
+    bucket = (BUCKET_COLUMN,) if mysql else ()
+    required = {TABLE: (*REQUIRED_V1_COLUMNS, *ADDED_COLUMNS, *bucket)}
     if lanes:
         required[CURSOR_TABLE] = ("lane", "fed_through_id")
-        required.update({lane_table(lane): LANE_COLUMNS for lane in lanes})
+        required.update({lane_table(lane): (*LANE_COLUMNS, *bucket) for lane in lanes})
+    if mysql:
+        required[NODE_TABLE] = ("node_id", "heartbeat_ms", "view", "view_since_ms")
+        required[BUCKET_TABLE] = ("bucket", "owner", "handing_over", "claimable_from_ms")
     found = await _columns(store, list(required))
     for table, columns in required.items():
         have = found.get(table, set())

@@ -161,6 +161,9 @@ class FakeTencentIM:
     messages: list[ReceivedMessage] = field(default_factory=list, init=False)
     arrivals: list[Arrival] = field(default_factory=list, init=False)
     duplicates: int = field(default=0, init=False)
+    #: Requests refused for being above ``app_qps_limit`` / ``group_qps_limit``: what Tencent
+    #: would have rejected with 60011 / 10023.
+    over_quota: dict[str, int] = field(default_factory=lambda: {"app": 0, "group": 0}, init=False)
     base_url: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
@@ -181,6 +184,7 @@ class FakeTencentIM:
         self.messages.clear()
         self.arrivals.clear()
         self.duplicates = 0
+        self.over_quota = {"app": 0, "group": 0}
         self.faults = Faults()
         self.__post_init__()
 
@@ -315,8 +319,10 @@ class FakeTencentIM:
     def _limit_rate(self, now: float, sdkappid: int, group_id: str) -> None:
         app_limit, group_limit = self.faults.app_qps_limit, self.faults.group_qps_limit
         if app_limit is not None and _over(self._app_window.setdefault(sdkappid, deque()), app_limit, now):
+            self.over_quota["app"] += 1
             raise _Refusal(60011, f"SDKAppID request frequency exceeds {app_limit:g}/s")
         if group_limit is not None and _over(self._group_window.setdefault(group_id, deque()), group_limit, now):
+            self.over_quota["group"] += 1
             raise _Refusal(10023, f"message frequency in this group exceeds {group_limit:g}/s")
 
     def _accept(self, now: float, sdkappid: int, message: dict[str, Any]) -> ReceivedMessage:
@@ -372,6 +378,7 @@ class FakeTencentIM:
             "requests": len(self.arrivals),
             "messages": len(self.messages),
             "duplicates": self.duplicates,
+            "over_quota": dict(self.over_quota),
             "faults": self.faults.model_dump(),
         }
 

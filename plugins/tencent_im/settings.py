@@ -90,6 +90,10 @@ class TencentIMSettings(SinkSettings):
     app_rate_limit: int = Field(default=200, ge=1)
     #: Messages per second per group (Tencent: 40).
     group_rate_limit: int = Field(default=40, ge=1)
+    #: Share of both limits left to room-service's own synchronous pushes, which count against
+    #: the same Tencent quota and cannot be paced by room-outbox. The processes of a
+    #: deployment split the rest (see README "One Tencent quota for every process").
+    reserved_share: float = Field(default=0.1, ge=0.0, lt=1.0)
     #: Longest wait for a rate-limit slot; beyond it the delivery fails as retryable at once.
     rate_limit_max_wait: Duration = 1.0
     connect_timeout: Duration = 2.0
@@ -163,6 +167,11 @@ class TencentIMSettings(SinkSettings):
         if clash:
             raise ValueError(f"app codes {clash} are also in default_app_codes; list each app code once")
         return value
+
+    def usable(self, limit: int) -> int:
+        """What of a Tencent limit room-outbox's processes may use together: the limit less
+        ``reserved_share`` (at least 1)."""
+        return max(1, int(limit * (1.0 - self.reserved_share)))
 
     def priority_for(self, event_type: str) -> Priority:
         return self.msg_priority.get(event_type, self.default_msg_priority)

@@ -60,6 +60,14 @@ class TencentIMSink:
         # (which masks them again with the process's redactor, told through add_secret).
         self._own_secrets = Redactor()
         self._apps_by_code: dict[str, TencentApp] = {}
+        # Both limits are Tencent's for the whole deployment: this process keeps to its share
+        # of what room-service's pushes leave (reserved_share). A group per room, with per-room
+        # ordering, is served by one process only: the owner of the room's bucket.
+        self._quota = context.quota
+        app_limit, group_limit = settings.usable(settings.app_rate_limit), settings.usable(settings.group_rate_limit)
+        group_per_room = "{room_id}" in settings.group_id_template
+        self._app_rate = lambda: self._quota.split(app_limit)
+        self._groups = KeyedLimiter(lambda: self._quota.split(group_limit, per_room=group_per_room))
         default = self._make_app(
             "default", settings.sdkappid, settings.identifier, settings.base_url, settings.secret_key.get_secret_value()
         )
@@ -73,7 +81,6 @@ class TencentIMSink:
                 creds.base_url or settings.base_url,
                 creds.secret_key.get_secret_value(),
             )
-        self._groups = KeyedLimiter(settings.group_rate_limit)
         # One pooled client for every app: keep-alive connections are per host anyway. httpx's
         # API on aiohttp's transport: httpx's own slows down as requests in flight rise
         # (encode/httpx#3215); against the fake IM this one measured 4.6x (bench/, README).
@@ -90,9 +97,7 @@ class TencentIMSink:
     def _make_app(self, name: str, sdkappid: int, identifier: str, base_url: str, key: str) -> TencentApp:
         self._remember_secret(key)
         usersig = UserSigCache(sdkappid, identifier, key, int(self.settings.usersig_ttl), on_new=self._remember_secret)
-        return TencentApp(
-            name, sdkappid, identifier, base_url, usersig, SlidingWindowLimiter(self.settings.app_rate_limit)
-        )
+        return TencentApp(name, sdkappid, identifier, base_url, usersig, SlidingWindowLimiter(self._app_rate))
 
     def _remember_secret(self, secret: str) -> None:
         """Every secret key and every UserSig the cache makes (raw and URL-encoded forms)."""
@@ -138,14 +143,16 @@ class TencentIMSink:
         group_slot = await group.acquire(max_wait)
         if group_slot is None:
             raise RetryableSinkError(
-                f"client-side rate limit: group {group_id} is above {self.settings.group_rate_limit} messages/s"
+                f"client-side rate limit: group {group_id} is above this process's share"
+                f" ({group.rate}/s of {self.settings.group_rate_limit}/s)"
             )
         sent = False
         try:
             app_slot = await app.limiter.acquire(max_wait)
             if app_slot is None:
                 raise RetryableSinkError(
-                    f"client-side rate limit: app {app.name} is above {self.settings.app_rate_limit} requests/s"
+                    f"client-side rate limit: app {app.name} is above this process's share"
+                    f" ({app.limiter.rate}/s of {self.settings.app_rate_limit}/s)"
                 )
             try:
                 sent = True

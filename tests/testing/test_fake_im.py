@@ -198,10 +198,12 @@ async def test_rate_limit_errors_above_a_qps(fake: FakeTencentIM, client: httpx.
     fake.set_faults(group_qps_limit=3)
     codes = [(await send(client, payload=body(random=i)))["ErrorCode"] for i in range(5)]
     assert codes == [0, 0, 0, 10023, 10023]
+    assert fake.over_quota == {"app": 0, "group": 2}
     fake.reset()
     fake.set_faults(app_qps_limit=2)
     codes = [(await send(client, payload=body(group=f"g{i}", random=i)))["ErrorCode"] for i in range(4)]
     assert codes == [0, 0, 60011, 60011]
+    assert (await client.get("/_fake/stats")).json()["over_quota"] == {"app": 2, "group": 0}
 
 
 async def test_control_endpoints(fake: FakeTencentIM, client: httpx.AsyncClient) -> None:

@@ -91,7 +91,7 @@ async def _deliver_all(sink: object, events: list[object]) -> list[BaseException
 
 
 async def test_app_limit_holds_at_the_server(fake: FakeTencentIM) -> None:
-    sink = make_sink(fake, app_rate_limit=10, rate_limit_max_wait="5s")
+    sink = make_sink(fake, app_rate_limit=10, rate_limit_max_wait="5s", reserved_share=0)
     started = time.monotonic()
     try:
         outcomes = await _deliver_all(sink, [event(f"e{i}", room_id=f"r_{i}") for i in range(15)])
@@ -103,7 +103,7 @@ async def test_app_limit_holds_at_the_server(fake: FakeTencentIM) -> None:
 
 
 async def test_group_limit_holds_at_the_server(fake: FakeTencentIM) -> None:
-    sink = make_sink(fake, group_rate_limit=8, rate_limit_max_wait="5s")
+    sink = make_sink(fake, group_rate_limit=8, rate_limit_max_wait="5s", reserved_share=0)
     try:
         outcomes = await _deliver_all(sink, [event(f"e{i}", room_id="hot") for i in range(12)])
     finally:
@@ -113,7 +113,7 @@ async def test_group_limit_holds_at_the_server(fake: FakeTencentIM) -> None:
 
 
 async def test_a_hot_room_does_not_starve_the_others(fake: FakeTencentIM) -> None:
-    sink = make_sink(fake, group_rate_limit=5, rate_limit_max_wait="200ms")
+    sink = make_sink(fake, group_rate_limit=5, rate_limit_max_wait="200ms", reserved_share=0)
     hot = [event(f"hot{i}", room_id="hot") for i in range(30)]
     quiet = [event(f"quiet{i}", room_id=f"r_{i}") for i in range(5)]
     started = time.monotonic()
@@ -131,7 +131,7 @@ async def test_a_hot_room_does_not_starve_the_others(fake: FakeTencentIM) -> Non
 async def test_worker_keeps_quiet_rooms_flowing_and_publishes_the_hot_backlog(
     fake: FakeTencentIM, store: MySQLStore
 ) -> None:
-    router = await im_router(fake, group_rate_limit=10, rate_limit_max_wait="100ms")
+    router = await im_router(fake, group_rate_limit=10, rate_limit_max_wait="100ms", reserved_share=0)
     await insert_events(store, [envelope(f"hot{i}", room_id="hot") for i in range(20)])
     await insert_events(store, [envelope(f"quiet{i}", room_id=f"r_{i}") for i in range(5)])
     dispatcher = im_dispatcher(store, router)
@@ -151,3 +151,34 @@ async def test_worker_keeps_quiet_rooms_flowing_and_publishes_the_hot_backlog(
         await router.aclose()
     assert sorted(fake.event_ids()) == sorted([f"hot{i}" for i in range(20)] + [f"quiet{i}" for i in range(5)])
     assert fake.max_in_window(1.0, group_id="hot") <= 10
+
+
+async def test_a_shrinking_rate_applies_at_once_and_zero_sends_nothing() -> None:
+    """A rate given as a function (this process's share) is read at every take: once it
+    shrinks, no slot is handed out until fewer than the new rate are busy."""
+    rate = [4]
+    limiter = SlidingWindowLimiter(lambda: rate[0], window=0.3)
+    slots = [await limiter.acquire(0.0) for _ in range(3)]
+    assert None not in slots
+    rate[0] = 2
+    assert await limiter.acquire(0.0) is None  # 3 busy, share now 2
+    for slot in slots:
+        limiter.release(slot)  # busy for a window after the answers
+    assert await limiter.acquire(0.1) is None
+    rate[0] = 0
+    started = time.monotonic()
+    assert await limiter.acquire(0.5) is None  # nothing, however long the window is over
+    assert time.monotonic() - started >= 0.45
+    rate[0] = 2
+    assert await limiter.acquire(0.2) is not None
+
+
+async def test_the_reserved_share_is_left_to_room_service(fake: FakeTencentIM) -> None:
+    fake.set_faults(app_qps_limit=10)
+    sink = make_sink(fake, app_rate_limit=10, rate_limit_max_wait="5s", reserved_share=0.3)
+    try:
+        outcomes = await _deliver_all(sink, [event(f"e{i}", room_id=f"r_{i}") for i in range(14)])
+    finally:
+        await sink.aclose()
+    assert outcomes == [None] * 14
+    assert fake.max_in_window(1.0) == 7  # 10 less 30 %

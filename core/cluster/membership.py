@@ -1,0 +1,188 @@
+"""The membership of live ``room-outbox run`` processes, the room buckets each one owns, and
+the quota share that follows from them.
+
+Every ``heartbeat_interval`` each process, in one transaction:
+
+1. renews its row in ``room_outbox_node`` (and reports its view of the membership);
+2. reads the nodes: one without a heartbeat for ``node_timeout`` is dead;
+3. when buckets belong to dead or departed nodes, or are unevenly spread, it reassigns them,
+   moving as few as it can (each live node keeps up to its fair count of what it has; the
+   rest goes to nodes below theirs), and forgets the dead nodes' rows;
+4. for each bucket handed over to it, checks whether any process still holds a lease on a
+   row of the bucket; once none does, the bucket becomes claimable (see
+   :mod:`room_outbox.store.membership` for the fence);
+5. updates the quota share (:mod:`.quota`).
+
+A graceful stop (SIGTERM) gives the buckets up at once, after the dispatchers have written
+their results; the others take them at their next heartbeat. A killed process's buckets are
+taken once its heartbeat is older than ``node_timeout``, and become claimable as its leases
+run out. Rebalancing after a join therefore takes about one heartbeat plus the time the
+former owners need to finish the batch in flight; after a death, ``node_timeout`` plus what
+is left of the dead process's leases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+
+from room_outbox.cluster.quota import WINDOW, QuotaShare
+from room_outbox.store import membership as sql
+from room_outbox.store.leased import now_ms
+from room_outbox.store.mysql import MySQLStore
+
+log = logging.getLogger("room_outbox.cluster")
+
+
+def plan(buckets: Sequence[sql.BucketRow], live: Sequence[str]) -> dict[int, str]:
+    """New owners for the buckets that must move so that every live node owns its fair count
+    (``BUCKETS // n``, the first ``BUCKETS % n`` nodes in name order one more), moving as few
+    buckets as possible."""
+    if not live:
+        return {}
+    nodes = sorted(live)
+    base, extra = divmod(len(buckets), len(nodes))
+    fair = {node: base + (1 if i < extra else 0) for i, node in enumerate(nodes)}
+    kept = dict.fromkeys(nodes, 0)
+    loose: list[int] = []
+    for row in sorted(buckets, key=lambda r: r.bucket):
+        if row.owner in fair and kept[row.owner] < fair[row.owner]:
+            kept[row.owner] += 1
+        else:
+            loose.append(row.bucket)
+    moves: dict[int, str] = {}
+    for node in nodes:
+        while kept[node] < fair[node]:
+            moves[loose.pop(0)] = node
+            kept[node] += 1
+    return moves
+
+
+def view_of(live: Sequence[str]) -> str:
+    """A short name for a set of live nodes: equal views, equal sets."""
+    return hashlib.sha256("\n".join(sorted(live)).encode()).hexdigest()[:32]
+
+
+class Membership:
+    def __init__(
+        self,
+        store: MySQLStore,
+        node_id: str,
+        tables: Sequence[str],
+        heartbeat_interval: float = 1.0,
+        node_timeout: float = 5.0,
+        quota: QuotaShare | None = None,
+    ) -> None:
+        self.store = store
+        self.node_id = node_id
+        #: Tables whose leases fence a handover: room_outbox and the lane tables.
+        self.tables = list(tables)
+        self.heartbeat_interval = heartbeat_interval
+        self.node_timeout = node_timeout
+        self.quota = quota or QuotaShare()
+        self.quota.apply(math.inf, math.inf)  # a joining node sends nothing yet
+        self.live: list[str] = []
+        self.owned: list[int] = []
+        self._view = ""
+        self._view_since_ms = 0
+        self._joined = anyio.Event()
+
+    # -- what the rest of the process asks -----------------------------------------------
+
+    async def room_buckets(self, cur: Any) -> list[int] | None:
+        """The buckets a claim may take now (``None``: all), read in the claim's transaction."""
+        buckets = await sql.claimable_buckets(cur, self.node_id)
+        return None if len(buckets) == sql.BUCKETS else buckets
+
+    async def wait_joined(self, timeout: float) -> bool:
+        """Until this node may send (the others have made room for it); False on timeout."""
+        with anyio.move_on_after(timeout):
+            await self._joined.wait()
+        return self._joined.is_set()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Membership]:
+        """Heartbeats while the block runs; on exit the node leaves (buckets given up)."""
+        async with anyio.create_task_group() as beats:
+            beats.start_soon(self._loop)
+            try:
+                yield self
+            finally:
+                beats.cancel_scope.cancel()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.node_timeout):
+            try:
+                async with self.store.transaction() as cur:
+                    await sql.leave(cur, self.node_id)
+                log.info("left the membership; buckets given up", extra={"lifecycle": "membership_left"})
+            except Exception as exc:
+                log.error(
+                    "could not leave the membership; the others take over once the heartbeat is stale",
+                    extra={"error": f"{type(exc).__name__}: {exc}"},
+                )
+
+    async def _loop(self) -> None:
+        while True:
+            started = anyio.current_time()
+            try:
+                await self.beat()
+            except Exception as exc:
+                log.error("membership heartbeat failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+            await anyio.sleep(max(0.0, self.heartbeat_interval - (anyio.current_time() - started)))
+
+    async def beat(self) -> None:
+        """One heartbeat (see the module docstring)."""
+        began = time.monotonic()
+        timeout_ms = int(self.node_timeout * 1000)
+        async with self.store.transaction() as cur:
+            await sql.heartbeat(cur, self.node_id, self._view, self._view_since_ms)
+            nodes = await sql.read_nodes(cur)
+            now = now_ms()
+            live = sorted(n.node_id for n in nodes if now - n.heartbeat_ms <= timeout_ms or n.node_id == self.node_id)
+            dead = [n.node_id for n in nodes if n.node_id not in live]
+            buckets = await sql.read_buckets(cur)
+            if dead or plan(buckets, live):
+                buckets = await sql.read_buckets(cur, lock=True)
+                moves = plan(buckets, live)
+                await sql.assign(cur, moves)
+                await sql.forget_nodes(cur, dead)
+                if moves or dead:
+                    log.info(
+                        "buckets reassigned",
+                        extra={"membership": "rebalanced", "nodes": live, "dead": dead, "moved": len(moves)},
+                    )
+                buckets = await sql.read_buckets(cur)
+            waiting = [b.bucket for b in buckets if b.owner == self.node_id and b.handing_over]
+            if waiting:
+                free = sorted(set(waiting) - await sql.still_leased(cur, self.tables, waiting))
+                await sql.open_buckets(cur, self.node_id, free, int(WINDOW * 1000) + 1)
+            view = view_of(live)
+            if view != self._view:
+                self._view, self._view_since_ms = view, now_ms()
+                await sql.heartbeat(cur, self.node_id, self._view, self._view_since_ms)
+        self.live = live
+        self.owned = [b.bucket for b in buckets if b.owner == self.node_id]
+        self._apply_quota(nodes, live, began)
+
+    def _apply_quota(self, nodes: Sequence[sql.NodeRow], live: Sequence[str], began: float) -> None:
+        others = {n.node_id: n for n in nodes if n.node_id in live and n.node_id != self.node_id}
+        agreed = all(n.view == self._view for n in others.values())
+        since_ms = max([self._view_since_ms, *(n.view_since_ms for n in others.values())])
+        settled = agreed and now_ms() - since_ms >= WINDOW * 1000
+        count = float(len(live))
+        current = self.quota.nodes
+        # Shrink at once; grow (or start) only once everyone applies the same view since a window.
+        nodes_applied = count if count >= current or settled else current
+        valid_until = began + self.node_timeout - 2 * WINDOW
+        self.quota.apply(nodes_applied, valid_until)
+        if not math.isinf(nodes_applied) and not self._joined.is_set():
+            self._joined.set()
+            log.info("joined the membership", extra={"lifecycle": "membership_joined", "nodes": list(live)})

@@ -1,0 +1,229 @@
+"""Live nodes and room buckets in the database every process already shares (MySQL/MariaDB).
+
+Every room hashes to one of :data:`BUCKETS` buckets (:func:`bucket_of`, and the same function
+in SQL: :func:`bucket_sql`); every bucket has one owner among the live nodes. With per-room
+ordering a process claims only the rows of its own buckets, so two processes never compete
+for one room: claims never collide and a room's events go out from one process, in order.
+
+Tables (created by ``room-outbox migrate``):
+
+* ``room_outbox_node``: one row per running ``room-outbox run``, its ``heartbeat_ms`` renewed
+  every heartbeat; a node whose heartbeat is older than the node timeout is dead. ``view`` is
+  the set of live nodes the node applies to its quota share right now, ``view_since_ms`` when
+  it started to (see :mod:`room_outbox.cluster.quota`).
+* ``room_outbox_bucket``: one row per bucket: ``owner`` (NULL: nobody), ``handing_over``
+  (1: the owner waits for every other process's leases on the bucket to end) and
+  ``claimable_from_ms``. The owner claims the bucket's rows only when ``handing_over`` is 0 and
+  ``claimable_from_ms`` has come.
+* the column ``room_bucket`` in ``room_outbox`` and in every lane table: the bucket of the
+  row's room, a VIRTUAL generated column (room-service's INSERT does not know it exists;
+  adding it rewrites nothing and costs inserts nothing). The claim reads the same index range
+  as without buckets, in the same order, and passes over other buckets' rows: with N nodes
+  keeping up it reads about N rows per row it takes (measured: 291 index reads for a batch
+  of 100 with a third of the buckets, 1.3 ms). An index holding the bucket was tried and
+  not kept: neither MariaDB nor MySQL pushes a virtual column's condition into the index
+  scan, and the forced plan measured slower.
+
+**Fencing.** A claim reads its node's buckets with ``LOCK IN SHARE MODE`` in its own
+transaction, and a reassignment updates the bucket rows: so once a reassignment has
+committed, the former owner's claims can no longer take the bucket's rows, and every lease
+it took before is visible. The new owner starts with ``handing_over`` = 1 and checks, each
+heartbeat, whether any row of the bucket is still leased (``worker_id`` set and
+``lock_until_ms`` in the future, in any lane's table); once none is, the bucket becomes
+claimable one rate-limit window later (so the group's last requests from the former owner
+have left Tencent's one-second window too). A killed owner's leases simply run out; a
+gracefully stopped one has written its results and left no lease.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from room_outbox.store.leased import _marks, now_ms
+
+#: Buckets rooms hash to. Fixed: it is part of the schema (the generated column's formula).
+BUCKETS = 256
+BUCKET_COLUMN = "room_bucket"
+NODE_TABLE = "room_outbox_node"
+BUCKET_TABLE = "room_outbox_bucket"
+
+NODE_DDL = f"""
+CREATE TABLE IF NOT EXISTS {NODE_TABLE} (
+  node_id       VARCHAR(128) NOT NULL PRIMARY KEY,
+  heartbeat_ms  BIGINT       NOT NULL,
+  joined_ms     BIGINT       NOT NULL,
+  view          VARCHAR(64)  NOT NULL DEFAULT '',
+  view_since_ms BIGINT       NOT NULL DEFAULT 0
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4
+"""
+BUCKET_DDL = f"""
+CREATE TABLE IF NOT EXISTS {BUCKET_TABLE} (
+  bucket            SMALLINT UNSIGNED NOT NULL PRIMARY KEY,
+  owner             VARCHAR(128) NULL,
+  handing_over      TINYINT      NOT NULL DEFAULT 0,
+  claimable_from_ms BIGINT       NOT NULL DEFAULT 0,
+  updated_at_ms     BIGINT       NOT NULL
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4
+"""
+
+
+def bucket_key(app_code: str, room_id: str) -> bytes:
+    """What the bucket hashes: ``app_code:room_id`` in UTF-8 (a room is per app)."""
+    return f"{app_code}:{room_id}".encode()
+
+
+def bucket_of(app_code: str, room_id: str) -> int:
+    """The room's bucket: CRC-32 (IEEE, as zlib and MySQL's ``CRC32()`` compute it) of
+    :func:`bucket_key`, modulo :data:`BUCKETS`. Stable across processes, hosts and Python runs
+    (unlike ``hash()``), and the same as the database computes."""
+    return zlib.crc32(bucket_key(app_code, room_id)) % BUCKETS
+
+
+def bucket_sql(dialect: str = "mysql") -> str:
+    """:func:`bucket_of` as a SQL expression over a row's ``app_code`` and ``room_id``: the one
+    definition each store renders in its own dialect."""
+    if dialect == "mysql":
+        return f"CRC32(CONCAT(app_code, ':', room_id)) % {BUCKETS}"
+    raise ValueError(f"no bucket expression for the {dialect} dialect")
+
+
+async def bucket_plan(cur: Any, tables: Sequence[str], membership: bool = True) -> list[tuple[str, tuple[str, ...]]]:
+    """What a migration adds (``(change, statements)`` steps, MySQL/MariaDB): with
+    ``membership``, the node and bucket tables when missing; for each of ``tables`` (created by
+    an earlier step or already there), its bucket column when missing."""
+    steps: list[tuple[str, tuple[str, ...]]] = []
+    if membership:
+        await cur.execute(
+            "SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE()"
+            " AND TABLE_NAME IN (%s, %s)",
+            (NODE_TABLE, BUCKET_TABLE),
+        )
+        existing = {str(row[0]).lower() for row in await cur.fetchall()}
+        if NODE_TABLE not in existing:
+            steps.append((f"created table {NODE_TABLE}", (NODE_DDL.strip(),)))
+        if BUCKET_TABLE not in existing:
+            rows = ", ".join(f"({bucket}, NULL, 0)" for bucket in range(BUCKETS))
+            insert = f"INSERT IGNORE INTO {BUCKET_TABLE} (bucket, owner, updated_at_ms) VALUES {rows}"
+            steps.append((f"created table {BUCKET_TABLE}", (BUCKET_DDL.strip(), insert)))
+    if tables:
+        await cur.execute(
+            "SELECT TABLE_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()"
+            f" AND COLUMN_NAME = %s AND TABLE_NAME IN ({_marks(tables)})",
+            (BUCKET_COLUMN, *tables),
+        )
+        have = {str(row[0]).lower() for row in await cur.fetchall()}
+        for table in tables:
+            if table.lower() not in have:
+                # VIRTUAL: added without rewriting the table, at no cost to inserts.
+                alter = f"ALTER TABLE {table} ADD COLUMN {BUCKET_COLUMN} SMALLINT UNSIGNED AS ({bucket_sql()}) VIRTUAL"
+                steps.append((f"added column {table}.{BUCKET_COLUMN}", (alter,)))
+    return steps
+
+
+async def claimable_buckets(cur: Any, node_id: str) -> list[int]:
+    """The buckets ``node_id`` may claim now, read with a shared lock: a reassignment of any of
+    them waits until this transaction ends (the fence, see the module docstring)."""
+    await cur.execute(
+        f"SELECT bucket FROM {BUCKET_TABLE} WHERE owner = %s AND handing_over = 0 AND claimable_from_ms <= %s"
+        " ORDER BY bucket LOCK IN SHARE MODE",
+        (node_id, now_ms()),
+    )
+    return [int(row[0]) for row in await cur.fetchall()]
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    node_id: str
+    heartbeat_ms: int
+    joined_ms: int
+    view: str
+    view_since_ms: int
+
+
+@dataclass(frozen=True)
+class BucketRow:
+    bucket: int
+    owner: str | None
+    handing_over: bool
+    claimable_from_ms: int
+
+
+async def heartbeat(cur: Any, node_id: str, view: str, view_since_ms: int) -> None:
+    now = now_ms()
+    await cur.execute(
+        f"INSERT INTO {NODE_TABLE} (node_id, heartbeat_ms, joined_ms, view, view_since_ms) VALUES (%s, %s, %s, %s, %s)"
+        " ON DUPLICATE KEY UPDATE heartbeat_ms = VALUES(heartbeat_ms), view = VALUES(view),"
+        " view_since_ms = VALUES(view_since_ms)",
+        (node_id, now, now, view, view_since_ms),
+    )
+
+
+async def read_nodes(cur: Any) -> list[NodeRow]:
+    await cur.execute(f"SELECT node_id, heartbeat_ms, joined_ms, view, view_since_ms FROM {NODE_TABLE}")
+    return [NodeRow(str(r[0]), int(r[1]), int(r[2]), str(r[3]), int(r[4])) for r in await cur.fetchall()]
+
+
+async def read_buckets(cur: Any, lock: bool = False) -> list[BucketRow]:
+    await cur.execute(
+        f"SELECT bucket, owner, handing_over, claimable_from_ms FROM {BUCKET_TABLE} ORDER BY bucket"
+        + (" FOR UPDATE" if lock else "")
+    )
+    return [BucketRow(int(r[0]), r[1], bool(r[2]), int(r[3])) for r in await cur.fetchall()]
+
+
+async def assign(cur: Any, moves: dict[int, str]) -> None:
+    """Give buckets new owners, each starting with ``handing_over`` (the caller holds the
+    bucket rows' locks)."""
+    by_owner: dict[str, list[int]] = {}
+    for bucket, owner in moves.items():
+        by_owner.setdefault(owner, []).append(bucket)
+    for owner, buckets in sorted(by_owner.items()):
+        await cur.execute(
+            f"UPDATE {BUCKET_TABLE} SET owner = %s, handing_over = 1, claimable_from_ms = 0, updated_at_ms = %s"
+            f" WHERE bucket IN ({_marks(buckets)})",
+            (owner, now_ms(), *sorted(buckets)),
+        )
+
+
+async def still_leased(cur: Any, tables: Iterable[str], buckets: Sequence[int]) -> set[int]:
+    """Of ``buckets``, those with a row leased right now in any of ``tables``."""
+    if not buckets:
+        return set()
+    leased: set[int] = set()
+    for table in tables:
+        await cur.execute(
+            f"SELECT DISTINCT {BUCKET_COLUMN} FROM {table} WHERE status = 'pending' AND lock_until_ms > %s"
+            f" AND {BUCKET_COLUMN} IN ({_marks(buckets)}) AND worker_id IS NOT NULL",
+            (now_ms(), *buckets),
+        )
+        leased.update(int(row[0]) for row in await cur.fetchall())
+    return leased
+
+
+async def open_buckets(cur: Any, node_id: str, buckets: Sequence[int], delay_ms: int) -> None:
+    """End the handover of ``buckets`` (still owned by ``node_id``): claimable after ``delay_ms``."""
+    if buckets:
+        await cur.execute(
+            f"UPDATE {BUCKET_TABLE} SET handing_over = 0, claimable_from_ms = %s, updated_at_ms = %s"
+            f" WHERE owner = %s AND handing_over = 1 AND bucket IN ({_marks(buckets)})",
+            (now_ms() + delay_ms, now_ms(), node_id, *buckets),
+        )
+
+
+async def leave(cur: Any, node_id: str) -> None:
+    """A graceful stop: give up every bucket and the node row (the caller has written its
+    results, so it leaves no lease behind)."""
+    await cur.execute(
+        f"UPDATE {BUCKET_TABLE} SET owner = NULL, handing_over = 0, updated_at_ms = %s WHERE owner = %s",
+        (now_ms(), node_id),
+    )
+    await cur.execute(f"DELETE FROM {NODE_TABLE} WHERE node_id = %s", (node_id,))
+
+
+async def forget_nodes(cur: Any, node_ids: Sequence[str]) -> None:
+    """Drop the rows of dead nodes (their buckets were reassigned in the same transaction)."""
+    if node_ids:
+        await cur.execute(f"DELETE FROM {NODE_TABLE} WHERE node_id IN ({_marks(node_ids)})", tuple(node_ids))

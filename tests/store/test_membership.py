@@ -1,0 +1,99 @@
+"""Membership and room buckets on MySQL, in-process: the bucket function in SQL and Python,
+rebalancing, and the fence of a handover (the new owner waits for the old owner's leases)."""
+
+from __future__ import annotations
+
+import pytest
+from support import envelope, insert_events
+
+from room_outbox.cluster.membership import Membership
+from room_outbox.store.leased import now_ms
+from room_outbox.store.membership import BUCKET_TABLE, BUCKETS, bucket_of, read_buckets
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql_lanes import LaneStore, migrate_lanes
+
+pytestmark = pytest.mark.anyio
+
+
+async def owners(store: MySQLStore) -> dict[int, tuple[str | None, bool]]:
+    async with store.transaction() as cur:
+        return {b.bucket: (b.owner, b.handing_over) for b in await read_buckets(cur)}
+
+
+async def pass_window(cur: object) -> None:
+    """As if the rate-limit window after a handover had passed."""
+    await cur.execute(f"UPDATE {BUCKET_TABLE} SET claimable_from_ms = 0 WHERE handing_over = 0")  # type: ignore[attr-defined]
+
+
+async def test_the_database_computes_the_same_bucket_as_python(store: MySQLStore) -> None:
+    rooms = [("default", f"r_{n}") for n in range(300)] + [("app2", "r_1"), ("", "房间-7"), ("default", "é" * 60)]
+    await insert_events(store, [envelope(f"e{i}", room_id=room, app_code=app) for i, (app, room) in enumerate(rooms)])
+    async with store.transaction() as cur:
+        await cur.execute("SELECT app_code, room_id, room_bucket FROM room_outbox")
+        found = await cur.fetchall()
+    assert len(found) == len(rooms)
+    assert all(bucket == bucket_of(app, room) for app, room, bucket in found)
+    assert len({bucket for _, _, bucket in found}) > 160  # spread (303 rooms fill ~178 of 256)
+
+
+async def test_buckets_are_split_and_handed_over_only_after_the_leases_end(store: MySQLStore) -> None:
+    a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
+    await a.beat()
+    await a.beat()  # no lease anywhere: every bucket claimable by the only node, a window later
+    async with store.transaction() as cur:
+        assert await a.room_buckets(cur) == []
+        await pass_window(cur)
+        assert await a.room_buckets(cur) is None  # all of them: the claim needs no filter
+
+    # node-a holds a lease on a row of a room whose bucket will move to node-b
+    room = next(f"r_{n}" for n in range(1000) if bucket_of("default", f"r_{n}") >= BUCKETS // 2)
+    moving = bucket_of("default", room)
+    await insert_events(store, [envelope("leased", room_id=room)])
+    async with store.transaction() as cur:
+        await cur.execute(
+            "UPDATE room_outbox SET worker_id = 'node-a#1', lock_until_ms = %s WHERE event_id = 'leased'",
+            (now_ms() + 60_000,),
+        )
+    b = Membership(store, "node-b", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
+    await b.beat()
+    await b.beat()
+    after = await owners(store)
+    assert sum(owner == "node-b" for owner, _ in after.values()) == BUCKETS // 2  # half moved, no more
+    assert after[moving] == ("node-b", True)  # moved, but handing over: node-a's lease still runs
+    async with store.transaction() as cur:
+        assert moving not in (await a.room_buckets(cur) or [])  # the former owner: fenced at once
+        assert moving not in (await b.room_buckets(cur) or [])  # the new one: not while the lease runs
+    async with store.transaction() as cur:  # the lease ends (node-a wrote its result)
+        await cur.execute("UPDATE room_outbox SET worker_id = NULL, lock_until_ms = 0, status = 'published'")
+    await b.beat()
+    assert (await owners(store))[moving] == ("node-b", False)  # claimable one rate-limit window later
+
+
+async def test_a_process_that_leaves_gives_its_buckets_up(store: MySQLStore) -> None:
+    a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
+    async with a.running():
+        await a.wait_joined(10)
+    assert {owner for owner, _ in (await owners(store)).values()} == {None}
+
+
+async def test_per_room_claims_take_only_the_own_buckets_in_every_lane(store: MySQLStore) -> None:
+    """The IM lane (room_outbox) and a lane of its own claim the rows of their process's buckets
+    only, with per-room ordering; unordered claims take every room."""
+    await migrate_lanes(store, ["audit"])
+    lane = LaneStore(owner=store, lane="audit", start="beginning")
+    a = Membership(store, "node-a", ["room_outbox", lane.table], heartbeat_interval=0.1, node_timeout=3.0)
+    b = Membership(store, "node-b", ["room_outbox", lane.table], heartbeat_interval=0.1, node_timeout=3.0)
+    for member in (a, b, a, b):
+        await member.beat()
+    async with store.transaction() as cur:
+        await pass_window(cur)
+    rooms = [f"r_{n}" for n in range(40)]
+    await insert_events(store, [envelope(f"e{n}", room_id=room) for n, room in enumerate(rooms)])
+    store.room_buckets = a.room_buckets
+    mine = {room for room in rooms if bucket_of("default", room) < BUCKETS // 2}
+    assert 0 < len(mine) < len(rooms)
+    for lease_store in (store, lane):
+        claimed = await lease_store.claim("node-a#1", 100, now_ms() + 30_000, per_room=True)
+        assert {row.room_id for row in claimed.rows} == mine, lease_store
+        unordered = await lease_store.claim("node-a#2", 100, now_ms() + 30_000)
+        assert {row.room_id for row in unordered.rows} == set(rooms) - mine  # the rest, unfiltered

@@ -1,0 +1,42 @@
+"""This process's share of deployment-wide limits (the rules, without processes)."""
+
+from __future__ import annotations
+
+import math
+
+from room_outbox.cluster.membership import plan
+from room_outbox.cluster.quota import QuotaShare
+from room_outbox.store.membership import BUCKETS, BucketRow
+
+
+def test_shares_split_limits_and_a_room_owner_keeps_its_groups_whole() -> None:
+    clock = [0.0]
+    share = QuotaShare(clock=lambda: clock[0])
+    assert share.split(180) == 180  # one process alone
+    share.apply(3, valid_until=10.0)
+    assert share.split(180) == 60 and share.split(36) == 12
+    assert share.split(36, per_room=True) == 12  # groups shared while rooms are not owned
+    share.rooms_owned = True
+    assert share.split(36, per_room=True) == 36
+    assert share.split(2) == 1  # a limit below the node count: at least one
+    clock[0] = 10.5  # the heartbeat went stale: nothing at all
+    assert share.split(180) == 0
+    share.apply(math.inf, valid_until=20.0)  # joining: nothing until the others made room
+    assert share.split(180) == 0
+
+
+def test_bucket_plan_is_fair_and_moves_as_little_as_it_can() -> None:
+    empty = [BucketRow(b, None, False, 0) for b in range(BUCKETS)]
+    first = plan(empty, ["a"])
+    assert set(first.values()) == {"a"} and len(first) == BUCKETS
+    rows = [BucketRow(b, "a", False, 0) for b in range(BUCKETS)]
+    second = plan(rows, ["a", "b"])
+    assert len(second) == BUCKETS // 2 and set(second.values()) == {"b"}
+    rows = [BucketRow(b, second.get(b, "a"), False, 0) for b in range(BUCKETS)]
+    third = plan(rows, ["a", "b", "c"])
+    assert set(third.values()) == {"c"} and len(third) == BUCKETS // 3  # only c's part moves
+    owners = [third.get(r.bucket, r.owner) for r in rows]
+    assert sorted(owners.count(n) for n in "abc") == [85, 85, 86]
+    assert plan([BucketRow(r.bucket, o, False, 0) for r, o in zip(rows, owners, strict=True)], ["a", "b", "c"]) == {}
+    after_death = plan([BucketRow(r.bucket, o, False, 0) for r, o in zip(rows, owners, strict=True)], ["a", "c"])
+    assert {owners[b] for b in after_death} == {"b"}  # only the dead node's buckets move
