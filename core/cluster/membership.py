@@ -93,6 +93,8 @@ class Membership:
         self._view = ""
         self._view_since_ms = 0
         self._joined = anyio.Event()
+        #: Whether the last heartbeat reached the database.
+        self._reachable = True
 
     # -- what the rest of the process asks -----------------------------------------------
 
@@ -118,6 +120,11 @@ class Membership:
                 yield self
             finally:
                 beats.cancel_scope.cancel()
+        if not self._reachable:
+            # The last heartbeat failed (the database unreachable): a leave would only wait
+            # for its deadline. The others take the buckets over once the heartbeat is stale.
+            log.warning("not leaving the membership: the database did not answer the last heartbeat")
+            return
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.node_timeout):
             try:
                 async with self.store.transaction() as cur:
@@ -134,7 +141,9 @@ class Membership:
             started = anyio.current_time()
             try:
                 await self.beat()
+                self._reachable = True
             except Exception as exc:
+                self._reachable = False
                 log.error("membership heartbeat failed", extra={"error": f"{type(exc).__name__}: {exc}"})
             await anyio.sleep(max(0.0, self.heartbeat_interval - (anyio.current_time() - started)))
 

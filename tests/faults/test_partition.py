@@ -53,7 +53,12 @@ def config(path: Path, dsn: str, fake: FakeIMProcess, **worker: Any) -> Path:
         path,
         dsn,
         fake,
-        sections={"mysql": {"query_timeout": f"{QUERY_TIMEOUT:g}s"}, "telemetry": {"http_listen": "127.0.0.1:0"}},
+        sections={
+            "mysql": {"query_timeout": f"{QUERY_TIMEOUT:g}s"},
+            "telemetry": {"http_listen": "127.0.0.1:0"},
+            # A fresh process sends to IM once the killed one's heartbeat has expired.
+            "cluster": {"heartbeat_interval": "300ms", "node_timeout": "3s"},
+        },
         poll_interval=f"{POLL_INTERVAL * 1000:g}ms",
         publish_timeout=f"{PUBLISH_TIMEOUT:g}s",
         lease=f"{LEASE:g}s",
