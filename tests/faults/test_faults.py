@@ -17,6 +17,7 @@ from processes import DispatcherProcess, FakeIMProcess, dispatchers, write_confi
 from support import envelope, fetch_rows, insert_events, insert_rows, wait_until
 
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
+from room_outbox.testing import DEV_SDKAPPID
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -113,7 +114,10 @@ async def test_database_unreachable_for_ten_seconds(
 async def test_three_processes_deliver_each_event_exactly_once(
     store: MySQLStore, database_dsn: str, fake_im: FakeIMProcess, tmp_path: Path
 ) -> None:
-    with dispatchers(write_config(tmp_path / "c.yaml", database_dsn, fake_im, batch_size=30), 3) as procs:
+    # The quota is not what this test is about: limits high enough never to make a delivery wait.
+    im = {"base_url": fake_im.base_url, "sdkappid": DEV_SDKAPPID, "app_rate_limit": 100_000}
+    config = write_config(tmp_path / "c.yaml", database_dsn, fake_im, {"sinks": {"tencent_im": im}}, batch_size=30)
+    with dispatchers(config, 3) as procs:
 
         def all_started() -> bool:
             return all(any(line.get("lifecycle") == "worker_started" for line in p.lines()) for p in procs)
