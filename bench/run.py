@@ -1,5 +1,6 @@
-"""``python -m bench [--quick] [--only a,b,c,d,e,r,o]``: every measurement in one run, printed
-as a table with same-run ratios and the targets (o: per-room ordering with 1-3 processes)."""
+"""``python -m bench [--quick] [--only a,p,b,c,d,e,r,o]``: every measurement in one run, printed
+as a table with same-run ratios and the targets (p: the noop lane on PostgreSQL; o: per-room
+ordering with 1-3 processes)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from bench.db import bench_database
 from bench.im import run_overhead, run_quota
 from bench.noop import run_noop
 from bench.ordered import run_ordered
+from bench.pg import pg_bench_database, run_pg_noop
 from bench.service import run_latency, run_rss
 
 SERVER = os.environ.get("ROOM_OUTBOX_TEST_MYSQL", "mysql://root:@127.0.0.1:3306")
+PG_SERVER = os.environ.get("ROOM_OUTBOX_TEST_POSTGRESQL", "postgresql://postgres@127.0.0.1:5432")
 FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events": 3_000, "quota_events": 2_400,
         "latency_seconds": 20.0, "latency_batch": 100, "published": 1_000_000, "claim_rounds": 200, "rss_events": 200_000,
         "ordered_events": 20_000, "ordered_rooms": "50,500,5000"}  # fmt: skip
@@ -34,7 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in well under a minute")
     parser.add_argument(
-        "--only", default="a,b,c,d,e,r,o", help="parts to run (a b c d e, r = retention, o = ordered processes)"
+        "--only",
+        default="a,p,b,c,d,e,r,o",
+        help="parts to run (a b c d e, p = PostgreSQL noop lane, r = retention, o = ordered processes)",
     )
     for key, value in FULL.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None, help=f"default {value}")
@@ -63,6 +68,19 @@ async def part_a(args: argparse.Namespace) -> list[Row]:
                          f"≥70 % raw: {verdict(r.dispatcher >= 0.7 * r.raw)}; ≥10× seed: {verdict(r.dispatcher >= 10 * r.seed)}"))  # fmt: skip
             rows.append((f"a. same, former per-row tasks + limiter, batch {batch}", f"{r.per_row:,.0f} ev/s",
                          f"{r.per_row / r.raw:.0%} of raw; pool = {r.dispatcher / r.per_row:.2f}× per-row", "history"))  # fmt: skip
+    return rows
+
+
+async def part_p(args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    async with pg_bench_database(PG_SERVER) as store:
+        for batch in (int(b) for b in args.batches.split(",")):
+            r = await run_pg_noop(store, args.events, batch)
+            rows.append(
+                (f"p. PostgreSQL raw SKIP LOCKED claim+mark, batch {batch}", f"{r.raw:,.0f} ev/s", "baseline", "")
+            )
+            rows.append((f"p. PostgreSQL dispatcher noop lane, batch {batch}", f"{r.dispatcher:,.0f} ev/s",
+                         f"{r.dispatcher / r.raw:.0%} of raw", f"≥70 % raw: {verdict(r.dispatcher >= 0.7 * r.raw)}"))  # fmt: skip
     return rows
 
 
@@ -151,7 +169,7 @@ async def part_o(args: argparse.Namespace) -> list[Row]:
 
 
 PARTS: dict[str, Callable[[argparse.Namespace], Any]] = {
-    "a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "o": part_o,
+    "a": part_a, "p": part_p, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "o": part_o,
 }  # fmt: skip
 
 

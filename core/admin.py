@@ -10,14 +10,15 @@ import time
 from typing import Any
 
 from room_outbox.ops import format_age, printable
-from room_outbox.store.mysql import MySQLStore, RequeueFilter, cancel, find_requeue_candidates, requeue
+from room_outbox.store.factory import SQLStore
+from room_outbox.store.operator import RequeueFilter, cancel, find_requeue_candidates, requeue
 
 #: Rows one ``requeue`` changes at most: one statement, a list a person can still read.
 REQUEUE_LIMIT = 10_000
 
 
 async def requeue_command(
-    store: MySQLStore, where: RequeueFilter, apply: bool, out: Any, limit: int = REQUEUE_LIMIT
+    store: SQLStore, where: RequeueFilter, apply: bool, out: Any, limit: int = REQUEUE_LIMIT
 ) -> int:
     rows = await find_requeue_candidates(store, where, limit + 1)  # one more: are there more?
     more = len(rows) > limit
@@ -52,7 +53,7 @@ async def requeue_command(
     return 0
 
 
-async def cancel_command(store: MySQLStore, event_id: str, out: Any, err: Any) -> int:
+async def cancel_command(store: SQLStore, event_id: str, out: Any, err: Any) -> int:
     """Result on ``out``; why nothing was cancelled on ``err`` (exit code 1)."""
     cancelled, status = await cancel(store, event_id)
     shown = printable(event_id)

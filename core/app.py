@@ -1,7 +1,7 @@
 """Process lifecycle.
 
 Start: configuration (already loaded) checked whole, sinks included → database pool (waited
-for up to ``mysql.connect_wait``) → schema checked → plugins and sinks → telemetry and the
+for up to ``database.connect_wait``) → schema checked → plugins and sinks → telemetry and the
 HTTP endpoint → worker. Stop (SIGTERM, SIGINT or the ``stop`` event): stop claiming new
 batches → in-flight deliveries finish within ``publish_timeout`` and their results are
 written → worker exits → telemetry flushes, the endpoint stops → sinks close → pool closes.
@@ -30,7 +30,7 @@ from room_outbox.retention import run_retention_job
 from room_outbox.routing import IM_LANE, Lanes, build_lanes
 from room_outbox.startup import check_configuration, open_checked_store
 from room_outbox.store import OutboxStore
-from room_outbox.store.leased import TABLE
+from room_outbox.store.factory import SQLStore
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.mysql_lanes import lane_table
 from room_outbox.telemetry import Telemetry
@@ -107,7 +107,7 @@ async def _close(aclose: Callable[[], Awaitable[None]], message: str, lifecycle:
 
 
 def _dispatchers(
-    settings: Settings, store: OutboxStore, lanes: Lanes, redactor: Redactor, telemetry: Telemetry, health: Health
+    settings: Settings, store: SQLStore, lanes: Lanes, redactor: Redactor, telemetry: Telemetry, health: Health
 ) -> list[Dispatcher]:
     """One dispatcher per lane: the IM lane's (when any of its sinks is enabled), then one per
     sink with a lane of its own, each with its own scan loop so none waits for another."""
@@ -137,7 +137,7 @@ def _dispatchers(
 
 def _options(settings: Settings, lane: str) -> LaneOptions:
     """The lane's delivery options: ``outbox_worker.lanes.<lane>`` over ``outbox_worker``."""
-    return LaneOptions.from_settings(delivery_settings(settings, lane), settings.mysql.query_timeout)
+    return LaneOptions.from_settings(delivery_settings(settings, lane), settings.database.query_timeout)
 
 
 async def _join_cluster(
@@ -151,7 +151,7 @@ async def _join_cluster(
     membership = Membership(
         store,
         settings.node_id,
-        [TABLE, *(lane_table(name) for name in lanes.own)],
+        [store.profile.table, *(lane_table(name) for name in lanes.own)],
         settings.cluster.heartbeat_interval,
         settings.cluster.node_timeout,
         quota,

@@ -10,6 +10,7 @@ import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 import anyio
 import pluggy
@@ -25,10 +26,10 @@ from room_outbox.ops import inspect_command, status_command
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.redaction import Redactor, redactor_for
 from room_outbox.retention import RetentionOptions, cleanup_command
-from room_outbox.startup import check_configuration
+from room_outbox.startup import check_configuration, table_profile
 from room_outbox.store.errors import translated
-from room_outbox.store.factory import SQLStore, describe, is_sqlite, open_store, store_address
-from room_outbox.store.mysql import MySQLStore, RequeueFilter
+from room_outbox.store.factory import SQLStore, describe, open_store, store_address
+from room_outbox.store.operator import RequeueFilter
 from room_outbox.store.sqlite import SQLiteAddress
 from room_outbox.telemetry import configure_logging
 from room_outbox.testing.cli import add_fake_im_parser, run_fake_im
@@ -54,7 +55,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": (
         "run the dispatcher until SIGTERM/SIGINT",
         "Deliver events until SIGTERM or SIGINT. Before anything is claimed: the whole configuration\n"
-        "is checked, the database is waited for (up to mysql.connect_wait) and its schema is checked.",
+        "is checked, the database is waited for (up to database.connect_wait) and its schema is checked.",
         "room-outbox run --config /etc/room-outbox/config.yaml\nROOM_OUTBOX__LOG__LEVEL=DEBUG room-outbox run",
     ),
     "check-config": (
@@ -301,12 +302,18 @@ def _check_config(settings: Settings, source: str | None) -> int:
 
 
 async def _migrate(settings: Settings, sql_only: bool) -> int:
-    dsn = settings.mysql.dsn.get_secret_value()
+    dsn = settings.database.dsn.get_secret_value()
     pm = make_plugin_manager(settings.plugins.disabled)
     if sql_only:
         return await _print_migration(settings, pm)
-    mysql = settings.mysql
-    store = await open_store(dsn, create_database=True, query_timeout=mysql.query_timeout, wait=mysql.connect_wait)
+    database = settings.database
+    store = await open_store(
+        dsn,
+        create_database=True,
+        query_timeout=database.query_timeout,
+        wait=database.connect_wait,
+        profile=table_profile(settings),
+    )
     try:
         with _translated(dsn):
             changes = await store.migrate()
@@ -321,13 +328,18 @@ async def _migrate(settings: Settings, sql_only: bool) -> int:
 async def _print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
     """``migrate --sql``: the statements ``migrate`` would run on this database, as a script
     to read or hand to a DBA; nothing is changed (the catalogue is only read)."""
-    dsn = settings.mysql.dsn.get_secret_value()
+    dsn = settings.database.dsn.get_secret_value()
     address = store_address(dsn)
     if isinstance(address, SQLiteAddress) and not address.path.exists():
         # Opening a SQLite file creates it: plan against an empty in-memory database instead.
-        store = await open_store("sqlite::memory:")
+        store = await open_store("sqlite::memory:", profile=table_profile(settings))
     else:
-        store = await open_store(dsn, query_timeout=settings.mysql.query_timeout, wait=settings.mysql.connect_wait)
+        store = await open_store(
+            dsn,
+            query_timeout=settings.database.query_timeout,
+            wait=settings.database.connect_wait,
+            profile=table_profile(settings),
+        )
     try:
         with _translated(dsn):
             plan = await store.migration_plan() + await plugins_migration_plan(store, pm, settings)
@@ -349,17 +361,19 @@ def _translated(dsn: str) -> contextlib.AbstractContextManager[None]:
     return translated(describe(address), getattr(address, "password", ""))
 
 
-#: Operator commands whose statements are MySQL's for now.
-MYSQL_ONLY = ("requeue", "cancel", "cleanup", "lanes")
+#: Operator commands whose statements are MySQL's for now (the lane catalogue's queries).
+MYSQL_ONLY = ("lanes",)
 
 
 async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
     """Operator commands: one connection, one command, closed again (logic in admin, ops,
     retention)."""
-    dsn = settings.mysql.dsn.get_secret_value()
-    if args.command in MYSQL_ONLY and is_sqlite(dsn):
-        raise ConfigurationError(f"{args.command} needs a MySQL store; mysql.dsn names a SQLite file")
-    store = await open_store(dsn, pool_size=1, query_timeout=settings.mysql.query_timeout)
+    dsn = settings.database.dsn.get_secret_value()
+    if args.command in MYSQL_ONLY and not urlsplit(dsn).scheme.startswith(("mysql", "mariadb")):
+        raise ConfigurationError(f"{args.command} needs a MySQL store for now; database.dsn names another database")
+    store = await open_store(
+        dsn, pool_size=1, query_timeout=settings.database.query_timeout, profile=table_profile(settings)
+    )
     try:
         with _translated(dsn):
             return await _operator_command(store, settings, args)
@@ -373,7 +387,6 @@ async def _operator_command(store: SQLStore, settings: Settings, args: argparse.
         return await status_command(store, args.json, sys.stdout, im_lane)
     if args.command == "inspect":
         return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr)
-    assert isinstance(store, MySQLStore)  # MYSQL_ONLY, checked above
     if args.command == "requeue":
         where = RequeueFilter(
             event_ids=tuple(args.event_id),

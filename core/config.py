@@ -90,7 +90,13 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class MySQLSettings(Section):
+PROFILES = ("v1", "room_cell", "silk")
+
+
+class DatabaseSettings(Section):
+    """The outbox's database: ``mysql://``, ``postgresql://`` or ``sqlite:///`` (the DSN's
+    scheme chooses the store). ``mysql:`` is accepted as this section's former name."""
+
     dsn: SecretStr = SecretStr("mysql://root:@127.0.0.1:3306/room")
     pool_size: int = Field(default=10, ge=1, le=1000)
     #: Every database call (a transaction: taking a connection, its statements, the commit)
@@ -102,6 +108,30 @@ class MySQLSettings(Section):
     #: How long ``run`` and ``migrate`` wait for a database that cannot be reached yet (down,
     #: starting) before giving up with exit code 3; 0: try once.
     connect_wait: Duration = Field(default=30.0, ge=0)
+    #: Which outbox table and status words: ``v1`` (room_outbox: pending → published),
+    #: ``room_cell`` (room_outbox: pending → delivering → delivered | retryable → failed) or
+    #: ``silk`` (PostgreSQL's outbox_events: pending | retry → sending → sent | failed).
+    #: See room_outbox.store.profiles.
+    profile: str = "v1"
+    #: The outbox table's name; empty: the profile's own (``room_outbox`` for v1).
+    table: str = ""
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, value: str) -> str:
+        return _one_of(value, PROFILES, "table profile")
+
+    @field_validator("table")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        value = value.strip()
+        if value and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", value):
+            raise ValueError(f"{value!r} is not a plain table name (letters, digits and _)")
+        return value
+
+
+#: The section's former name, still accepted.
+MySQLSettings = DatabaseSettings
 
 
 class RetrySettings(Section):
@@ -355,7 +385,9 @@ class Settings(BaseSettings):
         extra="forbid",
     )
 
-    mysql: MySQLSettings = MySQLSettings()
+    database: DatabaseSettings = DatabaseSettings()
+    #: The ``database`` section's former name: its keys apply where ``database`` leaves them unset.
+    mysql: DatabaseSettings | None = None
     node_id: str = ""
     outbox_worker: DeliverySettings = DeliverySettings()
     #: ``sinks.<name>``: validated by the sink's own settings model once plugins are loaded.
@@ -374,18 +406,46 @@ class Settings(BaseSettings):
         return value.strip() or default_node_id()
 
     @model_validator(mode="after")
+    def _mysql_is_database(self) -> Settings:
+        """Existing files (and ``ROOM_OUTBOX__MYSQL__*``) keep working: a key given under
+        ``mysql`` counts unless ``database`` gives it too."""
+        if self.mysql is not None:
+            given = {key: getattr(self.mysql, key) for key in self.mysql.model_fields_set}
+            given.update({key: getattr(self.database, key) for key in self.database.model_fields_set})
+            self.database = DatabaseSettings.model_validate(
+                {
+                    key: value.get_secret_value() if isinstance(value, SecretStr) else value
+                    for key, value in given.items()
+                }
+            )
+        return self
+
+    @model_validator(mode="after")
     def _query_timeout_within_lease(self) -> Settings:
         """A claim computes its lease's end before it runs, and the first renewal comes a
         third of a lease after it returns; both may take ``query_timeout``. Below a third
-        of the lease, no database call can let a live process's lease run out."""
+        of the lease, no database call can let a live process's lease run out. (Defined
+        after the ``mysql`` alias's merge, so it sees the merged section.)"""
         lease = self.outbox_worker.lease_seconds
-        if self.mysql.query_timeout <= 0:
-            self.mysql.query_timeout = min(DEFAULT_QUERY_TIMEOUT, lease / 4)
-        elif self.mysql.query_timeout >= lease / 3:
+        database = self.database
+        if database.query_timeout <= 0:
+            database.query_timeout = min(DEFAULT_QUERY_TIMEOUT, lease / 4)
+        elif database.query_timeout >= lease / 3:
             raise ValueError(
-                f"mysql.query_timeout ({self.mysql.query_timeout:g}s) must be below a third of outbox_worker.lease"
+                f"database.query_timeout ({database.query_timeout:g}s) must be below a third of outbox_worker.lease"
                 f" ({lease:g}s): a database call could outlive the lease. Lower query_timeout or raise the lease"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _silk_backs_off_linearly(self) -> Settings:
+        """silk's own worker retries after 15 s × attempts: the default on its table too.
+        (Defined after the ``mysql`` alias's merge, so it sees the merged profile.)"""
+        worker = self.outbox_worker
+        if self.database.profile == "silk" and "retry_strategy" not in worker.model_fields_set:
+            worker.retry_strategy = "linear"
+            if "base" not in worker.retry.model_fields_set:
+                worker.retry.base = 15.0
         return self
 
     @classmethod

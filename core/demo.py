@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 import anyio
 
@@ -47,6 +48,7 @@ from room_outbox.retry import RetryPolicy
 from room_outbox.routing import Router, build_router
 from room_outbox.sink import Sink
 from room_outbox.store.factory import SQLStore, is_sqlite, open_store
+from room_outbox.store.postgres import SCHEMES as POSTGRESQL_SCHEMES
 from room_outbox.telemetry import configure_logging
 from room_outbox.testing import DEV_KEY, DEV_SDKAPPID, FakeTencentIM, Faults, serve_fake_im
 
@@ -60,7 +62,7 @@ DEFAULT_EVENTS = 200
 
 @dataclass(frozen=True)
 class DemoOptions:
-    #: ``mysql://…`` or ``sqlite:///…``; None: a SQLite file in a temporary folder.
+    #: ``mysql://…``, ``postgresql://…`` or ``sqlite:///…``; None: a SQLite file in a temporary folder.
     db: str | None = None
     events: int = DEFAULT_EVENTS
     #: Share of requests the fake IM fails (error codes, HTTP 502, rate-control drops); a
@@ -121,7 +123,7 @@ def plan_commands(events: int, rng: random.Random) -> dict[str, list[list[tuple[
 class StoreProducer(OutboxProducer):
     """The producer of :mod:`room_outbox.producer` on any :class:`SQLStore`: the published
     mark (room-service's own statement) goes through the store's transaction instead of an
-    aiomysql pool, so the same code path serves SQLite and MySQL."""
+    aiomysql pool, so the same code path serves SQLite, MySQL and PostgreSQL."""
 
     def __init__(self, store: SQLStore, router: Router, publish_timeout: float, redactor: Redactor) -> None:
         super().__init__(None, router, publish_timeout, redactor)
@@ -207,6 +209,7 @@ async def run_room(
                             command_id=f"cmd-{uuid.uuid4().hex[:12]}",
                             payload=payload,
                         ),
+                        store.dialect,
                     )
                 )
         for event in events:
@@ -413,7 +416,8 @@ async def run_demo(options: DemoOptions, out: IO[str]) -> bool:
 async def _run(
     options: DemoOptions, out: IO[str], rng: random.Random, run_id: str, dsn: str, workdir: Path, redactor: Redactor
 ) -> bool:
-    where = f"SQLite file {dsn.removeprefix('sqlite:///')}" if is_sqlite(dsn) else "MySQL (--db)"
+    server = "PostgreSQL" if urlsplit(dsn).scheme in POSTGRESQL_SCHEMES else "MySQL"
+    where = f"SQLite file {dsn.removeprefix('sqlite:///')}" if is_sqlite(dsn) else f"{server} (--db)"
     out.write(
         f"room-outbox demo: {options.events} events, fake Tencent IM failing {options.failure_rate:.0%} of requests,"
         f" outbox in {where}\n\n"
@@ -456,7 +460,7 @@ async def _run(
     if options.keep:
         out.write(f"\nkept {workdir} (demo.log: every push and attempt as JSON lines)\n")
         if is_sqlite(dsn):
-            out.write(f"  ROOM_OUTBOX__MYSQL__DSN={dsn} room-outbox status\n")
+            out.write(f"  ROOM_OUTBOX__DATABASE__DSN={dsn} room-outbox status\n")
     return verified
 
 
@@ -544,7 +548,11 @@ def add_demo_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "demo", help="run the whole pipeline on SQLite with a fake Tencent IM and verify it (no services needed)"
     )
-    parser.add_argument("--db", help="run against this store instead, e.g. mysql://root:@127.0.0.1:3306/room_demo")
+    parser.add_argument(
+        "--db",
+        help="run against this store instead, e.g. mysql://root:@127.0.0.1:3306/room_demo"
+        " or postgresql://postgres@127.0.0.1:5432/room_demo",
+    )
     parser.add_argument(
         "--events", type=int, default=DEFAULT_EVENTS, help=f"events to produce (default {DEFAULT_EVENTS})"
     )

@@ -66,7 +66,7 @@ class LaneOptions:
     lease: float = _DEFAULTS.lease_seconds
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     per_room: bool = _DEFAULTS.ordering == "per_room"
-    #: The store's bound on one database call (``mysql.query_timeout``): here, it bounds shutdown.
+    #: The store's bound on one database call (``database.query_timeout``): here, it bounds shutdown.
     query_timeout: float = DEFAULT_QUERY_TIMEOUT
     #: How often repeated failures of the same rows are summarised in one log line.
     failure_summary_interval: float = 60.0

@@ -18,6 +18,7 @@ from typing import IO, Any
 from room_outbox.lanes import LanePlan
 from room_outbox.ops import format_age
 from room_outbox.routing import IM_LANE
+from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import (
     LaneBacklog,
     im_lane_backlog,
@@ -25,7 +26,6 @@ from room_outbox.store.lane_catalog import (
     retire_lane,
     stored_lanes,
 )
-from room_outbox.store.mysql import MySQLStore
 
 #: ``lanes`` in the command list: (summary, description, examples).
 LANES_COMMAND = (
@@ -62,7 +62,7 @@ class LaneRow:
     oldest_owed_age_ms: int | None
 
 
-async def lane_rows(store: MySQLStore, plan: LanePlan) -> list[LaneRow]:
+async def lane_rows(store: SQLStore, plan: LanePlan) -> list[LaneRow]:
     rows: list[LaneRow] = []
     if plan.im:
         rows.append(_row(IM_LANE, "enabled", True, None, await im_lane_backlog(store)))
@@ -103,7 +103,7 @@ def format_lanes(rows: list[LaneRow]) -> str:
     return "\n".join(lines)
 
 
-async def lanes_command(store: MySQLStore, plan: LanePlan, args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
+async def lanes_command(store: SQLStore, plan: LanePlan, args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     if getattr(args, "lanes_action", None) == "retire":
         return await _retire(store, plan, args.name, args.yes, out, err)
     rows = await lane_rows(store, plan)
@@ -111,7 +111,7 @@ async def lanes_command(store: MySQLStore, plan: LanePlan, args: argparse.Namesp
     return 0
 
 
-async def _retire(store: MySQLStore, plan: LanePlan, name: str, yes: bool, out: IO[str], err: IO[str]) -> int:
+async def _retire(store: SQLStore, plan: LanePlan, name: str, yes: bool, out: IO[str], err: IO[str]) -> int:
     if name == IM_LANE:
         print("room-outbox lanes retire: the IM lane is room_outbox.status itself; it cannot be retired", file=err)
         return 2

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 import pluggy
 
-from room_outbox.config import ConfigError, OutboxWorkerSettings, Settings
+from room_outbox.config import OutboxWorkerSettings, Settings
 from room_outbox.routing import registered_sinks, section_enabled
-from room_outbox.store.mysql import Migration, MySQLStore
+from room_outbox.store.dialect import PLUGIN_SCHEMA
+from room_outbox.store.factory import SQLStore
 from room_outbox.store.mysql_lanes import LaneStore, lanes_migration_plan, migrate_lanes
+from room_outbox.store.tables import Migration
 
 
 @dataclass(frozen=True)
@@ -43,17 +45,12 @@ def lane_plan(pm: pluggy.PluginManager, settings: Settings) -> LanePlan:
     )
 
 
-async def plugins_migration_plan(store: object, pm: pluggy.PluginManager, settings: Settings) -> list[Migration]:
+async def plugins_migration_plan(store: SQLStore, pm: pluggy.PluginManager, settings: Settings) -> list[Migration]:
     """What :func:`migrate_plugins` would run: the missing lane tables, then every plugin's
-    own statements (they are idempotent, so all of them)."""
-    lanes = own_lane_sinks(pm, settings)
+    own statements (they are idempotent, so all of them) where the store runs them."""
+    plan = await lanes_migration_plan(store, own_lane_sinks(pm, settings))
     statements = tuple(ddl for plugin_ddl in pm.hook.room_outbox_migrations() for ddl in plugin_ddl)
-    if not isinstance(store, MySQLStore):
-        if lanes:
-            raise ConfigError(f"sinks {', '.join(lanes)}: lanes of their own need a MySQL database (mysql.dsn)")
-        return []
-    plan = await lanes_migration_plan(store, lanes)
-    if statements:
+    if statements and PLUGIN_SCHEMA in store.dialect.capabilities:
         plan.append(Migration(f"ran {len(statements)} plugin schema statement(s)", statements))
     return plan
 
@@ -68,17 +65,15 @@ def delivery_settings(settings: Settings, lane: str) -> OutboxWorkerSettings:
     return settings.outbox_worker.for_lane(lane)
 
 
-async def migrate_plugins(store: object, pm: pluggy.PluginManager, settings: Settings) -> list[str]:
+async def migrate_plugins(store: SQLStore, pm: pluggy.PluginManager, settings: Settings) -> list[str]:
     """Lane tables of enabled own-lane sinks, then every plugin's own statements."""
-    lanes = own_lane_sinks(pm, settings)
+    changes = await migrate_lanes(store, own_lane_sinks(pm, settings))
     statements = [ddl for plugin_ddl in pm.hook.room_outbox_migrations() for ddl in plugin_ddl]
-    if not isinstance(store, MySQLStore):
-        if lanes:
-            raise ConfigError(f"sinks {', '.join(lanes)}: lanes of their own need a MySQL database (mysql.dsn)")
+    if statements and PLUGIN_SCHEMA not in store.dialect.capabilities:
         # Plugin statements are MySQL's; an installed plugin whose sink does not run here
         # (the demo on SQLite, say) needs none of its tables.
-        return [f"skipped {len(statements)} plugin schema statement(s): they need MySQL"] if statements else []
-    changes = await migrate_lanes(store, lanes)
+        changes.append(f"skipped {len(statements)} plugin schema statement(s): they are MySQL's")
+        return changes
     if statements:
         async with store.transaction() as cur:
             with warnings.catch_warnings():  # "table already exists" notes are the point of IF NOT EXISTS
@@ -89,9 +84,7 @@ async def migrate_plugins(store: object, pm: pluggy.PluginManager, settings: Set
     return changes
 
 
-def lane_store(store: object, lane: str, settings: Settings, start: str | int) -> LaneStore:
-    if not isinstance(store, MySQLStore):
-        raise ConfigError(f"sinks.{lane}: a lane of its own needs a MySQL database (mysql.dsn)")
+def lane_store(store: SQLStore, lane: str, settings: Settings, start: str | int) -> LaneStore:
     return LaneStore(
         owner=store,
         lane=lane,

@@ -71,7 +71,10 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
         redactor=redactor,
         stalled_after=max(
             stalled_after(
-                options.stalled_after_polls, worker.poll_interval, settings.mysql.query_timeout, worker.publish_timeout
+                options.stalled_after_polls,
+                worker.poll_interval,
+                settings.database.query_timeout,
+                worker.publish_timeout,
             )
             for worker in workers
         ),

@@ -18,9 +18,8 @@ from typing import IO, Any
 from room_outbox.envelope import EnvelopeError, parse_envelope
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
-from room_outbox.store.leased import TABLE
-from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.mysql_lanes import lane_table
+from room_outbox.store.profiles import V1, Profile
 
 #: Retry-count histogram buckets of the status report: (label, lowest, highest).
 RETRY_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2-4", 2, 4), ("5-9", 5, 9), ("10-99", 10, 99), ("100+", 100, None))
@@ -41,10 +40,14 @@ class Backlog:
 async def sample_backlog(store: SQLStore) -> Backlog:
     """Pending count and oldest pending age: both read only the index range of pending rows
     and one row by primary key, however many published rows the table holds."""
+    table, open_ = store.profile.table, store.profile.is_open()
     async with store.transaction() as cur:
-        await cur.execute(f"SELECT COUNT(*) FROM {TABLE} WHERE status = 'pending'")
+        await cur.execute(f"SELECT COUNT(*) FROM {table} WHERE {open_}")
         (pending,) = await cur.fetchone()
-        await cur.execute(f"SELECT created_at_ms FROM {TABLE} WHERE status = 'pending' ORDER BY id LIMIT 1")
+        await cur.execute(
+            f"SELECT {store.profile.as_ms(store.profile.created)} FROM {table} WHERE {open_}"
+            f" ORDER BY {store.profile.key} LIMIT 1"
+        )
         oldest = await cur.fetchone()
     age = max(0, _now_ms() - int(oldest[0])) if oldest else 0
     return Backlog(int(pending), age)
@@ -103,29 +106,32 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
         return StatusReport(0, 0, 0, {}, empty, [], 0, lanes=await lane_statuses(store), im_lane=False)
     now = _now_ms()
     backlog = await sample_backlog(store)
+    words = store.profile
+    table, open_ = words.table, words.is_open()
     async with store.transaction() as cur:
-        await cur.execute(f"SELECT retry_count, COUNT(*) FROM {TABLE} WHERE status = 'pending' GROUP BY retry_count")
+        attempts, lock, after = words.attempts, words.lock, words.ms("%s")
+        await cur.execute(f"SELECT {attempts}, COUNT(*) FROM {table} WHERE {open_} GROUP BY {attempts}")
         by_retries = {int(retries): int(rows) for retries, rows in await cur.fetchall()}
         await cur.execute(
-            f"SELECT last_error, COUNT(*) AS n FROM {TABLE} WHERE status = 'pending' AND last_error IS NOT NULL"
+            f"SELECT last_error, COUNT(*) AS n FROM {table} WHERE {open_} AND last_error IS NOT NULL"
             " GROUP BY last_error ORDER BY n DESC, last_error LIMIT %s",
             (top,),
         )
         top_errors = [(str(error), int(rows)) for error, rows in await cur.fetchall()]
         await cur.execute(
-            f"SELECT worker_id, COUNT(*), MAX(lock_until_ms) FROM {TABLE}"
-            " WHERE status = 'pending' AND worker_id IS NOT NULL AND lock_until_ms > %s GROUP BY worker_id",
+            f"SELECT worker_id, COUNT(*), MAX({words.as_ms(lock)}) FROM {table}"
+            f" WHERE status = '{words.in_flight}' AND worker_id IS NOT NULL AND {lock} > {after} GROUP BY worker_id",
             (now,),
         )
         claims = await cur.fetchall()
         await cur.execute(
-            f"SELECT COUNT(*) FROM {TABLE} WHERE status = 'pending' AND worker_id IS NULL AND lock_until_ms > %s",
+            f"SELECT COUNT(*) FROM {table} WHERE {words.is_waiting()} AND worker_id IS NULL AND {lock} > {after}",
             (now,),
         )
         (waiting,) = await cur.fetchone()
         other: dict[str, int] = {}
-        for status in ("failed", "cancelled"):  # each an index range count; absent statuses cost nothing
-            await cur.execute(f"SELECT COUNT(*) FROM {TABLE} WHERE status = %s", (status,))
+        for status in (words.parked, words.cancelled):  # each an index range count; absent statuses cost nothing
+            await cur.execute(f"SELECT COUNT(*) FROM {table} WHERE status = %s", (status,))
             (count,) = await cur.fetchone()
             if count:
                 other[status] = int(count)
@@ -154,9 +160,7 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
 
 
 async def lane_statuses(store: SQLStore) -> list[LaneStatus]:
-    """One line per lane of its own that has run; none on a store without lanes (SQLite)."""
-    if not isinstance(store, MySQLStore):
-        return []
+    """One line per lane of its own that has run."""
     lanes = []
     for lane in await stored_lanes(store):
         if lane.fed_through_id is None:
@@ -273,14 +277,26 @@ def _format_lanes(report: StatusReport) -> list[str]:
 async def inspect_event(store: SQLStore, event_id: str) -> dict[str, Any] | None:
     """The row of ``event_id`` with its parsed envelope (or why it does not parse) and a
     sentence on its delivery state; ``None`` when no row has that event_id."""
+    p = store.profile
+    # The row as stored, then what room-outbox reads of it under the profile's column names.
+    read = {
+        "key": p.key, "event_id": p.event_id, "event_type": p.event_type, "room_id": p.room_id,
+        "app_code": p.app_code, "envelope": p.envelope, "lock_ms": p.as_ms(p.lock),
+    }  # fmt: skip
     async with store.transaction() as cur:
-        await cur.execute(f"SELECT * FROM {TABLE} WHERE event_id = %s", (event_id,))
+        await cur.execute(
+            f"SELECT *, {', '.join(f'{sql} AS read_{name}' for name, sql in read.items())}"
+            f" FROM {p.table} WHERE {p.event_id} = %s",
+            (event_id,),
+        )
         found = await cur.fetchone()
         names = [d[0] for d in cur.description]
     if found is None:
         return None
     row = dict(zip(names, found, strict=True))
-    raw = row.pop("envelope")
+    seen = {name: row.pop(f"read_{name}") for name in read}
+    row.pop("envelope", None)  # shown parsed below
+    raw = seen["envelope"]
     doc: dict[str, Any] = {"row": row}
     try:
         envelope = parse_envelope(raw)
@@ -290,15 +306,15 @@ async def inspect_event(store: SQLStore, event_id: str) -> dict[str, Any] | None
     else:
         doc["envelope"] = envelope.model_dump(mode="json", exclude_none=True)
         mismatches = [
-            f"envelope {name} {getattr(envelope, name)!r} differs from the row's {row[name]!r}"
+            f"envelope {name} {getattr(envelope, name)!r} differs from the row's {seen[name]!r}"
             for name in ("event_id", "event_type", "room_id", "app_code")
-            if getattr(envelope, name) != row[name]
+            if getattr(envelope, name) != seen[name]
         ]
         if mismatches:
             doc["envelope_error"] = "; ".join(mismatches)
     now = _now_ms()
-    doc["state"] = describe_state(row, now)
-    lanes = await _lane_states(store, int(row["id"]), now)
+    doc["state"] = describe_state(row, now, p, int(seen["lock_ms"] or 0))
+    lanes = await _lane_states(store, int(seen["key"]), now)
     if lanes:
         doc["lanes"] = lanes
     return doc
@@ -321,18 +337,21 @@ async def _lane_states(store: SQLStore, outbox_id: int, now: int) -> dict[str, s
     return states
 
 
-def describe_state(row: dict[str, Any], now: int) -> str:
+def describe_state(row: dict[str, Any], now: int, words: Profile = V1, lock_until: int | None = None) -> str:
+    """A sentence on a row's delivery state, in ``words``' vocabulary (lanes speak ``v1``);
+    ``lock_until``: the row's lock in epoch ms when its table keeps it otherwise."""
     status = row["status"]
-    retries = row["retry_count"]
-    lock_until = int(row.get("lock_until_ms") or 0)
-    if status == "published":
-        return "published: delivered (or pushed by room-service itself); nothing left to do"
-    if status == "failed":
+    retries = row[words.attempts]
+    if lock_until is None:
+        lock_until = int(row.get("lock_until_ms") or 0)
+    if status == words.delivered:
+        return f"{status}: delivered (or pushed by room-service itself); nothing left to do"
+    if status == words.parked:
         return f"parked after {retries} attempt(s): never retried until `room-outbox requeue`"
-    if status == "cancelled":
+    if status == words.cancelled:
         return "cancelled by an operator: never delivered"
-    if status != "pending":
-        return f"status {status!r}: not a status room-outbox writes"
+    if status not in words.open:
+        return f"status {status!r}: not a status of table profile {words.name}"
     if row.get("worker_id") and lock_until > now:
         return f"in flight: leased by {row['worker_id']} for another {format_age(lock_until - now)}"
     if lock_until > now:

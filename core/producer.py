@@ -31,6 +31,7 @@ from room_outbox.envelope import EventEnvelope
 from room_outbox.redaction import Redactor, redact_and_shorten
 from room_outbox.routing import Router
 from room_outbox.sink import SinkError
+from room_outbox.store.dialect import MYSQL, POSTGRESQL, SQLITE, Dialect
 from room_outbox.store.leased import LAST_ERROR_MAX
 
 log = logging.getLogger("room_outbox.producer")
@@ -39,20 +40,31 @@ INSERT_EVENT = (
     "INSERT INTO room_outbox (app_code, event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"
     " VALUES (%s, %s, %s, %s, %s, %s, %s)"
 )
+#: The same INSERT skipping a row whose event_id exists, per dialect: a retried command (the
+#: same event_id) leaves the first row as it is and the caller's transaction goes on.
+INSERT_EVENT_ONCE = {
+    dialect.name: dialect.insert_skipping_duplicates(INSERT_EVENT, "event_id")
+    for dialect in (MYSQL, POSTGRESQL, SQLITE)
+}
 #: Exactly room-service's statement, so both producers behave alike.
 MARK_PUBLISHED = "UPDATE room_outbox SET status='published' WHERE event_id=%s"
 
 
-async def append_event(cur: aiomysql.Cursor, envelope: EventEnvelope | Mapping[str, Any]) -> EventEnvelope:
-    """Insert the event as a ``pending`` row using the caller's cursor (its transaction).
+async def append_event(
+    cur: Any, envelope: EventEnvelope | Mapping[str, Any], dialect: Dialect = MYSQL
+) -> EventEnvelope:
+    """Insert the event as a ``pending`` row using the caller's cursor (its transaction), in
+    ``dialect`` (aiomysql's cursor: MySQL; psycopg's: PostgreSQL; a store's cursor: its own).
 
+    An event_id already in the table is skipped, not raised: the caller's transaction stays
+    usable and commits the rest of its work (a retried command re-appends the same event).
     Raises pydantic's ``ValidationError`` for an envelope without event_id, event_type or
     room_id, before anything is written.
     """
     event = envelope if isinstance(envelope, EventEnvelope) else EventEnvelope.model_validate(dict(envelope))
     now = int(time.time() * 1000)
     await cur.execute(
-        INSERT_EVENT,
+        INSERT_EVENT_ONCE[dialect.name],
         (event.app_code, event.event_id, event.event_type, event.room_id, event.model_dump_json(), now, now),
     )
     return event
@@ -78,7 +90,11 @@ class OutboxProducer:
     """
 
     def __init__(
-        self, pool: aiomysql.Pool, router: Router, publish_timeout: float = 3.0, redactor: Redactor | None = None
+        self,
+        pool: aiomysql.Pool,
+        router: Router,
+        publish_timeout: float = 3.0,
+        redactor: Redactor | None = None,
     ) -> None:
         self.pool = pool
         self.router = router

@@ -14,7 +14,6 @@ A secret is masked however it travels: raw, percent-encoded as in a URL query (a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -123,11 +122,10 @@ def redactor_for(settings: Settings, environ: Mapping[str, str] | None = None) -
     connection is made: the DSN password, each sink setting whose name says it is a
     credential (``secret_key``, ``password``, ``sasl_plain_password``, ``token``...), and
     the values of the OTLP header variables."""
-    from room_outbox.store.mysql import MySQLAddress
+    from room_outbox.store.factory import dsn_password
 
     redactor = Redactor()
-    with contextlib.suppress(ValueError):  # a bad DSN is reported where it is used
-        redactor.add(MySQLAddress.from_dsn(settings.mysql.dsn.get_secret_value()).password)
+    redactor.add(dsn_password(settings.database.dsn.get_secret_value()))  # any database's DSN
     for secret in _secret_settings(settings.sinks):
         redactor.add(secret)
     env = os.environ if environ is None else environ

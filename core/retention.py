@@ -31,6 +31,10 @@ How it stays out of delivery's way:
 * **Several processes.** ``SKIP LOCKED`` makes two cleaners split a batch instead of waiting on
   each other, and the status/age re-check under the lock makes a second removal a no-op; with
   ``archive`` the copy and the delete share one transaction, so a row is archived exactly once.
+  (SQLite has one writer at a time: there the batches of two cleaners simply take turns.)
+
+The same statements run on all three databases; the dialect supplies the locking clause and,
+on MySQL, the primary-key hints explained below.
 """
 
 from __future__ import annotations
@@ -47,22 +51,25 @@ from anyio.abc import TaskStatus
 
 from room_outbox.config import RetentionSettings
 from room_outbox.lanes import LanePlan
+from room_outbox.store.dialect import column_names, table_names
+from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import first_row_after, owes_rows, stored_lanes
-from room_outbox.store.leased import TABLE, now_ms
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql_lanes import lane_table
+from room_outbox.store.tables import TABLE
 
 log = logging.getLogger("room_outbox.retention")
 
 ARCHIVE_TABLE = f"{TABLE}_archive"
 
+
+def archive_table(table: str) -> str:
+    return f"{table}_archive"
+
+
 _DEADLOCK_RETRIES = 3
 _LOCK_ERRORS = (1205, 1213)  # lock wait timeout, deadlock
 _TABLE_EXISTS = 1050
-
-_SCAN_SQL = f"SELECT id, created_at_ms FROM {TABLE} WHERE status = 'published' AND id > %s ORDER BY id LIMIT %s"
-#: While the IM lane is off, status does not decide: the primary key is walked instead.
-_SCAN_ALL_SQL = f"SELECT id, created_at_ms FROM {TABLE} WHERE id > %s ORDER BY id LIMIT %s"
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,7 @@ class CleanupReport:
 
 
 async def cleanup(
-    store: MySQLStore,
+    store: SQLStore,
     options: RetentionOptions,
     plan: LanePlan | None = None,
     *,
@@ -126,9 +133,14 @@ async def cleanup(
     columns = await _archive_columns(store) if options.archive and not dry_run else []
     lanes, fed_through, report.held_back_by, report.waiting_for = await _lanes(store, plan, cutoff)
     after = 0
+    p = store.profile
     while stop is None or not stop.is_set():
         async with store.transaction() as cur:
-            await cur.execute(_SCAN_SQL if by_status else _SCAN_ALL_SQL, (after, options.batch_size))
+            await cur.execute(
+                f"SELECT {p.key}, {p.as_ms(p.created)} FROM {p.table} WHERE {p.key} > %s{_finished(store, by_status)}"
+                f" ORDER BY {p.key} LIMIT %s",
+                (after, options.batch_size),
+            )
             seen: Sequence[tuple[int, int]] = await cur.fetchall()
         if not seen:
             break
@@ -163,7 +175,7 @@ async def cleanup(
 
 
 async def _remove(
-    store: MySQLStore,
+    store: SQLStore,
     candidates: list[int],
     cutoff: int,
     archive_columns: list[str],
@@ -183,35 +195,38 @@ async def _remove(
     return 0
 
 
-def _not_owed(lanes: list[str]) -> str:
+def _not_owed(store: SQLStore, lanes: list[str]) -> str:
     """A lane still owing the event (pending, or parked for a requeue) needs its envelope."""
+    table, key = store.profile.table, store.profile.key
     return "".join(
-        f" AND NOT EXISTS (SELECT 1 FROM {lane} l WHERE l.outbox_id = {TABLE}.id AND l.status IN ('pending', 'failed'))"
+        f" AND NOT EXISTS (SELECT 1 FROM {lane} l WHERE l.outbox_id = {table}.{key} AND l.status IN ('pending', 'failed'))"
         for lane in lanes
     )
 
 
-def _finished(by_status: bool) -> str:
-    """While the IM lane runs (or no lane does), only ``published`` rows are finished."""
-    return " AND status = 'published'" if by_status else ""
+def _finished(store: SQLStore, by_status: bool) -> str:
+    """While the IM lane runs (or no lane does), only delivered rows (``published`` in v1's
+    words) are finished; the status words are the profile's constants, never input."""
+    return f" AND status = '{store.profile.delivered}'" if by_status else ""
 
 
 async def _count_removable(
-    store: MySQLStore, candidates: list[int], cutoff: int, lanes: list[str], by_status: bool
+    store: SQLStore, candidates: list[int], cutoff: int, lanes: list[str], by_status: bool
 ) -> int:
     """How many of the candidates a removal would take now (``--dry-run``): its conditions, no lock."""
     marks = ", ".join(["%s"] * len(candidates))
+    p = store.profile
     async with store.transaction() as cur:
         await cur.execute(
-            f"SELECT COUNT(*) FROM {TABLE} FORCE INDEX (PRIMARY) WHERE id IN ({marks}){_finished(by_status)}"
-            f" AND created_at_ms <= %s{_not_owed(lanes)}",
+            f"SELECT COUNT(*) FROM {p.table}{store.dialect.primary_hint} WHERE {p.key} IN ({marks})"
+            f"{_finished(store, by_status)} AND {p.created} <= {p.ms('%s')}{_not_owed(store, lanes)}",
             (*candidates, cutoff),
         )
         return int((await cur.fetchone())[0])
 
 
 async def _remove_once(
-    store: MySQLStore,
+    store: SQLStore,
     candidates: list[int],
     cutoff: int,
     archive_columns: list[str],
@@ -219,13 +234,15 @@ async def _remove_once(
     by_status: bool,
 ) -> int:
     marks = ", ".join(["%s"] * len(candidates))
-    owed = _not_owed(lanes)
+    dialect, p = store.dialect, store.profile
+    table, key = p.table, p.key
+    owed = _not_owed(store, lanes)
     async with store.transaction() as cur:
-        # PRIMARY only: locking through a secondary index would take locks that the DELETE of a
-        # concurrent cleaner needs next, which deadlocks (seen with two cleaners).
+        # MySQL: PRIMARY only: locking through a secondary index would take locks that the
+        # DELETE of a concurrent cleaner needs next, which deadlocks (seen with two cleaners).
         await cur.execute(
-            f"SELECT id FROM {TABLE} FORCE INDEX (PRIMARY) WHERE id IN ({marks}){_finished(by_status)}"
-            f" AND created_at_ms <= %s{owed} FOR UPDATE SKIP LOCKED",
+            f"SELECT {key} FROM {table}{dialect.primary_hint} WHERE {key} IN ({marks}){_finished(store, by_status)}"
+            f" AND {p.created} <= {p.ms('%s')}{owed}{dialect.row_lock}",
             (*candidates, cutoff),
         )
         ids = [row[0] for row in await cur.fetchall()]
@@ -235,18 +252,22 @@ async def _remove_once(
         if archive_columns:
             names = ", ".join(archive_columns)
             await cur.execute(
-                f"INSERT INTO {ARCHIVE_TABLE} ({names}) SELECT {names} FROM {TABLE} FORCE INDEX (PRIMARY)"
-                f" WHERE id IN ({held})",
+                f"INSERT INTO {archive_table(table)} ({names}) SELECT {names} FROM {table}{dialect.primary_hint}"
+                f" WHERE {key} IN ({held})",
                 ids,
             )
-        # The multi-table form, because only it takes an index hint: on a small table the
-        # optimizer would otherwise scan all rows and wait on those another cleaner holds.
         for lane in lanes:  # the lanes' rows for these events are done with too
             await cur.execute(f"DELETE FROM {lane} WHERE outbox_id IN ({held})", ids)
-        return int(await cur.execute(f"DELETE o FROM {TABLE} AS o FORCE INDEX (PRIMARY) WHERE o.id IN ({held})", ids))
+        if dialect.primary_hint:
+            # The multi-table form, because only it takes an index hint: on a small table the
+            # optimizer would otherwise scan all rows and wait on those another cleaner holds.
+            delete = f"DELETE o FROM {table} AS o{dialect.primary_hint} WHERE o.id IN ({held})"
+        else:
+            delete = f"DELETE FROM {table} WHERE {key} IN ({held})"
+        return int(await cur.execute(delete, ids))
 
 
-async def _lanes(store: MySQLStore, plan: LanePlan, cutoff: int) -> tuple[list[str], int, list[str], list[str]]:
+async def _lanes(store: SQLStore, plan: LanePlan, cutoff: int) -> tuple[list[str], int, list[str], list[str]]:
     """The lane tables; the highest id every lane has been fed through (rows above it are not
     removed: a lane has yet to copy them); the lanes no longer enabled whose leftovers hold
     old rows back, and the enabled lanes that never ran (each named in a warning)."""
@@ -280,35 +301,39 @@ async def _lanes(store: MySQLStore, plan: LanePlan, cutoff: int) -> tuple[list[s
     return [lane_table(lane.name) for lane in stored if lane.has_table], fed_through, held_back_by, waiting
 
 
-async def _archive_columns(store: MySQLStore) -> list[str]:
+async def _archive_columns(store: SQLStore) -> list[str]:
     """Create the archive table when missing (a copy of ``room_outbox``'s definition) and name
     the columns both tables have, so a column added to ``room_outbox`` later never breaks
     archiving (it is simply not archived until added to the archive table too)."""
+    dialect, table = store.dialect, store.profile.table
+    archive = archive_table(table)
     async with store.transaction() as cur:
-        await cur.execute(
-            "SELECT 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
-            (ARCHIVE_TABLE,),
-        )
-        if not await cur.fetchone():  # IF NOT EXISTS would warn on every pass
-            try:
-                await cur.execute(f"CREATE TABLE {ARCHIVE_TABLE} LIKE {TABLE}")
-            except pymysql.err.OperationalError as exc:
-                if exc.args[0] != _TABLE_EXISTS:  # another cleaner created it first: fine
-                    raise
-        await cur.execute(
-            "SELECT TABLE_NAME, COLUMN_NAME FROM information_schema.COLUMNS"
-            " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME IN (%s, %s)"
-            " AND EXTRA NOT LIKE '%%GENERATED%%'"  # computed, never copied (room_bucket)
-            " ORDER BY ORDINAL_POSITION",
-            (TABLE, ARCHIVE_TABLE),
-        )
-        found = await cur.fetchall()
-    archived = {column.lower() for table, column in found if table == ARCHIVE_TABLE}
-    return [column for table, column in found if table == TABLE and column.lower() in archived]
+        if archive not in await table_names(cur, dialect):
+            if dialect.name == "mysql":  # IF NOT EXISTS would warn on every pass
+                try:
+                    await cur.execute(f"CREATE TABLE {archive} LIKE {table}")
+                except pymysql.err.OperationalError as exc:
+                    if exc.args[0] != _TABLE_EXISTS:  # another cleaner created it first: fine
+                        raise
+            elif dialect.name == "postgresql":
+                await cur.execute(f"CREATE TABLE IF NOT EXISTS {archive} (LIKE {table} INCLUDING ALL)")
+            else:  # SQLite: the columns and their types, without the id's AUTOINCREMENT
+                await cur.execute(f"CREATE TABLE IF NOT EXISTS {archive} AS SELECT * FROM {table} WHERE 0")
+        ours = await column_names(cur, dialect, table)
+        archived = set(await column_names(cur, dialect, archive))
+        computed: set[str] = set()
+        if dialect.name == "mysql":  # generated columns (room_bucket) are computed, never copied
+            await cur.execute(
+                "SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()"
+                " AND TABLE_NAME = %s AND EXTRA LIKE '%%GENERATED%%'",
+                (table,),
+            )
+            computed = {str(row[0]).lower() for row in await cur.fetchall()}
+    return [column for column in ours if column in archived and column not in computed]
 
 
 async def run_retention_job(
-    store: MySQLStore,
+    store: SQLStore,
     settings: RetentionSettings,
     stop: anyio.Event,
     plan: LanePlan | None = None,
@@ -338,7 +363,7 @@ async def run_retention_job(
 
 
 async def cleanup_command(
-    store: MySQLStore,
+    store: SQLStore,
     options: RetentionOptions,
     apply: bool,
     out: IO[str],
@@ -349,7 +374,8 @@ async def cleanup_command(
     """``room-outbox cleanup``: one pass, removing rows only when ``apply`` (``--yes``), else
     counting them; a progress line per batch on ``err`` when ``show_progress`` (a terminal);
     then a one-line summary on ``out``, and a line per lane that holds rows back."""
-    verb = ("moved to " + ARCHIVE_TABLE if options.archive else "deleted") if apply else "would be removed"
+    archive = archive_table(store.profile.table)
+    verb = ("moved to " + archive if options.archive else "deleted") if apply else "would be removed"
 
     def progress(report: CleanupReport) -> None:
         print(
@@ -363,7 +389,7 @@ async def cleanup_command(
     older = f"older than {options.older_than:g}s"
     what = "published row(s)" if report.by_status else "row(s) every enabled lane has finished"
     if not apply:
-        target = f"moved to {ARCHIVE_TABLE}" if options.archive else "deleted"
+        target = f"moved to {archive}" if options.archive else "deleted"
         print(
             f"{report.removed} {what} {older} would be {target} (dry run: nothing changed;"
             " run again with --yes to remove them)",

@@ -4,7 +4,7 @@
    environment (already parsed into :class:`Settings`), the DSN, every enabled sink's section,
    the routes, lanes of their own, the ``OTEL_*`` exporters. Nothing connects, so
    ``room-outbox check-config`` runs the same check on a machine without a database.
-2. **The database** (:func:`open_checked_store`): waited for up to ``mysql.connect_wait`` while
+2. **The database** (:func:`open_checked_store`): waited for up to ``database.connect_wait`` while
    it cannot be reached (a server still starting), then
 3. **the schema**: every column and lane table room-outbox uses, or "run `room-outbox migrate`".
 
@@ -22,8 +22,9 @@ from room_outbox.config import Settings
 from room_outbox.errors import ConfigurationError
 from room_outbox.routing import validate_sinks
 from room_outbox.store.errors import translated
-from room_outbox.store.factory import SQLStore, describe, is_sqlite, open_store, store_address
+from room_outbox.store.factory import SQLStore, describe, open_store, store_address
 from room_outbox.store.mysql_lanes import lane_table
+from room_outbox.store.profiles import Profile, profile_named
 from room_outbox.store.schema import check_schema
 from room_outbox.telemetry import check_environment
 
@@ -44,7 +45,7 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> Checked
     problems: list[str] = []
     database = ""
     try:
-        database = store_address(settings.mysql.dsn.get_secret_value()).database
+        database = store_address(settings.database.dsn.get_secret_value()).database
     except ConfigurationError as exc:
         problems.append(str(exc))
     try:
@@ -65,21 +66,28 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> Checked
             lane_table(lane)
         except ValueError as exc:
             problems.append(f"sinks.{lane}: {exc}")
-    if own_lanes and is_sqlite(settings.mysql.dsn.get_secret_value()):
-        problems.append(f"sinks {', '.join(own_lanes)}: lanes of their own need a MySQL database (mysql.dsn)")
     if problems:
         raise ConfigurationError("invalid configuration:\n  " + "\n  ".join(problems))
     return CheckedConfiguration(im_sinks, own_lanes, database)
 
 
+def table_profile(settings: Settings) -> Profile:
+    """The outbox table's profile ``database.profile`` (and ``database.table``) name."""
+    return profile_named(settings.database.profile, settings.database.table)
+
+
 async def open_checked_store(settings: Settings, own_lanes: list[str]) -> SQLStore:
-    """The store, once reachable (waiting up to ``mysql.connect_wait``) and migrated."""
-    mysql = settings.mysql
+    """The store, once reachable (waiting up to ``database.connect_wait``) and migrated."""
+    database = settings.database
     store = await open_store(
-        mysql.dsn.get_secret_value(), mysql.pool_size, query_timeout=mysql.query_timeout, wait=mysql.connect_wait
+        database.dsn.get_secret_value(),
+        database.pool_size,
+        query_timeout=database.query_timeout,
+        wait=database.connect_wait,
+        profile=table_profile(settings),
     )
     try:
-        with translated(describe(store_address(mysql.dsn.get_secret_value()))):
+        with translated(describe(store_address(database.dsn.get_secret_value()))):
             await check_schema(store, own_lanes)
     except BaseException:
         await store.aclose()

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from support import POSTGRESQL_SERVER_DSN, pg_admin
 
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
 
@@ -63,6 +64,17 @@ def _admin(address: MySQLAddress, sql: str) -> None:
             cur.execute(sql)
     finally:
         conn.close()
+
+
+@pytest.fixture
+def postgresql_dsn() -> Iterator[str]:
+    """A DSN naming a brand-new PostgreSQL database, dropped after the test."""
+    name = f"ro_test_{uuid.uuid4().hex[:12]}"
+    pg_admin(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{POSTGRESQL_SERVER_DSN}/{name}"
+    finally:
+        pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture

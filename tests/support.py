@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -14,6 +15,9 @@ import pytest
 from room_outbox import SinkSpec, hookimpl
 from room_outbox.sink import SinkSettings
 from room_outbox.store.mysql import MySQLStore
+
+#: Set ROOM_OUTBOX_TEST_POSTGRESQL (postgresql://user:password@host:port) to use another server.
+POSTGRESQL_SERVER_DSN = os.environ.get("ROOM_OUTBOX_TEST_POSTGRESQL", "postgresql://postgres@127.0.0.1:5432")
 
 #: room-service's own V1 table, as DESIGN.md §2.1 gives it.
 V1_DDL = """
@@ -149,3 +153,16 @@ class SinkPlugin:
     @hookimpl
     def room_outbox_register_sinks(self) -> list[SinkSpec]:
         return [SinkSpec(self.name, SinkSettings, lambda _settings, _context: self.sink)]
+
+
+def pg_admin(sql: str) -> None:
+    import psycopg
+
+    try:
+        conn = psycopg.connect(f"{POSTGRESQL_SERVER_DSN}/postgres", autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:  # fail loudly: the suite needs this server
+        pytest.fail(f"PostgreSQL at {POSTGRESQL_SERVER_DSN} does not answer ({exc}); start it first", pytrace=False)
+    try:
+        conn.execute(sql)  # type: ignore[arg-type]
+    finally:
+        conn.close()

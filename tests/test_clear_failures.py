@@ -90,7 +90,7 @@ async def test_server_down_or_wrong_port(
     assert code == 3
     assert err == [
         f"room-outbox: cannot reach {where(database_dsn, port)}: connection refused or"
-        " unreachable; is the server running, and are mysql.dsn's host and port right?"
+        " unreachable; is the server running, and are database.dsn's host and port right?"
     ]
 
 
@@ -100,7 +100,7 @@ async def test_wrong_password_names_the_fix_and_never_the_password(
     dsn = server(database_dsn, password="s3cret-Pw*")
     code, _, err = await cli(capsys, "--config", write_config(tmp_path, dsn), "status")
     assert code == 3 and len(err) == 1
-    assert "refused the login" in err[0] and err[0].endswith("check the user and password in mysql.dsn")
+    assert "refused the login" in err[0] and err[0].endswith("check the user and password in database.dsn")
     assert "s3cret" not in err[0]
 
 
@@ -160,13 +160,11 @@ async def test_run_checks_the_lane_tables_of_enabled_own_lane_sinks(
 
 
 async def test_unsupported_dsn_scheme(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = await cli(
-        capsys, "--config", write_config(tmp_path, "postgresql://u:pw-secret@db:5432/room"), "status"
-    )
+    code, _, err = await cli(capsys, "--config", write_config(tmp_path, "redis://u:pw-secret@db:6379/0"), "status")
     assert code == 2
     assert err == [
-        "room-outbox: mysql.dsn: scheme must be mysql:// (got postgresql://); expected"
-        " mysql://user:password@host:port/database or sqlite:///path/outbox.db"
+        "room-outbox: database.dsn: unknown scheme redis://; expected mysql://user:password@host:port/database,"
+        " postgresql://user:password@host:port/database or sqlite:///path/outbox.db"
     ]
 
 
@@ -208,7 +206,7 @@ async def test_check_config_reports_every_error(tmp_path: Path, capsys: pytest.C
     assert err[0] == "room-outbox: invalid configuration:"
     problems = " | ".join(err[1:])
     for expected in (
-        "mysql.dsn: scheme must be mysql://",
+        "database.dsn: unknown scheme redis://",
         "sinks.nosuchsink: no installed plugin",
         "sinks.tencent_im.colour",
     ):
@@ -303,7 +301,7 @@ async def test_start_up_gives_up_after_connect_wait(database_dsn: str, tmp_path:
     lines = log.read_text().splitlines()
     assert len(_waits(log)) >= 3
     assert lines[-1].startswith(f"room-outbox: cannot reach {where(database_dsn, port)}")
-    assert lines[-1].endswith("(gave up after waiting 1.5s: mysql.connect_wait)")
+    assert lines[-1].endswith("(gave up after waiting 1.5s: database.connect_wait)")
     assert "Traceback" not in log.read_text()
 
 

@@ -215,3 +215,42 @@ async def test_the_sample_events_parse_as_the_dispatcher_reads_them(database_dsn
         parsed = parse_envelope(raw)
         assert (parsed.event_id, parsed.event_type, parsed.room_id) == (event_id, event_type, room_id)
     assert {e[1] for e in envelopes} == {"RoomUserJoined", "RoomGiftSent", "RoomMicChanged", "RoomHeatChanged"}
+
+
+@pytest.fixture(scope="module")
+def compose_postgres() -> dict[str, Any]:
+    tool = shutil.which("docker-compose")
+    if tool is None:
+        pytest.fail("docker-compose is not installed: install the Debian package docker-compose", pytrace=False)
+    done = subprocess.run(
+        [tool, "-f", str(ROOT / "docker-compose.postgres.yml"), "config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 0, f"docker-compose config rejects docker-compose.postgres.yml:\n{done.stderr}"
+    resolved: dict[str, Any] = yaml.safe_load(done.stdout)
+    return resolved
+
+
+def test_the_postgresql_variant_migrates_and_runs_against_postgres(
+    compose_postgres: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    services = compose_postgres["services"]
+    assert set(services) == {"postgres", "migrate", "room-outbox", "fake-im"}
+    assert services["postgres"]["image"].startswith("postgres:")
+    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert services["room-outbox"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    for service in ("room-outbox", "migrate", "fake-im"):
+        build_parser().parse_args(services[service]["command"])
+    # The image's config (which names MySQL under `mysql:`) with this environment: PostgreSQL.
+    for name, value in services["room-outbox"]["environment"].items():
+        monkeypatch.setenv(name, str(value))
+    settings = load_settings(ROOT / "config" / "config.docker.yaml")
+    assert settings.database.dsn.get_secret_value() == "postgresql://postgres:room@postgres:5432/room"
+    env = services["postgres"]["environment"]
+    assert (
+        f"postgres:{env['POSTGRES_PASSWORD']}@postgres:5432/{env['POSTGRES_DB']}"
+        in settings.database.dsn.get_secret_value()
+    )

@@ -179,3 +179,38 @@ def test_library_log_level_defaults_to_warning_and_is_checked(tmp_path: Path) ->
     assert load_settings(write(tmp_path, "log:\n  library_level: debug\n")).log.library_level == "DEBUG"
     with pytest.raises(ConfigError, match=r"log\.library_level: unknown log level 'CHATTY'"):
         load_settings(write(tmp_path, "log:\n  library_level: chatty\n"))
+
+
+def test_the_database_section_names_any_store_and_mysql_stays_its_alias(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    database = load_settings(
+        write(tmp_path, "database:\n  dsn: postgresql://u@h/db\n  pool_size: 3\n  query_timeout: 500ms\n")
+    ).database
+    assert (database.dsn.get_secret_value(), database.pool_size, database.query_timeout) == (
+        "postgresql://u@h/db",
+        3,
+        0.5,
+    )
+    assert (database.profile, database.table) == ("v1", "")
+    old = load_settings(write(tmp_path, "mysql:\n  dsn: mysql://u@h/old\n  pool_size: 4\n")).database
+    assert (old.dsn.get_secret_value(), old.pool_size) == ("mysql://u@h/old", 4)
+    # Both given: a key of `database` wins, the rest still comes from `mysql`.
+    both = load_settings(
+        write(tmp_path, "mysql:\n  dsn: mysql://u@h/old\n  pool_size: 4\ndatabase:\n  dsn: sqlite:///x.db\n")
+    )
+    assert (both.database.dsn.get_secret_value(), both.database.pool_size) == ("sqlite:///x.db", 4)
+    monkeypatch.setenv("ROOM_OUTBOX__MYSQL__DSN", "mysql://u@h/from_env")
+    assert load_settings().database.dsn.get_secret_value() == "mysql://u@h/from_env"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("database:\n  profile: v9\n", "database.profile: unknown table profile 'v9' (allowed: v1, room_cell, silk)"),
+        ("database:\n  table: 'outbox; DROP'\n", "database.table: 'outbox; DROP' is not a plain table name"),
+    ],
+)
+def test_bad_database_settings_name_their_key(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_settings(write(tmp_path, text))

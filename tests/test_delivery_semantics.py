@@ -13,7 +13,8 @@ from support import RecordingSink, envelope, fetch_rows, insert_events, insert_r
 from room_outbox.admin import cancel_command, requeue_command
 from room_outbox.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError
-from room_outbox.store.mysql import MySQLStore, RequeueFilter
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.operator import RequeueFilter
 
 pytestmark = pytest.mark.anyio
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from support import envelope, insert_events
 
 from room_outbox.cli import main
 from room_outbox.demo import DemoOptions, plan_commands, run_demo, verify
@@ -43,11 +44,15 @@ def test_the_default_demo_runs_on_a_bare_machine_verified_and_short(tmp_path: Pa
     assert all(line.startswith("  progress: ") or not line.startswith("  ") for line in before), before
 
 
-def test_the_demo_runs_against_mysql_with_its_options(database_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["demo", "--db", database_dsn, "--events", "60", "--failure-rate", "0.5", "--seed", "7"])
+@pytest.mark.parametrize(("server", "name"), [("mysql", "MySQL"), ("postgresql", "PostgreSQL")])
+def test_the_demo_runs_against_a_server_with_its_options(
+    server: str, name: str, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dsn = str(request.getfixturevalue("database_dsn" if server == "mysql" else "postgresql_dsn"))
+    code = main(["demo", "--db", dsn, "--events", "60", "--failure-rate", "0.5", "--seed", "7"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "60/60 events published" in out and "outbox in MySQL" in out
+    assert "60/60 events published" in out and f"outbox in {name}" in out
     assert "per-room order: the dispatcher delivered" in out
 
 
@@ -121,18 +126,22 @@ def test_verify_fails_each_broken_promise(
 
 
 @pytest.mark.anyio
-async def test_status_reads_a_sqlite_store_and_row_changing_commands_refuse_it(
+async def test_operator_commands_run_on_the_sqlite_file_the_demo_keeps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What the demo's --keep prints: `ROOM_OUTBOX__MYSQL__DSN=sqlite:///… room-outbox status`."""
-    monkeypatch.setenv("ROOM_OUTBOX__MYSQL__DSN", f"sqlite:///{tmp_path / 'outbox.db'}")
+    """What the demo's --keep prints: `ROOM_OUTBOX__DATABASE__DSN=sqlite:///… room-outbox status`;
+    the row-changing commands work on that file too."""
+    monkeypatch.setenv("ROOM_OUTBOX__DATABASE__DSN", f"sqlite:///{tmp_path / 'outbox.db'}")
     monkeypatch.setenv("ROOM_OUTBOX__SINKS__TENCENT_IM__ENABLED", "false")
     store = await open_store(f"sqlite:///{tmp_path / 'outbox.db'}")
     try:
         await store.migrate()
+        await insert_events(store, [envelope("evt_1")])
     finally:
         await store.aclose()
     assert await anyio.to_thread.run_sync(main, ["status", "--json"]) == 0
-    assert '"pending": 0' in capsys.readouterr().out
-    assert await anyio.to_thread.run_sync(main, ["cancel", "evt_1"]) == 2
-    assert "needs a MySQL store" in capsys.readouterr().err
+    assert '"pending": 1' in capsys.readouterr().out
+    assert await anyio.to_thread.run_sync(main, ["cancel", "evt_1"]) == 0
+    assert "cancelled evt_1" in capsys.readouterr().out
+    assert await anyio.to_thread.run_sync(main, ["cleanup", "--older-than", "1s"]) == 0
+    assert "0 published row(s)" in capsys.readouterr().out

@@ -26,15 +26,20 @@ from dataclasses import dataclass
 
 import anyio
 
-#: ``mysql.query_timeout`` when the configuration says nothing and the lease allows it.
+#: ``database.query_timeout`` when the configuration says nothing and the lease allows it.
 DEFAULT_QUERY_TIMEOUT = 5.0
+#: Client-side bound on ``migrate``'s transaction: adding a column or an index to a large
+#: table may take long. Its lock waits stay bounded by the session's limits.
+SCHEMA_CHANGE_TIMEOUT = 3600.0
 
 
 class QueryTimeout(TimeoutError):
     """A database call did not end within ``query_timeout``; its connection was discarded."""
 
     def __init__(self, seconds: float) -> None:
-        super().__init__(f"the database did not answer within mysql.query_timeout {seconds:g}s; connection discarded")
+        super().__init__(
+            f"the database did not answer within database.query_timeout {seconds:g}s; connection discarded"
+        )
         self.seconds = seconds
 
 

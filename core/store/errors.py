@@ -1,6 +1,6 @@
 """Driver errors turned into room-outbox's own, once, at the store's boundary.
 
-PyMySQL/aiomysql and sqlite3 report a wrong password, a missing database, a server that is
+PyMySQL/aiomysql, psycopg and sqlite3 report a wrong password, a missing database, a server that is
 down and a table that was never migrated each in their own way. :func:`translate` turns them
 into :class:`~room_outbox.errors.StoreUnavailable` or :class:`~room_outbox.errors.SchemaError`
 with a message that names the server, the cause and the fix, and never the password; the
@@ -14,7 +14,9 @@ import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psycopg
 import pymysql
+from psycopg_pool import PoolTimeout
 
 from room_outbox.errors import RoomOutboxError, SchemaError, StoreUnavailable
 
@@ -39,11 +41,11 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
         if code in _CANNOT_CONNECT or code in _CONNECTION_LOST or code in _BUSY:
             what = {**_CANNOT_CONNECT, **_CONNECTION_LOST, **_BUSY}[code]
             return StoreUnavailable(
-                f"cannot reach {where}: {what}; is the server running, and are mysql.dsn's host and port right?",
+                f"cannot reach {where}: {what}; is the server running, and are database.dsn's host and port right?",
                 transient=True,
             )
         if code in _ACCESS_DENIED:
-            return StoreUnavailable(f"{where} refused the login: {reason}; check the user and password in mysql.dsn")
+            return StoreUnavailable(f"{where} refused the login: {reason}; check the user and password in database.dsn")
         if code == _UNKNOWN_DATABASE:
             return StoreUnavailable(
                 f"{where}: the database does not exist; create it, or run `room-outbox migrate`, which creates it"
@@ -53,17 +55,46 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
         if isinstance(exc, pymysql.err.OperationalError):
             return StoreUnavailable(f"{where}: {reason}")
         return None
+    if isinstance(exc, psycopg.Error | PoolTimeout):
+        return _translate_postgresql(exc, where, reason)
     if isinstance(exc, sqlite3.Error):
         if "no such table" in reason or "no such column" in reason:
             return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
         if isinstance(exc, sqlite3.OperationalError):
             locked = "locked" in reason or "busy" in reason
-            return StoreUnavailable(f"{where}: {reason}; check mysql.dsn's file and its directory", transient=locked)
+            return StoreUnavailable(f"{where}: {reason}; check database.dsn's file and its directory", transient=locked)
         return None
     if isinstance(exc, BrokenPipeError):
         return None  # our own standard output closed (`| head`), not the database
     if isinstance(exc, ConnectionError | TimeoutError):
         return StoreUnavailable(f"cannot reach {where}: {reason}; is the server running?", transient=True)
+    return None
+
+
+#: PostgreSQL's SQLSTATEs, by what they mean to an operator.
+_PG_SCHEMA = ("42P01", "42703")  # undefined table, undefined column
+_PG_ACCESS_DENIED = ("28000", "28P01")
+_PG_UNKNOWN_DATABASE = "3D000"
+
+
+def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOutboxError | None:
+    """psycopg's errors. Errors while connecting carry no SQLSTATE, only libpq's words."""
+    state = getattr(exc, "sqlstate", None)
+    if state in _PG_SCHEMA:
+        return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
+    if state in _PG_ACCESS_DENIED or "password authentication failed" in reason or "pg_hba.conf" in reason:
+        return StoreUnavailable(f"{where} refused the login: {reason}; check the user and password in database.dsn")
+    if state == _PG_UNKNOWN_DATABASE or ("database" in reason and "does not exist" in reason):
+        return StoreUnavailable(
+            f"{where}: the database does not exist; create it, or run `room-outbox migrate`, which creates it"
+        )
+    if isinstance(exc, PoolTimeout) or (isinstance(exc, psycopg.OperationalError) and state is None):
+        return StoreUnavailable(
+            f"cannot reach {where}: {reason}; is the server running, and are database.dsn's host and port right?",
+            transient=True,
+        )
+    if isinstance(exc, psycopg.OperationalError):
+        return StoreUnavailable(f"{where}: {reason}")
     return None
 
 

@@ -1,22 +1,28 @@
-"""Open the store a DSN names: ``mysql://…`` → :class:`MySQLStore`, ``sqlite:///…`` →
-:class:`SQLiteStore`. Callers that need more than the lane's protocol (operator queries, the
-readiness ping, the producer's mark) use :class:`SQLStore`: both stores hand out a cursor that
-takes MySQL's ``%s`` placeholders, so that SQL is written once."""
+"""Open the store a DSN names: ``mysql://…`` → :class:`MySQLStore`, ``postgresql://…`` →
+:class:`PostgresStore`, ``sqlite:///…`` → :class:`SQLiteStore`. Callers that need more than
+the lane's protocol (operator queries, the readiness ping, the producer's mark) use
+:class:`SQLStore`: every store hands out a cursor that takes ``%s`` placeholders and names its
+:class:`~room_outbox.store.dialect.Dialect`, so that SQL is written once."""
 
 from __future__ import annotations
 
 import logging
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import anyio
 
 from room_outbox.errors import ConfigurationError, StoreUnavailable
 from room_outbox.store import OutboxStore
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
+from room_outbox.store.dialect import Dialect
 from room_outbox.store.errors import translated
+from room_outbox.store.leased import BucketReader
 from room_outbox.store.mysql import Migration, MySQLAddress, MySQLStore
+from room_outbox.store.postgres import SCHEMES as POSTGRESQL_SCHEMES
+from room_outbox.store.postgres import PostgresAddress, PostgresStore
+from room_outbox.store.profiles import V1, Profile
 from room_outbox.store.sqlite import SQLiteAddress, SQLiteStore
 
 log = logging.getLogger("room_outbox.store")
@@ -25,12 +31,13 @@ log = logging.getLogger("room_outbox.store")
 WAIT_FIRST, WAIT_FACTOR, WAIT_LONGEST = 0.25, 2.0, 5.0
 
 SQLITE_SCHEMES = ("sqlite",)
+MYSQL_SCHEMES = ("mysql", "mariadb", "mysql+aiomysql")
 
 
 class StoreAddress(Protocol):
     @property
     def database(self) -> str:
-        """The database name (MySQL) or file path (SQLite), for logs."""
+        """The database name (MySQL, PostgreSQL) or file path (SQLite), for logs."""
         ...
 
 
@@ -40,6 +47,17 @@ class SQLStore(OutboxStore, Protocol):
 
     async def migration_plan(self) -> list[Migration]:
         """The statements :meth:`migrate` would run now (``migrate --sql``)."""
+        ...
+
+    @property
+    def dialect(self) -> Dialect: ...
+
+    #: The room buckets this process may claim (the MySQL membership's; None elsewhere).
+    room_buckets: BucketReader | None
+
+    @property
+    def profile(self) -> Profile:
+        """The outbox table's name and status words (``database.profile``)."""
         ...
 
     def transaction(self) -> AbstractAsyncContextManager[Any]:
@@ -52,22 +70,48 @@ def is_sqlite(dsn: str) -> bool:
     return urlsplit(dsn).scheme in SQLITE_SCHEMES
 
 
-def store_address(dsn: str) -> MySQLAddress | SQLiteAddress:
-    """The parsed DSN; :class:`ConfigurationError` naming ``mysql.dsn`` (never echoing it, it
-    holds the password) when it is not one room-outbox can use."""
+Address = MySQLAddress | PostgresAddress | SQLiteAddress
+
+
+def store_address(dsn: str) -> Address:
+    """The parsed DSN; :class:`ConfigurationError` naming ``database.dsn`` (never echoing it,
+    it holds the password) when it is not one room-outbox can use."""
+    scheme = urlsplit(dsn).scheme
     try:
-        return SQLiteAddress.from_dsn(dsn) if is_sqlite(dsn) else MySQLAddress.from_dsn(dsn)
+        if scheme in SQLITE_SCHEMES:
+            return SQLiteAddress.from_dsn(dsn)
+        if scheme in POSTGRESQL_SCHEMES:
+            return PostgresAddress.from_dsn(dsn)
+        if scheme in MYSQL_SCHEMES:
+            return MySQLAddress.from_dsn(dsn)
+        raise ValueError(f"database.dsn: unknown scheme {scheme or 'none'}://")
     except ValueError as exc:
         raise ConfigurationError(
-            f"{exc}; expected mysql://user:password@host:port/database or sqlite:///path/outbox.db"
+            f"{exc}; expected mysql://user:password@host:port/database,"
+            " postgresql://user:password@host:port/database or sqlite:///path/outbox.db"
         ) from None
 
 
-def describe(address: MySQLAddress | SQLiteAddress) -> str:
+def describe(address: Address) -> str:
     """The store as error messages and logs name it: where, which database, as whom."""
     if isinstance(address, SQLiteAddress):
         return f"SQLite file {str(address.path)!r}"
-    return f"MySQL at {address.host}:{address.port} (database {address.database!r}, user {address.user!r})"
+    server = "PostgreSQL" if isinstance(address, PostgresAddress) else "MySQL"
+    return f"{server} at {address.host}:{address.port} (database {address.database!r}, user {address.user!r})"
+
+
+def dialect_of(address: Address) -> str:
+    if isinstance(address, SQLiteAddress):
+        return "sqlite"
+    return "postgresql" if isinstance(address, PostgresAddress) else "mysql"
+
+
+def dsn_password(dsn: str) -> str:
+    """The password a DSN holds ("" when none), for the log redactor."""
+    try:
+        return unquote(urlsplit(dsn).password or "")
+    except ValueError:
+        return ""
 
 
 async def open_store(
@@ -76,33 +120,47 @@ async def open_store(
     create_database: bool = False,
     query_timeout: float = DEFAULT_QUERY_TIMEOUT,
     wait: float = 0.0,
+    profile: Profile = V1,
 ) -> SQLStore:
-    """Connect to the store ``dsn`` names. ``create_database`` creates a missing MySQL
-    database; a SQLite file is created whenever it is missing. ``query_timeout`` bounds every
-    database call (see :mod:`.deadline`); on SQLite it is how long a transaction waits for
-    another writer's lock.
+    """Connect to the store ``dsn`` names, keeping the IM lane's state in ``profile``'s table
+    and words. ``create_database`` creates a missing MySQL or PostgreSQL database; a SQLite
+    file is created whenever it is missing. ``query_timeout`` bounds every database call (see
+    :mod:`.deadline`); on SQLite it is how long a transaction waits for another writer's lock.
 
     A server that cannot be reached (down, starting, refusing connections) is tried again for
     up to ``wait`` seconds, pausing 0.25 s, 0.5 s, 1 s ... at most 5 s between attempts, each
     logged; then, like every other failure, it raises :class:`StoreUnavailable` (or
-    :class:`ConfigurationError` for a DSN that does not parse)."""
+    :class:`ConfigurationError` for a DSN that does not parse, or a profile whose table lives
+    on another kind of database)."""
     address = store_address(dsn)
+    kind = dialect_of(address)
+    if profile.databases and kind not in profile.databases:
+        raise ConfigurationError(
+            f"database.profile: {profile.name}'s table lives on {', '.join(profile.databases)};"
+            f" database.dsn names a {kind} database"
+        )
     where = describe(address)
-    password = address.password if isinstance(address, MySQLAddress) else ""
+    password = "" if isinstance(address, SQLiteAddress) else address.password
     deadline = anyio.current_time() + wait
     pause = WAIT_FIRST
     attempt = 1
     while True:
         try:
             with translated(where, password):
+                store: MySQLStore | PostgresStore | SQLiteStore
                 if isinstance(address, SQLiteAddress):
-                    return await SQLiteStore.connect(dsn, busy_timeout=query_timeout)
-                return await MySQLStore.connect(dsn, pool_size, create_database, query_timeout)
+                    store = await SQLiteStore.connect(dsn, busy_timeout=query_timeout)
+                elif isinstance(address, PostgresAddress):
+                    store = await PostgresStore.connect(dsn, pool_size, create_database, query_timeout)
+                else:
+                    store = await MySQLStore.connect(dsn, pool_size, create_database, query_timeout)
+                store.use_profile(profile)
+                return store
         except StoreUnavailable as exc:
             left = deadline - anyio.current_time()
             if not exc.transient or left <= 0:
                 if wait > 0 and exc.transient:
-                    raise StoreUnavailable(f"{exc} (gave up after waiting {wait:g}s: mysql.connect_wait)") from exc
+                    raise StoreUnavailable(f"{exc} (gave up after waiting {wait:g}s: database.connect_wait)") from exc
                 raise
             log.warning(
                 "waiting for the database",

@@ -9,10 +9,14 @@ primary key of ``room_outbox``), never a whole table.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from room_outbox.store.leased import TABLE, now_ms
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.dialect import table_names
+from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
+
+if TYPE_CHECKING:
+    from room_outbox.store.factory import SQLStore
 
 LANE_PREFIX = "room_outbox_lane_"
 
@@ -48,14 +52,10 @@ class StoredLane:
     fed_through_id: int | None
 
 
-async def stored_lanes(store: MySQLStore) -> list[StoredLane]:
+async def stored_lanes(store: SQLStore) -> list[StoredLane]:
     """Every lane of its own with a table or a cursor row, sorted by name."""
     async with store.transaction() as cur:
-        await cur.execute(
-            "SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME LIKE %s",
-            (LANE_PREFIX.replace("_", r"\_") + "%",),
-        )
-        names = {str(name) for (name,) in await cur.fetchall()}
+        names = {name for name in await table_names(cur, store.dialect) if name.startswith(LANE_PREFIX)}
         cursors: dict[str, int] = {}
         if CURSOR_TABLE in names:
             await cur.execute(f"SELECT lane, fed_through_id FROM {CURSOR_TABLE}")
@@ -64,8 +64,10 @@ async def stored_lanes(store: MySQLStore) -> list[StoredLane]:
     return [StoredLane(name, name in tables, cursors.get(name)) for name in sorted(tables | cursors.keys())]
 
 
-async def own_lane_backlog(store: MySQLStore, lane: StoredLane) -> LaneBacklog:
+async def own_lane_backlog(store: SQLStore, lane: StoredLane) -> LaneBacklog:
     table = lane_table(lane.name)
+    p = store.profile  # the outbox the lanes are fed from
+    outbox, key, created = p.table, p.key, p.as_ms(p.created)
     async with store.transaction() as cur:
         pending = parked = 0
         oldest: list[int] = []
@@ -75,13 +77,13 @@ async def own_lane_backlog(store: MySQLStore, lane: StoredLane) -> LaneBacklog:
             await cur.execute(f"SELECT COUNT(*) FROM {table} WHERE status = 'failed'")
             (parked,) = await cur.fetchone()
             if lowest is not None:
-                await cur.execute(f"SELECT created_at_ms FROM {TABLE} WHERE id = %s", (lowest,))
+                await cur.execute(f"SELECT {created} FROM {outbox} WHERE {key} = %s", (lowest,))
                 found = await cur.fetchone()
                 if found:
                     oldest.append(int(found[0]))
         unfed = 0
         if lane.fed_through_id is not None:
-            await cur.execute(f"SELECT COUNT(*) FROM {TABLE} WHERE id > %s", (lane.fed_through_id,))
+            await cur.execute(f"SELECT COUNT(*) FROM {outbox} WHERE {key} > %s", (lane.fed_through_id,))
             (above,) = await cur.fetchone()
             fed_above = 0
             if lane.has_table:
@@ -90,9 +92,13 @@ async def own_lane_backlog(store: MySQLStore, lane: StoredLane) -> LaneBacklog:
             unfed = max(0, int(above) - int(fed_above))
             if unfed:
                 await cur.execute(
-                    f"SELECT o.created_at_ms FROM {TABLE} o WHERE o.id > %s"
-                    + (f" AND NOT EXISTS (SELECT 1 FROM {table} l WHERE l.outbox_id = o.id)" if lane.has_table else "")
-                    + " ORDER BY o.id LIMIT 1",
+                    f"SELECT {created} FROM {outbox} WHERE {key} > %s"
+                    + (
+                        f" AND NOT EXISTS (SELECT 1 FROM {table} l WHERE l.outbox_id = {outbox}.{key})"
+                        if lane.has_table
+                        else ""
+                    )
+                    + f" ORDER BY {key} LIMIT 1",
                     (lane.fed_through_id,),
                 )
                 found = await cur.fetchone()
@@ -101,19 +107,21 @@ async def own_lane_backlog(store: MySQLStore, lane: StoredLane) -> LaneBacklog:
     return LaneBacklog(int(pending), unfed, int(parked), min(oldest) if oldest else None)
 
 
-async def im_lane_backlog(store: MySQLStore) -> LaneBacklog:
-    """The IM lane: pending and parked rows of ``room_outbox`` (it is fed by the insert itself)."""
+async def im_lane_backlog(store: SQLStore) -> LaneBacklog:
+    """The IM lane: open and parked rows of the outbox (it is fed by the insert itself), in the
+    words of its table profile."""
+    p = store.profile
     async with store.transaction() as cur:
-        await cur.execute(f"SELECT COUNT(*) FROM {TABLE} WHERE status = 'pending'")
+        await cur.execute(f"SELECT COUNT(*) FROM {p.table} WHERE {p.is_open()}")
         (pending,) = await cur.fetchone()
-        await cur.execute(f"SELECT created_at_ms FROM {TABLE} WHERE status = 'pending' ORDER BY id LIMIT 1")
+        await cur.execute(f"SELECT {p.as_ms(p.created)} FROM {p.table} WHERE {p.is_open()} ORDER BY {p.key} LIMIT 1")
         oldest = await cur.fetchone()
-        await cur.execute(f"SELECT COUNT(*) FROM {TABLE} WHERE status = 'failed'")
+        await cur.execute(f"SELECT COUNT(*) FROM {p.table} WHERE status = %s", (p.parked,))
         (parked,) = await cur.fetchone()
     return LaneBacklog(int(pending), 0, int(parked), int(oldest[0]) if oldest else None)
 
 
-async def retire_lane(store: MySQLStore, lane: str) -> list[str]:
+async def retire_lane(store: SQLStore, lane: str) -> list[str]:
     """Drop ``lane``'s table and cursor row; returns what was dropped (empty: nothing was there)."""
     table = lane_table(lane)  # validates the name before it reaches SQL
     done: list[str] = []
@@ -130,17 +138,20 @@ async def retire_lane(store: MySQLStore, lane: str) -> list[str]:
     return done
 
 
-async def owes_rows(store: MySQLStore, lane: str) -> bool:
+async def owes_rows(store: SQLStore, lane: str) -> bool:
     """Whether ``lane``'s table holds a pending or parked row (one index probe)."""
     async with store.transaction() as cur:
         await cur.execute(f"SELECT 1 FROM {lane_table(lane)} WHERE status IN ('pending', 'failed') LIMIT 1")
         return await cur.fetchone() is not None
 
 
-async def first_row_after(store: MySQLStore, outbox_id: int) -> int | None:
+async def first_row_after(store: SQLStore, outbox_id: int) -> int | None:
     """``created_at_ms`` of the first ``room_outbox`` row above ``outbox_id`` (ids rise with
     time, so it is the oldest of them); None when there is none."""
     async with store.transaction() as cur:
-        await cur.execute(f"SELECT created_at_ms FROM {TABLE} WHERE id > %s ORDER BY id LIMIT 1", (outbox_id,))
+        p = store.profile
+        await cur.execute(
+            f"SELECT {p.as_ms(p.created)} FROM {p.table} WHERE {p.key} > %s ORDER BY {p.key} LIMIT 1", (outbox_id,)
+        )
         found = await cur.fetchone()
     return int(found[0]) if found else None

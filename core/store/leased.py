@@ -1,9 +1,10 @@
-"""One lane's consumption state in one table, in SQL both stores speak: claims with leases,
+"""One lane's consumption state in one table, in SQL all three stores speak: claims with leases,
 per-room hold-back, fenced result writes, lease renewal.
 
-:class:`LeasedRows` holds the statements once; :class:`~.mysql.MySQLStore` (the IM lane in
-``room_outbox``), :class:`~.mysql_lanes.LaneStore` (a lane of its own) and
-:class:`~.sqlite.SQLiteStore` give it a transaction, a table and their locking clauses. The
+:class:`LeasedRows` holds the statements once; :class:`~.mysql.MySQLStore`,
+:class:`~.postgres.PostgresStore`, :class:`~.sqlite.SQLiteStore` (the IM lane in
+``room_outbox``) and :class:`~.mysql_lanes.LaneStore` (a lane of its own) give it a
+transaction, a table and their dialect (its locking clause). The
 claim reads ``status='pending' AND lock_until_ms <= now ORDER BY lock_until_ms, key``: a range
 on the ``(status, lock_until_ms, key)`` index that stops after ``limit`` rows, however many
 published rows, leased rows or rows waiting for a retry the table holds.
@@ -17,8 +18,11 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
+from room_outbox.store.dialect import MYSQL, Dialect
+from room_outbox.store.dialect import marks as _marks
+from room_outbox.store.profiles import V1, Profile
+from room_outbox.store.tables import TABLE
 
-TABLE = "room_outbox"
 #: Reads the room buckets a claim may take, with the claim's cursor (``None``: every room).
 BucketReader = Callable[[Any], Awaitable[list[int] | None]]
 LAST_ERROR_MAX = 512
@@ -28,13 +32,14 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def claim_sql(table: str, key: str, envelope: str, lock: str, buckets: int = 0) -> str:
+def claim_sql(table: str, key: str, envelope: str, lock: str, profile: Profile = V1, buckets: int = 0) -> str:
     """The claim scan of one lane's table (see the module docstring). ``buckets``: how many
     room buckets the scan is limited to (placeholders after the time; 0: every room)."""
+    p = profile
     only = f" AND room_bucket IN ({_marks(range(buckets))})" if buckets else ""
     return (
-        f"SELECT {key}, event_id, event_type, room_id, app_code, {envelope}, retry_count FROM {table}"
-        f" WHERE status = 'pending' AND lock_until_ms <= %s{only} ORDER BY lock_until_ms, {key} LIMIT %s{lock}"
+        f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts} FROM {table}"
+        f" WHERE {p.is_open()} AND {p.lock} <= {p.ms('%s')}{only} ORDER BY {p.lock}, {key} LIMIT %s{lock}"
     )
 
 
@@ -49,13 +54,23 @@ class LeasedRows:
     table = TABLE
     key = "id"
     envelope_column = "envelope"
-    #: How the claim scan locks what it takes. SQLite says "": its BEGIN IMMEDIATE already
-    #: serialises every writer (see :mod:`.sqlite`).
-    row_lock = " FOR UPDATE SKIP LOCKED"
+    #: The database's dialect; its ``row_lock`` is how the claim scan locks what it takes
+    #: (SQLite's is "": its BEGIN IMMEDIATE already serialises every writer).
+    dialect: Dialect = MYSQL
+    #: The status words of the table (see :mod:`.profiles`); lanes of their own keep ``v1``.
+    profile: Profile = V1
     #: With per-room ordering: reads, inside the claim's transaction, the room buckets this
     #: process may claim now (``None`` back: all of them). Set by the cluster membership
-    #: (:mod:`.membership`); unset, every process claims every room (SQLite, a single box).
+    #: (:mod:`.membership`, MySQL only); unset, every process claims every room and per-room
+    #: order rests on the hold-back alone (PostgreSQL, SQLite).
     room_buckets: BucketReader | None = None
+
+    def use_profile(self, profile: Profile) -> None:
+        """Keep the IM lane's state in ``profile``'s table and words (``database.profile``)."""
+        self.profile = profile
+        self.table = profile.table
+        self.key = profile.key
+        self.envelope_column = profile.envelope
 
     def transaction(self) -> AbstractAsyncContextManager[Any]:
         """A cursor taking ``%s`` placeholders in a transaction, committed when the block ends."""
@@ -63,7 +78,7 @@ class LeasedRows:
 
     @property
     def _claim_sql(self) -> str:
-        return claim_sql(self.table, self.key, self.envelope_column, self.row_lock)
+        return claim_sql(self.table, self.key, self.envelope_column, self.dialect.row_lock, self.profile)
 
     def _room_buckets(self) -> BucketReader | None:
         return self.room_buckets
@@ -94,7 +109,8 @@ class LeasedRows:
                 # rooms' among them, and make their claims skip those rows and hold their rooms
                 # back. So: read without locks, then lock what was found by key.
                 await cur.execute(
-                    claim_sql(self.table, self.key, self.envelope_column, "", len(buckets)), (now_ms(), *buckets, limit)
+                    claim_sql(self.table, self.key, self.envelope_column, "", self.profile, len(buckets)),
+                    (now_ms(), *buckets, limit),
                 )
             scanned = await cur.fetchall()
             exhausted = len(scanned) < limit
@@ -108,8 +124,11 @@ class LeasedRows:
             rows = await self._heads_of_rooms(cur, found, hold_back_ms) if per_room else found
             if rows:
                 ids = [row.id for row in rows]
+                p = self.profile
+                in_flight = "" if p.in_flight == p.fresh else f", status = '{p.in_flight}'"
                 await cur.execute(
-                    f"UPDATE {self.table} SET worker_id = %s, lock_until_ms = %s WHERE {self.key} IN ({_marks(ids)})",
+                    f"UPDATE {self.table} SET worker_id = %s, {p.lock} = {p.ms('%s')}{in_flight}"
+                    f" WHERE {self.key} IN ({_marks(ids)})",
                     (claim, lease_until_ms, *ids),
                 )
         return Claimed(rows, stale, exhausted=exhausted)
@@ -119,7 +138,7 @@ class LeasedRows:
         ids = [row[0] for row in scanned]
         await cur.execute(
             f"SELECT {self.key} FROM {self.table} WHERE {self.key} IN ({_marks(ids)})"
-            f" AND status = 'pending' AND lock_until_ms <= %s{self.row_lock}",
+            f" AND {self.profile.is_open()} AND {self.profile.lock} <= {self.profile.ms('%s')}{self.dialect.row_lock}",
             (*ids, now_ms()),
         )
         locked = {row[0] for row in await cur.fetchall()}
@@ -137,15 +156,16 @@ class LeasedRows:
         rooms = sorted({row.room_id for row in found})
         found_ids = {row.id for row in found}
         await cur.execute(
-            f"SELECT {self.key}, app_code, room_id FROM {self.table} WHERE room_id IN ({_marks(rooms)})"
-            f" AND status = 'pending' AND {self.key} < %s",
+            f"SELECT {self.key}, {self.profile.app_code}, {self.profile.room_id} FROM {self.table}"
+            f" WHERE {self.profile.room_id} IN ({_marks(rooms)}) AND {self.profile.is_open()} AND {self.key} < %s",
             (*rooms, max(found_ids)),
         )
         heads = room_heads(found, await cur.fetchall())
         held_back = sorted(found_ids - {r.id for r in heads})
         if held_back:
             await cur.execute(
-                f"UPDATE {self.table} SET lock_until_ms = %s WHERE {self.key} IN ({_marks(held_back)})",
+                f"UPDATE {self.table} SET {self.profile.lock} = {self.profile.ms('%s')}"
+                f" WHERE {self.key} IN ({_marks(held_back)})",
                 (now_ms() + hold_back_ms, *held_back),
             )
         return heads
@@ -162,8 +182,8 @@ class LeasedRows:
         async with self.transaction() as cur:
             return int(
                 await cur.execute(
-                    f"UPDATE {self.table} SET lock_until_ms = %s WHERE {self.key} IN ({_marks(row_ids)})"
-                    " AND worker_id = %s AND status = 'pending'",
+                    f"UPDATE {self.table} SET {self.profile.lock} = {self.profile.ms('%s')}"
+                    f" WHERE {self.key} IN ({_marks(row_ids)}) AND worker_id = %s AND status = '{self.profile.in_flight}'",
                     (lease_until_ms, *row_ids, claim),
                 )
             )
@@ -178,6 +198,8 @@ class LeasedRows:
         a second read find out which. Failures are one statement each: they carry their own
         error text, and each one's row count tells whether it was stale."""
         now = now_ms()
+        words = self.profile
+        held = f"worker_id = %s AND status = '{words.in_flight}'"  # the fence: still this claim's
         stale: list[DeliveryResult] = []
         groups: dict[tuple[str, Outcome], list[DeliveryResult]] = {}
         for result in results:
@@ -185,12 +207,12 @@ class LeasedRows:
         for (claim, outcome), group in sorted(groups.items(), key=lambda item: (item[0][0], item[0][1].value)):
             if outcome in (Outcome.FAILED, Outcome.PARKED):
                 for r in group:
+                    status = f"'{words.parked}'" if outcome is Outcome.PARKED else words.after_failure()
                     matched = await cur.execute(
-                        f"UPDATE {self.table} SET status = %s, retry_count = retry_count + 1, last_error = %s,"
-                        f" worker_id = NULL, lock_until_ms = %s, updated_at_ms = %s"
-                        f" WHERE {self.key} = %s AND worker_id = %s AND status = 'pending'",
+                        f"UPDATE {self.table} SET status = {status}, {words.attempts} = {words.attempts} + 1,"
+                        f" last_error = %s, worker_id = NULL, {words.lock} = {words.ms('%s')},"
+                        f" {words.updated} = {words.ms('%s')} WHERE {self.key} = %s AND {held}",
                         (
-                            "failed" if outcome is Outcome.PARKED else "pending",
                             (r.error or "unknown error")[:LAST_ERROR_MAX],
                             r.retry_at_ms,
                             now,
@@ -204,17 +226,18 @@ class LeasedRows:
             ids = sorted(r.row_id for r in group)
             if outcome is Outcome.PUBLISHED:
                 change = (
-                    "status = 'published', last_error = NULL, worker_id = NULL, lock_until_ms = 0, updated_at_ms = %s"
+                    f"status = '{words.delivered}', last_error = NULL, worker_id = NULL,"
+                    f" {words.lock} = {words.lock_cleared}, {words.updated} = {words.ms('%s')}"
                 )
-                done = f"status = 'published' AND worker_id IS NULL AND updated_at_ms = {int(now)}"
+                done = f"status = '{words.delivered}' AND worker_id IS NULL AND {words.updated} = {words.ms(str(int(now)))}"
                 params: tuple[Any, ...] = (now, *ids, claim)
-            else:  # RELEASED
-                change = "worker_id = NULL, lock_until_ms = 0"
-                done = "status = 'pending' AND worker_id IS NULL"
+            else:  # RELEASED: back to what it was before the claim
+                back = "" if words.in_flight == words.fresh else f"status = {words.released()}, "
+                change = f"{back}worker_id = NULL, {words.lock} = {words.lock_cleared}"
+                done = f"{words.is_waiting()} AND worker_id IS NULL"
                 params = (*ids, claim)
             matched = await cur.execute(
-                f"UPDATE {self.table} SET {change} WHERE {self.key} IN ({_marks(ids)})"
-                " AND worker_id = %s AND status = 'pending'",
+                f"UPDATE {self.table} SET {change} WHERE {self.key} IN ({_marks(ids)}) AND {held}",
                 params,
             )
             if matched < len(ids):
@@ -224,7 +247,3 @@ class LeasedRows:
                 written = {row[0] for row in await cur.fetchall()}
                 stale.extend(r for r in group if r.row_id not in written)
         return stale
-
-
-def _marks(values: Sequence[object]) -> str:
-    return ", ".join(["%s"] * len(values))

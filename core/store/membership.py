@@ -42,7 +42,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from room_outbox.store.leased import _marks, now_ms
+from room_outbox.store.dialect import marks as _marks
+from room_outbox.store.leased import now_ms
 
 #: Buckets rooms hash to. Fixed: it is part of the schema (the generated column's formula).
 BUCKETS = 256

@@ -1,13 +1,7 @@
 """The IM lane's state on MySQL 8 / MariaDB ≥ 10.6, through an aiomysql pool.
 
-Schema added to room-service's V1 ``room_outbox`` (all with defaults, so room-service's own
-INSERT and ``UPDATE … SET status='published' WHERE event_id=?`` keep working):
-
-* ``worker_id``: the claim holding the row (``<node_id>#<n>``), NULL when free.
-* ``lock_until_ms``: the row is not claimable before this time. A claim sets it to the end of
-  its lease; a failed attempt sets it to the retry time. One column for both keeps the claim
-  an exact index range scan (see below).
-* index ``idx_room_outbox_claim (status, lock_until_ms, id)``.
+Schema: room-service's V1 ``room_outbox`` plus ``worker_id``, ``lock_until_ms`` and two
+indexes (see :mod:`.schema`).
 
 The claim reads ``status='pending' AND lock_until_ms <= now ORDER BY lock_until_ms, id``: a
 range on that index that stops after ``limit`` rows, whatever number of published rows, rows
@@ -19,7 +13,7 @@ concurrent claimants pass each other without waiting.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,74 +23,22 @@ import aiomysql
 import anyio
 from pymysql.constants import CLIENT
 
-from room_outbox.errors import SchemaError
-from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT, SessionLimits, TimeoutWatch, query_deadline
-from room_outbox.store.leased import (
-    TABLE,
-    LeasedRows,
-    _marks,
-    claim_sql,
-    now_ms,
+from room_outbox.store.deadline import (
+    DEFAULT_QUERY_TIMEOUT,
+    SCHEMA_CHANGE_TIMEOUT,
+    SessionLimits,
+    TimeoutWatch,
+    query_deadline,
 )
+from room_outbox.store.dialect import MYSQL
+from room_outbox.store.leased import LeasedRows, claim_sql
 from room_outbox.store.membership import bucket_plan
+from room_outbox.store.tables import TABLE, Migration, plan_outbox, run_plan
 
-#: Client-side bound on ``migrate``'s transaction: adding a column or an index to a large
-#: table may take long. Its lock waits stay bounded by the session's limits.
-SCHEMA_CHANGE_TIMEOUT = 3600.0
-
-V1_TABLE_DDL = f"""
-CREATE TABLE IF NOT EXISTS {TABLE} (
-  id            BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
-  app_code      VARCHAR(64)  NOT NULL DEFAULT '',
-  event_id      VARCHAR(64)  NOT NULL,
-  event_type    VARCHAR(64)  NOT NULL,
-  room_id       VARCHAR(64)  NOT NULL,
-  envelope      LONGTEXT     NOT NULL,
-  status        VARCHAR(16)  NOT NULL DEFAULT 'pending',
-  retry_count   INT          NOT NULL DEFAULT 0,
-  last_error    VARCHAR(1024) NULL,
-  created_at_ms BIGINT       NOT NULL,
-  updated_at_ms BIGINT       NOT NULL,
-  UNIQUE KEY uk_room_outbox_event_id (event_id),
-  KEY idx_room_outbox_status_id (status, id)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4
-"""
-
-#: What room-outbox adds to the V1 table: column name → definition.
-ADDED_COLUMNS = {
-    "worker_id": "VARCHAR(128) NULL DEFAULT NULL",
-    "lock_until_ms": "BIGINT NOT NULL DEFAULT 0",
-}
-ADDED_INDEXES = {
-    "idx_room_outbox_claim": "(status, lock_until_ms, id)",
-    # per-room ordering asks "which earlier rows of these rooms are still pending?"
-    "idx_room_outbox_room": "(room_id, status, id)",
-}
-REQUIRED_V1_COLUMNS = (
-    "id", "app_code", "event_id", "event_type", "room_id", "envelope",
-    "status", "retry_count", "last_error", "created_at_ms", "updated_at_ms",
-)  # fmt: skip
-
-
-def require_v1_columns(columns: set[str]) -> None:
-    """Refuse a ``room_outbox`` that is not room-service's V1 table (whatever the database)."""
-    missing = [c for c in REQUIRED_V1_COLUMNS if c not in columns]
-    if missing:
-        raise SchemaError(
-            f"table {TABLE} exists but lacks the V1 columns {missing}; refusing to guess how to upgrade it"
-        )
-
-
-@dataclass(frozen=True)
-class Migration:
-    """One step of a migration: its statements and the line ``migrate`` reports once they ran."""
-
-    change: str
-    statements: tuple[str, ...]
-
+__all__ = ["CLAIM_SQL", "Migration", "MySQLAddress", "MySQLStore"]
 
 #: The IM lane's claim statement (tests read its plan with EXPLAIN).
-CLAIM_SQL = claim_sql(TABLE, "id", "envelope", LeasedRows.row_lock)
+CLAIM_SQL = claim_sql(TABLE, "id", "envelope", MYSQL.row_lock)
 
 
 @dataclass(frozen=True)
@@ -113,17 +55,17 @@ class MySQLAddress:
         holds the password."""
         parts = urlsplit(dsn)
         if parts.scheme not in ("mysql", "mariadb", "mysql+aiomysql"):
-            raise ValueError(f"mysql.dsn: scheme must be mysql:// (got {parts.scheme or 'none'}://)")
+            raise ValueError(f"database.dsn: scheme must be mysql:// (got {parts.scheme or 'none'}://)")
         database = parts.path.lstrip("/")
         if not database:
-            raise ValueError("mysql.dsn: names no database (mysql://user:password@host:port/DATABASE)")
+            raise ValueError("database.dsn: names no database (mysql://user:password@host:port/DATABASE)")
         unknown = set(parse_qs(parts.query))
         if unknown:
-            raise ValueError(f"mysql.dsn: unsupported options {sorted(unknown)}")
+            raise ValueError(f"database.dsn: unsupported options {sorted(unknown)}")
         try:
             port = parts.port or 3306
         except ValueError:
-            raise ValueError("mysql.dsn: port is not a number") from None
+            raise ValueError("database.dsn: port is not a number") from None
         return cls(
             host=parts.hostname or "127.0.0.1",
             port=port,
@@ -274,115 +216,19 @@ class MySQLStore(LeasedRows):
             # The session's statement time limit would stop a long ALTER TABLE half-way; it is
             # lifted for this transaction and put back before the connection returns to the pool.
             await cur.execute(f"SET SESSION {statement_time_limit(self.server_version, 0)}")
-            for step in plan:
-                for statement in step.statements:
-                    await cur.execute(statement)
+            changes = await run_plan(cur, plan)
             await cur.execute(f"SET SESSION {statement_time_limit(self.server_version, self.limits.statement_seconds)}")
-        return [step.change for step in plan]
+        return changes
 
     async def migration_plan(self) -> list[Migration]:
-        """The statements that bring ``room_outbox`` up to date, read from the catalogue; none
+        """The statements that bring the outbox table up to date, read from the catalogue; none
         when it is. ``migrate`` runs them; ``migrate --sql`` prints them."""
         async with self.transaction() as cur:
             return await self._plan(cur)
 
     async def _plan(self, cur: aiomysql.Cursor) -> list[Migration]:
-        """What is missing from ``room_outbox``, read in the caller's transaction."""
-        await cur.execute(
-            "SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
-            (TABLE,),
-        )
-        columns = {row[0].lower() for row in await cur.fetchall()}
-        await cur.execute(
-            "SELECT DISTINCT INDEX_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
-            (TABLE,),
-        )
-        indexes = {row[0].lower() for row in await cur.fetchall()}
-        plan: list[Migration] = []
-        if not columns:
-            plan.append(Migration(f"created table {TABLE}", (V1_TABLE_DDL.strip(),)))
-            columns = set(REQUIRED_V1_COLUMNS)
-        require_v1_columns(columns)
-        for name, definition in ADDED_COLUMNS.items():
-            if name not in columns:
-                plan.append(
-                    Migration(f"added column {TABLE}.{name}", (f"ALTER TABLE {TABLE} ADD COLUMN {name} {definition}",))
-                )
-        for name, columns_sql in ADDED_INDEXES.items():
-            if name not in indexes:
-                plan.append(
-                    Migration(f"added index {TABLE}.{name}", (f"ALTER TABLE {TABLE} ADD INDEX {name} {columns_sql}",))
-                )
-        plan += [Migration(change, statements) for change, statements in await bucket_plan(cur, [TABLE])]
+        """What is missing from the profile's table, read in the caller's transaction: its own
+        columns and indexes, then the room buckets of the processes' membership (MySQL only)."""
+        plan = await plan_outbox(cur, self.dialect, self.profile)
+        plan += [Migration(change, statements) for change, statements in await bucket_plan(cur, [self.table])]
         return plan
-
-
-@dataclass(frozen=True)
-class RequeueFilter:
-    """Which rows ``room-outbox requeue`` selects; every given criterion must hold."""
-
-    event_ids: tuple[str, ...] = ()
-    event_type: str | None = None
-    error_contains: str | None = None
-    older_than_ms: int | None = None  # created at least this long ago
-    statuses: tuple[str, ...] = ("pending", "failed")
-
-
-async def find_requeue_candidates(store: MySQLStore, where: RequeueFilter, limit: int = 10_000) -> list[dict[str, Any]]:
-    """Rows the filter selects, leaving out rows leased right now (their in-flight result
-    would be lost) and rows neither pending nor failed (published, cancelled)."""
-    statuses = [s for s in where.statuses if s in ("pending", "failed")]
-    if not statuses:
-        return []
-    clauses = [f"status IN ({_marks(statuses)})", "NOT (worker_id IS NOT NULL AND lock_until_ms > %s)"]
-    params: list[Any] = [*statuses, now_ms()]
-    if where.event_ids:
-        clauses.append(f"event_id IN ({_marks(where.event_ids)})")
-        params.extend(where.event_ids)
-    if where.event_type:
-        clauses.append("event_type = %s")
-        params.append(where.event_type)
-    if where.error_contains:
-        clauses.append("INSTR(last_error, %s) > 0")
-        params.append(where.error_contains)
-    if where.older_than_ms is not None:
-        clauses.append("created_at_ms <= %s")
-        params.append(now_ms() - where.older_than_ms)
-    async with store.transaction() as cur:
-        await cur.execute(
-            f"SELECT id, event_id, event_type, room_id, status, retry_count, last_error, created_at_ms FROM {TABLE}"
-            f" WHERE {' AND '.join(clauses)} ORDER BY id LIMIT %s",
-            (*params, limit),
-        )
-        names = [d[0] for d in cur.description]
-        return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
-
-
-async def requeue(store: MySQLStore, row_ids: Sequence[int]) -> int:
-    """Make rows pending and due now, with a fresh attempt count (``max_attempts`` starts
-    over); ``last_error`` is kept until the next attempt. Returns rows changed."""
-    if not row_ids:
-        return 0
-    async with store.transaction() as cur:
-        return int(
-            await cur.execute(
-                f"UPDATE {TABLE} SET status = 'pending', retry_count = 0, lock_until_ms = 0, worker_id = NULL,"
-                f" updated_at_ms = %s WHERE id IN ({_marks(row_ids)}) AND status IN ('pending', 'failed')"
-                " AND NOT (worker_id IS NOT NULL AND lock_until_ms > %s)",
-                (now_ms(), *row_ids, now_ms()),
-            )
-        )
-
-
-async def cancel(store: MySQLStore, event_id: str) -> tuple[bool, str | None]:
-    """Mark a pending or failed event ``cancelled`` (never delivered, kept for audit).
-    Returns whether it was cancelled and the status it has now (None: no such event)."""
-    async with store.transaction() as cur:
-        changed = await cur.execute(
-            f"UPDATE {TABLE} SET status = 'cancelled', worker_id = NULL, lock_until_ms = 0, updated_at_ms = %s"
-            " WHERE event_id = %s AND status IN ('pending', 'failed')",
-            (now_ms(), event_id),
-        )
-        await cur.execute(f"SELECT status FROM {TABLE} WHERE event_id = %s", (event_id,))
-        row = await cur.fetchone()
-    return bool(changed), (row[0] if row else None)

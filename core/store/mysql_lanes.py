@@ -1,4 +1,5 @@
-"""Consumption lanes besides IM: one table per lane, fed from ``room_outbox`` without gaps.
+"""Consumption lanes besides IM: one table per lane, fed from ``room_outbox`` without gaps,
+on MySQL, PostgreSQL and SQLite alike (the module's name is older than the other two).
 
 ``room_outbox.status`` belongs to the IM lane. Every other sink (Kafka, audit, activity...)
 keeps its own state in ``room_outbox_lane_<name>``: the same columns and indexes as the IM
@@ -9,8 +10,8 @@ Why a table per lane rather than one table keyed by (lane, event_id): a lane's b
 indexes and its clean-up never touch another lane's; a lane is dropped with one statement; and
 every statement is the IM lane's statement with another table name.
 
-**Feeding without gaps.** A lane copies new ``room_outbox`` rows into its table (``INSERT
-...ON DUPLICATE KEY`` no-op: each row once per lane). The catch is that auto-increment ids commit out of order: a
+**Feeding without gaps.** A lane copies new ``room_outbox`` rows into its table (an INSERT
+that skips duplicates: each row once per lane). The catch is that auto-increment ids (and PostgreSQL's sequences) commit out of order: a
 transaction holding id 100 can commit after id 101 was read. So the lane keeps a watermark in
 ``room_outbox_lane_cursor.fed_through_id`` — every id at or below it is fed or known never to
 exist — and remembers the ids it saw missing above it. Each round it (1) reads rows above the
@@ -32,7 +33,8 @@ late is still fed. Whatever happens to ids, at most ``max_gaps`` ranges are wait
 that the longest-missing are given up on early, with a warning, so the feeding query never
 grows past ``max_gaps`` range terms.
 
-Several processes may feed one lane: the cursor row is taken with ``FOR UPDATE SKIP LOCKED``,
+Several processes may feed one lane: the cursor row is taken with ``FOR UPDATE SKIP LOCKED`` (on
+SQLite every writer is serialised anyway),
 so one of them feeds at a time and the others go straight on to claiming.
 """
 
@@ -45,25 +47,22 @@ import time
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-
-import aiomysql
+from typing import TYPE_CHECKING, Any
 
 from room_outbox.config import LanesSettings
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow
-from room_outbox.store.leased import TABLE, BucketReader, LeasedRows, _marks, now_ms
+from room_outbox.store.dialect import Dialect, table_names
+from room_outbox.store.dialect import marks as _marks
+from room_outbox.store.leased import BucketReader, LeasedRows, now_ms
 from room_outbox.store.membership import bucket_plan
-from room_outbox.store.mysql import Migration, MySQLStore
+from room_outbox.store.tables import Migration, run_plan
+
+if TYPE_CHECKING:
+    from room_outbox.store.factory import SQLStore
 
 log = logging.getLogger("room_outbox.lanes")
 
 CURSOR_TABLE = "room_outbox_lane_cursor"
-CURSOR_DDL = f"""
-CREATE TABLE IF NOT EXISTS {CURSOR_TABLE} (
-  lane           VARCHAR(64)     NOT NULL PRIMARY KEY,
-  fed_through_id BIGINT UNSIGNED NOT NULL,
-  updated_at_ms  BIGINT          NOT NULL
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4
-"""
 _LANE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 
 
@@ -73,11 +72,21 @@ def lane_table(lane: str) -> str:
     return f"room_outbox_lane_{lane}"
 
 
-def lane_ddl(lane: str) -> str:
+def cursor_ddl(dialect: Dialect) -> list[str]:
+    return [
+        f"""CREATE TABLE {CURSOR_TABLE} (
+  lane           VARCHAR(64) NOT NULL PRIMARY KEY,
+  fed_through_id {dialect.id_type} NOT NULL,
+  updated_at_ms  BIGINT      NOT NULL
+){dialect.table_options}"""
+    ]
+
+
+def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
     table = lane_table(lane)
-    return f"""
-CREATE TABLE IF NOT EXISTS {table} (
-  outbox_id     BIGINT UNSIGNED NOT NULL PRIMARY KEY,
+    return [
+        f"""CREATE TABLE {table} (
+  outbox_id     {dialect.id_type} NOT NULL PRIMARY KEY,
   event_id      VARCHAR(64)   NOT NULL,
   event_type    VARCHAR(64)   NOT NULL,
   room_id       VARCHAR(64)   NOT NULL,
@@ -88,34 +97,30 @@ CREATE TABLE IF NOT EXISTS {table} (
   worker_id     VARCHAR(128)  NULL DEFAULT NULL,
   lock_until_ms BIGINT        NOT NULL DEFAULT 0,
   created_at_ms BIGINT        NOT NULL,
-  updated_at_ms BIGINT        NOT NULL,
-  KEY idx_{table}_claim (status, lock_until_ms, outbox_id),
-  KEY idx_{table}_room (room_id, status, outbox_id)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4
-"""
+  updated_at_ms BIGINT        NOT NULL
+){dialect.table_options}""",
+        f"CREATE INDEX idx_{table}_claim ON {table} (status, lock_until_ms, outbox_id)",
+        f"CREATE INDEX idx_{table}_room ON {table} (room_id, status, outbox_id)",
+    ]
 
 
-async def migrate_lanes(store: MySQLStore, lanes: Sequence[str]) -> list[str]:
+async def migrate_lanes(store: SQLStore, lanes: Sequence[str]) -> list[str]:
     """Create the cursor table and each lane's table (idempotent)."""
     plan = await lanes_migration_plan(store, lanes)
     async with store.transaction() as cur:
-        for step in plan:
-            for statement in step.statements:
-                await cur.execute(statement)
-    return [step.change for step in plan]
+        return await run_plan(cur, plan)
 
 
-async def lanes_migration_plan(store: MySQLStore, lanes: Sequence[str]) -> list[Migration]:
+async def lanes_migration_plan(store: SQLStore, lanes: Sequence[str]) -> list[Migration]:
     """The tables :func:`migrate_lanes` would create: the cursor table and each lane's, when missing."""
     async with store.transaction() as cur:
-        await cur.execute("SHOW TABLES")
-        existing = {row[0].lower() for row in await cur.fetchall()}
-        plan = [
-            Migration(f"created table {name}", (ddl.strip(),))
-            for name, ddl in [(CURSOR_TABLE, CURSOR_DDL), *((lane_table(lane), lane_ddl(lane)) for lane in lanes)]
-            if name not in existing
-        ]
-        buckets = await bucket_plan(cur, [lane_table(lane) for lane in lanes], membership=False)
+        existing = await table_names(cur, store.dialect)
+        wanted = [(CURSOR_TABLE, cursor_ddl(store.dialect))]
+        wanted += [(lane_table(lane), lane_ddl(lane, store.dialect)) for lane in lanes]
+        plan = [Migration(f"created table {name}", tuple(ddl)) for name, ddl in wanted if name not in existing]
+        # Room buckets belong to the processes' membership: MySQL only (see .membership).
+        mysql = store.dialect.name == "mysql"
+        buckets = await bucket_plan(cur, [lane_table(lane) for lane in lanes], membership=False) if mysql else []
     return plan + [Migration(change, statements) for change, statements in buckets]
 
 
@@ -145,10 +150,11 @@ STEP_EVIDENCE = 16
 
 @dataclass
 class LaneStore(LeasedRows):
-    """One lane on MySQL: :class:`~room_outbox.store.OutboxStore` over ``room_outbox_lane_<name>``,
-    sharing the :class:`MySQLStore` pool, fed from ``room_outbox`` before each claim."""
+    """One lane: :class:`~room_outbox.store.OutboxStore` over ``room_outbox_lane_<name>``,
+    sharing its owner's (the IM lane's store's) connections and dialect, fed from
+    ``room_outbox`` before each claim."""
 
-    owner: MySQLStore
+    owner: SQLStore
     lane: str
     start: str | int = "now"
     gap_timeout: float = _FEEDING.gap_timeout
@@ -169,8 +175,9 @@ class LaneStore(LeasedRows):
 
     def __post_init__(self) -> None:
         self.table = lane_table(self.lane)
+        self.dialect = self.owner.dialect
 
-    def transaction(self) -> AbstractAsyncContextManager[aiomysql.Cursor]:
+    def transaction(self) -> AbstractAsyncContextManager[Any]:
         return self.owner.transaction()
 
     def _room_buckets(self) -> BucketReader | None:
@@ -180,7 +187,7 @@ class LaneStore(LeasedRows):
         return await migrate_lanes(self.owner, [self.lane])
 
     async def aclose(self) -> None:
-        """The pool belongs to the :class:`MySQLStore`."""
+        """The connections belong to the owner store."""
 
     async def claim(
         self,
@@ -198,11 +205,12 @@ class LaneStore(LeasedRows):
         lease_until_ms += now_ms() - fed_from
         return await super().claim(claim, limit, lease_until_ms, results, per_room, hold_back_ms)
 
-    async def _with_envelopes(self, cur: aiomysql.Cursor, found: list[OutboxRow]) -> list[OutboxRow]:
+    async def _with_envelopes(self, cur: Any, found: list[OutboxRow]) -> list[OutboxRow]:
         if not found:
             return found
         ids = [row.id for row in found]
-        await cur.execute(f"SELECT id, envelope FROM {TABLE} WHERE id IN ({_marks(ids)})", ids)
+        p = self.owner.profile
+        await cur.execute(f"SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {p.key} IN ({_marks(ids)})", ids)
         envelopes = dict(await cur.fetchall())
         # A row deleted from room_outbox meanwhile gets an empty envelope: it fails as a
         # malformed envelope, visibly, instead of vanishing.
@@ -214,6 +222,12 @@ class LaneStore(LeasedRows):
         ]
 
     # -- feeding -------------------------------------------------------------------------
+
+    @property
+    def _source_columns(self) -> str:
+        """What a lane copies of an outbox row, under the outbox profile's column names."""
+        p = self.owner.profile
+        return f"{p.key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}"
 
     async def feed(self) -> int:
         """One feeding round; returns rows added to the lane. See the module docstring."""
@@ -229,11 +243,12 @@ class LaneStore(LeasedRows):
             rows = fresh + found_again
             if rows:
                 now = now_ms()
-                await cur.executemany(
+                insert = (
                     f"INSERT INTO {self.table} (outbox_id, event_id, event_type, room_id, app_code,"
                     " created_at_ms, updated_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s)"
-                    " ON DUPLICATE KEY UPDATE outbox_id = outbox_id",  # fed already: keep as is
-                    [(*row, now, now) for row in rows],
+                )
+                await cur.executemany(  # a row fed already is kept as it is
+                    self.dialect.insert_skipping_duplicates(insert, "outbox_id"), [(*row, now, now) for row in rows]
                 )
             self._expire_gaps()
             self._bound_gaps()
@@ -245,8 +260,8 @@ class LaneStore(LeasedRows):
                 )
             return len(rows)
 
-    async def _lock_cursor(self, cur: aiomysql.Cursor) -> int | None:
-        query = f"SELECT fed_through_id FROM {CURSOR_TABLE} WHERE lane = %s FOR UPDATE SKIP LOCKED"
+    async def _lock_cursor(self, cur: Any) -> int | None:
+        query = f"SELECT fed_through_id FROM {CURSOR_TABLE} WHERE lane = %s{self.dialect.row_lock}"
         await cur.execute(query, (self.lane,))
         row = await cur.fetchone()
         if row is not None:
@@ -254,22 +269,20 @@ class LaneStore(LeasedRows):
         await cur.execute(f"SELECT 1 FROM {CURSOR_TABLE} WHERE lane = %s", (self.lane,))
         if await cur.fetchone():
             return None  # exists, locked by another feeder
-        await cur.execute(f"SELECT COALESCE(MAX(id), 0) FROM {TABLE}")
+        await cur.execute(f"SELECT COALESCE(MAX({self.owner.profile.key}), 0) FROM {self.owner.profile.table}")
         (max_id,) = await cur.fetchone()
         first = start_id(self.start, int(max_id))
-        await cur.execute(
-            f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, updated_at_ms) VALUES (%s, %s, %s)"
-            " ON DUPLICATE KEY UPDATE lane = lane",
-            (self.lane, first, now_ms()),
-        )
+        insert = f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, updated_at_ms) VALUES (%s, %s, %s)"
+        await cur.execute(self.dialect.insert_skipping_duplicates(insert, "lane"), (self.lane, first, now_ms()))
         log.info("lane started", extra={"lane": self.lane, "start": str(self.start), "fed_through_id": first})
         await cur.execute(query, (self.lane,))
         row = await cur.fetchone()
         return int(row[0]) if row else None
 
-    async def _read_new(self, cur: aiomysql.Cursor, watermark: int) -> list[tuple[int, str, str, str, str]]:
+    async def _read_new(self, cur: Any, watermark: int) -> list[tuple[int, str, str, str, str]]:
         await cur.execute(
-            f"SELECT id, event_id, event_type, room_id, app_code FROM {TABLE} WHERE id > %s ORDER BY id LIMIT %s",
+            f"SELECT {self._source_columns} FROM {self.owner.profile.table} WHERE {self.owner.profile.key} > %s"
+            f" ORDER BY {self.owner.profile.key} LIMIT %s",
             (self._high, self.feed_batch),
         )
         rows = [tuple(row) for row in await cur.fetchall()]
@@ -334,15 +347,16 @@ class LaneStore(LeasedRows):
         high = gap.high - (gap.high - anchor) % step
         return _Gap(low, high, gap.first_seen) if low <= high else None
 
-    async def _read_gaps(self, cur: aiomysql.Cursor) -> list[tuple[int, str, str, str, str]]:
+    async def _read_gaps(self, cur: Any) -> list[tuple[int, str, str, str, str]]:
         """Rows that have committed inside the ranges seen missing; the ranges shrink to what
         is still missing (a range splits around a row that turned up)."""
         if not self._gaps:
             return []
-        where = " OR ".join(["id BETWEEN %s AND %s"] * len(self._gaps))
+        where = " OR ".join([f"{self.owner.profile.key} BETWEEN %s AND %s"] * len(self._gaps))
         params = [bound for gap in self._gaps for bound in (gap.low, gap.high)]
         await cur.execute(
-            f"SELECT id, event_id, event_type, room_id, app_code FROM {TABLE} WHERE {where} ORDER BY id", params
+            f"SELECT {self._source_columns} FROM {self.owner.profile.table} WHERE {where} ORDER BY {self.owner.profile.key}",
+            params,
         )
         rows = [tuple(row) for row in await cur.fetchall()]
         if rows:
@@ -388,4 +402,4 @@ class LaneStore(LeasedRows):
         self._gaps = [g for g in self._gaps if id(g) not in dropped]
 
 
-__all__ = ["CURSOR_TABLE", "LaneStore", "lane_ddl", "lane_table", "migrate_lanes", "start_id"]
+__all__ = ["CURSOR_TABLE", "LaneStore", "cursor_ddl", "lane_ddl", "lane_table", "migrate_lanes", "start_id"]

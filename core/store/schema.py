@@ -1,8 +1,9 @@
 """Is the schema migrated? ``run`` asks once at start, before any worker claims a row.
 
 A table that was never migrated would otherwise let the process start, report ready and fail
-every round on a missing column. The check reads the catalogue only (``information_schema``
-or SQLite's ``PRAGMA table_info``) and names the first thing missing together with the fix.
+every round on a missing column. The check reads the catalogue only (the dialect's catalogue
+query: ``information_schema`` or SQLite's ``pragma_table_info``) and names the first thing
+missing together with the fix. The outbox table is the profile's (``database.profile``).
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from room_outbox.errors import SchemaError
+from room_outbox.store.dialect import column_names
 from room_outbox.store.factory import SQLStore
-from room_outbox.store.leased import TABLE
 from room_outbox.store.membership import BUCKET_COLUMN, BUCKET_TABLE, NODE_TABLE
-from room_outbox.store.mysql import ADDED_COLUMNS, REQUIRED_V1_COLUMNS, MySQLStore
 from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
+from room_outbox.store.tables import required_columns
 
 #: Columns of a lane's own table that its statements read or write.
 LANE_COLUMNS = ("outbox_id", "status", "retry_count", "last_error", "worker_id", "lock_until_ms")
@@ -23,12 +24,12 @@ _FIX = "run `room-outbox migrate`"
 
 
 async def check_schema(store: SQLStore, lanes: Sequence[str] = ()) -> None:
-    """Raise :class:`SchemaError` unless ``room_outbox`` has every column room-outbox uses and
+    """Raise :class:`SchemaError` unless the outbox table has every column room-outbox uses and
     each lane in ``lanes`` (enabled sinks with a lane of their own) has its table."""
-    # MySQL: the processes' membership and the room buckets (SQLite is one box, without them)
-    mysql = isinstance(store, MySQLStore)
+    # MySQL: the processes' membership and the room buckets (PostgreSQL and SQLite run without them)
+    mysql = store.dialect.name == "mysql"
     bucket = (BUCKET_COLUMN,) if mysql else ()
-    required = {TABLE: (*REQUIRED_V1_COLUMNS, *ADDED_COLUMNS, *bucket)}
+    required = {store.profile.table: (*required_columns(store.profile), *bucket)}
     if lanes:
         required[CURSOR_TABLE] = ("lane", "fed_through_id")
         required.update({lane_table(lane): (*LANE_COLUMNS, *bucket) for lane in lanes})
@@ -48,21 +49,9 @@ async def check_schema(store: SQLStore, lanes: Sequence[str] = ()) -> None:
 async def _columns(store: SQLStore, tables: list[str]) -> dict[str, set[str]]:
     """Column names (lower case) of each of ``tables`` that exists."""
     found: dict[str, set[str]] = {}
-    if isinstance(store, MySQLStore):
-        marks = ", ".join(["%s"] * len(tables))
-        async with store.transaction() as cur:
-            await cur.execute(
-                "SELECT TABLE_NAME, COLUMN_NAME FROM information_schema.COLUMNS"
-                f" WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME IN ({marks})",
-                tables,
-            )
-            for table, column in await cur.fetchall():
-                found.setdefault(str(table).lower(), set()).add(str(column).lower())
-        return found
-    async with store.transaction() as cur:  # SQLite
+    async with store.transaction() as cur:
         for table in tables:
-            await cur.execute(f"PRAGMA table_info({table})")
-            columns = {str(row[1]).lower() for row in await cur.fetchall()}
+            columns = set(await column_names(cur, store.dialect, table))
             if columns:
                 found[table] = columns
     return found

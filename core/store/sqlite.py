@@ -1,8 +1,9 @@
 """The IM lane's state in an embedded SQLite file, through aiosqlite: no server to run.
 
-Same protocol and semantics as :mod:`.mysql` — the same columns (``worker_id``,
-``lock_until_ms``), the same claim order, leases, fencing, per-room hold-back and parking —
-so the demo, a single-box deployment and the store contract tests behave as on MySQL.
+Same protocol and semantics as :mod:`.mysql` and :mod:`.postgres` — the same columns
+(``worker_id``, ``lock_until_ms``), the same claim order, leases, fencing, per-room hold-back,
+parking, lanes, retention and operator commands — so the demo, a single-box deployment and
+the store contract tests behave as on the servers.
 
 Concurrency, and why it is safe without ``SKIP LOCKED``: SQLite has one writer at a time.
 Every transaction here starts with ``BEGIN IMMEDIATE``, which takes the write lock up front,
@@ -30,45 +31,12 @@ import aiosqlite
 import anyio
 
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
-from room_outbox.store.leased import TABLE, LeasedRows
-from room_outbox.store.mysql import (
-    ADDED_COLUMNS,
-    ADDED_INDEXES,
-    REQUIRED_V1_COLUMNS,
-    Migration,
-    require_v1_columns,
-)
-
-#: room-service's V1 table in SQLite's dialect. AUTOINCREMENT because per-room ordering relies
-#: on ids that only rise: without it SQLite reuses the ids of deleted rows at the top.
-V1_TABLE_DDL = (
-    f"""CREATE TABLE {TABLE} (
-  id            INTEGER PRIMARY KEY AUTOINCREMENT,
-  app_code      TEXT    NOT NULL DEFAULT '',
-  event_id      TEXT    NOT NULL,
-  event_type    TEXT    NOT NULL,
-  room_id       TEXT    NOT NULL,
-  envelope      TEXT    NOT NULL,
-  status        TEXT    NOT NULL DEFAULT 'pending',
-  retry_count   INTEGER NOT NULL DEFAULT 0,
-  last_error    TEXT    NULL,
-  created_at_ms INTEGER NOT NULL,
-  updated_at_ms INTEGER NOT NULL
-)""",
-    f"CREATE UNIQUE INDEX uk_room_outbox_event_id ON {TABLE} (event_id)",
-    f"CREATE INDEX idx_room_outbox_status_id ON {TABLE} (status, id)",
-)
-
-#: MySQL's column definitions in SQLite's types (names and defaults as :data:`ADDED_COLUMNS`).
-_SQLITE_COLUMNS = {
-    "worker_id": "TEXT NULL DEFAULT NULL",
-    "lock_until_ms": "INTEGER NOT NULL DEFAULT 0",
-}
-assert _SQLITE_COLUMNS.keys() == ADDED_COLUMNS.keys(), "keep the SQLite schema in step with MySQL's"
-
+from room_outbox.store.dialect import SQLITE
+from room_outbox.store.leased import LeasedRows
+from room_outbox.store.tables import Migration, plan_outbox, run_plan
 
 #: Seconds a transaction waits for another writer (another process's claim) before failing:
-#: ``mysql.query_timeout``, the bound on every database call. (A statement SQLite is already
+#: ``database.query_timeout``, the bound on every database call. (A statement SQLite is already
 #: running cannot be interrupted from here; with no network in between, only lock waits can
 #: be long.)
 BUSY_TIMEOUT = DEFAULT_QUERY_TIMEOUT
@@ -89,14 +57,14 @@ class SQLiteAddress:
         """``sqlite:///absolute/path.db`` or ``sqlite:relative/path.db``."""
         parts = urlsplit(dsn)
         if parts.scheme != "sqlite":
-            raise ValueError(f"mysql.dsn: scheme must be sqlite:// (got {parts.scheme or 'none'}://)")
+            raise ValueError(f"database.dsn: scheme must be sqlite:// (got {parts.scheme or 'none'}://)")
         if parts.netloc:
-            raise ValueError("mysql.dsn: a SQLite DSN names a file, not a host: sqlite:///path/to/outbox.db")
+            raise ValueError("database.dsn: a SQLite DSN names a file, not a host: sqlite:///path/to/outbox.db")
         if parts.query:
-            raise ValueError("mysql.dsn: a SQLite DSN takes no options")
+            raise ValueError("database.dsn: a SQLite DSN takes no options")
         path = unquote(parts.path)
         if not path or path.endswith("/"):
-            raise ValueError("mysql.dsn: names no file (sqlite:///path/to/outbox.db)")
+            raise ValueError("database.dsn: names no file (sqlite:///path/to/outbox.db)")
         return cls(Path(path))
 
 
@@ -145,7 +113,7 @@ class SQLiteStore(LeasedRows):
     """:class:`~room_outbox.store.OutboxStore` on a SQLite file: :class:`LeasedRows`'s
     statements, without row locks (``BEGIN IMMEDIATE`` serialises the writers instead)."""
 
-    row_lock = ""
+    dialect = SQLITE
 
     def __init__(self, conn: aiosqlite.Connection, address: SQLiteAddress) -> None:
         self._conn = conn
@@ -193,35 +161,10 @@ class SQLiteStore(LeasedRows):
     async def migrate(self) -> list[str]:
         # One write transaction from the look at the catalogue to the last statement: a second
         # migrate on the same file waits for it and then finds nothing left to do.
-        async with self._lock, self._begin() as conn:
-            plan = await self._plan(conn)
-            for step in plan:
-                for statement in step.statements:
-                    await conn.execute(statement)
-        return [step.change for step in plan]
+        async with self.transaction() as cur:
+            return await run_plan(cur, await plan_outbox(cur, self.dialect, self.profile))
 
     async def migration_plan(self) -> list[Migration]:
         """As :meth:`MySQLStore.migration_plan`, in SQLite's dialect."""
-        async with self._lock, self._begin() as conn:
-            return await self._plan(conn)
-
-    async def _plan(self, conn: aiosqlite.Connection) -> list[Migration]:
-        """What is missing from ``room_outbox``, read in the caller's transaction."""
-        columns = {str(row[1]).lower() for row in await conn.execute_fetchall(f"PRAGMA table_info({TABLE})")}
-        indexes = {str(row[1]).lower() for row in await conn.execute_fetchall(f"PRAGMA index_list({TABLE})")}
-        plan: list[Migration] = []
-        if not columns:
-            plan.append(Migration(f"created table {TABLE}", V1_TABLE_DDL))
-            columns = set(REQUIRED_V1_COLUMNS)
-        require_v1_columns(columns)
-        for name, definition in _SQLITE_COLUMNS.items():
-            if name not in columns:
-                plan.append(
-                    Migration(f"added column {TABLE}.{name}", (f"ALTER TABLE {TABLE} ADD COLUMN {name} {definition}",))
-                )
-        for name, columns_sql in ADDED_INDEXES.items():
-            if name not in indexes:
-                plan.append(
-                    Migration(f"added index {TABLE}.{name}", (f"CREATE INDEX {name} ON {TABLE} {columns_sql}",))
-                )
-        return plan
+        async with self.transaction() as cur:
+            return await plan_outbox(cur, self.dialect, self.profile)

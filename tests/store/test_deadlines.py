@@ -1,4 +1,4 @@
-"""Every database call has a deadline (``mysql.query_timeout``), on the real MariaDB and on
+"""Every database call has a deadline (``database.query_timeout``), on the real MariaDB and on
 SQLite: a call that outlives it fails with QueryTimeout, its connection is thrown away and
 the idle ones are not trusted again; every session carries the server-side limits derived
 from it; closing the store never waits on the database for longer than that."""
@@ -33,7 +33,7 @@ async def test_a_call_outliving_query_timeout_fails_and_its_connection_is_discar
     try:
         before = await connection_id(store)
         started = time.monotonic()
-        with pytest.raises(QueryTimeout, match=r"mysql\.query_timeout 0\.5s"):
+        with pytest.raises(QueryTimeout, match=r"database\.query_timeout 0\.5s"):
             async with store.transaction() as cur:
                 await cur.execute("SELECT SLEEP(5)")
         assert time.monotonic() - started < 0.5 + 0.5
@@ -181,10 +181,11 @@ async def test_sqlite_waits_for_another_writer_at_most_query_timeout(tmp_path: P
 
 
 def test_query_timeout_defaults_to_five_seconds_or_a_quarter_of_a_short_lease() -> None:
-    assert Settings().mysql.query_timeout == 5.0
+    assert Settings().database.query_timeout == 5.0
     short = Settings(outbox_worker={"publish_timeout": "1s", "lease": "3s"})
-    assert short.mysql.query_timeout == 0.75
-    assert Settings(mysql={"query_timeout": "2s"}).mysql.query_timeout == 2.0
+    assert short.database.query_timeout == 0.75
+    assert Settings(mysql={"query_timeout": "2s"}).database.query_timeout == 2.0  # the former section name
+    assert Settings(database={"query_timeout": "2s"}).database.query_timeout == 2.0
 
 
 def test_a_query_timeout_that_could_outlive_the_lease_is_refused(tmp_path: Path) -> None:
@@ -193,7 +194,7 @@ def test_a_query_timeout_that_could_outlive_the_lease_is_refused(tmp_path: Path)
     with pytest.raises(ConfigError) as raised:
         load_settings(config)
     message = str(raised.value)
-    assert "mysql.query_timeout (4s) must be below a third of outbox_worker.lease (9s)" in message
+    assert "database.query_timeout (4s) must be below a third of outbox_worker.lease (9s)" in message
     with pytest.raises(Exception) as direct:
         Settings(mysql={"query_timeout": "10s"})  # default lease: 10 × publish_timeout = 30s
-    assert "mysql.query_timeout" in describe_validation_error(direct.value)  # type: ignore[arg-type]
+    assert "database.query_timeout" in describe_validation_error(direct.value)  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
-"""The store contract: every :class:`~room_outbox.store.OutboxStore` (MySQL, SQLite) behaves
-alike — schema migration, claims and leases, fencing, takeover, renewal, per-room hold-back,
-parking, and claims shared by several processes on one database.
+"""The store contract: every :class:`~room_outbox.store.OutboxStore` (MySQL, PostgreSQL,
+SQLite) behaves alike — schema migration, claims and leases, fencing, takeover, renewal, per-room hold-back,
+parking, claims shared by several processes on one database, lanes of their own with
+gap-safe feeding, retention, and the operator commands (requeue, cancel, status, inspect).
 
 Each test runs once per backend. MySQL-only properties (the claim's index plan, PyMySQL's
 bytes parameters) stay in ``test_mysql_migrate.py``.
@@ -8,6 +9,7 @@ bytes parameters) stay in ``test_mysql_migrate.py``.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,11 +22,17 @@ from processes import FakeIMProcess, dispatchers, write_config
 from support import INSERT_V1, V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, wait_until
 
 from room_outbox.errors import SchemaError
-from room_outbox.store import DeliveryResult, Outcome
+from room_outbox.ops import inspect_event, status_report
+from room_outbox.producer import append_event
+from room_outbox.retention import RetentionOptions, cleanup
+from room_outbox.store import Claimed, DeliveryResult, Outcome
+from room_outbox.store.dialect import ROW_LOCKS
 from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.leased import LAST_ERROR_MAX, now_ms
-from room_outbox.store.sqlite import V1_TABLE_DDL as SQLITE_V1_DDL
-from room_outbox.store.sqlite import SQLiteStore
+from room_outbox.store.mysql_lanes import LaneStore, migrate_lanes
+from room_outbox.store.operator import RequeueFilter, cancel, find_requeue_candidates, requeue
+from room_outbox.store.profiles import ROOM_CELL
+from room_outbox.store.tables import V1_TABLE_DDL
 
 pytestmark = pytest.mark.anyio
 
@@ -34,7 +42,7 @@ MIGRATION = {
     "added index room_outbox.idx_room_outbox_claim",
     "added index room_outbox.idx_room_outbox_room",
 }
-#: MySQL only: the membership of processes and the room buckets (SQLite is one box).
+#: MySQL only: the membership of processes and the room buckets (PostgreSQL and SQLite run without).
 MYSQL_MIGRATION = {
     "created table room_outbox_node",
     "created table room_outbox_bucket",
@@ -43,13 +51,15 @@ MYSQL_MIGRATION = {
 
 
 def migration(store: SQLStore) -> set[str]:
-    return MIGRATION if isinstance(store, SQLiteStore) else MIGRATION | MYSQL_MIGRATION
+    return MIGRATION | MYSQL_MIGRATION if store.dialect.name == "mysql" else MIGRATION
 
 
-@pytest.fixture(params=["mysql", "sqlite"])
+@pytest.fixture(params=["mysql", "postgresql", "sqlite"])
 def store_dsn(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "mysql":
         return str(request.getfixturevalue("database_dsn"))
+    if request.param == "postgresql":
+        return str(request.getfixturevalue("postgresql_dsn"))
     return f"sqlite:///{tmp_path / 'outbox.db'}"
 
 
@@ -92,7 +102,11 @@ async def test_migrate_creates_the_table_and_is_idempotent(bare_store: SQLStore)
 
 async def test_migrate_upgrades_a_v1_table_in_place_keeping_its_rows(bare_store: SQLStore) -> None:
     async with bare_store.transaction() as cur:
-        for statement in SQLITE_V1_DDL if isinstance(bare_store, SQLiteStore) else (V1_DDL,):
+        for statement in (
+            (V1_DDL,)
+            if bare_store.dialect.name == "mysql"
+            else (s.format(table="room_outbox") for s in V1_TABLE_DDL[bare_store.dialect.name])
+        ):
             await cur.execute(statement)
         await cur.execute(INSERT_V1, ("default", "e_old", "RoomUserJoined", "r_1", '{"x":1}', 1, 1))
     assert set(await bare_store.migrate()) == migration(bare_store)
@@ -410,3 +424,276 @@ async def test_three_processes_share_one_database_and_send_each_event_once(store
             fake.close()
     finally:
         await store.aclose()
+
+
+# -- lanes of their own ------------------------------------------------------------------------
+
+
+async def lane_of(store: SQLStore, name: str = "audit", start: str | int = "beginning") -> LaneStore:
+    await migrate_lanes(store, [name])
+    return LaneStore(owner=store, lane=name, start=start, gap_timeout=60.0)
+
+
+async def test_a_lane_is_fed_claimed_and_recorded_apart_from_the_im_lane(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(3)])
+    lane = await lane_of(any_store)
+    claimed = await lane.claim("l#1", 10, now_ms() + 60_000)
+    assert [r.event_id for r in claimed.rows] == ["e0", "e1", "e2"]
+    assert all(json.loads(r.envelope)["event_id"] == r.event_id for r in claimed.rows)  # read from room_outbox
+    assert await lane.record([DeliveryResult(r.id, r.event_id, "l#1", Outcome.PUBLISHED) for r in claimed.rows]) == []
+    assert {r["status"] for r in (await fetch_rows(any_store)).values()} == {"pending"}  # the IM lane's own
+    await insert_events(any_store, [envelope("e3")])
+    assert [r.event_id for r in (await lane.claim("l#2", 10, now_ms() + 60_000)).rows] == ["e3"]  # each row once
+    assert await lane.feed() == 0
+
+
+async def test_a_lane_started_now_skips_the_rows_before_it(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope("old")])
+    lane = await lane_of(any_store, start="now")
+    assert await lane.feed() == 0
+    await insert_events(any_store, [envelope("new")])
+    assert [r.event_id for r in (await lane.claim("l#1", 10, now_ms() + 60_000)).rows] == ["new"]
+
+
+@pytest.fixture(params=["mysql", "postgresql"])
+async def server_stores(request: pytest.FixtureRequest) -> AsyncIterator[tuple[SQLStore, SQLStore]]:
+    """Two connections to a migrated database on a server. (SQLite has one writer at a time:
+    there a second producer cannot take an id while the first one's transaction is open.)"""
+    dsn = str(request.getfixturevalue("database_dsn" if request.param == "mysql" else "postgresql_dsn"))
+    first, second = await open_store(dsn), await open_store(dsn)
+    try:
+        assert ROW_LOCKS in first.dialect.capabilities
+        await first.migrate()
+        yield first, second
+    finally:
+        await first.aclose()
+        await second.aclose()
+
+
+async def test_a_lane_feeds_an_id_that_commits_after_a_higher_one(server_stores: tuple[SQLStore, SQLStore]) -> None:
+    """Ids commit out of order on the servers: the lane waits for the missing id instead of
+    passing it by."""
+    any_store, other_store = server_stores
+    lane = await lane_of(any_store)
+    now = now_ms()
+    async with other_store.transaction() as late:  # a producer transaction that takes its id first...
+        await late.execute(
+            INSERT_V1, ("default", "late", "RoomUserJoined", "r_1", json.dumps(envelope("late")), now, now)
+        )
+        await insert_events(any_store, [envelope("early")])  # ...and commits after a later one
+        assert await lane.feed() == 1
+    assert await lane.feed() == 1
+    claimed = await lane.claim("l#1", 10, now_ms() + 60_000)
+    assert sorted(r.event_id for r in claimed.rows) == ["early", "late"]
+
+
+# -- retention -----------------------------------------------------------------------------------
+
+
+async def age_and_publish(store: SQLStore, event_ids: list[str], created_at_ms: int) -> None:
+    async with store.transaction() as cur:
+        for event_id in event_ids:
+            await cur.execute(
+                "UPDATE room_outbox SET status = 'published', created_at_ms = %s WHERE event_id = %s",
+                (created_at_ms, event_id),
+            )
+
+
+@pytest.mark.parametrize("archive", [False, True])
+async def test_retention_removes_only_old_published_rows_in_batches(any_store: SQLStore, archive: bool) -> None:
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(7)])
+    await age_and_publish(any_store, [f"e{i}" for i in range(5)], now_ms() - 86_400_000)
+    await age_and_publish(any_store, ["e5"], now_ms())  # published but young
+    report = await cleanup(any_store, RetentionOptions(older_than=3600, batch_size=2, pause=0, archive=archive))
+    assert (report.removed, report.largest_batch) == (5, 2)
+    assert sorted(await fetch_rows(any_store)) == ["e5", "e6"]
+    if archive:
+        async with any_store.transaction() as cur:
+            await cur.execute("SELECT event_id, status FROM room_outbox_archive ORDER BY id")
+            assert [tuple(row) for row in await cur.fetchall()] == [(f"e{i}", "published") for i in range(5)]
+    assert (await cleanup(any_store, RetentionOptions(older_than=3600, pause=0, archive=archive))).removed == 0
+
+
+async def test_retention_keeps_rows_a_lane_still_owes(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope("owed"), envelope("done")])
+    lane = await lane_of(any_store)
+    rows = {r.event_id: r for r in (await lane.claim("l#1", 10, now_ms() + 60_000)).rows}
+    await lane.record([DeliveryResult(rows["done"].id, "done", "l#1", Outcome.PUBLISHED)])
+    await age_and_publish(any_store, ["owed", "done"], now_ms() - 86_400_000)
+    assert (await cleanup(any_store, RetentionOptions(older_than=3600, pause=0))).removed == 1
+    assert sorted(await fetch_rows(any_store)) == ["owed"]
+
+
+# -- operator commands ---------------------------------------------------------------------------
+
+
+async def test_requeue_sends_parked_and_failing_rows_round_again(any_store: SQLStore) -> None:
+    await insert_events(
+        any_store, [envelope(f"e{i}", event_type="RoomGiftSent" if i else "RoomUserJoined") for i in range(4)]
+    )
+    rows = {r.event_id: r for r in (await any_store.claim("a#1", 10, now_ms() + 60_000)).rows}
+    await any_store.record(
+        [
+            DeliveryResult(rows["e0"].id, "e0", "a#1", Outcome.PARKED, "permanent: group gone"),
+            DeliveryResult(rows["e1"].id, "e1", "a#1", Outcome.FAILED, "timeout talking to IM", now_ms() + 600_000),
+            DeliveryResult(rows["e2"].id, "e2", "a#1", Outcome.PUBLISHED),
+        ]
+    )
+    found = await find_requeue_candidates(any_store, RequeueFilter(error_contains="group gone"))
+    assert [r["event_id"] for r in found] == ["e0"]
+    by_type = await find_requeue_candidates(any_store, RequeueFilter(event_type="RoomGiftSent"))
+    assert [r["event_id"] for r in by_type] == ["e1"]  # e2 published, e3 leased right now
+    assert await requeue(any_store, [found[0]["id"], by_type[0]["id"]]) == 2
+    after = await fetch_rows(any_store)
+    assert [(after[e]["status"], after[e]["retry_count"], after[e]["lock_until_ms"]) for e in ("e0", "e1")] == [
+        ("pending", 0, 0)
+    ] * 2
+    assert sorted(r.event_id for r in (await any_store.claim("b#1", 10, now_ms() + 60_000)).rows) == ["e0", "e1"]
+
+
+async def test_cancel_marks_a_pending_event_and_refuses_a_published_one(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope("e1"), envelope("e2")])
+    await age_and_publish(any_store, ["e2"], now_ms())
+    assert await cancel(any_store, "e1") == (True, "cancelled")
+    assert await cancel(any_store, "e2") == (False, "published")
+    assert await cancel(any_store, "nope") == (False, None)
+    assert await any_store.claim("a#1", 10, now_ms() + 60_000) == Claimed([], [], exhausted=True)
+
+
+async def test_status_and_inspect_report_the_im_lane_and_the_lanes(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(3)])
+    lane = await lane_of(any_store)
+    (row, *_) = (await lane.claim("l#1", 10, now_ms() + 60_000)).rows
+    await lane.record([DeliveryResult(row.id, row.event_id, "l#1", Outcome.PARKED, "bad")])
+    (im_row, *_) = (await any_store.claim("node-a#1", 1, now_ms() + 60_000)).rows
+    report = await status_report(any_store)
+    assert (report.pending, report.leased, [h.node for h in report.holders]) == (3, 1, ["node-a"])
+    assert [(x.lane, x.pending, x.parked, x.unfed) for x in report.lanes] == [("audit", 2, 1, 0)]
+    doc = await inspect_event(any_store, im_row.event_id)
+    assert doc is not None and doc["state"].startswith("in flight: leased by node-a#1")
+    assert doc["lanes"] == {"audit": "parked after 1 attempt(s): never retried until `room-outbox requeue`"}
+    assert doc["envelope"]["event_id"] == im_row.event_id
+
+
+# -- table profile room_cell ---------------------------------------------------------------------
+
+
+@pytest.fixture
+async def room_cell(any_store: SQLStore) -> SQLStore:
+    any_store.use_profile(ROOM_CELL)  # type: ignore[attr-defined]
+    return any_store
+
+
+def states(rows: dict[str, dict[str, Any]]) -> dict[str, tuple[str, int, str | None]]:
+    return {e: (r["status"], r["retry_count"], r["worker_id"]) for e, r in rows.items()}
+
+
+async def test_room_cell_claims_deliver_fail_and_park_in_its_own_words(room_cell: SQLStore) -> None:
+    await insert_events(room_cell, [envelope(f"e{i}") for i in range(5)])
+    rows = {r.event_id: r for r in (await room_cell.claim("a#1", 10, now_ms() + 60_000)).rows}
+    assert states(await fetch_rows(room_cell)) == {f"e{i}": ("delivering", 0, "a#1") for i in range(5)}
+    retry_at = now_ms() + 60_000
+    stale = await room_cell.record(
+        [
+            DeliveryResult(rows["e0"].id, "e0", "a#1", Outcome.PUBLISHED),
+            DeliveryResult(rows["e1"].id, "e1", "a#1", Outcome.FAILED, "timeout", retry_at),
+            DeliveryResult(rows["e2"].id, "e2", "a#1", Outcome.PARKED, "permanent"),
+            DeliveryResult(rows["e3"].id, "e3", "a#1", Outcome.RELEASED),
+        ]
+    )
+    assert stale == []
+    assert await room_cell.renew("a#1", [rows["e4"].id, rows["e0"].id], now_ms() + 90_000) == 1
+    got = await fetch_rows(room_cell)
+    assert states(got) == {
+        "e0": ("delivered", 0, None),
+        "e1": ("retryable", 1, None),
+        "e2": ("failed", 1, None),
+        "e3": ("pending", 0, None),  # released unattempted: back to what it was
+        "e4": ("delivering", 0, "a#1"),
+    }
+    assert got["e1"]["lock_until_ms"] == retry_at
+    # retryable is claimable once due; released after an attempt, a row stays retryable
+    async with room_cell.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET lock_until_ms = 0 WHERE event_id = 'e1'")
+    again = {r.event_id: r for r in (await room_cell.claim("b#1", 10, now_ms() + 60_000)).rows}
+    assert sorted(again) == ["e1", "e3"]
+    await room_cell.record([DeliveryResult(again["e1"].id, "e1", "b#1", Outcome.RELEASED)])
+    assert (await fetch_rows(room_cell))["e1"]["status"] == "retryable"
+
+
+async def test_room_cell_takes_over_a_delivering_row_whose_lock_ran_out(room_cell: SQLStore) -> None:
+    """A row a crashed worker left ``delivering`` is claimable once ``lock_until_ms`` passes;
+    the late result of the first worker is stale."""
+    await insert_events(room_cell, [envelope("e1")])
+    (first,) = (await room_cell.claim("dead#1", 10, now_ms() - 1)).rows
+    (taken,) = (await room_cell.claim("live#1", 10, now_ms() + 60_000)).rows
+    assert taken.event_id == "e1"
+    late = DeliveryResult(first.id, "e1", "dead#1", Outcome.PUBLISHED)
+    assert await room_cell.record([late]) == [late]
+    assert await room_cell.record([DeliveryResult(taken.id, "e1", "live#1", Outcome.PUBLISHED)]) == []
+    assert states(await fetch_rows(room_cell)) == {"e1": ("delivered", 0, None)}
+
+
+async def test_room_cell_rows_room_service_marked_retryable_are_delivered(room_cell: SQLStore) -> None:
+    """A room-service that writes the Room Cell words itself (``retryable`` after its own
+    failed push) has those rows claimed too, once due, and holding back later rows of their room."""
+    await insert_events(
+        room_cell, [envelope("a1", room_id="A"), envelope("a2", room_id="A"), envelope("b1", room_id="B")]
+    )
+    async with room_cell.transaction() as cur:
+        await cur.execute(
+            "UPDATE room_outbox SET status = 'retryable', lock_until_ms = %s WHERE event_id = 'a1'",
+            (now_ms() + 60_000,),
+        )
+    claimed = await room_cell.claim("x#1", 10, now_ms() + 60_000, per_room=True, hold_back_ms=0)
+    assert [r.event_id for r in claimed.rows] == ["b1"]  # a2 waits behind the retryable a1
+    async with room_cell.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET lock_until_ms = 0 WHERE event_id IN ('a1', 'a2')")
+    claimed = await room_cell.claim("x#2", 10, now_ms() + 60_000, per_room=True)
+    assert [r.event_id for r in claimed.rows] == ["a1", "a2"]
+
+
+async def test_room_cell_operator_commands_and_retention_speak_its_words(room_cell: SQLStore) -> None:
+    await insert_events(room_cell, [envelope(f"e{i}") for i in range(4)])
+    rows = {r.event_id: r for r in (await room_cell.claim("a#1", 10, now_ms() + 60_000)).rows}
+    await room_cell.record(
+        [
+            DeliveryResult(rows["e0"].id, "e0", "a#1", Outcome.PUBLISHED),
+            DeliveryResult(rows["e1"].id, "e1", "a#1", Outcome.PARKED, "group gone"),
+            DeliveryResult(rows["e2"].id, "e2", "a#1", Outcome.FAILED, "timeout", now_ms() + 60_000),
+        ]
+    )
+    report = await status_report(room_cell)
+    assert (report.pending, report.leased, report.waiting_for_retry, report.other_statuses) == (2, 1, 1, {"failed": 1})
+    doc = await inspect_event(room_cell, "e0")
+    assert doc is not None and doc["state"].startswith("delivered: delivered")
+    found = await find_requeue_candidates(room_cell, RequeueFilter(event_ids=("e1", "e2", "e3")))
+    assert [r["event_id"] for r in found] == ["e1", "e2"]  # e3 is delivering under a live lock
+    assert await requeue(room_cell, [r["id"] for r in found]) == 2
+    assert await cancel(room_cell, "e2") == (True, "cancelled")
+    assert await cancel(room_cell, "e0") == (False, "delivered")
+    async with room_cell.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET created_at_ms = 1 WHERE event_id = 'e0'")
+    assert (await cleanup(room_cell, RetentionOptions(older_than=3600, pause=0))).removed == 1
+    assert states(await fetch_rows(room_cell)) == {
+        "e1": ("pending", 0, None),
+        "e2": ("cancelled", 0, None),  # requeued (a fresh count), then cancelled
+        "e3": ("delivering", 0, "a#1"),
+    }
+
+
+# -- the producer ---------------------------------------------------------------------------------
+
+
+async def test_a_duplicate_event_id_is_skipped_inside_the_callers_transaction(any_store: SQLStore) -> None:
+    """The Python producer's append: a retried command re-appends its event; the first row
+    stays as it was and the rest of the caller's transaction commits."""
+    first = envelope("e1", payload={"n": 1})
+    async with any_store.transaction() as cur:
+        await append_event(cur, first, any_store.dialect)
+    async with any_store.transaction() as cur:
+        await append_event(cur, envelope("e1", payload={"n": 2}), any_store.dialect)  # the retry
+        await append_event(cur, envelope("e2"), any_store.dialect)  # the same transaction's other work
+    rows = await fetch_rows(any_store)
+    assert sorted(rows) == ["e1", "e2"]
+    assert json.loads(rows["e1"]["envelope"])["payload"] == {"n": 1}

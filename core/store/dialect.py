@@ -1,0 +1,117 @@
+"""What differs between the three databases, in one place: how a claim locks rows, how an
+insert skips a duplicate, how the catalogue is read, which column types the DDL uses, and
+what each store can and cannot do (its capabilities, checked at start-up).
+
+Every statement of the shared code (claims, lanes, retention, operator queries) is written
+once with ``%s`` placeholders and takes these pieces where the databases disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: Capabilities a store may declare.
+#: ``row_locks``: claimants on several hosts pass each other with ``FOR UPDATE SKIP LOCKED``
+#: (SQLite serialises every writer instead: one host, one file).
+#: ``plugin_schema``: plugins' ``room_outbox_migrations`` statements run here (they are
+#: written in MySQL's dialect).
+ROW_LOCKS = "row_locks"
+PLUGIN_SCHEMA = "plugin_schema"
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str
+    #: Appended to a claim's SELECT: how it takes rows without waiting for other claimants.
+    row_lock: str
+    #: Appended to a table name where MySQL needs the primary key forced (retention).
+    primary_hint: str
+    #: Appended to CREATE TABLE.
+    table_options: str
+    #: Column type of ids taken from ``room_outbox.id``.
+    id_type: str
+    #: Ends an INSERT whose duplicate key is skipped; ``{key}`` is the conflicting column.
+    on_duplicate_skip: str
+    #: ``{column}`` contains the text bound to ``%s``.
+    contains: str
+    #: Names of the tables of the current database.
+    tables_sql: str
+    #: Names of a table's (``%s``) columns, in their order.
+    columns_sql: str
+    #: Names of a table's (``%s``) indexes.
+    indexes_sql: str
+    capabilities: frozenset[str]
+
+    def insert_skipping_duplicates(self, insert: str, key: str) -> str:
+        return insert + self.on_duplicate_skip.format(key=key)
+
+    def text_contains(self, column: str) -> str:
+        return self.contains.format(column=column)
+
+
+MYSQL = Dialect(
+    name="mysql",
+    row_lock=" FOR UPDATE SKIP LOCKED",
+    primary_hint=" FORCE INDEX (PRIMARY)",
+    table_options=" ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",
+    id_type="BIGINT UNSIGNED",
+    on_duplicate_skip=" ON DUPLICATE KEY UPDATE {key} = {key}",
+    contains="INSTR({column}, %s) > 0",
+    tables_sql="SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE()",
+    columns_sql="SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()"
+    " AND TABLE_NAME = %s ORDER BY ORDINAL_POSITION",
+    indexes_sql="SELECT DISTINCT INDEX_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE()"
+    " AND TABLE_NAME = %s",
+    capabilities=frozenset({ROW_LOCKS, PLUGIN_SCHEMA}),
+)
+
+POSTGRESQL = Dialect(
+    name="postgresql",
+    row_lock=" FOR UPDATE SKIP LOCKED",
+    primary_hint="",
+    table_options="",
+    id_type="BIGINT",
+    on_duplicate_skip=" ON CONFLICT ({key}) DO NOTHING",
+    contains="strpos({column}, %s) > 0",
+    tables_sql="SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()",
+    columns_sql="SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
+    " AND table_name = %s ORDER BY ordinal_position",
+    indexes_sql="SELECT indexname FROM pg_indexes WHERE schemaname = current_schema() AND tablename = %s",
+    capabilities=frozenset({ROW_LOCKS}),
+)
+
+SQLITE = Dialect(
+    name="sqlite",
+    # BEGIN IMMEDIATE already serialises every writer (see room_outbox.store.sqlite).
+    row_lock="",
+    primary_hint="",
+    table_options="",
+    id_type="INTEGER",
+    on_duplicate_skip=" ON CONFLICT ({key}) DO NOTHING",
+    contains="instr({column}, %s) > 0",
+    tables_sql="SELECT name FROM sqlite_master WHERE type = 'table'",
+    columns_sql="SELECT name FROM pragma_table_info(%s) ORDER BY cid",
+    indexes_sql="SELECT name FROM pragma_index_list(%s)",
+    capabilities=frozenset(),
+)
+
+
+async def table_names(cur: Any, dialect: Dialect) -> set[str]:
+    await cur.execute(dialect.tables_sql)
+    return {str(row[0]).lower() for row in await cur.fetchall()}
+
+
+async def column_names(cur: Any, dialect: Dialect, table: str) -> list[str]:
+    await cur.execute(dialect.columns_sql, (table,))
+    return [str(row[0]).lower() for row in await cur.fetchall()]
+
+
+async def index_names(cur: Any, dialect: Dialect, table: str) -> set[str]:
+    await cur.execute(dialect.indexes_sql, (table,))
+    return {str(row[0]).lower() for row in await cur.fetchall()}
+
+
+def marks(values: Sequence[object]) -> str:
+    return ", ".join(["%s"] * len(values))

@@ -1,0 +1,102 @@
+"""The statements of the operator commands that change rows: ``requeue`` and ``cancel``, in
+SQL all three stores speak and the words of the table's profile (see :mod:`room_outbox.admin` for the commands themselves)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from room_outbox.store.dialect import marks
+from room_outbox.store.factory import SQLStore
+from room_outbox.store.leased import now_ms
+from room_outbox.store.profiles import Profile, in_list
+
+
+@dataclass(frozen=True)
+class RequeueFilter:
+    """Which rows ``room-outbox requeue`` selects; every given criterion must hold."""
+
+    event_ids: tuple[str, ...] = ()
+    event_type: str | None = None
+    error_contains: str | None = None
+    older_than_ms: int | None = None  # created at least this long ago
+    #: ``pending``: rows still to deliver (in the profile's words: pending, retryable, a
+    #: claim run out...); ``failed``: parked rows.
+    statuses: tuple[str, ...] = ("pending", "failed")
+
+
+def _statuses(words: Profile, wanted: Sequence[str]) -> list[str]:
+    """The table's status words for the command line's ``pending`` and ``failed``."""
+    found: list[str] = []
+    if "pending" in wanted:
+        found += words.open
+    if "failed" in wanted:
+        found.append(words.parked)
+    return found
+
+
+async def find_requeue_candidates(store: SQLStore, where: RequeueFilter, limit: int = 10_000) -> list[dict[str, Any]]:
+    """Rows the filter selects, leaving out rows leased right now (their in-flight result
+    would be lost) and rows neither pending nor failed (published, cancelled)."""
+    statuses = _statuses(store.profile, where.statuses)
+    if not statuses:
+        return []
+    p = store.profile
+    clauses = [f"status IN ({marks(statuses)})", f"NOT (worker_id IS NOT NULL AND {p.lock} > {p.ms('%s')})"]
+    params: list[Any] = [*statuses, now_ms()]
+    if where.event_ids:
+        clauses.append(f"{p.event_id} IN ({marks(where.event_ids)})")
+        params.extend(where.event_ids)
+    if where.event_type:
+        clauses.append(f"{p.event_type} = %s")
+        params.append(where.event_type)
+    if where.error_contains:
+        clauses.append(store.dialect.text_contains("last_error"))
+        params.append(where.error_contains)
+    if where.older_than_ms is not None:
+        clauses.append(f"{p.created} <= {p.ms('%s')}")
+        params.append(now_ms() - where.older_than_ms)
+    async with store.transaction() as cur:
+        await cur.execute(
+            f"SELECT {p.key} AS id, {p.event_id} AS event_id, {p.event_type} AS event_type, {p.room_id} AS room_id,"
+            f" status, {p.attempts} AS retry_count, last_error, {p.as_ms(p.created)} AS created_at_ms FROM {p.table}"
+            f" WHERE {' AND '.join(clauses)} ORDER BY {p.key} LIMIT %s",
+            (*params, limit),
+        )
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
+
+
+async def requeue(store: SQLStore, row_ids: Sequence[int]) -> int:
+    """Make rows pending and due now, with a fresh attempt count (``max_attempts`` starts
+    over); ``last_error`` is kept until the next attempt. Returns rows changed."""
+    if not row_ids:
+        return 0
+    words = store.profile
+    async with store.transaction() as cur:
+        return int(
+            await cur.execute(
+                f"UPDATE {words.table} SET status = '{words.fresh}', {words.attempts} = 0,"
+                f" {words.lock} = {words.lock_cleared}, worker_id = NULL, {words.updated} = {words.ms('%s')}"
+                f" WHERE {words.key} IN ({marks(row_ids)}) AND {in_list('status', (*words.open, words.parked))}"
+                f" AND NOT (worker_id IS NOT NULL AND {words.lock} > {words.ms('%s')})",
+                (now_ms(), *row_ids, now_ms()),
+            )
+        )
+
+
+async def cancel(store: SQLStore, event_id: str) -> tuple[bool, str | None]:
+    """Mark a pending or failed event ``cancelled`` (never delivered, kept for audit).
+    Returns whether it was cancelled and the status it has now (None: no such event)."""
+    words = store.profile
+    async with store.transaction() as cur:
+        changed = await cur.execute(
+            f"UPDATE {words.table} SET status = '{words.cancelled}', worker_id = NULL,"
+            f" {words.lock} = {words.lock_cleared}, {words.updated} = {words.ms('%s')}"
+            f" WHERE {words.event_id} = %s AND {in_list('status', (*words.open, words.parked))}",
+            (now_ms(), event_id),
+        )
+        await cur.execute(f"SELECT status FROM {words.table} WHERE {words.event_id} = %s", (event_id,))
+        row = await cur.fetchone()
+    return bool(changed), (row[0] if row else None)

@@ -1,0 +1,248 @@
+"""The IM lane's state on PostgreSQL ≥ 12, through psycopg 3 and its connection pool.
+
+Same table, columns, indexes, claim, leases, fencing, per-room hold-back and parking as on
+MySQL (:mod:`.schema`, :mod:`.leased`): transactions run at READ COMMITTED (PostgreSQL's
+default), the claim takes its rows with ``FOR UPDATE SKIP LOCKED``, and a fenced ``UPDATE``
+reports the rows it matched.
+
+Why psycopg 3 and not asyncpg: on the store's hot cycle (claim a batch, lease it, mark the
+previous batch published) the two drivers are equally fast here (``python -m bench.pg_driver``:
+within 2 % of each other at batches of 100 and 500), and psycopg takes the ``%s`` placeholders
+every shared statement of this package is written in, so no statement is rewritten on the way.
+
+Deadlines follow :mod:`.deadline`, as on MySQL: a transaction (taking a connection, its
+statements, the commit) ends within ``query_timeout`` or raises :class:`QueryTimeout`, and its
+connection is closed, never handed back; connections idle since before a call that timed out
+are replaced rather than tried. Every session starts with the server-side bounds derived from
+``query_timeout``: ``idle_in_transaction_session_timeout`` (a session whose client vanished in
+the middle of a transaction ends and frees its row locks), ``lock_timeout`` and
+``statement_timeout``; ``migrate`` lifts the last for its own transaction only (``SET LOCAL``).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import anyio
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from room_outbox.store.deadline import (
+    DEFAULT_QUERY_TIMEOUT,
+    SCHEMA_CHANGE_TIMEOUT,
+    SessionLimits,
+    TimeoutWatch,
+    query_deadline,
+)
+from room_outbox.store.dialect import POSTGRESQL
+from room_outbox.store.leased import LeasedRows
+from room_outbox.store.tables import Migration, plan_outbox, run_plan
+
+SCHEMES = ("postgresql", "postgres")
+#: DSN options passed through to libpq.
+_LIBPQ_OPTIONS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "application_name")
+
+
+@dataclass(frozen=True)
+class PostgresAddress:
+    host: str
+    port: int
+    user: str
+    password: str
+    database: str
+    options: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def from_dsn(cls, dsn: str) -> PostgresAddress:
+        """``postgresql://user:password@host:port/database[?sslmode=…]``. Errors never echo
+        the DSN, which holds the password."""
+        parts = urlsplit(dsn)
+        if parts.scheme not in SCHEMES:
+            raise ValueError(f"database.dsn: scheme must be postgresql:// (got {parts.scheme or 'none'}://)")
+        database = parts.path.lstrip("/")
+        if not database:
+            raise ValueError("database.dsn: names no database (postgresql://user:password@host:port/DATABASE)")
+        query = parse_qs(parts.query)
+        unknown = set(query) - set(_LIBPQ_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"database.dsn: unsupported options {sorted(unknown)} (allowed: {', '.join(_LIBPQ_OPTIONS)})"
+            )
+        try:
+            port = parts.port or 5432
+        except ValueError:
+            raise ValueError("database.dsn: port is not a number") from None
+        return cls(
+            host=parts.hostname or "127.0.0.1",
+            port=port,
+            user=unquote(parts.username or "postgres"),
+            password=unquote(parts.password or ""),
+            database=unquote(database),
+            options=tuple((name, values[-1]) for name, values in sorted(query.items())),
+        )
+
+    def connect_kwargs(self, query_timeout: float, database: str | None = None) -> dict[str, Any]:
+        """libpq's parameters: every session carries the server-side bounds of
+        :class:`SessionLimits` for ``query_timeout``, set at connect time."""
+        limits = SessionLimits.for_query_timeout(query_timeout)
+        return {
+            "host": self.host,
+            "port": self.port,
+            "user": self.user,
+            "password": self.password,
+            "dbname": database or self.database,
+            "connect_timeout": max(2, math.ceil(query_timeout)),  # libpq takes whole seconds, at least 2
+            "application_name": "room-outbox",
+            "options": (
+                f"-c statement_timeout={limits.statement_seconds * 1000}"
+                f" -c lock_timeout={limits.lock_wait_seconds * 1000}"
+                f" -c idle_in_transaction_session_timeout={limits.idle_seconds * 1000}"
+            ),
+            **dict(self.options),
+        }
+
+
+class PgCursor:
+    """psycopg's cursor shaped like the parts of aiomysql's the shared code uses: ``execute``
+    returns the row count (rows matched by an UPDATE, rows of a SELECT)."""
+
+    def __init__(self, cur: psycopg.AsyncCursor[Any]) -> None:
+        self._cur = cur
+        self.description: Any = None
+        self.rowcount = -1
+
+    async def execute(self, sql: str, args: Iterable[Any] | None = None) -> int:
+        await self._cur.execute(sql, tuple(args) if args is not None else None)
+        self.description = self._cur.description
+        self.rowcount = self._cur.rowcount
+        return max(self.rowcount, 0)
+
+    async def executemany(self, sql: str, args: Iterable[Iterable[Any]]) -> int:
+        await self._cur.executemany(sql, [tuple(a) for a in args])
+        self.description, self.rowcount = None, self._cur.rowcount
+        return max(self.rowcount, 0)
+
+    async def fetchone(self) -> Any:
+        return await self._cur.fetchone() if self.description is not None else None
+
+    async def fetchall(self) -> list[Any]:
+        return list(await self._cur.fetchall()) if self.description is not None else []
+
+
+class PostgresStore(LeasedRows):
+    """:class:`~room_outbox.store.OutboxStore` on PostgreSQL: owns the pool and keeps the IM
+    lane's state in the profile's table (``room_outbox`` for v1)."""
+
+    dialect = POSTGRESQL
+
+    def __init__(
+        self, pool: AsyncConnectionPool, address: PostgresAddress, query_timeout: float = DEFAULT_QUERY_TIMEOUT
+    ) -> None:
+        self._pool = pool
+        self.address = address
+        self.query_timeout = query_timeout
+        self.limits = SessionLimits.for_query_timeout(query_timeout)
+        self._timeouts = TimeoutWatch()
+        #: When each pooled connection was last handed back (event-loop time).
+        self._last_used: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], float] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    async def connect(
+        cls, dsn: str, pool_size: int = 10, create_database: bool = False, query_timeout: float = DEFAULT_QUERY_TIMEOUT
+    ) -> PostgresStore:
+        """Open the pool; each step ends within ``query_timeout`` or raises :class:`QueryTimeout`."""
+        address = PostgresAddress.from_dsn(dsn)
+        limits = SessionLimits.for_query_timeout(query_timeout)
+        pool = AsyncConnectionPool(
+            kwargs=address.connect_kwargs(query_timeout),
+            min_size=1,
+            max_size=pool_size,
+            open=False,
+            timeout=query_timeout,
+            max_idle=limits.pool_recycle,
+            name="room-outbox",
+        )
+        try:
+            with query_deadline(query_timeout):
+                if create_database:
+                    await _create_database(address, query_timeout)
+                # One connection first, alone: its error (refused, login, no such database) is
+                # the driver's own, where the pool would only report that it timed out.
+                first = await psycopg.AsyncConnection.connect(**address.connect_kwargs(query_timeout))
+                await first.close()
+                await pool.open(wait=True, timeout=query_timeout)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await pool.close(timeout=1.0)
+            raise
+        return cls(pool, address, query_timeout)
+
+    async def aclose(self) -> None:
+        """Close the pool. Connections still in use get ``query_timeout`` to come back; then
+        they are closed regardless."""
+        await self._pool.close(timeout=self.query_timeout)
+
+    @asynccontextmanager
+    async def transaction(self, timeout: float | None = None) -> AsyncIterator[PgCursor]:
+        """A ``%s``-style cursor in a transaction: commit on success; on error close the
+        connection (which rolls back), never handing it back to the pool as healthy.
+
+        The whole transaction — taking a connection, the block, the commit — ends within
+        ``timeout`` (default ``query_timeout``) or raises :class:`QueryTimeout`."""
+        with self._timeouts.call(timeout or self.query_timeout):
+            conn = await self._acquire()
+            try:
+                async with conn.cursor() as cur:
+                    yield PgCursor(cur)
+                await conn.commit()
+            except BaseException:
+                await conn.close()  # no round trip: a dead network cannot hold it up
+                raise
+            finally:
+                self._last_used[conn] = anyio.current_time()
+                with anyio.CancelScope(shield=True):
+                    await self._pool.putconn(conn)  # a closed connection is replaced, not reused
+
+    async def _acquire(self) -> psycopg.AsyncConnection[Any]:
+        """A connection from the pool, passing over those idle since before the last timeout."""
+        while True:
+            conn = await self._pool.getconn()
+            last_used = self._last_used.get(conn)
+            if last_used is None or self._timeouts.trusts(last_used):
+                return conn
+            await conn.close()
+            await self._pool.putconn(conn)
+
+    async def migrate(self) -> list[str]:
+        async with self.transaction(SCHEMA_CHANGE_TIMEOUT) as cur:
+            plan = await plan_outbox(cur, self.dialect, self.profile)
+            # A long ALTER TABLE must not be stopped half-way by the session's statement limit;
+            # SET LOCAL lifts it for this transaction only.
+            await cur.execute("SET LOCAL statement_timeout = 0")
+            return await run_plan(cur, plan)
+
+    async def migration_plan(self) -> list[Migration]:
+        """As :meth:`MySQLStore.migration_plan`, in PostgreSQL's dialect."""
+        async with self.transaction() as cur:
+            return await plan_outbox(cur, self.dialect, self.profile)
+
+
+async def _create_database(address: PostgresAddress, query_timeout: float) -> None:
+    """Create the DSN's database when missing (``room-outbox migrate``), from the server's
+    maintenance database; the caller bounds the time."""
+    conn = await psycopg.AsyncConnection.connect(
+        **address.connect_kwargs(query_timeout, database="postgres"), autocommit=True
+    )
+    try:
+        cur = await conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (address.database,))
+        if await cur.fetchone() is None:
+            name = address.database.replace('"', '""')
+            await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()

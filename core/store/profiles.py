@@ -1,0 +1,147 @@
+"""Table profiles: which table holds the outbox and which status words its producer and
+room-outbox write there. Chosen by ``database.profile`` (and ``database.table``).
+
+* ``v1`` (default): room-service's V1 ``room_outbox``. A row is ``pending`` until delivered
+  (``published``), also while leased and while waiting for its retry.
+* ``room_cell``: the same table and columns with the Room Cell vocabulary: ``pending`` →
+  ``delivering`` (claimed: ``worker_id`` and ``lock_until_ms`` set; taken over once
+  ``lock_until_ms`` passes) → ``delivered``, or ``retryable`` (due again at ``lock_until_ms``)
+  → ``failed``.
+* ``silk`` (PostgreSQL): silk's ``outbox_events``. ``pending`` and ``retry`` rows are claimable
+  once ``next_attempt_at`` is due; ``sending`` while claimed (``next_attempt_at`` is then the
+  lease's end); ``sent``; ``failed`` once the row's own ``max_attempts`` are used up;
+  ``cancelled`` is never touched. migrate adds ``outbox_seq`` (a rising key) and ``worker_id``.
+
+Every profile parks as ``failed`` and cancels as ``cancelled``. The lanes of their own keep
+their state in room-outbox's own tables and always speak ``v1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from room_outbox.store.tables import TABLE
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    table: str
+    #: What the producer inserts.
+    fresh: str
+    #: After a failed attempt: claimable again once ``lock_until_ms`` has passed.
+    retry: str
+    #: While a claim holds the row (until ``lock_until_ms``, then claimable again).
+    in_flight: str
+    delivered: str
+    parked: str = "failed"
+    cancelled: str = "cancelled"
+    # -- the columns (SQL expressions where the table has no such column) ----------------------
+    #: A key that rises with inserts (per-room order and lane feeding compare it).
+    key: str = "id"
+    event_id: str = "event_id"
+    event_type: str = "event_type"
+    room_id: str = "room_id"
+    app_code: str = "app_code"
+    envelope: str = "envelope"
+    attempts: str = "retry_count"
+    #: Not claimable before this time (a lease's end, a retry's time).
+    lock: str = "lock_until_ms"
+    updated: str = "updated_at_ms"
+    created: str = "created_at_ms"
+    #: Times are epoch-ms integers; False: timestamps (``timestamptz``).
+    ms_columns: bool = True
+    #: ``lock`` of a row no claim holds and no retry waits for: due at once.
+    lock_cleared: str = "0"
+    #: The attempts after which a failed row is parked, per row (SQL); None: the dispatcher
+    #: decides (``outbox_worker.retry.max_attempts``).
+    attempts_limit: str | None = None
+    #: Databases the profile's table exists on; empty: all.
+    databases: tuple[str, ...] = ()
+
+    @property
+    def open(self) -> tuple[str, ...]:
+        """Statuses of rows still to deliver: claimable once due."""
+        return tuple(dict.fromkeys((self.fresh, self.retry, self.in_flight)))
+
+    @property
+    def waiting(self) -> tuple[str, ...]:
+        """Open rows no claim holds: what requeue and cancel may change besides parked rows."""
+        return tuple(dict.fromkeys((self.fresh, self.retry)))
+
+    def is_open(self, column: str = "status") -> str:
+        """SQL: ``column`` is one of :attr:`open` (the statuses are constants, never input)."""
+        return in_list(column, self.open)
+
+    def is_waiting(self, column: str = "status") -> str:
+        return in_list(column, self.waiting)
+
+    def released(self) -> str:
+        """SQL: the status a row goes back to when its claim drops it unattempted."""
+        if self.fresh == self.retry:
+            return f"'{self.fresh}'"
+        return f"CASE WHEN {self.attempts} = 0 THEN '{self.fresh}' ELSE '{self.retry}' END"
+
+    def after_failure(self) -> str:
+        """SQL: the status of a row whose attempt failed (before its attempts are counted)."""
+        if self.attempts_limit is None:
+            return f"'{self.retry}'"
+        return f"CASE WHEN {self.attempts} + 1 >= {self.attempts_limit} THEN '{self.parked}' ELSE '{self.retry}' END"
+
+    def ms(self, value: str) -> str:
+        """SQL: an epoch-ms value (a placeholder or a literal) in the table's time type."""
+        return value if self.ms_columns else f"to_timestamp({value} / 1000.0)"
+
+    def as_ms(self, column: str) -> str:
+        """SQL: a time column read as epoch ms."""
+        return column if self.ms_columns else f"CAST(EXTRACT(EPOCH FROM {column}) * 1000 AS BIGINT)"
+
+
+def in_list(column: str, statuses: tuple[str, ...]) -> str:
+    if len(statuses) == 1:
+        return f"{column} = '{statuses[0]}'"
+    quoted = ", ".join(f"'{status}'" for status in statuses)
+    return f"{column} IN ({quoted})"
+
+
+V1 = Profile("v1", TABLE, fresh="pending", retry="pending", in_flight="pending", delivered="published")
+ROOM_CELL = Profile(
+    "room_cell", TABLE, fresh="pending", retry="retryable", in_flight="delivering", delivered="delivered"
+)
+#: silk's outbox event, as room-outbox delivers it: the aggregate is the "room" (per-room
+#: order, IM group), in the default app (app_code ""); its type travels along as
+#: ``aggregate_type``; occurred_at is the row's creation time.
+SILK_ENVELOPE = (
+    "CAST(json_build_object('event_id', event_id, 'event_type', event_type, 'app_code', '',"
+    " 'room_id', COALESCE(aggregate_id, ''), 'aggregate_type', aggregate_type,"
+    " 'occurred_at_ms', CAST(EXTRACT(EPOCH FROM created_at) * 1000 AS BIGINT), 'payload', payload) AS TEXT)"
+)
+SILK = Profile(
+    "silk",
+    "outbox_events",
+    fresh="pending",
+    retry="retry",
+    in_flight="sending",
+    delivered="sent",
+    key="outbox_seq",
+    room_id="COALESCE(aggregate_id, '')",
+    app_code="''",
+    envelope=SILK_ENVELOPE,
+    attempts="attempts",
+    lock="next_attempt_at",
+    updated="updated_at",
+    created="created_at",
+    ms_columns=False,
+    lock_cleared="now()",
+    # silk's rule: a row's own max_attempts, its default (5) where the row says 0 or less
+    attempts_limit="CASE WHEN max_attempts > 0 THEN max_attempts ELSE 5 END",
+    databases=("postgresql",),
+)
+PROFILES = {profile.name: profile for profile in (V1, ROOM_CELL, SILK)}
+
+
+def profile_named(name: str, table: str = "") -> Profile:
+    """The profile ``database.profile`` names, on ``database.table`` when given."""
+    profile = PROFILES[name]
+    return dataclasses.replace(profile, table=table) if table else profile

@@ -1,0 +1,234 @@
+"""The outbox tables in each database's dialect — room-service's V1 ``room_outbox`` and silk's
+``outbox_events`` — what room-outbox adds to them, and the one migration plan that creates or
+upgrades them on all three databases (``migrate`` runs it, ``migrate --sql`` prints it).
+
+Added (all with defaults, so room-service's own INSERT and
+``UPDATE … SET status='published' WHERE event_id=?`` keep working):
+
+* ``worker_id``: the claim holding the row (``<node_id>#<n>``), NULL when free.
+* ``lock_until_ms``: the row is not claimable before this time. A claim sets it to the end of
+  its lease; a failed attempt sets it to the retry time. One column for both keeps the claim
+  an exact index range scan.
+* index ``idx_room_outbox_claim (status, lock_until_ms, id)``: the claim's range.
+* index ``idx_room_outbox_room (room_id, status, id)``: per-room ordering asks "which earlier
+  rows of these rooms are still pending?".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from room_outbox.errors import SchemaError
+from room_outbox.store.dialect import Dialect, column_names, index_names
+
+if TYPE_CHECKING:
+    from room_outbox.store.profiles import Profile
+
+TABLE = "room_outbox"
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One step of a migration: its statements and the line ``migrate`` reports once they ran."""
+
+    change: str
+    statements: tuple[str, ...]
+
+
+#: Templates: ``{table}`` is the outbox table's name.
+V1_TABLE_DDL: dict[str, tuple[str, ...]] = {
+    "mysql": (
+        """CREATE TABLE IF NOT EXISTS {table} (
+  id            BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
+  app_code      VARCHAR(64)  NOT NULL DEFAULT '',
+  event_id      VARCHAR(64)  NOT NULL,
+  event_type    VARCHAR(64)  NOT NULL,
+  room_id       VARCHAR(64)  NOT NULL,
+  envelope      LONGTEXT     NOT NULL,
+  status        VARCHAR(16)  NOT NULL DEFAULT 'pending',
+  retry_count   INT          NOT NULL DEFAULT 0,
+  last_error    VARCHAR(1024) NULL,
+  created_at_ms BIGINT       NOT NULL,
+  updated_at_ms BIGINT       NOT NULL,
+  UNIQUE KEY uk_{table}_event_id (event_id),
+  KEY idx_{table}_status_id (status, id)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
+    ),
+    # BIGSERIAL: a sequence, whose values (like InnoDB's auto-increment) commit out of order;
+    # lanes feed around that (see room_outbox.store.mysql_lanes).
+    "postgresql": (
+        """CREATE TABLE {table} (
+  id            BIGSERIAL     PRIMARY KEY,
+  app_code      VARCHAR(64)   NOT NULL DEFAULT '',
+  event_id      VARCHAR(64)   NOT NULL,
+  event_type    VARCHAR(64)   NOT NULL,
+  room_id       VARCHAR(64)   NOT NULL,
+  envelope      TEXT          NOT NULL,
+  status        VARCHAR(16)   NOT NULL DEFAULT 'pending',
+  retry_count   INT           NOT NULL DEFAULT 0,
+  last_error    VARCHAR(1024) NULL,
+  created_at_ms BIGINT        NOT NULL,
+  updated_at_ms BIGINT        NOT NULL,
+  CONSTRAINT uk_{table}_event_id UNIQUE (event_id)
+)""",
+        "CREATE INDEX idx_{table}_status_id ON {table} (status, id)",
+    ),
+    # AUTOINCREMENT because per-room ordering relies on ids that only rise: without it SQLite
+    # reuses the ids of deleted rows at the top.
+    "sqlite": (
+        """CREATE TABLE {table} (
+  id            INTEGER PRIMARY KEY AUTOINCREMENT,
+  app_code      TEXT    NOT NULL DEFAULT '',
+  event_id      TEXT    NOT NULL,
+  event_type    TEXT    NOT NULL,
+  room_id       TEXT    NOT NULL,
+  envelope      TEXT    NOT NULL,
+  status        TEXT    NOT NULL DEFAULT 'pending',
+  retry_count   INTEGER NOT NULL DEFAULT 0,
+  last_error    TEXT    NULL,
+  created_at_ms INTEGER NOT NULL,
+  updated_at_ms INTEGER NOT NULL
+)""",
+        "CREATE UNIQUE INDEX uk_{table}_event_id ON {table} (event_id)",
+        "CREATE INDEX idx_{table}_status_id ON {table} (status, id)",
+    ),
+}
+
+#: What room-outbox adds to the V1 table: column name → definition, per dialect.
+ADDED_COLUMNS: dict[str, dict[str, str]] = {
+    "mysql": {"worker_id": "VARCHAR(128) NULL DEFAULT NULL", "lock_until_ms": "BIGINT NOT NULL DEFAULT 0"},
+    "postgresql": {"worker_id": "VARCHAR(128) NULL DEFAULT NULL", "lock_until_ms": "BIGINT NOT NULL DEFAULT 0"},
+    "sqlite": {"worker_id": "TEXT NULL DEFAULT NULL", "lock_until_ms": "INTEGER NOT NULL DEFAULT 0"},
+}
+#: Index name templates (``{table}``) → columns.
+ADDED_INDEXES = {
+    "idx_{table}_claim": "(status, lock_until_ms, id)",
+    "idx_{table}_room": "(room_id, status, id)",
+}
+REQUIRED_V1_COLUMNS = (
+    "id", "app_code", "event_id", "event_type", "room_id", "envelope",
+    "status", "retry_count", "last_error", "created_at_ms", "updated_at_ms",
+)  # fmt: skip
+
+
+def require_v1_columns(columns: set[str], table: str = TABLE) -> None:
+    """Refuse a table that is not room-service's V1 table (whatever the database)."""
+    missing = [c for c in REQUIRED_V1_COLUMNS if c not in columns]
+    if missing:
+        raise SchemaError(
+            f"table {table} exists but lacks the V1 columns {missing}; refusing to guess how to upgrade it"
+        )
+
+
+async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migration]:
+    """What creates the outbox table, or adds what is missing to room-service's V1 table, read
+    from the catalogue in the caller's transaction; nothing when it is up to date."""
+    columns = set(await column_names(cur, dialect, table))
+    indexes = await index_names(cur, dialect, table)
+    plan: list[Migration] = []
+    if not columns:
+        ddl = tuple(statement.format(table=table).strip() for statement in V1_TABLE_DDL[dialect.name])
+        plan.append(Migration(f"created table {table}", ddl))
+        columns = set(REQUIRED_V1_COLUMNS)
+    require_v1_columns(columns, table)
+    for name, definition in ADDED_COLUMNS[dialect.name].items():
+        if name not in columns:
+            plan.append(
+                Migration(f"added column {table}.{name}", (f"ALTER TABLE {table} ADD COLUMN {name} {definition}",))
+            )
+    for template, columns_sql in ADDED_INDEXES.items():
+        name = template.format(table=table)
+        if name not in indexes:
+            plan.append(Migration(f"added index {table}.{name}", (f"CREATE INDEX {name} ON {table} {columns_sql}",)))
+    return plan
+
+
+# -- silk's outbox (PostgreSQL) ----------------------------------------------------------------
+
+#: silk's own table as its producer (GORM model OutboxEvent) expects it; created by migrate
+#: only where it does not exist yet.
+SILK_TABLE_DDL = (
+    """CREATE TABLE {table} (
+  id              UUID         PRIMARY KEY DEFAULT gen_random_uuid(),
+  event_id        VARCHAR(64)  NOT NULL,
+  event_type      VARCHAR(64)  NOT NULL,
+  aggregate_type  VARCHAR(64)  NULL,
+  aggregate_id    VARCHAR(128) NULL,
+  payload         JSONB        NOT NULL DEFAULT '{{}}',
+  status          VARCHAR(16)  NOT NULL DEFAULT 'pending',
+  attempts        INT          NOT NULL DEFAULT 0,
+  max_attempts    INT          NOT NULL DEFAULT 5,
+  next_attempt_at TIMESTAMPTZ  NOT NULL DEFAULT now(),
+  last_error      TEXT         NULL,
+  created_at      TIMESTAMPTZ  NOT NULL DEFAULT now(),
+  updated_at      TIMESTAMPTZ  NOT NULL DEFAULT now(),
+  CONSTRAINT uk_{table}_event_id UNIQUE (event_id)
+)""",
+)
+REQUIRED_SILK_COLUMNS = (
+    "id", "event_id", "event_type", "aggregate_type", "aggregate_id", "payload", "status",
+    "attempts", "max_attempts", "next_attempt_at", "last_error", "created_at", "updated_at",
+)  # fmt: skip
+#: What room-outbox adds to silk's table: a key that rises with inserts (silk's id is a UUID;
+#: per-room order and lane feeding compare keys; rows already there are numbered in storage
+#: order) and the claim holding a row. Both with defaults: silk's INSERT names neither.
+SILK_ADDED_COLUMNS = {
+    "outbox_seq": "BIGSERIAL",
+    "worker_id": "VARCHAR(128) NULL DEFAULT NULL",
+}
+SILK_ADDED_INDEXES = {
+    "uk_{table}_outbox_seq": "UNIQUE INDEX {name} ON {table} (outbox_seq)",
+    "idx_{table}_claim": "INDEX {name} ON {table} (status, next_attempt_at, outbox_seq)",
+    # per-room order's "aggregate": the same expression the claim reads
+    "idx_{table}_room": "INDEX {name} ON {table} ((COALESCE(aggregate_id, '')), status, outbox_seq)",
+}
+
+
+async def plan_silk(cur: Any, dialect: Dialect, table: str) -> list[Migration]:
+    """As :func:`plan_v1`, for silk's table."""
+    columns = set(await column_names(cur, dialect, table))
+    indexes = await index_names(cur, dialect, table)
+    plan: list[Migration] = []
+    if not columns:
+        plan.append(Migration(f"created table {table}", tuple(s.format(table=table) for s in SILK_TABLE_DDL)))
+        columns = set(REQUIRED_SILK_COLUMNS)
+    missing = [c for c in REQUIRED_SILK_COLUMNS if c not in columns]
+    if missing:
+        raise SchemaError(
+            f"table {table} exists but lacks silk's outbox columns {missing}; refusing to guess how to upgrade it"
+        )
+    for name, definition in SILK_ADDED_COLUMNS.items():
+        if name not in columns:
+            plan.append(
+                Migration(f"added column {table}.{name}", (f"ALTER TABLE {table} ADD COLUMN {name} {definition}",))
+            )
+    for template, definition in SILK_ADDED_INDEXES.items():
+        name = template.format(table=table)
+        if name not in indexes:
+            plan.append(
+                Migration(f"added index {table}.{name}", (f"CREATE {definition.format(name=name, table=table)}",))
+            )
+    return plan
+
+
+async def plan_outbox(cur: Any, dialect: Dialect, profile: Profile) -> list[Migration]:
+    """The migration plan of the profile's table (see :mod:`.profiles`)."""
+    if profile.name == "silk":
+        return await plan_silk(cur, dialect, profile.table)
+    return await plan_v1(cur, dialect, profile.table)
+
+
+async def run_plan(cur: Any, plan: list[Migration]) -> list[str]:
+    """Run a plan's statements in the caller's transaction; return its changes."""
+    for step in plan:
+        for statement in step.statements:
+            await cur.execute(statement)
+    return [step.change for step in plan]
+
+
+def required_columns(profile: Profile) -> tuple[str, ...]:
+    """Every column room-outbox reads or writes in the profile's table (the start-up check)."""
+    if profile.name == "silk":
+        return (*REQUIRED_SILK_COLUMNS, *SILK_ADDED_COLUMNS)
+    return (*REQUIRED_V1_COLUMNS, "worker_id", "lock_until_ms")

@@ -1,0 +1,140 @@
+"""PostgreSQL-only properties: the DSN, the session's server-side bounds, the deadlines that
+keep a statement from hanging a worker, and a database created by ``migrate``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import anyio
+import psycopg
+import pytest
+from support import POSTGRESQL_SERVER_DSN, envelope, insert_events, pg_admin, wait_until
+
+from room_outbox.store.deadline import QueryTimeout
+from room_outbox.store.factory import open_store
+from room_outbox.store.leased import now_ms
+from room_outbox.store.postgres import PostgresAddress, PostgresStore
+
+pytestmark = pytest.mark.anyio
+
+
+def test_the_dsn_is_parsed_and_errors_never_echo_it() -> None:
+    address = PostgresAddress.from_dsn("postgresql://app:s%40cret@db.internal:6432/room?sslmode=require")
+    assert (address.user, address.password, address.host, address.port, address.database) == (
+        "app", "s@cret", "db.internal", 6432, "room",
+    )  # fmt: skip
+    kwargs = address.connect_kwargs(2.0)
+    assert kwargs["sslmode"] == "require" and kwargs["connect_timeout"] == 2
+    for dsn, message in [
+        ("postgresql://u:hunter22@h:5432/", "names no database"),
+        ("postgresql://u:hunter22@h/db?foo=1", "unsupported options ['foo']"),
+        ("postgresql://u:hunter22@h:port/db", "port is not a number"),
+    ]:
+        with pytest.raises(ValueError, match=r"database\.dsn") as info:
+            PostgresAddress.from_dsn(dsn)
+        assert message in str(info.value) and "hunter22" not in str(info.value)
+
+
+async def test_an_unknown_scheme_is_refused_naming_the_key() -> None:
+    with pytest.raises(
+        ValueError, match=r"database.dsn: scheme must be mysql://, postgresql:// or sqlite:// \(got redis://\)"
+    ):
+        await open_store("redis://h/0")
+
+
+async def test_sessions_carry_the_server_side_bounds(postgresql_dsn: str) -> None:
+    """The MySQL store's rule (room_outbox.store.deadline.SessionLimits) for query_timeout 1.5 s:
+    locks are waited for 2 s, an idle transaction and a statement end after 5 s."""
+    store = await PostgresStore.connect(postgresql_dsn, query_timeout=1.5)
+    try:
+        async with store.transaction() as cur:
+            settings = {}
+            for name in ("statement_timeout", "lock_timeout", "idle_in_transaction_session_timeout"):
+                await cur.execute(f"SHOW {name}")
+                settings[name] = (await cur.fetchone())[0]
+        assert settings == {
+            "statement_timeout": "5s",
+            "lock_timeout": "2s",
+            "idle_in_transaction_session_timeout": "5s",
+        }
+    finally:
+        await store.aclose()
+
+
+async def test_a_client_gone_mid_transaction_frees_its_row_locks(postgresql_dsn: str) -> None:
+    """A session left idle in a transaction (its client vanished) is ended by the server after
+    3 × query_timeout, and the rows it held are claimable again."""
+    store = await PostgresStore.connect(postgresql_dsn, query_timeout=1.0)
+    try:
+        await store.migrate()
+        await insert_events(store, [envelope("e1")])
+        # A session set up as the store's are, left in a transaction nobody ends.
+        vanished = await psycopg.AsyncConnection.connect(**store.address.connect_kwargs(1.0))
+        try:
+            await vanished.execute("SELECT 1 FROM room_outbox FOR UPDATE")
+            assert (await store.claim("a#1", 10, now_ms() + 60_000)).rows == []  # locked: passed by
+
+            async def claimable() -> bool:
+                return bool((await store.claim("b#1", 10, now_ms() + 60_000)).rows)
+
+            started = time.monotonic()
+            await wait_until(claimable, timeout=10.0, interval=0.2)
+            assert 2.0 < time.monotonic() - started < 6.0
+        finally:
+            await vanished.close()
+    finally:
+        await store.aclose()
+
+
+async def test_a_statement_waiting_on_a_lock_ends_at_query_timeout_and_the_pool_recovers(postgresql_dsn: str) -> None:
+    store = await PostgresStore.connect(postgresql_dsn, pool_size=1, query_timeout=0.5)
+    try:
+        await store.migrate()
+        await insert_events(store, [envelope("e1")])
+        holder = await psycopg.AsyncConnection.connect(postgresql_dsn)
+        try:
+            await holder.execute("SELECT 1 FROM room_outbox WHERE event_id = 'e1' FOR UPDATE")  # held, never committed
+            started = time.monotonic()
+            with pytest.raises(QueryTimeout):
+                async with store.transaction() as cur:
+                    await cur.execute("UPDATE room_outbox SET status = 'published' WHERE event_id = %s", ("e1",))
+            assert time.monotonic() - started < 2.0
+        finally:
+            await holder.close()
+        # The one connection of the pool was discarded and replaced: the store works on.
+        claimed = await store.claim("a#1", 10, now_ms() + 60_000)
+        assert [r.event_id for r in claimed.rows] == ["e1"]
+    finally:
+        await store.aclose()
+
+
+async def test_the_client_side_deadline_ends_a_statement_the_server_does_not_end(postgresql_dsn: str) -> None:
+    """pg_sleep under a session whose statement_timeout was lifted: the client's deadline
+    (query_timeout) stops it, and the connection is not reused."""
+    store = await PostgresStore.connect(postgresql_dsn, pool_size=1, query_timeout=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(QueryTimeout):
+            async with store.transaction() as cur:
+                await cur.execute("SET statement_timeout = 0")
+                await cur.execute("SELECT pg_sleep(30)")
+        assert time.monotonic() - started < 2.0
+        with anyio.fail_after(5):
+            async with store.transaction() as cur:
+                await cur.execute("SHOW statement_timeout")
+                assert (await cur.fetchone())[0] == "3s"  # a fresh session, not the one set to 0
+    finally:
+        await store.aclose()
+
+
+async def test_migrate_creates_a_missing_database() -> None:
+    name = f"ro_test_{uuid.uuid4().hex[:12]}"
+    try:
+        store = await open_store(f"{POSTGRESQL_SERVER_DSN}/{name}", create_database=True)
+        try:
+            assert "created table room_outbox" in await store.migrate()
+        finally:
+            await store.aclose()
+    finally:
+        pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

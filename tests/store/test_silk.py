@@ -1,0 +1,131 @@
+"""Table profile ``silk`` on PostgreSQL, at the store: silk's outbox_events as its producer
+writes it, claimed, leased, fenced, retried and parked in silk's words."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from room_outbox.config import load_settings
+from room_outbox.ops import inspect_event, status_report
+from room_outbox.store import DeliveryResult, Outcome
+from room_outbox.store.factory import SQLStore, open_store
+from room_outbox.store.leased import now_ms
+from room_outbox.store.operator import RequeueFilter, cancel, find_requeue_candidates, requeue
+from room_outbox.store.profiles import SILK
+
+pytestmark = pytest.mark.anyio
+
+#: silk's PublishTx: GORM's Create with ON CONFLICT (event_id) DO NOTHING, inside the caller's
+#: transaction; id, attempts, last_error left to their defaults.
+SILK_INSERT = (
+    "INSERT INTO outbox_events (event_id, event_type, aggregate_type, aggregate_id, payload, status,"
+    " max_attempts, next_attempt_at, created_at, updated_at)"
+    " VALUES (%s, %s, %s, %s, %s, 'pending', %s, now(), now(), now()) ON CONFLICT (event_id) DO NOTHING"
+)
+
+
+async def silk_publish(store: SQLStore, *events: tuple[str, str, dict[str, Any]], max_attempts: int = 5) -> None:
+    async with store.transaction() as cur:
+        for event_id, aggregate_id, payload in events:
+            await cur.execute(
+                SILK_INSERT, (event_id, "wechat.subscribe", "user", aggregate_id, json.dumps(payload), max_attempts)
+            )
+
+
+async def silk_rows(store: SQLStore) -> dict[str, dict[str, Any]]:
+    async with store.transaction() as cur:
+        await cur.execute("SELECT * FROM outbox_events ORDER BY outbox_seq")
+        names = [d[0] for d in cur.description]
+        return {row[1]: dict(zip(names, row, strict=True)) for row in await cur.fetchall()}
+
+
+@pytest.fixture
+async def silk(postgresql_dsn: str) -> AsyncIterator[SQLStore]:
+    store = await open_store(postgresql_dsn, profile=SILK)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+async def test_migrate_creates_silks_table_or_adds_only_what_room_outbox_needs(silk: SQLStore) -> None:
+    assert await silk.migrate() == [
+        "created table outbox_events",
+        "added column outbox_events.outbox_seq",
+        "added column outbox_events.worker_id",
+        "added index outbox_events.uk_outbox_events_outbox_seq",
+        "added index outbox_events.idx_outbox_events_claim",
+        "added index outbox_events.idx_outbox_events_room",
+    ]
+    assert await silk.migrate() == []
+
+
+async def test_silk_rows_are_claimed_sent_retried_and_failed_after_their_own_max_attempts(silk: SQLStore) -> None:
+    await silk.migrate()
+    await silk_publish(silk, ("e1", "u1", {"n": 1}), ("e2", "u2", {}), ("e3", "u3", {}), max_attempts=2)
+    await silk_publish(silk, ("e1", "u1", {"n": "again"}))  # a duplicate event_id: skipped, as silk does
+    async with silk.transaction() as cur:
+        await cur.execute(SILK_INSERT.replace("'pending'", "'cancelled'"), ("e4", "x", "user", "u4", "{}", 5))
+    rows = {r.event_id: r for r in (await silk.claim("a#1", 10, now_ms() + 60_000)).rows}
+    assert sorted(rows) == ["e1", "e2", "e3"]  # cancelled is never touched
+    envelope = json.loads(rows["e1"].envelope)
+    assert (envelope["room_id"], envelope["aggregate_type"], envelope["payload"]) == ("u1", "user", {"n": 1})
+    got = await silk_rows(silk)
+    assert {e: (r["status"], r["worker_id"]) for e, r in got.items()} == {
+        "e1": ("sending", "a#1"), "e2": ("sending", "a#1"), "e3": ("sending", "a#1"), "e4": ("cancelled", None),
+    }  # fmt: skip
+    retry_at = now_ms() + 30_000
+    stale = await silk.record(
+        [
+            DeliveryResult(rows["e1"].id, "e1", "a#1", Outcome.PUBLISHED),
+            DeliveryResult(rows["e2"].id, "e2", "a#1", Outcome.FAILED, "timeout", retry_at),
+            DeliveryResult(rows["e3"].id, "e3", "a#1", Outcome.RELEASED),
+        ]
+    )
+    assert stale == []
+    got = await silk_rows(silk)
+    assert {e: (r["status"], r["attempts"]) for e, r in got.items()} == {
+        "e1": ("sent", 0), "e2": ("retry", 1), "e3": ("pending", 0), "e4": ("cancelled", 0),
+    }  # fmt: skip
+    assert abs(got["e2"]["next_attempt_at"] - datetime.fromtimestamp(retry_at / 1000, UTC)) < timedelta(milliseconds=2)
+    assert [r.event_id for r in (await silk.claim("b#1", 10, now_ms() + 60_000)).rows] == ["e3"]  # e2 not due yet
+    async with silk.transaction() as cur:
+        await cur.execute(
+            "UPDATE outbox_events SET next_attempt_at = now() - interval '1 second' WHERE event_id = 'e2'"
+        )
+    (again,) = (await silk.claim("c#1", 10, now_ms() + 60_000)).rows
+    await silk.record([DeliveryResult(again.id, "e2", "c#1", Outcome.FAILED, "timeout again", now_ms())])
+    assert (await silk_rows(silk))["e2"]["status"] == "failed"  # its own max_attempts (2) used up
+
+
+async def test_silk_operator_commands_speak_its_words(silk: SQLStore) -> None:
+    await silk.migrate()
+    await silk_publish(silk, ("e1", "u1", {}), ("e2", "u2", {}), max_attempts=1)
+    rows = {r.event_id: r for r in (await silk.claim("a#1", 10, now_ms() + 60_000)).rows}
+    await silk.record([DeliveryResult(rows["e1"].id, "e1", "a#1", Outcome.FAILED, "group gone", now_ms())])
+    report = await status_report(silk)
+    assert (report.pending, report.leased, report.other_statuses) == (1, 1, {"failed": 1})
+    doc = await inspect_event(silk, "e2")
+    assert doc is not None and doc["state"].startswith("in flight: leased by a#1")
+    assert doc["envelope"]["room_id"] == "u2"
+    (found,) = await find_requeue_candidates(silk, RequeueFilter(error_contains="group gone"))
+    assert await requeue(silk, [found["id"]]) == 1
+    assert {e: (r["status"], r["attempts"]) for e, r in (await silk_rows(silk)).items()}["e1"] == ("pending", 0)
+    assert await cancel(silk, "e1") == (True, "cancelled")
+
+
+async def test_silk_needs_postgresql_and_defaults_to_its_linear_backoff(tmp_path: Any) -> None:
+    with pytest.raises(
+        ValueError, match=r"database\.profile: silk's table lives on postgresql; database\.dsn names a sqlite"
+    ):
+        await open_store(f"sqlite:///{tmp_path / 'x.db'}", profile=SILK)
+    (tmp_path / "c.yaml").write_text("database:\n  profile: silk\n")
+    worker = load_settings(tmp_path / "c.yaml").outbox_worker
+    assert (worker.retry_strategy, worker.retry.base) == ("linear", 15.0)
+    (tmp_path / "c.yaml").write_text("database:\n  profile: silk\noutbox_worker:\n  retry_strategy: exponential\n")
+    assert load_settings(tmp_path / "c.yaml").outbox_worker.retry_strategy == "exponential"
