@@ -20,7 +20,8 @@ from room_outbox.cli import COMMANDS, EXIT_CODES, SELF_CONTAINED, build_parser, 
 from room_outbox.ops import format_relative, format_time
 from room_outbox.store.factory import open_store
 from room_outbox.store.leased import now_ms
-from room_outbox.store.mysql import MySQLStore, RequeueFilter
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.operator import RequeueFilter
 
 pytestmark = pytest.mark.anyio
 

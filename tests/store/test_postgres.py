@@ -3,6 +3,7 @@ keep a statement from hanging a worker, and a database created by ``migrate``.""
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 
@@ -11,6 +12,7 @@ import psycopg
 import pytest
 from support import POSTGRESQL_SERVER_DSN, envelope, insert_events, pg_admin, wait_until
 
+from room_outbox.errors import ConfigurationError, StoreUnavailable
 from room_outbox.store.deadline import QueryTimeout
 from room_outbox.store.factory import open_store
 from room_outbox.store.leased import now_ms
@@ -37,9 +39,7 @@ def test_the_dsn_is_parsed_and_errors_never_echo_it() -> None:
 
 
 async def test_an_unknown_scheme_is_refused_naming_the_key() -> None:
-    with pytest.raises(
-        ValueError, match=r"database.dsn: scheme must be mysql://, postgresql:// or sqlite:// \(got redis://\)"
-    ):
+    with pytest.raises(ConfigurationError, match=r"database\.dsn: unknown scheme redis://; expected mysql://"):
         await open_store("redis://h/0")
 
 
@@ -138,3 +138,15 @@ async def test_migrate_creates_a_missing_database() -> None:
             await store.aclose()
     finally:
         pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+async def test_postgresql_failures_name_the_server_and_the_fix_never_the_password() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(StoreUnavailable) as down:
+        await open_store(f"postgresql://app:pw-secret@127.0.0.1:{port}/room", query_timeout=2.0)
+    assert str(down.value).startswith(f"cannot reach PostgreSQL at 127.0.0.1:{port} (database 'room', user 'app')")
+    assert down.value.transient and "pw-secret" not in str(down.value)
+    with pytest.raises(StoreUnavailable, match="the database does not exist; create it, or run `room-outbox migrate`"):
+        await open_store(f"{POSTGRESQL_SERVER_DSN}/ro_no_such_database")

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from room_outbox.config import load_settings
+from room_outbox.errors import ConfigurationError
 from room_outbox.ops import inspect_event, status_report
 from room_outbox.store import DeliveryResult, Outcome
 from room_outbox.store.factory import SQLStore, open_store
@@ -121,7 +122,7 @@ async def test_silk_operator_commands_speak_its_words(silk: SQLStore) -> None:
 
 async def test_silk_needs_postgresql_and_defaults_to_its_linear_backoff(tmp_path: Any) -> None:
     with pytest.raises(
-        ValueError, match=r"database\.profile: silk's table lives on postgresql; database\.dsn names a sqlite"
+        ConfigurationError, match=r"database\.profile: silk's table lives on postgresql; database\.dsn names a sqlite"
     ):
         await open_store(f"sqlite:///{tmp_path / 'x.db'}", profile=SILK)
     (tmp_path / "c.yaml").write_text("database:\n  profile: silk\n")
