@@ -26,12 +26,12 @@ from room_outbox.ops import inspect_event, status_report
 from room_outbox.producer import append_event
 from room_outbox.retention import RetentionOptions, cleanup
 from room_outbox.store import Claimed, DeliveryResult, Outcome
-from room_outbox.store.dialect import ROW_LOCKS
+from room_outbox.store.dialect import ROW_LOCKS, table_names
 from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.leased import LAST_ERROR_MAX, now_ms
 from room_outbox.store.mysql_lanes import LaneStore, migrate_lanes
 from room_outbox.store.operator import RequeueFilter, cancel, find_requeue_candidates, requeue
-from room_outbox.store.profiles import ROOM_CELL
+from room_outbox.store.profiles import ROOM_CELL, profile_named
 from room_outbox.store.tables import V1_TABLE_DDL
 
 pytestmark = pytest.mark.anyio
@@ -697,3 +697,26 @@ async def test_a_duplicate_event_id_is_skipped_inside_the_callers_transaction(an
     rows = await fetch_rows(any_store)
     assert sorted(rows) == ["e1", "e2"]
     assert json.loads(rows["e1"]["envelope"])["payload"] == {"n": 1}
+
+
+async def test_database_table_names_another_outbox_table(store_dsn: str) -> None:
+    """``database.table``: the same V1 layout under another name, migrated, claimed and
+    reported there; room_outbox is never created."""
+    store = await open_store(store_dsn, profile=profile_named("v1", "events_outbox"))
+    try:
+        changes = await store.migrate()
+        assert (
+            "created table events_outbox" in changes and "added index events_outbox.idx_events_outbox_claim" in changes
+        )
+        now = now_ms()
+        async with store.transaction() as cur:
+            await cur.execute(
+                INSERT_V1.replace("room_outbox", "events_outbox"),
+                ("default", "e1", "RoomUserJoined", "r_1", json.dumps(envelope("e1")), now, now),
+            )
+            assert "room_outbox" not in await table_names(cur, store.dialect)
+        (row,) = (await store.claim("a#1", 10, now_ms() + 60_000)).rows
+        assert await store.record([DeliveryResult(row.id, "e1", "a#1", Outcome.PUBLISHED)]) == []
+        assert (await inspect_event(store, "e1") or {})["row"]["status"] == "published"
+    finally:
+        await store.aclose()
