@@ -24,7 +24,6 @@ from room_outbox.redaction import Redactor, redact_and_shorten
 from room_outbox.routing import IM_LANE
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
-from room_outbox.store.mysql import MySQLStore
 from room_outbox.telemetry import Telemetry, telemetry_from_environment
 
 log = logging.getLogger("room_outbox.observability")
@@ -132,7 +131,7 @@ async def _sample_lanes(store: SQLStore, telemetry: Telemetry, plan: LanePlan) -
     if plan.im:  # while it is off, room_outbox.status is room-service's: no backlog here
         backlog = await sample_backlog(store)
         telemetry.backlog(backlog.pending, backlog.oldest_pending_age_ms, IM_LANE)
-    if plan.own and isinstance(store, MySQLStore):
+    if plan.own:
         stored = {lane.name: lane for lane in await stored_lanes(store)}
         for name in plan.own:
             lane = stored.get(name)
