@@ -18,6 +18,7 @@ import pluggy
 from room_outbox.admin import cancel_command, requeue_command
 from room_outbox.app import run_service
 from room_outbox.config import Settings, load_settings, parse_duration
+from room_outbox.consume import cli as consume_cli
 from room_outbox.demo import add_demo_parser, run_demo_command
 from room_outbox.errors import ConfigurationError, RoomOutboxError
 from room_outbox.lane_admin import LANES_COMMAND, add_lanes_parser, lanes_command
@@ -193,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     preview.add_argument("--yes", action="store_true", help="remove the rows (without it, only a count)")
     add_lanes_parser(commands, COMMANDS["lanes"][0])
     add_fake_im_parser(commands)
+    consume_cli.add_consumer_parsers(commands)
     add_demo_parser(commands)
     for name, sub in commands.choices.items():
         _summary, description, examples = COMMANDS[name]
@@ -259,6 +261,8 @@ def _command(args: argparse.Namespace, redactor: Redactor) -> int:
     if args.command == "run":
         anyio.run(functools.partial(run_service, settings, redactor=redactor))
         return 0
+    if args.command in consume_cli.COMMANDS:
+        return consume_cli.run_consumer_command(settings, args)
     return anyio.run(_with_store, settings, args)
 
 
@@ -318,6 +322,7 @@ async def _migrate(settings: Settings, sql_only: bool) -> int:
         with _translated(dsn):
             changes = await store.migrate()
             changes += await migrate_plugins(store, pm, settings)  # own-lane sinks' tables, plugin tables
+            changes += await consume_cli.migrate_consumers(store)
     finally:
         await store.aclose()
     for change in changes or ["schema already up to date"]:

@@ -399,6 +399,9 @@ class Settings(BaseSettings):
     log: LogSettings = LogSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     retention: RetentionSettings = RetentionSettings()
+    #: ``consumers.<name>``: Kafka consumer groups running handlers; validated by
+    #: :func:`room_outbox.consume.settings.consumer_settings` (handlers bring their own models).
+    consumers: dict[str, dict[str, Any]] = {}
 
     @field_validator("node_id")
     @classmethod

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from room_outbox.consume.handler import HandlerSpec
     from room_outbox.sink import SinkSpec
 
 PROJECT_NAME = "room_outbox"
@@ -50,5 +51,21 @@ def room_outbox_migrations() -> list[str]:
     Called by ``room-outbox migrate`` after room-outbox's own tables and the lane tables of
     own-lane sinks; every implementation is called. Each statement must be idempotent
     (``CREATE TABLE IF NOT EXISTS …``): migrate runs them every time.
+    """
+    raise NotImplementedError  # pragma: no cover - specification only
+
+
+# -------------------------------------------------------------------------------------------
+# Consumer handlers
+# -------------------------------------------------------------------------------------------
+
+
+@hookspec
+def room_outbox_register_handlers() -> list[HandlerSpec]:
+    """Return the consumer handlers this plugin provides (``room-outbox consume``).
+
+    Called once per plugin manager when a consume process starts; every implementation is
+    called and the results are collected. A handler name may be registered by one plugin
+    only. A handler's tables come through :func:`room_outbox_migrations`.
     """
     raise NotImplementedError  # pragma: no cover - specification only

@@ -15,6 +15,7 @@ import unicodedata
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
+from room_outbox.consume.ops import consumer_overview, consumer_states, format_overview, format_states
 from room_outbox.envelope import EnvelopeError, parse_envelope
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
@@ -389,14 +390,23 @@ def format_inspection(doc: dict[str, Any]) -> str:
 
 async def status_command(store: SQLStore, as_json: bool, out: IO[str], im_lane: bool = True) -> int:
     report = await status_report(store, im_lane=im_lane)
-    print(json.dumps(report.to_json(), indent=2) if as_json else format_status(report), file=out)
+    consumers = await consumer_overview(store)
+    if as_json:
+        print(json.dumps({**report.to_json(), "consumers": consumers}, indent=2), file=out)
+    else:
+        print(format_status(report) + "\n".join(["", *format_overview(consumers)] if consumers else []), file=out)
     return 0
 
 
 async def inspect_command(store: SQLStore, event_id: str, as_json: bool, out: IO[str], err: IO[str]) -> int:
     doc = await inspect_event(store, event_id)
-    if doc is None:
+    consumers = await consumer_states(store, event_id)
+    if doc is None and not consumers:
         print(f"room-outbox inspect: no row with event_id {printable(event_id)!r}", file=err)
         return 1
-    print(json.dumps(doc, indent=2, default=str, ensure_ascii=False) if as_json else format_inspection(doc), file=out)
+    if as_json:
+        print(json.dumps({**(doc or {}), "consumers": consumers}, indent=2, default=str, ensure_ascii=False), file=out)
+        return 0
+    lines = [format_inspection(doc)] if doc is not None else [f"event {printable(event_id)}: not in room_outbox"]
+    print("\n".join([*lines, "", *format_states(consumers)] if consumers else lines), file=out)
     return 0

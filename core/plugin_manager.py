@@ -23,6 +23,8 @@ BUILTIN_PLUGINS = {
     "noop": "room_outbox.plugins.noop",
     "tencent_im": "room_outbox.plugins.tencent_im",
     "kafka": "room_outbox.plugins.kafka",
+    "audit_log": "room_outbox.plugins.audit_log",
+    "activity": "room_outbox.plugins.activity",
 }
 
 

@@ -146,7 +146,9 @@ class Telemetry:
         self.tracer = tracer_provider.get_tracer(SCOPE) if tracer_provider is not None else None
         #: True when some reader or exporter consumes metrics (the backlog timer runs only then).
         self.metrics_enabled = meter_provider is not None
-        self.metrics = OutboxMetrics((meter_provider or NoOpMeterProvider()).get_meter(SCOPE))
+        #: For instruments beyond the dispatcher's (the consumers' own).
+        self.meter = (meter_provider or NoOpMeterProvider()).get_meter(SCOPE)
+        self.metrics = OutboxMetrics(self.meter)
         self._prometheus = prometheus
         self._providers: list[Any] = [p for p in (tracer_provider, meter_provider) if p is not None]
 

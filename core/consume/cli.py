@@ -1,0 +1,63 @@
+"""The consumers' subcommands of ``room-outbox``: ``consume`` and ``consumers …``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import anyio
+
+from room_outbox.config import ConfigError, Settings
+from room_outbox.consume.ops import dead_letters_command, redrive_command
+from room_outbox.consume.service import run_consumers
+from room_outbox.store.factory import open_store
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql_consume import MySQLConsumerStore
+
+COMMANDS = ("consume", "consumers")
+
+
+def add_consumer_parsers(commands: Any) -> None:
+    consume = commands.add_parser("consume", help="run Kafka consumer-group members with their handlers until SIGTERM")
+    consume.add_argument("--consumer", help="run only consumers.NAME (default: every enabled consumer)")
+    consumers = commands.add_parser("consumers", help="operate the consumers: dead letters, redrive")
+    actions = consumers.add_subparsers(dest="consumers_command", required=True, metavar="ACTION")
+    dead = actions.add_parser("dead-letters", help="list dead letters")
+    dead.add_argument("--consumer", help="only this consumer's")
+    dead.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    dead.add_argument("--json", action="store_true", help="machine-readable output")
+    redrive = actions.add_parser(
+        "redrive", help="send dead letters round again (retried by a running consume); shows them, applies with --yes"
+    )
+    redrive.add_argument("--consumer", required=True, help="the consumer whose dead letters to send")
+    redrive.add_argument("--handler", help="only this handler's dead letters")
+    redrive.add_argument("--event-id", action="append", default=[], help="only this event (repeatable)")
+    redrive.add_argument("--yes", action="store_true", help="apply (default: only show what would be sent)")
+    for parser in (dead, redrive):
+        parser.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def run_consumer_command(settings: Settings, args: argparse.Namespace) -> int:
+    if args.command == "consume":
+        anyio.run(run_consumers, settings, args.consumer)
+        return 0
+    return anyio.run(_operate, settings, args)
+
+
+async def migrate_consumers(store: object) -> list[str]:
+    """The consumers' own tables (``migrate``), on MySQL; handlers' tables come through
+    ``room_outbox_migrations``."""
+    return await MySQLConsumerStore(store).migrate() if isinstance(store, MySQLStore) else []
+
+
+async def _operate(settings: Settings, args: argparse.Namespace) -> int:
+    store = await open_store(settings.mysql.dsn.get_secret_value(), pool_size=1)
+    try:
+        if not isinstance(store, MySQLStore):
+            raise ConfigError("room-outbox consumers: needs a MySQL store; mysql.dsn names a SQLite file")
+        if args.consumers_command == "dead-letters":
+            return await dead_letters_command(store, args.consumer, args.limit, args.json, sys.stdout)
+        return await redrive_command(store, args.consumer, args.handler, args.event_id, args.yes, sys.stdout)
+    finally:
+        await store.aclose()

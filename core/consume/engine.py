@@ -1,0 +1,495 @@
+"""One consumer (``consumers.<name>``) in one process: a Kafka consumer-group member handling
+the partitions it is assigned, and a retry worker on the shared retry table.
+
+**Settling a fetched batch.** Messages are grouped by key (a room): groups run in parallel up
+to ``concurrency``, a group's messages one after another in offset order. Each message goes to
+every handler that takes its type and ends *settled*: handled (its processed record committed
+with the handler's writes), scheduled for a retry, or a dead letter, each durable in the
+database. Only when the whole batch is settled are its offsets committed, so a crash
+re-delivers and never skips; what was handled before the crash finds its record and is not
+handled again.
+
+**Rebalances.** The batch in progress holds a lock that the revocation callback waits for:
+partitions move to another member only after this member's batch is settled and committed,
+so no message is handled by two members at the same time.
+
+**Retries keep a room's order.** A failed handling goes to ``room_consumer_retry`` and the
+partition moves on. With ``ordering: per_room`` later messages of the same room and handler
+queue behind it in the table, and the retry worker takes only each room's first row: the room
+is handled in order, the rest of the partition is not held up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError
+from anyio.abc import TaskStatus
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from room_outbox.consume.handler import ConsumedEvent, HandleContext, PermanentHandlerError
+from room_outbox.consume.metrics import ConsumerMetrics
+from room_outbox.consume.registry import BoundHandler
+from room_outbox.consume.settings import ConsumerSettings
+from room_outbox.consume.store import NO_HANDLER, ConsumerStore, LeaseLost, Processed, RetryRow
+from room_outbox.envelope import KNOWN_EVENT_TYPES, EnvelopeError, EventEnvelope, parse_envelope
+from room_outbox.redaction import Redactor
+from room_outbox.retry import RetryPolicy
+from room_outbox.store.leased import now_ms
+from room_outbox.telemetry import Telemetry
+from room_outbox.tracing import producer_context
+
+log = logging.getLogger("room_outbox.consume")
+
+FETCH_TIMEOUT_MS = 500
+#: Pause after a batch could not be settled (the database is down, say) before it is tried again.
+BATCH_RETRY_PAUSE = 1.0
+DLQ_SEND_TIMEOUT = 10.0
+
+
+@dataclass
+class Message:
+    """A fetched message, parsed and routed once."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str
+    value: bytes
+    headers: dict[str, str]
+    envelope: EventEnvelope | None = None
+    #: Why it is a dead letter before any handler (unparsable, unknown type); None otherwise.
+    rejected: str | None = None
+    handlers: list[BoundHandler] = field(default_factory=list)
+
+    @property
+    def room(self) -> str:
+        # No key: nothing to keep in order with; each such message is a group of its own.
+        return self.key or f"@{self.partition}:{self.offset}"
+
+    @property
+    def app_code(self) -> str:
+        if self.envelope is not None:
+            return self.envelope.app_code
+        return self.key.split(":", 1)[0] if ":" in self.key else ""
+
+    @property
+    def event_id(self) -> str:
+        if self.envelope is not None:
+            return self.envelope.event_id
+        return self.headers.get("event_id") or f"{self.topic}:{self.partition}:{self.offset}"
+
+    @property
+    def event_type(self) -> str:
+        return self.envelope.event_type if self.envelope is not None else self.headers.get("event_type", "")
+
+
+def _headers(raw: Any) -> dict[str, str]:
+    return {str(k): (v or b"").decode("utf-8", "replace") for k, v in (raw or ())}
+
+
+class Consumer:
+    def __init__(
+        self,
+        name: str,
+        settings: ConsumerSettings,
+        store: ConsumerStore,
+        handlers: dict[str, BoundHandler],
+        node_id: str,
+        redactor: Redactor,
+        telemetry: Telemetry,
+    ) -> None:
+        self.name = name
+        self.settings = settings
+        self.store = store
+        self.handlers = handlers
+        self.owner = f"{node_id}#{name}"
+        self.redactor = redactor
+        self.telemetry = telemetry
+        self.metrics = ConsumerMetrics(telemetry.meter, name, handlers)
+        self.ordered = settings.ordering == "per_room"
+        retry = settings.retry
+        self.policy = RetryPolicy(
+            strategy="exponential", base=retry.base, factor=retry.factor, cap=retry.cap, jitter=retry.jitter,
+            max_attempts=retry.max_attempts, parking=True,
+        )  # fmt: skip
+        self.lease_ms = int((2 * settings.handler_timeout + 5) * 1000)
+        self.running = False
+        self._stop = anyio.Event()
+        self._batch_lock = anyio.Lock()
+        self._limiter = anyio.CapacityLimiter(settings.concurrency)
+        self._dlq: AIOKafkaProducer | None = None
+        self._kafka: AIOKafkaConsumer | None = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        s = self.settings
+        kafka = AIOKafkaConsumer(
+            bootstrap_servers=s.bootstrap_servers,
+            group_id=s.group(self.name),
+            client_id=s.client_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=int(s.session_timeout * 1000),
+            heartbeat_interval_ms=max(100, int(s.session_timeout * 1000 / 3)),
+            max_poll_records=s.max_batch,
+            **s.security.client_kwargs(),
+        )
+        kafka.subscribe([s.topic], listener=_SettleBeforeRevoke(self))
+        self._kafka = kafka
+        with anyio.fail_after(max(30.0, s.session_timeout * 3)):
+            await kafka.start()
+        log.info(
+            "consumer started",
+            extra={"lifecycle": "consumer_started", "consumer": self.name, "group": s.group(self.name),
+                   "topic": s.topic, "handlers": list(self.handlers)},
+        )  # fmt: skip
+        self.running = True
+        task_status.started()
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(self._retry_loop)
+                await self._live_loop(kafka)
+                tasks.cancel_scope.cancel()
+        finally:
+            self.running = False
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                await kafka.stop()  # leaves the group: the others take over at once
+                if self._dlq is not None:
+                    await self._dlq.stop()
+            log.info("consumer stopped", extra={"lifecycle": "consumer_stopped", "consumer": self.name})
+
+    async def _live_loop(self, kafka: AIOKafkaConsumer) -> None:
+        while not self._stop.is_set():
+            batch = await kafka.getmany(timeout_ms=FETCH_TIMEOUT_MS, max_records=self.settings.max_batch)
+            if not batch:
+                continue
+            async with self._batch_lock:
+                try:
+                    offsets = await self._settle(batch)
+                except Exception as exc:
+                    # Nothing of this batch is committed: fetch it again from its first
+                    # offsets after a pause; what it settled already is found as processed.
+                    log.error(
+                        "batch not settled; fetching it again",
+                        extra={"consumer": self.name, "error": self._error(exc)},
+                    )
+                    for tp, messages in batch.items():
+                        kafka.seek(tp, messages[0].offset)
+                    with anyio.move_on_after(BATCH_RETRY_PAUSE):
+                        await self._stop.wait()
+                    continue
+                try:
+                    await kafka.commit(offsets)
+                except KafkaError as exc:
+                    # The partitions moved on (a rebalance): their new owner re-reads from the
+                    # last commit and finds these messages processed.
+                    log.warning("offset commit failed", extra={"consumer": self.name, "error": self._error(exc)})
+                    continue
+                self._record_lag(kafka, offsets)
+
+    def _record_lag(self, kafka: AIOKafkaConsumer, offsets: dict[TopicPartition, int]) -> None:
+        for tp, committed in offsets.items():
+            high = kafka.highwater(tp)
+            if high is not None:
+                self.metrics.lag.set(
+                    max(0, high - committed), {"consumer": self.name, "topic": tp.topic, "partition": tp.partition}
+                )
+
+    # -- the live path ------------------------------------------------------------------------
+
+    async def _settle(self, batch: dict[TopicPartition, list[Any]]) -> dict[TopicPartition, int]:
+        groups: dict[str, list[Message]] = {}
+        for records in batch.values():
+            for record in records:
+                message = self._route(record)
+                groups.setdefault(message.room, []).append(message)
+        blocked = await self.store.blocked_rooms(self.name, set(groups)) if self.ordered else set()
+        async with anyio.create_task_group() as tasks:
+            for messages in groups.values():
+                tasks.start_soon(self._settle_room, messages, blocked)
+        return {tp: records[-1].offset + 1 for tp, records in batch.items()}
+
+    def _route(self, record: Any) -> Message:
+        message = Message(
+            topic=record.topic, partition=record.partition, offset=record.offset,
+            key=(record.key or b"").decode("utf-8", "replace"), value=record.value or b"",
+            headers=_headers(record.headers),
+        )  # fmt: skip
+        try:
+            message.envelope = parse_envelope(message.value)
+        except EnvelopeError as exc:
+            message.rejected = f"unparsable value: {exc}"
+            return message
+        self._choose_handlers(message)
+        return message
+
+    def _choose_handlers(self, message: Message) -> None:
+        assert message.envelope is not None
+        event_type = message.envelope.event_type
+        message.handlers = [h for h in self.handlers.values() if h.takes(event_type)]
+        if not message.handlers and event_type not in KNOWN_EVENT_TYPES:
+            message.rejected = f"unknown event type {event_type!r}: no handler of consumer {self.name} takes it"
+
+    async def _settle_room(self, messages: list[Message], blocked: set[tuple[str, str]]) -> None:
+        async with self._limiter:
+            for message in messages:
+                if message.rejected is not None:
+                    await self._dead_letter(self._retry_row(message, NO_HANDLER, 1, message.rejected), "rejected")
+                    continue
+                for handler in message.handlers:
+                    if (handler.name, message.room) in blocked:
+                        waiting = self._retry_row(
+                            message, handler.name, 0, "waiting behind an earlier event of its room"
+                        )
+                        await self.store.schedule(waiting)
+                        continue
+                    if not await self._handle(message, handler, attempt=1, retry=None) and self.ordered:
+                        blocked.add((handler.name, message.room))
+
+    def _retry_row(self, message: Message, handler: str, attempts: int, error: str | None, due: int = 0) -> RetryRow:
+        return RetryRow(
+            consumer=self.name, handler=handler, app_code=message.app_code, event_id=message.event_id[:128],
+            event_type=message.event_type[:64], room_key=message.room, topic=message.topic,
+            partition=message.partition, offset=message.offset, value=message.value, headers=message.headers,
+            attempts=attempts, due_at_ms=due, last_error=error,
+        )  # fmt: skip
+
+    # -- one handling -------------------------------------------------------------------------
+
+    async def _handle(self, message: Message, handler: BoundHandler, attempt: int, retry: RetryRow | None) -> bool:
+        """Handle ``message`` with ``handler`` once; a failure is recorded (retry or dead
+        letter) before this returns. True when the message is done for this handler."""
+        assert message.envelope is not None
+        envelope = message.envelope
+        record = Processed(
+            self.name, handler.name, envelope.app_code, envelope.event_id, message.topic, message.partition,
+            message.offset,
+        )  # fmt: skip
+        event = ConsumedEvent(
+            envelope=envelope, consumer=self.name, topic=message.topic, partition=message.partition,
+            offset=message.offset, key=message.key, headers=message.headers, attempt=attempt,
+        )  # fmt: skip
+        labels = {"consumer": self.name, "handler": handler.name}
+        started = time.perf_counter()
+        error: BaseException | None = None
+        outcome = "handled"
+        with self._span(message, handler.name, attempt) as span:
+            try:
+                with anyio.fail_after(self.settings.handler_timeout):
+                    async with self.store.processing(record, retry) as tx:
+                        if tx is None:
+                            outcome = "duplicate"
+                        else:
+                            await handler.handler.handle(event, HandleContext(tx, log))
+            except LeaseLost as exc:
+                log.warning("retry lease lost; another process has the row", extra={**labels, "error": str(exc)})
+                return True
+            except Exception as exc:
+                error = exc
+                if span is not None:
+                    span.set_attribute("error.type", type(exc).__name__)
+                    span.set_status(Status(StatusCode.ERROR))
+        self.metrics.latency.record((time.perf_counter() - started) * 1000, labels)
+        if error is None:
+            self.metrics.handled.add(1, {**labels, "outcome": outcome})
+            return True
+        text = self._error(error)
+        permanent = isinstance(error, PermanentHandlerError)
+        extra = {**labels, "event_id": envelope.event_id, "event_type": envelope.event_type,
+                 "room_id": envelope.room_id, "attempt": attempt, "error": text}  # fmt: skip
+        if self.policy.parks(attempt, permanent):
+            log.error("handling failed; dead letter", extra=extra)
+            row = self._retry_row(message, handler.name, attempt, text)
+            if retry is None:
+                await self._dead_letter(row, "permanent" if permanent else "failed")
+            elif await self.store.retry_failed(retry, attempt, now_ms(), text, dead=True):
+                self.metrics.dead.add(1, {**labels, "reason": "permanent" if permanent else "failed"})
+                await self._publish_dead_letter(row)
+            return False
+        due = now_ms() + int(self.policy.delay(attempt) * 1000)
+        log.warning("handling failed; retry scheduled", extra={**extra, "retry_at_ms": due})
+        self.metrics.retried.add(1, labels)
+        if retry is None:
+            await self.store.schedule(self._retry_row(message, handler.name, attempt, text, due))
+        else:
+            await self.store.retry_failed(retry, attempt, due, text, dead=False)
+        return False
+
+    def _span(self, message: Message, handler: str, attempt: int) -> Any:
+        """A span per handling, child of the message's ``traceparent`` (no tracer: none)."""
+        tracer = self.telemetry.tracer
+        if tracer is None:
+            return _NoSpan()
+        attributes: dict[str, str | int] = {
+            "messaging.system": "kafka",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": message.topic,
+            "messaging.destination.partition.id": str(message.partition),
+            "messaging.kafka.offset": message.offset,
+            "messaging.consumer.group.name": self.settings.group(self.name),
+            "room_outbox.consumer": self.name,
+            "room_outbox.handler": handler,
+            "room_outbox.event_id": message.event_id,
+            "room_outbox.event_type": message.event_type,
+            "room_outbox.attempt": attempt,
+        }
+        return tracer.start_as_current_span(
+            f"process {message.topic} {handler}", context=producer_context(message.headers.get("traceparent")),
+            kind=SpanKind.CONSUMER, attributes=attributes, record_exception=False, set_status_on_exception=False,
+        )  # fmt: skip
+
+    # -- dead letters -------------------------------------------------------------------------
+
+    async def _dead_letter(self, row: RetryRow, reason: str) -> None:
+        log.error(
+            "dead letter",
+            extra={"consumer": self.name, "handler": row.handler or "(none)", "event_id": row.event_id,
+                   "topic": row.topic, "partition": row.partition, "offset": row.offset, "error": row.last_error},
+        )  # fmt: skip
+        await self.store.dead_letter(row)
+        self.metrics.dead.add(1, {"consumer": self.name, "handler": row.handler or "(none)", "reason": reason})
+        await self._publish_dead_letter(row)
+
+    async def _publish_dead_letter(self, row: RetryRow) -> None:
+        """A copy to the dead-letter topic, the error in its headers. The table row is the
+        record that counts (status, inspect, redrive); a failed copy is logged, not retried."""
+        topic = self.settings.dlq_topic()
+        if topic is None:
+            return
+        headers = [(k, v.encode()) for k, v in row.headers.items() if not k.startswith("dlq.")]
+        headers += [
+            ("dlq.error", (row.last_error or "")[:1024].encode()),
+            ("dlq.consumer", self.name.encode()),
+            ("dlq.handler", row.handler.encode()),
+            ("dlq.topic", row.topic.encode()),
+            ("dlq.partition", str(row.partition).encode()),
+            ("dlq.offset", str(row.offset).encode()),
+            ("dlq.attempts", str(row.attempts).encode()),
+        ]
+        try:
+            with anyio.fail_after(DLQ_SEND_TIMEOUT):
+                producer = await self._dlq_producer()
+                await producer.send_and_wait(topic, row.value, key=row.room_key.encode(), headers=headers)
+        except (KafkaError, TimeoutError, OSError) as exc:
+            log.warning(
+                "dead letter not copied to its topic (it is in room_consumer_retry)",
+                extra={"consumer": self.name, "topic": topic, "event_id": row.event_id, "error": self._error(exc)},
+            )
+
+    async def _dlq_producer(self) -> AIOKafkaProducer:
+        if self._dlq is None:
+            producer = AIOKafkaProducer(
+                bootstrap_servers=self.settings.bootstrap_servers, client_id=f"{self.settings.client_id}-dlq",
+                acks="all", **self.settings.security.client_kwargs(),
+            )  # fmt: skip
+            try:
+                await producer.start()
+            except BaseException:
+                await producer.stop()
+                raise
+            self._dlq = producer
+        return self._dlq
+
+    # -- the retry worker ---------------------------------------------------------------------
+
+    async def _retry_loop(self) -> None:
+        """Take due rows of ``room_consumer_retry`` (each room's first, when ordered) and
+        handle them; again at once while there were any, else after ``retry.poll_interval``."""
+        while not self._stop.is_set():
+            try:
+                rows = await self.store.claim_retries(
+                    self.name, self.owner, self.settings.concurrency, self.lease_ms, self.ordered
+                )
+            except Exception as exc:
+                log.warning("retry claim failed", extra={"consumer": self.name, "error": self._error(exc)})
+                rows = []
+            if not rows:
+                with anyio.move_on_after(self.settings.retry.poll_interval):
+                    await self._stop.wait()
+                continue
+            async with anyio.create_task_group() as tasks:
+                for row in rows:
+                    tasks.start_soon(self._retry_one, row)
+
+    async def _retry_one(self, row: RetryRow) -> None:
+        try:
+            async with self._limiter:
+                if self._stop.is_set():
+                    await self.store.release([row])
+                    return
+                await self._retry(row)
+        except Exception as exc:  # the row's lease runs out and it comes back
+            log.warning("retry failed to settle", extra={"consumer": self.name, "error": self._error(exc)})
+
+    async def _retry(self, row: RetryRow) -> None:
+        message = Message(
+            topic=row.topic, partition=row.partition, offset=row.offset, key=row.room_key, value=row.value,
+            headers=row.headers,
+        )  # fmt: skip
+        try:
+            message.envelope = parse_envelope(row.value)
+        except EnvelopeError as exc:
+            message.rejected = f"unparsable value: {exc}"
+        if row.handler == NO_HANDLER:
+            # A redriven dead letter that no handler was chosen for: route it anew (the
+            # consumer's handlers may have changed since).
+            if message.rejected is None:
+                self._choose_handlers(message)
+            if message.rejected is not None or not message.handlers:
+                error = message.rejected or f"no handler of consumer {self.name} takes {message.event_type!r}"
+                if await self.store.retry_failed(row, row.attempts + 1, now_ms(), error, dead=True):
+                    await self._publish_dead_letter(self._retry_row(message, NO_HANDLER, row.attempts + 1, error))
+                return
+            await self.store.replace(row, [self._retry_row(message, h.name, 0, None) for h in message.handlers])
+            return
+        handler = self.handlers.get(row.handler)
+        if handler is None or message.envelope is None:
+            error = message.rejected or f"handler {row.handler!r} is not among consumer {self.name}'s handlers"
+            await self.store.retry_failed(row, row.attempts, now_ms(), error, dead=True)
+            return
+        await self._handle(message, handler, attempt=row.attempts + 1, retry=row)
+
+    def _error(self, exc: BaseException) -> str:
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return self.redactor.redact(text)[:1024]
+
+
+class _NoSpan:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _SettleBeforeRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Partitions leave this member only once the batch in progress is settled and committed."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        async with self.consumer._batch_lock:
+            log.info(
+                "partitions revoked",
+                extra={"consumer": self.consumer.name, "partitions": sorted(tp.partition for tp in revoked)},
+            )
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        log.info(
+            "partitions assigned",
+            extra={"consumer": self.consumer.name, "partitions": sorted(tp.partition for tp in assigned)},
+        )
+
+
+__all__ = ["Consumer"]

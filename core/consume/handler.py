@@ -1,0 +1,134 @@
+"""What a handler plugin implements and what the consumer hands it.
+
+A handler is registered like a sink (``room_outbox_register_handlers`` returns
+:class:`HandlerSpec` s) and shaped like one: ``handle`` does the work, ``aclose`` releases
+what the handler owns. Its database writes go through the transaction the consumer gives it::
+
+    async def handle(self, event: ConsumedEvent, ctx: HandleContext) -> None:
+        async with ctx.transaction() as tx:
+            await tx.execute("INSERT INTO my_table (app_code, event_id) VALUES (%s, %s)",
+                             (event.envelope.app_code, event.envelope.event_id))
+
+The consumer opened that transaction and, inside it, recorded the event as processed by this
+handler (``room_consumer_processed``, keyed by consumer, handler, app_code and event_id). Both
+commit together after ``handle`` returns, or roll back together when it raises: a message
+delivered again (a crash before the offset commit, a rebalance) finds its record and is not
+handled again. Side effects outside that transaction (an HTTP call) are at-least-once.
+
+Errors: :class:`PermanentHandlerError` makes the message a dead letter at once; anything else
+(including :class:`RetryableHandlerError`) schedules a retry with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict
+
+from room_outbox.envelope import EventEnvelope
+
+
+class HandlerError(Exception):
+    """Base of the errors a handler raises deliberately."""
+
+
+class RetryableHandlerError(HandlerError):
+    """Handling failed for a reason that may go away: retried with backoff."""
+
+
+class PermanentHandlerError(HandlerError):
+    """Handling can never succeed for this message: it becomes a dead letter at once."""
+
+
+class Transaction(Protocol):
+    """A database transaction, the same surface on every store: ``%s`` placeholders (both
+    aiomysql and psycopg use them), results as tuples. ``dialect`` (``mysql`` or
+    ``postgresql``) lets a handler pick its upsert syntax."""
+
+    @property
+    def dialect(self) -> str: ...
+
+    async def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """Run one statement; returns the number of rows it affected (matched, for UPDATE)."""
+        ...
+
+    async def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> int: ...
+
+    async def fetchone(self) -> tuple[Any, ...] | None: ...
+
+    async def fetchall(self) -> list[tuple[Any, ...]]: ...
+
+
+@dataclass(frozen=True)
+class ConsumedEvent:
+    """One message as a handler sees it."""
+
+    envelope: EventEnvelope
+    consumer: str
+    topic: str
+    partition: int
+    offset: int
+    key: str
+    headers: dict[str, str]
+    #: 1 on the first try; more on retries.
+    attempt: int = 1
+
+
+class HandleContext:
+    """Per handling: the transaction the processed-event record commits in."""
+
+    def __init__(self, tx: Transaction, logger: logging.Logger) -> None:
+        self._tx = tx
+        self.logger = logger
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Transaction]:
+        """The handling's transaction (the same one however often it is entered). It commits
+        after ``handle`` returns, not when this block ends."""
+        yield self._tx
+
+
+@runtime_checkable
+class Handler(Protocol):
+    async def handle(self, event: ConsumedEvent, ctx: HandleContext) -> None:
+        """Handle one event; return on success, raise on failure."""
+
+    async def aclose(self) -> None:
+        """Release what the handler owns. Called once, at shutdown."""
+
+
+class HandlerSettings(BaseModel):
+    """Base of a handler's settings (``consumers.<name>.handler_settings.<handler>``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class HandlerFactoryContext:
+    """What the consumer hands a handler factory besides its settings."""
+
+    consumer: str
+    node_id: str
+    logger: logging.Logger
+    #: Register a secret so the core redacts it wherever it might leak.
+    add_secret: Callable[[str], None] = field(default=lambda _secret: None)
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    """A handler as a plugin registers it.
+
+    ``event_types``: the types it takes; ``None``: every type of the built-in catalogue
+    (:data:`room_outbox.envelope.KNOWN_EVENT_TYPES`). A message whose type no handler of a
+    consumer names and that is not in the catalogue is a dead letter (unknown type); a
+    catalogued type that no handler takes is skipped.
+    """
+
+    name: str
+    factory: Callable[[HandlerSettings, HandlerFactoryContext], Handler]
+    event_types: frozenset[str] | None = None
+    settings_model: type[HandlerSettings] = HandlerSettings

@@ -1,0 +1,78 @@
+"""Handlers from the plugins: which are registered, and building a consumer's handlers."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import pluggy
+from pydantic import ValidationError
+
+from room_outbox.config import ConfigError, describe_validation_error
+from room_outbox.consume.handler import Handler, HandlerFactoryContext, HandlerSpec
+from room_outbox.consume.settings import ConsumerSettings
+from room_outbox.envelope import KNOWN_EVENT_TYPES
+from room_outbox.redaction import Redactor
+
+
+@dataclass(frozen=True)
+class BoundHandler:
+    spec: HandlerSpec
+    handler: Handler
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def takes(self, event_type: str) -> bool:
+        if self.spec.event_types is None:
+            return event_type in KNOWN_EVENT_TYPES
+        return event_type in self.spec.event_types
+
+
+def registered_handlers(pm: pluggy.PluginManager) -> dict[str, HandlerSpec]:
+    found: dict[str, HandlerSpec] = {}
+    for specs in pm.hook.room_outbox_register_handlers():
+        for spec in specs:
+            if spec.name in found:
+                raise ConfigError(f"handler {spec.name!r} is registered by two plugins")
+            found[spec.name] = spec
+    return found
+
+
+def build_handlers(
+    pm: pluggy.PluginManager, consumer: str, settings: ConsumerSettings, node_id: str, redactor: Redactor
+) -> dict[str, BoundHandler]:
+    """The consumer's handlers, each built from its validated settings; ConfigError names
+    ``consumers.<name>.handlers`` or ``….handler_settings.<handler>.<key>``."""
+    specs = registered_handlers(pm)
+    where = f"consumers.{consumer}"
+    unknown = [name for name in settings.handlers if name not in specs]
+    if unknown:
+        known = ", ".join(sorted(specs)) or "none installed"
+        raise ConfigError(
+            f"{where}.handlers: unknown handler(s) {', '.join(unknown)} (registered: {known}; "
+            "a handler in plugins.disabled is not registered)"
+        )
+    extra = sorted(set(settings.handler_settings) - set(settings.handlers))
+    if extra:
+        raise ConfigError(f"{where}.handler_settings: {', '.join(extra)} not in {where}.handlers")
+    if len(set(settings.handlers)) != len(settings.handlers):
+        raise ConfigError(f"{where}.handlers: a handler is named twice")
+    bound: dict[str, BoundHandler] = {}
+    for name in settings.handlers:
+        spec = specs[name]
+        try:
+            handler_settings = spec.settings_model.model_validate(settings.handler_settings.get(name, {}))
+        except ValidationError as exc:
+            raise ConfigError(describe_validation_error(exc, f"{where}.handler_settings.{name}")) from None
+        context = HandlerFactoryContext(
+            consumer=consumer, node_id=node_id, logger=logging.getLogger(f"room_outbox.handler.{name}"),
+            add_secret=redactor.add,
+        )  # fmt: skip
+        try:
+            handler = spec.factory(handler_settings, context)
+        except Exception as exc:
+            raise ConfigError(redactor.redact(f"{where}: handler {name!r} failed to start: {exc}")) from None
+        bound[name] = BoundHandler(spec, handler)
+    return bound

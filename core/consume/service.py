@@ -1,0 +1,129 @@
+"""``room-outbox consume``: the process around the consumers.
+
+Start: database pool → plugins and handlers → telemetry and the HTTP endpoint (``/healthz``,
+``/readyz``, ``/metrics`` on ``telemetry.http_listen``) → one group member per consumer. Stop
+(SIGTERM, SIGINT or ``stop``): each consumer settles and commits its batch in progress and
+leaves its group → handlers close → pool closes. ``/readyz`` is ready while the database
+answers and every consumer has joined its group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+
+import anyio
+
+from room_outbox.app import redactor_for
+from room_outbox.config import ConfigError, Settings
+from room_outbox.consume.engine import Consumer
+from room_outbox.consume.registry import BoundHandler, build_handlers
+from room_outbox.consume.settings import consumer_settings
+from room_outbox.http_endpoint import Health, HttpEndpoint, parse_listen
+from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.redaction import Redactor
+from room_outbox.store.factory import open_store
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql_consume import MySQLConsumerStore
+from room_outbox.telemetry import Telemetry, telemetry_from_environment
+
+log = logging.getLogger("room_outbox.consume")
+
+
+async def run_consumers(
+    settings: Settings,
+    only: str | None = None,
+    stop: anyio.Event | None = None,
+    handle_signals: bool = True,
+    plugins: Iterable[object] = (),
+) -> None:
+    stop = stop or anyio.Event()
+    chosen = consumer_settings(settings, only)
+    if not chosen:
+        raise ConfigError("consumers: no enabled consumer configured (consumers.<name> with enabled: true)")
+    redactor = redactor_for(settings)
+    for options in chosen.values():
+        for secret in options.security.secrets():
+            redactor.add(secret)
+    pm = make_plugin_manager(settings.plugins.disabled, plugins)
+    store = await open_store(settings.mysql.dsn.get_secret_value(), settings.mysql.pool_size)
+    handlers: list[BoundHandler] = []
+    try:
+        if not isinstance(store, MySQLStore):
+            raise ConfigError("consumers: need a MySQL database (mysql.dsn)")
+        consumer_store = MySQLConsumerStore(store)
+        async with _observed(settings, store, redactor) as (telemetry, health):
+            consumers = []
+            for name, options in chosen.items():
+                bound = build_handlers(pm, name, options, settings.node_id, redactor)
+                handlers.extend(bound.values())
+                consumers.append(Consumer(name, options, consumer_store, bound, settings.node_id, redactor, telemetry))
+            async with anyio.create_task_group() as tasks:
+                for consumer in consumers:
+                    await tasks.start(consumer.run)
+                health.worker = "running"
+                async with anyio.create_task_group() as watch:
+                    if handle_signals:
+                        watch.start_soon(_set_on_signal, stop)
+                    await stop.wait()
+                    watch.cancel_scope.cancel()
+                log.info("stopping consumers", extra={"lifecycle": "stop_requested"})
+                health.worker = "stopping"
+                for consumer in consumers:
+                    consumer.stop()
+    finally:
+        for each in handlers:
+            with contextlib.suppress(Exception):
+                await each.handler.aclose()
+        await store.aclose()
+        log.info("database pool closed", extra={"lifecycle": "pool_closed"})
+
+
+@asynccontextmanager
+async def _observed(
+    settings: Settings, store: MySQLStore, redactor: Redactor
+) -> AsyncIterator[tuple[Telemetry, Health]]:
+    listen = parse_listen(settings.telemetry.http_listen) if settings.telemetry.http_listen else None
+    telemetry = telemetry_from_environment(settings.node_id, redactor, prometheus=listen is not None)
+
+    async def ping() -> None:
+        async with store.transaction() as cur:
+            await cur.execute("SELECT 1")
+
+    health = Health(ping, redactor=redactor)
+    error: BaseException | None = None
+    try:
+        endpoint = None
+        if listen is not None:
+            endpoint = HttpEndpoint(health, telemetry.prometheus_text)
+            try:
+                port = await endpoint.bind(*listen)
+            except OSError as exc:
+                raise ConfigError(
+                    f"telemetry.http_listen: cannot listen on {settings.telemetry.http_listen}: {exc}"
+                ) from None
+            log.info("http endpoint listening", extra={"lifecycle": "http_started", "port": port})
+        async with anyio.create_task_group() as background:
+            if endpoint is not None:
+                background.start_soon(endpoint.serve)
+            try:
+                yield telemetry, health
+            except BaseException as exc:
+                error = exc  # re-raised below as itself, not inside this task group's ExceptionGroup
+            background.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await telemetry.aclose()
+    if error is not None:
+        raise error
+
+
+async def _set_on_signal(stop: anyio.Event) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("signal received", extra={"signal": signal.Signals(signum).name})
+            stop.set()
+            return

@@ -1,0 +1,320 @@
+"""The consumer engine's tables on MySQL/MariaDB (see :mod:`room_outbox.consume.store`).
+
+Claims of retry rows work like the outbox's: ``FOR UPDATE SKIP LOCKED`` at READ COMMITTED, a
+lease in ``due_at_ms`` plus the ``owner`` that holds it, and every later write fenced on that
+owner. Per-room order among retries: a row is claimable only while no earlier ``retrying`` row
+of its room and handler exists, so a room's rows leave the table one after another.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pymysql
+
+from room_outbox.consume.handler import Transaction
+from room_outbox.consume.store import LeaseLost, Processed, RetryRow
+from room_outbox.store.leased import _marks, now_ms
+from room_outbox.store.mysql import MySQLStore
+
+PROCESSED = "room_consumer_processed"
+RETRY = "room_consumer_retry"
+DUPLICATE_KEY = 1062
+
+DDL = (
+    f"""CREATE TABLE IF NOT EXISTS {PROCESSED} (
+  consumer        VARCHAR(64)  NOT NULL,
+  handler         VARCHAR(64)  NOT NULL,
+  app_code        VARCHAR(64)  NOT NULL,
+  event_id        VARCHAR(128) NOT NULL,
+  topic           VARCHAR(249) NOT NULL,
+  kafka_partition INT          NOT NULL,
+  kafka_offset    BIGINT       NOT NULL,
+  processed_at_ms BIGINT       NOT NULL,
+  PRIMARY KEY (consumer, handler, app_code, event_id),
+  KEY idx_room_consumer_processed_event (event_id)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
+    f"""CREATE TABLE IF NOT EXISTS {RETRY} (
+  id              BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
+  consumer        VARCHAR(64)   NOT NULL,
+  handler         VARCHAR(64)   NOT NULL,
+  app_code        VARCHAR(64)   NOT NULL,
+  event_id        VARCHAR(128)  NOT NULL,
+  event_type      VARCHAR(64)   NOT NULL DEFAULT '',
+  room_key        VARCHAR(200)  NOT NULL,
+  topic           VARCHAR(249)  NOT NULL,
+  kafka_partition INT           NOT NULL,
+  kafka_offset    BIGINT        NOT NULL,
+  value           LONGBLOB      NOT NULL,
+  headers         TEXT          NOT NULL,
+  status          VARCHAR(16)   NOT NULL,
+  attempts        INT           NOT NULL DEFAULT 0,
+  due_at_ms       BIGINT        NOT NULL,
+  owner           VARCHAR(128)  NULL,
+  last_error      VARCHAR(1024) NULL,
+  created_at_ms   BIGINT        NOT NULL,
+  updated_at_ms   BIGINT        NOT NULL,
+  UNIQUE KEY uk_room_consumer_retry_event (consumer, handler, app_code, event_id),
+  KEY idx_room_consumer_retry_due (consumer, status, due_at_ms, id),
+  KEY idx_room_consumer_retry_room (consumer, room_key, status, handler, id),
+  KEY idx_room_consumer_retry_event (event_id)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
+)
+
+_COLUMNS = (
+    "id, consumer, handler, app_code, event_id, event_type, room_key, topic, kafka_partition, kafka_offset,"
+    " value, headers, attempts, due_at_ms, last_error, owner"
+)
+
+
+class MySQLTransaction:
+    """:class:`~room_outbox.consume.handler.Transaction` over an aiomysql cursor."""
+
+    dialect = "mysql"
+
+    def __init__(self, cursor: Any) -> None:
+        self._cursor = cursor
+
+    async def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        # No parameters: no %-formatting either, so a literal % in the statement stays as is.
+        return int(await self._cursor.execute(sql, tuple(params) if params else None))
+
+    async def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
+        return int(await self._cursor.executemany(sql, [tuple(r) for r in rows]) or 0)
+
+    async def fetchone(self) -> tuple[Any, ...] | None:
+        row = await self._cursor.fetchone()
+        return tuple(row) if row is not None else None
+
+    async def fetchall(self) -> list[tuple[Any, ...]]:
+        return [tuple(r) for r in await self._cursor.fetchall()]
+
+
+def _row(values: Sequence[Any]) -> RetryRow:
+    (id_, consumer, handler, app_code, event_id, event_type, room_key, topic, partition, offset,
+     value, headers, attempts, due, error, owner) = values  # fmt: skip
+    return RetryRow(
+        consumer=consumer, handler=handler, app_code=app_code, event_id=event_id, event_type=event_type,
+        room_key=room_key, topic=topic, partition=int(partition), offset=int(offset), value=bytes(value),
+        headers=json.loads(headers), attempts=int(attempts), due_at_ms=int(due), last_error=error,
+        id=int(id_), owner=owner,
+    )  # fmt: skip
+
+
+def _insert_params(row: RetryRow, status: str, now: int) -> tuple[Any, ...]:
+    return (
+        row.consumer, row.handler, row.app_code, row.event_id, row.event_type, row.room_key[:200], row.topic,
+        row.partition, row.offset, row.value, json.dumps(row.headers), status, row.attempts, row.due_at_ms,
+        (row.last_error or "")[:1024] or None, now, now,
+    )  # fmt: skip
+
+
+_INSERT = (
+    f"INSERT INTO {RETRY} (consumer, handler, app_code, event_id, event_type, room_key, topic, kafka_partition,"
+    " kafka_offset, value, headers, status, attempts, due_at_ms, last_error, created_at_ms, updated_at_ms)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+)
+
+
+class MySQLConsumerStore:
+    def __init__(self, owner: MySQLStore) -> None:
+        self.owner = owner
+
+    async def migrate(self) -> list[str]:
+        changes = []
+        async with self.owner.transaction() as cur:
+            for ddl in DDL:
+                table = ddl.split()[5]
+                await cur.execute("SHOW TABLES LIKE %s", (table,))
+                if not await cur.fetchone():
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        await cur.execute(ddl)
+                    changes.append(f"created table {table}")
+        return changes
+
+    @asynccontextmanager
+    async def processing(self, record: Processed, retry: RetryRow | None = None) -> AsyncIterator[Transaction | None]:
+        async with self.owner.transaction() as cur:
+            if retry is not None:
+                deleted = await cur.execute(
+                    f"DELETE FROM {RETRY} WHERE id = %s AND owner = %s", (retry.id, retry.owner)
+                )
+                if not deleted:
+                    raise LeaseLost(f"retry row {retry.id} is no longer held by {retry.owner}")
+            # The record first: a second handling of the same event (a redelivery racing a
+            # retry, say) waits here on its key until the first commits, then finds it.
+            try:
+                await cur.execute(
+                    f"INSERT INTO {PROCESSED} (consumer, handler, app_code, event_id, topic, kafka_partition,"
+                    " kafka_offset, processed_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                    (record.consumer, record.handler, record.app_code, record.event_id, record.topic,
+                     record.partition, record.offset, now_ms()),
+                )  # fmt: skip
+                first = True
+            except pymysql.err.IntegrityError as exc:
+                if exc.args[0] != DUPLICATE_KEY:
+                    raise
+                first = False  # handled before: only the retry row's deletion (if any) commits
+            yield MySQLTransaction(cur) if first else None
+
+    async def blocked_rooms(self, consumer: str, room_keys: set[str]) -> set[tuple[str, str]]:
+        if not room_keys:
+            return set()
+        keys = sorted(k[:200] for k in room_keys)
+        async with self.owner.transaction() as cur:
+            await cur.execute(
+                f"SELECT DISTINCT handler, room_key FROM {RETRY}"
+                f" WHERE consumer = %s AND room_key IN ({_marks(keys)}) AND status = 'retrying'",
+                (consumer, *keys),
+            )
+            return {(str(h), str(k)) for h, k in await cur.fetchall()}
+
+    async def schedule(self, row: RetryRow) -> None:
+        async with self.owner.transaction() as cur:
+            await cur.execute(_INSERT + " ON DUPLICATE KEY UPDATE id = id", _insert_params(row, "retrying", now_ms()))
+
+    async def dead_letter(self, row: RetryRow) -> None:
+        async with self.owner.transaction() as cur:
+            await cur.execute(
+                _INSERT + " ON DUPLICATE KEY UPDATE status = 'dead', owner = NULL, attempts = VALUES(attempts),"
+                " last_error = VALUES(last_error), updated_at_ms = VALUES(updated_at_ms)",
+                _insert_params(row, "dead", now_ms()),
+            )
+
+    async def claim_retries(
+        self, consumer: str, owner: str, limit: int, lease_ms: int, ordered: bool
+    ) -> list[RetryRow]:
+        now = now_ms()
+        head = (
+            f" AND NOT EXISTS (SELECT 1 FROM {RETRY} e WHERE e.consumer = r.consumer AND e.room_key = r.room_key"
+            " AND e.status = 'retrying' AND e.handler = r.handler AND e.id < r.id)"
+            if ordered
+            else ""
+        )
+        async with self.owner.transaction() as cur:
+            # Candidates first (a plain read), then lock those still due: a row another
+            # process locked or claimed meanwhile is skipped, never waited for.
+            await cur.execute(
+                f"SELECT r.id FROM {RETRY} r WHERE r.consumer = %s AND r.status = 'retrying' AND r.due_at_ms <= %s"
+                f"{head} ORDER BY r.due_at_ms, r.id LIMIT %s",
+                (consumer, now, limit),
+            )
+            ids = [int(i) for (i,) in await cur.fetchall()]
+            if not ids:
+                return []
+            await cur.execute(
+                f"SELECT {_COLUMNS} FROM {RETRY} WHERE id IN ({_marks(ids)}) AND status = 'retrying'"
+                " AND due_at_ms <= %s ORDER BY id FOR UPDATE SKIP LOCKED",
+                (*ids, now),
+            )
+            rows = [_row(values) for values in await cur.fetchall()]
+            if not rows:
+                return []
+            await cur.execute(
+                f"UPDATE {RETRY} SET owner = %s, due_at_ms = %s, updated_at_ms = %s WHERE id IN ({_marks(rows)})",
+                (owner, now + lease_ms, now, *(r.id for r in rows)),
+            )
+        return [RetryRow(**{**r.__dict__, "owner": owner}) for r in rows]
+
+    async def retry_failed(self, row: RetryRow, attempts: int, due_at_ms: int, error: str, dead: bool) -> bool:
+        async with self.owner.transaction() as cur:
+            changed = await cur.execute(
+                f"UPDATE {RETRY} SET status = %s, attempts = %s, due_at_ms = %s, last_error = %s, owner = NULL,"
+                " updated_at_ms = %s WHERE id = %s AND owner = %s",
+                ("dead" if dead else "retrying", attempts, due_at_ms, error[:1024], now_ms(), row.id, row.owner),
+            )
+        return bool(changed)
+
+    async def release(self, rows: list[RetryRow]) -> None:
+        if not rows:
+            return
+        async with self.owner.transaction() as cur:
+            for row in rows:
+                await cur.execute(
+                    f"UPDATE {RETRY} SET owner = NULL, due_at_ms = %s WHERE id = %s AND owner = %s",
+                    (now_ms(), row.id, row.owner),
+                )
+
+    async def replace(self, row: RetryRow, by: list[RetryRow]) -> bool:
+        async with self.owner.transaction() as cur:
+            if not await cur.execute(f"DELETE FROM {RETRY} WHERE id = %s AND owner = %s", (row.id, row.owner)):
+                return False
+            now = now_ms()
+            for new in by:
+                await cur.execute(_INSERT + " ON DUPLICATE KEY UPDATE id = id", _insert_params(new, "retrying", now))
+        return True
+
+    async def redrive(self, consumer: str, handler: str | None, event_ids: list[str]) -> int:
+        clauses = ["consumer = %s", "status = 'dead'"]
+        params: list[Any] = [consumer]
+        if handler is not None:
+            clauses.append("handler = %s")
+            params.append(handler)
+        if event_ids:
+            clauses.append(f"event_id IN ({_marks(event_ids)})")
+            params.extend(event_ids)
+        async with self.owner.transaction() as cur:
+            return int(
+                await cur.execute(
+                    f"UPDATE {RETRY} SET status = 'retrying', attempts = 0, due_at_ms = 0, owner = NULL,"
+                    f" updated_at_ms = %s WHERE {' AND '.join(clauses)}",
+                    (now_ms(), *params),
+                )
+            )
+
+    async def overview(self) -> list[dict[str, Any]]:
+        async with self.owner.transaction() as cur:
+            await cur.execute(
+                f"SELECT consumer, handler, status, COUNT(*), MIN(created_at_ms) FROM {RETRY}"
+                " GROUP BY consumer, handler, status ORDER BY consumer, handler, status"
+            )
+            return [
+                {"consumer": c, "handler": h, "status": s, "rows": int(n), "oldest_created_at_ms": int(oldest)}
+                for c, h, s, n, oldest in await cur.fetchall()
+            ]
+
+    async def dead_letters(self, consumer: str | None, limit: int) -> list[dict[str, Any]]:
+        where, params = ("status = 'dead'", [])
+        if consumer is not None:
+            where += " AND consumer = %s"
+            params.append(consumer)
+        async with self.owner.transaction() as cur:
+            await cur.execute(
+                "SELECT consumer, handler, app_code, event_id, event_type, room_key, topic, kafka_partition,"
+                f" kafka_offset, attempts, last_error, updated_at_ms FROM {RETRY} WHERE {where} ORDER BY id LIMIT %s",
+                (*params, limit),
+            )
+            names = [d[0] for d in cur.description]
+            return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
+
+    async def event_states(self, event_id: str) -> list[dict[str, Any]]:
+        async with self.owner.transaction() as cur:
+            await cur.execute(f"SHOW TABLES LIKE '{RETRY}'")
+            if not await cur.fetchone():
+                return []
+            await cur.execute(
+                f"SELECT consumer, handler, app_code, topic, kafka_partition, kafka_offset, processed_at_ms"
+                f" FROM {PROCESSED} WHERE event_id = %s ORDER BY consumer, handler",
+                (event_id,),
+            )
+            states = [
+                {"consumer": c, "handler": h, "app_code": a, "state": "consumed", "topic": t, "partition": p,
+                 "offset": o, "at_ms": at}
+                for c, h, a, t, p, o, at in await cur.fetchall()
+            ]  # fmt: skip
+            await cur.execute(
+                f"SELECT consumer, handler, app_code, status, attempts, due_at_ms, last_error, topic, kafka_partition,"
+                f" kafka_offset FROM {RETRY} WHERE event_id = %s ORDER BY consumer, handler",
+                (event_id,),
+            )
+            for c, h, a, status, attempts, due, error, t, p, o in await cur.fetchall():
+                states.append(
+                    {"consumer": c, "handler": h or "(none)", "app_code": a, "state": status, "attempts": attempts,
+                     "due_at_ms": due, "last_error": error, "topic": t, "partition": p, "offset": o}
+                )  # fmt: skip
+        return states

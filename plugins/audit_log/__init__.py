@@ -1,0 +1,80 @@
+"""The ``audit`` handler: every room event once, in the append-only table ``room_audit_log``.
+
+One row per (app_code, event_id), holding the whole envelope and where it was read from. The
+row is written in the consumer's transaction together with its processed record, so a
+redelivered message never writes a second row; the unique key on (app_code, event_id) keeps
+the log to one row per event even across consumers (a second consumer running ``audit``
+finds the row there and adds nothing). Rows are only ever inserted: ``id`` is the order in
+which they were recorded, which for one room is the room's order.
+"""
+
+from __future__ import annotations
+
+from room_outbox import hookimpl
+from room_outbox.consume.handler import (
+    ConsumedEvent,
+    HandleContext,
+    HandlerFactoryContext,
+    HandlerSettings,
+    HandlerSpec,
+)
+from room_outbox.store.leased import now_ms
+
+TABLE = "room_audit_log"
+
+DDL = f"""CREATE TABLE IF NOT EXISTS {TABLE} (
+  id              BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
+  app_code        VARCHAR(64)  NOT NULL,
+  event_id        VARCHAR(128) NOT NULL,
+  event_type      VARCHAR(64)  NOT NULL,
+  room_id         VARCHAR(64)  NOT NULL,
+  room_version    BIGINT       NULL,
+  occurred_at_ms  BIGINT       NULL,
+  envelope        LONGTEXT     NOT NULL,
+  consumer        VARCHAR(64)  NOT NULL,
+  topic           VARCHAR(249) NOT NULL,
+  kafka_partition INT          NOT NULL,
+  kafka_offset    BIGINT       NOT NULL,
+  recorded_at_ms  BIGINT       NOT NULL,
+  UNIQUE KEY uk_room_audit_log_event (app_code, event_id),
+  KEY idx_room_audit_log_room (app_code, room_id, id)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"""
+
+_COLUMNS = (
+    "app_code, event_id, event_type, room_id, room_version, occurred_at_ms, envelope, consumer, topic,"
+    " kafka_partition, kafka_offset, recorded_at_ms"
+)
+_VALUES = "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s"
+#: Insert unless the event is in the log already, per dialect.
+INSERT = {
+    "mysql": f"INSERT IGNORE INTO {TABLE} ({_COLUMNS}) VALUES ({_VALUES})",
+    "postgresql": f"INSERT INTO {TABLE} ({_COLUMNS}) VALUES ({_VALUES}) ON CONFLICT (app_code, event_id) DO NOTHING",
+}
+
+
+class AuditHandler:
+    async def handle(self, event: ConsumedEvent, ctx: HandleContext) -> None:
+        e = event.envelope
+        async with ctx.transaction() as tx:
+            await tx.execute(
+                INSERT[tx.dialect],
+                (e.app_code, e.event_id, e.event_type, e.room_id, e.room_version, e.occurred_at_ms,
+                 e.model_dump_json(), event.consumer, event.topic, event.partition, event.offset, now_ms()),
+            )  # fmt: skip
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _create(settings: HandlerSettings, context: HandlerFactoryContext) -> AuditHandler:
+    return AuditHandler()
+
+
+@hookimpl
+def room_outbox_register_handlers() -> list[HandlerSpec]:
+    return [HandlerSpec("audit", _create)]
+
+
+@hookimpl
+def room_outbox_migrations() -> list[str]:
+    return [DDL]
