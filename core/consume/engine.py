@@ -85,6 +85,11 @@ class Message:
         return self.headers.get("event_id") or f"{self.topic}:{self.partition}:{self.offset}"
 
     @property
+    def traceparent(self) -> str | None:
+        """The producer's trace: the header the Kafka sink sets, else the envelope's own."""
+        return self.headers.get("traceparent") or (self.envelope.traceparent if self.envelope is not None else None)
+
+    @property
     def event_type(self) -> str:
         return self.envelope.event_type if self.envelope is not None else self.headers.get("event_type", "")
 
@@ -344,7 +349,7 @@ class Consumer:
             "room_outbox.attempt": attempt,
         }
         return tracer.start_as_current_span(
-            f"process {message.topic} {handler}", context=producer_context(message.headers.get("traceparent")),
+            f"process {message.topic} {handler}", context=producer_context(message.traceparent),
             kind=SpanKind.CONSUMER, attributes=attributes, record_exception=False, set_status_on_exception=False,
         )  # fmt: skip
 

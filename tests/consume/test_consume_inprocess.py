@@ -1,0 +1,247 @@
+"""The consumer in this process: handler plugins (the hook), configuration errors, telemetry,
+the health endpoint. On tansu and MariaDB; the process tests are in test_consume_processes."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from aiokafka import AIOKafkaProducer
+from consume.conftest import TOPIC, ConsumerBroker, envelope
+from support import wait_until
+from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, capture
+
+from room_outbox import hookimpl
+from room_outbox.config import ConfigError, Settings
+from room_outbox.consume.engine import Consumer
+from room_outbox.consume.handler import (
+    ConsumedEvent,
+    HandleContext,
+    HandlerFactoryContext,
+    HandlerSettings,
+    HandlerSpec,
+    PermanentHandlerError,
+)
+from room_outbox.consume.registry import build_handlers, registered_handlers
+from room_outbox.consume.service import run_consumers
+from room_outbox.consume.settings import ConsumerSettings, consumer_settings
+from room_outbox.lanes import migrate_plugins
+from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.redaction import Redactor
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql_consume import MySQLConsumerStore
+
+pytestmark = pytest.mark.anyio
+
+
+class RecordingSettings(HandlerSettings):
+    table: str = "recorded"
+
+
+class Recording:
+    """Writes each event to its table; RoomUserKicked fails permanently, RoomUserMuted fails
+    ``flaky`` times first."""
+
+    def __init__(self, settings: RecordingSettings, flaky: int = 0) -> None:
+        self.table = settings.table
+        self.flaky = flaky
+        self.calls: list[str] = []
+
+    async def handle(self, event: ConsumedEvent, ctx: HandleContext) -> None:
+        self.calls.append(event.envelope.event_id)
+        if event.envelope.event_type == "RoomUserKicked":
+            raise PermanentHandlerError("kicks are not recordable")
+        if event.envelope.event_type == "RoomUserMuted" and self.flaky > 0:
+            self.flaky -= 1
+            raise RuntimeError("flaky for a while")
+        async with ctx.transaction() as tx:
+            await tx.execute(f"INSERT INTO {self.table} (event_id) VALUES (%s)", (event.envelope.event_id,))
+
+    async def aclose(self) -> None:
+        pass
+
+
+class RecordingPlugin:
+    def __init__(self, flaky: int = 0) -> None:
+        self.flaky = flaky
+        self.handlers: list[Recording] = []
+
+    @hookimpl
+    def room_outbox_register_handlers(self) -> list[HandlerSpec]:
+        def create(settings: HandlerSettings, context: HandlerFactoryContext) -> Recording:
+            assert isinstance(settings, RecordingSettings)
+            handler = Recording(settings, self.flaky)
+            self.handlers.append(handler)
+            return handler
+
+        return [HandlerSpec("recording", create, settings_model=RecordingSettings)]
+
+    @hookimpl
+    def room_outbox_migrations(self) -> list[str]:
+        return ["CREATE TABLE IF NOT EXISTS recorded (seq INT AUTO_INCREMENT PRIMARY KEY, event_id VARCHAR(64) UNIQUE)"]
+
+
+@pytest.fixture
+async def migrated(store: MySQLStore) -> AsyncIterator[MySQLStore]:
+    pm = make_plugin_manager(extra_plugins=[RecordingPlugin()])
+    await migrate_plugins(store, pm, Settings(sinks={"tencent_im": {"enabled": False}}))
+    await MySQLConsumerStore(store).migrate()
+    yield store
+
+
+async def send(bootstrap: str, events: list[dict[str, Any]], traceparent: str | None = TRACEPARENT) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", request_timeout_ms=10_000)
+    await producer.start()
+    try:
+        for e in events:
+            headers = [("traceparent", traceparent.encode())] if traceparent else []
+            await producer.send(TOPIC, json.dumps(e).encode(), key=f"app1:{e['room_id']}".encode(), headers=headers)
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+async def rows(store: MySQLStore, sql: str) -> list[tuple[Any, ...]]:
+    async with store.transaction() as cur:
+        await cur.execute(sql)
+        return list(await cur.fetchall())
+
+
+# -- handlers as plugins ------------------------------------------------------------------------
+
+
+async def test_handlers_come_from_plugins_and_plugins_disabled_applies() -> None:
+    pm = make_plugin_manager(extra_plugins=[RecordingPlugin()])
+    assert {"audit", "activity", "recording"} <= set(registered_handlers(pm))
+    blocked = make_plugin_manager(disabled=["audit_log"])
+    assert "audit" not in registered_handlers(blocked)
+    with pytest.raises(ConfigError, match=r"consumers\.feed\.handlers: unknown handler\(s\) audit"):
+        build_handlers(blocked, "feed", ConsumerSettings(handlers=["audit"]), "node", Redactor())
+
+
+async def test_bad_handler_settings_name_the_key() -> None:
+    pm = make_plugin_manager(extra_plugins=[RecordingPlugin()])
+    settings = ConsumerSettings(handlers=["recording"], handler_settings={"recording": {"tabel": "x"}})
+    with pytest.raises(ConfigError, match=r"consumers\.feed\.handler_settings\.recording\.tabel: Extra inputs"):
+        build_handlers(pm, "feed", settings, "node", Redactor())
+    stray = ConsumerSettings(handlers=["recording"], handler_settings={"audit": {}})
+    with pytest.raises(ConfigError, match=r"consumers\.feed\.handler_settings: audit not in consumers\.feed\.handlers"):
+        build_handlers(pm, "feed", stray, "node", Redactor())
+
+
+async def test_consumer_settings_errors_name_every_key() -> None:
+    settings = Settings(
+        consumers={
+            "a": {"handlers": [], "concurrency": 0},
+            "b": {"handlers": ["audit"], "ordering": "random", "retry": {"base": "soon"}},
+        }
+    )
+    with pytest.raises(ConfigError) as info:
+        consumer_settings(settings)
+    text = str(info.value)
+    for key in ("consumers.a.handlers", "consumers.a.concurrency", "consumers.b.ordering", "consumers.b.retry.base"):
+        assert key in text, text
+    with pytest.raises(ConfigError, match=r"consumers\.c: no such consumer"):
+        consumer_settings(settings, "c")
+    defaults = consumer_settings(Settings(consumers={"feed": {"handlers": ["audit"]}}))["feed"]
+    assert defaults.group("feed") == "room-outbox.feed" and defaults.dlq_topic() == "room-events.dlq"
+    assert consumer_settings(Settings(consumers={"off": {"handlers": ["audit"], "enabled": False}})) == {}
+
+
+# -- one consumer in this process ---------------------------------------------------------------
+
+
+async def test_spans_follow_the_producer_trace_and_metrics_count_outcomes(
+    migrated: MySQLStore, broker: ConsumerBroker
+) -> None:
+    plugin = RecordingPlugin(flaky=2)
+    pm = make_plugin_manager(extra_plugins=[plugin])
+    settings = ConsumerSettings(
+        bootstrap_servers=broker.bootstrap, handlers=["recording"], session_timeout=6,
+        retry={"base": 0.05, "cap": 0.1, "poll_interval": 0.05, "max_attempts": 5},
+    )  # fmt: skip
+    captured = capture()
+    handlers = build_handlers(pm, "feed", settings, "node-1", Redactor())
+    consumer = Consumer(
+        "feed", settings, MySQLConsumerStore(migrated), handlers, "node-1", Redactor(), captured.telemetry
+    )
+    events = [
+        envelope("ok-1", "RoomUserJoined", "room_1", 1),
+        envelope("muted-1", "RoomUserMuted", "room_1", 2),  # fails twice, then works
+        envelope("ok-2", "RoomUserJoined", "room_1", 3),  # waits behind it: same room
+        envelope("kick-1", "RoomUserKicked", "room_2", 1),  # dead letter at once
+    ]
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(consumer.run)
+        await send(broker.bootstrap, events)
+        await wait_until(lambda: _recorded(migrated, 3), timeout=30)
+        consumer.stop()
+    # room_1 in order: ok-2 waited in the retry table behind muted-1
+    assert [e for (e,) in await rows(migrated, "SELECT event_id FROM recorded ORDER BY seq")] == [
+        "ok-1",
+        "muted-1",
+        "ok-2",
+    ]
+    assert plugin.handlers[0].calls.count("muted-1") == 3
+    assert await rows(migrated, "SELECT event_id, status FROM room_consumer_retry") == [("kick-1", "dead")]
+
+    spans = captured.spans("process room-events recording")
+    assert len(spans) == len(plugin.handlers[0].calls)
+    for span in spans:
+        assert format(span.context.trace_id, "032x") == PRODUCER_TRACE
+        assert span.parent is not None and format(span.parent.span_id, "016x") == PRODUCER_SPAN
+        assert span.attributes["messaging.consumer.group.name"] == "room-outbox.feed"
+    assert sorted(
+        s.attributes["room_outbox.attempt"] for s in spans if s.attributes["room_outbox.event_id"] == "muted-1"
+    ) == [1, 2, 3]
+
+    labels = {"consumer": "feed", "handler": "recording"}
+    assert captured.value("room_outbox_consumer_handled_total", **labels, outcome="handled") == 3
+    assert captured.value("room_outbox_consumer_retried_total", **labels) == 2
+    assert captured.value("room_outbox_consumer_dead_total", **labels, reason="permanent") == 1
+    assert sum(p.count for p in captured.histogram("room_outbox_consumer_handler_latency_ms", **labels)) == 6
+    lags = captured.points("room_outbox_consumer_lag")
+    assert lags and all(p.value == 0 for p in lags)
+
+
+async def _recorded(store: MySQLStore, expected: int) -> bool:
+    return len(await rows(store, "SELECT event_id FROM recorded")) >= expected
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def test_a_consume_process_answers_healthz_and_readyz(
+    migrated: MySQLStore, broker: ConsumerBroker, database_dsn: str
+) -> None:
+    port = free_port()
+    settings = Settings(
+        mysql={"dsn": database_dsn},
+        telemetry={"http_listen": f"127.0.0.1:{port}"},
+        consumers={"feed": {"bootstrap_servers": broker.bootstrap, "handlers": ["audit"], "session_timeout": "6s"}},
+    )
+    stop = anyio.Event()
+    async with (
+        anyio.create_task_group() as tasks,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http,
+    ):
+        tasks.start_soon(lambda: run_consumers(settings, None, stop, False))
+
+        async def ready() -> bool:
+            try:
+                return (await http.get("/readyz")).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        await wait_until(ready, timeout=30)
+        assert (await http.get("/healthz")).status_code == 200
+        assert (await http.get("/readyz")).json() == {"ready": True, "worker": "running", "database": "ok"}
+        stop.set()
