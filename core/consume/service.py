@@ -45,9 +45,13 @@ async def run_consumers(
     if not chosen:
         raise ConfigError("consumers: no enabled consumer configured (consumers.<name> with enabled: true)")
     redactor = redactor_for(settings)
-    for options in chosen.values():
+    for name, options in chosen.items():
         for secret in options.security.secrets():
             redactor.add(secret)
+        try:  # TLS files are read now: a bad certificate stops start-up, naming the file
+            options.security.ssl_context()
+        except ValueError as exc:
+            raise ConfigError(f"consumers.{name}.security.{exc}") from None
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
     store = await open_store(settings.mysql.dsn.get_secret_value(), settings.mysql.pool_size)
     handlers: list[BoundHandler] = []

@@ -11,6 +11,9 @@ acknowledged it (``acks=all``); until then it is retried, so a broker outage los
 broker refuses (some Kafka-compatible brokers do not implement InitProducerId), logs it and
 goes on without — duplicates after a retried send are then possible, as with any
 at-least-once delivery; ``true`` refuses to run without it; ``false`` never asks.
+
+``security``: TLS and SASL (:class:`room_outbox.kafka_security.KafkaSecurity`, the same
+settings ``room-outbox consume`` takes); its secrets are registered for redaction.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from room_outbox import (
     SinkSpec,
     hookimpl,
 )
+from room_outbox.kafka_security import KafkaSecurity
 
 
 class KafkaSettings(SinkSettings):
@@ -42,12 +46,17 @@ class KafkaSettings(SinkSettings):
     #: How long one send may wait for the broker's acknowledgement before failing (retryable).
     request_timeout: Duration = 5.0
     max_message_bytes: int = Field(default=1_000_000, ge=1024)
+    security: KafkaSecurity = KafkaSecurity()
 
 
 class KafkaSink:
     def __init__(self, settings: KafkaSettings, context: SinkContext) -> None:
         self.settings = settings
         self.log = context.logger
+        for secret in settings.security.secrets():
+            context.add_secret(secret)
+        # TLS files are read now: a bad certificate stops start-up, naming the file.
+        self._security = settings.security.client_kwargs()
         self._producer: AIOKafkaProducer | None = None
         self._starting = anyio.Lock()
 
@@ -105,6 +114,7 @@ class KafkaSink:
             enable_idempotence=idempotent,
             request_timeout_ms=int(self.settings.request_timeout * 1000),
             max_request_size=self.settings.max_message_bytes + 1024,
+            **self._security,
         )
         try:
             await producer.start()

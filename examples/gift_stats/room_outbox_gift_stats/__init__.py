@@ -72,7 +72,9 @@ def _create(settings: HandlerSettings, context: HandlerFactoryContext) -> GiftSt
 
 @hookimpl
 def room_outbox_register_handlers() -> list[HandlerSpec]:
-    return [HandlerSpec("gift_stats", _create, event_types=frozenset({"RoomGiftSent"}), settings_model=GiftStatsSettings)]
+    return [
+        HandlerSpec("gift_stats", _create, event_types=frozenset({"RoomGiftSent"}), settings_model=GiftStatsSettings)
+    ]
 
 
 @hookimpl
