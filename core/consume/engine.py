@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,13 +31,14 @@ import anyio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 from anyio.abc import TaskStatus
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from room_outbox.consume.handler import ConsumedEvent, HandleContext, PermanentHandlerError
+from room_outbox.consume.handler import BatchHandler, ConsumedEvent, HandleContext, PermanentHandlerError
 from room_outbox.consume.metrics import ConsumerMetrics
 from room_outbox.consume.registry import BoundHandler
 from room_outbox.consume.settings import ConsumerSettings
-from room_outbox.consume.store import NO_HANDLER, ConsumerStore, LeaseLost, Processed, RetryRow
+from room_outbox.consume.store import NO_HANDLER, ConsumerBatch, ConsumerStore, LeaseLost, Processed, RetryRow
 from room_outbox.envelope import KNOWN_EVENT_TYPES, EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.redaction import Redactor
 from room_outbox.retry import RetryPolicy
@@ -213,16 +215,46 @@ class Consumer:
     # -- the live path ------------------------------------------------------------------------
 
     async def _settle(self, batch: dict[TopicPartition, list[Any]]) -> dict[TopicPartition, int]:
-        groups: dict[str, list[Message]] = {}
+        rooms: dict[str, list[Message]] = {}
         for records in batch.values():
             for record in records:
                 message = self._route(record)
-                groups.setdefault(message.room, []).append(message)
-        blocked = await self.store.blocked_rooms(self.name, set(groups)) if self.ordered else set()
+                rooms.setdefault(message.room, []).append(message)
+        blocked = await self.store.blocked_rooms(self.name, set(rooms)) if self.ordered else set()
+        # Up to `concurrency` chunks of whole rooms, each settled in one transaction.
+        groups = list(rooms.values())
+        width = min(self.settings.concurrency, len(groups))
         async with anyio.create_task_group() as tasks:
-            for messages in groups.values():
-                tasks.start_soon(self._settle_room, messages, blocked)
+            for n in range(width):
+                tasks.start_soon(self._settle_chunk, groups[n::width], blocked)
         return {tp: records[-1].offset + 1 for tp, records in batch.items()}
+
+    async def _settle_chunk(self, rooms: list[list[Message]], blocked: set[tuple[str, str]]) -> None:
+        """The rooms' messages in one transaction (each handling in a savepoint), one room
+        after another. If that transaction cannot complete (a handler timed out, the
+        connection broke), everything in it is rolled back and the messages are settled again
+        one transaction each."""
+        dead: list[tuple[RetryRow, str]] = []
+        messages = sum(len(room) for room in rooms)
+        try:
+            with anyio.fail_after(self.settings.handler_timeout * (messages + 1)):
+                async with self.store.batch() as batch:
+                    done: set[tuple[int, int, str]] = set()
+                    for handler in self.handlers.values():
+                        if isinstance(handler.handler, BatchHandler):
+                            done |= await self._handle_many(rooms, handler, blocked, batch)
+                    for room in rooms:
+                        await self._settle_room(room, blocked, batch, dead, done)
+        except Exception as exc:
+            log.warning(
+                "chunk not settled in one transaction; settling its messages one by one",
+                extra={"consumer": self.name, "messages": messages, "error": self._error(exc)},
+            )
+            dead = []
+            for room in rooms:
+                await self._settle_room(room, blocked, None, dead)
+        for row, reason in dead:
+            await self._announce_dead_letter(row, reason)
 
     def _route(self, record: Any) -> Message:
         message = Message(
@@ -245,21 +277,95 @@ class Consumer:
         if not message.handlers and event_type not in KNOWN_EVENT_TYPES:
             message.rejected = f"unknown event type {event_type!r}: no handler of consumer {self.name} takes it"
 
-    async def _settle_room(self, messages: list[Message], blocked: set[tuple[str, str]]) -> None:
-        async with self._limiter:
-            for message in messages:
-                if message.rejected is not None:
-                    await self._dead_letter(self._retry_row(message, NO_HANDLER, 1, message.rejected), "rejected")
+    async def _settle_room(
+        self,
+        messages: list[Message],
+        blocked: set[tuple[str, str]],
+        batch: ConsumerBatch | None,
+        dead: list[tuple[RetryRow, str]],
+        handled: AbstractSet[tuple[int, int, str]] = frozenset(),
+    ) -> None:
+        """One room's messages in offset order (but the (partition, offset, handler) handlings
+        in ``done``). A handler that fails on one of them holds back the room's later
+        messages for that handler (with ``ordering: per_room``): they wait in the retry table
+        behind it."""
+        outcomes: ConsumerBatch | ConsumerStore = batch if batch is not None else self.store
+        held: set[str] = {handler for handler, room in blocked if room == messages[0].room}
+        for message in messages:
+            if message.rejected is not None:
+                row = self._retry_row(message, NO_HANDLER, 1, message.rejected)
+                await outcomes.dead_letter(row)
+                dead.append((row, "rejected"))
+                continue
+            for handler in message.handlers:
+                if (message.partition, message.offset, handler.name) in handled:
                     continue
-                for handler in message.handlers:
-                    if (handler.name, message.room) in blocked:
-                        waiting = self._retry_row(
-                            message, handler.name, 0, "waiting behind an earlier event of its room"
-                        )
-                        await self.store.schedule(waiting)
-                        continue
-                    if not await self._handle(message, handler, attempt=1, retry=None) and self.ordered:
-                        blocked.add((handler.name, message.room))
+                if handler.name in held:
+                    await outcomes.schedule(
+                        self._retry_row(message, handler.name, 0, "waiting behind an earlier event of its room")
+                    )
+                    continue
+                ok = await self._handle(message, handler, attempt=1, retry=None, batch=batch, dead=dead)
+                if not ok and self.ordered:
+                    held.add(handler.name)
+
+    async def _handle_many(
+        self, rooms: list[list[Message]], handler: BoundHandler, blocked: set[tuple[str, str]], batch: ConsumerBatch
+    ) -> set[tuple[int, int, str]]:
+        """The chunk's messages for ``handler`` in one ``handle_batch`` call (rooms it holds
+        back excepted); returns the handlings done, none when the call failed (then each
+        message goes through ``handle`` on its own, so a bad one costs only itself)."""
+        messages = [
+            m for room in rooms for m in room
+            if m.rejected is None and handler in m.handlers and (handler.name, m.room) not in blocked
+        ]  # fmt: skip
+        if not messages:
+            return set()
+        records = [self._record(m, handler) for m in messages]
+        events = [self._event(m, 1) for m in messages]
+        labels = {"consumer": self.name, "handler": handler.name}
+        spans = [self._start_span(m, handler.name, 1) for m in messages] if self.telemetry.tracer else []
+        started = time.perf_counter()
+        try:
+            with anyio.fail_after(self.settings.handler_timeout):
+                async with batch.processing_many(records) as (tx, fresh):
+                    new = [event for event, first in zip(events, fresh, strict=True) if first]
+                    if new:
+                        assert isinstance(handler.handler, BatchHandler)
+                        await handler.handler.handle_batch(new, HandleContext(tx, log))
+        except TimeoutError:
+            raise  # cancelled mid-statement: the chunk's transaction is lost
+        except Exception as exc:
+            log.info(
+                "handle_batch failed; handling one by one",
+                extra={**labels, "messages": len(messages), "error": self._error(exc)},
+            )
+            for span in spans:
+                span.end()
+            return set()
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        for span in spans:
+            span.end()
+        self.metrics.handled.add(len(new), {**labels, "outcome": "handled"})
+        if len(new) < len(messages):
+            self.metrics.handled.add(len(messages) - len(new), {**labels, "outcome": "duplicate"})
+        for _ in messages:  # the call's time, shared out: what one handling cost
+            self.metrics.latency.record(elapsed_ms / len(messages), labels)
+        return {(m.partition, m.offset, handler.name) for m in messages}
+
+    def _record(self, message: Message, handler: BoundHandler) -> Processed:
+        assert message.envelope is not None
+        return Processed(
+            self.name, handler.name, message.envelope.app_code, message.envelope.event_id, message.topic,
+            message.partition, message.offset,
+        )  # fmt: skip
+
+    def _event(self, message: Message, attempt: int) -> ConsumedEvent:
+        assert message.envelope is not None
+        return ConsumedEvent(
+            envelope=message.envelope, consumer=self.name, topic=message.topic, partition=message.partition,
+            offset=message.offset, key=message.key, headers=message.headers, attempt=attempt, value=message.value,
+        )  # fmt: skip
 
     def _retry_row(self, message: Message, handler: str, attempts: int, error: str | None, due: int = 0) -> RetryRow:
         return RetryRow(
@@ -271,19 +377,23 @@ class Consumer:
 
     # -- one handling -------------------------------------------------------------------------
 
-    async def _handle(self, message: Message, handler: BoundHandler, attempt: int, retry: RetryRow | None) -> bool:
-        """Handle ``message`` with ``handler`` once; a failure is recorded (retry or dead
-        letter) before this returns. True when the message is done for this handler."""
+    async def _handle(
+        self,
+        message: Message,
+        handler: BoundHandler,
+        attempt: int,
+        retry: RetryRow | None,
+        batch: ConsumerBatch | None = None,
+        dead: list[tuple[RetryRow, str]] | None = None,
+    ) -> bool:
+        """Handle ``message`` with ``handler`` once, in ``batch`` (a savepoint of a shared
+        transaction) or in a transaction of its own. A failure is recorded (retry or dead
+        letter) before this returns; dead letters to announce once committed go to ``dead``.
+        True when the message is done for this handler."""
         assert message.envelope is not None
         envelope = message.envelope
-        record = Processed(
-            self.name, handler.name, envelope.app_code, envelope.event_id, message.topic, message.partition,
-            message.offset,
-        )  # fmt: skip
-        event = ConsumedEvent(
-            envelope=envelope, consumer=self.name, topic=message.topic, partition=message.partition,
-            offset=message.offset, key=message.key, headers=message.headers, attempt=attempt,
-        )  # fmt: skip
+        record = self._record(message, handler)
+        event = self._event(message, attempt)
         labels = {"consumer": self.name, "handler": handler.name}
         started = time.perf_counter()
         error: BaseException | None = None
@@ -291,11 +401,19 @@ class Consumer:
         with self._span(message, handler.name, attempt) as span:
             try:
                 with anyio.fail_after(self.settings.handler_timeout):
-                    async with self.store.processing(record, retry) as tx:
+                    processing = batch.processing(record) if batch is not None else self.store.processing(record, retry)
+                    async with processing as tx:
                         if tx is None:
                             outcome = "duplicate"
                         else:
                             await handler.handler.handle(event, HandleContext(tx, log))
+            except TimeoutError:
+                if batch is not None:
+                    raise  # cancelled mid-statement: the shared transaction is lost, not just this savepoint
+                error = TimeoutError(f"handling took longer than handler_timeout {self.settings.handler_timeout:g}s")
+                if span is not None:
+                    span.set_attribute("error.type", "TimeoutError")
+                    span.set_status(Status(StatusCode.ERROR))
             except LeaseLost as exc:
                 log.warning("retry lease lost; another process has the row", extra={**labels, "error": str(exc)})
                 return True
@@ -312,29 +430,39 @@ class Consumer:
         permanent = isinstance(error, PermanentHandlerError)
         extra = {**labels, "event_id": envelope.event_id, "event_type": envelope.event_type,
                  "room_id": envelope.room_id, "attempt": attempt, "error": text}  # fmt: skip
+        outcomes: ConsumerBatch | ConsumerStore = batch if batch is not None else self.store
+        reason = "permanent" if permanent else "failed"
         if self.policy.parks(attempt, permanent):
-            log.error("handling failed; dead letter", extra=extra)
             row = self._retry_row(message, handler.name, attempt, text)
             if retry is None:
-                await self._dead_letter(row, "permanent" if permanent else "failed")
+                await outcomes.dead_letter(row)
+                if dead is not None:
+                    dead.append((row, reason))
+                else:
+                    await self._announce_dead_letter(row, reason)
             elif await self.store.retry_failed(retry, attempt, now_ms(), text, dead=True):
-                self.metrics.dead.add(1, {**labels, "reason": "permanent" if permanent else "failed"})
-                await self._publish_dead_letter(row)
+                await self._announce_dead_letter(row, reason)
             return False
         due = now_ms() + int(self.policy.delay(attempt) * 1000)
         log.warning("handling failed; retry scheduled", extra={**extra, "retry_at_ms": due})
         self.metrics.retried.add(1, labels)
         if retry is None:
-            await self.store.schedule(self._retry_row(message, handler.name, attempt, text, due))
+            await outcomes.schedule(self._retry_row(message, handler.name, attempt, text, due))
         else:
             await self.store.retry_failed(retry, attempt, due, text, dead=False)
         return False
 
     def _span(self, message: Message, handler: str, attempt: int) -> Any:
-        """A span per handling, child of the message's ``traceparent`` (no tracer: none)."""
+        """A span per handling, current while it runs, child of the message's
+        ``traceparent`` (no tracer: none)."""
         tracer = self.telemetry.tracer
         if tracer is None:
             return _NoSpan()
+        return trace.use_span(self._start_span(message, handler, attempt), end_on_exit=True)
+
+    def _start_span(self, message: Message, handler: str, attempt: int) -> trace.Span:
+        tracer = self.telemetry.tracer
+        assert tracer is not None
         attributes: dict[str, str | int] = {
             "messaging.system": "kafka",
             "messaging.operation.type": "process",
@@ -348,20 +476,21 @@ class Consumer:
             "room_outbox.event_type": message.event_type,
             "room_outbox.attempt": attempt,
         }
-        return tracer.start_as_current_span(
+        return tracer.start_span(
             f"process {message.topic} {handler}", context=producer_context(message.traceparent),
             kind=SpanKind.CONSUMER, attributes=attributes, record_exception=False, set_status_on_exception=False,
         )  # fmt: skip
 
     # -- dead letters -------------------------------------------------------------------------
 
-    async def _dead_letter(self, row: RetryRow, reason: str) -> None:
+    async def _announce_dead_letter(self, row: RetryRow, reason: str) -> None:
+        """Log, count and copy to the dead-letter topic a dead letter already recorded."""
         log.error(
             "dead letter",
             extra={"consumer": self.name, "handler": row.handler or "(none)", "event_id": row.event_id,
-                   "topic": row.topic, "partition": row.partition, "offset": row.offset, "error": row.last_error},
+                   "event_type": row.event_type, "topic": row.topic, "partition": row.partition,
+                   "offset": row.offset, "attempts": row.attempts, "error": row.last_error},
         )  # fmt: skip
-        await self.store.dead_letter(row)
         self.metrics.dead.add(1, {"consumer": self.name, "handler": row.handler or "(none)", "reason": reason})
         await self._publish_dead_letter(row)
 

@@ -76,6 +76,8 @@ class ConsumedEvent:
     headers: dict[str, str]
     #: 1 on the first try; more on retries.
     attempt: int = 1
+    #: The message value as received (the envelope's JSON).
+    value: bytes = b""
 
 
 class HandleContext:
@@ -99,6 +101,20 @@ class Handler(Protocol):
 
     async def aclose(self) -> None:
         """Release what the handler owns. Called once, at shutdown."""
+
+
+@runtime_checkable
+class BatchHandler(Handler, Protocol):
+    """A handler that can also take many events at once (optional: a throughput gain).
+
+    ``handle_batch`` gets events of several rooms, each room's in offset order, none handled
+    before, and must have the effect of ``handle`` on each in that order — typically one
+    multi-row statement. It runs in the same kind of transaction, with the events' processed
+    records. If it raises, nothing of it stays and the consumer calls ``handle`` for each
+    event instead, so one bad event costs only itself.
+    """
+
+    async def handle_batch(self, events: list[ConsumedEvent], ctx: HandleContext) -> None: ...
 
 
 class HandlerSettings(BaseModel):

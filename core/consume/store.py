@@ -58,6 +58,25 @@ class RetryRow:
     owner: str | None = None
 
 
+class ConsumerBatch(Protocol):
+    """Handlings that share one transaction, each in a savepoint of its own."""
+
+    def processing(self, record: Processed) -> AbstractAsyncContextManager[Transaction | None]:
+        """Like :meth:`ConsumerStore.processing`, inside a savepoint: an exception rolls back
+        to it (this handling's record and writes only) and propagates."""
+        ...
+
+    def processing_many(self, records: list[Processed]) -> AbstractAsyncContextManager[tuple[Transaction, list[bool]]]:
+        """Many records of one consumer and handler in one savepoint; yields the transaction
+        and, per record, whether it is new (False: handled before). Any error rolls back to
+        the savepoint and propagates."""
+        ...
+
+    async def schedule(self, row: RetryRow) -> None: ...
+
+    async def dead_letter(self, row: RetryRow) -> None: ...
+
+
 class ConsumerStore(Protocol):
     async def migrate(self) -> list[str]: ...
 
@@ -68,6 +87,10 @@ class ConsumerStore(Protocol):
         handler's) when the record already exists. ``retry``: the claimed retry row this
         handling settles; it is deleted in the same transaction (:class:`LeaseLost` when
         this process no longer holds it)."""
+        ...
+
+    def batch(self) -> AbstractAsyncContextManager[ConsumerBatch]:
+        """One transaction for many handlings, committed when the block ends."""
         ...
 
     async def blocked_rooms(self, consumer: str, room_keys: set[str]) -> set[tuple[str, str]]:

@@ -120,6 +120,83 @@ _INSERT = (
 )
 
 
+async def _schedule(cur: Any, row: RetryRow) -> None:
+    await cur.execute(_INSERT + " ON DUPLICATE KEY UPDATE id = id", _insert_params(row, "retrying", now_ms()))
+
+
+async def _dead_letter(cur: Any, row: RetryRow) -> None:
+    await cur.execute(
+        _INSERT + " ON DUPLICATE KEY UPDATE status = 'dead', owner = NULL, attempts = VALUES(attempts),"
+        " last_error = VALUES(last_error), updated_at_ms = VALUES(updated_at_ms)",
+        _insert_params(row, "dead", now_ms()),
+    )
+
+
+async def _record(cur: Any, record: Processed) -> bool:
+    """Insert the processed record; False when it exists. A second handling of the same event
+    (a redelivery racing a retry, say) waits here on its key until the first commits."""
+    try:
+        await cur.execute(
+            f"INSERT INTO {PROCESSED} (consumer, handler, app_code, event_id, topic, kafka_partition,"
+            " kafka_offset, processed_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+            (record.consumer, record.handler, record.app_code, record.event_id, record.topic,
+             record.partition, record.offset, now_ms()),
+        )  # fmt: skip
+    except pymysql.err.IntegrityError as exc:
+        if exc.args[0] != DUPLICATE_KEY:
+            raise
+        return False
+    return True
+
+
+class MySQLBatch:
+    """Many handlings in one transaction, each inside a savepoint: a failing handling rolls
+    back to its savepoint (its record and writes go, the others stay) and its retry row is
+    written in the same transaction; one commit settles them all."""
+
+    def __init__(self, cursor: Any) -> None:
+        self._cursor = cursor
+
+    @asynccontextmanager
+    async def processing(self, record: Processed) -> AsyncIterator[Transaction | None]:
+        cur = self._cursor
+        await cur.execute("SAVEPOINT handling")
+        try:
+            first = await _record(cur, record)
+            yield MySQLTransaction(cur) if first else None
+        except Exception:
+            await cur.execute("ROLLBACK TO SAVEPOINT handling")
+            raise
+        await cur.execute("RELEASE SAVEPOINT handling")
+
+    @asynccontextmanager
+    async def processing_many(self, records: list[Processed]) -> AsyncIterator[tuple[Transaction, list[bool]]]:
+        cur = self._cursor
+        await cur.execute("SAVEPOINT handling")
+        try:
+            # One statement. A record that exists already (a redelivery, a duplicate within
+            # the batch, another member's handling) fails it all, and the caller goes one by
+            # one: the common case pays no look-up first.
+            now = now_ms()
+            await cur.executemany(
+                f"INSERT INTO {PROCESSED} (consumer, handler, app_code, event_id, topic, kafka_partition,"
+                " kafka_offset, processed_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                [(r.consumer, r.handler, r.app_code, r.event_id, r.topic, r.partition, r.offset, now) for r in records],
+            )
+            fresh = [True] * len(records)
+            yield MySQLTransaction(cur), fresh
+        except Exception:
+            await cur.execute("ROLLBACK TO SAVEPOINT handling")
+            raise
+        await cur.execute("RELEASE SAVEPOINT handling")
+
+    async def schedule(self, row: RetryRow) -> None:
+        await _schedule(self._cursor, row)
+
+    async def dead_letter(self, row: RetryRow) -> None:
+        await _dead_letter(self._cursor, row)
+
+
 class MySQLConsumerStore:
     def __init__(self, owner: MySQLStore) -> None:
         self.owner = owner
@@ -146,21 +223,13 @@ class MySQLConsumerStore:
                 )
                 if not deleted:
                     raise LeaseLost(f"retry row {retry.id} is no longer held by {retry.owner}")
-            # The record first: a second handling of the same event (a redelivery racing a
-            # retry, say) waits here on its key until the first commits, then finds it.
-            try:
-                await cur.execute(
-                    f"INSERT INTO {PROCESSED} (consumer, handler, app_code, event_id, topic, kafka_partition,"
-                    " kafka_offset, processed_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-                    (record.consumer, record.handler, record.app_code, record.event_id, record.topic,
-                     record.partition, record.offset, now_ms()),
-                )  # fmt: skip
-                first = True
-            except pymysql.err.IntegrityError as exc:
-                if exc.args[0] != DUPLICATE_KEY:
-                    raise
-                first = False  # handled before: only the retry row's deletion (if any) commits
+            first = await _record(cur, record)  # not first: only the retry row's deletion commits
             yield MySQLTransaction(cur) if first else None
+
+    @asynccontextmanager
+    async def batch(self) -> AsyncIterator[MySQLBatch]:
+        async with self.owner.transaction() as cur:
+            yield MySQLBatch(cur)
 
     async def blocked_rooms(self, consumer: str, room_keys: set[str]) -> set[tuple[str, str]]:
         if not room_keys:
@@ -176,15 +245,11 @@ class MySQLConsumerStore:
 
     async def schedule(self, row: RetryRow) -> None:
         async with self.owner.transaction() as cur:
-            await cur.execute(_INSERT + " ON DUPLICATE KEY UPDATE id = id", _insert_params(row, "retrying", now_ms()))
+            await _schedule(cur, row)
 
     async def dead_letter(self, row: RetryRow) -> None:
         async with self.owner.transaction() as cur:
-            await cur.execute(
-                _INSERT + " ON DUPLICATE KEY UPDATE status = 'dead', owner = NULL, attempts = VALUES(attempts),"
-                " last_error = VALUES(last_error), updated_at_ms = VALUES(updated_at_ms)",
-                _insert_params(row, "dead", now_ms()),
-            )
+            await _dead_letter(cur, row)
 
     async def claim_retries(
         self, consumer: str, owner: str, limit: int, lease_ms: int, ordered: bool

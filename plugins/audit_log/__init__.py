@@ -52,6 +52,11 @@ INSERT = {
 }
 
 
+def _envelope_json(event: ConsumedEvent) -> str:
+    """The envelope exactly as it was sent (it parsed, so it is UTF-8 JSON)."""
+    return event.value.decode() if event.value else event.envelope.model_dump_json()
+
+
 class AuditHandler:
     async def handle(self, event: ConsumedEvent, ctx: HandleContext) -> None:
         e = event.envelope
@@ -59,7 +64,21 @@ class AuditHandler:
             await tx.execute(
                 INSERT[tx.dialect],
                 (e.app_code, e.event_id, e.event_type, e.room_id, e.room_version, e.occurred_at_ms,
-                 e.model_dump_json(), event.consumer, event.topic, event.partition, event.offset, now_ms()),
+                 _envelope_json(event), event.consumer, event.topic, event.partition, event.offset, now_ms()),
+            )  # fmt: skip
+
+    async def handle_batch(self, events: list[ConsumedEvent], ctx: HandleContext) -> None:
+        """One multi-row statement; rows in the order given, so ``id`` keeps each room's order."""
+        recorded = now_ms()
+        async with ctx.transaction() as tx:
+            await tx.executemany(
+                INSERT[tx.dialect],
+                [
+                    (e.app_code, e.event_id, e.event_type, e.room_id, e.room_version, e.occurred_at_ms,
+                     _envelope_json(event), event.consumer, event.topic, event.partition, event.offset, recorded)
+                    for event in events
+                    for e in (event.envelope,)
+                ],
             )  # fmt: skip
 
     async def aclose(self) -> None:
