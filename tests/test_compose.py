@@ -22,6 +22,7 @@ from support import INSERT_V1, fetch_rows
 
 from room_outbox.cli import build_parser
 from room_outbox.config import load_settings
+from room_outbox.consume.settings import consumer_settings
 from room_outbox.envelope import parse_envelope
 from room_outbox.redaction import Redactor
 from room_outbox.store.mysql import MySQLStore
@@ -53,6 +54,7 @@ def test_compose_has_every_service(compose: dict[str, Any]) -> None:
         "mysql",
         "migrate",
         "room-outbox",
+        "consume",
         "fake-im",
         "kafka",
         "otel-collector",
@@ -254,3 +256,20 @@ def test_the_postgresql_variant_migrates_and_runs_against_postgres(
         f"postgres:{env['POSTGRES_PASSWORD']}@postgres:5432/{env['POSTGRES_DB']}"
         in settings.database.dsn.get_secret_value()
     )
+
+
+def test_the_consumers_read_the_kafka_lanes_topic(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    consume = compose["services"]["consume"]
+    build_parser().parse_args(consume["command"])
+    assert consume["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    mounts = [v.split(":")[:2] if isinstance(v, str) else (v["source"], v["target"]) for v in consume["volumes"]]
+    mounted = {target: Path(source) for source, target in mounts}
+    config = mounted[consume["command"][-1]]
+    assert config.resolve() == (ROOT / "config" / "config.consume.docker.yaml").resolve()
+    for name, value in consume["environment"].items():
+        monkeypatch.setenv(name, str(value))
+    settings = load_settings(config)
+    (feed,) = consumer_settings(settings).values()
+    lane = load_settings(ROOT / "config" / "config.docker.yaml").sinks["kafka"]
+    assert (feed.bootstrap_servers, feed.topic) == (lane["bootstrap_servers"], lane["topic"])
+    assert feed.handlers == ["audit", "activity"] and settings.telemetry.http_listen.endswith(":9464")
