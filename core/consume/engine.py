@@ -52,6 +52,9 @@ FETCH_TIMEOUT_MS = 500
 #: Pause after a batch could not be settled (the database is down, say) before it is tried again.
 BATCH_RETRY_PAUSE = 1.0
 DLQ_SEND_TIMEOUT = 10.0
+#: One attempt to reach the broker and join the group; then a pause before the next.
+JOIN_TIMEOUT = 30.0
+JOIN_RETRY_PAUSE = 2.0
 
 
 @dataclass
@@ -131,7 +134,6 @@ class Consumer:
         self._batch_lock = anyio.Lock()
         self._limiter = anyio.CapacityLimiter(settings.concurrency)
         self._dlq: AIOKafkaProducer | None = None
-        self._kafka: AIOKafkaConsumer | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -139,41 +141,64 @@ class Consumer:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        s = self.settings
-        kafka = AIOKafkaConsumer(
-            bootstrap_servers=s.bootstrap_servers,
-            group_id=s.group(self.name),
-            client_id=s.client_id,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            session_timeout_ms=int(s.session_timeout * 1000),
-            heartbeat_interval_ms=max(100, int(s.session_timeout * 1000 / 3)),
-            max_poll_records=s.max_batch,
-            **s.security.client_kwargs(),
-        )
-        kafka.subscribe([s.topic], listener=_SettleBeforeRevoke(self))
-        self._kafka = kafka
-        with anyio.fail_after(max(30.0, s.session_timeout * 3)):
-            await kafka.start()
-        log.info(
-            "consumer started",
-            extra={"lifecycle": "consumer_started", "consumer": self.name, "group": s.group(self.name),
-                   "topic": s.topic, "handlers": list(self.handlers)},
-        )  # fmt: skip
-        self.running = True
-        task_status.started()
+        """Join the group (again and again while the broker does not answer) and consume
+        until :meth:`stop`; the retry worker runs from the start, broker or not."""
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self._retry_loop)
-                await self._live_loop(kafka)
+                kafka = await self._join()
+                if kafka is not None:
+                    self.running = True
+                    task_status.started()
+                    try:
+                        await self._live_loop(kafka)
+                    finally:
+                        self.running = False
+                        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                            await kafka.stop()  # leaves the group: the others take over at once
                 tasks.cancel_scope.cancel()
         finally:
-            self.running = False
-            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                await kafka.stop()  # leaves the group: the others take over at once
-                if self._dlq is not None:
+            if self._dlq is not None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
                     await self._dlq.stop()
             log.info("consumer stopped", extra={"lifecycle": "consumer_stopped", "consumer": self.name})
+
+    async def _join(self) -> AIOKafkaConsumer | None:
+        """A started group member; None when stopped before the broker answered."""
+        s = self.settings
+        while not self._stop.is_set():
+            kafka = AIOKafkaConsumer(
+                bootstrap_servers=s.bootstrap_servers,
+                group_id=s.group(self.name),
+                client_id=s.client_id,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                session_timeout_ms=int(s.session_timeout * 1000),
+                heartbeat_interval_ms=max(100, int(s.session_timeout * 1000 / 3)),
+                max_poll_records=s.max_batch,
+                **s.security.client_kwargs(),
+            )
+            kafka.subscribe([s.topic], listener=_SettleBeforeRevoke(self))
+            try:
+                with anyio.fail_after(JOIN_TIMEOUT):
+                    await kafka.start()
+            except (KafkaError, TimeoutError, OSError) as exc:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    await kafka.stop()
+                log.warning(
+                    "broker unavailable; trying again",
+                    extra={"consumer": self.name, "bootstrap_servers": s.bootstrap_servers, "error": self._error(exc)},
+                )
+                with anyio.move_on_after(JOIN_RETRY_PAUSE):
+                    await self._stop.wait()
+                continue
+            log.info(
+                "consumer started",
+                extra={"lifecycle": "consumer_started", "consumer": self.name, "group": s.group(self.name),
+                       "topic": s.topic, "handlers": list(self.handlers)},
+            )  # fmt: skip
+            return kafka
+        return None
 
     async def _live_loop(self, kafka: AIOKafkaConsumer) -> None:
         while not self._stop.is_set():

@@ -67,11 +67,11 @@ async def run_consumers(
                 consumers.append(Consumer(name, options, consumer_store, bound, settings.node_id, redactor, telemetry))
             async with anyio.create_task_group() as tasks:
                 for consumer in consumers:
-                    await tasks.start(consumer.run)
-                health.worker = "running"
+                    tasks.start_soon(consumer.run)
                 async with anyio.create_task_group() as watch:
                     if handle_signals:
                         watch.start_soon(_set_on_signal, stop)
+                    watch.start_soon(_ready_once_joined, health, consumers)
                     await stop.wait()
                     watch.cancel_scope.cancel()
                 log.info("stopping consumers", extra={"lifecycle": "stop_requested"})
@@ -123,6 +123,14 @@ async def _observed(
             await telemetry.aclose()
     if error is not None:
         raise error
+
+
+async def _ready_once_joined(health: Health, consumers: list[Consumer]) -> None:
+    """``/readyz`` turns ready once every consumer has joined its group (and back while one
+    re-joins after losing the broker)."""
+    while True:
+        health.worker = "running" if all(c.running for c in consumers) else "starting"
+        await anyio.sleep(0.2)
 
 
 async def _set_on_signal(stop: anyio.Event) -> None:

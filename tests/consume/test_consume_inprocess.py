@@ -245,3 +245,45 @@ async def test_a_consume_process_answers_healthz_and_readyz(
         assert (await http.get("/healthz")).status_code == 200
         assert (await http.get("/readyz")).json() == {"ready": True, "worker": "running", "database": "ok"}
         stop.set()
+
+
+async def test_consume_waits_for_a_broker_that_is_down_at_start_up(
+    migrated: MySQLStore, database_dsn: str, tmp_path: Any
+) -> None:
+    broker = ConsumerBroker(tmp_path / "tansu.log", topic=TOPIC, partitions=3)  # its port, not started yet
+    port = free_port()
+    settings = Settings(
+        mysql={"dsn": database_dsn},
+        telemetry={"http_listen": f"127.0.0.1:{port}"},
+        consumers={"feed": {"bootstrap_servers": broker.bootstrap, "handlers": ["audit"], "session_timeout": "6s"}},
+    )
+    stop = anyio.Event()
+    try:
+        async with (
+            anyio.create_task_group() as tasks,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http,
+        ):
+            tasks.start_soon(lambda: run_consumers(settings, None, stop, False))
+
+            async def readiness() -> dict[str, Any] | None:
+                try:
+                    return dict((await http.get("/readyz")).json())
+                except httpx.TransportError:
+                    return None
+
+            async def starting() -> bool:
+                return (await readiness() or {}).get("worker") == "starting"
+
+            await wait_until(starting, timeout=30)
+            assert (await http.get("/healthz")).status_code == 200
+            await anyio.to_thread.run_sync(broker.start)
+            await send(broker.bootstrap, [envelope(f"late-{n}", "RoomUserJoined", f"room_{n}", 1) for n in range(5)])
+
+            async def audited() -> bool:
+                return len(await rows(migrated, "SELECT event_id FROM room_audit_log")) == 5
+
+            await wait_until(audited, timeout=60)
+            assert (await readiness() or {}).get("ready") is True
+            stop.set()
+    finally:
+        broker.stop()
