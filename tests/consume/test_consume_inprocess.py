@@ -13,6 +13,7 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 from consume.conftest import TOPIC, ConsumerBroker, envelope
+from faults.tcp_proxy import TcpProxy
 from support import wait_until
 from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, capture
 
@@ -33,7 +34,7 @@ from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.lanes import migrate_plugins
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.redaction import Redactor
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.mysql_consume import MySQLConsumerStore
 
 pytestmark = pytest.mark.anyio
@@ -287,3 +288,55 @@ async def test_consume_waits_for_a_broker_that_is_down_at_start_up(
             stop.set()
     finally:
         broker.stop()
+
+
+async def test_a_database_outage_mid_stream_loses_nothing_and_repeats_nothing(
+    migrated: MySQLStore, database_dsn: str, broker: ConsumerBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database goes away while batches are being settled: nothing is committed for a
+    batch that could not be settled, it is fetched again, and once the database is back every
+    event is in the audit log once and in its room's order."""
+    real = MySQLAddress.from_dsn(database_dsn)
+    events = [envelope(f"o{n}", "RoomUserJoined", f"room_{n % 20}", n // 20 + 1) for n in range(3000)]
+    async with anyio.create_task_group() as tasks:
+        proxy = TcpProxy(real.host, real.port)
+        await proxy.start(tasks)
+        through_proxy = await MySQLStore.connect(
+            f"mysql://{real.user}:{real.password}@127.0.0.1:{proxy.port}/{real.database}", pool_size=8
+        )
+        settings = ConsumerSettings(
+            bootstrap_servers=broker.bootstrap, handlers=["audit"], session_timeout=6, max_batch=100,
+            retry={"base": 0.1, "cap": 0.5, "poll_interval": 0.1, "max_attempts": 1000},
+        )  # fmt: skip
+        handlers = build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor())
+        consumer = Consumer(
+            "feed", settings, MySQLConsumerStore(through_proxy), handlers, "node-1", Redactor(), capture().telemetry
+        )
+        try:
+            await tasks.start(consumer.run)
+            await send(broker.bootstrap, events, traceparent=None)
+
+            async def audited(n: int) -> bool:
+                return len(await rows(migrated, "SELECT id FROM room_audit_log")) >= n
+
+            await wait_until(lambda: audited(300), timeout=60)
+            await proxy.cut()
+            await wait_until(lambda: "batch not settled; fetching it again" in caplog.text, timeout=30)
+            await proxy.restore()
+            await wait_until(lambda: audited(len(events)), timeout=120)
+
+            async def settled() -> bool:
+                return not await rows(migrated, "SELECT id FROM room_consumer_retry")
+
+            await wait_until(settled, timeout=60)  # anything that failed during the outage was retried
+            consumer.stop()
+        finally:
+            await through_proxy.aclose()
+        tasks.cancel_scope.cancel()
+    ids = [e for (e,) in await rows(migrated, "SELECT event_id FROM room_audit_log")]
+    assert sorted(ids) == sorted(e["event_id"] for e in events)
+    by_room: dict[str, list[int]] = {}
+    for room, version in await rows(migrated, "SELECT room_id, room_version FROM room_audit_log ORDER BY id"):
+        by_room.setdefault(room, []).append(int(version))
+    assert all(versions == list(range(1, 151)) for versions in by_room.values()), by_room
+    assert len(await rows(migrated, "SELECT event_id FROM room_consumer_processed")) == len(events)
