@@ -169,7 +169,15 @@ async def run_consume(store: MySQLStore, events: int) -> ConsumeResult:
                 rates[table] = await rate_of(store, table, events, timeout)
         settings = ConsumerSettings(bootstrap_servers=broker.bootstrap, handlers=["audit"], session_timeout=6)
         handlers = build_handlers(pm, "bench", settings, "bench", Redactor())
-        consumer = Consumer("bench", settings, MySQLConsumerStore(store), handlers, "bench", Redactor(), Telemetry())
+        consumer = Consumer(
+            "bench",
+            settings,
+            MySQLConsumerStore(store, settings.handler_timeout),
+            handlers,
+            "bench",
+            Redactor(),
+            Telemetry(),
+        )
         async with anyio.create_task_group() as tasks:
             await tasks.start(consumer.run)
             engine = await rate_of(store, "room_audit_log", events, timeout)

@@ -261,9 +261,10 @@ class Consumer:
         one transaction each."""
         dead: list[tuple[RetryRow, str]] = []
         messages = sum(len(room) for room in rooms)
+        limit = self.settings.handler_timeout * (messages + 1)
         try:
-            with anyio.fail_after(self.settings.handler_timeout * (messages + 1)):
-                async with self.store.batch() as batch:
+            with anyio.fail_after(limit):
+                async with self.store.batch(limit) as batch:
                     done: set[tuple[int, int, str]] = set()
                     for handler in self.handlers.values():
                         if isinstance(handler.handler, BatchHandler):

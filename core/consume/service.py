@@ -22,7 +22,8 @@ from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.engine import Consumer
 from room_outbox.consume.registry import BoundHandler, build_handlers
 from room_outbox.consume.settings import consumer_settings
-from room_outbox.http_endpoint import Health, HttpEndpoint, parse_listen
+from room_outbox.health import Health
+from room_outbox.http_endpoint import HttpEndpoint, parse_listen
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.redaction import Redactor
 from room_outbox.store.factory import open_store
@@ -53,12 +54,15 @@ async def run_consumers(
         except ValueError as exc:
             raise ConfigError(f"consumers.{name}.security.{exc}") from None
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
-    store = await open_store(settings.mysql.dsn.get_secret_value(), settings.mysql.pool_size)
+    store = await open_store(
+        settings.mysql.dsn.get_secret_value(), settings.mysql.pool_size, query_timeout=settings.mysql.query_timeout
+    )
     handlers: list[BoundHandler] = []
     try:
         if not isinstance(store, MySQLStore):
             raise ConfigError("consumers: need a MySQL database (mysql.dsn)")
-        consumer_store = MySQLConsumerStore(store)
+        # A handling's transaction may take as long as the slowest consumer's handler_timeout.
+        consumer_store = MySQLConsumerStore(store, max(c.handler_timeout for c in chosen.values()))
         async with _observed(settings, store, redactor) as (telemetry, health):
             consumers = []
             for name, options in chosen.items():

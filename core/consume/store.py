@@ -89,8 +89,9 @@ class ConsumerStore(Protocol):
         this process no longer holds it)."""
         ...
 
-    def batch(self) -> AbstractAsyncContextManager[ConsumerBatch]:
-        """One transaction for many handlings, committed when the block ends."""
+    def batch(self, timeout: float | None = None) -> AbstractAsyncContextManager[ConsumerBatch]:
+        """One transaction for many handlings, committed when the block ends, within
+        ``timeout`` seconds."""
         ...
 
     async def blocked_rooms(self, consumer: str, room_keys: set[str]) -> set[tuple[str, str]]:

@@ -198,8 +198,12 @@ class MySQLBatch:
 
 
 class MySQLConsumerStore:
-    def __init__(self, owner: MySQLStore) -> None:
+    """``handling_timeout``: how long a transaction that runs a handler may take (its writes
+    included); the store's other transactions keep the pool's ``query_timeout``."""
+
+    def __init__(self, owner: MySQLStore, handling_timeout: float | None = None) -> None:
         self.owner = owner
+        self.handling_timeout = handling_timeout
 
     async def migrate(self) -> list[str]:
         changes = []
@@ -216,7 +220,7 @@ class MySQLConsumerStore:
 
     @asynccontextmanager
     async def processing(self, record: Processed, retry: RetryRow | None = None) -> AsyncIterator[Transaction | None]:
-        async with self.owner.transaction() as cur:
+        async with self.owner.transaction(self.handling_timeout) as cur:
             if retry is not None:
                 deleted = await cur.execute(
                     f"DELETE FROM {RETRY} WHERE id = %s AND owner = %s", (retry.id, retry.owner)
@@ -227,8 +231,8 @@ class MySQLConsumerStore:
             yield MySQLTransaction(cur) if first else None
 
     @asynccontextmanager
-    async def batch(self) -> AsyncIterator[MySQLBatch]:
-        async with self.owner.transaction() as cur:
+    async def batch(self, timeout: float | None = None) -> AsyncIterator[MySQLBatch]:
+        async with self.owner.transaction(timeout or self.handling_timeout) as cur:
             yield MySQLBatch(cur)
 
     async def blocked_rooms(self, consumer: str, room_keys: set[str]) -> set[tuple[str, str]]:

@@ -169,7 +169,13 @@ async def test_spans_follow_the_producer_trace_and_metrics_count_outcomes(
     captured = capture()
     handlers = build_handlers(pm, "feed", settings, "node-1", Redactor())
     consumer = Consumer(
-        "feed", settings, MySQLConsumerStore(migrated), handlers, "node-1", Redactor(), captured.telemetry
+        "feed",
+        settings,
+        MySQLConsumerStore(migrated, settings.handler_timeout),
+        handlers,
+        "node-1",
+        Redactor(),
+        captured.telemetry,
     )
     events = [
         envelope("ok-1", "RoomUserJoined", "room_1", 1),
@@ -284,7 +290,11 @@ async def test_consume_waits_for_a_broker_that_is_down_at_start_up(
                 return len(await rows(migrated, "SELECT event_id FROM room_audit_log")) == 5
 
             await wait_until(audited, timeout=60)
-            assert (await readiness() or {}).get("ready") is True
+
+            async def ready() -> bool:
+                return (await readiness() or {}).get("ready") is True
+
+            await wait_until(ready, timeout=10)
             stop.set()
     finally:
         broker.stop()
@@ -298,9 +308,7 @@ async def test_a_database_outage_mid_stream_loses_nothing_and_repeats_nothing(
     event is in the audit log once and in its room's order."""
     real = MySQLAddress.from_dsn(database_dsn)
     events = [envelope(f"o{n}", "RoomUserJoined", f"room_{n % 20}", n // 20 + 1) for n in range(3000)]
-    async with anyio.create_task_group() as tasks:
-        proxy = TcpProxy(real.host, real.port)
-        await proxy.start(tasks)
+    async with TcpProxy(real.host, real.port) as proxy, anyio.create_task_group() as tasks:
         through_proxy = await MySQLStore.connect(
             f"mysql://{real.user}:{real.password}@127.0.0.1:{proxy.port}/{real.database}", pool_size=8
         )
@@ -310,7 +318,13 @@ async def test_a_database_outage_mid_stream_loses_nothing_and_repeats_nothing(
         )  # fmt: skip
         handlers = build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor())
         consumer = Consumer(
-            "feed", settings, MySQLConsumerStore(through_proxy), handlers, "node-1", Redactor(), capture().telemetry
+            "feed",
+            settings,
+            MySQLConsumerStore(through_proxy, settings.handler_timeout),
+            handlers,
+            "node-1",
+            Redactor(),
+            capture().telemetry,
         )
         try:
             await tasks.start(consumer.run)
