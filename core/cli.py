@@ -122,6 +122,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
 }
 
+COMMANDS.update(consume_cli.HELP)
+
 #: Commands that read no configuration.
 SELF_CONTAINED = ("demo", "fake-im")
 
@@ -348,6 +350,7 @@ async def _print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
     try:
         with _translated(dsn):
             plan = await store.migration_plan() + await plugins_migration_plan(store, pm, settings)
+            plan += await consume_cli.consumers_migration_plan(store)
     finally:
         await store.aclose()
     print(f"-- room-outbox migrate for {describe(address)}: nothing has been run")

@@ -12,16 +12,33 @@ from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.ops import dead_letters_command, redrive_command
 from room_outbox.consume.service import run_consumers
 from room_outbox.store.factory import open_store
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql import Migration, MySQLStore
 from room_outbox.store.mysql_consume import MySQLConsumerStore
 
-COMMANDS = ("consume", "consumers")
+#: The consumers' subcommands: (one-line summary, description, examples), as room_outbox.cli's.
+HELP: dict[str, tuple[str, str, str]] = {
+    "consume": (
+        "run Kafka consumer-group members with their handlers until SIGTERM",
+        "Join the Kafka consumer group of every enabled consumers.<name> (or only --consumer NAME)\n"
+        "and hand each message to the consumer's handlers: effectively once for their database\n"
+        "writes, each room in order, failures retried from room_consumer_retry, dead letters kept.",
+        "room-outbox consume --config config/config.consume.docker.yaml\nroom-outbox consume --consumer feed",
+    ),
+    "consumers": (
+        "operate the consumers: list dead letters, send them round again (redrive)",
+        "Dead letters of the consumers, from the database: `dead-letters` lists them, `redrive`\n"
+        "makes them due again (a running consume takes them up); redrive applies only with --yes.",
+        "room-outbox consumers dead-letters --consumer feed\n"
+        "room-outbox consumers redrive --consumer feed --handler audit --yes",
+    ),
+}
+COMMANDS = tuple(HELP)
 
 
 def add_consumer_parsers(commands: Any) -> None:
-    consume = commands.add_parser("consume", help="run Kafka consumer-group members with their handlers until SIGTERM")
+    consume = commands.add_parser("consume", help=HELP["consume"][0])
     consume.add_argument("--consumer", help="run only consumers.NAME (default: every enabled consumer)")
-    consumers = commands.add_parser("consumers", help="operate the consumers: dead letters, redrive")
+    consumers = commands.add_parser("consumers", help=HELP["consumers"][0])
     actions = consumers.add_subparsers(dest="consumers_command", required=True, metavar="ACTION")
     dead = actions.add_parser("dead-letters", help="list dead letters")
     dead.add_argument("--consumer", help="only this consumer's")
@@ -43,6 +60,11 @@ def run_consumer_command(settings: Settings, args: argparse.Namespace) -> int:
         anyio.run(run_consumers, settings, args.consumer)
         return 0
     return anyio.run(_operate, settings, args)
+
+
+async def consumers_migration_plan(store: object) -> list[Migration]:
+    """What :func:`migrate_consumers` would run (``migrate --sql``)."""
+    return await MySQLConsumerStore(store).migration_plan() if isinstance(store, MySQLStore) else []
 
 
 async def migrate_consumers(store: object) -> list[str]:

@@ -19,7 +19,7 @@ import pymysql
 from room_outbox.consume.handler import Transaction
 from room_outbox.consume.store import LeaseLost, Processed, RetryRow
 from room_outbox.store.leased import _marks, now_ms
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql import Migration, MySQLStore
 
 PROCESSED = "room_consumer_processed"
 RETRY = "room_consumer_retry"
@@ -205,18 +205,26 @@ class MySQLConsumerStore:
         self.owner = owner
         self.handling_timeout = handling_timeout
 
-    async def migrate(self) -> list[str]:
-        changes = []
+    async def migration_plan(self) -> list[Migration]:
+        """The consumers' tables that do not exist yet (``migrate --sql`` prints this)."""
+        plan = []
         async with self.owner.transaction() as cur:
             for ddl in DDL:
                 table = ddl.split()[5]
                 await cur.execute("SHOW TABLES LIKE %s", (table,))
                 if not await cur.fetchone():
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        await cur.execute(ddl)
-                    changes.append(f"created table {table}")
-        return changes
+                    plan.append(Migration(f"created table {table}", (ddl,)))
+        return plan
+
+    async def migrate(self) -> list[str]:
+        plan = await self.migration_plan()
+        async with self.owner.transaction() as cur:
+            with warnings.catch_warnings():  # a racing migrate's "already exists" note is fine
+                warnings.simplefilter("ignore")
+                for step in plan:
+                    for statement in step.statements:
+                        await cur.execute(statement)
+        return [step.change for step in plan]
 
     @asynccontextmanager
     async def processing(self, record: Processed, retry: RetryRow | None = None) -> AsyncIterator[Transaction | None]:
