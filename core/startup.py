@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pluggy
 
 from room_outbox.config import Settings
+from room_outbox.consume.registry import check_consumers
 from room_outbox.errors import ConfigurationError
 from room_outbox.routing import validate_sinks
 from room_outbox.store.errors import translated
@@ -66,6 +67,10 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> Checked
             lane_table(lane)
         except ValueError as exc:
             problems.append(f"sinks.{lane}: {exc}")
+    try:
+        check_consumers(pm, settings)
+    except ConfigurationError as exc:
+        problems.extend(_lines(exc))
     if problems:
         raise ConfigurationError("invalid configuration:\n  " + "\n  ".join(problems))
     return CheckedConfiguration(im_sinks, own_lanes, database)

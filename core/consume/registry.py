@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import pluggy
 from pydantic import ValidationError
 
-from room_outbox.config import ConfigError, describe_validation_error
+from room_outbox.config import ConfigError, Settings, describe_validation_error
 from room_outbox.consume.handler import Handler, HandlerFactoryContext, HandlerSpec
-from room_outbox.consume.settings import ConsumerSettings
+from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.envelope import KNOWN_EVENT_TYPES
 from room_outbox.redaction import Redactor
 
@@ -38,6 +38,36 @@ def registered_handlers(pm: pluggy.PluginManager) -> dict[str, HandlerSpec]:
                 raise ConfigError(f"handler {spec.name!r} is registered by two plugins")
             found[spec.name] = spec
     return found
+
+
+def check_consumers(pm: pluggy.PluginManager, settings: Settings) -> list[str]:
+    """Validate every enabled consumer short of connecting (``check-config``): its section,
+    its handlers and their settings, its TLS files. Returns the consumers' names; one
+    :class:`ConfigError` names every problem."""
+    consumers = consumer_settings(settings)
+    specs = registered_handlers(pm)
+    problems: list[str] = []
+    for name, consumer in consumers.items():
+        where = f"consumers.{name}"
+        for handler in consumer.handlers:
+            if handler not in specs:
+                problems.append(
+                    f"{where}.handlers: unknown handler {handler!r} (registered: {', '.join(sorted(specs))})"
+                )
+                continue
+            try:
+                specs[handler].settings_model.model_validate(consumer.handler_settings.get(handler, {}))
+            except ValidationError as exc:
+                problems.extend(describe_validation_error(exc, f"{where}.handler_settings.{handler}").splitlines()[1:])
+        for extra in sorted(set(consumer.handler_settings) - set(consumer.handlers)):
+            problems.append(f"{where}.handler_settings: {extra} not in {where}.handlers")
+        try:
+            consumer.security.ssl_context()
+        except ValueError as exc:
+            problems.append(f"{where}.security.{exc}")
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(p.strip() for p in problems))
+    return sorted(consumers)
 
 
 def build_handlers(

@@ -28,7 +28,7 @@ from room_outbox.consume.handler import (
     HandlerSpec,
     PermanentHandlerError,
 )
-from room_outbox.consume.registry import build_handlers, registered_handlers
+from room_outbox.consume.registry import build_handlers, check_consumers, registered_handlers
 from room_outbox.consume.service import run_consumers
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.lanes import migrate_plugins
@@ -152,6 +152,25 @@ async def test_consumer_settings_errors_name_every_key() -> None:
     defaults = consumer_settings(Settings(consumers={"feed": {"handlers": ["audit"]}}))["feed"]
     assert defaults.group("feed") == "room-outbox.feed" and defaults.dlq_topic() == "room-events.dlq"
     assert consumer_settings(Settings(consumers={"off": {"handlers": ["audit"], "enabled": False}})) == {}
+
+
+async def test_check_config_names_every_consumer_problem_without_connecting() -> None:
+    settings = Settings(
+        consumers={
+            "feed": {"handlers": ["audit", "nope"], "handler_settings": {"audit": {"x": 1}, "other": {}}},
+            "stats": {"handlers": ["gift_stats"], "handler_settings": {"gift_stats": {"amount_field": 3}}},
+            "off": {"handlers": ["nope"], "enabled": False},
+        }
+    )
+    with pytest.raises(ConfigError) as info:
+        check_consumers(make_plugin_manager(), settings)
+    assert str(info.value).splitlines()[1:] == [
+        "  consumers.feed.handler_settings.audit.x: Extra inputs are not permitted",
+        "  consumers.feed.handlers: unknown handler 'nope' (registered: activity, audit, gift_stats)",
+        "  consumers.feed.handler_settings: other not in consumers.feed.handlers",
+        "  consumers.stats.handler_settings.gift_stats.amount_field: Input should be a valid string",
+    ]
+    assert check_consumers(make_plugin_manager(), Settings(consumers={"feed": {"handlers": ["audit"]}})) == ["feed"]
 
 
 # -- one consumer in this process ---------------------------------------------------------------
