@@ -264,7 +264,7 @@ def _command(args: argparse.Namespace, redactor: Redactor) -> int:
         anyio.run(functools.partial(run_service, settings, redactor=redactor))
         return 0
     if args.command in consume_cli.COMMANDS:
-        return consume_cli.run_consumer_command(settings, args)
+        return consume_cli.run_consumer_command(settings, args, redactor)
     return anyio.run(_with_store, settings, args)
 
 

@@ -2,8 +2,8 @@
 passes through :meth:`Redactor.redact`, which masks each registered secret.
 
 One :class:`Redactor` serves the whole process. :func:`redactor_for` makes it from the
-configuration (the DSN password, every sink setting named like a credential, OTLP header
-values); the JSON log formatter, the span exporters, the dispatcher's ``last_error`` and
+configuration (the DSN password, every sink or consumer setting named like a credential,
+OTLP header values); the JSON log formatter, the span exporters, the dispatcher's ``last_error`` and
 ``/readyz`` all use it, and sinks add what they create at run time (Tencent IM's UserSigs)
 through ``SinkContext.add_secret``.
 
@@ -127,6 +127,8 @@ def redactor_for(settings: Settings, environ: Mapping[str, str] | None = None) -
     redactor = Redactor()
     redactor.add(dsn_password(settings.database.dsn.get_secret_value()))  # any database's DSN
     for secret in _secret_settings(settings.sinks):
+        redactor.add(secret)
+    for secret in _secret_settings(settings.consumers):  # their Kafka SASL and key passwords
         redactor.add(secret)
     env = os.environ if environ is None else environ
     for variable in OTLP_HEADER_VARIABLES:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Any
 
@@ -11,6 +12,7 @@ import anyio
 from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.ops import dead_letters_command, redrive_command
 from room_outbox.consume.service import run_consumers
+from room_outbox.redaction import Redactor
 from room_outbox.store.factory import open_store
 from room_outbox.store.mysql import Migration, MySQLStore
 from room_outbox.store.mysql_consume import MySQLConsumerStore
@@ -55,9 +57,10 @@ def add_consumer_parsers(commands: Any) -> None:
         parser.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
-def run_consumer_command(settings: Settings, args: argparse.Namespace) -> int:
+def run_consumer_command(settings: Settings, args: argparse.Namespace, redactor: Redactor) -> int:
+    """``redactor``: the process's one (its log handler uses it)."""
     if args.command == "consume":
-        anyio.run(run_consumers, settings, args.consumer)
+        anyio.run(functools.partial(run_consumers, settings, args.consumer, redactor=redactor))
         return 0
     return anyio.run(_operate, settings, args)
 

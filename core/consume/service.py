@@ -17,7 +17,6 @@ from contextlib import asynccontextmanager
 
 import anyio
 
-from room_outbox.app import redactor_for
 from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.engine import Consumer
 from room_outbox.consume.registry import BoundHandler, build_handlers
@@ -25,7 +24,7 @@ from room_outbox.consume.settings import consumer_settings
 from room_outbox.health import Health
 from room_outbox.http_endpoint import HttpEndpoint, parse_listen
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.redaction import Redactor
+from room_outbox.redaction import Redactor, redactor_for
 from room_outbox.store.factory import open_store
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.mysql_consume import MySQLConsumerStore
@@ -40,12 +39,15 @@ async def run_consumers(
     stop: anyio.Event | None = None,
     handle_signals: bool = True,
     plugins: Iterable[object] = (),
+    redactor: Redactor | None = None,
 ) -> None:
+    """``redactor``: the process's one (the log handler's); default: a new one from the
+    configuration."""
     stop = stop or anyio.Event()
     chosen = consumer_settings(settings, only)
     if not chosen:
         raise ConfigError("consumers: no enabled consumer configured (consumers.<name> with enabled: true)")
-    redactor = redactor_for(settings)
+    redactor = redactor or redactor_for(settings)
     for name, options in chosen.items():
         for secret in options.security.secrets():
             redactor.add(secret)
