@@ -77,10 +77,10 @@ async def migrate_consumers(store: object) -> list[str]:
 
 
 async def _operate(settings: Settings, args: argparse.Namespace) -> int:
-    store = await open_store(settings.mysql.dsn.get_secret_value(), pool_size=1)
+    store = await open_store(settings.database.dsn.get_secret_value(), pool_size=1)
     try:
         if not isinstance(store, MySQLStore):
-            raise ConfigError("room-outbox consumers: needs a MySQL store; mysql.dsn names a SQLite file")
+            raise ConfigError("room-outbox consumers: needs a MySQL store; database.dsn names another kind of database")
         if args.consumers_command == "dead-letters":
             return await dead_letters_command(store, args.consumer, args.limit, args.json, sys.stdout)
         return await redrive_command(store, args.consumer, args.handler, args.event_id, args.yes, sys.stdout)

@@ -57,12 +57,14 @@ async def run_consumers(
             raise ConfigError(f"consumers.{name}.security.{exc}") from None
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
     store = await open_store(
-        settings.mysql.dsn.get_secret_value(), settings.mysql.pool_size, query_timeout=settings.mysql.query_timeout
+        settings.database.dsn.get_secret_value(),
+        settings.database.pool_size,
+        query_timeout=settings.database.query_timeout,
     )
     handlers: list[BoundHandler] = []
     try:
         if not isinstance(store, MySQLStore):
-            raise ConfigError("consumers: need a MySQL database (mysql.dsn)")
+            raise ConfigError("consumers: need a MySQL database (database.dsn)")
         # A handling's transaction may take as long as the slowest consumer's handler_timeout.
         consumer_store = MySQLConsumerStore(store, max(c.handler_timeout for c in chosen.values()))
         async with _observed(settings, store, redactor) as (telemetry, health):

@@ -18,7 +18,8 @@ import pymysql
 
 from room_outbox.consume.handler import Transaction
 from room_outbox.consume.store import LeaseLost, Processed, RetryRow
-from room_outbox.store.leased import _marks, now_ms
+from room_outbox.store.dialect import marks as _marks
+from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql import Migration, MySQLStore
 
 PROCESSED = "room_consumer_processed"

@@ -94,7 +94,7 @@ def query(dsn: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, .
 def write_config(path: Path, dsn: str, broker: Broker, consumers: dict[str, Any]) -> Path:
     defaults = {"bootstrap_servers": broker.bootstrap, "topic": TOPIC, "session_timeout": "6s"}
     config = {
-        "mysql": {"dsn": dsn, "pool_size": 8},
+        "database": {"dsn": dsn, "pool_size": 8},
         "sinks": {"tencent_im": {"enabled": False}},
         "consumers": {name: {**defaults, **section} for name, section in consumers.items()},
         "log": {"level": "INFO"},

@@ -250,7 +250,7 @@ async def test_a_consume_process_answers_healthz_and_readyz(
 ) -> None:
     port = free_port()
     settings = Settings(
-        mysql={"dsn": database_dsn},
+        database={"dsn": database_dsn},
         telemetry={"http_listen": f"127.0.0.1:{port}"},
         consumers={"feed": {"bootstrap_servers": broker.bootstrap, "handlers": ["audit"], "session_timeout": "6s"}},
     )
@@ -279,7 +279,7 @@ async def test_consume_waits_for_a_broker_that_is_down_at_start_up(
     broker = ConsumerBroker(tmp_path / "tansu.log", topic=TOPIC, partitions=3)  # its port, not started yet
     port = free_port()
     settings = Settings(
-        mysql={"dsn": database_dsn},
+        database={"dsn": database_dsn},
         telemetry={"http_listen": f"127.0.0.1:{port}"},
         consumers={"feed": {"bootstrap_servers": broker.bootstrap, "handlers": ["audit"], "session_timeout": "6s"}},
     )
