@@ -86,12 +86,22 @@ def test_prometheus_loads_the_alerts_and_scrapes_the_services_on_their_ports(com
     targets = {
         job["job_name"]: target
         for job in config["scrape_configs"]
-        for s in job["static_configs"]
+        for s in job.get("static_configs", [])
         for target in s["targets"]
     }
-    # The dispatcher's port is the one its image serves /metrics on.
+    # Replicas of `consume` are found by name: one address per container.
+    discovered = {
+        job["job_name"]: f"{name}:{dns['port']}"
+        for job in config["scrape_configs"]
+        for dns in job.get("dns_sd_configs", [])
+        for name in dns["names"]
+    }
+    # Each room-outbox process is scraped on the port its configuration serves /metrics on.
     listen = load_settings(ROOT / "config" / "config.docker.yaml").telemetry.http_listen
     assert targets["room-outbox"] == f"room-outbox:{listen.rsplit(':', 1)[1]}"
+    consume_listen = load_settings(ROOT / "config" / "config.consume.docker.yaml").telemetry.http_listen
+    assert discovered["room-outbox-consume"] == f"consume:{consume_listen.rsplit(':', 1)[1]}"
+    targets.update(discovered)
     collector = load_yaml(COLLECTOR_CONFIG)
     assert (
         targets["otel-collector"] == "otel-collector:" + collector["exporters"]["prometheus"]["endpoint"].split(":")[1]
