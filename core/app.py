@@ -32,6 +32,7 @@ from room_outbox.startup import check_configuration, open_checked_store
 from room_outbox.store import OutboxStore
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.postgres import PostgresStore
 from room_outbox.store.mysql_lanes import lane_table
 from room_outbox.telemetry import Telemetry
 
@@ -143,10 +144,10 @@ def _options(settings: Settings, lane: str) -> LaneOptions:
 async def _join_cluster(
     stack: contextlib.AsyncExitStack, settings: Settings, store: OutboxStore, lanes: Lanes, quota: QuotaShare
 ) -> None:
-    """On MySQL: heartbeats in the membership, room buckets for per-room claims, and this
-    process's quota share, until ``stack`` closes. SQLite is one box: every process there
-    claims every room and uses whole limits."""
-    if not isinstance(store, MySQLStore):
+    """On a database server (MySQL/MariaDB, PostgreSQL): heartbeats in the membership, room
+    buckets for per-room claims, and this process's quota share, until ``stack`` closes. SQLite
+    is one box: every process there claims every room and uses whole limits."""
+    if not isinstance(store, MySQLStore | PostgresStore):
         return
     membership = Membership(
         store,

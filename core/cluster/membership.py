@@ -36,7 +36,7 @@ import anyio
 from room_outbox.cluster.quota import WINDOW, QuotaShare
 from room_outbox.store import membership as sql
 from room_outbox.store.leased import now_ms
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.factory import SQLStore
 
 log = logging.getLogger("room_outbox.cluster")
 
@@ -73,7 +73,7 @@ def view_of(live: Sequence[str]) -> str:
 class Membership:
     def __init__(
         self,
-        store: MySQLStore,
+        store: SQLStore,
         node_id: str,
         tables: Sequence[str],
         heartbeat_interval: float = 1.0,
@@ -100,7 +100,7 @@ class Membership:
 
     async def room_buckets(self, cur: Any) -> list[int] | None:
         """The buckets a claim may take now (``None``: all), read in the claim's transaction."""
-        buckets = await sql.claimable_buckets(cur, self.node_id)
+        buckets = await sql.claimable_buckets(cur, self.store.dialect, self.node_id)
         return None if len(buckets) == sql.BUCKETS else buckets
 
     async def wait_joined(self, timeout: float) -> bool:
@@ -152,7 +152,7 @@ class Membership:
         began = time.monotonic()
         timeout_ms = int(self.node_timeout * 1000)
         async with self.store.transaction() as cur:
-            await sql.heartbeat(cur, self.node_id, self._view, self._view_since_ms)
+            await sql.heartbeat(cur, self.store.dialect, self.node_id, self._view, self._view_since_ms)
             nodes = await sql.read_nodes(cur)
             now = now_ms()
             live = sorted(n.node_id for n in nodes if now - n.heartbeat_ms <= timeout_ms or n.node_id == self.node_id)
@@ -176,7 +176,7 @@ class Membership:
             view = view_of(live)
             if view != self._view:
                 self._view, self._view_since_ms = view, now_ms()
-                await sql.heartbeat(cur, self.node_id, self._view, self._view_since_ms)
+                await sql.heartbeat(cur, self.store.dialect, self.node_id, self._view, self._view_since_ms)
         self.live = live
         self.owned = [b.bucket for b in buckets if b.owner == self.node_id]
         self._apply_quota(nodes, live, began)

@@ -228,7 +228,7 @@ class MySQLStore(LeasedRows):
 
     async def _plan(self, cur: aiomysql.Cursor) -> list[Migration]:
         """What is missing from the profile's table, read in the caller's transaction: its own
-        columns and indexes, then the room buckets of the processes' membership (MySQL only)."""
+        columns and indexes, then the room buckets of the processes' membership."""
         plan = await plan_outbox(cur, self.dialect, self.profile)
-        plan += [Migration(change, statements) for change, statements in await bucket_plan(cur, [self.table])]
+        plan += [Migration(change, statements) for change, statements in await bucket_plan(cur, self.dialect, [self.table])]
         return plan

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from room_outbox.config import LanesSettings
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow
-from room_outbox.store.dialect import Dialect, table_names
+from room_outbox.store.dialect import ROW_LOCKS, Dialect, table_names
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.leased import BucketReader, LeasedRows, now_ms
 from room_outbox.store.membership import bucket_plan
@@ -118,9 +118,10 @@ async def lanes_migration_plan(store: SQLStore, lanes: Sequence[str]) -> list[Mi
         wanted = [(CURSOR_TABLE, cursor_ddl(store.dialect))]
         wanted += [(lane_table(lane), lane_ddl(lane, store.dialect)) for lane in lanes]
         plan = [Migration(f"created table {name}", tuple(ddl)) for name, ddl in wanted if name not in existing]
-        # Room buckets belong to the processes' membership: MySQL only (see .membership).
-        mysql = store.dialect.name == "mysql"
-        buckets = await bucket_plan(cur, [lane_table(lane) for lane in lanes], membership=False) if mysql else []
+        # Room buckets belong to the processes' membership: on a server, not SQLite (see .membership).
+        tables = [lane_table(lane) for lane in lanes]
+        server = ROW_LOCKS in store.dialect.capabilities
+        buckets = await bucket_plan(cur, store.dialect, tables, membership=False) if server else []
     return plan + [Migration(change, statements) for change, statements in buckets]
 
 

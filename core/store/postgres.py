@@ -41,6 +41,7 @@ from room_outbox.store.deadline import (
     query_deadline,
 )
 from room_outbox.store.dialect import POSTGRESQL
+from room_outbox.store.membership import bucket_plan
 from room_outbox.store.leased import LeasedRows
 from room_outbox.store.tables import Migration, plan_outbox, run_plan
 
@@ -221,7 +222,7 @@ class PostgresStore(LeasedRows):
 
     async def migrate(self) -> list[str]:
         async with self.transaction(SCHEMA_CHANGE_TIMEOUT) as cur:
-            plan = await plan_outbox(cur, self.dialect, self.profile)
+            plan = await self._plan(cur)
             # A long ALTER TABLE must not be stopped half-way by the session's statement limit;
             # SET LOCAL lifts it for this transaction only.
             await cur.execute("SET LOCAL statement_timeout = 0")
@@ -230,7 +231,14 @@ class PostgresStore(LeasedRows):
     async def migration_plan(self) -> list[Migration]:
         """As :meth:`MySQLStore.migration_plan`, in PostgreSQL's dialect."""
         async with self.transaction() as cur:
-            return await plan_outbox(cur, self.dialect, self.profile)
+            return await self._plan(cur)
+
+    async def _plan(self, cur: PgCursor) -> list[Migration]:
+        """As :meth:`MySQLStore._plan`: the profile's table, then the membership's tables, the
+        bucket function and the table's bucket column."""
+        plan = await plan_outbox(cur, self.dialect, self.profile)
+        plan += [Migration(change, statements) for change, statements in await bucket_plan(cur, self.dialect, [self.table])]
+        return plan
 
 
 async def _create_database(address: PostgresAddress, query_timeout: float) -> None:

@@ -1,7 +1,9 @@
-"""Membership and room buckets on MySQL, in-process: the bucket function in SQL and Python,
+"""Membership and room buckets on MySQL/MariaDB and PostgreSQL, in-process: the bucket function in SQL and Python,
 rebalancing, and the fence of a handover (the new owner waits for the old owner's leases)."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
 
 import pytest
 from support import envelope, insert_events
@@ -9,13 +11,25 @@ from support import envelope, insert_events
 from room_outbox.cluster.membership import Membership
 from room_outbox.store.leased import now_ms
 from room_outbox.store.membership import BUCKET_TABLE, BUCKETS, bucket_of, read_buckets
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.mysql_lanes import LaneStore, migrate_lanes
 
 pytestmark = pytest.mark.anyio
 
 
-async def owners(store: MySQLStore) -> dict[int, tuple[str | None, bool]]:
+@pytest.fixture(params=["mysql", "postgresql"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
+    """A migrated store on a fresh database of each server the membership runs on."""
+    dsn = str(request.getfixturevalue("database_dsn" if request.param == "mysql" else "postgresql_dsn"))
+    store = await open_store(dsn)
+    try:
+        await store.migrate()
+        yield store
+    finally:
+        await store.aclose()
+
+
+async def owners(store: SQLStore) -> dict[int, tuple[str | None, bool]]:
     async with store.transaction() as cur:
         return {b.bucket: (b.owner, b.handing_over) for b in await read_buckets(cur)}
 
@@ -25,7 +39,7 @@ async def pass_window(cur: object) -> None:
     await cur.execute(f"UPDATE {BUCKET_TABLE} SET claimable_from_ms = 0 WHERE handing_over = 0")  # type: ignore[attr-defined]
 
 
-async def test_the_database_computes_the_same_bucket_as_python(store: MySQLStore) -> None:
+async def test_the_database_computes_the_same_bucket_as_python(store: SQLStore) -> None:
     rooms = [("default", f"r_{n}") for n in range(300)] + [("app2", "r_1"), ("", "房间-7"), ("default", "é" * 60)]
     await insert_events(store, [envelope(f"e{i}", room_id=room, app_code=app) for i, (app, room) in enumerate(rooms)])
     async with store.transaction() as cur:
@@ -36,7 +50,7 @@ async def test_the_database_computes_the_same_bucket_as_python(store: MySQLStore
     assert len({bucket for _, _, bucket in found}) > 160  # spread (303 rooms fill ~178 of 256)
 
 
-async def test_buckets_are_split_and_handed_over_only_after_the_leases_end(store: MySQLStore) -> None:
+async def test_buckets_are_split_and_handed_over_only_after_the_leases_end(store: SQLStore) -> None:
     a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
     await a.beat()
     await a.beat()  # no lease anywhere: every bucket claimable by the only node, a window later
@@ -69,14 +83,14 @@ async def test_buckets_are_split_and_handed_over_only_after_the_leases_end(store
     assert (await owners(store))[moving] == ("node-b", False)  # claimable one rate-limit window later
 
 
-async def test_a_process_that_leaves_gives_its_buckets_up(store: MySQLStore) -> None:
+async def test_a_process_that_leaves_gives_its_buckets_up(store: SQLStore) -> None:
     a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
     async with a.running():
         await a.wait_joined(10)
     assert {owner for owner, _ in (await owners(store)).values()} == {None}
 
 
-async def test_per_room_claims_take_only_the_own_buckets_in_every_lane(store: MySQLStore) -> None:
+async def test_per_room_claims_take_only_the_own_buckets_in_every_lane(store: SQLStore) -> None:
     """The IM lane (room_outbox) and a lane of its own claim the rows of their process's buckets
     only, with per-room ordering; unordered claims take every room."""
     await migrate_lanes(store, ["audit"])
