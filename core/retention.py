@@ -322,10 +322,18 @@ async def _archive_columns(store: SQLStore) -> list[str]:
         ours = await column_names(cur, dialect, table)
         archived = set(await column_names(cur, dialect, archive))
         computed: set[str] = set()
-        if dialect.name == "mysql":  # generated columns (room_bucket) are computed, never copied
+        # Generated columns (room_bucket) are computed, never copied.
+        if dialect.name == "mysql":
             await cur.execute(
                 "SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()"
                 " AND TABLE_NAME = %s AND EXTRA LIKE '%%GENERATED%%'",
+                (table,),
+            )
+            computed = {str(row[0]).lower() for row in await cur.fetchall()}
+        elif dialect.name == "postgresql":
+            await cur.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
+                " AND table_name = %s AND is_generated = 'ALWAYS'",
                 (table,),
             )
             computed = {str(row[0]).lower() for row in await cur.fetchall()}

@@ -36,6 +36,7 @@ import anyio
 from room_outbox.cluster.quota import WINDOW, QuotaShare
 from room_outbox.store import membership as sql
 from room_outbox.store.leased import now_ms
+from room_outbox.store.profiles import V1, Profile
 from room_outbox.store.factory import SQLStore
 
 log = logging.getLogger("room_outbox.cluster")
@@ -171,7 +172,7 @@ class Membership:
                 buckets = await sql.read_buckets(cur)
             waiting = [b.bucket for b in buckets if b.owner == self.node_id and b.handing_over]
             if waiting:
-                free = sorted(set(waiting) - await sql.still_leased(cur, self.tables, waiting))
+                free = sorted(set(waiting) - await sql.still_leased(cur, self._leased_tables(), waiting))
                 await sql.open_buckets(cur, self.node_id, free, int(WINDOW * 1000) + 1)
             view = view_of(live)
             if view != self._view:
@@ -180,6 +181,11 @@ class Membership:
         self.live = live
         self.owned = [b.bucket for b in buckets if b.owner == self.node_id]
         self._apply_quota(nodes, live, began)
+
+    def _leased_tables(self) -> list[tuple[str, Profile]]:
+        """The tables whose leases fence a handover, each with its rows' shape: the outbox
+        table the store's profile describes, the lane tables room-outbox's own."""
+        return [(table, self.store.profile if table == self.store.profile.table else V1) for table in self.tables]
 
     def _apply_quota(self, nodes: Sequence[sql.NodeRow], live: Sequence[str], began: float) -> None:
         others = {n.node_id: n for n in nodes if n.node_id in live and n.node_id != self.node_id}

@@ -48,6 +48,7 @@ from typing import Any
 from room_outbox.store.dialect import Dialect, column_names, table_names
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.leased import now_ms
+from room_outbox.store.profiles import V1, Profile
 
 #: Buckets rooms hash to. Fixed: it is part of the schema (the generated column's formula).
 BUCKETS = 256
@@ -98,15 +99,16 @@ def bucket_ddl(dialect: Dialect) -> str:
 ){dialect.table_options}"""
 
 
-def bucket_column_ddl(table: str, dialect: Dialect) -> str:
-    """The statement that adds ``table``'s bucket column."""
+def bucket_column_ddl(table: str, dialect: Dialect, profile: Profile = V1) -> str:
+    """The statement that adds ``table``'s bucket column (its rows shaped as ``profile`` says)."""
     if dialect.name == "mysql":
         # VIRTUAL: added without rewriting the table, at no cost to inserts.
-        return f"ALTER TABLE {table} ADD COLUMN {BUCKET_COLUMN} SMALLINT UNSIGNED AS ({bucket_sql('mysql')}) VIRTUAL"
+        expression = bucket_sql("mysql", profile)
+        return f"ALTER TABLE {table} ADD COLUMN {BUCKET_COLUMN} SMALLINT UNSIGNED AS ({expression}) VIRTUAL"
     if dialect.name == "postgresql":
         return (
             f"ALTER TABLE {table} ADD COLUMN {BUCKET_COLUMN} SMALLINT"
-            f" GENERATED ALWAYS AS (CAST({bucket_sql('postgresql')} AS SMALLINT)) STORED"
+            f" GENERATED ALWAYS AS (CAST({bucket_sql('postgresql', profile)} AS SMALLINT)) STORED"
         )
     raise ValueError(f"no room buckets on the {dialect.name} dialect")
 
@@ -123,23 +125,24 @@ def bucket_of(app_code: str, room_id: str) -> int:
     return zlib.crc32(bucket_key(app_code, room_id)) % BUCKETS
 
 
-def bucket_sql(dialect: str = "mysql") -> str:
-    """:func:`bucket_of` as a SQL expression over a row's ``app_code`` and ``room_id``: the one
-    definition each store renders in its own dialect."""
+def bucket_sql(dialect: str = "mysql", profile: Profile = V1) -> str:
+    """:func:`bucket_of` as a SQL expression over a row's app code and room (the columns, or
+    expressions, ``profile`` names): the one definition each store renders in its own dialect."""
+    app_code, room_id = profile.app_code, profile.room_id
     if dialect == "mysql":
-        return f"CRC32(CONCAT(app_code, ':', room_id)) % {BUCKETS}"
+        return f"CRC32(CONCAT({app_code}, ':', {room_id})) % {BUCKETS}"
     if dialect == "postgresql":
-        return f"{PG_CRC32_FUNCTION}(app_code || ':' || room_id) % {BUCKETS}"
+        return f"{PG_CRC32_FUNCTION}({app_code} || ':' || {room_id}) % {BUCKETS}"
     raise ValueError(f"no bucket expression for the {dialect} dialect")
 
 
 async def bucket_plan(
-    cur: Any, dialect: Dialect, tables: Sequence[str], membership: bool = True
+    cur: Any, dialect: Dialect, tables: Sequence[str], membership: bool = True, profile: Profile = V1
 ) -> list[tuple[str, tuple[str, ...]]]:
     """What a migration adds (``(change, statements)`` steps, MySQL/MariaDB or PostgreSQL): with
     ``membership``, the node and bucket tables when missing; for each of ``tables`` (created by
-    an earlier step or already there), its bucket column when missing (on PostgreSQL with the
-    CRC-32 function it computes, replaced by the same definition every time)."""
+    an earlier step or already there, rows shaped as ``profile`` says), its bucket column when
+    missing (on PostgreSQL with the CRC-32 function it computes)."""
     steps: list[tuple[str, tuple[str, ...]]] = []
     existing = await table_names(cur, dialect)
     if membership:
@@ -157,7 +160,7 @@ async def bucket_plan(
     if missing and dialect.name == "postgresql":
         steps.append((f"created function {PG_CRC32_FUNCTION}", (PG_CRC32_DDL.strip(),)))
     for table in missing:
-        steps.append((f"added column {table}.{BUCKET_COLUMN}", (bucket_column_ddl(table, dialect),)))
+        steps.append((f"added column {table}.{BUCKET_COLUMN}", (bucket_column_ddl(table, dialect, profile),)))
     return steps
 
 
@@ -231,14 +234,15 @@ async def assign(cur: Any, moves: dict[int, str]) -> None:
         )
 
 
-async def still_leased(cur: Any, tables: Iterable[str], buckets: Sequence[int]) -> set[int]:
-    """Of ``buckets``, those with a row leased right now in any of ``tables``."""
+async def still_leased(cur: Any, tables: Iterable[tuple[str, Profile]], buckets: Sequence[int]) -> set[int]:
+    """Of ``buckets``, those with a row leased right now in any of ``tables`` (each with the
+    profile its rows are shaped by: an open row a claim holds until a time to come)."""
     if not buckets:
         return set()
     leased: set[int] = set()
-    for table in tables:
+    for table, p in tables:
         await cur.execute(
-            f"SELECT DISTINCT {BUCKET_COLUMN} FROM {table} WHERE status = 'pending' AND lock_until_ms > %s"
+            f"SELECT DISTINCT {BUCKET_COLUMN} FROM {table} WHERE {p.is_open()} AND {p.lock} > {p.ms('%s')}"
             f" AND {BUCKET_COLUMN} IN ({_marks(buckets)}) AND worker_id IS NOT NULL",
             (now_ms(), *buckets),
         )

@@ -16,6 +16,7 @@ from room_outbox.ops import inspect_event, status_report
 from room_outbox.store import DeliveryResult, Outcome
 from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.leased import now_ms
+from room_outbox.store.membership import bucket_of
 from room_outbox.store.operator import RequeueFilter, cancel, find_requeue_candidates, requeue
 from room_outbox.store.profiles import SILK
 
@@ -62,6 +63,10 @@ async def test_migrate_creates_silks_table_or_adds_only_what_room_outbox_needs(s
         "added index outbox_events.uk_outbox_events_outbox_seq",
         "added index outbox_events.idx_outbox_events_claim",
         "added index outbox_events.idx_outbox_events_room",
+        "created table room_outbox_node",
+        "created table room_outbox_bucket",
+        "created function room_outbox_crc32",
+        "added column outbox_events.room_bucket",
     ]
     assert await silk.migrate() == []
 
@@ -130,3 +135,16 @@ async def test_silk_needs_postgresql_and_defaults_to_its_linear_backoff(tmp_path
     assert (worker.retry_strategy, worker.retry.base) == ("linear", 15.0)
     (tmp_path / "c.yaml").write_text("database:\n  profile: silk\noutbox_worker:\n  retry_strategy: exponential\n")
     assert load_settings(tmp_path / "c.yaml").outbox_worker.retry_strategy == "exponential"
+
+
+async def test_silk_rows_carry_the_room_bucket_python_computes_for_the_aggregate(silk: SQLStore) -> None:
+    """The aggregate is the room, in the default app: ``bucket_of("", aggregate_id)`` (no
+    aggregate: the room ``""``), so per-room claims of the membership work on silk's table."""
+    await silk.migrate()
+    await silk_publish(silk, *[(f"e{n}", f"user-{n}", {}) for n in range(20)], ("e-cn", "用户-7", {}))
+    async with silk.transaction() as cur:
+        await cur.execute(SILK_INSERT, ("e-none", "wechat.subscribe", "user", None, "{}", 5))
+        await cur.execute("SELECT aggregate_id, room_bucket FROM outbox_events")
+        found = await cur.fetchall()
+    assert len(found) == 22
+    assert all(bucket == bucket_of("", aggregate or "") for aggregate, bucket in found)

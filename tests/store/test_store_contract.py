@@ -42,16 +42,22 @@ MIGRATION = {
     "added index room_outbox.idx_room_outbox_claim",
     "added index room_outbox.idx_room_outbox_room",
 }
-#: MySQL only: the membership of processes and the room buckets (PostgreSQL and SQLite run without).
-MYSQL_MIGRATION = {
+#: On a server: the membership of processes and the room buckets (SQLite runs without).
+SERVER_MIGRATION = {
     "created table room_outbox_node",
     "created table room_outbox_bucket",
     "added column room_outbox.room_bucket",
 }
+#: PostgreSQL computes the bucket with a function of its own.
+POSTGRESQL_MIGRATION = {"created function room_outbox_crc32"}
 
 
 def migration(store: SQLStore) -> set[str]:
-    return MIGRATION | MYSQL_MIGRATION if store.dialect.name == "mysql" else MIGRATION
+    if store.dialect.name == "mysql":
+        return MIGRATION | SERVER_MIGRATION
+    if store.dialect.name == "postgresql":
+        return MIGRATION | SERVER_MIGRATION | POSTGRESQL_MIGRATION
+    return MIGRATION
 
 
 @pytest.fixture(params=["mysql", "postgresql", "sqlite"])
