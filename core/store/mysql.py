@@ -230,5 +230,8 @@ class MySQLStore(LeasedRows):
         """What is missing from the profile's table, read in the caller's transaction: its own
         columns and indexes, then the room buckets of the processes' membership."""
         plan = await plan_outbox(cur, self.dialect, self.profile)
-        plan += [Migration(change, statements) for change, statements in await bucket_plan(cur, self.dialect, [self.table], profile=self.profile)]
+        plan += [
+            Migration(change, statements)
+            for change, statements in await bucket_plan(cur, self.dialect, [self.table], profile=self.profile)
+        ]
         return plan

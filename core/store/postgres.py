@@ -237,7 +237,10 @@ class PostgresStore(LeasedRows):
         """As :meth:`MySQLStore._plan`: the profile's table, then the membership's tables, the
         bucket function and the table's bucket column."""
         plan = await plan_outbox(cur, self.dialect, self.profile)
-        plan += [Migration(change, statements) for change, statements in await bucket_plan(cur, self.dialect, [self.table], profile=self.profile)]
+        plan += [
+            Migration(change, statements)
+            for change, statements in await bucket_plan(cur, self.dialect, [self.table], profile=self.profile)
+        ]
         return plan
 
 
