@@ -32,8 +32,8 @@ from room_outbox.startup import check_configuration, open_checked_store
 from room_outbox.store import OutboxStore
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.postgres import PostgresStore
 from room_outbox.store.mysql_lanes import lane_table
+from room_outbox.store.postgres import PostgresStore
 from room_outbox.telemetry import Telemetry
 
 log = logging.getLogger("room_outbox.app")

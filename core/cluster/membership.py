@@ -35,9 +35,9 @@ import anyio
 
 from room_outbox.cluster.quota import WINDOW, QuotaShare
 from room_outbox.store import membership as sql
+from room_outbox.store.factory import SQLStore
 from room_outbox.store.leased import now_ms
 from room_outbox.store.profiles import V1, Profile
-from room_outbox.store.factory import SQLStore
 
 log = logging.getLogger("room_outbox.cluster")
 

@@ -41,8 +41,8 @@ from room_outbox.store.deadline import (
     query_deadline,
 )
 from room_outbox.store.dialect import POSTGRESQL
-from room_outbox.store.membership import bucket_plan
 from room_outbox.store.leased import LeasedRows
+from room_outbox.store.membership import bucket_plan
 from room_outbox.store.tables import Migration, plan_outbox, run_plan
 
 SCHEMES = ("postgresql", "postgres")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter, defaultdict
-from pathlib import Path
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest

@@ -9,9 +9,9 @@ import pytest
 from support import envelope, insert_events
 
 from room_outbox.cluster.membership import Membership
+from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.leased import now_ms
 from room_outbox.store.membership import BUCKET_TABLE, BUCKETS, bucket_of, read_buckets
-from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.mysql_lanes import LaneStore, migrate_lanes
 
 pytestmark = pytest.mark.anyio
