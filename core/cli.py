@@ -10,7 +10,6 @@ import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
 import anyio
 import pluggy
@@ -20,7 +19,7 @@ from room_outbox.app import run_service
 from room_outbox.config import Settings, load_settings, parse_duration
 from room_outbox.consume import cli as consume_cli
 from room_outbox.demo import add_demo_parser, run_demo_command
-from room_outbox.errors import ConfigurationError, RoomOutboxError
+from room_outbox.errors import RoomOutboxError
 from room_outbox.lane_admin import LANES_COMMAND, add_lanes_parser, lanes_command
 from room_outbox.lanes import lane_plan, migrate_plugins, plugins_migration_plan
 from room_outbox.ops import inspect_command, status_command
@@ -369,16 +368,10 @@ def _translated(dsn: str) -> contextlib.AbstractContextManager[None]:
     return translated(describe(address), getattr(address, "password", ""))
 
 
-#: Operator commands whose statements are MySQL's for now (the lane catalogue's queries).
-MYSQL_ONLY = ("lanes",)
-
-
 async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
     """Operator commands: one connection, one command, closed again (logic in admin, ops,
     retention)."""
     dsn = settings.database.dsn.get_secret_value()
-    if args.command in MYSQL_ONLY and not urlsplit(dsn).scheme.startswith(("mysql", "mariadb")):
-        raise ConfigurationError(f"{args.command} needs a MySQL store for now; database.dsn names another database")
     store = await open_store(
         dsn, pool_size=1, query_timeout=settings.database.query_timeout, profile=table_profile(settings)
     )
