@@ -20,6 +20,7 @@ from room_outbox.cli import COMMANDS, EXIT_CODES, SELF_CONTAINED, build_parser, 
 from room_outbox.ops import format_relative, format_time
 from room_outbox.store.factory import open_store
 from room_outbox.store.leased import now_ms
+from room_outbox.store.membership import bucket_of
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.operator import RequeueFilter
 
@@ -207,6 +208,33 @@ async def test_migrate_sql_prints_what_migrate_would_run_and_runs_nothing(
         assert code == 0 and all(
             re.fullmatch(r"ran \d+ plugin schema statement\(s\)", line) for line in out.splitlines()
         )
+    finally:
+        await store.aclose()
+
+
+async def test_migrate_sql_on_postgresql_prints_the_bucket_function_and_column(
+    postgresql_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The printed script, run as one (as psql would), leaves migrate nothing to do; the
+    bucket it computes is Python's."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"database:\n  dsn: '{postgresql_dsn}'\n"
+        "sinks:\n  tencent_im:\n    enabled: false\n  kafka:\n    enabled: false\n"
+    )
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql")
+    assert code == 0
+    assert "-- created function room_outbox_crc32\nCREATE OR REPLACE FUNCTION room_outbox_crc32" in out
+    assert "GENERATED ALWAYS AS (CAST(room_outbox_crc32(app_code || ':' || room_id) % 256 AS SMALLINT)) STORED" in out
+    store = await open_store(postgresql_dsn)
+    try:
+        async with store.transaction() as cur:
+            await cur.execute(out)
+        assert await store.migration_plan() == []
+        await insert_events(store, [envelope("e1", room_id="房间-9")])
+        async with store.transaction() as cur:
+            await cur.execute("SELECT room_bucket FROM room_outbox")
+            assert (await cur.fetchone())[0] == bucket_of("default", "房间-9")
     finally:
         await store.aclose()
 

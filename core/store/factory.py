@@ -52,7 +52,7 @@ class SQLStore(OutboxStore, Protocol):
     @property
     def dialect(self) -> Dialect: ...
 
-    #: The room buckets this process may claim (the MySQL membership's; None elsewhere).
+    #: The room buckets this process may claim (the membership's on a server; None on SQLite).
     room_buckets: BucketReader | None
 
     @property

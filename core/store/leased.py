@@ -61,7 +61,7 @@ class LeasedRows:
     profile: Profile = V1
     #: With per-room ordering: reads, inside the claim's transaction, the room buckets this
     #: process may claim now (``None`` back: all of them). Set by the cluster membership
-    #: (:mod:`.membership`, MySQL only); unset, every process claims every room and per-room
+    #: (:mod:`.membership`, MySQL and PostgreSQL); unset, every process claims every room and per-room
     #: order rests on the hold-back alone (PostgreSQL, SQLite).
     room_buckets: BucketReader | None = None
 
