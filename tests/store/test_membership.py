@@ -11,8 +11,9 @@ from support import envelope, insert_events
 from room_outbox.cluster.membership import Membership
 from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.leased import now_ms
-from room_outbox.store.membership import BUCKET_TABLE, BUCKETS, bucket_of, read_buckets
+from room_outbox.store.membership import BUCKET_TABLE, BUCKETS, bucket_of, read_buckets, still_leased
 from room_outbox.store.mysql_lanes import LaneStore, migrate_lanes
+from room_outbox.store.profiles import ROOM_CELL, V1
 
 pytestmark = pytest.mark.anyio
 
@@ -111,3 +112,18 @@ async def test_per_room_claims_take_only_the_own_buckets_in_every_lane(store: SQ
         assert {row.room_id for row in claimed.rows} == mine, lease_store
         unordered = await lease_store.claim("node-a#2", 100, now_ms() + 30_000)
         assert {row.room_id for row in unordered.rows} == set(rooms) - mine  # the rest, unfiltered
+
+
+async def test_the_fence_sees_leases_in_the_profiles_words(store: SQLStore) -> None:
+    """A handover waits for a lease however the table's profile names a held row: room_cell's
+    'delivering' counts as leased, V1's words alone would miss it."""
+    room = "r_fenced"
+    await insert_events(store, [envelope("held", room_id=room)])
+    async with store.transaction() as cur:
+        await cur.execute(
+            "UPDATE room_outbox SET status = 'delivering', worker_id = 'node-a#1', lock_until_ms = %s",
+            (now_ms() + 60_000,),
+        )
+        bucket = bucket_of("default", room)
+        assert await still_leased(cur, [("room_outbox", ROOM_CELL)], [bucket]) == {bucket}
+        assert await still_leased(cur, [("room_outbox", V1)], [bucket]) == set()
