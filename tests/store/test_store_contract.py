@@ -286,13 +286,27 @@ async def test_a_live_lease_never_expires_under_a_slow_sink(
     assert not [r for r in caplog.records if "lease lost" in r.message or "not recorded" in r.message]
 
 
+class WaitsForPeer(RecordingSink):
+    """Records, then waits (with a deadline) until ``peer`` has received something."""
+
+    peer: RecordingSink
+
+    async def deliver(self, envelope: Any) -> None:
+        await super().deliver(envelope)
+        await wait_until(lambda: bool(self.peer.received), timeout=20.0)
+
+
 async def test_two_dispatchers_on_two_connections_deliver_each_event_exactly_once(
     any_store: SQLStore, other_store: SQLStore
 ) -> None:
     await insert_events(any_store, [envelope(f"e{i}", room_id=f"r_{i % 7}") for i in range(600)])
-    sinks = [RecordingSink(), RecordingSink()]
+    # Each sink holds its first delivery until the other dispatcher has delivered too, so the
+    # two really compete for rows however the machine schedules them (one could otherwise
+    # drain the table before the other's first claim).
+    sinks = [WaitsForPeer(), WaitsForPeer()]
+    sinks[0].peer, sinks[1].peer = sinks[1], sinks[0]
     dispatchers_ = [
-        make_dispatcher(store, sink, node_id=f"d{n}", batch_size=30)
+        make_dispatcher(store, sink, node_id=f"d{n}", batch_size=30, publish_timeout=30.0)
         for n, (store, sink) in enumerate(zip((any_store, other_store), sinks, strict=True))
     ]
     async with anyio.create_task_group() as tg:
