@@ -32,14 +32,14 @@ from room_outbox.config import Settings
 from room_outbox.consume.engine import Consumer
 from room_outbox.consume.registry import build_handlers
 from room_outbox.consume.settings import ConsumerSettings
-from room_outbox.lanes import migrate_plugins
+from room_outbox.delivery.lanes import migrate_plugins
+from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.audit_log import DDL as AUDIT_DDL
 from room_outbox.plugins.audit_log import INSERT as AUDIT_INSERT
-from room_outbox.redaction import Redactor
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.mysql_consume import MySQLConsumerStore
-from room_outbox.telemetry import Telemetry
 
 TOPIC = "room-events"
 TYPES = ("RoomUserJoined", "RoomGiftSent", "RoomHeatChanged", "RoomMicChanged")

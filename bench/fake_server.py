@@ -12,8 +12,8 @@ from typing import Any
 
 import anyio
 
-from room_outbox.testing import FakeTencentIM, serve_fake_im
-from room_outbox.testing.fake_im import Reply
+from room_outbox.plugins.tencent_im.fake import FakeTencentIM, serve_fake_im
+from room_outbox.plugins.tencent_im.fake.im import Reply
 
 
 class BenchFake(FakeTencentIM):

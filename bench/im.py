@@ -25,17 +25,17 @@ import httpx
 
 from bench import procs
 from bench.db import IM_TYPE, load, pending, reset
-from room_outbox.dispatcher import Dispatcher, LaneOptions
+from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
+from room_outbox.delivery.routing import Router
 from room_outbox.envelope import KNOWN_EVENT_TYPES, EventEnvelope
 from room_outbox.plugins.noop import NoopSink
 from room_outbox.plugins.tencent_im import TencentIMSettings, TencentIMSink
+from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID
 from room_outbox.plugins.tencent_im.message import group_id_for, msg_body, request_body
 from room_outbox.plugins.tencent_im.ratelimit import JITTER_MARGIN, SlidingWindowLimiter
 from room_outbox.plugins.tencent_im.usersig import gen_usersig
-from room_outbox.routing import Router
 from room_outbox.sink import SinkContext
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.testing import DEV_KEY, DEV_SDKAPPID
 
 CONCURRENCY = 16
 ROOMS = 100

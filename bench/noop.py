@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import anyio
 
 from bench.db import load, pending, reset
-from room_outbox.dispatcher import Dispatcher, LaneOptions
+from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
+from room_outbox.delivery.routing import Router
 from room_outbox.envelope import KNOWN_EVENT_TYPES
 from room_outbox.plugins.noop import NoopSink
-from room_outbox.routing import Router
 from room_outbox.store import DeliveryResult, OutboxRow
 from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql import CLAIM_SQL, MySQLStore

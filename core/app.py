@@ -20,21 +20,21 @@ import anyio
 from room_outbox.cluster.membership import Membership
 from room_outbox.cluster.quota import QuotaShare
 from room_outbox.config import Settings
-from room_outbox.dispatcher import Dispatcher, LaneOptions
-from room_outbox.health import Health
-from room_outbox.lanes import delivery_settings, lane_plan, lane_store
-from room_outbox.observability import observability
+from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
+from room_outbox.delivery.lanes import delivery_settings, lane_plan, lane_store
+from room_outbox.delivery.routing import IM_LANE, Lanes, build_lanes
+from room_outbox.observability.health import Health
+from room_outbox.observability.redaction import Redactor, redactor_for
+from room_outbox.observability.service import observability
+from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.redaction import Redactor, redactor_for
 from room_outbox.retention import run_retention_job
-from room_outbox.routing import IM_LANE, Lanes, build_lanes
 from room_outbox.startup import check_configuration, open_checked_store
 from room_outbox.store import OutboxStore
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.mysql_lanes import lane_table
 from room_outbox.store.postgres import PostgresStore
-from room_outbox.telemetry import Telemetry
 
 log = logging.getLogger("room_outbox.app")
 
@@ -49,7 +49,7 @@ async def run_service(
     """Run until a signal (when ``handle_signals``) or ``stop`` is set, then shut down in order.
     ``plugins`` are registered besides the installed ones (for embedding and tests).
     ``redactor``: the one the process's log handler uses (sinks register their secrets with
-    it); default: a new one from :func:`~room_outbox.redaction.redactor_for`."""
+    it); default: a new one from :func:`~room_outbox.observability.redaction.redactor_for`."""
     stop = stop or anyio.Event()
     redactor = redactor or redactor_for(settings)
     pm = make_plugin_manager(settings.plugins.disabled, plugins)

@@ -2,7 +2,7 @@
 
 Environment beats file, file beats defaults. Sink sections (``sinks.<name>``) are kept as
 plain mappings here and validated by each sink's own model once the plugins are loaded
-(:func:`room_outbox.routing.enabled_sink_settings`), so a third-party sink brings its own configuration schema.
+(:func:`room_outbox.delivery.routing.enabled_sink_settings`), so a third-party sink brings its own configuration schema.
 
 Bad configuration raises :class:`ConfigError` with one line per problem, each naming the key.
 """
@@ -32,8 +32,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from room_outbox.errors import ConfigurationError
-from room_outbox.health import STALLED_AFTER_POLLS, UNREADY_AFTER_FAILED_ROUNDS
-from room_outbox.http_endpoint import parse_listen
+from room_outbox.observability.health import STALLED_AFTER_POLLS, UNREADY_AFTER_FAILED_ROUNDS
+from room_outbox.observability.http_endpoint import parse_listen
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 
 ENV_PREFIX = "ROOM_OUTBOX__"
@@ -329,7 +329,7 @@ class LogSettings(Section):
 
 
 class TelemetrySettings(Section):
-    """Observability (:mod:`room_outbox.observability`); traces and metric exporters come from
+    """Observability (:mod:`room_outbox.observability.service`); traces and metric exporters come from
     the standard ``OTEL_*`` environment instead."""
 
     #: ``host:port`` serving /healthz, /readyz and /metrics; empty: no endpoint.
@@ -337,7 +337,7 @@ class TelemetrySettings(Section):
     #: How often the pending count and oldest pending age are sampled (two index lookups).
     backlog_interval: Duration = 15.0
     #: /healthz fails once a running lane has ended no round (and no delivery attempt) for
-    #: this many poll intervals (see ``room_outbox.health``).
+    #: this many poll intervals (see ``room_outbox.observability.health``).
     stalled_after_polls: int = Field(default=STALLED_AFTER_POLLS, ge=1)
     #: /readyz fails once a lane has had this many failed rounds in a row.
     unready_after_failed_rounds: int = Field(default=UNREADY_AFTER_FAILED_ROUNDS, ge=1)

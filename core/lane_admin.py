@@ -15,9 +15,9 @@ import json
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
-from room_outbox.lanes import LanePlan
+from room_outbox.delivery.lanes import LanePlan
+from room_outbox.delivery.routing import IM_LANE
 from room_outbox.ops import format_age
-from room_outbox.routing import IM_LANE
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import (
     LaneBacklog,

@@ -385,7 +385,7 @@ def format_inspection(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# -- command entry points (called by room_outbox.cli) -----------------------------------------
+# -- command entry points (called by room_outbox.cli.main) -----------------------------------------
 
 
 async def status_command(store: SQLStore, as_json: bool, out: IO[str], im_lane: bool = True) -> int:

@@ -27,9 +27,9 @@ from typing import Any
 import aiomysql
 import anyio
 
+from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EventEnvelope
-from room_outbox.redaction import Redactor, redact_and_shorten
-from room_outbox.routing import Router
+from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.sink import SinkError
 from room_outbox.store.dialect import MYSQL, POSTGRESQL, SQLITE, Dialect
 from room_outbox.store.leased import LAST_ERROR_MAX
@@ -85,7 +85,7 @@ class OutboxProducer:
     """Publishes committed events synchronously through the lane's sinks.
 
     ``pool`` is the service's aiomysql pool (for the ``published`` mark); ``router`` the
-    same routing the worker uses (:func:`room_outbox.routing.build_router`), so a noop event
+    same routing the worker uses (:func:`room_outbox.delivery.routing.build_router`), so a noop event
     type is marked ``published`` without a Tencent call, as the worker would.
     """
 

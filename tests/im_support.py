@@ -6,15 +6,15 @@ import logging
 from typing import Any
 
 from room_outbox.config import Settings
-from room_outbox.dispatcher import Dispatcher, LaneOptions
+from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
+from room_outbox.delivery.routing import Router, build_router
 from room_outbox.envelope import EventEnvelope
+from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.tencent_im import TencentIMSettings, TencentIMSink
-from room_outbox.redaction import Redactor
-from room_outbox.routing import Router, build_router
+from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM
 from room_outbox.sink import SinkContext
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.testing import DEV_KEY, DEV_SDKAPPID, FakeTencentIM
 
 
 def im_section(fake: FakeTencentIM, **overrides: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import yaml
 
-from room_outbox.testing import DEV_KEY, DEV_SDKAPPID
+from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID
 
 
 def _env() -> dict[str, str]:
@@ -34,7 +34,16 @@ class FakeIMProcess:
     def __init__(self, workdir: Path, faults: dict[str, Any] | None = None) -> None:
         self.log = workdir / "fake-im.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "room_outbox.cli", "fake-im", "--port", "0", "--faults", json.dumps(faults or {})],
+            [
+                sys.executable,
+                "-m",
+                "room_outbox.cli",
+                "fake-im",
+                "--port",
+                "0",
+                "--faults",
+                json.dumps(faults or {}),
+            ],
             stdout=subprocess.PIPE,
             stderr=self.log.open("w"),
             text=True,

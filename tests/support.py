@@ -131,12 +131,12 @@ def make_dispatcher(
     store: MySQLStore, sink: Any, event_types: Any = None, node_id: str = "test", **options: Any
 ) -> Any:
     """A dispatcher whose lane routes ``event_types`` (default: every known type) to ``sink``."""
-    from room_outbox.dispatcher import Dispatcher, LaneOptions
+    from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
+    from room_outbox.delivery.routing import Router
     from room_outbox.envelope import KNOWN_EVENT_TYPES
-    from room_outbox.routing import Router
 
     routes = {t: "test" for t in (event_types or KNOWN_EVENT_TYPES)}
-    from room_outbox.retry import RetryPolicy
+    from room_outbox.delivery.retry import RetryPolicy
 
     options.setdefault("poll_interval", 0.05)
     options.setdefault("retry", RetryPolicy(interval=options["poll_interval"]))

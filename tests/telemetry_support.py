@@ -11,9 +11,9 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from room_outbox.redaction import Redactor
-from room_outbox.telemetry import Telemetry
-from room_outbox.tracing import RedactingSpanExporter
+from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.telemetry import Telemetry
+from room_outbox.observability.tracing import RedactingSpanExporter
 
 PRODUCER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PRODUCER_SPAN = "00f067aa0ba902b7"

@@ -26,12 +26,12 @@ import pytest
 from im_support import im_dispatcher, im_router, im_section
 from support import fetch_rows, wait_until
 
+from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EventEnvelope
+from room_outbox.observability.redaction import Redactor
+from room_outbox.plugins.tencent_im.fake import DEV_KEY, FakeTencentIM, serve_fake_im
 from room_outbox.producer import OutboxProducer, PublishOutcome, append_event
-from room_outbox.redaction import Redactor
-from room_outbox.routing import Router
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
-from room_outbox.testing import DEV_KEY, FakeTencentIM, serve_fake_im
 
 pytestmark = pytest.mark.anyio
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from support import RecordingSink, envelope, insert_events, insert_rows, make_dispatcher
 
+from room_outbox.delivery.dispatcher import Dispatcher
 from room_outbox.delivery.failure_log import FailureLog
-from room_outbox.dispatcher import Dispatcher
-from room_outbox.retry import RetryPolicy
+from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError
 from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql import MySQLStore

@@ -23,7 +23,7 @@ from support import V1_DDL, RecordingSink, envelope, insert_events, wait_until
 
 from room_outbox import SinkSpec, hookimpl
 from room_outbox.app import run_service
-from room_outbox.cli import main
+from room_outbox.cli.main import main
 from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError, RoomOutboxError, SchemaError, StoreUnavailable
 from room_outbox.sink import SinkSettings
@@ -376,7 +376,7 @@ def test_a_failure_line_never_carries_a_configured_secret(
     def echoing_check(*_: Any, **__: Any) -> None:
         raise ConfigurationError(f"sinks.tencent_im.secret_key: {secret!r} is not a key this app knows")
 
-    monkeypatch.setattr("room_outbox.cli.check_configuration", echoing_check)
+    monkeypatch.setattr("room_outbox.cli.main.check_configuration", echoing_check)
     assert main(["--config", str(config), "check-config"]) == 2
     err = capsys.readouterr().err
     assert "sinks.tencent_im.secret_key: '[REDACTED]' is not a key" in err

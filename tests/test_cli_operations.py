@@ -9,7 +9,7 @@ import anyio
 import pytest
 from support import envelope, fetch_rows, insert_events
 
-from room_outbox.cli import main
+from room_outbox.cli.main import main
 from room_outbox.store.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio

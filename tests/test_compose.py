@@ -20,13 +20,13 @@ import pytest
 import yaml
 from support import INSERT_V1, fetch_rows
 
-from room_outbox.cli import build_parser
+from room_outbox.cli.main import build_parser
 from room_outbox.config import load_settings
 from room_outbox.consume.settings import consumer_settings
 from room_outbox.envelope import parse_envelope
-from room_outbox.redaction import Redactor
+from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.telemetry import telemetry_from_environment
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.telemetry import telemetry_from_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE_CONFIG = "/etc/room-outbox/config.yaml"

@@ -12,8 +12,8 @@ import anyio
 import pytest
 from support import envelope, insert_events
 
-from room_outbox.cli import main
-from room_outbox.demo import DemoOptions, plan_commands, run_demo, verify
+from room_outbox.cli.demo import DemoOptions, plan_commands, run_demo, verify
+from room_outbox.cli.main import main
 from room_outbox.envelope import EventEnvelope
 from room_outbox.store.factory import open_store
 

@@ -14,8 +14,8 @@ import pytest
 from faults.tcp_proxy import TcpProxy
 from support import RecordingSink, envelope, insert_events, make_dispatcher, wait_until
 
-from room_outbox.health import Health, stalled_after
-from room_outbox.http_endpoint import HttpEndpoint
+from room_outbox.observability.health import Health, stalled_after
+from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
 
 pytestmark = pytest.mark.anyio

@@ -13,7 +13,7 @@ import anyio
 import pytest
 from support import envelope, insert_events, insert_rows
 
-from room_outbox.cli import main
+from room_outbox.cli.main import main
 from room_outbox.ops import describe_state
 from room_outbox.store.mysql import MySQLStore
 

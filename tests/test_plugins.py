@@ -15,10 +15,10 @@ import pytest
 
 from room_outbox import EventEnvelope, SinkContext, SinkSettings, SinkSpec, hookimpl, hookspecs
 from room_outbox.config import ConfigError, Settings
+from room_outbox.delivery.routing import build_router
 from room_outbox.envelope import KNOWN_EVENT_TYPES
+from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.redaction import Redactor
-from room_outbox.routing import build_router
 
 pytestmark = pytest.mark.anyio
 
@@ -259,7 +259,7 @@ def test_every_hook_is_documented_tested_and_implemented_as_specified() -> None:
 
 async def test_plugin_migrations_run_on_migrate(store: Any) -> None:
     """`room_outbox_migrations`: a plugin's idempotent DDL runs on every `room-outbox migrate`."""
-    from room_outbox.lanes import migrate_plugins
+    from room_outbox.delivery.lanes import migrate_plugins
 
     class WithTable:
         @hookimpl
@@ -279,7 +279,7 @@ async def test_plugin_migrations_run_on_migrate(store: Any) -> None:
 async def test_migrate_on_sqlite_skips_plugin_tables_but_creates_own_lanes(tmp_path: Path) -> None:
     """Plugins' statements are MySQL's: a store without the ``plugin_schema`` capability skips
     them and says so; the lanes of their own are the store's and are created."""
-    from room_outbox.lanes import migrate_plugins
+    from room_outbox.delivery.lanes import migrate_plugins
     from room_outbox.store.factory import open_store
 
     store = await open_store(f"sqlite:///{tmp_path / 'outbox.db'}")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from room_outbox.cli import build_parser
+from room_outbox.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -15,7 +15,7 @@ import anyio
 import pytest
 from support import INSERT_V1, envelope, fetch_rows, wait_until
 
-from room_outbox.cli import main
+from room_outbox.cli.main import main
 from room_outbox.config import ConfigError, RetentionSettings, load_settings
 from room_outbox.retention import ARCHIVE_TABLE, RetentionOptions, cleanup, run_retention_job
 from room_outbox.store.leased import now_ms

@@ -25,10 +25,10 @@ import yaml
 from support import envelope, fetch_rows, insert_events, insert_rows, wait_until
 
 from room_outbox.config import Settings
-from room_outbox.redaction import REDACTED, Redactor, redactor_for
+from room_outbox.observability.redaction import REDACTED, Redactor, redactor_for
+from room_outbox.observability.telemetry import LIBRARY_LOGGERS, configure_logging
+from room_outbox.plugins.tencent_im.fake import FakeTencentIM, serve_fake_im
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
-from room_outbox.telemetry import LIBRARY_LOGGERS, configure_logging
-from room_outbox.testing import FakeTencentIM, serve_fake_im
 
 # -- the redactor ------------------------------------------------------------------------------
 
@@ -272,7 +272,10 @@ async def test_no_output_channel_carries_a_secret(
     stdout, stderr = tmp_path / "run.stdout", tmp_path / "run.stderr"
     with stdout.open("w") as out, stderr.open("w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "room_outbox.cli", "--config", str(config), "run"], stdout=out, stderr=err, env=env
+            [sys.executable, "-m", "room_outbox.cli", "--config", str(config), "run"],
+            stdout=out,
+            stderr=err,
+            env=env,
         )
     last_errors: set[str] = set()
     try:

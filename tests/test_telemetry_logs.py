@@ -6,8 +6,8 @@ import io
 import json
 import logging
 
-from room_outbox.redaction import Redactor
-from room_outbox.telemetry import configure_logging
+from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.telemetry import configure_logging
 
 
 def test_json_lines_carry_seed_000_fields_and_mask_secrets() -> None:

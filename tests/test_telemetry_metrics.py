@@ -13,11 +13,11 @@ from support import RecordingSink, envelope, insert_events, make_dispatcher
 from telemetry_support import capture
 
 from room_outbox.config import ConfigError
+from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.telemetry import NO_ATTEMPT, Telemetry, telemetry_from_environment
 from room_outbox.ops import sample_backlog
-from room_outbox.redaction import Redactor
 from room_outbox.sink import PermanentSinkError
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.telemetry import NO_ATTEMPT, Telemetry, telemetry_from_environment
 
 
 @pytest.mark.anyio

@@ -12,11 +12,11 @@ from opentelemetry.trace import SpanKind, StatusCode
 from support import RecordingSink, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, wait_until
 from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, capture
 
-from room_outbox.redaction import Redactor
+from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.telemetry import configure_logging
+from room_outbox.observability.tracing import http_client_span, producer_context, redact_url, sink_span
 from room_outbox.sink import PermanentSinkError, RetryableSinkError
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.telemetry import configure_logging
-from room_outbox.tracing import http_client_span, producer_context, redact_url, sink_span
 
 pytestmark = pytest.mark.anyio
 
@@ -189,7 +189,7 @@ def test_producer_context_ignores_what_is_not_a_traceparent() -> None:
 async def test_the_tencent_call_is_a_child_span_with_usersig_masked(store: MySQLStore) -> None:
     from im_support import im_dispatcher, im_router
 
-    from room_outbox.testing import serve_fake_im
+    from room_outbox.plugins.tencent_im.fake import serve_fake_im
 
     await insert_events(store, [envelope("e1", "RoomGiftSent", "r_9", traceparent=TRACEPARENT)])
     captured = capture()

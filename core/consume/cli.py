@@ -12,7 +12,7 @@ import anyio
 from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.ops import dead_letters_command, redrive_command
 from room_outbox.consume.service import run_consumers
-from room_outbox.redaction import Redactor
+from room_outbox.observability.redaction import Redactor
 from room_outbox.store.factory import open_store
 from room_outbox.store.mysql import Migration, MySQLStore
 from room_outbox.store.mysql_consume import MySQLConsumerStore

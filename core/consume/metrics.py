@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from opentelemetry.metrics import Meter
 
-from room_outbox.metrics import LATENCY_BUCKETS_MS
+from room_outbox.observability.metrics import LATENCY_BUCKETS_MS
 
 
 class ConsumerMetrics:

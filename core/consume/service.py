@@ -21,14 +21,14 @@ from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.engine import Consumer
 from room_outbox.consume.registry import BoundHandler, build_handlers
 from room_outbox.consume.settings import consumer_settings
-from room_outbox.health import Health
-from room_outbox.http_endpoint import HttpEndpoint, parse_listen
+from room_outbox.observability.health import Health
+from room_outbox.observability.http_endpoint import HttpEndpoint, parse_listen
+from room_outbox.observability.redaction import Redactor, redactor_for
+from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.redaction import Redactor, redactor_for
 from room_outbox.store.factory import open_store
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.mysql_consume import MySQLConsumerStore
-from room_outbox.telemetry import Telemetry, telemetry_from_environment
 
 log = logging.getLogger("room_outbox.consume")
 

@@ -38,6 +38,9 @@ from typing import Any
 
 from room_outbox.envelope import EventEnvelope
 
+#: The REST path of Tencent IM's send-to-group call (the sink calls it, the fake serves it).
+SEND_GROUP_MSG = "/v4/group_open_http_svc/send_group_msg"
+
 #: Envelope fields a client sees, in this order.
 CLIENT_FIELDS = ("event_id", "event_type", "app_code", "room_id", "room_version", "occurred_at_ms", "payload")
 

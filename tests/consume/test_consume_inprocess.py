@@ -31,9 +31,9 @@ from room_outbox.consume.handler import (
 from room_outbox.consume.registry import build_handlers, check_consumers, registered_handlers
 from room_outbox.consume.service import run_consumers
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
-from room_outbox.lanes import migrate_plugins
+from room_outbox.delivery.lanes import migrate_plugins
+from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.redaction import Redactor
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.mysql_consume import MySQLConsumerStore
 

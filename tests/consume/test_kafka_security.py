@@ -30,8 +30,8 @@ from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.service import run_consumers
 from room_outbox.consume.settings import consumer_settings
 from room_outbox.kafka_security import KafkaSecurity
+from room_outbox.observability.redaction import Redactor
 from room_outbox.plugins.kafka import KafkaSettings, KafkaSink
-from room_outbox.redaction import Redactor
 
 pytestmark = pytest.mark.anyio
 

@@ -17,10 +17,10 @@ import yaml
 from processes import DispatcherProcess, FakeIMProcess
 from support import envelope, insert_events, wait_until
 
+from room_outbox.plugins.tencent_im.fake import DEV_SDKAPPID
 from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.membership import BUCKET_TABLE
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.testing import DEV_SDKAPPID
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

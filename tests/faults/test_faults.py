@@ -16,8 +16,8 @@ from faults.tcp_proxy import TcpProxy
 from processes import DispatcherProcess, FakeIMProcess, dispatchers, write_config
 from support import envelope, fetch_rows, insert_events, insert_rows, wait_until
 
+from room_outbox.plugins.tencent_im.fake import DEV_SDKAPPID
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
-from room_outbox.testing import DEV_SDKAPPID
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
 

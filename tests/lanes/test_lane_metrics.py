@@ -13,8 +13,8 @@ from support import envelope, insert_events, wait_until
 
 from room_outbox.app import run_service
 from room_outbox.config import Settings
-from room_outbox.lanes import migrate_plugins
-from room_outbox.metrics import LEASE_LOSS_POINTS, ROUTING_ERROR_CLASSES, SINK_ERROR_CLASSES
+from room_outbox.delivery.lanes import migrate_plugins
+from room_outbox.observability.metrics import LEASE_LOSS_POINTS, ROUTING_ERROR_CLASSES, SINK_ERROR_CLASSES
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.mysql import MySQLStore
 

@@ -20,12 +20,12 @@ from support import INSERT_V1, RecordingSink, envelope, fetch_rows, insert_event
 
 from room_outbox.app import run_service
 from room_outbox.config import Settings, load_settings
-from room_outbox.dispatcher import Dispatcher, LaneOptions
-from room_outbox.retry import RetryPolicy
-from room_outbox.routing import Router
+from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
+from room_outbox.delivery.retry import RetryPolicy
+from room_outbox.delivery.routing import Router
+from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, serve_fake_im
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.mysql_lanes import CURSOR_TABLE, LaneStore, migrate_lanes
-from room_outbox.testing import DEV_KEY, DEV_SDKAPPID, serve_fake_im
 
 pytestmark = pytest.mark.anyio
 
@@ -203,7 +203,7 @@ def lane_settings(dsn: str, broker: Broker, im_base_url: str | None, **worker: A
 
 
 async def migrate_all(store: MySQLStore, settings: Settings) -> None:
-    from room_outbox.lanes import migrate_plugins
+    from room_outbox.delivery.lanes import migrate_plugins
     from room_outbox.plugin_manager import make_plugin_manager
 
     await migrate_plugins(store, make_plugin_manager(), settings)
@@ -307,7 +307,7 @@ async def test_seed_003_deployment_kafka_lane_only(
 
 async def test_third_party_audit_sink_end_to_end(store: MySQLStore, database_dsn: str, tmp_path: Path) -> None:
     """examples/audit_sink, installed through its entry point: migrate makes its tables, run fills them."""
-    from room_outbox.cli import main
+    from room_outbox.cli.main import main
     from room_outbox.plugin_manager import make_plugin_manager
 
     assert make_plugin_manager().has_plugin("audit"), (

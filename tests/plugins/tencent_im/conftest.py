@@ -4,7 +4,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from room_outbox.testing import FakeTencentIM, serve_fake_im
+from room_outbox.plugins.tencent_im.fake import FakeTencentIM, serve_fake_im
 
 
 @pytest.fixture

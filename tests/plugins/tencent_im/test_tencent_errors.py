@@ -9,10 +9,10 @@ import pytest
 from im_support import event, make_sink
 
 from room_outbox.plugins.tencent_im.errors import PERMANENT_CODES, RETRYABLE_CODES
+from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM
 from room_outbox.plugins.tencent_im.settings import TencentIMSettings
 from room_outbox.plugins.tencent_im.sink import TencentIMSink
 from room_outbox.sink import PermanentSinkError, RetryableSinkError, SinkContext
-from room_outbox.testing import DEV_KEY, DEV_SDKAPPID, FakeTencentIM
 
 pytestmark = pytest.mark.anyio
 

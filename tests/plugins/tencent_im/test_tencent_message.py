@@ -8,8 +8,8 @@ import json
 import pytest
 from im_support import event, make_sink
 
+from room_outbox.plugins.tencent_im.fake import FakeTencentIM
 from room_outbox.plugins.tencent_im.message import random_for
-from room_outbox.testing import FakeTencentIM
 
 pytestmark = pytest.mark.anyio
 

@@ -10,10 +10,10 @@ import pytest
 from im_support import event, im_dispatcher, im_router, make_sink
 from support import envelope, fetch_rows, insert_events
 
+from room_outbox.plugins.tencent_im.fake import FakeTencentIM
 from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindowLimiter
 from room_outbox.sink import RetryableSinkError
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.testing import FakeTencentIM
 
 pytestmark = pytest.mark.anyio
 

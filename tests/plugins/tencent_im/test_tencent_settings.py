@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from room_outbox.config import ConfigError, Settings, load_settings
+from room_outbox.delivery.routing import build_router, enabled_sink_settings
 from room_outbox.envelope import KNOWN_EVENT_TYPES
+from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.tencent_im import TencentIMSettings
-from room_outbox.redaction import Redactor
-from room_outbox.routing import build_router, enabled_sink_settings
 
 pytestmark = pytest.mark.anyio
 
@@ -108,7 +108,7 @@ def test_shipped_sections_validate(name: str, monkeypatch: pytest.MonkeyPatch) -
 
 def test_local_config_matches_the_fake_im_defaults() -> None:
     """`scripts/run.sh` + `room-outbox fake-im --port 8090` work together out of the box."""
-    from room_outbox.testing import DEV_KEY, DEV_SDKAPPID
+    from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID
 
     (_, local) = enabled_sink_settings(make_plugin_manager(), load_settings(CONFIG_DIR / "config.yaml"))["tencent_im"]
     assert isinstance(local, TencentIMSettings)

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 import anyio
 
 from room_outbox.config import ConfigError, Settings
-from room_outbox.health import CHECK_TEXT_MAX, Health, stalled_after
-from room_outbox.http_endpoint import HttpEndpoint, parse_listen
-from room_outbox.lanes import LanePlan
+from room_outbox.delivery.lanes import LanePlan
+from room_outbox.delivery.routing import IM_LANE
+from room_outbox.observability.health import CHECK_TEXT_MAX, Health, stalled_after
+from room_outbox.observability.http_endpoint import HttpEndpoint, parse_listen
+from room_outbox.observability.redaction import Redactor, redact_and_shorten
+from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
 from room_outbox.ops import sample_backlog
-from room_outbox.redaction import Redactor, redact_and_shorten
-from room_outbox.routing import IM_LANE
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
-from room_outbox.telemetry import Telemetry, telemetry_from_environment
 
 log = logging.getLogger("room_outbox.observability")
 

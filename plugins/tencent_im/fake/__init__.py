@@ -14,7 +14,7 @@ are ``GET /_fake/messages``, ``GET /_fake/stats``, ``POST /_fake/faults`` (JSON 
 
 from __future__ import annotations
 
-from room_outbox.testing.fake_im import (
+from room_outbox.plugins.tencent_im.fake.im import (
     DEFAULT_ADMIN,
     DEV_KEY,
     DEV_SDKAPPID,
@@ -23,7 +23,7 @@ from room_outbox.testing.fake_im import (
     Faults,
     ReceivedMessage,
 )
-from room_outbox.testing.server import serve_fake_im
+from room_outbox.plugins.tencent_im.fake.server import serve_fake_im
 
 __all__ = [
     "DEFAULT_ADMIN",

@@ -33,9 +33,9 @@ from urllib.parse import parse_qs, urlsplit
 import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
+from room_outbox.plugins.tencent_im.message import SEND_GROUP_MSG
 from room_outbox.plugins.tencent_im.usersig import UserSigError, verify_usersig
 
-SEND_GROUP_MSG = "/v4/group_open_http_svc/send_group_msg"
 CONTROL_PREFIX = "/_fake/"
 
 #: A key for local development and tests only; never use it for a real app.
@@ -144,7 +144,7 @@ class _Refusal(Exception):
 
 @dataclass
 class FakeTencentIM:
-    """State and behaviour of the fake; serve it with :func:`room_outbox.testing.serve_fake_im`.
+    """State and behaviour of the fake; serve it with :func:`room_outbox.plugins.tencent_im.fake.serve_fake_im`.
 
     ``apps`` maps SDKAppID → secret key; ``admins`` are the identifiers allowed to call the
     REST API; ``groups`` (``None``: any) are the groups that exist.

@@ -11,8 +11,8 @@ from typing import Any
 
 import anyio
 
-from room_outbox.testing.fake_im import DEFAULT_ADMIN, DEV_KEY, DEV_SDKAPPID, FakeTencentIM, Faults
-from room_outbox.testing.server import serve_fake_im
+from room_outbox.plugins.tencent_im.fake.im import DEFAULT_ADMIN, DEV_KEY, DEV_SDKAPPID, FakeTencentIM, Faults
+from room_outbox.plugins.tencent_im.fake.server import serve_fake_im
 
 
 def add_fake_im_parser(commands: Any) -> None:

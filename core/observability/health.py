@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from room_outbox.redaction import Redactor, redact_and_shorten
+from room_outbox.observability.redaction import Redactor, redact_and_shorten
 
 DATABASE_CHECK_TIMEOUT = 2.0
 #: Longest error text in a check (and in a backlog-sample warning): a line, not a dump.

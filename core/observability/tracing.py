@@ -28,7 +28,7 @@ uses :func:`sink_span` (any operation) or :func:`http_client_span` (an HTTP requ
 is passed through :func:`redact_url`, so ``usersig`` and other credentials in the query
 string never reach a span)::
 
-    from room_outbox.tracing import http_client_span
+    from room_outbox.observability.tracing import http_client_span
 
     with http_client_span("POST", url) as span:
         response = await client.post(url, json=body)
@@ -40,7 +40,7 @@ block marks the span ERROR with ``error.type`` set to the exception's class name
 
 As a last line of defence every exporter is wrapped in :class:`RedactingSpanExporter`, which
 passes each string attribute, event attribute and status text through the process's
-:class:`~room_outbox.redaction.Redactor` before the span leaves the process.
+:class:`~room_outbox.observability.redaction.Redactor` before the span leaves the process.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
-from room_outbox.redaction import REDACTED, Redactor
+from room_outbox.observability.redaction import REDACTED, Redactor
 
 if TYPE_CHECKING:
     from room_outbox.envelope import EventEnvelope

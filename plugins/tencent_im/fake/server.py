@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 import anyio
 from aiohttp import web
 
-from room_outbox.testing.fake_im import FakeTencentIM, Reply
+from room_outbox.plugins.tencent_im.fake.im import FakeTencentIM, Reply
 
 MAX_BODY = 1 << 20
 #: How long stopping waits for requests in progress; hanging ones are cut off after it.

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM, serve_fake_im
 from room_outbox.plugins.tencent_im.usersig import gen_usersig
-from room_outbox.testing import DEV_KEY, DEV_SDKAPPID, FakeTencentIM, serve_fake_im
 
 pytestmark = pytest.mark.anyio
 

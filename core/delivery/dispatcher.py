@@ -10,7 +10,7 @@ The IM lane's state is ``room_outbox.status``. A round is:
 3. a full batch is followed at once by the next; otherwise the results are written and the
    next scan starts ``poll_interval`` after this one started (a ticker).
 
-A failure retrying cannot fix backs off exponentially (:mod:`room_outbox.retry`), and a row
+A failure retrying cannot fix backs off exponentially (:mod:`room_outbox.delivery.retry`), and a row
 that fails again and again is logged once, then summarised (:mod:`.delivery.failure_log`).
 
 Store errors — a database call that outlived ``query_timeout`` included — fail the round:
@@ -36,16 +36,16 @@ from anyio.abc import TaskStatus
 
 from room_outbox.config import OutboxWorkerSettings
 from room_outbox.delivery.failure_log import FailureLog
+from room_outbox.delivery.retry import RetryPolicy
+from room_outbox.delivery.routing import IM_LANE, Router
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
-from room_outbox.health import LaneHealth
-from room_outbox.redaction import Redactor, redact_and_shorten
-from room_outbox.retry import RetryPolicy
-from room_outbox.routing import IM_LANE, Router
+from room_outbox.observability.health import LaneHealth
+from room_outbox.observability.redaction import Redactor, redact_and_shorten
+from room_outbox.observability.telemetry import NO_ATTEMPT, DeliveryAttempt, Failure, Telemetry
 from room_outbox.sink import PermanentSinkError, SinkError
 from room_outbox.store import DeliveryResult, OutboxRow, OutboxStore, Outcome
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.leased import LAST_ERROR_MAX, now_ms
-from room_outbox.telemetry import NO_ATTEMPT, DeliveryAttempt, Failure, Telemetry
 
 log = logging.getLogger("room_outbox.dispatcher")
 

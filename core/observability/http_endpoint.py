@@ -2,7 +2,7 @@
 
 * ``GET /healthz``: 200 while the process is live, else 503 with a JSON body saying which
   lane stalled; ``GET /readyz``: 200 when ready, else 503, the JSON body saying which check
-  failed. What live and ready mean: :mod:`room_outbox.health`.
+  failed. What live and ready mean: :mod:`room_outbox.observability.health`.
 * ``GET /metrics``: Prometheus text format.
 
 Served by ``aiohttp.web`` (aiohttp is already the Tencent sink's transport): its request
@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 import anyio
 from aiohttp import web
 
-from room_outbox.health import Health
-from room_outbox.metrics import PROMETHEUS_CONTENT_TYPE
+from room_outbox.observability.health import Health
+from room_outbox.observability.metrics import PROMETHEUS_CONTENT_TYPE
 
 log = logging.getLogger("room_outbox.http")
 

@@ -4,10 +4,10 @@
 ``worker`` ("room_outbox") and ``node_id``; event lines add ``event_id``, ``event_type``,
 ``room_id``, ``retry_count``, ``status``, ``error`` (passed as ``extra=``), and a line written
 inside a traced delivery adds ``trace_id`` and ``span_id``. The whole line goes through the
-:class:`~room_outbox.redaction.Redactor` last, so a secret that slipped into a message or an
+:class:`~room_outbox.observability.redaction.Redactor` last, so a secret that slipped into a message or an
 exception is still masked.
 
-**Traces and metrics** (:mod:`room_outbox.tracing`, :mod:`room_outbox.metrics`) are set up
+**Traces and metrics** (:mod:`room_outbox.observability.tracing`, :mod:`room_outbox.observability.metrics`) are set up
 from the standard OpenTelemetry environment by :func:`telemetry_from_environment`:
 
 * ``OTEL_SDK_DISABLED=true``: nothing, whatever else is set.
@@ -54,9 +54,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 from room_outbox.config import ConfigError
 from room_outbox.envelope import event_type_label
-from room_outbox.metrics import OutboxMetrics, render_prometheus, render_runtime
-from room_outbox.redaction import Redactor
-from room_outbox.tracing import SCOPE, AttemptSpan, RedactingSpanExporter
+from room_outbox.observability.metrics import OutboxMetrics, render_prometheus, render_runtime
+from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.tracing import SCOPE, AttemptSpan, RedactingSpanExporter
 
 if TYPE_CHECKING:
     from room_outbox.envelope import EventEnvelope
@@ -155,7 +155,7 @@ class Telemetry:
     def attempt(self, row: OutboxRow, event_label: str | None = None) -> DeliveryAttempt:
         """Start observing one delivery attempt of ``row``. ``event_label``: the event type as
         metric label and span name, ``other`` for a type the routing does not know (the
-        dispatcher's :meth:`~room_outbox.routing.Router.event_label`): a type comes from a row,
+        dispatcher's :meth:`~room_outbox.delivery.routing.Router.event_label`): a type comes from a row,
         and rows must not mint label values without bound. Default: the known types' rule."""
         if self.tracer is None and not self.metrics_enabled:
             return NO_ATTEMPT

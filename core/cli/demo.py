@@ -39,18 +39,18 @@ from urllib.parse import urlsplit
 import anyio
 
 from room_outbox.config import Settings
-from room_outbox.dispatcher import Dispatcher, LaneOptions
+from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
+from room_outbox.delivery.retry import RetryPolicy
+from room_outbox.delivery.routing import Router, build_router
 from room_outbox.envelope import EventEnvelope
+from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.telemetry import configure_logging
 from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM, Faults, serve_fake_im
 from room_outbox.producer import MARK_PUBLISHED, OutboxProducer, append_event
-from room_outbox.redaction import Redactor
-from room_outbox.retry import RetryPolicy
-from room_outbox.routing import Router, build_router
 from room_outbox.sink import Sink
 from room_outbox.store.factory import SQLStore, is_sqlite, open_store
 from room_outbox.store.postgres import SCHEMES as POSTGRESQL_SCHEMES
-from room_outbox.telemetry import configure_logging
-from room_outbox.testing import DEV_KEY, DEV_SDKAPPID, FakeTencentIM, Faults, serve_fake_im
 
 log = logging.getLogger("room_outbox.demo")
 

@@ -19,7 +19,7 @@ the names every Prometheus user's dashboards already know, from a small, pure-Py
 maintained by the Prometheus project (OpenTelemetry's system-metrics instrumentation would need
 psutil and names them ``process_runtime_*`` instead).
 
-The two gauges come from a timer (:mod:`room_outbox.observability`), one series per lane the
+The two gauges come from a timer (:mod:`room_outbox.observability.service`), one series per lane the
 configuration runs: ``lane="im"`` counts pending rows of ``room_outbox`` (only while the IM
 lane runs: otherwise ``status`` is room-service's and no backlog of anyone's here), a lane of
 its own counts its pending rows plus the rows not fed to it yet. Every counter is exported

@@ -27,7 +27,7 @@ from pydantic import TypeAdapter, ValidationError
 from room_outbox.cluster.quota import QuotaShare
 from room_outbox.config import ConfigError, Settings, describe_validation_error
 from room_outbox.envelope import KNOWN_EVENT_TYPES, event_type_label
-from room_outbox.redaction import Redactor
+from room_outbox.observability.redaction import Redactor
 from room_outbox.sink import Sink, SinkContext, SinkSettings, SinkSpec
 
 log = logging.getLogger("room_outbox.routing")

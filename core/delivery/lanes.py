@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pluggy
 
 from room_outbox.config import OutboxWorkerSettings, Settings
-from room_outbox.routing import registered_sinks, section_enabled
+from room_outbox.delivery.routing import registered_sinks, section_enabled
 from room_outbox.store.dialect import PLUGIN_SCHEMA
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.mysql_lanes import LaneStore, lanes_migration_plan, migrate_lanes
