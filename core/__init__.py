@@ -5,6 +5,11 @@ The public plugin API lives here: ``hookimpl`` marks a plugin's hook implementat
 what a sink implements and raises, ``EventEnvelope`` is what it receives. ``Duration`` reads
 ``"500ms"``/``"2s"``/``"1m"`` in a settings model as room-outbox's own settings do, and
 ``MySQLAddress`` parses a ``mysql://`` DSN, for sinks that write to MySQL themselves.
+``http_client_span`` and ``sink_span`` trace a sink's own I/O under the current attempt;
+``Redactor`` masks a sink's own secrets in the texts it builds.
+
+Plugins import only from here: the subpackages (``delivery``, ``store``, ``observability``,
+``cli``...) are the service's inside and may change between releases.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 from room_outbox.config import Duration
 from room_outbox.envelope import EnvelopeError, EventEnvelope
 from room_outbox.hookspecs import hookimpl
+from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.tracing import http_client_span, sink_span
 from room_outbox.sink import (
     PermanentSinkError,
     RetryableSinkError,
@@ -29,6 +36,7 @@ __all__ = [
     "EventEnvelope",
     "MySQLAddress",
     "PermanentSinkError",
+    "Redactor",
     "RetryableSinkError",
     "Sink",
     "SinkContext",
@@ -36,4 +44,6 @@ __all__ = [
     "SinkSettings",
     "SinkSpec",
     "hookimpl",
+    "http_client_span",
+    "sink_span",
 ]

@@ -19,10 +19,10 @@ import anyio
 
 from room_outbox.cluster.membership import Membership
 from room_outbox.cluster.quota import QuotaShare
-from room_outbox.config import Settings
+from room_outbox.config import IM_LANE, Settings
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.lanes import delivery_settings, lane_plan, lane_store
-from room_outbox.delivery.routing import IM_LANE, Lanes, build_lanes
+from room_outbox.delivery.routing import Lanes, build_lanes
 from room_outbox.observability.health import Health
 from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.service import observability

@@ -13,6 +13,7 @@ import os
 import re
 import socket
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -32,14 +33,18 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from room_outbox.errors import ConfigurationError
-from room_outbox.observability.health import STALLED_AFTER_POLLS, UNREADY_AFTER_FAILED_ROUNDS
-from room_outbox.observability.http_endpoint import parse_listen
-from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 
 ENV_PREFIX = "ROOM_OUTBOX__"
+#: The IM lane's name in logs, metrics, ``outbox_worker.lanes`` and ``room-outbox lanes``.
+IM_LANE = "im"
 RETRY_STRATEGIES = ("fixed_interval", "linear", "exponential")
 ORDERINGS = ("none", "per_room")
 IM_DEFAULTS = ("all", "known")
+#: ``database.query_timeout`` when the configuration says nothing and the lease allows it.
+DEFAULT_QUERY_TIMEOUT = 5.0
+#: Defaults of ``telemetry.stalled_after_polls`` and ``telemetry.unready_after_failed_rounds``.
+STALLED_AFTER_POLLS = 30
+UNREADY_AFTER_FAILED_ROUNDS = 3
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -47,6 +52,14 @@ _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, No
 
 #: The configuration error of :mod:`room_outbox.errors`, under the name this module always had.
 ConfigError = ConfigurationError
+
+
+def parse_listen(address: str) -> tuple[str, int]:
+    """``host:port``, ``:port`` (all interfaces) or ``[v6]:port``; raises ``ValueError``."""
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{address!r} is not host:port (e.g. 127.0.0.1:9464)")
+    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def parse_duration(value: Any) -> float:
@@ -83,6 +96,19 @@ def _one_of(value: str, allowed: tuple[str, ...], what: str) -> str:
     if value not in allowed:
         raise ValueError(f"unknown {what} {value!r} (allowed: {', '.join(allowed)})")
     return value
+
+
+@dataclass(frozen=True)
+class LanePlan:
+    """The lanes a configuration runs (without validating sink settings: ``migrate``,
+    ``cleanup``, ``status`` and ``lanes`` must not need, say, a Tencent key)."""
+
+    #: The IM lane runs: some sink sharing it is enabled. When it does not (room-service
+    #: pushes IM itself), ``room_outbox.status`` is room-service's alone: no backlog of
+    #: room-outbox's, and retention goes by the lanes that run instead.
+    im: bool
+    #: Enabled sinks with a lane of their own, sorted.
+    own: tuple[str, ...]
 
 
 class Section(BaseModel):

@@ -49,8 +49,7 @@ import anyio
 import pymysql
 from anyio.abc import TaskStatus
 
-from room_outbox.config import RetentionSettings
-from room_outbox.delivery.lanes import LanePlan
+from room_outbox.config import LanePlan, RetentionSettings
 from room_outbox.store.dialect import column_names, table_names
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import first_row_after, owes_rows, stored_lanes

@@ -23,5 +23,6 @@ done
 if [ "$#" -eq 0 ]; then  # the full run also checks style and types; a focused run does not
   .venv/bin/ruff check --quiet .
   scripts/typecheck.sh
+  scripts/lint-imports.sh
 fi
 exec .venv/bin/python -m pytest "$@"

@@ -12,10 +12,10 @@ import pytest
 from support import RecordingSink, SinkPlugin, envelope, fetch_rows, insert_events, wait_until
 
 from room_outbox.app import run_service
-from room_outbox.config import ConfigError, Settings, load_settings
-from room_outbox.observability.http_endpoint import Health, HttpEndpoint, parse_listen
+from room_outbox.config import ConfigError, Settings, load_settings, parse_listen
+from room_outbox.observability import http_endpoint
+from room_outbox.observability.http_endpoint import Health, HttpEndpoint
 from room_outbox.observability.redaction import Redactor
-from room_outbox.observability.service import http_endpoint
 from room_outbox.store.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio

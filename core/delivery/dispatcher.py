@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import TaskStatus
 
-from room_outbox.config import OutboxWorkerSettings
+from room_outbox.config import IM_LANE, OutboxWorkerSettings
 from room_outbox.delivery.failure_log import FailureLog
 from room_outbox.delivery.retry import RetryPolicy
-from room_outbox.delivery.routing import IM_LANE, Router
+from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.observability.health import LaneHealth
 from room_outbox.observability.redaction import Redactor, redact_and_shorten

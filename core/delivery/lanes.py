@@ -9,29 +9,15 @@ enabled; a sink registered with ``own_lane=True`` gets ``room_outbox_lane_<name>
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import pluggy
 
-from room_outbox.config import OutboxWorkerSettings, Settings
+from room_outbox.config import LanePlan, OutboxWorkerSettings, Settings
 from room_outbox.delivery.routing import registered_sinks, section_enabled
 from room_outbox.store.dialect import PLUGIN_SCHEMA
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.mysql_lanes import LaneStore, lanes_migration_plan, migrate_lanes
 from room_outbox.store.tables import Migration
-
-
-@dataclass(frozen=True)
-class LanePlan:
-    """The lanes a configuration runs (without validating sink settings: ``migrate``,
-    ``cleanup``, ``status`` and ``lanes`` must not need, say, a Tencent key)."""
-
-    #: The IM lane runs: some sink sharing it is enabled. When it does not (room-service
-    #: pushes IM itself), ``room_outbox.status`` is room-service's alone: no backlog of
-    #: room-outbox's, and retention goes by the lanes that run instead.
-    im: bool
-    #: Enabled sinks with a lane of their own, sorted.
-    own: tuple[str, ...]
 
 
 def lane_plan(pm: pluggy.PluginManager, settings: Settings) -> LanePlan:

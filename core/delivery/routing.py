@@ -25,15 +25,12 @@ import pluggy
 from pydantic import TypeAdapter, ValidationError
 
 from room_outbox.cluster.quota import QuotaShare
-from room_outbox.config import ConfigError, Settings, describe_validation_error
+from room_outbox.config import IM_LANE, ConfigError, Settings, describe_validation_error
 from room_outbox.envelope import KNOWN_EVENT_TYPES, event_type_label
 from room_outbox.observability.redaction import Redactor
 from room_outbox.sink import Sink, SinkContext, SinkSettings, SinkSpec
 
 log = logging.getLogger("room_outbox.routing")
-
-#: The IM lane's name in logs, metrics, ``outbox_worker.lanes`` and ``room-outbox lanes``.
-IM_LANE = "im"
 
 
 @dataclass

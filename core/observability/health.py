@@ -23,14 +23,12 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from room_outbox.config import UNREADY_AFTER_FAILED_ROUNDS
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
 
 DATABASE_CHECK_TIMEOUT = 2.0
 #: Longest error text in a check (and in a backlog-sample warning): a line, not a dump.
 CHECK_TEXT_MAX = 300
-#: Defaults of ``telemetry.stalled_after_polls`` and ``telemetry.unready_after_failed_rounds``.
-STALLED_AFTER_POLLS = 30
-UNREADY_AFTER_FAILED_ROUNDS = 3
 
 
 @dataclass

@@ -30,15 +30,7 @@ READ_TIMEOUT = 5.0
 #: How long stopping waits for requests in progress (a scrape or a probe takes milliseconds).
 SHUTDOWN_TIMEOUT = 2.0
 
-__all__ = ["Health", "HttpEndpoint", "parse_listen"]
-
-
-def parse_listen(address: str) -> tuple[str, int]:
-    """``host:port``, ``:port`` (all interfaces) or ``[v6]:port``; raises ``ValueError``."""
-    host, sep, port = address.strip().rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"{address!r} is not host:port (e.g. 127.0.0.1:9464)")
-    return host.strip("[]") or "0.0.0.0", int(port)
+__all__ = ["Health", "HttpEndpoint"]
 
 
 class HttpEndpoint:

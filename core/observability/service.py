@@ -15,11 +15,9 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from room_outbox.config import ConfigError, Settings
-from room_outbox.delivery.lanes import LanePlan
-from room_outbox.delivery.routing import IM_LANE
+from room_outbox.config import IM_LANE, ConfigError, LanePlan, Settings, parse_listen
 from room_outbox.observability.health import CHECK_TEXT_MAX, Health, stalled_after
-from room_outbox.observability.http_endpoint import HttpEndpoint, parse_listen
+from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
 from room_outbox.ops import sample_backlog

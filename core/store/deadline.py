@@ -26,8 +26,17 @@ from dataclasses import dataclass
 
 import anyio
 
-#: ``database.query_timeout`` when the configuration says nothing and the lease allows it.
-DEFAULT_QUERY_TIMEOUT = 5.0
+from room_outbox.config import DEFAULT_QUERY_TIMEOUT
+
+__all__ = [
+    "DEFAULT_QUERY_TIMEOUT",
+    "SCHEMA_CHANGE_TIMEOUT",
+    "QueryTimeout",
+    "SessionLimits",
+    "TimeoutWatch",
+    "query_deadline",
+]
+
 #: Client-side bound on ``migrate``'s transaction: adding a column or an index to a large
 #: table may take long. Its lock waits stay bounded by the session's limits.
 SCHEMA_CHANGE_TIMEOUT = 3600.0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from room_outbox.sink import PermanentSinkError, RetryableSinkError, SinkError
+from room_outbox import PermanentSinkError, RetryableSinkError, SinkError
 
 USERSIG_EXPIRED = 70001
 

@@ -36,7 +36,7 @@ import hashlib
 import json
 from typing import Any
 
-from room_outbox.envelope import EventEnvelope
+from room_outbox import EventEnvelope
 
 #: The REST path of Tencent IM's send-to-group call (the sink calls it, the fake serves it).
 SEND_GROUP_MSG = "/v4/group_open_http_svc/send_group_msg"

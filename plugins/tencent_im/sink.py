@@ -18,15 +18,12 @@ import anyio
 import httpx
 from httpx_aiohttp import AiohttpTransport
 
-from room_outbox.envelope import EventEnvelope
-from room_outbox.observability.redaction import Redactor
-from room_outbox.observability.tracing import http_client_span
+from room_outbox import EventEnvelope, PermanentSinkError, Redactor, RetryableSinkError, SinkContext, http_client_span
 from room_outbox.plugins.tencent_im.errors import USERSIG_EXPIRED, error_for_code, short_info
 from room_outbox.plugins.tencent_im.message import SEND_GROUP_MSG, body_size, group_id_for, msg_body, request_body
 from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindowLimiter
 from room_outbox.plugins.tencent_im.settings import TencentIMSettings
 from room_outbox.plugins.tencent_im.usersig import UserSigCache
-from room_outbox.sink import PermanentSinkError, RetryableSinkError, SinkContext
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 from lanes.test_lanes import lane_dispatcher, lane_rows
 from support import RecordingSink, envelope, fetch_rows, insert_events
 
-from room_outbox.delivery.lanes import LanePlan
+from room_outbox.config import LanePlan
 from room_outbox.retention import RetentionOptions, cleanup
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.mysql_lanes import migrate_lanes

@@ -1,0 +1,1 @@
+"""The ``room-outbox`` command line (:mod:`.main`), one module per command group."""
