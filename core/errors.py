@@ -4,7 +4,9 @@
     ├── ConfigurationError          bad configuration (exit 2); ``config.ConfigError`` is this class
     ├── StoreError                  the database (exit 3)
     │   ├── StoreUnavailable        cannot connect, log in, or find the database
-    │   └── SchemaError             connected, but the tables are not migrated
+    │   ├── SchemaError             connected, but the tables are not migrated
+    │   └── QueryTimeout            a statement outlived mysql.query_timeout (also a ``TimeoutError``;
+    │                               in :mod:`room_outbox.store.deadline`)
     ├── EnvelopeError               a row's envelope does not parse (also a ``ValueError``)
     └── SinkError                   raised by a sink on purpose
         ├── RetryableSinkError      may go away: the event is tried again

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import anyio
 
 from room_outbox.config import DEFAULT_QUERY_TIMEOUT
+from room_outbox.errors import StoreError
 
 __all__ = [
     "DEFAULT_QUERY_TIMEOUT",
@@ -42,7 +43,7 @@ __all__ = [
 SCHEMA_CHANGE_TIMEOUT = 3600.0
 
 
-class QueryTimeout(TimeoutError):
+class QueryTimeout(StoreError, TimeoutError):
     """A database call did not end within ``query_timeout``; its connection was discarded."""
 
     def __init__(self, seconds: float) -> None:

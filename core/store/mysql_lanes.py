@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.config import LanesSettings
+from room_outbox.errors import ConfigurationError
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow
 from room_outbox.store.dialect import ROW_LOCKS, Dialect, table_names
 from room_outbox.store.dialect import marks as _marks
@@ -68,7 +69,7 @@ _LANE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 
 def lane_table(lane: str) -> str:
     if not _LANE_NAME.match(lane):
-        raise ValueError(f"lane name {lane!r}: use lower-case letters, digits and _ (at most 40)")
+        raise ConfigurationError(f"lane name {lane!r}: use lower-case letters, digits and _ (at most 40)")
     return f"room_outbox_lane_{lane}"
 
 
