@@ -51,6 +51,7 @@ from room_outbox.producer import MARK_PUBLISHED, OutboxProducer, append_event
 from room_outbox.sink import Sink
 from room_outbox.store.factory import SQLStore, is_sqlite, open_store
 from room_outbox.store.postgres import SCHEMES as POSTGRESQL_SCHEMES
+from room_outbox.store.reports import count_by_status, status_by_event
 
 log = logging.getLogger("room_outbox.demo")
 
@@ -246,11 +247,7 @@ class Snapshot:
 
 
 async def snapshot(store: SQLStore, run_id: str, fake: FakeTencentIM, tally: Tally) -> Snapshot:
-    async with store.transaction() as cur:
-        await cur.execute(
-            "SELECT status, COUNT(*) FROM room_outbox WHERE event_id LIKE %s GROUP BY status", (f"{run_id}-%",)
-        )
-        statuses = {str(status): int(count) for status, count in await cur.fetchall()}
+    statuses = await count_by_status(store, f"{run_id}-")
     rejected = sum(1 for a in fake.arrivals if a.http_status != 200 or a.error_code)
     return Snapshot(
         statuses=statuses,
@@ -519,9 +516,7 @@ async def _drive(
     snap = await snapshot(store, run_id, fake, tally)
     view.show(render(tally, snap, total, time.monotonic() - started), final=True)
 
-    async with store.transaction() as cur:
-        await cur.execute("SELECT event_id, status FROM room_outbox WHERE event_id LIKE %s", (f"{run_id}-%",))
-        statuses = {str(e): str(s) for e, s in await cur.fetchall()}
+    statuses = await status_by_event(store, f"{run_id}-")
     checks = verify(tally.events, statuses, fake.event_ids(), router.routes, tally.attempts, options.per_room)
     out.write("\nverification\n")
     for check in checks:

@@ -8,6 +8,7 @@ lifecycle marks the worker running. On the way out it flushes the span and metri
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from room_outbox.observability.telemetry import Telemetry, telemetry_from_enviro
 from room_outbox.ops import sample_backlog
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
+from room_outbox.store.reports import ping
 
 log = logging.getLogger("room_outbox.observability")
 
@@ -53,10 +55,6 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
             raise ConfigError(f"telemetry.http_listen: {exc}") from None
     telemetry = telemetry_from_environment(settings.node_id, redactor, prometheus=listen is not None)
 
-    async def ping() -> None:
-        async with store.transaction() as cur:
-            await cur.execute("SELECT 1")
-
     # One limit for every lane: the slowest lane's (outbox_worker.lanes may lengthen one lane's
     # poll interval or publish timeout).
     workers = [
@@ -64,7 +62,7 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
         *(settings.outbox_worker.for_lane(lane) for lane in settings.outbox_worker.lanes),
     ]
     health = Health(
-        ping,
+        functools.partial(ping, store),
         redactor=redactor,
         stalled_after=max(
             stalled_after(
