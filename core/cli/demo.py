@@ -46,7 +46,7 @@ from room_outbox.envelope import EventEnvelope
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import configure_logging
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM, Faults, serve_fake_im
+from room_outbox.plugins.tencent_im.fake import SINK_NAME, FakeTencentIM, Faults, serve_fake_im
 from room_outbox.producer import MARK_PUBLISHED, OutboxProducer, append_event
 from room_outbox.sink import Sink
 from room_outbox.store.factory import SQLStore, is_sqlite, open_store
@@ -55,7 +55,8 @@ from room_outbox.store.reports import count_by_status, status_by_event
 
 log = logging.getLogger("room_outbox.demo")
 
-IM_SINK = "tencent_im"
+#: The sink the fake stands in for (the demo checks what reached it).
+IM_SINK = SINK_NAME
 #: Under this the fake IM would answer every request: the default makes compensation visible.
 DEFAULT_FAILURE_RATE = 0.2
 DEFAULT_EVENTS = 200
@@ -426,7 +427,7 @@ async def _run(
         async with serve_fake_im(fake) as fake:
             settings = Settings(
                 node_id="demo",
-                sinks={IM_SINK: {"base_url": fake.base_url, "sdkappid": DEV_SDKAPPID, "secret_key": DEV_KEY}},
+                sinks={IM_SINK: fake.sink_section()},
             )
             router = await build_router(make_plugin_manager(), settings, redactor)
             try:

@@ -9,7 +9,7 @@ takes (so not the noop sink's RoomCreated, RoomHeatChanged, RoomRankChanged). Se
 from __future__ import annotations
 
 from room_outbox import SinkSpec, hookimpl
-from room_outbox.plugins.tencent_im.settings import TencentIMSettings
+from room_outbox.plugins.tencent_im.settings import SINK_NAME, TencentIMSettings
 from room_outbox.plugins.tencent_im.sink import TencentIMSink
 
 __all__ = ["TencentIMSettings", "TencentIMSink", "room_outbox_register_sinks"]
@@ -17,6 +17,4 @@ __all__ = ["TencentIMSettings", "TencentIMSink", "room_outbox_register_sinks"]
 
 @hookimpl
 def room_outbox_register_sinks() -> list[SinkSpec[TencentIMSettings]]:
-    return [
-        SinkSpec(name="tencent_im", settings_model=TencentIMSettings, factory=TencentIMSink, enabled_by_default=True)
-    ]
+    return [SinkSpec(name=SINK_NAME, settings_model=TencentIMSettings, factory=TencentIMSink, enabled_by_default=True)]

@@ -41,6 +41,10 @@ def _check_base_url(value: str) -> str:
     return value
 
 
+#: The sink's name: its ``sinks.<name>`` section and its label in routes, metrics and logs.
+SINK_NAME = "tencent_im"
+
+
 class AppCredentials(BaseModel):
     """One more Tencent IM app, for the events of one ``app_code``."""
 

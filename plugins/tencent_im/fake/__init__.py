@@ -24,11 +24,13 @@ from room_outbox.plugins.tencent_im.fake.im import (
     ReceivedMessage,
 )
 from room_outbox.plugins.tencent_im.fake.server import serve_fake_im
+from room_outbox.plugins.tencent_im.settings import SINK_NAME
 
 __all__ = [
     "DEFAULT_ADMIN",
     "DEV_KEY",
     "DEV_SDKAPPID",
+    "SINK_NAME",
     "Arrival",
     "FakeTencentIM",
     "Faults",

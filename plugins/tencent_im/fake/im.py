@@ -188,6 +188,12 @@ class FakeTencentIM:
         self.faults = Faults()
         self.__post_init__()
 
+    def sink_section(self) -> dict[str, Any]:
+        """The ``sinks.tencent_im`` settings that point the sink at this fake (its first app,
+        as its first admin); serve it first, for ``base_url``."""
+        (sdkappid, key), admin = next(iter(self.apps.items())), min(self.admins)
+        return {"base_url": self.base_url, "sdkappid": sdkappid, "secret_key": key, "identifier": admin}
+
     def event_ids(self) -> list[str | None]:
         return [m.event_id for m in self.messages]
 
