@@ -6,7 +6,9 @@ what a sink implements and raises, ``EventEnvelope`` is what it receives. ``Dura
 ``"500ms"``/``"2s"``/``"1m"`` in a settings model as room-outbox's own settings do, and
 ``MySQLAddress`` parses a ``mysql://`` DSN, for sinks that write to MySQL themselves.
 ``http_client_span`` and ``sink_span`` trace a sink's own I/O under the current attempt;
-``Redactor`` masks a sink's own secrets in the texts it builds.
+``Redactor`` masks a sink's own secrets in the texts it builds. ``QuotaShare`` (the
+context's ``quota``) is this process's part of a rate limit the deployment's processes
+share; a sink's own limiter counts its window with ``JITTER_MARGIN`` added.
 
 Plugins import only from here: the subpackages (``delivery``, ``store``, ``observability``,
 ``cli``...) are the service's inside and may change between releases.
@@ -14,6 +16,7 @@ Plugins import only from here: the subpackages (``delivery``, ``store``, ``obser
 
 from __future__ import annotations
 
+from room_outbox.cluster.quota import JITTER_MARGIN, QuotaShare
 from room_outbox.config import Duration
 from room_outbox.envelope import EnvelopeError, EventEnvelope
 from room_outbox.hookspecs import hookimpl
@@ -31,11 +34,13 @@ from room_outbox.sink import (
 from room_outbox.store.mysql import MySQLAddress
 
 __all__ = [
+    "JITTER_MARGIN",
     "Duration",
     "EnvelopeError",
     "EventEnvelope",
     "MySQLAddress",
     "PermanentSinkError",
+    "QuotaShare",
     "Redactor",
     "RetryableSinkError",
     "Sink",

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import anyio
 
-from room_outbox.cluster.quota import JITTER_MARGIN
+from room_outbox import JITTER_MARGIN
 
 #: How often a caller waiting while its rate is 0 (this process may send nothing right now)
 #: looks again.
