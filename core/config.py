@@ -386,7 +386,7 @@ class TelemetrySettings(Section):
 
 
 class RetentionSettings(Section):
-    """``room-outbox cleanup`` and the optional background job (:mod:`room_outbox.retention`):
+    """``room-outbox cleanup`` and the optional background job (:mod:`room_outbox.store.retention`):
     published rows older than ``older_than`` are deleted, or moved to ``room_outbox_archive``."""
 
     #: Run a pass every ``interval`` inside ``room-outbox run`` (``cleanup`` works either way).

@@ -15,9 +15,9 @@ import anyio
 import pytest
 from support import V1_DDL, envelope, insert_events
 
-from room_outbox.admin import requeue_command
 from room_outbox.cli.main import COMMANDS, EXIT_CODES, SELF_CONTAINED, build_parser, main, version
-from room_outbox.ops import format_relative, format_time
+from room_outbox.cli.requeue import requeue_command
+from room_outbox.cli.status import format_relative, format_time
 from room_outbox.store.factory import open_store
 from room_outbox.store.leased import now_ms
 from room_outbox.store.membership import bucket_of

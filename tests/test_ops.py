@@ -14,7 +14,7 @@ import pytest
 from support import envelope, insert_events, insert_rows
 
 from room_outbox.cli.main import main
-from room_outbox.ops import describe_state
+from room_outbox.cli.status import describe_state
 from room_outbox.store.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio

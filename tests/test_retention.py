@@ -17,9 +17,9 @@ from support import INSERT_V1, envelope, fetch_rows, wait_until
 
 from room_outbox.cli.main import main
 from room_outbox.config import ConfigError, RetentionSettings, load_settings
-from room_outbox.retention import ARCHIVE_TABLE, RetentionOptions, cleanup, run_retention_job
 from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.retention import ARCHIVE_TABLE, RetentionOptions, cleanup, run_retention_job
 
 pytestmark = pytest.mark.anyio
 

@@ -15,8 +15,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
+from room_outbox.cli.status import format_age
 from room_outbox.config import IM_LANE, LanePlan
-from room_outbox.ops import format_age
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import (
     LaneBacklog,

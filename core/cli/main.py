@@ -14,24 +14,25 @@ from collections.abc import Sequence
 import anyio
 import pluggy
 
-from room_outbox.admin import cancel_command, requeue_command
 from room_outbox.app import run_service
+from room_outbox.cli.cleanup import cleanup_command
 from room_outbox.cli.demo import add_demo_parser, run_demo_command
 from room_outbox.cli.fake_im import add_fake_im_parser, run_fake_im
 from room_outbox.cli.lanes import LANES_COMMAND, add_lanes_parser, lanes_command
+from room_outbox.cli.requeue import cancel_command, requeue_command
+from room_outbox.cli.status import inspect_command, status_command
 from room_outbox.config import Settings, load_settings, parse_duration
 from room_outbox.consume import cli as consume_cli
 from room_outbox.delivery.lanes import lane_plan, migrate_plugins, plugins_migration_plan
 from room_outbox.errors import RoomOutboxError
 from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.telemetry import configure_logging
-from room_outbox.ops import inspect_command, status_command
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.retention import RetentionOptions, cleanup_command
 from room_outbox.startup import check_configuration, table_profile
 from room_outbox.store.errors import translated
 from room_outbox.store.factory import SQLStore, describe, open_store, store_address
 from room_outbox.store.operator import RequeueFilter
+from room_outbox.store.retention import RetentionOptions
 from room_outbox.store.sqlite import SQLiteAddress
 
 DESCRIPTION = """\

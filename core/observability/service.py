@@ -21,10 +21,9 @@ from room_outbox.observability.health import CHECK_TEXT_MAX, Health, stalled_aft
 from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
-from room_outbox.ops import sample_backlog
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
-from room_outbox.store.reports import ping
+from room_outbox.store.reports import ping, sample_backlog
 
 log = logging.getLogger("room_outbox.observability")
 

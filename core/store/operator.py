@@ -1,5 +1,5 @@
 """The statements of the operator commands that change rows: ``requeue`` and ``cancel``, in
-SQL all three stores speak and the words of the table's profile (see :mod:`room_outbox.admin` for the commands themselves)."""
+SQL all three stores speak and the words of the table's profile (see :mod:`room_outbox.cli.requeue` for the commands themselves)."""
 
 from __future__ import annotations
 

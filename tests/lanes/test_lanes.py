@@ -340,7 +340,7 @@ async def test_third_party_audit_sink_end_to_end(store: MySQLStore, database_dsn
 async def test_retention_keeps_rows_a_lane_still_needs(store: MySQLStore) -> None:
     """Cleanup removes an old published row only once every lane has been fed it and is done
     with it; the lanes' finished rows go with it."""
-    from room_outbox.retention import RetentionOptions, cleanup
+    from room_outbox.store.retention import RetentionOptions, cleanup
 
     await migrate_lanes(store, ["t"])
     sink = RecordingSink(fail={"owed"})
@@ -357,7 +357,7 @@ async def test_retention_keeps_rows_a_lane_still_needs(store: MySQLStore) -> Non
 
 
 async def test_status_shows_each_lane(store: MySQLStore) -> None:
-    from room_outbox.ops import format_status, status_report
+    from room_outbox.cli.status import format_status, status_report
 
     await migrate_lanes(store, ["t"])
     dispatcher = lane_dispatcher(store, RecordingSink(fail={"stuck"}))
@@ -371,7 +371,7 @@ async def test_status_shows_each_lane(store: MySQLStore) -> None:
 
 
 async def test_inspect_shows_the_event_in_each_lane(store: MySQLStore) -> None:
-    from room_outbox.ops import format_inspection, inspect_event
+    from room_outbox.cli.status import format_inspection, inspect_event
 
     await migrate_lanes(store, ["t"])
     # "stuck" waits a minute for its retry, so it is still waiting however slow the machine is

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from room_outbox.cli.status import inspect_event, status_report
 from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError
-from room_outbox.ops import inspect_event, status_report
 from room_outbox.store import DeliveryResult, Outcome
 from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.leased import now_ms

@@ -21,10 +21,9 @@ import yaml
 from processes import FakeIMProcess, dispatchers, write_config
 from support import INSERT_V1, V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, wait_until
 
+from room_outbox.cli.status import inspect_event, status_report
 from room_outbox.errors import SchemaError
-from room_outbox.ops import inspect_event, status_report
 from room_outbox.producer import append_event
-from room_outbox.retention import RetentionOptions, cleanup
 from room_outbox.store import Claimed, DeliveryResult, Outcome
 from room_outbox.store.dialect import ROW_LOCKS, table_names
 from room_outbox.store.factory import SQLStore, open_store
@@ -32,6 +31,7 @@ from room_outbox.store.leased import LAST_ERROR_MAX, now_ms
 from room_outbox.store.mysql_lanes import LaneStore, migrate_lanes
 from room_outbox.store.operator import RequeueFilter, cancel, find_requeue_candidates, requeue
 from room_outbox.store.profiles import ROOM_CELL, profile_named
+from room_outbox.store.retention import RetentionOptions, cleanup
 from room_outbox.store.tables import V1_TABLE_DDL
 
 pytestmark = pytest.mark.anyio

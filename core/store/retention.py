@@ -43,7 +43,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO
 
 import anyio
 import pymysql
@@ -367,55 +366,3 @@ async def run_retention_job(
         with anyio.move_on_after(settings.interval):
             await stop.wait()
     log.info("retention job stopped", extra={"lifecycle": "retention_stopped"})
-
-
-async def cleanup_command(
-    store: SQLStore,
-    options: RetentionOptions,
-    apply: bool,
-    out: IO[str],
-    err: IO[str],
-    show_progress: bool,
-    plan: LanePlan | None = None,
-) -> int:
-    """``room-outbox cleanup``: one pass, removing rows only when ``apply`` (``--yes``), else
-    counting them; a progress line per batch on ``err`` when ``show_progress`` (a terminal);
-    then a one-line summary on ``out``, and a line per lane that holds rows back."""
-    archive = archive_table(store.profile.table)
-    verb = ("moved to " + archive if options.archive else "deleted") if apply else "would be removed"
-
-    def progress(report: CleanupReport) -> None:
-        print(
-            f"batch {report.batches}: {report.removed:,} row(s) {verb} so far (ids up to {report.last_id},"
-            f" {report.seconds:.1f}s)",
-            file=err,
-            flush=True,
-        )
-
-    report = await cleanup(store, options, plan, dry_run=not apply, progress=progress if show_progress else None)
-    older = f"older than {options.older_than:g}s"
-    what = "published row(s)" if report.by_status else "row(s) every enabled lane has finished"
-    if not apply:
-        target = f"moved to {archive}" if options.archive else "deleted"
-        print(
-            f"{report.removed} {what} {older} would be {target} (dry run: nothing changed;"
-            " run again with --yes to remove them)",
-            file=out,
-        )
-    else:
-        print(
-            f"{report.removed} {what} {older} {verb}"
-            f" in {report.batches} batch(es) of at most {options.batch_size}, {report.seconds:.1f}s",
-            file=out,
-        )
-    for lane in report.waiting_for:
-        print(
-            f"lane {lane} is enabled but has never run; nothing is removed until it has (`room-outbox run`)", file=out
-        )
-    for lane in report.held_back_by:
-        print(
-            f"lane {lane} is not enabled, but its leftovers hold rows back; "
-            f"`room-outbox lanes retire {lane} --yes` drops them",
-            file=out,
-        )
-    return 0

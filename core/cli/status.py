@@ -21,6 +21,7 @@ from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.mysql_lanes import lane_table
 from room_outbox.store.profiles import V1, Profile
+from room_outbox.store.reports import sample_backlog
 
 #: Retry-count histogram buckets of the status report: (label, lowest, highest).
 RETRY_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2-4", 2, 4), ("5-9", 5, 9), ("10-99", 10, 99), ("100+", 100, None))
@@ -28,30 +29,6 @@ RETRY_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2-4", 2, 4), ("5-9", 5, 9), ("10-99
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-@dataclass(frozen=True)
-class Backlog:
-    pending: int
-    #: Age of the lowest-id pending row (ids rise with inserts, so it is the oldest but for
-    #: transactions that committed late); 0 when nothing is pending.
-    oldest_pending_age_ms: int
-
-
-async def sample_backlog(store: SQLStore) -> Backlog:
-    """Pending count and oldest pending age: both read only the index range of pending rows
-    and one row by primary key, however many published rows the table holds."""
-    table, open_ = store.profile.table, store.profile.is_open()
-    async with store.transaction() as cur:
-        await cur.execute(f"SELECT COUNT(*) FROM {table} WHERE {open_}")
-        (pending,) = await cur.fetchone()
-        await cur.execute(
-            f"SELECT {store.profile.as_ms(store.profile.created)} FROM {table} WHERE {open_}"
-            f" ORDER BY {store.profile.key} LIMIT 1"
-        )
-        oldest = await cur.fetchone()
-    age = max(0, _now_ms() - int(oldest[0])) if oldest else 0
-    return Backlog(int(pending), age)
 
 
 # -- room-outbox status -----------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from room_outbox.ops import format_age, printable
+from room_outbox.cli.status import format_age, printable
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.operator import RequeueFilter, cancel, find_requeue_candidates, requeue
 
