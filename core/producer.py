@@ -31,23 +31,11 @@ from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EventEnvelope
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.sink import SinkError
-from room_outbox.store.dialect import MYSQL, POSTGRESQL, SQLITE, Dialect
+from room_outbox.store.dialect import MYSQL, Dialect
 from room_outbox.store.leased import LAST_ERROR_MAX
+from room_outbox.store.producer import insert_event, mark_published
 
 log = logging.getLogger("room_outbox.producer")
-
-INSERT_EVENT = (
-    "INSERT INTO room_outbox (app_code, event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"
-    " VALUES (%s, %s, %s, %s, %s, %s, %s)"
-)
-#: The same INSERT skipping a row whose event_id exists, per dialect: a retried command (the
-#: same event_id) leaves the first row as it is and the caller's transaction goes on.
-INSERT_EVENT_ONCE = {
-    dialect.name: dialect.insert_skipping_duplicates(INSERT_EVENT, "event_id")
-    for dialect in (MYSQL, POSTGRESQL, SQLITE)
-}
-#: Exactly room-service's statement, so both producers behave alike.
-MARK_PUBLISHED = "UPDATE room_outbox SET status='published' WHERE event_id=%s"
 
 
 async def append_event(
@@ -63,9 +51,8 @@ async def append_event(
     """
     event = envelope if isinstance(envelope, EventEnvelope) else EventEnvelope.model_validate(dict(envelope))
     now = int(time.time() * 1000)
-    await cur.execute(
-        INSERT_EVENT_ONCE[dialect.name],
-        (event.app_code, event.event_id, event.event_type, event.room_id, event.model_dump_json(), now, now),
+    await insert_event(
+        cur, dialect, event.app_code, event.event_id, event.event_type, event.room_id, event.model_dump_json(), now
     )
     return event
 
@@ -143,7 +130,7 @@ class OutboxProducer:
         conn = await self.pool.acquire()
         try:
             async with conn.cursor() as cur:
-                await cur.execute(MARK_PUBLISHED, (event_id,))
+                await mark_published(cur, event_id)
             await conn.commit()
         except BaseException:
             conn.close()  # possibly broken: never hand it back to the pool as healthy

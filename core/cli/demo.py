@@ -47,10 +47,11 @@ from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import configure_logging
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.tencent_im.fake import SINK_NAME, FakeTencentIM, Faults, serve_fake_im
-from room_outbox.producer import MARK_PUBLISHED, OutboxProducer, append_event
+from room_outbox.producer import OutboxProducer, append_event
 from room_outbox.sink import Sink
 from room_outbox.store.factory import SQLStore, is_sqlite, open_store
 from room_outbox.store.postgres import SCHEMES as POSTGRESQL_SCHEMES
+from room_outbox.store.producer import mark_published
 from room_outbox.store.reports import count_by_status, status_by_event
 
 log = logging.getLogger("room_outbox.demo")
@@ -133,7 +134,7 @@ class StoreProducer(OutboxProducer):
 
     async def _mark_published(self, event_id: str) -> None:
         async with self.store.transaction() as cur:
-            await cur.execute(MARK_PUBLISHED, (event_id,))
+            await mark_published(cur, event_id)
 
 
 @dataclass

@@ -12,19 +12,19 @@ from __future__ import annotations
 import json
 import time
 import unicodedata
-from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 from room_outbox.consume.ops import consumer_overview, consumer_states, format_overview, format_states
 from room_outbox.envelope import EnvelopeError, parse_envelope
 from room_outbox.store.factory import SQLStore
-from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
-from room_outbox.store.mysql_lanes import lane_table
 from room_outbox.store.profiles import V1, Profile
-from room_outbox.store.reports import sample_backlog
-
-#: Retry-count histogram buckets of the status report: (label, lowest, highest).
-RETRY_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2-4", 2, 4), ("5-9", 5, 9), ("10-99", 10, 99), ("100+", 100, None))
+from room_outbox.store.reports import (
+    StatusReport,
+    event_row,
+    lane_row,
+    lane_statuses,
+    status_report,
+)
 
 
 def _now_ms() -> int:
@@ -32,120 +32,6 @@ def _now_ms() -> int:
 
 
 # -- room-outbox status -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LeaseHolder:
-    node: str
-    claims: int
-    rows: int
-    #: Latest lease end among its rows (epoch ms).
-    lease_until_ms: int
-
-
-@dataclass(frozen=True)
-class LaneStatus:
-    """A lane of its own (Kafka, audit...): how far it is fed and what it still owes."""
-
-    lane: str
-    fed_through_id: int
-    #: room_outbox rows not in the lane's table yet (above its watermark).
-    unfed: int
-    pending: int
-    parked: int
-
-
-@dataclass(frozen=True)
-class StatusReport:
-    pending: int
-    oldest_pending_age_ms: int
-    #: Pending rows not claimable now: waiting for their retry time.
-    waiting_for_retry: int
-    #: Parked (``failed``) and ``cancelled`` rows, when the lane has them.
-    other_statuses: dict[str, int]
-    retry_histogram: dict[str, int]
-    top_errors: list[tuple[str, int]]
-    leased: int
-    holders: list[LeaseHolder] = field(default_factory=list)
-    lanes: list[LaneStatus] = field(default_factory=list)
-    #: False when no IM-lane sink is enabled: ``room_outbox.status`` is then room-service's
-    #: alone, and its pending rows are nobody's backlog here (the IM figures above are 0).
-    im_lane: bool = True
-
-    def to_json(self) -> dict[str, Any]:
-        doc = asdict(self)
-        doc["top_errors"] = [{"last_error": error, "rows": rows} for error, rows in self.top_errors]
-        return doc
-
-
-async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) -> StatusReport:
-    if not im_lane:
-        empty = {label: 0 for label, _, _ in RETRY_BUCKETS}
-        return StatusReport(0, 0, 0, {}, empty, [], 0, lanes=await lane_statuses(store), im_lane=False)
-    now = _now_ms()
-    backlog = await sample_backlog(store)
-    words = store.profile
-    table, open_ = words.table, words.is_open()
-    async with store.transaction() as cur:
-        attempts, lock, after = words.attempts, words.lock, words.ms("%s")
-        await cur.execute(f"SELECT {attempts}, COUNT(*) FROM {table} WHERE {open_} GROUP BY {attempts}")
-        by_retries = {int(retries): int(rows) for retries, rows in await cur.fetchall()}
-        await cur.execute(
-            f"SELECT last_error, COUNT(*) AS n FROM {table} WHERE {open_} AND last_error IS NOT NULL"
-            " GROUP BY last_error ORDER BY n DESC, last_error LIMIT %s",
-            (top,),
-        )
-        top_errors = [(str(error), int(rows)) for error, rows in await cur.fetchall()]
-        await cur.execute(
-            f"SELECT worker_id, COUNT(*), MAX({words.as_ms(lock)}) FROM {table}"
-            f" WHERE status = '{words.in_flight}' AND worker_id IS NOT NULL AND {lock} > {after} GROUP BY worker_id",
-            (now,),
-        )
-        claims = await cur.fetchall()
-        await cur.execute(
-            f"SELECT COUNT(*) FROM {table} WHERE {words.is_waiting()} AND worker_id IS NULL AND {lock} > {after}",
-            (now,),
-        )
-        (waiting,) = await cur.fetchone()
-        other: dict[str, int] = {}
-        for status in (words.parked, words.cancelled):  # each an index range count; absent statuses cost nothing
-            await cur.execute(f"SELECT COUNT(*) FROM {table} WHERE status = %s", (status,))
-            (count,) = await cur.fetchone()
-            if count:
-                other[status] = int(count)
-    histogram = {
-        label: sum(rows for retries, rows in by_retries.items() if low <= retries and (high is None or retries <= high))
-        for label, low, high in RETRY_BUCKETS
-    }
-    holders: dict[str, list[int]] = {}
-    for worker_id, rows, until in claims:
-        node = str(worker_id).rsplit("#", 1)[0]  # claims are "<node_id>#<n>"
-        entry = holders.setdefault(node, [0, 0, 0])
-        entry[0] += 1
-        entry[1] += int(rows)
-        entry[2] = max(entry[2], int(until))
-    return StatusReport(
-        pending=backlog.pending,
-        oldest_pending_age_ms=backlog.oldest_pending_age_ms,
-        waiting_for_retry=int(waiting),
-        other_statuses=other,
-        retry_histogram=histogram,
-        top_errors=top_errors,
-        leased=sum(entry[1] for entry in holders.values()),
-        holders=[LeaseHolder(node, c, r, u) for node, (c, r, u) in sorted(holders.items())],
-        lanes=await lane_statuses(store),
-    )
-
-
-async def lane_statuses(store: SQLStore) -> list[LaneStatus]:
-    """One line per lane of its own that has run."""
-    lanes = []
-    for lane in await stored_lanes(store):
-        if lane.fed_through_id is None:
-            continue
-        owed = await own_lane_backlog(store, lane)
-        lanes.append(LaneStatus(lane.name, lane.fed_through_id, owed.unfed, owed.pending, owed.parked))
-    return lanes
 
 
 # -- human output ------------------------------------------------------------------------------
@@ -256,23 +142,10 @@ async def inspect_event(store: SQLStore, event_id: str) -> dict[str, Any] | None
     """The row of ``event_id`` with its parsed envelope (or why it does not parse) and a
     sentence on its delivery state; ``None`` when no row has that event_id."""
     p = store.profile
-    # The row as stored, then what room-outbox reads of it under the profile's column names.
-    read = {
-        "key": p.key, "event_id": p.event_id, "event_type": p.event_type, "room_id": p.room_id,
-        "app_code": p.app_code, "envelope": p.envelope, "lock_ms": p.as_ms(p.lock),
-    }  # fmt: skip
-    async with store.transaction() as cur:
-        await cur.execute(
-            f"SELECT *, {', '.join(f'{sql} AS read_{name}' for name, sql in read.items())}"
-            f" FROM {p.table} WHERE {p.event_id} = %s",
-            (event_id,),
-        )
-        found = await cur.fetchone()
-        names = [d[0] for d in cur.description]
+    found = await event_row(store, event_id)
     if found is None:
         return None
-    row = dict(zip(names, found, strict=True))
-    seen = {name: row.pop(f"read_{name}") for name in read}
+    row, seen = found
     row.pop("envelope", None)  # shown parsed below
     raw = seen["envelope"]
     doc: dict[str, Any] = {"row": row}
@@ -302,12 +175,9 @@ async def _lane_states(store: SQLStore, outbox_id: int, now: int) -> dict[str, s
     """The event's state in each lane of its own (same vocabulary as the IM lane's)."""
     states: dict[str, str] = {}
     for lane in await lane_statuses(store):
-        async with store.transaction() as cur:
-            await cur.execute(f"SELECT * FROM {lane_table(lane.lane)} WHERE outbox_id = %s", (outbox_id,))
-            found = await cur.fetchone()
-            names = [d[0] for d in cur.description]
+        found = await lane_row(store, lane.lane, outbox_id)
         if found is not None:
-            states[lane.lane] = describe_state(dict(zip(names, found, strict=True)), now)
+            states[lane.lane] = describe_state(found, now)
         elif outbox_id > lane.fed_through_id:
             states[lane.lane] = "not fed to this lane yet"
         else:

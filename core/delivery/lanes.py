@@ -8,8 +8,6 @@ enabled; a sink registered with ``own_lane=True`` gets ``room_outbox_lane_<name>
 
 from __future__ import annotations
 
-import warnings
-
 import pluggy
 
 from room_outbox.config import LanePlan, OutboxWorkerSettings, Settings
@@ -17,6 +15,7 @@ from room_outbox.delivery.routing import registered_sinks, section_enabled
 from room_outbox.store.dialect import PLUGIN_SCHEMA
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.mysql_lanes import LaneStore, lanes_migration_plan, migrate_lanes
+from room_outbox.store.plugin_schema import run_plugin_statements
 from room_outbox.store.tables import Migration
 
 
@@ -61,11 +60,7 @@ async def migrate_plugins(store: SQLStore, pm: pluggy.PluginManager, settings: S
         changes.append(f"skipped {len(statements)} plugin schema statement(s): they are MySQL's")
         return changes
     if statements:
-        async with store.transaction() as cur:
-            with warnings.catch_warnings():  # "table already exists" notes are the point of IF NOT EXISTS
-                warnings.simplefilter("ignore")
-                for ddl in statements:
-                    await cur.execute(ddl)
+        await run_plugin_statements(store, statements)
         changes.append(f"ran {len(statements)} plugin schema statement(s)")
     return changes
 
