@@ -12,7 +12,6 @@ import sys
 from collections.abc import Sequence
 
 import anyio
-import pluggy
 
 from room_outbox.app import run_service
 from room_outbox.cli.cleanup import cleanup_command
@@ -20,20 +19,19 @@ from room_outbox.cli.demo import add_demo_parser, run_demo_command
 from room_outbox.cli.fake_im import add_fake_im_parser, run_fake_im
 from room_outbox.cli.lanes import LANES_COMMAND, add_lanes_parser, lanes_command
 from room_outbox.cli.requeue import cancel_command, requeue_command
+from room_outbox.cli.run import check_config, migrate, translated_errors
 from room_outbox.cli.status import inspect_command, status_command
 from room_outbox.config import Settings, load_settings, parse_duration
 from room_outbox.consume import cli as consume_cli
-from room_outbox.delivery.lanes import lane_plan, migrate_plugins, plugins_migration_plan
+from room_outbox.delivery.lanes import lane_plan
 from room_outbox.errors import RoomOutboxError
 from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.telemetry import configure_logging
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.startup import check_configuration, table_profile
-from room_outbox.store.errors import translated
-from room_outbox.store.factory import SQLStore, describe, open_store, store_address
+from room_outbox.startup import table_profile
+from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.operator import RequeueFilter
 from room_outbox.store.retention import RetentionOptions
-from room_outbox.store.sqlite import SQLiteAddress
 
 DESCRIPTION = """\
 Guaranteed delivery of room events: room-outbox reads the room_outbox table that room-service
@@ -256,10 +254,10 @@ def _command(args: argparse.Namespace, redactor: Redactor) -> int:
     settings = load_settings(args.config)
     redactor.add_all(redactor_for(settings))  # logs, spans, last_error, sinks and failures share it
     if args.command == "check-config":
-        return _check_config(settings, args.config)
+        return check_config(settings, args.config)
     configure_logging(settings.log.level, settings.node_id, redactor, library_level=settings.log.library_level)
     if args.command == "migrate":
-        return anyio.run(_migrate, settings, args.sql)
+        return anyio.run(migrate, settings, args.sql)
     if args.command == "run":
         anyio.run(functools.partial(run_service, settings, redactor=redactor))
         return 0
@@ -296,79 +294,6 @@ def _closed_pipe() -> int:
     return EXIT_CLOSED_PIPE
 
 
-def _check_config(settings: Settings, source: str | None) -> int:
-    """``check-config``: the whole configuration, as ``run`` would check it, offline."""
-    checked = check_configuration(settings, make_plugin_manager(settings.plugins.disabled))
-    print(
-        f"configuration OK ({source or 'defaults and environment'}): database {checked.database!r};"
-        f" IM lane sinks: {', '.join(checked.im_sinks) or 'none'};"
-        f" lanes of their own: {', '.join(checked.own_lanes) or 'none'}"
-    )
-    return 0
-
-
-async def _migrate(settings: Settings, sql_only: bool) -> int:
-    dsn = settings.database.dsn.get_secret_value()
-    pm = make_plugin_manager(settings.plugins.disabled)
-    if sql_only:
-        return await _print_migration(settings, pm)
-    database = settings.database
-    store = await open_store(
-        dsn,
-        create_database=True,
-        query_timeout=database.query_timeout,
-        wait=database.connect_wait,
-        profile=table_profile(settings),
-    )
-    try:
-        with _translated(dsn):
-            changes = await store.migrate()
-            changes += await migrate_plugins(store, pm, settings)  # own-lane sinks' tables, plugin tables
-            changes += await consume_cli.migrate_consumers(store)
-    finally:
-        await store.aclose()
-    for change in changes or ["schema already up to date"]:
-        print(change)
-    return 0
-
-
-async def _print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
-    """``migrate --sql``: the statements ``migrate`` would run on this database, as a script
-    to read or hand to a DBA; nothing is changed (the catalogue is only read)."""
-    dsn = settings.database.dsn.get_secret_value()
-    address = store_address(dsn)
-    if isinstance(address, SQLiteAddress) and not address.path.exists():
-        # Opening a SQLite file creates it: plan against an empty in-memory database instead.
-        store = await open_store("sqlite::memory:", profile=table_profile(settings))
-    else:
-        store = await open_store(
-            dsn,
-            query_timeout=settings.database.query_timeout,
-            wait=settings.database.connect_wait,
-            profile=table_profile(settings),
-        )
-    try:
-        with _translated(dsn):
-            plan = await store.migration_plan() + await plugins_migration_plan(store, pm, settings)
-            plan += await consume_cli.consumers_migration_plan(store)
-    finally:
-        await store.aclose()
-    print(f"-- room-outbox migrate for {describe(address)}: nothing has been run")
-    if not plan:
-        print("-- schema already up to date: no statement to run")
-    for step in plan:
-        print(f"\n-- {step.change}")
-        for statement in step.statements:
-            print(statement.strip().rstrip(";") + ";")
-    return 0
-
-
-def _translated(dsn: str) -> contextlib.AbstractContextManager[None]:
-    """Driver errors of the block as room-outbox's own, naming the store (not the password)."""
-    address = store_address(dsn)
-    return translated(describe(address), getattr(address, "password", ""))
-
-
 async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
     """Operator commands: one connection, one command, closed again (logic in admin, ops,
     retention)."""
@@ -377,7 +302,7 @@ async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
         dsn, pool_size=1, query_timeout=settings.database.query_timeout, profile=table_profile(settings)
     )
     try:
-        with _translated(dsn):
+        with translated_errors(dsn):
             return await _operator_command(store, settings, args)
     finally:
         await store.aclose()

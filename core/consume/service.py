@@ -17,12 +17,12 @@ from contextlib import asynccontextmanager
 
 import anyio
 
-from room_outbox.config import ConfigError, Settings
+from room_outbox.config import ConfigError, Settings, parse_listen
 from room_outbox.consume.engine import Consumer
 from room_outbox.consume.registry import BoundHandler, build_handlers
 from room_outbox.consume.settings import consumer_settings
 from room_outbox.observability.health import Health
-from room_outbox.observability.http_endpoint import HttpEndpoint, parse_listen
+from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
 from room_outbox.plugin_manager import make_plugin_manager
