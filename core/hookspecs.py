@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from room_outbox.consume.handler import HandlerSpec
+    from room_outbox.handler import HandlerSpec
     from room_outbox.sink import SinkSpec
 
 PROJECT_NAME = "room_outbox"

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import anyio
 
 from room_outbox.app import run_service
+from room_outbox.cli import consume as consume_cli
 from room_outbox.cli.cleanup import cleanup_command
 from room_outbox.cli.demo import add_demo_parser, run_demo_command
 from room_outbox.cli.fake_im import add_fake_im_parser, run_fake_im
@@ -22,7 +23,6 @@ from room_outbox.cli.requeue import cancel_command, requeue_command
 from room_outbox.cli.run import check_config, migrate, translated_errors
 from room_outbox.cli.status import inspect_command, status_command
 from room_outbox.config import Settings, load_settings, parse_duration
-from room_outbox.consume import cli as consume_cli
 from room_outbox.delivery.lanes import lane_plan
 from room_outbox.errors import RoomOutboxError
 from room_outbox.observability.redaction import Redactor, redactor_for

@@ -7,8 +7,8 @@ import contextlib
 
 import pluggy
 
+from room_outbox.cli import consume as consume_cli
 from room_outbox.config import Settings
-from room_outbox.consume import cli as consume_cli
 from room_outbox.delivery.lanes import migrate_plugins, plugins_migration_plan
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.startup import check_configuration, table_profile

@@ -8,18 +8,15 @@ from typing import IO, Any
 
 from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_consume import RETRY, MySQLConsumerStore
+from room_outbox.store.mysql_consume import MySQLConsumerStore
 
 
 async def _consumer_store(store: object) -> MySQLConsumerStore | None:
     """The consumers' tables, when this database has them (none on SQLite)."""
     if not isinstance(store, MySQLStore):
         return None
-    async with store.transaction() as cur:
-        await cur.execute(f"SHOW TABLES LIKE '{RETRY}'")
-        if not await cur.fetchone():
-            return None
-    return MySQLConsumerStore(store)
+    consumers = MySQLConsumerStore(store)
+    return consumers if await consumers.migrated() else None
 
 
 async def consumer_overview(store: object) -> list[dict[str, Any]]:

@@ -9,9 +9,9 @@ import pluggy
 from pydantic import ValidationError
 
 from room_outbox.config import ConfigError, Settings, describe_validation_error
-from room_outbox.consume.handler import Handler, HandlerFactoryContext, HandlerSpec
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.envelope import KNOWN_EVENT_TYPES
+from room_outbox.handler import Handler, HandlerFactoryContext, HandlerSpec
 from room_outbox.observability.redaction import Redactor
 
 

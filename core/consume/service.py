@@ -10,6 +10,7 @@ answers and every consumer has joined its group.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 from collections.abc import AsyncIterator, Iterable
@@ -29,6 +30,7 @@ from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.factory import open_store
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.mysql_consume import MySQLConsumerStore
+from room_outbox.store.reports import ping
 
 log = logging.getLogger("room_outbox.consume")
 
@@ -101,11 +103,7 @@ async def _observed(
     listen = parse_listen(settings.telemetry.http_listen) if settings.telemetry.http_listen else None
     telemetry = telemetry_from_environment(settings.node_id, redactor, prometheus=listen is not None)
 
-    async def ping() -> None:
-        async with store.transaction() as cur:
-            await cur.execute("SELECT 1")
-
-    health = Health(ping, redactor=redactor)
+    health = Health(functools.partial(ping, store), redactor=redactor)
     error: BaseException | None = None
     try:
         endpoint = None

@@ -1,4 +1,4 @@
-"""The consumer engine's tables on MySQL/MariaDB (see :mod:`room_outbox.consume.store`).
+"""The consumer engine's tables on MySQL/MariaDB (see :mod:`room_outbox.store.consumer`).
 
 Claims of retry rows work like the outbox's: ``FOR UPDATE SKIP LOCKED`` at READ COMMITTED, a
 lease in ``due_at_ms`` plus the ``owner`` that holds it, and every later write fenced on that
@@ -16,8 +16,8 @@ from typing import Any
 
 import pymysql
 
-from room_outbox.consume.handler import Transaction
-from room_outbox.consume.store import LeaseLost, Processed, RetryRow
+from room_outbox.handler import Transaction
+from room_outbox.store.consumer import LeaseLost, Processed, RetryRow
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql import Migration, MySQLStore
@@ -73,7 +73,7 @@ _COLUMNS = (
 
 
 class MySQLTransaction:
-    """:class:`~room_outbox.consume.handler.Transaction` over an aiomysql cursor."""
+    """:class:`~room_outbox.handler.Transaction` over an aiomysql cursor."""
 
     dialect = "mysql"
 
@@ -205,6 +205,12 @@ class MySQLConsumerStore:
     def __init__(self, owner: MySQLStore, handling_timeout: float | None = None) -> None:
         self.owner = owner
         self.handling_timeout = handling_timeout
+
+    async def migrated(self) -> bool:
+        """Whether the consumers' tables exist here (``migrate`` made them)."""
+        async with self.owner.transaction() as cur:
+            await cur.execute(f"SHOW TABLES LIKE '{RETRY}'")
+            return bool(await cur.fetchone())
 
     async def migration_plan(self) -> list[Migration]:
         """The consumers' tables that do not exist yet (``migrate --sql`` prints this)."""

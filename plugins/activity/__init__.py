@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 
-from room_outbox import hookimpl
-from room_outbox.consume.handler import (
+from room_outbox import (
     ConsumedEvent,
     HandleContext,
     HandlerFactoryContext,
     HandlerSettings,
     HandlerSpec,
+    hookimpl,
 )
 
 TABLE = "room_activity"

@@ -10,15 +10,16 @@ which they were recorded, which for one room is the room's order.
 
 from __future__ import annotations
 
-from room_outbox import hookimpl
-from room_outbox.consume.handler import (
+import time
+
+from room_outbox import (
     ConsumedEvent,
     HandleContext,
     HandlerFactoryContext,
     HandlerSettings,
     HandlerSpec,
+    hookimpl,
 )
-from room_outbox.store.leased import now_ms
 
 TABLE = "room_audit_log"
 
@@ -64,12 +65,12 @@ class AuditHandler:
             await tx.execute(
                 INSERT[tx.dialect],
                 (e.app_code, e.event_id, e.event_type, e.room_id, e.room_version, e.occurred_at_ms,
-                 _envelope_json(event), event.consumer, event.topic, event.partition, event.offset, now_ms()),
+                 _envelope_json(event), event.consumer, event.topic, event.partition, event.offset, int(time.time() * 1000)),
             )  # fmt: skip
 
     async def handle_batch(self, events: list[ConsumedEvent], ctx: HandleContext) -> None:
         """One multi-row statement; rows in the order given, so ``id`` keeps each room's order."""
-        recorded = now_ms()
+        recorded = int(time.time() * 1000)
         async with ctx.transaction() as tx:
             await tx.executemany(
                 INSERT[tx.dialect],

@@ -28,6 +28,7 @@ from pydantic import Field
 from room_outbox import (
     Duration,
     EventEnvelope,
+    KafkaSecurity,
     PermanentSinkError,
     RetryableSinkError,
     SinkContext,
@@ -35,7 +36,6 @@ from room_outbox import (
     SinkSpec,
     hookimpl,
 )
-from room_outbox.kafka_security import KafkaSecurity
 
 
 class KafkaSettings(SinkSettings):

@@ -20,7 +20,11 @@ from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, captur
 from room_outbox import hookimpl
 from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.engine import Consumer
-from room_outbox.consume.handler import (
+from room_outbox.consume.registry import build_handlers, check_consumers, registered_handlers
+from room_outbox.consume.service import run_consumers
+from room_outbox.consume.settings import ConsumerSettings, consumer_settings
+from room_outbox.delivery.lanes import migrate_plugins
+from room_outbox.handler import (
     ConsumedEvent,
     HandleContext,
     HandlerFactoryContext,
@@ -28,10 +32,6 @@ from room_outbox.consume.handler import (
     HandlerSpec,
     PermanentHandlerError,
 )
-from room_outbox.consume.registry import build_handlers, check_consumers, registered_handlers
-from room_outbox.consume.service import run_consumers
-from room_outbox.consume.settings import ConsumerSettings, consumer_settings
-from room_outbox.delivery.lanes import migrate_plugins
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.mysql import MySQLAddress, MySQLStore

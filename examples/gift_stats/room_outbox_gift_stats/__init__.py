@@ -15,14 +15,14 @@ handler is not called again. Run it with::
 
 from __future__ import annotations
 
-from room_outbox import hookimpl
-from room_outbox.consume.handler import (
+from room_outbox import (
     ConsumedEvent,
     HandleContext,
     HandlerFactoryContext,
     HandlerSettings,
     HandlerSpec,
     PermanentHandlerError,
+    hookimpl,
 )
 
 DDL = """CREATE TABLE IF NOT EXISTS room_gift_totals (

@@ -17,7 +17,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from room_outbox.consume.handler import Transaction
+from room_outbox.handler import Transaction
 
 #: ``handler`` of a dead letter that no handler was chosen for.
 NO_HANDLER = ""
