@@ -8,9 +8,12 @@
     │   └── QueryTimeout            a statement outlived mysql.query_timeout (also a ``TimeoutError``;
     │                               in :mod:`room_outbox.store.deadline`)
     ├── EnvelopeError               a row's envelope does not parse (also a ``ValueError``)
-    └── SinkError                   raised by a sink on purpose
-        ├── RetryableSinkError      may go away: the event is tried again
-        └── PermanentSinkError      retrying will not help
+    ├── SinkError                   raised by a sink on purpose
+    │   ├── RetryableSinkError      may go away: the event is tried again
+    │   └── PermanentSinkError      retrying will not help
+    └── HandlerError                raised by a consumer's handler on purpose
+        ├── RetryableHandlerError   may go away: retried with backoff
+        └── PermanentHandlerError   retrying will not help: a dead letter at once
 
 Driver errors (PyMySQL, aiomysql, sqlite3) are translated once, at the store's boundary
 (:mod:`room_outbox.store.errors`), with the driver's exception kept as ``__cause__``.
@@ -68,3 +71,15 @@ class RetryableSinkError(SinkError):
 
 class PermanentSinkError(SinkError):
     """Delivery can never succeed as the event stands (bad target, message too large...)."""
+
+
+class HandlerError(RoomOutboxError):
+    """Base of the errors a consumer's handler raises deliberately."""
+
+
+class RetryableHandlerError(HandlerError):
+    """Handling failed for a reason that may go away: retried with backoff."""
+
+
+class PermanentHandlerError(HandlerError):
+    """Handling can never succeed for this message: it becomes a dead letter at once."""

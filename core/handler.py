@@ -31,17 +31,10 @@ from pydantic import BaseModel, ConfigDict
 
 from room_outbox.envelope import EventEnvelope
 
-
-class HandlerError(Exception):
-    """Base of the errors a handler raises deliberately."""
-
-
-class RetryableHandlerError(HandlerError):
-    """Handling failed for a reason that may go away: retried with backoff."""
-
-
-class PermanentHandlerError(HandlerError):
-    """Handling can never succeed for this message: it becomes a dead letter at once."""
+# The handler's errors live in the one error tree; handlers import them from here.
+from room_outbox.errors import HandlerError as HandlerError
+from room_outbox.errors import PermanentHandlerError as PermanentHandlerError
+from room_outbox.errors import RetryableHandlerError as RetryableHandlerError
 
 
 class Transaction(Protocol):
