@@ -1,6 +1,6 @@
-"""``python -m bench [--quick] [--only a,p,b,c,d,e,r,o,k]``: every measurement in one run, printed
+"""``python -m bench [--quick] [--only a,p,b,c,d,e,r,o,k,f]``: every measurement in one run, printed
 as a table with same-run ratios and the targets (p: the noop lane on PostgreSQL; o: per-room
-ordering with 1-3 processes; k: the consumers)."""
+ordering with 1-3 processes; k: the consumers; f: the Kafka lane)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from bench.bigtable import run_claim, run_retention
 from bench.consume import run_consume
 from bench.db import bench_database
 from bench.im import run_overhead, run_quota
+from bench.kafka_lane import run_kafka_lane
 from bench.noop import run_noop
 from bench.ordered import run_ordered
 from bench.pg import pg_bench_database, run_pg_noop
@@ -27,11 +28,11 @@ PG_SERVER = os.environ.get("ROOM_OUTBOX_TEST_POSTGRESQL", "postgresql://postgres
 FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events": 3_000, "quota_events": 2_400,
         "latency_seconds": 20.0, "latency_batch": 100, "published": 1_000_000, "claim_rounds": 200, "rss_events": 200_000,
         "ordered_events": 20_000, "ordered_rooms": "50,500,5000",
-        "consume_events": 20_000}  # fmt: skip
+        "consume_events": 20_000, "kafka_events": 10_000, "kafka_rounds": 3}  # fmt: skip
 QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300, "quota_events": 300,
          "latency_seconds": 2.0, "latency_batch": 100, "published": 20_000, "claim_rounds": 20, "rss_events": 5_000,
          "ordered_events": 2_000, "ordered_rooms": "50,500",
-         "consume_events": 1_000}  # fmt: skip
+         "consume_events": 1_000, "kafka_events": 500, "kafka_rounds": 1}  # fmt: skip
 
 Row = tuple[str, str, str, str]  # measurement, figure, ratio, target verdict
 
@@ -41,8 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in well under a minute")
     parser.add_argument(
         "--only",
-        default="a,p,b,c,d,e,r,o,k",
-        help="parts to run (a b c d e, p = PostgreSQL noop lane, r = retention, o = ordered processes, k = consumers)",
+        default="a,p,b,c,d,e,r,o,k,f",
+        help="parts to run (a b c d e, p = PostgreSQL noop lane, r = retention, o = ordered processes,"
+        " k = consumers, f = Kafka lane)",
     )
     for key, value in FULL.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None, help=f"default {value}")
@@ -184,8 +186,29 @@ async def part_k(args: argparse.Namespace) -> list[Row]:
     ]  # fmt: skip
 
 
+async def part_f(args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    async with bench_database(SERVER) as (_dsn, store):
+        for batch in (int(b) for b in args.batches.split(",")):
+            r = await run_kafka_lane(store, args.kafka_events, batch, args.kafka_rounds)
+            rows += [
+                (f"f. bare aiokafka send_and_wait, {r.concurrency} in flight, batch {batch} ({r.events:,} ev)",
+                 f"{r.bare:,.0f} ev/s", "baseline", ""),
+                (f"f. bare send_and_wait, {batch} in flight", f"{r.bare_batch:,.0f} ev/s",
+                 f"{r.bare_batch / r.bare:.1f}× baseline", "reference"),
+                (f"f. Kafka lane (acks=all, idempotent {str(r.idempotent).lower()}), batch {batch}, concurrency {r.concurrency}",
+                 f"{r.lane:,.0f} ev/s",
+                 f"{r.lane / r.bare:.0%} of baseline, {r.lane / r.bare_batch:.0%} of {batch} in flight",
+                 f"≥70 % baseline: {verdict(r.lane >= 0.7 * r.bare)}"),
+                (f"f. same lane, delivery a no-op, batch {batch}", f"{r.lane_noop:,.0f} ev/s",
+                 f"Kafka lane = {r.lane / r.lane_noop:.0%} of it", "the lane's store-bound ceiling"),
+            ]  # fmt: skip
+    return rows
+
+
 PARTS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "a": part_a, "p": part_p, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "o": part_o, "k": part_k,
+    "f": part_f,
 }  # fmt: skip
 
 

@@ -1,0 +1,176 @@
+"""(f) Kafka-lane throughput: the Kafka sink's lane of its own against bare aiokafka
+producers, on one tansu broker (memory storage, 3 partitions), in the same run.
+
+* **bare send_and_wait** (baseline): ``concurrency`` tasks, each ``send_and_wait`` one
+  message after another: as many messages in flight as the lane has delivery workers.
+* **bare send_and_wait, a batch in flight** (a stronger reference): ``batch_size`` tasks,
+  so a whole batch is in the producer at once.
+* **Kafka lane**: the lane as ``room-outbox run`` builds it (``build_lanes`` → the Kafka sink,
+  ``LaneStore`` over ``room_outbox_lane_kafka`` fed from ``room_outbox``, the dispatcher),
+  draining the rows from a fresh load: claim, feed, read envelopes, deliver, record.
+* **the same lane, delivery a no-op**: the lane's own ceiling, set by its store round trips
+  and the dispatcher: no Kafka lane can go faster than this on the same database.
+
+All send the same messages: each row's envelope as the value, key ``{app_code}:{room_id}``,
+headers ``event_id`` and ``event_type``, ``acks=all``, the same idempotence the sink ended up
+with. Every producer is started (and one message sent) before its clock starts. Rounds
+alternate which goes first; each figure is the median of its rounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import anyio
+from aiokafka import AIOKafkaProducer
+
+from bench.consume import TOPIC, Tansu
+from bench.db import load, reset
+from room_outbox.config import Settings
+from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
+from room_outbox.delivery.lanes import lane_store, migrate_plugins
+from room_outbox.delivery.routing import Lanes, Router, build_lanes
+from room_outbox.envelope import EventEnvelope
+from room_outbox.observability.redaction import Redactor
+from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.plugins.noop import NoopSink
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
+
+Message = tuple[bytes, bytes, list[tuple[str, bytes]]]  # value, key, headers
+
+
+@dataclass(frozen=True)
+class KafkaLaneResult:
+    events: int
+    batch_size: int
+    concurrency: int
+    rounds: int
+    idempotent: bool
+    bare: float  # events/s, medians
+    bare_batch: float
+    lane: float
+    lane_noop: float  # the same lane table and dispatcher, the sink a no-op
+
+
+def kafka_settings(bootstrap: str) -> Settings:
+    return Settings(sinks={"tencent_im": {"enabled": False}, "kafka": {"bootstrap_servers": bootstrap, "topic": TOPIC}})
+
+
+async def messages(store: MySQLStore) -> list[Message]:
+    """The loaded rows as the Kafka sink sends them."""
+    async with store.transaction() as cur:
+        await cur.execute("SELECT envelope FROM room_outbox ORDER BY id")  # the bench's own read
+        rows = await cur.fetchall()
+    out: list[Message] = []
+    for (raw,) in rows:
+        envelope = EventEnvelope.model_validate_json(raw)
+        headers = [("event_id", envelope.event_id.encode()), ("event_type", envelope.event_type.encode())]
+        out.append((envelope.model_dump_json().encode(), f"{envelope.app_code}:{envelope.room_id}".encode(), headers))
+    return out
+
+
+async def bare_rate(bootstrap: str, idempotent: bool, batch: list[Message], in_flight: int) -> float:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=idempotent)
+    await producer.start()
+    try:
+        value, key, headers = batch[0]
+        await producer.send_and_wait(TOPIC, value, key=key, headers=headers)  # connected, metadata known
+        remaining = iter(batch)
+
+        async def sender() -> None:
+            for value, key, headers in remaining:  # one shared iterator: each message sent once
+                await producer.send_and_wait(TOPIC, value, key=key, headers=headers)
+
+        started = time.perf_counter()
+        async with anyio.create_task_group() as senders:
+            for _ in range(in_flight):
+                senders.start_soon(sender)
+        return len(batch) / (time.perf_counter() - started)
+    finally:
+        await producer.stop()
+
+
+async def fresh_lane_rows(store: MySQLStore, events: int) -> None:
+    await reset(store)
+    async with store.transaction() as cur:
+        await cur.execute(f"TRUNCATE TABLE {lane_table('kafka')}")
+        await cur.execute(f"DELETE FROM {CURSOR_TABLE}")
+    await load(store, events, prefix="k", rooms=500)
+
+
+async def drain_rate(store: MySQLStore, settings: Settings, options: LaneOptions, router: Router, events: int) -> float:
+    """Drain ``events`` fresh rows through the lane ``kafka`` with ``router``'s sink."""
+    await fresh_lane_rows(store, events)
+    lane = lane_store(store, "kafka", settings, "beginning")
+    dispatcher = Dispatcher(lane, router, options, "bench", lane="kafka")
+    started = time.perf_counter()
+    moved = await dispatcher.run_until_empty()
+    seconds = time.perf_counter() - started
+    assert moved == events, (moved, events)
+    return events / seconds
+
+
+async def lane_rate(store: MySQLStore, settings: Settings, options: LaneOptions, events: int) -> tuple[float, bool]:
+    """The Kafka lane's rate; also whether its producer is idempotent."""
+    lanes: Lanes = await build_lanes(make_plugin_manager(), settings, Redactor())
+    router = lanes.own["kafka"]
+    try:
+        sink = router.sinks["kafka"]
+        # started and connected before the clock starts, as the bare producers are
+        await sink.deliver(EventEnvelope.model_validate({
+            "event_id": "warm-up", "event_type": "RoomHeatChanged", "room_id": "r_0", "app_code": "default",
+            "room_version": 1, "payload": {}}))  # fmt: skip
+        rate = await drain_rate(store, settings, options, router, events)
+        producer = getattr(sink, "_producer", None)
+        return rate, producer is not None and producer._txn_manager is not None
+    finally:
+        await router.aclose()
+
+
+async def lane_noop_rate(store: MySQLStore, settings: Settings, options: LaneOptions, events: int) -> float:
+    router = Router({"kafka": NoopSink()}, {}, catch_all="kafka", skip_unrouted=True)
+    return await drain_rate(store, settings, options, router, events)
+
+
+async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, rounds: int = 3) -> KafkaLaneResult:
+    broker = Tansu()
+    try:
+        settings = kafka_settings(broker.bootstrap)
+        await migrate_plugins(store, make_plugin_manager(), settings)
+        worker = settings.outbox_worker.for_lane("kafka")
+        options = replace(LaneOptions.from_settings(worker), batch_size=batch_size, poll_interval=0.1)
+        await fresh_lane_rows(store, events)
+        batch = await messages(store)
+        bare: list[float] = []
+        bare_batch: list[float] = []
+        lane: list[float] = []
+        lane_noop: list[float] = []
+        idempotent = False
+        # The lane goes first in the first round: the bare producers then ask for the
+        # idempotence the sink ended up with (the broker may refuse it).
+        for n in range(rounds):
+            if not n % 2:
+                rate, idempotent = await lane_rate(store, settings, options, events)
+                lane.append(rate)
+            bare.append(await bare_rate(broker.bootstrap, idempotent, batch, options.concurrency))
+            bare_batch.append(await bare_rate(broker.bootstrap, idempotent, batch, batch_size))
+            if n % 2:
+                rate, idempotent = await lane_rate(store, settings, options, events)
+                lane.append(rate)
+            lane_noop.append(await lane_noop_rate(store, settings, options, events))
+        return KafkaLaneResult(
+            events,
+            batch_size,
+            options.concurrency,
+            rounds,
+            idempotent,
+            statistics.median(bare),
+            statistics.median(bare_batch),
+            statistics.median(lane),
+            statistics.median(lane_noop),
+        )
+    finally:
+        broker.stop()
