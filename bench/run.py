@@ -1,6 +1,6 @@
-"""``python -m bench [--quick] [--only a,p,b,c,d,e,r,o,k,f]``: every measurement in one run, printed
+"""``python -m bench [--quick] [--only a,p,b,c,d,e,r,o,k,f,m]``: every measurement in one run, printed
 as a table with same-run ratios and the targets (p: the noop lane on PostgreSQL; o: per-room
-ordering with 1-3 processes; k: the consumers; f: the Kafka lane)."""
+ordering with 1-3 processes; k: the consumers; f: the Kafka lane; m: memory over a backlog of 1M pending rows)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 
+from bench.backlog import run_backlog
 from bench.bigtable import run_claim, run_retention
 from bench.consume import run_consume
 from bench.db import bench_database
@@ -28,11 +29,13 @@ PG_SERVER = os.environ.get("ROOM_OUTBOX_TEST_POSTGRESQL", "postgresql://postgres
 FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events": 3_000, "quota_events": 2_400,
         "latency_seconds": 20.0, "latency_batch": 100, "published": 1_000_000, "claim_rounds": 200, "rss_events": 200_000,
         "ordered_events": 20_000, "ordered_rooms": "50,500,5000",
-        "consume_events": 20_000, "kafka_events": 10_000, "kafka_rounds": 3}  # fmt: skip
+        "consume_events": 20_000, "kafka_events": 10_000, "kafka_rounds": 3,
+        "backlog": 1_000_000, "backlog_drain": 100_000, "backlog_seconds": 90.0}  # fmt: skip
 QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300, "quota_events": 300,
          "latency_seconds": 2.0, "latency_batch": 100, "published": 20_000, "claim_rounds": 20, "rss_events": 5_000,
          "ordered_events": 2_000, "ordered_rooms": "50,500",
-         "consume_events": 1_000, "kafka_events": 500, "kafka_rounds": 1}  # fmt: skip
+         "consume_events": 1_000, "kafka_events": 500, "kafka_rounds": 1,
+         "backlog": 5_000, "backlog_drain": 1_000, "backlog_seconds": 30.0}  # fmt: skip
 
 Row = tuple[str, str, str, str]  # measurement, figure, ratio, target verdict
 
@@ -42,9 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in well under a minute")
     parser.add_argument(
         "--only",
-        default="a,p,b,c,d,e,r,o,k,f",
+        default="a,p,b,c,d,e,r,o,k,f,m",
         help="parts to run (a b c d e, p = PostgreSQL noop lane, r = retention, o = ordered processes,"
-        " k = consumers, f = Kafka lane)",
+        " k = consumers, f = Kafka lane, m = memory over a 1M backlog)",
     )
     for key, value in FULL.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None, help=f"default {value}")
@@ -206,9 +209,24 @@ async def part_f(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+async def part_m(args: argparse.Namespace) -> list[Row]:
+    async with bench_database(SERVER) as (dsn, store):
+        r = await run_backlog(store, dsn, args.backlog, args.backlog_drain, args.backlog_seconds)
+    rows: list[Row] = []
+    for run in r.runs:
+        flat = run.over_backlog_mb <= 10
+        rows += [
+            (f"m. {run.name}, {run.backlog:,} owed (load {r.load_seconds:.0f}s)",
+             f"RSS {run.start_mb:.0f} → {run.end_mb:.0f} MB, peak {run.peak_mb:.0f} MB",
+             f"after {run.drained:,} ev ({run.rate:,.0f} ev/s); slope {run.slope_mb_per_100k:+.2f} MB per 100k ev",
+             f"flat (slope × backlog ≤ 10 MB: {run.over_backlog_mb:+.1f}): {verdict(flat)}"),
+        ]  # fmt: skip
+    return rows
+
+
 PARTS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "a": part_a, "p": part_p, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "o": part_o, "k": part_k,
-    "f": part_f,
+    "f": part_f, "m": part_m,
 }  # fmt: skip
 
 
