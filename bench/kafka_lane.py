@@ -8,6 +8,8 @@ producers, on one tansu broker (memory storage, 3 partitions), in the same run.
 * **Kafka lane**: the lane as ``room-outbox run`` builds it (``build_lanes`` → the Kafka sink,
   ``LaneStore`` over ``room_outbox_lane_kafka`` fed from ``room_outbox``, the dispatcher),
   draining the rows from a fresh load: claim, feed, read envelopes, deliver, record.
+* **the Kafka sink alone**: ``KafkaSink.deliver`` from ``concurrency`` tasks, no store, no
+  dispatcher: what the plugin costs over the bare producer.
 * **the same lane, delivery a no-op**: the lane's own ceiling, set by its store round trips
   and the dispatcher: no Kafka lane can go faster than this on the same database.
 
@@ -52,6 +54,7 @@ class KafkaLaneResult:
     bare: float  # events/s, medians
     bare_batch: float
     lane: float
+    sink: float  # KafkaSink.deliver alone, ``concurrency`` in flight
     lane_noop: float  # the same lane table and dispatcher, the sink a no-op
 
 
@@ -130,6 +133,28 @@ async def lane_rate(store: MySQLStore, settings: Settings, options: LaneOptions,
         await router.aclose()
 
 
+async def sink_rate(settings: Settings, batch: list[Message], in_flight: int) -> float:
+    """``KafkaSink.deliver`` of the same events from ``in_flight`` tasks: no store, no dispatcher."""
+    envelopes = [EventEnvelope.model_validate_json(value) for value, _key, _headers in batch]
+    lanes = await build_lanes(make_plugin_manager(), settings, Redactor())
+    try:
+        sink = lanes.own["kafka"].sinks["kafka"]
+        await sink.deliver(envelopes[0])  # started and connected before the clock starts
+        remaining = iter(envelopes)
+
+        async def sender() -> None:
+            for envelope in remaining:
+                await sink.deliver(envelope)
+
+        started = time.perf_counter()
+        async with anyio.create_task_group() as senders:
+            for _ in range(in_flight):
+                senders.start_soon(sender)
+        return len(envelopes) / (time.perf_counter() - started)
+    finally:
+        await lanes.own["kafka"].aclose()
+
+
 async def lane_noop_rate(store: MySQLStore, settings: Settings, options: LaneOptions, events: int) -> float:
     router = Router({"kafka": NoopSink()}, {}, catch_all="kafka", skip_unrouted=True)
     return await drain_rate(store, settings, options, router, events)
@@ -148,6 +173,7 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
         bare_batch: list[float] = []
         lane: list[float] = []
         lane_noop: list[float] = []
+        sink: list[float] = []
         idempotent = False
         # The lane goes first in the first round: the bare producers then ask for the
         # idempotence the sink ended up with (the broker may refuse it).
@@ -157,6 +183,7 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
                 lane.append(rate)
             bare.append(await bare_rate(broker.bootstrap, idempotent, batch, options.concurrency))
             bare_batch.append(await bare_rate(broker.bootstrap, idempotent, batch, batch_size))
+            sink.append(await sink_rate(settings, batch, options.concurrency))
             if n % 2:
                 rate, idempotent = await lane_rate(store, settings, options, events)
                 lane.append(rate)
@@ -170,6 +197,7 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
             statistics.median(bare),
             statistics.median(bare_batch),
             statistics.median(lane),
+            statistics.median(sink),
             statistics.median(lane_noop),
         )
     finally:

@@ -1,4 +1,5 @@
-"""The benchmark harness runs end to end (tiny sizes: parts a, p and d only, a few seconds)."""
+"""The benchmark harness runs end to end (tiny sizes: parts a, p and d in a few seconds; the
+parts with real processes and a broker (o, f, m) as slow tests)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,18 @@ def test_bench_ordered_processes_quick_smoke(capsys: pytest.CaptureFixture[str])
     assert "o. per_room, batch 100, 50 rooms, 1 process(es)" in out
     assert "o. per_room, batch 100, 50 rooms, 3 process(es)" in out and "× 1 process" in out
     assert "o. none, batch 100, 50 rooms, 3 process(es)" in out  # the unordered lane beside it
+
+
+@pytest.mark.slow
+def test_bench_kafka_lane_and_backlog_memory_quick_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """Part f: the Kafka lane beside bare aiokafka producers on tansu; part m: the RSS of three
+    `room-outbox run` processes over a backlog (noop, per_room, Kafka lane), with a slope."""
+    argv = ["--quick", "--only", "f,m", "--kafka-events", "200", "--backlog", "1000", "--backlog-drain", "200"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "f. bare aiokafka send_and_wait, 16 in flight, batch 100 (200 ev)" in out
+    assert "f. Kafka lane (acks=all" in out and "of baseline" in out
+    assert "f. same lane, delivery a no-op, batch 100" in out
+    for run in ("noop lane, metrics, retention", "noop lane, per_room", "Kafka lane (a lane table)"):
+        assert f"m. {run}, " in out
+    assert "slope" in out and "MB per 100k ev" in out
