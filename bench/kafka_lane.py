@@ -10,6 +10,8 @@ producers, on one tansu broker (memory storage, 3 partitions), in the same run.
   draining the rows from a fresh load: claim, feed, read envelopes, deliver, record.
 * **the Kafka sink alone**: ``KafkaSink.deliver`` from ``concurrency`` tasks, no store, no
   dispatcher: what the plugin costs over the bare producer.
+* **the dispatcher's delivery alone**: ``Dispatcher.deliver_queues`` on the same events as rows
+  already claimed, a batch at a time, to the Kafka sink: no store.
 * **the same lane, delivery a no-op**: the lane's own ceiling, set by its store round trips
   and the dispatcher: no Kafka lane can go faster than this on the same database.
 
@@ -38,9 +40,12 @@ from room_outbox.envelope import EventEnvelope
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.noop import NoopSink
+from room_outbox.store import OutboxRow, OutboxStore, Outcome
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
 
+#: Delivery alone touches no store (deliver_queues never calls it).
+NO_STORE: OutboxStore = None  # type: ignore[assignment]
 Message = tuple[bytes, bytes, list[tuple[str, bytes]]]  # value, key, headers
 
 
@@ -55,6 +60,7 @@ class KafkaLaneResult:
     bare_batch: float
     lane: float
     sink: float  # KafkaSink.deliver alone, ``concurrency`` in flight
+    delivery: float  # the dispatcher's delivery of claimed rows to the sink, no store
     lane_noop: float  # the same lane table and dispatcher, the sink a no-op
 
 
@@ -155,6 +161,27 @@ async def sink_rate(settings: Settings, batch: list[Message], in_flight: int) ->
         await lanes.own["kafka"].aclose()
 
 
+async def delivery_rate(settings: Settings, options: LaneOptions, batch: list[Message]) -> float:
+    """``Dispatcher.deliver_queues`` a batch at a time, as a round delivers what it claimed."""
+    rows = [
+        OutboxRow(n, dict(headers)["event_id"].decode(), dict(headers)["event_type"].decode(),
+                  key.decode().split(":", 1)[1], key.decode().split(":", 1)[0], value.decode(), 0, "bench#1")
+        for n, (value, key, headers) in enumerate(batch, start=1)
+    ]  # fmt: skip
+    lanes = await build_lanes(make_plugin_manager(), settings, Redactor())
+    router = lanes.own["kafka"]
+    try:
+        dispatcher = Dispatcher(NO_STORE, router, options, "bench", lane="kafka")
+        await dispatcher.deliver_queues([[rows[0]]])  # started and connected before the clock starts
+        started = time.perf_counter()
+        for first in range(0, len(rows), options.batch_size):
+            results = await dispatcher.deliver_queues([[row] for row in rows[first : first + options.batch_size]])
+            assert all(r.outcome is Outcome.PUBLISHED for r in results), results
+        return len(rows) / (time.perf_counter() - started)
+    finally:
+        await router.aclose()
+
+
 async def lane_noop_rate(store: MySQLStore, settings: Settings, options: LaneOptions, events: int) -> float:
     router = Router({"kafka": NoopSink()}, {}, catch_all="kafka", skip_unrouted=True)
     return await drain_rate(store, settings, options, router, events)
@@ -174,6 +201,7 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
         lane: list[float] = []
         lane_noop: list[float] = []
         sink: list[float] = []
+        delivery: list[float] = []
         idempotent = False
         # The lane goes first in the first round: the bare producers then ask for the
         # idempotence the sink ended up with (the broker may refuse it).
@@ -184,6 +212,7 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
             bare.append(await bare_rate(broker.bootstrap, idempotent, batch, options.concurrency))
             bare_batch.append(await bare_rate(broker.bootstrap, idempotent, batch, batch_size))
             sink.append(await sink_rate(settings, batch, options.concurrency))
+            delivery.append(await delivery_rate(settings, options, batch))
             if n % 2:
                 rate, idempotent = await lane_rate(store, settings, options, events)
                 lane.append(rate)
@@ -198,6 +227,7 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
             statistics.median(bare_batch),
             statistics.median(lane),
             statistics.median(sink),
+            statistics.median(delivery),
             statistics.median(lane_noop),
         )
     finally:

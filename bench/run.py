@@ -205,6 +205,8 @@ async def part_f(args: argparse.Namespace) -> list[Row]:
                  f"≥70 % baseline: {verdict(r.lane >= 0.7 * r.bare)}"),
                 (f"f. KafkaSink.deliver alone, {r.concurrency} in flight (no store, no dispatcher)", f"{r.sink:,.0f} ev/s",
                  f"{r.sink / r.bare:.0%} of baseline", "the plugin's cost"),
+                (f"f. the dispatcher's delivery alone, batch {batch} (no store)", f"{r.delivery:,.0f} ev/s",
+                 f"{r.delivery / r.bare:.0%} of baseline, {r.delivery / r.sink:.0%} of the sink alone", "dispatcher's cost"),
                 (f"f. same lane, delivery a no-op, batch {batch}", f"{r.lane_noop:,.0f} ev/s",
                  f"Kafka lane = {r.lane / r.lane_noop:.0%} of it", "the lane's store-bound ceiling"),
             ]  # fmt: skip
