@@ -31,14 +31,15 @@ def test_bench_ordered_processes_quick_smoke(capsys: pytest.CaptureFixture[str])
 
 @pytest.mark.slow
 def test_bench_kafka_lane_and_backlog_memory_quick_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    """Part f: the Kafka lane beside bare aiokafka producers on tansu; part m: the RSS of three
-    `room-outbox run` processes over a backlog (noop, per_room, Kafka lane), with a slope."""
+    """Part f: the Kafka lane beside bare aiokafka producers on tansu; part m: the RSS of
+    `room-outbox run` over a backlog (noop, per_room, Kafka lane) against a reference drain."""
     argv = ["--quick", "--only", "f,m", "--kafka-events", "200", "--backlog", "1000", "--backlog-drain", "200"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "f. bare aiokafka send_and_wait, 16 in flight, batch 100 (200 ev)" in out
     assert "f. Kafka lane (acks=all" in out and "of baseline" in out
     assert "f. same lane, delivery a no-op, batch 100" in out
+    assert "m. reference: noop lane, 200 owed" in out
     for run in ("noop lane, metrics, retention", "noop lane, per_room", "Kafka lane (a lane table)"):
         assert f"m. {run}, " in out
-    assert "slope" in out and "MB per 100k ev" in out
+    assert "MB vs reference" in out and "MB per 100k ev" in out
