@@ -224,7 +224,7 @@ async def part_m(args: argparse.Namespace) -> list[Row]:
     for run in r.runs:
         same = run is r.runs[0]
         vs_ref = f"; {run.end_mb - ref.end_mb:+.1f} MB vs reference" if same else ""
-        target = f"flat (+{run.end_mb - run.mid_mb:.1f} MB over the 2nd half ≤ 2): {verdict(run.flat)}"
+        target = f"flat ({run.end_mb - run.mid_mb:+.1f} MB over the 2nd half ≤ 2): {verdict(run.flat)}"
         if same:
             target += f"; ≤ reference + 5 MB: {verdict(run.end_mb <= ref.end_mb + 5)}"
         rows.append(
