@@ -21,7 +21,7 @@ from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome, room_
 from room_outbox.store.dialect import MYSQL, Dialect
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.profiles import V1, Profile
-from room_outbox.store.tables import TABLE
+from room_outbox.store.tables import TABLE, claim_index
 
 #: Reads the room buckets a claim may take, with the claim's cursor (``None``: every room).
 BucketReader = Callable[[Any], Awaitable[list[int] | None]]
@@ -32,13 +32,19 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def claim_sql(table: str, key: str, envelope: str, lock: str, profile: Profile = V1, buckets: int = 0) -> str:
+def claim_sql(
+    table: str, key: str, envelope: str, lock: str, profile: Profile = V1, buckets: int = 0, hint: str = ""
+) -> str:
     """The claim scan of one lane's table (see the module docstring). ``buckets``: how many
-    room buckets the scan is limited to (placeholders after the time; 0: every room)."""
+    room buckets the scan is limited to (placeholders after the time; 0: every room), checked
+    in the claim index's entries, whose last column is the bucket (``hint``: the dialect's
+    ``index_hint``, which makes sure of that on MySQL)."""
     p = profile
     only = f" AND room_bucket IN ({_marks(range(buckets))})" if buckets else ""
+    forced = hint.format(index=claim_index(table)[0])
     return (
-        f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts} FROM {table}"
+        f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts}"
+        f" FROM {table}{forced}"
         f" WHERE {p.is_open()} AND {p.lock} <= {p.ms('%s')}{only} ORDER BY {p.lock}, {key} LIMIT %s{lock}"
     )
 
@@ -109,7 +115,15 @@ class LeasedRows:
                 # rooms' among them, and make their claims skip those rows and hold their rooms
                 # back. So: read without locks, then lock what was found by key.
                 await cur.execute(
-                    claim_sql(self.table, self.key, self.envelope_column, "", self.profile, len(buckets)),
+                    claim_sql(
+                        self.table,
+                        self.key,
+                        self.envelope_column,
+                        "",
+                        self.profile,
+                        len(buckets),
+                        self.dialect.index_hint,
+                    ),
                     (now_ms(), *buckets, limit),
                 )
             scanned = await cur.fetchall()

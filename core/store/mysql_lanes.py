@@ -52,11 +52,12 @@ from typing import TYPE_CHECKING, Any
 from room_outbox.config import LanesSettings
 from room_outbox.errors import ConfigurationError
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow
-from room_outbox.store.dialect import ROW_LOCKS, Dialect, table_names
+from room_outbox.store.dialect import Dialect, table_names
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.leased import BucketReader, LeasedRows, now_ms
 from room_outbox.store.membership import bucket_plan
 from room_outbox.store.tables import Migration, run_plan
+from room_outbox.store.tables import claim_index as _claim_index
 
 if TYPE_CHECKING:
     from room_outbox.store.factory import SQLStore
@@ -84,7 +85,11 @@ def cursor_ddl(dialect: Dialect) -> list[str]:
 
 
 def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
+    """A lane's table; its claim index too where there are no room buckets (SQLite): on a
+    server the buckets' plan creates it after the bucket column (:mod:`.membership`)."""
     table = lane_table(lane)
+    name, columns = _claim_index(table, key="outbox_id")
+    claim = [] if dialect.room_buckets else [f"CREATE INDEX {name} ON {table} {columns}"]
     return [
         f"""CREATE TABLE {table} (
   outbox_id     {dialect.id_type} NOT NULL PRIMARY KEY,
@@ -100,7 +105,7 @@ def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
   created_at_ms BIGINT        NOT NULL,
   updated_at_ms BIGINT        NOT NULL
 ){dialect.table_options}""",
-        f"CREATE INDEX idx_{table}_claim ON {table} (status, lock_until_ms, outbox_id)",
+        *claim,
         f"CREATE INDEX idx_{table}_room ON {table} (room_id, status, outbox_id)",
     ]
 
@@ -121,8 +126,8 @@ async def lanes_migration_plan(store: SQLStore, lanes: Sequence[str]) -> list[Mi
         plan = [Migration(f"created table {name}", tuple(ddl)) for name, ddl in wanted if name not in existing]
         # Room buckets belong to the processes' membership: on a server, not SQLite (see .membership).
         tables = [lane_table(lane) for lane in lanes]
-        server = ROW_LOCKS in store.dialect.capabilities
-        buckets = await bucket_plan(cur, store.dialect, tables, membership=False) if server else []
+        server = store.dialect.room_buckets
+        buckets = await bucket_plan(cur, store.dialect, tables, membership=False, key="outbox_id") if server else []
     return plan + [Migration(change, statements) for change, statements in buckets]
 
 

@@ -26,14 +26,14 @@ _FIX = "run `room-outbox migrate`"
 async def check_schema(store: SQLStore, lanes: Sequence[str] = ()) -> None:
     """Raise :class:`SchemaError` unless the outbox table has every column room-outbox uses and
     each lane in ``lanes`` (enabled sinks with a lane of their own) has its table."""
-    # MySQL: the processes' membership and the room buckets (PostgreSQL and SQLite run without them)
-    mysql = store.dialect.name == "mysql"
-    bucket = (BUCKET_COLUMN,) if mysql else ()
+    # On a server: the processes' membership and the room buckets (SQLite runs without them)
+    server = store.dialect.room_buckets
+    bucket = (BUCKET_COLUMN,) if server else ()
     required = {store.profile.table: (*required_columns(store.profile), *bucket)}
     if lanes:
         required[CURSOR_TABLE] = ("lane", "fed_through_id")
         required.update({lane_table(lane): (*LANE_COLUMNS, *bucket) for lane in lanes})
-    if mysql:
+    if server:
         required[NODE_TABLE] = ("node_id", "heartbeat_ms", "view", "view_since_ms")
         required[BUCKET_TABLE] = ("bucket", "owner", "handing_over", "claimable_from_ms")
     found = await _columns(store, list(required))

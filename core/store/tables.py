@@ -9,7 +9,9 @@ Added (all with defaults, so room-service's own INSERT and
 * ``lock_until_ms``: the row is not claimable before this time. A claim sets it to the end of
   its lease; a failed attempt sets it to the retry time. One column for both keeps the claim
   an exact index range scan.
-* index ``idx_room_outbox_claim (status, lock_until_ms, id)``: the claim's range.
+* index ``idx_room_outbox_claim (status, lock_until_ms, id)``: the claim's range; on a server
+  with the room bucket last, ``(status, lock_until_ms, id, room_bucket)`` (see
+  :mod:`.membership`, whose plan creates it there, after the bucket column).
 * index ``idx_room_outbox_room (room_id, status, id)``: per-room ordering asks "which earlier
   rows of these rooms are still pending?".
 """
@@ -101,15 +103,23 @@ ADDED_COLUMNS: dict[str, dict[str, str]] = {
     "postgresql": {"worker_id": "VARCHAR(128) NULL DEFAULT NULL", "lock_until_ms": "BIGINT NOT NULL DEFAULT 0"},
     "sqlite": {"worker_id": "TEXT NULL DEFAULT NULL", "lock_until_ms": "INTEGER NOT NULL DEFAULT 0"},
 }
-#: Index name templates (``{table}``) → columns.
+#: Index name templates (``{table}``) → columns, besides the claim's (:func:`claim_index`).
 ADDED_INDEXES = {
-    "idx_{table}_claim": "(status, lock_until_ms, id)",
     "idx_{table}_room": "(room_id, status, id)",
 }
 REQUIRED_V1_COLUMNS = (
     "id", "app_code", "event_id", "event_type", "room_id", "envelope",
     "status", "retry_count", "last_error", "created_at_ms", "updated_at_ms",
 )  # fmt: skip
+
+
+def claim_index(table: str, lock: str = "lock_until_ms", key: str = "id", bucket: str = "") -> tuple[str, str]:
+    """The claim's index on ``table``: its name and columns. The claim reads a range of it in
+    its order (``status``, then due time ``lock``, then ``key``) and stops after a batch.
+    ``bucket``: the room bucket column, appended on a server (:mod:`.membership`), so that a
+    claim limited to some buckets checks them in the index entries it passes over rather than
+    in the rows; being last, it leaves the range and its order as they are."""
+    return f"idx_{table}_claim", f"(status, {lock}, {key}{', ' + bucket if bucket else ''})"
 
 
 def require_v1_columns(columns: set[str], table: str = TABLE) -> None:
@@ -137,8 +147,10 @@ async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migrat
             plan.append(
                 Migration(f"added column {table}.{name}", (f"ALTER TABLE {table} ADD COLUMN {name} {definition}",))
             )
-    for template, columns_sql in ADDED_INDEXES.items():
-        name = template.format(table=table)
+    wanted = [(template.format(table=table), columns_sql) for template, columns_sql in ADDED_INDEXES.items()]
+    if not dialect.room_buckets:  # on a server the room buckets' plan creates it, after their column
+        wanted.insert(0, claim_index(table))
+    for name, columns_sql in wanted:
         if name not in indexes:
             plan.append(Migration(f"added index {table}.{name}", (f"CREATE INDEX {name} ON {table} {columns_sql}",)))
     return plan
@@ -177,9 +189,10 @@ SILK_ADDED_COLUMNS = {
     "outbox_seq": "BIGSERIAL",
     "worker_id": "VARCHAR(128) NULL DEFAULT NULL",
 }
+#: The claim's index comes with the room buckets (:mod:`.membership`): silk's table lives on
+#: PostgreSQL, a server.
 SILK_ADDED_INDEXES = {
     "uk_{table}_outbox_seq": "UNIQUE INDEX {name} ON {table} (outbox_seq)",
-    "idx_{table}_claim": "INDEX {name} ON {table} (status, next_attempt_at, outbox_seq)",
     # per-room order's "aggregate": the same expression the claim reads
     "idx_{table}_room": "INDEX {name} ON {table} ((COALESCE(aggregate_id, '')), status, outbox_seq)",
 }

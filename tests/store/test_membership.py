@@ -127,3 +127,35 @@ async def test_the_fence_sees_leases_in_the_profiles_words(store: SQLStore) -> N
         bucket = bucket_of("default", room)
         assert await still_leased(cur, [("room_outbox", ROOM_CELL)], [bucket]) == {bucket}
         assert await still_leased(cur, [("room_outbox", V1)], [bucket]) == set()
+
+
+async def test_migrate_upgrades_an_earlier_install_of_the_buckets(store: SQLStore) -> None:
+    """An install from before: the bucket column VIRTUAL on MySQL, the claim's index without
+    the bucket (here also on a lane). ``migrate`` stores the column and rebuilds the indexes;
+    rows already there keep their data and get their buckets."""
+    await migrate_lanes(store, ["kafka"])
+    mysql = store.dialect.name == "mysql"
+    await insert_events(store, [envelope(f"e{n}", room_id=f"r_{n}") for n in range(20)])
+    async with store.transaction() as cur:
+        for table, key in (("room_outbox", "id"), ("room_outbox_lane_kafka", "outbox_id")):
+            index = f"idx_{table}_claim"
+            await cur.execute(f"DROP INDEX {index} ON {table}" if mysql else f"DROP INDEX {index}")
+            await cur.execute(f"CREATE INDEX {index} ON {table} (status, lock_until_ms, {key})")
+            if mysql:
+                await cur.execute(
+                    f"ALTER TABLE {table} DROP COLUMN room_bucket, ADD COLUMN room_bucket SMALLINT UNSIGNED"
+                    " AS (CRC32(CONCAT(app_code, ':', room_id)) % 256) VIRTUAL"
+                )
+    stored = ["stored column room_outbox.room_bucket"] if mysql else []
+    rebuilt = ["rebuilt index room_outbox.idx_room_outbox_claim with room_bucket"]
+    assert await store.migrate() == [*stored, *rebuilt]
+    lane = "room_outbox_lane_kafka"
+    assert await migrate_lanes(store, ["kafka"]) == [
+        *([f"stored column {lane}.room_bucket"] if mysql else []),
+        f"rebuilt index {lane}.idx_{lane}_claim with room_bucket",
+    ]
+    assert await store.migrate() == [] and await migrate_lanes(store, ["kafka"]) == []
+    async with store.transaction() as cur:
+        await cur.execute("SELECT app_code, room_id, room_bucket, envelope FROM room_outbox")
+        rows = await cur.fetchall()
+    assert len(rows) == 20 and all(bucket == bucket_of(app, room) and body for app, room, bucket, body in rows)

@@ -3,10 +3,16 @@ the claim's index plan and PyMySQL's bytes parameters."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from support import INSERT_V1, fetch_rows
 
+from room_outbox.store.dialect import MYSQL
+from room_outbox.store.leased import claim_sql
+from room_outbox.store.membership import BUCKETS
 from room_outbox.store.mysql import CLAIM_SQL, MySQLStore
+from room_outbox.store.tables import TABLE
 
 pytestmark = pytest.mark.anyio
 
@@ -35,3 +41,30 @@ async def test_claim_query_reads_only_the_index_range(store: MySQLStore) -> None
         plan = dict(zip([d[0] for d in cur.description], await cur.fetchone(), strict=True))
     assert plan["key"] == "idx_room_outbox_claim", plan
     assert "filesort" not in (plan["Extra"] or "").lower(), plan
+
+
+async def test_a_claim_limited_to_buckets_checks_them_in_the_index(store: MySQLStore) -> None:
+    """With room buckets the claim reads the same range of (status, lock_until_ms, id,
+    room_bucket) in the same order, and the bucket condition is checked on the index entries
+    (index condition pushdown): rows of other processes' buckets are passed over in the
+    index, never read from the table."""
+    async with store.transaction() as cur:
+        await cur.executemany(
+            INSERT_V1, [("default", f"p{i}", "RoomUserJoined", f"r_{i % 50}", "{}", 1, 1) for i in range(3000)]
+        )
+        await cur.execute("UPDATE room_outbox SET status = 'published'")
+        await cur.executemany(
+            INSERT_V1, [("default", f"q{i}", "RoomUserJoined", f"r_{i % 50}", "{}", 1, 1) for i in range(1000)]
+        )
+        await cur.execute("ANALYZE TABLE room_outbox")
+        await cur.fetchall()
+        mine = list(range(0, BUCKETS, 3))
+        await cur.execute(
+            "EXPLAIN FORMAT=JSON " + claim_sql(TABLE, "id", "envelope", "", buckets=len(mine), hint=MYSQL.index_hint),
+            (10**13, *mine, 100),
+        )
+        plan = json.loads((await cur.fetchone())[0])
+    table = plan["query_block"].get("table") or plan["query_block"]["nested_loop"][0]["table"]
+    assert table["key"] == "idx_room_outbox_claim", table
+    assert "room_bucket" in table.get("index_condition", ""), json.dumps(table)
+    assert "filesort" not in json.dumps(plan).lower(), plan

@@ -61,12 +61,12 @@ async def test_migrate_creates_silks_table_or_adds_only_what_room_outbox_needs(s
         "added column outbox_events.outbox_seq",
         "added column outbox_events.worker_id",
         "added index outbox_events.uk_outbox_events_outbox_seq",
-        "added index outbox_events.idx_outbox_events_claim",
         "added index outbox_events.idx_outbox_events_room",
         "created table room_outbox_node",
         "created table room_outbox_bucket",
         "created function room_outbox_crc32",
         "added column outbox_events.room_bucket",
+        "added index outbox_events.idx_outbox_events_claim",  # with the bucket: after its column
     ]
     assert await silk.migrate() == []
 
