@@ -3,10 +3,13 @@
 for few hot rooms (50), rooms as many as a batch (500) and many rooms (5,000), at batch 100
 and 500; and the unordered lane beside it, which must not lose from the buckets.
 
-Per configuration the processes start one by one and stay up: 1 process measures every room
-count, then a second joins and, once the buckets are rebalanced and claimable, measures them
-again, then a third. Each measurement loads its rows held back (status ``bench_hold``) and
-releases them in one statement, so every process sees the whole backlog at once.
+Per configuration the process count goes 1, 2, 3, then 3, 2, 1 (a process joins, or stops
+and gives its buckets up, and the buckets are rebalanced and claimable before the next
+measurement): each count is measured twice, once on the way up and once on the way down, so a
+machine load that rises or falls steadily during the run weighs on every count alike; the
+figure is the mean of the two. Each measurement loads its rows held back (status
+``bench_hold``) and releases them in one statement, so every process sees the whole backlog
+at once.
 """
 
 from __future__ import annotations
@@ -34,7 +37,17 @@ class OrderedResult:
     batch_size: int
     rooms: int
     processes: int
-    rate: float  # events/s
+    rates: list[float]  # events/s, one per measurement (up, then down)
+
+    @property
+    def rate(self) -> float:
+        return sum(self.rates) / len(self.rates)
+
+
+#: The process counts in the order they are measured: up, then down.
+def counts(max_processes: int) -> list[int]:
+    up = list(range(1, max_processes + 1))
+    return up + up[::-1]
 
 
 def write_config(folder: str, dsn: str, ordering: str, batch_size: int) -> str:
@@ -88,25 +101,31 @@ async def drain(store: MySQLStore, events: int, rooms: int, prefix: str, timeout
 async def run_ordered(
     store: MySQLStore, dsn: str, events: int, batches: list[int], room_counts: list[int], max_processes: int = 3
 ) -> list[OrderedResult]:
-    results: list[OrderedResult] = []
+    results: dict[tuple[str, int, int, int], OrderedResult] = {}
     cases = [("per_room", batch) for batch in batches] + [("none", batches[0])]
     with tempfile.TemporaryDirectory() as folder:
         for ordering, batch in cases:
             config = write_config(folder, dsn, ordering, batch)
             running: list[subprocess.Popen[str]] = []
+            started = 0
             try:
-                for n in range(1, max_processes + 1):
-                    env = {"ROOM_OUTBOX__NODE_ID": f"bench-{ordering}-{batch}-{n}"}
-                    running.append(procs.room_outbox("--config", config, "run", env=env, stderr=subprocess.DEVNULL))
+                for n in counts(max_processes):
+                    while len(running) < n:
+                        started += 1
+                        env = {"ROOM_OUTBOX__NODE_ID": f"bench-{ordering}-{batch}-{started}"}
+                        running.append(procs.room_outbox("--config", config, "run", env=env, stderr=subprocess.DEVNULL))
+                    while len(running) > n:
+                        procs.stop(running.pop())  # SIGTERM: gives its buckets up
                     await wait_for(store, n)
                     for rooms in room_counts if ordering == "per_room" else [room_counts[len(room_counts) // 2]]:
-                        rate = await drain(store, events, rooms, f"o{ordering[0]}{batch}-{n}-{rooms}-")
-                        results.append(OrderedResult(ordering, batch, rooms, n, rate))
+                        rate = await drain(store, events, rooms, f"o{ordering[0]}{batch}-{started}-{n}-{rooms}-")
+                        key = (ordering, batch, rooms, n)
+                        results.setdefault(key, OrderedResult(ordering, batch, rooms, n, [])).rates.append(rate)
             finally:
                 for proc in reversed(running):
                     procs.stop(proc)
             await _wait_left(store)
-    return results
+    return sorted(results.values(), key=lambda r: (r.ordering != "per_room", r.batch_size, r.processes, r.rooms))
 
 
 async def _wait_left(store: MySQLStore, timeout: float = 30.0) -> None:
