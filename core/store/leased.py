@@ -7,7 +7,9 @@ per-room hold-back, fenced result writes, lease renewal.
 transaction, a table and their dialect (its locking clause). The
 claim reads ``status='pending' AND lock_until_ms <= now ORDER BY lock_until_ms, key``: a range
 on the ``(status, lock_until_ms, key)`` index that stops after ``limit`` rows, however many
-published rows, leased rows or rows waiting for a retry the table holds.
+published rows, leased rows or rows waiting for a retry the table holds. A claim limited to
+room buckets (per-room ordering with several processes, :mod:`.membership`) reads the same
+range and checks the bucket, the index's last column on a server, in the index entries.
 """
 
 from __future__ import annotations
