@@ -27,7 +27,7 @@ Tables (created by ``room-outbox migrate``):
   (MySQL and MariaDB check a virtual column's condition on the row only), 500 rows (1,005
   pages, 2.2 ms) since. PostgreSQL has no CRC-32: the column is computed by the function
   ``room_outbox_crc32`` that ``migrate`` creates; its planner keeps an ``IN`` list on the
-  index's last column as a filter on the row, to keep the index order (up to version 16).
+  index's last column as a filter on the row, to keep the index order (measured on 15).
 
 **Fencing.** A claim reads its node's buckets with a shared lock in its own
 transaction, and a reassignment updates the bucket rows: so once a reassignment has
