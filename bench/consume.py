@@ -39,7 +39,7 @@ from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.audit_log import DDL as AUDIT_DDL
 from room_outbox.plugins.audit_log import INSERT as AUDIT_INSERT
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_consume import MySQLConsumerStore
+from room_outbox.store.consumer_sql import MySQLConsumerStore
 
 TOPIC = "room-events"
 TYPES = ("RoomUserJoined", "RoomGiftSent", "RoomHeatChanged", "RoomMicChanged")

@@ -15,7 +15,7 @@ from room_outbox.consume.service import run_consumers
 from room_outbox.observability.redaction import Redactor
 from room_outbox.store.factory import open_store
 from room_outbox.store.mysql import Migration, MySQLStore
-from room_outbox.store.mysql_consume import MySQLConsumerStore
+from room_outbox.store.consumer_sql import MySQLConsumerStore
 
 #: The consumers' subcommands: (one-line summary, description, examples), as room_outbox.cli's.
 HELP: dict[str, tuple[str, str, str]] = {

@@ -8,7 +8,7 @@ from typing import IO, Any
 
 from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_consume import MySQLConsumerStore
+from room_outbox.store.consumer_sql import MySQLConsumerStore
 
 
 async def _consumer_store(store: object) -> MySQLConsumerStore | None:

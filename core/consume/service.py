@@ -29,7 +29,7 @@ from room_outbox.observability.telemetry import Telemetry, telemetry_from_enviro
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.factory import open_store
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_consume import MySQLConsumerStore
+from room_outbox.store.consumer_sql import MySQLConsumerStore
 from room_outbox.store.reports import ping
 
 log = logging.getLogger("room_outbox.consume")

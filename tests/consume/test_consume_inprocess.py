@@ -35,7 +35,7 @@ from room_outbox.handler import (
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
-from room_outbox.store.mysql_consume import MySQLConsumerStore
+from room_outbox.store.consumer_sql import MySQLConsumerStore
 
 pytestmark = pytest.mark.anyio
 
