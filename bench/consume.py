@@ -28,6 +28,7 @@ from pathlib import Path
 import anyio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from room_outbox.cli.consume import migrate_consumers
 from room_outbox.config import Settings
 from room_outbox.consume.engine import Consumer
 from room_outbox.consume.registry import build_handlers
@@ -36,10 +37,10 @@ from room_outbox.delivery.lanes import migrate_plugins
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.plugins.audit_log import DDL as AUDIT_DDL
 from room_outbox.plugins.audit_log import INSERT as AUDIT_INSERT
+from room_outbox.plugins.audit_log import SCHEMA as AUDIT_SCHEMA
+from room_outbox.store.consumer_sql import SQLConsumerStore
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.consumer_sql import MySQLConsumerStore
 
 TOPIC = "room-events"
 TYPES = ("RoomUserJoined", "RoomGiftSent", "RoomHeatChanged", "RoomMicChanged")
@@ -156,10 +157,10 @@ async def run_consume(store: MySQLStore, events: int) -> ConsumeResult:
     try:
         pm = make_plugin_manager()
         await migrate_plugins(store, pm, Settings(sinks={"tencent_im": {"enabled": False}}))
-        await MySQLConsumerStore(store).migrate()
+        await migrate_consumers(store, pm)
         async with store.transaction() as cur:
             for table in ("bare_audit_message", "bare_audit_batch"):
-                await cur.execute(AUDIT_DDL.replace("room_audit_log", table))
+                await cur.execute(AUDIT_SCHEMA["mysql"][0].replace("room_audit_log", table))
         await produce(broker.bootstrap, events)
         timeout = max(120.0, events / 50)
         rates = {}
@@ -172,7 +173,7 @@ async def run_consume(store: MySQLStore, events: int) -> ConsumeResult:
         consumer = Consumer(
             "bench",
             settings,
-            MySQLConsumerStore(store, settings.handler_timeout),
+            SQLConsumerStore(store, settings.handler_timeout),
             handlers,
             "bench",
             Redactor(),

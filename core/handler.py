@@ -22,10 +22,10 @@ Errors: :class:`PermanentHandlerError` makes the message a dead letter at once; 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -127,17 +127,36 @@ class HandlerFactoryContext:
     add_secret: Callable[[str], None] = field(default=lambda _secret: None)
 
 
+#: A handler's own settings model: what :attr:`HandlerSpec.factory` receives, already validated.
+SettingsT = TypeVar("SettingsT", bound=HandlerSettings)
+
+
 @dataclass(frozen=True)
-class HandlerSpec:
-    """A handler as a plugin registers it.
+class HandlerSpec(Generic[SettingsT]):
+    """A handler as a plugin registers it: a name, a factory, the event types it takes, its
+    settings model and its tables.
+
+    The factory receives an instance of ``settings_model`` (the core validates
+    ``consumers.<name>.handler_settings.<handler>`` with it), so
+    ``HandlerSpec("stats", make_stats, settings_model=StatsSettings)`` type-checks only when
+    ``make_stats`` takes ``StatsSettings``; a factory never needs to check the type. Without
+    ``settings_model`` the handler takes no settings (:class:`HandlerSettings`).
 
     ``event_types``: the types it takes; ``None``: every type of the built-in catalogue
     (:data:`room_outbox.envelope.KNOWN_EVENT_TYPES`). A message whose type no handler of a
     consumer names and that is not in the catalogue is a dead letter (unknown type); a
     catalogued type that no handler takes is skipped.
+
+    ``schema``: per database (``"mysql"``, ``"postgresql"``: the :class:`Transaction`'s
+    ``dialect``), the statements that create the handler's tables, each idempotent
+    (``CREATE TABLE IF NOT EXISTS …``): ``room-outbox migrate`` runs those of its database
+    every time, for every registered handler.
     """
 
     name: str
-    factory: Callable[[HandlerSettings, HandlerFactoryContext], Handler]
+    factory: Callable[[SettingsT, HandlerFactoryContext], Handler]
     event_types: frozenset[str] | None = None
-    settings_model: type[HandlerSettings] = HandlerSettings
+    # The default fits only a factory taking HandlerSettings itself, which is what a spec
+    # without settings_model has; a type checker cannot say so of a default.
+    settings_model: type[SettingsT] = HandlerSettings  # type: ignore[assignment]
+    schema: Mapping[str, Sequence[str]] = field(default_factory=dict)

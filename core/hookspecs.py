@@ -50,7 +50,9 @@ def room_outbox_migrations() -> list[str]:
 
     Called by ``room-outbox migrate`` after room-outbox's own tables and the lane tables of
     own-lane sinks; every implementation is called. Each statement must be idempotent
-    (``CREATE TABLE IF NOT EXISTS …``): migrate runs them every time.
+    (``CREATE TABLE IF NOT EXISTS …``): migrate runs them every time, on MySQL only. A
+    consumer handler's tables, on MySQL and PostgreSQL alike, come with its spec instead
+    (``HandlerSpec.schema``).
     """
     raise NotImplementedError  # pragma: no cover - specification only
 
@@ -61,11 +63,12 @@ def room_outbox_migrations() -> list[str]:
 
 
 @hookspec
-def room_outbox_register_handlers() -> list[HandlerSpec]:
+def room_outbox_register_handlers() -> list[HandlerSpec[Any]]:
     """Return the consumer handlers this plugin provides (``room-outbox consume``).
 
     Called once per plugin manager when a consume process starts; every implementation is
     called and the results are collected. A handler name may be registered by one plugin
-    only. A handler's tables come through :func:`room_outbox_migrations`.
+    only. A handler's tables come with its spec (``HandlerSpec.schema``, per database); on
+    MySQL :func:`room_outbox_migrations` creates tables too.
     """
     raise NotImplementedError  # pragma: no cover - specification only

@@ -287,7 +287,7 @@ async def test_migrate_on_sqlite_skips_plugin_tables_but_creates_own_lanes(tmp_p
         await store.migrate()
         pm = make_plugin_manager()
         changes = await migrate_plugins(store, pm, settings(sinks={"tencent_im": {"enabled": False}}))
-        installed = sum(len(ddl) for ddl in pm.hook.room_outbox_migrations())  # example sink, handlers
+        installed = sum(len(ddl) for ddl in pm.hook.room_outbox_migrations())  # the example sink's
         assert changes == [
             "created table room_outbox_lane_cursor",
             f"skipped {installed} plugin schema statement(s): they are MySQL's",

@@ -8,14 +8,16 @@ import sys
 from typing import Any
 
 import anyio
+import pluggy
 
 from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.ops import dead_letters_command, redrive_command
+from room_outbox.consume.registry import registered_handlers
 from room_outbox.consume.service import run_consumers
 from room_outbox.observability.redaction import Redactor
-from room_outbox.store.factory import open_store
-from room_outbox.store.mysql import Migration, MySQLStore
-from room_outbox.store.consumer_sql import MySQLConsumerStore
+from room_outbox.store.factory import SQLStore, consumer_store, open_store
+from room_outbox.store.plugin_schema import run_plugin_statements
+from room_outbox.store.tables import Migration
 
 #: The consumers' subcommands: (one-line summary, description, examples), as room_outbox.cli's.
 HELP: dict[str, tuple[str, str, str]] = {
@@ -65,22 +67,44 @@ def run_consumer_command(settings: Settings, args: argparse.Namespace, redactor:
     return anyio.run(_operate, settings, args)
 
 
-async def consumers_migration_plan(store: object) -> list[Migration]:
+def handler_statements(store: SQLStore, pm: pluggy.PluginManager) -> tuple[str, ...]:
+    """The registered handlers' table statements for this database (``HandlerSpec.schema``)."""
+    return tuple(
+        statement for spec in registered_handlers(pm).values() for statement in spec.schema.get(store.dialect.name, ())
+    )
+
+
+async def consumers_migration_plan(store: SQLStore, pm: pluggy.PluginManager) -> list[Migration]:
     """What :func:`migrate_consumers` would run (``migrate --sql``)."""
-    return await MySQLConsumerStore(store).migration_plan() if isinstance(store, MySQLStore) else []
+    consumers = consumer_store(store)
+    if consumers is None:
+        return []
+    plan = await consumers.migration_plan()
+    statements = handler_statements(store, pm)
+    if statements:
+        plan.append(Migration(f"ran {len(statements)} handler schema statement(s)", statements))
+    return plan
 
 
-async def migrate_consumers(store: object) -> list[str]:
-    """The consumers' own tables (``migrate``), on MySQL; handlers' tables come through
-    ``room_outbox_migrations``."""
-    return await MySQLConsumerStore(store).migrate() if isinstance(store, MySQLStore) else []
+async def migrate_consumers(store: SQLStore, pm: pluggy.PluginManager) -> list[str]:
+    """The consumers' own tables (``migrate``), then the registered handlers' tables (their
+    statements are idempotent, so all of them run every time); on MySQL and PostgreSQL."""
+    consumers = consumer_store(store)
+    if consumers is None:
+        return []
+    changes = await consumers.migrate()
+    statements = handler_statements(store, pm)
+    if statements:
+        await run_plugin_statements(store, statements)
+        changes.append(f"ran {len(statements)} handler schema statement(s)")
+    return changes
 
 
 async def _operate(settings: Settings, args: argparse.Namespace) -> int:
     store = await open_store(settings.database.dsn.get_secret_value(), pool_size=1)
     try:
-        if not isinstance(store, MySQLStore):
-            raise ConfigError("room-outbox consumers: needs a MySQL store; database.dsn names another kind of database")
+        if consumer_store(store) is None:
+            raise ConfigError("room-outbox consumers: needs a MySQL or PostgreSQL database; database.dsn names SQLite")
         if args.consumers_command == "dead-letters":
             return await dead_letters_command(store, args.consumer, args.limit, args.json, sys.stdout)
         return await redrive_command(store, args.consumer, args.handler, args.event_id, args.yes, sys.stdout)

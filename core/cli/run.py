@@ -45,7 +45,7 @@ async def migrate(settings: Settings, sql_only: bool) -> int:
         with translated_errors(dsn):
             changes = await store.migrate()
             changes += await migrate_plugins(store, pm, settings)  # own-lane sinks' tables, plugin tables
-            changes += await consume_cli.migrate_consumers(store)
+            changes += await consume_cli.migrate_consumers(store, pm)  # consumers' and handlers' tables
     finally:
         await store.aclose()
     for change in changes or ["schema already up to date"]:
@@ -71,7 +71,7 @@ async def print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
     try:
         with translated_errors(dsn):
             plan = await store.migration_plan() + await plugins_migration_plan(store, pm, settings)
-            plan += await consume_cli.consumers_migration_plan(store)
+            plan += await consume_cli.consumers_migration_plan(store, pm)
     finally:
         await store.aclose()
     print(f"-- room-outbox migrate for {describe(address)}: nothing has been run")

@@ -6,25 +6,23 @@ from __future__ import annotations
 import json
 from typing import IO, Any
 
+from room_outbox.store.consumer_sql import SQLConsumerStore
+from room_outbox.store.factory import SQLStore, consumer_store
 from room_outbox.store.leased import now_ms
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.consumer_sql import MySQLConsumerStore
 
 
-async def _consumer_store(store: object) -> MySQLConsumerStore | None:
+async def _consumer_store(store: SQLStore) -> SQLConsumerStore | None:
     """The consumers' tables, when this database has them (none on SQLite)."""
-    if not isinstance(store, MySQLStore):
-        return None
-    consumers = MySQLConsumerStore(store)
-    return consumers if await consumers.migrated() else None
+    consumers = consumer_store(store)
+    return consumers if consumers is not None and await consumers.migrated() else None
 
 
-async def consumer_overview(store: object) -> list[dict[str, Any]]:
+async def consumer_overview(store: SQLStore) -> list[dict[str, Any]]:
     consumers = await _consumer_store(store)
     return await consumers.overview() if consumers is not None else []
 
 
-async def consumer_states(store: object, event_id: str) -> list[dict[str, Any]]:
+async def consumer_states(store: SQLStore, event_id: str) -> list[dict[str, Any]]:
     consumers = await _consumer_store(store)
     return await consumers.event_states(event_id) if consumers is not None else []
 
@@ -63,7 +61,7 @@ def format_states(states: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-async def dead_letters_command(store: MySQLStore, consumer: str | None, limit: int, as_json: bool, out: IO[str]) -> int:
+async def dead_letters_command(store: SQLStore, consumer: str | None, limit: int, as_json: bool, out: IO[str]) -> int:
     consumers = await _consumer_store(store)
     rows = await consumers.dead_letters(consumer, limit) if consumers is not None else []
     if as_json:
@@ -82,7 +80,7 @@ async def dead_letters_command(store: MySQLStore, consumer: str | None, limit: i
 
 
 async def redrive_command(
-    store: MySQLStore, consumer: str, handler: str | None, event_ids: list[str], apply: bool, out: IO[str]
+    store: SQLStore, consumer: str, handler: str | None, event_ids: list[str], apply: bool, out: IO[str]
 ) -> int:
     """Dead letters of ``consumer`` (optionally one handler's, or these events) back to
     ``retrying``, due now, attempts from 0: a running ``consume`` process takes them up."""

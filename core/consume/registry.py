@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import pluggy
 from pydantic import ValidationError
@@ -17,7 +18,7 @@ from room_outbox.observability.redaction import Redactor
 
 @dataclass(frozen=True)
 class BoundHandler:
-    spec: HandlerSpec
+    spec: HandlerSpec[Any]
     handler: Handler
 
     @property
@@ -30,8 +31,8 @@ class BoundHandler:
         return event_type in self.spec.event_types
 
 
-def registered_handlers(pm: pluggy.PluginManager) -> dict[str, HandlerSpec]:
-    found: dict[str, HandlerSpec] = {}
+def registered_handlers(pm: pluggy.PluginManager) -> dict[str, HandlerSpec[Any]]:
+    found: dict[str, HandlerSpec[Any]] = {}
     for specs in pm.hook.room_outbox_register_handlers():
         for spec in specs:
             if spec.name in found:

@@ -27,9 +27,7 @@ from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.store.factory import open_store
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.consumer_sql import MySQLConsumerStore
+from room_outbox.store.factory import SQLStore, consumer_store, open_store
 from room_outbox.store.reports import ping
 
 log = logging.getLogger("room_outbox.consume")
@@ -65,16 +63,16 @@ async def run_consumers(
     )
     handlers: list[BoundHandler] = []
     try:
-        if not isinstance(store, MySQLStore):
-            raise ConfigError("consumers: need a MySQL database (database.dsn)")
         # A handling's transaction may take as long as the slowest consumer's handler_timeout.
-        consumer_store = MySQLConsumerStore(store, max(c.handler_timeout for c in chosen.values()))
+        consumers_store = consumer_store(store, max(c.handler_timeout for c in chosen.values()))
+        if consumers_store is None:
+            raise ConfigError("consumers: need a MySQL or PostgreSQL database (database.dsn names SQLite)")
         async with _observed(settings, store, redactor) as (telemetry, health):
             consumers = []
             for name, options in chosen.items():
                 bound = build_handlers(pm, name, options, settings.node_id, redactor)
                 handlers.extend(bound.values())
-                consumers.append(Consumer(name, options, consumer_store, bound, settings.node_id, redactor, telemetry))
+                consumers.append(Consumer(name, options, consumers_store, bound, settings.node_id, redactor, telemetry))
             async with anyio.create_task_group() as tasks:
                 for consumer in consumers:
                     tasks.start_soon(consumer.run)
@@ -97,9 +95,7 @@ async def run_consumers(
 
 
 @asynccontextmanager
-async def _observed(
-    settings: Settings, store: MySQLStore, redactor: Redactor
-) -> AsyncIterator[tuple[Telemetry, Health]]:
+async def _observed(settings: Settings, store: SQLStore, redactor: Redactor) -> AsyncIterator[tuple[Telemetry, Health]]:
     listen = parse_listen(settings.telemetry.http_listen) if settings.telemetry.http_listen else None
     telemetry = telemetry_from_environment(settings.node_id, redactor, prometheus=listen is not None)
 

@@ -1,5 +1,5 @@
-"""What the consumer engine keeps in the database, as a protocol: the MySQL statements are in
-:mod:`room_outbox.store.consumer_sql`; a PostgreSQL store implements the same methods.
+"""What the consumer engine keeps in the database, as a protocol: the statements, on MySQL
+and PostgreSQL, are in :mod:`room_outbox.store.consumer_sql`.
 
 Two tables:
 

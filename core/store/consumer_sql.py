@@ -1,9 +1,14 @@
-"""The consumer engine's tables on MySQL/MariaDB (see :mod:`room_outbox.store.consumer`).
+"""The consumer engine's tables on MySQL/MariaDB and PostgreSQL (see
+:mod:`room_outbox.store.consumer`): one implementation, every statement written once with
+``%s`` placeholders; where the two databases disagree (the DDL, the upserts, how a duplicate
+processed record shows) :class:`ConsumerDialect` holds each one's words.
 
 Claims of retry rows work like the outbox's: ``FOR UPDATE SKIP LOCKED`` at READ COMMITTED, a
 lease in ``due_at_ms`` plus the ``owner`` that holds it, and every later write fenced on that
 owner. Per-room order among retries: a row is claimable only while no earlier ``retrying`` row
 of its room and handler exists, so a room's rows leave the table one after another.
+
+SQLite has no consumers' tables: consumers run on a server their processes share.
 """
 
 from __future__ import annotations
@@ -12,22 +17,67 @@ import json
 import warnings
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import pymysql
 
 from room_outbox.handler import Transaction
 from room_outbox.store.consumer import LeaseLost, Processed, RetryRow
+from room_outbox.store.dialect import index_names, table_names
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.leased import now_ms
-from room_outbox.store.mysql import Migration, MySQLStore
+from room_outbox.store.tables import Migration
+
+if TYPE_CHECKING:
+    from room_outbox.store.mysql import MySQLStore
+    from room_outbox.store.postgres import PostgresStore
 
 PROCESSED = "room_consumer_processed"
 RETRY = "room_consumer_retry"
 DUPLICATE_KEY = 1062
+#: The processed records' age index: retention walks it (``prune_processed``).
+AGE_INDEX = "idx_room_consumer_processed_age"
+_KEY = "consumer, handler, app_code, event_id"
 
-DDL = (
-    f"""CREATE TABLE IF NOT EXISTS {PROCESSED} (
+_RETRY_COLUMNS = (
+    "id, consumer, handler, app_code, event_id, event_type, room_key, topic, kafka_partition, kafka_offset,"
+    " value, headers, attempts, due_at_ms, last_error, owner"
+)
+_INSERT = (
+    f"INSERT INTO {RETRY} (consumer, handler, app_code, event_id, event_type, room_key, topic, kafka_partition,"
+    " kafka_offset, value, headers, status, attempts, due_at_ms, last_error, created_at_ms, updated_at_ms)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+)
+_INSERT_PROCESSED = (
+    f"INSERT INTO {PROCESSED} (consumer, handler, app_code, event_id, topic, kafka_partition, kafka_offset,"
+    " processed_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
+)
+
+
+@dataclass(frozen=True)
+class ConsumerDialect:
+    """The consumers' statements that differ between the two servers."""
+
+    #: Each table's creation, in order: (table, its CREATE TABLE, its CREATE INDEX statements).
+    tables: tuple[tuple[str, str, tuple[str, ...]], ...]
+    #: Indexes added after the table first shipped: (table, index, statement adding it).
+    added_indexes: tuple[tuple[str, str, str], ...]
+    #: Ends :data:`_INSERT` so that a row already there (same consumer, handler, app_code,
+    #: event_id) is left as it is.
+    schedule: str
+    #: Ends :data:`_INSERT` so that a row already there becomes the dead letter.
+    dead_letter: str
+    #: Ends the processed record's INSERT; empty: a duplicate raises (MySQL's error 1062,
+    #: caught), else the duplicate is skipped and the INSERT reports 0 rows.
+    record_skip: str
+
+
+MYSQL = ConsumerDialect(
+    tables=(
+        (
+            PROCESSED,
+            f"""CREATE TABLE IF NOT EXISTS {PROCESSED} (
   consumer        VARCHAR(64)  NOT NULL,
   handler         VARCHAR(64)  NOT NULL,
   app_code        VARCHAR(64)  NOT NULL,
@@ -37,9 +87,14 @@ DDL = (
   kafka_offset    BIGINT       NOT NULL,
   processed_at_ms BIGINT       NOT NULL,
   PRIMARY KEY (consumer, handler, app_code, event_id),
-  KEY idx_room_consumer_processed_event (event_id)
+  KEY idx_room_consumer_processed_event (event_id),
+  KEY {AGE_INDEX} (processed_at_ms)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
-    f"""CREATE TABLE IF NOT EXISTS {RETRY} (
+            (),
+        ),
+        (
+            RETRY,
+            f"""CREATE TABLE IF NOT EXISTS {RETRY} (
   id              BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
   consumer        VARCHAR(64)   NOT NULL,
   handler         VARCHAR(64)   NOT NULL,
@@ -64,21 +119,86 @@ DDL = (
   KEY idx_room_consumer_retry_room (consumer, room_key, status, handler, id),
   KEY idx_room_consumer_retry_event (event_id)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
+            (),
+        ),
+    ),
+    added_indexes=((PROCESSED, AGE_INDEX, f"ALTER TABLE {PROCESSED} ADD INDEX {AGE_INDEX} (processed_at_ms)"),),
+    schedule=" ON DUPLICATE KEY UPDATE id = id",
+    dead_letter=" ON DUPLICATE KEY UPDATE status = 'dead', owner = NULL, attempts = VALUES(attempts),"
+    " last_error = VALUES(last_error), updated_at_ms = VALUES(updated_at_ms)",
+    record_skip="",
 )
 
-_COLUMNS = (
-    "id, consumer, handler, app_code, event_id, event_type, room_key, topic, kafka_partition, kafka_offset,"
-    " value, headers, attempts, due_at_ms, last_error, owner"
+POSTGRESQL = ConsumerDialect(
+    tables=(
+        (
+            PROCESSED,
+            f"""CREATE TABLE IF NOT EXISTS {PROCESSED} (
+  consumer        VARCHAR(64)  NOT NULL,
+  handler         VARCHAR(64)  NOT NULL,
+  app_code        VARCHAR(64)  NOT NULL,
+  event_id        VARCHAR(128) NOT NULL,
+  topic           VARCHAR(249) NOT NULL,
+  kafka_partition INT          NOT NULL,
+  kafka_offset    BIGINT       NOT NULL,
+  processed_at_ms BIGINT       NOT NULL,
+  PRIMARY KEY (consumer, handler, app_code, event_id)
+)""",
+            (
+                f"CREATE INDEX IF NOT EXISTS idx_room_consumer_processed_event ON {PROCESSED} (event_id)",
+                f"CREATE INDEX IF NOT EXISTS {AGE_INDEX} ON {PROCESSED} (processed_at_ms)",
+            ),
+        ),
+        (
+            RETRY,
+            f"""CREATE TABLE IF NOT EXISTS {RETRY} (
+  id              BIGSERIAL     PRIMARY KEY,
+  consumer        VARCHAR(64)   NOT NULL,
+  handler         VARCHAR(64)   NOT NULL,
+  app_code        VARCHAR(64)   NOT NULL,
+  event_id        VARCHAR(128)  NOT NULL,
+  event_type      VARCHAR(64)   NOT NULL DEFAULT '',
+  room_key        VARCHAR(200)  NOT NULL,
+  topic           VARCHAR(249)  NOT NULL,
+  kafka_partition INT           NOT NULL,
+  kafka_offset    BIGINT        NOT NULL,
+  value           BYTEA         NOT NULL,
+  headers         TEXT          NOT NULL,
+  status          VARCHAR(16)   NOT NULL,
+  attempts        INT           NOT NULL DEFAULT 0,
+  due_at_ms       BIGINT        NOT NULL,
+  owner           VARCHAR(128)  NULL,
+  last_error      VARCHAR(1024) NULL,
+  created_at_ms   BIGINT        NOT NULL,
+  updated_at_ms   BIGINT        NOT NULL,
+  CONSTRAINT uk_room_consumer_retry_event UNIQUE (consumer, handler, app_code, event_id)
+)""",
+            (
+                f"CREATE INDEX IF NOT EXISTS idx_room_consumer_retry_due ON {RETRY} (consumer, status, due_at_ms, id)",
+                f"CREATE INDEX IF NOT EXISTS idx_room_consumer_retry_room ON {RETRY}"
+                " (consumer, room_key, status, handler, id)",
+                f"CREATE INDEX IF NOT EXISTS idx_room_consumer_retry_event ON {RETRY} (event_id)",
+            ),
+        ),
+    ),
+    added_indexes=((PROCESSED, AGE_INDEX, f"CREATE INDEX IF NOT EXISTS {AGE_INDEX} ON {PROCESSED} (processed_at_ms)"),),
+    schedule=f" ON CONFLICT ({_KEY}) DO NOTHING",
+    dead_letter=f" ON CONFLICT ({_KEY}) DO UPDATE SET status = 'dead', owner = NULL, attempts = EXCLUDED.attempts,"
+    " last_error = EXCLUDED.last_error, updated_at_ms = EXCLUDED.updated_at_ms",
+    # An error would abort PostgreSQL's whole transaction; skipping waits, like MySQL's INSERT,
+    # for a concurrent insert of the same key to commit or roll back first.
+    record_skip=f" ON CONFLICT ({_KEY}) DO NOTHING",
 )
 
+DIALECTS = {"mysql": MYSQL, "postgresql": POSTGRESQL}
 
-class MySQLTransaction:
-    """:class:`~room_outbox.handler.Transaction` over an aiomysql cursor."""
 
-    dialect = "mysql"
+class CursorTransaction:
+    """:class:`~room_outbox.handler.Transaction` over a store's ``%s``-style cursor."""
 
-    def __init__(self, cursor: Any) -> None:
+    def __init__(self, cursor: Any, dialect: str) -> None:
         self._cursor = cursor
+        self.dialect = dialect
 
     async def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         # No parameters: no %-formatting either, so a literal % in the statement stays as is.
@@ -114,57 +234,51 @@ def _insert_params(row: RetryRow, status: str, now: int) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-_INSERT = (
-    f"INSERT INTO {RETRY} (consumer, handler, app_code, event_id, event_type, room_key, topic, kafka_partition,"
-    " kafka_offset, value, headers, status, attempts, due_at_ms, last_error, created_at_ms, updated_at_ms)"
-    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-)
+class _Writes:
+    """The writes a handling's transaction makes besides the handler's, on one cursor."""
+
+    def __init__(self, cursor: Any, dialect: ConsumerDialect) -> None:
+        self._cursor = cursor
+        self._dialect = dialect
+
+    async def schedule(self, row: RetryRow) -> None:
+        await self._cursor.execute(_INSERT + self._dialect.schedule, _insert_params(row, "retrying", now_ms()))
+
+    async def dead_letter(self, row: RetryRow) -> None:
+        await self._cursor.execute(_INSERT + self._dialect.dead_letter, _insert_params(row, "dead", now_ms()))
+
+    async def record(self, record: Processed) -> bool:
+        """Insert the processed record; False when it exists. A second handling of the same
+        event (a redelivery racing a retry, say) waits here on its key until the first commits."""
+        params = (record.consumer, record.handler, record.app_code, record.event_id, record.topic,
+                  record.partition, record.offset, now_ms())  # fmt: skip
+        if self._dialect.record_skip:
+            return bool(await self._cursor.execute(_INSERT_PROCESSED + self._dialect.record_skip, params))
+        try:
+            await self._cursor.execute(_INSERT_PROCESSED, params)
+        except pymysql.err.IntegrityError as exc:
+            if exc.args[0] != DUPLICATE_KEY:
+                raise
+            return False
+        return True
 
 
-async def _schedule(cur: Any, row: RetryRow) -> None:
-    await cur.execute(_INSERT + " ON DUPLICATE KEY UPDATE id = id", _insert_params(row, "retrying", now_ms()))
-
-
-async def _dead_letter(cur: Any, row: RetryRow) -> None:
-    await cur.execute(
-        _INSERT + " ON DUPLICATE KEY UPDATE status = 'dead', owner = NULL, attempts = VALUES(attempts),"
-        " last_error = VALUES(last_error), updated_at_ms = VALUES(updated_at_ms)",
-        _insert_params(row, "dead", now_ms()),
-    )
-
-
-async def _record(cur: Any, record: Processed) -> bool:
-    """Insert the processed record; False when it exists. A second handling of the same event
-    (a redelivery racing a retry, say) waits here on its key until the first commits."""
-    try:
-        await cur.execute(
-            f"INSERT INTO {PROCESSED} (consumer, handler, app_code, event_id, topic, kafka_partition,"
-            " kafka_offset, processed_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-            (record.consumer, record.handler, record.app_code, record.event_id, record.topic,
-             record.partition, record.offset, now_ms()),
-        )  # fmt: skip
-    except pymysql.err.IntegrityError as exc:
-        if exc.args[0] != DUPLICATE_KEY:
-            raise
-        return False
-    return True
-
-
-class MySQLBatch:
+class SQLBatch(_Writes):
     """Many handlings in one transaction, each inside a savepoint: a failing handling rolls
     back to its savepoint (its record and writes go, the others stay) and its retry row is
     written in the same transaction; one commit settles them all."""
 
-    def __init__(self, cursor: Any) -> None:
-        self._cursor = cursor
+    def __init__(self, cursor: Any, dialect: ConsumerDialect, name: str) -> None:
+        super().__init__(cursor, dialect)
+        self._name = name
 
     @asynccontextmanager
     async def processing(self, record: Processed) -> AsyncIterator[Transaction | None]:
         cur = self._cursor
         await cur.execute("SAVEPOINT handling")
         try:
-            first = await _record(cur, record)
-            yield MySQLTransaction(cur) if first else None
+            first = await self.record(record)
+            yield CursorTransaction(cur, self._name) if first else None
         except Exception:
             await cur.execute("ROLLBACK TO SAVEPOINT handling")
             raise
@@ -180,47 +294,45 @@ class MySQLBatch:
             # one: the common case pays no look-up first.
             now = now_ms()
             await cur.executemany(
-                f"INSERT INTO {PROCESSED} (consumer, handler, app_code, event_id, topic, kafka_partition,"
-                " kafka_offset, processed_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                _INSERT_PROCESSED,
                 [(r.consumer, r.handler, r.app_code, r.event_id, r.topic, r.partition, r.offset, now) for r in records],
             )
             fresh = [True] * len(records)
-            yield MySQLTransaction(cur), fresh
+            yield CursorTransaction(cur, self._name), fresh
         except Exception:
             await cur.execute("ROLLBACK TO SAVEPOINT handling")
             raise
         await cur.execute("RELEASE SAVEPOINT handling")
 
-    async def schedule(self, row: RetryRow) -> None:
-        await _schedule(self._cursor, row)
 
-    async def dead_letter(self, row: RetryRow) -> None:
-        await _dead_letter(self._cursor, row)
+class SQLConsumerStore:
+    """:class:`~room_outbox.store.consumer.ConsumerStore` on ``owner``'s database (MySQL or
+    PostgreSQL: :func:`consumer_store` picks it by the store). ``handling_timeout``: how long a
+    transaction that runs a handler may take (its writes included); the store's other
+    transactions keep the pool's ``query_timeout``."""
 
-
-class MySQLConsumerStore:
-    """``handling_timeout``: how long a transaction that runs a handler may take (its writes
-    included); the store's other transactions keep the pool's ``query_timeout``."""
-
-    def __init__(self, owner: MySQLStore, handling_timeout: float | None = None) -> None:
+    def __init__(self, owner: MySQLStore | PostgresStore, handling_timeout: float | None = None) -> None:
         self.owner = owner
         self.handling_timeout = handling_timeout
+        self.name = owner.dialect.name
+        self.dialect = DIALECTS[self.name]
 
     async def migrated(self) -> bool:
         """Whether the consumers' tables exist here (``migrate`` made them)."""
         async with self.owner.transaction() as cur:
-            await cur.execute(f"SHOW TABLES LIKE '{RETRY}'")
-            return bool(await cur.fetchone())
+            return RETRY in await table_names(cur, self.owner.dialect)
 
     async def migration_plan(self) -> list[Migration]:
-        """The consumers' tables that do not exist yet (``migrate --sql`` prints this)."""
+        """The consumers' tables and indexes that do not exist yet (``migrate --sql`` prints this)."""
         plan = []
         async with self.owner.transaction() as cur:
-            for ddl in DDL:
-                table = ddl.split()[5]
-                await cur.execute("SHOW TABLES LIKE %s", (table,))
-                if not await cur.fetchone():
-                    plan.append(Migration(f"created table {table}", (ddl,)))
+            existing = await table_names(cur, self.owner.dialect)
+            for table, create, indexes in self.dialect.tables:
+                if table not in existing:
+                    plan.append(Migration(f"created table {table}", (create, *indexes)))
+            for table, index, statement in self.dialect.added_indexes:
+                if table in existing and index not in await index_names(cur, self.owner.dialect, table):
+                    plan.append(Migration(f"added index {table}.{index}", (statement,)))
         return plan
 
     async def migrate(self) -> list[str]:
@@ -242,13 +354,14 @@ class MySQLConsumerStore:
                 )
                 if not deleted:
                     raise LeaseLost(f"retry row {retry.id} is no longer held by {retry.owner}")
-            first = await _record(cur, record)  # not first: only the retry row's deletion commits
-            yield MySQLTransaction(cur) if first else None
+            # not first: only the retry row's deletion commits
+            first = await _Writes(cur, self.dialect).record(record)
+            yield CursorTransaction(cur, self.name) if first else None
 
     @asynccontextmanager
-    async def batch(self, timeout: float | None = None) -> AsyncIterator[MySQLBatch]:
+    async def batch(self, timeout: float | None = None) -> AsyncIterator[SQLBatch]:
         async with self.owner.transaction(timeout or self.handling_timeout) as cur:
-            yield MySQLBatch(cur)
+            yield SQLBatch(cur, self.dialect, self.name)
 
     async def blocked_rooms(self, consumer: str, room_keys: set[str]) -> set[tuple[str, str]]:
         if not room_keys:
@@ -264,11 +377,11 @@ class MySQLConsumerStore:
 
     async def schedule(self, row: RetryRow) -> None:
         async with self.owner.transaction() as cur:
-            await _schedule(cur, row)
+            await _Writes(cur, self.dialect).schedule(row)
 
     async def dead_letter(self, row: RetryRow) -> None:
         async with self.owner.transaction() as cur:
-            await _dead_letter(cur, row)
+            await _Writes(cur, self.dialect).dead_letter(row)
 
     async def claim_retries(
         self, consumer: str, owner: str, limit: int, lease_ms: int, ordered: bool
@@ -292,8 +405,8 @@ class MySQLConsumerStore:
             if not ids:
                 return []
             await cur.execute(
-                f"SELECT {_COLUMNS} FROM {RETRY} WHERE id IN ({_marks(ids)}) AND status = 'retrying'"
-                " AND due_at_ms <= %s ORDER BY id FOR UPDATE SKIP LOCKED",
+                f"SELECT {_RETRY_COLUMNS} FROM {RETRY} WHERE id IN ({_marks(ids)}) AND status = 'retrying'"
+                f" AND due_at_ms <= %s ORDER BY id{self.owner.dialect.row_lock}",
                 (*ids, now),
             )
             rows = [_row(values) for values in await cur.fetchall()]
@@ -328,9 +441,9 @@ class MySQLConsumerStore:
         async with self.owner.transaction() as cur:
             if not await cur.execute(f"DELETE FROM {RETRY} WHERE id = %s AND owner = %s", (row.id, row.owner)):
                 return False
-            now = now_ms()
+            writes = _Writes(cur, self.dialect)
             for new in by:
-                await cur.execute(_INSERT + " ON DUPLICATE KEY UPDATE id = id", _insert_params(new, "retrying", now))
+                await writes.schedule(new)
         return True
 
     async def redrive(self, consumer: str, handler: str | None, event_ids: list[str]) -> int:
@@ -378,8 +491,7 @@ class MySQLConsumerStore:
 
     async def event_states(self, event_id: str) -> list[dict[str, Any]]:
         async with self.owner.transaction() as cur:
-            await cur.execute(f"SHOW TABLES LIKE '{RETRY}'")
-            if not await cur.fetchone():
+            if RETRY not in await table_names(cur, self.owner.dialect):
                 return []
             await cur.execute(
                 f"SELECT consumer, handler, app_code, topic, kafka_partition, kafka_offset, processed_at_ms"

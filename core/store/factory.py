@@ -1,5 +1,6 @@
 """Open the store a DSN names: ``mysql://…`` → :class:`MySQLStore`, ``postgresql://…`` →
-:class:`PostgresStore`, ``sqlite:///…`` → :class:`SQLiteStore`. Callers that need more than
+:class:`PostgresStore`, ``sqlite:///…`` → :class:`SQLiteStore`; on a server, the consumers'
+store with it (:func:`consumer_store`). Callers that need more than
 the lane's protocol (operator queries, the readiness ping, the producer's mark) use
 :class:`SQLStore`: every store hands out a cursor that takes ``%s`` placeholders and names its
 :class:`~room_outbox.store.dialect.Dialect`, so that SQL is written once."""
@@ -15,6 +16,7 @@ import anyio
 
 from room_outbox.errors import ConfigurationError, StoreUnavailable
 from room_outbox.store import OutboxStore
+from room_outbox.store.consumer_sql import SQLConsumerStore
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.dialect import Dialect
 from room_outbox.store.errors import translated
@@ -170,3 +172,12 @@ async def open_store(
             await anyio.sleep(min(pause, left))
             pause = min(pause * WAIT_FACTOR, WAIT_LONGEST)
             attempt += 1
+
+
+def consumer_store(store: SQLStore, handling_timeout: float | None = None) -> SQLConsumerStore | None:
+    """The consumers' store on the database ``database.dsn`` names: MySQL or PostgreSQL; None
+    on SQLite, which keeps no consumers' tables (consumers run on a server their processes
+    share). ``handling_timeout``: see :class:`SQLConsumerStore`."""
+    if isinstance(store, MySQLStore | PostgresStore):
+        return SQLConsumerStore(store, handling_timeout)
+    return None

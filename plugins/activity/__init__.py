@@ -32,7 +32,10 @@ ACTIVITY_KINDS = {
     "RoomUserMuted": "muted",
 }
 
-DDL = f"""CREATE TABLE IF NOT EXISTS {TABLE} (
+#: The table, per database; ``migrate`` creates it.
+SCHEMA = {
+    "mysql": (
+        f"""CREATE TABLE IF NOT EXISTS {TABLE} (
   id             BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
   app_code       VARCHAR(64)  NOT NULL,
   room_id        VARCHAR(64)  NOT NULL,
@@ -45,7 +48,25 @@ DDL = f"""CREATE TABLE IF NOT EXISTS {TABLE} (
   occurred_at_ms BIGINT       NULL,
   UNIQUE KEY uk_room_activity_event (app_code, event_id),
   KEY idx_room_activity_feed (app_code, room_id, id)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"""
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
+    ),
+    "postgresql": (
+        f"""CREATE TABLE IF NOT EXISTS {TABLE} (
+  id             BIGSERIAL    PRIMARY KEY,
+  app_code       VARCHAR(64)  NOT NULL,
+  room_id        VARCHAR(64)  NOT NULL,
+  room_version   BIGINT       NULL,
+  event_id       VARCHAR(128) NOT NULL,
+  event_type     VARCHAR(64)  NOT NULL,
+  kind           VARCHAR(16)  NOT NULL,
+  user_id        VARCHAR(128) NULL,
+  detail         TEXT         NOT NULL,
+  occurred_at_ms BIGINT       NULL,
+  CONSTRAINT uk_room_activity_event UNIQUE (app_code, event_id)
+)""",
+        f"CREATE INDEX IF NOT EXISTS idx_room_activity_feed ON {TABLE} (app_code, room_id, id)",
+    ),
+}
 
 #: A room's feed in order, after cursor ``id`` (0 for the start): app_code, room_id, after, limit.
 FEED_QUERY = (
@@ -76,10 +97,5 @@ def _create(settings: HandlerSettings, context: HandlerFactoryContext) -> Activi
 
 
 @hookimpl
-def room_outbox_register_handlers() -> list[HandlerSpec]:
-    return [HandlerSpec("activity", _create, event_types=frozenset(ACTIVITY_KINDS))]
-
-
-@hookimpl
-def room_outbox_migrations() -> list[str]:
-    return [DDL]
+def room_outbox_register_handlers() -> list[HandlerSpec[HandlerSettings]]:
+    return [HandlerSpec("activity", _create, event_types=frozenset(ACTIVITY_KINDS), schema=SCHEMA)]

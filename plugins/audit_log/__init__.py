@@ -23,7 +23,10 @@ from room_outbox import (
 
 TABLE = "room_audit_log"
 
-DDL = f"""CREATE TABLE IF NOT EXISTS {TABLE} (
+#: The table, per database; ``migrate`` creates it.
+SCHEMA = {
+    "mysql": (
+        f"""CREATE TABLE IF NOT EXISTS {TABLE} (
   id              BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
   app_code        VARCHAR(64)  NOT NULL,
   event_id        VARCHAR(128) NOT NULL,
@@ -39,7 +42,28 @@ DDL = f"""CREATE TABLE IF NOT EXISTS {TABLE} (
   recorded_at_ms  BIGINT       NOT NULL,
   UNIQUE KEY uk_room_audit_log_event (app_code, event_id),
   KEY idx_room_audit_log_room (app_code, room_id, id)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"""
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
+    ),
+    "postgresql": (
+        f"""CREATE TABLE IF NOT EXISTS {TABLE} (
+  id              BIGSERIAL    PRIMARY KEY,
+  app_code        VARCHAR(64)  NOT NULL,
+  event_id        VARCHAR(128) NOT NULL,
+  event_type      VARCHAR(64)  NOT NULL,
+  room_id         VARCHAR(64)  NOT NULL,
+  room_version    BIGINT       NULL,
+  occurred_at_ms  BIGINT       NULL,
+  envelope        TEXT         NOT NULL,
+  consumer        VARCHAR(64)  NOT NULL,
+  topic           VARCHAR(249) NOT NULL,
+  kafka_partition INT          NOT NULL,
+  kafka_offset    BIGINT       NOT NULL,
+  recorded_at_ms  BIGINT       NOT NULL,
+  CONSTRAINT uk_room_audit_log_event UNIQUE (app_code, event_id)
+)""",
+        f"CREATE INDEX IF NOT EXISTS idx_room_audit_log_room ON {TABLE} (app_code, room_id, id)",
+    ),
+}
 
 _COLUMNS = (
     "app_code, event_id, event_type, room_id, room_version, occurred_at_ms, envelope, consumer, topic,"
@@ -91,10 +115,5 @@ def _create(settings: HandlerSettings, context: HandlerFactoryContext) -> AuditH
 
 
 @hookimpl
-def room_outbox_register_handlers() -> list[HandlerSpec]:
-    return [HandlerSpec("audit", _create)]
-
-
-@hookimpl
-def room_outbox_migrations() -> list[str]:
-    return [DDL]
+def room_outbox_register_handlers() -> list[HandlerSpec[HandlerSettings]]:
+    return [HandlerSpec("audit", _create, schema=SCHEMA)]

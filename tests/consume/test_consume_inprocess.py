@@ -1,5 +1,6 @@
 """The consumer in this process: handler plugins (the hook), configuration errors, telemetry,
-the health endpoint. On tansu and MariaDB; the process tests are in test_consume_processes."""
+the health endpoint. On tansu, with MariaDB (and PostgreSQL where the store is what is tested);
+the process tests are in test_consume_processes."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from support import wait_until
 from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, capture
 
 from room_outbox import hookimpl
+from room_outbox.cli.consume import migrate_consumers
 from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.engine import Consumer
 from room_outbox.consume.registry import build_handlers, check_consumers, registered_handlers
 from room_outbox.consume.service import run_consumers
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
-from room_outbox.delivery.lanes import migrate_plugins
 from room_outbox.handler import (
     ConsumedEvent,
     HandleContext,
@@ -34,8 +35,9 @@ from room_outbox.handler import (
 )
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.store.consumer_sql import SQLConsumerStore
+from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
-from room_outbox.store.consumer_sql import MySQLConsumerStore
 
 pytestmark = pytest.mark.anyio
 
@@ -80,19 +82,36 @@ class RecordingPlugin:
             self.handlers.append(handler)
             return handler
 
-        return [HandlerSpec("recording", create, settings_model=RecordingSettings)]
+        schema = {
+            "mysql": [
+                "CREATE TABLE IF NOT EXISTS recorded (seq INT AUTO_INCREMENT PRIMARY KEY, event_id VARCHAR(64) UNIQUE)"
+            ],
+            "postgresql": ["CREATE TABLE IF NOT EXISTS recorded (seq SERIAL PRIMARY KEY, event_id VARCHAR(64) UNIQUE)"],
+        }
+        return [HandlerSpec("recording", create, settings_model=RecordingSettings, schema=schema)]
 
-    @hookimpl
-    def room_outbox_migrations(self) -> list[str]:
-        return ["CREATE TABLE IF NOT EXISTS recorded (seq INT AUTO_INCREMENT PRIMARY KEY, event_id VARCHAR(64) UNIQUE)"]
+
+async def migrate_for_consumers(store: SQLStore) -> SQLStore:
+    await store.migrate()
+    await migrate_consumers(store, make_plugin_manager(extra_plugins=[RecordingPlugin()]))
+    return store
 
 
 @pytest.fixture
-async def migrated(store: MySQLStore) -> AsyncIterator[MySQLStore]:
-    pm = make_plugin_manager(extra_plugins=[RecordingPlugin()])
-    await migrate_plugins(store, pm, Settings(sinks={"tencent_im": {"enabled": False}}))
-    await MySQLConsumerStore(store).migrate()
-    yield store
+async def migrated(store: MySQLStore) -> MySQLStore:
+    await migrate_for_consumers(store)
+    return store
+
+
+@pytest.fixture(params=["mysql", "postgresql"])
+async def server_store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
+    """A store migrated for the consumers, on each server."""
+    dsn = request.getfixturevalue("database_dsn" if request.param == "mysql" else "postgresql_dsn")
+    store = await open_store(dsn, pool_size=8)
+    try:
+        yield await migrate_for_consumers(store)
+    finally:
+        await store.aclose()
 
 
 async def send(bootstrap: str, events: list[dict[str, Any]], traceparent: str | None = TRACEPARENT) -> None:
@@ -107,7 +126,7 @@ async def send(bootstrap: str, events: list[dict[str, Any]], traceparent: str | 
         await producer.stop()
 
 
-async def rows(store: MySQLStore, sql: str) -> list[tuple[Any, ...]]:
+async def rows(store: SQLStore, sql: str) -> list[tuple[Any, ...]]:
     async with store.transaction() as cur:
         await cur.execute(sql)
         return list(await cur.fetchall())
@@ -177,8 +196,9 @@ async def test_check_config_names_every_consumer_problem_without_connecting() ->
 
 
 async def test_spans_follow_the_producer_trace_and_metrics_count_outcomes(
-    migrated: MySQLStore, broker: ConsumerBroker
+    server_store: SQLStore, broker: ConsumerBroker
 ) -> None:
+    migrated = server_store
     plugin = RecordingPlugin(flaky=2)
     pm = make_plugin_manager(extra_plugins=[plugin])
     settings = ConsumerSettings(
@@ -190,7 +210,7 @@ async def test_spans_follow_the_producer_trace_and_metrics_count_outcomes(
     consumer = Consumer(
         "feed",
         settings,
-        MySQLConsumerStore(migrated, settings.handler_timeout),
+        SQLConsumerStore(migrated, settings.handler_timeout),
         handlers,
         "node-1",
         Redactor(),
@@ -235,7 +255,7 @@ async def test_spans_follow_the_producer_trace_and_metrics_count_outcomes(
     assert lags and all(p.value == 0 for p in lags)
 
 
-async def _recorded(store: MySQLStore, expected: int) -> bool:
+async def _recorded(store: SQLStore, expected: int) -> bool:
     return len(await rows(store, "SELECT event_id FROM recorded")) >= expected
 
 
@@ -339,7 +359,7 @@ async def test_a_database_outage_mid_stream_loses_nothing_and_repeats_nothing(
         consumer = Consumer(
             "feed",
             settings,
-            MySQLConsumerStore(through_proxy, settings.handler_timeout),
+            SQLConsumerStore(through_proxy, settings.handler_timeout),
             handlers,
             "node-1",
             Redactor(),

@@ -25,13 +25,27 @@ from room_outbox import (
     hookimpl,
 )
 
-DDL = """CREATE TABLE IF NOT EXISTS room_gift_totals (
+#: The table, per database (the transaction's ``dialect``); ``room-outbox migrate`` creates it.
+SCHEMA = {
+    "mysql": (
+        """CREATE TABLE IF NOT EXISTS room_gift_totals (
   app_code VARCHAR(64) NOT NULL,
   room_id  VARCHAR(64) NOT NULL,
   gifts    BIGINT      NOT NULL,
   amount   BIGINT      NOT NULL,
   PRIMARY KEY (app_code, room_id)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"""
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
+    ),
+    "postgresql": (
+        """CREATE TABLE IF NOT EXISTS room_gift_totals (
+  app_code VARCHAR(64) NOT NULL,
+  room_id  VARCHAR(64) NOT NULL,
+  gifts    BIGINT      NOT NULL,
+  amount   BIGINT      NOT NULL,
+  PRIMARY KEY (app_code, room_id)
+)""",
+    ),
+}
 
 #: Add one gift to a room's totals, per database dialect.
 UPSERT = {
@@ -65,18 +79,18 @@ class GiftStats:
         pass
 
 
-def _create(settings: HandlerSettings, context: HandlerFactoryContext) -> GiftStats:
-    assert isinstance(settings, GiftStatsSettings)
+def _create(settings: GiftStatsSettings, context: HandlerFactoryContext) -> GiftStats:
     return GiftStats(settings)
 
 
 @hookimpl
-def room_outbox_register_handlers() -> list[HandlerSpec]:
+def room_outbox_register_handlers() -> list[HandlerSpec[GiftStatsSettings]]:
     return [
-        HandlerSpec("gift_stats", _create, event_types=frozenset({"RoomGiftSent"}), settings_model=GiftStatsSettings)
+        HandlerSpec(
+            "gift_stats",
+            _create,
+            event_types=frozenset({"RoomGiftSent"}),
+            settings_model=GiftStatsSettings,
+            schema=SCHEMA,
+        )
     ]
-
-
-@hookimpl
-def room_outbox_migrations() -> list[str]:
-    return [DDL]
