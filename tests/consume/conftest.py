@@ -1,4 +1,4 @@
-"""Consumers on a real broker (tansu, memory only) and a real MariaDB, as real processes."""
+"""Consumers on a real broker (tansu, memory only) and a real MariaDB or PostgreSQL, as real processes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pymysql
 import pytest
 import yaml
@@ -78,6 +79,11 @@ def encode(env: dict[str, Any]) -> tuple[bytes, bytes]:
 
 
 def query(dsn: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Run one statement on the test's database (MariaDB or PostgreSQL) and return its rows."""
+    if dsn.startswith("postgresql"):
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=5, options="-c statement_timeout=30000") as conn:
+            cur = conn.execute(sql, params or None)
+            return list(cur.fetchall()) if cur.description is not None else []
     address = MySQLAddress.from_dsn(dsn)
     conn = pymysql.connect(
         host=address.host, port=address.port, user=address.user, password=address.password,
@@ -141,6 +147,12 @@ class ConsumeProcess:
     def terminate(self, timeout: float = 30) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=timeout)
+
+
+@pytest.fixture(params=["mysql", "postgresql"])
+def server_dsn(request: pytest.FixtureRequest) -> str:
+    """A fresh database on each server the consumers run on."""
+    return str(request.getfixturevalue("database_dsn" if request.param == "mysql" else "postgresql_dsn"))
 
 
 @pytest.fixture

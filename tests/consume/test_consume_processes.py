@@ -1,4 +1,5 @@
-"""`room-outbox consume` as real processes in one consumer group, on tansu and MariaDB.
+"""`room-outbox consume` as real processes in one consumer group, on tansu and MariaDB (and
+PostgreSQL for the failures, dead letters and redrive).
 
 What must hold through kills, rebalances, failing handlers and bad messages: every event's
 side effects exactly once (the gift totals are increments: a second handling would show),
@@ -140,9 +141,17 @@ def dlq_messages(bootstrap: str, expected: int) -> list[Any]:
     return asyncio.run(asyncio.wait_for(read(), 60))
 
 
+def rename_tables(dsn: str, renames: dict[str, str]) -> None:
+    for old, new in renames.items():
+        sql = f"ALTER TABLE {old} RENAME TO {new}" if dsn.startswith("postgresql") else f"RENAME TABLE {old} TO {new}"
+        query(dsn, sql)
+
+
 def test_failing_handlers_poison_and_unknown_types_retries_dead_letters_and_redrive(
-    tmp_path: Path, database_dsn: str, broker: ConsumerBroker, processes: list[ConsumeProcess]
+    tmp_path: Path, server_dsn: str, broker: ConsumerBroker, processes: list[ConsumeProcess]
 ) -> None:
+    """On MariaDB and PostgreSQL."""
+    database_dsn = server_dsn
     quick = {"base": "100ms", "cap": "300ms", "poll_interval": "100ms"}
     config = write_config(
         tmp_path / "config.yaml", database_dsn, broker,
@@ -173,7 +182,7 @@ def test_failing_handlers_poison_and_unknown_types_retries_dead_letters_and_redr
     assert {m.value for m in copies} == {b"\xff\xfe not json", encode(unknown)[1]}
 
     # Handlers failing for a while: their tables are gone.
-    query(database_dsn, "RENAME TABLE room_audit_log TO room_audit_log_away, room_gift_totals TO room_gift_totals_away")
+    rename_tables(database_dsn, {"room_audit_log": "room_audit_log_away", "room_gift_totals": "room_gift_totals_away"})
     events = room_events("f", 40, 4, {})
     produce(broker.bootstrap, [encode(e) for e in events])
     gifts = [e for e in events if e["event_type"] == "RoomGiftSent"]
@@ -203,7 +212,7 @@ def test_failing_handlers_poison_and_unknown_types_retries_dead_letters_and_redr
     }
 
     # Back: the audit catches up by itself, each room in order.
-    query(database_dsn, "RENAME TABLE room_audit_log_away TO room_audit_log, room_gift_totals_away TO room_gift_totals")
+    rename_tables(database_dsn, {"room_audit_log_away": "room_audit_log", "room_gift_totals_away": "room_gift_totals"})
     eventually(lambda: count(database_dsn, "SELECT COUNT(*) FROM room_audit_log") == len(events), 60, "audit caught up")
     assert_room_order(database_dsn, "room_audit_log")
     assert gift_totals(database_dsn) == {}  # the dead letters wait for an operator
