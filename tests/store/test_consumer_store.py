@@ -1,0 +1,150 @@
+"""The consumers' store (room_consumer_processed, room_consumer_retry) on MariaDB and
+PostgreSQL: the same methods, the same outcomes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from room_outbox.store.consumer import LeaseLost, Processed, RetryRow
+from room_outbox.store.consumer_sql import AGE_INDEX, PROCESSED, SQLConsumerStore
+from room_outbox.store.dialect import index_names
+from room_outbox.store.factory import SQLStore, consumer_store, open_store
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["mysql", "postgresql"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
+    dsn = request.getfixturevalue("database_dsn" if request.param == "mysql" else "postgresql_dsn")
+    opened = await open_store(dsn, pool_size=4)
+    try:
+        await opened.migrate()
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+@pytest.fixture
+async def consumers(store: SQLStore) -> SQLConsumerStore:
+    found = consumer_store(store, handling_timeout=10)
+    assert found is not None
+    await found.migrate()
+    return found
+
+
+def record(event_id: str, handler: str = "audit") -> Processed:
+    return Processed("feed", handler, "app1", event_id, "room-events", 0, 7)
+
+
+def retry_row(event_id: str, room: str = "app1:room_1", handler: str = "audit", due: int = 0) -> RetryRow:
+    return RetryRow(
+        consumer="feed", handler=handler, app_code="app1", event_id=event_id, event_type="RoomUserJoined",
+        room_key=room, topic="room-events", partition=0, offset=7, value=b'{"x": "\\u00e9"}\xff',
+        headers={"traceparent": "00-abc"}, attempts=1, due_at_ms=due, last_error="boom",
+    )  # fmt: skip
+
+
+async def rows(store: SQLStore, sql: str) -> list[tuple[Any, ...]]:
+    async with store.transaction() as cur:
+        await cur.execute(sql)
+        return [tuple(r) for r in await cur.fetchall()]
+
+
+async def test_migrate_creates_the_tables_once_and_adds_the_age_index_to_an_older_table(store: SQLStore) -> None:
+    found = consumer_store(store)
+    assert found is not None and not await found.migrated()
+    assert await found.migrate() == ["created table room_consumer_processed", "created table room_consumer_retry"]
+    assert await found.migrated() and await found.migrate() == []
+    async with store.transaction() as cur:  # a table made before retention needed the index
+        drop = f"DROP INDEX {AGE_INDEX}" + (f" ON {PROCESSED}" if store.dialect.name == "mysql" else "")
+        await cur.execute(drop)
+    assert await found.migrate() == [f"added index {PROCESSED}.{AGE_INDEX}"]
+    async with store.transaction() as cur:
+        assert AGE_INDEX in await index_names(cur, store.dialect, PROCESSED)
+
+
+async def test_sqlite_has_no_consumers_store(tmp_path: Any) -> None:
+    sqlite = await open_store(f"sqlite:///{tmp_path / 'outbox.db'}")
+    try:
+        assert consumer_store(sqlite) is None
+    finally:
+        await sqlite.aclose()
+
+
+async def test_a_processed_record_makes_the_second_handling_a_no_op(
+    store: SQLStore, consumers: SQLConsumerStore
+) -> None:
+    async with store.transaction() as cur:
+        await cur.execute("CREATE TABLE side_effect (event_id VARCHAR(64))")
+    async with consumers.processing(record("e1")) as tx:
+        assert tx is not None and tx.dialect == store.dialect.name
+        await tx.execute("INSERT INTO side_effect (event_id) VALUES (%s)", ("e1",))
+    async with consumers.processing(record("e1")) as again:
+        assert again is None  # a redelivery: the handler is not called
+    with pytest.raises(RuntimeError):
+        async with consumers.processing(record("e2")) as tx:
+            assert tx is not None
+            await tx.execute("INSERT INTO side_effect (event_id) VALUES (%s)", ("e2",))
+            raise RuntimeError("handler failed")
+    assert await rows(store, "SELECT event_id FROM side_effect") == [("e1",)]
+    assert await rows(store, f"SELECT event_id FROM {PROCESSED}") == [("e1",)]
+
+
+async def test_a_batch_rolls_back_only_the_failing_handling(store: SQLStore, consumers: SQLConsumerStore) -> None:
+    async with consumers.processing(record("old")):
+        pass
+    async with consumers.batch() as batch:
+        async with batch.processing_many([record("m1"), record("m2")]) as (_tx, fresh):
+            assert fresh == [True, True]
+        with pytest.raises(Exception):  # noqa: B017 - the driver's duplicate-key error, whichever it is
+            async with batch.processing_many([record("m3"), record("old")]):
+                pass
+        async with batch.processing(record("old")) as duplicate:
+            assert duplicate is None
+        with pytest.raises(RuntimeError):
+            async with batch.processing(record("m4")):
+                raise RuntimeError("handler failed")
+        await batch.schedule(retry_row("m4"))
+    assert sorted(await rows(store, f"SELECT event_id FROM {PROCESSED}")) == [("m1",), ("m2",), ("old",)]
+    assert await rows(store, "SELECT event_id, status FROM room_consumer_retry") == [("m4", "retrying")]
+
+
+async def test_retries_are_claimed_per_room_in_order_fenced_and_become_dead_letters(
+    consumers: SQLConsumerStore,
+) -> None:
+    await consumers.schedule(retry_row("r1"))
+    await consumers.schedule(retry_row("r1"))  # already there: nothing changes
+    await consumers.schedule(retry_row("r2"))  # same room, behind r1
+    await consumers.schedule(retry_row("s1", room="app1:room_2"))
+    assert await consumers.blocked_rooms("feed", {"app1:room_1", "app1:room_9"}) == {("audit", "app1:room_1")}
+    claimed = await consumers.claim_retries("feed", "node-a", 10, 60_000, ordered=True)
+    assert [r.event_id for r in claimed] == ["r1", "s1"]
+    first = claimed[0]
+    assert first.value == retry_row("r1").value and first.headers == {"traceparent": "00-abc"}
+    assert await consumers.claim_retries("feed", "node-b", 10, 60_000, ordered=True) == []  # leased
+
+    stale = RetryRow(**{**first.__dict__, "owner": "node-b"})
+    assert not await consumers.retry_failed(stale, 2, 0, "late", dead=False)
+    with pytest.raises(LeaseLost):
+        async with consumers.processing(record("r1"), stale):
+            pass
+    async with consumers.processing(record("r1"), first) as tx:  # settles the retry row
+        assert tx is not None
+    assert await consumers.retry_failed(claimed[1], 5, 0, "gave up", dead=True)
+    await consumers.dead_letter(retry_row("r2"))  # the waiting row becomes the dead letter
+    assert [(s["consumer"], s["status"], s["rows"]) for s in await consumers.overview()] == [("feed", "dead", 2)]
+    dead = await consumers.dead_letters("feed", 10)
+    assert [(d["event_id"], d["last_error"]) for d in dead] == [("r2", "boom"), ("s1", "gave up")]
+    states = await consumers.event_states("r1")
+    assert [(s["handler"], s["state"]) for s in states] == [("audit", "consumed")]
+
+    assert await consumers.redrive("feed", "audit", ["s1"]) == 1
+    again = await consumers.claim_retries("feed", "node-a", 10, 60_000, ordered=True)
+    assert [(r.event_id, r.attempts) for r in again] == [("s1", 0)]
+    await consumers.release(again)
+    replaced = (await consumers.claim_retries("feed", "node-a", 10, 60_000, ordered=False))[0]
+    assert await consumers.replace(replaced, [retry_row("s1", handler="activity")])
+    assert [(s["handler"], s["state"]) for s in await consumers.event_states("s1")] == [("activity", "retrying")]
