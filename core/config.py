@@ -385,19 +385,42 @@ class TelemetrySettings(Section):
         return value if value > 0 else float(cls.model_fields["backlog_interval"].default)
 
 
+#: The shortest ``retention.processed_older_than`` accepted (see there).
+MIN_PROCESSED_HORIZON = 86400.0
+
+
 class RetentionSettings(Section):
     """``room-outbox cleanup`` and the optional background job (:mod:`room_outbox.store.retention`):
-    published rows older than ``older_than`` are deleted, or moved to ``room_outbox_archive``."""
+    published rows older than ``older_than`` are deleted, or moved to ``room_outbox_archive``;
+    the consumers' processed records older than ``processed_older_than`` are deleted."""
 
     #: Run a pass every ``interval`` inside ``room-outbox run`` (``cleanup`` works either way).
     enabled: bool = False
     older_than: PositiveDuration = 7 * 86400.0
+    #: A processed record is what makes a redelivered message a no-op: removed while its
+    #: message can still come back, that message's side effects happen a second time. So this
+    #: must exceed the longest time a message can be read again after it was handled. Kafka
+    #: re-reads messages whose offsets were not committed yet (a crash; a member stopped for a
+    #: while) and, once a group's committed offsets have expired, re-reads the topic from its
+    #: start: keep it above the topic's retention (Kafka's default: 7 days) plus any consumer
+    #: downtime. Less than a day is refused.
+    processed_older_than: Duration = 30 * 86400.0
     #: Rows per transaction: small, so no statement holds locks for long.
     batch_size: int = Field(default=1000, ge=1, le=100_000)
     #: Wait between batches, leaving the database to delivery.
     pause: Duration = Field(default=0.1, ge=0)
     archive: bool = False
     interval: PositiveDuration = 3600.0
+
+    @field_validator("processed_older_than")
+    @classmethod
+    def _beyond_redelivery(cls, value: float) -> float:
+        if value < MIN_PROCESSED_HORIZON:
+            raise ValueError(
+                "must be at least 1d and above the topic's retention: a processed record removed while its"
+                " message can still be read again lets that message's side effects run twice"
+            )
+        return value
 
 
 def default_node_id() -> str:

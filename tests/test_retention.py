@@ -1,5 +1,6 @@
 """Retention against the real MariaDB: what `room-outbox cleanup` and the background job remove,
-what they never touch, batch sizes, archiving, and two cleaners at once."""
+what they never touch, batch sizes, archiving, and two cleaners at once; the consumers'
+processed records and resolved retry rows on MariaDB and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import pty
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +19,18 @@ from support import INSERT_V1, envelope, fetch_rows, wait_until
 
 from room_outbox.cli.main import main
 from room_outbox.config import ConfigError, RetentionSettings, load_settings
+from room_outbox.store.consumer import Processed, RetryRow
+from room_outbox.store.consumer_sql import SQLConsumerStore
+from room_outbox.store.factory import SQLStore, consumer_store, open_store
 from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.retention import ARCHIVE_TABLE, RetentionOptions, cleanup, run_retention_job
+from room_outbox.store.retention import (
+    ARCHIVE_TABLE,
+    RetentionOptions,
+    cleanup,
+    prune_consumer_records,
+    run_retention_job,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -247,3 +258,135 @@ def _read_all(fd: int) -> str:
         chunks.append(chunk)
     os.close(fd)
     return b"".join(chunks).decode().replace("\r\n", "\n")
+
+
+# -- the consumers' records --------------------------------------------------------------------
+
+
+@pytest.fixture(params=["mysql", "postgresql"])
+async def consumers_db(request: pytest.FixtureRequest) -> AsyncIterator[tuple[SQLStore, SQLConsumerStore]]:
+    """A store on each server with the consumers' tables."""
+    dsn = request.getfixturevalue("database_dsn" if request.param == "mysql" else "postgresql_dsn")
+    opened = await open_store(dsn, pool_size=4)
+    try:
+        await opened.migrate()
+        consumers = consumer_store(opened)
+        assert consumers is not None
+        await consumers.migrate()
+        yield opened, consumers
+    finally:
+        await opened.aclose()
+
+
+def handling(event_id: str) -> Processed:
+    return Processed("feed", "audit", "app1", event_id, "room-events", 0, 1)
+
+
+def retry_of(event_id: str) -> RetryRow:
+    return RetryRow(
+        consumer="feed", handler="audit", app_code="app1", event_id=event_id, event_type="RoomUserJoined",
+        room_key="app1:room_1", topic="room-events", partition=0, offset=1, value=b"{}", headers={},
+        attempts=1, due_at_ms=0, last_error="boom",
+    )  # fmt: skip
+
+
+async def handled(consumers: SQLConsumerStore, event_ids: list[str], age_ms: int) -> None:
+    """Processed records for ``event_ids``, written ``age_ms`` ago."""
+    for event_id in event_ids:
+        async with consumers.processing(handling(event_id)) as tx:
+            assert tx is not None
+    async with consumers.owner.transaction() as cur:
+        await cur.execute(
+            f"UPDATE room_consumer_processed SET processed_at_ms = %s WHERE event_id IN ({', '.join(['%s'] * len(event_ids))})",
+            (now_ms() - age_ms, *event_ids),
+        )
+
+
+async def event_ids(store: SQLStore, table: str) -> set[str]:
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT event_id FROM {table}")
+        return {str(row[0]) for row in await cur.fetchall()}
+
+
+async def test_processed_records_go_once_past_the_horizon_and_never_from_under_a_retry(
+    consumers_db: tuple[SQLStore, SQLConsumerStore],
+) -> None:
+    store, consumers = consumers_db
+    await handled(consumers, [f"old{n}" for n in range(25)], 40 * DAY_MS)
+    await handled(consumers, [f"new{n}" for n in range(5)], 20 * DAY_MS)
+    # Handled since it became a dead letter (a redelivery that worked): resolved, both go.
+    await consumers.dead_letter(retry_of("resolved"))
+    await handled(consumers, ["resolved"], 40 * DAY_MS)
+    # A retry row of the handling leased right now: the row and its old record stay.
+    await consumers.schedule(retry_of("leased"))
+    await handled(consumers, ["leased"], 40 * DAY_MS)
+    assert [r.event_id for r in await consumers.claim_retries("feed", "node-a", 10, 60_000, ordered=False)] == [
+        "leased"
+    ]
+    await consumers.dead_letter(retry_of("dead"))  # a dead letter nobody handled: kept, any age
+
+    options = RetentionOptions(batch_size=10, pause=0.0, processed_older_than=30 * 86400.0)
+    preview = await prune_consumer_records(store, options, dry_run=True)
+    assert (preview.processed, preview.resolved, preview.batches) == (26, 1, 0)
+    assert len(await event_ids(store, "room_consumer_processed")) == 32  # the dry run changed nothing
+
+    report = await prune_consumer_records(store, options)
+    assert (report.present, report.resolved, report.processed) == (True, 1, 26)
+    assert report.batches == 4  # 1 resolved row; 26 records in batches of at most 10
+    assert await event_ids(store, "room_consumer_processed") == {f"new{n}" for n in range(5)} | {"leased"}
+    assert await event_ids(store, "room_consumer_retry") == {"leased", "dead"}
+
+    # Why the horizon must outlast every redelivery: a record still there makes the message a
+    # no-op; once removed, the same message would be handled (its side effects run) again.
+    async with consumers.processing(handling("new0")) as again:
+        assert again is None
+    async with consumers.processing(handling("old0")) as again:
+        assert again is not None
+
+
+async def test_the_background_job_and_cleanup_prune_consumers_records_too(
+    consumers_db: tuple[SQLStore, SQLConsumerStore], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    store, consumers = consumers_db
+    await handled(consumers, ["old1", "old2", "old3"], 40 * DAY_MS)
+    await handled(consumers, ["new1"], 2 * DAY_MS)
+    for name in list(os.environ):
+        if name.startswith("ROOM_OUTBOX"):
+            monkeypatch.delenv(name)
+    config = tmp_path / "config.yaml"
+    dsn = consumers_db[0].address
+    url = "postgresql" if store.dialect.name == "postgresql" else "mysql"
+    config.write_text(
+        f"database:\n  dsn: '{url}://{dsn.user}:{dsn.password}@{dsn.host}:{dsn.port}/{dsn.database}'\n"
+        "retention:\n  batch_size: 2\n  pause: 0s\n  processed_older_than: 30d\n"
+    )
+    assert await anyio.to_thread.run_sync(main, ["--config", str(config), "cleanup"]) == 0
+    assert "consumers: 3 processed record(s) older than 2.592e+06s and 0 resolved retry row(s) would be deleted" in (
+        capsys.readouterr().out
+    )
+    assert len(await event_ids(store, "room_consumer_processed")) == 4
+    assert await anyio.to_thread.run_sync(main, ["--config", str(config), "cleanup", "--yes"]) == 0
+    assert (
+        "consumers: 3 processed record(s) older than 2.592e+06s and 0 resolved retry row(s) deleted in 2 batch(es)"
+        in (capsys.readouterr().out)
+    )
+    assert await event_ids(store, "room_consumer_processed") == {"new1"}
+
+    await handled(consumers, ["old4"], 40 * DAY_MS)
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(run_retention_job, store, RetentionSettings(interval=3600, pause=0), stop)
+
+        async def pruned() -> bool:
+            return await event_ids(store, "room_consumer_processed") == {"new1"}
+
+        await wait_until(pruned, timeout=30)
+        stop.set()
+
+
+def test_the_processed_horizon_is_at_least_a_day(tmp_path: Path) -> None:
+    assert RetentionSettings().processed_older_than == 30 * 86400.0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("retention:\n  processed_older_than: 12h\n")
+    with pytest.raises(ConfigError, match=r"retention\.processed_older_than: .*at least 1d.*side effects run twice"):
+        load_settings(bad)

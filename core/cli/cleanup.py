@@ -6,7 +6,13 @@ from typing import IO
 
 from room_outbox.config import LanePlan
 from room_outbox.store.factory import SQLStore
-from room_outbox.store.retention import CleanupReport, RetentionOptions, archive_table, cleanup
+from room_outbox.store.retention import (
+    CleanupReport,
+    RetentionOptions,
+    archive_table,
+    cleanup,
+    prune_consumer_records,
+)
 
 
 async def cleanup_command(
@@ -20,7 +26,8 @@ async def cleanup_command(
 ) -> int:
     """``room-outbox cleanup``: one pass, removing rows only when ``apply`` (``--yes``), else
     counting them; a progress line per batch on ``err`` when ``show_progress`` (a terminal);
-    then a one-line summary on ``out``, and a line per lane that holds rows back."""
+    then a one-line summary on ``out``, one for the consumers' records (where they are kept),
+    and a line per lane that holds rows back."""
     archive = archive_table(store.profile.table)
     verb = ("moved to " + archive if options.archive else "deleted") if apply else "would be removed"
 
@@ -46,6 +53,14 @@ async def cleanup_command(
         print(
             f"{report.removed} {what} {older} {verb}"
             f" in {report.batches} batch(es) of at most {options.batch_size}, {report.seconds:.1f}s",
+            file=out,
+        )
+    consumers = await prune_consumer_records(store, options, dry_run=not apply)
+    if consumers.present:
+        done = "would be deleted (dry run)" if not apply else f"deleted in {consumers.batches} batch(es)"
+        print(
+            f"consumers: {consumers.processed} processed record(s) older than {options.processed_older_than:g}s"
+            f" and {consumers.resolved} resolved retry row(s) {done}",
             file=out,
         )
     for lane in report.waiting_for:

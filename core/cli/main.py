@@ -99,8 +99,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "cleanup": (
         "delete (or archive) published rows older than retention.older_than; previews without --yes",
         "Remove published rows older than retention.older_than (or --older-than), in small batches;\n"
-        "with --archive move them to room_outbox_archive. Without --yes nothing is removed: it\n"
-        "counts what would be (as --dry-run does). On a terminal, a progress line per batch.",
+        "with --archive move them to room_outbox_archive. The consumers' processed records older\n"
+        "than retention.processed_older_than and their resolved retry rows go too. Without --yes\n"
+        "nothing is removed: it counts what would be (as --dry-run does). On a terminal, a progress\n"
+        "line per batch.",
         "room-outbox cleanup --older-than 30d\nroom-outbox cleanup --older-than 30d --yes\n"
         "room-outbox cleanup --archive --yes",
     ),

@@ -40,6 +40,12 @@ DUPLICATE_KEY = 1062
 AGE_INDEX = "idx_room_consumer_processed_age"
 _KEY = "consumer, handler, app_code, event_id"
 
+
+def _same_handling(retry: str, processed: str) -> str:
+    """A retry row and a processed record (tables or aliases) of the same handling."""
+    return " AND ".join(f"{retry}.{column} = {processed}.{column}" for column in _KEY.split(", "))
+
+
 _RETRY_COLUMNS = (
     "id, consumer, handler, app_code, event_id, event_type, room_key, topic, kafka_partition, kafka_offset,"
     " value, headers, attempts, due_at_ms, last_error, owner"
@@ -514,3 +520,67 @@ class SQLConsumerStore:
                      "due_at_ms": due, "last_error": error, "topic": t, "partition": p, "offset": o}
                 )  # fmt: skip
         return states
+
+    # -- retention (room_outbox.store.retention.prune_consumer_records) ---------------------------
+
+    async def remove_resolved_retries(self, limit: int) -> int:
+        """Delete up to ``limit`` retry rows (retrying or dead, not leased right now) whose
+        event the same consumer and handler has a processed record for: it was handled since
+        (a redelivery succeeded after the row was written), so a retry would find the record
+        and do nothing, and a dead letter only misleads."""
+        async with self.owner.transaction() as cur:
+            await cur.execute(
+                f"SELECT r.id FROM {RETRY} r WHERE r.owner IS NULL AND EXISTS (SELECT 1 FROM {PROCESSED} p"
+                f" WHERE {_same_handling('r', 'p')}) ORDER BY r.id LIMIT %s",
+                (limit,),
+            )
+            ids = [int(i) for (i,) in await cur.fetchall()]
+            if not ids:
+                return 0
+            return int(
+                await cur.execute(
+                    f"DELETE FROM {RETRY} WHERE id IN ({_marks(ids)}) AND owner IS NULL"
+                    f" AND EXISTS (SELECT 1 FROM {PROCESSED} p WHERE {_same_handling(RETRY, 'p')})",
+                    ids,
+                )
+            )
+
+    async def remove_old_processed(self, cutoff_ms: int, limit: int) -> int:
+        """Delete up to ``limit`` processed records older than ``cutoff_ms`` (oldest first, along
+        the age index). A record stays while a retry row of its key exists: that row would run
+        the handler again without it (:meth:`remove_resolved_retries` clears those first)."""
+        async with self.owner.transaction() as cur:
+            await cur.execute(
+                f"SELECT {_KEY} FROM {PROCESSED} p WHERE p.processed_at_ms < %s"
+                f" AND NOT EXISTS (SELECT 1 FROM {RETRY} r WHERE {_same_handling('r', 'p')}) ORDER BY p.processed_at_ms LIMIT %s",
+                (cutoff_ms, limit),
+            )
+            keys = [tuple(row) for row in await cur.fetchall()]
+            if not keys:
+                return 0
+            rows = ", ".join(["(%s, %s, %s, %s)"] * len(keys))
+            return int(
+                await cur.execute(
+                    f"DELETE FROM {PROCESSED} WHERE ({_KEY}) IN ({rows}) AND processed_at_ms < %s"
+                    f" AND NOT EXISTS (SELECT 1 FROM {RETRY} r WHERE {_same_handling('r', PROCESSED)})",
+                    (*(value for key in keys for value in key), cutoff_ms),
+                )
+            )
+
+    async def count_removable(self, cutoff_ms: int) -> tuple[int, int]:
+        """What the two removals would take now (``cleanup --dry-run``): resolved retry rows,
+        processed records older than ``cutoff_ms``."""
+        async with self.owner.transaction() as cur:
+            await cur.execute(
+                f"SELECT COUNT(*) FROM {RETRY} r WHERE r.owner IS NULL"
+                f" AND EXISTS (SELECT 1 FROM {PROCESSED} p WHERE {_same_handling('r', 'p')})"
+            )
+            resolved = int((await cur.fetchone())[0])
+            # A record's retry row, if any, is resolved and goes first, unless leased right now.
+            await cur.execute(
+                f"SELECT COUNT(*) FROM {PROCESSED} p WHERE p.processed_at_ms < %s AND NOT EXISTS (SELECT 1"
+                f" FROM {RETRY} r WHERE {_same_handling('r', 'p')} AND r.owner IS NOT NULL)",
+                (cutoff_ms,),
+            )
+            processed = int((await cur.fetchone())[0])
+        return resolved, processed

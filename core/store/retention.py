@@ -35,6 +35,15 @@ How it stays out of delivery's way:
 
 The same statements run on all three databases; the dialect supplies the locking clause and,
 on MySQL, the primary-key hints explained below.
+
+**The consumers' records** (MySQL and PostgreSQL, once ``migrate`` made their tables; see
+:func:`prune_consumer_records`). A processed record makes a redelivered message a no-op, so it
+may go only once its message can no longer come back: older than ``processed_older_than``,
+which the settings keep above a day and the README's rule keeps above the topic's retention.
+Retry rows and dead letters whose event the same consumer and handler has handled since are
+resolved and go at any age (a retry would find the record and do nothing). A record stays
+while a retry row of its handling exists, whatever its age: without the record that row would
+run the handler again. Archiving does not apply to them. Same batches and pauses as above.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from anyio.abc import TaskStatus
 
 from room_outbox.config import LanePlan, RetentionSettings
 from room_outbox.store.dialect import column_names, table_names
-from room_outbox.store.factory import SQLStore
+from room_outbox.store.factory import SQLStore, consumer_store
 from room_outbox.store.lane_catalog import first_row_after, owes_rows, stored_lanes
 from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql_lanes import lane_table
@@ -76,6 +85,7 @@ class RetentionOptions:
     batch_size: int = 1000
     pause: float = 0.1
     archive: bool = False
+    processed_older_than: float = 30 * 86400.0
 
     @classmethod
     def from_settings(
@@ -87,6 +97,7 @@ class RetentionOptions:
             settings.batch_size,
             settings.pause,
             archive or settings.archive,
+            settings.processed_older_than,
         )
 
 
@@ -107,6 +118,70 @@ class CleanupReport:
     waiting_for: list[str] = field(default_factory=list)
     #: Whether ``status`` decided (the IM lane runs, or no lane does).
     by_status: bool = True
+
+
+@dataclass
+class ConsumerCleanupReport:
+    """What a pass did to the consumers' tables (``present``: they exist here)."""
+
+    present: bool = False
+    #: Retry rows and dead letters removed because their event was handled since.
+    resolved: int = 0
+    #: Processed records removed (older than ``processed_older_than``).
+    processed: int = 0
+    #: Transactions that removed at least one row; none above ``batch_size`` rows.
+    batches: int = 0
+    seconds: float = 0.0
+
+
+async def prune_consumer_records(
+    store: SQLStore,
+    options: RetentionOptions,
+    *,
+    now: int | None = None,
+    stop: anyio.Event | None = None,
+    dry_run: bool = False,
+) -> ConsumerCleanupReport:
+    """One pass over the consumers' tables (nothing on SQLite or before ``migrate``): resolved
+    retry rows first, then the processed records they held back with the other old ones, each
+    in batches of ``batch_size`` with ``pause`` between two; returns early once ``stop`` is
+    set. ``dry_run``: counts, changing nothing."""
+    started = time.monotonic()
+    report = ConsumerCleanupReport()
+    consumers = consumer_store(store)
+    if consumers is None or not await consumers.migrated():
+        return report
+    report.present = True
+    cutoff = (now if now is not None else now_ms()) - int(options.processed_older_than * 1000)
+    if dry_run:
+        report.resolved, report.processed = await consumers.count_removable(cutoff)
+        report.seconds = time.monotonic() - started
+        return report
+    for step in ("resolved", "processed"):
+        while stop is None or not stop.is_set():
+            if step == "resolved":
+                removed = await consumers.remove_resolved_retries(options.batch_size)
+                report.resolved += removed
+            else:
+                removed = await consumers.remove_old_processed(cutoff, options.batch_size)
+                report.processed += removed
+            if not removed:
+                break  # nothing left that may go (a batch another cleaner took also ends it)
+            report.batches += 1
+            if removed < options.batch_size:
+                break
+            await _pause(options, stop)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+async def _pause(options: RetentionOptions, stop: anyio.Event | None) -> None:
+    """A pause lets the claims and result writes of delivery take the log flushes."""
+    if stop is None:
+        await anyio.sleep(options.pause)
+    else:
+        with anyio.move_on_after(options.pause):
+            await stop.wait()
 
 
 async def cleanup(
@@ -162,12 +237,7 @@ async def cleanup(
             break
         if dry_run:
             continue  # nothing was written: no pause owed to delivery
-        # A pause lets the claims and result writes of delivery take the log flushes.
-        if stop is None:
-            await anyio.sleep(options.pause)
-        else:
-            with anyio.move_on_after(options.pause):
-                await stop.wait()
+        await _pause(options, stop)
     report.seconds = time.monotonic() - started
     return report
 
@@ -351,8 +421,9 @@ async def run_retention_job(
     options = RetentionOptions.from_settings(settings)
     log.info(
         "retention job started",
-        extra={"lifecycle": "retention_started", "older_than": options.older_than, "archive": options.archive},
-    )
+        extra={"lifecycle": "retention_started", "older_than": options.older_than, "archive": options.archive,
+               "processed_older_than": options.processed_older_than},
+    )  # fmt: skip
     task_status.started()
     while not stop.is_set():
         try:
@@ -361,6 +432,13 @@ async def run_retention_job(
                 "retention pass done",
                 extra={"removed": report.removed, "batches": report.batches, "seconds": round(report.seconds, 3)},
             )
+            consumers = await prune_consumer_records(store, options, stop=stop)
+            if consumers.present:
+                log.info(
+                    "consumers' retention pass done",
+                    extra={"processed_removed": consumers.processed, "resolved_removed": consumers.resolved,
+                           "batches": consumers.batches, "seconds": round(consumers.seconds, 3)},
+                )  # fmt: skip
         except Exception as exc:
             log.error("retention pass failed; next try after interval", extra={"error": f"{type(exc).__name__}: {exc}"})
         with anyio.move_on_after(settings.interval):
