@@ -34,12 +34,12 @@ from anyio.abc import TaskStatus
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from room_outbox.consume.metrics import ConsumerMetrics
 from room_outbox.consume.registry import BoundHandler
 from room_outbox.consume.settings import ConsumerSettings
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.envelope import KNOWN_EVENT_TYPES, EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.handler import BatchHandler, ConsumedEvent, HandleContext, PermanentHandlerError
+from room_outbox.observability.metrics import ConsumerMetrics
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.observability.tracing import producer_context

@@ -1,16 +1,27 @@
-"""Metrics (delivery counts and latency, backlog, claim and lease health) and their Prometheus text form.
+"""Metrics (delivery counts and latency, backlog, claim and lease health; the consumers') and
+their Prometheus text form.
 
-=========================================  =========  ====================================
-name                                       kind       attributes
-=========================================  =========  ====================================
-``room_outbox_pending_total``              gauge      lane: events the lane still owes
-``room_outbox_oldest_pending_age_ms``      gauge      lane: age of the oldest of them
-``room_outbox_publish_success_total``      counter    sink, event_type
-``room_outbox_publish_failure_total``      counter    sink, event_type, error_class
-``room_outbox_publish_latency_ms``         histogram  sink, event_type, outcome
-``room_outbox_claimed_batch_size``         histogram  one observation per claim round
-``room_outbox_lost_leases_total``          counter    detected_at (renewal, result_write)
-=========================================  =========  ====================================
+=============================================  =========  ====================================
+name                                           kind       attributes
+=============================================  =========  ====================================
+``room_outbox_pending_total``                  gauge      lane: events the lane still owes
+``room_outbox_oldest_pending_age_ms``          gauge      lane: age of the oldest of them
+``room_outbox_publish_success_total``          counter    sink, event_type
+``room_outbox_publish_failure_total``          counter    sink, event_type, error_class
+``room_outbox_publish_latency_ms``             histogram  sink, event_type, outcome
+``room_outbox_claimed_batch_size``             histogram  one observation per claim round
+``room_outbox_lost_leases_total``              counter    detected_at (renewal, result_write)
+``room_outbox_consumer_lag``                   gauge      consumer, topic, partition
+``room_outbox_consumer_handled_total``         counter    consumer, handler, outcome
+``room_outbox_consumer_retried_total``         counter    consumer, handler
+``room_outbox_consumer_dead_total``            counter    consumer, handler, reason
+``room_outbox_consumer_handler_latency_ms``    histogram  consumer, handler
+=============================================  =========  ====================================
+
+The first seven are the dispatcher's (:class:`OutboxMetrics`), the last five a consume
+process's (:class:`ConsumerMetrics`). A consumer's ``outcome`` is ``handled``, or
+``duplicate`` (its processed record existed: a redelivery); its lag is the partition's high
+watermark minus the offset this process last committed, set after each commit.
 
 Next to them ``/metrics`` carries the process and runtime metrics of ``prometheus_client``'s
 process, platform and GC collectors (``process_cpu_seconds_total``,
@@ -25,7 +36,8 @@ lane runs: otherwise ``status`` is room-service's and no backlog of anyone's her
 its own counts its pending rows plus the rows not fed to it yet. Every counter is exported
 from start-up at 0 for the label sets known then (each sink with each event type it takes,
 each error class, each detection point), so that an alert expression has a series to
-evaluate before the first failure ever happens. Instruments are named exactly as Prometheus shows them,
+evaluate before the first failure ever happens (a consumer's: every handler of the process,
+with outcome ``handled``, reason ``failed``). Instruments are named exactly as Prometheus shows them,
 so the OTLP and the ``/metrics`` names agree; :func:`render_prometheus` therefore never
 appends ``_total`` to a counter that already ends with it.
 """
@@ -103,6 +115,38 @@ class OutboxMetrics:
                 self.failure.add(0, {"sink": "-", "event_type": event_type, "error_class": error_class})
         for point in LEASE_LOSS_POINTS:
             self.lost_leases.add(0, {"detected_at": point})
+
+
+class ConsumerMetrics:
+    """One consumer's instruments, its counters exported at 0 for each of ``handlers``."""
+
+    def __init__(self, meter: Meter, consumer: str, handlers: Iterable[str]) -> None:
+        self.consumer = consumer
+        self.lag = meter.create_gauge(
+            "room_outbox_consumer_lag", unit="{message}", description="Messages of a partition not yet committed."
+        )
+        self.handled = meter.create_counter(
+            "room_outbox_consumer_handled_total", unit="{message}", description="Messages a handler settled."
+        )
+        self.retried = meter.create_counter(
+            "room_outbox_consumer_retried_total",
+            unit="{message}",
+            description="Handlings that failed and were scheduled for a retry.",
+        )
+        self.dead = meter.create_counter(
+            "room_outbox_consumer_dead_total", unit="{message}", description="Messages that became dead letters."
+        )
+        self.latency = meter.create_histogram(
+            "room_outbox_consumer_handler_latency_ms",
+            unit="ms",
+            description="One handling: its transaction, the handler and the commit.",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_MS,
+        )
+        for handler in handlers:
+            labels = {"consumer": consumer, "handler": handler}
+            self.handled.add(0, {**labels, "outcome": "handled"})
+            self.retried.add(0, labels)
+            self.dead.add(0, {**labels, "reason": "failed"})
 
 
 # -- Prometheus text exposition format 0.0.4 ------------------------------------------------
