@@ -61,6 +61,41 @@ _INSERT_PROCESSED = (
 )
 
 
+#: room_consumer_processed's columns and key, the same on both servers.
+_PROCESSED_COLUMNS = """  consumer        VARCHAR(64)  NOT NULL,
+  handler         VARCHAR(64)  NOT NULL,
+  app_code        VARCHAR(64)  NOT NULL,
+  event_id        VARCHAR(128) NOT NULL,
+  topic           VARCHAR(249) NOT NULL,
+  kafka_partition INT          NOT NULL,
+  kafka_offset    BIGINT       NOT NULL,
+  processed_at_ms BIGINT       NOT NULL,
+  PRIMARY KEY (consumer, handler, app_code, event_id)"""
+
+
+def _retry_columns(id_column: str, blob: str) -> str:
+    """room_consumer_retry's columns; the servers differ in the id's and the value's types."""
+    return f"""  id              {id_column},
+  consumer        VARCHAR(64)   NOT NULL,
+  handler         VARCHAR(64)   NOT NULL,
+  app_code        VARCHAR(64)   NOT NULL,
+  event_id        VARCHAR(128)  NOT NULL,
+  event_type      VARCHAR(64)   NOT NULL DEFAULT '',
+  room_key        VARCHAR(200)  NOT NULL,
+  topic           VARCHAR(249)  NOT NULL,
+  kafka_partition INT           NOT NULL,
+  kafka_offset    BIGINT        NOT NULL,
+  value           {blob:<14}NOT NULL,
+  headers         TEXT          NOT NULL,
+  status          VARCHAR(16)   NOT NULL,
+  attempts        INT           NOT NULL DEFAULT 0,
+  due_at_ms       BIGINT        NOT NULL,
+  owner           VARCHAR(128)  NULL,
+  last_error      VARCHAR(1024) NULL,
+  created_at_ms   BIGINT        NOT NULL,
+  updated_at_ms   BIGINT        NOT NULL,"""
+
+
 @dataclass(frozen=True)
 class ConsumerDialect:
     """The consumers' statements that differ between the two servers."""
@@ -84,15 +119,7 @@ MYSQL = ConsumerDialect(
         (
             PROCESSED,
             f"""CREATE TABLE IF NOT EXISTS {PROCESSED} (
-  consumer        VARCHAR(64)  NOT NULL,
-  handler         VARCHAR(64)  NOT NULL,
-  app_code        VARCHAR(64)  NOT NULL,
-  event_id        VARCHAR(128) NOT NULL,
-  topic           VARCHAR(249) NOT NULL,
-  kafka_partition INT          NOT NULL,
-  kafka_offset    BIGINT       NOT NULL,
-  processed_at_ms BIGINT       NOT NULL,
-  PRIMARY KEY (consumer, handler, app_code, event_id),
+{_PROCESSED_COLUMNS},
   KEY idx_room_consumer_processed_event (event_id),
   KEY {AGE_INDEX} (processed_at_ms)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
@@ -101,25 +128,7 @@ MYSQL = ConsumerDialect(
         (
             RETRY,
             f"""CREATE TABLE IF NOT EXISTS {RETRY} (
-  id              BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
-  consumer        VARCHAR(64)   NOT NULL,
-  handler         VARCHAR(64)   NOT NULL,
-  app_code        VARCHAR(64)   NOT NULL,
-  event_id        VARCHAR(128)  NOT NULL,
-  event_type      VARCHAR(64)   NOT NULL DEFAULT '',
-  room_key        VARCHAR(200)  NOT NULL,
-  topic           VARCHAR(249)  NOT NULL,
-  kafka_partition INT           NOT NULL,
-  kafka_offset    BIGINT        NOT NULL,
-  value           LONGBLOB      NOT NULL,
-  headers         TEXT          NOT NULL,
-  status          VARCHAR(16)   NOT NULL,
-  attempts        INT           NOT NULL DEFAULT 0,
-  due_at_ms       BIGINT        NOT NULL,
-  owner           VARCHAR(128)  NULL,
-  last_error      VARCHAR(1024) NULL,
-  created_at_ms   BIGINT        NOT NULL,
-  updated_at_ms   BIGINT        NOT NULL,
+{_retry_columns(id_column="BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY", blob="LONGBLOB")}
   UNIQUE KEY uk_room_consumer_retry_event (consumer, handler, app_code, event_id),
   KEY idx_room_consumer_retry_due (consumer, status, due_at_ms, id),
   KEY idx_room_consumer_retry_room (consumer, room_key, status, handler, id),
@@ -140,15 +149,7 @@ POSTGRESQL = ConsumerDialect(
         (
             PROCESSED,
             f"""CREATE TABLE IF NOT EXISTS {PROCESSED} (
-  consumer        VARCHAR(64)  NOT NULL,
-  handler         VARCHAR(64)  NOT NULL,
-  app_code        VARCHAR(64)  NOT NULL,
-  event_id        VARCHAR(128) NOT NULL,
-  topic           VARCHAR(249) NOT NULL,
-  kafka_partition INT          NOT NULL,
-  kafka_offset    BIGINT       NOT NULL,
-  processed_at_ms BIGINT       NOT NULL,
-  PRIMARY KEY (consumer, handler, app_code, event_id)
+{_PROCESSED_COLUMNS}
 )""",
             (
                 f"CREATE INDEX IF NOT EXISTS idx_room_consumer_processed_event ON {PROCESSED} (event_id)",
@@ -158,25 +159,7 @@ POSTGRESQL = ConsumerDialect(
         (
             RETRY,
             f"""CREATE TABLE IF NOT EXISTS {RETRY} (
-  id              BIGSERIAL     PRIMARY KEY,
-  consumer        VARCHAR(64)   NOT NULL,
-  handler         VARCHAR(64)   NOT NULL,
-  app_code        VARCHAR(64)   NOT NULL,
-  event_id        VARCHAR(128)  NOT NULL,
-  event_type      VARCHAR(64)   NOT NULL DEFAULT '',
-  room_key        VARCHAR(200)  NOT NULL,
-  topic           VARCHAR(249)  NOT NULL,
-  kafka_partition INT           NOT NULL,
-  kafka_offset    BIGINT        NOT NULL,
-  value           BYTEA         NOT NULL,
-  headers         TEXT          NOT NULL,
-  status          VARCHAR(16)   NOT NULL,
-  attempts        INT           NOT NULL DEFAULT 0,
-  due_at_ms       BIGINT        NOT NULL,
-  owner           VARCHAR(128)  NULL,
-  last_error      VARCHAR(1024) NULL,
-  created_at_ms   BIGINT        NOT NULL,
-  updated_at_ms   BIGINT        NOT NULL,
+{_retry_columns(id_column="BIGSERIAL PRIMARY KEY", blob="BYTEA")}
   CONSTRAINT uk_room_consumer_retry_event UNIQUE (consumer, handler, app_code, event_id)
 )""",
             (
