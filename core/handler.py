@@ -25,7 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -156,7 +156,31 @@ class HandlerSpec(Generic[SettingsT]):
     name: str
     factory: Callable[[SettingsT, HandlerFactoryContext], Handler]
     event_types: frozenset[str] | None = None
-    # The default fits only a factory taking HandlerSettings itself, which is what a spec
-    # without settings_model has; a type checker cannot say so of a default.
-    settings_model: type[SettingsT] = HandlerSettings  # type: ignore[assignment]
+    settings_model: type[SettingsT] = HandlerSettings  # type: ignore[assignment]  # see __init__
     schema: Mapping[str, Sequence[str]] = field(default_factory=dict)
+
+    if TYPE_CHECKING:  # the dataclass's own __init__ runs; these say which calls type-check
+        # Without settings_model, the factory must take HandlerSettings (what it will get)...
+        @overload
+        def __init__(
+            self: HandlerSpec[HandlerSettings],
+            name: str,
+            factory: Callable[[HandlerSettings, HandlerFactoryContext], Handler],
+            event_types: frozenset[str] | None = None,
+            *,
+            schema: Mapping[str, Sequence[str]] = ...,
+        ) -> None: ...
+
+        # ... with it, what settings_model makes.
+        @overload
+        def __init__(
+            self,
+            name: str,
+            factory: Callable[[SettingsT, HandlerFactoryContext], Handler],
+            event_types: frozenset[str] | None = None,
+            *,
+            settings_model: type[SettingsT],
+            schema: Mapping[str, Sequence[str]] = ...,
+        ) -> None: ...
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...

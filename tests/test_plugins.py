@@ -296,3 +296,54 @@ async def test_migrate_on_sqlite_skips_plugin_tables_but_creates_own_lanes(tmp_p
         assert changes[0] == "created table room_outbox_lane_kafka"
     finally:
         await store.aclose()
+
+
+HANDLER_SPECS = """
+from room_outbox import HandlerFactoryContext, HandlerSettings, HandlerSpec
+from room_outbox.plugins.audit_log import AuditHandler
+
+
+class Stats(HandlerSettings):
+    field: str = "amount"
+
+
+class Other(HandlerSettings):
+    pass
+
+
+def typed(settings: Stats, context: HandlerFactoryContext) -> AuditHandler:
+    return AuditHandler()
+
+
+def plain(settings: HandlerSettings, context: HandlerFactoryContext) -> AuditHandler:
+    return AuditHandler()
+
+
+fine = [HandlerSpec("a", typed, settings_model=Stats), HandlerSpec("b", plain), HandlerSpec("c", plain, None)]
+wrong_model = HandlerSpec("d", typed, settings_model=Other)
+no_model = HandlerSpec("e", typed)  # its factory would get HandlerSettings
+"""
+
+
+def test_a_handler_spec_is_typed_by_its_settings_model(tmp_path: Path) -> None:
+    """Like SinkSpec: a factory type-checks only with the settings model it receives (mypy
+    on a tree shaped like the installed package, as scripts/typecheck.sh checks the core)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    package = tmp_path / "room_outbox"
+    package.mkdir()
+    for entry in (root / "core").iterdir():
+        (package / entry.name).symlink_to(entry)
+    (package / "plugins").symlink_to(root / "plugins")
+    (tmp_path / "specs.py").write_text(HANDLER_SPECS)
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(root / "pyproject.toml"), "--follow-imports=silent",
+         "--cache-dir", str(tmp_path / ".mypy_cache"), "specs.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    source = HANDLER_SPECS.splitlines()
+    failing = [
+        source[int(line.split(":")[1]) - 1].split()[0] for line in result.stdout.splitlines() if ": error:" in line
+    ]
+    assert failing == ["wrong_model", "no_model"], result.stdout
