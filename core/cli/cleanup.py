@@ -59,7 +59,7 @@ async def cleanup_command(
     if consumers.present:
         done = "would be deleted (dry run)" if not apply else f"deleted in {consumers.batches} batch(es)"
         print(
-            f"consumers: {consumers.processed} processed record(s) older than {options.processed_older_than:g}s"
+            f"consumers: {consumers.processed} processed record(s) older than {options.processed_older_than:.0f}s"
             f" and {consumers.resolved} resolved retry row(s) {done}",
             file=out,
         )
