@@ -18,7 +18,8 @@ from support import V1_DDL, envelope, insert_events
 from room_outbox.cli.main import COMMANDS, EXIT_CODES, SELF_CONTAINED, build_parser, main, version
 from room_outbox.cli.requeue import requeue_command
 from room_outbox.cli.status import format_relative, format_time
-from room_outbox.store.factory import open_store
+from room_outbox.store.dialect import table_names
+from room_outbox.store.factory import consumer_store, open_store
 from room_outbox.store.leased import now_ms
 from room_outbox.store.membership import bucket_of
 from room_outbox.store.mysql import MySQLStore
@@ -200,13 +201,13 @@ async def test_migrate_sql_prints_what_migrate_would_run_and_runs_nothing(
                 if sql:
                     await cur.execute(sql)
         assert await store.migration_plan() == []
-        # Left: only the plugins' own statements, which are idempotent and always run.
+        # Left: only the plugins' and handlers' own statements, which are idempotent and always run.
         code, out, _ = await cli(capsys, "--config", config, "migrate", "--sql")
         steps = [line for line in out.splitlines() if line.startswith("-- ")][1:]
-        assert all(re.fullmatch(r"-- ran \d+ plugin schema statement\(s\)", step) for step in steps), steps
+        assert all(re.fullmatch(r"-- ran \d+ (plugin|handler) schema statement\(s\)", step) for step in steps), steps
         code, out, _ = await cli(capsys, "--config", config, "migrate")
         assert code == 0 and all(
-            re.fullmatch(r"ran \d+ plugin schema statement\(s\)", line) for line in out.splitlines()
+            re.fullmatch(r"ran \d+ (plugin|handler) schema statement\(s\)", line) for line in out.splitlines()
         )
     finally:
         await store.aclose()
@@ -215,8 +216,8 @@ async def test_migrate_sql_prints_what_migrate_would_run_and_runs_nothing(
 async def test_migrate_sql_on_postgresql_prints_the_bucket_function_and_column(
     postgresql_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The printed script, run as one (as psql would), leaves migrate nothing to do; the
-    bucket it computes is Python's."""
+    """The printed script, run as one (as psql would), leaves migrate nothing to do (the
+    consumers' and the handlers' tables included); the bucket it computes is Python's."""
     config = tmp_path / "config.yaml"
     config.write_text(
         f"database:\n  dsn: '{postgresql_dsn}'\n"
@@ -226,11 +227,17 @@ async def test_migrate_sql_on_postgresql_prints_the_bucket_function_and_column(
     assert code == 0
     assert "-- created function room_outbox_crc32\nCREATE OR REPLACE FUNCTION room_outbox_crc32" in out
     assert "GENERATED ALWAYS AS (CAST(room_outbox_crc32(app_code || ':' || room_id) % 256 AS SMALLINT)) STORED" in out
+    assert "-- created table room_consumer_retry\nCREATE TABLE IF NOT EXISTS room_consumer_retry" in out
+    assert "CREATE TABLE IF NOT EXISTS room_audit_log" in out and "CREATE TABLE IF NOT EXISTS room_activity" in out
     store = await open_store(postgresql_dsn)
     try:
         async with store.transaction() as cur:
             await cur.execute(out)
         assert await store.migration_plan() == []
+        consumers = consumer_store(store)
+        assert consumers is not None and await consumers.migration_plan() == []
+        async with store.transaction() as cur:
+            assert {"room_audit_log", "room_activity", "room_gift_totals"} <= await table_names(cur, store.dialect)
         await insert_events(store, [envelope("e1", room_id="房间-9")])
         async with store.transaction() as cur:
             await cur.execute("SELECT room_bucket FROM room_outbox")
