@@ -32,12 +32,8 @@ ACTIVITY_KINDS = {
     "RoomUserMuted": "muted",
 }
 
-#: The table, per database; ``migrate`` creates it.
-SCHEMA = {
-    "mysql": (
-        f"""CREATE TABLE IF NOT EXISTS {TABLE} (
-  id             BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
-  app_code       VARCHAR(64)  NOT NULL,
+#: The columns but the id, the same on both databases.
+_COLUMNS = """  app_code       VARCHAR(64)  NOT NULL,
   room_id        VARCHAR(64)  NOT NULL,
   room_version   BIGINT       NULL,
   event_id       VARCHAR(128) NOT NULL,
@@ -45,7 +41,14 @@ SCHEMA = {
   kind           VARCHAR(16)  NOT NULL,
   user_id        VARCHAR(128) NULL,
   detail         TEXT         NOT NULL,
-  occurred_at_ms BIGINT       NULL,
+  occurred_at_ms BIGINT       NULL"""
+
+#: The table, per database; ``migrate`` creates it.
+SCHEMA = {
+    "mysql": (
+        f"""CREATE TABLE IF NOT EXISTS {TABLE} (
+  id             BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
+{_COLUMNS},
   UNIQUE KEY uk_room_activity_event (app_code, event_id),
   KEY idx_room_activity_feed (app_code, room_id, id)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
@@ -53,15 +56,7 @@ SCHEMA = {
     "postgresql": (
         f"""CREATE TABLE IF NOT EXISTS {TABLE} (
   id             BIGSERIAL    PRIMARY KEY,
-  app_code       VARCHAR(64)  NOT NULL,
-  room_id        VARCHAR(64)  NOT NULL,
-  room_version   BIGINT       NULL,
-  event_id       VARCHAR(128) NOT NULL,
-  event_type     VARCHAR(64)  NOT NULL,
-  kind           VARCHAR(16)  NOT NULL,
-  user_id        VARCHAR(128) NULL,
-  detail         TEXT         NOT NULL,
-  occurred_at_ms BIGINT       NULL,
+{_COLUMNS},
   CONSTRAINT uk_room_activity_event UNIQUE (app_code, event_id)
 )""",
         f"CREATE INDEX IF NOT EXISTS idx_room_activity_feed ON {TABLE} (app_code, room_id, id)",

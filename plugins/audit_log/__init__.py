@@ -23,23 +23,29 @@ from room_outbox import (
 
 TABLE = "room_audit_log"
 
-#: The table, per database; ``migrate`` creates it.
-SCHEMA = {
-    "mysql": (
-        f"""CREATE TABLE IF NOT EXISTS {TABLE} (
-  id              BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
-  app_code        VARCHAR(64)  NOT NULL,
+
+def _columns(text: str) -> str:
+    """The columns but the id, the same on both databases but for the envelope's text type."""
+    return f"""  app_code        VARCHAR(64)  NOT NULL,
   event_id        VARCHAR(128) NOT NULL,
   event_type      VARCHAR(64)  NOT NULL,
   room_id         VARCHAR(64)  NOT NULL,
   room_version    BIGINT       NULL,
   occurred_at_ms  BIGINT       NULL,
-  envelope        LONGTEXT     NOT NULL,
+  envelope        {text:<12} NOT NULL,
   consumer        VARCHAR(64)  NOT NULL,
   topic           VARCHAR(249) NOT NULL,
   kafka_partition INT          NOT NULL,
   kafka_offset    BIGINT       NOT NULL,
-  recorded_at_ms  BIGINT       NOT NULL,
+  recorded_at_ms  BIGINT       NOT NULL"""
+
+
+#: The table, per database; ``migrate`` creates it.
+SCHEMA = {
+    "mysql": (
+        f"""CREATE TABLE IF NOT EXISTS {TABLE} (
+  id              BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
+{_columns("LONGTEXT")},
   UNIQUE KEY uk_room_audit_log_event (app_code, event_id),
   KEY idx_room_audit_log_room (app_code, room_id, id)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
@@ -47,18 +53,7 @@ SCHEMA = {
     "postgresql": (
         f"""CREATE TABLE IF NOT EXISTS {TABLE} (
   id              BIGSERIAL    PRIMARY KEY,
-  app_code        VARCHAR(64)  NOT NULL,
-  event_id        VARCHAR(128) NOT NULL,
-  event_type      VARCHAR(64)  NOT NULL,
-  room_id         VARCHAR(64)  NOT NULL,
-  room_version    BIGINT       NULL,
-  occurred_at_ms  BIGINT       NULL,
-  envelope        TEXT         NOT NULL,
-  consumer        VARCHAR(64)  NOT NULL,
-  topic           VARCHAR(249) NOT NULL,
-  kafka_partition INT          NOT NULL,
-  kafka_offset    BIGINT       NOT NULL,
-  recorded_at_ms  BIGINT       NOT NULL,
+{_columns("TEXT")},
   CONSTRAINT uk_room_audit_log_event UNIQUE (app_code, event_id)
 )""",
         f"CREATE INDEX IF NOT EXISTS idx_room_audit_log_room ON {TABLE} (app_code, room_id, id)",

@@ -25,27 +25,15 @@ from room_outbox import (
     hookimpl,
 )
 
+_TABLE = """CREATE TABLE IF NOT EXISTS room_gift_totals (
+  app_code VARCHAR(64) NOT NULL,
+  room_id  VARCHAR(64) NOT NULL,
+  gifts    BIGINT      NOT NULL,
+  amount   BIGINT      NOT NULL,
+  PRIMARY KEY (app_code, room_id)
+)"""
 #: The table, per database (the transaction's ``dialect``); ``room-outbox migrate`` creates it.
-SCHEMA = {
-    "mysql": (
-        """CREATE TABLE IF NOT EXISTS room_gift_totals (
-  app_code VARCHAR(64) NOT NULL,
-  room_id  VARCHAR(64) NOT NULL,
-  gifts    BIGINT      NOT NULL,
-  amount   BIGINT      NOT NULL,
-  PRIMARY KEY (app_code, room_id)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
-    ),
-    "postgresql": (
-        """CREATE TABLE IF NOT EXISTS room_gift_totals (
-  app_code VARCHAR(64) NOT NULL,
-  room_id  VARCHAR(64) NOT NULL,
-  gifts    BIGINT      NOT NULL,
-  amount   BIGINT      NOT NULL,
-  PRIMARY KEY (app_code, room_id)
-)""",
-    ),
-}
+SCHEMA = {"mysql": (_TABLE + " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",), "postgresql": (_TABLE,)}
 
 #: Add one gift to a room's totals, per database dialect.
 UPSERT = {
