@@ -1,10 +1,11 @@
 """(b) The Tencent IM sink against the fake IM (in its own process) over HTTP.
 
-* **overhead**: the client-side limits raised out of the way; our sink (and the whole lane:
-  claim, deliver, record) against bare httpx loops posting the same requests with the same
-  16 in flight: on httpx's default transport (the baseline) and on httpx-aiohttp's
-  transport, the sink's default (the practical limit of any sink on it). Also the sink forced
-  back onto httpx's default transport (which slows down as concurrency rises).
+* **overhead**: the client-side limits lifted out of the way; the sink alone and the whole
+  lane (claim, deliver, record) against a bare aiohttp loop posting the same requests (same
+  URL, query and body, built the same way) to the same fake, 16 in flight each, the same
+  number of events. The variants take turns within each round (the first one moves from
+  round to round), the fake is emptied before each, and a variant's ratio is the median of
+  its per-round ratios: neighbours in time share the machine's load.
 * **quota**: the default 200 requests/s, the fake enforcing 200/s as Tencent does
   (ErrorCode 60011 above it): the share of the quota used, the rate-limit errors, and how
   long each app-limiter slot was busy (acquire to release), which bounds the share at
@@ -15,13 +16,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
+import aiohttp
 import anyio
-import httpx
 
 from bench import procs
 from bench.db import IM_TYPE, load, pending, reset
@@ -31,7 +35,7 @@ from room_outbox.envelope import KNOWN_EVENT_TYPES, EventEnvelope
 from room_outbox.plugins.noop import NoopSink
 from room_outbox.plugins.tencent_im import TencentIMSettings, TencentIMSink
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID
-from room_outbox.plugins.tencent_im.message import group_id_for, msg_body, request_body
+from room_outbox.plugins.tencent_im.message import SEND_GROUP_MSG, group_id_for, msg_body, request_body
 from room_outbox.plugins.tencent_im.ratelimit import JITTER_MARGIN, SlidingWindowLimiter
 from room_outbox.plugins.tencent_im.usersig import gen_usersig
 from room_outbox.sink import SinkContext
@@ -39,6 +43,8 @@ from room_outbox.store.mysql import MySQLStore
 
 CONCURRENCY = 16
 ROOMS = 100
+#: Rounds of the overhead measurement (each variant once per round); --quick runs one.
+ROUNDS = 3
 
 
 def envelopes(count: int, prefix: str) -> list[EventEnvelope]:
@@ -56,30 +62,16 @@ def envelopes(count: int, prefix: str) -> list[EventEnvelope]:
     ]
 
 
-def make_sink(base_url: str, transport: httpx.AsyncBaseTransport | None = None, **overrides: Any) -> TencentIMSink:
+def make_sink(base_url: str, **overrides: Any) -> TencentIMSink:
     settings = TencentIMSettings.model_validate(
         {"base_url": base_url, "sdkappid": DEV_SDKAPPID, "secret_key": DEV_KEY, **overrides}
     )
     context = SinkContext("tencent_im", logging.getLogger("bench.tencent_im"), add_secret=lambda _s: None)
-    return TencentIMSink(settings, context, transport=transport)
+    return TencentIMSink(settings, context)
 
 
-def unlimited(base_url: str, transport: httpx.AsyncBaseTransport | None = None) -> TencentIMSink:
-    return make_sink(base_url, transport, app_rate_limit=1_000_000, group_rate_limit=1_000_000)
-
-
-LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=64)  # the sink's default
-
-
-def httpx_transport() -> httpx.AsyncBaseTransport:
-    """httpx's own transport, which the sink used before httpx-aiohttp's became its default."""
-    return httpx.AsyncHTTPTransport(limits=LIMITS)
-
-
-def aiohttp_transport() -> httpx.AsyncBaseTransport:
-    from httpx_aiohttp import AiohttpTransport
-
-    return AiohttpTransport(limits=LIMITS)
+def unlimited(base_url: str) -> TencentIMSink:
+    return make_sink(base_url, app_rate_limit=1_000_000, group_rate_limit=1_000_000)
 
 
 async def in_parallel(items: list[Any], work: Callable[[Any], Awaitable[None]]) -> float:
@@ -97,20 +89,20 @@ async def in_parallel(items: list[Any], work: Callable[[Any], Awaitable[None]]) 
     return len(items) / (time.perf_counter() - started)
 
 
-async def bare_loop(
-    base_url: str, events: list[EventEnvelope], transport: Callable[[], httpx.AsyncBaseTransport]
-) -> float:
-    """The floor of any sink on this client and transport: same URL, query, body and
-    concurrency, no sink."""
+async def bare_loop(base_url: str, events: list[EventEnvelope]) -> float:
+    """The floor of any sink on aiohttp: the same URL, query and body, the same connection
+    pool size and concurrency, the answer read and checked, and nothing else."""
     usersig = gen_usersig(DEV_SDKAPPID, DEV_KEY, "administrator", 86400)
-    params = {"sdkappid": str(DEV_SDKAPPID), "identifier": "administrator", "usersig": usersig, "contenttype": "json"}
-    url = f"{base_url}/v4/group_open_http_svc/send_group_msg"
-    async with httpx.AsyncClient(limits=LIMITS, transport=transport()) as client:
+    query = {"sdkappid": DEV_SDKAPPID, "identifier": "administrator", "usersig": usersig, "contenttype": "json"}
+    url = f"{base_url}{SEND_GROUP_MSG}?{urlencode(query)}&random=1"
+    connector = aiohttp.TCPConnector(limit=64)  # the sink's default max_connections
+    async with aiohttp.ClientSession(connector=connector, headers={"Content-Type": "application/json"}) as session:
 
         async def post(envelope: EventEnvelope) -> None:
             content = request_body(group_id_for("{room_id}", envelope), envelope, msg_body(envelope), "Normal")
-            response = await client.post(url, params={**params, "random": "1"}, content=content)
-            assert json.loads(response.content)["ErrorCode"] == 0
+            async with session.post(url, data=content) as response:
+                answer = json.loads(await response.read())
+            assert answer["ErrorCode"] == 0
 
         return await in_parallel(events, post)
 
@@ -143,53 +135,79 @@ async def lane_drain(store: MySQLStore, sink: TencentIMSink, count: int, prefix:
 
 
 @dataclass
+class Variant:
+    """One overhead variant's rounds: events/s and this process's CPU µs per event."""
+
+    rates: list[float]
+    cpu_us: list[float]
+
+    @property
+    def rate(self) -> float:
+        return statistics.median(self.rates)
+
+    @property
+    def cpu(self) -> float:
+        return statistics.median(self.cpu_us)
+
+    def ratios(self, baseline: Variant) -> list[float]:
+        """Per round: this variant's rate over the baseline's in the same round."""
+        return [mine / theirs for mine, theirs in zip(self.rates, baseline.rates, strict=True)]
+
+    def ratio(self, baseline: Variant) -> float:
+        return statistics.median(self.ratios(baseline))
+
+
+@dataclass
 class OverheadResult:
     events: int
-    bare_httpx: float  # bare loop, httpx's default transport: the baseline
-    bare_aiohttp: float  # bare loop, httpx-aiohttp's transport: the practical limit
-    sink: float  # the sink as shipped (httpx-aiohttp's transport)
-    sink_httpx: float  # the sink forced onto httpx's default transport
-    lane: float
-    lane_httpx: float
+    rounds: int
+    bare: Variant  # the bare aiohttp loop: the baseline
+    sink: Variant  # TencentIMSink.deliver alone
+    lane: Variant  # the whole lane: claim, deliver, record
+    load: tuple[float, float]  # one-minute load average at the start and at the end
 
 
-async def run_overhead(store: MySQLStore, events: int) -> OverheadResult:
+async def run_overhead(store: MySQLStore, events: int, rounds: int = ROUNDS) -> OverheadResult:
+    load_before = os.getloadavg()[0]
     with procs.fake_im_process() as base_url:
-        await bare_loop(base_url, envelopes(events // 4, "w"), httpx_transport)  # warm-up
-        await bare_loop(base_url, envelopes(events // 4, "v"), aiohttp_transport)
-        procs.clear(base_url)
-        bare = await bare_loop(base_url, envelopes(events, "b"), httpx_transport)
-        bare_aio = await bare_loop(base_url, envelopes(events, "c"), aiohttp_transport)
-        sink = await sink_only(unlimited(base_url), envelopes(events, "s"))
-        sink_httpx = await sink_only(unlimited(base_url, httpx_transport()), envelopes(events, "h"))
-        procs.clear(base_url)
-        lane = await lane_drain(store, unlimited(base_url), events, "l")
-        lane_httpx = await lane_drain(store, unlimited(base_url, httpx_transport()), events, "m")
-        procs.clear(base_url)
-        # the baselines again, each at its best: drift on a noisy machine favours no variant
-        bare = max(bare, await bare_loop(base_url, envelopes(events, "b2"), httpx_transport))
-        bare_aio = max(bare_aio, await bare_loop(base_url, envelopes(events, "c2"), aiohttp_transport))
-    return OverheadResult(events, bare, bare_aio, sink, sink_httpx, lane, lane_httpx)
+        runs: dict[str, Callable[[str], Awaitable[float]]] = {
+            "bare": lambda prefix: bare_loop(base_url, envelopes(events, prefix)),
+            "sink": lambda prefix: sink_only(unlimited(base_url), envelopes(events, prefix)),
+            "lane": lambda prefix: lane_drain(store, unlimited(base_url), events, prefix),
+        }
+        await bare_loop(base_url, envelopes(events // 4, "w"))  # warm-up: connections, caches
+        await sink_only(unlimited(base_url), envelopes(events // 4, "v"))
+        results = {name: Variant([], []) for name in runs}
+        names = list(runs)
+        for n in range(rounds):
+            for name in names[n % len(names) :] + names[: n % len(names)]:
+                procs.clear(base_url)
+                cpu = time.process_time()
+                results[name].rates.append(await runs[name](f"{name}{n}_"))
+                results[name].cpu_us.append((time.process_time() - cpu) / events * 1e6)
+    return OverheadResult(events, rounds, **results, load=(load_before, os.getloadavg()[0]))
 
 
 class TimedLimiter(SlidingWindowLimiter):
-    """The app limiter, also recording how long each slot stays busy (acquire to release)."""
+    """The app limiter, also recording how long each slot stays busy (acquire to release).
+    A slot is taken and released by the same task (one delivery), which pairs the two."""
 
     def __init__(self, rate: int) -> None:
         super().__init__(rate)
         self.taken: dict[int, float] = {}
         self.busy: list[float] = []
 
-    async def acquire(self, max_wait: float) -> int | None:
-        slot = await super().acquire(max_wait)
-        if slot is not None:
-            self.taken[slot] = time.monotonic()
-        return slot
+    def _take_free(self) -> bool:  # every slot taken, waited for or not, passes here
+        taken = super()._take_free()
+        if taken:
+            self.taken[anyio.get_current_task().id] = time.monotonic()
+        return taken
 
-    def release(self, slot: int, sent: bool = True) -> None:
-        if sent and slot in self.taken:
-            self.busy.append(time.monotonic() - self.taken.pop(slot))
-        super().release(slot, sent)
+    def release(self, sent: bool = True) -> None:
+        started = self.taken.pop(anyio.get_current_task().id, None)
+        if sent and started is not None:
+            self.busy.append(time.monotonic() - started)
+        super().release(sent)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 
 import anyio
@@ -48,7 +49,11 @@ class SlidingWindowLimiter:
     """``rate`` may be a number or a function giving the number right now (this process's share
     of a deployment-wide limit, :mod:`room_outbox.cluster.quota`). A slot is taken only while
     fewer than the current rate are busy, so a rate that shrinks applies at once: no new slot
-    until enough busy ones have freed."""
+    until enough busy ones have freed.
+
+    The bookkeeping costs the same whatever the rate: a count of requests in flight, and the
+    times at which answered ones free their slots, oldest first. ``clock`` must never go back
+    (so those times only grow and are appended in order)."""
 
     def __init__(
         self,
@@ -59,8 +64,10 @@ class SlidingWindowLimiter:
         self._rate = _rate_source(rate)
         self.window = window
         self._clock = clock
-        #: When each slot is free again: ``inf`` while its request is in flight.
-        self._free_at: list[float] = []
+        #: Requests in flight: each holds its slot until its answer (or failure) is back.
+        self._in_flight = 0
+        #: When each answered request's slot frees, in order; entries in the past are free.
+        self._cooling: deque[float] = deque()
         self._lock = anyio.Lock()
         self._released = anyio.Event()
 
@@ -68,74 +75,78 @@ class SlidingWindowLimiter:
     def rate(self) -> int:
         return self._rate()
 
-    async def acquire(self, max_wait: float) -> int | None:
-        """Wait for a slot; return its number, or ``None`` when none frees within ``max_wait``.
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free and nobody is queued for one, without waiting."""
+        return not self._lock.locked() and self._take_free()
+
+    async def acquire(self, max_wait: float) -> bool:
+        """Wait for a slot; ``False`` when none frees within ``max_wait``.
 
         The caller must :meth:`release` the slot when its request is over.
         """
+        if self.try_acquire():  # without a checkpoint
+            return True
         deadline = self._clock() + max_wait
-        if not self._lock.locked():  # nobody queued: a free slot is taken without a checkpoint
-            slot = self._take_free()
-            if slot is not None:
-                return slot
         with anyio.move_on_after(max_wait):
             async with self._lock:
                 while True:
-                    slot = self._take_free()
-                    if slot is not None:
-                        return slot
+                    if self._take_free():
+                        return True
                     now = self._clock()
                     rate = self.rate
                     if rate < 1:  # no share right now: look again shortly
                         await anyio.sleep(min(ZERO_RATE_POLL, max(0.0, deadline - now)))
                         if self._clock() >= deadline:
-                            return None
+                            return False
                         continue
-                    free_at = self._next_free(now, rate)
+                    free_at = self._next_free(rate)
                     if free_at > deadline and math.isfinite(free_at):
-                        return None  # known to be too late: say so at once
+                        return False  # known to be too late: say so at once
                     if math.isfinite(free_at):
                         await anyio.sleep(free_at - now)
                     else:  # the slots that must free are in flight: their answers decide
                         if deadline - now < self.window:
-                            return None  # an answer now would still free its slot too late
+                            return False  # an answer now would still free its slot too late
                         with anyio.move_on_after(ZERO_RATE_POLL * 4):  # or the rate grows
                             await self._released.wait()
-        return None
+        return False
 
-    def _take_free(self) -> int | None:
+    def _busy(self) -> int:
+        """Slots busy right now (forgetting the ones whose window is over)."""
         now = self._clock()
-        busy = 0
-        free: int | None = None
-        for slot, free_at in enumerate(self._free_at):
-            if free_at > now:
-                busy += 1
-            elif free is None:
-                free = slot
-        if busy >= self.rate:
-            return None
-        if free is None:
-            self._free_at.append(math.inf)
-            return len(self._free_at) - 1
-        self._free_at[free] = math.inf
-        return free
+        cooling = self._cooling
+        while cooling and cooling[0] <= now:
+            cooling.popleft()
+        return self._in_flight + len(cooling)
 
-    def _next_free(self, now: float, rate: int) -> float:
+    def _take_free(self) -> bool:
+        if self._busy() >= self.rate:
+            return False
+        self._in_flight += 1
+        return True
+
+    def _next_free(self, rate: int) -> float:
         """When enough busy slots will have freed for one to be taken (``inf``: it takes an
-        answer still outstanding)."""
-        busy = sorted(t for t in self._free_at if t > now)
-        return busy[len(busy) - rate] if len(busy) >= rate else now
+        answer still outstanding). Busy slots in the order they free: the cooling ones, then
+        the ones in flight."""
+        excess = self._busy() - rate  # how many more must free, less one
+        if excess < 0:
+            return self._clock()
+        return self._cooling[excess] if excess < len(self._cooling) else math.inf
 
-    def release(self, slot: int, sent: bool = True) -> None:
-        """The request of ``slot`` is over (``sent=False``: it was never sent)."""
-        self._free_at[slot] = self._clock() + self.window if sent else -math.inf
-        self._released.set()
-        self._released = anyio.Event()
+    def release(self, sent: bool = True) -> None:
+        """A request is over: its slot stays busy for a window (``sent=False``: it was never
+        sent, so the slot is free at once)."""
+        self._in_flight -= 1
+        if sent:
+            self._cooling.append(self._clock() + self.window)
+        if self._lock.locked():  # somebody may be waiting for an answer to free a slot
+            self._released.set()
+            self._released = anyio.Event()
 
     def idle(self) -> bool:
         """No slot busy and nobody waiting: the limiter holds no information worth keeping."""
-        now = self._clock()
-        return not self._lock.locked() and all(t <= now for t in self._free_at)
+        return not self._lock.locked() and self._busy() == 0
 
 
 class KeyedLimiter:

@@ -9,14 +9,13 @@ HTTP status or ErrorCode/ErrorInfo, never the key, the UserSig or the response b
 from __future__ import annotations
 
 import json
-import secrets
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
+import aiohttp
 import anyio
-import httpx
-from httpx_aiohttp import AiohttpTransport
 
 from room_outbox import EventEnvelope, PermanentSinkError, Redactor, RetryableSinkError, SinkContext, http_client_span
 from room_outbox.plugins.tencent_im.errors import USERSIG_EXPIRED, error_for_code, short_info
@@ -36,19 +35,30 @@ class TencentApp:
     base_url: str
     usersig: UserSigCache
     limiter: SlidingWindowLimiter
+    #: The request URL up to ``random=``, and the UserSig it was built with.
+    _url_prefix: str = field(default="", repr=False)
+    _url_usersig: str = field(default="", repr=False)
 
-    @property
     def url(self) -> str:
-        return self.base_url + SEND_GROUP_MSG
+        """The request URL. Only ``random`` changes per request; the rest only when the UserSig
+        is renewed. ``random`` only tells requests apart (Tencent de-duplicates by the body's
+        ``Random``), so it needs no unpredictability: the secrets module's system call per
+        request cost more than building the rest of the URL."""
+        usersig = self.usersig.get()
+        if usersig != self._url_usersig:
+            query = {
+                "sdkappid": self.sdkappid,
+                "identifier": self.identifier,
+                "usersig": usersig,
+                "contenttype": "json",
+            }
+            self._url_prefix = f"{self.base_url}{SEND_GROUP_MSG}?{urlencode(query)}&random="
+            self._url_usersig = usersig
+        return f"{self._url_prefix}{random.getrandbits(32)}"
 
 
 class TencentIMSink:
-    def __init__(
-        self,
-        settings: TencentIMSettings,
-        context: SinkContext,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
+    def __init__(self, settings: TencentIMSettings, context: SinkContext) -> None:
         self.settings = settings
         self.log = context.logger
         self._add_secret = context.add_secret
@@ -77,18 +87,9 @@ class TencentIMSink:
                 creds.base_url or settings.base_url,
                 creds.secret_key.get_secret_value(),
             )
-        # One pooled client for every app: keep-alive connections are per host anyway. httpx's
-        # API on aiohttp's transport: httpx's own slows down as requests in flight rise
-        # (encode/httpx#3215); against the fake IM this one measured 4.6x (bench/, README).
-        limits = httpx.Limits(
-            max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
-        )
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(settings.request_timeout, connect=settings.connect_timeout),
-            limits=limits,
-            transport=transport or AiohttpTransport(limits=limits),
-            headers={"Content-Type": "application/json"},
-        )
+        # One pooled aiohttp session for every app (keep-alive connections are per host anyway),
+        # made on first use: aiohttp binds it to the running event loop.
+        self._session: aiohttp.ClientSession | None = None
 
     def _make_app(self, name: str, sdkappid: int, identifier: str, base_url: str, key: str) -> TencentApp:
         self._remember_secret(key)
@@ -128,28 +129,42 @@ class TencentIMSink:
         self._verdict(answer, app, group_id)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
+
+    def _http(self) -> aiohttp.ClientSession:
+        """aiohttp directly: httpx's layer over it (httpx-aiohttp) cost more than the request
+        itself, and httpx's own transport slows down as requests in flight rise (bench/ part b,
+        README Performance). No redirects, cookies or proxies from the environment."""
+        if self._session is None:
+            settings = self.settings
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=settings.max_connections),
+                # connect: a pooled connection or a new one; sock_read: the answer, from the
+                # request's end; total: both, so no request waits longer than that in any case.
+                timeout=aiohttp.ClientTimeout(
+                    total=settings.connect_timeout + settings.request_timeout,
+                    connect=settings.connect_timeout,
+                    sock_read=settings.request_timeout,
+                ),
+                headers={"Content-Type": "application/json"},
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+        return self._session
 
     # -- helpers -------------------------------------------------------------------------
 
     async def _send(self, app: TencentApp, content: bytes, group_id: str) -> dict[str, Any]:
         """POST within both rate limits; the slots stay busy until the answer is back."""
-        # Waiting for a slot spends the caller's publish_timeout: a request sent at the end of it
-        # would be cut off after it may have arrived, and sent again later. So at most half of
-        # what is left is spent waiting.
-        left = anyio.current_effective_deadline() - anyio.current_time()
-        max_wait = min(self.settings.rate_limit_max_wait, left / 2)
         group = self._groups.get(group_id)
-        group_slot = await group.acquire(max_wait)
-        if group_slot is None:
+        if not (group.try_acquire() or await group.acquire(self._max_wait())):
             raise RetryableSinkError(
                 f"client-side rate limit: group {group_id} is above this process's share"
                 f" ({group.rate}/s of {self.settings.group_rate_limit}/s)"
             )
         sent = False
         try:
-            app_slot = await app.limiter.acquire(max_wait)
-            if app_slot is None:
+            if not (app.limiter.try_acquire() or await app.limiter.acquire(self._max_wait())):
                 raise RetryableSinkError(
                     f"client-side rate limit: app {app.name} is above this process's share"
                     f" ({app.limiter.rate}/s of {self.settings.app_rate_limit}/s)"
@@ -158,44 +173,38 @@ class TencentIMSink:
                 sent = True
                 return await self._post(app, content, group_id)
             finally:
-                app.limiter.release(app_slot)
+                app.limiter.release()
         finally:
-            group.release(group_slot, sent)
+            group.release(sent)
+
+    def _max_wait(self) -> float:
+        """How long to wait for a rate-limit slot. Waiting spends the caller's publish_timeout:
+        a request sent at the end of it would be cut off after it may have arrived, and sent
+        again later. So at most half of what is left is spent waiting."""
+        left = anyio.current_effective_deadline() - anyio.current_time()
+        return min(self.settings.rate_limit_max_wait, left / 2)
 
     async def _post(self, app: TencentApp, content: bytes, group_id: str) -> dict[str, Any]:
-        params = {
-            "sdkappid": str(app.sdkappid),
-            "identifier": app.identifier,
-            "usersig": app.usersig.get(),
-            "random": str(secrets.randbelow(2**32)),
-            "contenttype": "json",
-        }
-        # One httpx.URL, parsed once: handing httpx a string plus params made it parse and
-        # encode the URL three times per request, a fifth of the sink's CPU (pyinstrument).
-        url = httpx.URL(f"{app.url}?{urlencode(params)}")
+        url = app.url()
         try:
             # The child span's URL carries the query with usersig masked (redact_url).
-            with http_client_span("POST", lambda: str(url)) as span:
-                response = await self._client.post(url, content=content)
-                span.set_attribute("http.response.status_code", response.status_code)
-        except httpx.TimeoutException as exc:
-            if exc.__cause__ is not None and not isinstance(exc.__cause__, TimeoutError):
-                # httpx-aiohttp reports a refused connection as ConnectTimeout; the cause tells.
-                raise RetryableSinkError(
-                    f"network error ({self._scrub(exc)}) calling Tencent IM app {app.name}"
-                ) from exc
+            with http_client_span("POST", url) as span:
+                async with self._http().post(url, data=content, allow_redirects=False) as response:
+                    status, raw = response.status, await response.read()
+                span.set_attribute("http.response.status_code", status)
+        except TimeoutError as exc:  # aiohttp's own timeouts (connect, read, total)
             raise RetryableSinkError(f"timeout ({type(exc).__name__}) calling Tencent IM app {app.name}") from exc
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise RetryableSinkError(f"network error ({self._scrub(exc)}) calling Tencent IM app {app.name}") from exc
-        if response.status_code != 200:
-            raise RetryableSinkError(f"HTTP {response.status_code} from Tencent IM (GroupId {group_id})")
+        if status != 200:
+            raise RetryableSinkError(f"HTTP {status} from Tencent IM (GroupId {group_id})")
         try:
-            answer = json.loads(response.content)
+            answer = json.loads(raw)
         except ValueError:
             answer = None
         if not isinstance(answer, dict) or "ActionStatus" not in answer:
             raise RetryableSinkError(
-                f"unexpected answer from Tencent IM: HTTP 200 with {len(response.content)} bytes that are not "
+                f"unexpected answer from Tencent IM: HTTP 200 with {len(raw)} bytes that are not "
                 f"the expected JSON (GroupId {group_id})"
             )
         return answer

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
-import httpx
 import pytest
+from aiohttp import web
 from im_support import event, make_sink
 
 from room_outbox.plugins.tencent_im.errors import PERMANENT_CODES, RETRYABLE_CODES
@@ -87,6 +89,30 @@ async def test_http_5xx_is_retryable_and_never_quotes_the_body(fake: FakeTencent
     assert "HTTP 503" in str(info.value) and "html" not in str(info.value)
 
 
+@asynccontextmanager
+async def answering(status: int, body: bytes) -> AsyncIterator[TencentIMSink]:
+    """A sink whose Tencent IM is a loopback server giving every request this answer."""
+
+    async def handle(_request: web.Request) -> web.Response:
+        return web.Response(status=status, body=body)
+
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        base_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        settings = TencentIMSettings(base_url=base_url, sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY)
+        sink = TencentIMSink(settings, SinkContext("t", __import__("logging").getLogger("t")))
+        try:
+            yield sink
+        finally:
+            await sink.aclose()
+    finally:
+        await runner.cleanup()
+
+
 @pytest.mark.parametrize(
     ("status", "body"),
     [
@@ -94,32 +120,23 @@ async def test_http_5xx_is_retryable_and_never_quotes_the_body(fake: FakeTencent
         (200, b'{"unexpected": true}'),  # JSON, but not Tencent's answer
         (200, b"[1, 2]"),
         (404, b'{"ActionStatus": "OK", "ErrorCode": 0}'),  # non-200, whatever the body
-        (301, b""),
+        (301, b""),  # a redirect is not followed
     ],
 )
 async def test_unexpected_answers_are_retryable(status: int, body: bytes) -> None:
-    transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
-    settings = TencentIMSettings(base_url="https://im.invalid", sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY)
-    sink = TencentIMSink(settings, SinkContext("t", __import__("logging").getLogger("t")), transport=transport)
-    try:
+    async with answering(status, body) as sink:
         with pytest.raises(RetryableSinkError) as info:
             await sink.deliver(event("e1"))
-    finally:
-        await sink.aclose()
     assert "proxy says hi" not in str(info.value)
+    assert f"HTTP {status}" in str(info.value) if status != 200 else "unexpected answer" in str(info.value)
 
 
 async def test_error_info_is_bounded_and_masks_a_usersig() -> None:
     info = "bad usersig=eJyrVgrxCdYrSy1S&x " + "y" * 1000
     answer = {"ActionStatus": "FAIL", "ErrorCode": 70009, "ErrorInfo": info}
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=answer))
-    settings = TencentIMSettings(base_url="https://im.invalid", sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY)
-    sink = TencentIMSink(settings, SinkContext("t", __import__("logging").getLogger("t")), transport=transport)
-    try:
+    async with answering(200, json.dumps(answer).encode()) as sink:
         with pytest.raises(PermanentSinkError) as error:
             await sink.deliver(event("e1"))
-    finally:
-        await sink.aclose()
     text = str(error.value)
     assert "eJyrVgrxCdYrSy1S" not in text and "usersig=[REDACTED]" in text
     assert len(text) < 300

@@ -26,12 +26,11 @@ async def test_a_slot_is_busy_from_start_until_a_window_after_the_answer() -> No
     spans: list[tuple[float, float]] = []
 
     async def request() -> None:
-        slot = await limiter.acquire(max_wait=10.0)
-        assert slot is not None
+        assert await limiter.acquire(max_wait=10.0)
         start = time.monotonic()
         await anyio.sleep(rng.uniform(0.0, 0.03))  # the request's own latency
         spans.append((start, time.monotonic()))
-        limiter.release(slot)
+        limiter.release()
 
     async with anyio.create_task_group() as tg:
         for _ in range(15):
@@ -45,32 +44,29 @@ async def test_a_slot_is_busy_from_start_until_a_window_after_the_answer() -> No
 
 async def test_a_wait_beyond_max_wait_gets_no_slot() -> None:
     limiter = SlidingWindowLimiter(rate=2, window=0.2)
-    first, second = await limiter.acquire(0.5), await limiter.acquire(0.5)
-    assert first is not None and second is not None
+    assert await limiter.acquire(0.5) and await limiter.acquire(0.5)
     started = time.monotonic()
-    assert await limiter.acquire(0.1) is None  # both in flight: cannot free within 0.1 s
+    assert not await limiter.acquire(0.1)  # both in flight: cannot free within 0.1 s
     assert time.monotonic() - started < 0.05  # refused at once, not after waiting
-    limiter.release(first)
-    assert await limiter.acquire(0.1) is None  # free again only 0.2 s after the answer
-    assert await limiter.acquire(0.5) == first
+    limiter.release()
+    assert not await limiter.acquire(0.1)  # free again only 0.2 s after the answer
+    assert await limiter.acquire(0.5)
     assert time.monotonic() - started >= 0.2
-    limiter.release(second, sent=False)  # never sent: free at once
-    assert await limiter.acquire(0.0) == second
+    limiter.release(sent=False)  # never sent: free at once
+    assert await limiter.acquire(0.0)
 
 
 async def test_idle_groups_are_forgotten() -> None:
     limiter = KeyedLimiter(rate=1, window=1.0)
     for i in range(KeyedLimiter._PRUNE_ABOVE):
         group = limiter.get(f"room-{i}")
-        slot = await group.acquire(0.0)
-        assert slot is not None
-        group.release(slot, sent=False)
+        assert await group.acquire(0.0)
+        group.release(sent=False)
     busy = limiter.get("room-0")
-    slot = await busy.acquire(0.0)
-    assert slot is not None
+    assert await busy.acquire(0.0)
     limiter.get("fresh")
     assert len(limiter) == 2  # the busy one and the new one
-    busy.release(slot)
+    busy.release()
 
 
 async def _deliver_all(sink: object, events: list[object]) -> list[BaseException | None]:
@@ -158,19 +154,18 @@ async def test_a_shrinking_rate_applies_at_once_and_zero_sends_nothing() -> None
     shrinks, no slot is handed out until fewer than the new rate are busy."""
     rate = [4]
     limiter = SlidingWindowLimiter(lambda: rate[0], window=0.3)
-    slots = [await limiter.acquire(0.0) for _ in range(3)]
-    assert None not in slots
+    assert all([await limiter.acquire(0.0) for _ in range(3)])
     rate[0] = 2
-    assert await limiter.acquire(0.0) is None  # 3 busy, share now 2
-    for slot in slots:
-        limiter.release(slot)  # busy for a window after the answers
-    assert await limiter.acquire(0.1) is None
+    assert not await limiter.acquire(0.0)  # 3 busy, share now 2
+    for _ in range(3):
+        limiter.release()  # busy for a window after the answers
+    assert not await limiter.acquire(0.1)
     rate[0] = 0
     started = time.monotonic()
-    assert await limiter.acquire(0.5) is None  # nothing, however long the window is over
+    assert not await limiter.acquire(0.5)  # nothing, however long the window is over
     assert time.monotonic() - started >= 0.45
     rate[0] = 2
-    assert await limiter.acquire(0.2) is not None
+    assert await limiter.acquire(0.2)
 
 
 async def test_the_reserved_share_is_left_to_room_service(fake: FakeTencentIM) -> None:
