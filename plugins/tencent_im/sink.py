@@ -140,13 +140,10 @@ class TencentIMSink:
             settings = self.settings
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=settings.max_connections),
-                # connect: a pooled connection or a new one; sock_read: the answer, from the
-                # request's end; total: both, so no request waits longer than that in any case.
-                timeout=aiohttp.ClientTimeout(
-                    total=settings.connect_timeout + settings.request_timeout,
-                    connect=settings.connect_timeout,
-                    sock_read=settings.request_timeout,
-                ),
+                # One timer per request, for the whole of it (a pooled connection or a new one,
+                # sending, the answer); a new connection's TCP connect is bounded on its own.
+                # A timeout per read (sock_read) re-armed a timer on every packet.
+                timeout=aiohttp.ClientTimeout(total=settings.request_timeout, sock_connect=settings.connect_timeout),
                 headers={"Content-Type": "application/json"},
                 cookie_jar=aiohttp.DummyCookieJar(),
             )
