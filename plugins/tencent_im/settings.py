@@ -100,8 +100,10 @@ class TencentIMSettings(SinkSettings):
     reserved_share: float = Field(default=0.1, ge=0.0, lt=1.0)
     #: Longest wait for a rate-limit slot; beyond it the delivery fails as retryable at once.
     rate_limit_max_wait: Duration = 1.0
+    #: A new connection's TCP connect.
     connect_timeout: Duration = 2.0
-    #: Tencent's own server-side timeout is 3 s.
+    #: The whole request: waiting for a pooled connection, sending, the answer. Tencent's own
+    #: server-side timeout is 3 s.
     request_timeout: Duration = 3.0
     max_connections: int = Field(default=64, ge=1)
     #: UserSig lifetime; renewed at half of it. Tencent advises at least 24 h.
