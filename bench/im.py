@@ -3,9 +3,12 @@
 * **overhead**: the client-side limits lifted out of the way; the sink alone and the whole
   lane (claim, deliver, record) against a bare aiohttp loop posting the same requests (same
   URL, query and body, built the same way) to the same fake, 16 in flight each, the same
-  number of events. The variants take turns within each round (the first one moves from
-  round to round), the fake is emptied before each, and a variant's ratio is the median of
-  its per-round ratios: neighbours in time share the machine's load.
+  number of events. The events are split into many short rounds; the variants take turns
+  within each round (the first one moves from round to round), the fake is emptied before
+  each, and a variant's ratio is the median of its per-round ratios: neighbours in time
+  share the machine's load, which on a shared machine moves the rates by tens of percent
+  from one second to the next. Also this process's CPU time per event, which the load
+  moves less.
 * **quota**: the default 200 requests/s, the fake enforcing 200/s as Tencent does
   (ErrorCode 60011 above it): the share of the quota used, the rate-limit errors, and how
   long each app-limiter slot was busy (acquire to release), which bounds the share at
@@ -43,8 +46,8 @@ from room_outbox.store.mysql import MySQLStore
 
 CONCURRENCY = 16
 ROOMS = 100
-#: Rounds of the overhead measurement (each variant once per round); --quick runs one.
-ROUNDS = 3
+#: Rounds of the overhead measurement (each variant once per round, on its share of the events).
+ROUNDS = 9
 
 
 def envelopes(count: int, prefix: str) -> list[EventEnvelope]:
@@ -74,44 +77,68 @@ def unlimited(base_url: str) -> TencentIMSink:
     return make_sink(base_url, app_rate_limit=1_000_000, group_rate_limit=1_000_000)
 
 
-async def in_parallel(items: list[Any], work: Callable[[Any], Awaitable[None]]) -> float:
-    """``work`` on every item, CONCURRENCY at once; items per second."""
+@dataclass
+class Run:
+    rate: float  # events per second
+    cpu_us: float  # this process's CPU time per event, µs
+
+
+async def timed(count: int, work: Awaitable[None]) -> Run:
+    """Wall-clock rate and this process's CPU time per event while ``work`` runs."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    await work
+    return Run(count / (time.perf_counter() - wall), (time.process_time() - cpu) / count * 1e6)
+
+
+async def in_parallel(items: list[Any], work: Callable[[Any], Awaitable[None]]) -> None:
+    """``work`` on every item, CONCURRENCY at once."""
     it = iter(items)
 
     async def worker() -> None:
         for item in it:
             await work(item)
 
-    started = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for _ in range(CONCURRENCY):
             tg.start_soon(worker)
-    return len(items) / (time.perf_counter() - started)
 
 
-async def bare_loop(base_url: str, events: list[EventEnvelope]) -> float:
+async def bare_loop(base_url: str, events: list[EventEnvelope]) -> Run:
     """The floor of any sink on aiohttp: the same URL, query and body, the same connection
-    pool size and concurrency, the answer read and checked, and nothing else."""
+    pool size, timeouts and concurrency, the answer read and checked, and nothing else. Like
+    the sink's, its session is made and closed within the measurement."""
     usersig = gen_usersig(DEV_SDKAPPID, DEV_KEY, "administrator", 86400)
     query = {"sdkappid": DEV_SDKAPPID, "identifier": "administrator", "usersig": usersig, "contenttype": "json"}
     url = f"{base_url}{SEND_GROUP_MSG}?{urlencode(query)}&random=1"
-    connector = aiohttp.TCPConnector(limit=64)  # the sink's default max_connections
-    async with aiohttp.ClientSession(connector=connector, headers={"Content-Type": "application/json"}) as session:
 
-        async def post(envelope: EventEnvelope) -> None:
-            content = request_body(group_id_for("{room_id}", envelope), envelope, msg_body(envelope), "Normal")
-            async with session.post(url, data=content) as response:
-                answer = json.loads(await response.read())
-            assert answer["ErrorCode"] == 0
+    async def run() -> None:
+        defaults = TencentIMSettings.model_fields  # the sink's: pool size and timeouts
+        connector = aiohttp.TCPConnector(limit=defaults["max_connections"].default)
+        timeout = aiohttp.ClientTimeout(
+            total=defaults["request_timeout"].default, sock_connect=defaults["connect_timeout"].default
+        )
+        headers = {"Content-Type": "application/json"}
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
 
-        return await in_parallel(events, post)
+            async def post(envelope: EventEnvelope) -> None:
+                content = request_body(group_id_for("{room_id}", envelope), envelope, msg_body(envelope), "Normal")
+                async with session.post(url, data=content) as response:
+                    answer = json.loads(await response.read())
+                assert answer["ErrorCode"] == 0
+
+            await in_parallel(events, post)
+
+    return await timed(len(events), run())
 
 
-async def sink_only(sink: TencentIMSink, events: list[EventEnvelope]) -> float:
-    try:
-        return await in_parallel(events, sink.deliver)
-    finally:
-        await sink.aclose()
+async def sink_only(sink: TencentIMSink, events: list[EventEnvelope]) -> Run:
+    async def run() -> None:
+        try:
+            await in_parallel(events, sink.deliver)
+        finally:
+            await sink.aclose()
+
+    return await timed(len(events), run())
 
 
 def im_router(sink: TencentIMSink) -> Router:
@@ -119,19 +146,21 @@ def im_router(sink: TencentIMSink) -> Router:
     return Router({"tencent_im": sink, "noop": NoopSink()}, routes)
 
 
-async def lane_drain(store: MySQLStore, sink: TencentIMSink, count: int, prefix: str, batch_size: int = 100) -> float:
-    """Events/s through the whole lane (claim, deliver, record) with this sink."""
+async def lane_drain(store: MySQLStore, sink: TencentIMSink, count: int, prefix: str, batch_size: int = 100) -> Run:
+    """The whole lane (claim, deliver, record) with this sink, once ``count`` events are loaded."""
     await reset(store)
     await load(store, count, prefix=prefix, event_type=IM_TYPE, rooms=ROOMS)
     options = LaneOptions(batch_size=batch_size, poll_interval=0.05, concurrency=CONCURRENCY)
     dispatcher = Dispatcher(store, im_router(sink), options, "bench")
-    started = time.perf_counter()
-    try:
-        while await pending(store):
-            await dispatcher.run_until_empty()
-    finally:
-        await sink.aclose()
-    return count / (time.perf_counter() - started)
+
+    async def run() -> None:
+        try:
+            while await pending(store):
+                await dispatcher.run_until_empty()
+        finally:
+            await sink.aclose()
+
+    return await timed(count, run())
 
 
 @dataclass
@@ -168,24 +197,27 @@ class OverheadResult:
 
 
 async def run_overhead(store: MySQLStore, events: int, rounds: int = ROUNDS) -> OverheadResult:
+    """``events`` per variant, in ``rounds`` rounds."""
     load_before = os.getloadavg()[0]
+    per_round = events // rounds
     with procs.fake_im_process() as base_url:
-        runs: dict[str, Callable[[str], Awaitable[float]]] = {
-            "bare": lambda prefix: bare_loop(base_url, envelopes(events, prefix)),
-            "sink": lambda prefix: sink_only(unlimited(base_url), envelopes(events, prefix)),
-            "lane": lambda prefix: lane_drain(store, unlimited(base_url), events, prefix),
+        # Each variant's events and sink are made before its measurement starts.
+        runs: dict[str, Callable[[str], Awaitable[Run]]] = {
+            "bare": lambda prefix: bare_loop(base_url, envelopes(per_round, prefix)),
+            "sink": lambda prefix: sink_only(unlimited(base_url), envelopes(per_round, prefix)),
+            "lane": lambda prefix: lane_drain(store, unlimited(base_url), per_round, prefix),
         }
-        await bare_loop(base_url, envelopes(events // 4, "w"))  # warm-up: connections, caches
-        await sink_only(unlimited(base_url), envelopes(events // 4, "v"))
+        await runs["bare"]("w")  # warm-up: connections, caches
+        await runs["sink"]("v")
         results = {name: Variant([], []) for name in runs}
         names = list(runs)
         for n in range(rounds):
             for name in names[n % len(names) :] + names[: n % len(names)]:
                 procs.clear(base_url)
-                cpu = time.process_time()
-                results[name].rates.append(await runs[name](f"{name}{n}_"))
-                results[name].cpu_us.append((time.process_time() - cpu) / events * 1e6)
-    return OverheadResult(events, rounds, **results, load=(load_before, os.getloadavg()[0]))
+                run = await runs[name](f"{name}{n}_")
+                results[name].rates.append(run.rate)
+                results[name].cpu_us.append(run.cpu_us)
+    return OverheadResult(per_round * rounds, rounds, **results, load=(load_before, os.getloadavg()[0]))
 
 
 class TimedLimiter(SlidingWindowLimiter):
