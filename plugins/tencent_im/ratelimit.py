@@ -113,14 +113,19 @@ class SlidingWindowLimiter:
 
     def _busy(self) -> int:
         """Slots busy right now (forgetting the ones whose window is over)."""
-        now = self._clock()
+        self._forget_cooled(self._clock())
+        return self._in_flight + len(self._cooling)
+
+    def _forget_cooled(self, now: float) -> None:
         cooling = self._cooling
         while cooling and cooling[0] <= now:
             cooling.popleft()
-        return self._in_flight + len(cooling)
 
     def _take_free(self) -> bool:
-        if self._busy() >= self.rate:
+        rate = self._rate()
+        # Slots that have cooled are forgotten only when the count reaches the rate (and at
+        # each release), so a limiter far from its rate costs no clock reading here.
+        if self._in_flight + len(self._cooling) >= rate and self._busy() >= rate:
             return False
         self._in_flight += 1
         return True
@@ -139,7 +144,9 @@ class SlidingWindowLimiter:
         sent, so the slot is free at once)."""
         self._in_flight -= 1
         if sent:
-            self._cooling.append(self._clock() + self.window)
+            now = self._clock()
+            self._forget_cooled(now)
+            self._cooling.append(now + self.window)
         if self._lock.locked():  # somebody may be waiting for an answer to free a slot
             self._released.set()
             self._released = anyio.Event()
