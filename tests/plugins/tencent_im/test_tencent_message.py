@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from im_support import event, make_sink
 
-from room_outbox.plugins.tencent_im.fake import FakeTencentIM
+from room_outbox.plugins.tencent_im.fake import FakeTencentIM, serve_fake_im
 from room_outbox.plugins.tencent_im.message import random_for
 
 pytestmark = pytest.mark.anyio
@@ -79,3 +82,36 @@ async def test_a_retried_event_is_deduplicated_by_tencent(fake: FakeTencentIM) -
         await sink.aclose()
     assert fake.event_ids() == ["evt_same", "evt_other"]
     assert fake.duplicates == 2 and len(fake.arrivals) == 4
+
+
+class QueryRecordingFake(FakeTencentIM):
+    """The fake Tencent IM, also keeping every request's query parameters."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.queries: list[dict[str, list[str]]] = []
+
+    async def handle(self, method: str, target: str, body: bytes) -> Any:
+        self.queries.append(parse_qs(urlsplit(target).query))
+        return await super().handle(method, target, body)
+
+
+async def test_each_request_has_its_own_random_and_the_current_usersig() -> None:
+    """The URL is built once per UserSig: a renewed UserSig is in the very next request."""
+    async with serve_fake_im(QueryRecordingFake(seed=7)) as fake:
+        secrets: list[str] = []
+        sink = make_sink(fake, secrets)
+        now = [time.time()]
+        sink._apps_by_code["default"].usersig.clock = lambda: now[0]
+        try:
+            await sink.deliver(event("e1"))
+            await sink.deliver(event("e2"))
+            now[0] += 86400 / 2  # half the default lifetime: renewed on the next request
+            await sink.deliver(event("e3"))
+        finally:
+            await sink.aclose()
+    usersigs = [query["usersig"] for query in fake.queries]
+    assert usersigs[0] == usersigs[1] != usersigs[2]
+    assert [usersigs[0][0], usersigs[2][0]] == secrets[1:]  # each made once, each registered
+    assert len({query["random"][0] for query in fake.queries}) == 3
+    assert fake.event_ids() == ["e1", "e2", "e3"]
