@@ -81,4 +81,4 @@ def group_id_for(template: str, envelope: EventEnvelope) -> str:
 def request_body(group_id: str, envelope: EventEnvelope, body: str, priority: str) -> bytes:
     """The ``send_group_msg`` request: ``body`` is :func:`msg_body`'s JSON, embedded as is."""
     head = compact_json({"GroupId": group_id, "Random": random_for(envelope.event_id), "MsgPriority": priority})
-    return f'{head[:-1]},"MsgBody":{body}}}'.encode()
+    return f'{head[:-1]},"MsgBody":{body}}}'.encode()  # MsgBody goes in before head's closing brace

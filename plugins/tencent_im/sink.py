@@ -192,7 +192,7 @@ class TencentIMSink:
                 async with self._http().post(url, data=content, allow_redirects=False) as response:
                     status, raw = response.status, await response.read()
                 span.set_attribute("http.response.status_code", status)
-        except TimeoutError as exc:  # aiohttp's own timeouts (connect, read, total)
+        except TimeoutError as exc:  # aiohttp's own: the whole request's, or a new connection's connect
             raise RetryableSinkError(f"timeout ({type(exc).__name__}) calling Tencent IM app {app.name}") from exc
         except aiohttp.ClientError as exc:
             raise RetryableSinkError(f"network error ({self._scrub(exc)}) calling Tencent IM app {app.name}") from exc
