@@ -1,5 +1,5 @@
 """The benchmark harness runs end to end (tiny sizes: parts a, p and d in a few seconds; the
-parts with real processes and a broker (o, f, m) as slow tests)."""
+parts with real processes, a fake IM or a broker (o, b, f, m) as slow tests)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,15 @@ def test_bench_kafka_lane_and_backlog_memory_quick_smoke(capsys: pytest.CaptureF
     for run in ("noop lane, metrics, retention", "noop lane, per_room", "Kafka lane (a lane table)"):
         assert f"m. {run}, " in out
     assert "MB vs reference" in out and "MB per 100k ev" in out
+
+
+@pytest.mark.slow
+def test_bench_tencent_im_quick_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """Part b: the sink and the IM lane beside a bare aiohttp loop, in alternating rounds,
+    each target printed with its verdict; the lane at the default quota."""
+    assert main(["--quick", "--only", "b", "--im-events", "90"]) == 0
+    out = capsys.readouterr().out
+    assert "b. bare aiohttp loop → fake IM, 16 in flight (90 ev in 3 rounds)" in out
+    assert "b. TencentIMSink.deliver, limits lifted" in out and "of bare aiohttp (rounds" in out
+    assert "IM lane ≥90 % of bare aiohttp: " in out
+    assert "b. IM lane at the default quota (300 ev)" in out
