@@ -69,7 +69,9 @@ class SlidingWindowLimiter:
         #: When each answered request's slot frees, in order; entries in the past are free.
         self._cooling: deque[float] = deque()
         self._lock = anyio.Lock()
-        self._released = anyio.Event()
+        #: Set when a request is over, for the one caller waiting on answers (made only then:
+        #: an event costs more to make than a whole take and release).
+        self._released: anyio.Event | None = None
 
     @property
     def rate(self) -> int:
@@ -108,6 +110,8 @@ class SlidingWindowLimiter:
                         if deadline - now < self.window:
                             return False  # an answer now would still free its slot too late
                         with anyio.move_on_after(ZERO_RATE_POLL * 4):  # or the rate grows
+                            if self._released is None:
+                                self._released = anyio.Event()
                             await self._released.wait()
         return False
 
@@ -147,9 +151,9 @@ class SlidingWindowLimiter:
             now = self._clock()
             self._forget_cooled(now)
             self._cooling.append(now + self.window)
-        if self._lock.locked():  # somebody may be waiting for an answer to free a slot
+        if self._released is not None:  # somebody is waiting for an answer to free a slot
             self._released.set()
-            self._released = anyio.Event()
+            self._released = None
 
     def idle(self) -> bool:
         """No slot busy and nobody waiting: the limiter holds no information worth keeping."""
