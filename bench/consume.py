@@ -2,24 +2,30 @@
 bare aiokafka consume-and-commit loop writing the same rows, on one broker and one database,
 in the same run.
 
-Both read the same pre-produced topic (3 partitions, 500 rooms), each in a consumer group of
-its own, and both end with one ``room_audit_log``-shaped row per event and committed offsets:
+All read the same pre-produced topic (3 partitions, 500 rooms), each in a consumer group of
+its own, and all end with one ``room_audit_log``-shaped row per event and committed offsets:
 
-* bare loop, per message: ``getmany`` → per message ``INSERT IGNORE`` + ``COMMIT`` (each row
-  durable on its own, as the engine's are) → offsets committed per batch. No processed
-  records, no retries, no dead letters, no order across a failure, one connection.
-* bare loop, per batch: the same with one transaction per fetched batch (a stricter baseline:
-  fewer commits, but one bad message fails its whole batch).
+* bare loop, per batch (the baseline): ``getmany`` → one ``INSERT IGNORE`` of the fetched
+  rows and one ``COMMIT`` → offsets committed per fetch. No processed records, no retries, no
+  dead letters, no order across a failure, one connection; one bad message fails its fetch.
 * engine: :class:`room_outbox.consume.engine.Consumer` with the audit handler, as shipped
-  (``concurrency`` 16, processed record + audit row per transaction, ``ordering: per_room``).
+  (``concurrency`` 16, ``ordering: per_room``, a processed record per event in the audit
+  rows' transaction, offsets committed per fetch once it is settled).
+* bare loop, per message: the same with an ``INSERT IGNORE`` + ``COMMIT`` per message (each
+  row durable on its own), on the first ``PER_MESSAGE_SAMPLE`` events only: it is slow.
 
-Rates are measured from the first row written to the last, so the group join is left out.
+The per-batch loop and the engine run ``rounds`` times each, alternating which goes first,
+each round on empty tables and with a fresh group; the figures are medians, the ratio the
+median of the rounds' ratios (a round's two runs are next to each other in time, so the
+machine's other load weighs on both alike). Rates are measured from the first row written to
+the last, so the group join is left out.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -46,12 +52,24 @@ TOPIC = "room-events"
 TYPES = ("RoomUserJoined", "RoomGiftSent", "RoomHeatChanged", "RoomMicChanged")
 
 
+#: Events the per-message loop is timed on (a commit per row: tens to hundreds a second).
+PER_MESSAGE_SAMPLE = 1_000
+
+
 @dataclass(frozen=True)
 class ConsumeResult:
     events: int
+    rounds: int
     bare_per_message: float
+    #: Medians over the rounds.
     bare_per_batch: float
     engine: float
+    #: engine / bare per batch, each round's; ``ratio`` is their median.
+    ratios: tuple[float, ...]
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
 
 
 class Tansu:
@@ -111,13 +129,17 @@ async def count(store: MySQLStore, table: str) -> int:
 
 
 async def rate_of(store: MySQLStore, table: str, events: int, timeout: float) -> float:
-    """Rows per second into ``table`` from its first row to its ``events``-th."""
+    """Rows per second into ``table`` from its first row to its ``events``-th. When they all
+    came at once (a run of one batch), from the call instead, the group join included."""
+    called = time.perf_counter()
     with anyio.fail_after(timeout):
         while (first := await count(store, table)) == 0:
             await anyio.sleep(0.02)
         started = time.perf_counter()
         while (done := await count(store, table)) < events:
-            await anyio.sleep(0.05)
+            await anyio.sleep(0.2)
+    if done == first:
+        return done / (time.perf_counter() - called)
     return (done - first) / (time.perf_counter() - started)
 
 
@@ -152,37 +174,57 @@ async def bare_loop(bootstrap: str, store: MySQLStore, table: str, group: str, e
         await consumer.stop()
 
 
-async def run_consume(store: MySQLStore, events: int) -> ConsumeResult:
+async def engine_run(store: MySQLStore, bootstrap: str, group: str, events: int, timeout: float) -> float:
+    """Events per second into an emptied ``room_audit_log`` through the engine, a new group."""
+    async with store.transaction() as cur:
+        await cur.execute("TRUNCATE room_audit_log")
+        await cur.execute("TRUNCATE room_consumer_processed")
+    settings = ConsumerSettings(bootstrap_servers=bootstrap, handlers=["audit"], group_id=group, session_timeout=6)
+    consumer = Consumer(
+        "bench", settings, SQLConsumerStore(store, settings.handler_timeout),
+        build_handlers(make_plugin_manager(), "bench", settings, "bench", Redactor()), "bench", Redactor(), Telemetry(),
+    )  # fmt: skip
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(consumer.run)
+        rate = await rate_of(store, "room_audit_log", events, timeout)
+        consumer.stop()
+    return rate
+
+
+async def bare_run(
+    store: MySQLStore, bootstrap: str, group: str, events: int, per_batch: bool, timeout: float
+) -> float:
+    """Events per second into an emptied bare table through :func:`bare_loop`, a new group."""
+    table = "bare_audit_batch" if per_batch else "bare_audit_message"
+    async with store.transaction() as cur:
+        await cur.execute(AUDIT_SCHEMA["mysql"][0].replace("room_audit_log", table))
+        await cur.execute(f"TRUNCATE {table}")
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(bare_loop, bootstrap, store, table, group, events, per_batch)
+        return await rate_of(store, table, events, timeout)
+
+
+async def run_consume(store: MySQLStore, events: int, rounds: int = 3) -> ConsumeResult:
     broker = Tansu()
     try:
         pm = make_plugin_manager()
         await migrate_plugins(store, pm, Settings(sinks={"tencent_im": {"enabled": False}}))
         await migrate_consumers(store, pm)
-        async with store.transaction() as cur:
-            for table in ("bare_audit_message", "bare_audit_batch"):
-                await cur.execute(AUDIT_SCHEMA["mysql"][0].replace("room_audit_log", table))
         await produce(broker.bootstrap, events)
         timeout = max(120.0, events / 50)
-        rates = {}
-        for table, per_batch in (("bare_audit_message", False), ("bare_audit_batch", True)):
-            async with anyio.create_task_group() as tasks:
-                tasks.start_soon(bare_loop, broker.bootstrap, store, table, f"bare-{table}", events, per_batch)
-                rates[table] = await rate_of(store, table, events, timeout)
-        settings = ConsumerSettings(bootstrap_servers=broker.bootstrap, handlers=["audit"], session_timeout=6)
-        handlers = build_handlers(pm, "bench", settings, "bench", Redactor())
-        consumer = Consumer(
-            "bench",
-            settings,
-            SQLConsumerStore(store, settings.handler_timeout),
-            handlers,
-            "bench",
-            Redactor(),
-            Telemetry(),
-        )
-        async with anyio.create_task_group() as tasks:
-            await tasks.start(consumer.run)
-            engine = await rate_of(store, "room_audit_log", events, timeout)
-            consumer.stop()
-        return ConsumeResult(events, rates["bare_audit_message"], rates["bare_audit_batch"], engine)
+        sample = min(events, PER_MESSAGE_SAMPLE)
+        per_message = await bare_run(store, broker.bootstrap, "bare-message", sample, False, timeout)
+        bare: list[float] = []
+        engine: list[float] = []
+        for n in range(rounds):  # alternately first
+            if n % 2 == 0:
+                bare.append(await bare_run(store, broker.bootstrap, f"bare-batch-{n}", events, True, timeout))
+            engine.append(await engine_run(store, broker.bootstrap, f"engine-{n}", events, timeout))
+            if n % 2 == 1:
+                bare.append(await bare_run(store, broker.bootstrap, f"bare-batch-{n}", events, True, timeout))
+        return ConsumeResult(
+            events, rounds, per_message, statistics.median(bare), statistics.median(engine),
+            tuple(e / b for e, b in zip(engine, bare, strict=True)),
+        )  # fmt: skip
     finally:
         broker.stop()

@@ -15,7 +15,7 @@ import anyio
 
 from bench.backlog import run_backlog
 from bench.bigtable import run_claim, run_retention
-from bench.consume import run_consume
+from bench.consume import PER_MESSAGE_SAMPLE, run_consume
 from bench.db import bench_database
 from bench.im import ROUNDS as IM_ROUNDS
 from bench.im import Variant, run_overhead, run_quota
@@ -30,12 +30,12 @@ PG_SERVER = os.environ.get("ROOM_OUTBOX_TEST_POSTGRESQL", "postgresql://postgres
 FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events": 3_000, "quota_events": 2_400,
         "latency_seconds": 20.0, "latency_batch": 100, "published": 1_000_000, "claim_rounds": 200, "rss_events": 200_000,
         "ordered_events": 20_000, "ordered_rooms": "50,500,5000",
-        "consume_events": 20_000, "kafka_events": 10_000, "kafka_rounds": 3,
+        "consume_events": 20_000, "consume_rounds": 5, "kafka_events": 10_000, "kafka_rounds": 3,
         "backlog": 1_000_000, "backlog_drain": 50_000, "backlog_seconds": 120.0}  # fmt: skip
 QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300, "quota_events": 300,
          "latency_seconds": 2.0, "latency_batch": 100, "published": 20_000, "claim_rounds": 20, "rss_events": 5_000,
          "ordered_events": 2_000, "ordered_rooms": "50,500",
-         "consume_events": 1_000, "kafka_events": 500, "kafka_rounds": 1,
+         "consume_events": 1_000, "consume_rounds": 1, "kafka_events": 500, "kafka_rounds": 1,
          "backlog": 5_000, "backlog_drain": 1_000, "backlog_seconds": 30.0}  # fmt: skip
 
 Row = tuple[str, str, str, str]  # measurement, figure, ratio, target verdict
@@ -184,14 +184,16 @@ async def part_o(args: argparse.Namespace) -> list[Row]:
 
 async def part_k(args: argparse.Namespace) -> list[Row]:
     async with bench_database(SERVER, pool_size=16) as (_dsn, store):
-        r = await run_consume(store, args.consume_events)
+        r = await run_consume(store, args.consume_events, args.consume_rounds)
+    rounds = ", ".join(f"{x:.0%}" for x in r.ratios)
     return [
-        (f"k. bare aiokafka loop, a commit per row ({r.events:,} ev)", f"{r.bare_per_message:,.0f} ev/s", "baseline", ""),
-        ("k. bare aiokafka loop, a commit per batch", f"{r.bare_per_batch:,.0f} ev/s",
-         f"{r.bare_per_batch / r.bare_per_message:.1f}× per-row loop", "reference"),
+        (f"k. bare aiokafka loop, a commit per fetched batch ({r.events:,} ev, median of {r.rounds})",
+         f"{r.bare_per_batch:,.0f} ev/s", "baseline", ""),
         ("k. consume, audit handler (effectively-once)", f"{r.engine:,.0f} ev/s",
-         f"{r.engine / r.bare_per_message:.0%} of per-row loop, {r.engine / r.bare_per_batch:.0%} of per-batch loop",
-         f"≥70 % bare: per-row {verdict(r.engine >= 0.7 * r.bare_per_message)}, per-batch {verdict(r.engine >= 0.7 * r.bare_per_batch)}"),
+         f"{r.ratio:.0%} of per-batch loop (rounds: {rounds})", f"≥ 70 %: {verdict(r.ratio >= 0.7)}"),
+        (f"k. bare aiokafka loop, a commit per row (first {min(r.events, PER_MESSAGE_SAMPLE):,} ev)",
+         f"{r.bare_per_message:,.0f} ev/s", f"{r.bare_per_message / r.bare_per_batch:.0%} of per-batch loop",
+         "reference"),
     ]  # fmt: skip
 
 

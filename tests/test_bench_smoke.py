@@ -1,5 +1,5 @@
 """The benchmark harness runs end to end (tiny sizes: parts a, p and d in a few seconds; the
-parts with real processes, a fake IM or a broker (o, b, f, m) as slow tests)."""
+parts with real processes, a fake IM or a broker (o, b, f, m, k) as slow tests)."""
 
 from __future__ import annotations
 
@@ -55,3 +55,14 @@ def test_bench_tencent_im_quick_smoke(capsys: pytest.CaptureFixture[str]) -> Non
     assert "b. TencentIMSink.deliver, limits lifted" in out and "of bare aiohttp (rounds" in out
     assert "IM lane ≥90 % of bare aiohttp: " in out
     assert "b. IM lane at the default quota (300 ev)" in out
+
+
+@pytest.mark.slow
+def test_bench_consume_quick_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """Part k: the audit handler under the consumer engine against bare aiokafka loops on tansu,
+    the ratio per round and its median."""
+    assert main(["--quick", "--only", "k", "--consume-events", "300", "--consume-rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "k. bare aiokafka loop, a commit per fetched batch (300 ev, median of 2)" in out
+    assert "k. consume, audit handler (effectively-once)" in out and "of per-batch loop (rounds: " in out
+    assert "k. bare aiokafka loop, a commit per row (first 300 ev)" in out

@@ -5,9 +5,16 @@ the partitions it is assigned, and a retry worker on the shared retry table.
 to ``concurrency``, a group's messages one after another in offset order. Each message goes to
 every handler that takes its type and ends *settled*: handled (its processed record committed
 with the handler's writes), scheduled for a retry, or a dead letter, each durable in the
-database. Only when the whole batch is settled are its offsets committed, so a crash
-re-delivers and never skips; what was handled before the crash finds its record and is not
-handled again.
+database. Handlers that take many events at once (``handle_batch``) get the whole batch, every
+room in offset order, in one transaction per handler first; the rest runs per message. Only
+when the whole batch is settled are its offsets committed, so a crash re-delivers and never
+skips; what was handled before the crash finds its record and is not handled again.
+
+**Reading ahead.** While a batch settles, the next one is taken from what the broker has sent
+already, routed, and its rooms held back by retries looked up; what the settling batch puts in
+the retry table is added to those once it has settled. It is only read ahead: when the batch
+before is not settled it is dropped and its partitions sought back; when partitions were
+revoked meanwhile it is dropped (the new assignment reads from the committed offsets).
 
 **Rebalances.** The batch in progress holds a lock that the revocation callback waits for:
 partitions move to another member only after this member's batch is settled and committed,
@@ -31,6 +38,7 @@ import anyio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 from anyio.abc import TaskStatus
+from anyio.lowlevel import checkpoint
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -52,6 +60,11 @@ FETCH_TIMEOUT_MS = 500
 #: Pause after a batch could not be settled (the database is down, say) before it is tried again.
 BATCH_RETRY_PAUSE = 1.0
 DLQ_SEND_TIMEOUT = 10.0
+#: The last offset commit, when the consumer stops.
+COMMIT_TIMEOUT = 10.0
+#: Messages routed between two checkpoints, so that routing a batch read ahead holds up the
+#: settling batch's database statements by no more than this many messages' parsing.
+ROUTE_SLICE = 50
 #: One attempt to reach the broker and join the group; then a pause before the next.
 JOIN_TIMEOUT = 30.0
 JOIN_RETRY_PAUSE = 2.0
@@ -99,6 +112,21 @@ class Message:
         return self.envelope.event_type if self.envelope is not None else self.headers.get("event_type", "")
 
 
+@dataclass
+class Fetched:
+    """A fetched batch, routed: its messages by room, each partition's first offset (to
+    fetch it again) and the offsets to commit once it is settled."""
+
+    rooms: dict[str, list[Message]]
+    first: dict[TopicPartition, int]
+    offsets: dict[TopicPartition, int]
+    #: :attr:`Consumer._generation` when fetched: a revocation since makes it stale.
+    generation: int
+    #: (handler, room) pairs with rows retrying when looked up while the batch before
+    #: settled; None: not looked up yet.
+    blocked: set[tuple[str, str]] | None = None
+
+
 def _headers(raw: Any) -> dict[str, str]:
     return {str(k): (v or b"").decode("utf-8", "replace") for k, v in (raw or ())}
 
@@ -132,8 +160,16 @@ class Consumer:
         self.running = False
         self._stop = anyio.Event()
         self._batch_lock = anyio.Lock()
+        #: Counts revocations; a batch fetched under an older count is not settled.
+        self._generation = 0
+        #: Offsets of batches settled and not committed yet, and where they are committed.
+        self._settled: dict[TopicPartition, int] = {}
+        self._kafka: AIOKafkaConsumer | None = None
+        #: (handler, room) pairs the settling batch has put in the retry table.
+        self._retrying: set[tuple[str, str]] = set()
         self._limiter = anyio.CapacityLimiter(settings.concurrency)
         self._dlq: AIOKafkaProducer | None = None
+        self._batch_handlers = [h for h in handlers.values() if isinstance(h.handler, BatchHandler)]
 
     def stop(self) -> None:
         self._stop.set()
@@ -201,33 +237,104 @@ class Consumer:
         return None
 
     async def _live_loop(self, kafka: AIOKafkaConsumer) -> None:
-        while not self._stop.is_set():
-            batch = await kafka.getmany(timeout_ms=FETCH_TIMEOUT_MS, max_records=self.settings.max_batch)
-            if not batch:
-                continue
+        """Fetch, settle, commit, one batch after another, the next read ahead while one
+        settles (mostly a wait on the database), so its routing and look-up are off the
+        critical path. A settled batch's offsets are committed while the next one settles,
+        or at once when nothing more comes, partitions are revoked or the consumer stops."""
+        ahead: Fetched | None = None
+        retrying: set[tuple[str, str]] = set()  # what the batch before put in the retry table
+        self._kafka = kafka
+        try:
+            while not self._stop.is_set():
+                ahead, retrying = await self._next_batch(kafka, ahead, retrying)
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(COMMIT_TIMEOUT):
+                await self._commit_settled()
+            self._kafka = None
+
+    async def _next_batch(
+        self, kafka: AIOKafkaConsumer, ahead: Fetched | None, retrying: set[tuple[str, str]]
+    ) -> tuple[Fetched | None, set[tuple[str, str]]]:
+        """Settle one batch (``ahead`` if read already); returns the batch read ahead
+        meanwhile and what this one put in the retry table."""
+        fetched = ahead or await self._fetch(kafka, FETCH_TIMEOUT_MS)
+        if fetched is None:
             async with self._batch_lock:
+                await self._commit_settled()
+            return None, retrying
+        async with self._batch_lock:
+            if fetched.generation != self._generation:
+                return None, set()
+            following: list[Fetched] = []
+            error: Exception | None = None
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(self._fetch_ahead, kafka, following)
+                tasks.start_soon(self._commit_settled)
                 try:
-                    offsets = await self._settle(batch)
+                    retrying = await self._settle(fetched, retrying)
                 except Exception as exc:
-                    # Nothing of this batch is committed: fetch it again from its first
-                    # offsets after a pause; what it settled already is found as processed.
-                    log.error(
-                        "batch not settled; fetching it again",
-                        extra={"consumer": self.name, "error": self._error(exc)},
-                    )
-                    for tp, messages in batch.items():
-                        kafka.seek(tp, messages[0].offset)
-                    with anyio.move_on_after(BATCH_RETRY_PAUSE):
-                        await self._stop.wait()
-                    continue
-                try:
-                    await kafka.commit(offsets)
-                except KafkaError as exc:
-                    # The partitions moved on (a rebalance): their new owner re-reads from the
-                    # last commit and finds these messages processed.
-                    log.warning("offset commit failed", extra={"consumer": self.name, "error": self._error(exc)})
-                    continue
-                self._record_lag(kafka, offsets)
+                    error = exc
+            ahead = following[0] if following else None
+            if error is None:
+                self._settled.update(fetched.offsets)
+                return ahead, retrying
+            # Nothing of this batch is committed: fetch it again from its first offsets after a
+            # pause; what it settled already is found as processed.
+            log.error(
+                "batch not settled; fetching it again", extra={"consumer": self.name, "error": self._error(error)}
+            )
+            for tp, offset in {**(ahead.first if ahead else {}), **fetched.first}.items():
+                kafka.seek(tp, offset)
+            with anyio.move_on_after(BATCH_RETRY_PAUSE):
+                await self._stop.wait()
+            return None, set()
+
+    async def _commit_settled(self) -> None:
+        """Commit the offsets of the batches settled since the last commit."""
+        offsets, self._settled = self._settled, {}
+        if not offsets or self._kafka is None:
+            return
+        try:
+            await self._kafka.commit(offsets)
+        except KafkaError as exc:
+            # The partitions moved on (a rebalance): their new owner re-reads from the last
+            # commit and finds these messages processed.
+            log.warning("offset commit failed", extra={"consumer": self.name, "error": self._error(exc)})
+            return
+        self._record_lag(self._kafka, offsets)
+
+    async def _fetch(self, kafka: AIOKafkaConsumer, timeout_ms: int) -> Fetched | None:
+        """The next batch, routed; None when none came within ``timeout_ms``."""
+        batch = await kafka.getmany(timeout_ms=timeout_ms, max_records=self.settings.max_batch)
+        if not batch:
+            return None
+        fetched = Fetched(
+            rooms={}, generation=self._generation,
+            first={tp: records[0].offset for tp, records in batch.items()},
+            offsets={tp: records[-1].offset + 1 for tp, records in batch.items()},
+        )  # fmt: skip
+        for n, record in enumerate(record for records in batch.values() for record in records):
+            if n % ROUTE_SLICE == ROUTE_SLICE - 1:
+                await checkpoint()  # the settling batch's statements go on meanwhile
+            message = self._route(record)
+            fetched.rooms.setdefault(message.room, []).append(message)
+        return fetched
+
+    async def _fetch_ahead(self, kafka: AIOKafkaConsumer, into: list[Fetched]) -> None:
+        """The next batch, routed, and its rooms held back by retries as they are now (what
+        the settling batch puts in the retry table is added when it has settled)."""
+        try:
+            fetched = await self._fetch(kafka, 0)
+        except KafkaError:
+            return  # the next plain fetch meets it again
+        if fetched is None:
+            return
+        into.append(fetched)
+        if self.ordered:
+            try:
+                fetched.blocked = await self.store.blocked_rooms(self.name, set(fetched.rooms))
+            except Exception:
+                return  # settling it looks again
 
     def _record_lag(self, kafka: AIOKafkaConsumer, offsets: dict[TopicPartition, int]) -> None:
         for tp, committed in offsets.items():
@@ -239,36 +346,58 @@ class Consumer:
 
     # -- the live path ------------------------------------------------------------------------
 
-    async def _settle(self, batch: dict[TopicPartition, list[Any]]) -> dict[TopicPartition, int]:
-        rooms: dict[str, list[Message]] = {}
-        for records in batch.values():
-            for record in records:
-                message = self._route(record)
-                rooms.setdefault(message.room, []).append(message)
-        blocked = await self.store.blocked_rooms(self.name, set(rooms)) if self.ordered else set()
-        # Up to `concurrency` chunks of whole rooms, each settled in one transaction.
-        groups = list(rooms.values())
+    async def _settle(self, fetched: Fetched, retrying: set[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Settle the batch; ``retrying``: the (handler, room) pairs the batch before put in
+        the retry table. Returns those this one put there."""
+        rooms = fetched.rooms
+        blocked: set[tuple[str, str]] = set()
+        if self.ordered:
+            looked_up = fetched.blocked
+            if looked_up is None:
+                looked_up = await self.store.blocked_rooms(self.name, set(rooms))
+            blocked = looked_up | retrying
+        self._retrying = set()
+        done = await self._settle_batch_handlers(list(rooms.values()), blocked) if self._batch_handlers else set()
+        # What is left (handlers one message at a time, dead letters, the batch handlers'
+        # fallback): up to `concurrency` chunks of whole rooms, each settled in one transaction.
+        groups = [room for room in rooms.values() if self._unsettled(room, done)]
         width = min(self.settings.concurrency, len(groups))
         async with anyio.create_task_group() as tasks:
             for n in range(width):
-                tasks.start_soon(self._settle_chunk, groups[n::width], blocked)
-        return {tp: records[-1].offset + 1 for tp, records in batch.items()}
+                tasks.start_soon(self._settle_chunk, groups[n::width], blocked, done)
+        return self._retrying
 
-    async def _settle_chunk(self, rooms: list[list[Message]], blocked: set[tuple[str, str]]) -> None:
+    @staticmethod
+    def _unsettled(room: list[Message], done: AbstractSet[tuple[int, int, str]]) -> bool:
+        return any(
+            m.rejected is not None or any((m.partition, m.offset, h.name) not in done for h in m.handlers) for m in room
+        )
+
+    async def _settle_batch_handlers(
+        self, rooms: list[list[Message]], blocked: set[tuple[str, str]]
+    ) -> set[tuple[int, int, str]]:
+        """Every room of the fetch for each batch handler: one ``handle_batch`` call and one
+        transaction per handler, its processed records one multi-row statement. Parallel
+        transactions would only add commits: the work is a few multi-row statements whatever
+        the number of messages. Returns the (partition, offset, handler) handlings committed."""
+        done: set[tuple[int, int, str]] = set()
+        for handler in self._batch_handlers:
+            done |= await self._handle_many(rooms, handler, blocked)
+        return done
+
+    async def _settle_chunk(
+        self, rooms: list[list[Message]], blocked: set[tuple[str, str]], done: AbstractSet[tuple[int, int, str]]
+    ) -> None:
         """The rooms' messages in one transaction (each handling in a savepoint), one room
-        after another. If that transaction cannot complete (a handler timed out, the
-        connection broke), everything in it is rolled back and the messages are settled again
-        one transaction each."""
+        after another, but the handlings in ``done``. If that transaction cannot complete (a
+        handler timed out, the connection broke), everything in it is rolled back and the
+        messages are settled again one transaction each."""
         dead: list[tuple[RetryRow, str]] = []
         messages = sum(len(room) for room in rooms)
         limit = self.settings.handler_timeout * (messages + 1)
         try:
             with anyio.fail_after(limit):
                 async with self.store.batch(limit) as batch:
-                    done: set[tuple[int, int, str]] = set()
-                    for handler in self.handlers.values():
-                        if isinstance(handler.handler, BatchHandler):
-                            done |= await self._handle_many(rooms, handler, blocked, batch)
                     for room in rooms:
                         await self._settle_room(room, blocked, batch, dead, done)
         except Exception as exc:
@@ -278,7 +407,7 @@ class Consumer:
             )
             dead = []
             for room in rooms:
-                await self._settle_room(room, blocked, None, dead)
+                await self._settle_room(room, blocked, None, dead, done)
         for row, reason in dead:
             await self._announce_dead_letter(row, reason)
 
@@ -309,7 +438,7 @@ class Consumer:
         blocked: set[tuple[str, str]],
         batch: ConsumerBatch | None,
         dead: list[tuple[RetryRow, str]],
-        handled: AbstractSet[tuple[int, int, str]] = frozenset(),
+        done: AbstractSet[tuple[int, int, str]] = frozenset(),
     ) -> None:
         """One room's messages in offset order (but the (partition, offset, handler) handlings
         in ``done``). A handler that fails on one of them holds back the room's later
@@ -324,23 +453,25 @@ class Consumer:
                 dead.append((row, "rejected"))
                 continue
             for handler in message.handlers:
-                if (message.partition, message.offset, handler.name) in handled:
+                if (message.partition, message.offset, handler.name) in done:
                     continue
                 if handler.name in held:
                     await outcomes.schedule(
                         self._retry_row(message, handler.name, 0, "waiting behind an earlier event of its room")
                     )
+                    self._retrying.add((handler.name, message.room))
                     continue
                 ok = await self._handle(message, handler, attempt=1, retry=None, batch=batch, dead=dead)
                 if not ok and self.ordered:
                     held.add(handler.name)
 
     async def _handle_many(
-        self, rooms: list[list[Message]], handler: BoundHandler, blocked: set[tuple[str, str]], batch: ConsumerBatch
+        self, rooms: list[list[Message]], handler: BoundHandler, blocked: set[tuple[str, str]]
     ) -> set[tuple[int, int, str]]:
-        """The chunk's messages for ``handler`` in one ``handle_batch`` call (rooms it holds
-        back excepted); returns the handlings done, none when the call failed (then each
-        message goes through ``handle`` on its own, so a bad one costs only itself)."""
+        """The rooms' messages for ``handler`` in one ``handle_batch`` call and one transaction
+        (rooms it holds back excepted); returns the handlings committed, none when the call or
+        the transaction failed (then each message goes through ``handle`` on its own, so a
+        bad one costs only itself)."""
         messages = [
             m for room in rooms for m in room
             if m.rejected is None and handler in m.handlers and (handler.name, m.room) not in blocked
@@ -354,13 +485,11 @@ class Consumer:
         started = time.perf_counter()
         try:
             with anyio.fail_after(self.settings.handler_timeout):
-                async with batch.processing_many(records) as (tx, fresh):
+                async with self.store.processing_many(records) as (tx, fresh):
                     new = [event for event, first in zip(events, fresh, strict=True) if first]
                     if new:
                         assert isinstance(handler.handler, BatchHandler)
                         await handler.handler.handle_batch(new, HandleContext(tx, log))
-        except TimeoutError:
-            raise  # cancelled mid-statement: the chunk's transaction is lost
         except Exception as exc:
             log.info(
                 "handle_batch failed; handling one by one",
@@ -474,6 +603,7 @@ class Consumer:
         self.metrics.retried.add(1, labels)
         if retry is None:
             await outcomes.schedule(self._retry_row(message, handler.name, attempt, text, due))
+            self._retrying.add((handler.name, message.room))
         else:
             await self.store.retry_failed(retry, attempt, due, text, dead=False)
         return False
@@ -633,13 +763,16 @@ class _NoSpan:
 
 
 class _SettleBeforeRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Partitions leave this member only once the batch in progress is settled and committed."""
+    """Partitions leave this member only once the batch in progress is settled and what is
+    settled is committed."""
 
     def __init__(self, consumer: Consumer) -> None:
         self.consumer = consumer
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
         async with self.consumer._batch_lock:
+            self.consumer._generation += 1
+            await self.consumer._commit_settled()
             log.info(
                 "partitions revoked",
                 extra={"consumer": self.consumer.name, "partitions": sorted(tp.partition for tp in revoked)},

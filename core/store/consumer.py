@@ -66,12 +66,6 @@ class ConsumerBatch(Protocol):
         to it (this handling's record and writes only) and propagates."""
         ...
 
-    def processing_many(self, records: list[Processed]) -> AbstractAsyncContextManager[tuple[Transaction, list[bool]]]:
-        """Many records of one consumer and handler in one savepoint; yields the transaction
-        and, per record, whether it is new (False: handled before). Any error rolls back to
-        the savepoint and propagates."""
-        ...
-
     async def schedule(self, row: RetryRow) -> None: ...
 
     async def dead_letter(self, row: RetryRow) -> None: ...
@@ -87,6 +81,12 @@ class ConsumerStore(Protocol):
         handler's) when the record already exists. ``retry``: the claimed retry row this
         handling settles; it is deleted in the same transaction (:class:`LeaseLost` when
         this process no longer holds it)."""
+        ...
+
+    def processing_many(self, records: list[Processed]) -> AbstractAsyncContextManager[tuple[Transaction, list[bool]]]:
+        """A transaction holding many records of one consumer and handler: yields it and, per
+        record, whether it is new (False: handled before, or the same event earlier in
+        ``records``). Commits when the block ends; any error rolls it all back."""
         ...
 
     def batch(self, timeout: float | None = None) -> AbstractAsyncContextManager[ConsumerBatch]:

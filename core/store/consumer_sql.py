@@ -1,7 +1,8 @@
 """The consumer engine's tables on MySQL/MariaDB and PostgreSQL (see
 :mod:`room_outbox.store.consumer`): one implementation, every statement written once with
 ``%s`` placeholders; where the two databases disagree (the DDL, the upserts, how a duplicate
-processed record shows) :class:`ConsumerDialect` holds each one's words.
+processed record shows, how the processed records' multi-row INSERT carries its values)
+:class:`ConsumerDialect` holds each one's words.
 
 Claims of retry rows work like the outbox's: ``FOR UPDATE SKIP LOCKED`` at READ COMMITTED, a
 lease in ``due_at_ms`` plus the ``owner`` that holds it, and every later write fenced on that
@@ -55,13 +56,21 @@ _INSERT = (
     " kafka_offset, value, headers, status, attempts, due_at_ms, last_error, created_at_ms, updated_at_ms)"
     " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 )
-_INSERT_PROCESSED = (
+_INSERT_PROCESSED_INTO = (
     f"INSERT INTO {PROCESSED} (consumer, handler, app_code, event_id, topic, kafka_partition, kafka_offset,"
-    " processed_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
+    " processed_at_ms) VALUES "
 )
+_PROCESSED_MARKS = "(%s, %s, %s, %s, %s, %s, %s, %s)"
+_INSERT_PROCESSED = _INSERT_PROCESSED_INTO + _PROCESSED_MARKS
+#: Rows per INSERT of many processed records: a statement stays well under MySQL's
+#: max_allowed_packet (about 1 kB a row at most) and PostgreSQL's 65,535 parameters however
+#: large ``max_batch`` is.
+_ROWS_PER_INSERT = 1000
 
 
-#: room_consumer_processed's columns and key, the same on both servers.
+#: room_consumer_processed's columns and key, the same on both servers. The key leads with
+#: event_id: the same unique key, and ``inspect``'s look-up by event_id needs no second index
+#: to maintain on every insert.
 _PROCESSED_COLUMNS = """  consumer        VARCHAR(64)  NOT NULL,
   handler         VARCHAR(64)  NOT NULL,
   app_code        VARCHAR(64)  NOT NULL,
@@ -70,7 +79,7 @@ _PROCESSED_COLUMNS = """  consumer        VARCHAR(64)  NOT NULL,
   kafka_partition INT          NOT NULL,
   kafka_offset    BIGINT       NOT NULL,
   processed_at_ms BIGINT       NOT NULL,
-  PRIMARY KEY (consumer, handler, app_code, event_id)"""
+  PRIMARY KEY (event_id, app_code, consumer, handler)"""
 
 
 def _retry_columns(id_column: str, blob: str) -> str:
@@ -112,6 +121,11 @@ class ConsumerDialect:
     #: Ends the processed record's INSERT; empty: a duplicate raises (MySQL's error 1062,
     #: caught), else the duplicate is skipped and the INSERT reports 0 rows.
     record_skip: str
+    #: Whether the processed records' multi-row INSERT carries its values written out with the
+    #: connection's quoting rather than as parameters (MySQL: the driver's per-parameter path
+    #: costs several times more, and this runs for every message; PostgreSQL's driver sends
+    #: parameters apart from the statement, so they stay parameters).
+    inline_values: bool
 
 
 MYSQL = ConsumerDialect(
@@ -120,7 +134,6 @@ MYSQL = ConsumerDialect(
             PROCESSED,
             f"""CREATE TABLE IF NOT EXISTS {PROCESSED} (
 {_PROCESSED_COLUMNS},
-  KEY idx_room_consumer_processed_event (event_id),
   KEY {AGE_INDEX} (processed_at_ms)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
             (),
@@ -142,6 +155,7 @@ MYSQL = ConsumerDialect(
     dead_letter=" ON DUPLICATE KEY UPDATE status = 'dead', owner = NULL, attempts = VALUES(attempts),"
     " last_error = VALUES(last_error), updated_at_ms = VALUES(updated_at_ms)",
     record_skip="",
+    inline_values=True,
 )
 
 POSTGRESQL = ConsumerDialect(
@@ -151,10 +165,7 @@ POSTGRESQL = ConsumerDialect(
             f"""CREATE TABLE IF NOT EXISTS {PROCESSED} (
 {_PROCESSED_COLUMNS}
 )""",
-            (
-                f"CREATE INDEX IF NOT EXISTS idx_room_consumer_processed_event ON {PROCESSED} (event_id)",
-                f"CREATE INDEX IF NOT EXISTS {AGE_INDEX} ON {PROCESSED} (processed_at_ms)",
-            ),
+            (f"CREATE INDEX IF NOT EXISTS {AGE_INDEX} ON {PROCESSED} (processed_at_ms)",),
         ),
         (
             RETRY,
@@ -177,6 +188,7 @@ POSTGRESQL = ConsumerDialect(
     # An error would abort PostgreSQL's whole transaction; skipping waits, like MySQL's INSERT,
     # for a concurrent insert of the same key to commit or roll back first.
     record_skip=f" ON CONFLICT ({_KEY}) DO NOTHING",
+    inline_values=False,
 )
 
 DIALECTS = {"mysql": MYSQL, "postgresql": POSTGRESQL}
@@ -239,8 +251,7 @@ class _Writes:
     async def record(self, record: Processed) -> bool:
         """Insert the processed record; False when it exists. A second handling of the same
         event (a redelivery racing a retry, say) waits here on its key until the first commits."""
-        params = (record.consumer, record.handler, record.app_code, record.event_id, record.topic,
-                  record.partition, record.offset, now_ms())  # fmt: skip
+        params = _processed_params(record, now_ms())
         if self._dialect.record_skip:
             return bool(await self._cursor.execute(_INSERT_PROCESSED + self._dialect.record_skip, params))
         try:
@@ -250,6 +261,91 @@ class _Writes:
                 raise
             return False
         return True
+
+    async def record_many(self, records: list[Processed]) -> list[bool]:
+        """Insert the records of one consumer and handler; per record, whether it is new (False:
+        it exists, or the same event comes earlier in ``records``). The common case (all new) is
+        one multi-row statement, rows in key order so that two such statements never lock each
+        other's keys in opposite orders.
+
+        A record that exists shows as the dialect's duplicates do: on PostgreSQL ``ON CONFLICT DO
+        NOTHING RETURNING`` names the rows inserted (an error there would abort the whole
+        transaction); on MySQL it fails the statement (InnoDB undoes the statement, not the
+        transaction), then the existing keys are read and only the others inserted."""
+        first: dict[tuple[str, str], int] = {}
+        for n, record in enumerate(records):
+            first.setdefault((record.app_code, record.event_id), n)
+        new = sorted((records[n] for n in first.values()), key=lambda r: (r.event_id, r.app_code))
+        inserted: set[tuple[str, str]] = set()
+        for start in range(0, len(new), _ROWS_PER_INSERT):
+            chunk = new[start : start + _ROWS_PER_INSERT]
+            if self._dialect.record_skip:
+                inserted |= await self._insert_records(chunk, skip_existing=True)
+                continue
+            try:
+                inserted |= await self._insert_records(chunk)
+            except pymysql.err.IntegrityError as exc:
+                if exc.args[0] != DUPLICATE_KEY:
+                    raise
+                existing = await self._existing(chunk)
+                inserted |= await self._insert_records([r for r in chunk if (r.app_code, r.event_id) not in existing])
+        fresh = [False] * len(records)
+        for key, n in first.items():
+            fresh[n] = key in inserted
+        return fresh
+
+    async def _existing(self, records: list[Processed]) -> set[tuple[str, str]]:
+        """The (app_code, event_id) of ``records`` (one consumer and handler) already recorded."""
+        ids = sorted({r.event_id for r in records})
+        await self._cursor.execute(
+            f"SELECT app_code, event_id FROM {PROCESSED} WHERE consumer = %s AND handler = %s"
+            f" AND event_id IN ({_marks(ids)})",
+            (records[0].consumer, records[0].handler, *ids),
+        )
+        return {(str(a), str(e)) for a, e in await self._cursor.fetchall()}
+
+    async def _insert_records(self, records: list[Processed], skip_existing: bool = False) -> set[tuple[str, str]]:
+        """One multi-row INSERT of ``records`` (at most ``_ROWS_PER_INSERT``); the (app_code,
+        event_id) inserted. ``skip_existing``: the dialect's ``record_skip`` passes over rows that
+        exist and RETURNING names those inserted; else all are, or a duplicate raises."""
+        if not records:
+            return set()
+        now = now_ms()
+        tail = self._dialect.record_skip + " RETURNING app_code, event_id" if skip_existing else ""
+        if self._dialect.inline_values:
+            await self._cursor.execute(_INSERT_PROCESSED_INTO + _quoted_rows(self._cursor, records, now) + tail)
+        else:
+            await self._cursor.execute(
+                _INSERT_PROCESSED_INTO + ", ".join([_PROCESSED_MARKS] * len(records)) + tail,
+                [value for r in records for value in _processed_params(r, now)],
+            )
+        if skip_existing:
+            return {(str(a), str(e)) for a, e in await self._cursor.fetchall()}
+        return {(r.app_code, r.event_id) for r in records}
+
+
+def _processed_params(record: Processed, now: int) -> tuple[Any, ...]:
+    return (record.consumer, record.handler, record.app_code, record.event_id, record.topic,
+            record.partition, record.offset, now)  # fmt: skip
+
+
+def _quoted_rows(cursor: Any, records: list[Processed], now: int) -> str:
+    """The VALUES rows of ``records`` quoted by MySQL's connection as parameters would be
+    (:attr:`ConsumerDialect.inline_values`): consumer, handler and topic are the same on every
+    row and quoted once, numbers need no quoting."""
+    quote = cursor.connection.escape
+    same: dict[str, str] = {}
+
+    def once(value: str) -> str:
+        if value not in same:
+            same[value] = quote(value)
+        return same[value]
+
+    return ", ".join(
+        f"({once(r.consumer)}, {once(r.handler)}, {quote(r.app_code)}, {quote(r.event_id)}, {once(r.topic)},"
+        f" {int(r.partition)}, {int(r.offset)}, {now})"
+        for r in records
+    )
 
 
 class SQLBatch(_Writes):
@@ -268,26 +364,6 @@ class SQLBatch(_Writes):
         try:
             first = await self.record(record)
             yield CursorTransaction(cur, self._name) if first else None
-        except Exception:
-            await cur.execute("ROLLBACK TO SAVEPOINT handling")
-            raise
-        await cur.execute("RELEASE SAVEPOINT handling")
-
-    @asynccontextmanager
-    async def processing_many(self, records: list[Processed]) -> AsyncIterator[tuple[Transaction, list[bool]]]:
-        cur = self._cursor
-        await cur.execute("SAVEPOINT handling")
-        try:
-            # One statement. A record that exists already (a redelivery, a duplicate within
-            # the batch, another member's handling) fails it all, and the caller goes one by
-            # one: the common case pays no look-up first.
-            now = now_ms()
-            await cur.executemany(
-                _INSERT_PROCESSED,
-                [(r.consumer, r.handler, r.app_code, r.event_id, r.topic, r.partition, r.offset, now) for r in records],
-            )
-            fresh = [True] * len(records)
-            yield CursorTransaction(cur, self._name), fresh
         except Exception:
             await cur.execute("ROLLBACK TO SAVEPOINT handling")
             raise
@@ -348,6 +424,12 @@ class SQLConsumerStore:
             yield CursorTransaction(cur, self.name) if first else None
 
     @asynccontextmanager
+    async def processing_many(self, records: list[Processed]) -> AsyncIterator[tuple[Transaction, list[bool]]]:
+        async with self.owner.transaction(self.handling_timeout) as cur:
+            fresh = await _Writes(cur, self.dialect).record_many(records)
+            yield CursorTransaction(cur, self.name), fresh
+
+    @asynccontextmanager
     async def batch(self, timeout: float | None = None) -> AsyncIterator[SQLBatch]:
         async with self.owner.transaction(timeout or self.handling_timeout) as cur:
             yield SQLBatch(cur, self.dialect, self.name)
@@ -357,6 +439,11 @@ class SQLConsumerStore:
             return set()
         keys = sorted(k[:200] for k in room_keys)
         async with self.owner.transaction() as cur:
+            # Mostly nothing is retrying: one index look-up says so, and the statement naming
+            # every room of the batch is not needed.
+            await cur.execute(f"SELECT 1 FROM {RETRY} WHERE consumer = %s AND status = 'retrying' LIMIT 1", (consumer,))
+            if not await cur.fetchone():
+                return set()
             await cur.execute(
                 f"SELECT DISTINCT handler, room_key FROM {RETRY}"
                 f" WHERE consumer = %s AND room_key IN ({_marks(keys)}) AND status = 'retrying'",

@@ -393,3 +393,37 @@ async def test_a_database_outage_mid_stream_loses_nothing_and_repeats_nothing(
         by_room.setdefault(room, []).append(int(version))
     assert all(versions == list(range(1, 151)) for versions in by_room.values()), by_room
     assert len(await rows(migrated, "SELECT event_id FROM room_consumer_processed")) == len(events)
+
+
+async def test_a_room_held_back_by_a_retry_stays_held_in_the_batches_read_ahead(
+    server_store: SQLStore, broker: ConsumerBroker
+) -> None:
+    """One message a batch, so each room's next message is read ahead (fetched and its held-back
+    rooms looked up) while the one before settles. A handling that fails and goes to the retry
+    table there still holds its room's next messages back: the room is recorded in order."""
+    plugin = RecordingPlugin(flaky=1)
+    store = server_store
+    pm = make_plugin_manager(extra_plugins=[plugin])
+    events = [envelope("m1", "RoomUserJoined", "room_m", 1), envelope("m2", "RoomUserMuted", "room_m", 2)]
+    events += [envelope(f"m{n}", "RoomUserJoined", "room_m", n) for n in range(3, 9)]
+    settings = ConsumerSettings(
+        bootstrap_servers=broker.bootstrap, handlers=["recording"], session_timeout=6, max_batch=1,
+        retry={"base": 0.2, "cap": 0.5, "poll_interval": 0.1},
+    )  # fmt: skip
+    await send(broker.bootstrap, events, traceparent=None)
+    consumer = Consumer(
+        "feed", settings, SQLConsumerStore(store, settings.handler_timeout),
+        build_handlers(pm, "feed", settings, "node-1", Redactor()), "node-1", Redactor(), capture().telemetry,
+    )  # fmt: skip
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(consumer.run)
+
+        async def recorded() -> bool:
+            return len(await rows(store, "SELECT seq FROM recorded")) == len(events)
+
+        await wait_until(recorded, timeout=60)
+        consumer.stop()
+    assert [e for (e,) in await rows(store, "SELECT event_id FROM recorded ORDER BY seq")] == [
+        f"m{n}" for n in range(1, 9)
+    ]
+    assert plugin.handlers[0].calls.count("m2") == 2  # failed once, then retried

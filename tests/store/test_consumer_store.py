@@ -97,19 +97,42 @@ async def test_a_batch_rolls_back_only_the_failing_handling(store: SQLStore, con
     async with consumers.processing(record("old")):
         pass
     async with consumers.batch() as batch:
-        async with batch.processing_many([record("m1"), record("m2")]) as (_tx, fresh):
-            assert fresh == [True, True]
-        with pytest.raises(Exception):  # noqa: B017 - the driver's duplicate-key error, whichever it is
-            async with batch.processing_many([record("m3"), record("old")]):
-                pass
+        async with batch.processing(record("m1")) as tx:
+            assert tx is not None
         async with batch.processing(record("old")) as duplicate:
             assert duplicate is None
         with pytest.raises(RuntimeError):
             async with batch.processing(record("m4")):
                 raise RuntimeError("handler failed")
         await batch.schedule(retry_row("m4"))
-    assert sorted(await rows(store, f"SELECT event_id FROM {PROCESSED}")) == [("m1",), ("m2",), ("old",)]
+    assert sorted(await rows(store, f"SELECT event_id FROM {PROCESSED}")) == [("m1",), ("old",)]
     assert await rows(store, "SELECT event_id, status FROM room_consumer_retry") == [("m4", "retrying")]
+
+
+async def test_processing_many_tells_new_records_from_those_handled_before(
+    store: SQLStore, consumers: SQLConsumerStore
+) -> None:
+    """A redelivered batch: records that exist already, and the same event twice in the batch,
+    are reported as not new; the others are inserted, each once; a failing block inserts none."""
+
+    def at(event_id: str, offset: int) -> Processed:
+        return Processed("feed", "audit", "app1", event_id, "room-events", 0, offset)
+
+    async with consumers.processing_many([at("e1", 1), at("e3", 3)]) as (tx, fresh):
+        assert fresh == [True, True] and tx.dialect == store.dialect.name
+    batch = [at("e1", 1), at("e2", 2), at("e3", 3), at("e2", 4), at("e4", 5)]
+    async with consumers.processing_many(batch) as (_tx, fresh):
+        assert fresh == [False, True, False, False, True]
+    with pytest.raises(RuntimeError):
+        async with consumers.processing_many([at("e5", 6), at("e1", 1)]) as (_tx, fresh):
+            assert fresh == [True, False]
+            raise RuntimeError("handle_batch failed")
+    assert sorted(await rows(store, f"SELECT event_id, kafka_offset FROM {PROCESSED}")) == [
+        ("e1", 1),
+        ("e2", 2),
+        ("e3", 3),
+        ("e4", 5),
+    ]
 
 
 async def test_retries_are_claimed_per_room_in_order_fenced_and_become_dead_letters(
