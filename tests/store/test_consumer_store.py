@@ -135,6 +135,19 @@ async def test_processing_many_tells_new_records_from_those_handled_before(
     ]
 
 
+async def test_processing_many_over_several_statements_tells_each_chunk_apart(
+    store: SQLStore, consumers: SQLConsumerStore
+) -> None:
+    """More records than one INSERT takes, an existing one in the last statement: only that one
+    is not new (the statements before it are not mistaken for records handled before)."""
+    async with consumers.processing(record("e1004")):
+        pass
+    many = [record(f"e{n:04d}") for n in range(1005)]
+    async with consumers.processing_many(many) as (_tx, fresh):
+        assert [r.event_id for r, new in zip(many, fresh, strict=True) if not new] == ["e1004"]
+    assert await rows(store, f"SELECT COUNT(*) FROM {PROCESSED}") == [(1005,)]
+
+
 async def test_retries_are_claimed_per_room_in_order_fenced_and_become_dead_letters(
     consumers: SQLConsumerStore,
 ) -> None:
