@@ -91,9 +91,11 @@ class LeasedRows:
     def _room_buckets(self) -> BucketReader | None:
         return self.room_buckets
 
-    async def _with_envelopes(self, cur: Any, found: list[OutboxRow]) -> list[OutboxRow]:
-        """Rows as claimed; a lane whose table holds no envelope fetches them here."""
-        return found
+    async def _before_claim(self, cur: Any) -> int:
+        """Work a claim's transaction does first (a lane of its own feeds its table here);
+        returns the milliseconds it took, which the lease is extended by: a lease counts from
+        the claim itself."""
+        return 0
 
     async def claim(
         self,
@@ -106,6 +108,7 @@ class LeasedRows:
     ) -> Claimed:
         read_buckets = self._room_buckets() if per_room else None
         async with self.transaction() as cur:
+            lease_until_ms += await self._before_claim(cur)
             stale = await self._apply_results(cur, results)
             buckets = None if read_buckets is None else await read_buckets(cur)
             if buckets is None:
@@ -136,7 +139,6 @@ class LeasedRows:
                 OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
                 for id, event_id, event_type, room_id, app_code, envelope, retries in scanned
             ]
-            found = await self._with_envelopes(cur, found)
             rows = await self._heads_of_rooms(cur, found, hold_back_ms) if per_room else found
             if rows:
                 ids = [row.id for row in rows]
