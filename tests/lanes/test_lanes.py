@@ -408,3 +408,26 @@ async def test_unfed_rows_beyond_the_counted_ones_are_estimated_from_their_ids(s
     (lane,) = await stored_lanes(store)
     assert (await own_lane_backlog(store, lane, counted=3)).unfed == 10
     assert (await own_lane_backlog(store, lane, counted=2)).unfed == 10
+
+
+async def test_rows_fed_in_a_claim_that_rolls_back_are_fed_again(store: MySQLStore) -> None:
+    """Feeding is the first step of the claim's transaction: when that transaction fails after
+    feeding, its inserts are rolled back, so the feeder must not count those rows as fed."""
+
+    class FailsOnce(LaneStore):
+        failed = False
+
+        async def _apply_results(self, cur: Any, results: Any) -> Any:
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("the claim's transaction fails after feeding")
+            return await super()._apply_results(cur, results)
+
+    await migrate_lanes(store, ["t"])
+    await insert_events(store, [envelope("a"), envelope("b")])
+    lane = FailsOnce(owner=store, lane="t", start="beginning")
+    with pytest.raises(RuntimeError):
+        await lane.claim("c#1", 10, int(time.time() * 1000) + 30_000)
+    assert await lane_rows(store) == {}  # rolled back
+    claimed = await lane.claim("c#2", 10, int(time.time() * 1000) + 30_000)
+    assert sorted(row.event_id for row in claimed.rows) == ["a", "b"]
