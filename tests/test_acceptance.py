@@ -266,6 +266,7 @@ async def test_6_sync_success_is_marked_and_never_rescanned(
     assert fake.event_ids() == [event.event_id]  # sent once, by the command
 
 
+@pytest.mark.serial
 async def test_7_cancel_stops_scanning_and_bounds_the_in_flight_delivery(
     service: RoomService, fake: FakeTencentIM, store: MySQLStore, router: Router
 ) -> None:

@@ -20,6 +20,7 @@ from room_outbox.store.factory import open_store
 NOOP = {"RoomCreated": "noop", "RoomHeatChanged": "noop", "RoomUserJoined": "tencent_im", "RoomClosed": "tencent_im"}
 
 
+@pytest.mark.serial
 def test_the_default_demo_runs_on_a_bare_machine_verified_and_short(tmp_path: Path) -> None:
     """No arguments, no services: the command a newcomer types first."""
     started = time.monotonic()

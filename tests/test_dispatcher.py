@@ -58,6 +58,7 @@ async def test_fixed_interval_retries_on_the_next_scan_and_then_succeeds(store: 
     assert sink.received == ["e1", "e1"]
 
 
+@pytest.mark.serial
 async def test_a_hanging_delivery_is_bounded_by_publish_timeout(store: MySQLStore) -> None:
     await insert_events(store, [envelope(f"e{i}") for i in range(5)])
     started = time.monotonic()

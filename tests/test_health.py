@@ -68,6 +68,7 @@ def test_the_stall_limit_is_never_shorter_than_a_healthy_gap() -> None:
     assert stalled_after(30, 0.1, 5.0, 3.0) == 0.1 + 5.0 + 3.0
 
 
+@pytest.mark.serial
 async def test_a_dispatcher_cut_off_from_its_database_reports_recovers_and_stops_in_time(database_dsn: str) -> None:
     real = MySQLAddress.from_dsn(database_dsn)
     query_timeout, publish_timeout = 0.5, 0.5

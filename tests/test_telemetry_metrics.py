@@ -188,6 +188,7 @@ def test_exporters_follow_the_otel_environment() -> None:
             provider.shutdown()
 
 
+@pytest.mark.serial
 def test_the_disabled_attempt_is_cheap() -> None:
     """Rough guard on the cost with nothing configured (the figure is in the README)."""
     telemetry = Telemetry()

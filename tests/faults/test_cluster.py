@@ -172,6 +172,7 @@ async def test_per_room_order_on_hot_rooms_through_a_join_on_postgresql(
         assert versions[f"r_{room}"] == list(range(per_room)), (room, versions[f"r_{room}"])
 
 
+@pytest.mark.serial
 async def test_three_processes_share_one_quota(
     store: MySQLStore, database_dsn: str, fake_im: FakeIMProcess, tmp_path: Path
 ) -> None:
@@ -180,6 +181,7 @@ async def test_three_processes_share_one_quota(
     await run_quota(store, database_dsn, fake_im, tmp_path, kill_at=None)
 
 
+@pytest.mark.serial
 async def test_a_killed_process_quota_share_is_taken_over_within_seconds(
     store: MySQLStore, database_dsn: str, fake_im: FakeIMProcess, tmp_path: Path
 ) -> None:

@@ -130,6 +130,7 @@ async def test_three_processes_deliver_each_event_exactly_once(
     assert fake_im.stats()["duplicates"] == 0 and fake_im.stats()["requests"] == 900
 
 
+@pytest.mark.serial
 async def test_sigterm_under_load_exits_within_publish_timeout_and_leaves_no_lease(
     store: MySQLStore, database_dsn: str, fake_im: FakeIMProcess, tmp_path: Path
 ) -> None:

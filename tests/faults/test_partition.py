@@ -29,7 +29,7 @@ from support import envelope, fetch_rows, insert_events, wait_until
 from room_outbox.store.deadline import SessionLimits
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
 
-pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.serial]
 
 QUERY_TIMEOUT = 1.0
 POLL_INTERVAL = 0.1

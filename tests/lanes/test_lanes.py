@@ -238,6 +238,7 @@ async def test_kafka_lane_publishes_one_message_per_event_in_room_order(
     assert {r["status"] for r in (await lane_rows(store, "kafka")).values()} == {"published"}
 
 
+@pytest.mark.serial
 async def test_an_im_outage_does_not_delay_kafka(store: MySQLStore, database_dsn: str, kafka_broker: Broker) -> None:
     async with serve_fake_im() as fake:
         fake.set_faults(hang_rate=1.0)  # IM never answers

@@ -18,7 +18,7 @@ from room_outbox.store.factory import open_store
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.sqlite import SQLiteStore
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.serial]
 
 
 async def connection_id(store: MySQLStore) -> int:

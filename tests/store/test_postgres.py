@@ -62,6 +62,7 @@ async def test_sessions_carry_the_server_side_bounds(postgresql_dsn: str) -> Non
         await store.aclose()
 
 
+@pytest.mark.serial
 async def test_a_client_gone_mid_transaction_frees_its_row_locks(postgresql_dsn: str) -> None:
     """A session left idle in a transaction (its client vanished) is ended by the server after
     3 × query_timeout, and the rows it held are claimable again."""
@@ -87,6 +88,7 @@ async def test_a_client_gone_mid_transaction_frees_its_row_locks(postgresql_dsn:
         await store.aclose()
 
 
+@pytest.mark.serial
 async def test_a_statement_waiting_on_a_lock_ends_at_query_timeout_and_the_pool_recovers(postgresql_dsn: str) -> None:
     store = await PostgresStore.connect(postgresql_dsn, pool_size=1, query_timeout=0.5)
     try:
@@ -109,6 +111,7 @@ async def test_a_statement_waiting_on_a_lock_ends_at_query_timeout_and_the_pool_
         await store.aclose()
 
 
+@pytest.mark.serial
 async def test_the_client_side_deadline_ends_a_statement_the_server_does_not_end(postgresql_dsn: str) -> None:
     """pg_sleep under a session whose statement_timeout was lifted: the client's deadline
     (query_timeout) stops it, and the connection is not reused."""

@@ -15,7 +15,7 @@ from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindow
 from room_outbox.sink import RetryableSinkError
 from room_outbox.store.mysql import MySQLStore
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.serial]
 
 
 async def test_a_slot_is_busy_from_start_until_a_window_after_the_answer() -> None:
