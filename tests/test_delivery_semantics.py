@@ -60,6 +60,7 @@ async def test_without_ordering_nothing_waits_for_a_failed_event(store: MySQLSto
     assert (rows["e1"]["status"], rows["e2"]["status"]) == ("published", "published")
 
 
+@pytest.mark.serial
 async def test_per_room_order_holds_back_only_the_failing_room(store: MySQLStore) -> None:
     await insert_events(
         store, [envelope(f"{room}-{v}", room_id=room, room_version=v) for v in range(3) for room in ("r_a", "r_b")]

@@ -55,6 +55,7 @@ async def test_thirty_percent_mixed_im_failures_lose_nothing(
     assert all(r["last_error"] is None and r["worker_id"] is None for r in rows.values())
 
 
+@pytest.mark.serial
 async def test_kill_9_mid_batch_five_times(
     store: MySQLStore, database_dsn: str, fake_im: FakeIMProcess, tmp_path: Path
 ) -> None:
@@ -111,6 +112,7 @@ async def test_database_unreachable_for_ten_seconds(
     assert set(received_ids(fake_im)) >= {f"b{i}" for i in range(50)}
 
 
+@pytest.mark.serial
 async def test_three_processes_deliver_each_event_exactly_once(
     store: MySQLStore, database_dsn: str, fake_im: FakeIMProcess, tmp_path: Path
 ) -> None:

@@ -412,6 +412,7 @@ async def test_per_room_order_holds_across_two_dispatchers_with_failures(
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 async def test_three_processes_share_one_database_and_send_each_event_once(store_dsn: str, tmp_path: Path) -> None:
     """Three `room-outbox run` processes on one database (for SQLite: one file), all competing
     from the first event on: every event reaches IM exactly once and ends published."""
