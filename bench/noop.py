@@ -58,7 +58,7 @@ class PerRowDispatcher(Dispatcher):
 
         async def deliver(queue: list[OutboxRow]) -> None:
             async with limiter:
-                results.extend(await self.deliver_queue(queue))
+                await self.deliver_in_turn(iter([queue]), results)
 
         async with anyio.create_task_group() as deliveries:
             for queue in queues:

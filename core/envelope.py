@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -73,18 +73,22 @@ class EventEnvelope(BaseModel):
     payload: dict[str, Any] | None = None
 
 
+#: The model's validator itself: ``model_validate_json`` without its wrapper, once per row.
+_validate_json: Callable[[str], EventEnvelope] = EventEnvelope.__pydantic_validator__.validate_json
+
+
 def parse_envelope(raw: str | bytes) -> EventEnvelope:
     """Parse the envelope column (LONGTEXT, JSON or BLOB) or raise :class:`EnvelopeError`.
 
     The message names what is wrong without echoing the payload, which may be large.
     """
-    if isinstance(raw, bytes | bytearray):
+    if not isinstance(raw, str):
         try:
             raw = bytes(raw).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise EnvelopeError(f"envelope is not valid UTF-8 (byte {exc.start})") from exc
     try:
-        return EventEnvelope.model_validate_json(raw)
+        return _validate_json(raw)
     except ValidationError as exc:
         raise EnvelopeError(f"malformed envelope: {_describe(exc)}") from exc
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -223,33 +224,44 @@ class Dispatcher:
         return results
 
     async def deliver_queues(self, queues: Sequence[list[OutboxRow]]) -> list[DeliveryResult]:
-        """Deliver queues (see :meth:`deliver_queue`) with ``concurrency`` workers taking them
+        """Deliver queues (see :meth:`deliver_in_turn`) with ``concurrency`` workers taking them
         in turn. (A fixed pool of workers, not a task and a limiter per queue: measured 1.35x
         the throughput; bench/noop.py overrides this method to measure the other way.)"""
         results: list[DeliveryResult] = []
-        remaining = iter(queues)
-
-        async def worker() -> None:
-            for queue in remaining:  # one shared iterator: each queue goes to exactly one worker
-                results.extend(await self.deliver_queue(queue))
-
+        remaining = iter(queues)  # one shared iterator: each queue goes to exactly one worker
         async with anyio.create_task_group() as deliveries:
             for _ in range(min(self.options.concurrency, len(queues))):
-                deliveries.start_soon(worker)
+                deliveries.start_soon(self.deliver_in_turn, remaining, results)
         return results
 
-    async def deliver_queue(self, queue: Sequence[OutboxRow]) -> list[DeliveryResult]:
-        """Deliver rows that must go one after another (one row, or one room's rows in id
-        order): a row that is not published releases the rest of the queue, and once
-        :meth:`stop` is called the rows not yet attempted are released."""
-        results: list[DeliveryResult] = []
-        for position, row in enumerate(queue):
-            result = self._release(row) if self._stopping.is_set() else await self._attempt(row)
-            results.append(result)
-            if result.outcome is not Outcome.PUBLISHED:
-                results.extend(self._release(later) for later in queue[position + 1 :])
-                break
-        return results
+    async def deliver_in_turn(self, queues: Iterator[Sequence[OutboxRow]], results: list[DeliveryResult]) -> None:
+        """Deliver queues one after another, adding their results to ``results``. A queue's rows
+        go one after another (one row, or one room's rows in id order): a row that is not
+        published releases the rest of its queue, and once :meth:`stop` is called the rows not
+        yet attempted are released.
+
+        Each sink call is bounded by ``publish_timeout`` through one cancel scope for all the
+        queues, its deadline set per call (a ``fail_after`` per row cost twice as much); a call
+        that overran ends the scope, is recorded as a timeout, and a new scope goes on with
+        the next queue."""
+        current = _InFlight()
+        while True:
+            with anyio.CancelScope() as current.scope:
+                for queue in queues:
+                    current.queue = queue
+                    for position, row in enumerate(queue):
+                        current.position = position
+                        result = self._release(row) if self._stopping.is_set() else await self._attempt(row, current)
+                        results.append(result)
+                        if result.outcome is not Outcome.PUBLISHED:
+                            results.extend(self._release(later) for later in queue[position + 1 :])
+                            break
+                return
+            # Only an overrun ends the scope here (a cancellation from outside goes on up).
+            row = current.queue[current.position]
+            text = f"{current.sink}: no answer within publish_timeout {self.options.publish_timeout:g}s"
+            results.append(self._result(row, current.attempt, self._failure(current.sink, "timeout", text)))
+            results.extend(self._release(later) for later in current.queue[current.position + 1 :])
 
     def _queues(self, rows: Sequence[OutboxRow]) -> list[list[OutboxRow]]:
         """Rows that must go one after another: one queue per room with per-room ordering,
@@ -265,14 +277,23 @@ class Dispatcher:
     def _release(row: OutboxRow) -> DeliveryResult:
         return DeliveryResult(row.id, row.event_id, row.claim, Outcome.RELEASED)
 
-    async def _attempt(self, row: OutboxRow) -> DeliveryResult:
+    async def _attempt(self, row: OutboxRow, current: _InFlight) -> DeliveryResult:
         """Deliver one event and turn what happened into the result to record."""
-        attempt = self.telemetry.attempt(row, self.router.event_label(row.event_type))
-        failure = await self._deliver_one(row, attempt)
-        attempt.finish(failure)
+        telemetry = self.telemetry
+        # The event label and the attempt's context only when something records them.
+        current.attempt = (
+            telemetry.attempt(row, self.router.event_label(row.event_type)) if telemetry.recording else NO_ATTEMPT
+        )
+        failure = await self._deliver_one(row, current)
+        return self._result(row, current.attempt, failure)
+
+    def _result(self, row: OutboxRow, attempt: DeliveryAttempt, failure: Failure | None) -> DeliveryResult:
+        if attempt is not NO_ATTEMPT:
+            attempt.finish(failure)
         self.health.progressed()
         if failure is None:
-            log.debug("published", extra=self._event_fields(row, "published"))
+            if log.isEnabledFor(logging.DEBUG):  # the fields cost more than the rest of a row
+                log.debug("published", extra=self._event_fields(row, "published"))
             self.failures.forget(row.event_id)
             return DeliveryResult(row.id, row.event_id, row.claim, Outcome.PUBLISHED)
         attempts = row.retry_count + 1
@@ -294,23 +315,34 @@ class Dispatcher:
             self.failures.failed(row.event_id, "delivery failed", fields, failure.error)
         return DeliveryResult(row.id, row.event_id, row.claim, outcome, failure.error, retry_at)
 
-    async def _deliver_one(self, row: OutboxRow, attempt: DeliveryAttempt = NO_ATTEMPT) -> Failure | None:
-        """Parse, route and deliver within ``publish_timeout``; ``None`` on success."""
-        sink_name = "-"
+    async def _deliver_one(self, row: OutboxRow, current: _InFlight) -> Failure | None:
+        """Parse, route and deliver; ``None`` on success. A sink call that overruns
+        ``publish_timeout`` is cancelled by ``current.scope`` (see :meth:`deliver_in_turn`)."""
+        sink_name = current.sink = "-"
         route = self.router.sink_for(row.event_type)
         if route is None and self.router.skip_unrouted:
             return None  # a lane whose sink does not take this type: handled, nothing to send
+        attempt = current.attempt
         try:
             envelope = self._envelope_of(row)
             attempt.parsed(envelope)  # its traceparent makes the attempt part of the producer's trace
             if route is None:
                 raise _BadEvent(f"no sink for event_type {row.event_type}", "no_route")
             sink_name, sink = route
-            with attempt.delivering(sink_name), anyio.fail_after(self.options.publish_timeout):
-                await sink.deliver(envelope)
+            current.sink = sink_name
+            scope = current.scope
+            scope.deadline = anyio.current_time() + self.options.publish_timeout
+            try:
+                if attempt is NO_ATTEMPT:
+                    await sink.deliver(envelope)
+                else:
+                    with attempt.delivering(sink_name):
+                        await sink.deliver(envelope)
+            finally:
+                scope.deadline = math.inf
         except _BadEvent as exc:  # the event itself is unusable: retrying will not help
             return self._failure(sink_name, exc.error_class, str(exc), permanent=True)
-        except TimeoutError:
+        except TimeoutError:  # the sink's own
             text = f"{sink_name}: no answer within publish_timeout {self.options.publish_timeout:g}s"
             return self._failure(sink_name, "timeout", text)
         except PermanentSinkError as exc:
@@ -418,3 +450,18 @@ class _BadEvent(Exception):
     def __init__(self, message: str, error_class: str) -> None:
         super().__init__(message)
         self.error_class = error_class
+
+
+class _InFlight:
+    """What one delivery worker is doing: the cancel scope that bounds its sink calls, and the
+    row being attempted (its queue and position), its sink and its attempt, so that an
+    overrun can be recorded once the scope has ended."""
+
+    __slots__ = ("attempt", "position", "queue", "scope", "sink")
+
+    def __init__(self) -> None:
+        self.scope = anyio.CancelScope()
+        self.queue: Sequence[OutboxRow] = ()
+        self.position = 0
+        self.sink = "-"
+        self.attempt: DeliveryAttempt = NO_ATTEMPT

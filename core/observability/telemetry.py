@@ -150,6 +150,8 @@ class Telemetry:
         self.meter = (meter_provider or NoOpMeterProvider()).get_meter(SCOPE)
         self.metrics = OutboxMetrics(self.meter)
         self._prometheus = prometheus
+        #: False: :meth:`attempt` observes nothing, and callers may skip what only it needs.
+        self.recording = self.tracer is not None or self.metrics_enabled
         self._providers: list[Any] = [p for p in (tracer_provider, meter_provider) if p is not None]
 
     def attempt(self, row: OutboxRow, event_label: str | None = None) -> DeliveryAttempt:
@@ -157,7 +159,7 @@ class Telemetry:
         metric label and span name, ``other`` for a type the routing does not know (the
         dispatcher's :meth:`~room_outbox.delivery.routing.Router.event_label`): a type comes from a row,
         and rows must not mint label values without bound. Default: the known types' rule."""
-        if self.tracer is None and not self.metrics_enabled:
+        if not self.recording:
             return NO_ATTEMPT
         return DeliveryAttempt(self, row, event_label or event_type_label(row.event_type))
 
