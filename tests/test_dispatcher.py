@@ -70,6 +70,28 @@ async def test_a_hanging_delivery_is_bounded_by_publish_timeout(store: MySQLStor
     assert [rows[f"e{i}"]["status"] for i in (0, 1, 3, 4)] == ["published"] * 4
 
 
+async def test_one_worker_bounds_each_hanging_delivery_and_goes_on(store: MySQLStore) -> None:
+    # One worker takes every queue: each hanging call gets its own publish_timeout, and the
+    # worker goes on with the rest of the batch after each; per room, a row that timed out
+    # releases the rest of its room (not published, not attempted).
+    rooms = {"e0": "r_a", "e1": "r_a", "e2": "r_a", "e3": "r_b", "e4": "r_c", "e5": "r_c"}
+    await insert_events(store, [envelope(event_id, room_id=room) for event_id, room in rooms.items()])
+    sink = RecordingSink(hang={"e1", "e4"}, delay=0.2)
+    dispatcher = make_dispatcher(store, sink, publish_timeout=0.5, concurrency=1, per_room=True)
+    started = time.monotonic()
+    await dispatcher.run_until_empty()
+    assert time.monotonic() - started < 3.0
+    rows = await fetch_rows(store)
+    for hung in ("e1", "e4"):
+        assert (rows[hung]["status"], rows[hung]["last_error"]) == (
+            "pending",
+            "test: no answer within publish_timeout 0.5s",
+        )
+    assert [rows[e]["status"] for e in ("e0", "e3")] == ["published"] * 2
+    assert [(rows[e]["status"], rows[e]["retry_count"]) for e in ("e2", "e5")] == [("pending", 0)] * 2
+    assert sink.received == ["e0", "e1", "e3", "e4"]
+
+
 async def test_a_sink_bug_is_recorded_not_lost(store: MySQLStore) -> None:
     await insert_events(store, [envelope("e1")])
     await make_dispatcher(store, RecordingSink(fail={"e1"}, error=KeyError("boom"))).run_until_empty()
