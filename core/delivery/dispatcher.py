@@ -241,7 +241,7 @@ class Dispatcher:
         yet attempted are released.
 
         Each sink call is bounded by ``publish_timeout`` through one cancel scope for all the
-        queues, its deadline set per call (a ``fail_after`` per row cost twice as much); a call
+        queues, its deadline set per call (a ``fail_after`` per row cost about twice as much); a call
         that overran ends the scope, is recorded as a timeout, and a new scope goes on with
         the next queue."""
         current = _InFlight()
