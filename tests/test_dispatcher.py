@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Any
 
 import anyio
 import pytest
@@ -90,6 +91,34 @@ async def test_one_worker_bounds_each_hanging_delivery_and_goes_on(store: MySQLS
     assert [rows[e]["status"] for e in ("e0", "e3")] == ["published"] * 2
     assert [(rows[e]["status"], rows[e]["retry_count"]) for e in ("e2", "e5")] == [("pending", 0)] * 2
     assert sink.received == ["e0", "e1", "e3", "e4"]
+
+
+class _AnswersLate(RecordingSink):
+    """Answers ``late`` only after the deadline, shielded from the cancellation (as a call that
+    cannot be interrupted), so the deadline has passed when the call returns."""
+
+    def __init__(self, late: str, after: float) -> None:
+        super().__init__()
+        self.late, self.after = late, after
+
+    async def deliver(self, envelope: Any) -> None:
+        if envelope.event_id == self.late:
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(self.after)
+        await super().deliver(envelope)
+
+
+async def test_an_answer_after_the_deadline_is_a_timeout_of_its_own_row_only(store: MySQLStore) -> None:
+    await insert_events(store, [envelope("e0", room_id="r_a"), envelope("e1", room_id="r_b")])
+    sink = _AnswersLate("e0", after=0.5)
+    await make_dispatcher(store, sink, publish_timeout=0.2, concurrency=1).run_until_empty()
+    rows = await fetch_rows(store)
+    assert (rows["e0"]["status"], rows["e0"]["last_error"]) == (
+        "pending",
+        "test: no answer within publish_timeout 0.2s",
+    )
+    assert (rows["e1"]["status"], rows["e1"]["last_error"]) == ("published", None)
+    assert sink.received == ["e0", "e1"]
 
 
 async def test_a_sink_bug_is_recorded_not_lost(store: MySQLStore) -> None:

@@ -256,7 +256,12 @@ class Dispatcher:
                         if result.outcome is not Outcome.PUBLISHED:
                             results.extend(self._release(later) for later in queue[position + 1 :])
                             break
-                return
+                    if current.scope.cancel_called:
+                        break  # the deadline passed as the sink answered (a timeout): a new scope
+                else:
+                    return
+            if not current.scope.cancelled_caught:
+                continue
             # Only an overrun ends the scope here (a cancellation from outside goes on up).
             row = current.queue[current.position]
             text = f"{current.sink}: no answer within publish_timeout {self.options.publish_timeout:g}s"
@@ -340,9 +345,11 @@ class Dispatcher:
                         await sink.deliver(envelope)
             finally:
                 scope.deadline = math.inf
+            if scope.cancel_called:  # the deadline passed as the sink answered: too late, as with fail_after
+                raise TimeoutError
         except _BadEvent as exc:  # the event itself is unusable: retrying will not help
             return self._failure(sink_name, exc.error_class, str(exc), permanent=True)
-        except TimeoutError:  # the sink's own
+        except TimeoutError:  # the sink's own, or an answer after the deadline
             text = f"{sink_name}: no answer within publish_timeout {self.options.publish_timeout:g}s"
             return self._failure(sink_name, "timeout", text)
         except PermanentSinkError as exc:
