@@ -23,15 +23,23 @@ done
 if [ "$#" -gt 0 ]; then  # a focused run: pytest with these arguments, nothing else
   exec .venv/bin/python -m pytest "$@"
 fi
-# The full run also checks style, types and the import contracts.
-.venv/bin/ruff check --quiet .
-scripts/typecheck.sh
-scripts/lint-imports.sh
-# Then the tests in two parts: everything not marked serial on two worker processes (most of
-# a test's time is spent waiting on real servers and processes), then the serial tests alone,
-# so that their elapsed-time and rate bounds hold as when every test ran one at a time. Both parts
-# always run; the run fails when either does.
+# The full run has three parts, all of which always run; it fails when any does:
+# 1. style, types and the import contracts, in the background beside part 2 (their output is
+#    printed when they end);
+# 2. every test not marked serial, on two worker processes (most of a test's time is spent
+#    waiting on real servers and processes);
+# 3. the serial tests alone, once 1 and 2 have ended, so that their elapsed-time and rate bounds
+#    hold as when every test ran one at a time.
+checks_log=$(mktemp)
+trap 'rm -f "$checks_log"' EXIT
+{ .venv/bin/ruff check --quiet . && scripts/typecheck.sh && scripts/lint-imports.sh; } >"$checks_log" 2>&1 &
+checks=$!
 status=0
 .venv/bin/python -m pytest --numprocesses 2 -m "not serial" || status=$?
+if ! wait "$checks"; then
+  status=1
+  echo "scripts/test.sh: the style, type or import-contract checks failed:" >&2
+fi
+cat "$checks_log"
 .venv/bin/python -m pytest -m serial || status=$?
 exit "$status"
