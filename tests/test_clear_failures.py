@@ -6,6 +6,7 @@ where the process itself is the point (waiting for a database, a closed pipe).""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -27,6 +28,7 @@ from room_outbox.cli.main import main
 from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError, RoomOutboxError, SchemaError, StoreUnavailable
 from room_outbox.sink import SinkSettings
+from room_outbox.store.factory import open_store
 from room_outbox.store.mysql import MySQLAddress, MySQLStore
 
 pytestmark = pytest.mark.anyio
@@ -303,6 +305,22 @@ async def test_start_up_gives_up_after_connect_wait(database_dsn: str, tmp_path:
     assert lines[-1].startswith(f"room-outbox: cannot reach {where(database_dsn, port)}")
     assert lines[-1].endswith("(gave up after waiting 1.5s: database.connect_wait)")
     assert "Traceback" not in log.read_text()
+
+
+async def test_a_cancellation_the_drivers_connect_swallowed_still_ends_the_wait(database_dsn: str) -> None:
+    """Python 3.11's ``asyncio.wait_for`` (the MySQL driver's connect timeout) drops a
+    cancellation that arrives as the attempt fails; the wait for the database must end anyway
+    (Ctrl-C cancels the main task this way), not go on for all of connect_wait."""
+    task = asyncio.current_task()
+    assert task is not None
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.sleep(0)  # the cancellation delivered and swallowed, as wait_for does
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await open_store(server(database_dsn, port=free_port()), wait=5)
+    finally:
+        task.uncancel()
 
 
 async def test_ctrl_c_while_waiting_ends_with_one_line(database_dsn: str, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ the lane's protocol (operator queries, the readiness ping, the producer's mark) 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
@@ -159,6 +160,7 @@ async def open_store(
                 store.use_profile(profile)
                 return store
         except StoreUnavailable as exc:
+            _raise_if_cancellation_was_lost()
             left = deadline - anyio.current_time()
             if not exc.transient or left <= 0:
                 if wait > 0 and exc.transient:
@@ -181,3 +183,14 @@ def consumer_store(store: SQLStore, handling_timeout: float | None = None) -> SQ
     if isinstance(store, MySQLStore | PostgresStore):
         return SQLConsumerStore(store, handling_timeout)
     return None
+
+
+def _raise_if_cancellation_was_lost() -> None:
+    """Re-raise a cancellation the driver's connect swallowed. On Python 3.11, ``asyncio.wait_for``
+    (the MySQL driver's connect timeout) drops a cancellation that arrives just as the connection
+    attempt fails, and raises that failure instead; Ctrl-C (which cancels the main task) would
+    then be lost and the wait go on for all of ``connect_wait``. The task still counts the
+    request (``cancelling()``), which is how it is found."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
