@@ -323,6 +323,9 @@ async def test_a_cancellation_the_drivers_connect_swallowed_still_ends_the_wait(
         task.uncancel()
 
 
+# Alone: in a full run on two xdist workers the child ignored this SIGINT twice (on the second
+# worker, its disposition being the default there), which was not found; alone it always ends.
+@pytest.mark.serial
 async def test_ctrl_c_while_waiting_ends_with_one_line(database_dsn: str, tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     port = free_port()
