@@ -79,13 +79,17 @@ _LOCK_ERRORS = (1205, 1213)  # lock wait timeout, deadlock
 _TABLE_EXISTS = 1050
 
 
+#: The defaults of every retention option: those of the configuration, never a second copy.
+_DEFAULTS = RetentionSettings()
+
+
 @dataclass(frozen=True)
 class RetentionOptions:
-    older_than: float = 7 * 86400.0
-    batch_size: int = 1000
-    pause: float = 0.1
-    archive: bool = False
-    processed_older_than: float = 30 * 86400.0
+    older_than: float = _DEFAULTS.older_than
+    batch_size: int = _DEFAULTS.batch_size
+    pause: float = _DEFAULTS.pause
+    archive: bool = _DEFAULTS.archive
+    processed_older_than: float = _DEFAULTS.processed_older_than
 
     @classmethod
     def from_settings(
