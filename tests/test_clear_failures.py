@@ -250,8 +250,22 @@ def _start(tmp_path: Path, config: str, *command: str) -> tuple[subprocess.Popen
         stdout=subprocess.DEVNULL,
         stderr=log.open("w"),
         env=env,
+        preexec_fn=_as_from_a_shell,
     )
     return proc, log
+
+
+def _as_from_a_shell() -> None:
+    """The child starts with SIGINT as a terminal's foreground command gets it (default, not
+    blocked), whatever an earlier test in this pytest process left in place: an ignored or
+    blocked SIGINT is inherited across exec, and the child would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _signal_dispositions(pid: int) -> str:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return ", ".join(line for line in status.splitlines() if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
 
 
 def _waits(log: Path) -> list[dict[str, Any]]:
@@ -333,8 +347,13 @@ async def test_ctrl_c_while_waiting_ends_with_one_line(database_dsn: str, tmp_pa
     proc, log = _start(tmp_path, str(config), "migrate")
     try:
         await wait_until(lambda: len(_waits(log)) >= 1, timeout=30)
+        signals = _signal_dispositions(proc.pid)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 130
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"no exit within 30 s of SIGINT; the child's signal masks were {signals}")
+        assert code == 130
     finally:
         if proc.poll() is None:
             proc.kill()
