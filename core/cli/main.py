@@ -8,7 +8,6 @@ import contextlib
 import functools
 import importlib.metadata
 import os
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -231,9 +230,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The process's one redactor: it learns the configuration's secrets as soon as they are
     # loaded, so even the one line a failing command prints is masked.
     redactor = Redactor()
-    # A parent may start us with SIGINT/SIGTERM blocked (a blocked mask is inherited across
-    # exec); the commands stop on those signals, so they must be delivered.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         code = _command(build_parser().parse_args(argv), redactor)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
