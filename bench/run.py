@@ -30,7 +30,7 @@ PG_SERVER = os.environ.get("ROOM_OUTBOX_TEST_POSTGRESQL", "postgresql://postgres
 FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events": 3_000, "quota_events": 2_400,
         "latency_seconds": 20.0, "latency_batch": 100, "published": 1_000_000, "claim_rounds": 200, "rss_events": 200_000,
         "ordered_events": 20_000, "ordered_rooms": "50,500,5000",
-        "consume_events": 20_000, "consume_rounds": 5, "kafka_events": 10_000, "kafka_rounds": 3,
+        "consume_events": 60_000, "consume_rounds": 5, "kafka_events": 10_000, "kafka_rounds": 3,
         "backlog": 1_000_000, "backlog_drain": 50_000, "backlog_seconds": 120.0}  # fmt: skip
 QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300, "quota_events": 300,
          "latency_seconds": 2.0, "latency_batch": 100, "published": 20_000, "claim_rounds": 20, "rss_events": 5_000,
@@ -38,6 +38,8 @@ QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300
          "consume_events": 1_000, "consume_rounds": 1, "kafka_events": 500, "kafka_rounds": 1,
          "backlog": 5_000, "backlog_drain": 1_000, "backlog_seconds": 30.0}  # fmt: skip
 
+#: Part c's target: p99 from commit to receipt within one poll interval and this much more.
+LATENCY_MARGIN_MS = 50
 Row = tuple[str, str, str, str]  # measurement, figure, ratio, target verdict
 
 
@@ -124,11 +126,12 @@ async def part_c(args: argparse.Namespace) -> list[Row]:
     async with bench_database(SERVER) as (dsn, store):
         for poll in (1.0, 0.1):
             r = await run_latency(store, dsn, poll, 500, args.latency_seconds, args.latency_batch)
-            ok = r.p99_ms <= poll * 1000 + 100
+            bound = poll * 1000 + LATENCY_MARGIN_MS
+            ok = r.p99_ms <= bound
             rows.append((f"c. commit→IM latency, 500 ev/s, poll {poll:g}s, batch {args.latency_batch}",
                          f"p50 {r.p50_ms:,.0f} ms, p99 {r.p99_ms:,.0f} ms",
                          f"max {r.max_ms:,.0f} ms, {r.events} ev, {r.delivered_rate:,.0f} ev/s delivered",
-                         f"p99 ≤ {poll * 1000 + 100:,.0f} ms: {verdict(ok)}"))  # fmt: skip
+                         f"p99 ≤ poll + {LATENCY_MARGIN_MS} = {bound:,.0f} ms: {verdict(ok)}"))  # fmt: skip
             rows.append((f"c. CPU during it (cores), poll {poll:g}s",
                          f"machine {r.machine_cpu:.2f} of {os.cpu_count()}",
                          f"fake IM {r.fake_cpu:.2f}, worker {r.worker_cpu:.2f}, load generator {r.generator_cpu:.2f}",

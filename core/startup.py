@@ -14,6 +14,7 @@ the database unreachable or not migrated, exit 3).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import pluggy
@@ -104,3 +105,18 @@ def _lines(exc: ConfigurationError) -> list[str]:
     """The problems of an error that may already be an "invalid configuration" list."""
     lines = str(exc).splitlines()
     return [line.strip() for line in lines[1:]] if lines[0] == "invalid configuration:" else lines
+
+
+def freeze_startup_heap() -> None:
+    """Put what the process has allocated so far (imported modules, plugins, configuration:
+    about a hundred thousand objects that live as long as the process) beyond the cyclic
+    garbage collector's reach, for a long-running service to call once before its loop.
+
+    A full collection walks every tracked object and holds the event loop meanwhile. A relay
+    allocates a few objects per message that outlive a young collection (a batch in flight
+    spans many awaits), so full collections come several times a second under load, and each
+    took 55–100 ms over the startup heap: a stall on the delivery path each time. Frozen,
+    they walk only what the service allocated since. Garbage made before the call is
+    collected first, so nothing frozen is garbage."""
+    gc.collect()
+    gc.freeze()

@@ -103,3 +103,13 @@ def restore_root_logging() -> Iterator[None]:
     root.handlers[:] = handlers
     root.setLevel(level)
     sys.excepthook, threading.excepthook = hooks
+
+
+@pytest.fixture(autouse=True)
+def unfreeze_heap() -> Iterator[None]:
+    """``run`` and ``consume`` run in-process freeze the heap (a service's start-up); give the
+    test process's objects back to the collector after each test."""
+    import gc
+
+    yield
+    gc.unfreeze()

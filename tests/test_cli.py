@@ -58,6 +58,45 @@ def help_of(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     return capsys.readouterr().out
 
 
+# -- the services' start -------------------------------------------------------------------------
+
+
+def test_freezing_the_startup_heap_puts_what_exists_beyond_the_collector() -> None:
+    import gc
+
+    from room_outbox.startup import freeze_startup_heap
+
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > 10_000  # the imported modules at least
+        assert gc.get_count()[0] < 100  # and nothing was left for a young collection
+    finally:
+        gc.unfreeze()
+
+
+def test_run_and_consume_freeze_the_startup_heap_and_the_one_off_commands_do_not(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The two long-running services freeze the heap they start with (each then stops on a
+    configuration error found inside: an unknown sink, no consumer); a one-off command never
+    does."""
+    import room_outbox.cli.consume as consume_cli
+    import room_outbox.cli.main as main_cli
+
+    frozen: list[str] = []
+    monkeypatch.setattr(main_cli, "freeze_startup_heap", lambda: frozen.append("run"))
+    monkeypatch.setattr(consume_cli, "freeze_startup_heap", lambda: frozen.append("consume"))
+    path = tmp_path / "config.yaml"
+    path.write_text("database:\n  dsn: 'sqlite:///x.db'\nsinks:\n  no_such_sink:\n    enabled: true\n")
+    assert main(["--config", str(path), "check-config"]) == 2
+    assert frozen == []
+    assert main(["--config", str(path), "run"]) == 2
+    assert frozen == ["run"]
+    path.write_text("database:\n  dsn: 'sqlite:///x.db'\n")
+    assert main(["--config", str(path), "consume"]) == 2
+    assert frozen == ["run", "consume"]
+
+
 # -- version and help ---------------------------------------------------------------------------
 
 

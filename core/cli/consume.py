@@ -15,6 +15,7 @@ from room_outbox.consume.ops import dead_letters_command, redrive_command
 from room_outbox.consume.registry import registered_handlers
 from room_outbox.consume.service import run_consumers
 from room_outbox.observability.redaction import Redactor
+from room_outbox.startup import freeze_startup_heap
 from room_outbox.store.factory import SQLStore, consumer_store, open_store
 from room_outbox.store.plugin_schema import run_plugin_statements
 from room_outbox.store.tables import Migration
@@ -62,6 +63,7 @@ def add_consumer_parsers(commands: Any) -> None:
 def run_consumer_command(settings: Settings, args: argparse.Namespace, redactor: Redactor) -> int:
     """``redactor``: the process's one (its log handler uses it)."""
     if args.command == "consume":
+        freeze_startup_heap()
         anyio.run(functools.partial(run_consumers, settings, args.consumer, redactor=redactor))
         return 0
     return anyio.run(_operate, settings, args)

@@ -28,7 +28,7 @@ from room_outbox.errors import RoomOutboxError
 from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.telemetry import configure_logging
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.startup import table_profile
+from room_outbox.startup import freeze_startup_heap, table_profile
 from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.operator import RequeueFilter
 from room_outbox.store.retention import RetentionOptions
@@ -261,6 +261,7 @@ def _command(args: argparse.Namespace, redactor: Redactor) -> int:
     if args.command == "migrate":
         return anyio.run(migrate, settings, args.sql)
     if args.command == "run":
+        freeze_startup_heap()
         anyio.run(functools.partial(run_service, settings, redactor=redactor))
         return 0
     if args.command in consume_cli.COMMANDS:

@@ -65,6 +65,8 @@ COMMIT_TIMEOUT = 10.0
 #: Messages routed between two checkpoints, so that routing a batch read ahead holds up the
 #: settling batch's database statements by no more than this many messages' parsing.
 ROUTE_SLICE = 50
+#: Event types whose handlers are remembered: a topic full of made-up types stays bounded.
+MAX_EVENT_TYPES_KEPT = 1000
 #: One attempt to reach the broker and join the group; then a pause before the next.
 JOIN_TIMEOUT = 30.0
 JOIN_RETRY_PAUSE = 2.0
@@ -125,6 +127,10 @@ class Fetched:
     #: (handler, room) pairs with rows retrying when looked up while the batch before
     #: settled; None: not looked up yet.
     blocked: set[tuple[str, str]] | None = None
+    #: Its (message, handler) handlings and its messages rejected before any handler: when
+    #: the batch handlers have done every handling and none is rejected, nothing is left.
+    handlings: int = 0
+    rejected: int = 0
 
 
 def _headers(raw: Any) -> dict[str, str]:
@@ -170,6 +176,8 @@ class Consumer:
         self._limiter = anyio.CapacityLimiter(settings.concurrency)
         self._dlq: AIOKafkaProducer | None = None
         self._batch_handlers = [h for h in handlers.values() if isinstance(h.handler, BatchHandler)]
+        #: The handlers that take each event type met so far (the handlers never change).
+        self._handlers_of: dict[str, list[BoundHandler]] = {}
 
     def stop(self) -> None:
         self._stop.set()
@@ -318,6 +326,8 @@ class Consumer:
                 await checkpoint()  # the settling batch's statements go on meanwhile
             message = self._route(record)
             fetched.rooms.setdefault(message.room, []).append(message)
+            fetched.handlings += len(message.handlers)
+            fetched.rejected += message.rejected is not None
         return fetched
 
     async def _fetch_ahead(self, kafka: AIOKafkaConsumer, into: list[Fetched]) -> None:
@@ -360,6 +370,8 @@ class Consumer:
         done = await self._settle_batch_handlers(list(rooms.values()), blocked) if self._batch_handlers else set()
         # What is left (handlers one message at a time, dead letters, the batch handlers'
         # fallback): up to `concurrency` chunks of whole rooms, each settled in one transaction.
+        if len(done) == fetched.handlings and not fetched.rejected:
+            return self._retrying
         groups = [room for room in rooms.values() if self._unsettled(room, done)]
         width = min(self.settings.concurrency, len(groups))
         async with anyio.create_task_group() as tasks:
@@ -428,7 +440,12 @@ class Consumer:
     def _choose_handlers(self, message: Message) -> None:
         assert message.envelope is not None
         event_type = message.envelope.event_type
-        message.handlers = [h for h in self.handlers.values() if h.takes(event_type)]
+        handlers = self._handlers_of.get(event_type)
+        if handlers is None:
+            handlers = [h for h in self.handlers.values() if h.takes(event_type)]
+            if len(self._handlers_of) < MAX_EVENT_TYPES_KEPT:
+                self._handlers_of[event_type] = handlers
+        message.handlers = handlers
         if not message.handlers and event_type not in KNOWN_EVENT_TYPES:
             message.rejected = f"unknown event type {event_type!r}: no handler of consumer {self.name} takes it"
 

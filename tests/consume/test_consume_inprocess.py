@@ -427,3 +427,30 @@ async def test_a_room_held_back_by_a_retry_stays_held_in_the_batches_read_ahead(
         f"m{n}" for n in range(1, 9)
     ]
     assert plugin.handlers[0].calls.count("m2") == 2  # failed once, then retried
+
+
+def test_routing_remembers_handlers_per_event_type_within_a_bound() -> None:
+    """Each event type's handlers are looked up once and remembered, for a bounded number of
+    types: a topic full of made-up types is still rejected message by message, naming the
+    type, and the memory stays bounded."""
+    from types import SimpleNamespace
+
+    from room_outbox.consume.engine import MAX_EVENT_TYPES_KEPT
+
+    settings = ConsumerSettings(bootstrap_servers="127.0.0.1:1", handlers=["recording"])
+    pm = make_plugin_manager(extra_plugins=[RecordingPlugin()])
+    handlers = build_handlers(pm, "feed", settings, "node-1", Redactor())
+    consumer = Consumer("feed", settings, None, handlers, "node-1", Redactor(), capture().telemetry)  # type: ignore[arg-type]
+
+    def routed(offset: int, event_type: str) -> Any:
+        value = json.dumps(envelope(f"e{offset}", event_type, "room_1", 1)).encode()
+        record = SimpleNamespace(topic=TOPIC, partition=0, offset=offset, key=b"app1:room_1", value=value, headers=())
+        return consumer._route(record)
+
+    made_up = [routed(n, f"Made{n}Up") for n in range(MAX_EVENT_TYPES_KEPT + 200)]
+    assert all(m.rejected == f"unknown event type 'Made{n}Up': no handler of consumer feed takes it"
+               for n, m in enumerate(made_up))  # fmt: skip
+    assert len(consumer._handlers_of) == MAX_EVENT_TYPES_KEPT
+    joined = [routed(n, "RoomUserJoined") for n in range(3)]
+    assert [[h.name for h in m.handlers] for m in joined] == [["recording"]] * 3
+    assert all(m.rejected is None for m in joined)
