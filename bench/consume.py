@@ -45,7 +45,6 @@ from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.audit_log import INSERT as AUDIT_INSERT
 from room_outbox.plugins.audit_log import SCHEMA as AUDIT_SCHEMA
-from room_outbox.startup import freeze_startup_heap
 from room_outbox.store.consumer_sql import SQLConsumerStore
 from room_outbox.store.mysql import MySQLStore
 
@@ -220,7 +219,6 @@ async def run_consume(store: MySQLStore, events: int, rounds: int = 3) -> Consum
         await migrate_plugins(store, pm, Settings(sinks={"tencent_im": {"enabled": False}}))
         await migrate_consumers(store, pm)
         await produce(broker.bootstrap, events)
-        freeze_startup_heap()  # as `room-outbox consume` does before its loop; the loops share it
         timeout = max(120.0, events / 50)
         sample = min(events, PER_MESSAGE_SAMPLE)
         per_message = await bare_run(store, broker.bootstrap, "bare-message", sample, False, timeout)

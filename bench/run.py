@@ -24,6 +24,7 @@ from bench.noop import run_noop
 from bench.ordered import run_ordered
 from bench.pg import pg_bench_database, run_pg_noop
 from bench.service import run_latency, run_rss
+from room_outbox.startup import freeze_startup_heap
 
 SERVER = os.environ.get("ROOM_OUTBOX_TEST_MYSQL", "mysql://root:@127.0.0.1:3306")
 PG_SERVER = os.environ.get("ROOM_OUTBOX_TEST_POSTGRESQL", "postgresql://postgres@127.0.0.1:5432")
@@ -76,7 +77,7 @@ async def part_a(args: argparse.Namespace) -> list[Row]:
             )
             rows.append((f"a. dispatcher noop lane, batch {batch}", f"{r.dispatcher:,.0f} ev/s",
                          f"{r.dispatcher / r.raw:.0%} of raw, {r.dispatcher / r.seed:.1f}× seed",
-                         f"≥70 % raw: {verdict(r.dispatcher >= 0.7 * r.raw)}; ≥10× seed: {verdict(r.dispatcher >= 10 * r.seed)}"))  # fmt: skip
+                         f"≥1.0× raw: {verdict(r.dispatcher >= r.raw)}; ≥10× seed: {verdict(r.dispatcher >= 10 * r.seed)}"))  # fmt: skip
             rows.append((f"a. same, former per-row tasks + limiter, batch {batch}", f"{r.per_row:,.0f} ev/s",
                          f"{r.per_row / r.raw:.0%} of raw; pool = {r.dispatcher / r.per_row:.2f}× per-row", "history"))  # fmt: skip
     return rows
@@ -174,14 +175,19 @@ async def part_o(args: argparse.Namespace) -> list[Row]:
     async with bench_database(SERVER) as (dsn, store):
         results = await run_ordered(store, dsn, args.ordered_events, batches, rooms)
     one = {(r.ordering, r.batch_size, r.rooms): r.rate for r in results if r.processes == 1}
+    unordered = {(r.batch_size, r.rooms, r.processes): r.rate for r in results if r.ordering != "per_room"}
     rows: list[Row] = []
     for r in results:
         base = one[(r.ordering, r.batch_size, r.rooms)]
+        ratio = "baseline" if r.processes == 1 else f"{r.rate / base:.2f}× 1 process"
         target = "" if r.processes == 1 else f"≥ 1 process: {verdict(r.rate >= base * 0.9)}"
+        alike = unordered.get((r.batch_size, r.rooms, r.processes))
+        if r.ordering == "per_room" and alike:
+            ratio += f"; {r.rate / alike:.2f}× unordered"
+            target += f"{'; ' if target else ''}≥ 0.9× unordered: {verdict(r.rate >= 0.9 * alike)}"
         measured = " / ".join(f"{rate:,.0f}" for rate in r.rates)  # up, down
         rows.append((f"o. {r.ordering}, batch {r.batch_size}, {r.rooms:,} rooms, {r.processes} process(es)",
-                     f"{r.rate:,.0f} ev/s ({measured})",
-                     "baseline" if r.processes == 1 else f"{r.rate / base:.2f}× 1 process", target))  # fmt: skip
+                     f"{r.rate:,.0f} ev/s ({measured})", ratio, target))  # fmt: skip
     return rows
 
 
@@ -265,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     rows: list[Row] = []
     started = time.monotonic()
+    # As `room-outbox run` and `consume` do before their loops; the in-process parts (the
+    # dispatcher, the consumer engine) and their baselines share this process and its heap.
+    freeze_startup_heap()
     for name in args.only.split(","):
         if name in PARTS:
             print(f"# part {name}…", flush=True)
