@@ -23,7 +23,7 @@ from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome, room_
 from room_outbox.store.dialect import MYSQL, Dialect
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.profiles import V1, Profile
-from room_outbox.store.tables import TABLE, claim_index
+from room_outbox.store.tables import ROOM_INDEX, TABLE, claim_index
 
 #: Reads the room buckets a claim may take, with the claim's cursor (``None``: every room).
 BucketReader = Callable[[Any], Awaitable[list[int] | None]]
@@ -48,6 +48,20 @@ def claim_sql(
         f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts}"
         f" FROM {table}{forced}"
         f" WHERE {p.is_open()} AND {p.lock} <= {p.ms('%s')}{only} ORDER BY {p.lock}, {key} LIMIT %s{lock}"
+    )
+
+
+def open_rows_of_rooms_sql(table: str, key: str, rooms: int, profile: Profile = V1, hint: str = "") -> str:
+    """Per-room ordering's look-up: the open rows of ``rooms`` rooms (placeholders, then the
+    highest key found) below that key, read by the room index. ``hint``: the dialect's
+    ``index_hint``; left to choose, MySQL's optimizer read the (status, id) range below the key
+    instead, which grows with every published row (1.2 ms against 0.3 ms for 100 rooms behind
+    15,000 published rows)."""
+    p = profile
+    forced = hint.format(index=ROOM_INDEX.format(table=table))
+    return (
+        f"SELECT {key}, {p.app_code}, {p.room_id} FROM {table}{forced}"
+        f" WHERE {p.room_id} IN ({_marks(range(rooms))}) AND {p.is_open()} AND {key} < %s"
     )
 
 
@@ -174,8 +188,7 @@ class LeasedRows:
         rooms = sorted({row.room_id for row in found})
         found_ids = {row.id for row in found}
         await cur.execute(
-            f"SELECT {self.key}, {self.profile.app_code}, {self.profile.room_id} FROM {self.table}"
-            f" WHERE {self.profile.room_id} IN ({_marks(rooms)}) AND {self.profile.is_open()} AND {self.key} < %s",
+            open_rows_of_rooms_sql(self.table, self.key, len(rooms), self.profile, self.dialect.index_hint),
             (*rooms, max(found_ids)),
         )
         heads = room_heads(found, await cur.fetchall())

@@ -60,7 +60,7 @@ from room_outbox.store.dialect import Dialect, table_names
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.leased import BucketReader, LeasedRows, now_ms
 from room_outbox.store.membership import bucket_plan
-from room_outbox.store.tables import Migration, run_plan
+from room_outbox.store.tables import ROOM_INDEX, Migration, run_plan
 from room_outbox.store.tables import claim_index as _claim_index
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
   updated_at_ms BIGINT        NOT NULL
 ){dialect.table_options}""",
         *claim,
-        f"CREATE INDEX idx_{table}_room ON {table} (room_id, status, outbox_id)",
+        f"CREATE INDEX {ROOM_INDEX.format(table=table)} ON {table} (room_id, status, outbox_id)",
     ]
 
 

@@ -103,9 +103,12 @@ ADDED_COLUMNS: dict[str, dict[str, str]] = {
     "postgresql": {"worker_id": "VARCHAR(128) NULL DEFAULT NULL", "lock_until_ms": "BIGINT NOT NULL DEFAULT 0"},
     "sqlite": {"worker_id": "TEXT NULL DEFAULT NULL", "lock_until_ms": "INTEGER NOT NULL DEFAULT 0"},
 }
+#: The per-room index's name template: (room, status, key). Per-room ordering reads it for
+#: "which earlier rows of these rooms are still open".
+ROOM_INDEX = "idx_{table}_room"
 #: Index name templates (``{table}``) → columns, besides the claim's (:func:`claim_index`).
 ADDED_INDEXES = {
-    "idx_{table}_room": "(room_id, status, id)",
+    ROOM_INDEX: "(room_id, status, id)",
 }
 REQUIRED_V1_COLUMNS = (
     "id", "app_code", "event_id", "event_type", "room_id", "envelope",
@@ -194,7 +197,7 @@ SILK_ADDED_COLUMNS = {
 SILK_ADDED_INDEXES = {
     "uk_{table}_outbox_seq": "UNIQUE INDEX {name} ON {table} (outbox_seq)",
     # per-room order's "aggregate": the same expression the claim reads
-    "idx_{table}_room": "INDEX {name} ON {table} ((COALESCE(aggregate_id, '')), status, outbox_seq)",
+    ROOM_INDEX: "INDEX {name} ON {table} ((COALESCE(aggregate_id, '')), status, outbox_seq)",
 }
 
 

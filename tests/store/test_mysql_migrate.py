@@ -9,7 +9,7 @@ import pytest
 from support import INSERT_V1, fetch_rows
 
 from room_outbox.store.dialect import MYSQL
-from room_outbox.store.leased import claim_sql
+from room_outbox.store.leased import claim_sql, open_rows_of_rooms_sql
 from room_outbox.store.membership import BUCKETS
 from room_outbox.store.mysql import CLAIM_SQL, MySQLStore
 from room_outbox.store.tables import TABLE
@@ -68,3 +68,30 @@ async def test_a_claim_limited_to_buckets_checks_them_in_the_index(store: MySQLS
     assert table["key"] == "idx_room_outbox_claim", table
     assert "room_bucket" in table.get("index_condition", ""), json.dumps(table)
     assert "filesort" not in json.dumps(plan).lower(), plan
+
+
+async def test_per_room_ordering_reads_the_rooms_open_rows_by_the_room_index(store: MySQLStore) -> None:
+    """Per-room ordering's look-up of the found rooms' earlier open rows reads the room index
+    (room_id, status, id), one short range per room, however many published rows lie below
+    the highest id found (the (status, id) range the optimizer chose instead grows with them)."""
+    async with store.transaction() as cur:
+        await cur.executemany(
+            INSERT_V1, [("default", f"p{i}", "RoomUserJoined", f"r_{i % 500}", "{}", 1, 1) for i in range(15000)]
+        )
+        await cur.execute("UPDATE room_outbox SET status = 'published'")
+        await cur.executemany(
+            INSERT_V1, [("default", f"q{i}", "RoomUserJoined", f"r_{i % 500}", "{}", 1, 1) for i in range(5000)]
+        )
+        await cur.execute("ANALYZE TABLE room_outbox")
+        await cur.fetchall()
+        await cur.execute("SELECT id, room_id FROM room_outbox WHERE status = 'pending' ORDER BY id LIMIT 100")
+        found = await cur.fetchall()
+        rooms = sorted({room for _, room in found})
+        await cur.execute(
+            "ANALYZE FORMAT=JSON " + open_rows_of_rooms_sql(TABLE, "id", len(rooms), hint=MYSQL.index_hint),
+            (*rooms, max(row_id for row_id, _ in found)),
+        )
+        plan = json.loads((await cur.fetchone())[0])
+    table = plan["query_block"].get("table") or plan["query_block"]["nested_loop"][0]["table"]
+    assert table["key"] == "idx_room_outbox_room", table
+    assert table["r_rows"] <= 2 * len(found), table  # the found rows themselves, not the published ones

@@ -268,6 +268,7 @@ async def test_a_crashed_processs_rows_are_taken_over_after_the_lease(any_store:
     assert await all_published(any_store)
 
 
+@pytest.mark.serial  # a 0.3 s lease: renewals late on a busy machine would lapse it
 async def test_a_live_lease_never_expires_under_a_slow_sink(
     any_store: SQLStore, other_store: SQLStore, caplog: pytest.LogCaptureFixture
 ) -> None:
