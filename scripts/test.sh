@@ -32,7 +32,7 @@ fi
 #    hold as when every test ran one at a time.
 checks_log=$(mktemp)
 trap 'rm -f "$checks_log"' EXIT
-{ .venv/bin/ruff check --quiet . && scripts/typecheck.sh && scripts/lint-imports.sh; } >"$checks_log" 2>&1 &
+{ .venv/bin/ruff check --quiet . && .venv/bin/ruff format --check --quiet . && scripts/typecheck.sh && scripts/lint-imports.sh; } >"$checks_log" 2>&1 &
 checks=$!
 status=0
 .venv/bin/python -m pytest --numprocesses 2 -m "not serial" || status=$?
