@@ -4,6 +4,7 @@ the claim's index plan and PyMySQL's bytes parameters."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from support import INSERT_V1, fetch_rows
@@ -15,6 +16,26 @@ from room_outbox.store.mysql import CLAIM_SQL, MySQLStore
 from room_outbox.store.tables import TABLE
 
 pytestmark = pytest.mark.anyio
+
+
+async def published_then_pending(cur: Any, rooms: int, published: int, pending: int) -> None:
+    """``published`` rows, then ``pending`` ones above them, over ``rooms`` rooms; statistics
+    refreshed so the optimizer plans on them."""
+    for prefix, count in (("p", published), ("q", pending)):
+        await cur.executemany(
+            INSERT_V1,
+            [("default", f"{prefix}{i}", "RoomUserJoined", f"r_{i % rooms}", "{}", 1, 1) for i in range(count)],
+        )
+        if prefix == "p":
+            await cur.execute("UPDATE room_outbox SET status = 'published'")
+    await cur.execute("ANALYZE TABLE room_outbox")
+    await cur.fetchall()
+
+
+def first_table(plan: dict[str, Any]) -> dict[str, Any]:
+    """The first table's node of an ``EXPLAIN``/``ANALYZE FORMAT=JSON`` plan."""
+    block = plan["query_block"]
+    return block.get("table") or block["nested_loop"][0]["table"]
 
 
 async def test_bytes_parameters_work(store: MySQLStore) -> None:
@@ -49,22 +70,14 @@ async def test_a_claim_limited_to_buckets_checks_them_in_the_index(store: MySQLS
     (index condition pushdown): rows of other processes' buckets are passed over in the
     index, never read from the table."""
     async with store.transaction() as cur:
-        await cur.executemany(
-            INSERT_V1, [("default", f"p{i}", "RoomUserJoined", f"r_{i % 50}", "{}", 1, 1) for i in range(3000)]
-        )
-        await cur.execute("UPDATE room_outbox SET status = 'published'")
-        await cur.executemany(
-            INSERT_V1, [("default", f"q{i}", "RoomUserJoined", f"r_{i % 50}", "{}", 1, 1) for i in range(1000)]
-        )
-        await cur.execute("ANALYZE TABLE room_outbox")
-        await cur.fetchall()
+        await published_then_pending(cur, rooms=50, published=3000, pending=1000)
         mine = list(range(0, BUCKETS, 3))
         await cur.execute(
             "EXPLAIN FORMAT=JSON " + claim_sql(TABLE, "id", "envelope", "", buckets=len(mine), hint=MYSQL.index_hint),
             (10**13, *mine, 100),
         )
         plan = json.loads((await cur.fetchone())[0])
-    table = plan["query_block"].get("table") or plan["query_block"]["nested_loop"][0]["table"]
+    table = first_table(plan)
     assert table["key"] == "idx_room_outbox_claim", table
     assert "room_bucket" in table.get("index_condition", ""), json.dumps(table)
     assert "filesort" not in json.dumps(plan).lower(), plan
@@ -75,15 +88,7 @@ async def test_per_room_ordering_reads_the_rooms_open_rows_by_the_room_index(sto
     (room_id, status, id), one short range per room, however many published rows lie below
     the highest id found (the (status, id) range the optimizer chose instead grows with them)."""
     async with store.transaction() as cur:
-        await cur.executemany(
-            INSERT_V1, [("default", f"p{i}", "RoomUserJoined", f"r_{i % 500}", "{}", 1, 1) for i in range(15000)]
-        )
-        await cur.execute("UPDATE room_outbox SET status = 'published'")
-        await cur.executemany(
-            INSERT_V1, [("default", f"q{i}", "RoomUserJoined", f"r_{i % 500}", "{}", 1, 1) for i in range(5000)]
-        )
-        await cur.execute("ANALYZE TABLE room_outbox")
-        await cur.fetchall()
+        await published_then_pending(cur, rooms=500, published=15000, pending=5000)
         await cur.execute("SELECT id, room_id FROM room_outbox WHERE status = 'pending' ORDER BY id LIMIT 100")
         found = await cur.fetchall()
         rooms = sorted({room for _, room in found})
@@ -92,6 +97,6 @@ async def test_per_room_ordering_reads_the_rooms_open_rows_by_the_room_index(sto
             (*rooms, max(row_id for row_id, _ in found)),
         )
         plan = json.loads((await cur.fetchone())[0])
-    table = plan["query_block"].get("table") or plan["query_block"]["nested_loop"][0]["table"]
+    table = first_table(plan)
     assert table["key"] == "idx_room_outbox_room", table
     assert table["r_rows"] <= 2 * len(found), table  # the found rows themselves, not the published ones
