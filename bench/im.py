@@ -188,6 +188,12 @@ class Variant:
     def cpu(self) -> float:
         return statistics.median(self.cpu_us)
 
+    @property
+    def busy(self) -> float:
+        """The share of one core this process was busy: idle time is waiting on the fake, the
+        database or a batch's slowest request."""
+        return self.rate * self.cpu / 1e6
+
     def ratios(self, baseline: Variant) -> list[float]:
         """Per round: this variant's rate over the baseline's in the same round."""
         return [mine / theirs for mine, theirs in zip(self.rates, baseline.rates, strict=True)]

@@ -14,6 +14,7 @@ def test_bench_quick_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "a. dispatcher noop lane, batch 100" in out
     assert "a. same, former per-row tasks + limiter, batch 100" in out
+    assert "a. CPU per event in this process, batch 100" in out and "the bound of rounds: measured" in out
     assert "d. same behind 2,000 published" in out
     assert "p. PostgreSQL dispatcher noop lane, batch 100" in out
 
@@ -54,6 +55,7 @@ def test_bench_tencent_im_quick_smoke(capsys: pytest.CaptureFixture[str]) -> Non
     assert "b. bare aiohttp loop → fake IM, 16 in flight (90 ev in 3 rounds)" in out
     assert "b. TencentIMSink.deliver, limits lifted" in out and "of bare aiohttp (rounds" in out
     assert "IM lane ≥90 % of bare aiohttp: " in out
+    assert "b. IM lane's CPU-bound ceiling" in out and "busy share of a core: bare" in out
     assert "b. IM lane at the default quota (300 ev)" in out
 
 
