@@ -34,6 +34,7 @@ from yarl import URL
 
 from bench import procs
 from bench.db import IM_TYPE, load, pending, reset
+from bench.noop import InTurnDispatcher
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import KNOWN_EVENT_TYPES, EventEnvelope
@@ -156,12 +157,19 @@ def im_router(sink: TencentIMSink) -> Router:
     return Router({"tencent_im": sink, "noop": NoopSink()}, routes)
 
 
-async def lane_drain(store: MySQLStore, sink: TencentIMSink, count: int, prefix: str, batch_size: int = 100) -> Run:
+async def lane_drain(
+    store: MySQLStore,
+    sink: TencentIMSink,
+    count: int,
+    prefix: str,
+    batch_size: int = 100,
+    cls: type[Dispatcher] = Dispatcher,
+) -> Run:
     """The whole lane (claim, deliver, record) with this sink, once ``count`` events are loaded."""
     await reset(store)
     await load(store, count, prefix=prefix, event_type=IM_TYPE, rooms=ROOMS)
     options = LaneOptions(batch_size=batch_size, poll_interval=0.05, concurrency=CONCURRENCY)
-    dispatcher = Dispatcher(store, im_router(sink), options, "bench")
+    dispatcher = cls(store, im_router(sink), options, "bench")
 
     async def run() -> None:
         try:
@@ -209,6 +217,7 @@ class OverheadResult:
     bare: Variant  # the bare aiohttp loop: the baseline
     sink: Variant  # TencentIMSink.deliver alone
     lane: Variant  # the whole lane: claim, deliver, record
+    lane_in_turn: Variant  # the same with claims in turn with delivery (InTurnDispatcher)
     load: tuple[float, float]  # one-minute load average at the start and at the end
 
 
@@ -222,6 +231,9 @@ async def run_overhead(store: MySQLStore, events: int, rounds: int = ROUNDS) -> 
             "bare": lambda prefix: bare_loop(base_url, envelopes(per_round, prefix)),
             "sink": lambda prefix: sink_only(unlimited(base_url), envelopes(per_round, prefix)),
             "lane": lambda prefix: lane_drain(store, unlimited(base_url), per_round, prefix),
+            "lane_in_turn": lambda prefix: lane_drain(
+                store, unlimited(base_url), per_round, prefix, cls=InTurnDispatcher
+            ),
         }
         await runs["bare"]("w")  # warm-up: connections, caches
         await runs["sink"]("v")

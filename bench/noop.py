@@ -5,8 +5,8 @@
   and marks the previous batch published; "delivery" is a no-op.
 * **seed-style loop** — room-service's V1 worker: select a batch, publish, then
   ``UPDATE … WHERE event_id = ?`` and a commit per row.
-* **per-row tasks** (history) — the dispatcher as it was before its fixed pool of delivery
-  workers: one task per row, each waiting on a ``CapacityLimiter`` of ``concurrency``.
+* **claims in turn** — the dispatcher with its next claim waiting for every result, as its
+  rounds were before claims overlapped the last deliveries.
 
 All drain the same number of freshly loaded rows from an empty table.
 """
@@ -14,17 +14,13 @@ All drain the same number of freshly loaded rows from an empty table.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
-
-import anyio
 
 from bench.db import load, pending, reset
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import KNOWN_EVENT_TYPES
 from room_outbox.plugins.noop import NoopSink
-from room_outbox.store import DeliveryResult, OutboxRow
 from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql import CLAIM_SQL, MySQLStore
 
@@ -36,15 +32,14 @@ class NoopResult:
     dispatcher: float  # events/s
     raw: float
     seed: float
-    per_row: float  # the dispatcher's former delivery: a task and a limiter per row
+    claims_in_turn: float  # the dispatcher with claims in turn with delivery (InTurnDispatcher)
     dispatcher_cpu_us: float  # this process's CPU time per event, in the dispatcher's faster drain
     raw_cpu_us: float  # the same in the raw loop's faster drain
 
     @property
-    def in_turn(self) -> float:
+    def serial_bound(self) -> float:
         """The rate the dispatcher would have if its extra CPU per event simply added to the
-        raw loop's time per event: what a round that claims, delivers and records in turn,
-        on one core, allows."""
+        raw loop's time per event: what claiming, delivering and recording in series allows."""
         return 1 / (1 / self.raw + max(0.0, self.dispatcher_cpu_us - self.raw_cpu_us) / 1e6)
 
 
@@ -57,26 +52,16 @@ async def dispatcher_drain(store: MySQLStore, batch_size: int, cls: type[Dispatc
     return await dispatcher.run_until_empty()
 
 
-class PerRowDispatcher(Dispatcher):
-    """The dispatcher's delivery before the fixed worker pool, kept as the historical
-    comparison: one task per queue (here one row), each waiting on a ``CapacityLimiter``."""
+class InTurnDispatcher(Dispatcher):
+    """The dispatcher with claims in turn with delivery, as its rounds were before claims
+    overlapped the last deliveries: the next claim waits for every row's result."""
 
-    async def deliver_queues(self, queues: Sequence[list[OutboxRow]]) -> list[DeliveryResult]:
-        results: list[DeliveryResult] = []
-        limiter = anyio.CapacityLimiter(self.options.concurrency)
-
-        async def deliver(queue: list[OutboxRow]) -> None:
-            async with limiter:
-                await self.deliver_in_turn(iter([queue]), results)
-
-        async with anyio.create_task_group() as deliveries:
-            for queue in queues:
-                deliveries.start_soon(deliver, queue)
-        return results
+    def _outstanding_before_next_claim(self) -> int:
+        return 0
 
 
-async def per_row_drain(store: MySQLStore, batch_size: int) -> int:
-    return await dispatcher_drain(store, batch_size, PerRowDispatcher)
+async def in_turn_drain(store: MySQLStore, batch_size: int) -> int:
+    return await dispatcher_drain(store, batch_size, InTurnDispatcher)
 
 
 async def raw_drain(store: MySQLStore, batch_size: int) -> int:
@@ -154,8 +139,10 @@ async def run_noop(store: MySQLStore, events: int, batch_size: int, seed_events:
     seed = await timed(store, seed_events, seed_drain, batch_size, "s")
     dispatcher = max(dispatcher, await timed(store, events, dispatcher_drain, batch_size, "d2"))
     raw = max(raw, await timed(store, events, raw_drain, batch_size, "r2"))
-    per_row = await timed(store, events, per_row_drain, batch_size, "p")
-    per_row = max(per_row, await timed(store, events, per_row_drain, batch_size, "p2"))
+    in_turn = max(
+        await timed(store, events, in_turn_drain, batch_size, "t"),
+        await timed(store, events, in_turn_drain, batch_size, "t2"),
+    )
     return NoopResult(
-        batch_size, events, dispatcher.rate, raw.rate, seed.rate, per_row.rate, dispatcher.cpu_us, raw.cpu_us
+        batch_size, events, dispatcher.rate, raw.rate, seed.rate, in_turn.rate, dispatcher.cpu_us, raw.cpu_us
     )

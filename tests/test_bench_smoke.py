@@ -13,8 +13,8 @@ def test_bench_quick_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--claim-rounds", "3"]) == 0
     out = capsys.readouterr().out
     assert "a. dispatcher noop lane, batch 100" in out
-    assert "a. same, former per-row tasks + limiter, batch 100" in out
-    assert "a. CPU per event in this process, batch 100" in out and "the bound of rounds: measured" in out
+    assert "a. same, claims in turn with delivery, batch 100" in out and "claims ahead = " in out
+    assert "a. CPU per event in this process, batch 100" in out and "the bound without overlap: measured" in out
     assert "d. same behind 2,000 published" in out
     assert "p. PostgreSQL dispatcher noop lane, batch 100" in out
 

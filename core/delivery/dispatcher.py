@@ -3,12 +3,19 @@
 The IM lane's state is ``room_outbox.status``. A round is:
 
 1. **claim** up to ``batch_size`` rows in one short transaction, which also records the
-   results of the previous round (one commit per batch, not per row, and not two);
+   results that came in since the last claim (one commit per claim, not per row);
 2. **deliver** outside any transaction, up to ``concurrency`` at once, each bounded by
    ``publish_timeout``; a failing or hanging event never stops the rest of its batch; the
-   batch's lease is renewed while it is in flight, so it never expires under a live process;
-3. a full batch is followed at once by the next; otherwise the results are written and the
-   next scan starts ``poll_interval`` after this one started (a ticker).
+   claimed rows' leases are renewed while they are held, so they never expire under a live
+   process;
+3. as soon as every claimed row has been handed to a delivery worker, the next claim is made
+   while the last rows are still in flight (unordered lanes), for as many rows as keep the
+   rows held (claimed, results not yet written) within ``batch_size``: a kill repeats at most
+   one batch, and the database and the sink are no longer idle in turn. With per-room
+   ordering the next claim waits until every row held has its result, as a room's later row
+   may only be claimed once its earlier one is settled;
+4. once a claim comes back short, the deliveries under way end, the results are written and
+   the next scan starts ``poll_interval`` after this round started (a ticker).
 
 A failure retrying cannot fix backs off exponentially (:mod:`room_outbox.delivery.retry`), and a row
 that fails again and again is logged once, then summarised (:mod:`.delivery.failure_log`).
@@ -29,7 +36,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -44,7 +52,7 @@ from room_outbox.observability.health import LaneHealth
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.observability.telemetry import NO_ATTEMPT, DeliveryAttempt, Failure, Telemetry
 from room_outbox.sink import PermanentSinkError, SinkError
-from room_outbox.store import DeliveryResult, OutboxRow, OutboxStore, Outcome
+from room_outbox.store import Claimed, DeliveryResult, OutboxRow, OutboxStore, Outcome
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.leased import LAST_ERROR_MAX, now_ms
 
@@ -110,7 +118,15 @@ class Dispatcher:
         #: Where rounds are reported for liveness and readiness.
         self.health = health or LaneHealth(lane)
         self._claim_numbers = itertools.count(1)
+        #: Results not yet written. Delivery workers append to this very list while a claim
+        #: writes its head, so it is only ever changed in place.
         self._unrecorded: list[DeliveryResult] = []
+        #: Per claim, the ids of its rows whose results are not yet written: the rows whose
+        #: leases are renewed.
+        self._held: dict[str, set[int]] = {}
+        #: Claims and lease renewals take turns, so that a renewal never counts as lost a row
+        #: whose result a claim has just written.
+        self._store_turn = anyio.Lock()
         self._stopping = anyio.Event()
         #: Until :meth:`stop`: none. Then the time by which the lane must have ended.
         self._stop_deadline = float("inf")
@@ -176,34 +192,85 @@ class Dispatcher:
             log.info("worker stopped", extra={"lifecycle": "worker_stopped", "lane": self.lane})
 
     async def run_once(self) -> Round:
-        """Claim one batch (writing earlier results in the same transaction) and deliver it.
-        Its results are written by the next claim or :meth:`flush`."""
+        """Claim and deliver until a claim comes back short, :meth:`stop` is called or a claim
+        fails (raised once the deliveries under way have ended). The last results are written
+        by the next claim or :meth:`flush`."""
+        claimed = await self._claim(self.options.batch_size)
+        if not claimed.rows:
+            return Round(0, claimed.exhausted)
+        feed = _Feed()
+        feed.put(self._queues(claimed.rows), len(claimed.rows))
+        total, exhausted, failure = len(claimed.rows), claimed.exhausted, None
+        async with anyio.create_task_group() as renewal:
+            renewal.start_soon(self._keep_leases)
+            async with anyio.create_task_group() as deliveries:
+                for _ in range(self.options.concurrency):
+                    deliveries.start_soon(self.deliver_in_turn, feed, self._unrecorded)
+                try:
+                    while not exhausted and not self._stopping.is_set():
+                        await feed.taken_and_outstanding_at_most(self._outstanding_before_next_claim())
+                        if self._stopping.is_set():
+                            break
+                        claimed = await self._claim(self.options.batch_size - feed.outstanding)
+                        feed.put(self._queues(claimed.rows), len(claimed.rows))
+                        total, exhausted = total + len(claimed.rows), claimed.exhausted
+                except Exception as exc:  # the store failed: let what is in flight finish first
+                    failure = exc
+                finally:
+                    feed.close()
+            renewal.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        return Round(total, exhausted)
+
+    def _outstanding_before_next_claim(self) -> int:
+        """How many claimed rows may still be without a result when the next claim is made
+        (every claimed row with a worker by then): it claims what keeps the rows held within
+        a batch, so at least half a batch. With per-room ordering none, as a room's later
+        rows may only be claimed once its earlier ones are settled."""
+        return 0 if self.options.per_room else self.options.batch_size // 2
+
+    async def _claim(self, limit: int) -> Claimed:
+        """Claim up to ``limit`` rows, writing in the same transaction the results in so far."""
         claim = f"{self.node_id}#{next(self._claim_numbers)}"
         lease_until = now_ms() + int(self.options.lease * 1000)
-        claimed = await self.store.claim(
-            claim,
-            self.options.batch_size,
-            lease_until,
-            self._unrecorded,
-            per_room=self.options.per_room,
-            hold_back_ms=int(self.options.poll_interval * 1000),
-        )
-        self._unrecorded = []
+        async with self._store_turn:
+            written = len(self._unrecorded)
+            claimed = await self.store.claim(
+                claim,
+                limit,
+                lease_until,
+                self._unrecorded[:written],
+                per_room=self.options.per_room,
+                hold_back_ms=int(self.options.poll_interval * 1000),
+            )
+            self._forget(self._unrecorded[:written])
+            if claimed.rows:
+                self._held[claim] = {row.id for row in claimed.rows}
         self._report_stale(claimed.stale)
         self.telemetry.claimed(len(claimed.rows))
-        if claimed.rows:
-            self._unrecorded = await self._deliver_batch(claim, claimed.rows)
-        return Round(len(claimed.rows), claimed.exhausted)
+        return claimed
 
     async def flush(self) -> None:
         """Write the results not yet written."""
         if self._unrecorded:
-            stale = await self.store.record(self._unrecorded)
-            self._unrecorded = []
+            written = len(self._unrecorded)
+            stale = await self.store.record(self._unrecorded[:written])
+            self._forget(self._unrecorded[:written])
             self._report_stale(stale)
 
+    def _forget(self, written: Sequence[DeliveryResult]) -> None:
+        """These results are written (or stale): their rows are no longer held."""
+        del self._unrecorded[: len(written)]
+        for result in written:
+            rows = self._held.get(result.claim)
+            if rows is not None:
+                rows.discard(result.row_id)
+                if not rows:
+                    del self._held[result.claim]
+
     async def run_until_empty(self) -> int:
-        """Rounds until a batch comes back short, then write the results ("burst" mode for
+        """Rounds until a claim comes back short, then write the results ("burst" mode for
         tests and tools). Rows that failed wait for their retry time, so this terminates."""
         total = 0
         while True:
@@ -215,30 +282,26 @@ class Dispatcher:
 
     # -- delivery ------------------------------------------------------------------------
 
-    async def _deliver_batch(self, claim: str, rows: Sequence[OutboxRow]) -> list[DeliveryResult]:
-        """Deliver a batch, renewing its lease until every row has a result."""
-        async with anyio.create_task_group() as renewal:
-            renewal.start_soon(self._keep_lease, claim, [row.id for row in rows])
-            results = await self.deliver_queues(self._queues(rows))
-            renewal.cancel_scope.cancel()
-        return results
-
     async def deliver_queues(self, queues: Sequence[list[OutboxRow]]) -> list[DeliveryResult]:
         """Deliver queues (see :meth:`deliver_in_turn`) with ``concurrency`` workers taking them
-        in turn. (A fixed pool of workers, not a task and a limiter per queue: measured 1.35x
-        the throughput; bench/noop.py overrides this method to measure the other way.)"""
+        in turn, and return their results: delivery alone, without the store (bench/kafka_lane.py
+        measures it)."""
         results: list[DeliveryResult] = []
-        remaining = iter(queues)  # one shared iterator: each queue goes to exactly one worker
+        feed = _Feed()
+        feed.put(queues, sum(len(queue) for queue in queues))
+        feed.close()
         async with anyio.create_task_group() as deliveries:
             for _ in range(min(self.options.concurrency, len(queues))):
-                deliveries.start_soon(self.deliver_in_turn, remaining, results)
+                deliveries.start_soon(self.deliver_in_turn, feed, results)
         return results
 
-    async def deliver_in_turn(self, queues: Iterator[Sequence[OutboxRow]], results: list[DeliveryResult]) -> None:
-        """Deliver queues one after another, adding their results to ``results``. A queue's rows
-        go one after another (one row, or one room's rows in id order): a row that is not
-        published releases the rest of its queue, and once :meth:`stop` is called the rows not
-        yet attempted are released.
+    async def deliver_in_turn(self, feed: _Feed, results: list[DeliveryResult]) -> None:
+        """Deliver queues from ``feed`` one after another, adding their results to ``results``,
+        until the feed is closed and empty. (A fixed pool of workers taking queues, not a task
+        and a limiter per queue: measured 1.35x the throughput.) A queue's rows go one after
+        another (one row, or one room's rows in id order): a row that is not published
+        releases the rest of its queue, and once :meth:`stop` is called the rows not yet
+        attempted are released.
 
         Each sink call is bounded by ``publish_timeout`` through one cancel scope for all the
         queues, its deadline set per call (a ``fail_after`` per row cost about twice as much); a call
@@ -247,26 +310,37 @@ class Dispatcher:
         current = _InFlight()
         while True:
             with anyio.CancelScope() as current.scope:
-                for queue in queues:
+                while True:
+                    queue = feed.take()
+                    if queue is None:
+                        if feed.closed:
+                            return
+                        await feed.more()
+                        continue
                     current.queue = queue
                     for position, row in enumerate(queue):
                         current.position = position
                         result = self._release(row) if self._stopping.is_set() else await self._attempt(row, current)
                         results.append(result)
                         if result.outcome is not Outcome.PUBLISHED:
-                            results.extend(self._release(later) for later in queue[position + 1 :])
+                            feed.settled(self._release_rest(queue, position, results) + 1)
                             break
+                        feed.settled(1)
                     if current.scope.cancel_called:
                         break  # the deadline passed as the sink answered (a timeout): a new scope
-                else:
-                    return
             if not current.scope.cancelled_caught:
                 continue
             # Only an overrun ends the scope here (a cancellation from outside goes on up).
             row = current.queue[current.position]
             text = f"{current.sink}: no answer within publish_timeout {self.options.publish_timeout:g}s"
             results.append(self._result(row, current.attempt, self._failure(current.sink, "timeout", text)))
-            results.extend(self._release(later) for later in current.queue[current.position + 1 :])
+            feed.settled(self._release_rest(current.queue, current.position, results) + 1)
+
+    def _release_rest(self, queue: Sequence[OutboxRow], position: int, results: list[DeliveryResult]) -> int:
+        """Release the rows of ``queue`` after ``position``; return how many."""
+        later = queue[position + 1 :]
+        results.extend(self._release(row) for row in later)
+        return len(later)
 
     def _queues(self, rows: Sequence[OutboxRow]) -> list[list[OutboxRow]]:
         """Rows that must go one after another: one queue per room with per-room ordering,
@@ -376,26 +450,31 @@ class Dispatcher:
                 raise _BadEvent(mismatch, "bad_envelope")
         return envelope
 
-    async def _keep_lease(self, claim: str, row_ids: list[int]) -> None:
-        """Renew the batch's lease every third of its length until cancelled."""
+    async def _keep_leases(self) -> None:
+        """Renew the leases of the rows held every third of the lease's length until cancelled."""
         interval = self.options.lease / 3
-        lost = 0  # rows already counted as lost: a later renewal finds them gone again
+        lost: dict[str, int] = {}  # per claim, rows already counted as lost: a later renewal finds them gone again
         while True:
             await anyio.sleep(interval)
-            try:
-                held = await self.store.renew(claim, row_ids, now_ms() + int(self.options.lease * 1000))
-            except Exception as exc:
-                log.error(
-                    "lease renewal failed", extra={"lane": self.lane, "claim": claim, "error": self._short(str(exc))}
-                )
-                continue
-            if held < len(row_ids):
-                self.telemetry.leases_lost(len(row_ids) - held - lost, "renewal")
-                lost = max(lost, len(row_ids) - held)
-                log.warning(
-                    "lease lost on some rows (published by the producer or taken over)",
-                    extra={"claim": claim, "rows": len(row_ids), "held": held},
-                )
+            async with self._store_turn:
+                for claim, rows in list(self._held.items()):
+                    row_ids = sorted(rows)
+                    try:
+                        held = await self.store.renew(claim, row_ids, now_ms() + int(self.options.lease * 1000))
+                    except Exception as exc:
+                        log.error(
+                            "lease renewal failed",
+                            extra={"lane": self.lane, "claim": claim, "error": self._short(str(exc))},
+                        )
+                        continue
+                    if held < len(row_ids):
+                        gone = len(row_ids) - held
+                        self.telemetry.leases_lost(max(0, gone - lost.get(claim, 0)), "renewal")
+                        lost[claim] = max(lost.get(claim, 0), gone)
+                        log.warning(
+                            "lease lost on some rows (published by the producer or taken over)",
+                            extra={"claim": claim, "rows": len(row_ids), "held": held},
+                        )
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -457,6 +536,74 @@ class _BadEvent(Exception):
     def __init__(self, message: str, error_class: str) -> None:
         super().__init__(message)
         self.error_class = error_class
+
+
+class _Feed:
+    """The queues claimed in a round that no delivery worker has taken yet, and the number of
+    claimed rows whose result is not in yet. Workers take queues without waiting while there
+    are any. A worker with nothing to take waits for more; the claimer waits for every queue to
+    be taken and the rows outstanding to fall to what it needs. Each waits on its own event,
+    made only while somebody waits and set only when what it waits for may have come."""
+
+    __slots__ = ("_for_claimer", "_for_workers", "_wanted", "closed", "outstanding", "queues")
+
+    def __init__(self) -> None:
+        self.queues: deque[Sequence[OutboxRow]] = deque()
+        self.outstanding = 0
+        #: No queue will be added any more: a worker finding none left ends.
+        self.closed = False
+        self._wanted = -1  # the claimer waits for outstanding <= this
+        self._for_workers: anyio.Event | None = None
+        self._for_claimer: anyio.Event | None = None
+
+    def put(self, queues: Iterable[Sequence[OutboxRow]], rows: int) -> None:
+        self.queues.extend(queues)
+        self.outstanding += rows
+        self._wake_workers()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake_workers()
+
+    def take(self) -> Sequence[OutboxRow] | None:
+        if not self.queues:
+            return None
+        queue = self.queues.popleft()
+        if not self.queues:
+            self._wake_claimer()
+        return queue
+
+    def settled(self, rows: int) -> None:
+        self.outstanding -= rows
+        if self.outstanding <= self._wanted:
+            self._wake_claimer()
+
+    async def more(self) -> None:
+        """Until a queue is added or the feed closed."""
+        if self._for_workers is None:
+            self._for_workers = anyio.Event()
+        await self._for_workers.wait()
+
+    async def taken_and_outstanding_at_most(self, rows: int) -> None:
+        """Until every queue has been taken by a worker and at most ``rows`` rows are
+        outstanding."""
+        self._wanted = rows
+        try:
+            while self.queues or self.outstanding > rows:
+                self._for_claimer = anyio.Event()
+                await self._for_claimer.wait()
+        finally:
+            self._wanted = -1
+            self._for_claimer = None
+
+    def _wake_workers(self) -> None:
+        if self._for_workers is not None:
+            self._for_workers.set()
+            self._for_workers = None
+
+    def _wake_claimer(self) -> None:
+        if self._for_claimer is not None:
+            self._for_claimer.set()
 
 
 class _InFlight:
