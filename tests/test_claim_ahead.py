@@ -1,0 +1,96 @@
+"""Claims ahead of delivery: the next claim is made while a claim's last rows are still in
+flight, never holding more than a batch of rows (a kill repeats at most one batch), and a
+claim that fails loses none of the results of the rows in flight."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+from support import envelope, fetch_rows, insert_events, make_dispatcher
+
+from room_outbox.store.mysql import MySQLStore
+
+pytestmark = pytest.mark.anyio
+
+HELD = "SELECT COUNT(*) FROM room_outbox WHERE status = 'pending' AND worker_id IS NOT NULL"
+
+
+class GatedSink:
+    """Delivers at once, except ``slow``, which waits (5 s at most) for ``gate``; records what
+    it received and, at each delivery, how many rows the database shows as claimed and not
+    yet settled."""
+
+    def __init__(self, store: MySQLStore, slow: str) -> None:
+        self.store = store
+        self.slow = slow
+        self.gate = anyio.Event()
+        self.received: list[str] = []
+        self.held: list[int] = []
+
+    async def deliver(self, env: Any) -> None:
+        async with self.store.transaction() as cur:
+            await cur.execute(HELD)
+            self.held.append(int((await cur.fetchone())[0]))
+        if env.event_id == self.slow:
+            with anyio.fail_after(5):
+                await self.gate.wait()
+        self.received.append(env.event_id)
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_the_next_claim_is_delivered_while_the_last_rows_are_in_flight_within_one_batch_held(
+    store: MySQLStore,
+) -> None:
+    await insert_events(store, [envelope(f"e{i}") for i in range(30)])
+    sink = GatedSink(store, slow="e9")  # the first claim's last row
+    dispatcher = make_dispatcher(store, sink, batch_size=10, concurrency=4)
+    claims: list[int] = []
+    real_claim = store.claim
+
+    async def claim(*args: Any, **kwargs: Any) -> Any:
+        claimed = await real_claim(*args, **kwargs)
+        claims.append(len(claimed.rows))
+        if any(row.event_id == "e10" for row in claimed.rows):
+            sink.gate.set()  # e9 is still in flight: the next claim did not wait for it
+        return claimed
+
+    store.claim = claim  # type: ignore[method-assign]
+    assert await dispatcher.run_until_empty() == 30
+    assert sink.gate.is_set() and "e9" in sink.received  # e9 waited for the second claim, not in vain
+    assert sorted(sink.received) == sorted(f"e{i}" for i in range(30))  # each once
+    assert all(r["status"] == "published" for r in (await fetch_rows(store)).values())
+    # Never more than a batch held, so a kill repeats at most one batch; a claim made with
+    # rows in flight asks for fewer.
+    assert max(sink.held) <= 10, sink.held
+    assert claims[0] == 10 and any(n < 10 for n in claims[1:]), claims
+
+
+async def test_a_claim_failing_while_rows_are_in_flight_loses_none_of_their_results(store: MySQLStore) -> None:
+    await insert_events(store, [envelope(f"e{i}") for i in range(30)])
+    sink = GatedSink(store, slow="e9")
+    dispatcher = make_dispatcher(store, sink, batch_size=10, concurrency=4)
+    real_claim = store.claim
+    calls = 0
+
+    async def claim(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the claim made while e9 is in flight
+            sink.gate.set()
+            raise ConnectionError("database gone")
+        return await real_claim(*args, **kwargs)
+
+    store.claim = claim  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError):
+        await dispatcher.run_once()  # raised once e9's delivery has ended
+    assert sorted(sink.received) == sorted(f"e{i}" for i in range(10))
+    assert sorted(r.event_id for r in dispatcher._unrecorded) == sorted(f"e{i}" for i in range(10))
+    store.claim = real_claim  # type: ignore[method-assign]
+    assert await dispatcher.run_until_empty() == 20  # the first claim writes the kept results
+    rows = await fetch_rows(store)
+    assert all(r["status"] == "published" for r in rows.values())
+    assert sorted(sink.received) == sorted(f"e{i}" for i in range(30))  # none twice
