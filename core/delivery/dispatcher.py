@@ -525,8 +525,9 @@ class Dispatcher:
 
 @dataclass(frozen=True)
 class Round:
+    #: Rows claimed in the round, over all its claims.
     claimed: int
-    #: The claim found fewer rows than a batch: wait ``poll_interval`` before the next.
+    #: Its last claim found fewer rows than it asked for: wait ``poll_interval`` before the next.
     exhausted: bool
 
 
