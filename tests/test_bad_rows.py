@@ -127,6 +127,40 @@ async def test_repeated_failures_of_a_row_are_logged_once_then_summarised(
     assert [r.__dict__["event_id"] for r in _warnings(caplog, "delivery failed")] == ["flaky"]
 
 
+class FailsAtFirst(RecordingSink):
+    """Refuses ``flaky`` its first ``times`` attempts, then takes it; each attempt of it moves
+    ``clock`` on by a second."""
+
+    def __init__(self, times: int, clock: Clock) -> None:
+        super().__init__(fail={"flaky"})
+        self.times = times
+        self.clock = clock
+
+    async def deliver(self, envelope: Any) -> None:
+        if envelope.event_id == "flaky":
+            self.clock.now += 1
+            if self.received.count("flaky") >= self.times:
+                self.fail.clear()
+        await super().deliver(envelope)
+
+
+async def test_repeated_failures_are_summarised_while_a_backlog_keeps_the_round_going(
+    store: MySQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    await insert_events(store, [envelope("flaky"), *(envelope(f"e{n}") for n in range(5))])
+    clock = Clock()
+    sink = FailsAtFirst(times=3, clock=clock)
+    # Batch 1 and failures due again at once: every claim is full, so one round goes on until
+    # flaky is through.
+    dispatcher = make_dispatcher(store, sink, batch_size=1, retry=RetryPolicy(interval=0.0))
+    dispatcher.failures = FailureLog(logging.getLogger("room_outbox.dispatcher"), 1.0, clock=clock, lane="im")
+    caplog.set_level(logging.WARNING, "room_outbox.dispatcher")
+    round_ = await dispatcher.run_once()
+    assert sink.received.count("flaky") == 4 and round_.claimed == 9
+    assert len(_warnings(caplog, "delivery failed")) == 1  # the first failure; the others held back
+    assert _warnings(caplog, "repeated delivery failures (not logged one by one)")  # within the round
+
+
 def test_the_failure_log_forgets_quiet_rows_and_stays_bounded() -> None:
     clock = Clock()
     records: list[str] = []

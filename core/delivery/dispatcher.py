@@ -153,7 +153,6 @@ class Dispatcher:
         try:
             while not self._stopping.is_set():
                 scan_started = anyio.current_time()
-                self.failures.summarise()  # a no-op but once per interval
                 with anyio.CancelScope(deadline=self._stop_deadline) as self._round_scope:
                     try:
                         round_ = await self.run_once()
@@ -232,6 +231,9 @@ class Dispatcher:
 
     async def _claim(self, limit: int) -> Claimed:
         """Claim up to ``limit`` rows, writing in the same transaction the results in so far."""
+        # Before every claim, as a round under a steady backlog goes on claiming for as long
+        # as the backlog lasts: a no-op but once per interval.
+        self.failures.summarise()
         claim = f"{self.node_id}#{next(self._claim_numbers)}"
         lease_until = now_ms() + int(self.options.lease * 1000)
         async with self._store_turn:
