@@ -1,6 +1,7 @@
 """Claims ahead of delivery: the next claim is made while a claim's last rows are still in
-flight, never holding more than a batch of rows (a kill repeats at most one batch), and a
-claim that fails loses none of the results of the rows in flight."""
+flight, never holding more than a batch of rows (a kill repeats at most one batch); a claim
+that fails loses none of the results of the rows in flight; and each successful claim of a
+long round counts for readiness."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
-from support import envelope, fetch_rows, insert_events, make_dispatcher
+from support import RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher
 
 from room_outbox.store.mysql import MySQLStore
 
@@ -94,3 +95,22 @@ async def test_a_claim_failing_while_rows_are_in_flight_loses_none_of_their_resu
     rows = await fetch_rows(store)
     assert all(r["status"] == "published" for r in rows.values())
     assert sorted(sink.received) == sorted(f"e{i}" for i in range(30))  # none twice
+
+
+async def test_a_successful_claim_inside_a_long_round_makes_the_lane_ready_again(store: MySQLStore) -> None:
+    await insert_events(store, [envelope(f"e{i}") for i in range(30)])
+    dispatcher = make_dispatcher(store, RecordingSink(), batch_size=10, concurrency=4)
+    dispatcher.health.round_ended("database gone")  # rounds failed during an outage
+    dispatcher.health.round_ended("database gone")
+    failed_while_draining: list[int] = []
+    real_claim = store.claim
+
+    async def claim(*args: Any, **kwargs: Any) -> Any:
+        claimed = await real_claim(*args, **kwargs)
+        if any(row.event_id == "e29" for row in claimed.rows):  # a later claim of the same round
+            failed_while_draining.append(dispatcher.health.failed_in_a_row)
+        return claimed
+
+    store.claim = claim  # type: ignore[method-assign]
+    assert (await dispatcher.run_once()).claimed == 30  # one round
+    assert failed_while_draining == [0]

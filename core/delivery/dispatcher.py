@@ -249,6 +249,9 @@ class Dispatcher:
             self._forget(self._unrecorded[:written])
             if claimed.rows:
                 self._held[claim] = {row.id for row in claimed.rows}
+        # A successful claim counts as a round ended for readiness: after an outage, a round
+        # draining the backlog it left may go on for minutes.
+        self.health.round_ended()
         self._report_stale(claimed.stale)
         self.telemetry.claimed(len(claimed.rows))
         return claimed
