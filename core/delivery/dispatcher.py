@@ -237,16 +237,16 @@ class Dispatcher:
         claim = f"{self.node_id}#{next(self._claim_numbers)}"
         lease_until = now_ms() + int(self.options.lease * 1000)
         async with self._store_turn:
-            written = len(self._unrecorded)
+            written = self._unrecorded[:]  # workers may append more while the claim runs
             claimed = await self.store.claim(
                 claim,
                 limit,
                 lease_until,
-                self._unrecorded[:written],
+                written,
                 per_room=self.options.per_room,
                 hold_back_ms=int(self.options.poll_interval * 1000),
             )
-            self._forget(self._unrecorded[:written])
+            self._forget(written)
             if claimed.rows:
                 self._held[claim] = {row.id for row in claimed.rows}
         # A successful claim counts as a round ended for readiness: after an outage, a round
@@ -259,13 +259,14 @@ class Dispatcher:
     async def flush(self) -> None:
         """Write the results not yet written."""
         if self._unrecorded:
-            written = len(self._unrecorded)
-            stale = await self.store.record(self._unrecorded[:written])
-            self._forget(self._unrecorded[:written])
+            written = self._unrecorded[:]
+            stale = await self.store.record(written)
+            self._forget(written)
             self._report_stale(stale)
 
     def _forget(self, written: Sequence[DeliveryResult]) -> None:
-        """These results are written (or stale): their rows are no longer held."""
+        """These results, the head of ``_unrecorded``, are written (or stale): their rows are no
+        longer held."""
         del self._unrecorded[: len(written)]
         for result in written:
             rows = self._held.get(result.claim)
@@ -462,6 +463,7 @@ class Dispatcher:
         while True:
             await anyio.sleep(interval)
             async with self._store_turn:
+                lost = {claim: n for claim, n in lost.items() if claim in self._held}  # drop claims settled since
                 for claim, rows in list(self._held.items()):
                     row_ids = sorted(rows)
                     try:
