@@ -32,10 +32,17 @@ TABLE = "room_outbox"
 
 @dataclass(frozen=True)
 class Migration:
-    """One step of a migration: its statements and the line ``migrate`` reports once they ran."""
+    """One step of a migration: its statements and the line ``migrate`` reports once they ran.
+
+    ``autocommit``: each statement runs on its own, outside any transaction (PostgreSQL's
+    ``CREATE INDEX CONCURRENTLY`` cannot run inside one). ``repeat``: each statement is a batch
+    of a backfill, run again (each time in its own transaction) until it changes no row, so
+    that no lock is held for longer than one small batch."""
 
     change: str
     statements: tuple[str, ...]
+    autocommit: bool = False
+    repeat: bool = False
 
 
 #: Templates: ``{table}`` is the outbox table's name.
