@@ -4,7 +4,12 @@ created or upgraded (or, with ``--sql``, printed). ``run`` itself is :func:`room
 from __future__ import annotations
 
 import contextlib
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
+import anyio
 import pluggy
 
 from room_outbox.cli import consume as consume_cli
@@ -13,8 +18,12 @@ from room_outbox.delivery.lanes import migrate_plugins, plugins_migration_plan
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.startup import check_configuration, table_profile
 from room_outbox.store.errors import translated
-from room_outbox.store.factory import describe, open_store, store_address
+from room_outbox.store.factory import SQLStore, describe, open_store, store_address
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql_online import exclusive_migration
 from room_outbox.store.sqlite import SQLiteAddress
+
+T = TypeVar("T")
 
 
 def check_config(settings: Settings, source: str | None) -> int:
@@ -43,14 +52,57 @@ async def migrate(settings: Settings, sql_only: bool) -> int:
     )
     try:
         with translated_errors(dsn):
-            changes = await store.migrate()
-            changes += await migrate_plugins(store, pm, settings)  # own-lane sinks' tables, plugin tables
-            changes += await consume_cli.migrate_consumers(store, pm)  # consumers' and handlers' tables
+            async with one_migration_at_a_time(store):
+                changes = await stopped_by_signals(migrate_all(store, pm, settings))
     finally:
         await store.aclose()
+    if changes is None:
+        print("room-outbox migrate: the statement it was running is stopped; run it again to finish", file=sys.stderr)
+        raise KeyboardInterrupt
     for change in changes or ["schema already up to date"]:
         print(change)
     return 0
+
+
+async def migrate_all(store: SQLStore, pm: pluggy.PluginManager, settings: Settings) -> list[str]:
+    changes = await store.migrate()
+    changes += await migrate_plugins(store, pm, settings)  # own-lane sinks' tables, plugin tables
+    changes += await consume_cli.migrate_consumers(store, pm)  # consumers' and handlers' tables
+    return changes
+
+
+@contextlib.asynccontextmanager
+async def one_migration_at_a_time(store: SQLStore) -> AsyncIterator[None]:
+    """On MySQL/MariaDB: the migrate lock held, and a schema change an interrupted migrate
+    left running waited for (see :mod:`room_outbox.store.mysql_online`)."""
+    if isinstance(store, MySQLStore):
+        async with exclusive_migration(store.address, [store.table], store.report_progress):
+            yield
+    else:
+        yield
+
+
+async def stopped_by_signals(work: Awaitable[T]) -> T | None:
+    """``work``'s result, or its error; None when SIGINT or SIGTERM cancelled it (a statement it
+    was running on a server is stopped there: see :mod:`room_outbox.store.mysql_online`)."""
+    results: list[T] = []
+    errors: list[Exception] = []  # raised here, not wrapped in the task group's ExceptionGroup
+    async with anyio.create_task_group() as group:
+
+        async def cancel_on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    group.cancel_scope.cancel()
+
+        group.start_soon(cancel_on_signal)
+        try:
+            results.append(await work)
+        except Exception as exc:
+            errors.append(exc)
+        group.cancel_scope.cancel()
+    if errors:
+        raise errors[0]
+    return results[0] if results else None
 
 
 async def print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
