@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
@@ -52,8 +53,7 @@ async def migrate(settings: Settings, sql_only: bool) -> int:
     )
     try:
         with translated_errors(dsn):
-            async with one_migration_at_a_time(store):
-                changes = await stopped_by_signals(migrate_all(store, pm, settings))
+            changes = await stopped_by_signals(migrate_all(store, pm, settings))
     finally:
         await store.aclose()
     if changes is None:
@@ -65,10 +65,11 @@ async def migrate(settings: Settings, sql_only: bool) -> int:
 
 
 async def migrate_all(store: SQLStore, pm: pluggy.PluginManager, settings: Settings) -> list[str]:
-    changes = await store.migrate()
-    changes += await migrate_plugins(store, pm, settings)  # own-lane sinks' tables, plugin tables
-    changes += await consume_cli.migrate_consumers(store, pm)  # consumers' and handlers' tables
-    return changes
+    async with one_migration_at_a_time(store):
+        changes = await store.migrate()
+        changes += await migrate_plugins(store, pm, settings)  # own-lane sinks' tables, plugin tables
+        changes += await consume_cli.migrate_consumers(store, pm)  # consumers' and handlers' tables
+        return changes
 
 
 @contextlib.asynccontextmanager
@@ -85,6 +86,8 @@ async def one_migration_at_a_time(store: SQLStore) -> AsyncIterator[None]:
 async def stopped_by_signals(work: Awaitable[T]) -> T | None:
     """``work``'s result, or its error; None when SIGINT or SIGTERM cancelled it (a statement it
     was running on a server is stopped there: see :mod:`room_outbox.store.mysql_online`)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        return await work
     results: list[T] = []
     errors: list[Exception] = []  # raised here, not wrapped in the task group's ExceptionGroup
     async with anyio.create_task_group() as group:

@@ -139,12 +139,12 @@ class OnlineSchemaChange:
         address: MySQLAddress,
         statement_limit: str,
         report: Callable[[str], None] = to_stderr,
-        progress_every: float = PROGRESS_EVERY,
+        progress_every: float | None = None,
     ) -> None:
         self.address = address
         self.statement_limit = statement_limit
         self.report = report
-        self.progress_every = progress_every
+        self.progress_every = PROGRESS_EVERY if progress_every is None else progress_every
 
     async def run(self, plan: Sequence[Migration]) -> list[str]:
         """Run ``plan``; return its changes."""
@@ -234,22 +234,19 @@ async def _failure_of(conn: aiomysql.Connection, statement: str) -> Exception | 
 
 
 async def _progress(cur: Any, session: int) -> str:
-    """How far ``session``'s statement has come ("" when it runs none)."""
+    """How long ``session``'s statement has run, what it is doing (waiting for a metadata lock,
+    say) and, where the server tells (MariaDB, for some statements), how far it has come; ""
+    when it runs none."""
+    where = "FROM information_schema.PROCESSLIST WHERE ID = %s AND COMMAND = 'Query'"
     try:
-        await cur.execute(
-            "SELECT TIME_MS, PROGRESS FROM information_schema.PROCESSLIST WHERE ID = %s AND COMMAND = 'Query'",
-            (session,),
-        )
-    except pymysql.err.MySQLError:  # MySQL has no PROGRESS column
-        await cur.execute(
-            "SELECT TIME * 1000, 0 FROM information_schema.PROCESSLIST WHERE ID = %s AND COMMAND = 'Query'",
-            (session,),
-        )
+        await cur.execute(f"SELECT TIME_MS / 1000, STATE, PROGRESS {where}", (session,))
+    except pymysql.err.MySQLError:  # MySQL has neither TIME_MS nor PROGRESS
+        await cur.execute(f"SELECT TIME, STATE, 0 {where}", (session,))
     row = await cur.fetchone()
     if row is None:
         return ""
-    elapsed, done = float(row[0]) / 1000, float(row[1] or 0)
-    return f"running for {elapsed:.0f}s" + (f", {done:.0f}% done" if done else "")
+    seconds, state, done = float(row[0]), str(row[1] or "running"), float(row[2] or 0)
+    return f"{state} for {seconds:.0f}s" + (f", {done:.0f}% done" if done else "")
 
 
 __all__ = ["LOCK_NAME", "OnlineSchemaChange", "exclusive_migration", "running_changes", "to_stderr"]
