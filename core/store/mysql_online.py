@@ -28,6 +28,7 @@ import anyio
 import pymysql
 
 from room_outbox.errors import SchemaError
+from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT, SCHEMA_CHANGE_TIMEOUT, query_deadline
 
 if TYPE_CHECKING:
     from room_outbox.store.mysql import MySQLAddress
@@ -78,8 +79,10 @@ async def exclusive_migration(
     conn = await aiomysql.connect(**{**address.connect_kwargs(), "autocommit": True, "db": address.database})
     try:
         async with conn.cursor() as cur:
-            await cur.execute("SELECT GET_LOCK(LEFT(CONCAT(%s, ':', DATABASE()), 64), %s)", (LOCK_NAME, LOCK_WAIT))
-            if (await cur.fetchone())[0] != 1:
+            with query_deadline(LOCK_WAIT + DEFAULT_QUERY_TIMEOUT):
+                await cur.execute("SELECT GET_LOCK(LEFT(CONCAT(%s, ':', DATABASE()), 64), %s)", (LOCK_NAME, LOCK_WAIT))
+                locked = (await cur.fetchone())[0] == 1
+            if not locked:
                 raise SchemaError(
                     f"another `room-outbox migrate` is running on database {address.database}"
                     f" (waited {LOCK_WAIT}s for it); try again once it has finished"
@@ -95,23 +98,23 @@ async def wait_for_running_changes(
 ) -> None:
     """Wait until no ALTER TABLE/CREATE INDEX runs on ``tables`` or a ``room_outbox…`` table
     of this database (one an interrupted migrate left behind, say); say so in one line."""
-    said = False
+    running = await running_changes(cur, tables)
+    if running:
+        session, seconds, table = running[0]
+        report(
+            f"a schema change of table {table} is still running on the server (session {session},"
+            f" for {seconds}s); waiting for it to end (at most {timeout:g}s)"
+        )
     with anyio.move_on_after(timeout):
-        while running := await running_changes(cur, tables):
-            session, seconds, table = running[0]
-            if not said:
-                report(
-                    f"a schema change of table {table} is still running on the server (session {session},"
-                    f" for {seconds}s); waiting for it to end (at most {timeout:g}s)"
-                )
-                said = True
+        while running:
             await anyio.sleep(1.0)
-        return
-    session, seconds, table = running[0]
-    raise SchemaError(
-        f"a schema change of table {table} is still running on the server (session {session}, for {seconds}s);"
-        f" wait for it or stop it (KILL QUERY {session}), then run migrate again"
-    )
+            running = await running_changes(cur, tables)
+    if running:
+        session, seconds, table = running[0]
+        raise SchemaError(
+            f"a schema change of table {table} is still running on the server (session {session}, for {seconds}s);"
+            f" wait for it or stop it (KILL QUERY {session}), then run migrate again"
+        )
 
 
 async def running_changes(cur: Any, tables: Sequence[str]) -> list[tuple[int, int, str]]:
@@ -157,7 +160,8 @@ class OnlineSchemaChange:
         """Run one statement, retried when it timed out waiting for the table's metadata lock."""
         for attempt in range(1, DDL_ATTEMPTS + 1):
             try:
-                await self._execute_once(statement, change)
+                with query_deadline(SCHEMA_CHANGE_TIMEOUT):  # cancelled, the statement is stopped
+                    await self._execute_once(statement, change)
                 return
             except pymysql.err.OperationalError as exc:
                 if exc.args[0] != ER_LOCK_WAIT_TIMEOUT:
