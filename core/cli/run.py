@@ -57,7 +57,10 @@ async def migrate(settings: Settings, sql_only: bool) -> int:
     finally:
         await store.aclose()
     if changes is None:
-        print("room-outbox migrate: the statement it was running is stopped; run it again to finish", file=sys.stderr)
+        print(
+            "room-outbox migrate: interrupted; its running statement was stopped: run it again to finish",
+            file=sys.stderr,
+        )
         raise KeyboardInterrupt
     for change in changes or ["schema already up to date"]:
         print(change)

@@ -258,7 +258,7 @@ async def test_an_interrupted_migrate_stops_its_statement_on_the_server_and_a_re
         if migrate.poll() is None:
             migrate.kill()
             migrate.wait(timeout=10)
-    assert "the statement it was running is stopped; run it again to finish" in err.read_text()
+    assert "interrupted; its running statement was stopped: run it again to finish" in err.read_text()
     await wait_until(lambda: schema_changes_running(v1_table) == [], timeout=1)  # stopped, not left waiting
     table_reader.commit()
     assert "worker_id" not in columns_of(v1_table)
