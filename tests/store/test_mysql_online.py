@@ -22,7 +22,7 @@ from support import V1_DDL, wait_until
 from room_outbox.cli.main import main
 from room_outbox.store import mysql_online
 from room_outbox.store.leased import now_ms
-from room_outbox.store.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.mysql import MySQLAddress, MySQLStore, mysql_dialect
 from room_outbox.store.mysql_online import exclusive_migration
 
 pytestmark = pytest.mark.anyio
@@ -122,6 +122,14 @@ def columns_of(dsn: str, table: str = "room_outbox") -> set[str]:
             return {str(row[0]) for row in cur.fetchall()}
     finally:
         conn.close()
+
+
+def test_a_server_without_instant_columns_adds_them_in_place_without_blocking_writes() -> None:
+    in_place = ", ALGORITHM=INPLACE, LOCK=NONE"
+    assert mysql_dialect("8.0.11-log").online_column == in_place
+    assert mysql_dialect("8.0.12").online_column == mysql_dialect("8.4.3").online_column == ", ALGORITHM=INSTANT"
+    assert mysql_dialect("10.11.19-MariaDB-0+deb12u1").online_column == ", ALGORITHM=INSTANT"
+    assert mysql_dialect("8.0.11").online_index == in_place
 
 
 async def test_migrate_sql_names_the_online_algorithm_of_every_change_to_a_live_table(
