@@ -49,6 +49,8 @@ PROGRESS_EVERY = 5.0
 RUNNING_DDL_WAIT = 600.0
 
 ER_LOCK_WAIT_TIMEOUT = 1205
+#: The algorithm or lock a statement names is not possible for it (a compressed table, say).
+ER_NOT_ONLINE = (1845, 1846)
 ER_NO_SUCH_THREAD = 1094
 #: The table a running statement changes: ``ALTER TABLE t …``, ``CREATE [UNIQUE] INDEX i ON t``.
 _CHANGED_TABLE = re.compile(
@@ -163,7 +165,12 @@ class OnlineSchemaChange:
                 with query_deadline(SCHEMA_CHANGE_TIMEOUT):  # cancelled, the statement is stopped
                     await self._execute_once(statement, change)
                 return
-            except pymysql.err.OperationalError as exc:
+            except pymysql.err.MySQLError as exc:
+                if exc.args[0] in ER_NOT_ONLINE:
+                    raise SchemaError(
+                        f"{change}: the server cannot make this change online ({exc.args[1]}), so it was not made;"
+                        " make it with gh-ost or pt-online-schema-change (see the README), then run migrate again"
+                    ) from None
                 if exc.args[0] != ER_LOCK_WAIT_TIMEOUT:
                     raise
                 if attempt == DDL_ATTEMPTS:

@@ -20,6 +20,7 @@ import pytest
 from support import V1_DDL, wait_until
 
 from room_outbox.cli.main import main
+from room_outbox.errors import SchemaError
 from room_outbox.store import mysql_online
 from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql import MySQLAddress, MySQLStore, mysql_dialect
@@ -155,6 +156,28 @@ async def test_migrate_sql_names_the_online_algorithm_of_every_change_to_a_live_
     assert code == 0 and out.splitlines()[: len(V1_CHANGES)] == V1_CHANGES
     code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql")
     assert "room_outbox " not in out  # nothing left to do on the table
+
+
+async def test_a_change_the_server_cannot_make_online_is_refused_naming_the_step(database_dsn: str) -> None:
+    """A compressed table cannot take a column INSTANT: the server refuses, and migrate says
+    which step and what to do, rather than let the server copy the table."""
+    conn = connect(database_dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(V1_DDL.replace("ENGINE=InnoDB", "ENGINE=InnoDB ROW_FORMAT=COMPRESSED"))
+    finally:
+        conn.close()
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        with pytest.raises(SchemaError) as refused:
+            await store.migrate()
+    finally:
+        await store.aclose()
+    assert str(refused.value).startswith(
+        "added column room_outbox.worker_id: the server cannot make this change online (ALGORITHM=INSTANT is not"
+    )
+    assert "gh-ost or pt-online-schema-change" in str(refused.value)
+    assert "worker_id" not in columns_of(database_dsn)
 
 
 async def test_a_second_migrate_waits_for_the_first_then_says_another_is_running(
