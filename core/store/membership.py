@@ -193,9 +193,7 @@ def _add_bucket_column(dialect: Dialect, table: str, existing: set[str], profile
     """The bucket column added to ``table``. On MySQL/MariaDB a table already there (room-service's
     live table, a lane's full one) gets a VIRTUAL column, added instantly; a table created by
     the same migration is empty and gets a STORED one, which the claim reads in the index."""
-    if dialect.name != "mysql":
-        return f"ALTER TABLE {table} ADD COLUMN {bucket_column(dialect, profile)}"
-    if table.lower() in existing:
+    if dialect.name == "mysql" and table.lower() in existing:
         return add_column_sql(dialect, table, bucket_column(dialect, profile, stored=False))
     return f"ALTER TABLE {table} ADD COLUMN {bucket_column(dialect, profile)}"
 

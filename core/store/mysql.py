@@ -117,7 +117,7 @@ def mysql_dialect(server_version: str) -> Dialect:
 
 
 def _version(server_version: str) -> tuple[int, ...]:
-    """ "8.0.11-log" → (8, 0, 11); a version that says nothing is taken for a recent one."""
+    """The version's numbers: (8, 0, 11) for "8.0.11-log"; one that says none is taken for recent."""
     numbers = re.match(r"(\d+)\.(\d+)\.(\d+)", server_version)
     return tuple(int(n) for n in numbers.groups()) if numbers else (99,)
 
