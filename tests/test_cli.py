@@ -310,3 +310,20 @@ def test_the_readme_documents_every_exit_code() -> None:
     assert documented == set(EXIT_CODES)
     for error in (RoomOutboxError, ConfigurationError, StoreUnavailable, SchemaError):
         assert error.exit_code in EXIT_CODES
+
+
+# -- fake-im ----------------------------------------------------------------------------------------
+
+
+def test_fake_im_on_a_busy_port_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        capsys.readouterr()
+        code = main(["fake-im", "--port", str(port)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err == f"room-outbox fake-im: cannot listen on 127.0.0.1:{port}: Address already in use\n"
