@@ -66,8 +66,7 @@ async def migrate_plugins(
     changes = await migrate_lanes(store, own_lane_sinks(pm, settings))
     for owner, statements in used_plugin_statements(pm, enabled_sinks(pm, settings), handlers):
         if PLUGIN_SCHEMA not in store.dialect.capabilities:
-            # Plugin statements are MySQL's; a sink whose tables cannot be made here does not
-            # run here either (the demo on SQLite, say).
+            # Plugin statements are written in MySQL's dialect: elsewhere they are reported, not run.
             changes.append(f"skipped {len(statements)} schema statement(s) for {owner}: they are MySQL's")
             continue
         await run_plugin_statements(store, statements)
