@@ -278,6 +278,37 @@ async def test_plugin_migrations_run_on_migrate(store: Any) -> None:
         assert await cur.fetchone()
 
 
+def test_a_plugins_statements_are_used_while_a_sink_or_handler_it_registers_is_enabled() -> None:
+    """`room_outbox_migrations` statements belong to the plugin's sinks and handlers: unused
+    while none of them is enabled, named after the enabled ones when used."""
+    from room_outbox import HandlerSettings, HandlerSpec
+    from room_outbox.store.plugin_schema import used_plugin_statements
+
+    class SinkWithTable:
+        @hookimpl
+        def room_outbox_register_sinks(self) -> list[SinkSpec[SinkSettings]]:
+            return [SinkSpec("archive", SinkSettings, lambda settings, context: None)]  # never built here
+
+        @hookimpl
+        def room_outbox_migrations(self) -> list[str]:
+            return ["CREATE TABLE IF NOT EXISTS archive (id INT PRIMARY KEY)"]
+
+    class HandlerWithTable:
+        @hookimpl
+        def room_outbox_register_handlers(self) -> list[HandlerSpec[HandlerSettings]]:
+            return [HandlerSpec("tally", lambda settings, context: None)]  # never built here
+
+        @hookimpl
+        def room_outbox_migrations(self) -> list[str]:
+            return ["CREATE TABLE IF NOT EXISTS tally (id INT PRIMARY KEY)", "CREATE INDEX i ON tally (id)"]
+
+    pm = make_plugin_manager(extra_plugins=[SinkWithTable(), HandlerWithTable()])
+    used = dict(used_plugin_statements(pm, sinks={"tencent_im"}, handlers={"audit"}))
+    assert not {"sink archive", "handler tally"} & set(used)  # installed, not enabled
+    used = dict(used_plugin_statements(pm, sinks={"archive"}, handlers={"tally"}))
+    assert len(used["sink archive"]) == 1 and len(used["handler tally"]) == 2
+
+
 async def test_migrate_on_sqlite_skips_plugin_tables_but_creates_own_lanes(tmp_path: Path) -> None:
     """Plugins' statements are MySQL's: a store without the ``plugin_schema`` capability skips
     them and says so; the lanes of their own are the store's and are created."""
