@@ -70,8 +70,10 @@ async def migrate(settings: Settings, sql_only: bool) -> int:
 async def migrate_all(store: SQLStore, pm: pluggy.PluginManager, settings: Settings) -> list[str]:
     async with one_migration_at_a_time(store):
         changes = await store.migrate()
-        changes += await migrate_plugins(store, pm, settings)  # own-lane sinks' tables, plugin tables
-        changes += await consume_cli.migrate_consumers(store, pm)  # consumers' and handlers' tables
+        # Tables of the enabled sinks and handlers only: an installed plugin may be unused.
+        handlers = consume_cli.enabled_handlers(settings)
+        changes += await migrate_plugins(store, pm, settings, handlers)  # own-lane sinks', plugins' tables
+        changes += await consume_cli.migrate_consumers(store, pm, handlers)  # consumers', handlers' tables
         return changes
 
 
@@ -128,18 +130,35 @@ async def print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
         )
     try:
         with translated_errors(dsn):
-            plan = await store.migration_plan() + await plugins_migration_plan(store, pm, settings)
-            plan += await consume_cli.consumers_migration_plan(store, pm)
+            handlers = consume_cli.enabled_handlers(settings)
+            plan = await store.migration_plan() + await plugins_migration_plan(store, pm, settings, handlers)
+            plan += await consume_cli.consumers_migration_plan(store, pm, handlers)
     finally:
         await store.aclose()
     print(f"-- room-outbox migrate for {describe(address)}: nothing has been run")
     if not plan:
         print("-- schema already up to date: no statement to run")
     for step in plan:
-        print(f"\n-- {step.change}")
+        print(f"\n-- {would(step.change)}")
         for statement in step.statements:
             print(statement.strip().rstrip(";") + ";")
     return 0
+
+
+#: A step's change says what ``migrate`` did ("created table …"); the script says what it would do.
+_WOULD = {
+    "created": "would create",
+    "added": "would add",
+    "ran": "would run",
+    "rebuilt": "would rebuild",
+}
+
+
+def would(change: str) -> str:
+    """``created table x`` → ``would create table x``; a change in other words keeps them,
+    after ``would apply:``."""
+    verb, _, rest = change.partition(" ")
+    return f"{_WOULD[verb]} {rest}" if verb in _WOULD else f"would apply: {change}"
 
 
 def translated_errors(dsn: str) -> contextlib.AbstractContextManager[None]:
