@@ -30,6 +30,7 @@ from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.startup import check_configuration, open_checked_store
 from room_outbox.store import OutboxStore
+from room_outbox.store.clock import CLOCK
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.mysql_lanes import lane_table
@@ -51,6 +52,7 @@ async def run_service(
     ``redactor``: the one the process's log handler uses (sinks register their secrets with
     it); default: a new one from :func:`~room_outbox.observability.redaction.redactor_for`."""
     stop = stop or anyio.Event()
+    CLOCK.max_skew = settings.cluster.max_clock_skew
     redactor = redactor or redactor_for(settings)
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
     checked = check_configuration(settings, pm)  # all of it, before anything connects

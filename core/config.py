@@ -45,6 +45,8 @@ DEFAULT_QUERY_TIMEOUT = 5.0
 #: Defaults of ``telemetry.stalled_after_polls`` and ``telemetry.unready_after_failed_rounds``.
 STALLED_AFTER_POLLS = 30
 UNREADY_AFTER_FAILED_ROUNDS = 3
+#: Default of ``cluster.max_clock_skew``, in seconds.
+MAX_CLOCK_SKEW = 2.0
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -321,11 +323,17 @@ class ClusterSettings(Section):
     #: A process whose heartbeat is older than this is dead: its buckets and its quota share
     #: go to the others. At least three heartbeats.
     node_timeout: Duration = 5.0
+    #: How far this host's clock may be off the database's before it is reported (a WARNING,
+    #: ``/readyz``, a metric). Every time compared between processes is the database's, so
+    #: delivery goes on whatever the offset; other hosts' tools (logs, dashboards) may not.
+    max_clock_skew: Duration = MAX_CLOCK_SKEW
 
     @model_validator(mode="after")
     def _timeout_spans_heartbeats(self) -> ClusterSettings:
         if self.heartbeat_interval <= 0:
             raise ValueError("heartbeat_interval must be a positive duration")
+        if self.max_clock_skew <= 0:
+            raise ValueError("max_clock_skew must be a positive duration")
         if self.node_timeout < 3 * self.heartbeat_interval or self.node_timeout < self.heartbeat_interval + 2.5:
             # A process stops sending once its heartbeat is node_timeout less two rate-limit
             # windows old; that must leave room for at least one heartbeat.

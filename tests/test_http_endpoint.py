@@ -48,9 +48,14 @@ async def test_health_readiness_and_metrics(endpoint: tuple[HttpEndpoint, Databa
     assert (await client.get("/healthz")).text == "ok\n"
 
     starting = await client.get("/readyz")
-    assert starting.status_code == 503 and starting.json() == {"ready": False, "worker": "starting", "database": "ok"}
+    assert starting.status_code == 503 and starting.json() == {
+        "ready": False,
+        "worker": "starting",
+        "database": "ok",
+        "clock": "ok",
+    }
     server.health.worker = "running"
-    assert (await client.get("/readyz")).json() == {"ready": True, "worker": "running", "database": "ok"}
+    assert (await client.get("/readyz")).json() == {"ready": True, "worker": "running", "database": "ok", "clock": "ok"}
     server.health.worker = "disabled"  # outbox_worker.enabled: false serves nothing, yet is not broken
     assert (await client.get("/readyz")).status_code == 200
 

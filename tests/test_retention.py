@@ -19,10 +19,10 @@ from support import INSERT_V1, envelope, fetch_rows, wait_until
 
 from room_outbox.cli.main import main
 from room_outbox.config import ConfigError, RetentionSettings, load_settings
+from room_outbox.store.clock import now_ms
 from room_outbox.store.consumer import Processed, RetryRow
 from room_outbox.store.consumer_sql import SQLConsumerStore
 from room_outbox.store.factory import SQLStore, consumer_store, open_store
-from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.retention import (
     ARCHIVE_TABLE,

@@ -3,7 +3,9 @@ the quota share that follows from them.
 
 Every ``heartbeat_interval`` each process, in one transaction:
 
-1. renews its row in ``room_outbox_node`` (and reports its view of the membership);
+1. measures its clock's offset from the database's (every time compared between processes
+   is the database's: :mod:`room_outbox.store.clock`), renews its row in ``room_outbox_node``
+   (and reports its view of the membership);
 2. reads the nodes: one without a heartbeat for ``node_timeout`` is dead;
 3. when buckets belong to dead or departed nodes, or are unevenly spread, it reassigns them,
    moving as few as it can (each live node keeps up to its fair count of what it has; the
@@ -35,8 +37,8 @@ import anyio
 
 from room_outbox.cluster.quota import WINDOW, QuotaShare
 from room_outbox.store import membership as sql
+from room_outbox.store.clock import CLOCK, now_ms
 from room_outbox.store.factory import SQLStore
-from room_outbox.store.leased import now_ms
 from room_outbox.store.profiles import V1, Profile
 
 log = logging.getLogger("room_outbox.cluster")
@@ -153,6 +155,7 @@ class Membership:
         began = time.monotonic()
         timeout_ms = int(self.node_timeout * 1000)
         async with self.store.transaction() as cur:
+            await CLOCK.measure(cur, self.store.dialect.name)  # every time below is the database's
             await sql.heartbeat(cur, self.store.dialect, self.node_id, self._view, self._view_since_ms)
             nodes = await sql.read_nodes(cur)
             now = now_ms()

@@ -51,8 +51,8 @@ from room_outbox.observability.metrics import ConsumerMetrics
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.observability.tracing import producer_context
+from room_outbox.store.clock import now_ms
 from room_outbox.store.consumer import NO_HANDLER, ConsumerBatch, ConsumerStore, LeaseLost, Processed, RetryRow
-from room_outbox.store.leased import now_ms
 
 log = logging.getLogger("room_outbox.consume")
 

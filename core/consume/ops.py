@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from typing import IO, Any
 
+from room_outbox.store.clock import now_ms
 from room_outbox.store.consumer_sql import SQLConsumerStore
 from room_outbox.store.factory import SQLStore, consumer_store
-from room_outbox.store.leased import now_ms
 
 
 async def _consumer_store(store: SQLStore) -> SQLConsumerStore | None:

@@ -53,8 +53,9 @@ from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.observability.telemetry import NO_ATTEMPT, DeliveryAttempt, Failure, Telemetry
 from room_outbox.sink import PermanentSinkError, SinkError
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow, OutboxStore, Outcome
+from room_outbox.store.clock import now_ms
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
-from room_outbox.store.leased import LAST_ERROR_MAX, now_ms
+from room_outbox.store.leased import LAST_ERROR_MAX
 
 log = logging.getLogger("room_outbox.dispatcher")
 

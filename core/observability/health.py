@@ -9,8 +9,11 @@
   keep ending (each failed one within ``query_timeout``), and a restart would not help.
 * **Ready** (``/readyz``): the worker runs (or is disabled by configuration), the database
   answers ``SELECT 1`` within 2 s, and no lane has had ``telemetry.unready_after_failed_rounds``
-  failed rounds in a row. Sinks are not checked: a sink's jitter must not take the process
-  out of service; failing deliveries show in the metrics instead.
+  failed rounds in a row. Its ``clock`` check says whether this host's clock is off the
+  database's by more than ``cluster.max_clock_skew`` (shown, not a cause of unreadiness:
+  every time compared between processes is the database's). Sinks are not checked: a sink's
+  jitter must not take the process out of service; failing deliveries show in the metrics
+  instead.
 
 The dispatchers report to their :class:`LaneHealth`; the lifecycle sets :attr:`Health.worker`.
 """
@@ -25,10 +28,13 @@ import anyio
 
 from room_outbox.config import UNREADY_AFTER_FAILED_ROUNDS
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
+from room_outbox.store.clock import CLOCK, ClusterClock
 
 DATABASE_CHECK_TIMEOUT = 2.0
 #: Longest error text in a check (and in a backlog-sample warning): a line, not a dump.
 CHECK_TEXT_MAX = 300
+#: ``/readyz``'s clock check when this host's clock is off the database's beyond the bound.
+CLOCK_SKEWED = "off the database's clock by more than cluster.max_clock_skew"
 
 
 @dataclass
@@ -72,6 +78,9 @@ class Health:
     #: Failed rounds in a row (in any lane) that make the process not ready.
     unready_after_failed_rounds: int = UNREADY_AFTER_FAILED_ROUNDS
     lanes: dict[str, LaneHealth] = field(default_factory=dict)
+    #: The process's reading of the database's clock (its offset is reported, not a cause of
+    #: unreadiness: every time compared between processes is the database's).
+    clock: ClusterClock = field(default_factory=lambda: CLOCK)
 
     def lane(self, name: str) -> LaneHealth:
         """The record a lane's dispatcher reports to (created when first asked for)."""
@@ -102,6 +111,7 @@ class Health:
         except Exception as exc:
             checks["database"] = redact_and_shorten(self.redactor, f"{type(exc).__name__}: {exc}", CHECK_TEXT_MAX)
         ready = checks["database"] == "ok" and self.worker in ("running", "disabled")
+        checks["clock"] = CLOCK_SKEWED if self.clock.skewed else "ok"
         for name, lane in sorted(self.lanes.items()):
             if lane.failed_in_a_row >= self.unready_after_failed_rounds:
                 ready = False

@@ -11,6 +11,7 @@ name                                           kind       attributes
 ``room_outbox_publish_latency_ms``             histogram  sink, event_type, outcome
 ``room_outbox_claimed_batch_size``             histogram  one observation per claim round
 ``room_outbox_lost_leases_total``              counter    detected_at (renewal, result_write)
+``room_outbox_clock_offset_seconds``           gauge      this host's clock minus the database's
 ``room_outbox_consumer_lag``                   gauge      consumer, topic, partition
 ``room_outbox_consumer_handled_total``         counter    consumer, handler, outcome
 ``room_outbox_consumer_retried_total``         counter    consumer, handler
@@ -18,7 +19,7 @@ name                                           kind       attributes
 ``room_outbox_consumer_handler_latency_ms``    histogram  consumer, handler
 =============================================  =========  ====================================
 
-The first seven are the dispatcher's (:class:`OutboxMetrics`), the last five a consume
+The first eight are the dispatcher's (:class:`OutboxMetrics`), the last five a consume
 process's (:class:`ConsumerMetrics`). A consumer's ``outcome`` is ``handled``, or
 ``duplicate`` (its processed record existed: a redelivery); its lag is the partition's high
 watermark minus the offset this process last committed, set after each commit.
@@ -30,7 +31,8 @@ the names every Prometheus user's dashboards already know, from a small, pure-Py
 maintained by the Prometheus project (OpenTelemetry's system-metrics instrumentation would need
 psutil and names them ``process_runtime_*`` instead).
 
-The two gauges come from a timer (:mod:`room_outbox.observability.service`), one series per lane the
+The clock offset is read at each collection (as last measured, :mod:`room_outbox.store.clock`).
+The two backlog gauges come from a timer (:mod:`room_outbox.observability.service`), one series per lane the
 configuration runs: ``lane="im"`` counts pending rows of ``room_outbox`` (only while the IM
 lane runs: otherwise ``status`` is room-service's and no backlog of anyone's here), a lane of
 its own counts its pending rows plus the rows not fed to it yet. Every counter is exported
@@ -48,9 +50,11 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 
-from opentelemetry.metrics import Meter
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics.export import Gauge, Histogram, MetricsData, NumberDataPoint, Sum
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
+
+from room_outbox.store.clock import CLOCK
 
 LATENCY_BUCKETS_MS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0)
 BATCH_BUCKETS = (0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
@@ -99,6 +103,12 @@ class OutboxMetrics:
             unit="{event}",
             description="Claimed rows this process no longer held (taken over or published by the producer).",
         )
+        meter.create_observable_gauge(
+            "room_outbox_clock_offset_seconds",
+            callbacks=[_clock_offset],
+            unit="s",
+            description="How far this host's clock is ahead of the database's (negative: behind).",
+        )
 
     def start_at_zero(self, routes: Iterable[tuple[str, str]]) -> None:
         """Export every counter at 0 for ``routes`` ((sink, event_type) pairs) and the fixed
@@ -115,6 +125,10 @@ class OutboxMetrics:
                 self.failure.add(0, {"sink": "-", "event_type": event_type, "error_class": error_class})
         for point in LEASE_LOSS_POINTS:
             self.lost_leases.add(0, {"detected_at": point})
+
+
+def _clock_offset(options: CallbackOptions) -> Iterable[Observation]:
+    yield Observation(CLOCK.offset)
 
 
 class ConsumerMetrics:

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 import pymysql
 
 from room_outbox.handler import Transaction
+from room_outbox.store.clock import now_ms
 from room_outbox.store.consumer import LeaseLost, Processed, RetryRow
 from room_outbox.store.dialect import index_names, table_names
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.leased import now_ms
 from room_outbox.store.tables import Migration
 
 if TYPE_CHECKING:

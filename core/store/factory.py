@@ -17,6 +17,7 @@ import anyio
 
 from room_outbox.errors import ConfigurationError, StoreUnavailable
 from room_outbox.store import OutboxStore
+from room_outbox.store.clock import CLOCK
 from room_outbox.store.consumer_sql import SQLConsumerStore
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.dialect import Dialect
@@ -158,6 +159,8 @@ async def open_store(
                 else:
                     store = await MySQLStore.connect(dsn, pool_size, create_database, query_timeout)
                 store.use_profile(profile)
+                if not isinstance(store, SQLiteStore):
+                    await _read_clock(store)
                 return store
         except StoreUnavailable as exc:
             _raise_if_cancellation_was_lost()
@@ -174,6 +177,16 @@ async def open_store(
             await anyio.sleep(min(pause, left))
             pause = min(pause * WAIT_FACTOR, WAIT_LONGEST)
             attempt += 1
+
+
+async def _read_clock(store: MySQLStore | PostgresStore) -> None:
+    """Measure the process's offset from the server's clock, closing the pool if it fails."""
+    try:
+        async with store.transaction() as cur:
+            await CLOCK.measure(cur, store.dialect.name)
+    except BaseException:
+        await store.aclose()
+        raise
 
 
 def consumer_store(store: SQLStore, handling_timeout: float | None = None) -> SQLConsumerStore | None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import table_names
-from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
 
 if TYPE_CHECKING:

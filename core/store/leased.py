@@ -14,12 +14,12 @@ range and checks the bucket, the index's last column on a server, in the index e
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
+from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import MYSQL, Dialect
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.profiles import V1, Profile
@@ -28,10 +28,6 @@ from room_outbox.store.tables import ROOM_INDEX, TABLE, claim_index
 #: Reads the room buckets a claim may take, with the claim's cursor (``None``: every room).
 BucketReader = Callable[[Any], Awaitable[list[int] | None]]
 LAST_ERROR_MAX = 512
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def claim_sql(

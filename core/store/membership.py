@@ -49,9 +49,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import Dialect, column_names, table_names
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.leased import now_ms
 from room_outbox.store.profiles import V1, Profile
 from room_outbox.store.tables import add_column_sql, add_index_sql, claim_index
 

@@ -56,9 +56,10 @@ from typing import TYPE_CHECKING, Any
 from room_outbox.config import LanesSettings
 from room_outbox.errors import ConfigurationError
 from room_outbox.store import Claimed, DeliveryResult
+from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import Dialect, table_names
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.leased import BucketReader, LeasedRows, now_ms
+from room_outbox.store.leased import BucketReader, LeasedRows
 from room_outbox.store.membership import bucket_plan
 from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.tables import ROOM_INDEX, Migration, run_plan

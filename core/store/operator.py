@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import marks
 from room_outbox.store.factory import SQLStore
-from room_outbox.store.leased import now_ms
 from room_outbox.store.profiles import Profile, in_list
 
 

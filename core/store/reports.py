@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import table_names
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
-from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql_lanes import lane_table
 
 

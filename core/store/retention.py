@@ -58,10 +58,10 @@ import pymysql
 from anyio.abc import TaskStatus
 
 from room_outbox.config import LanePlan, RetentionSettings
+from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import column_names, table_names
 from room_outbox.store.factory import SQLStore, consumer_store
 from room_outbox.store.lane_catalog import first_row_after, owes_rows, stored_lanes
-from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql_lanes import lane_table
 from room_outbox.store.tables import TABLE
 

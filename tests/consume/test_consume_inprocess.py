@@ -290,7 +290,12 @@ async def test_a_consume_process_answers_healthz_and_readyz(
 
         await wait_until(ready, timeout=30)
         assert (await http.get("/healthz")).status_code == 200
-        assert (await http.get("/readyz")).json() == {"ready": True, "worker": "running", "database": "ok"}
+        assert (await http.get("/readyz")).json() == {
+            "ready": True,
+            "worker": "running",
+            "database": "ok",
+            "clock": "ok",
+        }
         stop.set()
 
 

@@ -9,8 +9,8 @@ import pytest
 from support import envelope, insert_events
 
 from room_outbox.cluster.membership import Membership
+from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import SQLStore, open_store
-from room_outbox.store.leased import now_ms
 from room_outbox.store.membership import BUCKET_TABLE, BUCKETS, bucket_of, read_buckets, still_leased
 from room_outbox.store.mysql_lanes import LaneStore, migrate_lanes
 from room_outbox.store.profiles import ROOM_CELL, V1

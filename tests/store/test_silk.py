@@ -14,8 +14,8 @@ from room_outbox.cli.status import inspect_event, status_report
 from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError
 from room_outbox.store import DeliveryResult, Outcome
+from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import SQLStore, open_store
-from room_outbox.store.leased import now_ms
 from room_outbox.store.membership import bucket_of
 from room_outbox.store.operator import RequeueFilter, cancel, find_requeue_candidates, requeue
 from room_outbox.store.profiles import SILK

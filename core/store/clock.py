@@ -1,0 +1,92 @@
+"""What time it is in the cluster: the database server's clock, as this process reads it.
+
+Every time one process writes and another compares comes from :func:`now_ms`: heartbeats and
+liveness, bucket hand-overs and ``claimable_from_ms``, lease ends (``lock_until_ms``), retry
+due times, the quota's membership views. Hosts' clocks drift apart; the database is the one
+thing every process shares, so its clock is the cluster's.
+
+Each process measures its offset from the server (:meth:`ClusterClock.measure`) when its store
+opens and at every membership heartbeat: one ``SELECT`` of the server's time, taken at the
+middle of the round trip. Between two measurements the time runs on the local monotonic clock,
+which a step of the host's wall clock does not move. No statement changes for it, and a
+statement costs nothing more. Until a first measurement (SQLite: one box, no server) it is
+the local clock.
+
+A host whose clock is off the server's by more than ``cluster.max_clock_skew`` is logged once
+(one WARNING line naming the offset, again only after it came back within the bound) and shown
+by ``/readyz`` and the gauge ``room_outbox_clock_offset_seconds``. Delivery does not depend on
+it: the offset is corrected, whatever its size.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from room_outbox.config import MAX_CLOCK_SKEW
+
+log = logging.getLogger("room_outbox.cluster")
+
+#: The server's time in epoch ms, at the statement (PostgreSQL's now() is the transaction's start).
+SERVER_NOW_MS = {
+    "mysql": "SELECT CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
+    "postgresql": "SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)",
+}
+
+
+class ClusterClock:
+    """The process's reading of the database's clock (see the module docstring)."""
+
+    def __init__(self, wall: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._wall = wall
+        self._monotonic = monotonic
+        #: The server's epoch ms minus the local monotonic ms; None until measured.
+        self._base_ms: float | None = None
+        #: Seconds this host's wall clock is ahead of the server's (negative: behind).
+        self.offset = 0.0
+        #: The offset beyond which the host's clock counts as skewed.
+        self.max_skew = MAX_CLOCK_SKEW
+        self._warned = False
+
+    @property
+    def skewed(self) -> bool:
+        return abs(self.offset) > self.max_skew
+
+    def now_ms(self) -> int:
+        if self._base_ms is None:
+            return int(self._wall() * 1000)
+        return int(self._monotonic() * 1000 + self._base_ms)
+
+    async def measure(self, cur: Any, dialect: str) -> None:
+        """Read the server's time on ``cur`` (a MySQL/MariaDB or PostgreSQL cursor) and set
+        the offset from it; ``dialect``: the store dialect's name."""
+        sent, sent_wall = self._monotonic(), self._wall()
+        await cur.execute(SERVER_NOW_MS[dialect])
+        (server_ms,) = await cur.fetchone()
+        received, received_wall = self._monotonic(), self._wall()
+        self.observe(int(server_ms), (sent + received) / 2, (sent_wall + received_wall) / 2)
+
+    def observe(self, server_ms: int, monotonic_at: float, wall_at: float) -> None:
+        """The server's clock read ``server_ms`` at local ``monotonic_at`` / ``wall_at``."""
+        self._base_ms = server_ms - monotonic_at * 1000
+        self.offset = wall_at - server_ms / 1000
+        if not self.skewed:
+            self._warned = False
+        elif not self._warned:
+            self._warned = True
+            log.warning(
+                f"this host's clock is {self.offset:+.1f}s off the database's (cluster.max_clock_skew"
+                f" {self.max_skew:g}s); room-outbox keeps to the database's clock",
+                extra={"clock_offset": round(self.offset, 3)},
+            )
+
+
+#: The process's one clock.
+CLOCK = ClusterClock()
+
+
+def now_ms() -> int:
+    """The cluster's time in epoch milliseconds (see the module docstring)."""
+    return CLOCK.now_ms()
