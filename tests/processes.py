@@ -91,9 +91,10 @@ def write_config(
 class DispatcherProcess:
     """`room-outbox run` as a process; its JSON log lines land in ``log``."""
 
-    def __init__(self, config: Path, name: str) -> None:
+    def __init__(self, config: Path, name: str, env: dict[str, str] | None = None) -> None:
+        """``env``: variables added to the process's environment."""
         self.log = config.parent / f"{name}.log"
-        env = _env()
+        env = {**_env(), **(env or {})}
         env["ROOM_OUTBOX__NODE_ID"] = name
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "room_outbox.cli", "--config", str(config), "run"],

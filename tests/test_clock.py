@@ -1,0 +1,115 @@
+"""One clock for the cluster: the process reads the database server's clock (offset measured
+with the round trip halved) and runs on its monotonic clock in between; a host beyond
+``cluster.max_clock_skew`` is logged once, shown by ``/readyz`` and the offset gauge."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from telemetry_support import capture
+
+from room_outbox.config import Settings
+from room_outbox.observability.health import CLOCK_SKEWED, Health
+from room_outbox.store.clock import CLOCK, ClusterClock
+from room_outbox.store.factory import open_store
+
+pytestmark = pytest.mark.anyio
+
+
+class Clocks:
+    """A host's wall and monotonic clocks, moved by hand."""
+
+    def __init__(self, wall: float, monotonic: float = 1000.0) -> None:
+        self.wall, self.monotonic = wall, monotonic
+
+    def advance(self, seconds: float) -> None:
+        self.wall += seconds
+        self.monotonic += seconds
+
+    def clock(self, max_skew: float = 2.0) -> ClusterClock:
+        clock = ClusterClock(wall=lambda: self.wall, monotonic=lambda: self.monotonic)
+        clock.max_skew = max_skew
+        return clock
+
+
+def test_the_clock_is_the_hosts_until_measured_then_the_servers() -> None:
+    host = Clocks(wall=1_000_000.0)
+    clock = host.clock()
+    assert clock.now_ms() == 1_000_000_000
+    clock.observe(server_ms=999_990_000, monotonic_at=host.monotonic, wall_at=host.wall)  # host 10 s ahead
+    assert clock.offset == pytest.approx(10.0) and clock.now_ms() == 999_990_000
+    host.advance(2.5)
+    assert clock.now_ms() == 999_992_500
+
+
+def test_a_step_of_the_hosts_wall_clock_does_not_move_the_cluster_time() -> None:
+    host = Clocks(wall=1_000_000.0)
+    clock = host.clock()
+    clock.observe(server_ms=1_000_000_000, monotonic_at=host.monotonic, wall_at=host.wall)
+    host.wall += 3600  # a wall clock set an hour ahead between two measurements
+    assert clock.now_ms() == 1_000_000_000
+
+
+def test_a_skew_beyond_the_bound_logs_one_warning_naming_the_offset(caplog: pytest.LogCaptureFixture) -> None:
+    host = Clocks(wall=1_000_000.0)
+    clock = host.clock(max_skew=2.0)
+    with caplog.at_level(logging.WARNING, logger="room_outbox.cluster"):
+        clock.observe(1_000_000_000 - 1_500, host.monotonic, host.wall)  # 1.5 s: within the bound
+        assert not clock.skewed and not caplog.records
+        for _ in range(3):  # 10 s behind the host, at three heartbeats: one line
+            clock.observe(1_000_000_000 - 10_000, host.monotonic, host.wall)
+        assert clock.skewed
+        assert [r.getMessage() for r in caplog.records] == [
+            "this host's clock is +10.0s off the database's (cluster.max_clock_skew 2s);"
+            " room-outbox keeps to the database's clock"
+        ]
+        clock.observe(1_000_000_000, host.monotonic, host.wall)  # back within the bound
+        clock.observe(1_000_000_000 + 7_000, host.monotonic, host.wall)  # then 7 s behind it
+    assert [getattr(r, "clock_offset", None) for r in caplog.records] == [10.0, -7.0]
+
+
+async def test_readyz_shows_a_skewed_clock_with_a_fixed_cause_and_stays_ready() -> None:
+    host = Clocks(wall=1_000_000.0)
+    clock = host.clock(max_skew=2.0)
+    health = Health(clock=clock)
+    health.worker = "running"
+    clock.observe(1_000_000_000 - 1_000, host.monotonic, host.wall)
+    assert await health.readiness() == (True, {"worker": "running", "database": "ok", "clock": "ok"})
+    clock.observe(1_000_000_000 + 120_000, host.monotonic, host.wall)  # two minutes behind
+    ready, checks = await health.readiness()
+    assert ready and checks["clock"] == CLOCK_SKEWED
+
+
+def test_the_offset_gauge_carries_the_last_measured_offset(monkeypatch: pytest.MonkeyPatch) -> None:
+    captured = capture()
+    monkeypatch.setattr(CLOCK, "offset", -12.5)
+    assert captured.value("room_outbox_clock_offset_seconds") == -12.5
+    monkeypatch.setattr(CLOCK, "offset", 0.25)
+    assert captured.value("room_outbox_clock_offset_seconds") == 0.25
+
+
+def test_max_clock_skew_is_a_positive_duration() -> None:
+    assert Settings().cluster.max_clock_skew == 2.0
+    assert Settings.model_validate({"cluster": {"max_clock_skew": "30s"}}).cluster.max_clock_skew == 30.0
+    with pytest.raises(ValueError, match="max_clock_skew must be a positive duration"):
+        Settings.model_validate({"cluster": {"max_clock_skew": "0s"}})
+
+
+@pytest.mark.parametrize("server", ["mysql", "postgresql"])
+async def test_the_offset_is_measured_against_the_real_server(
+    server: str, database_dsn: str, postgresql_dsn: str
+) -> None:
+    """The server runs on this host: a host clock 10 s ahead of it reads as +10 s, and the
+    cluster's time is still the server's."""
+    store = await open_store(database_dsn if server == "mysql" else postgresql_dsn)
+    try:
+        clock = ClusterClock(wall=lambda: time.time() + 10)
+        async with store.transaction() as cur:
+            await clock.measure(cur, store.dialect.name)
+        assert clock.offset == pytest.approx(10.0, abs=0.5)
+        assert clock.now_ms() / 1000 == pytest.approx(time.time(), abs=0.5)
+        assert abs(CLOCK.offset) < 0.5  # measured by open_store, against the real host clock
+    finally:
+        await store.aclose()
