@@ -16,6 +16,7 @@ from typing import IO, Any
 
 from room_outbox.consume.ops import consumer_overview, consumer_states, format_overview, format_states
 from room_outbox.envelope import EnvelopeError, parse_envelope
+from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.profiles import V1, Profile
 from room_outbox.store.reports import (
@@ -28,7 +29,8 @@ from room_outbox.store.reports import (
 
 
 def _now_ms() -> int:
-    return int(time.time() * 1000)
+    """The cluster's time: the leases and due times shown were written on it."""
+    return now_ms()
 
 
 # -- room-outbox status -----------------------------------------------------------------------
