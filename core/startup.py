@@ -94,7 +94,7 @@ async def open_checked_store(settings: Settings, own_lanes: list[str]) -> SQLSto
     )
     try:
         with translated(describe(store_address(database.dsn.get_secret_value()))):
-            await check_schema(store, own_lanes)
+            await check_schema(store, own_lanes, settings.node_id)
     except BaseException:
         await store.aclose()
         raise

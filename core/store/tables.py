@@ -144,6 +144,8 @@ def require_v1_columns(columns: set[str], table: str = TABLE) -> None:
 async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migration]:
     """What creates the outbox table, or adds what is missing to room-service's V1 table, read
     from the catalogue in the caller's transaction; nothing when it is up to date."""
+    from room_outbox.store.column_checks import ADOPTED_COLUMNS, adoption_plan
+
     columns = set(await column_names(cur, dialect, table))
     indexes = await index_names(cur, dialect, table)
     plan: list[Migration] = []
@@ -151,7 +153,8 @@ async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migrat
         ddl = tuple(statement.format(table=table).strip() for statement in V1_TABLE_DDL[dialect.name])
         plan.append(Migration(f"created table {table}", ddl))
         columns = set(REQUIRED_V1_COLUMNS)
-    require_v1_columns(columns, table)
+    plan += adoption_plan(columns, dialect, table)  # room-service's first table lacks two columns
+    require_v1_columns(columns | set(ADOPTED_COLUMNS[dialect.name]), table)
     for name, definition in ADDED_COLUMNS[dialect.name].items():
         if name not in columns:
             plan.append(
@@ -237,9 +240,12 @@ async def plan_silk(cur: Any, dialect: Dialect, table: str) -> list[Migration]:
 
 async def plan_outbox(cur: Any, dialect: Dialect, profile: Profile) -> list[Migration]:
     """The migration plan of the profile's table (see :mod:`.profiles`)."""
+    from room_outbox.store.column_checks import checked_fixes
+
+    fixes = await checked_fixes(cur, dialect, profile)  # refuses what its columns cannot hold
     if profile.name == "silk":
-        return await plan_silk(cur, dialect, profile.table)
-    return await plan_v1(cur, dialect, profile.table)
+        return await plan_silk(cur, dialect, profile.table) + fixes
+    return await plan_v1(cur, dialect, profile.table) + fixes
 
 
 async def run_plan(cur: Any, plan: list[Migration]) -> list[str]:
