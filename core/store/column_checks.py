@@ -11,13 +11,14 @@ Tables written from room-service's documents differ from the one ``migrate`` cre
   online rebuild); on PostgreSQL it is refused with the statements to run.
 * ``last_error``, ``worker_id`` too short or NOT NULL, times or keys that are not integers wide
   enough: refused, with the fix.
-* room-service's first table (its V1 compensation-worker guide) has no ``app_code`` and no
-  ``updated_at_ms``: :func:`adoption_plan` adds both with constant defaults (catalogue-only
-  changes). room-outbox only writes ``updated_at_ms``; ages are read from ``created_at_ms``,
-  which that table has.
+* room-service's first V1 tables have no ``app_code`` and no ``updated_at_ms``:
+  :func:`adoption_plan` adds both with constant defaults (catalogue-only changes).
+  room-outbox only writes ``updated_at_ms`` (nothing decides by it); ages are read from
+  ``created_at_ms``, which those tables have.
 
 Each problem is one line: the column, what is wrong, the fix. SQLite is left alone (its
-columns hold any value).
+columns hold any value). Steps of a migration are :data:`Step` tuples, which the plan in
+:mod:`.tables` turns into its migrations (this module stays below it).
 """
 
 from __future__ import annotations
@@ -29,18 +30,22 @@ from typing import TYPE_CHECKING, Any
 
 from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import Dialect
-from room_outbox.store.leased import LAST_ERROR_MAX
 
 if TYPE_CHECKING:
     from room_outbox.store.profiles import Profile
-    from room_outbox.store.tables import Migration
 
+#: The longest error text a result writes into ``last_error`` (longer ones are cut).
+LAST_ERROR_MAX = 512
+
+#: A migration step: what it changes, its statements, whether it repeats until it changes no
+#: row (a backfill in batches).
+Step = tuple[str, tuple[str, ...], bool]
 #: Claim ids are ``<node_id>#<n>``: the counter's widest form.
 CLAIM_NUMBER_DIGITS = 20
 #: Rows one batch of a backfill changes: short transactions, short row locks.
 BACKFILL_BATCH = 5000
 
-#: Columns room-service's first table lacks, added with constant defaults (no rewrite).
+#: Columns room-service's first V1 tables lack, added with constant defaults (no rewrite).
 ADOPTED_COLUMNS: dict[str, dict[str, str]] = {
     "mysql": {"app_code": "VARCHAR(64) NOT NULL DEFAULT ''", "updated_at_ms": "BIGINT NOT NULL DEFAULT 0"},
     "postgresql": {"app_code": "VARCHAR(64) NOT NULL DEFAULT ''", "updated_at_ms": "BIGINT NOT NULL DEFAULT 0"},
@@ -71,18 +76,17 @@ class Column:
     default: str | None = None
 
 
-def adoption_plan(columns: set[str], dialect: Dialect, table: str) -> list[Migration]:
-    """Add what room-service's first table lacks (``app_code``, ``updated_at_ms``) to an
+def adoption_plan(columns: set[str], dialect: Dialect, table: str) -> list[Step]:
+    """Add what room-service's first V1 tables lack (``app_code``, ``updated_at_ms``) to an
     existing table, with constant defaults: the producer's INSERT, which names neither, keeps
     working."""
-    from room_outbox.store.tables import Migration
-
     if not columns:
         return []
     return [
-        Migration(
+        (
             f"added column {table}.{name}",
             (f"ALTER TABLE {table} ADD COLUMN {name} {definition}{_ONLINE_ADD[dialect.name]}",),
+            False,
         )
         for name, definition in ADOPTED_COLUMNS[dialect.name].items()
         if name not in columns
@@ -113,14 +117,19 @@ _POSTGRESQL_COLUMNS = (
 
 
 def _mysql_column(row: Sequence[Any]) -> Column:
-    name, kind, declared, nullable, length, default = (str(v) if isinstance(v, bytes) else v for v in row)
+    name, kind, declared, nullable, length, default = (v.decode() if isinstance(v, bytes) else v for v in row)
+    kind = str(kind).lower()
     members = tuple(m.replace("''", "'") for m in re.findall(r"'((?:[^']|'')*)'", declared)) if kind == "enum" else ()
-    return Column(str(name).lower(), str(kind).lower(), str(declared), nullable == "YES", length, members, default)
+    return Column(str(name).lower(), kind, str(declared), nullable == "YES", _int(length), members, default)
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _postgresql_column(row: Sequence[Any]) -> Column:
     name, kind, udt, nullable, length, default, labels = row
-    return Column(name.lower(), kind.lower(), udt, nullable == "YES", length, tuple(labels or ()), default)
+    return Column(name.lower(), kind.lower(), udt, nullable == "YES", _int(length), tuple(labels or ()), default)
 
 
 def column_problems(
@@ -235,34 +244,34 @@ def _default_sql(column: Column) -> str:
     return f" DEFAULT {value}"
 
 
-def column_fixes(columns: dict[str, Column], profile: Profile, dialect: Dialect) -> list[Migration]:
+def column_fixes(columns: dict[str, Column], profile: Profile, dialect: Dialect) -> list[Step]:
     """What ``migrate`` changes itself (MySQL/MariaDB): a nullable lock column gets DEFAULT 0
     (metadata only), its NULLs become 0 in small batches (each its own short transaction),
     then it becomes NOT NULL by an online rebuild that lets the producer write meanwhile."""
-    from room_outbox.store.tables import Migration
-
     lock = columns.get(profile.lock)
     if dialect.name != "mysql" or not profile.ms_columns or lock is None or not lock.nullable:
         return []
     table, name = profile.table, profile.lock
     return [
-        Migration(
+        (
             f"set {table}.{name}'s default to 0",
             (f"ALTER TABLE {table} ALTER COLUMN {name} SET DEFAULT 0, ALGORITHM=INSTANT",),
+            False,
         ),
-        Migration(
+        (
             f"set {table}.{name} to 0 where it was NULL",
             (f"UPDATE {table} SET {name} = 0 WHERE {name} IS NULL LIMIT {BACKFILL_BATCH}",),
-            repeat=True,
+            True,
         ),
-        Migration(
+        (
             f"made {table}.{name} NOT NULL",
             (f"ALTER TABLE {table} MODIFY {name} {lock.declared} NOT NULL DEFAULT 0, ALGORITHM=INPLACE, LOCK=NONE",),
+            False,
         ),
     ]
 
 
-async def checked_fixes(cur: Any, dialect: Dialect, profile: Profile) -> list[Migration]:
+async def checked_fixes(cur: Any, dialect: Dialect, profile: Profile) -> list[Step]:
     """``migrate``'s side: refuse (:class:`SchemaError`, one line per problem) what it cannot
     fix; return the steps that fix the rest."""
     columns = await read_columns(cur, dialect, profile.table)

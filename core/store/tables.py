@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.errors import SchemaError
+from room_outbox.store.column_checks import ADOPTED_COLUMNS, adoption_plan, checked_fixes
 from room_outbox.store.dialect import Dialect, column_names, index_names
 
 if TYPE_CHECKING:
@@ -144,8 +145,6 @@ def require_v1_columns(columns: set[str], table: str = TABLE) -> None:
 async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migration]:
     """What creates the outbox table, or adds what is missing to room-service's V1 table, read
     from the catalogue in the caller's transaction; nothing when it is up to date."""
-    from room_outbox.store.column_checks import ADOPTED_COLUMNS, adoption_plan
-
     columns = set(await column_names(cur, dialect, table))
     indexes = await index_names(cur, dialect, table)
     plan: list[Migration] = []
@@ -153,7 +152,7 @@ async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migrat
         ddl = tuple(statement.format(table=table).strip() for statement in V1_TABLE_DDL[dialect.name])
         plan.append(Migration(f"created table {table}", ddl))
         columns = set(REQUIRED_V1_COLUMNS)
-    plan += adoption_plan(columns, dialect, table)  # room-service's first table lacks two columns
+    plan += [Migration(c, s, repeat=r) for c, s, r in adoption_plan(columns, dialect, table)]  # first V1 tables
     require_v1_columns(columns | set(ADOPTED_COLUMNS[dialect.name]), table)
     for name, definition in ADDED_COLUMNS[dialect.name].items():
         if name not in columns:
@@ -240,9 +239,8 @@ async def plan_silk(cur: Any, dialect: Dialect, table: str) -> list[Migration]:
 
 async def plan_outbox(cur: Any, dialect: Dialect, profile: Profile) -> list[Migration]:
     """The migration plan of the profile's table (see :mod:`.profiles`)."""
-    from room_outbox.store.column_checks import checked_fixes
-
-    fixes = await checked_fixes(cur, dialect, profile)  # refuses what its columns cannot hold
+    # refuses what its columns cannot hold, before anything changes
+    fixes = [Migration(c, s, repeat=r) for c, s, r in await checked_fixes(cur, dialect, profile)]
     if profile.name == "silk":
         return await plan_silk(cur, dialect, profile.table) + fixes
     return await plan_v1(cur, dialect, profile.table) + fixes
