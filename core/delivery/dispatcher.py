@@ -450,7 +450,11 @@ class Dispatcher:
         except EnvelopeError as exc:
             raise _BadEvent(str(exc), "bad_envelope") from exc
         # app_code too: the sink picks credentials by the envelope's, ordering goes by the row's.
+        # A row whose app_code is '' (the default of a column its producer never writes) has
+        # none of its own: the envelope's stands, and its rooms are ordered with the default app's.
         for name in ("event_id", "event_type", "room_id", "app_code"):
+            if name == "app_code" and row.app_code == "":
+                continue
             if getattr(envelope, name) != getattr(row, name):
                 mismatch = f"envelope {name} {getattr(envelope, name)!r} differs from the row's {getattr(row, name)!r}"
                 raise _BadEvent(mismatch, "bad_envelope")
