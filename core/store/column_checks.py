@@ -23,6 +23,7 @@ columns hold any value). Steps of a migration are :data:`Step` tuples, which the
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +75,8 @@ class Column:
     #: An ENUM's members, in order.
     members: tuple[str, ...] = ()
     default: str | None = None
+    #: Computed from other columns (MySQL/MariaDB: a table with one is rebuilt by a copy).
+    generated: bool = False
 
 
 def adoption_plan(columns: set[str], dialect: Dialect, table: str) -> list[Step]:
@@ -105,8 +108,8 @@ async def read_columns(cur: Any, dialect: Dialect, table: str) -> dict[str, Colu
 
 
 _MYSQL_COLUMNS = (
-    "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE, IS_NULLABLE, CHARACTER_MAXIMUM_LENGTH, COLUMN_DEFAULT"
-    " FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s"
+    "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE, IS_NULLABLE, CHARACTER_MAXIMUM_LENGTH, COLUMN_DEFAULT,"
+    " GENERATION_EXPRESSION FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s"
 )
 _POSTGRESQL_COLUMNS = (
     "SELECT c.column_name, c.data_type, c.udt_name, c.is_nullable, c.character_maximum_length, c.column_default,"
@@ -117,10 +120,13 @@ _POSTGRESQL_COLUMNS = (
 
 
 def _mysql_column(row: Sequence[Any]) -> Column:
-    name, kind, declared, nullable, length, default = (v.decode() if isinstance(v, bytes) else v for v in row)
+    name, kind, declared, nullable, length, default, expression = (
+        v.decode() if isinstance(v, bytes) else v for v in row
+    )
     kind = str(kind).lower()
     members = tuple(m.replace("''", "'") for m in re.findall(r"'((?:[^']|'')*)'", declared)) if kind == "enum" else ()
-    return Column(str(name).lower(), kind, str(declared), nullable == "YES", _int(length), members, default)
+    column = Column(str(name).lower(), kind, str(declared), nullable == "YES", _int(length), members, default)
+    return dataclasses.replace(column, generated=bool(expression))
 
 
 def _int(value: Any) -> int | None:
@@ -162,8 +168,14 @@ def column_problems(
         lock = columns.get(profile.lock)
         if lock is not None and lock.nullable:
             line = f"{table}.{profile.lock} is nullable, and a claim never takes a row whose {profile.lock} is NULL"
-            if dialect.name == "mysql":
+            if _fixed_online(columns, dialect):
                 fixable.append(f"{line}: run `room-outbox migrate`, which backfills 0 and makes it NOT NULL online")
+            elif dialect.name == "mysql":
+                refused.append(
+                    f"{line}; the table's generated columns make NOT NULL a copy of the table, so migrate leaves it:"
+                    f" set it to 0 where NULL (in batches), then ALTER TABLE {table} MODIFY {profile.lock}"
+                    f" {lock.declared} NOT NULL DEFAULT 0 with gh-ost or pt-online-schema-change"
+                )
             else:
                 refused.append(
                     f"{line}: run UPDATE {table} SET {profile.lock} = 0 WHERE {profile.lock} IS NULL;"
@@ -256,7 +268,7 @@ def column_fixes(columns: dict[str, Column], indexes: set[str], profile: Profile
     one online rebuild makes the column NOT NULL and drops the index, writes going on. A rerun
     after an interruption finds the index already there."""
     lock = columns.get(profile.lock)
-    if dialect.name != "mysql" or not profile.ms_columns or lock is None or not lock.nullable:
+    if not profile.ms_columns or lock is None or not lock.nullable or not _fixed_online(columns, dialect):
         return []
     table, name = profile.table, profile.lock
     index = BACKFILL_INDEX.format(table=table, column=name)
@@ -291,6 +303,12 @@ def column_fixes(columns: dict[str, Column], indexes: set[str], profile: Profile
             False,
         ),
     ]
+
+
+def _fixed_online(columns: dict[str, Column], dialect: Dialect) -> bool:
+    """Whether MySQL/MariaDB can rebuild the table in place, writes going on: not once it has
+    a generated column (the room bucket of a table migrated before), which forces a copy."""
+    return dialect.name == "mysql" and not any(column.generated for column in columns.values())
 
 
 async def checked_fixes(cur: Any, dialect: Dialect, profile: Profile) -> list[Step]:

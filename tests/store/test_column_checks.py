@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 from support import envelope, fetch_rows, insert_events
+from test_schema_variants import ROOM_CELL_DDL
 
 from room_outbox.errors import SchemaError
 from room_outbox.store import DeliveryResult, Outcome
 from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.leased import now_ms
 from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.profiles import ROOM_CELL
 from room_outbox.store.schema import check_schema
 
 pytestmark = pytest.mark.anyio
@@ -142,3 +144,72 @@ async def test_a_result_postgresql_refuses_for_one_row_leaves_the_others_written
     assert rows["bad"]["worker_id"] is None and rows["bad"]["retry_count"] == 1
     assert rows["bad"]["last_error"].startswith("its parked result was refused by the database: invalid input value")
     assert rows["bad"]["last_error"].endswith("; group gone")
+
+
+NULLABLE_LOCK = "room_outbox.lock_until_ms is nullable, and a claim never takes a row whose lock_until_ms is NULL"
+
+
+async def test_a_nullable_lock_is_backfilled_beyond_one_batch_and_a_rerun_finds_its_index(database_dsn: str) -> None:
+    """Room Cell's table, more NULLs than one batch: all set to 0. A migrate interrupted after
+    the backfill's index was built plans the rest without building it again."""
+    store = await open_store(database_dsn, profile=ROOM_CELL)
+    try:
+        await alter(store, ROOM_CELL_DDL)
+        rows = 5000 + 1200
+        await insert_events(store, [envelope(f"e{i}") for i in range(rows)])  # lock_until_ms left NULL
+        with pytest.raises(SchemaError) as refused:
+            await check_schema(store, (), "node-1")
+        assert (
+            str(refused.value)
+            == f"{NULLABLE_LOCK}: run `room-outbox migrate`, which backfills 0 and makes it NOT NULL online"
+        )
+        await alter(store, "ALTER TABLE room_outbox ADD INDEX idx_room_outbox_lock_until_ms_null (lock_until_ms)")
+        fixes = [step.change for step in await store.migration_plan() if "lock_until_ms" in step.change]
+        assert fixes == [
+            "set room_outbox.lock_until_ms's default to 0",
+            "set room_outbox.lock_until_ms to 0 where it was NULL",
+            "made room_outbox.lock_until_ms NOT NULL",
+        ]
+        await store.migrate()
+        await check_schema(store, (), "node-1")
+        async with store.transaction() as cur:
+            await cur.execute("SELECT COUNT(*), SUM(lock_until_ms IS NULL) FROM room_outbox")
+            assert tuple(map(int, await cur.fetchone())) == (rows, 0)
+        assert await store.migration_plan() == []
+    finally:
+        await store.aclose()
+
+
+async def test_a_nullable_lock_beside_a_generated_column_is_refused_as_not_online(store: MySQLStore) -> None:
+    """A table migrated before, its room bucket a generated column: NOT NULL would copy it."""
+    await alter(store, "ALTER TABLE room_outbox MODIFY lock_until_ms BIGINT NULL DEFAULT 0")
+    line = (
+        f"{NULLABLE_LOCK}; the table's generated columns make NOT NULL a copy of the table, so migrate leaves it:"
+        " set it to 0 where NULL (in batches), then ALTER TABLE room_outbox MODIFY lock_until_ms bigint(20)"
+        " NOT NULL DEFAULT 0 with gh-ost or pt-online-schema-change"
+    )
+    assert await refusals(store) == (line, line)
+
+
+async def test_postgresql_adopts_the_first_v1_table(postgresql_dsn: str) -> None:
+    store = await open_store(postgresql_dsn)
+    try:
+        await alter(
+            store,
+            "CREATE TABLE room_outbox (id BIGSERIAL PRIMARY KEY, event_id VARCHAR(64) NOT NULL UNIQUE,"
+            " event_type VARCHAR(64) NOT NULL, room_id VARCHAR(64) NOT NULL, envelope TEXT NOT NULL,"
+            " status VARCHAR(16) NOT NULL DEFAULT 'pending', retry_count INT NOT NULL DEFAULT 0,"
+            " last_error VARCHAR(1024) NULL, created_at_ms BIGINT NOT NULL)",
+        )
+        changes = await store.migrate()
+        assert changes[:2] == ["added column room_outbox.app_code", "added column room_outbox.updated_at_ms"]
+        await check_schema(store, (), "node-1")
+        await alter(
+            store,
+            "INSERT INTO room_outbox (event_id, event_type, room_id, envelope, created_at_ms)"
+            " VALUES ('e1', 'RoomUserJoined', 'r_1', '{}', 1)",
+        )
+        row = (await fetch_rows(store))["e1"]
+        assert (row["app_code"], row["updated_at_ms"], row["lock_until_ms"]) == ("", 0, 0)
+    finally:
+        await store.aclose()
