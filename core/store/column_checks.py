@@ -135,7 +135,8 @@ def _int(value: Any) -> int | None:
 
 def _postgresql_column(row: Sequence[Any]) -> Column:
     name, kind, udt, nullable, length, default, labels = row
-    return Column(name.lower(), kind.lower(), udt, nullable == "YES", _int(length), tuple(labels or ()), default)
+    declared = f"{udt}({length})" if length else udt
+    return Column(name.lower(), kind.lower(), declared, nullable == "YES", _int(length), tuple(labels or ()), default)
 
 
 def column_problems(
