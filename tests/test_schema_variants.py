@@ -40,7 +40,7 @@ V1_ENUM_DDL = V1_DDL.replace(
     "status        ENUM('pending','published') NOT NULL DEFAULT 'pending'",
 )
 #: room-service's first table: no app_code, no updated_at_ms.
-SEED_000_DDL = V1_DDL.replace("  app_code      VARCHAR(64)  NOT NULL DEFAULT '',\n", "").replace(
+FIRST_V1_DDL = V1_DDL.replace("  app_code      VARCHAR(64)  NOT NULL DEFAULT '',\n", "").replace(
     "  updated_at_ms BIGINT       NOT NULL,\n", ""
 )
 #: How each producer inserts: only the columns it knows.
@@ -48,7 +48,7 @@ INSERT_WITH_APP = (
     "INSERT INTO room_outbox (app_code, event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"
     " VALUES ('default', %s, 'RoomUserJoined', %s, %s, %s, %s)"
 )
-INSERT_SEED_000 = (
+INSERT_FIRST_V1 = (
     "INSERT INTO room_outbox (event_id, event_type, room_id, envelope, created_at_ms)"
     " VALUES (%s, 'RoomUserJoined', %s, %s, %s)"
 )
@@ -95,14 +95,14 @@ async def execute(store: SQLStore, statement: str, rows: Sequence[tuple[object, 
             await cur.execute(statement, row or None)
 
 
-def produced(event_ids: Sequence[str], seed_000: bool = False) -> list[tuple[object, ...]]:
+def produced(event_ids: Sequence[str], first_v1: bool = False) -> list[tuple[object, ...]]:
     """Rows as the producer inserts them, in the columns of its statement."""
     now = int(time.time() * 1000)
     rows: list[tuple[object, ...]] = []
     for n, event_id in enumerate(event_ids):
         room = f"r_{n % 3}"
         doc = json.dumps(envelope(event_id, room_id=room))
-        rows.append((event_id, room, doc, now) if seed_000 else (event_id, room, doc, now, now))
+        rows.append((event_id, room, doc, now) if first_v1 else (event_id, room, doc, now, now))
     return rows
 
 
@@ -212,8 +212,8 @@ async def test_the_first_v1_table_without_app_code_and_updated_at_ms_is_adopted_
     store = await open_store(database_dsn)
     try:
         config = configure(tmp_path, database_dsn, fake, "v1")
-        await execute(store, SEED_000_DDL)
-        await execute(store, INSERT_SEED_000, produced([f"old{i}" for i in range(10)], seed_000=True))
+        await execute(store, FIRST_V1_DDL)
+        await execute(store, INSERT_FIRST_V1, produced([f"old{i}" for i in range(10)], first_v1=True))
         refused = room_outbox(config, "run")
         assert (refused.returncode, refused.stderr.strip()) == (
             3,
@@ -227,7 +227,7 @@ async def test_the_first_v1_table_without_app_code_and_updated_at_ms_is_adopted_
             "added column room_outbox.updated_at_ms",
         ]
         # the producer's own INSERT, naming neither column, still works
-        await execute(store, INSERT_SEED_000, produced([f"new{i}" for i in range(10)], seed_000=True))
+        await execute(store, INSERT_FIRST_V1, produced([f"new{i}" for i in range(10)], first_v1=True))
         rows = await deliver_all(store, config, fake, "published")
         assert len(rows) == 20
         assert {r["app_code"] for r in rows.values()} == {""}
