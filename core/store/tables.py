@@ -157,15 +157,30 @@ async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migrat
     for name, definition in ADDED_COLUMNS[dialect.name].items():
         if name not in columns:
             plan.append(
-                Migration(f"added column {table}.{name}", (f"ALTER TABLE {table} ADD COLUMN {name} {definition}",))
+                Migration(f"added column {table}.{name}", (add_column_sql(dialect, table, f"{name} {definition}"),))
             )
     wanted = [(template.format(table=table), columns_sql) for template, columns_sql in ADDED_INDEXES.items()]
     if not dialect.room_buckets:  # on a server the room buckets' plan creates it, after their column
         wanted.insert(0, claim_index(table))
     for name, columns_sql in wanted:
         if name not in indexes:
-            plan.append(Migration(f"added index {table}.{name}", (f"CREATE INDEX {name} ON {table} {columns_sql}",)))
+            plan.append(Migration(f"added index {table}.{name}", (add_index_sql(dialect, table, name, columns_sql),)))
     return plan
+
+
+def add_column_sql(dialect: Dialect, table: str, column: str) -> str:
+    """Adds ``column`` (its name and definition) to a table already there, on MySQL/MariaDB
+    without copying the table: the algorithm is named, so the server refuses rather than
+    copy it with every write blocked."""
+    return f"ALTER TABLE {table} ADD COLUMN {column}{dialect.online_column}"
+
+
+def add_index_sql(dialect: Dialect, table: str, name: str, columns: str) -> str:
+    """Creates the index ``name`` on ``columns`` (``(a, b)``); on MySQL/MariaDB built in place
+    while writes go on (the algorithm and lock named, for the same reason)."""
+    if dialect.name == "mysql":
+        return f"ALTER TABLE {table} ADD INDEX {name} {columns}{dialect.online_index}"
+    return f"CREATE INDEX {name} ON {table} {columns}"
 
 
 # -- silk's outbox (PostgreSQL) ----------------------------------------------------------------
