@@ -52,8 +52,6 @@ ADOPTED_COLUMNS: dict[str, dict[str, str]] = {
     "postgresql": {"app_code": "VARCHAR(64) NOT NULL DEFAULT ''", "updated_at_ms": "BIGINT NOT NULL DEFAULT 0"},
     "sqlite": {"app_code": "TEXT NOT NULL DEFAULT ''", "updated_at_ms": "INTEGER NOT NULL DEFAULT 0"},
 }
-#: How each database is told to add a column without copying the table.
-_ONLINE_ADD = {"mysql": ", ALGORITHM=INSTANT", "postgresql": "", "sqlite": ""}
 
 _INTEGERS = {"tinyint", "smallint", "mediumint", "int", "integer", "bigint", "int2", "int4", "int8"}
 _WIDE_INTEGERS = {"bigint", "int8"}
@@ -88,7 +86,7 @@ def adoption_plan(columns: set[str], dialect: Dialect, table: str) -> list[Step]
     return [
         (
             f"added column {table}.{name}",
-            (f"ALTER TABLE {table} ADD COLUMN {name} {definition}{_ONLINE_ADD[dialect.name]}",),
+            (f"ALTER TABLE {table} ADD COLUMN {name} {definition}{dialect.online_column}",),
             False,
         )
         for name, definition in ADOPTED_COLUMNS[dialect.name].items()
@@ -276,7 +274,7 @@ def column_fixes(columns: dict[str, Column], indexes: set[str], profile: Profile
     steps: list[Step] = [
         (
             f"set {table}.{name}'s default to 0",
-            (f"ALTER TABLE {table} ALTER COLUMN {name} SET DEFAULT 0, ALGORITHM=INSTANT",),
+            (f"ALTER TABLE {table} ALTER COLUMN {name} SET DEFAULT 0{dialect.online_column}",),
             False,
         )
     ]
@@ -284,7 +282,7 @@ def column_fixes(columns: dict[str, Column], indexes: set[str], profile: Profile
         steps.append(
             (
                 f"added index {table}.{index} (for the backfill)",
-                (f"ALTER TABLE {table} ADD INDEX {index} ({name}), ALGORITHM=INPLACE, LOCK=NONE",),
+                (f"ALTER TABLE {table} ADD INDEX {index} ({name}){dialect.online_index}",),
                 False,
             )
         )

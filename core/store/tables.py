@@ -262,13 +262,10 @@ async def plan_outbox(cur: Any, dialect: Dialect, profile: Profile) -> list[Migr
 
 
 async def run_plan(cur: Any, plan: list[Migration]) -> list[str]:
-    """Run a plan's statements in the caller's transaction; return its changes. A ``repeat``
-    step's statement runs until it changes no row, each batch committed on its own (MySQL:
-    its row locks last one batch; every DDL statement commits anyway)."""
+    """Run a plan's statements in the caller's transaction; return its changes."""
     for step in plan:
         for statement in step.statements:
-            while await cur.execute(statement) and step.repeat:
-                await cur.execute("COMMIT")
+            await cur.execute(statement)
     return [step.change for step in plan]
 
 
