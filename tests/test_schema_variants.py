@@ -146,6 +146,13 @@ async def test_a_room_cell_table_with_a_nullable_lock_is_fixed_by_migrate_then_d
         await execute(store, INSERT_WITH_APP, produced([f"old{i}" for i in range(12)]))
         refused = room_outbox(config, "run")
         assert (refused.returncode, refused.stderr.strip()) == (3, LOCK_LINE)
+        script = room_outbox(config, "migrate", "--sql").stdout
+        assert (
+            "-- would set room_outbox.lock_until_ms to 0 where it was NULL\n"
+            "-- (a batch: run it again, each time on its own, until it changes no row)\n"
+            "UPDATE room_outbox FORCE INDEX (idx_room_outbox_lock_until_ms_null) SET lock_until_ms = 0"
+            " WHERE lock_until_ms IS NULL LIMIT 5000;\n"
+        ) in script
         migrated = room_outbox(config, "migrate")
         assert migrated.returncode == 0, migrated.stderr
         for change in (
