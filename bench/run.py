@@ -113,11 +113,13 @@ async def part_b(args: argparse.Namespace) -> list[Row]:
     quota_ok = q.rate >= 0.95 * q.quota and q.rate_limit_errors == 0 and q.cpu_share <= 0.25
     return [
         (f"b. bare httpx loop, aiohttp transport → fake IM, 16 in flight ({o.events:,} ev in {o.rounds} rounds)",
-         f"{o.bare.rate:,.0f} req/s, {o.bare.cpu:,.0f} µs CPU/req", "baseline (the sink's client)",
+         f"{o.bare.rate:,.0f} req/s, {o.bare.cpu:,.0f} µs CPU/req",
+         f"baseline (the sink's client); {o.bare.timeouts} requests over request_timeout",
          f"load average {o.load[0]:.1f} → {o.load[1]:.1f}"),
         ("b. bare httpx loop, httpx's own transport (httpcore)",
          f"{o.bare_httpcore.rate:,.0f} req/s, {o.bare_httpcore.cpu:,.0f} µs CPU/req",
-         against_bare(o.bare_httpcore), "the transport not chosen"),
+         f"{against_bare(o.bare_httpcore)}; {o.bare_httpcore.timeouts} requests over request_timeout",
+         "the transport not chosen"),
         ("b. TencentIMSink.deliver, limits lifted", f"{o.sink.rate:,.0f} ev/s, {o.sink.cpu:,.0f} µs CPU/ev",
          against_bare(o.sink), f"≥97 %: {verdict(o.sink.ratio(o.bare) >= 0.97)}"),
         ("b. IM lane (claim+deliver+record), limits lifted", f"{o.lane.rate:,.0f} ev/s, {o.lane.cpu:,.0f} µs CPU/ev",
