@@ -224,7 +224,8 @@ class TencentIMSink:
 def http_client(settings: TencentIMSettings) -> httpx.AsyncClient:
     """One pooled client for every app (keep-alive connections are per host anyway), as many
     connections kept alive as may be open. httpx on aiohttp's transport: httpx's own
-    (httpcore) spent several times its CPU per request at the lane's concurrency (bench/ part b).
+    (httpcore) spent several times its CPU per request at the lane's concurrency, and left some
+    requests without an answer until their timeout (bench/ part b).
     Timeouts: connect_timeout bounds a new connection's TCP connect; the sink bounds the whole
     request with request_timeout, one timer per request (a timeout per read re-arms a timer on
     every packet). No redirects, cookies kept from answers or proxies from the environment."""
