@@ -8,6 +8,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 from aiohttp import web
 from im_support import event, make_sink
@@ -200,6 +201,27 @@ async def test_no_cookie_from_an_answer_is_sent_back() -> None:
         await sink.deliver(event("e1"))
         await sink.deliver(event("e2"))
     assert cookies == [None, None]
+
+
+async def test_an_answer_that_is_not_http_is_a_network_error() -> None:
+    async def answer_garbage(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await stream.receive()
+            await stream.send(b"garbage\r\n\r\n")
+
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, answer_garbage)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        settings = TencentIMSettings(base_url=f"http://127.0.0.1:{port}", sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY)
+        secrets: list[str] = []
+        sink = TencentIMSink(settings, SinkContext("t", __import__("logging").getLogger("t"), secrets.append))
+        try:
+            with anyio.fail_after(10), pytest.raises(RetryableSinkError, match=r"^network error") as info:
+                await sink.deliver(event("e1"))
+        finally:
+            await sink.aclose()
+            tg.cancel_scope.cancel()
+    assert secrets and not any(secret in str(info.value) for secret in secrets)  # neither key nor UserSig
 
 
 async def test_oversized_message_is_permanent_without_a_request(fake: FakeTencentIM) -> None:
