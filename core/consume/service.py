@@ -56,15 +56,19 @@ async def run_consumers(
         except ValueError as exc:
             raise ConfigError(f"consumers.{name}.security.{exc}") from None
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
+    # A handler runs inside its transaction: the session stays idle while it works, for up to
+    # the slowest consumer's handler_timeout, and the server's session limits must allow that.
+    handler_timeout = max(c.handler_timeout for c in chosen.values())
     store = await open_store(
         settings.database.dsn.get_secret_value(),
         settings.database.pool_size,
         query_timeout=settings.database.query_timeout,
+        idle_in_transaction=handler_timeout,
     )
     handlers: list[BoundHandler] = []
     try:
         # A handling's transaction may take as long as the slowest consumer's handler_timeout.
-        consumers_store = consumer_store(store, max(c.handler_timeout for c in chosen.values()))
+        consumers_store = consumer_store(store, handler_timeout)
         if consumers_store is None:
             raise ConfigError("consumers: need a MySQL or PostgreSQL database (database.dsn names SQLite)")
         async with _observed(settings, store, redactor) as (telemetry, health):
