@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 
+from room_outbox.cluster.identity import process_identity
 from room_outbox.config import ConfigError, Settings, parse_listen
 from room_outbox.consume.engine import Consumer
 from room_outbox.consume.registry import BoundHandler, build_handlers
@@ -72,11 +73,13 @@ async def run_consumers(
         if consumers_store is None:
             raise ConfigError("consumers: need a MySQL or PostgreSQL database (database.dsn names SQLite)")
         async with _observed(settings, store, redactor) as (telemetry, health):
+            # Retry leases are held by the identity, unique per start (see cluster.identity).
+            identity = process_identity(settings.node_id)
             consumers = []
             for name, options in chosen.items():
                 bound = build_handlers(pm, name, options, settings.node_id, redactor)
                 handlers.extend(bound.values())
-                consumers.append(Consumer(name, options, consumers_store, bound, settings.node_id, redactor, telemetry))
+                consumers.append(Consumer(name, options, consumers_store, bound, identity, redactor, telemetry))
             async with anyio.create_task_group() as tasks:
                 for consumer in consumers:
                     tasks.start_soon(consumer.run)
