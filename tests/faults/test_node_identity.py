@@ -12,7 +12,8 @@ from faults.test_cluster import all_published, cluster_config, joined, messages_
 from processes import DispatcherProcess, FakeIMProcess
 from support import envelope, insert_events, wait_until
 
-from room_outbox.cluster.identity import node_id_of, process_identity
+from room_outbox.cli.main import main
+from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH, node_id_of, process_identity
 from room_outbox.store.mysql import MySQLStore
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -34,6 +35,19 @@ def test_every_start_draws_its_own_identity_from_the_node_id() -> None:
     assert {node_id_of(i) for i in identities} == {"pod-0"}
     assert node_id_of("host~with~tildes~0123abcd") == "host~with~tildes"
     assert node_id_of("plain") == "plain" and node_id_of("a~notatoken") == "a~notatoken"
+
+
+def test_check_config_refuses_a_node_id_its_identity_would_not_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "config.yaml"
+    quiet = "sinks:\n  tencent_im:\n    enabled: false\n  noop:\n    enabled: true\n"
+    path.write_text(f"database:\n  dsn: 'sqlite:///x.db'\n{quiet}node_id: '{'n' * MAX_NODE_ID_LENGTH}'\n")
+    assert main(["--config", str(path), "check-config"]) == 0
+    path.write_text(f"database:\n  dsn: 'sqlite:///x.db'\n{quiet}node_id: '{'n' * (MAX_NODE_ID_LENGTH + 1)}'\n")
+    capsys.readouterr()
+    assert main(["--config", str(path), "check-config"]) == 2
+    assert "  node_id: 101 characters; at most 100 (the process identity and claim ids" in capsys.readouterr().err
 
 
 def process(tmp_path: Path, folder: str, dsn: str, fake: FakeIMProcess, im: dict[str, Any], node_id: str) -> Any:
