@@ -111,6 +111,8 @@ class Dispatcher:
         self.lane = lane
         self.router = router
         self.options = options
+        #: The process identity (room_outbox.cluster.identity): claims are "<identity>#<n>",
+        #: unique per process start even where two processes share a node_id.
         self.node_id = node_id
         self.redactor = redactor or Redactor()
         #: Spans and metrics; the default records nothing and costs next to nothing.
