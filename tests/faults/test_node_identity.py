@@ -94,6 +94,7 @@ async def test_two_processes_with_one_node_id_share_the_quota_as_two_members(
     assert warned_about(procs[0]) == [second] and warned_about(procs[1]) == [first]  # once each
 
 
+@pytest.mark.serial  # joining within the membership's own wait is a bound on time
 async def test_a_restart_after_kill_9_joins_beside_its_previous_run_and_takes_its_rows_over(
     store: MySQLStore, database_dsn: str, fake_im: FakeIMProcess, tmp_path: Path
 ) -> None:
