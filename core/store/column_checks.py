@@ -41,8 +41,6 @@ LAST_ERROR_MAX = 512
 #: A migration step: what it changes, its statements, whether it repeats until it changes no
 #: row (a backfill in batches).
 Step = tuple[str, tuple[str, ...], bool]
-#: Claim ids are ``<node_id>#<n>``: the counter's widest form.
-CLAIM_NUMBER_DIGITS = 20
 #: Rows one batch of a backfill changes: short transactions, short row locks.
 BACKFILL_BATCH = 5000
 
@@ -138,11 +136,12 @@ def _postgresql_column(row: Sequence[Any]) -> Column:
 
 
 def column_problems(
-    columns: dict[str, Column], profile: Profile, dialect: Dialect, node_id: str = ""
+    columns: dict[str, Column], profile: Profile, dialect: Dialect, claim_ids: int = 0
 ) -> tuple[list[str], list[str]]:
     """What the profile's table cannot hold: lines refused outright, and lines ``migrate``
     fixes itself (:func:`column_fixes`). Columns that do not exist are the caller's to report.
-    ``node_id``: the process's, whose claim ids ``worker_id`` must hold (unknown: not checked)."""
+    ``claim_ids``: how long the process's claim ids, which ``worker_id`` holds, may grow (0:
+    unknown, not checked)."""
     table = profile.table
     refused: list[str] = []
     fixable: list[str] = []
@@ -154,8 +153,9 @@ def column_problems(
         refused += _text_problems(table, last_error, LAST_ERROR_MAX, dialect, "error texts")
     worker = columns.get("worker_id")
     if worker is not None:
-        needed = len(node_id) + 1 + CLAIM_NUMBER_DIGITS if node_id else 0
-        refused += _text_problems(table, worker, needed, dialect, f"claim ids ({node_id}#<n>)")
+        refused += _text_problems(
+            table, worker, claim_ids, dialect, f"this process's claim ids ({claim_ids} characters)"
+        )
     if profile.ms_columns:
         for name in (profile.lock, profile.updated):
             column = columns.get(name)
@@ -320,9 +320,9 @@ async def checked_fixes(cur: Any, dialect: Dialect, profile: Profile) -> list[St
     return column_fixes(columns, await index_names(cur, dialect, profile.table), profile, dialect)
 
 
-async def check_columns(cur: Any, dialect: Dialect, profile: Profile, node_id: str = "") -> None:
+async def check_columns(cur: Any, dialect: Dialect, profile: Profile, claim_ids: int = 0) -> None:
     """``run``'s side: refuse every problem, those ``migrate`` fixes included."""
     columns = await read_columns(cur, dialect, profile.table)
-    refused, fixable = column_problems(columns, profile, dialect, node_id)
+    refused, fixable = column_problems(columns, profile, dialect, claim_ids)
     if refused or fixable:
         raise SchemaError("\n".join(refused + fixable))

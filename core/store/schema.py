@@ -25,11 +25,12 @@ LANE_COLUMNS = ("outbox_id", "status", "retry_count", "last_error", "worker_id",
 _FIX = "run `room-outbox migrate`"
 
 
-async def check_schema(store: SQLStore, lanes: Sequence[str] = (), node_id: str = "") -> None:
+async def check_schema(store: SQLStore, lanes: Sequence[str] = (), claim_ids: int = 0) -> None:
     """Raise :class:`SchemaError` unless the outbox table has every column room-outbox uses,
     each able to hold what room-outbox writes there (:mod:`.column_checks`, the check
-    ``migrate`` makes too; ``node_id``: the process's, whose claim ids ``worker_id`` holds), and
-    each lane in ``lanes`` (enabled sinks with a lane of their own) has its table."""
+    ``migrate`` makes too; ``claim_ids``: how long this process's claim ids, which ``worker_id``
+    holds, may grow), and each lane in ``lanes`` (enabled sinks with a lane of their own) has
+    its table."""
     # On a server: the processes' membership and the room buckets (SQLite runs without them)
     server = store.dialect.room_buckets
     bucket = (BUCKET_COLUMN,) if server else ()
@@ -42,7 +43,7 @@ async def check_schema(store: SQLStore, lanes: Sequence[str] = (), node_id: str 
         required[BUCKET_TABLE] = ("bucket", "owner", "handing_over", "claimable_from_ms")
     # What the columns can hold comes first: migrate refuses it before adding anything missing
     async with store.transaction() as cur:
-        await check_columns(cur, store.dialect, store.profile, node_id)
+        await check_columns(cur, store.dialect, store.profile, claim_ids)
     found = await _columns(store, list(required))
     for table, columns in required.items():
         have = found.get(table, set())

@@ -5,7 +5,7 @@ upgrades them on all three databases (``migrate`` runs it, ``migrate --sql`` pri
 Added (all with defaults, so room-service's own INSERT and
 ``UPDATE … SET status='published' WHERE event_id=?`` keep working):
 
-* ``worker_id``: the claim holding the row (``<node_id>#<n>``), NULL when free.
+* ``worker_id``: the claim holding the row (``<node_id>~<token>#<n>``), NULL when free.
 * ``lock_until_ms``: the row is not claimable before this time. A claim sets it to the end of
   its lease; a failed attempt sets it to the retry time. One column for both keeps the claim
   an exact index range scan.

@@ -8,6 +8,7 @@ import pytest
 from support import envelope, fetch_rows, insert_events
 from test_schema_variants import ROOM_CELL_DDL
 
+from room_outbox.cluster.identity import longest_claim_id
 from room_outbox.errors import SchemaError
 from room_outbox.store import DeliveryResult, Outcome
 from room_outbox.store.factory import SQLStore, open_store
@@ -19,12 +20,12 @@ from room_outbox.store.schema import check_schema
 pytestmark = pytest.mark.anyio
 
 
-async def refusals(store: SQLStore, node_id: str = "") -> tuple[str, str]:
+async def refusals(store: SQLStore) -> tuple[str, str]:
     """What `migrate` (its plan) and `run` (the start-up check) say about the table."""
     with pytest.raises(SchemaError) as planned:
         await store.migration_plan()
     with pytest.raises(SchemaError) as started:
-        await check_schema(store, (), node_id)
+        await check_schema(store, (), longest_claim_id("node-1"))
     return str(planned.value), str(started.value)
 
 
@@ -66,14 +67,14 @@ async def test_a_column_that_cannot_hold_what_room_outbox_writes_is_one_line_at_
     assert await refusals(store) == (line, line)
 
 
-async def test_worker_id_must_hold_the_claim_ids_of_the_node_at_run(store: MySQLStore) -> None:
-    await alter(store, "ALTER TABLE room_outbox MODIFY worker_id VARCHAR(32) NULL DEFAULT NULL")
-    await check_schema(store, (), "node-1")  # node-1#<20 digits> fits in 32
+async def test_worker_id_must_hold_the_claim_ids_of_the_process_at_run(store: MySQLStore) -> None:
+    await alter(store, "ALTER TABLE room_outbox MODIFY worker_id VARCHAR(40) NULL DEFAULT NULL")
+    await check_schema(store, (), longest_claim_id("node-1"))  # node-1~<token>#<18 digits>: 34
     node = "room-outbox-7f9c6d5b8-x2x4z"
     with pytest.raises(SchemaError) as refused:
-        await check_schema(store, (), node)
+        await check_schema(store, (), longest_claim_id(node))
     assert str(refused.value) == (
-        f"room_outbox.worker_id is varchar(32), which cannot hold claim ids ({node}#<n>):"
+        "room_outbox.worker_id is varchar(40), which cannot hold this process's claim ids (55 characters):"
         " run ALTER TABLE room_outbox MODIFY worker_id VARCHAR(128) NULL"
     )
 
@@ -115,7 +116,7 @@ async def test_postgresql_enum_and_nullable_lock_are_refused_with_their_fixes(pg
         "ALTER TYPE outbox_status ADD VALUE 'cancelled'",
         "ALTER TABLE room_outbox ALTER COLUMN lock_until_ms SET DEFAULT 0, ALTER COLUMN lock_until_ms SET NOT NULL",
     )
-    await check_schema(pg_store, (), "node-1")
+    await check_schema(pg_store, (), longest_claim_id("node-1"))
     assert await pg_store.migration_plan() == []
 
 
@@ -158,7 +159,7 @@ async def test_a_nullable_lock_is_backfilled_beyond_one_batch_and_a_rerun_finds_
         rows = 5000 + 1200
         await insert_events(store, [envelope(f"e{i}") for i in range(rows)])  # lock_until_ms left NULL
         with pytest.raises(SchemaError) as refused:
-            await check_schema(store, (), "node-1")
+            await check_schema(store, (), longest_claim_id("node-1"))
         assert (
             str(refused.value)
             == f"{NULLABLE_LOCK}: run `room-outbox migrate`, which backfills 0 and makes it NOT NULL online"
@@ -171,7 +172,7 @@ async def test_a_nullable_lock_is_backfilled_beyond_one_batch_and_a_rerun_finds_
             "made room_outbox.lock_until_ms NOT NULL",
         ]
         await store.migrate()
-        await check_schema(store, (), "node-1")
+        await check_schema(store, (), longest_claim_id("node-1"))
         async with store.transaction() as cur:
             await cur.execute("SELECT COUNT(*), SUM(lock_until_ms IS NULL) FROM room_outbox")
             assert tuple(map(int, await cur.fetchone())) == (rows, 0)
@@ -203,7 +204,7 @@ async def test_postgresql_adopts_the_first_v1_table(postgresql_dsn: str) -> None
         )
         changes = await store.migrate()
         assert changes[:2] == ["added column room_outbox.app_code", "added column room_outbox.updated_at_ms"]
-        await check_schema(store, (), "node-1")
+        await check_schema(store, (), longest_claim_id("node-1"))
         await alter(
             store,
             "INSERT INTO room_outbox (event_id, event_type, room_id, envelope, created_at_ms)"
