@@ -14,20 +14,26 @@ range and checks the bucket, the index's last column on a server, in the index e
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
 from room_outbox.store.clock import now_ms
+from room_outbox.store.column_checks import LAST_ERROR_MAX as LAST_ERROR_MAX  # defined below leased, used by both
 from room_outbox.store.dialect import MYSQL, Dialect
 from room_outbox.store.dialect import marks as _marks
+from room_outbox.store.errors import refused_value
 from room_outbox.store.profiles import V1, Profile
 from room_outbox.store.tables import ROOM_INDEX, TABLE, claim_index
 
 #: Reads the room buckets a claim may take, with the claim's cursor (``None``: every room).
 BucketReader = Callable[[Any], Awaitable[list[int] | None]]
-LAST_ERROR_MAX = 512
+#: A row whose result the database refused is due again this long after at the soonest.
+REFUSED_RETRY_MS = 60_000
+
+log = logging.getLogger("room_outbox.store")
 
 
 def claim_sql(
@@ -223,54 +229,126 @@ class LeasedRows:
         statement per claim; only when it matched fewer rows than it was given (a lease taken
         over, an event the producer published or an operator cancelled meanwhile: rare) does
         a second read find out which. Failures are one statement each: they carry their own
-        error text, and each one's row count tells whether it was stale."""
-        now = now_ms()
-        words = self.profile
-        held = f"worker_id = %s AND status = '{words.in_flight}'"  # the fence: still this claim's
+        error text, and each one's row count tells whether it was stale.
+
+        A value one row's columns cannot take (a status the column cannot hold, say) fails
+        only that row's write: a refused statement of several rows is written again row by
+        row, and a refused row is released with the cause in ``last_error``
+        (:meth:`_release_refused`). Otherwise one row would fail its lane's every result
+        write, and every claim that carries them, for ever."""
         stale: list[DeliveryResult] = []
         groups: dict[tuple[str, Outcome], list[DeliveryResult]] = {}
         for result in results:
             groups.setdefault((result.claim, result.outcome), []).append(result)
-        for (claim, outcome), group in sorted(groups.items(), key=lambda item: (item[0][0], item[0][1].value)):
+        for (_claim, outcome), group in sorted(groups.items(), key=lambda item: (item[0][0], item[0][1].value)):
             if outcome in (Outcome.FAILED, Outcome.PARKED):
-                for r in group:
-                    status = f"'{words.parked}'" if outcome is Outcome.PARKED else words.after_failure()
-                    matched = await cur.execute(
-                        f"UPDATE {self.table} SET status = {status}, {words.attempts} = {words.attempts} + 1,"
-                        f" last_error = %s, worker_id = NULL, {words.lock} = {words.ms('%s')},"
-                        f" {words.updated} = {words.ms('%s')} WHERE {self.key} = %s AND {held}",
-                        (
-                            (r.error or "unknown error")[:LAST_ERROR_MAX],
-                            r.retry_at_ms,
-                            now,
-                            r.row_id,
-                            claim,
-                        ),
-                    )
-                    if not matched:
-                        stale.append(r)
-                continue
-            ids = sorted(r.row_id for r in group)
-            if outcome is Outcome.PUBLISHED:
-                change = (
-                    f"status = '{words.delivered}', last_error = NULL, worker_id = NULL,"
-                    f" {words.lock} = {words.lock_cleared}, {words.updated} = {words.ms('%s')}"
-                )
-                done = f"status = '{words.delivered}' AND worker_id IS NULL AND {words.updated} = {words.ms(str(int(now)))}"
-                params: tuple[Any, ...] = (now, *ids, claim)
-            else:  # RELEASED: back to what it was before the claim
-                back = "" if words.in_flight == words.fresh else f"status = {words.released()}, "
-                change = f"{back}worker_id = NULL, {words.lock} = {words.lock_cleared}"
-                done = f"{words.is_waiting()} AND worker_id IS NULL"
-                params = (*ids, claim)
-            matched = await cur.execute(
-                f"UPDATE {self.table} SET {change} WHERE {self.key} IN ({_marks(ids)}) AND {held}",
-                params,
-            )
-            if matched < len(ids):
-                await cur.execute(
-                    f"SELECT {self.key} FROM {self.table} WHERE {self.key} IN ({_marks(ids)}) AND {done}", ids
-                )
-                written = {row[0] for row in await cur.fetchall()}
-                stale.extend(r for r in group if r.row_id not in written)
+                for result in group:
+                    stale += await self._write_or_release(cur, [result])
+            else:
+                stale += await self._write_or_release(cur, group)
         return stale
+
+    async def _write_or_release(self, cur: Any, group: list[DeliveryResult]) -> list[DeliveryResult]:
+        """Write the results of one claim and outcome (:meth:`_write_results`); when the
+        database refuses a value, row by row, releasing the rows it refuses."""
+        try:
+            async with self._undone_if_refused(cur):
+                return await self._write_results(cur, group)
+        except Exception as exc:
+            cause = refused_value(exc)
+            if cause is None:
+                raise
+        if len(group) > 1:
+            stale: list[DeliveryResult] = []
+            for result in group:
+                stale += await self._write_or_release(cur, [result])
+            return stale
+        await self._release_refused(cur, group[0], cause)
+        return []
+
+    @asynccontextmanager
+    async def _undone_if_refused(self, cur: Any) -> AsyncIterator[None]:
+        """A statement that fails leaves the transaction usable: MySQL and SQLite undo the
+        failed statement alone; PostgreSQL aborts the whole transaction unless the statement
+        ran after a savepoint, rolled back to."""
+        if self.dialect.name != "postgresql":
+            yield
+            return
+        await cur.execute("SAVEPOINT result_write")
+        try:
+            yield
+        except BaseException:
+            await cur.execute("ROLLBACK TO SAVEPOINT result_write")
+            raise
+        await cur.execute("RELEASE SAVEPOINT result_write")
+
+    async def _write_results(self, cur: Any, group: list[DeliveryResult]) -> list[DeliveryResult]:
+        """Write the results of one claim and outcome; return the stale ones."""
+        now = now_ms()
+        words = self.profile
+        claim, outcome = group[0].claim, group[0].outcome
+        held = f"worker_id = %s AND status = '{words.in_flight}'"  # the fence: still this claim's
+        if outcome in (Outcome.FAILED, Outcome.PARKED):
+            [r] = group
+            status = f"'{words.parked}'" if outcome is Outcome.PARKED else words.after_failure()
+            matched = await cur.execute(
+                f"UPDATE {self.table} SET status = {status}, {words.attempts} = {words.attempts} + 1,"
+                f" last_error = %s, worker_id = NULL, {words.lock} = {words.ms('%s')},"
+                f" {words.updated} = {words.ms('%s')} WHERE {self.key} = %s AND {held}",
+                ((r.error or "unknown error")[:LAST_ERROR_MAX], r.retry_at_ms, now, r.row_id, claim),
+            )
+            return [] if matched else [r]
+        ids = sorted(r.row_id for r in group)
+        if outcome is Outcome.PUBLISHED:
+            change = (
+                f"status = '{words.delivered}', last_error = NULL, worker_id = NULL,"
+                f" {words.lock} = {words.lock_cleared}, {words.updated} = {words.ms('%s')}"
+            )
+            done = f"status = '{words.delivered}' AND worker_id IS NULL AND {words.updated} = {words.ms(str(int(now)))}"
+            params: tuple[Any, ...] = (now, *ids, claim)
+        else:  # RELEASED: back to what it was before the claim
+            back = "" if words.in_flight == words.fresh else f"status = {words.released()}, "
+            change = f"{back}worker_id = NULL, {words.lock} = {words.lock_cleared}"
+            done = f"{words.is_waiting()} AND worker_id IS NULL"
+            params = (*ids, claim)
+        matched = await cur.execute(
+            f"UPDATE {self.table} SET {change} WHERE {self.key} IN ({_marks(ids)}) AND {held}",
+            params,
+        )
+        if matched == len(ids):
+            return []
+        await cur.execute(f"SELECT {self.key} FROM {self.table} WHERE {self.key} IN ({_marks(ids)}) AND {done}", ids)
+        written = {row[0] for row in await cur.fetchall()}
+        return [r for r in group if r.row_id not in written]
+
+    async def _release_refused(self, cur: Any, result: DeliveryResult, cause: str) -> None:
+        """A row whose result the database refused goes back to what it was before the claim
+        (a status its column holds), due again after the retry time (at the soonest
+        :data:`REFUSED_RETRY_MS` from now, so that a refusal that lasts costs one attempt per
+        interval), with the cause in ``last_error``. If even that is refused, the row stays
+        as the claim left it and is taken again once its lease runs out."""
+        words = self.profile
+        back = "" if words.in_flight == words.fresh else f"status = {words.released()}, "
+        counted = "" if result.outcome is Outcome.RELEASED else f", {words.attempts} = {words.attempts} + 1"
+        error = f"its {result.outcome.value} result was refused by the database: {cause}"
+        if result.error:
+            error += f"; {result.error}"
+        due = max(result.retry_at_ms, now_ms() + REFUSED_RETRY_MS)
+        log.warning("event %s: %s; released", result.event_id, error)
+        try:
+            async with self._undone_if_refused(cur):
+                await cur.execute(
+                    f"UPDATE {self.table} SET {back}worker_id = NULL{counted}, last_error = %s,"
+                    f" {words.lock} = {words.ms('%s')} WHERE {self.key} = %s"
+                    f" AND worker_id = %s AND status = '{words.in_flight}'",
+                    (error[:LAST_ERROR_MAX], due, result.row_id, result.claim),
+                )
+        except Exception as exc:
+            refused = refused_value(exc)
+            if refused is None:
+                raise
+            log.warning(
+                "event %s: its release was refused too (%s); taken again once its lease runs out",
+                result.event_id,
+                refused,
+            )

@@ -161,10 +161,12 @@ class MySQLStore(LeasedRows):
         pool_size: int = 10,
         create_database: bool = False,
         query_timeout: float = DEFAULT_QUERY_TIMEOUT,
+        idle_in_transaction: float = 0.0,
     ) -> MySQLStore:
-        """Open the pool; each step ends within ``query_timeout`` or raises :class:`QueryTimeout`."""
+        """Open the pool; each step ends within ``query_timeout`` or raises :class:`QueryTimeout`.
+        ``idle_in_transaction``: see :meth:`SessionLimits.for_query_timeout`."""
         address = MySQLAddress.from_dsn(dsn)
-        limits = SessionLimits.for_query_timeout(query_timeout)
+        limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
         with query_deadline(query_timeout):
             conn = await aiomysql.connect(**address.connect_kwargs())
             try:
@@ -185,7 +187,9 @@ class MySQLStore(LeasedRows):
                 pool_recycle=limits.pool_recycle,
                 **address.session_kwargs(server_version, limits),
             )
-        return cls(pool, address, query_timeout, server_version)
+        store = cls(pool, address, query_timeout, server_version)
+        store.limits = limits
+        return store
 
     async def aclose(self) -> None:
         """Close the pool. Connections still in use get ``query_timeout`` to come back; then

@@ -157,7 +157,7 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
     }
     holders: dict[str, list[int]] = {}
     for worker_id, rows, until in claims:
-        node = str(worker_id).rsplit("#", 1)[0]  # claims are "<node_id>#<n>"
+        node = str(worker_id).rsplit("#", 1)[0]  # claims are "<identity>#<n>", the identity "<node_id>~<token>"
         entry = holders.setdefault(node, [0, 0, 0])
         entry[0] += 1
         entry[1] += int(rows)
