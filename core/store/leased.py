@@ -35,20 +35,49 @@ def now_ms() -> int:
 
 
 def claim_sql(
-    table: str, key: str, envelope: str, lock: str, profile: Profile = V1, buckets: int = 0, hint: str = ""
+    table: str,
+    key: str,
+    envelope: str,
+    lock: str,
+    profile: Profile = V1,
+    buckets: int = 0,
+    hint: str = "",
+    aged: str = "",
 ) -> str:
     """The claim scan of one lane's table (see the module docstring). ``buckets``: how many
-    room buckets the scan is limited to (placeholders after the time; 0: every room), checked
-    in the claim index's entries, whose last column is the bucket (``hint``: the dialect's
-    ``index_hint``, which makes sure of that on MySQL)."""
+    room buckets the scan is limited to (placeholders after the due condition's; 0: every
+    room), checked in the claim index's entries, whose last column is the bucket (``hint``:
+    the dialect's ``index_hint``, which makes sure of that on MySQL). ``aged``: the database's
+    clock (the dialect's ``now_ms``) when the producer's rows must reach ``claim_after`` first
+    (see :func:`due_sql`)."""
     p = profile
     only = f" AND room_bucket IN ({_marks(range(buckets))})" if buckets else ""
     forced = hint.format(index=claim_index(table)[0])
     return (
         f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts}"
         f" FROM {table}{forced}"
-        f" WHERE {p.is_open()} AND {p.lock} <= {p.ms('%s')}{only} ORDER BY {p.lock}, {key} LIMIT %s{lock}"
+        f" WHERE {p.is_open()} AND {due_sql(p, key, aged)}{only} ORDER BY {p.lock}, {key} LIMIT %s{lock}"
     )
+
+
+def due_sql(profile: Profile, key: str, aged: str = "") -> str:
+    """A claim's due condition; its placeholders: now (ms), then with ``aged`` one more.
+
+    Without ``aged``: ``lock <= now``. With it, rows the producer wrote that no claim has
+    taken yet must also be ``claim_after`` old (the producer may still be pushing them). Where
+    those rows all sit at ``lock`` 0 (v1, room_cell), the claim index orders them by key, so
+    the condition is a key bound (the second placeholder, :meth:`LeasedRows._fresh_bound`):
+    two exact ranges of the index, so that the claim's locks never touch a younger row. Elsewhere (silk) the
+    creation time is checked on the rows of the range against ``aged`` minus the second
+    placeholder (claim_after in ms)."""
+    p = profile
+    if not aged:
+        return f"{p.lock} <= {p.ms('%s')}"
+    if p.fresh_at_cleared_lock:
+        cleared = p.lock_cleared
+        return f"({p.lock} > {cleared} AND {p.lock} <= %s OR {p.lock} = {cleared} AND {key} <= %s)"
+    old_enough = p.ms(f"({aged} - %s)")
+    return f"{p.lock} <= {p.ms('%s')} AND (status <> '{p.fresh}' OR {p.created} <= {old_enough})"
 
 
 def open_rows_of_rooms_sql(table: str, key: str, rooms: int, profile: Profile = V1, hint: str = "") -> str:
@@ -86,6 +115,11 @@ class LeasedRows:
     #: (:mod:`.membership`, MySQL and PostgreSQL); unset, every process claims every room and per-room
     #: order rests on the hold-back alone (PostgreSQL, SQLite).
     room_buckets: BucketReader | None = None
+    #: Rows the producer wrote are claimed only once this old (ms, by their creation time
+    #: against the database's clock): room-service pushes each event itself right after its
+    #: commit and then marks it published; a claim before that would send it a second time.
+    #: Rows waiting for a retry or a lease's end are due by ``lock`` alone. 0: at once.
+    claim_after_ms: int = 0
 
     def use_profile(self, profile: Profile) -> None:
         """Keep the IM lane's state in ``profile``'s table and words (``database.profile``)."""
@@ -99,8 +133,38 @@ class LeasedRows:
         raise NotImplementedError
 
     @property
-    def _claim_sql(self) -> str:
-        return claim_sql(self.table, self.key, self.envelope_column, self.dialect.row_lock, self.profile)
+    def _aged(self) -> str:
+        """``claim_sql``'s ``aged``: the database's clock when rows must reach claim_after."""
+        return self.dialect.now_ms if self.claim_after_ms > 0 else ""
+
+    async def _due_params(self, cur: Any, limit: int, buckets: Sequence[int] | None) -> tuple[int, ...]:
+        """The claim's due condition's parameters (see :func:`due_sql`)."""
+        if not self._aged:
+            return (now_ms(),)
+        if self.profile.fresh_at_cleared_lock:
+            return (now_ms(), await self._fresh_bound(cur, limit, buckets))
+        return (now_ms(), self.claim_after_ms)
+
+    async def _fresh_bound(self, cur: Any, limit: int, buckets: Sequence[int] | None) -> int:
+        """The key up to which the producer's unclaimed rows are claimable: the last of the
+        first ``limit`` of them (in key order, the claim's) before the first one younger than
+        ``claim_after_ms``; 0: none. Read without locks, so the producer's own update of a young
+        row never waits for it, and never more rows than the claim itself may take."""
+        p = self.profile
+        forced = self.dialect.index_hint.format(index=claim_index(self.table)[0])
+        only = f" AND room_bucket IN ({_marks(buckets)})" if buckets else ""
+        await cur.execute(
+            f"SELECT {self.key}, CASE WHEN {p.created} <= {self.dialect.now_ms} - %s THEN 1 ELSE 0 END"
+            f" FROM {self.table}{forced} WHERE status = '{p.fresh}' AND {p.lock} = {p.lock_cleared}{only}"
+            f" ORDER BY {self.key} LIMIT %s",
+            (self.claim_after_ms, *(buckets or ()), limit),
+        )
+        bound = 0
+        for key, old_enough in await cur.fetchall():
+            if not old_enough:
+                break
+            bound = int(key)
+        return bound
 
     def _room_buckets(self) -> BucketReader | None:
         return self.room_buckets
@@ -125,10 +189,14 @@ class LeasedRows:
             lease_until_ms += await self._before_claim(cur)
             stale = await self._apply_results(cur, results)
             buckets = None if read_buckets is None else await read_buckets(cur)
-            if buckets is None:
-                await cur.execute(self._claim_sql, (now_ms(), limit))
-            elif not buckets:  # none of its own yet (joining), or all handed over
+            if buckets == []:  # none of its own yet (joining), or all handed over
                 return Claimed([], stale, exhausted=True)
+            due = await self._due_params(cur, limit, buckets)
+            if buckets is None:
+                sql = claim_sql(
+                    self.table, self.key, self.envelope_column, self.dialect.row_lock, self.profile, aged=self._aged
+                )
+                await cur.execute(sql, (*due, limit))
             else:
                 # A locking scan would lock, for a moment, every row it reads, other processes'
                 # rooms' among them, and make their claims skip those rows and hold their rooms
@@ -142,8 +210,9 @@ class LeasedRows:
                         self.profile,
                         len(buckets),
                         self.dialect.index_hint,
+                        self._aged,
                     ),
-                    (now_ms(), *buckets, limit),
+                    (*due, *buckets, limit),
                 )
             scanned = await cur.fetchall()
             exhausted = len(scanned) < limit
