@@ -14,6 +14,7 @@ range and checks the bucket, the index's last column on a server, in the index e
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -280,13 +281,38 @@ class LeasedRows:
         if not row_ids:
             return 0
         async with self.transaction() as cur:
-            return int(
+            held = int(
                 await cur.execute(
                     f"UPDATE {self.table} SET {self.profile.lock} = {self.profile.ms('%s')}"
                     f" WHERE {self.key} IN ({_marks(row_ids)}) AND worker_id = %s AND status = '{self.profile.in_flight}'",
                     (lease_until_ms, *row_ids, claim),
                 )
             )
+            if held < len(row_ids):
+                held += len(await self._published_under(cur, claim, row_ids))
+            return held
+
+    async def _published_under(self, cur: Any, claim: str, row_ids: Sequence[int]) -> set[int]:
+        """Of ``row_ids``, those the producer published while ``claim`` held them: delivered
+        with the claim still in ``worker_id`` (a worker's own write clears it, a takeover
+        replaces it)."""
+        await cur.execute(
+            f"SELECT {self.key} FROM {self.table} WHERE {self.key} IN ({_marks(row_ids)})"
+            f" AND status = '{self.profile.delivered}' AND worker_id = %s",
+            (*row_ids, claim),
+        )
+        return {row[0] for row in await cur.fetchall()}
+
+    async def _tell_producer_published(self, cur: Any, stale: list[DeliveryResult]) -> list[DeliveryResult]:
+        """``stale`` with the results whose row the producer published under their claim marked."""
+        by_producer: set[tuple[int, str]] = set()
+        for claim in sorted({r.claim for r in stale}):
+            ids = sorted({r.row_id for r in stale if r.claim == claim})
+            by_producer |= {(row_id, claim) for row_id in await self._published_under(cur, claim, ids)}
+        return [
+            dataclasses.replace(r, published_by_producer=True) if (r.row_id, r.claim) in by_producer else r
+            for r in stale
+        ]
 
     async def _apply_results(self, cur: Any, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
         """Write results whose claim still holds the row; return the others (stale).
@@ -346,4 +372,4 @@ class LeasedRows:
                 )
                 written = {row[0] for row in await cur.fetchall()}
                 stale.extend(r for r in group if r.row_id not in written)
-        return stale
+        return await self._tell_producer_published(cur, stale) if stale else stale
