@@ -85,7 +85,7 @@ def test_the_race_report_counts_requests_for_pushed_events_and_the_wait_of_the_o
         ["--failure-rate", "-0.1"],
         ["--events", "5"],
         ["--claim-after", "soon"],
-        ["--claim-after", "-1s"],
+        ["--claim-after=-1s"],
     ],
 )
 def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
