@@ -186,16 +186,19 @@ class Traffic:
                 if exc.args[0] != DEADLOCK:  # the producer retries a deadlock; here the next round does
                     raise
 
-
     async def another_claim_takes_in_flight_rows(self, count: int) -> None:
         """As a process whose lease ran out would find: another claim holds a row it is
         delivering, so its result write finds the row taken over."""
-        async with self.store.transaction() as cur:
-            await cur.execute(
-                "UPDATE room_outbox SET worker_id = 'other#1' WHERE status = 'pending' AND worker_id IS NOT NULL"
-                " AND worker_id <> 'other#1' AND event_id <> 'broken' LIMIT %s",
-                (count,),
-            )
+        try:
+            async with self.store.transaction() as cur:
+                await cur.execute(
+                    "UPDATE room_outbox SET worker_id = 'other#1' WHERE status = 'pending' AND worker_id IS NOT NULL"
+                    " AND worker_id <> 'other#1' AND event_id <> 'broken' LIMIT %s",
+                    (count,),
+                )
+        except pymysql.err.OperationalError as exc:
+            if exc.args[0] != DEADLOCK:  # the next round takes another
+                raise
 
 
 async def all_return_series(prometheus: PrometheusProcess, queries: list[Query], missing: list[str]) -> bool:
