@@ -49,6 +49,9 @@ class Dialect:
     #: SQL: the database's clock, in epoch ms (one clock for every process that compares times).
     now_ms: str
     capabilities: frozenset[str]
+    #: A locking scan locks each row it reads before checking the rest of its WHERE (InnoDB);
+    #: PostgreSQL locks only the rows that pass.
+    locks_before_filtering: bool = False
 
     @property
     def room_buckets(self) -> bool:
@@ -80,6 +83,7 @@ MYSQL = Dialect(
     " AND TABLE_NAME = %s",
     now_ms="CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
     capabilities=frozenset({ROW_LOCKS, PLUGIN_SCHEMA}),
+    locks_before_filtering=True,
 )
 
 POSTGRESQL = Dialect(

@@ -43,42 +43,21 @@ def claim_sql(
     profile: Profile = V1,
     buckets: int = 0,
     hint: str = "",
-    aged: str = "",
+    due: str = "",
 ) -> str:
     """The claim scan of one lane's table (see the module docstring). ``buckets``: how many
     room buckets the scan is limited to (placeholders after the due condition's; 0: every
     room), checked in the claim index's entries, whose last column is the bucket (``hint``:
-    the dialect's ``index_hint``, which makes sure of that on MySQL). ``aged``: the database's
-    clock (the dialect's ``now_ms``) when the producer's rows must reach ``claim_after`` first
-    (see :func:`due_sql`)."""
+    the dialect's ``index_hint``, which makes sure of that on MySQL). ``due``: the rows taken,
+    with one placeholder (default ``lock <= now``; see :meth:`LeasedRows._due_ranges`)."""
     p = profile
     only = f" AND room_bucket IN ({_marks(range(buckets))})" if buckets else ""
     forced = hint.format(index=claim_index(table)[0])
     return (
         f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts}"
         f" FROM {table}{forced}"
-        f" WHERE {p.is_open()} AND {due_sql(p, key, aged)}{only} ORDER BY {p.lock}, {key} LIMIT %s{lock}"
+        f" WHERE {p.is_open()} AND {due or p.lock + ' <= ' + p.ms('%s')}{only} ORDER BY {p.lock}, {key} LIMIT %s{lock}"
     )
-
-
-def due_sql(profile: Profile, key: str, aged: str = "") -> str:
-    """A claim's due condition; its placeholders: now (ms), then with ``aged`` one more.
-
-    Without ``aged``: ``lock <= now``. With it, rows the producer wrote that no claim has
-    taken yet must also be ``claim_after`` old (the producer may still be pushing them). Where
-    those rows all sit at ``lock`` 0 (v1, room_cell), the claim index orders them by key, so
-    the condition is a key bound (the second placeholder, :meth:`LeasedRows._fresh_bound`):
-    two exact ranges of the index, so that the claim's locks never touch a younger row. Elsewhere (silk) the
-    creation time is checked on the rows of the range against ``aged`` minus the second
-    placeholder (claim_after in ms)."""
-    p = profile
-    if not aged:
-        return f"{p.lock} <= {p.ms('%s')}"
-    if p.fresh_at_cleared_lock:
-        cleared = p.lock_cleared
-        return f"({p.lock} > {cleared} AND {p.lock} <= %s OR {p.lock} = {cleared} AND {key} <= %s)"
-    old_enough = p.ms(f"({aged} - %s)")
-    return f"{p.lock} <= {p.ms('%s')} AND (status <> '{p.fresh}' OR {p.created} <= {old_enough})"
 
 
 def open_rows_of_rooms_sql(table: str, key: str, rooms: int, profile: Profile = V1, hint: str = "") -> str:
@@ -133,18 +112,31 @@ class LeasedRows:
         """A cursor taking ``%s`` placeholders in a transaction, committed when the block ends."""
         raise NotImplementedError
 
-    @property
-    def _aged(self) -> str:
-        """``claim_sql``'s ``aged``: the database's clock when rows must reach claim_after."""
-        return self.dialect.now_ms if self.claim_after_ms > 0 else ""
+    async def _due_ranges(self, cur: Any, limit: int, buckets: Sequence[int] | None) -> list[tuple[str, int]]:
+        """What a claim takes, in its order: due conditions for :func:`claim_sql`, each with
+        its parameter, read one after the other while the batch is not full.
 
-    async def _due_params(self, cur: Any, limit: int, buckets: Sequence[int] | None) -> tuple[int, ...]:
-        """The claim's due condition's parameters (see :func:`due_sql`)."""
-        if not self._aged:
-            return (now_ms(),)
-        if self.profile.fresh_at_cleared_lock:
-            return (now_ms(), await self._fresh_bound(cur, limit, buckets))
-        return (now_ms(), self.claim_after_ms)
+        Without ``claim_after_ms``: ``lock <= now``. With it, the rows the producer wrote that
+        no claim has taken yet must be that old too. Where a locking scan locks every row it
+        reads (MySQL), and those rows all sit at ``lock`` 0 (v1, room_cell), so that the claim
+        index orders them by key ahead of every other row, they are taken up to a key bound,
+        then the rows due by ``lock``: two exact ranges of the index, which never reach, let
+        alone lock, a younger row.
+        Elsewhere the creation time is checked on the rows of the ``lock <= now`` range: the
+        young pending rows are read, not locked (PostgreSQL locks only the rows that pass)."""
+        p = self.profile
+        lock_due = f"{p.lock} <= {p.ms('%s')}"
+        if self.claim_after_ms <= 0:
+            return [(lock_due, now_ms())]
+        if self.dialect.locks_before_filtering and p.fresh_at_cleared_lock:
+            bound = await self._fresh_bound(cur, limit, buckets)
+            return [
+                (f"{p.lock} = {p.lock_cleared} AND {self.key} <= %s", bound),
+                (f"{p.lock} > {p.lock_cleared} AND {lock_due}", now_ms()),
+            ]
+        claimed_before = f"{p.lock} > {p.lock_cleared}" if p.fresh_at_cleared_lock else f"status <> '{p.fresh}'"
+        old_enough = f"{p.created} <= {p.ms(f'({self.dialect.now_ms} - {int(self.claim_after_ms)})')}"
+        return [(f"{lock_due} AND ({claimed_before} OR {old_enough})", now_ms())]
 
     async def _fresh_bound(self, cur: Any, limit: int, buckets: Sequence[int] | None) -> int:
         """The key up to which the producer's unclaimed rows are claimable: the last of the
@@ -192,30 +184,10 @@ class LeasedRows:
             buckets = None if read_buckets is None else await read_buckets(cur)
             if buckets == []:  # none of its own yet (joining), or all handed over
                 return Claimed([], stale, exhausted=True)
-            due = await self._due_params(cur, limit, buckets)
-            if buckets is None:
-                sql = claim_sql(
-                    self.table, self.key, self.envelope_column, self.dialect.row_lock, self.profile, aged=self._aged
-                )
-                await cur.execute(sql, (*due, limit))
-            else:
-                # A locking scan would lock, for a moment, every row it reads, other processes'
-                # rooms' among them, and make their claims skip those rows and hold their rooms
-                # back. So: read without locks, then lock what was found by key.
-                await cur.execute(
-                    claim_sql(
-                        self.table,
-                        self.key,
-                        self.envelope_column,
-                        "",
-                        self.profile,
-                        len(buckets),
-                        self.dialect.index_hint,
-                        self._aged,
-                    ),
-                    (*due, *buckets, limit),
-                )
-            scanned = await cur.fetchall()
+            scanned: list[Sequence[Any]] = []
+            for due, param in await self._due_ranges(cur, limit, buckets):
+                if len(scanned) < limit:
+                    scanned += await self._scan(cur, due, param, limit - len(scanned), buckets)
             exhausted = len(scanned) < limit
             if buckets and scanned:
                 scanned = await self._lock_found(cur, scanned)
@@ -234,6 +206,35 @@ class LeasedRows:
                     (claim, lease_until_ms, *ids),
                 )
         return Claimed(rows, stale, exhausted=exhausted)
+
+    async def _scan(
+        self, cur: Any, due: str, param: int, limit: int, buckets: Sequence[int] | None
+    ) -> list[Sequence[Any]]:
+        """The rows ``due`` (with ``param``) of the claim index's range, up to ``limit``."""
+        if buckets is None:
+            # MySQL's optimizer, left to choose, read the producer's old rows by the (status, id)
+            # index, every pending row with them.
+            hint = self.dialect.index_hint if self.claim_after_ms > 0 else ""
+            sql = claim_sql(
+                self.table, self.key, self.envelope_column, self.dialect.row_lock, self.profile, 0, hint, due
+            )
+            await cur.execute(sql, (param, limit))
+        else:
+            # A locking scan would lock, for a moment, every row it reads, other processes'
+            # rooms' among them, and make their claims skip those rows and hold their rooms
+            # back. So: read without locks, then lock what was found by key.
+            sql = claim_sql(
+                self.table,
+                self.key,
+                self.envelope_column,
+                "",
+                self.profile,
+                len(buckets),
+                self.dialect.index_hint,
+                due,
+            )
+            await cur.execute(sql, (param, *buckets, limit))
+        return list(await cur.fetchall())
 
     async def _lock_found(self, cur: Any, scanned: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
         """Of rows read without locks, those still claimable, locked (others skipped)."""
