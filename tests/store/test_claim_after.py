@@ -16,6 +16,7 @@ from support import INSERT_V1, envelope
 from room_outbox.store.dialect import MYSQL
 from room_outbox.store.factory import SQLStore, open_store
 from room_outbox.store.leased import claim_sql
+from room_outbox.store.membership import BUCKETS
 from room_outbox.store.profiles import ROOM_CELL, V1
 from room_outbox.store.tables import TABLE
 
@@ -98,6 +99,25 @@ async def test_a_young_row_whose_lease_ran_out_is_taken_over(store: SQLStore) ->
         await cur.execute("UPDATE room_outbox SET lock_until_ms = %s WHERE event_id = 'expired'", (now - 1,))
         await cur.execute("UPDATE room_outbox SET lock_until_ms = %s WHERE event_id = 'held'", (now + 60_000,))
     assert await claimed_ids(store) == {"expired"}
+
+
+@pytest.mark.parametrize("server", ["mysql", "postgresql"])
+async def test_a_claim_limited_to_room_buckets_honours_claim_after(server: str, request: pytest.FixtureRequest) -> None:
+    """Per-room claims on a server read their own buckets' rows without locks, then lock them."""
+
+    async def every_bucket(cur: Any) -> list[int]:
+        return list(range(BUCKETS))
+
+    store = await open_store(str(request.getfixturevalue("database_dsn" if server == "mysql" else "postgresql_dsn")))
+    try:
+        await store.migrate()
+        store.claim_after_ms = CLAIM_AFTER_MS
+        store.room_buckets = every_bucket
+        await insert_aged(store, {"old": CLAIM_AFTER_MS + 5_000, "young": 1_000})
+        claimed = await store.claim("c1", 100, 10**13, per_room=True)
+    finally:
+        await store.aclose()
+    assert {row.event_id for row in claimed.rows} == {"old"}
 
 
 async def test_room_cell_profile_honours_claim_after(store: SQLStore) -> None:
