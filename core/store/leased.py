@@ -10,6 +10,8 @@ on the ``(status, lock_until_ms, key)`` index that stops after ``limit`` rows, h
 published rows, leased rows or rows waiting for a retry the table holds. A claim limited to
 room buckets (per-room ordering with several processes, :mod:`.membership`) reads the same
 range and checks the bucket, the index's last column on a server, in the index entries.
+With ``claim_after`` the IM lane leaves the producer's youngest rows to its own push
+(:meth:`LeasedRows._due_ranges`).
 """
 
 from __future__ import annotations
@@ -121,9 +123,9 @@ class LeasedRows:
         reads (MySQL), and those rows all sit at ``lock`` 0 (v1, room_cell), so that the claim
         index orders them by key ahead of every other row, they are taken up to a key bound,
         then the rows due by ``lock``: two exact ranges of the index, which never reach, let
-        alone lock, a younger row.
-        Elsewhere the creation time is checked on the rows of the ``lock <= now`` range: the
-        young pending rows are read, not locked (PostgreSQL locks only the rows that pass)."""
+        alone lock, a younger row. Elsewhere the creation time is checked on the rows of the
+        ``lock <= now`` range: the young pending rows are read, not locked (PostgreSQL locks
+        only the rows that pass)."""
         p = self.profile
         lock_due = f"{p.lock} <= {p.ms('%s')}"
         if self.claim_after_ms <= 0:
