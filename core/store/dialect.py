@@ -52,6 +52,11 @@ class Dialect:
     #: A locking scan locks each row it reads before checking the rest of its WHERE (InnoDB);
     #: PostgreSQL locks only the rows that pass.
     locks_before_filtering: bool = False
+    #: Ends an ``ALTER TABLE … ADD COLUMN`` on a table already there: the algorithm that adds
+    #: the column without copying the table (the server refuses the statement otherwise).
+    online_column: str = ""
+    #: Ends an ``ALTER TABLE … ADD INDEX`` on a table already there: built while writes go on.
+    online_index: str = ""
 
     @property
     def room_buckets(self) -> bool:
@@ -84,6 +89,8 @@ MYSQL = Dialect(
     now_ms="CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
     capabilities=frozenset({ROW_LOCKS, PLUGIN_SCHEMA}),
     locks_before_filtering=True,
+    online_column=", ALGORITHM=INSTANT",
+    online_index=", ALGORITHM=INPLACE, LOCK=NONE",
 )
 
 POSTGRESQL = Dialect(
