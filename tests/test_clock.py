@@ -107,7 +107,7 @@ async def test_the_offset_is_measured_against_the_real_server(
     try:
         clock = ClusterClock(wall=lambda: time.time() + 10)
         async with store.transaction() as cur:
-            await clock.measure(cur, store.dialect.name)
+            await clock.measure(cur, store.dialect)
         assert clock.offset == pytest.approx(10.0, abs=0.5)
         assert clock.now_ms() / 1000 == pytest.approx(time.time(), abs=0.5)
         assert abs(CLOCK.offset) < 0.5  # measured by open_store, against the real host clock

@@ -160,7 +160,7 @@ class Membership:
         began = time.monotonic()
         timeout_ms = int(self.node_timeout * 1000)
         async with self.store.transaction() as cur:
-            await CLOCK.measure(cur, self.store.dialect.name)  # every time below is the database's
+            await CLOCK.measure(cur, self.store.dialect)  # every time below is the database's
             await sql.heartbeat(cur, self.store.dialect, self.node_id, self._view, self._view_since_ms)
             nodes = await sql.read_nodes(cur)
             now = now_ms()

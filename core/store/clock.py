@@ -6,8 +6,9 @@ due times, the quota's membership views. Hosts' clocks drift apart; the database
 thing every process shares, so its clock is the cluster's.
 
 Each process measures its offset from the server (:meth:`ClusterClock.measure`) when its store
-opens and at every membership heartbeat: one ``SELECT`` of the server's time, taken at the
-middle of the round trip. Between two measurements the time runs on the local monotonic clock,
+opens and at every membership heartbeat: one ``SELECT`` of the server's time (the dialect's
+``now_ms``, which the statements that compare room-service's ``created_at_ms`` use inline),
+taken at the middle of the round trip. Between two measurements the time runs on the local monotonic clock,
 which a step of the host's wall clock does not move. No statement changes for it, and a
 statement costs nothing more. Until a first measurement (SQLite: one box, no server) it is
 the local clock.
@@ -26,14 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 from room_outbox.config import MAX_CLOCK_SKEW
+from room_outbox.store.dialect import Dialect
 
 log = logging.getLogger("room_outbox.cluster")
-
-#: The server's time in epoch ms, at the statement (PostgreSQL's now() is the transaction's start).
-SERVER_NOW_MS = {
-    "mysql": "SELECT CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
-    "postgresql": "SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)",
-}
 
 
 class ClusterClock:
@@ -59,11 +55,11 @@ class ClusterClock:
             return int(self._wall() * 1000)
         return int(self._monotonic() * 1000 + self._base_ms)
 
-    async def measure(self, cur: Any, dialect: str) -> None:
-        """Read the server's time on ``cur`` (a MySQL/MariaDB or PostgreSQL cursor) and set
-        the offset from it; ``dialect``: the store dialect's name."""
+    async def measure(self, cur: Any, dialect: Dialect) -> None:
+        """Read the server's time on ``cur`` (a MySQL/MariaDB or PostgreSQL cursor, speaking
+        ``dialect``) and set the offset from it."""
         sent, sent_wall = self._monotonic(), self._wall()
-        await cur.execute(SERVER_NOW_MS[dialect])
+        await cur.execute(f"SELECT {dialect.now_ms}")
         (server_ms,) = await cur.fetchone()
         received, received_wall = self._monotonic(), self._wall()
         self.observe(int(server_ms), (sent + received) / 2, (sent_wall + received_wall) / 2)

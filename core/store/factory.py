@@ -58,6 +58,8 @@ class SQLStore(OutboxStore, Protocol):
 
     #: The room buckets this process may claim (the membership's on a server; None on SQLite).
     room_buckets: BucketReader | None
+    #: The age (ms) the producer's rows must reach before a claim takes them (``outbox_worker.claim_after``).
+    claim_after_ms: int
 
     @property
     def profile(self) -> Profile:
@@ -190,7 +192,7 @@ async def _read_clock(store: MySQLStore | PostgresStore) -> None:
     """Measure the process's offset from the server's clock, closing the pool if it fails."""
     try:
         async with store.transaction() as cur:
-            await CLOCK.measure(cur, store.dialect.name)
+            await CLOCK.measure(cur, store.dialect)
     except BaseException:
         await store.aclose()
         raise
