@@ -44,10 +44,11 @@ def skewed(seconds: int) -> dict[str, str]:
 
 
 def write_config(path: Path, dsn: str, fake: FakeIMProcess, **worker: Any) -> Path:
-    """Default cluster settings (1 s heartbeat, 5 s node timeout), limits out of the way."""
+    """Default cluster settings (1 s heartbeat, 5 s node timeout), limits out of the way, rows
+    claimable at once (nothing here pushes them the way room-service does)."""
     config = {
         "database": {"dsn": dsn, "pool_size": 4},
-        "outbox_worker": {"poll_interval": "100ms", "publish_timeout": "2s", **worker},
+        "outbox_worker": {"poll_interval": "100ms", "publish_timeout": "2s", "claim_after": "0s", **worker},
         "sinks": {"tencent_im": {"base_url": fake.base_url, "sdkappid": DEV_SDKAPPID,
                                  "app_rate_limit": 100_000, "group_rate_limit": 100_000}},
         "log": {"level": "INFO"},
