@@ -44,9 +44,15 @@ class Dialect:
     tables_sql: str
     #: Names of a table's (``%s``) columns, in their order.
     columns_sql: str
-    #: Names of a table's (``%s``) indexes.
+    #: Names of a table's (``%s``) indexes; PostgreSQL leaves out an invalid one (a
+    #: ``CREATE INDEX CONCURRENTLY`` that was interrupted), which migrate drops and builds again.
     indexes_sql: str
     capabilities: frozenset[str]
+    #: A row's room bucket as the claim and the handover fence read it (``{app_code}``,
+    #: ``{room_id}``: the row's columns or expressions; see room_outbox.store.membership):
+    #: MySQL/MariaDB read their bucket column; PostgreSQL computes it, and its claim index holds
+    #: the same expression (a column there would rewrite the whole table to add it).
+    row_bucket: str = ""
 
     @property
     def room_buckets(self) -> bool:
@@ -60,6 +66,10 @@ class Dialect:
 
     def text_contains(self, column: str) -> str:
         return self.contains.format(column=column)
+
+    def room_bucket(self, app_code: str = "app_code", room_id: str = "room_id") -> str:
+        """SQL: the room bucket of a row whose app code and room are these columns (or expressions)."""
+        return self.row_bucket.format(app_code=app_code, room_id=room_id)
 
 
 MYSQL = Dialect(
@@ -77,6 +87,7 @@ MYSQL = Dialect(
     indexes_sql="SELECT DISTINCT INDEX_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE()"
     " AND TABLE_NAME = %s",
     capabilities=frozenset({ROW_LOCKS, PLUGIN_SCHEMA}),
+    row_bucket="room_bucket",
 )
 
 POSTGRESQL = Dialect(
@@ -91,8 +102,12 @@ POSTGRESQL = Dialect(
     tables_sql="SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()",
     columns_sql="SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
     " AND table_name = %s ORDER BY ordinal_position",
-    indexes_sql="SELECT indexname FROM pg_indexes WHERE schemaname = current_schema() AND tablename = %s",
+    indexes_sql="SELECT ix.relname FROM pg_index i JOIN pg_class ix ON ix.oid = i.indexrelid"
+    " JOIN pg_class t ON t.oid = i.indrelid JOIN pg_namespace n ON n.oid = t.relnamespace"
+    " WHERE n.nspname = current_schema() AND t.relname = %s AND i.indisvalid",
     capabilities=frozenset({ROW_LOCKS}),
+    # 256: room_outbox.store.membership.BUCKETS; mod(), not %, which psycopg reads as a placeholder
+    row_bucket="mod(room_outbox_crc32({app_code} || ':' || {room_id}), 256)",
 )
 
 SQLITE = Dialect(

@@ -35,14 +35,22 @@ def now_ms() -> int:
 
 
 def claim_sql(
-    table: str, key: str, envelope: str, lock: str, profile: Profile = V1, buckets: int = 0, hint: str = ""
+    table: str,
+    key: str,
+    envelope: str,
+    lock: str,
+    profile: Profile = V1,
+    buckets: int = 0,
+    hint: str = "",
+    bucket: str = "room_bucket",
 ) -> str:
     """The claim scan of one lane's table (see the module docstring). ``buckets``: how many
     room buckets the scan is limited to (placeholders after the time; 0: every room), checked
     in the claim index's entries, whose last column is the bucket (``hint``: the dialect's
-    ``index_hint``, which makes sure of that on MySQL)."""
+    ``index_hint``, which makes sure of that on MySQL; ``bucket``: the row's bucket, the
+    dialect's :meth:`~.dialect.Dialect.room_bucket`)."""
     p = profile
-    only = f" AND room_bucket IN ({_marks(range(buckets))})" if buckets else ""
+    only = f" AND {bucket} IN ({_marks(range(buckets))})" if buckets else ""
     forced = hint.format(index=claim_index(table)[0])
     return (
         f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts}"
@@ -142,6 +150,7 @@ class LeasedRows:
                         self.profile,
                         len(buckets),
                         self.dialect.index_hint,
+                        self.dialect.room_bucket(self.profile.app_code, self.profile.room_id),
                     ),
                     (now_ms(), *buckets, limit),
                 )

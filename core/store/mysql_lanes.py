@@ -51,7 +51,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from room_outbox.config import LanesSettings
 from room_outbox.errors import ConfigurationError
@@ -60,11 +60,12 @@ from room_outbox.store.dialect import Dialect, table_names
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.leased import BucketReader, LeasedRows, now_ms
 from room_outbox.store.membership import bucket_plan
-from room_outbox.store.tables import ROOM_INDEX, Migration, run_plan
+from room_outbox.store.tables import ROOM_INDEX, Migration, concurrent_step, invalid_index_steps, run_plan
 from room_outbox.store.tables import claim_index as _claim_index
 
 if TYPE_CHECKING:
     from room_outbox.store.factory import SQLStore
+    from room_outbox.store.postgres import PostgresStore
 
 log = logging.getLogger("room_outbox.lanes")
 
@@ -115,7 +116,10 @@ def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
 
 
 async def migrate_lanes(store: SQLStore, lanes: Sequence[str]) -> list[str]:
-    """Create the cursor table and each lane's table (idempotent)."""
+    """Create the cursor table and each lane's table (idempotent); on PostgreSQL online, as
+    the outbox table (its claim index built ``CONCURRENTLY``, outside a transaction)."""
+    if store.dialect.name == "postgresql":
+        return await cast("PostgresStore", store).run_migration(lambda: lanes_migration_plan(store, lanes))
     plan = await lanes_migration_plan(store, lanes)
     async with store.transaction() as cur:
         return await run_plan(cur, plan)
@@ -132,7 +136,9 @@ async def lanes_migration_plan(store: SQLStore, lanes: Sequence[str]) -> list[Mi
         tables = [lane_table(lane) for lane in lanes]
         server = store.dialect.room_buckets
         buckets = await bucket_plan(cur, store.dialect, tables, membership=False, key="outbox_id") if server else []
-    return plan + [Migration(change, statements) for change, statements in buckets]
+        if store.dialect.name == "postgresql":  # interrupted index builds first
+            plan = await invalid_index_steps(cur, [t for t in tables if t in existing]) + plan
+    return plan + [concurrent_step(change, statements) for change, statements in buckets]
 
 
 def start_id(start: str | int, max_id: int) -> int:
