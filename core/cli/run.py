@@ -77,8 +77,12 @@ async def print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
     print(f"-- room-outbox migrate for {describe(address)}: nothing has been run")
     if not plan:
         print("-- schema already up to date: no statement to run")
+    if any(step.autocommit for step in plan):
+        print("-- run statement by statement, outside a transaction (psql's default): CONCURRENTLY refuses one")
     for step in plan:
         print(f"\n-- {step.change}")
+        if step.repeat:
+            print("-- a batch: run it again until it changes no row")
         for statement in step.statements:
             print(statement.strip().rstrip(";") + ";")
     return 0
