@@ -340,9 +340,11 @@ def silk_key_steps(table: str, state: int) -> list[Migration]:
         Migration(
             f"numbered the rows already in {table}",
             (
-                f"UPDATE {table} SET outbox_seq = numbered.seq FROM (SELECT id, nextval('{backfill}') AS seq"
-                f" FROM (SELECT id FROM {table} WHERE outbox_seq IS NULL ORDER BY created_at DESC, id DESC"
-                f" LIMIT {SILK_BACKFILL_BATCH}) AS batch) AS numbered WHERE {table}.id = numbered.id",
+                # by ctid: each row is found again where the batch read it (by id, the planner
+                # joined the whole table); a row updated meanwhile is left to a later batch
+                f"UPDATE {table} SET outbox_seq = numbered.seq FROM (SELECT ctid, nextval('{backfill}') AS seq"
+                f" FROM (SELECT ctid FROM {table} WHERE outbox_seq IS NULL ORDER BY created_at DESC, id DESC"
+                f" LIMIT {SILK_BACKFILL_BATCH}) AS batch) AS numbered WHERE {table}.ctid = numbered.ctid",
             ),
             repeat=True,
             remaining=f"SELECT count(*) FROM {table} WHERE outbox_seq IS NULL",
