@@ -242,7 +242,7 @@ SILK_ADDED_INDEXES = {
     ROOM_INDEX: ("((COALESCE(aggregate_id, '')), status, outbox_seq)", False),
 }
 #: Rows the key's backfill numbers per transaction: each holds its rows' locks that long.
-SILK_BACKFILL_BATCH = 10_000
+SILK_BACKFILL_BATCH = 2_000
 #: Numbers left free between the rows counted before the key's default is set and the first
 #: number the default gives: rows inserted meanwhile are numbered there.
 SILK_KEY_HEADROOM = 1_000_000

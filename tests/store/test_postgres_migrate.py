@@ -178,7 +178,7 @@ async def test_old_rows_keep_keys_below_rows_inserted_during_the_migration(silk:
     await execute(silk, "INSERT INTO outbox_events (event_id, event_type) VALUES ('during', 'x')")
     async with silk.transaction() as cur:  # the backfill in batches of 10 (made smaller for the test)
         (batch,) = plan[3].statements
-        while await cur.execute(batch.replace("LIMIT 10000", "LIMIT 10")):
+        while await cur.execute(batch.replace("LIMIT 2000", "LIMIT 10")):
             pass
     await execute(silk, "INSERT INTO outbox_events (event_id, event_type) VALUES ('after', 'x')")
     assert (await silk.migrate())[-1] == "added index outbox_events.idx_outbox_events_claim"
