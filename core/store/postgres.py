@@ -16,7 +16,11 @@ connection is closed, never handed back; connections idle since before a call th
 are replaced rather than tried. Every session starts with the server-side bounds derived from
 ``query_timeout``: ``idle_in_transaction_session_timeout`` (a session whose client vanished in
 the middle of a transaction ends and frees its row locks), ``lock_timeout`` and
-``statement_timeout``; ``migrate`` lifts the last for its own transaction only (``SET LOCAL``).
+``statement_timeout``.
+
+``migrate`` runs online (:meth:`PostgresStore.run_migration`): on a session of its own without
+a statement limit, each step short or outside a transaction, every lock wait bounded and the
+step tried again, one migrate at a time (a session advisory lock).
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ Added (all with defaults, so room-service's own INSERT and
   :mod:`.membership`, whose plan creates it there, after the bucket column).
 * index ``idx_room_outbox_room (room_id, status, id)``: per-room ordering asks "which earlier
   rows of these rooms are still pending?".
+
+On PostgreSQL the plan changes a live table online (no rewrite, no long lock): indexes are built
+``CONCURRENTLY``, silk's key is added and backfilled in batches (:func:`silk_key_steps`).
 """
 
 from __future__ import annotations
