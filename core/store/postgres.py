@@ -288,11 +288,15 @@ class PostgresStore(LeasedRows):
     @asynccontextmanager
     async def _migration_session(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """migrate's own connection, outside the pool: no statement time limit, lock waits
-        bounded by ``step_lock_wait``."""
+        bounded by ``step_lock_wait``. The server checks every second that migrate is still
+        there, so an index build or a batch stops soon after migrate was stopped (PostgreSQL
+        ≥ 14; older servers finish the statement first)."""
         conn = await psycopg.AsyncConnection.connect(**self.address.connect_kwargs(self.query_timeout), autocommit=True)
         try:
             await conn.execute("SET statement_timeout = 0")
             await conn.execute(f"SET lock_timeout = {int(self.step_lock_wait * 1000)}")
+            if conn.info.server_version >= 140000:
+                await conn.execute("SET client_connection_check_interval = 1000")
             yield conn
         finally:
             await conn.close()
