@@ -226,9 +226,12 @@ async def _pg_bucket_steps(
     blocking writes, and a rerun takes up where an interrupted one stopped. The earlier
     install's column stays (dropping it would break processes still running the old version)."""
     steps: list[tuple[str, tuple[str, ...]]] = []
-    await cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", (PG_CRC32_FUNCTION,))
-    if await cur.fetchone() is None:
+    await cur.execute("SELECT prosrc FROM pg_proc WHERE proname = %s", (PG_CRC32_FUNCTION,))
+    function = await cur.fetchone()
+    if function is None:
         steps.append((f"created function {PG_CRC32_FUNCTION}", (PG_CRC32_DDL.strip(),)))
+    elif function[0] != PG_CRC32_DDL.split("$$")[1]:  # an earlier version: same results, slower
+        steps.append((f"replaced function {PG_CRC32_FUNCTION} (same results, faster)", (PG_CRC32_DDL.strip(),)))
     for table in tables:
         name, columns = claim_index(table, profile.lock, key, f"({row_bucket(POSTGRESQL, profile)})")
         indexes = await _pg_index_definitions(cur, table) if table.lower() in existing else {}
