@@ -265,12 +265,12 @@ class PostgresStore(LeasedRows):
         ``step_attempts`` times. Returns the changes made."""
         changes: list[str] = []
         with query_deadline(SCHEMA_CHANGE_TIMEOUT):
-            async with self._migrate_lock(), self._migration_session() as conn:
+            async with self._migrate_lock() as watcher, self._migration_session() as conn:
                 for attempt in range(1, self.step_attempts + 1):
                     step = None
                     try:
                         for step in await planner():
-                            await _run_step(conn, step)
+                            await _run_step(conn, step, watcher)
                             changes.append(step.change)
                         return changes
                     except psycopg.errors.LockNotAvailable:
@@ -302,9 +302,10 @@ class PostgresStore(LeasedRows):
             await conn.close()
 
     @asynccontextmanager
-    async def _migrate_lock(self) -> AsyncIterator[None]:
+    async def _migrate_lock(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """migrate's session lock, held on a connection of its own for the whole migrate (it
-        ends with that session, whatever stops migrate)."""
+        ends with that session, whatever stops migrate); that connection also reads the
+        progress of index builds."""
         conn = await psycopg.AsyncConnection.connect(**self.address.connect_kwargs(self.query_timeout), autocommit=True)
         try:
             await conn.execute(f"SET lock_timeout = {int(self.migrate_lock_wait * 1000)}")
@@ -315,7 +316,7 @@ class PostgresStore(LeasedRows):
                     f"another migrate is running on this database (waited {self.migrate_lock_wait:g}s"
                     " for it to finish); try again once it has"
                 ) from None
-            yield
+            yield conn
         finally:
             await conn.close()
 
@@ -324,14 +325,18 @@ class PostgresStore(LeasedRows):
 PROGRESS_EVERY = 2.0
 
 
-async def _run_step(conn: psycopg.AsyncConnection[Any], step: Migration) -> None:
-    """One step of a plan on ``conn`` (autocommit): see :class:`Migration`."""
+async def _run_step(conn: psycopg.AsyncConnection[Any], step: Migration, watcher: psycopg.AsyncConnection[Any]) -> None:
+    """One step of a plan on ``conn`` (autocommit): see :class:`Migration`. ``watcher``: a
+    connection of its own, which reads how far an index build got."""
     if step.repeat:
         for statement in step.statements:
             await _repeat(conn, step, statement)
     elif step.autocommit:
         for statement in step.statements:
-            await conn.execute(statement)
+            if statement.startswith("CREATE"):  # an index build: its progress on stderr
+                await _build(conn, statement, watcher, step.change)
+            else:
+                await conn.execute(statement)
     else:
         async with conn.transaction():
             for statement in step.statements:
@@ -354,6 +359,38 @@ async def _repeat(conn: psycopg.AsyncConnection[Any], step: Migration, statement
             reported = time.monotonic()
         if not changed:
             return
+
+
+async def _build(
+    conn: psycopg.AsyncConnection[Any], statement: str, watcher: psycopg.AsyncConnection[Any], change: str
+) -> None:
+    """Run an index build, its progress reported meanwhile. Its error is raised as it is, not
+    wrapped in the task group's."""
+    error: psycopg.Error | None = None
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(_report_build, watcher, conn.info.backend_pid, change)
+        try:
+            await conn.execute(statement)
+        except psycopg.Error as exc:
+            error = exc
+        tasks.cancel_scope.cancel()
+    if error is not None:
+        raise error
+
+
+async def _report_build(watcher: psycopg.AsyncConnection[Any], pid: int, change: str) -> None:
+    """Report an index build's phase on stderr every :data:`PROGRESS_EVERY` seconds, until
+    cancelled (each read shielded: cancelled half-way, it would close ``watcher``)."""
+    while True:
+        await anyio.sleep(PROGRESS_EVERY)
+        with anyio.CancelScope(shield=True):
+            cur = await watcher.execute(
+                "SELECT phase, blocks_done, blocks_total FROM pg_stat_progress_create_index WHERE pid = %s", (pid,)
+            )
+            row = await cur.fetchone()
+        if row is not None:
+            phase, done, total = row
+            _say(f"migrate: {change}: {phase}" + (f", {100 * done // total}% of the blocks" if total else ""))
 
 
 def _say(line: str) -> None:
