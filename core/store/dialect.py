@@ -53,6 +53,11 @@ class Dialect:
     #: MySQL/MariaDB read their bucket column; PostgreSQL computes it, and its claim index holds
     #: the same expression (a column there would rewrite the whole table to add it).
     row_bucket: str = ""
+    #: Ends an ``ALTER TABLE … ADD COLUMN`` on a table already there: the algorithm that adds
+    #: the column without copying the table (the server refuses the statement otherwise).
+    online_column: str = ""
+    #: Ends an ``ALTER TABLE … ADD INDEX`` on a table already there: built while writes go on.
+    online_index: str = ""
 
     @property
     def room_buckets(self) -> bool:
@@ -88,6 +93,8 @@ MYSQL = Dialect(
     " AND TABLE_NAME = %s",
     capabilities=frozenset({ROW_LOCKS, PLUGIN_SCHEMA}),
     row_bucket="room_bucket",
+    online_column=", ALGORITHM=INSTANT",
+    online_index=", ALGORITHM=INPLACE, LOCK=NONE",
 )
 
 POSTGRESQL = Dialect(

@@ -51,7 +51,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from room_outbox.config import LanesSettings
 from room_outbox.errors import ConfigurationError
@@ -60,12 +60,13 @@ from room_outbox.store.dialect import Dialect, table_names
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.leased import BucketReader, LeasedRows, now_ms
 from room_outbox.store.membership import bucket_plan
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.postgres import PostgresStore
 from room_outbox.store.tables import ROOM_INDEX, Migration, concurrent_step, invalid_index_steps, run_plan
 from room_outbox.store.tables import claim_index as _claim_index
 
 if TYPE_CHECKING:
     from room_outbox.store.factory import SQLStore
-    from room_outbox.store.postgres import PostgresStore
 
 log = logging.getLogger("room_outbox.lanes")
 
@@ -116,11 +117,14 @@ def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
 
 
 async def migrate_lanes(store: SQLStore, lanes: Sequence[str]) -> list[str]:
-    """Create the cursor table and each lane's table (idempotent); on PostgreSQL online, as
-    the outbox table (its claim index built ``CONCURRENTLY``, outside a transaction)."""
-    if store.dialect.name == "postgresql":
-        return await cast("PostgresStore", store).run_migration(lambda: lanes_migration_plan(store, lanes))
+    """Create the cursor table and each lane's table (idempotent), online as the outbox
+    table's migration: on MySQL/MariaDB statement by statement, on PostgreSQL step by step
+    (the claim's index built ``CONCURRENTLY``, outside a transaction)."""
+    if isinstance(store, PostgresStore):
+        return await store.run_migration(lambda: lanes_migration_plan(store, lanes))
     plan = await lanes_migration_plan(store, lanes)
+    if isinstance(store, MySQLStore):
+        return await store.run_migration(plan)
     async with store.transaction() as cur:
         return await run_plan(cur, plan)
 

@@ -5,7 +5,7 @@ upgrades them on all three databases (``migrate`` runs it, ``migrate --sql`` pri
 Added (all with defaults, so room-service's own INSERT and
 ``UPDATE … SET status='published' WHERE event_id=?`` keep working):
 
-* ``worker_id``: the claim holding the row (``<node_id>#<n>``), NULL when free.
+* ``worker_id``: the claim holding the row (``<node_id>~<token>#<n>``), NULL when free.
 * ``lock_until_ms``: the row is not claimable before this time. A claim sets it to the end of
   its lease; a failed attempt sets it to the retry time. One column for both keeps the claim
   an exact index range scan.
@@ -166,14 +166,14 @@ async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migrat
     for name, definition in ADDED_COLUMNS[dialect.name].items():
         if name not in columns:
             plan.append(
-                Migration(f"added column {table}.{name}", (f"ALTER TABLE {table} ADD COLUMN {name} {definition}",))
+                Migration(f"added column {table}.{name}", (add_column_sql(dialect, table, f"{name} {definition}"),))
             )
     wanted = [(template.format(table=table), columns_sql) for template, columns_sql in ADDED_INDEXES.items()]
     if not dialect.room_buckets:  # on a server the room buckets' plan creates it, after their column
         wanted.insert(0, claim_index(table))
     for name, columns_sql in wanted:
         if name not in indexes:
-            create = create_index(dialect, name, table, columns_sql)
+            create = add_index_sql(dialect, table, name, columns_sql)
             plan.append(concurrent_step(f"added index {table}.{name}", (create,)))
     return plan
 
@@ -194,13 +194,24 @@ async def invalid_index_steps(cur: Any, tables: list[str]) -> list[Migration]:
     ]
 
 
-def create_index(dialect: Dialect, name: str, table: str, columns_sql: str, unique: bool = False) -> str:
-    """``CREATE INDEX``; on PostgreSQL ``CONCURRENTLY`` (writes go on while it builds; one that
-    was interrupted leaves an invalid index, which a rerun drops and builds again)."""
+def add_column_sql(dialect: Dialect, table: str, column: str) -> str:
+    """Adds ``column`` (its name and definition) to a table already there, on MySQL/MariaDB
+    without copying the table: the algorithm is named, so the server refuses rather than
+    copy it with every write blocked."""
+    return f"ALTER TABLE {table} ADD COLUMN {column}{dialect.online_column}"
+
+
+def add_index_sql(dialect: Dialect, table: str, name: str, columns: str, unique: bool = False) -> str:
+    """Creates the index ``name`` on ``columns`` (``(a, b)``) while writes go on: on
+    MySQL/MariaDB built in place (the algorithm and lock named, for the same reason), on
+    PostgreSQL ``CONCURRENTLY`` (one that was interrupted leaves an invalid index, which a
+    rerun drops and builds again: :func:`invalid_index_steps`)."""
     kind = "UNIQUE INDEX" if unique else "INDEX"
+    if dialect.name == "mysql":
+        return f"ALTER TABLE {table} ADD {kind} {name} {columns}{dialect.online_index}"
     if dialect.name == "postgresql":
-        return f"CREATE {kind} CONCURRENTLY IF NOT EXISTS {name} ON {table} {columns_sql}"
-    return f"CREATE {kind} {name} ON {table} {columns_sql}"
+        return f"CREATE {kind} CONCURRENTLY IF NOT EXISTS {name} ON {table} {columns}"
+    return f"CREATE {kind} {name} ON {table} {columns}"
 
 
 # -- silk's outbox (PostgreSQL) ----------------------------------------------------------------
@@ -275,7 +286,7 @@ async def plan_silk(cur: Any, dialect: Dialect, table: str) -> list[Migration]:
     for template, (columns_sql, unique) in SILK_ADDED_INDEXES.items():
         name = template.format(table=table)
         if name not in indexes:
-            create = create_index(dialect, name, table, columns_sql, unique)
+            create = add_index_sql(dialect, table, name, columns_sql, unique)
             plan.append(concurrent_step(f"added index {table}.{name}", (create,)))
     return plan
 
