@@ -305,7 +305,7 @@ async def test_an_earlier_install_with_a_stored_bucket_column_moves_to_the_expre
 async def test_v1_and_lane_tables_migrate_while_room_service_inserts(postgresql_dsn: str) -> None:
     """room-service's V1 table of 200,000 rows and a lane's table: migrate adds the columns and
     builds the indexes (the claim's with the bucket expression) while rows keep coming."""
-    store = await open_store(postgresql_dsn)
+    store = await open_store(postgresql_dsn, query_timeout=60)  # 200,000 rows made in one go
     try:
         await execute(store, *(s.format(table="room_outbox") for s in V1_TABLE_DDL["postgresql"]))
         await execute(
