@@ -52,14 +52,16 @@ def claim_sql(
     buckets: int = 0,
     hint: str = "",
     due: str = "",
+    bucket: str = "room_bucket",
 ) -> str:
     """The claim scan of one lane's table (see the module docstring). ``buckets``: how many
     room buckets the scan is limited to (placeholders after the due condition's; 0: every
     room), checked in the claim index's entries, whose last column is the bucket (``hint``:
-    the dialect's ``index_hint``, which makes sure of that on MySQL). ``due``: the rows taken,
+    the dialect's ``index_hint``, which makes sure of that on MySQL; ``bucket``: the row's
+    bucket, the dialect's :meth:`~.dialect.Dialect.room_bucket`). ``due``: the rows taken,
     with one placeholder (default ``lock <= now``; see :meth:`LeasedRows._due_ranges`)."""
     p = profile
-    only = f" AND room_bucket IN ({_marks(range(buckets))})" if buckets else ""
+    only = f" AND {bucket} IN ({_marks(range(buckets))})" if buckets else ""
     forced = hint.format(index=claim_index(table)[0])
     return (
         f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts}"
@@ -153,7 +155,7 @@ class LeasedRows:
         row never waits for it, and never more rows than the claim itself may take."""
         p = self.profile
         forced = self.dialect.index_hint.format(index=claim_index(self.table)[0])
-        only = f" AND room_bucket IN ({_marks(buckets)})" if buckets else ""
+        only = f" AND {self._row_bucket} IN ({_marks(buckets)})" if buckets else ""
         await cur.execute(
             f"SELECT {self.key}, CASE WHEN {p.created} <= {self.dialect.now_ms} - %s THEN 1 ELSE 0 END"
             f" FROM {self.table}{forced} WHERE status = '{p.fresh}' AND {p.lock} = {p.lock_cleared}{only}"
@@ -166,6 +168,11 @@ class LeasedRows:
                 break
             bound = int(key)
         return bound
+
+    @property
+    def _row_bucket(self) -> str:
+        """SQL: a row's room bucket in this lane's table (a column, or an expression)."""
+        return self.dialect.room_bucket(self.profile.app_code, self.profile.room_id)
 
     def _room_buckets(self) -> BucketReader | None:
         return self.room_buckets
@@ -240,6 +247,7 @@ class LeasedRows:
                 len(buckets),
                 self.dialect.index_hint,
                 due,
+                self._row_bucket,
             )
             await cur.execute(sql, (param, *buckets, limit))
         return list(await cur.fetchall())

@@ -47,15 +47,16 @@ MIGRATION = {
 SERVER_MIGRATION = {
     "created table room_outbox_node",
     "created table room_outbox_bucket",
-    "added column room_outbox.room_bucket",
 }
-#: PostgreSQL computes the bucket with a function of its own.
+#: MySQL/MariaDB keep the bucket in a column; PostgreSQL computes it with a function of its
+#: own, in the claim's index.
+MYSQL_MIGRATION = {"added column room_outbox.room_bucket"}
 POSTGRESQL_MIGRATION = {"created function room_outbox_crc32"}
 
 
 def migration(store: SQLStore) -> set[str]:
     if store.dialect.name == "mysql":
-        return MIGRATION | SERVER_MIGRATION
+        return MIGRATION | SERVER_MIGRATION | MYSQL_MIGRATION
     if store.dialect.name == "postgresql":
         return MIGRATION | SERVER_MIGRATION | POSTGRESQL_MIGRATION
     return MIGRATION
