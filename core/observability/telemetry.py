@@ -235,8 +235,7 @@ class DeliveryAttempt:
                 self._span.finish(sink, None, None)
             else:
                 self._span.finish(sink, failure.error_class, failure.error)
-        sink = failure.sink if failure is not None else self._sink
-        if self._span is not None:
+        if failure is None:
             metrics.success.add(1, labels)
             metrics.latency.record(elapsed_ms, {**labels, "outcome": "published"})
         else:

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.anyio
 
 THROTTLED = "room_outbox_publish_throttled_total"
 FAILED = "room_outbox_publish_failure_total"
+PUBLISHED = "room_outbox_publish_success_total"
+LATENCY = "room_outbox_publish_latency_ms"
 
 
 async def _router(fake: FakeTencentIM, quota: QuotaShare | None = None, **im: Any) -> Router:
@@ -87,6 +89,8 @@ async def test_an_app_limit_below_the_concurrency_parks_nothing_and_delivers_eve
     assert fake.max_in_window(1.0) <= 10
     assert captured.value(THROTTLED, sink="tencent_im") > 0  # the limit did hold deliveries back
     assert captured.value(FAILED) == 0
+    assert captured.value(PUBLISHED, sink="tencent_im") == events
+    assert sum(p.count for p in captured.histogram(LATENCY)) == events  # only attempts are timed
 
 
 async def test_a_quota_share_of_zero_holds_back_without_an_attempt(fake: FakeTencentIM, store: MySQLStore) -> None:
