@@ -416,11 +416,14 @@ class LeasedRows:
             )
             done = f"status = '{words.delivered}' AND worker_id IS NULL AND {words.updated} = {words.ms(str(int(now)))}"
             params: tuple[Any, ...] = (now, *ids, claim)
-        else:  # RELEASED: back to what it was before the claim
+        else:  # RELEASED, THROTTLED: back to what it was before the claim, unattempted
             back = "" if words.in_flight == words.fresh else f"status = {words.released()}, "
-            change = f"{back}worker_id = NULL, {words.lock} = {words.lock_cleared}"
+            # THROTTLED: not before the latest time its limits may have room (0: at once).
+            due = max(r.retry_at_ms for r in group)
+            lock = words.ms("%s") if due else words.lock_cleared
+            change = f"{back}worker_id = NULL, {words.lock} = {lock}"
             done = f"{words.is_waiting()} AND worker_id IS NULL"
-            params = (*ids, claim)
+            params = (*((due,) if due else ()), *ids, claim)
         matched = await cur.execute(
             f"UPDATE {self.table} SET {change} WHERE {self.key} IN ({_marks(ids)}) AND {held}",
             params,
@@ -439,7 +442,8 @@ class LeasedRows:
         as the claim left it and is taken again once its lease runs out."""
         words = self.profile
         back = "" if words.in_flight == words.fresh else f"status = {words.released()}, "
-        counted = "" if result.outcome is Outcome.RELEASED else f", {words.attempts} = {words.attempts} + 1"
+        unattempted = result.outcome in (Outcome.RELEASED, Outcome.THROTTLED)
+        counted = "" if unattempted else f", {words.attempts} = {words.attempts} + 1"
         error = f"its {result.outcome.value} result was refused by the database: {cause}"
         if result.error:
             error += f"; {result.error}"

@@ -104,7 +104,17 @@ async def test_silk_rows_are_claimed_sent_retried_and_failed_after_their_own_max
             "UPDATE outbox_events SET next_attempt_at = now() - interval '1 second' WHERE event_id = 'e2'"
         )
     (again,) = (await silk.claim("c#1", 10, now_ms() + 60_000)).rows
-    await silk.record([DeliveryResult(again.id, "e2", "c#1", Outcome.FAILED, "timeout again", now_ms())])
+    slot = now_ms() + 30_000  # held back by a rate limit: no attempt, not due before the slot
+    await silk.record([DeliveryResult(again.id, "e2", "c#1", Outcome.THROTTLED, retry_at_ms=slot)])
+    throttled = (await silk_rows(silk))["e2"]
+    assert (throttled["status"], throttled["attempts"], throttled["worker_id"]) == ("retry", 1, None)
+    assert abs(throttled["next_attempt_at"] - datetime.fromtimestamp(slot / 1000, UTC)) < timedelta(milliseconds=2)
+    async with silk.transaction() as cur:
+        await cur.execute(
+            "UPDATE outbox_events SET next_attempt_at = now() - interval '1 second' WHERE event_id = 'e2'"
+        )
+    (again,) = (await silk.claim("d#1", 10, now_ms() + 60_000)).rows
+    await silk.record([DeliveryResult(again.id, "e2", "d#1", Outcome.FAILED, "timeout again", now_ms())])
     assert (await silk_rows(silk))["e2"]["status"] == "failed"  # its own max_attempts (2) used up
 
 
