@@ -2,7 +2,8 @@
 
 The public plugin API lives here: ``hookimpl`` marks a plugin's hook implementations,
 ``SinkSpec`` registers a sink with its ``SinkSettings`` model, ``Sink`` and its errors are
-what a sink implements and raises, ``EventEnvelope`` is what it receives. ``Duration`` reads
+what a sink implements and raises (``ThrottledSinkError``: held back by its own rate limit,
+not an attempt), ``EventEnvelope`` is what it receives. ``Duration`` reads
 ``"500ms"``/``"2s"``/``"1m"`` in a settings model as room-outbox's own settings do, and
 ``MySQLAddress`` parses a ``mysql://`` DSN, for sinks that write to MySQL themselves.
 ``http_client_span`` and ``sink_span`` trace a sink's own I/O under the current attempt;
@@ -49,6 +50,7 @@ from room_outbox.sink import (
     SinkError,
     SinkSettings,
     SinkSpec,
+    ThrottledSinkError,
 )
 from room_outbox.store.mysql import MySQLAddress
 
@@ -78,6 +80,7 @@ __all__ = [
     "SinkError",
     "SinkSettings",
     "SinkSpec",
+    "ThrottledSinkError",
     "Transaction",
     "hookimpl",
     "http_client_span",

@@ -10,6 +10,7 @@
     ├── EnvelopeError               a row's envelope does not parse (also a ``ValueError``)
     ├── SinkError                   raised by a sink on purpose
     │   ├── RetryableSinkError      may go away: the event is tried again
+    │   │   └── ThrottledSinkError  not sent: this process's own rate limit held it back
     │   └── PermanentSinkError      retrying will not help
     └── HandlerError                raised by a consumer's handler on purpose
         ├── RetryableHandlerError   may go away: retried with backoff
@@ -67,6 +68,18 @@ class SinkError(RoomOutboxError):
 
 class RetryableSinkError(SinkError):
     """Delivery failed for a reason that may go away: the event is tried again."""
+
+
+class ThrottledSinkError(RetryableSinkError):
+    """Not sent at all: this process's own rate limit (or its share of a deployment-wide one)
+    held the delivery back. Not an attempt: the event keeps its retry count, is never parked
+    for it, and is claimable again after ``retry_after`` seconds (``None``: at once), when a
+    slot may have opened. Raise it only when no request left the process: a request that may
+    have reached the destination is an attempt (:class:`RetryableSinkError`)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class PermanentSinkError(SinkError):

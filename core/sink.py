@@ -6,6 +6,7 @@ with the original exception kept as ``__cause__`` (the classes live in :mod:`roo
 
     SinkError                     anything a sink raises on purpose
     ├── RetryableSinkError        try again later (network, timeout, 5xx, rate limit, ...)
+    │   └── ThrottledSinkError    not sent: the sink's own rate limit held it back (no attempt)
     └── PermanentSinkError        retrying will not help (bad group, message too big, ...)
 
 Any other exception escaping ``deliver`` is a bug in the sink; the dispatcher records it as a
@@ -27,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from room_outbox.cluster.quota import QuotaShare
 from room_outbox.envelope import EventEnvelope
-from room_outbox.errors import PermanentSinkError, RetryableSinkError, SinkError
+from room_outbox.errors import PermanentSinkError, RetryableSinkError, SinkError, ThrottledSinkError
 
 __all__ = [
     "PermanentSinkError",
@@ -37,6 +38,7 @@ __all__ = [
     "SinkError",
     "SinkSettings",
     "SinkSpec",
+    "ThrottledSinkError",
 ]
 
 

@@ -12,7 +12,7 @@ import pytest
 from support import RecordingSink, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, wait_until
 
 from room_outbox.delivery.retry import RetryPolicy
-from room_outbox.sink import PermanentSinkError
+from room_outbox.sink import PermanentSinkError, ThrottledSinkError
 from room_outbox.store.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
@@ -60,6 +60,27 @@ async def test_fixed_interval_retries_on_the_next_scan_and_then_succeeds(store: 
 
 
 @pytest.mark.serial
+async def test_a_throttled_delivery_is_released_unattempted_until_its_slot(store: MySQLStore) -> None:
+    """A sink's own limit held the event back (any sink may say so): no retry counted, no
+    error, never parked, not claimable before the slot; with per-room ordering the room's
+    later events wait behind it."""
+    await insert_events(store, [envelope("e1"), envelope("e2"), envelope("other", room_id="r_2")])
+    sink = RecordingSink(fail={"e1"}, error=ThrottledSinkError("own limit", retry_after=30))
+    dispatcher = make_dispatcher(
+        store, sink, per_room=True, retry=RetryPolicy(parking=True, max_attempts=1, interval=0.05)
+    )
+    before = int(time.time() * 1000)
+    await dispatcher.run_until_empty()
+    rows = await fetch_rows(store)
+    e1 = rows["e1"]
+    assert (e1["status"], e1["retry_count"], e1["last_error"], e1["worker_id"]) == ("pending", 0, None, None)
+    assert before + 30_000 <= e1["lock_until_ms"] <= int(time.time() * 1000) + 30_000
+    assert (rows["e2"]["status"], rows["e2"]["retry_count"]) == ("pending", 0)  # released behind it
+    assert rows["other"]["status"] == "published"
+    assert await dispatcher.run_until_empty() == 0  # nothing of the room before the slot
+    assert sorted(sink.received) == ["e1", "other"]
+
+
 async def test_a_hanging_delivery_is_bounded_by_publish_timeout(store: MySQLStore) -> None:
     await insert_events(store, [envelope(f"e{i}") for i in range(5)])
     started = time.monotonic()

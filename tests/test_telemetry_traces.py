@@ -15,7 +15,7 @@ from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, captur
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import configure_logging
 from room_outbox.observability.tracing import http_client_span, producer_context, redact_url, sink_span
-from room_outbox.sink import PermanentSinkError, RetryableSinkError
+from room_outbox.sink import PermanentSinkError, RetryableSinkError, ThrottledSinkError
 from room_outbox.store.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
@@ -86,6 +86,21 @@ async def test_a_permanent_failure_is_an_error_span_with_its_class(store: MySQLS
     assert span.status.description == "test: permanent: ErrorCode 10010 group dismissed"
     assert _hex(span.context.trace_id, 32) == PRODUCER_TRACE
     assert not span.events  # exceptions are never recorded: their text may hold secrets
+
+
+async def test_a_throttled_delivery_is_a_span_without_error_and_counts_only_as_throttled(store: MySQLStore) -> None:
+    await insert_events(store, [envelope("e1", traceparent=TRACEPARENT)])
+    captured = capture()
+    sink = RecordingSink(fail={"e1"}, error=ThrottledSinkError("own limit", retry_after=60))
+    dispatcher = make_dispatcher(store, sink)
+    dispatcher.telemetry = captured.telemetry
+    await dispatcher.run_until_empty()
+    (span,) = captured.spans(DELIVER)
+    assert span.attributes is not None and span.attributes["outcome"] == "throttled"
+    assert span.status.status_code is not StatusCode.ERROR and "error.type" not in span.attributes
+    assert captured.value("room_outbox_publish_throttled_total", sink="test", event_type="RoomUserJoined") == 1
+    assert captured.value("room_outbox_publish_failure_total") == 0
+    assert captured.histogram("room_outbox_publish_latency_ms") == []
 
 
 async def test_bad_input_still_gets_a_span_without_a_producer(store: MySQLStore) -> None:

@@ -138,6 +138,8 @@ async def print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
     print(f"-- room-outbox migrate for {describe(address)}: nothing has been run")
     if not plan:
         print("-- schema already up to date: no statement to run")
+    if any(step.autocommit for step in plan):
+        print("-- run statement by statement, outside a transaction (psql's default): CONCURRENTLY refuses one")
     for step in plan:
         print(f"\n-- {would(step.change)}")
         if step.repeat:

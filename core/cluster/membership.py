@@ -180,7 +180,9 @@ class Membership:
                 buckets = await sql.read_buckets(cur)
             waiting = [b.bucket for b in buckets if b.owner == self.node_id and b.handing_over]
             if waiting:
-                free = sorted(set(waiting) - await sql.still_leased(cur, self._leased_tables(), waiting))
+                free = sorted(
+                    set(waiting) - await sql.still_leased(cur, self.store.dialect, self._leased_tables(), waiting)
+                )
                 await sql.open_buckets(cur, self.node_id, free, int(WINDOW * 1000) + 1)
             view = view_of(live)
             if view != self._view:

@@ -17,6 +17,10 @@ The IM lane's state is ``room_outbox.status``. A round is:
 4. once a claim comes back short, the deliveries under way end, the results are written and
    the next scan starts ``poll_interval`` after this round started (a ticker).
 
+A delivery the sink's own rate limit holds back (:class:`~room_outbox.sink.ThrottledSinkError`)
+is no attempt: its row is released with its retry count unchanged, claimable again when the
+limit may have a slot, and only counted as throttled.
+
 A failure retrying cannot fix backs off exponentially (:mod:`room_outbox.delivery.retry`), and a row
 that fails again and again is logged once, then summarised (:mod:`.delivery.failure_log`).
 
@@ -50,8 +54,8 @@ from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.observability.health import LaneHealth
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
-from room_outbox.observability.telemetry import NO_ATTEMPT, DeliveryAttempt, Failure, Telemetry
-from room_outbox.sink import PermanentSinkError, SinkError
+from room_outbox.observability.telemetry import NO_ATTEMPT, THROTTLED, DeliveryAttempt, Failure, Telemetry
+from room_outbox.sink import PermanentSinkError, SinkError, ThrottledSinkError
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow, OutboxStore, Outcome
 from room_outbox.store.clock import now_ms
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
@@ -379,6 +383,8 @@ class Dispatcher:
         if attempt is not NO_ATTEMPT:
             attempt.finish(failure)
         self.health.progressed()
+        if failure is not None and failure.throttled:
+            return self._throttled(row, failure)
         if failure is None:
             if log.isEnabledFor(logging.DEBUG):  # the fields cost more than the rest of a row
                 log.debug("published", extra=self._event_fields(row, "published"))
@@ -400,6 +406,15 @@ class Dispatcher:
         else:
             self.failures.failed(row.event_id, "delivery failed", fields, failure.error)
         return DeliveryResult(row.id, row.event_id, row.claim, outcome, failure.error, retry_at)
+
+    def _throttled(self, row: OutboxRow, failure: Failure) -> DeliveryResult:
+        """This process's own rate limit held the event back: no request left, so no attempt
+        (no retry_count, no parking, no failure). Claimable again once the limit may have a
+        slot for it, or at once when the sink cannot tell."""
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("throttled", extra=self._event_fields(row, "pending", sink=failure.sink, error=failure.error))
+        due = 0 if failure.retry_after is None else now_ms() + math.ceil(failure.retry_after * 1000)
+        return DeliveryResult(row.id, row.event_id, row.claim, Outcome.THROTTLED, retry_at_ms=due)
 
     def _parks(self, attempts: int, failure: Failure) -> bool:
         """Whether this failure ends the event's retries. Even without `parking`: an event no
@@ -442,6 +457,8 @@ class Dispatcher:
         except TimeoutError:  # the sink's own, or an answer after the deadline
             text = f"{sink_name}: no answer within publish_timeout {self.options.publish_timeout:g}s"
             return self._failure(sink_name, "timeout", text)
+        except ThrottledSinkError as exc:  # never sent: not an attempt
+            return Failure(sink_name, THROTTLED, self._short(f"{sink_name}: {exc}"), retry_after=exc.retry_after)
         except PermanentSinkError as exc:
             return self._failure(sink_name, "permanent", f"{sink_name}: permanent: {exc}", permanent=True)
         except SinkError as exc:

@@ -8,6 +8,7 @@ name                                           kind       attributes
 ``room_outbox_oldest_pending_age_ms``          gauge      lane: age of the oldest of them
 ``room_outbox_publish_success_total``          counter    sink, event_type
 ``room_outbox_publish_failure_total``          counter    sink, event_type, error_class
+``room_outbox_publish_throttled_total``        counter    sink, event_type
 ``room_outbox_publish_latency_ms``             histogram  sink, event_type, outcome
 ``room_outbox_claimed_batch_size``             histogram  one observation per claim round
 ``room_outbox_lost_leases_total``              counter    detected_at (renewal, result_write), cause
@@ -91,6 +92,11 @@ class OutboxMetrics:
         self.failure = meter.create_counter(
             "room_outbox_publish_failure_total", unit="{event}", description="Delivery attempts that failed."
         )
+        self.throttled = meter.create_counter(
+            "room_outbox_publish_throttled_total",
+            unit="{event}",
+            description="Deliveries this process's own rate limits held back, unsent (not attempts).",
+        )
         self.latency = meter.create_histogram(
             "room_outbox_publish_latency_ms",
             unit="ms",
@@ -123,6 +129,7 @@ class OutboxMetrics:
             event_types.add(event_type)
             labels = {"sink": sink, "event_type": event_type}
             self.success.add(0, labels)
+            self.throttled.add(0, labels)
             for error_class in SINK_ERROR_CLASSES:
                 self.failure.add(0, {**labels, "error_class": error_class})
         for event_type in sorted(event_types):

@@ -224,13 +224,18 @@ class DeliveryAttempt:
         """End the span and record the outcome; ``failure`` is ``None`` on success."""
         elapsed_ms = (time.perf_counter() - self._t0) * 1000
         sink = failure.sink if failure is not None else self._sink
+        metrics = self._telemetry.metrics
+        labels = {"sink": sink, "event_type": self._event_label}
+        if failure is not None and failure.throttled:  # not an attempt: counted, nothing else
+            metrics.throttled.add(1, labels)
+            if self._span is not None:
+                self._span.throttled(sink)
+            return
         if self._span is not None:
             if failure is None:
                 self._span.finish(sink, None, None)
             else:
                 self._span.finish(sink, failure.error_class, failure.error)
-        metrics = self._telemetry.metrics
-        labels = {"sink": sink, "event_type": self._event_label}
         if failure is None:
             metrics.success.add(1, labels)
             metrics.latency.record(elapsed_ms, {**labels, "outcome": "published"})
@@ -363,12 +368,23 @@ def _metric_exporters(env: Mapping[str, str]) -> Iterator[MetricExporter]:
             yield OTLPMetricExporter()
 
 
+#: ``error_class`` of a delivery the sink's own rate limit held back (not an attempt).
+THROTTLED = "throttled"
+
+
 @dataclass(frozen=True)
 class Failure:
     """Why one delivery attempt failed. ``error_class`` is a small fixed vocabulary for
-    metrics and spans: bad_envelope, no_route, timeout, permanent, retryable, sink_bug."""
+    metrics and spans: bad_envelope, no_route, timeout, permanent, retryable, sink_bug; or
+    throttled: the sink's own rate limit held the delivery back, so it was no attempt at all
+    (``retry_after``: seconds until the limit may have room, ``None``: unknown)."""
 
     sink: str
     error_class: str
     error: str
     permanent: bool = False
+    retry_after: float | None = None
+
+    @property
+    def throttled(self) -> bool:
+        return self.error_class == THROTTLED

@@ -205,6 +205,12 @@ class AttemptSpan:
             span.set_status(Status(StatusCode.ERROR, error))
         span.end()
 
+    def throttled(self, sink: str) -> None:
+        """Held back by the sink's own rate limit: no request was sent, not an error."""
+        span = self._span or self._start(sink)
+        span.set_attribute("outcome", "throttled")
+        span.end()
+
     def _start(self, sink: str) -> Span:
         row = self._row
         attributes: dict[str, AttributeValue] = {

@@ -34,6 +34,9 @@ class Outcome(enum.Enum):
     FAILED = "failed"  # stays pending: retry_count+1, last_error, retried after retry_at_ms
     PARKED = "parked"  # status 'failed': retry_count+1, last_error; never retried unless requeued
     RELEASED = "released"  # not attempted (shutdown, or held back by its room): lease dropped
+    #: Not attempted: a rate limit of this process held it back. Lease dropped, retry_count
+    #: kept; claimable again from retry_at_ms (0: at once).
+    THROTTLED = "throttled"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +46,7 @@ class DeliveryResult:
     claim: str
     outcome: Outcome
     error: str | None = None
-    #: For FAILED: not claimable again before this time (epoch ms).
+    #: For FAILED and THROTTLED: not claimable again before this time (epoch ms).
     retry_at_ms: int = 0
     #: Set on a stale result whose row the producer published while this claim still held
     #: it (room-service's own push succeeded): not a lease lost to another process.

@@ -44,7 +44,8 @@ class Dialect:
     tables_sql: str
     #: Names of a table's (``%s``) columns, in their order.
     columns_sql: str
-    #: Names of a table's (``%s``) indexes.
+    #: Names of a table's (``%s``) indexes; PostgreSQL leaves out an invalid one (a
+    #: ``CREATE INDEX CONCURRENTLY`` that was interrupted), which migrate drops and builds again.
     indexes_sql: str
     #: SQL: the database's clock, in epoch ms (one clock for every process that compares times).
     now_ms: str
@@ -52,6 +53,11 @@ class Dialect:
     #: A locking scan locks each row it reads before checking the rest of its WHERE (InnoDB);
     #: PostgreSQL locks only the rows that pass.
     locks_before_filtering: bool = False
+    #: A row's room bucket as the claim and the handover fence read it (``{app_code}``,
+    #: ``{room_id}``: the row's columns or expressions; see room_outbox.store.membership):
+    #: MySQL/MariaDB read their bucket column; PostgreSQL computes it, and its claim index holds
+    #: the same expression (a column there would rewrite the whole table to add it).
+    row_bucket: str = ""
     #: Ends an ``ALTER TABLE … ADD COLUMN`` on a table already there: the algorithm that adds
     #: the column without copying the table (the server refuses the statement otherwise).
     online_column: str = ""
@@ -71,6 +77,10 @@ class Dialect:
     def text_contains(self, column: str) -> str:
         return self.contains.format(column=column)
 
+    def room_bucket(self, app_code: str = "app_code", room_id: str = "room_id") -> str:
+        """SQL: the room bucket of a row whose app code and room are these columns (or expressions)."""
+        return self.row_bucket.format(app_code=app_code, room_id=room_id)
+
 
 MYSQL = Dialect(
     name="mysql",
@@ -89,6 +99,7 @@ MYSQL = Dialect(
     now_ms="CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
     capabilities=frozenset({ROW_LOCKS, PLUGIN_SCHEMA}),
     locks_before_filtering=True,
+    row_bucket="room_bucket",
     online_column=", ALGORITHM=INSTANT",
     online_index=", ALGORITHM=INPLACE, LOCK=NONE",
 )
@@ -105,9 +116,13 @@ POSTGRESQL = Dialect(
     tables_sql="SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()",
     columns_sql="SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
     " AND table_name = %s ORDER BY ordinal_position",
-    indexes_sql="SELECT indexname FROM pg_indexes WHERE schemaname = current_schema() AND tablename = %s",
+    indexes_sql="SELECT ix.relname FROM pg_index i JOIN pg_class ix ON ix.oid = i.indexrelid"
+    " JOIN pg_class t ON t.oid = i.indrelid JOIN pg_namespace n ON n.oid = t.relnamespace"
+    " WHERE n.nspname = current_schema() AND t.relname = %s AND i.indisvalid",
     now_ms="CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)",
     capabilities=frozenset({ROW_LOCKS}),
+    # 256: room_outbox.store.membership.BUCKETS; mod(), not %, which psycopg reads as a placeholder
+    row_bucket="mod(room_outbox_crc32({app_code} || ':' || {room_id}), 256)",
 )
 
 SQLITE = Dialect(

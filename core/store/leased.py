@@ -48,14 +48,16 @@ def claim_sql(
     buckets: int = 0,
     hint: str = "",
     due: str = "",
+    bucket: str = "room_bucket",
 ) -> str:
     """The claim scan of one lane's table (see the module docstring). ``buckets``: how many
     room buckets the scan is limited to (placeholders after the due condition's; 0: every
     room), checked in the claim index's entries, whose last column is the bucket (``hint``:
-    the dialect's ``index_hint``, which makes sure of that on MySQL). ``due``: the rows taken,
+    the dialect's ``index_hint``, which makes sure of that on MySQL; ``bucket``: the row's
+    bucket, the dialect's :meth:`~.dialect.Dialect.room_bucket`). ``due``: the rows taken,
     with one placeholder (default ``lock <= now``; see :meth:`LeasedRows._due_ranges`)."""
     p = profile
-    only = f" AND room_bucket IN ({_marks(range(buckets))})" if buckets else ""
+    only = f" AND {bucket} IN ({_marks(range(buckets))})" if buckets else ""
     forced = hint.format(index=claim_index(table)[0])
     return (
         f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts}"
@@ -149,7 +151,7 @@ class LeasedRows:
         row never waits for it, and never more rows than the claim itself may take."""
         p = self.profile
         forced = self.dialect.index_hint.format(index=claim_index(self.table)[0])
-        only = f" AND room_bucket IN ({_marks(buckets)})" if buckets else ""
+        only = f" AND {self._row_bucket} IN ({_marks(buckets)})" if buckets else ""
         await cur.execute(
             f"SELECT {self.key}, CASE WHEN {p.created} <= {self.dialect.now_ms} - %s THEN 1 ELSE 0 END"
             f" FROM {self.table}{forced} WHERE status = '{p.fresh}' AND {p.lock} = {p.lock_cleared}{only}"
@@ -162,6 +164,11 @@ class LeasedRows:
                 break
             bound = int(key)
         return bound
+
+    @property
+    def _row_bucket(self) -> str:
+        """SQL: a row's room bucket in this lane's table (a column, or an expression)."""
+        return self.dialect.room_bucket(self.profile.app_code, self.profile.room_id)
 
     def _room_buckets(self) -> BucketReader | None:
         return self.room_buckets
@@ -236,6 +243,7 @@ class LeasedRows:
                 len(buckets),
                 self.dialect.index_hint,
                 due,
+                self._row_bucket,
             )
             await cur.execute(sql, (param, *buckets, limit))
         return list(await cur.fetchall())
@@ -404,11 +412,14 @@ class LeasedRows:
             )
             done = f"status = '{words.delivered}' AND worker_id IS NULL AND {words.updated} = {words.ms(str(int(now)))}"
             params: tuple[Any, ...] = (now, *ids, claim)
-        else:  # RELEASED: back to what it was before the claim
+        else:  # RELEASED, THROTTLED: back to what it was before the claim, unattempted
             back = "" if words.in_flight == words.fresh else f"status = {words.released()}, "
-            change = f"{back}worker_id = NULL, {words.lock} = {words.lock_cleared}"
+            # THROTTLED: not before the latest time its limits may have room (0: at once).
+            due = max(r.retry_at_ms for r in group)
+            lock = words.ms("%s") if due else words.lock_cleared
+            change = f"{back}worker_id = NULL, {words.lock} = {lock}"
             done = f"{words.is_waiting()} AND worker_id IS NULL"
-            params = (*ids, claim)
+            params = (*((due,) if due else ()), *ids, claim)
         matched = await cur.execute(
             f"UPDATE {self.table} SET {change} WHERE {self.key} IN ({_marks(ids)}) AND {held}",
             params,
@@ -427,7 +438,8 @@ class LeasedRows:
         as the claim left it and is taken again once its lease runs out."""
         words = self.profile
         back = "" if words.in_flight == words.fresh else f"status = {words.released()}, "
-        counted = "" if result.outcome is Outcome.RELEASED else f", {words.attempts} = {words.attempts} + 1"
+        unattempted = result.outcome in (Outcome.RELEASED, Outcome.THROTTLED)
+        counted = "" if unattempted else f", {words.attempts} = {words.attempts} + 1"
         error = f"its {result.outcome.value} result was refused by the database: {cause}"
         if result.error:
             error += f"; {result.error}"

@@ -16,8 +16,8 @@ Tables (created by ``room-outbox migrate``):
   (1: the owner waits for every other process's leases on the bucket to end) and
   ``claimable_from_ms``. The owner claims the bucket's rows only when ``handing_over`` is 0 and
   ``claimable_from_ms`` has come.
-* the column ``room_bucket`` in ``room_outbox`` and in every lane table: the bucket of the
-  row's room, a generated column (room-service's INSERT does not know it exists), and the last
+* the column ``room_bucket`` in ``room_outbox`` and in every lane table (MySQL/MariaDB): the
+  bucket of the row's room, a generated column (room-service's INSERT does not know it exists), and the last
   column of the claim's index ``(status, lock_until_ms, id, room_bucket)``. The claim reads the
   same index range as without buckets, in the same order (MySQL/MariaDB: the index forced).
   On MySQL/MariaDB the column is VIRTUAL in a table that was already there (room-service's
@@ -27,9 +27,13 @@ Tables (created by ``room-outbox migrate``):
   equal processes about three rows per row taken). In a table ``migrate`` creates it is
   STORED, free on an empty table: the claim passes over other buckets' entries in the index
   itself (index condition pushdown) and reads only the rows it takes. A column already there
-  stays as it is. PostgreSQL has no CRC-32: the column is computed by the function
+  stays as it is. PostgreSQL has no such column (adding a generated one rewrites the table
+  under a lock that blocks even reads): the claim's index ends with the bucket's expression,
+  which claims and the fence compute (:func:`row_bucket`). It has no CRC-32 either: the
+  bucket is computed by the function
   ``room_outbox_crc32`` that ``migrate`` creates; its planner keeps an ``IN`` list on the
-  index's last column as a filter on the row, to keep the index order (measured on 15).
+  index's last column as a filter on the row, to keep the index order (measured on 15), so a
+  claim there computes the function for every row it passes over.
 
 **Fencing.** A claim reads its node's buckets with a shared lock in its own
 transaction, and a reassignment updates the bucket rows: so once a reassignment has
@@ -50,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import Dialect, column_names, table_names
+from room_outbox.store.dialect import POSTGRESQL, Dialect, column_names, table_names
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.profiles import V1, Profile
 from room_outbox.store.tables import add_column_sql, add_index_sql, claim_index
@@ -62,8 +66,22 @@ NODE_TABLE = "room_outbox_node"
 BUCKET_TABLE = "room_outbox_bucket"
 
 #: CRC-32 (IEEE, reflected polynomial 0xEDB88320) of a text's UTF-8 bytes, for PostgreSQL,
-#: which has none built in. IMMUTABLE: a generated column may call it.
+#: which has none built in. IMMUTABLE: an index may hold it. A byte at a time through the
+#: usual 256-entry table (a constant the function's plan folds once): PostgreSQL computes it
+#: for every row a claim limited to some buckets passes over.
 PG_CRC32_FUNCTION = "room_outbox_crc32"
+
+
+def _crc32_table() -> list[int]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0xEDB88320 if crc & 1 else 0)
+        table.append(crc)
+    return table
+
+
 PG_CRC32_DDL = f"""
 CREATE OR REPLACE FUNCTION {PG_CRC32_FUNCTION}(key text) RETURNS bigint
 LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
@@ -72,10 +90,7 @@ DECLARE
   crc bigint := 4294967295;
 BEGIN
   FOR i IN 0 .. length(data) - 1 LOOP
-    crc := crc # get_byte(data, i);
-    FOR j IN 1 .. 8 LOOP
-      crc := (crc >> 1) # (3988292384 * (crc & 1));
-    END LOOP;
+    crc := (crc >> 8) # (ARRAY[{", ".join(map(str, _crc32_table()))}]::bigint[])[((crc # get_byte(data, i)) & 255) + 1];
   END LOOP;
   RETURN crc # 4294967295;
 END
@@ -107,14 +122,19 @@ def bucket_ddl(dialect: Dialect) -> str:
 def bucket_column(dialect: Dialect, profile: Profile = V1, stored: bool = True) -> str:
     """The bucket column's definition in a table whose rows are shaped as ``profile`` says.
     On MySQL/MariaDB ``stored`` only for a table the same migration creates (see the module
-    docstring): a STORED column is added by copying the table, a VIRTUAL one instantly."""
+    docstring): a STORED column is added by copying the table, a VIRTUAL one instantly.
+    PostgreSQL has no column: its claim index holds the expression (:func:`row_bucket`)."""
     if dialect.name == "mysql":
         return (
             f"{BUCKET_COLUMN} SMALLINT UNSIGNED AS ({bucket_sql('mysql', profile)}) {'STORED' if stored else 'VIRTUAL'}"
         )
-    if dialect.name == "postgresql":
-        return f"{BUCKET_COLUMN} SMALLINT GENERATED ALWAYS AS (CAST({bucket_sql('postgresql', profile)} AS SMALLINT)) STORED"
-    raise ValueError(f"no room buckets on the {dialect.name} dialect")
+    raise ValueError(f"no room bucket column on the {dialect.name} dialect")
+
+
+def row_bucket(dialect: Dialect, profile: Profile = V1) -> str:
+    """SQL: the room bucket of a row shaped as ``profile`` says, as claims and the handover
+    fence read it (the column on MySQL/MariaDB, the claim index's expression on PostgreSQL)."""
+    return dialect.room_bucket(profile.app_code, profile.room_id)
 
 
 def bucket_key(app_code: str, room_id: str) -> bytes:
@@ -136,7 +156,7 @@ def bucket_sql(dialect: str = "mysql", profile: Profile = V1) -> str:
     if dialect == "mysql":
         return f"CRC32(CONCAT({app_code}, ':', {room_id})) % {BUCKETS}"
     if dialect == "postgresql":
-        return f"{PG_CRC32_FUNCTION}({app_code} || ':' || {room_id}) % {BUCKETS}"
+        return POSTGRESQL.room_bucket(app_code, room_id)
     raise ValueError(f"no bucket expression for the {dialect} dialect")
 
 
@@ -151,9 +171,9 @@ async def bucket_plan(
     """What a migration adds (``(change, statements)`` steps, MySQL/MariaDB or PostgreSQL): with
     ``membership``, the node and bucket tables when missing; for each of ``tables`` (created by
     an earlier step or already there, rows shaped as ``profile`` says, keyed by ``key``,
-    default the profile's), its bucket column when missing (on PostgreSQL with the CRC-32
-    function it computes) and the claim's index with the bucket last (an earlier install's
-    index without it is rebuilt). A column already there stays as it is, STORED or VIRTUAL."""
+    default the profile's), its bucket column when missing and the claim's index with the
+    bucket last (an earlier install's index without it is rebuilt; PostgreSQL:
+    :func:`_pg_bucket_steps`). A column already there stays as it is, STORED or VIRTUAL."""
     steps: list[tuple[str, tuple[str, ...]]] = []
     existing = await table_names(cur, dialect)
     if membership:
@@ -163,14 +183,14 @@ async def bucket_plan(
             rows = ", ".join(f"({bucket}, NULL, 0)" for bucket in range(BUCKETS))
             insert = f"INSERT INTO {BUCKET_TABLE} (bucket, owner, updated_at_ms) VALUES {rows}"
             steps.append((f"created table {BUCKET_TABLE}", (bucket_ddl(dialect), insert)))
+    if dialect.name == "postgresql":
+        return steps + await _pg_bucket_steps(cur, tables, existing, profile, key or profile.key)
     # A table created by an earlier step of the same plan has no bucket column yet.
     missing = [
         table
         for table in tables
         if table.lower() not in existing or BUCKET_COLUMN not in await column_names(cur, dialect, table)
     ]
-    if missing and dialect.name == "postgresql":
-        steps.append((f"created function {PG_CRC32_FUNCTION}", (PG_CRC32_DDL.strip(),)))
     for table in tables:
         if table in missing:
             steps.append(
@@ -187,6 +207,51 @@ async def bucket_plan(
                 (f"rebuilt index {table}.{name} with {BUCKET_COLUMN}", _rebuild_index(dialect, table, name, columns))
             )
     return steps
+
+
+async def _pg_bucket_steps(
+    cur: Any, tables: Sequence[str], existing: set[str], profile: Profile, key: str
+) -> list[tuple[str, tuple[str, ...]]]:
+    """PostgreSQL: the CRC-32 function when missing, and on each table the claim's index with
+    the bucket expression last, built ``CONCURRENTLY`` (writes go on meanwhile). No column:
+    adding a generated one rewrites the whole table under a lock that blocks even reads. An
+    earlier install's index (the bucket column last, or no bucket) is replaced under its name:
+    the new index is built beside it, the old one dropped, the new one renamed, each without
+    blocking writes, and a rerun takes up where an interrupted one stopped. The earlier
+    install's column stays (dropping it would break processes still running the old version)."""
+    steps: list[tuple[str, tuple[str, ...]]] = []
+    await cur.execute("SELECT prosrc FROM pg_proc WHERE proname = %s", (PG_CRC32_FUNCTION,))
+    function = await cur.fetchone()
+    if function is None:
+        steps.append((f"created function {PG_CRC32_FUNCTION}", (PG_CRC32_DDL.strip(),)))
+    elif function[0] != PG_CRC32_DDL.split("$$")[1]:  # an earlier version: same results, slower
+        steps.append((f"replaced function {PG_CRC32_FUNCTION} (same results, faster)", (PG_CRC32_DDL.strip(),)))
+    for table in tables:
+        name, columns = claim_index(table, profile.lock, key, f"({row_bucket(POSTGRESQL, profile)})")
+        indexes = await _pg_index_definitions(cur, table) if table.lower() in existing else {}
+        current, beside = indexes.get(name), f"{name}_next"
+        build = f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {{name}} ON {table} {columns}"
+        if current is not None and PG_CRC32_FUNCTION in current:
+            continue
+        if current is None and beside not in indexes:
+            steps.append((f"added index {table}.{name}", (build.format(name=name),)))
+            continue
+        replace = (build.format(name=beside), f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
+        steps.append(
+            (f"rebuilt index {table}.{name} with the room bucket", (*replace, f"ALTER INDEX {beside} RENAME TO {name}"))
+        )
+    return steps
+
+
+async def _pg_index_definitions(cur: Any, table: str) -> dict[str, str]:
+    """``table``'s valid indexes: name → definition (PostgreSQL)."""
+    await cur.execute(
+        "SELECT ix.relname, pg_get_indexdef(i.indexrelid) FROM pg_index i JOIN pg_class ix ON ix.oid = i.indexrelid"
+        " JOIN pg_class t ON t.oid = i.indrelid JOIN pg_namespace n ON n.oid = t.relnamespace"
+        " WHERE n.nspname = current_schema() AND t.relname = %s AND i.indisvalid",
+        (table,),
+    )
+    return {str(row[0]): str(row[1]) for row in await cur.fetchall()}
 
 
 def _add_bucket_column(dialect: Dialect, table: str, existing: set[str], profile: Profile) -> str:
@@ -301,16 +366,19 @@ async def assign(cur: Any, moves: dict[int, str]) -> None:
         )
 
 
-async def still_leased(cur: Any, tables: Iterable[tuple[str, Profile]], buckets: Sequence[int]) -> set[int]:
+async def still_leased(
+    cur: Any, dialect: Dialect, tables: Iterable[tuple[str, Profile]], buckets: Sequence[int]
+) -> set[int]:
     """Of ``buckets``, those with a row leased right now in any of ``tables`` (each with the
     profile its rows are shaped by: an open row a claim holds until a time to come)."""
     if not buckets:
         return set()
     leased: set[int] = set()
     for table, p in tables:
+        bucket = row_bucket(dialect, p)
         await cur.execute(
-            f"SELECT DISTINCT {BUCKET_COLUMN} FROM {table} WHERE {p.is_open()} AND {p.lock} > {p.ms('%s')}"
-            f" AND {BUCKET_COLUMN} IN ({_marks(buckets)}) AND worker_id IS NOT NULL",
+            f"SELECT DISTINCT {bucket} FROM {table} WHERE {p.is_open()} AND {p.lock} > {p.ms('%s')}"
+            f" AND {bucket} IN ({_marks(buckets)}) AND worker_id IS NOT NULL",
             (now_ms(), *buckets),
         )
         leased.update(int(row[0]) for row in await cur.fetchall())

@@ -62,7 +62,8 @@ from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.leased import BucketReader, LeasedRows
 from room_outbox.store.membership import bucket_plan
 from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.tables import ROOM_INDEX, Migration, run_plan
+from room_outbox.store.postgres import PostgresStore
+from room_outbox.store.tables import ROOM_INDEX, Migration, concurrent_step, invalid_index_steps, run_plan
 from room_outbox.store.tables import claim_index as _claim_index
 
 if TYPE_CHECKING:
@@ -117,8 +118,11 @@ def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
 
 
 async def migrate_lanes(store: SQLStore, lanes: Sequence[str]) -> list[str]:
-    """Create the cursor table and each lane's table (idempotent); on MySQL/MariaDB statement
-    by statement, online, as the outbox table's migration."""
+    """Create the cursor table and each lane's table (idempotent), online as the outbox
+    table's migration: on MySQL/MariaDB statement by statement, on PostgreSQL step by step
+    (the claim's index built ``CONCURRENTLY``, outside a transaction)."""
+    if isinstance(store, PostgresStore):
+        return await store.run_migration(lambda: lanes_migration_plan(store, lanes))
     plan = await lanes_migration_plan(store, lanes)
     if isinstance(store, MySQLStore):
         return await store.run_migration(plan)
@@ -137,7 +141,9 @@ async def lanes_migration_plan(store: SQLStore, lanes: Sequence[str]) -> list[Mi
         tables = [lane_table(lane) for lane in lanes]
         server = store.dialect.room_buckets
         buckets = await bucket_plan(cur, store.dialect, tables, membership=False, key="outbox_id") if server else []
-    return plan + [Migration(change, statements) for change, statements in buckets]
+        if store.dialect.name == "postgresql":  # interrupted index builds first
+            plan = await invalid_index_steps(cur, [t for t in tables if t in existing]) + plan
+    return plan + [concurrent_step(change, statements) for change, statements in buckets]
 
 
 def start_id(start: str | int, max_id: int) -> int:

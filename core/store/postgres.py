@@ -16,14 +16,20 @@ connection is closed, never handed back; connections idle since before a call th
 are replaced rather than tried. Every session starts with the server-side bounds derived from
 ``query_timeout``: ``idle_in_transaction_session_timeout`` (a session whose client vanished in
 the middle of a transaction ends and frees its row locks), ``lock_timeout`` and
-``statement_timeout``; ``migrate`` lifts the last for its own transaction only (``SET LOCAL``).
+``statement_timeout``.
+
+``migrate`` runs online (:meth:`PostgresStore.run_migration`): on a session of its own without
+a statement limit, each step short or outside a transaction, every lock wait bounded and the
+step tried again, one migrate at a time (a session advisory lock).
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import time
 import weakref
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +39,7 @@ import anyio
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from room_outbox.errors import StoreError
 from room_outbox.store.deadline import (
     DEFAULT_QUERY_TIMEOUT,
     SCHEMA_CHANGE_TIMEOUT,
@@ -43,7 +50,10 @@ from room_outbox.store.deadline import (
 from room_outbox.store.dialect import POSTGRESQL
 from room_outbox.store.leased import LeasedRows
 from room_outbox.store.membership import bucket_plan
-from room_outbox.store.tables import Migration, plan_outbox, run_plan
+from room_outbox.store.tables import Migration, concurrent_step, invalid_index_steps, plan_outbox
+
+#: The key of migrate's session lock (``pg_advisory_lock``): one migrate at a time per database.
+MIGRATE_LOCK_KEY = 0x726F6F6D2D6F7574  # "room-out"
 
 SCHEMES = ("postgresql", "postgres")
 #: DSN options passed through to libpq.
@@ -144,6 +154,12 @@ class PostgresStore(LeasedRows):
     lane's state in the profile's table (``room_outbox`` for v1)."""
 
     dialect = POSTGRESQL
+    #: migrate waits this long (seconds) for another migrate to finish, then gives up.
+    migrate_lock_wait = 10.0
+    #: A migration step waits this long for a table lock (``lock_timeout``): while it waits,
+    #: the producer's INSERTs queue behind it. It is tried again up to ``step_attempts`` times.
+    step_lock_wait = 3.0
+    step_attempts = 5
 
     def __init__(
         self, pool: AsyncConnectionPool, address: PostgresAddress, query_timeout: float = DEFAULT_QUERY_TIMEOUT
@@ -233,12 +249,7 @@ class PostgresStore(LeasedRows):
             await self._pool.putconn(conn)
 
     async def migrate(self) -> list[str]:
-        async with self.transaction(SCHEMA_CHANGE_TIMEOUT) as cur:
-            plan = await self._plan(cur)
-            # A long ALTER TABLE must not be stopped half-way by the session's statement limit;
-            # SET LOCAL lifts it for this transaction only.
-            await cur.execute("SET LOCAL statement_timeout = 0")
-            return await run_plan(cur, plan)
+        return await self.run_migration(self.migration_plan)
 
     async def migration_plan(self) -> list[Migration]:
         """As :meth:`MySQLStore.migration_plan`, in PostgreSQL's dialect."""
@@ -246,14 +257,157 @@ class PostgresStore(LeasedRows):
             return await self._plan(cur)
 
     async def _plan(self, cur: PgCursor) -> list[Migration]:
-        """As :meth:`MySQLStore._plan`: the profile's table, then the membership's tables, the
-        bucket function and the table's bucket column."""
-        plan = await plan_outbox(cur, self.dialect, self.profile)
+        """As :meth:`MySQLStore._plan`: interrupted index builds of the profile's table dropped,
+        the table, then the membership's tables, the bucket function and the claim's index."""
+        plan = await invalid_index_steps(cur, [self.table])
+        plan += await plan_outbox(cur, self.dialect, self.profile)
         plan += [
-            Migration(change, statements)
+            concurrent_step(change, statements)
             for change, statements in await bucket_plan(cur, self.dialect, [self.table], profile=self.profile)
         ]
         return plan
+
+    async def run_migration(self, planner: Callable[[], Awaitable[list[Migration]]]) -> list[str]:
+        """Run the plan ``planner`` reads from the catalogue, online: on a connection of its
+        own, holding migrate's lock; each step in a transaction of its own, outside one
+        (``autocommit``), or batch after batch (``repeat``). No statement time limit (a long
+        index build or backfill must not stop half-way), but every lock wait bounded by
+        ``step_lock_wait``: a step that waited too long is tried again, re-planned from the
+        catalogue (an interrupted ``CONCURRENTLY`` build is dropped and built again), up to
+        ``step_attempts`` times. Returns the changes made."""
+        changes: list[str] = []
+        with query_deadline(SCHEMA_CHANGE_TIMEOUT):
+            async with self._migrate_lock() as watcher, self._migration_session() as conn:
+                for attempt in range(1, self.step_attempts + 1):
+                    step = None
+                    try:
+                        for step in await planner():
+                            await _run_step(conn, step, watcher)
+                            changes.append(step.change)
+                        return changes
+                    except psycopg.errors.LockNotAvailable:
+                        waiting = step.change if step is not None else "reading the catalogue"
+                        _say(
+                            f"migrate: {waiting}: a table lock was not granted within {self.step_lock_wait:g}s"
+                            f" (other sessions hold it); attempt {attempt} of {self.step_attempts}"
+                        )
+                        await anyio.sleep(min(attempt, 5))
+        raise StoreError(
+            f"migrate: gave up after {self.step_attempts} attempts to take a table lock within"
+            f" {self.step_lock_wait:g}s; find the long transactions on the table (pg_stat_activity) and rerun"
+        )
+
+    @asynccontextmanager
+    async def _migration_session(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """migrate's own connection, outside the pool: no statement time limit, lock waits
+        bounded by ``step_lock_wait``. The server checks every second that migrate is still
+        there, so an index build or a batch stops soon after migrate was stopped (PostgreSQL
+        ≥ 14; older servers finish the statement first)."""
+        conn = await psycopg.AsyncConnection.connect(**self.address.connect_kwargs(self.query_timeout), autocommit=True)
+        try:
+            await conn.execute("SET statement_timeout = 0")
+            await conn.execute(f"SET lock_timeout = {int(self.step_lock_wait * 1000)}")
+            if conn.info.server_version >= 140000:
+                await conn.execute("SET client_connection_check_interval = 1000")
+            yield conn
+        finally:
+            await conn.close()
+
+    @asynccontextmanager
+    async def _migrate_lock(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """migrate's session lock, held on a connection of its own for the whole migrate (it
+        ends with that session, whatever stops migrate); that connection also reads the
+        progress of index builds."""
+        conn = await psycopg.AsyncConnection.connect(**self.address.connect_kwargs(self.query_timeout), autocommit=True)
+        try:
+            await conn.execute(f"SET lock_timeout = {int(self.migrate_lock_wait * 1000)}")
+            try:
+                await conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATE_LOCK_KEY,))
+            except psycopg.errors.LockNotAvailable:
+                raise StoreError(
+                    f"another migrate is running on this database (waited {self.migrate_lock_wait:g}s"
+                    " for it to finish); try again once it has"
+                ) from None
+            yield conn
+        finally:
+            await conn.close()
+
+
+#: How often a long step reports its progress (seconds).
+PROGRESS_EVERY = 2.0
+
+
+async def _run_step(conn: psycopg.AsyncConnection[Any], step: Migration, watcher: psycopg.AsyncConnection[Any]) -> None:
+    """One step of a plan on ``conn`` (autocommit): see :class:`Migration`. ``watcher``: a
+    connection of its own, which reads how far an index build got."""
+    if step.repeat:
+        for statement in step.statements:
+            await _repeat(conn, step, statement)
+    elif step.autocommit:
+        for statement in step.statements:
+            if statement.startswith("CREATE"):  # an index build: its progress on stderr
+                await _build(conn, statement, watcher, step.change)
+            else:
+                await conn.execute(statement)
+    else:
+        async with conn.transaction():
+            for statement in step.statements:
+                await conn.execute(statement)
+
+
+async def _repeat(conn: psycopg.AsyncConnection[Any], step: Migration, statement: str) -> None:
+    """Run a backfill's batch, each in a transaction of its own, until it changes no row;
+    report the rows done on stderr every :data:`PROGRESS_EVERY` seconds."""
+    total = None
+    if step.remaining:
+        row = await (await conn.execute(step.remaining)).fetchone()
+        total = int(row[0]) if row else None
+    done, reported = 0, time.monotonic()
+    while True:
+        changed = max((await conn.execute(statement)).rowcount, 0)
+        done += changed
+        if done and (not changed or time.monotonic() - reported >= PROGRESS_EVERY):
+            _say(f"migrate: {step.change}: {done:,} rows" + (f" of {total:,}" if total is not None else ""))
+            reported = time.monotonic()
+        if not changed:
+            return
+
+
+async def _build(
+    conn: psycopg.AsyncConnection[Any], statement: str, watcher: psycopg.AsyncConnection[Any], change: str
+) -> None:
+    """Run an index build, its progress reported meanwhile. Its error is raised as it is, not
+    wrapped in the task group's."""
+    error: psycopg.Error | None = None
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(_report_build, watcher, conn.info.backend_pid, change)
+        try:
+            await conn.execute(statement)
+        except psycopg.Error as exc:
+            error = exc
+        tasks.cancel_scope.cancel()
+    if error is not None:
+        raise error
+
+
+async def _report_build(watcher: psycopg.AsyncConnection[Any], pid: int, change: str) -> None:
+    """Report an index build's phase on stderr every :data:`PROGRESS_EVERY` seconds, until
+    cancelled (each read shielded: cancelled half-way, it would close ``watcher``)."""
+    while True:
+        await anyio.sleep(PROGRESS_EVERY)
+        with anyio.CancelScope(shield=True):
+            cur = await watcher.execute(
+                "SELECT phase, blocks_done, blocks_total FROM pg_stat_progress_create_index WHERE pid = %s", (pid,)
+            )
+            row = await cur.fetchone()
+        if row is not None:
+            phase, done, total = row
+            _say(f"migrate: {change}: {phase}" + (f", {100 * done // total}% of the blocks" if total else ""))
+
+
+def _say(line: str) -> None:
+    """A line of migrate's progress, on stderr (stdout lists the changes made)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 async def _create_database(address: PostgresAddress, query_timeout: float) -> None:

@@ -33,7 +33,8 @@ async def check_schema(store: SQLStore, lanes: Sequence[str] = (), claim_ids: in
     its table."""
     # On a server: the processes' membership and the room buckets (SQLite runs without them)
     server = store.dialect.room_buckets
-    bucket = (BUCKET_COLUMN,) if server else ()
+    # The bucket column where the dialect reads one (PostgreSQL computes the bucket instead)
+    bucket = (BUCKET_COLUMN,) if server and store.dialect.row_bucket == BUCKET_COLUMN else ()
     required = {store.profile.table: (*required_columns(store.profile), *bucket)}
     if lanes:
         required[CURSOR_TABLE] = ("lane", "fed_through_id")

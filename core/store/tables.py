@@ -14,6 +14,9 @@ Added (all with defaults, so room-service's own INSERT and
   :mod:`.membership`, whose plan creates it there, after the bucket column).
 * index ``idx_room_outbox_room (room_id, status, id)``: per-room ordering asks "which earlier
   rows of these rooms are still pending?".
+
+On PostgreSQL the plan changes a live table online (no rewrite, no long lock): indexes are built
+``CONCURRENTLY``, silk's key is added and backfilled in batches (:func:`silk_key_steps`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ class Migration:
     statements: tuple[str, ...]
     autocommit: bool = False
     repeat: bool = False
+    #: A repeated step's progress: SQL counting the rows it has left to change (read once).
+    remaining: str = ""
+
+
+def concurrent_step(change: str, statements: tuple[str, ...]) -> Migration:
+    """A step of ``statements``, run outside a transaction when one of them builds or drops an
+    index ``CONCURRENTLY`` (PostgreSQL refuses that inside one)."""
+    return Migration(change, statements, autocommit=any(" CONCURRENTLY " in s for s in statements))
 
 
 #: Templates: ``{table}`` is the outbox table's name.
@@ -164,8 +175,25 @@ async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migrat
         wanted.insert(0, claim_index(table))
     for name, columns_sql in wanted:
         if name not in indexes:
-            plan.append(Migration(f"added index {table}.{name}", (add_index_sql(dialect, table, name, columns_sql),)))
+            create = add_index_sql(dialect, table, name, columns_sql)
+            plan.append(concurrent_step(f"added index {table}.{name}", (create,)))
     return plan
+
+
+async def invalid_index_steps(cur: Any, tables: list[str]) -> list[Migration]:
+    """PostgreSQL: the invalid indexes of ``tables`` dropped (``CONCURRENTLY``, outside a
+    transaction). A ``CREATE INDEX CONCURRENTLY`` that was interrupted leaves one, which
+    ``IF NOT EXISTS`` would take for built: dropped here, it is built again later in the plan."""
+    await cur.execute(
+        "SELECT ix.relname FROM pg_index i JOIN pg_class ix ON ix.oid = i.indexrelid"
+        " JOIN pg_class t ON t.oid = i.indrelid JOIN pg_namespace n ON n.oid = t.relnamespace"
+        " WHERE n.nspname = current_schema() AND t.relname = ANY(%s) AND NOT i.indisvalid ORDER BY 1",
+        ([table.lower() for table in tables],),
+    )
+    return [
+        concurrent_step(f"dropped invalid index {name} (an interrupted build)", (f"DROP INDEX CONCURRENTLY {name}",))
+        for (name,) in await cur.fetchall()
+    ]
 
 
 def add_column_sql(dialect: Dialect, table: str, column: str) -> str:
@@ -175,12 +203,17 @@ def add_column_sql(dialect: Dialect, table: str, column: str) -> str:
     return f"ALTER TABLE {table} ADD COLUMN {column}{dialect.online_column}"
 
 
-def add_index_sql(dialect: Dialect, table: str, name: str, columns: str) -> str:
-    """Creates the index ``name`` on ``columns`` (``(a, b)``); on MySQL/MariaDB built in place
-    while writes go on (the algorithm and lock named, for the same reason)."""
+def add_index_sql(dialect: Dialect, table: str, name: str, columns: str, unique: bool = False) -> str:
+    """Creates the index ``name`` on ``columns`` (``(a, b)``) while writes go on: on
+    MySQL/MariaDB built in place (the algorithm and lock named, for the same reason), on
+    PostgreSQL ``CONCURRENTLY`` (one that was interrupted leaves an invalid index, which a
+    rerun drops and builds again: :func:`invalid_index_steps`)."""
+    kind = "UNIQUE INDEX" if unique else "INDEX"
     if dialect.name == "mysql":
-        return f"ALTER TABLE {table} ADD INDEX {name} {columns}{dialect.online_index}"
-    return f"CREATE INDEX {name} ON {table} {columns}"
+        return f"ALTER TABLE {table} ADD {kind} {name} {columns}{dialect.online_index}"
+    if dialect.name == "postgresql":
+        return f"CREATE {kind} CONCURRENTLY IF NOT EXISTS {name} ON {table} {columns}"
+    return f"CREATE {kind} {name} ON {table} {columns}"
 
 
 # -- silk's outbox (PostgreSQL) ----------------------------------------------------------------
@@ -210,19 +243,25 @@ REQUIRED_SILK_COLUMNS = (
     "attempts", "max_attempts", "next_attempt_at", "last_error", "created_at", "updated_at",
 )  # fmt: skip
 #: What room-outbox adds to silk's table: a key that rises with inserts (silk's id is a UUID;
-#: per-room order and lane feeding compare keys; rows already there are numbered in storage
-#: order) and the claim holding a row. Both with defaults: silk's INSERT names neither.
+#: per-room order and lane feeding compare keys) and the claim holding a row. Both with
+#: defaults: silk's INSERT names neither. On a table that exists already the key is added
+#: online (:func:`silk_key_steps`).
 SILK_ADDED_COLUMNS = {
     "outbox_seq": "BIGSERIAL",
     "worker_id": "VARCHAR(128) NULL DEFAULT NULL",
 }
 #: The claim's index comes with the room buckets (:mod:`.membership`): silk's table lives on
-#: PostgreSQL, a server.
+#: PostgreSQL, a server. Name template → (columns, unique).
 SILK_ADDED_INDEXES = {
-    "uk_{table}_outbox_seq": "UNIQUE INDEX {name} ON {table} (outbox_seq)",
+    "uk_{table}_outbox_seq": ("(outbox_seq)", True),
     # per-room order's "aggregate": the same expression the claim reads
-    ROOM_INDEX: "INDEX {name} ON {table} ((COALESCE(aggregate_id, '')), status, outbox_seq)",
+    ROOM_INDEX: ("((COALESCE(aggregate_id, '')), status, outbox_seq)", False),
 }
+#: Rows the key's backfill numbers per transaction: each holds its rows' locks that long.
+SILK_BACKFILL_BATCH = 2_000
+#: Numbers left free between the rows counted before the key's default is set and the first
+#: number the default gives: rows inserted meanwhile are numbered there.
+SILK_KEY_HEADROOM = 1_000_000
 
 
 async def plan_silk(cur: Any, dialect: Dialect, table: str) -> list[Migration]:
@@ -230,7 +269,8 @@ async def plan_silk(cur: Any, dialect: Dialect, table: str) -> list[Migration]:
     columns = set(await column_names(cur, dialect, table))
     indexes = await index_names(cur, dialect, table)
     plan: list[Migration] = []
-    if not columns:
+    created = not columns
+    if created:
         plan.append(Migration(f"created table {table}", tuple(s.format(table=table) for s in SILK_TABLE_DDL)))
         columns = set(REQUIRED_SILK_COLUMNS)
     missing = [c for c in REQUIRED_SILK_COLUMNS if c not in columns]
@@ -238,18 +278,117 @@ async def plan_silk(cur: Any, dialect: Dialect, table: str) -> list[Migration]:
         raise SchemaError(
             f"table {table} exists but lacks silk's outbox columns {missing}; refusing to guess how to upgrade it"
         )
+    if not created:
+        plan += silk_key_steps(table, await _key_state(cur, table, "outbox_seq" in columns, indexes))
     for name, definition in SILK_ADDED_COLUMNS.items():
-        if name not in columns:
+        if name not in columns and (created or name != "outbox_seq"):
             plan.append(
                 Migration(f"added column {table}.{name}", (f"ALTER TABLE {table} ADD COLUMN {name} {definition}",))
             )
-    for template, definition in SILK_ADDED_INDEXES.items():
+    for template, (columns_sql, unique) in SILK_ADDED_INDEXES.items():
         name = template.format(table=table)
         if name not in indexes:
-            plan.append(
-                Migration(f"added index {table}.{name}", (f"CREATE {definition.format(name=name, table=table)}",))
-            )
+            create = add_index_sql(dialect, table, name, columns_sql, unique)
+            plan.append(concurrent_step(f"added index {table}.{name}", (create,)))
     return plan
+
+
+#: How far the online addition of silk's key got, in order: no column, column without its
+#: default, default set (rows to number), NOT NULL with the backfill's leftovers, done.
+KEY_MISSING, KEY_COLUMN, KEY_DEFAULT, KEY_LEFTOVERS, KEY_DONE = range(5)
+
+
+async def _key_state(cur: Any, table: str, has_column: bool, indexes: set[str]) -> int:
+    if not has_column:
+        return KEY_MISSING
+    await cur.execute(
+        "SELECT a.attnotnull, pg_get_expr(d.adbin, d.adrelid) FROM pg_attribute a"
+        " LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum"
+        " WHERE a.attrelid = to_regclass(%s) AND a.attname = 'outbox_seq'",
+        (table,),
+    )
+    not_null, default = await cur.fetchone()
+    if not_null:
+        await cur.execute("SELECT to_regclass(%s) IS NOT NULL", (_backfill_names(table)[0],))
+        (sequence_left,) = await cur.fetchone()
+        return KEY_LEFTOVERS if sequence_left or _backfill_names(table)[1] in indexes else KEY_DONE
+    return KEY_DEFAULT if default and "nextval" in default else KEY_COLUMN
+
+
+def _backfill_names(table: str) -> tuple[str, str, str]:
+    """The backfill's own sequence and index, and the check standing in for NOT NULL."""
+    return f"{table}_outbox_seq_backfill", f"idx_{table}_outbox_seq_backfill", f"ck_{table}_outbox_seq_set"
+
+
+def silk_key_steps(table: str, state: int) -> list[Migration]:
+    """``outbox_seq`` added to silk's existing table without rewriting it and without holding
+    a lock that blocks its producer for longer than a catalogue change, from ``state`` on.
+
+    A plain nullable column first; then a sequence for the rows to come, started above every
+    row there (counted, plus :data:`SILK_KEY_HEADROOM` for rows inserted while they are
+    counted), as the column's default. The rows already there, found by a partial index, are
+    numbered in small batches below that start, counting down from it newest first: an old
+    row keeps a lower key than every row inserted during or after the migration, and the old
+    rows keep their order of creation. The count-down sequence stops at 1 with an error rather
+    than run into the new rows' numbers. Then NOT NULL through a validated check (the check
+    is validated without blocking writes; SET NOT NULL then needs no scan)."""
+    sequence = f"{table}_outbox_seq_seq"
+    backfill, backfill_index, check = _backfill_names(table)
+    steps = [
+        Migration(f"added column {table}.outbox_seq", (f"ALTER TABLE {table} ADD COLUMN outbox_seq BIGINT",)),
+        Migration(
+            f"numbered new rows of {table} above the rows already there",
+            (
+                f"CREATE SEQUENCE {sequence} OWNED BY {table}.outbox_seq",
+                f"SELECT setval('{sequence}', (SELECT count(*) FROM {table}) + {SILK_KEY_HEADROOM})",
+                f"CREATE SEQUENCE {backfill} INCREMENT BY -1 MINVALUE 1 MAXVALUE 9223372036854775807",
+                f"SELECT setval('{backfill}', (SELECT last_value FROM {sequence}) + 1)",
+                f"ALTER TABLE {table} ALTER COLUMN outbox_seq SET DEFAULT nextval('{sequence}')",
+            ),
+        ),
+        concurrent_step(
+            f"added index {table}.{backfill_index}",
+            (
+                f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {backfill_index} ON {table} (created_at, id)"
+                " WHERE outbox_seq IS NULL",
+            ),
+        ),
+        Migration(
+            f"numbered the rows already in {table}",
+            (
+                # by ctid: each row is found again where the batch read it (by id, the planner
+                # joined the whole table); a row updated meanwhile is left to a later batch
+                f"UPDATE {table} SET outbox_seq = numbered.seq FROM (SELECT ctid, nextval('{backfill}') AS seq"
+                f" FROM (SELECT ctid FROM {table} WHERE outbox_seq IS NULL ORDER BY created_at DESC, id DESC"
+                f" LIMIT {SILK_BACKFILL_BATCH}) AS batch) AS numbered WHERE {table}.ctid = numbered.ctid",
+            ),
+            repeat=True,
+            remaining=f"SELECT count(*) FROM {table} WHERE outbox_seq IS NULL",
+        ),
+        Migration(
+            f"checked {table}.outbox_seq is set on new rows",
+            (
+                f"ALTER TABLE {table} DROP CONSTRAINT IF EXISTS {check}",
+                f"ALTER TABLE {table} ADD CONSTRAINT {check} CHECK (outbox_seq IS NOT NULL) NOT VALID",
+            ),
+        ),
+        Migration(
+            f"checked {table}.outbox_seq is set on every row", (f"ALTER TABLE {table} VALIDATE CONSTRAINT {check}",)
+        ),
+        Migration(
+            f"made {table}.outbox_seq NOT NULL",
+            (
+                f"ALTER TABLE {table} ALTER COLUMN outbox_seq SET NOT NULL",
+                f"ALTER TABLE {table} DROP CONSTRAINT {check}",
+            ),
+        ),
+        concurrent_step(
+            f"dropped the backfill's index and sequence of {table}",
+            (f"DROP INDEX CONCURRENTLY IF EXISTS {backfill_index}", f"DROP SEQUENCE IF EXISTS {backfill}"),
+        ),
+    ]
+    first = {KEY_MISSING: 0, KEY_COLUMN: 1, KEY_DEFAULT: 2, KEY_LEFTOVERS: len(steps) - 1}.get(state, len(steps))
+    return steps[first:]
 
 
 async def plan_outbox(cur: Any, dialect: Dialect, profile: Profile) -> list[Migration]:

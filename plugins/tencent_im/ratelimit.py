@@ -14,9 +14,10 @@ The window is one second plus :data:`JITTER_MARGIN`, to stay clear of rounding i
 way the server buckets time. Waiters are served first come, first served (``anyio.Lock`` is
 fair), which keeps one busy caller from starving the others.
 
-A caller that would have to wait longer than ``max_wait`` gets no slot: the sink then fails
-that delivery as retryable at once instead of holding a dispatcher slot, so a hot room's
-backlog waits in the outbox while other rooms' events keep flowing.
+A caller that would have to wait longer than ``max_wait`` gets no slot: the sink then hands
+that delivery back unsent at once (throttled, not an attempt: it costs the event no retry)
+instead of holding a dispatcher slot, so a hot room's backlog waits in the outbox, until
+:meth:`SlidingWindowLimiter.next_slot_in`, while other rooms' events keep flowing.
 """
 
 from __future__ import annotations
@@ -142,6 +143,16 @@ class SlidingWindowLimiter:
         if excess < 0:
             return self._clock()
         return self._cooling[excess] if excess < len(self._cooling) else math.inf
+
+    def next_slot_in(self) -> float | None:
+        """Seconds until a slot may free for one more caller (not counting those queued), for
+        a caller turned away to come back then; ``None`` while the rate is 0 (unknown)."""
+        rate = self.rate
+        if rate < 1:
+            return None
+        free_at = self._next_free(rate)
+        # A slot held by a request in flight frees a window after its answer at the earliest.
+        return self.window if math.isinf(free_at) else max(0.0, free_at - self._clock())
 
     def release(self, sent: bool = True) -> None:
         """A request is over: its slot stays busy for a window (``sent=False``: it was never

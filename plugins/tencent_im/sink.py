@@ -22,7 +22,15 @@ import anyio
 import httpx
 from httpx_aiohttp import AiohttpTransport
 
-from room_outbox import EventEnvelope, PermanentSinkError, Redactor, RetryableSinkError, SinkContext, http_client_span
+from room_outbox import (
+    EventEnvelope,
+    PermanentSinkError,
+    Redactor,
+    RetryableSinkError,
+    SinkContext,
+    ThrottledSinkError,
+    http_client_span,
+)
 from room_outbox.plugins.tencent_im.errors import USERSIG_EXPIRED, error_for_code, short_info
 from room_outbox.plugins.tencent_im.message import SEND_GROUP_MSG, body_size, group_id_for, msg_body, request_body
 from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindowLimiter
@@ -138,19 +146,22 @@ class TencentIMSink:
     # -- helpers -------------------------------------------------------------------------
 
     async def _send(self, app: TencentApp, content: bytes, group_id: str) -> dict[str, Any]:
-        """POST within both rate limits; the slots stay busy until the answer is back."""
+        """POST within both rate limits; the slots stay busy until the answer is back. A limit
+        with no slot in time: :class:`ThrottledSinkError`, as nothing was sent (not an attempt)."""
         group = self._groups.get(group_id)
         if not (group.try_acquire() or await group.acquire(self._max_wait())):
-            raise RetryableSinkError(
+            raise ThrottledSinkError(
                 f"client-side rate limit: group {group_id} is above this process's share"
-                f" ({group.rate}/s of {self.settings.group_rate_limit}/s)"
+                f" ({group.rate}/s of {self.settings.group_rate_limit}/s)",
+                retry_after=group.next_slot_in(),
             )
         sent = False
         try:
             if not (app.limiter.try_acquire() or await app.limiter.acquire(self._max_wait())):
-                raise RetryableSinkError(
+                raise ThrottledSinkError(
                     f"client-side rate limit: app {app.name} is above this process's share"
-                    f" ({app.limiter.rate}/s of {self.settings.app_rate_limit}/s)"
+                    f" ({app.limiter.rate}/s of {self.settings.app_rate_limit}/s)",
+                    retry_after=app.limiter.next_slot_in(),
                 )
             try:
                 sent = True

@@ -11,7 +11,7 @@ from support import envelope, insert_events
 from room_outbox.cluster.membership import Membership
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import SQLStore, open_store
-from room_outbox.store.membership import BUCKET_TABLE, BUCKETS, bucket_of, read_buckets, still_leased
+from room_outbox.store.membership import BUCKET_TABLE, BUCKETS, bucket_of, read_buckets, row_bucket, still_leased
 from room_outbox.store.mysql_lanes import LaneStore, migrate_lanes
 from room_outbox.store.profiles import ROOM_CELL, V1
 
@@ -44,7 +44,7 @@ async def test_the_database_computes_the_same_bucket_as_python(store: SQLStore) 
     rooms = [("default", f"r_{n}") for n in range(300)] + [("app2", "r_1"), ("", "房间-7"), ("default", "é" * 60)]
     await insert_events(store, [envelope(f"e{i}", room_id=room, app_code=app) for i, (app, room) in enumerate(rooms)])
     async with store.transaction() as cur:
-        await cur.execute("SELECT app_code, room_id, room_bucket FROM room_outbox")
+        await cur.execute(f"SELECT app_code, room_id, {row_bucket(store.dialect)} FROM room_outbox")
         found = await cur.fetchall()
     assert len(found) == len(rooms)
     assert all(bucket == bucket_of(app, room) for app, room, bucket in found)
@@ -125,8 +125,8 @@ async def test_the_fence_sees_leases_in_the_profiles_words(store: SQLStore) -> N
             (now_ms() + 60_000,),
         )
         bucket = bucket_of("default", room)
-        assert await still_leased(cur, [("room_outbox", ROOM_CELL)], [bucket]) == {bucket}
-        assert await still_leased(cur, [("room_outbox", V1)], [bucket]) == set()
+        assert await still_leased(cur, store.dialect, [("room_outbox", ROOM_CELL)], [bucket]) == {bucket}
+        assert await still_leased(cur, store.dialect, [("room_outbox", V1)], [bucket]) == set()
 
 
 async def test_migrate_upgrades_an_earlier_install_of_the_buckets(store: SQLStore) -> None:
@@ -147,9 +147,10 @@ async def test_migrate_upgrades_an_earlier_install_of_the_buckets(store: SQLStor
                 "ALTER TABLE room_outbox DROP COLUMN room_bucket, ADD COLUMN room_bucket SMALLINT UNSIGNED"
                 " AS (CRC32(CONCAT(app_code, ':', room_id)) % 256) VIRTUAL"
             )
-    assert await store.migrate() == ["rebuilt index room_outbox.idx_room_outbox_claim with room_bucket"]
+    bucket = "room_bucket" if mysql else "the room bucket"  # PostgreSQL: the bucket's expression
+    assert await store.migrate() == [f"rebuilt index room_outbox.idx_room_outbox_claim with {bucket}"]
     lane = "room_outbox_lane_kafka"
-    assert await migrate_lanes(store, ["kafka"]) == [f"rebuilt index {lane}.idx_{lane}_claim with room_bucket"]
+    assert await migrate_lanes(store, ["kafka"]) == [f"rebuilt index {lane}.idx_{lane}_claim with {bucket}"]
     assert await store.migrate() == [] and await migrate_lanes(store, ["kafka"]) == []
     async with store.transaction() as cur:
         if mysql:
@@ -159,6 +160,6 @@ async def test_migrate_upgrades_an_earlier_install_of_the_buckets(store: SQLStor
             )
             kinds = {table: extra.split()[0].upper() for table, extra in await cur.fetchall()}
             assert kinds == {"room_outbox": "VIRTUAL", lane: "STORED"}
-        await cur.execute("SELECT app_code, room_id, room_bucket, envelope FROM room_outbox")
+        await cur.execute(f"SELECT app_code, room_id, {row_bucket(store.dialect)}, envelope FROM room_outbox")
         rows = await cur.fetchall()
     assert len(rows) == 20 and all(bucket == bucket_of(app, room) and body for app, room, bucket, body in rows)

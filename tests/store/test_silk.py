@@ -16,7 +16,7 @@ from room_outbox.errors import ConfigurationError
 from room_outbox.store import DeliveryResult, Outcome
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import SQLStore, open_store
-from room_outbox.store.membership import bucket_of
+from room_outbox.store.membership import bucket_of, row_bucket
 from room_outbox.store.operator import RequeueFilter, cancel, find_requeue_candidates, requeue
 from room_outbox.store.profiles import SILK
 
@@ -65,8 +65,7 @@ async def test_migrate_creates_silks_table_or_adds_only_what_room_outbox_needs(s
         "created table room_outbox_node",
         "created table room_outbox_bucket",
         "created function room_outbox_crc32",
-        "added column outbox_events.room_bucket",
-        "added index outbox_events.idx_outbox_events_claim",  # with the bucket: after its column
+        "added index outbox_events.idx_outbox_events_claim",  # with the bucket: after its function
     ]
     assert await silk.migrate() == []
 
@@ -105,7 +104,17 @@ async def test_silk_rows_are_claimed_sent_retried_and_failed_after_their_own_max
             "UPDATE outbox_events SET next_attempt_at = now() - interval '1 second' WHERE event_id = 'e2'"
         )
     (again,) = (await silk.claim("c#1", 10, now_ms() + 60_000)).rows
-    await silk.record([DeliveryResult(again.id, "e2", "c#1", Outcome.FAILED, "timeout again", now_ms())])
+    slot = now_ms() + 30_000  # held back by a rate limit: no attempt, not due before the slot
+    await silk.record([DeliveryResult(again.id, "e2", "c#1", Outcome.THROTTLED, retry_at_ms=slot)])
+    throttled = (await silk_rows(silk))["e2"]
+    assert (throttled["status"], throttled["attempts"], throttled["worker_id"]) == ("retry", 1, None)
+    assert abs(throttled["next_attempt_at"] - datetime.fromtimestamp(slot / 1000, UTC)) < timedelta(milliseconds=2)
+    async with silk.transaction() as cur:
+        await cur.execute(
+            "UPDATE outbox_events SET next_attempt_at = now() - interval '1 second' WHERE event_id = 'e2'"
+        )
+    (again,) = (await silk.claim("d#1", 10, now_ms() + 60_000)).rows
+    await silk.record([DeliveryResult(again.id, "e2", "d#1", Outcome.FAILED, "timeout again", now_ms())])
     assert (await silk_rows(silk))["e2"]["status"] == "failed"  # its own max_attempts (2) used up
 
 
@@ -144,7 +153,7 @@ async def test_silk_rows_carry_the_room_bucket_python_computes_for_the_aggregate
     await silk_publish(silk, *[(f"e{n}", f"user-{n}", {}) for n in range(20)], ("e-cn", "用户-7", {}))
     async with silk.transaction() as cur:
         await cur.execute(SILK_INSERT, ("e-none", "wechat.subscribe", "user", None, "{}", 5))
-        await cur.execute("SELECT aggregate_id, room_bucket FROM outbox_events")
+        await cur.execute(f"SELECT aggregate_id, {row_bucket(silk.dialect, SILK)} FROM outbox_events")
         found = await cur.fetchall()
     assert len(found) == 22
     assert all(bucket == bucket_of("", aggregate or "") for aggregate, bucket in found)

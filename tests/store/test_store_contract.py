@@ -48,15 +48,16 @@ MIGRATION = {
 SERVER_MIGRATION = {
     "created table room_outbox_node",
     "created table room_outbox_bucket",
-    "added column room_outbox.room_bucket",
 }
-#: PostgreSQL computes the bucket with a function of its own.
+#: MySQL/MariaDB keep the bucket in a column; PostgreSQL computes it with a function of its
+#: own, in the claim's index.
+MYSQL_MIGRATION = {"added column room_outbox.room_bucket"}
 POSTGRESQL_MIGRATION = {"created function room_outbox_crc32"}
 
 
 def migration(store: SQLStore) -> set[str]:
     if store.dialect.name == "mysql":
-        return MIGRATION | SERVER_MIGRATION
+        return MIGRATION | SERVER_MIGRATION | MYSQL_MIGRATION
     if store.dialect.name == "postgresql":
         return MIGRATION | SERVER_MIGRATION | POSTGRESQL_MIGRATION
     return MIGRATION
@@ -193,6 +194,28 @@ async def test_results_are_recorded_per_outcome(any_store: SQLStore) -> None:
     assert got["e1"]["last_error"] == "x" * LAST_ERROR_MAX and got["e0"]["last_error"] is None
     again = await any_store.claim("b#1", 10, now_ms() + 60_000)
     assert [r.event_id for r in again.rows] == ["e3"]  # e1 waits for its retry time, e2 is parked
+
+
+async def test_a_throttled_row_is_released_unattempted_until_its_slot(any_store: SQLStore) -> None:
+    """Held back by the process's own rate limit: no attempt counted, no error, the lease
+    dropped, claimable again at the given time (0: at once); a stale one is reported."""
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(3)])
+    rows = {r.event_id: r for r in (await any_store.claim("a#1", 10, now_ms() + 60_000)).rows}
+    slot = now_ms() + 60_000
+    async with any_store.transaction() as cur:  # e2's lease was taken over meanwhile
+        await cur.execute("UPDATE room_outbox SET worker_id = 'b#9' WHERE event_id = 'e2'")
+    throttled = [
+        DeliveryResult(rows["e0"].id, "e0", "a#1", Outcome.THROTTLED, retry_at_ms=slot),
+        DeliveryResult(rows["e2"].id, "e2", "a#1", Outcome.THROTTLED, retry_at_ms=slot),
+    ]
+    assert await any_store.record(throttled) == [throttled[1]]
+    assert await any_store.record([DeliveryResult(rows["e1"].id, "e1", "a#1", Outcome.THROTTLED)]) == []
+    got = await fetch_rows(any_store)
+    state = {e: (r["status"], r["retry_count"], r["worker_id"], r["last_error"]) for e, r in got.items()}
+    assert state["e0"] == state["e1"] == ("pending", 0, None, None)
+    assert got["e0"]["lock_until_ms"] == slot
+    again = await any_store.claim("c#1", 10, now_ms() + 60_000)
+    assert [r.event_id for r in again.rows] == ["e1"]  # e0 waits for its slot
 
 
 async def test_a_stale_claimant_changes_nothing_and_is_reported(any_store: SQLStore) -> None:
@@ -645,8 +668,14 @@ async def test_room_cell_claims_deliver_fail_and_park_in_its_own_words(room_cell
         await cur.execute("UPDATE room_outbox SET lock_until_ms = 0 WHERE event_id = 'e1'")
     again = {r.event_id: r for r in (await room_cell.claim("b#1", 10, now_ms() + 60_000)).rows}
     assert sorted(again) == ["e1", "e3"]
-    await room_cell.record([DeliveryResult(again["e1"].id, "e1", "b#1", Outcome.RELEASED)])
-    assert (await fetch_rows(room_cell))["e1"]["status"] == "retryable"
+    await room_cell.record(
+        [
+            DeliveryResult(again["e1"].id, "e1", "b#1", Outcome.RELEASED),
+            DeliveryResult(again["e3"].id, "e3", "b#1", Outcome.THROTTLED, retry_at_ms=now_ms() + 60_000),
+        ]
+    )
+    got = await fetch_rows(room_cell)
+    assert (got["e1"]["status"], got["e3"]["status"], got["e3"]["retry_count"]) == ("retryable", "pending", 0)
 
 
 async def test_room_cell_takes_over_a_delivering_row_whose_lock_ran_out(room_cell: SQLStore) -> None:

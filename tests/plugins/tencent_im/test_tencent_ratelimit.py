@@ -12,7 +12,7 @@ from support import envelope, fetch_rows, insert_events
 
 from room_outbox.plugins.tencent_im.fake import FakeTencentIM
 from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindowLimiter
-from room_outbox.sink import RetryableSinkError
+from room_outbox.sink import RetryableSinkError, ThrottledSinkError
 from room_outbox.store.mysql import MySQLStore
 
 pytestmark = [pytest.mark.anyio, pytest.mark.serial]
@@ -121,6 +121,8 @@ async def test_a_hot_room_does_not_starve_the_others(fake: FakeTencentIM) -> Non
     assert {f"quiet{i}" for i in range(5)} <= set(fake.event_ids())
     refused = [o for o in outcomes if o is not None]
     assert len(refused) == 25 and all("client-side rate limit: group hot" in str(o) for o in refused)
+    assert all(isinstance(o, ThrottledSinkError) for o in refused)  # never sent: not attempts
+    assert all(o.retry_after is not None and 0 < o.retry_after <= 1.1 for o in refused)  # type: ignore[union-attr]
     assert fake.max_in_window(1.0, group_id="hot") == 5
 
 
@@ -136,7 +138,8 @@ async def test_worker_keeps_quiet_rooms_flowing_and_publishes_the_hot_backlog(
         rows = await fetch_rows(store)
         assert all(rows[f"quiet{i}"]["status"] == "published" for i in range(5))
         held = [r for r in rows.values() if r["status"] == "pending"]
-        assert len(held) == 10 and all("client-side rate limit" in r["last_error"] for r in held)
+        assert len(held) == 10  # throttled: no attempt counted, no error recorded
+        assert all(r["retry_count"] == 0 and r["last_error"] is None for r in held)
 
         deadline = time.monotonic() + 10
         while any(r["status"] == "pending" for r in (await fetch_rows(store)).values()):

@@ -1,0 +1,124 @@
+"""Limits are not attempts: a delivery this process's own rate limit (or its quota share) holds
+back is handed back unsent, costs the event no retry, is never parked, and is delivered later.
+The real Tencent IM sink against the fake IM on loopback, in-process dispatchers on MySQL."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+from im_support import im_section
+from support import envelope, fetch_rows, insert_events, wait_until
+from telemetry_support import Captured, capture
+
+from room_outbox import QuotaShare
+from room_outbox.config import Settings
+from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
+from room_outbox.delivery.routing import Router, build_lanes
+from room_outbox.observability.redaction import Redactor
+from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.plugins.tencent_im.fake import FakeTencentIM
+from room_outbox.store.mysql import MySQLStore
+
+pytestmark = pytest.mark.anyio
+
+THROTTLED = "room_outbox_publish_throttled_total"
+FAILED = "room_outbox_publish_failure_total"
+PUBLISHED = "room_outbox_publish_success_total"
+LATENCY = "room_outbox_publish_latency_ms"
+
+
+async def _router(fake: FakeTencentIM, quota: QuotaShare | None = None, **im: Any) -> Router:
+    settings = Settings(node_id="test", sinks={"tencent_im": im_section(fake, **im)})
+    return (await build_lanes(make_plugin_manager(), settings, Redactor(), include_own=False, quota=quota)).im
+
+
+def _dispatcher(store: MySQLStore, router: Router, captured: Captured, **worker: Any) -> Dispatcher:
+    settings = Settings(node_id="test", outbox_worker={"poll_interval": "50ms", **worker})
+    options = LaneOptions.from_settings(settings.outbox_worker)
+    return Dispatcher(store, router, options, "test", telemetry=captured.telemetry)
+
+
+@asynccontextmanager
+async def _running(dispatcher: Dispatcher) -> AsyncIterator[None]:
+    """The dispatcher's scan loop in the background, stopped whatever the test does (stop()
+    bounds its end by publish_timeout + query_timeout)."""
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispatcher.run)
+        try:
+            yield
+        finally:
+            dispatcher.stop()
+
+
+def _all_published(rows: dict[str, dict[str, Any]], expected: int) -> bool:
+    return len(rows) == expected and all(r["status"] == "published" for r in rows.values())
+
+
+@pytest.mark.serial
+async def test_an_app_limit_below_the_concurrency_parks_nothing_and_delivers_everything(
+    fake: FakeTencentIM, store: MySQLStore
+) -> None:
+    """app_rate_limit 10 with 64 deliveries at once and parking after 3 attempts: most
+    deliveries find no slot in time, yet none of them counts as an attempt."""
+    events = 60
+    router = await _router(fake, app_rate_limit=10, reserved_share=0)
+    captured = capture()
+    dispatcher = _dispatcher(
+        store, router, captured, concurrency=64, parking=True, retry={"max_attempts": 3}, publish_timeout="3s"
+    )
+    await insert_events(store, [envelope(f"e{i}", room_id=f"r_{i}") for i in range(events)])
+    try:
+        async with _running(dispatcher):
+
+            async def drained() -> bool:
+                return _all_published(await fetch_rows(store), events)
+
+            await wait_until(drained, timeout=30, interval=0.1)
+    finally:
+        await router.aclose()
+    rows = await fetch_rows(store)
+    assert {r["status"] for r in rows.values()} == {"published"}  # nothing parked, nothing lost
+    assert {r["retry_count"] for r in rows.values()} == {0}  # only the limit held them back
+    assert all(r["last_error"] is None for r in rows.values())
+    assert sorted(fake.event_ids()) == sorted(f"e{i}" for i in range(events))  # one request each
+    assert fake.max_in_window(1.0) <= 10
+    assert captured.value(THROTTLED, sink="tencent_im") > 0  # the limit did hold deliveries back
+    assert captured.value(FAILED) == 0
+    assert captured.value(PUBLISHED, sink="tencent_im") == events
+    assert sum(p.count for p in captured.histogram(LATENCY)) == events  # only attempts are timed
+
+
+async def test_a_quota_share_of_zero_holds_back_without_an_attempt(fake: FakeTencentIM, store: MySQLStore) -> None:
+    """A share of 0 (a stale heartbeat, a joining node): nothing is sent and nothing is
+    counted against the events; once the share is back, they are delivered."""
+    quota = QuotaShare()
+    quota.apply(math.inf, math.inf)  # this process may send nothing right now
+    router = await _router(fake, quota, rate_limit_max_wait="100ms")
+    captured = capture()
+    dispatcher = _dispatcher(store, router, captured, parking=True, retry={"max_attempts": 1})
+    await insert_events(store, [envelope(f"e{i}", room_id=f"r_{i}") for i in range(5)])
+    try:
+        with anyio.fail_after(10):
+            await dispatcher.run_until_empty()
+        rows = await fetch_rows(store)
+        assert {r["status"] for r in rows.values()} == {"pending"}  # not parked after 1 "attempt"
+        assert {r["retry_count"] for r in rows.values()} == {0}
+        assert all(r["last_error"] is None and r["worker_id"] is None for r in rows.values())
+        assert fake.event_ids() == []
+        assert captured.value(THROTTLED, sink="tencent_im") == 5
+        assert captured.value(FAILED) == 0
+
+        quota.apply(1, math.inf)  # the share is back
+        with anyio.fail_after(10):
+            await dispatcher.run_until_empty()
+    finally:
+        await router.aclose()
+    rows = await fetch_rows(store)
+    assert {r["status"] for r in rows.values()} == {"published"}
+    assert {r["retry_count"] for r in rows.values()} == {0}
+    assert sorted(fake.event_ids()) == [f"e{i}" for i in range(5)]
