@@ -55,11 +55,12 @@ ConfigError = ConfigurationError
 
 
 def parse_listen(address: str) -> tuple[str, int]:
-    """``host:port``, ``:port`` (all interfaces) or ``[v6]:port``; raises ``ValueError``."""
+    """``host:port``, ``:port`` (loopback) or ``[v6]:port``; raises ``ValueError``. Every
+    interface is an explicit choice (``0.0.0.0:port``): the endpoint has no authentication."""
     host, sep, port = address.strip().rpartition(":")
     if not sep or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"{address!r} is not host:port (e.g. 127.0.0.1:9464)")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def parse_duration(value: Any) -> float:
