@@ -50,6 +50,17 @@ _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
+#: PostgreSQL's longest identifier in bytes (MySQL's is 64): PostgreSQL silently truncates
+#: a longer one, so two derived index names could collide.
+MAX_IDENTIFIER = 63
+#: The outbox table's longest name: its longest derived names (``idx_<table>_status_id``,
+#: ``uk_<table>_outbox_seq``) add 14 characters.
+MAX_TABLE_NAME = MAX_IDENTIFIER - len("idx__status_id")
+#: A node id is stored in VARCHAR(128) columns as part of longer ids: a claim
+#: ``<node_id>#<number>`` and a consumer's lock owner ``<node_id>#<consumer>`` (consumer
+#: names are at most 63 characters).
+MAX_NODE_ID = 64
+
 #: The configuration error of :mod:`room_outbox.errors`, under the name this module always had.
 ConfigError = ConfigurationError
 
@@ -152,8 +163,13 @@ class DatabaseSettings(Section):
     @classmethod
     def _plain_name(cls, value: str) -> str:
         value = value.strip()
-        if value and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", value):
+        if value and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
             raise ValueError(f"{value!r} is not a plain table name (letters, digits and _)")
+        if len(value) > MAX_TABLE_NAME:
+            raise ValueError(
+                f"{value!r} is {len(value)} characters, at most {MAX_TABLE_NAME}: its index names"
+                f" (idx_<table>_status_id) must fit PostgreSQL's {MAX_IDENTIFIER}-byte identifiers"
+            )
         return value
 
 
@@ -425,7 +441,9 @@ class RetentionSettings(Section):
 
 
 def default_node_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
+    """``<hostname>-<pid>``, the host name cut to fit :data:`MAX_NODE_ID`."""
+    pid = f"-{os.getpid()}"
+    return socket.gethostname()[: MAX_NODE_ID - len(pid)] + pid
 
 
 class Settings(BaseSettings):
@@ -456,7 +474,15 @@ class Settings(BaseSettings):
     @field_validator("node_id")
     @classmethod
     def _default_node_id(cls, value: str) -> str:
-        return value.strip() or default_node_id()
+        value = value.strip()
+        if len(value) > MAX_NODE_ID:
+            raise ValueError(
+                f"{len(value)} characters, at most {MAX_NODE_ID}: claim ids and lock owners"
+                " (<node_id>#...) must fit their 128-character columns"
+            )
+        if any(not char.isprintable() for char in value):
+            raise ValueError("control or invisible characters are not allowed")
+        return value or default_node_id()
 
     @model_validator(mode="after")
     def _mysql_is_database(self) -> Settings:

@@ -91,6 +91,11 @@ class ConsumerSettings(Section):
         return str(self.dead_letter_topic).strip()
 
 
+#: The ``consumer`` column is VARCHAR(64); a lock owner ``<node_id>#<consumer>`` is at most
+#: 64 + 1 + 63 characters, its column's 128.
+MAX_CONSUMER_NAME = 63
+
+
 def consumer_settings(settings: Settings, only: str | None = None) -> dict[str, ConsumerSettings]:
     """The enabled consumers (or ``only``, enabled or not), validated; :class:`ConfigError`
     names every bad key as ``consumers.<name>.<key>``."""
@@ -101,6 +106,12 @@ def consumer_settings(settings: Settings, only: str | None = None) -> dict[str, 
     problems: list[str] = []
     for name, section in sorted(settings.consumers.items()):
         if only is not None and name != only:
+            continue
+        if not name.strip() or len(name) > MAX_CONSUMER_NAME or not name.isprintable():
+            problems.append(
+                f"consumers.{name}: a consumer's name is 1 to {MAX_CONSUMER_NAME} printable characters"
+                " (the consumer column and the lock owner <node_id>#<consumer> have their limits)"
+            )
             continue
         try:
             consumer = ConsumerSettings.model_validate(section or {})
