@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from room_outbox import SinkSpec, hookimpl
 from room_outbox.cli.main import main
 from room_outbox.config import MAX_NODE_ID, MAX_TABLE_NAME, Settings, default_node_id
 from room_outbox.errors import ConfigurationError
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox import SinkSpec, hookimpl
 from room_outbox.sink import SinkSettings
 from room_outbox.startup import check_configuration
 from room_outbox.store.factory import open_store
