@@ -51,7 +51,15 @@ from room_outbox.observability.metrics import ConsumerMetrics
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.observability.tracing import producer_context
-from room_outbox.store.consumer import NO_HANDLER, ConsumerBatch, ConsumerStore, LeaseLost, Processed, RetryRow
+from room_outbox.store.consumer import (
+    NO_HANDLER,
+    ROOM_KEY_MAX,
+    ConsumerBatch,
+    ConsumerStore,
+    LeaseLost,
+    Processed,
+    RetryRow,
+)
 from room_outbox.store.leased import now_ms
 
 log = logging.getLogger("room_outbox.consume")
@@ -91,6 +99,11 @@ class Message:
     def room(self) -> str:
         # No key: nothing to keep in order with; each such message is a group of its own.
         return self.key or f"@{self.partition}:{self.offset}"
+
+    @property
+    def held_key(self) -> str:
+        """The room as the retry table keeps it (and so as held-back rooms are compared)."""
+        return self.room[:ROOM_KEY_MAX]
 
     @property
     def app_code(self) -> str:
@@ -462,7 +475,7 @@ class Consumer:
         messages for that handler (with ``ordering: per_room``): they wait in the retry table
         behind it."""
         outcomes: ConsumerBatch | ConsumerStore = batch if batch is not None else self.store
-        held: set[str] = {handler for handler, room in blocked if room == messages[0].room}
+        held: set[str] = {handler for handler, room in blocked if room == messages[0].held_key}
         for message in messages:
             if message.rejected is not None:
                 row = self._retry_row(message, NO_HANDLER, 1, message.rejected)
@@ -476,7 +489,7 @@ class Consumer:
                     await outcomes.schedule(
                         self._retry_row(message, handler.name, 0, "waiting behind an earlier event of its room")
                     )
-                    self._retrying.add((handler.name, message.room))
+                    self._retrying.add((handler.name, message.held_key))
                     continue
                 ok = await self._handle(message, handler, attempt=1, retry=None, batch=batch, dead=dead)
                 if not ok and self.ordered:
@@ -491,7 +504,7 @@ class Consumer:
         bad one costs only itself)."""
         messages = [
             m for room in rooms for m in room
-            if m.rejected is None and handler in m.handlers and (handler.name, m.room) not in blocked
+            if m.rejected is None and handler in m.handlers and (handler.name, m.held_key) not in blocked
         ]  # fmt: skip
         if not messages:
             return set()
@@ -620,7 +633,7 @@ class Consumer:
         self.metrics.retried.add(1, labels)
         if retry is None:
             await outcomes.schedule(self._retry_row(message, handler.name, attempt, text, due))
-            self._retrying.add((handler.name, message.room))
+            self._retrying.add((handler.name, message.held_key))
         else:
             await self.store.retry_failed(retry, attempt, due, text, dead=False)
         return False
