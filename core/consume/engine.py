@@ -28,6 +28,7 @@ is handled in order, the rest of the partition is not held up.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Set as AbstractSet
@@ -67,6 +68,8 @@ log = logging.getLogger("room_outbox.consume")
 FETCH_TIMEOUT_MS = 500
 #: Pause after a batch could not be settled (the database is down, say) before it is tried again.
 BATCH_RETRY_PAUSE = 1.0
+#: How long a batch's dead-letter copies may take, together (not each: a topic that refuses
+#: them would hold the partition this long once per copy).
 DLQ_SEND_TIMEOUT = 10.0
 #: The last offset commit, when the consumer stops.
 COMMIT_TIMEOUT = 10.0
@@ -433,8 +436,7 @@ class Consumer:
             dead = []
             for room in rooms:
                 await self._settle_room(room, blocked, None, dead, done)
-        for row, reason in dead:
-            await self._announce_dead_letter(row, reason)
+        await self._announce_dead_letters(dead)
 
     def _route(self, record: Any) -> Message:
         message = Message(
@@ -670,41 +672,46 @@ class Consumer:
     # -- dead letters -------------------------------------------------------------------------
 
     async def _announce_dead_letter(self, row: RetryRow, reason: str) -> None:
-        """Log, count and copy to the dead-letter topic a dead letter already recorded."""
-        log.error(
-            "dead letter",
-            extra={"consumer": self.name, "handler": row.handler or "(none)", "event_id": row.event_id,
-                   "event_type": row.event_type, "topic": row.topic, "partition": row.partition,
-                   "offset": row.offset, "attempts": row.attempts, "error": row.last_error},
-        )  # fmt: skip
-        self.metrics.dead.add(1, {"consumer": self.name, "handler": row.handler or "(none)", "reason": reason})
-        await self._publish_dead_letter(row)
+        await self._announce_dead_letters([(row, reason)])
+
+    async def _announce_dead_letters(self, dead: list[tuple[RetryRow, str]]) -> None:
+        """Log, count and copy to the dead-letter topic dead letters already recorded."""
+        for row, reason in dead:
+            log.error(
+                "dead letter",
+                extra={"consumer": self.name, "handler": row.handler or "(none)", "event_id": row.event_id,
+                       "event_type": row.event_type, "topic": row.topic, "partition": row.partition,
+                       "offset": row.offset, "attempts": row.attempts, "error": row.last_error},
+            )  # fmt: skip
+            self.metrics.dead.add(1, {"consumer": self.name, "handler": row.handler or "(none)", "reason": reason})
+        await self._publish_dead_letters([row for row, _ in dead])
 
     async def _publish_dead_letter(self, row: RetryRow) -> None:
-        """A copy to the dead-letter topic, the error in its headers. The table row is the
-        record that counts (status, inspect, redrive); a failed copy is logged, not retried."""
+        await self._publish_dead_letters([row])
+
+    async def _publish_dead_letters(self, rows: list[RetryRow]) -> None:
+        """Copies to the dead-letter topic, the error in their headers, all sent at once and
+        awaited together within ``DLQ_SEND_TIMEOUT``. The table rows are the record that counts
+        (status, inspect, redrive); a failed copy is logged, not retried."""
         topic = self.settings.dlq_topic()
-        if topic is None:
+        if topic is None or not rows:
             return
-        headers = [(k, v.encode()) for k, v in row.headers.items() if not k.startswith("dlq.")]
-        headers += [
-            ("dlq.error", (row.last_error or "")[:1024].encode()),
-            ("dlq.consumer", self.name.encode()),
-            ("dlq.handler", row.handler.encode()),
-            ("dlq.topic", row.topic.encode()),
-            ("dlq.partition", str(row.partition).encode()),
-            ("dlq.offset", str(row.offset).encode()),
-            ("dlq.attempts", str(row.attempts).encode()),
-        ]
         try:
             with anyio.fail_after(DLQ_SEND_TIMEOUT):
                 producer = await self._dlq_producer()
-                await producer.send_and_wait(topic, row.value, key=row.room_key.encode(), headers=headers)
+                sent = [
+                    await producer.send(
+                        topic, row.value, key=row.room_key.encode(), headers=_dlq_headers(self.name, row)
+                    )
+                    for row in rows
+                ]
+                await asyncio.gather(*sent)
         except (KafkaError, TimeoutError, OSError) as exc:
             log.warning(
-                "dead letter not copied to its topic (it is in room_consumer_retry)",
-                extra={"consumer": self.name, "topic": topic, "event_id": row.event_id, "error": self._error(exc)},
-            )
+                "dead letters not copied to their topic (they are in room_consumer_retry)",
+                extra={"consumer": self.name, "topic": topic, "event_ids": [row.event_id for row in rows][:20],
+                       "dead_letters": len(rows), "error": self._error(exc)},
+            )  # fmt: skip
 
     async def _dlq_producer(self) -> AIOKafkaProducer:
         if self._dlq is None:
@@ -816,3 +823,17 @@ class _SettleBeforeRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
 
 
 __all__ = ["Consumer"]
+
+
+def _dlq_headers(consumer: str, row: RetryRow) -> list[tuple[str, bytes]]:
+    """The message's own headers but earlier ``dlq.*`` ones, and where and why it died."""
+    return [
+        *((k, v.encode()) for k, v in row.headers.items() if not k.startswith("dlq.")),
+        ("dlq.error", (row.last_error or "")[:1024].encode()),
+        ("dlq.consumer", consumer.encode()),
+        ("dlq.handler", row.handler.encode()),
+        ("dlq.topic", row.topic.encode()),
+        ("dlq.partition", str(row.partition).encode()),
+        ("dlq.offset", str(row.offset).encode()),
+        ("dlq.attempts", str(row.attempts).encode()),
+    ]

@@ -466,3 +466,70 @@ def test_routing_remembers_handlers_per_event_type_within_a_bound() -> None:
     joined = [routed(n, "RoomUserJoined") for n in range(3)]
     assert [[h.name for h in m.handlers] for m in joined] == [["recording"]] * 3
     assert all(m.rejected is None for m in joined)
+
+
+class SilentDeadLetterTopic:
+    """A dead-letter producer whose broker never answers: what aiokafka does for a topic it
+    cannot get metadata or acknowledgements for (the broker here creates any topic asked
+    for, so it cannot refuse one)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    async def send(self, *args: Any, **kwargs: Any) -> Any:
+        self.sent += 1
+        await anyio.sleep_forever()
+
+
+@pytest.mark.serial
+async def test_a_refused_dead_letter_topic_holds_a_batch_once_not_once_per_copy(
+    migrated: MySQLStore, broker: ConsumerBroker, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five unparsable messages of one room settle in one chunk, then their copies go to a
+    dead-letter topic that never answers. They wait for it together: one timeout, not five
+    in a row with the partition held meanwhile."""
+    monkeypatch.setattr("room_outbox.consume.engine.DLQ_SEND_TIMEOUT", 1.0)
+    pm = make_plugin_manager(extra_plugins=[RecordingPlugin()])
+    settings = ConsumerSettings(
+        bootstrap_servers=broker.bootstrap, handlers=["recording"], session_timeout=6, retry={"poll_interval": 0.1}
+    )
+    await send_raw(broker.bootstrap, [(b"app1:room_bad", b"{not json %d" % n) for n in range(5)])
+    consumer = Consumer(
+        "feed", settings, SQLConsumerStore(migrated, settings.handler_timeout),
+        build_handlers(pm, "feed", settings, "node-1", Redactor()), "node-1", Redactor(), capture().telemetry,
+    )  # fmt: skip
+    silent = SilentDeadLetterTopic()
+
+    async def dead_letter_producer() -> SilentDeadLetterTopic:
+        return silent
+
+    monkeypatch.setattr(consumer, "_dlq_producer", dead_letter_producer)
+
+    def records(message: str) -> list[Any]:
+        return [r for r in caplog.records if r.getMessage() == message]
+
+    with caplog.at_level("WARNING", logger="room_outbox.consume"):
+        async with anyio.create_task_group() as tasks:
+            await tasks.start(consumer.run)
+            try:
+                await wait_until(
+                    lambda: records("dead letters not copied to their topic (they are in room_consumer_retry)"), 30
+                )
+            finally:
+                consumer.stop()
+    dead = records("dead letter")
+    (warning,) = records("dead letters not copied to their topic (they are in room_consumer_retry)")
+    assert (len(dead), warning.dead_letters) == (5, 5) and silent.sent >= 1  # type: ignore[attr-defined]
+    waited = warning.created - max(r.created for r in dead)
+    assert waited < 2.5, waited  # one 1 s wait for all five, not five in a row
+
+
+async def send_raw(bootstrap: str, messages: list[tuple[bytes, bytes]]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", request_timeout_ms=10_000)
+    await producer.start()
+    try:
+        for key, value in messages:
+            await producer.send(TOPIC, value, key=key)
+        await producer.flush()
+    finally:
+        await producer.stop()
