@@ -235,6 +235,7 @@ class Consumer:
                 auto_offset_reset="earliest",
                 session_timeout_ms=int(s.session_timeout * 1000),
                 heartbeat_interval_ms=max(100, int(s.session_timeout * 1000 / 3)),
+                rebalance_timeout_ms=int(rebalance_timeout(s, len(self._batch_handlers)) * 1000),
                 max_poll_records=s.max_batch,
                 **s.security.client_kwargs(),
             )
@@ -797,6 +798,18 @@ class _NoSpan:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def rebalance_timeout(settings: ConsumerSettings, batch_handlers: int) -> float:
+    """How long the group waits for this member to rejoin in a rebalance. A member gives up
+    its partitions only once its batch is settled (:class:`_SettleBeforeRevoke`), so the wait
+    must outlast the longest batch its own deadlines allow: each batch handler's call, every
+    message twice (in its chunk's transaction, then alone if that one failed), the
+    dead-letter copies and the commit. Shorter (aiokafka's default is ``session_timeout``),
+    a slow batch would lose its partitions mid-way and its messages be handled again."""
+    messages = batch_handlers + 2 * (settings.max_batch + 1)
+    batch = settings.handler_timeout * messages + DLQ_SEND_TIMEOUT + COMMIT_TIMEOUT
+    return max(settings.session_timeout, batch)
 
 
 class _SettleBeforeRevoke(ConsumerRebalanceListener):  # type: ignore[misc]

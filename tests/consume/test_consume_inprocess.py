@@ -533,3 +533,20 @@ async def send_raw(bootstrap: str, messages: list[tuple[bytes, bytes]]) -> None:
         await producer.flush()
     finally:
         await producer.stop()
+
+
+async def test_the_group_waits_for_a_batch_as_long_as_its_own_deadlines_allow() -> None:
+    """aiokafka's rebalance timeout defaults to the session timeout (10 s): a member still
+    settling a longer batch when a rebalance starts would be dropped from the group and lose
+    its partitions mid-batch. The consumer asks for as long as a batch may take instead."""
+    from aiokafka import AIOKafkaConsumer
+
+    from room_outbox.consume.engine import COMMIT_TIMEOUT, DLQ_SEND_TIMEOUT, rebalance_timeout
+
+    assert AIOKafkaConsumer(session_timeout_ms=10_000)._rebalance_timeout_ms == 10_000  # the suspected default
+    settings = ConsumerSettings(handlers=["audit"], handler_timeout=10, max_batch=500, session_timeout=10)
+    chunk = settings.handler_timeout * (settings.max_batch + 1)  # _settle_chunk's own deadline
+    longest = settings.handler_timeout + 2 * chunk + DLQ_SEND_TIMEOUT + COMMIT_TIMEOUT
+    assert rebalance_timeout(settings, batch_handlers=1) >= longest
+    short = ConsumerSettings(handlers=["audit"], handler_timeout=0.1, max_batch=1, session_timeout=30)
+    assert rebalance_timeout(short, batch_handlers=0) == 30  # never below the session timeout
