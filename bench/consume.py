@@ -217,7 +217,7 @@ async def run_consume(store: MySQLStore, events: int, rounds: int = 3) -> Consum
     try:
         pm = make_plugin_manager()
         await migrate_plugins(store, pm, Settings(sinks={"tencent_im": {"enabled": False}}))
-        await migrate_consumers(store, pm)
+        await migrate_consumers(store, pm, handlers=["audit"])  # the handler the bench runs
         await produce(broker.bootstrap, events)
         timeout = max(120.0, events / 50)
         sample = min(events, PER_MESSAGE_SAMPLE)

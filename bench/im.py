@@ -1,9 +1,11 @@
 """(b) The Tencent IM sink against the fake IM (in its own process) over HTTP.
 
 * **overhead**: the client-side limits lifted out of the way; the sink alone and the whole
-  lane (claim, deliver, record) against a bare aiohttp loop posting the same requests (same
-  URL, query and body, built the same way) to the same fake, 16 in flight each, the same
-  number of events. The events are split into many short rounds; the variants take turns
+  lane (claim, deliver, record) against a bare loop of the sink's HTTP client (httpx on
+  aiohttp's transport, made as the sink makes it) posting the same requests (same URL, query
+  and body, built the same way) to the same fake, 16 in flight each, the same number of
+  events. Beside them, the same bare loop on httpx's own transport (httpcore): the measure
+  behind the sink's choice of transport. The events are split into many short rounds; the variants take turns
   within each round (the first one moves from round to round), the fake is emptied before
   each, and a variant's ratio is the median of its per-round ratios: neighbours in time
   share the machine's load, which on a shared machine moves the rates by tens of percent
@@ -12,7 +14,7 @@
 * **quota**: the default 200 requests/s, the fake enforcing 200/s as Tencent does
   (ErrorCode 60011 above it): the share of the quota used, the rate-limit errors, and how
   long each app-limiter slot was busy (acquire to release), which bounds the share at
-  ``1 / (1 + JITTER_MARGIN + busy)``.
+  ``1 / (1 + JITTER_MARGIN + busy)``, and the share of one core this process was busy.
 """
 
 from __future__ import annotations
@@ -28,9 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
-import aiohttp
 import anyio
-from yarl import URL
+import httpx
 
 from bench import procs
 from bench.db import IM_TYPE, load, pending, reset
@@ -43,6 +44,7 @@ from room_outbox.plugins.tencent_im import TencentIMSettings, TencentIMSink
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID
 from room_outbox.plugins.tencent_im.message import SEND_GROUP_MSG, group_id_for, msg_body, request_body
 from room_outbox.plugins.tencent_im.ratelimit import JITTER_MARGIN, SlidingWindowLimiter
+from room_outbox.plugins.tencent_im.sink import http_client
 from room_outbox.plugins.tencent_im.usersig import gen_usersig
 from room_outbox.sink import SinkContext
 from room_outbox.store.mysql import MySQLStore
@@ -68,12 +70,15 @@ def envelopes(count: int, prefix: str) -> list[EventEnvelope]:
     ]
 
 
-def make_sink(base_url: str, **overrides: Any) -> TencentIMSink:
-    settings = TencentIMSettings.model_validate(
+def im_settings(base_url: str, **overrides: Any) -> TencentIMSettings:
+    return TencentIMSettings.model_validate(
         {"base_url": base_url, "sdkappid": DEV_SDKAPPID, "secret_key": DEV_KEY, **overrides}
     )
+
+
+def make_sink(base_url: str, **overrides: Any) -> TencentIMSink:
     context = SinkContext("tencent_im", logging.getLogger("bench.tencent_im"), add_secret=lambda _s: None)
-    return TencentIMSink(settings, context)
+    return TencentIMSink(im_settings(base_url, **overrides), context)
 
 
 def unlimited(base_url: str) -> TencentIMSink:
@@ -89,6 +94,7 @@ def unlimited(base_url: str) -> TencentIMSink:
 class Run:
     rate: float  # events per second
     cpu_us: float  # this process's CPU time per event, µs
+    timeouts: int = 0  # requests cut off at request_timeout (bare loops only)
 
 
 async def timed(count: int, work: Awaitable[None]) -> Run:
@@ -111,35 +117,53 @@ async def in_parallel(items: list[Any], work: Callable[[Any], Awaitable[None]]) 
             tg.start_soon(worker)
 
 
-async def bare_loop(base_url: str, events: list[EventEnvelope]) -> Run:
-    """The floor of any sink on aiohttp: the same URL, query and body, the same connection
-    pool size, timeouts and concurrency, the answer read and checked, and nothing else. Like
-    the sink's, its session is made and closed within the measurement; like the sink, it
-    sends each request's own ``random`` in a URL encoded already (a constant URL would be
-    parsed once, from yarl's cache, and flatter the baseline)."""
+def httpcore_client(settings: TencentIMSettings) -> httpx.AsyncClient:
+    """:func:`http_client` on httpx's own transport (httpcore) instead of aiohttp's."""
+    limits = httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections)
+    return httpx.AsyncClient(
+        limits=limits,
+        timeout=httpx.Timeout(None, connect=settings.connect_timeout),
+        headers={"Content-Type": "application/json"},
+        trust_env=False,
+    )
+
+
+async def bare_loop(
+    base_url: str, events: list[EventEnvelope], make_client: Callable[[TencentIMSettings], httpx.AsyncClient]
+) -> Run:
+    """The floor of any sink on this client: the same URL, query and body, the client made as
+    the sink makes it (pool, timeouts, headers), one timeout per request, the same concurrency,
+    the answer read and checked, and nothing else. Like the sink's, the client is made before
+    the measurement and closed within it; like the sink, it sends each request's own
+    ``random`` in one URL parsed per request."""
+    settings = im_settings(base_url)
     usersig = gen_usersig(DEV_SDKAPPID, DEV_KEY, "administrator", 86400)
     query = {"sdkappid": DEV_SDKAPPID, "identifier": "administrator", "usersig": usersig, "contenttype": "json"}
     prefix = f"{base_url}{SEND_GROUP_MSG}?{urlencode(query)}&random="
+    client = make_client(settings)
+    timeouts = 0
+
+    async def post(envelope: EventEnvelope) -> None:
+        nonlocal timeouts
+        content = request_body(group_id_for("{room_id}", envelope), envelope, msg_body(envelope), "Normal")
+        url = httpx.URL(f"{prefix}{random.getrandbits(32)}")
+        try:
+            with anyio.fail_after(settings.request_timeout):
+                response = await client.post(url, content=content)
+        except TimeoutError:  # counted, not retried: a stalled request is part of what is measured
+            timeouts += 1
+            return
+        assert json.loads(response.content)["ErrorCode"] == 0
 
     async def run() -> None:
-        defaults = TencentIMSettings.model_fields  # the sink's: pool size and timeouts
-        connector = aiohttp.TCPConnector(limit=defaults["max_connections"].default)
-        timeout = aiohttp.ClientTimeout(
-            total=defaults["request_timeout"].default, sock_connect=defaults["connect_timeout"].default
-        )
-        headers = {"Content-Type": "application/json"}
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
-
-            async def post(envelope: EventEnvelope) -> None:
-                content = request_body(group_id_for("{room_id}", envelope), envelope, msg_body(envelope), "Normal")
-                url = URL(f"{prefix}{random.getrandbits(32)}", encoded=True)
-                async with session.post(url, data=content) as response:
-                    answer = json.loads(await response.read())
-                assert answer["ErrorCode"] == 0
-
+        try:
             await in_parallel(events, post)
+        finally:
+            await client.aclose()
 
-    return await timed(len(events), run())
+    done = await timed(len(events), run())
+    done.timeouts = timeouts
+    return done
 
 
 async def sink_only(sink: TencentIMSink, events: list[EventEnvelope]) -> Run:
@@ -187,6 +211,7 @@ class Variant:
 
     rates: list[float]
     cpu_us: list[float]
+    timeouts: int = 0  # requests cut off at request_timeout, over every round
 
     @property
     def rate(self) -> float:
@@ -214,7 +239,8 @@ class Variant:
 class OverheadResult:
     events: int
     rounds: int
-    bare: Variant  # the bare aiohttp loop: the baseline
+    bare: Variant  # the bare loop of the sink's client: the baseline
+    bare_httpcore: Variant  # the same on httpx's own transport
     sink: Variant  # TencentIMSink.deliver alone
     lane: Variant  # the whole lane: claim, deliver, record
     lane_in_turn: Variant  # the same with claims in turn with delivery (InTurnDispatcher)
@@ -228,7 +254,8 @@ async def run_overhead(store: MySQLStore, events: int, rounds: int = ROUNDS) -> 
     with procs.fake_im_process() as base_url:
         # Each variant's events and sink are made before its measurement starts.
         runs: dict[str, Callable[[str], Awaitable[Run]]] = {
-            "bare": lambda prefix: bare_loop(base_url, envelopes(per_round, prefix)),
+            "bare": lambda prefix: bare_loop(base_url, envelopes(per_round, prefix), http_client),
+            "bare_httpcore": lambda prefix: bare_loop(base_url, envelopes(per_round, prefix), httpcore_client),
             "sink": lambda prefix: sink_only(unlimited(base_url), envelopes(per_round, prefix)),
             "lane": lambda prefix: lane_drain(store, unlimited(base_url), per_round, prefix),
             "lane_in_turn": lambda prefix: lane_drain(
@@ -245,6 +272,7 @@ async def run_overhead(store: MySQLStore, events: int, rounds: int = ROUNDS) -> 
                 run = await runs[name](f"{name}{n}_")
                 results[name].rates.append(run.rate)
                 results[name].cpu_us.append(run.cpu_us)
+                results[name].timeouts += run.timeouts
     return OverheadResult(per_round * rounds, rounds, **results, load=(load_before, os.getloadavg()[0]))
 
 
@@ -279,6 +307,7 @@ class QuotaResult:
     client_refusals: int  # deliveries our limiter turned away (retried later)
     busy_ms: float  # mean time an app-limiter slot was busy: request latency seen by the sink
     bound: float  # the share the limiter allows at that latency: 1 / (1 + margin + busy)
+    cpu_share: float  # this process's CPU time over the drain's wall time: the share of a core
 
 
 async def run_quota(store: MySQLStore, count: int) -> QuotaResult:
@@ -288,7 +317,7 @@ async def run_quota(store: MySQLStore, count: int) -> QuotaResult:
         limiter = TimedLimiter(sink.settings.app_rate_limit)
         for app in {id(a): a for a in sink._apps_by_code.values()}.values():
             app.limiter = limiter
-        await lane_drain(store, sink, count, "q")
+        drain = await lane_drain(store, sink, count, "q")
         answer = procs.receipts(base_url)
     times = sorted(answer["receipts"].values())  # type: ignore[union-attr,attr-defined,unused-ignore]
     codes: dict[str, int] = answer["codes"]  # type: ignore[assignment]
@@ -301,4 +330,5 @@ async def run_quota(store: MySQLStore, count: int) -> QuotaResult:
     # answer: the rate over whole cycles (200 m receipts) is the steady one, free of that burst.
     span = 200 * ((len(times) - 1) // 200)
     rate = span / (times[span] - times[0])
-    return QuotaResult(count, 200, rate, errors, refusals, busy * 1000, 1 / (1 + JITTER_MARGIN + busy))
+    cpu_share = drain.rate * drain.cpu_us / 1e6
+    return QuotaResult(count, 200, rate, errors, refusals, busy * 1000, 1 / (1 + JITTER_MARGIN + busy), cpu_share)

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
 
+from room_outbox.cluster.identity import process_identity
 from room_outbox.cluster.membership import Membership
 from room_outbox.cluster.quota import QuotaShare
 from room_outbox.config import IM_LANE, Settings
@@ -78,9 +79,11 @@ async def run_service(
                 "own_lanes": sorted(lanes.own),
             },
         )
+        # Unique per start, even where two processes share a node_id (see cluster.identity).
+        identity = process_identity(settings.node_id)
         if settings.outbox_worker.enabled:  # leaves once the dispatchers have stopped
-            await _join_cluster(lifecycle, settings, store, lanes, quota)
-        dispatchers = _dispatchers(settings, store, lanes, redactor, obs.telemetry, obs.health)
+            await _join_cluster(lifecycle, settings, identity, store, lanes, quota)
+        dispatchers = _dispatchers(settings, identity, store, lanes, redactor, obs.telemetry, obs.health)
         async with anyio.create_task_group() as workers:
             if settings.outbox_worker.enabled:
                 for dispatcher in dispatchers:
@@ -108,7 +111,13 @@ async def _close(aclose: Callable[[], Awaitable[None]], message: str, lifecycle:
 
 
 def _dispatchers(
-    settings: Settings, store: SQLStore, lanes: Lanes, redactor: Redactor, telemetry: Telemetry, health: Health
+    settings: Settings,
+    identity: str,
+    store: SQLStore,
+    lanes: Lanes,
+    redactor: Redactor,
+    telemetry: Telemetry,
+    health: Health,
 ) -> list[Dispatcher]:
     """One dispatcher per lane: the IM lane's (when any of its sinks is enabled), then one per
     sink with a lane of its own, each with its own scan loop so none waits for another."""
@@ -116,7 +125,7 @@ def _dispatchers(
     if lanes.im.sinks:
         options = _options(settings, IM_LANE)
         dispatchers.append(
-            Dispatcher(store, lanes.im, options, settings.node_id, redactor, telemetry, health=health.lane(IM_LANE))
+            Dispatcher(store, lanes.im, options, identity, redactor, telemetry, health=health.lane(IM_LANE))
         )
     for name, router in lanes.own.items():
         start = settings.sinks.get(name, {}).get("start", "now")
@@ -126,7 +135,7 @@ def _dispatchers(
                 lane,
                 router,
                 _options(settings, name),
-                settings.node_id,
+                identity,
                 redactor,
                 telemetry,
                 lane=name,
@@ -142,7 +151,12 @@ def _options(settings: Settings, lane: str) -> LaneOptions:
 
 
 async def _join_cluster(
-    stack: contextlib.AsyncExitStack, settings: Settings, store: OutboxStore, lanes: Lanes, quota: QuotaShare
+    stack: contextlib.AsyncExitStack,
+    settings: Settings,
+    identity: str,
+    store: OutboxStore,
+    lanes: Lanes,
+    quota: QuotaShare,
 ) -> None:
     """On a database server (MySQL/MariaDB, PostgreSQL): heartbeats in the membership, room
     buckets for per-room claims, and this process's quota share, until ``stack`` closes. SQLite
@@ -151,7 +165,7 @@ async def _join_cluster(
         return
     membership = Membership(
         store,
-        settings.node_id,
+        identity,
         [store.profile.table, *(lane_table(name) for name in lanes.own)],
         settings.cluster.heartbeat_interval,
         settings.cluster.node_timeout,

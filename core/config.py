@@ -56,11 +56,6 @@ MAX_IDENTIFIER = 63
 #: The outbox table's longest name: its longest derived names (``idx_<table>_status_id``,
 #: ``uk_<table>_outbox_seq``) add 14 characters.
 MAX_TABLE_NAME = MAX_IDENTIFIER - len("idx__status_id")
-#: A node id is stored in VARCHAR(128) columns as part of longer ids: a claim
-#: ``<node_id>#<number>`` and a consumer's lock owner ``<node_id>#<consumer>`` (consumer
-#: names are at most 63 characters).
-MAX_NODE_ID = 64
-
 #: The configuration error of :mod:`room_outbox.errors`, under the name this module always had.
 ConfigError = ConfigurationError
 
@@ -441,9 +436,9 @@ class RetentionSettings(Section):
 
 
 def default_node_id() -> str:
-    """``<hostname>-<pid>``, the host name cut to fit :data:`MAX_NODE_ID`."""
-    pid = f"-{os.getpid()}"
-    return socket.gethostname()[: MAX_NODE_ID - len(pid)] + pid
+    """``<hostname>-<pid>``, the host name cut to 64 characters: a long (fully qualified)
+    one must not make the default longer than a ``node_id`` may be."""
+    return f"{socket.gethostname()[:64]}-{os.getpid()}"
 
 
 class Settings(BaseSettings):
@@ -475,11 +470,6 @@ class Settings(BaseSettings):
     @classmethod
     def _default_node_id(cls, value: str) -> str:
         value = value.strip()
-        if len(value) > MAX_NODE_ID:
-            raise ValueError(
-                f"{len(value)} characters, at most {MAX_NODE_ID}: claim ids and lock owners"
-                " (<node_id>#...) must fit their 128-character columns"
-            )
         if any(not char.isprintable() for char in value):
             raise ValueError("control or invisible characters are not allowed")
         return value or default_node_id()

@@ -150,7 +150,7 @@ class HandlerSpec(Generic[SettingsT]):
     ``schema``: per database (``"mysql"``, ``"postgresql"``: the :class:`Transaction`'s
     ``dialect``), the statements that create the handler's tables, each idempotent
     (``CREATE TABLE IF NOT EXISTS …``): ``room-outbox migrate`` runs those of its database
-    every time, for every registered handler.
+    every time, for each handler an enabled consumer of its configuration lists.
     """
 
     name: str

@@ -49,7 +49,8 @@ def room_outbox_migrations() -> list[str]:
     """Return the SQL statements that create what this plugin stores (MySQL dialect).
 
     Called by ``room-outbox migrate`` after room-outbox's own tables and the lane tables of
-    own-lane sinks; every implementation is called. Each statement must be idempotent
+    own-lane sinks. A plugin's statements run only while a sink or handler it registers is
+    enabled (one registering neither has them run always). Each statement must be idempotent
     (``CREATE TABLE IF NOT EXISTS …``): migrate runs them every time, on MySQL only. A
     consumer handler's tables, on MySQL and PostgreSQL alike, come with its spec instead
     (``HandlerSpec.schema``).

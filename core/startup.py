@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pluggy
 
+from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH
 from room_outbox.config import Settings
 from room_outbox.consume.registry import check_consumers
 from room_outbox.delivery.routing import validate_sinks
@@ -54,6 +55,11 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> Checked
         check_environment()
     except ConfigurationError as exc:
         problems.append(str(exc))
+    if len(settings.node_id) > MAX_NODE_ID_LENGTH:
+        problems.append(
+            f"node_id: {len(settings.node_id)} characters; at most {MAX_NODE_ID_LENGTH}"
+            " (the process identity and claim ids made from it must fit the database columns)"
+        )
     im_sinks: list[str] = []
     own_lanes: list[str] = []
     try:

@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 import pytest
-from support import RecordingSink, envelope, insert_events, insert_rows, make_dispatcher
+from support import RecordingSink, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, wait_until
 
 from room_outbox.delivery.dispatcher import Dispatcher
 from room_outbox.delivery.failure_log import FailureLog
@@ -70,6 +70,45 @@ async def test_a_retryable_failure_keeps_the_poll_interval(store: MySQLStore) ->
     await insert_events(store, [envelope("flaky")])
     dispatcher = make_dispatcher(store, RecordingSink(fail={"flaky"}), retry=V1_RETRY)
     assert await _retry_delays(store, dispatcher, "flaky", 4) == [0.05, 0.05, 0.05, 0.05]
+
+
+@pytest.mark.parametrize("kind", ["bad_envelope", "permanent"])
+async def test_per_room_parks_a_row_that_can_never_succeed_even_without_parking(store: MySQLStore, kind: str) -> None:
+    """Left pending, it would hold back its room for ever: parked (status failed, envelope and
+    error kept), and the room's later events go out in order."""
+    sink = RecordingSink(fail={"bad"}, error=PermanentSinkError("group gone"))
+    if kind == "bad_envelope":
+        await insert_rows(store, [("", "bad", "RoomUserJoined", "r_1", "{not json")])
+    else:
+        await insert_events(store, [envelope("bad", "RoomUserJoined")])
+    await insert_events(store, [envelope("after1"), envelope("after2")])
+    dispatcher = make_dispatcher(store, sink, retry=V1_RETRY, per_room=True, concurrency=4)
+    assert not dispatcher.options.retry.parking
+
+    async def room_delivered() -> bool:
+        await dispatcher.run_once()
+        await dispatcher.flush()
+        return {r["status"] for r in (await fetch_rows(store)).values()} == {"failed", "published"}
+
+    await wait_until(room_delivered, timeout=20)
+    rows = await fetch_rows(store)
+    assert rows["bad"]["status"] == "failed" and rows["bad"]["retry_count"] == 1
+    assert [e for e in sink.received if e != "bad"] == ["after1", "after2"]
+
+
+async def test_per_room_keeps_retrying_a_retryable_failure_without_parking(store: MySQLStore) -> None:
+    """Retrying may fix it (an IM outage): the room waits for it, in order, as before."""
+    await insert_events(store, [envelope("flaky"), envelope("after")])
+    sink = RecordingSink(fail={"flaky"})
+    dispatcher = make_dispatcher(store, sink, retry=V1_RETRY, per_room=True)
+    for _ in range(3):
+        await dispatcher.run_once()
+        await dispatcher.flush()
+        async with store.transaction() as cur:  # due at once, as if the retry delay had passed
+            await cur.execute("UPDATE room_outbox SET lock_until_ms = 0 WHERE event_id = 'flaky'")
+    rows = await fetch_rows(store)
+    assert (rows["flaky"]["status"], rows["flaky"]["retry_count"]) == ("pending", 3)
+    assert rows["after"]["status"] == "pending" and sink.received == ["flaky"] * 3
 
 
 class Clock:

@@ -230,8 +230,9 @@ async def test_migrate_sql_prints_what_migrate_would_run_and_runs_nothing(
             await cur.execute(V1_DDL)
         code, out, _ = await cli(capsys, "--config", config, "migrate", "--sql")
         assert code == 0
-        assert "-- added column room_outbox.lock_until_ms\nALTER TABLE room_outbox ADD COLUMN lock_until_ms" in out
-        assert "-- created table room_outbox_lane_cursor" in out  # the kafka sink's lane is enabled here
+        assert "-- would add column room_outbox.lock_until_ms\nALTER TABLE room_outbox ADD COLUMN lock_until_ms" in out
+        assert "-- would create table room_outbox_lane_cursor" in out  # the kafka sink's lane is enabled here
+        assert "-- ran" not in out and "-- created" not in out and "-- added" not in out
         assert await store.migration_plan() != []  # nothing was run
         # The script is what migrate would run: run it, and migrate has nothing left to do.
         async with store.transaction() as cur:
@@ -240,14 +241,48 @@ async def test_migrate_sql_prints_what_migrate_would_run_and_runs_nothing(
                 if sql:
                     await cur.execute(sql)
         assert await store.migration_plan() == []
-        # Left: only the plugins' and handlers' own statements, which are idempotent and always run.
+        # No plugin's sink or handler is enabled here: none of their statements is left.
         code, out, _ = await cli(capsys, "--config", config, "migrate", "--sql")
-        steps = [line for line in out.splitlines() if line.startswith("-- ")][1:]
-        assert all(re.fullmatch(r"-- ran \d+ (plugin|handler) schema statement\(s\)", step) for step in steps), steps
+        assert code == 0 and out.splitlines()[1:] == ["-- schema already up to date: no statement to run"]
         code, out, _ = await cli(capsys, "--config", config, "migrate")
-        assert code == 0 and all(
-            re.fullmatch(r"ran \d+ (plugin|handler) schema statement\(s\)", line) for line in out.splitlines()
-        )
+        assert (code, out) == (0, "schema already up to date\n")
+    finally:
+        await store.aclose()
+
+
+#: The tables of the example audit sink, the audit and activity handlers and the example gift_stats handler.
+PLUGIN_TABLES = {"room_outbox_audit_log", "room_audit_log", "room_activity", "room_gift_totals"}
+
+
+async def test_migrate_creates_tables_only_for_the_enabled_sinks_and_handlers(
+    database_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every one of them is installed; only what the configuration enables gets its tables,
+    and migrate names what it ran statements for (--sql: what it would run them for)."""
+    config = tmp_path / "config.yaml"
+    sinks = f"mysql:\n  dsn: '{database_dsn}'\nsinks:\n  tencent_im:\n    enabled: false\n"
+    handlers = "    handlers: [audit, activity, gift_stats]\n"
+    config.write_text(f"{sinks}  audit:\n    enabled: false\nconsumers:\n  feed:\n    enabled: false\n{handlers}")
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate")
+    assert code == 0 and "schema statement" not in out, out
+    store = await open_store(database_dsn)
+    try:
+        async with store.transaction() as cur:
+            assert not PLUGIN_TABLES & await table_names(cur, store.dialect)
+        config.write_text(f"{sinks}  audit:\n    enabled: true\nconsumers:\n  feed:\n{handlers}")
+        code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql")
+        assert code == 0 and "\n-- would run 1 schema statement(s) for sink audit\n" in out
+        async with store.transaction() as cur:
+            assert not PLUGIN_TABLES & await table_names(cur, store.dialect)  # --sql ran nothing
+        code, out, _ = await cli(capsys, "--config", str(config), "migrate")
+        assert code == 0 and {
+            "ran 1 schema statement(s) for sink audit",
+            "ran 1 schema statement(s) for handler audit",
+            "ran 1 schema statement(s) for handler activity",
+            "ran 1 schema statement(s) for handler gift_stats",
+        } <= set(out.splitlines()), out
+        async with store.transaction() as cur:
+            assert await table_names(cur, store.dialect) >= PLUGIN_TABLES
     finally:
         await store.aclose()
 
@@ -256,17 +291,19 @@ async def test_migrate_sql_on_postgresql_prints_the_bucket_function_and_column(
     postgresql_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The printed script, run as one (as psql would), leaves migrate nothing to do (the
-    consumers' and the handlers' tables included); the bucket it computes is Python's."""
+    consumers' and the enabled handlers' tables included); the bucket it computes is Python's."""
     config = tmp_path / "config.yaml"
     config.write_text(
         f"database:\n  dsn: '{postgresql_dsn}'\n"
         "sinks:\n  tencent_im:\n    enabled: false\n  kafka:\n    enabled: false\n"
+        "consumers:\n  feed:\n    handlers: [audit, activity, gift_stats]\n"
     )
     code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql")
     assert code == 0
-    assert "-- created function room_outbox_crc32\nCREATE OR REPLACE FUNCTION room_outbox_crc32" in out
+    assert "-- would create function room_outbox_crc32\nCREATE OR REPLACE FUNCTION room_outbox_crc32" in out
     assert "GENERATED ALWAYS AS (CAST(room_outbox_crc32(app_code || ':' || room_id) % 256 AS SMALLINT)) STORED" in out
-    assert "-- created table room_consumer_retry\nCREATE TABLE IF NOT EXISTS room_consumer_retry" in out
+    assert "-- would create table room_consumer_retry\nCREATE TABLE IF NOT EXISTS room_consumer_retry" in out
+    assert "-- would run 2 schema statement(s) for handler audit\n" in out
     assert "CREATE TABLE IF NOT EXISTS room_audit_log" in out and "CREATE TABLE IF NOT EXISTS room_activity" in out
     store = await open_store(postgresql_dsn)
     try:
@@ -310,3 +347,20 @@ def test_the_readme_documents_every_exit_code() -> None:
     assert documented == set(EXIT_CODES)
     for error in (RoomOutboxError, ConfigurationError, StoreUnavailable, SchemaError):
         assert error.exit_code in EXIT_CODES
+
+
+# -- fake-im ----------------------------------------------------------------------------------------
+
+
+def test_fake_im_on_a_busy_port_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        capsys.readouterr()
+        code = main(["fake-im", "--port", str(port)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err == f"room-outbox fake-im: cannot listen on 127.0.0.1:{port}: Address already in use\n"

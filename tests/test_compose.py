@@ -54,6 +54,7 @@ def test_compose_has_every_service(compose: dict[str, Any]) -> None:
         "mysql",
         "migrate",
         "room-outbox",
+        "migrate-consume",
         "consume",
         "fake-im",
         "kafka",
@@ -260,9 +261,13 @@ def test_the_postgresql_variant_migrates_and_runs_against_postgres(
 
 
 def test_the_consumers_read_the_kafka_lanes_topic(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    consume = compose["services"]["consume"]
+    consume, migrate = compose["services"]["consume"], compose["services"]["migrate-consume"]
     build_parser().parse_args(consume["command"])
-    assert consume["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    # migrate creates the tables of the handlers its configuration enables: consume's own config.
+    assert migrate["command"] == ["migrate", "--config", consume["command"][-1]]
+    assert migrate["volumes"] == consume["volumes"]
+    assert migrate["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert consume["depends_on"]["migrate-consume"]["condition"] == "service_completed_successfully"
     mounts = [v.split(":")[:2] if isinstance(v, str) else (v["source"], v["target"]) for v in consume["volumes"]]
     mounted = {target: Path(source) for source, target in mounts}
     config = mounted[consume["command"][-1]]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from support import envelope, insert_events
+from support import V1_DDL, envelope, fetch_rows, insert_events
 
 from room_outbox.cli.demo import DemoOptions, plan_commands, run_demo, verify
 from room_outbox.cli.main import main
@@ -67,6 +67,41 @@ def test_without_ordering_the_order_check_is_left_out(capsys: pytest.CaptureFixt
 def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", *args]) == 2
     assert "room-outbox demo: --" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_a_database_holding_rows_of_others_is_refused_and_left_unchanged(
+    database_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """room-service's live V1 table with pending rows: the demo would deliver them to its fake
+    IM and mark them published. Refused in one line, before the schema or a row is touched."""
+    store = await open_store(database_dsn)
+    try:
+        async with store.transaction() as cur:
+            await cur.execute(V1_DDL)
+        await insert_events(store, [envelope(f"evt-{n:04d}", room_id=f"r_{n % 40}") for n in range(1000)])
+        rows_before, plan_before = await fetch_rows(store), await store.migration_plan()
+        code = await anyio.to_thread.run_sync(main, ["demo", "--db", database_dsn, "--events", "20"])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == ""
+        assert err.count("\n") == 1 and "room_outbox in MySQL at " in err and "holds rows the demo did not make" in err
+        rows_after = await fetch_rows(store)
+        assert rows_after == rows_before  # every column: status and updated_at_ms included
+        assert {row["status"] for row in rows_after.values()} == {"pending"}
+        assert await store.migration_plan() == plan_before  # not migrated either
+    finally:
+        await store.aclose()
+
+
+def test_a_sqlite_path_whose_folder_is_missing_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no" / "such"
+    assert main(["demo", "--db", f"sqlite:///{missing / 'outbox.db'}", "--events", "20"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("room-outbox demo: --db: folder /") and err.endswith(
+        f"{missing} does not exist (the demo creates none; make it first)\n"
+    )
+    assert not (tmp_path / "no").exists()
 
 
 def test_an_unknown_ordering_is_refused_by_the_parser() -> None:

@@ -11,7 +11,8 @@ import yaml
 
 from room_outbox import SinkSpec, hookimpl
 from room_outbox.cli.main import main
-from room_outbox.config import MAX_NODE_ID, MAX_TABLE_NAME, Settings, default_node_id
+from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH as MAX_NODE_ID
+from room_outbox.config import MAX_TABLE_NAME, Settings, default_node_id
 from room_outbox.errors import ConfigurationError
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.sink import SinkSettings
@@ -33,7 +34,7 @@ def check_config(tmp_path: Path, capsys: pytest.CaptureFixture[str], **sections:
 @pytest.mark.parametrize(
     ("sections", "key", "message"),
     [
-        ({"node_id": "n" * (MAX_NODE_ID + 1)}, "node_id", f"65 characters, at most {MAX_NODE_ID}"),
+        ({"node_id": "n" * (MAX_NODE_ID + 1)}, "node_id", f"{MAX_NODE_ID + 1} characters; at most {MAX_NODE_ID}"),
         ({"node_id": "node\x1b[2J"}, "node_id", "control or invisible characters"),
         (
             {"mysql": {**BASE["mysql"], "table": "t" * (MAX_TABLE_NAME + 1)}},
@@ -44,6 +45,12 @@ def check_config(tmp_path: Path, capsys: pytest.CaptureFixture[str], **sections:
             {"consumers": {"c" * 64: {"handlers": ["audit"]}}},
             "consumers." + "c" * 64,
             "a consumer's name is 1 to 63 printable characters",
+        ),
+        (
+            # Each fits alone; the lock owner <node_id>~<token>#<consumer> would not fit 128.
+            {"node_id": "n" * 100, "consumers": {"c" * 19: {"handlers": ["audit"]}}},
+            "consumers." + "c" * 19,
+            "its lock owner <node_id>~<token>#<consumer> would be 129 characters, at most 128",
         ),
     ],
 )
@@ -62,14 +69,14 @@ def test_names_at_their_limits_pass(tmp_path: Path, capsys: pytest.CaptureFixtur
         capsys,
         node_id="n" * MAX_NODE_ID,
         mysql={**BASE["mysql"], "table": "t" * MAX_TABLE_NAME},
-        consumers={"c" * 63: {"handlers": ["audit"]}},
+        consumers={"c" * 18: {"handlers": ["audit"]}},
     )
     assert (code, err) == (0, [])
 
 
 def test_the_default_node_id_fits_whatever_the_host_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("socket.gethostname", lambda: "h" * 253)
-    assert len(default_node_id()) == MAX_NODE_ID
+    assert len(default_node_id()) <= MAX_NODE_ID
     assert Settings().node_id.startswith("hhh")
 
 

@@ -258,7 +258,8 @@ def test_every_hook_is_documented_tested_and_implemented_as_specified() -> None:
 
 
 async def test_plugin_migrations_run_on_migrate(store: Any) -> None:
-    """`room_outbox_migrations`: a plugin's idempotent DDL runs on every `room-outbox migrate`."""
+    """`room_outbox_migrations`: a plugin's idempotent DDL runs on every `room-outbox migrate`
+    (this one registers no sink or handler, so nothing it registers can be disabled)."""
     from room_outbox.delivery.lanes import migrate_plugins
 
     class WithTable:
@@ -266,14 +267,46 @@ async def test_plugin_migrations_run_on_migrate(store: Any) -> None:
         def room_outbox_migrations(self) -> list[str]:
             return ["CREATE TABLE IF NOT EXISTS plugin_owned (id INT PRIMARY KEY)"]
 
-    pm = make_plugin_manager(extra_plugins=[WithTable()])
+    plugin = WithTable()
+    pm = make_plugin_manager(extra_plugins=[plugin])
     cfg = settings(sinks={"tencent_im": {"enabled": False}})
     for _ in range(2):  # idempotent: the statements run every time without harm
         changes = await migrate_plugins(store, pm, cfg)
-        assert any(c.endswith("plugin schema statement(s)") for c in changes), changes
+        assert changes[-1] == f"ran 1 schema statement(s) for plugin {pm.get_name(plugin)}"
     async with store.transaction() as cur:
         await cur.execute("SHOW TABLES LIKE 'plugin_owned'")
         assert await cur.fetchone()
+
+
+def test_a_plugins_statements_are_used_while_a_sink_or_handler_it_registers_is_enabled() -> None:
+    """`room_outbox_migrations` statements belong to the plugin's sinks and handlers: unused
+    while none of them is enabled, named after the enabled ones when used."""
+    from room_outbox import HandlerSettings, HandlerSpec
+    from room_outbox.store.plugin_schema import used_plugin_statements
+
+    class SinkWithTable:
+        @hookimpl
+        def room_outbox_register_sinks(self) -> list[SinkSpec[SinkSettings]]:
+            return [SinkSpec("archive", SinkSettings, lambda settings, context: None)]  # never built here
+
+        @hookimpl
+        def room_outbox_migrations(self) -> list[str]:
+            return ["CREATE TABLE IF NOT EXISTS archive (id INT PRIMARY KEY)"]
+
+    class HandlerWithTable:
+        @hookimpl
+        def room_outbox_register_handlers(self) -> list[HandlerSpec[HandlerSettings]]:
+            return [HandlerSpec("tally", lambda settings, context: None)]  # never built here
+
+        @hookimpl
+        def room_outbox_migrations(self) -> list[str]:
+            return ["CREATE TABLE IF NOT EXISTS tally (id INT PRIMARY KEY)", "CREATE INDEX i ON tally (id)"]
+
+    pm = make_plugin_manager(extra_plugins=[SinkWithTable(), HandlerWithTable()])
+    used = dict(used_plugin_statements(pm, sinks={"tencent_im"}, handlers={"audit"}))
+    assert not {"sink archive", "handler tally"} & set(used)  # installed, not enabled
+    used = dict(used_plugin_statements(pm, sinks={"archive"}, handlers={"tally"}))
+    assert len(used["sink archive"]) == 1 and len(used["handler tally"]) == 2
 
 
 async def test_migrate_on_sqlite_skips_plugin_tables_but_creates_own_lanes(tmp_path: Path) -> None:
@@ -286,11 +319,11 @@ async def test_migrate_on_sqlite_skips_plugin_tables_but_creates_own_lanes(tmp_p
     try:
         await store.migrate()
         pm = make_plugin_manager()
-        changes = await migrate_plugins(store, pm, settings(sinks={"tencent_im": {"enabled": False}}))
-        installed = sum(len(ddl) for ddl in pm.hook.room_outbox_migrations())  # the example sink's
+        changes = await migrate_plugins(store, pm, settings(sinks={"tencent_im": {"enabled": False}, "audit": {}}))
         assert changes == [
             "created table room_outbox_lane_cursor",
-            f"skipped {installed} plugin schema statement(s): they are MySQL's",
+            "created table room_outbox_lane_audit",
+            "skipped 1 schema statement(s) for sink audit: they are MySQL's",
         ]
         changes = await migrate_plugins(store, pm, settings(sinks={"kafka": {"enabled": True}}))
         assert changes[0] == "created table room_outbox_lane_kafka"

@@ -368,7 +368,8 @@ async def test_no_output_channel_carries_a_secret(
     logs = stderr.read_text()
     assert "UserSig expired at Tencent (70001)" in logs
     spans = stdout.read_text()
-    # The sink's HTTP client (aiohttp) logs no request URLs; its client spans carry them.
+    # The sink's HTTP client (httpx) logs each request URL at INFO; its client spans carry them.
+    assert re.search(r"HTTP Request: POST \S+usersig=\[REDACTED\]&", logs), "no log line carried a request URL"
     assert re.search(r'"url.full": "[^"]+usersig=\[REDACTED\]&', spans), "no client span carried a request URL"
     assert '"name": "room_outbox.deliver RoomUserJoined"' in spans
     assert '"name": "room_outbox.deliver other"' in spans  # an unknown type mints no span name

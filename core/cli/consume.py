@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from collections.abc import Collection
 from typing import Any
 
 import anyio
@@ -14,6 +15,7 @@ from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.ops import dead_letters_command, redrive_command
 from room_outbox.consume.registry import registered_handlers
 from room_outbox.consume.service import run_consumers
+from room_outbox.consume.settings import consumer_settings
 from room_outbox.observability.redaction import Redactor
 from room_outbox.startup import freeze_startup_heap
 from room_outbox.store.factory import SQLStore, consumer_store, open_store
@@ -69,36 +71,43 @@ def run_consumer_command(settings: Settings, args: argparse.Namespace, redactor:
     return anyio.run(_operate, settings, args)
 
 
-def handler_statements(store: SQLStore, pm: pluggy.PluginManager) -> tuple[str, ...]:
-    """The registered handlers' table statements for this database (``HandlerSpec.schema``)."""
-    return tuple(
-        statement for spec in registered_handlers(pm).values() for statement in spec.schema.get(store.dialect.name, ())
-    )
+def enabled_handlers(settings: Settings) -> set[str]:
+    """Names of the handlers the enabled consumers run (``consumers.<name>.handlers``)."""
+    return {handler for consumer in consumer_settings(settings).values() for handler in consumer.handlers}
 
 
-async def consumers_migration_plan(store: SQLStore, pm: pluggy.PluginManager) -> list[Migration]:
+def handler_schema_steps(store: SQLStore, pm: pluggy.PluginManager, handlers: Collection[str]) -> list[Migration]:
+    """The table statements of each of ``handlers`` for this database (``HandlerSpec.schema``);
+    handlers no enabled consumer runs need no tables."""
+    steps = []
+    for name, spec in sorted(registered_handlers(pm).items()):
+        statements = tuple(spec.schema.get(store.dialect.name, ()))
+        if name in handlers and statements:
+            steps.append(Migration(f"ran {len(statements)} schema statement(s) for handler {name}", statements))
+    return steps
+
+
+async def consumers_migration_plan(
+    store: SQLStore, pm: pluggy.PluginManager, handlers: Collection[str]
+) -> list[Migration]:
     """What :func:`migrate_consumers` would run (``migrate --sql``)."""
     consumers = consumer_store(store)
     if consumers is None:
         return []
-    plan = await consumers.migration_plan()
-    statements = handler_statements(store, pm)
-    if statements:
-        plan.append(Migration(f"ran {len(statements)} handler schema statement(s)", statements))
-    return plan
+    return await consumers.migration_plan() + handler_schema_steps(store, pm, handlers)
 
 
-async def migrate_consumers(store: SQLStore, pm: pluggy.PluginManager) -> list[str]:
-    """The consumers' own tables (``migrate``), then the registered handlers' tables (their
-    statements are idempotent, so all of them run every time); on MySQL and PostgreSQL."""
+async def migrate_consumers(store: SQLStore, pm: pluggy.PluginManager, handlers: Collection[str]) -> list[str]:
+    """The consumers' own tables (``migrate``), then the tables of ``handlers`` (the enabled
+    ones; their statements are idempotent, so all of them run every time); on MySQL and
+    PostgreSQL."""
     consumers = consumer_store(store)
     if consumers is None:
         return []
     changes = await consumers.migrate()
-    statements = handler_statements(store, pm)
-    if statements:
-        await run_plugin_statements(store, statements)
-        changes.append(f"ran {len(statements)} handler schema statement(s)")
+    for step in handler_schema_steps(store, pm, handlers):
+        await run_plugin_statements(store, step.statements)
+        changes.append(step.change)
     return changes
 
 

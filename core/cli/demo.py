@@ -15,6 +15,11 @@ runs; then the run is verified:
   ``room_version`` order.
 
 Exit code 0 only when all of these hold, 1 when one does not, 2 for bad arguments.
+
+The demo delivers every pending row of the outbox it runs on, so ``--db`` must name a database
+of its own: a table holding any row the demo did not make (its event_ids start ``demo-``) is
+refused before anything is changed, for a row delivered to the fake IM never reaches the real
+one. It creates no folder but its temporary one: a SQLite file's folder must exist.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from room_outbox.config import Settings
+from room_outbox.config import ConfigError, Settings
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.delivery.routing import Router, build_router
@@ -49,10 +54,11 @@ from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.tencent_im.fake import SINK_NAME, FakeTencentIM, Faults, serve_fake_im
 from room_outbox.producer import OutboxProducer, append_event
 from room_outbox.sink import Sink
-from room_outbox.store.factory import SQLStore, is_sqlite, open_store
+from room_outbox.store.factory import SQLStore, describe, is_sqlite, open_store, store_address
 from room_outbox.store.postgres import SCHEMES as POSTGRESQL_SCHEMES
 from room_outbox.store.producer import mark_published
-from room_outbox.store.reports import count_by_status, status_by_event
+from room_outbox.store.reports import count_by_status, holds_rows_besides, status_by_event
+from room_outbox.store.sqlite import SQLiteAddress
 
 log = logging.getLogger("room_outbox.demo")
 
@@ -61,6 +67,8 @@ IM_SINK = SINK_NAME
 #: Under this the fake IM would answer every request: the default makes compensation visible.
 DEFAULT_FAILURE_RATE = 0.2
 DEFAULT_EVENTS = 200
+#: Every event_id the demo makes starts with this: rows without it are someone else's.
+RUN_PREFIX = "demo-"
 
 
 @dataclass(frozen=True)
@@ -395,7 +403,11 @@ def im_faults(failure_rate: float) -> Faults:
 async def run_demo(options: DemoOptions, out: IO[str]) -> bool:
     """Run the demo, print the live table and the verification; True when verified."""
     rng = random.Random(options.seed)
-    run_id = f"demo-{uuid.uuid4().hex[:8]}"
+    run_id = f"{RUN_PREFIX}{uuid.uuid4().hex[:8]}"
+    if options.db and is_sqlite(options.db):
+        folder = SQLiteAddress.from_dsn(options.db).path.parent
+        if not folder.is_dir():
+            raise ConfigError(f"--db: folder {folder} does not exist (the demo creates none; make it first)")
     with _workdir(options.keep) as workdir:
         dsn = options.db or f"sqlite:///{workdir / 'outbox.db'}"
         log_file = (workdir / "demo.log").open("w", encoding="utf-8")
@@ -417,12 +429,13 @@ async def _run(
 ) -> bool:
     server = "PostgreSQL" if urlsplit(dsn).scheme in POSTGRESQL_SCHEMES else "MySQL"
     where = f"SQLite file {dsn.removeprefix('sqlite:///')}" if is_sqlite(dsn) else f"{server} (--db)"
-    out.write(
-        f"room-outbox demo: {options.events} events, fake Tencent IM failing {options.failure_rate:.0%} of requests,"
-        f" outbox in {where}\n\n"
-    )
     store = await open_store(dsn, pool_size=4, create_database=True)
     try:
+        await _refuse_rows_of_others(store, dsn)
+        out.write(
+            f"room-outbox demo: {options.events} events, fake Tencent IM failing {options.failure_rate:.0%} of"
+            f" requests, outbox in {where}\n\n"
+        )
         await store.migrate()
         fake = FakeTencentIM(faults=im_faults(options.failure_rate), seed=rng.randrange(2**32))
         async with serve_fake_im(fake) as fake:
@@ -461,6 +474,17 @@ async def _run(
         if is_sqlite(dsn):
             out.write(f"  ROOM_OUTBOX__DATABASE__DSN={dsn} room-outbox status\n")
     return verified
+
+
+async def _refuse_rows_of_others(store: SQLStore, dsn: str) -> None:
+    """The dispatcher claims every pending row: on a table holding rows the demo did not make
+    it would deliver them to the fake IM and mark them published. Checked before the schema
+    is migrated, so a refused database is left exactly as it was."""
+    if await holds_rows_besides(store, RUN_PREFIX):
+        raise ConfigError(
+            f"--db: {store.profile.table} in {describe(store_address(dsn))} holds rows the demo did not make;"
+            " it would deliver them to its fake IM: give it a database of its own"
+        )
 
 
 async def _drive(
@@ -548,7 +572,8 @@ def add_demo_parser(commands: Any) -> None:
     parser.add_argument(
         "--db",
         help="run against this store instead, e.g. mysql://root:@127.0.0.1:3306/room_demo"
-        " or postgresql://postgres@127.0.0.1:5432/room_demo",
+        " or postgresql://postgres@127.0.0.1:5432/room_demo: a database of its own (one whose outbox"
+        " holds rows the demo did not make is refused, unchanged); a SQLite file's folder must exist",
     )
     parser.add_argument(
         "--events", type=int, default=DEFAULT_EVENTS, help=f"events to produce (default {DEFAULT_EVENTS})"
@@ -582,4 +607,8 @@ def run_demo_command(args: argparse.Namespace, out: IO[str] | None = None) -> in
         keep=args.keep,
         seed=args.seed,
     )
-    return 0 if anyio.run(run_demo, options, out) else 1
+    try:
+        return 0 if anyio.run(run_demo, options, out) else 1
+    except ConfigError as exc:  # --db names a database or a folder the demo must not use
+        print(f"room-outbox demo: {exc}", file=sys.stderr)
+        return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -39,14 +40,24 @@ def run_fake_im(args: argparse.Namespace) -> int:
         print(f"room-outbox fake-im: --faults: {exc}", file=sys.stderr)
         return 2
     fake = FakeTencentIM(apps={args.sdkappid: args.key}, admins={args.identifier}, faults=faults)
-    anyio.run(_serve, fake, args.host, args.port)
+    problem = anyio.run(_serve, fake, args.host, args.port)
+    if problem:
+        print(f"room-outbox fake-im: {problem}", file=sys.stderr)
+        return 2
     return 0
 
 
-async def _serve(fake: FakeTencentIM, host: str, port: int) -> None:
-    async with serve_fake_im(fake, host, port):
+async def _serve(fake: FakeTencentIM, host: str, port: int) -> str | None:
+    """Serve until SIGTERM or SIGINT; what went wrong when it could not listen."""
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            await stack.enter_async_context(serve_fake_im(fake, host, port))
+        except OSError as exc:  # the port is taken, the address is not this machine's
+            reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else str(exc)
+            return f"cannot listen on {host}:{port}: {reason}"
         (app,) = fake.apps
         print(f"fake Tencent IM on {fake.base_url} (sdkappid {app}, identifier {', '.join(fake.admins)})", flush=True)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
-                return
+                break
+    return None

@@ -4,7 +4,13 @@ created or upgraded (or, with ``--sql``, printed). ``run`` itself is :func:`room
 from __future__ import annotations
 
 import contextlib
+import signal
+import sys
+import threading
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
+import anyio
 import pluggy
 
 from room_outbox.cli import consume as consume_cli
@@ -13,8 +19,12 @@ from room_outbox.delivery.lanes import migrate_plugins, plugins_migration_plan
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.startup import check_configuration, table_profile
 from room_outbox.store.errors import translated
-from room_outbox.store.factory import describe, open_store, store_address
+from room_outbox.store.factory import SQLStore, describe, open_store, store_address
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.mysql_online import exclusive_migration
 from room_outbox.store.sqlite import SQLiteAddress
+
+T = TypeVar("T")
 
 
 def check_config(settings: Settings, source: str | None) -> int:
@@ -43,14 +53,64 @@ async def migrate(settings: Settings, sql_only: bool) -> int:
     )
     try:
         with translated_errors(dsn):
-            changes = await store.migrate()
-            changes += await migrate_plugins(store, pm, settings)  # own-lane sinks' tables, plugin tables
-            changes += await consume_cli.migrate_consumers(store, pm)  # consumers' and handlers' tables
+            changes = await stopped_by_signals(migrate_all(store, pm, settings))
     finally:
         await store.aclose()
+    if changes is None:
+        print(
+            "room-outbox migrate: interrupted; its running statement was stopped: run it again to finish",
+            file=sys.stderr,
+        )
+        raise KeyboardInterrupt
     for change in changes or ["schema already up to date"]:
         print(change)
     return 0
+
+
+async def migrate_all(store: SQLStore, pm: pluggy.PluginManager, settings: Settings) -> list[str]:
+    async with one_migration_at_a_time(store):
+        changes = await store.migrate()
+        # Tables of the enabled sinks and handlers only: an installed plugin may be unused.
+        handlers = consume_cli.enabled_handlers(settings)
+        changes += await migrate_plugins(store, pm, settings, handlers)  # own-lane sinks', plugins' tables
+        changes += await consume_cli.migrate_consumers(store, pm, handlers)  # consumers', handlers' tables
+        return changes
+
+
+@contextlib.asynccontextmanager
+async def one_migration_at_a_time(store: SQLStore) -> AsyncIterator[None]:
+    """On MySQL/MariaDB: the migrate lock held, and a schema change an interrupted migrate
+    left running waited for (see :mod:`room_outbox.store.mysql_online`)."""
+    if isinstance(store, MySQLStore):
+        async with exclusive_migration(store.address, [store.table], store.report_progress):
+            yield
+    else:
+        yield
+
+
+async def stopped_by_signals(work: Awaitable[T]) -> T | None:
+    """``work``'s result, or its error; None when SIGINT or SIGTERM cancelled it (a statement it
+    was running on a server is stopped there: see :mod:`room_outbox.store.mysql_online`)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        return await work
+    results: list[T] = []
+    errors: list[Exception] = []  # raised here, not wrapped in the task group's ExceptionGroup
+    async with anyio.create_task_group() as group:
+
+        async def cancel_on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    group.cancel_scope.cancel()
+
+        group.start_soon(cancel_on_signal)
+        try:
+            results.append(await work)
+        except Exception as exc:
+            errors.append(exc)
+        group.cancel_scope.cancel()
+    if errors:
+        raise errors[0]
+    return results[0] if results else None
 
 
 async def print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
@@ -70,18 +130,35 @@ async def print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
         )
     try:
         with translated_errors(dsn):
-            plan = await store.migration_plan() + await plugins_migration_plan(store, pm, settings)
-            plan += await consume_cli.consumers_migration_plan(store, pm)
+            handlers = consume_cli.enabled_handlers(settings)
+            plan = await store.migration_plan() + await plugins_migration_plan(store, pm, settings, handlers)
+            plan += await consume_cli.consumers_migration_plan(store, pm, handlers)
     finally:
         await store.aclose()
     print(f"-- room-outbox migrate for {describe(address)}: nothing has been run")
     if not plan:
         print("-- schema already up to date: no statement to run")
     for step in plan:
-        print(f"\n-- {step.change}")
+        print(f"\n-- {would(step.change)}")
         for statement in step.statements:
             print(statement.strip().rstrip(";") + ";")
     return 0
+
+
+#: A step's change says what ``migrate`` did ("created table …"); the script says what it would do.
+_WOULD = {
+    "created": "would create",
+    "added": "would add",
+    "ran": "would run",
+    "rebuilt": "would rebuild",
+}
+
+
+def would(change: str) -> str:
+    """``created table x`` → ``would create table x``; a change in other words keeps them,
+    after ``would apply:``."""
+    verb, _, rest = change.partition(" ")
+    return f"{_WOULD[verb]} {rest}" if verb in _WOULD else f"would apply: {change}"
 
 
 def translated_errors(dsn: str) -> contextlib.AbstractContextManager[None]:

@@ -33,6 +33,7 @@ from typing import Any
 
 import anyio
 
+from room_outbox.cluster.identity import node_id_of
 from room_outbox.cluster.quota import WINDOW, QuotaShare
 from room_outbox.store import membership as sql
 from room_outbox.store.factory import SQLStore
@@ -75,7 +76,7 @@ class Membership:
     def __init__(
         self,
         store: SQLStore,
-        node_id: str,
+        node_id: str,  # the process identity (see cluster.identity)
         tables: Sequence[str],
         heartbeat_interval: float = 1.0,
         node_timeout: float = 5.0,
@@ -96,6 +97,10 @@ class Membership:
         self._joined = anyio.Event()
         #: Whether the last heartbeat reached the database.
         self._reachable = True
+        #: Other identities made from this process's node_id: the heartbeat last seen of each,
+        #: and those already warned about.
+        self._namesakes: dict[str, int] = {}
+        self._warned: set[str] = set()
 
     # -- what the rest of the process asks -----------------------------------------------
 
@@ -181,6 +186,27 @@ class Membership:
         self.live = live
         self.owned = [b.bucket for b in buckets if b.owner == self.node_id]
         self._apply_quota(nodes, live, began)
+        self._notice_namesakes(nodes)
+
+    def _notice_namesakes(self, nodes: Sequence[sql.NodeRow]) -> None:
+        """Warn once about each other process started with this node_id whose heartbeat moves
+        on: it runs (a copied configuration, a fixed pod name), and the two share the quota as
+        any two members do. A previous run of this process, killed, leaves a heartbeat that
+        never moves, and is not worth a warning."""
+        mine = node_id_of(self.node_id)
+        seen, self._namesakes = self._namesakes, {}
+        for node in nodes:
+            if node.node_id == self.node_id or node_id_of(node.node_id) != mine:
+                continue
+            self._namesakes[node.node_id] = node.heartbeat_ms
+            moved = node.node_id in seen and seen[node.node_id] != node.heartbeat_ms
+            if moved and node.node_id not in self._warned:
+                self._warned.add(node.node_id)
+                log.warning(
+                    "another running process has this node_id; both run as separate members sharing"
+                    " the quota: give each process its own node_id",
+                    extra={"identity": self.node_id, "other": node.node_id},
+                )
 
     def _leased_tables(self) -> list[tuple[str, Profile]]:
         """The tables whose leases fence a handover, each with its rows' shape: the outbox
@@ -200,4 +226,7 @@ class Membership:
         self.quota.apply(nodes_applied, valid_until)
         if not math.isinf(nodes_applied) and not self._joined.is_set():
             self._joined.set()
-            log.info("joined the membership", extra={"lifecycle": "membership_joined", "nodes": list(live)})
+            log.info(
+                "joined the membership",
+                extra={"lifecycle": "membership_joined", "identity": self.node_id, "nodes": list(live)},
+            )

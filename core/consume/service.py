@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 
+from room_outbox.cluster.identity import process_identity
 from room_outbox.config import ConfigError, Settings, parse_listen
 from room_outbox.consume.engine import Consumer
 from room_outbox.consume.registry import BoundHandler, build_handlers
@@ -56,23 +57,29 @@ async def run_consumers(
         except ValueError as exc:
             raise ConfigError(f"consumers.{name}.security.{exc}") from None
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
+    # A handler runs inside its transaction: the session stays idle while it works, for up to
+    # the slowest consumer's handler_timeout, and the server's session limits must allow that.
+    handler_timeout = max(c.handler_timeout for c in chosen.values())
     store = await open_store(
         settings.database.dsn.get_secret_value(),
         settings.database.pool_size,
         query_timeout=settings.database.query_timeout,
+        idle_in_transaction=handler_timeout,
     )
     handlers: list[BoundHandler] = []
     try:
         # A handling's transaction may take as long as the slowest consumer's handler_timeout.
-        consumers_store = consumer_store(store, max(c.handler_timeout for c in chosen.values()))
+        consumers_store = consumer_store(store, handler_timeout)
         if consumers_store is None:
             raise ConfigError("consumers: need a MySQL or PostgreSQL database (database.dsn names SQLite)")
         async with _observed(settings, store, redactor) as (telemetry, health):
+            # Retry leases are held by the identity, unique per start (see cluster.identity).
+            identity = process_identity(settings.node_id)
             consumers = []
             for name, options in chosen.items():
                 bound = build_handlers(pm, name, options, settings.node_id, redactor)
                 handlers.extend(bound.values())
-                consumers.append(Consumer(name, options, consumers_store, bound, settings.node_id, redactor, telemetry))
+                consumers.append(Consumer(name, options, consumers_store, bound, identity, redactor, telemetry))
             async with anyio.create_task_group() as tasks:
                 for consumer in consumers:
                     tasks.start_soon(consumer.run)

@@ -91,8 +91,8 @@ class ConsumerSettings(Section):
         return str(self.dead_letter_topic).strip()
 
 
-#: The ``consumer`` column is VARCHAR(64); a lock owner ``<node_id>#<consumer>`` is at most
-#: 64 + 1 + 63 characters, its column's 128.
+#: The ``consumer`` column is VARCHAR(64) (and the lock owner ``<identity>#<consumer>``
+#: must fit its 128 too: checked with the node_id, see ``check_consumers``).
 MAX_CONSUMER_NAME = 63
 
 
@@ -110,7 +110,7 @@ def consumer_settings(settings: Settings, only: str | None = None) -> dict[str, 
         if not name.strip() or len(name) > MAX_CONSUMER_NAME or not name.isprintable():
             problems.append(
                 f"consumers.{name}: a consumer's name is 1 to {MAX_CONSUMER_NAME} printable characters"
-                " (the consumer column and the lock owner <node_id>#<consumer> have their limits)"
+                " (the consumer column's limit)"
             )
             continue
         try:

@@ -111,6 +111,8 @@ class Dispatcher:
         self.lane = lane
         self.router = router
         self.options = options
+        #: The process identity (room_outbox.cluster.identity): claims are "<identity>#<n>",
+        #: unique per process start even where two processes share a node_id.
         self.node_id = node_id
         self.redactor = redactor or Redactor()
         #: Spans and metrics; the default records nothing and costs next to nothing.
@@ -382,9 +384,7 @@ class Dispatcher:
             self.failures.forget(row.event_id)
             return DeliveryResult(row.id, row.event_id, row.claim, Outcome.PUBLISHED)
         attempts = row.retry_count + 1
-        # An event no sink takes is parked even without `parking`: no retry can route it
-        # before the configuration changes, and left pending it would hold back its room.
-        if failure.error_class == "no_route" or self.options.retry.parks(attempts, failure.permanent):
+        if self._parks(attempts, failure):
             outcome, status, retry_at = Outcome.PARKED, "failed", 0
         else:
             outcome, status = Outcome.FAILED, "pending"
@@ -399,6 +399,15 @@ class Dispatcher:
         else:
             self.failures.failed(row.event_id, "delivery failed", fields, failure.error)
         return DeliveryResult(row.id, row.event_id, row.claim, outcome, failure.error, retry_at)
+
+    def _parks(self, attempts: int, failure: Failure) -> bool:
+        """Whether this failure ends the event's retries. Even without `parking`: an event no
+        sink takes (no retry can route it before the configuration changes), and with per-room
+        ordering any failure retrying cannot fix (a bad envelope, a permanent sink error), as
+        left pending it would hold back every later event of its room for ever."""
+        if failure.error_class == "no_route" or (self.options.per_room and failure.permanent):
+            return True
+        return self.options.retry.parks(attempts, failure.permanent)
 
     async def _deliver_one(self, row: OutboxRow, current: _InFlight) -> Failure | None:
         """Parse, route and deliver; ``None`` on success. A sink call that overruns

@@ -8,6 +8,8 @@ enabled; a sink registered with ``own_lane=True`` gets ``room_outbox_lane_<name>
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import pluggy
 
 from room_outbox.config import LanePlan, OutboxWorkerSettings, Settings
@@ -15,28 +17,34 @@ from room_outbox.delivery.routing import registered_sinks, section_enabled
 from room_outbox.store.dialect import PLUGIN_SCHEMA
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.mysql_lanes import LaneStore, lanes_migration_plan, migrate_lanes
-from room_outbox.store.plugin_schema import run_plugin_statements
+from room_outbox.store.plugin_schema import run_plugin_statements, used_plugin_statements
 from room_outbox.store.tables import Migration
 
 
 def lane_plan(pm: pluggy.PluginManager, settings: Settings) -> LanePlan:
     specs = registered_sinks(pm)
-    enabled = {
-        name for name, spec in specs.items() if section_enabled(settings.sinks.get(name), spec.enabled_by_default)
-    }
+    enabled = enabled_sinks(pm, settings)
     return LanePlan(
         im=any(not specs[name].own_lane for name in enabled),
         own=tuple(sorted(name for name in enabled if specs[name].own_lane)),
     )
 
 
-async def plugins_migration_plan(store: SQLStore, pm: pluggy.PluginManager, settings: Settings) -> list[Migration]:
-    """What :func:`migrate_plugins` would run: the missing lane tables, then every plugin's
-    own statements (they are idempotent, so all of them) where the store runs them."""
+def enabled_sinks(pm: pluggy.PluginManager, settings: Settings) -> set[str]:
+    """Names of the registered sinks the configuration enables (``sinks.<name>.enabled``)."""
+    specs = registered_sinks(pm)
+    return {name for name, spec in specs.items() if section_enabled(settings.sinks.get(name), spec.enabled_by_default)}
+
+
+async def plugins_migration_plan(
+    store: SQLStore, pm: pluggy.PluginManager, settings: Settings, handlers: Collection[str] = ()
+) -> list[Migration]:
+    """What :func:`migrate_plugins` would run: the missing lane tables, then the statements of
+    the plugins in use (they are idempotent, so all of them) where the store runs them."""
     plan = await lanes_migration_plan(store, own_lane_sinks(pm, settings))
-    statements = tuple(ddl for plugin_ddl in pm.hook.room_outbox_migrations() for ddl in plugin_ddl)
-    if statements and PLUGIN_SCHEMA in store.dialect.capabilities:
-        plan.append(Migration(f"ran {len(statements)} plugin schema statement(s)", statements))
+    if PLUGIN_SCHEMA in store.dialect.capabilities:
+        for owner, statements in used_plugin_statements(pm, enabled_sinks(pm, settings), handlers):
+            plan.append(Migration(f"ran {len(statements)} schema statement(s) for {owner}", statements))
     return plan
 
 
@@ -50,18 +58,19 @@ def delivery_settings(settings: Settings, lane: str) -> OutboxWorkerSettings:
     return settings.outbox_worker.for_lane(lane)
 
 
-async def migrate_plugins(store: SQLStore, pm: pluggy.PluginManager, settings: Settings) -> list[str]:
-    """Lane tables of enabled own-lane sinks, then every plugin's own statements."""
+async def migrate_plugins(
+    store: SQLStore, pm: pluggy.PluginManager, settings: Settings, handlers: Collection[str] = ()
+) -> list[str]:
+    """Lane tables of enabled own-lane sinks, then the own statements of the plugins whose
+    sinks, or ``handlers`` (the enabled handlers' names), are enabled."""
     changes = await migrate_lanes(store, own_lane_sinks(pm, settings))
-    statements = [ddl for plugin_ddl in pm.hook.room_outbox_migrations() for ddl in plugin_ddl]
-    if statements and PLUGIN_SCHEMA not in store.dialect.capabilities:
-        # Plugin statements are MySQL's; an installed plugin whose sink does not run here
-        # (the demo on SQLite, say) needs none of its tables.
-        changes.append(f"skipped {len(statements)} plugin schema statement(s): they are MySQL's")
-        return changes
-    if statements:
+    for owner, statements in used_plugin_statements(pm, enabled_sinks(pm, settings), handlers):
+        if PLUGIN_SCHEMA not in store.dialect.capabilities:
+            # Plugin statements are written in MySQL's dialect: elsewhere they are reported, not run.
+            changes.append(f"skipped {len(statements)} schema statement(s) for {owner}: they are MySQL's")
+            continue
         await run_plugin_statements(store, statements)
-        changes.append(f"ran {len(statements)} plugin schema statement(s)")
+        changes.append(f"ran {len(statements)} schema statement(s) for {owner}")
     return changes
 
 

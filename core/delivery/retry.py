@@ -14,8 +14,8 @@ Linear and exponential delays are spread by ± ``jitter`` so that events failing
 IM outage) do not come back together. With ``parking`` on, a permanent failure, or the
 failure that uses up ``max_attempts``, parks the event as ``failed``; without it the event
 stays pending and is retried for ever: a room message is never dropped silently. An event
-no sink takes is parked by the dispatcher whatever ``parking`` says (see
-:mod:`room_outbox.delivery.routing`).
+no sink takes, and under per-room ordering any failure retrying cannot fix, is parked by the
+dispatcher whatever ``parking`` says (see :mod:`room_outbox.delivery.routing`).
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ class SessionLimits:
     #: A session idle this long (its client gone, or a transaction left open) is ended by the
     #: server: its transaction rolled back, its locks freed. Three query timeouts: the
     #: client gives up after one, so no live client leaves a session idle that long, in a
-    #: transaction or not.
+    #: transaction or not; plus the time a live client may deliberately keep a transaction
+    #: idle between two statements (a consumer's handler runs inside its transaction).
     idle_seconds: int
     #: A statement waits this long for a row or metadata lock, then fails: no longer than
     #: the client would wait for it.
@@ -108,9 +109,11 @@ class SessionLimits:
     statement_seconds: int
 
     @classmethod
-    def for_query_timeout(cls, query_timeout: float) -> SessionLimits:
+    def for_query_timeout(cls, query_timeout: float, idle_in_transaction: float = 0.0) -> SessionLimits:
+        """``idle_in_transaction``: the longest a live client keeps a transaction idle between
+        two statements on purpose (0: never)."""
         per_call = max(1, math.ceil(query_timeout))
-        idle = max(3, math.ceil(3 * query_timeout))
+        idle = max(3, math.ceil(3 * query_timeout + idle_in_transaction))
         return cls(idle_seconds=idle, lock_wait_seconds=per_call, network_seconds=per_call, statement_seconds=idle)
 
     @property

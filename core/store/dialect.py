@@ -47,6 +47,11 @@ class Dialect:
     #: Names of a table's (``%s``) indexes.
     indexes_sql: str
     capabilities: frozenset[str]
+    #: Ends an ``ALTER TABLE … ADD COLUMN`` on a table already there: the algorithm that adds
+    #: the column without copying the table (the server refuses the statement otherwise).
+    online_column: str = ""
+    #: Ends an ``ALTER TABLE … ADD INDEX`` on a table already there: built while writes go on.
+    online_index: str = ""
 
     @property
     def room_buckets(self) -> bool:
@@ -77,6 +82,8 @@ MYSQL = Dialect(
     indexes_sql="SELECT DISTINCT INDEX_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE()"
     " AND TABLE_NAME = %s",
     capabilities=frozenset({ROW_LOCKS, PLUGIN_SCHEMA}),
+    online_column=", ALGORITHM=INSTANT",
+    online_index=", ALGORITHM=INPLACE, LOCK=NONE",
 )
 
 POSTGRESQL = Dialect(

@@ -124,11 +124,14 @@ async def open_store(
     query_timeout: float = DEFAULT_QUERY_TIMEOUT,
     wait: float = 0.0,
     profile: Profile = V1,
+    idle_in_transaction: float = 0.0,
 ) -> SQLStore:
     """Connect to the store ``dsn`` names, keeping the IM lane's state in ``profile``'s table
     and words. ``create_database`` creates a missing MySQL or PostgreSQL database; a SQLite
     file is created whenever it is missing. ``query_timeout`` bounds every database call (see
     :mod:`.deadline`); on SQLite it is how long a transaction waits for another writer's lock.
+    ``idle_in_transaction``: how long a caller may keep a transaction idle on purpose (a
+    consumer's handler runs inside its transaction): the server's session limits allow for it.
 
     A server that cannot be reached (down, starting, refusing connections) is tried again for
     up to ``wait`` seconds, pausing 0.25 s, 0.5 s, 1 s ... at most 5 s between attempts, each
@@ -154,9 +157,13 @@ async def open_store(
                 if isinstance(address, SQLiteAddress):
                     store = await SQLiteStore.connect(dsn, busy_timeout=query_timeout)
                 elif isinstance(address, PostgresAddress):
-                    store = await PostgresStore.connect(dsn, pool_size, create_database, query_timeout)
+                    store = await PostgresStore.connect(
+                        dsn, pool_size, create_database, query_timeout, idle_in_transaction
+                    )
                 else:
-                    store = await MySQLStore.connect(dsn, pool_size, create_database, query_timeout)
+                    store = await MySQLStore.connect(
+                        dsn, pool_size, create_database, query_timeout, idle_in_transaction
+                    )
                 store.use_profile(profile)
                 return store
         except StoreUnavailable as exc:

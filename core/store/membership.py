@@ -17,15 +17,17 @@ Tables (created by ``room-outbox migrate``):
   ``claimable_from_ms``. The owner claims the bucket's rows only when ``handing_over`` is 0 and
   ``claimable_from_ms`` has come.
 * the column ``room_bucket`` in ``room_outbox`` and in every lane table: the bucket of the
-  row's room, a STORED generated column (room-service's INSERT does not know it exists), and
-  the last column of the claim's index ``(status, lock_until_ms, id, room_bucket)``. The claim
-  reads the same index range as without buckets, in the same order, and passes over other
-  buckets' entries in the index itself (MySQL/MariaDB: index condition pushdown, the index
-  forced so the optimizer never reads the range without it): only the rows it takes are read
-  from the table. Measured on MariaDB, 20,000 pending rows over 50 rooms, a third of the
-  buckets: a claim of 500 read 1,668 rows (3,341 pages, 15 ms) while the column was VIRTUAL
-  (MySQL and MariaDB check a virtual column's condition on the row only), 500 rows (1,005
-  pages, 2.2 ms) since. PostgreSQL has no CRC-32: the column is computed by the function
+  row's room, a generated column (room-service's INSERT does not know it exists), and the last
+  column of the claim's index ``(status, lock_until_ms, id, room_bucket)``. The claim reads the
+  same index range as without buckets, in the same order (MySQL/MariaDB: the index forced).
+  On MySQL/MariaDB the column is VIRTUAL in a table that was already there (room-service's
+  live table): added instantly, where a STORED one would copy the table with every write
+  blocked. The price: both servers check a virtual column's condition on the row only, so the
+  claim reads from the table the rows of other processes' buckets it passes over (with three
+  equal processes about three rows per row taken). In a table ``migrate`` creates it is
+  STORED, free on an empty table: the claim passes over other buckets' entries in the index
+  itself (index condition pushdown) and reads only the rows it takes. A column already there
+  stays as it is. PostgreSQL has no CRC-32: the column is computed by the function
   ``room_outbox_crc32`` that ``migrate`` creates; its planner keeps an ``IN`` list on the
   index's last column as a filter on the row, to keep the index order (measured on 15).
 
@@ -51,7 +53,7 @@ from room_outbox.store.dialect import Dialect, column_names, table_names
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.leased import now_ms
 from room_outbox.store.profiles import V1, Profile
-from room_outbox.store.tables import claim_index
+from room_outbox.store.tables import add_column_sql, add_index_sql, claim_index
 
 #: Buckets rooms hash to. Fixed: it is part of the schema (the generated column's formula).
 BUCKETS = 256
@@ -102,13 +104,14 @@ def bucket_ddl(dialect: Dialect) -> str:
 ){dialect.table_options}"""
 
 
-def bucket_column(dialect: Dialect, profile: Profile = V1) -> str:
+def bucket_column(dialect: Dialect, profile: Profile = V1, stored: bool = True) -> str:
     """The bucket column's definition in a table whose rows are shaped as ``profile`` says.
-    STORED on both servers: the claim's index holds it, and a claim limited to some buckets
-    checks them in the index entries it passes over (MySQL and MariaDB check a VIRTUAL
-    column's condition only on the row, read from the table for every entry)."""
+    On MySQL/MariaDB ``stored`` only for a table the same migration creates (see the module
+    docstring): a STORED column is added by copying the table, a VIRTUAL one instantly."""
     if dialect.name == "mysql":
-        return f"{BUCKET_COLUMN} SMALLINT UNSIGNED AS ({bucket_sql('mysql', profile)}) STORED"
+        return (
+            f"{BUCKET_COLUMN} SMALLINT UNSIGNED AS ({bucket_sql('mysql', profile)}) {'STORED' if stored else 'VIRTUAL'}"
+        )
     if dialect.name == "postgresql":
         return f"{BUCKET_COLUMN} SMALLINT GENERATED ALWAYS AS (CAST({bucket_sql('postgresql', profile)} AS SMALLINT)) STORED"
     raise ValueError(f"no room buckets on the {dialect.name} dialect")
@@ -149,10 +152,8 @@ async def bucket_plan(
     ``membership``, the node and bucket tables when missing; for each of ``tables`` (created by
     an earlier step or already there, rows shaped as ``profile`` says, keyed by ``key``,
     default the profile's), its bucket column when missing (on PostgreSQL with the CRC-32
-    function it computes) and the claim's index with the bucket last.
-
-    Earlier installs upgrade here: MySQL's column was VIRTUAL (it becomes STORED: the table is
-    rewritten once) and the claim's index lacked the bucket (it is rebuilt)."""
+    function it computes) and the claim's index with the bucket last (an earlier install's
+    index without it is rebuilt). A column already there stays as it is, STORED or VIRTUAL."""
     steps: list[tuple[str, tuple[str, ...]]] = []
     existing = await table_names(cur, dialect)
     if membership:
@@ -162,55 +163,52 @@ async def bucket_plan(
             rows = ", ".join(f"({bucket}, NULL, 0)" for bucket in range(BUCKETS))
             insert = f"INSERT INTO {BUCKET_TABLE} (bucket, owner, updated_at_ms) VALUES {rows}"
             steps.append((f"created table {BUCKET_TABLE}", (bucket_ddl(dialect), insert)))
-    missing, virtual = [], []
-    for table in tables:
-        # A table created by an earlier step of the same plan has no bucket column yet.
-        if table.lower() not in existing or BUCKET_COLUMN not in await column_names(cur, dialect, table):
-            missing.append(table)
-        elif not await _bucket_stored(cur, dialect, table):
-            virtual.append(table)
+    # A table created by an earlier step of the same plan has no bucket column yet.
+    missing = [
+        table
+        for table in tables
+        if table.lower() not in existing or BUCKET_COLUMN not in await column_names(cur, dialect, table)
+    ]
     if missing and dialect.name == "postgresql":
         steps.append((f"created function {PG_CRC32_FUNCTION}", (PG_CRC32_DDL.strip(),)))
     for table in tables:
         if table in missing:
             steps.append(
-                (
-                    f"added column {table}.{BUCKET_COLUMN}",
-                    (f"ALTER TABLE {table} ADD COLUMN {bucket_column(dialect, profile)}",),
-                )
+                (f"added column {table}.{BUCKET_COLUMN}", (_add_bucket_column(dialect, table, existing, profile),))
             )
-        elif table in virtual:  # MySQL cannot make a VIRTUAL column STORED: dropped and added in one
-            again = f"ALTER TABLE {table} DROP COLUMN {BUCKET_COLUMN}, ADD COLUMN {bucket_column(dialect, profile)}"
-            steps.append((f"stored column {table}.{BUCKET_COLUMN}", (again,)))
         name, columns = claim_index(table, profile.lock, key or profile.key, BUCKET_COLUMN)
         have = await _index_columns(cur, dialect, table, name) if table.lower() in existing else []
         if have == _columns_of(columns):
             continue
-        create = f"CREATE INDEX {name} ON {table} {columns}"
         if not have:
-            steps.append((f"added index {table}.{name}", (create,)))
+            steps.append((f"added index {table}.{name}", (add_index_sql(dialect, table, name, columns),)))
         else:
-            drop = f"DROP INDEX {name} ON {table}" if dialect.name == "mysql" else f"DROP INDEX {name}"
-            steps.append((f"rebuilt index {table}.{name} with {BUCKET_COLUMN}", (drop, create)))
+            steps.append(
+                (f"rebuilt index {table}.{name} with {BUCKET_COLUMN}", _rebuild_index(dialect, table, name, columns))
+            )
     return steps
+
+
+def _add_bucket_column(dialect: Dialect, table: str, existing: set[str], profile: Profile) -> str:
+    """The bucket column added to ``table``. On MySQL/MariaDB a table already there (room-service's
+    live table, a lane's full one) gets a VIRTUAL column, added instantly; a table created by
+    the same migration is empty and gets a STORED one, which the claim reads in the index."""
+    if dialect.name == "mysql" and table.lower() in existing:
+        return add_column_sql(dialect, table, bucket_column(dialect, profile, stored=False))
+    return f"ALTER TABLE {table} ADD COLUMN {bucket_column(dialect, profile)}"
+
+
+def _rebuild_index(dialect: Dialect, table: str, name: str, columns: str) -> tuple[str, ...]:
+    """Replaces ``table``'s index ``name`` by one on ``columns``: on MySQL/MariaDB in one
+    statement, built in place while writes go on (the claim never finds the index missing)."""
+    if dialect.name == "mysql":
+        return (f"ALTER TABLE {table} DROP INDEX {name}, ADD INDEX {name} {columns}{dialect.online_index}",)
+    return (f"DROP INDEX {name}", f"CREATE INDEX {name} ON {table} {columns}")
 
 
 def _columns_of(columns_sql: str) -> list[str]:
     """``(a, b, c)`` → ``["a", "b", "c"]``."""
     return [column.strip().lower() for column in columns_sql.strip("()").split(",")]
-
-
-async def _bucket_stored(cur: Any, dialect: Dialect, table: str) -> bool:
-    """Whether ``table``'s bucket column is stored (PostgreSQL's generated columns always are)."""
-    if dialect.name != "mysql":
-        return True
-    await cur.execute(
-        "SELECT EXTRA FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s"
-        " AND COLUMN_NAME = %s",
-        (table, BUCKET_COLUMN),
-    )
-    row = await cur.fetchone()
-    return row is not None and "STORED" in str(row[0]).upper()
 
 
 async def _index_columns(cur: Any, dialect: Dialect, table: str, index: str) -> list[str]:

@@ -13,9 +13,10 @@ concurrent claimants pass each other without waiting.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -25,15 +26,15 @@ from pymysql.constants import CLIENT
 
 from room_outbox.store.deadline import (
     DEFAULT_QUERY_TIMEOUT,
-    SCHEMA_CHANGE_TIMEOUT,
     SessionLimits,
     TimeoutWatch,
     query_deadline,
 )
-from room_outbox.store.dialect import MYSQL
+from room_outbox.store.dialect import MYSQL, Dialect
 from room_outbox.store.leased import LeasedRows, claim_sql
 from room_outbox.store.membership import bucket_plan
-from room_outbox.store.tables import TABLE, Migration, plan_outbox, run_plan
+from room_outbox.store.mysql_online import OnlineSchemaChange, to_stderr
+from room_outbox.store.tables import TABLE, Migration, plan_outbox
 
 __all__ = ["CLAIM_SQL", "Migration", "MySQLAddress", "MySQLStore"]
 
@@ -107,6 +108,20 @@ def is_mariadb(server_version: str) -> bool:
     return "mariadb" in server_version.lower()
 
 
+def mysql_dialect(server_version: str) -> Dialect:
+    """MySQL's dialect for this server: MySQL before 8.0.12 cannot add a column instantly, but
+    in place without blocking writes (MariaDB has had INSTANT since 10.3)."""
+    if not is_mariadb(server_version) and _version(server_version) < (8, 0, 12):
+        return replace(MYSQL, online_column=", ALGORITHM=INPLACE, LOCK=NONE")
+    return MYSQL
+
+
+def _version(server_version: str) -> tuple[int, ...]:
+    """The version's numbers: (8, 0, 11) for "8.0.11-log"; one that says none is taken for recent."""
+    numbers = re.match(r"(\d+)\.(\d+)\.(\d+)", server_version)
+    return tuple(int(n) for n in numbers.groups()) if numbers else (99,)
+
+
 def statement_time_limit(server_version: str, seconds: int) -> str:
     """The assignment capping a statement's run time (0: none), in the server's dialect."""
     if is_mariadb(server_version):
@@ -135,6 +150,9 @@ class MySQLStore(LeasedRows):
         self.server_version = server_version
         self.limits = SessionLimits.for_query_timeout(query_timeout)
         self._timeouts = TimeoutWatch()
+        self.dialect = mysql_dialect(server_version)
+        #: Where ``migrate`` says how its long statements are doing.
+        self.report_progress: Callable[[str], None] = to_stderr
 
     @classmethod
     async def connect(
@@ -143,10 +161,12 @@ class MySQLStore(LeasedRows):
         pool_size: int = 10,
         create_database: bool = False,
         query_timeout: float = DEFAULT_QUERY_TIMEOUT,
+        idle_in_transaction: float = 0.0,
     ) -> MySQLStore:
-        """Open the pool; each step ends within ``query_timeout`` or raises :class:`QueryTimeout`."""
+        """Open the pool; each step ends within ``query_timeout`` or raises :class:`QueryTimeout`.
+        ``idle_in_transaction``: see :meth:`SessionLimits.for_query_timeout`."""
         address = MySQLAddress.from_dsn(dsn)
-        limits = SessionLimits.for_query_timeout(query_timeout)
+        limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
         with query_deadline(query_timeout):
             conn = await aiomysql.connect(**address.connect_kwargs())
             try:
@@ -167,7 +187,9 @@ class MySQLStore(LeasedRows):
                 pool_recycle=limits.pool_recycle,
                 **address.session_kwargs(server_version, limits),
             )
-        return cls(pool, address, query_timeout, server_version)
+        store = cls(pool, address, query_timeout, server_version)
+        store.limits = limits
+        return store
 
     async def aclose(self) -> None:
         """Close the pool. Connections still in use get ``query_timeout`` to come back; then
@@ -211,14 +233,14 @@ class MySQLStore(LeasedRows):
     # -- schema ------------------------------------------------------------------------
 
     async def migrate(self) -> list[str]:
-        async with self.transaction(SCHEMA_CHANGE_TIMEOUT) as cur:
-            plan = await self._plan(cur)
-            # The session's statement time limit would stop a long ALTER TABLE half-way; it is
-            # lifted for this transaction and put back before the connection returns to the pool.
-            await cur.execute(f"SET SESSION {statement_time_limit(self.server_version, 0)}")
-            changes = await run_plan(cur, plan)
-            await cur.execute(f"SET SESSION {statement_time_limit(self.server_version, self.limits.statement_seconds)}")
-        return changes
+        """Bring the outbox table up to date, online (see :mod:`.mysql_online`)."""
+        return await self.run_migration(await self.migration_plan())
+
+    async def run_migration(self, plan: list[Migration]) -> list[str]:
+        """Run a migration plan statement by statement, each on a connection of its own with no
+        statement time limit; return its changes."""
+        no_limit = statement_time_limit(self.server_version, 0)
+        return await OnlineSchemaChange(self.address, no_limit, self.report_progress).run(plan)
 
     async def migration_plan(self) -> list[Migration]:
         """The statements that bring the outbox table up to date, read from the catalogue; none

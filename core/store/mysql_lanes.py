@@ -60,6 +60,7 @@ from room_outbox.store.dialect import Dialect, table_names
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.leased import BucketReader, LeasedRows, now_ms
 from room_outbox.store.membership import bucket_plan
+from room_outbox.store.mysql import MySQLStore
 from room_outbox.store.tables import ROOM_INDEX, Migration, run_plan
 from room_outbox.store.tables import claim_index as _claim_index
 
@@ -120,8 +121,11 @@ def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
 
 
 async def migrate_lanes(store: SQLStore, lanes: Sequence[str]) -> list[str]:
-    """Create the cursor table and each lane's table (idempotent)."""
+    """Create the cursor table and each lane's table (idempotent); on MySQL/MariaDB statement
+    by statement, online, as the outbox table's migration."""
     plan = await lanes_migration_plan(store, lanes)
+    if isinstance(store, MySQLStore):
+        return await store.run_migration(plan)
     async with store.transaction() as cur:
         return await run_plan(cur, plan)
 

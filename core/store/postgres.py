@@ -88,10 +88,13 @@ class PostgresAddress:
             options=tuple((name, values[-1]) for name, values in sorted(query.items())),
         )
 
-    def connect_kwargs(self, query_timeout: float, database: str | None = None) -> dict[str, Any]:
+    def connect_kwargs(
+        self, query_timeout: float, database: str | None = None, idle_in_transaction: float = 0.0
+    ) -> dict[str, Any]:
         """libpq's parameters: every session carries the server-side bounds of
-        :class:`SessionLimits` for ``query_timeout``, set at connect time."""
-        limits = SessionLimits.for_query_timeout(query_timeout)
+        :class:`SessionLimits` for ``query_timeout`` (and ``idle_in_transaction``), set at
+        connect time."""
+        limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
         return {
             "host": self.host,
             "port": self.port,
@@ -155,13 +158,20 @@ class PostgresStore(LeasedRows):
 
     @classmethod
     async def connect(
-        cls, dsn: str, pool_size: int = 10, create_database: bool = False, query_timeout: float = DEFAULT_QUERY_TIMEOUT
+        cls,
+        dsn: str,
+        pool_size: int = 10,
+        create_database: bool = False,
+        query_timeout: float = DEFAULT_QUERY_TIMEOUT,
+        idle_in_transaction: float = 0.0,
     ) -> PostgresStore:
-        """Open the pool; each step ends within ``query_timeout`` or raises :class:`QueryTimeout`."""
+        """Open the pool; each step ends within ``query_timeout`` or raises :class:`QueryTimeout`.
+        ``idle_in_transaction``: see :meth:`SessionLimits.for_query_timeout`."""
         address = PostgresAddress.from_dsn(dsn)
-        limits = SessionLimits.for_query_timeout(query_timeout)
+        limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
+        kwargs = address.connect_kwargs(query_timeout, idle_in_transaction=idle_in_transaction)
         pool = AsyncConnectionPool(
-            kwargs=address.connect_kwargs(query_timeout),
+            kwargs=kwargs,
             min_size=1,
             max_size=pool_size,
             open=False,
@@ -175,14 +185,16 @@ class PostgresStore(LeasedRows):
                     await _create_database(address, query_timeout)
                 # One connection first, alone: its error (refused, login, no such database) is
                 # the driver's own, where the pool would only report that it timed out.
-                first = await psycopg.AsyncConnection.connect(**address.connect_kwargs(query_timeout))
+                first = await psycopg.AsyncConnection.connect(**kwargs)
                 await first.close()
                 await pool.open(wait=True, timeout=query_timeout)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await pool.close(timeout=1.0)
             raise
-        return cls(pool, address, query_timeout)
+        store = cls(pool, address, query_timeout)
+        store.limits = limits
+        return store
 
     async def aclose(self) -> None:
         """Close the pool. Connections still in use get ``query_timeout`` to come back; then

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from room_outbox.store.dialect import table_names
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.leased import now_ms
@@ -156,7 +157,7 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
     }
     holders: dict[str, list[int]] = {}
     for worker_id, rows, until in claims:
-        node = str(worker_id).rsplit("#", 1)[0]  # claims are "<node_id>#<n>"
+        node = str(worker_id).rsplit("#", 1)[0]  # claims are "<identity>#<n>", the identity "<node_id>~<token>"
         entry = holders.setdefault(node, [0, 0, 0])
         entry[0] += 1
         entry[1] += int(rows)
@@ -215,3 +216,14 @@ async def lane_row(store: SQLStore, lane: str, outbox_id: int) -> dict[str, Any]
         found = await cur.fetchone()
         names = [d[0] for d in cur.description]
     return None if found is None else dict(zip(names, found, strict=True))
+
+
+async def holds_rows_besides(store: SQLStore, event_id_prefix: str) -> bool:
+    """Whether the outbox table exists and holds a row whose event_id does not start with the
+    prefix; it stops at the first such row, however large the table."""
+    p = store.profile
+    async with store.transaction() as cur:
+        if p.table.lower() not in await table_names(cur, store.dialect):
+            return False
+        await cur.execute(f"SELECT 1 FROM {p.table} WHERE {p.event_id} NOT LIKE %s LIMIT 1", (f"{event_id_prefix}%",))
+        return await cur.fetchone() is not None

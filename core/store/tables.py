@@ -5,7 +5,7 @@ upgrades them on all three databases (``migrate`` runs it, ``migrate --sql`` pri
 Added (all with defaults, so room-service's own INSERT and
 ``UPDATE … SET status='published' WHERE event_id=?`` keep working):
 
-* ``worker_id``: the claim holding the row (``<node_id>#<n>``), NULL when free.
+* ``worker_id``: the claim holding the row (``<node_id>~<token>#<n>``), NULL when free.
 * ``lock_until_ms``: the row is not claimable before this time. A claim sets it to the end of
   its lease; a failed attempt sets it to the retry time. One column for both keeps the claim
   an exact index range scan.
@@ -155,15 +155,30 @@ async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migrat
     for name, definition in ADDED_COLUMNS[dialect.name].items():
         if name not in columns:
             plan.append(
-                Migration(f"added column {table}.{name}", (f"ALTER TABLE {table} ADD COLUMN {name} {definition}",))
+                Migration(f"added column {table}.{name}", (add_column_sql(dialect, table, f"{name} {definition}"),))
             )
     wanted = [(template.format(table=table), columns_sql) for template, columns_sql in ADDED_INDEXES.items()]
     if not dialect.room_buckets:  # on a server the room buckets' plan creates it, after their column
         wanted.insert(0, claim_index(table))
     for name, columns_sql in wanted:
         if name not in indexes:
-            plan.append(Migration(f"added index {table}.{name}", (f"CREATE INDEX {name} ON {table} {columns_sql}",)))
+            plan.append(Migration(f"added index {table}.{name}", (add_index_sql(dialect, table, name, columns_sql),)))
     return plan
+
+
+def add_column_sql(dialect: Dialect, table: str, column: str) -> str:
+    """Adds ``column`` (its name and definition) to a table already there, on MySQL/MariaDB
+    without copying the table: the algorithm is named, so the server refuses rather than
+    copy it with every write blocked."""
+    return f"ALTER TABLE {table} ADD COLUMN {column}{dialect.online_column}"
+
+
+def add_index_sql(dialect: Dialect, table: str, name: str, columns: str) -> str:
+    """Creates the index ``name`` on ``columns`` (``(a, b)``); on MySQL/MariaDB built in place
+    while writes go on (the algorithm and lock named, for the same reason)."""
+    if dialect.name == "mysql":
+        return f"ALTER TABLE {table} ADD INDEX {name} {columns}{dialect.online_index}"
+    return f"CREATE INDEX {name} ON {table} {columns}"
 
 
 # -- silk's outbox (PostgreSQL) ----------------------------------------------------------------

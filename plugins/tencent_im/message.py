@@ -7,8 +7,12 @@ fields; clients de-duplicate by its ``event_id``.
 ---------------------------------------
 Tencent discards a message whose ``Random`` equals that of a message sent in the last
 5 minutes (we assume per group, which is how the fake behaves). ``Random`` is the first
-32 bits of SHA-256(event_id), so every retry of an event, from this worker or from
-room-service's synchronous push (when it uses the same rule), is discarded by Tencent too.
+32 bits of SHA-256 of ``app_code``, a NUL byte and ``event_id`` (UTF-8), so every retry of an
+event, from this worker or from room-service's synchronous push (when it uses the same rule),
+is discarded by Tencent too. ``event_id`` is unique only within its app: several app codes can
+share one Tencent app (``default_app_codes``) and one group, and two of them reusing an
+``event_id`` must not have one message discarded as the other's copy. The NUL byte keeps the
+pair unambiguous (``("a", "bc")`` and ``("ab", "c")`` hash differently).
 
 The price is that two *different* events can share a ``Random``. For ``n`` distinct events
 in one group within 5 minutes the chance of any collision is ``1 − exp(−n² / 2³³)``
@@ -25,7 +29,7 @@ rate in one group     n in 5 min    P(collision)
 A collision loses the later event silently (Tencent answers OK), so busy groups carry a
 small real risk; were the window per app rather than per group, ``n`` would be the app's
 rate × 300 s (200/s → 60,000 → ≈ 34 %). A 32-bit field cannot do better with a hash: any
-derivation that is a pure function of an opaque event_id has the same birthday bound. If
+derivation that is a pure function of opaque identifiers has the same birthday bound. If
 that is ever unacceptable, room-service must mint event_ids carrying a per-room sequence,
 from which Random can be taken without collisions.
 """
@@ -45,9 +49,11 @@ SEND_GROUP_MSG = "/v4/group_open_http_svc/send_group_msg"
 CLIENT_FIELDS = ("event_id", "event_type", "app_code", "room_id", "room_version", "occurred_at_ms", "payload")
 
 
-def random_for(event_id: str) -> int:
-    """Tencent's ``Random`` (u32) for an event: stable across retries and processes."""
-    return int.from_bytes(hashlib.sha256(event_id.encode("utf-8")).digest()[:4], "big")
+def random_for(app_code: str, event_id: str) -> int:
+    """Tencent's ``Random`` (u32) for an event: stable across retries, processes and releases
+    (a hash of the bytes, never Python's per-process ``hash()``)."""
+    digest = hashlib.sha256(f"{app_code}\0{event_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
 
 
 #: Compact JSON, non-ASCII kept as is (Tencent counts UTF-8 bytes). One encoder for every call:
@@ -80,5 +86,7 @@ def group_id_for(template: str, envelope: EventEnvelope) -> str:
 
 def request_body(group_id: str, envelope: EventEnvelope, body: str, priority: str) -> bytes:
     """The ``send_group_msg`` request: ``body`` is :func:`msg_body`'s JSON, embedded as is."""
-    head = compact_json({"GroupId": group_id, "Random": random_for(envelope.event_id), "MsgPriority": priority})
+    head = compact_json(
+        {"GroupId": group_id, "Random": random_for(envelope.app_code, envelope.event_id), "MsgPriority": priority}
+    )
     return f'{head[:-1]},"MsgBody":{body}}}'.encode()  # MsgBody goes in before head's closing brace

@@ -8,15 +8,19 @@ HTTP status or ErrorCode/ErrorInfo, never the key, the UserSig or the response b
 
 from __future__ import annotations
 
+import http.client
+import http.cookiejar
 import json
 import random
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
 import aiohttp
 import anyio
-from yarl import URL
+import httpx
+from httpx_aiohttp import AiohttpTransport
 
 from room_outbox import EventEnvelope, PermanentSinkError, Redactor, RetryableSinkError, SinkContext, http_client_span
 from room_outbox.plugins.tencent_im.errors import USERSIG_EXPIRED, error_for_code, short_info
@@ -40,13 +44,12 @@ class TencentApp:
     _url_prefix: str = field(default="", repr=False)
     _url_usersig: str = field(default="", repr=False)
 
-    def url(self) -> URL:
+    def url(self) -> httpx.URL:
         """The request URL. Only ``random`` changes per request; the rest only when the UserSig
         is renewed. ``random`` only tells requests apart (Tencent de-duplicates by the body's
         ``Random``), so it needs no unpredictability: the secrets module's system call per
-        request cost more than building the rest of the URL. The URL is encoded already
-        (urlencode), so yarl takes it as it is: parsing and re-quoting a new URL string per
-        request cost as much as the sink's own work."""
+        request cost more than building the rest of the URL. One parsed URL per request: a
+        string plus params would be parsed and encoded again by the client."""
         usersig = self.usersig.get()
         if usersig != self._url_usersig:
             query = {
@@ -55,9 +58,9 @@ class TencentApp:
                 "usersig": usersig,
                 "contenttype": "json",
             }
-            self._url_prefix = f"{URL(self.base_url + SEND_GROUP_MSG)}?{urlencode(query)}&random="
+            self._url_prefix = f"{httpx.URL(self.base_url + SEND_GROUP_MSG)}?{urlencode(query)}&random="
             self._url_usersig = usersig
-        return URL(f"{self._url_prefix}{random.getrandbits(32)}", encoded=True)
+        return httpx.URL(f"{self._url_prefix}{random.getrandbits(32)}")
 
 
 class TencentIMSink:
@@ -90,9 +93,7 @@ class TencentIMSink:
                 creds.base_url or settings.base_url,
                 creds.secret_key.get_secret_value(),
             )
-        # One pooled aiohttp session for every app (keep-alive connections are per host anyway),
-        # made on first use: aiohttp binds it to the running event loop.
-        self._session: aiohttp.ClientSession | None = None
+        self._client = http_client(settings)
 
     def _make_app(self, name: str, sdkappid: int, identifier: str, base_url: str, key: str) -> TencentApp:
         self._remember_secret(key)
@@ -132,25 +133,7 @@ class TencentIMSink:
         self._verdict(answer, app, group_id)
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-    def _http(self) -> aiohttp.ClientSession:
-        """aiohttp directly: httpx's layer over it (httpx-aiohttp) cost more than the request
-        itself, and httpx's own transport slows down as requests in flight rise (bench/ part b,
-        README Performance). No redirects, cookies or proxies from the environment."""
-        if self._session is None:
-            settings = self.settings
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=settings.max_connections),
-                # One timer per request, for the whole of it (a pooled connection or a new one,
-                # sending, the answer); a new connection's TCP connect is bounded on its own.
-                # A timeout per read (sock_read) re-armed a timer on every packet.
-                timeout=aiohttp.ClientTimeout(total=settings.request_timeout, sock_connect=settings.connect_timeout),
-                headers={"Content-Type": "application/json"},
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
-        return self._session
+        await self._client.aclose()
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -188,14 +171,22 @@ class TencentIMSink:
         url = app.url()
         try:
             # The child span's URL carries the query with usersig masked (redact_url).
-            with http_client_span("POST", lambda: str(url)) as span:
-                async with self._http().post(url, data=content, allow_redirects=False) as response:
-                    status, raw = response.status, await response.read()
-                span.set_attribute("http.response.status_code", status)
-        except TimeoutError as exc:  # aiohttp's own: the whole request's, or a new connection's connect
+            with http_client_span("POST", lambda: str(url)) as span, anyio.fail_after(self.settings.request_timeout):
+                response = await self._client.post(url, content=content)
+                span.set_attribute("http.response.status_code", response.status_code)
+        except TimeoutError as exc:  # request_timeout: the whole request
             raise RetryableSinkError(f"timeout ({type(exc).__name__}) calling Tencent IM app {app.name}") from exc
-        except aiohttp.ClientError as exc:
+        except httpx.TimeoutException as exc:
+            if exc.__cause__ is not None and not isinstance(exc.__cause__, TimeoutError):
+                # The aiohttp transport reports a refused or dropped connection as ConnectTimeout;
+                # the cause tells.
+                raise RetryableSinkError(
+                    f"network error ({self._scrub(exc)}) calling Tencent IM app {app.name}"
+                ) from exc
+            raise RetryableSinkError(f"timeout ({type(exc).__name__}) calling Tencent IM app {app.name}") from exc
+        except (httpx.HTTPError, aiohttp.ClientError) as exc:  # the latter: what the transport leaves untranslated
             raise RetryableSinkError(f"network error ({self._scrub(exc)}) calling Tencent IM app {app.name}") from exc
+        status, raw = response.status_code, response.content
         if status != 200:
             raise RetryableSinkError(f"HTTP {status} from Tencent IM (GroupId {group_id})")
         try:
@@ -228,3 +219,29 @@ class TencentIMSink:
     def _scrub(self, exc: BaseException) -> str:
         # Masked before it is shortened: a secret cut in two would no longer match.
         return short_info(self._own_secrets.redact(f"{type(exc).__name__}: {exc}"))
+
+
+def http_client(settings: TencentIMSettings) -> httpx.AsyncClient:
+    """One pooled client for every app (keep-alive connections are per host anyway), as many
+    connections kept alive as may be open. httpx on aiohttp's transport: httpx's own
+    (httpcore) spent several times its CPU per request at the lane's concurrency, and left some
+    requests without an answer until their timeout (bench/ part b).
+    Timeouts: connect_timeout bounds a new connection's TCP connect; the sink bounds the whole
+    request with request_timeout, one timer per request (a timeout per read re-arms a timer on
+    every packet). No redirects, cookies kept from answers or proxies from the environment."""
+    limits = httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections)
+    return httpx.AsyncClient(
+        transport=AiohttpTransport(limits=limits, trust_env=False),
+        timeout=httpx.Timeout(None, connect=settings.connect_timeout),
+        headers={"Content-Type": "application/json"},
+        follow_redirects=False,
+        trust_env=False,
+        cookies=NoCookies(),
+    )
+
+
+class NoCookies(http.cookiejar.CookieJar):
+    """Keeps no cookie from an answer, so none is ever sent back (Tencent's API sets none)."""
+
+    def extract_cookies(self, response: http.client.HTTPResponse, request: urllib.request.Request) -> None:
+        return None

@@ -94,7 +94,9 @@ async def test_the_server_stops_a_statement_its_client_no_longer_waits_for(datab
         await store.aclose()
 
 
-async def test_migrate_lifts_the_statement_limit_for_its_own_transaction_only(database_dsn: str) -> None:
+async def test_migrate_lifts_the_statement_limit_for_its_own_sessions_only(database_dsn: str) -> None:
+    """migrate's statements run on sessions of their own, without the limit (an index build on
+    a large table takes long); the pool's sessions keep it."""
     store = await MySQLStore.connect(database_dsn, pool_size=1, query_timeout=0.5)
     try:
         assert await store.migrate()

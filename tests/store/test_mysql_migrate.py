@@ -1,5 +1,6 @@
 """MySQL-only properties of the schema (the rest is the store contract, test_store_contract.py):
-the claim's index plan and PyMySQL's bytes parameters."""
+the claim's index plan (on a table migrate created, and on room-service's table it adopted)
+and PyMySQL's bytes parameters."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from typing import Any
 
 import pytest
-from support import INSERT_V1, fetch_rows
+from support import INSERT_V1, V1_DDL, fetch_rows
 
 from room_outbox.store.dialect import MYSQL
 from room_outbox.store.leased import claim_sql, open_rows_of_rooms_sql
@@ -80,6 +81,35 @@ async def test_a_claim_limited_to_buckets_checks_them_in_the_index(store: MySQLS
     table = first_table(plan)
     assert table["key"] == "idx_room_outbox_claim", table
     assert "room_bucket" in table.get("index_condition", ""), json.dumps(table)
+    assert "filesort" not in json.dumps(plan).lower(), plan
+
+
+async def test_on_an_adopted_table_the_claim_checks_the_virtual_bucket_on_the_row(database_dsn: str) -> None:
+    """On room-service's table ``migrate`` adds the bucket VIRTUAL (a STORED column would copy
+    the table): the claim reads the same range of the same index in the same order, but the
+    server checks a virtual column's condition on the row only, never in the index entries."""
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        async with store.transaction() as cur:
+            await cur.execute(V1_DDL)
+        await store.migrate()
+        async with store.transaction() as cur:
+            await cur.execute("SHOW COLUMNS FROM room_outbox LIKE 'room_bucket'")
+            assert "VIRTUAL" in str((await cur.fetchone())[5]).upper()
+            await published_then_pending(cur, rooms=50, published=3000, pending=1000)
+            mine = list(range(0, BUCKETS, 3))
+            await cur.execute(
+                "EXPLAIN FORMAT=JSON "
+                + claim_sql(TABLE, "id", "envelope", "", buckets=len(mine), hint=MYSQL.index_hint),
+                (10**13, *mine, 100),
+            )
+            plan = json.loads((await cur.fetchone())[0])
+    finally:
+        await store.aclose()
+    table = first_table(plan)
+    assert table["key"] == "idx_room_outbox_claim", table
+    assert "room_bucket" in table.get("attached_condition", ""), json.dumps(table)
+    assert "room_bucket" not in table.get("index_condition", ""), json.dumps(table)
     assert "filesort" not in json.dumps(plan).lower(), plan
 
 

@@ -2,7 +2,8 @@
 
 Every room event is written once to ``room_outbox_audit_log``. The sink keeps a lane of its own
 (``own_lane=True``), so audit never holds up IM delivery; its table comes from the
-``room_outbox_migrations`` hook, so ``room-outbox migrate`` creates it. Enable it with::
+``room_outbox_migrations`` hook, so ``room-outbox migrate`` creates it once the sink is
+enabled. Enable it with::
 
     sinks:
       audit:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
+import anyio
+import anyio.abc
 import pytest
 from aiohttp import web
 from im_support import event, make_sink
@@ -90,12 +93,11 @@ async def test_http_5xx_is_retryable_and_never_quotes_the_body(fake: FakeTencent
 
 
 @asynccontextmanager
-async def answering(status: int, body: bytes) -> AsyncIterator[TencentIMSink]:
-    """A sink whose Tencent IM is a loopback server giving every request this answer."""
-
-    async def handle(_request: web.Request) -> web.Response:
-        return web.Response(status=status, body=body)
-
+async def serving(
+    handle: Callable[[web.Request], Awaitable[web.StreamResponse]], **settings: Any
+) -> AsyncIterator[TencentIMSink]:
+    """A sink (with these ``settings``) whose Tencent IM is a loopback server answering every
+    request with ``handle``."""
     app = web.Application()
     app.router.add_route("*", "/{path:.*}", handle)
     runner = web.AppRunner(app, access_log=None)
@@ -103,14 +105,23 @@ async def answering(status: int, body: bytes) -> AsyncIterator[TencentIMSink]:
     try:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         base_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        settings = TencentIMSettings(base_url=base_url, sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY)
-        sink = TencentIMSink(settings, SinkContext("t", __import__("logging").getLogger("t")))
+        validated = TencentIMSettings(base_url=base_url, sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY, **settings)
+        sink = TencentIMSink(validated, SinkContext("t", __import__("logging").getLogger("t")))
         try:
             yield sink
         finally:
             await sink.aclose()
     finally:
         await runner.cleanup()
+
+
+def answering(status: int, body: bytes) -> AbstractAsyncContextManager[TencentIMSink]:
+    """A sink whose Tencent IM gives every request this answer."""
+
+    async def handle(_request: web.Request) -> web.Response:
+        return web.Response(status=status, body=body)
+
+    return serving(handle)
 
 
 @pytest.mark.parametrize(
@@ -156,6 +167,61 @@ async def test_timeouts_and_refused_connections_are_retryable(fake: FakeTencentI
             await closed.deliver(event("e1"))
     finally:
         await closed.aclose()
+
+
+async def test_request_timeout_bounds_the_whole_request_not_each_read() -> None:
+    """An answer trickling in a byte every 0.1 s is cut off at request_timeout (0.3 s), though
+    no single read waits that long; left alone it would end in a valid OK."""
+    answer = b'{"ActionStatus": "OK", "ErrorCode": 0}'.ljust(40)
+
+    async def trickle(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = len(answer)
+        await response.prepare(request)
+        for byte in answer:
+            await anyio.sleep(0.1)
+            await response.write(bytes([byte]))
+        return response
+
+    async with serving(trickle, request_timeout="300ms") as sink:
+        with anyio.fail_after(10), pytest.raises(RetryableSinkError, match=r"^timeout \(TimeoutError\)"):
+            await sink.deliver(event("e1"))
+
+
+async def test_no_cookie_from_an_answer_is_sent_back() -> None:
+    cookies: list[str | None] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        cookies.append(request.headers.get("Cookie"))
+        response = web.json_response({"ActionStatus": "OK", "ErrorCode": 0})
+        response.set_cookie("session", "abc")
+        return response
+
+    async with serving(handle) as sink:
+        await sink.deliver(event("e1"))
+        await sink.deliver(event("e2"))
+    assert cookies == [None, None]
+
+
+async def test_an_answer_that_is_not_http_is_a_network_error() -> None:
+    async def answer_garbage(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await stream.receive()
+            await stream.send(b"garbage\r\n\r\n")
+
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, answer_garbage)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        settings = TencentIMSettings(base_url=f"http://127.0.0.1:{port}", sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY)
+        secrets: list[str] = []
+        sink = TencentIMSink(settings, SinkContext("t", __import__("logging").getLogger("t"), secrets.append))
+        try:
+            with anyio.fail_after(10), pytest.raises(RetryableSinkError, match=r"^network error") as info:
+                await sink.deliver(event("e1"))
+        finally:
+            await sink.aclose()
+            tg.cancel_scope.cancel()
+    assert secrets and not any(secret in str(info.value) for secret in secrets)  # neither key nor UserSig
 
 
 async def test_oversized_message_is_permanent_without_a_request(fake: FakeTencentIM) -> None:

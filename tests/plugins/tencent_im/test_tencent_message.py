@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import time
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -17,14 +20,41 @@ from room_outbox.plugins.tencent_im.message import random_for
 pytestmark = pytest.mark.anyio
 
 
-def test_random_is_a_stable_u32_of_the_event_id() -> None:
+def test_random_is_a_stable_u32_of_the_app_code_and_event_id() -> None:
     # A fixed value: a change of the derivation would break de-duplication against
     # messages already sent by a previous version (or by room-service, if it copies it).
-    assert random_for("evt_1") == int.from_bytes(hashlib.sha256(b"evt_1").digest()[:4], "big") == 0x7D4E5A76
-    assert random_for("evt_1") == random_for("evt_1")
-    values = {random_for(f"evt_{i}") for i in range(10_000)}
+    expected = int.from_bytes(hashlib.sha256(b"default\0evt_1").digest()[:4], "big")
+    assert random_for("default", "evt_1") == expected == 0x1E06CF20
+    assert random_for("default", "evt_1") == random_for("default", "evt_1")
+    assert random_for("other", "evt_1") == 0x73C03DC8  # same event_id, another app: another Random
+    assert random_for("a", "bc") != random_for("ab", "c")  # the pair is unambiguous
+    values = {random_for("default", f"evt_{i}") for i in range(10_000)}
     assert all(0 <= v < 2**32 for v in values)
     assert len(values) >= 9_990  # birthday bound: ~0.012 expected collisions among 10k
+
+
+def test_random_is_the_same_in_another_process() -> None:
+    """Not Python's salted ``hash()``: a fresh interpreter (another PYTHONHASHSEED) agrees."""
+    code = "from room_outbox.plugins.tencent_im.message import random_for; print(random_for('default', 'evt_1'))"
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == random_for("default", "evt_1")
+
+
+async def test_two_app_codes_sharing_a_tencent_app_may_reuse_an_event_id(fake: FakeTencentIM) -> None:
+    """Both reach the group: with Random from event_id alone Tencent would discard the second
+    as a copy of the first."""
+    sink = make_sink(fake, default_app_codes=["shop", "live"])
+    try:
+        await sink.deliver(event("evt_1", room_id="r_1", app_code="shop"))
+        await sink.deliver(event("evt_1", room_id="r_1", app_code="live"))
+    finally:
+        await sink.aclose()
+    assert fake.duplicates == 0
+    assert [json.loads(m.data or "")["app_code"] for m in fake.messages] == ["shop", "live"]
+    assert {m.group_id for m in fake.messages} == {"r_1"}
+    assert [m.random for m in fake.messages] == [random_for("shop", "evt_1"), random_for("live", "evt_1")]
 
 
 async def test_body_carries_one_custom_element_with_the_envelope(fake: FakeTencentIM) -> None:
@@ -36,7 +66,7 @@ async def test_body_carries_one_custom_element_with_the_envelope(fake: FakeTence
         await sink.aclose()
     (message,) = fake.messages
     assert message.group_id == "r_42"
-    assert message.random == random_for("evt_1")
+    assert message.random == random_for("default", "evt_1")
     assert message.priority == "Normal"
     assert [e["MsgType"] for e in message.msg_body] == ["TIMCustomElem"]
     assert message.data is not None and " " not in message.data  # compact JSON

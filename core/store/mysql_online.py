@@ -1,0 +1,263 @@
+"""``room-outbox migrate`` on a live MySQL/MariaDB table: schema changes that never stop
+room-service's writes for longer than a moment, one migrate at a time, safe to interrupt.
+
+* Every statement on a table already there names its algorithm (see
+  :func:`~room_outbox.store.tables.add_column_sql`): the server refuses a change it cannot
+  make online rather than copy the table with writes blocked.
+* :func:`exclusive_migration`: a named lock lets one ``migrate`` run at a time; and an
+  ``ALTER TABLE`` an interrupted migrate left running on the server is waited for before
+  anything is planned, since the plan is read from the catalogue it is changing.
+* :class:`OnlineSchemaChange` runs each statement on a connection of its own. An online
+  ALTER still takes a brief exclusive metadata lock at its start and end; if a long
+  transaction holds the table, the ALTER waits, and every later INSERT waits behind it. So the
+  wait is bounded (``lock_wait_timeout``) and the statement retried a few times instead. While
+  a statement runs, a progress line every few seconds; when the migrate is interrupted
+  (Ctrl-C, SIGTERM), the statement is stopped on the server (``KILL QUERY``) before it exits.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import aiomysql
+import anyio
+import pymysql
+
+from room_outbox.errors import SchemaError
+from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT, SCHEMA_CHANGE_TIMEOUT, query_deadline
+
+if TYPE_CHECKING:
+    from room_outbox.store.mysql import MySQLAddress
+    from room_outbox.store.tables import Migration
+
+#: The named lock every ``migrate`` holds while it runs (per server: the database is in the name).
+LOCK_NAME = "room_outbox_migrate"
+#: How long a second ``migrate`` waits for the lock, in seconds.
+LOCK_WAIT = 30
+#: How long a statement waits for a table's metadata lock, in seconds, before it gives up
+#: (and is retried): everything that writes the table queues behind a waiting ALTER.
+DDL_LOCK_WAIT = 3
+#: How many times a statement is tried when it times out on the metadata lock.
+DDL_ATTEMPTS = 5
+#: Seconds between progress lines while a statement runs.
+PROGRESS_EVERY = 5.0
+#: How long ``migrate`` waits for a schema change already running on the outbox's tables.
+RUNNING_DDL_WAIT = 600.0
+
+ER_LOCK_WAIT_TIMEOUT = 1205
+#: The algorithm or lock a statement names is not possible for it (a compressed table, say).
+ER_NOT_ONLINE = (1845, 1846)
+ER_NO_SUCH_THREAD = 1094
+#: The table a running statement changes: ``ALTER TABLE t …``, ``CREATE [UNIQUE] INDEX i ON t``.
+_CHANGED_TABLE = re.compile(
+    r"^\s*(?:ALTER\s+(?:ONLINE\s+)?TABLE\s+`?(\w+)`?|CREATE\s+(?:UNIQUE\s+)?INDEX\s+\w+\s+ON\s+`?(\w+)`?)", re.I
+)
+
+
+def to_stderr(line: str) -> None:
+    print(f"room-outbox migrate: {line}", file=sys.stderr, flush=True)
+
+
+async def connect(address: MySQLAddress, statement_limit: str) -> aiomysql.Connection:
+    """A connection of its own for schema changes: autocommit (each DDL commits anyway), no
+    statement time limit (``statement_limit``: the server's assignment lifting it), and a
+    short metadata-lock wait."""
+    kwargs = {**address.connect_kwargs(), "autocommit": True, "db": address.database}
+    kwargs["init_command"] = f"SET SESSION lock_wait_timeout = {DDL_LOCK_WAIT}, {statement_limit}"
+    return await aiomysql.connect(**kwargs)
+
+
+@asynccontextmanager
+async def exclusive_migration(
+    address: MySQLAddress, tables: Sequence[str], report: Callable[[str], None] = to_stderr
+) -> AsyncIterator[None]:
+    """Hold the migrate lock for the block; first wait (bounded) for a schema change still
+    running on ``tables`` or any ``room_outbox…`` table. Another migrate holding the lock
+    for longer than :data:`LOCK_WAIT` is a :class:`SchemaError`."""
+    conn = await aiomysql.connect(**{**address.connect_kwargs(), "autocommit": True, "db": address.database})
+    try:
+        async with conn.cursor() as cur:
+            with query_deadline(LOCK_WAIT + DEFAULT_QUERY_TIMEOUT):
+                await cur.execute("SELECT GET_LOCK(LEFT(CONCAT(%s, ':', DATABASE()), 64), %s)", (LOCK_NAME, LOCK_WAIT))
+                locked = (await cur.fetchone())[0] == 1
+            if not locked:
+                raise SchemaError(
+                    f"another `room-outbox migrate` is running on database {address.database}"
+                    f" (waited {LOCK_WAIT}s for it); try again once it has finished"
+                )
+            await wait_for_running_changes(cur, tables, report)
+        yield
+    finally:
+        conn.close()  # the lock goes with the session
+
+
+async def wait_for_running_changes(
+    cur: Any, tables: Sequence[str], report: Callable[[str], None], timeout: float = RUNNING_DDL_WAIT
+) -> None:
+    """Wait until no ALTER TABLE/CREATE INDEX runs on ``tables`` or a ``room_outbox…`` table
+    of this database (one an interrupted migrate left behind, say); say so in one line."""
+    running = await running_changes(cur, tables)
+    if running:
+        session, seconds, table = running[0]
+        report(
+            f"a schema change of table {table} is still running on the server (session {session},"
+            f" for {seconds}s); waiting for it to end (at most {timeout:g}s)"
+        )
+    with anyio.move_on_after(timeout):
+        while running:
+            await anyio.sleep(1.0)
+            running = await running_changes(cur, tables)
+    if running:
+        session, seconds, table = running[0]
+        raise SchemaError(
+            f"a schema change of table {table} is still running on the server (session {session}, for {seconds}s);"
+            f" wait for it or stop it (KILL QUERY {session}), then run migrate again"
+        )
+
+
+async def running_changes(cur: Any, tables: Sequence[str]) -> list[tuple[int, int, str]]:
+    """(session id, seconds, table) of the schema changes running on the outbox's tables."""
+    await cur.execute(
+        "SELECT ID, TIME, INFO FROM information_schema.PROCESSLIST WHERE DB = DATABASE()"
+        " AND ID <> CONNECTION_ID() AND COMMAND = 'Query' AND INFO IS NOT NULL"
+    )
+    wanted = {table.lower() for table in tables}
+    running = []
+    for session, seconds, info in await cur.fetchall():
+        match = _CHANGED_TABLE.match(str(info))
+        table = (match.group(1) or match.group(2)).lower() if match else ""
+        if table in wanted or table.startswith("room_outbox"):
+            running.append((int(session), int(seconds), table))
+    return running
+
+
+class OnlineSchemaChange:
+    """Runs a migration plan's statements one by one, each on a connection of its own (see the
+    module docstring)."""
+
+    def __init__(
+        self,
+        address: MySQLAddress,
+        statement_limit: str,
+        report: Callable[[str], None] = to_stderr,
+        progress_every: float | None = None,
+    ) -> None:
+        self.address = address
+        self.statement_limit = statement_limit
+        self.report = report
+        self.progress_every = PROGRESS_EVERY if progress_every is None else progress_every
+
+    async def run(self, plan: Sequence[Migration]) -> list[str]:
+        """Run ``plan``; return its changes."""
+        for step in plan:
+            for statement in step.statements:
+                await self.execute(statement, step.change)
+        return [step.change for step in plan]
+
+    async def execute(self, statement: str, change: str) -> None:
+        """Run one statement, retried when it timed out waiting for the table's metadata lock."""
+        for attempt in range(1, DDL_ATTEMPTS + 1):
+            try:
+                with query_deadline(SCHEMA_CHANGE_TIMEOUT):  # cancelled, the statement is stopped
+                    await self._execute_once(statement, change)
+                return
+            except pymysql.err.MySQLError as exc:
+                if exc.args[0] in ER_NOT_ONLINE:
+                    raise SchemaError(
+                        f"{change}: the server cannot make this change online ({exc.args[1]}), so it was not made;"
+                        " make it with gh-ost or pt-online-schema-change (see the README), then run migrate again"
+                    ) from None
+                if exc.args[0] != ER_LOCK_WAIT_TIMEOUT:
+                    raise
+                if attempt == DDL_ATTEMPTS:
+                    raise SchemaError(
+                        f"{change}: the table stayed locked by other sessions (a long transaction?);"
+                        f" waited {DDL_ATTEMPTS} times {DDL_LOCK_WAIT}s; run migrate again later"
+                    ) from None
+                self.report(
+                    f"{change}: waited {DDL_LOCK_WAIT}s for the table's metadata lock (a long transaction holds it);"
+                    f" retrying ({attempt}/{DDL_ATTEMPTS - 1})"
+                )
+                await anyio.sleep(1.0)  # writes that queued behind the waiting statement go first
+
+    async def _execute_once(self, statement: str, change: str) -> None:
+        conn = await connect(self.address, self.statement_limit)
+        session = conn.thread_id()
+        try:
+            async with anyio.create_task_group() as watchers:
+                watchers.start_soon(self._report_progress, session, change)
+                failure = await _failure_of(conn, statement)
+                watchers.cancel_scope.cancel()
+        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                await self._stop(session)
+            raise
+        finally:
+            conn.close()
+        if failure is not None:
+            raise failure
+
+    async def _stop(self, session: int) -> None:
+        """Stop ``session``'s statement on the server (it goes on after its client is gone),
+        from a fresh connection."""
+        conn = await aiomysql.connect(**{**self.address.connect_kwargs(), "autocommit": True})
+        try:
+            async with conn.cursor() as cur:
+                try:
+                    await cur.execute(f"KILL QUERY {int(session)}")
+                except pymysql.err.OperationalError as exc:  # the statement had ended already
+                    if exc.args[0] != ER_NO_SUCH_THREAD:
+                        raise
+        finally:
+            conn.close()
+
+    async def _report_progress(self, session: int, change: str) -> None:
+        """A line every :attr:`progress_every` seconds while ``session``'s statement runs:
+        its elapsed time, and on MariaDB how far it has come."""
+        conn = None
+        try:
+            conn = await aiomysql.connect(**{**self.address.connect_kwargs(), "autocommit": True})
+            async with conn.cursor() as cur:
+                while True:
+                    await anyio.sleep(self.progress_every)
+                    line = await _progress(cur, session)
+                    if line:
+                        self.report(f"{change}: {line}")
+        except (pymysql.err.MySQLError, OSError):
+            return  # progress lines are a courtesy: the statement goes on without them
+        finally:
+            if conn is not None:
+                conn.close()
+
+
+async def _failure_of(conn: aiomysql.Connection, statement: str) -> Exception | None:
+    """Run ``statement``; its error, if any (raised by the caller, outside its task group)."""
+    try:
+        async with conn.cursor() as cur:
+            await cur.execute(statement)
+    except Exception as exc:
+        return exc
+    return None
+
+
+async def _progress(cur: Any, session: int) -> str:
+    """How long ``session``'s statement has run, what it is doing (waiting for a metadata lock,
+    say) and, where the server tells (MariaDB, for some statements), how far it has come; ""
+    when it runs none."""
+    where = "FROM information_schema.PROCESSLIST WHERE ID = %s AND COMMAND = 'Query'"
+    try:
+        await cur.execute(f"SELECT TIME_MS / 1000, STATE, PROGRESS {where}", (session,))
+    except pymysql.err.MySQLError:  # MySQL has neither TIME_MS nor PROGRESS
+        await cur.execute(f"SELECT TIME, STATE, 0 {where}", (session,))
+    row = await cur.fetchone()
+    if row is None:
+        return ""
+    seconds, state, done = float(row[0]), str(row[1] or "running"), float(row[2] or 0)
+    return f"{state} for {seconds:.0f}s" + (f", {done:.0f}% done" if done else "")
+
+
+__all__ = ["LOCK_NAME", "OnlineSchemaChange", "exclusive_migration", "running_changes", "to_stderr"]

@@ -1,0 +1,378 @@
+"""``migrate`` on room-service's live table, MySQL/MariaDB (store/mysql_online.py): every change
+named online, one migrate at a time, a bounded wait for the table's metadata lock, progress
+lines, an interrupted migrate stopping its statement and a rerun completing, and
+room-service's INSERTs going on meanwhile."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pymysql
+import pytest
+from support import V1_DDL, wait_until
+
+from room_outbox.cli.main import main
+from room_outbox.errors import SchemaError
+from room_outbox.store import mysql_online
+from room_outbox.store.leased import now_ms
+from room_outbox.store.mysql import MySQLAddress, MySQLStore, mysql_dialect
+from room_outbox.store.mysql_online import exclusive_migration
+
+pytestmark = pytest.mark.anyio
+
+#: What migrate adds to room-service's V1 table, in order.
+V1_CHANGES = [
+    "added column room_outbox.worker_id",
+    "added column room_outbox.lock_until_ms",
+    "added index room_outbox.idx_room_outbox_room",
+    "created table room_outbox_node",
+    "created table room_outbox_bucket",
+    "added column room_outbox.room_bucket",
+    "added index room_outbox.idx_room_outbox_claim",
+]
+ROOM_SERVICE_INSERT = (
+    "INSERT INTO room_outbox (app_code, event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"
+    " VALUES ('default', %s, 'RoomUserJoined', %s, '{}', %s, %s)"
+)
+
+
+def connect(dsn: str) -> pymysql.connections.Connection:
+    """A plain session of the test's own (room-service's, say), every call bounded."""
+    address = MySQLAddress.from_dsn(dsn)
+    return pymysql.connect(
+        host=address.host,
+        port=address.port,
+        user=address.user,
+        password=address.password,
+        database=address.database,
+        autocommit=True,
+        connect_timeout=10,
+        read_timeout=120,
+        write_timeout=120,
+    )
+
+
+@pytest.fixture
+def v1_table(database_dsn: str) -> str:
+    """room-service's V1 table, nothing of room-outbox's yet; the database's DSN."""
+    conn = connect(database_dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(V1_DDL)
+            cur.executemany(ROOM_SERVICE_INSERT, [(f"e{n}", f"r_{n % 7}", 1, 1) for n in range(50)])
+    finally:
+        conn.close()
+    return database_dsn
+
+
+@pytest.fixture
+def config(tmp_path: Path, database_dsn: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(f"mysql:\n  dsn: '{database_dsn}'\nsinks:\n  tencent_im:\n    enabled: false\n")
+    return path
+
+
+@pytest.fixture
+def table_reader(v1_table: str) -> Iterator[pymysql.connections.Connection]:
+    """A session holding a transaction that read room_outbox: it holds the table's metadata
+    lock (shared) until it commits, as a long transaction of room-service would."""
+    conn = connect(v1_table)
+    try:
+        conn.begin()
+        with conn.cursor() as cur:
+            cur.execute("SELECT COUNT(*) FROM room_outbox")
+        yield conn
+    finally:
+        conn.close()
+
+
+async def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = await anyio.to_thread.run_sync(main, list(argv))  # main() runs its own event loop
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def schema_changes_running(dsn: str) -> list[str]:
+    """The ALTER TABLE statements other sessions run in the DSN's database."""
+    conn = connect(dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT INFO FROM information_schema.PROCESSLIST WHERE DB = DATABASE() AND ID <> CONNECTION_ID()"
+                " AND COMMAND = 'Query' AND INFO LIKE 'ALTER TABLE%%'"
+            )
+            return [str(row[0]) for row in cur.fetchall()]
+    finally:
+        conn.close()
+
+
+def columns_of(dsn: str, table: str = "room_outbox") -> set[str]:
+    conn = connect(dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"SHOW COLUMNS FROM {table}")
+            return {str(row[0]) for row in cur.fetchall()}
+    finally:
+        conn.close()
+
+
+def test_a_server_without_instant_columns_adds_them_in_place_without_blocking_writes() -> None:
+    in_place = ", ALGORITHM=INPLACE, LOCK=NONE"
+    assert mysql_dialect("8.0.11-log").online_column == in_place
+    assert mysql_dialect("8.0.12").online_column == mysql_dialect("8.4.3").online_column == ", ALGORITHM=INSTANT"
+    assert mysql_dialect("10.11.19-MariaDB-0+deb12u1").online_column == ", ALGORITHM=INSTANT"
+    assert mysql_dialect("8.0.11").online_index == in_place
+
+
+async def test_migrate_sql_names_the_online_algorithm_of_every_change_to_a_live_table(
+    v1_table: str, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Columns are added INSTANT, the bucket VIRTUAL; indexes are built INPLACE with LOCK=NONE:
+    a change the server cannot make so is refused, never made by copying the table. migrate
+    runs exactly those statements."""
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql")
+    assert code == 0
+    on_live_table = [line for line in out.splitlines() if line.startswith("ALTER TABLE room_outbox ")]
+    assert on_live_table == [
+        "ALTER TABLE room_outbox ADD COLUMN worker_id VARCHAR(128) NULL DEFAULT NULL, ALGORITHM=INSTANT;",
+        "ALTER TABLE room_outbox ADD COLUMN lock_until_ms BIGINT NOT NULL DEFAULT 0, ALGORITHM=INSTANT;",
+        "ALTER TABLE room_outbox ADD INDEX idx_room_outbox_room (room_id, status, id), ALGORITHM=INPLACE, LOCK=NONE;",
+        "ALTER TABLE room_outbox ADD COLUMN room_bucket SMALLINT UNSIGNED AS (CRC32(CONCAT(app_code, ':', room_id))"
+        " % 256) VIRTUAL, ALGORITHM=INSTANT;",
+        "ALTER TABLE room_outbox ADD INDEX idx_room_outbox_claim (status, lock_until_ms, id, room_bucket),"
+        " ALGORITHM=INPLACE, LOCK=NONE;",
+    ]
+    assert "room_bucket" not in columns_of(v1_table)  # --sql ran nothing
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate")
+    assert code == 0 and out.splitlines()[: len(V1_CHANGES)] == V1_CHANGES
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql")
+    assert "room_outbox " not in out  # nothing left to do on the table
+
+
+async def test_a_change_the_server_cannot_make_online_is_refused_naming_the_step(database_dsn: str) -> None:
+    """A compressed table cannot take a column INSTANT: the server refuses, and migrate says
+    which step and what to do, rather than let the server copy the table."""
+    conn = connect(database_dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(V1_DDL.replace("ENGINE=InnoDB", "ENGINE=InnoDB ROW_FORMAT=COMPRESSED"))
+    finally:
+        conn.close()
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        with pytest.raises(SchemaError) as refused:
+            await store.migrate()
+    finally:
+        await store.aclose()
+    assert str(refused.value).startswith(
+        "added column room_outbox.worker_id: the server cannot make this change online (ALGORITHM=INSTANT is not"
+    )
+    assert "gh-ost or pt-online-schema-change" in str(refused.value)
+    assert "worker_id" not in columns_of(database_dsn)
+
+
+async def test_a_second_migrate_waits_for_the_first_then_says_another_is_running(
+    v1_table: str, config: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mysql_online, "LOCK_WAIT", 1)
+    first = connect(v1_table)  # holds the lock as a running migrate does
+    try:
+        with first.cursor() as cur:
+            cur.execute("SELECT GET_LOCK(LEFT(CONCAT(%s, ':', DATABASE()), 64), 0)", (mysql_online.LOCK_NAME,))
+            assert cur.fetchone()[0] == 1
+        code, out, err = await cli(capsys, "--config", str(config), "migrate")
+        assert code == 3 and out == ""
+        assert err.splitlines() == [
+            f"room-outbox: another `room-outbox migrate` is running on database {MySQLAddress.from_dsn(v1_table).database}"
+            " (waited 1s for it); try again once it has finished"
+        ]
+        assert "worker_id" not in columns_of(v1_table)
+    finally:
+        first.close()  # the lock goes with the session
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate")
+    assert code == 0 and out.splitlines()[: len(V1_CHANGES)] == V1_CHANGES
+
+
+async def test_a_statement_waiting_for_the_tables_metadata_lock_gives_up_and_is_retried(
+    v1_table: str, table_reader: pymysql.connections.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long transaction holds the table: the ALTER waits at most a few seconds (every INSERT
+    behind it would wait as long), says so, tries again, and goes through once the
+    transaction has ended. Meanwhile a progress line says what the statement is waiting for."""
+    monkeypatch.setattr(mysql_online, "PROGRESS_EVERY", 0.5)
+    lines: list[str] = []
+    store = await MySQLStore.connect(v1_table)
+    store.report_progress = lines.append
+    try:
+        async with anyio.create_task_group() as group:
+            changes: list[str] = []
+
+            async def migrate() -> None:
+                changes.extend(await store.migrate())
+
+            group.start_soon(migrate)
+            retrying = f"waited {mysql_online.DDL_LOCK_WAIT}s for the table's metadata lock"
+            await wait_until(lambda: any(retrying in line for line in lines), timeout=30)
+            table_reader.commit()
+        assert changes == V1_CHANGES
+    finally:
+        await store.aclose()
+    assert lines[0].startswith("added column room_outbox.worker_id: Waiting for table metadata lock for "), lines
+    assert any(
+        re.fullmatch(r"added column room_outbox.worker_id: waited \d+s .* retrying \(1/\d+\)", line) for line in lines
+    ), lines
+
+
+async def test_migrate_waits_for_a_schema_change_left_running_then_plans_again(
+    v1_table: str, table_reader: pymysql.connections.Connection
+) -> None:
+    """A migrate killed outright leaves its ALTER running on the server. The next one says so,
+    waits for it, then plans from the catalogue as it is: no "Duplicate column"."""
+    left_running = connect(v1_table)
+    lines: list[str] = []
+    store = await MySQLStore.connect(v1_table)
+    changes: list[str] = []
+
+    def alter() -> None:
+        with left_running.cursor() as cur:
+            cur.execute("SET SESSION lock_wait_timeout = 60")
+            cur.execute(
+                "ALTER TABLE room_outbox ADD COLUMN worker_id VARCHAR(128) NULL DEFAULT NULL, ALGORITHM=INSTANT"
+            )
+
+    async def migrate() -> None:
+        async with exclusive_migration(store.address, [store.table], lines.append):
+            changes.extend(await store.migrate())
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(anyio.to_thread.run_sync, alter)
+            await wait_until(lambda: schema_changes_running(v1_table) != [], timeout=10)
+            group.start_soon(migrate)
+            await wait_until(lambda: lines != [], timeout=20)
+            assert re.fullmatch(
+                r"a schema change of table room_outbox is still running on the server \(session \d+, for \d+s\);"
+                r" waiting for it to end \(at most \d+s\)",
+                lines[0],
+            ), lines
+            table_reader.commit()  # the ALTER left running goes through
+    finally:
+        left_running.close()
+        await store.aclose()
+    assert changes == V1_CHANGES[1:]  # worker_id was the ALTER's
+
+
+@pytest.mark.serial  # a process of its own, interrupted mid-statement
+async def test_an_interrupted_migrate_stops_its_statement_on_the_server_and_a_rerun_completes(
+    v1_table: str, config: Path, table_reader: pymysql.connections.Connection, tmp_path: Path
+) -> None:
+    err = tmp_path / "migrate.err"
+    migrate = subprocess.Popen(
+        [sys.executable, "-m", "room_outbox.cli", "--config", str(config), "migrate"],
+        stdout=subprocess.DEVNULL,
+        stderr=err.open("w"),
+    )
+    try:
+        await wait_until(lambda: schema_changes_running(v1_table) != [], timeout=30)
+        migrate.send_signal(signal.SIGTERM)
+        assert await anyio.to_thread.run_sync(lambda: migrate.wait(timeout=30)) == 130
+    finally:
+        if migrate.poll() is None:
+            migrate.kill()
+            migrate.wait(timeout=10)
+    assert "interrupted; its running statement was stopped: run it again to finish" in err.read_text()
+    await wait_until(lambda: schema_changes_running(v1_table) == [], timeout=1)  # stopped, not left waiting
+    table_reader.commit()
+    assert "worker_id" not in columns_of(v1_table)
+    rerun = subprocess.run(
+        [sys.executable, "-m", "room_outbox.cli", "--config", str(config), "migrate"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    assert rerun.stdout.splitlines()[: len(V1_CHANGES)] == V1_CHANGES
+
+
+# -- a million rows while room-service writes ---------------------------------------------------
+
+
+class RoomServiceWriter:
+    """room-service's INSERT every 20 ms on a session of its own, in a thread; the longest
+    INSERT it saw."""
+
+    def __init__(self, dsn: str) -> None:
+        self.conn = connect(dsn)
+        self.stop = threading.Event()
+        self.latencies: list[float] = []
+        self.thread = threading.Thread(target=self._write, daemon=True)
+
+    def _write(self) -> None:
+        with self.conn.cursor() as cur:
+            while not self.stop.wait(0.02):
+                started = time.monotonic()
+                n = len(self.latencies)
+                cur.execute(ROOM_SERVICE_INSERT, (f"w{n}", f"r_{n % 50}", now_ms(), now_ms()))
+                self.latencies.append(time.monotonic() - started)
+
+    def __enter__(self) -> RoomServiceWriter:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=130)
+        self.conn.close()
+
+
+def fill(dsn: str, rows: int) -> None:
+    """``rows`` published rows over 1,000 rooms, in one INSERT (MariaDB's sequence engine)."""
+    conn = connect(dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "INSERT INTO room_outbox (app_code, event_id, event_type, room_id, envelope, status, created_at_ms,"
+                " updated_at_ms) SELECT 'default', LPAD(seq, 12, '0'), 'RoomUserJoined', CONCAT('r_', seq % 1000),"
+                f" '{{}}', 'published', 1, 1 FROM seq_1_to_{rows}"
+            )
+    finally:
+        conn.close()
+
+
+@pytest.mark.serial  # asserts a latency bound, and a million rows
+async def test_migrating_a_million_row_table_keeps_room_services_inserts_fast(
+    v1_table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The migration runs while room-service inserts every 20 ms: its worst INSERT stays under
+    200 ms (a copying ALTER blocks them for seconds), a progress line shows on the long index
+    builds, and the migrated table then delivers."""
+    monkeypatch.setattr(mysql_online, "PROGRESS_EVERY", 1.0)
+    await anyio.to_thread.run_sync(fill, v1_table, 1_000_000)
+    lines: list[str] = []
+    store = await MySQLStore.connect(v1_table)
+    store.report_progress = lines.append
+    try:
+        with RoomServiceWriter(v1_table) as writer:
+            await wait_until(lambda: len(writer.latencies) >= 5, timeout=10)
+            started = time.monotonic()
+            assert await store.migrate() == V1_CHANGES
+            took = time.monotonic() - started
+            inserts = len(writer.latencies)
+            await wait_until(lambda: len(writer.latencies) >= inserts + 5, timeout=10)  # still writing
+        worst = max(writer.latencies)
+        print(f"migrate took {took:.1f}s; room-service's worst INSERT {worst * 1000:.0f} ms over {inserts} inserts")
+        assert worst < 0.2, f"worst INSERT {worst * 1000:.0f} ms"
+        assert any(re.fullmatch(r"added index room_outbox\.\w+: altering table for \d+s", line) for line in lines)
+        claimed = await store.claim("node#1", 10, now_ms() + 60_000)
+        assert [row.event_id for row in claimed.rows] == [f"e{n}" for n in range(10)]  # the oldest pending
+    finally:
+        await store.aclose()
