@@ -3,6 +3,7 @@ queries the database nor slows the dispatcher noticeably."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,7 +26,7 @@ CLIENTS = 100
 ROWS = 3000
 #: Drains with and without the probes, alternated so a neighbour's load hits both alike;
 #: each side's fastest drain is compared (a neighbour's burst only ever slows one down).
-ALTERNATIONS = 3
+ALTERNATIONS = 2
 #: Each probe's pause between two requests (ten times a usual probe's pace): a hundred a second.
 PROBE_PERIOD = 1.0
 
@@ -86,13 +87,15 @@ async def dispatcher(
 
 
 @pytest.mark.serial
-@pytest.mark.timeout(300)  # six drains of 3,000 rows on a shared machine
+@pytest.mark.timeout(300)  # four drains of 3,000 rows on a shared machine
 async def test_a_hundred_probing_clients_barely_slow_a_drain(
     dispatcher: tuple[DispatcherProcess, int], store: MySQLStore
 ) -> None:
-    _, port = dispatcher
-    plain: list[float] = []
-    probed: list[float] = []
+    """What the probes cost is measured as the dispatcher's CPU time per drain, which a busy
+    neighbour on the machine barely moves (its wall time it moves by a quarter and more)."""
+    process, port = dispatcher
+    plain: list[tuple[float, float]] = []  # (seconds, CPU seconds) per drain
+    probed: list[tuple[float, float]] = []
     probes_answered = 0
 
     async def probe(stop: anyio.Event) -> None:
@@ -120,12 +123,22 @@ async def test_a_hundred_probing_clients_barely_slow_a_drain(
             if with_probes:
                 for _ in range(CLIENTS):
                     tg.start_soon(probe, stop)
+            cpu = _cpu_seconds(process.proc.pid)
             took = await _drain(store, f"r{round_}")
             stop.set()
-        (probed if with_probes else plain).append(took)
+        (probed if with_probes else plain).append((took, _cpu_seconds(process.proc.pid) - cpu))
     assert probes_answered > CLIENTS * ALTERNATIONS
-    ratio = min(probed) / min(plain)
-    assert ratio < 1.10, f"drains without probes {plain}, with {probed}: {ratio:.2f}"
+    cost = min(cpu for _, cpu in probed) / min(cpu for _, cpu in plain)
+    slower = min(took for took, _ in probed) / min(took for took, _ in plain)
+    figures = f"drains (s, CPU s) without probes {plain}, with {probed}"
+    assert cost < 1.10, f"{figures}: CPU x{cost:.2f}"
+    assert slower < 1.5, f"{figures}: wall time x{slower:.2f}"  # loosely: the machine is shared
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _ready(client: httpx.AsyncClient) -> bool:
