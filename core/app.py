@@ -124,6 +124,7 @@ def _dispatchers(
     dispatchers = []
     if lanes.im.sinks:
         options = _options(settings, IM_LANE)
+        store.claim_after_ms = int(delivery_settings(settings, IM_LANE).claim_after * 1000)
         dispatchers.append(
             Dispatcher(store, lanes.im, options, identity, redactor, telemetry, health=health.lane(IM_LANE))
         )

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pluggy
 
-from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH
+from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH, longest_claim_id
 from room_outbox.config import Settings
 from room_outbox.consume.registry import check_consumers
 from room_outbox.delivery.routing import validate_sinks
@@ -100,7 +100,7 @@ async def open_checked_store(settings: Settings, own_lanes: list[str]) -> SQLSto
     )
     try:
         with translated(describe(store_address(database.dsn.get_secret_value()))):
-            await check_schema(store, own_lanes)
+            await check_schema(store, own_lanes, longest_claim_id(settings.node_id))
     except BaseException:
         await store.aclose()
         raise

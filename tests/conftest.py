@@ -89,6 +89,15 @@ async def store(database_dsn: str) -> AsyncIterator[MySQLStore]:
 
 
 @pytest.fixture(autouse=True)
+def rows_claimable_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings built in the test process claim the rows tests insert at once
+    (``outbox_worker.claim_after`` 0): nothing here pushes them synchronously the way
+    room-service does. tests/store/test_claim_after.py and tests/faults/test_producer_race.py
+    test the wait; processes started with a configuration of their own keep its default."""
+    monkeypatch.setenv("ROOM_OUTBOX__OUTBOX_WORKER__CLAIM_AFTER", "0s")
+
+
+@pytest.fixture(autouse=True)
 def restore_root_logging() -> Iterator[None]:
     """Commands run in-process (``main([...])``) install the JSON log handler on the root
     logger; put the root logger back so one test's logging set-up never leaks into the next."""

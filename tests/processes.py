@@ -74,11 +74,14 @@ class FakeIMProcess:
 def write_config(
     path: Path, dsn: str, fake: FakeIMProcess, sections: dict[str, dict[str, Any]] | None = None, **worker: Any
 ) -> Path:
-    """A `room-outbox run` configuration; ``worker`` goes to outbox_worker, ``sections`` are
-    merged into the other sections (``{"mysql": {"query_timeout": "1s"}}``)."""
+    """A `room-outbox run` configuration; ``worker`` goes to outbox_worker (a key given None:
+    left to its default), ``sections`` are merged into the other sections
+    (``{"mysql": {"query_timeout": "1s"}}``). Rows are claimable at once (``claim_after`` 0):
+    nothing here pushes them synchronously."""
+    worker = {"poll_interval": "100ms", "publish_timeout": "1s", "lease": "3s", "claim_after": "0s", **worker}
     config: dict[str, Any] = {
         "mysql": {"dsn": dsn, "pool_size": 4},
-        "outbox_worker": {"poll_interval": "100ms", "publish_timeout": "1s", "lease": "3s", **worker},
+        "outbox_worker": {key: value for key, value in worker.items() if value is not None},
         "sinks": {"tencent_im": {"base_url": fake.base_url, "sdkappid": DEV_SDKAPPID}},
         "log": {"level": "INFO"},
     }

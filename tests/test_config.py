@@ -108,6 +108,18 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
     assert settings.sinks["tencent_im"]["secret_key"] == "k" * 16
 
 
+def test_claim_after_defaults_to_five_seconds_and_takes_a_duration(tmp_path: Path) -> None:
+    assert load_settings().outbox_worker.claim_after == 5.0
+    assert load_settings(write(tmp_path, "outbox_worker:\n  claim_after: 0s\n")).outbox_worker.claim_after == 0.0
+    lane = load_settings(write(tmp_path, "outbox_worker:\n  lanes: {im: {claim_after: 1500ms}}\n"))
+    assert lane.outbox_worker.for_lane("im").claim_after == 1.5
+
+
+def test_a_negative_claim_after_stops_start_up_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"outbox_worker\.claim_after"):
+        load_settings(write(tmp_path, "outbox_worker:\n  claim_after: -1s\n"))
+
+
 def test_batch_size_is_bounded(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"outbox_worker\.batch_size"):
         load_settings(write(tmp_path, "outbox_worker:\n  batch_size: 50000\n"))

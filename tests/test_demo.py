@@ -12,7 +12,7 @@ import anyio
 import pytest
 from support import V1_DDL, envelope, fetch_rows, insert_events
 
-from room_outbox.cli.demo import DemoOptions, plan_commands, run_demo, verify
+from room_outbox.cli.demo import DemoOptions, Tally, plan_commands, race_report, run_demo, verify
 from room_outbox.cli.main import main
 from room_outbox.envelope import EventEnvelope
 from room_outbox.store.factory import open_store
@@ -36,6 +36,8 @@ def test_the_default_demo_runs_on_a_bare_machine_verified_and_short(tmp_path: Pa
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "verified in" in done.stdout and "FAILED" not in done.stdout
     assert "200/200 events published" in done.stdout
+    # claim_after's default leaves the rows the room service pushed itself to it
+    assert "the dispatcher sent 0 requests for the" in done.stdout
     assert took < 20, f"the default demo took {took:.1f}s"
     assert done.stderr == ""  # log lines go to the demo's own log file, not over the table
     # Not a terminal: the table once, at the end; before it only plain progress lines.
@@ -63,7 +65,29 @@ def test_without_ordering_the_order_check_is_left_out(capsys: pytest.CaptureFixt
     assert "per-room order" not in out and "30/30 events published" in out
 
 
-@pytest.mark.parametrize("args", [["--failure-rate", "1"], ["--failure-rate", "-0.1"], ["--events", "5"]])
+def test_the_race_report_counts_requests_for_pushed_events_and_the_wait_of_the_others() -> None:
+    tally = Tally()
+    for event_id, event_type in (("a", "RoomUserJoined"), ("b", "RoomUserJoined"), ("c", "RoomCreated")):
+        tally.events[event_id] = EventEnvelope(event_id=event_id, event_type=event_type, room_id="r_1")
+        tally.committed_at[event_id] = 10.0
+    tally.pushed |= {"a", "c"}
+    tally.im_requests.update({"a": 2, "b": 1})
+    tally.delivered_at.update({"a": 10.1, "b": 11.5, "c": 10.0})
+    report = race_report(tally, 5.0, NOOP)
+    assert "claim_after 5s: the dispatcher sent 2 requests for the 1 IM events the room service had pushed" in report
+    assert "1 IM events the room service did not push: delivered 1.50s (median) and 1.50s (at most)" in report
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--failure-rate", "1"],
+        ["--failure-rate", "-0.1"],
+        ["--events", "5"],
+        ["--claim-after", "soon"],
+        ["--claim-after=-1s"],
+    ],
+)
 def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", *args]) == 2
     assert "room-outbox demo: --" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from typing import Any
@@ -53,7 +54,11 @@ async def test_success_failure_latency_and_batch_size(store: MySQLStore) -> None
 
 
 @pytest.mark.anyio
-async def test_a_row_published_by_the_producer_mid_delivery_counts_as_a_lost_lease(store: MySQLStore) -> None:
+async def test_a_row_published_by_the_producer_mid_delivery_is_told_apart_from_a_takeover(
+    store: MySQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The producer's own push won the race: counted under its own cause, logged at INFO, no
+    WARNING; nothing counted as taken over."""
     await insert_events(store, [envelope("e1")])
     captured = capture()
 
@@ -64,8 +69,43 @@ async def test_a_row_published_by_the_producer_mid_delivery_counts_as_a_lost_lea
 
     dispatcher = make_dispatcher(store, ProducerWins())
     dispatcher.telemetry = captured.telemetry
-    await dispatcher.run_until_empty()
-    assert captured.value("room_outbox_lost_leases_total", detected_at="result_write") == 1
+    with caplog.at_level(logging.INFO, logger="room_outbox"):
+        await dispatcher.run_until_empty()
+    lost = captured.value
+    assert lost("room_outbox_lost_leases_total", detected_at="result_write", cause="published_by_producer") == 1
+    assert lost("room_outbox_lost_leases_total", detected_at="result_write", cause="taken_over") == 0
+    (record,) = [r for r in caplog.records if "result not recorded" in r.getMessage()]
+    assert record.levelno == logging.INFO and "producer already published" in record.getMessage()
+
+
+@pytest.mark.anyio
+async def test_a_row_taken_over_by_another_claim_counts_as_a_lost_lease(
+    store: MySQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another claim took the row mid-delivery (this process's lease ran out) and published
+    it: a fault, counted as taken over and logged at WARNING, even though the row ends
+    published."""
+    await insert_events(store, [envelope("e1")])
+    captured = capture()
+
+    class TakenOver(RecordingSink):
+        async def deliver(self, env: Any) -> None:
+            async with store.transaction() as cur:  # another process's claim, then its published result
+                await cur.execute(
+                    "UPDATE room_outbox SET worker_id = 'other#1', status = 'published' WHERE event_id = %s",
+                    (env.event_id,),
+                )
+                await cur.execute("UPDATE room_outbox SET worker_id = NULL WHERE event_id = %s", (env.event_id,))
+
+    dispatcher = make_dispatcher(store, TakenOver())
+    dispatcher.telemetry = captured.telemetry
+    with caplog.at_level(logging.INFO, logger="room_outbox"):
+        await dispatcher.run_until_empty()
+    lost = captured.value
+    assert lost("room_outbox_lost_leases_total", detected_at="result_write", cause="taken_over") == 1
+    assert lost("room_outbox_lost_leases_total", detected_at="result_write", cause="published_by_producer") == 0
+    (record,) = [r for r in caplog.records if "result not recorded" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "taken over" in record.getMessage()
 
 
 @pytest.mark.anyio

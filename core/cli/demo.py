@@ -14,6 +14,11 @@ runs; then the run is verified:
 * with per-room ordering (the default here), the dispatcher delivered each room's events in
   ``room_version`` order.
 
+It also reports what the race with the room service's own push costs: the requests the
+dispatcher sent for events the room service had pushed itself (``outbox_worker.claim_after``
+keeps it from claiming rows younger than that, ``--claim-after``), and how long after their
+commit the events the room service did not push reached IM.
+
 Exit code 0 only when all of these hold, 1 when one does not, 2 for bad arguments.
 
 The demo delivers every pending row of the outbox it runs on, so ``--db`` must name a database
@@ -43,7 +48,7 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from room_outbox.config import ConfigError, Settings
+from room_outbox.config import ConfigError, OutboxWorkerSettings, Settings, parse_duration
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.delivery.routing import Router, build_router
@@ -67,6 +72,8 @@ IM_SINK = SINK_NAME
 #: Under this the fake IM would answer every request: the default makes compensation visible.
 DEFAULT_FAILURE_RATE = 0.2
 DEFAULT_EVENTS = 200
+#: The room-outbox default (V1's hybrid deployment: the room service pushes every event).
+DEFAULT_CLAIM_AFTER = OutboxWorkerSettings.model_fields["claim_after"].default
 #: Every event_id the demo makes starts with this: rows without it are someone else's.
 RUN_PREFIX = "demo-"
 
@@ -87,6 +94,8 @@ class DemoOptions:
     timeout: float = 60.0
     #: Seconds over which the commands are spread (so the live table has something to show).
     produce_over: float = 3.0
+    #: ``outbox_worker.claim_after``: the age a row must reach before the dispatcher claims it.
+    claim_after: float = DEFAULT_CLAIM_AFTER
 
 
 # -- the simulated room service ---------------------------------------------------------------
@@ -159,21 +168,45 @@ class Tally:
     events: dict[str, EventEnvelope] = field(default_factory=dict)
     #: Dispatcher attempts: (room_id, room_version, event_id, succeeded), in order.
     attempts: list[tuple[str, int, str, bool]] = field(default_factory=list)
+    #: Events the room service pushed to IM itself.
+    pushed: set[str] = field(default_factory=set)
+    #: Requests the dispatcher sent to IM, by event_id.
+    im_requests: Counter[str] = field(default_factory=Counter)
+    #: event_id → when it was committed, and when the dispatcher first delivered it (monotonic).
+    committed_at: dict[str, float] = field(default_factory=dict)
+    delivered_at: dict[str, float] = field(default_factory=dict)
     _numbers: Iterator[int] = field(default_factory=itertools.count)
 
     def next_event_id(self, run_id: str) -> str:
         return f"{run_id}-{next(self._numbers):05d}"
+
+    @property
+    def sent_again(self) -> int:
+        """Requests the dispatcher sent for events the room service had pushed itself."""
+        return sum(n for event_id, n in self.im_requests.items() if event_id in self.pushed)
+
+    def not_pushed_delays(self) -> list[float]:
+        """Seconds from commit to the dispatcher's delivery of each IM event the room service
+        did not push (its push failed or was never tried), sorted."""
+        return sorted(
+            at - self.committed_at[event_id]
+            for event_id, at in self.delivered_at.items()
+            if event_id not in self.pushed and event_id in self.committed_at and self.im_requests[event_id]
+        )
 
 
 class _ObservedSink:
     """The dispatcher's view of a sink: records each attempt (for the live table and the
     per-room order check), delivers through the real sink, owns nothing."""
 
-    def __init__(self, inner: Sink, tally: Tally) -> None:
+    def __init__(self, name: str, inner: Sink, tally: Tally) -> None:
+        self._name = name
         self._inner = inner
         self._tally = tally
 
     async def deliver(self, envelope: EventEnvelope) -> None:
+        if self._name == IM_SINK:
+            self._tally.im_requests[envelope.event_id] += 1
         try:
             await self._inner.deliver(envelope)
         except BaseException:
@@ -183,6 +216,8 @@ class _ObservedSink:
 
     def _record(self, envelope: EventEnvelope, ok: bool) -> None:
         self._tally.attempts.append((envelope.room_id, envelope.room_version or 0, envelope.event_id, ok))
+        if ok:
+            self._tally.delivered_at.setdefault(envelope.event_id, time.monotonic())
 
     async def aclose(self) -> None:
         return None  # the shared router closes the real sink
@@ -223,8 +258,10 @@ async def run_room(
                         store.dialect,
                     )
                 )
+        committed = time.monotonic()
         for event in events:
             tally.events[event.event_id] = event
+            tally.committed_at[event.event_id] = committed
         tally.commands += 1
         tally.committed += len(events)
         for event in events:
@@ -234,6 +271,7 @@ async def run_room(
             outcome = await producer.publish_committed(event)
             if outcome.published:
                 tally.pushed_ok += 1
+                tally.pushed.add(event.event_id)
             else:
                 tally.push_failed += 1
         await anyio.sleep(pause)  # pacing the simulation, not waiting for anything
@@ -277,7 +315,8 @@ def render(tally: Tally, snap: Snapshot, total: int, elapsed: float) -> list[str
         f"  outbox     [{'#' * filled}{'.' * (width - filled)}] {published}/{total} published   {elapsed:5.1f}s",
         f"  commands   {tally.commands} committed, {tally.committed} events"
         + ("" if tally.produced_all else " (room service running)"),
-        f"  sync push  {tally.pushed_ok} ok, {tally.push_failed} failed, {tally.push_skipped} never tried",
+        f"  sync push  {tally.pushed_ok} ok, {tally.push_failed} failed, {tally.push_skipped} never tried;"
+        f" {tally.sent_again} sent again by the dispatcher",
         f"  outbox     {snap.pending} pending, {published} published, {snap.statuses.get('failed', 0)} parked",
         f"  dispatcher {sum(1 for *_, ok in tally.attempts if ok)} delivered, {snap.retries} failed attempts (retried)",
         f"  fake IM    {snap.im_requests} requests, {snap.im_rejected} failed on purpose, "
@@ -447,8 +486,9 @@ async def _run(
             try:
                 tally = Tally()
                 lane_router = dataclasses.replace(
-                    router, sinks={name: _ObservedSink(sink, tally) for name, sink in router.sinks.items()}
+                    router, sinks={name: _ObservedSink(name, sink, tally) for name, sink in router.sinks.items()}
                 )
+                store.claim_after_ms = int(options.claim_after * 1000)
                 dispatcher = Dispatcher(
                     store,
                     lane_router,
@@ -547,6 +587,7 @@ async def _drive(
     out.write("\nverification\n")
     for check in checks:
         out.write(f"  {'ok    ' if check.ok else 'FAILED'} {check.text}\n")
+    out.write(race_report(tally, options.claim_after, router.routes))
     verified = all(check.ok for check in checks) and not timed_out
     compensated = tally.push_failed + tally.push_skipped
     if verified:
@@ -559,6 +600,26 @@ async def _drive(
         reason = f"not all events were published within {options.timeout:g}s" if timed_out else "a check failed"
         out.write(f"\nNOT verified: {reason}\n")
     return verified
+
+
+def race_report(tally: Tally, claim_after: float, routes: Mapping[str, str]) -> str:
+    """What the race with the room service's own push cost, in two lines."""
+    pushed_im = sum(1 for event_id in tally.pushed if routes.get(tally.events[event_id].event_type) == IM_SINK)
+    delays = tally.not_pushed_delays()
+    waited = (
+        f"delivered {_quantile(delays, 0.5):.2f}s (median) and {delays[-1]:.2f}s (at most) after their commit"
+        if delays
+        else "none to deliver"
+    )
+    return (
+        f"\nclaim_after {claim_after:g}s: the dispatcher sent {tally.sent_again} requests for the {pushed_im} IM events"
+        f" the room service had pushed itself\n"
+        f"  {len(delays)} IM events the room service did not push: {waited}\n"
+    )
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 # -- command line -----------------------------------------------------------------------------
@@ -587,6 +648,12 @@ def add_demo_parser(commands: Any) -> None:
     parser.add_argument(
         "--ordering", choices=("per_room", "none"), default="per_room", help="dispatcher ordering (default per_room)"
     )
+    parser.add_argument(
+        "--claim-after",
+        default=f"{DEFAULT_CLAIM_AFTER:g}s",
+        help="the age a row must reach before the dispatcher claims it (outbox_worker.claim_after;"
+        f" default {DEFAULT_CLAIM_AFTER:g}s, 0 to race the room service's push)",
+    )
     parser.add_argument("--seed", type=int, help="random seed, to repeat a run")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (SQLite file, JSON log)")
 
@@ -599,7 +666,16 @@ def run_demo_command(args: argparse.Namespace, out: IO[str] | None = None) -> in
     if not 10 <= args.events <= 100_000:
         print("room-outbox demo: --events must be between 10 and 100000", file=sys.stderr)
         return 2
+    try:
+        claim_after = parse_duration(args.claim_after)
+    except ValueError as exc:
+        print(f"room-outbox demo: --claim-after: {exc}", file=sys.stderr)
+        return 2
+    if claim_after < 0:
+        print("room-outbox demo: --claim-after must not be negative", file=sys.stderr)
+        return 2
     options = DemoOptions(
+        claim_after=claim_after,
         db=args.db,
         events=args.events,
         failure_rate=args.failure_rate,

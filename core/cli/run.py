@@ -140,6 +140,8 @@ async def print_migration(settings: Settings, pm: pluggy.PluginManager) -> int:
         print("-- schema already up to date: no statement to run")
     for step in plan:
         print(f"\n-- {would(step.change)}")
+        if step.repeat:
+            print("-- (a batch: run it again, each time on its own, until it changes no row)")
         for statement in step.statements:
             print(statement.strip().rstrip(";") + ";")
     return 0
@@ -151,6 +153,8 @@ _WOULD = {
     "added": "would add",
     "ran": "would run",
     "rebuilt": "would rebuild",
+    "set": "would set",
+    "made": "would make",
 }
 
 

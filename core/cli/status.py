@@ -159,7 +159,7 @@ async def inspect_event(store: SQLStore, event_id: str) -> dict[str, Any] | None
         mismatches = [
             f"envelope {name} {getattr(envelope, name)!r} differs from the row's {seen[name]!r}"
             for name in ("event_id", "event_type", "room_id", "app_code")
-            if getattr(envelope, name) != seen[name]
+            if getattr(envelope, name) != seen[name] and not (name == "app_code" and seen[name] == "")
         ]
         if mismatches:
             doc["envelope_error"] = "; ".join(mismatches)

@@ -22,6 +22,12 @@ TOKEN_DIGITS = 8
 MAX_NODE_ID_LENGTH = 128 - len(SEPARATOR) - TOKEN_DIGITS - len("#") - 18
 
 
+def longest_claim_id(node_id: str) -> int:
+    """How long the claim ids of a process started with ``node_id`` may grow: its identity,
+    ``#`` and the claim number :data:`MAX_NODE_ID_LENGTH` allows for."""
+    return len(node_id) + 128 - MAX_NODE_ID_LENGTH
+
+
 def process_identity(node_id: str) -> str:
     """A new identity for a process started with ``node_id``."""
     return f"{node_id}{SEPARATOR}{secrets.token_hex(TOKEN_DIGITS // 2)}"

@@ -459,7 +459,11 @@ class Dispatcher:
         except EnvelopeError as exc:
             raise _BadEvent(str(exc), "bad_envelope") from exc
         # app_code too: the sink picks credentials by the envelope's, ordering goes by the row's.
+        # A row whose app_code is '' (the default of a column its producer never writes) has
+        # none of its own: the envelope's stands, and its rooms are ordered with the default app's.
         for name in ("event_id", "event_type", "room_id", "app_code"):
+            if name == "app_code" and row.app_code == "":
+                continue
             if getattr(envelope, name) != getattr(row, name):
                 mismatch = f"envelope {name} {getattr(envelope, name)!r} differs from the row's {getattr(row, name)!r}"
                 raise _BadEvent(mismatch, "bad_envelope")
@@ -488,7 +492,7 @@ class Dispatcher:
                         self.telemetry.leases_lost(max(0, gone - lost.get(claim, 0)), "renewal")
                         lost[claim] = max(lost.get(claim, 0), gone)
                         log.warning(
-                            "lease lost on some rows (published by the producer or taken over)",
+                            "lease lost on some rows (taken over by another claim)",
                             extra={"claim": claim, "rows": len(row_ids), "held": held},
                         )
 
@@ -504,12 +508,18 @@ class Dispatcher:
             )
 
     def _report_stale(self, stale: Sequence[DeliveryResult]) -> None:
-        self.telemetry.leases_lost(len(stale), "result_write")
+        """Results not written. A row the producer published itself meanwhile is the normal
+        end of a race with its own push (INFO); a row another claim took over is a fault: a
+        paused process or a lease too short for its batch (WARNING)."""
+        by_producer = [r for r in stale if r.published_by_producer]
+        self.telemetry.leases_lost(len(by_producer), "result_write", "published_by_producer")
+        self.telemetry.leases_lost(len(stale) - len(by_producer), "result_write", "taken_over")
         for result in stale:
-            log.warning(
-                "result not recorded: the claim no longer holds the row (lease taken over or already published)",
-                extra={"event_id": result.event_id, "claim": result.claim, "outcome": result.outcome.value},
-            )
+            fields = {"event_id": result.event_id, "claim": result.claim, "outcome": result.outcome.value}
+            if result.published_by_producer:
+                log.info("result not recorded: the producer already published the row", extra=fields)
+            else:
+                log.warning("result not recorded: the claim no longer holds the row (lease taken over)", extra=fields)
 
     def _short(self, text: str) -> str:
         return redact_and_shorten(self.redactor, text, LAST_ERROR_MAX)

@@ -10,7 +10,7 @@ name                                           kind       attributes
 ``room_outbox_publish_failure_total``          counter    sink, event_type, error_class
 ``room_outbox_publish_latency_ms``             histogram  sink, event_type, outcome
 ``room_outbox_claimed_batch_size``             histogram  one observation per claim round
-``room_outbox_lost_leases_total``              counter    detected_at (renewal, result_write)
+``room_outbox_lost_leases_total``              counter    detected_at (renewal, result_write), cause
 ``room_outbox_consumer_lag``                   gauge      consumer, topic, partition
 ``room_outbox_consumer_handled_total``         counter    consumer, handler, outcome
 ``room_outbox_consumer_retried_total``         counter    consumer, handler
@@ -62,6 +62,11 @@ ROUTING_ERROR_CLASSES = ("bad_envelope", "no_route")
 SINK_ERROR_CLASSES = ("timeout", "permanent", "retryable", "sink_bug")
 #: ``detected_at`` of a lost lease.
 LEASE_LOSS_POINTS = ("renewal", "result_write")
+#: ``cause`` of a lost lease: ``taken_over`` (another claim holds the row: a paused process,
+#: a lease too short; a fault) or ``published_by_producer`` (room-service's own push
+#: succeeded while this claim held the row; not a fault). A renewal counts only the first.
+LEASE_LOSS_CAUSES = ("taken_over", "published_by_producer")
+LEASE_LOSSES = (("renewal", "taken_over"), *(("result_write", cause) for cause in LEASE_LOSS_CAUSES))
 
 
 class OutboxMetrics:
@@ -97,7 +102,7 @@ class OutboxMetrics:
         self.lost_leases = meter.create_counter(
             "room_outbox_lost_leases_total",
             unit="{event}",
-            description="Claimed rows this process no longer held (taken over or published by the producer).",
+            description="Claimed rows this process no longer held, by cause (taken over, published by the producer).",
         )
 
     def start_at_zero(self, routes: Iterable[tuple[str, str]]) -> None:
@@ -113,8 +118,8 @@ class OutboxMetrics:
         for event_type in sorted(event_types):
             for error_class in ROUTING_ERROR_CLASSES:
                 self.failure.add(0, {"sink": "-", "event_type": event_type, "error_class": error_class})
-        for point in LEASE_LOSS_POINTS:
-            self.lost_leases.add(0, {"detected_at": point})
+        for point, cause in LEASE_LOSSES:
+            self.lost_leases.add(0, {"detected_at": point, "cause": cause})
 
 
 class ConsumerMetrics:

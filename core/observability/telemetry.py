@@ -167,11 +167,12 @@ class Telemetry:
         if self.metrics_enabled:
             self.metrics.claimed.record(rows)
 
-    def leases_lost(self, rows: int, detected_at: str) -> None:
+    def leases_lost(self, rows: int, detected_at: str, cause: str = "taken_over") -> None:
         """``detected_at``: ``renewal`` (the renewal found rows gone) or ``result_write``
-        (a result could not be written because the claim no longer held the row)."""
+        (a result could not be written because the claim no longer held the row); ``cause``:
+        ``taken_over`` or ``published_by_producer`` (see ``LEASE_LOSS_CAUSES``)."""
         if rows > 0 and self.metrics_enabled:
-            self.metrics.lost_leases.add(rows, {"detected_at": detected_at})
+            self.metrics.lost_leases.add(rows, {"detected_at": detected_at, "cause": cause})
 
     def backlog(self, pending: int, oldest_pending_age_ms: int, lane: str = "im") -> None:
         labels = {"lane": lane}

@@ -45,6 +45,9 @@ class DeliveryResult:
     error: str | None = None
     #: For FAILED: not claimable again before this time (epoch ms).
     retry_at_ms: int = 0
+    #: Set on a stale result whose row the producer published while this claim still held
+    #: it (room-service's own push succeeded): not a lease lost to another process.
+    published_by_producer: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +96,8 @@ class OutboxStore(Protocol):
         """Record results in one transaction; return the stale ones."""
 
     async def renew(self, claim: str, row_ids: Sequence[int], lease_until_ms: int) -> int:
-        """Extend the lease of rows still held by ``claim``; return how many are."""
+        """Extend the lease of rows still held by ``claim``; return how many are, counting the
+        rows the producer published while ``claim`` held them (none lost to another claim)."""
 
     async def aclose(self) -> None:
         """Close the connection pool."""

@@ -46,7 +46,12 @@ class Dialect:
     columns_sql: str
     #: Names of a table's (``%s``) indexes.
     indexes_sql: str
+    #: SQL: the database's clock, in epoch ms (one clock for every process that compares times).
+    now_ms: str
     capabilities: frozenset[str]
+    #: A locking scan locks each row it reads before checking the rest of its WHERE (InnoDB);
+    #: PostgreSQL locks only the rows that pass.
+    locks_before_filtering: bool = False
     #: Ends an ``ALTER TABLE … ADD COLUMN`` on a table already there: the algorithm that adds
     #: the column without copying the table (the server refuses the statement otherwise).
     online_column: str = ""
@@ -81,7 +86,9 @@ MYSQL = Dialect(
     " AND TABLE_NAME = %s ORDER BY ORDINAL_POSITION",
     indexes_sql="SELECT DISTINCT INDEX_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE()"
     " AND TABLE_NAME = %s",
+    now_ms="CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
     capabilities=frozenset({ROW_LOCKS, PLUGIN_SCHEMA}),
+    locks_before_filtering=True,
     online_column=", ALGORITHM=INSTANT",
     online_index=", ALGORITHM=INPLACE, LOCK=NONE",
 )
@@ -99,6 +106,7 @@ POSTGRESQL = Dialect(
     columns_sql="SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
     " AND table_name = %s ORDER BY ordinal_position",
     indexes_sql="SELECT indexname FROM pg_indexes WHERE schemaname = current_schema() AND tablename = %s",
+    now_ms="CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)",
     capabilities=frozenset({ROW_LOCKS}),
 )
 
@@ -115,6 +123,7 @@ SQLITE = Dialect(
     tables_sql="SELECT name FROM sqlite_master WHERE type = 'table'",
     columns_sql="SELECT name FROM pragma_table_info(%s) ORDER BY cid",
     indexes_sql="SELECT name FROM pragma_index_list(%s)",
+    now_ms="CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)",
     capabilities=frozenset(),
 )
 

@@ -116,3 +116,19 @@ def _reason(exc: BaseException, password: str) -> str:
     text = str(args[1]) if len(args) > 1 and isinstance(args[0], int) else str(exc) or type(exc).__name__
     text = " ".join(text.split())
     return text.replace(password, "***") if password else text
+
+
+#: MySQL errors of a value the column cannot take: NULL into NOT NULL, out of range, not a
+#: member of the ENUM (truncated), a wrong value, too long, a CHECK constraint (MySQL, MariaDB).
+_REFUSED_VALUE = {1048, 1264, 1265, 1366, 1406, 3819, 4025}
+
+
+def refused_value(exc: BaseException) -> str | None:
+    """Why the database refused a value of one row (its words, on one line), or None when the
+    error is something else (a lost connection, a deadlock, a timeout): one row's problem, not
+    the database's."""
+    if isinstance(exc, pymysql.err.Error) and exc.args and exc.args[0] in _REFUSED_VALUE:
+        return _reason(exc, "")
+    if isinstance(exc, psycopg.errors.DataError | psycopg.errors.IntegrityError | sqlite3.IntegrityError):
+        return _reason(exc, "")
+    return None

@@ -57,6 +57,8 @@ class SQLStore(OutboxStore, Protocol):
 
     #: The room buckets this process may claim (the membership's on a server; None on SQLite).
     room_buckets: BucketReader | None
+    #: The age (ms) the producer's rows must reach before a claim takes them (``outbox_worker.claim_after``).
+    claim_after_ms: int
 
     @property
     def profile(self) -> Profile:

@@ -10,24 +10,33 @@ on the ``(status, lock_until_ms, key)`` index that stops after ``limit`` rows, h
 published rows, leased rows or rows waiting for a retry the table holds. A claim limited to
 room buckets (per-room ordering with several processes, :mod:`.membership`) reads the same
 range and checks the bucket, the index's last column on a server, in the index entries.
+With ``claim_after`` the IM lane leaves the producer's youngest rows to its own push
+(:meth:`LeasedRows._due_ranges`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
+from room_outbox.store.column_checks import LAST_ERROR_MAX as LAST_ERROR_MAX  # defined below leased, used by both
 from room_outbox.store.dialect import MYSQL, Dialect
 from room_outbox.store.dialect import marks as _marks
+from room_outbox.store.errors import refused_value
 from room_outbox.store.profiles import V1, Profile
 from room_outbox.store.tables import ROOM_INDEX, TABLE, claim_index
 
 #: Reads the room buckets a claim may take, with the claim's cursor (``None``: every room).
 BucketReader = Callable[[Any], Awaitable[list[int] | None]]
-LAST_ERROR_MAX = 512
+#: A row whose result the database refused is due again this long after at the soonest.
+REFUSED_RETRY_MS = 60_000
+
+log = logging.getLogger("room_outbox.store")
 
 
 def now_ms() -> int:
@@ -35,19 +44,27 @@ def now_ms() -> int:
 
 
 def claim_sql(
-    table: str, key: str, envelope: str, lock: str, profile: Profile = V1, buckets: int = 0, hint: str = ""
+    table: str,
+    key: str,
+    envelope: str,
+    lock: str,
+    profile: Profile = V1,
+    buckets: int = 0,
+    hint: str = "",
+    due: str = "",
 ) -> str:
     """The claim scan of one lane's table (see the module docstring). ``buckets``: how many
-    room buckets the scan is limited to (placeholders after the time; 0: every room), checked
-    in the claim index's entries, whose last column is the bucket (``hint``: the dialect's
-    ``index_hint``, which makes sure of that on MySQL)."""
+    room buckets the scan is limited to (placeholders after the due condition's; 0: every
+    room), checked in the claim index's entries, whose last column is the bucket (``hint``:
+    the dialect's ``index_hint``, which makes sure of that on MySQL). ``due``: the rows taken,
+    with one placeholder (default ``lock <= now``; see :meth:`LeasedRows._due_ranges`)."""
     p = profile
     only = f" AND room_bucket IN ({_marks(range(buckets))})" if buckets else ""
     forced = hint.format(index=claim_index(table)[0])
     return (
         f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts}"
         f" FROM {table}{forced}"
-        f" WHERE {p.is_open()} AND {p.lock} <= {p.ms('%s')}{only} ORDER BY {p.lock}, {key} LIMIT %s{lock}"
+        f" WHERE {p.is_open()} AND {due or p.lock + ' <= ' + p.ms('%s')}{only} ORDER BY {p.lock}, {key} LIMIT %s{lock}"
     )
 
 
@@ -86,6 +103,11 @@ class LeasedRows:
     #: (:mod:`.membership`, MySQL and PostgreSQL); unset, every process claims every room and per-room
     #: order rests on the hold-back alone (PostgreSQL, SQLite).
     room_buckets: BucketReader | None = None
+    #: Rows the producer wrote are claimed only once this old (ms, by their creation time
+    #: against the database's clock): room-service pushes each event itself right after its
+    #: commit and then marks it published; a claim before that would send it a second time.
+    #: Rows waiting for a retry or a lease's end are due by ``lock`` alone. 0: at once.
+    claim_after_ms: int = 0
 
     def use_profile(self, profile: Profile) -> None:
         """Keep the IM lane's state in ``profile``'s table and words (``database.profile``)."""
@@ -98,9 +120,52 @@ class LeasedRows:
         """A cursor taking ``%s`` placeholders in a transaction, committed when the block ends."""
         raise NotImplementedError
 
-    @property
-    def _claim_sql(self) -> str:
-        return claim_sql(self.table, self.key, self.envelope_column, self.dialect.row_lock, self.profile)
+    async def _due_ranges(self, cur: Any, limit: int, buckets: Sequence[int] | None) -> list[tuple[str, int]]:
+        """What a claim takes, in its order: due conditions for :func:`claim_sql`, each with
+        its parameter, read one after the other while the batch is not full.
+
+        Without ``claim_after_ms``: ``lock <= now``. With it, the rows the producer wrote that
+        no claim has taken yet must be that old too. Where a locking scan locks every row it
+        reads (MySQL), and those rows all sit at ``lock`` 0 (v1, room_cell), so that the claim
+        index orders them by key ahead of every other row, they are taken up to a key bound,
+        then the rows due by ``lock``: two exact ranges of the index, which never reach, let
+        alone lock, a younger row. Elsewhere the creation time is checked on the rows of the
+        ``lock <= now`` range: the young pending rows are read, not locked (PostgreSQL locks
+        only the rows that pass)."""
+        p = self.profile
+        lock_due = f"{p.lock} <= {p.ms('%s')}"
+        if self.claim_after_ms <= 0:
+            return [(lock_due, now_ms())]
+        if self.dialect.locks_before_filtering and p.fresh_at_cleared_lock:
+            bound = await self._fresh_bound(cur, limit, buckets)
+            return [
+                (f"{p.lock} = {p.lock_cleared} AND {self.key} <= %s", bound),
+                (f"{p.lock} > {p.lock_cleared} AND {lock_due}", now_ms()),
+            ]
+        claimed_before = f"{p.lock} > {p.lock_cleared}" if p.fresh_at_cleared_lock else f"status <> '{p.fresh}'"
+        old_enough = f"{p.created} <= {p.ms(f'({self.dialect.now_ms} - {int(self.claim_after_ms)})')}"
+        return [(f"{lock_due} AND ({claimed_before} OR {old_enough})", now_ms())]
+
+    async def _fresh_bound(self, cur: Any, limit: int, buckets: Sequence[int] | None) -> int:
+        """The key up to which the producer's unclaimed rows are claimable: the last of the
+        first ``limit`` of them (in key order, the claim's) before the first one younger than
+        ``claim_after_ms``; 0: none. Read without locks, so the producer's own update of a young
+        row never waits for it, and never more rows than the claim itself may take."""
+        p = self.profile
+        forced = self.dialect.index_hint.format(index=claim_index(self.table)[0])
+        only = f" AND room_bucket IN ({_marks(buckets)})" if buckets else ""
+        await cur.execute(
+            f"SELECT {self.key}, CASE WHEN {p.created} <= {self.dialect.now_ms} - %s THEN 1 ELSE 0 END"
+            f" FROM {self.table}{forced} WHERE status = '{p.fresh}' AND {p.lock} = {p.lock_cleared}{only}"
+            f" ORDER BY {self.key} LIMIT %s",
+            (self.claim_after_ms, *(buckets or ()), limit),
+        )
+        bound = 0
+        for key, old_enough in await cur.fetchall():
+            if not old_enough:
+                break
+            bound = int(key)
+        return bound
 
     def _room_buckets(self) -> BucketReader | None:
         return self.room_buckets
@@ -125,27 +190,12 @@ class LeasedRows:
             lease_until_ms += await self._before_claim(cur)
             stale = await self._apply_results(cur, results)
             buckets = None if read_buckets is None else await read_buckets(cur)
-            if buckets is None:
-                await cur.execute(self._claim_sql, (now_ms(), limit))
-            elif not buckets:  # none of its own yet (joining), or all handed over
+            if buckets == []:  # none of its own yet (joining), or all handed over
                 return Claimed([], stale, exhausted=True)
-            else:
-                # A locking scan would lock, for a moment, every row it reads, other processes'
-                # rooms' among them, and make their claims skip those rows and hold their rooms
-                # back. So: read without locks, then lock what was found by key.
-                await cur.execute(
-                    claim_sql(
-                        self.table,
-                        self.key,
-                        self.envelope_column,
-                        "",
-                        self.profile,
-                        len(buckets),
-                        self.dialect.index_hint,
-                    ),
-                    (now_ms(), *buckets, limit),
-                )
-            scanned = await cur.fetchall()
+            scanned: list[Sequence[Any]] = []
+            for due, param in await self._due_ranges(cur, limit, buckets):
+                if len(scanned) < limit:
+                    scanned += await self._scan(cur, due, param, limit - len(scanned), buckets)
             exhausted = len(scanned) < limit
             if buckets and scanned:
                 scanned = await self._lock_found(cur, scanned)
@@ -164,6 +214,35 @@ class LeasedRows:
                     (claim, lease_until_ms, *ids),
                 )
         return Claimed(rows, stale, exhausted=exhausted)
+
+    async def _scan(
+        self, cur: Any, due: str, param: int, limit: int, buckets: Sequence[int] | None
+    ) -> list[Sequence[Any]]:
+        """The rows ``due`` (with ``param``) of the claim index's range, up to ``limit``."""
+        if buckets is None:
+            # MySQL's optimizer, left to choose, read the producer's old rows by the (status, id)
+            # index, every pending row with them.
+            hint = self.dialect.index_hint if self.claim_after_ms > 0 else ""
+            sql = claim_sql(
+                self.table, self.key, self.envelope_column, self.dialect.row_lock, self.profile, 0, hint, due
+            )
+            await cur.execute(sql, (param, limit))
+        else:
+            # A locking scan would lock, for a moment, every row it reads, other processes'
+            # rooms' among them, and make their claims skip those rows and hold their rooms
+            # back. So: read without locks, then lock what was found by key.
+            sql = claim_sql(
+                self.table,
+                self.key,
+                self.envelope_column,
+                "",
+                self.profile,
+                len(buckets),
+                self.dialect.index_hint,
+                due,
+            )
+            await cur.execute(sql, (param, *buckets, limit))
+        return list(await cur.fetchall())
 
     async def _lock_found(self, cur: Any, scanned: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
         """Of rows read without locks, those still claimable, locked (others skipped)."""
@@ -211,13 +290,38 @@ class LeasedRows:
         if not row_ids:
             return 0
         async with self.transaction() as cur:
-            return int(
+            held = int(
                 await cur.execute(
                     f"UPDATE {self.table} SET {self.profile.lock} = {self.profile.ms('%s')}"
                     f" WHERE {self.key} IN ({_marks(row_ids)}) AND worker_id = %s AND status = '{self.profile.in_flight}'",
                     (lease_until_ms, *row_ids, claim),
                 )
             )
+            if held < len(row_ids):
+                held += len(await self._published_under(cur, claim, row_ids))
+            return held
+
+    async def _published_under(self, cur: Any, claim: str, row_ids: Sequence[int]) -> set[int]:
+        """Of ``row_ids``, those the producer published while ``claim`` held them: delivered
+        with the claim still in ``worker_id`` (a worker's own write clears it, a takeover
+        replaces it)."""
+        await cur.execute(
+            f"SELECT {self.key} FROM {self.table} WHERE {self.key} IN ({_marks(row_ids)})"
+            f" AND status = '{self.profile.delivered}' AND worker_id = %s",
+            (*row_ids, claim),
+        )
+        return {row[0] for row in await cur.fetchall()}
+
+    async def _tell_producer_published(self, cur: Any, stale: list[DeliveryResult]) -> list[DeliveryResult]:
+        """``stale`` with the results whose row the producer published under their claim marked."""
+        by_producer: set[tuple[int, str]] = set()
+        for claim in sorted({r.claim for r in stale}):
+            ids = sorted({r.row_id for r in stale if r.claim == claim})
+            by_producer |= {(row_id, claim) for row_id in await self._published_under(cur, claim, ids)}
+        return [
+            dataclasses.replace(r, published_by_producer=True) if (r.row_id, r.claim) in by_producer else r
+            for r in stale
+        ]
 
     async def _apply_results(self, cur: Any, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
         """Write results whose claim still holds the row; return the others (stale).
@@ -227,54 +331,126 @@ class LeasedRows:
         statement per claim; only when it matched fewer rows than it was given (a lease taken
         over, an event the producer published or an operator cancelled meanwhile: rare) does
         a second read find out which. Failures are one statement each: they carry their own
-        error text, and each one's row count tells whether it was stale."""
-        now = now_ms()
-        words = self.profile
-        held = f"worker_id = %s AND status = '{words.in_flight}'"  # the fence: still this claim's
+        error text, and each one's row count tells whether it was stale.
+
+        A value one row's columns cannot take (a status the column cannot hold, say) fails
+        only that row's write: a refused statement of several rows is written again row by
+        row, and a refused row is released with the cause in ``last_error``
+        (:meth:`_release_refused`). Otherwise one row would fail its lane's every result
+        write, and every claim that carries them, for ever."""
         stale: list[DeliveryResult] = []
         groups: dict[tuple[str, Outcome], list[DeliveryResult]] = {}
         for result in results:
             groups.setdefault((result.claim, result.outcome), []).append(result)
-        for (claim, outcome), group in sorted(groups.items(), key=lambda item: (item[0][0], item[0][1].value)):
+        for (_claim, outcome), group in sorted(groups.items(), key=lambda item: (item[0][0], item[0][1].value)):
             if outcome in (Outcome.FAILED, Outcome.PARKED):
-                for r in group:
-                    status = f"'{words.parked}'" if outcome is Outcome.PARKED else words.after_failure()
-                    matched = await cur.execute(
-                        f"UPDATE {self.table} SET status = {status}, {words.attempts} = {words.attempts} + 1,"
-                        f" last_error = %s, worker_id = NULL, {words.lock} = {words.ms('%s')},"
-                        f" {words.updated} = {words.ms('%s')} WHERE {self.key} = %s AND {held}",
-                        (
-                            (r.error or "unknown error")[:LAST_ERROR_MAX],
-                            r.retry_at_ms,
-                            now,
-                            r.row_id,
-                            claim,
-                        ),
-                    )
-                    if not matched:
-                        stale.append(r)
-                continue
-            ids = sorted(r.row_id for r in group)
-            if outcome is Outcome.PUBLISHED:
-                change = (
-                    f"status = '{words.delivered}', last_error = NULL, worker_id = NULL,"
-                    f" {words.lock} = {words.lock_cleared}, {words.updated} = {words.ms('%s')}"
-                )
-                done = f"status = '{words.delivered}' AND worker_id IS NULL AND {words.updated} = {words.ms(str(int(now)))}"
-                params: tuple[Any, ...] = (now, *ids, claim)
-            else:  # RELEASED: back to what it was before the claim
-                back = "" if words.in_flight == words.fresh else f"status = {words.released()}, "
-                change = f"{back}worker_id = NULL, {words.lock} = {words.lock_cleared}"
-                done = f"{words.is_waiting()} AND worker_id IS NULL"
-                params = (*ids, claim)
+                for result in group:
+                    stale += await self._write_or_release(cur, [result])
+            else:
+                stale += await self._write_or_release(cur, group)
+        return await self._tell_producer_published(cur, stale) if stale else stale
+
+    async def _write_or_release(self, cur: Any, group: list[DeliveryResult]) -> list[DeliveryResult]:
+        """Write the results of one claim and outcome (:meth:`_write_results`); when the
+        database refuses a value, row by row, releasing the rows it refuses."""
+        try:
+            async with self._undone_if_refused(cur):
+                return await self._write_results(cur, group)
+        except Exception as exc:
+            cause = refused_value(exc)
+            if cause is None:
+                raise
+        if len(group) > 1:
+            stale: list[DeliveryResult] = []
+            for result in group:
+                stale += await self._write_or_release(cur, [result])
+            return stale
+        await self._release_refused(cur, group[0], cause)
+        return []
+
+    @asynccontextmanager
+    async def _undone_if_refused(self, cur: Any) -> AsyncIterator[None]:
+        """A statement that fails leaves the transaction usable: MySQL and SQLite undo the
+        failed statement alone; PostgreSQL aborts the whole transaction unless the statement
+        ran after a savepoint, rolled back to."""
+        if self.dialect.name != "postgresql":
+            yield
+            return
+        await cur.execute("SAVEPOINT result_write")
+        try:
+            yield
+        except BaseException:
+            await cur.execute("ROLLBACK TO SAVEPOINT result_write")
+            raise
+        await cur.execute("RELEASE SAVEPOINT result_write")
+
+    async def _write_results(self, cur: Any, group: list[DeliveryResult]) -> list[DeliveryResult]:
+        """Write the results of one claim and outcome; return the stale ones."""
+        now = now_ms()
+        words = self.profile
+        claim, outcome = group[0].claim, group[0].outcome
+        held = f"worker_id = %s AND status = '{words.in_flight}'"  # the fence: still this claim's
+        if outcome in (Outcome.FAILED, Outcome.PARKED):
+            [r] = group
+            status = f"'{words.parked}'" if outcome is Outcome.PARKED else words.after_failure()
             matched = await cur.execute(
-                f"UPDATE {self.table} SET {change} WHERE {self.key} IN ({_marks(ids)}) AND {held}",
-                params,
+                f"UPDATE {self.table} SET status = {status}, {words.attempts} = {words.attempts} + 1,"
+                f" last_error = %s, worker_id = NULL, {words.lock} = {words.ms('%s')},"
+                f" {words.updated} = {words.ms('%s')} WHERE {self.key} = %s AND {held}",
+                ((r.error or "unknown error")[:LAST_ERROR_MAX], r.retry_at_ms, now, r.row_id, claim),
             )
-            if matched < len(ids):
+            return [] if matched else [r]
+        ids = sorted(r.row_id for r in group)
+        if outcome is Outcome.PUBLISHED:
+            change = (
+                f"status = '{words.delivered}', last_error = NULL, worker_id = NULL,"
+                f" {words.lock} = {words.lock_cleared}, {words.updated} = {words.ms('%s')}"
+            )
+            done = f"status = '{words.delivered}' AND worker_id IS NULL AND {words.updated} = {words.ms(str(int(now)))}"
+            params: tuple[Any, ...] = (now, *ids, claim)
+        else:  # RELEASED: back to what it was before the claim
+            back = "" if words.in_flight == words.fresh else f"status = {words.released()}, "
+            change = f"{back}worker_id = NULL, {words.lock} = {words.lock_cleared}"
+            done = f"{words.is_waiting()} AND worker_id IS NULL"
+            params = (*ids, claim)
+        matched = await cur.execute(
+            f"UPDATE {self.table} SET {change} WHERE {self.key} IN ({_marks(ids)}) AND {held}",
+            params,
+        )
+        if matched == len(ids):
+            return []
+        await cur.execute(f"SELECT {self.key} FROM {self.table} WHERE {self.key} IN ({_marks(ids)}) AND {done}", ids)
+        written = {row[0] for row in await cur.fetchall()}
+        return [r for r in group if r.row_id not in written]
+
+    async def _release_refused(self, cur: Any, result: DeliveryResult, cause: str) -> None:
+        """A row whose result the database refused goes back to what it was before the claim
+        (a status its column holds), due again after the retry time (at the soonest
+        :data:`REFUSED_RETRY_MS` from now, so that a refusal that lasts costs one attempt per
+        interval), with the cause in ``last_error``. If even that is refused, the row stays
+        as the claim left it and is taken again once its lease runs out."""
+        words = self.profile
+        back = "" if words.in_flight == words.fresh else f"status = {words.released()}, "
+        counted = "" if result.outcome is Outcome.RELEASED else f", {words.attempts} = {words.attempts} + 1"
+        error = f"its {result.outcome.value} result was refused by the database: {cause}"
+        if result.error:
+            error += f"; {result.error}"
+        due = max(result.retry_at_ms, now_ms() + REFUSED_RETRY_MS)
+        log.warning("event %s: %s; released", result.event_id, error)
+        try:
+            async with self._undone_if_refused(cur):
                 await cur.execute(
-                    f"SELECT {self.key} FROM {self.table} WHERE {self.key} IN ({_marks(ids)}) AND {done}", ids
+                    f"UPDATE {self.table} SET {back}worker_id = NULL{counted}, last_error = %s,"
+                    f" {words.lock} = {words.ms('%s')} WHERE {self.key} = %s"
+                    f" AND worker_id = %s AND status = '{words.in_flight}'",
+                    (error[:LAST_ERROR_MAX], due, result.row_id, result.claim),
                 )
-                written = {row[0] for row in await cur.fetchall()}
-                stale.extend(r for r in group if r.row_id not in written)
-        return stale
+        except Exception as exc:
+            refused = refused_value(exc)
+            if refused is None:
+                raise
+            log.warning(
+                "event %s: its release was refused too (%s); taken again once its lease runs out",
+                result.event_id,
+                refused,
+            )

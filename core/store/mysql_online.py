@@ -152,19 +152,21 @@ class OnlineSchemaChange:
         self.progress_every = PROGRESS_EVERY if progress_every is None else progress_every
 
     async def run(self, plan: Sequence[Migration]) -> list[str]:
-        """Run ``plan``; return its changes."""
+        """Run ``plan``; return its changes. A ``repeat`` step's statement (a backfill's batch)
+        runs again until it changes no row, each batch committed on its own connection."""
         for step in plan:
             for statement in step.statements:
-                await self.execute(statement, step.change)
+                while await self.execute(statement, step.change) and step.repeat:
+                    pass
         return [step.change for step in plan]
 
-    async def execute(self, statement: str, change: str) -> None:
-        """Run one statement, retried when it timed out waiting for the table's metadata lock."""
+    async def execute(self, statement: str, change: str) -> int:
+        """Run one statement, retried when it timed out waiting for the table's metadata lock;
+        return the rows it changed."""
         for attempt in range(1, DDL_ATTEMPTS + 1):
             try:
                 with query_deadline(SCHEMA_CHANGE_TIMEOUT):  # cancelled, the statement is stopped
-                    await self._execute_once(statement, change)
-                return
+                    return await self._execute_once(statement, change)
             except pymysql.err.MySQLError as exc:
                 if exc.args[0] in ER_NOT_ONLINE:
                     raise SchemaError(
@@ -183,14 +185,15 @@ class OnlineSchemaChange:
                     f" retrying ({attempt}/{DDL_ATTEMPTS - 1})"
                 )
                 await anyio.sleep(1.0)  # writes that queued behind the waiting statement go first
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _execute_once(self, statement: str, change: str) -> None:
+    async def _execute_once(self, statement: str, change: str) -> int:
         conn = await connect(self.address, self.statement_limit)
         session = conn.thread_id()
         try:
             async with anyio.create_task_group() as watchers:
                 watchers.start_soon(self._report_progress, session, change)
-                failure = await _failure_of(conn, statement)
+                changed, failure = await _outcome_of(conn, statement)
                 watchers.cancel_scope.cancel()
         except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
             with anyio.CancelScope(shield=True), anyio.move_on_after(10):
@@ -200,6 +203,7 @@ class OnlineSchemaChange:
             conn.close()
         if failure is not None:
             raise failure
+        return changed
 
     async def _stop(self, session: int) -> None:
         """Stop ``session``'s statement on the server (it goes on after its client is gone),
@@ -234,14 +238,14 @@ class OnlineSchemaChange:
                 conn.close()
 
 
-async def _failure_of(conn: aiomysql.Connection, statement: str) -> Exception | None:
-    """Run ``statement``; its error, if any (raised by the caller, outside its task group)."""
+async def _outcome_of(conn: aiomysql.Connection, statement: str) -> tuple[int, Exception | None]:
+    """Run ``statement``; the rows it changed and its error, if any (raised by the caller,
+    outside its task group)."""
     try:
         async with conn.cursor() as cur:
-            await cur.execute(statement)
+            return int(await cur.execute(statement)), None
     except Exception as exc:
-        return exc
-    return None
+        return 0, exc
 
 
 async def _progress(cur: Any, session: int) -> str:

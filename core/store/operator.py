@@ -7,7 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from room_outbox.errors import SchemaError
+from room_outbox.store.column_checks import column_problems, read_columns
 from room_outbox.store.dialect import marks
+from room_outbox.store.errors import refused_value
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.leased import now_ms
 from room_outbox.store.profiles import Profile, in_list
@@ -95,7 +98,18 @@ async def cancel(store: SQLStore, event_id: str) -> tuple[bool, str | None]:
     Returns whether it was cancelled and the status it has now (None: no such event;
     :data:`IN_FLIGHT`: leased right now). A leased row is left alone, as ``requeue`` leaves
     it: its delivery may already have reached the sink, and cancelling it would leave an
-    event delivered yet ``cancelled``."""
+    event delivered yet ``cancelled``. A status column that cannot hold ``cancelled`` is one
+    line (:class:`SchemaError`)."""
+    try:
+        return await _cancel(store, event_id)
+    except Exception as exc:
+        cause = refused_value(exc)
+        if cause is None:
+            raise
+        raise SchemaError(await _status_problem(store, cause)) from exc
+
+
+async def _cancel(store: SQLStore, event_id: str) -> tuple[bool, str | None]:
     words = store.profile
     leased = f"worker_id IS NOT NULL AND {words.lock} > {words.ms('%s')}"
     async with store.transaction() as cur:
@@ -115,3 +129,14 @@ async def cancel(store: SQLStore, event_id: str) -> tuple[bool, str | None]:
         return bool(changed), None
     status, in_flight = row
     return bool(changed), IN_FLIGHT if in_flight and not changed and status != words.cancelled else status
+
+
+async def _status_problem(store: SQLStore, cause: str) -> str:
+    """Why the table refused a status: the schema check's line for its status column (the
+    fix included), else the database's words."""
+    table = store.profile.table
+    async with store.transaction() as cur:
+        columns = await read_columns(cur, store.dialect, table)
+    refused, _fixable = column_problems(columns, store.profile, store.dialect)
+    lines = [line for line in refused if line.startswith(f"{table}.status ")]
+    return lines[0] if lines else f"{table}.status refused '{store.profile.cancelled}': {cause}"

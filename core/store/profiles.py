@@ -89,6 +89,13 @@ class Profile:
             return f"'{self.retry}'"
         return f"CASE WHEN {self.attempts} + 1 >= {self.attempts_limit} THEN '{self.parked}' ELSE '{self.retry}' END"
 
+    @property
+    def fresh_at_cleared_lock(self) -> bool:
+        """Whether rows no claim has taken yet (the producer's) all sit at one ``lock`` value,
+        a constant: then the claim index orders them by key (v1, room_cell; not silk, whose
+        rows start at their own ``next_attempt_at``)."""
+        return self.lock_cleared == "0"
+
     def ms(self, value: str) -> str:
         """SQL: an epoch-ms value (a placeholder or a literal) in the table's time type."""
         return value if self.ms_columns else f"to_timestamp({value} / 1000.0)"

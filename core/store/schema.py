@@ -3,7 +3,8 @@
 A table that was never migrated would otherwise let the process start, report ready and fail
 every round on a missing column. The check reads the catalogue only (the dialect's catalogue
 query: ``information_schema`` or SQLite's ``pragma_table_info``) and names the first thing
-missing together with the fix. The outbox table is the profile's (``database.profile``).
+missing together with the fix, then whether the columns can hold what room-outbox writes. The
+outbox table is the profile's (``database.profile``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from room_outbox.errors import SchemaError
+from room_outbox.store.column_checks import check_columns
 from room_outbox.store.dialect import column_names
 from room_outbox.store.factory import SQLStore
 from room_outbox.store.membership import BUCKET_COLUMN, BUCKET_TABLE, NODE_TABLE
@@ -23,9 +25,12 @@ LANE_COLUMNS = ("outbox_id", "status", "retry_count", "last_error", "worker_id",
 _FIX = "run `room-outbox migrate`"
 
 
-async def check_schema(store: SQLStore, lanes: Sequence[str] = ()) -> None:
-    """Raise :class:`SchemaError` unless the outbox table has every column room-outbox uses and
-    each lane in ``lanes`` (enabled sinks with a lane of their own) has its table."""
+async def check_schema(store: SQLStore, lanes: Sequence[str] = (), claim_ids: int = 0) -> None:
+    """Raise :class:`SchemaError` unless the outbox table has every column room-outbox uses,
+    each able to hold what room-outbox writes there (:mod:`.column_checks`, the check
+    ``migrate`` makes too; ``claim_ids``: how long this process's claim ids, which ``worker_id``
+    holds, may grow), and each lane in ``lanes`` (enabled sinks with a lane of their own) has
+    its table."""
     # On a server: the processes' membership and the room buckets (SQLite runs without them)
     server = store.dialect.room_buckets
     bucket = (BUCKET_COLUMN,) if server else ()
@@ -36,6 +41,9 @@ async def check_schema(store: SQLStore, lanes: Sequence[str] = ()) -> None:
     if server:
         required[NODE_TABLE] = ("node_id", "heartbeat_ms", "view", "view_since_ms")
         required[BUCKET_TABLE] = ("bucket", "owner", "handing_over", "claimable_from_ms")
+    # What the columns can hold comes first: migrate refuses it before adding anything missing
+    async with store.transaction() as cur:
+        await check_columns(cur, store.dialect, store.profile, claim_ids)
     found = await _columns(store, list(required))
     for table, columns in required.items():
         have = found.get(table, set())

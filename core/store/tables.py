@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.errors import SchemaError
+from room_outbox.store.column_checks import ADOPTED_COLUMNS, adoption_plan, checked_fixes
 from room_outbox.store.dialect import Dialect, column_names, index_names
 
 if TYPE_CHECKING:
@@ -151,7 +152,8 @@ async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migrat
         ddl = tuple(statement.format(table=table).strip() for statement in V1_TABLE_DDL[dialect.name])
         plan.append(Migration(f"created table {table}", ddl))
         columns = set(REQUIRED_V1_COLUMNS)
-    require_v1_columns(columns, table)
+    plan += [Migration(c, s, repeat=r) for c, s, r in adoption_plan(columns, dialect, table)]  # first V1 tables
+    require_v1_columns(columns | set(ADOPTED_COLUMNS[dialect.name]), table)
     for name, definition in ADDED_COLUMNS[dialect.name].items():
         if name not in columns:
             plan.append(
@@ -252,9 +254,11 @@ async def plan_silk(cur: Any, dialect: Dialect, table: str) -> list[Migration]:
 
 async def plan_outbox(cur: Any, dialect: Dialect, profile: Profile) -> list[Migration]:
     """The migration plan of the profile's table (see :mod:`.profiles`)."""
+    # refuses what its columns cannot hold, before anything changes
+    fixes = [Migration(c, s, repeat=r) for c, s, r in await checked_fixes(cur, dialect, profile)]
     if profile.name == "silk":
-        return await plan_silk(cur, dialect, profile.table)
-    return await plan_v1(cur, dialect, profile.table)
+        return await plan_silk(cur, dialect, profile.table) + fixes
+    return await plan_v1(cur, dialect, profile.table) + fixes
 
 
 async def run_plan(cur: Any, plan: list[Migration]) -> list[str]:

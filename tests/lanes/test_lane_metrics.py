@@ -14,7 +14,7 @@ from support import envelope, insert_events, wait_until
 from room_outbox.app import run_service
 from room_outbox.config import Settings
 from room_outbox.delivery.lanes import migrate_plugins
-from room_outbox.observability.metrics import LEASE_LOSS_POINTS, ROUTING_ERROR_CLASSES, SINK_ERROR_CLASSES
+from room_outbox.observability.metrics import LEASE_LOSSES, ROUTING_ERROR_CLASSES, SINK_ERROR_CLASSES
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.mysql import MySQLStore
 
@@ -73,6 +73,6 @@ async def test_metrics_from_start_up(
             f'room_outbox_publish_failure_total{{error_class="{error_class}",event_type="RoomCreated",sink="-"}} 0'
             in lines
         )
-    for point in LEASE_LOSS_POINTS:
-        assert f'room_outbox_lost_leases_total{{detected_at="{point}"}} 0' in lines
+    for point, cause in LEASE_LOSSES:
+        assert f'room_outbox_lost_leases_total{{cause="{cause}",detected_at="{point}"}} 0' in lines
     assert all(line.endswith(" 0") for line in lines if line.startswith("room_outbox_publish_"))  # nothing happened

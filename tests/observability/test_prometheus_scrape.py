@@ -4,8 +4,8 @@ must return series from that data, and the alerts that the traffic provokes must
 
 The traffic makes every series the dashboard and the alerts read: deliveries through the
 fake Tencent IM (its own process) with injected retryable and permanent errors and HTTP 503s,
-a row whose envelope does not parse, and rows that "the producer" publishes while the
-dispatcher has them in flight (lost leases at result write).
+a row whose envelope does not parse, and rows that "the producer" publishes or another claim
+takes over while the dispatcher has them in flight (lost leases at result write, by cause).
 
 Set ROOM_OUTBOX_DASHBOARD_PNG=path to also run an IM outage and its recovery and draw the main
 panels from Prometheus's range queries (scripts/dashboard-picture.sh, for the README).
@@ -165,6 +165,7 @@ class Traffic:
             self.inserted += len(batch)
             if self.inserted % 160 == 0:  # about once a second
                 await self.producer_publishes_in_flight_rows(2)
+                await self.another_claim_takes_in_flight_rows(1)
             await anyio.sleep(0.25)  # the pace of the load, not a synchronisation
 
     async def producer_publishes_in_flight_rows(self, count: int) -> None:
@@ -184,6 +185,20 @@ class Traffic:
             except pymysql.err.OperationalError as exc:
                 if exc.args[0] != DEADLOCK:  # the producer retries a deadlock; here the next round does
                     raise
+
+    async def another_claim_takes_in_flight_rows(self, count: int) -> None:
+        """As a process whose lease ran out would find: another claim holds a row it is
+        delivering, so its result write finds the row taken over."""
+        try:
+            async with self.store.transaction() as cur:
+                await cur.execute(
+                    "UPDATE room_outbox SET worker_id = 'other#1' WHERE status = 'pending' AND worker_id IS NOT NULL"
+                    " AND worker_id <> 'other#1' AND event_id <> 'broken' LIMIT %s",
+                    (count,),
+                )
+        except pymysql.err.OperationalError as exc:
+            if exc.args[0] != DEADLOCK:  # the next round takes another
+                raise
 
 
 async def all_return_series(prometheus: PrometheusProcess, queries: list[Query], missing: list[str]) -> bool:

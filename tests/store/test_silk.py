@@ -148,3 +148,16 @@ async def test_silk_rows_carry_the_room_bucket_python_computes_for_the_aggregate
         found = await cur.fetchall()
     assert len(found) == 22
     assert all(bucket == bucket_of("", aggregate or "") for aggregate, bucket in found)
+
+
+async def test_claim_after_leaves_young_pending_events_and_takes_due_retries(silk: SQLStore) -> None:
+    """silk's rows start at their own next_attempt_at: claim_after is checked on created_at
+    (against the database's clock) for pending rows only; a young row waiting for its retry is due."""
+    await silk.migrate()
+    await silk_publish(silk, ("old", "u1", {}), ("young", "u2", {}), ("retried", "u3", {}))
+    async with silk.transaction() as cur:
+        await cur.execute("UPDATE outbox_events SET created_at = now() - interval '1 minute' WHERE event_id = 'old'")
+        await cur.execute("UPDATE outbox_events SET status = 'retry', attempts = 1 WHERE event_id = 'retried'")
+    silk.claim_after_ms = 10_000
+    claimed = await silk.claim("c#1", 10, now_ms() + 60_000)
+    assert {row.event_id for row in claimed.rows} == {"old", "retried"}

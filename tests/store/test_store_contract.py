@@ -9,6 +9,7 @@ bytes parameters) stay in ``test_mysql_migrate.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -211,12 +212,15 @@ async def test_a_stale_claimant_changes_nothing_and_is_reported(any_store: SQLSt
 
 
 async def test_a_result_for_a_row_the_producer_published_is_stale(any_store: SQLStore) -> None:
+    """Stale, and told apart from a takeover: the producer's push won, no other claim holds
+    the row; a renewal counts it as still held (not lost to another process)."""
     await insert_events(any_store, [envelope("e1")])
     (row,) = (await any_store.claim("a#1", 10, now_ms() + 60_000)).rows
     async with any_store.transaction() as cur:  # room-service's synchronous push succeeded meanwhile
         await cur.execute("UPDATE room_outbox SET status='published' WHERE event_id=%s", ("e1",))
+    assert await any_store.renew("a#1", [row.id], now_ms() + 60_000) == 1
     failure = DeliveryResult(row.id, "e1", "a#1", Outcome.FAILED, "boom", 0)
-    assert await any_store.record([failure]) == [failure]
+    assert await any_store.record([failure]) == [dataclasses.replace(failure, published_by_producer=True)]
     assert (await fetch_rows(any_store))["e1"]["retry_count"] == 0
 
 
@@ -235,6 +239,7 @@ async def test_in_a_batch_only_the_rows_lost_meanwhile_are_stale(any_store: SQLS
     results += [DeliveryResult(by_event["e5"].id, "e5", "a#1", Outcome.FAILED, "boom", 0)]
     stale = await any_store.record(results)
     assert sorted(r.event_id for r in stale) == ["e1", "e2", "e3", "e5"]
+    assert [r.event_id for r in stale if r.published_by_producer] == ["e1"]  # the others are no producer's doing
     after = await fetch_rows(any_store)
     assert (after["e0"]["status"], after["e0"]["worker_id"]) == ("published", None)
     assert (after["e4"]["status"], after["e4"]["worker_id"], after["e4"]["lock_until_ms"]) == ("pending", None, 0)

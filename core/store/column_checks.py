@@ -1,0 +1,328 @@
+"""Can the outbox table's columns hold what room-outbox writes? ``migrate`` (before it changes
+anything) and ``run`` (before any claim) ask the same question here, so they agree.
+
+Tables written from room-service's documents differ from the one ``migrate`` creates:
+
+* a ``status`` ENUM of the producer's own words, or a short VARCHAR: a parked or cancelled row
+  would be refused by the database. Refused, with the ALTER that makes room.
+* a nullable ``lock_until_ms`` that the producer leaves NULL: the claim's ``lock_until_ms <= now``
+  never matches NULL, so such rows would wait for ever. ``migrate`` fixes it online on
+  MySQL/MariaDB (DEFAULT 0 at once, NULLs backfilled in small batches, then NOT NULL by an
+  online rebuild); on PostgreSQL it is refused with the statements to run.
+* ``last_error``, ``worker_id`` too short or NOT NULL, times or keys that are not integers wide
+  enough: refused, with the fix.
+* room-service's first V1 tables have no ``app_code`` and no ``updated_at_ms``:
+  :func:`adoption_plan` adds both with constant defaults (catalogue-only changes).
+  room-outbox only writes ``updated_at_ms`` (nothing decides by it); ages are read from
+  ``created_at_ms``, which those tables have.
+
+Each problem is one line: the column, what is wrong, the fix. SQLite is left alone (its
+columns hold any value). Steps of a migration are :data:`Step` tuples, which the plan in
+:mod:`.tables` turns into its migrations (this module stays below it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from room_outbox.errors import SchemaError
+from room_outbox.store.dialect import Dialect, index_names
+
+if TYPE_CHECKING:
+    from room_outbox.store.profiles import Profile
+
+#: The longest error text a result writes into ``last_error`` (longer ones are cut).
+LAST_ERROR_MAX = 512
+
+#: A migration step: what it changes, its statements, whether it repeats until it changes no
+#: row (a backfill in batches).
+Step = tuple[str, tuple[str, ...], bool]
+#: Rows one batch of a backfill changes: short transactions, short row locks.
+BACKFILL_BATCH = 5000
+
+#: Columns room-service's first V1 tables lack, added with constant defaults (no rewrite).
+ADOPTED_COLUMNS: dict[str, dict[str, str]] = {
+    "mysql": {"app_code": "VARCHAR(64) NOT NULL DEFAULT ''", "updated_at_ms": "BIGINT NOT NULL DEFAULT 0"},
+    "postgresql": {"app_code": "VARCHAR(64) NOT NULL DEFAULT ''", "updated_at_ms": "BIGINT NOT NULL DEFAULT 0"},
+    "sqlite": {"app_code": "TEXT NOT NULL DEFAULT ''", "updated_at_ms": "INTEGER NOT NULL DEFAULT 0"},
+}
+
+_INTEGERS = {"tinyint", "smallint", "mediumint", "int", "integer", "bigint", "int2", "int4", "int8"}
+_WIDE_INTEGERS = {"bigint", "int8"}
+_TEXTS = {"char", "varchar", "character", "character varying", "bpchar", "text", "tinytext", "mediumtext", "longtext"}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column as the catalogue describes it."""
+
+    name: str
+    #: The type's name, lower case: ``varchar``, ``enum``, ``bigint``, ``user-defined``...
+    kind: str
+    #: The full declaration (MySQL's ``COLUMN_TYPE``, PostgreSQL's type name): for the fixes.
+    declared: str
+    nullable: bool
+    #: Characters a text column holds (None: unbounded or not text).
+    length: int | None
+    #: An ENUM's members, in order.
+    members: tuple[str, ...] = ()
+    default: str | None = None
+    #: Computed from other columns (MySQL/MariaDB: a table with one is rebuilt by a copy).
+    generated: bool = False
+
+
+def adoption_plan(columns: set[str], dialect: Dialect, table: str) -> list[Step]:
+    """Add what room-service's first V1 tables lack (``app_code``, ``updated_at_ms``) to an
+    existing table, with constant defaults: the producer's INSERT, which names neither, keeps
+    working."""
+    if not columns:
+        return []
+    return [
+        (
+            f"added column {table}.{name}",
+            (f"ALTER TABLE {table} ADD COLUMN {name} {definition}{dialect.online_column}",),
+            False,
+        )
+        for name, definition in ADOPTED_COLUMNS[dialect.name].items()
+        if name not in columns
+    ]
+
+
+async def read_columns(cur: Any, dialect: Dialect, table: str) -> dict[str, Column]:
+    """The table's columns with their types (empty on SQLite and for a missing table)."""
+    if dialect.name == "mysql":
+        await cur.execute(_MYSQL_COLUMNS, (table,))
+        return {c.name: c for c in map(_mysql_column, await cur.fetchall())}
+    if dialect.name == "postgresql":
+        await cur.execute(_POSTGRESQL_COLUMNS, (table,))
+        return {c.name: c for c in map(_postgresql_column, await cur.fetchall())}
+    return {}
+
+
+_MYSQL_COLUMNS = (
+    "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE, IS_NULLABLE, CHARACTER_MAXIMUM_LENGTH, COLUMN_DEFAULT,"
+    " GENERATION_EXPRESSION FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s"
+)
+_POSTGRESQL_COLUMNS = (
+    "SELECT c.column_name, c.data_type, c.udt_name, c.is_nullable, c.character_maximum_length, c.column_default,"
+    " (SELECT array_agg(e.enumlabel::text ORDER BY e.enumsortorder) FROM pg_enum e"
+    "  JOIN pg_type t ON t.oid = e.enumtypid WHERE t.typname = c.udt_name)"
+    " FROM information_schema.columns c WHERE c.table_schema = current_schema() AND c.table_name = %s"
+)
+
+
+def _mysql_column(row: Sequence[Any]) -> Column:
+    name, kind, declared, nullable, length, default, expression = (
+        v.decode() if isinstance(v, bytes) else v for v in row
+    )
+    kind = str(kind).lower()
+    members = tuple(m.replace("''", "'") for m in re.findall(r"'((?:[^']|'')*)'", declared)) if kind == "enum" else ()
+    column = Column(str(name).lower(), kind, str(declared), nullable == "YES", _int(length), members, default)
+    return dataclasses.replace(column, generated=bool(expression))
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _postgresql_column(row: Sequence[Any]) -> Column:
+    name, kind, udt, nullable, length, default, labels = row
+    declared = f"{udt}({length})" if length else udt
+    return Column(name.lower(), kind.lower(), declared, nullable == "YES", _int(length), tuple(labels or ()), default)
+
+
+def column_problems(
+    columns: dict[str, Column], profile: Profile, dialect: Dialect, claim_ids: int = 0
+) -> tuple[list[str], list[str]]:
+    """What the profile's table cannot hold: lines refused outright, and lines ``migrate``
+    fixes itself (:func:`column_fixes`). Columns that do not exist are the caller's to report.
+    ``claim_ids``: how long the process's claim ids, which ``worker_id`` holds, may grow (0:
+    unknown, not checked)."""
+    table = profile.table
+    refused: list[str] = []
+    fixable: list[str] = []
+    status = columns.get("status")
+    if status is not None:
+        refused += _status_problems(table, status, _statuses(profile), dialect)
+    last_error = columns.get("last_error")
+    if last_error is not None:
+        refused += _text_problems(table, last_error, LAST_ERROR_MAX, dialect, "error texts")
+    worker = columns.get("worker_id")
+    if worker is not None:
+        refused += _text_problems(
+            table, worker, claim_ids, dialect, f"this process's claim ids ({claim_ids} characters)"
+        )
+    if profile.ms_columns:
+        for name in (profile.lock, profile.updated):
+            column = columns.get(name)
+            if column is not None and column.kind not in _WIDE_INTEGERS:
+                refused.append(
+                    f"{table}.{name} is {column.declared}, which cannot hold epoch milliseconds:"
+                    f" run ALTER TABLE {table} {_retype(dialect, name, 'BIGINT', not column.nullable)}"
+                )
+        lock = columns.get(profile.lock)
+        if lock is not None and lock.nullable:
+            line = f"{table}.{profile.lock} is nullable, and a claim never takes a row whose {profile.lock} is NULL"
+            if _fixed_online(columns, dialect):
+                fixable.append(f"{line}: run `room-outbox migrate`, which backfills 0 and makes it NOT NULL online")
+            elif dialect.name == "mysql":
+                refused.append(
+                    f"{line}; the table's generated columns make NOT NULL a copy of the table, so migrate leaves it:"
+                    f" set it to 0 where NULL (in batches), then ALTER TABLE {table} MODIFY {profile.lock}"
+                    f" {lock.declared} NOT NULL DEFAULT 0 with gh-ost or pt-online-schema-change"
+                )
+            else:
+                refused.append(
+                    f"{line}: run UPDATE {table} SET {profile.lock} = 0 WHERE {profile.lock} IS NULL;"
+                    f" ALTER TABLE {table} ALTER COLUMN {profile.lock} SET DEFAULT 0,"
+                    f" ALTER COLUMN {profile.lock} SET NOT NULL"
+                )
+    for name in (profile.key, profile.attempts):
+        column = columns.get(name)
+        if column is not None and column.kind not in _INTEGERS:
+            refused.append(f"{table}.{name} is {column.declared}: room-outbox needs an integer there")
+    return refused, fixable
+
+
+def _statuses(profile: Profile) -> tuple[str, ...]:
+    """Every status word room-outbox writes (or the producer's it compares with)."""
+    p = profile
+    return tuple(dict.fromkeys((p.fresh, p.retry, p.in_flight, p.delivered, p.parked, p.cancelled)))
+
+
+def _status_problems(table: str, column: Column, words: tuple[str, ...], dialect: Dialect) -> list[str]:
+    if column.members:
+        missing = [w for w in words if w not in column.members]
+        if not missing:
+            return []
+        quoted = ", ".join(f"'{w}'" for w in missing)
+        if dialect.name == "postgresql":
+            fix = "; ".join(f"ALTER TYPE {column.declared} ADD VALUE '{w}'" for w in missing)
+        else:
+            members = ",".join(f"'{m}'" for m in (*column.members, *missing))
+            fix = f"ALTER TABLE {table} {_retype(dialect, 'status', f'ENUM({members})', not column.nullable, column)}"
+        return [f"{table}.status is an ENUM without {quoted}, statuses room-outbox writes: run {fix}"]
+    return _text_problems(table, column, max(map(len, words)), dialect, f"its statuses ('{max(words, key=len)}')")
+
+
+#: What a text column the fixes retype becomes (longer where more is needed).
+_PREFERRED_LENGTH = {"status": 16, "last_error": 1024, "worker_id": 128}
+#: Columns room-outbox sets to NULL: a result clears the error, a released row its claim.
+_CLEARED = ("last_error", "worker_id")
+
+
+def _text_problems(table: str, column: Column, needed: int, dialect: Dialect, what: str) -> list[str]:
+    """A text column room-outbox writes up to ``needed`` characters into (and NULL, for
+    :data:`_CLEARED`)."""
+    cleared = column.name in _CLEARED
+    not_text = column.kind not in _TEXTS
+    short = not not_text and column.length is not None and column.length < needed
+    if not_text or short:
+        problem = f"is {column.declared}, which cannot hold {what}"
+        length = max(needed, _PREFERRED_LENGTH.get(column.name, 0))
+        fix = _retype(dialect, column.name, f"VARCHAR({length})", not column.nullable and not cleared, column)
+    elif cleared and not column.nullable:
+        problem = "is NOT NULL, and room-outbox sets it to NULL"
+        if dialect.name == "postgresql":
+            fix = f"ALTER COLUMN {column.name} DROP NOT NULL"
+        else:
+            fix = _retype(dialect, column.name, column.declared, False, column)
+    else:
+        return []
+    return [f"{table}.{column.name} {problem}: run ALTER TABLE {table} {fix}"]
+
+
+def _retype(dialect: Dialect, name: str, new_type: str, not_null: bool, column: Column | None = None) -> str:
+    """The ALTER TABLE clause giving column ``name`` a new type, keeping its default."""
+    if dialect.name == "postgresql":
+        return f"ALTER COLUMN {name} TYPE {new_type}"
+    default = _default_sql(column) if column is not None else ""
+    return f"MODIFY {name} {new_type}{' NOT NULL' if not_null else ' NULL'}{default}"
+
+
+def _default_sql(column: Column) -> str:
+    """`` DEFAULT …`` as the column has it (MariaDB's catalogue quotes text defaults, MySQL's
+    does not)."""
+    value = column.default
+    if value is None or value == "NULL":
+        return ""
+    if not value.startswith("'") and (column.kind in _TEXTS or column.kind == "enum"):
+        value = "'" + value.replace("'", "''") + "'"
+    return f" DEFAULT {value}"
+
+
+#: The temporary index a backfill of NULLs reads (``{table}``, ``{column}``).
+BACKFILL_INDEX = "idx_{table}_{column}_null"
+
+
+def column_fixes(columns: dict[str, Column], indexes: set[str], profile: Profile, dialect: Dialect) -> list[Step]:
+    """What ``migrate`` changes itself (MySQL/MariaDB): a nullable lock column gets DEFAULT 0
+    (metadata only); an index on it is built online, so that each batch of the backfill reads
+    the NULLs left instead of scanning past every row done (a cost that grows with the square
+    of the table); the NULLs become 0 in small batches, each its own short transaction; then
+    one online rebuild makes the column NOT NULL and drops the index, writes going on. A rerun
+    after an interruption finds the index already there."""
+    lock = columns.get(profile.lock)
+    if not profile.ms_columns or lock is None or not lock.nullable or not _fixed_online(columns, dialect):
+        return []
+    table, name = profile.table, profile.lock
+    index = BACKFILL_INDEX.format(table=table, column=name)
+    steps: list[Step] = [
+        (
+            f"set {table}.{name}'s default to 0",
+            (f"ALTER TABLE {table} ALTER COLUMN {name} SET DEFAULT 0{dialect.online_column}",),
+            False,
+        )
+    ]
+    if index not in indexes:
+        steps.append(
+            (
+                f"added index {table}.{index} (for the backfill)",
+                (f"ALTER TABLE {table} ADD INDEX {index} ({name}){dialect.online_index}",),
+                False,
+            )
+        )
+    return [
+        *steps,
+        (
+            f"set {table}.{name} to 0 where it was NULL",
+            (f"UPDATE {table} FORCE INDEX ({index}) SET {name} = 0 WHERE {name} IS NULL LIMIT {BACKFILL_BATCH}",),
+            True,
+        ),
+        (
+            f"made {table}.{name} NOT NULL",
+            (
+                f"ALTER TABLE {table} MODIFY {name} {lock.declared} NOT NULL DEFAULT 0, DROP INDEX {index},"
+                " ALGORITHM=INPLACE, LOCK=NONE",
+            ),
+            False,
+        ),
+    ]
+
+
+def _fixed_online(columns: dict[str, Column], dialect: Dialect) -> bool:
+    """Whether MySQL/MariaDB can rebuild the table in place, writes going on: not once it has
+    a generated column (the room bucket of a table migrated before), which forces a copy."""
+    return dialect.name == "mysql" and not any(column.generated for column in columns.values())
+
+
+async def checked_fixes(cur: Any, dialect: Dialect, profile: Profile) -> list[Step]:
+    """``migrate``'s side: refuse (:class:`SchemaError`, one line per problem) what it cannot
+    fix; return the steps that fix the rest."""
+    columns = await read_columns(cur, dialect, profile.table)
+    refused, _fixable = column_problems(columns, profile, dialect)
+    if refused:
+        raise SchemaError("\n".join(refused))
+    return column_fixes(columns, await index_names(cur, dialect, profile.table), profile, dialect)
+
+
+async def check_columns(cur: Any, dialect: Dialect, profile: Profile, claim_ids: int = 0) -> None:
+    """``run``'s side: refuse every problem, those ``migrate`` fixes included."""
+    columns = await read_columns(cur, dialect, profile.table)
+    refused, fixable = column_problems(columns, profile, dialect, claim_ids)
+    if refused or fixable:
+        raise SchemaError("\n".join(refused + fixable))

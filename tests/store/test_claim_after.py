@@ -1,0 +1,187 @@
+"""``outbox_worker.claim_after``: the producer's rows are claimed only once old enough (by
+their creation time against the database's clock); rows waiting for a retry or whose lease
+ran out are due by ``lock_until_ms`` as before. On every store and profile with a creation
+time; on MySQL, the claim's reads stay exact ranges of the claim index."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import INSERT_V1, envelope
+
+from room_outbox.store.dialect import MYSQL
+from room_outbox.store.factory import SQLStore, open_store
+from room_outbox.store.leased import claim_sql
+from room_outbox.store.membership import BUCKETS
+from room_outbox.store.profiles import ROOM_CELL, V1
+from room_outbox.store.tables import TABLE
+
+pytestmark = pytest.mark.anyio
+
+CLAIM_AFTER_MS = 10_000
+
+
+@pytest.fixture(params=["mysql", "postgresql", "sqlite"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[SQLStore]:
+    if request.param == "mysql":
+        dsn = str(request.getfixturevalue("database_dsn"))
+    elif request.param == "postgresql":
+        dsn = str(request.getfixturevalue("postgresql_dsn"))
+    else:
+        dsn = f"sqlite:///{tmp_path / 'outbox.db'}"
+    store = await open_store(dsn)
+    try:
+        await store.migrate()
+        store.claim_after_ms = CLAIM_AFTER_MS
+        yield store
+    finally:
+        await store.aclose()
+
+
+async def db_now_ms(store: SQLStore) -> int:
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT {store.dialect.now_ms}")
+        return int((await cur.fetchone())[0])
+
+
+async def insert_aged(store: SQLStore, ages_ms: dict[str, int], **columns: Any) -> None:
+    """Rows as room-service inserts them, created ``ages_ms[event_id]`` ago by the database's
+    clock; ``columns`` set afterwards on all of them (a retry's state, a lease)."""
+    now = await db_now_ms(store)
+    async with store.transaction() as cur:
+        for event_id, age in ages_ms.items():
+            body = json.dumps(envelope(event_id))
+            await cur.execute(INSERT_V1, ("default", event_id, "RoomUserJoined", "r_1", body, now - age, now - age))
+        for name, value in columns.items():
+            await cur.execute(
+                f"UPDATE room_outbox SET {name} = %s WHERE event_id IN ({', '.join(['%s'] * len(ages_ms))})",
+                (value, *ages_ms),
+            )
+
+
+async def claimed_ids(store: SQLStore, claim: str = "c1") -> set[str]:
+    claimed = await store.claim(claim, 100, 10**13)
+    return {row.event_id for row in claimed.rows}
+
+
+async def test_a_young_row_is_claimed_only_once_claim_after_has_passed(store: SQLStore) -> None:
+    await insert_aged(store, {"old": CLAIM_AFTER_MS + 5_000, "young": 1_000})
+    assert await claimed_ids(store, "c1") == {"old"}
+    # time passes for "young": its creation time moves back past claim_after
+    async with store.transaction() as cur:
+        await cur.execute(
+            "UPDATE room_outbox SET created_at_ms = created_at_ms - %s WHERE event_id = 'young'", (CLAIM_AFTER_MS,)
+        )
+    assert await claimed_ids(store, "c2") == {"young"}
+
+
+async def test_claim_after_zero_claims_at_once(store: SQLStore) -> None:
+    store.claim_after_ms = 0
+    await insert_aged(store, {"young": 0})
+    assert await claimed_ids(store) == {"young"}
+
+
+async def test_a_young_row_waiting_for_its_retry_is_due_by_its_retry_time(store: SQLStore) -> None:
+    now = await db_now_ms(store)
+    await insert_aged(store, {"due": 1_000}, lock_until_ms=now - 1, retry_count=1)
+    await insert_aged(store, {"later": 1_000}, lock_until_ms=now + 60_000, retry_count=1)
+    assert await claimed_ids(store) == {"due"}
+
+
+async def test_a_young_row_whose_lease_ran_out_is_taken_over(store: SQLStore) -> None:
+    now = await db_now_ms(store)
+    await insert_aged(store, {"expired": 1_000, "held": 1_000}, worker_id="gone#1")
+    async with store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET lock_until_ms = %s WHERE event_id = 'expired'", (now - 1,))
+        await cur.execute("UPDATE room_outbox SET lock_until_ms = %s WHERE event_id = 'held'", (now + 60_000,))
+    assert await claimed_ids(store) == {"expired"}
+
+
+@pytest.mark.parametrize("server", ["mysql", "postgresql"])
+async def test_a_claim_limited_to_room_buckets_honours_claim_after(server: str, request: pytest.FixtureRequest) -> None:
+    """Per-room claims on a server read their own buckets' rows without locks, then lock them."""
+
+    async def every_bucket(cur: Any) -> list[int]:
+        return list(range(BUCKETS))
+
+    store = await open_store(str(request.getfixturevalue("database_dsn" if server == "mysql" else "postgresql_dsn")))
+    try:
+        await store.migrate()
+        store.claim_after_ms = CLAIM_AFTER_MS
+        store.room_buckets = every_bucket
+        await insert_aged(store, {"old": CLAIM_AFTER_MS + 5_000, "young": 1_000})
+        claimed = await store.claim("c1", 100, 10**13, per_room=True)
+    finally:
+        await store.aclose()
+    assert {row.event_id for row in claimed.rows} == {"old"}
+
+
+async def test_room_cell_profile_honours_claim_after(store: SQLStore) -> None:
+    store.use_profile(ROOM_CELL)
+    await insert_aged(store, {"old": CLAIM_AFTER_MS + 5_000, "young": 1_000})
+    claimed = await store.claim("c1", 100, 10**13)
+    assert {row.event_id for row in claimed.rows} == {"old"}
+
+
+@pytest.mark.parametrize("server", ["mysql", "postgresql"])
+async def test_the_claim_reads_no_young_row(server: str, request: pytest.FixtureRequest) -> None:
+    """On MySQL, whose locking scans lock every row they read, each of the claim's scans is an
+    exact range of the claim index (the producer's old rows, then the due retries), however
+    many rows are published, young and pending, or leased: no young row is read, let alone
+    locked. PostgreSQL reads one range, young pending rows included, and locks only those
+    that pass."""
+    store = await open_store(str(request.getfixturevalue("database_dsn" if server == "mysql" else "postgresql_dsn")))
+    try:
+        await store.migrate()
+        store.claim_after_ms = CLAIM_AFTER_MS
+        now = await db_now_ms(store)
+        published, old, young, due, leased = 3000, 50, 300, 30, 100
+        async with store.transaction() as cur:
+            await cur.executemany(
+                INSERT_V1, [("default", f"p{i}", "RoomUserJoined", "r_1", "{}", 1, 1) for i in range(published)]
+            )
+            await cur.execute("UPDATE room_outbox SET status = 'published'")
+            rows = [(f"o{i}", now - 60_000) for i in range(old)] + [(f"y{i}", now) for i in range(young)]
+            rows += [(f"r{i}", now) for i in range(due)] + [(f"l{i}", now) for i in range(leased)]
+            await cur.executemany(
+                INSERT_V1, [("default", e, "RoomUserJoined", "r_1", "{}", created, created) for e, created in rows]
+            )
+            await cur.execute("UPDATE room_outbox SET lock_until_ms = %s WHERE event_id LIKE 'r%%'", (now - 1,))
+            await cur.execute("UPDATE room_outbox SET lock_until_ms = %s WHERE event_id LIKE 'l%%'", (now + 60_000,))
+            await cur.execute("ANALYZE TABLE room_outbox" if server == "mysql" else "ANALYZE room_outbox")
+            if server == "mysql":
+                await cur.fetchall()
+            ranges = await store._due_ranges(cur, 100, None)
+            read = [await rows_read(cur, server, due, param) for due, param in ranges]
+    finally:
+        await store.aclose()
+    if server == "mysql":
+        assert read == [(old, 0), (due, 0)]  # two ranges: the old rows, then the due retries
+    else:
+        assert read == [(old + due, young)]  # one range; the young rows are read, never locked
+
+
+async def rows_read(cur: Any, server: str, due: str, param: int) -> tuple[int, int]:
+    """The rows the claim's scan with ``due`` returns and those it reads but leaves out, from
+    the database's own execution of it."""
+    hint = MYSQL.index_hint if server == "mysql" else ""
+    sql = claim_sql(TABLE, "id", "envelope", "", V1, hint=hint, due=due)
+    if server == "mysql":
+        await cur.execute("ANALYZE FORMAT=JSON " + sql, (param, 100))
+        plan = json.loads((await cur.fetchone())[0])
+        block = plan["query_block"]
+        table = block.get("table") or block["nested_loop"][0]["table"]
+        assert table["key"] == "idx_room_outbox_claim" and table["access_type"] == "range", table
+        assert "filesort" not in json.dumps(plan).lower(), plan
+        return int(table["r_rows"]), int(table["r_rows"] * (100 - table["r_filtered"]) / 100)
+    await cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, (param, 100))
+    (plan,) = (await cur.fetchone())[0]
+    node = plan["Plan"]
+    while node.get("Node Type") != "Index Scan":
+        (node,) = node["Plans"]
+    assert node["Index Name"] == "idx_room_outbox_claim", node
+    return int(node["Actual Rows"]), int(node.get("Rows Removed by Filter", 0))

@@ -1,0 +1,216 @@
+"""The column checks `migrate` and `run` share (room_outbox.store.column_checks) on both servers:
+each problem one line naming table.column and the fix, the same at both; and a result write
+PostgreSQL refuses for one row, undone to a savepoint, leaving the others written."""
+
+from __future__ import annotations
+
+import pytest
+from support import envelope, fetch_rows, insert_events
+from test_schema_variants import ROOM_CELL_DDL
+
+from room_outbox.cluster.identity import longest_claim_id
+from room_outbox.errors import SchemaError
+from room_outbox.store import DeliveryResult, Outcome
+from room_outbox.store.factory import SQLStore, open_store
+from room_outbox.store.leased import now_ms
+from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.profiles import ROOM_CELL
+from room_outbox.store.schema import check_schema
+
+pytestmark = pytest.mark.anyio
+
+
+async def refusals(store: SQLStore) -> tuple[str, str]:
+    """What `migrate` (its plan) and `run` (the start-up check) say about the table."""
+    with pytest.raises(SchemaError) as planned:
+        await store.migration_plan()
+    with pytest.raises(SchemaError) as started:
+        await check_schema(store, (), longest_claim_id("node-1"))
+    return str(planned.value), str(started.value)
+
+
+async def alter(store: SQLStore, *statements: str) -> None:
+    async with store.transaction() as cur:
+        for statement in statements:
+            await cur.execute(statement)
+
+
+@pytest.mark.parametrize(
+    ("change", "line"),
+    [
+        (
+            "MODIFY last_error VARCHAR(255) NULL",
+            "room_outbox.last_error is varchar(255), which cannot hold error texts:"
+            " run ALTER TABLE room_outbox MODIFY last_error VARCHAR(1024) NULL",
+        ),
+        (
+            "MODIFY last_error VARCHAR(1024) NOT NULL DEFAULT ''",
+            "room_outbox.last_error is NOT NULL, and room-outbox sets it to NULL:"
+            " run ALTER TABLE room_outbox MODIFY last_error varchar(1024) NULL DEFAULT ''",
+        ),
+        (
+            "MODIFY status VARCHAR(8) NOT NULL DEFAULT 'pending'",
+            "room_outbox.status is varchar(8), which cannot hold its statuses ('published'):"
+            " run ALTER TABLE room_outbox MODIFY status VARCHAR(16) NOT NULL DEFAULT 'pending'",
+        ),
+        (
+            "MODIFY lock_until_ms INT NOT NULL DEFAULT 0",
+            "room_outbox.lock_until_ms is int(11), which cannot hold epoch milliseconds:"
+            " run ALTER TABLE room_outbox MODIFY lock_until_ms BIGINT NOT NULL",
+        ),
+    ],
+)
+async def test_a_column_that_cannot_hold_what_room_outbox_writes_is_one_line_at_migrate_and_run(
+    store: MySQLStore, change: str, line: str
+) -> None:
+    await alter(store, f"ALTER TABLE room_outbox {change}")
+    assert await refusals(store) == (line, line)
+
+
+async def test_worker_id_must_hold_the_claim_ids_of_the_process_at_run(store: MySQLStore) -> None:
+    await alter(store, "ALTER TABLE room_outbox MODIFY worker_id VARCHAR(40) NULL DEFAULT NULL")
+    await check_schema(store, (), longest_claim_id("node-1"))  # node-1~<token>#<18 digits>: 34
+    node = "room-outbox-7f9c6d5b8-x2x4z"
+    with pytest.raises(SchemaError) as refused:
+        await check_schema(store, (), longest_claim_id(node))
+    assert str(refused.value) == (
+        "room_outbox.worker_id is varchar(40), which cannot hold this process's claim ids (55 characters):"
+        " run ALTER TABLE room_outbox MODIFY worker_id VARCHAR(128) NULL"
+    )
+
+
+@pytest.fixture
+async def pg_store(postgresql_dsn: str) -> SQLStore:
+    store = await open_store(postgresql_dsn)
+    await store.migrate()
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+async def as_enum(store: SQLStore, members: str) -> None:
+    await alter(
+        store,
+        f"CREATE TYPE outbox_status AS ENUM ({members})",
+        "ALTER TABLE room_outbox ALTER COLUMN status DROP DEFAULT",
+        "ALTER TABLE room_outbox ALTER COLUMN status TYPE outbox_status USING status::outbox_status",
+        "ALTER TABLE room_outbox ALTER COLUMN status SET DEFAULT 'pending'",
+    )
+
+
+async def test_postgresql_enum_and_nullable_lock_are_refused_with_their_fixes(pg_store: SQLStore) -> None:
+    await as_enum(pg_store, "'pending', 'published'")
+    await alter(pg_store, "ALTER TABLE room_outbox ALTER COLUMN lock_until_ms DROP NOT NULL")
+    line = (
+        "room_outbox.status is an ENUM without 'failed', 'cancelled', statuses room-outbox writes:"
+        " run ALTER TYPE outbox_status ADD VALUE 'failed'; ALTER TYPE outbox_status ADD VALUE 'cancelled'\n"
+        "room_outbox.lock_until_ms is nullable, and a claim never takes a row whose lock_until_ms is NULL:"
+        " run UPDATE room_outbox SET lock_until_ms = 0 WHERE lock_until_ms IS NULL;"
+        " ALTER TABLE room_outbox ALTER COLUMN lock_until_ms SET DEFAULT 0, ALTER COLUMN lock_until_ms SET NOT NULL"
+    )
+    assert await refusals(pg_store) == (line, line)
+    await alter(
+        pg_store,
+        "ALTER TYPE outbox_status ADD VALUE 'failed'",
+        "ALTER TYPE outbox_status ADD VALUE 'cancelled'",
+        "ALTER TABLE room_outbox ALTER COLUMN lock_until_ms SET DEFAULT 0, ALTER COLUMN lock_until_ms SET NOT NULL",
+    )
+    await check_schema(pg_store, (), longest_claim_id("node-1"))
+    assert await pg_store.migration_plan() == []
+
+
+async def test_a_result_postgresql_refuses_for_one_row_leaves_the_others_written(pg_store: SQLStore) -> None:
+    """PostgreSQL aborts a transaction at its first error: the refused statement is undone to a
+    savepoint, so the claim's transaction writes the other results and claims new rows."""
+    await as_enum(pg_store, "'pending', 'published'")
+    await insert_events(pg_store, [envelope(e) for e in ("a1", "bad", "a2")])
+    claimed = await pg_store.claim("n#1", 10, now_ms() + 30_000)
+    ids = {row.event_id: row.id for row in claimed.rows}
+    results = [
+        DeliveryResult(ids["a1"], "a1", "n#1", Outcome.PUBLISHED),
+        DeliveryResult(ids["bad"], "bad", "n#1", Outcome.PARKED, error="group gone"),
+        DeliveryResult(ids["a2"], "a2", "n#1", Outcome.PUBLISHED),
+    ]
+    await insert_events(pg_store, [envelope("late")])
+    next_claim = await pg_store.claim("n#2", 10, now_ms() + 30_000, results)
+    assert next_claim.stale == [] and [row.event_id for row in next_claim.rows] == ["late"]
+    rows = await fetch_rows(pg_store)
+    assert {e: r["status"] for e, r in rows.items()} == {
+        "a1": "published",
+        "bad": "pending",
+        "a2": "published",
+        "late": "pending",
+    }
+    assert rows["bad"]["worker_id"] is None and rows["bad"]["retry_count"] == 1
+    assert rows["bad"]["last_error"].startswith("its parked result was refused by the database: invalid input value")
+    assert rows["bad"]["last_error"].endswith("; group gone")
+
+
+NULLABLE_LOCK = "room_outbox.lock_until_ms is nullable, and a claim never takes a row whose lock_until_ms is NULL"
+
+
+async def test_a_nullable_lock_is_backfilled_beyond_one_batch_and_a_rerun_finds_its_index(database_dsn: str) -> None:
+    """Room Cell's table, more NULLs than one batch: all set to 0. A migrate interrupted after
+    the backfill's index was built plans the rest without building it again."""
+    store = await open_store(database_dsn, profile=ROOM_CELL)
+    try:
+        await alter(store, ROOM_CELL_DDL)
+        rows = 5000 + 1200
+        await insert_events(store, [envelope(f"e{i}") for i in range(rows)])  # lock_until_ms left NULL
+        with pytest.raises(SchemaError) as refused:
+            await check_schema(store, (), longest_claim_id("node-1"))
+        assert (
+            str(refused.value)
+            == f"{NULLABLE_LOCK}: run `room-outbox migrate`, which backfills 0 and makes it NOT NULL online"
+        )
+        await alter(store, "ALTER TABLE room_outbox ADD INDEX idx_room_outbox_lock_until_ms_null (lock_until_ms)")
+        fixes = [step.change for step in await store.migration_plan() if "lock_until_ms" in step.change]
+        assert fixes == [
+            "set room_outbox.lock_until_ms's default to 0",
+            "set room_outbox.lock_until_ms to 0 where it was NULL",
+            "made room_outbox.lock_until_ms NOT NULL",
+        ]
+        await store.migrate()
+        await check_schema(store, (), longest_claim_id("node-1"))
+        async with store.transaction() as cur:
+            await cur.execute("SELECT COUNT(*), SUM(lock_until_ms IS NULL) FROM room_outbox")
+            assert tuple(map(int, await cur.fetchone())) == (rows, 0)
+        assert await store.migration_plan() == []
+    finally:
+        await store.aclose()
+
+
+async def test_a_nullable_lock_beside_a_generated_column_is_refused_as_not_online(store: MySQLStore) -> None:
+    """A table migrated before, its room bucket a generated column: NOT NULL would copy it."""
+    await alter(store, "ALTER TABLE room_outbox MODIFY lock_until_ms BIGINT NULL DEFAULT 0")
+    line = (
+        f"{NULLABLE_LOCK}; the table's generated columns make NOT NULL a copy of the table, so migrate leaves it:"
+        " set it to 0 where NULL (in batches), then ALTER TABLE room_outbox MODIFY lock_until_ms bigint(20)"
+        " NOT NULL DEFAULT 0 with gh-ost or pt-online-schema-change"
+    )
+    assert await refusals(store) == (line, line)
+
+
+async def test_postgresql_adopts_the_first_v1_table(postgresql_dsn: str) -> None:
+    store = await open_store(postgresql_dsn)
+    try:
+        await alter(
+            store,
+            "CREATE TABLE room_outbox (id BIGSERIAL PRIMARY KEY, event_id VARCHAR(64) NOT NULL UNIQUE,"
+            " event_type VARCHAR(64) NOT NULL, room_id VARCHAR(64) NOT NULL, envelope TEXT NOT NULL,"
+            " status VARCHAR(16) NOT NULL DEFAULT 'pending', retry_count INT NOT NULL DEFAULT 0,"
+            " last_error VARCHAR(1024) NULL, created_at_ms BIGINT NOT NULL)",
+        )
+        changes = await store.migrate()
+        assert changes[:2] == ["added column room_outbox.app_code", "added column room_outbox.updated_at_ms"]
+        await check_schema(store, (), longest_claim_id("node-1"))
+        await alter(
+            store,
+            "INSERT INTO room_outbox (event_id, event_type, room_id, envelope, created_at_ms)"
+            " VALUES ('e1', 'RoomUserJoined', 'r_1', '{}', 1)",
+        )
+        row = (await fetch_rows(store))["e1"]
+        assert (row["app_code"], row["updated_at_ms"], row["lock_until_ms"]) == ("", 0, 0)
+    finally:
+        await store.aclose()

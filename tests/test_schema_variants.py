@@ -1,0 +1,282 @@
+"""Tables built the way room-service's documents describe them, on MariaDB: each one is either
+delivered in full by `room-outbox run` once `migrate` ran, or refused by `migrate` and `run`
+with the same one line, naming the column and the fix. And a result the table refuses for one
+row leaves the rest of its batch written and the lane moving."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import yaml
+from processes import FakeIMProcess, _env, dispatchers, write_config
+from support import V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, wait_until
+
+from room_outbox.delivery.retry import RetryPolicy
+from room_outbox.sink import PermanentSinkError
+from room_outbox.store.factory import SQLStore, open_store
+from room_outbox.store.mysql import MySQLStore
+
+pytestmark = pytest.mark.anyio
+
+#: Room Cell's table: V1's columns and the claim's, its producer leaving lock_until_ms NULL.
+ROOM_CELL_DDL = V1_DDL.replace(
+    "  created_at_ms", "  worker_id     VARCHAR(128) NULL,\n  lock_until_ms BIGINT NULL,\n  created_at_ms"
+)
+#: Room Cell's table with its state machine's statuses as an ENUM (no 'cancelled').
+ROOM_CELL_ENUM_DDL = ROOM_CELL_DDL.replace(
+    "status        VARCHAR(16)  NOT NULL DEFAULT 'pending'",
+    "status        ENUM('pending','delivering','delivered','retryable','failed') NOT NULL DEFAULT 'pending'",
+).replace("lock_until_ms BIGINT NULL", "lock_until_ms BIGINT NOT NULL DEFAULT 0")
+#: V1's table whose status knows the two words of room-service's own worker.
+V1_ENUM_DDL = V1_DDL.replace(
+    "status        VARCHAR(16)  NOT NULL DEFAULT 'pending'",
+    "status        ENUM('pending','published') NOT NULL DEFAULT 'pending'",
+)
+#: room-service's first table: no app_code, no updated_at_ms.
+FIRST_V1_DDL = V1_DDL.replace("  app_code      VARCHAR(64)  NOT NULL DEFAULT '',\n", "").replace(
+    "  updated_at_ms BIGINT       NOT NULL,\n", ""
+)
+#: How each producer inserts: only the columns it knows.
+INSERT_WITH_APP = (
+    "INSERT INTO room_outbox (app_code, event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"
+    " VALUES ('default', %s, 'RoomUserJoined', %s, %s, %s, %s)"
+)
+INSERT_FIRST_V1 = (
+    "INSERT INTO room_outbox (event_id, event_type, room_id, envelope, created_at_ms)"
+    " VALUES (%s, 'RoomUserJoined', %s, %s, %s)"
+)
+
+LOCK_LINE = (
+    "room-outbox: room_outbox.lock_until_ms is nullable, and a claim never takes a row whose lock_until_ms is NULL:"
+    " run `room-outbox migrate`, which backfills 0 and makes it NOT NULL online"
+)
+V1_ENUM_FIX = (
+    "ALTER TABLE room_outbox MODIFY status ENUM('pending','published','failed','cancelled') NOT NULL DEFAULT 'pending'"
+)
+V1_ENUM_LINE = (
+    "room-outbox: room_outbox.status is an ENUM without 'failed', 'cancelled', statuses room-outbox writes:"
+    f" run {V1_ENUM_FIX}"
+)
+ROOM_CELL_ENUM_LINE = (
+    "room-outbox: room_outbox.status is an ENUM without 'cancelled', statuses room-outbox writes:"
+    " run ALTER TABLE room_outbox MODIFY status"
+    " ENUM('pending','delivering','delivered','retryable','failed','cancelled') NOT NULL DEFAULT 'pending'"
+)
+
+
+def room_outbox(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "room_outbox.cli", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
+
+
+def configure(tmp_path: Path, dsn: str, fake: FakeIMProcess, profile: str) -> Path:
+    config = write_config(tmp_path / "config.yaml", dsn, fake, batch_size=10, parking=True)
+    settings = yaml.safe_load(config.read_text())
+    settings["database"] = {"profile": profile}
+    config.write_text(yaml.safe_dump(settings))
+    return config
+
+
+async def execute(store: SQLStore, statement: str, rows: Sequence[tuple[object, ...]] = ((),)) -> None:
+    async with store.transaction() as cur:
+        for row in rows:
+            await cur.execute(statement, row or None)
+
+
+def produced(event_ids: Sequence[str], first_v1: bool = False) -> list[tuple[object, ...]]:
+    """Rows as the producer inserts them, in the columns of its statement."""
+    now = int(time.time() * 1000)
+    rows: list[tuple[object, ...]] = []
+    for n, event_id in enumerate(event_ids):
+        room = f"r_{n % 3}"
+        doc = json.dumps(envelope(event_id, room_id=room))
+        rows.append((event_id, room, doc, now) if first_v1 else (event_id, room, doc, now, now))
+    return rows
+
+
+async def columns(store: SQLStore) -> set[str]:
+    async with store.transaction() as cur:
+        await cur.execute("SELECT * FROM room_outbox LIMIT 0")
+        return {d[0] for d in cur.description}
+
+
+def assert_refused(config: Path, line: str) -> None:
+    """`migrate`, `migrate --sql` and `run` all refuse with the same one line (exit code 3)."""
+    for command in (["migrate"], ["migrate", "--sql"], ["run"]):
+        refused = room_outbox(config, *command)
+        assert (refused.returncode, refused.stderr.strip()) == (3, line), command
+
+
+async def deliver_all(store: SQLStore, config: Path, fake: FakeIMProcess, delivered: str) -> dict[str, dict]:
+    """Run `room-outbox run` until every row is ``delivered``; every event reached IM."""
+
+    async def settled() -> bool:
+        return {r["status"] for r in (await fetch_rows(store)).values()} == {delivered}
+
+    with dispatchers(config) as procs:
+        await wait_until(settled, timeout=60.0, interval=0.1)
+        procs[0].terminate()
+    rows = await fetch_rows(store)
+    assert {m["event_id"] for m in fake.messages()} == set(rows)
+    assert all(r["worker_id"] is None and r["last_error"] is None for r in rows.values())
+    return rows
+
+
+@pytest.mark.slow
+async def test_a_room_cell_table_with_a_nullable_lock_is_fixed_by_migrate_then_delivered(
+    database_dsn: str, tmp_path: Path
+) -> None:
+    fake = FakeIMProcess(tmp_path)
+    store = await open_store(database_dsn)
+    try:
+        config = configure(tmp_path, database_dsn, fake, "room_cell")
+        await execute(store, ROOM_CELL_DDL)
+        await execute(store, INSERT_WITH_APP, produced([f"old{i}" for i in range(12)]))
+        refused = room_outbox(config, "run")
+        assert (refused.returncode, refused.stderr.strip()) == (3, LOCK_LINE)
+        script = room_outbox(config, "migrate", "--sql").stdout
+        assert (
+            "-- would set room_outbox.lock_until_ms to 0 where it was NULL\n"
+            "-- (a batch: run it again, each time on its own, until it changes no row)\n"
+            "UPDATE room_outbox FORCE INDEX (idx_room_outbox_lock_until_ms_null) SET lock_until_ms = 0"
+            " WHERE lock_until_ms IS NULL LIMIT 5000;\n"
+        ) in script
+        migrated = room_outbox(config, "migrate")
+        assert migrated.returncode == 0, migrated.stderr
+        for change in (
+            "set room_outbox.lock_until_ms's default to 0",
+            "set room_outbox.lock_until_ms to 0 where it was NULL",
+            "made room_outbox.lock_until_ms NOT NULL",
+        ):
+            assert change in migrated.stdout.splitlines()
+        await execute(store, INSERT_WITH_APP, produced([f"new{i}" for i in range(12)]))  # lock left out: 0
+        rows = await deliver_all(store, config, fake, "delivered")
+        assert len(rows) == 24
+    finally:
+        await store.aclose()
+        fake.close()
+
+
+@pytest.mark.slow
+async def test_a_v1_table_whose_status_enum_lacks_failed_is_refused_until_its_fix_ran(
+    database_dsn: str, tmp_path: Path
+) -> None:
+    fake = FakeIMProcess(tmp_path)
+    store = await open_store(database_dsn)
+    try:
+        config = configure(tmp_path, database_dsn, fake, "v1")
+        await execute(store, V1_ENUM_DDL)
+        await execute(store, INSERT_WITH_APP, produced([f"e{i}" for i in range(10)]))
+        before = await columns(store)
+        assert_refused(config, V1_ENUM_LINE)
+        assert await columns(store) == before  # refused before changing anything
+        await execute(store, V1_ENUM_FIX)  # the fix the line gives
+        migrated = room_outbox(config, "migrate")
+        assert migrated.returncode == 0, migrated.stderr
+        rows = await deliver_all(store, config, fake, "published")
+        assert len(rows) == 10
+    finally:
+        await store.aclose()
+        fake.close()
+
+
+@pytest.mark.slow
+async def test_a_room_cell_status_enum_without_cancelled_is_refused_and_cancel_is_one_line(
+    database_dsn: str, tmp_path: Path
+) -> None:
+    fake = FakeIMProcess(tmp_path)
+    store = await open_store(database_dsn)
+    try:
+        config = configure(tmp_path, database_dsn, fake, "room_cell")
+        await execute(store, ROOM_CELL_ENUM_DDL)
+        await execute(store, INSERT_WITH_APP, produced(["e1"]))
+        assert_refused(config, ROOM_CELL_ENUM_LINE)
+        cancelled = room_outbox(config, "cancel", "e1")
+        assert (cancelled.returncode, cancelled.stderr.strip()) == (3, ROOM_CELL_ENUM_LINE)
+        assert (await fetch_rows(store))["e1"]["status"] == "pending"
+    finally:
+        await store.aclose()
+        fake.close()
+
+
+@pytest.mark.slow
+async def test_the_first_v1_table_without_app_code_and_updated_at_ms_is_adopted_then_delivered(
+    database_dsn: str, tmp_path: Path
+) -> None:
+    fake = FakeIMProcess(tmp_path)
+    store = await open_store(database_dsn)
+    try:
+        config = configure(tmp_path, database_dsn, fake, "v1")
+        await execute(store, FIRST_V1_DDL)
+        await execute(store, INSERT_FIRST_V1, produced([f"old{i}" for i in range(10)], first_v1=True))
+        refused = room_outbox(config, "run")
+        assert (refused.returncode, refused.stderr.strip()) == (
+            3,
+            "room-outbox: table room_outbox lacks app_code, updated_at_ms, worker_id, lock_until_ms, room_bucket:"
+            " run `room-outbox migrate`",
+        )
+        migrated = room_outbox(config, "migrate")
+        assert migrated.returncode == 0, migrated.stderr
+        assert migrated.stdout.splitlines()[:2] == [
+            "added column room_outbox.app_code",
+            "added column room_outbox.updated_at_ms",
+        ]
+        # the producer's own INSERT, naming neither column, still works
+        await execute(store, INSERT_FIRST_V1, produced([f"new{i}" for i in range(10)], first_v1=True))
+        rows = await deliver_all(store, config, fake, "published")
+        assert len(rows) == 20
+        assert {r["app_code"] for r in rows.values()} == {""}
+        assert all(r["updated_at_ms"] > 0 for r in rows.values())  # written by the delivery
+    finally:
+        await store.aclose()
+        fake.close()
+
+
+async def test_a_result_the_table_refuses_for_one_row_leaves_the_batch_written_and_the_lane_moving(
+    store: MySQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The status column cannot hold 'failed' (the start-up check, which refuses this table,
+    is bypassed): the parked row's write is refused, the rest of the batch is written, the
+    parked row is released with the cause, and rows inserted after it are delivered."""
+    async with store.transaction() as cur:
+        await cur.execute(
+            "ALTER TABLE room_outbox MODIFY status ENUM('pending','published') NOT NULL DEFAULT 'pending'"
+        )
+    sink = RecordingSink(fail={"bad"}, error=PermanentSinkError("group gone"))
+    dispatcher = make_dispatcher(store, sink, retry=RetryPolicy(interval=0.05, parking=True))
+    await insert_events(store, [envelope(event_id) for event_id in ("a1", "bad", "a2", "a3")])
+    with caplog.at_level(logging.WARNING, logger="room_outbox.store"):
+        assert (await dispatcher.run_once()).claimed == 4
+        await dispatcher.flush()
+    rows = await fetch_rows(store)
+    assert {e: r["status"] for e, r in rows.items()} == {
+        "a1": "published",
+        "bad": "pending",
+        "a2": "published",
+        "a3": "published",
+    }
+    bad = rows["bad"]
+    assert bad["worker_id"] is None and bad["retry_count"] == 1
+    assert bad["last_error"].startswith(
+        "its parked result was refused by the database: Data truncated for column 'status' at row 1;"
+    )
+    assert bad["lock_until_ms"] > int(time.time() * 1000)  # not retried at once
+    refusals = [r.getMessage() for r in caplog.records if "refused by the database" in r.getMessage()]
+    assert len(refusals) == 1 and refusals[0].startswith("event bad: ")
+    await insert_events(store, [envelope(event_id) for event_id in ("late1", "late2")])
+    assert (await dispatcher.run_once()).claimed == 2
+    await dispatcher.flush()
+    rows = await fetch_rows(store)
+    assert rows["late1"]["status"] == rows["late2"]["status"] == "published"
