@@ -30,11 +30,13 @@ RUN groupadd --system --gid 10001 room-outbox \
 COPY --from=build /opt/room-outbox /opt/room-outbox
 COPY config/config.docker.yaml /etc/room-outbox/config.yaml
 # The HTTP endpoint is on in the image whatever config file is mounted, so the HEALTHCHECK
-# below always has something to probe (a `-e ROOM_OUTBOX__TELEMETRY__HTTP_LISTEN=...` moves it).
+# below always has something to probe. Loopback only: it has no authentication. A scraper in
+# another container needs `-e ROOM_OUTBOX__TELEMETRY__HTTP_LISTEN=0.0.0.0:9464`, an explicit
+# choice to pair with a private network (no published port, or one on 127.0.0.1).
 ENV PATH=/opt/room-outbox/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    ROOM_OUTBOX__TELEMETRY__HTTP_LISTEN=:9464
+    ROOM_OUTBOX__TELEMETRY__HTTP_LISTEN=127.0.0.1:9464
 USER 10001:10001
 # /healthz, /readyz, /metrics (telemetry.http_listen, set above).
 EXPOSE 9464

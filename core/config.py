@@ -52,16 +52,23 @@ _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
+#: PostgreSQL's longest identifier in bytes (MySQL's is 64): PostgreSQL silently truncates
+#: a longer one, so two derived index names could collide.
+MAX_IDENTIFIER = 63
+#: The outbox table's longest name: its longest derived names (``idx_<table>_status_id``,
+#: ``uk_<table>_outbox_seq``) add 14 characters.
+MAX_TABLE_NAME = MAX_IDENTIFIER - len("idx__status_id")
 #: The configuration error of :mod:`room_outbox.errors`, under the name this module always had.
 ConfigError = ConfigurationError
 
 
 def parse_listen(address: str) -> tuple[str, int]:
-    """``host:port``, ``:port`` (all interfaces) or ``[v6]:port``; raises ``ValueError``."""
+    """``host:port``, ``:port`` (loopback) or ``[v6]:port``; raises ``ValueError``. Every
+    interface is an explicit choice (``0.0.0.0:port``): the endpoint has no authentication."""
     host, sep, port = address.strip().rpartition(":")
     if not sep or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"{address!r} is not host:port (e.g. 127.0.0.1:9464)")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def parse_duration(value: Any) -> float:
@@ -153,8 +160,13 @@ class DatabaseSettings(Section):
     @classmethod
     def _plain_name(cls, value: str) -> str:
         value = value.strip()
-        if value and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", value):
+        if value and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
             raise ValueError(f"{value!r} is not a plain table name (letters, digits and _)")
+        if len(value) > MAX_TABLE_NAME:
+            raise ValueError(
+                f"{value!r} is {len(value)} characters, at most {MAX_TABLE_NAME}: its index names"
+                f" (idx_<table>_status_id) must fit PostgreSQL's {MAX_IDENTIFIER}-byte identifiers"
+            )
         return value
 
 
@@ -437,7 +449,9 @@ class RetentionSettings(Section):
 
 
 def default_node_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
+    """``<hostname>-<pid>``, the host name cut to 64 characters: a long (fully qualified)
+    one must not make the default longer than a ``node_id`` may be."""
+    return f"{socket.gethostname()[:64]}-{os.getpid()}"
 
 
 class Settings(BaseSettings):
@@ -468,7 +482,10 @@ class Settings(BaseSettings):
     @field_validator("node_id")
     @classmethod
     def _default_node_id(cls, value: str) -> str:
-        return value.strip() or default_node_id()
+        value = value.strip()
+        if any(not char.isprintable() for char in value):
+            raise ValueError("control or invisible characters are not allowed")
+        return value or default_node_id()
 
     @model_validator(mode="after")
     def _mysql_is_database(self) -> Settings:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+import math
+import re
+from collections.abc import Callable, Container, Iterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -88,9 +90,32 @@ def parse_envelope(raw: str | bytes) -> EventEnvelope:
         except UnicodeDecodeError as exc:
             raise EnvelopeError(f"envelope is not valid UTF-8 (byte {exc.start})") from exc
     try:
-        return _validate_json(raw)
+        envelope = _validate_json(raw)
     except ValidationError as exc:
         raise EnvelopeError(f"malformed envelope: {_describe(exc)}") from exc
+    if _MAYBE_NOT_FINITE.search(raw):
+        where = next(_non_finite({"payload": envelope.payload, **(envelope.model_extra or {})}), None)
+        if where is not None:
+            raise EnvelopeError(f"malformed envelope: {where}: not a finite number (NaN, Infinity or out of range)")
+    return envelope
+
+
+#: Text that may hold a number JSON has not (the parser accepts them): a ``NaN`` or
+#: ``Infinity`` literal, or an exponent of three digits (``1e999`` is infinite). Only an
+#: envelope holding one is walked, so the common row pays one search.
+_MAYBE_NOT_FINITE = re.compile(r"NaN|Infinity|[eE]\+?[0-9]{3}")
+
+
+def _non_finite(value: Any, where: str = "") -> Iterator[str]:
+    """The dotted path of each non-finite float in ``value``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield where
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _non_finite(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _non_finite(item, f"{where}.{index}")
 
 
 def _describe(exc: ValidationError) -> str:

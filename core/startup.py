@@ -72,7 +72,7 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> Checked
     for lane in own_lanes:
         try:
             lane_table(lane)
-        except ValueError as exc:
+        except ConfigurationError as exc:
             problems.append(f"sinks.{lane}: {exc}")
     try:
         check_consumers(pm, settings)

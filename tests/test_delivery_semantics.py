@@ -205,3 +205,39 @@ async def test_cancel_keeps_the_row_and_is_never_delivered(store: MySQLStore) ->
     assert rows["c1"]["status"] == "cancelled" and sink.received == ["c2"]
     assert await cancel_command(store, "c2", out, out) == 1 and "c2 is published" in out.getvalue()
     assert await cancel_command(store, "nope", out, out) == 1 and "no event nope" in out.getvalue()
+
+
+class GatedSink(RecordingSink):
+    """Holds each delivery until :attr:`release` is set: a delivery in flight on demand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = anyio.Event()
+
+    async def deliver(self, envelope: Any) -> None:
+        self.received.append(envelope.event_id)
+        with anyio.fail_after(10):
+            await self.release.wait()
+
+
+async def test_cancel_refuses_an_event_in_flight_so_it_never_ends_delivered_yet_cancelled(store: MySQLStore) -> None:
+    await insert_events(store, [envelope("racing")])
+    sink = GatedSink()
+    dispatcher = make_dispatcher(store, sink, publish_timeout=20.0, lease=30.0)
+    out = io.StringIO()
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispatcher.run)
+        try:
+            await wait_until(lambda: sink.received == ["racing"])  # leased, at the sink
+            assert await cancel_command(store, "racing", out, out) == 1
+            sink.release.set()
+            await wait_until(lambda: _status(store, "racing", "published"))
+        finally:
+            sink.release.set()
+            dispatcher.stop()
+    assert "racing is being delivered right now" in out.getvalue()
+    assert sink.received == ["racing"]
+
+
+async def _status(store: MySQLStore, event_id: str, status: str) -> bool:
+    return (await fetch_rows(store))[event_id]["status"] == status

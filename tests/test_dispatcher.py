@@ -172,6 +172,8 @@ async def test_a_permanent_error_stays_pending_in_v1(store: MySQLStore) -> None:
          "no sink for event_type RoomTeleported"),
         (("", "bad_utf8", "RoomUserJoined", "r_1", b'{"event_id": "bad_utf8", "x": "\xff\xfe"}'),
          "envelope is not valid UTF-8"),
+        (("", "not_finite", "RoomHeatChanged", "r_1", '{"event_id": "not_finite", "event_type": "RoomHeatChanged", "room_id": "r_1", "payload": {"heat": NaN}}'),
+         "malformed envelope: payload.heat: not a finite number"),
     ],
 )  # fmt: skip
 async def test_bad_input_gets_a_clear_error_and_blocks_nothing(

@@ -39,3 +39,29 @@ def test_bad_envelopes_are_named(raw: str | bytes, message: str) -> None:
     with pytest.raises(EnvelopeError) as info:
         parse_envelope(raw)
     assert str(info.value).startswith(message), str(info.value)
+
+
+ROW = '{"event_id": "e", "event_type": "T", "room_id": "r", %s}'
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        ('"payload": {"gift": {"value": NaN}}', "payload.gift.value"),
+        ('"payload": {"heat": Infinity}', "payload.heat"),
+        ('"payload": {"heat": -Infinity}', "payload.heat"),
+        ('"payload": {"scores": [1, 1e999]}', "payload.scores.1"),
+        ('"payload": {"x": -1E+400}', "payload.x"),
+        ('"future_field": {"y": NaN}', "future_field.y"),
+    ],
+)
+def test_a_non_finite_number_is_a_bad_envelope(fields: str, where: str) -> None:
+    """JSON has no NaN or Infinity, and an IM client must never receive them."""
+    with pytest.raises(EnvelopeError) as info:
+        parse_envelope(ROW % fields)
+    assert str(info.value) == f"malformed envelope: {where}: not a finite number (NaN, Infinity or out of range)"
+
+
+def test_text_and_large_finite_numbers_that_look_alike_still_parse() -> None:
+    env = parse_envelope(ROW % '"payload": {"text": "NaN Infinity 1e999", "big": 1e308, "e": "e123"}')
+    assert env.payload == {"text": "NaN Infinity 1e999", "big": 1e308, "e": "e123"}

@@ -62,15 +62,62 @@ def test_a_url_built_by_urlencode_is_masked_and_the_rest_kept() -> None:
     )
 
 
-def test_short_values_and_ordinary_text_are_left_alone() -> None:
+def test_blank_values_are_ignored_and_a_longer_secret_is_masked_whole() -> None:
     redactor = Redactor()
-    for value in ("", "  ", "abc"):
+    for value in ("", "  "):
         redactor.add(value)
-    assert redactor.redact("abc def") == "abc def"
+    assert redactor.redact("  abc def ") == "  abc def "
     redactor.add("sup3rsecret")
     redactor.add("sup3rsecretlonger")  # the longer one is masked whole, not in pieces
     assert redactor.redact("a sup3rsecretlonger b sup3rsecret") == f"a {REDACTED} b {REDACTED}"
-    assert "sup3rsecret" in redactor and "abc" not in redactor
+    assert "sup3rsecret" in redactor and "" not in redactor
+
+
+R = REDACTED
+
+
+@pytest.mark.parametrize(
+    ("password", "text", "expected"),
+    [
+        # A common word: masked as a whole token, never inside a longer one.
+        ("room", '{"logger": "room_outbox.app", "msg": "room-service bedroom rooms"}', None),
+        ("room", "mysql://root:room@db:3306/x", f"mysql://root:{R}@db:3306/x"),
+        ("room", '{"password": "room"}', f'{{"password": "{R}"}}'),
+        ("room", "Access denied: password room rejected", f"Access denied: password {R} rejected"),
+        ("room", "GET /v4?sig=x%3Droom&y=1", f"GET /v4?sig=x%3D{R}&y=1"),
+        # Short passwords: masked where they are a whole value, left alone in free text.
+        ("a", "mysql://app:a@db/x", f"mysql://app:{R}@db/x"),
+        ("a", "host=db password=a user=x", f"host=db password={R} user=x"),
+        ("a", '{"password": "a", "msg": "a batch of a few"}', f'{{"password": "{R}", "msg": "a batch of a few"}}'),
+        ("a", "https://im.example/v4?usersig=a&random=7", f"https://im.example/v4?usersig={R}&random=7"),
+        ("abc", "Authorization: abc", f"Authorization: {R}"),
+        ("abc", "mysql://app:abc@db/abcdef?password=abc", f"mysql://app:{R}@db/abcdef?password={R}"),
+        ("abc", "abc def xabc abc_1", None),
+        # The special characters of the output-channel test below, percent-encoded in a DSN.
+        ("Pw*0a1b/+=:@ %", "mysql://u:" + quote("Pw*0a1b/+=:@ %", safe="") + "@db/x", f"mysql://u:{R}@db/x"),
+        ("Pw*0a1b/+=:@ %", '{"dsn_password": "Pw*0a1b/+=:@ %"}', f'{{"dsn_password": "{R}"}}'),
+    ],
+)
+def test_a_secret_is_masked_as_a_whole_token_or_value(password: str, text: str, expected: str | None) -> None:
+    redactor = Redactor()
+    redactor.add(password)
+    assert redactor.redact(text) == (text if expected is None else expected)
+
+
+def test_a_common_word_as_the_database_password_leaves_log_lines_intact() -> None:
+    stream = io.StringIO()
+    redactor = redactor_for(Settings(mysql={"dsn": "mysql://root:room@db:3306/outbox"}))
+    try:
+        configure_logging("INFO", "n1", redactor, stream)
+        logging.getLogger("room_outbox.app").info("room-service rows in room_outbox tables")
+        logging.getLogger("room_outbox.app").warning("cannot connect to mysql://root:room@db:3306/outbox")
+    finally:
+        logging.captureWarnings(False)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(d["logger"], d["msg"]) for d in lines] == [
+        ("room_outbox.app", "room-service rows in room_outbox tables"),
+        ("room_outbox.app", f"cannot connect to mysql://root:{R}@db:3306/outbox"),
+    ]
 
 
 def test_the_process_redactor_knows_every_secret_in_the_configuration() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from room_outbox.cli.status import format_age, printable
 from room_outbox.store.factory import SQLStore
-from room_outbox.store.operator import RequeueFilter, cancel, find_requeue_candidates, requeue
+from room_outbox.store.operator import IN_FLIGHT, RequeueFilter, cancel, find_requeue_candidates, requeue
 
 #: Rows one ``requeue`` changes at most: one statement, a list a person can still read.
 REQUEUE_LIMIT = 10_000
@@ -62,6 +62,11 @@ async def cancel_command(store: SQLStore, event_id: str, out: Any, err: Any) -> 
         return 0
     if status is None:
         print(f"room-outbox cancel: no event {shown}", file=err)
+    elif status == IN_FLIGHT:
+        print(
+            f"room-outbox cancel: {shown} is being delivered right now; try again once its attempt has ended",
+            file=err,
+        )
     else:
         print(
             f"room-outbox cancel: {shown} is {printable(status)}: only pending or failed events can be cancelled",

@@ -28,6 +28,7 @@ is handled in order, the rest of the partition is not held up.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Set as AbstractSet
@@ -52,13 +53,23 @@ from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.observability.tracing import producer_context
 from room_outbox.store.clock import now_ms
-from room_outbox.store.consumer import NO_HANDLER, ConsumerBatch, ConsumerStore, LeaseLost, Processed, RetryRow
+from room_outbox.store.consumer import (
+    NO_HANDLER,
+    ROOM_KEY_MAX,
+    ConsumerBatch,
+    ConsumerStore,
+    LeaseLost,
+    Processed,
+    RetryRow,
+)
 
 log = logging.getLogger("room_outbox.consume")
 
 FETCH_TIMEOUT_MS = 500
 #: Pause after a batch could not be settled (the database is down, say) before it is tried again.
 BATCH_RETRY_PAUSE = 1.0
+#: How long a batch's dead-letter copies may take, together (not each: a topic that refuses
+#: them would hold the partition this long once per copy).
 DLQ_SEND_TIMEOUT = 10.0
 #: The last offset commit, when the consumer stops.
 COMMIT_TIMEOUT = 10.0
@@ -91,6 +102,11 @@ class Message:
     def room(self) -> str:
         # No key: nothing to keep in order with; each such message is a group of its own.
         return self.key or f"@{self.partition}:{self.offset}"
+
+    @property
+    def held_key(self) -> str:
+        """The room as the retry table keeps it (and so as held-back rooms are compared)."""
+        return self.room[:ROOM_KEY_MAX]
 
     @property
     def app_code(self) -> str:
@@ -219,6 +235,7 @@ class Consumer:
                 auto_offset_reset="earliest",
                 session_timeout_ms=int(s.session_timeout * 1000),
                 heartbeat_interval_ms=max(100, int(s.session_timeout * 1000 / 3)),
+                rebalance_timeout_ms=int(rebalance_timeout(s, len(self._batch_handlers)) * 1000),
                 max_poll_records=s.max_batch,
                 **s.security.client_kwargs(),
             )
@@ -420,8 +437,7 @@ class Consumer:
             dead = []
             for room in rooms:
                 await self._settle_room(room, blocked, None, dead, done)
-        for row, reason in dead:
-            await self._announce_dead_letter(row, reason)
+        await self._announce_dead_letters(dead)
 
     def _route(self, record: Any) -> Message:
         message = Message(
@@ -462,7 +478,7 @@ class Consumer:
         messages for that handler (with ``ordering: per_room``): they wait in the retry table
         behind it."""
         outcomes: ConsumerBatch | ConsumerStore = batch if batch is not None else self.store
-        held: set[str] = {handler for handler, room in blocked if room == messages[0].room}
+        held: set[str] = {handler for handler, room in blocked if room == messages[0].held_key}
         for message in messages:
             if message.rejected is not None:
                 row = self._retry_row(message, NO_HANDLER, 1, message.rejected)
@@ -476,7 +492,7 @@ class Consumer:
                     await outcomes.schedule(
                         self._retry_row(message, handler.name, 0, "waiting behind an earlier event of its room")
                     )
-                    self._retrying.add((handler.name, message.room))
+                    self._retrying.add((handler.name, message.held_key))
                     continue
                 ok = await self._handle(message, handler, attempt=1, retry=None, batch=batch, dead=dead)
                 if not ok and self.ordered:
@@ -491,7 +507,7 @@ class Consumer:
         bad one costs only itself)."""
         messages = [
             m for room in rooms for m in room
-            if m.rejected is None and handler in m.handlers and (handler.name, m.room) not in blocked
+            if m.rejected is None and handler in m.handlers and (handler.name, m.held_key) not in blocked
         ]  # fmt: skip
         if not messages:
             return set()
@@ -620,7 +636,7 @@ class Consumer:
         self.metrics.retried.add(1, labels)
         if retry is None:
             await outcomes.schedule(self._retry_row(message, handler.name, attempt, text, due))
-            self._retrying.add((handler.name, message.room))
+            self._retrying.add((handler.name, message.held_key))
         else:
             await self.store.retry_failed(retry, attempt, due, text, dead=False)
         return False
@@ -657,41 +673,46 @@ class Consumer:
     # -- dead letters -------------------------------------------------------------------------
 
     async def _announce_dead_letter(self, row: RetryRow, reason: str) -> None:
-        """Log, count and copy to the dead-letter topic a dead letter already recorded."""
-        log.error(
-            "dead letter",
-            extra={"consumer": self.name, "handler": row.handler or "(none)", "event_id": row.event_id,
-                   "event_type": row.event_type, "topic": row.topic, "partition": row.partition,
-                   "offset": row.offset, "attempts": row.attempts, "error": row.last_error},
-        )  # fmt: skip
-        self.metrics.dead.add(1, {"consumer": self.name, "handler": row.handler or "(none)", "reason": reason})
-        await self._publish_dead_letter(row)
+        await self._announce_dead_letters([(row, reason)])
+
+    async def _announce_dead_letters(self, dead: list[tuple[RetryRow, str]]) -> None:
+        """Log, count and copy to the dead-letter topic dead letters already recorded."""
+        for row, reason in dead:
+            log.error(
+                "dead letter",
+                extra={"consumer": self.name, "handler": row.handler or "(none)", "event_id": row.event_id,
+                       "event_type": row.event_type, "topic": row.topic, "partition": row.partition,
+                       "offset": row.offset, "attempts": row.attempts, "error": row.last_error},
+            )  # fmt: skip
+            self.metrics.dead.add(1, {"consumer": self.name, "handler": row.handler or "(none)", "reason": reason})
+        await self._publish_dead_letters([row for row, _ in dead])
 
     async def _publish_dead_letter(self, row: RetryRow) -> None:
-        """A copy to the dead-letter topic, the error in its headers. The table row is the
-        record that counts (status, inspect, redrive); a failed copy is logged, not retried."""
+        await self._publish_dead_letters([row])
+
+    async def _publish_dead_letters(self, rows: list[RetryRow]) -> None:
+        """Copies to the dead-letter topic, the error in their headers, all sent at once and
+        awaited together within ``DLQ_SEND_TIMEOUT``. The table rows are the record that counts
+        (status, inspect, redrive); a failed copy is logged, not retried."""
         topic = self.settings.dlq_topic()
-        if topic is None:
+        if topic is None or not rows:
             return
-        headers = [(k, v.encode()) for k, v in row.headers.items() if not k.startswith("dlq.")]
-        headers += [
-            ("dlq.error", (row.last_error or "")[:1024].encode()),
-            ("dlq.consumer", self.name.encode()),
-            ("dlq.handler", row.handler.encode()),
-            ("dlq.topic", row.topic.encode()),
-            ("dlq.partition", str(row.partition).encode()),
-            ("dlq.offset", str(row.offset).encode()),
-            ("dlq.attempts", str(row.attempts).encode()),
-        ]
         try:
             with anyio.fail_after(DLQ_SEND_TIMEOUT):
                 producer = await self._dlq_producer()
-                await producer.send_and_wait(topic, row.value, key=row.room_key.encode(), headers=headers)
+                sent = [
+                    await producer.send(
+                        topic, row.value, key=row.room_key.encode(), headers=_dlq_headers(self.name, row)
+                    )
+                    for row in rows
+                ]
+                await asyncio.gather(*sent)
         except (KafkaError, TimeoutError, OSError) as exc:
             log.warning(
-                "dead letter not copied to its topic (it is in room_consumer_retry)",
-                extra={"consumer": self.name, "topic": topic, "event_id": row.event_id, "error": self._error(exc)},
-            )
+                "dead letters not copied to their topic (they are in room_consumer_retry)",
+                extra={"consumer": self.name, "topic": topic, "event_ids": [row.event_id for row in rows][:20],
+                       "dead_letters": len(rows), "error": self._error(exc)},
+            )  # fmt: skip
 
     async def _dlq_producer(self) -> AIOKafkaProducer:
         if self._dlq is None:
@@ -779,6 +800,18 @@ class _NoSpan:
         return None
 
 
+def rebalance_timeout(settings: ConsumerSettings, batch_handlers: int) -> float:
+    """How long the group waits for this member to rejoin in a rebalance. A member gives up
+    its partitions only once its batch is settled (:class:`_SettleBeforeRevoke`), so the wait
+    must outlast the longest batch its own deadlines allow: each batch handler's call, every
+    message twice (in its chunk's transaction, then alone if that one failed), the
+    dead-letter copies and the commit. Shorter (aiokafka's default is ``session_timeout``),
+    a slow batch would lose its partitions mid-way and its messages be handled again."""
+    messages = batch_handlers + 2 * (settings.max_batch + 1)
+    batch = settings.handler_timeout * messages + DLQ_SEND_TIMEOUT + COMMIT_TIMEOUT
+    return max(settings.session_timeout, batch)
+
+
 class _SettleBeforeRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
     """Partitions leave this member only once the batch in progress is settled and what is
     settled is committed."""
@@ -803,3 +836,17 @@ class _SettleBeforeRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
 
 
 __all__ = ["Consumer"]
+
+
+def _dlq_headers(consumer: str, row: RetryRow) -> list[tuple[str, bytes]]:
+    """The message's own headers but earlier ``dlq.*`` ones, and where and why it died."""
+    return [
+        *((k, v.encode()) for k, v in row.headers.items() if not k.startswith("dlq.")),
+        ("dlq.error", (row.last_error or "")[:1024].encode()),
+        ("dlq.consumer", consumer.encode()),
+        ("dlq.handler", row.handler.encode()),
+        ("dlq.topic", row.topic.encode()),
+        ("dlq.partition", str(row.partition).encode()),
+        ("dlq.offset", str(row.offset).encode()),
+        ("dlq.attempts", str(row.attempts).encode()),
+    ]

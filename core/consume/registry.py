@@ -9,6 +9,7 @@ from typing import Any
 import pluggy
 from pydantic import ValidationError
 
+from room_outbox.cluster.identity import process_identity
 from room_outbox.config import ConfigError, Settings, describe_validation_error
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.envelope import KNOWN_EVENT_TYPES
@@ -41,6 +42,10 @@ def registered_handlers(pm: pluggy.PluginManager) -> dict[str, HandlerSpec[Any]]
     return found
 
 
+#: A consumer's retry leases are owned by ``<identity>#<consumer>``, in a VARCHAR(128) column.
+MAX_OWNER = 128
+
+
 def check_consumers(pm: pluggy.PluginManager, settings: Settings) -> list[str]:
     """Validate every enabled consumer short of connecting (``check-config``): its section,
     its handlers and their settings, its TLS files. Returns the consumers' names; one
@@ -50,6 +55,12 @@ def check_consumers(pm: pluggy.PluginManager, settings: Settings) -> list[str]:
     problems: list[str] = []
     for name, consumer in consumers.items():
         where = f"consumers.{name}"
+        owner = f"{process_identity(settings.node_id)}#{name}"
+        if len(owner) > MAX_OWNER:
+            problems.append(
+                f"{where}: its lock owner <node_id>~<token>#<consumer> would be {len(owner)} characters,"
+                f" at most {MAX_OWNER}: shorten the consumer's name or node_id"
+            )
         for handler in consumer.handlers:
             if handler not in specs:
                 problems.append(

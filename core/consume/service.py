@@ -111,7 +111,7 @@ async def _observed(settings: Settings, store: SQLStore, redactor: Redactor) -> 
     try:
         endpoint = None
         if listen is not None:
-            endpoint = HttpEndpoint(health, telemetry.prometheus_text)
+            endpoint = HttpEndpoint(health, telemetry.prometheus_text, telemetry.meter)
             try:
                 port = await endpoint.bind(*listen)
             except OSError as exc:
@@ -122,6 +122,7 @@ async def _observed(settings: Settings, store: SQLStore, redactor: Redactor) -> 
         async with anyio.create_task_group() as background:
             if endpoint is not None:
                 background.start_soon(endpoint.serve)
+                background.start_soon(health.watch_database)
             try:
                 yield telemetry, health
             except BaseException as exc:

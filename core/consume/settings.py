@@ -91,6 +91,11 @@ class ConsumerSettings(Section):
         return str(self.dead_letter_topic).strip()
 
 
+#: The ``consumer`` column is VARCHAR(64) (and the lock owner ``<identity>#<consumer>``
+#: must fit its 128 too: checked with the node_id, see ``check_consumers``).
+MAX_CONSUMER_NAME = 63
+
+
 def consumer_settings(settings: Settings, only: str | None = None) -> dict[str, ConsumerSettings]:
     """The enabled consumers (or ``only``, enabled or not), validated; :class:`ConfigError`
     names every bad key as ``consumers.<name>.<key>``."""
@@ -101,6 +106,12 @@ def consumer_settings(settings: Settings, only: str | None = None) -> dict[str, 
     problems: list[str] = []
     for name, section in sorted(settings.consumers.items()):
         if only is not None and name != only:
+            continue
+        if not name.strip() or len(name) > MAX_CONSUMER_NAME or not name.isprintable():
+            problems.append(
+                f"consumers.{name}: a consumer's name is 1 to {MAX_CONSUMER_NAME} printable characters"
+                " (the consumer column's limit)"
+            )
             continue
         try:
             consumer = ConsumerSettings.model_validate(section or {})

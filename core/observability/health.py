@@ -7,19 +7,25 @@
   ``publish_timeout``). A lane blocked for good (on a database or a sink that never answers)
   fails it; restarting the process is the cure. A database that is down does not: rounds
   keep ending (each failed one within ``query_timeout``), and a restart would not help.
-* **Ready** (``/readyz``): the worker runs (or is disabled by configuration), the database
-  answers ``SELECT 1`` within 2 s, and no lane has had ``telemetry.unready_after_failed_rounds``
-  failed rounds in a row. Its ``clock`` check says whether this host's clock is off the
-  database's by more than ``cluster.max_clock_skew`` (shown, not a cause of unreadiness:
-  every time compared between processes is the database's). Sinks are not checked: a sink's
-  jitter must not take the process out of service; failing deliveries show in the metrics
-  instead.
+* **Ready** (``/readyz``): the worker runs (or is disabled by configuration), a query
+  succeeded within the last ``DATABASE_FRESH_FOR`` seconds, and no lane has had
+  ``telemetry.unready_after_failed_rounds`` failed rounds in a row. Sinks are not checked: a
+  sink's jitter must not take the process out of service; failing deliveries show in the
+  metrics instead. Its ``clock`` check says whether this host's clock is off the database's by
+  more than ``cluster.max_clock_skew`` (shown, not a cause of unreadiness: every time compared
+  between processes is the database's).
+
+Readiness is read from state the process keeps, never from a query per request: a lane's
+successful round counts as a query that succeeded, and :meth:`Health.watch_database` pings
+only when no lane has succeeded for ``DATABASE_CHECK_INTERVAL`` (an idle or disabled worker,
+a consumer). Each check's cause is a short fixed text; the driver's own words go to the log.
 
 The dispatchers report to their :class:`LaneHealth`; the lifecycle sets :attr:`Health.worker`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,8 +36,14 @@ from room_outbox.config import UNREADY_AFTER_FAILED_ROUNDS
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.store.clock import CLOCK, ClusterClock
 
+log = logging.getLogger("room_outbox.health")
+
 DATABASE_CHECK_TIMEOUT = 2.0
-#: Longest error text in a check (and in a backlog-sample warning): a line, not a dump.
+#: The watch pings the database when no query has succeeded for this long.
+DATABASE_CHECK_INTERVAL = 5.0
+#: Ready only while a query has succeeded within this long: a missed ping or two is tolerated.
+DATABASE_FRESH_FOR = 3 * DATABASE_CHECK_INTERVAL
+#: Longest error text in a log line about a check (and in a backlog-sample warning).
 CHECK_TEXT_MAX = 300
 #: ``/readyz``'s clock check when this host's clock is off the database's beyond the bound.
 CLOCK_SKEWED = "off the database's clock by more than cluster.max_clock_skew"
@@ -46,6 +58,8 @@ class LaneHealth:
     last_progress: float = field(default_factory=time.monotonic)
     failed_in_a_row: int = 0
     last_error: str = ""
+    #: ``time.monotonic()`` of the last successful round (its queries answered); None: none yet.
+    succeeded_at: float | None = None
 
     def progressed(self) -> None:
         self.last_progress = time.monotonic()
@@ -55,6 +69,7 @@ class LaneHealth:
         self.progressed()
         if error is None:
             self.failed_in_a_row = 0
+            self.succeeded_at = self.last_progress
         else:
             self.failed_in_a_row += 1
             self.last_error = error
@@ -78,6 +93,11 @@ class Health:
     #: Failed rounds in a row (in any lane) that make the process not ready.
     unready_after_failed_rounds: int = UNREADY_AFTER_FAILED_ROUNDS
     lanes: dict[str, LaneHealth] = field(default_factory=dict)
+    #: The watch's last successful ping and last failure (``time.monotonic()``), and that
+    #: failure's fixed cause (None once a ping succeeds again).
+    _pinged_at: float | None = None
+    _failed_at: float | None = None
+    _failure: str | None = None
     #: The process's reading of the database's clock (its offset is reported, not a cause of
     #: unreadiness: every time compared between processes is the database's).
     clock: ClusterClock = field(default_factory=lambda: CLOCK)
@@ -100,24 +120,49 @@ class Health:
                     checks[f"lane {name}"] = "ok"
         return live, checks
 
-    async def readiness(self) -> tuple[bool, dict[str, str]]:
-        checks: dict[str, str] = {"worker": self.worker}
-        try:
-            with anyio.fail_after(DATABASE_CHECK_TIMEOUT):
-                await self.check_database()
-            checks["database"] = "ok"
-        except TimeoutError:
-            checks["database"] = f"no answer within {DATABASE_CHECK_TIMEOUT:g}s"
-        except Exception as exc:
-            checks["database"] = redact_and_shorten(self.redactor, f"{type(exc).__name__}: {exc}", CHECK_TEXT_MAX)
+    def readiness(self) -> tuple[bool, dict[str, str]]:
+        checks: dict[str, str] = {"worker": self.worker, "database": self._database_check()}
         ready = checks["database"] == "ok" and self.worker in ("running", "disabled")
         checks["clock"] = CLOCK_SKEWED if self.clock.skewed else "ok"
         for name, lane in sorted(self.lanes.items()):
             if lane.failed_in_a_row >= self.unready_after_failed_rounds:
                 ready = False
-                error = redact_and_shorten(self.redactor, lane.last_error, CHECK_TEXT_MAX)
-                checks[f"lane {name}"] = f"{lane.failed_in_a_row} rounds failed in a row: {error}"
+                checks[f"lane {name}"] = f"{lane.failed_in_a_row} rounds failed in a row"
         return ready, checks
+
+    def _last_success(self) -> float | None:
+        times = [t for t in (self._pinged_at, *(lane.succeeded_at for lane in self.lanes.values())) if t is not None]
+        return max(times, default=None)
+
+    def _database_check(self) -> str:
+        succeeded = self._last_success()
+        if succeeded is not None and (self._failed_at is None or succeeded >= self._failed_at):
+            age = time.monotonic() - succeeded
+            return "ok" if age <= DATABASE_FRESH_FOR else f"no successful query for {age:.0f}s"
+        return self._failure or "not checked yet"
+
+    async def watch_database(self, interval: float = DATABASE_CHECK_INTERVAL) -> None:
+        """Ping the database whenever no query has succeeded for ``interval``, until cancelled."""
+        while True:
+            succeeded = self._last_success()
+            if succeeded is None or time.monotonic() - succeeded >= interval:
+                await self._ping()
+            await anyio.sleep(interval)
+
+    async def _ping(self) -> None:
+        try:
+            with anyio.fail_after(DATABASE_CHECK_TIMEOUT):
+                await self.check_database()
+        except Exception as exc:
+            if self._failure is None:  # once per outage: the lanes log their own failures
+                text = redact_and_shorten(self.redactor, f"{type(exc).__name__}: {exc}", CHECK_TEXT_MAX)
+                log.warning("readiness: the database check failed: %s", text)
+            timed_out = isinstance(exc, TimeoutError)
+            self._failure = f"no answer within {DATABASE_CHECK_TIMEOUT:g}s" if timed_out else "query failed"
+            self._failed_at = time.monotonic()
+        else:
+            self._pinged_at = time.monotonic()
+            self._failure = None
 
 
 def stalled_after(polls: int, poll_interval: float, query_timeout: float, publish_timeout: float) -> float:

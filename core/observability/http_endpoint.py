@@ -8,7 +8,11 @@
 Served by ``aiohttp.web`` (aiohttp is already the Tencent sink's transport): its request
 parser bounds header sizes, every connection is its own task, and a slow or hostile client
 costs that task and nothing else. It only ever binds the address it is given; bind it to
-loopback or a management network.
+loopback or a management network (it has no authentication).
+
+A request it cannot parse (a port scan, TLS on a plain port) is counted in
+``room_outbox_http_malformed_requests_total`` and not logged: the parser's traceback would
+echo the client's bytes into the log, one ERROR per request.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import anyio
 from aiohttp import web
+from opentelemetry.metrics import Meter, NoOpMeterProvider
 
 from room_outbox.observability.health import Health
 from room_outbox.observability.metrics import PROMETHEUS_CONTENT_TYPE
@@ -34,9 +40,18 @@ __all__ = ["Health", "HttpEndpoint"]
 
 
 class HttpEndpoint:
-    def __init__(self, health: Health, metrics: Callable[[], str]) -> None:
+    def __init__(self, health: Health, metrics: Callable[[], str], meter: Meter | None = None) -> None:
         self.health = health
         self.metrics = metrics
+        meter = meter or NoOpMeterProvider().get_meter("room_outbox")
+        self._malformed = meter.create_counter(
+            "room_outbox_http_malformed_requests_total",
+            unit="{request}",
+            description="Requests to the HTTP endpoint that could not be parsed.",
+        )
+        self._malformed.add(0)
+        #: Malformed requests since start (what the counter counts, for embedders and tests).
+        self.malformed_requests = 0
         #: The bound port, once :meth:`bind` has run (useful with port 0).
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -48,7 +63,13 @@ class HttpEndpoint:
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)
         # No access log: a scrape every few seconds would drown the service's own lines.
-        runner = web.AppRunner(app, access_log=None, keepalive_timeout=READ_TIMEOUT, shutdown_timeout=SHUTDOWN_TIMEOUT)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            keepalive_timeout=READ_TIMEOUT,
+            shutdown_timeout=SHUTDOWN_TIMEOUT,
+            logger=cast(logging.Logger, _CountingServerLog(self._count_malformed)),
+        )
         await runner.setup()
         try:
             await web.TCPSite(runner, host, port).start()
@@ -75,14 +96,42 @@ class HttpEndpoint:
         body = json.dumps({"live": False, **checks}) + "\n"
         return web.Response(status=503, text=body, content_type="application/json")
 
+    def _count_malformed(self) -> None:
+        self.malformed_requests += 1
+        self._malformed.add(1)
+
     async def _readyz(self, request: web.Request) -> web.Response:
-        ready, checks = await self.health.readiness()
+        ready, checks = self.health.readiness()
         body = json.dumps({"ready": ready, **checks}) + "\n"
         return web.Response(status=200 if ready else 503, text=body, content_type="application/json")
 
     async def _metrics(self, request: web.Request) -> web.Response:
         text = await anyio.to_thread.run_sync(self.metrics)  # collection takes locks: off the loop
         return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+
+
+class _CountingServerLog:
+    """Stands in for aiohttp's server logger. Everything the server logs itself is about a
+    request it could not parse or answer (a failing handler is caught by :func:`_plain_errors`
+    first): each is counted once, and nothing is logged."""
+
+    def __init__(self, count: Callable[[], None]) -> None:
+        self._count = count
+
+    def exception(self, *args: Any, **kwargs: Any) -> None:
+        self._count()
+
+    def debug(self, message: object = "", *args: Any, **kwargs: Any) -> None:
+        if str(message).startswith("Error handling request"):  # a non-HTTP first request
+            self._count()
+
+    def error(self, *args: Any, **kwargs: Any) -> None:
+        self._count()
+
+    def warning(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    info = warning
 
 
 @web.middleware

@@ -10,6 +10,12 @@ through ``SinkContext.add_secret``.
 A secret is masked however it travels: raw, percent-encoded as in a URL query (a UserSig's
 ``*`` goes out as ``%2A``, ``+``/``/``/``=`` as ``%2B``/``%2F``/``%3D``, a space as ``+`` or
 ``%20``, hex digits in either case) or escaped inside a JSON string.
+
+A secret is masked as a whole token, never inside a longer one: a password ``room`` leaves
+``room_outbox.app``, ``room-service`` and ``bedroom`` alone. A secret of 4 characters or more
+is masked wherever it stands between separators (spaces, quotes, ``:@=/?&,;`` and the like);
+a shorter one only where it is a whole value: after ``=`` or ``:`` (a URL's userinfo, a query
+or DSN field, a header) or inside quotes (a JSON string), up to the value's end.
 """
 
 from __future__ import annotations
@@ -25,8 +31,23 @@ if TYPE_CHECKING:
 
 REDACTED = "[REDACTED]"
 
-#: Shorter values would mask ordinary words; no real credential is that short.
+#: Shorter secrets are masked only where they are a whole value: as free-text words
+#: (``a``, ``abc``) they would mask ordinary text.
 MIN_SECRET_LENGTH = 4
+
+#: Characters that continue a token: a secret next to one is part of a longer word.
+_TOKEN_CHAR = r"[\w.\-]"
+#: What may stand just before a secret although it is a token character: the end of a
+#: percent-escape (``%3D`` before a query value) or of a JSON escape (``\n``).
+_ESCAPE_BEFORE = r"(?<=%[0-9A-Fa-f]{2})|(?<=\\[nrtbf])"
+#: Where a short secret is a whole value: a quoted string (a JSON value, escaped quotes
+#: too), or what follows ``=``, ``:`` or ``: `` (a URL's userinfo, a query or DSN field, a
+#: header) up to the value's end (``@``, ``&``, ``#``, ``;``, ``,``, a quote, a space, a
+#: slash, a closing bracket, a backslash or the end of the text). ``{}``: the secret.
+_WHOLE_VALUE = (
+    r"(?<=[\"'])(?:{})(?=\\?[\"'])"
+    r"|(?:(?<=[=:])|(?<=: ))(?:{})(?=[@&#;,\"'\s/)\]}}\\]|$)"
+)
 
 #: Setting names (in any sink section, at any depth) whose values are credentials.
 SECRET_SETTING = re.compile(
@@ -52,7 +73,7 @@ class Redactor:
 
     def add(self, secret: str) -> None:
         secret = secret.strip()
-        if len(secret) < MIN_SECRET_LENGTH or secret in self._secrets:
+        if not secret or secret in self._secrets:
             return
         self._secrets.add(secret)
         self._matcher = _Matcher(self._secrets)
@@ -77,15 +98,29 @@ class _Matcher:
     def __init__(self, secrets: set[str]) -> None:
         # Longest first: a secret that contains another is masked whole, not in pieces.
         ordered = sorted(secrets, key=len, reverse=True)
-        self.pattern = re.compile("|".join(_encodings(secret) for secret in ordered))
+        self.pattern = re.compile("|".join(_bounded(secret) for secret in ordered))
         anchors = [max(_ALNUM_RUN.findall(secret), key=len, default="") for secret in ordered]
-        #: None when a secret has no anchor long enough: then every text goes through the pattern.
-        self.anchors = anchors if all(len(a) >= MIN_SECRET_LENGTH for a in anchors) else None
+        #: None when a secret has no anchor: then every text goes through the pattern.
+        self.anchors = anchors if all(anchors) else None
 
     def redact(self, text: str) -> str:
         if self.anchors is not None and not any(anchor in text for anchor in self.anchors):
             return text
         return self.pattern.sub(REDACTED, text)
+
+
+def _bounded(secret: str) -> str:
+    """``secret``'s pattern, anchored on token boundaries (a short secret: on a value's).
+    An edge that is itself a separator (``*`` in ``*abc``) needs no boundary, as ``\\b``."""
+    if len(secret) < MIN_SECRET_LENGTH:
+        return _WHOLE_VALUE.format(_encodings(secret), _encodings(secret))
+    before = f"(?:(?<!{_TOKEN_CHAR})|{_ESCAPE_BEFORE})" if _is_token_char(secret[0]) else ""
+    after = f"(?!{_TOKEN_CHAR})" if _is_token_char(secret[-1]) else ""
+    return f"{before}(?:{_encodings(secret)}){after}"
+
+
+def _is_token_char(char: str) -> bool:
+    return re.fullmatch(_TOKEN_CHAR, char) is not None
 
 
 _ALNUM_RUN = re.compile(r"[A-Za-z0-9]+")
@@ -109,7 +144,8 @@ def _char_forms(char: str) -> str:
         escaped = json.dumps(char, ensure_ascii=ensure_ascii)[1:-1]
         if escaped != char:
             forms.append(re.escape(escaped))
-    return "(?:" + "|".join(dict.fromkeys(forms)) + ")"
+    # Longest first: a secret ending in ``%`` is masked with its ``%25``, not only the ``%``.
+    return "(?:" + "|".join(sorted(dict.fromkeys(forms), key=len, reverse=True)) + ")"
 
 
 def _percent(byte: int) -> str:

@@ -78,7 +78,7 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
     error: BaseException | None = None
     try:
         if listen is not None:
-            obs.endpoint = HttpEndpoint(obs.health, telemetry.prometheus_text)
+            obs.endpoint = HttpEndpoint(obs.health, telemetry.prometheus_text, telemetry.meter)
             try:
                 port = await obs.endpoint.bind(*listen)
             except OSError as exc:
@@ -90,6 +90,7 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
         async with anyio.create_task_group() as background:
             if obs.endpoint is not None:
                 background.start_soon(obs.endpoint.serve)
+                background.start_soon(obs.health.watch_database)
             if telemetry.metrics_enabled:
                 background.start_soon(_sample_backlog, store, obs, options.backlog_interval, redactor)
             try:

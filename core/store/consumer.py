@@ -38,6 +38,11 @@ class Processed:
     offset: int
 
 
+#: The retry table keeps this many characters of a room key (``room_key`` VARCHAR(200)):
+#: whoever compares room keys with the table's compares this much of them.
+ROOM_KEY_MAX = 200
+
+
 @dataclass(frozen=True)
 class RetryRow:
     consumer: str

@@ -25,7 +25,7 @@ import pymysql
 
 from room_outbox.handler import Transaction
 from room_outbox.store.clock import now_ms
-from room_outbox.store.consumer import LeaseLost, Processed, RetryRow
+from room_outbox.store.consumer import ROOM_KEY_MAX, LeaseLost, Processed, RetryRow
 from room_outbox.store.dialect import index_names, table_names
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.tables import Migration
@@ -229,7 +229,7 @@ def _row(values: Sequence[Any]) -> RetryRow:
 
 def _insert_params(row: RetryRow, status: str, now: int) -> tuple[Any, ...]:
     return (
-        row.consumer, row.handler, row.app_code, row.event_id, row.event_type, row.room_key[:200], row.topic,
+        row.consumer, row.handler, row.app_code, row.event_id, row.event_type, row.room_key[:ROOM_KEY_MAX], row.topic,
         row.partition, row.offset, row.value, json.dumps(row.headers), status, row.attempts, row.due_at_ms,
         (row.last_error or "")[:1024] or None, now, now,
     )  # fmt: skip
@@ -437,7 +437,7 @@ class SQLConsumerStore:
     async def blocked_rooms(self, consumer: str, room_keys: set[str]) -> set[tuple[str, str]]:
         if not room_keys:
             return set()
-        keys = sorted(k[:200] for k in room_keys)
+        keys = sorted({k[:ROOM_KEY_MAX] for k in room_keys})
         async with self.owner.transaction() as cur:
             # Mostly nothing is retrying: one index look-up says so, and the statement naming
             # every room of the batch is not needed.

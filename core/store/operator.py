@@ -89,10 +89,17 @@ async def requeue(store: SQLStore, row_ids: Sequence[int]) -> int:
         )
 
 
+#: :func:`cancel`'s status for an event leased right now: its delivery may be under way.
+IN_FLIGHT = "in flight"
+
+
 async def cancel(store: SQLStore, event_id: str) -> tuple[bool, str | None]:
     """Mark a pending or failed event ``cancelled`` (never delivered, kept for audit).
-    Returns whether it was cancelled and the status it has now (None: no such event). A
-    status column that cannot hold ``cancelled`` is one line (:class:`SchemaError`)."""
+    Returns whether it was cancelled and the status it has now (None: no such event;
+    :data:`IN_FLIGHT`: leased right now). A leased row is left alone, as ``requeue`` leaves
+    it: its delivery may already have reached the sink, and cancelling it would leave an
+    event delivered yet ``cancelled``. A status column that cannot hold ``cancelled`` is one
+    line (:class:`SchemaError`)."""
     try:
         return await _cancel(store, event_id)
     except Exception as exc:
@@ -104,16 +111,24 @@ async def cancel(store: SQLStore, event_id: str) -> tuple[bool, str | None]:
 
 async def _cancel(store: SQLStore, event_id: str) -> tuple[bool, str | None]:
     words = store.profile
+    leased = f"worker_id IS NOT NULL AND {words.lock} > {words.ms('%s')}"
     async with store.transaction() as cur:
+        now = now_ms()
         changed = await cur.execute(
             f"UPDATE {words.table} SET status = '{words.cancelled}', worker_id = NULL,"
             f" {words.lock} = {words.lock_cleared}, {words.updated} = {words.ms('%s')}"
-            f" WHERE {words.event_id} = %s AND {in_list('status', (*words.open, words.parked))}",
-            (now_ms(), event_id),
+            f" WHERE {words.event_id} = %s AND {in_list('status', (*words.open, words.parked))} AND NOT ({leased})",
+            (now, event_id, now),
         )
-        await cur.execute(f"SELECT status FROM {words.table} WHERE {words.event_id} = %s", (event_id,))
+        await cur.execute(
+            f"SELECT status, CASE WHEN {leased} THEN 1 ELSE 0 END FROM {words.table} WHERE {words.event_id} = %s",
+            (now, event_id),
+        )
         row = await cur.fetchone()
-    return bool(changed), (row[0] if row else None)
+    if row is None:
+        return bool(changed), None
+    status, in_flight = row
+    return bool(changed), IN_FLIGHT if in_flight and not changed and status != words.cancelled else status
 
 
 async def _status_problem(store: SQLStore, cause: str) -> str:

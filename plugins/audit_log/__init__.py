@@ -6,6 +6,9 @@ redelivered message never writes a second row; the unique key on (app_code, even
 the log to one row per event even across consumers (a second consumer running ``audit``
 finds the row there and adds nothing). Rows are only ever inserted: ``id`` is the order in
 which they were recorded, which for one room is the room's order.
+
+A field longer than its column is a permanent failure naming the field (the message becomes
+a dead letter): the log never holds a value cut short, on either database.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from room_outbox import (
     HandlerFactoryContext,
     HandlerSettings,
     HandlerSpec,
+    PermanentHandlerError,
     hookimpl,
 )
 
@@ -65,11 +69,29 @@ _COLUMNS = (
     " kafka_partition, kafka_offset, recorded_at_ms"
 )
 _VALUES = "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s"
-#: Insert unless the event is in the log already, per dialect.
+#: Insert unless the event is in the log already, per dialect. Not MySQL's ``INSERT IGNORE``:
+#: it turns every error into a warning, a value too long for its column into a cut one.
 INSERT = {
-    "mysql": f"INSERT IGNORE INTO {TABLE} ({_COLUMNS}) VALUES ({_VALUES})",
+    "mysql": f"INSERT INTO {TABLE} ({_COLUMNS}) VALUES ({_VALUES}) ON DUPLICATE KEY UPDATE id = id",
     "postgresql": f"INSERT INTO {TABLE} ({_COLUMNS}) VALUES ({_VALUES}) ON CONFLICT (app_code, event_id) DO NOTHING",
 }
+
+
+#: The text columns' lengths, checked before writing (PostgreSQL would refuse the whole
+#: transaction; a retry cannot make a value shorter).
+_LENGTHS = {"app_code": 64, "event_id": 128, "event_type": 64, "room_id": 64, "consumer": 64, "topic": 249}
+
+
+def _row(event: ConsumedEvent, recorded_at_ms: int) -> tuple[object, ...]:
+    """The row for ``event``, or :class:`PermanentHandlerError` naming a field too long."""
+    e = event.envelope
+    texts = {"app_code": e.app_code, "event_id": e.event_id, "event_type": e.event_type, "room_id": e.room_id,
+             "consumer": event.consumer, "topic": event.topic}  # fmt: skip
+    for field, value in texts.items():
+        if len(value) > _LENGTHS[field]:
+            raise PermanentHandlerError(f"{field} is {len(value)} characters; {TABLE}.{field} holds {_LENGTHS[field]}")
+    return (e.app_code, e.event_id, e.event_type, e.room_id, e.room_version, e.occurred_at_ms,
+            _envelope_json(event), event.consumer, event.topic, event.partition, event.offset, recorded_at_ms)  # fmt: skip
 
 
 def _envelope_json(event: ConsumedEvent) -> str:
@@ -79,27 +101,16 @@ def _envelope_json(event: ConsumedEvent) -> str:
 
 class AuditHandler:
     async def handle(self, event: ConsumedEvent, ctx: HandleContext) -> None:
-        e = event.envelope
+        row = _row(event, int(time.time() * 1000))
         async with ctx.transaction() as tx:
-            await tx.execute(
-                INSERT[tx.dialect],
-                (e.app_code, e.event_id, e.event_type, e.room_id, e.room_version, e.occurred_at_ms,
-                 _envelope_json(event), event.consumer, event.topic, event.partition, event.offset, int(time.time() * 1000)),
-            )  # fmt: skip
+            await tx.execute(INSERT[tx.dialect], row)
 
     async def handle_batch(self, events: list[ConsumedEvent], ctx: HandleContext) -> None:
         """One multi-row statement; rows in the order given, so ``id`` keeps each room's order."""
         recorded = int(time.time() * 1000)
+        rows = [_row(event, recorded) for event in events]
         async with ctx.transaction() as tx:
-            await tx.executemany(
-                INSERT[tx.dialect],
-                [
-                    (e.app_code, e.event_id, e.event_type, e.room_id, e.room_version, e.occurred_at_ms,
-                     _envelope_json(event), event.consumer, event.topic, event.partition, event.offset, recorded)
-                    for event in events
-                    for e in (event.envelope,)
-                ],
-            )  # fmt: skip
+            await tx.executemany(INSERT[tx.dialect], rows)
 
     async def aclose(self) -> None:
         pass

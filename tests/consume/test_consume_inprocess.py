@@ -407,11 +407,24 @@ async def test_a_room_held_back_by_a_retry_stays_held_in_the_batches_read_ahead(
     """One message a batch, so each room's next message is read ahead (fetched and its held-back
     rooms looked up) while the one before settles. A handling that fails and goes to the retry
     table there still holds its room's next messages back: the room is recorded in order."""
+    await _held_room_is_recorded_in_order(server_store, broker, "room_m")
+
+
+async def test_a_room_key_longer_than_its_column_is_held_back_too(
+    server_store: SQLStore, broker: ConsumerBroker
+) -> None:
+    """The retry table keeps the first 200 characters of a room key: a longer key (here 256)
+    read back from it must still hold back its room's later messages."""
+    await _held_room_is_recorded_in_order(server_store, broker, "room_" + "m" * 246)
+
+
+async def _held_room_is_recorded_in_order(server_store: SQLStore, broker: ConsumerBroker, room: str) -> None:
     plugin = RecordingPlugin(flaky=1)
     store = server_store
     pm = make_plugin_manager(extra_plugins=[plugin])
-    events = [envelope("m1", "RoomUserJoined", "room_m", 1), envelope("m2", "RoomUserMuted", "room_m", 2)]
-    events += [envelope(f"m{n}", "RoomUserJoined", "room_m", n) for n in range(3, 9)]
+    events = [envelope("m1", "RoomUserJoined", room, 1), envelope("m2", "RoomUserMuted", room, 2)]
+    for n in range(3, 9):  # another room's message between: a batch that holds nothing back
+        events += [envelope(f"x{n}", "RoomUserJoined", "room_x", n), envelope(f"m{n}", "RoomUserJoined", room, n)]
     settings = ConsumerSettings(
         bootstrap_servers=broker.bootstrap, handlers=["recording"], session_timeout=6, max_batch=1,
         retry={"base": 0.2, "cap": 0.5, "poll_interval": 0.1},
@@ -429,9 +442,8 @@ async def test_a_room_held_back_by_a_retry_stays_held_in_the_batches_read_ahead(
 
         await wait_until(recorded, timeout=60)
         consumer.stop()
-    assert [e for (e,) in await rows(store, "SELECT event_id FROM recorded ORDER BY seq")] == [
-        f"m{n}" for n in range(1, 9)
-    ]
+    recorded_in_room = [e for (e,) in await rows(store, "SELECT event_id FROM recorded ORDER BY seq") if e[0] == "m"]
+    assert recorded_in_room == [f"m{n}" for n in range(1, 9)]
     assert plugin.handlers[0].calls.count("m2") == 2  # failed once, then retried
 
 
@@ -460,3 +472,87 @@ def test_routing_remembers_handlers_per_event_type_within_a_bound() -> None:
     joined = [routed(n, "RoomUserJoined") for n in range(3)]
     assert [[h.name for h in m.handlers] for m in joined] == [["recording"]] * 3
     assert all(m.rejected is None for m in joined)
+
+
+class SilentDeadLetterTopic:
+    """A dead-letter producer whose broker never answers: what aiokafka does for a topic it
+    cannot get metadata or acknowledgements for (the broker here creates any topic asked
+    for, so it cannot refuse one)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    async def send(self, *args: Any, **kwargs: Any) -> Any:
+        self.sent += 1
+        await anyio.sleep_forever()
+
+
+@pytest.mark.serial
+async def test_a_refused_dead_letter_topic_holds_a_batch_once_not_once_per_copy(
+    migrated: MySQLStore, broker: ConsumerBroker, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five unparsable messages of one room settle in one chunk, then their copies go to a
+    dead-letter topic that never answers. They wait for it together: one timeout, not five
+    in a row with the partition held meanwhile."""
+    monkeypatch.setattr("room_outbox.consume.engine.DLQ_SEND_TIMEOUT", 1.0)
+    pm = make_plugin_manager(extra_plugins=[RecordingPlugin()])
+    settings = ConsumerSettings(
+        bootstrap_servers=broker.bootstrap, handlers=["recording"], session_timeout=6, retry={"poll_interval": 0.1}
+    )
+    await send_raw(broker.bootstrap, [(b"app1:room_bad", b"{not json %d" % n) for n in range(5)])
+    consumer = Consumer(
+        "feed", settings, SQLConsumerStore(migrated, settings.handler_timeout),
+        build_handlers(pm, "feed", settings, "node-1", Redactor()), "node-1", Redactor(), capture().telemetry,
+    )  # fmt: skip
+    silent = SilentDeadLetterTopic()
+
+    async def dead_letter_producer() -> SilentDeadLetterTopic:
+        return silent
+
+    monkeypatch.setattr(consumer, "_dlq_producer", dead_letter_producer)
+
+    def records(message: str) -> list[Any]:
+        return [r for r in caplog.records if r.getMessage() == message]
+
+    with caplog.at_level("WARNING", logger="room_outbox.consume"):
+        async with anyio.create_task_group() as tasks:
+            await tasks.start(consumer.run)
+            try:
+                await wait_until(
+                    lambda: records("dead letters not copied to their topic (they are in room_consumer_retry)"), 30
+                )
+            finally:
+                consumer.stop()
+    dead = records("dead letter")
+    (warning,) = records("dead letters not copied to their topic (they are in room_consumer_retry)")
+    assert (len(dead), warning.dead_letters) == (5, 5) and silent.sent >= 1  # type: ignore[attr-defined]
+    waited = warning.created - max(r.created for r in dead)
+    assert waited < 2.5, waited  # one 1 s wait for all five, not five in a row
+
+
+async def send_raw(bootstrap: str, messages: list[tuple[bytes, bytes]]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", request_timeout_ms=10_000)
+    await producer.start()
+    try:
+        for key, value in messages:
+            await producer.send(TOPIC, value, key=key)
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+async def test_the_group_waits_for_a_batch_as_long_as_its_own_deadlines_allow() -> None:
+    """aiokafka's rebalance timeout defaults to the session timeout (10 s): a member still
+    settling a longer batch when a rebalance starts would be dropped from the group and lose
+    its partitions mid-batch. The consumer asks for as long as a batch may take instead."""
+    from aiokafka import AIOKafkaConsumer
+
+    from room_outbox.consume.engine import COMMIT_TIMEOUT, DLQ_SEND_TIMEOUT, rebalance_timeout
+
+    assert AIOKafkaConsumer(session_timeout_ms=10_000)._rebalance_timeout_ms == 10_000  # the suspected default
+    settings = ConsumerSettings(handlers=["audit"], handler_timeout=10, max_batch=500, session_timeout=10)
+    chunk = settings.handler_timeout * (settings.max_batch + 1)  # _settle_chunk's own deadline
+    longest = settings.handler_timeout + 2 * chunk + DLQ_SEND_TIMEOUT + COMMIT_TIMEOUT
+    assert rebalance_timeout(settings, batch_handlers=1) >= longest
+    short = ConsumerSettings(handlers=["audit"], handler_timeout=0.1, max_batch=1, session_timeout=30)
+    assert rebalance_timeout(short, batch_handlers=0) == 30  # never below the session timeout
