@@ -145,7 +145,12 @@ def _run_config(path: Path, dsn: str, fake: FakeTencentIM) -> Path:
             "retry": {"max_attempts": 3},
         },
         "sinks": {
-            "tencent_im": {"base_url": fake.base_url, "sdkappid": DEV_SDKAPPID, "app_rate_limit": 10, "reserved_share": 0}
+            "tencent_im": {
+                "base_url": fake.base_url,
+                "sdkappid": DEV_SDKAPPID,
+                "app_rate_limit": 10,
+                "reserved_share": 0,
+            }
         },
         "telemetry": {"http_listen": "127.0.0.1:0"},
         "log": {"level": "INFO"},
