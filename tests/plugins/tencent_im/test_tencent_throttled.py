@@ -1,17 +1,23 @@
 """Limits are not attempts: a delivery this process's own rate limit (or its quota share) holds
 back is handed back unsent, costs the event no retry, is never parked, and is delivered later.
-The real Tencent IM sink against the fake IM on loopback, in-process dispatchers on MySQL."""
+The real Tencent IM sink against the fake IM on loopback, in-process dispatchers on MySQL, and
+once with `room-outbox run` as a process."""
 
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
+import yaml
 from im_support import im_section
+from processes import DispatcherProcess
 from support import envelope, fetch_rows, insert_events, wait_until
 from telemetry_support import Captured, capture
 
@@ -21,7 +27,7 @@ from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.routing import Router, build_lanes
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.plugins.tencent_im.fake import FakeTencentIM
+from room_outbox.plugins.tencent_im.fake import DEV_SDKAPPID, FakeTencentIM
 from room_outbox.store.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
@@ -122,3 +128,102 @@ async def test_a_quota_share_of_zero_holds_back_without_an_attempt(fake: FakeTen
     assert {r["status"] for r in rows.values()} == {"published"}
     assert {r["retry_count"] for r in rows.values()} == {0}
     assert sorted(fake.event_ids()) == [f"e{i}" for i in range(5)]
+
+
+def _run_config(path: Path, dsn: str, fake: FakeTencentIM) -> Path:
+    """The in-process test's limits for `room-outbox run`: app_rate_limit 10 below a
+    concurrency of 64, parking after 3 attempts, rows claimable at once, /metrics on a free
+    loopback port. The secret key comes from the environment."""
+    config = {
+        "mysql": {"dsn": dsn, "pool_size": 4},
+        "outbox_worker": {
+            "poll_interval": "100ms",
+            "publish_timeout": "3s",
+            "claim_after": "0s",
+            "concurrency": 64,
+            "parking": True,
+            "retry": {"max_attempts": 3},
+        },
+        "sinks": {
+            "tencent_im": {
+                "base_url": fake.base_url,
+                "sdkappid": DEV_SDKAPPID,
+                "app_rate_limit": 10,
+                "reserved_share": 0,
+            }
+        },
+        "telemetry": {"http_listen": "127.0.0.1:0"},
+        "log": {"level": "INFO"},
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _counter(metrics: str, name: str) -> float:
+    """The sum of a counter's samples over all its labels in Prometheus text."""
+    samples = (line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith((f"{name}{{", f"{name} ")))
+    return sum(float(value) for _, value in samples)
+
+
+def _parked_report(parked: list[str], rows: dict[str, dict[str, Any]], fake: FakeTencentIM) -> str:
+    sent = set(fake.event_ids())
+    unsent = [e for e in parked if e not in sent]
+    first = rows[parked[0]]
+    return (
+        f"{len(parked)} events parked, {len(unsent)} of them never sent to the fake IM; "
+        f"{parked[0]}: retry_count {first['retry_count']}, last_error {first['last_error']!r}"
+    )
+
+
+async def _scrape(proc: DispatcherProcess) -> str:
+    (port,) = [line["port"] for line in proc.lines() if line.get("lifecycle") == "http_started"]
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+        response = await client.get("/metrics")
+    response.raise_for_status()
+    return response.text
+
+
+async def _stop(proc: DispatcherProcess) -> None:
+    """SIGTERM, waited for without blocking the loop: the fake IM serves on this test's loop,
+    and a delivery still in flight needs it to answer."""
+    proc.proc.send_signal(signal.SIGTERM)
+    await wait_until(lambda: not proc.alive(), timeout=20, interval=0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+async def test_room_outbox_run_with_an_app_limit_below_the_concurrency_parks_nothing_and_delivers_everything(
+    fake: FakeTencentIM, store: MySQLStore, database_dsn: str, tmp_path: Path
+) -> None:
+    """The same limits with `room-outbox run` as a process: no event parked without a request
+    to the fake IM, every event published once, retry_count 0 on rows only ever held back,
+    never more than 10 requests in any second; /metrics counts throttled deliveries and no
+    failure."""
+    events = 120
+    await insert_events(store, [envelope(f"p{i:03}", room_id=f"r_{i}") for i in range(events)])
+    proc = DispatcherProcess(_run_config(tmp_path / "config.yaml", database_dsn, fake), "limited")
+    try:
+
+        async def drained() -> bool:
+            assert proc.alive(), proc.log.read_text()
+            rows = await fetch_rows(store)
+            parked = sorted(e for e, r in rows.items() if r["status"] == "failed")
+            assert not parked, _parked_report(parked, rows, fake)  # fail at once, naming them
+            return _all_published(rows, events)
+
+        await wait_until(drained, timeout=40, interval=0.25)
+        metrics = await _scrape(proc)
+        await _stop(proc)
+    finally:
+        if proc.alive():
+            proc.kill()
+    assert proc.proc.returncode == 0, proc.log.read_text()
+    rows = await fetch_rows(store)
+    assert {r["status"] for r in rows.values()} == {"published"}  # nothing parked, nothing lost
+    assert {r["retry_count"] for r in rows.values()} == {0}  # only the limit held them back
+    assert all(r["last_error"] is None for r in rows.values())
+    assert sorted(fake.event_ids()) == sorted(rows)  # one request each
+    assert fake.max_in_window(1.0) <= 10
+    assert _counter(metrics, THROTTLED) > 0  # the limit did hold deliveries back
+    assert _counter(metrics, FAILED) == 0
+    assert _counter(metrics, PUBLISHED) == events
