@@ -58,8 +58,8 @@ from room_outbox.observability.telemetry import NO_ATTEMPT, THROTTLED, DeliveryA
 from room_outbox.sink import PermanentSinkError, SinkError, ThrottledSinkError
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow, OutboxStore, Outcome
 from room_outbox.store.clock import now_ms
+from room_outbox.store.column_checks import LAST_ERROR_MAX
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
-from room_outbox.store.leased import LAST_ERROR_MAX
 
 log = logging.getLogger("room_outbox.dispatcher")
 

@@ -24,10 +24,11 @@ from typing import Any
 
 from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
 from room_outbox.store.clock import now_ms
-from room_outbox.store.column_checks import LAST_ERROR_MAX as LAST_ERROR_MAX  # defined below leased, used by both
+from room_outbox.store.column_checks import LAST_ERROR_MAX
 from room_outbox.store.dialect import MYSQL, Dialect
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.errors import refused_value
+from room_outbox.store.membership import row_bucket
 from room_outbox.store.profiles import V1, Profile
 from room_outbox.store.tables import ROOM_INDEX, TABLE, claim_index
 
@@ -168,7 +169,7 @@ class LeasedRows:
     @property
     def _row_bucket(self) -> str:
         """SQL: a row's room bucket in this lane's table (a column, or an expression)."""
-        return self.dialect.room_bucket(self.profile.app_code, self.profile.room_id)
+        return row_bucket(self.dialect, self.profile)
 
     def _room_buckets(self) -> BucketReader | None:
         return self.room_buckets

@@ -27,9 +27,9 @@ from room_outbox.errors import SchemaError
 from room_outbox.producer import append_event
 from room_outbox.store import Claimed, DeliveryResult, Outcome
 from room_outbox.store.clock import now_ms
+from room_outbox.store.column_checks import LAST_ERROR_MAX
 from room_outbox.store.dialect import ROW_LOCKS, table_names
 from room_outbox.store.factory import SQLStore, open_store
-from room_outbox.store.leased import LAST_ERROR_MAX
 from room_outbox.store.mysql_lanes import LaneStore, migrate_lanes
 from room_outbox.store.operator import RequeueFilter, cancel, find_requeue_candidates, requeue
 from room_outbox.store.profiles import ROOM_CELL, profile_named
