@@ -185,7 +185,7 @@ async def bucket_plan(
             steps.append((f"created table {BUCKET_TABLE}", (bucket_ddl(dialect), insert)))
     if dialect.name == "postgresql":
         return steps + await _pg_bucket_steps(cur, tables, existing, profile, key or profile.key)
-    # A table created by an earlier step of the same plan has no bucket column yet.
+    # MySQL/MariaDB from here on. A table created by an earlier step of the same plan has no bucket column yet.
     missing = [
         table
         for table in tables
@@ -197,7 +197,7 @@ async def bucket_plan(
                 (f"added column {table}.{BUCKET_COLUMN}", (_add_bucket_column(dialect, table, existing, profile),))
             )
         name, columns = claim_index(table, profile.lock, key or profile.key, BUCKET_COLUMN)
-        have = await _index_columns(cur, dialect, table, name) if table.lower() in existing else []
+        have = await _index_columns(cur, table, name) if table.lower() in existing else []
         if have == _columns_of(columns):
             continue
         if not have:
@@ -255,20 +255,18 @@ async def _pg_index_definitions(cur: Any, table: str) -> dict[str, str]:
 
 
 def _add_bucket_column(dialect: Dialect, table: str, existing: set[str], profile: Profile) -> str:
-    """The bucket column added to ``table``. On MySQL/MariaDB a table already there (room-service's
+    """The bucket column added to ``table`` (MySQL/MariaDB). A table already there (room-service's
     live table, a lane's full one) gets a VIRTUAL column, added instantly; a table created by
     the same migration is empty and gets a STORED one, which the claim reads in the index."""
-    if dialect.name == "mysql" and table.lower() in existing:
+    if table.lower() in existing:
         return add_column_sql(dialect, table, bucket_column(dialect, profile, stored=False))
     return f"ALTER TABLE {table} ADD COLUMN {bucket_column(dialect, profile)}"
 
 
 def _rebuild_index(dialect: Dialect, table: str, name: str, columns: str) -> tuple[str, ...]:
-    """Replaces ``table``'s index ``name`` by one on ``columns``: on MySQL/MariaDB in one
+    """Replaces ``table``'s index ``name`` by one on ``columns`` (MySQL/MariaDB): in one
     statement, built in place while writes go on (the claim never finds the index missing)."""
-    if dialect.name == "mysql":
-        return (f"ALTER TABLE {table} DROP INDEX {name}, ADD INDEX {name} {columns}{dialect.online_index}",)
-    return (f"DROP INDEX {name}", f"CREATE INDEX {name} ON {table} {columns}")
+    return (f"ALTER TABLE {table} DROP INDEX {name}, ADD INDEX {name} {columns}{dialect.online_index}",)
 
 
 def _columns_of(columns_sql: str) -> list[str]:
@@ -276,23 +274,13 @@ def _columns_of(columns_sql: str) -> list[str]:
     return [column.strip().lower() for column in columns_sql.strip("()").split(",")]
 
 
-async def _index_columns(cur: Any, dialect: Dialect, table: str, index: str) -> list[str]:
-    """The columns of ``table``'s index ``index``, in order (none: no such index)."""
-    if dialect.name == "mysql":
-        await cur.execute(
-            "SELECT COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE()"
-            " AND TABLE_NAME = %s AND INDEX_NAME = %s ORDER BY SEQ_IN_INDEX",
-            (table, index),
-        )
-    else:
-        await cur.execute(
-            "SELECT a.attname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
-            " JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = current_schema()"
-            " CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, position)"
-            " JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum"
-            " WHERE c.relname = %s ORDER BY k.position",
-            (index,),
-        )
+async def _index_columns(cur: Any, table: str, index: str) -> list[str]:
+    """The columns of ``table``'s index ``index``, in order (MySQL/MariaDB; none: no such index)."""
+    await cur.execute(
+        "SELECT COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE()"
+        " AND TABLE_NAME = %s AND INDEX_NAME = %s ORDER BY SEQ_IN_INDEX",
+        (table, index),
+    )
     return [str(row[0]).lower() for row in await cur.fetchall()]
 
 
