@@ -1,9 +1,8 @@
-"""/readyz under load: probes read state the process keeps, so a crowd of them neither
-queries the database nor slows the dispatcher noticeably."""
+"""/readyz under load: probes read state the process keeps, so a crowd of them queries no
+database and is answered while the process drains a backlog."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,9 +23,6 @@ pytestmark = pytest.mark.anyio
 
 CLIENTS = 100
 ROWS = 3000
-#: Drains with and without the probes, alternated so a neighbour's load hits both alike;
-#: each side's fastest drain is compared (a neighbour's burst only ever slows one down).
-ALTERNATIONS = 2
 #: Each probe's pause between two requests (ten times a usual probe's pace): a hundred a second.
 PROBE_PERIOD = 1.0
 
@@ -86,16 +82,14 @@ async def dispatcher(
         fake.close()
 
 
-@pytest.mark.serial
-@pytest.mark.timeout(300)  # four drains of 3,000 rows on a shared machine
-async def test_a_hundred_probing_clients_barely_slow_a_drain(
+@pytest.mark.timeout(120)
+async def test_a_hundred_probing_clients_are_answered_while_the_process_drains(
     dispatcher: tuple[DispatcherProcess, int], store: MySQLStore
 ) -> None:
-    """What the probes cost is measured as the dispatcher's CPU time per drain, which a busy
-    neighbour on the machine barely moves (its wall time it moves by a quarter and more)."""
+    """A hundred keep-alive probes, a request a second each, are all answered 200 while the
+    process drains a backlog, and the drain completes. What the probes cost in CPU is a speed
+    figure, measured by the bench, not asserted here."""
     process, port = dispatcher
-    plain: list[tuple[float, float]] = []  # (seconds, CPU seconds) per drain
-    probed: list[tuple[float, float]] = []
     probes_answered = 0
 
     async def probe(stop: anyio.Event) -> None:
@@ -110,35 +104,24 @@ async def test_a_hundred_probing_clients_barely_slow_a_drain(
                     head = await buffered.receive_until(b"\r\n\r\n", 4096)
                     length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
                     await buffered.receive_exactly(length)
-                assert head.startswith(b"HTTP/1.1 200")
+                assert head.startswith(b"HTTP/1.1 200"), head
                 probes_answered += 1
                 await anyio.sleep(PROBE_PERIOD)  # the probe's pace, not a synchronisation
 
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
         await wait_until(lambda: _ready(client), timeout=30)
-    for round_ in range(2 * ALTERNATIONS):
-        with_probes = round_ % 2 == 1
-        stop = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            if with_probes:
-                for _ in range(CLIENTS):
-                    tg.start_soon(probe, stop)
-            cpu = _cpu_seconds(process.proc.pid)
-            took = await _drain(store, f"r{round_}")
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        try:
+            for _ in range(CLIENTS):
+                tg.start_soon(probe, stop)
+            await _drain(store, "probed")
+            # Every probe has had its first answer, and the slowest a second one.
+            await wait_until(lambda: probes_answered >= 2 * CLIENTS, timeout=30)
+        finally:
             stop.set()
-        (probed if with_probes else plain).append((took, _cpu_seconds(process.proc.pid) - cpu))
-    assert probes_answered > CLIENTS * ALTERNATIONS
-    cost = min(cpu for _, cpu in probed) / min(cpu for _, cpu in plain)
-    slower = min(took for took, _ in probed) / min(took for took, _ in plain)
-    figures = f"drains (s, CPU s) without probes {plain}, with {probed}"
-    assert cost < 1.10, f"{figures}: CPU x{cost:.2f}"
-    assert slower < 1.5, f"{figures}: wall time x{slower:.2f}"  # loosely: the machine is shared
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User and system CPU time of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    assert process.alive()
+    assert probes_answered >= 2 * CLIENTS
 
 
 async def _ready(client: httpx.AsyncClient) -> bool:
