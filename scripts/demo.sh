@@ -4,5 +4,5 @@
 # (scripts/demo.sh --events 1000 --failure-rate 0.5; --help lists them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install.sh
+scripts/install.sh --runtime
 exec .venv/bin/room-outbox demo "$@"

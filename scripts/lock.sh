@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# Re-resolve requirements.lock (the image's exact runtime dependencies, with hashes) after a
-# change to pyproject.toml's dependencies. Pins already in the lock are kept while they still
-# fit; `scripts/lock.sh --upgrade` moves everything to the newest releases.
+# Re-resolve the two locks after a change to pyproject.toml's dependencies:
+# * requirements.lock: the service's runtime dependencies, hashed; what the image and
+#   scripts/demo.sh install.
+# * requirements-dev.lock: the same runtime pins plus the test tools and the otlp-grpc extra,
+#   hashed; what scripts/test.sh installs, so the tests run on the versions that ship.
+# Pins already in a lock are kept while they still fit; `scripts/lock.sh --upgrade` moves
+# everything to the newest releases.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec .venv/bin/uv pip compile pyproject.toml --universal --python-version 3.11 --generate-hashes \
+uv=.venv/bin/uv
+"$uv" pip compile pyproject.toml --universal --python-version 3.11 --generate-hashes \
   --quiet --custom-compile-command scripts/lock.sh -o requirements.lock "$@"
+"$uv" pip compile pyproject.toml --extra test --extra otlp-grpc --constraint requirements.lock \
+  --universal --python-version 3.11 --generate-hashes \
+  --quiet --custom-compile-command scripts/lock.sh -o requirements-dev.lock "$@"
