@@ -5,12 +5,14 @@
 # * requirements-dev.lock: the same runtime pins plus the test tools and the otlp-grpc extra,
 #   hashed; what scripts/test.sh installs, so the tests run on the versions that ship.
 # Pins already in a lock are kept while they still fit; `scripts/lock.sh --upgrade` moves
-# everything to the newest releases.
+# everything to the newest releases. LOCK_DIR (default: the repository) is where both are read
+# and written; tests/test_build.py re-resolves copies there to see the locks are current.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+dir=${LOCK_DIR:-.}
 uv=.venv/bin/uv
 "$uv" pip compile pyproject.toml --universal --python-version 3.11 --generate-hashes \
-  --quiet --custom-compile-command scripts/lock.sh -o requirements.lock "$@"
-"$uv" pip compile pyproject.toml --extra test --extra otlp-grpc --constraint requirements.lock \
+  --quiet --custom-compile-command scripts/lock.sh -o "$dir/requirements.lock" "$@"
+"$uv" pip compile pyproject.toml --extra test --extra otlp-grpc --constraint "$dir/requirements.lock" \
   --universal --python-version 3.11 --generate-hashes \
-  --quiet --custom-compile-command scripts/lock.sh -o requirements-dev.lock "$@"
+  --quiet --custom-compile-command scripts/lock.sh -o "$dir/requirements-dev.lock" "$@"

@@ -1,8 +1,10 @@
-"""Reproducible builds: requirements.lock (the image's dependencies, hashed) agrees with
-pyproject.toml, and the version floors exclude releases with known vulnerabilities."""
+"""Reproducible builds: requirements.lock (the image's dependencies, hashed) and
+requirements-dev.lock (the same pins plus the test tools, hashed) agree with pyproject.toml, and
+the version floors exclude releases with known vulnerabilities."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -15,6 +17,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "requirements.lock"
+DEV_LOCK = ROOT / "requirements-dev.lock"
 
 
 def requirements(extra: str | None = None) -> dict[str, Requirement]:
@@ -23,8 +26,8 @@ def requirements(extra: str | None = None) -> dict[str, Requirement]:
     return {Requirement(r).name.lower(): Requirement(r) for r in listed}
 
 
-def locked() -> dict[str, str]:
-    return {name.lower(): version for name, version in re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", LOCK.read_text(), re.M)}
+def locked(lock: Path = LOCK) -> dict[str, str]:
+    return {name.lower(): version for name, version in re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", lock.read_text(), re.M)}
 
 
 def test_the_floors_exclude_known_vulnerable_releases() -> None:
@@ -53,26 +56,34 @@ def test_every_locked_file_is_hashed_and_every_dependency_locked_within_its_boun
         assert requirement.specifier.contains(pins[name]), f"{name}=={pins[name]} is outside {requirement}"
 
 
+def test_the_dev_lock_holds_every_runtime_pin() -> None:
+    """scripts/test.sh installs requirements-dev.lock: the tests run on the versions that ship."""
+    dev = locked(DEV_LOCK)
+    for name, version in locked().items():
+        assert dev.get(name) == version, f"{name}: {version} ships, the tests run {dev.get(name)}: run scripts/lock.sh"
+    entries = re.split(r"\n(?=[A-Za-z0-9_.-]+==)", DEV_LOCK.read_text().split("\n", 2)[2])
+    assert entries and all("--hash=sha256:" in entry for entry in entries)
+
+
 @pytest.mark.timeout(400)  # a cold uv cache fetches every package's metadata
-def test_the_lock_is_what_uv_resolves_from_pyproject(tmp_path: Path) -> None:
-    """uv keeps the lock's pins while they satisfy pyproject.toml, so re-resolving into a copy
+def test_the_locks_are_what_uv_resolves_from_pyproject(tmp_path: Path) -> None:
+    """uv keeps the locks' pins while they satisfy pyproject.toml, so re-resolving copies
     changes nothing unless pyproject.toml changed without scripts/lock.sh."""
-    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
-    assert uv, "uv is missing: scripts/install.sh installs it with the test extras"
-    copy = tmp_path / "requirements.lock"
-    shutil.copy(LOCK, copy)
-    command = (ROOT / "scripts" / "lock.sh").read_text()
-    args = re.search(r"uv pip compile (.*?) -o requirements\.lock", command, re.S)
-    assert args, "scripts/lock.sh no longer runs `uv pip compile ... -o requirements.lock`"
+    for lock in (LOCK, DEV_LOCK):
+        shutil.copy(lock, tmp_path / lock.name)
     done = subprocess.run(
-        [uv, "pip", "compile", *args.group(1).replace("\\\n", " ").split(), "-o", str(copy)],
+        [str(ROOT / "scripts" / "lock.sh")],
         cwd=ROOT,
+        env={**os.environ, "LOCK_DIR": str(tmp_path)},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    assert copy.read_text() == LOCK.read_text(), "requirements.lock is out of date: run scripts/lock.sh"
+    for lock in (LOCK, DEV_LOCK):
+        # The dev lock's annotations name the runtime lock it was constrained by: here, the copy.
+        resolved = (tmp_path / lock.name).read_text().replace(f"{tmp_path}/", "")
+        assert resolved == lock.read_text(), f"{lock.name} is out of date: run scripts/lock.sh"
 
 
 @pytest.mark.slow

@@ -333,6 +333,15 @@ def _protocol(env: Mapping[str, str], signal: str) -> str:
     protocol = (env.get(variable) or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
     if protocol not in ("http/protobuf", "grpc"):
         raise ConfigError(f"{variable}: unsupported OTLP protocol {protocol!r} (allowed: http/protobuf, grpc)")
+    if protocol == "grpc":
+        # The gRPC exporter (and grpcio) is an extra: most collectors take OTLP over HTTP too.
+        try:
+            import opentelemetry.exporter.otlp.proto.grpc  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                f"{variable}: OTLP over gRPC needs the gRPC exporter: pip install 'room-outbox[otlp-grpc]',"
+                " or set the protocol to http/protobuf"
+            ) from None
     return protocol
 
 
