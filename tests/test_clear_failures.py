@@ -106,6 +106,15 @@ async def test_wrong_password_names_the_fix_and_never_the_password(
     assert "s3cret" not in err[0]
 
 
+async def test_unknown_postgresql_role_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not "cannot reach ...": the server answered, and said the role does not exist."""
+    dsn = "postgresql://no_such_role_here@127.0.0.1:5432/postgres"
+    code, _, err = await cli(capsys, "--config", write_config(tmp_path, dsn), "status")
+    assert code == 3 and len(err) == 1, err
+    assert "there is no role 'no_such_role_here'" in err[0] and "cannot reach" not in err[0]
+    assert err[0].endswith("or fix the user in database.dsn")
+
+
 async def test_wrong_database_name(database_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dsn = server(database_dsn, database="no_such_db_here")
     code, _, err = await cli(capsys, "--config", write_config(tmp_path, dsn), "status")

@@ -10,6 +10,7 @@ deployment problem, deserves its traceback).
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -82,6 +83,12 @@ def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOu
     state = getattr(exc, "sqlstate", None)
     if state in _PG_SCHEMA:
         return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
+    role = re.search(r'role "([^"]*)" does not exist', reason)
+    if role:
+        return StoreUnavailable(
+            f"{where} refused the login: there is no role {role.group(1)!r}; create it"
+            " (CREATE ROLE ... LOGIN) or fix the user in database.dsn"
+        )
     if state in _PG_ACCESS_DENIED or "password authentication failed" in reason or "pg_hba.conf" in reason:
         return StoreUnavailable(f"{where} refused the login: {reason}; check the user and password in database.dsn")
     if state == _PG_UNKNOWN_DATABASE or ("database" in reason and "does not exist" in reason):
