@@ -26,21 +26,23 @@ if [ "$#" -gt 0 ]; then  # a focused run: pytest with these arguments, nothing e
   exec .venv/bin/python -m pytest "$@"
 fi
 # The full run has three parts, all of which always run; it fails when any does:
-# 1. style, types and the import contracts, in the background beside part 2 (their output is
-#    printed when they end);
+# 1. style, types, the import contracts and the docs site (mkdocs build --strict, into a
+#    temporary folder), in the background beside part 2 (their output is printed when they end);
 # 2. every test not marked serial, on two worker processes (most of a test's time is spent
 #    waiting on real servers and processes);
 # 3. the serial tests alone, once 1 and 2 have ended, so that their elapsed-time and rate bounds
 #    hold as when every test ran one at a time.
 checks_log=$(mktemp)
-trap 'rm -f "$checks_log"' EXIT
-{ .venv/bin/ruff check --quiet . && .venv/bin/ruff format --check --quiet . && scripts/typecheck.sh && scripts/lint-imports.sh; } >"$checks_log" 2>&1 &
+site=$(mktemp -d)
+trap 'rm -rf "$checks_log" "$site"' EXIT
+{ .venv/bin/ruff check --quiet . && .venv/bin/ruff format --check --quiet . && scripts/typecheck.sh && scripts/lint-imports.sh \
+  && .venv/bin/mkdocs build --strict --quiet --site-dir "$site"; } >"$checks_log" 2>&1 &
 checks=$!
 status=0
 .venv/bin/python -m pytest --numprocesses 2 -m "not serial" || status=$?
 if ! wait "$checks"; then
   status=1
-  echo "scripts/test.sh: the style, type or import-contract checks failed:" >&2
+  echo "scripts/test.sh: the style, type, import-contract or docs-site checks failed:" >&2
 fi
 cat "$checks_log"
 .venv/bin/python -m pytest -m serial || status=$?

@@ -359,11 +359,11 @@ async def test_migrate_sql_on_sqlite(tmp_path: Path, capsys: pytest.CaptureFixtu
         await store.aclose()
 
 
-def test_the_readme_documents_every_exit_code() -> None:
+def test_the_docs_document_every_exit_code() -> None:
     from room_outbox.errors import ConfigurationError, RoomOutboxError, SchemaError, StoreUnavailable
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    documented = {int(code) for code in re.findall(r"^\| (\d+) \| ", readme, re.M)}
+    page = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "errors.md").read_text()
+    documented = {int(code) for code in re.findall(r"^\| (\d+) \| ", page, re.M)}
     assert documented == set(EXIT_CODES)
     for error in (RoomOutboxError, ConfigurationError, StoreUnavailable, SchemaError):
         assert error.exit_code in EXIT_CODES

@@ -230,10 +230,10 @@ def _implementations(name: str, sources: dict[str, str]) -> dict[str, tuple[list
 
 
 def test_every_hook_is_documented_tested_and_implemented_as_specified() -> None:
-    """Meta-test (after datasette): each hookspec has a docstring, a README entry and a test
-    implementing it; every implementation in the tests, the README's examples, the built-in
+    """Meta-test (after datasette): each hookspec has a docstring, an entry in the docs site and
+    a test implementing it; every implementation in the tests, the docs' examples, the built-in
     plugins and the example plugins takes only the spec's arguments and returns its type."""
-    readme = (ROOT / "README.md").read_text()
+    readme = "\n".join(p.read_text() for p in sorted((ROOT / "docs").rglob("*.md")))
     readme_code = "\n".join(re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL))
     tests = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "tests").rglob("*.py")}
     shipped = {
@@ -244,14 +244,14 @@ def test_every_hook_is_documented_tested_and_implemented_as_specified() -> None:
     for name in hooks:
         spec = getattr(hookspecs, name)
         assert inspect.getdoc(spec), f"{name} has no docstring"
-        assert name in readme, f"{name} is not documented in README.md"
+        assert name in readme, f"{name} is not documented in docs/"
         spec_node = next(iter(_implementations(name, {"hookspecs": inspect.getsource(hookspecs)}).values()))
         assert list(inspect.signature(spec).parameters) == spec_node[0]
         in_tests = _implementations(name, tests)
         assert in_tests, f"{name} has no test implementing it"
         for where, (params, returns) in {
             **in_tests,
-            **_implementations(name, {"README.md": readme_code, **shipped}),
+            **_implementations(name, {"docs": readme_code, **shipped}),
         }.items():
             assert set(params) <= set(spec_node[0]), f"{where}: {name} takes {params}, the spec only {spec_node[0]}"
             assert returns == spec_node[1], f"{where}: {name} returns {returns}, the spec {spec_node[1]}"

@@ -1,4 +1,4 @@
-"""Every command the README shows exists and is exercised.
+"""Every command the README and the docs site (docs/**/*.md) show exists and is exercised.
 
 * ``room-outbox …`` lines: a synopsis (``[--config FILE] status [--json]``) must name a real
   command and real options; a concrete line must parse with the real CLI parser.
@@ -7,7 +7,7 @@
   tests' `room-outbox run`.
 * ``docker-compose …`` lines: the file they use is validated by tests/test_compose.py.
 
-A command added to the README that fits none of these fails here until a test covers it.
+A command added to the README or a docs page that fits none of these fails here until a test covers it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from room_outbox.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+#: The README first (its first lines are the two commands), then every page of the docs site.
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 
 #: Programs whose lines are examples of other tools, each with the reason it is not run here.
 OTHER_TOOLS = {
@@ -39,10 +41,17 @@ SCRIPTS = {
 }
 
 
-def shell_lines() -> list[str]:
-    """Lines of the README's shell blocks (```sh and bare ```), comments and blanks dropped."""
+def shell_lines(pages: list[Path] = PAGES) -> list[str]:
+    """Lines of the pages' shell blocks (```sh and bare ```), comments and blanks dropped."""
+    lines: list[str] = []
+    for page in pages:
+        lines += _shell_lines(page.read_text())
+    return lines
+
+
+def _shell_lines(text: str) -> list[str]:
     lines, language = [], None
-    for line in README.read_text().splitlines():
+    for line in text.splitlines():
         fence = re.match(r"^```(\w*)", line)
         if fence:
             language = None if language is not None else fence.group(1)
@@ -77,7 +86,7 @@ def options_of(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def test_the_readme_shows_the_two_commands_first() -> None:
-    first = shell_lines()[:2]
+    first = shell_lines([README])[:2]
     assert [program(line)[0] for line in first] == ["scripts/demo.sh", "scripts/test.sh"]
 
 
@@ -99,7 +108,7 @@ def test_every_room_outbox_command_in_the_readme_exists() -> None:
             try:
                 parsed = build_parser().parse_args(args)
             except SystemExit:
-                pytest.fail(f"the README shows a command the CLI refuses: {line}")
+                pytest.fail(f"the README or docs show a command the CLI refuses: {line}")
             command = parsed.command
         seen.add(command)
     # Every command of the CLI is documented, too.
@@ -122,7 +131,7 @@ def test_every_other_command_in_the_readme_is_accounted_for() -> None:
                 assert line.endswith("< docker/sample-events.sql"), line
             assert (ROOT / "docker-compose.yml").is_file()  # validated by tests/test_compose.py
         else:
-            assert name in OTHER_TOOLS, f"the README runs {name!r} ({line}); test it or list it with a reason"
+            assert name in OTHER_TOOLS, f"the docs run {name!r} ({line}); test it or list it with a reason"
 
 
 def test_the_demo_script_runs_the_demo_command() -> None:

@@ -119,11 +119,11 @@ def test_every_alert_says_what_and_how_bad() -> None:
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
 
 
-def test_the_readme_shows_the_alerts_of_the_rules_file() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert "docker/prometheus/alerts.yml" in readme
+def test_the_docs_show_the_alerts_of_the_rules_file() -> None:
+    page = (ROOT / "docs" / "how-to" / "monitor.md").read_text()
+    assert "docker/prometheus/alerts.yml" in page
     for rule in alert_rules():
-        assert f"`{rule['alert']}`" in readme, f"README does not list {rule['alert']}"
+        assert f"`{rule['alert']}`" in page, f"docs/how-to/monitor.md does not list {rule['alert']}"
 
 
 # -- OpenTelemetry Collector -----------------------------------------------------------------
