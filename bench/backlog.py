@@ -33,8 +33,8 @@ import httpx
 from bench import procs
 from bench.consume import TOPIC, Tansu
 from bench.db import load, reset
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_lanes import migrate_lanes
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.lanes.store import migrate_lanes
 
 #: Samples this early in a drain are warm-up (bounded caches filling), not slope.
 WARM_UP_SHARE = 0.5

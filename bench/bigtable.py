@@ -18,8 +18,8 @@ import anyio
 from bench import procs
 from bench.db import DAY_MS, load, pending
 from bench.noop import dispatcher_drain
-from room_outbox.store.leased import now_ms
-from room_outbox.store.mysql import CLAIM_SQL, MySQLStore
+from room_outbox.store.backends.leased import now_ms
+from room_outbox.store.backends.mysql import CLAIM_SQL, MySQLStore
 
 
 async def claim_times(store: MySQLStore, rounds: int, batch_size: int = 100) -> tuple[float, int]:

@@ -45,8 +45,8 @@ from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.audit_log import INSERT as AUDIT_INSERT
 from room_outbox.plugins.audit_log import SCHEMA as AUDIT_SCHEMA
-from room_outbox.store.consumer_sql import SQLConsumerStore
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.consumers.sql import SQLConsumerStore
 
 TOPIC = "room-events"
 TYPES = ("RoomUserJoined", "RoomGiftSent", "RoomHeatChanged", "RoomMicChanged")

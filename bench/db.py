@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 import pymysql
 
-from room_outbox.store.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 
 #: Event types: the noop sink's (no I/O) and one the Tencent IM sink takes.
 NOOP_TYPE = "RoomHeatChanged"

@@ -47,7 +47,7 @@ from room_outbox.plugins.tencent_im.ratelimit import JITTER_MARGIN, SlidingWindo
 from room_outbox.plugins.tencent_im.sink import http_client
 from room_outbox.plugins.tencent_im.usersig import gen_usersig
 from room_outbox.sink import SinkContext
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 CONCURRENCY = 16
 ROOMS = 100

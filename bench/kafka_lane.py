@@ -40,9 +40,9 @@ from room_outbox.envelope import EventEnvelope
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.noop import NoopSink
-from room_outbox.store import OutboxRow, OutboxStore, Outcome
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.lanes.store import CURSOR_TABLE, lane_table
+from room_outbox.store.protocol import OutboxRow, OutboxStore, Outcome
 
 #: Delivery alone touches no store (deliver_queues never calls it).
 NO_STORE: OutboxStore = None  # type: ignore[assignment]

@@ -21,8 +21,8 @@ from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import KNOWN_EVENT_TYPES
 from room_outbox.plugins.noop import NoopSink
-from room_outbox.store.leased import now_ms
-from room_outbox.store.mysql import CLAIM_SQL, MySQLStore
+from room_outbox.store.backends.leased import now_ms
+from room_outbox.store.backends.mysql import CLAIM_SQL, MySQLStore
 
 
 @dataclass

@@ -25,8 +25,8 @@ import anyio
 
 from bench import procs
 from bench.db import load, pending, reset
+from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.membership import BUCKET_TABLE, BUCKETS
-from room_outbox.store.mysql import MySQLStore
 
 HOLD = "bench_hold"
 

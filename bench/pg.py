@@ -14,7 +14,7 @@ import psycopg
 
 from bench.db import NOOP_TYPE
 from bench.noop import dispatcher_drain, raw_drain
-from room_outbox.store.postgres import PostgresStore
+from room_outbox.store.backends.postgres import PostgresStore
 
 
 @dataclass

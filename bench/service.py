@@ -17,7 +17,7 @@ import anyio
 from bench import procs
 from bench.db import IM_TYPE, load, pending, reset
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 INSERT = (
     "INSERT INTO room_outbox (app_code, event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"

@@ -52,7 +52,7 @@ from room_outbox.sink import (
     SinkSpec,
     ThrottledSinkError,
 )
-from room_outbox.store.mysql import MySQLAddress
+from room_outbox.store.backends.mysql import MySQLAddress
 
 __all__ = [
     "JITTER_MARGIN",

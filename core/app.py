@@ -30,13 +30,12 @@ from room_outbox.observability.service import observability
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.startup import check_configuration, open_checked_store
-from room_outbox.store import OutboxStore
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.backends.postgres import PostgresStore
 from room_outbox.store.clock import CLOCK
-from room_outbox.store.factory import SQLStore
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_lanes import lane_table
-from room_outbox.store.postgres import PostgresStore
-from room_outbox.store.retention import run_retention_job
+from room_outbox.store.lanes.store import lane_table
+from room_outbox.store.operator.retention import run_retention_job
+from room_outbox.store.protocol import OutboxStore, SQLStore
 
 log = logging.getLogger("room_outbox.app")
 

@@ -146,7 +146,7 @@ class DatabaseSettings(Section):
     #: Which outbox table and status words: ``v1`` (room_outbox: pending → published),
     #: ``room_cell`` (room_outbox: pending → delivering → delivered | retryable → failed) or
     #: ``silk`` (PostgreSQL's outbox_events: pending | retry → sending → sent | failed).
-    #: See room_outbox.store.profiles.
+    #: See room_outbox.store.schema.profiles.
     profile: str = "v1"
     #: The outbox table's name; empty: the profile's own (``room_outbox`` for v1).
     table: str = ""
@@ -415,7 +415,7 @@ MIN_PROCESSED_HORIZON = 86400.0
 
 
 class RetentionSettings(Section):
-    """``room-outbox cleanup`` and the optional background job (:mod:`room_outbox.store.retention`):
+    """``room-outbox cleanup`` and the optional background job (:mod:`room_outbox.store.operator.retention`):
     published rows older than ``older_than`` are deleted, or moved to ``room_outbox_archive``;
     the consumers' processed records older than ``processed_older_than`` are deleted."""
 

@@ -17,7 +17,7 @@
         └── PermanentHandlerError   retrying will not help: a dead letter at once
 
 Driver errors (PyMySQL, aiomysql, sqlite3) are translated once, at the store's boundary
-(:mod:`room_outbox.store.errors`), with the driver's exception kept as ``__cause__``.
+(:mod:`room_outbox.store.backends.errors`), with the driver's exception kept as ``__cause__``.
 
 A message is one line that names the cause and, where there is one, the fix ("table
 room_outbox lacks lock_until_ms: run `room-outbox migrate`"). It never holds a secret: a DSN

@@ -31,9 +31,9 @@ from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EventEnvelope
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.sink import SinkError
-from room_outbox.store.column_checks import LAST_ERROR_MAX
 from room_outbox.store.dialect import MYSQL, Dialect
 from room_outbox.store.producer import insert_event, mark_published
+from room_outbox.store.schema.columns import LAST_ERROR_MAX
 
 log = logging.getLogger("room_outbox.producer")
 

@@ -25,11 +25,12 @@ from room_outbox.consume.registry import check_consumers
 from room_outbox.delivery.routing import validate_sinks
 from room_outbox.errors import ConfigurationError
 from room_outbox.observability.telemetry import check_environment
-from room_outbox.store.errors import translated
-from room_outbox.store.factory import SQLStore, describe, open_store, store_address
-from room_outbox.store.mysql_lanes import lane_table
-from room_outbox.store.profiles import Profile, profile_named
-from room_outbox.store.schema import check_schema
+from room_outbox.store.backends.errors import translated
+from room_outbox.store.factory import describe, open_store, store_address
+from room_outbox.store.lanes.store import lane_table
+from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.check import check_schema
+from room_outbox.store.schema.profiles import Profile, profile_named
 
 
 @dataclass(frozen=True)

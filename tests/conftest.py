@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from support import POSTGRESQL_SERVER_DSN, pg_admin
 
-from room_outbox.store.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 
 SERVER_DSN = os.environ.get("ROOM_OUTBOX_TEST_MYSQL", "mysql://root:@127.0.0.1:3306")
 

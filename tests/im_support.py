@@ -14,7 +14,7 @@ from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.tencent_im import TencentIMSettings, TencentIMSink
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM
 from room_outbox.sink import SinkContext
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 
 def im_section(fake: FakeTencentIM, **overrides: Any) -> dict[str, Any]:

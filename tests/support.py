@@ -14,7 +14,7 @@ import pytest
 
 from room_outbox import SinkSpec, hookimpl
 from room_outbox.sink import SinkSettings
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 #: Set ROOM_OUTBOX_TEST_POSTGRESQL (postgresql://user:password@host:port) to use another server.
 POSTGRESQL_SERVER_DSN = os.environ.get("ROOM_OUTBOX_TEST_POSTGRESQL", "postgresql://postgres@127.0.0.1:5432")

@@ -31,7 +31,7 @@ from room_outbox.envelope import EventEnvelope
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, FakeTencentIM, serve_fake_im
 from room_outbox.producer import OutboxProducer, PublishOutcome, append_event
-from room_outbox.store.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 
 pytestmark = pytest.mark.anyio
 

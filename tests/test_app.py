@@ -17,7 +17,7 @@ from support import V1_DDL, RecordingSink, SinkPlugin, envelope, fetch_rows, ins
 
 from room_outbox.app import run_service
 from room_outbox.config import Settings
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 

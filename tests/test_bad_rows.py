@@ -14,8 +14,8 @@ from room_outbox.delivery.dispatcher import Dispatcher
 from room_outbox.delivery.failure_log import FailureLog
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError
+from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.clock import now_ms
-from room_outbox.store.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 

@@ -11,7 +11,7 @@ import anyio
 import pytest
 from support import RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher
 
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 

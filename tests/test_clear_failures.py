@@ -28,8 +28,8 @@ from room_outbox.cli.main import main
 from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError, RoomOutboxError, SchemaError, StoreUnavailable
 from room_outbox.sink import SinkSettings
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.factory import open_store
-from room_outbox.store.mysql import MySQLAddress, MySQLStore
 
 pytestmark = pytest.mark.anyio
 

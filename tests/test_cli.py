@@ -19,12 +19,12 @@ from support import V1_DDL, envelope, insert_events
 from room_outbox.cli.main import COMMANDS, EXIT_CODES, SELF_CONTAINED, build_parser, main, version
 from room_outbox.cli.requeue import requeue_command
 from room_outbox.cli.status import format_relative, format_time
+from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import table_names
 from room_outbox.store.factory import consumer_store, open_store
 from room_outbox.store.membership import bucket_of
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.operator import RequeueFilter
+from room_outbox.store.operator.changes import RequeueFilter
 
 pytestmark = pytest.mark.anyio
 

@@ -10,7 +10,7 @@ import pytest
 from support import envelope, fetch_rows, insert_events
 
 from room_outbox.cli.main import main
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 

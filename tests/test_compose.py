@@ -26,7 +26,7 @@ from room_outbox.consume.settings import consumer_settings
 from room_outbox.envelope import parse_envelope
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import telemetry_from_environment
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE_CONFIG = "/etc/room-outbox/config.yaml"

@@ -13,8 +13,8 @@ from support import RecordingSink, envelope, fetch_rows, insert_events, insert_r
 from room_outbox.cli.requeue import cancel_command, requeue_command
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.operator import RequeueFilter
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.operator.changes import RequeueFilter
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,7 @@ from support import RecordingSink, envelope, fetch_rows, insert_events, insert_r
 
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError, ThrottledSinkError
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 

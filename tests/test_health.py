@@ -16,7 +16,7 @@ from support import RecordingSink, envelope, insert_events, make_dispatcher, wai
 
 from room_outbox.observability.health import Health, stalled_after
 from room_outbox.observability.http_endpoint import HttpEndpoint
-from room_outbox.store.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 
 pytestmark = pytest.mark.anyio
 

@@ -16,7 +16,7 @@ from room_outbox.config import ConfigError, Settings, load_settings, parse_liste
 from room_outbox.observability import http_endpoint
 from room_outbox.observability.http_endpoint import Health, HttpEndpoint
 from room_outbox.observability.redaction import Redactor
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 

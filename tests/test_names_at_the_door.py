@@ -18,7 +18,7 @@ from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.sink import SinkSettings
 from room_outbox.startup import check_configuration
 from room_outbox.store.factory import open_store
-from room_outbox.store.profiles import profile_named
+from room_outbox.store.schema.profiles import profile_named
 
 BASE = {"mysql": {"dsn": "mysql://root:pw@127.0.0.1:9/x"}, "sinks": {"tencent_im": {"enabled": False}}}
 

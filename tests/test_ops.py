@@ -15,7 +15,7 @@ from support import envelope, insert_events, insert_rows
 
 from room_outbox.cli.main import main
 from room_outbox.cli.status import describe_state
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 

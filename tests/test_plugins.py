@@ -282,7 +282,7 @@ def test_a_plugins_statements_are_used_while_a_sink_or_handler_it_registers_is_e
     """`room_outbox_migrations` statements belong to the plugin's sinks and handlers: unused
     while none of them is enabled, named after the enabled ones when used."""
     from room_outbox import HandlerSettings, HandlerSpec
-    from room_outbox.store.plugin_schema import used_plugin_statements
+    from room_outbox.store.schema.plugins import used_plugin_statements
 
     class SinkWithTable:
         @hookimpl

@@ -17,7 +17,7 @@ from store.test_silk import SILK_INSERT, silk_rows
 from support import INSERT_V1, envelope, fetch_rows, insert_events, wait_until
 
 from room_outbox.store.factory import open_store
-from room_outbox.store.profiles import ROOM_CELL, SILK
+from room_outbox.store.schema.profiles import ROOM_CELL, SILK
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

@@ -19,18 +19,19 @@ from support import INSERT_V1, envelope, fetch_rows, wait_until
 
 from room_outbox.cli.main import main
 from room_outbox.config import ConfigError, RetentionSettings, load_settings
+from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.clock import now_ms
-from room_outbox.store.consumer import Processed, RetryRow
-from room_outbox.store.consumer_sql import SQLConsumerStore
-from room_outbox.store.factory import SQLStore, consumer_store, open_store
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.retention import (
+from room_outbox.store.consumers.protocol import Processed, RetryRow
+from room_outbox.store.consumers.sql import SQLConsumerStore
+from room_outbox.store.factory import consumer_store, open_store
+from room_outbox.store.operator.retention import (
     ARCHIVE_TABLE,
     RetentionOptions,
     cleanup,
     prune_consumer_records,
     run_retention_job,
 )
+from room_outbox.store.protocol import SQLStore
 
 pytestmark = pytest.mark.anyio
 

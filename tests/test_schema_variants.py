@@ -20,8 +20,9 @@ from support import V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, 
 
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError
-from room_outbox.store.factory import SQLStore, open_store
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.factory import open_store
+from room_outbox.store.protocol import SQLStore
 
 pytestmark = pytest.mark.anyio
 

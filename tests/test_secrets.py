@@ -28,7 +28,7 @@ from room_outbox.config import Settings
 from room_outbox.observability.redaction import REDACTED, Redactor, redactor_for
 from room_outbox.observability.telemetry import LIBRARY_LOGGERS, configure_logging
 from room_outbox.plugins.tencent_im.fake import FakeTencentIM, serve_fake_im
-from room_outbox.store.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 
 # -- the redactor ------------------------------------------------------------------------------
 

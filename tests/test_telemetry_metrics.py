@@ -17,8 +17,8 @@ from room_outbox.config import ConfigError
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import NO_ATTEMPT, Telemetry, telemetry_from_environment
 from room_outbox.sink import PermanentSinkError
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.reports import sample_backlog
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.operator.reports import sample_backlog
 
 
 @pytest.mark.anyio

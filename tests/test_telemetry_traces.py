@@ -16,7 +16,7 @@ from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import configure_logging
 from room_outbox.observability.tracing import http_client_span, producer_context, redact_url, sink_span
 from room_outbox.sink import PermanentSinkError, RetryableSinkError, ThrottledSinkError
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 

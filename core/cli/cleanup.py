@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import IO
 
 from room_outbox.config import LanePlan
-from room_outbox.store.factory import SQLStore
-from room_outbox.store.retention import (
+from room_outbox.store.operator.retention import (
     CleanupReport,
     RetentionOptions,
     archive_table,
     cleanup,
     prune_consumer_records,
 )
+from room_outbox.store.protocol import SQLStore
 
 
 async def cleanup_command(

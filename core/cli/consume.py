@@ -18,9 +18,10 @@ from room_outbox.consume.service import run_consumers
 from room_outbox.consume.settings import consumer_settings
 from room_outbox.observability.redaction import Redactor
 from room_outbox.startup import freeze_startup_heap
-from room_outbox.store.factory import SQLStore, consumer_store, open_store
-from room_outbox.store.plugin_schema import run_plugin_statements
-from room_outbox.store.tables import Migration
+from room_outbox.store.factory import consumer_store, open_store
+from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.outbox import Migration
+from room_outbox.store.schema.plugins import run_plugin_statements
 
 #: The consumers' subcommands: (one-line summary, description, examples), as room_outbox.cli's.
 HELP: dict[str, tuple[str, str, str]] = {

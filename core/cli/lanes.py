@@ -17,14 +17,14 @@ from typing import IO, Any
 
 from room_outbox.cli.status import format_age
 from room_outbox.config import IM_LANE, LanePlan
-from room_outbox.store.factory import SQLStore
-from room_outbox.store.lane_catalog import (
+from room_outbox.store.lanes.catalog import (
     LaneBacklog,
     im_lane_backlog,
     own_lane_backlog,
     retire_lane,
     stored_lanes,
 )
+from room_outbox.store.protocol import SQLStore
 
 #: ``lanes`` in the command list: (summary, description, examples).
 LANES_COMMAND = (

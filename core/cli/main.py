@@ -29,9 +29,10 @@ from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.telemetry import configure_logging
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.startup import freeze_startup_heap, table_profile
-from room_outbox.store.factory import SQLStore, open_store
-from room_outbox.store.operator import RequeueFilter
-from room_outbox.store.retention import RetentionOptions
+from room_outbox.store.factory import open_store
+from room_outbox.store.operator.changes import RequeueFilter
+from room_outbox.store.operator.retention import RetentionOptions
+from room_outbox.store.protocol import SQLStore
 
 DESCRIPTION = """\
 Guaranteed delivery of room events: room-outbox reads the room_outbox table that room-service

@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from room_outbox.cli.status import format_age, printable
-from room_outbox.store.factory import SQLStore
-from room_outbox.store.operator import IN_FLIGHT, RequeueFilter, cancel, find_requeue_candidates, requeue
+from room_outbox.store.operator.changes import IN_FLIGHT, RequeueFilter, cancel, find_requeue_candidates, requeue
+from room_outbox.store.protocol import SQLStore
 
 #: Rows one ``requeue`` changes at most: one statement, a list a person can still read.
 REQUEUE_LIMIT = 10_000

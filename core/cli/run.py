@@ -18,11 +18,12 @@ from room_outbox.config import Settings
 from room_outbox.delivery.lanes import migrate_plugins, plugins_migration_plan
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.startup import check_configuration, table_profile
-from room_outbox.store.errors import translated
-from room_outbox.store.factory import SQLStore, describe, open_store, store_address
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_online import exclusive_migration
-from room_outbox.store.sqlite import SQLiteAddress
+from room_outbox.store.backends.errors import translated
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.backends.mysql_online import exclusive_migration
+from room_outbox.store.backends.sqlite import SQLiteAddress
+from room_outbox.store.factory import describe, open_store, store_address
+from room_outbox.store.protocol import SQLStore
 
 T = TypeVar("T")
 
@@ -80,7 +81,7 @@ async def migrate_all(store: SQLStore, pm: pluggy.PluginManager, settings: Setti
 @contextlib.asynccontextmanager
 async def one_migration_at_a_time(store: SQLStore) -> AsyncIterator[None]:
     """On MySQL/MariaDB: the migrate lock held, and a schema change an interrupted migrate
-    left running waited for (see :mod:`room_outbox.store.mysql_online`)."""
+    left running waited for (see :mod:`room_outbox.store.backends.mysql_online`)."""
     if isinstance(store, MySQLStore):
         async with exclusive_migration(store.address, [store.table], store.report_progress):
             yield
@@ -90,7 +91,7 @@ async def one_migration_at_a_time(store: SQLStore) -> AsyncIterator[None]:
 
 async def stopped_by_signals(work: Awaitable[T]) -> T | None:
     """``work``'s result, or its error; None when SIGINT or SIGTERM cancelled it (a statement it
-    was running on a server is stopped there: see :mod:`room_outbox.store.mysql_online`)."""
+    was running on a server is stopped there: see :mod:`room_outbox.store.backends.mysql_online`)."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         return await work
     results: list[T] = []

@@ -17,15 +17,15 @@ from typing import IO, Any
 from room_outbox.consume.ops import consumer_overview, consumer_states, format_overview, format_states
 from room_outbox.envelope import EnvelopeError, parse_envelope
 from room_outbox.store.clock import now_ms
-from room_outbox.store.factory import SQLStore
-from room_outbox.store.profiles import V1, Profile
-from room_outbox.store.reports import (
+from room_outbox.store.operator.reports import (
     StatusReport,
     event_row,
     lane_row,
     lane_statuses,
     status_report,
 )
+from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.profiles import V1, Profile
 
 
 def _now_ms() -> int:

@@ -39,8 +39,8 @@ from room_outbox.cluster.identity import node_id_of
 from room_outbox.cluster.quota import WINDOW, QuotaShare
 from room_outbox.store import membership as sql
 from room_outbox.store.clock import CLOCK, now_ms
-from room_outbox.store.factory import SQLStore
-from room_outbox.store.profiles import V1, Profile
+from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.profiles import V1, Profile
 
 log = logging.getLogger("room_outbox.cluster")
 

@@ -53,7 +53,7 @@ from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.observability.tracing import producer_context
 from room_outbox.store.clock import now_ms
-from room_outbox.store.consumer import (
+from room_outbox.store.consumers.protocol import (
     NO_HANDLER,
     ROOM_KEY_MAX,
     ConsumerBatch,

@@ -7,8 +7,9 @@ import json
 from typing import IO, Any
 
 from room_outbox.store.clock import now_ms
-from room_outbox.store.consumer_sql import SQLConsumerStore
-from room_outbox.store.factory import SQLStore, consumer_store
+from room_outbox.store.consumers.sql import SQLConsumerStore
+from room_outbox.store.factory import consumer_store
+from room_outbox.store.protocol import SQLStore
 
 
 async def _consumer_store(store: SQLStore) -> SQLConsumerStore | None:

@@ -28,8 +28,9 @@ from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.store.factory import SQLStore, consumer_store, open_store
-from room_outbox.store.reports import ping
+from room_outbox.store.factory import consumer_store, open_store
+from room_outbox.store.operator.reports import ping
+from room_outbox.store.protocol import SQLStore
 
 log = logging.getLogger("room_outbox.consume")
 

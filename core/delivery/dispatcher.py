@@ -56,10 +56,10 @@ from room_outbox.observability.health import LaneHealth
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.observability.telemetry import NO_ATTEMPT, THROTTLED, DeliveryAttempt, Failure, Telemetry
 from room_outbox.sink import PermanentSinkError, SinkError, ThrottledSinkError
-from room_outbox.store import Claimed, DeliveryResult, OutboxRow, OutboxStore, Outcome
 from room_outbox.store.clock import now_ms
-from room_outbox.store.column_checks import LAST_ERROR_MAX
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
+from room_outbox.store.protocol import Claimed, DeliveryResult, OutboxRow, OutboxStore, Outcome
+from room_outbox.store.schema.columns import LAST_ERROR_MAX
 
 log = logging.getLogger("room_outbox.dispatcher")
 

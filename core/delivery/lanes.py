@@ -3,7 +3,7 @@ one of its own runs on, and the delivery settings of each.
 
 The IM lane (``im``) lives in ``room_outbox.status`` and runs while any IM-lane sink is
 enabled; a sink registered with ``own_lane=True`` gets ``room_outbox_lane_<name>`` (see
-:mod:`room_outbox.store.mysql_lanes`) and its own dispatcher.
+:mod:`room_outbox.store.lanes.store`) and its own dispatcher.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pluggy
 from room_outbox.config import LanePlan, OutboxWorkerSettings, Settings
 from room_outbox.delivery.routing import registered_sinks, section_enabled
 from room_outbox.store.dialect import PLUGIN_SCHEMA
-from room_outbox.store.factory import SQLStore
-from room_outbox.store.mysql_lanes import LaneStore, lanes_migration_plan, migrate_lanes
-from room_outbox.store.plugin_schema import run_plugin_statements, used_plugin_statements
-from room_outbox.store.tables import Migration
+from room_outbox.store.lanes.store import LaneStore, lanes_migration_plan, migrate_lanes
+from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.outbox import Migration
+from room_outbox.store.schema.plugins import run_plugin_statements, used_plugin_statements
 
 
 def lane_plan(pm: pluggy.PluginManager, settings: Settings) -> LanePlan:

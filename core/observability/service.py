@@ -21,9 +21,9 @@ from room_outbox.observability.health import CHECK_TEXT_MAX, Health, stalled_aft
 from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
-from room_outbox.store.factory import SQLStore
-from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
-from room_outbox.store.reports import ping, sample_backlog
+from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
+from room_outbox.store.operator.reports import ping, sample_backlog
+from room_outbox.store.protocol import SQLStore
 
 log = logging.getLogger("room_outbox.observability")
 
@@ -111,7 +111,7 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
 
 async def _sample_backlog(store: SQLStore, obs: Observability, interval: float, redactor: Redactor) -> None:
     """Each running lane's backlog, every ``interval`` (index range counts, see
-    :mod:`room_outbox.store.lane_catalog`)."""
+    :mod:`room_outbox.store.lanes.catalog`)."""
     await obs._lanes_known.wait()
     while True:
         if obs.lanes is not None:

@@ -60,7 +60,7 @@ from room_outbox.observability.tracing import SCOPE, AttemptSpan, RedactingSpanE
 
 if TYPE_CHECKING:
     from room_outbox.envelope import EventEnvelope
-    from room_outbox.store import OutboxRow
+    from room_outbox.store.protocol import OutboxRow
 
 WORKER = "room_outbox"
 _RECORD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}

@@ -64,7 +64,7 @@ from room_outbox.observability.redaction import REDACTED, Redactor
 
 if TYPE_CHECKING:
     from room_outbox.envelope import EventEnvelope
-    from room_outbox.store import OutboxRow
+    from room_outbox.store.protocol import OutboxRow
 
 #: Instrumentation scope of every span and metric room-outbox emits.
 SCOPE = "room_outbox"

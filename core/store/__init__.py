@@ -1,106 +1,14 @@
-"""Storage of the IM lane's consumption state: the protocol and the records it trades in.
+"""Everything room-outbox keeps in its database, by concept.
 
-The dispatcher talks to a store only through :class:`OutboxStore`; :mod:`.mysql` implements
-it on MySQL/MariaDB. Every write of a result is *fenced* on the claim that produced it: a
-result whose claim no longer holds the row (lease expired and taken over, row already
-published by room-service) changes nothing and is reported back as stale.
+* :mod:`.protocol`: the store's protocols and records (imports no driver);
+* :mod:`.factory`: opens the store a DSN names (the one module importing every backend);
+* :mod:`.backends`: MySQL/MariaDB, PostgreSQL and SQLite, their drivers and errors, and the
+  claim SQL the three share (:mod:`.backends.leased`);
+* :mod:`.schema`: the tables, their migration plans and the start-up check;
+* :mod:`.lanes`: the lanes besides IM, each in a table of its own;
+* :mod:`.consumers`: the consumers' processed records, retries and leases;
+* :mod:`.operator`: the operator's queries (status, requeue, cancel) and retention;
+* :mod:`.membership`, :mod:`.clock`, :mod:`.dialect`, :mod:`.deadline`, :mod:`.producer`:
+  the cluster's tables, the database's clock, what differs between databases, the query
+  deadline, the producer's mark.
 """
-
-from __future__ import annotations
-
-import enum
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
-
-
-@dataclass(frozen=True, slots=True)
-class OutboxRow:
-    """A claimed ``room_outbox`` row. ``envelope`` is raw: parsing is the dispatcher's job,
-    so a malformed envelope becomes a recorded failure instead of a store error."""
-
-    id: int
-    event_id: str
-    event_type: str
-    room_id: str
-    app_code: str
-    envelope: str | bytes
-    retry_count: int
-    claim: str
-
-
-class Outcome(enum.Enum):
-    PUBLISHED = "published"
-    FAILED = "failed"  # stays pending: retry_count+1, last_error, retried after retry_at_ms
-    PARKED = "parked"  # status 'failed': retry_count+1, last_error; never retried unless requeued
-    RELEASED = "released"  # not attempted (shutdown, or held back by its room): lease dropped
-    #: Not attempted: a rate limit of this process held it back. Lease dropped, retry_count
-    #: kept; claimable again from retry_at_ms (0: at once).
-    THROTTLED = "throttled"
-
-
-@dataclass(frozen=True, slots=True)
-class DeliveryResult:
-    row_id: int
-    event_id: str
-    claim: str
-    outcome: Outcome
-    error: str | None = None
-    #: For FAILED and THROTTLED: not claimable again before this time (epoch ms).
-    retry_at_ms: int = 0
-    #: Set on a stale result whose row the producer published while this claim still held
-    #: it (room-service's own push succeeded): not a lease lost to another process.
-    published_by_producer: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Claimed:
-    rows: list[OutboxRow]
-    #: Results of the previous round whose claim no longer held their row.
-    stale: list[DeliveryResult]
-    #: The scan found fewer claimable rows than asked for: no need to come back at once.
-    exhausted: bool
-
-
-def room_heads(found: Sequence[OutboxRow], pending: Iterable[tuple[int, str, str]]) -> list[OutboxRow]:
-    """Per-room ordering's rule, the same for every backend: keep a found row only if no
-    earlier pending row of its room (``pending``: ``(id, app_code, room_id)`` of the rooms'
-    pending rows below the highest found id) is left outside ``found``."""
-    found_ids = {row.id for row in found}
-    first_outside: dict[tuple[str, str], int] = {}
-    for row_id, app_code, room_id in pending:
-        key = (app_code, room_id)
-        if row_id not in found_ids and row_id < first_outside.get(key, row_id + 1):
-            first_outside[key] = row_id
-    return [r for r in found if r.id < first_outside.get((r.app_code, r.room_id), r.id + 1)]
-
-
-class OutboxStore(Protocol):
-    async def migrate(self) -> list[str]:
-        """Create or upgrade the schema idempotently; return what was changed."""
-
-    async def claim(
-        self,
-        claim: str,
-        limit: int,
-        lease_until_ms: int,
-        results: Sequence[DeliveryResult] = (),
-        per_room: bool = False,
-        hold_back_ms: int = 1000,
-    ) -> Claimed:
-        """Record ``results`` and claim up to ``limit`` pending rows, in one transaction.
-
-        With ``per_room``, a row is claimed only if no earlier pending row of its room is
-        left outside the claim (waiting for a retry, leased elsewhere, or skipped); a row
-        held back is not looked at again for ``hold_back_ms``.
-        """
-
-    async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
-        """Record results in one transaction; return the stale ones."""
-
-    async def renew(self, claim: str, row_ids: Sequence[int], lease_until_ms: int) -> int:
-        """Extend the lease of rows still held by ``claim``; return how many are, counting the
-        rows the producer published while ``claim`` held them (none lost to another claim)."""
-
-    async def aclose(self) -> None:
-        """Close the connection pool."""

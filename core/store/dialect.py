@@ -127,7 +127,7 @@ POSTGRESQL = Dialect(
 
 SQLITE = Dialect(
     name="sqlite",
-    # BEGIN IMMEDIATE already serialises every writer (see room_outbox.store.sqlite).
+    # BEGIN IMMEDIATE already serialises every writer (see room_outbox.store.backends.sqlite).
     row_lock="",
     primary_hint="",
     index_hint="",

@@ -1,33 +1,29 @@
 """Open the store a DSN names: ``mysql://…`` → :class:`MySQLStore`, ``postgresql://…`` →
 :class:`PostgresStore`, ``sqlite:///…`` → :class:`SQLiteStore`; on a server, the consumers'
-store with it (:func:`consumer_store`). Callers that need more than
-the lane's protocol (operator queries, the readiness ping, the producer's mark) use
-:class:`SQLStore`: every store hands out a cursor that takes ``%s`` placeholders and names its
-:class:`~room_outbox.store.dialect.Dialect`, so that SQL is written once."""
+store with it (:func:`consumer_store`). Every store is a
+:class:`~room_outbox.store.protocol.SQLStore`: it hands out a cursor that takes ``%s``
+placeholders and names its :class:`~room_outbox.store.dialect.Dialect`, so that SQL is written
+once. The only module of the store that imports every backend (and so every driver)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
 import anyio
 
 from room_outbox.errors import ConfigurationError, StoreUnavailable
-from room_outbox.store import OutboxStore
+from room_outbox.store.backends.errors import translated
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.backends.postgres import SCHEMES as POSTGRESQL_SCHEMES
+from room_outbox.store.backends.postgres import PostgresAddress, PostgresStore
+from room_outbox.store.backends.sqlite import SQLiteAddress, SQLiteStore
 from room_outbox.store.clock import CLOCK
-from room_outbox.store.consumer_sql import SQLConsumerStore
+from room_outbox.store.consumers.sql import SQLConsumerStore
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
-from room_outbox.store.dialect import Dialect
-from room_outbox.store.errors import translated
-from room_outbox.store.leased import BucketReader
-from room_outbox.store.mysql import Migration, MySQLAddress, MySQLStore
-from room_outbox.store.postgres import SCHEMES as POSTGRESQL_SCHEMES
-from room_outbox.store.postgres import PostgresAddress, PostgresStore
-from room_outbox.store.profiles import V1, Profile
-from room_outbox.store.sqlite import SQLiteAddress, SQLiteStore
+from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.profiles import V1, Profile
 
 log = logging.getLogger("room_outbox.store")
 
@@ -36,40 +32,6 @@ WAIT_FIRST, WAIT_FACTOR, WAIT_LONGEST = 0.25, 2.0, 5.0
 
 SQLITE_SCHEMES = ("sqlite",)
 MYSQL_SCHEMES = ("mysql", "mariadb", "mysql+aiomysql")
-
-
-class StoreAddress(Protocol):
-    @property
-    def database(self) -> str:
-        """The database name (MySQL, PostgreSQL) or file path (SQLite), for logs."""
-        ...
-
-
-class SQLStore(OutboxStore, Protocol):
-    @property
-    def address(self) -> StoreAddress: ...
-
-    async def migration_plan(self) -> list[Migration]:
-        """The statements :meth:`migrate` would run now (``migrate --sql``)."""
-        ...
-
-    @property
-    def dialect(self) -> Dialect: ...
-
-    #: The room buckets this process may claim (the membership's on a server; None on SQLite).
-    room_buckets: BucketReader | None
-    #: The age (ms) the producer's rows must reach before a claim takes them (``outbox_worker.claim_after``).
-    claim_after_ms: int
-
-    @property
-    def profile(self) -> Profile:
-        """The outbox table's name and status words (``database.profile``)."""
-        ...
-
-    def transaction(self) -> AbstractAsyncContextManager[Any]:
-        """A cursor (``execute``/``executemany`` with ``%s`` placeholders, ``fetchone``,
-        ``fetchall``, ``description``) in a transaction, committed when the block ends."""
-        ...
 
 
 def is_sqlite(dsn: str) -> bool:

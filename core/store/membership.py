@@ -56,14 +56,12 @@ from typing import Any
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import POSTGRESQL, Dialect, column_names, table_names
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.profiles import V1, Profile
-from room_outbox.store.tables import add_column_sql, add_index_sql, claim_index
+from room_outbox.store.schema.buckets import BUCKET_COLUMN, BUCKET_TABLE, NODE_TABLE
+from room_outbox.store.schema.outbox import add_column_sql, add_index_sql, claim_index
+from room_outbox.store.schema.profiles import V1, Profile
 
 #: Buckets rooms hash to. Fixed: it is part of the schema (the generated column's formula).
 BUCKETS = 256
-BUCKET_COLUMN = "room_bucket"
-NODE_TABLE = "room_outbox_node"
-BUCKET_TABLE = "room_outbox_bucket"
 
 #: CRC-32 (IEEE, reflected polynomial 0xEDB88320) of a text's UTF-8 bytes, for PostgreSQL,
 #: which has none built in. IMMUTABLE: an index may hold it. A byte at a time through the

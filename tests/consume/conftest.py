@@ -19,7 +19,7 @@ import yaml
 from aiokafka import AIOKafkaProducer
 from lanes.conftest import Broker
 
-from room_outbox.store.mysql import MySQLAddress
+from room_outbox.store.backends.mysql import MySQLAddress
 
 TOPIC = "room-events"
 

@@ -13,8 +13,9 @@ import pytest
 from room_outbox import ConsumedEvent, HandleContext, PermanentHandlerError
 from room_outbox.envelope import parse_envelope
 from room_outbox.plugins.audit_log import SCHEMA, TABLE, AuditHandler
-from room_outbox.store.consumer_sql import CursorTransaction
-from room_outbox.store.factory import SQLStore, open_store
+from room_outbox.store.consumers.sql import CursorTransaction
+from room_outbox.store.factory import open_store
+from room_outbox.store.protocol import SQLStore
 
 pytestmark = pytest.mark.anyio
 

@@ -35,9 +35,10 @@ from room_outbox.handler import (
 )
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.store.consumer_sql import SQLConsumerStore
-from room_outbox.store.factory import SQLStore, open_store
-from room_outbox.store.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.consumers.sql import SQLConsumerStore
+from room_outbox.store.factory import open_store
+from room_outbox.store.protocol import SQLStore
 
 pytestmark = pytest.mark.anyio
 

@@ -18,7 +18,8 @@ from room_outbox.config import Settings
 from room_outbox.consume.service import run_consumers
 from room_outbox.handler import ConsumedEvent, HandleContext, HandlerSettings, HandlerSpec
 from room_outbox.store.deadline import SessionLimits
-from room_outbox.store.factory import SQLStore, open_store
+from room_outbox.store.factory import open_store
+from room_outbox.store.protocol import SQLStore
 
 pytestmark = pytest.mark.anyio
 

@@ -19,8 +19,8 @@ from processes import DispatcherProcess, FakeIMProcess
 from support import envelope, insert_events, wait_until
 
 from room_outbox.plugins.tencent_im.fake import DEV_SDKAPPID
+from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.membership import BUCKET_TABLE
-from room_outbox.store.mysql import MySQLStore
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

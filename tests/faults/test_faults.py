@@ -17,7 +17,7 @@ from processes import DispatcherProcess, FakeIMProcess, dispatchers, write_confi
 from support import envelope, fetch_rows, insert_events, insert_rows, wait_until
 
 from room_outbox.plugins.tencent_im.fake import DEV_SDKAPPID
-from room_outbox.store.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
 

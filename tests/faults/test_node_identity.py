@@ -14,7 +14,7 @@ from support import envelope, insert_events, wait_until
 
 from room_outbox.cli.main import main
 from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH, node_id_of, process_identity
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

@@ -26,8 +26,8 @@ from faults.test_faults import all_published, received_ids
 from processes import DispatcherProcess, FakeIMProcess, dispatchers, write_config
 from support import envelope, fetch_rows, insert_events, wait_until
 
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.deadline import SessionLimits
-from room_outbox.store.mysql import MySQLAddress, MySQLStore
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.serial]
 

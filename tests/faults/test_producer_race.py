@@ -24,7 +24,7 @@ import pytest
 from processes import FakeIMProcess, dispatchers, write_config
 from support import INSERT_V1, envelope, fetch_rows, wait_until
 
-from room_outbox.store.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 
 pytestmark = [pytest.mark.anyio, pytest.mark.serial]
 

@@ -15,8 +15,8 @@ import pytest
 from lanes.test_lanes import lane_dispatcher, lane_rows, max_id, watermark
 from support import INSERT_V1, RecordingSink, envelope
 
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_lanes import STEP_EVIDENCE, LaneStore, migrate_lanes
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.lanes.store import STEP_EVIDENCE, LaneStore, migrate_lanes
 
 pytestmark = pytest.mark.anyio
 

@@ -18,7 +18,7 @@ from lanes.test_lanes import consume, lane_rows
 from processes import DispatcherProcess, FakeIMProcess, _env
 from support import envelope, fetch_rows, insert_events, wait_until
 
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 

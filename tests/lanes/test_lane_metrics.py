@@ -16,7 +16,7 @@ from room_outbox.config import Settings
 from room_outbox.delivery.lanes import migrate_plugins
 from room_outbox.observability.metrics import LEASE_LOSSES, ROUTING_ERROR_CLASSES, SINK_ERROR_CLASSES
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 

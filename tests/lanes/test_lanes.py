@@ -24,8 +24,8 @@ from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.delivery.routing import Router
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, serve_fake_im
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_lanes import CURSOR_TABLE, LaneStore, migrate_lanes
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.lanes.store import CURSOR_TABLE, LaneStore, migrate_lanes
 
 pytestmark = pytest.mark.anyio
 
@@ -344,7 +344,7 @@ async def test_third_party_audit_sink_end_to_end(store: MySQLStore, database_dsn
 async def test_retention_keeps_rows_a_lane_still_needs(store: MySQLStore) -> None:
     """Cleanup removes an old published row only once every lane has been fed it and is done
     with it; the lanes' finished rows go with it."""
-    from room_outbox.store.retention import RetentionOptions, cleanup
+    from room_outbox.store.operator.retention import RetentionOptions, cleanup
 
     await migrate_lanes(store, ["t"])
     sink = RecordingSink(fail={"owed"})
@@ -394,7 +394,7 @@ async def test_unfed_rows_beyond_the_counted_ones_are_estimated_from_their_ids(s
     """A lane's unfed rows are counted one by one only up to a bound (a million of them would
     outlast the gauge's query timeout); beyond it they are estimated from the ids, at the density
     of the counted ones: exact for ids of one step, the step 1 here and 3 below."""
-    from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
+    from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
 
     await migrate_lanes(store, ["t"])
     dispatcher = lane_dispatcher(store, RecordingSink())

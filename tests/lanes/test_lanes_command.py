@@ -14,8 +14,9 @@ from lanes.test_lane_lifecycle import cli, write
 from support import envelope, insert_events
 
 from room_outbox.store.dialect import table_names
-from room_outbox.store.factory import SQLStore, open_store
-from room_outbox.store.mysql_lanes import LaneStore, lane_table, migrate_lanes
+from room_outbox.store.factory import open_store
+from room_outbox.store.lanes.store import LaneStore, lane_table, migrate_lanes
+from room_outbox.store.protocol import SQLStore
 
 pytestmark = pytest.mark.anyio
 

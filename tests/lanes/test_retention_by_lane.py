@@ -9,9 +9,9 @@ from lanes.test_lanes import lane_dispatcher, lane_rows
 from support import RecordingSink, envelope, fetch_rows, insert_events
 
 from room_outbox.config import LanePlan
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.mysql_lanes import migrate_lanes
-from room_outbox.store.retention import RetentionOptions, cleanup
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.lanes.store import migrate_lanes
+from room_outbox.store.operator.retention import RetentionOptions, cleanup
 
 pytestmark = pytest.mark.anyio
 OPTIONS = RetentionOptions(older_than=86400, pause=0)

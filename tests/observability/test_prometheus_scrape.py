@@ -31,7 +31,7 @@ from observability_stack import ALERTS, Query, alert_queries, alert_rules, metri
 from processes import DispatcherProcess, FakeIMProcess, write_config
 from support import envelope, insert_events, insert_rows, wait_until
 
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.producer import MARK_PUBLISHED
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]

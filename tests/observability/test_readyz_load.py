@@ -17,7 +17,7 @@ from support import envelope, insert_events, wait_until
 
 from room_outbox.observability.health import Health
 from room_outbox.observability.http_endpoint import HttpEndpoint
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 

@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 from support import INSERT_V1, envelope
 
+from room_outbox.store.backends.leased import claim_sql
 from room_outbox.store.dialect import MYSQL
-from room_outbox.store.factory import SQLStore, open_store
-from room_outbox.store.leased import claim_sql
+from room_outbox.store.factory import open_store
 from room_outbox.store.membership import BUCKETS
-from room_outbox.store.profiles import ROOM_CELL, V1
-from room_outbox.store.tables import TABLE
+from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.outbox import TABLE
+from room_outbox.store.schema.profiles import ROOM_CELL, V1
 
 pytestmark = pytest.mark.anyio
 

@@ -1,4 +1,4 @@
-"""The column checks `migrate` and `run` share (room_outbox.store.column_checks) on both servers:
+"""The column checks `migrate` and `run` share (room_outbox.store.schema.columns) on both servers:
 each problem one line naming table.column and the fix, the same at both; and a result write
 PostgreSQL refuses for one row, undone to a savepoint, leaving the others written."""
 
@@ -10,12 +10,12 @@ from test_schema_variants import ROOM_CELL_DDL
 
 from room_outbox.cluster.identity import longest_claim_id
 from room_outbox.errors import SchemaError
-from room_outbox.store import DeliveryResult, Outcome
+from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.clock import now_ms
-from room_outbox.store.factory import SQLStore, open_store
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.profiles import ROOM_CELL
-from room_outbox.store.schema import check_schema
+from room_outbox.store.factory import open_store
+from room_outbox.store.protocol import DeliveryResult, Outcome, SQLStore
+from room_outbox.store.schema.check import check_schema
+from room_outbox.store.schema.profiles import ROOM_CELL
 
 pytestmark = pytest.mark.anyio
 

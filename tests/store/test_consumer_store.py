@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from room_outbox.store.consumer import LeaseLost, Processed, RetryRow
-from room_outbox.store.consumer_sql import AGE_INDEX, PROCESSED, SQLConsumerStore
+from room_outbox.store.consumers.protocol import LeaseLost, Processed, RetryRow
+from room_outbox.store.consumers.sql import AGE_INDEX, PROCESSED, SQLConsumerStore
 from room_outbox.store.dialect import index_names
-from room_outbox.store.factory import SQLStore, consumer_store, open_store
+from room_outbox.store.factory import consumer_store, open_store
+from room_outbox.store.protocol import SQLStore
 
 pytestmark = pytest.mark.anyio
 

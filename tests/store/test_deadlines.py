@@ -13,10 +13,10 @@ import pymysql
 import pytest
 
 from room_outbox.config import ConfigError, Settings, describe_validation_error, load_settings
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.backends.sqlite import SQLiteStore
 from room_outbox.store.deadline import QueryTimeout, SessionLimits
 from room_outbox.store.factory import open_store
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.sqlite import SQLiteStore
 
 pytestmark = [pytest.mark.anyio, pytest.mark.serial]
 

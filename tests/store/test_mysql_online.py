@@ -21,10 +21,10 @@ from support import V1_DDL, wait_until
 
 from room_outbox.cli.main import main
 from room_outbox.errors import SchemaError
-from room_outbox.store import mysql_online
+from room_outbox.store.backends import mysql_online
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore, mysql_dialect
+from room_outbox.store.backends.mysql_online import exclusive_migration
 from room_outbox.store.clock import now_ms
-from room_outbox.store.mysql import MySQLAddress, MySQLStore, mysql_dialect
-from room_outbox.store.mysql_online import exclusive_migration
 
 pytestmark = pytest.mark.anyio
 

@@ -13,10 +13,10 @@ import pytest
 from support import POSTGRESQL_SERVER_DSN, envelope, insert_events, pg_admin, wait_until
 
 from room_outbox.errors import ConfigurationError, StoreUnavailable
+from room_outbox.store.backends.postgres import PostgresAddress, PostgresStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.deadline import QueryTimeout
 from room_outbox.store.factory import open_store
-from room_outbox.store.postgres import PostgresAddress, PostgresStore
 
 pytestmark = pytest.mark.anyio
 

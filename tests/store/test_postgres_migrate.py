@@ -15,13 +15,14 @@ import pytest
 from support import envelope, insert_events, wait_until
 
 from room_outbox.errors import StoreError
+from room_outbox.store.backends.postgres import MIGRATE_LOCK_KEY, PostgresStore
 from room_outbox.store.clock import now_ms
-from room_outbox.store.factory import SQLStore, open_store
+from room_outbox.store.factory import open_store
+from room_outbox.store.lanes.store import LaneStore, migrate_lanes
 from room_outbox.store.membership import BUCKETS, bucket_of, row_bucket
-from room_outbox.store.mysql_lanes import LaneStore, migrate_lanes
-from room_outbox.store.postgres import MIGRATE_LOCK_KEY, PostgresStore
-from room_outbox.store.profiles import SILK
-from room_outbox.store.tables import SILK_TABLE_DDL, V1_TABLE_DDL
+from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.outbox import SILK_TABLE_DDL, V1_TABLE_DDL
+from room_outbox.store.schema.profiles import SILK
 
 pytestmark = pytest.mark.anyio
 

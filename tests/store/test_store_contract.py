@@ -25,16 +25,16 @@ from support import INSERT_V1, V1_DDL, RecordingSink, envelope, fetch_rows, inse
 from room_outbox.cli.status import inspect_event, status_report
 from room_outbox.errors import SchemaError
 from room_outbox.producer import append_event
-from room_outbox.store import Claimed, DeliveryResult, Outcome
 from room_outbox.store.clock import now_ms
-from room_outbox.store.column_checks import LAST_ERROR_MAX
 from room_outbox.store.dialect import ROW_LOCKS, table_names
-from room_outbox.store.factory import SQLStore, open_store
-from room_outbox.store.mysql_lanes import LaneStore, migrate_lanes
-from room_outbox.store.operator import RequeueFilter, cancel, find_requeue_candidates, requeue
-from room_outbox.store.profiles import ROOM_CELL, profile_named
-from room_outbox.store.retention import RetentionOptions, cleanup
-from room_outbox.store.tables import V1_TABLE_DDL
+from room_outbox.store.factory import open_store
+from room_outbox.store.lanes.store import LaneStore, migrate_lanes
+from room_outbox.store.operator.changes import RequeueFilter, cancel, find_requeue_candidates, requeue
+from room_outbox.store.operator.retention import RetentionOptions, cleanup
+from room_outbox.store.protocol import Claimed, DeliveryResult, Outcome, SQLStore
+from room_outbox.store.schema.columns import LAST_ERROR_MAX
+from room_outbox.store.schema.outbox import V1_TABLE_DDL
+from room_outbox.store.schema.profiles import ROOM_CELL, profile_named
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,7 @@ from support import envelope, fetch_rows, insert_events
 from room_outbox.plugins.tencent_im.fake import FakeTencentIM
 from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindowLimiter
 from room_outbox.sink import RetryableSinkError, ThrottledSinkError
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = [pytest.mark.anyio, pytest.mark.serial]
 

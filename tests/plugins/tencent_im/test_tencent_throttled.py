@@ -28,7 +28,7 @@ from room_outbox.delivery.routing import Router, build_lanes
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.tencent_im.fake import DEV_SDKAPPID, FakeTencentIM
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 

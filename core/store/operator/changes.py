@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from room_outbox.errors import SchemaError
+from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
-from room_outbox.store.column_checks import column_problems, read_columns
 from room_outbox.store.dialect import marks
-from room_outbox.store.errors import refused_value
-from room_outbox.store.factory import SQLStore
-from room_outbox.store.profiles import Profile, in_list
+from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.columns import column_problems, read_columns
+from room_outbox.store.schema.profiles import Profile, in_list
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import pluggy
 
-from room_outbox.store.factory import SQLStore
+from room_outbox.store.protocol import SQLStore
 
 
 def used_plugin_statements(

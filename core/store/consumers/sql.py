@@ -1,5 +1,5 @@
 """The consumer engine's tables on MySQL/MariaDB and PostgreSQL (see
-:mod:`room_outbox.store.consumer`): one implementation, every statement written once with
+:mod:`room_outbox.store.consumers.protocol`): one implementation, every statement written once with
 ``%s`` placeholders; where the two databases disagree (the DDL, the upserts, how a duplicate
 processed record shows, how the processed records' multi-row INSERT carries its values)
 :class:`ConsumerDialect` holds each one's words.
@@ -21,18 +21,17 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import pymysql
-
 from room_outbox.handler import Transaction
+from room_outbox.store.backends.errors import mysql_error
 from room_outbox.store.clock import now_ms
-from room_outbox.store.consumer import ROOM_KEY_MAX, LeaseLost, Processed, RetryRow
+from room_outbox.store.consumers.protocol import ROOM_KEY_MAX, LeaseLost, Processed, RetryRow
 from room_outbox.store.dialect import index_names, table_names
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.tables import Migration
+from room_outbox.store.schema.outbox import Migration
 
 if TYPE_CHECKING:
-    from room_outbox.store.mysql import MySQLStore
-    from room_outbox.store.postgres import PostgresStore
+    from room_outbox.store.backends.mysql import MySQLStore
+    from room_outbox.store.backends.postgres import PostgresStore
 
 PROCESSED = "room_consumer_processed"
 RETRY = "room_consumer_retry"
@@ -256,8 +255,8 @@ class _Writes:
             return bool(await self._cursor.execute(_INSERT_PROCESSED + self._dialect.record_skip, params))
         try:
             await self._cursor.execute(_INSERT_PROCESSED, params)
-        except pymysql.err.IntegrityError as exc:
-            if exc.args[0] != DUPLICATE_KEY:
+        except Exception as exc:
+            if not mysql_error(exc, DUPLICATE_KEY):
                 raise
             return False
         return True
@@ -284,8 +283,8 @@ class _Writes:
                 continue
             try:
                 inserted |= await self._insert_records(chunk)
-            except pymysql.err.IntegrityError as exc:
-                if exc.args[0] != DUPLICATE_KEY:
+            except Exception as exc:
+                if not mysql_error(exc, DUPLICATE_KEY):
                     raise
                 existing = await self._existing(chunk)
                 inserted |= await self._insert_records([r for r in chunk if (r.app_code, r.event_id) not in existing])
@@ -371,7 +370,7 @@ class SQLBatch(_Writes):
 
 
 class SQLConsumerStore:
-    """:class:`~room_outbox.store.consumer.ConsumerStore` on ``owner``'s database (MySQL or
+    """:class:`~room_outbox.store.consumers.protocol.ConsumerStore` on ``owner``'s database (MySQL or
     PostgreSQL: :func:`consumer_store` picks it by the store). ``handling_timeout``: how long a
     transaction that runs a handler may take (its writes included); the store's other
     transactions keep the pool's ``query_timeout``."""
@@ -591,7 +590,7 @@ class SQLConsumerStore:
                 )  # fmt: skip
         return states
 
-    # -- retention (room_outbox.store.retention.prune_consumer_records) ---------------------------
+    # -- retention (room_outbox.store.operator.retention.prune_consumer_records) ---------------------------
 
     async def remove_resolved_retries(self, limit: int) -> int:
         """Delete up to ``limit`` retry rows (retrying or dead, not leased right now) whose

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import table_names
-from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
+from room_outbox.store.lanes.store import CURSOR_TABLE, lane_table
 
 if TYPE_CHECKING:
-    from room_outbox.store.factory import SQLStore
+    from room_outbox.store.protocol import SQLStore
 
 LANE_PREFIX = "room_outbox_lane_"
 

@@ -33,7 +33,7 @@ from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import Dialect, index_names
 
 if TYPE_CHECKING:
-    from room_outbox.store.profiles import Profile
+    from room_outbox.store.schema.profiles import Profile
 
 #: The longest error text a result writes into ``last_error`` (longer ones are cut).
 LAST_ERROR_MAX = 512

@@ -40,6 +40,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from room_outbox.errors import StoreError
+from room_outbox.store.backends.leased import LeasedRows
 from room_outbox.store.deadline import (
     DEFAULT_QUERY_TIMEOUT,
     SCHEMA_CHANGE_TIMEOUT,
@@ -48,9 +49,8 @@ from room_outbox.store.deadline import (
     query_deadline,
 )
 from room_outbox.store.dialect import POSTGRESQL
-from room_outbox.store.leased import LeasedRows
 from room_outbox.store.membership import bucket_plan
-from room_outbox.store.tables import Migration, concurrent_step, invalid_index_steps, plan_outbox
+from room_outbox.store.schema.outbox import Migration, concurrent_step, invalid_index_steps, plan_outbox
 
 #: The key of migrate's session lock (``pg_advisory_lock``): one migrate at a time per database.
 MIGRATE_LOCK_KEY = 0x726F6F6D2D6F7574  # "room-out"

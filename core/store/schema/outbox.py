@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.errors import SchemaError
-from room_outbox.store.column_checks import ADOPTED_COLUMNS, adoption_plan, checked_fixes
 from room_outbox.store.dialect import Dialect, column_names, index_names
+from room_outbox.store.schema.columns import ADOPTED_COLUMNS, adoption_plan, checked_fixes
 
 if TYPE_CHECKING:
-    from room_outbox.store.profiles import Profile
+    from room_outbox.store.schema.profiles import Profile
 
 TABLE = "room_outbox"
 
@@ -77,7 +77,7 @@ V1_TABLE_DDL: dict[str, tuple[str, ...]] = {
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
     ),
     # BIGSERIAL: a sequence, whose values (like InnoDB's auto-increment) commit out of order;
-    # lanes feed around that (see room_outbox.store.mysql_lanes).
+    # lanes feed around that (see room_outbox.store.lanes.store).
     "postgresql": (
         """CREATE TABLE {table} (
   id            BIGSERIAL     PRIMARY KEY,

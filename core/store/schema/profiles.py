@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from room_outbox.store.tables import TABLE
+from room_outbox.store.schema.outbox import TABLE
 
 
 @dataclass(frozen=True)

@@ -54,16 +54,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
-import pymysql
 from anyio.abc import TaskStatus
 
 from room_outbox.config import LanePlan, RetentionSettings
+from room_outbox.store.backends.errors import mysql_error
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import column_names, table_names
-from room_outbox.store.factory import SQLStore, consumer_store
-from room_outbox.store.lane_catalog import first_row_after, owes_rows, stored_lanes
-from room_outbox.store.mysql_lanes import lane_table
-from room_outbox.store.tables import TABLE
+from room_outbox.store.factory import consumer_store
+from room_outbox.store.lanes.catalog import first_row_after, owes_rows, stored_lanes
+from room_outbox.store.lanes.store import lane_table
+from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.outbox import TABLE
 
 log = logging.getLogger("room_outbox.retention")
 
@@ -259,10 +260,10 @@ async def _remove(
     for attempt in range(_DEADLOCK_RETRIES):
         try:
             return await _remove_once(store, candidates, cutoff, archive_columns, lanes, by_status)
-        except pymysql.err.OperationalError as exc:
+        except Exception as exc:
             # InnoDB may still pick a cleaner as a deadlock victim (its transaction is rolled
             # back whole); the batch is simply taken again.
-            if exc.args[0] not in _LOCK_ERRORS or attempt == _DEADLOCK_RETRIES - 1:
+            if not mysql_error(exc, *_LOCK_ERRORS) or attempt == _DEADLOCK_RETRIES - 1:
                 raise
     return 0
 
@@ -384,8 +385,8 @@ async def _archive_columns(store: SQLStore) -> list[str]:
             if dialect.name == "mysql":  # IF NOT EXISTS would warn on every pass
                 try:
                     await cur.execute(f"CREATE TABLE {archive} LIKE {table}")
-                except pymysql.err.OperationalError as exc:
-                    if exc.args[0] != _TABLE_EXISTS:  # another cleaner created it first: fine
+                except Exception as exc:
+                    if not mysql_error(exc, _TABLE_EXISTS):  # another cleaner created it first: fine
                         raise
             elif dialect.name == "postgresql":
                 await cur.execute(f"CREATE TABLE IF NOT EXISTS {archive} (LIKE {table} INCLUDING ALL)")

@@ -30,10 +30,10 @@ from urllib.parse import unquote, urlsplit
 import aiosqlite
 import anyio
 
+from room_outbox.store.backends.leased import LeasedRows
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.dialect import SQLITE
-from room_outbox.store.leased import LeasedRows
-from room_outbox.store.tables import Migration, plan_outbox, run_plan
+from room_outbox.store.schema.outbox import Migration, plan_outbox, run_plan
 
 #: Seconds a transaction waits for another writer (another process's claim) before failing:
 #: ``database.query_timeout``, the bound on every database call. (A statement SQLite is already

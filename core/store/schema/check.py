@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from room_outbox.errors import SchemaError
-from room_outbox.store.column_checks import check_columns
 from room_outbox.store.dialect import column_names
-from room_outbox.store.factory import SQLStore
-from room_outbox.store.membership import BUCKET_COLUMN, BUCKET_TABLE, NODE_TABLE
-from room_outbox.store.mysql_lanes import CURSOR_TABLE, lane_table
-from room_outbox.store.tables import required_columns
+from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.buckets import BUCKET_COLUMN, BUCKET_TABLE, NODE_TABLE
+from room_outbox.store.schema.columns import check_columns
+from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_table
+from room_outbox.store.schema.outbox import required_columns
 
 #: Columns of a lane's own table that its statements read or write.
 LANE_COLUMNS = ("outbox_id", "status", "retry_count", "last_error", "worker_id", "lock_until_ms")

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
@@ -54,36 +53,22 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.config import LanesSettings
-from room_outbox.errors import ConfigurationError
-from room_outbox.store import Claimed, DeliveryResult
+from room_outbox.store.backends.leased import LeasedRows
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.backends.postgres import PostgresStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import Dialect, table_names
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.leased import BucketReader, LeasedRows
 from room_outbox.store.membership import bucket_plan
-from room_outbox.store.mysql import MySQLStore
-from room_outbox.store.postgres import PostgresStore
-from room_outbox.store.tables import ROOM_INDEX, Migration, concurrent_step, invalid_index_steps, run_plan
-from room_outbox.store.tables import claim_index as _claim_index
+from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult
+from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_table
+from room_outbox.store.schema.outbox import ROOM_INDEX, Migration, concurrent_step, invalid_index_steps, run_plan
+from room_outbox.store.schema.outbox import claim_index as _claim_index
 
 if TYPE_CHECKING:
-    from room_outbox.store.factory import SQLStore
+    from room_outbox.store.protocol import SQLStore
 
 log = logging.getLogger("room_outbox.lanes")
-
-CURSOR_TABLE = "room_outbox_lane_cursor"
-#: At most 36 characters: the lane table's longest derived name, its claim index
-#: ``idx_room_outbox_lane_<name>_claim``, must fit PostgreSQL's 63-byte identifiers.
-_LANE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,35}$")
-
-
-def lane_table(lane: str) -> str:
-    if not _LANE_NAME.match(lane):
-        raise ConfigurationError(
-            f"lane name {lane!r}: use lower-case letters, digits and _, at most 36"
-            " (idx_room_outbox_lane_<name>_claim must fit a 63-byte identifier)"
-        )
-    return f"room_outbox_lane_{lane}"
 
 
 def cursor_ddl(dialect: Dialect) -> list[str]:

@@ -12,9 +12,9 @@ from typing import Any
 
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import table_names
-from room_outbox.store.factory import SQLStore
-from room_outbox.store.lane_catalog import own_lane_backlog, stored_lanes
-from room_outbox.store.mysql_lanes import lane_table
+from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
+from room_outbox.store.lanes.store import lane_table
+from room_outbox.store.protocol import SQLStore
 
 
 async def ping(store: SQLStore) -> None:

@@ -2,7 +2,7 @@
 room-service's writes for longer than a moment, one migrate at a time, safe to interrupt.
 
 * Every statement on a table already there names its algorithm (see
-  :func:`~room_outbox.store.tables.add_column_sql`): the server refuses a change it cannot
+  :func:`~room_outbox.store.schema.outbox.add_column_sql`): the server refuses a change it cannot
   make online rather than copy the table with writes blocked.
 * :func:`exclusive_migration`: a named lock lets one ``migrate`` run at a time; and an
   ``ALTER TABLE`` an interrupted migrate left running on the server is waited for before
@@ -31,8 +31,8 @@ from room_outbox.errors import SchemaError
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT, SCHEMA_CHANGE_TIMEOUT, query_deadline
 
 if TYPE_CHECKING:
-    from room_outbox.store.mysql import MySQLAddress
-    from room_outbox.store.tables import Migration
+    from room_outbox.store.backends.mysql import MySQLAddress
+    from room_outbox.store.schema.outbox import Migration
 
 #: The named lock every ``migrate`` holds while it runs (per server: the database is in the name).
 LOCK_NAME = "room_outbox_migrate"

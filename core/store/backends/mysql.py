@@ -24,6 +24,8 @@ import aiomysql
 import anyio
 from pymysql.constants import CLIENT
 
+from room_outbox.store.backends.leased import LeasedRows, claim_sql
+from room_outbox.store.backends.mysql_online import OnlineSchemaChange, to_stderr
 from room_outbox.store.deadline import (
     DEFAULT_QUERY_TIMEOUT,
     SessionLimits,
@@ -31,10 +33,8 @@ from room_outbox.store.deadline import (
     query_deadline,
 )
 from room_outbox.store.dialect import MYSQL, Dialect
-from room_outbox.store.leased import LeasedRows, claim_sql
 from room_outbox.store.membership import bucket_plan
-from room_outbox.store.mysql_online import OnlineSchemaChange, to_stderr
-from room_outbox.store.tables import TABLE, Migration, plan_outbox
+from room_outbox.store.schema.outbox import TABLE, Migration, plan_outbox
 
 __all__ = ["CLAIM_SQL", "Migration", "MySQLAddress", "MySQLStore"]
 

@@ -18,22 +18,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
-from room_outbox.store import Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
+from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
-from room_outbox.store.column_checks import LAST_ERROR_MAX
 from room_outbox.store.dialect import MYSQL, Dialect
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.errors import refused_value
 from room_outbox.store.membership import row_bucket
-from room_outbox.store.profiles import V1, Profile
-from room_outbox.store.tables import ROOM_INDEX, TABLE, claim_index
+from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
+from room_outbox.store.schema.columns import LAST_ERROR_MAX
+from room_outbox.store.schema.outbox import ROOM_INDEX, TABLE, claim_index
+from room_outbox.store.schema.profiles import V1, Profile
 
 #: Reads the room buckets a claim may take, with the claim's cursor (``None``: every room).
-BucketReader = Callable[[Any], Awaitable[list[int] | None]]
 #: A row whose result the database refused is due again this long after at the soonest.
 REFUSED_RETRY_MS = 60_000
 

@@ -1,5 +1,5 @@
 """What the consumer engine keeps in the database, as a protocol: the statements, on MySQL
-and PostgreSQL, are in :mod:`room_outbox.store.consumer_sql`.
+and PostgreSQL, are in :mod:`room_outbox.store.consumers.sql`.
 
 Two tables:
 

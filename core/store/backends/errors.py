@@ -139,3 +139,9 @@ def refused_value(exc: BaseException) -> str | None:
     if isinstance(exc, psycopg.errors.DataError | psycopg.errors.IntegrityError | sqlite3.IntegrityError):
         return _reason(exc, "")
     return None
+
+
+def mysql_error(exc: BaseException, *codes: int) -> bool:
+    """Whether ``exc`` is a MySQL/MariaDB server error numbered one of ``codes``: for the store's
+    modules that handle one such error and import no driver themselves."""
+    return isinstance(exc, pymysql.err.Error) and bool(exc.args) and exc.args[0] in codes

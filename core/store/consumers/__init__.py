@@ -1,0 +1,1 @@
+"""The consumers' state (``room-outbox consume``): processed records, retries, partition leases."""

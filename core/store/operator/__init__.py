@@ -1,0 +1,1 @@
+"""The operator's queries: status reports, requeue and cancel, retention of finished rows."""

@@ -1,0 +1,154 @@
+"""Storage of the IM lane's consumption state: the protocol and the records it trades in.
+
+The dispatcher talks to a store only through :class:`OutboxStore`; the backends
+(:mod:`room_outbox.store.backends`) implement it on MySQL/MariaDB, PostgreSQL and SQLite.
+Every write of a result is *fenced* on the claim that produced it: a result whose claim no
+longer holds the row (lease expired and taken over, row already published by room-service)
+changes nothing and is reported back as stale. Callers that need more than the lane's
+protocol (operator queries, the readiness ping, the producer's mark) use :class:`SQLStore`.
+
+This module imports no database driver, so that depending on the store's types never loads one.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from room_outbox.store.dialect import Dialect
+    from room_outbox.store.schema.outbox import Migration
+    from room_outbox.store.schema.profiles import Profile
+
+#: Reads the room buckets this process may claim, in the claim's transaction (its cursor);
+#: None: every bucket.
+BucketReader = Callable[[Any], Awaitable[list[int] | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """A claimed ``room_outbox`` row. ``envelope`` is raw: parsing is the dispatcher's job,
+    so a malformed envelope becomes a recorded failure instead of a store error."""
+
+    id: int
+    event_id: str
+    event_type: str
+    room_id: str
+    app_code: str
+    envelope: str | bytes
+    retry_count: int
+    claim: str
+
+
+class Outcome(enum.Enum):
+    PUBLISHED = "published"
+    FAILED = "failed"  # stays pending: retry_count+1, last_error, retried after retry_at_ms
+    PARKED = "parked"  # status 'failed': retry_count+1, last_error; never retried unless requeued
+    RELEASED = "released"  # not attempted (shutdown, or held back by its room): lease dropped
+    #: Not attempted: a rate limit of this process held it back. Lease dropped, retry_count
+    #: kept; claimable again from retry_at_ms (0: at once).
+    THROTTLED = "throttled"
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryResult:
+    row_id: int
+    event_id: str
+    claim: str
+    outcome: Outcome
+    error: str | None = None
+    #: For FAILED and THROTTLED: not claimable again before this time (epoch ms).
+    retry_at_ms: int = 0
+    #: Set on a stale result whose row the producer published while this claim still held
+    #: it (room-service's own push succeeded): not a lease lost to another process.
+    published_by_producer: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    rows: list[OutboxRow]
+    #: Results of the previous round whose claim no longer held their row.
+    stale: list[DeliveryResult]
+    #: The scan found fewer claimable rows than asked for: no need to come back at once.
+    exhausted: bool
+
+
+def room_heads(found: Sequence[OutboxRow], pending: Iterable[tuple[int, str, str]]) -> list[OutboxRow]:
+    """Per-room ordering's rule, the same for every backend: keep a found row only if no
+    earlier pending row of its room (``pending``: ``(id, app_code, room_id)`` of the rooms'
+    pending rows below the highest found id) is left outside ``found``."""
+    found_ids = {row.id for row in found}
+    first_outside: dict[tuple[str, str], int] = {}
+    for row_id, app_code, room_id in pending:
+        key = (app_code, room_id)
+        if row_id not in found_ids and row_id < first_outside.get(key, row_id + 1):
+            first_outside[key] = row_id
+    return [r for r in found if r.id < first_outside.get((r.app_code, r.room_id), r.id + 1)]
+
+
+class OutboxStore(Protocol):
+    async def migrate(self) -> list[str]:
+        """Create or upgrade the schema idempotently; return what was changed."""
+
+    async def claim(
+        self,
+        claim: str,
+        limit: int,
+        lease_until_ms: int,
+        results: Sequence[DeliveryResult] = (),
+        per_room: bool = False,
+        hold_back_ms: int = 1000,
+    ) -> Claimed:
+        """Record ``results`` and claim up to ``limit`` pending rows, in one transaction.
+
+        With ``per_room``, a row is claimed only if no earlier pending row of its room is
+        left outside the claim (waiting for a retry, leased elsewhere, or skipped); a row
+        held back is not looked at again for ``hold_back_ms``.
+        """
+
+    async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
+        """Record results in one transaction; return the stale ones."""
+
+    async def renew(self, claim: str, row_ids: Sequence[int], lease_until_ms: int) -> int:
+        """Extend the lease of rows still held by ``claim``; return how many are, counting the
+        rows the producer published while ``claim`` held them (none lost to another claim)."""
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+
+
+class StoreAddress(Protocol):
+    @property
+    def database(self) -> str:
+        """The database name (MySQL, PostgreSQL) or file path (SQLite), for logs."""
+        ...
+
+
+class SQLStore(OutboxStore, Protocol):
+    @property
+    def address(self) -> StoreAddress: ...
+
+    async def migration_plan(self) -> list[Migration]:
+        """The statements :meth:`migrate` would run now (``migrate --sql``)."""
+        ...
+
+    @property
+    def dialect(self) -> Dialect: ...
+
+    #: The room buckets this process may claim (the membership's on a server; None on SQLite).
+    room_buckets: BucketReader | None
+    #: The age (ms) the producer's rows must reach before a claim takes them (``outbox_worker.claim_after``).
+    claim_after_ms: int
+
+    @property
+    def profile(self) -> Profile:
+        """The outbox table's name and status words (``database.profile``)."""
+        ...
+
+    def transaction(self) -> AbstractAsyncContextManager[Any]:
+        """A cursor (``execute``/``executemany`` with ``%s`` placeholders, ``fetchone``,
+        ``fetchall``, ``description``) in a transaction, committed when the block ends."""
+        ...
