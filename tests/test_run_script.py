@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support import envelope, insert_events, wait_until
 
-from room_outbox.store.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 
