@@ -9,10 +9,13 @@
 # and written; tests/test_build.py re-resolves copies there to see the locks are current.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dir=${LOCK_DIR:-.}
+# Paths without a leading "./" so the dev lock's "-c requirements.lock" annotations read the
+# same whichever directory wrote them.
+runtime_lock=${LOCK_DIR:+$LOCK_DIR/}requirements.lock
+dev_lock=${LOCK_DIR:+$LOCK_DIR/}requirements-dev.lock
 uv=.venv/bin/uv
 "$uv" pip compile pyproject.toml --universal --python-version 3.11 --generate-hashes \
-  --quiet --custom-compile-command scripts/lock.sh -o "$dir/requirements.lock" "$@"
-"$uv" pip compile pyproject.toml --extra test --extra otlp-grpc --constraint "$dir/requirements.lock" \
+  --quiet --custom-compile-command scripts/lock.sh -o "$runtime_lock" "$@"
+"$uv" pip compile pyproject.toml --extra test --extra otlp-grpc --constraint "$runtime_lock" \
   --universal --python-version 3.11 --generate-hashes \
-  --quiet --custom-compile-command scripts/lock.sh -o "$dir/requirements-dev.lock" "$@"
+  --quiet --custom-compile-command scripts/lock.sh -o "$dev_lock" "$@"
