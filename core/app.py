@@ -20,7 +20,7 @@ import anyio
 from room_outbox.cluster.identity import process_identity
 from room_outbox.cluster.membership import Membership
 from room_outbox.cluster.quota import QuotaShare
-from room_outbox.config import IM_LANE, Settings
+from room_outbox.config import MAIN_LANE, Settings
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.lanes import delivery_settings, lane_plan, lane_store
 from room_outbox.delivery.routing import Lanes, build_lanes
@@ -56,6 +56,8 @@ async def run_service(
     redactor = redactor or redactor_for(settings)
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
     checked = check_configuration(settings, pm)  # all of it, before anything connects
+    for line in settings.deprecated_names:
+        log.warning(line, extra={"lifecycle": "deprecated_config"})
     # Parts are pushed in the reverse of their shutdown order, and the stack runs them
     # whatever ends the run: once the workers have stopped, telemetry flushes and the HTTP
     # endpoint stops (it answers for the whole life of the workers), then the sinks close,
@@ -75,8 +77,8 @@ async def run_service(
             "sinks loaded",
             extra={
                 "lifecycle": "sinks_loaded",
-                "sinks": sorted(lanes.im.sinks),
-                "routes": dict(sorted(lanes.im.routes.items())),
+                "sinks": sorted(lanes.main.sinks),
+                "routes": dict(sorted(lanes.main.routes.items())),
                 "own_lanes": sorted(lanes.own),
             },
         )
@@ -123,11 +125,11 @@ def _dispatchers(
     """One dispatcher per lane: the IM lane's (when any of its sinks is enabled), then one per
     sink with a lane of its own, each with its own scan loop so none waits for another."""
     dispatchers = []
-    if lanes.im.sinks:
-        options = _options(settings, IM_LANE)
-        store.claim_after_ms = int(delivery_settings(settings, IM_LANE).claim_after * 1000)
+    if lanes.main.sinks:
+        options = _options(settings, MAIN_LANE)
+        store.claim_after_ms = int(delivery_settings(settings, MAIN_LANE).claim_after * 1000)
         dispatchers.append(
-            Dispatcher(store, lanes.im, options, identity, redactor, telemetry, health=health.lane(IM_LANE))
+            Dispatcher(store, lanes.main, options, identity, redactor, telemetry, health=health.lane(MAIN_LANE))
         )
     for name, router in lanes.own.items():
         start = settings.sinks.get(name, {}).get("start", "now")
@@ -175,7 +177,7 @@ async def _join_cluster(
     )
     await stack.enter_async_context(membership.running())
     store.room_buckets = membership.room_buckets
-    quota.rooms_owned = delivery_settings(settings, IM_LANE).ordering == "per_room"
+    quota.rooms_owned = delivery_settings(settings, MAIN_LANE).ordering == "per_room"
     # Start delivering once the others have made room in the quota (a few heartbeats).
     if not await membership.wait_joined(settings.cluster.node_timeout * 2):
         log.warning("membership not settled yet; delivering once it is", extra={"nodes": membership.live})

@@ -35,11 +35,15 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from room_outbox.errors import ConfigurationError
 
 ENV_PREFIX = "ROOM_OUTBOX__"
-#: The IM lane's name in logs, metrics, ``outbox_worker.lanes`` and ``room-outbox lanes``.
-IM_LANE = "im"
+#: The main lane's name in logs, metrics, ``outbox_worker.lanes`` and ``room-outbox lanes``:
+#: the lane whose sinks share ``room_outbox.status`` (Tencent IM and noop in V1).
+MAIN_LANE = "main"
+#: The main lane's former name, still accepted in ``outbox_worker.lanes`` (with a deprecation
+#: line at start-up).
+FORMER_MAIN_LANE = "im"
 RETRY_STRATEGIES = ("fixed_interval", "linear", "exponential")
 ORDERINGS = ("none", "per_room")
-IM_DEFAULTS = ("all", "known")
+MAIN_DEFAULTS = ("all", "known")
 #: ``database.query_timeout`` when the configuration says nothing and the lease allows it.
 DEFAULT_QUERY_TIMEOUT = 5.0
 #: Defaults of ``telemetry.stalled_after_polls`` and ``telemetry.unready_after_failed_rounds``.
@@ -112,10 +116,10 @@ class LanePlan:
     """The lanes a configuration runs (without validating sink settings: ``migrate``,
     ``cleanup``, ``status`` and ``lanes`` must not need, say, a Tencent key)."""
 
-    #: The IM lane runs: some sink sharing it is enabled. When it does not (room-service
+    #: The main lane runs: some sink sharing it is enabled. When it does not (room-service
     #: pushes IM itself), ``room_outbox.status`` is room-service's alone: no backlog of
     #: room-outbox's, and retention goes by the lanes that run instead.
-    im: bool
+    main: bool
     #: Enabled sinks with a lane of their own, sorted.
     own: tuple[str, ...]
 
@@ -249,8 +253,8 @@ _PROCESS_KEYS = ("enabled", "lanes")
 class DeliverySettings(OutboxWorkerSettings):
     """``outbox_worker``: the delivery settings of every lane, plus per-lane overrides.
 
-    ``outbox_worker.lanes.<lane>`` (``im`` for the IM lane, the sink's name for a lane of its
-    own) holds any of the keys above but ``enabled``; a key it leaves out comes from
+    ``outbox_worker.lanes.<lane>`` (``main`` for the main lane, the sink's name for a lane of
+    its own) holds any of the keys above but ``enabled``; a key it leaves out comes from
     ``outbox_worker``, and ``retry`` is merged key by key. The merged section is validated as
     a whole, so an override is checked exactly as ``outbox_worker`` itself is, and an error
     names ``outbox_worker.lanes.<lane>.<key>``.
@@ -261,6 +265,12 @@ class DeliverySettings(OutboxWorkerSettings):
     @model_validator(mode="after")
     def _valid_lanes(self) -> DeliverySettings:
         errors: list[InitErrorDetails] = []
+        if MAIN_LANE in self.lanes and FORMER_MAIN_LANE in self.lanes:
+            errors.append(
+                _error(
+                    ("lanes", FORMER_MAIN_LANE), f"give lanes.{MAIN_LANE} alone: {FORMER_MAIN_LANE} is its former name"
+                )
+            )
         for lane in self.lanes:  # whether each lane exists is checked once the plugins are loaded
             try:
                 self.for_lane(lane)
@@ -273,6 +283,8 @@ class DeliverySettings(OutboxWorkerSettings):
 
     def for_lane(self, lane: str) -> OutboxWorkerSettings:
         """The settings ``lane`` runs with: ``outbox_worker`` with ``lanes.<lane>`` over it."""
+        if lane == MAIN_LANE and FORMER_MAIN_LANE in self.lanes:
+            lane = FORMER_MAIN_LANE
         override = dict(self.lanes.get(lane) or {})
         base = self.model_dump(exclude=set(_PROCESS_KEYS))
         errors = [
@@ -300,7 +312,7 @@ def _error(loc: tuple[str | int, ...], message: str) -> InitErrorDetails:
 
 
 class LanesSettings(Section):
-    """Lanes of their own (sinks besides IM): how they are fed from room_outbox."""
+    """Lanes of their own (sinks outside the main lane): how they are fed from room_outbox."""
 
     #: An id seen missing (a producer transaction not yet committed) for longer than this is
     #: taken to be a rolled-back insert and skipped. Longer than any room-service transaction.
@@ -318,17 +330,27 @@ class LanesSettings(Section):
 
 
 class RoutingSettings(Section):
-    """Which IM-lane sink takes an event type that no IM-lane sink lists."""
+    """Which main-lane sink takes an event type that no main-lane sink lists."""
 
-    #: ``all``: the IM lane's default sink (the one without ``event_types``) takes every
+    #: ``all``: the main lane's default sink (the one without ``event_types``) takes every
     #: type nobody lists, catalogued or not, as V1 sends every type to IM. ``known``: only
     #: the catalogued types; an event of any other type is parked with ``no_route``.
-    im_default: str = "all"
+    main_default: str = "all"
+    #: ``main_default``'s former name: still accepted, with a deprecation line at start-up.
+    im_default: str | None = None
 
-    @field_validator("im_default")
+    @field_validator("main_default", "im_default")
     @classmethod
-    def _known_choice(cls, value: str) -> str:
-        return _one_of(value, IM_DEFAULTS, "choice")
+    def _known_choice(cls, value: str | None) -> str | None:
+        return None if value is None else _one_of(value, MAIN_DEFAULTS, "choice")
+
+    @model_validator(mode="after")
+    def _former_name(self) -> RoutingSettings:
+        if self.im_default is not None:
+            if "main_default" in self.model_fields_set:
+                raise ValueError("give main_default alone: im_default is its former name")
+            self.main_default = self.im_default
+        return self
 
 
 class ClusterSettings(Section):
@@ -486,6 +508,19 @@ class Settings(BaseSettings):
         if any(not char.isprintable() for char in value):
             raise ValueError("control or invisible characters are not allowed")
         return value or default_node_id()
+
+    @property
+    def deprecated_names(self) -> list[str]:
+        """One line per former name this configuration still uses, logged at start-up and
+        printed by ``check-config``: they work today and will be removed."""
+        lines = []
+        if FORMER_MAIN_LANE in self.outbox_worker.lanes:
+            lines.append(
+                f"outbox_worker.lanes.{FORMER_MAIN_LANE} is deprecated: call it outbox_worker.lanes.{MAIN_LANE}"
+            )
+        if self.routing.im_default is not None:
+            lines.append("routing.im_default is deprecated: call it routing.main_default")
+        return lines
 
     @model_validator(mode="after")
     def _mysql_is_database(self) -> Settings:

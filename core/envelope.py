@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 #: Every event type room-service emits today. The IM lane's default sink takes a type outside
-#: this list too unless ``routing.im_default`` is ``known`` (see :mod:`room_outbox.delivery.routing`).
+#: this list too unless ``routing.main_default`` is ``known`` (see :mod:`room_outbox.delivery.routing`).
 KNOWN_EVENT_TYPES: frozenset[str] = frozenset(
     {
         "RoomCreated",

@@ -37,8 +37,8 @@ from room_outbox.store.schema.profiles import Profile, profile_named
 class CheckedConfiguration:
     """What the configuration turns out to run."""
 
-    #: Enabled sinks sharing the IM lane, and those with a lane of their own.
-    im_sinks: list[str]
+    #: Enabled sinks sharing the main lane, and those with a lane of their own.
+    main_sinks: list[str]
     own_lanes: list[str]
     database: str
 
@@ -61,14 +61,14 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> Checked
             f"node_id: {len(settings.node_id)} characters; at most {MAX_NODE_ID_LENGTH}"
             " (the process identity and claim ids made from it must fit the database columns)"
         )
-    im_sinks: list[str] = []
+    main_sinks: list[str] = []
     own_lanes: list[str] = []
     try:
         enabled = validate_sinks(pm, settings)
     except ConfigurationError as exc:
         problems.extend(_lines(exc))
     else:
-        im_sinks = sorted(name for name, (spec, _) in enabled.items() if not spec.own_lane)
+        main_sinks = sorted(name for name, (spec, _) in enabled.items() if not spec.own_lane)
         own_lanes = sorted(name for name, (spec, _) in enabled.items() if spec.own_lane)
     for lane in own_lanes:
         try:
@@ -81,7 +81,7 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> Checked
         problems.extend(_lines(exc))
     if problems:
         raise ConfigurationError("invalid configuration:\n  " + "\n  ".join(problems))
-    return CheckedConfiguration(im_sinks, own_lanes, database)
+    return CheckedConfiguration(main_sinks, own_lanes, database)
 
 
 def table_profile(settings: Settings) -> Profile:

@@ -75,7 +75,7 @@ def test_readyz_shows_a_skewed_clock_with_a_fixed_cause_and_stays_ready() -> Non
     clock = host.clock(max_skew=2.0)
     health = Health(clock=clock)
     health.worker = "running"
-    health.lane("im").round_ended()  # a successful round: the database answered
+    health.lane("main").round_ended()  # a successful round: the database answered
     clock.observe(1_000_000_000 - 1_000, host.monotonic, host.wall)
     assert health.readiness() == (True, {"worker": "running", "database": "ok", "clock": "ok"})
     clock.observe(1_000_000_000 + 120_000, host.monotonic, host.wall)  # two minutes behind

@@ -111,8 +111,26 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
 def test_claim_after_defaults_to_five_seconds_and_takes_a_duration(tmp_path: Path) -> None:
     assert load_settings().outbox_worker.claim_after == 5.0
     assert load_settings(write(tmp_path, "outbox_worker:\n  claim_after: 0s\n")).outbox_worker.claim_after == 0.0
-    lane = load_settings(write(tmp_path, "outbox_worker:\n  lanes: {im: {claim_after: 1500ms}}\n"))
-    assert lane.outbox_worker.for_lane("im").claim_after == 1.5
+    lane = load_settings(write(tmp_path, "outbox_worker:\n  lanes: {main: {claim_after: 1500ms}}\n"))
+    assert lane.outbox_worker.for_lane("main").claim_after == 1.5
+
+
+def test_the_main_lanes_former_names_still_work_with_a_deprecation_line(tmp_path: Path) -> None:
+    """``im`` was the main lane's name: files that use it keep working, and say so."""
+    former = load_settings(
+        write(tmp_path, "outbox_worker:\n  lanes: {im: {claim_after: 1500ms}}\nrouting:\n  im_default: known\n")
+    )
+    assert former.outbox_worker.for_lane("main").claim_after == 1.5
+    assert former.routing.main_default == "known"
+    assert former.deprecated_names == [
+        "outbox_worker.lanes.im is deprecated: call it outbox_worker.lanes.main",
+        "routing.im_default is deprecated: call it routing.main_default",
+    ]
+    assert load_settings().deprecated_names == []
+    with pytest.raises(ConfigError, match="give main_default alone"):
+        load_settings(write(tmp_path, "routing:\n  im_default: known\n  main_default: all\n"))
+    with pytest.raises(ConfigError, match=r"give lanes\.main alone"):
+        load_settings(write(tmp_path, "outbox_worker:\n  lanes: {im: {}, main: {}}\n"))
 
 
 def test_a_negative_claim_after_stops_start_up_naming_the_key(tmp_path: Path) -> None:

@@ -35,13 +35,13 @@ async def served() -> AsyncIterator[tuple[Health, httpx.AsyncClient]]:
 
 async def test_healthz_fails_when_a_running_lane_ends_no_round(served: tuple[Health, httpx.AsyncClient]) -> None:
     health, client = served
-    lane = health.lane("im")
+    lane = health.lane("main")
     lane.last_progress = time.monotonic() - 60  # stuck for a minute
     assert (await client.get("/healthz")).status_code == 200  # starting: no rounds expected yet
     health.worker = "running"
     stalled = await client.get("/healthz")
     assert stalled.status_code == 503
-    assert stalled.json()["live"] is False and stalled.json()["lane im"].startswith("no round ended for 60s")
+    assert stalled.json()["live"] is False and stalled.json()["lane main"].startswith("no round ended for 60s")
     lane.round_ended("QueryTimeout: ...")  # a failed round is still a round that ended
     assert (await client.get("/healthz")).status_code == 200
     lane.last_progress = time.monotonic() - 60
@@ -84,7 +84,7 @@ async def test_a_dispatcher_cut_off_from_its_database_reports_recovers_and_stops
         dispatcher = make_dispatcher(
             store, sink, poll_interval=0.05, publish_timeout=publish_timeout, query_timeout=query_timeout, lease=3.0
         )
-        dispatcher.health = health.lane("im")
+        dispatcher.health = health.lane("main")
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(dispatcher.run)
@@ -92,18 +92,18 @@ async def test_a_dispatcher_cut_off_from_its_database_reports_recovers_and_stops
                 await wait_until(lambda: sink.received == ["before"], timeout=10)
 
                 proxy.partition()
-                await wait_until(lambda: health.lanes["im"].failed_in_a_row >= 2, timeout=10)
-                assert "query_timeout" in health.lanes["im"].last_error
+                await wait_until(lambda: health.lanes["main"].failed_in_a_row >= 2, timeout=10)
+                assert "query_timeout" in health.lanes["main"].last_error
                 ready, checks = health.readiness()
-                assert not ready and "rounds failed in a row" in checks["lane im"]
+                assert not ready and "rounds failed in a row" in checks["lane main"]
 
                 proxy.heal()
                 await insert_events(direct, [envelope("after")])
                 await wait_until(lambda: sink.received == ["before", "after"], timeout=query_timeout + 5)
-                await wait_until(lambda: health.lanes["im"].failed_in_a_row == 0, timeout=5)
+                await wait_until(lambda: health.lanes["main"].failed_in_a_row == 0, timeout=5)
 
                 proxy.partition()
-                await wait_until(lambda: health.lanes["im"].failed_in_a_row >= 1, timeout=10)
+                await wait_until(lambda: health.lanes["main"].failed_in_a_row >= 1, timeout=10)
                 started = anyio.current_time()
                 dispatcher.stop()
             took = anyio.current_time() - started

@@ -164,7 +164,7 @@ async def test_the_service_serves_the_endpoint_for_the_life_of_the_worker(
                     text = (await client.get("/metrics")).text
                     return (
                         'room_outbox_publish_success_total{event_type="RoomGiftSent",sink="flaky"} 1' in text
-                        and 'room_outbox_pending_total{lane="im"} 1' in text
+                        and 'room_outbox_pending_total{lane="main"} 1' in text
                     )
 
                 await wait_until(metrics_seen)

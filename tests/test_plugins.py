@@ -152,11 +152,11 @@ async def test_one_sink_may_take_the_remaining_types(third_party_installed: None
     router = await build_router(make_plugin_manager(), cfg, Redactor())
     noop_types = {"RoomCreated", "RoomHeatChanged", "RoomRankChanged"}
     assert {t for t, s in router.routes.items() if s == "counting"} == KNOWN_EVENT_TYPES - noop_types
-    route = router.sink_for("RoomNobodyKnows")  # routing.im_default: all, as V1 sends every type
+    route = router.sink_for("RoomNobodyKnows")  # routing.main_default: all, as V1 sends every type
     assert route is not None and route[0] == "counting"
     assert router.sink_for("RoomCreated") is not None and router.sink_for("RoomCreated")[0] == "noop"  # type: ignore[index]
     known_only = await build_router(
-        make_plugin_manager(), settings(sinks=cfg.sinks, routing={"im_default": "known"}), Redactor()
+        make_plugin_manager(), settings(sinks=cfg.sinks, routing={"main_default": "known"}), Redactor()
     )
     assert known_only.sink_for("RoomNobodyKnows") is None  # parked with no_route instead
     assert known_only.sink_for("RoomGiftSent") is not None

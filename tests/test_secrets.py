@@ -297,7 +297,7 @@ async def test_no_output_channel_carries_a_secret(
                 "sinks": {"tencent_im": {"base_url": fake_im.base_url, "sdkappid": SDKAPPID, "identifier": identifier}},
                 "log": {"level": "DEBUG", "library_level": "DEBUG"},  # the libraries' URL lines too
                 "telemetry": {"http_listen": "127.0.0.1:0", "backlog_interval": "200ms"},
-                "routing": {"im_default": "known"},  # so that RoomTeleported fails (no_route), parked
+                "routing": {"main_default": "known"},  # so that RoomTeleported fails (no_route), parked
             }
         )
     )

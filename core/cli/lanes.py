@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import IO, Any
 
 from room_outbox.cli.status import format_age
-from room_outbox.config import IM_LANE, LanePlan
+from room_outbox.config import MAIN_LANE, LanePlan
 from room_outbox.store.lanes.catalog import (
     LaneBacklog,
     im_lane_backlog,
@@ -63,12 +63,12 @@ class LaneRow:
 
 async def lane_rows(store: SQLStore, plan: LanePlan) -> list[LaneRow]:
     rows: list[LaneRow] = []
-    if plan.im:
-        rows.append(_row(IM_LANE, "enabled", True, None, await im_lane_backlog(store)))
+    if plan.main:
+        rows.append(_row(MAIN_LANE, "enabled", True, None, await im_lane_backlog(store)))
     else:
         # room_outbox.status is room-service's alone then: not a backlog of anyone's here.
         state = "disabled (room_outbox.status is room-service's)"
-        rows.append(LaneRow(IM_LANE, state, False, None, None, None, None, None))
+        rows.append(LaneRow(MAIN_LANE, state, False, None, None, None, None, None))
     stored = {lane.name: lane for lane in await stored_lanes(store)}
     for name in sorted(stored.keys() | set(plan.own)):
         enabled = name in plan.own
@@ -111,7 +111,7 @@ async def lanes_command(store: SQLStore, plan: LanePlan, args: argparse.Namespac
 
 
 async def _retire(store: SQLStore, plan: LanePlan, name: str, yes: bool, out: IO[str], err: IO[str]) -> int:
-    if name == IM_LANE:
+    if name == MAIN_LANE:
         print("room-outbox lanes retire: the IM lane is room_outbox.status itself; it cannot be retired", file=err)
         return 2
     if name in plan.own:
@@ -124,7 +124,7 @@ async def _retire(store: SQLStore, plan: LanePlan, name: str, yes: bool, out: IO
     rows = {row.lane: row for row in await lane_rows(store, plan)}
     row = rows.get(name)
     if row is None:
-        others = ", ".join(lane for lane in rows if lane != IM_LANE) or "none"
+        others = ", ".join(lane for lane in rows if lane != MAIN_LANE) or "none"
         print(
             f"room-outbox lanes retire: no lane named {name!r} in this database (lanes of their own: {others})",
             file=err,

@@ -314,7 +314,7 @@ async def _with_store(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _operator_command(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
     if args.command == "status":
-        im_lane = lane_plan(make_plugin_manager(settings.plugins.disabled), settings).im
+        im_lane = lane_plan(make_plugin_manager(settings.plugins.disabled), settings).main
         return await status_command(store, args.json, sys.stdout, im_lane)
     if args.command == "inspect":
         return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr)

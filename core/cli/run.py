@@ -33,9 +33,11 @@ def check_config(settings: Settings, source: str | None) -> int:
     checked = check_configuration(settings, make_plugin_manager(settings.plugins.disabled))
     print(
         f"configuration OK ({source or 'defaults and environment'}): database {checked.database!r};"
-        f" IM lane sinks: {', '.join(checked.im_sinks) or 'none'};"
+        f" main lane sinks: {', '.join(checked.main_sinks) or 'none'};"
         f" lanes of their own: {', '.join(checked.own_lanes) or 'none'}"
     )
+    for line in settings.deprecated_names:
+        print(f"warning: {line}")
     return 0
 
 

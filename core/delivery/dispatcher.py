@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import TaskStatus
 
-from room_outbox.config import IM_LANE, OutboxWorkerSettings
+from room_outbox.config import MAIN_LANE, OutboxWorkerSettings
 from room_outbox.delivery.failure_log import FailureLog
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.delivery.routing import Router
@@ -108,7 +108,7 @@ class Dispatcher:
         node_id: str,
         redactor: Redactor | None = None,
         telemetry: Telemetry | None = None,
-        lane: str = IM_LANE,
+        lane: str = MAIN_LANE,
         health: LaneHealth | None = None,
     ) -> None:
         self.store = store

@@ -25,7 +25,7 @@ def lane_plan(pm: pluggy.PluginManager, settings: Settings) -> LanePlan:
     specs = registered_sinks(pm)
     enabled = enabled_sinks(pm, settings)
     return LanePlan(
-        im=any(not specs[name].own_lane for name in enabled),
+        main=any(not specs[name].own_lane for name in enabled),
         own=tuple(sorted(name for name in enabled if specs[name].own_lane)),
     )
 

@@ -2,10 +2,10 @@
 
 Sinks registered with ``own_lane`` each get a router of their own (:class:`Lanes`), over
 their own consumption table: there, events the sink does not take are passed over. The rest
-share the IM lane, where each event type goes to exactly one enabled sink. A sink lists the
+share the main lane, where each event type goes to exactly one enabled sink. A sink lists the
 types it takes (``event_types``) or, at most one per lane, is the lane's *default sink*
 (``event_types`` left out), which takes every type nobody else listed. With
-``routing.im_default: all`` (the default, as V1 sends every type to IM) that includes types
+``routing.main_default: all`` (the default, as V1 sends every type to IM) that includes types
 outside the built-in catalogue, so a type room-service adds later is delivered at once;
 with ``known`` only catalogued types are, and a new type waits, parked, until it is routed.
 An event no enabled sink takes is parked by the dispatcher (``last_error`` "no sink for
@@ -25,7 +25,7 @@ import pluggy
 from pydantic import TypeAdapter, ValidationError
 
 from room_outbox.cluster.quota import QuotaShare
-from room_outbox.config import IM_LANE, ConfigError, Settings, describe_validation_error
+from room_outbox.config import FORMER_MAIN_LANE, MAIN_LANE, ConfigError, Settings, describe_validation_error
 from room_outbox.envelope import KNOWN_EVENT_TYPES, event_type_label
 from room_outbox.observability.redaction import Redactor
 from room_outbox.sink import Sink, SinkContext, SinkSettings, SinkSpec
@@ -40,7 +40,7 @@ class Router:
     sinks: dict[str, Sink]
     routes: dict[str, str]  # event type → sink name
     #: The sink taking every event type not in ``routes``, catalogued or not: a lane of its
-    #: own without ``event_types``, or the IM lane's default sink under ``routing.im_default: all``.
+    #: own without ``event_types``, or the main lane's default sink under ``routing.main_default: all``.
     catch_all: str | None = None
     #: A lane of its own: an event its sink does not take is done, not an error.
     skip_unrouted: bool = False
@@ -64,24 +64,24 @@ class Router:
 
 @dataclass
 class Lanes:
-    """The IM lane's router (``room_outbox.status``) and one router per sink that keeps a
+    """The main lane's router (``room_outbox.status``) and one router per sink that keeps a
     lane of its own (``room_outbox_lane_<sink>``)."""
 
-    im: Router
+    main: Router
     own: dict[str, Router]
 
     def series(self) -> list[tuple[str, str]]:
         """(sink, event_type) pairs known at start-up: each sink with each catalogued type it
         takes (a sink taking every type is listed with the catalogue)."""
         pairs: set[tuple[str, str]] = set()
-        for router in (self.im, *self.own.values()):
+        for router in (self.main, *self.own.values()):
             pairs.update((sink, event_type) for event_type, sink in router.routes.items())
             if router.catch_all is not None:
                 pairs.update((router.catch_all, t) for t in KNOWN_EVENT_TYPES if t not in router.routes)
         return sorted(pairs)
 
     async def aclose(self) -> None:
-        for router in (self.im, *self.own.values()):
+        for router in (self.main, *self.own.values()):
             await router.aclose()
 
 
@@ -142,37 +142,39 @@ def enabled_sink_settings(
 
 
 def validate_sinks(pm: pluggy.PluginManager, settings: Settings) -> dict[str, tuple[SinkSpec[Any], SinkSettings]]:
-    """Every enabled sink's settings and the IM lane's routes, checked without creating a sink
+    """Every enabled sink's settings and the main lane's routes, checked without creating a sink
     (nothing connects): what :func:`build_lanes` would refuse, refused here first."""
     enabled = enabled_sink_settings(pm, settings)
-    _im_routes({name: cfg for name, (spec, cfg) in enabled.items() if not spec.own_lane})
+    _main_routes({name: cfg for name, (spec, cfg) in enabled.items() if not spec.own_lane})
     return enabled
 
 
 def lane_override_problems(specs: Mapping[str, SinkSpec[Any]], settings: Settings) -> list[str]:
-    """``outbox_worker.lanes.<lane>`` must name a lane: ``im`` or a sink with a lane of its
+    """``outbox_worker.lanes.<lane>`` must name a lane: ``main`` (or its former name ``im``) or a sink with a lane of its
     own (enabled or not, so an override may stay while its sink is switched off)."""
     problems = []
     own = sorted(name for name, spec in specs.items() if spec.own_lane)
-    if IM_LANE in own:
+    if MAIN_LANE in own:
         problems.append(
-            f"sinks.{IM_LANE}: a sink with a lane of its own cannot be named {IM_LANE!r} (the IM lane's name)"
+            f"sinks.{MAIN_LANE}: a sink with a lane of its own cannot be named {MAIN_LANE!r} (the main lane's name)"
         )
     for lane in settings.outbox_worker.lanes:
-        if lane == IM_LANE or lane in own:
+        if lane in (MAIN_LANE, FORMER_MAIN_LANE) or lane in own:
             continue
         if lane in specs:
             problems.append(
-                f"outbox_worker.lanes.{lane}: sink {lane!r} shares the IM lane; its settings are outbox_worker.lanes.im"
+                f"outbox_worker.lanes.{lane}: sink {lane!r} shares the main lane; its settings are outbox_worker.lanes.{MAIN_LANE}"
             )
         else:
-            problems.append(f"outbox_worker.lanes.{lane}: no lane named {lane!r} (lanes: {', '.join([IM_LANE, *own])})")
+            problems.append(
+                f"outbox_worker.lanes.{lane}: no lane named {lane!r} (lanes: {', '.join([MAIN_LANE, *own])})"
+            )
     return problems
 
 
 async def build_router(pm: pluggy.PluginManager, settings: Settings, redactor: Redactor) -> Router:
-    """The IM lane's router alone (for the producer side and tests)."""
-    return (await build_lanes(pm, settings, redactor, include_own=False)).im
+    """The main lane's router alone (for the producer side and tests)."""
+    return (await build_lanes(pm, settings, redactor, include_own=False)).main
 
 
 async def build_lanes(
@@ -183,11 +185,11 @@ async def build_lanes(
     quota: QuotaShare | None = None,
 ) -> Lanes:
     enabled = enabled_sink_settings(pm, settings)
-    im = {name: entry for name, entry in enabled.items() if not entry[0].own_lane}
+    main = {name: entry for name, entry in enabled.items() if not entry[0].own_lane}
     own = {name: entry for name, entry in enabled.items() if entry[0].own_lane} if include_own else {}
-    routes = _im_routes({name: cfg for name, (_, cfg) in im.items()})
+    routes = _main_routes({name: cfg for name, (_, cfg) in main.items()})
     sinks: dict[str, Sink] = {}
-    for name, (spec, cfg) in {**im, **own}.items():
+    for name, (spec, cfg) in {**main, **own}.items():
         context = SinkContext(
             node_id=settings.node_id,
             logger=logging.getLogger(f"room_outbox.sink.{name}"),
@@ -199,12 +201,12 @@ async def build_lanes(
         except Exception as exc:
             await Router(sinks, {}).aclose()  # the caller never sees half-built lanes
             raise ConfigError(f"sinks.{name}: could not be created: {redactor.redact(str(exc))}") from exc
-    default_sink = next((name for name, (_, cfg) in im.items() if cfg.event_types is None), None)
+    default_sink = next((name for name, (_, cfg) in main.items() if cfg.event_types is None), None)
     return Lanes(
-        im=Router(
-            {name: sinks[name] for name in im},
+        main=Router(
+            {name: sinks[name] for name in main},
             routes,
-            catch_all=default_sink if settings.routing.im_default == "all" else None,
+            catch_all=default_sink if settings.routing.main_default == "all" else None,
         ),
         own={
             name: Router(
@@ -218,7 +220,7 @@ async def build_lanes(
     )
 
 
-def _im_routes(enabled: dict[str, SinkSettings]) -> dict[str, str]:
+def _main_routes(enabled: dict[str, SinkSettings]) -> dict[str, str]:
     routes: dict[str, str] = {}
     default_sinks = [name for name, cfg in enabled.items() if cfg.event_types is None]
     if len(default_sinks) > 1:

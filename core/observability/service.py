@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from room_outbox.config import IM_LANE, ConfigError, LanePlan, Settings, parse_listen
+from room_outbox.config import MAIN_LANE, ConfigError, LanePlan, Settings, parse_listen
 from room_outbox.observability.health import CHECK_TEXT_MAX, Health, stalled_after
 from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
@@ -124,9 +124,9 @@ async def _sample_backlog(store: SQLStore, obs: Observability, interval: float, 
 
 
 async def _sample_lanes(store: SQLStore, telemetry: Telemetry, plan: LanePlan) -> None:
-    if plan.im:  # while it is off, room_outbox.status is room-service's: no backlog here
+    if plan.main:  # while it is off, room_outbox.status is room-service's: no backlog here
         backlog = await sample_backlog(store)
-        telemetry.backlog(backlog.pending, backlog.oldest_pending_age_ms, IM_LANE)
+        telemetry.backlog(backlog.pending, backlog.oldest_pending_age_ms, MAIN_LANE)
     if plan.own:
         stored = {lane.name: lane for lane in await stored_lanes(store)}
         for name in plan.own:

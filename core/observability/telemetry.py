@@ -174,7 +174,7 @@ class Telemetry:
         if rows > 0 and self.metrics_enabled:
             self.metrics.lost_leases.add(rows, {"detected_at": detected_at, "cause": cause})
 
-    def backlog(self, pending: int, oldest_pending_age_ms: int, lane: str = "im") -> None:
+    def backlog(self, pending: int, oldest_pending_age_ms: int, lane: str = "main") -> None:
         labels = {"lane": lane}
         self.metrics.pending.set(pending, labels)
         self.metrics.oldest_pending_age.set(oldest_pending_age_ms, labels)

@@ -104,11 +104,11 @@ async def test_the_running_process_resumes_after_a_partition_heals(
             # turns unready, yet stays live: its rounds keep ending.
             await wait_until(lambda: len(failed_rounds(proc)) >= 3, timeout=10 * QUERY_TIMEOUT)
             failure = failed_rounds(proc)[0]
-            assert failure["lane"] == "im" and "query_timeout" in failure["error"], failure
+            assert failure["lane"] == "main" and "query_timeout" in failure["error"], failure
 
             async def unready() -> bool:
                 answer = await http.get(f"{base}/readyz")
-                return answer.status_code == 503 and "rounds failed in a row" in answer.json().get("lane im", "")
+                return answer.status_code == 503 and "rounds failed in a row" in answer.json().get("lane main", "")
 
             await wait_until(unready, timeout=10)
             assert (await http.get(f"{base}/healthz")).status_code == 200

@@ -97,7 +97,7 @@ async def test_im_retries_at_a_fixed_interval_while_kafka_backs_off_and_parks(
         im = await fetch_rows(store)
         assert {r["status"] for r in im.values()} == {"pending"}  # IM: never given up on
         started = {line["lane"]: line for line in proc.lines() if line.get("lifecycle") == "worker_started"}
-        assert (started["im"]["retry_strategy"], started["im"]["parking"]) == ("fixed_interval", False)
+        assert (started["main"]["retry_strategy"], started["main"]["parking"]) == ("fixed_interval", False)
         assert (started["kafka"]["retry_strategy"], started["kafka"]["parking"]) == ("exponential", True)
     finally:
         fake.close()
@@ -140,7 +140,7 @@ async def test_kafka_only_deployment_rows_live_until_kafka_has_them_then_retenti
 
         await wait_until(kafka_gauge_seen, timeout=30)
         text = await metrics()
-        assert 'lane="im"' not in text  # the IM lane does not run: no IM backlog
+        assert 'lane="main"' not in text  # the IM lane does not run: no IM backlog
         assert (
             'room_outbox_publish_failure_total{error_class="timeout",event_type="RoomUserJoined",sink="kafka"} 0'
             in text
@@ -157,7 +157,7 @@ async def test_kafka_only_deployment_rows_live_until_kafka_has_them_then_retenti
         assert "IM lane               disabled" in status.stdout
         lanes = cli(path, "lanes")
         assert lanes.returncode == 0, lanes.stderr
-        (im_line,) = [line for line in lanes.stdout.splitlines() if line.startswith("im ")]
+        (im_line,) = [line for line in lanes.stdout.splitlines() if line.startswith("main ")]
         assert "disabled" in im_line
         await wait_until(all_removed, timeout=30)  # once old enough, it goes too
     finally:
@@ -234,4 +234,4 @@ async def test_a_retired_lane_is_named_while_it_holds_retention_back_and_retire_
     cleanup = cli(without, "cleanup", "--yes")
     assert cleanup.stdout.startswith("5 published row(s)") and "leftovers" not in cleanup.stdout
     assert await fetch_rows(store) == {}
-    assert json.loads(cli(without, "lanes", "--json").stdout)[0]["lane"] == "im"
+    assert json.loads(cli(without, "lanes", "--json").stdout)[0]["lane"] == "main"

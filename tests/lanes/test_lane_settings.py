@@ -38,24 +38,25 @@ def test_every_bad_key_of_a_lane_is_named_with_its_dotted_path() -> None:
     with pytest.raises(Exception) as info:
         Settings(outbox_worker={"lanes": {
             "kafka": {"retry_strategy": "sometimes", "bacth_size": 5},
-            "im": {"enabled": False, "retry": {"factor": 0.5}},
+            "main": {"enabled": False, "retry": {"factor": 0.5}},
             "audit": {"retry": {"max_attempts": 3}},  # needs parking, here or in outbox_worker
         }})  # fmt: skip
     text = describe_validation_error(info.value)  # type: ignore[arg-type]
     assert "outbox_worker.lanes.kafka.retry_strategy: unknown retry strategy 'sometimes'" in text
     assert "outbox_worker.lanes.kafka.bacth_size: Extra inputs are not permitted" in text
-    assert "outbox_worker.lanes.im.enabled: belongs to outbox_worker, not to one lane" in text
-    assert "outbox_worker.lanes.im.retry.factor" in text
+    assert "outbox_worker.lanes.main.enabled: belongs to outbox_worker, not to one lane" in text
+    assert "outbox_worker.lanes.main.retry.factor" in text
     assert "outbox_worker.lanes.audit: retry.max_attempts needs parking: true" in text
 
 
-async def test_a_lane_that_does_not_exist_or_shares_the_im_lane_is_refused() -> None:
+async def test_a_lane_that_does_not_exist_or_shares_the_main_lane_is_refused() -> None:
     settings = Settings(outbox_worker={"lanes": {"kafak": {}, "noop": {}}}, sinks={"tencent_im": {"enabled": False}})
     with pytest.raises(ConfigError) as info:
         await build_lanes(make_plugin_manager(), settings, Redactor())
-    assert "outbox_worker.lanes.kafak: no lane named 'kafak' (lanes: im, " in str(info.value)
-    assert "outbox_worker.lanes.noop: sink 'noop' shares the IM lane; its settings are outbox_worker.lanes.im" in str(
-        info.value
+    assert "outbox_worker.lanes.kafak: no lane named 'kafak' (lanes: main, " in str(info.value)
+    assert (
+        "outbox_worker.lanes.noop: sink 'noop' shares the main lane; its settings are outbox_worker.lanes.main"
+        in str(info.value)
     )
 
 

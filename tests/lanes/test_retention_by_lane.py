@@ -33,12 +33,12 @@ async def test_with_the_im_lane_off_status_does_not_decide(store: MySQLStore) ->
     await insert_events(store, [envelope("unfed")])
     await age_everything(store)
 
-    report = await cleanup(store, OPTIONS, LanePlan(im=False, own=("t",)))
+    report = await cleanup(store, OPTIONS, LanePlan(main=False, own=("t",)))
     assert report.removed == 3 and not report.by_status
     assert sorted(await fetch_rows(store)) == ["owed", "unfed"]
     assert sorted(await lane_rows(store)) == ["owed"]
 
-    im_on = await cleanup(store, OPTIONS, LanePlan(im=True, own=("t",)))  # status decides again
+    im_on = await cleanup(store, OPTIONS, LanePlan(main=True, own=("t",)))  # status decides again
     assert im_on.removed == 0 and im_on.by_status
 
 
@@ -48,9 +48,9 @@ async def test_an_enabled_lane_that_never_ran_holds_everything(store: MySQLStore
     async with store.transaction() as cur:
         await cur.execute("UPDATE room_outbox SET status = 'published'")
     await age_everything(store)
-    report = await cleanup(store, OPTIONS, LanePlan(im=True, own=("t",)))
+    report = await cleanup(store, OPTIONS, LanePlan(main=True, own=("t",)))
     assert (report.removed, report.waiting_for) == (0, ["t"])  # "start: beginning" would need them all
-    report = await cleanup(store, OPTIONS, LanePlan(im=True, own=()))  # not enabled: a leftover table
+    report = await cleanup(store, OPTIONS, LanePlan(main=True, own=()))  # not enabled: a leftover table
     assert (report.removed, report.held_back_by) == (2, [])  # it never ran: no cursor, nothing owed
 
 
@@ -61,5 +61,5 @@ async def test_a_switched_off_lane_is_named_while_it_holds_rows_back(store: MySQ
     async with store.transaction() as cur:
         await cur.execute("UPDATE room_outbox SET status = 'published'")
     await age_everything(store)
-    report = await cleanup(store, OPTIONS, LanePlan(im=True, own=()))
+    report = await cleanup(store, OPTIONS, LanePlan(main=True, own=()))
     assert (report.removed, report.held_back_by) == (0, ["t"])

@@ -205,8 +205,8 @@ async def cleanup(
     called after each batch."""
     started = time.monotonic()
     cutoff = (now if now is not None else now_ms()) - int(options.older_than * 1000)
-    plan = plan or LanePlan(im=True, own=())
-    by_status = plan.im or not plan.own
+    plan = plan or LanePlan(main=True, own=())
+    by_status = plan.main or not plan.own
     report = CleanupReport(by_status=by_status)
     columns = await _archive_columns(store) if options.archive and not dry_run else []
     lanes, fed_through, report.held_back_by, report.waiting_for = await _lanes(store, plan, cutoff)

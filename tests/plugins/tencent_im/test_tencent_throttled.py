@@ -40,7 +40,7 @@ LATENCY = "room_outbox_publish_latency_ms"
 
 async def _router(fake: FakeTencentIM, quota: QuotaShare | None = None, **im: Any) -> Router:
     settings = Settings(node_id="test", sinks={"tencent_im": im_section(fake, **im)})
-    return (await build_lanes(make_plugin_manager(), settings, Redactor(), include_own=False, quota=quota)).im
+    return (await build_lanes(make_plugin_manager(), settings, Redactor(), include_own=False, quota=quota)).main
 
 
 def _dispatcher(store: MySQLStore, router: Router, captured: Captured, **worker: Any) -> Dispatcher:
