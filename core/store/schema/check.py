@@ -18,6 +18,7 @@ from room_outbox.store.schema.buckets import BUCKET_COLUMN, BUCKET_TABLE, NODE_T
 from room_outbox.store.schema.columns import check_columns
 from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_table
 from room_outbox.store.schema.outbox import required_columns
+from room_outbox.store.schema.tail import PARKED_TABLE
 
 #: Columns of a lane's own table that its statements read or write.
 LANE_COLUMNS = ("outbox_id", "status", "retry_count", "last_error", "worker_id", "lock_until_ms")
@@ -25,12 +26,14 @@ LANE_COLUMNS = ("outbox_id", "status", "retry_count", "last_error", "worker_id",
 _FIX = "run `room-outbox migrate`"
 
 
-async def check_schema(store: SQLStore, lanes: Sequence[str] = (), claim_ids: int = 0) -> None:
+async def check_schema(
+    store: SQLStore, lanes: Sequence[str] = (), claim_ids: int = 0, tail_lanes: Sequence[str] = ()
+) -> None:
     """Raise :class:`SchemaError` unless the outbox table has every column room-outbox uses,
     each able to hold what room-outbox writes there (:mod:`.column_checks`, the check
     ``migrate`` makes too; ``claim_ids``: how long this process's claim ids, which ``worker_id``
     holds, may grow), and each lane in ``lanes`` (enabled sinks with a lane of their own) has
-    its table."""
+    its table; tailing lanes (``tail_lanes``) need the cursor and parked tables."""
     # On a server: the processes' membership and the room buckets (SQLite runs without them)
     server = store.dialect.room_buckets
     # The bucket column where the dialect reads one (PostgreSQL computes the bucket instead)
@@ -39,6 +42,9 @@ async def check_schema(store: SQLStore, lanes: Sequence[str] = (), claim_ids: in
     if lanes:
         required[CURSOR_TABLE] = ("lane", "fed_through_id")
         required.update({lane_table(lane): (*LANE_COLUMNS, *bucket) for lane in lanes})
+    if tail_lanes:
+        required[CURSOR_TABLE] = ("lane", "fed_through_id")
+        required[PARKED_TABLE] = ("lane", "outbox_id", "status", "last_error")
     if server:
         required[NODE_TABLE] = ("node_id", "heartbeat_ms", "view", "view_since_ms")
         required[BUCKET_TABLE] = ("bucket", "owner", "handing_over", "claimable_from_ms")
