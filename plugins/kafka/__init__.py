@@ -68,7 +68,7 @@ class KafkaSink:
         try:
             await producer.send_and_wait(self.settings.topic, value, key=key, headers=headers)
         except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
-            raise PermanentSinkError(f"broker refused the message as too large: {type(exc).__name__}") from exc
+            raise _too_large(exc) from exc
         except KafkaError as exc:
             raise self._retryable(exc) from exc
 
@@ -84,17 +84,18 @@ class KafkaSink:
             for index, envelope in enumerate(envelopes):
                 try:
                     value, key, headers = self._message(envelope)
+                    sent = await producer.send(self.settings.topic, value, key=key, headers=headers)
                 except PermanentSinkError as exc:
                     outcomes[index] = exc
-                    continue
-                pending.append((index, await producer.send(self.settings.topic, value, key=key, headers=headers)))
+                except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
+                    outcomes[index] = _too_large(exc)
+                else:
+                    pending.append((index, sent))
             for index, future in pending:
                 try:
                     await future
                 except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
-                    outcomes[index] = PermanentSinkError(
-                        f"broker refused the message as too large: {type(exc).__name__}"
-                    )
+                    outcomes[index] = _too_large(exc)
         except KafkaError as exc:
             raise self._retryable(exc) from exc
         finally:
@@ -167,6 +168,10 @@ class KafkaSink:
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
+
+
+def _too_large(exc: KafkaError) -> PermanentSinkError:
+    return PermanentSinkError(f"broker refused the message as too large: {type(exc).__name__}")
 
 
 def _refused_idempotence(exc: KafkaError) -> bool:

@@ -136,10 +136,9 @@ class TailStore(LaneStore):
                 f"INSERT INTO {PARKED_TABLE} (lane, outbox_id, event_id, room_id, status, last_error,"
                 " created_at_ms, updated_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
             )
-            await cur.execute(
-                self.dialect.insert_skipping_duplicates(insert, "lane, outbox_id"),
-                (self.lane, outbox_id, row.event_id, row.room_id, PARKED, error, now, now),
-            )
+            # Parked already by an owner before a handover: this error replaces that one.
+            await cur.execute(f"DELETE FROM {PARKED_TABLE} WHERE lane = %s AND outbox_id = %s", (self.lane, outbox_id))
+            await cur.execute(insert, (self.lane, outbox_id, row.event_id, row.room_id, PARKED, error, now, now))
             log.warning(
                 "event parked: it can never be delivered",
                 extra={"lane": self.lane, "outbox_id": outbox_id, "event_id": row.event_id, "error": error},
