@@ -19,7 +19,7 @@ from room_outbox.cli.cleanup import cleanup_command
 from room_outbox.cli.demo import add_demo_parser, run_demo_command
 from room_outbox.cli.fake_im import add_fake_im_parser, run_fake_im
 from room_outbox.cli.lanes import LANES_COMMAND, add_lanes_parser, lanes_command
-from room_outbox.cli.requeue import cancel_command, requeue_command
+from room_outbox.cli.requeue import cancel_command, requeue_command, requeue_tail_command
 from room_outbox.cli.run import check_config, migrate, translated_errors
 from room_outbox.cli.status import inspect_command, status_command
 from room_outbox.config import Settings, load_settings, parse_duration
@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     requeue.add_argument("--status", choices=("pending", "failed"), help="only rows in this status (default: both)")
     requeue.add_argument("--yes", action="store_true", help="apply the change (default: only show it)")
+    requeue.add_argument(
+        "--lane", help="a tailing lane (such as kafka): send its parked events again (with --event-id: only those)"
+    )
     cancel = command("cancel")
     cancel.add_argument("event_id", help="the event's event_id")
     cleanup = command("cleanup")
@@ -318,6 +321,8 @@ async def _operator_command(store: SQLStore, settings: Settings, args: argparse.
         return await status_command(store, args.json, sys.stdout, im_lane)
     if args.command == "inspect":
         return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr)
+    if args.command == "requeue" and args.lane:
+        return await requeue_tail_command(store, args.lane, tuple(args.event_id), args.yes, sys.stdout)
     if args.command == "requeue":
         where = RequeueFilter(
             event_ids=tuple(args.event_id),

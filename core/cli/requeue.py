@@ -10,8 +10,10 @@ import time
 from typing import Any
 
 from room_outbox.cli.status import format_age, printable
+from room_outbox.store.lanes.tail import TailStore
 from room_outbox.store.operator.changes import IN_FLIGHT, RequeueFilter, cancel, find_requeue_candidates, requeue
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.tail import PARKED
 
 #: Rows one ``requeue`` changes at most: one statement, a list a person can still read.
 REQUEUE_LIMIT = 10_000
@@ -50,6 +52,26 @@ async def requeue_command(
         else ""
     )
     print(f"requeued {changed} row(s){note}{again}", file=out)
+    return 0
+
+
+async def requeue_tail_command(store: SQLStore, lane: str, event_ids: tuple[str, ...], apply: bool, out: Any) -> int:
+    """A tailing lane's parked events (all, or those of ``event_ids``): listed, and with ``apply``
+    marked to be sent again by the lane's next round."""
+    tail = TailStore(owner=store, lane=lane)
+    rows = [r for r in await tail.parked() if r["status"] == PARKED and (not event_ids or r["event_id"] in event_ids)]
+    if not rows:
+        print(f"no parked events in lane {printable(lane)}", file=out)
+        return 0
+    print(f"{'event_id':<40} {'room_id':<24}  last_error", file=out)
+    for row in rows:
+        error = printable((row["last_error"] or "")[:60])
+        print(f"{printable(row['event_id']):<40} {printable(row['room_id']):<24}  {error}", file=out)
+    if not apply:
+        print(f"{len(rows)} event(s) would be requeued; run again with --yes to apply", file=out)
+        return 0
+    changed = await tail.requeue([int(row["outbox_id"]) for row in rows])
+    print(f"requeued {changed} event(s) in lane {printable(lane)}", file=out)
     return 0
 
 
