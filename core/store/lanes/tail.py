@@ -77,6 +77,7 @@ class TailStore(LaneStore):
                     return
                 if watermark != self._committed:
                     self._high, self._gaps, self._last_id = watermark, [], None
+                    log.info("tailing the lane from its cursor", extra={"lane": self.lane, "fed_through_id": watermark})
                 fresh = await self._fetch_new(cur)
                 self._gaps = [g for g in self._gaps if g.high > watermark]
                 self._take_new(fresh, watermark)
