@@ -78,12 +78,13 @@ class TailStore(LaneStore):
                 if watermark != self._committed:
                     self._high, self._gaps, self._last_id = watermark, [], None
                     log.info("tailing the lane from its cursor", extra={"lane": self.lane, "fed_through_id": watermark})
-                fresh = await self._fetch_new(cur)
+                fresh = await self._fetch_new_rows(cur)  # ids and envelopes in one read
                 self._gaps = [g for g in self._gaps if g.high > watermark]
-                self._take_new(fresh, watermark)
-                ids = sorted(fresh + await self._read_gaps(cur))
+                self._take_new([row.outbox_id for row in fresh], watermark)
+                late = await self._rows(cur, await self._read_gaps(cur))  # ids that were in flight
                 requeued = await self._requeued(cur)
-                tail = TailRound(rows=await self._rows(cur, requeued + ids), requeued=requeued)
+                rows = await self._rows(cur, requeued) + sorted(fresh + late, key=lambda row: row.outbox_id)
+                tail = TailRound(rows=rows, requeued=requeued)
                 yield tail
                 self._expire_gaps()
                 self._bound_gaps()
@@ -96,6 +97,16 @@ class TailStore(LaneStore):
                     )
                 committed = new_watermark
         self._committed = committed
+
+    async def _fetch_new_rows(self, cur: Any) -> list[TailRow]:
+        """The rows above the highest id seen, up to ``feed_batch``."""
+        p = self.owner.profile
+        await cur.execute(
+            f"SELECT {p.key}, {p.event_id}, {p.room_id}, {p.envelope} FROM {p.table}"
+            f" WHERE {p.key} > %s ORDER BY {p.key} LIMIT %s",
+            (self._high, self.feed_batch),
+        )
+        return [TailRow(int(r[0]), str(r[1]), str(r[2]), _text(r[3])) for r in await cur.fetchall()]
 
     async def _rows(self, cur: Any, ids: Sequence[int]) -> list[TailRow]:
         if not ids:
