@@ -74,6 +74,10 @@ async def test_two_processes_a_kill_and_a_broker_stop_deliver_everything_in_room
         messages = await consume(kafka_broker, {str(e["event_id"]) for e in first + second + third}, timeout=90)
         status = cli(config, "status")
         assert status.returncode == 0, status.stderr
+        inspected = cli(config, "inspect", "huge")
+        assert "parked by the tailing lane: message of" in inspected.stdout, inspected.stdout + inspected.stderr
+        requeue = cli(config, "requeue", "--lane", "kafka")  # without --yes: shows, changes nothing
+        assert "1 event(s) would be requeued" in requeue.stdout, requeue.stdout + requeue.stderr
     finally:
         for proc in procs:
             if proc.alive():
