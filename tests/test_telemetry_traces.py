@@ -98,9 +98,9 @@ async def test_a_throttled_delivery_is_a_span_without_error_and_counts_only_as_t
     (span,) = captured.spans(DELIVER)
     assert span.attributes is not None and span.attributes["outcome"] == "throttled"
     assert span.status.status_code is not StatusCode.ERROR and "error.type" not in span.attributes
-    assert captured.value("room_outbox_publish_throttled_total", sink="test", event_type="RoomUserJoined") == 1
-    assert captured.value("room_outbox_publish_failure_total") == 0
-    assert captured.histogram("room_outbox_publish_latency_ms") == []
+    assert captured.value("room_outbox.publish.throttled", sink="test", event_type="RoomUserJoined") == 1
+    assert captured.value("room_outbox.publish.failure") == 0
+    assert captured.histogram("room_outbox.publish.duration") == []
 
 
 async def test_bad_input_still_gets_a_span_without_a_producer(store: MySQLStore) -> None:

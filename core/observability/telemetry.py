@@ -43,7 +43,6 @@ from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
 from opentelemetry.sdk.metrics import MeterProvider as SDKMeterProvider
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
-    InMemoryMetricReader,
     MetricExporter,
     MetricReader,
     PeriodicExportingMetricReader,
@@ -54,7 +53,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 from room_outbox.config import ConfigError
 from room_outbox.envelope import event_type_label
-from room_outbox.observability.metrics import OutboxMetrics, render_prometheus, render_runtime
+from room_outbox.observability.metrics import OutboxMetrics, PrometheusExposition
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.tracing import SCOPE, AttemptSpan, RedactingSpanExporter
 
@@ -141,7 +140,7 @@ class Telemetry:
         self,
         tracer_provider: trace.TracerProvider | None = None,
         meter_provider: MeterProvider | None = None,
-        prometheus: InMemoryMetricReader | None = None,
+        prometheus: PrometheusExposition | None = None,
     ) -> None:
         self.tracer = tracer_provider.get_tracer(SCOPE) if tracer_provider is not None else None
         #: True when some reader or exporter consumes metrics (the backlog timer runs only then).
@@ -177,7 +176,7 @@ class Telemetry:
     def backlog(self, pending: int, oldest_pending_age_ms: int, lane: str = "main") -> None:
         labels = {"lane": lane}
         self.metrics.pending.set(pending, labels)
-        self.metrics.oldest_pending_age.set(oldest_pending_age_ms, labels)
+        self.metrics.oldest_pending_age.set(oldest_pending_age_ms / 1000, labels)
 
     @property
     def serves_prometheus(self) -> bool:
@@ -188,7 +187,7 @@ class Telemetry:
         ("" without a Prometheus reader)."""
         if self._prometheus is None:
             return ""
-        return render_prometheus(self._prometheus.get_metrics_data()) + render_runtime()
+        return self._prometheus.render()
 
     async def aclose(self) -> None:
         """Flush and stop exporters (they block on network I/O: run off the event loop)."""
@@ -222,7 +221,7 @@ class DeliveryAttempt:
 
     def finish(self, failure: Failure | None) -> None:
         """End the span and record the outcome; ``failure`` is ``None`` on success."""
-        elapsed_ms = (time.perf_counter() - self._t0) * 1000
+        elapsed = time.perf_counter() - self._t0
         sink = failure.sink if failure is not None else self._sink
         metrics = self._telemetry.metrics
         labels = {"sink": sink, "event_type": self._event_label}
@@ -238,10 +237,10 @@ class DeliveryAttempt:
                 self._span.finish(sink, failure.error_class, failure.error)
         if failure is None:
             metrics.success.add(1, labels)
-            metrics.latency.record(elapsed_ms, {**labels, "outcome": "published"})
+            metrics.duration.record(elapsed, {**labels, "outcome": "published"})
         else:
             metrics.failure.add(1, {**labels, "error_class": failure.error_class})
-            metrics.latency.record(elapsed_ms, {**labels, "outcome": "failed"})
+            metrics.duration.record(elapsed, {**labels, "outcome": "failed"})
 
 
 class _NoAttempt(DeliveryAttempt):
@@ -284,9 +283,9 @@ def telemetry_from_environment(
         return Telemetry()
     span_exporters = [RedactingSpanExporter(e, redactor) for e in _span_exporters(env)]
     readers: list[MetricReader] = [PeriodicExportingMetricReader(e) for e in _metric_exporters(env)]
-    prometheus_reader = InMemoryMetricReader() if prometheus else None
-    if prometheus_reader is not None:
-        readers.append(prometheus_reader)
+    exposition = PrometheusExposition() if prometheus else None
+    if exposition is not None:
+        readers.append(exposition.reader)
     resource = _resource(node_id)
     tracer_provider = None
     if span_exporters:
@@ -294,7 +293,7 @@ def telemetry_from_environment(
         for exporter in span_exporters:
             tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
     meter_provider = SDKMeterProvider(resource=resource, metric_readers=readers) if readers else None
-    return Telemetry(tracer_provider, meter_provider, prometheus_reader)
+    return Telemetry(tracer_provider, meter_provider, exposition)
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
