@@ -12,8 +12,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from support import RecordingSink, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, wait_until
 from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, capture
 
+from room_outbox.observability.logs import configure_logging
 from room_outbox.observability.redaction import Redactor
-from room_outbox.observability.telemetry import configure_logging
 from room_outbox.observability.tracing import http_client_span, producer_context, redact_url, sink_span
 from room_outbox.sink import PermanentSinkError, RetryableSinkError, ThrottledSinkError
 from room_outbox.store.backends.mysql import MySQLStore
