@@ -455,7 +455,7 @@ async def run_demo(options: DemoOptions, out: IO[str]) -> bool:
         root = logging.getLogger()
         handlers, level = root.handlers[:], root.level
         # The library logs every failed push and attempt as JSON; here they would drown the table.
-        configure_logging("INFO", "demo", redactor, stream=log_file)
+        configure_logging("INFO", "demo", redactor, stream=log_file, log_format="json")
         try:
             return await _run(options, out, rng, run_id, dsn, workdir, redactor)
         finally:

@@ -50,6 +50,7 @@ with outcome ``handled``, reason ``failed``).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -200,7 +201,11 @@ class PrometheusExposition:
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self.reader = PrometheusMetricReader(scope_info_enabled=False, registry=self.registry)
+        # The exporter queues each collection for the next render to translate: two renders
+        # at once (two scrapers) could each see the other's, and show a family twice.
+        self._one_at_a_time = threading.Lock()
 
     def render(self) -> str:
         """Everything, collected now, in Prometheus text format 0.0.4."""
-        return generate_latest(self.registry).decode()
+        with self._one_at_a_time:
+            return generate_latest(self.registry).decode()

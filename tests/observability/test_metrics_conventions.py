@@ -8,6 +8,7 @@ import logging
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import anyio
 import httpx
@@ -124,4 +125,17 @@ def test_a_consumers_instruments_pass_promtool_and_every_instrument_is_named_per
     assert units["room_outbox.consumer.handler.duration"] == "s"
     assert units["room_outbox.oldest_pending.age"] == "s"
     assert all("." in name and not name.endswith(("_total", "_ms", "_seconds")) for name in units), units
+    provider.shutdown()
+
+
+def test_renders_at_once_from_several_threads_each_show_every_family_once() -> None:
+    """Two scrapers at the same moment (the endpoint renders off the event loop, in threads)."""
+    exposition = PrometheusExposition()
+    provider = MeterProvider(metric_readers=[exposition.reader])
+    telemetry = Telemetry(None, provider, exposition)
+    telemetry.metrics.start_at_zero([("noop", "RoomCreated")])
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda _: telemetry.prometheus_text(), range(40)))
+    for text in texts:
+        assert text.count("# TYPE room_outbox_publish_success_total counter") == 1, text
     provider.shutdown()
