@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from types import TracebackType
 from typing import IO, Any
 
@@ -120,7 +121,7 @@ def _value(value: object) -> str:
     return json.dumps(text, ensure_ascii=False) if not text or any(c in text for c in ' "=\n\t') else text
 
 
-def wants_colour(stream: IO[str], environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+def wants_colour(stream: IO[str], environ: Mapping[str, str] | None = None) -> bool:
     """Colour on a terminal, unless ``NO_COLOR`` is set to anything but empty."""
     env = os.environ if environ is None else environ
     return _is_terminal(stream) and not env.get("NO_COLOR")
