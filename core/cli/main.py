@@ -25,8 +25,8 @@ from room_outbox.cli.status import inspect_command, status_command
 from room_outbox.config import Settings, load_settings, parse_duration
 from room_outbox.delivery.lanes import lane_plan
 from room_outbox.errors import RoomOutboxError
+from room_outbox.observability.logs import configure_logging
 from room_outbox.observability.redaction import Redactor, redactor_for
-from room_outbox.observability.telemetry import configure_logging
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.startup import freeze_startup_heap, table_profile
 from room_outbox.store.factory import open_store
@@ -261,7 +261,14 @@ def _command(args: argparse.Namespace, redactor: Redactor) -> int:
     redactor.add_all(redactor_for(settings))  # logs, spans, last_error, sinks and failures share it
     if args.command == "check-config":
         return check_config(settings, args.config)
-    configure_logging(settings.log.level, settings.node_id, redactor, library_level=settings.log.library_level)
+    configure_logging(
+        settings.log.level,
+        settings.node_id,
+        redactor,
+        library_level=settings.log.library_level,
+        log_format=settings.log.format,
+        spans_with_logs=settings.log.spans_with_logs,
+    )
     if args.command == "migrate":
         return anyio.run(migrate, settings, args.sql)
     if args.command == "run":
