@@ -10,7 +10,8 @@ import anyio
 import pytest
 from support import RecordingSink, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, wait_until
 
-from room_outbox.cli.requeue import cancel_command, requeue_command
+from room_outbox.cli.cancel import cancel_command
+from room_outbox.cli.requeue import requeue_command
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError
 from room_outbox.store.backends.mysql import MySQLStore

@@ -36,9 +36,9 @@ COMMAND = Command(
     summary="print a shell completion script (bash, zsh or fish)",
     description="Print the completion script for a shell, generated from the command line itself: every\n"
     "command, action and option. Load it from the shell's start-up file.",
-    examples="room-outbox completion bash > ~/.local/share/bash-completion/completions/room-outbox\n"
-    "room-outbox completion zsh > ~/.zfunc/_room-outbox\n"
-    "room-outbox completion fish > ~/.config/fish/completions/room-outbox.fish",
+    examples="room-outbox completion bash | sudo tee /etc/bash_completion.d/room-outbox >/dev/null\n"
+    "room-outbox completion zsh | tee ~/.zfunc/_room-outbox >/dev/null\n"
+    "room-outbox completion fish | tee ~/.config/fish/completions/room-outbox.fish >/dev/null",
     needs="none",
     arguments=_arguments,
     run=_run,

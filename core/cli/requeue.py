@@ -50,25 +50,23 @@ async def requeue_command(
     note = ""
     if changed < len(rows):  # claimed, published or cancelled since they were listed
         note = f"; {len(rows) - changed} of the {len(rows)} listed changed meanwhile (leased, published or cancelled)"
-    # Requeued rows are pending and may match again: the rest is reached by a narrower filter
-    # (with --status failed, the rows just requeued no longer match).
-    narrower = ", ".join(
-        option
-        for option, given in (
-            ("--status failed", where.statuses == ("failed",)),
-            ("--event-type", where.event_type is not None),
-            ("--older-than", where.older_than_ms is not None),
-        )
-        if not given
-    )
-    again = (
-        f"; more than {limit:,} rows matched: only the first {limit:,} (lowest ids) were taken;"
-        f" run it again{f' or narrow the filter ({narrower})' if narrower else ''} to reach the rest"
-        if more
-        else ""
-    )
-    print(f"requeued {changed} row(s){note}{again}", file=out)
+    print(f"requeued {changed} row(s){note}{_reaching_the_rest(where, limit) if more else ''}", file=out)
     return 0
+
+
+def _reaching_the_rest(where: RequeueFilter, limit: int) -> str:
+    """How to reach the rows beyond ``limit``. Requeued rows are pending and may match again;
+    with ``--status failed`` they no longer do, so running it again reaches the rest. The hint
+    names only the filters not given already."""
+    taken = f"; more than {limit:,} rows matched: only the first {limit:,} (lowest ids) were taken;"
+    if where.statuses == ("failed",):
+        return f"{taken} run it again to reach the rest (the rows just requeued no longer match --status failed)"
+    narrower = [
+        option
+        for option, given in (("--event-type", where.event_type), ("--older-than", where.older_than_ms))
+        if given is None
+    ]
+    return f"{taken} narrow the filter ({', '.join(['--status failed', *narrower])}) to reach the rest"
 
 
 def requeue_filter(args: argparse.Namespace) -> RequeueFilter | None:

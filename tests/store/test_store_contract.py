@@ -22,7 +22,8 @@ import yaml
 from processes import FakeIMProcess, dispatchers, write_config
 from support import INSERT_V1, V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, wait_until
 
-from room_outbox.cli.status import inspect_event, status_report
+from room_outbox.cli.inspect import inspect_event
+from room_outbox.cli.status import status_report
 from room_outbox.errors import SchemaError
 from room_outbox.producer import append_event
 from room_outbox.store.clock import now_ms
