@@ -148,9 +148,17 @@ async def redrive_command(
 
 
 @dataclass(frozen=True)
+class Member:
+    member_id: str
+    client_id: str
+    host: str
+    #: ``topic[partition]`` of each partition assigned to it (empty when the broker does not
+    #: report assignments).
+    partitions: list[str]
+
+
+@dataclass(frozen=True)
 class PartitionState:
-    consumer: str
-    group: str
     topic: str
     partition: int
     #: The group's committed offset (None: nothing committed yet).
@@ -158,56 +166,75 @@ class PartitionState:
     end: int
     #: Messages not yet committed: end - committed (or end when nothing was committed).
     lag: int
+    #: The member the partition is assigned to, when the broker says.
     member: str | None
-    client_id: str | None
-    host: str | None
 
 
-async def describe_group(name: str, consumer: ConsumerSettings) -> tuple[str, list[PartitionState]]:
-    """The group's state and a row per partition of the consumer's topic."""
+@dataclass(frozen=True)
+class GroupState:
+    consumer: str
+    group: str
+    #: The broker's word: Stable, PreparingRebalance, CompletingRebalance, Empty, Dead.
+    state: str
+    members: list[Member]
+    partitions: list[PartitionState]
+
+    @property
+    def lag(self) -> int:
+        return sum(p.lag for p in self.partitions)
+
+
+async def describe_group(name: str, consumer: ConsumerSettings) -> GroupState:
+    """The group's state, its members and a row per partition of the consumer's topic."""
     group = consumer.group(name)
     client = {"bootstrap_servers": consumer.bootstrap_servers, **consumer.security.client_kwargs()}
     admin = AIOKafkaAdminClient(**client)
-    reader = AIOKafkaConsumer(enable_auto_commit=False, **client)
+    reader = AIOKafkaConsumer(enable_auto_commit=False, fetch_max_wait_ms=100, **client)
     try:
         with anyio.fail_after(BROKER_TIMEOUT):
             await admin.start()
             await reader.start()
             (response,) = await admin.describe_consumer_groups([group])
             described = response.to_object()["groups"][0]
-            owners: dict[tuple[str, int], dict[str, Any]] = {}
-            for member in described["members"]:
-                raw = member["member_assignment"]
-                assignment = ConsumerProtocolMemberAssignment.decode(raw) if raw else None
-                for tp in assignment.partitions() if assignment is not None else []:
-                    owners[(tp.topic, tp.partition)] = member
-            committed = await admin.list_consumer_group_offsets(group)
             partitions = [TopicPartition(consumer.topic, p) for p in sorted(await _partitions(reader, consumer.topic))]
-            ends = await reader.end_offsets(partitions) if partitions else {}
+            committed = await admin.list_consumer_group_offsets(group, partitions=partitions) if partitions else {}
+            ends = await _end_offsets(reader, partitions)
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             await reader.stop()
             await admin.close()
+    members, owners = [], {}
+    for m in described["members"]:
+        raw = m["member_assignment"]
+        assigned = ConsumerProtocolMemberAssignment.decode(raw).partitions() if raw else []
+        owners.update({(tp.topic, tp.partition): m["member_id"] for tp in assigned})
+        shown = [f"{tp.topic}[{tp.partition}]" for tp in assigned]
+        members.append(Member(m["member_id"], m["client_id"], m["client_host"], shown))
     rows = []
     for tp in partitions:
         done = committed.get(tp)
         offset = done.offset if done is not None and done.offset >= 0 else None
-        owner = owners.get((tp.topic, tp.partition))
         rows.append(
             PartitionState(
-                consumer=name,
-                group=group,
-                topic=tp.topic,
-                partition=tp.partition,
-                committed=offset,
-                end=ends[tp],
-                lag=ends[tp] - (offset or 0),
-                member=owner["member_id"] if owner else None,
-                client_id=owner["client_id"] if owner else None,
-                host=owner["client_host"] if owner else None,
+                tp.topic, tp.partition, offset, ends[tp], ends[tp] - (offset or 0), owners.get((tp.topic, tp.partition))
             )
         )
-    return described["state"] or "Empty", rows
+    return GroupState(name, group, described["state"] or "Empty", members, rows)
+
+
+async def _end_offsets(reader: AIOKafkaConsumer, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+    """Each partition's end: the high watermark a fetch reports (what the consumers' lag
+    metric uses), read from where the offsets lookup says the end is. The lookup alone can
+    lag by the last batch on some brokers (seen on tansu); the fetch's answer cannot."""
+    if not partitions:
+        return {}
+    listed = await reader.end_offsets(partitions)
+    reader.assign(partitions)
+    for tp in partitions:
+        reader.seek(tp, listed[tp])
+    while any(reader.highwater(tp) is None for tp in partitions):
+        await reader.getmany(*partitions, timeout_ms=200, max_records=1)
+    return {tp: max(listed[tp], reader.highwater(tp) or 0) for tp in partitions}
 
 
 async def _partitions(reader: AIOKafkaConsumer, topic: str) -> set[int]:
@@ -220,32 +247,23 @@ async def describe_command(settings: Settings, only: str | None, as_json: bool, 
     found = consumer_settings(settings, only)
     if not found:
         raise ConfigError("room-outbox consumers describe: no enabled consumer in the configuration (consumers.<name>)")
-    described = {name: await describe_group(name, consumer) for name, consumer in found.items()}
+    groups = [await describe_group(name, consumer) for name, consumer in found.items()]
     if as_json:
-        doc = [
-            {
-                "consumer": name,
-                "group": found[name].group(name),
-                "state": state,
-                "partitions": [asdict(r) for r in rows],
-            }
-            for name, (state, rows) in described.items()
-        ]
-        print(json.dumps(doc, indent=2), file=out)
+        print(json.dumps([asdict(g) | {"lag": g.lag} for g in groups], indent=2), file=out)
         return 0
-    for name, (state, rows) in described.items():
-        lag = sum(r.lag for r in rows)
-        print(f"consumer {name}: group {found[name].group(name)} ({state}), lag {lag}", file=out)
+    for g in groups:
+        print(f"consumer {g.consumer}: group {g.group} ({g.state}), {len(g.members)} member(s), lag {g.lag}", file=out)
         cells = [
-            (r.topic, r.partition, NONE if r.committed is None else r.committed, r.end, r.lag, r.member or NONE,
-             r.host or NONE, r.client_id or NONE)
-            for r in rows
-        ]  # fmt: skip
-        headers = ("topic", "partition", "committed", "end", "lag", "member", "host", "client_id")
-        print(
-            "\n".join(format_table(headers, cells, right=("partition", "committed", "end", "lag"), indent="  ")),
-            file=out,
-        )
+            (p.topic, p.partition, NONE if p.committed is None else p.committed, p.end, p.lag, p.member or NONE)
+            for p in g.partitions
+        ]
+        numbers = ("partition", "committed", "end", "lag")
+        print("\n".join(format_table(("topic", *numbers, "member"), cells, right=numbers, indent="  ")), file=out)
+        if g.members:
+            cells = [
+                (m.member_id, m.client_id or NONE, m.host or NONE, ", ".join(m.partitions) or NONE) for m in g.members
+            ]
+            print("\n".join(format_table(("member", "client_id", "host", "partitions"), cells, indent="  ")), file=out)
     return 0
 
 
