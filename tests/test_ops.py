@@ -13,8 +13,8 @@ import anyio
 import pytest
 from support import envelope, insert_events, insert_rows
 
-from room_outbox.cli.main import main
 from room_outbox.cli.inspect import describe_state
+from room_outbox.cli.main import main
 from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
