@@ -367,9 +367,8 @@ async def test_the_background_job_and_cleanup_prune_consumers_records_too(
     )
     assert len(await event_ids(store, "room_consumer_processed")) == 4
     assert await anyio.to_thread.run_sync(main, ["--config", str(config), "cleanup", "--yes"]) == 0
-    assert (
-        "consumers: 3 processed record(s) older than 30d and 0 resolved retry row(s) deleted in 2 batch(es)"
-        in (capsys.readouterr().out)
+    assert "consumers: 3 processed record(s) older than 30d and 0 resolved retry row(s) deleted in 2 batch(es)" in (
+        capsys.readouterr().out
     )
     assert await event_ids(store, "room_consumer_processed") == {"new1"}
 

@@ -260,10 +260,12 @@ async def describe_command(settings: Settings, only: str | None, as_json: bool, 
         numbers = ("partition", "committed", "end", "lag")
         print("\n".join(format_table(("topic", *numbers, "member"), cells, right=numbers, indent="  ")), file=out)
         if g.members:
-            cells = [
+            members = [
                 (m.member_id, m.client_id or NONE, m.host or NONE, ", ".join(m.partitions) or NONE) for m in g.members
             ]
-            print("\n".join(format_table(("member", "client_id", "host", "partitions"), cells, indent="  ")), file=out)
+            print(
+                "\n".join(format_table(("member", "client_id", "host", "partitions"), members, indent="  ")), file=out
+            )
     return 0
 
 
