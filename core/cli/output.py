@@ -70,15 +70,12 @@ def format_table(
     widths = [max([len(header), *(len(row[i]) for row in cells)]) for i, header in enumerate(headers)]
     last = len(headers) - 1
 
+    def aligned(i: int, value: str) -> str:
+        if headers[i] in right:
+            return value.rjust(widths[i])
+        return value if i == last else value.ljust(widths[i])  # the last column stays ragged
+
     def line(values: Sequence[str]) -> str:
-        parts = [
-            value
-            if i == last and headers[i] not in right
-            else value.rjust(widths[i])
-            if headers[i] in right
-            else value.ljust(widths[i])
-            for i, value in enumerate(values)
-        ]
-        return (indent + "  ".join(parts)).rstrip()
+        return (indent + "  ".join(aligned(i, value) for i, value in enumerate(values))).rstrip()
 
     return [line(list(headers)), *(line(row) for row in cells)]
