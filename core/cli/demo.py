@@ -54,8 +54,8 @@ from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.delivery.routing import Router, build_router
 from room_outbox.envelope import EventEnvelope
+from room_outbox.observability.logs import configure_logging
 from room_outbox.observability.redaction import Redactor
-from room_outbox.observability.telemetry import configure_logging
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.tencent_im.fake import SINK_NAME, FakeTencentIM, Faults, serve_fake_im
 from room_outbox.producer import OutboxProducer, append_event
@@ -456,7 +456,7 @@ async def run_demo(options: DemoOptions, out: IO[str]) -> bool:
         root = logging.getLogger()
         handlers, level = root.handlers[:], root.level
         # The library logs every failed push and attempt as JSON; here they would drown the table.
-        configure_logging("INFO", "demo", redactor, stream=log_file)
+        configure_logging("INFO", "demo", redactor, stream=log_file, log_format="json")
         try:
             return await _run(options, out, rng, run_id, dsn, workdir, redactor)
         finally:

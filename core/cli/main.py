@@ -16,8 +16,8 @@ from room_outbox.cli.command import CONFIG_HELP, add_config_option, default_conf
 from room_outbox.cli.registry import COMMANDS
 from room_outbox.config import load_settings
 from room_outbox.errors import RoomOutboxError
+from room_outbox.observability.logs import configure_logging
 from room_outbox.observability.redaction import Redactor, redactor_for
-from room_outbox.observability.telemetry import configure_logging
 
 DESCRIPTION = """\
 Guaranteed delivery of room events: room-outbox reads the room_outbox table that room-service
@@ -115,7 +115,14 @@ def _command(args: argparse.Namespace, parser: argparse.ArgumentParser, redactor
         return int(command.run(args, parser))
     settings = load_settings(args.config)
     redactor.add_all(redactor_for(settings))  # logs, spans, last_error, sinks and failures share it
-    configure_logging(settings.log.level, settings.node_id, redactor, library_level=settings.log.library_level)
+    configure_logging(
+        settings.log.level,
+        settings.node_id,
+        redactor,
+        library_level=settings.log.library_level,
+        log_format=settings.log.format,
+        spans_with_logs=settings.log.spans_with_logs,
+    )
     if command.needs == "config":
         return int(command.run(settings, args, redactor))
     return anyio.run(with_store, settings, lambda store: command.run(store, settings, args))
