@@ -21,6 +21,7 @@ the next round alone.
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import subprocess
 import tempfile
@@ -42,15 +43,23 @@ HOLD = "bench_hold"
 AGE_MS = 60_000
 
 
-def write_config(folder: str, dsn: str, ordering: str, batch_size: int) -> str:
-    """The shipped defaults, but for the batch size, the ordering, a short poll interval (an
-    idle process notices the burst soon) and the IM sink off (no fake server in the way)."""
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_config(folder: str, dsn: str, ordering: str, batch_size: int, name: str = "") -> str:
+    """The shipped defaults with the image's telemetry (the HTTP endpoint, so every delivery
+    is counted for ``/metrics``), but for the batch size, the ordering, a short poll interval
+    (an idle process notices the burst soon) and the IM sink off (no fake server in the way)."""
     config = {
         "mysql": {"dsn": dsn},
         "outbox_worker": {"batch_size": batch_size, "poll_interval": "100ms", "ordering": ordering},
         "sinks": {"tencent_im": {"enabled": False}},
+        "telemetry": {"http_listen": f"127.0.0.1:{free_port()}"},
     }
-    path = Path(folder) / f"process-{ordering}-{batch_size}.yaml"
+    path = Path(folder) / f"process-{ordering}-{batch_size}{name}.yaml"  # each its own HTTP port
     path.write_text(json.dumps(config))  # JSON is YAML
     return str(path)
 
@@ -186,8 +195,7 @@ async def run_process(
 async def run_join(store: MySQLStore, dsn: str, events: int, rooms: int, batch: int, rounds: int) -> Pairs:
     """Part j: a second process joining during the burst (measured) against one alone (baseline)."""
     with tempfile.TemporaryDirectory() as folder:
-        config = write_config(folder, dsn, "per_room", batch)
-        first = start(config, "bench-j-1")
+        first = start(write_config(folder, dsn, "per_room", batch, "-1"), "bench-j-1")
         joined: list[subprocess.Popen[str]] = []
         try:
             await ready(store, first)
@@ -198,7 +206,7 @@ async def run_join(store: MySQLStore, dsn: str, events: int, rooms: int, batch: 
 
             async def with_joiner(n: int) -> float:
                 def join() -> None:
-                    joined.append(start(config, f"bench-j-2-{n}"))
+                    joined.append(start(write_config(folder, dsn, "per_room", batch, "-2"), f"bench-j-2-{n}"))
 
                 rate = await process_round(store, events, rooms, f"j2-{n}-", join)
                 procs.stop(joined.pop())  # SIGTERM: gives its buckets back
