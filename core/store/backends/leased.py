@@ -150,22 +150,21 @@ class LeasedRows:
         """The key up to which the producer's unclaimed rows are claimable: the last of the
         first ``limit`` of them (in key order, the claim's) before the first one younger than
         ``claim_after_ms``; 0: none. Read without locks, so the producer's own update of a young
-        row never waits for it, and never more rows than the claim itself may take."""
+        row never waits for it, and never more rows than the claim itself may take. The
+        database finds the bound and sends it alone, not the rows it is found in."""
         p = self.profile
         forced = self.dialect.index_hint.format(index=claim_index(self.table)[0])
         only = f" AND {self._row_bucket} IN ({_marks(buckets)})" if buckets else ""
         await cur.execute(
-            f"SELECT {self.key}, CASE WHEN {p.created} <= {self.dialect.now_ms} - %s THEN 1 ELSE 0 END"
+            f"WITH first_rows AS (SELECT {self.key} AS k,"
+            f" CASE WHEN {p.created} <= {self.dialect.now_ms} - %s THEN 1 ELSE 0 END AS old_enough"
             f" FROM {self.table}{forced} WHERE status = '{p.fresh}' AND {p.lock} = {p.lock_cleared}{only}"
-            f" ORDER BY {self.key} LIMIT %s",
+            f" ORDER BY {self.key} LIMIT %s)"
+            " SELECT COALESCE(MAX(k), 0) FROM first_rows"
+            " WHERE k < COALESCE((SELECT MIN(k) FROM first_rows WHERE old_enough = 0), k + 1)",
             (self.claim_after_ms, *(buckets or ()), limit),
         )
-        bound = 0
-        for key, old_enough in await cur.fetchall():
-            if not old_enough:
-                break
-            bound = int(key)
-        return bound
+        return int((await cur.fetchone())[0])
 
     @property
     def _row_bucket(self) -> str:
