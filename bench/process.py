@@ -192,29 +192,50 @@ async def run_process(
     return results
 
 
-async def run_join(store: MySQLStore, dsn: str, events: int, rooms: int, batch: int, rounds: int) -> Pairs:
-    """Part j: a second process joining during the burst (measured) against one alone (baseline)."""
+@dataclass
+class JoinResult:
+    joining: Pairs  # a second process started as the burst is released, against one alone
+    settled: Pairs  # two processes with the buckets settled before the burst, against one alone
+
+
+async def run_join(store: MySQLStore, dsn: str, events: int, rooms: int, batch: int, rounds: int) -> JoinResult:
+    """Part j: one process alone, a second one joining during the burst, and two settled before
+    it, in turns (the order rotates every round)."""
+    alone_rates: list[float] = []
+    joining: list[float] = []
+    settled: list[float] = []
     with tempfile.TemporaryDirectory() as folder:
         first = start(write_config(folder, dsn, "per_room", batch, "-1"), "bench-j-1")
-        joined: list[subprocess.Popen[str]] = []
+        second: list[subprocess.Popen[str]] = []
+
+        def start_second(n: int) -> None:
+            second.append(start(write_config(folder, dsn, "per_room", batch, "-2"), f"bench-j-2-{n}"))
+
+        async def stop_second() -> None:
+            procs.stop(second.pop())  # SIGTERM: gives its buckets back
+            await wait_for(store, 1)
+
+        async def alone(n: int) -> None:
+            alone_rates.append(await process_round(store, events, rooms, f"j1-{n}-"))
+
+        async def with_joiner(n: int) -> None:
+            joining.append(await process_round(store, events, rooms, f"j2-{n}-", lambda: start_second(n)))
+            await stop_second()
+
+        async def two_settled(n: int) -> None:
+            start_second(n)
+            await wait_for(store, 2)
+            settled.append(await process_round(store, events, rooms, f"j3-{n}-"))
+            await stop_second()
+
         try:
             await ready(store, first)
             await wait_for(store, 1)
-
-            async def alone(n: int) -> float:
-                return await process_round(store, events, rooms, f"j1-{n}-")
-
-            async def with_joiner(n: int) -> float:
-                def join() -> None:
-                    joined.append(start(write_config(folder, dsn, "per_room", batch, "-2"), f"bench-j-2-{n}"))
-
-                rate = await process_round(store, events, rooms, f"j2-{n}-", join)
-                procs.stop(joined.pop())  # SIGTERM: gives its buckets back
-                await wait_for(store, 1)
-                return rate
-
-            measured, baseline = await alternate(rounds, with_joiner, alone)
+            variants = [alone, with_joiner, two_settled]
+            for n in range(rounds):
+                for variant in variants[n % 3 :] + variants[: n % 3]:
+                    await variant(n)
         finally:
-            for proc in [*joined, first]:
+            for proc in [*second, first]:
                 procs.stop(proc)
-    return Pairs("per_room", batch, measured, baseline)
+    return JoinResult(Pairs("per_room", batch, joining, alone_rates), Pairs("per_room", batch, settled, alone_rates))

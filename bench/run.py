@@ -311,14 +311,16 @@ async def part_s(args: argparse.Namespace) -> list[Row]:
 async def part_j(args: argparse.Namespace) -> list[Row]:
     async with bench_database(SERVER) as (dsn, store):
         load_before = os.getloadavg()[0]
-        p = await run_join(store, dsn, args.join_events, args.join_rooms, 100, args.join_rounds)
+        r = await run_join(store, dsn, args.join_events, args.join_rooms, 100, args.join_rounds)
         load_after = os.getloadavg()[0]
     size = f"{args.join_events:,} ev over {args.join_rooms} rooms, batch 100, per_room"
     return [
-        (f"j. one process, {size}", f"{statistics.median(p.baseline):,.0f} ev/s", "baseline",
+        (f"j. one process, {size}", f"{statistics.median(r.joining.baseline):,.0f} ev/s", "baseline",
          f"load average {load_before:.1f} → {load_after:.1f}"),
-        ("j. same, a second process joining at the burst", f"{statistics.median(p.measured):,.0f} ev/s",
-         f"{p.ratio:.2f}× one (rounds {_rounds(p)})", f"≥ 1 process: {verdict(p.ratio >= 1.0)}"),
+        ("j. same, a second process started as the burst is released", f"{statistics.median(r.joining.measured):,.0f} ev/s",
+         f"{r.joining.ratio:.2f}× one (rounds {_rounds(r.joining)})", "its start-up's CPU included"),
+        ("j. same, two processes, buckets settled before the burst", f"{statistics.median(r.settled.measured):,.0f} ev/s",
+         f"{r.settled.ratio:.2f}× one (rounds {_rounds(r.settled)})", f"≥ 1 process: {verdict(r.settled.ratio >= 1.0)}"),
     ]  # fmt: skip
 
 
