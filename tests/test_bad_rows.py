@@ -131,7 +131,7 @@ async def test_repeated_failures_of_a_row_are_logged_once_then_summarised(
     sink = RecordingSink(fail={"flaky"})
     dispatcher = make_dispatcher(store, sink, retry=V1_RETRY)
     clock = Clock()
-    dispatcher.failures = FailureLog(logging.getLogger("room_outbox.dispatcher"), 60.0, clock=clock, lane="im")
+    dispatcher.failures = FailureLog(logging.getLogger("room_outbox.dispatcher"), 60.0, clock=clock, lane="main")
     caplog.set_level(logging.WARNING, "room_outbox.dispatcher")
     for _ in range(5):  # five failed attempts of every row
         assert (await dispatcher.run_once()).claimed == 4
@@ -148,7 +148,7 @@ async def test_repeated_failures_of_a_row_are_logged_once_then_summarised(
     dispatcher.failures.summarise()
     (summary,) = _warnings(caplog, "repeated delivery failures (not logged one by one)")
     fields: dict[str, Any] = summary.__dict__
-    assert (fields["held_back"], fields["rows"], fields["lane"]) == (16, 4, "im")
+    assert (fields["held_back"], fields["rows"], fields["lane"]) == (16, 4, "main")
     assert {entry["event_id"]: entry["failures"] for entry in fields["most_frequent"]} == {
         "bad0": 4, "bad1": 4, "bad2": 4, "flaky": 4,
     }  # fmt: skip
@@ -192,7 +192,7 @@ async def test_repeated_failures_are_summarised_while_a_backlog_keeps_the_round_
     # Batch 1 and failures due again at once: every claim is full, so one round goes on until
     # flaky is through.
     dispatcher = make_dispatcher(store, sink, batch_size=1, retry=RetryPolicy(interval=0.0))
-    dispatcher.failures = FailureLog(logging.getLogger("room_outbox.dispatcher"), 1.0, clock=clock, lane="im")
+    dispatcher.failures = FailureLog(logging.getLogger("room_outbox.dispatcher"), 1.0, clock=clock, lane="main")
     caplog.set_level(logging.WARNING, "room_outbox.dispatcher")
     round_ = await dispatcher.run_once()
     assert sink.received.count("flaky") == 4 and round_.claimed == 9

@@ -167,8 +167,8 @@ def test_prometheus_text_names_types_labels_and_cumulative_buckets() -> None:
     assert "# TYPE room_outbox_publish_success_total counter" in lines
     assert 'room_outbox_publish_success_total{event_type="RoomGiftSent",sink="tencent_im"} 2' in lines
     assert 'error_class="odd \\"quote\\"\\n"' in text
-    assert "# TYPE room_outbox_pending_total gauge" in lines and 'room_outbox_pending_total{lane="im"} 7' in lines
-    assert 'room_outbox_oldest_pending_age_ms{lane="im"} 1234' in lines
+    assert "# TYPE room_outbox_pending_total gauge" in lines and 'room_outbox_pending_total{lane="main"} 7' in lines
+    assert 'room_outbox_oldest_pending_age_ms{lane="main"} 1234' in lines
     assert "# TYPE room_outbox_publish_latency_ms histogram" in lines
     labels = 'event_type="RoomCreated",outcome="published",sink="noop"'
     assert f'room_outbox_publish_latency_ms_bucket{{{labels},le="5"}} 1' in lines

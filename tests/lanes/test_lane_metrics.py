@@ -51,12 +51,12 @@ async def test_metrics_from_start_up(
 
                 async def both_gauges() -> bool:
                     text = (await client.get("/metrics")).text
-                    return 'room_outbox_pending_total{lane="kafka"}' in text and 'pending_total{lane="im"}' in text
+                    return 'room_outbox_pending_total{lane="kafka"}' in text and 'pending_total{lane="main"}' in text
 
                 await wait_until(both_gauges)
                 lines = (await client.get("/metrics")).text.splitlines()
             stop.set()
-    assert 'room_outbox_pending_total{lane="im"} 2' in lines  # RoomCreated (noop) and RoomUserJoined: no route yet
+    assert 'room_outbox_pending_total{lane="main"} 2' in lines  # RoomCreated (noop) and RoomUserJoined: no route yet
     assert 'room_outbox_pending_total{lane="kafka"} 2' in lines  # both unfed
     assert any(line.startswith('room_outbox_oldest_pending_age_ms{lane="kafka"} ') for line in lines)
     success = [line for line in lines if line.startswith("room_outbox_publish_success_total{")]
