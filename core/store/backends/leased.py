@@ -287,7 +287,7 @@ class LeasedRows:
         look_back_params = (*rooms, max(row.id for row in found))
         if not lock:
             await cur.execute(look_back, look_back_params)
-            return found, [tuple(row) for row in await cur.fetchall()]  # type: ignore[misc]
+            return found, [tuple(row) for row in await cur.fetchall()]
         ids = [row.id for row in found]
         take = (
             f"SELECT {self.key}, {p.app_code}, {p.room_id}, 1 FROM {self.table} WHERE {self.key} IN ({_marks(ids)})"
@@ -305,7 +305,7 @@ class LeasedRows:
             await cur.execute(take, take_params)
             locked = {row[0] for row in await cur.fetchall()}
             await cur.execute(look_back, look_back_params)
-            earlier = [tuple(row) for row in await cur.fetchall()]  # type: ignore[misc]
+            earlier = [tuple(row) for row in await cur.fetchall()]
         return [row for row in found if row.id in locked], earlier
 
     async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
