@@ -247,11 +247,11 @@ async def test_spans_follow_the_producer_trace_and_metrics_count_outcomes(
     ) == [1, 2, 3]
 
     labels = {"consumer": "feed", "handler": "recording"}
-    assert captured.value("room_outbox_consumer_handled_total", **labels, outcome="handled") == 3
-    assert captured.value("room_outbox_consumer_retried_total", **labels) == 2
-    assert captured.value("room_outbox_consumer_dead_total", **labels, reason="permanent") == 1
-    assert sum(p.count for p in captured.histogram("room_outbox_consumer_handler_latency_ms", **labels)) == 6
-    lags = captured.points("room_outbox_consumer_lag")
+    assert captured.value("room_outbox.consumer.handled", **labels, outcome="handled") == 3
+    assert captured.value("room_outbox.consumer.retried", **labels) == 2
+    assert captured.value("room_outbox.consumer.dead", **labels, reason="permanent") == 1
+    assert sum(p.count for p in captured.histogram("room_outbox.consumer.handler.duration", **labels)) == 6
+    lags = captured.points("room_outbox.consumer.lag")
     assert lags and all(p.value == 0 for p in lags)
 
 

@@ -371,7 +371,7 @@ async def test_status_shows_each_lane(store: MySQLStore) -> None:
 
 
 async def test_inspect_shows_the_event_in_each_lane(store: MySQLStore) -> None:
-    from room_outbox.cli.status import format_inspection, inspect_event
+    from room_outbox.cli.inspect import format_inspection, inspect_event
 
     await migrate_lanes(store, ["t"])
     # "stuck" waits a minute for its retry, so it is still waiting however slow the machine is

@@ -32,7 +32,8 @@ from support import (
     wait_until,
 )
 
-from room_outbox.cli.status import inspect_event, status_report
+from room_outbox.cli.inspect import inspect_event
+from room_outbox.cli.status import status_report
 from room_outbox.errors import SchemaError
 from room_outbox.producer import append_event
 from room_outbox.store.clock import now_ms
