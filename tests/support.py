@@ -160,7 +160,7 @@ def make_dispatcher(
     from room_outbox.envelope import KNOWN_EVENT_TYPES
 
     routes = {t: "test" for t in (event_types or KNOWN_EVENT_TYPES)}
-    from room_outbox.delivery.retry import RetryPolicy
+    from room_outbox.attempt.retry import RetryPolicy
 
     options.setdefault("poll_interval", 0.05)
     options.setdefault("retry", RetryPolicy(interval=options["poll_interval"]))

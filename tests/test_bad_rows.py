@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from support import RecordingSink, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, wait_until
 
+from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.delivery.dispatcher import Dispatcher
 from room_outbox.delivery.failure_log import FailureLog
-from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.clock import now_ms

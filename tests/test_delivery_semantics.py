@@ -19,9 +19,9 @@ from support import (
     wait_until,
 )
 
+from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.cli.cancel import cancel_command
 from room_outbox.cli.requeue import requeue_command
-from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.operator.changes import RequeueFilter

@@ -20,7 +20,7 @@ from support import (
     wait_until,
 )
 
-from room_outbox.delivery.retry import RetryPolicy
+from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError, ThrottledSinkError
 from room_outbox.store.backends.mysql import MySQLStore
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.config import OutboxWorkerSettings, Settings, describe_validation_error
-from room_outbox.delivery.retry import RetryPolicy
 
 
 def test_fixed_interval_retries_after_the_poll_interval_forever() -> None:

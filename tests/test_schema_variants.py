@@ -18,7 +18,7 @@ import yaml
 from processes import FakeIMProcess, _env, dispatchers, write_config
 from support import V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, wait_until
 
-from room_outbox.delivery.retry import RetryPolicy
+from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.factory import open_store

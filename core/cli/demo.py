@@ -48,10 +48,10 @@ from urllib.parse import urlsplit
 
 import anyio
 
+from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.cli.command import Command
 from room_outbox.config import ConfigError, OutboxWorkerSettings, Settings, parse_duration
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
-from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.delivery.routing import Router, build_router
 from room_outbox.envelope import EventEnvelope
 from room_outbox.observability.logs import configure_logging

@@ -43,9 +43,10 @@ from anyio.lowlevel import checkpoint
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from room_outbox.attempt.failure import describe, error_text
+from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.consume.registry import BoundHandler
 from room_outbox.consume.settings import ConsumerSettings
-from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.envelope import KNOWN_EVENT_TYPES, EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.handler import BatchHandler, ConsumedEvent, HandleContext, PermanentHandlerError
 from room_outbox.observability.metrics import ConsumerMetrics
@@ -788,8 +789,7 @@ class Consumer:
         await self._handle(message, handler, attempt=row.attempts + 1, retry=row)
 
     def _error(self, exc: BaseException) -> str:
-        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return self.redactor.redact(text)[:1024]
+        return error_text(self.redactor, describe(exc))
 
 
 class _NoSpan:
@@ -842,7 +842,7 @@ def _dlq_headers(consumer: str, row: RetryRow) -> list[tuple[str, bytes]]:
     """The message's own headers but earlier ``dlq.*`` ones, and where and why it died."""
     return [
         *((k, v.encode()) for k, v in row.headers.items() if not k.startswith("dlq.")),
-        ("dlq.error", (row.last_error or "")[:1024].encode()),
+        ("dlq.error", (row.last_error or "").encode()),  # already cut to LAST_ERROR_MAX
         ("dlq.consumer", consumer.encode()),
         ("dlq.handler", row.handler.encode()),
         ("dlq.topic", row.topic.encode()),

@@ -21,7 +21,7 @@ A delivery the sink's own rate limit holds back (:class:`~room_outbox.sink.Throt
 is no attempt: its row is released with its retry count unchanged, claimable again when the
 limit may have a slot, and only counted as throttled.
 
-A failure retrying cannot fix backs off exponentially (:mod:`room_outbox.delivery.retry`), and a row
+A failure retrying cannot fix backs off exponentially (:mod:`room_outbox.attempt.retry`), and a row
 that fails again and again is logged once, then summarised (:mod:`.delivery.failure_log`).
 
 Store errors — a database call that outlived ``query_timeout`` included — fail the round:
@@ -47,19 +47,18 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import TaskStatus
 
+from room_outbox.attempt.failure import ErrorClass, Failure, classify, error_text, failure
+from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.config import MAIN_LANE, OutboxWorkerSettings
 from room_outbox.delivery.failure_log import FailureLog
-from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.observability.health import LaneHealth
-from room_outbox.observability.redaction import Redactor, redact_and_shorten
-from room_outbox.observability.telemetry import NO_ATTEMPT, THROTTLED, DeliveryAttempt, Failure, Telemetry
-from room_outbox.sink import PermanentSinkError, SinkError, ThrottledSinkError
+from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.telemetry import NO_ATTEMPT, DeliveryAttempt, Telemetry
 from room_outbox.store.clock import now_ms
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.protocol import Claimed, DeliveryResult, OutboxRow, OutboxStore, Outcome
-from room_outbox.store.schema.columns import LAST_ERROR_MAX
 
 log = logging.getLogger("room_outbox.dispatcher")
 
@@ -347,8 +346,8 @@ class Dispatcher:
                 continue
             # Only an overrun ends the scope here (a cancellation from outside goes on up).
             row = current.queue[current.position]
-            text = f"{current.sink}: no answer within publish_timeout {self.options.publish_timeout:g}s"
-            results.append(self._result(row, current.attempt, self._failure(current.sink, "timeout", text)))
+            timeout = classify(self.redactor, current.sink, TimeoutError(), self.options.publish_timeout)
+            results.append(self._result(row, current.attempt, timeout))
             feed.settled(self._release_rest(current.queue, current.position, results) + 1)
 
     def _release_rest(self, queue: Sequence[OutboxRow], position: int, results: list[DeliveryResult]) -> int:
@@ -423,7 +422,7 @@ class Dispatcher:
         sink takes (no retry can route it before the configuration changes), and with per-room
         ordering any failure retrying cannot fix (a bad envelope, a permanent sink error), as
         left pending it would hold back every later event of its room for ever."""
-        if failure.error_class == "no_route" or (self.options.per_room and failure.permanent):
+        if failure.error_class is ErrorClass.NO_ROUTE or (self.options.per_room and failure.permanent):
             return True
         return self.options.retry.parks(attempts, failure.permanent)
 
@@ -439,7 +438,7 @@ class Dispatcher:
             envelope = self._envelope_of(row)
             attempt.parsed(envelope)  # its traceparent makes the attempt part of the producer's trace
             if route is None:
-                raise _BadEvent(f"no sink for event_type {row.event_type}", "no_route")
+                raise _BadEvent(f"no sink for event_type {row.event_type}", ErrorClass.NO_ROUTE)
             sink_name, sink = route
             current.sink = sink_name
             scope = current.scope
@@ -455,29 +454,17 @@ class Dispatcher:
             if scope.cancel_called:  # the deadline passed as the sink answered: too late, as with fail_after
                 raise TimeoutError
         except _BadEvent as exc:  # the event itself is unusable: retrying will not help
-            return self._failure(sink_name, exc.error_class, str(exc), permanent=True)
-        except TimeoutError:  # the sink's own, or an answer after the deadline
-            text = f"{sink_name}: no answer within publish_timeout {self.options.publish_timeout:g}s"
-            return self._failure(sink_name, "timeout", text)
-        except ThrottledSinkError as exc:  # never sent: not an attempt
-            return Failure(sink_name, THROTTLED, self._short(f"{sink_name}: {exc}"), retry_after=exc.retry_after)
-        except PermanentSinkError as exc:
-            return self._failure(sink_name, "permanent", f"{sink_name}: permanent: {exc}", permanent=True)
-        except SinkError as exc:
-            return self._failure(sink_name, "retryable", f"{sink_name}: {exc}")
-        except Exception as exc:  # a bug in a sink: recorded as a failure, never lost
-            return self._failure(sink_name, "sink_bug", f"{sink_name}: unexpected {type(exc).__name__}: {exc}")
+            return failure(self.redactor, sink_name, exc.error_class, str(exc))
+        except Exception as exc:  # the sink's failure, its deadline, or a bug in it: never lost
+            return classify(self.redactor, sink_name, exc, self.options.publish_timeout)
         return None
-
-    def _failure(self, sink: str, error_class: str, text: str, permanent: bool = False) -> Failure:
-        return Failure(sink, error_class, self._short(text), permanent)
 
     @staticmethod
     def _envelope_of(row: OutboxRow) -> EventEnvelope:
         try:
             envelope = parse_envelope(row.envelope)
         except EnvelopeError as exc:
-            raise _BadEvent(str(exc), "bad_envelope") from exc
+            raise _BadEvent(str(exc), ErrorClass.BAD_ENVELOPE) from exc
         # app_code too: the sink picks credentials by the envelope's, ordering goes by the row's.
         # A row whose app_code is '' (the default of a column its producer never writes) has
         # none of its own: the envelope's stands, and its rooms are ordered with the default app's.
@@ -486,7 +473,7 @@ class Dispatcher:
                 continue
             if getattr(envelope, name) != getattr(row, name):
                 mismatch = f"envelope {name} {getattr(envelope, name)!r} differs from the row's {getattr(row, name)!r}"
-                raise _BadEvent(mismatch, "bad_envelope")
+                raise _BadEvent(mismatch, ErrorClass.BAD_ENVELOPE)
         return envelope
 
     async def _keep_leases(self) -> None:
@@ -542,7 +529,7 @@ class Dispatcher:
                 log.warning("result not recorded: the claim no longer holds the row (lease taken over)", extra=fields)
 
     def _short(self, text: str) -> str:
-        return redact_and_shorten(self.redactor, text, LAST_ERROR_MAX)
+        return error_text(self.redactor, text)
 
     def _event_fields(self, row: OutboxRow, status: str, **more: object) -> dict[str, object]:
         return {
@@ -580,7 +567,7 @@ class Round:
 class _BadEvent(Exception):
     """The event itself is unusable (envelope, routing): recorded as a failure."""
 
-    def __init__(self, message: str, error_class: str) -> None:
+    def __init__(self, message: str, error_class: ErrorClass) -> None:
         super().__init__(message)
         self.error_class = error_class
 

@@ -23,7 +23,6 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -48,6 +47,7 @@ from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.tracing import SCOPE, AttemptSpan, RedactingSpanExporter
 
 if TYPE_CHECKING:
+    from room_outbox.attempt.failure import Failure
     from room_outbox.envelope import EventEnvelope
     from room_outbox.store.protocol import OutboxRow
 
@@ -315,25 +315,3 @@ def _metric_exporters(env: Mapping[str, str]) -> Iterator[MetricExporter]:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
             yield OTLPMetricExporter()
-
-
-#: ``error_class`` of a delivery the sink's own rate limit held back (not an attempt).
-THROTTLED = "throttled"
-
-
-@dataclass(frozen=True)
-class Failure:
-    """Why one delivery attempt failed. ``error_class`` is a small fixed vocabulary for
-    metrics and spans: bad_envelope, no_route, timeout, permanent, retryable, sink_bug; or
-    throttled: the sink's own rate limit held the delivery back, so it was no attempt at all
-    (``retry_after``: seconds until the limit may have room, ``None``: unknown)."""
-
-    sink: str
-    error_class: str
-    error: str
-    permanent: bool = False
-    retry_after: float | None = None
-
-    @property
-    def throttled(self) -> bool:
-        return self.error_class == THROTTLED

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.config import ConfigError, Settings, describe_validation_error
 from room_outbox.delivery.dispatcher import LaneOptions
-from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.delivery.routing import build_lanes
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager

@@ -19,9 +19,9 @@ from lanes.conftest import Broker
 from support import INSERT_V1, RecordingSink, envelope, fetch_rows, insert_events, running, wait_until
 
 from room_outbox.app import run_service
+from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.config import Settings, load_settings
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
-from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.delivery.routing import Router
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, serve_fake_im
 from room_outbox.store.backends.mysql import MySQLStore

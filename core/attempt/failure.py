@@ -1,0 +1,83 @@
+"""Why an attempt failed, in one vocabulary, and the error text recorded for it.
+
+The error class labels metrics (``error_class``) and spans (``error.type``); its values are
+part of the metric contract, so they never change. Error texts are redacted before they are
+cut at ``LAST_ERROR_MAX`` (the ``last_error`` column's size): a secret cut in two would no
+longer be recognised.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from room_outbox.errors import PermanentSinkError, SinkError, ThrottledSinkError
+from room_outbox.observability.redaction import Redactor, redact_and_shorten
+from room_outbox.store.schema.columns import LAST_ERROR_MAX
+
+
+class ErrorClass(enum.StrEnum):
+    #: Found before any sink is called: the event itself is unusable.
+    BAD_ENVELOPE = "bad_envelope"
+    NO_ROUTE = "no_route"
+    #: Raised by a sink (or its deadline).
+    TIMEOUT = "timeout"
+    PERMANENT = "permanent"
+    RETRYABLE = "retryable"
+    SINK_BUG = "sink_bug"
+    #: The sink's own rate limit held the delivery back: it was no attempt at all.
+    THROTTLED = "throttled"
+
+    @property
+    def permanent(self) -> bool:
+        """Retrying cannot fix it."""
+        return self in _PERMANENT
+
+
+_PERMANENT = frozenset({ErrorClass.BAD_ENVELOPE, ErrorClass.NO_ROUTE, ErrorClass.PERMANENT})
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why one attempt failed. ``error``: redacted and shortened; ``retry_after`` (throttled
+    only): seconds until the limit may have room, ``None``: unknown."""
+
+    sink: str
+    error_class: ErrorClass
+    error: str
+    permanent: bool = False
+    retry_after: float | None = None
+
+    @property
+    def throttled(self) -> bool:
+        return self.error_class == ErrorClass.THROTTLED
+
+
+def error_text(redactor: Redactor, text: str) -> str:
+    """``text`` as recorded: secrets masked, then cut to ``LAST_ERROR_MAX`` characters."""
+    return redact_and_shorten(redactor, text, LAST_ERROR_MAX)
+
+
+def describe(exc: BaseException) -> str:
+    """``"TypeName: message"``, or the type's name alone when the message is empty."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def failure(redactor: Redactor, sink: str, error_class: ErrorClass, text: str) -> Failure:
+    return Failure(sink, error_class, error_text(redactor, text), error_class.permanent)
+
+
+def classify(redactor: Redactor, sink: str, exc: Exception, timeout: float) -> Failure:
+    """The failure a sink's exception (or its deadline's ``TimeoutError``) means.
+    ``timeout``: the deadline in seconds, named in the text of a timeout."""
+    if isinstance(exc, TimeoutError):  # the sink's own, or an answer after the deadline
+        return failure(redactor, sink, ErrorClass.TIMEOUT, f"{sink}: no answer within publish_timeout {timeout:g}s")
+    if isinstance(exc, ThrottledSinkError):  # never sent: not an attempt
+        text = error_text(redactor, f"{sink}: {exc}")
+        return Failure(sink, ErrorClass.THROTTLED, text, retry_after=exc.retry_after)
+    if isinstance(exc, PermanentSinkError):
+        return failure(redactor, sink, ErrorClass.PERMANENT, f"{sink}: permanent: {exc}")
+    if isinstance(exc, SinkError):
+        return failure(redactor, sink, ErrorClass.RETRYABLE, f"{sink}: {exc}")
+    # a bug in a sink: recorded as a failure, never lost
+    return failure(redactor, sink, ErrorClass.SINK_BUG, f"{sink}: unexpected {type(exc).__name__}: {exc}")
