@@ -27,13 +27,13 @@ from typing import Any
 import aiomysql
 import anyio
 
+from room_outbox.attempt.failure import classify, error_text
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EventEnvelope
-from room_outbox.observability.redaction import Redactor, redact_and_shorten
-from room_outbox.sink import SinkError
+from room_outbox.observability.redaction import Redactor
 from room_outbox.store.dialect import MYSQL, Dialect
 from room_outbox.store.producer import insert_event, mark_published
-from room_outbox.store.schema.columns import LAST_ERROR_MAX
+from room_outbox.store.protocol import SQLStore
 
 log = logging.getLogger("room_outbox.producer")
 
@@ -118,12 +118,8 @@ class OutboxProducer:
         try:
             with anyio.fail_after(self.publish_timeout):
                 await sink.deliver(event)
-        except TimeoutError:
-            return f"{name}: no answer within {self.publish_timeout:g}s"
-        except SinkError as exc:
-            return self._short(f"{name}: {exc}")
         except Exception as exc:  # a sink bug must not fail a committed command either
-            return self._short(f"{name}: unexpected {type(exc).__name__}: {exc}")
+            return classify(self.redactor, name, exc, self.publish_timeout).error
         return None
 
     async def _mark_published(self, event_id: str) -> None:
@@ -139,8 +135,22 @@ class OutboxProducer:
             self.pool.release(conn)
 
     def _short(self, text: str) -> str:
-        return redact_and_shorten(self.redactor, text, LAST_ERROR_MAX)
+        return error_text(self.redactor, text)
 
     @staticmethod
     def _fields(event: EventEnvelope, **more: object) -> dict[str, object]:
         return {"event_id": event.event_id, "event_type": event.event_type, "room_id": event.room_id, **more}
+
+
+class StoreProducer(OutboxProducer):
+    """The producer on any :class:`~room_outbox.store.protocol.SQLStore`: the published mark
+    (room-service's own statement) goes through the store's transaction instead of an aiomysql
+    pool, so the same code path serves MySQL, PostgreSQL and SQLite."""
+
+    def __init__(self, store: SQLStore, router: Router, publish_timeout: float, redactor: Redactor) -> None:
+        super().__init__(None, router, publish_timeout, redactor)
+        self.store = store
+
+    async def _mark_published(self, event_id: str) -> None:
+        async with self.store.transaction() as cur:
+            await mark_published(cur, event_id)

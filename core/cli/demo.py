@@ -58,13 +58,12 @@ from room_outbox.observability.logs import configure_logging
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.tencent_im.fake import SINK_NAME, FakeTencentIM, Faults, serve_fake_im
-from room_outbox.producer import OutboxProducer, append_event
+from room_outbox.producer import OutboxProducer, StoreProducer, append_event
 from room_outbox.sink import Sink
 from room_outbox.store.backends.postgres import SCHEMES as POSTGRESQL_SCHEMES
 from room_outbox.store.backends.sqlite import SQLiteAddress
 from room_outbox.store.factory import describe, is_sqlite, open_store, store_address
 from room_outbox.store.operator.reports import count_by_status, holds_rows_besides, status_by_event
-from room_outbox.store.producer import mark_published
 from room_outbox.store.protocol import SQLStore
 
 log = logging.getLogger("room_outbox.demo")
@@ -140,20 +139,6 @@ def plan_commands(events: int, rng: random.Random) -> dict[str, list[list[tuple[
     for room in rooms:
         plans[room].append([("RoomClosed", {"reason": "demo over"})])
     return plans
-
-
-class StoreProducer(OutboxProducer):
-    """The producer of :mod:`room_outbox.producer` on any :class:`SQLStore`: the published
-    mark (room-service's own statement) goes through the store's transaction instead of an
-    aiomysql pool, so the same code path serves SQLite, MySQL and PostgreSQL."""
-
-    def __init__(self, store: SQLStore, router: Router, publish_timeout: float, redactor: Redactor) -> None:
-        super().__init__(None, router, publish_timeout, redactor)
-        self.store = store
-
-    async def _mark_published(self, event_id: str) -> None:
-        async with self.store.transaction() as cur:
-            await mark_published(cur, event_id)
 
 
 @dataclass
