@@ -35,6 +35,7 @@ import httpx
 
 from bench import procs
 from bench.db import IM_TYPE, load, pending, reset
+from bench.drive import run_until_empty
 from bench.noop import InTurnDispatcher
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.routing import Router
@@ -198,7 +199,7 @@ async def lane_drain(
     async def run() -> None:
         try:
             while await pending(store):
-                await dispatcher.run_until_empty()
+                await run_until_empty(dispatcher)
         finally:
             await sink.aclose()
 

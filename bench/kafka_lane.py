@@ -14,7 +14,7 @@ producers, on one tansu broker (memory storage, 3 partitions), in the same run.
   flight (same acks, same messages in flight); the rounds alternate the two's order.
 * **the Kafka sink alone**: ``KafkaSink.deliver`` from ``concurrency`` tasks, no store, no
   dispatcher: what the plugin costs over the bare producer.
-* **the dispatcher's delivery alone**: ``Dispatcher.deliver_queues`` on the same events as rows
+* **the dispatcher's delivery alone**: ``bench.drive.deliver_queues`` on the same events as rows
   already claimed, a batch at a time, to the Kafka sink: no store.
 * **the same lane, delivery a no-op**: the lane's own ceiling, set by its store round trips
   and the dispatcher: no Kafka lane can go faster than this on the same database.
@@ -36,6 +36,7 @@ from aiokafka import AIOKafkaProducer
 
 from bench.consume import TOPIC, Tansu
 from bench.db import load, reset
+from bench.drive import deliver_queues, run_until_empty
 from room_outbox.config import Settings
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.lanes import lane_store, migrate_plugins, tail_store
@@ -124,7 +125,7 @@ async def drain_rate(store: MySQLStore, settings: Settings, options: LaneOptions
     lane = lane_store(store, "kafka", settings, "beginning")
     dispatcher = Dispatcher(lane, router, options, "bench", lane="kafka")
     started = time.perf_counter()
-    moved = await dispatcher.run_until_empty()
+    moved = await run_until_empty(dispatcher)
     seconds = time.perf_counter() - started
     assert moved == events, (moved, events)
     return events / seconds
@@ -199,7 +200,7 @@ async def sink_rate(settings: Settings, batch: list[Message], in_flight: int) ->
 
 
 async def delivery_rate(settings: Settings, options: LaneOptions, batch: list[Message]) -> float:
-    """``Dispatcher.deliver_queues`` a batch at a time, as a round delivers what it claimed."""
+    """``bench.drive.deliver_queues`` a batch at a time, as a round delivers what it claimed."""
     rows = [
         OutboxRow(n, dict(headers)["event_id"].decode(), dict(headers)["event_type"].decode(),
                   key.decode().split(":", 1)[1], key.decode().split(":", 1)[0], value.decode(), 0, "bench#1")
@@ -209,10 +210,10 @@ async def delivery_rate(settings: Settings, options: LaneOptions, batch: list[Me
     router = lanes.own["kafka"]
     try:
         dispatcher = Dispatcher(NO_STORE, router, options, "bench", lane="kafka")
-        await dispatcher.deliver_queues([[rows[0]]])  # started and connected before the clock starts
+        await deliver_queues(dispatcher, [[rows[0]]])  # started and connected before the clock starts
         started = time.perf_counter()
         for first in range(0, len(rows), options.batch_size):
-            results = await dispatcher.deliver_queues([[row] for row in rows[first : first + options.batch_size]])
+            results = await deliver_queues(dispatcher, [[row] for row in rows[first : first + options.batch_size]])
             assert all(r.outcome is Outcome.PUBLISHED for r in results), results
         return len(rows) / (time.perf_counter() - started)
     finally:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from bench.db import load, pending, reset
+from bench.drive import run_until_empty
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import KNOWN_EVENT_TYPES
@@ -49,7 +50,7 @@ def noop_router() -> Router:
 
 async def dispatcher_drain(store: MySQLStore, batch_size: int, cls: type[Dispatcher] = Dispatcher) -> int:
     dispatcher = cls(store, noop_router(), LaneOptions(batch_size=batch_size, poll_interval=0.1), "bench")
-    return await dispatcher.run_until_empty()
+    return await run_until_empty(dispatcher)
 
 
 class InTurnDispatcher(Dispatcher):

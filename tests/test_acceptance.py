@@ -26,6 +26,7 @@ import pytest
 from im_support import im_dispatcher, im_router, im_section
 from support import fetch_rows, wait_until
 
+from bench.drive import run_until_empty
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EventEnvelope
 from room_outbox.observability.redaction import Redactor
@@ -216,7 +217,7 @@ async def test_3_worker_delivers_the_pending_event(
     fake.set_faults(fail_next=[10002])
     (event,) = (await service.join_room("r_1", "u1")).events
     assert fake.event_ids() == []
-    await im_dispatcher(store, router).run_until_empty()
+    await run_until_empty(im_dispatcher(store, router))
     assert fake.event_ids() == [event.event_id]  # the same event_id reached Tencent IM
     assert (await row(store, event.event_id))["status"] == "published"
 
@@ -226,7 +227,7 @@ async def test_4_worker_failure_keeps_pending_and_counts(
 ) -> None:
     fake.set_faults(error_rate=1.0, error_codes=[60018])
     (event,) = (await service.join_room("r_1", "u1")).events
-    await im_dispatcher(store, router).run_until_empty()
+    await run_until_empty(im_dispatcher(store, router))
     stored = await row(store, event.event_id)
     assert (stored["status"], stored["retry_count"]) == ("pending", 1)
     assert "ErrorCode 60018" in stored["last_error"]
@@ -240,12 +241,12 @@ async def test_5_fails_once_then_succeeds_on_the_next_round(
     gift = await service.send_gift("r_1", "u1", "rose", 1)
     gift_event = next(e for e in gift.events if e.event_type == "RoomGiftSent")
     dispatcher = im_dispatcher(store, router)
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     assert (await row(store, gift_event.event_id))["retry_count"] == 1
     fake.set_faults(error_rate=0.0)
 
     async def published() -> bool:
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
         return bool((await row(store, gift_event.event_id))["status"] == "published")
 
     await wait_until(published, timeout=5)
@@ -262,7 +263,7 @@ async def test_6_sync_success_is_marked_and_never_rescanned(
     (event,) = result.events
     assert result.publishes[0].published and result.publishes[0].marked
     assert (await row(store, event.event_id))["status"] == "published"
-    assert await im_dispatcher(store, router).run_until_empty() == 0  # nothing to claim
+    assert await run_until_empty(im_dispatcher(store, router)) == 0  # nothing to claim
     assert fake.event_ids() == [event.event_id]  # sent once, by the command
 
 
@@ -300,7 +301,7 @@ async def test_8_non_im_events_are_published_without_a_tencent_call(
     heat = next(
         e for e in (await service.send_gift("r_1", "u1", "rose", 1)).events if e.event_type == "RoomHeatChanged"
     )
-    await im_dispatcher(store, router).run_until_empty()
+    await run_until_empty(im_dispatcher(store, router))
     rows = await fetch_rows(store)
     assert {rows[f"noop{i}"]["status"] for i in range(3)} == {"published"}
     assert rows[heat.event_id]["status"] == "published"  # marked by the sync path, no Tencent call

@@ -11,6 +11,7 @@ import anyio
 import pytest
 from support import RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher
 
+from bench.drive import run_until_empty
 from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
@@ -60,7 +61,7 @@ async def test_the_next_claim_is_delivered_while_the_last_rows_are_in_flight_wit
         return claimed
 
     store.claim = claim  # type: ignore[method-assign]
-    assert await dispatcher.run_until_empty() == 30
+    assert await run_until_empty(dispatcher) == 30
     assert sink.gate.is_set() and "e9" in sink.received  # e9 waited for the second claim, not in vain
     assert sorted(sink.received) == sorted(f"e{i}" for i in range(30))  # each once
     assert all(r["status"] == "published" for r in (await fetch_rows(store)).values())
@@ -91,7 +92,7 @@ async def test_a_claim_failing_while_rows_are_in_flight_loses_none_of_their_resu
     assert sorted(sink.received) == sorted(f"e{i}" for i in range(10))
     assert sorted(r.event_id for r in dispatcher._unrecorded) == sorted(f"e{i}" for i in range(10))
     store.claim = real_claim  # type: ignore[method-assign]
-    assert await dispatcher.run_until_empty() == 20  # the first claim writes the kept results
+    assert await run_until_empty(dispatcher) == 20  # the first claim writes the kept results
     rows = await fetch_rows(store)
     assert all(r["status"] == "published" for r in rows.values())
     assert sorted(sink.received) == sorted(f"e{i}" for i in range(30))  # none twice

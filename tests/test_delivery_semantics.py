@@ -19,6 +19,7 @@ from support import (
     wait_until,
 )
 
+from bench.drive import run_until_empty
 from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.cli.cancel import cancel_command
 from room_outbox.cli.requeue import requeue_command
@@ -33,7 +34,7 @@ async def test_parking_moves_permanent_failures_to_failed_keeping_everything(sto
     await insert_events(store, [envelope("perm"), envelope("ok")])
     await insert_rows(store, [("", "bad", "RoomUserJoined", "r_1", "{oops")])
     sink = RecordingSink(fail={"perm"}, error=PermanentSinkError("ErrorCode 10010 group gone"))
-    await make_dispatcher(store, sink, retry=RetryPolicy(parking=True)).run_until_empty()
+    await run_until_empty(make_dispatcher(store, sink, retry=RetryPolicy(parking=True)))
     rows = await fetch_rows(store)
     assert (rows["perm"]["status"], rows["perm"]["retry_count"]) == ("failed", 1)
     assert rows["perm"]["last_error"] == "test: permanent: ErrorCode 10010 group gone"
@@ -48,7 +49,7 @@ async def test_max_attempts_parks_the_last_allowed_attempt(store: MySQLStore) ->
     )
 
     async def parked() -> bool:
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
         return (await fetch_rows(store))["flaky"]["status"] == "failed"
 
     await wait_until(parked)
@@ -58,14 +59,14 @@ async def test_max_attempts_parks_the_last_allowed_attempt(store: MySQLStore) ->
 async def test_without_parking_permanent_failures_stay_pending(store: MySQLStore) -> None:
     await insert_events(store, [envelope("perm")])
     sink = RecordingSink(fail={"perm"}, error=PermanentSinkError("no"))
-    await make_dispatcher(store, sink).run_until_empty()
+    await run_until_empty(make_dispatcher(store, sink))
     assert (await fetch_rows(store))["perm"]["status"] == "pending"
 
 
 async def test_without_ordering_nothing_waits_for_a_failed_event(store: MySQLStore) -> None:
     await insert_events(store, [envelope(f"e{i}", room_version=i) for i in range(3)])  # one room
     sink = RecordingSink(fail={"e0"})
-    await make_dispatcher(store, sink).run_until_empty()
+    await run_until_empty(make_dispatcher(store, sink))
     rows = await fetch_rows(store)
     assert (rows["e1"]["status"], rows["e2"]["status"]) == ("published", "published")
 
@@ -77,17 +78,17 @@ async def test_per_room_order_holds_back_only_the_failing_room(store: MySQLStore
     )
     sink = RecordingSink(fail={"r_a-1"})
     dispatcher = make_dispatcher(store, sink, per_room=True)
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     rows = await fetch_rows(store)
     assert [rows[f"r_b-{v}"]["status"] for v in range(3)] == ["published"] * 3  # other rooms unaffected
     assert [rows[f"r_a-{v}"]["status"] for v in range(3)] == ["published", "pending", "pending"]
     assert "r_a-2" not in sink.received  # never delivered ahead of r_a-1
     assert rows["r_a-2"]["retry_count"] == 0 and rows["r_a-2"]["worker_id"] is None
-    assert await dispatcher.run_until_empty() == 0  # r_a-2 stays behind r_a-1 while it waits for its retry
+    assert await run_until_empty(dispatcher) == 0  # r_a-2 stays behind r_a-1 while it waits for its retry
     sink.fail.clear()
 
     async def drained() -> bool:
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
         return (await fetch_rows(store))["r_a-2"]["status"] == "published"
 
     await wait_until(drained)
@@ -160,7 +161,7 @@ class AllAtOnceSink:
 async def test_rooms_of_one_batch_are_delivered_side_by_side(store: MySQLStore) -> None:
     await insert_events(store, [envelope(f"e{i}", room_id=f"r_{i}") for i in range(20)])
     sink = AllAtOnceSink(expected=20)
-    await make_dispatcher(store, sink, concurrency=20, per_room=True, publish_timeout=5.0).run_until_empty()
+    await run_until_empty(make_dispatcher(store, sink, concurrency=20, per_room=True, publish_timeout=5.0))
     assert sink.most_in_flight == 20
     assert {row["status"] for row in (await fetch_rows(store)).values()} == {"published"}
 
@@ -168,7 +169,7 @@ async def test_rooms_of_one_batch_are_delivered_side_by_side(store: MySQLStore) 
 async def test_requeue_shows_then_applies(store: MySQLStore) -> None:
     await insert_events(store, [envelope("parked1"), envelope("parked2", "RoomGiftSent"), envelope("fine")])
     sink = RecordingSink(fail={"parked1", "parked2"}, error=PermanentSinkError("group gone"))
-    await make_dispatcher(store, sink, retry=RetryPolicy(parking=True)).run_until_empty()
+    await run_until_empty(make_dispatcher(store, sink, retry=RetryPolicy(parking=True)))
     out = io.StringIO()
     where = RequeueFilter(error_contains="group gone")
     assert await requeue_command(store, where, apply=False, out=out) == 0
@@ -185,13 +186,13 @@ async def test_requeue_shows_then_applies(store: MySQLStore) -> None:
     )
     assert rows["parked1"]["status"] == "failed"
     sink.fail.clear()
-    await make_dispatcher(store, sink).run_until_empty()
+    await run_until_empty(make_dispatcher(store, sink))
     assert (await fetch_rows(store))["parked2"]["status"] == "published"
 
 
 async def test_requeue_never_touches_published_or_leased_rows(store: MySQLStore) -> None:
     await insert_events(store, [envelope("done"), envelope("leased")])
-    await make_dispatcher(store, RecordingSink(), event_types=None).run_until_empty()
+    await run_until_empty(make_dispatcher(store, RecordingSink(), event_types=None))
     await insert_events(store, [envelope("held")])
     await store.claim("other#1", 10, 2**62)
     out = io.StringIO()
@@ -206,7 +207,7 @@ async def test_cancel_keeps_the_row_and_is_never_delivered(store: MySQLStore) ->
     out = io.StringIO()
     assert await cancel_command(store, "c1", out, out) == 0
     sink = RecordingSink()
-    await make_dispatcher(store, sink).run_until_empty()
+    await run_until_empty(make_dispatcher(store, sink))
     rows = await fetch_rows(store)
     assert rows["c1"]["status"] == "cancelled" and sink.received == ["c2"]
     assert await cancel_command(store, "c2", out, out) == 1 and "c2 is published" in out.getvalue()

@@ -20,6 +20,7 @@ from support import (
     wait_until,
 )
 
+from bench.drive import run_until_empty
 from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError, ThrottledSinkError
 from room_outbox.store.backends.mysql import MySQLStore
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.anyio
 async def test_success_marks_published_and_clears_the_lease(store: MySQLStore) -> None:
     await insert_events(store, [envelope("e1"), envelope("e2", "RoomGiftSent", "r_2")])
     sink = RecordingSink()
-    assert await make_dispatcher(store, sink).run_until_empty() == 2
+    assert await run_until_empty(make_dispatcher(store, sink)) == 2
     rows = await fetch_rows(store)
     assert sorted(sink.received) == ["e1", "e2"]
     for row in rows.values():
@@ -39,7 +40,7 @@ async def test_success_marks_published_and_clears_the_lease(store: MySQLStore) -
 
 async def test_failure_stays_pending_with_retry_count_and_error(store: MySQLStore) -> None:
     await insert_events(store, [envelope("e1"), envelope("e2")])
-    await make_dispatcher(store, RecordingSink(fail={"e1"})).run_until_empty()
+    await run_until_empty(make_dispatcher(store, RecordingSink(fail={"e1"})))
     rows = await fetch_rows(store)
     assert (rows["e1"]["status"], rows["e1"]["retry_count"], rows["e1"]["last_error"]) == (
         "pending",
@@ -54,12 +55,12 @@ async def test_fixed_interval_retries_on_the_next_scan_and_then_succeeds(store: 
     await insert_events(store, [envelope("e1")])
     sink = RecordingSink(fail={"e1"})
     dispatcher = make_dispatcher(store, sink, poll_interval=0.05)
-    await dispatcher.run_until_empty()
-    assert await dispatcher.run_until_empty() == 0  # not due before the interval has passed
+    await run_until_empty(dispatcher)
+    assert await run_until_empty(dispatcher) == 0  # not due before the interval has passed
     sink.fail.clear()
 
     async def published() -> bool:
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
         return (await fetch_rows(store))["e1"]["status"] == "published"
 
     await wait_until(published)
@@ -79,21 +80,21 @@ async def test_a_throttled_delivery_is_released_unattempted_until_its_slot(store
         store, sink, per_room=True, retry=RetryPolicy(parking=True, max_attempts=1, interval=0.05)
     )
     before = int(time.time() * 1000)
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     rows = await fetch_rows(store)
     e1 = rows["e1"]
     assert (e1["status"], e1["retry_count"], e1["last_error"], e1["worker_id"]) == ("pending", 0, None, None)
     assert before + 30_000 <= e1["lock_until_ms"] <= int(time.time() * 1000) + 30_000
     assert (rows["e2"]["status"], rows["e2"]["retry_count"]) == ("pending", 0)  # released behind it
     assert rows["other"]["status"] == "published"
-    assert await dispatcher.run_until_empty() == 0  # nothing of the room before the slot
+    assert await run_until_empty(dispatcher) == 0  # nothing of the room before the slot
     assert sorted(sink.received) == ["e1", "other"]
 
 
 async def test_a_hanging_delivery_is_bounded_by_publish_timeout(store: MySQLStore) -> None:
     await insert_events(store, [envelope(f"e{i}") for i in range(5)])
     started = time.monotonic()
-    await make_dispatcher(store, RecordingSink(hang={"e2"}), publish_timeout=0.3).run_until_empty()
+    await run_until_empty(make_dispatcher(store, RecordingSink(hang={"e2"}), publish_timeout=0.3))
     assert time.monotonic() - started < 2.0
     rows = await fetch_rows(store)
     assert rows["e2"]["status"] == "pending"
@@ -110,7 +111,7 @@ async def test_one_worker_bounds_each_hanging_delivery_and_goes_on(store: MySQLS
     sink = RecordingSink(hang={"e1", "e4"}, delay=0.2)
     dispatcher = make_dispatcher(store, sink, publish_timeout=0.5, concurrency=1, per_room=True)
     started = time.monotonic()
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     assert time.monotonic() - started < 3.0
     rows = await fetch_rows(store)
     for hung in ("e1", "e4"):
@@ -141,7 +142,7 @@ class _AnswersLate(RecordingSink):
 async def test_an_answer_after_the_deadline_is_a_timeout_of_its_own_row_only(store: MySQLStore) -> None:
     await insert_events(store, [envelope("e0", room_id="r_a"), envelope("e1", room_id="r_b")])
     sink = _AnswersLate("e0", after=0.5)
-    await make_dispatcher(store, sink, publish_timeout=0.2, concurrency=1).run_until_empty()
+    await run_until_empty(make_dispatcher(store, sink, publish_timeout=0.2, concurrency=1))
     rows = await fetch_rows(store)
     assert (rows["e0"]["status"], rows["e0"]["last_error"]) == (
         "pending",
@@ -153,14 +154,14 @@ async def test_an_answer_after_the_deadline_is_a_timeout_of_its_own_row_only(sto
 
 async def test_a_sink_bug_is_recorded_not_lost(store: MySQLStore) -> None:
     await insert_events(store, [envelope("e1")])
-    await make_dispatcher(store, RecordingSink(fail={"e1"}, error=KeyError("boom"))).run_until_empty()
+    await run_until_empty(make_dispatcher(store, RecordingSink(fail={"e1"}, error=KeyError("boom"))))
     assert (await fetch_rows(store))["e1"]["last_error"] == "test: unexpected KeyError: 'boom'"
 
 
 async def test_a_permanent_error_stays_pending_in_v1(store: MySQLStore) -> None:
     await insert_events(store, [envelope("e1")])
     sink = RecordingSink(fail={"e1"}, error=PermanentSinkError("ErrorCode 10010 group dismissed"))
-    await make_dispatcher(store, sink).run_until_empty()
+    await run_until_empty(make_dispatcher(store, sink))
     row = (await fetch_rows(store))["e1"]
     assert (row["status"], row["last_error"]) == ("pending", "test: permanent: ErrorCode 10010 group dismissed")
 
@@ -197,7 +198,7 @@ async def test_bad_input_gets_a_clear_error_and_blocks_nothing(
     # The bad row's next try is a minute away, so it is tried exactly once however slow the
     # machine is (with the poll interval as the retry delay it could come due again).
     retry = RetryPolicy(interval=60.0, base=60.0, cap=60.0, jitter=0.0)
-    await make_dispatcher(store, sink, batch_size=1, retry=retry).run_until_empty()
+    await run_until_empty(make_dispatcher(store, sink, batch_size=1, retry=retry))
     rows = await fetch_rows(store)
     bad = rows[row[1]]
     # An event no sink takes is parked at once (retrying cannot route it); the others retry.
@@ -214,7 +215,7 @@ async def test_an_app_code_mismatch_is_a_permanent_bad_envelope(store: MySQLStor
     mixed = envelope("mixed", app_code="app_a")
     await insert_rows(store, [("app_b", "mixed", "RoomUserJoined", "r_1", json.dumps(mixed))])
     sink = RecordingSink()
-    await make_dispatcher(store, sink, retry=RetryPolicy(interval=0.05, parking=True)).run_until_empty()
+    await run_until_empty(make_dispatcher(store, sink, retry=RetryPolicy(interval=0.05, parking=True)))
     row = (await fetch_rows(store))["mixed"]
     assert (row["status"], row["last_error"]) == ("failed", "envelope app_code 'app_a' differs from the row's 'app_b'")
     assert sink.received == []
@@ -226,7 +227,7 @@ async def test_last_error_is_short_and_redacted(store: MySQLStore) -> None:
         store, RecordingSink(fail={"e1"}, error=RuntimeError("key=TOPSECRETKEY " + "x" * 2000))
     )
     dispatcher.redactor.add("TOPSECRETKEY")
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     error = (await fetch_rows(store))["e1"]["last_error"]
     assert len(error) <= 512 and "TOPSECRETKEY" not in error and "[REDACTED]" in error
 
@@ -255,7 +256,7 @@ async def test_results_are_written_in_batches_not_per_row(store: MySQLStore) -> 
         return real()
 
     store.transaction = counting  # type: ignore[method-assign]
-    await make_dispatcher(store, RecordingSink(), batch_size=100).run_until_empty()
+    await run_until_empty(make_dispatcher(store, RecordingSink(), batch_size=100))
     store.transaction = real  # type: ignore[method-assign]
     # 6 claims, each writing the previous batch's results: one commit per batch, not per row
     assert transactions == 6
@@ -291,7 +292,7 @@ async def test_failed_events_are_logged_with_seed_000_fields(
 ) -> None:
     await insert_events(store, [envelope("e1", "RoomGiftSent", "r_7")])
     with caplog.at_level(logging.WARNING):
-        await make_dispatcher(store, RecordingSink(fail={"e1"})).run_until_empty()
+        await run_until_empty(make_dispatcher(store, RecordingSink(fail={"e1"})))
     (record,) = [r for r in caplog.records if r.message == "delivery failed"]
     assert (record.event_id, record.event_type, record.room_id, record.retry_count, record.status) == (  # type: ignore[attr-defined]
         "e1", "RoomGiftSent", "r_7", 1, "pending",

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import RecordingSink, envelope, insert_events, make_dispatcher
 from telemetry_support import capture
 
+from bench.drive import run_until_empty
 from room_outbox.config import ConfigError
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import NO_ATTEMPT, Telemetry, telemetry_from_environment
@@ -38,7 +39,7 @@ async def test_success_failure_latency_and_batch_size(store: MySQLStore) -> None
     sink.deliver = deliver  # type: ignore[method-assign]
     dispatcher = make_dispatcher(store, sink)
     dispatcher.telemetry = captured.telemetry
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
 
     v = captured.value
     assert v("room_outbox.publish.success", sink="test", event_type="RoomUserJoined") == 1
@@ -69,7 +70,7 @@ async def test_a_row_published_by_the_producer_mid_delivery_is_told_apart_from_a
     dispatcher = make_dispatcher(store, ProducerWins())
     dispatcher.telemetry = captured.telemetry
     with caplog.at_level(logging.INFO, logger="room_outbox"):
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
     lost = captured.value
     assert lost("room_outbox.lost_leases", detected_at="result_write", cause="published_by_producer") == 1
     assert lost("room_outbox.lost_leases", detected_at="result_write", cause="taken_over") == 0
@@ -99,7 +100,7 @@ async def test_a_row_taken_over_by_another_claim_counts_as_a_lost_lease(
     dispatcher = make_dispatcher(store, TakenOver())
     dispatcher.telemetry = captured.telemetry
     with caplog.at_level(logging.INFO, logger="room_outbox"):
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
     lost = captured.value
     assert lost("room_outbox.lost_leases", detected_at="result_write", cause="taken_over") == 1
     assert lost("room_outbox.lost_leases", detected_at="result_write", cause="published_by_producer") == 0
@@ -124,7 +125,7 @@ async def test_event_types_the_routing_does_not_know_are_labelled_other(store: M
     captured = capture()
     dispatcher = make_dispatcher(store, RecordingSink(), event_types=[*KNOWN_EVENT_TYPES, "RoomCustomThing"])
     dispatcher.telemetry = captured.telemetry
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
 
     labels = {p.attributes["event_type"] for p in captured.points("room_outbox.publish.duration")}
     assert labels == {"other", "RoomCustomThing", "RoomGiftSent"}  # routed by name: kept

@@ -12,6 +12,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from support import RecordingSink, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, wait_until
 from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, capture
 
+from bench.drive import run_until_empty
 from room_outbox.observability.logs import configure_logging
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.tracing import http_client_span, producer_context, redact_url, sink_span
@@ -32,7 +33,7 @@ async def test_a_published_event_is_one_span_in_the_producers_trace(store: MySQL
     captured = capture()
     dispatcher = make_dispatcher(store, RecordingSink())
     dispatcher.telemetry = captured.telemetry
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
 
     (span,) = captured.spans(DELIVER)
     assert span.name == "room_outbox.deliver RoomGiftSent"
@@ -53,11 +54,11 @@ async def test_retry_then_success_puts_every_attempt_in_the_producers_trace(stor
     sink = RecordingSink(fail={"e1"})
     dispatcher = make_dispatcher(store, sink)
     dispatcher.telemetry = captured.telemetry
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     sink.fail.clear()
 
     async def published() -> bool:
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
         return (await fetch_rows(store))["e1"]["status"] == "published"
 
     await wait_until(published)
@@ -79,7 +80,7 @@ async def test_a_permanent_failure_is_an_error_span_with_its_class(store: MySQLS
     sink = RecordingSink(fail={"e1"}, error=PermanentSinkError("ErrorCode 10010 group dismissed"))
     dispatcher = make_dispatcher(store, sink)
     dispatcher.telemetry = captured.telemetry
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     (span,) = captured.spans(DELIVER)
     assert span.attributes is not None
     assert (span.attributes["outcome"], span.attributes["error.type"]) == ("failed", "permanent")
@@ -94,7 +95,7 @@ async def test_a_throttled_delivery_is_a_span_without_error_and_counts_only_as_t
     sink = RecordingSink(fail={"e1"}, error=ThrottledSinkError("own limit", retry_after=60))
     dispatcher = make_dispatcher(store, sink)
     dispatcher.telemetry = captured.telemetry
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     (span,) = captured.spans(DELIVER)
     assert span.attributes is not None and span.attributes["outcome"] == "throttled"
     assert span.status.status_code is not StatusCode.ERROR and "error.type" not in span.attributes
@@ -109,7 +110,7 @@ async def test_bad_input_still_gets_a_span_without_a_producer(store: MySQLStore)
     captured = capture()
     dispatcher = make_dispatcher(store, RecordingSink(), event_types=["RoomUserJoined"])
     dispatcher.telemetry = captured.telemetry
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     spans = {s.attributes["event_id"]: s for s in captured.spans(DELIVER) if s.attributes}
     assert spans["bad"].attributes is not None and spans["bad"].attributes["error.type"] == "bad_envelope"
     assert "messaging.system" not in spans["bad"].attributes and spans["bad"].attributes["sink"] == "-"
@@ -150,7 +151,7 @@ async def test_sink_child_span_nests_and_secrets_stay_out_of_spans_logs_and_last
     saved = root.handlers[:], root.level
     try:
         configure_logging("INFO", "n1", redactor, stream)
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
     finally:
         root.handlers[:], level = saved
         root.setLevel(level)
@@ -212,7 +213,7 @@ async def test_the_tencent_call_is_a_child_span_with_usersig_masked(store: MySQL
         router = await im_router(fake, captured.redactor)
         dispatcher = im_dispatcher(store, router, captured.redactor)
         dispatcher.telemetry = captured.telemetry
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
         await router.aclose()
     (attempt,) = captured.spans(DELIVER)
     (http,) = captured.spans("POST ")

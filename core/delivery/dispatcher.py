@@ -203,7 +203,7 @@ class Dispatcher:
         claimed = await self._claim(self.options.batch_size)
         if not claimed.rows:
             return Round(0, claimed.exhausted)
-        feed = _Feed()
+        feed = Feed()
         feed.put(self._queues(claimed.rows), len(claimed.rows))
         total, exhausted, failure = len(claimed.rows), claimed.exhausted, None
         async with anyio.create_task_group() as renewal:
@@ -283,33 +283,9 @@ class Dispatcher:
                 if not rows:
                     del self._held[result.claim]
 
-    async def run_until_empty(self) -> int:
-        """Rounds until a claim comes back short, then write the results ("burst" mode for
-        tests and tools). Rows that failed wait for their retry time, so this terminates."""
-        total = 0
-        while True:
-            round_ = await self.run_once()
-            total += round_.claimed
-            if round_.exhausted:
-                await self.flush()
-                return total
-
     # -- delivery ------------------------------------------------------------------------
 
-    async def deliver_queues(self, queues: Sequence[list[OutboxRow]]) -> list[DeliveryResult]:
-        """Deliver queues (see :meth:`deliver_in_turn`) with ``concurrency`` workers taking them
-        in turn, and return their results: delivery alone, without the store (bench/kafka_lane.py
-        measures it)."""
-        results: list[DeliveryResult] = []
-        feed = _Feed()
-        feed.put(queues, sum(len(queue) for queue in queues))
-        feed.close()
-        async with anyio.create_task_group() as deliveries:
-            for _ in range(min(self.options.concurrency, len(queues))):
-                deliveries.start_soon(self.deliver_in_turn, feed, results)
-        return results
-
-    async def deliver_in_turn(self, feed: _Feed, results: list[DeliveryResult]) -> None:
+    async def deliver_in_turn(self, feed: Feed, results: list[DeliveryResult]) -> None:
         """Deliver queues from ``feed`` one after another, adding their results to ``results``,
         until the feed is closed and empty. (A fixed pool of workers taking queues, not a task
         and a limiter per queue: measured 1.35x the throughput.) A queue's rows go one after
@@ -572,7 +548,7 @@ class _BadEvent(Exception):
         self.error_class = error_class
 
 
-class _Feed:
+class Feed:
     """The queues claimed in a round that no delivery worker has taken yet, and the number of
     claimed rows whose result is not in yet. Workers take queues without waiting while there
     are any. A worker with nothing to take waits for more; the claimer waits for every queue to

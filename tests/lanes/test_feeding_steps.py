@@ -15,6 +15,7 @@ import pytest
 from lanes.test_lanes import lane_dispatcher, lane_rows, max_id, watermark
 from support import INSERT_V1, RecordingSink, envelope
 
+from bench.drive import run_until_empty
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.lanes.store import STEP_EVIDENCE, LaneStore, migrate_lanes
 
@@ -58,7 +59,7 @@ async def test_a_step_of_2_feeds_everything_and_waits_for_no_skipped_id(store: M
         most_gaps = 0
         for chunk in range(10):  # commits in between feeding rounds, as a live service does
             await insert(conn, [f"s{chunk}-{n}" for n in range(60)])
-            await dispatcher.run_until_empty()
+            await run_until_empty(dispatcher)
             most_gaps = max(most_gaps, gaps_of(dispatcher.store))
         ids = sorted((await lane_rows(store)).values(), key=lambda r: r["outbox_id"])
         assert {b["outbox_id"] - a["outbox_id"] for a, b in itertools.pairwise(ids)} == {2}  # really step 2
@@ -74,13 +75,13 @@ async def test_a_step_of_2_feeds_everything_and_waits_for_no_skipped_id(store: M
         try:
             await insert(late, ["late"], commit=False)
             await insert(conn, ["after1", "after2"])
-            await dispatcher.run_until_empty()
+            await run_until_empty(dispatcher)
             assert "late" not in sink.received and gaps_of(dispatcher.store) == 1
             assert await watermark(store) < await max_id(store)
             await late.commit()
         finally:
             late.close()
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
         assert sink.received.count("late") == 1 and gaps_of(dispatcher.store) == 0
         assert await watermark(store) == await max_id(store)
     finally:
@@ -98,18 +99,18 @@ async def test_a_second_writer_with_another_offset_is_found(
     a, b = await writer(store, 2, 1), await writer(store, 2, 2)
     try:
         await insert(a, [f"a{n}" for n in range(STEP_EVIDENCE + 4)])
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
         assert dispatcher.store._step == 2  # type: ignore[attr-defined]
         high = await max_id(store)  # odd: a0 … a19 took 1, 3, …
         await insert(b, ["b-late"], commit=False, at=high + 1)  # B's first id, held open
         await insert(a, ["a-more1", "a-more2"])  # high + 2, high + 4: nothing missing on step 2
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
         await b.commit()  # below the highest id read, and off the lattice learnt so far
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
         assert "b-late" not in sink.received
         with caplog.at_level(logging.WARNING):
             await insert(b, ["b-next"], at=high + 5)  # B's next id (even) shows the finer step
-            await dispatcher.run_until_empty()
+            await run_until_empty(dispatcher)
         assert sink.received.count("b-late") == 1 and sink.received.count("b-next") == 1
         assert any("finer step" in r.message for r in caplog.records)
         assert dispatcher.store._step == 1  # type: ignore[attr-defined]
@@ -136,7 +137,7 @@ async def test_the_ranges_waited_for_are_capped_by_max_gaps(
             await conn.rollback()
         await insert(conn, ["last"])
         with caplog.at_level(logging.WARNING):
-            await dispatcher.run_until_empty()
+            await run_until_empty(dispatcher)
         assert gaps_of(lane) == 4  # not 12: the eight longest-missing were given up on
         assert any("lanes.max_gaps" in r.message for r in caplog.records)
         assert sorted(sink.received) == sorted([f"ok{n}" for n in range(12)] + ["last"])

@@ -18,6 +18,7 @@ from aiokafka import AIOKafkaConsumer
 from lanes.conftest import Broker
 from support import INSERT_V1, RecordingSink, envelope, fetch_rows, insert_events, running, wait_until
 
+from bench.drive import run_until_empty
 from room_outbox.app import run_service
 from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.config import Settings, load_settings
@@ -82,7 +83,7 @@ async def test_a_row_whose_transaction_commits_late_is_fed_exactly_once(store: M
             )
         await insert_events(store, [envelope("after1"), envelope("after2")])
         for _ in range(4):  # several scan intervals pass while "late" is uncommitted
-            await dispatcher.run_until_empty()
+            await run_until_empty(dispatcher)
         assert sorted(sink.received) == ["after1", "after2", "before"]
         assert await watermark(store) < await max_id(store)  # held below the missing id
         await late.commit()
@@ -90,13 +91,13 @@ async def test_a_row_whose_transaction_commits_late_is_fed_exactly_once(store: M
         late.close()
     await wait_until(lambda: _delivered(dispatcher, sink, "late"))
     assert sorted(sink.received) == ["after1", "after2", "before", "late"]  # each exactly once
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     assert await watermark(store) == await max_id(store)
     assert {r["status"] for r in (await lane_rows(store)).values()} == {"published"}
 
 
 async def _delivered(dispatcher: Dispatcher, sink: RecordingSink, event_id: str) -> bool:
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     return event_id in sink.received
 
 
@@ -116,7 +117,7 @@ async def test_a_rolled_back_id_is_skipped_after_gap_timeout(
     await insert_events(store, [envelope("last")])
 
     async def advanced() -> bool:
-        await dispatcher.run_until_empty()
+        await run_until_empty(dispatcher)
         return await watermark(store) == await max_id(store)
 
     with caplog.at_level(logging.WARNING):
@@ -135,9 +136,9 @@ async def test_start_positions(store: MySQLStore, start: str, expected: list[str
     position: str | int = rows["old2"]["id"] if start == "id" else start
     sink = RecordingSink()
     dispatcher = lane_dispatcher(store, sink, start=position)
-    await dispatcher.run_until_empty()  # the lane starts here
+    await run_until_empty(dispatcher)  # the lane starts here
     await insert_events(store, [envelope("new")])
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     assert sink.received == expected
 
 
@@ -349,7 +350,7 @@ async def test_retention_keeps_rows_a_lane_still_needs(store: MySQLStore) -> Non
     sink = RecordingSink(fail={"owed"})
     dispatcher = lane_dispatcher(store, sink)
     await insert_events(store, [envelope("done1"), envelope("owed"), envelope("done2")])
-    await dispatcher.run_until_empty()  # the lane: done1, done2 published; owed pending
+    await run_until_empty(dispatcher)  # the lane: done1, done2 published; owed pending
     await insert_events(store, [envelope("unfed")])  # the lane has not read this one yet
     async with store.transaction() as cur:  # all old, all published in the IM lane
         await cur.execute("UPDATE room_outbox SET status = 'published', created_at_ms = created_at_ms - 864000000")
@@ -365,7 +366,7 @@ async def test_status_shows_each_lane(store: MySQLStore) -> None:
     await migrate_lanes(store, ["t"])
     dispatcher = lane_dispatcher(store, RecordingSink(fail={"stuck"}))
     await insert_events(store, [envelope("ok"), envelope("stuck")])
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     await insert_events(store, [envelope("later")])
     report = await status_report(store)
     (lane,) = report.lanes
@@ -380,7 +381,7 @@ async def test_inspect_shows_the_event_in_each_lane(store: MySQLStore) -> None:
     # "stuck" waits a minute for its retry, so it is still waiting however slow the machine is
     dispatcher = lane_dispatcher(store, RecordingSink(fail={"stuck"}), retry=RetryPolicy(interval=60))
     await insert_events(store, [envelope("ok"), envelope("stuck")])
-    await dispatcher.run_until_empty()
+    await run_until_empty(dispatcher)
     await insert_events(store, [envelope("later")])
     assert (await inspect_event(store, "ok"))["lanes"]["t"].startswith("published")  # type: ignore[index]
     assert (await inspect_event(store, "stuck"))["lanes"]["t"].startswith("waiting: failed 1 time(s)")  # type: ignore[index]
@@ -398,7 +399,7 @@ async def test_unfed_rows_beyond_the_counted_ones_are_estimated_from_their_ids(s
     await migrate_lanes(store, ["t"])
     dispatcher = lane_dispatcher(store, RecordingSink())
     await insert_events(store, [envelope("first")])
-    await dispatcher.run_until_empty()  # the lane has run: fed through "first"
+    await run_until_empty(dispatcher)  # the lane has run: fed through "first"
     await insert_events(store, [envelope(f"e{n}") for n in range(10)])
     (lane,) = await stored_lanes(store)
     assert (await own_lane_backlog(store, lane)).unfed == 10  # counted

@@ -8,6 +8,7 @@ import pytest
 from lanes.test_lanes import lane_dispatcher, lane_rows
 from support import RecordingSink, envelope, fetch_rows, insert_events
 
+from bench.drive import run_until_empty
 from room_outbox.config import LanePlan
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.lanes.store import migrate_lanes
@@ -29,7 +30,7 @@ async def test_with_the_im_lane_off_status_does_not_decide(store: MySQLStore) ->
     async with store.transaction() as cur:  # what room-service's own pushes left behind
         await cur.execute("UPDATE room_outbox SET status = 'published' WHERE event_id = 'pushed'")
         await cur.execute("UPDATE room_outbox SET status = 'failed' WHERE event_id = 'parked'")
-    await dispatcher.run_until_empty()  # the lane has all but "owed"
+    await run_until_empty(dispatcher)  # the lane has all but "owed"
     await insert_events(store, [envelope("unfed")])
     await age_everything(store)
 
@@ -56,7 +57,7 @@ async def test_an_enabled_lane_that_never_ran_holds_everything(store: MySQLStore
 
 async def test_a_switched_off_lane_is_named_while_it_holds_rows_back(store: MySQLStore) -> None:
     await migrate_lanes(store, ["t"])
-    await lane_dispatcher(store, RecordingSink()).run_until_empty()  # the lane starts (empty table)
+    await run_until_empty(lane_dispatcher(store, RecordingSink()))  # the lane starts (empty table)
     await insert_events(store, [envelope("a"), envelope("b")])  # never fed: the lane is off now
     async with store.transaction() as cur:
         await cur.execute("UPDATE room_outbox SET status = 'published'")

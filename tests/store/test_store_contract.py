@@ -32,6 +32,7 @@ from support import (
     wait_until,
 )
 
+from bench.drive import run_until_empty
 from room_outbox.cli.inspect import inspect_event
 from room_outbox.cli.status import status_report
 from room_outbox.errors import SchemaError
@@ -298,10 +299,10 @@ async def test_a_crashed_processs_rows_are_taken_over_after_the_lease(any_store:
     assert len(crashed) == 3
     sink = RecordingSink()
     survivor = make_dispatcher(any_store, sink, node_id="survivor")
-    assert await survivor.run_until_empty() == 0  # the lease still holds
+    assert await run_until_empty(survivor) == 0  # the lease still holds
 
     async def taken_over() -> bool:
-        await survivor.run_until_empty()
+        await run_until_empty(survivor)
         return sorted(sink.received) == ["e0", "e1", "e2"]
 
     await wait_until(taken_over, timeout=5.0)
@@ -318,7 +319,7 @@ async def test_a_live_lease_never_expires_under_a_slow_sink(
     holder = make_dispatcher(any_store, slow, node_id="holder", lease=0.3, publish_timeout=5.0)
     rival = make_dispatcher(other_store, fast, node_id="rival", poll_interval=0.02)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(holder.run_until_empty)
+        tg.start_soon(run_until_empty, holder)
         await wait_until(lambda: len(slow.received) == 4)
         async with running(rival):
             await wait_until(lambda: all_published(any_store), timeout=10.0)

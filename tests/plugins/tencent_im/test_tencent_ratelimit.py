@@ -10,6 +10,7 @@ import pytest
 from im_support import event, im_dispatcher, im_router, make_sink
 from support import envelope, fetch_rows, insert_events
 
+from bench.drive import run_until_empty
 from room_outbox.plugins.tencent_im.fake import FakeTencentIM
 from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindowLimiter
 from room_outbox.sink import RetryableSinkError, ThrottledSinkError
@@ -134,7 +135,7 @@ async def test_worker_keeps_quiet_rooms_flowing_and_publishes_the_hot_backlog(
     await insert_events(store, [envelope(f"quiet{i}", room_id=f"r_{i}") for i in range(5)])
     dispatcher = im_dispatcher(store, router)
     try:
-        await dispatcher.run_until_empty()  # one round
+        await run_until_empty(dispatcher)  # one round
         rows = await fetch_rows(store)
         assert all(rows[f"quiet{i}"]["status"] == "published" for i in range(5))
         held = [r for r in rows.values() if r["status"] == "pending"]
@@ -144,7 +145,7 @@ async def test_worker_keeps_quiet_rooms_flowing_and_publishes_the_hot_backlog(
         deadline = time.monotonic() + 10
         while any(r["status"] == "pending" for r in (await fetch_rows(store)).values()):
             assert time.monotonic() < deadline, "hot room backlog not drained"
-            await dispatcher.run_until_empty()
+            await run_until_empty(dispatcher)
             await anyio.sleep(0.05)  # the fixed retry interval of this lane
     finally:
         await router.aclose()

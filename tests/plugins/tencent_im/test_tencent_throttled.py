@@ -21,6 +21,7 @@ from processes import DispatcherProcess
 from support import envelope, fetch_rows, insert_events, wait_until
 from telemetry_support import Captured, capture
 
+from bench.drive import run_until_empty
 from room_outbox import QuotaShare
 from room_outbox.config import Settings
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
@@ -110,7 +111,7 @@ async def test_a_quota_share_of_zero_holds_back_without_an_attempt(fake: FakeTen
     await insert_events(store, [envelope(f"e{i}", room_id=f"r_{i}") for i in range(5)])
     try:
         with anyio.fail_after(10):
-            await dispatcher.run_until_empty()
+            await run_until_empty(dispatcher)
         rows = await fetch_rows(store)
         assert {r["status"] for r in rows.values()} == {"pending"}  # not parked after 1 "attempt"
         assert {r["retry_count"] for r in rows.values()} == {0}
@@ -121,7 +122,7 @@ async def test_a_quota_share_of_zero_holds_back_without_an_attempt(fake: FakeTen
 
         quota.apply(1, math.inf)  # the share is back
         with anyio.fail_after(10):
-            await dispatcher.run_until_empty()
+            await run_until_empty(dispatcher)
     finally:
         await router.aclose()
     rows = await fetch_rows(store)
