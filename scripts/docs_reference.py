@@ -18,7 +18,6 @@ import json
 import os
 import re
 import sys
-import types
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path

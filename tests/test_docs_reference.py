@@ -85,7 +85,10 @@ def test_schema_check_rejects_an_envelope_without_a_required_field() -> None:
     """The hand-rolled check above does find a wrong envelope (else its silence proves nothing)."""
     schema = json.loads((REFERENCE / "envelope.schema.json").read_text())
     errors = _schema_errors({"event_id": "e-1", "event_type": "RoomCreated", "room_version": "7"}, schema)
-    assert errors == ["envelope.room_id: missing", f"envelope.room_version: matches none of {schema['properties']['room_version']['anyOf']}"]
+    assert errors == [
+        "envelope.room_id: missing",
+        f"envelope.room_version: matches none of {schema['properties']['room_version']['anyOf']}",
+    ]
 
 
 @pytest.mark.timeout(300)
