@@ -139,12 +139,28 @@ def metrics_page() -> str:
     """Every instrument created in core/ and plugins/, read from the source."""
     lines = [
         "## All instruments\n",
-        "| OTel instrument | unit | kind | description | created in |",
-        "|---|---|---|---|---|",
+        "| on `/metrics` | OTel instrument | unit | kind | description | created in |",
+        "|---|---|---|---|---|---|",
     ]
     for name, unit, kind, description, where in sorted(_instruments()):
-        lines.append(f"| `{name}` | `{unit}` | {kind} | {_cell(description)} | `{where}` |")
+        exposed = _prometheus_name(name, unit, kind)
+        lines.append(f"| `{exposed}` | `{name}` | `{unit}` | {kind} | {_cell(description)} | `{where}` |")
     return "\n".join(lines) + "\n"
+
+
+#: The OpenTelemetry Prometheus exporter's unit suffixes; an annotation (``{event}``) adds none.
+UNIT_SUFFIXES = {"s": "seconds", "ms": "milliseconds", "By": "bytes", "1": "ratio"}
+
+
+def _prometheus_name(name: str, unit: str, kind: str) -> str:
+    """The name the exporter's standard translation gives an instrument on ``/metrics``."""
+    exposed = name.replace(".", "_")
+    suffix = "" if unit.startswith("{") or not unit else UNIT_SUFFIXES.get(unit, unit)
+    if suffix and not exposed.endswith(f"_{suffix}"):
+        exposed += f"_{suffix}"
+    if kind in ("counter", "observable counter"):
+        exposed += "_total"
+    return exposed
 
 
 def _instruments() -> Iterator[tuple[str, str, str, str, str]]:
