@@ -71,12 +71,15 @@ def configuration_page() -> str:
 def _settings_rows(model: type[BaseModel], prefix: str) -> Iterator[tuple[str, str, str, str]]:
     comments = _field_comments(model)
     for name, field in model.model_fields.items():
-        nested = _model_in(field.annotation)
-        if nested is not None:
-            yield from _settings_rows(nested, f"{prefix}{name}.")
-            continue
         description = field.description or comments.get(name, "")
-        yield f"{prefix}{name}", f"`{_type_name(field.annotation)}`", _default(field), _cell(description)
+        nested = _model_in(field.annotation)
+        if nested is not None and field.default is None:  # an optional section: another's alias
+            yield f"{prefix}{name}.*", f"`{nested.__name__}`", "", _cell(description)
+        elif nested is not None:
+            yield from _settings_rows(nested, f"{prefix}{name}.")
+        else:
+            kind = _type_name(field)
+            yield f"{prefix}{name}", f"`{kind}`", _default(field, kind), _cell(description)
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:
@@ -87,14 +90,20 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _type_name(annotation: Any) -> str:
+def _type_name(field: Any) -> str:
+    """The field's type; a duration (parsed from ``"500ms"``, ``"2m"`` …) as ``duration``."""
+    if any(getattr(getattr(item, "func", None), "__name__", "") == "parse_duration" for item in field.metadata):
+        return "duration"
+    annotation = field.annotation
     if isinstance(annotation, type) and not typing.get_args(annotation):
         return annotation.__name__
-    text = str(annotation).replace("typing.", "")
+    text = str(annotation).replace("typing.", "").replace(" | ", " or ")
     return re.sub(r"\b(?:[a-z_]+\.)+([A-Za-z_]+)", r"\1", text)
 
 
-def _default(field: Any) -> str:
+def _default(field: Any, kind: str) -> str:
+    if kind == "duration" and isinstance(field.default, float):
+        return f"`{field.default:g}s`"
     if field.default_factory is not None:
         value = field.default_factory()
     elif field.default is PydanticUndefined:
