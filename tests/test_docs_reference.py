@@ -2,7 +2,7 @@
 
 * ``scripts/docs_reference.py --check``: the command line, configuration and metrics pages and
   the envelope's JSON Schema match what the code would generate now.
-* Every ``json`` example on the envelope page satisfies that schema and parses as an envelope.
+* Every envelope shown as ``json`` in the docs satisfies that schema and parses as an envelope.
 * ``mkdocs build --strict`` builds the site without a warning.
 * Every module and folder the README's code map names exists.
 """
@@ -73,11 +73,17 @@ def _schema_errors(value: Any, schema: dict[str, Any], where: str = "envelope") 
 
 
 def test_envelope_examples_satisfy_the_schema() -> None:
+    """Every ``json`` block of the docs that holds an envelope (an object with an ``event_id``)."""
     schema = json.loads((REFERENCE / "envelope.schema.json").read_text())
-    examples = _json_blocks(REFERENCE / "envelope.md")
-    assert examples, "docs/reference/envelope.md shows no json example"
-    for example in examples:
-        assert _schema_errors(json.loads(example), schema) == []
+    examples = [
+        (page, block)
+        for page in sorted((ROOT / "docs").rglob("*.md"))
+        for block in _json_blocks(page)
+        if isinstance(json.loads(block), dict) and "event_id" in json.loads(block)
+    ]
+    assert any(page.name == "envelope.md" for page, _ in examples), "docs/reference/envelope.md shows no example"
+    for page, example in examples:
+        assert _schema_errors(json.loads(example), schema) == [], page
         parse_envelope(example)  # the model the schema comes from takes it too
 
 
