@@ -146,6 +146,7 @@ def _dispatchers(
                 publish_timeout=worker.publish_timeout,
                 redactor=redactor,
                 health=health.lane(name),
+                telemetry=telemetry,
             )
             dispatchers.append(relay)
             continue
