@@ -12,7 +12,7 @@ import pytest
 import room_outbox_audit
 from contract import Harness, SinkContract, closed_port
 
-from room_outbox import EventEnvelope, MySQLAddress
+from room_outbox import EventEnvelope
 
 #: A password that must never show in an error (the test server itself needs none).
 PASSWORD = "audit-s3cret-pw"
@@ -20,8 +20,7 @@ PASSWORD = "audit-s3cret-pw"
 
 @asynccontextmanager
 async def connection(dsn: str) -> AsyncIterator[aiomysql.Connection]:
-    address = MySQLAddress.from_dsn(dsn)
-    conn = await aiomysql.connect(db=address.database, **address.connect_kwargs())
+    conn = await aiomysql.connect(**room_outbox_audit.connect_kwargs(dsn))
     try:
         yield conn
     finally:
