@@ -1,5 +1,5 @@
 """Consumption lanes besides IM: one table per lane, fed from ``room_outbox`` without gaps,
-on MySQL, PostgreSQL and SQLite alike (the module's name is older than the other two).
+on MySQL, PostgreSQL and SQLite alike .
 
 ``room_outbox.status`` belongs to the IM lane. Every other sink (Kafka, audit, activity...)
 keeps its own state in ``room_outbox_lane_<name>``: the same columns and indexes as the IM
@@ -54,16 +54,11 @@ from typing import TYPE_CHECKING, Any
 
 from room_outbox.config import LanesSettings
 from room_outbox.store.backends.leased import LeasedRows
-from room_outbox.store.backends.mysql import MySQLStore
-from room_outbox.store.backends.postgres import PostgresStore
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import Dialect, table_names
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.membership import bucket_plan
 from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult
-from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_table
-from room_outbox.store.schema.outbox import ROOM_INDEX, Migration, concurrent_step, invalid_index_steps, run_plan
-from room_outbox.store.schema.outbox import claim_index as _claim_index
+from room_outbox.store.schema.lanes import CURSOR_TABLE, cursor_ddl, lane_ddl, lane_table
+from room_outbox.store.schema.registry import WantedSchema, migrate
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
@@ -71,69 +66,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("room_outbox.lanes")
 
 
-def cursor_ddl(dialect: Dialect) -> list[str]:
-    return [
-        f"""CREATE TABLE {CURSOR_TABLE} (
-  lane           VARCHAR(64) NOT NULL PRIMARY KEY,
-  fed_through_id {dialect.id_type} NOT NULL,
-  updated_at_ms  BIGINT      NOT NULL
-){dialect.table_options}"""
-    ]
-
-
-def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
-    """A lane's table; its claim index too where there are no room buckets (SQLite): on a
-    server the buckets' plan creates it after the bucket column (:mod:`.membership`)."""
-    table = lane_table(lane)
-    name, columns = _claim_index(table, key="outbox_id")
-    claim = [] if dialect.room_buckets else [f"CREATE INDEX {name} ON {table} {columns}"]
-    return [
-        f"""CREATE TABLE {table} (
-  outbox_id     {dialect.id_type} NOT NULL PRIMARY KEY,
-  event_id      VARCHAR(64)   NOT NULL,
-  event_type    VARCHAR(64)   NOT NULL,
-  room_id       VARCHAR(64)   NOT NULL,
-  app_code      VARCHAR(64)   NOT NULL DEFAULT '',
-  status        VARCHAR(16)   NOT NULL DEFAULT 'pending',
-  retry_count   INT           NOT NULL DEFAULT 0,
-  last_error    VARCHAR(1024) NULL,
-  worker_id     VARCHAR(128)  NULL DEFAULT NULL,
-  lock_until_ms BIGINT        NOT NULL DEFAULT 0,
-  created_at_ms BIGINT        NOT NULL,
-  updated_at_ms BIGINT        NOT NULL
-){dialect.table_options}""",
-        *claim,
-        f"CREATE INDEX {ROOM_INDEX.format(table=table)} ON {table} (room_id, status, outbox_id)",
-    ]
-
-
 async def migrate_lanes(store: SQLStore, lanes: Sequence[str]) -> list[str]:
-    """Create the cursor table and each lane's table (idempotent), online as the outbox
-    table's migration: on MySQL/MariaDB statement by statement, on PostgreSQL step by step
-    (the claim's index built ``CONCURRENTLY``, outside a transaction)."""
-    if isinstance(store, PostgresStore):
-        return await store.run_migration(lambda: lanes_migration_plan(store, lanes))
-    plan = await lanes_migration_plan(store, lanes)
-    if isinstance(store, MySQLStore):
-        return await store.run_migration(plan)
-    async with store.transaction() as cur:
-        return await run_plan(cur, plan)
-
-
-async def lanes_migration_plan(store: SQLStore, lanes: Sequence[str]) -> list[Migration]:
-    """The tables :func:`migrate_lanes` would create: the cursor table and each lane's, when missing."""
-    async with store.transaction() as cur:
-        existing = await table_names(cur, store.dialect)
-        wanted = [(CURSOR_TABLE, cursor_ddl(store.dialect))]
-        wanted += [(lane_table(lane), lane_ddl(lane, store.dialect)) for lane in lanes]
-        plan = [Migration(f"created table {name}", tuple(ddl)) for name, ddl in wanted if name not in existing]
-        # Room buckets belong to the processes' membership: on a server, not SQLite (see .membership).
-        tables = [lane_table(lane) for lane in lanes]
-        server = store.dialect.room_buckets
-        buckets = await bucket_plan(cur, store.dialect, tables, membership=False, key="outbox_id") if server else []
-        if store.dialect.name == "postgresql":  # interrupted index builds first
-            plan = await invalid_index_steps(cur, [t for t in tables if t in existing]) + plan
-    return plan + [concurrent_step(change, statements) for change, statements in buckets]
+    """Create the cursor table and each lane's table (idempotent), through the one migration
+    path (:mod:`room_outbox.store.schema.registry`)."""
+    return await migrate(store, WantedSchema(outbox=False, lanes=tuple(lanes)))
 
 
 def start_id(start: str | int, max_id: int) -> int:
