@@ -37,12 +37,13 @@ Planner = Callable[[Any], Awaitable[list[Migration]]]
 @dataclass(frozen=True)
 class WantedSchema:
     """What a migration brings about. ``outbox``: the outbox table and, on a server, the
-    membership and room buckets; ``lanes``: the lanes of their own; ``plugin_statements`` and
+    membership and room buckets; ``lanes``: the lane cursor table and the tables of these
+    lanes of their own (None: no lane tables); ``plugin_statements`` and
     ``handler_statements``: ``(what for, statements)`` of the plugins and handlers in use
     (idempotent, so they run every time); ``consumers``: the consumers' tables."""
 
     outbox: bool = True
-    lanes: tuple[str, ...] = ()
+    lanes: tuple[str, ...] | None = None
     plugin_statements: tuple[tuple[str, tuple[str, ...]], ...] = ()
     consumers: bool = False
     handler_statements: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -62,7 +63,7 @@ async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: Want
         if dialect.room_buckets:
             buckets = await bucket_plan(cur, dialect, [profile.table], profile=profile)
             plan += [concurrent_step(change, statements) for change, statements in buckets]
-    if wanted.lanes:
+    if wanted.lanes is not None:
         plan += await lane_steps(cur, dialect, wanted.lanes)
     for owner, statements in wanted.plugin_statements:
         if PLUGIN_SCHEMA in dialect.capabilities:
