@@ -1,14 +1,14 @@
-"""Consumption lanes besides IM: one table per lane, fed from ``room_outbox`` without gaps,
+"""Consumption lanes besides the main lane: one table per lane, fed from ``room_outbox`` without gaps,
 on MySQL, PostgreSQL and SQLite alike .
 
-``room_outbox.status`` belongs to the IM lane. Every other sink (Kafka, audit, activity...)
-keeps its own state in ``room_outbox_lane_<name>``: the same columns and indexes as the IM
+``room_outbox.status`` belongs to the main lane. Every other sink (Kafka, audit, activity...)
+keeps its own state in ``room_outbox_lane_<name>``: the same columns and indexes as the main
 lane's (so the same claim, lease, fencing, retry, parking and per-room code serves it), keyed
 by ``outbox_id``, without a copy of the envelope (read from ``room_outbox`` at claim time).
 
 Why a table per lane rather than one table keyed by (lane, event_id): a lane's backlog, its
 indexes and its clean-up never touch another lane's; a lane is dropped with one statement; and
-every statement is the IM lane's statement with another table name.
+every statement is the main lane's statement with another table name.
 
 **Feeding without gaps.** A lane copies new ``room_outbox`` rows into its table (an INSERT
 that skips duplicates: each row once per lane). The catch is that auto-increment ids (and PostgreSQL's sequences) commit out of order: a
@@ -101,7 +101,7 @@ COPY_CHUNK = 500
 @dataclass
 class LaneStore(LeasedRows):
     """One lane: :class:`~room_outbox.store.OutboxStore` over ``room_outbox_lane_<name>``,
-    sharing its owner's (the IM lane's store's) connections and dialect, fed from
+    sharing its owner's (the main lane's store's) connections and dialect, fed from
     ``room_outbox`` before each claim."""
 
     owner: SQLStore
@@ -129,7 +129,7 @@ class LaneStore(LeasedRows):
         # The claim reads each row's envelope from room_outbox in the same statement, by primary
         # key: one round trip less per claim than a second SELECT. A locking claim does not lock
         # what a subquery in its column list reads (MySQL/MariaDB and PostgreSQL alike), so the
-        # IM lane's claims on room_outbox are not made to skip those rows. A row deleted from
+        # main lane's claims on room_outbox are not made to skip those rows. A row deleted from
         # room_outbox meanwhile gets an empty envelope: it fails as a malformed envelope,
         # visibly, instead of vanishing.
         p = self.owner.profile
@@ -224,7 +224,7 @@ class LaneStore(LeasedRows):
     async def _copy(self, cur: Any, ids: Sequence[int]) -> None:
         """Copy the rows ``ids`` of ``room_outbox`` into the lane's table, in the database: no
         row travels to this process and back. (On MySQL/MariaDB at READ COMMITTED, the isolation
-        every connection here sets, the rows read are not locked, so the IM lane's claims of
+        every connection here sets, the rows read are not locked, so the main lane's claims of
         them are not held up; nor are they on PostgreSQL or SQLite.) A row fed already is kept
         as it is."""
         p, now = self.owner.profile, int(now_ms())
