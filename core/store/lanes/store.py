@@ -1,5 +1,5 @@
-"""Consumption lanes besides the main lane: one table per lane, fed from ``room_outbox`` without gaps,
-on MySQL, PostgreSQL and SQLite alike .
+"""Consumption lanes besides the main lane: one table per lane, fed from ``room_outbox``
+without gaps, on MySQL, PostgreSQL and SQLite alike.
 
 ``room_outbox.status`` belongs to the main lane. Every other sink (Kafka, audit, activity...)
 keeps its own state in ``room_outbox_lane_<name>``: the same columns and indexes as the main
