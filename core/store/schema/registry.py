@@ -1,7 +1,7 @@
 """The schema registry: every table room-outbox keeps, per database, as one ordered list of
 changes read from the catalogue. ``migrate`` runs it, ``migrate --sql`` prints it, and the
 start-up check (:mod:`.check`) requires what it creates; plan and apply read the same list,
-so they cannot drift.
+so they cannot drift (:func:`required_columns`: what the check requires of what it creates).
 
 In order: the outbox table (:mod:`.outbox`: its columns, indexes and fixes), the processes'
 membership and room buckets (on a server, :mod:`room_outbox.store.membership`), the lanes of
@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.store.dialect import PLUGIN_SCHEMA, Dialect
-from room_outbox.store.schema.buckets import bucket_plan
+from room_outbox.store.schema.buckets import BUCKET_COLUMN, BUCKET_TABLE, NODE_TABLE, bucket_plan
 from room_outbox.store.schema.consumers import consumer_steps
-from room_outbox.store.schema.lanes import lane_steps
+from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_steps, lane_table
 from room_outbox.store.schema.outbox import Migration, concurrent_step, invalid_index_steps, plan_outbox
+from room_outbox.store.schema.outbox import required_columns as outbox_columns
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
@@ -75,6 +76,29 @@ async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: Want
     for owner, statements in wanted.handler_statements:
         plan.append(Migration(f"ran {len(statements)} schema statement(s) for {owner}", statements))
     return plan
+
+
+#: Columns of a lane's own table that its statements read or write.
+LANE_COLUMNS = ("outbox_id", "status", "retry_count", "last_error", "worker_id", "lock_until_ms")
+
+
+def required_columns(dialect: Dialect, profile: Profile, wanted: WantedSchema) -> dict[str, tuple[str, ...]]:
+    """Table → the columns room-outbox reads or writes there, of what ``wanted`` creates (the
+    start-up check requires them; plugins' and consumers' tables are checked by their users)."""
+    # On a server: the processes' membership and the room buckets (SQLite runs without them)
+    server = dialect.room_buckets
+    # The bucket column where the dialect reads one (PostgreSQL computes the bucket instead)
+    bucket = (BUCKET_COLUMN,) if server and dialect.row_bucket == BUCKET_COLUMN else ()
+    required: dict[str, tuple[str, ...]] = {}
+    if wanted.outbox:
+        required[profile.table] = (*outbox_columns(profile), *bucket)
+    if wanted.lanes is not None:
+        required[CURSOR_TABLE] = ("lane", "fed_through_id")
+        required.update({lane_table(lane): (*LANE_COLUMNS, *bucket) for lane in wanted.lanes})
+    if wanted.outbox and server:
+        required[NODE_TABLE] = ("node_id", "heartbeat_ms", "view", "view_since_ms")
+        required[BUCKET_TABLE] = ("bucket", "owner", "handing_over", "claimable_from_ms")
+    return required
 
 
 async def migration_plan(store: SQLStore, wanted: WantedSchema = OUTBOX) -> list[Migration]:
