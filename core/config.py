@@ -15,7 +15,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -387,6 +387,13 @@ class LogSettings(Section):
     #: asyncio). Kept at WARNING whatever ``level`` says: at INFO httpx logs every request
     #: URL, and their DEBUG is noise. Their records are redacted like every other.
     library_level: str = "WARNING"
+    #: ``json``: one JSON object per line; ``console``: short aligned lines for people;
+    #: ``auto``: console when stderr is a terminal, JSON otherwise
+    #: (:mod:`room_outbox.observability.logs`).
+    format: Literal["auto", "console", "json"] = "auto"
+    #: The console span and metric exporters write to stdout, apart from the logs (stderr);
+    #: true sends their output into the log stream instead.
+    spans_with_logs: bool = False
 
     @field_validator("level", "library_level")
     @classmethod

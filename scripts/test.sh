@@ -22,8 +22,15 @@ for tool in docker-compose promtool prometheus faketime; do
     exit 1
   fi
 done
+# Each pytest run has an outer deadline besides the per-test timeout: at it, SIGABRT makes
+# pytest's faulthandler print every thread's stack, and the run fails instead of stalling CI.
+PYTEST_DEADLINE=${PYTEST_DEADLINE:-1800}
+pytest_within() {
+  timeout --signal=ABRT --kill-after=30 "$PYTEST_DEADLINE" .venv/bin/python -m pytest "$@"
+}
 if [ "$#" -gt 0 ]; then  # a focused run: pytest with these arguments, nothing else
-  exec .venv/bin/python -m pytest "$@"
+  pytest_within "$@"
+  exit
 fi
 # The full run has three parts, all of which always run; it fails when any does:
 # 1. style, types, the import contracts and the docs site (mkdocs build --strict, into a
@@ -39,11 +46,11 @@ trap 'rm -rf "$checks_log" "$site"' EXIT
   && .venv/bin/mkdocs build --strict --quiet --site-dir "$site"; } >"$checks_log" 2>&1 &
 checks=$!
 status=0
-.venv/bin/python -m pytest --numprocesses 2 -m "not serial" || status=$?
+pytest_within --numprocesses 2 -m "not serial" || status=$?
 if ! wait "$checks"; then
   status=1
   echo "scripts/test.sh: the style, type, import-contract or docs-site checks failed:" >&2
 fi
 cat "$checks_log"
-.venv/bin/python -m pytest -m serial || status=$?
+pytest_within -m serial || status=$?
 exit "$status"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
 
 import anyio
 import pytest
@@ -74,6 +75,29 @@ async def wait_until(
         if time.monotonic() > deadline:
             pytest.fail(f"condition not met within {timeout}s")
         await anyio.sleep(interval)
+
+
+class Runner(Protocol):
+    """A dispatcher or a consumer: ``run`` until ``stop``."""
+
+    async def run(self, *, task_status: Any = ...) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+@contextlib.asynccontextmanager
+async def running(*runners: Runner) -> AsyncIterator[None]:
+    """Run each of ``runners`` in a task group for the block, and stop them all on the way
+    out whatever ended it: a test that fails midway ends at once, instead of its task group
+    waiting for ever on loops nobody stopped."""
+    async with anyio.create_task_group() as tg:
+        try:
+            for runner in runners:
+                await tg.start(runner.run)
+            yield
+        finally:
+            for runner in runners:
+                runner.stop()
 
 
 async def _truth(value: Awaitable[bool] | bool) -> bool:

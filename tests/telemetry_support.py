@@ -11,6 +11,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from room_outbox.observability.metrics import PrometheusExposition
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.observability.tracing import RedactingSpanExporter
@@ -62,5 +63,6 @@ def capture(redactor: Redactor | None = None) -> Captured:
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(RedactingSpanExporter(exporter, redactor)))
     reader = InMemoryMetricReader()
-    telemetry = Telemetry(tracer_provider, MeterProvider(metric_readers=[reader]), reader)
+    exposition = PrometheusExposition()
+    telemetry = Telemetry(tracer_provider, MeterProvider(metric_readers=[reader, exposition.reader]), exposition)
     return Captured(telemetry, exporter, reader, redactor)

@@ -425,7 +425,7 @@ def test_a_failure_line_never_carries_a_configured_secret(
     def echoing_check(*_: Any, **__: Any) -> None:
         raise ConfigurationError(f"sinks.tencent_im.secret_key: {secret!r} is not a key this app knows")
 
-    monkeypatch.setattr("room_outbox.cli.run.check_configuration", echoing_check)
+    monkeypatch.setattr("room_outbox.cli.check_config.check_configuration", echoing_check)
     assert main(["--config", str(config), "check-config"]) == 2
     err = capsys.readouterr().err
     assert "sinks.tencent_im.secret_key: '[REDACTED]' is not a key" in err

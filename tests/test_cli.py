@@ -16,9 +16,10 @@ import psycopg
 import pytest
 from support import V1_DDL, envelope, insert_events
 
-from room_outbox.cli.main import COMMANDS, EXIT_CODES, SELF_CONTAINED, build_parser, main, version
+from room_outbox.cli.main import EXIT_CODES, build_parser, main, version
+from room_outbox.cli.output import format_relative, format_time
+from room_outbox.cli.registry import COMMANDS
 from room_outbox.cli.requeue import requeue_command
-from room_outbox.cli.status import format_relative, format_time
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import table_names
@@ -82,10 +83,10 @@ def test_run_and_consume_freeze_the_startup_heap_and_the_one_off_commands_do_not
     configuration error found inside: an unknown sink, no consumer); a one-off command never
     does."""
     import room_outbox.cli.consume as consume_cli
-    import room_outbox.cli.main as main_cli
+    import room_outbox.cli.run as run_cli
 
     frozen: list[str] = []
-    monkeypatch.setattr(main_cli, "freeze_startup_heap", lambda: frozen.append("run"))
+    monkeypatch.setattr(run_cli, "freeze_startup_heap", lambda: frozen.append("run"))
     monkeypatch.setattr(consume_cli, "freeze_startup_heap", lambda: frozen.append("consume"))
     path = tmp_path / "config.yaml"
     path.write_text("database:\n  dsn: 'sqlite:///x.db'\nsinks:\n  no_such_sink:\n    enabled: true\n")
@@ -113,7 +114,7 @@ def test_top_level_help_describes_the_tool_and_lists_every_command(capsys: pytes
     text = help_of(capsys)
     assert text.startswith("usage: room-outbox [--config FILE] COMMAND [options]\n\nGuaranteed delivery of room events")
     assert "``" not in text  # no raw docstring markup
-    for name in COMMANDS:
+    for name in (command.name for command in COMMANDS):
         assert re.search(rf"^    {re.escape(name)}\b", text, re.M), name
     assert "examples:\n  room-outbox check-config" in text and "Exit codes: 0 done" in text
 
@@ -121,16 +122,16 @@ def test_top_level_help_describes_the_tool_and_lists_every_command(capsys: pytes
 def test_every_command_has_a_description_an_example_and_config(capsys: pytest.CaptureFixture[str]) -> None:
     parser = build_parser()
     subcommands = next(a for a in parser._actions if a.dest == "command").choices
-    assert subcommands is not None and set(subcommands) == set(COMMANDS)
-    for name in COMMANDS:
+    assert subcommands is not None and set(subcommands) == {command.name for command in COMMANDS}
+    for command in COMMANDS:
+        name = command.name
         text = help_of(capsys, name)
         assert text.startswith(f"usage: room-outbox {name} "), name
-        _summary, description, _examples = COMMANDS[name]
-        assert description.splitlines()[0] in text, name
+        assert command.description.splitlines()[0] in text, name
         examples = text.split("examples:\n", 1)[1].splitlines()
         assert examples and all(line.startswith("  ") and "room-outbox " in line for line in examples), name
         assert "--config FILE" in text, name
-        if name not in SELF_CONTAINED:
+        if command.needs != "none":
             assert "$ROOM_OUTBOX_CONFIG" in text, name
         for example in examples:  # every example parses
             words = shlex.split(example.split(" | ")[0])
@@ -210,9 +211,9 @@ async def test_requeue_says_when_more_rows_match_than_it_changes(store: MySQLSto
     )
     out = io.StringIO()
     assert await requeue_command(store, where, True, out, limit=3) == 0
-    assert out.getvalue().splitlines()[-1] == (
+    assert out.getvalue().splitlines()[-1] == (  # the hint never suggests the --status failed given
         "requeued 3 row(s); more than 3 rows matched: only the first 3 (lowest ids) were taken;"
-        " narrow the filter (--status failed, --event-type, --older-than) to reach the rest"
+        " run it again to reach the rest (the rows just requeued no longer match --status failed)"
     )
     out = io.StringIO()  # the rows just requeued are pending now: --status failed reaches the rest
     assert await requeue_command(store, where, True, out, limit=3) == 0

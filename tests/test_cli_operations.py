@@ -43,9 +43,9 @@ async def test_requeue_and_cancel_from_the_command_line(
     rows = await fetch_rows(store)
     assert (rows["p2"]["status"], rows["p2"]["retry_count"], rows["p1"]["status"]) == ("pending", 0, "failed")
 
-    assert await anyio.to_thread.run_sync(main, ["--config", config, "cancel", "c1"]) == 0
+    assert await anyio.to_thread.run_sync(main, ["--config", config, "cancel", "c1", "--yes"]) == 0
     assert (await fetch_rows(store))["c1"]["status"] == "cancelled"
-    assert await anyio.to_thread.run_sync(main, ["--config", config, "cancel", "c1"]) == 1
+    assert await anyio.to_thread.run_sync(main, ["--config", config, "cancel", "c1", "--yes"]) == 1
     assert "c1 is cancelled" in capsys.readouterr().err
 
 

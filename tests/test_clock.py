@@ -85,9 +85,9 @@ def test_readyz_shows_a_skewed_clock_with_a_fixed_cause_and_stays_ready() -> Non
 def test_the_offset_gauge_carries_the_last_measured_offset(monkeypatch: pytest.MonkeyPatch) -> None:
     captured = capture()
     monkeypatch.setattr(CLOCK, "offset", -12.5)
-    assert captured.value("room_outbox_clock_offset_seconds") == -12.5
+    assert captured.value("room_outbox.clock.offset") == -12.5
     monkeypatch.setattr(CLOCK, "offset", 0.25)
-    assert captured.value("room_outbox_clock_offset_seconds") == 0.25
+    assert captured.value("room_outbox.clock.offset") == 0.25
 
 
 def test_max_clock_skew_is_a_positive_duration() -> None:

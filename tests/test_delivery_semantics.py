@@ -8,9 +8,19 @@ from typing import Any
 
 import anyio
 import pytest
-from support import RecordingSink, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, wait_until
+from support import (
+    RecordingSink,
+    envelope,
+    fetch_rows,
+    insert_events,
+    insert_rows,
+    make_dispatcher,
+    running,
+    wait_until,
+)
 
-from room_outbox.cli.requeue import cancel_command, requeue_command
+from room_outbox.cli.cancel import cancel_command
+from room_outbox.cli.requeue import requeue_command
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError
 from room_outbox.store.backends.mysql import MySQLStore
@@ -112,12 +122,8 @@ async def test_per_room_order_holds_across_dispatchers_with_failures(store: MySQ
     async def all_published() -> bool:
         return {r["status"] for r in (await fetch_rows(store)).values()} == {"published"}
 
-    async with anyio.create_task_group() as tg:
-        for dispatcher in dispatchers:
-            await tg.start(dispatcher.run)
+    async with running(*dispatchers):
         await wait_until(all_published, timeout=60.0)
-        for dispatcher in dispatchers:
-            dispatcher.stop()
     per_room: dict[str, list[int]] = defaultdict(list)
     for event_id in received:
         room, version = event_id.rsplit("-", 1)

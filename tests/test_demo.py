@@ -201,7 +201,7 @@ async def test_operator_commands_run_on_the_sqlite_file_the_demo_keeps(
         await store.aclose()
     assert await anyio.to_thread.run_sync(main, ["status", "--json"]) == 0
     assert '"pending": 1' in capsys.readouterr().out
-    assert await anyio.to_thread.run_sync(main, ["cancel", "evt_1"]) == 0
+    assert await anyio.to_thread.run_sync(main, ["cancel", "evt_1", "--yes"]) == 0
     assert "cancelled evt_1" in capsys.readouterr().out
     assert await anyio.to_thread.run_sync(main, ["cleanup", "--older-than", "1s"]) == 0
     assert "0 published row(s)" in capsys.readouterr().out

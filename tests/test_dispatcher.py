@@ -9,7 +9,16 @@ from typing import Any
 
 import anyio
 import pytest
-from support import RecordingSink, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, wait_until
+from support import (
+    RecordingSink,
+    envelope,
+    fetch_rows,
+    insert_events,
+    insert_rows,
+    make_dispatcher,
+    running,
+    wait_until,
+)
 
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError, ThrottledSinkError
@@ -230,10 +239,8 @@ async def test_a_backlog_drains_without_waiting_for_the_poll_interval(store: MyS
     async def all_published() -> bool:
         return all(r["status"] == "published" for r in (await fetch_rows(store)).values())
 
-    async with anyio.create_task_group() as tg:
-        await tg.start(dispatcher.run)
+    async with running(dispatcher):
         await wait_until(all_published, timeout=10.0)  # far less than one 30 s poll interval
-        dispatcher.stop()
     assert len(sink.received) == 450
 
 
@@ -263,8 +270,7 @@ async def test_store_errors_are_logged_and_the_loop_survives(
     dispatcher = make_dispatcher(store, sink, poll_interval=0.05)
     async with store.transaction() as cur:
         await cur.execute("RENAME TABLE room_outbox TO room_outbox_away")
-    async with anyio.create_task_group() as tg:
-        await tg.start(dispatcher.run)
+    async with running(dispatcher):
 
         async def error_logged() -> bool:
             return any(r.message.startswith("outbox round failed") for r in caplog.records)
@@ -277,7 +283,6 @@ async def test_store_errors_are_logged_and_the_loop_survives(
             return (await fetch_rows(store))["e1"]["status"] == "published"
 
         await wait_until(published)
-        dispatcher.stop()
     assert sink.received == ["e1"]
 
 

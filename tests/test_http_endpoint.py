@@ -35,7 +35,7 @@ async def endpoint() -> AsyncIterator[tuple[HttpEndpoint, Database, httpx.AsyncC
     database = Database()
     redactor = Redactor()
     redactor.add("dbpassw0rd")
-    server = HttpEndpoint(Health(database.check, redactor=redactor), lambda: "room_outbox_pending_total 3\n")
+    server = HttpEndpoint(Health(database.check, redactor=redactor), lambda: "room_outbox_pending 3\n")
     port = await server.bind("127.0.0.1", 0)
     async with anyio.create_task_group() as tg, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
         tg.start_soon(server.serve)
@@ -71,7 +71,7 @@ async def test_health_readiness_and_metrics(endpoint: tuple[HttpEndpoint, Databa
 
     metrics = await client.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
-    assert metrics.text == "room_outbox_pending_total 3\n"
+    assert metrics.text == "room_outbox_pending 3\n"
     assert (await client.head("/metrics")).content == b""
     assert metrics.headers["cache-control"] == "no-store"
     nope = await client.get("/nope")
@@ -163,14 +163,14 @@ async def test_the_service_serves_the_endpoint_for_the_life_of_the_worker(
                 async def metrics_seen() -> bool:
                     text = (await client.get("/metrics")).text
                     return (
-                        'room_outbox_publish_success_total{event_type="RoomGiftSent",sink="flaky"} 1' in text
-                        and 'room_outbox_pending_total{lane="main"} 1' in text
+                        'room_outbox_publish_success_total{event_type="RoomGiftSent",sink="flaky"} 1.0' in text
+                        and 'room_outbox_pending{lane="main"} 1.0' in text
                     )
 
                 await wait_until(metrics_seen)
                 text = (await client.get("/metrics")).text
                 assert 'error_class="retryable",event_type="RoomUserJoined",sink="flaky"' in text
-                assert "room_outbox_oldest_pending_age_ms " in text
+                assert 'room_outbox_oldest_pending_age_seconds{lane="main"} ' in text
                 assert "room_outbox_claimed_batch_size_count " in text
                 assert (await client.get("/readyz")).json()["ready"] is True  # failures everywhere, still ready
                 stop.set()

@@ -13,8 +13,8 @@ import anyio
 import pytest
 from support import envelope, insert_events, insert_rows
 
+from room_outbox.cli.inspect import describe_state
 from room_outbox.cli.main import main
-from room_outbox.cli.status import describe_state
 from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
@@ -152,7 +152,7 @@ async def test_human_output_escapes_control_characters_from_rows(
         outputs.append(out)
     async with store.transaction() as cur:  # lease gone, so requeue and cancel take the row
         await cur.execute("UPDATE room_outbox SET worker_id = NULL, lock_until_ms = 0")
-    for args in (("requeue", "--error-contains", "pwned"), ("cancel", evil_id), ("cancel", evil_id)):
+    for args in (("requeue", "--error-contains", "pwned"), ("cancel", evil_id, "--yes"), ("cancel", evil_id, "--yes")):
         _, out, err = await _cli(capsys, tmp_path, database_dsn, *args)
         outputs.append(out + err)
     status, inspection, requeue, cancelled, again = outputs

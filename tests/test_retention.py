@@ -171,12 +171,12 @@ async def test_cleanup_command(
     for preview in ([], ["--dry-run"]):
         assert await anyio.to_thread.run_sync(main, ["--config", str(config), "cleanup", *preview]) == 0
         assert capsys.readouterr().out == (
-            "6 published row(s) older than 604800s would be deleted (dry run: nothing changed;"
+            "6 published row(s) older than 7d would be deleted (dry run: nothing changed;"
             " run again with --yes to remove them)\n"
         )
     argv = ["--config", str(config), "cleanup", "--older-than", "48h", "--archive", "--dry-run"]
     assert await anyio.to_thread.run_sync(main, argv) == 0
-    assert f"15 published row(s) older than 172800s would be moved to {ARCHIVE_TABLE}" in capsys.readouterr().out
+    assert f"15 published row(s) older than 48h would be moved to {ARCHIVE_TABLE}" in capsys.readouterr().out
     assert len(await fetch_rows(store)) == 15
     async with store.transaction() as cur:
         await cur.execute(f"SHOW TABLES LIKE '{ARCHIVE_TABLE}'")
@@ -184,12 +184,12 @@ async def test_cleanup_command(
 
     assert await anyio.to_thread.run_sync(main, ["--config", str(config), "cleanup", "--yes"]) == 0
     out, err = capsys.readouterr()
-    assert "6 published row(s) older than 604800s deleted in 2 batch(es)" in out
+    assert "6 published row(s) older than 7d deleted in 2 batch(es)" in out
     assert err == ""  # not a terminal: no progress lines
 
     argv = ["--config", str(config), "cleanup", "--older-than", "48h", "--archive", "--yes"]
     assert await anyio.to_thread.run_sync(main, argv) == 0
-    assert f"9 published row(s) older than 172800s moved to {ARCHIVE_TABLE}" in capsys.readouterr().out
+    assert f"9 published row(s) older than 48h moved to {ARCHIVE_TABLE}" in capsys.readouterr().out
     assert await fetch_rows(store) == {}
 
 
@@ -243,7 +243,7 @@ async def test_cleanup_shows_a_progress_line_per_batch_on_a_terminal(
         "batch 2: 8 row(s) deleted so far",
         "batch 3: 10 row(s) deleted so far",
     ]
-    assert (tmp_path / "out").read_text().startswith("10 published row(s) older than 604800s deleted in 3 batch(es)")
+    assert (tmp_path / "out").read_text().startswith("10 published row(s) older than 7d deleted in 3 batch(es)")
 
 
 def _read_all(fd: int) -> str:
@@ -362,14 +362,13 @@ async def test_the_background_job_and_cleanup_prune_consumers_records_too(
         "retention:\n  batch_size: 2\n  pause: 0s\n  processed_older_than: 30d\n"
     )
     assert await anyio.to_thread.run_sync(main, ["--config", str(config), "cleanup"]) == 0
-    assert "consumers: 3 processed record(s) older than 2592000s and 0 resolved retry row(s) would be deleted" in (
+    assert "consumers: 3 processed record(s) older than 30d and 0 resolved retry row(s) would be deleted" in (
         capsys.readouterr().out
     )
     assert len(await event_ids(store, "room_consumer_processed")) == 4
     assert await anyio.to_thread.run_sync(main, ["--config", str(config), "cleanup", "--yes"]) == 0
-    assert (
-        "consumers: 3 processed record(s) older than 2592000s and 0 resolved retry row(s) deleted in 2 batch(es)"
-        in (capsys.readouterr().out)
+    assert "consumers: 3 processed record(s) older than 30d and 0 resolved retry row(s) deleted in 2 batch(es)" in (
+        capsys.readouterr().out
     )
     assert await event_ids(store, "room_consumer_processed") == {"new1"}
 

@@ -204,7 +204,7 @@ async def test_a_room_cell_status_enum_without_cancelled_is_refused_and_cancel_i
         await execute(store, ROOM_CELL_ENUM_DDL)
         await execute(store, INSERT_WITH_APP, produced(["e1"]))
         assert_refused(config, ROOM_CELL_ENUM_LINE)
-        cancelled = room_outbox(config, "cancel", "e1")
+        cancelled = room_outbox(config, "cancel", "e1", "--yes")
         assert (cancelled.returncode, cancelled.stderr.strip()) == (3, ROOM_CELL_ENUM_LINE)
         assert (await fetch_rows(store))["e1"]["status"] == "pending"
     finally:

@@ -25,8 +25,8 @@ import yaml
 from support import envelope, fetch_rows, insert_events, insert_rows, wait_until
 
 from room_outbox.config import Settings
+from room_outbox.observability.logs import LIBRARY_LOGGERS, configure_logging
 from room_outbox.observability.redaction import REDACTED, Redactor, redactor_for
-from room_outbox.observability.telemetry import LIBRARY_LOGGERS, configure_logging
 from room_outbox.plugins.tencent_im.fake import FakeTencentIM, serve_fake_im
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 
@@ -282,9 +282,11 @@ async def _cli(config: Path, env: dict[str, str], *args: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.anyio
+@pytest.mark.parametrize("log_format", ["json", "console"])
 async def test_no_output_channel_carries_a_secret(
-    store: MySQLStore, password_dsn: tuple[str, str], fake_im: RecordingFakeIM, tmp_path: Path
+    store: MySQLStore, password_dsn: tuple[str, str], fake_im: RecordingFakeIM, tmp_path: Path, log_format: str
 ) -> None:
+    """Both log formats are scanned: the console one formats fields its own way."""
     dsn, db_password = password_dsn
     (identifier,) = fake_im.admins
     secret_key = fake_im.apps[SDKAPPID]
@@ -295,7 +297,7 @@ async def test_no_output_channel_carries_a_secret(
                 "mysql": {"dsn": dsn, "pool_size": 2},
                 "outbox_worker": {"poll_interval": "100ms", "publish_timeout": "2s"},
                 "sinks": {"tencent_im": {"base_url": fake_im.base_url, "sdkappid": SDKAPPID, "identifier": identifier}},
-                "log": {"level": "DEBUG", "library_level": "DEBUG"},  # the libraries' URL lines too
+                "log": {"level": "DEBUG", "library_level": "DEBUG", "format": log_format},  # + the libraries' URLs
                 "telemetry": {"http_listen": "127.0.0.1:0", "backlog_interval": "200ms"},
                 "routing": {"main_default": "known"},  # so that RoomTeleported fails (no_route), parked
             }
@@ -338,12 +340,12 @@ async def test_no_output_channel_carries_a_secret(
             )
 
         await wait_until(delivered_and_failed, timeout=30)
-        port = next(d["port"] for d in _log_lines(stderr) if d.get("lifecycle") == "http_started")
+        port = _http_port(stderr.read_text())
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
 
             async def metrics_text() -> str:
                 text = (await client.get("/metrics")).text
-                return text if 'event_type="other"' in text and "room_outbox_pending_total" in text else ""
+                return text if 'event_type="other"' in text and "room_outbox_pending{" in text else ""
 
             await wait_until(metrics_text, timeout=10)
             metrics = await metrics_text()
@@ -366,6 +368,7 @@ async def test_no_output_channel_carries_a_secret(
     # What was scanned really carried what a leak would ride on.
     assert fake_im.usersigs and all("*" in sig for sig in fake_im.usersigs), fake_im.usersigs
     logs = stderr.read_text()
+    assert all(line.startswith("{") == (log_format == "json") for line in logs.splitlines()[:3]), logs[:500]
     assert "UserSig expired at Tencent (70001)" in logs
     spans = stdout.read_text()
     # The sink's HTTP client (httpx) logs each request URL at INFO; its client spans carry them.
@@ -373,7 +376,7 @@ async def test_no_output_channel_carries_a_secret(
     assert re.search(r'"url.full": "[^"]+usersig=\[REDACTED\]&', spans), "no client span carried a request URL"
     assert '"name": "room_outbox.deliver RoomUserJoined"' in spans
     assert '"name": "room_outbox.deliver other"' in spans  # an unknown type mints no span name
-    assert "room_outbox_publish_success_total" in spans  # console metrics
+    assert "room_outbox.publish.success" in spans  # console metrics
     assert 'event_type="other"' in metrics and "RoomTeleported" not in metrics
     assert any("ErrorCode 10002" in e for e in last_errors)
     assert any("envelope app_code 'other_app' differs from the row's 'default'" in e for e in last_errors)
@@ -395,5 +398,9 @@ async def test_no_output_channel_carries_a_secret(
                 assert form not in text, f"{name} ({form[:12]}…) in {channel}"
 
 
-def _log_lines(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+def _http_port(logs: str) -> int:
+    """The endpoint's port from its ``http_started`` line, in either log format."""
+    (line,) = (line for line in logs.splitlines() if "http_started" in line)
+    found = re.search(r'\bport"?[=:] ?(\d+)', line)
+    assert found, line
+    return int(found.group(1))

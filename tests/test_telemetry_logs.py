@@ -1,13 +1,19 @@
-"""Structured logs: JSON lines with seed 000's fields, secrets masked."""
+"""Logs: JSON lines with seed 000's fields, console lines for people, secrets masked in both."""
 
 from __future__ import annotations
 
 import io
 import json
 import logging
+import re
+import sys
+from typing import Any
 
+import pytest
+
+from room_outbox.observability.logs import configure_logging, span_stream
 from room_outbox.observability.redaction import Redactor
-from room_outbox.observability.telemetry import configure_logging
+from room_outbox.observability.telemetry import telemetry_from_environment
 
 
 def test_json_lines_carry_seed_000_fields_and_mask_secrets() -> None:
@@ -35,3 +41,115 @@ def test_json_lines_carry_seed_000_fields_and_mask_secrets() -> None:
     }  # fmt: skip
     assert doc["error"] == "usersig=[REDACTED] rejected"
     assert "sup3rsecret" not in line
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal, as stderr does in an interactive shell."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _log_to(stream: io.StringIO, redactor: Redactor | None = None, **options: Any) -> None:
+    """Configure logging onto ``stream``, log a lifecycle line, an event line and an exception."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure_logging("INFO", "node-7", redactor or Redactor(), stream, **options)
+        log = logging.getLogger("room_outbox.dispatcher")
+        logging.getLogger("room_outbox.app").info("worker started", extra={"lifecycle": "worker_started"})
+        log.warning(
+            "delivery failed",
+            extra={"error_class": "timeout", "event_id": "e1", "event_type": "RoomGiftSent", "room_id": "r_1",
+                   "retry_count": 2, "status": "pending", "error": "usersig=sup3rsecret rejected", "lane": "main"},
+        )  # fmt: skip
+        try:
+            raise RuntimeError("token sup3rsecret refused")
+        except RuntimeError:
+            log.exception("sink failed")
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+        logging.captureWarnings(False)
+
+
+def test_console_lines_are_short_aligned_key_fields_first_and_masked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    stream = io.StringIO()  # not a terminal: no colour, even with console asked for
+    redactor = Redactor()
+    redactor.add("sup3rsecret")
+    _log_to(stream, redactor, log_format="console")
+    started, failed, exception, *traceback = stream.getvalue().splitlines()
+    assert re.fullmatch(r"\d\d:\d\d:\d\d\.\d{3} INFO  app {11}worker started {13}lifecycle=worker_started", started)
+    assert failed.endswith(
+        "WARN  dispatcher    delivery failed            lane=main event_id=e1 event_type=RoomGiftSent room_id=r_1"
+        ' retry_count=2 status=pending error="usersig=[REDACTED] rejected" error_class=timeout'
+    )
+    assert started.index("worker started") == failed.index("delivery failed")  # columns align
+    assert started.index("lifecycle=") == failed.index("lane=")
+    assert "ERROR app" not in exception and "ERROR dispatcher    sink failed" in exception
+    assert traceback[0] == "Traceback (most recent call last):"
+    assert traceback[-1] == "RuntimeError: token [REDACTED] refused"
+    assert "sup3rsecret" not in stream.getvalue() and "\x1b[" not in stream.getvalue()
+    assert "node-7" not in stream.getvalue()  # the constant fields stay out of a person's way
+
+
+def test_auto_is_console_on_a_terminal_with_colour_unless_no_color(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    terminal = Terminal()
+    _log_to(terminal)  # log.format defaults to auto
+    lines = terminal.getvalue().splitlines()
+    assert not lines[0].startswith("{") and "worker started" in lines[0]
+    assert "\x1b[33mWARN \x1b[0m" in lines[1] and "\x1b[31mERROR\x1b[0m" in lines[2]
+
+    monkeypatch.setenv("NO_COLOR", "1")
+    plain = Terminal()
+    _log_to(plain)
+    assert "worker started" in plain.getvalue() and "\x1b[" not in plain.getvalue()
+
+    monkeypatch.setenv("NO_COLOR", "")  # set but empty: colour stays (no-color.org)
+    empty = Terminal()
+    _log_to(empty)
+    assert "\x1b[" in empty.getvalue()
+
+
+def test_auto_is_json_when_not_a_terminal_and_json_can_be_forced_on_one() -> None:
+    piped = io.StringIO()
+    _log_to(piped)
+    forced = Terminal()
+    _log_to(forced, log_format="json")
+    for stream in (piped, forced):
+        docs = [json.loads(line) for line in stream.getvalue().splitlines()]
+        assert [d["msg"] for d in docs] == ["worker started", "delivery failed", "sink failed"]
+        assert "RuntimeError: token sup3rsecret refused" in docs[2]["exc"]  # no redactor registered here
+
+
+def test_an_unknown_format_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="unknown log format 'xml'"):
+        _log_to(io.StringIO(), log_format="xml")
+
+
+def test_console_spans_go_to_stdout_apart_from_the_logs_unless_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    logs = Terminal()
+    _log_to(logs)
+    assert span_stream() is sys.stdout
+    telemetry = telemetry_from_environment("n", Redactor(), environ={"OTEL_TRACES_EXPORTER": "console"})
+    assert telemetry.tracer is not None
+    telemetry.tracer.start_span("room_outbox.deliver RoomGiftSent").end()
+    for provider in telemetry._providers:
+        provider.shutdown()  # flushes the batch
+    assert '"name": "room_outbox.deliver RoomGiftSent"' in capsys.readouterr().out
+    assert "room_outbox.deliver" not in logs.getvalue()
+
+    together = Terminal()
+    _log_to(together, spans_with_logs=True)
+    assert span_stream() is together
+    telemetry = telemetry_from_environment("n", Redactor(), environ={"OTEL_TRACES_EXPORTER": "console"})
+    assert telemetry.tracer is not None
+    telemetry.tracer.start_span("room_outbox.deliver RoomClosed").end()
+    for provider in telemetry._providers:
+        provider.shutdown()
+    assert '"name": "room_outbox.deliver RoomClosed"' in together.getvalue()
+    assert "room_outbox.deliver RoomClosed" not in capsys.readouterr().out
+    _log_to(io.StringIO())  # back to the default
+    assert span_stream() is sys.stdout

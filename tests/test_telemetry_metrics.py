@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from typing import Any
 
@@ -42,14 +41,14 @@ async def test_success_failure_latency_and_batch_size(store: MySQLStore) -> None
     await dispatcher.run_until_empty()
 
     v = captured.value
-    assert v("room_outbox_publish_success_total", sink="test", event_type="RoomUserJoined") == 1
-    assert v("room_outbox_publish_success_total", sink="test", event_type="RoomGiftSent") == 1
-    assert v("room_outbox_publish_failure_total", event_type="RoomUserJoined", error_class="retryable") == 1
-    assert v("room_outbox_publish_failure_total", event_type="RoomClosed", error_class="permanent") == 1
-    latency = captured.histogram("room_outbox_publish_latency_ms")
+    assert v("room_outbox.publish.success", sink="test", event_type="RoomUserJoined") == 1
+    assert v("room_outbox.publish.success", sink="test", event_type="RoomGiftSent") == 1
+    assert v("room_outbox.publish.failure", event_type="RoomUserJoined", error_class="retryable") == 1
+    assert v("room_outbox.publish.failure", event_type="RoomClosed", error_class="permanent") == 1
+    latency = captured.histogram("room_outbox.publish.duration")
     assert sum(p.count for p in latency) == 4
     assert sum(p.count for p in latency if p.attributes["outcome"] == "failed") == 2
-    (batches,) = captured.histogram("room_outbox_claimed_batch_size")
+    (batches,) = captured.histogram("room_outbox.claimed_batch.size")
     assert batches.count >= 1 and batches.sum == 4
 
 
@@ -72,8 +71,8 @@ async def test_a_row_published_by_the_producer_mid_delivery_is_told_apart_from_a
     with caplog.at_level(logging.INFO, logger="room_outbox"):
         await dispatcher.run_until_empty()
     lost = captured.value
-    assert lost("room_outbox_lost_leases_total", detected_at="result_write", cause="published_by_producer") == 1
-    assert lost("room_outbox_lost_leases_total", detected_at="result_write", cause="taken_over") == 0
+    assert lost("room_outbox.lost_leases", detected_at="result_write", cause="published_by_producer") == 1
+    assert lost("room_outbox.lost_leases", detected_at="result_write", cause="taken_over") == 0
     (record,) = [r for r in caplog.records if "result not recorded" in r.getMessage()]
     assert record.levelno == logging.INFO and "producer already published" in record.getMessage()
 
@@ -102,8 +101,8 @@ async def test_a_row_taken_over_by_another_claim_counts_as_a_lost_lease(
     with caplog.at_level(logging.INFO, logger="room_outbox"):
         await dispatcher.run_until_empty()
     lost = captured.value
-    assert lost("room_outbox_lost_leases_total", detected_at="result_write", cause="taken_over") == 1
-    assert lost("room_outbox_lost_leases_total", detected_at="result_write", cause="published_by_producer") == 0
+    assert lost("room_outbox.lost_leases", detected_at="result_write", cause="taken_over") == 1
+    assert lost("room_outbox.lost_leases", detected_at="result_write", cause="published_by_producer") == 0
     (record,) = [r for r in caplog.records if "result not recorded" in r.getMessage()]
     assert record.levelno == logging.WARNING and "taken over" in record.getMessage()
 
@@ -127,9 +126,9 @@ async def test_event_types_the_routing_does_not_know_are_labelled_other(store: M
     dispatcher.telemetry = captured.telemetry
     await dispatcher.run_until_empty()
 
-    labels = {p.attributes["event_type"] for p in captured.points("room_outbox_publish_latency_ms")}
+    labels = {p.attributes["event_type"] for p in captured.points("room_outbox.publish.duration")}
     assert labels == {"other", "RoomCustomThing", "RoomGiftSent"}  # routed by name: kept
-    assert captured.value("room_outbox_publish_failure_total", event_type="other", error_class="no_route") == 3
+    assert captured.value("room_outbox.publish.failure", event_type="other", error_class="no_route") == 3
     names = sorted(span.name for span in captured.spans("room_outbox.deliver "))
     assert names == ["room_outbox.deliver " + t for t in ("RoomCustomThing", "RoomGiftSent", "other", "other", "other")]
     by_id = {span.attributes["event_id"]: span.attributes for span in captured.spans() if span.attributes}
@@ -150,47 +149,40 @@ async def test_backlog_gauges_come_from_index_lookups(store: MySQLStore) -> None
     assert backlog.pending == 2 and 60_000 <= backlog.oldest_pending_age_ms < 120_000
     captured = capture()
     captured.telemetry.backlog(backlog.pending, backlog.oldest_pending_age_ms)
-    assert captured.value("room_outbox_pending_total") == 2
-    assert captured.value("room_outbox_oldest_pending_age_ms") == backlog.oldest_pending_age_ms
+    assert captured.value("room_outbox.pending") == 2
+    assert captured.value("room_outbox.oldest_pending.age") == backlog.oldest_pending_age_ms / 1000  # seconds
 
 
-def test_prometheus_text_names_types_labels_and_cumulative_buckets() -> None:
+def test_prometheus_text_is_the_standard_translation_in_base_units() -> None:
+    """Dotted instrument names with their unit become Prometheus names with a unit suffix,
+    counters get ``_total``, gauges do not, and durations are seconds."""
     captured = capture()
     m = captured.telemetry.metrics
     m.success.add(2, {"sink": "tencent_im", "event_type": "RoomGiftSent"})
     m.failure.add(1, {"sink": "tencent_im", "event_type": "RoomGiftSent", "error_class": 'odd "quote"\n'})
-    for ms in (3.0, 30.0, 30000.0):
-        m.latency.record(ms, {"sink": "noop", "event_type": "RoomCreated", "outcome": "published"})
+    for seconds in (0.003, 0.03, 30.0):
+        m.duration.record(seconds, {"sink": "noop", "event_type": "RoomCreated", "outcome": "published"})
     captured.telemetry.backlog(7, 1234)
-    text = captured.telemetry.prometheus_text()
-    lines = text.splitlines()
-    assert "# TYPE room_outbox_publish_success_total counter" in lines
-    assert 'room_outbox_publish_success_total{event_type="RoomGiftSent",sink="tencent_im"} 2' in lines
-    assert 'error_class="odd \\"quote\\"\\n"' in text
-    assert "# TYPE room_outbox_pending_total gauge" in lines and 'room_outbox_pending_total{lane="main"} 7' in lines
-    assert 'room_outbox_oldest_pending_age_ms{lane="main"} 1234' in lines
-    assert "# TYPE room_outbox_publish_latency_ms histogram" in lines
-    labels = 'event_type="RoomCreated",outcome="published",sink="noop"'
-    assert f'room_outbox_publish_latency_ms_bucket{{{labels},le="5"}} 1' in lines
-    assert f'room_outbox_publish_latency_ms_bucket{{{labels},le="50"}} 2' in lines
-    assert f'room_outbox_publish_latency_ms_bucket{{{labels},le="10000"}} 2' in lines
-    assert f'room_outbox_publish_latency_ms_bucket{{{labels},le="+Inf"}} 3' in lines
-    assert f"room_outbox_publish_latency_ms_count{{{labels}}} 3" in lines
-    assert f"room_outbox_publish_latency_ms_sum{{{labels}}} 30033" in lines
-    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]\w*="([^"\\]|\\.)*",?)*\})? [-+0-9.eEInfNa]+$')
-    assert all(line.startswith("# ") or sample.match(line) for line in lines), text
-
-
-def test_process_and_runtime_metrics_come_with_ours() -> None:
-    captured = capture()
-    captured.telemetry.backlog(3, 10)
     families = {f.name: f for f in text_string_to_metric_families(captured.telemetry.prometheus_text())}
-    # Prometheus's own parser takes the whole exposition, ours and the collectors' together.
-    assert families["room_outbox_pending_total"].samples[0].value == 3
-    assert families["process_resident_memory_bytes"].samples[0].value > 1 << 20
-    assert families["process_cpu_seconds"].type == "counter"
-    assert families["process_open_fds"].samples[0].value > 0
-    assert families["python_gc_collections"].samples and "python_info" in families
+
+    success = families["room_outbox_publish_success"]  # the parser drops a counter's _total
+    assert success.type == "counter"
+    assert [(s.name, s.labels, s.value) for s in success.samples] == [
+        ("room_outbox_publish_success_total", {"event_type": "RoomGiftSent", "sink": "tencent_im"}, 2)
+    ]
+    assert families["room_outbox_publish_failure"].samples[0].labels["error_class"] == 'odd "quote"\n'
+    assert families["room_outbox_pending"].type == "gauge"
+    assert families["room_outbox_pending"].samples[0].labels == {"lane": "main"}
+    assert families["room_outbox_pending"].samples[0].value == 7
+    assert families["room_outbox_oldest_pending_age_seconds"].samples[0].value == 1.234
+    assert families["room_outbox_clock_offset_seconds"].type == "gauge"
+    duration = families["room_outbox_publish_duration_seconds"]
+    assert duration.type == "histogram"
+    buckets = {s.labels["le"]: s.value for s in duration.samples if s.name.endswith("_bucket")}
+    assert (buckets["0.005"], buckets["0.05"], buckets["10.0"], buckets["+Inf"]) == (1, 2, 2, 3)  # cumulative
+    (total,) = (s.value for s in duration.samples if s.name.endswith("_sum"))
+    assert total == pytest.approx(30.033)
+    assert not any(name.endswith(("_ms", "_total")) for name in families)  # no units but base ones
 
 
 def test_without_configuration_nothing_is_recorded() -> None:

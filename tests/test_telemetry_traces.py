@@ -12,8 +12,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from support import RecordingSink, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, wait_until
 from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, capture
 
+from room_outbox.observability.logs import configure_logging
 from room_outbox.observability.redaction import Redactor
-from room_outbox.observability.telemetry import configure_logging
 from room_outbox.observability.tracing import http_client_span, producer_context, redact_url, sink_span
 from room_outbox.sink import PermanentSinkError, RetryableSinkError, ThrottledSinkError
 from room_outbox.store.backends.mysql import MySQLStore
@@ -98,9 +98,9 @@ async def test_a_throttled_delivery_is_a_span_without_error_and_counts_only_as_t
     (span,) = captured.spans(DELIVER)
     assert span.attributes is not None and span.attributes["outcome"] == "throttled"
     assert span.status.status_code is not StatusCode.ERROR and "error.type" not in span.attributes
-    assert captured.value("room_outbox_publish_throttled_total", sink="test", event_type="RoomUserJoined") == 1
-    assert captured.value("room_outbox_publish_failure_total") == 0
-    assert captured.histogram("room_outbox_publish_latency_ms") == []
+    assert captured.value("room_outbox.publish.throttled", sink="test", event_type="RoomUserJoined") == 1
+    assert captured.value("room_outbox.publish.failure") == 0
+    assert captured.histogram("room_outbox.publish.duration") == []
 
 
 async def test_bad_input_still_gets_a_span_without_a_producer(store: MySQLStore) -> None:

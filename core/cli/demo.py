@@ -48,13 +48,14 @@ from urllib.parse import urlsplit
 
 import anyio
 
+from room_outbox.cli.command import Command
 from room_outbox.config import ConfigError, OutboxWorkerSettings, Settings, parse_duration
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.retry import RetryPolicy
 from room_outbox.delivery.routing import Router, build_router
 from room_outbox.envelope import EventEnvelope
+from room_outbox.observability.logs import configure_logging
 from room_outbox.observability.redaction import Redactor
-from room_outbox.observability.telemetry import configure_logging
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.tencent_im.fake import SINK_NAME, FakeTencentIM, Faults, serve_fake_im
 from room_outbox.producer import OutboxProducer, append_event
@@ -455,7 +456,7 @@ async def run_demo(options: DemoOptions, out: IO[str]) -> bool:
         root = logging.getLogger()
         handlers, level = root.handlers[:], root.level
         # The library logs every failed push and attempt as JSON; here they would drown the table.
-        configure_logging("INFO", "demo", redactor, stream=log_file)
+        configure_logging("INFO", "demo", redactor, stream=log_file, log_format="json")
         try:
             return await _run(options, out, rng, run_id, dsn, workdir, redactor)
         finally:
@@ -626,11 +627,7 @@ def _quantile(values: Sequence[float], q: float) -> float:
 # -- command line -----------------------------------------------------------------------------
 
 
-def add_demo_parser(commands: Any) -> None:
-    """Add ``demo`` to the CLI's subparsers."""
-    parser = commands.add_parser(
-        "demo", help="run the whole pipeline on SQLite with a fake Tencent IM and verify it (no services needed)"
-    )
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--db",
         help="run against this store instead, e.g. mysql://root:@127.0.0.1:3306/room_demo"
@@ -689,3 +686,16 @@ def run_demo_command(args: argparse.Namespace, out: IO[str] | None = None) -> in
     except ConfigError as exc:  # --db names a database or a folder the demo must not use
         print(f"room-outbox demo: {exc}", file=sys.stderr)
         return 2
+
+
+COMMAND = Command(
+    name="demo",
+    summary="run the whole pipeline on SQLite with a fake Tencent IM and verify it (no services needed)",
+    description="Produce events into a SQLite outbox, deliver them through a fake Tencent IM that fails a\n"
+    "share of requests, and check that every event arrived once, in order per room. Needs no\n"
+    "configuration and no services (it ignores --config).",
+    examples="room-outbox demo\nroom-outbox demo --events 5000 --failure-rate 0.3 --seed 7",
+    needs="none",
+    arguments=add_demo_arguments,
+    run=lambda args, _parser: run_demo_command(args),
+)

@@ -8,17 +8,15 @@ import json
 import os
 import signal
 import sys
-from typing import Any
 
 import anyio
 
+from room_outbox.cli.command import Command
 from room_outbox.plugins.tencent_im.fake.im import DEFAULT_ADMIN, DEV_KEY, DEV_SDKAPPID, FakeTencentIM, Faults
 from room_outbox.plugins.tencent_im.fake.server import serve_fake_im
 
 
-def add_fake_im_parser(commands: Any) -> None:
-    """Add the ``fake-im`` subcommand to the CLI's subparsers."""
-    parser = commands.add_parser("fake-im", help="serve a fake Tencent IM on loopback (tests, demos)")
+def add_fake_im_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8090, help="TCP port (0: any free port; default 8090)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument(
@@ -61,3 +59,15 @@ async def _serve(fake: FakeTencentIM, host: str, port: int) -> str | None:
             async for _ in signals:
                 break
     return None
+
+
+COMMAND = Command(
+    name="fake-im",
+    summary="serve a fake Tencent IM on loopback (tests, demos)",
+    description="Serve a fake Tencent IM REST API (send_group_msg and friends) with a control API for\n"
+    "faults, for tests and local runs. Needs no configuration (it ignores --config).",
+    examples="room-outbox fake-im --port 8090\nroom-outbox fake-im --port 0 --faults '{\"error_rate\": 0.2}'",
+    needs="none",
+    arguments=add_fake_im_arguments,
+    run=lambda args, _parser: run_fake_im(args),
+)

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, dataclass
-from typing import IO, Any
+from typing import IO
 
-from room_outbox.cli.status import format_age
-from room_outbox.config import MAIN_LANE, LanePlan
+from room_outbox.cli.command import Command, add_json_option, add_yes_option
+from room_outbox.cli.output import NONE, format_age, format_table
+from room_outbox.config import MAIN_LANE, LanePlan, Settings
+from room_outbox.delivery.lanes import lane_plan
+from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.lanes.catalog import (
     LaneBacklog,
     im_lane_backlog,
@@ -25,27 +29,6 @@ from room_outbox.store.lanes.catalog import (
     stored_lanes,
 )
 from room_outbox.store.protocol import SQLStore
-
-#: ``lanes`` in the command list: (summary, description, examples).
-LANES_COMMAND = (
-    "each lane: enabled, watermark, backlog, parked; `lanes retire NAME` drops a disabled one",
-    "Every lane: the IM lane, each enabled sink with a lane of its own, and every lane table or\n"
-    "cursor the database still holds, with its state, watermark (fed through id), pending, unfed\n"
-    "and parked rows and the age of the oldest event it owes. `lanes retire NAME` shows what a\n"
-    "disabled lane leaves behind; with --yes it drops its table and cursor.",
-    "room-outbox lanes\nroom-outbox lanes --json | jq '.[] | {lane, pending}'\nroom-outbox lanes retire audit --yes",
-)
-
-
-def add_lanes_parser(commands: Any, summary: str) -> None:
-    lanes = commands.add_parser("lanes", help=summary)
-    lanes.add_argument("--json", action="store_true", help="machine-readable output")
-    actions = lanes.add_subparsers(dest="lanes_action", metavar="ACTION")
-    retire = actions.add_parser(
-        "retire", help="drop a disabled lane's table and cursor; shows it, drops only with --yes"
-    )
-    retire.add_argument("name", help="the lane (the sink's name)")
-    retire.add_argument("--yes", action="store_true", help="drop it (default: only show what would be dropped)")
 
 
 @dataclass(frozen=True)
@@ -87,19 +70,19 @@ def _row(name: str, state: str, enabled: bool, fed: int | None, backlog: LaneBac
 
 
 def format_lanes(rows: list[LaneRow]) -> str:
-    def cell(value: int | None) -> str:
-        return "-" if value is None else str(value)
+    def cell(value: int | None) -> object:
+        return NONE if value is None else value
 
-    lines = [
-        f"{'lane':<16} {'fed through id':>14} {'pending':>8} {'unfed':>7} {'parked':>7} {'oldest owed':>11}  state"
-    ]
-    for r in rows:
-        age = "-" if r.oldest_owed_age_ms is None or not (r.pending or r.unfed) else format_age(r.oldest_owed_age_ms)
-        lines.append(
-            f"{r.lane:<16} {cell(r.fed_through_id):>14} {cell(r.pending):>8} {cell(r.unfed):>7}"
-            f" {cell(r.parked):>7} {age:>11}  {r.state}"
+    cells = [
+        (
+            r.lane, cell(r.fed_through_id), cell(r.pending), cell(r.unfed), cell(r.parked),
+            NONE if r.oldest_owed_age_ms is None or not (r.pending or r.unfed) else format_age(r.oldest_owed_age_ms),
+            r.state,
         )
-    return "\n".join(lines)
+        for r in rows
+    ]  # fmt: skip
+    numbers = ("fed through id", "pending", "unfed", "parked", "oldest owed")
+    return "\n".join(format_table(("lane", *numbers, "state"), cells, right=numbers))
 
 
 async def lanes_command(store: SQLStore, plan: LanePlan, args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
@@ -139,3 +122,33 @@ async def _retire(store: SQLStore, plan: LanePlan, name: str, yes: bool, out: IO
         print(change, file=out)
     print(f"lane {name} retired ({owed} given up)", file=out)
     return 0
+
+
+async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
+    plan = lane_plan(make_plugin_manager(settings.plugins.disabled), settings)
+    return await lanes_command(store, plan, args, sys.stdout, sys.stderr)
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    add_json_option(parser)
+    actions = parser.add_subparsers(dest="lanes_action", metavar="ACTION")
+    retire = actions.add_parser(
+        "retire", help="drop a disabled lane's table and cursor; shows it, drops only with --yes"
+    )
+    retire.add_argument("name", help="the lane (the sink's name)")
+    add_yes_option(retire, "drop it")
+
+
+COMMAND = Command(
+    name="lanes",
+    summary="each lane: enabled, watermark, backlog, parked; `lanes retire NAME` drops a disabled one",
+    description="Every lane: the IM lane, each enabled sink with a lane of its own, and every lane table or\n"
+    "cursor the database still holds, with its state, watermark (fed through id), pending, unfed\n"
+    "and parked rows and the age of the oldest event it owes. `lanes retire NAME` shows what a\n"
+    "disabled lane leaves behind; with --yes it drops its table and cursor.",
+    examples="room-outbox lanes\nroom-outbox lanes --json | jq '.[] | {lane, pending}'\n"
+    "room-outbox lanes retire audit --yes\nroom-outbox lanes retire audit --config config/config.yaml",
+    needs="store",
+    arguments=_arguments,
+    run=_run,
+)

@@ -1,16 +1,20 @@
-"""Operator commands that change rows: ``requeue`` and ``cancel`` (status ``cancelled``).
-
-``requeue`` shows what it would change and changes it only with ``--yes``. It is how rows that
-were parked, or whose envelope did not parse, are sent round again once the cause is fixed.
-"""
+"""``room-outbox requeue``: pending or parked (``failed``) rows made due now with retry_count 0,
+shown first and changed only with ``--yes``. It is how rows that were parked, or whose
+envelope did not parse, are sent round again once the cause is fixed. Filters combine freely;
+``--status failed`` alone is a filter (everything parked)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 from typing import Any
 
-from room_outbox.cli.status import format_age, printable
-from room_outbox.store.operator.changes import IN_FLIGHT, RequeueFilter, cancel, find_requeue_candidates, requeue
+from room_outbox.cli.command import Command, add_json_option, add_yes_option, duration_argument
+from room_outbox.cli.output import format_age, format_table
+from room_outbox.config import Settings
+from room_outbox.store.operator.changes import RequeueFilter, find_requeue_candidates, requeue
 from room_outbox.store.protocol import SQLStore
 
 #: Rows one ``requeue`` changes at most: one statement, a list a person can still read.
@@ -18,58 +22,107 @@ REQUEUE_LIMIT = 10_000
 
 
 async def requeue_command(
-    store: SQLStore, where: RequeueFilter, apply: bool, out: Any, limit: int = REQUEUE_LIMIT
+    store: SQLStore, where: RequeueFilter, apply: bool, out: Any, limit: int = REQUEUE_LIMIT, as_json: bool = False
 ) -> int:
     rows = await find_requeue_candidates(store, where, limit + 1)  # one more: are there more?
     more = len(rows) > limit
     rows = rows[:limit]
+    changed = await requeue(store, [row["id"] for row in rows]) if apply and rows else 0
+    if as_json:
+        doc = {"applied": apply, "matched": len(rows), "more": more, "requeued": changed, "rows": rows}
+        print(json.dumps(doc, indent=2, default=str), file=out)
+        return 0
     if not rows:
         print("no rows match (published, cancelled and currently leased rows are never requeued)", file=out)
         return 0
     now = time.time() * 1000
-    print(f"{'event_id':<40} {'event_type':<24} {'status':<8} {'retries':>7} {'age':>8}  last_error", file=out)
-    for row in rows:
-        age = format_age(now - row["created_at_ms"])
-        error = printable((row["last_error"] or "")[:60])
-        event_id, event_type, status = (printable(row[name]) for name in ("event_id", "event_type", "status"))
-        print(f"{event_id:<40} {event_type:<24} {status:<8} {row['retry_count']:>7} {age:>8}  {error}", file=out)
+    cells = [
+        (r["event_id"], r["event_type"], r["status"], r["retry_count"], format_age(now - r["created_at_ms"]),
+         (r["last_error"] or "")[:60])
+        for r in rows
+    ]  # fmt: skip
+    headers = ("event_id", "event_type", "status", "retries", "age", "last_error")
+    print("\n".join(format_table(headers, cells, right=("retries", "age"))), file=out)
     beyond = f"; more than {limit:,} rows match: only the first {limit:,} (lowest ids) are taken" if more else ""
     if not apply:
         print(f"{len(rows)} row(s) would be requeued{beyond}; run again with --yes to apply", file=out)
         return 0
-    changed = await requeue(store, [row["id"] for row in rows])
     note = ""
     if changed < len(rows):  # claimed, published or cancelled since they were listed
         note = f"; {len(rows) - changed} of the {len(rows)} listed changed meanwhile (leased, published or cancelled)"
-    # Requeued rows are pending and may match again: the rest is reached by a narrower filter
-    # (with --status failed, the rows just requeued no longer match).
-    again = (
-        f"; more than {limit:,} rows matched: only the first {limit:,} (lowest ids) were taken;"
-        " narrow the filter (--status failed, --event-type, --older-than) to reach the rest"
-        if more
-        else ""
-    )
-    print(f"requeued {changed} row(s){note}{again}", file=out)
+    print(f"requeued {changed} row(s){note}{_reaching_the_rest(where, limit) if more else ''}", file=out)
     return 0
 
 
-async def cancel_command(store: SQLStore, event_id: str, out: Any, err: Any) -> int:
-    """Result on ``out``; why nothing was cancelled on ``err`` (exit code 1)."""
-    cancelled, status = await cancel(store, event_id)
-    shown = printable(event_id)
-    if cancelled:
-        print(f"cancelled {shown}: it will never be delivered; the row is kept", file=out)
-        return 0
-    if status is None:
-        print(f"room-outbox cancel: no event {shown}", file=err)
-    elif status == IN_FLIGHT:
+def _reaching_the_rest(where: RequeueFilter, limit: int) -> str:
+    """How to reach the rows beyond ``limit``. Requeued rows are pending and may match again;
+    with ``--status failed`` they no longer do, so running it again reaches the rest. The hint
+    names only the filters not given already."""
+    taken = f"; more than {limit:,} rows matched: only the first {limit:,} (lowest ids) were taken;"
+    if where.statuses == ("failed",):
+        return f"{taken} run it again to reach the rest (the rows just requeued no longer match --status failed)"
+    narrower = [
+        option
+        for option, given in (("--event-type", where.event_type), ("--older-than", where.older_than_ms))
+        if given is None
+    ]
+    return f"{taken} narrow the filter ({', '.join(['--status failed', *narrower])}) to reach the rest"
+
+
+def requeue_filter(args: argparse.Namespace) -> RequeueFilter | None:
+    """The rows the arguments select; None when none was given (every open row is too wide a
+    net to be cast by accident)."""
+    if not (args.event_id or args.event_type or args.error_contains or args.older_than or args.status):
+        return None
+    return RequeueFilter(
+        event_ids=tuple(args.event_id),
+        event_type=args.event_type,
+        error_contains=args.error_contains,
+        older_than_ms=int(args.older_than.seconds * 1000) if args.older_than else None,
+        statuses=(args.status,) if args.status else ("pending", "failed"),
+    )
+
+
+async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
+    where = requeue_filter(args)
+    if where is None:
         print(
-            f"room-outbox cancel: {shown} is being delivered right now; try again once its attempt has ended",
-            file=err,
+            "room-outbox requeue: give at least one of --event-id, --event-type, --error-contains, --older-than,"
+            " --status",
+            file=sys.stderr,
         )
-    else:
-        print(
-            f"room-outbox cancel: {shown} is {printable(status)}: only pending or failed events can be cancelled",
-            file=err,
-        )
-    return 1
+        return 2
+    return await requeue_command(store, where, args.yes, sys.stdout, as_json=args.json)
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--event-id", action="append", default=[], help="this event (repeatable)")
+    parser.add_argument("--event-type", help="events of this type")
+    parser.add_argument("--error-contains", help="events whose last_error contains this text")
+    parser.add_argument(
+        "--older-than",
+        type=duration_argument,
+        metavar="DURATION",
+        help="events created at least this long ago (e.g. 10m)",
+    )
+    parser.add_argument(
+        "--status", choices=("pending", "failed"), help="only rows in this status (default: both); a filter on its own"
+    )
+    add_yes_option(parser, "apply the change")
+    add_json_option(parser)
+
+
+COMMAND = Command(
+    name="requeue",
+    summary="send pending or parked (failed) rows round again; shows them, applies only with --yes",
+    description="Make pending or parked (failed) rows due now with retry_count 0. Without --yes it only\n"
+    "lists the rows it would change. Filters combine freely; --status failed alone takes every\n"
+    "parked row. At most 10,000 rows a run; it says so when more match. Published, cancelled\n"
+    "and currently leased rows are never touched.",
+    examples='room-outbox requeue --error-contains "group gone"\n'
+    "room-outbox requeue --status failed\n"
+    "room-outbox requeue --event-type RoomGiftSent --status failed --yes",
+    needs="store",
+    arguments=_arguments,
+    run=_run,
+)

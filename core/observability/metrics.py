@@ -1,36 +1,41 @@
-"""Metrics (delivery counts and latency, backlog, claim and lease health; the consumers') and
-their Prometheus text form.
+"""Metrics (delivery counts and durations, backlog, claim and lease health; the consumers') and
+their Prometheus exposition.
 
-=============================================  =========  ====================================
-name                                           kind       attributes
-=============================================  =========  ====================================
-``room_outbox_pending_total``                  gauge      lane: events the lane still owes
-``room_outbox_oldest_pending_age_ms``          gauge      lane: age of the oldest of them
-``room_outbox_publish_success_total``          counter    sink, event_type
-``room_outbox_publish_failure_total``          counter    sink, event_type, error_class
-``room_outbox_publish_throttled_total``        counter    sink, event_type
-``room_outbox_publish_latency_ms``             histogram  sink, event_type, outcome
-``room_outbox_claimed_batch_size``             histogram  one observation per claim round
-``room_outbox_lost_leases_total``              counter    detected_at (renewal, result_write), cause
-``room_outbox_clock_offset_seconds``           gauge      this host's clock minus the database's
-``room_outbox_consumer_lag``                   gauge      consumer, topic, partition
-``room_outbox_consumer_handled_total``         counter    consumer, handler, outcome
-``room_outbox_consumer_retried_total``         counter    consumer, handler
-``room_outbox_consumer_dead_total``            counter    consumer, handler, reason
-``room_outbox_consumer_handler_latency_ms``    histogram  consumer, handler
-=============================================  =========  ====================================
+Instruments are named by OpenTelemetry's conventions: dotted, the unit in the unit field, no
+Prometheus suffix. ``/metrics`` shows them through the OpenTelemetry Prometheus exporter's
+standard translation: dots become underscores, the unit becomes a suffix (``s`` adds
+``_seconds``; an annotation such as ``{event}`` adds none) and a counter gets ``_total``::
 
-The first eight are the dispatcher's (:class:`OutboxMetrics`), the last five a consume
-process's (:class:`ConsumerMetrics`). A consumer's ``outcome`` is ``handled``, or
+    instrument (unit)                              on /metrics                                kind       attributes
+    room_outbox.pending ({event})                  room_outbox_pending                        gauge      lane
+    room_outbox.oldest_pending.age (s)             room_outbox_oldest_pending_age_seconds     gauge      lane
+    room_outbox.publish.success ({event})          room_outbox_publish_success_total          counter    sink, event_type
+    room_outbox.publish.failure ({event})          room_outbox_publish_failure_total          counter    sink, event_type, error_class
+    room_outbox.publish.throttled ({event})        room_outbox_publish_throttled_total        counter    sink, event_type
+    room_outbox.publish.duration (s)               room_outbox_publish_duration_seconds       histogram  sink, event_type, outcome
+    room_outbox.claimed_batch.size ({event})       room_outbox_claimed_batch_size             histogram  -
+    room_outbox.lost_leases ({event})              room_outbox_lost_leases_total              counter    detected_at, cause
+    room_outbox.clock.offset (s)                   room_outbox_clock_offset_seconds           gauge      -
+    room_outbox.consumer.lag ({message})           room_outbox_consumer_lag                   gauge      consumer, topic, partition
+    room_outbox.consumer.handled ({message})       room_outbox_consumer_handled_total         counter    consumer, handler, outcome
+    room_outbox.consumer.retried ({message})       room_outbox_consumer_retried_total         counter    consumer, handler
+    room_outbox.consumer.dead ({message})          room_outbox_consumer_dead_total            counter    consumer, handler, reason
+    room_outbox.consumer.handler.duration (s)      room_outbox_consumer_handler_duration_seconds  histogram  consumer, handler
+
+The first nine are the dispatcher's (:class:`OutboxMetrics`), the last five a consume
+process's (:class:`ConsumerMetrics`). Durations and ages are recorded in seconds, the base
+unit every Prometheus dashboard expects. The pending gauge counts the events a lane still owes,
+the age is its oldest one's (0 when none). A consumer's ``outcome`` is ``handled``, or
 ``duplicate`` (its processed record existed: a redelivery); its lag is the partition's high
 watermark minus the offset this process last committed, set after each commit.
 
 Next to them ``/metrics`` carries the process and runtime metrics of ``prometheus_client``'s
 process, platform and GC collectors (``process_cpu_seconds_total``,
 ``process_resident_memory_bytes``, ``process_open_fds``, ``python_gc_*``, ``python_info``...):
-the names every Prometheus user's dashboards already know, from a small, pure-Python library
-maintained by the Prometheus project (OpenTelemetry's system-metrics instrumentation would need
-psutil and names them ``process_runtime_*`` instead).
+the names every Prometheus user's dashboards already know (OpenTelemetry's system-metrics
+instrumentation would need psutil and names them ``process_runtime_*`` instead); and
+``target_info``, the resource (service name, instance id) as the translation exports it. The
+scope labels (``otel_scope_name``...) are left off: every instrument here has one scope.
 
 The clock offset is read at each collection (as last measured, :mod:`room_outbox.store.clock`).
 The two backlog gauges come from a timer (:mod:`room_outbox.observability.service`), one series per lane the
@@ -40,24 +45,28 @@ its own counts its pending rows plus the rows not fed to it yet. Every counter i
 from start-up at 0 for the label sets known then (each sink with each event type it takes,
 each error class, each detection point), so that an alert expression has a series to
 evaluate before the first failure ever happens (a consumer's: every handler of the process,
-with outcome ``handled``, reason ``failed``). Instruments are named exactly as Prometheus shows them,
-so the OTLP and the ``/metrics`` names agree; :func:`render_prometheus` therefore never
-appends ``_total`` to a counter that already ends with it.
+with outcome ``handled``, reason ``failed``).
 """
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Iterable
 
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
-from opentelemetry.sdk.metrics.export import Gauge, Histogram, MetricsData, NumberDataPoint, Sum
-from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from room_outbox.store.clock import CLOCK
 
-LATENCY_BUCKETS_MS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0)
+DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
 
 
@@ -79,43 +88,43 @@ class OutboxMetrics:
 
     def __init__(self, meter: Meter) -> None:
         self.pending = meter.create_gauge(
-            "room_outbox_pending_total", unit="{event}", description="Rows of room_outbox with status pending."
+            "room_outbox.pending", unit="{event}", description="Events the lane still owes."
         )
         self.oldest_pending_age = meter.create_gauge(
-            "room_outbox_oldest_pending_age_ms",
-            unit="ms",
-            description="Age of the oldest (lowest id) pending row; 0 when none is pending.",
+            "room_outbox.oldest_pending.age",
+            unit="s",
+            description="Age of the oldest event the lane still owes; 0 when none is pending.",
         )
         self.success = meter.create_counter(
-            "room_outbox_publish_success_total", unit="{event}", description="Delivery attempts that succeeded."
+            "room_outbox.publish.success", unit="{event}", description="Delivery attempts that succeeded."
         )
         self.failure = meter.create_counter(
-            "room_outbox_publish_failure_total", unit="{event}", description="Delivery attempts that failed."
+            "room_outbox.publish.failure", unit="{event}", description="Delivery attempts that failed."
         )
         self.throttled = meter.create_counter(
-            "room_outbox_publish_throttled_total",
+            "room_outbox.publish.throttled",
             unit="{event}",
             description="Deliveries this process's own rate limits held back, unsent (not attempts).",
         )
-        self.latency = meter.create_histogram(
-            "room_outbox_publish_latency_ms",
-            unit="ms",
+        self.duration = meter.create_histogram(
+            "room_outbox.publish.duration",
+            unit="s",
             description="Duration of one delivery attempt (parse, route, sink call).",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_MS,
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S,
         )
         self.claimed = meter.create_histogram(
-            "room_outbox_claimed_batch_size",
+            "room_outbox.claimed_batch.size",
             unit="{event}",
             description="Rows taken by one claim round (0 when the lane was idle).",
             explicit_bucket_boundaries_advisory=BATCH_BUCKETS,
         )
         self.lost_leases = meter.create_counter(
-            "room_outbox_lost_leases_total",
+            "room_outbox.lost_leases",
             unit="{event}",
             description="Claimed rows this process no longer held, by cause (taken over, published by the producer).",
         )
         meter.create_observable_gauge(
-            "room_outbox_clock_offset_seconds",
+            "room_outbox.clock.offset",
             callbacks=[_clock_offset],
             unit="s",
             description="How far this host's clock is ahead of the database's (negative: behind).",
@@ -149,24 +158,24 @@ class ConsumerMetrics:
     def __init__(self, meter: Meter, consumer: str, handlers: Iterable[str]) -> None:
         self.consumer = consumer
         self.lag = meter.create_gauge(
-            "room_outbox_consumer_lag", unit="{message}", description="Messages of a partition not yet committed."
+            "room_outbox.consumer.lag", unit="{message}", description="Messages of a partition not yet committed."
         )
         self.handled = meter.create_counter(
-            "room_outbox_consumer_handled_total", unit="{message}", description="Messages a handler settled."
+            "room_outbox.consumer.handled", unit="{message}", description="Messages a handler settled."
         )
         self.retried = meter.create_counter(
-            "room_outbox_consumer_retried_total",
+            "room_outbox.consumer.retried",
             unit="{message}",
             description="Handlings that failed and were scheduled for a retry.",
         )
         self.dead = meter.create_counter(
-            "room_outbox_consumer_dead_total", unit="{message}", description="Messages that became dead letters."
+            "room_outbox.consumer.dead", unit="{message}", description="Messages that became dead letters."
         )
-        self.latency = meter.create_histogram(
-            "room_outbox_consumer_handler_latency_ms",
-            unit="ms",
+        self.duration = meter.create_histogram(
+            "room_outbox.consumer.handler.duration",
+            unit="s",
             description="One handling: its transaction, the handler and the commit.",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_MS,
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S,
         )
         for handler in handlers:
             labels = {"consumer": consumer, "handler": handler}
@@ -175,87 +184,28 @@ class ConsumerMetrics:
             self.dead.add(0, {**labels, "reason": "failed"})
 
 
-# -- Prometheus text exposition format 0.0.4 ------------------------------------------------
+# -- /metrics ------------------------------------------------------------------------------
 
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_INVALID_NAME = re.compile(r"[^a-zA-Z0-9_:]")
-_INVALID_LABEL = re.compile(r"[^a-zA-Z0-9_]")
-
-
-def render_prometheus(data: MetricsData | None) -> str:
-    """Cumulative OTel metrics as Prometheus text (counters, gauges, histograms)."""
-    families: dict[str, tuple[str, str, list[str]]] = {}
-    for resource_metrics in data.resource_metrics if data else ():
-        for scope_metrics in resource_metrics.scope_metrics:
-            for metric in scope_metrics.metrics:
-                name = _INVALID_NAME.sub("_", metric.name)
-                point_data = metric.data
-                lines: list[str] = []
-                if isinstance(point_data, Sum):
-                    kind = "counter" if point_data.is_monotonic else "gauge"
-                    if kind == "counter" and not name.endswith("_total"):
-                        name += "_total"
-                    lines = [_sample(name, p.attributes, p.value) for p in _numbers(point_data.data_points)]
-                elif isinstance(point_data, Gauge):
-                    kind = "gauge"
-                    lines = [_sample(name, p.attributes, p.value) for p in _numbers(point_data.data_points)]
-                elif isinstance(point_data, Histogram):
-                    kind = "histogram"
-                    for point in point_data.data_points:
-                        cumulative = 0
-                        bounds = [*point.explicit_bounds, math.inf]
-                        for bound, count in zip(bounds, point.bucket_counts, strict=True):
-                            cumulative += count
-                            lines.append(_sample(f"{name}_bucket", point.attributes, cumulative, le=_number(bound)))
-                        lines.append(_sample(f"{name}_sum", point.attributes, point.sum))
-                        lines.append(_sample(f"{name}_count", point.attributes, point.count))
-                else:  # exponential histograms are never configured here
-                    continue
-                _, _, existing = families.setdefault(name, (kind, metric.description or "", []))
-                existing.extend(lines)
-    out: list[str] = []
-    for name, (kind, description, lines) in sorted(families.items()):
-        if description:
-            out.append(f"# HELP {name} {description.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + 'n')}")
-        out.append(f"# TYPE {name} {kind}")
-        out.extend(lines)
-    return "\n".join(out) + "\n" if out else ""
+#: Prometheus text format 0.0.4: what every Prometheus server reads.
+PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
-_RUNTIME = CollectorRegistry(auto_describe=False)
-ProcessCollector(registry=_RUNTIME)  # reads /proc/self; nothing on systems without it
-PlatformCollector(registry=_RUNTIME)
-GCCollector(registry=_RUNTIME)
+class PrometheusExposition:
+    """The metric reader behind ``/metrics``: OpenTelemetry's Prometheus exporter, in a registry
+    of its own (so several in one process, as in tests, never meet) next to the process and
+    runtime collectors."""
 
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        ProcessCollector(registry=self.registry)  # reads /proc/self; nothing on systems without it
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.reader = PrometheusMetricReader(scope_info_enabled=False, registry=self.registry)
+        # The exporter queues each collection for the next render to translate: two renders
+        # at once (two scrapers) could each see the other's, and show a family twice.
+        self._one_at_a_time = threading.Lock()
 
-def render_runtime() -> str:
-    """``process_*`` and ``python_*`` of this process, Prometheus text format 0.0.4."""
-    return generate_latest(_RUNTIME).decode()
-
-
-def _numbers(points: Iterable[object]) -> Iterable[NumberDataPoint]:
-    return (p for p in points if isinstance(p, NumberDataPoint))
-
-
-def _sample(name: str, attributes: Mapping[str, object] | None, value: float, le: str | None = None) -> str:
-    pairs = sorted((attributes or {}).items())
-    if le is not None:  # by convention the bucket bound comes last
-        pairs.append(("le", le))
-    if not pairs:
-        return f"{name} {_number(value)}"
-    text = ",".join(f'{_INVALID_LABEL.sub("_", k)}="{_escape(v)}"' for k, v in pairs)
-    return f"{name}{{{text}}} {_number(value)}"
-
-
-def _escape(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
+    def render(self) -> str:
+        """Everything, collected now, in Prometheus text format 0.0.4."""
+        with self._one_at_a_time:
+            return generate_latest(self.registry).decode()

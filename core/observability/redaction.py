@@ -3,7 +3,7 @@ passes through :meth:`Redactor.redact`, which masks each registered secret.
 
 One :class:`Redactor` serves the whole process. :func:`redactor_for` makes it from the
 configuration (the DSN password, every sink or consumer setting named like a credential,
-OTLP header values); the JSON log formatter, the span exporters, the dispatcher's ``last_error`` and
+OTLP header values); both log formatters, the span exporters, the dispatcher's ``last_error`` and
 ``/readyz`` all use it, and sinks add what they create at run time (Tencent IM's UserSigs)
 through ``SinkContext.add_secret``.
 

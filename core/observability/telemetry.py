@@ -1,11 +1,5 @@
-"""Telemetry: structured logs, and the :class:`Telemetry` the dispatcher records into.
-
-**Logs.** One JSON object per line on stderr, with the fields below. Every line carries
-``worker`` ("room_outbox") and ``node_id``; event lines add ``event_id``, ``event_type``,
-``room_id``, ``retry_count``, ``status``, ``error`` (passed as ``extra=``), and a line written
-inside a traced delivery adds ``trace_id`` and ``span_id``. The whole line goes through the
-:class:`~room_outbox.observability.redaction.Redactor` last, so a secret that slipped into a message or an
-exception is still masked.
+"""Telemetry: the :class:`Telemetry` the dispatcher records into (logs:
+:mod:`room_outbox.observability.logs`).
 
 **Traces and metrics** (:mod:`room_outbox.observability.tracing`, :mod:`room_outbox.observability.metrics`) are set up
 from the standard OpenTelemetry environment by :func:`telemetry_from_environment`:
@@ -25,17 +19,12 @@ meter, so an unconfigured process pays a few attribute look-ups per delivery att
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import sys
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from opentelemetry import trace
@@ -43,7 +32,6 @@ from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
 from opentelemetry.sdk.metrics import MeterProvider as SDKMeterProvider
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
-    InMemoryMetricReader,
     MetricExporter,
     MetricReader,
     PeriodicExportingMetricReader,
@@ -54,81 +42,14 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 from room_outbox.config import ConfigError
 from room_outbox.envelope import event_type_label
-from room_outbox.observability.metrics import OutboxMetrics, render_prometheus, render_runtime
+from room_outbox.observability.logs import span_stream
+from room_outbox.observability.metrics import OutboxMetrics, PrometheusExposition
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.tracing import SCOPE, AttemptSpan, RedactingSpanExporter
 
 if TYPE_CHECKING:
     from room_outbox.envelope import EventEnvelope
     from room_outbox.store.protocol import OutboxRow
-
-WORKER = "room_outbox"
-_RECORD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
-
-
-class JsonFormatter(logging.Formatter):
-    def __init__(self, node_id: str, redactor: Redactor) -> None:
-        super().__init__()
-        self.node_id = node_id
-        self.redactor = redactor
-
-    def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-            "worker": WORKER,
-            "node_id": self.node_id,
-        }
-        for key, value in vars(record).items():
-            if key not in _RECORD_ATTRS and not key.startswith("_"):
-                doc[key] = value
-        span_context = trace.get_current_span().get_span_context()
-        if span_context.is_valid:  # ties a sink's log line to the attempt's span
-            doc["trace_id"] = trace.format_trace_id(span_context.trace_id)
-            doc["span_id"] = trace.format_span_id(span_context.span_id)
-        if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
-        return self.redactor.redact(json.dumps(doc, default=str, ensure_ascii=False))
-
-
-#: Libraries whose loggers get ``log.library_level`` instead of ``log.level``.
-LIBRARY_LOGGERS = ("httpx", "httpcore", "aiohttp", "aiokafka", "aiomysql", "asyncio")
-
-
-def configure_logging(
-    level: str,
-    node_id: str,
-    redactor: Redactor,
-    stream: IO[str] | None = None,
-    library_level: str = "WARNING",
-) -> None:
-    """Route every logger to JSON lines on ``stream`` (stderr by default), through one handler
-    whose formatter redacts the whole line: a library's record is masked like our own.
-    Libraries log at ``library_level``; Python warnings become log records too."""
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter(node_id, redactor))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    for name in LIBRARY_LOGGERS:
-        logging.getLogger(name).setLevel(library_level)
-    logging.captureWarnings(True)
-    # An exception nobody caught would be printed raw by the interpreter; as a log record its
-    # traceback is one JSON line, redacted like the rest.
-    sys.excepthook = log_uncaught
-    threading.excepthook = lambda args: log_uncaught(args.exc_type, args.exc_value, args.exc_traceback)
-
-
-def log_uncaught(exc_type: type[BaseException], exc: BaseException | None, traceback: TracebackType | None) -> None:
-    """``sys.excepthook``: the uncaught exception as an error record (Ctrl-C stays quiet)."""
-    if issubclass(exc_type, KeyboardInterrupt):
-        return
-    logging.getLogger("room_outbox").critical(
-        "uncaught exception: %s", exc_type.__name__, exc_info=(exc_type, exc or exc_type(), traceback)
-    )
-
 
 # -- traces and metrics ---------------------------------------------------------------------
 
@@ -141,7 +62,7 @@ class Telemetry:
         self,
         tracer_provider: trace.TracerProvider | None = None,
         meter_provider: MeterProvider | None = None,
-        prometheus: InMemoryMetricReader | None = None,
+        prometheus: PrometheusExposition | None = None,
     ) -> None:
         self.tracer = tracer_provider.get_tracer(SCOPE) if tracer_provider is not None else None
         #: True when some reader or exporter consumes metrics (the backlog timer runs only then).
@@ -177,7 +98,7 @@ class Telemetry:
     def backlog(self, pending: int, oldest_pending_age_ms: int, lane: str = "main") -> None:
         labels = {"lane": lane}
         self.metrics.pending.set(pending, labels)
-        self.metrics.oldest_pending_age.set(oldest_pending_age_ms, labels)
+        self.metrics.oldest_pending_age.set(oldest_pending_age_ms / 1000, labels)
 
     @property
     def serves_prometheus(self) -> bool:
@@ -188,7 +109,7 @@ class Telemetry:
         ("" without a Prometheus reader)."""
         if self._prometheus is None:
             return ""
-        return render_prometheus(self._prometheus.get_metrics_data()) + render_runtime()
+        return self._prometheus.render()
 
     async def aclose(self) -> None:
         """Flush and stop exporters (they block on network I/O: run off the event loop)."""
@@ -222,7 +143,7 @@ class DeliveryAttempt:
 
     def finish(self, failure: Failure | None) -> None:
         """End the span and record the outcome; ``failure`` is ``None`` on success."""
-        elapsed_ms = (time.perf_counter() - self._t0) * 1000
+        elapsed = time.perf_counter() - self._t0
         sink = failure.sink if failure is not None else self._sink
         metrics = self._telemetry.metrics
         labels = {"sink": sink, "event_type": self._event_label}
@@ -238,10 +159,10 @@ class DeliveryAttempt:
                 self._span.finish(sink, failure.error_class, failure.error)
         if failure is None:
             metrics.success.add(1, labels)
-            metrics.latency.record(elapsed_ms, {**labels, "outcome": "published"})
+            metrics.duration.record(elapsed, {**labels, "outcome": "published"})
         else:
             metrics.failure.add(1, {**labels, "error_class": failure.error_class})
-            metrics.latency.record(elapsed_ms, {**labels, "outcome": "failed"})
+            metrics.duration.record(elapsed, {**labels, "outcome": "failed"})
 
 
 class _NoAttempt(DeliveryAttempt):
@@ -284,9 +205,9 @@ def telemetry_from_environment(
         return Telemetry()
     span_exporters = [RedactingSpanExporter(e, redactor) for e in _span_exporters(env)]
     readers: list[MetricReader] = [PeriodicExportingMetricReader(e) for e in _metric_exporters(env)]
-    prometheus_reader = InMemoryMetricReader() if prometheus else None
-    if prometheus_reader is not None:
-        readers.append(prometheus_reader)
+    exposition = PrometheusExposition() if prometheus else None
+    if exposition is not None:
+        readers.append(exposition.reader)
     resource = _resource(node_id)
     tracer_provider = None
     if span_exporters:
@@ -294,7 +215,7 @@ def telemetry_from_environment(
         for exporter in span_exporters:
             tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
     meter_provider = SDKMeterProvider(resource=resource, metric_readers=readers) if readers else None
-    return Telemetry(tracer_provider, meter_provider, prometheus_reader)
+    return Telemetry(tracer_provider, meter_provider, exposition)
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
@@ -348,7 +269,7 @@ def _protocol(env: Mapping[str, str], signal: str) -> str:
 def _span_exporters(env: Mapping[str, str]) -> Iterator[SpanExporter]:
     for name in _names(env, "OTEL_TRACES_EXPORTER", _TRACE_EXPORTERS, "TRACES"):
         if name == "console":
-            yield ConsoleSpanExporter()
+            yield ConsoleSpanExporter(out=span_stream())  # never into the log stream unless asked
         elif _protocol(env, "TRACES") == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
 
@@ -364,7 +285,7 @@ def _metric_exporters(env: Mapping[str, str]) -> Iterator[MetricExporter]:
         if name == "prometheus":
             continue  # served by the HTTP endpoint (telemetry.http_listen), not pushed
         if name == "console":
-            yield ConsoleMetricExporter()
+            yield ConsoleMetricExporter(out=span_stream())
         elif _protocol(env, "METRICS") == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
                 OTLPMetricExporter as GrpcMetricExporter,

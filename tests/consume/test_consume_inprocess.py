@@ -15,7 +15,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from consume.conftest import TOPIC, ConsumerBroker, envelope
 from faults.tcp_proxy import TcpProxy
-from support import wait_until
+from support import running, wait_until
 from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, capture
 
 from room_outbox import hookimpl
@@ -224,11 +224,9 @@ async def test_spans_follow_the_producer_trace_and_metrics_count_outcomes(
         envelope("ok-2", "RoomUserJoined", "room_1", 3),  # waits behind it: same room
         envelope("kick-1", "RoomUserKicked", "room_2", 1),  # dead letter at once
     ]
-    async with anyio.create_task_group() as tasks:
-        await tasks.start(consumer.run)
+    async with running(consumer):
         await send(broker.bootstrap, events)
         await wait_until(lambda: _recorded(migrated, 3), timeout=30)
-        consumer.stop()
     # room_1 in order: ok-2 waited in the retry table behind muted-1
     assert [e for (e,) in await rows(migrated, "SELECT event_id FROM recorded ORDER BY seq")] == [
         "ok-1",
@@ -249,11 +247,11 @@ async def test_spans_follow_the_producer_trace_and_metrics_count_outcomes(
     ) == [1, 2, 3]
 
     labels = {"consumer": "feed", "handler": "recording"}
-    assert captured.value("room_outbox_consumer_handled_total", **labels, outcome="handled") == 3
-    assert captured.value("room_outbox_consumer_retried_total", **labels) == 2
-    assert captured.value("room_outbox_consumer_dead_total", **labels, reason="permanent") == 1
-    assert sum(p.count for p in captured.histogram("room_outbox_consumer_handler_latency_ms", **labels)) == 6
-    lags = captured.points("room_outbox_consumer_lag")
+    assert captured.value("room_outbox.consumer.handled", **labels, outcome="handled") == 3
+    assert captured.value("room_outbox.consumer.retried", **labels) == 2
+    assert captured.value("room_outbox.consumer.dead", **labels, reason="permanent") == 1
+    assert sum(p.count for p in captured.histogram("room_outbox.consumer.handler.duration", **labels)) == 6
+    lags = captured.points("room_outbox.consumer.lag")
     assert lags and all(p.value == 0 for p in lags)
 
 
@@ -435,14 +433,12 @@ async def _held_room_is_recorded_in_order(server_store: SQLStore, broker: Consum
         "feed", settings, SQLConsumerStore(store, settings.handler_timeout),
         build_handlers(pm, "feed", settings, "node-1", Redactor()), "node-1", Redactor(), capture().telemetry,
     )  # fmt: skip
-    async with anyio.create_task_group() as tasks:
-        await tasks.start(consumer.run)
+    async with running(consumer):
 
         async def recorded() -> bool:
             return len(await rows(store, "SELECT seq FROM recorded")) == len(events)
 
         await wait_until(recorded, timeout=60)
-        consumer.stop()
     recorded_in_room = [e for (e,) in await rows(store, "SELECT event_id FROM recorded ORDER BY seq") if e[0] == "m"]
     assert recorded_in_room == [f"m{n}" for n in range(1, 9)]
     assert plugin.handlers[0].calls.count("m2") == 2  # failed once, then retried

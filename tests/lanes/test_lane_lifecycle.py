@@ -136,13 +136,13 @@ async def test_kafka_only_deployment_rows_live_until_kafka_has_them_then_retenti
                     return ""
 
         async def kafka_gauge_seen() -> bool:
-            return 'room_outbox_pending_total{lane="kafka"}' in await metrics()
+            return 'room_outbox_pending{lane="kafka"}' in await metrics()
 
         await wait_until(kafka_gauge_seen, timeout=30)
         text = await metrics()
         assert 'lane="main"' not in text  # the IM lane does not run: no IM backlog
         assert (
-            'room_outbox_publish_failure_total{error_class="timeout",event_type="RoomUserJoined",sink="kafka"} 0'
+            'room_outbox_publish_failure_total{error_class="timeout",event_type="RoomUserJoined",sink="kafka"} 0.0'
             in text
         )
 

@@ -51,28 +51,28 @@ async def test_metrics_from_start_up(
 
                 async def both_gauges() -> bool:
                     text = (await client.get("/metrics")).text
-                    return 'room_outbox_pending_total{lane="kafka"}' in text and 'pending_total{lane="main"}' in text
+                    return 'room_outbox_pending{lane="kafka"}' in text and 'room_outbox_pending{lane="main"}' in text
 
                 await wait_until(both_gauges)
                 lines = (await client.get("/metrics")).text.splitlines()
             stop.set()
-    assert 'room_outbox_pending_total{lane="main"} 2' in lines  # RoomCreated (noop) and RoomUserJoined: no route yet
-    assert 'room_outbox_pending_total{lane="kafka"} 2' in lines  # both unfed
-    assert any(line.startswith('room_outbox_oldest_pending_age_ms{lane="kafka"} ') for line in lines)
+    assert 'room_outbox_pending{lane="main"} 2.0' in lines  # RoomCreated (noop) and RoomUserJoined: no route yet
+    assert 'room_outbox_pending{lane="kafka"} 2.0' in lines  # both unfed
+    assert any(line.startswith('room_outbox_oldest_pending_age_seconds{lane="kafka"} ') for line in lines)
     success = [line for line in lines if line.startswith("room_outbox_publish_success_total{")]
-    assert 'room_outbox_publish_success_total{event_type="RoomCreated",sink="noop"} 0' in success
-    assert 'room_outbox_publish_success_total{event_type="RoomGiftSent",sink="kafka"} 0' in success
+    assert 'room_outbox_publish_success_total{event_type="RoomCreated",sink="noop"} 0.0' in success
+    assert 'room_outbox_publish_success_total{event_type="RoomGiftSent",sink="kafka"} 0.0' in success
     assert len(success) == 3 + 19  # noop's three types, Kafka's whole catalogue
     for error_class in SINK_ERROR_CLASSES:
         assert (
-            f'room_outbox_publish_failure_total{{error_class="{error_class}",event_type="RoomCreated",sink="kafka"}} 0'
+            f'room_outbox_publish_failure_total{{error_class="{error_class}",event_type="RoomCreated",sink="kafka"}} 0.0'
             in lines
         )
     for error_class in ROUTING_ERROR_CLASSES:
         assert (
-            f'room_outbox_publish_failure_total{{error_class="{error_class}",event_type="RoomCreated",sink="-"}} 0'
+            f'room_outbox_publish_failure_total{{error_class="{error_class}",event_type="RoomCreated",sink="-"}} 0.0'
             in lines
         )
     for point, cause in LEASE_LOSSES:
-        assert f'room_outbox_lost_leases_total{{cause="{cause}",detected_at="{point}"}} 0' in lines
-    assert all(line.endswith(" 0") for line in lines if line.startswith("room_outbox_publish_"))  # nothing happened
+        assert f'room_outbox_lost_leases_total{{cause="{cause}",detected_at="{point}"}} 0.0' in lines
+    assert all(line.endswith(" 0.0") for line in lines if line.startswith("room_outbox_publish_"))  # nothing happened

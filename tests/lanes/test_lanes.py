@@ -16,7 +16,7 @@ import pytest
 import yaml
 from aiokafka import AIOKafkaConsumer
 from lanes.conftest import Broker
-from support import INSERT_V1, RecordingSink, envelope, fetch_rows, insert_events, wait_until
+from support import INSERT_V1, RecordingSink, envelope, fetch_rows, insert_events, running, wait_until
 
 from room_outbox.app import run_service
 from room_outbox.config import Settings, load_settings
@@ -145,9 +145,7 @@ async def test_two_processes_feed_and_deliver_each_event_once(store: MySQLStore)
     await migrate_lanes(store, ["t"])
     sinks = [RecordingSink(), RecordingSink()]
     dispatchers = [lane_dispatcher(store, s, node=f"p{n}", batch_size=40) for n, s in enumerate(sinks)]
-    async with anyio.create_task_group() as tg:
-        for dispatcher in dispatchers:
-            await tg.start(dispatcher.run)
+    async with running(*dispatchers):
         for chunk in range(6):
             await insert_events(store, [envelope(f"e{chunk}-{i}", room_id=f"r_{i % 5}") for i in range(100)])
 
@@ -156,8 +154,6 @@ async def test_two_processes_feed_and_deliver_each_event_once(store: MySQLStore)
             return len(rows) == 600 and {r["status"] for r in rows.values()} == {"published"}
 
         await wait_until(all_done, timeout=60)
-        for dispatcher in dispatchers:
-            dispatcher.stop()
     received = sinks[0].received + sinks[1].received
     assert len(received) == 600 and len(set(received)) == 600
 
@@ -375,7 +371,7 @@ async def test_status_shows_each_lane(store: MySQLStore) -> None:
 
 
 async def test_inspect_shows_the_event_in_each_lane(store: MySQLStore) -> None:
-    from room_outbox.cli.status import format_inspection, inspect_event
+    from room_outbox.cli.inspect import format_inspection, inspect_event
 
     await migrate_lanes(store, ["t"])
     # "stuck" waits a minute for its retry, so it is still waiting however slow the machine is

@@ -18,7 +18,7 @@ MAIN_PANELS = (
     "Oldest pending age",
     "Deliveries per second by sink",
     "Failures per second by sink and error class",
-    "Delivery latency percentiles",
+    "Delivery duration percentiles",
     "Lost leases",
 )
 

@@ -262,12 +262,12 @@ async def outage_and_recovery(prometheus: PrometheusProcess, fake_im: FakeIMProc
         return await value("sum(room_outbox_publish_success_total)") >= than + 3000
 
     async def backlog(above: float | None = None, below: float | None = None) -> bool:
-        pending = await value("sum(room_outbox_pending_total)")
+        pending = await value("sum(room_outbox_pending)")
         return (above is None or pending > above) and (below is None or pending < below)
 
     delivered = await value("sum(room_outbox_publish_success_total)")
     await wait_until(lambda: delivered_more(delivered), timeout=120, interval=0.5)
-    baseline = await value("sum(room_outbox_pending_total)")
+    baseline = await value("sum(room_outbox_pending)")
     fake_im.set_faults(**{**IM_FAULTS, "http_error_rate": 1.0})
     await wait_until(lambda: backlog(above=baseline + 1500), timeout=120, interval=0.5)
     fake_im.set_faults(**IM_FAULTS)

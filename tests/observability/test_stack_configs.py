@@ -209,11 +209,11 @@ def test_the_dashboard_has_the_panels_an_operator_needs() -> None:
         assert refs and len(refs) == len(set(refs)), panel["title"]
     exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
     for metric in (
-        "room_outbox_pending_total",
-        "room_outbox_oldest_pending_age_ms",
+        "room_outbox_pending",
+        "room_outbox_oldest_pending_age_seconds",
         "room_outbox_publish_success_total",
         "room_outbox_publish_failure_total",
-        "room_outbox_publish_latency_ms_bucket",
+        "room_outbox_publish_duration_seconds_bucket",
         "room_outbox_lost_leases_total",
         "room_outbox_consumer_lag",
     ):

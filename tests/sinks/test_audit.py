@@ -10,9 +10,10 @@ from typing import Any
 import aiomysql
 import pytest
 import room_outbox_audit
-from contract import Harness, SinkContract, closed_port
 
 from room_outbox import EventEnvelope
+from room_outbox.testing import SinkContract, closed_port
+from room_outbox.testing import SinkHarness as Harness
 
 #: A password that must never show in an error (the test server itself needs none).
 PASSWORD = "audit-s3cret-pw"

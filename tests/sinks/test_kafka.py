@@ -11,11 +11,12 @@ from typing import Any
 import anyio
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from contract import Harness, SinkContract, closed_port, event
 from lanes.conftest import Broker
 
 from room_outbox import EventEnvelope
 from room_outbox.plugins import kafka
+from room_outbox.testing import SinkContract, closed_port, event
+from room_outbox.testing import SinkHarness as Harness
 
 
 class TestKafkaSink(SinkContract):

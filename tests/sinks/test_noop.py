@@ -4,10 +4,11 @@ silent or refuse an event: those three checks are skipped with that reason."""
 from __future__ import annotations
 
 import pytest
-from contract import Harness, SinkContract
 
 from room_outbox import EventEnvelope
 from room_outbox.plugins import noop
+from room_outbox.testing import SinkContract
+from room_outbox.testing import SinkHarness as Harness
 
 
 async def _returned(_event: EventEnvelope) -> bool:

@@ -7,11 +7,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from contract import Harness, SinkContract, event
 
 from room_outbox import EventEnvelope
 from room_outbox.plugins import tencent_im
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM, serve_fake_im
+from room_outbox.testing import SinkContract, event
+from room_outbox.testing import SinkHarness as Harness
 
 #: Groups that exist on the fake; any other is refused with ErrorCode 10010 (dismissed).
 GROUPS = {"r_contract"}

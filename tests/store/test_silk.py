@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from room_outbox.cli.status import inspect_event, status_report
+from room_outbox.cli.inspect import inspect_event
+from room_outbox.cli.status import status_report
 from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError
 from room_outbox.store.clock import now_ms

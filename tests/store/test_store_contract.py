@@ -20,9 +20,20 @@ import anyio
 import pytest
 import yaml
 from processes import FakeIMProcess, dispatchers, write_config
-from support import INSERT_V1, V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, wait_until
+from support import (
+    INSERT_V1,
+    V1_DDL,
+    RecordingSink,
+    envelope,
+    fetch_rows,
+    insert_events,
+    make_dispatcher,
+    running,
+    wait_until,
+)
 
-from room_outbox.cli.status import inspect_event, status_report
+from room_outbox.cli.inspect import inspect_event
+from room_outbox.cli.status import status_report
 from room_outbox.errors import SchemaError
 from room_outbox.producer import append_event
 from room_outbox.store.clock import now_ms
@@ -309,9 +320,8 @@ async def test_a_live_lease_never_expires_under_a_slow_sink(
     async with anyio.create_task_group() as tg:
         tg.start_soon(holder.run_until_empty)
         await wait_until(lambda: len(slow.received) == 4)
-        await tg.start(rival.run)
-        await wait_until(lambda: all_published(any_store), timeout=10.0)
-        rival.stop()
+        async with running(rival):
+            await wait_until(lambda: all_published(any_store), timeout=10.0)
     assert fast.received == []
     assert not [r for r in caplog.records if "lease lost" in r.message or "not recorded" in r.message]
 
@@ -339,12 +349,8 @@ async def test_two_dispatchers_on_two_connections_deliver_each_event_exactly_onc
         make_dispatcher(store, sink, node_id=f"d{n}", batch_size=30, publish_timeout=30.0)
         for n, (store, sink) in enumerate(zip((any_store, other_store), sinks, strict=True))
     ]
-    async with anyio.create_task_group() as tg:
-        for dispatcher in dispatchers_:
-            await tg.start(dispatcher.run)
+    async with running(*dispatchers_):
         await wait_until(lambda: all_published(any_store), timeout=30.0)
-        for dispatcher in dispatchers_:
-            dispatcher.stop()
     counts = Counter(sinks[0].received + sinks[1].received)
     assert len(counts) == 600 and set(counts.values()) == {1}
     assert sinks[0].received and sinks[1].received  # both took part
@@ -354,10 +360,8 @@ async def test_stop_finishes_in_flight_releases_the_rest_and_leaves_no_lease(any
     await insert_events(any_store, [envelope(f"e{i}") for i in range(10)])
     sink = RecordingSink(delay=0.3)
     dispatcher = make_dispatcher(any_store, sink, concurrency=2, publish_timeout=2.0)
-    async with anyio.create_task_group() as tg:
-        await tg.start(dispatcher.run)
+    async with running(dispatcher):
         await wait_until(lambda: len(sink.received) == 2)
-        dispatcher.stop()
     rows = await fetch_rows(any_store)
     published = sorted(e for e, r in rows.items() if r["status"] == "published")
     assert published == sorted(sink.received) and len(published) == 2
@@ -426,12 +430,8 @@ async def test_per_room_order_holds_across_two_dispatchers_with_failures(
         make_dispatcher(store, sink, node_id=f"d{n}", batch_size=7, per_room=True, poll_interval=0.02)
         for n, store in enumerate((any_store, other_store))
     ]
-    async with anyio.create_task_group() as tg:
-        for lane in lanes:
-            await tg.start(lane.run)
+    async with running(*lanes):
         await wait_until(lambda: all_published(any_store), timeout=30.0)
-        for lane in lanes:
-            lane.stop()
     for room in ("r_0", "r_1", "r_2"):
         order = [e for r, e in delivered if r == room]
         assert order == sorted(order), room

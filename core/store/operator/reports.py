@@ -7,6 +7,7 @@ count on the (status, id) index plus one primary-key lookup."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -131,9 +132,9 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
         await cur.execute(
             f"SELECT last_error, COUNT(*) AS n FROM {table} WHERE {open_} AND last_error IS NOT NULL"
             " GROUP BY last_error ORDER BY n DESC, last_error LIMIT %s",
-            (top,),
+            (ERRORS_READ,),
         )
-        top_errors = [(str(error), int(rows)) for error, rows in await cur.fetchall()]
+        top_errors = grouped_errors([(str(error), int(rows)) for error, rows in await cur.fetchall()])[:top]
         await cur.execute(
             f"SELECT worker_id, COUNT(*), MAX({words.as_ms(lock)}) FROM {table}"
             f" WHERE status = '{words.in_flight}' AND worker_id IS NOT NULL AND {lock} > {after} GROUP BY worker_id",
@@ -173,6 +174,33 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
         holders=[LeaseHolder(node, c, r, u) for node, (c, r, u) in sorted(holders.items())],
         lanes=await lane_statuses(store),
     )
+
+
+#: Distinct last_error values the status report groups (the most frequent first).
+ERRORS_READ = 1000
+
+#: An identifier inside an error: the value after a name such as ``GroupId`` or ``room_id``, or
+#: a token of 8+ characters mixing letters and digits. Error codes (digits alone) stay.
+_IDENTIFIER = re.compile(
+    r"(?P<key>\b(?:group_?id|room_?id|event_?id|msg_?id|to_account|id)\b\s*[=:]?\s*)(?P<value>[^\s,;)\]]+)"
+    r"|(?P<token>\b(?=[\w#@-]*\d)(?=[\w#@-]*[A-Za-z])[\w#@-]{8,}\b)",
+    re.IGNORECASE,
+)
+
+
+def error_pattern(error: str) -> str:
+    """``error`` with its identifiers written ``<id>``: errors that differ only by the group
+    or room they hit are one line in a report."""
+    return _IDENTIFIER.sub(lambda m: f"{m['key']}<id>" if m["key"] is not None else "<id>", error)
+
+
+def grouped_errors(counts: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Errors by :func:`error_pattern`, with their summed counts, the most frequent first."""
+    groups: dict[str, int] = {}
+    for error, rows in counts:
+        pattern = error_pattern(error)
+        groups[pattern] = groups.get(pattern, 0) + rows
+    return sorted(groups.items(), key=lambda item: (-item[1], item[0]))
 
 
 async def lane_statuses(store: SQLStore) -> list[LaneStatus]:

@@ -32,10 +32,10 @@ from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 
-THROTTLED = "room_outbox_publish_throttled_total"
-FAILED = "room_outbox_publish_failure_total"
-PUBLISHED = "room_outbox_publish_success_total"
-LATENCY = "room_outbox_publish_latency_ms"
+THROTTLED = "room_outbox.publish.throttled"
+FAILED = "room_outbox.publish.failure"
+PUBLISHED = "room_outbox.publish.success"
+DURATION = "room_outbox.publish.duration"
 
 
 async def _router(fake: FakeTencentIM, quota: QuotaShare | None = None, **im: Any) -> Router:
@@ -96,7 +96,7 @@ async def test_an_app_limit_below_the_concurrency_parks_nothing_and_delivers_eve
     assert captured.value(THROTTLED, sink="tencent_im") > 0  # the limit did hold deliveries back
     assert captured.value(FAILED) == 0
     assert captured.value(PUBLISHED, sink="tencent_im") == events
-    assert sum(p.count for p in captured.histogram(LATENCY)) == events  # only attempts are timed
+    assert sum(p.count for p in captured.histogram(DURATION)) == events  # only attempts are timed
 
 
 async def test_a_quota_share_of_zero_holds_back_without_an_attempt(fake: FakeTencentIM, store: MySQLStore) -> None:
@@ -159,8 +159,9 @@ def _run_config(path: Path, dsn: str, fake: FakeTencentIM) -> Path:
     return path
 
 
-def _counter(metrics: str, name: str) -> float:
+def _counter(metrics: str, instrument: str) -> float:
     """The sum of a counter's samples over all its labels in Prometheus text."""
+    name = instrument.replace(".", "_") + "_total"
     samples = (line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith((f"{name}{{", f"{name} ")))
     return sum(float(value) for _, value in samples)
 

@@ -1,0 +1,93 @@
+"""``room-outbox cancel EVENT_ID``: a pending or parked event marked ``cancelled``: never
+delivered, the row kept for audit. Like every command that changes rows it previews by
+default and changes the row only with ``--yes``. A leased row is refused (its delivery may
+already have reached the sink)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from room_outbox.cli.command import Command, add_json_option, add_yes_option
+from room_outbox.cli.inspect import describe_state
+from room_outbox.cli.output import printable
+from room_outbox.config import Settings
+from room_outbox.store.clock import now_ms
+from room_outbox.store.operator.changes import IN_FLIGHT, cancel
+from room_outbox.store.operator.reports import event_row
+from room_outbox.store.protocol import SQLStore
+
+
+async def cancel_command(
+    store: SQLStore, event_id: str, out: Any, err: Any, apply: bool = True, as_json: bool = False
+) -> int:
+    """Result on ``out``; why nothing was (or would be) cancelled on ``err`` (exit code 1)."""
+    if apply:
+        cancelled, status = await cancel(store, event_id)
+    else:
+        cancelled, status = False, await _status_now(store, event_id)
+    would = not apply and status is not None and status != IN_FLIGHT and _cancellable(store, status)
+    if as_json:
+        doc = {"event_id": event_id, "applied": apply, "cancelled": cancelled, "would_cancel": would, "status": status}
+        print(json.dumps(doc, indent=2), file=out)
+        return 0 if cancelled or would else 1
+    shown = printable(event_id)
+    if cancelled:
+        print(f"cancelled {shown}: it will never be delivered; the row is kept", file=out)
+        return 0
+    if would:
+        print(f"would cancel {shown} (now {printable(status)}); run again with --yes to cancel it", file=out)
+        return 0
+    if status is None:
+        print(f"room-outbox cancel: no event {shown}", file=err)
+    elif status == IN_FLIGHT:
+        print(
+            f"room-outbox cancel: {shown} is being delivered right now; try again once its attempt has ended",
+            file=err,
+        )
+    else:
+        print(
+            f"room-outbox cancel: {shown} is {printable(status)}: only pending or failed events can be cancelled",
+            file=err,
+        )
+    return 1
+
+
+async def _status_now(store: SQLStore, event_id: str) -> str | None:
+    """The event's status as :func:`cancel` would report it, read without changing it."""
+    found = await event_row(store, event_id)
+    if found is None:
+        return None
+    row, seen = found
+    if describe_state(row, now_ms(), store.profile, int(seen["lock_ms"] or 0)).startswith("in flight"):
+        return IN_FLIGHT
+    return str(row["status"])
+
+
+def _cancellable(store: SQLStore, status: str) -> bool:
+    words = store.profile
+    return status in (*words.open, words.parked)
+
+
+async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
+    return await cancel_command(store, args.event_id, sys.stdout, sys.stderr, args.yes, args.json)
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("event_id", help="the event's event_id")
+    add_yes_option(parser, "cancel it")
+    add_json_option(parser)
+
+
+COMMAND = Command(
+    name="cancel",
+    summary="mark an event cancelled: never delivered, kept for audit; shows it, applies only with --yes",
+    description="Mark a pending or parked event cancelled: it is never delivered; the row is kept.\n"
+    "Without --yes it only says what it would do.",
+    examples="room-outbox cancel evt_01J9ZQ\nroom-outbox cancel evt_01J9ZQ --yes",
+    needs="store",
+    arguments=_arguments,
+    run=_run,
+)

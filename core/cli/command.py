@@ -1,0 +1,113 @@
+"""What every ``room-outbox`` command declares (:class:`Command`) and the options and argument
+types the commands share, so that each convention has one place: ``--config`` anywhere,
+``--json`` on reports, ``--yes`` on changes, durations echoed as typed."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from room_outbox.config import Settings, parse_duration
+from room_outbox.startup import table_profile
+from room_outbox.store.backends.errors import translated
+from room_outbox.store.factory import describe, open_store, store_address
+from room_outbox.store.protocol import SQLStore
+
+#: What a command's ``run`` is given:
+#: ``none``: ``run(args, parser)``, no configuration read;
+#: ``config``: ``run(settings, args, redactor)``, the configuration loaded and checked;
+#: ``store``: ``await run(store, settings, args)``, one database connection, closed after.
+Needs = Literal["none", "config", "store"]
+
+CONFIG_HELP = "YAML configuration file (default: $ROOM_OUTBOX_CONFIG; without one, defaults + environment)"
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    #: One line, in the command list.
+    summary: str
+    #: The paragraph of ``COMMAND --help``.
+    description: str
+    #: One example command line a line.
+    examples: str
+    needs: Needs
+    #: Adds the command's own arguments (and actions) to its parser.
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[..., Any]
+
+
+def add_config_option(parser: argparse.ArgumentParser, needs: Needs) -> None:
+    """``--config FILE`` on ``parser`` and every action under it, so that it may follow the
+    command anywhere (``lanes retire NAME --config FILE``). SUPPRESS keeps a ``--config``
+    given before the command when none follows it."""
+    shown = "accepted, not used: this command needs no configuration" if needs == "none" else CONFIG_HELP
+    parser.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help=shown)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+                add_config_option(sub, needs)
+
+
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    """Every reporting command's ``--json``: the same fields, raw values (epoch ms, seconds)."""
+    parser.add_argument("--json", action="store_true", help="machine-readable output (raw values: epoch ms, seconds)")
+
+
+def add_yes_option(parser: argparse._ActionsContainer, what: str) -> None:
+    """Every command that changes rows previews by default: ``--yes`` applies."""
+    parser.add_argument("--yes", action="store_true", help=f"{what} (default: only show what would change)")
+
+
+@dataclass(frozen=True)
+class TypedDuration:
+    """A duration from the command line: its seconds, and the text typed, echoed as is."""
+
+    text: str
+    seconds: float
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def duration_argument(text: str) -> TypedDuration:
+    try:
+        return TypedDuration(text, parse_duration(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def format_duration(seconds: float) -> str:
+    """A configured duration in the largest unit that divides it (``168h`` stays ``7d``,
+    ``90`` is ``90s``): configuration values are echoed in words a person would type."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and float(seconds / size).is_integer():
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+async def with_store(settings: Settings, work: Callable[[SQLStore], Awaitable[int]]) -> int:
+    """``work`` given one connection to the configured database, closed again after."""
+    dsn = settings.database.dsn.get_secret_value()
+    store = await open_store(
+        dsn, pool_size=1, query_timeout=settings.database.query_timeout, profile=table_profile(settings)
+    )
+    try:
+        with translated_errors(dsn):
+            return await work(store)
+    finally:
+        await store.aclose()
+
+
+def translated_errors(dsn: str) -> contextlib.AbstractContextManager[None]:
+    """Driver errors of the block as room-outbox's own, naming the store (not the password)."""
+    address = store_address(dsn)
+    return translated(describe(address), getattr(address, "password", ""))
+
+
+def default_config() -> str | None:
+    return os.environ.get("ROOM_OUTBOX_CONFIG")

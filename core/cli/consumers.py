@@ -1,0 +1,326 @@
+"""``room-outbox consumers …``: the consumers operated from any host. ``dead-letters`` and
+``redrive`` read and change the database's retry rows; ``describe`` asks the broker for the
+group's members, partitions, committed and end offsets and lag, as
+``kafka-consumer-groups --describe`` does. The printing of every consumer report is here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import IO, Any
+
+import anyio
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
+
+from room_outbox.cli.command import Command, add_json_option, add_yes_option, with_store
+from room_outbox.cli.output import NONE, format_age, format_table, printable
+from room_outbox.config import ConfigError, Settings
+from room_outbox.consume.ops import migrated_consumer_store
+from room_outbox.consume.settings import ConsumerSettings, consumer_settings
+from room_outbox.observability.redaction import Redactor
+from room_outbox.store.clock import now_ms
+from room_outbox.store.factory import consumer_store
+from room_outbox.store.protocol import SQLStore
+
+#: Dead letters a redrive preview lists (the count covers them all).
+SHOWN = 20
+
+#: How long ``describe`` waits for the broker's answers.
+BROKER_TIMEOUT = 15.0
+
+
+# -- lines for status and inspect ---------------------------------------------------------------
+
+
+def format_overview(rows: list[dict[str, Any]]) -> list[str]:
+    """Lines for ``status``: per consumer and handler, rows retrying and dead."""
+    if not rows:
+        return []
+    table: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        entry = table.setdefault((row["consumer"], row["handler"] or "(none)"), {"retrying": 0, "dead": 0})
+        entry[row["status"]] = row["rows"]
+        if row["status"] == "dead":
+            entry["oldest_dead_ms"] = row["oldest_created_at_ms"]
+    cells = []
+    for (consumer, handler), entry in sorted(table.items()):
+        oldest = entry.get("oldest_dead_ms")
+        age = f"{format_age(now_ms() - oldest)} ago" if oldest else NONE
+        cells.append((consumer, handler, entry["retrying"], entry["dead"], age))
+    headers = ("consumer", "handler", "retrying", "dead", "oldest dead letter")
+    return ["", *format_table(headers, cells, right=("retrying", "dead"), indent="  ")]
+
+
+def format_states(states: list[dict[str, Any]]) -> list[str]:
+    """Lines for ``inspect``: the event in each consumer (consumed / retrying / dead)."""
+    lines = []
+    for s in states:
+        where = f"{s['topic']}[{s['partition']}]@{s['offset']}"
+        if s["state"] == "consumed":
+            detail = f"consumed from {where}"
+        elif s["state"] == "retrying":
+            due = max(0, int(s["due_at_ms"]) - now_ms()) / 1000
+            detail = f"retrying after {s['attempts']} attempt(s), next in {due:.1f}s: {s['last_error']} ({where})"
+        else:
+            detail = f"dead after {s['attempts']} attempt(s): {s['last_error']} ({where})"
+        lines.append(printable(f"consumer {s['consumer']} / {s['handler']}: {detail}"))
+    return lines
+
+
+# -- dead-letters and redrive --------------------------------------------------------------------
+
+
+async def dead_letters_command(store: SQLStore, consumer: str | None, limit: int, as_json: bool, out: IO[str]) -> int:
+    consumers = await migrated_consumer_store(store)
+    rows = await consumers.dead_letters(consumer, limit) if consumers is not None else []
+    if as_json:
+        print(json.dumps(rows, indent=2, default=str), file=out)
+        return 0
+    if not rows:
+        print("no dead letters", file=out)
+        return 0
+    cells = [
+        (
+            r["consumer"],
+            r["handler"] or "(none)",
+            r["event_id"],
+            r["event_type"] or NONE,
+            f"{r['topic']}[{r['kafka_partition']}]@{r['kafka_offset']}",
+            r["attempts"],
+            r["last_error"],
+        )
+        for r in rows
+    ]
+    headers = ("consumer", "handler", "event_id", "event_type", "from", "attempts", "last_error")
+    print("\n".join(format_table(headers, cells, right=("attempts",))), file=out)
+    return 0
+
+
+async def redrive_command(
+    store: SQLStore,
+    consumer: str,
+    handler: str | None,
+    event_ids: list[str],
+    apply: bool,
+    out: IO[str],
+    configured: frozenset[str] = frozenset(),
+    as_json: bool = False,
+) -> int:
+    """Dead letters of ``consumer`` (optionally one handler's, or these events) back to
+    ``retrying``, due now, attempts from 0: a running ``consume`` process takes them up. A
+    consumer neither ``configured`` nor in the retry table is a typo: exit 2, naming it."""
+    consumers = await migrated_consumer_store(store)
+    if consumers is None:
+        print("no consumer tables here: run `room-outbox migrate`", file=sys.stderr)
+        return 1
+    known = configured | {row["consumer"] for row in await consumers.overview()}
+    if consumer not in known:
+        names = ", ".join(sorted(known)) or "none"
+        print(f"room-outbox consumers redrive: no consumer {consumer!r} (known: {names})", file=sys.stderr)
+        return 2
+    selected = [
+        row
+        for row in await consumers.dead_letters(consumer, 100_000)
+        if (handler is None or row["handler"] == handler) and (not event_ids or row["event_id"] in event_ids)
+    ]
+    changed = await consumers.redrive(consumer, handler, event_ids) if apply else 0
+    if as_json:
+        doc = {"consumer": consumer, "applied": apply, "selected": len(selected), "redriven": changed}
+        print(json.dumps(doc | {"dead_letters": selected}, indent=2, default=str), file=out)
+        return 0
+    if selected:
+        cells = [(r["handler"] or "(none)", r["event_id"], r["last_error"]) for r in selected[:SHOWN]]
+        print("\n".join(format_table(("handler", "event_id", "last_error"), cells, indent="  ")), file=out)
+    if len(selected) > SHOWN:
+        print(f"  … and {len(selected) - SHOWN} more", file=out)
+    if not apply:
+        print(f"{len(selected)} dead letter(s) would be sent round again; add --yes to do it", file=out)
+    else:
+        print(f"{changed} dead letter(s) sent round again", file=out)
+    return 0
+
+
+# -- describe -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Member:
+    member_id: str
+    client_id: str
+    host: str
+    #: ``topic[partition]`` of each partition assigned to it (empty when the broker does not
+    #: report assignments).
+    partitions: list[str]
+
+
+@dataclass(frozen=True)
+class PartitionState:
+    topic: str
+    partition: int
+    #: The group's committed offset (None: nothing committed yet).
+    committed: int | None
+    end: int
+    #: Messages not yet committed: end - committed (or end when nothing was committed).
+    lag: int
+    #: The member the partition is assigned to, when the broker says.
+    member: str | None
+
+
+@dataclass(frozen=True)
+class GroupState:
+    consumer: str
+    group: str
+    #: The broker's word: Stable, PreparingRebalance, CompletingRebalance, Empty, Dead.
+    state: str
+    members: list[Member]
+    partitions: list[PartitionState]
+
+    @property
+    def lag(self) -> int:
+        return sum(p.lag for p in self.partitions)
+
+
+async def describe_group(name: str, consumer: ConsumerSettings) -> GroupState:
+    """The group's state, its members and a row per partition of the consumer's topic."""
+    group = consumer.group(name)
+    client = {"bootstrap_servers": consumer.bootstrap_servers, **consumer.security.client_kwargs()}
+    admin = AIOKafkaAdminClient(**client)
+    reader = AIOKafkaConsumer(enable_auto_commit=False, fetch_max_wait_ms=100, **client)
+    try:
+        with anyio.fail_after(BROKER_TIMEOUT):
+            await admin.start()
+            await reader.start()
+            (response,) = await admin.describe_consumer_groups([group])
+            described = response.to_object()["groups"][0]
+            partitions = [TopicPartition(consumer.topic, p) for p in sorted(await _partitions(reader, consumer.topic))]
+            committed = await admin.list_consumer_group_offsets(group, partitions=partitions) if partitions else {}
+            ends = await _end_offsets(reader, partitions)
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await reader.stop()
+            await admin.close()
+    members, owners = [], {}
+    for m in described["members"]:
+        raw = m["member_assignment"]
+        assigned = ConsumerProtocolMemberAssignment.decode(raw).partitions() if raw else []
+        owners.update({(tp.topic, tp.partition): m["member_id"] for tp in assigned})
+        shown = [f"{tp.topic}[{tp.partition}]" for tp in assigned]
+        members.append(Member(m["member_id"], m["client_id"], m["client_host"], shown))
+    rows = []
+    for tp in partitions:
+        done = committed.get(tp)
+        offset = done.offset if done is not None and done.offset >= 0 else None
+        rows.append(
+            PartitionState(
+                tp.topic, tp.partition, offset, ends[tp], ends[tp] - (offset or 0), owners.get((tp.topic, tp.partition))
+            )
+        )
+    return GroupState(name, group, described["state"] or "Empty", members, rows)
+
+
+async def _end_offsets(reader: AIOKafkaConsumer, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+    """Each partition's end: the high watermark a fetch reports (what the consumers' lag
+    metric uses), read from where the offsets lookup says the end is. The lookup alone can
+    lag by the last batch on some brokers (seen on tansu); the fetch's answer cannot."""
+    if not partitions:
+        return {}
+    listed = await reader.end_offsets(partitions)
+    reader.assign(partitions)
+    for tp in partitions:
+        reader.seek(tp, listed[tp])
+    while any(reader.highwater(tp) is None for tp in partitions):
+        await reader.getmany(*partitions, timeout_ms=200, max_records=1)
+    return {tp: max(listed[tp], reader.highwater(tp) or 0) for tp in partitions}
+
+
+async def _partitions(reader: AIOKafkaConsumer, topic: str) -> set[int]:
+    """The topic's partitions (none when it does not exist yet)."""
+    await reader._client.force_metadata_update()
+    return reader.partitions_for_topic(topic) or set()
+
+
+async def describe_command(settings: Settings, only: str | None, as_json: bool, out: IO[str]) -> int:
+    found = consumer_settings(settings, only)
+    if not found:
+        raise ConfigError("room-outbox consumers describe: no enabled consumer in the configuration (consumers.<name>)")
+    groups = [await describe_group(name, consumer) for name, consumer in found.items()]
+    if as_json:
+        print(json.dumps([asdict(g) | {"lag": g.lag} for g in groups], indent=2), file=out)
+        return 0
+    for g in groups:
+        print(f"consumer {g.consumer}: group {g.group} ({g.state}), {len(g.members)} member(s), lag {g.lag}", file=out)
+        cells = [
+            (p.topic, p.partition, NONE if p.committed is None else p.committed, p.end, p.lag, p.member or NONE)
+            for p in g.partitions
+        ]
+        numbers = ("partition", "committed", "end", "lag")
+        print("\n".join(format_table(("topic", *numbers, "member"), cells, right=numbers, indent="  ")), file=out)
+        if g.members:
+            members = [
+                (m.member_id, m.client_id or NONE, m.host or NONE, ", ".join(m.partitions) or NONE) for m in g.members
+            ]
+            print(
+                "\n".join(format_table(("member", "client_id", "host", "partitions"), members, indent="  ")), file=out
+            )
+    return 0
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="consumers_command", required=True, metavar="ACTION")
+    dead = actions.add_parser("dead-letters", help="list dead letters")
+    dead.add_argument("--consumer", help="only this consumer's")
+    dead.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    add_json_option(dead)
+    redrive = actions.add_parser(
+        "redrive", help="send dead letters round again (retried by a running consume); shows them, applies with --yes"
+    )
+    redrive.add_argument("--consumer", required=True, help="the consumer whose dead letters to send")
+    redrive.add_argument("--handler", help="only this handler's dead letters")
+    redrive.add_argument("--event-id", action="append", default=[], help="only this event (repeatable)")
+    add_yes_option(redrive, "send them round again")
+    add_json_option(redrive)
+    describe = actions.add_parser(
+        "describe", help="members, partitions, committed and end offsets and lag of each consumer group"
+    )
+    describe.add_argument("--consumer", help="only this consumer (default: every enabled one)")
+    add_json_option(describe)
+
+
+def _run(settings: Settings, args: argparse.Namespace, _redactor: Redactor) -> int:
+    if args.consumers_command == "describe":  # the broker only
+        return anyio.run(describe_command, settings, args.consumer, args.json, sys.stdout)
+    return anyio.run(with_store, settings, lambda store: _operate(store, settings, args))
+
+
+async def _operate(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
+    if consumer_store(store) is None:
+        raise ConfigError("room-outbox consumers: needs a MySQL or PostgreSQL database; database.dsn names SQLite")
+    if args.consumers_command == "dead-letters":
+        return await dead_letters_command(store, args.consumer, args.limit, args.json, sys.stdout)
+    configured = frozenset(settings.consumers)
+    return await redrive_command(
+        store, args.consumer, args.handler, args.event_id, args.yes, sys.stdout, configured, args.json
+    )
+
+
+COMMAND = Command(
+    name="consumers",
+    summary="operate the consumers: dead letters, redrive, describe the groups (lag per partition)",
+    description="Dead letters of the consumers, from the database: `dead-letters` lists them, `redrive`\n"
+    "makes them due again (a running consume takes them up); redrive applies only with --yes.\n"
+    "`describe` asks the broker for each group's members, partitions, committed and end offsets\n"
+    "and lag, as kafka-consumer-groups --describe does.",
+    examples="room-outbox consumers dead-letters --consumer feed\n"
+    "room-outbox consumers redrive --consumer feed --handler audit --yes\n"
+    "room-outbox consumers describe --consumer feed",
+    needs="config",
+    arguments=_arguments,
+    run=_run,
+)

@@ -1,0 +1,158 @@
+"""``room-outbox inspect EVENT_ID``: one event's row (times in local time, with how long ago),
+its parsed envelope or why it does not parse, and its state in every lane and consumer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import IO, Any
+
+from room_outbox.cli.command import Command, add_json_option
+from room_outbox.cli.consumers import format_states
+from room_outbox.cli.output import format_age, format_time, printable
+from room_outbox.config import Settings
+from room_outbox.consume.ops import consumer_states
+from room_outbox.envelope import EnvelopeError, parse_envelope
+from room_outbox.store.clock import now_ms
+from room_outbox.store.operator.reports import event_row, lane_row, lane_statuses
+from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.profiles import V1, Profile
+
+
+def _now_ms() -> int:
+    """The cluster's time: the leases and due times shown were written on it."""
+    return now_ms()
+
+
+#: Row columns that hold an epoch-ms time (0: none).
+TIME_COLUMNS = ("created_at_ms", "updated_at_ms", "lock_until_ms")
+
+
+async def inspect_event(store: SQLStore, event_id: str) -> dict[str, Any] | None:
+    """The row of ``event_id`` with its parsed envelope (or why it does not parse) and a
+    sentence on its delivery state; ``None`` when no row has that event_id."""
+    p = store.profile
+    found = await event_row(store, event_id)
+    if found is None:
+        return None
+    row, seen = found
+    row.pop("envelope", None)  # shown parsed below
+    raw = seen["envelope"]
+    doc: dict[str, Any] = {"row": row}
+    try:
+        envelope = parse_envelope(raw)
+    except EnvelopeError as exc:
+        doc["envelope_error"] = str(exc)
+        doc["envelope_raw"] = raw.decode("utf-8", "replace") if isinstance(raw, bytes | bytearray) else raw
+    else:
+        doc["envelope"] = envelope.model_dump(mode="json", exclude_none=True)
+        mismatches = [
+            f"envelope {name} {getattr(envelope, name)!r} differs from the row's {seen[name]!r}"
+            for name in ("event_id", "event_type", "room_id", "app_code")
+            if getattr(envelope, name) != seen[name] and not (name == "app_code" and seen[name] == "")
+        ]
+        if mismatches:
+            doc["envelope_error"] = "; ".join(mismatches)
+    now = _now_ms()
+    doc["state"] = describe_state(row, now, p, int(seen["lock_ms"] or 0))
+    lanes = await _lane_states(store, int(seen["key"]), now)
+    if lanes:
+        doc["lanes"] = lanes
+    return doc
+
+
+async def _lane_states(store: SQLStore, outbox_id: int, now: int) -> dict[str, str]:
+    """The event's state in each lane of its own (same vocabulary as the IM lane's)."""
+    states: dict[str, str] = {}
+    for lane in await lane_statuses(store):
+        found = await lane_row(store, lane.lane, outbox_id)
+        if found is not None:
+            states[lane.lane] = describe_state(found, now)
+        elif outbox_id > lane.fed_through_id:
+            states[lane.lane] = "not fed to this lane yet"
+        else:
+            states[lane.lane] = "not in this lane (before its start, or cleaned up)"
+    return states
+
+
+def describe_state(row: dict[str, Any], now: int, words: Profile = V1, lock_until: int | None = None) -> str:
+    """A sentence on a row's delivery state, in ``words``' vocabulary (lanes speak ``v1``);
+    ``lock_until``: the row's lock in epoch ms when its table keeps it otherwise."""
+    status = row["status"]
+    retries = row[words.attempts]
+    if lock_until is None:
+        lock_until = int(row.get("lock_until_ms") or 0)
+    if status == words.delivered:
+        return f"{status}: delivered (or pushed by room-service itself); nothing left to do"
+    if status == words.parked:
+        return f"parked after {retries} attempt(s): never retried until `room-outbox requeue`"
+    if status == words.cancelled:
+        return "cancelled by an operator: never delivered"
+    if status not in words.open:
+        return f"status {status!r}: not a status of table profile {words.name}"
+    if row.get("worker_id") and lock_until > now:
+        return f"in flight: leased by {row['worker_id']} for another {format_age(lock_until - now)}"
+    if lock_until > now:
+        return f"waiting: failed {retries} time(s), next attempt in {format_age(lock_until - now)}"
+    if row.get("worker_id"):
+        return f"due: the lease of {row['worker_id']} expired; the next scan takes it over"
+    return "due: the next scan claims it" + (f" (failed {retries} time(s) so far)" if retries else "")
+
+
+def format_inspection(doc: dict[str, Any]) -> str:
+    row = doc["row"]
+    width = max(len(name) for name in row)
+    now = _now_ms()
+    lines = [
+        f"{name:<{width}}  {printable(value)}"
+        + (f"  {format_time(int(value), now)}" if name in TIME_COLUMNS and value else "")
+        for name, value in row.items()
+    ]
+    lines += ["", f"state: {printable(doc['state'])}"]
+    lines += [f"lane {printable(lane)}: {printable(state)}" for lane, state in doc.get("lanes", {}).items()]
+    lines.append("")
+    if "envelope" in doc:
+        lines.append("envelope:")
+        # JSON escapes C0 controls inside strings; C1 controls and format characters it keeps.
+        lines.append(printable(json.dumps(doc["envelope"], indent=2, ensure_ascii=False), keep_newlines=True))
+    if "envelope_error" in doc:
+        lines.append(f"envelope problem: {printable(doc['envelope_error'])}")
+    if "envelope_raw" in doc:
+        lines.append(f"raw envelope: {printable(doc['envelope_raw'][:2000])}")
+    return "\n".join(lines)
+
+
+async def inspect_command(store: SQLStore, event_id: str, as_json: bool, out: IO[str], err: IO[str]) -> int:
+    doc = await inspect_event(store, event_id)
+    consumers = await consumer_states(store, event_id)
+    if doc is None and not consumers:
+        print(f"room-outbox inspect: no row with event_id {printable(event_id)!r}", file=err)
+        return 1
+    if as_json:
+        print(json.dumps({**(doc or {}), "consumers": consumers}, indent=2, default=str, ensure_ascii=False), file=out)
+        return 0
+    lines = [format_inspection(doc)] if doc is not None else [f"event {printable(event_id)}: not in room_outbox"]
+    print("\n".join([*lines, "", *format_states(consumers)] if consumers else lines), file=out)
+    return 0
+
+
+async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
+    return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr)
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("event_id", help="the event's event_id")
+    add_json_option(parser)
+
+
+COMMAND = Command(
+    name="inspect",
+    summary="one event: its row, parsed envelope and delivery state",
+    description="One event by event_id: its row (times in local time, with how long ago), its parsed\n"
+    "envelope or why it does not parse, and its state in every lane. --json keeps raw values.",
+    examples="room-outbox inspect evt_01J9ZQ\nroom-outbox inspect evt_01J9ZQ --json | jq .row.last_error",
+    needs="store",
+    arguments=_arguments,
+    run=_run,
+)

@@ -1,0 +1,179 @@
+"""Logs: JSON lines for machines, short aligned lines for people; secrets masked in both.
+
+``log.format`` chooses: ``json``, ``console``, or ``auto`` (the default): console when the log
+stream (stderr) is a terminal, JSON otherwise, so a local ``run`` reads well and a container's
+log collector gets JSON without configuration.
+
+**JSON.** One object per line, with the fields below. Every line carries ``worker``
+("room_outbox") and ``node_id``; event lines add ``event_id``, ``event_type``, ``room_id``,
+``retry_count``, ``status``, ``error`` (passed as ``extra=``), and a line written inside a
+traced delivery adds ``trace_id`` and ``span_id``.
+
+**Console.** ``12:04:05.123 WARN  dispatcher    delivery failed           event_id=e1 ...``: the
+UTC time, the level, the logger (less ``room_outbox.``) and the message in columns, then the
+event's key fields first and any other field after them as ``key=value``; a traceback follows
+on its own lines. Colour only on a terminal and only when ``NO_COLOR`` is unset or empty.
+
+Either way the whole text goes through the
+:class:`~room_outbox.observability.redaction.Redactor` last, so a secret that slipped into a
+message, a field or an exception is still masked.
+
+**Spans.** Logs go to stderr; what the console span and metric exporters print
+(``OTEL_TRACES_EXPORTER=console``) goes to stdout, never into the log stream: ``2>run.log``
+or ``>spans.json`` separates them. ``log.spans_with_logs: true`` sends it to the log stream
+instead, when one stream is wanted. :func:`span_stream` is where it goes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from types import TracebackType
+from typing import IO, Any
+
+from opentelemetry import trace
+
+from room_outbox.observability.redaction import Redactor
+
+WORKER = "room_outbox"
+#: Library loggers that get ``log.library_level`` instead of ``log.level``.
+LIBRARY_LOGGERS = ("httpx", "httpcore", "aiohttp", "aiokafka", "aiomysql", "asyncio")
+#: The fields of an event line, shown first and in this order by the console format.
+KEY_FIELDS = ("lane", "event_id", "event_type", "room_id", "sink", "retry_count", "status", "error")
+FORMATS = ("auto", "console", "json")
+
+_RECORD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+_span_stream: IO[str] | None = None
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    """What the caller passed as ``extra=``."""
+    return {k: v for k, v in vars(record).items() if k not in _RECORD_ATTRS and not k.startswith("_")}
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, node_id: str, redactor: Redactor) -> None:
+        super().__init__()
+        self.node_id = node_id
+        self.redactor = redactor
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+            "worker": WORKER,
+            "node_id": self.node_id,
+            **_fields(record),
+        }
+        span_context = trace.get_current_span().get_span_context()
+        if span_context.is_valid:  # ties a sink's log line to the attempt's span
+            doc["trace_id"] = trace.format_trace_id(span_context.trace_id)
+            doc["span_id"] = trace.format_span_id(span_context.span_id)
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return self.redactor.redact(json.dumps(doc, default=str, ensure_ascii=False))
+
+
+#: Level names cut to one width, so the columns after them align.
+_LEVELS = {"DEBUG": "DEBUG", "INFO": "INFO", "WARNING": "WARN", "ERROR": "ERROR", "CRITICAL": "CRIT"}
+_COLOURS = {"DEBUG": "2", "WARNING": "33", "ERROR": "31", "CRITICAL": "1;31"}
+_LOGGER_WIDTH = 13
+_MESSAGE_WIDTH = 26
+
+
+class ConsoleFormatter(logging.Formatter):
+    """One short line per record, columns aligned (see the module docstring)."""
+
+    def __init__(self, redactor: Redactor, colour: bool = False) -> None:
+        super().__init__()
+        self.redactor = redactor
+        self.colour = colour
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}"
+        level = _LEVELS.get(record.levelname, record.levelname[:5]).ljust(5)
+        logger = record.name.removeprefix(f"{WORKER}.").ljust(_LOGGER_WIDTH)
+        fields = _fields(record)
+        ordered = [k for k in KEY_FIELDS if k in fields] + [k for k in fields if k not in KEY_FIELDS]
+        pairs = " ".join(f"{k}={_value(fields[k])}" for k in ordered)
+        message = record.getMessage()
+        line = f"{message.ljust(_MESSAGE_WIDTH)} {pairs}" if pairs else message
+        if self.colour:
+            code = _COLOURS.get(record.levelname)
+            level = f"\x1b[{code}m{level}\x1b[0m" if code else level
+            stamp = f"\x1b[2m{stamp}\x1b[0m"
+        text = f"{stamp} {level} {logger} {line}".rstrip()
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return self.redactor.redact(text)
+
+
+def _value(value: object) -> str:
+    """A field's value, quoted when a space or quote would blur where it ends."""
+    text = str(value)
+    return json.dumps(text, ensure_ascii=False) if not text or any(c in text for c in ' "=\n\t') else text
+
+
+def wants_colour(stream: IO[str], environ: Mapping[str, str] | None = None) -> bool:
+    """Colour on a terminal, unless ``NO_COLOR`` is set to anything but empty."""
+    env = os.environ if environ is None else environ
+    return _is_terminal(stream) and not env.get("NO_COLOR")
+
+
+def _is_terminal(stream: IO[str]) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def configure_logging(
+    level: str,
+    node_id: str,
+    redactor: Redactor,
+    stream: IO[str] | None = None,
+    library_level: str = "WARNING",
+    log_format: str = "auto",
+    spans_with_logs: bool = False,
+) -> None:
+    """Route every logger to ``stream`` (stderr by default) in ``log_format``, through one
+    handler whose formatter redacts the whole text: a library's record is masked like our own.
+    Libraries log at ``library_level``; Python warnings become log records too."""
+    global _span_stream
+    if log_format not in FORMATS:
+        raise ValueError(f"unknown log format {log_format!r} (allowed: {', '.join(FORMATS)})")
+    out = stream or sys.stderr
+    console = log_format == "console" or (log_format == "auto" and _is_terminal(out))
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(ConsoleFormatter(redactor, wants_colour(out)) if console else JsonFormatter(node_id, redactor))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(library_level)
+    logging.captureWarnings(True)
+    _span_stream = out if spans_with_logs else None
+    # An exception nobody caught would be printed raw by the interpreter; as a log record its
+    # traceback is redacted like the rest.
+    sys.excepthook = log_uncaught
+    threading.excepthook = lambda args: log_uncaught(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+def span_stream() -> IO[str]:
+    """Where the console span and metric exporters write: stdout, or the log stream when
+    ``log.spans_with_logs`` asked for it."""
+    return _span_stream or sys.stdout
+
+
+def log_uncaught(exc_type: type[BaseException], exc: BaseException | None, traceback: TracebackType | None) -> None:
+    """``sys.excepthook``: the uncaught exception as an error record (Ctrl-C stays quiet)."""
+    if issubclass(exc_type, KeyboardInterrupt):
+        return
+    logging.getLogger("room_outbox").critical(
+        "uncaught exception: %s", exc_type.__name__, exc_info=(exc_type, exc or exc_type(), traceback)
+    )

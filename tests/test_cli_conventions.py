@@ -1,0 +1,288 @@
+"""One CLI convention, checked command by command: the registry builds the parser, --config is
+accepted anywhere, changes preview until --yes, every report has --json, filters combine,
+tables follow their content, errors are grouped, durations are echoed as typed, completion
+scripts are generated, and the error paths name their cause."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from support import envelope, fetch_rows, insert_events
+
+from room_outbox.cli import cleanup as cleanup_cli
+from room_outbox.cli.main import build_parser, main
+from room_outbox.cli.registry import COMMANDS
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.clock import now_ms
+from room_outbox.store.factory import consumer_store
+
+pytestmark = pytest.mark.anyio
+
+DAY_MS = 86_400_000
+
+
+@pytest.fixture
+def config(tmp_path: Path, database_dsn: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    for name in list(os.environ):
+        if name.startswith("ROOM_OUTBOX"):
+            monkeypatch.delenv(name)
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        f"mysql:\n  dsn: '{database_dsn}'\nsinks:\n  tencent_im:\n    enabled: false\n"
+        "retention:\n  batch_size: 2\n  pause: 0s\n"
+        "consumers:\n  feed:\n    handlers: [audit]\n"
+    )
+    return str(path)
+
+
+async def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = await anyio.to_thread.run_sync(main, list(argv))  # main() runs its own event loop
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+async def park(store: MySQLStore, error: str, *event_ids: str) -> None:
+    async with store.transaction() as cur:
+        for event_id in event_ids:
+            await cur.execute(
+                "UPDATE room_outbox SET status = 'failed', retry_count = 5, last_error = %s WHERE event_id = %s",
+                (error, event_id),
+            )
+
+
+# -- the registry -------------------------------------------------------------------------------
+
+
+def test_the_parser_has_exactly_the_registered_commands_each_with_its_needs() -> None:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(action.choices) == [command.name for command in COMMANDS]
+    assert all(command.needs in ("none", "config", "store") for command in COMMANDS)
+    assert {c.name for c in COMMANDS if c.needs == "none"} == {"demo", "fake-im", "completion"}
+
+
+def test_config_is_accepted_before_or_after_the_command_and_its_action() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["lanes", "retire", "audit", "--config", "f.yaml"]).config == "f.yaml"
+    assert parser.parse_args(["--config", "f.yaml", "lanes", "retire", "audit"]).config == "f.yaml"
+    argv = ["consumers", "redrive", "--consumer", "feed", "--config", "f.yaml", "--yes"]
+    assert parser.parse_args(argv).config == "f.yaml"
+    assert parser.parse_args(["consumers", "describe", "--config", "f.yaml"]).config == "f.yaml"
+
+
+def test_every_reporting_command_has_json_and_every_changing_one_has_yes() -> None:
+    parser = build_parser()
+
+    def options(*argv: str) -> set[str]:
+        sub: argparse.ArgumentParser = parser
+        for word in argv:
+            action = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction))
+            sub = action.choices[word]
+        return {o for a in sub._actions for o in a.option_strings}
+
+    reports = [("status",), ("inspect",), ("requeue",), ("cancel",), ("cleanup",), ("check-config",), ("migrate",),
+               ("lanes",), ("consumers", "dead-letters"), ("consumers", "redrive"), ("consumers", "describe")]  # fmt: skip
+    for argv in reports:
+        assert "--json" in options(*argv), argv
+    for argv in [("requeue",), ("cancel",), ("cleanup",), ("lanes", "retire"), ("consumers", "redrive")]:
+        assert "--yes" in options(*argv), argv
+
+
+# -- shell completion ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+async def test_completion_scripts_know_every_command_and_option(
+    shell: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, script, err = await cli(capsys, "completion", shell)
+    assert (code, err) == (0, "")
+    for word in ("check-config", "requeue", "consumers", "describe", "older-than", "yes", "json"):
+        assert word in script, (shell, word)  # (fish spells an option `-l older-than`)
+    binary = shutil.which(shell)
+    if binary is not None and shell in ("bash", "zsh"):  # the shell itself reads it without error
+        (tmp_path / "script").write_text(script)
+        checked = subprocess.run([binary, "-n", str(tmp_path / "script")], capture_output=True, text=True, timeout=30)
+        assert checked.returncode == 0, checked.stderr
+
+
+# -- cancel previews ----------------------------------------------------------------------------
+
+
+async def test_cancel_previews_and_changes_only_with_yes(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await insert_events(store, [envelope("c1"), envelope("c2")])
+    code, out, err = await cli(capsys, "cancel", "c1", "--config", config)
+    assert (code, out, err) == (0, "would cancel c1 (now pending); run again with --yes to cancel it\n", "")
+    assert (await fetch_rows(store))["c1"]["status"] == "pending"
+    code, out, _ = await cli(capsys, "cancel", "c1", "--yes", "--config", config)
+    assert (code, out) == (0, "cancelled c1: it will never be delivered; the row is kept\n")
+    assert (await fetch_rows(store))["c1"]["status"] == "cancelled"
+    code, out, _ = await cli(capsys, "cancel", "c2", "--json", "--config", config)
+    assert code == 0 and json.loads(out) == {
+        "event_id": "c2", "applied": False, "cancelled": False, "would_cancel": True, "status": "pending",
+    }  # fmt: skip
+    code, out, err = await cli(capsys, "cancel", "c1", "--config", config)  # already cancelled: says so, preview too
+    assert (code, out, err) == (
+        1,
+        "",
+        "room-outbox cancel: c1 is cancelled: only pending or failed events can be cancelled\n",
+    )
+
+
+# -- requeue: filters, hint, widths, --json ------------------------------------------------------
+
+
+async def test_requeue_status_failed_alone_takes_every_parked_row_and_filters_combine(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await insert_events(store, [envelope("p1"), envelope("p2", "RoomGiftSent"), envelope("open")])
+    await park(store, "tencent_im: gone", "p1", "p2")
+    code, out, _ = await cli(capsys, "--config", config, "requeue", "--status", "failed", "--json")
+    doc = json.loads(out)
+    assert code == 0 and (doc["applied"], doc["matched"], doc["requeued"]) == (False, 2, 0)
+    assert sorted(r["event_id"] for r in doc["rows"]) == ["p1", "p2"]
+    argv = ["--config", config, "requeue", "--status", "failed", "--event-type", "RoomGiftSent", "--yes", "--json"]
+    code, out, _ = await cli(capsys, *argv)
+    assert code == 0 and json.loads(out)["requeued"] == 1
+    rows = await fetch_rows(store)
+    assert (rows["p1"]["status"], rows["p2"]["status"], rows["open"]["status"]) == ("failed", "pending", "pending")
+
+
+async def test_requeue_columns_follow_the_content(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    long_id = "evt_" + "x" * 60
+    await insert_events(store, [envelope(long_id), envelope("short", "RoomGiftSentWithAVeryLongTypeName")])
+    await park(store, "tencent_im: gone", long_id, "short")
+    code, out, _ = await cli(capsys, "--config", config, "requeue", "--status", "failed")
+    header, *rows, summary = out.splitlines()
+    assert code == 0 and summary.startswith("2 row(s) would be requeued")
+    start = header.index("event_type")
+    assert start == len(long_id) + 2  # the event_id column is as wide as the longest id, plus the gap
+    for row in rows:
+        assert row[start - 2 : start] == "  " and row[start] != " "  # every event_type starts in the column
+    assert header.index("status") == start + len("RoomGiftSentWithAVeryLongTypeName") + 2
+
+
+# -- status groups errors ------------------------------------------------------------------------
+
+
+async def test_status_groups_errors_that_differ_only_by_an_identifier(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await insert_events(store, [envelope(f"e{n}", room_id=f"r_{n}") for n in range(21)])
+    async with store.transaction() as cur:
+        for n in range(20):
+            await cur.execute(
+                "UPDATE room_outbox SET retry_count = 1, last_error = %s WHERE event_id = %s",
+                (f"tencent_im: ErrorCode 10010 GroupId @TGS#2C5S{n:04d}EF group not found", f"e{n}"),
+            )
+        await cur.execute(
+            "UPDATE room_outbox SET retry_count = 1, last_error = 'tencent_im: timeout' WHERE event_id = 'e20'"
+        )
+    code, out, _ = await cli(capsys, "--config", config, "status")
+    section = out.split("most frequent last_error", 1)[1].splitlines()[1:]
+    assert code == 0
+    assert [line.split(None, 1) for line in section[1:3]] == [
+        ["20", "tencent_im: ErrorCode 10010 GroupId <id> group not found"],
+        ["1", "tencent_im: timeout"],
+    ]
+    code, out, _ = await cli(capsys, "--config", config, "status", "--json")
+    assert json.loads(out)["top_errors"][0] == {
+        "last_error": "tencent_im: ErrorCode 10010 GroupId <id> group not found", "rows": 20,
+    }  # fmt: skip
+
+
+# -- cleanup: durations as typed, --json, an interrupted run -------------------------------------
+
+
+async def add_published(store: MySQLStore, count: int, age_ms: int) -> None:
+    await insert_events(store, [envelope(f"old{n}") for n in range(count)])
+    async with store.transaction() as cur:
+        created = now_ms() - age_ms
+        await cur.execute(
+            "UPDATE room_outbox SET status = 'published', created_at_ms = %s, updated_at_ms = %s", (created, created)
+        )
+
+
+async def test_cleanup_echoes_the_duration_as_typed_and_reports_json(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await add_published(store, 3, 10 * DAY_MS)
+    code, out, _ = await cli(capsys, "--config", config, "cleanup", "--older-than", "168h")
+    assert code == 0 and out.startswith("3 published row(s) older than 168h would be deleted (dry run")
+    code, out, _ = await cli(capsys, "--config", config, "cleanup", "--older-than", "168h", "--yes", "--json")
+    doc = json.loads(out)
+    assert code == 0 and (doc["applied"], doc["removed"], doc["older_than_seconds"]) == (True, 3, 604800.0)
+    assert await fetch_rows(store) == {}
+
+
+async def test_an_interrupted_cleanup_says_how_many_rows_it_had_deleted(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await add_published(store, 6, 10 * DAY_MS)
+    real_cleanup = cleanup_cli.cleanup
+
+    async def interrupted_after_two_batches(*args: Any, progress: Any, **kwargs: Any) -> Any:
+        def then_ctrl_c(report: Any) -> None:
+            progress(report)
+            if report.batches == 2:
+                raise KeyboardInterrupt
+
+        return await real_cleanup(*args, progress=then_ctrl_c, **kwargs)
+
+    monkeypatch.setattr(cleanup_cli, "cleanup", interrupted_after_two_batches)
+    code, out, err = await cli(capsys, "--config", config, "cleanup", "--yes")
+    assert (code, out) == (130, "")
+    assert err.splitlines() == [
+        "room-outbox cleanup: interrupted after 4 row(s) deleted in 2 batch(es); run it again to finish",
+        "room-outbox: interrupted",
+    ]
+    assert len(await fetch_rows(store)) == 2
+
+
+# -- check-config and migrate --json --------------------------------------------------------------
+
+
+async def test_check_config_and_migrate_report_json(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = await cli(capsys, "check-config", "--json", "--config", config)
+    doc = json.loads(out)
+    assert code == 0 and doc["ok"] is True and "tencent_im" not in doc["main_sinks"] and doc["source"] == config
+    code, out, _ = await cli(capsys, "migrate", "--json", "--config", config)
+    assert code == 0 and isinstance(json.loads(out)["changes"], list)
+    # Again: only the handler's own (idempotent) statements, which run every time.
+    code, out, _ = await cli(capsys, "migrate", "--json", "--config", config)
+    assert code == 0 and json.loads(out) == {"changes": ["ran 1 schema statement(s) for handler audit"]}
+    code, out, _ = await cli(capsys, "migrate", "--sql", "--json", "--config", config)
+    steps = json.loads(out)["steps"]
+    assert code == 0 and [step["change"] for step in steps] == ["would run 1 schema statement(s) for handler audit"]
+    assert all(isinstance(statement, str) for statement in steps[0]["statements"])
+
+
+# -- consumers redrive names an unknown consumer -------------------------------------------------
+
+
+async def test_redrive_of_an_unknown_consumer_names_it(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    consumers = consumer_store(store)
+    assert consumers is not None
+    await consumers.migrate()
+    code, out, err = await cli(capsys, "--config", config, "consumers", "redrive", "--consumer", "typo")
+    assert (code, out) == (2, "")
+    assert err == "room-outbox consumers redrive: no consumer 'typo' (known: feed)\n"
+    code, out, _ = await cli(capsys, "--config", config, "consumers", "redrive", "--consumer", "feed", "--json")
+    assert code == 0 and json.loads(out)["selected"] == 0
