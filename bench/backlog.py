@@ -202,7 +202,7 @@ async def run_backlog(store: MySQLStore, dsn: str, backlog: int, events: int, ma
     runs.append(await drain("noop lane, per_room", per_room, port, await count(store, pending), events, max_seconds))
     broker = Tansu()
     try:
-        kafka = {"noop": {"enabled": False}, "kafka": {"bootstrap_servers": broker.bootstrap, "topic": TOPIC, "start": "beginning"}}  # fmt: skip
+        kafka = {"noop": {"enabled": False}, "kafka": {"bootstrap_servers": broker.bootstrap, "topic": TOPIC, "start": "beginning", "relay": "lane_table"}}  # fmt: skip
         await migrate_lanes(store, ["kafka"])
         owed = await count(store, "SELECT COUNT(*) FROM room_outbox")
         runs.append(await drain("Kafka lane (a lane table)", config(dsn, port, kafka), port, owed, events, max_seconds))

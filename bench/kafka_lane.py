@@ -8,6 +8,10 @@ producers, on one tansu broker (memory storage, 3 partitions), in the same run.
 * **Kafka lane**: the lane as ``room-outbox run`` builds it (``build_lanes`` → the Kafka sink,
   ``LaneStore`` over ``room_outbox_lane_kafka`` fed from ``room_outbox``, the dispatcher),
   draining the rows from a fresh load: claim, feed, read envelopes, deliver, record.
+* **tailing Kafka lane**: the lane as ``room-outbox run`` builds it by default (``relay:
+  tail``): ``TailRelay`` reading ``room_outbox`` after the cursor, a batch in flight in the
+  producer, one cursor write per batch. Its fair reference is the bare loop with a batch in
+  flight (same acks, same messages in flight); the rounds alternate the two's order.
 * **the Kafka sink alone**: ``KafkaSink.deliver`` from ``concurrency`` tasks, no store, no
   dispatcher: what the plugin costs over the bare producer.
 * **the dispatcher's delivery alone**: ``Dispatcher.deliver_queues`` on the same events as rows
@@ -34,14 +38,16 @@ from bench.consume import TOPIC, Tansu
 from bench.db import load, reset
 from room_outbox.config import Settings
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
-from room_outbox.delivery.lanes import lane_store, migrate_plugins
+from room_outbox.delivery.lanes import lane_store, migrate_plugins, tail_store
 from room_outbox.delivery.routing import Lanes, Router, build_lanes
+from room_outbox.delivery.tail import TailRelay
 from room_outbox.envelope import EventEnvelope
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.noop import NoopSink
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.lanes.store import CURSOR_TABLE, lane_table
+from room_outbox.store.lanes.tail import migrate_tail
 from room_outbox.store.protocol import OutboxRow, OutboxStore, Outcome
 
 #: Delivery alone touches no store (deliver_queues never calls it).
@@ -62,10 +68,12 @@ class KafkaLaneResult:
     sink: float  # KafkaSink.deliver alone, ``concurrency`` in flight
     delivery: float  # the dispatcher's delivery of claimed rows to the sink, no store
     lane_noop: float  # the same lane table and dispatcher, the sink a no-op
+    tail: float  # the tailing lane (relay: tail), a batch in flight
 
 
-def kafka_settings(bootstrap: str) -> Settings:
-    return Settings(sinks={"tencent_im": {"enabled": False}, "kafka": {"bootstrap_servers": bootstrap, "topic": TOPIC}})
+def kafka_settings(bootstrap: str, relay: str = "lane_table", batch_size: int = 100) -> Settings:
+    kafka = {"bootstrap_servers": bootstrap, "topic": TOPIC, "relay": relay, "start": "beginning"}
+    return Settings(sinks={"tencent_im": {"enabled": False}, "kafka": kafka}, outbox_worker={"batch_size": batch_size})
 
 
 async def messages(store: MySQLStore) -> list[Message]:
@@ -139,6 +147,35 @@ async def lane_rate(store: MySQLStore, settings: Settings, options: LaneOptions,
         await router.aclose()
 
 
+async def tail_rate(store: MySQLStore, bootstrap: str, batch_size: int, events: int) -> float:
+    """The tailing lane draining ``events`` fresh rows, timed until the cursor reaches the last."""
+    settings = kafka_settings(bootstrap, relay="tail", batch_size=batch_size)
+    await fresh_lane_rows(store, events)
+    lanes: Lanes = await build_lanes(make_plugin_manager(), settings, Redactor())
+    router = lanes.own["kafka"]
+    try:
+        sink = router.sinks["kafka"]
+        await sink.deliver(EventEnvelope.model_validate({
+            "event_id": "warm-up", "event_type": "RoomHeatChanged", "room_id": "r_0", "app_code": "default",
+            "room_version": 1, "payload": {}}))  # fmt: skip
+        relay = TailRelay(
+            tail_store(store, "kafka", settings), router, poll_interval=0.1, publish_timeout=30.0, redactor=Redactor()
+        )
+        started = time.perf_counter()
+        while await relay.run_once():
+            pass
+        seconds = time.perf_counter() - started
+        async with store.transaction() as cur:
+            await cur.execute(f"SELECT fed_through_id FROM {CURSOR_TABLE} WHERE lane = 'kafka'")
+            (fed,) = await cur.fetchone()
+            await cur.execute("SELECT MAX(id) FROM room_outbox")
+            (highest,) = await cur.fetchone()
+        assert fed == highest, (fed, highest)
+        return events / seconds
+    finally:
+        await router.aclose()
+
+
 async def sink_rate(settings: Settings, batch: list[Message], in_flight: int) -> float:
     """``KafkaSink.deliver`` of the same events from ``in_flight`` tasks: no store, no dispatcher."""
     envelopes = [EventEnvelope.model_validate_json(value) for value, _key, _headers in batch]
@@ -192,6 +229,7 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
     try:
         settings = kafka_settings(broker.bootstrap)
         await migrate_plugins(store, make_plugin_manager(), settings)
+        await migrate_tail(store, ["kafka"])
         worker = settings.outbox_worker.for_lane("kafka")
         options = replace(LaneOptions.from_settings(worker), batch_size=batch_size, poll_interval=0.1)
         await fresh_lane_rows(store, events)
@@ -202,6 +240,7 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
         lane_noop: list[float] = []
         sink: list[float] = []
         delivery: list[float] = []
+        tail: list[float] = []
         idempotent = False
         # The lane goes first in the first round: the bare producers then ask for the
         # idempotence the sink ended up with (the broker may refuse it).
@@ -210,7 +249,11 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
                 rate, idempotent = await lane_rate(store, settings, options, events)
                 lane.append(rate)
             bare.append(await bare_rate(broker.bootstrap, idempotent, batch, options.concurrency))
+            if n % 2:
+                tail.append(await tail_rate(store, broker.bootstrap, batch_size, events))
             bare_batch.append(await bare_rate(broker.bootstrap, idempotent, batch, batch_size))
+            if not n % 2:
+                tail.append(await tail_rate(store, broker.bootstrap, batch_size, events))
             sink.append(await sink_rate(settings, batch, options.concurrency))
             delivery.append(await delivery_rate(settings, options, batch))
             if n % 2:
@@ -229,6 +272,7 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
             statistics.median(sink),
             statistics.median(delivery),
             statistics.median(lane_noop),
+            statistics.median(tail),
         )
     finally:
         broker.stop()

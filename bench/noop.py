@@ -91,7 +91,10 @@ async def raw_drain(store: MySQLStore, batch_size: int) -> int:
             if done:
                 async with store.transaction() as cur:
                     marks = ", ".join(["%s"] * len(done))
-                    await cur.execute(f"UPDATE room_outbox SET status = 'published' WHERE id IN ({marks})", done)
+                    await cur.execute(
+                        f"UPDATE room_outbox SET status = 'published', updated_at_ms = %s WHERE id IN ({marks})",
+                        (now_ms(), *done),
+                    )
             return total
 
 

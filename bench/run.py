@@ -1,12 +1,14 @@
-"""``python -m bench [--quick] [--only a,p,b,c,d,e,r,o,k,f,m]``: every measurement in one run, printed
+"""``python -m bench [--quick] [--only a,p,b,c,d,e,r,o,k,f,m,s,j]``: every measurement in one run, printed
 as a table with same-run ratios and the targets (p: the noop lane on PostgreSQL; o: per-room
-ordering with 1-3 processes; k: the consumers; f: the Kafka lane; m: memory over a backlog of 1M pending rows)."""
+ordering with 1-3 processes; k: the consumers; f: the Kafka lane; m: memory over a backlog of 1M pending rows;
+s: `room-outbox run` as a process against the raw loop; j: a second process joining during a burst)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +25,7 @@ from bench.kafka_lane import run_kafka_lane
 from bench.noop import run_noop
 from bench.ordered import run_ordered
 from bench.pg import pg_bench_database, run_pg_noop
+from bench.process import Pairs, run_join, run_process
 from bench.service import run_latency, run_rss
 from room_outbox.startup import freeze_startup_heap
 
@@ -32,12 +35,16 @@ FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events
         "latency_seconds": 20.0, "latency_batch": 100, "published": 1_000_000, "claim_rounds": 200, "rss_events": 200_000,
         "ordered_events": 20_000, "ordered_rooms": "50,500,5000",
         "consume_events": 60_000, "consume_rounds": 5, "kafka_events": 10_000, "kafka_rounds": 3,
-        "backlog": 1_000_000, "backlog_drain": 50_000, "backlog_seconds": 120.0}  # fmt: skip
+        "backlog": 1_000_000, "backlog_drain": 50_000, "backlog_seconds": 120.0,
+        "process_events": 20_000, "process_rooms": 500, "process_rounds": 3,
+        "join_events": 6_000, "join_rooms": 50, "join_rounds": 3}  # fmt: skip
 QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300, "quota_events": 300,
          "latency_seconds": 2.0, "latency_batch": 100, "published": 20_000, "claim_rounds": 20, "rss_events": 5_000,
          "ordered_events": 2_000, "ordered_rooms": "50,500",
          "consume_events": 1_000, "consume_rounds": 1, "kafka_events": 500, "kafka_rounds": 1,
-         "backlog": 5_000, "backlog_drain": 1_000, "backlog_seconds": 30.0}  # fmt: skip
+         "backlog": 5_000, "backlog_drain": 1_000, "backlog_seconds": 30.0,
+         "process_events": 2_000, "process_rooms": 500, "process_rounds": 1,
+         "join_events": 1_000, "join_rooms": 50, "join_rounds": 1}  # fmt: skip
 
 #: Part c's target: p99 from commit to receipt within one poll interval and this much more.
 LATENCY_MARGIN_MS = 50
@@ -49,9 +56,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in well under a minute")
     parser.add_argument(
         "--only",
-        default="a,p,b,c,d,e,r,o,k,f,m",
+        default="a,p,b,c,d,e,r,o,k,f,m,s,j",
         help="parts to run (a b c d e, p = PostgreSQL noop lane, r = retention, o = ordered processes,"
-        " k = consumers, f = Kafka lane, m = memory over a 1M backlog)",
+        " k = consumers, f = Kafka lane, m = memory over a 1M backlog, s = the process against the raw loop,"
+        " j = a process joining during a burst)",
     )
     for key, value in FULL.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None, help=f"default {value}")
@@ -236,6 +244,10 @@ async def part_f(args: argparse.Namespace) -> list[Row]:
                  f"{r.lane:,.0f} ev/s",
                  f"{r.lane / r.bare:.0%} of baseline, {r.lane / r.bare_batch:.0%} of {batch} in flight",
                  f"≥70 % baseline: {verdict(r.lane >= 0.7 * r.bare)}"),
+                (f"f. tailing Kafka lane (relay: tail, idempotent {str(r.idempotent).lower()}), batch {batch}",
+                 f"{r.tail:,.0f} ev/s",
+                 f"{r.tail / r.bare_batch:.0%} of {batch} in flight, {r.tail / r.bare:.1f}× baseline",
+                 f"≥70 % of the bare loop at {batch} in flight: {verdict(r.tail >= 0.7 * r.bare_batch)}"),
                 (f"f. KafkaSink.deliver alone, {r.concurrency} in flight (no store, no dispatcher)", f"{r.sink:,.0f} ev/s",
                  f"{r.sink / r.bare:.0%} of baseline", "the plugin's cost"),
                 (f"f. the dispatcher's delivery alone, batch {batch} (no store)", f"{r.delivery:,.0f} ev/s",
@@ -269,9 +281,58 @@ async def part_m(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def _rounds(p: Pairs) -> str:
+    return ", ".join(f"{r:.2f}" for r in p.ratios)
+
+
+async def part_s(args: argparse.Namespace) -> list[Row]:
+    """The process's rounds and the raw loop's alternate; the ratio is the median of each round's."""
+    batches = [int(b) for b in args.batches.split(",")]
+    async with bench_database(SERVER) as (_raw_dsn, raw_store), bench_database(SERVER) as (dsn, store):
+        load_before = os.getloadavg()[0]
+        results = await run_process(
+            raw_store, store, dsn, args.process_events, args.process_rooms, batches, args.process_rounds
+        )
+        load_after = os.getloadavg()[0]
+    # per_room against the unordered process: each one's ratio to the raw rounds it alternated
+    # with, so that a load that differs between the two runs weighs on neither.
+    unordered = {p.batch_size: p.ratio for p in results if p.ordering == "none"}
+    rows: list[Row] = []
+    for p in results:
+        size = f"batch {p.batch_size}, {args.process_events:,} ev over {args.process_rooms} rooms"
+        rows.append((f"s. raw claim+mark loop ({p.ordering} rounds), {size}", f"{statistics.median(p.baseline):,.0f} ev/s",
+                     "baseline", f"load average {load_before:.1f} → {load_after:.1f}"))  # fmt: skip
+        rate = statistics.median(p.measured)
+        if p.ordering == "none":
+            rows.append((f"s. room-outbox run, noop lane, {size}", f"{rate:,.0f} ev/s",
+                         f"{p.ratio:.2f}× raw (rounds {_rounds(p)})", f"≥ 0.9× raw: {verdict(p.ratio >= 0.9)}"))  # fmt: skip
+        else:
+            against = p.ratio / unordered[p.batch_size]
+            rows.append((f"s. room-outbox run, per_room, {size}", f"{rate:,.0f} ev/s",
+                         f"{p.ratio:.2f}× raw (rounds {_rounds(p)}); {against:.2f}× the unordered process's ratio",
+                         f"≥ 0.9× unordered: {verdict(against >= 0.9)}"))  # fmt: skip
+    return rows
+
+
+async def part_j(args: argparse.Namespace) -> list[Row]:
+    async with bench_database(SERVER) as (dsn, store):
+        load_before = os.getloadavg()[0]
+        r = await run_join(store, dsn, args.join_events, args.join_rooms, 100, args.join_rounds)
+        load_after = os.getloadavg()[0]
+    size = f"{args.join_events:,} ev over {args.join_rooms} rooms, batch 100, per_room"
+    return [
+        (f"j. one process, {size}", f"{statistics.median(r.joining.baseline):,.0f} ev/s", "baseline",
+         f"load average {load_before:.1f} → {load_after:.1f}"),
+        ("j. same, a second process started as the burst is released", f"{statistics.median(r.joining.measured):,.0f} ev/s",
+         f"{r.joining.ratio:.2f}× one (rounds {_rounds(r.joining)})", "its start-up's CPU included"),
+        ("j. same, two processes, buckets settled before the burst", f"{statistics.median(r.settled.measured):,.0f} ev/s",
+         f"{r.settled.ratio:.2f}× one (rounds {_rounds(r.settled)})", f"≥ 1 process: {verdict(r.settled.ratio >= 1.0)}"),
+    ]  # fmt: skip
+
+
 PARTS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "a": part_a, "p": part_p, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "o": part_o, "k": part_k,
-    "f": part_f, "m": part_m,
+    "f": part_f, "m": part_m, "s": part_s, "j": part_j,
 }  # fmt: skip
 
 

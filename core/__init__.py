@@ -43,6 +43,7 @@ from room_outbox.kafka_security import KafkaSecurity
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.tracing import http_client_span, sink_span
 from room_outbox.sink import (
+    OrderedLogSink,
     PermanentSinkError,
     RetryableSinkError,
     Sink,
@@ -67,6 +68,7 @@ __all__ = [
     "HandlerSettings",
     "HandlerSpec",
     "KafkaSecurity",
+    "OrderedLogSink",
     "PermanentHandlerError",
     "PermanentSinkError",
     "QuotaShare",

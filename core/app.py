@@ -22,8 +22,9 @@ from room_outbox.cluster.membership import Membership
 from room_outbox.cluster.quota import QuotaShare
 from room_outbox.config import MAIN_LANE, Settings
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
-from room_outbox.delivery.lanes import delivery_settings, lane_plan, lane_store
+from room_outbox.delivery.lanes import delivery_settings, lane_plan, lane_store, tail_store
 from room_outbox.delivery.routing import Lanes, build_lanes
+from room_outbox.delivery.tail import TailRelay
 from room_outbox.observability.health import Health
 from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.service import observability
@@ -61,7 +62,7 @@ async def run_service(
     # endpoint stops (it answers for the whole life of the workers), then the sinks close,
     # then the pool (last: the workers need it to write results).
     async with contextlib.AsyncExitStack() as lifecycle:
-        store = await open_checked_store(settings, checked.own_lanes)
+        store = await open_checked_store(settings, checked.lane_tables, checked.tail_lanes)
         lifecycle.push_async_callback(_close, store.aclose, "database pool closed", "pool_closed")
         log.info("database pool opened", extra={"lifecycle": "pool_opened", "database": store.address.database})
         quota = QuotaShare()
@@ -83,8 +84,10 @@ async def run_service(
         # Unique per start, even where two processes share a node_id (see cluster.identity).
         identity = process_identity(settings.node_id)
         if settings.outbox_worker.enabled:  # leaves once the dispatchers have stopped
-            await _join_cluster(lifecycle, settings, identity, store, lanes, quota)
-        dispatchers = _dispatchers(settings, identity, store, lanes, redactor, obs.telemetry, obs.health)
+            await _join_cluster(lifecycle, settings, identity, store, checked.lane_tables, quota)
+        dispatchers = _dispatchers(
+            settings, identity, store, lanes, set(checked.tail_lanes), redactor, obs.telemetry, obs.health
+        )
         async with anyio.create_task_group() as workers:
             if settings.outbox_worker.enabled:
                 for dispatcher in dispatchers:
@@ -116,13 +119,15 @@ def _dispatchers(
     identity: str,
     store: SQLStore,
     lanes: Lanes,
+    tail_lanes: set[str],
     redactor: Redactor,
     telemetry: Telemetry,
     health: Health,
-) -> list[Dispatcher]:
+) -> list[Dispatcher | TailRelay]:
     """One dispatcher per lane: the IM lane's (when any of its sinks is enabled), then one per
-    sink with a lane of its own, each with its own scan loop so none waits for another."""
-    dispatchers = []
+    sink with a lane of its own (a tailing relay for those in ``tail_lanes``), each with its own
+    scan loop so none waits for another."""
+    dispatchers: list[Dispatcher | TailRelay] = []
     if lanes.main.sinks:
         options = _options(settings, MAIN_LANE)
         store.claim_after_ms = int(delivery_settings(settings, MAIN_LANE).claim_after * 1000)
@@ -130,6 +135,18 @@ def _dispatchers(
             Dispatcher(store, lanes.main, options, identity, redactor, telemetry, health=health.lane(MAIN_LANE))
         )
     for name, router in lanes.own.items():
+        if name in tail_lanes:
+            worker = delivery_settings(settings, name)
+            relay = TailRelay(
+                tail_store(store, name, settings),
+                router,
+                poll_interval=worker.poll_interval,
+                publish_timeout=worker.publish_timeout,
+                redactor=redactor,
+                health=health.lane(name),
+            )
+            dispatchers.append(relay)
+            continue
         start = settings.sinks.get(name, {}).get("start", "now")
         lane = lane_store(store, name, settings, start)
         dispatchers.append(
@@ -157,7 +174,7 @@ async def _join_cluster(
     settings: Settings,
     identity: str,
     store: SQLStore,
-    lanes: Lanes,
+    lane_tables: list[str],
     quota: QuotaShare,
 ) -> None:
     """On a database server (MySQL/MariaDB, PostgreSQL): heartbeats in the membership, room
@@ -168,7 +185,7 @@ async def _join_cluster(
     membership = Membership(
         store,
         identity,
-        [store.profile.table, *(lane_table(name) for name in lanes.own)],
+        [store.profile.table, *(lane_table(name) for name in lane_tables)],
         settings.cluster.heartbeat_interval,
         settings.cluster.node_timeout,
         quota,

@@ -122,6 +122,9 @@ class LanePlan:
     main: bool
     #: Enabled sinks with a lane of their own, sorted.
     own: tuple[str, ...]
+    #: Those of ``own`` that tail ``room_outbox`` (sinks keeping order by themselves, with
+    #: ``relay: tail``): a cursor and parked rows, no lane table.
+    tail: tuple[str, ...] = ()
 
 
 class Section(BaseModel):

@@ -20,7 +20,7 @@ contain a secret (keys, signatures, DSN passwords) nor a whole remote response b
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -31,6 +31,7 @@ from room_outbox.envelope import EventEnvelope
 from room_outbox.errors import PermanentSinkError, RetryableSinkError, SinkError, ThrottledSinkError
 
 __all__ = [
+    "OrderedLogSink",
     "PermanentSinkError",
     "RetryableSinkError",
     "Sink",
@@ -65,6 +66,10 @@ class SinkSettings(BaseModel):
     #: Sinks with a lane of their own: where the lane starts the first time it runs —
     #: ``now`` (events from now on), ``beginning`` (every row in room_outbox) or an outbox id.
     start: Literal["now", "beginning"] | int = "now"
+    #: Sinks that keep order by themselves (``ordered_log``, such as Kafka): ``tail`` reads
+    #: ``room_outbox`` after a cursor, without a row per event; ``lane_table`` keeps a row per
+    #: event in ``room_outbox_lane_<name>`` (per-row status). Other sinks ignore it.
+    relay: Literal["tail", "lane_table"] = "tail"
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,11 @@ class SinkSpec(Generic[SettingsT]):
     state is ``room_outbox.status``. Every sink besides IM's should say yes: then a slow or
     broken sink never holds back IM delivery, nor IM it. An own-lane sink with
     ``event_types`` None takes every event; events it does not take are passed over.
+
+    ``ordered_log``: the destination keeps order by itself (a Kafka topic: order per key). Its
+    lane then *tails* ``room_outbox`` (:mod:`room_outbox.delivery.tail`) instead of keeping a
+    row per event: the sink must also offer ``publish`` (:class:`OrderedLogSink`). Implies
+    ``own_lane``.
     """
 
     name: str
@@ -106,3 +116,16 @@ class SinkSpec(Generic[SettingsT]):
     factory: Callable[[SettingsT, SinkContext], Sink]
     enabled_by_default: bool = False
     own_lane: bool = False
+    ordered_log: bool = False
+
+
+@runtime_checkable
+class OrderedLogSink(Sink, Protocol):
+    """A sink that keeps order by itself and takes a batch at a time."""
+
+    async def publish(self, envelopes: Sequence[EventEnvelope]) -> list[PermanentSinkError | None]:
+        """Send ``envelopes`` in order (many in flight; order kept per key); return once every
+        one is acknowledged or failed for good: per envelope, None (sent) or the
+        :class:`PermanentSinkError` it can never get past. Raise :class:`RetryableSinkError`
+        when the batch must be sent again (broker down): the caller repeats it, in order."""
+        ...

@@ -15,13 +15,15 @@ the database unreachable or not migrated, exit 3).
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import pluggy
 
 from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH, longest_claim_id
 from room_outbox.config import Settings
 from room_outbox.consume.registry import check_consumers
+from room_outbox.delivery.lanes import tails
 from room_outbox.delivery.routing import validate_sinks
 from room_outbox.errors import ConfigurationError
 from room_outbox.observability.telemetry import check_environment
@@ -41,6 +43,13 @@ class CheckedConfiguration:
     main_sinks: list[str]
     own_lanes: list[str]
     database: str
+    #: Those of ``own_lanes`` that tail ``room_outbox`` (no lane table).
+    tail_lanes: list[str] = field(default_factory=list)
+
+    @property
+    def lane_tables(self) -> list[str]:
+        """Lanes of their own kept in a table (``room_outbox_lane_<name>``)."""
+        return [lane for lane in self.own_lanes if lane not in self.tail_lanes]
 
 
 def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> CheckedConfiguration:
@@ -63,6 +72,7 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> Checked
         )
     main_sinks: list[str] = []
     own_lanes: list[str] = []
+    tail_lanes: list[str] = []
     try:
         enabled = validate_sinks(pm, settings)
     except ConfigurationError as exc:
@@ -70,6 +80,7 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> Checked
     else:
         main_sinks = sorted(name for name, (spec, _) in enabled.items() if not spec.own_lane)
         own_lanes = sorted(name for name, (spec, _) in enabled.items() if spec.own_lane)
+        tail_lanes = sorted(name for name, (spec, _) in enabled.items() if tails(spec, settings))
     for lane in own_lanes:
         try:
             lane_table(lane)
@@ -81,7 +92,7 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> Checked
         problems.extend(_lines(exc))
     if problems:
         raise ConfigurationError("invalid configuration:\n  " + "\n  ".join(problems))
-    return CheckedConfiguration(main_sinks, own_lanes, database)
+    return CheckedConfiguration(main_sinks, own_lanes, database, tail_lanes)
 
 
 def table_profile(settings: Settings) -> Profile:
@@ -89,7 +100,7 @@ def table_profile(settings: Settings) -> Profile:
     return profile_named(settings.database.profile, settings.database.table)
 
 
-async def open_checked_store(settings: Settings, own_lanes: list[str]) -> SQLStore:
+async def open_checked_store(settings: Settings, own_lanes: list[str], tail_lanes: Sequence[str] = ()) -> SQLStore:
     """The store, once reachable (waiting up to ``database.connect_wait``) and migrated."""
     database = settings.database
     store = await open_store(
@@ -101,7 +112,7 @@ async def open_checked_store(settings: Settings, own_lanes: list[str]) -> SQLSto
     )
     try:
         with translated(describe(store_address(database.dsn.get_secret_value()))):
-            await check_schema(store, own_lanes, longest_claim_id(settings.node_id))
+            await check_schema(store, own_lanes, longest_claim_id(settings.node_id), tail_lanes)
     except BaseException:
         await store.aclose()
         raise

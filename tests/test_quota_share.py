@@ -41,3 +41,12 @@ def test_bucket_plan_is_fair_and_moves_as_little_as_it_can() -> None:
     assert plan([BucketRow(r.bucket, o, False, 0) for r, o in zip(rows, owners, strict=True)], ["a", "b", "c"]) == {}
     after_death = plan([BucketRow(r.bucket, o, False, 0) for r, o in zip(rows, owners, strict=True)], ["a", "c"])
     assert {owners[b] for b in after_death} == {"b"}  # only the dead node's buckets move
+
+
+def test_bucket_plan_moves_buckets_without_leased_rows_first() -> None:
+    rows = [BucketRow(b, "a", False, 0) for b in range(BUCKETS)]
+    leased = set(range(BUCKETS // 2, BUCKETS // 2 + 10))  # a plan blind to leases moves these
+    moves = plan(rows, ["a", "b"], leased)
+    assert len(moves) == BUCKETS // 2 and not leased & set(moves)  # a fair count, all idle
+    all_leased = plan(rows, ["a", "b"], set(range(BUCKETS)))
+    assert len(all_leased) == BUCKETS // 2  # none idle: busy ones move (handed over) all the same

@@ -15,7 +15,7 @@ from room_outbox.config import Settings
 from room_outbox.consume.ops import consumer_states
 from room_outbox.envelope import EnvelopeError, parse_envelope
 from room_outbox.store.clock import now_ms
-from room_outbox.store.operator.reports import event_row, lane_row, lane_statuses
+from room_outbox.store.operator.reports import event_row, lane_row, lane_statuses, tail_parked_row
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.profiles import V1, Profile
 
@@ -67,7 +67,13 @@ async def _lane_states(store: SQLStore, outbox_id: int, now: int) -> dict[str, s
     states: dict[str, str] = {}
     for lane in await lane_statuses(store):
         found = await lane_row(store, lane.lane, outbox_id)
-        if found is not None:
+        parked = await tail_parked_row(store, lane.lane, outbox_id)
+        if parked is not None:  # a tailing lane passed over it
+            states[lane.lane] = (
+                f"{parked['status']} by the tailing lane: {parked['last_error']}"
+                f" (`room-outbox requeue --lane {lane.lane}` sends it again)"
+            )
+        elif found is not None:
             states[lane.lane] = describe_state(found, now)
         elif outbox_id > lane.fed_through_id:
             states[lane.lane] = "not fed to this lane yet"

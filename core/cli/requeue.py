@@ -12,10 +12,12 @@ import time
 from typing import Any
 
 from room_outbox.cli.command import Command, add_json_option, add_yes_option, duration_argument
-from room_outbox.cli.output import format_age, format_table
+from room_outbox.cli.output import format_age, format_table, printable
 from room_outbox.config import Settings
+from room_outbox.store.lanes.tail import TailStore
 from room_outbox.store.operator.changes import RequeueFilter, find_requeue_candidates, requeue
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.tail import PARKED
 
 #: Rows one ``requeue`` changes at most: one statement, a list a person can still read.
 REQUEUE_LIMIT = 10_000
@@ -83,7 +85,27 @@ def requeue_filter(args: argparse.Namespace) -> RequeueFilter | None:
     )
 
 
+async def requeue_tail_command(store: SQLStore, lane: str, event_ids: tuple[str, ...], apply: bool, out: Any) -> int:
+    """A tailing lane's parked events (all, or those of ``event_ids``): listed, and with ``apply``
+    marked to be sent again by the lane's next round."""
+    tail = TailStore(owner=store, lane=lane)
+    rows = [r for r in await tail.parked() if r["status"] == PARKED and (not event_ids or r["event_id"] in event_ids)]
+    if not rows:
+        print(f"no parked events in lane {printable(lane)}", file=out)
+        return 0
+    cells = [(r["event_id"], r["room_id"], (r["last_error"] or "")[:60]) for r in rows]
+    print("\n".join(format_table(("event_id", "room_id", "last_error"), cells)), file=out)
+    if not apply:
+        print(f"{len(rows)} event(s) would be requeued; run again with --yes to apply", file=out)
+        return 0
+    changed = await tail.requeue([int(row["outbox_id"]) for row in rows])
+    print(f"requeued {changed} event(s) in lane {printable(lane)}", file=out)
+    return 0
+
+
 async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
+    if args.lane:
+        return await requeue_tail_command(store, args.lane, tuple(args.event_id), args.yes, sys.stdout)
     where = requeue_filter(args)
     if where is None:
         print(
@@ -107,6 +129,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--status", choices=("pending", "failed"), help="only rows in this status (default: both); a filter on its own"
+    )
+    parser.add_argument(
+        "--lane", help="a tailing lane (such as kafka): send its parked events again (with --event-id: only those)"
     )
     add_yes_option(parser, "apply the change")
     add_json_option(parser)

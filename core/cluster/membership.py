@@ -8,8 +8,10 @@ Every ``heartbeat_interval`` each process, in one transaction:
    (and reports its view of the membership);
 2. reads the nodes: one without a heartbeat for ``node_timeout`` is dead;
 3. when buckets belong to dead or departed nodes, or are unevenly spread, it reassigns them,
-   moving as few as it can (each live node keeps up to its fair count of what it has; the
-   rest goes to nodes below theirs), and forgets the dead nodes' rows;
+   moving as few as it can (each live node keeps up to its fair count of what it has, its
+   buckets with leased rows first; the rest goes to nodes below theirs, buckets without
+   leased rows first), and forgets the dead nodes' rows. A bucket without a leased row moves
+   at once (claimable one rate-limit window later); one with a leased row is handed over;
 4. for each bucket handed over to it, checks whether any process still holds a lease on a
    row of the bucket; once none does, the bucket becomes claimable (see
    :mod:`room_outbox.store.membership` for the fence);
@@ -18,9 +20,11 @@ Every ``heartbeat_interval`` each process, in one transaction:
 A graceful stop (SIGTERM) gives the buckets up at once, after the dispatchers have written
 their results; the others take them at their next heartbeat. A killed process's buckets are
 taken once its heartbeat is older than ``node_timeout``, and become claimable as its leases
-run out. Rebalancing after a join therefore takes about one heartbeat plus the time the
-former owners need to finish the batch in flight; after a death, ``node_timeout`` plus what
-is left of the dead process's leases.
+run out. A node joining during a burst takes the idle buckets (its fair count of them, when
+there are that many) and leaves the busy ones to the process delivering them, so the burst
+is not held up by a handover; buckets with leased rows move only where the idle ones do not
+make up a fair count, once their leases end. After a death: ``node_timeout``, then the dead
+process's buckets move at once where its leases have run out.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,10 +50,12 @@ from room_outbox.store.schema.profiles import V1, Profile
 log = logging.getLogger("room_outbox.cluster")
 
 
-def plan(buckets: Sequence[sql.BucketRow], live: Sequence[str]) -> dict[int, str]:
+def plan(buckets: Sequence[sql.BucketRow], live: Sequence[str], leased: Collection[int] = ()) -> dict[int, str]:
     """New owners for the buckets that must move so that every live node owns its fair count
     (``BUCKETS // n``, the first ``BUCKETS % n`` nodes in name order one more), moving as few
-    buckets as possible."""
+    buckets as possible, and of those, buckets with a row ``leased`` last: they stay with the
+    owner delivering them, where others can move at once (a joining node takes over idle
+    buckets and leaves the busy ones to their owner)."""
     if not live:
         return {}
     nodes = sorted(live)
@@ -57,11 +63,12 @@ def plan(buckets: Sequence[sql.BucketRow], live: Sequence[str]) -> dict[int, str
     fair = {node: base + (1 if i < extra else 0) for i, node in enumerate(nodes)}
     kept = dict.fromkeys(nodes, 0)
     loose: list[int] = []
-    for row in sorted(buckets, key=lambda r: r.bucket):
+    for row in sorted(buckets, key=lambda r: (r.bucket not in leased, r.bucket)):
         if row.owner in fair and kept[row.owner] < fair[row.owner]:
             kept[row.owner] += 1
         else:
             loose.append(row.bucket)
+    loose.sort(key=lambda bucket: (bucket in leased, bucket))
     moves: dict[int, str] = {}
     for node in nodes:
         while kept[node] < fair[node]:
@@ -170,8 +177,11 @@ class Membership:
             buckets = await sql.read_buckets(cur)
             if dead or plan(buckets, live):
                 buckets = await sql.read_buckets(cur, lock=True)
-                moves = plan(buckets, live)
-                await sql.assign(cur, moves)
+                leased = await sql.still_leased(
+                    cur, self.store.dialect, self._leased_tables(), [b.bucket for b in buckets]
+                )
+                moves = plan(buckets, live, leased)
+                await sql.assign(cur, moves, set(moves) - leased, int(WINDOW * 1000) + 1)
                 await sql.forget_nodes(cur, dead)
                 if moves or dead:
                     log.info(

@@ -241,6 +241,7 @@ class Dispatcher:
         # Before every claim, as a round under a steady backlog goes on claiming for as long
         # as the backlog lasts: a no-op but once per interval.
         self.failures.summarise()
+        self.telemetry.flush_counts()
         claim = f"{self.node_id}#{next(self._claim_numbers)}"
         lease_until = now_ms() + int(self.options.lease * 1000)
         async with self._store_turn:
@@ -265,6 +266,7 @@ class Dispatcher:
 
     async def flush(self) -> None:
         """Write the results not yet written."""
+        self.telemetry.flush_counts()
         if self._unrecorded:
             written = self._unrecorded[:]
             stale = await self.store.record(written)

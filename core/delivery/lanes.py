@@ -9,12 +9,15 @@ enabled; a sink registered with ``own_lane=True`` gets ``room_outbox_lane_<name>
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
 import pluggy
 
 from room_outbox.config import LanePlan, OutboxWorkerSettings, Settings
 from room_outbox.delivery.routing import registered_sinks, section_enabled
+from room_outbox.sink import SinkSpec
 from room_outbox.store.lanes.store import LaneStore
+from room_outbox.store.lanes.tail import TailStore
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.plugins import used_plugin_statements
 from room_outbox.store.schema.registry import WantedSchema, migrate, steps_of
@@ -26,7 +29,13 @@ def lane_plan(pm: pluggy.PluginManager, settings: Settings) -> LanePlan:
     return LanePlan(
         main=any(not specs[name].own_lane for name in enabled),
         own=tuple(sorted(name for name in enabled if specs[name].own_lane)),
+        tail=tuple(sorted(name for name in enabled if tails(specs[name], settings))),
     )
+
+
+def tails(spec: SinkSpec[Any], settings: Settings) -> bool:
+    """Whether the sink's lane tails ``room_outbox`` (see :mod:`room_outbox.delivery.tail`)."""
+    return spec.own_lane and spec.ordered_log and settings.sinks.get(spec.name, {}).get("relay", "tail") == "tail"
 
 
 def enabled_sinks(pm: pluggy.PluginManager, settings: Settings) -> set[str]:
@@ -36,15 +45,19 @@ def enabled_sinks(pm: pluggy.PluginManager, settings: Settings) -> set[str]:
 
 
 def plugins_schema(pm: pluggy.PluginManager, settings: Settings, handlers: Collection[str] = ()) -> WantedSchema:
-    """The tables of the enabled own-lane sinks' lanes, then the own statements of the plugins
+    """The tables of the enabled own-lane sinks' lanes (tailing lanes: the cursor and parked
+    tables), then the own statements of the plugins
     whose sinks, or ``handlers`` (the enabled handlers' names), are enabled."""
     statements = used_plugin_statements(pm, enabled_sinks(pm, settings), handlers)
-    return WantedSchema(outbox=False, lanes=tuple(own_lane_sinks(pm, settings)), plugin_statements=steps_of(statements))
+    plan = lane_plan(pm, settings)
+    own = tuple(own_lane_sinks(pm, settings))
+    return WantedSchema(outbox=False, lanes=own, tail_lanes=plan.tail, plugin_statements=steps_of(statements))
 
 
 def own_lane_sinks(pm: pluggy.PluginManager, settings: Settings) -> list[str]:
-    """Names of the enabled sinks that keep a lane of their own."""
-    return list(lane_plan(pm, settings).own)
+    """Names of the enabled sinks that keep a lane table of their own (not the tailing ones)."""
+    plan = lane_plan(pm, settings)
+    return [name for name in plan.own if name not in plan.tail]
 
 
 def delivery_settings(settings: Settings, lane: str) -> OutboxWorkerSettings:
@@ -57,6 +70,17 @@ async def migrate_plugins(
 ) -> list[str]:
     """:func:`plugins_schema` brought about through the one migration path."""
     return await migrate(store, plugins_schema(pm, settings, handlers))
+
+
+def tail_store(store: SQLStore, lane: str, settings: Settings) -> TailStore:
+    return TailStore(
+        owner=store,
+        lane=lane,
+        start=settings.sinks.get(lane, {}).get("start", "now"),
+        gap_timeout=settings.lanes.gap_timeout,
+        feed_batch=delivery_settings(settings, lane).batch_size,
+        max_gaps=settings.lanes.max_gaps,
+    )
 
 
 def lane_store(store: SQLStore, lane: str, settings: Settings, start: str | int) -> LaneStore:

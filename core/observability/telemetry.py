@@ -74,6 +74,22 @@ class Telemetry:
         #: False: :meth:`attempt` observes nothing, and callers may skip what only it needs.
         self.recording = self.tracer is not None or self.metrics_enabled
         self._providers: list[Any] = [p for p in (tracer_provider, meter_provider) if p is not None]
+        #: Outcome counts not yet added to their counters (see :meth:`count`).
+        self._counts: dict[tuple[Any, tuple[tuple[str, str], ...]], int] = {}
+
+    def count(self, counter: Any, labels: Mapping[str, str]) -> None:
+        """One more on ``counter`` with ``labels``, added by the next :meth:`flush_counts`: an
+        SDK counter's ``add`` costs about as much as the rest of a no-op delivery, so the
+        outcomes of a batch are added once per label set, not once per event."""
+        key = (counter, tuple(labels.items()))
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def flush_counts(self) -> None:
+        """Add the counts :meth:`count` kept: before every claim and every result write (so
+        what the database shows published is counted), before a scrape, and at shutdown."""
+        counts, self._counts = self._counts, {}
+        for (counter, labels), n in counts.items():
+            counter.add(n, dict(labels))
 
     def attempt(self, row: OutboxRow, event_label: str | None = None) -> DeliveryAttempt:
         """Start observing one delivery attempt of ``row``. ``event_label``: the event type as
@@ -109,10 +125,12 @@ class Telemetry:
         ("" without a Prometheus reader)."""
         if self._prometheus is None:
             return ""
+        self.flush_counts()
         return self._prometheus.render()
 
     async def aclose(self) -> None:
         """Flush and stop exporters (they block on network I/O: run off the event loop)."""
+        self.flush_counts()
         for provider in self._providers:
             if hasattr(provider, "shutdown"):
                 await anyio.to_thread.run_sync(provider.shutdown)
@@ -145,10 +163,11 @@ class DeliveryAttempt:
         """End the span and record the outcome; ``failure`` is ``None`` on success."""
         elapsed = time.perf_counter() - self._t0
         sink = failure.sink if failure is not None else self._sink
-        metrics = self._telemetry.metrics
+        telemetry = self._telemetry
+        metrics = telemetry.metrics
         labels = {"sink": sink, "event_type": self._event_label}
         if failure is not None and failure.throttled:  # not an attempt: counted, nothing else
-            metrics.throttled.add(1, labels)
+            telemetry.count(metrics.throttled, labels)
             if self._span is not None:
                 self._span.throttled(sink)
             return
@@ -158,10 +177,10 @@ class DeliveryAttempt:
             else:
                 self._span.finish(sink, failure.error_class, failure.error)
         if failure is None:
-            metrics.success.add(1, labels)
+            telemetry.count(metrics.success, labels)
             metrics.duration.record(elapsed, {**labels, "outcome": "published"})
         else:
-            metrics.failure.add(1, {**labels, "error_class": failure.error_class})
+            telemetry.count(metrics.failure, {**labels, "error_class": failure.error_class})
             metrics.duration.record(elapsed, {**labels, "outcome": "failed"})
 
 

@@ -38,7 +38,9 @@ Tables (created by ``room-outbox migrate``):
 **Fencing.** A claim reads its node's buckets with a shared lock in its own
 transaction, and a reassignment updates the bucket rows: so once a reassignment has
 committed, the former owner's claims can no longer take the bucket's rows, and every lease
-it took before is visible. The new owner starts with ``handing_over`` = 1 and checks, each
+it took before is visible. A bucket none of whose rows is leased when the reassignment reads
+the leases (under the bucket rows' locks) moves at once: claimable one rate-limit window
+later. Otherwise the new owner starts with ``handing_over`` = 1 and checks, each
 heartbeat, whether any row of the bucket is still leased (``worker_id`` set and
 ``lock_until_ms`` in the future, in any lane's table); once none is, the bucket becomes
 claimable one rate-limit window later (so the group's last requests from the former owner
@@ -49,7 +51,7 @@ gracefully stopped one has written its results and left no lease.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,17 +130,19 @@ async def read_buckets(cur: Any, lock: bool = False) -> list[BucketRow]:
     return [BucketRow(int(r[0]), r[1], bool(r[2]), int(r[3])) for r in await cur.fetchall()]
 
 
-async def assign(cur: Any, moves: dict[int, str]) -> None:
-    """Give buckets new owners, each starting with ``handing_over`` (the caller holds the
-    bucket rows' locks)."""
-    by_owner: dict[str, list[int]] = {}
+async def assign(cur: Any, moves: dict[int, str], unleased: Collection[int] = (), delay_ms: int = 0) -> None:
+    """Give buckets new owners (the caller holds the bucket rows' locks). A bucket in
+    ``unleased`` (no row leased in it, read under those locks: no claim of the former owner
+    can take one any more) needs no handover: claimable ``delay_ms`` from now. The others start
+    with ``handing_over``: the new owner waits for their leases to end."""
+    groups: dict[tuple[str, bool], list[int]] = {}
     for bucket, owner in moves.items():
-        by_owner.setdefault(owner, []).append(bucket)
-    for owner, buckets in sorted(by_owner.items()):
+        groups.setdefault((owner, bucket in unleased), []).append(bucket)
+    for (owner, free), buckets in sorted(groups.items()):
         await cur.execute(
-            f"UPDATE {BUCKET_TABLE} SET owner = %s, handing_over = 1, claimable_from_ms = 0, updated_at_ms = %s"
+            f"UPDATE {BUCKET_TABLE} SET owner = %s, handing_over = %s, claimable_from_ms = %s, updated_at_ms = %s"
             f" WHERE bucket IN ({_marks(buckets)})",
-            (owner, now_ms(), *sorted(buckets)),
+            (owner, 0 if free else 1, now_ms() + delay_ms if free else 0, now_ms(), *sorted(buckets)),
         )
 
 

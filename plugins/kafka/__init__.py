@@ -18,7 +18,9 @@ settings ``room-outbox consume`` takes); its secrets are registered for redactio
 
 from __future__ import annotations
 
-from typing import Literal
+import asyncio
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import anyio
 from aiokafka import AIOKafkaProducer
@@ -62,6 +64,47 @@ class KafkaSink:
 
     async def deliver(self, envelope: EventEnvelope) -> None:
         producer = await self._started()
+        value, key, headers = self._message(envelope)
+        try:
+            await producer.send_and_wait(self.settings.topic, value, key=key, headers=headers)
+        except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
+            raise _too_large(exc) from exc
+        except KafkaError as exc:
+            raise self._retryable(exc) from exc
+
+    async def publish(self, envelopes: Sequence[EventEnvelope]) -> list[PermanentSinkError | None]:
+        """The tailing lane's entry point: every message handed to the producer at once (it
+        batches them per partition, one request in flight per partition, so a key's messages
+        keep their order), then every acknowledgement awaited. A message too large is that
+        envelope's permanent error; any other failure fails the batch (retryable)."""
+        producer = await self._started()
+        outcomes: list[PermanentSinkError | None] = [None] * len(envelopes)
+        pending: list[tuple[int, asyncio.Future[Any]]] = []
+        try:
+            for index, envelope in enumerate(envelopes):
+                try:
+                    value, key, headers = self._message(envelope)
+                    sent = await producer.send(self.settings.topic, value, key=key, headers=headers)
+                except PermanentSinkError as exc:
+                    outcomes[index] = exc
+                except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
+                    outcomes[index] = _too_large(exc)
+                else:
+                    pending.append((index, sent))
+            for index, future in pending:
+                try:
+                    await future
+                except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
+                    outcomes[index] = _too_large(exc)
+        except KafkaError as exc:
+            raise self._retryable(exc) from exc
+        finally:
+            for _, future in pending:  # a failed batch: nothing left unobserved
+                if future.done() and not future.cancelled():
+                    future.exception()
+        return outcomes
+
+    def _message(self, envelope: EventEnvelope) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
         value = envelope.model_dump_json().encode()
         if len(value) > self.settings.max_message_bytes:
             raise PermanentSinkError(
@@ -70,16 +113,10 @@ class KafkaSink:
         headers = [("event_id", envelope.event_id.encode()), ("event_type", envelope.event_type.encode())]
         if envelope.traceparent:
             headers.append(("traceparent", envelope.traceparent.encode()))
-        try:
-            await producer.send_and_wait(
-                self.settings.topic, value, key=f"{envelope.app_code}:{envelope.room_id}".encode(), headers=headers
-            )
-        except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
-            raise PermanentSinkError(f"broker refused the message as too large: {type(exc).__name__}") from exc
-        except KafkaError as exc:
-            raise RetryableSinkError(
-                f"send to topic {self.settings.topic} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+        return value, f"{envelope.app_code}:{envelope.room_id}".encode(), headers
+
+    def _retryable(self, exc: KafkaError) -> RetryableSinkError:
+        return RetryableSinkError(f"send to topic {self.settings.topic} failed: {type(exc).__name__}: {exc}")
 
     async def _started(self) -> AIOKafkaProducer:
         """The producer, started on first use (and again after a failed start), so that a
@@ -133,6 +170,10 @@ class KafkaSink:
             self._producer = None
 
 
+def _too_large(exc: KafkaError) -> PermanentSinkError:
+    return PermanentSinkError(f"broker refused the message as too large: {type(exc).__name__}")
+
+
 def _refused_idempotence(exc: KafkaError) -> bool:
     # InitProducerId answered with an error code the broker uses for "not implemented".
     return type(exc).__name__ in ("UnknownError", "UnsupportedVersionError", "ClusterAuthorizationFailedError")
@@ -140,7 +181,7 @@ def _refused_idempotence(exc: KafkaError) -> bool:
 
 @hookimpl
 def room_outbox_register_sinks() -> list[SinkSpec[KafkaSettings]]:
-    return [SinkSpec("kafka", KafkaSettings, KafkaSink, enabled_by_default=False, own_lane=True)]
+    return [SinkSpec("kafka", KafkaSettings, KafkaSink, enabled_by_default=False, own_lane=True, ordered_log=True)]
 
 
 __all__ = ["KafkaSettings", "KafkaSink"]

@@ -185,9 +185,12 @@ def event_ids(messages: list[Any]) -> list[str]:
     return [dict(m.headers)["event_id"].decode() for m in messages]
 
 
-def lane_settings(dsn: str, broker: Broker, im_base_url: str | None, **worker: Any) -> Settings:
+def lane_settings(
+    dsn: str, broker: Broker, im_base_url: str | None, relay: str = "lane_table", **worker: Any
+) -> Settings:
+    """The Kafka sink in its lane table (``relay: lane_table``) unless ``relay`` says ``tail``."""
     sinks: dict[str, Any] = {
-        "kafka": {"bootstrap_servers": broker.bootstrap, "start": "beginning", "request_timeout": "2s"}
+        "kafka": {"bootstrap_servers": broker.bootstrap, "start": "beginning", "request_timeout": "2s", "relay": relay}
     }
     if im_base_url:
         sinks["tencent_im"] = {"base_url": im_base_url, "sdkappid": DEV_SDKAPPID, "secret_key": DEV_KEY}

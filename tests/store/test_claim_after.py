@@ -80,6 +80,16 @@ async def test_a_young_row_is_claimed_only_once_claim_after_has_passed(store: SQ
     assert await claimed_ids(store, "c2") == {"young"}
 
 
+async def test_the_claim_stops_at_the_first_young_row(store: SQLStore) -> None:
+    """On MySQL/MariaDB, whose claim takes the producer's rows up to a key bound (a locking
+    scan locks every row it reads), the rows after a young one wait for it; elsewhere the
+    age is checked row by row."""
+    old = CLAIM_AFTER_MS + 5_000
+    await insert_aged(store, {"old-1": old, "old-2": old, "young": 1_000, "old-3": old})
+    bounded = store.dialect.locks_before_filtering
+    assert await claimed_ids(store, "c1") == ({"old-1", "old-2"} if bounded else {"old-1", "old-2", "old-3"})
+
+
 async def test_claim_after_zero_claims_at_once(store: SQLStore) -> None:
     store.claim_after_ms = 0
     await insert_aged(store, {"young": 0})

@@ -53,7 +53,22 @@ async def test_the_database_computes_the_same_bucket_as_python(store: SQLStore) 
     assert len({bucket for _, _, bucket in found}) > 160  # spread (303 rooms fill ~178 of 256)
 
 
+def room_in(bucket: int) -> str:
+    return next(f"r_{n}" for n in range(100_000) if bucket_of("default", f"r_{n}") == bucket)
+
+
+async def lease_rows_in(store: SQLStore, buckets: list[int]) -> None:
+    """A row in each of ``buckets``, leased to node-a for a minute."""
+    await insert_events(store, [envelope(f"leased-{b}", room_id=room_in(b)) for b in buckets])
+    async with store.transaction() as cur:
+        await cur.execute(
+            "UPDATE room_outbox SET worker_id = 'node-a#1', lock_until_ms = %s WHERE event_id LIKE 'leased-%%'",
+            (now_ms() + 60_000,),
+        )
+
+
 async def test_buckets_are_split_and_handed_over_only_after_the_leases_end(store: SQLStore) -> None:
+    """Every bucket busy: the joining node's half is handed over, each bucket once its lease ends."""
     a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
     await a.beat()
     await a.beat()  # no lease anywhere: every bucket claimable by the only node, a window later
@@ -62,15 +77,8 @@ async def test_buckets_are_split_and_handed_over_only_after_the_leases_end(store
         await pass_window(cur)
         assert await a.room_buckets(cur) is None  # all of them: the claim needs no filter
 
-    # node-a holds a lease on a row of a room whose bucket will move to node-b
-    room = next(f"r_{n}" for n in range(1000) if bucket_of("default", f"r_{n}") >= BUCKETS // 2)
-    moving = bucket_of("default", room)
-    await insert_events(store, [envelope("leased", room_id=room)])
-    async with store.transaction() as cur:
-        await cur.execute(
-            "UPDATE room_outbox SET worker_id = 'node-a#1', lock_until_ms = %s WHERE event_id = 'leased'",
-            (now_ms() + 60_000,),
-        )
+    await lease_rows_in(store, list(range(BUCKETS)))  # node-a holds a lease in every bucket
+    moving = BUCKETS - 1  # a bucket that moves to node-b (the upper half, by plan's order)
     b = Membership(store, "node-b", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
     await b.beat()
     await b.beat()
@@ -84,6 +92,27 @@ async def test_buckets_are_split_and_handed_over_only_after_the_leases_end(store
         await cur.execute("UPDATE room_outbox SET worker_id = NULL, lock_until_ms = 0, status = 'published'")
     await b.beat()
     assert (await owners(store))[moving] == ("node-b", False)  # claimable one rate-limit window later
+
+
+async def test_a_joining_node_takes_idle_buckets_at_once_and_leaves_the_busy_ones(store: SQLStore) -> None:
+    """A node joining while the owner delivers: it takes its fair count from the buckets
+    without a leased row, claimable a window later with no handover; the busy ones stay."""
+    a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
+    await a.beat()
+    busy = [BUCKETS // 2 + n for n in range(10)]  # buckets a plan blind to leases would move
+    await lease_rows_in(store, busy)
+    b = Membership(store, "node-b", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
+    await b.beat()
+    after = await owners(store)
+    taken = [bucket for bucket, (owner, _) in after.items() if owner == "node-b"]
+    assert len(taken) == BUCKETS // 2  # its fair count, in one heartbeat
+    assert all(after[bucket] == ("node-a", False) for bucket in busy)  # the busy ones stay where they are
+    assert not any(handing_over for _, handing_over in after.values())  # nothing waits for a lease
+    async with store.transaction() as cur:
+        assert await b.room_buckets(cur) == []  # the rate-limit window first
+        await pass_window(cur)
+        assert sorted(await b.room_buckets(cur) or []) == sorted(taken)
+        assert set(await a.room_buckets(cur) or []) == set(range(BUCKETS)) - set(taken)
 
 
 async def test_a_process_that_leaves_gives_its_buckets_up(store: SQLStore) -> None:

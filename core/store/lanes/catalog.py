@@ -9,11 +9,12 @@ primary key of ``room_outbox`` up to a bound), never a whole table.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import table_names
 from room_outbox.store.lanes.store import CURSOR_TABLE, lane_table
+from room_outbox.store.schema.tail import PARKED, PARKED_TABLE
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
@@ -102,6 +103,8 @@ async def own_lane_backlog(store: SQLStore, lane: StoredLane, counted: int = UNF
             (highest_fed,) = await cur.fetchone()
             if highest_fed is not None and fed_up_to is not None:
                 fed_up_to = max(fed_up_to, int(highest_fed))
+        else:  # a tailing lane: its parked rows live in the tailing lanes' table
+            parked = await _tail_parked(cur, store, lane.name)
         unfed = 0
         if fed_up_to is not None:
             await cur.execute(
@@ -123,6 +126,14 @@ async def own_lane_backlog(store: SQLStore, lane: StoredLane, counted: int = UNF
                 if found:
                     oldest.append(int(found[0]))
     return LaneBacklog(int(pending), unfed, int(parked), min(oldest) if oldest else None)
+
+
+async def _tail_parked(cur: Any, store: SQLStore, lane: str) -> int:
+    if PARKED_TABLE not in await table_names(cur, store.dialect):
+        return 0
+    await cur.execute(f"SELECT COUNT(*) FROM {PARKED_TABLE} WHERE lane = %s AND status = %s", (lane, PARKED))
+    (parked,) = await cur.fetchone()
+    return int(parked)
 
 
 async def im_lane_backlog(store: SQLStore) -> LaneBacklog:

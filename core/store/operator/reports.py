@@ -16,6 +16,7 @@ from room_outbox.store.dialect import table_names
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.tail import PARKED_TABLE
 
 
 async def ping(store: SQLStore) -> None:
@@ -238,12 +239,27 @@ async def event_row(store: SQLStore, event_id: str) -> tuple[dict[str, Any], dic
 
 
 async def lane_row(store: SQLStore, lane: str, outbox_id: int) -> dict[str, Any] | None:
-    """Outbox row ``outbox_id``'s row in a lane of its own; ``None`` when the lane has none."""
+    """Outbox row ``outbox_id``'s row in a lane of its own; ``None`` when the lane has none
+    (or keeps no table: a tailing lane, see :func:`tail_parked_row`)."""
     async with store.transaction() as cur:
+        if lane_table(lane) not in await table_names(cur, store.dialect):
+            return None
         await cur.execute(f"SELECT * FROM {lane_table(lane)} WHERE outbox_id = %s", (outbox_id,))
         found = await cur.fetchone()
         names = [d[0] for d in cur.description]
     return None if found is None else dict(zip(names, found, strict=True))
+
+
+async def tail_parked_row(store: SQLStore, lane: str, outbox_id: int) -> dict[str, Any] | None:
+    """Outbox row ``outbox_id`` as a tailing lane parked it; ``None`` when it is not parked there."""
+    async with store.transaction() as cur:
+        if PARKED_TABLE not in await table_names(cur, store.dialect):
+            return None
+        await cur.execute(
+            f"SELECT status, last_error FROM {PARKED_TABLE} WHERE lane = %s AND outbox_id = %s", (lane, outbox_id)
+        )
+        found = await cur.fetchone()
+    return None if found is None else {"status": found[0], "last_error": found[1]}
 
 
 async def holds_rows_besides(store: SQLStore, event_id_prefix: str) -> bool:

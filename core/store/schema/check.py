@@ -20,13 +20,17 @@ from room_outbox.store.schema.registry import WantedSchema, required_columns
 _FIX = "run `room-outbox migrate`"
 
 
-async def check_schema(store: SQLStore, lanes: Sequence[str] = (), claim_ids: int = 0) -> None:
+async def check_schema(
+    store: SQLStore, lanes: Sequence[str] = (), claim_ids: int = 0, tail_lanes: Sequence[str] = ()
+) -> None:
     """Raise :class:`SchemaError` unless the outbox table has every column room-outbox uses,
     each able to hold what room-outbox writes there (:mod:`.column_checks`, the check
     ``migrate`` makes too; ``claim_ids``: how long this process's claim ids, which ``worker_id``
     holds, may grow), and each lane in ``lanes`` (enabled sinks with a lane of their own) has
-    its table: the registry's required columns (:func:`.registry.required_columns`)."""
-    required = required_columns(store.dialect, store.profile, WantedSchema(lanes=tuple(lanes) if lanes else None))
+    its table; tailing lanes (``tail_lanes``) need the cursor and parked tables: the registry's
+    required columns (:func:`.registry.required_columns`)."""
+    wanted = WantedSchema(lanes=tuple(lanes) if lanes else None, tail_lanes=tuple(tail_lanes))
+    required = required_columns(store.dialect, store.profile, wanted)
     # What the columns can hold comes first: migrate refuses it before adding anything missing
     async with store.transaction() as cur:
         await check_columns(cur, store.dialect, store.profile, claim_ids)

@@ -5,7 +5,7 @@ so they cannot drift (:func:`required_columns`: what the check requires of what 
 
 In order: the outbox table (:mod:`.outbox`: its columns, indexes and fixes), the processes'
 membership and room buckets (on a server, :mod:`room_outbox.store.membership`), the lanes of
-their own (:mod:`.lanes`), the plugins' statements (MySQL only: elsewhere a step that says it
+their own (:mod:`.lanes`) and the tailing lanes (:mod:`.tail`), the plugins' statements (MySQL only: elsewhere a step that says it
 skipped them), the consumers' tables (:mod:`.consumers`) and the handlers' tables.
 
 Each backend runs a plan through its one entry, ``run_migration(planner)``: it takes the
@@ -26,6 +26,7 @@ from room_outbox.store.schema.consumers import consumer_steps
 from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_steps, lane_table
 from room_outbox.store.schema.outbox import Migration, concurrent_step, invalid_index_steps, plan_outbox
 from room_outbox.store.schema.outbox import required_columns as outbox_columns
+from room_outbox.store.schema.tail import PARKED_TABLE, tail_steps
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
@@ -39,12 +40,14 @@ Planner = Callable[[Any], Awaitable[list[Migration]]]
 class WantedSchema:
     """What a migration brings about. ``outbox``: the outbox table and, on a server, the
     membership and room buckets; ``lanes``: the lane cursor table and the tables of these
-    lanes of their own (None: no lane tables); ``plugin_statements`` and
+    lanes of their own (None: no lane tables); ``tail_lanes``: the cursor and parked tables
+    of the lanes that tail the outbox; ``plugin_statements`` and
     ``handler_statements``: ``(what for, statements)`` of the plugins and handlers in use
     (idempotent, so they run every time); ``consumers``: the consumers' tables."""
 
     outbox: bool = True
     lanes: tuple[str, ...] | None = None
+    tail_lanes: tuple[str, ...] = ()
     plugin_statements: tuple[tuple[str, tuple[str, ...]], ...] = ()
     consumers: bool = False
     handler_statements: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -66,6 +69,7 @@ async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: Want
             plan += [concurrent_step(change, statements) for change, statements in buckets]
     if wanted.lanes is not None:
         plan += await lane_steps(cur, dialect, wanted.lanes)
+    plan += await tail_steps(cur, dialect, wanted.tail_lanes, cursor_planned=wanted.lanes is not None)
     for owner, statements in wanted.plugin_statements:
         if PLUGIN_SCHEMA in dialect.capabilities:
             plan.append(Migration(f"ran {len(statements)} schema statement(s) for {owner}", statements))
@@ -95,6 +99,9 @@ def required_columns(dialect: Dialect, profile: Profile, wanted: WantedSchema) -
     if wanted.lanes is not None:
         required[CURSOR_TABLE] = ("lane", "fed_through_id")
         required.update({lane_table(lane): (*LANE_COLUMNS, *bucket) for lane in wanted.lanes})
+    if wanted.tail_lanes:
+        required[CURSOR_TABLE] = ("lane", "fed_through_id")
+        required[PARKED_TABLE] = ("lane", "outbox_id", "status", "last_error")
     if wanted.outbox and server:
         required[NODE_TABLE] = ("node_id", "heartbeat_ms", "view", "view_since_ms")
         required[BUCKET_TABLE] = ("bucket", "owner", "handing_over", "claimable_from_ms")

@@ -1,0 +1,113 @@
+"""The tailing relay: the scan loop of a lane whose sink keeps order by itself.
+
+Each round (:meth:`TailStore.round <room_outbox.store.lanes.tail.TailStore.round>`, one
+transaction) reads up to ``batch_size`` rows after the lane's cursor, hands the envelopes the
+sink takes to its ``publish`` at once (many in flight, order kept per key by the sink), parks
+the ones that can never be delivered (bad envelope, too large) and moves the cursor with one
+write. A batch that fails as a whole (the broker is down, a timeout) is rolled back and read
+again after ``poll_interval``, in the same order, so nothing is skipped and a room's events never
+overtake each other; what the failed attempt did send is sent again (at least once: a batch's
+worth of duplicates at most).
+
+Only the process holding the cursor row's lock runs a round; the others find it locked, wait
+``poll_interval`` and try again, so ownership fails over as soon as the owner's connection
+drops.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+from anyio.abc import TaskStatus
+
+from room_outbox.delivery.routing import Router
+from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
+from room_outbox.observability.health import LaneHealth
+from room_outbox.observability.redaction import Redactor, redact_and_shorten
+from room_outbox.sink import OrderedLogSink, PermanentSinkError
+from room_outbox.store.lanes.tail import TailRow, TailStore
+
+log = logging.getLogger("room_outbox.tail")
+
+#: Longest error text kept in a log line or the parked table.
+ERROR_MAX = 1024
+
+
+class TailRelay:
+    def __init__(
+        self,
+        store: TailStore,
+        router: Router,
+        *,
+        poll_interval: float,
+        publish_timeout: float,
+        redactor: Redactor,
+        health: LaneHealth | None = None,
+    ) -> None:
+        self.store = store
+        self.router = router
+        self.lane = store.lane
+        self.poll_interval = poll_interval
+        self.publish_timeout = publish_timeout
+        self.redactor = redactor
+        self.health = health or LaneHealth(store.lane)
+        self._stopping = anyio.Event()
+
+    def stop(self) -> None:
+        """Start no new round; the round in flight finishes (within ``publish_timeout``)."""
+        self._stopping.set()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        log.info("tailing relay started", extra={"lifecycle": "worker_started", "lane": self.lane})
+        task_status.started()
+        while not self._stopping.is_set():
+            try:
+                full = await self.run_once()
+                self.health.round_ended()
+                if full:
+                    continue  # a backlog drains at full speed
+            except Exception as exc:
+                error = self._short(f"{type(exc).__name__}: {exc}")
+                self.health.round_ended(error)
+                log.error(
+                    "tailing round failed; the batch is read again, in order, after poll_interval",
+                    extra={"lane": self.lane, "error": error},
+                )
+            with anyio.move_on_after(self.poll_interval):
+                await self._stopping.wait()
+        log.info("worker stopped", extra={"lifecycle": "worker_stopped", "lane": self.lane})
+
+    async def run_once(self) -> bool:
+        """One round; True when it read a full batch (more may be waiting)."""
+        async with self.store.round() as tail:
+            if tail is None:
+                return False  # another process owns the lane
+            to_send: list[tuple[TailRow, EventEnvelope]] = []
+            for row in tail.rows:
+                try:
+                    envelope = parse_envelope(row.envelope)
+                except EnvelopeError as exc:
+                    tail.park(row, self._short(f"malformed envelope: {exc}"))
+                    continue
+                if self.router.sink_for(envelope.event_type) is not None:
+                    to_send.append((row, envelope))
+            if to_send:
+                with anyio.fail_after(self.publish_timeout):
+                    outcomes = await self._sink.publish([envelope for _, envelope in to_send])
+                for (row, _), outcome in zip(to_send, outcomes, strict=True):
+                    if isinstance(outcome, PermanentSinkError):
+                        tail.park(row, self._short(str(outcome)))
+            return len(tail.rows) - len(tail.requeued) >= self.store.feed_batch
+
+    @property
+    def _sink(self) -> OrderedLogSink:
+        (sink,) = self.router.sinks.values()  # a lane of its own has one sink
+        assert isinstance(sink, OrderedLogSink)
+        return sink
+
+    def _short(self, text: str) -> str:
+        return redact_and_shorten(self.redactor, text, ERROR_MAX)
+
+
+__all__ = ["TailRelay"]

@@ -1,0 +1,201 @@
+"""Tailing lanes: a sink that keeps order by itself (an ordered log such as a Kafka topic) reads
+``room_outbox`` after the lane's cursor, with no per-row copy, claim or mark.
+
+A round is one transaction: lock the lane's cursor row (``FOR UPDATE SKIP LOCKED``), read the
+ids after it with the feeder's gap-safe rule (:class:`~room_outbox.store.lanes.store.LaneStore`:
+ids still in flight below the highest id read are waited for, up to ``gap_timeout``), read their
+envelopes, let the caller publish them, then park what can never be delivered and move the
+cursor with one write. The cursor row's lock is the lane's ownership: one process tails a lane
+at a time, the others skip it, and a process that dies (even by kill -9) drops its connection and
+with it the lock, so another takes over from the cursor — repeating at most the round in flight.
+A round that fails (the broker down) is rolled back and read again, in order.
+
+The cursor is the same ``room_outbox_lane_cursor`` row a lane-table lane uses ("every id at or
+below is done"); :func:`migrate_tail` moves it back below the lane table's unfinished rows when
+a lane switches from its table to tailing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from room_outbox.store.clock import now_ms
+from room_outbox.store.dialect import marks
+from room_outbox.store.lanes.store import CURSOR_TABLE, LaneStore, log
+from room_outbox.store.schema.outbox import Migration
+from room_outbox.store.schema.registry import WantedSchema, migrate, migration_plan
+from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, REQUEUED
+
+if TYPE_CHECKING:
+    from room_outbox.store.protocol import SQLStore
+
+
+@dataclass(frozen=True)
+class TailRow:
+    outbox_id: int
+    event_id: str
+    room_id: str
+    envelope: str
+
+
+@dataclass
+class TailRound:
+    """The rows of one round, in id order (requeued rows first), and what the caller parks."""
+
+    rows: list[TailRow]
+    requeued: list[int] = field(default_factory=list)
+    parked: dict[int, str] = field(default_factory=dict)
+
+    def park(self, row: TailRow, error: str) -> None:
+        self.parked[row.outbox_id] = error[:1024]
+
+
+@dataclass
+class TailStore(LaneStore):
+    """One tailing lane over ``room_outbox``; ``feed_batch`` is the round's size."""
+
+    #: The watermark this process last wrote: another value in the cursor means another process
+    #: owned the lane meanwhile, and what this one remembers (ids seen, gaps) is stale.
+    _committed: int | None = None
+
+    async def migrate(self) -> list[str]:
+        return await migrate_tail(self.owner, [self.lane])
+
+    @asynccontextmanager
+    async def round(self) -> AsyncIterator[TailRound | None]:
+        """One round in one transaction; None when another process owns the lane right now.
+        Leaving the block normally parks ``round.parked`` and moves the cursor; an exception
+        rolls everything back (the rows are read again next round)."""
+        with self._forgotten_unless_committed():
+            async with self.transaction() as cur:
+                watermark = await self._lock_cursor(cur)
+                if watermark is None:
+                    yield None
+                    return
+                if watermark != self._committed:
+                    self._high, self._gaps, self._last_id = watermark, [], None
+                    log.info("tailing the lane from its cursor", extra={"lane": self.lane, "fed_through_id": watermark})
+                fresh = await self._fetch_new_rows(cur)  # ids and envelopes in one read
+                self._gaps = [g for g in self._gaps if g.high > watermark]
+                self._take_new([row.outbox_id for row in fresh], watermark)
+                late = await self._rows(cur, await self._read_gaps(cur))  # ids that were in flight
+                requeued = await self._requeued(cur)
+                rows = await self._rows(cur, requeued) + sorted(fresh + late, key=lambda row: row.outbox_id)
+                tail = TailRound(rows=rows, requeued=requeued)
+                yield tail
+                self._expire_gaps()
+                self._bound_gaps()
+                new_watermark = min(g.low for g in self._gaps) - 1 if self._gaps else self._high
+                await self._park(cur, tail)
+                if new_watermark != watermark:
+                    await cur.execute(
+                        f"UPDATE {CURSOR_TABLE} SET fed_through_id = %s, updated_at_ms = %s WHERE lane = %s",
+                        (new_watermark, now_ms(), self.lane),
+                    )
+                committed = new_watermark
+        self._committed = committed
+
+    async def _fetch_new_rows(self, cur: Any) -> list[TailRow]:
+        """The rows above the highest id seen, up to ``feed_batch``."""
+        p = self.owner.profile
+        await cur.execute(
+            f"SELECT {p.key}, {p.event_id}, {p.room_id}, {p.envelope} FROM {p.table}"
+            f" WHERE {p.key} > %s ORDER BY {p.key} LIMIT %s",
+            (self._high, self.feed_batch),
+        )
+        return [TailRow(int(r[0]), str(r[1]), str(r[2]), _text(r[3])) for r in await cur.fetchall()]
+
+    async def _rows(self, cur: Any, ids: Sequence[int]) -> list[TailRow]:
+        if not ids:
+            return []
+        p = self.owner.profile
+        await cur.execute(
+            f"SELECT {p.key}, {p.event_id}, {p.room_id}, {p.envelope} FROM {p.table} WHERE {p.key} IN ({marks(ids)})",
+            list(ids),
+        )
+        found = {int(r[0]): TailRow(int(r[0]), str(r[1]), str(r[2]), _text(r[3])) for r in await cur.fetchall()}
+        return [found[i] for i in ids if i in found]
+
+    async def _requeued(self, cur: Any) -> list[int]:
+        await cur.execute(
+            f"SELECT outbox_id FROM {PARKED_TABLE} WHERE lane = %s AND status = %s ORDER BY outbox_id LIMIT %s",
+            (self.lane, REQUEUED, self.feed_batch),
+        )
+        return [int(r[0]) for r in await cur.fetchall()]
+
+    async def _park(self, cur: Any, tail: TailRound) -> None:
+        """Requeued rows sent are done; rows that failed for good are (again) parked."""
+        now = now_ms()
+        done = [i for i in tail.requeued if i not in tail.parked]
+        if done:
+            await cur.execute(
+                f"DELETE FROM {PARKED_TABLE} WHERE lane = %s AND outbox_id IN ({marks(done)})", [self.lane, *done]
+            )
+        rows = {row.outbox_id: row for row in tail.rows}
+        for outbox_id, error in tail.parked.items():
+            row = rows[outbox_id]
+            if outbox_id in tail.requeued:
+                await cur.execute(
+                    f"UPDATE {PARKED_TABLE} SET status = %s, last_error = %s, updated_at_ms = %s"
+                    " WHERE lane = %s AND outbox_id = %s",
+                    (PARKED, error, now, self.lane, outbox_id),
+                )
+                continue
+            insert = (
+                f"INSERT INTO {PARKED_TABLE} (lane, outbox_id, event_id, room_id, status, last_error,"
+                " created_at_ms, updated_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
+            )
+            # Parked already by an owner before a handover: this error replaces that one.
+            await cur.execute(f"DELETE FROM {PARKED_TABLE} WHERE lane = %s AND outbox_id = %s", (self.lane, outbox_id))
+            await cur.execute(insert, (self.lane, outbox_id, row.event_id, row.room_id, PARKED, error, now, now))
+            log.warning(
+                "event parked: it can never be delivered",
+                extra={"lane": self.lane, "outbox_id": outbox_id, "event_id": row.event_id, "error": error},
+            )
+
+    async def parked(self) -> list[dict[str, Any]]:
+        """The lane's parked and requeued rows, oldest first."""
+        async with self.transaction() as cur:
+            await cur.execute(
+                f"SELECT outbox_id, event_id, room_id, status, last_error FROM {PARKED_TABLE}"
+                " WHERE lane = %s ORDER BY outbox_id",
+                (self.lane,),
+            )
+            names = ("outbox_id", "event_id", "room_id", "status", "last_error")
+            return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
+
+    async def requeue(self, outbox_ids: Sequence[int] | None = None) -> int:
+        """Send parked rows again (all of the lane's when ``outbox_ids`` is None); returns how many."""
+        where, params = "lane = %s AND status = %s", [self.lane, PARKED]
+        ids: list[object] = []
+        if outbox_ids is not None:
+            if not outbox_ids:
+                return 0
+            where += f" AND outbox_id IN ({marks(outbox_ids)})"
+            ids = list(outbox_ids)
+        async with self.transaction() as cur:
+            await cur.execute(
+                f"UPDATE {PARKED_TABLE} SET status = %s, updated_at_ms = %s WHERE {where}",
+                [REQUEUED, now_ms(), *params, *ids],
+            )
+            return int(cur.rowcount)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes | bytearray) else str(value)
+
+
+async def migrate_tail(store: SQLStore, lanes: Sequence[str]) -> list[str]:
+    """The tailing lanes' tables, through the one migration path (:mod:`room_outbox.store.schema.tail`)."""
+    return await migrate(store, WantedSchema(outbox=False, tail_lanes=tuple(lanes)))
+
+
+async def tail_migration_plan(store: SQLStore, lanes: Sequence[str]) -> list[Migration]:
+    """What :func:`migrate_tail` would do."""
+    return await migration_plan(store, WantedSchema(outbox=False, tail_lanes=tuple(lanes)))
+
+
+__all__ = ["TailRound", "TailRow", "TailStore", "migrate_tail", "tail_migration_plan"]

@@ -1,0 +1,213 @@
+"""The tailing relay (ordered-log sinks such as Kafka) in-process, on the real broker and on
+MariaDB and PostgreSQL: no lane table, one cursor write per batch, parked rows that never stop
+the lane, a broker outage retried in order, one owner at a time."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+from lanes.conftest import Broker
+from lanes.test_lanes import consume, event_ids
+from support import envelope, insert_events, wait_until
+
+from room_outbox.delivery.routing import Router
+from room_outbox.delivery.tail import TailRelay
+from room_outbox.observability.redaction import Redactor
+from room_outbox.plugins.kafka import KafkaSettings, KafkaSink
+from room_outbox.sink import SinkContext
+from room_outbox.store.factory import open_store
+from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
+from room_outbox.store.lanes.store import CURSOR_TABLE, migrate_lanes
+from room_outbox.store.lanes.tail import TailStore, migrate_tail
+from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.tail import PARKED_TABLE
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["mariadb", "postgresql"])
+async def any_store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
+    dsn = request.getfixturevalue("database_dsn" if request.param == "mariadb" else "postgresql_dsn")
+    store = await open_store(dsn)
+    await store.migrate()
+    await migrate_tail(store, ["kafka"])
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+def kafka_sink(broker: Broker, **settings: Any) -> KafkaSink:
+    return KafkaSink(
+        KafkaSettings(bootstrap_servers=broker.bootstrap, request_timeout=2.0, **settings),
+        SinkContext(node_id="t", logger=logging.getLogger("test.kafka")),
+    )
+
+
+def relay(store: SQLStore, sink: KafkaSink, batch: int = 25) -> TailRelay:
+    tail = TailStore(owner=store, lane="kafka", start="beginning", feed_batch=batch, gap_timeout=30.0)
+    router = Router({"kafka": sink}, {}, catch_all="kafka", skip_unrouted=True)
+    return TailRelay(tail, router, poll_interval=0.05, publish_timeout=5.0, redactor=Redactor())
+
+
+async def cursor(store: SQLStore) -> int:
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT fed_through_id FROM {CURSOR_TABLE} WHERE lane = 'kafka'")
+        row = await cur.fetchone()
+        return int(row[0]) if row else -1
+
+
+async def highest_id(store: SQLStore) -> int:
+    async with store.transaction() as cur:
+        await cur.execute("SELECT MAX(id) FROM room_outbox")
+        return int((await cur.fetchone())[0])
+
+
+async def drain(tail: TailRelay, store: SQLStore) -> None:
+    """Rounds until the cursor reaches the last row (bounded: a round at most per 5 rows)."""
+    target = await highest_id(store)
+    for _ in range(target // 5 + 5):
+        await tail.run_once()
+        if await cursor(store) >= target:
+            return
+    raise AssertionError(f"cursor {await cursor(store)} never reached {target}")
+
+
+def room_events(prefix: str, rooms: int, per_room: int) -> list[dict[str, Any]]:
+    return [envelope(f"{prefix}{v:02}-r{r}", room_id=f"r{r}", room_version=v)
+            for v in range(per_room) for r in range(rooms)]  # fmt: skip
+
+
+def assert_room_order(messages: list[Any]) -> None:
+    versions: dict[bytes, list[int]] = defaultdict(list)
+    partitions: dict[bytes, set[int]] = defaultdict(set)
+    for message in messages:
+        versions[message.key].append(json.loads(message.value)["room_version"])
+        partitions[message.key].add(message.partition)
+    assert all(v == sorted(v) for v in versions.values()), versions
+    assert all(len(p) == 1 for p in partitions.values()), partitions
+
+
+async def test_tailing_publishes_every_event_once_in_room_order_without_a_lane_table(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    events = room_events("t", rooms=4, per_room=15)
+    await insert_events(any_store, events)
+    sink = kafka_sink(kafka_broker)
+    try:
+        await drain(relay(any_store, sink), any_store)
+    finally:
+        await sink.aclose()
+    messages = await consume(kafka_broker, {e["event_id"] for e in events})
+    assert sorted(event_ids(messages)) == sorted(e["event_id"] for e in events)  # each once
+    assert_room_order(messages)
+    assert await cursor(any_store) == await highest_id(any_store)
+    assert [lane.has_table for lane in await stored_lanes(any_store)] == [False]  # no per-row copy
+
+
+async def test_an_oversize_event_is_parked_with_its_error_and_the_lane_goes_on(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    events = [envelope("small-1"), envelope("huge", payload={"blob": "x" * 4000}), envelope("small-2")]
+    await insert_events(any_store, events)
+    sink = kafka_sink(kafka_broker, max_message_bytes=2048)
+    tail = relay(any_store, sink)
+    raised = kafka_sink(kafka_broker, max_message_bytes=10_000)  # the operator raised the limit
+    try:
+        await drain(tail, any_store)
+        messages = await consume(kafka_broker, {"small-1", "small-2"})
+        assert event_ids(messages) == ["small-1", "small-2"]
+        parked = await tail.store.parked()
+        assert [(p["event_id"], p["status"]) for p in parked] == [("huge", "parked")]
+        assert "exceeds max_message_bytes 2048" in parked[0]["last_error"]
+        (lane,) = await stored_lanes(any_store)
+        assert (await own_lane_backlog(any_store, lane)).parked == 1  # status and the metrics see it
+
+        assert await tail.store.requeue() == 1
+        await relay(any_store, raised).run_once()
+        assert await tail.store.parked() == []
+        messages = await consume(kafka_broker, {"small-1", "huge", "small-2"})
+        assert event_ids(messages) == ["small-1", "small-2", "huge"]
+    finally:
+        await sink.aclose()
+        await raised.aclose()
+
+
+async def test_a_broker_outage_retries_the_batch_in_order_and_loses_nothing(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    sink = kafka_sink(kafka_broker)
+    tail = relay(any_store, sink, batch=10)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(tail.run)
+            await insert_events(any_store, room_events("a", rooms=2, per_room=5))
+            await consume(kafka_broker, {f"a{v:02}-r{r}" for v in range(5) for r in range(2)})
+            kafka_broker.stop()
+            await insert_events(any_store, room_events("b", rooms=2, per_room=10))
+            await wait_until(lambda: tail.health.failed_in_a_row > 0, timeout=30)
+            assert await cursor(any_store) < await highest_id(any_store)  # the failed batch is not passed
+            kafka_broker.start()  # back, empty (memory storage)
+            messages = await consume(kafka_broker, {f"b{v:02}-r{r}" for v in range(10) for r in range(2)}, timeout=60)
+            tail.stop()
+    finally:
+        await sink.aclose()
+    assert_room_order(messages)
+    await wait_until(lambda: _at_end(any_store), timeout=10)
+
+
+async def _at_end(store: SQLStore) -> bool:
+    return await cursor(store) == await highest_id(store)
+
+
+async def test_one_owner_at_a_time_each_event_once(any_store: SQLStore, kafka_broker: Broker) -> None:
+    events = room_events("o", rooms=5, per_room=20)
+    await insert_events(any_store, events)
+    sinks = [kafka_sink(kafka_broker), kafka_sink(kafka_broker)]
+    relays = [relay(any_store, sink, batch=10) for sink in sinks]
+    try:
+        async with anyio.create_task_group() as tg:
+            for one in relays:
+                await tg.start(one.run)
+            await wait_until(lambda: _at_end(any_store), timeout=60)
+            for one in relays:
+                one.stop()
+    finally:
+        for sink in sinks:
+            await sink.aclose()
+    messages = await consume(kafka_broker, {e["event_id"] for e in events})
+    assert sorted(event_ids(messages)) == sorted(e["event_id"] for e in events)  # none twice
+    assert_room_order(messages)
+
+
+async def test_migrate_moves_a_lane_table_lanes_cursor_back_to_its_first_unfinished_row(
+    any_store: SQLStore,
+) -> None:
+    await insert_events(any_store, room_events("m", rooms=1, per_room=6))
+    await migrate_lanes(any_store, ["kafka"])
+    first = await highest_id(any_store) - 5
+    async with any_store.transaction() as cur:  # as the lane-table lane left it: 3 sent, 3 owed
+        await cur.execute(
+            "INSERT INTO room_outbox_lane_cursor (lane, fed_through_id, updated_at_ms) VALUES ('kafka', %s, 0)",
+            (first + 5,),
+        )
+        for n in range(6):
+            await cur.execute(
+                "INSERT INTO room_outbox_lane_kafka (outbox_id, event_id, event_type, room_id, status,"
+                " created_at_ms, updated_at_ms) VALUES (%s, %s, 'RoomUserJoined', 'r0', %s, 0, 0)",
+                (first + n, f"m{n}", "published" if n < 3 else "pending"),
+            )
+    assert await migrate_tail(any_store, ["kafka"]) == [
+        f"moved lane kafka's cursor back to {first + 2}: it tails from room_outbox_lane_kafka's first unfinished row"
+    ]
+    assert await cursor(any_store) == first + 2
+    assert await migrate_tail(any_store, ["kafka"]) == []  # idempotent
+    async with any_store.transaction() as cur:
+        await cur.execute(f"SELECT COUNT(*) FROM {PARKED_TABLE}")
+        assert (await cur.fetchone())[0] == 0
