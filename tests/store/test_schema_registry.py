@@ -19,7 +19,7 @@ from room_outbox.store.schema.registry import Planner, WantedSchema
 pytestmark = pytest.mark.anyio
 
 #: Every part of the registry but the plugins' statements, which run every time (idempotent).
-EVERYTHING = WantedSchema(lanes=("audit",), consumers=True)
+EVERYTHING = WantedSchema(lanes=("audit",), tail_lanes=("kafka",), consumers=True)
 
 
 @pytest.fixture(params=["mysql", "postgresql", "sqlite"])
@@ -66,6 +66,6 @@ async def test_sql_plan_is_what_migrate_runs_then_check_passes_and_nothing_is_le
     changes = await registry.migrate(recording, EVERYTHING)  # type: ignore[arg-type]
     assert statements(recording.ran) == statements(printed)
     assert changes == [step.change for step in printed]
-    await check_schema(store, lanes=["audit"])
+    await check_schema(store, lanes=["audit"], tail_lanes=["kafka"])
     assert await registry.migration_plan(store, EVERYTHING) == []
     assert await registry.migrate(store, EVERYTHING) == []
