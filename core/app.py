@@ -144,6 +144,7 @@ def _dispatchers(
                 publish_timeout=worker.publish_timeout,
                 redactor=redactor,
                 health=health.lane(name),
+                telemetry=telemetry,
             )
             dispatchers.append(relay)
             continue

@@ -133,7 +133,7 @@ def freeze_startup_heap() -> None:
     A full collection walks every tracked object and holds the event loop meanwhile. A relay
     allocates a few objects per message that outlive a young collection (a batch in flight
     spans many awaits), so full collections come several times a second under load, and each
-    took 55–100 ms over the startup heap: a stall on the delivery path each time. Frozen,
+    walking the startup heap stalls the delivery path. Frozen,
     they walk only what the service allocated since. Garbage made before the call is
     collected first, so nothing frozen is garbage."""
     gc.collect()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Redraw docs/dashboard.png, the README's picture of the Grafana dashboard's main panels: the
+# Redraw docs/dashboard.png, the picture in docs/how-to/monitor.md of the Grafana dashboard's main panels: the
 # Prometheus test (tests/observability/) runs a dispatcher under load through an IM outage and
 # its recovery, then plots the panels' queries from Prometheus's range API with matplotlib
 # (installed into .venv for this only; it is no dependency of room-outbox).

@@ -200,7 +200,7 @@ async def test_the_init_sql_creates_room_services_table_and_migrate_upgrades_it(
 
 @pytest.mark.anyio
 async def test_the_sample_events_parse_as_the_dispatcher_reads_them(database_dsn: str) -> None:
-    """docker/sample-events.sql, the README's way to feed the compose stack's dashboard."""
+    """docker/sample-events.sql, docs/tutorial/compose.md's way to feed the compose stack's dashboard."""
     sql = (ROOT / "docker" / "sample-events.sql").read_text()
     store = await MySQLStore.connect(database_dsn)
     try:

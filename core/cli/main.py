@@ -35,7 +35,7 @@ The configuration comes from --config FILE (default $ROOM_OUTBOX_CONFIG) and the
 (ROOM_OUTBOX__SECTION__KEY, which wins over the file). Exit codes: 0 done, 1 unexpected error,
 2 configuration, 3 database unreachable or not migrated, 141 output closed early."""
 
-#: Exit codes, as the README documents them.
+#: Exit codes, as docs/reference/errors.md documents them.
 EXIT_CODES = {
     0: "done",
     1: "unexpected error (a bug: the traceback says where), or the command's own 'no' (no such event)",

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 #: Added to the one-second window of every rate limit: clear of rounding in however the
-#: server buckets time (10 ms: 50 ms cost 4 % of the quota for nothing measurable).
+#: server buckets time, and small: every slot cycle pays it, out of the quota.
 JITTER_MARGIN = 0.01
 #: The window rate limits are counted over, as the limiters count it.
 WINDOW = 1.0 + JITTER_MARGIN

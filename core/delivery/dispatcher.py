@@ -313,7 +313,7 @@ class Dispatcher:
     async def deliver_in_turn(self, feed: _Feed, results: list[DeliveryResult]) -> None:
         """Deliver queues from ``feed`` one after another, adding their results to ``results``,
         until the feed is closed and empty. (A fixed pool of workers taking queues, not a task
-        and a limiter per queue: measured 1.35x the throughput.) A queue's rows go one after
+        and a limiter per queue: the faster of the two.) A queue's rows go one after
         another (one row, or one room's rows in id order): a row that is not published
         releases the rest of its queue, and once :meth:`stop` is called the rows not yet
         attempted are released.

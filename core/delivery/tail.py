@@ -25,6 +25,7 @@ from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.observability.health import LaneHealth
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
+from room_outbox.observability.telemetry import Telemetry
 from room_outbox.sink import OrderedLogSink, PermanentSinkError
 from room_outbox.store.lanes.tail import TailRow, TailStore
 
@@ -44,6 +45,7 @@ class TailRelay:
         publish_timeout: float,
         redactor: Redactor,
         health: LaneHealth | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.store = store
         self.router = router
@@ -52,6 +54,7 @@ class TailRelay:
         self.publish_timeout = publish_timeout
         self.redactor = redactor
         self.health = health or LaneHealth(store.lane)
+        self.telemetry = telemetry or Telemetry()
         self._stopping = anyio.Event()
 
     def stop(self) -> None:
@@ -79,7 +82,9 @@ class TailRelay:
         log.info("worker stopped", extra={"lifecycle": "worker_stopped", "lane": self.lane})
 
     async def run_once(self) -> bool:
-        """One round; True when it read a full batch (more may be waiting)."""
+        """One round; True when it read a full batch (more may be waiting). Its outcomes are
+        counted once the round's transaction has committed, as the dispatcher counts what the
+        database shows."""
         async with self.store.round() as tail:
             if tail is None:
                 return False  # another process owns the lane
@@ -89,16 +94,39 @@ class TailRelay:
                     envelope = parse_envelope(row.envelope)
                 except EnvelopeError as exc:
                     tail.park(row, self._short(f"malformed envelope: {exc}"))
+                    self._count("other", "bad_envelope")  # no event type to trust
                     continue
                 if self.router.sink_for(envelope.event_type) is not None:
                     to_send.append((row, envelope))
             if to_send:
                 with anyio.fail_after(self.publish_timeout):
                     outcomes = await self._sink.publish([envelope for _, envelope in to_send])
-                for (row, _), outcome in zip(to_send, outcomes, strict=True):
+                for (row, envelope), outcome in zip(to_send, outcomes, strict=True):
+                    label = self.router.event_label(envelope.event_type)
                     if isinstance(outcome, PermanentSinkError):
                         tail.park(row, self._short(str(outcome)))
-            return len(tail.rows) - len(tail.requeued) >= self.store.feed_batch
+                        self._count(label, "permanent")
+                    else:
+                        self._count(label, None)
+            full = len(tail.rows) - len(tail.requeued) >= self.store.feed_batch
+        self.telemetry.flush_counts()
+        return full
+
+    def _count(self, event_label: str, error_class: str | None) -> None:
+        """One event published (``error_class`` None) or parked, on the delivery counters."""
+        if not self.telemetry.metrics_enabled:
+            return
+        metrics = self.telemetry.metrics
+        labels = {"sink": self._sink_name, "event_type": event_label}
+        if error_class is None:
+            self.telemetry.count(metrics.success, labels)
+        else:
+            self.telemetry.count(metrics.failure, {**labels, "error_class": error_class})
+
+    @property
+    def _sink_name(self) -> str:
+        (name,) = self.router.sinks  # a lane of its own has one sink
+        return name
 
     @property
     def _sink(self) -> OrderedLogSink:

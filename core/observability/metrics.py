@@ -3,28 +3,13 @@ their Prometheus exposition.
 
 Instruments are named by OpenTelemetry's conventions: dotted, the unit in the unit field, no
 Prometheus suffix. ``/metrics`` shows them through the OpenTelemetry Prometheus exporter's
-standard translation: dots become underscores, the unit becomes a suffix (``s`` adds
-``_seconds``; an annotation such as ``{event}`` adds none) and a counter gets ``_total``::
+standard translation (dots become underscores, ``s`` adds ``_seconds``, a counter gets
+``_total``), so a collector and a Prometheus scrape see the same instruments under the names
+each expects. docs/reference/metrics.md lists them, generated from the calls below: the
+dispatcher's are :class:`OutboxMetrics`, a consume process's :class:`ConsumerMetrics`.
 
-    instrument (unit)                              on /metrics                                kind       attributes
-    room_outbox.pending ({event})                  room_outbox_pending                        gauge      lane
-    room_outbox.oldest_pending.age (s)             room_outbox_oldest_pending_age_seconds     gauge      lane
-    room_outbox.publish.success ({event})          room_outbox_publish_success_total          counter    sink, event_type
-    room_outbox.publish.failure ({event})          room_outbox_publish_failure_total          counter    sink, event_type, error_class
-    room_outbox.publish.throttled ({event})        room_outbox_publish_throttled_total        counter    sink, event_type
-    room_outbox.publish.duration (s)               room_outbox_publish_duration_seconds       histogram  sink, event_type, outcome
-    room_outbox.claimed_batch.size ({event})       room_outbox_claimed_batch_size             histogram  -
-    room_outbox.lost_leases ({event})              room_outbox_lost_leases_total              counter    detected_at, cause
-    room_outbox.clock.offset (s)                   room_outbox_clock_offset_seconds           gauge      -
-    room_outbox.consumer.lag ({message})           room_outbox_consumer_lag                   gauge      consumer, topic, partition
-    room_outbox.consumer.handled ({message})       room_outbox_consumer_handled_total         counter    consumer, handler, outcome
-    room_outbox.consumer.retried ({message})       room_outbox_consumer_retried_total         counter    consumer, handler
-    room_outbox.consumer.dead ({message})          room_outbox_consumer_dead_total            counter    consumer, handler, reason
-    room_outbox.consumer.handler.duration (s)      room_outbox_consumer_handler_duration_seconds  histogram  consumer, handler
-
-The first nine are the dispatcher's (:class:`OutboxMetrics`), the last five a consume
-process's (:class:`ConsumerMetrics`). Durations and ages are recorded in seconds, the base
-unit every Prometheus dashboard expects. The pending gauge counts the events a lane still owes,
+Durations and ages are recorded in seconds, the base unit every Prometheus dashboard expects.
+The pending gauge counts the events a lane still owes,
 the age is its oldest one's (0 when none). A consumer's ``outcome`` is ``handled``, or
 ``duplicate`` (its processed record existed: a redelivery); its lag is the partition's high
 watermark minus the offset this process last committed, set after each commit.

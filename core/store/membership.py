@@ -32,7 +32,7 @@ Tables (created by ``room-outbox migrate``):
   which claims and the fence compute (:func:`row_bucket`). It has no CRC-32 either: the
   bucket is computed by the function
   ``room_outbox_crc32`` that ``migrate`` creates; its planner keeps an ``IN`` list on the
-  index's last column as a filter on the row, to keep the index order (measured on 15), so a
+  index's last column as a filter on the row, to keep the index order, so a
   claim there computes the function for every row it passes over.
 
 **Fencing.** A claim reads its node's buckets with a shared lock in its own

@@ -7,8 +7,7 @@ its answer (or its failure). Then no ``window`` can ever see more than ``rate`` 
 whatever the latency or the jitter: if ``rate + 1`` arrivals fell in one window, the last
 of them would have started while the other ``rate`` slots were still busy. The cost is one
 request latency plus the margin per slot cycle: the share of the quota used is
-``1 / (1 + JITTER_MARGIN + latency)`` — 98 % at 10 ms, 94 % against the pure-Python fake IM
-under benchmark load (about 50 ms).
+``1 / (1 + JITTER_MARGIN + latency)``, so a faster server leaves less of it unused.
 
 The window is one second plus :data:`JITTER_MARGIN`, to stay clear of rounding in whatever
 way the server buckets time. Waiters are served first come, first served (``anyio.Lock`` is

@@ -96,7 +96,7 @@ class TencentIMSettings(SinkSettings):
     group_rate_limit: int = Field(default=40, ge=1)
     #: Share of both limits left to room-service's own synchronous pushes, which count against
     #: the same Tencent quota and cannot be paced by room-outbox. The processes of a
-    #: deployment split the rest (see README "One Tencent quota for every process").
+    #: deployment split the rest (see docs/explanation/several-processes.md).
     reserved_share: float = Field(default=0.1, ge=0.0, lt=1.0)
     #: Longest wait for a rate-limit slot; beyond it the delivery fails as retryable at once.
     rate_limit_max_wait: Duration = 1.0

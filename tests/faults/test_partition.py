@@ -2,7 +2,7 @@
 swallows every byte and closes nothing, so the process's connections hang (nothing answers,
 nothing fails) and the server's sessions live on with their locks.
 
-The bounds under test (README, "Database deadlines"):
+The bounds under test (docs/explanation/database-deadlines.md):
 
 * the running process resumes within ``query_timeout`` + ``poll_interval`` of the heal;
 * rows a dead session had claimed are delivered by a fresh process once the server has ended

@@ -15,10 +15,12 @@ import pytest
 from lanes.conftest import Broker
 from lanes.test_lanes import consume, event_ids
 from support import envelope, insert_events, wait_until
+from telemetry_support import capture
 
 from room_outbox.delivery.routing import Router
 from room_outbox.delivery.tail import TailRelay
 from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugins.kafka import KafkaSettings, KafkaSink
 from room_outbox.sink import SinkContext
 from room_outbox.store.factory import open_store
@@ -50,10 +52,10 @@ def kafka_sink(broker: Broker, **settings: Any) -> KafkaSink:
     )
 
 
-def relay(store: SQLStore, sink: KafkaSink, batch: int = 25) -> TailRelay:
+def relay(store: SQLStore, sink: KafkaSink, batch: int = 25, telemetry: Telemetry | None = None) -> TailRelay:
     tail = TailStore(owner=store, lane="kafka", start="beginning", feed_batch=batch, gap_timeout=30.0)
     router = Router({"kafka": sink}, {}, catch_all="kafka", skip_unrouted=True)
-    return TailRelay(tail, router, poll_interval=0.05, publish_timeout=5.0, redactor=Redactor())
+    return TailRelay(tail, router, poll_interval=0.05, publish_timeout=5.0, redactor=Redactor(), telemetry=telemetry)
 
 
 async def cursor(store: SQLStore) -> int:
@@ -117,7 +119,8 @@ async def test_an_oversize_event_is_parked_with_its_error_and_the_lane_goes_on(
     events = [envelope("small-1"), envelope("huge", payload={"blob": "x" * 4000}), envelope("small-2")]
     await insert_events(any_store, events)
     sink = kafka_sink(kafka_broker, max_message_bytes=2048)
-    tail = relay(any_store, sink)
+    captured = capture()
+    tail = relay(any_store, sink, telemetry=captured.telemetry)
     raised = kafka_sink(kafka_broker, max_message_bytes=10_000)  # the operator raised the limit
     try:
         await drain(tail, any_store)
@@ -128,6 +131,8 @@ async def test_an_oversize_event_is_parked_with_its_error_and_the_lane_goes_on(
         assert "exceeds max_message_bytes 2048" in parked[0]["last_error"]
         (lane,) = await stored_lanes(any_store)
         assert (await own_lane_backlog(any_store, lane)).parked == 1  # status and the metrics see it
+        assert captured.value("room_outbox.publish.success", sink="kafka") == 2
+        assert captured.value("room_outbox.publish.failure", sink="kafka", error_class="permanent") == 1
 
         assert await tail.store.requeue() == 1
         await relay(any_store, raised).run_once()

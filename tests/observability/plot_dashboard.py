@@ -1,4 +1,4 @@
-"""The README's picture: the dashboard's main panels drawn from Prometheus range queries.
+"""The picture in docs/how-to/monitor.md: the dashboard's main panels drawn from Prometheus range queries.
 
 Used by test_prometheus_scrape.py when ROOM_OUTBOX_DASHBOARD_PNG is set
 (scripts/dashboard-picture.sh); matplotlib is installed for that run only.

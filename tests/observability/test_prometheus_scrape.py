@@ -8,7 +8,7 @@ a row whose envelope does not parse, and rows that "the producer" publishes or a
 takes over while the dispatcher has them in flight (lost leases at result write, by cause).
 
 Set ROOM_OUTBOX_DASHBOARD_PNG=path to also run an IM outage and its recovery and draw the main
-panels from Prometheus's range queries (scripts/dashboard-picture.sh, for the README).
+panels from Prometheus's range queries (scripts/dashboard-picture.sh, for docs/how-to/monitor.md).
 """
 
 from __future__ import annotations

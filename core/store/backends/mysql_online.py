@@ -171,7 +171,7 @@ class OnlineSchemaChange:
                 if exc.args[0] in ER_NOT_ONLINE:
                     raise SchemaError(
                         f"{change}: the server cannot make this change online ({exc.args[1]}), so it was not made;"
-                        " make it with gh-ost or pt-online-schema-change (see the README), then run migrate again"
+                        " make it with gh-ost or pt-online-schema-change (see docs/how-to/adopt-live-table.md), then run migrate again"
                     ) from None
                 if exc.args[0] != ER_LOCK_WAIT_TIMEOUT:
                     raise

@@ -39,7 +39,7 @@ on MySQL, the primary-key hints explained below.
 **The consumers' records** (MySQL and PostgreSQL, once ``migrate`` made their tables; see
 :func:`prune_consumer_records`). A processed record makes a redelivered message a no-op, so it
 may go only once its message can no longer come back: older than ``processed_older_than``,
-which the settings keep above a day and the README's rule keeps above the topic's retention.
+which the settings keep above a day and the rule in docs/explanation/consumers.md keeps above the topic's retention.
 Retry rows and dead letters whose event the same consumer and handler has handled since are
 resolved and go at any age (a retry would find the record and do nothing). A record stays
 while a retry row of its handling exists, whatever its age: without the record that row would
