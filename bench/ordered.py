@@ -26,7 +26,7 @@ import anyio
 from bench import procs
 from bench.db import load, pending, reset
 from room_outbox.store.backends.mysql import MySQLStore
-from room_outbox.store.membership import BUCKET_TABLE, BUCKETS
+from room_outbox.store.schema.buckets import BUCKET_TABLE, BUCKETS
 
 HOLD = "bench_hold"
 #: Older than the shipped ``claim_after`` (5 s): a backlog the producer did not push, claimed

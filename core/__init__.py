@@ -1,11 +1,11 @@
-"""room-outbox: guaranteed delivery of room events from a MySQL transactional outbox.
+"""room-outbox: guaranteed delivery of room events from a transactional outbox (MySQL/MariaDB,
+PostgreSQL or SQLite).
 
 The public plugin API lives here: ``hookimpl`` marks a plugin's hook implementations,
 ``SinkSpec`` registers a sink with its ``SinkSettings`` model, ``Sink`` and its errors are
 what a sink implements and raises (``ThrottledSinkError``: held back by its own rate limit,
 not an attempt), ``EventEnvelope`` is what it receives. ``Duration`` reads
-``"500ms"``/``"2s"``/``"1m"`` in a settings model as room-outbox's own settings do, and
-``MySQLAddress`` parses a ``mysql://`` DSN, for sinks that write to MySQL themselves.
+``"500ms"``/``"2s"``/``"1m"`` in a settings model as room-outbox's own settings do.
 ``http_client_span`` and ``sink_span`` trace a sink's own I/O under the current attempt;
 ``Redactor`` masks a sink's own secrets in the texts it builds. ``QuotaShare`` (the
 context's ``quota``) is this process's part of a rate limit the deployment's processes
@@ -53,7 +53,6 @@ from room_outbox.sink import (
     SinkSpec,
     ThrottledSinkError,
 )
-from room_outbox.store.backends.mysql import MySQLAddress
 
 __all__ = [
     "JITTER_MARGIN",
@@ -69,7 +68,6 @@ __all__ = [
     "HandlerSettings",
     "HandlerSpec",
     "KafkaSecurity",
-    "MySQLAddress",
     "OrderedLogSink",
     "PermanentHandlerError",
     "PermanentSinkError",

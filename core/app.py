@@ -31,12 +31,10 @@ from room_outbox.observability.service import observability
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.startup import check_configuration, open_checked_store
-from room_outbox.store.backends.mysql import MySQLStore
-from room_outbox.store.backends.postgres import PostgresStore
 from room_outbox.store.clock import CLOCK
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.operator.retention import run_retention_job
-from room_outbox.store.protocol import OutboxStore, SQLStore
+from room_outbox.store.protocol import SQLStore
 
 log = logging.getLogger("room_outbox.app")
 
@@ -176,14 +174,14 @@ async def _join_cluster(
     stack: contextlib.AsyncExitStack,
     settings: Settings,
     identity: str,
-    store: OutboxStore,
+    store: SQLStore,
     lane_tables: list[str],
     quota: QuotaShare,
 ) -> None:
     """On a database server (MySQL/MariaDB, PostgreSQL): heartbeats in the membership, room
     buckets for per-room claims, and this process's quota share, until ``stack`` closes. SQLite
     is one box: every process there claims every room and uses whole limits."""
-    if not isinstance(store, MySQLStore | PostgresStore):
+    if not store.dialect.room_buckets:
         return
     membership = Membership(
         store,

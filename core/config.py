@@ -177,10 +177,6 @@ class DatabaseSettings(Section):
         return value
 
 
-#: The section's former name, still accepted.
-MySQLSettings = DatabaseSettings
-
-
 class RetrySettings(Section):
     """Parameters of ``linear`` (base × attempts) and ``exponential`` (base × factor^(attempts-1),
     capped, ± jitter) retry strategies; ``fixed_interval`` retries after ``poll_interval``."""

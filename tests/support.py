@@ -16,28 +16,13 @@ import pytest
 from room_outbox import SinkSpec, hookimpl
 from room_outbox.sink import SinkSettings
 from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.schema.outbox import TABLE, V1_TABLE_DDL
 
 #: Set ROOM_OUTBOX_TEST_POSTGRESQL (postgresql://user:password@host:port) to use another server.
 POSTGRESQL_SERVER_DSN = os.environ.get("ROOM_OUTBOX_TEST_POSTGRESQL", "postgresql://postgres@127.0.0.1:5432")
 
-#: room-service's own V1 table, as DESIGN.md §2.1 gives it.
-V1_DDL = """
-CREATE TABLE room_outbox (
-  id            BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,
-  app_code      VARCHAR(64)  NOT NULL DEFAULT '',
-  event_id      VARCHAR(64)  NOT NULL,
-  event_type    VARCHAR(64)  NOT NULL,
-  room_id       VARCHAR(64)  NOT NULL,
-  envelope      LONGTEXT     NOT NULL,
-  status        VARCHAR(16)  NOT NULL DEFAULT 'pending',
-  retry_count   INT          NOT NULL DEFAULT 0,
-  last_error    VARCHAR(1024) NULL,
-  created_at_ms BIGINT       NOT NULL,
-  updated_at_ms BIGINT       NOT NULL,
-  UNIQUE KEY uk_room_outbox_event_id (event_id),
-  KEY idx_room_outbox_status_id (status, id)
-) ENGINE=InnoDB
-"""
+#: room-service's own V1 table on MySQL/MariaDB: the store's DDL, as migrate creates it.
+V1_DDL = V1_TABLE_DDL["mysql"][0].format(table=TABLE)
 
 INSERT_V1 = (
     "INSERT INTO room_outbox (app_code, event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"

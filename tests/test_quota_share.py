@@ -6,7 +6,8 @@ import math
 
 from room_outbox.cluster.membership import plan
 from room_outbox.cluster.quota import QuotaShare
-from room_outbox.store.membership import BUCKETS, BucketRow
+from room_outbox.store.membership import BucketRow
+from room_outbox.store.schema.buckets import BUCKETS
 
 
 def test_shares_split_limits_and_a_room_owner_keeps_its_groups_whole() -> None:

@@ -19,8 +19,7 @@ from room_outbox.observability.redaction import Redactor
 from room_outbox.startup import freeze_startup_heap
 from room_outbox.store.factory import consumer_store
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.outbox import Migration
-from room_outbox.store.schema.plugins import run_plugin_statements
+from room_outbox.store.schema.registry import WantedSchema, migrate, steps_of
 
 
 def enabled_handlers(settings: Settings) -> set[str]:
@@ -28,39 +27,24 @@ def enabled_handlers(settings: Settings) -> set[str]:
     return {handler for consumer in consumer_settings(settings).values() for handler in consumer.handlers}
 
 
-def handler_schema_steps(store: SQLStore, pm: pluggy.PluginManager, handlers: Collection[str]) -> list[Migration]:
-    """The table statements of each of ``handlers`` for this database (``HandlerSpec.schema``);
-    handlers no enabled consumer runs need no tables."""
-    steps = []
-    for name, spec in sorted(registered_handlers(pm).items()):
-        statements = tuple(spec.schema.get(store.dialect.name, ()))
-        if name in handlers and statements:
-            steps.append(Migration(f"ran {len(statements)} schema statement(s) for handler {name}", statements))
-    return steps
-
-
-async def consumers_migration_plan(
-    store: SQLStore, pm: pluggy.PluginManager, handlers: Collection[str]
-) -> list[Migration]:
-    """What :func:`migrate_consumers` would run (``migrate --sql``)."""
-    consumers = consumer_store(store)
-    if consumers is None:
-        return []
-    return await consumers.migration_plan() + handler_schema_steps(store, pm, handlers)
+def consumers_schema(store: SQLStore, pm: pluggy.PluginManager, handlers: Collection[str]) -> WantedSchema:
+    """The consumers' tables, then the table statements of each of ``handlers`` (the enabled
+    ones, ``HandlerSpec.schema``) for this database; nothing where consumers keep no tables
+    (SQLite)."""
+    if consumer_store(store) is None:
+        return WantedSchema(outbox=False)
+    statements = [
+        (f"handler {name}", tuple(spec.schema.get(store.dialect.name, ())))
+        for name, spec in sorted(registered_handlers(pm).items())
+        if name in handlers
+    ]
+    return WantedSchema(outbox=False, consumers=True, handler_statements=steps_of(s for s in statements if s[1]))
 
 
 async def migrate_consumers(store: SQLStore, pm: pluggy.PluginManager, handlers: Collection[str]) -> list[str]:
-    """The consumers' own tables (``migrate``), then the tables of ``handlers`` (the enabled
-    ones; their statements are idempotent, so all of them run every time); on MySQL and
-    PostgreSQL."""
-    consumers = consumer_store(store)
-    if consumers is None:
-        return []
-    changes = await consumers.migrate()
-    for step in handler_schema_steps(store, pm, handlers):
-        await run_plugin_statements(store, step.statements)
-        changes.append(step.change)
-    return changes
+    """The consumers' own tables (``migrate``), then the tables of ``handlers``, through the
+    one migration path (:mod:`room_outbox.store.schema.registry`)."""
+    return await migrate(store, consumers_schema(store, pm, handlers))
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:

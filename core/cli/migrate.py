@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import TypeVar
 
 import anyio
@@ -18,15 +18,15 @@ import pluggy
 from room_outbox.cli import consume as consume_cli
 from room_outbox.cli.command import Command, add_json_option, translated_errors
 from room_outbox.config import Settings
-from room_outbox.delivery.lanes import migrate_plugins, plugins_migration_plan
+from room_outbox.delivery.lanes import plugins_schema
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.startup import table_profile
-from room_outbox.store.backends.mysql import MySQLStore
-from room_outbox.store.backends.mysql_online import exclusive_migration
 from room_outbox.store.backends.sqlite import SQLiteAddress
 from room_outbox.store.factory import describe, open_store, store_address
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema import registry
+from room_outbox.store.schema.registry import WantedSchema
 
 T = TypeVar("T")
 
@@ -63,25 +63,20 @@ async def migrate(settings: Settings, sql_only: bool, as_json: bool = False) -> 
     return 0
 
 
+def wanted_schema(store: SQLStore, pm: pluggy.PluginManager, settings: Settings) -> WantedSchema:
+    """Everything ``migrate`` brings about for this configuration: the outbox table, the
+    enabled sinks' lanes and plugin tables, the consumers' and the enabled handlers' tables.
+    An installed plugin may be unused: only the enabled sinks' and handlers' tables count."""
+    handlers = consume_cli.enabled_handlers(settings)
+    plugins = plugins_schema(pm, settings, handlers)
+    consumers = consume_cli.consumers_schema(store, pm, handlers)
+    return dataclasses.replace(
+        plugins, outbox=True, consumers=consumers.consumers, handler_statements=consumers.handler_statements
+    )
+
+
 async def migrate_all(store: SQLStore, pm: pluggy.PluginManager, settings: Settings) -> list[str]:
-    async with one_migration_at_a_time(store):
-        changes = await store.migrate()
-        # Tables of the enabled sinks and handlers only: an installed plugin may be unused.
-        handlers = consume_cli.enabled_handlers(settings)
-        changes += await migrate_plugins(store, pm, settings, handlers)  # own-lane sinks', plugins' tables
-        changes += await consume_cli.migrate_consumers(store, pm, handlers)  # consumers', handlers' tables
-        return changes
-
-
-@contextlib.asynccontextmanager
-async def one_migration_at_a_time(store: SQLStore) -> AsyncIterator[None]:
-    """On MySQL/MariaDB: the migrate lock held, and a schema change an interrupted migrate
-    left running waited for (see :mod:`room_outbox.store.backends.mysql_online`)."""
-    if isinstance(store, MySQLStore):
-        async with exclusive_migration(store.address, [store.table], store.report_progress):
-            yield
-    else:
-        yield
+    return await registry.migrate(store, wanted_schema(store, pm, settings))
 
 
 async def stopped_by_signals(work: Awaitable[T]) -> T | None:
@@ -126,9 +121,7 @@ async def print_migration(settings: Settings, pm: pluggy.PluginManager, as_json:
         )
     try:
         with translated_errors(dsn):
-            handlers = consume_cli.enabled_handlers(settings)
-            plan = await store.migration_plan() + await plugins_migration_plan(store, pm, settings, handlers)
-            plan += await consume_cli.consumers_migration_plan(store, pm, handlers)
+            plan = await registry.migration_plan(store, wanted_schema(store, pm, settings))
     finally:
         await store.aclose()
     if as_json:

@@ -44,6 +44,7 @@ from room_outbox.cluster.quota import WINDOW, QuotaShare
 from room_outbox.store import membership as sql
 from room_outbox.store.clock import CLOCK, now_ms
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.buckets import BUCKETS
 from room_outbox.store.schema.profiles import V1, Profile
 
 log = logging.getLogger("room_outbox.cluster")
@@ -116,7 +117,7 @@ class Membership:
     async def room_buckets(self, cur: Any) -> list[int] | None:
         """The buckets a claim may take now (``None``: all), read in the claim's transaction."""
         buckets = await sql.claimable_buckets(cur, self.store.dialect, self.node_id)
-        return None if len(buckets) == sql.BUCKETS else buckets
+        return None if len(buckets) == BUCKETS else buckets
 
     async def wait_joined(self, timeout: float) -> bool:
         """Until this node may send (the others have made room for it); False on timeout."""

@@ -1,7 +1,7 @@
 """Lanes: which ones a configuration runs, what ``migrate`` creates for them, the store each
 one of its own runs on, and the delivery settings of each.
 
-The IM lane (``im``) lives in ``room_outbox.status`` and runs while any IM-lane sink is
+The main lane (``main``) lives in ``room_outbox.status`` and runs while any main-lane sink is
 enabled; a sink registered with ``own_lane=True`` gets ``room_outbox_lane_<name>`` (see
 :mod:`room_outbox.store.lanes.store`) and its own dispatcher.
 """
@@ -16,12 +16,11 @@ import pluggy
 from room_outbox.config import LanePlan, OutboxWorkerSettings, Settings
 from room_outbox.delivery.routing import registered_sinks, section_enabled
 from room_outbox.sink import SinkSpec
-from room_outbox.store.dialect import PLUGIN_SCHEMA
-from room_outbox.store.lanes.store import LaneStore, lanes_migration_plan, migrate_lanes
-from room_outbox.store.lanes.tail import TailStore, migrate_tail, tail_migration_plan
+from room_outbox.store.lanes.store import LaneStore
+from room_outbox.store.lanes.tail import TailStore
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.outbox import Migration
-from room_outbox.store.schema.plugins import run_plugin_statements, used_plugin_statements
+from room_outbox.store.schema.plugins import used_plugin_statements
+from room_outbox.store.schema.registry import WantedSchema, migrate, steps_of
 
 
 def lane_plan(pm: pluggy.PluginManager, settings: Settings) -> LanePlan:
@@ -45,17 +44,14 @@ def enabled_sinks(pm: pluggy.PluginManager, settings: Settings) -> set[str]:
     return {name for name, spec in specs.items() if section_enabled(settings.sinks.get(name), spec.enabled_by_default)}
 
 
-async def plugins_migration_plan(
-    store: SQLStore, pm: pluggy.PluginManager, settings: Settings, handlers: Collection[str] = ()
-) -> list[Migration]:
-    """What :func:`migrate_plugins` would run: the missing lane tables, then the statements of
-    the plugins in use (they are idempotent, so all of them) where the store runs them."""
-    plan = await lanes_migration_plan(store, own_lane_sinks(pm, settings))
-    plan += await tail_migration_plan(store, list(lane_plan(pm, settings).tail))
-    if PLUGIN_SCHEMA in store.dialect.capabilities:
-        for owner, statements in used_plugin_statements(pm, enabled_sinks(pm, settings), handlers):
-            plan.append(Migration(f"ran {len(statements)} schema statement(s) for {owner}", statements))
-    return plan
+def plugins_schema(pm: pluggy.PluginManager, settings: Settings, handlers: Collection[str] = ()) -> WantedSchema:
+    """The tables of the enabled own-lane sinks' lanes (tailing lanes: the cursor and parked
+    tables), then the own statements of the plugins
+    whose sinks, or ``handlers`` (the enabled handlers' names), are enabled."""
+    statements = used_plugin_statements(pm, enabled_sinks(pm, settings), handlers)
+    plan = lane_plan(pm, settings)
+    own = tuple(own_lane_sinks(pm, settings))
+    return WantedSchema(outbox=False, lanes=own, tail_lanes=plan.tail, plugin_statements=steps_of(statements))
 
 
 def own_lane_sinks(pm: pluggy.PluginManager, settings: Settings) -> list[str]:
@@ -72,18 +68,8 @@ def delivery_settings(settings: Settings, lane: str) -> OutboxWorkerSettings:
 async def migrate_plugins(
     store: SQLStore, pm: pluggy.PluginManager, settings: Settings, handlers: Collection[str] = ()
 ) -> list[str]:
-    """Lane tables of enabled own-lane sinks, then the own statements of the plugins whose
-    sinks, or ``handlers`` (the enabled handlers' names), are enabled."""
-    changes = await migrate_lanes(store, own_lane_sinks(pm, settings))
-    changes += await migrate_tail(store, list(lane_plan(pm, settings).tail))
-    for owner, statements in used_plugin_statements(pm, enabled_sinks(pm, settings), handlers):
-        if PLUGIN_SCHEMA not in store.dialect.capabilities:
-            # Plugin statements are written in MySQL's dialect: elsewhere they are reported, not run.
-            changes.append(f"skipped {len(statements)} schema statement(s) for {owner}: they are MySQL's")
-            continue
-        await run_plugin_statements(store, statements)
-        changes.append(f"ran {len(statements)} schema statement(s) for {owner}")
-    return changes
+    """:func:`plugins_schema` brought about through the one migration path."""
+    return await migrate(store, plugins_schema(pm, settings, handlers))
 
 
 def tail_store(store: SQLStore, lane: str, settings: Settings) -> TailStore:

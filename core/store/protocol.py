@@ -135,6 +135,12 @@ class SQLStore(OutboxStore, Protocol):
         """The statements :meth:`migrate` would run now (``migrate --sql``)."""
         ...
 
+    async def run_migration(self, planner: Callable[[Any], Awaitable[list[Migration]]]) -> list[str]:
+        """The one way a migration runs here (:mod:`room_outbox.store.schema.registry`): holding
+        the database's exclusive-migration lock, the plan ``planner`` reads from the catalogue
+        (given a cursor in a transaction) is run; return its changes."""
+        ...
+
     @property
     def dialect(self) -> Dialect: ...
 

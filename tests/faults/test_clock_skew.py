@@ -20,7 +20,7 @@ from support import envelope, insert_events, wait_until
 
 from room_outbox.plugins.tencent_im.fake import DEV_SDKAPPID
 from room_outbox.store.backends.mysql import MySQLStore
-from room_outbox.store.membership import BUCKET_TABLE
+from room_outbox.store.schema.buckets import BUCKET_TABLE
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

@@ -21,8 +21,8 @@ from support import envelope, insert_events, wait_until
 from room_outbox.plugins.tencent_im.fake import DEV_SDKAPPID
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.factory import open_store
-from room_outbox.store.membership import BUCKET_TABLE
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.buckets import BUCKET_TABLE
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

@@ -11,7 +11,7 @@ import aiomysql
 import pytest
 import room_outbox_audit
 
-from room_outbox import EventEnvelope, MySQLAddress
+from room_outbox import EventEnvelope
 from room_outbox.testing import SinkContract, closed_port
 from room_outbox.testing import SinkHarness as Harness
 
@@ -21,8 +21,7 @@ PASSWORD = "audit-s3cret-pw"
 
 @asynccontextmanager
 async def connection(dsn: str) -> AsyncIterator[aiomysql.Connection]:
-    address = MySQLAddress.from_dsn(dsn)
-    conn = await aiomysql.connect(db=address.database, **address.connect_kwargs())
+    conn = await aiomysql.connect(**room_outbox_audit.connect_kwargs(dsn))
     try:
         yield conn
     finally:

@@ -16,8 +16,8 @@ from support import INSERT_V1, envelope
 from room_outbox.store.backends.leased import claim_sql
 from room_outbox.store.dialect import MYSQL
 from room_outbox.store.factory import open_store
-from room_outbox.store.membership import BUCKETS
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.buckets import BUCKETS
 from room_outbox.store.schema.outbox import TABLE
 from room_outbox.store.schema.profiles import ROOM_CELL, V1
 

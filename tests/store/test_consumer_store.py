@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 
 from room_outbox.store.consumers.protocol import LeaseLost, Processed, RetryRow
-from room_outbox.store.consumers.sql import AGE_INDEX, PROCESSED, SQLConsumerStore
+from room_outbox.store.consumers.sql import SQLConsumerStore
 from room_outbox.store.dialect import index_names
 from room_outbox.store.factory import consumer_store, open_store
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.consumers import AGE_INDEX, PROCESSED
 
 pytestmark = pytest.mark.anyio
 

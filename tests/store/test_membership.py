@@ -12,8 +12,9 @@ from room_outbox.cluster.membership import Membership
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.store import LaneStore, migrate_lanes
-from room_outbox.store.membership import BUCKET_TABLE, BUCKETS, bucket_of, read_buckets, row_bucket, still_leased
+from room_outbox.store.membership import bucket_of, read_buckets, still_leased
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.buckets import BUCKET_TABLE, BUCKETS, row_bucket
 from room_outbox.store.schema.profiles import ROOM_CELL, V1
 
 pytestmark = pytest.mark.anyio

@@ -13,7 +13,7 @@ from support import INSERT_V1, V1_DDL, fetch_rows
 from room_outbox.store.backends.leased import claim_sql, open_rows_of_rooms_sql
 from room_outbox.store.backends.mysql import CLAIM_SQL, MySQLStore
 from room_outbox.store.dialect import MYSQL
-from room_outbox.store.membership import BUCKETS
+from room_outbox.store.schema.buckets import BUCKETS
 from room_outbox.store.schema.outbox import TABLE
 
 pytestmark = pytest.mark.anyio

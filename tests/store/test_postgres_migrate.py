@@ -19,8 +19,9 @@ from room_outbox.store.backends.postgres import MIGRATE_LOCK_KEY, PostgresStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.store import LaneStore, migrate_lanes
-from room_outbox.store.membership import BUCKETS, bucket_of, row_bucket
+from room_outbox.store.membership import bucket_of
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.buckets import BUCKETS, row_bucket
 from room_outbox.store.schema.outbox import SILK_TABLE_DDL, V1_TABLE_DDL
 from room_outbox.store.schema.profiles import SILK
 

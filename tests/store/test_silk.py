@@ -16,9 +16,10 @@ from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
-from room_outbox.store.membership import bucket_of, row_bucket
+from room_outbox.store.membership import bucket_of
 from room_outbox.store.operator.changes import RequeueFilter, cancel, find_requeue_candidates, requeue
 from room_outbox.store.protocol import DeliveryResult, Outcome, SQLStore
+from room_outbox.store.schema.buckets import row_bucket
 from room_outbox.store.schema.profiles import SILK
 
 pytestmark = pytest.mark.anyio

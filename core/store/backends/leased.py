@@ -26,8 +26,8 @@ from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import MYSQL, Dialect
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.membership import row_bucket
 from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
+from room_outbox.store.schema.buckets import row_bucket
 from room_outbox.store.schema.columns import LAST_ERROR_MAX
 from room_outbox.store.schema.outbox import ROOM_INDEX, TABLE, claim_index
 from room_outbox.store.schema.profiles import V1, Profile

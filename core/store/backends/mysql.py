@@ -25,7 +25,7 @@ import anyio
 from pymysql.constants import CLIENT
 
 from room_outbox.store.backends.leased import LeasedRows, claim_sql
-from room_outbox.store.backends.mysql_online import OnlineSchemaChange, to_stderr
+from room_outbox.store.backends.mysql_online import OnlineSchemaChange, exclusive_migration, to_stderr
 from room_outbox.store.deadline import (
     DEFAULT_QUERY_TIMEOUT,
     SessionLimits,
@@ -33,8 +33,9 @@ from room_outbox.store.deadline import (
     query_deadline,
 )
 from room_outbox.store.dialect import MYSQL, Dialect
-from room_outbox.store.membership import bucket_plan
-from room_outbox.store.schema.outbox import TABLE, Migration, plan_outbox
+from room_outbox.store.schema import registry
+from room_outbox.store.schema.outbox import TABLE, Migration
+from room_outbox.store.schema.registry import Planner
 
 __all__ = ["CLAIM_SQL", "Migration", "MySQLAddress", "MySQLStore"]
 
@@ -234,26 +235,19 @@ class MySQLStore(LeasedRows):
 
     async def migrate(self) -> list[str]:
         """Bring the outbox table up to date, online (see :mod:`.mysql_online`)."""
-        return await self.run_migration(await self.migration_plan())
+        return await registry.migrate(self)
 
-    async def run_migration(self, plan: list[Migration]) -> list[str]:
-        """Run a migration plan statement by statement, each on a connection of its own with no
-        statement time limit; return its changes."""
-        no_limit = statement_time_limit(self.server_version, 0)
-        return await OnlineSchemaChange(self.address, no_limit, self.report_progress).run(plan)
+    async def run_migration(self, planner: Planner) -> list[str]:
+        """Holding migrate's lock (a schema change an interrupted migrate left running waited
+        for first), run the plan ``planner`` reads statement by statement, each on a connection
+        of its own with no statement time limit; return its changes."""
+        async with exclusive_migration(self.address, [self.table], self.report_progress):
+            async with self.transaction() as cur:
+                plan = await planner(cur)
+            no_limit = statement_time_limit(self.server_version, 0)
+            return await OnlineSchemaChange(self.address, no_limit, self.report_progress).run(plan)
 
     async def migration_plan(self) -> list[Migration]:
         """The statements that bring the outbox table up to date, read from the catalogue; none
         when it is. ``migrate`` runs them; ``migrate --sql`` prints them."""
-        async with self.transaction() as cur:
-            return await self._plan(cur)
-
-    async def _plan(self, cur: aiomysql.Cursor) -> list[Migration]:
-        """What is missing from the profile's table, read in the caller's transaction: its own
-        columns and indexes, then the room buckets of the processes' membership."""
-        plan = await plan_outbox(cur, self.dialect, self.profile)
-        plan += [
-            Migration(change, statements)
-            for change, statements in await bucket_plan(cur, self.dialect, [self.table], profile=self.profile)
-        ]
-        return plan
+        return await registry.migration_plan(self)

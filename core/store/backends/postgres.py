@@ -29,7 +29,7 @@ import math
 import sys
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +49,9 @@ from room_outbox.store.deadline import (
     query_deadline,
 )
 from room_outbox.store.dialect import POSTGRESQL
-from room_outbox.store.membership import bucket_plan
-from room_outbox.store.schema.outbox import Migration, concurrent_step, invalid_index_steps, plan_outbox
+from room_outbox.store.schema import registry
+from room_outbox.store.schema.outbox import Migration
+from room_outbox.store.schema.registry import Planner
 
 #: The key of migrate's session lock (``pg_advisory_lock``): one migrate at a time per database.
 MIGRATE_LOCK_KEY = 0x726F6F6D2D6F7574  # "room-out"
@@ -249,25 +250,17 @@ class PostgresStore(LeasedRows):
             await self._pool.putconn(conn)
 
     async def migrate(self) -> list[str]:
-        return await self.run_migration(self.migration_plan)
+        return await registry.migrate(self)
 
     async def migration_plan(self) -> list[Migration]:
         """As :meth:`MySQLStore.migration_plan`, in PostgreSQL's dialect."""
+        return await registry.migration_plan(self)
+
+    async def _read_plan(self, planner: Planner) -> list[Migration]:
         async with self.transaction() as cur:
-            return await self._plan(cur)
+            return await planner(cur)
 
-    async def _plan(self, cur: PgCursor) -> list[Migration]:
-        """As :meth:`MySQLStore._plan`: interrupted index builds of the profile's table dropped,
-        the table, then the membership's tables, the bucket function and the claim's index."""
-        plan = await invalid_index_steps(cur, [self.table])
-        plan += await plan_outbox(cur, self.dialect, self.profile)
-        plan += [
-            concurrent_step(change, statements)
-            for change, statements in await bucket_plan(cur, self.dialect, [self.table], profile=self.profile)
-        ]
-        return plan
-
-    async def run_migration(self, planner: Callable[[], Awaitable[list[Migration]]]) -> list[str]:
+    async def run_migration(self, planner: Planner) -> list[str]:
         """Run the plan ``planner`` reads from the catalogue, online: on a connection of its
         own, holding migrate's lock; each step in a transaction of its own, outside one
         (``autocommit``), or batch after batch (``repeat``). No statement time limit (a long
@@ -281,7 +274,7 @@ class PostgresStore(LeasedRows):
                 for attempt in range(1, self.step_attempts + 1):
                     step = None
                     try:
-                        for step in await planner():
+                        for step in await self._read_plan(planner):
                             await _run_step(conn, step, watcher)
                             changes.append(step.change)
                         return changes

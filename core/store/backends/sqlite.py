@@ -33,7 +33,9 @@ import anyio
 from room_outbox.store.backends.leased import LeasedRows
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.dialect import SQLITE
-from room_outbox.store.schema.outbox import Migration, plan_outbox, run_plan
+from room_outbox.store.schema import registry
+from room_outbox.store.schema.outbox import Migration, run_plan
+from room_outbox.store.schema.registry import Planner
 
 #: Seconds a transaction waits for another writer (another process's claim) before failing:
 #: ``database.query_timeout``, the bound on every database call. (A statement SQLite is already
@@ -159,12 +161,15 @@ class SQLiteStore(LeasedRows):
     # -- schema ------------------------------------------------------------------------
 
     async def migrate(self) -> list[str]:
-        # One write transaction from the look at the catalogue to the last statement: a second
-        # migrate on the same file waits for it and then finds nothing left to do.
+        return await registry.migrate(self)
+
+    async def run_migration(self, planner: Planner) -> list[str]:
+        """One write transaction from the look at the catalogue to the last statement (the
+        file's write lock is migrate's exclusive lock): a second migrate on the same file waits
+        for it and then finds nothing left to do."""
         async with self.transaction() as cur:
-            return await run_plan(cur, await plan_outbox(cur, self.dialect, self.profile))
+            return await run_plan(cur, await planner(cur))
 
     async def migration_plan(self) -> list[Migration]:
         """As :meth:`MySQLStore.migration_plan`, in SQLite's dialect."""
-        async with self.transaction() as cur:
-            return await plan_outbox(cur, self.dialect, self.profile)
+        return await registry.migration_plan(self)

@@ -15,7 +15,6 @@ SQLite has no consumers' tables: consumers run on a server their processes share
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -25,19 +24,17 @@ from room_outbox.handler import Transaction
 from room_outbox.store.backends.errors import mysql_error
 from room_outbox.store.clock import now_ms
 from room_outbox.store.consumers.protocol import ROOM_KEY_MAX, LeaseLost, Processed, RetryRow
-from room_outbox.store.dialect import index_names, table_names
 from room_outbox.store.dialect import marks as _marks
+from room_outbox.store.dialect import table_names
+from room_outbox.store.schema.consumers import PROCESSED, RETRY, consumer_steps
 from room_outbox.store.schema.outbox import Migration
+from room_outbox.store.schema.registry import WantedSchema, migrate
 
 if TYPE_CHECKING:
     from room_outbox.store.backends.mysql import MySQLStore
     from room_outbox.store.backends.postgres import PostgresStore
 
-PROCESSED = "room_consumer_processed"
-RETRY = "room_consumer_retry"
 DUPLICATE_KEY = 1062
-#: The processed records' age index: retention walks it (``prune_processed``).
-AGE_INDEX = "idx_room_consumer_processed_age"
 _KEY = "consumer, handler, app_code, event_id"
 
 
@@ -67,51 +64,10 @@ _INSERT_PROCESSED = _INSERT_PROCESSED_INTO + _PROCESSED_MARKS
 _ROWS_PER_INSERT = 1000
 
 
-#: room_consumer_processed's columns and key, the same on both servers. The key leads with
-#: event_id: the same unique key, and ``inspect``'s look-up by event_id needs no second index
-#: to maintain on every insert.
-_PROCESSED_COLUMNS = """  consumer        VARCHAR(64)  NOT NULL,
-  handler         VARCHAR(64)  NOT NULL,
-  app_code        VARCHAR(64)  NOT NULL,
-  event_id        VARCHAR(128) NOT NULL,
-  topic           VARCHAR(249) NOT NULL,
-  kafka_partition INT          NOT NULL,
-  kafka_offset    BIGINT       NOT NULL,
-  processed_at_ms BIGINT       NOT NULL,
-  PRIMARY KEY (event_id, app_code, consumer, handler)"""
-
-
-def _retry_columns(id_column: str, blob: str) -> str:
-    """room_consumer_retry's columns; the servers differ in the id's and the value's types."""
-    return f"""  id              {id_column},
-  consumer        VARCHAR(64)   NOT NULL,
-  handler         VARCHAR(64)   NOT NULL,
-  app_code        VARCHAR(64)   NOT NULL,
-  event_id        VARCHAR(128)  NOT NULL,
-  event_type      VARCHAR(64)   NOT NULL DEFAULT '',
-  room_key        VARCHAR(200)  NOT NULL,
-  topic           VARCHAR(249)  NOT NULL,
-  kafka_partition INT           NOT NULL,
-  kafka_offset    BIGINT        NOT NULL,
-  value           {blob:<14}NOT NULL,
-  headers         TEXT          NOT NULL,
-  status          VARCHAR(16)   NOT NULL,
-  attempts        INT           NOT NULL DEFAULT 0,
-  due_at_ms       BIGINT        NOT NULL,
-  owner           VARCHAR(128)  NULL,
-  last_error      VARCHAR(1024) NULL,
-  created_at_ms   BIGINT        NOT NULL,
-  updated_at_ms   BIGINT        NOT NULL,"""
-
-
 @dataclass(frozen=True)
 class ConsumerDialect:
     """The consumers' statements that differ between the two servers."""
 
-    #: Each table's creation, in order: (table, its CREATE TABLE, its CREATE INDEX statements).
-    tables: tuple[tuple[str, str, tuple[str, ...]], ...]
-    #: Indexes added after the table first shipped: (table, index, statement adding it).
-    added_indexes: tuple[tuple[str, str, str], ...]
     #: Ends :data:`_INSERT` so that a row already there (same consumer, handler, app_code,
     #: event_id) is left as it is.
     schedule: str
@@ -128,28 +84,6 @@ class ConsumerDialect:
 
 
 MYSQL = ConsumerDialect(
-    tables=(
-        (
-            PROCESSED,
-            f"""CREATE TABLE IF NOT EXISTS {PROCESSED} (
-{_PROCESSED_COLUMNS},
-  KEY {AGE_INDEX} (processed_at_ms)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
-            (),
-        ),
-        (
-            RETRY,
-            f"""CREATE TABLE IF NOT EXISTS {RETRY} (
-{_retry_columns(id_column="BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY", blob="LONGBLOB")}
-  UNIQUE KEY uk_room_consumer_retry_event (consumer, handler, app_code, event_id),
-  KEY idx_room_consumer_retry_due (consumer, status, due_at_ms, id),
-  KEY idx_room_consumer_retry_room (consumer, room_key, status, handler, id),
-  KEY idx_room_consumer_retry_event (event_id)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
-            (),
-        ),
-    ),
-    added_indexes=((PROCESSED, AGE_INDEX, f"ALTER TABLE {PROCESSED} ADD INDEX {AGE_INDEX} (processed_at_ms)"),),
     schedule=" ON DUPLICATE KEY UPDATE id = id",
     dead_letter=" ON DUPLICATE KEY UPDATE status = 'dead', owner = NULL, attempts = VALUES(attempts),"
     " last_error = VALUES(last_error), updated_at_ms = VALUES(updated_at_ms)",
@@ -158,29 +92,6 @@ MYSQL = ConsumerDialect(
 )
 
 POSTGRESQL = ConsumerDialect(
-    tables=(
-        (
-            PROCESSED,
-            f"""CREATE TABLE IF NOT EXISTS {PROCESSED} (
-{_PROCESSED_COLUMNS}
-)""",
-            (f"CREATE INDEX IF NOT EXISTS {AGE_INDEX} ON {PROCESSED} (processed_at_ms)",),
-        ),
-        (
-            RETRY,
-            f"""CREATE TABLE IF NOT EXISTS {RETRY} (
-{_retry_columns(id_column="BIGSERIAL PRIMARY KEY", blob="BYTEA")}
-  CONSTRAINT uk_room_consumer_retry_event UNIQUE (consumer, handler, app_code, event_id)
-)""",
-            (
-                f"CREATE INDEX IF NOT EXISTS idx_room_consumer_retry_due ON {RETRY} (consumer, status, due_at_ms, id)",
-                f"CREATE INDEX IF NOT EXISTS idx_room_consumer_retry_room ON {RETRY}"
-                " (consumer, room_key, status, handler, id)",
-                f"CREATE INDEX IF NOT EXISTS idx_room_consumer_retry_event ON {RETRY} (event_id)",
-            ),
-        ),
-    ),
-    added_indexes=((PROCESSED, AGE_INDEX, f"CREATE INDEX IF NOT EXISTS {AGE_INDEX} ON {PROCESSED} (processed_at_ms)"),),
     schedule=f" ON CONFLICT ({_KEY}) DO NOTHING",
     dead_letter=f" ON CONFLICT ({_KEY}) DO UPDATE SET status = 'dead', owner = NULL, attempts = EXCLUDED.attempts,"
     " last_error = EXCLUDED.last_error, updated_at_ms = EXCLUDED.updated_at_ms",
@@ -388,26 +299,12 @@ class SQLConsumerStore:
 
     async def migration_plan(self) -> list[Migration]:
         """The consumers' tables and indexes that do not exist yet (``migrate --sql`` prints this)."""
-        plan = []
         async with self.owner.transaction() as cur:
-            existing = await table_names(cur, self.owner.dialect)
-            for table, create, indexes in self.dialect.tables:
-                if table not in existing:
-                    plan.append(Migration(f"created table {table}", (create, *indexes)))
-            for table, index, statement in self.dialect.added_indexes:
-                if table in existing and index not in await index_names(cur, self.owner.dialect, table):
-                    plan.append(Migration(f"added index {table}.{index}", (statement,)))
-        return plan
+            return await consumer_steps(cur, self.owner.dialect)
 
     async def migrate(self) -> list[str]:
-        plan = await self.migration_plan()
-        async with self.owner.transaction() as cur:
-            with warnings.catch_warnings():  # a racing migrate's "already exists" note is fine
-                warnings.simplefilter("ignore")
-                for step in plan:
-                    for statement in step.statements:
-                        await cur.execute(statement)
-        return [step.change for step in plan]
+        """The consumers' tables, through the one migration path (:mod:`room_outbox.store.schema.registry`)."""
+        return await migrate(self.owner, WantedSchema(outbox=False, consumers=True))
 
     @asynccontextmanager
     async def processing(self, record: Processed, retry: RetryRow | None = None) -> AsyncIterator[Transaction | None]:

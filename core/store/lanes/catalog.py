@@ -1,7 +1,7 @@
-"""The lanes a MySQL database holds, what each one owes, and dropping a retired one.
+"""The lanes a database holds, what each one owes, and dropping a retired one.
 
 A lane of its own exists in the database as its table ``room_outbox_lane_<name>`` and, once
-it has run, a row of ``room_outbox_lane_cursor``; the IM lane is ``room_outbox.status``. Every
+it has run, a row of ``room_outbox_lane_cursor``; the main lane is ``room_outbox.status``. Every
 count here reads an index range (``status`` first in the lane tables' claim index, the
 primary key of ``room_outbox`` up to a bound), never a whole table.
 """

@@ -1,14 +1,14 @@
-"""Consumption lanes besides IM: one table per lane, fed from ``room_outbox`` without gaps,
-on MySQL, PostgreSQL and SQLite alike (the module's name is older than the other two).
+"""Consumption lanes besides the main lane: one table per lane, fed from ``room_outbox``
+without gaps, on MySQL, PostgreSQL and SQLite alike.
 
-``room_outbox.status`` belongs to the IM lane. Every other sink (Kafka, audit, activity...)
-keeps its own state in ``room_outbox_lane_<name>``: the same columns and indexes as the IM
+``room_outbox.status`` belongs to the main lane. Every other sink (Kafka, audit, activity...)
+keeps its own state in ``room_outbox_lane_<name>``: the same columns and indexes as the main
 lane's (so the same claim, lease, fencing, retry, parking and per-room code serves it), keyed
 by ``outbox_id``, without a copy of the envelope (read from ``room_outbox`` at claim time).
 
 Why a table per lane rather than one table keyed by (lane, event_id): a lane's backlog, its
 indexes and its clean-up never touch another lane's; a lane is dropped with one statement; and
-every statement is the IM lane's statement with another table name.
+every statement is the main lane's statement with another table name.
 
 **Feeding without gaps.** A lane copies new ``room_outbox`` rows into its table (an INSERT
 that skips duplicates: each row once per lane). The catch is that auto-increment ids (and PostgreSQL's sequences) commit out of order: a
@@ -54,16 +54,11 @@ from typing import TYPE_CHECKING, Any
 
 from room_outbox.config import LanesSettings
 from room_outbox.store.backends.leased import LeasedRows
-from room_outbox.store.backends.mysql import MySQLStore
-from room_outbox.store.backends.postgres import PostgresStore
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import Dialect, table_names
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.membership import bucket_plan
 from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult
-from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_table
-from room_outbox.store.schema.outbox import ROOM_INDEX, Migration, concurrent_step, invalid_index_steps, run_plan
-from room_outbox.store.schema.outbox import claim_index as _claim_index
+from room_outbox.store.schema.lanes import CURSOR_TABLE, cursor_ddl, lane_ddl, lane_table
+from room_outbox.store.schema.registry import WantedSchema, migrate
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
@@ -71,69 +66,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("room_outbox.lanes")
 
 
-def cursor_ddl(dialect: Dialect) -> list[str]:
-    return [
-        f"""CREATE TABLE {CURSOR_TABLE} (
-  lane           VARCHAR(64) NOT NULL PRIMARY KEY,
-  fed_through_id {dialect.id_type} NOT NULL,
-  updated_at_ms  BIGINT      NOT NULL
-){dialect.table_options}"""
-    ]
-
-
-def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
-    """A lane's table; its claim index too where there are no room buckets (SQLite): on a
-    server the buckets' plan creates it after the bucket column (:mod:`.membership`)."""
-    table = lane_table(lane)
-    name, columns = _claim_index(table, key="outbox_id")
-    claim = [] if dialect.room_buckets else [f"CREATE INDEX {name} ON {table} {columns}"]
-    return [
-        f"""CREATE TABLE {table} (
-  outbox_id     {dialect.id_type} NOT NULL PRIMARY KEY,
-  event_id      VARCHAR(64)   NOT NULL,
-  event_type    VARCHAR(64)   NOT NULL,
-  room_id       VARCHAR(64)   NOT NULL,
-  app_code      VARCHAR(64)   NOT NULL DEFAULT '',
-  status        VARCHAR(16)   NOT NULL DEFAULT 'pending',
-  retry_count   INT           NOT NULL DEFAULT 0,
-  last_error    VARCHAR(1024) NULL,
-  worker_id     VARCHAR(128)  NULL DEFAULT NULL,
-  lock_until_ms BIGINT        NOT NULL DEFAULT 0,
-  created_at_ms BIGINT        NOT NULL,
-  updated_at_ms BIGINT        NOT NULL
-){dialect.table_options}""",
-        *claim,
-        f"CREATE INDEX {ROOM_INDEX.format(table=table)} ON {table} (room_id, status, outbox_id)",
-    ]
-
-
 async def migrate_lanes(store: SQLStore, lanes: Sequence[str]) -> list[str]:
-    """Create the cursor table and each lane's table (idempotent), online as the outbox
-    table's migration: on MySQL/MariaDB statement by statement, on PostgreSQL step by step
-    (the claim's index built ``CONCURRENTLY``, outside a transaction)."""
-    if isinstance(store, PostgresStore):
-        return await store.run_migration(lambda: lanes_migration_plan(store, lanes))
-    plan = await lanes_migration_plan(store, lanes)
-    if isinstance(store, MySQLStore):
-        return await store.run_migration(plan)
-    async with store.transaction() as cur:
-        return await run_plan(cur, plan)
-
-
-async def lanes_migration_plan(store: SQLStore, lanes: Sequence[str]) -> list[Migration]:
-    """The tables :func:`migrate_lanes` would create: the cursor table and each lane's, when missing."""
-    async with store.transaction() as cur:
-        existing = await table_names(cur, store.dialect)
-        wanted = [(CURSOR_TABLE, cursor_ddl(store.dialect))]
-        wanted += [(lane_table(lane), lane_ddl(lane, store.dialect)) for lane in lanes]
-        plan = [Migration(f"created table {name}", tuple(ddl)) for name, ddl in wanted if name not in existing]
-        # Room buckets belong to the processes' membership: on a server, not SQLite (see .membership).
-        tables = [lane_table(lane) for lane in lanes]
-        server = store.dialect.room_buckets
-        buckets = await bucket_plan(cur, store.dialect, tables, membership=False, key="outbox_id") if server else []
-        if store.dialect.name == "postgresql":  # interrupted index builds first
-            plan = await invalid_index_steps(cur, [t for t in tables if t in existing]) + plan
-    return plan + [concurrent_step(change, statements) for change, statements in buckets]
+    """Create the cursor table and each lane's table (idempotent), through the one migration
+    path (:mod:`room_outbox.store.schema.registry`)."""
+    return await migrate(store, WantedSchema(outbox=False, lanes=tuple(lanes)))
 
 
 def start_id(start: str | int, max_id: int) -> int:
@@ -165,7 +101,7 @@ COPY_CHUNK = 500
 @dataclass
 class LaneStore(LeasedRows):
     """One lane: :class:`~room_outbox.store.OutboxStore` over ``room_outbox_lane_<name>``,
-    sharing its owner's (the IM lane's store's) connections and dialect, fed from
+    sharing its owner's (the main lane's store's) connections and dialect, fed from
     ``room_outbox`` before each claim."""
 
     owner: SQLStore
@@ -193,7 +129,7 @@ class LaneStore(LeasedRows):
         # The claim reads each row's envelope from room_outbox in the same statement, by primary
         # key: one round trip less per claim than a second SELECT. A locking claim does not lock
         # what a subquery in its column list reads (MySQL/MariaDB and PostgreSQL alike), so the
-        # IM lane's claims on room_outbox are not made to skip those rows. A row deleted from
+        # main lane's claims on room_outbox are not made to skip those rows. A row deleted from
         # room_outbox meanwhile gets an empty envelope: it fails as a malformed envelope,
         # visibly, instead of vanishing.
         p = self.owner.profile
@@ -288,7 +224,7 @@ class LaneStore(LeasedRows):
     async def _copy(self, cur: Any, ids: Sequence[int]) -> None:
         """Copy the rows ``ids`` of ``room_outbox`` into the lane's table, in the database: no
         row travels to this process and back. (On MySQL/MariaDB at READ COMMITTED, the isolation
-        every connection here sets, the rows read are not locked, so the IM lane's claims of
+        every connection here sets, the rows read are not locked, so the main lane's claims of
         them are not held up; nor are they on PostgreSQL or SQLite.) A row fed already is kept
         as it is."""
         p, now = self.owner.profile, int(now_ms())

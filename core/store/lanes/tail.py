@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import marks, table_names
-from room_outbox.store.lanes.store import CURSOR_TABLE, LaneStore, cursor_ddl, log
-from room_outbox.store.schema.lanes import lane_table
-from room_outbox.store.schema.outbox import Migration, run_plan
-from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, REQUEUED, parked_ddl
+from room_outbox.store.dialect import marks
+from room_outbox.store.lanes.store import CURSOR_TABLE, LaneStore, log
+from room_outbox.store.schema.outbox import Migration
+from room_outbox.store.schema.registry import WantedSchema, migrate, migration_plan
+from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, REQUEUED
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
@@ -189,43 +189,13 @@ def _text(value: Any) -> str:
 
 
 async def migrate_tail(store: SQLStore, lanes: Sequence[str]) -> list[str]:
-    """Create the cursor and parked tables (idempotent); a lane that ran on its own table before
-    starts tailing just below that table's first unfinished row, so nothing it owed is lost
-    (the table itself is kept: ``room-outbox lanes retire`` is not needed, retention empties it)."""
-    plan = await tail_migration_plan(store, lanes)
-    async with store.transaction() as cur:
-        return await run_plan(cur, plan)
+    """The tailing lanes' tables, through the one migration path (:mod:`room_outbox.store.schema.tail`)."""
+    return await migrate(store, WantedSchema(outbox=False, tail_lanes=tuple(lanes)))
 
 
 async def tail_migration_plan(store: SQLStore, lanes: Sequence[str]) -> list[Migration]:
     """What :func:`migrate_tail` would do."""
-    if not lanes:
-        return []
-    async with store.transaction() as cur:
-        existing = await table_names(cur, store.dialect)
-        wanted = [(CURSOR_TABLE, cursor_ddl(store.dialect)), (PARKED_TABLE, parked_ddl(store.dialect))]
-        plan = [Migration(f"created table {name}", tuple(ddl)) for name, ddl in wanted if name not in existing]
-        for lane in lanes:
-            if lane_table(lane) in existing and CURSOR_TABLE in existing:
-                plan += await _upgrade(cur, lane)
-    return plan
-
-
-async def _upgrade(cur: Any, lane: str) -> list[Migration]:
-    table = lane_table(lane)
-    await cur.execute(f"SELECT MIN(outbox_id) FROM {table} WHERE status <> 'published'")
-    (first_unfinished,) = await cur.fetchone()
-    await cur.execute(f"SELECT fed_through_id FROM {CURSOR_TABLE} WHERE lane = %s", (lane,))
-    cursor = await cur.fetchone()
-    if first_unfinished is None or cursor is None or int(cursor[0]) < int(first_unfinished):
-        return []
-    back_to = int(first_unfinished) - 1  # ints from the database: safe to write into the statement
-    return [
-        Migration(
-            f"moved lane {lane}'s cursor back to {back_to}: it tails from {table}'s first unfinished row",
-            (f"UPDATE {CURSOR_TABLE} SET fed_through_id = {back_to} WHERE lane = '{lane}'",),
-        )
-    ]
+    return await migration_plan(store, WantedSchema(outbox=False, tail_lanes=tuple(lanes)))
 
 
 __all__ = ["TailRound", "TailRow", "TailStore", "migrate_tail", "tail_migration_plan"]

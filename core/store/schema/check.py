@@ -14,14 +14,8 @@ from collections.abc import Sequence
 from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import column_names
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.buckets import BUCKET_COLUMN, BUCKET_TABLE, NODE_TABLE
 from room_outbox.store.schema.columns import check_columns
-from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_table
-from room_outbox.store.schema.outbox import required_columns
-from room_outbox.store.schema.tail import PARKED_TABLE
-
-#: Columns of a lane's own table that its statements read or write.
-LANE_COLUMNS = ("outbox_id", "status", "retry_count", "last_error", "worker_id", "lock_until_ms")
+from room_outbox.store.schema.registry import WantedSchema, required_columns
 
 _FIX = "run `room-outbox migrate`"
 
@@ -33,21 +27,10 @@ async def check_schema(
     each able to hold what room-outbox writes there (:mod:`.column_checks`, the check
     ``migrate`` makes too; ``claim_ids``: how long this process's claim ids, which ``worker_id``
     holds, may grow), and each lane in ``lanes`` (enabled sinks with a lane of their own) has
-    its table; tailing lanes (``tail_lanes``) need the cursor and parked tables."""
-    # On a server: the processes' membership and the room buckets (SQLite runs without them)
-    server = store.dialect.room_buckets
-    # The bucket column where the dialect reads one (PostgreSQL computes the bucket instead)
-    bucket = (BUCKET_COLUMN,) if server and store.dialect.row_bucket == BUCKET_COLUMN else ()
-    required = {store.profile.table: (*required_columns(store.profile), *bucket)}
-    if lanes:
-        required[CURSOR_TABLE] = ("lane", "fed_through_id")
-        required.update({lane_table(lane): (*LANE_COLUMNS, *bucket) for lane in lanes})
-    if tail_lanes:
-        required[CURSOR_TABLE] = ("lane", "fed_through_id")
-        required[PARKED_TABLE] = ("lane", "outbox_id", "status", "last_error")
-    if server:
-        required[NODE_TABLE] = ("node_id", "heartbeat_ms", "view", "view_since_ms")
-        required[BUCKET_TABLE] = ("bucket", "owner", "handing_over", "claimable_from_ms")
+    its table; tailing lanes (``tail_lanes``) need the cursor and parked tables: the registry's
+    required columns (:func:`.registry.required_columns`)."""
+    wanted = WantedSchema(lanes=tuple(lanes) if lanes else None, tail_lanes=tuple(tail_lanes))
+    required = required_columns(store.dialect, store.profile, wanted)
     # What the columns can hold comes first: migrate refuses it before adding anything missing
     async with store.transaction() as cur:
         await check_columns(cur, store.dialect, store.profile, claim_ids)

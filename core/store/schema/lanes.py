@@ -1,11 +1,17 @@
-"""The lanes' tables: their names. A lane besides IM keeps its state in a table of its own,
-``room_outbox_lane_<name>``, fed through the cursor table (:mod:`room_outbox.store.lanes.store`)."""
+"""The lanes' tables: their names, their DDL and what ``migrate`` adds for them. A lane besides
+the main lane keeps its state in a table of its own, ``room_outbox_lane_<name>``, fed through
+the cursor table (:mod:`room_outbox.store.lanes.store`)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from typing import Any
 
 from room_outbox.errors import ConfigurationError
+from room_outbox.store.dialect import Dialect, table_names
+from room_outbox.store.schema.buckets import bucket_plan
+from room_outbox.store.schema.outbox import ROOM_INDEX, Migration, claim_index, concurrent_step, invalid_index_steps
 
 CURSOR_TABLE = "room_outbox_lane_cursor"
 #: At most 36 characters: the lane table's longest derived name, its claim index
@@ -20,3 +26,54 @@ def lane_table(lane: str) -> str:
             " (idx_room_outbox_lane_<name>_claim must fit a 63-byte identifier)"
         )
     return f"room_outbox_lane_{lane}"
+
+
+def cursor_ddl(dialect: Dialect) -> list[str]:
+    return [
+        f"""CREATE TABLE {CURSOR_TABLE} (
+  lane           VARCHAR(64) NOT NULL PRIMARY KEY,
+  fed_through_id {dialect.id_type} NOT NULL,
+  updated_at_ms  BIGINT      NOT NULL
+){dialect.table_options}"""
+    ]
+
+
+def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
+    """A lane's table; its claim index too where there are no room buckets (SQLite): on a
+    server the buckets' plan creates it after the bucket column (:mod:`.membership`)."""
+    table = lane_table(lane)
+    name, columns = claim_index(table, key="outbox_id")
+    claim = [] if dialect.room_buckets else [f"CREATE INDEX {name} ON {table} {columns}"]
+    return [
+        f"""CREATE TABLE {table} (
+  outbox_id     {dialect.id_type} NOT NULL PRIMARY KEY,
+  event_id      VARCHAR(64)   NOT NULL,
+  event_type    VARCHAR(64)   NOT NULL,
+  room_id       VARCHAR(64)   NOT NULL,
+  app_code      VARCHAR(64)   NOT NULL DEFAULT '',
+  status        VARCHAR(16)   NOT NULL DEFAULT 'pending',
+  retry_count   INT           NOT NULL DEFAULT 0,
+  last_error    VARCHAR(1024) NULL,
+  worker_id     VARCHAR(128)  NULL DEFAULT NULL,
+  lock_until_ms BIGINT        NOT NULL DEFAULT 0,
+  created_at_ms BIGINT        NOT NULL,
+  updated_at_ms BIGINT        NOT NULL
+){dialect.table_options}""",
+        *claim,
+        f"CREATE INDEX {ROOM_INDEX.format(table=table)} ON {table} (room_id, status, outbox_id)",
+    ]
+
+
+async def lane_steps(cur: Any, dialect: Dialect, lanes: Sequence[str]) -> list[Migration]:
+    """What the lanes need, read from the catalogue in the caller's transaction: the cursor
+    table and each lane's table when missing, then (on a server) their room buckets."""
+    existing = await table_names(cur, dialect)
+    wanted = [(CURSOR_TABLE, cursor_ddl(dialect))]
+    wanted += [(lane_table(lane), lane_ddl(lane, dialect)) for lane in lanes]
+    plan = [Migration(f"created table {name}", tuple(ddl)) for name, ddl in wanted if name not in existing]
+    # Room buckets belong to the processes' membership: on a server, not SQLite (see .membership).
+    tables = [lane_table(lane) for lane in lanes]
+    buckets = await bucket_plan(cur, dialect, tables, membership=False, key="outbox_id") if dialect.room_buckets else []
+    if dialect.name == "postgresql":  # interrupted index builds first
+        plan = await invalid_index_steps(cur, [t for t in tables if t in existing]) + plan
+    return plan + [concurrent_step(change, statements) for change, statements in buckets]

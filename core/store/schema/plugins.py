@@ -1,15 +1,13 @@
-"""Plugins' own schema statements (``room_outbox_migrations``), run by ``migrate`` on a store
-whose dialect has the ``plugin_schema`` capability, for the plugins the configuration uses."""
+"""Plugins' own schema statements (``room_outbox_migrations``) of the plugins the configuration
+uses; the registry (:mod:`.registry`) runs them where the dialect has the ``plugin_schema``
+capability."""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable
 from typing import Any, cast
 
 import pluggy
-
-from room_outbox.store.protocol import SQLStore
 
 
 def used_plugin_statements(
@@ -39,13 +37,3 @@ def _registered_by(hook: pluggy.HookCaller, plugin: object) -> list[str]:
 def _called(impl: pluggy.HookImpl) -> list[Any]:
     """One plugin's answer to a hook; these hooks take no arguments and return lists."""
     return list(cast("Iterable[Any]", impl.function()))
-
-
-async def run_plugin_statements(store: SQLStore, statements: Sequence[str]) -> None:
-    """Every statement, in one transaction. They are idempotent (``IF NOT EXISTS``), so all of
-    them run every time."""
-    async with store.transaction() as cur:
-        with warnings.catch_warnings():  # "table already exists" notes are the point of IF NOT EXISTS
-            warnings.simplefilter("ignore")
-            for ddl in statements:
-                await cur.execute(ddl)

@@ -9,7 +9,12 @@ One small table for every tailing lane, keyed by (lane, outbox_id).
 
 from __future__ import annotations
 
-from room_outbox.store.dialect import Dialect
+from collections.abc import Sequence
+from typing import Any
+
+from room_outbox.store.dialect import Dialect, table_names
+from room_outbox.store.schema.lanes import CURSOR_TABLE, cursor_ddl, lane_table
+from room_outbox.store.schema.outbox import Migration
 
 PARKED_TABLE = "room_outbox_tail_parked"
 PARKED = "parked"
@@ -32,4 +37,39 @@ def parked_ddl(dialect: Dialect) -> list[str]:
     ]
 
 
-__all__ = ["PARKED", "PARKED_TABLE", "REQUEUED", "parked_ddl"]
+async def tail_steps(cur: Any, dialect: Dialect, lanes: Sequence[str], cursor_planned: bool = False) -> list[Migration]:
+    """What tailing ``lanes`` need, read from the catalogue in the caller's transaction: the
+    cursor table (unless an earlier step of the same plan creates it: ``cursor_planned``) and
+    the parked table; a lane that ran on its own table before starts tailing just below that
+    table's first unfinished row, so nothing it owed is lost (the table itself is kept)."""
+    if not lanes:
+        return []
+    existing = await table_names(cur, dialect)
+    wanted = [(PARKED_TABLE, parked_ddl(dialect))]
+    if not cursor_planned:
+        wanted.insert(0, (CURSOR_TABLE, cursor_ddl(dialect)))
+    plan = [Migration(f"created table {name}", tuple(ddl)) for name, ddl in wanted if name not in existing]
+    for lane in lanes:
+        if lane_table(lane) in existing and CURSOR_TABLE in existing:
+            plan += await _upgrade(cur, lane)
+    return plan
+
+
+async def _upgrade(cur: Any, lane: str) -> list[Migration]:
+    table = lane_table(lane)
+    await cur.execute(f"SELECT MIN(outbox_id) FROM {table} WHERE status <> 'published'")
+    (first_unfinished,) = await cur.fetchone()
+    await cur.execute(f"SELECT fed_through_id FROM {CURSOR_TABLE} WHERE lane = %s", (lane,))
+    cursor = await cur.fetchone()
+    if first_unfinished is None or cursor is None or int(cursor[0]) < int(first_unfinished):
+        return []
+    back_to = int(first_unfinished) - 1  # ints from the database: safe to write into the statement
+    return [
+        Migration(
+            f"moved lane {lane}'s cursor back to {back_to}: it tails from {table}'s first unfinished row",
+            (f"UPDATE {CURSOR_TABLE} SET fed_through_id = {back_to} WHERE lane = '{lane}'",),
+        )
+    ]
+
+
+__all__ = ["PARKED", "PARKED_TABLE", "REQUEUED", "parked_ddl", "tail_steps"]

@@ -14,6 +14,8 @@ enabled. Enable it with::
 from __future__ import annotations
 
 import json
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import aiomysql
 import anyio
@@ -21,7 +23,6 @@ from pydantic import SecretStr, field_validator
 
 from room_outbox import (
     EventEnvelope,
-    MySQLAddress,
     RetryableSinkError,
     SinkContext,
     SinkSettings,
@@ -40,20 +41,42 @@ CREATE TABLE IF NOT EXISTS room_outbox_audit_log (
 """
 
 
+def connect_kwargs(dsn: str) -> dict[str, Any]:
+    """aiomysql's arguments from ``mysql://user:password@host:port/database``. Errors never
+    echo the DSN, which holds the password."""
+    parts = urlsplit(dsn)
+    if parts.scheme != "mysql":
+        raise ValueError(f"dsn: scheme must be mysql:// (got {parts.scheme or 'none'}://)")
+    database = unquote(parts.path.lstrip("/"))
+    if not database:
+        raise ValueError("dsn: names no database (mysql://user:password@host:port/DATABASE)")
+    try:
+        port = parts.port or 3306
+    except ValueError:
+        raise ValueError("dsn: port is not a number") from None
+    return {
+        "host": parts.hostname or "127.0.0.1",
+        "port": port,
+        "user": unquote(parts.username or "root"),
+        "password": unquote(parts.password or ""),
+        "db": database,
+    }
+
+
 class AuditSettings(SinkSettings):
     dsn: SecretStr = SecretStr("mysql://root:@127.0.0.1:3306/room")
 
     @field_validator("dsn")
     @classmethod
     def _mysql_dsn(cls, value: SecretStr) -> SecretStr:
-        MySQLAddress.from_dsn(value.get_secret_value())  # its errors name the problem, never the DSN
+        connect_kwargs(value.get_secret_value())  # its errors name the problem, never the DSN
         return value
 
 
 class AuditSink:
     def __init__(self, settings: AuditSettings, context: SinkContext) -> None:
-        self.address = MySQLAddress.from_dsn(settings.dsn.get_secret_value())
-        context.add_secret(self.address.password)
+        self.connect_kwargs = connect_kwargs(settings.dsn.get_secret_value())
+        context.add_secret(self.connect_kwargs["password"])
         self._pool: aiomysql.Pool | None = None
         self._opening = anyio.Lock()
 
@@ -74,9 +97,7 @@ class AuditSink:
     async def _opened(self) -> aiomysql.Pool:
         async with self._opening:
             if self._pool is None:
-                self._pool = await aiomysql.create_pool(
-                    minsize=1, maxsize=4, db=self.address.database, **self.address.connect_kwargs()
-                )
+                self._pool = await aiomysql.create_pool(minsize=1, maxsize=4, **self.connect_kwargs)
             return self._pool
 
     async def aclose(self) -> None:

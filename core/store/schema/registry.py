@@ -1,0 +1,130 @@
+"""The schema registry: every table room-outbox keeps, per database, as one ordered list of
+changes read from the catalogue. ``migrate`` runs it, ``migrate --sql`` prints it, and the
+start-up check (:mod:`.check`) requires what it creates; plan and apply read the same list,
+so they cannot drift (:func:`required_columns`: what the check requires of what it creates).
+
+In order: the outbox table (:mod:`.outbox`: its columns, indexes and fixes), the processes'
+membership and room buckets (on a server, :mod:`room_outbox.store.membership`), the lanes of
+their own (:mod:`.lanes`) and the tailing lanes (:mod:`.tail`), the plugins' statements (MySQL only: elsewhere a step that says it
+skipped them), the consumers' tables (:mod:`.consumers`) and the handlers' tables.
+
+Each backend runs a plan through its one entry, ``run_migration(planner)``: it takes the
+database's exclusive-migration lock, reads the plan in a transaction (``planner``) and runs it
+its own way (online on MySQL/MariaDB and PostgreSQL, in one transaction on SQLite).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from room_outbox.store.dialect import PLUGIN_SCHEMA, Dialect
+from room_outbox.store.schema.buckets import BUCKET_COLUMN, BUCKET_TABLE, NODE_TABLE, bucket_plan
+from room_outbox.store.schema.consumers import consumer_steps
+from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_steps, lane_table
+from room_outbox.store.schema.outbox import Migration, concurrent_step, invalid_index_steps, plan_outbox
+from room_outbox.store.schema.outbox import required_columns as outbox_columns
+from room_outbox.store.schema.tail import PARKED_TABLE, tail_steps
+
+if TYPE_CHECKING:
+    from room_outbox.store.protocol import SQLStore
+    from room_outbox.store.schema.profiles import Profile
+
+#: Reads a plan from the catalogue in the transaction of the cursor it is given.
+Planner = Callable[[Any], Awaitable[list[Migration]]]
+
+
+@dataclass(frozen=True)
+class WantedSchema:
+    """What a migration brings about. ``outbox``: the outbox table and, on a server, the
+    membership and room buckets; ``lanes``: the lane cursor table and the tables of these
+    lanes of their own (None: no lane tables); ``tail_lanes``: the cursor and parked tables
+    of the lanes that tail the outbox; ``plugin_statements`` and
+    ``handler_statements``: ``(what for, statements)`` of the plugins and handlers in use
+    (idempotent, so they run every time); ``consumers``: the consumers' tables."""
+
+    outbox: bool = True
+    lanes: tuple[str, ...] | None = None
+    tail_lanes: tuple[str, ...] = ()
+    plugin_statements: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    consumers: bool = False
+    handler_statements: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+#: The outbox table with the membership and room buckets: what ``SQLStore.migrate`` brings about.
+OUTBOX = WantedSchema()
+
+
+async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: WantedSchema) -> list[Migration]:
+    """The changes ``wanted`` still needs, read from the catalogue in the caller's transaction."""
+    plan: list[Migration] = []
+    if wanted.outbox:
+        if dialect.name == "postgresql":  # interrupted index builds first
+            plan += await invalid_index_steps(cur, [profile.table])
+        plan += await plan_outbox(cur, dialect, profile)
+        if dialect.room_buckets:
+            buckets = await bucket_plan(cur, dialect, [profile.table], profile=profile)
+            plan += [concurrent_step(change, statements) for change, statements in buckets]
+    if wanted.lanes is not None:
+        plan += await lane_steps(cur, dialect, wanted.lanes)
+    plan += await tail_steps(cur, dialect, wanted.tail_lanes, cursor_planned=wanted.lanes is not None)
+    for owner, statements in wanted.plugin_statements:
+        if PLUGIN_SCHEMA in dialect.capabilities:
+            plan.append(Migration(f"ran {len(statements)} schema statement(s) for {owner}", statements))
+        else:  # plugin statements are written in MySQL's dialect
+            plan.append(Migration(f"skipped {len(statements)} schema statement(s) for {owner}: they are MySQL's", ()))
+    if wanted.consumers:
+        plan += await consumer_steps(cur, dialect)
+    for owner, statements in wanted.handler_statements:
+        plan.append(Migration(f"ran {len(statements)} schema statement(s) for {owner}", statements))
+    return plan
+
+
+#: Columns of a lane's own table that its statements read or write.
+LANE_COLUMNS = ("outbox_id", "status", "retry_count", "last_error", "worker_id", "lock_until_ms")
+
+
+def required_columns(dialect: Dialect, profile: Profile, wanted: WantedSchema) -> dict[str, tuple[str, ...]]:
+    """Table → the columns room-outbox reads or writes there, of what ``wanted`` creates (the
+    start-up check requires them; plugins' and consumers' tables are checked by their users)."""
+    # On a server: the processes' membership and the room buckets (SQLite runs without them)
+    server = dialect.room_buckets
+    # The bucket column where the dialect reads one (PostgreSQL computes the bucket instead)
+    bucket = (BUCKET_COLUMN,) if server and dialect.row_bucket == BUCKET_COLUMN else ()
+    required: dict[str, tuple[str, ...]] = {}
+    if wanted.outbox:
+        required[profile.table] = (*outbox_columns(profile), *bucket)
+    if wanted.lanes is not None:
+        required[CURSOR_TABLE] = ("lane", "fed_through_id")
+        required.update({lane_table(lane): (*LANE_COLUMNS, *bucket) for lane in wanted.lanes})
+    if wanted.tail_lanes:
+        required[CURSOR_TABLE] = ("lane", "fed_through_id")
+        required[PARKED_TABLE] = ("lane", "outbox_id", "status", "last_error")
+    if wanted.outbox and server:
+        required[NODE_TABLE] = ("node_id", "heartbeat_ms", "view", "view_since_ms")
+        required[BUCKET_TABLE] = ("bucket", "owner", "handing_over", "claimable_from_ms")
+    return required
+
+
+async def migration_plan(store: SQLStore, wanted: WantedSchema = OUTBOX) -> list[Migration]:
+    """What :func:`migrate` would run now (``migrate --sql``); the catalogue is only read."""
+    async with store.transaction() as cur:
+        return await plan_schema(cur, store.dialect, store.profile, wanted)
+
+
+async def migrate(store: SQLStore, wanted: WantedSchema = OUTBOX) -> list[str]:
+    """Bring about ``wanted`` through the backend's one migration entry; return the changes."""
+
+    async def planner(cur: Any) -> list[Migration]:
+        return await plan_schema(cur, store.dialect, store.profile, wanted)
+
+    with warnings.catch_warnings():  # "already exists" notes are the point of IF NOT EXISTS
+        warnings.simplefilter("ignore")
+        return await store.run_migration(planner)
+
+
+def steps_of(owners: Iterable[tuple[str, Sequence[str]]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``(what for, statements)`` pairs as :class:`WantedSchema` holds them."""
+    return tuple((owner, tuple(statements)) for owner, statements in owners)
