@@ -97,6 +97,8 @@ async def run_commands(service: RoomService, commands: int, rate: float) -> None
             tg.start_soon(service.command, n)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # a minute of commands, then the worker's compensation
 async def test_room_service_never_deadlocks_against_the_worker(
     tmp_path: Path, database_dsn: str, store: MySQLStore
 ) -> None:
