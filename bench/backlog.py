@@ -4,7 +4,7 @@ held in memory: the RSS after ``drain`` events must be that of the same process 
 backlog of just ``drain`` rows, and must stay flat while it drains.
 
 * **reference**: the noop lane over a backlog of ``drain`` rows;
-* **noop lane**: the same over 1M rows: the IM lane with the noop sink, the backlog gauges
+* **noop lane**: the same over 1M rows: the main lane with the noop sink, the backlog gauges
   sampled every second (``telemetry.backlog_interval``) and the retention job running
   (``older_than`` 1 s: published rows are deleted while the lane drains);
 * **noop lane, per_room**: the same with ``ordering: per_room`` (room buckets, head checks);

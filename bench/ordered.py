@@ -57,7 +57,7 @@ def write_config(folder: str, dsn: str, ordering: str, batch_size: int) -> str:
     config = {
         "mysql": {"dsn": dsn, "pool_size": 4},
         "outbox_worker": {"batch_size": batch_size, "poll_interval": "100ms", "ordering": ordering},
-        "sinks": {"tencent_im": {"enabled": False}},  # the IM lane runs the noop sink only
+        "sinks": {"tencent_im": {"enabled": False}},  # the main lane runs the noop sink only
         "cluster": {"heartbeat_interval": "300ms", "node_timeout": "3s"},
         "log": {"level": "WARNING"},
     }

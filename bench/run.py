@@ -130,14 +130,14 @@ async def part_b(args: argparse.Namespace) -> list[Row]:
          "the transport not chosen"),
         ("b. TencentIMSink.deliver, limits lifted", f"{o.sink.rate:,.0f} ev/s, {o.sink.cpu:,.0f} µs CPU/ev",
          against_bare(o.sink), f"≥97 %: {verdict(o.sink.ratio(o.bare) >= 0.97)}"),
-        ("b. IM lane (claim+deliver+record), limits lifted", f"{o.lane.rate:,.0f} ev/s, {o.lane.cpu:,.0f} µs CPU/ev",
-         against_bare(o.lane), f"IM lane ≥90 % of bare httpx: {verdict(o.lane.ratio(o.bare) >= 0.9)}"),
+        ("b. main lane (claim+deliver+record), limits lifted", f"{o.lane.rate:,.0f} ev/s, {o.lane.cpu:,.0f} µs CPU/ev",
+         against_bare(o.lane), f"main lane ≥90 % of bare httpx: {verdict(o.lane.ratio(o.bare) >= 0.9)}"),
         ("b. same, claims in turn with delivery", f"{o.lane_in_turn.rate:,.0f} ev/s, {o.lane_in_turn.cpu:,.0f} µs CPU/ev",
          against_bare(o.lane_in_turn), f"claims ahead = {o.lane.rate / o.lane_in_turn.rate:.2f}× in turn"),
-        ("b. IM lane's CPU-bound ceiling: one core busy all the time", f"{1e6 / o.lane.cpu:,.0f} ev/s",
+        ("b. main lane's CPU-bound ceiling: one core busy all the time", f"{1e6 / o.lane.cpu:,.0f} ev/s",
          f"{1e6 / o.lane.cpu / o.bare.rate:.0%} of bare httpx; busy share of a core: bare {o.bare.busy:.0%}, "
          f"lane {o.lane.busy:.0%}", "what overlap alone could reach"),
-        (f"b. IM lane at the default quota ({q.events} ev)", f"{q.rate:,.1f} req/s",
+        (f"b. main lane at the default quota ({q.events} ev)", f"{q.rate:,.1f} req/s",
          f"{q.rate / q.quota:.1%} of {q.quota}/s; {q.rate_limit_errors} rate-limit errors; "
          f"{q.cpu_share:.0%} of a core",
          f"≥95 %, 0 errors, ≤25 % of a core: {verdict(quota_ok)}"),

@@ -124,7 +124,7 @@ def _dispatchers(
     telemetry: Telemetry,
     health: Health,
 ) -> list[Dispatcher | TailRelay]:
-    """One dispatcher per lane: the IM lane's (when any of its sinks is enabled), then one per
+    """One dispatcher per lane: the main lane's (when any of its sinks is enabled), then one per
     sink with a lane of its own (a tailing relay for those in ``tail_lanes``), each with its own
     scan loop so none waits for another."""
     dispatchers: list[Dispatcher | TailRelay] = []

@@ -206,7 +206,7 @@ class OutboxWorkerSettings(Section):
     #: batch is in flight, so it only bounds how long a crashed process's rows wait.
     #: Default (≤ 0): 10 × publish_timeout.
     lease: Duration = 0.0
-    #: The IM lane claims a row the producer wrote only once it is this old: room-service
+    #: The main lane claims a row the producer wrote only once it is this old: room-service
     #: pushes each event itself right after committing it and then marks it ``published``, and
     #: a claim in between sends the event a second time. Above room-service's push timeout;
     #: 0 where nothing pushes synchronously. Rows waiting for a retry are not delayed.

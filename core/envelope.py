@@ -20,7 +20,7 @@ __all__ = [
     "parse_envelope",
 ]
 
-#: Every event type room-service emits today. The IM lane's default sink takes a type outside
+#: Every event type room-service emits today. The main lane's default sink takes a type outside
 #: this list too unless ``routing.main_default`` is ``known`` (see :mod:`room_outbox.delivery.routing`).
 KNOWN_EVENT_TYPES: frozenset[str] = frozenset(
     {

@@ -100,7 +100,7 @@ class SinkSpec(Generic[SettingsT]):
     ``sinks.<name>`` section; built-in sinks say yes, third-party sinks are opt-in.
 
     ``own_lane``: the sink keeps its own consumption state (``room_outbox_lane_<name>``, made
-    by ``room-outbox migrate``) and its own scan loop, instead of sharing the IM lane, whose
+    by ``room-outbox migrate``) and its own scan loop, instead of sharing the main lane, whose
     state is ``room_outbox.status``. Every sink besides IM's should say yes: then a slow or
     broken sink never holds back IM delivery, nor IM it. An own-lane sink with
     ``event_types`` None takes every event; events it does not take are passed over.

@@ -48,7 +48,7 @@ def test_bench_kafka_lane_and_backlog_memory_quick_smoke(capsys: pytest.CaptureF
 
 @pytest.mark.slow
 def test_bench_tencent_im_quick_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    """Part b: the sink and the IM lane beside a bare loop of the sink's client (httpx on
+    """Part b: the sink and the main lane beside a bare loop of the sink's client (httpx on
     aiohttp's transport) and the same loop on httpx's own, in alternating rounds, each target
     printed with its verdict; the lane at the default quota with its share of a core."""
     assert main(["--quick", "--only", "b", "--im-events", "90"]) == 0
@@ -56,9 +56,9 @@ def test_bench_tencent_im_quick_smoke(capsys: pytest.CaptureFixture[str]) -> Non
     assert "b. bare httpx loop, aiohttp transport → fake IM, 16 in flight (90 ev in 3 rounds)" in out
     assert "b. bare httpx loop, httpx's own transport (httpcore)" in out
     assert "b. TencentIMSink.deliver, limits lifted" in out and "of bare httpx (rounds" in out
-    assert "IM lane ≥90 % of bare httpx: " in out
-    assert "b. IM lane's CPU-bound ceiling" in out and "busy share of a core: bare" in out
-    assert "b. IM lane at the default quota (300 ev)" in out and "≤25 % of a core: " in out
+    assert "main lane ≥90 % of bare httpx: " in out
+    assert "b. main lane's CPU-bound ceiling" in out and "busy share of a core: bare" in out
+    assert "b. main lane at the default quota (300 ev)" in out and "≤25 % of a core: " in out
 
 
 @pytest.mark.slow

@@ -264,21 +264,21 @@ async def test_migrate_creates_tables_only_for_the_enabled_sinks_and_handlers(
     config = tmp_path / "config.yaml"
     sinks = f"mysql:\n  dsn: '{database_dsn}'\nsinks:\n  tencent_im:\n    enabled: false\n"
     handlers = "    handlers: [audit, activity, gift_stats]\n"
-    config.write_text(f"{sinks}  audit:\n    enabled: false\nconsumers:\n  feed:\n    enabled: false\n{handlers}")
+    config.write_text(f"{sinks}  audit_table:\n    enabled: false\nconsumers:\n  feed:\n    enabled: false\n{handlers}")
     code, out, _ = await cli(capsys, "--config", str(config), "migrate")
     assert code == 0 and "schema statement" not in out, out
     store = await open_store(database_dsn)
     try:
         async with store.transaction() as cur:
             assert not PLUGIN_TABLES & await table_names(cur, store.dialect)
-        config.write_text(f"{sinks}  audit:\n    enabled: true\nconsumers:\n  feed:\n{handlers}")
+        config.write_text(f"{sinks}  audit_table:\n    enabled: true\nconsumers:\n  feed:\n{handlers}")
         code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql")
-        assert code == 0 and "\n-- would run 1 schema statement(s) for sink audit\n" in out
+        assert code == 0 and "\n-- would run 1 schema statement(s) for sink audit_table\n" in out
         async with store.transaction() as cur:
             assert not PLUGIN_TABLES & await table_names(cur, store.dialect)  # --sql ran nothing
         code, out, _ = await cli(capsys, "--config", str(config), "migrate")
         assert code == 0 and {
-            "ran 1 schema statement(s) for sink audit",
+            "ran 1 schema statement(s) for sink audit_table",
             "ran 1 schema statement(s) for handler audit",
             "ran 1 schema statement(s) for handler activity",
             "ran 1 schema statement(s) for handler gift_stats",

@@ -1,4 +1,4 @@
-"""The IM lane's dispatcher on a real MariaDB: results, bad input, batching, store errors."""
+"""The main lane's dispatcher on a real MariaDB: results, bad input, batching, store errors."""
 
 from __future__ import annotations
 

@@ -319,11 +319,11 @@ async def test_migrate_on_sqlite_skips_plugin_tables_but_creates_own_lanes(tmp_p
     try:
         await store.migrate()
         pm = make_plugin_manager()
-        changes = await migrate_plugins(store, pm, settings(sinks={"tencent_im": {"enabled": False}, "audit": {}}))
+        changes = await migrate_plugins(store, pm, settings(sinks={"tencent_im": {"enabled": False}, "audit_table": {}}))
         assert changes == [
             "created table room_outbox_lane_cursor",
-            "created table room_outbox_lane_audit",
-            "skipped 1 schema statement(s) for sink audit: they are MySQL's",
+            "created table room_outbox_lane_audit_table",
+            "skipped 1 schema statement(s) for sink audit_table: they are MySQL's",
         ]
         changes = await migrate_plugins(store, pm, settings(sinks={"kafka": {"enabled": True}}))
         assert changes == ["created table room_outbox_tail_parked"]  # Kafka tails: no lane table

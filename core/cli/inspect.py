@@ -63,7 +63,7 @@ async def inspect_event(store: SQLStore, event_id: str) -> dict[str, Any] | None
 
 
 async def _lane_states(store: SQLStore, outbox_id: int, now: int) -> dict[str, str]:
-    """The event's state in each lane of its own (same vocabulary as the IM lane's)."""
+    """The event's state in each lane of its own (same vocabulary as the main lane's)."""
     states: dict[str, str] = {}
     for lane in await lane_statuses(store):
         found = await lane_row(store, lane.lane, outbox_id)

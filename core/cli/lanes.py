@@ -1,7 +1,7 @@
 """``room-outbox lanes`` and ``room-outbox lanes retire NAME``: the lanes an operator sees and
 drops.
 
-A lane is *enabled* when the configuration runs it (the IM lane while an IM-lane sink is
+A lane is *enabled* when the configuration runs it (the main lane while an main-lane sink is
 enabled; a lane of its own while its sink is). A lane of its own that was enabled once and is
 not any more leaves its table and cursor behind; they hold back retention (its rows are
 still owed to it, as far as the database can tell) until the lane runs again or is retired.
@@ -95,7 +95,7 @@ async def lanes_command(store: SQLStore, plan: LanePlan, args: argparse.Namespac
 
 async def _retire(store: SQLStore, plan: LanePlan, name: str, yes: bool, out: IO[str], err: IO[str]) -> int:
     if name == MAIN_LANE:
-        print("room-outbox lanes retire: the IM lane is room_outbox.status itself; it cannot be retired", file=err)
+        print("room-outbox lanes retire: the main lane is room_outbox.status itself; it cannot be retired", file=err)
         return 2
     if name in plan.own:
         print(
@@ -142,7 +142,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 COMMAND = Command(
     name="lanes",
     summary="each lane: enabled, watermark, backlog, parked; `lanes retire NAME` drops a disabled one",
-    description="Every lane: the IM lane, each enabled sink with a lane of its own, and every lane table or\n"
+    description="Every lane: the main lane, each enabled sink with a lane of its own, and every lane table or\n"
     "cursor the database still holds, with its state, watermark (fed through id), pending, unfed\n"
     "and parked rows and the age of the oldest event it owes. `lanes retire NAME` shows what a\n"
     "disabled lane leaves behind; with --yes it drops its table and cursor.",

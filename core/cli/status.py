@@ -31,7 +31,7 @@ def _now_ms() -> int:
 def format_status(report: StatusReport) -> str:
     now = _now_ms()
     if not report.im_lane:
-        lines = ["IM lane               disabled: room_outbox.status is room-service's, not a backlog here"]
+        lines = ["main lane               disabled: room_outbox.status is room-service's, not a backlog here"]
         lines += _format_lanes(report)
         return "\n".join(lines)
     lines = [

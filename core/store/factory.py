@@ -91,7 +91,7 @@ async def open_store(
     profile: Profile = V1,
     idle_in_transaction: float = 0.0,
 ) -> SQLStore:
-    """Connect to the store ``dsn`` names, keeping the IM lane's state in ``profile``'s table
+    """Connect to the store ``dsn`` names, keeping the main lane's state in ``profile``'s table
     and words. ``create_database`` creates a missing MySQL or PostgreSQL database; a SQLite
     file is created whenever it is missing. ``query_timeout`` bounds every database call (see
     :mod:`.deadline`); on SQLite it is how long a transaction waits for another writer's lock.

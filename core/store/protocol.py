@@ -1,4 +1,4 @@
-"""Storage of the IM lane's consumption state: the protocol and the records it trades in.
+"""Storage of the main lane's consumption state: the protocol and the records it trades in.
 
 The dispatcher talks to a store only through :class:`OutboxStore`; the backends
 (:mod:`room_outbox.store.backends`) implement it on MySQL/MariaDB, PostgreSQL and SQLite.

@@ -140,7 +140,7 @@ async def test_kafka_only_deployment_rows_live_until_kafka_has_them_then_retenti
 
         await wait_until(kafka_gauge_seen, timeout=30)
         text = await metrics()
-        assert 'lane="main"' not in text  # the IM lane does not run: no IM backlog
+        assert 'lane="main"' not in text  # the main lane does not run: no IM backlog
         assert (
             'room_outbox_publish_failure_total{error_class="timeout",event_type="RoomUserJoined",sink="kafka"} 0.0'
             in text
@@ -154,7 +154,7 @@ async def test_kafka_only_deployment_rows_live_until_kafka_has_them_then_retenti
         await consume(kafka_broker, {"fresh"})
         status = cli(path, "status")
         assert status.returncode == 0, status.stderr
-        assert "IM lane               disabled" in status.stdout
+        assert "main lane               disabled" in status.stdout
         lanes = cli(path, "lanes")
         assert lanes.returncode == 0, lanes.stderr
         (im_line,) = [line for line in lanes.stdout.splitlines() if line.startswith("main ")]
@@ -173,7 +173,7 @@ async def test_a_retired_lane_is_named_while_it_holds_retention_back_and_retire_
         "mysql": {"dsn": database_dsn, "pool_size": 4},
         "outbox_worker": {"poll_interval": "100ms"},
         "sinks": {
-            "tencent_im": {"enabled": False},  # the IM lane: noop takes RoomCreated
+            "tencent_im": {"enabled": False},  # the main lane: noop takes RoomCreated
             "kafka": {"bootstrap_servers": kafka_broker.bootstrap, "start": "beginning", "relay": "lane_table"},
         },
         "retention": {"older_than": "1s", "pause": "0s"},
@@ -200,7 +200,7 @@ async def test_a_retired_lane_is_named_while_it_holds_retention_back_and_retire_
     await insert_events(store, [envelope(f"d{n}", "RoomCreated") for n in range(5)])
     proc = DispatcherProcess(without, "without-kafka")
     try:
-        await wait_until(im_done, timeout=30)  # published in the IM lane, never fed to Kafka
+        await wait_until(im_done, timeout=30)  # published in the main lane, never fed to Kafka
     finally:
         proc.terminate()
     async with store.transaction() as cur:  # everything is old now

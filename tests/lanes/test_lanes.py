@@ -1,5 +1,5 @@
 """Lanes of their own: feeding without gaps, start positions, several processes, independence
-from the IM lane, the Kafka sink on a real broker, seed 003's deployment, a third-party sink."""
+from the main lane, the Kafka sink on a real broker, seed 003's deployment, a third-party sink."""
 
 from __future__ import annotations
 
@@ -225,7 +225,7 @@ async def test_kafka_lane_publishes_one_message_per_event_in_room_order(
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: run_service(settings, stop, handle_signals=False))
             messages = await consume(kafka_broker, {e["event_id"] for e in events})
-            await wait_until(lambda: len(fake.messages) == 45, timeout=30)  # the IM lane ran too
+            await wait_until(lambda: len(fake.messages) == 45, timeout=30)  # the main lane ran too
             stop.set()
     ids = event_ids(messages)
     assert sorted(ids) == sorted(e["event_id"] for e in events)  # one message per event_id
@@ -306,7 +306,7 @@ async def test_seed_003_deployment_kafka_lane_only(
         tg.start_soon(lambda: run_service(settings, stop, handle_signals=False))
         await consume(kafka_broker, {f"s{n}" for n in range(10)})
         stop.set()
-    assert {r["status"] for r in (await fetch_rows(store)).values()} == {"pending"}  # the IM lane is room-service's
+    assert {r["status"] for r in (await fetch_rows(store)).values()} == {"pending"}  # the main lane is room-service's
 
 
 async def test_third_party_audit_sink_end_to_end(store: MySQLStore, database_dsn: str, tmp_path: Path) -> None:
@@ -318,7 +318,7 @@ async def test_third_party_audit_sink_end_to_end(store: MySQLStore, database_dsn
         "examples/audit_sink is not installed (scripts/install.sh does it)"
     )
     path = tmp_path / "config.yaml"
-    sinks = {"tencent_im": {"enabled": False}, "audit": {"enabled": True, "dsn": database_dsn, "start": "beginning"}}
+    sinks = {"tencent_im": {"enabled": False}, "audit_table": {"enabled": True, "dsn": database_dsn, "start": "beginning"}}
     path.write_text(
         yaml.safe_dump({"mysql": {"dsn": database_dsn}, "sinks": sinks, "outbox_worker": {"poll_interval": "50ms"}})
     )
@@ -338,7 +338,7 @@ async def test_third_party_audit_sink_end_to_end(store: MySQLStore, database_dsn
         await wait_until(audited, timeout=20)
         stop.set()
     rows = await fetch_rows(store)
-    assert rows["au-created"]["status"] == "published"  # noop ran in the IM lane beside it
+    assert rows["au-created"]["status"] == "published"  # noop ran in the main lane beside it
 
 
 async def test_retention_keeps_rows_a_lane_still_needs(store: MySQLStore) -> None:
@@ -352,7 +352,7 @@ async def test_retention_keeps_rows_a_lane_still_needs(store: MySQLStore) -> Non
     await insert_events(store, [envelope("done1"), envelope("owed"), envelope("done2")])
     await run_until_empty(dispatcher)  # the lane: done1, done2 published; owed pending
     await insert_events(store, [envelope("unfed")])  # the lane has not read this one yet
-    async with store.transaction() as cur:  # all old, all published in the IM lane
+    async with store.transaction() as cur:  # all old, all published in the main lane
         await cur.execute("UPDATE room_outbox SET status = 'published', created_at_ms = created_at_ms - 864000000")
     report = await cleanup(store, RetentionOptions(older_than=86400, pause=0))
     assert report.removed == 2

@@ -1,4 +1,4 @@
-"""Retention and lanes: while the IM lane is off a row goes once every enabled lane has
+"""Retention and lanes: while the main lane is off a row goes once every enabled lane has
 finished it, whatever its status; a lane that never ran holds everything; a switched-off
 lane's leftovers are named while they hold rows back."""
 

@@ -30,7 +30,7 @@ async def connection(dsn: str) -> AsyncIterator[aiomysql.Connection]:
 
 class TestAuditSink(SinkContract):
     plugin = room_outbox_audit
-    name = "audit"
+    name = "audit_table"
 
     @pytest.fixture
     async def harness(self, database_dsn: str) -> Harness:

@@ -123,7 +123,7 @@ async def test_a_process_that_leaves_gives_its_buckets_up(store: SQLStore) -> No
 
 
 async def test_per_room_claims_take_only_the_own_buckets_in_every_lane(store: SQLStore) -> None:
-    """The IM lane (room_outbox) and a lane of its own claim the rows of their process's buckets
+    """The main lane (room_outbox) and a lane of its own claim the rows of their process's buckets
     only, with per-room ordering; unordered claims take every room."""
     await migrate_lanes(store, ["audit"])
     lane = LaneStore(owner=store, lane="audit", start="beginning")

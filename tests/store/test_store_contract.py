@@ -493,7 +493,7 @@ async def test_a_lane_is_fed_claimed_and_recorded_apart_from_the_im_lane(any_sto
     assert [r.event_id for r in claimed.rows] == ["e0", "e1", "e2"]
     assert all(json.loads(r.envelope)["event_id"] == r.event_id for r in claimed.rows)  # read from room_outbox
     assert await lane.record([DeliveryResult(r.id, r.event_id, "l#1", Outcome.PUBLISHED) for r in claimed.rows]) == []
-    assert {r["status"] for r in (await fetch_rows(any_store)).values()} == {"pending"}  # the IM lane's own
+    assert {r["status"] for r in (await fetch_rows(any_store)).values()} == {"pending"}  # the main lane's own
     await insert_events(any_store, [envelope("e3")])
     assert [r.event_id for r in (await lane.claim("l#2", 10, now_ms() + 60_000)).rows] == ["e3"]  # each row once
     assert await lane.feed() == 0

@@ -2,7 +2,7 @@
 per-room hold-back, fenced result writes, lease renewal.
 
 :class:`LeasedRows` holds the statements once; :class:`~.mysql.MySQLStore`,
-:class:`~.postgres.PostgresStore`, :class:`~.sqlite.SQLiteStore` (the IM lane in
+:class:`~.postgres.PostgresStore`, :class:`~.sqlite.SQLiteStore` (the main lane in
 ``room_outbox``) and :class:`~.mysql_lanes.LaneStore` (a lane of its own) give it a
 transaction, a table and their dialect (its locking clause). The
 claim reads ``status='pending' AND lock_until_ms <= now ORDER BY lock_until_ms, key``: a range
@@ -10,7 +10,7 @@ on the ``(status, lock_until_ms, key)`` index that stops after ``limit`` rows, h
 published rows, leased rows or rows waiting for a retry the table holds. A claim limited to
 room buckets (per-room ordering with several processes, :mod:`.membership`) reads the same
 range and checks the bucket, the index's last column on a server, in the index entries.
-With ``claim_after`` the IM lane leaves the producer's youngest rows to its own push
+With ``claim_after`` the main lane leaves the producer's youngest rows to its own push
 (:meth:`LeasedRows._due_ranges`).
 """
 
@@ -85,7 +85,7 @@ def open_rows_of_rooms_sql(
 class LeasedRows:
     """One lane's consumption state in one table: claims with leases, fenced result writes.
 
-    The IM lane keeps it in ``room_outbox`` itself (key ``id``); every other lane in its own
+    The main lane keeps it in ``room_outbox`` itself (key ``id``); every other lane in its own
     table ``room_outbox_lane_<name>`` (key ``outbox_id``, see :mod:`.mysql_lanes`). Same
     columns, same indexes, same statements.
     """
@@ -110,7 +110,7 @@ class LeasedRows:
     claim_after_ms: int = 0
 
     def use_profile(self, profile: Profile) -> None:
-        """Keep the IM lane's state in ``profile``'s table and words (``database.profile``)."""
+        """Keep the main lane's state in ``profile``'s table and words (``database.profile``)."""
         self.profile = profile
         self.table = profile.table
         self.key = profile.key

@@ -1,4 +1,4 @@
-"""The IM lane's state on MySQL 8 / MariaDB ≥ 10.6, through an aiomysql pool.
+"""The main lane's state on MySQL 8 / MariaDB ≥ 10.6, through an aiomysql pool.
 
 Schema: room-service's V1 ``room_outbox`` plus ``worker_id``, ``lock_until_ms`` and two
 indexes (see :mod:`.schema`).
@@ -39,7 +39,7 @@ from room_outbox.store.schema.registry import Planner
 
 __all__ = ["CLAIM_SQL", "Migration", "MySQLAddress", "MySQLStore"]
 
-#: The IM lane's claim statement (tests read its plan with EXPLAIN).
+#: The main lane's claim statement (tests read its plan with EXPLAIN).
 CLAIM_SQL = claim_sql(TABLE, "id", "envelope", MYSQL.row_lock)
 
 
@@ -132,7 +132,7 @@ def statement_time_limit(server_version: str, seconds: int) -> str:
 
 class MySQLStore(LeasedRows):
     """:class:`~room_outbox.store.OutboxStore` on MySQL/MariaDB: owns the pool and keeps the
-    IM lane's state in ``room_outbox`` itself.
+    main lane's state in ``room_outbox`` itself.
 
     Every transaction ends within ``query_timeout`` (see :mod:`.deadline`); every session
     carries the server-side limits derived from it."""

@@ -1,4 +1,4 @@
-"""The IM lane's state on PostgreSQL ≥ 12, through psycopg 3 and its connection pool.
+"""The main lane's state on PostgreSQL ≥ 12, through psycopg 3 and its connection pool.
 
 Same table, columns, indexes, claim, leases, fencing, per-room hold-back and parking as on
 MySQL (:mod:`.schema`, :mod:`.leased`): transactions run at READ COMMITTED (PostgreSQL's

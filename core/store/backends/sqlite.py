@@ -1,4 +1,4 @@
-"""The IM lane's state in an embedded SQLite file, through aiosqlite: no server to run.
+"""The main lane's state in an embedded SQLite file, through aiosqlite: no server to run.
 
 Same protocol and semantics as :mod:`.mysql` and :mod:`.postgres` — the same columns
 (``worker_id``, ``lock_until_ms``), the same claim order, leases, fencing, per-room hold-back,

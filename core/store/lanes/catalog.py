@@ -137,7 +137,7 @@ async def _tail_parked(cur: Any, store: SQLStore, lane: str) -> int:
 
 
 async def im_lane_backlog(store: SQLStore) -> LaneBacklog:
-    """The IM lane: open and parked rows of the outbox (it is fed by the insert itself), in the
+    """The main lane: open and parked rows of the outbox (it is fed by the insert itself), in the
     words of its table profile."""
     p = store.profile
     async with store.transaction() as cur:

@@ -108,7 +108,7 @@ class StatusReport:
     leased: int
     holders: list[LeaseHolder] = field(default_factory=list)
     lanes: list[LaneStatus] = field(default_factory=list)
-    #: False when no IM-lane sink is enabled: ``room_outbox.status`` is then room-service's
+    #: False when no main-lane sink is enabled: ``room_outbox.status`` is then room-service's
     #: alone, and its pending rows are nobody's backlog here (the IM figures above are 0).
     im_lane: bool = True
 

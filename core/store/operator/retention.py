@@ -1,8 +1,8 @@
 """Retention: delete — or move to ``room_outbox_archive`` — finished rows older than ``older_than``.
 
-**When a row is finished.** While the IM lane runs, a row is finished when it is
+**When a row is finished.** While the main lane runs, a row is finished when it is
 ``published`` (by room-outbox or by room-service's own push) and every lane of its own is done
-with it (below). While the IM lane does not run — no IM-lane sink enabled: room-service pushes
+with it (below). While the main lane does not run — no main-lane sink enabled: room-service pushes
 IM itself and room-outbox only fans events out (Kafka) — ``status`` is room-service's alone
 and says nothing about room-outbox's work, so a row is finished once every lane of its own is
 done with it, *whatever its status* (a row whose synchronous push failed is nobody's to retry
@@ -16,7 +16,7 @@ parked (``failed``) and ``cancelled`` rows stay, whatever their age.
 How it stays out of delivery's way:
 
 * **Small batches.** A pass walks the ``(status, id)`` index from the lowest published id (the
-  primary key while the IM lane is off), at
+  primary key while the main lane is off), at
   most ``batch_size`` rows per step, so each read is a short index range, never a scan of the
   table. Ids rise with commit time, so the pass ends at the first batch holding no old row.
 * **Short transactions.** Each batch is removed in its own transaction that locks only those
@@ -121,7 +121,7 @@ class CleanupReport:
     held_back_by: list[str] = field(default_factory=list)
     #: Enabled lanes that have never run: nothing is removed until they have (warned about).
     waiting_for: list[str] = field(default_factory=list)
-    #: Whether ``status`` decided (the IM lane runs, or no lane does).
+    #: Whether ``status`` decided (the main lane runs, or no lane does).
     by_status: bool = True
 
 
@@ -200,7 +200,7 @@ async def cleanup(
     progress: Callable[[CleanupReport], None] | None = None,
 ) -> CleanupReport:
     """One pass over the finished rows; returns early (between batches) once ``stop`` is set.
-    ``plan``: the lanes the configuration runs (default: the IM lane alone). ``dry_run``: the
+    ``plan``: the lanes the configuration runs (default: the main lane alone). ``dry_run``: the
     same walk, counting the rows each batch would remove, changing nothing. ``progress`` is
     called after each batch."""
     started = time.monotonic()
@@ -278,7 +278,7 @@ def _not_owed(store: SQLStore, lanes: list[str]) -> str:
 
 
 def _finished(store: SQLStore, by_status: bool) -> str:
-    """While the IM lane runs (or no lane does), only delivered rows (``published`` in v1's
+    """While the main lane runs (or no lane does), only delivered rows (``published`` in v1's
     words) are finished; the status words are the profile's constants, never input."""
     return f" AND status = '{store.profile.delivered}'" if by_status else ""
 

@@ -6,7 +6,7 @@ Every room event is written once to ``room_outbox_audit_log``. The sink keeps a 
 enabled. Enable it with::
 
     sinks:
-      audit:
+      audit_table:
         enabled: true
         dsn: "mysql://user:password@host:3306/room"   # or ROOM_OUTBOX__SINKS__AUDIT__DSN
 """
@@ -108,7 +108,7 @@ class AuditSink:
 
 @hookimpl
 def room_outbox_register_sinks() -> list[SinkSpec[AuditSettings]]:
-    return [SinkSpec("audit", AuditSettings, AuditSink, own_lane=True)]
+    return [SinkSpec("audit_table", AuditSettings, AuditSink, own_lane=True)]
 
 
 @hookimpl

@@ -124,7 +124,7 @@ def test_example_documents_every_key() -> None:
 
     section = yaml.safe_load((CONFIG_DIR / "config.tencent.example.yaml").read_text())["sinks"]["tencent_im"]
     # The sink's own keys plus the two every sink has; other base keys (own-lane options)
-    # do not apply to the IM lane.
+    # do not apply to the main lane.
     from room_outbox.sink import SinkSettings
 
     own = set(TencentIMSettings.model_fields) - set(SinkSettings.model_fields)
