@@ -319,7 +319,9 @@ async def test_migrate_on_sqlite_skips_plugin_tables_but_creates_own_lanes(tmp_p
     try:
         await store.migrate()
         pm = make_plugin_manager()
-        changes = await migrate_plugins(store, pm, settings(sinks={"tencent_im": {"enabled": False}, "audit_table": {}}))
+        changes = await migrate_plugins(
+            store, pm, settings(sinks={"tencent_im": {"enabled": False}, "audit_table": {}})
+        )
         assert changes == [
             "created table room_outbox_lane_cursor",
             "created table room_outbox_lane_audit_table",

@@ -318,7 +318,10 @@ async def test_third_party_audit_sink_end_to_end(store: MySQLStore, database_dsn
         "examples/audit_sink is not installed (scripts/install.sh does it)"
     )
     path = tmp_path / "config.yaml"
-    sinks = {"tencent_im": {"enabled": False}, "audit_table": {"enabled": True, "dsn": database_dsn, "start": "beginning"}}
+    sinks = {
+        "tencent_im": {"enabled": False},
+        "audit_table": {"enabled": True, "dsn": database_dsn, "start": "beginning"},
+    }
     path.write_text(
         yaml.safe_dump({"mysql": {"dsn": database_dsn}, "sinks": sinks, "outbox_worker": {"poll_interval": "50ms"}})
     )
