@@ -77,6 +77,13 @@ async def wait_until(
         await anyio.sleep(interval)
 
 
+def without_room_outbox_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset every ``ROOM_OUTBOX*`` variable for the test: only its own file configures it."""
+    for name in list(os.environ):
+        if name.startswith("ROOM_OUTBOX"):
+            monkeypatch.delenv(name)
+
+
 class Runner(Protocol):
     """A dispatcher or a consumer: ``run`` until ``stop``."""
 

@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
-from support import envelope, fetch_rows, insert_events
+from support import envelope, fetch_rows, insert_events, without_room_outbox_environment
+from test_cli import cli
 
 from room_outbox.cli import cleanup as cleanup_cli
-from room_outbox.cli.main import build_parser, main
+from room_outbox.cli.main import build_parser
 from room_outbox.cli.registry import COMMANDS
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.clock import now_ms
@@ -31,9 +30,7 @@ DAY_MS = 86_400_000
 
 @pytest.fixture
 def config(tmp_path: Path, database_dsn: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    for name in list(os.environ):
-        if name.startswith("ROOM_OUTBOX"):
-            monkeypatch.delenv(name)
+    without_room_outbox_environment(monkeypatch)
     path = tmp_path / "config.yaml"
     path.write_text(
         f"mysql:\n  dsn: '{database_dsn}'\nsinks:\n  tencent_im:\n    enabled: false\n"
@@ -41,13 +38,6 @@ def config(tmp_path: Path, database_dsn: str, monkeypatch: pytest.MonkeyPatch) -
         "consumers:\n  feed:\n    handlers: [audit]\n"
     )
     return str(path)
-
-
-async def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = await anyio.to_thread.run_sync(main, list(argv))  # main() runs its own event loop
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 async def park(store: MySQLStore, error: str, *event_ids: str) -> None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import anyio
 import pytest
-from support import envelope, fetch_rows, insert_events
+from support import envelope, fetch_rows, insert_events, without_room_outbox_environment
 
 from room_outbox.cli.main import main
 from room_outbox.store.backends.mysql import MySQLStore
@@ -17,9 +16,7 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture
 def config(tmp_path: Path, database_dsn: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    for name in list(os.environ):
-        if name.startswith("ROOM_OUTBOX"):
-            monkeypatch.delenv(name)
+    without_room_outbox_environment(monkeypatch)
     path = tmp_path / "config.yaml"
     path.write_text(f"mysql:\n  dsn: '{database_dsn}'\n")
     return str(path)

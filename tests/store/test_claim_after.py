@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,15 +25,9 @@ pytestmark = pytest.mark.anyio
 CLAIM_AFTER_MS = 10_000
 
 
-@pytest.fixture(params=["mysql", "postgresql", "sqlite"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[SQLStore]:
-    if request.param == "mysql":
-        dsn = str(request.getfixturevalue("database_dsn"))
-    elif request.param == "postgresql":
-        dsn = str(request.getfixturevalue("postgresql_dsn"))
-    else:
-        dsn = f"sqlite:///{tmp_path / 'outbox.db'}"
-    store = await open_store(dsn)
+@pytest.fixture
+async def store(store_dsn: str) -> AsyncIterator[SQLStore]:
+    store = await open_store(store_dsn)
     try:
         await store.migrate()
         store.claim_after_ms = CLAIM_AFTER_MS

@@ -4,7 +4,6 @@ runs, the start-up check passes after it, and a second migrate has nothing left 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,15 +21,9 @@ pytestmark = pytest.mark.anyio
 EVERYTHING = WantedSchema(lanes=("audit",), tail_lanes=("kafka",), consumers=True)
 
 
-@pytest.fixture(params=["mysql", "postgresql", "sqlite"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[SQLStore]:
-    if request.param == "mysql":
-        dsn = str(request.getfixturevalue("database_dsn"))
-    elif request.param == "postgresql":
-        dsn = str(request.getfixturevalue("postgresql_dsn"))
-    else:
-        dsn = f"sqlite:///{tmp_path / 'outbox.db'}"
-    opened = await open_store(dsn)
+@pytest.fixture
+async def store(store_dsn: str) -> AsyncIterator[SQLStore]:
+    opened = await open_store(store_dsn)
     try:
         yield opened
     finally:

@@ -75,15 +75,6 @@ def migration(store: SQLStore) -> set[str]:
     return MIGRATION
 
 
-@pytest.fixture(params=["mysql", "postgresql", "sqlite"])
-def store_dsn(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "mysql":
-        return str(request.getfixturevalue("database_dsn"))
-    if request.param == "postgresql":
-        return str(request.getfixturevalue("postgresql_dsn"))
-    return f"sqlite:///{tmp_path / 'outbox.db'}"
-
-
 @pytest.fixture
 async def bare_store(store_dsn: str) -> AsyncIterator[SQLStore]:
     store = await open_store(store_dsn)
