@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator
 
 import anyio
 import httpx
 import pytest
+from observability.test_metrics_conventions import promtool_check_metrics
 from support import RecordingSink, SinkPlugin, envelope, fetch_rows, insert_events, wait_until
 
 from room_outbox.app import run_service
@@ -174,6 +176,16 @@ async def test_the_service_serves_the_endpoint_for_the_life_of_the_worker(
                 assert "room_outbox_claimed_batch_size_count " in text
                 assert (await client.get("/readyz")).json()["ready"] is True  # failures everywhere, still ready
                 stop.set()
+    # Every name by Prometheus's conventions, as its own linter sees them.
+    assert promtool_check_metrics(text) == ""
+    assert {
+        "room_outbox_pending",
+        "room_outbox_oldest_pending_age_seconds",
+        "room_outbox_publish_duration_seconds",
+        "room_outbox_clock_offset_seconds",
+        "room_outbox_http_malformed_requests_total",
+        "process_cpu_seconds_total",
+    } <= set(re.findall(r"^# TYPE (\S+)", text, re.MULTILINE))
     order = [r.lifecycle for r in caplog.records if hasattr(r, "lifecycle")]  # type: ignore[attr-defined]
     assert order[:2] == ["pool_opened", "http_started"]
     assert order[-6:] == [
