@@ -13,12 +13,14 @@ from support import RecordingSink, envelope, insert_events, make_dispatcher
 from telemetry_support import capture
 
 from bench.drive import run_until_empty
+from room_outbox.attempt.failure import ErrorClass, Failure
 from room_outbox.config import ConfigError
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import NO_ATTEMPT, Telemetry, telemetry_from_environment
 from room_outbox.sink import PermanentSinkError
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.operator.reports import sample_backlog
+from room_outbox.store.protocol import OutboxRow
 
 
 @pytest.mark.anyio
@@ -184,6 +186,23 @@ def test_prometheus_text_is_the_standard_translation_in_base_units() -> None:
     (total,) = (s.value for s in duration.samples if s.name.endswith("_sum"))
     assert total == pytest.approx(30.033)
     assert not any(name.endswith(("_ms", "_total")) for name in families)  # no units but base ones
+
+
+def test_a_failed_attempt_adds_to_the_series_made_at_zero_not_a_second_one() -> None:
+    """A failure's error class is an enum: counted as its label text, /metrics shows one
+    series per label set (two would make Prometheus keep either value)."""
+    captured = capture()
+    telemetry = captured.telemetry
+    telemetry.metrics.start_at_zero([("tencent_im", "RoomGiftSent")])
+    row = OutboxRow(1, "e1", "RoomGiftSent", "r", "a", "{}", 0, "n#1")
+    for failed in (Failure("tencent_im", ErrorClass.RETRYABLE, "down"), None):
+        telemetry.attempt(row).finish(failed)
+    telemetry.flush_counts()
+    text = telemetry.prometheus_text()
+    retryable = [line for line in text.splitlines() if 'error_class="retryable",event_type="RoomGiftSent"' in line]
+    assert retryable == [
+        'room_outbox_publish_failure_total{error_class="retryable",event_type="RoomGiftSent",sink="tencent_im"} 1.0'
+    ]
 
 
 def test_without_configuration_nothing_is_recorded() -> None:

@@ -175,12 +175,14 @@ class DeliveryAttempt:
             if failure is None:
                 self._span.finish(sink, None, None)
             else:
-                self._span.finish(sink, failure.error_class, failure.error)
+                self._span.finish(sink, str(failure.error_class), failure.error)
         if failure is None:
             telemetry.count(metrics.success, labels)
             metrics.duration.record(elapsed, {**labels, "outcome": "published"})
         else:
-            telemetry.count(metrics.failure, {**labels, "error_class": failure.error_class})
+            # A plain str: the SDK keeps an enum member and its value as two series, which
+            # /metrics would show twice (the series made at zero, and this one).
+            telemetry.count(metrics.failure, {**labels, "error_class": str(failure.error_class)})
             metrics.duration.record(elapsed, {**labels, "outcome": "failed"})
 
 
