@@ -173,9 +173,10 @@ async def drain(
         finally:
             procs.stop(worker)
             log.seek(0)
-            failed = log.read().count("backlog sample failed")
+            said = log.read()
+            failed = said.count("backlog sample failed")
             log.close()
-    assert samples[-1].published > 0, f"{name}: nothing published in {max_seconds:g}s"
+    assert samples[-1].published > 0, f"{name}: nothing published in {max_seconds:g}s; it said: {said[-2000:]}"
     return BacklogRun(name, backlog, samples, peak, failed)
 
 
