@@ -38,13 +38,11 @@ FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events
         "backlog": 1_000_000, "backlog_drain": 50_000, "backlog_seconds": 120.0,
         "process_events": 20_000, "process_rooms": 500, "process_rounds": 3,
         "join_events": 6_000, "join_rooms": 50, "join_rounds": 3}  # fmt: skip
-# backlog_seconds: beyond a lease (30 s at the defaults), which a run that starts right after
-# another may wait out before a per_room bucket changes hands.
 QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300, "quota_events": 300,
          "latency_seconds": 2.0, "latency_batch": 100, "published": 20_000, "claim_rounds": 20, "rss_events": 5_000,
          "ordered_events": 2_000, "ordered_rooms": "50,500",
          "consume_events": 1_000, "consume_rounds": 1, "kafka_events": 500, "kafka_rounds": 1,
-         "backlog": 5_000, "backlog_drain": 1_000, "backlog_seconds": 60.0,
+         "backlog": 5_000, "backlog_drain": 1_000, "backlog_seconds": 30.0,
          "process_events": 2_000, "process_rooms": 500, "process_rounds": 1,
          "join_events": 1_000, "join_rooms": 50, "join_rounds": 1}  # fmt: skip
 
