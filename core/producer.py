@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiomysql
-import anyio
 
-from room_outbox.attempt.failure import classify, error_text
+from room_outbox.attempt.failure import error_text
+from room_outbox.attempt.pipeline import Attempts
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EventEnvelope
 from room_outbox.observability.redaction import Redactor
@@ -87,6 +87,7 @@ class OutboxProducer:
         self.router = router
         self.publish_timeout = publish_timeout
         self.redactor = redactor or Redactor()
+        self.attempts = Attempts(self.redactor, publish_timeout)
 
     async def publish_committed(self, event: EventEnvelope) -> PublishOutcome:
         """Push one committed event; on success mark it ``published`` (best effort)."""
@@ -115,12 +116,8 @@ class OutboxProducer:
         if route is None:
             return f"no sink for event_type {event.event_type}"
         name, sink = route
-        try:
-            with anyio.fail_after(self.publish_timeout):
-                await sink.deliver(event)
-        except Exception as exc:  # a sink bug must not fail a committed command either
-            return classify(self.redactor, name, exc, self.publish_timeout).error
-        return None
+        failure = await self.attempts.run(name, sink.deliver, event)  # a sink's bug is a failure too
+        return None if failure is None else failure.error
 
     async def _mark_published(self, event_id: str) -> None:
         conn = await self.pool.acquire()

@@ -144,7 +144,7 @@ class RecordingSink:
 
 
 def make_dispatcher(
-    store: MySQLStore, sink: Any, event_types: Any = None, node_id: str = "test", **options: Any
+    store: MySQLStore, sink: Any, event_types: Any = None, node_id: str = "test", redactor: Any = None, **options: Any
 ) -> Any:
     """A dispatcher whose lane routes ``event_types`` (default: every known type) to ``sink``."""
     from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
@@ -156,7 +156,7 @@ def make_dispatcher(
 
     options.setdefault("poll_interval", 0.05)
     options.setdefault("retry", RetryPolicy(interval=options["poll_interval"]))
-    return Dispatcher(store, Router({"test": sink}, routes), LaneOptions(**options), node_id)
+    return Dispatcher(store, Router({"test": sink}, routes), LaneOptions(**options), node_id, redactor)
 
 
 class SinkPlugin:

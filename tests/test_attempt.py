@@ -1,10 +1,16 @@
-"""The attempt's failure vocabulary: classification, redaction, and the cut at LAST_ERROR_MAX."""
+"""One attempt as every caller makes it: the deadline, the observer, the failure vocabulary
+(classification, redaction, the cut at LAST_ERROR_MAX)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import anyio
 import pytest
 
-from room_outbox.attempt.failure import ErrorClass, classify, describe, error_text, failure
+from room_outbox.attempt.failure import ErrorClass, Failure, describe, error_text
+from room_outbox.attempt.pipeline import Attempts
 from room_outbox.errors import PermanentSinkError, RetryableSinkError, ThrottledSinkError
 from room_outbox.observability.redaction import Redactor
 from room_outbox.store.schema.columns import LAST_ERROR_MAX
@@ -27,20 +33,21 @@ def _redactor() -> Redactor:
         (ValueError("oops"), ErrorClass.SINK_BUG, False),
     ],
 )
-def test_classify_maps_each_sink_exception_to_its_error_class(
+def test_failure_of_maps_each_sink_exception_to_its_error_class(
     exc: Exception, error_class: ErrorClass, permanent: bool
 ) -> None:
-    got = classify(_redactor(), "im", exc, timeout=2.5)
+    got = Attempts(_redactor(), 2.5).failure_of("im", exc)
     assert (got.sink, got.error_class, got.permanent, got.throttled) == ("im", error_class, permanent, False)
     assert got.error.startswith("im: ")
 
 
-def test_classify_names_the_deadline_of_a_timeout() -> None:
-    assert classify(_redactor(), "im", TimeoutError(), timeout=2.5).error == "im: no answer within publish_timeout 2.5s"
+def test_failure_of_names_the_deadline_of_a_timeout() -> None:
+    got = Attempts(_redactor(), 2.5, "handler_timeout").failure_of("im", TimeoutError())
+    assert got.error == "im: no answer within handler_timeout 2.5s"
 
 
-def test_classify_keeps_a_throttled_delivery_apart_with_its_retry_after() -> None:
-    got = classify(_redactor(), "im", ThrottledSinkError("rate limit", retry_after=0.25), timeout=1)
+def test_failure_of_keeps_a_throttled_delivery_apart_with_its_retry_after() -> None:
+    got = Attempts(_redactor(), 1).failure_of("im", ThrottledSinkError("rate limit", retry_after=0.25))
     assert (got.error_class, got.throttled, got.permanent, got.retry_after) == (ErrorClass.THROTTLED, True, False, 0.25)
 
 
@@ -68,9 +75,83 @@ def test_error_text_keeps_a_short_text_whole_but_its_secrets() -> None:
     assert error_text(_redactor(), "short") == "short"
 
 
-def test_failure_and_classify_redact_the_sink_text() -> None:
-    assert SECRET not in classify(_redactor(), "im", RetryableSinkError(f"bad sig {SECRET}"), timeout=1).error
-    assert SECRET not in failure(_redactor(), "-", ErrorClass.BAD_ENVELOPE, f"bad {SECRET}").error
+def test_failure_of_and_refused_redact_the_text() -> None:
+    attempts = Attempts(_redactor(), 1)
+    assert SECRET not in attempts.failure_of("im", RetryableSinkError(f"bad sig {SECRET}")).error
+    assert SECRET not in attempts.refused("-", ErrorClass.BAD_ENVELOPE, f"bad {SECRET}").error
+
+
+class _Watcher:
+    """An observer that notes what it was told, and whether the call ran inside ``current``."""
+
+    def __init__(self) -> None:
+        self.inside = False
+        self.seen_inside: list[bool] = []
+        self.finished: list[Failure | None] = []
+
+    @contextmanager
+    def current(self, name: str) -> Iterator[None]:
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+    def finish(self, failure: Failure | None) -> None:
+        self.finished.append(failure)
+
+
+@pytest.mark.anyio
+async def test_run_calls_inside_the_observer_and_reports_success() -> None:
+    watcher = _Watcher()
+
+    async def call(arg: int) -> None:
+        watcher.seen_inside.append(watcher.inside and arg == 7)
+
+    assert await Attempts(_redactor(), 1).run("im", call, 7, watcher) is None
+    assert watcher.seen_inside == [True] and watcher.finished == [None]
+
+
+@pytest.mark.anyio
+async def test_run_ends_a_call_at_its_deadline_as_a_timeout() -> None:
+    watcher = _Watcher()
+
+    async def hangs(_: None) -> None:
+        await anyio.sleep_forever()
+
+    with anyio.fail_after(10):
+        got = await Attempts(_redactor(), 0.05).run("im", hangs, None, watcher)
+    assert got is not None and got.error_class is ErrorClass.TIMEOUT
+    assert watcher.finished == [got]
+
+
+@pytest.mark.anyio
+async def test_run_classifies_and_reports_what_the_call_raised() -> None:
+    watcher = _Watcher()
+
+    async def fails(_: None) -> None:
+        raise PermanentSinkError(f"group gone {SECRET}")
+
+    got = await Attempts(_redactor(), 1).run("im", fails, None, watcher)
+    assert got is not None and (got.error_class, got.permanent) == (ErrorClass.PERMANENT, True)
+    assert SECRET not in got.error and watcher.finished == [got]
+
+
+@pytest.mark.anyio
+async def test_run_under_a_shared_scope_leaves_an_overrun_to_the_caller() -> None:
+    """The caller's scope ends an overrunning call outside run (nothing reported yet); the
+    caller reports it with timed_out, and the scope's deadline is cleared for the next call."""
+    watcher = _Watcher()
+
+    async def hangs(_: None) -> None:
+        await anyio.sleep_forever()
+
+    attempts = Attempts(_redactor(), 0.05)
+    with anyio.fail_after(10), anyio.CancelScope() as scope:
+        await attempts.run("im", hangs, None, watcher, scope)
+    assert scope.cancelled_caught and watcher.finished == []
+    got = attempts.timed_out("im", watcher)
+    assert got.error == "im: no answer within publish_timeout 0.05s" and watcher.finished == [got]
 
 
 def test_describe_names_the_exception_type() -> None:

@@ -143,9 +143,9 @@ async def test_sink_child_span_nests_and_secrets_stay_out_of_spans_logs_and_last
     redactor = Redactor()
     redactor.add("eJwSECRETSIG")
     captured = capture(redactor)
-    dispatcher = make_dispatcher(store, TracingSink(fail_with="ErrorCode 70001 usersig eJwSECRETSIG expired"))
+    sink = TracingSink(fail_with="ErrorCode 70001 usersig eJwSECRETSIG expired")
+    dispatcher = make_dispatcher(store, sink, redactor=redactor)
     dispatcher.telemetry = captured.telemetry
-    dispatcher.redactor = redactor
     stream = io.StringIO()
     root = logging.getLogger()
     saved = root.handlers[:], root.level

@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from room_outbox.errors import PermanentSinkError, SinkError, ThrottledSinkError
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.store.schema.columns import LAST_ERROR_MAX
 
@@ -61,23 +60,3 @@ def error_text(redactor: Redactor, text: str) -> str:
 def describe(exc: BaseException) -> str:
     """``"TypeName: message"``, or the type's name alone when the message is empty."""
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def failure(redactor: Redactor, sink: str, error_class: ErrorClass, text: str) -> Failure:
-    return Failure(sink, error_class, error_text(redactor, text), error_class.permanent)
-
-
-def classify(redactor: Redactor, sink: str, exc: Exception, timeout: float) -> Failure:
-    """The failure a sink's exception (or its deadline's ``TimeoutError``) means.
-    ``timeout``: the deadline in seconds, named in the text of a timeout."""
-    if isinstance(exc, TimeoutError):  # the sink's own, or an answer after the deadline
-        return failure(redactor, sink, ErrorClass.TIMEOUT, f"{sink}: no answer within publish_timeout {timeout:g}s")
-    if isinstance(exc, ThrottledSinkError):  # never sent: not an attempt
-        text = error_text(redactor, f"{sink}: {exc}")
-        return Failure(sink, ErrorClass.THROTTLED, text, retry_after=exc.retry_after)
-    if isinstance(exc, PermanentSinkError):
-        return failure(redactor, sink, ErrorClass.PERMANENT, f"{sink}: permanent: {exc}")
-    if isinstance(exc, SinkError):
-        return failure(redactor, sink, ErrorClass.RETRYABLE, f"{sink}: {exc}")
-    # a bug in a sink: recorded as a failure, never lost
-    return failure(redactor, sink, ErrorClass.SINK_BUG, f"{sink}: unexpected {type(exc).__name__}: {exc}")

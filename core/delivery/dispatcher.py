@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import TaskStatus
 
-from room_outbox.attempt.failure import ErrorClass, Failure, classify, error_text, failure
+from room_outbox.attempt.failure import ErrorClass, Failure, error_text
+from room_outbox.attempt.pipeline import Attempts
 from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.config import MAIN_LANE, OutboxWorkerSettings
 from room_outbox.delivery.failure_log import FailureLog
@@ -119,6 +120,8 @@ class Dispatcher:
         #: unique per process start even where two processes share a node_id.
         self.node_id = node_id
         self.redactor = redactor or Redactor()
+        #: Each sink call: its deadline, what its failure means, its span and metrics.
+        self.attempts = Attempts(self.redactor, options.publish_timeout)
         #: Spans and metrics; the default records nothing and costs next to nothing.
         self.telemetry = telemetry or Telemetry()
         #: Where rounds are reported for liveness and readiness.
@@ -322,8 +325,7 @@ class Dispatcher:
                 continue
             # Only an overrun ends the scope here (a cancellation from outside goes on up).
             row = current.queue[current.position]
-            timeout = classify(self.redactor, current.sink, TimeoutError(), self.options.publish_timeout)
-            results.append(self._result(row, current.attempt, timeout))
+            results.append(self._result(row, self.attempts.timed_out(current.sink, current.attempt)))
             feed.settled(self._release_rest(current.queue, current.position, results) + 1)
 
     def _release_rest(self, queue: Sequence[OutboxRow], position: int, results: list[DeliveryResult]) -> int:
@@ -353,12 +355,9 @@ class Dispatcher:
         current.attempt = (
             telemetry.attempt(row, self.router.event_label(row.event_type)) if telemetry.recording else NO_ATTEMPT
         )
-        failure = await self._deliver_one(row, current)
-        return self._result(row, current.attempt, failure)
+        return self._result(row, await self._deliver_one(row, current))
 
-    def _result(self, row: OutboxRow, attempt: DeliveryAttempt, failure: Failure | None) -> DeliveryResult:
-        if attempt is not NO_ATTEMPT:
-            attempt.finish(failure)
+    def _result(self, row: OutboxRow, failure: Failure | None) -> DeliveryResult:
         self.health.progressed()
         if failure is not None and failure.throttled:
             return self._throttled(row, failure)
@@ -405,35 +404,22 @@ class Dispatcher:
     async def _deliver_one(self, row: OutboxRow, current: _InFlight) -> Failure | None:
         """Parse, route and deliver; ``None`` on success. A sink call that overruns
         ``publish_timeout`` is cancelled by ``current.scope`` (see :meth:`deliver_in_turn`)."""
-        sink_name = current.sink = "-"
+        current.sink = "-"
+        attempt = current.attempt
         route = self.router.sink_for(row.event_type)
         if route is None and self.router.skip_unrouted:
-            return None  # a lane whose sink does not take this type: handled, nothing to send
-        attempt = current.attempt
+            attempt.finish(None)  # a lane whose sink does not take this type: handled, nothing to send
+            return None
         try:
             envelope = self._envelope_of(row)
-            attempt.parsed(envelope)  # its traceparent makes the attempt part of the producer's trace
-            if route is None:
-                raise _BadEvent(f"no sink for event_type {row.event_type}", ErrorClass.NO_ROUTE)
-            sink_name, sink = route
-            current.sink = sink_name
-            scope = current.scope
-            scope.deadline = anyio.current_time() + self.options.publish_timeout
-            try:
-                if attempt is NO_ATTEMPT:
-                    await sink.deliver(envelope)
-                else:
-                    with attempt.delivering(sink_name):
-                        await sink.deliver(envelope)
-            finally:
-                scope.deadline = math.inf
-            if scope.cancel_called:  # the deadline passed as the sink answered: too late, as with fail_after
-                raise TimeoutError
         except _BadEvent as exc:  # the event itself is unusable: retrying will not help
-            return failure(self.redactor, sink_name, exc.error_class, str(exc))
-        except Exception as exc:  # the sink's failure, its deadline, or a bug in it: never lost
-            return classify(self.redactor, sink_name, exc, self.options.publish_timeout)
-        return None
+            return self.attempts.refused("-", exc.error_class, str(exc), attempt)
+        attempt.parsed(envelope)  # its traceparent makes the attempt part of the producer's trace
+        if route is None:
+            no_route = f"no sink for event_type {row.event_type}"
+            return self.attempts.refused("-", ErrorClass.NO_ROUTE, no_route, attempt)
+        current.sink, sink = route
+        return await self.attempts.run(current.sink, sink.deliver, envelope, attempt, current.scope)
 
     @staticmethod
     def _envelope_of(row: OutboxRow) -> EventEnvelope:

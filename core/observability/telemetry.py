@@ -138,7 +138,8 @@ class Telemetry:
 
 
 class DeliveryAttempt:
-    """One delivery attempt being observed: its span (when tracing) and its metrics."""
+    """One delivery attempt being observed: its span (when tracing) and its metrics (an
+    :class:`~room_outbox.attempt.pipeline.Observer`)."""
 
     __slots__ = ("_event_label", "_sink", "_span", "_t0", "_telemetry")
 
@@ -154,7 +155,7 @@ class DeliveryAttempt:
         if self._span is not None:
             self._span.parsed(envelope)
 
-    def delivering(self, sink: str) -> AbstractContextManager[None]:
+    def current(self, sink: str) -> AbstractContextManager[None]:
         """Around the sink call: the attempt's span is current, so the sink's spans nest."""
         self._sink = sink
         return self._span.delivering(sink) if self._span is not None else nullcontext()
@@ -197,7 +198,7 @@ class _NoAttempt(DeliveryAttempt):
     def parsed(self, envelope: EventEnvelope) -> None:
         pass
 
-    def delivering(self, sink: str) -> AbstractContextManager[None]:
+    def current(self, sink: str) -> AbstractContextManager[None]:
         return _NULL_CONTEXT
 
     def finish(self, failure: Failure | None) -> None:

@@ -1,0 +1,136 @@
+"""One attempt, made the same way by every caller: the dispatcher delivering an event, the
+producer pushing it right after its commit, the tailing relay publishing a batch, a consumer
+handling a message.
+
+:meth:`Attempts.run` bounds the call by its deadline, lets its :class:`Observer` (the span and
+the metrics of that kind of attempt) watch it, turns what it raised into a :class:`Failure` of
+one vocabulary (:class:`ErrorClass`, the text redacted, then cut), and reports the outcome to
+the observer. The steps run in this order for everyone, so a timeout is classified, worded and
+counted alike wherever it happens, and no error text reaches a span or a log unredacted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol, TypeVar
+
+import anyio
+
+from room_outbox.attempt.failure import ErrorClass, Failure, error_text
+from room_outbox.errors import PermanentSinkError, SinkError, ThrottledSinkError
+from room_outbox.observability.redaction import Redactor
+
+T = TypeVar("T")
+
+#: What an exception other than the deadline's means: its class, its text (unredacted) and,
+#: for a throttled call, seconds until the limit may have room.
+Explain = Callable[[str, Exception], tuple[ErrorClass, str, float | None]]
+
+
+class Observer(Protocol):
+    """Watches one attempt: its span and its metrics."""
+
+    def current(self, name: str) -> AbstractContextManager[None]:
+        """Around the call: the attempt's span is current, so the callee's spans nest."""
+        ...
+
+    def finish(self, failure: Failure | None) -> None:
+        """The outcome: ``None`` on success."""
+        ...
+
+
+class _Unobserved:
+    def current(self, name: str) -> AbstractContextManager[None]:
+        return _NULL_CONTEXT
+
+    def finish(self, failure: Failure | None) -> None:
+        pass
+
+
+_NULL_CONTEXT: AbstractContextManager[None] = nullcontext()
+#: The observer of an attempt nobody watches.
+UNOBSERVED: Observer = _Unobserved()
+
+
+def explain_sink_error(sink: str, exc: Exception) -> tuple[ErrorClass, str, float | None]:
+    """A sink's exception: the sink's own classes, and anything else as a bug in the sink
+    (recorded as a failure, never lost)."""
+    if isinstance(exc, ThrottledSinkError):  # never sent: not an attempt
+        return ErrorClass.THROTTLED, f"{sink}: {exc}", exc.retry_after
+    if isinstance(exc, PermanentSinkError):
+        return ErrorClass.PERMANENT, f"{sink}: permanent: {exc}", None
+    if isinstance(exc, SinkError):
+        return ErrorClass.RETRYABLE, f"{sink}: {exc}", None
+    return ErrorClass.SINK_BUG, f"{sink}: unexpected {type(exc).__name__}: {exc}", None
+
+
+class Attempts:
+    """Attempts of one kind: each call bounded by ``timeout`` seconds (named ``timeout_name``
+    in the error text of a timeout), its exceptions explained by ``explain``."""
+
+    __slots__ = ("explain", "redactor", "timeout", "timeout_name")
+
+    def __init__(
+        self,
+        redactor: Redactor,
+        timeout: float,
+        timeout_name: str = "publish_timeout",
+        explain: Explain = explain_sink_error,
+    ) -> None:
+        self.redactor = redactor
+        self.timeout = timeout
+        self.timeout_name = timeout_name
+        self.explain = explain
+
+    async def run(
+        self,
+        name: str,
+        call: Callable[[T], Awaitable[object]],
+        arg: T,
+        observer: Observer = UNOBSERVED,
+        scope: anyio.CancelScope | None = None,
+    ) -> Failure | None:
+        """``await call(arg)`` as attempt ``name`` (a sink's or a handler's); ``None`` on
+        success. ``scope``: a cancel scope the caller keeps around many calls, its deadline
+        set for this one (cheaper than a scope per call); a call it cancels ends outside this
+        method, where the caller reports it with :meth:`timed_out`."""
+        try:
+            if scope is None:
+                with anyio.fail_after(self.timeout), observer.current(name):
+                    await call(arg)
+            else:
+                scope.deadline = anyio.current_time() + self.timeout
+                try:
+                    with observer.current(name):
+                        await call(arg)
+                finally:
+                    scope.deadline = math.inf
+                if scope.cancel_called:  # the deadline passed as the call returned: too late
+                    raise TimeoutError
+        except Exception as exc:
+            failure = self.failure_of(name, exc)
+        observer.finish(failure)
+        return failure
+
+    def timed_out(self, name: str, observer: Observer = UNOBSERVED) -> Failure:
+        """The call of attempt ``name`` overran the caller's scope (see :meth:`run`)."""
+        return self.refused(name, ErrorClass.TIMEOUT, self._timeout_text(name), observer)
+
+    def refused(self, name: str, error_class: ErrorClass, text: str, observer: Observer = UNOBSERVED) -> Failure:
+        """An attempt that fails before any call: the event itself is unusable."""
+        failure = Failure(name, error_class, error_text(self.redactor, text), error_class.permanent)
+        observer.finish(failure)
+        return failure
+
+    def failure_of(self, name: str, exc: Exception) -> Failure:
+        """What ``exc``, raised by the call of attempt ``name``, means."""
+        if isinstance(exc, TimeoutError):  # the deadline's, or the callee's own
+            error_class, text, retry_after = ErrorClass.TIMEOUT, self._timeout_text(name), None
+        else:
+            error_class, text, retry_after = self.explain(name, exc)
+        return Failure(name, error_class, error_text(self.redactor, text), error_class.permanent, retry_after)
+
+    def _timeout_text(self, name: str) -> str:
+        return f"{name}: no answer within {self.timeout_name} {self.timeout:g}s"
