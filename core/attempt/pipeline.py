@@ -96,6 +96,7 @@ class Attempts:
         success. ``scope``: a cancel scope the caller keeps around many calls, its deadline
         set for this one (cheaper than a scope per call); a call it cancels ends outside this
         method, where the caller reports it with :meth:`timed_out`."""
+        failure: Failure | None = None
         try:
             if scope is None:
                 with anyio.fail_after(self.timeout), observer.current(name):
