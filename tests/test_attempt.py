@@ -157,3 +157,10 @@ async def test_run_under_a_shared_scope_leaves_an_overrun_to_the_caller() -> Non
 def test_describe_names_the_exception_type() -> None:
     assert describe(KeyError()) == "KeyError"
     assert describe(ValueError("bad")) == "ValueError: bad"
+
+
+def test_describe_names_what_a_task_group_raised() -> None:
+    group = ExceptionGroup("unhandled errors in a TaskGroup", [ExceptionGroup("inner", [ValueError("bad")])])
+    assert describe(group) == "ValueError: bad"
+    two = ExceptionGroup("unhandled errors in a TaskGroup", [KeyError("k"), ValueError("bad")])
+    assert describe(two) == "KeyError: 'k' (and 1 more)"

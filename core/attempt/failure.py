@@ -58,5 +58,11 @@ def error_text(redactor: Redactor, text: str) -> str:
 
 
 def describe(exc: BaseException) -> str:
-    """``"TypeName: message"``, or the type's name alone when the message is empty."""
+    """``"TypeName: message"``, or the type's name alone when the message is empty. A task
+    group's exception group is described by what it holds (its first exception, and how many
+    more), as its own text only says that a task failed."""
+    if isinstance(exc, BaseExceptionGroup):
+        inner = exc.exceptions
+        more = f" (and {len(inner) - 1} more)" if len(inner) > 1 else ""
+        return describe(inner[0]) + more
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import TaskStatus
 
-from room_outbox.attempt.failure import ErrorClass, Failure, error_text
+from room_outbox.attempt.failure import ErrorClass, Failure, describe, error_text
 from room_outbox.attempt.pipeline import Attempts
 from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.config import MAIN_LANE, OutboxWorkerSettings
@@ -171,7 +171,7 @@ class Dispatcher:
                         if not round_.exhausted:
                             continue  # a backlog drains at full speed: no wait after a full batch
                     except Exception as exc:
-                        error = self._short(f"{type(exc).__name__}: {exc}")
+                        error = self._short(describe(exc))
                         self.health.round_ended(error)
                         log.error(
                             "outbox round failed; retrying after poll_interval",
