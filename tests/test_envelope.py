@@ -52,6 +52,7 @@ ROW = '{"event_id": "e", "event_type": "T", "room_id": "r", %s}'
         ('"payload": {"heat": -Infinity}', "payload.heat"),
         ('"payload": {"scores": [1, 1e999]}', "payload.scores.1"),
         ('"payload": {"x": -1E+400}', "payload.x"),
+        ('"payload": {"x": 2.5e1000}', "payload.x"),
         ('"future_field": {"y": NaN}', "future_field.y"),
     ],
 )
