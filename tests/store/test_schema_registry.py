@@ -3,12 +3,10 @@ runs, the start-up check passes after it, and a second migrate has nothing left 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from room_outbox.store.factory import open_store
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema import registry
 from room_outbox.store.schema.check import check_schema
@@ -22,12 +20,9 @@ EVERYTHING = WantedSchema(lanes=("audit",), tail_lanes=("kafka",), consumers=Tru
 
 
 @pytest.fixture
-async def store(store_dsn: str) -> AsyncIterator[SQLStore]:
-    opened = await open_store(store_dsn)
-    try:
-        yield opened
-    finally:
-        await opened.aclose()
+def store(bare_store: SQLStore) -> SQLStore:
+    """Every test here starts from a database nothing has migrated."""
+    return bare_store
 
 
 class RecordingStore:

@@ -76,15 +76,6 @@ def migration(store: SQLStore) -> set[str]:
 
 
 @pytest.fixture
-async def bare_store(store_dsn: str) -> AsyncIterator[SQLStore]:
-    store = await open_store(store_dsn)
-    try:
-        yield store
-    finally:
-        await store.aclose()
-
-
-@pytest.fixture
 async def any_store(bare_store: SQLStore) -> SQLStore:
     await bare_store.migrate()
     return bare_store
