@@ -158,7 +158,7 @@ class DeliveryAttempt:
     def current(self, sink: str) -> AbstractContextManager[None]:
         """Around the sink call: the attempt's span is current, so the sink's spans nest."""
         self._sink = sink
-        return self._span.delivering(sink) if self._span is not None else nullcontext()
+        return self._span.delivering(sink) if self._span is not None else _NULL_CONTEXT
 
     def finish(self, failure: Failure | None) -> None:
         """End the span and record the outcome; ``failure`` is ``None`` on success."""
