@@ -20,138 +20,44 @@ revoked meanwhile it is dropped (the new assignment reads from the committed off
 partitions move to another member only after this member's batch is settled and committed,
 so no message is handled by two members at the same time.
 
-**Retries keep a room's order.** A failed handling goes to ``room_consumer_retry`` and the
-partition moves on. With ``ordering: per_room`` later messages of the same room and handler
-queue behind it in the table, and the retry worker takes only each room's first row: the room
-is handled in order, the rest of the partition is not held up.
+Handling one message (:mod:`.handling`), the retry worker (:mod:`.retries`), dead letters
+(:mod:`.dead_letters`) and routing (:mod:`.messages`) are parts the consumer owns.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 from anyio.abc import TaskStatus
-from anyio.lowlevel import checkpoint
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from room_outbox.attempt.failure import describe, error_text
-from room_outbox.attempt.retry import RetryPolicy
+from room_outbox.consume.dead_letters import DLQ_SEND_TIMEOUT, DeadLetters
+from room_outbox.consume.handling import Handling
+from room_outbox.consume.messages import Fetched, Message, Router
 from room_outbox.consume.registry import BoundHandler
+from room_outbox.consume.retries import RetryWorker
 from room_outbox.consume.settings import ConsumerSettings
-from room_outbox.envelope import KNOWN_EVENT_TYPES, EnvelopeError, EventEnvelope, parse_envelope
-from room_outbox.handler import BatchHandler, ConsumedEvent, HandleContext, PermanentHandlerError
+from room_outbox.handler import BatchHandler
 from room_outbox.observability.metrics import ConsumerMetrics
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import Telemetry
-from room_outbox.observability.tracing import producer_context
-from room_outbox.store.clock import now_ms
-from room_outbox.store.consumers.protocol import (
-    NO_HANDLER,
-    ROOM_KEY_MAX,
-    ConsumerBatch,
-    ConsumerStore,
-    LeaseLost,
-    Processed,
-    RetryRow,
-)
+from room_outbox.store.consumers.protocol import NO_HANDLER, ConsumerBatch, ConsumerStore, RetryRow
 
 log = logging.getLogger("room_outbox.consume")
 
 FETCH_TIMEOUT_MS = 500
 #: Pause after a batch could not be settled (the database is down, say) before it is tried again.
 BATCH_RETRY_PAUSE = 1.0
-#: How long a batch's dead-letter copies may take, together (not each: a topic that refuses
-#: them would hold the partition this long once per copy).
-DLQ_SEND_TIMEOUT = 10.0
 #: The last offset commit, when the consumer stops.
 COMMIT_TIMEOUT = 10.0
-#: Messages routed between two checkpoints, so that routing a batch read ahead holds up the
-#: settling batch's database statements by no more than this many messages' parsing.
-ROUTE_SLICE = 50
-#: Event types whose handlers are remembered: a topic full of made-up types stays bounded.
-MAX_EVENT_TYPES_KEPT = 1000
 #: One attempt to reach the broker and join the group; then a pause before the next.
 JOIN_TIMEOUT = 30.0
 JOIN_RETRY_PAUSE = 2.0
-
-
-@dataclass
-class Message:
-    """A fetched message, parsed and routed once."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: str
-    value: bytes
-    headers: dict[str, str]
-    envelope: EventEnvelope | None = None
-    #: Why it is a dead letter before any handler (unparsable, unknown type); None otherwise.
-    rejected: str | None = None
-    handlers: list[BoundHandler] = field(default_factory=list)
-
-    @property
-    def room(self) -> str:
-        # No key: nothing to keep in order with; each such message is a group of its own.
-        return self.key or f"@{self.partition}:{self.offset}"
-
-    @property
-    def held_key(self) -> str:
-        """The room as the retry table keeps it (and so as held-back rooms are compared)."""
-        return self.room[:ROOM_KEY_MAX]
-
-    @property
-    def app_code(self) -> str:
-        if self.envelope is not None:
-            return self.envelope.app_code
-        return self.key.split(":", 1)[0] if ":" in self.key else ""
-
-    @property
-    def event_id(self) -> str:
-        if self.envelope is not None:
-            return self.envelope.event_id
-        return self.headers.get("event_id") or f"{self.topic}:{self.partition}:{self.offset}"
-
-    @property
-    def traceparent(self) -> str | None:
-        """The producer's trace: the header the Kafka sink sets, else the envelope's own."""
-        return self.headers.get("traceparent") or (self.envelope.traceparent if self.envelope is not None else None)
-
-    @property
-    def event_type(self) -> str:
-        return self.envelope.event_type if self.envelope is not None else self.headers.get("event_type", "")
-
-
-@dataclass
-class Fetched:
-    """A fetched batch, routed: its messages by room, each partition's first offset (to
-    fetch it again) and the offsets to commit once it is settled."""
-
-    rooms: dict[str, list[Message]]
-    first: dict[TopicPartition, int]
-    offsets: dict[TopicPartition, int]
-    #: :attr:`Consumer._generation` when fetched: a revocation since makes it stale.
-    generation: int
-    #: (handler, room) pairs with rows retrying when looked up while the batch before
-    #: settled; None: not looked up yet.
-    blocked: set[tuple[str, str]] | None = None
-    #: Its (message, handler) handlings and its messages rejected before any handler: when
-    #: the batch handlers have done every handling and none is rejected, nothing is left.
-    handlings: int = 0
-    rejected: int = 0
-
-
-def _headers(raw: Any) -> dict[str, str]:
-    return {str(k): (v or b"").decode("utf-8", "replace") for k, v in (raw or ())}
 
 
 class Consumer:
@@ -169,19 +75,18 @@ class Consumer:
         self.settings = settings
         self.store = store
         self.handlers = handlers
-        self.owner = f"{node_id}#{name}"
         self.redactor = redactor
-        self.telemetry = telemetry
         self.metrics = ConsumerMetrics(telemetry.meter, name, handlers)
         self.ordered = settings.ordering == "per_room"
-        retry = settings.retry
-        self.policy = RetryPolicy(
-            strategy="exponential", base=retry.base, factor=retry.factor, cap=retry.cap, jitter=retry.jitter,
-            max_attempts=retry.max_attempts, parking=True,
-        )  # fmt: skip
-        self.lease_ms = int((2 * settings.handler_timeout + 5) * 1000)
         self.running = False
         self._stop = anyio.Event()
+        self.router = Router(name, handlers)
+        self.dead_letters = DeadLetters(name, settings, self.metrics, redactor)
+        self.handling = Handling(name, settings, store, telemetry, self.metrics, redactor, self.dead_letters)
+        self.retries = RetryWorker(
+            name, f"{node_id}#{name}", settings, store, self.router, self.handling, self.dead_letters, redactor,
+            self._stop,
+        )  # fmt: skip
         self._batch_lock = anyio.Lock()
         #: Counts revocations; a batch fetched under an older count is not settled.
         self._generation = 0
@@ -190,11 +95,7 @@ class Consumer:
         self._kafka: AIOKafkaConsumer | None = None
         #: (handler, room) pairs the settling batch has put in the retry table.
         self._retrying: set[tuple[str, str]] = set()
-        self._limiter = anyio.CapacityLimiter(settings.concurrency)
-        self._dlq: AIOKafkaProducer | None = None
         self._batch_handlers = [h for h in handlers.values() if isinstance(h.handler, BatchHandler)]
-        #: The handlers that take each event type met so far (the handlers never change).
-        self._handlers_of: dict[str, list[BoundHandler]] = {}
 
     def stop(self) -> None:
         self._stop.set()
@@ -206,7 +107,7 @@ class Consumer:
         until :meth:`stop`; the retry worker runs from the start, broker or not."""
         try:
             async with anyio.create_task_group() as tasks:
-                tasks.start_soon(self._retry_loop)
+                tasks.start_soon(self.retries.run)
                 kafka = await self._join()
                 if kafka is not None:
                     self.running = True
@@ -219,9 +120,7 @@ class Consumer:
                             await kafka.stop()  # leaves the group: the others take over at once
                 tasks.cancel_scope.cancel()
         finally:
-            if self._dlq is not None:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                    await self._dlq.stop()
+            await self.dead_letters.close()
             log.info("consumer stopped", extra={"lifecycle": "consumer_stopped", "consumer": self.name})
 
     async def _join(self) -> AIOKafkaConsumer | None:
@@ -249,7 +148,11 @@ class Consumer:
                     await kafka.stop()
                 log.warning(
                     "broker unavailable; trying again",
-                    extra={"consumer": self.name, "bootstrap_servers": s.bootstrap_servers, "error": self._error(exc)},
+                    extra={
+                        "consumer": self.name,
+                        "bootstrap_servers": s.bootstrap_servers,
+                        "error": error_text(self.redactor, describe(exc)),
+                    },
                 )
                 with anyio.move_on_after(JOIN_RETRY_PAUSE):
                     await self._stop.wait()
@@ -307,7 +210,8 @@ class Consumer:
             # Nothing of this batch is committed: fetch it again from its first offsets after a
             # pause; what it settled already is found as processed.
             log.error(
-                "batch not settled; fetching it again", extra={"consumer": self.name, "error": self._error(error)}
+                "batch not settled; fetching it again",
+                extra={"consumer": self.name, "error": error_text(self.redactor, describe(error))},
             )
             for tp, offset in {**(ahead.first if ahead else {}), **fetched.first}.items():
                 kafka.seek(tp, offset)
@@ -325,28 +229,16 @@ class Consumer:
         except KafkaError as exc:
             # The partitions moved on (a rebalance): their new owner re-reads from the last
             # commit and finds these messages processed.
-            log.warning("offset commit failed", extra={"consumer": self.name, "error": self._error(exc)})
+            log.warning(
+                "offset commit failed", extra={"consumer": self.name, "error": error_text(self.redactor, describe(exc))}
+            )
             return
         self._record_lag(self._kafka, offsets)
 
     async def _fetch(self, kafka: AIOKafkaConsumer, timeout_ms: int) -> Fetched | None:
         """The next batch, routed; None when none came within ``timeout_ms``."""
         batch = await kafka.getmany(timeout_ms=timeout_ms, max_records=self.settings.max_batch)
-        if not batch:
-            return None
-        fetched = Fetched(
-            rooms={}, generation=self._generation,
-            first={tp: records[0].offset for tp, records in batch.items()},
-            offsets={tp: records[-1].offset + 1 for tp, records in batch.items()},
-        )  # fmt: skip
-        for n, record in enumerate(record for records in batch.values() for record in records):
-            if n % ROUTE_SLICE == ROUTE_SLICE - 1:
-                await checkpoint()  # the settling batch's statements go on meanwhile
-            message = self._route(record)
-            fetched.rooms.setdefault(message.room, []).append(message)
-            fetched.handlings += len(message.handlers)
-            fetched.rejected += message.rejected is not None
-        return fetched
+        return await self.router.route_batch(batch, self._generation) if batch else None
 
     async def _fetch_ahead(self, kafka: AIOKafkaConsumer, into: list[Fetched]) -> None:
         """The next batch, routed, and its rooms held back by retries as they are now (what
@@ -412,7 +304,11 @@ class Consumer:
         the number of messages. Returns the (partition, offset, handler) handlings committed."""
         done: set[tuple[int, int, str]] = set()
         for handler in self._batch_handlers:
-            done |= await self._handle_many(rooms, handler, blocked)
+            messages = [
+                m for room in rooms for m in room
+                if m.rejected is None and handler in m.handlers and (handler.name, m.held_key) not in blocked
+            ]  # fmt: skip
+            done |= await self.handling.handle_many(messages, handler)
         return done
 
     async def _settle_chunk(
@@ -433,38 +329,12 @@ class Consumer:
         except Exception as exc:
             log.warning(
                 "chunk not settled in one transaction; settling its messages one by one",
-                extra={"consumer": self.name, "messages": messages, "error": self._error(exc)},
+                extra={"consumer": self.name, "messages": messages, "error": error_text(self.redactor, describe(exc))},
             )
             dead = []
             for room in rooms:
                 await self._settle_room(room, blocked, None, dead, done)
-        await self._announce_dead_letters(dead)
-
-    def _route(self, record: Any) -> Message:
-        message = Message(
-            topic=record.topic, partition=record.partition, offset=record.offset,
-            key=(record.key or b"").decode("utf-8", "replace"), value=record.value or b"",
-            headers=_headers(record.headers),
-        )  # fmt: skip
-        try:
-            message.envelope = parse_envelope(message.value)
-        except EnvelopeError as exc:
-            message.rejected = f"unparsable value: {exc}"
-            return message
-        self._choose_handlers(message)
-        return message
-
-    def _choose_handlers(self, message: Message) -> None:
-        assert message.envelope is not None
-        event_type = message.envelope.event_type
-        handlers = self._handlers_of.get(event_type)
-        if handlers is None:
-            handlers = [h for h in self.handlers.values() if h.takes(event_type)]
-            if len(self._handlers_of) < MAX_EVENT_TYPES_KEPT:
-                self._handlers_of[event_type] = handlers
-        message.handlers = handlers
-        if not message.handlers and event_type not in KNOWN_EVENT_TYPES:
-            message.rejected = f"unknown event type {event_type!r}: no handler of consumer {self.name} takes it"
+        await self.dead_letters.announce(dead)
 
     async def _settle_room(
         self,
@@ -482,7 +352,7 @@ class Consumer:
         held: set[str] = {handler for handler, room in blocked if room == messages[0].held_key}
         for message in messages:
             if message.rejected is not None:
-                row = self._retry_row(message, NO_HANDLER, 1, message.rejected)
+                row = message.retry_row(self.name, NO_HANDLER, 1, message.rejected)
                 await outcomes.dead_letter(row)
                 dead.append((row, "rejected"))
                 continue
@@ -491,313 +361,15 @@ class Consumer:
                     continue
                 if handler.name in held:
                     await outcomes.schedule(
-                        self._retry_row(message, handler.name, 0, "waiting behind an earlier event of its room")
+                        message.retry_row(self.name, handler.name, 0, "waiting behind an earlier event of its room")
                     )
                     self._retrying.add((handler.name, message.held_key))
                     continue
-                ok = await self._handle(message, handler, attempt=1, retry=None, batch=batch, dead=dead)
-                if not ok and self.ordered:
+                result = await self.handling.handle(message, handler, attempt=1, retry=None, batch=batch, dead=dead)
+                if result == "retry":
+                    self._retrying.add((handler.name, message.held_key))
+                if result != "done" and self.ordered:
                     held.add(handler.name)
-
-    async def _handle_many(
-        self, rooms: list[list[Message]], handler: BoundHandler, blocked: set[tuple[str, str]]
-    ) -> set[tuple[int, int, str]]:
-        """The rooms' messages for ``handler`` in one ``handle_batch`` call and one transaction
-        (rooms it holds back excepted); returns the handlings committed, none when the call or
-        the transaction failed (then each message goes through ``handle`` on its own, so a
-        bad one costs only itself)."""
-        messages = [
-            m for room in rooms for m in room
-            if m.rejected is None and handler in m.handlers and (handler.name, m.held_key) not in blocked
-        ]  # fmt: skip
-        if not messages:
-            return set()
-        records = [self._record(m, handler) for m in messages]
-        events = [self._event(m, 1) for m in messages]
-        labels = {"consumer": self.name, "handler": handler.name}
-        spans = [self._start_span(m, handler.name, 1) for m in messages] if self.telemetry.tracer else []
-        started = time.perf_counter()
-        try:
-            with anyio.fail_after(self.settings.handler_timeout):
-                async with self.store.processing_many(records) as (tx, fresh):
-                    new = [event for event, first in zip(events, fresh, strict=True) if first]
-                    if new:
-                        assert isinstance(handler.handler, BatchHandler)
-                        await handler.handler.handle_batch(new, HandleContext(tx, log))
-        except Exception as exc:
-            log.info(
-                "handle_batch failed; handling one by one",
-                extra={**labels, "messages": len(messages), "error": self._error(exc)},
-            )
-            for span in spans:
-                span.end()
-            return set()
-        elapsed = time.perf_counter() - started
-        for span in spans:
-            span.end()
-        self.metrics.handled.add(len(new), {**labels, "outcome": "handled"})
-        if len(new) < len(messages):
-            self.metrics.handled.add(len(messages) - len(new), {**labels, "outcome": "duplicate"})
-        for _ in messages:  # the call's time, shared out: what one handling cost
-            self.metrics.duration.record(elapsed / len(messages), labels)
-        return {(m.partition, m.offset, handler.name) for m in messages}
-
-    def _record(self, message: Message, handler: BoundHandler) -> Processed:
-        assert message.envelope is not None
-        return Processed(
-            self.name, handler.name, message.envelope.app_code, message.envelope.event_id, message.topic,
-            message.partition, message.offset,
-        )  # fmt: skip
-
-    def _event(self, message: Message, attempt: int) -> ConsumedEvent:
-        assert message.envelope is not None
-        return ConsumedEvent(
-            envelope=message.envelope, consumer=self.name, topic=message.topic, partition=message.partition,
-            offset=message.offset, key=message.key, headers=message.headers, attempt=attempt, value=message.value,
-        )  # fmt: skip
-
-    def _retry_row(self, message: Message, handler: str, attempts: int, error: str | None, due: int = 0) -> RetryRow:
-        return RetryRow(
-            consumer=self.name, handler=handler, app_code=message.app_code, event_id=message.event_id[:128],
-            event_type=message.event_type[:64], room_key=message.room, topic=message.topic,
-            partition=message.partition, offset=message.offset, value=message.value, headers=message.headers,
-            attempts=attempts, due_at_ms=due, last_error=error,
-        )  # fmt: skip
-
-    # -- one handling -------------------------------------------------------------------------
-
-    async def _handle(
-        self,
-        message: Message,
-        handler: BoundHandler,
-        attempt: int,
-        retry: RetryRow | None,
-        batch: ConsumerBatch | None = None,
-        dead: list[tuple[RetryRow, str]] | None = None,
-    ) -> bool:
-        """Handle ``message`` with ``handler`` once, in ``batch`` (a savepoint of a shared
-        transaction) or in a transaction of its own. A failure is recorded (retry or dead
-        letter) before this returns; dead letters to announce once committed go to ``dead``.
-        True when the message is done for this handler."""
-        assert message.envelope is not None
-        envelope = message.envelope
-        record = self._record(message, handler)
-        event = self._event(message, attempt)
-        labels = {"consumer": self.name, "handler": handler.name}
-        started = time.perf_counter()
-        error: BaseException | None = None
-        outcome = "handled"
-        with self._span(message, handler.name, attempt) as span:
-            try:
-                with anyio.fail_after(self.settings.handler_timeout):
-                    processing = batch.processing(record) if batch is not None else self.store.processing(record, retry)
-                    async with processing as tx:
-                        if tx is None:
-                            outcome = "duplicate"
-                        else:
-                            await handler.handler.handle(event, HandleContext(tx, log))
-            except TimeoutError:
-                if batch is not None:
-                    raise  # cancelled mid-statement: the shared transaction is lost, not just this savepoint
-                error = TimeoutError(f"handling took longer than handler_timeout {self.settings.handler_timeout:g}s")
-                if span is not None:
-                    span.set_attribute("error.type", "TimeoutError")
-                    span.set_status(Status(StatusCode.ERROR))
-            except LeaseLost as exc:
-                log.warning("retry lease lost; another process has the row", extra={**labels, "error": str(exc)})
-                return True
-            except Exception as exc:
-                error = exc
-                if span is not None:
-                    span.set_attribute("error.type", type(exc).__name__)
-                    span.set_status(Status(StatusCode.ERROR))
-        self.metrics.duration.record(time.perf_counter() - started, labels)
-        if error is None:
-            self.metrics.handled.add(1, {**labels, "outcome": outcome})
-            return True
-        text = self._error(error)
-        permanent = isinstance(error, PermanentHandlerError)
-        extra = {**labels, "event_id": envelope.event_id, "event_type": envelope.event_type,
-                 "room_id": envelope.room_id, "attempt": attempt, "error": text}  # fmt: skip
-        outcomes: ConsumerBatch | ConsumerStore = batch if batch is not None else self.store
-        reason = "permanent" if permanent else "failed"
-        if self.policy.parks(attempt, permanent):
-            row = self._retry_row(message, handler.name, attempt, text)
-            if retry is None:
-                await outcomes.dead_letter(row)
-                if dead is not None:
-                    dead.append((row, reason))
-                else:
-                    await self._announce_dead_letter(row, reason)
-            elif await self.store.retry_failed(retry, attempt, now_ms(), text, dead=True):
-                await self._announce_dead_letter(row, reason)
-            return False
-        due = now_ms() + int(self.policy.delay(attempt) * 1000)
-        log.warning("handling failed; retry scheduled", extra={**extra, "retry_at_ms": due})
-        self.metrics.retried.add(1, labels)
-        if retry is None:
-            await outcomes.schedule(self._retry_row(message, handler.name, attempt, text, due))
-            self._retrying.add((handler.name, message.held_key))
-        else:
-            await self.store.retry_failed(retry, attempt, due, text, dead=False)
-        return False
-
-    def _span(self, message: Message, handler: str, attempt: int) -> Any:
-        """A span per handling, current while it runs, child of the message's
-        ``traceparent`` (no tracer: none)."""
-        tracer = self.telemetry.tracer
-        if tracer is None:
-            return _NoSpan()
-        return trace.use_span(self._start_span(message, handler, attempt), end_on_exit=True)
-
-    def _start_span(self, message: Message, handler: str, attempt: int) -> trace.Span:
-        tracer = self.telemetry.tracer
-        assert tracer is not None
-        attributes: dict[str, str | int] = {
-            "messaging.system": "kafka",
-            "messaging.operation.type": "process",
-            "messaging.destination.name": message.topic,
-            "messaging.destination.partition.id": str(message.partition),
-            "messaging.kafka.offset": message.offset,
-            "messaging.consumer.group.name": self.settings.group(self.name),
-            "room_outbox.consumer": self.name,
-            "room_outbox.handler": handler,
-            "room_outbox.event_id": message.event_id,
-            "room_outbox.event_type": message.event_type,
-            "room_outbox.attempt": attempt,
-        }
-        return tracer.start_span(
-            f"process {message.topic} {handler}", context=producer_context(message.traceparent),
-            kind=SpanKind.CONSUMER, attributes=attributes, record_exception=False, set_status_on_exception=False,
-        )  # fmt: skip
-
-    # -- dead letters -------------------------------------------------------------------------
-
-    async def _announce_dead_letter(self, row: RetryRow, reason: str) -> None:
-        await self._announce_dead_letters([(row, reason)])
-
-    async def _announce_dead_letters(self, dead: list[tuple[RetryRow, str]]) -> None:
-        """Log, count and copy to the dead-letter topic dead letters already recorded."""
-        for row, reason in dead:
-            log.error(
-                "dead letter",
-                extra={"consumer": self.name, "handler": row.handler or "(none)", "event_id": row.event_id,
-                       "event_type": row.event_type, "topic": row.topic, "partition": row.partition,
-                       "offset": row.offset, "attempts": row.attempts, "error": row.last_error},
-            )  # fmt: skip
-            self.metrics.dead.add(1, {"consumer": self.name, "handler": row.handler or "(none)", "reason": reason})
-        await self._publish_dead_letters([row for row, _ in dead])
-
-    async def _publish_dead_letter(self, row: RetryRow) -> None:
-        await self._publish_dead_letters([row])
-
-    async def _publish_dead_letters(self, rows: list[RetryRow]) -> None:
-        """Copies to the dead-letter topic, the error in their headers, all sent at once and
-        awaited together within ``DLQ_SEND_TIMEOUT``. The table rows are the record that counts
-        (status, inspect, redrive); a failed copy is logged, not retried."""
-        topic = self.settings.dlq_topic()
-        if topic is None or not rows:
-            return
-        try:
-            with anyio.fail_after(DLQ_SEND_TIMEOUT):
-                producer = await self._dlq_producer()
-                sent = [
-                    await producer.send(
-                        topic, row.value, key=row.room_key.encode(), headers=_dlq_headers(self.name, row)
-                    )
-                    for row in rows
-                ]
-                await asyncio.gather(*sent)
-        except (KafkaError, TimeoutError, OSError) as exc:
-            log.warning(
-                "dead letters not copied to their topic (they are in room_consumer_retry)",
-                extra={"consumer": self.name, "topic": topic, "event_ids": [row.event_id for row in rows][:20],
-                       "dead_letters": len(rows), "error": self._error(exc)},
-            )  # fmt: skip
-
-    async def _dlq_producer(self) -> AIOKafkaProducer:
-        if self._dlq is None:
-            producer = AIOKafkaProducer(
-                bootstrap_servers=self.settings.bootstrap_servers, client_id=f"{self.settings.client_id}-dlq",
-                acks="all", **self.settings.security.client_kwargs(),
-            )  # fmt: skip
-            try:
-                await producer.start()
-            except BaseException:
-                await producer.stop()
-                raise
-            self._dlq = producer
-        return self._dlq
-
-    # -- the retry worker ---------------------------------------------------------------------
-
-    async def _retry_loop(self) -> None:
-        """Take due rows of ``room_consumer_retry`` (each room's first, when ordered) and
-        handle them; again at once while there were any, else after ``retry.poll_interval``."""
-        while not self._stop.is_set():
-            try:
-                rows = await self.store.claim_retries(
-                    self.name, self.owner, self.settings.concurrency, self.lease_ms, self.ordered
-                )
-            except Exception as exc:
-                log.warning("retry claim failed", extra={"consumer": self.name, "error": self._error(exc)})
-                rows = []
-            if not rows:
-                with anyio.move_on_after(self.settings.retry.poll_interval):
-                    await self._stop.wait()
-                continue
-            async with anyio.create_task_group() as tasks:
-                for row in rows:
-                    tasks.start_soon(self._retry_one, row)
-
-    async def _retry_one(self, row: RetryRow) -> None:
-        try:
-            async with self._limiter:
-                if self._stop.is_set():
-                    await self.store.release([row])
-                    return
-                await self._retry(row)
-        except Exception as exc:  # the row's lease runs out and it comes back
-            log.warning("retry failed to settle", extra={"consumer": self.name, "error": self._error(exc)})
-
-    async def _retry(self, row: RetryRow) -> None:
-        message = Message(
-            topic=row.topic, partition=row.partition, offset=row.offset, key=row.room_key, value=row.value,
-            headers=row.headers,
-        )  # fmt: skip
-        try:
-            message.envelope = parse_envelope(row.value)
-        except EnvelopeError as exc:
-            message.rejected = f"unparsable value: {exc}"
-        if row.handler == NO_HANDLER:
-            # A redriven dead letter that no handler was chosen for: route it anew (the
-            # consumer's handlers may have changed since).
-            if message.rejected is None:
-                self._choose_handlers(message)
-            if message.rejected is not None or not message.handlers:
-                error = message.rejected or f"no handler of consumer {self.name} takes {message.event_type!r}"
-                if await self.store.retry_failed(row, row.attempts + 1, now_ms(), error, dead=True):
-                    await self._publish_dead_letter(self._retry_row(message, NO_HANDLER, row.attempts + 1, error))
-                return
-            await self.store.replace(row, [self._retry_row(message, h.name, 0, None) for h in message.handlers])
-            return
-        handler = self.handlers.get(row.handler)
-        if handler is None or message.envelope is None:
-            error = message.rejected or f"handler {row.handler!r} is not among consumer {self.name}'s handlers"
-            await self.store.retry_failed(row, row.attempts, now_ms(), error, dead=True)
-            return
-        await self._handle(message, handler, attempt=row.attempts + 1, retry=row)
-
-    def _error(self, exc: BaseException) -> str:
-        return error_text(self.redactor, describe(exc))
-
-
-class _NoSpan:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def rebalance_timeout(settings: ConsumerSettings, batch_handlers: int) -> float:
@@ -836,17 +408,3 @@ class _SettleBeforeRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
 
 
 __all__ = ["Consumer"]
-
-
-def _dlq_headers(consumer: str, row: RetryRow) -> list[tuple[str, bytes]]:
-    """The message's own headers but earlier ``dlq.*`` ones, and where and why it died."""
-    return [
-        *((k, v.encode()) for k, v in row.headers.items() if not k.startswith("dlq.")),
-        ("dlq.error", (row.last_error or "").encode()),  # already cut to LAST_ERROR_MAX
-        ("dlq.consumer", consumer.encode()),
-        ("dlq.handler", row.handler.encode()),
-        ("dlq.topic", row.topic.encode()),
-        ("dlq.partition", str(row.partition).encode()),
-        ("dlq.offset", str(row.offset).encode()),
-        ("dlq.attempts", str(row.attempts).encode()),
-    ]

@@ -450,7 +450,7 @@ def test_routing_remembers_handlers_per_event_type_within_a_bound() -> None:
     type, and the memory stays bounded."""
     from types import SimpleNamespace
 
-    from room_outbox.consume.engine import MAX_EVENT_TYPES_KEPT
+    from room_outbox.consume.messages import MAX_EVENT_TYPES_KEPT
 
     settings = ConsumerSettings(bootstrap_servers="127.0.0.1:1", handlers=["recording"])
     pm = make_plugin_manager(extra_plugins=[RecordingPlugin()])
@@ -460,12 +460,12 @@ def test_routing_remembers_handlers_per_event_type_within_a_bound() -> None:
     def routed(offset: int, event_type: str) -> Any:
         value = json.dumps(envelope(f"e{offset}", event_type, "room_1", 1)).encode()
         record = SimpleNamespace(topic=TOPIC, partition=0, offset=offset, key=b"app1:room_1", value=value, headers=())
-        return consumer._route(record)
+        return consumer.router.route(record)
 
     made_up = [routed(n, f"Made{n}Up") for n in range(MAX_EVENT_TYPES_KEPT + 200)]
     assert all(m.rejected == f"unknown event type 'Made{n}Up': no handler of consumer feed takes it"
                for n, m in enumerate(made_up))  # fmt: skip
-    assert len(consumer._handlers_of) == MAX_EVENT_TYPES_KEPT
+    assert len(consumer.router._handlers_of) == MAX_EVENT_TYPES_KEPT
     joined = [routed(n, "RoomUserJoined") for n in range(3)]
     assert [[h.name for h in m.handlers] for m in joined] == [["recording"]] * 3
     assert all(m.rejected is None for m in joined)
@@ -491,7 +491,7 @@ async def test_a_refused_dead_letter_topic_holds_a_batch_once_not_once_per_copy(
     """Five unparsable messages of one room settle in one chunk, then their copies go to a
     dead-letter topic that never answers. They wait for it together: one timeout, not five
     in a row with the partition held meanwhile."""
-    monkeypatch.setattr("room_outbox.consume.engine.DLQ_SEND_TIMEOUT", 1.0)
+    monkeypatch.setattr("room_outbox.consume.dead_letters.DLQ_SEND_TIMEOUT", 1.0)
     pm = make_plugin_manager(extra_plugins=[RecordingPlugin()])
     settings = ConsumerSettings(
         bootstrap_servers=broker.bootstrap, handlers=["recording"], session_timeout=6, retry={"poll_interval": 0.1}
@@ -506,7 +506,7 @@ async def test_a_refused_dead_letter_topic_holds_a_batch_once_not_once_per_copy(
     async def dead_letter_producer() -> SilentDeadLetterTopic:
         return silent
 
-    monkeypatch.setattr(consumer, "_dlq_producer", dead_letter_producer)
+    monkeypatch.setattr(consumer.dead_letters, "producer", dead_letter_producer)
 
     def records(message: str) -> list[Any]:
         return [r for r in caplog.records if r.getMessage() == message]
@@ -544,7 +544,8 @@ async def test_the_group_waits_for_a_batch_as_long_as_its_own_deadlines_allow() 
     its partitions mid-batch. The consumer asks for as long as a batch may take instead."""
     from aiokafka import AIOKafkaConsumer
 
-    from room_outbox.consume.engine import COMMIT_TIMEOUT, DLQ_SEND_TIMEOUT, rebalance_timeout
+    from room_outbox.consume.dead_letters import DLQ_SEND_TIMEOUT
+    from room_outbox.consume.engine import COMMIT_TIMEOUT, rebalance_timeout
 
     assert AIOKafkaConsumer(session_timeout_ms=10_000)._rebalance_timeout_ms == 10_000  # the suspected default
     settings = ConsumerSettings(handlers=["audit"], handler_timeout=10, max_batch=500, session_timeout=10)

@@ -1,0 +1,117 @@
+"""A consumer's retry worker: due rows of ``room_consumer_retry``, claimed under a lease and
+handled again.
+
+Retries keep a room's order: a failed handling goes to the table and the partition moves on.
+With ``ordering: per_room`` later messages of the same room and handler queue behind it in the
+table, and the worker claims only each room's first row: the room is handled in order, the
+rest of the partition is not held up. A row whose lease runs out (its process died or lost the
+database) is claimed again by any process of the consumer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+
+from room_outbox.attempt.failure import describe, error_text
+from room_outbox.consume.dead_letters import DeadLetters
+from room_outbox.consume.handling import Handling
+from room_outbox.consume.messages import Message, Router
+from room_outbox.consume.settings import ConsumerSettings
+from room_outbox.observability.redaction import Redactor
+from room_outbox.store.clock import now_ms
+from room_outbox.store.consumers.protocol import NO_HANDLER, ConsumerStore, RetryRow
+
+log = logging.getLogger("room_outbox.consume")
+
+
+class RetryWorker:
+    def __init__(
+        self,
+        consumer: str,
+        owner: str,
+        settings: ConsumerSettings,
+        store: ConsumerStore,
+        router: Router,
+        handling: Handling,
+        dead_letters: DeadLetters,
+        redactor: Redactor,
+        stop: anyio.Event,
+    ) -> None:
+        self.consumer = consumer
+        #: Who holds the leases of the rows this worker claims.
+        self.owner = owner
+        self.settings = settings
+        self.store = store
+        self.router = router
+        self.handling = handling
+        self.dead_letters = dead_letters
+        self.redactor = redactor
+        self._stop = stop
+        self.ordered = settings.ordering == "per_room"
+        #: A claimed row's lease: once it has run out, another process may claim the row.
+        self.lease_ms = int((2 * settings.handler_timeout + 5) * 1000)
+        self._limiter = anyio.CapacityLimiter(settings.concurrency)
+
+    async def run(self) -> None:
+        """Take due rows (each room's first, when ordered) and handle them; again at once while
+        there were any, else after ``retry.poll_interval``; until the consumer stops."""
+        while not self._stop.is_set():
+            try:
+                rows = await self.store.claim_retries(
+                    self.consumer, self.owner, self.settings.concurrency, self.lease_ms, self.ordered
+                )
+            except Exception as exc:
+                log.warning(
+                    "retry claim failed",
+                    extra={"consumer": self.consumer, "error": error_text(self.redactor, describe(exc))},
+                )
+                rows = []
+            if not rows:
+                with anyio.move_on_after(self.settings.retry.poll_interval):
+                    await self._stop.wait()
+                continue
+            async with anyio.create_task_group() as tasks:
+                for row in rows:
+                    tasks.start_soon(self._retry_one, row)
+
+    async def _retry_one(self, row: RetryRow) -> None:
+        try:
+            async with self._limiter:
+                if self._stop.is_set():
+                    await self.store.release([row])
+                    return
+                await self._retry(row)
+        except Exception as exc:  # the row's lease runs out and it comes back
+            log.warning(
+                "retry failed to settle",
+                extra={"consumer": self.consumer, "error": error_text(self.redactor, describe(exc))},
+            )
+
+    async def _retry(self, row: RetryRow) -> None:
+        message = Message(
+            topic=row.topic, partition=row.partition, offset=row.offset, key=row.room_key, value=row.value,
+            headers=row.headers,
+        )  # fmt: skip
+        self.router.parse(message)
+        if row.handler == NO_HANDLER:
+            # A redriven dead letter that no handler was chosen for: route it anew (the
+            # consumer's handlers may have changed since).
+            if message.rejected is None:
+                self.router.choose_handlers(message)
+            if message.rejected is not None or not message.handlers:
+                error = message.rejected or f"no handler of consumer {self.consumer} takes {message.event_type!r}"
+                if await self.store.retry_failed(row, row.attempts + 1, now_ms(), error, dead=True):
+                    await self.dead_letters.publish(
+                        [message.retry_row(self.consumer, NO_HANDLER, row.attempts + 1, error)]
+                    )
+                return
+            await self.store.replace(row, [message.retry_row(self.consumer, h.name, 0, None) for h in message.handlers])
+            return
+        handler = self.router.handlers.get(row.handler)
+        if handler is None or message.envelope is None:
+            error = message.rejected or f"handler {row.handler!r} is not among consumer {self.consumer}'s handlers"
+            await self.store.retry_failed(row, row.attempts, now_ms(), error, dead=True)
+            return
+        await self.handling.handle(message, handler, attempt=row.attempts + 1, retry=row)
