@@ -27,6 +27,9 @@ log = logging.getLogger("room_outbox.consume")
 
 
 class RetryWorker:
+    """Handles one consumer's due retry rows, up to ``concurrency`` at a time, until ``stop``
+    is set; rows claimed but not started by then are released at once."""
+
     def __init__(
         self,
         consumer: str,
