@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Literal
 
-import anyio
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from room_outbox.attempt.failure import describe, error_text
+from room_outbox.attempt.failure import ErrorClass, Failure, describe
+from room_outbox.attempt.pipeline import Attempts
 from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.consume.dead_letters import DeadLetters
 from room_outbox.consume.messages import Message
@@ -60,6 +61,8 @@ class Handling:
         self.metrics = metrics
         self.redactor = redactor
         self.dead_letters = dead_letters
+        #: Each handling: its deadline, what its failure means, its span and duration.
+        self.attempts = Attempts(redactor, settings.handler_timeout, "handler_timeout", explain_handler_error)
         retry = settings.retry
         self.policy = RetryPolicy(
             strategy="exponential", base=retry.base, factor=retry.factor, cap=retry.cap, jitter=retry.jitter,
@@ -81,47 +84,25 @@ class Handling:
         letters to announce once committed go to ``dead``, else are announced at once."""
         assert message.envelope is not None
         envelope = message.envelope
-        record = self.record(message, handler)
-        event = self.event(message, attempt)
         labels = {"consumer": self.consumer, "handler": handler.name}
-        started = time.perf_counter()
-        error: BaseException | None = None
-        outcome = "handled"
-        with self.span(message, handler.name, attempt) as span:
-            try:
-                with anyio.fail_after(self.settings.handler_timeout):
-                    processing = batch.processing(record) if batch is not None else self.store.processing(record, retry)
-                    async with processing as tx:
-                        if tx is None:
-                            outcome = "duplicate"
-                        else:
-                            await handler.handler.handle(event, HandleContext(tx, log))
-            except TimeoutError:
-                if batch is not None:
-                    raise  # cancelled mid-statement: the shared transaction is lost, not just this savepoint
-                error = TimeoutError(f"handling took longer than handler_timeout {self.settings.handler_timeout:g}s")
-                if span is not None:
-                    span.set_attribute("error.type", "TimeoutError")
-                    span.set_status(Status(StatusCode.ERROR))
-            except LeaseLost as exc:
-                log.warning("retry lease lost; another process has the row", extra={**labels, "error": str(exc)})
-                return "done"
-            except Exception as exc:
-                error = exc
-                if span is not None:
-                    span.set_attribute("error.type", type(exc).__name__)
-                    span.set_status(Status(StatusCode.ERROR))
-        self.metrics.duration.record(time.perf_counter() - started, labels)
-        if error is None:
-            self.metrics.handled.add(1, {**labels, "outcome": outcome})
+        one = _One(self.record(message, handler), self.event(message, attempt), handler, retry, batch)
+        observer = _Observed(self._span(message, handler.name, attempt), self.metrics, labels)
+        failure = await self.attempts.run(handler.name, self._process, one, observer)
+        if failure is not None and failure.error_class is ErrorClass.TIMEOUT and batch is not None:
+            # Cancelled mid-statement: the shared transaction is lost, not just this savepoint.
+            raise TimeoutError(failure.error)
+        if one.lease_lost is not None:
+            log.warning("retry lease lost; another process has the row", extra={**labels, "error": one.lease_lost})
             return "done"
-        text = error_text(self.redactor, describe(error))
-        permanent = isinstance(error, PermanentHandlerError)
+        if failure is None:
+            self.metrics.handled.add(1, {**labels, "outcome": one.outcome})
+            return "done"
+        text = failure.error
         extra = {**labels, "event_id": envelope.event_id, "event_type": envelope.event_type,
                  "room_id": envelope.room_id, "attempt": attempt, "error": text}  # fmt: skip
         outcomes: ConsumerBatch | ConsumerStore = batch if batch is not None else self.store
-        reason = "permanent" if permanent else "failed"
-        if self.policy.parks(attempt, permanent):
+        reason = "permanent" if failure.permanent else "failed"
+        if self.policy.parks(attempt, failure.permanent):
             row = message.retry_row(self.consumer, handler.name, attempt, text)
             if retry is None:
                 await outcomes.dead_letter(row)
@@ -141,6 +122,19 @@ class Handling:
             await self.store.retry_failed(retry, attempt, due, text, dead=False)
         return "retry"
 
+    async def _process(self, one: _One) -> None:
+        """The handling itself: the processed record and the handler's writes, one transaction."""
+        store, batch = self.store, one.batch
+        processing = batch.processing(one.record) if batch is not None else store.processing(one.record, one.retry)
+        try:
+            async with processing as tx:
+                if tx is None:
+                    one.outcome = "duplicate"
+                else:
+                    await one.handler.handler.handle(one.event, HandleContext(tx, log))
+        except LeaseLost as exc:  # not a failure of this handling: another process has it
+            one.lease_lost = str(exc)
+
     async def handle_many(self, messages: list[Message], handler: BoundHandler) -> set[tuple[int, int, str]]:
         """``messages`` for the batch handler ``handler`` in one ``handle_batch`` call and one
         transaction; returns the (partition, offset, handler) handlings committed, none when
@@ -148,35 +142,29 @@ class Handling:
         own, so a bad one costs only itself)."""
         if not messages:
             return set()
-        records = [self.record(m, handler) for m in messages]
-        events = [self.event(m, 1) for m in messages]
+        many = _Many([self.record(m, handler) for m in messages], [self.event(m, 1) for m in messages], handler)
         labels = {"consumer": self.consumer, "handler": handler.name}
         spans = [self._start_span(m, handler.name, 1) for m in messages] if self.telemetry.tracer else []
-        started = time.perf_counter()
-        try:
-            with anyio.fail_after(self.settings.handler_timeout):
-                async with self.store.processing_many(records) as (tx, fresh):
-                    new = [event for event, first in zip(events, fresh, strict=True) if first]
-                    if new:
-                        assert isinstance(handler.handler, BatchHandler)
-                        await handler.handler.handle_batch(new, HandleContext(tx, log))
-        except Exception as exc:
+        observer = _ObservedMany(spans, self.metrics, labels, len(messages))
+        failure = await self.attempts.run(handler.name, self._process_many, many, observer)
+        if failure is not None:
             log.info(
                 "handle_batch failed; handling one by one",
-                extra={**labels, "messages": len(messages), "error": error_text(self.redactor, describe(exc))},
+                extra={**labels, "messages": len(messages), "error": failure.error},
             )
-            for span in spans:
-                span.end()
             return set()
-        elapsed = time.perf_counter() - started
-        for span in spans:
-            span.end()
-        self.metrics.handled.add(len(new), {**labels, "outcome": "handled"})
-        if len(new) < len(messages):
-            self.metrics.handled.add(len(messages) - len(new), {**labels, "outcome": "duplicate"})
-        for _ in messages:  # the call's time, shared out: what one handling cost
-            self.metrics.duration.record(elapsed / len(messages), labels)
+        self.metrics.handled.add(many.new, {**labels, "outcome": "handled"})
+        if many.new < len(messages):
+            self.metrics.handled.add(len(messages) - many.new, {**labels, "outcome": "duplicate"})
         return {(m.partition, m.offset, handler.name) for m in messages}
+
+    async def _process_many(self, many: _Many) -> None:
+        async with self.store.processing_many(many.records) as (tx, fresh):
+            new = [event for event, first in zip(many.events, fresh, strict=True) if first]
+            if new:
+                assert isinstance(many.handler.handler, BatchHandler)
+                await many.handler.handler.handle_batch(new, HandleContext(tx, log))
+        many.new = len(new)
 
     def record(self, message: Message, handler: BoundHandler) -> Processed:
         """The processed record that marks ``message`` handled by ``handler``."""
@@ -194,12 +182,9 @@ class Handling:
             offset=message.offset, key=message.key, headers=message.headers, attempt=attempt, value=message.value,
         )  # fmt: skip
 
-    def span(self, message: Message, handler: str, attempt: int) -> AbstractContextManager[Any]:
-        """A span per handling, current while it runs, child of the message's
-        ``traceparent`` (no tracer: none)."""
-        if self.telemetry.tracer is None:
-            return nullcontext()
-        return trace.use_span(self._start_span(message, handler, attempt), end_on_exit=True)
+    def _span(self, message: Message, handler: str, attempt: int) -> trace.Span | None:
+        """The span of one handling, a child of the message's ``traceparent`` (no tracer: none)."""
+        return self._start_span(message, handler, attempt) if self.telemetry.tracer is not None else None
 
     def _start_span(self, message: Message, handler: str, attempt: int) -> trace.Span:
         tracer = self.telemetry.tracer
@@ -221,3 +206,80 @@ class Handling:
             f"process {message.topic} {handler}", context=producer_context(message.traceparent),
             kind=SpanKind.CONSUMER, attributes=attributes, record_exception=False, set_status_on_exception=False,
         )  # fmt: skip
+
+
+def explain_handler_error(handler: str, exc: Exception) -> tuple[ErrorClass, str, float | None]:
+    """A handler's exception: a :class:`PermanentHandlerError` is a dead letter at once,
+    anything else is retried."""
+    error_class = ErrorClass.PERMANENT if isinstance(exc, PermanentHandlerError) else ErrorClass.RETRYABLE
+    return error_class, f"{handler}: {describe(exc)}", None
+
+
+@dataclass
+class _One:
+    """One handling under way, and what it found out."""
+
+    record: Processed
+    event: ConsumedEvent
+    handler: BoundHandler
+    retry: RetryRow | None
+    batch: ConsumerBatch | None
+    outcome: str = "handled"  # or "duplicate": its record was there already
+    #: Set when the retry row's lease was lost (another process has the row): why.
+    lease_lost: str | None = None
+
+
+@dataclass
+class _Many:
+    """One ``handle_batch`` call under way: how many of its messages were new."""
+
+    records: list[Processed]
+    events: list[ConsumedEvent]
+    handler: BoundHandler
+    new: int = 0
+
+
+class _Observed:
+    """The span and the duration of one handling (an attempt's observer)."""
+
+    def __init__(self, span: trace.Span | None, metrics: ConsumerMetrics, labels: dict[str, str]) -> None:
+        self.span = span
+        self.metrics = metrics
+        self.labels = labels
+        self.started = time.perf_counter()
+
+    def current(self, name: str) -> AbstractContextManager[Any]:
+        if self.span is None:
+            return nullcontext()
+        return trace.use_span(self.span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
+
+    def finish(self, failure: Failure | None) -> None:
+        self.metrics.duration.record(time.perf_counter() - self.started, self.labels)
+        if self.span is None:
+            return
+        if failure is not None:
+            self.span.set_attribute("error.type", str(failure.error_class))
+            self.span.set_status(Status(StatusCode.ERROR, failure.error))
+        self.span.end()
+
+
+class _ObservedMany:
+    """The spans of a ``handle_batch`` call's messages, and its time shared out among them."""
+
+    def __init__(self, spans: list[trace.Span], metrics: ConsumerMetrics, labels: dict[str, str], count: int) -> None:
+        self.spans = spans
+        self.metrics = metrics
+        self.labels = labels
+        self.count = count
+        self.started = time.perf_counter()
+
+    def current(self, name: str) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def finish(self, failure: Failure | None) -> None:
+        for span in self.spans:
+            span.end()
+        if failure is None:  # a failed call's messages are handled again one by one, and timed then
+            share = (time.perf_counter() - self.started) / self.count
+            for _ in range(self.count):
+                self.metrics.duration.record(share, self.labels)

@@ -15,6 +15,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from consume.conftest import TOPIC, ConsumerBroker, envelope
 from faults.tcp_proxy import TcpProxy
+from opentelemetry.trace import StatusCode
 from support import running, wait_until
 from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, capture
 
@@ -245,6 +246,13 @@ async def test_spans_follow_the_producer_trace_and_metrics_count_outcomes(
     assert sorted(
         s.attributes["room_outbox.attempt"] for s in spans if s.attributes["room_outbox.event_id"] == "muted-1"
     ) == [1, 2, 3]
+    # A failed handling's span carries the attempt's error class, as a delivery's does.
+    failed = sorted(
+        (s.attributes["room_outbox.event_id"], s.attributes.get("error.type"))
+        for s in spans
+        if s.status.status_code is StatusCode.ERROR
+    )
+    assert failed == [("kick-1", "permanent"), ("muted-1", "retryable"), ("muted-1", "retryable")]
 
     labels = {"consumer": "feed", "handler": "recording"}
     assert captured.value("room_outbox.consumer.handled", **labels, outcome="handled") == 3
