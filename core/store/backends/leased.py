@@ -67,18 +67,21 @@ def claim_sql(
 
 
 def open_rows_of_rooms_sql(
-    table: str, key: str, rooms: int, profile: Profile = V1, hint: str = "", also: str = ""
+    table: str, key: str, rooms: int, profile: Profile = V1, hint: str = "", also: str = "", besides: int = 0
 ) -> str:
     """Per-room ordering's look-up: the open rows of ``rooms`` rooms (placeholders, then the
-    highest key found) below that key, read by the room index. ``hint``: the dialect's
-    ``index_hint``; left to choose, MySQL's optimizer read the (status, id) range below the key
-    instead, which grows with every published row, while the room index's reads do not.
-    ``also``: more columns to select (", 0")."""
+    highest key found, then ``besides`` keys to leave out) below that key, read by the room
+    index. ``hint``: the dialect's ``index_hint``; left to choose, MySQL's optimizer read the
+    (status, id) range below the key instead, which grows with every published row, while the
+    room index's reads do not. ``also``: more columns to select (", 0"). ``besides``: the keys
+    of rows already taken, which the index entries rule out (the key is in every entry) before
+    their rows are read for the other columns."""
     p = profile
     forced = hint.format(index=ROOM_INDEX.format(table=table))
+    leave_out = f" AND {key} NOT IN ({_marks(range(besides))})" if besides else ""
     return (
         f"SELECT {key}, {p.app_code}, {p.room_id}{also} FROM {table}{forced}"
-        f" WHERE {p.room_id} IN ({_marks(range(rooms))}) AND {p.is_open()} AND {key} < %s"
+        f" WHERE {p.room_id} IN ({_marks(range(rooms))}) AND {p.is_open()} AND {key} < %s{leave_out}"
     )
 
 
@@ -283,12 +286,12 @@ class LeasedRows:
         p = self.profile
         rooms = sorted({row.room_id for row in found})
         hint = self.dialect.index_hint
-        look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint)
         look_back_params = (*rooms, max(row.id for row in found))
-        if not lock:
-            await cur.execute(look_back, look_back_params)
-            return found, [tuple(row) for row in await cur.fetchall()]
         ids = [row.id for row in found]
+        if not lock:  # the scan locked what it found: only the rows outside it matter
+            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, besides=len(ids))
+            await cur.execute(look_back, (*look_back_params, *ids))
+            return found, [tuple(row) for row in await cur.fetchall()]
         take = (
             f"SELECT {self.key}, {p.app_code}, {p.room_id}, 1 FROM {self.table} WHERE {self.key} IN ({_marks(ids)})"
             f" AND {p.is_open()} AND {p.lock} <= {p.ms('%s')}{self.dialect.row_lock}"
@@ -304,7 +307,8 @@ class LeasedRows:
         else:
             await cur.execute(take, take_params)
             locked = {row[0] for row in await cur.fetchall()}
-            await cur.execute(look_back, look_back_params)
+            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, besides=len(locked))
+            await cur.execute(look_back, (*look_back_params, *sorted(locked)))
             earlier = [tuple(row) for row in await cur.fetchall()]
         return [row for row in found if row.id in locked], earlier
 
