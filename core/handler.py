@@ -22,10 +22,11 @@ Errors: :class:`PermanentHandlerError` makes the message a dead letter at once; 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, overload, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -131,10 +132,10 @@ class HandlerFactoryContext:
 SettingsT = TypeVar("SettingsT", bound=HandlerSettings)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class HandlerSpec(Generic[SettingsT]):
-    """A handler as a plugin registers it: a name, a factory, the event types it takes, its
-    settings model and its tables.
+    """A handler as a plugin registers it: a name, a factory and, keyword-only, the event types
+    it takes, its settings model and its tables.
 
     The factory receives an instance of ``settings_model`` (the core validates
     ``consumers.<name>.handler_settings.<handler>`` with it), so
@@ -155,32 +156,77 @@ class HandlerSpec(Generic[SettingsT]):
 
     name: str
     factory: Callable[[SettingsT, HandlerFactoryContext], Handler]
-    event_types: frozenset[str] | None = None
-    settings_model: type[SettingsT] = HandlerSettings  # type: ignore[assignment]  # see __init__
-    schema: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    event_types: frozenset[str] | None
+    settings_model: type[SettingsT]
+    schema: Mapping[str, Sequence[str]]
 
-    if TYPE_CHECKING:  # the dataclass's own __init__ runs; these say which calls type-check
-        # Without settings_model, the factory must take HandlerSettings (what it will get)...
-        @overload
-        def __init__(
-            self: HandlerSpec[HandlerSettings],
-            name: str,
-            factory: Callable[[HandlerSettings, HandlerFactoryContext], Handler],
-            event_types: frozenset[str] | None = None,
-            *,
-            schema: Mapping[str, Sequence[str]] = ...,
-        ) -> None: ...
+    # Without settings_model, the factory must take HandlerSettings (what it will get)...
+    @overload
+    def __init__(
+        self: HandlerSpec[HandlerSettings],
+        name: str,
+        factory: Callable[[HandlerSettings, HandlerFactoryContext], Handler],
+        *,
+        event_types: frozenset[str] | None = None,
+        schema: Mapping[str, Sequence[str]] | None = None,
+    ) -> None: ...
 
-        # ... with it, what settings_model makes.
-        @overload
-        def __init__(
-            self,
-            name: str,
-            factory: Callable[[SettingsT, HandlerFactoryContext], Handler],
-            event_types: frozenset[str] | None = None,
-            *,
-            settings_model: type[SettingsT],
-            schema: Mapping[str, Sequence[str]] = ...,
-        ) -> None: ...
+    # ... with it, what settings_model makes.
+    @overload
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[SettingsT, HandlerFactoryContext], Handler],
+        *,
+        event_types: frozenset[str] | None = None,
+        settings_model: type[SettingsT],
+        schema: Mapping[str, Sequence[str]] | None = None,
+    ) -> None: ...
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+    # Deprecated: event_types as the third positional argument (warns; to be removed).
+    @overload
+    def __init__(
+        self: HandlerSpec[HandlerSettings],
+        name: str,
+        factory: Callable[[HandlerSettings, HandlerFactoryContext], Handler],
+        event_types: frozenset[str] | None,
+        /,
+        *,
+        schema: Mapping[str, Sequence[str]] | None = None,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[SettingsT, HandlerFactoryContext], Handler],
+        event_types: frozenset[str] | None,
+        /,
+        *,
+        settings_model: type[SettingsT],
+        schema: Mapping[str, Sequence[str]] | None = None,
+    ) -> None: ...
+
+    def __init__(
+        self,
+        name: str,
+        factory: Any,
+        *former: Any,
+        event_types: frozenset[str] | None = None,
+        settings_model: Any = HandlerSettings,
+        schema: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
+        if former:  # the former order: (name, factory, event_types, settings_model, schema)
+            warnings.warn(
+                "HandlerSpec(name, factory, event_types, ...) is deprecated; "
+                "write HandlerSpec(name, factory, event_types=..., ...)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            keywords: tuple[Any, ...] = (event_types, settings_model, schema)
+            event_types, settings_model, schema = (*former, *keywords[len(former) :])
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "factory", factory)
+        object.__setattr__(self, "event_types", event_types)
+        object.__setattr__(self, "settings_model", settings_model)
+        object.__setattr__(self, "schema", {} if schema is None else schema)
