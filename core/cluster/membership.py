@@ -112,9 +112,9 @@ class Membership:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Membership]:
-        """Heartbeats while the block runs; on exit the node leaves (buckets given up), after
-        the dispatchers have written their results: the others take the buckets at their next
-        heartbeat instead of after ``node_timeout``."""
+        """Heartbeats while the block runs; on exit the node leaves (buckets given up), so the
+        others take its buckets at their next heartbeat instead of after ``node_timeout``. The
+        block ends once the dispatchers have written their results: a leave leaves no lease."""
         async with anyio.create_task_group() as beats:
             beats.start_soon(self._loop)
             try:
