@@ -2,20 +2,11 @@
 
 A handler is registered like a sink (``room_outbox_register_handlers`` returns
 :class:`HandlerSpec` s) and shaped like one: ``handle`` does the work, ``aclose`` releases
-what the handler owns. Its database writes go through the transaction the consumer gives it::
-
-    async def handle(self, event: ConsumedEvent, ctx: HandleContext) -> None:
-        async with ctx.transaction() as tx:
-            await tx.execute("INSERT INTO my_table (app_code, event_id) VALUES (%s, %s)",
-                             (event.envelope.app_code, event.envelope.event_id))
-
-The consumer opened that transaction and, inside it, recorded the event as processed by this
-handler (``room_consumer_processed``, keyed by consumer, handler, app_code and event_id). Both
-commit together after ``handle`` returns, or roll back together when it raises: a message
-delivered again (a crash before the offset commit, a rebalance) finds its record and is not
-handled again. Side effects outside that transaction (an HTTP call) are at-least-once.
-
-Errors: :class:`PermanentHandlerError` makes the message a dead letter at once; anything else
+what the handler owns. Its database writes go through the transaction the consumer gives it
+(:meth:`HandleContext.transaction`), in which the consumer also records the event as processed
+by this handler: both commit together or roll back together, so a message delivered again is
+not handled again. Side effects outside that transaction (an HTTP call) are at-least-once.
+:class:`PermanentHandlerError` makes the message a dead letter at once; anything else
 (including :class:`RetryableHandlerError`) schedules a retry with backoff.
 """
 
@@ -84,7 +75,17 @@ class HandleContext:
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Transaction]:
         """The handling's transaction (the same one however often it is entered). It commits
-        after ``handle`` returns, not when this block ends."""
+        after ``handle`` returns, not when this block ends::
+
+            async def handle(self, event: ConsumedEvent, ctx: HandleContext) -> None:
+                async with ctx.transaction() as tx:
+                    await tx.execute("INSERT INTO my_table (app_code, event_id) VALUES (%s, %s)",
+                                     (event.envelope.app_code, event.envelope.event_id))
+
+        The consumer opened it and, inside it, recorded the event as processed by this handler
+        (``room_consumer_processed``, keyed by consumer, handler, app_code and event_id): a
+        message delivered again (a crash before the offset commit, a rebalance) finds its
+        record and is not handled again."""
         yield self._tx
 
 

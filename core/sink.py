@@ -1,20 +1,13 @@
 """The Sink protocol and the errors a sink raises.
 
 A sink is shaped like an httpx transport: one coroutine that does the work (``deliver``) and
-``aclose`` for the connections it owns. Errors are translated once, at the sink's boundary,
-with the original exception kept as ``__cause__`` (the classes live in :mod:`room_outbox.errors`)::
-
-    SinkError                     anything a sink raises on purpose
-    ├── RetryableSinkError        try again later (network, timeout, 5xx, rate limit, ...)
-    │   └── ThrottledSinkError    not sent: the sink's own rate limit held it back (no attempt)
-    └── PermanentSinkError        retrying will not help (bad group, message too big, ...)
-
-Any other exception escaping ``deliver`` is a bug in the sink; the dispatcher records it as a
-retryable failure naming the exception class, so nothing is lost. The dispatcher applies
-``publish_timeout`` around every call; a sink need not (but may) time out by itself.
-
-A sink's error message ends up in ``room_outbox.last_error`` and in logs: it must never
-contain a secret (keys, signatures, DSN passwords) nor a whole remote response body.
+``aclose`` for the connections it owns. It translates errors once, at its boundary, keeping the
+original exception as ``__cause__``: :class:`RetryableSinkError` (try again later),
+:class:`ThrottledSinkError` (its own rate limit held the event back: no attempt) or
+:class:`PermanentSinkError` (retrying will not help); the tree is :mod:`room_outbox.errors`'.
+Anything else escaping ``deliver`` is a bug in the sink, recorded as a retryable failure
+naming its class, so nothing is lost. A sink's error message ends up in
+``room_outbox.last_error`` and in logs: it never holds a secret nor a whole remote response.
 """
 
 from __future__ import annotations
@@ -49,7 +42,9 @@ class Sink(Protocol):
     """Delivers envelopes to one destination."""
 
     async def deliver(self, envelope: EventEnvelope) -> None:
-        """Deliver one event; return on success, raise a :class:`SinkError` on failure."""
+        """Deliver one event; return on success, raise a :class:`SinkError` on failure. The
+        dispatcher applies ``publish_timeout`` around every call; a sink need not (but may)
+        time out by itself."""
 
     async def aclose(self) -> None:
         """Release connections and clients the sink owns. Called once, at shutdown."""
