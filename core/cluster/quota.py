@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable
 
-#: Added to the one-second window of every rate limit: clear of rounding in however the
+#: Added to the one-second window of every rate limit (a sink's own limiter adds it too): clear of rounding in however the
 #: server buckets time, and small: every slot cycle pays it, out of the quota.
 JITTER_MARGIN = 0.01
 #: The window rate limits are counted over, as the limiters count it.
