@@ -2,30 +2,22 @@
 
 A handler is registered like a sink (``room_outbox_register_handlers`` returns
 :class:`HandlerSpec` s) and shaped like one: ``handle`` does the work, ``aclose`` releases
-what the handler owns. Its database writes go through the transaction the consumer gives it::
-
-    async def handle(self, event: ConsumedEvent, ctx: HandleContext) -> None:
-        async with ctx.transaction() as tx:
-            await tx.execute("INSERT INTO my_table (app_code, event_id) VALUES (%s, %s)",
-                             (event.envelope.app_code, event.envelope.event_id))
-
-The consumer opened that transaction and, inside it, recorded the event as processed by this
-handler (``room_consumer_processed``, keyed by consumer, handler, app_code and event_id). Both
-commit together after ``handle`` returns, or roll back together when it raises: a message
-delivered again (a crash before the offset commit, a rebalance) finds its record and is not
-handled again. Side effects outside that transaction (an HTTP call) are at-least-once.
-
-Errors: :class:`PermanentHandlerError` makes the message a dead letter at once; anything else
+what the handler owns. Its database writes go through the transaction the consumer gives it
+(:meth:`HandleContext.transaction`), in which the consumer also records the event as processed
+by this handler: both commit together or roll back together, so a message delivered again is
+not handled again. Side effects outside that transaction (an HTTP call) are at-least-once.
+:class:`PermanentHandlerError` makes the message a dead letter at once; anything else
 (including :class:`RetryableHandlerError`) schedules a retry with backoff.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, overload, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -83,7 +75,17 @@ class HandleContext:
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Transaction]:
         """The handling's transaction (the same one however often it is entered). It commits
-        after ``handle`` returns, not when this block ends."""
+        after ``handle`` returns, not when this block ends::
+
+            async def handle(self, event: ConsumedEvent, ctx: HandleContext) -> None:
+                async with ctx.transaction() as tx:
+                    await tx.execute("INSERT INTO my_table (app_code, event_id) VALUES (%s, %s)",
+                                     (event.envelope.app_code, event.envelope.event_id))
+
+        The consumer opened it and, inside it, recorded the event as processed by this handler
+        (``room_consumer_processed``, keyed by consumer, handler, app_code and event_id): a
+        message delivered again (a crash before the offset commit, a rebalance) finds its
+        record and is not handled again."""
         yield self._tx
 
 
@@ -131,10 +133,10 @@ class HandlerFactoryContext:
 SettingsT = TypeVar("SettingsT", bound=HandlerSettings)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class HandlerSpec(Generic[SettingsT]):
-    """A handler as a plugin registers it: a name, a factory, the event types it takes, its
-    settings model and its tables.
+    """A handler as a plugin registers it: a name, a factory and, keyword-only, the event types
+    it takes, its settings model and its tables.
 
     The factory receives an instance of ``settings_model`` (the core validates
     ``consumers.<name>.handler_settings.<handler>`` with it), so
@@ -155,32 +157,77 @@ class HandlerSpec(Generic[SettingsT]):
 
     name: str
     factory: Callable[[SettingsT, HandlerFactoryContext], Handler]
-    event_types: frozenset[str] | None = None
-    settings_model: type[SettingsT] = HandlerSettings  # type: ignore[assignment]  # see __init__
-    schema: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    event_types: frozenset[str] | None
+    settings_model: type[SettingsT]
+    schema: Mapping[str, Sequence[str]]
 
-    if TYPE_CHECKING:  # the dataclass's own __init__ runs; these say which calls type-check
-        # Without settings_model, the factory must take HandlerSettings (what it will get)...
-        @overload
-        def __init__(
-            self: HandlerSpec[HandlerSettings],
-            name: str,
-            factory: Callable[[HandlerSettings, HandlerFactoryContext], Handler],
-            event_types: frozenset[str] | None = None,
-            *,
-            schema: Mapping[str, Sequence[str]] = ...,
-        ) -> None: ...
+    # Without settings_model, the factory must take HandlerSettings (what it will get)...
+    @overload
+    def __init__(
+        self: HandlerSpec[HandlerSettings],
+        name: str,
+        factory: Callable[[HandlerSettings, HandlerFactoryContext], Handler],
+        *,
+        event_types: frozenset[str] | None = None,
+        schema: Mapping[str, Sequence[str]] | None = None,
+    ) -> None: ...
 
-        # ... with it, what settings_model makes.
-        @overload
-        def __init__(
-            self,
-            name: str,
-            factory: Callable[[SettingsT, HandlerFactoryContext], Handler],
-            event_types: frozenset[str] | None = None,
-            *,
-            settings_model: type[SettingsT],
-            schema: Mapping[str, Sequence[str]] = ...,
-        ) -> None: ...
+    # ... with it, what settings_model makes.
+    @overload
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[SettingsT, HandlerFactoryContext], Handler],
+        *,
+        event_types: frozenset[str] | None = None,
+        settings_model: type[SettingsT],
+        schema: Mapping[str, Sequence[str]] | None = None,
+    ) -> None: ...
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+    # Deprecated: event_types as the third positional argument (warns; to be removed).
+    @overload
+    def __init__(
+        self: HandlerSpec[HandlerSettings],
+        name: str,
+        factory: Callable[[HandlerSettings, HandlerFactoryContext], Handler],
+        event_types: frozenset[str] | None,
+        /,
+        *,
+        schema: Mapping[str, Sequence[str]] | None = None,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[SettingsT, HandlerFactoryContext], Handler],
+        event_types: frozenset[str] | None,
+        /,
+        *,
+        settings_model: type[SettingsT],
+        schema: Mapping[str, Sequence[str]] | None = None,
+    ) -> None: ...
+
+    def __init__(
+        self,
+        name: str,
+        factory: Any,
+        *former: Any,
+        event_types: frozenset[str] | None = None,
+        settings_model: Any = HandlerSettings,
+        schema: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
+        if former:  # the former order: (name, factory, event_types, settings_model, schema)
+            warnings.warn(
+                "HandlerSpec(name, factory, event_types, ...) is deprecated; "
+                "write HandlerSpec(name, factory, event_types=..., ...)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            keywords: tuple[Any, ...] = (event_types, settings_model, schema)
+            event_types, settings_model, schema = (*former, *keywords[len(former) :])
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "factory", factory)
+        object.__setattr__(self, "event_types", event_types)
+        object.__setattr__(self, "settings_model", settings_model)
+        object.__setattr__(self, "schema", {} if schema is None else schema)

@@ -8,12 +8,6 @@ room-service's pattern: write state and event in one transaction, then push at o
             event = await append_event(cur, {...})     # + the outbox row, same transaction
         await conn.commit()
     await producer.publish_committed(event)           # after commit: try IM right away
-
-:func:`append_event` writes only room-service's V1 columns, so a table that room-outbox
-never migrated works too. :meth:`OutboxProducer.publish_committed` never raises for a
-delivery problem: a failed push leaves the row ``pending`` untouched (``retry_count`` is the
-worker's count, not the producer's), and a failed ``published`` mark only means the worker
-may deliver the event once more (clients de-duplicate by ``event_id``).
 """
 
 from __future__ import annotations
@@ -43,6 +37,7 @@ async def append_event(
 ) -> EventEnvelope:
     """Insert the event as a ``pending`` row using the caller's cursor (its transaction), in
     ``dialect`` (aiomysql's cursor: MySQL; psycopg's: PostgreSQL; a store's cursor: its own).
+    Only room-service's V1 columns are written, so a table room-outbox never migrated works.
 
     An event_id already in the table is skipped, not raised: the caller's transaction stays
     usable and commits the rest of its work (a retried command re-appends the same event).
@@ -90,7 +85,12 @@ class OutboxProducer:
         self.attempts = Attempts(self.redactor, publish_timeout)
 
     async def publish_committed(self, event: EventEnvelope) -> PublishOutcome:
-        """Push one committed event; on success mark it ``published`` (best effort)."""
+        """Push one committed event; on success mark it ``published`` (best effort).
+
+        Never raises for a delivery problem: a failed push leaves the row ``pending`` untouched
+        (``retry_count`` is the worker's count, not the producer's), and a failed ``published``
+        mark only means the worker may deliver the event once more (clients de-duplicate by
+        ``event_id``)."""
         error = await self._push(event)
         if error is not None:
             log.warning(

@@ -1,28 +1,22 @@
 """The Sink protocol and the errors a sink raises.
 
 A sink is shaped like an httpx transport: one coroutine that does the work (``deliver``) and
-``aclose`` for the connections it owns. Errors are translated once, at the sink's boundary,
-with the original exception kept as ``__cause__`` (the classes live in :mod:`room_outbox.errors`)::
-
-    SinkError                     anything a sink raises on purpose
-    ├── RetryableSinkError        try again later (network, timeout, 5xx, rate limit, ...)
-    │   └── ThrottledSinkError    not sent: the sink's own rate limit held it back (no attempt)
-    └── PermanentSinkError        retrying will not help (bad group, message too big, ...)
-
-Any other exception escaping ``deliver`` is a bug in the sink; the dispatcher records it as a
-retryable failure naming the exception class, so nothing is lost. The dispatcher applies
-``publish_timeout`` around every call; a sink need not (but may) time out by itself.
-
-A sink's error message ends up in ``room_outbox.last_error`` and in logs: it must never
-contain a secret (keys, signatures, DSN passwords) nor a whole remote response body.
+``aclose`` for the connections it owns. It translates errors once, at its boundary, keeping the
+original exception as ``__cause__``: :class:`RetryableSinkError` (try again later),
+:class:`ThrottledSinkError` (its own rate limit held the event back: no attempt) or
+:class:`PermanentSinkError` (retrying will not help); the tree is :mod:`room_outbox.errors`'.
+Anything else escaping ``deliver`` is a bug in the sink, recorded as a retryable failure
+naming its class, so nothing is lost. A sink's error message ends up in
+``room_outbox.last_error`` and in logs: it never holds a secret nor a whole remote response.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -48,7 +42,9 @@ class Sink(Protocol):
     """Delivers envelopes to one destination."""
 
     async def deliver(self, envelope: EventEnvelope) -> None:
-        """Deliver one event; return on success, raise a :class:`SinkError` on failure."""
+        """Deliver one event; return on success, raise a :class:`SinkError` on failure. The
+        dispatcher applies ``publish_timeout`` around every call; a sink need not (but may)
+        time out by itself."""
 
     async def aclose(self) -> None:
         """Release connections and clients the sink owns. Called once, at shutdown."""
@@ -88,13 +84,15 @@ class SinkContext:
 SettingsT = TypeVar("SettingsT", bound=SinkSettings)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class SinkSpec(Generic[SettingsT]):
-    """A sink as a plugin registers it: a name, its settings model and a factory.
+    """A sink as a plugin registers it: a name, a factory and, keyword-only, the rest.
 
     The factory receives an instance of ``settings_model`` (the core validates
-    ``sinks.<name>`` with it), so ``SinkSpec("kafka", KafkaSettings, KafkaSink)`` type-checks
-    only when ``KafkaSink`` takes ``KafkaSettings``; a factory never needs to check the type.
+    ``sinks.<name>`` with it), so ``SinkSpec("kafka", KafkaSink, settings_model=KafkaSettings)``
+    type-checks only when ``KafkaSink`` takes ``KafkaSettings``; a factory never needs to check
+    the type. Without ``settings_model`` the sink takes only the common settings
+    (:class:`SinkSettings`).
 
     ``enabled_by_default`` decides whether the sink runs when the configuration has no
     ``sinks.<name>`` section; built-in sinks say yes, third-party sinks are opt-in.
@@ -112,11 +110,76 @@ class SinkSpec(Generic[SettingsT]):
     """
 
     name: str
-    settings_model: type[SettingsT]
     factory: Callable[[SettingsT, SinkContext], Sink]
-    enabled_by_default: bool = False
-    own_lane: bool = False
-    ordered_log: bool = False
+    settings_model: type[SettingsT]
+    enabled_by_default: bool
+    own_lane: bool
+    ordered_log: bool
+
+    # Without settings_model, the factory must take SinkSettings (what it will get)...
+    @overload
+    def __init__(
+        self: SinkSpec[SinkSettings],
+        name: str,
+        factory: Callable[[SinkSettings, SinkContext], Sink],
+        *,
+        enabled_by_default: bool = False,
+        own_lane: bool = False,
+        ordered_log: bool = False,
+    ) -> None: ...
+
+    # ... with it, what settings_model makes.
+    @overload
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[SettingsT, SinkContext], Sink],
+        *,
+        settings_model: type[SettingsT],
+        enabled_by_default: bool = False,
+        own_lane: bool = False,
+        ordered_log: bool = False,
+    ) -> None: ...
+
+    # Deprecated: the former order, settings model before factory (warns; to be removed).
+    @overload
+    def __init__(
+        self,
+        name: str,
+        settings_model: type[SettingsT],
+        factory: Callable[[SettingsT, SinkContext], Sink],
+        /,
+        enabled_by_default: bool = False,
+        own_lane: bool = False,
+        ordered_log: bool = False,
+    ) -> None: ...
+
+    def __init__(
+        self,
+        name: str,
+        factory: Any,
+        *former: Any,
+        settings_model: Any = SinkSettings,
+        enabled_by_default: bool = False,
+        own_lane: bool = False,
+        ordered_log: bool = False,
+    ) -> None:
+        if former:  # the former order: (name, settings_model, factory, enabled_by_default, ...)
+            warnings.warn(
+                "SinkSpec(name, settings_model, factory, ...) is deprecated; "
+                "write SinkSpec(name, factory, settings_model=..., ...)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            settings_model, factory = factory, former[0]
+            flags: tuple[Any, ...] = (enabled_by_default, own_lane, ordered_log)
+            enabled_by_default, own_lane, ordered_log = (*former[1:], *flags[len(former) - 1 :])
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "factory", factory)
+        object.__setattr__(self, "settings_model", settings_model)
+        object.__setattr__(self, "enabled_by_default", enabled_by_default)
+        object.__setattr__(self, "own_lane", own_lane)
+        object.__setattr__(self, "ordered_log", ordered_log)
 
 
 @runtime_checkable

@@ -14,7 +14,6 @@ import anyio
 import pytest
 
 from room_outbox import SinkSpec, hookimpl
-from room_outbox.sink import SinkSettings
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.schema.outbox import TABLE, V1_TABLE_DDL
 
@@ -168,7 +167,7 @@ class SinkPlugin:
 
     @hookimpl
     def room_outbox_register_sinks(self) -> list[SinkSpec]:
-        return [SinkSpec(self.name, SinkSettings, lambda _settings, _context: self.sink)]
+        return [SinkSpec(self.name, lambda _settings, _context: self.sink)]
 
 
 def pg_admin(sql: str) -> None:

@@ -27,7 +27,6 @@ from room_outbox.app import run_service
 from room_outbox.cli.main import main
 from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError, RoomOutboxError, SchemaError, StoreUnavailable
-from room_outbox.sink import SinkSettings
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.factory import open_store
 
@@ -155,7 +154,7 @@ class OwnLanePlugin:
     @hookimpl
     def room_outbox_register_sinks(self) -> list[SinkSpec]:
         sink = RecordingSink()
-        return [SinkSpec("ledger", SinkSettings, lambda _s, _c: sink, enabled_by_default=True, own_lane=True)]
+        return [SinkSpec("ledger", lambda _s, _c: sink, enabled_by_default=True, own_lane=True)]
 
 
 async def test_run_checks_the_lane_tables_of_enabled_own_lane_sinks(

@@ -15,7 +15,6 @@ from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH as MAX_NODE_ID
 from room_outbox.config import MAX_TABLE_NAME, Settings, default_node_id
 from room_outbox.errors import ConfigurationError
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.sink import SinkSettings
 from room_outbox.startup import check_configuration
 from room_outbox.store.factory import open_store
 from room_outbox.store.schema.profiles import profile_named
@@ -84,7 +83,7 @@ def own_lane_plugin(name: str) -> object:
     class Plugin:
         @hookimpl
         def room_outbox_register_sinks(self) -> list[SinkSpec]:
-            return [SinkSpec(name, SinkSettings, lambda _s, _c: None, enabled_by_default=True, own_lane=True)]
+            return [SinkSpec(name, lambda _s, _c: None, enabled_by_default=True, own_lane=True)]
 
     return Plugin()
 

@@ -8,6 +8,7 @@ import inspect
 import re
 import sys
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ def counting_plugin_module() -> types.ModuleType:
         def create(settings: CountingSettings, context: SinkContext) -> CountingSink:
             return CountingSink(settings)
 
-        return [SinkSpec("counting", CountingSettings, create)]
+        return [SinkSpec("counting", create, settings_model=CountingSettings)]
 
     module.room_outbox_register_sinks = room_outbox_register_sinks  # type: ignore[attr-defined]
     return module
@@ -189,7 +190,7 @@ async def test_a_sink_factory_error_is_named_and_redacted() -> None:
                 context.add_secret("s3cr3t-value")
                 raise RuntimeError("cannot reach s3cr3t-value")
 
-            return [SinkSpec("exploding", SinkSettings, create, enabled_by_default=True)]
+            return [SinkSpec("exploding", create, enabled_by_default=True)]
 
     redactor = Redactor()
     with pytest.raises(ConfigError) as info:
@@ -287,7 +288,7 @@ def test_a_plugins_statements_are_used_while_a_sink_or_handler_it_registers_is_e
     class SinkWithTable:
         @hookimpl
         def room_outbox_register_sinks(self) -> list[SinkSpec[SinkSettings]]:
-            return [SinkSpec("archive", SinkSettings, lambda settings, context: None)]  # never built here
+            return [SinkSpec("archive", lambda settings, context: None)]  # never built here
 
         @hookimpl
         def room_outbox_migrations(self) -> list[str]:
@@ -336,9 +337,10 @@ async def test_migrate_on_sqlite_skips_plugin_tables_but_creates_own_lanes(tmp_p
         await store.aclose()
 
 
-HANDLER_SPECS = """
-from room_outbox import HandlerFactoryContext, HandlerSettings, HandlerSpec
+SPECS = """
+from room_outbox import HandlerFactoryContext, HandlerSettings, HandlerSpec, SinkContext, SinkSettings, SinkSpec
 from room_outbox.plugins.audit_log import AuditHandler
+from room_outbox.plugins.noop import NoopSink
 
 
 class Stats(HandlerSettings):
@@ -357,15 +359,37 @@ def plain(settings: HandlerSettings, context: HandlerFactoryContext) -> AuditHan
     return AuditHandler()
 
 
-fine = [HandlerSpec("a", typed, settings_model=Stats), HandlerSpec("b", plain), HandlerSpec("c", plain, None)]
+class Sized(SinkSettings):
+    size: int = 1
+
+
+class OtherSink(SinkSettings):
+    pass
+
+
+def sized(settings: Sized, context: SinkContext) -> NoopSink:
+    return NoopSink()
+
+
+def common(settings: SinkSettings, context: SinkContext) -> NoopSink:
+    return NoopSink()
+
+
+fine = [HandlerSpec("a", typed, settings_model=Stats), HandlerSpec("b", plain), HandlerSpec("c", plain, event_types=None)]
 wrong_model = HandlerSpec("d", typed, settings_model=Other)
 no_model = HandlerSpec("e", typed)  # its factory would get HandlerSettings
+fine_sinks = [SinkSpec("f", sized, settings_model=Sized), SinkSpec("g", common, own_lane=True)]
+wrong_sink_model = SinkSpec("h", sized, settings_model=OtherSink)
+no_sink_model = SinkSpec("i", sized)  # its factory would get SinkSettings
+former = [SinkSpec("j", Sized, sized, True), HandlerSpec("k", typed, None, settings_model=Stats)]  # deprecated
+former_wrong = SinkSpec("l", OtherSink, sized)
 """
 
 
-def test_a_handler_spec_is_typed_by_its_settings_model(tmp_path: Path) -> None:
-    """Like SinkSpec: a factory type-checks only with the settings model it receives (mypy
-    on a tree shaped like the installed package, as scripts/typecheck.sh checks the core)."""
+def test_a_spec_is_typed_by_its_settings_model(tmp_path: Path) -> None:
+    """SinkSpec and HandlerSpec: a factory type-checks only with the settings model it receives
+    (mypy on a tree shaped like the installed package, as scripts/typecheck.sh checks the core);
+    the deprecated positional forms are typed the same way."""
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
@@ -374,14 +398,51 @@ def test_a_handler_spec_is_typed_by_its_settings_model(tmp_path: Path) -> None:
     for entry in (root / "core").iterdir():
         (package / entry.name).symlink_to(entry)
     (package / "plugins").symlink_to(root / "plugins")
-    (tmp_path / "specs.py").write_text(HANDLER_SPECS)
+    (tmp_path / "specs.py").write_text(SPECS)
     result = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(root / "pyproject.toml"), "--follow-imports=silent",
          "--cache-dir", str(tmp_path / ".mypy_cache"), "specs.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    source = HANDLER_SPECS.splitlines()
+    source = SPECS.splitlines()
     failing = [
         source[int(line.split(":")[1]) - 1].split()[0] for line in result.stdout.splitlines() if ": error:" in line
     ]
-    assert failing == ["wrong_model", "no_model"], result.stdout
+    assert failing == ["wrong_model", "no_model", "wrong_sink_model", "no_sink_model", "former_wrong"], result.stdout
+
+
+def test_the_former_positional_forms_still_work_and_warn() -> None:
+    """SinkSpec(name, settings_model, factory, ...) and HandlerSpec(name, factory, event_types,
+    ...) make the same spec as the keyword forms, with a warning that names the new form and
+    points at the caller."""
+    from room_outbox import HandlerSettings, HandlerSpec
+
+    def create(settings: CountingSettings, context: SinkContext) -> CountingSink:
+        return CountingSink(settings)
+
+    def handle(settings: HandlerSettings, context: Any) -> Any:
+        return None
+
+    with pytest.warns(DeprecationWarning, match=r"write SinkSpec\(name, factory, settings_model=") as caught:
+        sink = SinkSpec("counting", CountingSettings, create, True, own_lane=True)
+    assert caught[0].filename == __file__
+    assert sink == SinkSpec("counting", create, settings_model=CountingSettings, enabled_by_default=True, own_lane=True)
+
+    types_ = frozenset({"RoomGiftSent"})
+    with pytest.warns(DeprecationWarning, match=r"write HandlerSpec\(name, factory, event_types=") as caught:
+        handler = HandlerSpec("tally", handle, types_, HandlerSettings, {"mysql": ["SELECT 1"]})
+    assert caught[0].filename == __file__
+    assert handler == HandlerSpec(
+        "tally", handle, event_types=types_, settings_model=HandlerSettings, schema={"mysql": ["SELECT 1"]}
+    )
+
+
+def test_the_keyword_forms_do_not_warn_and_default_to_the_base_settings() -> None:
+    from room_outbox import HandlerSettings, HandlerSpec
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sink = SinkSpec("plain", lambda settings, context: CountingSink(CountingSettings()))
+        handler = HandlerSpec("plain", lambda settings, context: None)
+    assert sink.settings_model is SinkSettings and not (sink.enabled_by_default or sink.own_lane or sink.ordered_log)
+    assert handler.settings_model is HandlerSettings and handler.event_types is None and handler.schema == {}

@@ -1,21 +1,10 @@
 """When a failed event is tried again, and when it is given up on (parked).
 
-* ``fixed_interval`` (the default, as room-service's V1 worker does): after ``poll_interval``.
-* ``linear``: ``base × attempts``, capped at ``cap``.
-* ``exponential``: ``base × factor^(attempts-1)``, capped at ``cap``.
-
-A failure that retrying cannot fix (a bad envelope, a permanent sink error) backs off
-exponentially whatever the strategy — ``base × factor^(attempts-1)`` up to ``cap`` — when it
-is not parked: such a row is still tried now and then (its cause may be fixed: a group
-created), but no longer every ``poll_interval``, which would cost a write and a warning per
-bad row per second for ever.
-
-Linear and exponential delays are spread by ± ``jitter`` so that events failing together (an
-IM outage) do not come back together. With ``parking`` on, a permanent failure, or the
-failure that uses up ``max_attempts``, parks the event as ``failed``; without it the event
-stays pending and is retried for ever: a room message is never dropped silently. An event
-no sink takes, and under per-room ordering any failure retrying cannot fix, is parked by the
-dispatcher whatever ``parking`` says (see :mod:`room_outbox.delivery.routing`).
+The strategy (``fixed_interval``, ``linear``, ``exponential``) spaces the retries of failures
+that may go away; one retrying cannot fix backs off exponentially whatever the strategy
+(:meth:`RetryPolicy.delay`). With ``parking`` on, a permanent failure or the one that uses up
+``max_attempts`` parks the event as ``failed``; without it the event stays pending and is
+retried for ever: a room message is never dropped silently (:meth:`RetryPolicy.parks`).
 """
 
 from __future__ import annotations
@@ -56,7 +45,14 @@ class RetryPolicy:
 
     def delay(self, attempts: int, permanent: bool = False) -> float:
         """Seconds to wait after the ``attempts``-th failed attempt (1 for the first);
-        ``permanent``: a failure retrying cannot fix (always exponential)."""
+        ``permanent``: a failure retrying cannot fix (always exponential).
+
+        ``fixed_interval`` (the default, as room-service's V1 worker does): ``poll_interval``;
+        ``linear``: ``base × attempts``; ``exponential``: ``base × factor^(attempts-1)``; both
+        capped at ``cap`` and spread by ± ``jitter``, so that events failing together (an
+        outage) do not come back together. A permanent failure not parked is still tried now
+        and then (its cause may be fixed: a group created), but no longer every
+        ``poll_interval``, which would cost a write and a warning per bad row per second."""
         if self.strategy == "fixed_interval" and not permanent:
             return self.interval
         if self.strategy == "linear" and not permanent:
@@ -68,7 +64,9 @@ class RetryPolicy:
         return delay * (1 + random.uniform(-self.jitter, self.jitter)) if self.jitter else delay
 
     def parks(self, attempts: int, permanent: bool) -> bool:
-        """Whether the failure that makes ``attempts`` attempts ends the event's retries."""
+        """Whether the failure that makes ``attempts`` attempts ends the event's retries. (An
+        event no sink takes, and under per-room ordering any failure retrying cannot fix, is
+        parked by the dispatcher whatever ``parking`` says: :mod:`room_outbox.delivery.routing`.)"""
         if not self.parking:
             return False
         return permanent or (self.max_attempts > 0 and attempts >= self.max_attempts)

@@ -1,30 +1,13 @@
 """``room-outbox demo``: the whole pipeline on a bare machine, checked end to end.
 
-What runs, all in this process: an outbox in a SQLite file in a temporary folder (or the
-database ``--db`` names), the fake Tencent IM on a loopback port with faults injected, a small
-room service issuing commands (create, join, gift, mic changes, heat changes, close) that
-commit their events to the outbox and push them synchronously through the producer — some of
-those pushes fail, some are never attempted (a "restart" right after the commit) — and the
-dispatcher compensating for both. A live table shows the outbox and the fake IM while it
-runs; then the run is verified:
-
-* every event of the run ends ``published`` in the outbox;
-* every IM-bound event_id reached the fake IM at least once;
-* no event of a noop type (RoomCreated, RoomHeatChanged, RoomRankChanged) was sent to IM;
-* with per-room ordering (the default here), the dispatcher delivered each room's events in
-  ``room_version`` order.
-
-It also reports what the race with the room service's own push costs: the requests the
-dispatcher sent for events the room service had pushed itself (``outbox_worker.claim_after``
-keeps it from claiming rows younger than that, ``--claim-after``), and how long after their
-commit the events the room service did not push reached IM.
-
-Exit code 0 only when all of these hold, 1 when one does not, 2 for bad arguments.
-
-The demo delivers every pending row of the outbox it runs on, so ``--db`` must name a database
-of its own: a table holding any row the demo did not make (its event_ids start ``demo-``) is
-refused before anything is changed, for a row delivered to the fake IM never reaches the real
-one. It creates no folder but its temporary one: a SQLite file's folder must exist.
+All in this process: an outbox (a SQLite file in a temporary folder, or the database ``--db``
+names), the fake Tencent IM on a loopback port with faults injected, and a small room service
+committing events and pushing them itself, some pushes failing and some never attempted (a
+"restart" right after the commit), with the dispatcher compensating for both. A live table
+shows the run; then it is verified (:func:`verify`) and the cost of the race with the room
+service's own push is reported (:func:`race_report`). Exit code 0 only when every check holds,
+1 when one does not, 2 for bad arguments. A ``--db`` holding rows the demo did not make is
+refused unchanged (:func:`_refuse_rows_of_others`).
 """
 
 from __future__ import annotations
@@ -357,7 +340,10 @@ def verify(
     attempts: Sequence[tuple[str, int, str, bool]],
     per_room: bool,
 ) -> list[Check]:
-    """The demo's acceptance: see the module docstring. Pure, so it is tested on its own."""
+    """The demo's acceptance: every event of the run ends ``published`` in the outbox; every
+    IM-bound event_id reached the fake IM at least once; no event of a noop type (RoomCreated,
+    RoomHeatChanged, RoomRankChanged) was sent to IM; with per-room ordering, each room's
+    events were delivered in ``room_version`` order. Pure, so it is tested on its own."""
     checks = []
     not_published = sorted(e for e in events if statuses.get(e) != "published")
     checks.append(
@@ -506,7 +492,8 @@ async def _run(
 async def _refuse_rows_of_others(store: SQLStore, dsn: str) -> None:
     """The dispatcher claims every pending row: on a table holding rows the demo did not make
     it would deliver them to the fake IM and mark them published. Checked before the schema
-    is migrated, so a refused database is left exactly as it was."""
+    is migrated, so a refused database is left exactly as it was. (The demo's own event_ids
+    start with ``demo-``; a row delivered to the fake IM would never reach the real one.)"""
     if await holds_rows_besides(store, RUN_PREFIX):
         raise ConfigError(
             f"--db: {store.profile.table} in {describe(store_address(dsn))} holds rows the demo did not make;"
@@ -590,7 +577,10 @@ async def _drive(
 
 
 def race_report(tally: Tally, claim_after: float, routes: Mapping[str, str]) -> str:
-    """What the race with the room service's own push cost, in two lines."""
+    """What the race with the room service's own push cost, in two lines: the requests the
+    dispatcher sent for events the room service had pushed itself (``claim_after`` keeps it
+    from claiming younger rows), and how long after their commit the events the room service
+    did not push reached IM."""
     pushed_im = sum(1 for event_id in tally.pushed if routes.get(tally.events[event_id].event_type) == IM_SINK)
     delays = tally.not_pushed_delays()
     waited = (

@@ -1,30 +1,13 @@
 """The membership of live ``room-outbox run`` processes, the room buckets each one owns, and
 the quota share that follows from them.
 
-Every ``heartbeat_interval`` each process, in one transaction:
-
-1. measures its clock's offset from the database's (every time compared between processes
-   is the database's: :mod:`room_outbox.store.clock`), renews its row in ``room_outbox_node``
-   (and reports its view of the membership);
-2. reads the nodes: one without a heartbeat for ``node_timeout`` is dead;
-3. when buckets belong to dead or departed nodes, or are unevenly spread, it reassigns them,
-   moving as few as it can (each live node keeps up to its fair count of what it has, its
-   buckets with leased rows first; the rest goes to nodes below theirs, buckets without
-   leased rows first), and forgets the dead nodes' rows. A bucket without a leased row moves
-   at once (claimable one rate-limit window later); one with a leased row is handed over;
-4. for each bucket handed over to it, checks whether any process still holds a lease on a
-   row of the bucket; once none does, the bucket becomes claimable (see
-   :mod:`room_outbox.store.membership` for the fence);
-5. updates the quota share (:mod:`.quota`).
-
-A graceful stop (SIGTERM) gives the buckets up at once, after the dispatchers have written
-their results; the others take them at their next heartbeat. A killed process's buckets are
-taken once its heartbeat is older than ``node_timeout``, and become claimable as its leases
-run out. A node joining during a burst takes the idle buckets (its fair count of them, when
-there are that many) and leaves the busy ones to the process delivering them, so the burst
-is not held up by a handover; buckets with leased rows move only where the idle ones do not
-make up a fair count, once their leases end. After a death: ``node_timeout``, then the dead
-process's buckets move at once where its leases have run out.
+Every ``heartbeat_interval`` each process renews its row and, in the same transaction, counts
+dead the nodes without a heartbeat for ``node_timeout``, reassigns as few buckets as it can
+so that each live node owns its fair count (:func:`plan`), opens the buckets handed over to it
+once no lease on them remains, and updates its quota share (:meth:`Membership.beat`). A
+graceful stop gives the buckets up at once (:meth:`Membership.running`); a killed process's
+buckets move once its heartbeat is stale and become claimable as its leases run out. The
+fence that keeps two owners apart is :mod:`room_outbox.store.membership`'s.
 """
 
 from __future__ import annotations
@@ -129,7 +112,9 @@ class Membership:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Membership]:
-        """Heartbeats while the block runs; on exit the node leaves (buckets given up)."""
+        """Heartbeats while the block runs; on exit the node leaves (buckets given up), so the
+        others take its buckets at their next heartbeat instead of after ``node_timeout``. The
+        block ends once the dispatchers have written their results: a leave leaves no lease."""
         async with anyio.create_task_group() as beats:
             beats.start_soon(self._loop)
             try:
@@ -164,7 +149,15 @@ class Membership:
             await anyio.sleep(max(0.0, self.heartbeat_interval - (anyio.current_time() - started)))
 
     async def beat(self) -> None:
-        """One heartbeat (see the module docstring)."""
+        """One heartbeat, in one transaction: measure the clock's offset from the database's
+        (every time compared between processes is the database's:
+        :mod:`room_outbox.store.clock`); renew this node's row with its view of the membership;
+        read the nodes (dead: no heartbeat for ``node_timeout``); when buckets belong to dead
+        or departed nodes or are unevenly spread, reassign them (:func:`plan`) and forget the
+        dead nodes' rows: a bucket without a leased row moves at once (claimable one rate-limit
+        window later), one with a leased row is handed over; open each bucket handed over to
+        this node once no process holds a lease on its rows; update the quota share
+        (:mod:`.quota`)."""
         began = time.monotonic()
         timeout_ms = int(self.node_timeout * 1000)
         async with self.store.transaction() as cur:

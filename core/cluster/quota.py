@@ -1,23 +1,10 @@
 """This process's part of the rate limits every process of the deployment shares.
 
-Tencent counts an app's requests, and a group's messages, over the whole deployment: three
-processes each sending at the app's 200 requests/s send 600. So each process keeps to a
-share: ``limit / nodes``, ``nodes`` being the live processes (:mod:`.membership`). A group
-whose every message comes from one process (with per-room ordering and a group per room,
-the owner of the room's bucket) keeps the whole group limit there.
-
-A share must never let the deployment's sum exceed the limit, not even while processes join,
-leave or die, and the processes learn of a change at different heartbeats:
-
-* more nodes (a share shrinks): applied at once;
-* fewer nodes (a share grows): applied only once every live node reports the same view of
-  the membership and one rate-limit window has passed since the last of them took it, so
-  the requests sent under the larger count have left Tencent's window;
-* a node that joins sends nothing until the same holds for its first view, so the others
-  have shrunk before it starts;
-* a node that could not renew its heartbeat for ``node_timeout`` minus two windows sends
-  nothing until it can: the others declare it dead only at ``node_timeout``, and then still
-  wait a window before they grow.
+The destination counts an app's requests, and a group's messages, over the whole deployment:
+three processes each sending at the app's limit send three times it. So each process keeps to
+a share, ``limit / nodes``, ``nodes`` being the live processes (:mod:`.membership`), and the
+shares must never let the deployment's sum exceed the limit, not even while processes join,
+leave or die (:class:`QuotaShare`).
 """
 
 from __future__ import annotations
@@ -26,7 +13,7 @@ import math
 import time
 from collections.abc import Callable
 
-#: Added to the one-second window of every rate limit: clear of rounding in however the
+#: Added to the one-second window of every rate limit (a sink's own limiter adds it too): clear of rounding in however the
 #: server buckets time, and small: every slot cycle pays it, out of the quota.
 JITTER_MARGIN = 0.01
 #: The window rate limits are counted over, as the limiters count it.
@@ -34,7 +21,21 @@ WINDOW = 1.0 + JITTER_MARGIN
 
 
 class QuotaShare:
-    """The share rule above. Without a membership (one process, SQLite): every limit whole."""
+    """This process's share of each shared limit. Without a membership (one process, SQLite):
+    every limit whole. A group whose every message comes from one process (per-room ordering
+    and a group per room: the owner of the room's bucket) keeps the whole group limit there.
+
+    The processes learn of a change at different heartbeats, so (:mod:`.membership` applies):
+
+    * more nodes (a share shrinks): applied at once;
+    * fewer nodes (a share grows): applied only once every live node reports the same view of
+      the membership and one rate-limit window has passed since the last of them took it, so
+      the requests sent under the larger count have left the destination's window;
+    * a node that joins sends nothing until the same holds for its first view, so the others
+      have shrunk before it starts;
+    * a node that could not renew its heartbeat for ``node_timeout`` minus two windows sends
+      nothing until it can: the others declare it dead only at ``node_timeout``, and then
+      still wait a window before they grow."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock

@@ -1,38 +1,12 @@
 """One lane of delivery: claim a batch, route each event to its sink, deliver, record.
 
-The IM lane's state is ``room_outbox.status``. A round is:
-
-1. **claim** up to ``batch_size`` rows in one short transaction, which also records the
-   results that came in since the last claim (one commit per claim, not per row);
-2. **deliver** outside any transaction, up to ``concurrency`` at once, each bounded by
-   ``publish_timeout``; a failing or hanging event never stops the rest of its batch; the
-   claimed rows' leases are renewed while they are held, so they never expire under a live
-   process;
-3. as soon as every claimed row has been handed to a delivery worker, the next claim is made
-   while the last rows are still in flight (unordered lanes), for as many rows as keep the
-   rows held (claimed, results not yet written) within ``batch_size``: a kill repeats at most
-   one batch, and the database and the sink are no longer idle in turn. With per-room
-   ordering the next claim waits until every row held has its result, as a room's later row
-   may only be claimed once its earlier one is settled;
-4. once a claim comes back short, the deliveries under way end, the results are written and
-   the next scan starts ``poll_interval`` after this round started (a ticker).
-
-A delivery the sink's own rate limit holds back (:class:`~room_outbox.sink.ThrottledSinkError`)
-is no attempt: its row is released with its retry count unchanged, claimable again when the
-limit may have a slot, and only counted as throttled.
-
-A failure retrying cannot fix backs off exponentially (:mod:`room_outbox.attempt.retry`), and a row
-that fails again and again is logged once, then summarised (:mod:`.delivery.failure_log`).
-
-Store errors — a database call that outlived ``query_timeout`` included — fail the round:
-it is logged with its lane, counted (readiness), and tried again after ``poll_interval``;
-results that could not be written are kept and written with the next successful transaction
-(they are fenced on their claim, so writing them late is safe). The loop never dies of them.
-
-Stopping is bounded whatever the database does: from :meth:`Dispatcher.stop`, the round in
-progress and the final write of results together get ``publish_timeout`` + ``query_timeout``;
-whatever is still unwritten then stays leased until its lease expires (delivered again
-later, never lost).
+A round (:meth:`Dispatcher.run_once`) claims rows in short transactions that also record the
+results so far, and delivers outside any transaction, many at once, each bounded by
+``publish_timeout``: a failing or hanging event never stops the rest of its batch, and a kill
+repeats at most one batch. Nothing kills the loop: a failed round is logged and tried again
+after ``poll_interval`` (:meth:`Dispatcher.run`), and stopping is bounded whatever the database
+does (:meth:`Dispatcher.stop`). Failures back off (:mod:`room_outbox.attempt.retry`); a row
+failing again and again is logged once, then summarised (:mod:`.delivery.failure_log`).
 """
 
 from __future__ import annotations
@@ -148,7 +122,9 @@ class Dispatcher:
     def stop(self) -> None:
         """Claim no new batch; in-flight deliveries finish (within ``publish_timeout``), the
         events of the batch not yet started are released, results are written, ``run`` returns:
-        all within ``publish_timeout`` + ``query_timeout`` (see the module docstring)."""
+        all within ``publish_timeout`` + ``query_timeout``, whatever the database does. What is
+        still unwritten then stays leased until its lease expires: delivered again later, never
+        lost."""
         if not self._stopping.is_set():
             self._stop_deadline = anyio.current_time() + self.options.publish_timeout + self.options.query_timeout
             if self._round_scope is not None:
@@ -156,7 +132,11 @@ class Dispatcher:
         self._stopping.set()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """The scan loop, until :meth:`stop`."""
+        """The scan loop, until :meth:`stop`. Store errors (a call that outlived
+        ``query_timeout`` included) fail the round: it is logged with its lane, counted for
+        readiness and tried again after ``poll_interval``. Results that could not be written are
+        kept for the next successful transaction (fenced on their claim, so writing them late
+        is safe)."""
         log.info("worker started", extra={"lifecycle": "worker_started", **self._describe()})
         task_status.started()
         try:
@@ -202,7 +182,15 @@ class Dispatcher:
     async def run_once(self) -> Round:
         """Claim and deliver until a claim comes back short, :meth:`stop` is called or a claim
         fails (raised once the deliveries under way have ended). The last results are written
-        by the next claim or :meth:`flush`."""
+        by the next claim or :meth:`flush`.
+
+        Each claim takes up to ``batch_size`` rows and records the results in since the last
+        one (one commit per claim, not per row). ``concurrency`` workers deliver, and the held
+        rows' leases are renewed meanwhile, so they never expire under a live process. Once
+        every claimed row has a worker, the next claim is made while the last rows are still in
+        flight, for as many rows as keep those held within ``batch_size``
+        (:meth:`_outstanding_before_next_claim`): the database and the sink are not idle in
+        turn."""
         claimed = await self._claim(self.options.batch_size)
         if not claimed.rows:
             return Round(0, claimed.exhausted)

@@ -1,26 +1,12 @@
 """Liveness and readiness: what ``/healthz`` and ``/readyz`` (and the Docker HEALTHCHECK) answer.
 
-* **Live** (``/healthz``): every lane that should be running rounds has made progress — a
-  round ended, successfully or not, or a delivery attempt ended — within ``stalled_after``
-  seconds (``telemetry.stalled_after_polls`` × ``poll_interval``, and never less than the
-  longest a healthy lane goes between two such ends: ``poll_interval`` + ``query_timeout`` +
-  ``publish_timeout``). A lane blocked for good (on a database or a sink that never answers)
-  fails it; restarting the process is the cure. A database that is down does not: rounds
-  keep ending (each failed one within ``query_timeout``), and a restart would not help.
-* **Ready** (``/readyz``): the worker runs (or is disabled by configuration), a query
-  succeeded within the last ``DATABASE_FRESH_FOR`` seconds, and no lane has had
-  ``telemetry.unready_after_failed_rounds`` failed rounds in a row. Sinks are not checked: a
-  sink's jitter must not take the process out of service; failing deliveries show in the
-  metrics instead. Its ``clock`` check says whether this host's clock is off the database's by
-  more than ``cluster.max_clock_skew`` (shown, not a cause of unreadiness: every time compared
-  between processes is the database's).
-
-Readiness is read from state the process keeps, never from a query per request: a lane's
-successful round counts as a query that succeeded, and :meth:`Health.watch_database` pings
-only when no lane has succeeded for ``DATABASE_CHECK_INTERVAL`` (an idle or disabled worker,
-a consumer). Each check's cause is a short fixed text; the driver's own words go to the log.
-
-The dispatchers report to their :class:`LaneHealth`; the lifecycle sets :attr:`Health.worker`.
+Live: every lane that should be running rounds has made progress lately
+(:meth:`Health.liveness`): a lane blocked for good is cured by a restart, a database that is
+down is not. Ready: the worker runs, the database answered lately and no lane keeps failing
+(:meth:`Health.readiness`); sinks are not checked, so a sink's jitter never takes the process
+out of service. Both are read from state the process keeps, never from a query per request;
+each check's cause is a short fixed text, the driver's own words go to the log. The
+dispatchers report to their :class:`LaneHealth`; the lifecycle sets :attr:`Health.worker`.
 """
 
 from __future__ import annotations
@@ -107,6 +93,11 @@ class Health:
         return self.lanes.setdefault(name, LaneHealth(name))
 
     def liveness(self) -> tuple[bool, dict[str, str]]:
+        """Live while every running lane has made progress (a round ended, successfully or not,
+        or a delivery attempt ended) within :attr:`stalled_after` (see :func:`stalled_after`).
+        A lane blocked for good (on a database or a sink that never answers) fails it. A
+        database that is down does not: rounds keep ending, each failed one within
+        ``query_timeout``, and a restart would not help."""
         checks: dict[str, str] = {"worker": self.worker}
         live = True
         if self.worker == "running":  # starting, stopping or disabled: no rounds expected
@@ -121,6 +112,11 @@ class Health:
         return live, checks
 
     def readiness(self) -> tuple[bool, dict[str, str]]:
+        """Ready when the worker runs (or is disabled by configuration), a query succeeded
+        within the last ``DATABASE_FRESH_FOR`` seconds (a lane's successful round counts) and no
+        lane has had ``unready_after_failed_rounds`` failed rounds in a row. The ``clock`` check
+        says whether this host's clock is off the database's by more than
+        ``cluster.max_clock_skew``: shown, not a cause of unreadiness."""
         checks: dict[str, str] = {"worker": self.worker, "database": self._database_check()}
         ready = checks["database"] == "ok" and self.worker in ("running", "disabled")
         checks["clock"] = CLOCK_SKEWED if self.clock.skewed else "ok"
@@ -142,7 +138,8 @@ class Health:
         return self._failure or "not checked yet"
 
     async def watch_database(self, interval: float = DATABASE_CHECK_INTERVAL) -> None:
-        """Ping the database whenever no query has succeeded for ``interval``, until cancelled."""
+        """Ping the database whenever no query has succeeded for ``interval``, until cancelled:
+        only an idle or disabled worker, or a consumer, needs the ping."""
         while True:
             succeeded = self._last_success()
             if succeeded is None or time.monotonic() - succeeded >= interval:

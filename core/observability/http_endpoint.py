@@ -1,19 +1,10 @@
 """The operator's HTTP endpoint: ``/healthz``, ``/readyz``, ``/metrics`` (off unless configured).
 
-* ``GET /healthz``: 200 while the process is live, else 503 with a JSON body saying which
-  lane stalled; ``GET /readyz``: 200 when ready, else 503, the JSON body saying which check
-  failed. What live and ready mean: :mod:`room_outbox.observability.health`.
-* ``GET /metrics``: Prometheus text format 0.0.4 (:mod:`room_outbox.observability.metrics`).
-
-Served by ``aiohttp.web`` (aiohttp is already the Tencent sink's transport): its request
-parser bounds header sizes, every connection is its own task, and a slow or hostile client
-costs that task and nothing else. It only ever binds the address it is given; bind it to
-loopback or a management network (it has no authentication).
-
-A request it cannot parse (a port scan, TLS on a plain port) is counted in
-``room_outbox_http_malformed_requests_total`` (the instrument ``room_outbox.http.malformed_requests``)
-and not logged: the parser's traceback would echo the client's bytes into the log, one ERROR
-per request.
+``/healthz`` and ``/readyz`` answer 200, or 503 with a JSON body naming the check that failed
+(:mod:`room_outbox.observability.health`); ``/metrics`` is Prometheus text format 0.0.4
+(:mod:`room_outbox.observability.metrics`). Served by ``aiohttp.web``: its parser bounds
+header sizes and every connection is its own task, so a slow or hostile client costs that task
+and nothing else. It has no authentication: bind it to loopback or a management network.
 """
 
 from __future__ import annotations
@@ -114,7 +105,9 @@ class HttpEndpoint:
 class _CountingServerLog:
     """Stands in for aiohttp's server logger. Everything the server logs itself is about a
     request it could not parse or answer (a failing handler is caught by :func:`_plain_errors`
-    first): each is counted once, and nothing is logged."""
+    first): each is counted once (``room_outbox.http.malformed_requests``), and nothing is
+    logged, since the parser's traceback would echo the client's bytes (a port scan, TLS on a
+    plain port) into the log, one ERROR per request."""
 
     def __init__(self, count: Callable[[], None]) -> None:
         self._count = count

@@ -2,26 +2,10 @@
 
 ``log.format`` chooses: ``json``, ``console``, or ``auto`` (the default): console when the log
 stream (stderr) is a terminal, JSON otherwise, so a local ``run`` reads well and a container's
-log collector gets JSON without configuration.
-
-**JSON.** One object per line, with the fields below. Every line carries ``worker``
-("room_outbox") and ``node_id``; event lines add ``event_id``, ``event_type``, ``room_id``,
-``retry_count``, ``status``, ``error`` (passed as ``extra=``), and a line written inside a
-traced delivery adds ``trace_id`` and ``span_id``.
-
-**Console.** ``12:04:05.123 WARN  dispatcher    delivery failed           event_id=e1 ...``: the
-UTC time, the level, the logger (less ``room_outbox.``) and the message in columns, then the
-event's key fields first and any other field after them as ``key=value``; a traceback follows
-on its own lines. Colour only on a terminal and only when ``NO_COLOR`` is unset or empty.
-
-Either way the whole text goes through the
+log collector gets JSON without configuration. Either way the whole text goes through the
 :class:`~room_outbox.observability.redaction.Redactor` last, so a secret that slipped into a
-message, a field or an exception is still masked.
-
-**Spans.** Logs go to stderr; what the console span and metric exporters print
-(``OTEL_TRACES_EXPORTER=console``) goes to stdout, never into the log stream: ``2>run.log``
-or ``>spans.json`` separates them. ``log.spans_with_logs: true`` sends it to the log stream
-instead, when one stream is wanted. :func:`span_stream` is where it goes.
+message, a field or an exception is still masked. Console span and metric exporters write to
+stdout, never into the log stream, unless ``log.spans_with_logs`` asks (:func:`span_stream`).
 """
 
 from __future__ import annotations
@@ -57,6 +41,11 @@ def _fields(record: logging.LogRecord) -> dict[str, Any]:
 
 
 class JsonFormatter(logging.Formatter):
+    """One object per line. Every line carries ``worker`` ("room_outbox") and ``node_id``;
+    event lines add ``event_id``, ``event_type``, ``room_id``, ``retry_count``, ``status``,
+    ``error`` (passed as ``extra=``), and a line written inside a traced delivery adds
+    ``trace_id`` and ``span_id``."""
+
     def __init__(self, node_id: str, redactor: Redactor) -> None:
         super().__init__()
         self.node_id = node_id
@@ -89,7 +78,12 @@ _MESSAGE_WIDTH = 26
 
 
 class ConsoleFormatter(logging.Formatter):
-    """One short line per record, columns aligned (see the module docstring)."""
+    """One short line per record, columns aligned:
+    ``12:04:05.123 WARN  dispatcher    delivery failed           event_id=e1 ...``: the UTC
+    time, the level, the logger (less ``room_outbox.``) and the message in columns, then the
+    event's key fields first and any other field after them as ``key=value``; a traceback
+    follows on its own lines. Colour only on a terminal and only when ``NO_COLOR`` is unset or
+    empty (:func:`wants_colour`)."""
 
     def __init__(self, redactor: Redactor, colour: bool = False) -> None:
         super().__init__()
@@ -166,7 +160,8 @@ def configure_logging(
 
 def span_stream() -> IO[str]:
     """Where the console span and metric exporters write: stdout, or the log stream when
-    ``log.spans_with_logs`` asked for it."""
+    ``log.spans_with_logs`` asked for it. Apart, ``2>run.log`` or ``>spans.json`` separates
+    them."""
     return _span_stream or sys.stdout
 
 

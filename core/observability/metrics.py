@@ -1,36 +1,13 @@
 """Metrics (delivery counts and durations, backlog, claim and lease health; the consumers') and
 their Prometheus exposition.
 
-Instruments are named by OpenTelemetry's conventions: dotted, the unit in the unit field, no
-Prometheus suffix. ``/metrics`` shows them through the OpenTelemetry Prometheus exporter's
-standard translation (dots become underscores, ``s`` adds ``_seconds``, a counter gets
-``_total``), so a collector and a Prometheus scrape see the same instruments under the names
-each expects. docs/reference/metrics.md lists them, generated from the calls below: the
-dispatcher's are :class:`OutboxMetrics`, a consume process's :class:`ConsumerMetrics`.
-
-Durations and ages are recorded in seconds, the base unit every Prometheus dashboard expects.
-The pending gauge counts the events a lane still owes,
-the age is its oldest one's (0 when none). A consumer's ``outcome`` is ``handled``, or
-``duplicate`` (its processed record existed: a redelivery); its lag is the partition's high
-watermark minus the offset this process last committed, set after each commit.
-
-Next to them ``/metrics`` carries the process and runtime metrics of ``prometheus_client``'s
-process, platform and GC collectors (``process_cpu_seconds_total``,
-``process_resident_memory_bytes``, ``process_open_fds``, ``python_gc_*``, ``python_info``...):
-the names every Prometheus user's dashboards already know (OpenTelemetry's system-metrics
-instrumentation would need psutil and names them ``process_runtime_*`` instead); and
-``target_info``, the resource (service name, instance id) as the translation exports it. The
-scope labels (``otel_scope_name``...) are left off: every instrument here has one scope.
-
-The clock offset is read at each collection (as last measured, :mod:`room_outbox.store.clock`).
-The two backlog gauges come from a timer (:mod:`room_outbox.observability.service`), one series per lane the
-configuration runs: ``lane="im"`` counts pending rows of ``room_outbox`` (only while the IM
-lane runs: otherwise ``status`` is room-service's and no backlog of anyone's here), a lane of
-its own counts its pending rows plus the rows not fed to it yet. Every counter is exported
-from start-up at 0 for the label sets known then (each sink with each event type it takes,
-each error class, each detection point), so that an alert expression has a series to
-evaluate before the first failure ever happens (a consumer's: every handler of the process,
-with outcome ``handled``, reason ``failed``).
+Instruments are named by OpenTelemetry's conventions: dotted, the unit in the unit field (seconds
+for durations and ages), no Prometheus suffix. ``/metrics`` shows them through the OpenTelemetry
+Prometheus exporter's standard translation, so a collector and a Prometheus scrape see the same
+instruments under the names each expects. docs/reference/metrics.md lists them, generated from
+the calls below: the dispatcher's are :class:`OutboxMetrics`, a consume process's
+:class:`ConsumerMetrics`. Counters start at 0 for every label set known at start-up, so an
+alert expression has a series to evaluate before the first failure ever happens.
 """
 
 from __future__ import annotations
@@ -117,7 +94,7 @@ class OutboxMetrics:
 
     def start_at_zero(self, routes: Iterable[tuple[str, str]]) -> None:
         """Export every counter at 0 for ``routes`` ((sink, event_type) pairs) and the fixed
-        label values, before anything has happened."""
+        label values (each error class, each detection point), before anything has happened."""
         event_types: set[str] = set()
         for sink, event_type in routes:
             event_types.add(event_type)
@@ -134,11 +111,15 @@ class OutboxMetrics:
 
 
 def _clock_offset(options: CallbackOptions) -> Iterable[Observation]:
+    """Read at each collection: the offset as last measured (:mod:`room_outbox.store.clock`)."""
     yield Observation(CLOCK.offset)
 
 
 class ConsumerMetrics:
-    """One consumer's instruments, its counters exported at 0 for each of ``handlers``."""
+    """One consumer's instruments, its counters exported at 0 for each of ``handlers``. A
+    handling's ``outcome`` is ``handled``, or ``duplicate`` (its processed record existed: a
+    redelivery); the lag is the partition's high watermark minus the offset this process last
+    committed, set after each commit."""
 
     def __init__(self, meter: Meter, consumer: str, handlers: Iterable[str]) -> None:
         self.consumer = consumer
@@ -178,7 +159,12 @@ PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 class PrometheusExposition:
     """The metric reader behind ``/metrics``: OpenTelemetry's Prometheus exporter, in a registry
     of its own (so several in one process, as in tests, never meet) next to the process and
-    runtime collectors."""
+    runtime collectors.
+
+    Those are ``prometheus_client``'s process, platform and GC collectors
+    (``process_cpu_seconds_total``, ``python_gc_*``...): the names Prometheus users' dashboards
+    already know (OpenTelemetry's system metrics would need psutil and name them
+    ``process_runtime_*``). The scope labels are left off: every instrument has one scope."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)

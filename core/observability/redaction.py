@@ -3,19 +3,10 @@ passes through :meth:`Redactor.redact`, which masks each registered secret.
 
 One :class:`Redactor` serves the whole process. :func:`redactor_for` makes it from the
 configuration (the DSN password, every sink or consumer setting named like a credential,
-OTLP header values); both log formatters, the span exporters, the dispatcher's ``last_error`` and
-``/readyz`` all use it, and sinks add what they create at run time (Tencent IM's UserSigs)
-through ``SinkContext.add_secret``.
-
-A secret is masked however it travels: raw, percent-encoded as in a URL query (a UserSig's
-``*`` goes out as ``%2A``, ``+``/``/``/``=`` as ``%2B``/``%2F``/``%3D``, a space as ``+`` or
-``%20``, hex digits in either case) or escaped inside a JSON string.
-
-A secret is masked as a whole token, never inside a longer one: a password ``room`` leaves
-``room_outbox.app``, ``room-service`` and ``bedroom`` alone. A secret of 4 characters or more
-is masked wherever it stands between separators (spaces, quotes, ``:@=/?&,;`` and the like);
-a shorter one only where it is a whole value: after ``=`` or ``:`` (a URL's userinfo, a query
-or DSN field, a header) or inside quotes (a JSON string), up to the value's end.
+OTLP header values); both log formatters, the span exporters, the dispatcher's ``last_error``
+and ``/readyz`` all use it, and sinks add what they create at run time (Tencent IM's UserSigs)
+through ``SinkContext.add_secret``. A secret is masked however it travels, as a whole token,
+never inside a longer one (:func:`_bounded`).
 """
 
 from __future__ import annotations
@@ -111,7 +102,16 @@ class _Matcher:
 
 def _bounded(secret: str) -> str:
     """``secret``'s pattern, anchored on token boundaries (a short secret: on a value's).
-    An edge that is itself a separator (``*`` in ``*abc``) needs no boundary, as ``\\b``."""
+    An edge that is itself a separator (``*`` in ``*abc``) needs no boundary, as ``\\b``.
+
+    It matches the secret raw, percent-encoded as in a URL query (a UserSig's ``*`` goes out
+    as ``%2A``, ``+``/``/``/``=`` as ``%2B``/``%2F``/``%3D``, a space as ``+`` or ``%20``, hex
+    digits in either case) or escaped inside a JSON string. Never inside a longer token: a
+    password ``room`` leaves ``room_outbox.app``, ``room-service`` and ``bedroom`` alone. A
+    secret of :data:`MIN_SECRET_LENGTH` characters or more is masked wherever it stands between
+    separators (spaces, quotes, ``:@=/?&,;`` and the like); a shorter one only where it is a
+    whole value: after ``=`` or ``:`` (a URL's userinfo, a query or DSN field, a header) or
+    inside quotes (a JSON string), up to the value's end."""
     if len(secret) < MIN_SECRET_LENGTH:
         return _WHOLE_VALUE.format(_encodings(secret), _encodings(secret))
     before = f"(?:(?<!{_TOKEN_CHAR})|{_ESCAPE_BEFORE})" if _is_token_char(secret[0]) else ""

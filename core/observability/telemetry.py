@@ -1,20 +1,11 @@
 """Telemetry: the :class:`Telemetry` the dispatcher records into (logs:
 :mod:`room_outbox.observability.logs`).
 
-**Traces and metrics** (:mod:`room_outbox.observability.tracing`, :mod:`room_outbox.observability.metrics`) are set up
-from the standard OpenTelemetry environment by :func:`telemetry_from_environment`:
-
-* ``OTEL_SDK_DISABLED=true``: nothing, whatever else is set.
-* ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: comma-separated ``otlp``, ``console``
-  or ``none``. Unset, OTLP is used when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the signal's own
-  ``…_TRACES_ENDPOINT`` / ``…_METRICS_ENDPOINT``) is set, and nothing otherwise: unlike the
-  SDK's default, an unconfigured process does not try to reach a collector that is not there.
-* ``OTEL_EXPORTER_OTLP[_TRACES|_METRICS]_PROTOCOL``: ``http/protobuf`` (default) or ``grpc``;
-  endpoint, headers, timeouts, ``OTEL_TRACES_SAMPLER``, ``OTEL_SERVICE_NAME``,
-  ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_METRIC_EXPORT_INTERVAL`` are read by the SDK itself.
-
-With no span exporter the dispatcher gets no tracer at all and with no metric reader a no-op
-meter, so an unconfigured process pays a few attribute look-ups per delivery attempt.
+Traces and metrics (:mod:`room_outbox.observability.tracing`,
+:mod:`room_outbox.observability.metrics`) are set up from the standard OpenTelemetry
+environment by :func:`telemetry_from_environment`. With no span exporter the dispatcher gets
+no tracer at all and with no metric reader a no-op meter, so an unconfigured process pays a
+few attribute look-ups per delivery attempt.
 """
 
 from __future__ import annotations
@@ -219,9 +210,19 @@ def telemetry_from_environment(
     prometheus: bool = False,
     environ: Mapping[str, str] | None = None,
 ) -> Telemetry:
-    """Build :class:`Telemetry` from the ``OTEL_*`` environment (see the module docstring).
-    ``prometheus``: keep metrics for the HTTP endpoint's ``/metrics``. Raises
-    :class:`~room_outbox.config.ConfigError` naming the variable on an unknown exporter."""
+    """Build :class:`Telemetry` from the ``OTEL_*`` environment. ``prometheus``: keep metrics
+    for the HTTP endpoint's ``/metrics``. Raises :class:`~room_outbox.config.ConfigError`
+    naming the variable on an unknown exporter.
+
+    * ``OTEL_SDK_DISABLED=true``: nothing, whatever else is set.
+    * ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: comma-separated ``otlp``,
+      ``console`` or ``none``. Unset, OTLP is used when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or
+      the signal's own ``…_TRACES_ENDPOINT`` / ``…_METRICS_ENDPOINT``) is set, and nothing
+      otherwise: unlike the SDK's default, an unconfigured process does not try to reach a
+      collector that is not there.
+    * ``OTEL_EXPORTER_OTLP[_TRACES|_METRICS]_PROTOCOL``: ``http/protobuf`` (default) or
+      ``grpc``; endpoint, headers, timeouts, ``OTEL_TRACES_SAMPLER``, ``OTEL_SERVICE_NAME``,
+      ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_METRIC_EXPORT_INTERVAL`` are read by the SDK."""
     env = os.environ if environ is None else environ
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return Telemetry()

@@ -1,46 +1,13 @@
 """Spans: one per delivery attempt, child spans for sinks, secrets kept out of both.
 
-Every attempt to deliver an event is one span named ``room_outbox.deliver <EventType>``
-(kind PRODUCER: the outbox relays the producer's message onward); a type the routing does not
-know is named ``other`` there, since the type comes from a row and span names must stay a
-small set (the ``event_type`` attribute keeps the row's value). When the envelope carries a
-W3C ``traceparent``, the span is a *child of the producer's span*, so the trace that holds the
-room command also holds every delivery attempt of its event, retries included. Attributes:
-
-==============================  ==========================================================
-``event_id`` ``event_type``      as in the logs
-``room_id`` ``app_code``
-``sink``                        the sink the event was routed to (``-`` when none)
-``retry_count``                 failures before this attempt (0 on the first attempt)
-``outcome``                     ``published`` or ``failed``
-``error.type``                  on failure: bad_envelope, no_route, timeout, permanent,
-                                retryable or sink_bug (the dispatcher's error classes)
-``messaging.system``            the sink name (``tencent_im``, ``noop``...)
-``messaging.message.id``        the event_id
-``messaging.destination.name``  the room_id (the IM group the event is meant for)
-==============================  ==========================================================
-
-A failed attempt has status ERROR with the (already redacted, shortened) ``last_error`` text.
-Exceptions are never recorded as span events: their text may carry a secret.
-
-**Child spans from a sink.** A sink runs inside its attempt's span. To trace its own I/O it
-uses :func:`sink_span` (any operation) or :func:`http_client_span` (an HTTP request; the URL
-is passed through :func:`redact_url`, so ``usersig`` and other credentials in the query
-string never reach a span)::
-
-    from room_outbox.observability.tracing import http_client_span
-
-    with http_client_span("POST", url) as span:
-        response = await client.post(url, json=body)
-        span.set_attribute("http.response.status_code", response.status_code)
-
-Both cost nothing when tracing is off (they hand out a non-recording span) and need no
-tracer of their own: they use the tracer of the attempt they run in. An exception leaving the
-block marks the span ERROR with ``error.type`` set to the exception's class name only.
-
-As a last line of defence every exporter is wrapped in :class:`RedactingSpanExporter`, which
-passes each string attribute, event attribute and status text through the process's
-:class:`~room_outbox.observability.redaction.Redactor` before the span leaves the process.
+Every attempt to deliver an event is one span (:class:`AttemptSpan`); when the envelope
+carries a W3C ``traceparent`` it is a child of the producer's span, so the trace of a room
+command holds every delivery attempt of its event, retries included. A sink traces its own I/O
+inside that span with :func:`sink_span` or :func:`http_client_span`, which use the attempt's
+tracer and cost nothing when tracing is off. No span ever records an exception's text (it
+may carry a secret), and as a last line of defence every exporter is wrapped in
+:class:`RedactingSpanExporter`, which masks the process's registered secrets in every string a
+span carries before it leaves the process.
 """
 
 from __future__ import annotations
@@ -118,7 +85,9 @@ def producer_context(traceparent: str | None) -> otel_context.Context | None:
 def sink_span(
     name: str, *, kind: SpanKind = SpanKind.CLIENT, attributes: Mapping[str, AttributeValue] | None = None
 ) -> Iterator[Span]:
-    """A child span of the current delivery attempt (see the module docstring).
+    """A child span of the current delivery attempt, for a sink's own I/O; a non-recording
+    span when tracing is off. An exception leaving the block marks the span ERROR with
+    ``error.type`` set to the exception's class name only.
 
     Attribute values must not carry secrets; URLs go through :func:`redact_url` first.
     """
@@ -143,7 +112,11 @@ def http_client_span(
 ) -> Iterator[Span]:
     """An HTTP client child span (semantic conventions: ``http.request.method``,
     ``url.full`` redacted, ``server.address``); name ``"<METHOD> <path>"``. Set
-    ``http.response.status_code`` on the yielded span once the answer is in.
+    ``http.response.status_code`` on the yielded span once the answer is in::
+
+        with http_client_span("POST", url) as span:
+            response = await client.post(url, json=body)
+            span.set_attribute("http.response.status_code", response.status_code)
 
     ``url`` may be a function building it: it is then called only when a span is recorded
     (building and redacting a URL per request was a tenth of the IM sink's CPU time)."""
@@ -167,7 +140,17 @@ def http_client_span(
 
 class AttemptSpan:
     """The span of one delivery attempt, started once the envelope is known (so it can be a
-    child of the producer's span) but timed from the start of the attempt."""
+    child of the producer's span) but timed from the start of the attempt.
+
+    Named ``room_outbox.deliver <EventType>``, kind PRODUCER (the outbox relays the producer's
+    message onward); a type the routing does not know is ``other`` in the name, since span
+    names must stay a small set (the ``event_type`` attribute keeps the row's value). Its
+    attributes: ``event_id``, ``event_type``, ``room_id``, ``app_code`` as in the logs;
+    ``sink`` (``-`` when none); ``retry_count`` (failures before this attempt); ``outcome``
+    (``published``, ``failed`` or ``throttled``); on failure ``error.type``, the dispatcher's
+    error class, and status ERROR with the already redacted ``last_error`` text; and
+    ``messaging.system`` (the sink), ``messaging.message.id`` (the event id),
+    ``messaging.destination.name`` (the room id)."""
 
     __slots__ = ("_event_label", "_parent", "_row", "_span", "_start_ns", "_tracer", "app_code")
 

@@ -3,20 +3,8 @@
 Every time one process writes and another compares comes from :func:`now_ms`: heartbeats and
 liveness, bucket hand-overs and ``claimable_from_ms``, lease ends (``lock_until_ms``), retry
 due times, the quota's membership views. Hosts' clocks drift apart; the database is the one
-thing every process shares, so its clock is the cluster's.
-
-Each process measures its offset from the server (:meth:`ClusterClock.measure`) when its store
-opens and at every membership heartbeat: one ``SELECT`` of the server's time (the dialect's
-``now_ms``, which the statements that compare room-service's ``created_at_ms`` use inline),
-taken at the middle of the round trip. Between two measurements the time runs on the local monotonic clock,
-which a step of the host's wall clock does not move. No statement changes for it, and a
-statement costs nothing more. Until a first measurement (SQLite: one box, no server) it is
-the local clock.
-
-A host whose clock is off the server's by more than ``cluster.max_clock_skew`` is logged once
-(one WARNING line naming the offset, again only after it came back within the bound) and shown
-by ``/readyz`` and the gauge ``room_outbox_clock_offset_seconds``. Delivery does not depend on
-it: the offset is corrected, whatever its size.
+thing every process shares, so its clock is the cluster's. Delivery does not depend on the
+host's clock: its offset from the server's is measured and corrected, whatever its size.
 """
 
 from __future__ import annotations
@@ -33,7 +21,15 @@ log = logging.getLogger("room_outbox.cluster")
 
 
 class ClusterClock:
-    """The process's reading of the database's clock (see the module docstring)."""
+    """The process's reading of the database's clock.
+
+    Measured (:meth:`measure`) when the store opens and at every membership heartbeat: one
+    ``SELECT`` of the server's time (the dialect's ``now_ms``, which the statements comparing
+    room-service's ``created_at_ms`` use inline), taken at the middle of the round trip.
+    Between two measurements the time runs on the local monotonic clock, which a step of the
+    host's wall clock does not move; until a first one (SQLite: one box, no server) it is the
+    local clock. An offset beyond ``cluster.max_clock_skew`` is logged once (again only after
+    it came back within the bound) and shown by ``/readyz`` and the clock offset gauge."""
 
     def __init__(self, wall: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
         self._wall = wall
@@ -84,5 +80,5 @@ CLOCK = ClusterClock()
 
 
 def now_ms() -> int:
-    """The cluster's time in epoch milliseconds (see the module docstring)."""
+    """The cluster's time in epoch milliseconds: the database's clock, as last measured."""
     return CLOCK.now_ms()

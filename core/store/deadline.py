@@ -1,20 +1,10 @@
 """Deadlines on database calls, the same rule for every store.
 
-**Client side.** A store call — taking a connection, its statements, the commit — ends within
-``query_timeout`` or fails with :class:`QueryTimeout`. The connection it was using is thrown
-away, never handed back to the pool: a statement may be half-sent or its answer half-read,
-and on a half-open network path (a partition: nothing answers, nothing closes) it would block
-the next caller for ever. Connections that sat idle in the pool since before the call began
-are distrusted too: they share the path that just failed, and each would cost one more
-``query_timeout`` to find dead.
-
-**Server side.** A client that vanished cannot roll back its transaction; its session lives
-on, holding whatever row locks it took, until the server notices. :class:`SessionLimits`
-derives from ``query_timeout`` the per-session limits each store sets when it connects, so a
-session whose client is gone ends (its transaction rolled back, its locks freed) within
-:attr:`SessionLimits.idle_seconds`; a pooled connection idle for
-:attr:`SessionLimits.pool_recycle` is replaced before use, so the pool never hands out a
-connection the server is about to close.
+Client side: a store call (taking a connection, its statements, the commit) ends within
+``query_timeout`` or fails with :class:`QueryTimeout`, and its connection is thrown away,
+never handed back (:class:`TimeoutWatch`). Server side: a client that vanished cannot roll
+back its transaction, so every session carries limits derived from ``query_timeout`` that end
+it, its locks freed, once its client is gone (:class:`SessionLimits`).
 """
 
 from __future__ import annotations
@@ -67,7 +57,12 @@ def query_deadline(seconds: float) -> Iterator[None]:
 
 class TimeoutWatch:
     """A pool's memory of its last timeout: :meth:`call` bounds one call; connections last
-    used before a call that timed out began are not to be trusted (:meth:`trusts`)."""
+    used before a call that timed out began are not to be trusted (:meth:`trusts`).
+
+    The connection a timed-out call was using may have a statement half-sent or its answer
+    half-read, and on a half-open network path (nothing answers, nothing closes) it would block
+    the next caller for ever. Connections idle since before the call began share the path that
+    just failed, and each would cost one more ``query_timeout`` to find dead."""
 
     def __init__(self) -> None:
         self._distrust_before = float("-inf")
@@ -90,7 +85,11 @@ class TimeoutWatch:
 
 @dataclass(frozen=True)
 class SessionLimits:
-    """Server-side bounds on one database session, derived from ``query_timeout``."""
+    """Server-side bounds on one database session, derived from ``query_timeout``, that each
+    store sets when it connects: a session whose client is gone ends (its transaction rolled
+    back, its locks freed) within :attr:`idle_seconds`, and a pooled connection idle for
+    :attr:`pool_recycle` is replaced before use, so the pool never hands out a connection the
+    server is about to close."""
 
     #: A session idle this long (its client gone, or a transaction left open) is ended by the
     #: server: its transaction rolled back, its locks freed. Three query timeouts: the

@@ -1,51 +1,13 @@
-"""Live nodes and room buckets in the database every process already shares (MySQL/MariaDB
-and PostgreSQL).
+"""Live nodes and room buckets, kept in the database every process already shares.
 
-Every room hashes to one of :data:`BUCKETS` buckets (:func:`bucket_of`, and the same function
-in SQL: :func:`bucket_sql`); every bucket has one owner among the live nodes. With per-room
-ordering a process claims only the rows of its own buckets, so two processes never compete
-for one room: claims never collide and a room's events go out from one process, in order.
-
-Tables (created by ``room-outbox migrate``):
-
-* ``room_outbox_node``: one row per running ``room-outbox run``, its ``heartbeat_ms`` renewed
-  every heartbeat; a node whose heartbeat is older than the node timeout is dead. ``view`` is
-  the set of live nodes the node applies to its quota share right now, ``view_since_ms`` when
-  it started to (see :mod:`room_outbox.cluster.quota`).
-* ``room_outbox_bucket``: one row per bucket: ``owner`` (NULL: nobody), ``handing_over``
-  (1: the owner waits for every other process's leases on the bucket to end) and
-  ``claimable_from_ms``. The owner claims the bucket's rows only when ``handing_over`` is 0 and
-  ``claimable_from_ms`` has come.
-* the column ``room_bucket`` in ``room_outbox`` and in every lane table (MySQL/MariaDB): the
-  bucket of the row's room, a generated column (room-service's INSERT does not know it exists), and the last
-  column of the claim's index ``(status, lock_until_ms, id, room_bucket)``. The claim reads the
-  same index range as without buckets, in the same order (MySQL/MariaDB: the index forced).
-  On MySQL/MariaDB the column is VIRTUAL in a table that was already there (room-service's
-  live table): added instantly, where a STORED one would copy the table with every write
-  blocked. The price: both servers check a virtual column's condition on the row only, so the
-  claim reads from the table the rows of other processes' buckets it passes over (with three
-  equal processes about three rows per row taken). In a table ``migrate`` creates it is
-  STORED, free on an empty table: the claim passes over other buckets' entries in the index
-  itself (index condition pushdown) and reads only the rows it takes. A column already there
-  stays as it is. PostgreSQL has no such column (adding a generated one rewrites the table
-  under a lock that blocks even reads): the claim's index ends with the bucket's expression,
-  which claims and the fence compute (:func:`row_bucket`). It has no CRC-32 either: the
-  bucket is computed by the function
-  ``room_outbox_crc32`` that ``migrate`` creates; its planner keeps an ``IN`` list on the
-  index's last column as a filter on the row, to keep the index order, so a
-  claim there computes the function for every row it passes over.
-
-**Fencing.** A claim reads its node's buckets with a shared lock in its own
-transaction, and a reassignment updates the bucket rows: so once a reassignment has
-committed, the former owner's claims can no longer take the bucket's rows, and every lease
-it took before is visible. A bucket none of whose rows is leased when the reassignment reads
-the leases (under the bucket rows' locks) moves at once: claimable one rate-limit window
-later. Otherwise the new owner starts with ``handing_over`` = 1 and checks, each
-heartbeat, whether any row of the bucket is still leased (``worker_id`` set and
-``lock_until_ms`` in the future, in any lane's table); once none is, the bucket becomes
-claimable one rate-limit window later (so the group's last requests from the former owner
-have left Tencent's one-second window too). A killed owner's leases simply run out; a
-gracefully stopped one has written its results and left no lease.
+Every room hashes to one of :data:`BUCKETS` buckets (:func:`bucket_of`; in SQL
+:func:`~room_outbox.store.schema.buckets.row_bucket`), and every bucket has one owner among the
+live nodes. With per-room ordering a process claims only the rows of its own buckets, so two
+processes never compete for one room: claims never collide and a room's events go out from one
+process, in order. A bucket changes hands through a fence (:func:`claimable_buckets`,
+:func:`assign`): the former owner can take none of its rows once the move has committed, and
+the new owner starts only when none of them is leased any more. The bucket column and index
+each table gets are :mod:`room_outbox.store.schema.buckets`'s.
 """
 
 from __future__ import annotations
@@ -75,8 +37,10 @@ def bucket_of(app_code: str, room_id: str) -> int:
 
 
 async def claimable_buckets(cur: Any, dialect: Dialect, node_id: str) -> list[int]:
-    """The buckets ``node_id`` may claim now, read with a shared lock: a reassignment of any of
-    them waits until this transaction ends (the fence, see the module docstring)."""
+    """The buckets ``node_id`` may claim now, read with a shared lock in the claim's own
+    transaction. The fence: a reassignment updates these rows, so it waits until the claim has
+    committed, and once it has committed the former owner's claims can no longer take the
+    bucket's rows and every lease they took is visible to :func:`still_leased`."""
     await cur.execute(
         f"SELECT bucket FROM {BUCKET_TABLE} WHERE owner = %s AND handing_over = 0 AND claimable_from_ms <= %s"
         " ORDER BY bucket" + (" LOCK IN SHARE MODE" if dialect.name == "mysql" else " FOR SHARE"),
@@ -87,6 +51,11 @@ async def claimable_buckets(cur: Any, dialect: Dialect, node_id: str) -> list[in
 
 @dataclass(frozen=True)
 class NodeRow:
+    """A row of ``room_outbox_node``: one per running process, its heartbeat renewed every
+    heartbeat (older than the node timeout: dead). ``view`` is the set of live nodes the node
+    applies to its quota share right now, ``view_since_ms`` when it started to
+    (:mod:`room_outbox.cluster.quota`)."""
+
     node_id: str
     heartbeat_ms: int
     joined_ms: int
@@ -96,6 +65,10 @@ class NodeRow:
 
 @dataclass(frozen=True)
 class BucketRow:
+    """A row of ``room_outbox_bucket``: its ``owner`` (None: nobody) claims its rows only when
+    ``handing_over`` is false (true: waiting for every other process's leases on it to end)
+    and ``claimable_from_ms`` has come."""
+
     bucket: int
     owner: str | None
     handing_over: bool
@@ -134,7 +107,10 @@ async def assign(cur: Any, moves: dict[int, str], unleased: Collection[int] = ()
     """Give buckets new owners (the caller holds the bucket rows' locks). A bucket in
     ``unleased`` (no row leased in it, read under those locks: no claim of the former owner
     can take one any more) needs no handover: claimable ``delay_ms`` from now. The others start
-    with ``handing_over``: the new owner waits for their leases to end."""
+    with ``handing_over``: the new owner checks each heartbeat (:func:`still_leased`) and opens
+    them once no row is leased (:func:`open_buckets`). ``delay_ms`` is one rate-limit window,
+    so the former owner's last requests for a group have left the destination's window too. A
+    killed owner's leases simply run out; a gracefully stopped one leaves none."""
     groups: dict[tuple[str, bool], list[int]] = {}
     for bucket, owner in moves.items():
         groups.setdefault((owner, bucket in unleased), []).append(bucket)

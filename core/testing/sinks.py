@@ -3,22 +3,9 @@ runs a sink against events with no database or dispatcher.
 
 A sink's test module defines ``class TestXSink(SinkContract)`` and a ``harness`` fixture
 returning a :class:`SinkHarness`: the sink's settings against a real destination, how to see a
-delivery arrive there, and how to make that destination fail. The base class then checks,
-for every sink alike:
-
-* **settings**: the registered model takes the harness's section, refuses an unknown key and
-  each of the sink's own bad values with an error naming the key, and never echoes a secret;
-* **deliver**: an event arrives at the destination;
-* **failure classification**: an outage is a :class:`RetryableSinkError`, an event the
-  destination can never take a :class:`PermanentSinkError`;
-* **timeouts**: a destination that stops answering never holds a delivery beyond the
-  dispatcher's ``publish_timeout`` (the sink ends it, or yields to the deadline), and the same
-  sink delivers again once the destination answers;
-* **aclose**: ends within a deadline whether or not the sink ever delivered;
-* **secrets**: no error raised in any of the above holds a secret the sink knows of.
-
-A sink without a failure mode (the noop sink) says so with ``None``; its test is skipped
-with that reason. The contract runs under pytest with anyio's plugin (``pytest.mark.anyio``).
+delivery arrive there, and how to make that destination fail. :class:`SinkContract` then
+checks every sink alike. The contract runs under pytest with anyio's plugin
+(``pytest.mark.anyio``).
 """
 
 from __future__ import annotations
@@ -101,7 +88,22 @@ def event(event_id: str, **overrides: Any) -> EventEnvelope:
 
 class SinkContract:
     """Subclass as ``TestXSink`` with ``plugin`` (the module registering the sink), ``name``
-    and a ``harness`` fixture."""
+    and a ``harness`` fixture. It checks:
+
+    * **settings**: the registered model takes the harness's section, refuses an unknown key
+      and each of the sink's own bad values with an error naming the key, and never echoes a
+      secret;
+    * **deliver**: an event arrives at the destination;
+    * **failure classification**: an outage is a :class:`RetryableSinkError`, an event the
+      destination can never take a :class:`PermanentSinkError`;
+    * **timeouts**: a destination that stops answering never holds a delivery beyond the
+      dispatcher's ``publish_timeout`` (the sink ends it, or yields to the deadline), and the
+      same sink delivers again once the destination answers;
+    * **aclose**: ends within a deadline whether or not the sink ever delivered;
+    * **secrets**: no error raised in any of the above holds a secret the sink knows of.
+
+    A sink without a failure mode (the noop sink) says so with ``None`` in its harness; that
+    test is skipped with the reason."""
 
     pytestmark = pytest.mark.anyio
 

@@ -181,7 +181,7 @@ def _refused_idempotence(exc: KafkaError) -> bool:
 
 @hookimpl
 def room_outbox_register_sinks() -> list[SinkSpec[KafkaSettings]]:
-    return [SinkSpec("kafka", KafkaSettings, KafkaSink, enabled_by_default=False, own_lane=True, ordered_log=True)]
+    return [SinkSpec("kafka", KafkaSink, settings_model=KafkaSettings, own_lane=True, ordered_log=True)]
 
 
 __all__ = ["KafkaSettings", "KafkaSink"]

@@ -31,4 +31,4 @@ def _create(settings: NoopSettings, context: SinkContext) -> NoopSink:
 
 @hookimpl
 def room_outbox_register_sinks() -> list[SinkSpec[NoopSettings]]:
-    return [SinkSpec(name="noop", settings_model=NoopSettings, factory=_create, enabled_by_default=True)]
+    return [SinkSpec("noop", _create, settings_model=NoopSettings, enabled_by_default=True)]

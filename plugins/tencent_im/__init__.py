@@ -17,4 +17,4 @@ __all__ = ["TencentIMSettings", "TencentIMSink", "room_outbox_register_sinks"]
 
 @hookimpl
 def room_outbox_register_sinks() -> list[SinkSpec[TencentIMSettings]]:
-    return [SinkSpec(name=SINK_NAME, settings_model=TencentIMSettings, factory=TencentIMSink, enabled_by_default=True)]
+    return [SinkSpec(SINK_NAME, TencentIMSink, settings_model=TencentIMSettings, enabled_by_default=True)]

@@ -1,18 +1,11 @@
 """``room-outbox migrate`` on a live MySQL/MariaDB table: schema changes that never stop
 room-service's writes for longer than a moment, one migrate at a time, safe to interrupt.
 
-* Every statement on a table already there names its algorithm (see
-  :func:`~room_outbox.store.schema.outbox.add_column_sql`): the server refuses a change it cannot
-  make online rather than copy the table with writes blocked.
-* :func:`exclusive_migration`: a named lock lets one ``migrate`` run at a time; and an
-  ``ALTER TABLE`` an interrupted migrate left running on the server is waited for before
-  anything is planned, since the plan is read from the catalogue it is changing.
-* :class:`OnlineSchemaChange` runs each statement on a connection of its own. An online
-  ALTER still takes a brief exclusive metadata lock at its start and end; if a long
-  transaction holds the table, the ALTER waits, and every later INSERT waits behind it. So the
-  wait is bounded (``lock_wait_timeout``) and the statement retried a few times instead. While
-  a statement runs, a progress line every few seconds; when the migrate is interrupted
-  (Ctrl-C, SIGTERM), the statement is stopped on the server (``KILL QUERY``) before it exits.
+Every statement on a table already there names its algorithm (see
+:func:`~room_outbox.store.schema.outbox.add_column_sql`): the server refuses a change it
+cannot make online rather than copy the table with writes blocked. One migrate runs at a time
+(:func:`exclusive_migration`), and each statement's lock wait is bounded and retried
+(:class:`OnlineSchemaChange`).
 """
 
 from __future__ import annotations
@@ -75,9 +68,11 @@ async def connect(address: MySQLAddress, statement_limit: str) -> aiomysql.Conne
 async def exclusive_migration(
     address: MySQLAddress, tables: Sequence[str], report: Callable[[str], None] = to_stderr
 ) -> AsyncIterator[None]:
-    """Hold the migrate lock for the block; first wait (bounded) for a schema change still
-    running on ``tables`` or any ``room_outbox…`` table. Another migrate holding the lock
-    for longer than :data:`LOCK_WAIT` is a :class:`SchemaError`."""
+    """Hold the migrate lock (a named lock) for the block; first wait (bounded) for a schema
+    change still running on ``tables`` or any ``room_outbox…`` table, such as an ``ALTER
+    TABLE`` an interrupted migrate left on the server: the plan is read from the catalogue it
+    is changing. Another migrate holding the lock for longer than :data:`LOCK_WAIT` is a
+    :class:`SchemaError`."""
     conn = await aiomysql.connect(**{**address.connect_kwargs(), "autocommit": True, "db": address.database})
     try:
         async with conn.cursor() as cur:
@@ -136,8 +131,13 @@ async def running_changes(cur: Any, tables: Sequence[str]) -> list[tuple[int, in
 
 
 class OnlineSchemaChange:
-    """Runs a migration plan's statements one by one, each on a connection of its own (see the
-    module docstring)."""
+    """Runs a migration plan's statements one by one, each on a connection of its own.
+
+    An online ALTER still takes a brief exclusive metadata lock at its start and end; if a long
+    transaction holds the table, the ALTER waits, and every later INSERT waits behind it. So
+    the wait is bounded (``lock_wait_timeout``) and the statement retried a few times instead.
+    While a statement runs, a progress line every few seconds; when the migrate is interrupted
+    (Ctrl-C, SIGTERM), the statement is stopped on the server (``KILL QUERY``) first."""
 
     def __init__(
         self,

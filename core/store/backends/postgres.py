@@ -3,24 +3,10 @@
 Same table, columns, indexes, claim, leases, fencing, per-room hold-back and parking as on
 MySQL (:mod:`.schema`, :mod:`.leased`): transactions run at READ COMMITTED (PostgreSQL's
 default), the claim takes its rows with ``FOR UPDATE SKIP LOCKED``, and a fenced ``UPDATE``
-reports the rows it matched.
-
-Why psycopg 3 and not asyncpg: on the store's hot cycle (claim a batch, lease it, mark the
-previous batch published) the two drivers are equally fast here (``python -m bench.pg_driver``:
-within 2 % of each other at batches of 100 and 500), and psycopg takes the ``%s`` placeholders
-every shared statement of this package is written in, so no statement is rewritten on the way.
-
-Deadlines follow :mod:`.deadline`, as on MySQL: a transaction (taking a connection, its
-statements, the commit) ends within ``query_timeout`` or raises :class:`QueryTimeout`, and its
-connection is closed, never handed back; connections idle since before a call that timed out
-are replaced rather than tried. Every session starts with the server-side bounds derived from
-``query_timeout``: ``idle_in_transaction_session_timeout`` (a session whose client vanished in
-the middle of a transaction ends and frees its row locks), ``lock_timeout`` and
-``statement_timeout``.
-
-``migrate`` runs online (:meth:`PostgresStore.run_migration`): on a session of its own without
-a statement limit, each step short or outside a transaction, every lock wait bounded and the
-step tried again, one migrate at a time (a session advisory lock).
+reports the rows it matched. psycopg takes the ``%s`` placeholders every shared statement is
+written in, so no statement is rewritten on the way. Deadlines follow :mod:`.deadline`, as on
+MySQL (:meth:`PostgresStore.transaction`, :meth:`PostgresAddress.connect_kwargs`); ``migrate``
+runs online (:meth:`PostgresStore.run_migration`).
 """
 
 from __future__ import annotations
@@ -104,7 +90,9 @@ class PostgresAddress:
     ) -> dict[str, Any]:
         """libpq's parameters: every session carries the server-side bounds of
         :class:`SessionLimits` for ``query_timeout`` (and ``idle_in_transaction``), set at
-        connect time."""
+        connect time: ``statement_timeout``, ``lock_timeout`` and
+        ``idle_in_transaction_session_timeout`` (a session whose client vanished in the middle
+        of a transaction ends and frees its row locks)."""
         limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
         return {
             "host": self.host,
@@ -240,7 +228,8 @@ class PostgresStore(LeasedRows):
                     await self._pool.putconn(conn)  # a closed connection is replaced, not reused
 
     async def _acquire(self) -> psycopg.AsyncConnection[Any]:
-        """A connection from the pool, passing over those idle since before the last timeout."""
+        """A connection from the pool, passing over those idle since before the last timeout:
+        they are replaced rather than tried."""
         while True:
             conn = await self._pool.getconn()
             last_used = self._last_used.get(conn)

@@ -1,20 +1,10 @@
 """The main lane's state in an embedded SQLite file, through aiosqlite: no server to run.
 
-Same protocol and semantics as :mod:`.mysql` and :mod:`.postgres` — the same columns
-(``worker_id``, ``lock_until_ms``), the same claim order, leases, fencing, per-room hold-back,
-parking, lanes, retention and operator commands — so the demo, a single-box deployment and
-the store contract tests behave as on the servers.
-
-Concurrency, and why it is safe without ``SKIP LOCKED``: SQLite has one writer at a time.
-Every transaction here starts with ``BEGIN IMMEDIATE``, which takes the write lock up front,
-so a claim (results + select + lease) runs alone; another claimant — a task of this process
-or another process on the same file — waits for the lock (``busy_timeout``) and then sees the
-first one's leases already committed. Claims are short, so the wait is too. The file is in
-WAL mode, so readers (status, the backlog timer) never block the writer nor it them.
-
-One connection per store, its transactions serialised by a lock: a connection holds one
-transaction at a time, and a second connection in the same process would only queue behind
-the same file lock.
+Same protocol and semantics as :mod:`.mysql` and :mod:`.postgres` (the same columns, claim
+order, leases, fencing, per-room hold-back, parking, lanes, retention and operator commands),
+so the demo, a single-box deployment and the store contract tests behave as on the servers.
+SQLite has one writer at a time, which makes the claim safe without ``SKIP LOCKED``
+(:class:`SQLiteStore`).
 """
 
 from __future__ import annotations
@@ -113,7 +103,14 @@ def _qmark(sql: str) -> str:
 
 class SQLiteStore(LeasedRows):
     """:class:`~room_outbox.store.OutboxStore` on a SQLite file: :class:`LeasedRows`'s
-    statements, without row locks (``BEGIN IMMEDIATE`` serialises the writers instead)."""
+    statements, without row locks (``BEGIN IMMEDIATE`` serialises the writers instead).
+
+    Every transaction takes the write lock up front, so a claim (results + select + lease)
+    runs alone; another claimant, in this process or another on the same file, waits for the
+    lock (``busy_timeout``) and then sees the first one's leases committed. The file is in WAL
+    mode, so readers (status, the backlog timer) never block the writer nor it them. One
+    connection per store, its transactions serialised by a lock: a second connection in the
+    same process would only queue behind the same file lock."""
 
     dialect = SQLITE
 

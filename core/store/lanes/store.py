@@ -1,45 +1,13 @@
 """Consumption lanes besides the main lane: one table per lane, fed from ``room_outbox``
 without gaps, on MySQL, PostgreSQL and SQLite alike.
 
-``room_outbox.status`` belongs to the main lane. Every other sink (Kafka, audit, activity...)
-keeps its own state in ``room_outbox_lane_<name>``: the same columns and indexes as the main
-lane's (so the same claim, lease, fencing, retry, parking and per-room code serves it), keyed
-by ``outbox_id``, without a copy of the envelope (read from ``room_outbox`` at claim time).
-
-Why a table per lane rather than one table keyed by (lane, event_id): a lane's backlog, its
-indexes and its clean-up never touch another lane's; a lane is dropped with one statement; and
-every statement is the main lane's statement with another table name.
-
-**Feeding without gaps.** A lane copies new ``room_outbox`` rows into its table (an INSERT
-that skips duplicates: each row once per lane). The catch is that auto-increment ids (and PostgreSQL's sequences) commit out of order: a
-transaction holding id 100 can commit after id 101 was read. So the lane keeps a watermark in
-``room_outbox_lane_cursor.fed_through_id`` — every id at or below it is fed or known never to
-exist — and remembers the ids it saw missing above it. Each round it (1) reads rows above the
-highest id it has seen, (2) looks again for the missing ids, feeding those that have committed
-since, and (3) moves the watermark up to just below the oldest id still missing. An id missing
-for longer than ``gap_timeout`` is taken to be a rolled-back insert and given up on (logged).
-Limit: a producer transaction that stays open longer than ``gap_timeout`` after taking its id
-is not fed to the lane. Feeding adds nothing to room-service's write path: no trigger, no extra
-write, only reads of ``room_outbox`` by primary key.
-
-**Id steps above 1.** With ``auto_increment_increment`` > 1 (Galera, some HA set-ups, or a
-session that sets it) the ids skipped between two inserts are not missing: they will never
-exist. The feeder learns the step from the ids themselves — the greatest common divisor of the
-differences between ids it has read (at least :data:`STEP_EVIDENCE` of them), which every real
-step divides — and waits only for ids on that lattice. Should an id off the lattice turn up
-later (another writer with another offset), the lattice gets finer, and every id read within
-the last ``gap_timeout`` is looked at again once, so an id of the new writer that committed
-late is still fed. Whatever happens to ids, at most ``max_gaps`` ranges are waited for: beyond
-that the longest-missing are given up on early, with a warning, so the feeding query never
-grows past ``max_gaps`` range terms.
-
-Feeding is the first step of each claim's transaction (and :meth:`LaneStore.feed` does it
-alone): a round of the lane costs one transaction, and what it feeds is claimable at once. What
-a round learnt in memory (ids seen, gaps, step) is undone if its transaction does not commit.
-
-Several processes may feed one lane: the cursor row is taken with ``FOR UPDATE SKIP LOCKED`` (on
-SQLite every writer is serialised anyway),
-so one of them feeds at a time and the others go straight on to claiming.
+``room_outbox.status`` belongs to the main lane. Every other sink keeps its own state in
+``room_outbox_lane_<name>``: the main lane's columns and indexes (so the same claim, lease,
+fencing, retry, parking and per-room code serves it), keyed by ``outbox_id``, without a copy
+of the envelope (read from ``room_outbox`` at claim time). A table per lane keeps one lane's
+backlog, indexes and clean-up off every other's. Feeding (:meth:`LaneStore._feed`) must copy
+every committed row although ids commit out of order, and adds nothing to room-service's write
+path: no trigger, no extra write, only reads of ``room_outbox`` by primary key.
 """
 
 from __future__ import annotations
@@ -195,7 +163,21 @@ class LaneStore(LeasedRows):
             raise
 
     async def _feed(self, cur: Any) -> int:
-        """One feeding round with ``cur``; returns rows added to the lane. See the module docstring."""
+        """One feeding round with ``cur``; returns rows added to the lane.
+
+        Each row is copied once per lane (an INSERT that skips duplicates). Ids commit out of
+        order (a transaction holding id 100 can commit after id 101 was read), so the lane keeps
+        a watermark, ``room_outbox_lane_cursor.fed_through_id``: every id at or below it is fed
+        or known never to exist. A round (1) reads rows above the highest id seen, (2) looks
+        again for the ids it saw missing, feeding those committed since, and (3) moves the
+        watermark up to just below the oldest id still missing. An id missing for longer than
+        ``gap_timeout`` is taken as a rolled-back insert and given up on (logged): a producer
+        transaction that holds its id longer is not fed. At most ``max_gaps`` ranges are waited
+        for, so the query never grows past that many terms.
+
+        Several processes may feed one lane: the cursor row is taken with ``FOR UPDATE SKIP
+        LOCKED`` (SQLite serialises every writer anyway), so one feeds at a time and the others
+        go straight on to claiming."""
         # Read first, lock the cursor only when there is something to feed: a round that finds
         # nothing new and waits for no gap costs one primary-key read.
         fresh = await self._fetch_new(cur)
@@ -291,11 +273,18 @@ class LaneStore(LeasedRows):
 
     @property
     def _step(self) -> int:
-        """Ids are ``_last_id`` plus a multiple of this. Believed only on enough evidence: two
-        ids around one rolled-back insert differ by 2 whatever the step."""
+        """Ids are ``_last_id`` plus a multiple of this. With ``auto_increment_increment`` > 1
+        (Galera, some HA set-ups, a session that sets it) the ids skipped between two inserts
+        will never exist and must not be waited for. The step is learnt from the ids themselves:
+        the greatest common divisor of the differences between ids read, which every real step
+        divides. Believed only on enough evidence: two ids around one rolled-back insert differ
+        by 2 whatever the step."""
         return self._gcd if self._differences >= STEP_EVIDENCE else 1
 
     def _learn_step(self, difference: int, watermark: int, now: float) -> None:
+        """Take one more difference between ids read into :attr:`_step`. An id off the lattice
+        (another writer with another offset) makes it finer: then every id read within
+        ``gap_timeout`` is looked at again once, so that writer's late commits are still fed."""
         before = self._step
         self._gcd = math.gcd(self._gcd, difference)
         self._differences += 1

@@ -1,49 +1,12 @@
 """Retention: delete — or move to ``room_outbox_archive`` — finished rows older than ``older_than``.
 
-**When a row is finished.** While the main lane runs, a row is finished when it is
-``published`` (by room-outbox or by room-service's own push) and every lane of its own is done
-with it (below). While the main lane does not run — no main-lane sink enabled: room-service pushes
-IM itself and room-outbox only fans events out (Kafka) — ``status`` is room-service's alone
-and says nothing about room-outbox's work, so a row is finished once every lane of its own is
-done with it, *whatever its status* (a row whose synchronous push failed is nobody's to retry
-here). With no lane running at all, nothing can finish a row: the IM rule applies.
-
-Age is ``created_at_ms``: room-service sets it on every insert, while its own
-``UPDATE … SET status='published'`` leaves ``updated_at_ms`` alone, so only the creation
-time means the same thing for every row. Only ``published`` rows are ever touched: pending,
-parked (``failed``) and ``cancelled`` rows stay, whatever their age.
-
-How it stays out of delivery's way:
-
-* **Small batches.** A pass walks the ``(status, id)`` index from the lowest published id (the
-  primary key while the main lane is off), at
-  most ``batch_size`` rows per step, so each read is a short index range, never a scan of the
-  table. Ids rise with commit time, so the pass ends at the first batch holding no old row.
-* **Short transactions.** Each batch is removed in its own transaction that locks only those
-  rows (``FOR UPDATE SKIP LOCKED``), then ``pause`` passes before the next: the claim query,
-  which reads the ``pending`` range of another index, never waits on it.
-* **Lanes.** A row stays while any lane of its own (Kafka, audit...) has not been fed it, or
-  holds it pending or parked: that lane still needs its envelope. With the row, the lanes'
-  finished rows for it go too. A lane enabled but not started yet holds every row (it may
-  start from the beginning). A lane no longer enabled still counts — the database cannot
-  tell a lane switched off for an hour from one gone for good — and each pass warns, naming
-  it, while its leftovers hold rows back: ``room-outbox lanes retire NAME --yes`` drops them.
-* **Several processes.** ``SKIP LOCKED`` makes two cleaners split a batch instead of waiting on
-  each other, and the status/age re-check under the lock makes a second removal a no-op; with
-  ``archive`` the copy and the delete share one transaction, so a row is archived exactly once.
-  (SQLite has one writer at a time: there the batches of two cleaners simply take turns.)
-
-The same statements run on all three databases; the dialect supplies the locking clause and,
-on MySQL, the primary-key hints explained below.
-
-**The consumers' records** (MySQL and PostgreSQL, once ``migrate`` made their tables; see
-:func:`prune_consumer_records`). A processed record makes a redelivered message a no-op, so it
-may go only once its message can no longer come back: older than ``processed_older_than``,
-which the settings keep above a day and the rule in docs/explanation/consumers.md keeps above the topic's retention.
-Retry rows and dead letters whose event the same consumer and handler has handled since are
-resolved and go at any age (a retry would find the record and do nothing). A record stays
-while a retry row of its handling exists, whatever its age: without the record that row would
-run the handler again. Archiving does not apply to them. Same batches and pauses as above.
+Only delivered rows nobody still needs are removed (:func:`cleanup` says when a row is
+finished); pending, parked and cancelled rows stay whatever their age. Age is
+``created_at_ms``, the one time room-service sets on every row. The job must stay out of
+delivery's way: small batches along an index, each in a short transaction that locks only its
+rows and skips those another cleaner holds, with a pause between two. The same statements run
+on every database; the dialect supplies the locking clause and MySQL's index hints. The
+consumers' processed records have a rule of their own (:func:`prune_consumer_records`).
 """
 
 from __future__ import annotations
@@ -150,7 +113,14 @@ async def prune_consumer_records(
     """One pass over the consumers' tables (nothing on SQLite or before ``migrate``): resolved
     retry rows first, then the processed records they held back with the other old ones, each
     in batches of ``batch_size`` with ``pause`` between two; returns early once ``stop`` is
-    set. ``dry_run``: counts, changing nothing."""
+    set. ``dry_run``: counts, changing nothing.
+
+    A processed record makes a redelivered message a no-op, so it may go only once its message
+    can no longer come back: older than ``processed_older_than`` (which must exceed the topic's
+    retention). Retry rows and dead letters whose event the same consumer and handler has
+    handled since are resolved and go at any age (a retry would find the record and do
+    nothing). A record stays while a retry row of its handling exists, whatever its age:
+    without it that row would run the handler again. These are never archived."""
     started = time.monotonic()
     report = ConsumerCleanupReport()
     consumers = consumer_store(store)
@@ -202,7 +172,18 @@ async def cleanup(
     """One pass over the finished rows; returns early (between batches) once ``stop`` is set.
     ``plan``: the lanes the configuration runs (default: the main lane alone). ``dry_run``: the
     same walk, counting the rows each batch would remove, changing nothing. ``progress`` is
-    called after each batch."""
+    called after each batch.
+
+    When a row is finished: while the main lane runs, once it is ``published`` (by room-outbox
+    or by room-service's own push) and every lane of its own is done with it (:func:`_lanes`).
+    While it does not (room-service pushes IM itself; room-outbox only fans events out),
+    ``status`` is room-service's alone and says nothing of room-outbox's work: a row is finished
+    once every lane of its own is done with it, whatever its status. With no lane running at
+    all nothing can finish a row, so the main lane's rule applies.
+
+    The walk follows the ``(status, id)`` index from the lowest published id (the primary key
+    while the main lane is off), ``batch_size`` rows a step: each read is a short index range,
+    never a scan. Ids rise with commit time, so the pass ends at the first batch with no old row."""
     started = time.monotonic()
     cutoff = (now if now is not None else now_ms()) - int(options.older_than * 1000)
     plan = plan or LanePlan(main=True, own=())
@@ -256,7 +237,13 @@ async def _remove(
     by_status: bool,
 ) -> int:
     """Remove (archiving first when asked) the candidates still finished and old, skipping
-    rows another cleaner holds; one transaction."""
+    rows another cleaner holds; one transaction.
+
+    It locks only those rows (``FOR UPDATE SKIP LOCKED``), so the claim, which reads the
+    ``pending`` range of another index, never waits on it, and two cleaners split a batch
+    instead of waiting on each other. The re-check under the lock makes a second removal a
+    no-op, and the archive copy shares the delete's transaction: a row is archived exactly
+    once. (SQLite has one writer at a time: there two cleaners' batches take turns.)"""
     for attempt in range(_DEADLOCK_RETRIES):
         try:
             return await _remove_once(store, candidates, cutoff, archive_columns, lanes, by_status)
@@ -343,7 +330,13 @@ async def _remove_once(
 async def _lanes(store: SQLStore, plan: LanePlan, cutoff: int) -> tuple[list[str], int, list[str], list[str]]:
     """The lane tables; the highest id every lane has been fed through (rows above it are not
     removed: a lane has yet to copy them); the lanes no longer enabled whose leftovers hold
-    old rows back, and the enabled lanes that never ran (each named in a warning)."""
+    old rows back, and the enabled lanes that never ran (each named in a warning).
+
+    A row stays while any lane of its own has not been fed it, or holds it pending or parked:
+    that lane still needs its envelope; with the row, the lanes' finished rows for it go too.
+    A lane enabled but not started yet holds every row (it may start from the beginning). A
+    lane no longer enabled still counts, since the database cannot tell a lane switched off
+    for an hour from one gone for good; ``room-outbox lanes retire NAME --yes`` drops it."""
     stored = await stored_lanes(store)
     fed = {lane.name: lane.fed_through_id for lane in stored if lane.fed_through_id is not None}
     waiting = [lane for lane in plan.own if lane not in fed]  # enabled, never ran: may start at the beginning

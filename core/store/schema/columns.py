@@ -1,22 +1,9 @@
 """Can the outbox table's columns hold what room-outbox writes? ``migrate`` (before it changes
 anything) and ``run`` (before any claim) ask the same question here, so they agree.
 
-Tables written from room-service's documents differ from the one ``migrate`` creates:
-
-* a ``status`` ENUM of the producer's own words, or a short VARCHAR: a parked or cancelled row
-  would be refused by the database. Refused, with the ALTER that makes room.
-* a nullable ``lock_until_ms`` that the producer leaves NULL: the claim's ``lock_until_ms <= now``
-  never matches NULL, so such rows would wait for ever. ``migrate`` fixes it online on
-  MySQL/MariaDB (DEFAULT 0 at once, NULLs backfilled in small batches, then NOT NULL by an
-  online rebuild); on PostgreSQL it is refused with the statements to run.
-* ``last_error``, ``worker_id`` too short or NOT NULL, times or keys that are not integers wide
-  enough: refused, with the fix.
-* room-service's first V1 tables have no ``app_code`` and no ``updated_at_ms``:
-  :func:`adoption_plan` adds both with constant defaults (catalogue-only changes).
-  room-outbox only writes ``updated_at_ms`` (nothing decides by it); ages are read from
-  ``created_at_ms``, which those tables have.
-
-Each problem is one line: the column, what is wrong, the fix. SQLite is left alone (its
+Tables written from room-service's documents differ from the one ``migrate`` creates
+(:func:`column_problems` lists how). Each problem is one line: the column, what is wrong, the
+fix; what ``migrate`` can fix online it fixes (:func:`column_fixes`). SQLite is left alone (its
 columns hold any value). Steps of a migration are :data:`Step` tuples, which the plan in
 :mod:`.tables` turns into its migrations (this module stays below it).
 """
@@ -77,8 +64,9 @@ class Column:
 
 def adoption_plan(columns: set[str], dialect: Dialect, table: str) -> list[Step]:
     """Add what room-service's first V1 tables lack (``app_code``, ``updated_at_ms``) to an
-    existing table, with constant defaults: the producer's INSERT, which names neither, keeps
-    working."""
+    existing table, with constant defaults (catalogue-only changes): the producer's INSERT,
+    which names neither, keeps working. room-outbox only writes ``updated_at_ms`` (nothing
+    decides by it); ages are read from ``created_at_ms``, which those tables have."""
     if not columns:
         return []
     return [
@@ -141,7 +129,15 @@ def column_problems(
     """What the profile's table cannot hold: lines refused outright, and lines ``migrate``
     fixes itself (:func:`column_fixes`). Columns that do not exist are the caller's to report.
     ``claim_ids``: how long the process's claim ids, which ``worker_id`` holds, may grow (0:
-    unknown, not checked)."""
+    unknown, not checked).
+
+    * a ``status`` ENUM of the producer's own words, or a short VARCHAR: a parked or cancelled
+      row would be refused by the database. Refused, with the ALTER that makes room;
+    * a nullable ``lock_until_ms`` that the producer leaves NULL: the claim's
+      ``lock_until_ms <= now`` never matches NULL, so such rows would wait for ever. Fixed
+      online on MySQL/MariaDB; on PostgreSQL refused with the statements to run;
+    * ``last_error``, ``worker_id`` too short or NOT NULL, times or keys that are not integers
+      wide enough: refused, with the fix."""
     table = profile.table
     refused: list[str] = []
     fixable: list[str] = []

@@ -2,21 +2,11 @@
 ``outbox_events`` — what room-outbox adds to them, and the one migration plan that creates or
 upgrades them on all three databases (``migrate`` runs it, ``migrate --sql`` prints it).
 
-Added (all with defaults, so room-service's own INSERT and
-``UPDATE … SET status='published' WHERE event_id=?`` keep working):
-
-* ``worker_id``: the claim holding the row (``<node_id>~<token>#<n>``), NULL when free.
-* ``lock_until_ms``: the row is not claimable before this time. A claim sets it to the end of
-  its lease; a failed attempt sets it to the retry time. One column for both keeps the claim
-  an exact index range scan.
-* index ``idx_room_outbox_claim (status, lock_until_ms, id)``: the claim's range; on a server
-  with the room bucket last, ``(status, lock_until_ms, id, room_bucket)`` (see
-  :mod:`.membership`, whose plan creates it there, after the bucket column).
-* index ``idx_room_outbox_room (room_id, status, id)``: per-room ordering asks "which earlier
-  rows of these rooms are still pending?".
-
-On PostgreSQL the plan changes a live table online (no rewrite, no long lock): indexes are built
-``CONCURRENTLY``, silk's key is added and backfilled in batches (:func:`silk_key_steps`).
+Everything added has a default (:data:`ADDED_COLUMNS`, :data:`ADDED_INDEXES`), so
+room-service's own INSERT and ``UPDATE … SET status='published' WHERE event_id=?`` keep
+working. On PostgreSQL the plan changes a live table online (no rewrite, no long lock):
+indexes are built ``CONCURRENTLY``, silk's key is added and backfilled in batches
+(:func:`silk_key_steps`).
 """
 
 from __future__ import annotations
@@ -117,6 +107,10 @@ V1_TABLE_DDL: dict[str, tuple[str, ...]] = {
 }
 
 #: What room-outbox adds to the V1 table: column name → definition, per dialect.
+#: ``worker_id``: the claim holding the row (``<node_id>~<token>#<n>``), NULL when free.
+#: ``lock_until_ms``: the row is not claimable before this time; a claim sets it to the end of
+#: its lease, a failed attempt to the retry time. One column for both keeps the claim an exact
+#: index range scan.
 ADDED_COLUMNS: dict[str, dict[str, str]] = {
     "mysql": {"worker_id": "VARCHAR(128) NULL DEFAULT NULL", "lock_until_ms": "BIGINT NOT NULL DEFAULT 0"},
     "postgresql": {"worker_id": "VARCHAR(128) NULL DEFAULT NULL", "lock_until_ms": "BIGINT NOT NULL DEFAULT 0"},

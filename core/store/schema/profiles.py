@@ -1,16 +1,6 @@
 """Table profiles: which table holds the outbox and which status words its producer and
-room-outbox write there. Chosen by ``database.profile`` (and ``database.table``).
-
-* ``v1`` (default): room-service's V1 ``room_outbox``. A row is ``pending`` until delivered
-  (``published``), also while leased and while waiting for its retry.
-* ``room_cell``: the same table and columns with the Room Cell vocabulary: ``pending`` →
-  ``delivering`` (claimed: ``worker_id`` and ``lock_until_ms`` set; taken over once
-  ``lock_until_ms`` passes) → ``delivered``, or ``retryable`` (due again at ``lock_until_ms``)
-  → ``failed``.
-* ``silk`` (PostgreSQL): silk's ``outbox_events``. ``pending`` and ``retry`` rows are claimable
-  once ``next_attempt_at`` is due; ``sending`` while claimed (``next_attempt_at`` is then the
-  lease's end); ``sent``; ``failed`` once the row's own ``max_attempts`` are used up;
-  ``cancelled`` is never touched. migrate adds ``outbox_seq`` (a rising key) and ``worker_id``.
+room-outbox write there. Chosen by ``database.profile`` (and ``database.table``): :data:`V1`
+(the default), :data:`ROOM_CELL` or :data:`SILK`.
 
 Every profile parks as ``failed`` and cancels as ``cancelled``. The lanes of their own keep
 their state in room-outbox's own tables and always speak ``v1``.
@@ -112,7 +102,12 @@ def in_list(column: str, statuses: tuple[str, ...]) -> str:
     return f"{column} IN ({quoted})"
 
 
+#: room-service's V1 ``room_outbox``: a row is ``pending`` until delivered (``published``),
+#: also while leased and while waiting for its retry.
 V1 = Profile("v1", TABLE, fresh="pending", retry="pending", in_flight="pending", delivered="published")
+#: The same table and columns with the Room Cell vocabulary: ``pending`` → ``delivering``
+#: (claimed: ``worker_id`` and ``lock_until_ms`` set; taken over once ``lock_until_ms``
+#: passes) → ``delivered``, or ``retryable`` (due again at ``lock_until_ms``) → ``failed``.
 ROOM_CELL = Profile(
     "room_cell", TABLE, fresh="pending", retry="retryable", in_flight="delivering", delivered="delivered"
 )
@@ -124,6 +119,10 @@ SILK_ENVELOPE = (
     " 'room_id', COALESCE(aggregate_id, ''), 'aggregate_type', aggregate_type,"
     " 'occurred_at_ms', CAST(EXTRACT(EPOCH FROM created_at) * 1000 AS BIGINT), 'payload', payload) AS TEXT)"
 )
+#: silk's ``outbox_events`` (PostgreSQL): ``pending`` and ``retry`` rows are claimable once
+#: ``next_attempt_at`` is due; ``sending`` while claimed (``next_attempt_at`` is then the
+#: lease's end); ``sent``; ``failed`` once the row's own ``max_attempts`` are used up;
+#: ``cancelled`` is never touched. migrate adds ``outbox_seq`` (a rising key) and ``worker_id``.
 SILK = Profile(
     "silk",
     "outbox_events",

@@ -108,7 +108,7 @@ class AuditSink:
 
 @hookimpl
 def room_outbox_register_sinks() -> list[SinkSpec[AuditSettings]]:
-    return [SinkSpec("audit_table", AuditSettings, AuditSink, own_lane=True)]
+    return [SinkSpec("audit_table", AuditSink, settings_model=AuditSettings, own_lane=True)]
 
 
 @hookimpl
