@@ -21,18 +21,25 @@ import logging
 import anyio
 from anyio.abc import TaskStatus
 
+from room_outbox.attempt.failure import Failure, describe, error_text
+from room_outbox.attempt.pipeline import Attempts
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.observability.health import LaneHealth
-from room_outbox.observability.redaction import Redactor, redact_and_shorten
+from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.sink import OrderedLogSink, PermanentSinkError
 from room_outbox.store.lanes.tail import TailRow, TailStore
 
 log = logging.getLogger("room_outbox.tail")
 
-#: Longest error text kept in a log line or the parked table.
-ERROR_MAX = 1024
+
+class BatchFailed(Exception):
+    """The sink failed a batch as a whole: the round is rolled back and read again."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.error)
+        self.failure = failure
 
 
 class TailRelay:
@@ -55,6 +62,8 @@ class TailRelay:
         self.redactor = redactor
         self.health = health or LaneHealth(store.lane)
         self.telemetry = telemetry or Telemetry()
+        #: Each batch sent: its deadline, and what its failure means.
+        self.attempts = Attempts(redactor, publish_timeout)
         self._stopping = anyio.Event()
 
     def stop(self) -> None:
@@ -71,7 +80,7 @@ class TailRelay:
                 if full:
                     continue  # a backlog drains at full speed
             except Exception as exc:
-                error = self._short(f"{type(exc).__name__}: {exc}")
+                error = str(exc) if isinstance(exc, BatchFailed) else self._short(describe(exc))
                 self.health.round_ended(error)
                 log.error(
                     "tailing round failed; the batch is read again, in order, after poll_interval",
@@ -99,8 +108,7 @@ class TailRelay:
                 if self.router.sink_for(envelope.event_type) is not None:
                     to_send.append((row, envelope))
             if to_send:
-                with anyio.fail_after(self.publish_timeout):
-                    outcomes = await self._sink.publish([envelope for _, envelope in to_send])
+                outcomes = await self._publish([envelope for _, envelope in to_send])
                 for (row, envelope), outcome in zip(to_send, outcomes, strict=True):
                     label = self.router.event_label(envelope.event_type)
                     if isinstance(outcome, PermanentSinkError):
@@ -111,6 +119,19 @@ class TailRelay:
             full = len(tail.rows) - len(tail.requeued) >= self.store.feed_batch
         self.telemetry.flush_counts()
         return full
+
+    async def _publish(self, envelopes: list[EventEnvelope]) -> list[PermanentSinkError | None]:
+        """The sink's outcome for each envelope; raises :class:`BatchFailed` when the batch
+        failed as a whole."""
+        outcomes: list[PermanentSinkError | None] = []
+
+        async def publish(batch: list[EventEnvelope]) -> None:
+            outcomes.extend(await self._sink.publish(batch))
+
+        failure = await self.attempts.run(self._sink_name, publish, envelopes)
+        if failure is not None:
+            raise BatchFailed(failure)
+        return outcomes
 
     def _count(self, event_label: str, error_class: str | None) -> None:
         """One event published (``error_class`` None) or parked, on the delivery counters."""
@@ -135,7 +156,7 @@ class TailRelay:
         return sink
 
     def _short(self, text: str) -> str:
-        return redact_and_shorten(self.redactor, text, ERROR_MAX)
+        return error_text(self.redactor, text)
 
 
 __all__ = ["TailRelay"]
