@@ -46,6 +46,7 @@ from room_outbox.envelope import EventEnvelope
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.noop import NoopSink
+from room_outbox.sink import Sink
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.lanes.store import CURSOR_TABLE, lane_table
 from room_outbox.store.lanes.tail import migrate_tail
@@ -111,6 +112,14 @@ async def bare_rate(bootstrap: str, idempotent: bool, batch: list[Message], in_f
         await producer.stop()
 
 
+async def warm_up(sink: Sink) -> None:
+    """One event through ``sink``: started and connected before the clock starts, as the bare
+    producers are."""
+    await sink.deliver(EventEnvelope.model_validate({
+        "event_id": "warm-up", "event_type": "RoomHeatChanged", "room_id": "r_0", "app_code": "default",
+        "room_version": 1, "payload": {}}))  # fmt: skip
+
+
 async def fresh_lane_rows(store: MySQLStore, events: int) -> None:
     await reset(store)
     async with store.transaction() as cur:
@@ -137,10 +146,7 @@ async def lane_rate(store: MySQLStore, settings: Settings, options: LaneOptions,
     router = lanes.own["kafka"]
     try:
         sink = router.sinks["kafka"]
-        # started and connected before the clock starts, as the bare producers are
-        await sink.deliver(EventEnvelope.model_validate({
-            "event_id": "warm-up", "event_type": "RoomHeatChanged", "room_id": "r_0", "app_code": "default",
-            "room_version": 1, "payload": {}}))  # fmt: skip
+        await warm_up(sink)
         rate = await drain_rate(store, settings, options, router, events)
         producer = getattr(sink, "_producer", None)
         return rate, producer is not None and producer._txn_manager is not None
@@ -156,9 +162,7 @@ async def tail_rate(store: MySQLStore, bootstrap: str, batch_size: int, events: 
     router = lanes.own["kafka"]
     try:
         sink = router.sinks["kafka"]
-        await sink.deliver(EventEnvelope.model_validate({
-            "event_id": "warm-up", "event_type": "RoomHeatChanged", "room_id": "r_0", "app_code": "default",
-            "room_version": 1, "payload": {}}))  # fmt: skip
+        await warm_up(sink)
         relay = TailRelay(
             tail_store(store, "kafka", settings), router, poll_interval=0.1, publish_timeout=30.0, redactor=Redactor()
         )
