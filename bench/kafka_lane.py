@@ -11,7 +11,9 @@ producers, on one tansu broker (memory storage, 3 partitions), in the same run.
 * **tailing Kafka lane**: the lane as ``room-outbox run`` builds it by default (``relay:
   tail``): ``TailRelay`` reading ``room_outbox`` after the cursor, a batch in flight in the
   producer, one cursor write per batch. Its fair reference is the bare loop with a batch in
-  flight (same acks, same messages in flight); the rounds alternate the two's order.
+  flight (same acks, same messages in flight); the rounds alternate the two's order. Both also
+  report this process's CPU time per event: where the CPU ratio matches the rate ratio, the
+  relay is bound by its own process's CPU (reading rows, validating envelopes, producing).
 * **the Kafka sink alone**: ``KafkaSink.deliver`` from ``concurrency`` tasks, no store, no
   dispatcher: what the plugin costs over the bare producer.
 * **the dispatcher's delivery alone**: ``bench.drive.deliver_queues`` on the same events as rows
@@ -71,6 +73,23 @@ class KafkaLaneResult:
     delivery: float  # the dispatcher's delivery of claimed rows to the sink, no store
     lane_noop: float  # the same lane table and dispatcher, the sink a no-op
     tail: float  # the tailing lane (relay: tail), a batch in flight
+    #: This process's CPU time per event (µs) while the bare loop with a batch in flight and
+    #: the tailing lane ran: the relay is bound by its own process's CPU when the two ratios
+    #: (rate, CPU) agree.
+    bare_batch_cpu_us: float
+    tail_cpu_us: float
+
+
+@dataclass(frozen=True)
+class Timed:
+    rate: float  # events/s
+    cpu_us: float  # this process's CPU time per event, µs
+
+
+def timed(events: int, started: float, cpu_started: float) -> Timed:
+    """The rate and CPU per event since ``started`` (perf_counter) and ``cpu_started`` (process_time)."""
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    return Timed(events / seconds, cpu / events * 1e6)
 
 
 def kafka_settings(bootstrap: str, relay: str = "lane_table", batch_size: int = 100) -> Settings:
@@ -91,7 +110,7 @@ async def messages(store: MySQLStore) -> list[Message]:
     return out
 
 
-async def bare_rate(bootstrap: str, idempotent: bool, batch: list[Message], in_flight: int) -> float:
+async def bare_rate(bootstrap: str, idempotent: bool, batch: list[Message], in_flight: int) -> Timed:
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=idempotent)
     await producer.start()
     try:
@@ -103,11 +122,11 @@ async def bare_rate(bootstrap: str, idempotent: bool, batch: list[Message], in_f
             for value, key, headers in remaining:  # one shared iterator: each message sent once
                 await producer.send_and_wait(TOPIC, value, key=key, headers=headers)
 
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         async with anyio.create_task_group() as senders:
             for _ in range(in_flight):
                 senders.start_soon(sender)
-        return len(batch) / (time.perf_counter() - started)
+        return timed(len(batch), started, cpu_started)
     finally:
         await producer.stop()
 
@@ -154,7 +173,7 @@ async def lane_rate(store: MySQLStore, settings: Settings, options: LaneOptions,
         await router.aclose()
 
 
-async def tail_rate(store: MySQLStore, bootstrap: str, batch_size: int, events: int) -> float:
+async def tail_rate(store: MySQLStore, bootstrap: str, batch_size: int, events: int) -> Timed:
     """The tailing lane draining ``events`` fresh rows, timed until the cursor reaches the last."""
     settings = kafka_settings(bootstrap, relay="tail", batch_size=batch_size)
     await fresh_lane_rows(store, events)
@@ -166,17 +185,17 @@ async def tail_rate(store: MySQLStore, bootstrap: str, batch_size: int, events: 
         relay = TailRelay(
             tail_store(store, "kafka", settings), router, poll_interval=0.1, publish_timeout=30.0, redactor=Redactor()
         )
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         while await relay.run_once():
             pass
-        seconds = time.perf_counter() - started
+        result = timed(events, started, cpu_started)
         async with store.transaction() as cur:
             await cur.execute(f"SELECT fed_through_id FROM {CURSOR_TABLE} WHERE lane = 'kafka'")
             (fed,) = await cur.fetchone()
             await cur.execute("SELECT MAX(id) FROM room_outbox")
             (highest,) = await cur.fetchone()
         assert fed == highest, (fed, highest)
-        return events / seconds
+        return result
     finally:
         await router.aclose()
 
@@ -240,12 +259,12 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
         await fresh_lane_rows(store, events)
         batch = await messages(store)
         bare: list[float] = []
-        bare_batch: list[float] = []
+        bare_batch: list[Timed] = []
         lane: list[float] = []
         lane_noop: list[float] = []
         sink: list[float] = []
         delivery: list[float] = []
-        tail: list[float] = []
+        tail: list[Timed] = []
         idempotent = False
         # The lane goes first in the first round: the bare producers then ask for the
         # idempotence the sink ended up with (the broker may refuse it).
@@ -253,7 +272,7 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
             if not n % 2:
                 rate, idempotent = await lane_rate(store, settings, options, events)
                 lane.append(rate)
-            bare.append(await bare_rate(broker.bootstrap, idempotent, batch, options.concurrency))
+            bare.append((await bare_rate(broker.bootstrap, idempotent, batch, options.concurrency)).rate)
             if n % 2:
                 tail.append(await tail_rate(store, broker.bootstrap, batch_size, events))
             bare_batch.append(await bare_rate(broker.bootstrap, idempotent, batch, batch_size))
@@ -272,12 +291,14 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
             rounds,
             idempotent,
             statistics.median(bare),
-            statistics.median(bare_batch),
+            statistics.median(t.rate for t in bare_batch),
             statistics.median(lane),
             statistics.median(sink),
             statistics.median(delivery),
             statistics.median(lane_noop),
-            statistics.median(tail),
+            statistics.median(t.rate for t in tail),
+            statistics.median(t.cpu_us for t in bare_batch),
+            statistics.median(t.cpu_us for t in tail),
         )
     finally:
         broker.stop()

@@ -230,6 +230,13 @@ async def part_k(args: argparse.Namespace) -> list[Row]:
     ]  # fmt: skip
 
 
+def cpu_bound(cpu_ratio: float, rate_ratio: float) -> str:
+    """What bounds the tailing lane against the bare loop, read from the two ratios."""
+    if abs(cpu_ratio / rate_ratio - 1) <= 0.2:
+        return "ratios agree: the relay is bound by its own process's CPU"
+    return "ratios differ: not by its CPU alone"
+
+
 async def part_f(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     async with bench_database(SERVER) as (_dsn, store):
@@ -248,6 +255,10 @@ async def part_f(args: argparse.Namespace) -> list[Row]:
                  f"{r.tail:,.0f} ev/s",
                  f"{r.tail / r.bare_batch:.0%} of {batch} in flight, {r.tail / r.bare:.1f}× baseline",
                  f"≥70 % of the bare loop at {batch} in flight: {verdict(r.tail >= 0.7 * r.bare_batch)}"),
+                (f"f. this process's CPU per event: bare loop at {batch} in flight, tailing lane",
+                 f"{r.bare_batch_cpu_us:.0f} µs, {r.tail_cpu_us:.0f} µs",
+                 f"CPU {r.bare_batch_cpu_us / r.tail_cpu_us:.0%}, rate {r.tail / r.bare_batch:.0%}",
+                 cpu_bound(r.bare_batch_cpu_us / r.tail_cpu_us, r.tail / r.bare_batch)),
                 (f"f. KafkaSink.deliver alone, {r.concurrency} in flight (no store, no dispatcher)", f"{r.sink:,.0f} ev/s",
                  f"{r.sink / r.bare:.0%} of baseline", "the plugin's cost"),
                 (f"f. the dispatcher's delivery alone, batch {batch} (no store)", f"{r.delivery:,.0f} ev/s",

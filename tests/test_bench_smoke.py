@@ -41,6 +41,8 @@ def test_bench_kafka_lane_and_backlog_memory_quick_smoke(capsys: pytest.CaptureF
     assert "f. bare aiokafka send_and_wait, 16 in flight, batch 100 (200 ev)" in out
     assert "f. Kafka lane (acks=all" in out and "of baseline" in out
     assert "f. same lane, delivery a no-op, batch 100" in out
+    assert "f. this process's CPU per event: bare loop at 100 in flight, tailing lane" in out
+    assert "the relay is bound by its own process's CPU" in out or "not by its CPU alone" in out
     assert "m. reference: noop lane, 200 owed" in out
     for run in ("noop lane, metrics, retention", "noop lane, per_room", "Kafka lane (a lane table)"):
         assert f"m. {run}, " in out
