@@ -39,6 +39,7 @@ from aiokafka import AIOKafkaProducer
 from bench.consume import TOPIC, Tansu
 from bench.db import load, reset
 from bench.drive import deliver_queues, run_until_empty
+from bench.im import Run, timed
 from room_outbox.config import Settings
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.lanes import lane_store, migrate_plugins, tail_store
@@ -80,18 +81,6 @@ class KafkaLaneResult:
     tail_cpu_us: float
 
 
-@dataclass(frozen=True)
-class Timed:
-    rate: float  # events/s
-    cpu_us: float  # this process's CPU time per event, µs
-
-
-def timed(events: int, started: float, cpu_started: float) -> Timed:
-    """The rate and CPU per event since ``started`` (perf_counter) and ``cpu_started`` (process_time)."""
-    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    return Timed(events / seconds, cpu / events * 1e6)
-
-
 def kafka_settings(bootstrap: str, relay: str = "lane_table", batch_size: int = 100) -> Settings:
     kafka = {"bootstrap_servers": bootstrap, "topic": TOPIC, "relay": relay, "start": "beginning"}
     return Settings(sinks={"tencent_im": {"enabled": False}, "kafka": kafka}, outbox_worker={"batch_size": batch_size})
@@ -110,7 +99,7 @@ async def messages(store: MySQLStore) -> list[Message]:
     return out
 
 
-async def bare_rate(bootstrap: str, idempotent: bool, batch: list[Message], in_flight: int) -> Timed:
+async def bare_rate(bootstrap: str, idempotent: bool, batch: list[Message], in_flight: int) -> Run:
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=idempotent)
     await producer.start()
     try:
@@ -122,11 +111,12 @@ async def bare_rate(bootstrap: str, idempotent: bool, batch: list[Message], in_f
             for value, key, headers in remaining:  # one shared iterator: each message sent once
                 await producer.send_and_wait(TOPIC, value, key=key, headers=headers)
 
-        started, cpu_started = time.perf_counter(), time.process_time()
-        async with anyio.create_task_group() as senders:
-            for _ in range(in_flight):
-                senders.start_soon(sender)
-        return timed(len(batch), started, cpu_started)
+        async def senders() -> None:
+            async with anyio.create_task_group() as group:
+                for _ in range(in_flight):
+                    group.start_soon(sender)
+
+        return await timed(len(batch), senders())
     finally:
         await producer.stop()
 
@@ -173,7 +163,7 @@ async def lane_rate(store: MySQLStore, settings: Settings, options: LaneOptions,
         await router.aclose()
 
 
-async def tail_rate(store: MySQLStore, bootstrap: str, batch_size: int, events: int) -> Timed:
+async def tail_rate(store: MySQLStore, bootstrap: str, batch_size: int, events: int) -> Run:
     """The tailing lane draining ``events`` fresh rows, timed until the cursor reaches the last."""
     settings = kafka_settings(bootstrap, relay="tail", batch_size=batch_size)
     await fresh_lane_rows(store, events)
@@ -185,10 +175,12 @@ async def tail_rate(store: MySQLStore, bootstrap: str, batch_size: int, events: 
         relay = TailRelay(
             tail_store(store, "kafka", settings), router, poll_interval=0.1, publish_timeout=30.0, redactor=Redactor()
         )
-        started, cpu_started = time.perf_counter(), time.process_time()
-        while await relay.run_once():
-            pass
-        result = timed(events, started, cpu_started)
+
+        async def drain() -> None:
+            while await relay.run_once():
+                pass
+
+        result = await timed(events, drain())
         async with store.transaction() as cur:
             await cur.execute(f"SELECT fed_through_id FROM {CURSOR_TABLE} WHERE lane = 'kafka'")
             (fed,) = await cur.fetchone()
@@ -259,12 +251,12 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
         await fresh_lane_rows(store, events)
         batch = await messages(store)
         bare: list[float] = []
-        bare_batch: list[Timed] = []
+        bare_batch: list[Run] = []
         lane: list[float] = []
         lane_noop: list[float] = []
         sink: list[float] = []
         delivery: list[float] = []
-        tail: list[Timed] = []
+        tail: list[Run] = []
         idempotent = False
         # The lane goes first in the first round: the bare producers then ask for the
         # idempotence the sink ended up with (the broker may refuse it).
