@@ -17,6 +17,7 @@ drops.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import anyio
 from anyio.abc import TaskStatus
@@ -109,13 +110,16 @@ class TailRelay:
                     to_send.append((row, envelope))
             if to_send:
                 outcomes = await self._publish([envelope for _, envelope in to_send])
+                published: Counter[str] = Counter()
                 for (row, envelope), outcome in zip(to_send, outcomes, strict=True):
                     label = self.router.event_label(envelope.event_type)
                     if isinstance(outcome, PermanentSinkError):
                         tail.park(row, self._short(str(outcome)))
                         self._count(label, "permanent")
                     else:
-                        self._count(label, None)
+                        published[label] += 1
+                for label, events in published.items():
+                    self._count(label, None, events)
             full = len(tail.rows) - len(tail.requeued) >= self.store.feed_batch
         self.telemetry.flush_counts()
         return full
@@ -133,16 +137,16 @@ class TailRelay:
             raise BatchFailed(failure)
         return outcomes
 
-    def _count(self, event_label: str, error_class: str | None) -> None:
-        """One event published (``error_class`` None) or parked, on the delivery counters."""
+    def _count(self, event_label: str, error_class: str | None, events: int = 1) -> None:
+        """``events`` published (``error_class`` None) or parked, on the delivery counters."""
         if not self.telemetry.metrics_enabled:
             return
         metrics = self.telemetry.metrics
         labels = {"sink": self._sink_name, "event_type": event_label}
         if error_class is None:
-            self.telemetry.count(metrics.success, labels)
+            self.telemetry.count(metrics.success, labels, events)
         else:
-            self.telemetry.count(metrics.failure, {**labels, "error_class": error_class})
+            self.telemetry.count(metrics.failure, {**labels, "error_class": error_class}, events)
 
     @property
     def _sink_name(self) -> str:

@@ -68,12 +68,12 @@ class Telemetry:
         #: Outcome counts not yet added to their counters (see :meth:`count`).
         self._counts: dict[tuple[Any, tuple[tuple[str, str], ...]], int] = {}
 
-    def count(self, counter: Any, labels: Mapping[str, str]) -> None:
-        """One more on ``counter`` with ``labels``, added by the next :meth:`flush_counts`: an
-        SDK counter's ``add`` costs about as much as the rest of a no-op delivery, so the
+    def count(self, counter: Any, labels: Mapping[str, str], events: int = 1) -> None:
+        """``events`` more on ``counter`` with ``labels``, added by the next :meth:`flush_counts`:
+        an SDK counter's ``add`` costs about as much as the rest of a no-op delivery, so the
         outcomes of a batch are added once per label set, not once per event."""
         key = (counter, tuple(labels.items()))
-        self._counts[key] = self._counts.get(key, 0) + 1
+        self._counts[key] = self._counts.get(key, 0) + events
 
     def flush_counts(self) -> None:
         """Add the counts :meth:`count` kept: before every claim and every result write (so

@@ -19,12 +19,14 @@ settings ``room-outbox consume`` takes); its secrets are registered for redactio
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import anyio
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
+from aiokafka.partitioner import DefaultPartitioner, murmur2
 from pydantic import Field
 
 from room_outbox import (
@@ -105,7 +107,7 @@ class KafkaSink:
         return outcomes
 
     def _message(self, envelope: EventEnvelope) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
-        value = envelope.model_dump_json().encode()
+        value = _json(envelope)
         if len(value) > self.settings.max_message_bytes:
             raise PermanentSinkError(
                 f"message of {len(value)} bytes exceeds max_message_bytes {self.settings.max_message_bytes}"
@@ -155,6 +157,7 @@ class KafkaSink:
             enable_idempotence=idempotent,
             request_timeout_ms=int(self.settings.request_timeout * 1000),
             max_request_size=self.settings.max_message_bytes + 1024,
+            partitioner=KeyPartitioner(),
             **self._security,
         )
         try:
@@ -168,6 +171,25 @@ class KafkaSink:
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
+
+
+#: The envelope as JSON bytes: ``model_dump_json`` without its wrapper and its str round trip.
+_json = EventEnvelope.__pydantic_serializer__.to_json
+
+
+class KeyPartitioner:
+    """aiokafka's default partitioner for keyed messages (murmur2 of the key, the partition
+    every Kafka client picks for that key), with each key's hash remembered: the hash is
+    pure Python and a room's key comes back with each of its events."""
+
+    def __init__(self, keys: int = 65_536) -> None:
+        self._hash: Callable[[bytes], int] = functools.lru_cache(maxsize=keys)(murmur2)
+
+    def __call__(self, key: bytes | None, all_partitions: list[int], available: list[int]) -> int:
+        if key is None:
+            partition: int = DefaultPartitioner()(key, all_partitions, available)
+            return partition
+        return all_partitions[(self._hash(key) & 0x7FFFFFFF) % len(all_partitions)]
 
 
 def _too_large(exc: KafkaError) -> PermanentSinkError:
@@ -184,4 +206,4 @@ def room_outbox_register_sinks() -> list[SinkSpec[KafkaSettings]]:
     return [SinkSpec("kafka", KafkaSink, settings_model=KafkaSettings, own_lane=True, ordered_log=True)]
 
 
-__all__ = ["KafkaSettings", "KafkaSink"]
+__all__ = ["KafkaSettings", "KafkaSink", "KeyPartitioner"]

@@ -74,3 +74,28 @@ class TestKafkaSink(SinkContract):
                 event("contract-too-large", payload={"blob": "x" * 2048}),
             ),
         )
+
+
+def test_key_partitioner_places_every_key_where_aiokafka_default_does() -> None:
+    """The remembered hash must never move a room to another partition than every other
+    Kafka client puts it in: the same murmur2 placement, first call and repeated."""
+    from aiokafka.partitioner import DefaultPartitioner
+
+    partitioner = kafka.KeyPartitioner(keys=64)  # fewer than the keys: entries are evicted
+    for partitions in ([0], [0, 1, 2], list(range(12))):
+        for round_ in range(2):
+            for n in range(300):
+                key = f"app_{n % 7}:room_{n}".encode()
+                assert partitioner(key, partitions, partitions) == DefaultPartitioner()(key, partitions, partitions), (
+                    key,
+                    partitions,
+                    round_,
+                )
+    assert partitioner(None, [0, 1, 2], [1]) == 1  # no key: an available partition, as the default picks
+
+
+def test_message_value_is_the_envelope_as_json() -> None:
+    envelope = EventEnvelope.model_validate(
+        {"event_id": "e1", "event_type": "RoomGiftSent", "room_id": "r1", "payload": {"名": 1.5}, "extra": [1]}
+    )
+    assert kafka._json(envelope) == envelope.model_dump_json().encode()

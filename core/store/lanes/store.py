@@ -254,13 +254,15 @@ class LaneStore(LeasedRows):
         now = time.monotonic()
         self._remember(now, ids[0])
         previous = self._last_id
-        for row_id in ids:  # learn the step before deciding what is missing
-            if previous is not None:
-                self._learn_step(row_id - previous, watermark, now)
-            previous = row_id
+        if self._gcd != 1:  # a step of 1 is final: no difference makes it finer
+            for row_id in ids:  # learn the step before deciding what is missing
+                if previous is not None:
+                    self._learn_step(row_id - previous, watermark, now)
+                previous = row_id
         after = self._high
         for row_id in ids:
-            self._add_gap(after, row_id, now)
+            if row_id - after > 1:  # ids in between that may still commit
+                self._add_gap(after, row_id, now)
             after = row_id
         self._high = self._last_id = ids[-1]
         self._gaps = [trimmed for gap in self._gaps if (trimmed := self._on_lattice(gap))]
