@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import pytest
+from aiokafka.partitioner import DefaultPartitioner
 from lanes.conftest import Broker
 from lanes.test_lanes import consume, event_ids
 from support import envelope, insert_events, wait_until
@@ -111,6 +112,31 @@ async def test_tailing_publishes_every_event_once_in_room_order_without_a_lane_t
     assert_room_order(messages)
     assert await cursor(any_store) == await highest_id(any_store)
     assert [lane.has_table for lane in await stored_lanes(any_store)] == [False]  # no per-row copy
+
+
+async def test_a_round_larger_than_a_record_batch_keeps_each_rooms_order_and_partition(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """A round whose messages fill several of the producer's record batches (16 KB each) for one
+    partition: the batches go in order, and each key lands where aiokafka's default partitioner
+    (every Kafka client's murmur2 placement) puts it."""
+    events = [
+        envelope(f"b{v:02}-r{r}", room_id=f"r{r}", room_version=v, payload={"note": "x" * 2000})
+        for v in range(30)
+        for r in range(3)
+    ]
+    await insert_events(any_store, events)
+    sink = kafka_sink(kafka_broker)
+    try:
+        await drain(relay(any_store, sink, batch=90), any_store)  # one round: about 60 KB a partition
+    finally:
+        await sink.aclose()
+    messages = await consume(kafka_broker, {e["event_id"] for e in events})
+    assert sorted(event_ids(messages)) == sorted(e["event_id"] for e in events)  # each once
+    assert_room_order(messages)
+    everywhere = list(range(kafka_broker.partitions))
+    for message in messages:
+        assert message.partition == DefaultPartitioner()(message.key, everywhere, everywhere), message.key
 
 
 async def test_an_oversize_event_is_parked_with_its_error_and_the_lane_goes_on(
