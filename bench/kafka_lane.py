@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
 import anyio
@@ -86,10 +88,14 @@ def kafka_settings(bootstrap: str, relay: str = "lane_table", batch_size: int = 
     return Settings(sinks={"tencent_im": {"enabled": False}, "kafka": kafka}, outbox_worker={"batch_size": batch_size})
 
 
-async def messages(store: MySQLStore) -> list[Message]:
-    """The loaded rows as the Kafka sink sends them."""
+async def messages(store: MySQLStore, last: int | None = None) -> list[Message]:
+    """The loaded rows (``last``: the last so many) as the Kafka sink sends them, in id order."""
     async with store.transaction() as cur:
-        await cur.execute("SELECT envelope FROM room_outbox ORDER BY id")  # the bench's own read
+        if last is None:
+            await cur.execute("SELECT envelope FROM room_outbox ORDER BY id")  # the bench's own read
+        else:
+            await cur.execute("SELECT envelope FROM (SELECT id, envelope FROM room_outbox ORDER BY id DESC LIMIT %s)"
+                              " AS newest ORDER BY id", (last,))  # fmt: skip
         rows = await cur.fetchall()
     out: list[Message] = []
     for (raw,) in rows:
@@ -100,25 +106,35 @@ async def messages(store: MySQLStore) -> list[Message]:
 
 
 async def bare_rate(bootstrap: str, idempotent: bool, batch: list[Message], in_flight: int) -> Run:
+    async with bare_producer(bootstrap, idempotent, batch) as producer:
+        return await timed(len(batch), send_all(producer, batch, in_flight))
+
+
+@asynccontextmanager
+async def bare_producer(bootstrap: str, idempotent: bool, batch: list[Message]) -> AsyncIterator[AIOKafkaProducer]:
+    """A bare aiokafka producer, connected and with the topic's metadata (one of ``batch``'s
+    messages sent) before the clock starts, as the sink's producer is."""
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=idempotent)
     await producer.start()
     try:
         value, key, headers = batch[0]
-        await producer.send_and_wait(TOPIC, value, key=key, headers=headers)  # connected, metadata known
-        remaining = iter(batch)
-
-        async def sender() -> None:
-            for value, key, headers in remaining:  # one shared iterator: each message sent once
-                await producer.send_and_wait(TOPIC, value, key=key, headers=headers)
-
-        async def senders() -> None:
-            async with anyio.create_task_group() as group:
-                for _ in range(in_flight):
-                    group.start_soon(sender)
-
-        return await timed(len(batch), senders())
+        await producer.send_and_wait(TOPIC, value, key=key, headers=headers)
+        yield producer
     finally:
         await producer.stop()
+
+
+async def send_all(producer: AIOKafkaProducer, batch: list[Message], in_flight: int) -> None:
+    """``batch`` from ``in_flight`` tasks, each a ``send_and_wait`` loop."""
+    remaining = iter(batch)
+
+    async def sender() -> None:
+        for value, key, headers in remaining:  # one shared iterator: each message sent once
+            await producer.send_and_wait(TOPIC, value, key=key, headers=headers)
+
+    async with anyio.create_task_group() as group:
+        for _ in range(in_flight):
+            group.start_soon(sender)
 
 
 async def warm_up(sink: Sink) -> None:

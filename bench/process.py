@@ -29,6 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 
@@ -39,6 +40,7 @@ from bench.ordered import wait_for
 from room_outbox.store.backends.mysql import MySQLStore
 
 HOLD = "bench_hold"
+T = TypeVar("T")
 #: Older than the shipped ``claim_after`` (5 s): a backlog the producer did not push.
 AGE_MS = 60_000
 
@@ -156,10 +158,12 @@ class Pairs:
         return statistics.median(self.ratios)
 
 
-async def alternate(rounds: int, first: Callable[[int], Awaitable[float]], second: Callable[[int], Awaitable[float]]):
+async def alternate(
+    rounds: int, first: Callable[[int], Awaitable[T]], second: Callable[[int], Awaitable[T]]
+) -> tuple[list[T], list[T]]:
     """``rounds`` pairs, the order within a pair swapped every round (first, second; second, first…)."""
-    a: list[float] = []
-    b: list[float] = []
+    a: list[T] = []
+    b: list[T] = []
     for n in range(rounds):
         order = [(first, a), (second, b)] if n % 2 == 0 else [(second, b), (first, a)]
         for run, into in order:

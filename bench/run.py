@@ -1,7 +1,8 @@
-"""``python -m bench [--quick] [--only a,p,b,c,d,e,r,o,k,f,m,s,j]``: every measurement in one run, printed
+"""``python -m bench [--quick] [--only a,p,b,c,d,e,r,o,k,f,m,s,t,j]``: every measurement in one run, printed
 as a table with same-run ratios and the targets (p: the noop lane on PostgreSQL; o: per-room
 ordering with 1-3 processes; k: the consumers; f: the Kafka lane; m: memory over a backlog of 1M pending rows;
-s: `room-outbox run` as a process against the raw loop; j: a second process joining during a burst)."""
+s: `room-outbox run` as a process against the raw loop; t: its Kafka lane against a bare producer loop;
+j: a second process joining during a burst)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from bench.db import bench_database
 from bench.im import ROUNDS as IM_ROUNDS
 from bench.im import Variant, run_overhead, run_quota
 from bench.kafka_lane import run_kafka_lane
+from bench.kafka_process import run_kafka_process
 from bench.noop import run_noop
 from bench.ordered import run_ordered
 from bench.pg import pg_bench_database, run_pg_noop
@@ -37,6 +39,7 @@ FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events
         "consume_events": 60_000, "consume_rounds": 5, "kafka_events": 10_000, "kafka_rounds": 3,
         "backlog": 1_000_000, "backlog_drain": 50_000, "backlog_seconds": 120.0,
         "process_events": 20_000, "process_rooms": 500, "process_rounds": 3,
+        "kafka_process_events": 20_000, "kafka_process_rounds": 3,
         "join_events": 6_000, "join_rooms": 50, "join_rounds": 3}  # fmt: skip
 QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300, "quota_events": 300,
          "latency_seconds": 2.0, "latency_batch": 100, "published": 20_000, "claim_rounds": 20, "rss_events": 5_000,
@@ -44,6 +47,7 @@ QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300
          "consume_events": 1_000, "consume_rounds": 1, "kafka_events": 500, "kafka_rounds": 1,
          "backlog": 5_000, "backlog_drain": 1_000, "backlog_seconds": 30.0,
          "process_events": 2_000, "process_rooms": 500, "process_rounds": 1,
+         "kafka_process_events": 2_000, "kafka_process_rounds": 1,
          "join_events": 1_000, "join_rooms": 50, "join_rounds": 1}  # fmt: skip
 
 #: Part c's target: p99 from commit to receipt within one poll interval and this much more.
@@ -56,10 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in well under a minute")
     parser.add_argument(
         "--only",
-        default="a,p,b,c,d,e,r,o,k,f,m,s,j",
+        default="a,p,b,c,d,e,r,o,k,f,m,s,t,j",
         help="parts to run (a b c d e, p = PostgreSQL noop lane, r = retention, o = ordered processes,"
         " k = consumers, f = Kafka lane, m = memory over a 1M backlog, s = the process against the raw loop,"
-        " j = a process joining during a burst)",
+        " t = the process's Kafka lane against a bare producer loop, j = a process joining during a burst)",
     )
     for key, value in FULL.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None, help=f"default {value}")
@@ -325,6 +329,28 @@ async def part_s(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+async def part_t(args: argparse.Namespace) -> list[Row]:
+    """The process's Kafka lane and the bare loop alternate; the ratio is the median of each round's."""
+    batches = [int(b) for b in args.batches.split(",")]
+    async with bench_database(SERVER) as (dsn, store):
+        load_before = os.getloadavg()[0]
+        results = await run_kafka_process(store, dsn, args.kafka_process_events, batches, args.kafka_process_rounds)
+        load_after = os.getloadavg()[0]
+    rows: list[Row] = []
+    for r in results:
+        size = f"batch {r.batch_size}, {r.events:,} ev over 500 rooms"
+        bare_rate, bare_cpu = (statistics.median(x) for x in zip(*r.bare, strict=True))
+        rate, cpu = (statistics.median(x) for x in zip(*r.process, strict=True))
+        rounds = ", ".join(f"{x:.2f}" for x in r.ratios)
+        rows.append((f"t. bare send_and_wait, {r.batch_size} in flight, {r.events:,} ev (this process)",
+                     f"{bare_rate:,.0f} ev/s, {bare_cpu:.0f} µs CPU/ev", "baseline",
+                     f"load average {load_before:.1f} → {load_after:.1f}"))  # fmt: skip
+        rows.append((f"t. room-outbox run, Kafka lane (relay: tail), {size}", f"{rate:,.0f} ev/s, {cpu:.0f} µs CPU/ev",
+                     f"{r.ratio:.0%} of bare (rounds {rounds}); CPU {r.cpu_ratio:.0%}",
+                     f"≥70 % of the bare loop: {verdict(r.ratio >= 0.7)}"))  # fmt: skip
+    return rows
+
+
 async def part_j(args: argparse.Namespace) -> list[Row]:
     async with bench_database(SERVER) as (dsn, store):
         load_before = os.getloadavg()[0]
@@ -343,7 +369,7 @@ async def part_j(args: argparse.Namespace) -> list[Row]:
 
 PARTS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "a": part_a, "p": part_p, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "o": part_o, "k": part_k,
-    "f": part_f, "m": part_m, "s": part_s, "j": part_j,
+    "f": part_f, "m": part_m, "s": part_s, "t": part_t, "j": part_j,
 }  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 """The benchmark harness runs end to end (tiny sizes: parts a, p and d in a few seconds; the
-parts with real processes, a fake IM or a broker (o, b, f, m, k) as slow tests)."""
+parts with real processes, a fake IM or a broker (o, b, f, m, k, t) as slow tests)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,18 @@ def test_bench_kafka_lane_and_backlog_memory_quick_smoke(capsys: pytest.CaptureF
     for run in ("noop lane, metrics, retention", "noop lane, per_room", "Kafka lane (a lane table)"):
         assert f"m. {run}, " in out
     assert "MB vs reference" in out and "MB per 100k ev" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_kafka_process_quick_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """Part t: `room-outbox run`'s Kafka lane against the bare producer loop, rounds alternating,
+    both timed from the messages' timestamps on the topic."""
+    assert main(["--quick", "--only", "t", "--kafka-process-events", "500", "--kafka-process-rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "t. bare send_and_wait, 100 in flight, 500 ev (this process)" in out
+    assert "t. room-outbox run, Kafka lane (relay: tail), batch 100, 500 ev over 500 rooms" in out
+    assert "of bare (rounds " in out and "µs CPU/ev" in out and "≥70 % of the bare loop: " in out
 
 
 @pytest.mark.slow
