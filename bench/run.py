@@ -23,6 +23,7 @@ from bench.db import bench_database
 from bench.im import ROUNDS as IM_ROUNDS
 from bench.im import Variant, run_overhead, run_quota
 from bench.kafka_lane import run_kafka_lane
+from bench.kafka_process import ROOMS as KAFKA_PROCESS_ROOMS
 from bench.kafka_process import run_kafka_process
 from bench.noop import run_noop
 from bench.ordered import run_ordered
@@ -338,7 +339,7 @@ async def part_t(args: argparse.Namespace) -> list[Row]:
         load_after = os.getloadavg()[0]
     rows: list[Row] = []
     for r in results:
-        size = f"batch {r.batch_size}, {r.events:,} ev over 500 rooms"
+        size = f"batch {r.batch_size}, {r.events:,} ev over {KAFKA_PROCESS_ROOMS} rooms"
         bare_rate, bare_cpu = (statistics.median(x) for x in zip(*r.bare, strict=True))
         rate, cpu = (statistics.median(x) for x in zip(*r.process, strict=True))
         rounds = ", ".join(f"{x:.2f}" for x in r.ratios)

@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.partitioner import DefaultPartitioner
 from lanes.conftest import Broker
 
 from room_outbox import EventEnvelope
@@ -79,8 +80,6 @@ class TestKafkaSink(SinkContract):
 def test_key_partitioner_places_every_key_where_aiokafka_default_does() -> None:
     """The remembered hash must never move a room to another partition than every other
     Kafka client puts it in: the same murmur2 placement, first call and repeated."""
-    from aiokafka.partitioner import DefaultPartitioner
-
     partitioner = kafka.KeyPartitioner(keys=64)  # fewer than the keys: entries are evicted
     for partitions in ([0], [0, 1, 2], list(range(12))):
         for round_ in range(2):
