@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,9 +14,10 @@ from typing import Any
 import anyio
 import pytest
 from aiokafka.partitioner import DefaultPartitioner
+from anyio.abc import TaskStatus
 from lanes.conftest import Broker
 from lanes.test_lanes import consume, event_ids
-from support import envelope, insert_events, wait_until
+from support import INSERT_V1, envelope, insert_events, wait_until
 from telemetry_support import capture
 
 from room_outbox.delivery.routing import Router
@@ -112,6 +114,53 @@ async def test_tailing_publishes_every_event_once_in_room_order_without_a_lane_t
     assert_room_order(messages)
     assert await cursor(any_store) == await highest_id(any_store)
     assert [lane.has_table for lane in await stored_lanes(any_store)] == [False]  # no per-row copy
+
+
+async def test_a_row_committed_late_is_published_once_though_the_rounds_around_it_read_ahead(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """An id taken by a transaction that commits later than the ids above it: the rounds go on
+    past it (each full round reads the next one's rows ahead, while its batch is on the way),
+    the cursor stays below it, and once it commits it is published, once."""
+    await insert_events(any_store, room_events("a", rooms=2, per_room=5))
+    committed = anyio.Event()
+
+    async def commit_late(*, task_status: TaskStatus[None]) -> None:
+        async with any_store.transaction() as cur:  # holds the next id
+            now = int(time.time() * 1000)
+            await cur.execute(
+                INSERT_V1,
+                (
+                    "",
+                    "late",
+                    "RoomUserJoined",
+                    "late-room",
+                    json.dumps(envelope("late", room_id="late-room")),
+                    now,
+                    now,
+                ),
+            )
+            task_status.started()
+            await committed.wait()
+
+    sink = kafka_sink(kafka_broker)
+    tail = relay(any_store, sink, batch=5)
+    later = [envelope(f"b{v:02}-r{r}", room_id=f"r{r}", room_version=v) for v in range(5, 15) for r in range(2)]
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(commit_late)
+            await insert_events(any_store, later)
+            for _ in range(3):  # full rounds, each reading the next one's rows ahead
+                assert await tail.run_once()
+            committed.set()  # while the next round's rows are already read
+        await drain(tail, any_store)
+    finally:
+        await sink.aclose()
+    expected = {e["event_id"] for e in room_events("a", rooms=2, per_room=5) + later} | {"late"}
+    messages = await consume(kafka_broker, expected)
+    assert sorted(event_ids(messages)) == sorted(expected)  # each once, "late" too
+    assert_room_order(messages)
+    assert await cursor(any_store) == await highest_id(any_store)
 
 
 async def test_a_round_larger_than_a_record_batch_keeps_each_rooms_order_and_partition(

@@ -319,27 +319,36 @@ class LaneStore(LeasedRows):
         return _Gap(low, high, gap.first_seen) if low <= high else None
 
     async def _read_gaps(self, cur: Any) -> list[int]:
-        """Ids that have committed inside the ranges seen missing; the ranges shrink to what
-        is still missing (a range splits around a row that turned up)."""
+        """Ids that have committed inside the ranges seen missing (:meth:`_turned_up`)."""
         if not self._gaps:
             return []
-        where = " OR ".join([f"{self.owner.profile.key} BETWEEN %s AND %s"] * len(self._gaps))
-        params = [bound for gap in self._gaps for bound in (gap.low, gap.high)]
+        ranges, bounds = self._gap_ranges()
         key = self.owner.profile.key
-        await cur.execute(f"SELECT {key} FROM {self.owner.profile.table} WHERE {where} ORDER BY {key}", params)
+        await cur.execute(f"SELECT {key} FROM {self.owner.profile.table} WHERE {ranges} ORDER BY {key}", bounds)
         found = [int(row[0]) for row in await cur.fetchall()]
-        if found:
-            remaining: list[_Gap] = []
-            for gap in self._gaps:
-                low = gap.low
-                for row_id in (i for i in found if gap.low <= i <= gap.high):
-                    if row_id > low:
-                        remaining.append(_Gap(low, row_id - 1, gap.first_seen))
-                    low = row_id + 1
-                if low <= gap.high:
-                    remaining.append(_Gap(low, gap.high, gap.first_seen))
-            self._gaps = [trimmed for gap in remaining if (trimmed := self._on_lattice(gap))]
+        self._turned_up(found)
         return found
+
+    def _gap_ranges(self) -> tuple[str, list[int]]:
+        """SQL matching the ids in the ranges seen missing, and its parameters."""
+        ranges = " OR ".join([f"{self.owner.profile.key} BETWEEN %s AND %s"] * len(self._gaps))
+        return f"({ranges})", [bound for gap in self._gaps for bound in (gap.low, gap.high)]
+
+    def _turned_up(self, found: Sequence[int]) -> None:
+        """``found`` (in id order) have committed: the ranges seen missing shrink to what is
+        still missing (a range splits around a row that turned up)."""
+        if not found:
+            return
+        remaining: list[_Gap] = []
+        for gap in self._gaps:
+            low = gap.low
+            for row_id in (i for i in found if gap.low <= i <= gap.high):
+                if row_id > low:
+                    remaining.append(_Gap(low, row_id - 1, gap.first_seen))
+                low = row_id + 1
+            if low <= gap.high:
+                remaining.append(_Gap(low, gap.high, gap.first_seen))
+        self._gaps = [trimmed for gap in remaining if (trimmed := self._on_lattice(gap))]
 
     def _expire_gaps(self) -> None:
         now = time.monotonic()

@@ -2,10 +2,10 @@
 ``room_outbox`` after the lane's cursor, with no per-row copy, claim or mark.
 
 A round is one transaction: lock the lane's cursor row (``FOR UPDATE SKIP LOCKED``), read the
-ids after it with the feeder's gap-safe rule (:class:`~room_outbox.store.lanes.store.LaneStore`:
-ids still in flight below the highest id read are waited for, up to ``gap_timeout``), read their
-envelopes, let the caller publish them, then park what can never be delivered and move the
-cursor with one write. The cursor row's lock is the lane's ownership: one process tails a lane
+rows after it with the feeder's gap-safe rule (:class:`~room_outbox.store.lanes.store.LaneStore`:
+ids still in flight below the highest id read are waited for, up to ``gap_timeout``), ids and
+envelopes in one statement, let the caller publish them (reading the next round's rows
+meanwhile), then park what can never be delivered and move the cursor with one write. The cursor row's lock is the lane's ownership: one process tails a lane
 at a time, the others skip it, and a process that dies (even by kill -9) drops its connection and
 with it the lock, so another takes over from the cursor — repeating at most the round in flight.
 A round that fails (the broker down) is rolled back and read again, in order.
@@ -17,9 +17,11 @@ a lane switches from its table to tailing.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import functools
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.store.clock import now_ms
@@ -42,6 +44,10 @@ class TailRow:
     envelope: str
 
 
+async def _nothing_to_read() -> None:
+    """A round's ``read_ahead`` when its read was not full: the lane is likely caught up."""
+
+
 @dataclass
 class TailRound:
     """The rows of one round, in id order (requeued rows first), and what the caller parks."""
@@ -49,6 +55,8 @@ class TailRound:
     rows: list[TailRow]
     requeued: list[int] = field(default_factory=list)
     parked: dict[int, str] = field(default_factory=dict)
+    #: Reads the next round's rows in this round's transaction (see :meth:`TailStore.round`).
+    read_ahead: Callable[[], Coroutine[Any, Any, None]] = field(default=_nothing_to_read)
 
     def park(self, row: TailRow, error: str) -> None:
         self.parked[row.outbox_id] = error[:1024]
@@ -61,6 +69,9 @@ class TailStore(LaneStore):
     #: The watermark this process last wrote: another value in the cursor means another process
     #: owned the lane meanwhile, and what this one remembers (ids seen, gaps) is stale.
     _committed: int | None = None
+    #: The next round's rows, read ahead by the last round (:meth:`_read_ahead`), with the
+    #: highest id seen when they were read: the next round's own read as long as nothing moved.
+    _ahead: tuple[int, list[TailRow]] | None = None
 
     async def migrate(self) -> list[str]:
         return await migrate_tail(self.owner, [self.lane])
@@ -69,24 +80,38 @@ class TailStore(LaneStore):
     async def round(self) -> AsyncIterator[TailRound | None]:
         """One round in one transaction; None when another process owns the lane right now.
         Leaving the block normally parks ``round.parked`` and moves the cursor; an exception
-        rolls everything back (the rows are read again next round)."""
+        rolls everything back (the rows are read again next round).
+
+        After a full read the caller may run ``round.read_ahead`` while its batch is on its way
+        to the sink: the next round's rows are read then, in this transaction, so that the
+        database and the sink work at the same time instead of in turn. Reading them a moment
+        earlier changes nothing else: ids still in flight below them are waited for as gaps
+        all the same, and nothing read ahead counts as done until the round that sends it
+        commits."""
+        ahead, self._ahead = self._ahead, None
         with self._forgotten_unless_committed():
             async with self.transaction() as cur:
-                watermark = await self._lock_cursor(cur)
+                watermark, any_requeued = await self._lock(cur)
                 if watermark is None:
                     yield None
                     return
                 if watermark != self._committed:
-                    self._high, self._gaps, self._last_id = watermark, [], None
+                    self._high, self._gaps, self._last_id, ahead = watermark, [], None, None
                     log.info("tailing the lane from its cursor", extra={"lane": self.lane, "fed_through_id": watermark})
-                fresh = await self._fetch_new_rows(cur)  # ids and envelopes in one read
                 self._gaps = [g for g in self._gaps if g.high > watermark]
-                self._take_new([row.outbox_id for row in fresh], watermark)
-                late = await self._rows(cur, await self._read_gaps(cur))  # ids that were in flight
-                requeued = await self._requeued(cur)
-                rows = await self._rows(cur, requeued) + sorted(fresh + late, key=lambda row: row.outbox_id)
-                tail = TailRound(rows=rows, requeued=requeued)
-                yield tail
+                read = ahead[1] if ahead is not None and ahead[0] == self._high else await self._read(cur)
+                fresh = [row.outbox_id for row in read if row.outbox_id > self._high]
+                self._turned_up([row.outbox_id for row in read if row.outbox_id <= self._high])
+                self._take_new(fresh, watermark)
+                requeued = await self._requeued(cur) if any_requeued else []
+                tail = TailRound(rows=await self._rows(cur, requeued) + read, requeued=requeued)
+                if len(fresh) >= self.feed_batch:  # more are likely waiting
+                    tail.read_ahead = functools.partial(self._read_ahead, cur)
+                try:
+                    yield tail
+                except BaseException:
+                    self._ahead = None  # read in a transaction that did not commit
+                    raise
                 self._expire_gaps()
                 self._bound_gaps()
                 new_watermark = min(g.low for g in self._gaps) - 1 if self._gaps else self._high
@@ -99,14 +124,44 @@ class TailStore(LaneStore):
                 committed = new_watermark
         self._committed = committed
 
-    async def _fetch_new_rows(self, cur: Any) -> list[TailRow]:
-        """The rows above the highest id seen, up to ``feed_batch``."""
-        p = self.owner.profile
+    async def _lock(self, cur: Any) -> tuple[int | None, bool]:
+        """The cursor, locked (None: another process owns the lane right now), and whether any
+        of the lane's parked rows are requeued: one statement once the cursor row exists (a
+        locking read does not lock what a subquery in its column list reads)."""
         await cur.execute(
-            f"SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {p.key} > %s ORDER BY {p.key} LIMIT %s",
-            (self._high, self.feed_batch),
+            f"SELECT fed_through_id, EXISTS (SELECT 1 FROM {PARKED_TABLE} WHERE lane = %s AND status = %s)"
+            f" FROM {CURSOR_TABLE} WHERE lane = %s{self.dialect.row_lock}",
+            (self.lane, REQUEUED, self.lane),
         )
-        return [TailRow(int(r[0]), _text(r[1])) for r in await cur.fetchall()]
+        row = await cur.fetchone()
+        if row is not None:
+            return int(row[0]), bool(row[1])
+        return await self._lock_cursor(cur), True  # creates the cursor row, or finds it locked
+
+    async def _read(self, cur: Any) -> list[TailRow]:
+        """In one statement, in id order: the rows above the highest id seen, up to
+        ``feed_batch``, and the rows that turned up in the ranges seen missing (ids that
+        were in flight)."""
+        p = self.owner.profile
+        above = f"SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {p.key} > %s ORDER BY {p.key} LIMIT %s"
+        if not self._gaps:
+            await cur.execute(above, (self._high, self.feed_batch))
+            return [TailRow(int(r[0]), _text(r[1])) for r in await cur.fetchall()]
+        ranges, bounds = self._gap_ranges()
+        await cur.execute(
+            f"SELECT * FROM ({above}) AS above UNION ALL SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {ranges}",
+            (self._high, self.feed_batch, *bounds),
+        )
+        return sorted((TailRow(int(r[0]), _text(r[1])) for r in await cur.fetchall()), key=attrgetter("outbox_id"))
+
+    async def _read_ahead(self, cur: Any) -> None:
+        """Read the next round's rows now (:meth:`round`). A failure only leaves them unread:
+        the round's own statements meet it again and fail the round."""
+        high = self._high
+        try:
+            self._ahead = (high, await self._read(cur))
+        except Exception:
+            log.debug("reading ahead failed", extra={"lane": self.lane}, exc_info=True)
 
     async def _rows(self, cur: Any, ids: Sequence[int]) -> list[TailRow]:
         if not ids:
