@@ -4,6 +4,7 @@ rebalancing, and the fence of a handover (the new owner waits for the old owner'
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from support import envelope, insert_events
@@ -12,7 +13,7 @@ from room_outbox.cluster.membership import Membership
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.store import LaneStore, migrate_lanes
-from room_outbox.store.membership import bucket_of, read_buckets, still_leased
+from room_outbox.store.membership import bucket_of, claimable_buckets, read_buckets, still_leased
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.buckets import BUCKET_TABLE, BUCKETS, row_bucket
 from room_outbox.store.schema.profiles import ROOM_CELL, V1
@@ -92,6 +93,41 @@ async def test_buckets_are_split_and_handed_over_only_after_the_leases_end(store
         await cur.execute("UPDATE room_outbox SET worker_id = NULL, lock_until_ms = 0, status = 'published'")
     await b.beat()
     assert (await owners(store))[moving] == ("node-b", False)  # claimable one rate-limit window later
+
+
+async def own_every_third_bucket(cur: Any) -> list[int]:
+    """Buckets 0, 3, …, 255 to node "me" (their list is 305 characters), the others to another."""
+    mine = [b for b in range(BUCKETS) if b % 3 == 0]
+    await cur.execute(f"UPDATE {BUCKET_TABLE} SET owner = 'other', claimable_from_ms = 0")
+    await cur.execute(f"UPDATE {BUCKET_TABLE} SET owner = 'me' WHERE bucket IN ({', '.join(map(str, mine))})")
+    return mine
+
+
+async def test_the_claimable_buckets_are_the_nodes_own(store: SQLStore) -> None:
+    async with store.transaction() as cur:
+        mine = await own_every_third_bucket(cur)
+        assert await claimable_buckets(cur, store.dialect, "me") == mine
+        assert await claimable_buckets(cur, store.dialect, "nobody") == []
+
+
+@pytest.mark.parametrize("cut_short_at", [41, 42])
+async def test_claimable_buckets_cut_short_by_group_concat_max_len_are_read_row_by_row(
+    database_dsn: str, cut_short_at: int
+) -> None:
+    """MySQL/MariaDB read them as one list; cut short (at 41 characters just after a separator,
+    at 42 within one), it is read again row by row: a claim never misses one of its buckets."""
+    store = await open_store(database_dsn)
+    try:
+        await store.migrate()
+        async with store.transaction() as cur:
+            mine = await own_every_third_bucket(cur)
+            await cur.execute(f"SET SESSION group_concat_max_len = {cut_short_at}")
+            try:
+                assert await claimable_buckets(cur, store.dialect, "me") == mine
+            finally:
+                await cur.execute("SET SESSION group_concat_max_len = DEFAULT")
+    finally:
+        await store.aclose()
 
 
 async def test_a_joining_node_takes_idle_buckets_at_once_and_leaves_the_busy_ones(store: SQLStore) -> None:
