@@ -4,11 +4,11 @@ Each round (:meth:`TailStore.round <room_outbox.store.lanes.tail.TailStore.round
 transaction) reads up to ``batch_size`` rows after the lane's cursor, hands the envelopes the
 sink takes to its ``publish`` at once (many in flight, order kept per key by the sink), parks
 the ones that can never be delivered (bad envelope, too large) and moves the cursor with one
-write; while a full batch is on its way, the store reads the next round's rows. A batch that
-fails as a whole (the broker is down, a timeout) is rolled back and read again after
-``poll_interval``, in the same order, so nothing is skipped and a room's events never overtake
-each other; what the failed attempt did send is sent again (at least once: a batch's worth of
-duplicates at most).
+write, made while the batch is on its way (with the next round's read) and committed once the
+sink has answered. A batch that fails as a whole (the broker is down, a timeout) is rolled back
+and read again after ``poll_interval``, in the same order, so nothing is skipped and a room's
+events never overtake each other; what the failed attempt did send is sent again (at least
+once: a batch's worth of duplicates at most).
 
 Only the process holding the cursor row's lock runs a round; the others find it locked, wait
 ``poll_interval`` and try again, so ownership fails over as soon as the owner's connection
@@ -113,7 +113,7 @@ class TailRelay:
                 if self.router.sink_for(envelope.event_type) is not None:
                     to_send.append((row, envelope))
             if to_send:
-                outcomes = await self._publish([envelope for _, envelope in to_send], tail.read_ahead)
+                outcomes = await self._publish([envelope for _, envelope in to_send], tail.while_sending)
                 published: Counter[str] = Counter()
                 for (row, envelope), outcome in zip(to_send, outcomes, strict=True):
                     label = self.router.event_label(envelope.event_type)
@@ -129,18 +129,18 @@ class TailRelay:
         return full
 
     async def _publish(
-        self, envelopes: list[EventEnvelope], read_ahead: Callable[[], Coroutine[Any, Any, None]]
+        self, envelopes: list[EventEnvelope], while_sending: Callable[[], Coroutine[Any, Any, None]]
     ) -> list[PermanentSinkError | None]:
         """The sink's outcome for each envelope; raises :class:`BatchFailed` when the batch
-        failed as a whole. The store reads ahead meanwhile (``read_ahead``, which never
-        raises): the next round's rows are read while this batch waits for the broker."""
+        failed as a whole. The store works meanwhile (``while_sending``, which never raises:
+        the cursor's write, the next round's read) while this batch waits for the broker."""
         outcomes: list[PermanentSinkError | None] = []
 
         async def publish(batch: list[EventEnvelope]) -> None:
             outcomes.extend(await self._sink.publish(batch))
 
-        async with anyio.create_task_group() as reading:
-            reading.start_soon(read_ahead)
+        async with anyio.create_task_group() as database:
+            database.start_soon(while_sending)
             await anyio.lowlevel.checkpoint()  # its statement is sent before the batch is built
             failure = await self.attempts.run(self._sink_name, publish, envelopes)
         if failure is not None:

@@ -4,8 +4,8 @@
 A round is one transaction: lock the lane's cursor row (``FOR UPDATE SKIP LOCKED``), read the
 rows after it with the feeder's gap-safe rule (:class:`~room_outbox.store.lanes.store.LaneStore`:
 ids still in flight below the highest id read are waited for, up to ``gap_timeout``), ids and
-envelopes in one statement, let the caller publish them (reading the next round's rows
-meanwhile), then park what can never be delivered and move the cursor with one write. The cursor row's lock is the lane's ownership: one process tails a lane
+envelopes in one statement, let the caller publish them (meanwhile the cursor's one write is
+made and the next round's rows are read), then park what can never be delivered and commit. The cursor row's lock is the lane's ownership: one process tails a lane
 at a time, the others skip it, and a process that dies (even by kill -9) drops its connection and
 with it the lock, so another takes over from the cursor — repeating at most the round in flight.
 A round that fails (the broker down) is rolled back and read again, in order.
@@ -44,8 +44,8 @@ class TailRow:
     envelope: str
 
 
-async def _nothing_to_read() -> None:
-    """A round's ``read_ahead`` when its read was not full: the lane is likely caught up."""
+async def _nothing() -> None:
+    """A round's ``while_sending`` before the store sets it."""
 
 
 @dataclass
@@ -55,8 +55,12 @@ class TailRound:
     rows: list[TailRow]
     requeued: list[int] = field(default_factory=list)
     parked: dict[int, str] = field(default_factory=dict)
-    #: Reads the next round's rows in this round's transaction (see :meth:`TailStore.round`).
-    read_ahead: Callable[[], Coroutine[Any, Any, None]] = field(default=_nothing_to_read)
+    #: The database's work for this round that need not wait for the sink, to run while the
+    #: batch is on its way (see :meth:`TailStore.round`); never raises.
+    while_sending: Callable[[], Coroutine[Any, Any, None]] = field(default=_nothing)
+    #: Where :attr:`while_sending` moved the cursor (None: not yet), or what it failed with.
+    cursor: int | None = None
+    failure: Exception | None = None
 
     def park(self, row: TailRow, error: str) -> None:
         self.parked[row.outbox_id] = error[:1024]
@@ -69,8 +73,8 @@ class TailStore(LaneStore):
     #: The watermark this process last wrote: another value in the cursor means another process
     #: owned the lane meanwhile, and what this one remembers (ids seen, gaps) is stale.
     _committed: int | None = None
-    #: The next round's rows, read ahead by the last round (:meth:`_read_ahead`), with the
-    #: highest id seen when they were read: the next round's own read as long as nothing moved.
+    #: The next round's rows, read ahead by the last round, with the highest id seen when they
+    #: were read: the next round's own read as long as nothing moved.
     _ahead: tuple[int, list[TailRow]] | None = None
 
     async def migrate(self) -> list[str]:
@@ -79,15 +83,16 @@ class TailStore(LaneStore):
     @asynccontextmanager
     async def round(self) -> AsyncIterator[TailRound | None]:
         """One round in one transaction; None when another process owns the lane right now.
-        Leaving the block normally parks ``round.parked`` and moves the cursor; an exception
-        rolls everything back (the rows are read again next round).
+        Leaving the block normally parks ``round.parked``, moves the cursor and commits; an
+        exception rolls everything back (the rows are read again next round).
 
-        After a full read the caller may run ``round.read_ahead`` while its batch is on its way
-        to the sink: the next round's rows are read then, in this transaction, so that the
-        database and the sink work at the same time instead of in turn. Reading them a moment
-        earlier changes nothing else: ids still in flight below them are waited for as gaps
-        all the same, and nothing read ahead counts as done until the round that sends it
-        commits."""
+        The caller may run ``round.while_sending`` while its batch is on its way to the sink:
+        the cursor's write is made then (it counts only once the round commits, after the
+        sink's answer) and, after a full read, the next round's rows are read, in this
+        transaction, so that the database and the sink work at the same time instead of in
+        turn. Reading rows a moment earlier changes nothing else: ids still in flight below
+        them are waited for as gaps all the same, and nothing read ahead counts as done until
+        the round that sends it commits."""
         ahead, self._ahead = self._ahead, None
         with self._forgotten_unless_committed():
             async with self.transaction() as cur:
@@ -105,24 +110,43 @@ class TailStore(LaneStore):
                 self._take_new(fresh, watermark)
                 requeued = await self._requeued(cur) if any_requeued else []
                 tail = TailRound(rows=await self._rows(cur, requeued) + read, requeued=requeued)
-                if len(fresh) >= self.feed_batch:  # more are likely waiting
-                    tail.read_ahead = functools.partial(self._read_ahead, cur)
+                # A full read: more are likely waiting.
+                tail.while_sending = functools.partial(
+                    self._while_sending, cur, tail, watermark, len(fresh) >= self.feed_batch
+                )
                 try:
                     yield tail
+                    if tail.failure is not None:
+                        raise tail.failure
                 except BaseException:
-                    self._ahead = None  # read in a transaction that did not commit
+                    self._ahead = None  # read in a transaction that does not commit
                     raise
-                self._expire_gaps()
-                self._bound_gaps()
-                new_watermark = min(g.low for g in self._gaps) - 1 if self._gaps else self._high
                 await self._park(cur, tail)
-                if new_watermark != watermark:
-                    await cur.execute(
-                        f"UPDATE {CURSOR_TABLE} SET fed_through_id = %s, updated_at_ms = %s WHERE lane = %s",
-                        (new_watermark, now_ms(), self.lane),
-                    )
-                committed = new_watermark
+                committed = tail.cursor if tail.cursor is not None else await self._move_cursor(cur, watermark)
         self._committed = committed
+
+    async def _while_sending(self, cur: Any, tail: TailRound, watermark: int, read_ahead: bool) -> None:
+        """Move the cursor and, with ``read_ahead``, read the next round's rows (:meth:`round`).
+        A failure is kept in ``tail`` and fails the round when it ends."""
+        try:
+            tail.cursor = await self._move_cursor(cur, watermark)
+            if read_ahead:
+                high = self._high
+                self._ahead = (high, await self._read(cur))
+        except Exception as exc:
+            tail.failure = exc
+
+    async def _move_cursor(self, cur: Any, watermark: int) -> int:
+        """Write the new watermark (every id at or below it done, or given up on); return it."""
+        self._expire_gaps()
+        self._bound_gaps()
+        new_watermark = min(g.low for g in self._gaps) - 1 if self._gaps else self._high
+        if new_watermark != watermark:
+            await cur.execute(
+                f"UPDATE {CURSOR_TABLE} SET fed_through_id = %s, updated_at_ms = %s WHERE lane = %s",
+                (new_watermark, now_ms(), self.lane),
+            )
+        return new_watermark
 
     async def _lock(self, cur: Any) -> tuple[int | None, bool]:
         """The cursor, locked (None: another process owns the lane right now), and whether any
@@ -153,15 +177,6 @@ class TailStore(LaneStore):
             (self._high, self.feed_batch, *bounds),
         )
         return sorted((TailRow(int(r[0]), _text(r[1])) for r in await cur.fetchall()), key=attrgetter("outbox_id"))
-
-    async def _read_ahead(self, cur: Any) -> None:
-        """Read the next round's rows now (:meth:`round`). A failure only leaves them unread:
-        the round's own statements meet it again and fail the round."""
-        high = self._high
-        try:
-            self._ahead = (high, await self._read(cur))
-        except Exception:
-            log.debug("reading ahead failed", extra={"lane": self.lane}, exc_info=True)
 
     async def _rows(self, cur: Any, ids: Sequence[int]) -> list[TailRow]:
         if not ids:
