@@ -13,9 +13,11 @@ polling of the pending count is in the figure.
 
 **j.** The burst of issue 25: 6,000 events over 50 hot rooms, batch 100, ``per_room``. One
 process drains it alone; then the same burst with a second process started when the rows are
-released (it joins while they drain, and its buckets are handed over under load). Rounds
-alternate; the second process is stopped (SIGTERM) and the buckets settled on one before
-the next round alone.
+released (it joins while they drain, and its buckets are handed over under load); then two
+processes settled before the burst: the buckets split and claimable, and the second process's
+worker running (its ``/readyz`` answers 200: it has joined the membership). Rounds alternate;
+the second process is stopped (SIGTERM) and the buckets settled on one before the next round
+alone.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import anyio
+import httpx
 
 from bench import procs
 from bench.db import load, pending, reset
@@ -127,6 +130,25 @@ def start(config: str, node: str) -> subprocess.Popen[str]:
     return procs.room_outbox("--config", config, "run", env=env, stderr=subprocess.DEVNULL)
 
 
+async def serving(config: str, proc: subprocess.Popen[str], timeout: float = 60.0) -> None:
+    """Until the process's ``/readyz`` answers 200: its worker runs (it has joined the
+    membership, so it claims its buckets' rows)."""
+    address = json.loads(Path(config).read_text())["telemetry"]["http_listen"]
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"room-outbox run exited with {proc.returncode}")
+            try:
+                if (await client.get(f"http://{address}/readyz")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"room-outbox run not ready within {timeout:g}s")
+            await anyio.sleep(0.05)
+
+
 async def ready(store: MySQLStore, proc: subprocess.Popen[str], timeout: float = 60.0) -> None:
     """The process claims: a probe row is published."""
     await reset(store)
@@ -211,9 +233,10 @@ async def run_join(store: MySQLStore, dsn: str, events: int, rooms: int, batch: 
     with tempfile.TemporaryDirectory() as folder:
         first = start(write_config(folder, dsn, "per_room", batch, "-1"), "bench-j-1")
         second: list[subprocess.Popen[str]] = []
+        second_config = write_config(folder, dsn, "per_room", batch, "-2")
 
         def start_second(n: int) -> None:
-            second.append(start(write_config(folder, dsn, "per_room", batch, "-2"), f"bench-j-2-{n}"))
+            second.append(start(second_config, f"bench-j-2-{n}"))
 
         async def stop_second() -> None:
             procs.stop(second.pop())  # SIGTERM: gives its buckets back
@@ -229,6 +252,9 @@ async def run_join(store: MySQLStore, dsn: str, events: int, rooms: int, batch: 
         async def two_settled(n: int) -> None:
             start_second(n)
             await wait_for(store, 2)
+            # The buckets may be claimable before the new process's worker runs: it joins once
+            # every process has applied the new membership for a rate-limit window.
+            await serving(second_config, second[-1])
             settled.append(await process_round(store, events, rooms, f"j3-{n}-"))
             await stop_second()
 
