@@ -5,10 +5,11 @@ A round is one transaction: lock the lane's cursor row (``FOR UPDATE SKIP LOCKED
 rows after it with the feeder's gap-safe rule (:class:`~room_outbox.store.lanes.store.LaneStore`:
 ids still in flight below the highest id read are waited for, up to ``gap_timeout``), ids and
 envelopes in one statement, let the caller publish them (meanwhile the cursor's one write is
-made and the next round's rows are read), then park what can never be delivered and commit. The cursor row's lock is the lane's ownership: one process tails a lane
-at a time, the others skip it, and a process that dies (even by kill -9) drops its connection and
-with it the lock, so another takes over from the cursor — repeating at most the round in flight.
-A round that fails (the broker down) is rolled back and read again, in order.
+made and the next round's rows are read), then park what can never be delivered and commit.
+The cursor row's lock is the lane's ownership: one process tails a lane at a time, the others
+skip it, and a process that dies (even by kill -9) drops its connection and with it the lock, so
+another takes over from the cursor — repeating at most the round in flight. A round that fails
+(the broker down) is rolled back and read again, in order.
 
 The cursor is the same ``room_outbox_lane_cursor`` row a lane-table lane uses ("every id at or
 below is done"); :func:`migrate_tail` moves it back below the lane table's unfinished rows when
@@ -131,8 +132,7 @@ class TailStore(LaneStore):
         try:
             tail.cursor = await self._move_cursor(cur, watermark)
             if read_ahead:
-                high = self._high
-                self._ahead = (high, await self._read(cur))
+                self._ahead = (self._high, await self._read(cur))
         except Exception as exc:
             tail.failure = exc
 
