@@ -29,7 +29,7 @@ BucketReader = Callable[[Any], Awaitable[list[int] | None]]
 
 
 # One OutboxRow and one DeliveryResult are built per event: not frozen, as a frozen dataclass
-# costs about three times as much to build (each field set through object.__setattr__). Treat
+# costs several times as much to build (each field set through object.__setattr__). Treat
 # them as values all the same: nothing changes one once built.
 @dataclass(slots=True)
 class OutboxRow:
