@@ -160,3 +160,9 @@ async def index_names(cur: Any, dialect: Dialect, table: str) -> set[str]:
 
 def marks(values: Sequence[object]) -> str:
     return ", ".join(["%s"] * len(values))
+
+
+def text(value: Any) -> str:
+    """A string column's value as ``str``: MySQL drivers return binary strings (a BLOB
+    envelope, ``GROUP_CONCAT`` of numbers) as bytes."""
+    return value.decode() if isinstance(value, bytes | bytearray) else str(value)

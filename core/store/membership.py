@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import Dialect
+from room_outbox.store.dialect import Dialect, text
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.schema.buckets import BUCKET_TABLE, BUCKETS, NODE_TABLE, row_bucket
 from room_outbox.store.schema.profiles import Profile
@@ -52,16 +52,12 @@ async def claimable_buckets(cur: Any, dialect: Dialect, node_id: str) -> list[in
             f"SELECT COUNT(*), MAX(bucket), GROUP_CONCAT(bucket ORDER BY bucket) {mine} LOCK IN SHARE MODE", params
         )
         count, highest, listed = await cur.fetchone()
-        buckets = [int(b) for b in _text(listed).split(",") if b] if listed else []
+        buckets = [int(b) for b in text(listed).split(",") if b] if listed else []
         if len(buckets) == count and (not buckets or buckets[-1] == highest):
             return buckets
     lock = " LOCK IN SHARE MODE" if dialect.name == "mysql" else " FOR SHARE"
     await cur.execute(f"SELECT bucket {mine} ORDER BY bucket{lock}", params)
     return [int(row[0]) for row in await cur.fetchall()]
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes | bytearray) else value
 
 
 @dataclass(frozen=True)

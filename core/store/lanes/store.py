@@ -183,9 +183,10 @@ class LaneStore(LeasedRows):
         fresh = await self._fetch_new(cur)
         if not fresh and not self._gaps and self._high >= 0:
             return 0
-        watermark = await self._lock_cursor(cur)
-        if watermark is None:
+        cursor = await self._lock_cursor(cur)
+        if cursor is None:
             return 0  # another process is feeding this lane right now
+        watermark = int(cursor[0])
         if watermark > self._high:  # another process fed further: start from there
             self._high = watermark
             fresh = await self._fetch_new(cur)
@@ -219,12 +220,15 @@ class LaneStore(LeasedRows):
             )
             await cur.execute(self.dialect.insert_skipping_duplicates(insert, "outbox_id"), chunk)
 
-    async def _lock_cursor(self, cur: Any) -> int | None:
-        query = f"SELECT fed_through_id FROM {CURSOR_TABLE} WHERE lane = %s{self.dialect.row_lock}"
-        await cur.execute(query, (self.lane,))
+    async def _lock_cursor(self, cur: Any, also: str = "", params: Sequence[Any] = ()) -> Sequence[Any] | None:
+        """The lane's cursor row, locked (created first if the lane has none): its
+        ``fed_through_id``, then the ``also`` columns (SQL taking ``params``); None when
+        another process holds it."""
+        query = f"SELECT fed_through_id{also} FROM {CURSOR_TABLE} WHERE lane = %s{self.dialect.row_lock}"
+        await cur.execute(query, (*params, self.lane))
         row = await cur.fetchone()
         if row is not None:
-            return int(row[0])
+            return tuple(row)
         await cur.execute(f"SELECT 1 FROM {CURSOR_TABLE} WHERE lane = %s", (self.lane,))
         if await cur.fetchone():
             return None  # exists, locked by another feeder
@@ -234,9 +238,9 @@ class LaneStore(LeasedRows):
         insert = f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, updated_at_ms) VALUES (%s, %s, %s)"
         await cur.execute(self.dialect.insert_skipping_duplicates(insert, "lane"), (self.lane, first, now_ms()))
         log.info("lane started", extra={"lane": self.lane, "start": str(self.start), "fed_through_id": first})
-        await cur.execute(query, (self.lane,))
+        await cur.execute(query, (*params, self.lane))
         row = await cur.fetchone()
-        return int(row[0]) if row else None
+        return tuple(row) if row else None
 
     async def _fetch_new(self, cur: Any) -> list[int]:
         """Ids above the highest id seen, up to ``feed_batch``."""

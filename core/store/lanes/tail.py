@@ -26,7 +26,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import marks
+from room_outbox.store.dialect import marks, text
 from room_outbox.store.lanes.store import CURSOR_TABLE, LaneStore, log
 from room_outbox.store.schema.outbox import Migration
 from room_outbox.store.schema.registry import WantedSchema, migrate, migration_plan
@@ -150,17 +150,11 @@ class TailStore(LaneStore):
 
     async def _lock(self, cur: Any) -> tuple[int | None, bool]:
         """The cursor, locked (None: another process owns the lane right now), and whether any
-        of the lane's parked rows are requeued: one statement once the cursor row exists (a
-        locking read does not lock what a subquery in its column list reads)."""
-        await cur.execute(
-            f"SELECT fed_through_id, EXISTS (SELECT 1 FROM {PARKED_TABLE} WHERE lane = %s AND status = %s)"
-            f" FROM {CURSOR_TABLE} WHERE lane = %s{self.dialect.row_lock}",
-            (self.lane, REQUEUED, self.lane),
-        )
-        row = await cur.fetchone()
-        if row is not None:
-            return int(row[0]), bool(row[1])
-        return await self._lock_cursor(cur), True  # creates the cursor row, or finds it locked
+        of the lane's parked rows are requeued, in the same statement (a locking read does not
+        lock what a subquery in its column list reads)."""
+        requeued = f", EXISTS (SELECT 1 FROM {PARKED_TABLE} WHERE lane = %s AND status = %s)"
+        cursor = await self._lock_cursor(cur, requeued, (self.lane, REQUEUED))
+        return (None, False) if cursor is None else (int(cursor[0]), bool(cursor[1]))
 
     async def _read(self, cur: Any) -> list[TailRow]:
         """In one statement, in id order: the rows above the highest id seen, up to
@@ -170,20 +164,20 @@ class TailStore(LaneStore):
         above = f"SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {p.key} > %s ORDER BY {p.key} LIMIT %s"
         if not self._gaps:
             await cur.execute(above, (self._high, self.feed_batch))
-            return [TailRow(int(r[0]), _text(r[1])) for r in await cur.fetchall()]
+            return [TailRow(int(r[0]), text(r[1])) for r in await cur.fetchall()]
         ranges, bounds = self._gap_ranges()
         await cur.execute(
             f"SELECT * FROM ({above}) AS above UNION ALL SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {ranges}",
             (self._high, self.feed_batch, *bounds),
         )
-        return sorted((TailRow(int(r[0]), _text(r[1])) for r in await cur.fetchall()), key=attrgetter("outbox_id"))
+        return sorted((TailRow(int(r[0]), text(r[1])) for r in await cur.fetchall()), key=attrgetter("outbox_id"))
 
     async def _rows(self, cur: Any, ids: Sequence[int]) -> list[TailRow]:
         if not ids:
             return []
         p = self.owner.profile
         await cur.execute(f"SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {p.key} IN ({marks(ids)})", list(ids))
-        found = {int(r[0]): TailRow(int(r[0]), _text(r[1])) for r in await cur.fetchall()}
+        found = {int(r[0]): TailRow(int(r[0]), text(r[1])) for r in await cur.fetchall()}
         return [found[i] for i in ids if i in found]
 
     async def _requeued(self, cur: Any) -> list[int]:
@@ -259,10 +253,6 @@ class TailStore(LaneStore):
                 [REQUEUED, now_ms(), *params, *ids],
             )
             return int(cur.rowcount)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes | bytearray) else str(value)
 
 
 async def migrate_tail(store: SQLStore, lanes: Sequence[str]) -> list[str]:
