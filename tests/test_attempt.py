@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -140,7 +142,7 @@ async def test_run_classifies_and_reports_what_the_call_raised() -> None:
 @pytest.mark.anyio
 async def test_run_under_a_shared_scope_leaves_an_overrun_to_the_caller() -> None:
     """The caller's scope ends an overrunning call outside run (nothing reported yet); the
-    caller reports it with timed_out, and the scope's deadline is cleared for the next call."""
+    caller reports it with timed_out."""
     watcher = _Watcher()
 
     async def hangs(_: None) -> None:
@@ -152,6 +154,42 @@ async def test_run_under_a_shared_scope_leaves_an_overrun_to_the_caller() -> Non
     assert scope.cancelled_caught and watcher.finished == []
     got = attempts.timed_out("im", watcher)
     assert got.error == "im: no answer within publish_timeout 0.05s" and watcher.finished == [got]
+
+
+@pytest.mark.anyio
+async def test_calls_under_a_shared_scope_each_have_their_whole_timeout_and_little_more() -> None:
+    """The deadline is moved on only when it would come too soon: calls in a row that
+    together outlast the timeout all succeed, each with a deadline between its own timeout
+    and the timeout plus the slack; and far fewer moves than calls."""
+    attempts = Attempts(_redactor(), 0.1)
+    loop_time = asyncio.get_running_loop().time
+    left: list[float] = []
+    moves = 0
+
+    async def quick(_: None) -> None:
+        left.append(scope.deadline - loop_time())
+        await anyio.sleep(0.001)
+
+    with anyio.fail_after(10), anyio.CancelScope() as scope:
+        last = scope.deadline
+        for _ in range(250):  # 0.25 s at least: more than two timeouts
+            assert await attempts.run("im", quick, None, scope=scope) is None
+            moves, last = moves + (scope.deadline != last), scope.deadline
+    assert all(0.1 - 0.002 <= t <= 0.1 + attempts.rearm_slack for t in left), left
+    assert 2 <= moves <= 125  # the slack (5 ms) outlasts several calls (1 ms or a little more each)
+
+
+@pytest.mark.anyio
+async def test_a_disarmed_shared_scope_is_armed_again_by_the_next_call() -> None:
+    attempts = Attempts(_redactor(), 0.05)
+
+    async def hangs(_: None) -> None:
+        await anyio.sleep_forever()
+
+    with anyio.fail_after(10), anyio.CancelScope() as scope:
+        scope.deadline = math.inf  # as a worker leaves it while it waits for rows
+        await attempts.run("im", hangs, None, scope=scope)
+    assert scope.cancelled_caught
 
 
 def test_describe_names_the_exception_type() -> None:

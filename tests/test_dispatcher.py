@@ -124,6 +124,30 @@ async def test_one_worker_bounds_each_hanging_delivery_and_goes_on(store: MySQLS
     assert sink.received == ["e0", "e1", "e3", "e4"]
 
 
+async def test_a_worker_waiting_for_rows_longer_than_publish_timeout_times_nothing_out(
+    store: MySQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Between claims a worker waits for rows inside the scope that bounds its sink calls:
+    the wait must not count against the call before it, however long the claim takes."""
+    await insert_events(store, [envelope(f"e{i}", room_id=f"r{i}") for i in range(3)])
+    sink = RecordingSink()
+    dispatcher = make_dispatcher(store, sink, publish_timeout=0.1, batch_size=1, concurrency=1)
+    claim = store.claim
+
+    async def slow_claim(*args: Any, **kwargs: Any) -> Any:
+        if sink.received:  # the worker has delivered and now waits for the next row
+            await anyio.sleep(0.3)
+        return await claim(*args, **kwargs)
+
+    dispatcher.store.claim = slow_claim
+    with caplog.at_level(logging.INFO, logger="room_outbox"):
+        await run_until_empty(dispatcher)
+    rows = await fetch_rows(store)
+    assert [(rows[f"e{i}"]["status"], rows[f"e{i}"]["last_error"]) for i in range(3)] == [("published", None)] * 3
+    assert sink.received == ["e0", "e1", "e2"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []  # no timeout, none stale
+
+
 class _AnswersLate(RecordingSink):
     """Answers ``late`` only after the deadline, shielded from the cancellation (as a call that
     cannot be interrupted), so the deadline has passed when the call returns."""

@@ -296,6 +296,7 @@ class Dispatcher:
                     if queue is None:
                         if feed.closed:
                             return
+                        current.scope.deadline = math.inf  # waiting for rows is no sink call
                         await feed.more()
                         continue
                     current.queue = queue
