@@ -148,6 +148,69 @@ async def test_a_worker_waiting_for_rows_longer_than_publish_timeout_times_nothi
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []  # no timeout, none stale
 
 
+async def test_per_room_a_claim_takes_the_next_row_of_a_room_whose_result_it_writes(store: MySQLStore) -> None:
+    """A per-room claim carries the result of the room's row before: that row is still open
+    when the claim reads (on MySQL the claim reads before it writes), yet published by the
+    same transaction, so it holds nothing back: every claim takes the room's next row."""
+    await insert_events(store, [envelope(f"e{i}", room_id="r_a") for i in range(3)])
+    sink = RecordingSink()
+    dispatcher = make_dispatcher(store, sink, batch_size=1, concurrency=1, per_room=True)
+    taken: list[int] = []
+    claim = store.claim
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        claimed = await claim(*args, **kwargs)
+        taken.append(len(claimed.rows))
+        return claimed
+
+    dispatcher.store.claim = counted
+    await run_until_empty(dispatcher)
+    assert taken == [1, 1, 1, 0] and sink.received == ["e0", "e1", "e2"]
+    assert {r["status"] for r in (await fetch_rows(store)).values()} == {"published"}
+
+
+async def test_per_room_a_published_result_taken_over_meanwhile_holds_its_room_back(store: MySQLStore) -> None:
+    """The result of e0 reaches the claim after another claim took e0 over (a paused
+    process): e0 is open elsewhere, so the room's next row is not claimed with it."""
+    await insert_events(store, [envelope("e0", room_id="r_a"), envelope("e1", room_id="r_a")])
+
+    class TakenOver(RecordingSink):
+        async def deliver(self, env: Any) -> None:
+            await super().deliver(env)
+            if env.event_id == "e0":
+                async with store.transaction() as cur:
+                    await cur.execute(
+                        "UPDATE room_outbox SET worker_id = 'other#1', lock_until_ms = %s WHERE event_id = 'e0'",
+                        (int(time.time() * 1000) + 600_000,),
+                    )
+
+    sink = TakenOver()
+    await run_until_empty(make_dispatcher(store, sink, batch_size=1, concurrency=1, per_room=True))
+    rows = await fetch_rows(store)
+    assert (rows["e0"]["status"], rows["e0"]["worker_id"]) == ("pending", "other#1")
+    assert rows["e1"]["status"] == "pending" and sink.received == ["e0"]
+
+
+async def test_per_room_a_row_whose_lease_ran_out_is_not_taken_again_by_the_claim_carrying_its_result(
+    store: MySQLStore,
+) -> None:
+    """e0's lease ran out during its delivery (as after a pause): the next claim finds it due,
+    but that claim also writes e0's result, which decides: published, delivered once."""
+    await insert_events(store, [envelope("e0", room_id="r_a")])
+
+    class LeaseRunsOut(RecordingSink):
+        async def deliver(self, env: Any) -> None:
+            await super().deliver(env)
+            if env.event_id == "e0":
+                async with store.transaction() as cur:
+                    await cur.execute("UPDATE room_outbox SET lock_until_ms = 1 WHERE event_id = 'e0'")
+
+    sink = LeaseRunsOut()
+    await run_until_empty(make_dispatcher(store, sink, batch_size=1, concurrency=1, per_room=True))
+    assert (await fetch_rows(store))["e0"]["status"] == "published"
+    assert sink.received == ["e0"]
+
+
 class _AnswersLate(RecordingSink):
     """Answers ``late`` only after the deadline, shielded from the cancellation (as a call that
     cannot be interrupted), so the deadline has passed when the call returns."""

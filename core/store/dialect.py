@@ -53,6 +53,11 @@ class Dialect:
     #: A locking scan locks each row it reads before checking the rest of its WHERE (InnoDB);
     #: PostgreSQL locks only the rows that pass.
     locks_before_filtering: bool = False
+    #: A consistent read through a secondary index is slow on the index pages its own
+    #: transaction has changed (InnoDB reads each entry's row there to see which version it
+    #: may see): a per-room claim reads before it writes the results it carries, as its
+    #: look-back reads the room index pages where those results move rows.
+    slow_reads_after_own_writes: bool = False
     #: A row's room bucket as the claim and the handover fence read it (``{app_code}``,
     #: ``{room_id}``: the row's columns or expressions; see room_outbox.store.membership):
     #: MySQL/MariaDB read their bucket column; PostgreSQL computes it, and its claim index holds
@@ -99,6 +104,7 @@ MYSQL = Dialect(
     now_ms="CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
     capabilities=frozenset({ROW_LOCKS, PLUGIN_SCHEMA}),
     locks_before_filtering=True,
+    slow_reads_after_own_writes=True,
     row_bucket="room_bucket",
     online_column=", ALGORITHM=INSTANT",
     online_index=", ALGORITHM=INPLACE, LOCK=NONE",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -64,6 +64,11 @@ def claim_sql(
         f" FROM {table}{forced}"
         f" WHERE {p.is_open()} AND {due or p.lock + ' <= ' + p.ms('%s')}{only} ORDER BY {p.lock}, {key} LIMIT %s{lock}"
     )
+
+
+def _closing(results: Sequence[DeliveryResult]) -> set[int]:
+    """The rows ``results`` close once written: published or parked, no longer open."""
+    return {r.row_id for r in results if r.outcome in (Outcome.PUBLISHED, Outcome.PARKED)}
 
 
 def open_rows_of_rooms_sql(
@@ -193,11 +198,15 @@ class LeasedRows:
         hold_back_ms: int = 1000,
     ) -> Claimed:
         read_buckets = self._room_buckets() if per_room else None
+        # Per room on MySQL, the reads come first and the results are written after them,
+        # in the same transaction (see Dialect.slow_reads_after_own_writes).
+        reads_first = per_room and self.dialect.slow_reads_after_own_writes
         async with self.transaction() as cur:
             lease_until_ms += await self._before_claim(cur)
-            stale = await self._apply_results(cur, results)
+            stale = [] if reads_first else await self._apply_results(cur, results)
             buckets = None if read_buckets is None else await read_buckets(cur)
             if buckets == []:  # none of its own yet (joining), or all handed over
+                stale = await self._apply_results(cur, results) if reads_first else stale
                 return Claimed([], stale, exhausted=True)
             scanned: list[Sequence[Any]] = []
             for due, param in await self._due_ranges(cur, limit, buckets):
@@ -208,7 +217,14 @@ class LeasedRows:
                 OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
                 for id, event_id, event_type, room_id, app_code, envelope, retries in scanned
             ]
-            rows = await self._heads_of_rooms(cur, found, hold_back_ms, bool(buckets)) if per_room else found
+            if reads_first:
+                rows = await self._heads_before_results(cur, found, hold_back_ms, bool(buckets), results)
+                stale = await self._apply_results(cur, results)
+                closing = _closing(results)
+                if any(r.row_id in closing and not r.published_by_producer for r in stale):
+                    rows = []  # a row counted as closed is open elsewhere: look again next claim
+            else:
+                rows = await self._heads_of_rooms(cur, found, hold_back_ms, bool(buckets)) if per_room else found
             if rows:
                 ids = [row.id for row in rows]
                 p = self.profile
@@ -219,6 +235,23 @@ class LeasedRows:
                     (claim, lease_until_ms, *ids),
                 )
         return Claimed(rows, stale, exhausted=exhausted)
+
+    async def _heads_before_results(
+        self,
+        cur: Any,
+        found: list[OutboxRow],
+        hold_back_ms: int,
+        lock: bool,
+        results: Sequence[DeliveryResult],
+    ) -> list[OutboxRow]:
+        """:meth:`_heads_of_rooms` before ``results`` are written: their rows are still open,
+        claimed by this process. Those the results close (published, parked) do not hold their
+        rooms back; the others do, as they will once written. None of them is taken again
+        here, even where its lease has run out: its result decides what becomes of it."""
+        written = {r.row_id for r in results}
+        return await self._heads_of_rooms(
+            cur, [r for r in found if r.id not in written], hold_back_ms, lock, _closing(results)
+        )
 
     async def _scan(
         self, cur: Any, due: str, param: int, limit: int, buckets: Sequence[int] | None
@@ -251,12 +284,18 @@ class LeasedRows:
         return list(await cur.fetchall())
 
     async def _heads_of_rooms(
-        self, cur: Any, found: list[OutboxRow], hold_back_ms: int, lock: bool = False
+        self,
+        cur: Any,
+        found: list[OutboxRow],
+        hold_back_ms: int,
+        lock: bool = False,
+        closing: Collection[int] = (),
     ) -> list[OutboxRow]:
         """Keep a found row only if every earlier pending row of its room was found too.
         ``lock``: the rows were found without locks (:meth:`_scan` with buckets): lock those
         still claimable first, skipping the others, in the same statement where the dialect
-        allows (:meth:`_lock_and_look_back`).
+        allows (:meth:`_lock_and_look_back`). ``closing``: open rows that count as closed (the
+        published results this transaction writes next).
 
         A row held back this way is made unclaimable for ``hold_back_ms``: otherwise a room
         with a long backlog behind a waiting event would fill every later scan with rows
@@ -264,7 +303,7 @@ class LeasedRows:
         """
         if not found:
             return found
-        found, earlier = await self._lock_and_look_back(cur, found, lock)
+        found, earlier = await self._lock_and_look_back(cur, found, lock, sorted(closing))
         heads = room_heads(found, earlier)
         held_back = sorted({r.id for r in found} - {r.id for r in heads})
         if held_back:
@@ -276,10 +315,11 @@ class LeasedRows:
         return heads
 
     async def _lock_and_look_back(
-        self, cur: Any, found: list[OutboxRow], lock: bool
+        self, cur: Any, found: list[OutboxRow], lock: bool, closing: Sequence[int] = ()
     ) -> tuple[list[OutboxRow], list[tuple[int, str, str]]]:
         """The found rows (with ``lock``: those locked, the others skipped) and the open rows
-        of their rooms below the highest of them (:func:`open_rows_of_rooms_sql`). Rows that
+        of their rooms below the highest of them (:func:`open_rows_of_rooms_sql`), but for
+        ``closing`` (left out in the index entries, before their rows are read). Rows that
         fail the lock count among the rooms' earlier open rows all the same: they are not
         found. On MySQL/MariaDB the lock and the look-back are one statement (a locking read
         may be one part of a UNION there, not on PostgreSQL)."""
@@ -289,8 +329,9 @@ class LeasedRows:
         look_back_params = (*rooms, max(row.id for row in found))
         ids = [row.id for row in found]
         if not lock:  # the scan locked what it found: only the rows outside it matter
-            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, besides=len(ids))
-            await cur.execute(look_back, (*look_back_params, *ids))
+            leave_out = [*ids, *closing]
+            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, besides=len(leave_out))
+            await cur.execute(look_back, (*look_back_params, *leave_out))
             return found, [tuple(row) for row in await cur.fetchall()]
         take = (
             f"SELECT {self.key}, {p.app_code}, {p.room_id}, 1 FROM {self.table} WHERE {self.key} IN ({_marks(ids)})"
@@ -299,16 +340,17 @@ class LeasedRows:
         take_params = (*ids, now_ms())
         if self.dialect.name == "mysql":
             # The look-back's rows are told apart by the last column (0).
-            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, ", 0")
-            await cur.execute(f"({take}) UNION ALL ({look_back})", (*take_params, *look_back_params))
+            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, ", 0", len(closing))
+            await cur.execute(f"({take}) UNION ALL ({look_back})", (*take_params, *look_back_params, *closing))
             both = await cur.fetchall()
             locked = {row[0] for row in both if row[3]}
             earlier = [(row[0], row[1], row[2]) for row in both if not row[3]]
         else:
             await cur.execute(take, take_params)
             locked = {row[0] for row in await cur.fetchall()}
-            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, besides=len(locked))
-            await cur.execute(look_back, (*look_back_params, *sorted(locked)))
+            leave_out = [*sorted(locked), *closing]
+            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, besides=len(leave_out))
+            await cur.execute(look_back, (*look_back_params, *leave_out))
             earlier = [tuple(row) for row in await cur.fetchall()]
         return [row for row in found if row.id in locked], earlier
 
