@@ -122,6 +122,11 @@ async def tailed(store: MySQLStore, reader: Reader, proc: subprocess.Popen[str],
     await load(store, events, prefix=prefix, rooms=ROOMS)  # one commit: a backlog at once
     stamps = await reader.next(events, proc, timeout)
     cpu_us = (procs.cpu_seconds(proc.pid) - cpu) / events * 1e6  # all the process did meanwhile
+    if cpu_us == 0:
+        raise RuntimeError(
+            f"{events} messages were on the topic before room-outbox run had used any CPU: most likely"
+            " an earlier round's messages sent twice, not this round's: the round cannot be timed"
+        )
     return (stamped_rate(stamps) if events > 1 else 0.0), cpu_us
 
 

@@ -392,7 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only.split(","):
         if name in PARTS:
             print(f"# part {name}…", flush=True)
-            rows += anyio.run(PARTS[name], args)
+            try:
+                rows += anyio.run(PARTS[name], args)
+            except BaseException:
+                print_table(rows)  # what the parts before it measured is not lost with it
+                print(f"\n# part {name} failed:", flush=True)
+                raise
     if "r" in args.only and "d" not in args.only:
         print("# part r runs inside part d (it needs the big table)")
     print_table(rows)
