@@ -294,8 +294,8 @@ class LeasedRows:
         """Keep a found row only if every earlier pending row of its room was found too.
         ``lock``: the rows were found without locks (:meth:`_scan` with buckets): lock those
         still claimable first, skipping the others, in the same statement where the dialect
-        allows (:meth:`_lock_and_look_back`). ``closing``: open rows that count as closed (the
-        published results this transaction writes next).
+        allows (:meth:`_lock_and_look_back`). ``closing``: open rows that count as closed (those
+        the results this transaction writes next publish or park).
 
         A row held back this way is made unclaimable for ``hold_back_ms``: otherwise a room
         with a long backlog behind a waiting event would fill every later scan with rows
