@@ -206,7 +206,8 @@ class LeasedRows:
             stale = [] if reads_first else await self._apply_results(cur, results)
             buckets = None if read_buckets is None else await read_buckets(cur)
             if buckets == []:  # none of its own yet (joining), or all handed over
-                stale = await self._apply_results(cur, results) if reads_first else stale
+                if reads_first:
+                    stale = await self._apply_results(cur, results)
                 return Claimed([], stale, exhausted=True)
             scanned: list[Sequence[Any]] = []
             for due, param in await self._due_ranges(cur, limit, buckets):
@@ -218,9 +219,15 @@ class LeasedRows:
                 for id, event_id, event_type, room_id, app_code, envelope, retries in scanned
             ]
             if reads_first:
-                rows = await self._heads_before_results(cur, found, hold_back_ms, bool(buckets), results)
-                stale = await self._apply_results(cur, results)
+                # The results' rows are still open, claimed by this process. Those the results
+                # close (published, parked) do not hold their rooms back; the others do, as they
+                # will once written. None of them is taken again here, even where its lease has
+                # run out: its result decides what becomes of it.
                 closing = _closing(results)
+                written = {r.row_id for r in results}
+                untaken = [row for row in found if row.id not in written]
+                rows = await self._heads_of_rooms(cur, untaken, hold_back_ms, bool(buckets), closing)
+                stale = await self._apply_results(cur, results)
                 if any(r.row_id in closing and not r.published_by_producer for r in stale):
                     rows = []  # a row counted as closed is open elsewhere: look again next claim
             else:
@@ -235,23 +242,6 @@ class LeasedRows:
                     (claim, lease_until_ms, *ids),
                 )
         return Claimed(rows, stale, exhausted=exhausted)
-
-    async def _heads_before_results(
-        self,
-        cur: Any,
-        found: list[OutboxRow],
-        hold_back_ms: int,
-        lock: bool,
-        results: Sequence[DeliveryResult],
-    ) -> list[OutboxRow]:
-        """:meth:`_heads_of_rooms` before ``results`` are written: their rows are still open,
-        claimed by this process. Those the results close (published, parked) do not hold their
-        rooms back; the others do, as they will once written. None of them is taken again
-        here, even where its lease has run out: its result decides what becomes of it."""
-        written = {r.row_id for r in results}
-        return await self._heads_of_rooms(
-            cur, [r for r in found if r.id not in written], hold_back_ms, lock, _closing(results)
-        )
 
     async def _scan(
         self, cur: Any, due: str, param: int, limit: int, buckets: Sequence[int] | None
