@@ -13,6 +13,7 @@ from support import RecordingSink, envelope, fetch_rows, insert_events, make_dis
 
 from bench.drive import run_until_empty
 from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.clock import now_ms
 
 pytestmark = pytest.mark.anyio
 
@@ -115,3 +116,46 @@ async def test_a_successful_claim_inside_a_long_round_makes_the_lane_ready_again
     store.claim = claim  # type: ignore[method-assign]
     assert (await dispatcher.run_once()).claimed == 30  # one round
     assert failed_while_draining == [0]
+
+
+async def test_per_room_the_next_claim_skips_a_room_in_flight_without_holding_it_back(store: MySQLStore) -> None:
+    # Rows 1-10: room r0's first event and nine other rooms; rows 11-20 and 21-30 likewise,
+    # each with r0's next event first. r0's first event is slow.
+    events = [
+        envelope(f"r{room}-{n}", room_id=f"r{room}" if room == 0 else f"r{n}{room}")
+        for n in range(3)
+        for room in range(10)
+    ]
+    await insert_events(store, events)
+    sink = GatedSink(store, slow="r0-0")
+    # A poll interval longer than the test: a row held back would wait for it.
+    dispatcher = make_dispatcher(store, sink, batch_size=10, concurrency=4, per_room=True, poll_interval=30.0)
+    ahead: list[list[str]] = []
+    r0_next_while_in_flight: list[dict[str, Any]] = []
+    real_claim = store.claim
+
+    async def claim(*args: Any, **kwargs: Any) -> Any:
+        claimed = await real_claim(*args, **kwargs)
+        if claimed.rows and not sink.gate.is_set() and "r0-0" not in [r.event_id for r in claimed.rows]:
+            ahead.append([r.event_id for r in claimed.rows])  # made while r0-0 is in flight
+            r0_next_while_in_flight.append((await fetch_rows(store))["r0-1"])
+            sink.gate.set()
+        return claimed
+
+    store.claim = claim  # type: ignore[method-assign]
+    with anyio.fail_after(10):
+        assert await run_until_empty(dispatcher) == 30
+    assert ahead and "r0-1" not in ahead[0] and len(ahead[0]) >= 5, ahead  # the other rooms' rows went ahead
+    (r0_next,) = r0_next_while_in_flight
+    assert r0_next["worker_id"] is None and (r0_next["lock_until_ms"] or 0) <= now_ms()  # not held back
+    assert [e for e in sink.received if e.startswith("r0-")] == ["r0-0", "r0-1", "r0-2"]  # in order, once
+    assert sorted(sink.received) == sorted(e["event_id"] for e in events)
+    assert max(sink.held) <= 10, sink.held  # a kill repeats at most one batch
+
+
+def test_per_room_a_claim_ahead_that_took_under_half_its_limit_makes_the_next_wait_for_every_result() -> None:
+    per_room = make_dispatcher(None, RecordingSink(), batch_size=100, per_room=True)
+    unordered = make_dispatcher(None, RecordingSink(), batch_size=100)
+    assert per_room._outstanding_before_next_claim(limit=60, taken=30) == 50  # half taken: ahead again
+    assert per_room._outstanding_before_next_claim(limit=60, taken=29) == 0  # hot rooms: in turn
+    assert unordered._outstanding_before_next_claim(limit=60, taken=0) == 50

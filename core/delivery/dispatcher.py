@@ -104,9 +104,9 @@ class Dispatcher:
         #: Results not yet written. Delivery workers append to this very list while a claim
         #: writes its head, so it is only ever changed in place.
         self._unrecorded: list[DeliveryResult] = []
-        #: Per claim, the ids of its rows whose results are not yet written: the rows whose
-        #: leases are renewed.
-        self._held: dict[str, set[int]] = {}
+        #: Per claim, the rows whose results are not yet written (id: room): the rows whose
+        #: leases are renewed and, with per-room ordering, the rooms a claim made ahead skips.
+        self._held: dict[str, dict[int, tuple[str, str]]] = {}
         #: Claims and lease renewals take turns, so that a renewal never counts as lost a row
         #: whose result a claim has just written.
         self._store_turn = anyio.Lock()
@@ -190,13 +190,14 @@ class Dispatcher:
         every claimed row has a worker, the next claim is made while the last rows are still in
         flight, for as many rows as keep those held within ``batch_size``
         (:meth:`_outstanding_before_next_claim`): the database and the sink are not idle in
-        turn."""
+        turn. With per-room ordering such a claim skips the rooms still in flight."""
         claimed = await self._claim(self.options.batch_size)
         if not claimed.rows:
             return Round(0, claimed.exhausted)
         feed = Feed()
         feed.put(self._queues(claimed.rows), len(claimed.rows))
         total, exhausted, failure = len(claimed.rows), claimed.exhausted, None
+        wait_for = self._outstanding_before_next_claim(self.options.batch_size, len(claimed.rows))
         async with anyio.create_task_group() as renewal:
             renewal.start_soon(self._keep_leases)
             async with anyio.create_task_group() as deliveries:
@@ -204,12 +205,14 @@ class Dispatcher:
                     deliveries.start_soon(self.deliver_in_turn, feed, self._unrecorded)
                 try:
                     while not exhausted and not self._stopping.is_set():
-                        await feed.taken_and_outstanding_at_most(self._outstanding_before_next_claim())
+                        await feed.taken_and_outstanding_at_most(wait_for)
                         if self._stopping.is_set():
                             break
-                        claimed = await self._claim(self.options.batch_size - feed.outstanding)
+                        limit = self.options.batch_size - feed.outstanding
+                        claimed = await self._claim(limit)
                         feed.put(self._queues(claimed.rows), len(claimed.rows))
                         total, exhausted = total + len(claimed.rows), claimed.exhausted
+                        wait_for = self._outstanding_before_next_claim(limit, len(claimed.rows))
                 except Exception as exc:  # the store failed: let what is in flight finish first
                     failure = exc
                 finally:
@@ -219,12 +222,15 @@ class Dispatcher:
             raise failure
         return Round(total, exhausted)
 
-    def _outstanding_before_next_claim(self) -> int:
+    def _outstanding_before_next_claim(self, limit: int, taken: int) -> int:
         """How many claimed rows may still be without a result when the next claim is made
         (every claimed row with a worker by then): it claims what keeps the rows held within
-        a batch, so at least half a batch. With per-room ordering none, as a room's later
-        rows may only be claimed once its earlier ones are settled."""
-        return 0 if self.options.per_room else self.options.batch_size // 2
+        a batch, so at least half a batch. With per-room ordering, none after a claim that
+        took under half of its ``limit``: a claim made ahead skips the rooms in flight, and
+        where those are most rooms (a few hot rooms) claiming ahead finds little to take."""
+        if self.options.per_room and 2 * taken < limit:
+            return 0
+        return self.options.batch_size // 2
 
     async def _claim(self, limit: int) -> Claimed:
         """Claim up to ``limit`` rows, writing in the same transaction the results in so far."""
@@ -243,10 +249,11 @@ class Dispatcher:
                 written,
                 per_room=self.options.per_room,
                 hold_back_ms=int(self.options.poll_interval * 1000),
+                busy_rooms=self._rooms_in_flight(written) if self.options.per_room else (),
             )
             self._forget(written)
             if claimed.rows:
-                self._held[claim] = {row.id for row in claimed.rows}
+                self._held[claim] = {row.id: (row.app_code, row.room_id) for row in claimed.rows}
         # A successful claim counts as a round ended for readiness: after an outage, a round
         # draining the backlog it left may go on for minutes.
         self.health.round_ended()
@@ -263,6 +270,12 @@ class Dispatcher:
             self._forget(written)
             self._report_stale(stale)
 
+    def _rooms_in_flight(self, written: Sequence[DeliveryResult]) -> set[tuple[str, str]]:
+        """The rooms of the rows held whose results are not among ``written``: rows being
+        delivered or waiting for a worker, or delivered with their results not yet in hand."""
+        settled = {result.row_id for result in written}
+        return {room for rows in self._held.values() for row_id, room in rows.items() if row_id not in settled}
+
     def _forget(self, written: Sequence[DeliveryResult]) -> None:
         """These results, the head of ``_unrecorded``, are written (or stale): their rows are no
         longer held."""
@@ -270,7 +283,7 @@ class Dispatcher:
         for result in written:
             rows = self._held.get(result.claim)
             if rows is not None:
-                rows.discard(result.row_id)
+                rows.pop(result.row_id, None)
                 if not rows:
                     del self._held[result.claim]
 

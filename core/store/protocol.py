@@ -13,7 +13,7 @@ This module imports no database driver, so that depending on the store's types n
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -104,12 +104,16 @@ class OutboxStore(Protocol):
         results: Sequence[DeliveryResult] = (),
         per_room: bool = False,
         hold_back_ms: int = 1000,
+        busy_rooms: Collection[tuple[str, str]] = (),
     ) -> Claimed:
         """Record ``results`` and claim up to ``limit`` pending rows, in one transaction.
 
         With ``per_room``, a row is claimed only if no earlier pending row of its room is
         left outside the claim (waiting for a retry, leased elsewhere, or skipped); a row
-        held back is not looked at again for ``hold_back_ms``.
+        held back is not looked at again for ``hold_back_ms``. ``busy_rooms`` (``(app_code,
+        room_id)``): rooms the caller still has rows of in flight; their rows found are
+        neither taken nor held back, so that a claim made ahead of those rows' results
+        leaves the rooms for the claim after them.
         """
 
     async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:

@@ -196,6 +196,7 @@ class LeasedRows:
         results: Sequence[DeliveryResult] = (),
         per_room: bool = False,
         hold_back_ms: int = 1000,
+        busy_rooms: Collection[tuple[str, str]] = (),
     ) -> Claimed:
         read_buckets = self._room_buckets() if per_room else None
         # Per room on MySQL, the reads come first and the results are written after them,
@@ -218,6 +219,8 @@ class LeasedRows:
                 OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
                 for id, event_id, event_type, room_id, app_code, envelope, retries in scanned
             ]
+            if busy_rooms:  # left for the claim after their rows in flight: neither taken nor held back
+                found = [row for row in found if (row.app_code, row.room_id) not in busy_rooms]
             if reads_first:
                 # The results' rows are still open, claimed by this process. Those the results
                 # close (published, parked) do not hold their rooms back; the others do, as they

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -125,9 +125,10 @@ class LaneStore(LeasedRows):
         results: Sequence[DeliveryResult] = (),
         per_room: bool = False,
         hold_back_ms: int = 1000,
+        busy_rooms: Collection[tuple[str, str]] = (),
     ) -> Claimed:
         with self._forgotten_unless_committed():
-            return await super().claim(claim, limit, lease_until_ms, results, per_room, hold_back_ms)
+            return await super().claim(claim, limit, lease_until_ms, results, per_room, hold_back_ms, busy_rooms)
 
     async def _before_claim(self, cur: Any) -> int:
         # Feeding in the claim's own transaction: rows fed are claimable at once, and a round
