@@ -1,6 +1,7 @@
-"""``python -m bench [--quick] [--only a,p,b,c,d,e,r,o,k,f,m,s,t,j]``: every measurement in one run, printed
+"""``python -m bench [--quick] [--only a,p,b,c,d,e,r,o,q,k,f,m,s,t,j]``: every measurement in one run, printed
 as a table with same-run ratios and the targets (p: the noop lane on PostgreSQL; o: per-room
-ordering with 1-3 processes; k: the consumers; f: the Kafka lane; m: memory over a backlog of 1M pending rows;
+ordering with 1-3 processes; q: per_room against unordered in-process, with a no-op and a slow sink; k: the consumers;
+f: the Kafka lane; m: memory over a backlog of 1M pending rows;
 s: `room-outbox run` as a process against the raw loop; t: its Kafka lane against a bare producer loop;
 j: a second process joining during a burst)."""
 
@@ -27,6 +28,7 @@ from bench.kafka_process import ROOMS as KAFKA_PROCESS_ROOMS
 from bench.kafka_process import run_kafka_process
 from bench.noop import run_noop
 from bench.ordered import run_ordered
+from bench.per_room import run_per_room
 from bench.pg import pg_bench_database, run_pg_noop
 from bench.process import Pairs, run_join, run_process
 from bench.service import run_latency, run_rss
@@ -41,7 +43,8 @@ FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events
         "backlog": 1_000_000, "backlog_drain": 50_000, "backlog_seconds": 120.0,
         "process_events": 20_000, "process_rooms": 500, "process_rounds": 3,
         "kafka_process_events": 20_000, "kafka_process_rounds": 3,
-        "join_events": 6_000, "join_rooms": 50, "join_rounds": 3}  # fmt: skip
+        "join_events": 6_000, "join_rooms": 50, "join_rounds": 3,
+        "per_room_events": 20_000, "per_room_slow_events": 10_000, "per_room_rooms": "500,50", "per_room_rounds": 3}  # fmt: skip
 QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300, "quota_events": 300,
          "latency_seconds": 2.0, "latency_batch": 100, "published": 20_000, "claim_rounds": 20, "rss_events": 5_000,
          "ordered_events": 2_000, "ordered_rooms": "50,500",
@@ -49,7 +52,8 @@ QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300
          "backlog": 5_000, "backlog_drain": 1_000, "backlog_seconds": 30.0,
          "process_events": 2_000, "process_rooms": 500, "process_rounds": 1,
          "kafka_process_events": 2_000, "kafka_process_rounds": 1,
-         "join_events": 1_000, "join_rooms": 50, "join_rounds": 1}  # fmt: skip
+         "join_events": 1_000, "join_rooms": 50, "join_rounds": 1,
+         "per_room_events": 1_000, "per_room_slow_events": 500, "per_room_rooms": "50", "per_room_rounds": 1}  # fmt: skip
 
 #: Part c's target: p99 from commit to receipt within one poll interval and this much more.
 LATENCY_MARGIN_MS = 50
@@ -61,8 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in well under a minute")
     parser.add_argument(
         "--only",
-        default="a,p,b,c,d,e,r,o,k,f,m,s,t,j",
+        default="a,p,b,c,d,e,r,o,q,k,f,m,s,t,j",
         help="parts to run (a b c d e, p = PostgreSQL noop lane, r = retention, o = ordered processes,"
+        " q = per_room against unordered in-process, with a no-op and a 1-10 ms sink,"
         " k = consumers, f = Kafka lane, m = memory over a 1M backlog, s = the process against the raw loop,"
         " t = the process's Kafka lane against a bare producer loop, j = a process joining during a burst)",
     )
@@ -220,6 +225,24 @@ async def part_o(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+async def part_q(args: argparse.Namespace) -> list[Row]:
+    rooms = [int(r) for r in args.per_room_rooms.split(",")]
+    async with bench_database(SERVER) as (_dsn, store):
+        results = await run_per_room(
+            store, args.per_room_events, args.per_room_slow_events, 100, rooms, args.per_room_rounds
+        )
+    rows: list[Row] = []
+    for r in results:
+        size = f"{r.events:,} ev over {r.rooms} rooms, batch {r.batch_size}"
+        rounds = ", ".join(f"{p / u:.2f}" for p, u in zip(r.per_room, r.unordered, strict=True))
+        rows += [
+            (f"q. unordered, sink {r.sink}, {size}", f"{statistics.median(r.unordered):,.0f} ev/s", "baseline", ""),
+            (f"q. per_room, sink {r.sink}, {size}", f"{statistics.median(r.per_room):,.0f} ev/s",
+             f"{r.ratio:.2f}× unordered (rounds {rounds})", f"≥ 0.9× unordered: {verdict(r.ratio >= 0.9)}"),
+        ]  # fmt: skip
+    return rows
+
+
 async def part_k(args: argparse.Namespace) -> list[Row]:
     async with bench_database(SERVER, pool_size=16) as (_dsn, store):
         r = await run_consume(store, args.consume_events, args.consume_rounds)
@@ -370,7 +393,7 @@ async def part_j(args: argparse.Namespace) -> list[Row]:
 
 PARTS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "a": part_a, "p": part_p, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "o": part_o, "k": part_k,
-    "f": part_f, "m": part_m, "s": part_s, "t": part_t, "j": part_j,
+    "f": part_f, "m": part_m, "s": part_s, "t": part_t, "j": part_j, "q": part_q,
 }  # fmt: skip
 
 

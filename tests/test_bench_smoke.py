@@ -1,4 +1,4 @@
-"""The benchmark harness runs end to end (tiny sizes: parts a, p and d in a few seconds; the
+"""The benchmark harness runs end to end (tiny sizes: parts a, p, d and q in a few seconds; the
 parts with real processes, a fake IM or a broker (o, b, f, m, k, t) as slow tests)."""
 
 from __future__ import annotations
@@ -9,14 +9,15 @@ from bench.run import main
 
 
 def test_bench_quick_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--quick", "--only", "a,p,d", "--events", "300", "--seed-events", "100", "--published", "2000"]
-    assert main([*argv, "--claim-rounds", "3"]) == 0
+    argv = ["--quick", "--only", "a,p,d,q", "--events", "300", "--seed-events", "100", "--published", "2000"]
+    assert main([*argv, "--claim-rounds", "3", "--per-room-events", "300", "--per-room-slow-events", "100"]) == 0
     out = capsys.readouterr().out
     assert "a. dispatcher noop lane, batch 100" in out
     assert "a. same, claims in turn with delivery, batch 100" in out and "claims ahead = " in out
     assert "a. CPU per event in this process, batch 100" in out and "the bound without overlap: measured" in out
     assert "d. same behind 2,000 published" in out
     assert "p. PostgreSQL dispatcher noop lane, batch 100" in out
+    assert "q. per_room, sink 1–10 ms, 100 ev over 50 rooms, batch 100" in out and "× unordered" in out
 
 
 @pytest.mark.slow

@@ -75,7 +75,8 @@ class Claimed:
     rows: list[OutboxRow]
     #: Results of the previous round whose claim no longer held their row.
     stale: list[DeliveryResult]
-    #: The scan found fewer claimable rows than asked for: no need to come back at once.
+    #: The scan found fewer claimable rows than asked for, and left none for a busy room: no
+    #: need to come back at once.
     exhausted: bool
 
 

@@ -382,6 +382,7 @@ async def test_per_room_leaves_a_busy_rooms_rows_neither_taken_nor_held_back(any
     busy = {("default", "A")}
     claimed = await any_store.claim("x#2", 10, now_ms() + 60_000, per_room=True, hold_back_ms=60_000, busy_rooms=busy)
     assert [r.event_id for r in claimed.rows] == ["b1"]
+    assert not claimed.exhausted  # a2 is due once a1 has its result: come back for it
     a2 = (await fetch_rows(any_store))["a2"]
     assert a2["worker_id"] is None and (a2["lock_until_ms"] or 0) <= now_ms()  # not held back
     # Once a1's result is in, the next claim takes a2 at once.

@@ -220,7 +220,9 @@ class LeasedRows:
                 for id, event_id, event_type, room_id, app_code, envelope, retries in scanned
             ]
             if busy_rooms:  # left for the claim after their rows in flight: neither taken nor held back
-                found = [row for row in found if (row.app_code, row.room_id) not in busy_rooms]
+                idle = [row for row in found if (row.app_code, row.room_id) not in busy_rooms]
+                exhausted = exhausted and len(idle) == len(found)  # else come back for them soon
+                found = idle
             if reads_first:
                 # The results' rows are still open, claimed by this process. Those the results
                 # close (published, parked) do not hold their rooms back; the others do, as they
