@@ -71,6 +71,7 @@ async def run_service(
         obs = await lifecycle.enter_async_context(observability(settings, store, redactor))
         plan = lane_plan(pm, settings)
         obs.telemetry.metrics.start_at_zero(lanes.series())
+        obs.telemetry.untimed_sinks = lanes.untimed
         obs.watch(plan)
         log.info(
             "sinks loaded",

@@ -107,6 +107,12 @@ class SinkSpec(Generic[SettingsT]):
     lane then *tails* ``room_outbox`` (:mod:`room_outbox.delivery.tail`) instead of keeping a
     row per event: the sink must also offer ``publish`` (:class:`OrderedLogSink`). Implies
     ``own_lane``.
+
+    ``timed``: each attempt's duration goes into the ``room_outbox.publish.duration``
+    histogram. A sink that answers without I/O (the noop sink) says no: its attempts take
+    microseconds of the dispatcher's own work, which the histogram's record (in the
+    OpenTelemetry SDK, one call per attempt) would about double. Its attempts are still
+    counted and traced.
     """
 
     name: str
@@ -115,6 +121,7 @@ class SinkSpec(Generic[SettingsT]):
     enabled_by_default: bool
     own_lane: bool
     ordered_log: bool
+    timed: bool
 
     # Without settings_model, the factory must take SinkSettings (what it will get)...
     @overload
@@ -126,6 +133,7 @@ class SinkSpec(Generic[SettingsT]):
         enabled_by_default: bool = False,
         own_lane: bool = False,
         ordered_log: bool = False,
+        timed: bool = True,
     ) -> None: ...
 
     # ... with it, what settings_model makes.
@@ -139,6 +147,7 @@ class SinkSpec(Generic[SettingsT]):
         enabled_by_default: bool = False,
         own_lane: bool = False,
         ordered_log: bool = False,
+        timed: bool = True,
     ) -> None: ...
 
     # Deprecated: the former order, settings model before factory (warns; to be removed).
@@ -152,6 +161,8 @@ class SinkSpec(Generic[SettingsT]):
         enabled_by_default: bool = False,
         own_lane: bool = False,
         ordered_log: bool = False,
+        *,
+        timed: bool = True,
     ) -> None: ...
 
     def __init__(
@@ -163,6 +174,7 @@ class SinkSpec(Generic[SettingsT]):
         enabled_by_default: bool = False,
         own_lane: bool = False,
         ordered_log: bool = False,
+        timed: bool = True,
     ) -> None:
         if former:  # the former order: (name, settings_model, factory, enabled_by_default, ...)
             warnings.warn(
@@ -180,6 +192,7 @@ class SinkSpec(Generic[SettingsT]):
         object.__setattr__(self, "enabled_by_default", enabled_by_default)
         object.__setattr__(self, "own_lane", own_lane)
         object.__setattr__(self, "ordered_log", ordered_log)
+        object.__setattr__(self, "timed", timed)
 
 
 @runtime_checkable

@@ -140,7 +140,9 @@ async def test_the_service_serves_the_endpoint_for_the_life_of_the_worker(
 ) -> None:
     for name in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SDK_DISABLED"):
         monkeypatch.delenv(name, raising=False)
-    await insert_events(store, [envelope("ok", "RoomGiftSent"), envelope("bad", "RoomUserJoined")])
+    await insert_events(
+        store, [envelope("ok", "RoomGiftSent"), envelope("bad", "RoomUserJoined"), envelope("fact", "RoomCreated")]
+    )
     sink = RecordingSink(fail={"bad"})  # a failing sink must not make the process unready
     settings = Settings(
         mysql={"dsn": database_dsn},
@@ -166,12 +168,16 @@ async def test_the_service_serves_the_endpoint_for_the_life_of_the_worker(
                     text = (await client.get("/metrics")).text
                     return (
                         'room_outbox_publish_success_total{event_type="RoomGiftSent",sink="flaky"} 1.0' in text
+                        and 'room_outbox_publish_success_total{event_type="RoomCreated",sink="noop"} 1.0' in text
                         and 'room_outbox_pending{lane="main"} 1.0' in text
                     )
 
                 await wait_until(metrics_seen)
                 text = (await client.get("/metrics")).text
                 assert 'error_class="retryable",event_type="RoomUserJoined",sink="flaky"' in text
+                # The noop sink's attempts are counted (above), not timed; the others' are.
+                durations = re.findall(r"^room_outbox_publish_duration_seconds_count\{(.*)\} ", text, re.MULTILINE)
+                assert durations and all('sink="flaky"' in labels for labels in durations), durations
                 assert 'room_outbox_oldest_pending_age_seconds{lane="main"} ' in text
                 assert "room_outbox_claimed_batch_size_count " in text
                 assert (await client.get("/readyz")).json()["ready"] is True  # failures everywhere, still ready

@@ -69,6 +69,8 @@ class Lanes:
 
     main: Router
     own: dict[str, Router]
+    #: The sinks whose attempts are not timed (their spec's ``timed`` is false).
+    untimed: frozenset[str] = frozenset()
 
     def series(self) -> list[tuple[str, str]]:
         """(sink, event_type) pairs known at start-up: each sink with each catalogued type it
@@ -217,6 +219,7 @@ async def build_lanes(
             )
             for name, (_, cfg) in own.items()
         },
+        untimed=frozenset(name for name, (spec, _) in {**main, **own}.items() if not spec.timed),
     )
 
 

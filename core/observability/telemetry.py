@@ -65,6 +65,8 @@ class Telemetry:
         #: False: :meth:`attempt` observes nothing, and callers may skip what only it needs.
         self.recording = self.tracer is not None or self.metrics_enabled
         self._providers: list[Any] = [p for p in (tracer_provider, meter_provider) if p is not None]
+        #: Sinks whose attempts are counted but not timed (see ``SinkSpec.timed``).
+        self.untimed_sinks: frozenset[str] = frozenset()
         #: Outcome counts not yet added to their counters (see :meth:`count`).
         self._counts: dict[tuple[Any, tuple[tuple[str, str], ...]], int] = {}
 
@@ -170,12 +172,13 @@ class DeliveryAttempt:
                 self._span.finish(sink, str(failure.error_class), failure.error)
         if failure is None:
             telemetry.count(metrics.success, labels)
-            metrics.duration.record(elapsed, {**labels, "outcome": "published"})
         else:
             # A plain str: the SDK keeps an enum member and its value as two series, which
             # /metrics would show twice (the series made at zero, and this one).
             telemetry.count(metrics.failure, {**labels, "error_class": str(failure.error_class)})
-            metrics.duration.record(elapsed, {**labels, "outcome": "failed"})
+        if sink not in telemetry.untimed_sinks:
+            outcome = "published" if failure is None else "failed"
+            metrics.duration.record(elapsed, {**labels, "outcome": outcome})
 
 
 class _NoAttempt(DeliveryAttempt):
