@@ -71,7 +71,7 @@ class OutboxMetrics:
         self.duration = meter.create_histogram(
             "room_outbox.publish.duration",
             unit="s",
-            description="Duration of one delivery attempt (parse, route, sink call); the noop sink's are not timed.",
+            description="Duration of one delivery attempt (parse, route, sink call); none for untimed sinks (noop).",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S,
         )
         self.claimed = meter.create_histogram(
