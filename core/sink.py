@@ -109,10 +109,9 @@ class SinkSpec(Generic[SettingsT]):
     ``own_lane``.
 
     ``timed``: each attempt's duration goes into the ``room_outbox.publish.duration``
-    histogram. A sink that answers without I/O (the noop sink) says no: its attempts take
-    microseconds of the dispatcher's own work, which the histogram's record (in the
-    OpenTelemetry SDK, one call per attempt) would about double. Its attempts are still
-    counted and traced.
+    histogram. A sink that answers without I/O (the noop sink) says no: its attempts are the
+    dispatcher's own work, which a duration would add to (the SDK records each one) without
+    telling an operator anything. Its attempts are still counted and traced.
     """
 
     name: str
