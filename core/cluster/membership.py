@@ -32,6 +32,10 @@ from room_outbox.store.schema.profiles import V1, Profile
 
 log = logging.getLogger("room_outbox.cluster")
 
+#: How long after a view turns a window old the heartbeat that applies it comes: past the
+#: boundary, whatever the rounding of milliseconds.
+SETTLE_MARGIN = 0.01
+
 
 def plan(buckets: Sequence[sql.BucketRow], live: Sequence[str], leased: Collection[int] = ()) -> dict[int, str]:
     """New owners for the buckets that must move so that every live node owns its fair count
@@ -94,6 +98,9 @@ class Membership:
         #: and those already warned about.
         self._namesakes: dict[str, int] = {}
         self._warned: set[str] = set()
+        #: Seconds from the last heartbeat until the quota could settle on the view every live
+        #: node holds (see :meth:`_apply_quota`); ``None``: nothing to wait for.
+        self._settles_in: float | None = None
 
     # -- what the rest of the process asks -----------------------------------------------
 
@@ -145,8 +152,14 @@ class Membership:
                 self._reachable = True
             except Exception as exc:
                 self._reachable = False
+                self._settles_in = None
                 log.error("membership heartbeat failed", extra={"error": f"{type(exc).__name__}: {exc}"})
-            await anyio.sleep(max(0.0, self.heartbeat_interval - (anyio.current_time() - started)))
+            wait = self.heartbeat_interval - (anyio.current_time() - started)
+            if self._settles_in is not None:
+                # A joining node sends nothing, and a share grows only, once a view is a window
+                # old: beat as it turns so, not up to a heartbeat later.
+                wait = min(wait, self._settles_in + SETTLE_MARGIN)
+            await anyio.sleep(max(0.0, wait))
 
     async def beat(self) -> None:
         """One heartbeat, in one transaction: measure the clock's offset from the database's
@@ -226,11 +239,13 @@ class Membership:
         others = {n.node_id: n for n in nodes if n.node_id in live and n.node_id != self.node_id}
         agreed = all(n.view == self._view for n in others.values())
         since_ms = max([self._view_since_ms, *(n.view_since_ms for n in others.values())])
-        settled = agreed and now_ms() - since_ms >= WINDOW * 1000
+        settles_in = (since_ms - now_ms()) / 1000 + WINDOW
+        settled = agreed and settles_in <= 0
         count = float(len(live))
         current = self.quota.nodes
         # Shrink at once; grow (or start) only once everyone applies the same view since a window.
         nodes_applied = count if count >= current or settled else current
+        self._settles_in = settles_in if agreed and nodes_applied != count else None
         valid_until = began + self.node_timeout - 2 * WINDOW
         self.quota.apply(nodes_applied, valid_until)
         if not math.isinf(nodes_applied) and not self._joined.is_set():

@@ -151,6 +151,15 @@ async def test_a_joining_node_takes_idle_buckets_at_once_and_leaves_the_busy_one
         assert set(await a.room_buckets(cur) or []) == set(range(BUCKETS)) - set(taken)
 
 
+async def test_a_node_joins_as_its_view_turns_a_window_old_not_a_heartbeat_later(store: SQLStore) -> None:
+    """A node alone may send once its first view is a rate-limit window old: the heartbeat
+    that lets it comes then, not a whole (here far longer) heartbeat interval later."""
+    a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=30.0, node_timeout=90.0)
+    async with a.running():
+        assert await a.wait_joined(10)  # a heartbeat later would be 30 s after the first
+        assert a.quota.nodes == 1
+
+
 async def test_a_process_that_leaves_gives_its_buckets_up(store: SQLStore) -> None:
     a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
     async with a.running():
