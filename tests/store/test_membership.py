@@ -190,6 +190,24 @@ async def test_per_room_claims_take_only_the_own_buckets_in_every_lane(store: SQ
         assert {row.room_id for row in unordered.rows} == set(rooms) - mine  # the rest, unfiltered
 
 
+async def test_a_found_row_another_transaction_holds_holds_its_room_back(store: SQLStore) -> None:
+    """A per-room claim on the process's own buckets reads without locks, then locks what it
+    found: a found row that another transaction holds (the lock skips it) holds the later
+    rows of its room back, as any earlier open row does."""
+    await insert_events(store, [envelope("a1", room_id="A"), envelope("b1", room_id="B"), envelope("a2", room_id="A")])
+    used = {bucket_of("default", "A"), bucket_of("default", "B")}
+    spare = next(bucket for bucket in range(BUCKETS) if bucket not in used)
+
+    async def all_but_a_spare_bucket(cur: Any) -> list[int]:  # a list: the claim reads, then locks
+        return [bucket for bucket in range(BUCKETS) if bucket != spare]
+
+    store.room_buckets = all_but_a_spare_bucket
+    async with store.transaction() as holder:
+        await holder.execute("SELECT id FROM room_outbox WHERE event_id = %s FOR UPDATE", ("a1",))
+        claimed = await store.claim("me#1", 10, now_ms() + 60_000, per_room=True, hold_back_ms=5_000)
+    assert [row.event_id for row in claimed.rows] == ["b1"]  # a2 waits behind a1
+
+
 async def test_the_fence_sees_leases_in_the_profiles_words(store: SQLStore) -> None:
     """A handover waits for a lease however the table's profile names a held row: room_cell's
     'delivering' counts as leased, V1's words alone would miss it."""

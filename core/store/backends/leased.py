@@ -79,8 +79,8 @@ def open_rows_of_rooms_sql(
     index. ``hint``: the dialect's ``index_hint``; left to choose, MySQL's optimizer read the
     (status, id) range below the key instead, which grows with every published row, while the
     room index's reads do not. ``also``: more columns to select (", 0"). ``besides``: the keys
-    of rows already taken, which the index entries rule out (the key is in every entry) before
-    their rows are read for the other columns."""
+    of rows to leave out (the claim's own), which the index entries rule out (the key is in
+    every entry) before their rows are read for the other columns."""
     p = profile
     forced = hint.format(index=ROOM_INDEX.format(table=table))
     leave_out = f" AND {key} NOT IN ({_marks(range(besides))})" if besides else ""
@@ -313,20 +313,22 @@ class LeasedRows:
         self, cur: Any, found: list[OutboxRow], lock: bool, closing: Sequence[int] = ()
     ) -> tuple[list[OutboxRow], list[tuple[int, str, str]]]:
         """The found rows (with ``lock``: those locked, the others skipped) and the open rows
-        of their rooms below the highest of them (:func:`open_rows_of_rooms_sql`), but for
-        ``closing`` (left out in the index entries, before their rows are read). Rows that
-        fail the lock count among the rooms' earlier open rows all the same: they are not
-        found. On MySQL/MariaDB the lock and the look-back are one statement (a locking read
-        may be one part of a UNION there, not on PostgreSQL)."""
+        of their rooms below the highest of them (:func:`open_rows_of_rooms_sql`), but for the
+        found rows and ``closing`` (left out in the index entries, before their rows are read).
+        A found row that fails the lock counts among its room's earlier open rows, open or not
+        by now (one closed meanwhile holds its room back one claim: the safe side); read again
+        by the look-back, each found row would cost the claim a row more to send and parse.
+        On MySQL/MariaDB the lock and the look-back are one statement (a locking read may be
+        one part of a UNION there, not on PostgreSQL)."""
         p = self.profile
         rooms = sorted({row.room_id for row in found})
         hint = self.dialect.index_hint
-        look_back_params = (*rooms, max(row.id for row in found))
         ids = [row.id for row in found]
-        if not lock:  # the scan locked what it found: only the rows outside it matter
-            leave_out = [*ids, *closing]
-            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, besides=len(leave_out))
-            await cur.execute(look_back, (*look_back_params, *leave_out))
+        look_back_params = (*rooms, max(ids), *ids, *closing)
+        besides = len(ids) + len(closing)
+        if not lock:  # the scan locked what it found
+            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, besides=besides)
+            await cur.execute(look_back, look_back_params)
             return found, [tuple(row) for row in await cur.fetchall()]
         take = (
             f"SELECT {self.key}, {p.app_code}, {p.room_id}, 1 FROM {self.table} WHERE {self.key} IN ({_marks(ids)})"
@@ -335,18 +337,18 @@ class LeasedRows:
         take_params = (*ids, now_ms())
         if self.dialect.name == "mysql":
             # The look-back's rows are told apart by the last column (0).
-            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, ", 0", len(closing))
-            await cur.execute(f"({take}) UNION ALL ({look_back})", (*take_params, *look_back_params, *closing))
+            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, ", 0", besides)
+            await cur.execute(f"({take}) UNION ALL ({look_back})", (*take_params, *look_back_params))
             both = await cur.fetchall()
             locked = {row[0] for row in both if row[3]}
             earlier = [(row[0], row[1], row[2]) for row in both if not row[3]]
         else:
             await cur.execute(take, take_params)
             locked = {row[0] for row in await cur.fetchall()}
-            leave_out = [*sorted(locked), *closing]
-            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, besides=len(leave_out))
-            await cur.execute(look_back, (*look_back_params, *leave_out))
+            look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, besides=besides)
+            await cur.execute(look_back, look_back_params)
             earlier = [tuple(row) for row in await cur.fetchall()]
+        earlier += [(row.id, row.app_code, row.room_id) for row in found if row.id not in locked]
         return [row for row in found if row.id in locked], earlier
 
     async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
