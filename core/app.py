@@ -195,7 +195,7 @@ async def _join_cluster(
     await stack.enter_async_context(membership.running())
     store.room_buckets = membership.room_buckets
     quota.rooms_owned = delivery_settings(settings, MAIN_LANE).ordering == "per_room"
-    # Start delivering once the others have made room in the quota (a few heartbeats).
+    # Start delivering once the others have made room in the quota (a heartbeat and a rate-limit window).
     if not await membership.wait_joined(settings.cluster.node_timeout * 2):
         log.warning("membership not settled yet; delivering once it is", extra={"nodes": membership.live})
 
