@@ -13,9 +13,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
+import pluggy
+from anyio.abc import TaskStatus
 
 from room_outbox.cluster.identity import process_identity
 from room_outbox.cluster.membership import Membership
@@ -30,7 +33,7 @@ from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.service import observability
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.startup import check_configuration, open_checked_store
+from room_outbox.startup import CheckedConfiguration, check_configuration, open_checked_store
 from room_outbox.store.clock import CLOCK
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.operator.retention import run_retention_job
@@ -46,7 +49,8 @@ async def run_service(
     plugins: Iterable[object] = (),
     redactor: Redactor | None = None,
 ) -> None:
-    """Run until a signal (when ``handle_signals``) or ``stop`` is set, then shut down in order.
+    """Run until a signal (when ``handle_signals``, in the main thread) or ``stop`` is set, then
+    shut down in order.
     ``plugins`` are registered besides the installed ones (for embedding and tests).
     ``redactor``: the one the process's log handler uses (sinks register their secrets with
     it); default: a new one from :func:`~room_outbox.observability.redaction.redactor_for`."""
@@ -57,12 +61,41 @@ async def run_service(
     checked = check_configuration(settings, pm)  # all of it, before anything connects
     for line in settings.deprecated_names:
         log.warning(line, extra={"lifecycle": "deprecated_config"})
+    # Signals are handled from here on, never left to their default action (which would kill
+    # the process holding its buckets and, once it delivers, its leases): one that comes while
+    # the process starts ends its waits (for the database, to join the membership), no worker
+    # starts, and what it opened is closed in order, as after a run.
+    database_wait = anyio.CancelScope()
+    if not handle_signals or threading.current_thread() is not threading.main_thread():
+        # Python delivers signals to its main thread only: elsewhere the caller sets ``stop``.
+        await _serve(settings, stop, pm, checked, redactor, database_wait)
+        return
+    async with anyio.create_task_group() as signals:
+        await signals.start(_set_on_signal, stop, database_wait)
+        await _serve(settings, stop, pm, checked, redactor, database_wait)
+        signals.cancel_scope.cancel()
+
+
+async def _serve(
+    settings: Settings,
+    stop: anyio.Event,
+    pm: pluggy.PluginManager,
+    checked: CheckedConfiguration,
+    redactor: Redactor,
+    database_wait: anyio.CancelScope,
+) -> None:
+    """Start every part, run until ``stop``, then shut them down in order. ``stop`` set while
+    they start: no worker starts; ``database_wait`` cancelled: the wait for the database ends."""
     # Parts are pushed in the reverse of their shutdown order, and the stack runs them
     # whatever ends the run: once the workers have stopped, telemetry flushes and the HTTP
     # endpoint stops (it answers for the whole life of the workers), then the sinks close,
     # then the pool (last: the workers need it to write results).
     async with contextlib.AsyncExitStack() as lifecycle:
-        store = await open_checked_store(settings, checked.lane_tables, checked.tail_lanes)
+        with database_wait:  # the one wait that may be long (database.connect_wait)
+            store = await open_checked_store(settings, checked.lane_tables, checked.tail_lanes)
+        if database_wait.cancelled_caught:
+            log.info("stopped while waiting for the database", extra={"lifecycle": "stop_requested"})
+            return
         lifecycle.push_async_callback(_close, store.aclose, "database pool closed", "pool_closed")
         log.info("database pool opened", extra={"lifecycle": "pool_opened", "database": store.address.database})
         quota = QuotaShare()
@@ -85,7 +118,10 @@ async def run_service(
         # Unique per start, even where two processes share a node_id (see cluster.identity).
         identity = process_identity(settings.node_id)
         if settings.outbox_worker.enabled:  # leaves once the dispatchers have stopped
-            await _join_cluster(lifecycle, settings, identity, store, checked.lane_tables, quota)
+            await _join_cluster(lifecycle, settings, identity, store, checked.lane_tables, quota, stop)
+        if stop.is_set():  # signalled while starting: no worker starts, and what opened closes
+            log.info("stopping before the workers started", extra={"lifecycle": "stop_requested"})
+            return
         dispatchers = _dispatchers(
             settings, identity, store, lanes, set(checked.tail_lanes), redactor, obs.telemetry, obs.health
         )
@@ -99,11 +135,7 @@ async def run_service(
                 log.info("outbox worker disabled by outbox_worker.enabled", extra={"lifecycle": "worker_disabled"})
             if settings.retention.enabled:  # stops by itself once `stop` is set, between two batches
                 await workers.start(run_retention_job, store, settings.retention, stop, plan)
-            async with anyio.create_task_group() as watch:
-                if handle_signals:
-                    watch.start_soon(_set_on_signal, stop)
-                await stop.wait()
-                watch.cancel_scope.cancel()
+            await stop.wait()
             log.info("stopping: no new batches", extra={"lifecycle": "stop_requested"})
             obs.health.worker = "stopping"
             for dispatcher in dispatchers:
@@ -178,6 +210,7 @@ async def _join_cluster(
     store: SQLStore,
     lane_tables: list[str],
     quota: QuotaShare,
+    stop: anyio.Event,
 ) -> None:
     """On a database server (MySQL/MariaDB, PostgreSQL): heartbeats in the membership, room
     buckets for per-room claims, and this process's quota share, until ``stack`` closes. SQLite
@@ -195,14 +228,22 @@ async def _join_cluster(
     await stack.enter_async_context(membership.running())
     store.room_buckets = membership.room_buckets
     quota.rooms_owned = delivery_settings(settings, MAIN_LANE).ordering == "per_room"
-    # Start delivering once the others have made room in the quota (a heartbeat and a rate-limit window).
-    if not await membership.wait_joined(settings.cluster.node_timeout * 2):
+    # Start delivering once the others have made room in the quota (a heartbeat and a rate-limit
+    # window), unless stopped meanwhile.
+    if not await membership.wait_joined(settings.cluster.node_timeout * 2, stop) and not stop.is_set():
         log.warning("membership not settled yet; delivering once it is", extra={"nodes": membership.live})
 
 
-async def _set_on_signal(stop: anyio.Event) -> None:
+async def _set_on_signal(
+    stop: anyio.Event, database_wait: anyio.CancelScope, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """Until the first SIGTERM or SIGINT: then ``stop`` is set and the wait for the database, if
+    still under way (``database_wait``), is cancelled. A second signal has its default action (a
+    forced stop)."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
         async for signum in signals:
             log.info("signal received", extra={"signal": signal.Signals(signum).name})
             stop.set()
+            database_wait.cancel()
             return

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,9 @@ from support import V1_DDL, RecordingSink, SinkPlugin, envelope, fetch_rows, ins
 
 from room_outbox.app import run_service
 from room_outbox.config import Settings
-from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.clock import now_ms
+from room_outbox.store.schema.buckets import NODE_TABLE
 
 pytestmark = pytest.mark.anyio
 
@@ -146,3 +149,100 @@ def test_bad_configuration_exits_2_with_one_message(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "outbox_worker.retry_strategy: unknown retry strategy 'sometimes'" in err
     assert "Traceback" not in err
+
+
+def _run_logged(config: Path, log: Path, env: dict[str, str], *python: str) -> subprocess.Popen[bytes]:
+    """`room-outbox run` as a process, its stderr (JSON log lines) in ``log``; ``python``:
+    interpreter options."""
+    with log.open("w") as stderr:
+        return subprocess.Popen(
+            [sys.executable, *python, "-m", "room_outbox.cli", "--config", str(config), "run"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+
+
+def _lifecycle(log: Path) -> list[str]:
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    return [line["lifecycle"] for line in lines if "lifecycle" in line]
+
+
+async def _sigterm_once(run: subprocess.Popen[bytes], log: Path, logged: str) -> None:
+    """SIGTERM once ``logged`` is in the process's log; it must exit 0 (killed otherwise)."""
+    try:
+        await wait_until(lambda: logged in log.read_text(), timeout=60.0)
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=30) == 0, _lifecycle(log)
+    finally:
+        if run.poll() is None:
+            run.kill()
+
+
+def _migrated_config(tmp_path: Path, database_dsn: str, env: dict[str, str], extra: str = "") -> Path:
+    config = tmp_path / "config.yaml"
+    config.write_text(f"mysql:\n  dsn: '{database_dsn}'\n{extra}sinks:\n  tencent_im:\n    enabled: false\n")
+    migrate = _cli("--config", str(config), "migrate", env=env)
+    _, err = migrate.communicate(timeout=60)
+    assert migrate.returncode == 0, err
+    return config
+
+
+async def test_a_process_on_mysql_never_loads_the_postgresql_driver(database_dsn: str, tmp_path: Path) -> None:
+    """`room-outbox run` on MySQL/MariaDB imports no PostgreSQL driver (psycopg and its pool
+    cost about a tenth of a start's CPU): its imports, as `python -X importtime` lists them,
+    from the start to the stop once its worker ran."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
+    log = tmp_path / "run.log"
+    run = _run_logged(_migrated_config(tmp_path, database_dsn, env), log, env, "-X", "importtime")
+    await _sigterm_once(run, log, '"lifecycle": "worker_started"')
+    lines = log.read_text().splitlines()
+    imported = [line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")]
+    assert "room_outbox.store.backends.mysql" in imported  # the listing is complete enough to tell
+    assert [name for name in imported if name.split(".")[0] in ("psycopg", "psycopg_pool")] == []
+
+
+async def test_sigterm_while_joining_the_membership_leaves_it_and_starts_no_worker(
+    database_dsn: str, store: MySQLStore, tmp_path: Path
+) -> None:
+    """A SIGTERM that comes while the process waits to join (here: behind a member that never
+    agrees on the membership) ends the wait: no worker starts, the process leaves the
+    membership (its buckets free at once, not a node_timeout later), closes the pool and
+    exits 0, not killed by the signal's default action."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
+    # Left alone, the wait would last 2 x node_timeout: a minute, longer than the test waits.
+    config = _migrated_config(tmp_path, database_dsn, env, "cluster:\n  node_timeout: 30s\n")
+    async with store.transaction() as cur:  # live for a minute and a half, its view never this process's
+        await cur.execute(
+            f"INSERT INTO {NODE_TABLE} (node_id, heartbeat_ms, joined_ms, view, view_since_ms)"
+            " VALUES ('other~00000000', %s, %s, 'elsewhere', %s)",
+            (now_ms() + 60_000, now_ms(), now_ms()),
+        )
+    log = tmp_path / "run.log"
+    run = _run_logged(config, log, env)
+    await _sigterm_once(run, log, '"buckets reassigned"')
+    lifecycle = _lifecycle(log)
+    assert "worker_started" not in lifecycle and "membership_joined" not in lifecycle, lifecycle
+    assert lifecycle[-4:] == ["stop_requested", "membership_left", "sinks_closed", "pool_closed"], lifecycle
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT node_id FROM {NODE_TABLE}")
+        assert [row[0] for row in await cur.fetchall()] == ["other~00000000"]  # its own row gone: it left
+
+
+async def test_sigterm_while_waiting_for_the_database_ends_the_wait(database_dsn: str, tmp_path: Path) -> None:
+    """A SIGTERM while the database does not answer (within database.connect_wait) ends the
+    wait at once and the process exits 0, not killed by the signal's default action."""
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    address = MySQLAddress.from_dsn(database_dsn)
+    unreachable = f"mysql://{address.user}:{address.password}@127.0.0.1:{port}/{address.database}"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"mysql:\n  dsn: '{unreachable}'\n  connect_wait: 120s\nsinks:\n  tencent_im:\n    enabled: false\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
+    log = tmp_path / "run.log"
+    run = _run_logged(config, log, env)
+    await _sigterm_once(run, log, '"lifecycle": "waiting_for_database"')
+    assert _lifecycle(log)[-1] == "stop_requested"

@@ -43,7 +43,7 @@ from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.tencent_im.fake import SINK_NAME, FakeTencentIM, Faults, serve_fake_im
 from room_outbox.producer import OutboxProducer, StoreProducer, append_event
 from room_outbox.sink import Sink
-from room_outbox.store.backends.postgres import SCHEMES as POSTGRESQL_SCHEMES
+from room_outbox.store.backends.postgres_address import SCHEMES as POSTGRESQL_SCHEMES
 from room_outbox.store.backends.sqlite import SQLiteAddress
 from room_outbox.store.factory import describe, is_sqlite, open_store, store_address
 from room_outbox.store.operator.reports import count_by_status, holds_rows_besides, status_by_event

@@ -109,10 +109,19 @@ class Membership:
         buckets = await sql.claimable_buckets(cur, self.store.dialect, self.node_id)
         return None if len(buckets) == BUCKETS else buckets
 
-    async def wait_joined(self, timeout: float) -> bool:
-        """Until this node may send (the others have made room for it); False on timeout."""
+    async def wait_joined(self, timeout: float, stop: anyio.Event | None = None) -> bool:
+        """Until this node may send (the others have made room for it) or ``stop`` is set;
+        False on timeout or stop."""
         with anyio.move_on_after(timeout):
-            await self._joined.wait()
+            async with anyio.create_task_group() as waits:
+
+                async def end_waits_once(event: anyio.Event) -> None:
+                    await event.wait()
+                    waits.cancel_scope.cancel()
+
+                waits.start_soon(end_waits_once, self._joined)
+                if stop is not None:
+                    waits.start_soon(end_waits_once, stop)
         return self._joined.is_set()
 
     # -- the loop ------------------------------------------------------------------------

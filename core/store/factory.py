@@ -3,12 +3,14 @@
 store with it (:func:`consumer_store`). Every store is a
 :class:`~room_outbox.store.protocol.SQLStore`: it hands out a cursor that takes ``%s``
 placeholders and names its :class:`~room_outbox.store.dialect.Dialect`, so that SQL is written
-once. The only module of the store that imports every backend (and so every driver)."""
+once. The only module of the store that imports every backend (and so every driver; psycopg
+only once a PostgreSQL store is opened)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 import anyio
@@ -16,14 +18,17 @@ import anyio
 from room_outbox.errors import ConfigurationError, StoreUnavailable
 from room_outbox.store.backends.errors import translated
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
-from room_outbox.store.backends.postgres import SCHEMES as POSTGRESQL_SCHEMES
-from room_outbox.store.backends.postgres import PostgresAddress, PostgresStore
+from room_outbox.store.backends.postgres_address import SCHEMES as POSTGRESQL_SCHEMES
+from room_outbox.store.backends.postgres_address import PostgresAddress
 from room_outbox.store.backends.sqlite import SQLiteAddress, SQLiteStore
 from room_outbox.store.clock import CLOCK
 from room_outbox.store.consumers.sql import SQLConsumerStore
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.profiles import V1, Profile
+
+if TYPE_CHECKING:
+    from room_outbox.store.backends.postgres import PostgresStore
 
 log = logging.getLogger("room_outbox.store")
 
@@ -122,6 +127,9 @@ async def open_store(
                 if isinstance(address, SQLiteAddress):
                     store = await SQLiteStore.connect(dsn, busy_timeout=query_timeout)
                 elif isinstance(address, PostgresAddress):
+                    # Imported here: a process on MySQL or SQLite never loads psycopg.
+                    from room_outbox.store.backends.postgres import PostgresStore
+
                     store = await PostgresStore.connect(
                         dsn, pool_size, create_database, query_timeout, idle_in_transaction
                     )
@@ -164,9 +172,13 @@ def consumer_store(store: SQLStore, handling_timeout: float | None = None) -> SQ
     """The consumers' store on the database ``database.dsn`` names: MySQL or PostgreSQL; None
     on SQLite, which keeps no consumers' tables (consumers run on a server their processes
     share). ``handling_timeout``: see :class:`SQLConsumerStore`."""
-    if isinstance(store, MySQLStore | PostgresStore):
+    if isinstance(store, MySQLStore):
         return SQLConsumerStore(store, handling_timeout)
-    return None
+    if isinstance(store, SQLiteStore):
+        return None
+    from room_outbox.store.backends.postgres import PostgresStore  # loaded: the store is one
+
+    return SQLConsumerStore(store, handling_timeout) if isinstance(store, PostgresStore) else None
 
 
 def _raise_if_cancellation_was_lost() -> None:

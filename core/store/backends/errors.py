@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import psycopg
 import pymysql
-from psycopg_pool import PoolTimeout
 
 from room_outbox.errors import RoomOutboxError, SchemaError, StoreUnavailable
 
@@ -56,7 +55,7 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
         if isinstance(exc, pymysql.err.OperationalError):
             return StoreUnavailable(f"{where}: {reason}")
         return None
-    if isinstance(exc, psycopg.Error | PoolTimeout):
+    if isinstance(exc, _postgresql_errors()):
         return _translate_postgresql(exc, where, reason)
     if isinstance(exc, sqlite3.Error):
         if "no such table" in reason or "no such column" in reason:
@@ -72,6 +71,18 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
     return None
 
 
+def _postgresql_errors() -> tuple[type[BaseException], ...]:
+    """psycopg's base error and its pool's timeout; none while no PostgreSQL store has imported
+    them, as no error of theirs exists before. Looked up, not imported at the top, so that a
+    process on MySQL or SQLite never loads psycopg."""
+    if "psycopg_pool" not in sys.modules:
+        return ()
+    import psycopg
+    from psycopg_pool import PoolTimeout
+
+    return (psycopg.Error, PoolTimeout)
+
+
 #: PostgreSQL's SQLSTATEs, by what they mean to an operator.
 _PG_SCHEMA = ("42P01", "42703")  # undefined table, undefined column
 _PG_ACCESS_DENIED = ("28000", "28P01")
@@ -80,6 +91,9 @@ _PG_UNKNOWN_DATABASE = "3D000"
 
 def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOutboxError | None:
     """psycopg's errors. Errors while connecting carry no SQLSTATE, only libpq's words."""
+    import psycopg  # loaded: ``exc`` is one of its errors
+    from psycopg_pool import PoolTimeout
+
     state = getattr(exc, "sqlstate", None)
     if state in _PG_SCHEMA:
         return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
@@ -136,8 +150,13 @@ def refused_value(exc: BaseException) -> str | None:
     the database's."""
     if isinstance(exc, pymysql.err.Error) and exc.args and exc.args[0] in _REFUSED_VALUE:
         return _reason(exc, "")
-    if isinstance(exc, psycopg.errors.DataError | psycopg.errors.IntegrityError | sqlite3.IntegrityError):
+    if isinstance(exc, sqlite3.IntegrityError):
         return _reason(exc, "")
+    if _postgresql_errors():
+        import psycopg
+
+        if isinstance(exc, psycopg.errors.DataError | psycopg.errors.IntegrityError):
+            return _reason(exc, "")
     return None
 
 

@@ -11,15 +11,12 @@ runs online (:meth:`PostgresStore.run_migration`).
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import anyio
 import psycopg
@@ -27,6 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from room_outbox.errors import StoreError
 from room_outbox.store.backends.leased import LeasedRows
+from room_outbox.store.backends.postgres_address import PostgresAddress
 from room_outbox.store.deadline import (
     DEFAULT_QUERY_TIMEOUT,
     SCHEMA_CHANGE_TIMEOUT,
@@ -41,74 +39,6 @@ from room_outbox.store.schema.registry import Planner
 
 #: The key of migrate's session lock (``pg_advisory_lock``): one migrate at a time per database.
 MIGRATE_LOCK_KEY = 0x726F6F6D2D6F7574  # "room-out"
-
-SCHEMES = ("postgresql", "postgres")
-#: DSN options passed through to libpq.
-_LIBPQ_OPTIONS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "application_name")
-
-
-@dataclass(frozen=True)
-class PostgresAddress:
-    host: str
-    port: int
-    user: str
-    password: str
-    database: str
-    options: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def from_dsn(cls, dsn: str) -> PostgresAddress:
-        """``postgresql://user:password@host:port/database[?sslmode=…]``. Errors never echo
-        the DSN, which holds the password."""
-        parts = urlsplit(dsn)
-        if parts.scheme not in SCHEMES:
-            raise ValueError(f"database.dsn: scheme must be postgresql:// (got {parts.scheme or 'none'}://)")
-        database = parts.path.lstrip("/")
-        if not database:
-            raise ValueError("database.dsn: names no database (postgresql://user:password@host:port/DATABASE)")
-        query = parse_qs(parts.query)
-        unknown = set(query) - set(_LIBPQ_OPTIONS)
-        if unknown:
-            raise ValueError(
-                f"database.dsn: unsupported options {sorted(unknown)} (allowed: {', '.join(_LIBPQ_OPTIONS)})"
-            )
-        try:
-            port = parts.port or 5432
-        except ValueError:
-            raise ValueError("database.dsn: port is not a number") from None
-        return cls(
-            host=parts.hostname or "127.0.0.1",
-            port=port,
-            user=unquote(parts.username or "postgres"),
-            password=unquote(parts.password or ""),
-            database=unquote(database),
-            options=tuple((name, values[-1]) for name, values in sorted(query.items())),
-        )
-
-    def connect_kwargs(
-        self, query_timeout: float, database: str | None = None, idle_in_transaction: float = 0.0
-    ) -> dict[str, Any]:
-        """libpq's parameters: every session carries the server-side bounds of
-        :class:`SessionLimits` for ``query_timeout`` (and ``idle_in_transaction``), set at
-        connect time: ``statement_timeout``, ``lock_timeout`` and
-        ``idle_in_transaction_session_timeout`` (a session whose client vanished in the middle
-        of a transaction ends and frees its row locks)."""
-        limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
-        return {
-            "host": self.host,
-            "port": self.port,
-            "user": self.user,
-            "password": self.password,
-            "dbname": database or self.database,
-            "connect_timeout": max(2, math.ceil(query_timeout)),  # libpq takes whole seconds, at least 2
-            "application_name": "room-outbox",
-            "options": (
-                f"-c statement_timeout={limits.statement_seconds * 1000}"
-                f" -c lock_timeout={limits.lock_wait_seconds * 1000}"
-                f" -c idle_in_transaction_session_timeout={limits.idle_seconds * 1000}"
-            ),
-            **dict(self.options),
-        }
 
 
 class PgCursor:
