@@ -189,9 +189,9 @@ def _migrated_config(tmp_path: Path, database_dsn: str, env: dict[str, str], ext
 
 
 async def test_a_process_on_mysql_never_loads_the_postgresql_driver(database_dsn: str, tmp_path: Path) -> None:
-    """`room-outbox run` on MySQL/MariaDB imports no PostgreSQL driver (psycopg and its pool
-    cost about a tenth of a start's CPU): its imports, as `python -X importtime` lists them,
-    from the start to the stop once its worker ran."""
+    """`room-outbox run` on MySQL/MariaDB imports no PostgreSQL driver (a start pays for every
+    module it imports): its imports, as `python -X importtime` lists them, from the start to
+    the stop once its worker ran."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
     log = tmp_path / "run.log"
     run = _run_logged(_migrated_config(tmp_path, database_dsn, env), log, env, "-X", "importtime")

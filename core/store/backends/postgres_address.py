@@ -1,6 +1,6 @@
 """Where a ``postgresql://`` DSN points and how libpq is told to connect there. Apart from the
 store (:mod:`.postgres`) so that reading a DSN imports no driver: a process on MySQL or SQLite
-never loads psycopg, which costs about a tenth of a process's start-up CPU."""
+never pays for importing psycopg."""
 
 from __future__ import annotations
 
