@@ -41,11 +41,11 @@ from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import KNOWN_EVENT_TYPES, EventEnvelope
 from room_outbox.plugins.noop import NoopSink
-from room_outbox.plugins.tencent_im import TencentIMSettings, TencentIMSink
+from room_outbox.plugins.tencent_im import TencentIMSettings
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID
 from room_outbox.plugins.tencent_im.message import SEND_GROUP_MSG, group_id_for, msg_body, request_body
 from room_outbox.plugins.tencent_im.ratelimit import JITTER_MARGIN, SlidingWindowLimiter
-from room_outbox.plugins.tencent_im.sink import http_client
+from room_outbox.plugins.tencent_im.sink import TencentIMSink, http_client
 from room_outbox.plugins.tencent_im.usersig import gen_usersig
 from room_outbox.sink import SinkContext
 from room_outbox.store.backends.mysql import MySQLStore

@@ -11,8 +11,9 @@ from room_outbox.delivery.routing import Router, build_router
 from room_outbox.envelope import EventEnvelope
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.plugins.tencent_im import TencentIMSettings, TencentIMSink
+from room_outbox.plugins.tencent_im import TencentIMSettings
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM
+from room_outbox.plugins.tencent_im.sink import TencentIMSink
 from room_outbox.sink import SinkContext
 from room_outbox.store.backends.mysql import MySQLStore
 

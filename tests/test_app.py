@@ -188,10 +188,11 @@ def _migrated_config(tmp_path: Path, database_dsn: str, env: dict[str, str], ext
     return config
 
 
-async def test_a_process_on_mysql_never_loads_the_postgresql_driver(database_dsn: str, tmp_path: Path) -> None:
-    """`room-outbox run` on MySQL/MariaDB imports no PostgreSQL driver (a start pays for every
-    module it imports): its imports, as `python -X importtime` lists them, from the start to
-    the stop once its worker ran."""
+async def test_a_process_loads_only_what_it_runs(database_dsn: str, tmp_path: Path) -> None:
+    """`room-outbox run` on MySQL/MariaDB without the Kafka lane (a start pays for every module
+    it imports) imports no PostgreSQL driver, no Kafka client and no other command's module:
+    its imports, as `python -X importtime` lists them, from the start to the stop once its
+    worker ran."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
     log = tmp_path / "run.log"
     run = _run_logged(_migrated_config(tmp_path, database_dsn, env), log, env, "-X", "importtime")
@@ -199,7 +200,10 @@ async def test_a_process_on_mysql_never_loads_the_postgresql_driver(database_dsn
     lines = log.read_text().splitlines()
     imported = [line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")]
     assert "room_outbox.store.backends.mysql" in imported  # the listing is complete enough to tell
-    assert [name for name in imported if name.split(".")[0] in ("psycopg", "psycopg_pool")] == []
+    assert [name for name in imported if name.split(".")[0] in ("psycopg", "psycopg_pool", "aiokafka")] == []
+    commands = [name for name in imported if name.startswith("room_outbox.cli.")]
+    assert set(commands) <= {"room_outbox.cli.__main__", "room_outbox.cli.main", "room_outbox.cli.command",
+                             "room_outbox.cli.registry", "room_outbox.cli.run"}, commands  # fmt: skip
 
 
 async def test_sigterm_while_joining_the_membership_leaves_it_and_starts_no_worker(

@@ -123,8 +123,8 @@ def test_every_command_has_a_description_an_example_and_config(capsys: pytest.Ca
     parser = build_parser()
     subcommands = next(a for a in parser._actions if a.dest == "command").choices
     assert subcommands is not None and set(subcommands) == {command.name for command in COMMANDS}
-    for command in COMMANDS:
-        name = command.name
+    for listed in COMMANDS:
+        name, command = listed.name, listed.command()
         text = help_of(capsys, name)
         assert text.startswith(f"usage: room-outbox {name} "), name
         assert command.description.splitlines()[0] in text, name

@@ -56,8 +56,8 @@ def test_the_parser_has_exactly_the_registered_commands_each_with_its_needs() ->
     parser = build_parser()
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert list(action.choices) == [command.name for command in COMMANDS]
-    assert all(command.needs in ("none", "config", "store") for command in COMMANDS)
-    assert {c.name for c in COMMANDS if c.needs == "none"} == {"demo", "fake-im", "completion"}
+    assert all(listed.command().needs in ("none", "config", "store") for listed in COMMANDS)
+    assert {c.name for c in COMMANDS if c.command().needs == "none"} == {"demo", "fake-im", "completion"}
 
 
 def test_config_is_accepted_before_or_after_the_command_and_its_action() -> None:
@@ -70,7 +70,7 @@ def test_config_is_accepted_before_or_after_the_command_and_its_action() -> None
 
 
 def test_every_reporting_command_has_json_and_every_changing_one_has_yes() -> None:
-    parser = build_parser()
+    parser = build_parser(every_command=True)
 
     def options(*argv: str) -> set[str]:
         sub: argparse.ArgumentParser = parser

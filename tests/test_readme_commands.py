@@ -70,7 +70,7 @@ def program(line: str) -> tuple[str, list[str]]:
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
-    parser = build_parser()
+    parser = build_parser(every_command=True)
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return dict(action.choices)
 

@@ -183,7 +183,8 @@ def test_an_uncaught_exception_is_one_redacted_log_line() -> None:
 
 
 def test_tencent_sink_registers_its_key_and_every_usersig_with_the_process_redactor() -> None:
-    from room_outbox.plugins.tencent_im import TencentIMSettings, TencentIMSink
+    from room_outbox.plugins.tencent_im import TencentIMSettings
+    from room_outbox.plugins.tencent_im.sink import TencentIMSink
     from room_outbox.sink import SinkContext
 
     redactor = Redactor()

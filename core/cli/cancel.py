@@ -82,8 +82,6 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 COMMAND = Command(
-    name="cancel",
-    summary="mark an event cancelled: never delivered, kept for audit; shows it, applies only with --yes",
     description="Mark a pending or parked event cancelled: it is never delivered; the row is kept.\n"
     "Without --yes it only says what it would do.",
     examples="room-outbox cancel evt_01J9ZQ\nroom-outbox cancel evt_01J9ZQ --yes",

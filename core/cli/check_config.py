@@ -41,8 +41,6 @@ def _run(settings: Settings, args: argparse.Namespace, _redactor: Redactor) -> i
 
 
 COMMAND = Command(
-    name="check-config",
-    summary="validate the whole configuration offline: OK, or every error",
     description="Validate the configuration file and environment as `run` would, sink sections, routes and\n"
     "OTEL_* exporters included, without connecting to anything. Prints OK or every problem.",
     examples="room-outbox check-config --config config/config.yaml\n"

@@ -144,8 +144,6 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 COMMAND = Command(
-    name="cleanup",
-    summary="delete (or archive) published rows older than retention.older_than; previews without --yes",
     description="Remove published rows older than retention.older_than (or --older-than), in small batches;\n"
     "with --archive move them to room_outbox_archive. The consumers' processed records older\n"
     "than retention.processed_older_than and their resolved retry rows go too. Without --yes\n"

@@ -28,9 +28,9 @@ CONFIG_HELP = "YAML configuration file (default: $ROOM_OUTBOX_CONFIG; without on
 
 @dataclass(frozen=True)
 class Command:
-    name: str
-    #: One line, in the command list.
-    summary: str
+    """One command's help and behaviour; its name and one-line summary are in the registry
+    (:data:`room_outbox.cli.registry.COMMANDS`), so that listing the commands imports none."""
+
     #: The paragraph of ``COMMAND --help``.
     description: str
     #: One example command line a line.

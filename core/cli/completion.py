@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from room_outbox.cli.command import Command
+from room_outbox.cli.main import build_parser
 
 SHELLS = ("bash", "zsh", "fish")
 
@@ -22,8 +23,8 @@ def completion_script(parser: argparse.ArgumentParser, shell: str) -> str:
     return str(shtab.complete(parser, shell=shell))
 
 
-def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    sys.stdout.write(completion_script(parser, args.shell))
+def _run(args: argparse.Namespace, _parser: argparse.ArgumentParser) -> int:
+    sys.stdout.write(completion_script(build_parser(every_command=True), args.shell))
     return 0
 
 
@@ -32,8 +33,6 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 COMMAND = Command(
-    name="completion",
-    summary="print a shell completion script (bash, zsh or fish)",
     description="Print the completion script for a shell, generated from the command line itself: every\n"
     "command, action and option. Load it from the shell's start-up file.",
     examples="room-outbox completion bash | sudo tee /etc/bash_completion.d/room-outbox >/dev/null\n"

@@ -59,8 +59,6 @@ def _run(settings: Settings, args: argparse.Namespace, redactor: Redactor) -> in
 
 
 COMMAND = Command(
-    name="consume",
-    summary="run Kafka consumer-group members with their handlers until SIGTERM",
     description="Join the Kafka consumer group of every enabled consumers.<name> (or only --consumer NAME)\n"
     "and hand each message to the consumer's handlers: effectively once for their database\n"
     "writes, each room in order, failures retried from room_consumer_retry, dead letters kept.",

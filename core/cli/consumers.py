@@ -311,8 +311,6 @@ async def _operate(store: SQLStore, settings: Settings, args: argparse.Namespace
 
 
 COMMAND = Command(
-    name="consumers",
-    summary="operate the consumers: dead letters, redrive, describe the groups (lag per partition)",
     description="Dead letters of the consumers, from the database: `dead-letters` lists them, `redrive`\n"
     "makes them due again (a running consume takes them up); redrive applies only with --yes.\n"
     "`describe` asks the broker for each group's members, partitions, committed and end offsets\n"

@@ -664,8 +664,6 @@ def run_demo_command(args: argparse.Namespace, out: IO[str] | None = None) -> in
 
 
 COMMAND = Command(
-    name="demo",
-    summary="run the whole pipeline on SQLite with a fake Tencent IM and verify it (no services needed)",
     description="Produce events into a SQLite outbox, deliver them through a fake Tencent IM that fails a\n"
     "share of requests, and check that every event arrived once, in order per room. Needs no\n"
     "configuration and no services (it ignores --config).",

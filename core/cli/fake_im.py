@@ -62,8 +62,6 @@ async def _serve(fake: FakeTencentIM, host: str, port: int) -> str | None:
 
 
 COMMAND = Command(
-    name="fake-im",
-    summary="serve a fake Tencent IM on loopback (tests, demos)",
     description="Serve a fake Tencent IM REST API (send_group_msg and friends) with a control API for\n"
     "faults, for tests and local runs. Needs no configuration (it ignores --config).",
     examples="room-outbox fake-im --port 8090\nroom-outbox fake-im --port 0 --faults '{\"error_rate\": 0.2}'",

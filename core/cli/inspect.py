@@ -153,8 +153,6 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 COMMAND = Command(
-    name="inspect",
-    summary="one event: its row, parsed envelope and delivery state",
     description="One event by event_id: its row (times in local time, with how long ago), its parsed\n"
     "envelope or why it does not parse, and its state in every lane. --json keeps raw values.",
     examples="room-outbox inspect evt_01J9ZQ\nroom-outbox inspect evt_01J9ZQ --json | jq .row.last_error",

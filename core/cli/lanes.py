@@ -140,8 +140,6 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 COMMAND = Command(
-    name="lanes",
-    summary="each lane: enabled, watermark, backlog, parked; `lanes retire NAME` drops a disabled one",
     description="Every lane: the main lane, each enabled sink with a lane of its own, and every lane table or\n"
     "cursor the database still holds, with its state, watermark (fed through id), pending, unfed\n"
     "and parked rows and the age of the oldest event it owes. `lanes retire NAME` shows what a\n"

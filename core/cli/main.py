@@ -9,6 +9,7 @@ import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 
@@ -44,7 +45,7 @@ EXIT_CODES = {
     130: "interrupted (Ctrl-C) before the command finished",
     141: "standard output closed early (`room-outbox status --json | head`)",
 }
-BY_NAME = {command.name: command for command in COMMANDS}
+BY_NAME = {listed.name: listed for listed in COMMANDS}
 
 EXIT_INTERRUPTED = 130  # what a shell reports for a process ended by SIGINT (128 + 2)
 EXIT_CLOSED_PIPE = 141  # what a shell reports for a process ended by SIGPIPE (128 + 13)
@@ -57,8 +58,10 @@ def version() -> str:
         return "unknown"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole command line, from :data:`room_outbox.cli.registry.COMMANDS`."""
+def build_parser(every_command: bool = False) -> argparse.ArgumentParser:
+    """The whole command line, from :data:`room_outbox.cli.registry.COMMANDS`. A command's own
+    parser is filled in (its module imported) once argparse reaches the command typed, or at
+    once for ``every_command`` (shell completion, which reads them all)."""
     parser = argparse.ArgumentParser(
         prog="room-outbox",
         usage="room-outbox [--config FILE] COMMAND [options]",
@@ -69,19 +72,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"room-outbox {version()}")
     parser.add_argument("--config", default=default_config(), metavar="FILE", help=CONFIG_HELP)
     commands = parser.add_subparsers(
-        dest="command", required=True, metavar="COMMAND", title="commands", prog="room-outbox"
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        title="commands",
+        prog="room-outbox",
+        action=_CommandsFilledOnUse,
     )
-    for command in COMMANDS:
+    for listed in COMMANDS:
         sub = commands.add_parser(
-            command.name,
-            help=command.summary,
-            description=command.description,
-            epilog="examples:\n" + "\n".join(f"  {line}" for line in command.examples.splitlines()),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            listed.name, help=listed.summary, formatter_class=argparse.RawDescriptionHelpFormatter
         )
-        command.arguments(sub)
-        add_config_option(sub, command.needs)
+        if every_command:
+            _fill(sub, listed.name)
     return parser
+
+
+class _CommandsFilledOnUse(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """The subcommands' action: the command typed gets its parser filled in before argparse
+    hands it the rest of the command line."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        _fill(self.choices[values[0]], values[0])
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _fill(sub: argparse.ArgumentParser, name: str) -> None:
+    """``name``'s description, examples and arguments on its parser ``sub``, once."""
+    if sub.description is not None:
+        return
+    command = BY_NAME[name].command()
+    sub.description = command.description
+    sub.epilog = "examples:\n" + "\n".join(f"  {line}" for line in command.examples.splitlines())
+    command.arguments(sub)
+    add_config_option(sub, command.needs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _command(args: argparse.Namespace, parser: argparse.ArgumentParser, redactor: Redactor) -> int:
-    command = BY_NAME[args.command]
+    command = BY_NAME[args.command].command()
     if command.needs == "none":
         return int(command.run(args, parser))
     settings = load_settings(args.config)

@@ -174,8 +174,6 @@ def _run(settings: Settings, args: argparse.Namespace, _redactor: Redactor) -> i
 
 
 COMMAND = Command(
-    name="migrate",
-    summary="create room_outbox or upgrade a V1 table in place (idempotent)",
     description="Create room_outbox (and the database) when missing, or add room-outbox's columns and indexes\n"
     "to room-service's V1 table in place; create the tables of lanes of their own. Running it\n"
     "again changes nothing. --sql prints the statements it would run instead of running them.",

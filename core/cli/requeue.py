@@ -138,8 +138,6 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 COMMAND = Command(
-    name="requeue",
-    summary="send pending or parked (failed) rows round again; shows them, applies only with --yes",
     description="Make pending or parked (failed) rows due now with retry_count 0. Without --yes it only\n"
     "lists the rows it would change. Filters combine freely; --status failed alone takes every\n"
     "parked row. At most 10,000 rows a run; it says so when more match. Published, cancelled\n"

@@ -21,8 +21,6 @@ def _run(settings: Settings, _args: argparse.Namespace, redactor: Redactor) -> i
 
 
 COMMAND = Command(
-    name="run",
-    summary="run the dispatcher until SIGTERM/SIGINT",
     description="Deliver events until SIGTERM or SIGINT. Before anything is claimed: the whole configuration\n"
     "is checked, the database is waited for (up to database.connect_wait) and its schema is checked.",
     examples="room-outbox run --config /etc/room-outbox/config.yaml\nROOM_OUTBOX__LOG__LEVEL=DEBUG room-outbox run",

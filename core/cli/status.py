@@ -83,8 +83,6 @@ async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) ->
 
 
 COMMAND = Command(
-    name="status",
-    summary="backlog, retries, frequent errors and leases at a glance",
     description="The backlog (pending rows, the oldest one's time), rows waiting for a retry, the retry-count\n"
     "histogram, lease holders, lanes of their own and the most frequent last_error values, grouped\n"
     "(errors that differ only by an identifier such as a GroupId are one line, with their count).",

@@ -8,13 +8,25 @@ takes (so not the noop sink's RoomCreated, RoomHeatChanged, RoomRankChanged). Se
 
 from __future__ import annotations
 
-from room_outbox import SinkSpec, hookimpl
-from room_outbox.plugins.tencent_im.settings import SINK_NAME, TencentIMSettings
-from room_outbox.plugins.tencent_im.sink import TencentIMSink
+from typing import TYPE_CHECKING
 
-__all__ = ["TencentIMSettings", "TencentIMSink", "room_outbox_register_sinks"]
+from room_outbox import SinkContext, SinkSpec, hookimpl
+from room_outbox.plugins.tencent_im.settings import SINK_NAME, TencentIMSettings
+
+if TYPE_CHECKING:
+    from room_outbox.plugins.tencent_im.sink import TencentIMSink
+
+__all__ = ["TencentIMSettings", "room_outbox_register_sinks", "tencent_im_sink"]
+
+
+def tencent_im_sink(settings: TencentIMSettings, context: SinkContext) -> TencentIMSink:
+    """The sink, its module imported here: a process with the sink disabled never loads the
+    HTTP client."""
+    from room_outbox.plugins.tencent_im.sink import TencentIMSink
+
+    return TencentIMSink(settings, context)
 
 
 @hookimpl
 def room_outbox_register_sinks() -> list[SinkSpec[TencentIMSettings]]:
-    return [SinkSpec(SINK_NAME, TencentIMSink, settings_model=TencentIMSettings, enabled_by_default=True)]
+    return [SinkSpec(SINK_NAME, tencent_im_sink, settings_model=TencentIMSettings, enabled_by_default=True)]

@@ -31,7 +31,8 @@ from room_outbox.consume.service import run_consumers
 from room_outbox.consume.settings import consumer_settings
 from room_outbox.kafka_security import KafkaSecurity
 from room_outbox.observability.redaction import Redactor
-from room_outbox.plugins.kafka import KafkaSettings, KafkaSink
+from room_outbox.plugins.kafka import KafkaSettings
+from room_outbox.plugins.kafka.sink import KafkaSink
 
 pytestmark = pytest.mark.anyio
 

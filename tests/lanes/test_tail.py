@@ -24,7 +24,8 @@ from room_outbox.delivery.routing import Router
 from room_outbox.delivery.tail import TailRelay
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import Telemetry
-from room_outbox.plugins.kafka import KafkaSettings, KafkaSink
+from room_outbox.plugins.kafka import KafkaSettings
+from room_outbox.plugins.kafka.sink import KafkaSink
 from room_outbox.sink import SinkContext
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes

@@ -16,6 +16,7 @@ from lanes.conftest import Broker
 
 from room_outbox import EventEnvelope
 from room_outbox.plugins import kafka
+from room_outbox.plugins.kafka import sink as kafka_sink
 from room_outbox.testing import SinkContract, closed_port, event
 from room_outbox.testing import SinkHarness as Harness
 
@@ -80,7 +81,7 @@ class TestKafkaSink(SinkContract):
 def test_key_partitioner_places_every_key_where_aiokafka_default_does() -> None:
     """The remembered hash must never move a room to another partition than every other
     Kafka client puts it in: the same murmur2 placement, first call and repeated."""
-    partitioner = kafka.KeyPartitioner(keys=64)  # fewer than the keys: entries are evicted
+    partitioner = kafka_sink.KeyPartitioner(keys=64)  # fewer than the keys: entries are evicted
     for partitions in ([0], [0, 1, 2], list(range(12))):
         for round_ in range(2):
             for n in range(300):
@@ -97,4 +98,4 @@ def test_message_value_is_the_envelope_as_json() -> None:
     envelope = EventEnvelope.model_validate(
         {"event_id": "e1", "event_type": "RoomGiftSent", "room_id": "r1", "payload": {"名": 1.5}, "extra": [1]}
     )
-    assert kafka._json(envelope) == envelope.model_dump_json().encode()
+    assert kafka_sink._json(envelope) == envelope.model_dump_json().encode()

@@ -1,0 +1,180 @@
+"""The Kafka sink's delivery (:class:`KafkaSink`): the producer, one message per event or a
+tailing lane's batches packed per partition. Imported only where the sink is enabled."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
+from aiokafka.partitioner import DefaultPartitioner, murmur2
+
+from room_outbox import EventEnvelope, PermanentSinkError, RetryableSinkError, SinkContext
+from room_outbox.plugins.kafka import KafkaSettings
+
+
+class KafkaSink:
+    def __init__(self, settings: KafkaSettings, context: SinkContext) -> None:
+        self.settings = settings
+        self.log = context.logger
+        for secret in settings.security.secrets():
+            context.add_secret(secret)
+        # TLS files are read now: a bad certificate stops start-up, naming the file.
+        self._security = settings.security.client_kwargs()
+        self._producer: AIOKafkaProducer | None = None
+        self._partitioner = KeyPartitioner()
+        self._starting = anyio.Lock()
+
+    async def deliver(self, envelope: EventEnvelope) -> None:
+        producer = await self._started()
+        value, key, headers = self._message(envelope)
+        try:
+            await producer.send_and_wait(self.settings.topic, value, key=key, headers=headers)
+        except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
+            raise _too_large(exc) from exc
+        except KafkaError as exc:
+            raise self._retryable(exc) from exc
+
+    async def publish(self, envelopes: Sequence[EventEnvelope]) -> list[PermanentSinkError | None]:
+        """The tailing lane's entry point: the messages packed into record batches, one
+        partition's in order (the partition every Kafka client picks for the key), the
+        batches handed to the producer at once (one request in flight per partition, so a
+        key's messages keep their order), then every acknowledgement awaited. Packing them
+        here spares each message the producer's own path through ``send`` (its metadata
+        wait, partitioner, queue and future). A message too large is that envelope's
+        permanent error (a batch the broker refuses as too large: each of its envelopes');
+        any other failure fails the whole publish (retryable)."""
+        producer = await self._started()
+        topic = self.settings.topic
+        outcomes: list[PermanentSinkError | None] = [None] * len(envelopes)
+        sent: list[tuple[list[int], asyncio.Future[Any]]] = []
+        try:
+            partitions = sorted(await producer.partitions_for(topic))
+            filling: dict[int, tuple[Any, list[int]]] = {}  # partition: its open batch, which envelopes
+            for index, envelope in enumerate(envelopes):
+                try:
+                    value, key, headers = self._message(envelope)
+                except PermanentSinkError as exc:
+                    outcomes[index] = exc
+                    continue
+                partition = self._partitioner(key, partitions, partitions)
+                batch, indexes = filling.get(partition) or (producer.create_batch(), [])
+                if batch.append(timestamp=None, key=key, value=value, headers=headers) is None:  # full
+                    sent.append((indexes, await producer.send_batch(batch, topic, partition=partition)))
+                    batch, indexes = producer.create_batch(), []
+                    batch.append(timestamp=None, key=key, value=value, headers=headers)  # a first one always fits
+                indexes.append(index)
+                filling[partition] = batch, indexes
+            for partition, (batch, indexes) in filling.items():
+                sent.append((indexes, await producer.send_batch(batch, topic, partition=partition)))
+            for indexes, future in sent:
+                try:
+                    await future
+                except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
+                    for index in indexes:
+                        outcomes[index] = _too_large(exc)
+        except KafkaError as exc:
+            raise self._retryable(exc) from exc
+        finally:
+            for _, future in sent:  # a failed publish: nothing left unobserved
+                if future.done() and not future.cancelled():
+                    future.exception()
+        return outcomes
+
+    def _message(self, envelope: EventEnvelope) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+        value = _json(envelope)
+        if len(value) > self.settings.max_message_bytes:
+            raise PermanentSinkError(
+                f"message of {len(value)} bytes exceeds max_message_bytes {self.settings.max_message_bytes}"
+            )
+        headers = [("event_id", envelope.event_id.encode()), ("event_type", envelope.event_type.encode())]
+        if envelope.traceparent:
+            headers.append(("traceparent", envelope.traceparent.encode()))
+        return value, f"{envelope.app_code}:{envelope.room_id}".encode(), headers
+
+    def _retryable(self, exc: KafkaError) -> RetryableSinkError:
+        return RetryableSinkError(f"send to topic {self.settings.topic} failed: {type(exc).__name__}: {exc}")
+
+    async def _started(self) -> AIOKafkaProducer:
+        """The producer, started on first use (and again after a failed start), so that a
+        broker that is down at start-up only delays this lane."""
+        if self._producer is not None:
+            # Every delivery passes here: once started, no lock (taking one yields to the
+            # event loop, a measurable cost per event at thousands of events a second).
+            return self._producer
+        async with self._starting:
+            if self._producer is None:
+                idempotent = self.settings.idempotence != "false"
+                try:
+                    self._producer = await self._start(idempotent)
+                except KafkaError as exc:
+                    if self.settings.idempotence != "auto" or not _refused_idempotence(exc):
+                        raise RetryableSinkError(
+                            f"broker {self.settings.bootstrap_servers} unavailable: {exc}"
+                        ) from exc
+                    self.log.warning(
+                        "broker refused an idempotent producer; sending without idempotence",
+                        extra={"sink": "kafka", "error": f"{type(exc).__name__}"},
+                    )
+                    try:
+                        self._producer = await self._start(idempotent=False)
+                    except KafkaError as exc2:
+                        raise RetryableSinkError(
+                            f"broker {self.settings.bootstrap_servers} unavailable: {exc2}"
+                        ) from exc2
+            return self._producer
+
+    async def _start(self, idempotent: bool) -> AIOKafkaProducer:
+        producer = AIOKafkaProducer(
+            bootstrap_servers=self.settings.bootstrap_servers,
+            client_id=self.settings.client_id,
+            acks="all",
+            enable_idempotence=idempotent,
+            request_timeout_ms=int(self.settings.request_timeout * 1000),
+            max_request_size=self.settings.max_message_bytes + 1024,
+            partitioner=self._partitioner,
+            **self._security,
+        )
+        try:
+            await producer.start()
+        except BaseException:
+            await producer.stop()
+            raise
+        return producer
+
+    async def aclose(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+
+#: The envelope as JSON bytes: ``model_dump_json`` without its wrapper and its str round trip.
+_json = EventEnvelope.__pydantic_serializer__.to_json
+
+
+class KeyPartitioner:
+    """aiokafka's default partitioner for keyed messages (murmur2 of the key, the partition
+    every Kafka client picks for that key), with each key's hash remembered: the hash is
+    pure Python and a room's key comes back with each of its events."""
+
+    def __init__(self, keys: int = 65_536) -> None:
+        self._hash: Callable[[bytes], int] = functools.lru_cache(maxsize=keys)(murmur2)
+
+    def __call__(self, key: bytes | None, all_partitions: list[int], available: list[int]) -> int:
+        if key is None:
+            partition: int = DefaultPartitioner()(key, all_partitions, available)
+            return partition
+        return all_partitions[(self._hash(key) & 0x7FFFFFFF) % len(all_partitions)]
+
+
+def _too_large(exc: KafkaError) -> PermanentSinkError:
+    return PermanentSinkError(f"broker refused the message as too large: {type(exc).__name__}")
+
+
+def _refused_idempotence(exc: KafkaError) -> bool:
+    # InitProducerId answered with an error code the broker uses for "not implemented".
+    return type(exc).__name__ in ("UnknownError", "UnsupportedVersionError", "ClusterAuthorizationFailedError")
