@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
-import threading
 from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
 import pluggy
-from anyio.abc import TaskStatus
 
 from room_outbox.cluster.identity import process_identity
 from room_outbox.cluster.membership import Membership
@@ -33,6 +30,7 @@ from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.service import observability
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.signals import signals_reach_here, stop_on_signal
 from room_outbox.startup import CheckedConfiguration, check_configuration, open_checked_store
 from room_outbox.store.clock import CLOCK
 from room_outbox.store.lanes.store import lane_table
@@ -66,12 +64,11 @@ async def run_service(
     # the process starts ends its waits (for the database, to join the membership), no worker
     # starts, and what it opened is closed in order, as after a run.
     database_wait = anyio.CancelScope()
-    if not handle_signals or threading.current_thread() is not threading.main_thread():
-        # Python delivers signals to its main thread only: elsewhere the caller sets ``stop``.
+    if not signals_reach_here(handle_signals):
         await _serve(settings, stop, pm, checked, redactor, database_wait)
         return
     async with anyio.create_task_group() as signals:
-        await signals.start(_set_on_signal, stop, database_wait)
+        await signals.start(stop_on_signal, stop, database_wait)
         await _serve(settings, stop, pm, checked, redactor, database_wait)
         signals.cancel_scope.cancel()
 
@@ -232,18 +229,3 @@ async def _join_cluster(
     # window), unless stopped meanwhile.
     if not await membership.wait_joined(settings.cluster.node_timeout * 2, stop) and not stop.is_set():
         log.warning("membership not settled yet; delivering once it is", extra={"nodes": membership.live})
-
-
-async def _set_on_signal(
-    stop: anyio.Event, database_wait: anyio.CancelScope, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-) -> None:
-    """Until the first SIGTERM or SIGINT: then ``stop`` is set and the wait for the database, if
-    still under way (``database_wait``), is cancelled. A second signal has its default action (a
-    forced stop)."""
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        task_status.started()
-        async for signum in signals:
-            log.info("signal received", extra={"signal": signal.Signals(signum).name})
-            stop.set()
-            database_wait.cancel()
-            return

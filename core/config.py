@@ -147,8 +147,8 @@ class DatabaseSettings(Section):
     #: quarter of ``outbox_worker.lease`` when that is shorter. Must stay below a third of
     #: the lease (checked by :class:`Settings`).
     query_timeout: Duration = 0.0
-    #: How long ``run`` and ``migrate`` wait for a database that cannot be reached yet (down,
-    #: starting) before giving up with exit code 3; 0: try once.
+    #: How long ``run``, ``consume`` and ``migrate`` wait for a database that cannot be reached
+    #: yet (down, starting) before giving up with exit code 3; 0: try once.
     connect_wait: Duration = Field(default=30.0, ge=0)
     #: Which outbox table and status words: ``v1`` (room_outbox: pending → published),
     #: ``room_cell`` (room_outbox: pending → delivering → delivered | retryable → failed) or

@@ -39,7 +39,7 @@ def cli_page() -> str:
     os.environ.pop("ROOM_OUTBOX_CONFIG", None)
     from room_outbox.cli import main as cli_main
 
-    parser = cli_main.build_parser()
+    parser = cli_main.build_parser(every_command=True)
     parts = ["## Every command's help\n", f"```text\n{parser.format_help().rstrip()}\n```\n"]
     for path, sub in _subparsers(parser, ()):
         parts.append(f"### `room-outbox {' '.join(path)}`\n")

@@ -151,12 +151,14 @@ def test_bad_configuration_exits_2_with_one_message(tmp_path: Path) -> None:
     assert "Traceback" not in err
 
 
-def _run_logged(config: Path, log: Path, env: dict[str, str], *python: str) -> subprocess.Popen[bytes]:
-    """`room-outbox run` as a process, its stderr (JSON log lines) in ``log``; ``python``:
-    interpreter options."""
+def _run_logged(
+    config: Path, log: Path, env: dict[str, str], *python: str, command: str = "run"
+) -> subprocess.Popen[bytes]:
+    """`room-outbox run` (or ``command``) as a process, its stderr (JSON log lines) in ``log``;
+    ``python``: interpreter options."""
     with log.open("w") as stderr:
         return subprocess.Popen(
-            [sys.executable, *python, "-m", "room_outbox.cli", "--config", str(config), "run"],
+            [sys.executable, *python, "-m", "room_outbox.cli", "--config", str(config), command],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=stderr,
@@ -233,9 +235,13 @@ async def test_sigterm_while_joining_the_membership_leaves_it_and_starts_no_work
         assert [row[0] for row in await cur.fetchall()] == ["other~00000000"]  # its own row gone: it left
 
 
-async def test_sigterm_while_waiting_for_the_database_ends_the_wait(database_dsn: str, tmp_path: Path) -> None:
-    """A SIGTERM while the database does not answer (within database.connect_wait) ends the
-    wait at once and the process exits 0, not killed by the signal's default action."""
+@pytest.mark.parametrize("command", ["run", "consume"])
+async def test_sigterm_while_waiting_for_the_database_ends_the_wait(
+    command: str, database_dsn: str, tmp_path: Path
+) -> None:
+    """`run` and `consume` wait for a database that does not answer (up to
+    database.connect_wait); a SIGTERM meanwhile ends the wait at once and the process exits 0,
+    not killed by the signal's default action."""
     with socket.socket() as probe:  # a loopback port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
@@ -244,9 +250,10 @@ async def test_sigterm_while_waiting_for_the_database_ends_the_wait(database_dsn
     config = tmp_path / "config.yaml"
     config.write_text(
         f"mysql:\n  dsn: '{unreachable}'\n  connect_wait: 120s\nsinks:\n  tencent_im:\n    enabled: false\n"
+        f"consumers:\n  feed:\n    bootstrap_servers: '127.0.0.1:{port}'\n    handlers: [activity]\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
     log = tmp_path / "run.log"
-    run = _run_logged(config, log, env)
+    run = _run_logged(config, log, env, command=command)
     await _sigterm_once(run, log, '"lifecycle": "waiting_for_database"')
     assert _lifecycle(log)[-1] == "stop_requested"

@@ -1,10 +1,11 @@
 """``room-outbox consume``: the process around the consumers.
 
-Start: database pool → plugins and handlers → telemetry and the HTTP endpoint (``/healthz``,
-``/readyz``, ``/metrics`` on ``telemetry.http_listen``) → one group member per consumer. Stop
-(SIGTERM, SIGINT or ``stop``): each consumer settles and commits its batch in progress and
-leaves its group → handlers close → pool closes. ``/readyz`` is ready while the database
-answers and every consumer has joined its group.
+Start: database pool (waited for up to ``database.connect_wait``) → plugins and handlers →
+telemetry and the HTTP endpoint (``/healthz``, ``/readyz``, ``/metrics`` on
+``telemetry.http_listen``) → one group member per consumer. Stop (SIGTERM, SIGINT or ``stop``):
+each consumer settles and commits its batch in progress and leaves its group → handlers close →
+pool closes; a signal while it starts ends the start before any consumer joins. ``/readyz`` is
+ready while the database answers and every consumer has joined its group.
 """
 
 from __future__ import annotations
@@ -12,22 +13,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import signal
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 import anyio
+import pluggy
 
 from room_outbox.cluster.identity import process_identity
 from room_outbox.config import ConfigError, Settings, parse_listen
 from room_outbox.consume.engine import Consumer
 from room_outbox.consume.registry import BoundHandler, build_handlers
-from room_outbox.consume.settings import consumer_settings
+from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.observability.health import Health
 from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
 from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.signals import signals_reach_here, stop_on_signal
 from room_outbox.store.factory import consumer_store, open_store
 from room_outbox.store.operator.reports import ping
 from room_outbox.store.protocol import SQLStore
@@ -43,8 +45,9 @@ async def run_consumers(
     plugins: Iterable[object] = (),
     redactor: Redactor | None = None,
 ) -> None:
-    """``redactor``: the process's one (the log handler's); default: a new one from the
-    configuration."""
+    """Run the consumers until a signal (when ``handle_signals``, in the main thread) or
+    ``stop`` is set. ``redactor``: the process's one (the log handler's); default: a new one
+    from the configuration."""
     stop = stop or anyio.Event()
     chosen = consumer_settings(settings, only)
     if not chosen:
@@ -58,15 +61,43 @@ async def run_consumers(
         except ValueError as exc:
             raise ConfigError(f"consumers.{name}.security.{exc}") from None
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
+    # Signals are handled from here on: one that comes while the process waits for the
+    # database or opens what the consumers need ends the start, and no consumer joins a group.
+    database_wait = anyio.CancelScope()
+    if not signals_reach_here(handle_signals):
+        await _consume(settings, chosen, pm, redactor, stop, database_wait)
+        return
+    async with anyio.create_task_group() as signals:
+        await signals.start(stop_on_signal, stop, database_wait)
+        await _consume(settings, chosen, pm, redactor, stop, database_wait)
+        signals.cancel_scope.cancel()
+
+
+async def _consume(
+    settings: Settings,
+    chosen: dict[str, ConsumerSettings],
+    pm: pluggy.PluginManager,
+    redactor: Redactor,
+    stop: anyio.Event,
+    database_wait: anyio.CancelScope,
+) -> None:
+    """Open the pool, the handlers and telemetry, run one group member per consumer until
+    ``stop``, then close them in order. ``stop`` set before the consumers start: none starts;
+    ``database_wait`` cancelled: the wait for the database ends."""
     # A handler runs inside its transaction: the session stays idle while it works, for up to
     # the slowest consumer's handler_timeout, and the server's session limits must allow that.
     handler_timeout = max(c.handler_timeout for c in chosen.values())
-    store = await open_store(
-        settings.database.dsn.get_secret_value(),
-        settings.database.pool_size,
-        query_timeout=settings.database.query_timeout,
-        idle_in_transaction=handler_timeout,
-    )
+    with database_wait:  # the one wait that may be long (database.connect_wait)
+        store = await open_store(
+            settings.database.dsn.get_secret_value(),
+            settings.database.pool_size,
+            query_timeout=settings.database.query_timeout,
+            wait=settings.database.connect_wait,
+            idle_in_transaction=handler_timeout,
+        )
+    if database_wait.cancelled_caught:
+        log.info("stopped while waiting for the database", extra={"lifecycle": "stop_requested"})
+        return
     handlers: list[BoundHandler] = []
     try:
         # A handling's transaction may take as long as the slowest consumer's handler_timeout.
@@ -81,12 +112,13 @@ async def run_consumers(
                 bound = build_handlers(pm, name, options, settings.node_id, redactor)
                 handlers.extend(bound.values())
                 consumers.append(Consumer(name, options, consumers_store, bound, identity, redactor, telemetry))
+            if stop.is_set():  # signalled while starting: no consumer joins, and what opened closes
+                log.info("stopping before the consumers started", extra={"lifecycle": "stop_requested"})
+                return
             async with anyio.create_task_group() as tasks:
                 for consumer in consumers:
                     tasks.start_soon(consumer.run)
                 async with anyio.create_task_group() as watch:
-                    if handle_signals:
-                        watch.start_soon(_set_on_signal, stop)
                     watch.start_soon(_ready_once_joined, health, consumers)
                     await stop.wait()
                     watch.cancel_scope.cancel()
@@ -142,11 +174,3 @@ async def _ready_once_joined(health: Health, consumers: list[Consumer]) -> None:
     while True:
         health.worker = "running" if all(c.running for c in consumers) else "starting"
         await anyio.sleep(0.2)
-
-
-async def _set_on_signal(stop: anyio.Event) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            log.info("signal received", extra={"signal": signal.Signals(signum).name})
-            stop.set()
-            return
