@@ -30,7 +30,7 @@ from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.service import observability
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.signals import signals_reach_here, stop_on_signal
+from room_outbox.signals import stopped_by_signals
 from room_outbox.startup import CheckedConfiguration, check_configuration, open_checked_store
 from room_outbox.store.clock import CLOCK
 from room_outbox.store.lanes.store import lane_table
@@ -63,14 +63,9 @@ async def run_service(
     # the process holding its buckets and, once it delivers, its leases): one that comes while
     # the process starts ends its waits (for the database, to join the membership), no worker
     # starts, and what it opened is closed in order, as after a run.
-    database_wait = anyio.CancelScope()
-    if not signals_reach_here(handle_signals):
-        await _serve(settings, stop, pm, checked, redactor, database_wait)
-        return
-    async with anyio.create_task_group() as signals:
-        await signals.start(stop_on_signal, stop, database_wait)
-        await _serve(settings, stop, pm, checked, redactor, database_wait)
-        signals.cancel_scope.cancel()
+    await stopped_by_signals(
+        stop, handle_signals, lambda database_wait: _serve(settings, stop, pm, checked, redactor, database_wait)
+    )
 
 
 async def _serve(

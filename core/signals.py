@@ -1,6 +1,6 @@
 """How the long-running commands (``run``, ``consume``) are stopped by the operator: the first
-SIGTERM or SIGINT sets their stop event and ends what they may be waiting for as they start
-(the database); a second one has its default action, a forced stop.
+SIGTERM or SIGINT sets their stop event and ends their wait for the database if they are still
+starting; a second one has its default action, a forced stop.
 
 A service handles signals from its start, never leaving one to its default action while it
 starts: that would kill it holding what it had just taken (buckets, leases) until others time
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Awaitable, Callable
 
 import anyio
 from anyio.abc import TaskStatus
@@ -19,21 +20,29 @@ from anyio.abc import TaskStatus
 log = logging.getLogger("room_outbox.signals")
 
 
-def signals_reach_here(handle_signals: bool) -> bool:
-    """Whether a service asked to ``handle_signals`` can: only in the main thread."""
-    return handle_signals and threading.current_thread() is threading.main_thread()
-
-
-async def stop_on_signal(
-    stop: anyio.Event, *waits: anyio.CancelScope, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+async def stopped_by_signals(
+    stop: anyio.Event, handle_signals: bool, service: Callable[[anyio.CancelScope], Awaitable[None]]
 ) -> None:
-    """Until the first SIGTERM or SIGINT: then ``stop`` is set and each of ``waits`` cancelled.
-    Started (``task_status``) once the signals are received here."""
+    """Run ``service(database_wait)``: the first SIGTERM or SIGINT sets ``stop`` and cancels
+    ``database_wait`` (the scope around the service's wait for its database), when
+    ``handle_signals`` and in the main thread."""
+    database_wait = anyio.CancelScope()
+    if not handle_signals or threading.current_thread() is not threading.main_thread():
+        await service(database_wait)
+        return
+    async with anyio.create_task_group() as signals:
+        await signals.start(_stop_on_signal, stop, database_wait)
+        await service(database_wait)
+        signals.cancel_scope.cancel()
+
+
+async def _stop_on_signal(
+    stop: anyio.Event, database_wait: anyio.CancelScope, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        task_status.started()
+        task_status.started()  # signals are received from here on
         async for signum in signals:
             log.info("signal received", extra={"signal": signal.Signals(signum).name})
             stop.set()
-            for wait in waits:
-                wait.cancel()
+            database_wait.cancel()
             return

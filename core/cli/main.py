@@ -92,8 +92,13 @@ class _CommandsFilledOnUse(argparse._SubParsersAction):  # type: ignore[type-arg
     """The subcommands' action: the command typed gets its parser filled in before argparse
     hands it the rest of the command line."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:  # fmt: skip
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         _fill(self.choices[values[0]], values[0])
         super().__call__(parser, namespace, values, option_string)
 

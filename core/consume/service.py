@@ -29,7 +29,7 @@ from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.signals import signals_reach_here, stop_on_signal
+from room_outbox.signals import stopped_by_signals
 from room_outbox.store.factory import consumer_store, open_store
 from room_outbox.store.operator.reports import ping
 from room_outbox.store.protocol import SQLStore
@@ -63,14 +63,9 @@ async def run_consumers(
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
     # Signals are handled from here on: one that comes while the process waits for the
     # database or opens what the consumers need ends the start, and no consumer joins a group.
-    database_wait = anyio.CancelScope()
-    if not signals_reach_here(handle_signals):
-        await _consume(settings, chosen, pm, redactor, stop, database_wait)
-        return
-    async with anyio.create_task_group() as signals:
-        await signals.start(stop_on_signal, stop, database_wait)
-        await _consume(settings, chosen, pm, redactor, stop, database_wait)
-        signals.cancel_scope.cancel()
+    await stopped_by_signals(
+        stop, handle_signals, lambda database_wait: _consume(settings, chosen, pm, redactor, stop, database_wait)
+    )
 
 
 async def _consume(
