@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import aiomysql
 import anyio
 from pymysql.constants import CLIENT
 
+from room_outbox.store.backends.dsn import parse_server_dsn
 from room_outbox.store.backends.leased import LeasedRows, claim_sql
 from room_outbox.store.backends.mysql_online import OnlineSchemaChange, exclusive_migration, to_stderr
 from room_outbox.store.deadline import (
@@ -55,25 +55,11 @@ class MySQLAddress:
     def from_dsn(cls, dsn: str) -> MySQLAddress:
         """``mysql://user:password@host:port/database``. Errors never echo the DSN, which
         holds the password."""
-        parts = urlsplit(dsn)
-        if parts.scheme not in ("mysql", "mariadb", "mysql+aiomysql"):
-            raise ValueError(f"database.dsn: scheme must be mysql:// (got {parts.scheme or 'none'}://)")
-        database = parts.path.lstrip("/")
-        if not database:
-            raise ValueError("database.dsn: names no database (mysql://user:password@host:port/DATABASE)")
-        unknown = set(parse_qs(parts.query))
-        if unknown:
-            raise ValueError(f"database.dsn: unsupported options {sorted(unknown)}")
-        try:
-            port = parts.port or 3306
-        except ValueError:
-            raise ValueError("database.dsn: port is not a number") from None
+        parsed = parse_server_dsn(dsn, ("mysql", "mariadb", "mysql+aiomysql"), default_port=3306, default_user="root")
+        if parsed.query:
+            raise ValueError(f"database.dsn: unsupported options {sorted(parsed.query)}")
         return cls(
-            host=parts.hostname or "127.0.0.1",
-            port=port,
-            user=unquote(parts.username or "root"),
-            password=unquote(parts.password or ""),
-            database=unquote(database),
+            host=parsed.host, port=parsed.port, user=parsed.user, password=parsed.password, database=parsed.database
         )
 
     def connect_kwargs(self) -> dict[str, Any]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
+from room_outbox.store.backends.dsn import parse_server_dsn
 from room_outbox.store.deadline import SessionLimits
 
 SCHEMES = ("postgresql", "postgres")
@@ -29,29 +29,19 @@ class PostgresAddress:
     def from_dsn(cls, dsn: str) -> PostgresAddress:
         """``postgresql://user:password@host:port/database[?sslmode=…]``. Errors never echo
         the DSN, which holds the password."""
-        parts = urlsplit(dsn)
-        if parts.scheme not in SCHEMES:
-            raise ValueError(f"database.dsn: scheme must be postgresql:// (got {parts.scheme or 'none'}://)")
-        database = parts.path.lstrip("/")
-        if not database:
-            raise ValueError("database.dsn: names no database (postgresql://user:password@host:port/DATABASE)")
-        query = parse_qs(parts.query)
-        unknown = set(query) - set(_LIBPQ_OPTIONS)
+        parsed = parse_server_dsn(dsn, SCHEMES, default_port=5432, default_user="postgres")
+        unknown = set(parsed.query) - set(_LIBPQ_OPTIONS)
         if unknown:
             raise ValueError(
                 f"database.dsn: unsupported options {sorted(unknown)} (allowed: {', '.join(_LIBPQ_OPTIONS)})"
             )
-        try:
-            port = parts.port or 5432
-        except ValueError:
-            raise ValueError("database.dsn: port is not a number") from None
         return cls(
-            host=parts.hostname or "127.0.0.1",
-            port=port,
-            user=unquote(parts.username or "postgres"),
-            password=unquote(parts.password or ""),
-            database=unquote(database),
-            options=tuple((name, values[-1]) for name, values in sorted(query.items())),
+            host=parsed.host,
+            port=parsed.port,
+            user=parsed.user,
+            password=parsed.password,
+            database=parsed.database,
+            options=tuple((name, values[-1]) for name, values in sorted(parsed.query.items())),
         )
 
     def connect_kwargs(

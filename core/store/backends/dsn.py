@@ -1,0 +1,42 @@
+"""What a server's DSN (``mysql://``, ``postgresql://``) says, read one way for every database:
+``scheme://user:password@host:port/database?options``. Errors name the part that is wrong and
+never echo the DSN, which holds the password."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote, urlsplit
+
+
+@dataclass(frozen=True)
+class ServerDsn:
+    host: str
+    port: int
+    user: str
+    password: str
+    database: str
+    #: Each option's values, as ``parse_qs`` gives them; the caller decides which it takes.
+    query: dict[str, list[str]]
+
+
+def parse_server_dsn(dsn: str, schemes: tuple[str, ...], default_port: int, default_user: str) -> ServerDsn:
+    """``dsn`` read, its scheme one of ``schemes`` (the first is the one error messages show)."""
+    parts = urlsplit(dsn)
+    shown = schemes[0]
+    if parts.scheme not in schemes:
+        raise ValueError(f"database.dsn: scheme must be {shown}:// (got {parts.scheme or 'none'}://)")
+    database = parts.path.lstrip("/")
+    if not database:
+        raise ValueError(f"database.dsn: names no database ({shown}://user:password@host:port/DATABASE)")
+    try:
+        port = parts.port or default_port
+    except ValueError:
+        raise ValueError("database.dsn: port is not a number") from None
+    return ServerDsn(
+        host=parts.hostname or "127.0.0.1",
+        port=port,
+        user=unquote(parts.username or default_user),
+        password=unquote(parts.password or ""),
+        database=unquote(database),
+        query=parse_qs(parts.query),
+    )
