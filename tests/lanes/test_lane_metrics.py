@@ -39,7 +39,9 @@ async def test_metrics_from_start_up(
     )
     await migrate_plugins(store, make_plugin_manager(), settings)
     async with store.transaction() as cur:  # the Kafka lane has run once: fed through id 0
-        await cur.execute("INSERT INTO room_outbox_lane_cursor VALUES ('kafka', 0, 0)")
+        await cur.execute(
+            "INSERT INTO room_outbox_lane_cursor (lane, fed_through_id, updated_at_ms) VALUES ('kafka', 0, 0)"
+        )
     await insert_events(store, [envelope("c1", "RoomCreated"), envelope("j1", "RoomUserJoined")])
     stop = anyio.Event()
     with caplog.at_level(logging.INFO):

@@ -22,6 +22,7 @@ from telemetry_support import capture
 
 from room_outbox.delivery.routing import Router
 from room_outbox.delivery.tail import TailRelay
+from room_outbox.errors import SchemaError
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugins.kafka import KafkaSettings
@@ -30,8 +31,9 @@ from room_outbox.sink import SinkContext
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.lanes.store import CURSOR_TABLE, migrate_lanes
-from room_outbox.store.lanes.tail import TailStore, migrate_tail
+from room_outbox.store.lanes.tail import TailStore, migrate_tail, tail_migration_plan
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.check import check_schema
 from room_outbox.store.schema.tail import PARKED_TABLE
 
 pytestmark = pytest.mark.anyio
@@ -274,9 +276,10 @@ async def test_migrate_moves_a_lane_table_lanes_cursor_back_to_its_first_unfinis
     await migrate_lanes(any_store, ["kafka"])
     first = await highest_id(any_store) - 5
     async with any_store.transaction() as cur:  # as the lane-table lane left it: 3 sent, 3 owed
-        await cur.execute(
-            "INSERT INTO room_outbox_lane_cursor (lane, fed_through_id, updated_at_ms) VALUES ('kafka', %s, 0)",
-            (first + 5,),
+        await cur.execute(  # where an earlier tailing run had read to, before the lane table ran
+            "INSERT INTO room_outbox_lane_cursor (lane, fed_through_id, updated_at_ms, read_through_id, open_gaps)"
+            " VALUES ('kafka', %s, 0, %s, %s)",
+            (first + 5, first + 5, f"{first}-{first}"),
         )
         for n in range(6):
             await cur.execute(
@@ -288,7 +291,108 @@ async def test_migrate_moves_a_lane_table_lanes_cursor_back_to_its_first_unfinis
         f"moved lane kafka's cursor back to {first + 2}: it tails from room_outbox_lane_kafka's first unfinished row"
     ]
     assert await cursor(any_store) == first + 2
+    async with any_store.transaction() as cur:  # the lane tails again from the cursor itself
+        await cur.execute("SELECT read_through_id, open_gaps FROM room_outbox_lane_cursor WHERE lane = 'kafka'")
+        assert tuple(await cur.fetchone()) == (None, None)
     assert await migrate_tail(any_store, ["kafka"]) == []  # idempotent
     async with any_store.transaction() as cur:
         await cur.execute(f"SELECT COUNT(*) FROM {PARKED_TABLE}")
         assert (await cur.fetchone())[0] == 0
+
+
+async def test_a_new_owner_resumes_where_the_last_one_read_even_behind_an_id_still_missing(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """A process that dies while an id below what it sent is still missing (a producer's
+    transaction not yet committed, a rolled-back insert) leaves its cursor below that id. The
+    next owner starts from where the last one read, not from the cursor: it sends nothing the
+    last one had sent, still waits for the missing id, and sends it once it commits."""
+    await insert_events(any_store, room_events("a", rooms=2, per_room=5))
+    committed = anyio.Event()
+
+    async def commit_late(*, task_status: TaskStatus[None]) -> None:
+        async with any_store.transaction() as cur:  # holds the next id
+            now = int(time.time() * 1000)
+            late = json.dumps(envelope("late", room_id="late-room"))
+            await cur.execute(INSERT_V1, ("", "late", "RoomUserJoined", "late-room", late, now, now))
+            task_status.started()
+            await committed.wait()
+
+    sinks = [kafka_sink(kafka_broker), kafka_sink(kafka_broker)]
+    later = room_events("b", rooms=2, per_room=10)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(commit_late)
+            await insert_events(any_store, later)
+            first = relay(any_store, sinks[0], batch=10)
+            for _ in range(3):  # everything committed is sent; the cursor stays below "late"
+                await first.run_once()
+            assert await cursor(any_store) < await highest_id(any_store)
+            sent = {e["event_id"] for e in room_events("a", rooms=2, per_room=5) + later}
+            assert sorted(event_ids(await consume(kafka_broker, sent))) == sorted(sent)
+            (lane,) = await stored_lanes(any_store)
+            assert (await own_lane_backlog(any_store, lane)).unfed == 0  # status: nothing owed
+            # The first process is gone (a kill leaves nothing but its last commit); a second
+            # process takes the lane over while "late" is still missing.
+            second = relay(any_store, sinks[1], batch=10)
+            await second.run_once()
+            committed.set()
+        await drain(second, any_store)
+    finally:
+        for sink in sinks:
+            await sink.aclose()
+    messages = await consume(kafka_broker, sent | {"late"})
+    assert sorted(event_ids(messages)) == sorted(sent | {"late"})  # each once: none sent again
+    assert await cursor(any_store) == await highest_id(any_store)
+
+
+async def test_cursor_ranges_that_do_not_parse_make_the_lane_send_again_from_the_cursor(
+    any_store: SQLStore, kafka_broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever is in the cursor's ``open_gaps``, nothing is skipped: ranges that do not parse
+    are named in a warning and the lane tails from ``fed_through_id`` (sending again what it
+    may have sent) rather than from ``read_through_id``."""
+    events = room_events("g", rooms=2, per_room=3)
+    await insert_events(any_store, events)
+    top = await highest_id(any_store)
+    async with any_store.transaction() as cur:
+        await cur.execute(
+            "INSERT INTO room_outbox_lane_cursor (lane, fed_through_id, updated_at_ms, read_through_id, open_gaps)"
+            " VALUES ('kafka', %s, 0, %s, 'not-a-range')",
+            (top - 6, top),
+        )
+    sink = kafka_sink(kafka_broker)
+    try:
+        with caplog.at_level(logging.WARNING, logger="room_outbox.lanes"):
+            await drain(relay(any_store, sink), any_store)
+    finally:
+        await sink.aclose()
+    messages = await consume(kafka_broker, {e["event_id"] for e in events})
+    assert sorted(event_ids(messages)) == sorted(e["event_id"] for e in events)
+    assert any("open_gaps do not parse" in r.getMessage() for r in caplog.records), caplog.records
+
+
+async def test_migrate_adds_the_tailing_columns_to_a_cursor_table_made_before_them(any_store: SQLStore) -> None:
+    """A cursor table from an earlier release gets ``read_through_id`` and ``open_gaps``
+    (online on MySQL/MariaDB: the statement names ALGORITHM=INSTANT), its rows kept; until
+    then a process with a tailing lane refuses to start, naming them."""
+    async with any_store.transaction() as cur:
+        await cur.execute(f"DROP TABLE {CURSOR_TABLE}")
+        await cur.execute(
+            f"CREATE TABLE {CURSOR_TABLE} (lane VARCHAR(64) NOT NULL PRIMARY KEY,"
+            f" fed_through_id BIGINT NOT NULL, updated_at_ms BIGINT NOT NULL)"
+        )
+        await cur.execute(f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, updated_at_ms) VALUES ('kafka', 7, 0)")
+    with pytest.raises(SchemaError, match=f"table {CURSOR_TABLE} lacks read_through_id, open_gaps"):
+        await check_schema(any_store, tail_lanes=["kafka"])
+    plan = await tail_migration_plan(any_store, ["kafka"])
+    assert [step.change for step in plan] == [
+        f"added column {CURSOR_TABLE}.read_through_id",
+        f"added column {CURSOR_TABLE}.open_gaps",
+    ]
+    if any_store.dialect.name == "mysql":
+        assert all(statement.endswith("ALGORITHM=INSTANT") for step in plan for statement in step.statements)
+    assert await migrate_tail(any_store, ["kafka"]) == [step.change for step in plan]
+    await check_schema(any_store, tail_lanes=["kafka"])
+    assert await cursor(any_store) == 7
+    assert await migrate_tail(any_store, ["kafka"]) == []  # idempotent

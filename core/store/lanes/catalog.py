@@ -52,18 +52,33 @@ class StoredLane:
     has_table: bool
     #: ``room_outbox_lane_cursor.fed_through_id``; None: the lane has never run.
     fed_through_id: int | None
+    #: A tailing lane's highest id read (``read_through_id``): above its cursor, the ids up to
+    #: it are sent but those it still waits for. None: read through the cursor.
+    read_through_id: int | None = None
 
 
 async def stored_lanes(store: SQLStore) -> list[StoredLane]:
     """Every lane of its own with a table or a cursor row, sorted by name."""
     async with store.transaction() as cur:
         names = {name for name in await table_names(cur, store.dialect) if name.startswith(LANE_PREFIX)}
-        cursors: dict[str, int] = {}
+        cursors: dict[str, dict[str, Any]] = {}
         if CURSOR_TABLE in names:
-            await cur.execute(f"SELECT lane, fed_through_id FROM {CURSOR_TABLE}")
-            cursors = {str(lane): int(fed) for lane, fed in await cur.fetchall()}
+            # Every column: a cursor table that only lane tables use may lack read_through_id.
+            await cur.execute(f"SELECT * FROM {CURSOR_TABLE}")
+            columns = [str(d[0]).lower() for d in cur.description]
+            rows = [dict(zip(columns, row, strict=True)) for row in await cur.fetchall()]
+            cursors = {str(row["lane"]): row for row in rows}
     tables = {name[len(LANE_PREFIX) :] for name in names - {CURSOR_TABLE}}
-    return [StoredLane(name, name in tables, cursors.get(name)) for name in sorted(tables | cursors.keys())]
+    lanes = []
+    for name in sorted(tables | cursors.keys()):
+        cursor = cursors.get(name, {})
+        fed, read_through = cursor.get("fed_through_id"), cursor.get("read_through_id")
+        lanes.append(StoredLane(name, name in tables, _int(fed), _int(read_through)))
+    return lanes
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 #: Rows above a lane's feeding point counted one by one; beyond, estimated (see own_lane_backlog).
@@ -75,9 +90,9 @@ async def own_lane_backlog(store: SQLStore, lane: StoredLane, counted: int = UNF
 
     Pending and parked rows are counted in the lane's claim index (``status`` first), as the IM
     lane's are in ``room_outbox``'s. The rows not fed yet are those of ``room_outbox`` above the
-    lane's feeding point (its watermark or the highest id in its table, whichever is higher;
-    committed rows inside the id ranges the feeder still waits for are fed within a round and
-    not counted). Those rows sit in ``room_outbox``'s primary key, whole rows with their
+    lane's feeding point (its watermark or the highest id in its table, or a tailing lane's
+    highest id read, whichever is higher; committed rows inside the id ranges the feeder still
+    waits for are fed within a round and not counted). Those rows sit in ``room_outbox``'s primary key, whole rows with their
     envelopes, so a million of them cannot be counted within a query timeout: the first
     ``counted`` (at least 2) are counted and the rest estimated from the ids above them at the
     density of the counted ones' ids (exact while ids follow one step, whatever the step).
@@ -105,6 +120,8 @@ async def own_lane_backlog(store: SQLStore, lane: StoredLane, counted: int = UNF
                 fed_up_to = max(fed_up_to, int(highest_fed))
         else:  # a tailing lane: its parked rows live in the tailing lanes' table
             parked = await _tail_parked(cur, store, lane.name)
+            if lane.read_through_id is not None and fed_up_to is not None:
+                fed_up_to = max(fed_up_to, lane.read_through_id)
         unfed = 0
         if fed_up_to is not None:
             await cur.execute(

@@ -51,7 +51,7 @@ def start_id(start: str | int, max_id: int) -> int:
 
 
 @dataclass
-class _Gap:
+class Gap:
     """Ids in ``[low, high]`` on the feeder's lattice, missing since ``first_seen`` (monotonic)."""
 
     low: int
@@ -81,7 +81,7 @@ class LaneStore(LeasedRows):
     key: str = "outbox_id"
     envelope_column: str = "''"  # set from the owner's profile (see __post_init__)
     _high: int = -1  # the highest room_outbox id this process has seen
-    _gaps: list[_Gap] = field(default_factory=list)
+    _gaps: list[Gap] = field(default_factory=list)
     #: The greatest common divisor of the differences between ids read (0: none yet), and how
     #: many differences it is built on.
     _gcd: int = 0
@@ -305,15 +305,15 @@ class LaneStore(LeasedRows):
                 "room_outbox ids follow a finer step than seen so far; recent ids are looked at again",
                 extra={"lane": self.lane, "step": step, "previous_step": before, "from_id": low},
             )
-            self._gaps = [_Gap(low, self._high, now)] if low <= self._high else []
+            self._gaps = [Gap(low, self._high, now)] if low <= self._high else []
 
     def _add_gap(self, after: int, before: int, now: float) -> None:
         """Wait for the ids strictly between ``after`` and the id ``before`` that was just read."""
-        gap = self._on_lattice(_Gap(after + 1, before - 1, now), anchor=before)
+        gap = self._on_lattice(Gap(after + 1, before - 1, now), anchor=before)
         if gap is not None:
             self._gaps.append(gap)
 
-    def _on_lattice(self, gap: _Gap, anchor: int | None = None) -> _Gap | None:
+    def _on_lattice(self, gap: Gap, anchor: int | None = None) -> Gap | None:
         """``gap`` narrowed to the ids that can exist (``anchor``: an id known to exist)."""
         anchor = self._last_id if anchor is None else anchor
         step = self._step
@@ -321,7 +321,7 @@ class LaneStore(LeasedRows):
             return gap if gap.low <= gap.high else None
         low = gap.low + (anchor - gap.low) % step
         high = gap.high - (gap.high - anchor) % step
-        return _Gap(low, high, gap.first_seen) if low <= high else None
+        return Gap(low, high, gap.first_seen) if low <= high else None
 
     async def _read_gaps(self, cur: Any) -> list[int]:
         """Ids that have committed inside the ranges seen missing (:meth:`_turned_up`)."""
@@ -344,15 +344,15 @@ class LaneStore(LeasedRows):
         still missing (a range splits around a row that turned up)."""
         if not found:
             return
-        remaining: list[_Gap] = []
+        remaining: list[Gap] = []
         for gap in self._gaps:
             low = gap.low
             for row_id in (i for i in found if gap.low <= i <= gap.high):
                 if row_id > low:
-                    remaining.append(_Gap(low, row_id - 1, gap.first_seen))
+                    remaining.append(Gap(low, row_id - 1, gap.first_seen))
                 low = row_id + 1
             if low <= gap.high:
-                remaining.append(_Gap(low, gap.high, gap.first_seen))
+                remaining.append(Gap(low, gap.high, gap.first_seen))
         self._gaps = [trimmed for gap in remaining if (trimmed := self._on_lattice(gap))]
 
     def _expire_gaps(self) -> None:

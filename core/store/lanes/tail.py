@@ -12,13 +12,18 @@ another takes over from the cursor — repeating at most the round in flight. A 
 (the broker down) is rolled back and read again, in order.
 
 The cursor is the same ``room_outbox_lane_cursor`` row a lane-table lane uses ("every id at or
-below is done"); :func:`migrate_tail` moves it back below the lane table's unfinished rows when
-a lane switches from its table to tailing.
+below ``fed_through_id`` is done"). A tailing lane also keeps there the highest id it has read
+and the ranges below it still missing (:class:`TailCursor`): an id that is missing for a while
+(a producer's transaction still open, a rolled-back insert) holds ``fed_through_id`` below it
+for up to ``gap_timeout``, while the rounds go on sending what is above it, and a new owner
+must not send all of that again. :func:`migrate_tail` moves the cursor back below the lane
+table's unfinished rows when a lane switches from its table to tailing.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -27,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import marks, text
-from room_outbox.store.lanes.store import CURSOR_TABLE, LaneStore, log
+from room_outbox.store.lanes.store import CURSOR_TABLE, Gap, LaneStore, log
 from room_outbox.store.schema.outbox import Migration
 from room_outbox.store.schema.registry import WantedSchema, migrate, migration_plan
 from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, REQUEUED
@@ -60,20 +65,33 @@ class TailRound:
     #: batch is on its way (see :meth:`TailStore.round`); never raises.
     while_sending: Callable[[], Coroutine[Any, Any, None]] = field(default=_nothing)
     #: Where :attr:`while_sending` moved the cursor (None: not yet), or what it failed with.
-    cursor: int | None = None
+    cursor: TailCursor | None = None
     failure: Exception | None = None
 
     def park(self, row: TailRow, error: str) -> None:
         self.parked[row.outbox_id] = error[:1024]
 
 
+@dataclass(frozen=True)
+class TailCursor:
+    """A tailing lane's cursor row. Every id at or below ``fed_through_id`` is done (sent,
+    parked, or given up on as never committed); above it, up to ``read_through_id``, every id
+    is done but those in ``open_gaps``, the ranges still waited for (``low-high``, comma
+    separated). So a new owner (after a kill, a failover, a restart) sends nothing again that
+    a committed round sent, even while an id below it is still missing."""
+
+    fed_through_id: int
+    read_through_id: int | None = None
+    open_gaps: str | None = None
+
+
 @dataclass
 class TailStore(LaneStore):
     """One tailing lane over ``room_outbox``; ``feed_batch`` is the round's size."""
 
-    #: The watermark this process last wrote: another value in the cursor means another process
+    #: The cursor as this process last wrote it: another value there means another process
     #: owned the lane meanwhile, and what this one remembers (ids seen, gaps) is stale.
-    _committed: int | None = None
+    _committed: TailCursor | None = None
     #: The next round's rows, read ahead by the last round, with the highest id seen when they
     #: were read: the next round's own read as long as nothing moved.
     _ahead: tuple[int, list[TailRow]] | None = None
@@ -97,13 +115,15 @@ class TailStore(LaneStore):
         ahead, self._ahead = self._ahead, None
         with self._forgotten_unless_committed():
             async with self.transaction() as cur:
-                watermark, any_requeued = await self._lock(cur)
-                if watermark is None:
+                locked = await self._lock(cur)
+                if locked is None:
                     yield None
                     return
-                if watermark != self._committed:
-                    self._high, self._gaps, self._last_id, ahead = watermark, [], None, None
-                    log.info("tailing the lane from its cursor", extra={"lane": self.lane, "fed_through_id": watermark})
+                cursor, any_requeued = locked
+                watermark = cursor.fed_through_id
+                if cursor != self._committed:
+                    self._resume(cursor)
+                    ahead = None
                 self._gaps = [g for g in self._gaps if g.high > watermark]
                 read = ahead[1] if ahead is not None and ahead[0] == self._high else await self._read(cur)
                 fresh = [row.outbox_id for row in read if row.outbox_id > self._high]
@@ -113,7 +133,7 @@ class TailStore(LaneStore):
                 tail = TailRound(rows=await self._rows(cur, requeued) + read, requeued=requeued)
                 # A full read: more are likely waiting.
                 tail.while_sending = functools.partial(
-                    self._while_sending, cur, tail, watermark, len(fresh) >= self.feed_batch
+                    self._while_sending, cur, tail, cursor, len(fresh) >= self.feed_batch
                 )
                 try:
                     yield tail
@@ -123,38 +143,80 @@ class TailStore(LaneStore):
                     self._ahead = None  # read in a transaction that does not commit
                     raise
                 await self._park(cur, tail)
-                committed = tail.cursor if tail.cursor is not None else await self._move_cursor(cur, watermark)
+                committed = tail.cursor if tail.cursor is not None else await self._move_cursor(cur, cursor)
         self._committed = committed
 
-    async def _while_sending(self, cur: Any, tail: TailRound, watermark: int, read_ahead: bool) -> None:
+    def _resume(self, cursor: TailCursor) -> None:
+        """Take the lane over from its cursor row (the first round, or another process owned it
+        meanwhile): go on from the highest id read, waiting again for the ranges still missing
+        (each for a whole ``gap_timeout`` from now: how long they were waited for is not kept).
+        Ranges that do not parse make it start from ``fed_through_id`` instead: events sent
+        above it may be sent again, none is skipped."""
+        self._high, self._gaps, self._last_id = cursor.fed_through_id, [], None
+        read_through = cursor.read_through_id
+        if read_through is not None and read_through > cursor.fed_through_id:
+            try:
+                ranges = _parse_gaps(cursor.open_gaps)
+            except ValueError:
+                log.warning(
+                    "the cursor's open_gaps do not parse; tailing from fed_through_id: events above it may be sent again",
+                    extra={"lane": self.lane, "fed_through_id": cursor.fed_through_id},
+                )
+            else:
+                now = time.monotonic()
+                self._high = read_through
+                self._gaps = [
+                    Gap(max(low, cursor.fed_through_id + 1), high, now)
+                    for low, high in ranges
+                    if high > cursor.fed_through_id
+                ]
+        log.info(
+            "tailing the lane from its cursor",
+            extra={"lane": self.lane, "fed_through_id": cursor.fed_through_id, "read_through_id": self._high},
+        )
+
+    async def _while_sending(self, cur: Any, tail: TailRound, cursor: TailCursor, read_ahead: bool) -> None:
         """Move the cursor and, with ``read_ahead``, read the next round's rows (:meth:`round`).
         A failure is kept in ``tail`` and fails the round when it ends."""
         try:
-            tail.cursor = await self._move_cursor(cur, watermark)
+            tail.cursor = await self._move_cursor(cur, cursor)
             if read_ahead:
                 self._ahead = (self._high, await self._read(cur))
         except Exception as exc:
             tail.failure = exc
 
-    async def _move_cursor(self, cur: Any, watermark: int) -> int:
-        """Write the new watermark (every id at or below it done, or given up on); return it."""
+    async def _move_cursor(self, cur: Any, before: TailCursor) -> TailCursor:
+        """Write where the lane is (:class:`TailCursor`) when it moved; return it."""
         self._expire_gaps()
         self._bound_gaps()
-        new_watermark = min(g.low for g in self._gaps) - 1 if self._gaps else self._high
-        if new_watermark != watermark:
+        after = TailCursor(
+            min(g.low for g in self._gaps) - 1 if self._gaps else self._high,
+            self._high,
+            ",".join(f"{g.low}-{g.high}" for g in sorted(self._gaps, key=attrgetter("low"))) or None,
+        )
+        if after != before:
             await cur.execute(
-                f"UPDATE {CURSOR_TABLE} SET fed_through_id = %s, updated_at_ms = %s WHERE lane = %s",
-                (new_watermark, now_ms(), self.lane),
+                f"UPDATE {CURSOR_TABLE} SET fed_through_id = %s, read_through_id = %s, open_gaps = %s,"
+                " updated_at_ms = %s WHERE lane = %s",
+                (after.fed_through_id, after.read_through_id, after.open_gaps, now_ms(), self.lane),
             )
-        return new_watermark
+        return after
 
-    async def _lock(self, cur: Any) -> tuple[int | None, bool]:
+    async def _lock(self, cur: Any) -> tuple[TailCursor, bool] | None:
         """The cursor, locked (None: another process owns the lane right now), and whether any
         of the lane's parked rows are requeued, in the same statement (a locking read does not
         lock what a subquery in its column list reads)."""
-        requeued = f", EXISTS (SELECT 1 FROM {PARKED_TABLE} WHERE lane = %s AND status = %s)"
-        cursor = await self._lock_cursor(cur, requeued, (self.lane, REQUEUED))
-        return (None, False) if cursor is None else (int(cursor[0]), bool(cursor[1]))
+        also = f", read_through_id, open_gaps, EXISTS (SELECT 1 FROM {PARKED_TABLE} WHERE lane = %s AND status = %s)"
+        row = await self._lock_cursor(cur, also, (self.lane, REQUEUED))
+        if row is None:
+            return None
+        fed, read_through, open_gaps, any_requeued = row
+        cursor = TailCursor(
+            int(fed),
+            None if read_through is None else int(read_through),
+            None if open_gaps is None else text(open_gaps),
+        )
+        return cursor, bool(any_requeued)
 
     async def _read(self, cur: Any) -> list[TailRow]:
         """In one statement, in id order: the rows above the highest id seen, up to
@@ -255,6 +317,18 @@ class TailStore(LaneStore):
             return int(cur.rowcount)
 
 
+def _parse_gaps(open_gaps: str | None) -> list[tuple[int, int]]:
+    """``open_gaps`` as ``(low, high)`` ranges; ValueError when it does not parse."""
+    ranges = []
+    for part in (open_gaps or "").split(","):
+        if part:
+            low, high = (int(bound) for bound in part.split("-"))
+            if low > high:
+                raise ValueError(f"range {part} is empty")
+            ranges.append((low, high))
+    return ranges
+
+
 async def migrate_tail(store: SQLStore, lanes: Sequence[str]) -> list[str]:
     """The tailing lanes' tables, through the one migration path (:mod:`room_outbox.store.schema.tail`)."""
     return await migrate(store, WantedSchema(outbox=False, tail_lanes=tuple(lanes)))
@@ -265,4 +339,4 @@ async def tail_migration_plan(store: SQLStore, lanes: Sequence[str]) -> list[Mig
     return await migration_plan(store, WantedSchema(outbox=False, tail_lanes=tuple(lanes)))
 
 
-__all__ = ["TailRound", "TailRow", "TailStore", "migrate_tail", "tail_migration_plan"]
+__all__ = ["TailCursor", "TailRound", "TailRow", "TailStore", "migrate_tail", "tail_migration_plan"]

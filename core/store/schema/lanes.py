@@ -28,12 +28,22 @@ def lane_table(lane: str) -> str:
     return f"room_outbox_lane_{lane}"
 
 
+def tail_cursor_columns(dialect: Dialect) -> dict[str, str]:
+    """The cursor's columns for tailing lanes, name → definition: ``read_through_id``, the
+    highest id the lane has read (every id up to it is sent, parked or in ``open_gaps``), and
+    ``open_gaps``, the id ranges below it still waited for (see
+    :mod:`room_outbox.store.lanes.tail`). NULL: read through ``fed_through_id``, no range
+    waited for (a lane table's feeder leaves them NULL)."""
+    return {"read_through_id": f"{dialect.id_type} NULL", "open_gaps": "TEXT NULL"}
+
+
 def cursor_ddl(dialect: Dialect) -> list[str]:
+    tail = "".join(f",\n  {name} {definition}" for name, definition in tail_cursor_columns(dialect).items())
     return [
         f"""CREATE TABLE {CURSOR_TABLE} (
   lane           VARCHAR(64) NOT NULL PRIMARY KEY,
   fed_through_id {dialect.id_type} NOT NULL,
-  updated_at_ms  BIGINT      NOT NULL
+  updated_at_ms  BIGINT      NOT NULL{tail}
 ){dialect.table_options}"""
     ]
 

@@ -100,7 +100,7 @@ def required_columns(dialect: Dialect, profile: Profile, wanted: WantedSchema) -
         required[CURSOR_TABLE] = ("lane", "fed_through_id")
         required.update({lane_table(lane): (*LANE_COLUMNS, *bucket) for lane in wanted.lanes})
     if wanted.tail_lanes:
-        required[CURSOR_TABLE] = ("lane", "fed_through_id")
+        required[CURSOR_TABLE] = ("lane", "fed_through_id", "read_through_id", "open_gaps")
         required[PARKED_TABLE] = ("lane", "outbox_id", "status", "last_error")
     if wanted.outbox and server:
         required[NODE_TABLE] = ("node_id", "heartbeat_ms", "view", "view_since_ms")

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from room_outbox.store.dialect import Dialect, table_names
-from room_outbox.store.schema.lanes import CURSOR_TABLE, cursor_ddl, lane_table
-from room_outbox.store.schema.outbox import Migration
+from room_outbox.store.dialect import Dialect, column_names, table_names
+from room_outbox.store.schema.lanes import CURSOR_TABLE, cursor_ddl, lane_table, tail_cursor_columns
+from room_outbox.store.schema.outbox import Migration, add_column_sql
 
 PARKED_TABLE = "room_outbox_tail_parked"
 PARKED = "parked"
@@ -39,8 +39,9 @@ def parked_ddl(dialect: Dialect) -> list[str]:
 
 async def tail_steps(cur: Any, dialect: Dialect, lanes: Sequence[str], cursor_planned: bool = False) -> list[Migration]:
     """What tailing ``lanes`` need, read from the catalogue in the caller's transaction: the
-    cursor table (unless an earlier step of the same plan creates it: ``cursor_planned``) and
-    the parked table; a lane that ran on its own table before starts tailing just below that
+    cursor table (unless an earlier step of the same plan creates it: ``cursor_planned``) with
+    the columns where a tailing lane keeps what it has read (added to a cursor table made
+    before them), and the parked table; a lane that ran on its own table before starts tailing just below that
     table's first unfinished row, so nothing it owed is lost (the table itself is kept)."""
     if not lanes:
         return []
@@ -49,6 +50,16 @@ async def tail_steps(cur: Any, dialect: Dialect, lanes: Sequence[str], cursor_pl
     if not cursor_planned:
         wanted.insert(0, (CURSOR_TABLE, cursor_ddl(dialect)))
     plan = [Migration(f"created table {name}", tuple(ddl)) for name, ddl in wanted if name not in existing]
+    if CURSOR_TABLE in existing:  # made before tailing lanes kept where they read to
+        have = set(await column_names(cur, dialect, CURSOR_TABLE))
+        plan += [
+            Migration(
+                f"added column {CURSOR_TABLE}.{name}",
+                (add_column_sql(dialect, CURSOR_TABLE, f"{name} {definition}"),),
+            )
+            for name, definition in tail_cursor_columns(dialect).items()
+            if name not in have
+        ]
     for lane in lanes:
         if lane_table(lane) in existing and CURSOR_TABLE in existing:
             plan += await _upgrade(cur, lane)
@@ -67,7 +78,11 @@ async def _upgrade(cur: Any, lane: str) -> list[Migration]:
     return [
         Migration(
             f"moved lane {lane}'s cursor back to {back_to}: it tails from {table}'s first unfinished row",
-            (f"UPDATE {CURSOR_TABLE} SET fed_through_id = {back_to} WHERE lane = '{lane}'",),
+            # From the cursor: where the tailing lane had read to before it ran on its table is past.
+            (
+                f"UPDATE {CURSOR_TABLE} SET fed_through_id = {back_to}, read_through_id = NULL, open_gaps = NULL"
+                f" WHERE lane = '{lane}'",
+            ),
         )
     ]
 
