@@ -15,7 +15,8 @@ from room_outbox.config import Settings
 from room_outbox.consume.ops import consumer_states
 from room_outbox.envelope import EnvelopeError, parse_envelope
 from room_outbox.store.clock import now_ms
-from room_outbox.store.operator.reports import event_row, lane_row, lane_statuses, tail_parked_row
+from room_outbox.store.lanes.catalog import stored_lanes
+from room_outbox.store.operator.reports import event_row, lane_row, tail_parked_row
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.profiles import V1, Profile
 
@@ -65,20 +66,28 @@ async def inspect_event(store: SQLStore, event_id: str) -> dict[str, Any] | None
 async def _lane_states(store: SQLStore, outbox_id: int, now: int) -> dict[str, str]:
     """The event's state in each lane of its own (same vocabulary as the main lane's)."""
     states: dict[str, str] = {}
-    for lane in await lane_statuses(store):
-        found = await lane_row(store, lane.lane, outbox_id)
-        parked = await tail_parked_row(store, lane.lane, outbox_id)
+    for lane in await stored_lanes(store):
+        if lane.fed_through_id is None:
+            continue  # never ran
+        found = await lane_row(store, lane.name, outbox_id) if lane.has_table else None
+        parked = await tail_parked_row(store, lane.name, outbox_id)
         if parked is not None:  # a tailing lane passed over it
-            states[lane.lane] = (
+            states[lane.name] = (
                 f"{parked['status']} by the tailing lane: {parked['last_error']}"
-                f" (`room-outbox requeue --lane {lane.lane}` sends it again)"
+                f" (`room-outbox requeue --lane {lane.name}` sends it again)"
             )
         elif found is not None:
-            states[lane.lane] = describe_state(found, now)
+            states[lane.name] = describe_state(found, now)
+        elif not lane.has_table:
+            states[lane.name] = (
+                "sent by the tailing lane (or before the lane's start)"
+                if lane.tailed_past(outbox_id)
+                else "not sent by the tailing lane yet"
+            )
         elif outbox_id > lane.fed_through_id:
-            states[lane.lane] = "not fed to this lane yet"
+            states[lane.name] = "not fed to this lane yet"
         else:
-            states[lane.lane] = "not in this lane (before its start, or cleaned up)"
+            states[lane.name] = "not in this lane (before its start, or cleaned up)"
     return states
 
 

@@ -396,3 +396,27 @@ async def test_migrate_adds_the_tailing_columns_to_a_cursor_table_made_before_th
     await check_schema(any_store, tail_lanes=["kafka"])
     assert await cursor(any_store) == 7
     assert await migrate_tail(any_store, ["kafka"]) == []  # idempotent
+
+
+async def test_inspect_tells_the_events_a_tailing_lane_sent_from_those_it_has_not(any_store: SQLStore) -> None:
+    """``inspect`` reads a tailing lane's cursor row: at or below ``fed_through_id``, and above it
+    up to ``read_through_id`` outside the ranges still waited for, an event is sent; the rest
+    (one that committed late inside such a range, one above what was read) is not yet."""
+    from room_outbox.cli.inspect import inspect_event
+
+    await insert_events(any_store, [envelope(f"i{n}") for n in range(5)])
+    first = await highest_id(any_store) - 4
+    async with any_store.transaction() as cur:  # i0 done; i1 missing when read, i2 sent; i3, i4 not read
+        await cur.execute(
+            "INSERT INTO room_outbox_lane_cursor (lane, fed_through_id, updated_at_ms, read_through_id, open_gaps)"
+            " VALUES ('kafka', %s, 0, %s, %s)",
+            (first, first + 2, f"{first + 1}-{first + 1}"),
+        )
+
+    async def state(event_id: str) -> str:
+        doc = await inspect_event(any_store, event_id)
+        assert doc is not None
+        return str(doc["lanes"]["kafka"])
+
+    sent, waiting = "sent by the tailing lane (or before the lane's start)", "not sent by the tailing lane yet"
+    assert [await state(f"i{n}") for n in range(5)] == [sent, waiting, sent, waiting, waiting]

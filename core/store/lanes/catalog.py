@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import table_names
+from room_outbox.store.dialect import table_names, text
 from room_outbox.store.lanes.store import CURSOR_TABLE, lane_table
+from room_outbox.store.lanes.tail import parse_gaps
 from room_outbox.store.schema.tail import PARKED, PARKED_TABLE
 
 if TYPE_CHECKING:
@@ -53,8 +54,22 @@ class StoredLane:
     #: ``room_outbox_lane_cursor.fed_through_id``; None: the lane has never run.
     fed_through_id: int | None
     #: A tailing lane's highest id read (``read_through_id``): above its cursor, the ids up to
-    #: it are sent but those it still waits for. None: read through the cursor.
+    #: it are sent but those in ``open_gaps``, the ranges it still waits for. None: read
+    #: through the cursor.
     read_through_id: int | None = None
+    open_gaps: str | None = None
+
+    def tailed_past(self, outbox_id: int) -> bool:
+        """Whether this tailing lane is past ``outbox_id``: sent it (or passed it over as before
+        its start); a row in a range it still waits for committed late and goes next round."""
+        if self.fed_through_id is not None and outbox_id <= self.fed_through_id:
+            return True
+        if self.read_through_id is None or outbox_id > self.read_through_id:
+            return False
+        try:
+            return not any(low <= outbox_id <= high for low, high in parse_gaps(self.open_gaps))
+        except ValueError:
+            return False  # the lane itself then tails from its cursor again
 
 
 async def stored_lanes(store: SQLStore) -> list[StoredLane]:
@@ -72,8 +87,10 @@ async def stored_lanes(store: SQLStore) -> list[StoredLane]:
     lanes = []
     for name in sorted(tables | cursors.keys()):
         cursor = cursors.get(name, {})
-        fed, read_through = cursor.get("fed_through_id"), cursor.get("read_through_id")
-        lanes.append(StoredLane(name, name in tables, _int(fed), _int(read_through)))
+        fed, read_through, gaps = (cursor.get(c) for c in ("fed_through_id", "read_through_id", "open_gaps"))
+        lanes.append(
+            StoredLane(name, name in tables, _int(fed), _int(read_through), None if gaps is None else text(gaps))
+        )
     return lanes
 
 

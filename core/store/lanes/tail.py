@@ -156,7 +156,7 @@ class TailStore(LaneStore):
         read_through = cursor.read_through_id
         if read_through is not None and read_through > cursor.fed_through_id:
             try:
-                ranges = _parse_gaps(cursor.open_gaps)
+                ranges = parse_gaps(cursor.open_gaps)
             except ValueError:
                 log.warning(
                     "the cursor's open_gaps do not parse; tailing from fed_through_id: events above it may be sent again",
@@ -317,7 +317,7 @@ class TailStore(LaneStore):
             return int(cur.rowcount)
 
 
-def _parse_gaps(open_gaps: str | None) -> list[tuple[int, int]]:
+def parse_gaps(open_gaps: str | None) -> list[tuple[int, int]]:
     """``open_gaps`` as ``(low, high)`` ranges; ValueError when it does not parse."""
     ranges = []
     for part in (open_gaps or "").split(","):
@@ -339,4 +339,4 @@ async def tail_migration_plan(store: SQLStore, lanes: Sequence[str]) -> list[Mig
     return await migration_plan(store, WantedSchema(outbox=False, tail_lanes=tuple(lanes)))
 
 
-__all__ = ["TailCursor", "TailRound", "TailRow", "TailStore", "migrate_tail", "tail_migration_plan"]
+__all__ = ["TailCursor", "TailRound", "TailRow", "TailStore", "migrate_tail", "parse_gaps", "tail_migration_plan"]
