@@ -1,5 +1,6 @@
 """The tailing Kafka lane with real processes on the real broker: two `room-outbox run`
-processes, the owner killed with SIGKILL, the broker stopped with SIGSTOP for a while. Every event
+processes, the owner killed with SIGKILL, the broker stopped with SIGSTOP for a while, and an id
+below every event missing until after the kill (a producer's transaction still open). Every event
 reaches the topic, each room's events in order in one partition, duplicates bounded by a batch
 per incident, and an oversize event parked and counted by `room-outbox status`."""
 
@@ -7,15 +8,20 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from collections import Counter, defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio
 import pytest
+from anyio.abc import TaskStatus
 from lanes.conftest import Broker
 from lanes.test_lane_lifecycle import cli, write
 from lanes.test_lanes import consume, event_ids
 from processes import DispatcherProcess
-from support import envelope, insert_events, wait_until
+from support import INSERT_V1, envelope, insert_events, wait_until
 
 from room_outbox.store.backends.mysql import MySQLStore
 
@@ -37,6 +43,28 @@ def last_takeover(proc: DispatcherProcess) -> str:
     )
 
 
+@asynccontextmanager
+async def id_held_open(store: MySQLStore, event_id: str) -> AsyncIterator[anyio.Event]:
+    """An event inserted in a transaction that commits once the event yielded is set: its id
+    is missing meanwhile, below every id inserted after it."""
+    commit = anyio.Event()
+
+    async def hold(*, task_status: TaskStatus[None]) -> None:
+        async with store.transaction(timeout=300) as cur:
+            now = int(time.time() * 1000)
+            row = json.dumps(envelope(event_id, room_id="r_late"))
+            await cur.execute(INSERT_V1, ("", event_id, "RoomUserJoined", "r_late", row, now, now))
+            task_status.started()
+            await commit.wait()
+
+    async with anyio.create_task_group() as holder:
+        await holder.start(hold)
+        try:
+            yield commit
+        finally:
+            commit.set()
+
+
 async def test_two_processes_a_kill_and_a_broker_stop_deliver_everything_in_room_order(
     store: MySQLStore, database_dsn: str, kafka_broker: Broker, tmp_path: Path
 ) -> None:
@@ -52,19 +80,23 @@ async def test_two_processes_a_kill_and_a_broker_stop_deliver_everything_in_room
     migrated = cli(config, "migrate")
     assert migrated.returncode == 0, migrated.stderr
     first = room_events("a", 0, 20)
-    await insert_events(store, [*first[:100], envelope("huge", room_id="r_big", payload={"blob": "x" * 4000}),
-                                *first[100:]])  # fmt: skip
     procs = [DispatcherProcess(config, "tail-0"), DispatcherProcess(config, "tail-1")]
     try:
-        await consume(kafka_broker, {str(e["event_id"]) for e in first}, timeout=60)
-        # A round belongs to whoever locks the cursor row for it, so both may have owned the lane
-        # between rounds: the one that took it over last is killed.
-        owner = max(procs, key=last_takeover)
-        other = procs[1 - procs.index(owner)]
-        second = room_events("b", 20, 20)
-        await insert_events(store, second)
-        owner.kill()  # SIGKILL, maybe mid-batch: the other one goes on from the cursor
-        await consume(kafka_broker, {str(e["event_id"]) for e in second}, timeout=60)
+        # The cursor stays below "late" until after the kill, while both processes send what is
+        # above it and take the lane from each other: neither sends again what the other sent.
+        async with id_held_open(store, "late") as commit_late:
+            await insert_events(store, [*first[:100], envelope("huge", room_id="r_big", payload={"blob": "x" * 4000}),
+                                        *first[100:]])  # fmt: skip
+            await consume(kafka_broker, {str(e["event_id"]) for e in first}, timeout=60)
+            # A round belongs to whoever locks the cursor row for it, so both may have owned the
+            # lane between rounds: the one that took it over last is killed.
+            owner = max(procs, key=last_takeover)
+            other = procs[1 - procs.index(owner)]
+            second = room_events("b", 20, 20)
+            await insert_events(store, second)
+            owner.kill()  # SIGKILL, maybe mid-batch: the other one goes on from where it read
+            await consume(kafka_broker, {str(e["event_id"]) for e in second}, timeout=60)
+            commit_late.set()
 
         assert kafka_broker.proc is not None
         kafka_broker.proc.send_signal(signal.SIGSTOP)  # the broker hangs: sends time out
@@ -75,7 +107,8 @@ async def test_two_processes_a_kill_and_a_broker_stop_deliver_everything_in_room
                                          for line in other.lines()), timeout=30)  # fmt: skip
         finally:
             kafka_broker.proc.send_signal(signal.SIGCONT)
-        messages = await consume(kafka_broker, {str(e["event_id"]) for e in first + second + third}, timeout=90)
+        everything = {str(e["event_id"]) for e in first + second + third} | {"late"}
+        messages = await consume(kafka_broker, everything, timeout=90)
         status = cli(config, "status")
         assert status.returncode == 0, status.stderr
         inspected = cli(config, "inspect", "huge")
@@ -97,7 +130,8 @@ async def test_two_processes_a_kill_and_a_broker_stop_deliver_everything_in_room
     seen: set[str] = set()
     for message, event_id in zip(messages, ids, strict=True):
         partitions[message.key].add(message.partition)
-        if event_id not in seen:  # a repeated batch repeats what came before: first copies are in order
+        # A repeated batch repeats what came before: first copies are in order.
+        if event_id not in seen and event_id != "late":
             seen.add(event_id)
             versions[message.key].append(json.loads(message.value)["room_version"])
     assert all(len(p) == 1 for p in partitions.values()), partitions
