@@ -279,7 +279,7 @@ async def test_migrate_moves_a_lane_table_lanes_cursor_back_to_its_first_unfinis
         await cur.execute(  # where an earlier tailing run had read to, before the lane table ran
             "INSERT INTO room_outbox_lane_cursor (lane, fed_through_id, updated_at_ms, read_through_id, open_gaps)"
             " VALUES ('kafka', %s, 0, %s, %s)",
-            (first + 5, first + 5, f"{first}-{first}"),
+            (first + 5, first + 5, f"{first}-{first}@0"),
         )
         for n in range(6):
             await cur.execute(
@@ -410,7 +410,7 @@ async def test_inspect_tells_the_events_a_tailing_lane_sent_from_those_it_has_no
         await cur.execute(
             "INSERT INTO room_outbox_lane_cursor (lane, fed_through_id, updated_at_ms, read_through_id, open_gaps)"
             " VALUES ('kafka', %s, 0, %s, %s)",
-            (first, first + 2, f"{first + 1}-{first + 1}"),
+            (first, first + 2, f"{first + 1}-{first + 1}@0"),
         )
 
     async def state(event_id: str) -> str:
@@ -420,3 +420,42 @@ async def test_inspect_tells_the_events_a_tailing_lane_sent_from_those_it_has_no
 
     sent, waiting = "sent by the tailing lane (or before the lane's start)", "not sent by the tailing lane yet"
     assert [await state(f"i{n}") for n in range(5)] == [sent, waiting, sent, waiting, waiting]
+
+
+async def test_a_missing_id_is_given_up_on_gap_timeout_after_it_was_first_seen_whoever_owns_the_lane(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """How long a range has been waited for goes with it to the next owner (in the cluster's
+    clock): an id first seen missing an hour ago is given up on by a new owner at once, not
+    ``gap_timeout`` after it took over (processes that take the lane from each other every
+    round would otherwise never give it up)."""
+
+    class RolledBack(Exception):
+        pass
+
+    held = anyio.Event()
+    sink = kafka_sink(kafka_broker)
+    try:
+        with pytest.raises(RolledBack):
+            async with any_store.transaction() as cur:  # holds an id, then rolls back
+                now = int(time.time() * 1000)
+                row = json.dumps(envelope("never", room_id="never-room"))
+                await cur.execute(INSERT_V1, ("", "never", "RoomUserJoined", "never-room", row, now, now))
+                await insert_events(any_store, room_events("h", rooms=2, per_room=3))
+                await relay(any_store, sink).run_once()  # sends all six; the cursor stays below "never"
+                assert await cursor(any_store) < await highest_id(any_store)
+                async with any_store.transaction() as other:  # as if first seen missing an hour ago
+                    await other.execute(f"SELECT open_gaps FROM {CURSOR_TABLE} WHERE lane = 'kafka'")
+                    ((gap,),) = [tuple(r) for r in await other.fetchall()]
+                    bounds, since = gap.split("@")
+                    await other.execute(
+                        f"UPDATE {CURSOR_TABLE} SET open_gaps = %s WHERE lane = 'kafka'",
+                        (f"{bounds}@{int(since) - 3600}",),
+                    )
+                await relay(any_store, sink).run_once()  # another owner: gap_timeout (30 s) is long past
+                assert await cursor(any_store) == await highest_id(any_store)
+                held.set()
+                raise RolledBack
+    finally:
+        await sink.aclose()
+    assert held.is_set()

@@ -67,7 +67,7 @@ class StoredLane:
         if self.read_through_id is None or outbox_id > self.read_through_id:
             return False
         try:
-            return not any(low <= outbox_id <= high for low, high in parse_gaps(self.open_gaps))
+            return not any(low <= outbox_id <= high for low, high, _ in parse_gaps(self.open_gaps))
         except ValueError:
             return False  # the lane itself then tails from its cursor again
 

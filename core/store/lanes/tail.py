@@ -76,8 +76,9 @@ class TailRound:
 class TailCursor:
     """A tailing lane's cursor row. Every id at or below ``fed_through_id`` is done (sent,
     parked, or given up on as never committed); above it, up to ``read_through_id``, every id
-    is done but those in ``open_gaps``, the ranges still waited for (``low-high``, comma
-    separated). So a new owner (after a kill, a failover, a restart) sends nothing again that
+    is done but those in ``open_gaps``, the ranges still waited for, comma separated, each
+    ``low-high@since``: ``since`` is when it was first seen missing, in the cluster's epoch
+    seconds (the database's clock), so that ``gap_timeout`` runs on across handovers. So a new owner (after a kill, a failover, a restart) sends nothing again that
     a committed round sent, even while an id below it is still missing."""
 
     fed_through_id: int
@@ -148,9 +149,9 @@ class TailStore(LaneStore):
 
     def _resume(self, cursor: TailCursor) -> None:
         """Take the lane over from its cursor row (the first round, or another process owned it
-        meanwhile): go on from the highest id read, waiting again for the ranges still missing
-        (each for a whole ``gap_timeout`` from now: how long they were waited for is not kept).
-        Ranges that do not parse make it start from ``fed_through_id`` instead: events sent
+        meanwhile): go on from the highest id read, waiting for the ranges still missing until
+        ``gap_timeout`` after they were first seen missing, by whichever process. Ranges that
+        do not parse make it start from ``fed_through_id`` instead: events sent
         above it may be sent again, none is skipped."""
         self._high, self._gaps, self._last_id = cursor.fed_through_id, [], None
         read_through = cursor.read_through_id
@@ -163,11 +164,12 @@ class TailStore(LaneStore):
                     extra={"lane": self.lane, "fed_through_id": cursor.fed_through_id},
                 )
             else:
-                now = time.monotonic()
+                # Their first sight on this process's monotonic clock, from the cluster's clock.
+                now, cluster_now = time.monotonic(), now_ms() / 1000
                 self._high = read_through
                 self._gaps = [
-                    Gap(max(low, cursor.fed_through_id + 1), high, now)
-                    for low, high in ranges
+                    Gap(max(low, cursor.fed_through_id + 1), high, now - max(0.0, cluster_now - since))
+                    for low, high, since in ranges
                     if high > cursor.fed_through_id
                 ]
         log.info(
@@ -192,7 +194,7 @@ class TailStore(LaneStore):
         after = TailCursor(
             min(g.low for g in self._gaps) - 1 if self._gaps else self._high,
             self._high,
-            ",".join(f"{g.low}-{g.high}" for g in sorted(self._gaps, key=attrgetter("low"))) or None,
+            self._gaps_text(),
         )
         if after != before:
             await cur.execute(
@@ -201,6 +203,18 @@ class TailStore(LaneStore):
                 (after.fed_through_id, after.read_through_id, after.open_gaps, now_ms(), self.lane),
             )
         return after
+
+    def _gaps_text(self) -> str | None:
+        """The ranges waited for as ``open_gaps`` (:class:`TailCursor`), None when there are none.
+        Whole seconds: the same text from round to round, though the cluster's clock is measured
+        again now and then."""
+        if not self._gaps:
+            return None
+        now, cluster_now = time.monotonic(), now_ms() / 1000
+        return ",".join(
+            f"{g.low}-{g.high}@{round(cluster_now - (now - g.first_seen))}"
+            for g in sorted(self._gaps, key=attrgetter("low"))
+        )
 
     async def _lock(self, cur: Any) -> tuple[TailCursor, bool] | None:
         """The cursor, locked (None: another process owns the lane right now), and whether any
@@ -317,15 +331,17 @@ class TailStore(LaneStore):
             return int(cur.rowcount)
 
 
-def parse_gaps(open_gaps: str | None) -> list[tuple[int, int]]:
-    """``open_gaps`` as ``(low, high)`` ranges; ValueError when it does not parse."""
+def parse_gaps(open_gaps: str | None) -> list[tuple[int, int, int]]:
+    """``open_gaps`` (:class:`TailCursor`) as ``(low, high, since)``; ValueError when it does not
+    parse."""
     ranges = []
     for part in (open_gaps or "").split(","):
         if part:
-            low, high = (int(bound) for bound in part.split("-"))
+            bounds, since = part.split("@")
+            low, high = (int(bound) for bound in bounds.split("-"))
             if low > high:
                 raise ValueError(f"range {part} is empty")
-            ranges.append((low, high))
+            ranges.append((low, high, int(since)))
     return ranges
 
 
