@@ -109,10 +109,11 @@ async def own_lane_backlog(store: SQLStore, lane: StoredLane, counted: int = UNF
     lane's are in ``room_outbox``'s. The rows not fed yet are those of ``room_outbox`` above the
     lane's feeding point (its watermark or the highest id in its table, or a tailing lane's
     highest id read, whichever is higher; committed rows inside the id ranges the feeder still
-    waits for are fed within a round and not counted). Those rows sit in ``room_outbox``'s primary key, whole rows with their
-    envelopes, so a million of them cannot be counted within a query timeout: the first
-    ``counted`` (at least 2) are counted and the rest estimated from the ids above them at the
-    density of the counted ones' ids (exact while ids follow one step, whatever the step).
+    waits for are fed within a round and not counted). Those rows sit in ``room_outbox``'s
+    primary key, whole rows with their envelopes, so a million of them cannot be counted
+    within a query timeout: the first ``counted`` (at least 2) are counted and the rest
+    estimated from the ids above them at the density of the counted ones' ids (exact while ids
+    follow one step, whatever the step).
     """
     table = lane_table(lane.name)
     p = store.profile  # the outbox the lanes are fed from

@@ -76,10 +76,11 @@ class TailRound:
 class TailCursor:
     """A tailing lane's cursor row. Every id at or below ``fed_through_id`` is done (sent,
     parked, or given up on as never committed); above it, up to ``read_through_id``, every id
-    is done but those in ``open_gaps``, the ranges still waited for, comma separated, each
-    ``low-high@since``: ``since`` is when it was first seen missing, in the cluster's epoch
-    seconds (the database's clock), so that ``gap_timeout`` runs on across handovers. So a new owner (after a kill, a failover, a restart) sends nothing again that
-    a committed round sent, even while an id below it is still missing."""
+    is done but those in ``open_gaps``: the ranges still waited for, comma separated, each
+    ``low-high@since``, ``since`` being when it was first seen missing in the cluster's epoch
+    seconds (the database's clock), so that ``gap_timeout`` runs on across handovers. So a new
+    owner (after a kill, a failover, a restart) sends nothing again that a committed round
+    sent, even while an id below it is still missing."""
 
     fed_through_id: int
     read_through_id: int | None = None
@@ -151,8 +152,8 @@ class TailStore(LaneStore):
         """Take the lane over from its cursor row (the first round, or another process owned it
         meanwhile): go on from the highest id read, waiting for the ranges still missing until
         ``gap_timeout`` after they were first seen missing, by whichever process. Ranges that
-        do not parse make it start from ``fed_through_id`` instead: events sent
-        above it may be sent again, none is skipped."""
+        do not parse make it start from ``fed_through_id`` instead: events sent above it may
+        be sent again, none is skipped."""
         self._high, self._gaps, self._last_id = cursor.fed_through_id, [], None
         read_through = cursor.read_through_id
         if read_through is not None and read_through > cursor.fed_through_id:
