@@ -115,7 +115,10 @@ async def _retire(store: SQLStore, plan: LanePlan, name: str, yes: bool, out: IO
         return 1
     owed = f"{row.pending} pending, {row.unfed} unfed, {row.parked} parked"
     if not yes:
-        print(f"would drop lane {name} (fed through id {row.fed_through_id}; {owed}): its table and cursor", file=out)
+        print(
+            f"would drop lane {name} (fed through id {row.fed_through_id}; {owed}): its cursor, and its table or its parked rows",
+            file=out,
+        )
         print("run again with --yes to drop it", file=out)
         return 0
     for change in await retire_lane(store, name):
@@ -143,7 +146,7 @@ COMMAND = Command(
     description="Every lane: the main lane, each enabled sink with a lane of its own, and every lane table or\n"
     "cursor the database still holds, with its state, watermark (fed through id), pending, unfed\n"
     "and parked rows and the age of the oldest event it owes. `lanes retire NAME` shows what a\n"
-    "disabled lane leaves behind; with --yes it drops its table and cursor.",
+    "disabled lane leaves behind; with --yes it drops its table (a tailing lane: its parked rows) and cursor.",
     examples="room-outbox lanes\nroom-outbox lanes --json | jq '.[] | {lane, pending}'\n"
     "room-outbox lanes retire audit --yes\nroom-outbox lanes retire audit --config config/config.yaml",
     needs="store",

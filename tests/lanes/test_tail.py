@@ -17,9 +17,10 @@ from aiokafka.partitioner import DefaultPartitioner
 from anyio.abc import TaskStatus
 from lanes.conftest import Broker
 from lanes.test_lanes import consume, event_ids
-from support import INSERT_V1, envelope, insert_events, wait_until
+from support import INSERT_V1, envelope, fetch_rows, insert_events, wait_until
 from telemetry_support import capture
 
+from room_outbox.config import LanePlan
 from room_outbox.delivery.routing import Router
 from room_outbox.delivery.tail import TailRelay
 from room_outbox.errors import SchemaError
@@ -27,11 +28,12 @@ from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugins.kafka import KafkaSettings
 from room_outbox.plugins.kafka.sink import KafkaSink
-from room_outbox.sink import SinkContext
+from room_outbox.sink import PermanentSinkError, SinkContext
 from room_outbox.store.factory import open_store
-from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
+from room_outbox.store.lanes.catalog import own_lane_backlog, retire_lane, stored_lanes
 from room_outbox.store.lanes.store import CURSOR_TABLE, migrate_lanes
 from room_outbox.store.lanes.tail import TailStore, migrate_tail, tail_migration_plan
+from room_outbox.store.operator.retention import RetentionOptions, cleanup
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.check import check_schema
 from room_outbox.store.schema.tail import PARKED_TABLE
@@ -459,3 +461,78 @@ async def test_a_missing_id_is_given_up_on_gap_timeout_after_it_was_first_seen_w
     finally:
         await sink.aclose()
     assert held.is_set()
+
+
+class OrderedLog:
+    """An ordered-log sink on no broker: records what it is given, refuses ``too_large``."""
+
+    def __init__(self, too_large: set[str] | None = None) -> None:
+        self.too_large = too_large or set()
+        self.sent: list[str] = []
+
+    async def deliver(self, event: Any) -> None:
+        raise AssertionError("a tailing lane publishes batches")
+
+    async def publish(self, envelopes: Any) -> list[PermanentSinkError | None]:
+        outcomes: list[PermanentSinkError | None] = []
+        for e in envelopes:
+            refused = e.event_id in self.too_large
+            outcomes.append(PermanentSinkError("too large") if refused else None)
+            if not refused:
+                self.sent.append(e.event_id)
+        return outcomes
+
+    async def aclose(self) -> None:
+        pass
+
+
+def log_relay(store: SQLStore, sink: OrderedLog) -> TailRelay:
+    tail = TailStore(owner=store, lane="kafka", start="beginning", feed_batch=25, gap_timeout=30.0)
+    router = Router({"kafka": sink}, {}, catch_all="kafka", skip_unrouted=True)
+    return TailRelay(tail, router, poll_interval=0.05, publish_timeout=5.0, redactor=Redactor())
+
+
+async def test_retention_keeps_a_parked_events_row_until_the_lane_has_sent_it_or_is_retired(
+    any_store: SQLStore,
+) -> None:
+    """A parked event is sent again from its row's envelope (``requeue``), so retention keeps
+    the row however old, delivered by IM or not; retiring the lane gives it up."""
+    await insert_events(any_store, [envelope("a"), envelope("huge"), envelope("b")])
+    first = log_relay(any_store, OrderedLog(too_large={"huge"}))
+    await drain(first, any_store)
+    async with any_store.transaction() as cur:  # delivered to IM long ago
+        await cur.execute("UPDATE room_outbox SET status = 'published', created_at_ms = created_at_ms - 864000000")
+    options, plan = RetentionOptions(older_than=86400, pause=0), LanePlan(main=True, own=("kafka",))
+
+    assert (await cleanup(any_store, options, plan)).removed == 2
+    assert list(await fetch_rows(any_store)) == ["huge"]
+    assert await first.store.requeue() == 1
+    raised = OrderedLog()  # the operator raised the limit
+    await log_relay(any_store, raised).run_once()
+    assert raised.sent == ["huge"] and await first.store.parked() == []
+
+    await insert_events(any_store, [envelope("huge-2")])
+    await drain(log_relay(any_store, OrderedLog(too_large={"huge-2"})), any_store)
+    async with any_store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET status = 'published', created_at_ms = created_at_ms - 864000000")
+    assert (await cleanup(any_store, options, plan)).removed == 1  # "huge"; "huge-2" stays parked
+    assert await retire_lane(any_store, "kafka") == [
+        f"deleted the cursor of lane kafka (fed through id {await highest_id(any_store)})",
+        "deleted 1 parked row(s) of lane kafka",
+    ]
+    assert (await cleanup(any_store, options, LanePlan(main=True, own=()))).removed == 1
+
+
+async def test_a_requeued_event_whose_row_is_gone_stays_parked_and_says_why(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope("huge"), envelope("b")])
+    first = log_relay(any_store, OrderedLog(too_large={"huge"}))
+    await drain(first, any_store)
+    async with any_store.transaction() as cur:  # room-service deletes it itself
+        await cur.execute("DELETE FROM room_outbox WHERE event_id = 'huge'")
+    assert await first.store.requeue() == 1
+    again = OrderedLog()
+    await log_relay(any_store, again).run_once()
+    assert again.sent == []
+    (parked,) = await first.store.parked()
+    assert (parked["event_id"], parked["status"]) == ("huge", "parked")
+    assert "no longer in room_outbox" in parked["last_error"]

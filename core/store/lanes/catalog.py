@@ -186,7 +186,8 @@ async def im_lane_backlog(store: SQLStore) -> LaneBacklog:
 
 
 async def retire_lane(store: SQLStore, lane: str) -> list[str]:
-    """Drop ``lane``'s table and cursor row; returns what was dropped (empty: nothing was there)."""
+    """Drop ``lane``'s table, cursor row and (a tailing lane) parked rows; returns what was
+    dropped (empty: nothing was there)."""
     table = lane_table(lane)  # validates the name before it reaches SQL
     done: list[str] = []
     for stored in await stored_lanes(store):
@@ -196,6 +197,10 @@ async def retire_lane(store: SQLStore, lane: str) -> list[str]:
             if stored.fed_through_id is not None:
                 await cur.execute(f"DELETE FROM {CURSOR_TABLE} WHERE lane = %s", (lane,))
                 done.append(f"deleted the cursor of lane {lane} (fed through id {stored.fed_through_id})")
+            if PARKED_TABLE in await table_names(cur, store.dialect):
+                await cur.execute(f"DELETE FROM {PARKED_TABLE} WHERE lane = %s", (lane,))
+                if cur.rowcount:
+                    done.append(f"deleted {cur.rowcount} parked row(s) of lane {lane}")
             if stored.has_table:
                 await cur.execute(f"DROP TABLE IF EXISTS {table}")
                 done.append(f"dropped table {table}")

@@ -132,7 +132,15 @@ class TailStore(LaneStore):
                 self._turned_up([row.outbox_id for row in read if row.outbox_id <= self._high])
                 self._take_new(fresh, watermark)
                 requeued = await self._requeued(cur) if any_requeued else []
-                tail = TailRound(rows=await self._rows(cur, requeued) + read, requeued=requeued)
+                again = await self._rows(cur, requeued)
+                tail = TailRound(rows=again + read, requeued=requeued)
+                for gone in sorted(set(requeued) - {row.outbox_id for row in again}):
+                    # Deleted from room_outbox since it was parked: nothing to send, and not sent.
+                    tail.parked[gone] = "requeued, but its row is no longer in room_outbox: nothing to send"
+                    log.warning(
+                        "a requeued event's row is gone from room_outbox; it stays parked",
+                        extra={"lane": self.lane, "outbox_id": gone},
+                    )
                 # A full read: more are likely waiting.
                 tail.while_sending = functools.partial(
                     self._while_sending, cur, tail, cursor, len(fresh) >= self.feed_batch

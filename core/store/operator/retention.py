@@ -28,6 +28,7 @@ from room_outbox.store.lanes.catalog import first_row_after, owes_rows, stored_l
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.outbox import TABLE
+from room_outbox.store.schema.tail import PARKED_TABLE
 
 log = logging.getLogger("room_outbox.retention")
 
@@ -190,7 +191,7 @@ async def cleanup(
     by_status = plan.main or not plan.own
     report = CleanupReport(by_status=by_status)
     columns = await _archive_columns(store) if options.archive and not dry_run else []
-    lanes, fed_through, report.held_back_by, report.waiting_for = await _lanes(store, plan, cutoff)
+    owers, fed_through, report.held_back_by, report.waiting_for = await _lanes(store, plan, cutoff)
     after = 0
     p = store.profile
     while stop is None or not stop.is_set():
@@ -208,9 +209,9 @@ async def cleanup(
         if not old:
             break  # ids rise with time: past this batch every published row is younger (or unfed)
         if dry_run:
-            removed = await _count_removable(store, old, cutoff, lanes, by_status)
+            removed = await _count_removable(store, old, cutoff, owers, by_status)
         else:
-            removed = await _remove(store, old, cutoff, columns, lanes, by_status)
+            removed = await _remove(store, old, cutoff, columns, owers, by_status)
         if removed:
             report.removed += removed
             report.batches += 1
@@ -233,7 +234,7 @@ async def _remove(
     candidates: list[int],
     cutoff: int,
     archive_columns: list[str],
-    lanes: list[str],
+    owers: _Owers,
     by_status: bool,
 ) -> int:
     """Remove (archiving first when asked) the candidates still finished and old, skipping
@@ -246,7 +247,7 @@ async def _remove(
     once. (SQLite has one writer at a time: there two cleaners' batches take turns.)"""
     for attempt in range(_DEADLOCK_RETRIES):
         try:
-            return await _remove_once(store, candidates, cutoff, archive_columns, lanes, by_status)
+            return await _remove_once(store, candidates, cutoff, archive_columns, owers, by_status)
         except Exception as exc:
             # InnoDB may still pick a cleaner as a deadlock victim (its transaction is rolled
             # back whole); the batch is simply taken again.
@@ -255,13 +256,24 @@ async def _remove(
     return 0
 
 
-def _not_owed(store: SQLStore, lanes: list[str]) -> str:
-    """A lane still owing the event (pending, or parked for a requeue) needs its envelope."""
-    table, key = store.profile.table, store.profile.key
-    return "".join(
-        f" AND NOT EXISTS (SELECT 1 FROM {lane} l WHERE l.outbox_id = {table}.{key} AND l.status IN ('pending', 'failed'))"
-        for lane in lanes
-    )
+@dataclass(frozen=True)
+class _Owers:
+    """Where the lanes of their own keep the events they still owe: each lane table's pending
+    and parked rows, and the tailing lanes' parked (or requeued) rows."""
+
+    lane_tables: list[str]
+    tail_parked: bool
+
+    def not_owed(self, store: SQLStore) -> str:
+        """SQL: no lane still owes the event (a requeue sends it from its row's envelope)."""
+        table, key = store.profile.table, store.profile.key
+        owed = [
+            f"SELECT 1 FROM {lane} l WHERE l.outbox_id = {table}.{key} AND l.status IN ('pending', 'failed')"
+            for lane in self.lane_tables
+        ]
+        if self.tail_parked:
+            owed.append(f"SELECT 1 FROM {PARKED_TABLE} t WHERE t.outbox_id = {table}.{key}")
+        return "".join(f" AND NOT EXISTS ({query})" for query in owed)
 
 
 def _finished(store: SQLStore, by_status: bool) -> str:
@@ -270,16 +282,14 @@ def _finished(store: SQLStore, by_status: bool) -> str:
     return f" AND status = '{store.profile.delivered}'" if by_status else ""
 
 
-async def _count_removable(
-    store: SQLStore, candidates: list[int], cutoff: int, lanes: list[str], by_status: bool
-) -> int:
+async def _count_removable(store: SQLStore, candidates: list[int], cutoff: int, owers: _Owers, by_status: bool) -> int:
     """How many of the candidates a removal would take now (``--dry-run``): its conditions, no lock."""
     marks = ", ".join(["%s"] * len(candidates))
     p = store.profile
     async with store.transaction() as cur:
         await cur.execute(
             f"SELECT COUNT(*) FROM {p.table}{store.dialect.primary_hint} WHERE {p.key} IN ({marks})"
-            f"{_finished(store, by_status)} AND {p.created} <= {p.ms('%s')}{_not_owed(store, lanes)}",
+            f"{_finished(store, by_status)} AND {p.created} <= {p.ms('%s')}{owers.not_owed(store)}",
             (*candidates, cutoff),
         )
         return int((await cur.fetchone())[0])
@@ -290,13 +300,13 @@ async def _remove_once(
     candidates: list[int],
     cutoff: int,
     archive_columns: list[str],
-    lanes: list[str],
+    owers: _Owers,
     by_status: bool,
 ) -> int:
     marks = ", ".join(["%s"] * len(candidates))
     dialect, p = store.dialect, store.profile
     table, key = p.table, p.key
-    owed = _not_owed(store, lanes)
+    owed = owers.not_owed(store)
     async with store.transaction() as cur:
         # MySQL: PRIMARY only: locking through a secondary index would take locks that the
         # DELETE of a concurrent cleaner needs next, which deadlocks (seen with two cleaners).
@@ -316,7 +326,7 @@ async def _remove_once(
                 f" WHERE {key} IN ({held})",
                 ids,
             )
-        for lane in lanes:  # the lanes' rows for these events are done with too
+        for lane in owers.lane_tables:  # the lanes' rows for these events are done with too
             await cur.execute(f"DELETE FROM {lane} WHERE outbox_id IN ({held})", ids)
         if dialect.primary_hint:
             # The multi-table form, because only it takes an index hint: on a small table the
@@ -327,13 +337,13 @@ async def _remove_once(
         return int(await cur.execute(delete, ids))
 
 
-async def _lanes(store: SQLStore, plan: LanePlan, cutoff: int) -> tuple[list[str], int, list[str], list[str]]:
-    """The lane tables; the highest id every lane has been fed through (rows above it are not
+async def _lanes(store: SQLStore, plan: LanePlan, cutoff: int) -> tuple[_Owers, int, list[str], list[str]]:
+    """Where the lanes keep what they owe; the highest id every lane has been fed through (rows above it are not
     removed: a lane has yet to copy them); the lanes no longer enabled whose leftovers hold
     old rows back, and the enabled lanes that never ran (each named in a warning).
 
-    A row stays while any lane of its own has not been fed it, or holds it pending or parked:
-    that lane still needs its envelope; with the row, the lanes' finished rows for it go too.
+    A row stays while any lane of its own has not been fed it, or holds it pending or parked
+    (a tailing lane: parked or requeued): that lane still needs its envelope; with the row, the lanes' finished rows for it go too.
     A lane enabled but not started yet holds every row (it may start from the beginning). A
     lane no longer enabled still counts, since the database cannot tell a lane switched off
     for an hour from one gone for good; ``room-outbox lanes retire NAME --yes`` drops it."""
@@ -364,7 +374,10 @@ async def _lanes(store: SQLStore, plan: LanePlan, cutoff: int) -> tuple[list[str
                 lane.name,
                 extra={"lane": lane.name, "fed_through_id": lane.fed_through_id, "lifecycle": "retention_held_back"},
             )
-    return [lane_table(lane.name) for lane in stored if lane.has_table], fed_through, held_back_by, waiting
+    async with store.transaction() as cur:
+        tail_parked = PARKED_TABLE in await table_names(cur, store.dialect)
+    owers = _Owers([lane_table(lane.name) for lane in stored if lane.has_table], tail_parked)
+    return owers, fed_through, held_back_by, waiting
 
 
 async def _archive_columns(store: SQLStore) -> list[str]:
