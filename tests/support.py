@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import anyio
+import anyio.abc
 import pytest
 
 from room_outbox import SinkSpec, hookimpl
@@ -54,6 +55,29 @@ async def insert_rows(store: MySQLStore, rows: list[tuple[str, str, str, str, st
     now = int(time.time() * 1000)
     async with store.transaction() as cur:
         await cur.executemany(INSERT_V1, [(*row, now, now) for row in rows])
+
+
+@contextlib.asynccontextmanager
+async def id_held_open(store: Any, event_id: str, room_id: str = "late-room") -> AsyncIterator[anyio.Event]:
+    """An event inserted in a transaction that commits once the event yielded is set (or the
+    block ends): its id is missing meanwhile, below every id inserted after it, as a
+    room-service transaction still open leaves it."""
+    commit = anyio.Event()
+
+    async def hold(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+        async with store.transaction(timeout=300) as cur:
+            now = int(time.time() * 1000)
+            row = json.dumps(envelope(event_id, room_id=room_id))
+            await cur.execute(INSERT_V1, ("", event_id, "RoomUserJoined", room_id, row, now, now))
+            task_status.started()
+            await commit.wait()
+
+    async with anyio.create_task_group() as holder:
+        await holder.start(hold)
+        try:
+            yield commit
+        finally:
+            commit.set()
 
 
 async def fetch_rows(store: MySQLStore) -> dict[str, dict[str, Any]]:

@@ -14,10 +14,9 @@ from typing import Any
 import anyio
 import pytest
 from aiokafka.partitioner import DefaultPartitioner
-from anyio.abc import TaskStatus
 from lanes.conftest import Broker
 from lanes.test_lanes import consume, event_ids
-from support import INSERT_V1, envelope, fetch_rows, insert_events, wait_until
+from support import INSERT_V1, envelope, fetch_rows, id_held_open, insert_events, wait_until
 from telemetry_support import capture
 
 from room_outbox.config import LanePlan
@@ -128,32 +127,11 @@ async def test_a_row_committed_late_is_published_once_though_the_rounds_around_i
     past it (each full round reads the next one's rows ahead, while its batch is on the way),
     the cursor stays below it, and once it commits it is published, once."""
     await insert_events(any_store, room_events("a", rooms=2, per_room=5))
-    committed = anyio.Event()
-
-    async def commit_late(*, task_status: TaskStatus[None]) -> None:
-        async with any_store.transaction() as cur:  # holds the next id
-            now = int(time.time() * 1000)
-            await cur.execute(
-                INSERT_V1,
-                (
-                    "",
-                    "late",
-                    "RoomUserJoined",
-                    "late-room",
-                    json.dumps(envelope("late", room_id="late-room")),
-                    now,
-                    now,
-                ),
-            )
-            task_status.started()
-            await committed.wait()
-
     sink = kafka_sink(kafka_broker)
     tail = relay(any_store, sink, batch=5)
     later = [envelope(f"b{v:02}-r{r}", room_id=f"r{r}", room_version=v) for v in range(5, 15) for r in range(2)]
     try:
-        async with anyio.create_task_group() as tg:
-            await tg.start(commit_late)
+        async with id_held_open(any_store, "late") as committed:
             await insert_events(any_store, later)
             for _ in range(3):  # full rounds, each reading the next one's rows ahead
                 assert await tail.run_once()
@@ -310,21 +288,10 @@ async def test_a_new_owner_resumes_where_the_last_one_read_even_behind_an_id_sti
     next owner starts from where the last one read, not from the cursor: it sends nothing the
     last one had sent, still waits for the missing id, and sends it once it commits."""
     await insert_events(any_store, room_events("a", rooms=2, per_room=5))
-    committed = anyio.Event()
-
-    async def commit_late(*, task_status: TaskStatus[None]) -> None:
-        async with any_store.transaction() as cur:  # holds the next id
-            now = int(time.time() * 1000)
-            late = json.dumps(envelope("late", room_id="late-room"))
-            await cur.execute(INSERT_V1, ("", "late", "RoomUserJoined", "late-room", late, now, now))
-            task_status.started()
-            await committed.wait()
-
     sinks = [kafka_sink(kafka_broker), kafka_sink(kafka_broker)]
     later = room_events("b", rooms=2, per_room=10)
     try:
-        async with anyio.create_task_group() as tg:
-            await tg.start(commit_late)
+        async with id_held_open(any_store, "late") as committed:
             await insert_events(any_store, later)
             first = relay(any_store, sinks[0], batch=10)
             for _ in range(3):  # everything committed is sent; the cursor stays below "late"

@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
-import anyio
 import pytest
-from anyio.abc import TaskStatus
 from lanes.conftest import Broker
 from lanes.test_lane_lifecycle import cli, write
 from lanes.test_lanes import consume, event_ids
 from processes import DispatcherProcess
-from support import INSERT_V1, envelope, insert_events, wait_until
+from support import envelope, id_held_open, insert_events, wait_until
 
 from room_outbox.store.backends.mysql import MySQLStore
 
@@ -43,28 +38,6 @@ def last_takeover(proc: DispatcherProcess) -> str:
     )
 
 
-@asynccontextmanager
-async def id_held_open(store: MySQLStore, event_id: str) -> AsyncIterator[anyio.Event]:
-    """An event inserted in a transaction that commits once the event yielded is set: its id
-    is missing meanwhile, below every id inserted after it."""
-    commit = anyio.Event()
-
-    async def hold(*, task_status: TaskStatus[None]) -> None:
-        async with store.transaction(timeout=300) as cur:
-            now = int(time.time() * 1000)
-            row = json.dumps(envelope(event_id, room_id="r_late"))
-            await cur.execute(INSERT_V1, ("", event_id, "RoomUserJoined", "r_late", row, now, now))
-            task_status.started()
-            await commit.wait()
-
-    async with anyio.create_task_group() as holder:
-        await holder.start(hold)
-        try:
-            yield commit
-        finally:
-            commit.set()
-
-
 async def test_two_processes_a_kill_and_a_broker_stop_deliver_everything_in_room_order(
     store: MySQLStore, database_dsn: str, kafka_broker: Broker, tmp_path: Path
 ) -> None:
@@ -84,7 +57,7 @@ async def test_two_processes_a_kill_and_a_broker_stop_deliver_everything_in_room
     try:
         # The cursor stays below "late" until after the kill, while both processes send what is
         # above it and take the lane from each other: neither sends again what the other sent.
-        async with id_held_open(store, "late") as commit_late:
+        async with id_held_open(store, "late", room_id="r_late") as commit_late:
             await insert_events(store, [*first[:100], envelope("huge", room_id="r_big", payload={"blob": "x" * 4000}),
                                         *first[100:]])  # fmt: skip
             await consume(kafka_broker, {str(e["event_id"]) for e in first}, timeout=60)
