@@ -146,7 +146,8 @@ COMMAND = Command(
     description="Every lane: the main lane, each enabled sink with a lane of its own, and every lane table or\n"
     "cursor the database still holds, with its state, watermark (fed through id), pending, unfed\n"
     "and parked rows and the age of the oldest event it owes. `lanes retire NAME` shows what a\n"
-    "disabled lane leaves behind; with --yes it drops its table (a tailing lane: its parked rows) and cursor.",
+    "disabled lane leaves behind; with --yes it drops its table (a tailing lane: its parked\n"
+    "rows) and cursor.",
     examples="room-outbox lanes\nroom-outbox lanes --json | jq '.[] | {lane, pending}'\n"
     "room-outbox lanes retire audit --yes\nroom-outbox lanes retire audit --config config/config.yaml",
     needs="store",
