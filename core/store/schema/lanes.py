@@ -33,8 +33,10 @@ def tail_cursor_columns(dialect: Dialect) -> dict[str, str]:
     highest id the lane has read (every id up to it is sent, parked or in ``open_gaps``), and
     ``open_gaps``, the id ranges below it still waited for (see
     :mod:`room_outbox.store.lanes.tail`). NULL: read through ``fed_through_id``, no range
-    waited for (a lane table's feeder leaves them NULL)."""
-    return {"read_through_id": f"{dialect.id_type} NULL", "open_gaps": "TEXT NULL"}
+    waited for (a lane table's feeder leaves them NULL). Up to ``lanes.max_gaps`` ranges of
+    about 40 characters each: more than MySQL's TEXT (64 KB) holds at the largest setting."""
+    ranges = "MEDIUMTEXT" if dialect.name == "mysql" else "TEXT"
+    return {"read_through_id": f"{dialect.id_type} NULL", "open_gaps": f"{ranges} NULL"}
 
 
 def cursor_ddl(dialect: Dialect) -> list[str]:
