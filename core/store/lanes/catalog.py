@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import table_names, text
 from room_outbox.store.lanes.store import CURSOR_TABLE, lane_table
-from room_outbox.store.lanes.tail import parse_gaps
+from room_outbox.store.lanes.tail import TailCursor
 from room_outbox.store.schema.tail import PARKED, PARKED_TABLE
 
 if TYPE_CHECKING:
@@ -60,16 +60,10 @@ class StoredLane:
     open_gaps: str | None = None
 
     def tailed_past(self, outbox_id: int) -> bool:
-        """Whether this tailing lane is past ``outbox_id``: sent it (or passed it over as before
-        its start); a row in a range it still waits for committed late and goes next round."""
-        if self.fed_through_id is not None and outbox_id <= self.fed_through_id:
-            return True
-        if self.read_through_id is None or outbox_id > self.read_through_id:
-            return False
-        try:
-            return not any(low <= outbox_id <= high for low, high, _ in parse_gaps(self.open_gaps))
-        except ValueError:
-            return False  # the lane itself then tails from its cursor again
+        """Whether this tailing lane is past ``outbox_id`` (:meth:`TailCursor.passed`)."""
+        if self.fed_through_id is None:
+            return False  # never ran
+        return TailCursor(self.fed_through_id, self.read_through_id, self.open_gaps).passed(outbox_id)
 
 
 async def stored_lanes(store: SQLStore) -> list[StoredLane]:

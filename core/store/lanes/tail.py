@@ -86,6 +86,31 @@ class TailCursor:
     read_through_id: int | None = None
     open_gaps: str | None = None
 
+    def ranges(self) -> list[tuple[int, int, int]]:
+        """``open_gaps`` as ``(low, high, since)``; ValueError when it does not parse."""
+        ranges = []
+        for part in (self.open_gaps or "").split(","):
+            if part:
+                bounds, since = part.split("@")
+                low, high = (int(bound) for bound in bounds.split("-"))
+                if low > high:
+                    raise ValueError(f"range {part} is empty")
+                ranges.append((low, high, int(since)))
+        return ranges
+
+    def passed(self, outbox_id: int) -> bool:
+        """Whether the lane is past ``outbox_id``: sent it (or passed it over as before its
+        start); a row in a range still waited for committed late and goes next round. Ranges
+        that do not parse: only what ``fed_through_id`` covers (the lane tails from it then)."""
+        if outbox_id <= self.fed_through_id:
+            return True
+        if self.read_through_id is None or outbox_id > self.read_through_id:
+            return False
+        try:
+            return not any(low <= outbox_id <= high for low, high, _ in self.ranges())
+        except ValueError:
+            return False
+
 
 @dataclass
 class TailStore(LaneStore):
@@ -166,7 +191,7 @@ class TailStore(LaneStore):
         read_through = cursor.read_through_id
         if read_through is not None and read_through > cursor.fed_through_id:
             try:
-                ranges = parse_gaps(cursor.open_gaps)
+                ranges = cursor.ranges()
             except ValueError:
                 log.warning(
                     "the cursor's open_gaps do not parse; tailing from fed_through_id: events above it may be sent again",
@@ -340,20 +365,6 @@ class TailStore(LaneStore):
             return int(cur.rowcount)
 
 
-def parse_gaps(open_gaps: str | None) -> list[tuple[int, int, int]]:
-    """``open_gaps`` (:class:`TailCursor`) as ``(low, high, since)``; ValueError when it does not
-    parse."""
-    ranges = []
-    for part in (open_gaps or "").split(","):
-        if part:
-            bounds, since = part.split("@")
-            low, high = (int(bound) for bound in bounds.split("-"))
-            if low > high:
-                raise ValueError(f"range {part} is empty")
-            ranges.append((low, high, int(since)))
-    return ranges
-
-
 async def migrate_tail(store: SQLStore, lanes: Sequence[str]) -> list[str]:
     """The tailing lanes' tables, through the one migration path (:mod:`room_outbox.store.schema.tail`)."""
     return await migrate(store, WantedSchema(outbox=False, tail_lanes=tuple(lanes)))
@@ -364,4 +375,4 @@ async def tail_migration_plan(store: SQLStore, lanes: Sequence[str]) -> list[Mig
     return await migration_plan(store, WantedSchema(outbox=False, tail_lanes=tuple(lanes)))
 
 
-__all__ = ["TailCursor", "TailRound", "TailRow", "TailStore", "migrate_tail", "parse_gaps", "tail_migration_plan"]
+__all__ = ["TailCursor", "TailRound", "TailRow", "TailStore", "migrate_tail", "tail_migration_plan"]
