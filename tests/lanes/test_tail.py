@@ -16,7 +16,7 @@ import pytest
 from aiokafka.partitioner import DefaultPartitioner
 from lanes.conftest import Broker
 from lanes.test_lanes import consume, event_ids
-from support import INSERT_V1, envelope, fetch_rows, id_held_open, insert_events, wait_until
+from support import INSERT_V1, envelope, fetch_rows, id_held_open, insert_events, insert_rows, wait_until
 from telemetry_support import capture
 
 from room_outbox.config import LanePlan
@@ -200,6 +200,36 @@ async def test_an_oversize_event_is_parked_with_its_error_and_the_lane_goes_on(
     finally:
         await sink.aclose()
         await raised.aclose()
+
+
+async def test_bad_envelopes_are_parked_with_a_clear_error_and_the_lane_goes_on(
+    database_dsn: str, kafka_broker: Broker
+) -> None:
+    """On a table that keeps envelopes as BLOB (as some deployments do), bytes that are not
+    UTF-8 and text that is not JSON are each parked with what is wrong, and the events around
+    them are published."""
+    store = await open_store(database_dsn)
+    sink = kafka_sink(kafka_broker)
+    try:
+        await store.migrate()
+        await migrate_tail(store, ["kafka"])
+        async with store.transaction() as cur:
+            await cur.execute("ALTER TABLE room_outbox MODIFY envelope LONGBLOB NOT NULL")
+        await insert_events(store, [envelope("good-1")])
+        await insert_rows(store, [("default", "bad-utf8", "RoomUserJoined", "r_1", b'{"event_id": "bad-utf8", "x": "\xff"}'),
+                                  ("default", "bad-json", "RoomUserJoined", "r_1", b"{not json")])  # fmt: skip
+        await insert_events(store, [envelope("good-2")])
+        tail = relay(store, sink)
+        await drain(tail, store)
+        messages = await consume(kafka_broker, {"good-1", "good-2"})
+        assert event_ids(messages) == ["good-1", "good-2"]
+        parked = {p["event_id"]: p["last_error"] for p in await tail.store.parked()}
+        assert parked.keys() == {"bad-utf8", "bad-json"}
+        assert "envelope is not valid UTF-8" in parked["bad-utf8"]
+        assert "Invalid JSON" in parked["bad-json"]
+    finally:
+        await sink.aclose()
+        await store.aclose()
 
 
 async def test_a_broker_outage_retries_the_batch_in_order_and_loses_nothing(

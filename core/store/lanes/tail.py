@@ -44,10 +44,12 @@ if TYPE_CHECKING:
 @dataclass(slots=True)  # not frozen: a frozen dataclass costs twice as much to build, once per row
 class TailRow:
     """A row as a round reads it: its key and envelope, nothing else (each column read costs
-    the relay CPU per event; what parking needs besides is read for the parked rows alone)."""
+    the relay CPU per event; what parking needs besides is read for the parked rows alone).
+    The envelope is as the driver gives it: bytes from a BLOB column are decoded by the parser,
+    which names bytes that are not UTF-8 as that row's error instead of failing the round."""
 
     outbox_id: int
-    envelope: str
+    envelope: str | bytes
 
 
 async def _nothing() -> None:
@@ -274,20 +276,20 @@ class TailStore(LaneStore):
         above = f"SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {p.key} > %s ORDER BY {p.key} LIMIT %s"
         if not self._gaps:
             await cur.execute(above, (self._high, self.feed_batch))
-            return [TailRow(int(r[0]), text(r[1])) for r in await cur.fetchall()]
+            return [TailRow(int(r[0]), r[1]) for r in await cur.fetchall()]
         ranges, bounds = self._gap_ranges()
         await cur.execute(
             f"SELECT * FROM ({above}) AS above UNION ALL SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {ranges}",
             (self._high, self.feed_batch, *bounds),
         )
-        return sorted((TailRow(int(r[0]), text(r[1])) for r in await cur.fetchall()), key=attrgetter("outbox_id"))
+        return sorted((TailRow(int(r[0]), r[1]) for r in await cur.fetchall()), key=attrgetter("outbox_id"))
 
     async def _rows(self, cur: Any, ids: Sequence[int]) -> list[TailRow]:
         if not ids:
             return []
         p = self.owner.profile
         await cur.execute(f"SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {p.key} IN ({marks(ids)})", list(ids))
-        found = {int(r[0]): TailRow(int(r[0]), text(r[1])) for r in await cur.fetchall()}
+        found = {int(r[0]): TailRow(int(r[0]), r[1]) for r in await cur.fetchall()}
         return [found[i] for i in ids if i in found]
 
     async def _requeued(self, cur: Any) -> list[int]:
