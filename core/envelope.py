@@ -78,12 +78,16 @@ class EventEnvelope(BaseModel):
 _validate_json: Callable[[str], EventEnvelope] = EventEnvelope.__pydantic_validator__.validate_json
 
 
-def parse_envelope(raw: str | bytes) -> EventEnvelope:
+def parse_envelope(raw: str | bytes | None) -> EventEnvelope:
     """Parse the envelope column (LONGTEXT, JSON or BLOB) or raise :class:`EnvelopeError`.
 
     The message names what is wrong without echoing the payload, which may be large.
     """
     if not isinstance(raw, str):
+        if raw is None:
+            raise EnvelopeError("no envelope: the column is NULL, or the row is gone from room_outbox")
+        if not isinstance(raw, bytes | bytearray | memoryview):
+            raise EnvelopeError(f"envelope is {type(raw).__name__}, not text or bytes")
         try:
             raw = bytes(raw).decode("utf-8")
         except UnicodeDecodeError as exc:

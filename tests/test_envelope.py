@@ -33,9 +33,11 @@ def test_bytes_are_decoded_as_utf8() -> None:
             "malformed envelope: room_version:",
         ),
         (b"\xff", "envelope is not valid UTF-8 (byte 0)"),
+        ({"event_id": "e"}, "envelope is dict, not text or bytes"),  # a driver's parsed JSON
+        (None, "no envelope: the column is NULL, or the row is gone from room_outbox"),
     ],
 )
-def test_bad_envelopes_are_named(raw: str | bytes, message: str) -> None:
+def test_bad_envelopes_are_named(raw: object, message: str) -> None:
     with pytest.raises(EnvelopeError) as info:
         parse_envelope(raw)
     assert str(info.value).startswith(message), str(info.value)

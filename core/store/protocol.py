@@ -34,14 +34,15 @@ BucketReader = Callable[[Any], Awaitable[list[int] | None]]
 @dataclass(slots=True)
 class OutboxRow:
     """A claimed ``room_outbox`` row. ``envelope`` is raw: parsing is the dispatcher's job,
-    so a malformed envelope becomes a recorded failure instead of a store error."""
+    so a malformed envelope becomes a recorded failure instead of a store error (None: a lane
+    table's row whose ``room_outbox`` row is gone)."""
 
     id: int
     event_id: str
     event_type: str
     room_id: str
     app_code: str
-    envelope: str | bytes
+    envelope: str | bytes | None
     retry_count: int
     claim: str
 

@@ -435,3 +435,22 @@ async def test_rows_fed_in_a_claim_that_rolls_back_are_fed_again(store: MySQLSto
     assert await lane_rows(store) == {}  # rolled back
     claimed = await lane.claim("c#2", 10, int(time.time() * 1000) + 30_000)
     assert sorted(row.event_id for row in claimed.rows) == ["a", "b"]
+
+
+async def test_a_fed_row_gone_from_room_outbox_fails_with_a_clear_error_and_blocks_nothing(store: MySQLStore) -> None:
+    """The lane reads each row's envelope from room_outbox as it claims it: a row deleted there
+    after it was fed has none, and fails saying so instead of vanishing or stopping the lane."""
+    await migrate_lanes(store, ["t"])
+    await insert_events(store, [envelope("gone"), envelope("kept")])
+    lane = LaneStore(owner=store, lane="t", start="beginning")
+    assert await lane.feed() == 2
+    async with store.transaction() as cur:
+        await cur.execute("DELETE FROM room_outbox WHERE event_id = 'gone'")
+    sink = RecordingSink()
+    retry = RetryPolicy(interval=60.0, base=60.0, cap=60.0, jitter=0.0)  # tried once, however slow the machine
+    await run_until_empty(lane_dispatcher(store, sink, retry=retry))
+    assert sink.received == ["kept"]
+    rows = await lane_rows(store)
+    assert rows["kept"]["status"] == "published"
+    assert (rows["gone"]["status"], rows["gone"]["retry_count"]) == ("pending", 1)  # as any bad envelope
+    assert "no envelope: the column is NULL, or the row is gone from room_outbox" in rows["gone"]["last_error"]

@@ -183,7 +183,7 @@ async def rows_read(cur: Any, server: str, due: str, param: int) -> tuple[int, i
         assert "filesort" not in json.dumps(plan).lower(), plan
         return int(table["r_rows"]), int(table["r_rows"] * (100 - table["r_filtered"]) / 100)
     await cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, (param, 100))
-    (plan,) = (await cur.fetchone())[0]
+    (plan,) = json.loads((await cur.fetchone())[0])  # the store reads json as its text
     node = plan["Plan"]
     while node.get("Node Type") != "Index Scan":
         (node,) = node["Plans"]

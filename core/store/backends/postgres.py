@@ -20,6 +20,8 @@ from typing import Any
 
 import anyio
 import psycopg
+from psycopg.adapt import AdaptersMap
+from psycopg.types.string import TextLoader
 from psycopg_pool import AsyncConnectionPool
 
 from room_outbox.errors import StoreError
@@ -36,6 +38,13 @@ from room_outbox.store.dialect import POSTGRESQL
 from room_outbox.store.schema import registry
 from room_outbox.store.schema.outbox import Migration
 from room_outbox.store.schema.registry import Planner
+
+#: The pool's type adapters: json and jsonb values read as their text, as MySQL's drivers give
+#: a JSON column. An envelope column of either type is then parsed and checked as a TEXT one is
+#: (psycopg's own loaders would hand over the parsed value, which no envelope check expects).
+JSON_AS_TEXT = AdaptersMap(psycopg.adapters)
+for _json_type in ("json", "jsonb"):
+    JSON_AS_TEXT.register_loader(_json_type, TextLoader)
 
 #: The key of migrate's session lock (``pg_advisory_lock``): one migrate at a time per database.
 MIGRATE_LOCK_KEY = 0x726F6F6D2D6F7574  # "room-out"
@@ -104,7 +113,10 @@ class PostgresStore(LeasedRows):
         ``idle_in_transaction``: see :meth:`SessionLimits.for_query_timeout`."""
         address = PostgresAddress.from_dsn(dsn)
         limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
-        kwargs = address.connect_kwargs(query_timeout, idle_in_transaction=idle_in_transaction)
+        kwargs = {
+            **address.connect_kwargs(query_timeout, idle_in_transaction=idle_in_transaction),
+            "context": JSON_AS_TEXT,
+        }
         pool = AsyncConnectionPool(
             kwargs=kwargs,
             min_size=1,

@@ -98,12 +98,10 @@ class LaneStore(LeasedRows):
         # key: one round trip less per claim than a second SELECT. A locking claim does not lock
         # what a subquery in its column list reads (MySQL/MariaDB and PostgreSQL alike), so the
         # main lane's claims on room_outbox are not made to skip those rows. A row deleted from
-        # room_outbox meanwhile gets an empty envelope: it fails as a malformed envelope,
-        # visibly, instead of vanishing.
+        # room_outbox meanwhile gets no envelope (NULL, whatever the column's type): it fails
+        # as a bad envelope, visibly, instead of vanishing.
         p = self.owner.profile
-        self.envelope_column = (
-            f"COALESCE((SELECT {p.envelope} FROM {p.table} WHERE {p.key} = {self.table}.outbox_id), '')"
-        )
+        self.envelope_column = f"(SELECT {p.envelope} FROM {p.table} WHERE {p.key} = {self.table}.outbox_id)"
 
     def transaction(self) -> AbstractAsyncContextManager[Any]:
         return self.owner.transaction()
