@@ -107,7 +107,7 @@ class TailRelay:
                 try:
                     envelope = parse_envelope(row.envelope)
                 except EnvelopeError as exc:
-                    tail.park(row, self._short(f"malformed envelope: {exc}"))
+                    tail.park(row, self._short(str(exc)))
                     self._count("other", "bad_envelope")  # no event type to trust
                     continue
                 if self.router.sink_for(envelope.event_type) is not None:

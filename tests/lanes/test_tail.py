@@ -225,8 +225,8 @@ async def test_bad_envelopes_are_parked_with_a_clear_error_and_the_lane_goes_on(
         assert event_ids(messages) == ["good-1", "good-2"]
         parked = {p["event_id"]: p["last_error"] for p in await tail.store.parked()}
         assert parked.keys() == {"bad-utf8", "bad-json"}
-        assert "envelope is not valid UTF-8" in parked["bad-utf8"]
-        assert "Invalid JSON" in parked["bad-json"]
+        assert parked["bad-utf8"] == "envelope is not valid UTF-8 (byte 31)"
+        assert parked["bad-json"].startswith("malformed envelope: document: Invalid JSON")
     finally:
         await sink.aclose()
         await store.aclose()
