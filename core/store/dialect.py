@@ -63,6 +63,10 @@ class Dialect:
     #: MySQL/MariaDB read their bucket column; PostgreSQL computes it, and its claim index holds
     #: the same expression (a column there would rewrite the whole table to add it).
     row_bucket: str = ""
+    #: A UNION ALL of ``{first}``, a SELECT with its own ORDER BY … LIMIT, and ``{second}``:
+    #: each in parentheses, which MySQL/MariaDB read without copying the first one's rows into
+    #: a derived table first; SQLite takes no parentheses there.
+    union_after_limit: str = "({first}) UNION ALL ({second})"
     #: Ends an ``ALTER TABLE … ADD COLUMN`` on a table already there: the algorithm that adds
     #: the column without copying the table (the server refuses the statement otherwise).
     online_column: str = ""
@@ -146,6 +150,7 @@ SQLITE = Dialect(
     indexes_sql="SELECT name FROM pragma_index_list(%s)",
     now_ms="CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)",
     capabilities=frozenset(),
+    union_after_limit="SELECT * FROM ({first}) AS first UNION ALL {second}",
 )
 
 

@@ -278,8 +278,9 @@ class TailStore(LaneStore):
             await cur.execute(above, (self._high, self.feed_batch))
             return [TailRow(int(r[0]), r[1]) for r in await cur.fetchall()]
         ranges, bounds = self._gap_ranges()
+        late = f"SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {ranges}"
         await cur.execute(
-            f"SELECT * FROM ({above}) AS above UNION ALL SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {ranges}",
+            self.owner.dialect.union_after_limit.format(first=above, second=late),
             (self._high, self.feed_batch, *bounds),
         )
         return sorted((TailRow(int(r[0]), r[1]) for r in await cur.fetchall()), key=attrgetter("outbox_id"))
