@@ -15,9 +15,12 @@ from room_outbox.cli.inspect import describe_state
 from room_outbox.cli.output import printable
 from room_outbox.config import Settings
 from room_outbox.store.clock import now_ms
+from room_outbox.store.lanes.catalog import stored_lanes
+from room_outbox.store.lanes.tail import TailStore
 from room_outbox.store.operator.changes import IN_FLIGHT, cancel
 from room_outbox.store.operator.reports import event_row
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.tail import PARKED
 
 
 async def cancel_command(
@@ -55,6 +58,39 @@ async def cancel_command(
     return 1
 
 
+async def cancel_tail_command(
+    store: SQLStore, lane: str, event_id: str, out: Any, err: Any, apply: bool = True, as_json: bool = False
+) -> int:
+    """``cancel --lane``: the event's parked entry in a tailing lane made ``cancelled`` (the lane
+    never sends it; the row in room_outbox is left as it is). Result on ``out``; why nothing was
+    (or would be) cancelled on ``err`` (exit code 1)."""
+    tailing = [stored.name for stored in await stored_lanes(store) if not stored.has_table]
+    if lane not in tailing:
+        names = ", ".join(tailing) or "none here"
+        print(f"room-outbox cancel: {printable(lane)} is not a tailing lane (tailing lanes: {names})", file=err)
+        return 1
+    status = await TailStore(owner=store, lane=lane).cancel(event_id, apply)
+    done = status == PARKED
+    if as_json:
+        doc = {"event_id": event_id, "lane": lane, "applied": apply, "cancelled": apply and done,
+               "would_cancel": not apply and done, "status": status}  # fmt: skip
+        print(json.dumps(doc, indent=2), file=out)
+        return 0 if done else 1
+    shown, where = printable(event_id), f"lane {printable(lane)}"
+    if done and apply:
+        print(f"cancelled {shown} in {where}: it will never be sent there; its parked entry is kept", file=out)
+    elif done:
+        print(f"would cancel {shown} in {where} (now parked); run again with --yes to cancel it", file=out)
+    elif status is None:
+        print(f"room-outbox cancel: {shown} is not parked in {where}", file=err)
+    else:
+        print(
+            f"room-outbox cancel: {shown} is {printable(status)} in {where}: only parked events can be cancelled",
+            file=err,
+        )
+    return 0 if done else 1
+
+
 async def _status_now(store: SQLStore, event_id: str) -> str | None:
     """The event's status as :func:`cancel` would report it, read without changing it."""
     found = await event_row(store, event_id)
@@ -72,19 +108,28 @@ def _cancellable(store: SQLStore, status: str) -> bool:
 
 
 async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
+    if args.lane:
+        return await cancel_tail_command(store, args.lane, args.event_id, sys.stdout, sys.stderr, args.yes, args.json)
     return await cancel_command(store, args.event_id, sys.stdout, sys.stderr, args.yes, args.json)
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("event_id", help="the event's event_id")
+    parser.add_argument(
+        "--lane",
+        help="a tailing lane (such as kafka): cancel the event's parked entry there instead (that lane never"
+        " sends it; the row itself is left as it is)",
+    )
     add_yes_option(parser, "cancel it")
     add_json_option(parser)
 
 
 COMMAND = Command(
     description="Mark a pending or parked event cancelled: it is never delivered; the row is kept.\n"
-    "Without --yes it only says what it would do.",
-    examples="room-outbox cancel evt_01J9ZQ\nroom-outbox cancel evt_01J9ZQ --yes",
+    "With --lane, an event a tailing lane parked: that lane never sends it; the parked entry is\n"
+    "kept as cancelled. Without --yes it only says what it would do.",
+    examples="room-outbox cancel evt_01J9ZQ\nroom-outbox cancel evt_01J9ZQ --yes\n"
+    "room-outbox cancel evt_01J9ZQ --lane kafka --yes",
     needs="store",
     arguments=_arguments,
     run=_run,

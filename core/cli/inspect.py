@@ -19,6 +19,7 @@ from room_outbox.store.lanes.catalog import stored_lanes
 from room_outbox.store.operator.reports import event_row, lane_row, tail_parked_row
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.profiles import V1, Profile
+from room_outbox.store.schema.tail import CANCELLED
 
 
 def _now_ms() -> int:
@@ -71,7 +72,11 @@ async def _lane_states(store: SQLStore, outbox_id: int, now: int) -> dict[str, s
             continue  # never ran
         found = await lane_row(store, lane.name, outbox_id) if lane.has_table else None
         parked = await tail_parked_row(store, lane.name, outbox_id)
-        if parked is not None:  # a tailing lane passed over it
+        if parked is not None and parked["status"] == CANCELLED:
+            states[lane.name] = (
+                f"cancelled by an operator: never sent by the tailing lane (parked: {parked['last_error']})"
+            )
+        elif parked is not None:  # a tailing lane passed over it
             states[lane.name] = (
                 f"{parked['status']} by the tailing lane: {parked['last_error']}"
                 f" (`room-outbox requeue --lane {lane.name}` sends it again)"

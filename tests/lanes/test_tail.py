@@ -4,6 +4,7 @@ the lane, a broker outage retried in order, one owner at a time."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import time
@@ -19,6 +20,8 @@ from lanes.test_lanes import consume, event_ids
 from support import INSERT_V1, envelope, fetch_rows, id_held_open, insert_events, insert_rows, wait_until
 from telemetry_support import capture
 
+from room_outbox.cli.cancel import cancel_tail_command
+from room_outbox.cli.inspect import inspect_event
 from room_outbox.config import LanePlan
 from room_outbox.delivery.routing import Router
 from room_outbox.delivery.tail import TailRelay
@@ -205,28 +208,30 @@ async def test_an_oversize_event_is_parked_with_its_error_and_the_lane_goes_on(
 async def test_bad_envelopes_are_parked_with_a_clear_error_and_the_lane_goes_on(
     database_dsn: str, kafka_broker: Broker
 ) -> None:
-    """On a table that keeps envelopes as BLOB (as some deployments do), bytes that are not
-    UTF-8 and text that is not JSON are each parked with what is wrong, and the events around
-    them are published."""
+    """On a table that keeps envelopes as BLOB (as some deployments do, nullable here), bytes
+    that are not UTF-8, text that is not JSON and a NULL are each parked with what is wrong,
+    and the events around them are published."""
     store = await open_store(database_dsn)
     sink = kafka_sink(kafka_broker)
     try:
         await store.migrate()
         await migrate_tail(store, ["kafka"])
         async with store.transaction() as cur:
-            await cur.execute("ALTER TABLE room_outbox MODIFY envelope LONGBLOB NOT NULL")
+            await cur.execute("ALTER TABLE room_outbox MODIFY envelope LONGBLOB NULL")
         await insert_events(store, [envelope("good-1")])
         await insert_rows(store, [("default", "bad-utf8", "RoomUserJoined", "r_1", b'{"event_id": "bad-utf8", "x": "\xff"}'),
-                                  ("default", "bad-json", "RoomUserJoined", "r_1", b"{not json")])  # fmt: skip
+                                  ("default", "bad-json", "RoomUserJoined", "r_1", b"{not json"),
+                                  ("default", "null", "RoomUserJoined", "r_1", None)])  # type: ignore[list-item]  # fmt: skip
         await insert_events(store, [envelope("good-2")])
         tail = relay(store, sink)
         await drain(tail, store)
         messages = await consume(kafka_broker, {"good-1", "good-2"})
         assert event_ids(messages) == ["good-1", "good-2"]
         parked = {p["event_id"]: p["last_error"] for p in await tail.store.parked()}
-        assert parked.keys() == {"bad-utf8", "bad-json"}
+        assert parked.keys() == {"bad-utf8", "bad-json", "null"}
         assert parked["bad-utf8"] == "envelope is not valid UTF-8 (byte 31)"
         assert parked["bad-json"].startswith("malformed envelope: document: Invalid JSON")
+        assert parked["null"] == "no envelope: the column is NULL, or the row is gone from room_outbox"
     finally:
         await sink.aclose()
         await store.aclose()
@@ -518,6 +523,45 @@ async def test_retention_keeps_a_parked_events_row_until_the_lane_has_sent_it_or
         "deleted 1 parked row(s) of lane kafka",
     ]
     assert (await cleanup(any_store, options, LanePlan(main=True, own=()))).removed == 1
+
+
+async def test_an_operator_cancels_a_parked_event_and_the_lane_never_sends_it(any_store: SQLStore) -> None:
+    """``room-outbox cancel EVENT_ID --lane kafka``: previewed, then the parked entry is kept as
+    cancelled; requeue, the backlog, and retention no longer count it, and inspect says so."""
+    await insert_events(any_store, [envelope("a"), envelope("huge"), envelope("b")])
+    tail = log_relay(any_store, OrderedLog(too_large={"huge"}))
+    await drain(tail, any_store)
+
+    async def cancelled(event_id: str, apply: bool, lane: str = "kafka") -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        code = await cancel_tail_command(any_store, lane, event_id, out, err, apply)
+        return code, out.getvalue(), err.getvalue()
+
+    assert await cancelled("huge", apply=False) == (
+        0, "would cancel huge in lane kafka (now parked); run again with --yes to cancel it\n", "")  # fmt: skip
+    out = io.StringIO()
+    assert await cancel_tail_command(any_store, "kafka", "huge", out, io.StringIO(), False, as_json=True) == 0
+    assert json.loads(out.getvalue()) == {"event_id": "huge", "lane": "kafka", "applied": False,
+                                          "cancelled": False, "would_cancel": True, "status": "parked"}  # fmt: skip
+    assert [p["status"] for p in await tail.store.parked()] == ["parked"]  # a preview changes nothing
+    assert await cancelled("huge", apply=True) == (
+        0, "cancelled huge in lane kafka: it will never be sent there; its parked entry is kept\n", "")  # fmt: skip
+    assert await tail.store.parked() == [] and await tail.store.requeue() == 0
+    (lane,) = await stored_lanes(any_store)
+    assert (await own_lane_backlog(any_store, lane)).parked == 0
+    doc = await inspect_event(any_store, "huge")
+    assert doc is not None and doc["lanes"]["kafka"].startswith("cancelled by an operator: never sent")
+
+    assert await cancelled("huge", apply=True) == (
+        1, "", "room-outbox cancel: huge is cancelled in lane kafka: only parked events can be cancelled\n")  # fmt: skip
+    assert await cancelled("a", apply=True) == (1, "", "room-outbox cancel: a is not parked in lane kafka\n")
+    code, _, err = await cancelled("huge", apply=True, lane="activity")
+    assert code == 1 and err == "room-outbox cancel: activity is not a tailing lane (tailing lanes: kafka)\n"
+
+    async with any_store.transaction() as cur:  # delivered to IM long ago
+        await cur.execute("UPDATE room_outbox SET status = 'published', created_at_ms = created_at_ms - 864000000")
+    options, plan = RetentionOptions(older_than=86400, pause=0), LanePlan(main=True, own=("kafka",))
+    assert (await cleanup(any_store, options, plan)).removed == 3  # the cancelled event's row too
 
 
 async def test_a_requeued_event_whose_row_is_gone_stays_parked_and_says_why(any_store: SQLStore) -> None:

@@ -35,7 +35,7 @@ from room_outbox.store.dialect import marks, text
 from room_outbox.store.lanes.store import CURSOR_TABLE, Gap, LaneStore, log
 from room_outbox.store.schema.outbox import Migration
 from room_outbox.store.schema.registry import WantedSchema, migrate, migration_plan
-from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, REQUEUED
+from room_outbox.store.schema.tail import CANCELLED, PARKED, PARKED_TABLE, REQUEUED
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
@@ -45,11 +45,12 @@ if TYPE_CHECKING:
 class TailRow:
     """A row as a round reads it: its key and envelope, nothing else (each column read costs
     the relay CPU per event; what parking needs besides is read for the parked rows alone).
-    The envelope is as the driver gives it: bytes from a BLOB column are decoded by the parser,
-    which names bytes that are not UTF-8 as that row's error instead of failing the round."""
+    The envelope is as the driver gives it: the parser decodes bytes from a BLOB column and
+    names what is wrong (bytes that are not UTF-8, a NULL) as that row's error, never the
+    round's."""
 
     outbox_id: int
-    envelope: str | bytes
+    envelope: str | bytes | None
 
 
 async def _nothing() -> None:
@@ -341,12 +342,12 @@ class TailStore(LaneStore):
         return {int(r[0]): (str(r[1]), str(r[2])) for r in await cur.fetchall()}
 
     async def parked(self) -> list[dict[str, Any]]:
-        """The lane's parked and requeued rows, oldest first."""
+        """The lane's parked and requeued rows, oldest first (not those cancelled)."""
         async with self.transaction() as cur:
             await cur.execute(
                 f"SELECT outbox_id, event_id, room_id, status, last_error FROM {PARKED_TABLE}"
-                " WHERE lane = %s ORDER BY outbox_id",
-                (self.lane,),
+                " WHERE lane = %s AND status <> %s ORDER BY outbox_id",
+                (self.lane, CANCELLED),
             )
             names = ("outbox_id", "event_id", "room_id", "status", "last_error")
             return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
@@ -366,6 +367,26 @@ class TailStore(LaneStore):
                 [REQUEUED, now_ms(), *params, *ids],
             )
             return int(cur.rowcount)
+
+    async def cancel(self, event_id: str, apply: bool) -> str | None:
+        """The status ``event_id`` has among the lane's parked rows (None: it has none there);
+        with ``apply`` a ``parked`` one is made ``cancelled``: the lane never sends it, and
+        requeue, the backlog and retention no longer count it. Only a parked one: a requeued
+        one may be on its way already."""
+        async with self.transaction() as cur:
+            if apply:
+                await cur.execute(
+                    f"UPDATE {PARKED_TABLE} SET status = %s, updated_at_ms = %s"
+                    " WHERE lane = %s AND event_id = %s AND status = %s",
+                    (CANCELLED, now_ms(), self.lane, event_id, PARKED),
+                )
+                if cur.rowcount:
+                    return PARKED
+            await cur.execute(
+                f"SELECT status FROM {PARKED_TABLE} WHERE lane = %s AND event_id = %s", (self.lane, event_id)
+            )
+            found = await cur.fetchone()
+        return None if found is None else str(found[0])
 
 
 async def migrate_tail(store: SQLStore, lanes: Sequence[str]) -> list[str]:

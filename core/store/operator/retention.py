@@ -28,7 +28,7 @@ from room_outbox.store.lanes.catalog import first_row_after, owes_rows, stored_l
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.outbox import TABLE
-from room_outbox.store.schema.tail import PARKED_TABLE
+from room_outbox.store.schema.tail import CANCELLED, PARKED_TABLE
 
 log = logging.getLogger("room_outbox.retention")
 
@@ -272,7 +272,9 @@ class _Owers:
             for lane in self.lane_tables
         ]
         if self.tail_parked:
-            owed.append(f"SELECT 1 FROM {PARKED_TABLE} t WHERE t.outbox_id = {table}.{key}")
+            owed.append(
+                f"SELECT 1 FROM {PARKED_TABLE} t WHERE t.outbox_id = {table}.{key} AND t.status <> '{CANCELLED}'"
+            )
         return "".join(f" AND NOT EXISTS ({query})" for query in owed)
 
 

@@ -3,8 +3,9 @@
 A tailing lane (a sink with ``ordered_log=True``, such as Kafka) keeps no per-row state: its
 position is its row in the lanes' cursor table. The only rows it keeps are the ones it had to
 pass over (too large, not serialisable), so that ``status``, ``inspect`` and ``requeue`` see
-them: ``parked`` until an operator requeues them, ``requeued`` until the lane sends them again.
-One small table for every tailing lane, keyed by (lane, outbox_id).
+them: ``parked`` until an operator requeues them, ``requeued`` until the lane sends them again,
+or ``cancelled`` by an operator: never sent, the entry kept as the record of it. One small
+table for every tailing lane, keyed by (lane, outbox_id).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from room_outbox.store.schema.outbox import Migration, add_column_sql
 PARKED_TABLE = "room_outbox_tail_parked"
 PARKED = "parked"
 REQUEUED = "requeued"
+CANCELLED = "cancelled"
 
 
 def parked_ddl(dialect: Dialect) -> list[str]:
