@@ -111,6 +111,12 @@ async def test_inspect_shows_row_envelope_and_state(
     code, out, _ = await _cli(capsys, tmp_path, database_dsn, "inspect", "leased1")
     assert "state: in flight: leased by node-a#7" in out
 
+    async with store.transaction() as cur:  # a table whose envelope column allows NULL, and a row without one
+        await cur.execute("ALTER TABLE room_outbox MODIFY envelope LONGTEXT NULL")
+        await cur.execute("UPDATE room_outbox SET envelope = NULL WHERE event_id = 'broken'")
+    code, out, _ = await _cli(capsys, tmp_path, database_dsn, "inspect", "broken")
+    assert code == 0 and "envelope problem: no envelope: the column is NULL" in out and "raw envelope" not in out
+
     code, out, err = await _cli(capsys, tmp_path, database_dsn, "inspect", "nosuch")
     assert code == 1 and out == "" and "no row with event_id 'nosuch'" in err
 

@@ -138,7 +138,7 @@ def format_inspection(doc: dict[str, Any]) -> str:
         lines.append(printable(json.dumps(doc["envelope"], indent=2, ensure_ascii=False), keep_newlines=True))
     if "envelope_error" in doc:
         lines.append(f"envelope problem: {printable(doc['envelope_error'])}")
-    if "envelope_raw" in doc:
+    if doc.get("envelope_raw") is not None:  # None: the column is NULL
         lines.append(f"raw envelope: {printable(doc['envelope_raw'][:2000])}")
     return "\n".join(lines)
 
