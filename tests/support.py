@@ -50,7 +50,7 @@ async def insert_events(store: MySQLStore, envelopes: list[dict[str, Any]]) -> N
     )
 
 
-async def insert_rows(store: MySQLStore, rows: list[tuple[str, str, str, str, str | bytes]]) -> None:
+async def insert_rows(store: MySQLStore, rows: list[tuple[str, str, str, str, str | bytes | None]]) -> None:
     """Insert raw rows (app_code, event_id, event_type, room_id, envelope): for bad input."""
     now = int(time.time() * 1000)
     async with store.transaction() as cur:

@@ -221,7 +221,7 @@ async def test_bad_envelopes_are_parked_with_a_clear_error_and_the_lane_goes_on(
         await insert_events(store, [envelope("good-1")])
         await insert_rows(store, [("default", "bad-utf8", "RoomUserJoined", "r_1", b'{"event_id": "bad-utf8", "x": "\xff"}'),
                                   ("default", "bad-json", "RoomUserJoined", "r_1", b"{not json"),
-                                  ("default", "null", "RoomUserJoined", "r_1", None)])  # type: ignore[list-item]  # fmt: skip
+                                  ("default", "null", "RoomUserJoined", "r_1", None)])  # fmt: skip
         await insert_events(store, [envelope("good-2")])
         tail = relay(store, sink)
         await drain(tail, store)
