@@ -10,12 +10,11 @@ import json
 import sys
 from typing import Any
 
-from room_outbox.cli.command import Command, add_json_option, add_yes_option
+from room_outbox.cli.command import Command, add_json_option, add_yes_option, not_a_tailing_lane
 from room_outbox.cli.inspect import describe_state
 from room_outbox.cli.output import printable
 from room_outbox.config import Settings
 from room_outbox.store.clock import now_ms
-from room_outbox.store.lanes.catalog import stored_lanes
 from room_outbox.store.lanes.tail import TailStore
 from room_outbox.store.operator.changes import IN_FLIGHT, cancel
 from room_outbox.store.operator.reports import event_row
@@ -64,10 +63,7 @@ async def cancel_tail_command(
     """``cancel --lane``: the event's parked entry in a tailing lane made ``cancelled`` (the lane
     never sends it; the row in room_outbox is left as it is). Result on ``out``; why nothing was
     (or would be) cancelled on ``err`` (exit code 1)."""
-    tailing = [stored.name for stored in await stored_lanes(store) if not stored.has_table]
-    if lane not in tailing:
-        names = ", ".join(tailing) or "none here"
-        print(f"room-outbox cancel: {printable(lane)} is not a tailing lane (tailing lanes: {names})", file=err)
+    if await not_a_tailing_lane(store, lane, "cancel", err):
         return 1
     status = await TailStore(owner=store, lane=lane).cancel(event_id, apply)
     done = status == PARKED

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from room_outbox.cli.output import printable
 from room_outbox.config import Settings, parse_duration
 from room_outbox.startup import table_profile
 from room_outbox.store.backends.errors import translated
@@ -88,6 +89,19 @@ def format_duration(seconds: float) -> str:
         if seconds >= size and float(seconds / size).is_integer():
             return f"{int(seconds // size)}{unit}"
     return f"{seconds:g}s"
+
+
+async def not_a_tailing_lane(store: SQLStore, lane: str, command: str, err: Any) -> bool:
+    """Whether ``lane`` is not one of the database's tailing lanes (``--lane`` of ``requeue`` and
+    ``cancel``); then says so on ``err``, naming those there are."""
+    from room_outbox.store.lanes.catalog import tailing_lanes  # the lanes' code: only for these two
+
+    tailing = await tailing_lanes(store)
+    if lane in tailing:
+        return False
+    names = ", ".join(tailing) or "none here"
+    print(f"room-outbox {command}: {printable(lane)} is not a tailing lane (tailing lanes: {names})", file=err)
+    return True
 
 
 async def with_store(settings: Settings, work: Callable[[SQLStore], Awaitable[int]]) -> int:

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from room_outbox.cli.command import Command, add_json_option, add_yes_option, duration_argument
+from room_outbox.cli.command import Command, add_json_option, add_yes_option, duration_argument, not_a_tailing_lane
 from room_outbox.cli.output import format_age, format_table, printable
 from room_outbox.config import Settings
 from room_outbox.store.lanes.tail import TailStore
@@ -85,9 +85,13 @@ def requeue_filter(args: argparse.Namespace) -> RequeueFilter | None:
     )
 
 
-async def requeue_tail_command(store: SQLStore, lane: str, event_ids: tuple[str, ...], apply: bool, out: Any) -> int:
+async def requeue_tail_command(
+    store: SQLStore, lane: str, event_ids: tuple[str, ...], apply: bool, out: Any, err: Any
+) -> int:
     """A tailing lane's parked events (all, or those of ``event_ids``): listed, and with ``apply``
     marked to be sent again by the lane's next round."""
+    if await not_a_tailing_lane(store, lane, "requeue", err):
+        return 1
     tail = TailStore(owner=store, lane=lane)
     rows = [r for r in await tail.parked() if r["status"] == PARKED and (not event_ids or r["event_id"] in event_ids)]
     if not rows:
@@ -105,7 +109,7 @@ async def requeue_tail_command(store: SQLStore, lane: str, event_ids: tuple[str,
 
 async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
     if args.lane:
-        return await requeue_tail_command(store, args.lane, tuple(args.event_id), args.yes, sys.stdout)
+        return await requeue_tail_command(store, args.lane, tuple(args.event_id), args.yes, sys.stdout, sys.stderr)
     where = requeue_filter(args)
     if where is None:
         print(

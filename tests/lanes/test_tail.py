@@ -22,6 +22,7 @@ from telemetry_support import capture
 
 from room_outbox.cli.cancel import cancel_tail_command
 from room_outbox.cli.inspect import inspect_event
+from room_outbox.cli.requeue import requeue_tail_command
 from room_outbox.config import LanePlan
 from room_outbox.delivery.routing import Router
 from room_outbox.delivery.tail import TailRelay
@@ -406,8 +407,6 @@ async def test_inspect_tells_the_events_a_tailing_lane_sent_from_those_it_has_no
     """``inspect`` reads a tailing lane's cursor row: at or below ``fed_through_id``, and above it
     up to ``read_through_id`` outside the ranges still waited for, an event is sent; the rest
     (one that committed late inside such a range, one above what was read) is not yet."""
-    from room_outbox.cli.inspect import inspect_event
-
     await insert_events(any_store, [envelope(f"i{n}") for n in range(5)])
     first = await highest_id(any_store) - 4
     async with any_store.transaction() as cur:  # i0 done; i1 missing when read, i2 sent; i3, i4 not read
@@ -557,6 +556,9 @@ async def test_an_operator_cancels_a_parked_event_and_the_lane_never_sends_it(an
     assert await cancelled("a", apply=True) == (1, "", "room-outbox cancel: a is not parked in lane kafka\n")
     code, _, err = await cancelled("huge", apply=True, lane="activity")
     assert code == 1 and err == "room-outbox cancel: activity is not a tailing lane (tailing lanes: kafka)\n"
+    errors = io.StringIO()  # requeue --lane checks the lane the same way
+    assert await requeue_tail_command(any_store, "activity", (), True, io.StringIO(), errors) == 1
+    assert errors.getvalue() == "room-outbox requeue: activity is not a tailing lane (tailing lanes: kafka)\n"
 
     async with any_store.transaction() as cur:  # delivered to IM long ago
         await cur.execute("UPDATE room_outbox SET status = 'published', created_at_ms = created_at_ms - 864000000")

@@ -179,6 +179,11 @@ async def im_lane_backlog(store: SQLStore) -> LaneBacklog:
     return LaneBacklog(int(pending), 0, int(parked), int(oldest[0]) if oldest else None)
 
 
+async def tailing_lanes(store: SQLStore) -> list[str]:
+    """The lanes that tail ``room_outbox``: a cursor row and no table of their own; sorted."""
+    return [stored.name for stored in await stored_lanes(store) if not stored.has_table]
+
+
 async def retire_lane(store: SQLStore, lane: str) -> list[str]:
     """Drop ``lane``'s table, cursor row and (a tailing lane) parked rows; returns what was
     dropped (empty: nothing was there)."""
