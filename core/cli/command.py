@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from room_outbox.cli.output import printable
 from room_outbox.config import Settings, parse_duration
 from room_outbox.startup import table_profile
 from room_outbox.store.backends.errors import translated
@@ -94,7 +93,9 @@ def format_duration(seconds: float) -> str:
 async def not_a_tailing_lane(store: SQLStore, lane: str, command: str, err: Any) -> bool:
     """Whether ``lane`` is not one of the database's tailing lanes (``--lane`` of ``requeue`` and
     ``cancel``); then says so on ``err``, naming those there are."""
-    from room_outbox.store.lanes.catalog import tailing_lanes  # the lanes' code: only for these two
+    # Imported here: only these two commands need them, and every command imports this module.
+    from room_outbox.cli.output import printable
+    from room_outbox.store.lanes.catalog import tailing_lanes
 
     tailing = await tailing_lanes(store)
     if lane in tailing:
