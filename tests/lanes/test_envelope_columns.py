@@ -1,7 +1,7 @@
 """The envelope column as deployments type it: TEXT as room-outbox creates it, JSON or BLOB on
-MariaDB, json, jsonb or bytea on PostgreSQL. The main lane and the tailing lane deliver every
-one of them, and so does a lane with a table of its own (PostgreSQL's driver would hand a json column over parsed: the store reads it as
-text, and the envelope is checked as any other)."""
+MariaDB, json, jsonb or bytea on PostgreSQL. The main lane, a lane with a table of its own and
+the tailing lane deliver every one of them (PostgreSQL's driver would hand a json column over
+parsed: the store reads it as text, and the envelope is checked as any other)."""
 
 from __future__ import annotations
 
