@@ -16,6 +16,7 @@ import pytest
 import yaml
 from aiokafka import AIOKafkaConsumer
 from lanes.conftest import Broker
+from store.test_silk import silk_publish
 from support import INSERT_V1, RecordingSink, envelope, fetch_rows, insert_events, running, wait_until
 
 from bench.drive import run_until_empty
@@ -26,7 +27,9 @@ from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.routing import Router
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, serve_fake_im
 from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.store import CURSOR_TABLE, LaneStore, migrate_lanes
+from room_outbox.store.schema.profiles import SILK
 
 pytestmark = pytest.mark.anyio
 
@@ -454,3 +457,19 @@ async def test_a_fed_row_gone_from_room_outbox_fails_with_a_clear_error_and_bloc
     assert rows["kept"]["status"] == "published"
     assert (rows["gone"]["status"], rows["gone"]["retry_count"]) == ("pending", 1)  # as any bad envelope
     assert "no envelope: the column is NULL, or the row is gone from room_outbox" in rows["gone"]["last_error"]
+
+
+async def test_silks_longest_room_ids_are_fed_and_delivered(postgresql_dsn: str) -> None:
+    """silk's aggregate_id (its rooms) holds up to 128 characters, twice V1's room ids: a lane
+    keeps them whole (too long for its column, a row would stop the lane's feeding)."""
+    store = await open_store(postgresql_dsn, profile=SILK)
+    try:
+        await store.migrate()
+        await migrate_lanes(store, ["t"])
+        await silk_publish(store, ("long", "u" * 128, {"n": 1}), ("short", "u2", {"n": 2}))
+        sink = RecordingSink()
+        await run_until_empty(lane_dispatcher(store, sink))
+        assert sorted(sink.received) == ["long", "short"]
+        assert (await lane_rows(store))["long"]["room_id"] == "u" * 128
+    finally:
+        await store.aclose()

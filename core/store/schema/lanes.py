@@ -50,6 +50,13 @@ def cursor_ddl(dialect: Dialect) -> list[str]:
     ]
 
 
+#: How wide a lane's copies of the outbox's text columns are (``event_id``, ``event_type``,
+#: ``room_id``, ``app_code``; the parked table's too): as wide as the profiles' tables make them
+#: (silk's ``aggregate_id`` holds 128 characters). A value wider than its copy's column would
+#: stop the lane at that row.
+KEPT_WIDTH = 255
+
+
 def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
     """A lane's table; its claim index too where there are no room buckets (SQLite): on a
     server the buckets' plan creates it after the bucket column (:mod:`.membership`)."""
@@ -59,10 +66,10 @@ def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
     return [
         f"""CREATE TABLE {table} (
   outbox_id     {dialect.id_type} NOT NULL PRIMARY KEY,
-  event_id      VARCHAR(64)   NOT NULL,
-  event_type    VARCHAR(64)   NOT NULL,
-  room_id       VARCHAR(64)   NOT NULL,
-  app_code      VARCHAR(64)   NOT NULL DEFAULT '',
+  event_id      VARCHAR({KEPT_WIDTH})  NOT NULL,
+  event_type    VARCHAR({KEPT_WIDTH})  NOT NULL,
+  room_id       VARCHAR({KEPT_WIDTH})  NOT NULL,
+  app_code      VARCHAR({KEPT_WIDTH})  NOT NULL DEFAULT '',
   status        VARCHAR(16)   NOT NULL DEFAULT 'pending',
   retry_count   INT           NOT NULL DEFAULT 0,
   last_error    VARCHAR(1024) NULL,

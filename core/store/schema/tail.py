@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from room_outbox.store.dialect import Dialect, column_names, table_names
-from room_outbox.store.schema.lanes import CURSOR_TABLE, cursor_ddl, lane_table, tail_cursor_columns
+from room_outbox.store.schema.lanes import CURSOR_TABLE, KEPT_WIDTH, cursor_ddl, lane_table, tail_cursor_columns
 from room_outbox.store.schema.outbox import Migration, add_column_sql
 
 PARKED_TABLE = "room_outbox_tail_parked"
@@ -28,8 +28,8 @@ def parked_ddl(dialect: Dialect) -> list[str]:
         f"""CREATE TABLE {PARKED_TABLE} (
   lane          VARCHAR(64)   NOT NULL,
   outbox_id     {dialect.id_type} NOT NULL,
-  event_id      VARCHAR(64)   NOT NULL,
-  room_id       VARCHAR(64)   NOT NULL,
+  event_id      VARCHAR({KEPT_WIDTH})  NOT NULL,
+  room_id       VARCHAR({KEPT_WIDTH})  NOT NULL,
   status        VARCHAR(16)   NOT NULL DEFAULT '{PARKED}',
   last_error    VARCHAR(1024) NULL,
   created_at_ms BIGINT        NOT NULL,
