@@ -531,19 +531,19 @@ async def test_an_operator_cancels_a_parked_event_and_the_lane_never_sends_it(an
     tail = log_relay(any_store, OrderedLog(too_large={"huge"}))
     await drain(tail, any_store)
 
-    async def cancelled(event_id: str, apply: bool, lane: str = "kafka") -> tuple[int, str, str]:
+    async def cancel(event_id: str, apply: bool, lane: str = "kafka") -> tuple[int, str, str]:
         out, err = io.StringIO(), io.StringIO()
         code = await cancel_tail_command(any_store, lane, event_id, out, err, apply)
         return code, out.getvalue(), err.getvalue()
 
-    assert await cancelled("huge", apply=False) == (
+    assert await cancel("huge", apply=False) == (
         0, "would cancel huge in lane kafka (now parked); run again with --yes to cancel it\n", "")  # fmt: skip
     out = io.StringIO()
     assert await cancel_tail_command(any_store, "kafka", "huge", out, io.StringIO(), False, as_json=True) == 0
     assert json.loads(out.getvalue()) == {"event_id": "huge", "lane": "kafka", "applied": False,
                                           "cancelled": False, "would_cancel": True, "status": "parked"}  # fmt: skip
     assert [p["status"] for p in await tail.store.parked()] == ["parked"]  # a preview changes nothing
-    assert await cancelled("huge", apply=True) == (
+    assert await cancel("huge", apply=True) == (
         0, "cancelled huge in lane kafka: it will never be sent there; its parked entry is kept\n", "")  # fmt: skip
     assert await tail.store.parked() == [] and await tail.store.requeue() == 0
     (lane,) = await stored_lanes(any_store)
@@ -551,10 +551,10 @@ async def test_an_operator_cancels_a_parked_event_and_the_lane_never_sends_it(an
     doc = await inspect_event(any_store, "huge")
     assert doc is not None and doc["lanes"]["kafka"].startswith("cancelled by an operator: never sent")
 
-    assert await cancelled("huge", apply=True) == (
+    assert await cancel("huge", apply=True) == (
         1, "", "room-outbox cancel: huge is cancelled in lane kafka: only parked events can be cancelled\n")  # fmt: skip
-    assert await cancelled("a", apply=True) == (1, "", "room-outbox cancel: a is not parked in lane kafka\n")
-    code, _, err = await cancelled("huge", apply=True, lane="activity")
+    assert await cancel("a", apply=True) == (1, "", "room-outbox cancel: a is not parked in lane kafka\n")
+    code, _, err = await cancel("huge", apply=True, lane="activity")
     assert code == 1 and err == "room-outbox cancel: activity is not a tailing lane (tailing lanes: kafka)\n"
     errors = io.StringIO()  # requeue --lane checks the lane the same way
     assert await requeue_tail_command(any_store, "activity", (), True, io.StringIO(), errors) == 1
