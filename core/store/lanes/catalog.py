@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import table_names, text
+from room_outbox.store.dialect import table_names
 from room_outbox.store.lanes.store import CURSOR_TABLE, lane_table
 from room_outbox.store.lanes.tail import TailCursor
 from room_outbox.store.schema.tail import PARKED, PARKED_TABLE
@@ -51,19 +51,17 @@ class StoredLane:
 
     name: str
     has_table: bool
-    #: ``room_outbox_lane_cursor.fed_through_id``; None: the lane has never run.
-    fed_through_id: int | None
-    #: A tailing lane's highest id read (``read_through_id``): above its cursor, the ids up to
-    #: it are sent but those in ``open_gaps``, the ranges it still waits for. None: read
-    #: through the cursor.
-    read_through_id: int | None = None
-    open_gaps: str | None = None
+    #: The lane's row in ``room_outbox_lane_cursor`` (a lane table's leaves the tailing columns
+    #: NULL); None: the lane has never run.
+    cursor: TailCursor | None
+
+    @property
+    def fed_through_id(self) -> int | None:
+        return None if self.cursor is None else self.cursor.fed_through_id
 
     def tailed_past(self, outbox_id: int) -> bool:
         """Whether this tailing lane is past ``outbox_id`` (:meth:`TailCursor.passed`)."""
-        if self.fed_through_id is None:
-            return False  # never ran
-        return TailCursor(self.fed_through_id, self.read_through_id, self.open_gaps).passed(outbox_id)
+        return self.cursor is not None and self.cursor.passed(outbox_id)
 
 
 async def stored_lanes(store: SQLStore) -> list[StoredLane]:
@@ -78,18 +76,14 @@ async def stored_lanes(store: SQLStore) -> list[StoredLane]:
             rows = [dict(zip(columns, row, strict=True)) for row in await cur.fetchall()]
             cursors = {str(row["lane"]): row for row in rows}
     tables = {name[len(LANE_PREFIX) :] for name in names - {CURSOR_TABLE}}
-    lanes = []
-    for name in sorted(tables | cursors.keys()):
-        cursor = cursors.get(name, {})
-        fed, read_through, gaps = (cursor.get(c) for c in ("fed_through_id", "read_through_id", "open_gaps"))
-        lanes.append(
-            StoredLane(name, name in tables, _int(fed), _int(read_through), None if gaps is None else text(gaps))
-        )
-    return lanes
+    return [
+        StoredLane(name, name in tables, _cursor(cursors[name]) if name in cursors else None)
+        for name in sorted(tables | cursors.keys())
+    ]
 
 
-def _int(value: Any) -> int | None:
-    return None if value is None else int(value)
+def _cursor(row: dict[str, Any]) -> TailCursor:
+    return TailCursor.from_row(row["fed_through_id"], row.get("read_through_id"), row.get("open_gaps"))
 
 
 #: Rows above a lane's feeding point counted one by one; beyond, estimated (see own_lane_backlog).
@@ -132,8 +126,9 @@ async def own_lane_backlog(store: SQLStore, lane: StoredLane, counted: int = UNF
                 fed_up_to = max(fed_up_to, int(highest_fed))
         else:  # a tailing lane: its parked rows live in the tailing lanes' table
             parked = await _tail_parked(cur, store, lane.name)
-            if lane.read_through_id is not None and fed_up_to is not None:
-                fed_up_to = max(fed_up_to, lane.read_through_id)
+            read_through = lane.cursor.read_through_id if lane.cursor is not None else None
+            if read_through is not None and fed_up_to is not None:
+                fed_up_to = max(fed_up_to, read_through)
         unfed = 0
         if fed_up_to is not None:
             await cur.execute(

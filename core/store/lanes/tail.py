@@ -89,6 +89,15 @@ class TailCursor:
     read_through_id: int | None = None
     open_gaps: str | None = None
 
+    @classmethod
+    def from_row(cls, fed_through_id: Any, read_through_id: Any, open_gaps: Any) -> TailCursor:
+        """The cursor from its row's values as the database driver returns them."""
+        return cls(
+            int(fed_through_id),
+            None if read_through_id is None else int(read_through_id),
+            None if open_gaps is None else text(open_gaps),
+        )
+
     def ranges(self) -> list[tuple[int, int, int]]:
         """``open_gaps`` as ``(low, high, since)``; ValueError when it does not parse."""
         ranges = []
@@ -262,12 +271,7 @@ class TailStore(LaneStore):
         if row is None:
             return None
         fed, read_through, open_gaps, any_requeued = row
-        cursor = TailCursor(
-            int(fed),
-            None if read_through is None else int(read_through),
-            None if open_gaps is None else text(open_gaps),
-        )
-        return cursor, bool(any_requeued)
+        return TailCursor.from_row(fed, read_through, open_gaps), bool(any_requeued)
 
     async def _read(self, cur: Any) -> list[TailRow]:
         """In one statement, in id order: the rows above the highest id seen, up to
