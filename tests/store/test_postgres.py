@@ -62,6 +62,37 @@ async def test_sessions_carry_the_server_side_bounds(postgresql_dsn: str) -> Non
         await store.aclose()
 
 
+@pytest.mark.parametrize("default", ["serializable", "repeatable read"])
+async def test_a_stricter_default_isolation_is_overridden_and_concurrent_claims_succeed(
+    postgresql_dsn: str, default: str
+) -> None:
+    """A database whose default isolation is stricter than READ COMMITTED (set by a DBA for
+    other applications): the store's sessions still run at READ COMMITTED, and two stores
+    claiming at once neither fail with serialization errors nor share a row."""
+    pg_admin(f"ALTER DATABASE \"{postgresql_dsn.rsplit('/', 1)[1]}\" SET default_transaction_isolation = '{default}'")
+    stores = [await PostgresStore.connect(postgresql_dsn) for _ in range(2)]
+    try:
+        await stores[0].migrate()
+        async with stores[0].transaction() as cur:
+            await cur.execute("SHOW transaction_isolation")
+            assert (await cur.fetchone())[0] == "read committed"
+        await insert_events(stores[0], [envelope(f"e{i}") for i in range(300)])
+        claimed: list[str] = []
+
+        async def claim(store: PostgresStore, name: str) -> None:
+            for n in range(10):
+                rows = (await store.claim(f"{name}#{n}", 15, now_ms() + 60_000)).rows
+                claimed.extend(r.event_id for r in rows)
+
+        async with anyio.create_task_group() as tg:
+            for store, name in zip(stores, "ab", strict=True):
+                tg.start_soon(claim, store, name)
+        assert len(claimed) == 300 and len(set(claimed)) == 300
+    finally:
+        for store in stores:
+            await store.aclose()
+
+
 @pytest.mark.serial
 async def test_a_client_gone_mid_transaction_frees_its_row_locks(postgresql_dsn: str) -> None:
     """A session left idle in a transaction (its client vanished) is ended by the server after

@@ -51,7 +51,10 @@ class PostgresAddress:
         :class:`SessionLimits` for ``query_timeout`` (and ``idle_in_transaction``), set at
         connect time: ``statement_timeout``, ``lock_timeout`` and
         ``idle_in_transaction_session_timeout`` (a session whose client vanished in the middle
-        of a transaction ends and frees its row locks)."""
+        of a transaction ends and frees its row locks). Every transaction runs at READ COMMITTED,
+        whatever the server, database or role default: the claims, the lanes' feeding and the
+        tailing relay rely on each statement seeing what committed before it, and a stricter
+        default would fail their concurrent claims with serialization errors."""
         limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
         return {
             "host": self.host,
@@ -65,6 +68,7 @@ class PostgresAddress:
                 f"-c statement_timeout={limits.statement_seconds * 1000}"
                 f" -c lock_timeout={limits.lock_wait_seconds * 1000}"
                 f" -c idle_in_transaction_session_timeout={limits.idle_seconds * 1000}"
+                r" -c default_transaction_isolation=read\ committed"
             ),
             **dict(self.options),
         }
