@@ -1,18 +1,23 @@
 """MySQL-only properties of the schema (the rest is the store contract, test_store_contract.py):
-the claim's index plan (on a table migrate created, and on room-service's table it adopted)
-and PyMySQL's bytes parameters."""
+the claim's index plan (on a table migrate created, and on room-service's table it adopted),
+PyMySQL's bytes parameters, and the sessions' own SQL mode."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import pymysql
 import pytest
 from support import INSERT_V1, V1_DDL, fetch_rows
 
 from room_outbox.store.backends.leased import claim_sql, open_rows_of_rooms_sql
-from room_outbox.store.backends.mysql import CLAIM_SQL, MySQLStore
+from room_outbox.store.backends.mysql import CLAIM_SQL, SQL_MODE, MySQLAddress, MySQLStore
+from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import MYSQL
+from room_outbox.store.protocol import DeliveryResult, Outcome
 from room_outbox.store.schema.buckets import BUCKETS
 from room_outbox.store.schema.outbox import TABLE
 
@@ -45,6 +50,56 @@ async def test_bytes_parameters_work(store: MySQLStore) -> None:
     async with store.transaction() as cur:
         await cur.execute(INSERT_V1, ("default", "e_bytes", "RoomUserJoined", "r_1", b'{"k": "\xc3\xa9"}', 1, 1))
     assert (await fetch_rows(store))["e_bytes"]["envelope"] == '{"k": "é"}'
+
+
+@contextmanager
+def server_sql_mode(dsn: str, extra: str) -> Iterator[None]:
+    """The default SQL mode of ``dsn``'s server with ``extra`` modes added, for the block's new
+    sessions."""
+    address = MySQLAddress.from_dsn(dsn)
+    conn = pymysql.connect(
+        host=address.host, port=address.port, user=address.user, password=address.password, connect_timeout=5
+    )
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT @@GLOBAL.sql_mode")
+            (before,) = cur.fetchone()
+            cur.execute("SET GLOBAL sql_mode = %s", (f"{before},{extra}",))
+            try:
+                yield
+            finally:
+                cur.execute("SET GLOBAL sql_mode = %s", (before,))
+    finally:
+        conn.close()
+
+
+@pytest.mark.serial  # the server's default changes for every session opened meanwhile
+async def test_a_server_sql_mode_that_changes_how_statements_read_does_not_reach_the_sessions(
+    database_dsn: str,
+) -> None:
+    """A server whose default SQL mode reads " as an identifier's quote and \\ as a plain
+    character, || as concatenation, and wants full GROUP BYs: the store's sessions keep their
+    own mode, so migrate adopts room-service's table, and a bytes envelope and an error text
+    holding quotes and backslashes are stored as they were given."""
+    with server_sql_mode(database_dsn, "ANSI_QUOTES,NO_BACKSLASH_ESCAPES,PIPES_AS_CONCAT,ONLY_FULL_GROUP_BY"):
+        store = await MySQLStore.connect(database_dsn)
+        try:
+            async with store.transaction() as cur:
+                await cur.execute(V1_DDL)
+            await store.migrate()
+            body = b'{"event_id": "e1", "note": "a \\"quoted\\" \\\\ path \xc3\xa9"}'
+            async with store.transaction() as cur:
+                await cur.execute("SELECT @@SESSION.sql_mode")
+                assert (await cur.fetchone())[0] == SQL_MODE
+                await cur.execute(INSERT_V1, ("default", "e1", "RoomUserJoined", "r_1", body, 1, 1))
+            (row,) = (await store.claim("a#1", 10, now_ms() + 60_000)).rows
+            error = "it's \\ 'not' \"there\""
+            await store.record([DeliveryResult(row.id, "e1", "a#1", Outcome.FAILED, error, now_ms() + 60_000)])
+            stored = (await fetch_rows(store))["e1"]
+        finally:
+            await store.aclose()
+    assert stored["envelope"] == body.decode()
+    assert stored["last_error"] == error
 
 
 async def test_claim_query_reads_only_the_index_range(store: MySQLStore) -> None:

@@ -43,6 +43,13 @@ __all__ = ["CLAIM_SQL", "Migration", "MySQLAddress", "MySQLStore"]
 CLAIM_SQL = claim_sql(TABLE, "id", "envelope", MYSQL.row_lock)
 
 
+#: Every session's SQL mode, whatever the server's default. Left out are the modes that change
+#: how a statement reads: ANSI_QUOTES, PIPES_AS_CONCAT, ONLY_FULL_GROUP_BY and
+#: NO_BACKSLASH_ESCAPES (under which the driver's escaping of a bytes value corrupts it). Strict
+#: mode is on, so a value that does not fit its column is an error, never cut silently.
+SQL_MODE = "STRICT_TRANS_TABLES,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION"
+
+
 @dataclass(frozen=True)
 class MySQLAddress:
     host: str
@@ -62,7 +69,9 @@ class MySQLAddress:
             host=parsed.host, port=parsed.port, user=parsed.user, password=parsed.password, database=parsed.database
         )
 
-    def connect_kwargs(self) -> dict[str, Any]:
+    def connect_kwargs(self, *session: str) -> dict[str, Any]:
+        """aiomysql's parameters; the session's init statement sets :data:`SQL_MODE` and the
+        assignments in ``session``."""
         return {
             "host": self.host,
             "port": self.port,
@@ -72,7 +81,7 @@ class MySQLAddress:
             "autocommit": False,
             # Matched, not changed, rows: a fenced UPDATE then counts what it found.
             "client_flag": CLIENT.FOUND_ROWS,
-            "init_command": "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+            "init_command": "SET SESSION " + ", ".join((f"sql_mode = '{SQL_MODE}'", *session)),
             "connect_timeout": 5,
         }
 
@@ -82,13 +91,15 @@ class MySQLAddress:
         differently: the isolation level, and the statement time limit (MySQL's applies to
         SELECTs only, the claim's among them)."""
         isolation = "tx_isolation" if is_mariadb(server_version) else "transaction_isolation"
-        init = (
-            f"SET SESSION {isolation} = 'READ-COMMITTED', wait_timeout = {limits.idle_seconds},"
-            f" innodb_lock_wait_timeout = {limits.lock_wait_seconds}, lock_wait_timeout = {limits.lock_wait_seconds},"
-            f" net_read_timeout = {limits.network_seconds}, net_write_timeout = {limits.network_seconds},"
-            f" {statement_time_limit(server_version, limits.statement_seconds)}"
+        return self.connect_kwargs(
+            f"{isolation} = 'READ-COMMITTED'",
+            f"wait_timeout = {limits.idle_seconds}",
+            f"innodb_lock_wait_timeout = {limits.lock_wait_seconds}",
+            f"lock_wait_timeout = {limits.lock_wait_seconds}",
+            f"net_read_timeout = {limits.network_seconds}",
+            f"net_write_timeout = {limits.network_seconds}",
+            statement_time_limit(server_version, limits.statement_seconds),
         )
-        return {**self.connect_kwargs(), "init_command": init}
 
 
 def is_mariadb(server_version: str) -> bool:

@@ -59,9 +59,8 @@ async def connect(address: MySQLAddress, statement_limit: str) -> aiomysql.Conne
     """A connection of its own for schema changes: autocommit (each DDL commits anyway), no
     statement time limit (``statement_limit``: the server's assignment lifting it), and a
     short metadata-lock wait."""
-    kwargs = {**address.connect_kwargs(), "autocommit": True, "db": address.database}
-    kwargs["init_command"] = f"SET SESSION lock_wait_timeout = {DDL_LOCK_WAIT}, {statement_limit}"
-    return await aiomysql.connect(**kwargs)
+    kwargs = address.connect_kwargs(f"lock_wait_timeout = {DDL_LOCK_WAIT}", statement_limit)
+    return await aiomysql.connect(**{**kwargs, "autocommit": True, "db": address.database})
 
 
 @asynccontextmanager
