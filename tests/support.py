@@ -7,7 +7,7 @@ import inspect
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 import anyio
@@ -15,7 +15,7 @@ import anyio.abc
 import pytest
 
 from room_outbox import SinkSpec, hookimpl
-from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.schema.outbox import TABLE, V1_TABLE_DDL
 
 #: Set ROOM_OUTBOX_TEST_POSTGRESQL (postgresql://user:password@host:port) to use another server.
@@ -203,5 +203,29 @@ def pg_admin(sql: str) -> None:
         pytest.fail(f"PostgreSQL at {POSTGRESQL_SERVER_DSN} does not answer ({exc}); start it first", pytrace=False)
     try:
         conn.execute(sql)  # type: ignore[arg-type]
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def mysql_global(dsn: str, name: str, value: Callable[[str], str]) -> Iterator[None]:
+    """The global variable ``name`` of ``dsn``'s server set to ``value(its value before)`` for
+    the block, as a server's default for the sessions opened meanwhile; restored afterwards.
+    Tests that use it are serial: every session of the suite would see it."""
+    import pymysql
+
+    address = MySQLAddress.from_dsn(dsn)
+    conn = pymysql.connect(
+        host=address.host, port=address.port, user=address.user, password=address.password, connect_timeout=5
+    )
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"SELECT @@GLOBAL.{name}")
+            (before,) = cur.fetchone()
+            cur.execute(f"SET GLOBAL {name} = %s", (value(before),))
+            try:
+                yield
+            finally:
+                cur.execute(f"SET GLOBAL {name} = %s", (before,))
     finally:
         conn.close()

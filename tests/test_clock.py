@@ -4,10 +4,15 @@ with the round trip halved) and runs on its monotonic clock in between; a host b
 
 from __future__ import annotations
 
+import datetime
 import logging
+import shutil
+import subprocess
 import time
+import zoneinfo
 
 import pytest
+from support import mysql_global
 from telemetry_support import capture
 
 from room_outbox.config import Settings
@@ -113,3 +118,56 @@ async def test_the_offset_is_measured_against_the_real_server(
         assert abs(CLOCK.offset) < 0.5  # measured by open_store, against the real host clock
     finally:
         await store.aclose()
+
+
+def load_time_zone(dsn: str, name: str) -> None:
+    """Load the zone ``name`` from this host's tz database into ``dsn``'s server, unless it
+    knows it already (MariaDB and MySQL know named zones only once their tables are loaded)."""
+    import pymysql
+    from pymysql.constants import CLIENT
+
+    from room_outbox.store.backends.mysql import MySQLAddress
+
+    tool = shutil.which("mariadb-tzinfo-to-sql") or shutil.which("mysql_tzinfo_to_sql")
+    assert tool, "this test needs mariadb-tzinfo-to-sql or mysql_tzinfo_to_sql (the MariaDB/MySQL server package)"
+    sql = subprocess.run(
+        [tool, f"/usr/share/zoneinfo/{name}", name], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    address = MySQLAddress.from_dsn(dsn)
+    conn = pymysql.connect(
+        host=address.host, port=address.port, user=address.user, password=address.password,
+        database="mysql", connect_timeout=5, client_flag=CLIENT.MULTI_STATEMENTS,
+    )  # fmt: skip
+    try:
+        with conn.cursor() as cur:
+            if cur.execute("SELECT 1 FROM time_zone_name WHERE Name = %s", (name,)):
+                return
+            cur.execute(sql)
+            while cur.nextset():
+                pass
+        conn.commit()
+    finally:
+        conn.close()
+
+
+@pytest.mark.serial  # the server's default time zone changes for every session opened meanwhile
+async def test_the_mysql_clock_reads_true_time_in_the_hour_repeated_when_daylight_saving_ends(
+    database_dsn: str,
+) -> None:
+    """A server in local time with daylight saving time: when the clocks go back, the local hour
+    02:00–03:00 comes twice. The second time, the database's clock still reads the true time,
+    not an hour early (which would hold every lease, retry and ``claim_after`` an hour more)."""
+    berlin = zoneinfo.ZoneInfo("Europe/Berlin")
+    second_pass = datetime.datetime(2026, 10, 25, 2, 30, tzinfo=berlin, fold=1).timestamp()
+    load_time_zone(database_dsn, "Europe/Berlin")
+    with mysql_global(database_dsn, "time_zone", lambda _before: "Europe/Berlin"):
+        store = await open_store(database_dsn)
+        try:
+            async with store.transaction() as cur:
+                await cur.execute(f"SET timestamp = {second_pass:.0f}")  # the server's NOW() from here
+                await cur.execute(f"SELECT {store.dialect.now_ms}")
+                (server_ms,) = await cur.fetchone()
+                await cur.execute("SET timestamp = DEFAULT")
+        finally:
+            await store.aclose()
+    assert server_ms == second_pass * 1000

@@ -5,16 +5,13 @@ PyMySQL's bytes parameters, and the sessions' own SQL mode."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import pymysql
 import pytest
-from support import INSERT_V1, V1_DDL, fetch_rows
+from support import INSERT_V1, V1_DDL, fetch_rows, mysql_global
 
 from room_outbox.store.backends.leased import claim_sql, open_rows_of_rooms_sql
-from room_outbox.store.backends.mysql import CLAIM_SQL, SQL_MODE, MySQLAddress, MySQLStore
+from room_outbox.store.backends.mysql import CLAIM_SQL, SQL_MODE, MySQLStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import MYSQL
 from room_outbox.store.protocol import DeliveryResult, Outcome
@@ -52,27 +49,6 @@ async def test_bytes_parameters_work(store: MySQLStore) -> None:
     assert (await fetch_rows(store))["e_bytes"]["envelope"] == '{"k": "é"}'
 
 
-@contextmanager
-def server_sql_mode(dsn: str, extra: str) -> Iterator[None]:
-    """The default SQL mode of ``dsn``'s server with ``extra`` modes added, for the block's new
-    sessions."""
-    address = MySQLAddress.from_dsn(dsn)
-    conn = pymysql.connect(
-        host=address.host, port=address.port, user=address.user, password=address.password, connect_timeout=5
-    )
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT @@GLOBAL.sql_mode")
-            (before,) = cur.fetchone()
-            cur.execute("SET GLOBAL sql_mode = %s", (f"{before},{extra}",))
-            try:
-                yield
-            finally:
-                cur.execute("SET GLOBAL sql_mode = %s", (before,))
-    finally:
-        conn.close()
-
-
 @pytest.mark.serial  # the server's default changes for every session opened meanwhile
 async def test_a_server_sql_mode_that_changes_how_statements_read_does_not_reach_the_sessions(
     database_dsn: str,
@@ -81,7 +57,8 @@ async def test_a_server_sql_mode_that_changes_how_statements_read_does_not_reach
     character, || as concatenation, and wants full GROUP BYs: the store's sessions keep their
     own mode, so migrate adopts room-service's table, and a bytes envelope and an error text
     holding quotes and backslashes are stored as they were given."""
-    with server_sql_mode(database_dsn, "ANSI_QUOTES,NO_BACKSLASH_ESCAPES,PIPES_AS_CONCAT,ONLY_FULL_GROUP_BY"):
+    hostile = "ANSI_QUOTES,NO_BACKSLASH_ESCAPES,PIPES_AS_CONCAT,ONLY_FULL_GROUP_BY"
+    with mysql_global(database_dsn, "sql_mode", lambda before: f"{before},{hostile}"):
         store = await MySQLStore.connect(database_dsn)
         try:
             async with store.transaction() as cur:

@@ -48,6 +48,11 @@ CLAIM_SQL = claim_sql(TABLE, "id", "envelope", MYSQL.row_lock)
 #: NO_BACKSLASH_ESCAPES (under which the driver's escaping of a bytes value corrupts it). Strict
 #: mode is on, so a value that does not fit its column is an error, never cut silently.
 SQL_MODE = "STRICT_TRANS_TABLES,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION"
+#: Every session's time zone, whatever the server's. The database's clock is read as
+#: ``UNIX_TIMESTAMP(NOW(3))``, which goes through the session's local time: in a zone with
+#: daylight saving time, the hour repeated when the clocks go back reads an hour early the
+#: second time, and leases, retries and ``claim_after`` would wait an hour more.
+TIME_ZONE = "+00:00"
 
 
 @dataclass(frozen=True)
@@ -70,8 +75,8 @@ class MySQLAddress:
         )
 
     def connect_kwargs(self, *session: str) -> dict[str, Any]:
-        """aiomysql's parameters; the session's init statement sets :data:`SQL_MODE` and the
-        assignments in ``session``."""
+        """aiomysql's parameters; the session's init statement sets :data:`SQL_MODE`,
+        :data:`TIME_ZONE` and the assignments in ``session``."""
         return {
             "host": self.host,
             "port": self.port,
@@ -81,7 +86,7 @@ class MySQLAddress:
             "autocommit": False,
             # Matched, not changed, rows: a fenced UPDATE then counts what it found.
             "client_flag": CLIENT.FOUND_ROWS,
-            "init_command": "SET SESSION " + ", ".join((f"sql_mode = '{SQL_MODE}'", *session)),
+            "init_command": "SET SESSION " + ", ".join((f"sql_mode = '{SQL_MODE}'", f"time_zone = '{TIME_ZONE}'", *session)),
             "connect_timeout": 5,
         }
 
