@@ -77,6 +77,7 @@ class MySQLAddress:
     def connect_kwargs(self, *session: str) -> dict[str, Any]:
         """aiomysql's parameters; the session's init statement sets :data:`SQL_MODE`,
         :data:`TIME_ZONE` and the assignments in ``session``."""
+        init = ", ".join((f"sql_mode = '{SQL_MODE}'", f"time_zone = '{TIME_ZONE}'", *session))
         return {
             "host": self.host,
             "port": self.port,
@@ -86,7 +87,7 @@ class MySQLAddress:
             "autocommit": False,
             # Matched, not changed, rows: a fenced UPDATE then counts what it found.
             "client_flag": CLIENT.FOUND_ROWS,
-            "init_command": "SET SESSION " + ", ".join((f"sql_mode = '{SQL_MODE}'", f"time_zone = '{TIME_ZONE}'", *session)),
+            "init_command": f"SET SESSION {init}",
             "connect_timeout": 5,
         }
 
