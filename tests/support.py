@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import json
 import os
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Protocol
@@ -229,3 +230,10 @@ def mysql_global(dsn: str, name: str, value: Callable[[str], str]) -> Iterator[N
                 cur.execute(f"SET GLOBAL {name} = %s", (before,))
     finally:
         conn.close()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

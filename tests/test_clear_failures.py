@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import anyio
 import pytest
 from anyio.abc import SocketStream, TaskStatus
-from support import V1_DDL, RecordingSink, envelope, insert_events, wait_until
+from support import V1_DDL, RecordingSink, envelope, free_port, insert_events, wait_until
 
 from room_outbox import SinkSpec, hookimpl
 from room_outbox.app import run_service
@@ -41,13 +40,6 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("ROOM_OUTBOX"):
             monkeypatch.delenv(name)
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def write_config(tmp_path: Path, dsn: str, extra: str = QUIET_SINKS) -> str:

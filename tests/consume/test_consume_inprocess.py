@@ -5,7 +5,6 @@ the process tests are in test_consume_processes."""
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +15,7 @@ from aiokafka import AIOKafkaProducer
 from consume.conftest import TOPIC, ConsumerBroker, envelope
 from faults.tcp_proxy import TcpProxy
 from opentelemetry.trace import StatusCode
-from support import running, wait_until
+from support import free_port, running, wait_until
 from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, capture
 
 from room_outbox import hookimpl
@@ -265,12 +264,6 @@ async def test_spans_follow_the_producer_trace_and_metrics_count_outcomes(
 
 async def _recorded(store: SQLStore, expected: int) -> bool:
     return len(await rows(store, "SELECT event_id FROM recorded")) >= expected
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def test_a_consume_process_answers_healthz_and_readyz(

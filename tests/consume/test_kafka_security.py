@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import ssl
 import subprocess
 import time
@@ -24,6 +23,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from lanes.conftest import tansu_binary
 from pydantic import ValidationError
+from support import free_port
 
 from room_outbox import EventEnvelope, RetryableSinkError, SinkContext
 from room_outbox.config import ConfigError, Settings
@@ -123,12 +123,6 @@ def certificates(tmp_path: Path) -> Path:
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "other.key", "-out", "other-ca.pem",
             "-days", "2", "-subj", "/CN=another CA", cwd=tmp_path)  # fmt: skip
     return tmp_path
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @contextlib.asynccontextmanager

@@ -4,7 +4,6 @@ through retention, and retiring a lane an operator switched off."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,19 +15,13 @@ import yaml
 from lanes.conftest import Broker
 from lanes.test_lanes import consume, lane_rows
 from processes import DispatcherProcess, FakeIMProcess, _env
-from support import envelope, fetch_rows, insert_events, wait_until
+from support import envelope, fetch_rows, free_port, insert_events, wait_until
 
 from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
 
 CONFIG_DIR = Path(__file__).parents[2] / "config"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:

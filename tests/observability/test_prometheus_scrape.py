@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -29,7 +28,7 @@ import pytest
 import yaml
 from observability_stack import ALERTS, Query, alert_queries, alert_rules, metric_names, panel_queries
 from processes import DispatcherProcess, FakeIMProcess, write_config
-from support import envelope, insert_events, insert_rows, wait_until
+from support import envelope, free_port, insert_events, insert_rows, wait_until
 
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.producer import MARK_PUBLISHED
@@ -43,12 +42,6 @@ FROM_OTHER_PROCESSES = {"room_outbox_consumer_lag": "room-outbox consume"}
 PROVOKED = {"RoomOutboxDeliveryFailing", "RoomOutboxDeliveryFailingForGood", "RoomOutboxLostLeases"}
 DEADLOCK = 1213
 IM_FAULTS = {"error_rate": 0.1, "error_codes": [10002, 10010], "http_error_rate": 0.03, "latency": 0.05}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class PrometheusProcess:

@@ -13,7 +13,7 @@ import pytest
 from support import POSTGRESQL_SERVER_DSN, envelope, insert_events, pg_admin, wait_until
 
 from room_outbox.errors import ConfigurationError, StoreUnavailable
-from room_outbox.store.backends.postgres import PostgresAddress, PostgresStore
+from room_outbox.store.backends.postgres import PostgresAddress, PostgresStore, open_session
 from room_outbox.store.clock import now_ms
 from room_outbox.store.deadline import QueryTimeout
 from room_outbox.store.factory import open_store
@@ -102,7 +102,7 @@ async def test_a_client_gone_mid_transaction_frees_its_row_locks(postgresql_dsn:
         await store.migrate()
         await insert_events(store, [envelope("e1")])
         # A session set up as the store's are, left in a transaction nobody ends.
-        vanished = await psycopg.AsyncConnection.connect(**store.address.connect_kwargs(1.0))
+        vanished = await open_session(store.address, 1.0)
         try:
             await vanished.execute("SELECT 1 FROM room_outbox FOR UPDATE")
             assert (await store.claim("a#1", 10, now_ms() + 60_000)).rows == []  # locked: passed by

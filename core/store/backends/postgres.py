@@ -1,11 +1,11 @@
 """The main lane's state on PostgreSQL ≥ 12, through psycopg 3 and its connection pool.
 
 Same table, columns, indexes, claim, leases, fencing, per-room hold-back and parking as on
-MySQL (:mod:`.schema`, :mod:`.leased`): transactions run at READ COMMITTED (PostgreSQL's
-default), the claim takes its rows with ``FOR UPDATE SKIP LOCKED``, and a fenced ``UPDATE``
+MySQL (:mod:`.schema`, :mod:`.leased`): transactions run at READ COMMITTED (every session
+sets it), the claim takes its rows with ``FOR UPDATE SKIP LOCKED``, and a fenced ``UPDATE``
 reports the rows it matched. psycopg takes the ``%s`` placeholders every shared statement is
 written in, so no statement is rewritten on the way. Deadlines follow :mod:`.deadline`, as on
-MySQL (:meth:`PostgresStore.transaction`, :meth:`PostgresAddress.connect_kwargs`); ``migrate``
+MySQL (:meth:`PostgresStore.transaction`, :meth:`PostgresAddress.session_settings`); ``migrate``
 runs online (:meth:`PostgresStore.run_migration`).
 """
 
@@ -48,6 +48,34 @@ for _json_type in ("json", "jsonb"):
 
 #: The key of migrate's session lock (``pg_advisory_lock``): one migrate at a time per database.
 MIGRATE_LOCK_KEY = 0x726F6F6D2D6F7574  # "room-out"
+
+
+async def open_session(
+    address: PostgresAddress,
+    query_timeout: float,
+    *,
+    idle_in_transaction: float = 0.0,
+    database: str | None = None,
+    autocommit: bool = False,
+) -> psycopg.AsyncConnection[Any]:
+    """A connection of its own, outside the pool, set up as the pool's are."""
+    conn = await psycopg.AsyncConnection.connect(
+        **address.connect_kwargs(query_timeout, database), autocommit=autocommit, context=JSON_AS_TEXT
+    )
+    try:
+        await set_up_session(conn, address.session_settings(query_timeout, idle_in_transaction))
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
+async def set_up_session(conn: psycopg.AsyncConnection[Any], settings: str) -> None:
+    """Run ``settings`` (:meth:`PostgresAddress.session_settings`) on a new connection and leave
+    it idle, as the pool expects a connection it is handed."""
+    await conn.execute(settings)  # no parameters: one round trip for all of them
+    if not conn.autocommit:
+        await conn.commit()
 
 
 class PgCursor:
@@ -113,12 +141,14 @@ class PostgresStore(LeasedRows):
         ``idle_in_transaction``: see :meth:`SessionLimits.for_query_timeout`."""
         address = PostgresAddress.from_dsn(dsn)
         limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
-        kwargs = {
-            **address.connect_kwargs(query_timeout, idle_in_transaction=idle_in_transaction),
-            "context": JSON_AS_TEXT,
-        }
+        settings = address.session_settings(query_timeout, idle_in_transaction)
+
+        async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
+            await set_up_session(conn, settings)
+
         pool = AsyncConnectionPool(
-            kwargs=kwargs,
+            kwargs={**address.connect_kwargs(query_timeout), "context": JSON_AS_TEXT},
+            configure=configure,
             min_size=1,
             max_size=pool_size,
             open=False,
@@ -132,7 +162,7 @@ class PostgresStore(LeasedRows):
                     await _create_database(address, query_timeout)
                 # One connection first, alone: its error (refused, login, no such database) is
                 # the driver's own, where the pool would only report that it timed out.
-                first = await psycopg.AsyncConnection.connect(**kwargs)
+                first = await open_session(address, query_timeout, idle_in_transaction=idle_in_transaction)
                 await first.close()
                 await pool.open(wait=True, timeout=query_timeout)
         except BaseException:
@@ -227,7 +257,7 @@ class PostgresStore(LeasedRows):
         bounded by ``step_lock_wait``. The server checks every second that migrate is still
         there, so an index build or a batch stops soon after migrate was stopped (PostgreSQL
         ≥ 14; older servers finish the statement first)."""
-        conn = await psycopg.AsyncConnection.connect(**self.address.connect_kwargs(self.query_timeout), autocommit=True)
+        conn = await open_session(self.address, self.query_timeout, autocommit=True)
         try:
             await conn.execute("SET statement_timeout = 0")
             await conn.execute(f"SET lock_timeout = {int(self.step_lock_wait * 1000)}")
@@ -242,7 +272,7 @@ class PostgresStore(LeasedRows):
         """migrate's session lock, held on a connection of its own for the whole migrate (it
         ends with that session, whatever stops migrate); that connection also reads the
         progress of index builds."""
-        conn = await psycopg.AsyncConnection.connect(**self.address.connect_kwargs(self.query_timeout), autocommit=True)
+        conn = await open_session(self.address, self.query_timeout, autocommit=True)
         try:
             await conn.execute(f"SET lock_timeout = {int(self.migrate_lock_wait * 1000)}")
             try:
@@ -337,9 +367,7 @@ def _say(line: str) -> None:
 async def _create_database(address: PostgresAddress, query_timeout: float) -> None:
     """Create the DSN's database when missing (``room-outbox migrate``), from the server's
     maintenance database; the caller bounds the time."""
-    conn = await psycopg.AsyncConnection.connect(
-        **address.connect_kwargs(query_timeout, database="postgres"), autocommit=True
-    )
+    conn = await open_session(address, query_timeout, database="postgres", autocommit=True)
     try:
         cur = await conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (address.database,))
         if await cur.fetchone() is None:

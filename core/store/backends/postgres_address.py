@@ -44,18 +44,9 @@ class PostgresAddress:
             options=tuple((name, values[-1]) for name, values in sorted(parsed.query.items())),
         )
 
-    def connect_kwargs(
-        self, query_timeout: float, database: str | None = None, idle_in_transaction: float = 0.0
-    ) -> dict[str, Any]:
-        """libpq's parameters: every session carries the server-side bounds of
-        :class:`SessionLimits` for ``query_timeout`` (and ``idle_in_transaction``), set at
-        connect time: ``statement_timeout``, ``lock_timeout`` and
-        ``idle_in_transaction_session_timeout`` (a session whose client vanished in the middle
-        of a transaction ends and frees its row locks). Every transaction runs at READ COMMITTED,
-        whatever the server, database or role default: the claims, the lanes' feeding and the
-        tailing relay rely on each statement seeing what committed before it, and a stricter
-        default would fail their concurrent claims with serialization errors."""
-        limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
+    def connect_kwargs(self, query_timeout: float, database: str | None = None) -> dict[str, Any]:
+        """libpq's parameters. A session's settings are not among them: see
+        :meth:`session_settings`."""
         return {
             "host": self.host,
             "port": self.port,
@@ -64,11 +55,26 @@ class PostgresAddress:
             "dbname": database or self.database,
             "connect_timeout": max(2, math.ceil(query_timeout)),  # libpq takes whole seconds, at least 2
             "application_name": "room-outbox",
-            "options": (
-                f"-c statement_timeout={limits.statement_seconds * 1000}"
-                f" -c lock_timeout={limits.lock_wait_seconds * 1000}"
-                f" -c idle_in_transaction_session_timeout={limits.idle_seconds * 1000}"
-                r" -c default_transaction_isolation=read\ committed"
-            ),
             **dict(self.options),
         }
+
+    @staticmethod
+    def session_settings(query_timeout: float, idle_in_transaction: float = 0.0) -> str:
+        """What every session runs once it is open: the server-side bounds of
+        :class:`SessionLimits` for ``query_timeout`` (and ``idle_in_transaction``):
+        ``statement_timeout``, ``lock_timeout`` and ``idle_in_transaction_session_timeout`` (a
+        session whose client vanished in the middle of a transaction ends and frees its row
+        locks); and READ COMMITTED for every transaction, whatever the server, database or role
+        default: the claims, the lanes' feeding and the tailing relay rely on each statement
+        seeing what committed before it, and a stricter default would fail their concurrent
+        claims with serialization errors.
+
+        Set with statements, not libpq's startup ``options``: a pooler in front of the server
+        (PgBouncer) refuses that parameter, or, told to ignore it, drops it."""
+        limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
+        return (
+            f"SET statement_timeout = {limits.statement_seconds * 1000};"
+            f" SET lock_timeout = {limits.lock_wait_seconds * 1000};"
+            f" SET idle_in_transaction_session_timeout = {limits.idle_seconds * 1000};"
+            " SET default_transaction_isolation = 'read committed'"
+        )
