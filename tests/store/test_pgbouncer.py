@@ -1,19 +1,23 @@
 """PostgreSQL behind PgBouncer, as many deployments reach it: a real PgBouncer (Debian's
-package) in session pooling, its default, with its default handling of startup parameters,
-between the store and the suite's PostgreSQL."""
+package) between the store and the suite's PostgreSQL, with its default handling of startup
+parameters, in session pooling (its default) and in transaction pooling (``pool_mode=transaction``
+in the DSN)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import psycopg
 import pytest
-from support import envelope, free_port, insert_events, wait_until
+from support import envelope, free_port, insert_events, pg_admin, wait_until
 
+from room_outbox.errors import StoreError
 from room_outbox.store.backends.postgres import PostgresAddress, PostgresStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.protocol import DeliveryResult, Outcome
@@ -21,22 +25,26 @@ from room_outbox.store.protocol import DeliveryResult, Outcome
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-async def pgbouncer(postgresql_dsn: str, tmp_path: Path) -> AsyncIterator[str]:
-    """A PgBouncer in front of the suite's PostgreSQL; yields the DSN of ``postgresql_dsn``'s
-    database through it."""
+@contextlib.asynccontextmanager
+async def running_pgbouncer(postgresql_dsn: str, tmp_path: Path, pool_mode: str) -> AsyncIterator[str]:
+    """A PgBouncer in front of the suite's PostgreSQL, pooling by ``pool_mode`` over at most two
+    server sessions; yields the DSN of ``postgresql_dsn``'s database through it (saying
+    ``pool_mode=transaction`` for transaction pooling). The database's default isolation is
+    serializable, as a DBA may set it for other applications: set before PgBouncer opens a
+    server session, as it keeps them."""
     binary = shutil.which("pgbouncer", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
     if binary is None:
         pytest.fail("pgbouncer is missing: install the Debian package pgbouncer (scripts/test.sh does)")
     server = PostgresAddress.from_dsn(postgresql_dsn)
+    pg_admin(f"ALTER DATABASE \"{server.database}\" SET default_transaction_isolation = 'serializable'")
     port = free_port()
-    config = tmp_path / "pgbouncer.ini"
+    config = tmp_path / f"pgbouncer-{pool_mode}.ini"
     config.write_text(
         "[databases]\n"
         f"* = host={server.host} port={server.port} user={server.user}\n"
         "[pgbouncer]\n"
         f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
-        "auth_type = any\npool_mode = session\n"
+        f"auth_type = any\npool_mode = {pool_mode}\ndefault_pool_size = 2\n"
     )
     # PgBouncer refuses to run as root: it reads its configuration, then becomes nobody.
     as_user = ["-u", "nobody"] if os.geteuid() == 0 else []
@@ -55,7 +63,7 @@ async def pgbouncer(postgresql_dsn: str, tmp_path: Path) -> AsyncIterator[str]:
             return True
 
         await wait_until(answers, timeout=10.0, interval=0.05)
-        yield dsn
+        yield dsn + ("?pool_mode=transaction" if pool_mode == "transaction" else "")
     finally:
         process.terminate()
         try:
@@ -65,30 +73,103 @@ async def pgbouncer(postgresql_dsn: str, tmp_path: Path) -> AsyncIterator[str]:
             process.wait(timeout=5)
 
 
-async def test_the_store_works_through_pgbouncer_with_its_session_bounds(pgbouncer: str) -> None:
+@pytest.fixture(params=["session", "transaction"])
+async def pgbouncer(request: pytest.FixtureRequest, postgresql_dsn: str, tmp_path: Path) -> AsyncIterator[str]:
+    async with running_pgbouncer(postgresql_dsn, tmp_path, request.param) as dsn:
+        yield dsn
+
+
+def test_pool_mode_is_read_from_the_dsn_and_never_passed_to_libpq() -> None:
+    address = PostgresAddress.from_dsn("postgresql://u:hunter22@h/db?sslmode=require&pool_mode=transaction")
+    assert address.transaction_pooling and "pool_mode" not in address.connect_kwargs(2.0)
+    assert not PostgresAddress.from_dsn("postgresql://u:hunter22@h/db?pool_mode=session").transaction_pooling
+    with pytest.raises(ValueError, match=r"database\.dsn: pool_mode='statement' is not one of session, transaction"):
+        PostgresAddress.from_dsn("postgresql://u:hunter22@h/db?pool_mode=statement")
+
+
+async def test_the_store_works_through_pgbouncer_with_its_bounds_in_every_transaction(
+    pgbouncer: str, postgresql_dsn: str
+) -> None:
     """PgBouncer refuses libpq's startup parameter ``options`` unless told to ignore it, and
-    then drops it: the store sets its sessions' bounds and isolation with statements instead,
-    so it connects, migrates, claims and records through PgBouncer with every bound in place."""
-    store = await PostgresStore.connect(pgbouncer, query_timeout=1.5)
+    then drops it: the store sets its bounds and isolation with statements instead, per session
+    or, in transaction pooling, per transaction (where nothing set on a session lasts, and a
+    prepared statement is unknown to the next server session). On a database whose default
+    isolation is serializable, two stores claiming at once over PgBouncer's two server sessions
+    find every bound in place in every transaction, and share no row."""
+    direct = await PostgresStore.connect(postgresql_dsn)
     try:
-        await store.migrate()
-        async with store.transaction() as cur:
-            settings = {}
-            for name in ("statement_timeout", "lock_timeout", "idle_in_transaction_session_timeout",
-                         "transaction_isolation"):  # fmt: skip
-                await cur.execute(f"SHOW {name}")
-                settings[name] = (await cur.fetchone())[0]
-        assert settings == {
-            "statement_timeout": "5s",
-            "lock_timeout": "2s",
-            "idle_in_transaction_session_timeout": "5s",
-            "transaction_isolation": "read committed",
-        }
-        await insert_events(store, [envelope(f"e{i}") for i in range(3)])
-        claimed = await store.claim("a#1", 10, now_ms() + 60_000)
-        assert [r.event_id for r in claimed.rows] == ["e0", "e1", "e2"]
-        stale = await store.record([DeliveryResult(r.id, r.event_id, "a#1", Outcome.PUBLISHED) for r in claimed.rows])
-        assert stale == []
-        assert (await store.claim("a#2", 10, now_ms() + 60_000)).rows == []
+        await direct.migrate()
+        await insert_events(direct, [envelope(f"e{i}") for i in range(300)])
     finally:
-        await store.aclose()
+        await direct.aclose()
+    stores = [await PostgresStore.connect(pgbouncer, pool_size=2, query_timeout=1.5) for _ in range(2)]
+    expected = {
+        "statement_timeout": "5s",
+        "lock_timeout": "2s",
+        "idle_in_transaction_session_timeout": "5s",
+        "transaction_isolation": "read committed",
+    }
+    claimed: list[str] = []
+    seen: list[dict[str, str]] = []
+
+    async def claim(store: PostgresStore, name: str) -> None:
+        for n in range(20):
+            rows = (await store.claim(f"{name}#{n}", 10, now_ms() + 60_000)).rows
+            claimed.extend(r.event_id for r in rows)
+            results = [DeliveryResult(r.id, r.event_id, f"{name}#{n}", Outcome.PUBLISHED) for r in rows]
+            assert await store.record(results) == []
+            async with store.transaction() as cur:
+                settings = {}
+                for setting in expected:
+                    await cur.execute(f"SHOW {setting}")
+                    settings[setting] = (await cur.fetchone())[0]
+                seen.append(settings)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for store, name in zip(stores, "ab", strict=True):
+                tg.start_soon(claim, store, name)
+    finally:
+        for store in stores:
+            await store.aclose()
+    assert len(claimed) == 300 and len(set(claimed)) == 300
+    assert seen and all(settings == expected for settings in seen)
+
+
+async def test_migrate_through_transaction_pooling_is_refused_naming_the_fix(
+    postgresql_dsn: str, tmp_path: Path
+) -> None:
+    async with running_pgbouncer(postgresql_dsn, tmp_path, "transaction") as dsn:
+        store = await PostgresStore.connect(dsn)
+        try:
+            with pytest.raises(StoreError, match=r"migrate cannot run through database\.dsn's pool_mode=transaction"):
+                await store.migrate()
+        finally:
+            await store.aclose()
+
+
+async def test_through_transaction_pooling_a_statement_run_often_runs_on_another_server_session(
+    postgresql_dsn: str, tmp_path: Path
+) -> None:
+    """The driver prepares a statement it has run a few times on a connection, and from then on
+    names it. Through transaction pooling the next transaction may run on a server session that
+    never saw it: the store's claims keep working when the session that ran them so far is busy."""
+    direct = await PostgresStore.connect(postgresql_dsn)
+    try:
+        await direct.migrate()
+        await insert_events(direct, [envelope(f"e{i}") for i in range(20)])
+    finally:
+        await direct.aclose()
+    async with running_pgbouncer(postgresql_dsn, tmp_path, "transaction") as dsn:
+        store = await PostgresStore.connect(dsn, pool_size=1)
+        try:
+            claimed = [r.event_id for n in range(8) for r in (await store.claim(f"a#{n}", 1, now_ms() + 60_000)).rows]
+            # Another client takes the server session the store's transactions ran on (PgBouncer
+            # hands out the one released last) and keeps it in a transaction.
+            libpq = PostgresAddress.from_dsn(dsn).connect_kwargs(5.0)
+            async with await psycopg.AsyncConnection.connect(**libpq) as other:
+                await other.execute("SELECT 1")
+                claimed += [r.event_id for r in (await store.claim("a#8", 1, now_ms() + 60_000)).rows]
+        finally:
+            await store.aclose()
+    assert claimed == [f"e{i}" for i in range(9)]

@@ -26,7 +26,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from room_outbox.errors import StoreError
 from room_outbox.store.backends.leased import LeasedRows
-from room_outbox.store.backends.postgres_address import PostgresAddress
+from room_outbox.store.backends.postgres_address import POOL_MODE, PostgresAddress
 from room_outbox.store.deadline import (
     DEFAULT_QUERY_TIMEOUT,
     SCHEMA_CHANGE_TIMEOUT,
@@ -58,10 +58,13 @@ async def open_session(
     database: str | None = None,
     autocommit: bool = False,
 ) -> psycopg.AsyncConnection[Any]:
-    """A connection of its own, outside the pool, set up as the pool's are."""
+    """A connection of its own, outside the pool, set up as the pool's are (through a pooler in
+    transaction mode, a session's settings would not last: there each transaction sets them)."""
     conn = await psycopg.AsyncConnection.connect(
         **address.connect_kwargs(query_timeout, database), autocommit=autocommit, context=JSON_AS_TEXT
     )
+    if address.transaction_pooling:
+        return conn
     try:
         await set_up_session(conn, address.session_settings(query_timeout, idle_in_transaction))
     except BaseException:
@@ -127,6 +130,9 @@ class PostgresStore(LeasedRows):
         self._timeouts = TimeoutWatch()
         #: When each pooled connection was last handed back (event-loop time).
         self._last_used: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], float] = weakref.WeakKeyDictionary()
+        #: What each transaction runs first, through a pooler in transaction mode (there a
+        #: session's settings do not last); empty where the sessions carry them.
+        self._transaction_settings = ""
 
     @classmethod
     async def connect(
@@ -146,9 +152,13 @@ class PostgresStore(LeasedRows):
         async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
             await set_up_session(conn, settings)
 
+        kwargs: dict[str, Any] = {**address.connect_kwargs(query_timeout), "context": JSON_AS_TEXT}
+        if address.transaction_pooling:
+            # A statement psycopg prepared on one server session is unknown to the next.
+            kwargs["prepare_threshold"] = None
         pool = AsyncConnectionPool(
-            kwargs={**address.connect_kwargs(query_timeout), "context": JSON_AS_TEXT},
-            configure=configure,
+            kwargs=kwargs,
+            configure=None if address.transaction_pooling else configure,
             min_size=1,
             max_size=pool_size,
             open=False,
@@ -171,6 +181,8 @@ class PostgresStore(LeasedRows):
             raise
         store = cls(pool, address, query_timeout)
         store.limits = limits
+        if address.transaction_pooling:
+            store._transaction_settings = address.session_settings(query_timeout, idle_in_transaction, local=True)
         return store
 
     async def aclose(self) -> None:
@@ -189,6 +201,8 @@ class PostgresStore(LeasedRows):
             conn = await self._acquire()
             try:
                 async with conn.cursor() as cur:
+                    if self._transaction_settings:
+                        await cur.execute(self._transaction_settings)
                     yield PgCursor(cur)
                 await conn.commit()
             except BaseException:
@@ -229,6 +243,13 @@ class PostgresStore(LeasedRows):
         ``step_lock_wait``: a step that waited too long is tried again, re-planned from the
         catalogue (an interrupted ``CONCURRENTLY`` build is dropped and built again), up to
         ``step_attempts`` times. Returns the changes made."""
+        if self.address.transaction_pooling:
+            raise StoreError(
+                f"migrate cannot run through database.dsn's {POOL_MODE}=transaction: it holds a"
+                " session lock and builds indexes outside transactions, which need a server session of"
+                " its own; run migrate with database.dsn pointing at PostgreSQL itself (or at a"
+                " session-pooled database of the pooler)"
+            )
         changes: list[str] = []
         with query_deadline(SCHEMA_CHANGE_TIMEOUT):
             async with self._migrate_lock() as watcher, self._migration_session() as conn:

@@ -14,6 +14,10 @@ from room_outbox.store.deadline import SessionLimits
 SCHEMES = ("postgresql", "postgres")
 #: DSN options passed through to libpq.
 _LIBPQ_OPTIONS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "application_name")
+#: The DSN option naming how a pooler in front of the server (PgBouncer's ``pool_mode``) hands
+#: out server sessions: ``session`` (the default; also a direct connection) or ``transaction``.
+POOL_MODE = "pool_mode"
+_POOL_MODES = ("session", "transaction")
 
 
 @dataclass(frozen=True)
@@ -24,16 +28,27 @@ class PostgresAddress:
     password: str
     database: str
     options: tuple[tuple[str, str], ...] = ()
+    #: Each transaction may run on another server session (PgBouncer's ``pool_mode =
+    #: transaction``): nothing set on a session lasts beyond the transaction that set it.
+    transaction_pooling: bool = False
 
     @classmethod
     def from_dsn(cls, dsn: str) -> PostgresAddress:
-        """``postgresql://user:password@host:port/database[?sslmode=…]``. Errors never echo
-        the DSN, which holds the password."""
+        """``postgresql://user:password@host:port/database[?sslmode=…][&pool_mode=transaction]``.
+        Errors never echo the DSN, which holds the password."""
         parsed = parse_server_dsn(dsn, SCHEMES, default_port=5432, default_user="postgres")
-        unknown = set(parsed.query) - set(_LIBPQ_OPTIONS)
+        unknown = set(parsed.query) - {*_LIBPQ_OPTIONS, POOL_MODE}
         if unknown:
             raise ValueError(
-                f"database.dsn: unsupported options {sorted(unknown)} (allowed: {', '.join(_LIBPQ_OPTIONS)})"
+                f"database.dsn: unsupported options {sorted(unknown)}"
+                f" (allowed: {', '.join((*_LIBPQ_OPTIONS, POOL_MODE))})"
+            )
+        options = {name: values[-1] for name, values in sorted(parsed.query.items())}
+        pool_mode = options.pop(POOL_MODE, "session")
+        if pool_mode not in _POOL_MODES:
+            raise ValueError(
+                f"database.dsn: {POOL_MODE}={pool_mode!r} is not one of {', '.join(_POOL_MODES)}"
+                " (statement pooling cannot run a transaction of several statements)"
             )
         return cls(
             host=parsed.host,
@@ -41,7 +56,8 @@ class PostgresAddress:
             user=parsed.user,
             password=parsed.password,
             database=parsed.database,
-            options=tuple((name, values[-1]) for name, values in sorted(parsed.query.items())),
+            options=tuple(options.items()),
+            transaction_pooling=pool_mode == "transaction",
         )
 
     def connect_kwargs(self, query_timeout: float, database: str | None = None) -> dict[str, Any]:
@@ -59,7 +75,7 @@ class PostgresAddress:
         }
 
     @staticmethod
-    def session_settings(query_timeout: float, idle_in_transaction: float = 0.0) -> str:
+    def session_settings(query_timeout: float, idle_in_transaction: float = 0.0, local: bool = False) -> str:
         """What every session runs once it is open: the server-side bounds of
         :class:`SessionLimits` for ``query_timeout`` (and ``idle_in_transaction``):
         ``statement_timeout``, ``lock_timeout`` and ``idle_in_transaction_session_timeout`` (a
@@ -70,11 +86,15 @@ class PostgresAddress:
         claims with serialization errors.
 
         Set with statements, not libpq's startup ``options``: a pooler in front of the server
-        (PgBouncer) refuses that parameter, or, told to ignore it, drops it."""
+        (PgBouncer) refuses that parameter, or, told to ignore it, drops it. ``local``: the same
+        for the transaction that runs them first, where a session's settings do not last
+        (:attr:`transaction_pooling`)."""
         limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
+        scope, isolation = ("SET LOCAL", "SET TRANSACTION ISOLATION LEVEL READ COMMITTED") if local else (
+            "SET", "SET default_transaction_isolation = 'read committed'"
+        )  # fmt: skip
         return (
-            f"SET statement_timeout = {limits.statement_seconds * 1000};"
-            f" SET lock_timeout = {limits.lock_wait_seconds * 1000};"
-            f" SET idle_in_transaction_session_timeout = {limits.idle_seconds * 1000};"
-            " SET default_transaction_isolation = 'read committed'"
+            f"{isolation}; {scope} statement_timeout = {limits.statement_seconds * 1000};"
+            f" {scope} lock_timeout = {limits.lock_wait_seconds * 1000};"
+            f" {scope} idle_in_transaction_session_timeout = {limits.idle_seconds * 1000}"
         )
