@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from room_outbox.cluster.quota import QuotaShare
 from room_outbox.envelope import EventEnvelope
@@ -59,6 +59,20 @@ class SinkSettings(BaseModel):
     #: Event types this sink takes. ``None`` means "every known event type that no other
     #: sink in the lane takes" (at most one sink of a lane may say so).
     event_types: list[str] | None = None
+
+    @field_validator("event_types")
+    @classmethod
+    def _event_types_are_names(cls, value: list[str] | None) -> list[str] | None:
+        """Each entry is an event type's exact name: one that could never match a row (a
+        pattern, a blank) would leave the types it was meant for without a sink."""
+        for name in value or ():
+            if not name.strip() or name != name.strip() or any(c in name for c in "*?[],"):
+                raise ValueError(
+                    f"{name!r} is not an event type's name (exact names only, no patterns); a sink"
+                    " that takes every type no other sink lists leaves event_types out"
+                )
+        return value
+
     #: Sinks with a lane of their own: where the lane starts the first time it runs —
     #: ``now`` (events from now on), ``beginning`` (every row in room_outbox) or an outbox id.
     start: Literal["now", "beginning"] | int = "now"

@@ -142,6 +142,21 @@ async def test_bad_sink_settings_name_the_key(third_party_installed: None) -> No
     assert "sinks.counting.lable" in str(info.value)
 
 
+@pytest.mark.parametrize("entry", ["*", "Room*", "", " RoomCreated", "RoomCreated,RoomHeatChanged"])
+async def test_an_event_types_entry_that_is_not_a_name_is_refused_naming_the_key(entry: str) -> None:
+    """A pattern or a blank would match no row's type: the types it was meant for would be
+    parked with no_route, so the configuration is refused instead, saying how to take them all."""
+    with pytest.raises(ConfigError) as info:
+        await build_router(
+            make_plugin_manager(),
+            settings(sinks={"tencent_im": {"enabled": False}, "noop": {"event_types": [entry]}}),
+            Redactor(),
+        )
+    message = str(info.value)
+    assert "sinks.noop.event_types" in message and f"{entry!r} is not an event type's name" in message
+    assert "leaves event_types out" in message
+
+
 async def test_an_event_type_goes_to_exactly_one_sink(third_party_installed: None) -> None:
     cfg = settings(sinks={"tencent_im": {"enabled": False}, "counting": {"event_types": ["RoomCreated"]}})
     with pytest.raises(ConfigError, match="RoomCreated is already taken by sink"):
