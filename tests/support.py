@@ -101,6 +101,16 @@ async def wait_until(
         await anyio.sleep(interval)
 
 
+def wait_until_sync(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> None:
+    """:func:`wait_until` for code outside an event loop (a module-scoped fixture starting a
+    server)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout}s")
+        time.sleep(interval)
+
+
 def without_room_outbox_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unset every ``ROOM_OUTBOX*`` variable for the test: only its own file configures it."""
     for name in list(os.environ):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import ssl
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ _CANNOT_CONNECT = {2003: "connection refused or unreachable", 2005: "unknown hos
 _CONNECTION_LOST = {2006: "server has gone away", 2013: "lost connection during the query"}
 _BUSY = {1040: "too many connections", 1203: "user has too many connections"}
 _ACCESS_DENIED = (1044, 1045, 1698)
+_INSECURE_TRANSPORT = 3159
 _UNKNOWN_DATABASE = 1049
 _NO_SUCH_TABLE = 1146
 _NO_SUCH_COLUMN = 1054
@@ -38,6 +40,10 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
     reason = _reason(exc, password)
     if isinstance(exc, pymysql.err.Error) and exc.args and isinstance(exc.args[0], int):
         code = exc.args[0]
+        if code in _CANNOT_CONNECT and isinstance(exc.__cause__, ssl.SSLError):
+            return StoreUnavailable(
+                f"{where}: TLS failed: {exc.__cause__}; check database.dsn's ssl_mode and ssl_ca"
+            )
         if code in _CANNOT_CONNECT or code in _CONNECTION_LOST or code in _BUSY:
             what = {**_CANNOT_CONNECT, **_CONNECTION_LOST, **_BUSY}[code]
             return StoreUnavailable(
@@ -45,7 +51,16 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
                 transient=True,
             )
         if code in _ACCESS_DENIED:
-            return StoreUnavailable(f"{where} refused the login: {reason}; check the user and password in database.dsn")
+            return StoreUnavailable(
+                f"{where} refused the login: {reason}; check the user and password in database.dsn"
+                " (a MariaDB server that requires TLS refuses a connection without it in the same"
+                " words: see database.dsn's ssl_mode)"
+            )
+        if code == _INSECURE_TRANSPORT:
+            return StoreUnavailable(
+                f"{where} requires TLS: add ssl_mode=verify_identity (with ssl_ca=<CA file> unless the"
+                " system trusts the server's certificate) or ssl_mode=required to database.dsn"
+            )
         if code == _UNKNOWN_DATABASE:
             return StoreUnavailable(
                 f"{where}: the database does not exist; create it, or run `room-outbox migrate`, which creates it"

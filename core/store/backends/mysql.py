@@ -14,6 +14,7 @@ concurrent claimants pass each other without waiting.
 from __future__ import annotations
 
 import re
+import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -23,6 +24,7 @@ import aiomysql
 import anyio
 from pymysql.constants import CLIENT
 
+from room_outbox.errors import StoreUnavailable
 from room_outbox.store.backends.dsn import parse_server_dsn
 from room_outbox.store.backends.leased import LeasedRows, claim_sql
 from room_outbox.store.backends.mysql_online import OnlineSchemaChange, exclusive_migration, to_stderr
@@ -55,6 +57,14 @@ SQL_MODE = "STRICT_TRANS_TABLES,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTIO
 TIME_ZONE = "+00:00"
 
 
+#: ``ssl_mode`` in a DSN, as MySQL's own client names its modes: ``disabled`` (no TLS), ``required``
+#: (encrypted, the server's certificate not checked), ``verify_ca`` (it must chain to ``ssl_ca``,
+#: or to the system's trust store) and ``verify_identity`` (that, and name the host connected to).
+SSL_MODES = ("disabled", "required", "verify_ca", "verify_identity")
+#: The DSN options a MySQL/MariaDB DSN may carry: TLS's.
+_DSN_OPTIONS = ("ssl_mode", "ssl_ca", "ssl_cert", "ssl_key")
+
+
 @dataclass(frozen=True)
 class MySQLAddress:
     host: str
@@ -62,17 +72,78 @@ class MySQLAddress:
     user: str
     password: str
     database: str
+    ssl_mode: str = "disabled"
+    #: PEM files: the CA the server's certificate must chain to (empty: the system's trust
+    #: store), and this client's certificate and key for a server that asks for one.
+    ssl_ca: str = ""
+    ssl_cert: str = ""
+    ssl_key: str = ""
 
     @classmethod
     def from_dsn(cls, dsn: str) -> MySQLAddress:
-        """``mysql://user:password@host:port/database``. Errors never echo the DSN, which
-        holds the password."""
+        """``mysql://user:password@host:port/database[?ssl_mode=…&ssl_ca=…]``. An ``ssl_ca``
+        without ``ssl_mode`` means ``verify_ca``, as for MySQL's client. Errors never echo the DSN,
+        which holds the password."""
         parsed = parse_server_dsn(dsn, ("mysql", "mariadb", "mysql+aiomysql"), default_port=3306, default_user="root")
-        if parsed.query:
-            raise ValueError(f"database.dsn: unsupported options {sorted(parsed.query)}")
-        return cls(
-            host=parsed.host, port=parsed.port, user=parsed.user, password=parsed.password, database=parsed.database
+        unknown = set(parsed.query) - set(_DSN_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"database.dsn: unsupported options {sorted(unknown)} (allowed: {', '.join(_DSN_OPTIONS)})"
+            )
+        tls = {name: values[-1] for name, values in parsed.query.items()}
+        mode = tls.pop("ssl_mode", "verify_ca" if tls.get("ssl_ca") else "disabled").lower()
+        if mode not in SSL_MODES:
+            raise ValueError(f"database.dsn: ssl_mode={mode!r} is not one of {', '.join(SSL_MODES)}")
+        if mode == "disabled" and tls:
+            raise ValueError(f"database.dsn: {', '.join(sorted(tls))} given with ssl_mode=disabled")
+        if bool(tls.get("ssl_cert")) != bool(tls.get("ssl_key")):
+            raise ValueError("database.dsn: ssl_cert and ssl_key go together")
+        address = cls(
+            host=parsed.host,
+            port=parsed.port,
+            user=parsed.user,
+            password=parsed.password,
+            database=parsed.database,
+            ssl_mode=mode,
+            **tls,
         )
+        address.tls_context()  # its files exist and hold what they should, before any connection
+        return address
+
+    async def connect(self, *session: str, **overrides: Any) -> aiomysql.Connection:
+        """A connection of its own, outside the pool: :meth:`connect_kwargs` with ``session``'s
+        assignments and ``overrides``, its TLS checked (:meth:`check_tls`)."""
+        conn = await aiomysql.connect(**{**self.connect_kwargs(*session), **overrides})
+        self.check_tls(conn)
+        return conn
+
+    def check_tls(self, conn: aiomysql.Connection) -> None:
+        """Refuse, closing it, a connection that :attr:`ssl_mode` wants encrypted and is not. The
+        driver goes on without TLS when the server does not offer it: a server without TLS (or
+        something between that hides the offer) must not get the statements in the clear."""
+        if self.ssl_mode != "disabled" and not conn._secure:
+            conn.close()
+            raise StoreUnavailable(
+                f"MySQL at {self.host}:{self.port} offered no TLS, and database.dsn's ssl_mode is"
+                f" {self.ssl_mode}: enable TLS on the server, or check that database.dsn names it"
+            )
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The TLS context :attr:`ssl_mode` asks for (None: no TLS). Its files are read here:
+        a missing or unreadable one is a :class:`ValueError` naming the DSN's option."""
+        if self.ssl_mode == "disabled":
+            return None
+        context = ssl.create_default_context()
+        if self.ssl_mode == "required":
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        else:
+            context.check_hostname = self.ssl_mode == "verify_identity"
+            if self.ssl_ca:
+                _load(context.load_verify_locations, "ssl_ca", cafile=self.ssl_ca)
+        if self.ssl_cert:
+            _load(context.load_cert_chain, "ssl_cert and ssl_key", certfile=self.ssl_cert, keyfile=self.ssl_key)
+        return context
 
     def connect_kwargs(self, *session: str) -> dict[str, Any]:
         """aiomysql's parameters; the session's init statement sets :data:`SQL_MODE`,
@@ -89,6 +160,7 @@ class MySQLAddress:
             "client_flag": CLIENT.FOUND_ROWS,
             "init_command": f"SET SESSION {init}",
             "connect_timeout": 5,
+            "ssl": self.tls_context(),
         }
 
     def session_kwargs(self, server_version: str, limits: SessionLimits) -> dict[str, Any]:
@@ -106,6 +178,13 @@ class MySQLAddress:
             f"net_write_timeout = {limits.network_seconds}",
             statement_time_limit(server_version, limits.statement_seconds),
         )
+
+
+def _load(load: Callable[..., None], option: str, **files: str) -> None:
+    try:
+        load(**files)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"database.dsn: {option}: cannot be read ({exc.strerror or exc})") from None
 
 
 def is_mariadb(server_version: str) -> bool:
@@ -172,7 +251,7 @@ class MySQLStore(LeasedRows):
         address = MySQLAddress.from_dsn(dsn)
         limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
         with query_deadline(query_timeout):
-            conn = await aiomysql.connect(**address.connect_kwargs())
+            conn = await address.connect()
             try:
                 server_version = conn.get_server_info()
                 if create_database:
@@ -230,6 +309,11 @@ class MySQLStore(LeasedRows):
         while True:
             conn = await self._pool.acquire()
             if self._timeouts.trusts(conn.last_usage):
+                try:
+                    self.address.check_tls(conn)
+                except StoreUnavailable:
+                    self._pool.release(conn)
+                    raise
                 return conn
             conn.close()
             self._pool.release(conn)

@@ -59,8 +59,9 @@ async def connect(address: MySQLAddress, statement_limit: str) -> aiomysql.Conne
     """A connection of its own for schema changes: autocommit (each DDL commits anyway), no
     statement time limit (``statement_limit``: the server's assignment lifting it), and a
     short metadata-lock wait."""
-    kwargs = address.connect_kwargs(f"lock_wait_timeout = {DDL_LOCK_WAIT}", statement_limit)
-    return await aiomysql.connect(**{**kwargs, "autocommit": True, "db": address.database})
+    return await address.connect(
+        f"lock_wait_timeout = {DDL_LOCK_WAIT}", statement_limit, autocommit=True, db=address.database
+    )
 
 
 @asynccontextmanager
@@ -72,7 +73,7 @@ async def exclusive_migration(
     TABLE`` an interrupted migrate left on the server: the plan is read from the catalogue it
     is changing. Another migrate holding the lock for longer than :data:`LOCK_WAIT` is a
     :class:`SchemaError`."""
-    conn = await aiomysql.connect(**{**address.connect_kwargs(), "autocommit": True, "db": address.database})
+    conn = await address.connect(autocommit=True, db=address.database)
     try:
         async with conn.cursor() as cur:
             with query_deadline(LOCK_WAIT + DEFAULT_QUERY_TIMEOUT):
@@ -207,7 +208,7 @@ class OnlineSchemaChange:
     async def _stop(self, session: int) -> None:
         """Stop ``session``'s statement on the server (it goes on after its client is gone),
         from a fresh connection."""
-        conn = await aiomysql.connect(**{**self.address.connect_kwargs(), "autocommit": True})
+        conn = await self.address.connect(autocommit=True)
         try:
             async with conn.cursor() as cur:
                 try:
@@ -223,7 +224,7 @@ class OnlineSchemaChange:
         its elapsed time, and on MariaDB how far it has come."""
         conn = None
         try:
-            conn = await aiomysql.connect(**{**self.address.connect_kwargs(), "autocommit": True})
+            conn = await self.address.connect(autocommit=True)
             async with conn.cursor() as cur:
                 while True:
                     await anyio.sleep(self.progress_every)

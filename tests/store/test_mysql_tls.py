@@ -1,0 +1,170 @@
+"""MySQL/MariaDB over TLS, as managed servers require it: a MariaDB of the test's own (Debian's
+server package) started with a certificate from a test CA and ``require_secure_transport``, and
+the suite's MariaDB, which offers no TLS."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pymysql
+import pytest
+from support import envelope, free_port, insert_events, wait_until_sync
+
+from room_outbox.errors import ConfigurationError, StoreUnavailable
+from room_outbox.store.backends.mysql import MySQLAddress
+from room_outbox.store.clock import now_ms
+from room_outbox.store.factory import open_store
+from room_outbox.store.protocol import DeliveryResult, Outcome
+
+pytestmark = pytest.mark.anyio
+
+
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
+
+
+def make_ca(folder: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed CA: its certificate and key."""
+    cert, key = folder / f"{name}.pem", folder / f"{name}.key"
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+            "-days", "2", "-subj", f"/CN={name}")  # fmt: skip
+    return cert, key
+
+
+class TlsServer:
+    """A MariaDB requiring TLS on a loopback port, its certificate naming 127.0.0.1 and localhost."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.port = free_port()
+        self.ca, ca_key = make_ca(folder, "test-ca")
+        self.other_ca, _ = make_ca(folder, "other-ca")
+        self.cert, self.key = folder / "server.pem", folder / "server.key"
+        csr, ext = folder / "server.csr", folder / "server.ext"
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(self.key), "-out", str(csr), "-subj", "/CN=db")
+        ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        openssl("x509", "-req", "-in", str(csr), "-CA", str(self.ca), "-CAkey", str(ca_key), "-CAcreateserial",
+                "-out", str(self.cert), "-days", "2", "-extfile", str(ext))  # fmt: skip
+        self.proc: subprocess.Popen[str] | None = None
+
+    def dsn(self, options: str = "") -> str:
+        return f"mysql://root:@127.0.0.1:{self.port}/room{'?' + options if options else ''}"
+
+    def start(self) -> None:
+        binaries = {name: shutil.which(name, path=f"{os.environ.get('PATH', '')}:/usr/sbin")
+                    for name in ("mariadb-install-db", "mariadbd")}  # fmt: skip
+        missing = [name for name, path in binaries.items() if path is None]
+        if missing:
+            pytest.fail(f"{', '.join(missing)} missing: install the Debian package mariadb-server")
+        data = self.folder / "data"
+        as_root = ["--user=root"] if os.geteuid() == 0 else []
+        subprocess.run(
+            [str(binaries["mariadb-install-db"]), "--no-defaults", f"--datadir={data}", *as_root,
+             "--auth-root-authentication-method=normal", "--skip-test-db"],
+            check=True, capture_output=True, timeout=120,
+        )  # fmt: skip
+        self.proc = subprocess.Popen(
+            [str(binaries["mariadbd"]), "--no-defaults", *as_root, f"--datadir={data}", f"--port={self.port}",
+             "--bind-address=127.0.0.1", f"--socket={self.folder / 'mysqld.sock'}", "--skip-log-bin",
+             f"--log-error={self.folder / 'error.log'}", "--innodb-buffer-pool-size=32M",
+             f"--ssl-ca={self.ca}", f"--ssl-cert={self.cert}", f"--ssl-key={self.key}",
+             "--require-secure-transport=ON"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+
+        def answers() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, (self.folder / "error.log").read_text()[-2000:]
+            try:
+                pymysql.connect(host="127.0.0.1", port=self.port, user="root", connect_timeout=2,
+                                ssl={"ca": str(self.ca)}).close()  # fmt: skip
+            except pymysql.err.OperationalError:
+                return False
+            return True
+
+        wait_until_sync(answers, timeout=60.0, interval=0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsServer]:
+    server = TlsServer(tmp_path_factory.mktemp("tls-mariadb"))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("mode", ["ssl_mode=required", "ssl_mode=verify_identity&ssl_ca={ca}", "ssl_ca={ca}"])
+async def test_a_server_that_requires_tls_is_migrated_and_served_over_it(tls_server: TlsServer, mode: str) -> None:
+    """migrate's own connections and the pool's all go over TLS: the table is made, an event is
+    claimed and recorded, and the session's cipher is not empty."""
+    dsn = tls_server.dsn(mode.format(ca=tls_server.ca))
+    store = await open_store(dsn, create_database=True)
+    try:
+        await store.migrate()
+        event = f"e-{mode[:12]}"
+        await insert_events(store, [envelope(event)])  # type: ignore[arg-type]
+        claimed = await store.claim("a#1", 10, now_ms() + 60_000)
+        assert [r.event_id for r in claimed.rows] == [event]
+        assert await store.record([DeliveryResult(claimed.rows[0].id, event, "a#1", Outcome.PUBLISHED)]) == []
+        async with store.transaction() as cur:
+            await cur.execute("SHOW SESSION STATUS LIKE 'Ssl_cipher'")
+            assert (await cur.fetchone())[1]
+            await cur.execute("DELETE FROM room_outbox")
+    finally:
+        await store.aclose()
+
+
+async def test_without_ssl_mode_the_refused_login_points_at_it(tls_server: TlsServer) -> None:
+    with pytest.raises(StoreUnavailable, match="refused the login") as info:
+        await open_store(tls_server.dsn())
+    assert "ssl_mode" in str(info.value)
+
+
+async def test_a_certificate_of_another_ca_is_refused_naming_the_options(tls_server: TlsServer) -> None:
+    with pytest.raises(StoreUnavailable, match=r"TLS failed: .*CERTIFICATE_VERIFY_FAILED") as info:
+        await open_store(tls_server.dsn(f"ssl_mode=verify_identity&ssl_ca={tls_server.other_ca}"))
+    assert "ssl_mode and ssl_ca" in str(info.value)
+
+
+async def test_ssl_mode_refuses_a_server_that_offers_no_tls(database_dsn: str) -> None:
+    """The driver would go on in the clear with a server that does not offer TLS (the suite's
+    MariaDB offers none): the store refuses instead."""
+    with pytest.raises(StoreUnavailable, match=r"offered no TLS, and database\.dsn's ssl_mode is required"):
+        await open_store(f"{database_dsn}?ssl_mode=required")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ("ssl_mode=sometimes", "ssl_mode='sometimes' is not one of disabled, required, verify_ca, verify_identity"),
+        ("ssl_mode=disabled&ssl_ca=/etc/ca.pem", "ssl_ca given with ssl_mode=disabled"),
+        ("ssl_mode=required&ssl_cert=/etc/c.pem", "ssl_cert and ssl_key go together"),
+        ("ssl_ca=/nowhere/ca.pem", "ssl_ca: cannot be read (No such file or directory)"),
+        ("sslmode=require", "unsupported options ['sslmode'] (allowed: ssl_mode, ssl_ca, ssl_cert, ssl_key)"),
+    ],
+)
+async def test_tls_options_that_cannot_work_are_refused_naming_the_option(options: str, message: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        await open_store(f"mysql://u:hunter22@127.0.0.1:3306/room?{options}")
+    assert message in str(info.value) and "hunter22" not in str(info.value)
+
+
+def test_ssl_mode_is_read_case_blind_and_an_ssl_ca_alone_means_verify_ca(tmp_path: Path) -> None:
+    ca, _ = make_ca(tmp_path, "ca")
+    assert MySQLAddress.from_dsn(f"mysql://u@h/db?ssl_ca={ca}").ssl_mode == "verify_ca"
+    assert MySQLAddress.from_dsn("mysql://u@h/db?ssl_mode=REQUIRED").ssl_mode == "required"
+    assert MySQLAddress.from_dsn("mysql://u@h/db").tls_context() is None
