@@ -590,7 +590,7 @@ def load_settings(config_file: str | Path | None = None) -> Settings:
     if config_file is not None:
         path = Path(config_file)
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506: a SafeLoader
         except OSError as exc:
             raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
         except yaml.YAMLError as exc:
@@ -602,6 +602,29 @@ def load_settings(config_file: str | Path | None = None) -> Settings:
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping: it keeps the last one
+    silently, so a setting written twice (two ``mysql:`` sections, ``batch_size`` twice) would
+    be half ignored. Keys a merge (``<<``) brings in may be overridden, as YAML means."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _value in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"the key {key} appears twice in one mapping (lines {seen[key]} and {line}); write it once",
+                    key_node.start_mark,
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 # A quoted fragment of the file in a YAML message: kept when it is a token name or a single

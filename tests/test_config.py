@@ -165,6 +165,31 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         load_settings(write(tmp_path, "- a\n- b\n"))
 
 
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("outbox_worker:\n  batch_size: 100\n  batch_size: 500\n", "line 3, column 3: the key batch_size appears twice in one mapping (lines 2 and 3)"),
+        ("mysql:\n  pool_size: 2\nlog:\n  level: INFO\nmysql:\n  dsn: 'mysql://u:hunter22@h/db'\n", "the key mysql appears twice in one mapping (lines 1 and 5)"),
+    ],
+)  # fmt: skip
+def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path: Path, text: str, where: str) -> None:
+    """PyYAML keeps the last of two equal keys silently: half of such a configuration would be
+    ignored without a word."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, text))
+    assert where in str(info.value) and "hunter22" not in str(info.value)
+
+
+def test_a_merged_key_may_be_overridden(tmp_path: Path) -> None:
+    """A key a merge (``<<``) brings in is a default the mapping may override, as YAML means."""
+    text = (
+        "outbox_worker:\n  retry: &r\n    base: 2s\n    cap: 1m\n"
+        "  lanes:\n    kafka:\n      retry:\n        <<: *r\n        base: 5s\n"
+    )
+    lanes = load_settings(write(tmp_path, text)).outbox_worker.lanes
+    assert lanes == {"kafka": {"retry": {"base": "5s", "cap": "1m"}}}
+
+
 def test_node_id_defaults_to_host_and_pid(tmp_path: Path) -> None:
     import os
 

@@ -41,9 +41,7 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
     if isinstance(exc, pymysql.err.Error) and exc.args and isinstance(exc.args[0], int):
         code = exc.args[0]
         if code in _CANNOT_CONNECT and isinstance(exc.__cause__, ssl.SSLError):
-            return StoreUnavailable(
-                f"{where}: TLS failed: {exc.__cause__}; check database.dsn's ssl_mode and ssl_ca"
-            )
+            return StoreUnavailable(f"{where}: TLS failed: {exc.__cause__}; check database.dsn's ssl_mode and ssl_ca")
         if code in _CANNOT_CONNECT or code in _CONNECTION_LOST or code in _BUSY:
             what = {**_CANNOT_CONNECT, **_CONNECTION_LOST, **_BUSY}[code]
             return StoreUnavailable(
