@@ -93,7 +93,10 @@ async def test_wrong_password_names_the_fix_and_never_the_password(
     dsn = server(database_dsn, password="s3cret-Pw*")
     code, _, err = await cli(capsys, "--config", write_config(tmp_path, dsn), "status")
     assert code == 3 and len(err) == 1
-    assert "refused the login" in err[0] and err[0].endswith("check the user and password in database.dsn")
+    assert "refused the login" in err[0] and "check the user and password in database.dsn" in err[0]
+    assert err[0].endswith(
+        "(a MariaDB server that requires TLS refuses a connection without it in the same words: see database.dsn's ssl_mode)"
+    )
     assert "s3cret" not in err[0]
 
 

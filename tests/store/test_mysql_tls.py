@@ -116,7 +116,7 @@ async def test_a_server_that_requires_tls_is_migrated_and_served_over_it(tls_ser
     try:
         await store.migrate()
         event = f"e-{mode[:12]}"
-        await insert_events(store, [envelope(event)])  # type: ignore[arg-type]
+        await insert_events(store, [envelope(event)])
         claimed = await store.claim("a#1", 10, now_ms() + 60_000)
         assert [r.event_id for r in claimed.rows] == [event]
         assert await store.record([DeliveryResult(claimed.rows[0].id, event, "a#1", Outcome.PUBLISHED)]) == []

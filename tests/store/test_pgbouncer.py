@@ -73,6 +73,17 @@ async def running_pgbouncer(postgresql_dsn: str, tmp_path: Path, pool_mode: str)
             process.wait(timeout=5)
 
 
+async def migrated_with_events(dsn: str, events: int) -> None:
+    """``dsn``'s database migrated, with ``events`` events e0, e1, … pending, straight on
+    PostgreSQL (migrate is refused through transaction pooling)."""
+    direct = await PostgresStore.connect(dsn)
+    try:
+        await direct.migrate()
+        await insert_events(direct, [envelope(f"e{i}") for i in range(events)])
+    finally:
+        await direct.aclose()
+
+
 @pytest.fixture(params=["session", "transaction"])
 async def pgbouncer(request: pytest.FixtureRequest, postgresql_dsn: str, tmp_path: Path) -> AsyncIterator[str]:
     async with running_pgbouncer(postgresql_dsn, tmp_path, request.param) as dsn:
@@ -96,12 +107,7 @@ async def test_the_store_works_through_pgbouncer_with_its_bounds_in_every_transa
     prepared statement is unknown to the next server session). On a database whose default
     isolation is serializable, two stores claiming at once over PgBouncer's two server sessions
     find every bound in place in every transaction, and share no row."""
-    direct = await PostgresStore.connect(postgresql_dsn)
-    try:
-        await direct.migrate()
-        await insert_events(direct, [envelope(f"e{i}") for i in range(300)])
-    finally:
-        await direct.aclose()
+    await migrated_with_events(postgresql_dsn, 300)
     stores = [await PostgresStore.connect(pgbouncer, pool_size=2, query_timeout=1.5) for _ in range(2)]
     expected = {
         "statement_timeout": "5s",
@@ -154,12 +160,7 @@ async def test_through_transaction_pooling_a_statement_run_often_runs_on_another
     """The driver prepares a statement it has run a few times on a connection, and from then on
     names it. Through transaction pooling the next transaction may run on a server session that
     never saw it: the store's claims keep working when the session that ran them so far is busy."""
-    direct = await PostgresStore.connect(postgresql_dsn)
-    try:
-        await direct.migrate()
-        await insert_events(direct, [envelope(f"e{i}") for i in range(20)])
-    finally:
-        await direct.aclose()
+    await migrated_with_events(postgresql_dsn, 20)
     async with running_pgbouncer(postgresql_dsn, tmp_path, "transaction") as dsn:
         store = await PostgresStore.connect(dsn, pool_size=1)
         try:
