@@ -93,6 +93,27 @@ async def test_a_stricter_default_isolation_is_overridden_and_concurrent_claims_
             await store.aclose()
 
 
+async def test_search_path_in_the_dsn_puts_the_tables_in_that_schema(postgresql_dsn: str) -> None:
+    """An outbox in a schema the role does not look in by default (``search_path=app``): migrate
+    makes the tables there, and claims read them there."""
+    admin = await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True)
+    try:
+        await admin.execute("CREATE SCHEMA app")
+        store = await PostgresStore.connect(f"{postgresql_dsn}?search_path=app")
+        try:
+            await store.migrate()
+            await insert_events(store, [envelope("e1")])
+            assert [r.event_id for r in (await store.claim("a#1", 10, now_ms() + 60_000)).rows] == ["e1"]
+        finally:
+            await store.aclose()
+        cur = await admin.execute("SELECT table_schema FROM information_schema.tables WHERE table_name = 'room_outbox'")
+        assert await cur.fetchall() == [("app",)]
+    finally:
+        await admin.close()
+    with pytest.raises(ValueError, match=r"search_path: 'app;drop' is not a plain schema name"):
+        PostgresAddress.from_dsn(f"{postgresql_dsn}?search_path=app;drop")
+
+
 @pytest.mark.serial
 async def test_a_client_gone_mid_transaction_frees_its_row_locks(postgresql_dsn: str) -> None:
     """A session left idle in a transaction (its client vanished) is ended by the server after

@@ -5,6 +5,7 @@ never pays for importing psycopg."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,10 @@ _LIBPQ_OPTIONS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "application_na
 #: out server sessions: ``session`` (the default; also a direct connection) or ``transaction``.
 POOL_MODE = "pool_mode"
 _POOL_MODES = ("session", "transaction")
+#: The DSN option naming the schemas room-outbox's sessions look in, in order (``search_path``),
+#: where the outbox table is not in the role's default ones: ``search_path=silk`` or ``silk,public``.
+#: room-outbox's own tables are made in the first.
+SEARCH_PATH = "search_path"
 
 
 @dataclass(frozen=True)
@@ -31,19 +36,25 @@ class PostgresAddress:
     #: Each transaction may run on another server session (PgBouncer's ``pool_mode =
     #: transaction``): nothing set on a session lasts beyond the transaction that set it.
     transaction_pooling: bool = False
+    #: Schemas for :data:`SEARCH_PATH` (empty: the server's default).
+    search_path: tuple[str, ...] = ()
 
     @classmethod
     def from_dsn(cls, dsn: str) -> PostgresAddress:
         """``postgresql://user:password@host:port/database[?sslmode=…][&pool_mode=transaction]``.
         Errors never echo the DSN, which holds the password."""
         parsed = parse_server_dsn(dsn, SCHEMES, default_port=5432, default_user="postgres")
-        unknown = set(parsed.query) - {*_LIBPQ_OPTIONS, POOL_MODE}
+        unknown = set(parsed.query) - {*_LIBPQ_OPTIONS, POOL_MODE, SEARCH_PATH}
         if unknown:
             raise ValueError(
                 f"database.dsn: unsupported options {sorted(unknown)}"
-                f" (allowed: {', '.join((*_LIBPQ_OPTIONS, POOL_MODE))})"
+                f" (allowed: {', '.join((*_LIBPQ_OPTIONS, POOL_MODE, SEARCH_PATH))})"
             )
         options = {name: values[-1] for name, values in sorted(parsed.query.items())}
+        schemas = tuple(name.strip() for name in options.pop(SEARCH_PATH, "").split(",") if name.strip())
+        for schema in schemas:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_$]*", schema) or len(schema) > 63:
+                raise ValueError(f"database.dsn: {SEARCH_PATH}: {schema!r} is not a plain schema name")
         pool_mode = options.pop(POOL_MODE, "session")
         if pool_mode not in _POOL_MODES:
             raise ValueError(
@@ -58,6 +69,7 @@ class PostgresAddress:
             database=parsed.database,
             options=tuple(options.items()),
             transaction_pooling=pool_mode == "transaction",
+            search_path=schemas,
         )
 
     def connect_kwargs(self, query_timeout: float, database: str | None = None) -> dict[str, Any]:
@@ -74,8 +86,7 @@ class PostgresAddress:
             **dict(self.options),
         }
 
-    @staticmethod
-    def session_settings(query_timeout: float, idle_in_transaction: float = 0.0, local: bool = False) -> str:
+    def session_settings(self, query_timeout: float, idle_in_transaction: float = 0.0, local: bool = False) -> str:
         """What every session runs once it is open: the server-side bounds of
         :class:`SessionLimits` for ``query_timeout`` (and ``idle_in_transaction``):
         ``statement_timeout``, ``lock_timeout`` and ``idle_in_transaction_session_timeout`` (a
@@ -83,7 +94,7 @@ class PostgresAddress:
         locks); and READ COMMITTED for every transaction, whatever the server, database or role
         default: the claims, the lanes' feeding and the tailing relay rely on each statement
         seeing what committed before it, and a stricter default would fail their concurrent
-        claims with serialization errors.
+        claims with serialization errors. And the DSN's :data:`SEARCH_PATH`, if any.
 
         Set with statements, not libpq's startup ``options``: a pooler in front of the server
         (PgBouncer) refuses that parameter, or, told to ignore it, drops it. ``local``: the same
@@ -93,8 +104,9 @@ class PostgresAddress:
         scope, isolation = ("SET LOCAL", "SET TRANSACTION ISOLATION LEVEL READ COMMITTED") if local else (
             "SET", "SET default_transaction_isolation = 'read committed'"
         )  # fmt: skip
+        search_path = f"; {scope} search_path = {', '.join(self.search_path)}" if self.search_path else ""
         return (
             f"{isolation}; {scope} statement_timeout = {limits.statement_seconds * 1000};"
             f" {scope} lock_timeout = {limits.lock_wait_seconds * 1000};"
-            f" {scope} idle_in_transaction_session_timeout = {limits.idle_seconds * 1000}"
+            f" {scope} idle_in_transaction_session_timeout = {limits.idle_seconds * 1000}{search_path}"
         )
