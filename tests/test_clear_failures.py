@@ -27,7 +27,7 @@ from room_outbox.cli.main import main
 from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError, RoomOutboxError, SchemaError, StoreUnavailable
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
-from room_outbox.store.factory import open_store
+from room_outbox.store.factory import open_store, store_address
 
 pytestmark = pytest.mark.anyio
 
@@ -85,6 +85,26 @@ async def test_server_down_or_wrong_port(
         f"room-outbox: cannot reach {where(database_dsn, port)}: connection refused or"
         " unreachable; is the server running, and are database.dsn's host and port right?"
     ]
+
+
+@pytest.mark.parametrize(
+    ("dsn", "held"),
+    [
+        ("mysql://app:s3cret#Pw@db:3306/room", "# as %23"),
+        ("mysql://app:s3cret/Pw@db:3306/room?ssl_mode=required", "/ as %2F"),
+        ("postgresql://app:s3cret?Pw@db/room", "? as %3F"),
+    ],
+)
+def test_a_password_holding_a_url_delimiter_is_named_not_misread(dsn: str, held: str) -> None:
+    """Unencoded, such a character ends the URL's user part: the DSN would be read as another
+    host, port or database (and a host name made of the password would show in errors)."""
+    with pytest.raises(ConfigurationError) as info:
+        store_address(dsn)
+    message = str(info.value)
+    assert "database.dsn: the user or password holds" in message and held in message
+    assert "s3cret" not in message and "Pw" not in message
+    address = store_address(dsn.replace("#", "%23").replace("/Pw", "%2FPw").replace("?Pw", "%3FPw"))
+    assert address.host == "db" and address.password.startswith("s3cret")  # type: ignore[union-attr]
 
 
 async def test_wrong_password_names_the_fix_and_never_the_password(

@@ -4,6 +4,7 @@ never echo the DSN, which holds the password."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -21,6 +22,7 @@ class ServerDsn:
 
 def parse_server_dsn(dsn: str, schemes: tuple[str, ...], default_port: int, default_user: str) -> ServerDsn:
     """``dsn`` read, its scheme one of ``schemes`` (the first is the one error messages show)."""
+    _check_userinfo(dsn)
     parts = urlsplit(dsn)
     shown = schemes[0]
     if parts.scheme not in schemes:
@@ -40,3 +42,25 @@ def parse_server_dsn(dsn: str, schemes: tuple[str, ...], default_port: int, defa
         database=unquote(database),
         query=parse_qs(parts.query),
     )
+
+
+def _check_userinfo(dsn: str) -> None:
+    """Refuse a user or password holding ``#``, ``/`` or ``?`` as written: a URL ends its user
+    part there, so the DSN would be read as another host, port or database and the error would
+    name the wrong part. The password is never shown."""
+    found = sorted({c for c in _userinfo(dsn.partition("://")[2]) if c in "#/?"})
+    if found:
+        codes = ", ".join(f"{c} as %{ord(c):02X}" for c in found)
+        raise ValueError(f"database.dsn: the user or password holds {' '.join(found)}; percent-encode it ({codes})")
+
+
+def _userinfo(rest: str) -> str:
+    """What comes before the @ that ends the user part of ``rest`` (the DSN after ``://``):
+    the last @, unless it is in an option's value (``?name=…@…``); "" without one."""
+    while "@" in rest:
+        userinfo = rest[: rest.rfind("@")]
+        option = re.search(r"\?[A-Za-z_]+=", userinfo)
+        if option is None:
+            return userinfo
+        rest = userinfo[: option.start()]
+    return ""
