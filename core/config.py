@@ -9,6 +9,7 @@ Bad configuration raises :class:`ConfigError` with one line per problem, each na
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -30,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from room_outbox.errors import ConfigurationError
 
@@ -602,6 +603,21 @@ def load_settings(config_file: str | Path | None = None) -> Settings:
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
+    except SettingsError as exc:  # an environment variable that should hold JSON does not
+        raise ConfigError(_undecodable_environment(exc)) from None
+
+
+def _undecodable_environment(exc: SettingsError) -> str:
+    """The environment variables whose JSON does not parse (a section or a list given whole),
+    named with where their JSON breaks, never with their values (they may hold a secret)."""
+    bad = []
+    for name, value in sorted(os.environ.items()):
+        if name.upper().startswith(ENV_PREFIX) and value.lstrip()[:1] in ("{", "["):
+            try:
+                json.loads(value)
+            except json.JSONDecodeError as error:
+                bad.append(f"{name}: not valid JSON ({error.msg} at character {error.pos})")
+    return "invalid environment: " + ("; ".join(bad) if bad else str(exc))
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

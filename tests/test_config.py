@@ -190,6 +190,18 @@ def test_a_merged_key_may_be_overridden(tmp_path: Path) -> None:
     assert lanes == {"kafka": {"retry": {"base": "5s", "cap": "1m"}}}
 
 
+def test_an_environment_variable_whose_json_breaks_is_named_not_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A section or list given whole in the environment is JSON; broken, it was a traceback."""
+    monkeypatch.setenv("ROOM_OUTBOX__OUTBOX_WORKER__LANES", '{"kafka": {"retry": {"base": "hunter22"}}')
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    message = str(info.value)
+    assert message == (
+        "invalid environment: ROOM_OUTBOX__OUTBOX_WORKER__LANES: not valid JSON"
+        " (Expecting ',' delimiter at character 41)"
+    )
+
+
 def test_node_id_defaults_to_host_and_pid(tmp_path: Path) -> None:
     import os
 
