@@ -30,8 +30,15 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_core import InitErrorDetails, PydanticCustomError
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from room_outbox.errors import ConfigurationError
 
@@ -582,7 +589,34 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The YAML file arrives as init arguments; the environment overrides it.
-        return (env_settings, init_settings)
+        return (_Environment(settings_cls), init_settings)
+
+
+class _Environment(EnvSettingsSource):
+    """``ROOM_OUTBOX__…`` variables. A list or a mapping given in one variable is JSON; the
+    typed sections decode it by their types, but the sections whose keys are the plugins' own
+    (``sinks``, ``consumers``, ``outbox_worker.lanes``) are mappings of any value, so their
+    JSON arrays and objects are decoded here (``ROOM_OUTBOX__SINKS__NOOP__EVENT_TYPES=
+    '["RoomCreated"]'``). A value that is not valid JSON stays text (``{room_id}``)."""
+
+    def explode_env_vars(self, field_name: str, field: FieldInfo, env_vars: Mapping[str, str | None]) -> dict[str, Any]:
+        exploded = super().explode_env_vars(field_name, field, env_vars)
+        return _json_leaves(exploded) if field_name in _PLUGIN_KEYED else exploded
+
+
+#: Settings fields holding, somewhere below, mappings of the plugins' own keys and values.
+_PLUGIN_KEYED = ("sinks", "consumers", "outbox_worker")
+
+
+def _json_leaves(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _json_leaves(item) for key, item in value.items()}
+    if isinstance(value, str) and value.lstrip()[:1] in ("[", "{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
 
 
 def load_settings(config_file: str | Path | None = None) -> Settings:

@@ -202,6 +202,19 @@ def test_an_environment_variable_whose_json_breaks_is_named_not_echoed(monkeypat
     )
 
 
+def test_a_plugins_list_or_mapping_comes_from_the_environment_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sinks', consumers' and lanes' keys are the plugins' own, so no type decodes their JSON:
+    a list or a mapping given in one variable is decoded as the typed sections' are; text that
+    is not JSON stays text."""
+    monkeypatch.setenv("ROOM_OUTBOX__SINKS__NOOP__EVENT_TYPES", '["RoomCreated", "RoomUserJoined"]')
+    monkeypatch.setenv("ROOM_OUTBOX__SINKS__TENCENT_IM__GROUP_ID_TEMPLATE", "{room_id}")
+    monkeypatch.setenv("ROOM_OUTBOX__OUTBOX_WORKER__LANES__MAIN__RETRY", '{"base": "3s"}')
+    settings = load_settings()
+    assert settings.sinks["noop"]["event_types"] == ["RoomCreated", "RoomUserJoined"]
+    assert settings.sinks["tencent_im"]["group_id_template"] == "{room_id}"
+    assert settings.outbox_worker.lanes["main"]["retry"] == {"base": "3s"}
+
+
 def test_node_id_defaults_to_host_and_pid(tmp_path: Path) -> None:
     import os
 
