@@ -48,8 +48,10 @@ CLAIM_SQL = claim_sql(TABLE, "id", "envelope", MYSQL.row_lock)
 #: Every session's SQL mode, whatever the server's default. Left out are the modes that change
 #: how a statement reads: ANSI_QUOTES, PIPES_AS_CONCAT, ONLY_FULL_GROUP_BY and
 #: NO_BACKSLASH_ESCAPES (under which the driver's escaping of a bytes value corrupts it). Strict
-#: mode is on, so a value that does not fit its column is an error, never cut silently.
-SQL_MODE = "STRICT_TRANS_TABLES,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION"
+#: mode is on, so a value that does not fit its column is an error, never cut silently. (MySQL 8
+#: warns that ERROR_FOR_DIVISION_BY_ZERO is deprecated; no statement divides by anything but a
+#: constant.)
+SQL_MODE = "STRICT_TRANS_TABLES,NO_ENGINE_SUBSTITUTION"
 #: Every session's time zone, whatever the server's. The database's clock is read as
 #: ``UNIX_TIMESTAMP(NOW(3))``, which goes through the session's local time: in a zone with
 #: daylight saving time, the hour repeated when the clocks go back reads an hour early the
