@@ -13,10 +13,12 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 import anyio
+import psycopg
 import pytest
 from anyio.abc import SocketStream, TaskStatus
 from support import V1_DDL, RecordingSink, envelope, free_port, insert_events, wait_until
@@ -28,6 +30,7 @@ from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError, RoomOutboxError, SchemaError, StoreUnavailable
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.factory import open_store, store_address
+from room_outbox.store.schema.outbox import V1_TABLE_DDL
 
 pytestmark = pytest.mark.anyio
 
@@ -137,6 +140,46 @@ async def test_wrong_database_name(database_dsn: str, tmp_path: Path, capsys: py
         f"room-outbox: {where(database_dsn, database='no_such_db_here')}: the database does not"
         " exist; create it, or run `room-outbox migrate`, which creates it"
     ]
+
+
+async def test_migrate_by_a_user_without_the_privilege_says_which_commands_need_which(
+    database_dsn: str, postgresql_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A least-privilege user (SELECT, INSERT, UPDATE, DELETE: what `run` needs) running
+    migrate on room-service's table: the server's refusal, and which privileges each command
+    needs, on either server."""
+    user = f"ro_dml_{uuid.uuid4().hex[:8]}"
+    mysql = MySQLAddress.from_dsn(database_dsn)
+    mysql_admin = await mysql.connect(autocommit=True, db=mysql.database)
+    pg_admin_conn = await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True)
+    try:
+        async with mysql_admin.cursor() as cur:
+            await cur.execute(V1_DDL)
+            await cur.execute(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'")
+            await cur.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON `{mysql.database}`.* TO '{user}'@'%'")
+        await pg_admin_conn.execute(V1_TABLE_DDL["postgresql"][0].format(table="room_outbox"))
+        await pg_admin_conn.execute(f"CREATE ROLE {user} LOGIN")
+        await pg_admin_conn.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON room_outbox TO {user}")
+        as_user = {
+            "mysql": f"mysql://{user}:pw@{mysql.host}:{mysql.port}/{mysql.database}",
+            "postgresql": postgresql_dsn.replace("://postgres@", f"://{user}@"),
+        }
+        errors = {}
+        for server_kind, dsn in as_user.items():
+            code, _, err = await cli(capsys, "--config", write_config(tmp_path, dsn), "migrate")
+            assert code == 3 and len(err) == 1, err
+            errors[server_kind] = err[0]
+        assert "ALTER command denied" in errors["mysql"]
+        assert "migrate needs CREATE, ALTER and INDEX on the database" in errors["mysql"]
+        assert "must be owner of table room_outbox" in errors["postgresql"]
+        assert "migrate needs CREATE on the schema and to own the outbox table" in errors["postgresql"]
+    finally:
+        async with mysql_admin.cursor() as cur:
+            await cur.execute(f"DROP USER IF EXISTS '{user}'@'%'")
+        mysql_admin.close()
+        await pg_admin_conn.execute("DROP TABLE IF EXISTS room_outbox")
+        await pg_admin_conn.execute(f"DROP ROLE IF EXISTS {user}")
+        await pg_admin_conn.close()
 
 
 async def test_operator_command_on_a_table_never_migrated(

@@ -27,6 +27,19 @@ _CONNECTION_LOST = {2006: "server has gone away", 2013: "lost connection during 
 _BUSY = {1040: "too many connections", 1203: "user has too many connections"}
 _ACCESS_DENIED = (1044, 1045, 1698)
 _INSECURE_TRANSPORT = 3159
+#: A privilege the user lacks (on a table, a column, or a server-wide one).
+_PRIVILEGE = (1142, 1143, 1227)
+#: What to tell an operator whose user lacks a privilege: which commands need which.
+_PRIVILEGES_NEEDED = (
+    "grant it to the user in database.dsn, or run this command as one who has it (migrate needs"
+    " CREATE, ALTER and INDEX on the database; run and the other commands need SELECT, INSERT,"
+    " UPDATE and DELETE)"
+)
+_PG_PRIVILEGES_NEEDED = (
+    "grant it to the user in database.dsn, or run this command as one who has it (migrate needs"
+    " CREATE on the schema and to own the outbox table, as PostgreSQL alters a table for its"
+    " owner only; run and the other commands need SELECT, INSERT, UPDATE and DELETE)"
+)
 _UNKNOWN_DATABASE = 1049
 _NO_SUCH_TABLE = 1146
 _NO_SUCH_COLUMN = 1054
@@ -63,6 +76,8 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
             return StoreUnavailable(
                 f"{where}: the database does not exist; create it, or run `room-outbox migrate`, which creates it"
             )
+        if code in _PRIVILEGE:
+            return StoreUnavailable(f"{where}: {reason}; {_PRIVILEGES_NEEDED}")
         if code in (_NO_SUCH_TABLE, _NO_SUCH_COLUMN):
             return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
         if isinstance(exc, pymysql.err.OperationalError):
@@ -100,6 +115,7 @@ def _postgresql_errors() -> tuple[type[BaseException], ...]:
 _PG_SCHEMA = ("42P01", "42703")  # undefined table, undefined column
 _PG_ACCESS_DENIED = ("28000", "28P01")
 _PG_UNKNOWN_DATABASE = "3D000"
+_PG_PRIVILEGE = "42501"
 
 
 def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOutboxError | None:
@@ -122,6 +138,8 @@ def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOu
         return StoreUnavailable(
             f"{where}: the database does not exist; create it, or run `room-outbox migrate`, which creates it"
         )
+    if state == _PG_PRIVILEGE:
+        return StoreUnavailable(f"{where}: {reason}; {_PG_PRIVILEGES_NEEDED}")
     if isinstance(exc, PoolTimeout) or (isinstance(exc, psycopg.OperationalError) and state is None):
         return StoreUnavailable(
             f"cannot reach {where}: {reason}; is the server running, and are database.dsn's host and port right?",
