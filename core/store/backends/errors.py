@@ -38,7 +38,8 @@ _PRIVILEGES_NEEDED = (
 _PG_PRIVILEGES_NEEDED = (
     "grant it to the user in database.dsn, or run this command as one who has it (migrate needs"
     " CREATE on the schema and to own the outbox table, as PostgreSQL alters a table for its"
-    " owner only; run and the other commands need SELECT, INSERT, UPDATE and DELETE)"
+    " owner only; run and the other commands need SELECT, INSERT, UPDATE and DELETE, and consume"
+    " USAGE on the sequence room_consumer_retry_id_seq too)"
 )
 _UNKNOWN_DATABASE = 1049
 _NO_SUCH_TABLE = 1146
