@@ -110,7 +110,9 @@ async def _serve(
         # Unique per start, even where two processes share a node_id (see cluster.identity).
         identity = process_identity(settings.node_id)
         if settings.outbox_worker.enabled:  # leaves once the dispatchers have stopped
-            await _join_cluster(lifecycle, settings, identity, store, checked.lane_tables, quota, stop)
+            claimed_lanes = [*([MAIN_LANE] if lanes.main.sinks else []), *checked.lane_tables]
+            orderings = {lane: delivery_settings(settings, lane).ordering for lane in claimed_lanes}
+            await _join_cluster(lifecycle, settings, identity, store, checked.lane_tables, quota, stop, orderings)
         if stop.is_set():  # signalled while starting: no worker starts, and what opened closes
             log.info("stopping before the workers started", extra={"lifecycle": "stop_requested"})
             return
@@ -203,10 +205,12 @@ async def _join_cluster(
     lane_tables: list[str],
     quota: QuotaShare,
     stop: anyio.Event,
+    orderings: dict[str, str],
 ) -> None:
     """On a database server (MySQL/MariaDB, PostgreSQL): heartbeats in the membership, room
     buckets for per-room claims, and this process's quota share, until ``stack`` closes. SQLite
-    is one box: every process there claims every room and uses whole limits."""
+    is one box: every process there claims every room and uses whole limits. ``orderings``:
+    each lane this process claims rows of, with its ordering (the others are told)."""
     if not store.dialect.room_buckets:
         return
     membership = Membership(
@@ -216,6 +220,7 @@ async def _join_cluster(
         settings.cluster.heartbeat_interval,
         settings.cluster.node_timeout,
         quota,
+        orderings,
     )
     await stack.enter_async_context(membership.running())
     store.room_buckets = membership.room_buckets

@@ -16,7 +16,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -78,8 +78,12 @@ class Membership:
         heartbeat_interval: float = 1.0,
         node_timeout: float = 5.0,
         quota: QuotaShare | None = None,
+        orderings: Mapping[str, str] | None = None,
     ) -> None:
         self.store = store
+        #: The ordering of each lane this process runs, as its heartbeat shows it to the others.
+        self.orderings = dict(orderings or {})
+        self._orderings_text = ",".join(f"{lane}={ordering}" for lane, ordering in sorted(self.orderings.items()))
         self.node_id = node_id
         #: Tables whose leases fence a handover: room_outbox and the lane tables.
         self.tables = list(tables)
@@ -98,6 +102,8 @@ class Membership:
         #: and those already warned about.
         self._namesakes: dict[str, int] = {}
         self._warned: set[str] = set()
+        #: The disagreements on a lane's ordering last warned about (none: all agree).
+        self._disagreements: frozenset[tuple[str, str, str]] = frozenset()
         #: Seconds from the last heartbeat until the quota could settle on the view every live
         #: node holds (see :meth:`_apply_quota`); ``None``: nothing to wait for.
         self._settles_in: float | None = None
@@ -184,7 +190,9 @@ class Membership:
         timeout_ms = int(self.node_timeout * 1000)
         async with self.store.transaction() as cur:
             await CLOCK.measure(cur, self.store.dialect)  # every time below is the database's
-            await sql.heartbeat(cur, self.store.dialect, self.node_id, self._view, self._view_since_ms)
+            await sql.heartbeat(
+                cur, self.store.dialect, self.node_id, self._view, self._view_since_ms, self._orderings_text
+            )
             nodes = await sql.read_nodes(cur)
             now = now_ms()
             live = sorted(n.node_id for n in nodes if now - n.heartbeat_ms <= timeout_ms or n.node_id == self.node_id)
@@ -213,11 +221,14 @@ class Membership:
             view = view_of(live)
             if view != self._view:
                 self._view, self._view_since_ms = view, now_ms()
-                await sql.heartbeat(cur, self.store.dialect, self.node_id, self._view, self._view_since_ms)
+                await sql.heartbeat(
+                    cur, self.store.dialect, self.node_id, self._view, self._view_since_ms, self._orderings_text
+                )
         self.live = live
         self.owned = [b.bucket for b in buckets if b.owner == self.node_id]
         self._apply_quota(nodes, live, began)
         self._notice_namesakes(nodes)
+        self._notice_orderings(nodes, live)
 
     def _notice_namesakes(self, nodes: Sequence[sql.NodeRow]) -> None:
         """Warn once about each other process started with this node_id whose heartbeat moves
@@ -238,6 +249,37 @@ class Membership:
                     " the quota: give each process its own node_id",
                     extra={"identity": self.node_id, "other": node.node_id},
                 )
+
+    def _notice_orderings(self, nodes: Sequence[sql.NodeRow], live: Collection[str]) -> None:
+        """Warn when a live process runs a lane of this one's with another ordering: per-room
+        order holds only where every process claiming the lane's rows orders them by room (a
+        process left with an old configuration claims any room's rows). Said again only when
+        the disagreement changes, and once more when it ends."""
+        found: set[tuple[str, str, str]] = set()
+        for node in nodes:
+            if node.node_id == self.node_id or node.node_id not in live:
+                continue
+            theirs = dict(pair.split("=", 1) for pair in node.orderings.split(",") if "=" in pair)
+            for lane, ordering in self.orderings.items():
+                if lane in theirs and theirs[lane] != ordering:
+                    found.add((lane, node.node_id, theirs[lane]))
+        disagreements = frozenset(found)
+        if disagreements == self._disagreements:
+            return
+        self._disagreements = disagreements
+        if not disagreements:
+            log.info("every live process runs its lanes with this process's ordering")
+            return
+        for lane in sorted({lane for lane, _, _ in disagreements}):
+            log.warning(
+                "processes disagree on a lane's outbox_worker.ordering: per-room order holds only"
+                " when every process running the lane orders per room; give them one configuration",
+                extra={
+                    "lane": lane,
+                    "ordering": self.orderings[lane],
+                    "others": {node: ordering for other, node, ordering in sorted(disagreements) if other == lane},
+                },
+            )
 
     def _leased_tables(self) -> list[tuple[str, Profile]]:
         """The tables whose leases fence a handover, each with its rows' shape: the outbox

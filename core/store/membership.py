@@ -72,6 +72,8 @@ class NodeRow:
     joined_ms: int
     view: str
     view_since_ms: int
+    #: Each lane the node runs with its ordering: ``main=per_room,kafka=none``.
+    orderings: str = ""
 
 
 @dataclass(frozen=True)
@@ -86,24 +88,26 @@ class BucketRow:
     claimable_from_ms: int
 
 
-async def heartbeat(cur: Any, dialect: Dialect, node_id: str, view: str, view_since_ms: int) -> None:
+async def heartbeat(
+    cur: Any, dialect: Dialect, node_id: str, view: str, view_since_ms: int, orderings: str = ""
+) -> None:
     now = now_ms()
     if dialect.name == "mysql":
         update = " ON DUPLICATE KEY UPDATE heartbeat_ms = VALUES(heartbeat_ms), view = VALUES(view),"
-        update += " view_since_ms = VALUES(view_since_ms)"
+        update += " view_since_ms = VALUES(view_since_ms), orderings = VALUES(orderings)"
     else:
         update = " ON CONFLICT (node_id) DO UPDATE SET heartbeat_ms = EXCLUDED.heartbeat_ms, view = EXCLUDED.view,"
-        update += " view_since_ms = EXCLUDED.view_since_ms"
+        update += " view_since_ms = EXCLUDED.view_since_ms, orderings = EXCLUDED.orderings"
     await cur.execute(
-        f"INSERT INTO {NODE_TABLE} (node_id, heartbeat_ms, joined_ms, view, view_since_ms) VALUES (%s, %s, %s, %s, %s)"
-        + update,
-        (node_id, now, now, view, view_since_ms),
+        f"INSERT INTO {NODE_TABLE} (node_id, heartbeat_ms, joined_ms, view, view_since_ms, orderings)"
+        " VALUES (%s, %s, %s, %s, %s, %s)" + update,
+        (node_id, now, now, view, view_since_ms, orderings),
     )
 
 
 async def read_nodes(cur: Any) -> list[NodeRow]:
-    await cur.execute(f"SELECT node_id, heartbeat_ms, joined_ms, view, view_since_ms FROM {NODE_TABLE}")
-    return [NodeRow(str(r[0]), int(r[1]), int(r[2]), str(r[3]), int(r[4])) for r in await cur.fetchall()]
+    await cur.execute(f"SELECT node_id, heartbeat_ms, joined_ms, view, view_since_ms, orderings FROM {NODE_TABLE}")
+    return [NodeRow(str(r[0]), int(r[1]), int(r[2]), str(r[3]), int(r[4]), str(r[5])) for r in await cur.fetchall()]
 
 
 async def read_buckets(cur: Any, lock: bool = False) -> list[BucketRow]:

@@ -257,3 +257,41 @@ async def test_migrate_upgrades_an_earlier_install_of_the_buckets(store: SQLStor
         await cur.execute(f"SELECT app_code, room_id, {row_bucket(store.dialect)}, envelope FROM room_outbox")
         rows = await cur.fetchall()
     assert len(rows) == 20 and all(bucket == bucket_of(app, room) and body for app, room, bucket, body in rows)
+
+
+async def test_processes_that_disagree_on_a_lanes_ordering_say_so(
+    store: SQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One process per room, another left with an old configuration claiming any room's rows:
+    each says so once, naming the lane and the other's ordering; a lane only one of them runs
+    is no disagreement, and the end of it is said once too."""
+    a = Membership(store, "node-a", ["room_outbox"], orderings={"main": "per_room", "audit": "none"})
+    b = Membership(store, "node-b", ["room_outbox"], orderings={"main": "none"})
+    caplog.set_level("INFO", logger="room_outbox.cluster")
+
+    def disagreements() -> list[Any]:
+        return [r for r in caplog.records if r.getMessage().startswith("processes disagree")]
+
+    for _ in range(2):
+        await a.beat()
+        await b.beat()
+        await a.beat()
+    said = disagreements()
+    assert [(r.name, r.lane, r.ordering, r.others) for r in said] == [  # type: ignore[attr-defined]
+        ("room_outbox.cluster", "main", "none", {"node-a": "per_room"}),  # b sees a first
+        ("room_outbox.cluster", "main", "per_room", {"node-b": "none"}),
+    ]
+    agreeing = Membership(store, "node-b", ["room_outbox"], orderings={"main": "per_room"})
+    await agreeing.beat()
+    await a.beat()
+    await a.beat()
+    ended = [r for r in caplog.records if r.getMessage().startswith("every live process runs its lanes")]
+    assert len(disagreements()) == 2 and len(ended) == 1
+
+
+async def test_migrate_adds_the_orderings_column_to_an_earlier_node_table(store: SQLStore) -> None:
+    async with store.transaction() as cur:
+        await cur.execute("ALTER TABLE room_outbox_node DROP COLUMN orderings")
+    assert await store.migrate() == ["added column room_outbox_node.orderings"]
+    assert await store.migrate() == []
+    await Membership(store, "node-a", ["room_outbox"], orderings={"main": "none"}).beat()

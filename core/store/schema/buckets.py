@@ -52,13 +52,20 @@ $$
 """
 
 
+#: The node table's column naming the ordering of each lane the process runs
+#: (``main=per_room,kafka=none``), so that processes that disagree can say so. Added to a
+#: table made before by a catalogue-only change.
+NODE_ORDERINGS = "orderings VARCHAR(255) NOT NULL DEFAULT ''"
+
+
 def node_ddl(dialect: Dialect) -> str:
     return f"""CREATE TABLE IF NOT EXISTS {NODE_TABLE} (
   node_id       VARCHAR(128) NOT NULL PRIMARY KEY,
   heartbeat_ms  BIGINT       NOT NULL,
   joined_ms     BIGINT       NOT NULL,
   view          VARCHAR(64)  NOT NULL DEFAULT '',
-  view_since_ms BIGINT       NOT NULL DEFAULT 0
+  view_since_ms BIGINT       NOT NULL DEFAULT 0,
+  {NODE_ORDERINGS}
 ){dialect.table_options}"""
 
 
@@ -121,6 +128,10 @@ async def bucket_plan(
     if membership:
         if NODE_TABLE not in existing:
             steps.append((f"created table {NODE_TABLE}", (node_ddl(dialect),)))
+        elif "orderings" not in await column_names(cur, dialect, NODE_TABLE):
+            steps.append(
+                (f"added column {NODE_TABLE}.orderings", (add_column_sql(dialect, NODE_TABLE, NODE_ORDERINGS),))
+            )
         if BUCKET_TABLE not in existing:
             rows = ", ".join(f"({bucket}, NULL, 0)" for bucket in range(BUCKETS))
             insert = f"INSERT INTO {BUCKET_TABLE} (bucket, owner, updated_at_ms) VALUES {rows}"

@@ -103,7 +103,7 @@ def required_columns(dialect: Dialect, profile: Profile, wanted: WantedSchema) -
         required[CURSOR_TABLE] = ("lane", "fed_through_id", "read_through_id", "open_gaps")
         required[PARKED_TABLE] = ("lane", "outbox_id", "status", "last_error")
     if wanted.outbox and server:
-        required[NODE_TABLE] = ("node_id", "heartbeat_ms", "view", "view_since_ms")
+        required[NODE_TABLE] = ("node_id", "heartbeat_ms", "view", "view_since_ms", "orderings")
         required[BUCKET_TABLE] = ("bucket", "owner", "handing_over", "claimable_from_ms")
     return required
 
