@@ -643,10 +643,13 @@ def load_settings(config_file: str | Path | None = None) -> Settings:
 
 def _undecodable_environment(exc: SettingsError) -> str:
     """The environment variables whose JSON does not parse (a section or a list given whole),
-    named with where their JSON breaks, never with their values (they may hold a secret)."""
+    under the field ``exc`` names, with where their JSON breaks, never with their values (they
+    may hold a secret)."""
+    field = re.search(r'field "(\w+)"', str(exc))
+    prefix = ENV_PREFIX + (field.group(1).upper() if field else "")
     bad = []
     for name, value in sorted(os.environ.items()):
-        if name.upper().startswith(ENV_PREFIX) and value.lstrip()[:1] in ("{", "["):
+        if name.upper().startswith(prefix) and value.lstrip()[:1] in ("{", "["):
             try:
                 json.loads(value)
             except json.JSONDecodeError as error:
