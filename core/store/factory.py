@@ -16,6 +16,7 @@ from urllib.parse import unquote, urlsplit
 import anyio
 
 from room_outbox.errors import ConfigurationError, StoreUnavailable
+from room_outbox.store.backends.dsn import DsnOptionError
 from room_outbox.store.backends.errors import translated
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.backends.postgres_address import SCHEMES as POSTGRESQL_SCHEMES
@@ -58,6 +59,8 @@ def store_address(dsn: str) -> Address:
         if scheme in MYSQL_SCHEMES:
             return MySQLAddress.from_dsn(dsn)
         raise ValueError(f"database.dsn: unknown scheme {scheme or 'none'}://")
+    except DsnOptionError as exc:
+        raise ConfigurationError(str(exc)) from None
     except ValueError as exc:
         raise ConfigurationError(
             f"{exc}; expected mysql://user:password@host:port/database,"

@@ -161,6 +161,7 @@ async def test_tls_options_that_cannot_work_are_refused_naming_the_option(option
     with pytest.raises(ConfigurationError) as info:
         await open_store(f"mysql://u:hunter22@127.0.0.1:3306/room?{options}")
     assert message in str(info.value) and "hunter22" not in str(info.value)
+    assert "expected mysql://" not in str(info.value)  # the form is right: only the option is named
 
 
 def test_ssl_mode_is_read_case_blind_and_an_ssl_ca_alone_means_verify_ca(tmp_path: Path) -> None:

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
 
+class DsnOptionError(ValueError):
+    """A DSN whose form is right but whose options (or the user part's characters) are not:
+    its message says what to change, without the forms a DSN may take."""
+
+
 @dataclass(frozen=True)
 class ServerDsn:
     host: str
@@ -51,7 +56,7 @@ def _check_userinfo(dsn: str) -> None:
     found = sorted({c for c in _userinfo(dsn.partition("://")[2]) if c in "#/?"})
     if found:
         codes = ", ".join(f"{c} as %{ord(c):02X}" for c in found)
-        raise ValueError(f"database.dsn: the user or password holds {' '.join(found)}; percent-encode it ({codes})")
+        raise DsnOptionError(f"database.dsn: the user or password holds {' '.join(found)}; percent-encode it ({codes})")
 
 
 def _userinfo(rest: str) -> str:

@@ -25,7 +25,7 @@ import anyio
 from pymysql.constants import CLIENT
 
 from room_outbox.errors import StoreUnavailable
-from room_outbox.store.backends.dsn import parse_server_dsn
+from room_outbox.store.backends.dsn import DsnOptionError, parse_server_dsn
 from room_outbox.store.backends.leased import LeasedRows, claim_sql
 from room_outbox.store.backends.mysql_online import OnlineSchemaChange, exclusive_migration, to_stderr
 from room_outbox.store.deadline import (
@@ -89,17 +89,17 @@ class MySQLAddress:
         parsed = parse_server_dsn(dsn, ("mysql", "mariadb", "mysql+aiomysql"), default_port=3306, default_user="root")
         unknown = set(parsed.query) - set(_DSN_OPTIONS)
         if unknown:
-            raise ValueError(
+            raise DsnOptionError(
                 f"database.dsn: unsupported options {sorted(unknown)} (allowed: {', '.join(_DSN_OPTIONS)})"
             )
         tls = {name: values[-1] for name, values in parsed.query.items()}
         mode = tls.pop("ssl_mode", "verify_ca" if tls.get("ssl_ca") else "disabled").lower()
         if mode not in SSL_MODES:
-            raise ValueError(f"database.dsn: ssl_mode={mode!r} is not one of {', '.join(SSL_MODES)}")
+            raise DsnOptionError(f"database.dsn: ssl_mode={mode!r} is not one of {', '.join(SSL_MODES)}")
         if mode == "disabled" and tls:
-            raise ValueError(f"database.dsn: {', '.join(sorted(tls))} given with ssl_mode=disabled")
+            raise DsnOptionError(f"database.dsn: {', '.join(sorted(tls))} given with ssl_mode=disabled")
         if bool(tls.get("ssl_cert")) != bool(tls.get("ssl_key")):
-            raise ValueError("database.dsn: ssl_cert and ssl_key go together")
+            raise DsnOptionError("database.dsn: ssl_cert and ssl_key go together")
         address = cls(
             host=parsed.host,
             port=parsed.port,
@@ -186,7 +186,7 @@ def _load(load: Callable[..., None], option: str, **files: str) -> None:
     try:
         load(**files)
     except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"database.dsn: {option}: cannot be read ({exc.strerror or exc})") from None
+        raise DsnOptionError(f"database.dsn: {option}: cannot be read ({exc.strerror or exc})") from None
 
 
 def is_mariadb(server_version: str) -> bool:

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from room_outbox.store.backends.dsn import parse_server_dsn
+from room_outbox.store.backends.dsn import DsnOptionError, parse_server_dsn
 from room_outbox.store.deadline import SessionLimits
 
 SCHEMES = ("postgresql", "postgres")
@@ -46,7 +46,7 @@ class PostgresAddress:
         parsed = parse_server_dsn(dsn, SCHEMES, default_port=5432, default_user="postgres")
         unknown = set(parsed.query) - {*_LIBPQ_OPTIONS, POOL_MODE, SEARCH_PATH}
         if unknown:
-            raise ValueError(
+            raise DsnOptionError(
                 f"database.dsn: unsupported options {sorted(unknown)}"
                 f" (allowed: {', '.join((*_LIBPQ_OPTIONS, POOL_MODE, SEARCH_PATH))})"
             )
@@ -54,10 +54,10 @@ class PostgresAddress:
         schemas = tuple(name.strip() for name in options.pop(SEARCH_PATH, "").split(",") if name.strip())
         for schema in schemas:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_$]*", schema) or len(schema) > 63:
-                raise ValueError(f"database.dsn: {SEARCH_PATH}: {schema!r} is not a plain schema name")
+                raise DsnOptionError(f"database.dsn: {SEARCH_PATH}: {schema!r} is not a plain schema name")
         pool_mode = options.pop(POOL_MODE, "session")
         if pool_mode not in _POOL_MODES:
-            raise ValueError(
+            raise DsnOptionError(
                 f"database.dsn: {POOL_MODE}={pool_mode!r} is not one of {', '.join(_POOL_MODES)}"
                 " (statement pooling cannot run a transaction of several statements)"
             )
