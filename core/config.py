@@ -608,10 +608,15 @@ class _Environment(EnvSettingsSource):
 _PLUGIN_KEYED = ("sinks", "consumers", "outbox_worker")
 
 
+def _looks_like_json(value: str) -> bool:
+    """Whether an environment variable's text is meant as a JSON array or object."""
+    return value.lstrip()[:1] in ("[", "{")
+
+
 def _json_leaves(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _json_leaves(item) for key, item in value.items()}
-    if isinstance(value, str) and value.lstrip()[:1] in ("[", "{"):
+    if isinstance(value, str) and _looks_like_json(value):
         try:
             return json.loads(value)
         except json.JSONDecodeError:
@@ -649,7 +654,7 @@ def _undecodable_environment(exc: SettingsError) -> str:
     prefix = ENV_PREFIX + (field.group(1).upper() if field else "")
     bad = []
     for name, value in sorted(os.environ.items()):
-        if name.upper().startswith(prefix) and value.lstrip()[:1] in ("{", "["):
+        if name.upper().startswith(prefix) and _looks_like_json(value):
             try:
                 json.loads(value)
             except json.JSONDecodeError as error:

@@ -18,6 +18,7 @@ import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import aiomysql
@@ -131,8 +132,13 @@ class MySQLAddress:
             )
 
     def tls_context(self) -> ssl.SSLContext | None:
-        """The TLS context :attr:`ssl_mode` asks for (None: no TLS). Its files are read here:
-        a missing or unreadable one is a :class:`ValueError` naming the DSN's option."""
+        """The TLS context :attr:`ssl_mode` asks for (None: no TLS), made once for every
+        connection. Its files are read then: a missing or unreadable one is a
+        :class:`ValueError` naming the DSN's option."""
+        return self._tls
+
+    @cached_property
+    def _tls(self) -> ssl.SSLContext | None:
         if self.ssl_mode == "disabled":
             return None
         context = ssl.create_default_context()
