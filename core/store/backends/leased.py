@@ -436,7 +436,14 @@ class LeasedRows:
             for result in group:
                 stale += await self._write_or_release(cur, [result])
             return stale
-        await self._release_refused(cur, group[0], cause)
+        [result] = group
+        if result.error and not result.error.isascii():
+            # An error column in a character set without some of the text's characters
+            # (room-service's table in latin1, a LATIN1 database) refuses the text: written
+            # again with them escaped, the result keeps its outcome (a failure counted, a row
+            # parked) instead of being released uncounted.
+            return await self._write_or_release(cur, [dataclasses.replace(result, error=_escaped(result.error))])
+        await self._release_refused(cur, result, cause)
         return []
 
     @asynccontextmanager
@@ -510,6 +517,7 @@ class LeasedRows:
         error = f"its {result.outcome.value} result was refused by the database: {cause}"
         if result.error:
             error += f"; {result.error}"
+        error = _escaped(error)  # not refused in turn for a character its column cannot hold
         due = max(result.retry_at_ms, now_ms() + REFUSED_RETRY_MS)
         log.warning("event %s: %s; released", result.event_id, error)
         try:
@@ -529,3 +537,9 @@ class LeasedRows:
                 result.event_id,
                 refused,
             )
+
+
+def _escaped(text: str) -> str:
+    """``text`` in ASCII, its other characters escaped as Python writes them (``\\u7fa4``):
+    what every character set of a text column holds, and still readable."""
+    return text.encode("ascii", "backslashreplace").decode("ascii")

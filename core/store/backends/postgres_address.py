@@ -84,6 +84,12 @@ class PostgresAddress:
             "connect_timeout": max(2, math.ceil(query_timeout)),  # libpq takes whole seconds, at least 2
             "application_name": "room-outbox",
             **dict(self.options),
+            # Text in UTF-8 whatever the database's encoding. On a SQL_ASCII database (what
+            # initdb makes in a C locale) the server's default would leave every text value
+            # undecoded (bytes, which match nothing); on LATIN1 and the like, the server
+            # converts and names a character it cannot store instead of the driver failing.
+            # A startup parameter PgBouncer itself keeps per client.
+            "client_encoding": "UTF8",
         }
 
     def session_settings(self, query_timeout: float, idle_in_transaction: float = 0.0, local: bool = False) -> str:

@@ -1,0 +1,120 @@
+"""Databases whose text is not UTF-8: room-service's table in latin1 (the default character set
+of MariaDB and of MySQL before 8.0), PostgreSQL databases in SQL_ASCII (what initdb makes in a C
+locale) or LATIN1. Events are delivered as on UTF-8, and a failure whose text holds characters
+the table cannot store is still recorded (counted, parked), with those characters escaped.
+(SQL_ASCII stores any byte: there the text is kept as it is.)"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from support import POSTGRESQL_SERVER_DSN, envelope, fetch_rows, insert_events, make_dispatcher, pg_admin
+
+from room_outbox.attempt.retry import RetryPolicy
+from room_outbox.sink import PermanentSinkError, RetryableSinkError
+from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.backends.postgres import PostgresStore
+from room_outbox.store.protocol import SQLStore
+
+pytestmark = pytest.mark.anyio
+
+#: Tencent IM answers in Chinese at times; the room event's own text may hold any character.
+ERRORS = {
+    "retried": RetryableSinkError("ErrorCode 10010: 群组不存在"),
+    "parked": PermanentSinkError("ErrorCode 10015: group 🎤 gone"),
+}
+
+
+class ErringSink:
+    """Fails the events named in :data:`ERRORS` with their error; records each payload."""
+
+    def __init__(self) -> None:
+        self.payloads: dict[str, Any] = {}
+
+    async def deliver(self, event: Any) -> None:
+        self.payloads[event.event_id] = event.payload
+        if event.event_id in ERRORS:
+            raise ERRORS[event.event_id]
+
+    async def aclose(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Narrow:
+    """A database whose text is not UTF-8."""
+
+    #: ``mysql`` (room-service's table converted to latin1) or a PostgreSQL database encoding.
+    encoding: str
+    #: Text an envelope written there may hold.
+    text: str
+    #: Whether the error text's other characters are written escaped (SQL_ASCII stores any byte).
+    escapes: bool
+
+
+NARROW = [
+    Narrow("mysql", "Grüße, 1€", escapes=True),  # MySQL's latin1 is cp1252: it has €
+    Narrow("SQL_ASCII", "你好 🎉", escapes=False),
+    Narrow("LATIN1", "Grüße", escapes=True),
+]
+
+
+@pytest.fixture(params=NARROW, ids=lambda narrow: narrow.encoding)
+async def narrow_store(request: pytest.FixtureRequest, database_dsn: str) -> AsyncIterator[tuple[SQLStore, Narrow]]:
+    narrow: Narrow = request.param
+    if narrow.encoding == "mysql":
+        mysql = await MySQLStore.connect(database_dsn)
+        try:
+            await mysql.migrate()
+            async with mysql.transaction() as cur:
+                await cur.execute("ALTER TABLE room_outbox CONVERT TO CHARACTER SET latin1")
+            yield mysql, narrow
+        finally:
+            await mysql.aclose()
+        return
+    name = f"ro_test_{uuid.uuid4().hex[:12]}"
+    pg_admin(f"CREATE DATABASE {name} ENCODING '{narrow.encoding}' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'")
+    try:
+        postgres = await PostgresStore.connect(f"{POSTGRESQL_SERVER_DSN}/{name}")
+        try:
+            await postgres.migrate()
+            yield postgres, narrow
+        finally:
+            await postgres.aclose()
+    finally:
+        pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+async def test_events_are_delivered_and_failures_recorded_escaped(
+    narrow_store: tuple[SQLStore, Narrow], caplog: pytest.LogCaptureFixture
+) -> None:
+    store, narrow = narrow_store
+    sink = ErringSink()
+    dispatcher = make_dispatcher(store, sink, retry=RetryPolicy(interval=60, parking=True))
+    events = [envelope(event_id, payload={"text": narrow.text}) for event_id in ("first", "retried", "parked", "last")]
+    await insert_events(store, events)
+    with caplog.at_level(logging.WARNING, logger="room_outbox.store"):
+        assert (await dispatcher.run_once()).claimed == 4
+        await dispatcher.flush()
+    assert sink.payloads == {e["event_id"]: {"text": narrow.text} for e in events}
+    rows = await fetch_rows(store)
+    assert {e: (r["status"], r["retry_count"]) for e, r in rows.items()} == {
+        "first": ("published", 0),
+        "retried": ("pending", 1),
+        "parked": ("failed", 1),
+        "last": ("published", 0),
+    }
+    expected = {
+        "retried": r"ErrorCode 10010: \u7fa4\u7ec4\u4e0d\u5b58\u5728",
+        "parked": r"ErrorCode 10015: group \U0001f3a4 gone",
+    }
+    if not narrow.escapes:
+        expected = {e: str(error) for e, error in ERRORS.items()}
+    for event_id, text in expected.items():
+        assert rows[event_id]["last_error"].endswith(text), rows[event_id]["last_error"]
+    assert not [r for r in caplog.records if "refused" in r.getMessage()]  # nothing released uncounted
