@@ -638,12 +638,40 @@ def load_settings(config_file: str | Path | None = None) -> Settings:
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
         data = loaded or {}
+    unknown = _unknown_environment()
+    if unknown:
+        raise ConfigError("invalid environment:\n  " + "\n  ".join(unknown))
     try:
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
     except SettingsError as exc:  # an environment variable that should hold JSON does not
         raise ConfigError(_undecodable_environment(exc)) from None
+
+
+def _unknown_environment() -> list[str]:
+    """A line for each environment variable meant as a setting that names none. Only the
+    variables of known top-level keys are read, so one misspelt at its top (``ROOM_OUTBOX__DATABASE_DSN``,
+    ``ROOM_OUTBOX_DATABASE__DSN``: an underscore short) was ignored silently, its setting left at
+    the file's value or the default. (A key misspelt further down is refused by its section.)"""
+    fields = set(Settings.model_fields)
+    lines = []
+    for name in sorted(os.environ):
+        upper = name.upper()
+        if upper.startswith(ENV_PREFIX):
+            key = upper.removeprefix(ENV_PREFIX)
+            if key.split("__", 1)[0].lower() in fields:
+                continue
+            field = next((f for f in sorted(fields) if key.lower().startswith(f + "_")), None)
+            meant = f"{ENV_PREFIX}{field.upper()}__{key[len(field) + 1 :]}" if field else None
+        else:
+            key = upper.removeprefix(ENV_PREFIX[:-1])  # one underscore after the prefix
+            if key == upper or key.split("__", 1)[0].lower() not in fields:
+                continue  # not meant as a setting (ROOM_OUTBOX_CONFIG)
+            meant = ENV_PREFIX + key
+        hint = f"; did you mean {meant}?" if meant else f" (the keys at the top: {', '.join(sorted(fields))})"
+        lines.append(f"{name}: names no setting{hint}")
+    return lines
 
 
 def _undecodable_environment(exc: SettingsError) -> str:

@@ -202,6 +202,30 @@ def test_an_environment_variable_whose_json_breaks_is_named_not_echoed(monkeypat
     )
 
 
+def test_an_environment_variable_naming_no_setting_is_refused_with_the_name_meant(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An underscore short at the top, the variable was ignored silently and the DSN left at the
+    file's; its value is never shown. Variables not meant as settings are left alone."""
+    monkeypatch.setenv("ROOM_OUTBOX__DATABASE_DSN", "mysql://u:hunter22@db/room")
+    monkeypatch.setenv("ROOM_OUTBOX_OUTBOX_WORKER__BATCH_SIZE", "500")
+    monkeypatch.setenv("ROOM_OUTBOX__DATBASE__DSN", "mysql://u:hunter22@db/room")
+    monkeypatch.setenv("ROOM_OUTBOX_CONFIG", "/etc/room-outbox/config.yaml")
+    monkeypatch.setenv("ROOM_OUTBOX__NODE_ID", "relay-1")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert str(info.value).splitlines() == [
+        "invalid environment:",
+        "  ROOM_OUTBOX_OUTBOX_WORKER__BATCH_SIZE: names no setting; did you mean ROOM_OUTBOX__OUTBOX_WORKER__BATCH_SIZE?",
+        "  ROOM_OUTBOX__DATABASE_DSN: names no setting; did you mean ROOM_OUTBOX__DATABASE__DSN?",
+        "  ROOM_OUTBOX__DATBASE__DSN: names no setting (the keys at the top: cluster, consumers, database, lanes, log,"
+        " mysql, node_id, outbox_worker, plugins, retention, routing, sinks, telemetry)",
+    ]
+    for name in ("ROOM_OUTBOX__DATABASE_DSN", "ROOM_OUTBOX_OUTBOX_WORKER__BATCH_SIZE", "ROOM_OUTBOX__DATBASE__DSN"):
+        monkeypatch.delenv(name)
+    assert load_settings().node_id == "relay-1"
+
+
 def test_a_plugins_list_or_mapping_comes_from_the_environment_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sinks', consumers' and lanes' keys are the plugins' own, so no type decodes their JSON:
     a list or a mapping given in one variable is decoded as the typed sections' are; text that
