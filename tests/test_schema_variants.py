@@ -40,6 +40,8 @@ V1_ENUM_DDL = V1_DDL.replace(
     "status        VARCHAR(16)  NOT NULL DEFAULT 'pending'",
     "status        ENUM('pending','published') NOT NULL DEFAULT 'pending'",
 )
+#: V1's table on MyISAM, as MySQL made tables before 5.5 and some servers still do by default.
+V1_MYISAM_DDL = V1_DDL.replace("ENGINE=InnoDB", "ENGINE=MyISAM")
 #: room-service's first table: no app_code, no updated_at_ms.
 FIRST_V1_DDL = V1_DDL.replace("  app_code      VARCHAR(64)  NOT NULL DEFAULT '',\n", "").replace(
     "  updated_at_ms BIGINT       NOT NULL,\n", ""
@@ -54,6 +56,11 @@ INSERT_FIRST_V1 = (
     " VALUES (%s, 'RoomUserJoined', %s, %s, %s)"
 )
 
+V1_MYISAM_LINE = (
+    "room-outbox: room_outbox is a MyISAM table, and room-outbox needs InnoDB (transactions, and row locks"
+    " concurrent claims skip): run ALTER TABLE room_outbox ENGINE=InnoDB, a copy of the table (on a live table,"
+    " with pt-online-schema-change)"
+)
 LOCK_LINE = (
     "room-outbox: room_outbox.lock_until_ms is nullable, and a claim never takes a row whose lock_until_ms is NULL:"
     " run `room-outbox migrate`, which backfills 0 and makes it NOT NULL online"
@@ -188,6 +195,24 @@ async def test_a_v1_table_whose_status_enum_lacks_failed_is_refused_until_its_fi
         assert migrated.returncode == 0, migrated.stderr
         rows = await deliver_all(store, config, fake, "published")
         assert len(rows) == 10
+    finally:
+        await store.aclose()
+        fake.close()
+
+
+async def test_a_v1_table_on_myisam_is_refused_naming_the_engine_and_its_conversion(
+    database_dsn: str, tmp_path: Path
+) -> None:
+    """No transactions, no row locks: two processes would claim the same rows. migrate's
+    plan would have failed at its first change, pointing at tools that cannot help."""
+    fake = FakeIMProcess(tmp_path)
+    store = await open_store(database_dsn)
+    try:
+        config = configure(tmp_path, database_dsn, fake, "v1")
+        await execute(store, V1_MYISAM_DDL)
+        before = await columns(store)
+        assert_refused(config, V1_MYISAM_LINE)
+        assert await columns(store) == before
     finally:
         await store.aclose()
         fake.close()

@@ -306,11 +306,32 @@ def _fixed_online(columns: dict[str, Column], dialect: Dialect) -> bool:
     return dialect.name == "mysql" and not any(column.generated for column in columns.values())
 
 
+async def engine_problems(cur: Any, dialect: Dialect, table: str) -> list[str]:
+    """A MySQL/MariaDB table on another engine than InnoDB (MyISAM, room-service's oldest
+    tables): without transactions a failed round cannot be undone, and without row locks two
+    processes' claims take the same rows. Converting it copies the table."""
+    if dialect.name != "mysql":
+        return []
+    await cur.execute(
+        "SELECT ENGINE FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s", (table,)
+    )
+    row = await cur.fetchone()
+    engine = row[0].decode() if row and isinstance(row[0], bytes) else (row[0] if row else None)
+    if engine is None or engine.lower() == "innodb":
+        return []
+    return [
+        f"{table} is a {engine} table, and room-outbox needs InnoDB (transactions, and row locks concurrent claims"
+        f" skip): run ALTER TABLE {table} ENGINE=InnoDB, a copy of the table (on a live table, with"
+        " pt-online-schema-change)"
+    ]
+
+
 async def checked_fixes(cur: Any, dialect: Dialect, profile: Profile) -> list[Step]:
     """``migrate``'s side: refuse (:class:`SchemaError`, one line per problem) what it cannot
     fix; return the steps that fix the rest."""
     columns = await read_columns(cur, dialect, profile.table)
     refused, _fixable = column_problems(columns, profile, dialect)
+    refused = await engine_problems(cur, dialect, profile.table) + refused
     if refused:
         raise SchemaError("\n".join(refused))
     return column_fixes(columns, await index_names(cur, dialect, profile.table), profile, dialect)
@@ -320,5 +341,6 @@ async def check_columns(cur: Any, dialect: Dialect, profile: Profile, claim_ids:
     """``run``'s side: refuse every problem, those ``migrate`` fixes included."""
     columns = await read_columns(cur, dialect, profile.table)
     refused, fixable = column_problems(columns, profile, dialect, claim_ids)
+    refused = await engine_problems(cur, dialect, profile.table) + refused
     if refused or fixable:
         raise SchemaError("\n".join(refused + fixable))
