@@ -16,7 +16,7 @@ from room_outbox.errors import ConfigurationError, StoreUnavailable
 from room_outbox.store.backends.postgres import PostgresAddress, PostgresStore, open_session
 from room_outbox.store.clock import now_ms
 from room_outbox.store.deadline import QueryTimeout
-from room_outbox.store.factory import open_store
+from room_outbox.store.factory import describe, open_store, store_address
 
 pytestmark = pytest.mark.anyio
 
@@ -91,6 +91,14 @@ async def test_a_stricter_default_isolation_is_overridden_and_concurrent_claims_
     finally:
         for store in stores:
             await store.aclose()
+
+
+def test_an_ipv6_server_is_named_as_a_url_writes_it() -> None:
+    for dsn, named in [
+        ("postgresql://app@[::1]:5432/room", "PostgreSQL at [::1]:5432 (database 'room', user 'app')"),
+        ("mysql://app@[fd00::5]:3306/room", "MySQL at [fd00::5]:3306 (database 'room', user 'app')"),
+    ]:
+        assert describe(store_address(dsn)) == named
 
 
 async def test_search_path_in_the_dsn_puts_the_tables_in_that_schema(postgresql_dsn: str) -> None:
