@@ -124,7 +124,11 @@ def test_the_process_redactor_knows_every_secret_in_the_configuration() -> None:
     settings = Settings(
         mysql={"dsn": "mysql://app:" + quote("p@ss/w:rd", safe="") + "@db:3306/room"},
         sinks={
-            "tencent_im": {"secret_key": "tencent-key-1", "apps": {"b": {"secret_key": "tencent-key-2"}}},
+            "tencent_im": {
+                "secret_key": "tencent-key-1",
+                "apps": {"b": {"secret_key": "tencent-key-2"}},
+                "proxy": "http://relay:pr%40xy-pass@proxy.internal:3128",
+            },
             "kafka": {"sasl_plain_password": "kafka-pass", "topic": "room-events", "bootstrap_servers": "k:9092"},
             "webhook": {
                 "headers": {"Authorization": "Bearer abc123"},
@@ -134,10 +138,11 @@ def test_the_process_redactor_knows_every_secret_in_the_configuration() -> None:
         },
     )
     redactor = redactor_for(settings, environ={"OTEL_EXPORTER_OTLP_HEADERS": "api-key=otlp-key-9,x-tenant=acme"})
-    expected = ("p@ss/w:rd", "tencent-key-1", "tencent-key-2", "kafka-pass", "tok-123456", "tok-a-1", "Bearer abc123")
+    expected = ("p@ss/w:rd", "tencent-key-1", "tencent-key-2", "pr@xy-pass", "pr%40xy-pass", "kafka-pass")
+    expected += ("tok-123456", "tok-a-1", "Bearer abc123")
     for secret in (*expected, "otlp-key-9", "acme"):  # any OTLP header value may be a credential
         assert secret in redactor, secret
-    for setting in ("room-events", "k:9092", "127.0.0.1"):
+    for setting in ("room-events", "k:9092", "127.0.0.1", "relay", "proxy.internal"):
         assert setting not in redactor
 
 

@@ -11,11 +11,13 @@ never inside a longer one (:func:`_bounded`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlsplit
 
 if TYPE_CHECKING:
     from room_outbox.config import Settings
@@ -156,8 +158,8 @@ def _percent(byte: int) -> str:
 def redactor_for(settings: Settings, environ: Mapping[str, str] | None = None) -> Redactor:
     """The process's redactor, knowing every secret in the configuration before any
     connection is made: the DSN password, each sink setting whose name says it is a
-    credential (``secret_key``, ``password``, ``sasl_plain_password``, ``token``...), and
-    the values of the OTLP header variables."""
+    credential (``secret_key``, ``password``, ``sasl_plain_password``, ``token``...) and the
+    password of any URL among them (a ``proxy``), and the values of the OTLP header variables."""
     from room_outbox.store.factory import dsn_password
 
     redactor = Redactor()
@@ -180,8 +182,15 @@ def _secret_settings(section: Any, secret: bool = False) -> Iterator[str]:
     elif isinstance(section, list | tuple):
         for value in section:
             yield from _secret_settings(value, secret)
-    elif secret and section is not None:
-        yield str(section.get_secret_value() if hasattr(section, "get_secret_value") else section)
+    elif section is not None:
+        text = str(section.get_secret_value() if hasattr(section, "get_secret_value") else section)
+        if secret:
+            yield text
+        elif "://" in text and "@" in text:  # a URL's own password (a proxy's: http://user:password@host)
+            with contextlib.suppress(ValueError):
+                password = urlsplit(text.strip()).password
+                if password:
+                    yield from (password, unquote(password))
 
 
 def redact_and_shorten(redactor: Redactor, text: str, limit: int) -> str:

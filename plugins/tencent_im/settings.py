@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import string
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 
@@ -106,6 +107,10 @@ class TencentIMSettings(SinkSettings):
     #: server-side timeout is 3 s.
     request_timeout: Duration = 3.0
     max_connections: int = Field(default=64, ge=1)
+    #: An HTTP proxy every request goes through (``http://[user:password@]host:port``), for a
+    #: network whose only way out is one. Proxies in the environment (``HTTPS_PROXY``) are not
+    #: used: every request's route is this file's choice.
+    proxy: SecretStr = SecretStr("")
     #: UserSig lifetime; renewed at half of it. Tencent advises at least 24 h.
     usersig_ttl: Duration = 86400.0
 
@@ -127,6 +132,14 @@ class TencentIMSettings(SinkSettings):
     @classmethod
     def _url(cls, value: str) -> str:
         return _check_base_url(value)
+
+    @field_validator("proxy")
+    @classmethod
+    def _proxy_url(cls, value: SecretStr) -> SecretStr:
+        url = value.get_secret_value().strip()
+        if url and not (url.startswith("http://") and urlsplit(url).hostname):
+            raise ValueError("is not an http:// proxy URL, e.g. http://proxy.internal:3128")
+        return SecretStr(url)
 
     @field_validator("group_id_template")
     @classmethod

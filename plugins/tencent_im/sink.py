@@ -15,7 +15,7 @@ import random
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import unquote, urlencode, urlsplit
 
 import aiohttp
 import anyio
@@ -101,6 +101,10 @@ class TencentIMSink:
                 creds.base_url or settings.base_url,
                 creds.secret_key.get_secret_value(),
             )
+        proxy = urlsplit(settings.proxy.get_secret_value())
+        if proxy.password:
+            self._remember_secret(proxy.password)
+            self._remember_secret(unquote(proxy.password))
         self._client = http_client(settings)
 
     def _make_app(self, name: str, sdkappid: int, identifier: str, base_url: str, key: str) -> TencentApp:
@@ -239,10 +243,13 @@ def http_client(settings: TencentIMSettings) -> httpx.AsyncClient:
     requests without an answer until their timeout (bench/ part b).
     Timeouts: connect_timeout bounds a new connection's TCP connect; the sink bounds the whole
     request with request_timeout, one timer per request (a timeout per read re-arms a timer on
-    every packet). No redirects, cookies kept from answers or proxies from the environment."""
+    every packet). No redirects, cookies kept from answers or proxies from the environment:
+    only the configured ``proxy``."""
     limits = httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections)
+    # Its credentials (user:password@) go to the proxy alone, as Proxy-Authorization.
+    proxy = settings.proxy.get_secret_value()
     return httpx.AsyncClient(
-        transport=AiohttpTransport(limits=limits, trust_env=False),
+        transport=AiohttpTransport(limits=limits, trust_env=False, proxy=httpx.Proxy(proxy) if proxy else None),
         timeout=httpx.Timeout(None, connect=settings.connect_timeout),
         headers={"Content-Type": "application/json"},
         follow_redirects=False,

@@ -1,0 +1,98 @@
+"""``sinks.tencent_im.proxy``: every request to Tencent IM through an HTTP proxy on loopback (a
+real forward proxy, in front of the fake Tencent IM), its credentials sent to the proxy alone and
+never shown; proxies in the environment are not used."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from aiohttp import web
+from im_support import make_sink
+from pydantic import ValidationError
+from support import envelope, free_port
+
+from room_outbox import EventEnvelope, RetryableSinkError
+from room_outbox.config import describe_validation_error
+from room_outbox.plugins.tencent_im import TencentIMSettings
+from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM, serve_fake_im
+
+pytestmark = pytest.mark.anyio
+
+PASSWORD = "pr0xy-s3cret"
+
+
+@asynccontextmanager
+async def forward_proxy() -> AsyncIterator[tuple[str, list[tuple[str, str | None]]]]:
+    """An HTTP forward proxy: each request (its absolute URL and Proxy-Authorization) recorded,
+    then sent on to where it names and answered with what came back."""
+    seen: list[tuple[str, str | None]] = []
+
+    async def forward(request: web.Request) -> web.Response:
+        seen.append((str(request.url), request.headers.get("Proxy-Authorization")))
+        async with (
+            aiohttp.ClientSession() as session,
+            session.request(
+                request.method, request.url, data=await request.read(), headers={"Content-Type": "application/json"}
+            ) as answer,
+        ):
+            return web.Response(status=answer.status, body=await answer.read(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://relay:{PASSWORD}@127.0.0.1:{port}", seen
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeTencentIM]:
+    async with serve_fake_im(FakeTencentIM(seed=5)) as fake:
+        yield fake
+
+
+async def test_every_request_goes_through_the_proxy_with_its_credentials(
+    fake: FakeTencentIM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens: used, it would fail
+    async with forward_proxy() as (proxy, seen):
+        secrets: list[str] = []
+        sink = make_sink(fake, secrets, proxy=proxy)
+        try:
+            await sink.deliver(EventEnvelope.model_validate(envelope("through-proxy")))
+        finally:
+            await sink.aclose()
+    assert fake.event_ids() == ["through-proxy"]
+    assert len(seen) == 1 and seen[0][0].startswith(f"{fake.base_url}/v4/group_open_http_svc/send_group_msg?")
+    assert seen[0][1] == "Basic " + base64.b64encode(f"relay:{PASSWORD}".encode()).decode()
+    assert PASSWORD in secrets  # masked wherever the process writes
+
+
+async def test_a_proxy_that_does_not_answer_fails_the_delivery_retryably_without_its_password(
+    fake: FakeTencentIM,
+) -> None:
+    sink = make_sink(fake, proxy=f"http://relay:{PASSWORD}@127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(RetryableSinkError) as failure:
+            await sink.deliver(EventEnvelope.model_validate(envelope("no-proxy")))
+    finally:
+        await sink.aclose()
+    assert PASSWORD not in str(failure.value)
+    assert fake.event_ids() == []
+
+
+@pytest.mark.parametrize("proxy", [f"socks5://relay:{PASSWORD}@proxy:1080", f"relay:{PASSWORD}@proxy:3128"])
+def test_a_proxy_that_is_not_an_http_url_is_refused_without_its_text(proxy: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        TencentIMSettings(sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY, proxy=proxy)
+    assert describe_validation_error(refused.value, "sinks.tencent_im").splitlines()[1:] == [
+        "  sinks.tencent_im.proxy: is not an http:// proxy URL, e.g. http://proxy.internal:3128"
+    ]
