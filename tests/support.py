@@ -7,8 +7,10 @@ import inspect
 import json
 import os
 import socket
+import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
@@ -247,3 +249,26 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
+
+
+def make_ca(folder: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed CA: its certificate and key."""
+    cert, key = folder / f"{name}.pem", folder / f"{name}.key"
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+            "-days", "2", "-subj", f"/CN={name}")  # fmt: skip
+    return cert, key
+
+
+def loopback_certificate(folder: Path, ca: Path, ca_key: Path) -> tuple[Path, Path]:
+    """A server certificate signed by ``ca``, naming 127.0.0.1 and localhost: its file and key."""
+    cert, key = folder / "server.pem", folder / "server.key"
+    csr, ext = folder / "server.csr", folder / "server.ext"
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=server")
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+            "-out", str(cert), "-days", "2", "-extfile", str(ext))  # fmt: skip
+    return cert, key

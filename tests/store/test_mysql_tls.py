@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pymysql
 import pytest
-from support import envelope, free_port, insert_events, wait_until_sync
+from support import envelope, free_port, insert_events, loopback_certificate, make_ca, wait_until_sync
 
 from room_outbox.errors import ConfigurationError, StoreUnavailable
 from room_outbox.store.backends.mysql import MySQLAddress
@@ -23,18 +23,6 @@ from room_outbox.store.protocol import DeliveryResult, Outcome
 pytestmark = pytest.mark.anyio
 
 
-def openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
-
-
-def make_ca(folder: Path, name: str) -> tuple[Path, Path]:
-    """A self-signed CA: its certificate and key."""
-    cert, key = folder / f"{name}.pem", folder / f"{name}.key"
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-            "-days", "2", "-subj", f"/CN={name}")  # fmt: skip
-    return cert, key
-
-
 class TlsServer:
     """A MariaDB requiring TLS on a loopback port, its certificate naming 127.0.0.1 and localhost."""
 
@@ -43,12 +31,7 @@ class TlsServer:
         self.port = free_port()
         self.ca, ca_key = make_ca(folder, "test-ca")
         self.other_ca, _ = make_ca(folder, "other-ca")
-        self.cert, self.key = folder / "server.pem", folder / "server.key"
-        csr, ext = folder / "server.csr", folder / "server.ext"
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(self.key), "-out", str(csr), "-subj", "/CN=db")
-        ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        openssl("x509", "-req", "-in", str(csr), "-CA", str(self.ca), "-CAkey", str(ca_key), "-CAcreateserial",
-                "-out", str(self.cert), "-days", "2", "-extfile", str(ext))  # fmt: skip
+        self.cert, self.key = loopback_certificate(folder, self.ca, ca_key)
         self.proc: subprocess.Popen[str] | None = None
 
     def dsn(self, options: str = "") -> str:

@@ -1,4 +1,4 @@
-"""HTTP/1.1 for the fake Tencent IM on ``aiohttp.web``: keep-alive, no TLS.
+"""HTTP/1.1 for the fake Tencent IM on ``aiohttp.web``: keep-alive, TLS when given a context.
 
 Every request, whatever its method and path, goes to :meth:`FakeTencentIM.handle`; bodies
 (``Content-Length`` or chunked) are capped at 1 MiB and answered 413 beyond. A hanging reply
@@ -7,6 +7,7 @@ holds the connection open until the client gives up and disconnects.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -22,9 +23,10 @@ SHUTDOWN_TIMEOUT = 0.5
 
 @asynccontextmanager
 async def serve_fake_im(
-    fake: FakeTencentIM | None = None, host: str = "127.0.0.1", port: int = 0
+    fake: FakeTencentIM | None = None, host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None
 ) -> AsyncIterator[FakeTencentIM]:
-    """Serve ``fake`` (default: a fresh one with the dev key) until the block exits.
+    """Serve ``fake`` (default: a fresh one with the dev key) until the block exits, over
+    HTTPS when ``tls`` (a server context) is given.
 
     ``port=0`` picks a free port; ``fake.base_url`` says which.
     """
@@ -48,8 +50,8 @@ async def serve_fake_im(
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
-        fake.base_url = f"http://{host}:{runner.addresses[0][1]}"
+        await web.TCPSite(runner, host, port, ssl_context=tls).start()
+        fake.base_url = f"{'https' if tls else 'http'}://{host}:{runner.addresses[0][1]}"
         yield fake
     finally:
         with anyio.CancelScope(shield=True):

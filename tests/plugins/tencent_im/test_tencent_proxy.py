@@ -1,19 +1,26 @@
 """``sinks.tencent_im.proxy``: every request to Tencent IM through an HTTP proxy on loopback (a
-real forward proxy, in front of the fake Tencent IM), its credentials sent to the proxy alone and
-never shown; proxies in the environment are not used."""
+real forward proxy, in front of the fake Tencent IM: plain HTTP requests forwarded, HTTPS ones
+tunnelled with CONNECT), its credentials sent to the proxy alone and never shown; proxies in the
+environment are not used."""
 
 from __future__ import annotations
 
 import base64
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import aiohttp
+import anyio
 import pytest
 from aiohttp import web
+from anyio.abc import ByteReceiveStream, ByteSendStream, SocketAttribute, SocketStream
+from anyio.streams.buffered import BufferedByteReceiveStream
+from httpx_aiohttp import AiohttpTransport
 from im_support import make_sink
 from pydantic import ValidationError
-from support import envelope, free_port
+from support import envelope, free_port, loopback_certificate, make_ca
 
 from room_outbox import EventEnvelope, RetryableSinkError
 from room_outbox.config import describe_validation_error
@@ -23,6 +30,7 @@ from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTence
 pytestmark = pytest.mark.anyio
 
 PASSWORD = "pr0xy-s3cret"
+AUTHORIZATION = "Basic " + base64.b64encode(f"relay:{PASSWORD}".encode()).decode()
 
 
 @asynccontextmanager
@@ -53,6 +61,40 @@ async def forward_proxy() -> AsyncIterator[tuple[str, list[tuple[str, str | None
         await runner.cleanup()
 
 
+@asynccontextmanager
+async def tunnelling_proxy() -> AsyncIterator[tuple[str, list[tuple[str, str | None]]]]:
+    """An HTTP proxy that tunnels (CONNECT), as one in front of Tencent's HTTPS endpoint does:
+    each tunnel's request line and Proxy-Authorization recorded."""
+    seen: list[tuple[str, str | None]] = []
+
+    async def pipe(source: ByteReceiveStream, to: ByteSendStream, tunnel: anyio.CancelScope) -> None:
+        try:
+            async for chunk in source:
+                await to.send(chunk)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+        tunnel.cancel()  # one side is done: so is the tunnel
+
+    async def serve(client: SocketStream) -> None:
+        async with client:
+            buffered = BufferedByteReceiveStream(client)
+            request, *lines = (await buffered.receive_until(b"\r\n\r\n", 65_536)).decode().split("\r\n")
+            headers = dict(line.split(": ", 1) for line in lines if line)
+            seen.append((request, headers.get("Proxy-Authorization")))
+            host, port = request.split(" ")[1].rsplit(":", 1)
+            async with await anyio.connect_tcp(host, int(port)) as upstream:
+                await client.send(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                async with anyio.create_task_group() as tunnel:
+                    tunnel.start_soon(pipe, buffered, upstream, tunnel.cancel_scope)
+                    tunnel.start_soon(pipe, upstream, client, tunnel.cancel_scope)
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    async with listener, anyio.create_task_group() as proxies:
+        proxies.start_soon(listener.serve, serve)
+        yield f"http://relay:{PASSWORD}@127.0.0.1:{listener.extra(SocketAttribute.local_port)}", seen
+        proxies.cancel_scope.cancel()
+
+
 @pytest.fixture
 async def fake() -> AsyncIterator[FakeTencentIM]:
     async with serve_fake_im(FakeTencentIM(seed=5)) as fake:
@@ -72,8 +114,26 @@ async def test_every_request_goes_through_the_proxy_with_its_credentials(
             await sink.aclose()
     assert fake.event_ids() == ["through-proxy"]
     assert len(seen) == 1 and seen[0][0].startswith(f"{fake.base_url}/v4/group_open_http_svc/send_group_msg?")
-    assert seen[0][1] == "Basic " + base64.b64encode(f"relay:{PASSWORD}".encode()).decode()
+    assert seen[0][1] == AUTHORIZATION
     assert PASSWORD in secrets  # masked wherever the process writes
+
+
+async def test_https_requests_tunnel_through_the_proxy_with_its_credentials(tmp_path: Path) -> None:
+    ca, ca_key = make_ca(tmp_path, "test-ca")
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(*loopback_certificate(tmp_path, ca, ca_key))
+    async with serve_fake_im(FakeTencentIM(seed=5), tls=tls) as fake, tunnelling_proxy() as (proxy, seen):
+        sink = make_sink(fake, proxy=proxy)
+        transport = sink._client._transport
+        assert isinstance(transport, AiohttpTransport)
+        transport.ssl_context.load_verify_locations(ca)  # Tencent's certificate chains to a public CA
+        try:
+            await sink.deliver(EventEnvelope.model_validate(envelope("through-tunnel")))
+        finally:
+            await sink.aclose()
+    assert fake.base_url.startswith("https://")
+    assert fake.event_ids() == ["through-tunnel"]
+    assert seen == [(f"CONNECT {fake.base_url.removeprefix('https://')} HTTP/1.1", AUTHORIZATION)]
 
 
 async def test_a_proxy_that_does_not_answer_fails_the_delivery_retryably_without_its_password(
