@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import pluggy
 
-from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH, longest_claim_id
+from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH, longest_claim_id, stored_node_id
 from room_outbox.config import Settings
 from room_outbox.consume.registry import check_consumers
 from room_outbox.delivery.lanes import tails
@@ -65,9 +65,11 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> Checked
         check_environment()
     except ConfigurationError as exc:
         problems.append(str(exc))
-    if len(settings.node_id) > MAX_NODE_ID_LENGTH:
+    stored = stored_node_id(settings.node_id)
+    if len(stored) > MAX_NODE_ID_LENGTH:
+        escaped = f" once its non-ASCII characters are escaped ({stored})" if stored != settings.node_id else ""
         problems.append(
-            f"node_id: {len(settings.node_id)} characters; at most {MAX_NODE_ID_LENGTH}"
+            f"node_id: {len(stored)} characters{escaped}; at most {MAX_NODE_ID_LENGTH}"
             " (the process identity and claim ids made from it must fit the database columns)"
         )
     main_sinks: list[str] = []

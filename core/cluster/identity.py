@@ -22,15 +22,22 @@ TOKEN_DIGITS = 8
 MAX_NODE_ID_LENGTH = 128 - len(SEPARATOR) - TOKEN_DIGITS - len("#") - 18
 
 
+def stored_node_id(node_id: str) -> str:
+    """``node_id`` as identities carry it into the database: in ASCII, its other characters
+    escaped as Python writes them (``\\u8282``). Claim ids go into room-service's
+    ``worker_id``, which a table in latin1 cannot hold otherwise: every claim would fail."""
+    return node_id.encode("ascii", "backslashreplace").decode("ascii")
+
+
 def longest_claim_id(node_id: str) -> int:
     """How long the claim ids of a process started with ``node_id`` may grow: its identity,
     ``#`` and the claim number :data:`MAX_NODE_ID_LENGTH` allows for."""
-    return len(node_id) + 128 - MAX_NODE_ID_LENGTH
+    return len(stored_node_id(node_id)) + 128 - MAX_NODE_ID_LENGTH
 
 
 def process_identity(node_id: str) -> str:
     """A new identity for a process started with ``node_id``."""
-    return f"{node_id}{SEPARATOR}{secrets.token_hex(TOKEN_DIGITS // 2)}"
+    return f"{stored_node_id(node_id)}{SEPARATOR}{secrets.token_hex(TOKEN_DIGITS // 2)}"
 
 
 def node_id_of(identity: str) -> str:

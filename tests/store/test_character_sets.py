@@ -2,7 +2,8 @@
 of MariaDB and of MySQL before 8.0), PostgreSQL databases in SQL_ASCII (what initdb makes in a C
 locale) or LATIN1. Events are delivered as on UTF-8, and a failure whose text holds characters
 the table cannot store is still recorded (counted, parked), with those characters escaped.
-(SQL_ASCII stores any byte: there the text is kept as it is.)"""
+(SQL_ASCII stores any byte: there the text is kept as it is.) A ``node_id`` in Chinese claims
+rows there too: claim ids carry it escaped."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from support import POSTGRESQL_SERVER_DSN, envelope, fetch_rows, insert_events, make_dispatcher, pg_admin
 
 from room_outbox.attempt.retry import RetryPolicy
+from room_outbox.cluster.identity import process_identity
 from room_outbox.sink import PermanentSinkError, RetryableSinkError
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.backends.postgres import PostgresStore
@@ -118,3 +120,17 @@ async def test_events_are_delivered_and_failures_recorded_escaped(
     for event_id, text in expected.items():
         assert rows[event_id]["last_error"].endswith(text), rows[event_id]["last_error"]
     assert not [r for r in caplog.records if "refused" in r.getMessage()]  # nothing released uncounted
+
+
+async def test_a_node_id_the_table_cannot_hold_claims_and_delivers(narrow_store: tuple[SQLStore, Narrow]) -> None:
+    """Claim ids go into room-service's ``worker_id``: with the node_id as it is, a latin1
+    table refused every claim, and nothing was ever delivered."""
+    store, _narrow = narrow_store
+    identity = process_identity("节点-1")
+    assert identity.startswith(r"\u8282\u70b9-1~")
+    sink = ErringSink()
+    dispatcher = make_dispatcher(store, sink, node_id=identity)
+    await insert_events(store, [envelope("claimed")])
+    assert (await dispatcher.run_once()).claimed == 1
+    await dispatcher.flush()
+    assert {e: r["status"] for e, r in (await fetch_rows(store)).items()} == {"claimed": "published"}
