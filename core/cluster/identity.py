@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import secrets
 
+from room_outbox.store.dialect import ascii_text
+
 SEPARATOR = "~"
 #: Hex digits of the token: 32 bits, so two starts of one node_id practically never draw the same.
 TOKEN_DIGITS = 8
@@ -23,10 +25,10 @@ MAX_NODE_ID_LENGTH = 128 - len(SEPARATOR) - TOKEN_DIGITS - len("#") - 18
 
 
 def stored_node_id(node_id: str) -> str:
-    """``node_id`` as identities carry it into the database: in ASCII, its other characters
-    escaped as Python writes them (``\\u8282``). Claim ids go into room-service's
-    ``worker_id``, which a table in latin1 cannot hold otherwise: every claim would fail."""
-    return node_id.encode("ascii", "backslashreplace").decode("ascii")
+    """``node_id`` as identities carry it into the database: in ASCII (``\\u8282``). Claim ids
+    go into room-service's ``worker_id``, which a table in latin1 cannot hold otherwise: every
+    claim would fail."""
+    return ascii_text(node_id)
 
 
 def longest_claim_id(node_id: str) -> int:

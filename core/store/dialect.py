@@ -177,3 +177,10 @@ def text(value: Any) -> str:
     """A string column's value as ``str``: MySQL drivers return binary strings (a BLOB
     envelope, ``GROUP_CONCAT`` of numbers) as bytes."""
     return value.decode() if isinstance(value, bytes | bytearray) else str(value)
+
+
+def ascii_text(value: str) -> str:
+    """``value`` in ASCII, its other characters escaped as Python writes them (``\\u7fa4``):
+    what a text column holds whatever its character set (room-service's table may be in
+    latin1), and still readable."""
+    return value.encode("ascii", "backslashreplace").decode("ascii")

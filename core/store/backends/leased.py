@@ -24,7 +24,7 @@ from typing import Any
 
 from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import MYSQL, Dialect
+from room_outbox.store.dialect import MYSQL, Dialect, ascii_text
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
 from room_outbox.store.schema.buckets import row_bucket
@@ -442,7 +442,7 @@ class LeasedRows:
             # (room-service's table in latin1, a LATIN1 database) refuses the text: written
             # again with them escaped, the result keeps its outcome (a failure counted, a row
             # parked) instead of being released uncounted.
-            return await self._write_or_release(cur, [dataclasses.replace(result, error=_escaped(result.error))])
+            return await self._write_or_release(cur, [dataclasses.replace(result, error=ascii_text(result.error))])
         await self._release_refused(cur, result, cause)
         return []
 
@@ -517,7 +517,7 @@ class LeasedRows:
         error = f"its {result.outcome.value} result was refused by the database: {cause}"
         if result.error:
             error += f"; {result.error}"
-        error = _escaped(error)  # not refused in turn for a character its column cannot hold
+        error = ascii_text(error)  # not refused in turn for a character its column cannot hold
         due = max(result.retry_at_ms, now_ms() + REFUSED_RETRY_MS)
         log.warning("event %s: %s; released", result.event_id, error)
         try:
@@ -537,9 +537,3 @@ class LeasedRows:
                 result.event_id,
                 refused,
             )
-
-
-def _escaped(text: str) -> str:
-    """``text`` in ASCII, its other characters escaped as Python writes them (``\\u7fa4``):
-    what every character set of a text column holds, and still readable."""
-    return text.encode("ascii", "backslashreplace").decode("ascii")
