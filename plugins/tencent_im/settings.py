@@ -14,6 +14,7 @@ app code; an environment entry is merged into the file's entry of the same code 
 
 from __future__ import annotations
 
+import ssl
 import string
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -111,6 +112,9 @@ class TencentIMSettings(SinkSettings):
     #: network whose only way out is one. Proxies in the environment (``HTTPS_PROXY``) are not
     #: used: every request's route is this file's choice.
     proxy: SecretStr = SecretStr("")
+    #: A CA bundle (PEM) trusted besides the public CAs, for a proxy that inspects TLS or an
+    #: endpoint whose certificate a private CA signed.
+    ca_file: str = ""
     #: UserSig lifetime; renewed at half of it. Tencent advises at least 24 h.
     usersig_ttl: Duration = 86400.0
 
@@ -140,6 +144,19 @@ class TencentIMSettings(SinkSettings):
         if url and not (url.startswith("http://") and urlsplit(url).hostname):
             raise ValueError("is not an http:// proxy URL, e.g. http://proxy.internal:3128")
         return SecretStr(url)
+
+    @field_validator("ca_file")
+    @classmethod
+    def _usable_ca_file(cls, value: str) -> str:
+        value = value.strip()
+        if value:
+            try:
+                ssl.create_default_context(cafile=value)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(
+                    f"{value!r}: not a usable CA bundle ({getattr(exc, 'strerror', None) or exc})"
+                ) from None
+        return value
 
     @field_validator("group_id_template")
     @classmethod

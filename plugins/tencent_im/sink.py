@@ -248,8 +248,13 @@ def http_client(settings: TencentIMSettings) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections)
     # Its credentials (user:password@) go to the proxy alone, as Proxy-Authorization.
     proxy = settings.proxy.get_secret_value()
+    verify = httpx.create_ssl_context(trust_env=False)  # the public CAs (certifi's)
+    if settings.ca_file:
+        verify.load_verify_locations(cafile=settings.ca_file)
     return httpx.AsyncClient(
-        transport=AiohttpTransport(limits=limits, trust_env=False, proxy=httpx.Proxy(proxy) if proxy else None),
+        transport=AiohttpTransport(
+            verify=verify, limits=limits, trust_env=False, proxy=httpx.Proxy(proxy) if proxy else None
+        ),
         timeout=httpx.Timeout(None, connect=settings.connect_timeout),
         headers={"Content-Type": "application/json"},
         follow_redirects=False,

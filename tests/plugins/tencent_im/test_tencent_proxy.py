@@ -1,4 +1,4 @@
-"""``sinks.tencent_im.proxy``: every request to Tencent IM through an HTTP proxy on loopback (a
+"""``sinks.tencent_im.proxy`` and ``ca_file``: every request to Tencent IM through an HTTP proxy on loopback (a
 real forward proxy, in front of the fake Tencent IM: plain HTTP requests forwarded, HTTPS ones
 tunnelled with CONNECT), its credentials sent to the proxy alone and never shown; proxies in the
 environment are not used."""
@@ -17,7 +17,6 @@ import pytest
 from aiohttp import web
 from anyio.abc import ByteReceiveStream, ByteSendStream, SocketAttribute, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
-from httpx_aiohttp import AiohttpTransport
 from im_support import make_sink
 from pydantic import ValidationError
 from support import envelope, free_port, loopback_certificate, make_ca
@@ -123,10 +122,7 @@ async def test_https_requests_tunnel_through_the_proxy_with_its_credentials(tmp_
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     tls.load_cert_chain(*loopback_certificate(tmp_path, ca, ca_key))
     async with serve_fake_im(FakeTencentIM(seed=5), tls=tls) as fake, tunnelling_proxy() as (proxy, seen):
-        sink = make_sink(fake, proxy=proxy)
-        transport = sink._client._transport
-        assert isinstance(transport, AiohttpTransport)
-        transport.ssl_context.load_verify_locations(ca)  # Tencent's certificate chains to a public CA
+        sink = make_sink(fake, proxy=proxy, ca_file=str(ca))  # Tencent's certificate chains to a public CA
         try:
             await sink.deliver(EventEnvelope.model_validate(envelope("through-tunnel")))
         finally:
@@ -147,6 +143,23 @@ async def test_a_proxy_that_does_not_answer_fails_the_delivery_retryably_without
         await sink.aclose()
     assert PASSWORD not in str(failure.value)
     assert fake.event_ids() == []
+
+
+async def test_a_certificate_no_trusted_ca_signed_is_refused_without_ca_file(tmp_path: Path) -> None:
+    """The test CA is trusted only through ``ca_file``: without it the same endpoint is refused."""
+    ca, ca_key = make_ca(tmp_path, "test-ca")
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(*loopback_certificate(tmp_path, ca, ca_key))
+    async with serve_fake_im(FakeTencentIM(seed=5), tls=tls) as fake:
+        sink = make_sink(fake)
+        try:
+            with pytest.raises(RetryableSinkError, match="certificate"):
+                await sink.deliver(EventEnvelope.model_validate(envelope("untrusted")))
+        finally:
+            await sink.aclose()
+    assert fake.event_ids() == []
+    with pytest.raises(ValidationError, match=r"ca_file\n.*: not a usable CA bundle"):
+        TencentIMSettings(sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY, ca_file=str(tmp_path / "missing.pem"))
 
 
 @pytest.mark.parametrize("proxy", [f"socks5://relay:{PASSWORD}@proxy:1080", f"relay:{PASSWORD}@proxy:3128"])
