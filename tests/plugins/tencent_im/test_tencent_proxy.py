@@ -95,6 +95,15 @@ async def tunnelling_proxy() -> AsyncIterator[tuple[str, list[tuple[str, str | N
 
 
 @pytest.fixture
+def test_ca(tmp_path: Path) -> tuple[Path, ssl.SSLContext]:
+    """A test CA's certificate, and a server context whose certificate it signed for loopback."""
+    ca, ca_key = make_ca(tmp_path, "test-ca")
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(*loopback_certificate(tmp_path, ca, ca_key))
+    return ca, tls
+
+
+@pytest.fixture
 async def fake() -> AsyncIterator[FakeTencentIM]:
     async with serve_fake_im(FakeTencentIM(seed=5)) as fake:
         yield fake
@@ -117,10 +126,10 @@ async def test_every_request_goes_through_the_proxy_with_its_credentials(
     assert PASSWORD in secrets  # masked wherever the process writes
 
 
-async def test_https_requests_tunnel_through_the_proxy_with_its_credentials(tmp_path: Path) -> None:
-    ca, ca_key = make_ca(tmp_path, "test-ca")
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(*loopback_certificate(tmp_path, ca, ca_key))
+async def test_https_requests_tunnel_through_the_proxy_with_its_credentials(
+    test_ca: tuple[Path, ssl.SSLContext],
+) -> None:
+    ca, tls = test_ca
     async with serve_fake_im(FakeTencentIM(seed=5), tls=tls) as fake, tunnelling_proxy() as (proxy, seen):
         sink = make_sink(fake, proxy=proxy, ca_file=str(ca))  # Tencent's certificate chains to a public CA
         try:
@@ -145,11 +154,11 @@ async def test_a_proxy_that_does_not_answer_fails_the_delivery_retryably_without
     assert fake.event_ids() == []
 
 
-async def test_a_certificate_no_trusted_ca_signed_is_refused_without_ca_file(tmp_path: Path) -> None:
+async def test_a_certificate_no_trusted_ca_signed_is_refused_without_ca_file(
+    test_ca: tuple[Path, ssl.SSLContext], tmp_path: Path
+) -> None:
     """The test CA is trusted only through ``ca_file``: without it the same endpoint is refused."""
-    ca, ca_key = make_ca(tmp_path, "test-ca")
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(*loopback_certificate(tmp_path, ca, ca_key))
+    _ca, tls = test_ca
     async with serve_fake_im(FakeTencentIM(seed=5), tls=tls) as fake:
         sink = make_sink(fake)
         try:
