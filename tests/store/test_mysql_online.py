@@ -100,14 +100,16 @@ async def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str,
     return code, out, err
 
 
-def schema_changes_running(dsn: str) -> list[str]:
-    """The ALTER TABLE statements other sessions run in the DSN's database."""
+def schema_changes_running(dsn: str, statement: str = "ALTER TABLE room_outbox ") -> list[str]:
+    """The statements beginning with ``statement`` (by default an ALTER of room-service's table,
+    not of the copy migrate tries its changes on) that other sessions run in the DSN's database."""
     conn = connect(dsn)
     try:
         with conn.cursor() as cur:
             cur.execute(
                 "SELECT INFO FROM information_schema.PROCESSLIST WHERE DB = DATABASE() AND ID <> CONNECTION_ID()"
-                " AND COMMAND = 'Query' AND INFO LIKE 'ALTER TABLE%%'"
+                " AND COMMAND = 'Query' AND INFO LIKE %s",
+                (f"{statement}%",),
             )
             return [str(row[0]) for row in cur.fetchall()]
     finally:
@@ -175,8 +177,51 @@ async def test_a_change_the_server_cannot_make_online_is_refused_naming_the_step
     assert str(refused.value).startswith(
         "added column room_outbox.worker_id: the server cannot make this change online (ALGORITHM=INSTANT is not"
     )
-    assert "gh-ost or pt-online-schema-change" in str(refused.value)
+    assert "so nothing was changed; make it with gh-ost or pt-online-schema-change" in str(refused.value)
     assert "worker_id" not in columns_of(database_dsn)
+
+
+#: room-service's table partitioned by creation time (old rows dropped a partition at a time):
+#: the keys take the partition key, as MySQL/MariaDB require.
+PARTITIONED_V1 = (
+    V1_DDL.replace("id            BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY,", "id BIGINT UNSIGNED AUTO_INCREMENT,")
+    .replace("UNIQUE KEY uk_room_outbox_event_id (event_id)", "PRIMARY KEY (id, created_at_ms),"
+             " UNIQUE KEY uk_room_outbox_event_id (event_id, created_at_ms)")
+    + " PARTITION BY RANGE (created_at_ms) (PARTITION p_old VALUES LESS THAN (1800000000000),"
+    " PARTITION p_new VALUES LESS THAN MAXVALUE)"
+)  # fmt: skip
+
+
+async def test_a_plan_the_server_would_refuse_half_way_is_refused_before_any_change(database_dsn: str) -> None:
+    """MariaDB adds no virtual column to a partitioned table online. The bucket column comes
+    after two columns and an index that it can add: migrate tries every change on an empty
+    copy of the table first, so it refuses before the first, not after the third."""
+    conn = connect(database_dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(PARTITIONED_V1)
+    finally:
+        conn.close()
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        with pytest.raises(SchemaError) as refused:
+            await store.migrate()
+    finally:
+        await store.aclose()
+    assert str(refused.value).startswith(
+        "added column room_outbox.room_bucket: the server cannot make this change online ("
+    )
+    assert "so nothing was changed; make it with gh-ost or pt-online-schema-change" in str(refused.value)
+    assert {"worker_id", "lock_until_ms", "room_bucket"}.isdisjoint(columns_of(database_dsn))
+    conn = connect(database_dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SHOW INDEX FROM room_outbox WHERE Key_name = 'idx_room_outbox_room'")
+            assert cur.fetchall() == ()
+            cur.execute("SHOW TABLES")
+            assert [name for (name,) in cur.fetchall()] == ["room_outbox"]  # the copy is gone
+    finally:
+        conn.close()
 
 
 async def test_a_second_migrate_waits_for_the_first_then_says_another_is_running(
@@ -301,6 +346,42 @@ async def test_an_interrupted_migrate_stops_its_statement_on_the_server_and_a_re
     )
     assert rerun.returncode == 0, rerun.stderr
     assert rerun.stdout.splitlines()[: len(V1_CHANGES)] == V1_CHANGES
+
+
+@pytest.mark.serial  # a process of its own, interrupted mid-statement
+async def test_a_migrate_interrupted_while_it_tries_its_changes_leaves_nothing(v1_table: str, config: Path) -> None:
+    """Interrupted while it makes the empty copy it tries its changes on (held up by a session
+    holding room-service's table locked), migrate stops as when interrupted on the table:
+    code 130, its statement stopped on the server, no copy left, the table unchanged."""
+    holder = connect(v1_table)
+    try:
+        with holder.cursor() as cur:
+            cur.execute("LOCK TABLES room_outbox WRITE")
+        migrate = subprocess.Popen(
+            [sys.executable, "-m", "room_outbox.cli", "--config", str(config), "migrate"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            copying = "CREATE TABLE room_outbox_migrate_rehearsal LIKE"
+            await wait_until(lambda: schema_changes_running(v1_table, copying) != [], timeout=30)
+            migrate.send_signal(signal.SIGTERM)
+            assert await anyio.to_thread.run_sync(lambda: migrate.wait(timeout=30)) == 130
+        finally:
+            if migrate.poll() is None:
+                migrate.kill()
+                migrate.wait(timeout=10)
+        assert schema_changes_running(v1_table, copying) == []
+    finally:
+        holder.close()
+    conn = connect(v1_table)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SHOW TABLES LIKE 'room_outbox%%'")
+            assert [name for (name,) in cur.fetchall()] == ["room_outbox"]
+    finally:
+        conn.close()
+    assert "worker_id" not in columns_of(v1_table)
 
 
 # -- a million rows while room-service writes ---------------------------------------------------

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from support import envelope, insert_events, wait_until
 
-from room_outbox.errors import StoreError
+from room_outbox.errors import SchemaError, StoreError
 from room_outbox.store.backends.postgres import MIGRATE_LOCK_KEY, PostgresStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
@@ -217,6 +217,26 @@ async def test_an_interrupted_concurrent_index_build_is_dropped_and_built_again(
         assert await store.migrate() == []
         await insert_events(store, [envelope("e1", room_id="r_1")])
         assert [r.event_id for r in (await store.claim("a#1", 10, now_ms() + 60_000)).rows] == ["e1"]
+    finally:
+        await store.aclose()
+
+
+async def test_a_change_the_server_refuses_is_named_with_what_was_made_before_it(postgresql_dsn: str) -> None:
+    """room_outbox a view over room-service's own table: PostgreSQL refuses to add a column to
+    it. migrate says which change was refused and that nothing was made, in one line, not as
+    a driver's traceback."""
+    store = await open_store(postgresql_dsn)
+    try:
+        await execute(
+            store,
+            *(s.format(table="room_events") for s in V1_TABLE_DDL["postgresql"]),
+            "CREATE VIEW room_outbox AS SELECT * FROM room_events",
+        )
+        with pytest.raises(SchemaError) as refused:
+            await store.migrate()
+        assert str(refused.value).startswith("migrate: added column room_outbox.worker_id: PostgreSQL refused it: ")
+        assert str(refused.value).endswith("(nothing was changed)")
+        assert "\n" not in str(refused.value)
     finally:
         await store.aclose()
 

@@ -32,7 +32,7 @@ _PRIVILEGE = (1142, 1143, 1227)
 #: What to tell an operator whose user lacks a privilege: which commands need which.
 _PRIVILEGES_NEEDED = (
     "grant it to the user in database.dsn, or run this command as one who has it (migrate needs"
-    " CREATE, ALTER and INDEX on the database; run and the other commands need SELECT, INSERT,"
+    " CREATE, ALTER, INDEX and DROP on the database; run and the other commands need SELECT, INSERT,"
     " UPDATE and DELETE, and cleanup --archive CREATE too, for its archive table)"
 )
 _PG_PRIVILEGES_NEEDED = (

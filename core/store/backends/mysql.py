@@ -340,7 +340,9 @@ class MySQLStore(LeasedRows):
             async with self.transaction() as cur:
                 plan = await planner(cur)
             no_limit = statement_time_limit(self.server_version, 0)
-            return await OnlineSchemaChange(self.address, no_limit, self.report_progress).run(plan)
+            schema_change = OnlineSchemaChange(self.address, no_limit, self.report_progress)
+            await schema_change.rehearse(self.table, plan)
+            return await schema_change.run(plan)
 
     async def migration_plan(self) -> list[Migration]:
         """The statements that bring the outbox table up to date, read from the catalogue; none

@@ -10,6 +10,7 @@ cannot make online rather than copy the table with writes blocked. One migrate r
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -130,6 +131,18 @@ async def running_changes(cur: Any, tables: Sequence[str]) -> list[tuple[int, in
     return running
 
 
+#: The empty copy of the live table on which migrate first tries its changes.
+REHEARSAL_SUFFIX = "_migrate_rehearsal"
+
+
+def not_online(change: str, exc: pymysql.err.MySQLError, made: str) -> SchemaError:
+    """``change`` refused by the server as not possible online, with what that left (``made``)."""
+    return SchemaError(
+        f"{change}: the server cannot make this change online ({exc.args[1]}), so {made};"
+        " make it with gh-ost or pt-online-schema-change (see docs/how-to/adopt-live-table.md), then run migrate again"
+    )
+
+
 class OnlineSchemaChange:
     """Runs a migration plan's statements one by one, each on a connection of its own.
 
@@ -160,6 +173,52 @@ class OnlineSchemaChange:
                     pass
         return [step.change for step in plan]
 
+    async def rehearse(self, table: str, plan: Sequence[Migration]) -> None:
+        """Try ``plan``'s changes of the live ``table`` on an empty copy of it first (``CREATE
+        TABLE … LIKE``: the same columns, indexes, partitions, row format and engine, so the
+        server decides on each change as it will on the table), and raise a
+        :class:`SchemaError` for the first it cannot make online. A plan refused half-way on
+        the live table would leave it half-adopted; this refuses it before the first change.
+        The copy is dropped after, also when migrate is interrupted meanwhile."""
+        copy = f"{table}{REHEARSAL_SUFFIX}"
+        prefix = re.compile(rf"^(\s*ALTER\s+TABLE\s+`?){re.escape(table)}(`?\s)", re.I)
+        trials = [
+            (step.change, prefix.sub(rf"\g<1>{copy}\g<2>", statement))
+            for step in plan
+            if not step.repeat
+            for statement in step.statements
+            if prefix.match(statement)
+        ]
+        if not trials or not await self._exists(table):  # a table the plan creates is empty
+            return
+        try:
+            await self._execute_once(f"DROP TABLE IF EXISTS {copy}", "rehearsal")  # a killed migrate's
+            await self._execute_once(f"CREATE TABLE {copy} LIKE {table}", "rehearsal")
+            for change, statement in trials:
+                try:
+                    await self._execute_once(statement, change)
+                except pymysql.err.MySQLError as exc:
+                    if exc.args[0] in ER_NOT_ONLINE:
+                        raise not_online(change, exc, made="nothing was changed") from None
+                    raise
+        finally:  # a copy left (the server gone meanwhile) is dropped by the next migrate
+            shielded, bounded = anyio.CancelScope(shield=True), anyio.move_on_after(DEFAULT_QUERY_TIMEOUT)
+            with shielded, bounded, contextlib.suppress(pymysql.err.MySQLError, OSError):
+                await self._execute_once(f"DROP TABLE IF EXISTS {copy}", "rehearsal")
+
+    async def _exists(self, table: str) -> bool:
+        conn = await connect(self.address, self.statement_limit)
+        try:
+            async with conn.cursor() as cur:
+                with query_deadline(DEFAULT_QUERY_TIMEOUT):
+                    await cur.execute(
+                        "SELECT 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
+                        (table,),
+                    )
+                    return bool(await cur.fetchone())
+        finally:
+            conn.close()
+
     async def execute(self, statement: str, change: str) -> int:
         """Run one statement, retried when it timed out waiting for the table's metadata lock;
         return the rows it changed."""
@@ -169,10 +228,7 @@ class OnlineSchemaChange:
                     return await self._execute_once(statement, change)
             except pymysql.err.MySQLError as exc:
                 if exc.args[0] in ER_NOT_ONLINE:
-                    raise SchemaError(
-                        f"{change}: the server cannot make this change online ({exc.args[1]}), so it was not made;"
-                        " make it with gh-ost or pt-online-schema-change (see docs/how-to/adopt-live-table.md), then run migrate again"
-                    ) from None
+                    raise not_online(change, exc, made="it was not made") from None
                 if exc.args[0] != ER_LOCK_WAIT_TIMEOUT:
                     raise
                 if attempt == DDL_ATTEMPTS:

@@ -24,7 +24,7 @@ from psycopg.adapt import AdaptersMap
 from psycopg.types.string import TextLoader
 from psycopg_pool import AsyncConnectionPool
 
-from room_outbox.errors import StoreError
+from room_outbox.errors import SchemaError, StoreError
 from room_outbox.store.backends.leased import LeasedRows
 from room_outbox.store.backends.postgres_address import POOL_MODE, PostgresAddress
 from room_outbox.store.deadline import (
@@ -267,6 +267,11 @@ class PostgresStore(LeasedRows):
                             f" (other sessions hold it); attempt {attempt} of {self.step_attempts}"
                         )
                         await anyio.sleep(min(attempt, 5))
+                    except psycopg.DatabaseError as exc:
+                        refused = refused_change(exc, step, changes)
+                        if refused is None:
+                            raise
+                        raise refused from exc
         raise StoreError(
             f"migrate: gave up after {self.step_attempts} attempts to take a table lock within"
             f" {self.step_lock_wait:g}s; find the long transactions on the table (pg_stat_activity) and rerun"
@@ -306,6 +311,17 @@ class PostgresStore(LeasedRows):
             yield conn
         finally:
             await conn.close()
+
+
+def refused_change(exc: psycopg.DatabaseError, step: Migration | None, made: list[str]) -> SchemaError | None:
+    """A step the server refused (a change it does not support on this table, say), as an
+    error naming the step and what was made before it; None for an error of the connection,
+    a time limit or a privilege, which the callers' translation words better."""
+    if step is None or isinstance(exc, psycopg.OperationalError) or exc.sqlstate == "42501":
+        return None
+    before = f" (made before it: {', '.join(made)})" if made else " (nothing was changed)"
+    reason = " ".join(str(exc).split()).rstrip(".")
+    return SchemaError(f"migrate: {step.change}: PostgreSQL refused it: {reason}{before}")
 
 
 #: How often a long step reports its progress (seconds).

@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import POSTGRESQL, Dialect, column_names, table_names
 from room_outbox.store.schema.outbox import add_column_sql, add_index_sql, claim_index
+from room_outbox.store.schema.partitions import index_statements, partitions_of
 from room_outbox.store.schema.profiles import V1, Profile
 
 BUCKET_COLUMN = "room_bucket"
@@ -154,7 +156,7 @@ async def bucket_plan(
         if have == _columns_of(columns):
             continue
         if not have:
-            steps.append((f"added index {table}.{name}", (add_index_sql(dialect, table, name, columns),)))
+            steps.append((f"added index {table}.{name}", add_index_sql(dialect, table, name, columns)))
         else:
             steps.append(
                 (f"rebuilt index {table}.{name} with {BUCKET_COLUMN}", _rebuild_index(dialect, table, name, columns))
@@ -183,12 +185,19 @@ async def _pg_bucket_steps(
         name, columns = claim_index(table, profile.lock, key, f"({row_bucket(POSTGRESQL, profile)})")
         indexes = await _pg_index_definitions(cur, table) if table.lower() in existing else {}
         current, beside = indexes.get(name), f"{name}_next"
-        build = f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {{name}} ON {table} {columns}"
         if current is not None and PG_CRC32_FUNCTION in current:
             continue
+        partitions = await partitions_of(cur, table) if table.lower() in existing else None
         if current is None and beside not in indexes:
-            steps.append((f"added index {table}.{name}", (build.format(name=name),)))
+            steps.append((f"added index {table}.{name}", index_statements(table, name, columns, partitions)))
             continue
+        if partitions is not None:  # a partitioned index cannot be dropped without blocking writes
+            raise SchemaError(
+                f"index {name} of the partitioned table {table} is an earlier version's, without the room"
+                f" bucket; drop it (DROP INDEX {name}: it blocks the table's writes while it runs) and run"
+                " migrate again, which builds the new one online"
+            )
+        build = f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {{name}} ON {table} {columns}"
         replace = (build.format(name=beside), f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
         steps.append(
             (f"rebuilt index {table}.{name} with the room bucket", (*replace, f"ALTER INDEX {beside} RENAME TO {name}"))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import Dialect, column_names, index_names
 from room_outbox.store.schema.columns import ADOPTED_COLUMNS, adoption_plan, checked_fixes
+from room_outbox.store.schema.partitions import Partition, index_statements, partitions_of, quoted
 
 if TYPE_CHECKING:
     from room_outbox.store.schema.profiles import Profile
@@ -167,25 +168,33 @@ async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migrat
     wanted = [(template.format(table=table), columns_sql) for template, columns_sql in ADDED_INDEXES.items()]
     if not dialect.room_buckets:  # on a server the room buckets' plan creates it, after their column
         wanted.insert(0, claim_index(table))
+    partitions = await partitions_of(cur, table) if dialect.name == "postgresql" else None
     for name, columns_sql in wanted:
         if name not in indexes:
-            create = add_index_sql(dialect, table, name, columns_sql)
-            plan.append(concurrent_step(f"added index {table}.{name}", (create,)))
+            create = add_index_sql(dialect, table, name, columns_sql, partitions=partitions)
+            plan.append(concurrent_step(f"added index {table}.{name}", create))
     return plan
 
 
 async def invalid_index_steps(cur: Any, tables: list[str]) -> list[Migration]:
-    """PostgreSQL: the invalid indexes of ``tables`` dropped (``CONCURRENTLY``, outside a
-    transaction). A ``CREATE INDEX CONCURRENTLY`` that was interrupted leaves one, which
-    ``IF NOT EXISTS`` would take for built: dropped here, it is built again later in the plan."""
+    """PostgreSQL: the invalid indexes of ``tables`` and of their partitions dropped
+    (``CONCURRENTLY``, outside a transaction). A ``CREATE INDEX CONCURRENTLY`` that was
+    interrupted leaves one, which ``IF NOT EXISTS`` would take for built: dropped here, it is
+    built again later in the plan. A partitioned table's own index is left: it is invalid
+    until its partitions' are attached, which the plan does (see :mod:`.partitions`)."""
     await cur.execute(
         "SELECT ix.relname FROM pg_index i JOIN pg_class ix ON ix.oid = i.indexrelid"
         " JOIN pg_class t ON t.oid = i.indrelid JOIN pg_namespace n ON n.oid = t.relnamespace"
-        " WHERE n.nspname = current_schema() AND t.relname = ANY(%s) AND NOT i.indisvalid ORDER BY 1",
-        ([table.lower() for table in tables],),
+        " WHERE n.nspname = current_schema() AND NOT i.indisvalid AND ix.relkind = 'i'"
+        " AND NOT EXISTS (SELECT 1 FROM pg_inherits h WHERE h.inhrelid = ix.oid)"
+        " AND (t.relname = ANY(%s) OR EXISTS (SELECT 1 FROM unnest(%s::text[]) AS wanted (name),"
+        " pg_partition_tree(to_regclass(wanted.name)) AS tree WHERE tree.relid = t.oid)) ORDER BY 1",
+        ([table.lower() for table in tables],) * 2,
     )
     return [
-        concurrent_step(f"dropped invalid index {name} (an interrupted build)", (f"DROP INDEX CONCURRENTLY {name}",))
+        concurrent_step(
+            f"dropped invalid index {name} (an interrupted build)", (f"DROP INDEX CONCURRENTLY {quoted(name)}",)
+        )
         for (name,) in await cur.fetchall()
     ]
 
@@ -197,17 +206,25 @@ def add_column_sql(dialect: Dialect, table: str, column: str) -> str:
     return f"ALTER TABLE {table} ADD COLUMN {column}{dialect.online_column}"
 
 
-def add_index_sql(dialect: Dialect, table: str, name: str, columns: str, unique: bool = False) -> str:
-    """Creates the index ``name`` on ``columns`` (``(a, b)``) while writes go on: on
-    MySQL/MariaDB built in place (the algorithm and lock named, for the same reason), on
-    PostgreSQL ``CONCURRENTLY`` (one that was interrupted leaves an invalid index, which a
-    rerun drops and builds again: :func:`invalid_index_steps`)."""
+def add_index_sql(
+    dialect: Dialect,
+    table: str,
+    name: str,
+    columns: str,
+    unique: bool = False,
+    partitions: list[Partition] | None = None,
+) -> tuple[str, ...]:
+    """The statements that create the index ``name`` on ``columns`` (``(a, b)``) while writes
+    go on: on MySQL/MariaDB built in place (the algorithm and lock named, for the same reason),
+    on PostgreSQL ``CONCURRENTLY`` (one that was interrupted leaves an invalid index, which a
+    rerun drops and builds again: :func:`invalid_index_steps`), partition by partition on a
+    partitioned table (``partitions``: see :mod:`.partitions`)."""
     kind = "UNIQUE INDEX" if unique else "INDEX"
     if dialect.name == "mysql":
-        return f"ALTER TABLE {table} ADD {kind} {name} {columns}{dialect.online_index}"
+        return (f"ALTER TABLE {table} ADD {kind} {name} {columns}{dialect.online_index}",)
     if dialect.name == "postgresql":
-        return f"CREATE {kind} CONCURRENTLY IF NOT EXISTS {name} ON {table} {columns}"
-    return f"CREATE {kind} {name} ON {table} {columns}"
+        return index_statements(table, name, columns, partitions, unique)
+    return (f"CREATE {kind} {name} ON {table} {columns}",)
 
 
 # -- silk's outbox (PostgreSQL) ----------------------------------------------------------------
@@ -272,6 +289,12 @@ async def plan_silk(cur: Any, dialect: Dialect, table: str) -> list[Migration]:
         raise SchemaError(
             f"table {table} exists but lacks silk's outbox columns {missing}; refusing to guess how to upgrade it"
         )
+    if not created and await partitions_of(cur, table) is not None:
+        raise SchemaError(
+            f"table {table} is partitioned: room-outbox cannot adopt silk's table partitioned (its key,"
+            " numbered row by row, needs a unique index, which PostgreSQL allows on a partitioned table only"
+            " with the partition key in it); adopt it unpartitioned"
+        )
     if not created:
         plan += silk_key_steps(table, await _key_state(cur, table, "outbox_seq" in columns, indexes))
     for name, definition in SILK_ADDED_COLUMNS.items():
@@ -283,7 +306,7 @@ async def plan_silk(cur: Any, dialect: Dialect, table: str) -> list[Migration]:
         name = template.format(table=table)
         if name not in indexes:
             create = add_index_sql(dialect, table, name, columns_sql, unique)
-            plan.append(concurrent_step(f"added index {table}.{name}", (create,)))
+            plan.append(concurrent_step(f"added index {table}.{name}", create))
     return plan
 
 
