@@ -1,6 +1,12 @@
 """How the long-running commands (``run``, ``consume``) are stopped by the operator: the first
-SIGTERM or SIGINT sets their stop event and ends their wait for the database if they are still
-starting; a second one has its default action, a forced stop.
+of :data:`STOP_SIGNALS` sets their stop event and ends their wait for the database if they are
+still starting; a second one has its default action, a forced stop.
+
+SIGHUP stops them as SIGTERM does. It comes when the terminal a process was started from goes
+away (an SSH session dropped), or from an operator used to it meaning "reload": the
+configuration is read at start only, so a clean stop (which a supervisor restarts with the new
+configuration) is what it can mean here. Its default action would end the process at once,
+holding its leases until they expire.
 
 A service handles signals from its start, never leaving one to its default action while it
 starts: that would kill it holding what it had just taken (buckets, leases) until others time
@@ -19,11 +25,14 @@ from anyio.abc import TaskStatus
 
 log = logging.getLogger("room_outbox.signals")
 
+#: The signals that stop a command cleanly.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 
 async def stopped_by_signals(
     stop: anyio.Event, handle_signals: bool, service: Callable[[anyio.CancelScope], Awaitable[None]]
 ) -> None:
-    """Run ``service(database_wait)``: the first SIGTERM or SIGINT sets ``stop`` and cancels
+    """Run ``service(database_wait)``: the first of :data:`STOP_SIGNALS` sets ``stop`` and cancels
     ``database_wait`` (the scope around the service's wait for its database), when
     ``handle_signals`` and in the main thread."""
     database_wait = anyio.CancelScope()
@@ -39,7 +48,7 @@ async def stopped_by_signals(
 async def _stop_on_signal(
     stop: anyio.Event, database_wait: anyio.CancelScope, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
 ) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
         task_status.started()  # signals are received from here on
         async for signum in signals:
             log.info("signal received", extra={"signal": signal.Signals(signum).name})

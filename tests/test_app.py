@@ -170,11 +170,14 @@ def _lifecycle(log: Path) -> list[str]:
     return [line["lifecycle"] for line in lines if "lifecycle" in line]
 
 
-async def _sigterm_once(run: subprocess.Popen[bytes], log: Path, logged: str) -> None:
-    """SIGTERM once ``logged`` is in the process's log; it must exit 0 (killed otherwise)."""
+async def _sigterm_once(
+    run: subprocess.Popen[bytes], log: Path, logged: str, signum: signal.Signals = signal.SIGTERM
+) -> None:
+    """SIGTERM (or ``signum``) once ``logged`` is in the process's log; it must exit 0 (killed
+    otherwise)."""
     try:
         await wait_until(lambda: logged in log.read_text(), timeout=60.0)
-        run.send_signal(signal.SIGTERM)
+        run.send_signal(signum)
         assert run.wait(timeout=30) == 0, _lifecycle(log)
     finally:
         if run.poll() is None:
@@ -206,6 +209,18 @@ async def test_a_process_loads_only_what_it_runs(database_dsn: str, tmp_path: Pa
     commands = [name for name in imported if name.startswith("room_outbox.cli.")]
     assert set(commands) <= {"room_outbox.cli.__main__", "room_outbox.cli.main", "room_outbox.cli.command",
                              "room_outbox.cli.registry", "room_outbox.cli.run"}, commands  # fmt: skip
+
+
+async def test_sighup_stops_run_cleanly_as_sigterm_does(database_dsn: str, tmp_path: Path) -> None:
+    """SIGHUP comes when the terminal or SSH session `room-outbox run` was started from goes
+    away. Its default action ended the process at once, its leases held until they expired; it
+    now stops as on SIGTERM, every step of the stop logged."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
+    log = tmp_path / "run.log"
+    run = _run_logged(_migrated_config(tmp_path, database_dsn, env), log, env)
+    await _sigterm_once(run, log, '"lifecycle": "worker_started"', signal.SIGHUP)
+    assert _lifecycle(log)[-5:] == ["stop_requested", "worker_stopped", "membership_left", "sinks_closed", "pool_closed"]
+    assert '"signal": "SIGHUP"' in log.read_text()
 
 
 async def test_sigterm_while_joining_the_membership_leaves_it_and_starts_no_worker(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import sys
 import threading
 from collections.abc import Awaitable
@@ -21,6 +20,7 @@ from room_outbox.config import Settings
 from room_outbox.delivery.lanes import plugins_schema
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.signals import STOP_SIGNALS
 from room_outbox.startup import table_profile
 from room_outbox.store.backends.sqlite import SQLiteAddress
 from room_outbox.store.factory import describe, open_store, store_address
@@ -80,8 +80,9 @@ async def migrate_all(store: SQLStore, pm: pluggy.PluginManager, settings: Setti
 
 
 async def stopped_by_signals(work: Awaitable[T]) -> T | None:
-    """``work``'s result, or its error; None when SIGINT or SIGTERM cancelled it (a statement it
-    was running on a server is stopped there: see :mod:`room_outbox.store.backends.mysql_online`)."""
+    """``work``'s result, or its error; None when one of :data:`STOP_SIGNALS` cancelled it (a
+    statement it was running on a server is stopped there: see
+    :mod:`room_outbox.store.backends.mysql_online`)."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         return await work
     results: list[T] = []
@@ -89,7 +90,7 @@ async def stopped_by_signals(work: Awaitable[T]) -> T | None:
     async with anyio.create_task_group() as group:
 
         async def cancel_on_signal() -> None:
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
                 async for _ in signals:
                     group.cancel_scope.cancel()
 

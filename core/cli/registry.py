@@ -28,7 +28,7 @@ class Listed:
 
 
 COMMANDS: tuple[Listed, ...] = (
-    Listed("run", "run the dispatcher until SIGTERM/SIGINT", "room_outbox.cli.run"),
+    Listed("run", "run the dispatcher until SIGTERM, SIGINT or SIGHUP", "room_outbox.cli.run"),
     Listed(
         "check-config", "validate the whole configuration offline: OK, or every error", "room_outbox.cli.check_config"
     ),

@@ -1,4 +1,4 @@
-"""``room-outbox run``: the dispatcher until SIGTERM or SIGINT (:func:`room_outbox.app.run_service`)."""
+"""``room-outbox run``: the dispatcher until SIGTERM, SIGINT or SIGHUP (:func:`room_outbox.app.run_service`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _run(settings: Settings, _args: argparse.Namespace, redactor: Redactor) -> i
 
 
 COMMAND = Command(
-    description="Deliver events until SIGTERM or SIGINT. Before anything is claimed: the whole configuration\n"
+    description="Deliver events until SIGTERM, SIGINT or SIGHUP. Before anything is claimed: the whole configuration\n"
     "is checked, the database is waited for (up to database.connect_wait) and its schema is checked.",
     examples="room-outbox run --config /etc/room-outbox/config.yaml\nROOM_OUTBOX__LOG__LEVEL=DEBUG room-outbox run",
     needs="config",

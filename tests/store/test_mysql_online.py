@@ -351,8 +351,9 @@ async def test_an_interrupted_migrate_stops_its_statement_on_the_server_and_a_re
 @pytest.mark.serial  # a process of its own, interrupted mid-statement
 async def test_a_migrate_interrupted_while_it_tries_its_changes_leaves_nothing(v1_table: str, config: Path) -> None:
     """Interrupted while it makes the empty copy it tries its changes on (held up by a session
-    holding room-service's table locked), migrate stops as when interrupted on the table:
-    code 130, its statement stopped on the server, no copy left, the table unchanged."""
+    holding room-service's table locked), here by SIGHUP (the SSH session it ran in dropped),
+    migrate stops as when interrupted on the table: code 130, its statement stopped on the
+    server, no copy left, the table unchanged."""
     holder = connect(v1_table)
     try:
         with holder.cursor() as cur:
@@ -365,7 +366,7 @@ async def test_a_migrate_interrupted_while_it_tries_its_changes_leaves_nothing(v
         try:
             copying = "CREATE TABLE room_outbox_migrate_rehearsal LIKE"
             await wait_until(lambda: schema_changes_running(v1_table, copying) != [], timeout=30)
-            migrate.send_signal(signal.SIGTERM)
+            migrate.send_signal(signal.SIGHUP)
             assert await anyio.to_thread.run_sync(lambda: migrate.wait(timeout=30)) == 130
         finally:
             if migrate.poll() is None:
