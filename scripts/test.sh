@@ -7,18 +7,20 @@ scripts/ensure-services.sh
 # Debian packages the tests run: docker-compose (tests/test_compose.py validates
 # docker-compose.yml), prometheus (tests/observability/: promtool checks the Prometheus config
 # and alerts, and a real Prometheus scrapes a dispatcher), faketime (tests/faults/: processes
-# whose clocks are off the database's) and pgbouncer (tests/store/test_pgbouncer.py: PostgreSQL
-# reached through it). Installed when missing and root.
+# whose clocks are off the database's), pgbouncer (tests/store/test_pgbouncer.py: PostgreSQL
+# reached through it) and systemd (tests/observability/test_systemd.py: systemd-analyze reads the
+# shipped unit file). Installed when missing and root.
 missing=()
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 { command -v promtool >/dev/null && command -v prometheus >/dev/null; } || missing+=(prometheus)
 command -v faketime >/dev/null || missing+=(faketime)
 PATH="$PATH:/usr/sbin" command -v pgbouncer >/dev/null || missing+=(pgbouncer)
+command -v systemd-analyze >/dev/null || missing+=(systemd)
 if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-for tool in docker-compose promtool prometheus faketime pgbouncer; do
+for tool in docker-compose promtool prometheus faketime pgbouncer systemd-analyze; do
   if ! PATH="$PATH:/usr/sbin" command -v "$tool" >/dev/null; then
     echo "scripts/test.sh: $tool is missing; install the Debian packages: ${missing[*]}" >&2
     exit 1

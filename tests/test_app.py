@@ -219,7 +219,13 @@ async def test_sighup_stops_run_cleanly_as_sigterm_does(database_dsn: str, tmp_p
     log = tmp_path / "run.log"
     run = _run_logged(_migrated_config(tmp_path, database_dsn, env), log, env)
     await _sigterm_once(run, log, '"lifecycle": "worker_started"', signal.SIGHUP)
-    assert _lifecycle(log)[-5:] == ["stop_requested", "worker_stopped", "membership_left", "sinks_closed", "pool_closed"]
+    assert _lifecycle(log)[-5:] == [
+        "stop_requested",
+        "worker_stopped",
+        "membership_left",
+        "sinks_closed",
+        "pool_closed",
+    ]
     assert '"signal": "SIGHUP"' in log.read_text()
 
 

@@ -27,6 +27,7 @@ from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.observability.health import Health
 from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redactor_for
+from room_outbox.observability.systemd import notify_systemd
 from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.signals import stopped_by_signals
@@ -148,6 +149,7 @@ async def _observed(settings: Settings, store: SQLStore, redactor: Redactor) -> 
                 ) from None
             log.info("http endpoint listening", extra={"lifecycle": "http_started", "port": port})
         async with anyio.create_task_group() as background:
+            background.start_soon(notify_systemd, health)
             if endpoint is not None:
                 background.start_soon(endpoint.serve)
                 background.start_soon(health.watch_database)

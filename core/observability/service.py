@@ -1,4 +1,5 @@
-"""The observability side of the lifecycle: telemetry, the backlog timer, the HTTP endpoint.
+"""The observability side of the lifecycle: telemetry, the backlog timer, the HTTP endpoint,
+systemd's notifications.
 
 :func:`observability` is entered right after the database pool opens and left after the
 worker has stopped (before the pool closes): the endpoint answers ``/healthz`` and
@@ -20,6 +21,7 @@ from room_outbox.config import MAIN_LANE, ConfigError, LanePlan, Settings, parse
 from room_outbox.observability.health import CHECK_TEXT_MAX, Health, stalled_after
 from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
+from room_outbox.observability.systemd import notify_systemd
 from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.operator.reports import ping, sample_backlog
@@ -88,6 +90,7 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
                 extra={"lifecycle": "http_started", "address": f"{listen[0]}:{port}", "port": port},
             )
         async with anyio.create_task_group() as background:
+            background.start_soon(notify_systemd, obs.health)
             if obs.endpoint is not None:
                 background.start_soon(obs.endpoint.serve)
                 background.start_soon(obs.health.watch_database)
