@@ -7,16 +7,19 @@ rows there too: claim ids carry it escaped."""
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 import pytest
 from support import POSTGRESQL_SERVER_DSN, envelope, fetch_rows, insert_events, make_dispatcher, pg_admin
 
 from room_outbox.attempt.retry import RetryPolicy
+from room_outbox.cli.inspect import inspect_event
 from room_outbox.cluster.identity import process_identity
 from room_outbox.sink import PermanentSinkError, RetryableSinkError
 from room_outbox.store.backends.mysql import MySQLStore
@@ -134,3 +137,43 @@ async def test_a_node_id_the_table_cannot_hold_claims_and_delivers(narrow_store:
     assert (await dispatcher.run_once()).claimed == 1
     await dispatcher.flush()
     assert {e: r["status"] for e, r in (await fetch_rows(store)).items()} == {"claimed": "published"}
+
+
+async def test_an_envelope_in_another_encoding_in_a_sql_ascii_database_is_its_rows_error() -> None:
+    """SQL_ASCII stores whatever bytes a producer sends: here GBK, from a producer whose session
+    sends its text as it is (client_encoding SQL_ASCII). The server refuses to send such a row as UTF-8, so
+    read as text it failed every claim that reached it, and the rows after it waited. Read as
+    bytes, it fails alone, naming the cause; the rows around it are delivered."""
+    name = f"ro_test_{uuid.uuid4().hex[:12]}"
+    pg_admin(f"CREATE DATABASE {name} ENCODING 'SQL_ASCII' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'")
+    dsn = f"{POSTGRESQL_SERVER_DSN}/{name}"
+    try:
+        store = await PostgresStore.connect(dsn)
+        try:
+            await store.migrate()
+            await insert_events(store, [envelope("before", payload={"text": "你好"})])
+            gbk = json.dumps(envelope("gbk", payload={"text": "你好"}), ensure_ascii=False).encode("gbk")
+            with psycopg.connect(dsn, autocommit=True, client_encoding="SQL_ASCII", connect_timeout=10) as raw:
+                raw.cursor().execute(
+                    b"INSERT INTO room_outbox (event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"
+                    b" VALUES ('gbk', 'RoomUserJoined', 'r_1', '" + gbk + b"', 0, 0)"
+                )
+            await insert_events(store, [envelope("after", payload={"text": "你好"})])
+            sink = ErringSink()
+            dispatcher = make_dispatcher(store, sink)
+            assert (await dispatcher.run_once()).claimed == 3
+            await dispatcher.flush()
+            assert sink.payloads == {"before": {"text": "你好"}, "after": {"text": "你好"}}
+            async with store.transaction() as cur:  # every column but the envelope, which the server cannot send
+                await cur.execute("SELECT event_id, status, last_error FROM room_outbox")
+                rows = {event_id: (status, error) for event_id, status, error in await cur.fetchall()}
+            assert {e: status for e, (status, _) in rows.items()} == {
+                "before": "published", "gbk": "pending", "after": "published"
+            }  # fmt: skip
+            assert "envelope is not valid UTF-8" in rows["gbk"][1], rows["gbk"]
+            inspected = await inspect_event(store, "gbk")  # the operator sees it too
+            assert inspected is not None and inspected["envelope_error"].startswith("envelope is not valid UTF-8")
+        finally:
+            await store.aclose()
+    finally:
+        pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

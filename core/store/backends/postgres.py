@@ -11,6 +11,7 @@ runs online (:meth:`PostgresStore.run_migration`).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import weakref
@@ -37,6 +38,7 @@ from room_outbox.store.deadline import (
 from room_outbox.store.dialect import POSTGRESQL
 from room_outbox.store.schema import registry
 from room_outbox.store.schema.outbox import Migration
+from room_outbox.store.schema.profiles import Profile
 from room_outbox.store.schema.registry import Planner
 
 #: The pool's type adapters: json and jsonb values read as their text, as MySQL's drivers give
@@ -133,6 +135,8 @@ class PostgresStore(LeasedRows):
         #: What each transaction runs first, through a pooler in transaction mode (there a
         #: session's settings do not last); empty where the sessions carry them.
         self._transaction_settings = ""
+        #: The database's encoding (``server_encoding``), read as the pool opens.
+        self.server_encoding = "UTF8"
 
     @classmethod
     async def connect(
@@ -173,6 +177,7 @@ class PostgresStore(LeasedRows):
                 # One connection first, alone: its error (refused, login, no such database) is
                 # the driver's own, where the pool would only report that it timed out.
                 first = await open_session(address, query_timeout, idle_in_transaction=idle_in_transaction)
+                encoding = first.info.parameter_status("server_encoding") or "UTF8"
                 await first.close()
                 await pool.open(wait=True, timeout=query_timeout)
         except BaseException:
@@ -180,10 +185,22 @@ class PostgresStore(LeasedRows):
                 await pool.close(timeout=1.0)
             raise
         store = cls(pool, address, query_timeout)
+        store.server_encoding = encoding
+        store.use_profile(store.profile)  # the default profile read as this database needs
         store.limits = limits
         if address.transaction_pooling:
             store._transaction_settings = address.session_settings(query_timeout, idle_in_transaction, local=True)
         return store
+
+    def use_profile(self, profile: Profile) -> None:
+        """As :meth:`LeasedRows.use_profile`; in a SQL_ASCII database the envelope is read as its
+        bytes. Such a database stores any bytes and checks none, so a producer writing another
+        encoding (GBK, say) leaves text the server refuses to send as UTF-8 ("invalid byte
+        sequence"): read as text, that one row would fail every claim that reaches it, and the
+        rows after it would wait. As bytes, it is that row's own error (not valid UTF-8)."""
+        if self.server_encoding == "SQL_ASCII":
+            profile = dataclasses.replace(profile, envelope=f"convert_to({profile.envelope}, 'SQL_ASCII')")
+        super().use_profile(profile)
 
     async def aclose(self) -> None:
         """Close the pool. Connections still in use get ``query_timeout`` to come back; then

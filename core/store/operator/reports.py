@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import table_names
+from room_outbox.store.dialect import column_names, table_names
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.protocol import SQLStore
@@ -216,17 +216,21 @@ async def lane_statuses(store: SQLStore) -> list[LaneStatus]:
 
 
 async def event_row(store: SQLStore, event_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The row of ``event_id`` as stored (every column by name), and what room-outbox reads of
-    it under the profile's column names (``key``, ``event_id``, ``event_type``, ``room_id``,
-    ``app_code``, ``envelope``, ``lock_ms``); ``None`` when there is no such row."""
+    """The row of ``event_id`` as stored (every column by name but ``envelope``), and what
+    room-outbox reads of it under the profile's column names (``key``, ``event_id``,
+    ``event_type``, ``room_id``, ``app_code``, ``envelope``, ``lock_ms``); ``None`` when there
+    is no such row."""
     p = store.profile
     read = {
         "key": p.key, "event_id": p.event_id, "event_type": p.event_type, "room_id": p.room_id,
         "app_code": p.app_code, "envelope": p.envelope, "lock_ms": p.as_ms(p.lock),
     }  # fmt: skip
     async with store.transaction() as cur:
+        # Every column but the raw envelope: ``envelope`` reads it as the store does (as bytes
+        # where the server cannot send it as text, see PostgresStore.use_profile).
+        columns = [name for name in await column_names(cur, store.dialect, p.table) if name != "envelope"]
         await cur.execute(
-            f"SELECT *, {', '.join(f'{sql} AS read_{name}' for name, sql in read.items())}"
+            f"SELECT {', '.join(columns)}, {', '.join(f'{sql} AS read_{name}' for name, sql in read.items())}"
             f" FROM {p.table} WHERE {p.event_id} = %s",
             (event_id,),
         )
