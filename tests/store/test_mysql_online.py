@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -346,6 +347,42 @@ async def test_an_interrupted_migrate_stops_its_statement_on_the_server_and_a_re
     )
     assert rerun.returncode == 0, rerun.stderr
     assert rerun.stdout.splitlines()[: len(V1_CHANGES)] == V1_CHANGES
+
+
+async def test_a_user_who_may_not_drop_tables_migrates_without_trying_the_changes_first(
+    database_dsn: str, v1_table: str
+) -> None:
+    """CREATE, ALTER and INDEX, without DROP: migrate cannot make the copy it tries its changes
+    on (it could not drop it). It says so in one line, makes none, and migrates as before."""
+    user = f"ro_nodrop_{uuid.uuid4().hex[:8]}"
+    address = MySQLAddress.from_dsn(v1_table)
+    admin = connect(v1_table)
+    try:
+        with admin.cursor() as cur:
+            cur.execute(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'")
+            cur.execute(
+                f"GRANT SELECT, INSERT, UPDATE, DELETE, CREATE, ALTER, INDEX ON `{address.database}`.* TO '{user}'@'%'"
+            )
+        lines: list[str] = []
+        store = await MySQLStore.connect(f"mysql://{user}:pw@{address.host}:{address.port}/{address.database}")
+        store.report_progress = lines.append
+        try:
+            changes = await store.migrate()
+        finally:
+            await store.aclose()
+        assert changes[: len(V1_CHANGES)] == V1_CHANGES
+        [said] = [line for line in lines if "empty copy" in line]
+        assert said.startswith("could not try the changes on an empty copy of room_outbox first (DROP command denied")
+        assert said.endswith(
+            "making them without that check: a change the server refuses may then come after others were made"
+        )
+        with admin.cursor() as cur:
+            cur.execute("SHOW TABLES LIKE 'room_outbox_migrate%%'")
+            assert cur.fetchall() == ()
+    finally:
+        with admin.cursor() as cur:
+            cur.execute(f"DROP USER IF EXISTS '{user}'@'%'")
+        admin.close()
 
 
 @pytest.mark.serial  # a process of its own, interrupted mid-statement
