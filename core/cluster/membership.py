@@ -24,6 +24,7 @@ import anyio
 
 from room_outbox.cluster.identity import node_id_of
 from room_outbox.cluster.quota import WINDOW, QuotaShare
+from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.store import membership as sql
 from room_outbox.store.clock import CLOCK, now_ms
 from room_outbox.store.protocol import SQLStore
@@ -98,6 +99,8 @@ class Membership:
         self._joined = anyio.Event()
         #: Whether the last heartbeat reached the database.
         self._reachable = True
+        #: Heartbeats failing one after another: the first logged, then a line a minute.
+        self._failing_beats = RepeatedFailure(log, "membership heartbeat failed", "membership heartbeats succeed again")
         #: Other identities made from this process's node_id: the heartbeat last seen of each,
         #: and those already warned about.
         self._namesakes: dict[str, int] = {}
@@ -165,10 +168,11 @@ class Membership:
             try:
                 await self.beat()
                 self._reachable = True
+                self._failing_beats.succeeded()
             except Exception as exc:
                 self._reachable = False
                 self._settles_in = None
-                log.error("membership heartbeat failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+                self._failing_beats.failed(f"{type(exc).__name__}: {exc}")
             wait = self.heartbeat_interval - (anyio.current_time() - started)
             if self._settles_in is not None:
                 # A joining node sends nothing, and a share grows only, once a view is a window

@@ -30,6 +30,7 @@ from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.observability.health import LaneHealth
 from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.observability.telemetry import NO_ATTEMPT, DeliveryAttempt, Telemetry
 from room_outbox.store.clock import now_ms
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
@@ -116,6 +117,14 @@ class Dispatcher:
         self._round_scope: anyio.CancelScope | None = None
         #: A row failing again and again is logged once, then in a summary per interval.
         self.failures = FailureLog(log, options.failure_summary_interval, lane=lane)
+        #: Rounds failing one after another (the database unreachable): the same, for rounds.
+        self.failing_rounds = RepeatedFailure(
+            log,
+            "outbox round failed; retrying after poll_interval",
+            "outbox rounds succeed again",
+            options.failure_summary_interval,
+            lane=lane,
+        )
 
     # -- control -------------------------------------------------------------------------
 
@@ -133,8 +142,9 @@ class Dispatcher:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The scan loop, until :meth:`stop`. Store errors (a call that outlived
-        ``query_timeout`` included) fail the round: it is logged with its lane, counted for
-        readiness and tried again after ``poll_interval``. Results that could not be written are
+        ``query_timeout`` included) fail the round: it is counted for readiness, logged with
+        its lane (while rounds keep failing, once per ``failure_summary_interval``) and tried
+        again after ``poll_interval``. Results that could not be written are
         kept for the next successful transaction (fenced on their claim, so writing them late
         is safe)."""
         log.info("worker started", extra={"lifecycle": "worker_started", **self._describe()})
@@ -148,15 +158,13 @@ class Dispatcher:
                         if round_.exhausted:
                             await self.flush()
                         self.health.round_ended()
+                        self.failing_rounds.succeeded()
                         if not round_.exhausted:
                             continue  # a backlog drains at full speed: no wait after a full batch
                     except Exception as exc:
                         error = self._short(describe(exc))
                         self.health.round_ended(error)
-                        log.error(
-                            "outbox round failed; retrying after poll_interval",
-                            extra={"lane": self.lane, "error": error, "unrecorded": len(self._unrecorded)},
-                        )
+                        self.failing_rounds.failed(error, unrecorded=len(self._unrecorded))
                 self._round_scope = None
                 # A ticker: the next scan is due poll_interval after this
                 # one began, so the round's own time does not add to the wait of what arrived

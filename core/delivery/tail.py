@@ -32,6 +32,7 @@ from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.observability.health import LaneHealth
 from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.sink import OrderedLogSink, PermanentSinkError
 from room_outbox.store.lanes.tail import TailRow, TailStore
@@ -69,6 +70,13 @@ class TailRelay:
         self.telemetry = telemetry or Telemetry()
         #: Each batch sent: its deadline, and what its failure means.
         self.attempts = Attempts(redactor, publish_timeout)
+        #: Rounds failing one after another: the first logged, then a line a minute while it lasts.
+        self.failing_rounds = RepeatedFailure(
+            log,
+            "tailing round failed; the batch is read again, in order, after poll_interval",
+            "tailing rounds succeed again",
+            lane=self.lane,
+        )
         self._stopping = anyio.Event()
 
     def stop(self) -> None:
@@ -82,15 +90,13 @@ class TailRelay:
             try:
                 full = await self.run_once()
                 self.health.round_ended()
+                self.failing_rounds.succeeded()
                 if full:
                     continue  # a backlog drains at full speed
             except Exception as exc:
                 error = str(exc) if isinstance(exc, BatchFailed) else self._short(describe(exc))
                 self.health.round_ended(error)
-                log.error(
-                    "tailing round failed; the batch is read again, in order, after poll_interval",
-                    extra={"lane": self.lane, "error": error},
-                )
+                self.failing_rounds.failed(error)
             with anyio.move_on_after(self.poll_interval):
                 await self._stopping.wait()
         log.info("worker stopped", extra={"lifecycle": "worker_stopped", "lane": self.lane})
