@@ -120,6 +120,37 @@ async def test_postgresql_enum_and_nullable_lock_are_refused_with_their_fixes(pg
     assert await pg_store.migration_plan() == []
 
 
+@pytest.mark.parametrize("server", ["mysql", "postgresql"])
+async def test_a_check_constraint_that_refuses_a_status_is_one_line_with_its_fix(
+    server: str, store: MySQLStore, pg_store: SQLStore
+) -> None:
+    """``CHECK (status IN ('pending', 'published'))``, room-service's words alone: a parked row's
+    'failed' would be refused, and the row released and tried again for ever instead. Refused
+    at migrate and run, naming the constraint; a constraint that reads another column too is
+    the server's to judge, and one that admits every status passes."""
+    target = store if server == "mysql" else pg_store
+    await alter(
+        target,
+        "ALTER TABLE room_outbox ADD CONSTRAINT ck_room_outbox_status CHECK (status IN ('pending', 'published'))",
+        "ALTER TABLE room_outbox ADD CONSTRAINT ck_room_outbox_retries CHECK (status = 'pending' OR retry_count >= 0)",
+        "ALTER TABLE room_outbox ADD CONSTRAINT ck_room_outbox_known"
+        " CHECK (status IN ('pending', 'published', 'failed', 'cancelled'))",
+    )
+    clause = {
+        "mysql": "`status` in ('pending','published')",
+        "postgresql": "((status)::text = ANY ((ARRAY['pending'::character varying, 'published'::character varying])::text[]))",
+    }[server]
+    line = (
+        f"room_outbox.status: CHECK constraint ck_room_outbox_status ({clause}) refuses 'failed', 'cancelled',"
+        " statuses room-outbox writes: run ALTER TABLE room_outbox DROP CONSTRAINT ck_room_outbox_status, and add it"
+        " again with 'failed', 'cancelled' among its values"
+    )
+    assert await refusals(target) == (line, line)
+    await alter(target, "ALTER TABLE room_outbox DROP CONSTRAINT ck_room_outbox_status")
+    await check_schema(target, (), longest_claim_id("node-1"))
+    assert await target.migration_plan() == []
+
+
 async def test_a_result_postgresql_refuses_for_one_row_leaves_the_others_written(pg_store: SQLStore) -> None:
     """PostgreSQL aborts a transaction at its first error: the refused statement is undone to a
     savepoint, so the claim's transaction writes the other results and claims new rows."""

@@ -326,12 +326,100 @@ async def engine_problems(cur: Any, dialect: Dialect, table: str) -> list[str]:
     ]
 
 
+async def check_constraint_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[str]:
+    """CHECK constraints on the table's ``status`` that refuse a status room-outbox writes: the
+    ENUM's problem in another form (``CHECK (status IN ('pending', 'published'))`` refuses a
+    parked row's ``failed``, so the row would be released and tried again for ever instead).
+    Each constraint that reads ``status`` alone is evaluated on each word in a SELECT, never
+    tried on the table; one that reads other columns too is left to the server."""
+    if dialect.name == "mysql":
+        checks = await _mysql_status_checks(cur, profile.table)
+        literal = "%s"
+    elif dialect.name == "postgresql":
+        checks, declared = await _postgresql_status_checks(cur, profile.table)
+        literal = f"CAST(%s AS {declared})"
+    else:
+        return []
+    problems = []
+    for name, clause in checks:
+        refused = []
+        for word in _statuses(profile):
+            sql = f"SELECT ({clause}) FROM (SELECT {literal} AS status) AS {profile.table}"
+            if await _evaluates_false(cur, dialect, sql, word):
+                refused.append(f"'{word}'")
+        if refused:
+            problems.append(
+                f"{profile.table}.status: CHECK constraint {name} ({clause}) refuses {', '.join(refused)},"
+                f" statuses room-outbox writes: run ALTER TABLE {profile.table} DROP CONSTRAINT {name}, and add it again with"
+                f" {', '.join(refused)} among its values"
+            )
+    return problems
+
+
+async def _mysql_status_checks(cur: Any, table: str) -> list[tuple[str, str]]:
+    """The table's CHECK constraints whose clause names no column but ``status``."""
+    try:  # MariaDB: by table (a column's constraint is named after the column, so not unique)
+        await cur.execute(
+            "SELECT CONSTRAINT_NAME, CHECK_CLAUSE FROM information_schema.CHECK_CONSTRAINTS"
+            " WHERE CONSTRAINT_SCHEMA = DATABASE() AND TABLE_NAME = %s",
+            (table,),
+        )
+    except Exception:  # MySQL: no TABLE_NAME there, and names are unique in a database
+        await cur.execute(
+            "SELECT cc.CONSTRAINT_NAME, cc.CHECK_CLAUSE FROM information_schema.TABLE_CONSTRAINTS tc"
+            " JOIN information_schema.CHECK_CONSTRAINTS cc ON cc.CONSTRAINT_SCHEMA = tc.CONSTRAINT_SCHEMA"
+            " AND cc.CONSTRAINT_NAME = tc.CONSTRAINT_NAME"
+            " WHERE tc.TABLE_SCHEMA = DATABASE() AND tc.TABLE_NAME = %s AND tc.CONSTRAINT_TYPE = 'CHECK'",
+            (table,),
+        )
+    checks = []
+    for name, clause in await cur.fetchall():
+        name, clause = (v.decode() if isinstance(v, bytes) else str(v) for v in (name, clause))
+        without_strings = re.sub(r"'(?:[^'\\]|\\.|'')*'", "''", clause)
+        if {column.lower() for column in re.findall(r"`([^`]+)`", without_strings)} == {"status"}:
+            checks.append((name, clause))
+    return checks
+
+
+async def _postgresql_status_checks(cur: Any, table: str) -> tuple[list[tuple[str, str]], str]:
+    """The table's CHECK constraints that read ``status`` alone, and the column's type."""
+    await cur.execute(
+        "SELECT c.conname, pg_get_expr(c.conbin, c.conrelid), format_type(a.atttypid, a.atttypmod), t.typtype"
+        " FROM pg_constraint c JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attname = 'status'"
+        " JOIN pg_type t ON t.oid = a.atttypid"
+        " WHERE c.conrelid = to_regclass(%s) AND c.contype = 'c' AND c.conkey = ARRAY[a.attnum]",
+        (table,),
+    )
+    rows = await cur.fetchall()
+    # An ENUM's own members are checked apart (a word outside them cannot even be cast).
+    checks = [(str(name), str(clause)) for name, clause, _declared, kind in rows if kind != "e"]
+    return checks, (str(rows[0][2]) if rows else "text")
+
+
+async def _evaluates_false(cur: Any, dialect: Dialect, sql: str, word: str) -> bool:
+    """Whether ``sql`` (one boolean) is false for ``word``; an error counts as not false (the
+    constraint is then the server's to judge), and leaves the transaction usable."""
+    if dialect.name == "postgresql":
+        await cur.execute("SAVEPOINT status_check")
+    try:
+        await cur.execute(sql, (word,))
+        row = await cur.fetchone()
+    except Exception:
+        if dialect.name == "postgresql":
+            await cur.execute("ROLLBACK TO SAVEPOINT status_check")
+        return False
+    if dialect.name == "postgresql":
+        await cur.execute("RELEASE SAVEPOINT status_check")
+    return row is not None and row[0] is not None and not row[0]
+
+
 async def checked_fixes(cur: Any, dialect: Dialect, profile: Profile) -> list[Step]:
     """``migrate``'s side: refuse (:class:`SchemaError`, one line per problem) what it cannot
     fix; return the steps that fix the rest."""
     columns = await read_columns(cur, dialect, profile.table)
     refused, _fixable = column_problems(columns, profile, dialect)
     refused = await engine_problems(cur, dialect, profile.table) + refused
+    refused += await check_constraint_problems(cur, dialect, profile)
     if refused:
         raise SchemaError("\n".join(refused))
     return column_fixes(columns, await index_names(cur, dialect, profile.table), profile, dialect)
@@ -342,5 +430,6 @@ async def check_columns(cur: Any, dialect: Dialect, profile: Profile, claim_ids:
     columns = await read_columns(cur, dialect, profile.table)
     refused, fixable = column_problems(columns, profile, dialect, claim_ids)
     refused = await engine_problems(cur, dialect, profile.table) + refused
+    refused += await check_constraint_problems(cur, dialect, profile)
     if refused or fixable:
         raise SchemaError("\n".join(refused + fixable))
