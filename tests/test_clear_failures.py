@@ -187,6 +187,47 @@ async def test_migrate_by_a_user_without_the_privilege_says_which_commands_need_
         await pg_admin_conn.close()
 
 
+async def test_a_server_with_no_connection_left_says_so_not_that_it_is_down(
+    database_dsn: str, postgresql_dsn: str
+) -> None:
+    """Connection limits reached (the user's, here): the cause and the two fixes, waited for as
+    other sessions may close, not "is the server running?"."""
+    user = f"ro_busy_{uuid.uuid4().hex[:8]}"
+    mysql = MySQLAddress.from_dsn(database_dsn)
+    admin = await mysql.connect(autocommit=True, db=mysql.database)
+    pg_admin_conn = await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True)
+    held = None
+    try:
+        async with admin.cursor() as cur:
+            await cur.execute(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw' WITH MAX_USER_CONNECTIONS 1")
+            await cur.execute(f"GRANT SELECT ON `{mysql.database}`.* TO '{user}'@'%'")
+        await pg_admin_conn.execute(f"CREATE ROLE {user} LOGIN CONNECTION LIMIT 0")
+        as_user = MySQLAddress.from_dsn(f"mysql://{user}:pw@{mysql.host}:{mysql.port}/{mysql.database}")
+        held = await as_user.connect(autocommit=True, db=mysql.database)  # the user's one connection
+        dsns = {
+            "mysql": f"mysql://{user}:pw@{mysql.host}:{mysql.port}/{mysql.database}",
+            "postgresql": postgresql_dsn.replace("://postgres@", f"://{user}@"),
+        }
+        for kind, dsn in dsns.items():
+            with pytest.raises(StoreUnavailable) as refused:
+                await open_store(dsn, wait=0)
+            assert refused.value.transient, kind
+            assert "has no connection left for this process" in str(refused.value), str(refused.value)
+            assert str(refused.value).endswith(
+                "lower database.pool_size (each process opens up to that many), or raise the server's"
+                " connection limit (max_connections, or the user's own)"
+            )
+            assert "is the server running" not in str(refused.value)
+    finally:
+        if held is not None:
+            held.close()
+        async with admin.cursor() as cur:
+            await cur.execute(f"DROP USER IF EXISTS '{user}'@'%'")
+        admin.close()
+        await pg_admin_conn.execute(f"DROP ROLE IF EXISTS {user}")
+        await pg_admin_conn.close()
+
+
 async def test_operator_command_on_a_table_never_migrated(
     database_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -25,6 +25,8 @@ from room_outbox.errors import RoomOutboxError, SchemaError, StoreUnavailable
 _CANNOT_CONNECT = {2003: "connection refused or unreachable", 2005: "unknown host"}
 _CONNECTION_LOST = {2006: "server has gone away", 2013: "lost connection during the query"}
 _BUSY = {1040: "too many connections", 1203: "user has too many connections"}
+#: A user's resource limit: ``max_user_connections`` among them (MariaDB's per-user limit).
+_USER_LIMIT = 1226
 _ACCESS_DENIED = (1044, 1045, 1698)
 _INSECURE_TRANSPORT = 3159
 #: A privilege the user lacks (on a table, a column, or a server-wide one).
@@ -57,8 +59,10 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
         code = exc.args[0]
         if code in _CANNOT_CONNECT and isinstance(exc.__cause__, ssl.SSLError):
             return StoreUnavailable(f"{where}: TLS failed: {exc.__cause__}; check database.dsn's ssl_mode and ssl_ca")
-        if code in _CANNOT_CONNECT or code in _CONNECTION_LOST or code in _BUSY:
-            what = {**_CANNOT_CONNECT, **_CONNECTION_LOST, **_BUSY}[code]
+        if code in _BUSY or (code == _USER_LIMIT and "max_user_connections" in reason):
+            return _no_connection_left(where, _BUSY.get(code, reason))
+        if code in _CANNOT_CONNECT or code in _CONNECTION_LOST:
+            what = {**_CANNOT_CONNECT, **_CONNECTION_LOST}[code]
             return StoreUnavailable(
                 f"cannot reach {where}: {what}; is the server running, and are database.dsn's host and port right?",
                 transient=True,
@@ -118,6 +122,9 @@ _PG_SCHEMA = ("42P01", "42703")  # undefined table, undefined column
 _PG_ACCESS_DENIED = ("28000", "28P01")
 _PG_UNKNOWN_DATABASE = "3D000"
 _PG_PRIVILEGE = "42501"
+#: The server's, the database's or the role's connection limit reached (libpq reports it while
+#: connecting, in its words only).
+_PG_TOO_MANY_CONNECTIONS = "53300"
 
 
 def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOutboxError | None:
@@ -126,6 +133,9 @@ def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOu
     from psycopg_pool import PoolTimeout
 
     state = getattr(exc, "sqlstate", None)
+    busy = re.search(r"too many connections for role|too many clients|remaining connection slots are reserved", reason)
+    if state == _PG_TOO_MANY_CONNECTIONS or busy:
+        return _no_connection_left(where, reason)
     if state in _PG_SCHEMA:
         return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
     role = re.search(r'role "([^"]*)" does not exist', reason)
@@ -162,6 +172,15 @@ def translated(where: str, password: str = "") -> Iterator[None]:
         if mapped is None or mapped is exc:
             raise
         raise mapped from exc
+
+
+def _no_connection_left(where: str, what: str) -> StoreUnavailable:
+    """The server refuses a connection for want of one left: waited for, as others may close."""
+    return StoreUnavailable(
+        f"{where} has no connection left for this process: {what}; lower database.pool_size (each process"
+        " opens up to that many), or raise the server's connection limit (max_connections, or the user's own)",
+        transient=True,
+    )
 
 
 def _reason(exc: BaseException, password: str) -> str:
