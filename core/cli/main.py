@@ -17,7 +17,7 @@ from room_outbox.cli.command import CONFIG_HELP, add_config_option, default_conf
 from room_outbox.cli.registry import COMMANDS
 from room_outbox.config import load_settings
 from room_outbox.errors import RoomOutboxError
-from room_outbox.observability.logs import configure_logging
+from room_outbox.observability.logs import configure_logging, flush_logs
 from room_outbox.observability.redaction import Redactor, redactor_for
 
 DESCRIPTION = """\
@@ -159,6 +159,7 @@ def _command(args: argparse.Namespace, parser: argparse.ArgumentParser, redactor
 
 
 def _fail(exc: RoomOutboxError, redactor: Redactor) -> int:
+    flush_logs()  # the log lines before it come first
     print(redactor.redact(f"room-outbox: {exc}"), file=sys.stderr)
     return exc.exit_code
 

@@ -10,9 +10,11 @@ stdout, never into the log stream, unless ``log.spans_with_logs`` asks (:func:`s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import queue
 import sys
 import threading
 import time
@@ -126,6 +128,97 @@ def _is_terminal(stream: IO[str]) -> bool:
     return bool(isatty and isatty())
 
 
+class BackgroundHandler(logging.Handler):
+    """Writes the formatted lines to a stream from a thread of its own, so that the process
+    never waits for its log stream. A stream that blocks (a log collector that stopped reading,
+    Docker's log driver in its blocking mode with its backend down, a terminal paused with
+    Ctrl-S) would otherwise stop the event loop, and with it every lane, lease renewal and
+    heartbeat. A line that finds :attr:`capacity` lines waiting is dropped and counted; once
+    the stream takes lines again, one line says how many were lost. At exit the lines still
+    waiting get :data:`FLUSH_WAIT` seconds to be written."""
+
+    #: Lines waiting for the stream at most (a few MB).
+    capacity = 10_000
+
+    def __init__(self, stream: IO[str], formatter: logging.Formatter) -> None:
+        super().__init__()
+        self.setFormatter(formatter)
+        self.stream = stream
+        self._lines: queue.Queue[str | None] = queue.Queue(self.capacity)
+        self._dropped = 0
+        self._counting = threading.Lock()
+        self._writer = threading.Thread(target=self._write, name="room-outbox-log-writer", daemon=True)
+        self._writer.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        try:
+            self._lines.put_nowait(line)
+        except queue.Full:
+            with self._counting:
+                self._dropped += 1
+
+    def _write(self) -> None:
+        while (line := self._lines.get()) is not None:
+            try:
+                self.stream.write(line + "\n")
+                with self._counting:
+                    dropped, self._dropped = self._dropped, 0
+                if dropped:
+                    lost = logging.LogRecord(
+                        "room_outbox.logs", logging.WARNING, __file__, 0,
+                        "%d log lines dropped: the log stream did not take them in time", (dropped,), None,
+                    )  # fmt: skip
+                    self.stream.write(self.format(lost) + "\n")
+                self.stream.flush()
+            except (OSError, ValueError):  # the stream closed: nothing left to tell it
+                pass
+            finally:
+                self._lines.task_done()
+        self._lines.task_done()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the lines so far are written, at most ``timeout`` (default
+        :data:`FLUSH_WAIT`) seconds: a stream that stays blocked never holds the process."""
+        deadline = time.monotonic() + (FLUSH_WAIT if timeout is None else timeout)
+        with self._lines.all_tasks_done:
+            while self._lines.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._writer.is_alive():
+                    return
+                self._lines.all_tasks_done.wait(left)
+
+    def close(self) -> None:
+        self.flush()
+        with contextlib.suppress(queue.Full):  # the stream blocked: the writer (a daemon) is left to it
+            self._lines.put_nowait(None)
+        super().close()
+
+
+#: Seconds the lines still waiting get to be written when the process ends.
+FLUSH_WAIT = 5.0
+
+
+def _blocks(stream: IO[str]) -> bool:
+    """Whether writes to ``stream`` may block the process: an operating-system file (a pipe, a
+    terminal, a file), not an in-memory buffer (a test's StringIO)."""
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
+
+
+def flush_logs() -> None:
+    """Write what the log handlers hold (bounded): before a line printed straight to stderr."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+
+
 def configure_logging(
     level: str,
     node_id: str,
@@ -143,9 +236,17 @@ def configure_logging(
         raise ValueError(f"unknown log format {log_format!r} (allowed: {', '.join(FORMATS)})")
     out = stream or sys.stderr
     console = log_format == "console" or (log_format == "auto" and _is_terminal(out))
-    handler = logging.StreamHandler(out)
-    handler.setFormatter(ConsoleFormatter(redactor, wants_colour(out)) if console else JsonFormatter(node_id, redactor))
+    formatter = ConsoleFormatter(redactor, wants_colour(out)) if console else JsonFormatter(node_id, redactor)
+    handler: logging.Handler
+    if _blocks(out):
+        handler = BackgroundHandler(out, formatter)
+    else:
+        handler = logging.StreamHandler(out)
+        handler.setFormatter(formatter)
     root = logging.getLogger()
+    for replaced in root.handlers:
+        if isinstance(replaced, BackgroundHandler):
+            replaced.close()
     root.handlers[:] = [handler]
     root.setLevel(level)
     for name in LIBRARY_LOGGERS:
