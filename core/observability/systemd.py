@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Mapping
 
 import anyio
 
@@ -46,7 +47,7 @@ class Notifier:
             self.failed = True
 
 
-def watchdog_interval(environ: dict[str, str] | os._Environ[str]) -> float | None:
+def watchdog_interval(environ: Mapping[str, str]) -> float | None:
     """Seconds between two watchdog pings (half the unit's ``WatchdogSec=``), or None when
     systemd watches no process of this unit or another one (``WATCHDOG_PID``)."""
     usec, pid = environ.get("WATCHDOG_USEC", ""), environ.get("WATCHDOG_PID", "")
@@ -55,7 +56,7 @@ def watchdog_interval(environ: dict[str, str] | os._Environ[str]) -> float | Non
     return int(usec) / 2_000_000
 
 
-async def notify_systemd(health: Health, environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+async def notify_systemd(health: Health, environ: Mapping[str, str] = os.environ) -> None:
     """Tell systemd the process's state for as long as it runs (until cancelled)."""
     address = environ.get("NOTIFY_SOCKET", "")
     if not address:
