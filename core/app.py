@@ -112,7 +112,11 @@ async def _serve(
         if settings.outbox_worker.enabled:  # leaves once the dispatchers have stopped
             claimed_lanes = [*([MAIN_LANE] if lanes.main.sinks else []), *checked.lane_tables]
             orderings = {lane: delivery_settings(settings, lane).ordering for lane in claimed_lanes}
-            await _join_cluster(lifecycle, settings, identity, store, checked.lane_tables, quota, stop, orderings)
+            main = lanes.main  # "*": the sink taking every event type it does not name
+            routes = {**main.routes, **({"*": main.catch_all} if main.catch_all else {})} if main.sinks else None
+            await _join_cluster(
+                lifecycle, settings, identity, store, checked.lane_tables, quota, stop, orderings, routes
+            )
         if stop.is_set():  # signalled while starting: no worker starts, and what opened closes
             log.info("stopping before the workers started", extra={"lifecycle": "stop_requested"})
             return
@@ -206,11 +210,13 @@ async def _join_cluster(
     quota: QuotaShare,
     stop: anyio.Event,
     orderings: dict[str, str],
+    routes: dict[str, str] | None = None,
 ) -> None:
     """On a database server (MySQL/MariaDB, PostgreSQL): heartbeats in the membership, room
     buckets for per-room claims, and this process's quota share, until ``stack`` closes. SQLite
     is one box: every process there claims every room and uses whole limits. ``orderings``:
-    each lane this process claims rows of, with its ordering (the others are told)."""
+    each lane this process claims rows of, with its ordering (the others are told); ``routes``:
+    the main lane's event types with their sinks, where this process claims it (likewise)."""
     if not store.dialect.room_buckets:
         return
     membership = Membership(
@@ -221,6 +227,7 @@ async def _join_cluster(
         settings.cluster.node_timeout,
         quota,
         orderings,
+        routes,
     )
     await stack.enter_async_context(membership.running())
     store.room_buckets = membership.room_buckets

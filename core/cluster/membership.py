@@ -65,6 +65,15 @@ def plan(buckets: Sequence[sql.BucketRow], live: Sequence[str], leased: Collecti
     return moves
 
 
+#: The key of the main lane's routes among a heartbeat's orderings: no lane is named so.
+ROUTES_KEY = "@routes"
+
+
+def routes_digest(routes: Mapping[str, str]) -> str:
+    """A short name for a lane's routes (event type → sink): equal digests, equal routes."""
+    return hashlib.sha256(",".join(f"{t}>{s}" for t, s in sorted(routes.items())).encode()).hexdigest()[:12]
+
+
 def view_of(live: Sequence[str]) -> str:
     """A short name for a set of live nodes: equal views, equal sets."""
     return hashlib.sha256("\n".join(sorted(live)).encode()).hexdigest()[:32]
@@ -80,11 +89,19 @@ class Membership:
         node_timeout: float = 5.0,
         quota: QuotaShare | None = None,
         orderings: Mapping[str, str] | None = None,
+        routes: Mapping[str, str] | None = None,
     ) -> None:
         self.store = store
         #: The ordering of each lane this process runs, as its heartbeat shows it to the others.
         self.orderings = dict(orderings or {})
-        self._orderings_text = ",".join(f"{lane}={ordering}" for lane, ordering in sorted(self.orderings.items()))
+        #: Which sink takes each event type on the main lane, where this process claims it.
+        self.routes = dict(routes or {})
+        # The heartbeat's orderings column carries both, the routes as a digest under a key no
+        # lane can be named (earlier versions read lanes' names only, so they pass it by).
+        shown = [*(f"{lane}={ordering}" for lane, ordering in sorted(self.orderings.items()))]
+        if routes is not None:
+            shown.append(f"{ROUTES_KEY}={routes_digest(self.routes)}")
+        self._orderings_text = ",".join(shown)
         self.node_id = node_id
         #: Tables whose leases fence a handover: room_outbox and the lane tables.
         self.tables = list(tables)
@@ -107,6 +124,8 @@ class Membership:
         self._warned: set[str] = set()
         #: The disagreements on a lane's ordering last warned about (none: all agree).
         self._disagreements: frozenset[tuple[str, str, str]] = frozenset()
+        #: The live processes whose main lane routes differ from this one's, last warned about.
+        self._other_routes: frozenset[str] = frozenset()
         #: Seconds from the last heartbeat until the quota could settle on the view every live
         #: node holds (see :meth:`_apply_quota`); ``None``: nothing to wait for.
         self._settles_in: float | None = None
@@ -233,6 +252,7 @@ class Membership:
         self._apply_quota(nodes, live, began)
         self._notice_namesakes(nodes)
         self._notice_orderings(nodes, live)
+        self._notice_routes(nodes, live)
 
     def _notice_namesakes(self, nodes: Sequence[sql.NodeRow]) -> None:
         """Warn once about each other process started with this node_id whose heartbeat moves
@@ -284,6 +304,35 @@ class Membership:
                     "others": {node: ordering for other, node, ordering in sorted(disagreements) if other == lane},
                 },
             )
+
+    def _notice_routes(self, nodes: Sequence[sql.NodeRow], live: Collection[str]) -> None:
+        """Warn when a live process routes the main lane's event types to other sinks (or none):
+        an event one process has no sink for is parked by it, though another would deliver it
+        (a rolling deploy that enables a sink, a node left with an old configuration). Said
+        again only when the set of such processes changes, and once more when it ends."""
+        if ROUTES_KEY not in self._orderings_text:
+            return  # this process does not claim the main lane
+        mine = routes_digest(self.routes)
+        differ = set()
+        for node in nodes:
+            if node.node_id == self.node_id or node.node_id not in live:
+                continue
+            theirs = dict(pair.split("=", 1) for pair in node.orderings.split(",") if "=" in pair)
+            if ROUTES_KEY in theirs and theirs[ROUTES_KEY] != mine:
+                differ.add(node.node_id)
+        others = frozenset(differ)
+        if others == self._other_routes:
+            return
+        self._other_routes = others
+        if not others:
+            log.info("every live process routes the main lane's event types as this process does")
+            return
+        log.warning(
+            "processes disagree on the main lane's routes (which sink takes which event type): an event"
+            " one of them has no sink for is parked by it (`room-outbox requeue --event-type X` sends it"
+            " again once every process routes it); give them one configuration",
+            extra={"routes": dict(sorted(self.routes.items())), "others": sorted(others)},
+        )
 
     def _leased_tables(self) -> list[tuple[str, Profile]]:
         """The tables whose leases fence a handover, each with its rows' shape: the outbox

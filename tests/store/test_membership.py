@@ -289,6 +289,39 @@ async def test_processes_that_disagree_on_a_lanes_ordering_say_so(
     assert len(disagreements()) == 2 and len(ended) == 1
 
 
+async def test_processes_that_route_the_main_lanes_events_differently_say_so(
+    store: SQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rolling deploy that enables the Tencent IM sink: a process still without it parks
+    RoomUserJoined (no sink), which the others deliver. Each says so once, naming its routes and
+    the others; a process that does not claim the main lane (routes None) is no disagreement,
+    and the end of it is said once too."""
+    im = {"RoomUserJoined": "tencent_im", "RoomCreated": "noop"}
+    a = Membership(store, "node-a", ["room_outbox"], orderings={"main": "none"}, routes=im)
+    b = Membership(store, "node-b", ["room_outbox"], orderings={"main": "none"}, routes={"RoomCreated": "noop"})
+    kafka_only = Membership(store, "node-k", ["room_outbox"], orderings={"kafka": "none"}, routes=None)
+    caplog.set_level("INFO", logger="room_outbox.cluster")
+
+    def disagreements() -> list[Any]:
+        return [r for r in caplog.records if r.getMessage().startswith("processes disagree on the main lane's routes")]
+
+    for _ in range(2):
+        await kafka_only.beat()
+        await a.beat()
+        await b.beat()
+        await a.beat()
+    assert [(r.routes, r.others) for r in disagreements()] == [  # type: ignore[attr-defined]
+        ({"RoomCreated": "noop"}, ["node-a"]),  # b sees a first
+        (im, ["node-b"]),
+    ]
+    upgraded = Membership(store, "node-b", ["room_outbox"], orderings={"main": "none"}, routes=dict(im))
+    await upgraded.beat()
+    await a.beat()
+    await a.beat()
+    ended = [r for r in caplog.records if r.getMessage().startswith("every live process routes")]
+    assert len(disagreements()) == 2 and len(ended) == 1
+
+
 async def test_migrate_adds_the_orderings_column_to_an_earlier_node_table(store: SQLStore) -> None:
     async with store.transaction() as cur:
         await cur.execute("ALTER TABLE room_outbox_node DROP COLUMN orderings")
