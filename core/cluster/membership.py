@@ -67,6 +67,8 @@ def plan(buckets: Sequence[sql.BucketRow], live: Sequence[str], leased: Collecti
 
 #: The key of the main lane's routes among a heartbeat's orderings: no lane is named so.
 ROUTES_KEY = "@routes"
+#: Characters ``room_outbox_node.orderings`` holds.
+ORDERINGS_WIDTH = 255
 
 
 def routes_digest(routes: Mapping[str, str]) -> str:
@@ -97,10 +99,12 @@ class Membership:
         #: Which sink takes each event type on the main lane, where this process claims it.
         self.routes = dict(routes or {})
         # The heartbeat's orderings column carries both, the routes as a digest under a key no
-        # lane can be named (earlier versions read lanes' names only, so they pass it by).
-        shown = [*(f"{lane}={ordering}" for lane, ordering in sorted(self.orderings.items()))]
-        if routes is not None:
-            shown.append(f"{ROUTES_KEY}={routes_digest(self.routes)}")
+        # lane can be named (earlier versions read lanes' names only, so they pass it by); the
+        # lanes that do not fit in the column are left out (never compared), not the heartbeat.
+        shown = [f"{ROUTES_KEY}={routes_digest(self.routes)}"] if routes is not None else []
+        for lane, ordering in sorted(self.orderings.items()):
+            if len(",".join([*shown, f"{lane}={ordering}"])) <= ORDERINGS_WIDTH:
+                shown.append(f"{lane}={ordering}")
         self._orderings_text = ",".join(shown)
         self.node_id = node_id
         #: Tables whose leases fence a handover: room_outbox and the lane tables.

@@ -322,6 +322,18 @@ async def test_processes_that_route_the_main_lanes_events_differently_say_so(
     assert len(disagreements()) == 2 and len(ended) == 1
 
 
+async def test_a_heartbeat_shows_what_fits_in_its_column_and_still_beats(store: SQLStore) -> None:
+    """Ten lanes with long names do not fit in room_outbox_node.orderings (255 characters) with
+    the routes: the lanes that do not fit are left out, and the heartbeat goes through."""
+    lanes = {f"lane_{n:02d}_{'x' * 40}": "per_room" for n in range(10)}
+    many = Membership(store, "node-a", ["room_outbox"], orderings=lanes, routes={"RoomCreated": "noop"})
+    await many.beat()
+    async with store.transaction() as cur:
+        await cur.execute("SELECT orderings FROM room_outbox_node WHERE node_id = 'node-a'")
+        (shown,) = await cur.fetchone()
+    assert shown.startswith("@routes=") and len(shown) <= 255 and shown.count("=per_room") == 4
+
+
 async def test_migrate_adds_the_orderings_column_to_an_earlier_node_table(store: SQLStore) -> None:
     async with store.transaction() as cur:
         await cur.execute("ALTER TABLE room_outbox_node DROP COLUMN orderings")
