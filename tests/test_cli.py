@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from support import V1_DDL, envelope, insert_events
 
-from room_outbox.cli.main import EXIT_CODES, build_parser, main, version
+from room_outbox.cli.main import EXIT_CODES, build_parser, main
 from room_outbox.cli.output import format_relative, format_time
 from room_outbox.cli.registry import COMMANDS
 from room_outbox.cli.requeue import requeue_command
@@ -26,6 +26,7 @@ from room_outbox.store.dialect import table_names
 from room_outbox.store.factory import consumer_store, open_store
 from room_outbox.store.membership import bucket_of
 from room_outbox.store.operator.changes import RequeueFilter
+from room_outbox.version import package_version
 
 pytestmark = pytest.mark.anyio
 
@@ -106,8 +107,8 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0
-    assert capsys.readouterr().out == f"room-outbox {version()}\n"
-    assert re.fullmatch(r"\d+\.\d+\.\d+.*", version())
+    assert capsys.readouterr().out == f"room-outbox {package_version()}\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", package_version())
 
 
 def test_top_level_help_describes_the_tool_and_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:

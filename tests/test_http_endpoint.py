@@ -19,6 +19,7 @@ from room_outbox.observability import http_endpoint
 from room_outbox.observability.http_endpoint import Health, HttpEndpoint
 from room_outbox.observability.redaction import Redactor
 from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.version import package_version
 
 pytestmark = pytest.mark.anyio
 
@@ -181,6 +182,8 @@ async def test_the_service_serves_the_endpoint_for_the_life_of_the_worker(
                 assert 'room_outbox_oldest_pending_age_seconds{lane="main"} ' in text
                 assert "room_outbox_claimed_batch_size_count " in text
                 assert (await client.get("/readyz")).json()["ready"] is True  # failures everywhere, still ready
+                # Which version each process runs, on a fleet's scrape (the resource's service.version)
+                assert re.search(rf'^target_info\{{.*service_version="{re.escape(package_version())}"', text, re.M)
                 stop.set()
     # Every name by Prometheus's conventions, as its own linter sees them.
     assert promtool_check_metrics(text) == ""

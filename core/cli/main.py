@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from room_outbox.config import load_settings
 from room_outbox.errors import RoomOutboxError
 from room_outbox.observability.logs import configure_logging, flush_logs
 from room_outbox.observability.redaction import Redactor, redactor_for
+from room_outbox.version import package_version
 
 DESCRIPTION = """\
 Guaranteed delivery of room events: room-outbox reads the room_outbox table that room-service
@@ -51,13 +51,6 @@ EXIT_INTERRUPTED = 130  # what a shell reports for a process ended by SIGINT (12
 EXIT_CLOSED_PIPE = 141  # what a shell reports for a process ended by SIGPIPE (128 + 13)
 
 
-def version() -> str:
-    try:
-        return importlib.metadata.version("room-outbox")
-    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
-        return "unknown"
-
-
 def build_parser(every_command: bool = False) -> argparse.ArgumentParser:
     """The whole command line, from :data:`room_outbox.cli.registry.COMMANDS`. A command's own
     parser is filled in (its module imported) once argparse reaches the command typed, or at
@@ -69,7 +62,7 @@ def build_parser(every_command: bool = False) -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"room-outbox {version()}")
+    parser.add_argument("--version", action="version", version=f"room-outbox {package_version()}")
     parser.add_argument("--config", default=default_config(), metavar="FILE", help=CONFIG_HELP)
     commands = parser.add_subparsers(
         dest="command",

@@ -36,6 +36,7 @@ from room_outbox.observability.logs import span_stream
 from room_outbox.observability.metrics import OutboxMetrics, PrometheusExposition
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.tracing import SCOPE, AttemptSpan, RedactingSpanExporter
+from room_outbox.version import package_version
 
 if TYPE_CHECKING:
     from room_outbox.attempt.failure import Failure
@@ -257,9 +258,15 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
 
 
 def _resource(node_id: str) -> Resource:
+    """The process as every span and metric names it: ``service.name`` (room-outbox unless
+    ``OTEL_SERVICE_NAME`` says otherwise), ``service.instance.id`` (the node_id) and
+    ``service.version`` (the installed package's, on ``/metrics`` as ``target_info``: which
+    version each process runs during a rolling deploy); ``OTEL_RESOURCE_ATTRIBUTES`` may set any."""
     resource = Resource.create({"service.instance.id": node_id})  # + OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": "room-outbox"}))
+    if "service.version" not in resource.attributes:
+        resource = resource.merge(Resource({"service.version": package_version()}))
     return resource
 
 
