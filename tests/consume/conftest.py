@@ -144,8 +144,8 @@ class ConsumeProcess:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
 
-    def terminate(self, timeout: float = 30) -> int:
-        self.proc.send_signal(signal.SIGTERM)
+    def terminate(self, timeout: float = 30, signum: signal.Signals = signal.SIGTERM) -> int:
+        self.proc.send_signal(signum)
         return self.proc.wait(timeout=timeout)
 
 

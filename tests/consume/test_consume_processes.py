@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -236,4 +237,6 @@ def test_failing_handlers_poison_and_unknown_types_retries_dead_letters_and_redr
         )
     )
     assert processed == {"patient/audit": len(events), "patient/activity": len(facing), "strict/gift_stats": len(gifts)}
-    assert processes[0].terminate() == 0
+    # Stopped as when the terminal it was started from goes away: as cleanly as by SIGTERM.
+    assert processes[0].terminate(signum=signal.SIGHUP) == 0
+    assert any(line.get("signal") == "SIGHUP" for line in processes[0].lines())
