@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -272,3 +273,46 @@ def loopback_certificate(folder: Path, ca: Path, ca_key: Path) -> tuple[Path, Pa
     openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
             "-out", str(cert), "-days", "2", "-extfile", str(ext))  # fmt: skip
     return cert, key
+
+
+#: A PostgreSQL producer as a process of its own (no share in the test's interpreter lock):
+#: ``INSERT`` with ``ARGS(n)`` for the n-th row, every ``EVERY`` seconds until its standard
+#: input closes; then every INSERT's latency, one a line.
+_PG_PRODUCER = """
+import json, sys, threading, time, psycopg
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+latencies = []
+with psycopg.connect(sys.argv[1], autocommit=True, connect_timeout=5) as conn:
+    conn.execute("SET statement_timeout = '60s'")
+    print("started", flush=True)
+    while not stop.is_set():
+        began = time.perf_counter()
+        conn.execute(INSERT, ARGS(len(latencies)))
+        latencies.append(time.perf_counter() - began)
+        stop.wait(max(0.0, EVERY - (time.perf_counter() - began)))
+print("\\n".join(map(str, latencies)), flush=True)
+"""
+
+
+@contextlib.contextmanager
+def pg_producing(dsn: str, insert: str, args: str, every: float) -> Iterator[list[float]]:
+    """A producer inserting into ``dsn`` for the block: ``insert`` with the parameters
+    ``args`` (the source of a function of the row's number ``n``; ``json`` is imported) gives,
+    every ``every`` seconds. The list holds each INSERT's latency once the block ends."""
+    latencies: list[float] = []
+    script = f"INSERT = {insert!r}\nARGS = {args}\nEVERY = {every!r}\n{_PG_PRODUCER}"
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, dsn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdin is not None and process.stdout is not None
+    try:
+        assert process.stdout.readline().strip() == "started"
+        yield latencies
+    finally:
+        try:
+            out, _ = process.communicate(timeout=30)
+        finally:
+            process.kill()
+    assert process.returncode == 0, out
+    latencies += [float(line) for line in out.split()]

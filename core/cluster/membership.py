@@ -71,6 +71,11 @@ ROUTES_KEY = "@routes"
 ORDERINGS_WIDTH = 255
 
 
+def shown_orderings(text: str) -> dict[str, str]:
+    """A heartbeat's orderings column read back: each lane's ordering (and the routes' digest)."""
+    return dict(pair.split("=", 1) for pair in text.split(",") if "=" in pair)
+
+
 def routes_digest(routes: Mapping[str, str]) -> str:
     """A short name for a lane's routes (event type → sink): equal digests, equal routes."""
     return hashlib.sha256(",".join(f"{t}>{s}" for t, s in sorted(routes.items())).encode()).hexdigest()[:12]
@@ -287,7 +292,7 @@ class Membership:
         for node in nodes:
             if node.node_id == self.node_id or node.node_id not in live:
                 continue
-            theirs = dict(pair.split("=", 1) for pair in node.orderings.split(",") if "=" in pair)
+            theirs = shown_orderings(node.orderings)
             for lane, ordering in self.orderings.items():
                 if lane in theirs and theirs[lane] != ordering:
                     found.add((lane, node.node_id, theirs[lane]))
@@ -321,7 +326,7 @@ class Membership:
         for node in nodes:
             if node.node_id == self.node_id or node.node_id not in live:
                 continue
-            theirs = dict(pair.split("=", 1) for pair in node.orderings.split(",") if "=" in pair)
+            theirs = shown_orderings(node.orderings)
             if ROUTES_KEY in theirs and theirs[ROUTES_KEY] != mine:
                 differ.add(node.node_id)
         others = frozenset(differ)

@@ -160,21 +160,29 @@ async def test_migrate_sql_names_the_online_algorithm_of_every_change_to_a_live_
     assert "room_outbox " not in out  # nothing left to do on the table
 
 
-async def test_a_change_the_server_cannot_make_online_is_refused_naming_the_step(database_dsn: str) -> None:
-    """A compressed table cannot take a column INSTANT: the server refuses, and migrate says
-    which step and what to do, rather than let the server copy the table."""
-    conn = connect(database_dsn)
+async def migrate_refused(dsn: str, ddl: str) -> pytest.ExceptionInfo[SchemaError]:
+    """The refusal of migrate on room-service's table made by ``ddl``."""
+    conn = connect(dsn)
     try:
         with conn.cursor() as cur:
-            cur.execute(V1_DDL.replace("ENGINE=InnoDB", "ENGINE=InnoDB ROW_FORMAT=COMPRESSED"))
+            cur.execute(ddl)
     finally:
         conn.close()
-    store = await MySQLStore.connect(database_dsn)
+    store = await MySQLStore.connect(dsn)
     try:
         with pytest.raises(SchemaError) as refused:
             await store.migrate()
     finally:
         await store.aclose()
+    return refused
+
+
+async def test_a_change_the_server_cannot_make_online_is_refused_naming_the_step(database_dsn: str) -> None:
+    """A compressed table cannot take a column INSTANT: the server refuses, and migrate says
+    which step and what to do, rather than let the server copy the table."""
+    refused = await migrate_refused(
+        database_dsn, V1_DDL.replace("ENGINE=InnoDB", "ENGINE=InnoDB ROW_FORMAT=COMPRESSED")
+    )
     assert str(refused.value).startswith(
         "added column room_outbox.worker_id: the server cannot make this change online (ALGORITHM=INSTANT is not"
     )
@@ -197,18 +205,7 @@ async def test_a_plan_the_server_would_refuse_half_way_is_refused_before_any_cha
     """MariaDB adds no virtual column to a partitioned table online. The bucket column comes
     after two columns and an index that it can add: migrate tries every change on an empty
     copy of the table first, so it refuses before the first, not after the third."""
-    conn = connect(database_dsn)
-    try:
-        with conn.cursor() as cur:
-            cur.execute(PARTITIONED_V1)
-    finally:
-        conn.close()
-    store = await MySQLStore.connect(database_dsn)
-    try:
-        with pytest.raises(SchemaError) as refused:
-            await store.migrate()
-    finally:
-        await store.aclose()
+    refused = await migrate_refused(database_dsn, PARTITIONED_V1)
     assert str(refused.value).startswith(
         "added column room_outbox.room_bucket: the server cannot make this change online ("
     )

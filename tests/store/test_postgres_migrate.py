@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -12,7 +10,7 @@ from contextlib import contextmanager
 import anyio
 import psycopg
 import pytest
-from support import envelope, insert_events, wait_until
+from support import envelope, insert_events, pg_producing, wait_until
 
 from room_outbox.errors import SchemaError, StoreError
 from room_outbox.store.backends.postgres import MIGRATE_LOCK_KEY, PostgresStore
@@ -72,43 +70,11 @@ async def fetch(store: SQLStore, sql: str) -> list[tuple[object, ...]]:
         return list(await cur.fetchall())
 
 
-#: silk's producer as a process of its own (no share in the test's interpreter lock): a row
-#: every 20 ms until its standard input closes; then every INSERT's latency, one a line.
-PRODUCER = f"""
-import sys, threading, time, psycopg
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-latencies = []
-with psycopg.connect(sys.argv[1], autocommit=True, connect_timeout=5) as conn:
-    conn.execute("SET statement_timeout = '60s'")
-    print("started", flush=True)
-    while not stop.is_set():
-        began = time.perf_counter()
-        conn.execute({SILK_INSERT!r}, (f"new-{{len(latencies)}}", f"user-{{len(latencies) % 50}}"))
-        latencies.append(time.perf_counter() - began)
-        stop.wait(max(0.0, 0.02 - (time.perf_counter() - began)))
-print("\\n".join(map(str, latencies)), flush=True)
-"""
-
-
 @contextmanager
 def producing(dsn: str) -> Iterator[list[float]]:
-    """silk's producer running for the block; the list holds its latencies once it ends."""
-    latencies: list[float] = []
-    process = subprocess.Popen(
-        [sys.executable, "-c", PRODUCER, dsn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert process.stdin is not None and process.stdout is not None
-    try:
-        assert process.stdout.readline().strip() == "started"
+    """silk's producer, a row every 20 ms, for the block; the list holds its latencies once it ends."""
+    with pg_producing(dsn, SILK_INSERT, 'lambda n: (f"new-{n}", f"user-{n % 50}")', 0.02) as latencies:
         yield latencies
-    finally:
-        try:
-            out, _ = process.communicate(timeout=30)
-        finally:
-            process.kill()
-    assert process.returncode == 0, out
-    latencies += [float(line) for line in out.split()]
 
 
 async def claim_everything(store: SQLStore) -> list[str]:

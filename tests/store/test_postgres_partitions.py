@@ -7,18 +7,17 @@ up, and the dispatcher delivers from every partition."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
 import psycopg
 import pytest
-from support import RecordingSink, envelope, make_dispatcher, wait_until
+from support import RecordingSink, envelope, make_dispatcher, pg_producing, wait_until
 
 from room_outbox.errors import SchemaError
 from room_outbox.store.backends.postgres import PostgresStore
 from room_outbox.store.factory import open_store
+from room_outbox.store.schema.outbox import V1_TABLE_DDL
 from room_outbox.store.schema.partitions import MAX_IDENTIFIER, partition_index
 from room_outbox.store.schema.profiles import SILK
 
@@ -31,21 +30,11 @@ BOUNDARY = 1_800_000_000_000
 #: take the partition key, as PostgreSQL requires. One partition is itself partitioned, under
 #: a name that needs quoting.
 PARTITIONED_V1 = (
-    """CREATE TABLE room_outbox (
-  id            BIGSERIAL,
-  app_code      VARCHAR(64)   NOT NULL DEFAULT '',
-  event_id      VARCHAR(64)   NOT NULL,
-  event_type    VARCHAR(64)   NOT NULL,
-  room_id       VARCHAR(64)   NOT NULL,
-  envelope      TEXT          NOT NULL,
-  status        VARCHAR(16)   NOT NULL DEFAULT 'pending',
-  retry_count   INT           NOT NULL DEFAULT 0,
-  last_error    VARCHAR(1024) NULL,
-  created_at_ms BIGINT        NOT NULL,
-  updated_at_ms BIGINT        NOT NULL,
-  PRIMARY KEY (id, created_at_ms),
-  CONSTRAINT uk_room_outbox_event_id UNIQUE (event_id, created_at_ms)
-) PARTITION BY RANGE (created_at_ms)""",
+    V1_TABLE_DDL["postgresql"][0]
+    .format(table="room_outbox")
+    .replace("BIGSERIAL     PRIMARY KEY", "BIGSERIAL")
+    .replace("UNIQUE (event_id)", "UNIQUE (event_id, created_at_ms),\n  PRIMARY KEY (id, created_at_ms)")
+    + " PARTITION BY RANGE (created_at_ms)",
     f"CREATE TABLE room_outbox_old PARTITION OF room_outbox FOR VALUES FROM (0) TO ({BOUNDARY})",
     f'CREATE TABLE "Room_Outbox_Next" PARTITION OF room_outbox FOR VALUES FROM ({BOUNDARY}) TO (MAXVALUE)'
     " PARTITION BY RANGE (created_at_ms)",
@@ -68,46 +57,18 @@ def row(event_id: str, room: str, created_at_ms: int) -> tuple[str, str, str, in
     return event_id, room, json.dumps(envelope(event_id, "RoomCreated", room)), created_at_ms
 
 
-#: room-service inserting as a process of its own: a row every 10 ms, alternately in each
-#: half of the table, until its standard input closes; then each INSERT's latency, one a line.
-PRODUCER = f"""
-import json, sys, threading, time, psycopg
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-latencies = []
-with psycopg.connect(sys.argv[1], autocommit=True, connect_timeout=5) as conn:
-    conn.execute("SET statement_timeout = '60s'")
-    print("started", flush=True)
-    while not stop.is_set():
-        began, n = time.perf_counter(), len(latencies)
-        created = {BOUNDARY} + n if n % 2 else {BOUNDARY} - 1000 - n
-        body = {{"event_id": f"new-{{n}}", "event_type": "RoomCreated", "app_code": "", "room_id": f"r{{n % 7}}",
-                "room_version": 1, "occurred_at_ms": 1, "payload": {{}}}}
-        conn.execute({INSERT!r}, (body["event_id"], body["room_id"], json.dumps(body), created))
-        latencies.append(time.perf_counter() - began)
-        stop.wait(max(0.0, 0.01 - (time.perf_counter() - began)))
-print("\\n".join(map(str, latencies)), flush=True)
-"""
-
-
 @contextmanager
 def producing(dsn: str) -> Iterator[list[float]]:
-    """room-service's producer for the block; the list holds its latencies once it ends."""
-    latencies: list[float] = []
-    process = subprocess.Popen(
-        [sys.executable, "-c", PRODUCER, dsn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    """room-service inserting a row every 10 ms, alternately in each half of the table, for the
+    block; the list holds its latencies once it ends."""
+    body = (
+        '{"event_id": f"new-{n}", "event_type": "RoomCreated", "app_code": "", "room_id": f"r{n % 7}",'
+        ' "room_version": 1, "occurred_at_ms": 1, "payload": {}}'
     )
-    assert process.stdin is not None and process.stdout is not None
-    try:
-        assert process.stdout.readline().strip() == "started"
+    created = f"{BOUNDARY} + n if n % 2 else {BOUNDARY} - 1000 - n"
+    args = f'lambda n: (f"new-{{n}}", f"r{{n % 7}}", json.dumps({body}), {created})'
+    with pg_producing(dsn, INSERT, args, 0.01) as latencies:
         yield latencies
-    finally:
-        try:
-            out, _ = process.communicate(timeout=30)
-        finally:
-            process.kill()
-    assert process.returncode == 0, out
-    latencies += [float(line) for line in out.split()]
 
 
 @pytest.fixture
