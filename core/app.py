@@ -95,7 +95,7 @@ async def _serve(
         lifecycle.push_async_callback(_close, lanes.aclose, "sinks closed", "sinks_closed")
         obs = await lifecycle.enter_async_context(observability(settings, store, redactor))
         plan = lane_plan(pm, settings)
-        obs.telemetry.metrics.start_at_zero(lanes.series())
+        obs.telemetry.metrics.start_at_zero(lanes.series(), [*([MAIN_LANE] if plan.main else []), *plan.own])
         obs.telemetry.untimed_sinks = lanes.untimed
         obs.watch(plan)
         log.info(

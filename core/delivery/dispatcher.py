@@ -164,6 +164,7 @@ class Dispatcher:
                     except Exception as exc:
                         error = self._short(describe(exc))
                         self.health.round_ended(error)
+                        self.telemetry.round_failed(self.lane)
                         self.failing_rounds.failed(error, unrecorded=len(self._unrecorded))
                 self._round_scope = None
                 # A ticker: the next scan is due poll_interval after this

@@ -96,6 +96,7 @@ class TailRelay:
             except Exception as exc:
                 error = str(exc) if isinstance(exc, BatchFailed) else self._short(describe(exc))
                 self.health.round_ended(error)
+                self.telemetry.round_failed(self.lane)
                 self.failing_rounds.failed(error)
             with anyio.move_on_after(self.poll_interval):
                 await self._stopping.wait()

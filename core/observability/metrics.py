@@ -80,6 +80,12 @@ class OutboxMetrics:
             description="Rows taken by one claim round (0 when the lane was idle).",
             explicit_bucket_boundaries_advisory=BATCH_BUCKETS,
         )
+        self.round_failures = meter.create_counter(
+            "room_outbox.round.failures",
+            unit="{round}",
+            description="Rounds of a lane that failed as a whole (the database unreachable or refusing, a"
+            " tailing lane's batch); each is tried again after poll_interval.",
+        )
         self.lost_leases = meter.create_counter(
             "room_outbox.lost_leases",
             unit="{event}",
@@ -92,9 +98,12 @@ class OutboxMetrics:
             description="How far this host's clock is ahead of the database's (negative: behind).",
         )
 
-    def start_at_zero(self, routes: Iterable[tuple[str, str]]) -> None:
-        """Export every counter at 0 for ``routes`` ((sink, event_type) pairs) and the fixed
-        label values (each error class, each detection point), before anything has happened."""
+    def start_at_zero(self, routes: Iterable[tuple[str, str]], lanes: Iterable[str] = ()) -> None:
+        """Export every counter at 0 for ``routes`` ((sink, event_type) pairs), ``lanes`` and
+        the fixed label values (each error class, each detection point), before anything has
+        happened."""
+        for lane in lanes:
+            self.round_failures.add(0, {"lane": lane})
         event_types: set[str] = set()
         for sink, event_type in routes:
             event_types.add(event_type)

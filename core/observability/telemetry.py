@@ -98,6 +98,10 @@ class Telemetry:
         if self.metrics_enabled:
             self.metrics.claimed.record(rows)
 
+    def round_failed(self, lane: str) -> None:
+        if self.metrics_enabled:
+            self.metrics.round_failures.add(1, {"lane": lane})
+
     def leases_lost(self, rows: int, detected_at: str, cause: str = "taken_over") -> None:
         """``detected_at``: ``renewal`` (the renewal found rows gone) or ``result_write``
         (a result could not be written because the claim no longer held the row); ``cause``:

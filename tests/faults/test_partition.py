@@ -14,6 +14,7 @@ Each test prints the figure it measured (``pytest -s`` shows them).
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,10 @@ async def test_the_running_process_resumes_after_a_partition_heals(
             assert proc.alive()
             [recovered] = [line for line in proc.lines() if line["msg"] == "outbox rounds succeed again"]
             assert recovered["lane"] == "main" and recovered["failed_rounds"] > failures, recovered
+            # Every failed round counted for the alert, though logged once
+            metrics = (await http.get(f"{base}/metrics")).text
+            counted = re.search(r'^room_outbox_round_failures_total\{lane="main"\} (\S+)$', metrics, re.M)
+            assert counted and float(counted.group(1)) >= recovered["failed_rounds"], metrics
     assert not proxy.links  # every proxied session closed with the proxy
     figure("recovery after heal", recovery, QUERY_TIMEOUT + POLL_INTERVAL)
     assert recovery <= QUERY_TIMEOUT + POLL_INTERVAL + SLACK, recovery
