@@ -1,9 +1,10 @@
 """Databases whose text is not UTF-8: room-service's table in latin1 (the default character set
-of MariaDB and of MySQL before 8.0), PostgreSQL databases in SQL_ASCII (what initdb makes in a C
-locale) or LATIN1. Events are delivered as on UTF-8, and a failure whose text holds characters
-the table cannot store is still recorded (counted, parked), with those characters escaped.
-(SQL_ASCII stores any byte: there the text is kept as it is.) A ``node_id`` in Chinese claims
-rows there too: claim ids carry it escaped."""
+of MariaDB and of MySQL before 8.0) or GBK (a Chinese legacy table), PostgreSQL databases in
+SQL_ASCII (what initdb makes in a C locale), LATIN1 or EUC_CN. Events are delivered as on UTF-8,
+and a failure whose text holds characters the table cannot store is still recorded (counted,
+parked), with those characters escaped. (SQL_ASCII stores any byte: there the text is kept as it
+is; GBK and EUC_CN keep Chinese, not emoji.) A ``node_id`` in Chinese claims rows there too:
+claim ids carry it escaped."""
 
 from __future__ import annotations
 
@@ -54,30 +55,33 @@ class ErringSink:
 class Narrow:
     """A database whose text is not UTF-8."""
 
-    #: ``mysql`` (room-service's table converted to latin1) or a PostgreSQL database encoding.
+    #: ``mysql-<charset>`` (room-service's table converted to it) or a PostgreSQL database encoding.
     encoding: str
     #: Text an envelope written there may hold.
     text: str
-    #: Whether the error text's other characters are written escaped (SQL_ASCII stores any byte).
-    escapes: bool
+    #: The events whose error text holds a character the column cannot: written with the
+    #: text's other characters escaped (SQL_ASCII stores any byte, GBK and EUC_CN Chinese).
+    escaped: tuple[str, ...]
 
 
 NARROW = [
-    Narrow("mysql", "Grüße, 1€", escapes=True),  # MySQL's latin1 is cp1252: it has €
-    Narrow("SQL_ASCII", "你好 🎉", escapes=False),
-    Narrow("LATIN1", "Grüße", escapes=True),
+    Narrow("mysql-latin1", "Grüße, 1€", escaped=("retried", "parked")),  # MySQL's latin1 is cp1252: it has €
+    Narrow("mysql-gbk", "你好, 1€", escaped=("parked",)),  # a Chinese legacy table: no emoji
+    Narrow("SQL_ASCII", "你好 🎉", escaped=()),
+    Narrow("LATIN1", "Grüße", escaped=("retried", "parked")),
+    Narrow("EUC_CN", "你好", escaped=("parked",)),  # PostgreSQL's Simplified Chinese (GB2312)
 ]
 
 
 @pytest.fixture(params=NARROW, ids=lambda narrow: narrow.encoding)
 async def narrow_store(request: pytest.FixtureRequest, database_dsn: str) -> AsyncIterator[tuple[SQLStore, Narrow]]:
     narrow: Narrow = request.param
-    if narrow.encoding == "mysql":
+    if narrow.encoding.startswith("mysql-"):
         mysql = await MySQLStore.connect(database_dsn)
         try:
             await mysql.migrate()
             async with mysql.transaction() as cur:
-                await cur.execute("ALTER TABLE room_outbox CONVERT TO CHARACTER SET latin1")
+                await cur.execute(f"ALTER TABLE room_outbox CONVERT TO CHARACTER SET {narrow.encoding[6:]}")
             yield mysql, narrow
         finally:
             await mysql.aclose()
@@ -114,12 +118,11 @@ async def test_events_are_delivered_and_failures_recorded_escaped(
         "parked": ("failed", 1),
         "last": ("published", 0),
     }
-    expected = {
+    escaped = {
         "retried": r"ErrorCode 10010: \u7fa4\u7ec4\u4e0d\u5b58\u5728",
         "parked": r"ErrorCode 10015: group \U0001f3a4 gone",
     }
-    if not narrow.escapes:
-        expected = {e: str(error) for e, error in ERRORS.items()}
+    expected = {e: escaped[e] if e in narrow.escaped else str(error) for e, error in ERRORS.items()}
     for event_id, text in expected.items():
         assert rows[event_id]["last_error"].endswith(text), rows[event_id]["last_error"]
     assert not [r for r in caplog.records if "refused" in r.getMessage()]  # nothing released uncounted
