@@ -151,6 +151,27 @@ async def test_a_check_constraint_that_refuses_a_status_is_one_line_with_its_fix
     assert await target.migration_plan() == []
 
 
+async def test_a_columns_own_check_is_refused_with_the_fix_that_removes_it(store: MySQLStore) -> None:
+    """MariaDB keeps a CHECK written in a column's definition as part of the column: it cannot be
+    dropped by its name (the column's). The fix given redefines the column without it; run, the
+    start-up check passes. Another table's constraint of the same name is not this table's."""
+    await alter(
+        store,
+        "ALTER TABLE room_outbox MODIFY status VARCHAR(16) NOT NULL DEFAULT 'pending'"
+        " CHECK (status IN ('pending', 'published', 'failed'))",
+        "CREATE TABLE other_table (id INT PRIMARY KEY, status VARCHAR(16) CHECK (status IN ('a', 'b')))",
+    )
+    fix = "ALTER TABLE room_outbox MODIFY status varchar(16) NOT NULL DEFAULT 'pending'"
+    line = (
+        "room_outbox.status: CHECK constraint status (`status` in ('pending','published','failed')) refuses"
+        f" 'cancelled', statuses room-outbox writes: run {fix} (without its CHECK), and add it again with"
+        " 'cancelled' among its values"
+    )
+    assert await refusals(store) == (line, line)
+    await alter(store, fix)
+    await check_schema(store, (), longest_claim_id("node-1"))
+
+
 async def test_a_result_postgresql_refuses_for_one_row_leaves_the_others_written(pg_store: SQLStore) -> None:
     """PostgreSQL aborts a transaction at its first error: the refused statement is undone to a
     savepoint, so the claim's transaction writes the other results and claims new rows."""

@@ -326,7 +326,9 @@ async def engine_problems(cur: Any, dialect: Dialect, table: str) -> list[str]:
     ]
 
 
-async def check_constraint_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[str]:
+async def check_constraint_problems(
+    cur: Any, dialect: Dialect, profile: Profile, columns: dict[str, Column]
+) -> list[str]:
     """CHECK constraints on the table's ``status`` that refuse a status room-outbox writes: the
     ENUM's problem in another form (``CHECK (status IN ('pending', 'published'))`` refuses a
     parked row's ``failed``, so the row would be released and tried again for ever instead).
@@ -340,48 +342,55 @@ async def check_constraint_problems(cur: Any, dialect: Dialect, profile: Profile
         literal = f"CAST(%s AS {declared})"
     else:
         return []
-    problems = []
-    for name, clause in checks:
+    table, problems = profile.table, []
+    for name, clause, of_column in checks:
         refused = []
         for word in _statuses(profile):
-            sql = f"SELECT ({clause}) FROM (SELECT {literal} AS status) AS {profile.table}"
+            sql = f"SELECT ({clause}) FROM (SELECT {literal} AS status) AS {table}"
             if await _evaluates_false(cur, dialect, sql, word):
                 refused.append(f"'{word}'")
-        if refused:
-            problems.append(
-                f"{profile.table}.status: CHECK constraint {name} ({clause}) refuses {', '.join(refused)},"
-                f" statuses room-outbox writes: run ALTER TABLE {profile.table} DROP CONSTRAINT {name}, and add it again with"
-                f" {', '.join(refused)} among its values"
-            )
+        if not refused:
+            continue
+        if of_column and "status" in columns:  # MariaDB: part of the column's definition, unnamed
+            status = columns["status"]
+            drop = f"{_retype(dialect, 'status', status.declared, not status.nullable, status)} (without its CHECK)"
+        else:
+            drop = f"DROP CONSTRAINT {name}"
+        problems.append(
+            f"{table}.status: CHECK constraint {name} ({clause}) refuses {', '.join(refused)}, statuses"
+            f" room-outbox writes: run ALTER TABLE {table} {drop}, and add it again with {', '.join(refused)}"
+            " among its values"
+        )
     return problems
 
 
-async def _mysql_status_checks(cur: Any, table: str) -> list[tuple[str, str]]:
-    """The table's CHECK constraints whose clause names no column but ``status``."""
+async def _mysql_status_checks(cur: Any, table: str) -> list[tuple[str, str, bool]]:
+    """The table's CHECK constraints whose clause names no column but ``status``: name,
+    clause, and whether it is part of the column's definition (MariaDB's column-level CHECK)."""
     try:  # MariaDB: by table (a column's constraint is named after the column, so not unique)
         await cur.execute(
-            "SELECT CONSTRAINT_NAME, CHECK_CLAUSE FROM information_schema.CHECK_CONSTRAINTS"
+            "SELECT CONSTRAINT_NAME, CHECK_CLAUSE, LEVEL = 'Column' FROM information_schema.CHECK_CONSTRAINTS"
             " WHERE CONSTRAINT_SCHEMA = DATABASE() AND TABLE_NAME = %s",
             (table,),
         )
     except Exception:  # MySQL: no TABLE_NAME there, and names are unique in a database
         await cur.execute(
-            "SELECT cc.CONSTRAINT_NAME, cc.CHECK_CLAUSE FROM information_schema.TABLE_CONSTRAINTS tc"
+            "SELECT cc.CONSTRAINT_NAME, cc.CHECK_CLAUSE, 0 FROM information_schema.TABLE_CONSTRAINTS tc"
             " JOIN information_schema.CHECK_CONSTRAINTS cc ON cc.CONSTRAINT_SCHEMA = tc.CONSTRAINT_SCHEMA"
             " AND cc.CONSTRAINT_NAME = tc.CONSTRAINT_NAME"
             " WHERE tc.TABLE_SCHEMA = DATABASE() AND tc.TABLE_NAME = %s AND tc.CONSTRAINT_TYPE = 'CHECK'",
             (table,),
         )
     checks = []
-    for name, clause in await cur.fetchall():
+    for name, clause, of_column in await cur.fetchall():
         name, clause = (v.decode() if isinstance(v, bytes) else str(v) for v in (name, clause))
         without_strings = re.sub(r"'(?:[^'\\]|\\.|'')*'", "''", clause)
         if {column.lower() for column in re.findall(r"`([^`]+)`", without_strings)} == {"status"}:
-            checks.append((name, clause))
+            checks.append((name, clause, bool(of_column)))
     return checks
 
 
-async def _postgresql_status_checks(cur: Any, table: str) -> tuple[list[tuple[str, str]], str]:
+async def _postgresql_status_checks(cur: Any, table: str) -> tuple[list[tuple[str, str, bool]], str]:
     """The table's CHECK constraints that read ``status`` alone, and the column's type."""
     await cur.execute(
         "SELECT c.conname, pg_get_expr(c.conbin, c.conrelid), format_type(a.atttypid, a.atttypmod), t.typtype"
@@ -392,7 +401,7 @@ async def _postgresql_status_checks(cur: Any, table: str) -> tuple[list[tuple[st
     )
     rows = await cur.fetchall()
     # An ENUM's own members are checked apart (a word outside them cannot even be cast).
-    checks = [(str(name), str(clause)) for name, clause, _declared, kind in rows if kind != "e"]
+    checks = [(str(name), str(clause), False) for name, clause, _declared, kind in rows if kind != "e"]
     return checks, (str(rows[0][2]) if rows else "text")
 
 
@@ -419,7 +428,7 @@ async def checked_fixes(cur: Any, dialect: Dialect, profile: Profile) -> list[St
     columns = await read_columns(cur, dialect, profile.table)
     refused, _fixable = column_problems(columns, profile, dialect)
     refused = await engine_problems(cur, dialect, profile.table) + refused
-    refused += await check_constraint_problems(cur, dialect, profile)
+    refused += await check_constraint_problems(cur, dialect, profile, columns)
     if refused:
         raise SchemaError("\n".join(refused))
     return column_fixes(columns, await index_names(cur, dialect, profile.table), profile, dialect)
@@ -430,6 +439,6 @@ async def check_columns(cur: Any, dialect: Dialect, profile: Profile, claim_ids:
     columns = await read_columns(cur, dialect, profile.table)
     refused, fixable = column_problems(columns, profile, dialect, claim_ids)
     refused = await engine_problems(cur, dialect, profile.table) + refused
-    refused += await check_constraint_problems(cur, dialect, profile)
+    refused += await check_constraint_problems(cur, dialect, profile, columns)
     if refused or fixable:
         raise SchemaError("\n".join(refused + fixable))
