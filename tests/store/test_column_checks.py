@@ -172,6 +172,26 @@ async def test_a_columns_own_check_is_refused_with_the_fix_that_removes_it(store
     await check_schema(store, (), longest_claim_id("node-1"))
 
 
+async def test_a_postgresql_domain_whose_check_refuses_a_status_is_refused_with_its_fix(pg_store: SQLStore) -> None:
+    """``status`` typed as a domain whose CHECK names room-service's words alone: the same
+    refusal, the domain's constraint named; its fix run, the start-up check passes."""
+    await alter(
+        pg_store,
+        "CREATE DOMAIN outbox_status AS VARCHAR(16) CONSTRAINT outbox_status_words"
+        " CHECK (VALUE IN ('pending', 'published'))",
+        "ALTER TABLE room_outbox ALTER COLUMN status TYPE outbox_status",
+    )
+    line = (
+        "room_outbox.status: CHECK constraint outbox_status_words (CHECK (((VALUE)::text = ANY"
+        " ((ARRAY['pending'::character varying, 'published'::character varying])::text[]))))"
+        " refuses 'failed', 'cancelled', statuses room-outbox writes: run ALTER DOMAIN outbox_status"
+        " DROP CONSTRAINT outbox_status_words, and add it again with 'failed', 'cancelled' among its values"
+    )
+    assert await refusals(pg_store) == (line, line)
+    await alter(pg_store, "ALTER DOMAIN outbox_status DROP CONSTRAINT outbox_status_words")
+    await check_schema(pg_store, (), longest_claim_id("node-1"))
+
+
 async def test_a_result_postgresql_refuses_for_one_row_leaves_the_others_written(pg_store: SQLStore) -> None:
     """PostgreSQL aborts a transaction at its first error: the refused statement is undone to a
     savepoint, so the claim's transaction writes the other results and claims new rows."""

@@ -343,30 +343,36 @@ async def check_constraint_problems(
     else:
         return []
     table, problems = profile.table, []
-    for name, clause, of_column in checks:
+    for name, clause, where in checks:
         refused = []
         for word in _statuses(profile):
-            sql = f"SELECT ({clause}) FROM (SELECT {literal} AS status) AS {table}"
-            if await _evaluates_false(cur, dialect, sql, word):
+            if where.startswith("domain "):  # PostgreSQL checks a domain's constraints on a cast to it
+                sql = f"SELECT CAST(%s AS {where.removeprefix('domain ')})"
+            else:
+                sql = f"SELECT ({clause}) FROM (SELECT {literal} AS status) AS {table}"
+            if await _refuses(cur, dialect, sql, word):
                 refused.append(f"'{word}'")
         if not refused:
             continue
-        if of_column and "status" in columns:  # MariaDB: part of the column's definition, unnamed
+        if where == "column" and "status" in columns:  # MariaDB: part of the column's definition, unnamed
             status = columns["status"]
-            drop = f"{_retype(dialect, 'status', status.declared, not status.nullable, status)} (without its CHECK)"
+            fix = f"ALTER TABLE {table} {_retype(dialect, 'status', status.declared, not status.nullable, status)}"
+            fix += " (without its CHECK)"
+        elif where.startswith("domain "):
+            fix = f"ALTER DOMAIN {where.removeprefix('domain ')} DROP CONSTRAINT {name}"
         else:
-            drop = f"DROP CONSTRAINT {name}"
+            fix = f"ALTER TABLE {table} DROP CONSTRAINT {name}"
         problems.append(
             f"{table}.status: CHECK constraint {name} ({clause}) refuses {', '.join(refused)}, statuses"
-            f" room-outbox writes: run ALTER TABLE {table} {drop}, and add it again with {', '.join(refused)}"
-            " among its values"
+            f" room-outbox writes: run {fix}, and add it again with {', '.join(refused)} among its values"
         )
     return problems
 
 
-async def _mysql_status_checks(cur: Any, table: str) -> list[tuple[str, str, bool]]:
+async def _mysql_status_checks(cur: Any, table: str) -> list[tuple[str, str, str]]:
     """The table's CHECK constraints whose clause names no column but ``status``: name,
-    clause, and whether it is part of the column's definition (MariaDB's column-level CHECK)."""
+    clause, and where it is: ``column`` when part of the column's definition (MariaDB's
+    column-level CHECK), else ``table``."""
     try:  # MariaDB: by table (a column's constraint is named after the column, so not unique)
         await cur.execute(
             "SELECT CONSTRAINT_NAME, CHECK_CLAUSE, LEVEL = 'Column' FROM information_schema.CHECK_CONSTRAINTS"
@@ -386,40 +392,50 @@ async def _mysql_status_checks(cur: Any, table: str) -> list[tuple[str, str, boo
         name, clause = (v.decode() if isinstance(v, bytes) else str(v) for v in (name, clause))
         without_strings = re.sub(r"'(?:[^'\\]|\\.|'')*'", "''", clause)
         if {column.lower() for column in re.findall(r"`([^`]+)`", without_strings)} == {"status"}:
-            checks.append((name, clause, bool(of_column)))
+            checks.append((name, clause, "column" if of_column else "table"))
     return checks
 
 
-async def _postgresql_status_checks(cur: Any, table: str) -> tuple[list[tuple[str, str, bool]], str]:
-    """The table's CHECK constraints that read ``status`` alone, and the column's type."""
+async def _postgresql_status_checks(cur: Any, table: str) -> tuple[list[tuple[str, str, str]], str]:
+    """The CHECK constraints that judge ``status`` alone: the table's (``table``) and, where the
+    column's type is a domain, the domain's (``domain <its name>``); and the column's type."""
     await cur.execute(
-        "SELECT c.conname, pg_get_expr(c.conbin, c.conrelid), format_type(a.atttypid, a.atttypmod), t.typtype"
+        "SELECT c.conname, pg_get_expr(c.conbin, c.conrelid), 'table', format_type(a.atttypid, a.atttypmod), t.typtype"
         " FROM pg_constraint c JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attname = 'status'"
         " JOIN pg_type t ON t.oid = a.atttypid"
-        " WHERE c.conrelid = to_regclass(%s) AND c.contype = 'c' AND c.conkey = ARRAY[a.attnum]",
-        (table,),
+        " WHERE c.conrelid = to_regclass(%s) AND c.contype = 'c' AND c.conkey = ARRAY[a.attnum]"
+        " UNION ALL SELECT c.conname, pg_get_constraintdef(c.oid), 'domain ' || format_type(a.atttypid, NULL),"
+        " format_type(a.atttypid, a.atttypmod), t.typtype"
+        " FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid JOIN pg_constraint c ON c.contypid = t.oid"
+        " WHERE a.attrelid = to_regclass(%s) AND a.attname = 'status' AND c.contype = 'c'",
+        (table, table),
     )
     rows = await cur.fetchall()
     # An ENUM's own members are checked apart (a word outside them cannot even be cast).
-    checks = [(str(name), str(clause), False) for name, clause, _declared, kind in rows if kind != "e"]
-    return checks, (str(rows[0][2]) if rows else "text")
+    checks = [(str(name), str(clause), str(where)) for name, clause, where, _declared, kind in rows if kind != "e"]
+    return checks, (str(rows[0][3]) if rows else "text")
 
 
-async def _evaluates_false(cur: Any, dialect: Dialect, sql: str, word: str) -> bool:
-    """Whether ``sql`` (one boolean) is false for ``word``; an error counts as not false (the
-    constraint is then the server's to judge), and leaves the transaction usable."""
+async def _refuses(cur: Any, dialect: Dialect, sql: str, word: str) -> bool:
+    """Whether ``sql`` refuses ``word``: it answers false, or (a cast to a domain) fails with a
+    check violation. Any other error counts as no refusal (the constraint is then the server's
+    to judge) and leaves the transaction usable."""
     if dialect.name == "postgresql":
         await cur.execute("SAVEPOINT status_check")
     try:
         await cur.execute(sql, (word,))
         row = await cur.fetchone()
-    except Exception:
+    except Exception as exc:
         if dialect.name == "postgresql":
             await cur.execute("ROLLBACK TO SAVEPOINT status_check")
-        return False
+        return getattr(exc, "sqlstate", None) == CHECK_VIOLATION
     if dialect.name == "postgresql":
         await cur.execute("RELEASE SAVEPOINT status_check")
-    return row is not None and row[0] is not None and not row[0]
+    return row is not None and row[0] is not None and not row[0]  # NULL passes, as in a CHECK
+
+
+#: PostgreSQL's SQLSTATE for a value a CHECK constraint refuses.
+CHECK_VIOLATION = "23514"
 
 
 async def checked_fixes(cur: Any, dialect: Dialect, profile: Profile) -> list[Step]:
