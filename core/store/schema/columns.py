@@ -396,16 +396,21 @@ async def _mysql_status_checks(cur: Any, table: str) -> list[tuple[str, str, str
     return checks
 
 
+#: The column's type, a domain's base type for a domain: the type a table constraint is judged in
+#: (a cast to the domain would apply the domain's own constraints as well).
+_PG_PLAIN_TYPE = "CASE WHEN t.typtype = 'd' THEN format_type(t.typbasetype, t.typtypmod) ELSE format_type(a.atttypid, a.atttypmod) END"
+
+
 async def _postgresql_status_checks(cur: Any, table: str) -> tuple[list[tuple[str, str, str]], str]:
     """The CHECK constraints that judge ``status`` alone: the table's (``table``) and, where the
     column's type is a domain, the domain's (``domain <its name>``); and the column's type."""
     await cur.execute(
-        "SELECT c.conname, pg_get_expr(c.conbin, c.conrelid), 'table', format_type(a.atttypid, a.atttypmod), t.typtype"
+        "SELECT c.conname, pg_get_expr(c.conbin, c.conrelid), 'table', " + _PG_PLAIN_TYPE + ", t.typtype"
         " FROM pg_constraint c JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attname = 'status'"
         " JOIN pg_type t ON t.oid = a.atttypid"
         " WHERE c.conrelid = to_regclass(%s) AND c.contype = 'c' AND c.conkey = ARRAY[a.attnum]"
         " UNION ALL SELECT c.conname, pg_get_constraintdef(c.oid), 'domain ' || format_type(a.atttypid, NULL),"
-        " format_type(a.atttypid, a.atttypmod), t.typtype"
+        " " + _PG_PLAIN_TYPE + ", t.typtype"
         " FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid JOIN pg_constraint c ON c.contypid = t.oid"
         " WHERE a.attrelid = to_regclass(%s) AND a.attname = 'status' AND c.contype = 'c'",
         (table, table),
@@ -414,6 +419,11 @@ async def _postgresql_status_checks(cur: Any, table: str) -> tuple[list[tuple[st
     # An ENUM's own members are checked apart (a word outside them cannot even be cast).
     checks = [(str(name), str(clause), str(where)) for name, clause, where, _declared, kind in rows if kind != "e"]
     return checks, (str(rows[0][3]) if rows else "text")
+
+
+#: The column's type, a domain's base type for a domain: the type a table constraint is judged in
+#: (a cast to the domain would apply the domain's own constraints as well).
+_PG_PLAIN_TYPE = "CASE WHEN t.typtype = 'd' THEN format_type(t.typbasetype, t.typtypmod) ELSE format_type(a.atttypid, a.atttypmod) END"
 
 
 async def _refuses(cur: Any, dialect: Dialect, sql: str, word: str) -> bool:
