@@ -101,12 +101,14 @@ class Membership:
         self.store = store
         #: The ordering of each lane this process runs, as its heartbeat shows it to the others.
         self.orderings = dict(orderings or {})
-        #: Which sink takes each event type on the main lane, where this process claims it.
+        #: Which sink takes each event type on the main lane, where this process claims it, and
+        #: their digest (None: it does not claim the main lane).
         self.routes = dict(routes or {})
+        self._routes_digest = routes_digest(self.routes) if routes is not None else None
         # The heartbeat's orderings column carries both, the routes as a digest under a key no
         # lane can be named (earlier versions read lanes' names only, so they pass it by); the
         # lanes that do not fit in the column are left out (never compared), not the heartbeat.
-        shown = [f"{ROUTES_KEY}={routes_digest(self.routes)}"] if routes is not None else []
+        shown = [f"{ROUTES_KEY}={self._routes_digest}"] if self._routes_digest is not None else []
         for lane, ordering in sorted(self.orderings.items()):
             if len(",".join([*shown, f"{lane}={ordering}"])) <= ORDERINGS_WIDTH:
                 shown.append(f"{lane}={ordering}")
@@ -260,8 +262,11 @@ class Membership:
         self.owned = [b.bucket for b in buckets if b.owner == self.node_id]
         self._apply_quota(nodes, live, began)
         self._notice_namesakes(nodes)
-        self._notice_orderings(nodes, live)
-        self._notice_routes(nodes, live)
+        others = {
+            n.node_id: shown_orderings(n.orderings) for n in nodes if n.node_id in live and n.node_id != self.node_id
+        }
+        self._notice_orderings(others)
+        self._notice_routes(others)
 
     def _notice_namesakes(self, nodes: Sequence[sql.NodeRow]) -> None:
         """Warn once about each other process started with this node_id whose heartbeat moves
@@ -283,19 +288,16 @@ class Membership:
                     extra={"identity": self.node_id, "other": node.node_id},
                 )
 
-    def _notice_orderings(self, nodes: Sequence[sql.NodeRow], live: Collection[str]) -> None:
+    def _notice_orderings(self, others: Mapping[str, Mapping[str, str]]) -> None:
         """Warn when a live process runs a lane of this one's with another ordering: per-room
         order holds only where every process claiming the lane's rows orders them by room (a
         process left with an old configuration claims any room's rows). Said again only when
         the disagreement changes, and once more when it ends."""
         found: set[tuple[str, str, str]] = set()
-        for node in nodes:
-            if node.node_id == self.node_id or node.node_id not in live:
-                continue
-            theirs = shown_orderings(node.orderings)
+        for node_id, theirs in others.items():
             for lane, ordering in self.orderings.items():
                 if lane in theirs and theirs[lane] != ordering:
-                    found.add((lane, node.node_id, theirs[lane]))
+                    found.add((lane, node_id, theirs[lane]))
         disagreements = frozenset(found)
         if disagreements == self._disagreements:
             return
@@ -314,33 +316,29 @@ class Membership:
                 },
             )
 
-    def _notice_routes(self, nodes: Sequence[sql.NodeRow], live: Collection[str]) -> None:
+    def _notice_routes(self, others: Mapping[str, Mapping[str, str]]) -> None:
         """Warn when a live process routes the main lane's event types to other sinks (or none):
         an event one process has no sink for is parked by it, though another would deliver it
         (a rolling deploy that enables a sink, a node left with an old configuration). Said
         again only when the set of such processes changes, and once more when it ends."""
-        if ROUTES_KEY not in self._orderings_text:
+        if self._routes_digest is None:
             return  # this process does not claim the main lane
-        mine = routes_digest(self.routes)
-        differ = set()
-        for node in nodes:
-            if node.node_id == self.node_id or node.node_id not in live:
-                continue
-            theirs = shown_orderings(node.orderings)
-            if ROUTES_KEY in theirs and theirs[ROUTES_KEY] != mine:
-                differ.add(node.node_id)
-        others = frozenset(differ)
-        if others == self._other_routes:
+        differ = frozenset(
+            node_id
+            for node_id, theirs in others.items()
+            if ROUTES_KEY in theirs and theirs[ROUTES_KEY] != self._routes_digest
+        )
+        if differ == self._other_routes:
             return
-        self._other_routes = others
-        if not others:
+        self._other_routes = differ
+        if not differ:
             log.info("every live process routes the main lane's event types as this process does")
             return
         log.warning(
             "processes disagree on the main lane's routes (which sink takes which event type): an event"
             " one of them has no sink for is parked by it (`room-outbox requeue --event-type X` sends it"
             " again once every process routes it); give them one configuration",
-            extra={"routes": dict(sorted(self.routes.items())), "others": sorted(others)},
+            extra={"routes": dict(sorted(self.routes.items())), "others": sorted(differ)},
         )
 
     def _leased_tables(self) -> list[tuple[str, Profile]]:
