@@ -21,7 +21,16 @@ import anyio
 import psycopg
 import pytest
 from anyio.abc import SocketStream, TaskStatus
-from support import V1_DDL, RecordingSink, envelope, free_port, insert_events, wait_until
+from support import (
+    V1_DDL,
+    RecordingSink,
+    envelope,
+    free_port,
+    insert_events,
+    mysql_global,
+    pg_admin,
+    wait_until,
+)
 
 from room_outbox import SinkSpec, hookimpl
 from room_outbox.app import run_service
@@ -226,6 +235,56 @@ async def test_a_server_with_no_connection_left_says_so_not_that_it_is_down(
         admin.close()
         await pg_admin_conn.execute(f"DROP ROLE IF EXISTS {user}")
         await pg_admin_conn.close()
+
+
+@pytest.mark.serial  # MariaDB's read_only is server-wide
+async def test_a_read_only_server_says_so_and_names_the_primary_as_the_fix(
+    database_dsn: str,
+    postgresql_dsn: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A replica, or a primary left read-only by a failover: a command that writes says the
+    server refuses writes and that database.dsn must name the primary (the server's own words
+    kept), on either server; PostgreSQL's pool adds no warning of its own for the connection
+    the failed transaction closed."""
+    user = f"ro_repl_{uuid.uuid4().hex[:8]}"  # read_only binds users without SUPER
+    mysql = MySQLAddress.from_dsn(database_dsn)
+    admin = await mysql.connect(autocommit=True, db=mysql.database)
+    dsns = {
+        "mysql": f"mysql://{user}:pw@{mysql.host}:{mysql.port}/{mysql.database}",
+        "postgresql": postgresql_dsn,
+    }
+    try:
+        async with admin.cursor() as cur:
+            await cur.execute(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'")
+            await cur.execute(f"GRANT ALL ON `{mysql.database}`.* TO '{user}'@'%'")
+        for dsn in dsns.values():
+            store = await open_store(dsn)
+            try:
+                await store.migrate()
+                await insert_events(store, [envelope("e1")])
+            finally:
+                await store.aclose()
+        pg_database = store_address(postgresql_dsn).database
+        pg_admin(f'ALTER DATABASE "{pg_database}" SET default_transaction_read_only = on')
+        with mysql_global(database_dsn, "read_only", lambda _: "ON"):
+            for kind, dsn in dsns.items():
+                caplog.clear()
+                code, _, err = await cli(capsys, "--config", write_config(tmp_path, dsn), "cancel", "e1", "--yes")
+                assert code == 3 and len(err) == 1, err
+                assert " refuses writes: " in err[0], err
+                assert err[0].endswith(
+                    "; database.dsn must name the primary: it names a replica, or a server in read-only mode"
+                    " (as a failover leaves the old primary)"
+                ), err
+                assert ("read-only" if kind == "mysql" else "read-only transaction") in err[0]
+                assert [r.getMessage() for r in caplog.records if r.name.startswith("psycopg")] == [], kind
+    finally:
+        async with admin.cursor() as cur:
+            await cur.execute(f"DROP USER IF EXISTS '{user}'@'%'")
+        admin.close()
 
 
 async def test_operator_command_on_a_table_never_migrated(

@@ -45,6 +45,9 @@ _PG_PRIVILEGES_NEEDED = (
     " room_consumer_retry_id_seq)"
 )
 _UNKNOWN_DATABASE = 1049
+#: Writes refused by a read-only server: ``--read-only`` (1290, on MariaDB also 1836), or a
+#: read-only transaction (1792).
+_READ_ONLY = (1290, 1792, 1836)
 _NO_SUCH_TABLE = 1146
 _NO_SUCH_COLUMN = 1054
 
@@ -86,6 +89,8 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
             return StoreUnavailable(f"{where}: {reason}; {_PRIVILEGES_NEEDED}")
         if code in (_NO_SUCH_TABLE, _NO_SUCH_COLUMN):
             return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
+        if code in _READ_ONLY and "read" in reason.lower():
+            return _read_only(where, reason)
         if isinstance(exc, pymysql.err.OperationalError):
             return StoreUnavailable(f"{where}: {reason}")
         return None
@@ -125,6 +130,8 @@ _PG_PRIVILEGE = "42501"
 #: The server's, the database's or the role's connection limit reached (libpq reports it while
 #: connecting, in its words only).
 _PG_TOO_MANY_CONNECTIONS = "53300"
+#: A write in a read-only transaction: a standby, or ``default_transaction_read_only``.
+_PG_READ_ONLY = "25006"
 
 
 def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOutboxError | None:
@@ -152,6 +159,8 @@ def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOu
         )
     if state == _PG_PRIVILEGE:
         return StoreUnavailable(f"{where}: {reason}; {_PG_PRIVILEGES_NEEDED}")
+    if state == _PG_READ_ONLY:
+        return _read_only(where, reason)
     if isinstance(exc, PoolTimeout) or (isinstance(exc, psycopg.OperationalError) and state is None):
         return StoreUnavailable(
             f"cannot reach {where}: {reason}; is the server running, and are database.dsn's host and port right?",
@@ -179,6 +188,16 @@ def _no_connection_left(where: str, what: str) -> StoreUnavailable:
     return StoreUnavailable(
         f"{where} has no connection left for this process: {what}; lower database.pool_size (each process"
         " opens up to that many), or raise the server's connection limit (max_connections, or the user's own)",
+        transient=True,
+    )
+
+
+def _read_only(where: str, reason: str) -> StoreUnavailable:
+    """The server takes no writes: a replica, or a primary set read-only (as a failover leaves
+    the old one). Waited for and retried, as a failover's address may soon name the new primary."""
+    return StoreUnavailable(
+        f"{where} refuses writes: {reason}; database.dsn must name the primary: it names a replica,"
+        " or a server in read-only mode (as a failover leaves the old primary)",
         transient=True,
     )
 

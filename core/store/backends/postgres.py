@@ -12,6 +12,7 @@ runs online (:meth:`PostgresStore.run_migration`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import time
 import weakref
@@ -47,6 +48,19 @@ from room_outbox.store.schema.registry import Planner
 JSON_AS_TEXT = AdaptersMap(psycopg.adapters)
 for _json_type in ("json", "jsonb"):
     JSON_AS_TEXT.register_loader(_json_type, TextLoader)
+
+
+class _ClosedOnPurpose(logging.Filter):
+    """Drops the pool's warning for a closed connection handed back to it: the store closes a
+    connection after any error in its transaction, on purpose (:meth:`PostgresStore.transaction`),
+    and reports that error where it happened. Left in, the warning came with every failed
+    transaction, a line a second while the database was down or read-only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("discarding closed connection")
+
+
+logging.getLogger("psycopg.pool").addFilter(_ClosedOnPurpose())
 
 #: The key of migrate's session lock (``pg_advisory_lock``): one migrate at a time per database.
 MIGRATE_LOCK_KEY = 0x726F6F6D2D6F7574  # "room-out"
