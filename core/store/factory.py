@@ -73,8 +73,7 @@ def describe(address: Address) -> str:
     if isinstance(address, SQLiteAddress):
         return f"SQLite file {str(address.path)!r}"
     server = "PostgreSQL" if isinstance(address, PostgresAddress) else "MySQL"
-    host = f"[{address.host}]" if ":" in address.host else address.host  # an IPv6 address, as a URL writes it
-    return f"{server} at {host}:{address.port} (database {address.database!r}, user {address.user!r})"
+    return f"{server} at {address.location} (database {address.database!r}, user {address.user!r})"
 
 
 def dialect_of(address: Address) -> str:

@@ -137,7 +137,10 @@ async def test_ssl_mode_refuses_a_server_that_offers_no_tls(database_dsn: str) -
         ("ssl_mode=disabled&ssl_ca=/etc/ca.pem", "ssl_ca given with ssl_mode=disabled"),
         ("ssl_mode=required&ssl_cert=/etc/c.pem", "ssl_cert and ssl_key go together"),
         ("ssl_ca=/nowhere/ca.pem", "ssl_ca: cannot be read (No such file or directory)"),
-        ("sslmode=require", "unsupported options ['sslmode'] (allowed: ssl_mode, ssl_ca, ssl_cert, ssl_key)"),
+        (
+            "sslmode=require",
+            "unsupported options ['sslmode'] (allowed: ssl_mode, ssl_ca, ssl_cert, ssl_key, unix_socket)",
+        ),
     ],
 )
 async def test_tls_options_that_cannot_work_are_refused_naming_the_option(options: str, message: str) -> None:

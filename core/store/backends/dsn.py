@@ -49,6 +49,31 @@ def parse_server_dsn(dsn: str, schemes: tuple[str, ...], default_port: int, defa
     )
 
 
+#: The hosts a DSN may name beside a Unix socket: this machine's (or none, which reads as the first).
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def socket_option(dsn: ServerDsn, option: str) -> str:
+    """The Unix socket ``option`` names ("" when absent): an absolute path, on a DSN whose host
+    is this machine (or left out); another host beside it would be ignored by the driver."""
+    path = dsn.query.get(option, [""])[-1]
+    if not path:
+        return ""
+    if not path.startswith("/"):
+        raise DsnOptionError(f"database.dsn: {option} must be an absolute path (got {path!r})")
+    if dsn.host not in LOCAL_HOSTS:
+        raise DsnOptionError(
+            f"database.dsn: {option} connects to this machine's server; the host {dsn.host!r} would be"
+            " ignored: leave the host out (scheme://user:password@/database?...)"
+        )
+    return path
+
+
+def host_and_port(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _check_userinfo(dsn: str) -> None:
     """Refuse a user or password holding ``#``, ``/`` or ``?`` as written: a URL ends its user
     part there, so the DSN would be read as another host, port or database and the error would

@@ -26,7 +26,7 @@ import anyio
 from pymysql.constants import CLIENT
 
 from room_outbox.errors import StoreUnavailable
-from room_outbox.store.backends.dsn import DsnOptionError, parse_server_dsn
+from room_outbox.store.backends.dsn import DsnOptionError, host_and_port, parse_server_dsn, socket_option
 from room_outbox.store.backends.leased import LeasedRows, claim_sql
 from room_outbox.store.backends.mysql_online import OnlineSchemaChange, exclusive_migration, to_stderr
 from room_outbox.store.deadline import (
@@ -64,8 +64,8 @@ TIME_ZONE = "+00:00"
 #: (encrypted, the server's certificate not checked), ``verify_ca`` (it must chain to ``ssl_ca``,
 #: or to the system's trust store) and ``verify_identity`` (that, and name the host connected to).
 SSL_MODES = ("disabled", "required", "verify_ca", "verify_identity")
-#: The DSN options a MySQL/MariaDB DSN may carry: TLS's.
-_DSN_OPTIONS = ("ssl_mode", "ssl_ca", "ssl_cert", "ssl_key")
+#: The DSN options a MySQL/MariaDB DSN may carry: TLS's, and the server's Unix socket.
+_DSN_OPTIONS = ("ssl_mode", "ssl_ca", "ssl_cert", "ssl_key", "unix_socket")
 
 
 @dataclass(frozen=True)
@@ -81,19 +81,23 @@ class MySQLAddress:
     ssl_ca: str = ""
     ssl_cert: str = ""
     ssl_key: str = ""
+    #: The server's Unix socket file, connected to instead of host and port ("": TCP).
+    unix_socket: str = ""
 
     @classmethod
     def from_dsn(cls, dsn: str) -> MySQLAddress:
-        """``mysql://user:password@host:port/database[?ssl_mode=…&ssl_ca=…]``. An ``ssl_ca``
-        without ``ssl_mode`` means ``verify_ca``, as for MySQL's client. Errors never echo the DSN,
-        which holds the password."""
+        """``mysql://user:password@host:port/database[?ssl_mode=…&ssl_ca=…]``, or
+        ``mysql://user:password@/database?unix_socket=/run/mysqld/mysqld.sock`` for a server on
+        this machine. An ``ssl_ca`` without ``ssl_mode`` means ``verify_ca``, as for MySQL's
+        client. Errors never echo the DSN, which holds the password."""
         parsed = parse_server_dsn(dsn, ("mysql", "mariadb", "mysql+aiomysql"), default_port=3306, default_user="root")
         unknown = set(parsed.query) - set(_DSN_OPTIONS)
         if unknown:
             raise DsnOptionError(
                 f"database.dsn: unsupported options {sorted(unknown)} (allowed: {', '.join(_DSN_OPTIONS)})"
             )
-        tls = {name: values[-1] for name, values in parsed.query.items()}
+        unix_socket = socket_option(parsed, "unix_socket")
+        tls = {name: values[-1] for name, values in parsed.query.items() if name != "unix_socket"}
         mode = tls.pop("ssl_mode", "verify_ca" if tls.get("ssl_ca") else "disabled").lower()
         if mode not in SSL_MODES:
             raise DsnOptionError(f"database.dsn: ssl_mode={mode!r} is not one of {', '.join(SSL_MODES)}")
@@ -108,6 +112,7 @@ class MySQLAddress:
             password=parsed.password,
             database=parsed.database,
             ssl_mode=mode,
+            unix_socket=unix_socket,
             **tls,
         )
         address.tls_context()  # its files exist and hold what they should, before any connection
@@ -127,7 +132,7 @@ class MySQLAddress:
         if self.ssl_mode != "disabled" and not conn._secure:
             conn.close()
             raise StoreUnavailable(
-                f"MySQL at {self.host}:{self.port} offered no TLS, and database.dsn's ssl_mode is"
+                f"MySQL at {self.location} offered no TLS, and database.dsn's ssl_mode is"
                 f" {self.ssl_mode}: enable TLS on the server, or check that database.dsn names it"
             )
 
@@ -153,6 +158,11 @@ class MySQLAddress:
             _load(context.load_cert_chain, "ssl_cert and ssl_key", certfile=self.ssl_cert, keyfile=self.ssl_key)
         return context
 
+    @property
+    def location(self) -> str:
+        """Where the server is, as messages name it: its socket file, or ``host:port``."""
+        return self.unix_socket or host_and_port(self.host, self.port)
+
     def connect_kwargs(self, *session: str) -> dict[str, Any]:
         """aiomysql's parameters; the session's init statement sets :data:`SQL_MODE`,
         :data:`TIME_ZONE` and the assignments in ``session``."""
@@ -169,6 +179,7 @@ class MySQLAddress:
             "init_command": f"SET SESSION {init}",
             "connect_timeout": 5,
             "ssl": self.tls_context(),
+            "unix_socket": self.unix_socket or None,
         }
 
     def session_kwargs(self, server_version: str, limits: SessionLimits) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from room_outbox.store.backends.dsn import DsnOptionError, parse_server_dsn
+from room_outbox.store.backends.dsn import DsnOptionError, host_and_port, parse_server_dsn, socket_option
 from room_outbox.store.deadline import SessionLimits
 
 SCHEMES = ("postgresql", "postgres")
@@ -23,6 +23,8 @@ _POOL_MODES = ("session", "transaction")
 #: where the outbox table is not in the role's default ones: ``search_path=silk`` or ``silk,public``.
 #: room-outbox's own tables are made in the first.
 SEARCH_PATH = "search_path"
+#: libpq's option for a Unix socket's directory (a host starting with "/").
+SOCKET_DIRECTORY = "host"
 
 
 @dataclass(frozen=True)
@@ -41,16 +43,17 @@ class PostgresAddress:
 
     @classmethod
     def from_dsn(cls, dsn: str) -> PostgresAddress:
-        """``postgresql://user:password@host:port/database[?sslmode=…][&pool_mode=transaction]``.
+        """``postgresql://user:password@host:port/database[?sslmode=…][&pool_mode=transaction]``,
+        or ``postgresql://user@/database?host=/var/run/postgresql`` for a server on this machine
+        (libpq's form: the directory of its Unix socket, ``port`` naming the socket's file).
         Errors never echo the DSN, which holds the password."""
         parsed = parse_server_dsn(dsn, SCHEMES, default_port=5432, default_user="postgres")
-        unknown = set(parsed.query) - {*_LIBPQ_OPTIONS, POOL_MODE, SEARCH_PATH}
+        allowed = (*_LIBPQ_OPTIONS, SOCKET_DIRECTORY, POOL_MODE, SEARCH_PATH)
+        unknown = set(parsed.query) - set(allowed)
         if unknown:
-            raise DsnOptionError(
-                f"database.dsn: unsupported options {sorted(unknown)}"
-                f" (allowed: {', '.join((*_LIBPQ_OPTIONS, POOL_MODE, SEARCH_PATH))})"
-            )
-        options = {name: values[-1] for name, values in sorted(parsed.query.items())}
+            raise DsnOptionError(f"database.dsn: unsupported options {sorted(unknown)} (allowed: {', '.join(allowed)})")
+        socket_directory = socket_option(parsed, SOCKET_DIRECTORY)
+        options = {name: values[-1] for name, values in sorted(parsed.query.items()) if name != SOCKET_DIRECTORY}
         schemas = tuple(name.strip() for name in options.pop(SEARCH_PATH, "").split(",") if name.strip())
         for schema in schemas:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_$]*", schema) or len(schema) > 63:
@@ -62,7 +65,7 @@ class PostgresAddress:
                 " (statement pooling cannot run a transaction of several statements)"
             )
         return cls(
-            host=parsed.host,
+            host=socket_directory or parsed.host,
             port=parsed.port,
             user=parsed.user,
             password=parsed.password,
@@ -71,6 +74,13 @@ class PostgresAddress:
             transaction_pooling=pool_mode == "transaction",
             search_path=schemas,
         )
+
+    @property
+    def location(self) -> str:
+        """Where the server is, as messages name it: its socket file, or ``host:port``."""
+        if self.host.startswith("/"):
+            return f"{self.host.rstrip('/')}/.s.PGSQL.{self.port}"
+        return host_and_port(self.host, self.port)
 
     def connect_kwargs(self, query_timeout: float, database: str | None = None) -> dict[str, Any]:
         """libpq's parameters. A session's settings are not among them: see
