@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -316,3 +317,63 @@ def pg_producing(dsn: str, insert: str, args: str, every: float) -> Iterator[lis
             process.kill()
     assert process.returncode == 0, out
     latencies += [float(line) for line in out.split()]
+
+
+class PrivateMariaDB:
+    """A MariaDB server of the test's own (Debian's server package) on a loopback port, in
+    ``folder``, started with ``options`` besides its data directory, port and socket: for server
+    settings the suite's server must not change (TLS required, binary logging)."""
+
+    def __init__(self, folder: Path, *options: str) -> None:
+        self.folder = folder
+        self.options = options
+        self.port = free_port()
+        self.proc: subprocess.Popen[str] | None = None
+
+    def dsn(self, options: str = "", database: str = "room") -> str:
+        return f"mysql://root:@127.0.0.1:{self.port}/{database}{'?' + options if options else ''}"
+
+    def start(self, answers: Callable[[], bool] | None = None) -> None:
+        """Start it and wait until ``answers`` (default: a plain login succeeds)."""
+        import pymysql
+
+        binaries = {name: shutil.which(name, path=f"{os.environ.get('PATH', '')}:/usr/sbin")
+                    for name in ("mariadb-install-db", "mariadbd")}  # fmt: skip
+        missing = [name for name, path in binaries.items() if path is None]
+        if missing:
+            pytest.fail(f"{', '.join(missing)} missing: install the Debian package mariadb-server")
+        data = self.folder / "data"
+        as_root = ["--user=root"] if os.geteuid() == 0 else []
+        subprocess.run(
+            [str(binaries["mariadb-install-db"]), "--no-defaults", f"--datadir={data}", *as_root,
+             "--auth-root-authentication-method=normal", "--skip-test-db"],
+            check=True, capture_output=True, timeout=120,
+        )  # fmt: skip
+        self.proc = subprocess.Popen(
+            [str(binaries["mariadbd"]), "--no-defaults", *as_root, f"--datadir={data}", f"--port={self.port}",
+             "--bind-address=127.0.0.1", f"--socket={self.folder / 'mysqld.sock'}",
+             f"--log-error={self.folder / 'error.log'}", "--innodb-buffer-pool-size=32M", *self.options],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+
+        def logs_in() -> bool:
+            try:
+                pymysql.connect(host="127.0.0.1", port=self.port, user="root", connect_timeout=2).close()
+            except pymysql.err.OperationalError:
+                return False
+            return True
+
+        def up() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, (self.folder / "error.log").read_text()[-2000:]
+            return (answers or logs_in)()
+
+        wait_until_sync(up, timeout=60.0, interval=0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)

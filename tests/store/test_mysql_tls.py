@@ -4,15 +4,12 @@ the suite's MariaDB, which offers no TLS."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pymysql
 import pytest
-from support import envelope, free_port, insert_events, loopback_certificate, make_ca, wait_until_sync
+from support import PrivateMariaDB, envelope, insert_events, loopback_certificate, make_ca
 
 from room_outbox.errors import ConfigurationError, StoreUnavailable
 from room_outbox.store.backends.mysql import MySQLAddress
@@ -23,44 +20,20 @@ from room_outbox.store.protocol import DeliveryResult, Outcome
 pytestmark = pytest.mark.anyio
 
 
-class TlsServer:
+class TlsServer(PrivateMariaDB):
     """A MariaDB requiring TLS on a loopback port, its certificate naming 127.0.0.1 and localhost."""
 
     def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.port = free_port()
         self.ca, ca_key = make_ca(folder, "test-ca")
         self.other_ca, _ = make_ca(folder, "other-ca")
         self.cert, self.key = loopback_certificate(folder, self.ca, ca_key)
-        self.proc: subprocess.Popen[str] | None = None
-
-    def dsn(self, options: str = "") -> str:
-        return f"mysql://root:@127.0.0.1:{self.port}/room{'?' + options if options else ''}"
-
-    def start(self) -> None:
-        binaries = {name: shutil.which(name, path=f"{os.environ.get('PATH', '')}:/usr/sbin")
-                    for name in ("mariadb-install-db", "mariadbd")}  # fmt: skip
-        missing = [name for name, path in binaries.items() if path is None]
-        if missing:
-            pytest.fail(f"{', '.join(missing)} missing: install the Debian package mariadb-server")
-        data = self.folder / "data"
-        as_root = ["--user=root"] if os.geteuid() == 0 else []
-        subprocess.run(
-            [str(binaries["mariadb-install-db"]), "--no-defaults", f"--datadir={data}", *as_root,
-             "--auth-root-authentication-method=normal", "--skip-test-db"],
-            check=True, capture_output=True, timeout=120,
-        )  # fmt: skip
-        self.proc = subprocess.Popen(
-            [str(binaries["mariadbd"]), "--no-defaults", *as_root, f"--datadir={data}", f"--port={self.port}",
-             "--bind-address=127.0.0.1", f"--socket={self.folder / 'mysqld.sock'}", "--skip-log-bin",
-             f"--log-error={self.folder / 'error.log'}", "--innodb-buffer-pool-size=32M",
-             f"--ssl-ca={self.ca}", f"--ssl-cert={self.cert}", f"--ssl-key={self.key}",
-             "--require-secure-transport=ON"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+        super().__init__(
+            folder, "--skip-log-bin", f"--ssl-ca={self.ca}", f"--ssl-cert={self.cert}", f"--ssl-key={self.key}",
+            "--require-secure-transport=ON",
         )  # fmt: skip
 
-        def answers() -> bool:
-            assert self.proc is not None and self.proc.poll() is None, (self.folder / "error.log").read_text()[-2000:]
+    def start(self, answers: Callable[[], bool] | None = None) -> None:
+        def over_tls() -> bool:
             try:
                 pymysql.connect(host="127.0.0.1", port=self.port, user="root", connect_timeout=2,
                                 ssl={"ca": str(self.ca)}).close()  # fmt: skip
@@ -68,16 +41,7 @@ class TlsServer:
                 return False
             return True
 
-        wait_until_sync(answers, timeout=60.0, interval=0.1)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        super().start(answers or over_tls)
 
 
 @pytest.fixture(scope="module")

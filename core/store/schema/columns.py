@@ -326,6 +326,28 @@ async def engine_problems(cur: Any, dialect: Dialect, table: str) -> list[str]:
     ]
 
 
+async def binlog_problems(cur: Any, dialect: Dialect) -> list[str]:
+    """A MySQL/MariaDB server that logs statements to its binary log (``binlog_format`` STATEMENT):
+    InnoDB refuses to log a write of a READ COMMITTED transaction there (error 1665), and the
+    store's sessions run at READ COMMITTED, which its claims need, so not one event would be
+    delivered. Switching the sessions' format is left to the server's owner: a replica logging
+    statements itself could not apply the rows."""
+    if dialect.name != "mysql":
+        return []
+    await cur.execute("SELECT @@log_bin, @@SESSION.binlog_format")
+    log_bin, binlog_format = await cur.fetchone()
+    binlog_format = binlog_format.decode() if isinstance(binlog_format, bytes) else str(binlog_format)
+    if not int(log_bin) or binlog_format.upper() != "STATEMENT":
+        return []
+    return [
+        "the server logs statements to its binary log (binlog_format=STATEMENT), and InnoDB refuses to log"
+        " the writes of a READ COMMITTED transaction, the isolation room-outbox's claims run at: every"
+        " write would fail (error 1665); set binlog_format to MIXED or ROW in the server's configuration"
+        " and with SET GLOBAL (the defaults since MariaDB 10.2.4 and MySQL 5.7.7), where its replicas"
+        " allow it"
+    ]
+
+
 async def check_constraint_problems(
     cur: Any, dialect: Dialect, profile: Profile, columns: dict[str, Column]
 ) -> list[str]:
@@ -453,7 +475,7 @@ async def checked_fixes(cur: Any, dialect: Dialect, profile: Profile) -> list[St
     fix; return the steps that fix the rest."""
     columns = await read_columns(cur, dialect, profile.table)
     refused, _fixable = column_problems(columns, profile, dialect)
-    refused = await engine_problems(cur, dialect, profile.table) + refused
+    refused = await binlog_problems(cur, dialect) + await engine_problems(cur, dialect, profile.table) + refused
     refused += await check_constraint_problems(cur, dialect, profile, columns)
     if refused:
         raise SchemaError("\n".join(refused))
@@ -464,7 +486,7 @@ async def check_columns(cur: Any, dialect: Dialect, profile: Profile, claim_ids:
     """``run``'s side: refuse every problem, those ``migrate`` fixes included."""
     columns = await read_columns(cur, dialect, profile.table)
     refused, fixable = column_problems(columns, profile, dialect, claim_ids)
-    refused = await engine_problems(cur, dialect, profile.table) + refused
+    refused = await binlog_problems(cur, dialect) + await engine_problems(cur, dialect, profile.table) + refused
     refused += await check_constraint_problems(cur, dialect, profile, columns)
     if refused or fixable:
         raise SchemaError("\n".join(refused + fixable))
