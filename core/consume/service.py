@@ -24,6 +24,7 @@ from room_outbox.config import ConfigError, Settings, parse_listen
 from room_outbox.consume.engine import Consumer
 from room_outbox.consume.registry import BoundHandler, build_handlers
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
+from room_outbox.errors import SchemaError
 from room_outbox.observability.health import Health
 from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redactor_for
@@ -34,6 +35,7 @@ from room_outbox.signals import stopped_by_signals
 from room_outbox.store.factory import consumer_store, open_store
 from room_outbox.store.operator.reports import ping
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.columns import binlog_problems
 
 log = logging.getLogger("room_outbox.consume")
 
@@ -96,6 +98,10 @@ async def _consume(
         return
     handlers: list[BoundHandler] = []
     try:
+        async with store.transaction() as cur:
+            refused = await binlog_problems(cur, store.dialect)  # every handling's write would fail
+        if refused:
+            raise SchemaError(refused[0])
         # A handling's transaction may take as long as the slowest consumer's handler_timeout.
         consumers_store = consumer_store(store, handler_timeout)
         if consumers_store is None:
