@@ -223,7 +223,7 @@ def pg_admin(sql: str) -> None:
 
 
 @contextlib.contextmanager
-def mysql_global(dsn: str, name: str, value: Callable[[str], str]) -> Iterator[None]:
+def mysql_global(dsn: str, name: str, value: Callable[[Any], object]) -> Iterator[None]:
     """The global variable ``name`` of ``dsn``'s server set to ``value(its value before)`` for
     the block, as a server's default for the sessions opened meanwhile; restored afterwards.
     Tests that use it are serial: every session of the suite would see it."""

@@ -14,6 +14,7 @@ from room_outbox.store.backends.leased import claim_sql, open_rows_of_rooms_sql
 from room_outbox.store.backends.mysql import CLAIM_SQL, SQL_MODE, MySQLStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import MYSQL
+from room_outbox.store.operator.retention import RetentionOptions, cleanup
 from room_outbox.store.protocol import DeliveryResult, Outcome
 from room_outbox.store.schema.buckets import BUCKETS
 from room_outbox.store.schema.outbox import TABLE
@@ -77,6 +78,36 @@ async def test_a_server_sql_mode_that_changes_how_statements_read_does_not_reach
             await store.aclose()
     assert stored["envelope"] == body.decode()
     assert stored["last_error"] == error
+
+
+@pytest.mark.serial  # the server's defaults change for every session opened meanwhile
+async def test_server_guards_for_ad_hoc_statements_do_not_reach_the_sessions(database_dsn: str) -> None:
+    """A server whose defaults cut every SELECT without a LIMIT to one row (sql_select_limit),
+    refuse a DELETE not bounded by a key (sql_safe_updates) and a large join (max_join_size):
+    a per-room claim still sees both rooms' earlier rows in flight and takes neither room's
+    next event, and retention removes an old published row."""
+    with (
+        mysql_global(database_dsn, "sql_select_limit", lambda _: 1),
+        mysql_global(database_dsn, "sql_safe_updates", lambda _: 1),
+        mysql_global(database_dsn, "max_join_size", lambda _: 1),
+    ):
+        store = await MySQLStore.connect(database_dsn)
+        try:
+            await store.migrate()
+            created = now_ms() - 8 * 86_400_000
+            async with store.transaction() as cur:
+                for event, room in (("e1", "r_1"), ("e2", "r_2"), ("e3", "r_1"), ("e4", "r_2"), ("old", "r_3")):
+                    await cur.execute(INSERT_V1, ("default", event, "RoomUserJoined", room, "{}", created, created))
+                await cur.execute("UPDATE room_outbox SET status = 'published' WHERE event_id = 'old'")
+            first = await store.claim("a#1", 2, now_ms() + 60_000)
+            assert [r.event_id for r in first.rows] == ["e1", "e2"]
+            later = await store.claim("b#1", 10, now_ms() + 60_000, per_room=True)
+            assert later.rows == []  # e3 and e4 wait for e1 and e2, both found by the look-back
+            report = await cleanup(store, RetentionOptions(older_than=7 * 86_400.0, batch_size=10, pause=0.0))
+            assert report.removed == 1
+            assert sorted(await fetch_rows(store)) == ["e1", "e2", "e3", "e4"]
+        finally:
+            await store.aclose()
 
 
 async def test_claim_query_reads_only_the_index_range(store: MySQLStore) -> None:

@@ -60,6 +60,11 @@ SQL_MODE = "STRICT_TRANS_TABLES,NO_ENGINE_SUBSTITUTION"
 TIME_ZONE = "+00:00"
 
 
+#: Every session without the guards a server's default may put on ad-hoc statements, which
+#: room-outbox's are not: ``sql_select_limit`` cut every SELECT without a LIMIT of its own short,
+#: silently (a per-room look-back, the cluster's members, a report), ``sql_safe_updates`` refused
+#: retention's DELETEs, and ``max_join_size`` would refuse a large report (``sql_big_selects``).
+UNGUARDED = ("sql_select_limit = 18446744073709551615", "sql_safe_updates = 0", "sql_big_selects = 1")
 #: ``ssl_mode`` in a DSN, as MySQL's own client names its modes: ``disabled`` (no TLS), ``required``
 #: (encrypted, the server's certificate not checked), ``verify_ca`` (it must chain to ``ssl_ca``,
 #: or to the system's trust store) and ``verify_identity`` (that, and name the host connected to).
@@ -165,8 +170,8 @@ class MySQLAddress:
 
     def connect_kwargs(self, *session: str) -> dict[str, Any]:
         """aiomysql's parameters; the session's init statement sets :data:`SQL_MODE`,
-        :data:`TIME_ZONE` and the assignments in ``session``."""
-        init = ", ".join((f"sql_mode = '{SQL_MODE}'", f"time_zone = '{TIME_ZONE}'", *session))
+        :data:`TIME_ZONE`, :data:`UNGUARDED` and the assignments in ``session``."""
+        init = ", ".join((f"sql_mode = '{SQL_MODE}'", f"time_zone = '{TIME_ZONE}'", *UNGUARDED, *session))
         return {
             "host": self.host,
             "port": self.port,
