@@ -28,10 +28,15 @@ class KafkaSink:
         self._producer: AIOKafkaProducer | None = None
         self._partitioner = KeyPartitioner()
         self._starting = anyio.Lock()
+        #: The topic's partition count when last sent to (0: not yet known).
+        self._partition_count = 0
 
     async def deliver(self, envelope: EventEnvelope) -> None:
         producer = await self._started()
         value, key, headers = self._message(envelope)
+        known = producer.client.cluster.partitions_for_topic(self.settings.topic)
+        if known:
+            self._note_partitions(len(known))
         try:
             await producer.send_and_wait(self.settings.topic, value, key=key, headers=headers)
         except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
@@ -54,6 +59,7 @@ class KafkaSink:
         sent: list[tuple[list[int], asyncio.Future[Any]]] = []
         try:
             partitions = sorted(await producer.partitions_for(topic))
+            self._note_partitions(len(partitions))
             filling: dict[int, tuple[Any, list[int]]] = {}  # partition: its open batch, which envelopes
             for index, envelope in enumerate(envelopes):
                 try:
@@ -84,6 +90,21 @@ class KafkaSink:
                 if future.done() and not future.cancelled():
                     future.exception()
         return outcomes
+
+    def _note_partitions(self, count: int) -> None:
+        """Warn once when the topic's partition count changes (as the producer's metadata shows
+        it): each room's key then maps to another partition, so a consumer may read a room's
+        newer events, in their new partition, before its older ones still waiting in the old."""
+        if count != self._partition_count:
+            if self._partition_count:
+                self.log.warning(
+                    "the topic's partition count changed: rooms' events go to other partitions from now"
+                    " on, and a consumer may read a room's newer events before its older ones; let the"
+                    " consumers catch up on the old partitions before relying on a room's order",
+                    extra={"sink": "kafka", "topic": self.settings.topic, "partitions": count,
+                           "partitions_before": self._partition_count},
+                )  # fmt: skip
+            self._partition_count = count
 
     def _message(self, envelope: EventEnvelope) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
         value = _json(envelope)

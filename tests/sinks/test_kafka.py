@@ -3,9 +3,12 @@ silent broker is a stopped process (SIGSTOP), resumed with SIGCONT."""
 
 from __future__ import annotations
 
+import logging
 import signal
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -14,8 +17,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 from lanes.conftest import Broker
 
-from room_outbox import EventEnvelope
+from room_outbox import EventEnvelope, SinkContext
 from room_outbox.plugins import kafka
+from room_outbox.plugins.kafka import KafkaSettings
 from room_outbox.plugins.kafka import sink as kafka_sink
 from room_outbox.testing import SinkContract, closed_port, event
 from room_outbox.testing import SinkHarness as Harness
@@ -99,3 +103,50 @@ def test_message_value_is_the_envelope_as_json() -> None:
         {"event_id": "e1", "event_type": "RoomGiftSent", "room_id": "r1", "payload": {"名": 1.5}, "extra": [1]}
     )
     assert kafka_sink._json(envelope) == envelope.model_dump_json().encode()
+
+
+@pytest.mark.anyio
+async def test_a_change_of_the_topics_partition_count_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Partitions added to the topic move rooms' keys to other partitions: the sink warns once
+    per change, on the tailing relay's path (publish) and the lane table's (deliver). tansu
+    cannot add partitions to a topic, so the topic is made again with another count."""
+    broker = Broker(tmp_path / "tansu.log", partitions=1)
+    broker.start()
+    logger = logging.getLogger("test.kafka_partitions")
+    sink = kafka_sink.KafkaSink(
+        KafkaSettings(bootstrap_servers=broker.bootstrap, topic=broker.topic), SinkContext("node", logger)
+    )
+
+    async def topic_made_again(partitions: int) -> None:
+        url = f"tcp://{broker.bootstrap}"
+        for command in (["delete", broker.topic], ["create", broker.topic, "--partitions", str(partitions)]):
+            subprocess.run([str(broker.binary), "topic", *command, "--broker", url], check=True, timeout=20)
+        assert sink._producer is not None
+        with anyio.fail_after(10):  # the producer's metadata, refreshed now rather than in 5 minutes
+            await sink._producer.client.force_metadata_update()
+
+    def warnings() -> list[tuple[Any, Any]]:
+        return [
+            (r.partitions, r.partitions_before)
+            for r in caplog.records
+            if r.name == logger.name and "partition count changed" in r.getMessage()
+        ]
+
+    try:
+        caplog.set_level(logging.WARNING, logger=logger.name)
+        with anyio.fail_after(30):
+            assert await sink.publish([event("p-1")]) == [None]
+            assert warnings() == []
+            await topic_made_again(3)
+            assert await sink.publish([event("p-2"), event("p-3", room_id="r_2")]) == [None, None]
+            assert await sink.publish([event("p-4")]) == [None]
+            assert warnings() == [(3, 1)]
+            await topic_made_again(2)
+            await sink.deliver(event("d-1"))
+            await sink.deliver(event("d-2"))
+            assert warnings() == [(3, 1), (2, 3)]
+    finally:
+        await sink.aclose()
+        broker.stop()
