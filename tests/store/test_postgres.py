@@ -12,11 +12,14 @@ import psycopg
 import pytest
 from support import POSTGRESQL_SERVER_DSN, envelope, insert_events, pg_admin, wait_until
 
-from room_outbox.errors import ConfigurationError, StoreUnavailable
+from room_outbox.errors import ConfigurationError, SchemaError, StoreUnavailable
 from room_outbox.store.backends.postgres import PostgresAddress, PostgresStore, open_session
 from room_outbox.store.clock import now_ms
 from room_outbox.store.deadline import QueryTimeout
 from room_outbox.store.factory import describe, open_store, store_address
+from room_outbox.store.schema import registry
+from room_outbox.store.schema.check import check_schema
+from room_outbox.store.schema.registry import WantedSchema
 
 pytestmark = pytest.mark.anyio
 
@@ -213,3 +216,33 @@ async def test_postgresql_failures_name_the_server_and_the_fix_never_the_passwor
     assert down.value.transient and "pw-secret" not in str(down.value)
     with pytest.raises(StoreUnavailable, match="the database does not exist; create it, or run `room-outbox migrate`"):
         await open_store(f"{POSTGRESQL_SERVER_DSN}/ro_no_such_database")
+
+
+async def test_a_caching_id_sequence_is_refused_where_lanes_tail_room_outbox(postgresql_dsn: str) -> None:
+    """A sequence that caches ids per session hands them out long after later ones commit:
+    refused by migrate and run once a lane reads room_outbox (the lanes would skip them after
+    gap_timeout), with the fix; the main lane alone does not depend on the ids' order."""
+    store = await PostgresStore.connect(postgresql_dsn)
+    try:
+        await store.migrate()
+        async with store.transaction() as cur:
+            await cur.execute("ALTER SEQUENCE room_outbox_id_seq CACHE 20")
+        await check_schema(store)
+        with pytest.raises(SchemaError) as refused:
+            await check_schema(store, tail_lanes=["kafka"])
+        assert str(refused.value).startswith(
+            "room_outbox.id comes from the sequence room_outbox_id_seq, which caches 20 values per session"
+        ), str(refused.value)
+        assert "run ALTER SEQUENCE room_outbox_id_seq CACHE 1, then let room-service's connections" in str(
+            refused.value
+        )
+        with pytest.raises(SchemaError, match="caches 20 values per session"):
+            await registry.migrate(store, WantedSchema(lanes=("audit",)))
+        async with store.transaction() as cur:
+            await cur.execute("SELECT to_regclass('room_outbox_lane_audit')")
+            assert (await cur.fetchone())[0] is None  # refused before any change
+            await cur.execute("ALTER SEQUENCE room_outbox_id_seq CACHE 1")
+        await registry.migrate(store, WantedSchema(lanes=("audit",), tail_lanes=("kafka",)))
+        await check_schema(store, lanes=["audit"], tail_lanes=["kafka"])
+    finally:
+        await store.aclose()

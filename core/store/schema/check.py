@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import column_names
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.columns import check_columns
+from room_outbox.store.schema.columns import check_columns, sequence_problems
 from room_outbox.store.schema.registry import WantedSchema, required_columns
 
 _FIX = "run `room-outbox migrate`"
@@ -34,6 +34,9 @@ async def check_schema(
     # What the columns can hold comes first: migrate refuses it before adding anything missing
     async with store.transaction() as cur:
         await check_columns(cur, store.dialect, store.profile, claim_ids)
+        refused = await sequence_problems(cur, store.dialect, store.profile) if lanes or tail_lanes else []
+    if refused:
+        raise SchemaError("\n".join(refused))
     found = await _columns(store, list(required))
     for table, columns in required.items():
         have = found.get(table, set())

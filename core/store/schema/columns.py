@@ -348,6 +348,35 @@ async def binlog_problems(cur: Any, dialect: Dialect) -> list[str]:
     ]
 
 
+async def sequence_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[str]:
+    """A PostgreSQL sequence behind the outbox's key that caches values (``CACHE`` above 1):
+    each producer session takes a block of ids and uses them over its life, long after other
+    sessions' later ids have committed. The lanes wait for a missing id only ``lanes.gap_timeout``
+    and then take it as rolled back, so those events would never reach them. (MySQL allocates
+    an auto-increment id at the insert itself.)"""
+    if dialect.name != "postgresql":
+        return []
+    await cur.execute("SELECT to_regclass(%s)", (profile.table,))
+    if (await cur.fetchone())[0] is None:
+        return []  # not made yet: migrate makes it with a sequence of its own
+    await cur.execute(
+        "SELECT seq.seqrelid::regclass::text, seq.seqcache FROM pg_sequence seq"
+        " WHERE seq.seqrelid = pg_get_serial_sequence(%s, %s)::regclass",
+        (profile.table, profile.key),
+    )
+    row = await cur.fetchone()
+    if row is None or row[1] <= 1:
+        return []
+    sequence, cache = row
+    return [
+        f"{profile.table}.{profile.key} comes from the sequence {sequence}, which caches {cache} values per"
+        " session (CACHE): a session uses its cached ids long after other sessions' later ids commit,"
+        " and the lanes take an id missing for lanes.gap_timeout as rolled back, so they would never"
+        f" send those events; run ALTER SEQUENCE {sequence} CACHE 1, then let room-service's"
+        " connections reconnect (each keeps the ids it has cached)"
+    ]
+
+
 async def check_constraint_problems(
     cur: Any, dialect: Dialect, profile: Profile, columns: dict[str, Column]
 ) -> list[str]:

@@ -20,8 +20,10 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import PLUGIN_SCHEMA, Dialect
 from room_outbox.store.schema.buckets import BUCKET_COLUMN, BUCKET_TABLE, NODE_TABLE, bucket_plan
+from room_outbox.store.schema.columns import sequence_problems
 from room_outbox.store.schema.consumers import consumer_steps
 from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_steps, lane_table
 from room_outbox.store.schema.outbox import Migration, concurrent_step, invalid_index_steps, plan_outbox
@@ -67,6 +69,10 @@ async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: Want
         if dialect.room_buckets:
             buckets = await bucket_plan(cur, dialect, [profile.table], profile=profile)
             plan += [concurrent_step(change, statements) for change, statements in buckets]
+    if wanted.lanes or wanted.tail_lanes:
+        refused = await sequence_problems(cur, dialect, profile)
+        if refused:
+            raise SchemaError("\n".join(refused))
     if wanted.lanes is not None:
         plan += await lane_steps(cur, dialect, wanted.lanes)
     plan += await tail_steps(cur, dialect, wanted.tail_lanes, cursor_planned=wanted.lanes is not None)
