@@ -11,20 +11,24 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import pytest
-from support import POSTGRESQL_SERVER_DSN, envelope, fetch_rows, insert_events, make_dispatcher, pg_admin
+from support import POSTGRESQL_SERVER_DSN, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, pg_admin
 
 from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.cli.inspect import inspect_event
 from room_outbox.cluster.identity import process_identity
+from room_outbox.delivery.routing import Router
+from room_outbox.delivery.tail import TailRelay
+from room_outbox.observability.redaction import Redactor
 from room_outbox.sink import PermanentSinkError, RetryableSinkError
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.backends.postgres import PostgresStore
+from room_outbox.store.lanes.tail import TailStore, migrate_tail
 from room_outbox.store.protocol import SQLStore
 
 pytestmark = pytest.mark.anyio
@@ -180,3 +184,53 @@ async def test_an_envelope_in_another_encoding_in_a_sql_ascii_database_is_its_ro
             await store.aclose()
     finally:
         pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class OrderedLog:
+    """An ordered-log sink in memory: ``refuse`` fails for good, with its error, the events
+    named there."""
+
+    def __init__(self, refuse: dict[str, str]) -> None:
+        self.refuse = refuse
+        self.sent: list[str] = []
+
+    async def deliver(self, event: Any) -> None:
+        raise AssertionError("a tailing lane publishes batches")
+
+    async def publish(self, envelopes: Sequence[Any]) -> list[PermanentSinkError | None]:
+        self.sent += [e.event_id for e in envelopes if e.event_id not in self.refuse]
+        return [PermanentSinkError(self.refuse[e.event_id]) if e.event_id in self.refuse else None for e in envelopes]
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_tailing_lane_parks_an_error_its_table_cannot_hold_escaped_and_goes_on() -> None:
+    """On a LATIN1 database, errors naming Chinese text: a bad envelope (a Chinese key holding a
+    number JSON has not) and a sink's own refusal. Each was refused by the parked table, which
+    failed the round, so the lane read the same rows again for ever and sent nothing after them."""
+    name = f"ro_test_{uuid.uuid4().hex[:12]}"
+    pg_admin(f"CREATE DATABASE {name} ENCODING 'LATIN1' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'")
+    try:
+        store = await PostgresStore.connect(f"{POSTGRESQL_SERVER_DSN}/{name}")
+        try:
+            await store.migrate()
+            await migrate_tail(store, ["kafka"])
+            bad = json.dumps(envelope("bad", payload={"金额": 1})).replace("1}", "NaN}")
+            await insert_rows(store, [("default", "bad", "RoomUserJoined", "r_1", bad)])
+            await insert_events(store, [envelope("refused"), envelope("after")])
+            sink = OrderedLog({"refused": "ErrorCode 10010: 群组不存在"})
+            tail = TailStore(owner=store, lane="kafka", start="beginning", feed_batch=10, gap_timeout=30.0)
+            router = Router({"kafka": sink}, {}, catch_all="kafka", skip_unrouted=True)
+            relay = TailRelay(tail, router, poll_interval=0.05, publish_timeout=5.0, redactor=Redactor())
+            await relay.run_once()
+            assert sink.sent == ["after"]
+            parked = {row["event_id"]: row["last_error"] for row in await tail.parked()}
+        finally:
+            await store.aclose()
+    finally:
+        pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    assert parked == {
+        "bad": r"malformed envelope: payload.\u91d1\u989d: not a finite number (NaN, Infinity or out of range)",
+        "refused": r"ErrorCode 10010: \u7fa4\u7ec4\u4e0d\u5b58\u5728",
+    }, parked

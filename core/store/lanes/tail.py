@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
+from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import marks, text
+from room_outbox.store.dialect import ascii_text, marks, text
 from room_outbox.store.lanes.store import CURSOR_TABLE, Gap, LaneStore, log
 from room_outbox.store.schema.outbox import Migration
 from room_outbox.store.schema.registry import WantedSchema, migrate, migration_plan
@@ -315,25 +316,42 @@ class TailStore(LaneStore):
             )
         named = await self._names(cur, [i for i in tail.parked if i not in tail.requeued])
         for outbox_id, error in tail.parked.items():
-            if outbox_id in tail.requeued:
-                await cur.execute(
-                    f"UPDATE {PARKED_TABLE} SET status = %s, last_error = %s, updated_at_ms = %s"
-                    " WHERE lane = %s AND outbox_id = %s",
-                    (PARKED, error, now, self.lane, outbox_id),
+            try:
+                async with self._undone_if_refused(cur):
+                    await self._park_one(cur, outbox_id, error, outbox_id in tail.requeued, named, now)
+            except Exception as exc:
+                if refused_value(exc) is None or error.isascii():
+                    raise
+                # A parked table in a character set without some of the text's characters (a
+                # LATIN1 database) refuses it: kept with them escaped, the lane goes on.
+                error = ascii_text(error)
+                await self._park_one(cur, outbox_id, error, outbox_id in tail.requeued, named, now)
+            if outbox_id not in tail.requeued:
+                event_id = named.get(outbox_id, ("", ""))[0]
+                log.warning(
+                    "event parked: it can never be delivered",
+                    extra={"lane": self.lane, "outbox_id": outbox_id, "event_id": event_id, "error": error},
                 )
-                continue
-            insert = (
-                f"INSERT INTO {PARKED_TABLE} (lane, outbox_id, event_id, room_id, status, last_error,"
-                " created_at_ms, updated_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
+
+    async def _park_one(
+        self, cur: Any, outbox_id: int, error: str, requeued: bool, named: dict[int, tuple[str, str]], now: int
+    ) -> None:
+        """Park ``outbox_id`` with ``error``: a requeued row parked again, or a new parked row."""
+        if requeued:
+            await cur.execute(
+                f"UPDATE {PARKED_TABLE} SET status = %s, last_error = %s, updated_at_ms = %s"
+                " WHERE lane = %s AND outbox_id = %s",
+                (PARKED, error, now, self.lane, outbox_id),
             )
-            # Parked already by an owner before a handover: this error replaces that one.
-            await cur.execute(f"DELETE FROM {PARKED_TABLE} WHERE lane = %s AND outbox_id = %s", (self.lane, outbox_id))
-            event_id, room_id = named.get(outbox_id, ("", ""))  # "": the row is gone since the read
-            await cur.execute(insert, (self.lane, outbox_id, event_id, room_id, PARKED, error, now, now))
-            log.warning(
-                "event parked: it can never be delivered",
-                extra={"lane": self.lane, "outbox_id": outbox_id, "event_id": event_id, "error": error},
-            )
+            return
+        # Parked already by an owner before a handover: this error replaces that one.
+        await cur.execute(f"DELETE FROM {PARKED_TABLE} WHERE lane = %s AND outbox_id = %s", (self.lane, outbox_id))
+        event_id, room_id = named.get(outbox_id, ("", ""))  # "": the row is gone since the read
+        await cur.execute(
+            f"INSERT INTO {PARKED_TABLE} (lane, outbox_id, event_id, room_id, status, last_error,"
+            " created_at_ms, updated_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+            (self.lane, outbox_id, event_id, room_id, PARKED, error, now, now),
+        )
 
     async def _names(self, cur: Any, ids: Sequence[int]) -> dict[int, tuple[str, str]]:
         """The event id and room id of the rows ``ids``, as their columns hold them."""
