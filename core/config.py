@@ -633,6 +633,12 @@ def load_settings(config_file: str | Path | None = None) -> Settings:
             loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506: a SafeLoader
         except OSError as exc:
             raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:  # saved by an editor in another encoding (GBK, UTF-16)
+            line = exc.object[: exc.start].count(b"\n") + 1
+            raise ConfigError(
+                f"config file {path}: not UTF-8: line {line} holds byte 0x{exc.object[exc.start]:02x},"
+                " which UTF-8 has not there; save the file as UTF-8"
+            ) from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path}: not valid YAML: {describe_yaml_error(exc)}") from None
         if loaded is not None and not isinstance(loaded, dict):

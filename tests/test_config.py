@@ -278,6 +278,32 @@ def test_yaml_errors_say_where_and_what_but_never_echo_the_line(tmp_path: Path, 
     assert "hunter22" not in message and "\n" not in message
 
 
+@pytest.mark.parametrize(
+    ("content", "where"),
+    [
+        ("database:\n  dsn: 'sqlite:///x.db'  # 数据库\n".encode("gbk"), "line 2 holds byte 0xca"),  # a GBK comment
+        ("log:\n  level: INFO\n".encode("utf-16"), "line 1 holds byte 0xff"),  # a Windows editor's UTF-16
+    ],
+)
+def test_a_config_file_not_in_utf8_is_named_with_the_line_not_a_traceback(
+    tmp_path: Path, content: bytes, where: str
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    assert (
+        str(info.value) == f"config file {path}: not UTF-8: {where}, which UTF-8 has not there; save the file as UTF-8"
+    )
+
+
+def test_a_utf8_config_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    """What Windows' Notepad saves as UTF-8."""
+    path = tmp_path / "config.yaml"
+    path.write_bytes("log:\n  level: debug  # 日志\n".encode("utf-8-sig"))
+    assert load_settings(path).log.level == "DEBUG"
+
+
 def test_library_log_level_defaults_to_warning_and_is_checked(tmp_path: Path) -> None:
     assert load_settings().log.library_level == "WARNING"
     assert load_settings(write(tmp_path, "log:\n  library_level: debug\n")).log.library_level == "DEBUG"
