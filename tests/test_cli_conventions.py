@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -276,3 +278,18 @@ async def test_redrive_of_an_unknown_consumer_names_it(
     assert err == "room-outbox consumers redrive: no consumer 'typo' (known: feed)\n"
     code, out, _ = await cli(capsys, "--config", config, "consumers", "redrive", "--consumer", "feed", "--json")
     assert code == 0 and json.loads(out)["selected"] == 0
+
+
+async def test_a_terminal_without_an_events_characters_shows_them_escaped(store: MySQLStore, config: str) -> None:
+    """A locale whose encoding lacks some of an event's characters (an emoji in a GBK or
+    Latin-1 terminal; ASCII here): the report is written with them escaped. It failed with a
+    UnicodeEncodeError half-way through."""
+    await insert_events(store, [envelope("emoji", payload={"t": "🎉 你好"})])
+    shown = subprocess.run(
+        [sys.executable, "-m", "room_outbox.cli", "--config", config, "inspect", "emoji"],
+        env={**os.environ, "PYTHONIOENCODING": "ascii"},
+        capture_output=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr.decode()
+    assert '"t": "\\U0001f389 \\u4f60\\u597d"' in shown.stdout.decode("ascii")

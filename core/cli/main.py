@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -107,12 +108,21 @@ def _fill(sub: argparse.ArgumentParser, name: str) -> None:
     add_config_option(sub, command.needs)
 
 
+def _escape_what_the_terminal_cannot_show() -> None:
+    """Standard output in a locale without some characters an event may hold (an emoji in a
+    GBK or Latin-1 terminal): those characters are written escaped (``\\U0001f389``), as
+    standard error already writes them, instead of the command failing half-way."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit code (see :data:`EXIT_CODES`). An error room-outbox expects
     (configuration, database, schema) is one line on stderr, never a traceback."""
     # The process's one redactor: it learns the configuration's secrets as soon as they are
     # loaded, so even the one line a failing command prints is masked.
     redactor = Redactor()
+    _escape_what_the_terminal_cannot_show()
     try:
         parser = build_parser()
         code = _command(parser.parse_args(argv), parser, redactor)
