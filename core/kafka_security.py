@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, SecretStr, model_validator
 
+from room_outbox.tls import as_servers_clients_check
+
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
@@ -86,7 +88,7 @@ class KafkaSecurity(BaseModel):
         if not self.security_protocol.endswith("SSL"):
             return None
         try:
-            context = ssl.create_default_context(cafile=self.ssl_cafile or None)
+            context = as_servers_clients_check(ssl.create_default_context(cafile=self.ssl_cafile or None))
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(f"ssl_cafile {self.ssl_cafile!r}: not a usable CA bundle ({exc})") from None
         context.check_hostname = self.ssl_check_hostname

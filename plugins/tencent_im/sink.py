@@ -36,6 +36,7 @@ from room_outbox.plugins.tencent_im.message import SEND_GROUP_MSG, body_size, gr
 from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindowLimiter
 from room_outbox.plugins.tencent_im.settings import TencentIMSettings
 from room_outbox.plugins.tencent_im.usersig import UserSigCache
+from room_outbox.tls import as_servers_clients_check
 
 
 @dataclass
@@ -249,8 +250,8 @@ def http_client(settings: TencentIMSettings) -> httpx.AsyncClient:
     # Its credentials (user:password@) go to the proxy alone, as Proxy-Authorization.
     proxy = settings.proxy.get_secret_value()
     verify = httpx.create_ssl_context(trust_env=False)  # the public CAs (certifi's)
-    if settings.ca_file:
-        verify.load_verify_locations(cafile=settings.ca_file)
+    if settings.ca_file:  # a proxy's or a private CA, checked as curl checks it
+        as_servers_clients_check(verify).load_verify_locations(cafile=settings.ca_file)
     return httpx.AsyncClient(
         transport=AiohttpTransport(
             verify=verify, limits=limits, trust_env=False, proxy=httpx.Proxy(proxy) if proxy else None

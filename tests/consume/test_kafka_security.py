@@ -33,6 +33,7 @@ from room_outbox.kafka_security import KafkaSecurity
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugins.kafka import KafkaSettings
 from room_outbox.plugins.kafka.sink import KafkaSink
+from room_outbox.tls import as_servers_clients_check
 
 pytestmark = pytest.mark.anyio
 
@@ -136,7 +137,11 @@ async def tls_broker(certs: Path, log: Path) -> AsyncIterator[str]:
          "--advertised-listener-url", f"tcp://127.0.0.1:{proxy_port}", "--storage-engine", "memory://tansu/"],
         stdout=subprocess.DEVNULL, stderr=log.open("a"),
     )  # fmt: skip
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(certs / "ca.pem"))
+    # As a broker's own TLS checks the client's certificate: the test CA, made by hand, has no
+    # key usage extension, which Python 3.13's strict default refuses.
+    server_ctx = as_servers_clients_check(
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(certs / "ca.pem"))
+    )
     server_ctx.load_cert_chain(str(certs / "server.pem"), str(certs / "server.key"))
     server_ctx.verify_mode = ssl.CERT_REQUIRED
 

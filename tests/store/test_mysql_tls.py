@@ -4,14 +4,19 @@ the suite's MariaDB, which offers no TLS."""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pymysql
 import pytest
 from support import PrivateMariaDB, envelope, insert_events, loopback_certificate, make_ca
 
 from room_outbox.errors import ConfigurationError, StoreUnavailable
+from room_outbox.kafka_security import KafkaSecurity
+from room_outbox.plugins.tencent_im.settings import TencentIMSettings
+from room_outbox.plugins.tencent_im.sink import http_client
 from room_outbox.store.backends.mysql import MySQLAddress
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
@@ -119,3 +124,38 @@ def test_ssl_mode_is_read_case_blind_and_an_ssl_ca_alone_means_verify_ca(tmp_pat
     assert MySQLAddress.from_dsn(f"mysql://u@h/db?ssl_ca={ca}").ssl_mode == "verify_ca"
     assert MySQLAddress.from_dsn("mysql://u@h/db?ssl_mode=REQUIRED").ssl_mode == "required"
     assert MySQLAddress.from_dsn("mysql://u@h/db").tls_context() is None
+
+
+async def test_a_ca_without_key_usage_is_trusted_as_the_servers_own_clients_trust_it(
+    tls_server: TlsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test CA, made by hand as many are, has no key usage extension. Python 3.13 checks
+    certificates strictly by default and refuses it, where MySQL's, Kafka's and curl's clients
+    accept it: that default, set here on any Python, is lifted for the database's, the
+    broker's and a private CA's contexts, and the server is reached over TLS."""
+    make_default = ssl.create_default_context
+
+    def strict_by_default(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        context = make_default(*args, **kwargs)
+        context.verify_flags |= ssl.VERIFY_X509_STRICT
+        return context
+
+    monkeypatch.setattr(ssl, "create_default_context", strict_by_default)
+    strict = ssl.create_default_context(cafile=str(tls_server.ca))
+    with pytest.raises(pymysql.err.OperationalError):  # what Python 3.13's default does
+        pymysql.connect(host="127.0.0.1", port=tls_server.port, user="root", ssl=strict, connect_timeout=5)
+    store = await open_store(tls_server.dsn(f"ssl_ca={tls_server.ca}"), create_database=True)
+    try:
+        async with store.transaction() as cur:
+            await cur.execute("SHOW SESSION STATUS LIKE 'Ssl_cipher'")
+            assert (await cur.fetchone())[1]
+    finally:
+        await store.aclose()
+    broker = KafkaSecurity(security_protocol="SSL", ssl_cafile=str(tls_server.ca)).ssl_context()
+    im = http_client(TencentIMSettings(sdkappid=1400000000, secret_key="k", ca_file=str(tls_server.ca)))
+    try:
+        verify = im._transport.ssl_context  # type: ignore[attr-defined]
+        for context in (broker, verify):
+            assert isinstance(context, ssl.SSLContext) and not context.verify_flags & ssl.VERIFY_X509_STRICT
+    finally:
+        await im.aclose()

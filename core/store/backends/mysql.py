@@ -39,6 +39,7 @@ from room_outbox.store.dialect import MYSQL, Dialect
 from room_outbox.store.schema import registry
 from room_outbox.store.schema.outbox import TABLE, Migration
 from room_outbox.store.schema.registry import Planner
+from room_outbox.tls import as_servers_clients_check
 
 __all__ = ["CLAIM_SQL", "Migration", "MySQLAddress", "MySQLStore"]
 
@@ -151,7 +152,7 @@ class MySQLAddress:
     def _tls(self) -> ssl.SSLContext | None:
         if self.ssl_mode == "disabled":
             return None
-        context = ssl.create_default_context()
+        context = as_servers_clients_check(ssl.create_default_context())
         if self.ssl_mode == "required":
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
