@@ -160,6 +160,8 @@ class RecordingSink:
         error: Exception | None = None,
     ) -> None:
         self.received: list[str] = []
+        #: The last envelope received for each event_id.
+        self.envelopes: dict[str, Any] = {}
         self.fail = fail or set()
         self.hang = hang or set()
         self.delay = delay
@@ -170,6 +172,7 @@ class RecordingSink:
         from room_outbox.sink import RetryableSinkError
 
         self.received.append(envelope.event_id)
+        self.envelopes[envelope.event_id] = envelope
         if envelope.event_id in self.hang:
             await anyio.sleep_forever()
         if self.delay:

@@ -473,3 +473,28 @@ async def test_silks_longest_room_ids_are_fed_and_delivered(postgresql_dsn: str)
         assert (await lane_rows(store))["long"]["room_id"] == "u" * 128
     finally:
         await store.aclose()
+
+
+@pytest.mark.parametrize("server", ["mariadb", "postgresql"])
+async def test_values_wider_than_a_lanes_copies_neither_stop_the_lane_nor_reach_the_sink_cut(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    """room-service's text columns may be wider than a lane's copies (TEXT on PostgreSQL, a
+    widened VARCHAR on MySQL): a room id of 300 characters was refused by the lane's table,
+    and feeding stopped at that row for ever. Copies are cut to their width; the sink gets
+    the envelope whole, and the rows after it are fed and delivered."""
+    store = await open_store(request.getfixturevalue("database_dsn" if server == "mariadb" else "postgresql_dsn"))
+    try:
+        await store.migrate()
+        widen = {"mariadb": "MODIFY room_id VARCHAR(400) NOT NULL", "postgresql": "ALTER COLUMN room_id TYPE TEXT"}
+        async with store.transaction() as cur:
+            await cur.execute(f"ALTER TABLE room_outbox {widen[server]}")
+        await migrate_lanes(store, ["t"])
+        await insert_events(store, [envelope("wide", room_id="r" * 300), envelope("after")])
+        sink = RecordingSink()
+        await run_until_empty(lane_dispatcher(store, sink))
+        assert sorted(sink.received) == ["after", "wide"]
+        assert sink.envelopes["wide"].room_id == "r" * 300
+        assert (await lane_rows(store))["wide"]["room_id"] == "r" * 255
+    finally:
+        await store.aclose()

@@ -12,6 +12,7 @@ path: no trigger, no extra write, only reads of ``room_outbox`` by primary key.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -24,8 +25,9 @@ from room_outbox.config import LanesSettings
 from room_outbox.store.backends.leased import LeasedRows
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult
-from room_outbox.store.schema.lanes import CURSOR_TABLE, cursor_ddl, lane_ddl, lane_table
+from room_outbox.store.dialect import text
+from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult, OutboxRow
+from room_outbox.store.schema.lanes import CURSOR_TABLE, KEPT_WIDTH, cursor_ddl, lane_ddl, lane_table
 from room_outbox.store.schema.registry import WantedSchema, migrate
 
 if TYPE_CHECKING:
@@ -64,6 +66,11 @@ _FEEDING = LanesSettings()
 STEP_EVIDENCE = 16
 #: Ids per feeding INSERT … SELECT (placeholders: within every database's limit).
 COPY_CHUNK = 500
+
+
+def _copied(row: OutboxRow) -> tuple[str, str, str, str]:
+    """The text values a lane keeps copies of."""
+    return row.event_id, row.event_type, row.room_id, row.app_code
 
 
 @dataclass
@@ -126,7 +133,32 @@ class LaneStore(LeasedRows):
         busy_rooms: Collection[tuple[str, str]] = (),
     ) -> Claimed:
         with self._forgotten_unless_committed():
-            return await super().claim(claim, limit, lease_until_ms, results, per_room, hold_back_ms, busy_rooms)
+            claimed = await super().claim(claim, limit, lease_until_ms, results, per_room, hold_back_ms, busy_rooms)
+        cut = [row.id for row in claimed.rows if max(map(len, _copied(row))) >= KEPT_WIDTH]
+        if not cut:
+            return claimed
+        whole = await self._whole_values(cut)
+        rows = []
+        for row in claimed.rows:
+            if row.id in whole:
+                event_id, event_type, room_id, app_code = whole[row.id]
+                row = dataclasses.replace(
+                    row, event_id=event_id, event_type=event_type, room_id=room_id, app_code=app_code
+                )
+            rows.append(row)
+        return dataclasses.replace(claimed, rows=rows)
+
+    async def _whole_values(self, outbox_ids: list[int]) -> dict[int, tuple[str, str, str, str]]:
+        """The text values of ``outbox_ids`` as room_outbox holds them, for rows whose copies may
+        have been cut (:attr:`_source_columns`): the envelope is checked against these."""
+        p = self.owner.profile
+        async with self.transaction() as cur:
+            await cur.execute(
+                f"SELECT {p.key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code} FROM {p.table}"
+                f" WHERE {p.key} IN ({_marks(outbox_ids)})",
+                outbox_ids,
+            )
+            return {int(key): (text(e), text(t), text(r), text(a)) for key, e, t, r, a in await cur.fetchall()}
 
     async def _before_claim(self, cur: Any) -> int:
         # Feeding in the claim's own transaction: rows fed are claimable at once, and a round
@@ -140,9 +172,15 @@ class LaneStore(LeasedRows):
 
     @property
     def _source_columns(self) -> str:
-        """What a lane copies of an outbox row, under the outbox profile's column names."""
+        """What a lane copies of an outbox row, under the outbox profile's column names. Text is
+        cut to its copy's width: room-service's columns may be wider (TEXT on PostgreSQL), and
+        one value the copy refused would stop the lane's feeding at that row. The sink gets the
+        envelope, whole; a room id cut short only orders rooms sharing that prefix together."""
         p = self.owner.profile
-        return f"{p.key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}"
+        cut = ", ".join(
+            f"SUBSTR({column}, 1, {KEPT_WIDTH})" for column in (p.event_id, p.event_type, p.room_id, p.app_code)
+        )
+        return f"{p.key}, {cut}"
 
     async def feed(self) -> int:
         """One feeding round in a transaction of its own; returns rows added to the lane."""

@@ -34,6 +34,7 @@ from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import ascii_text, marks, text
 from room_outbox.store.lanes.store import CURSOR_TABLE, Gap, LaneStore, log
+from room_outbox.store.schema.lanes import KEPT_WIDTH
 from room_outbox.store.schema.outbox import Migration
 from room_outbox.store.schema.registry import WantedSchema, migrate, migration_plan
 from room_outbox.store.schema.tail import CANCELLED, PARKED, PARKED_TABLE, REQUEUED
@@ -347,6 +348,7 @@ class TailStore(LaneStore):
         # Parked already by an owner before a handover: this error replaces that one.
         await cur.execute(f"DELETE FROM {PARKED_TABLE} WHERE lane = %s AND outbox_id = %s", (self.lane, outbox_id))
         event_id, room_id = named.get(outbox_id, ("", ""))  # "": the row is gone since the read
+        event_id, room_id = event_id[:KEPT_WIDTH], room_id[:KEPT_WIDTH]  # as a lane's copies are cut
         await cur.execute(
             f"INSERT INTO {PARKED_TABLE} (lane, outbox_id, event_id, room_id, status, last_error,"
             " created_at_ms, updated_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",

@@ -52,8 +52,8 @@ def cursor_ddl(dialect: Dialect) -> list[str]:
 
 #: How wide a lane's copies of the outbox's text columns are (``event_id``, ``event_type``,
 #: ``room_id``, ``app_code``; the parked table's too): as wide as the profiles' tables make them
-#: (silk's ``aggregate_id`` holds 128 characters). A value wider than its copy's column would
-#: stop the lane at that row.
+#: (silk's ``aggregate_id`` holds 128 characters). A wider value (room-service's own column
+#: widened) is cut to it when copied: refused, it would stop the lane at that row.
 KEPT_WIDTH = 255
 
 
