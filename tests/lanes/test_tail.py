@@ -33,8 +33,9 @@ from room_outbox.plugins.kafka import KafkaSettings
 from room_outbox.plugins.kafka.sink import KafkaSink
 from room_outbox.sink import PermanentSinkError, SinkContext
 from room_outbox.store.factory import open_store
+from room_outbox.store.lanes import store as lane_store_module
 from room_outbox.store.lanes.catalog import own_lane_backlog, retire_lane, stored_lanes
-from room_outbox.store.lanes.store import CURSOR_TABLE, migrate_lanes
+from room_outbox.store.lanes.store import CURSOR_TABLE, LaneStore, migrate_lanes
 from room_outbox.store.lanes.tail import TailStore, migrate_tail, tail_migration_plan
 from room_outbox.store.operator.retention import RetentionOptions, cleanup
 from room_outbox.store.protocol import SQLStore
@@ -615,3 +616,41 @@ async def test_the_cursor_keeps_thousands_of_ranges_still_missing(any_store: SQL
                 await cur.executemany(insert, rows([3, 10_497]))  # committed late, in the first and last
     assert len(owners[0].sent) == len(ids)
     assert owners[1].sent == ["e3", "e10497"]
+
+
+async def test_ids_started_again_below_a_lanes_cursor_are_reported(
+    any_store: SQLStore, kafka_broker: Broker, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """room_outbox truncated (its ids started again): the new rows' ids are below what the
+    lanes have passed, so they would never send them. Each lane's idle rounds say so, with
+    the way out, instead of staying silent."""
+    monkeypatch.setattr(lane_store_module, "ID_CHECK_INTERVAL", 0.0)  # every idle round checks
+    await migrate_lanes(any_store, ["t"])
+    feeder = LaneStore(owner=any_store, lane="t", start="beginning")
+    sink = kafka_sink(kafka_broker)
+    try:
+        tail = relay(any_store, sink)
+        await insert_events(any_store, [envelope(f"old-{n}") for n in range(5)])
+        await drain(tail, any_store)
+        assert await feeder.feed() == 5
+
+        def reports() -> list[tuple[str, int, int]]:
+            return [
+                (r.lane, r.next_id, r.passed_id)
+                for r in caplog.records
+                if r.getMessage().startswith("room_outbox's ids started again")
+            ]
+
+        with caplog.at_level(logging.ERROR, logger="room_outbox.lanes"):
+            await tail.run_once()
+            await feeder.feed()
+            assert reports() == []  # idle, and the ids go on above the cursor
+            async with any_store.transaction() as cur:
+                restart = " RESTART IDENTITY" if any_store.dialect.name == "postgresql" else ""
+                await cur.execute(f"TRUNCATE TABLE room_outbox{restart}")
+            await insert_events(any_store, [envelope("new-1"), envelope("new-2")])
+            await tail.run_once()
+            await feeder.feed()
+        assert reports() == [("kafka", 3, 5), ("t", 3, 5)]
+    finally:
+        await sink.aclose()

@@ -64,6 +64,8 @@ class Gap:
 _FEEDING = LanesSettings()
 #: Differences between ids read before a step above 1 is believed.
 STEP_EVIDENCE = 16
+#: Seconds between two checks, by an idle lane, that room_outbox's ids have not started again.
+ID_CHECK_INTERVAL = 60.0
 #: Ids per feeding INSERT … SELECT (placeholders: within every database's limit).
 COPY_CHUNK = 500
 
@@ -97,6 +99,8 @@ class LaneStore(LeasedRows):
     #: (monotonic time, lowest id read then), one entry a second at most, back ``gap_timeout``:
     #: where to look again from when the lattice gets finer.
     _recent: list[tuple[float, int]] = field(default_factory=list)
+    #: When an idle round next checks that room_outbox's ids have not started again (monotonic).
+    _next_id_check: float = 0.0
 
     def __post_init__(self) -> None:
         self.table = lane_table(self.lane)
@@ -219,6 +223,7 @@ class LaneStore(LeasedRows):
         # nothing new and waits for no gap costs one primary-key read.
         fresh = await self._fetch_new(cur)
         if not fresh and not self._gaps and self._high >= 0:
+            await self._warn_if_ids_started_again(self._high)
             return 0
         cursor = await self._lock_cursor(cur)
         if cursor is None:
@@ -240,6 +245,33 @@ class LaneStore(LeasedRows):
                 (new_watermark, now_ms(), self.lane),
             )
         return len(ids)
+
+    async def _warn_if_ids_started_again(self, passed: int) -> None:
+        """On an idle round, once a minute at most: warn when the next id room_outbox will give is
+        at or below ``passed``, the highest id the lane has passed. Its ids started again (the
+        table truncated, its sequence restarted), and the lane would never send the rows given
+        those ids again. Read in a transaction of its own: a role that may not read the sequence
+        (PostgreSQL) fails this check alone."""
+        now = time.monotonic()
+        if not self.owner.dialect.next_id_sql or now < self._next_id_check:
+            return
+        self._next_id_check = now + ID_CHECK_INTERVAL
+        p = self.owner.profile
+        try:
+            async with self.owner.transaction() as cur:
+                await cur.execute(self.owner.dialect.next_id_sql.format(table=p.table, key=p.key))
+                row = await cur.fetchone()
+        except Exception as exc:
+            log.debug("could not read room_outbox's next id", extra={"lane": self.lane, "error": str(exc)})
+            return
+        if row is None or row[0] is None or int(row[0]) > passed:
+            return
+        log.error(
+            "room_outbox's ids started again below this lane's cursor (the table truncated, or its"
+            " sequence restarted): the lane never sends rows given ids it has passed; retire the lane"
+            " and start it again from the beginning (lanes retire, then start: beginning)",
+            extra={"lane": self.lane, "next_id": int(row[0]), "passed_id": passed},
+        )
 
     async def _copy(self, cur: Any, ids: Sequence[int]) -> None:
         """Copy the rows ``ids`` of ``room_outbox`` into the lane's table, in the database: no
