@@ -72,8 +72,8 @@ class Dialect:
     online_column: str = ""
     #: Ends an ``ALTER TABLE … ADD INDEX`` on a table already there: built while writes go on.
     online_index: str = ""
-    #: SQL: the next id the table ``{table}``'s key ``{key}`` will be given (NULL: unknown);
-    #: "": not read here.
+    #: SQL: the next id the table ``{table}``'s key ``{key}`` will be given (NULL: unknown), and
+    #: the highest id it holds; "": not read here.
     next_id_sql: str = ""
 
     @property
@@ -115,8 +115,8 @@ MYSQL = Dialect(
     row_bucket="room_bucket",
     online_column=", ALGORITHM=INSTANT",
     online_index=", ALGORITHM=INPLACE, LOCK=NONE",
-    next_id_sql="SELECT AUTO_INCREMENT FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE()"
-    " AND TABLE_NAME = '{table}'",
+    next_id_sql="SELECT (SELECT AUTO_INCREMENT FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE()"
+    " AND TABLE_NAME = '{table}'), (SELECT MAX({key}) FROM {table})",
 )
 
 POSTGRESQL = Dialect(
@@ -138,7 +138,8 @@ POSTGRESQL = Dialect(
     capabilities=frozenset({ROW_LOCKS}),
     # 256: room_outbox.store.membership.BUCKETS; mod(), not %, which psycopg reads as a placeholder
     row_bucket="mod(room_outbox_crc32({app_code} || ':' || {room_id}), 256)",
-    next_id_sql="SELECT pg_sequence_last_value(pg_get_serial_sequence('{table}', '{key}')::regclass) + 1",
+    next_id_sql="SELECT pg_sequence_last_value(pg_get_serial_sequence('{table}', '{key}')::regclass) + 1,"
+    " (SELECT MAX({key}) FROM {table})",
 )
 
 SQLITE = Dialect(

@@ -248,10 +248,12 @@ class LaneStore(LeasedRows):
 
     async def _warn_if_ids_started_again(self, passed: int) -> None:
         """On an idle round, once a minute at most: warn when the next id room_outbox will give is
-        at or below ``passed``, the highest id the lane has passed. Its ids started again (the
-        table truncated, its sequence restarted), and the lane would never send the rows given
-        those ids again. Read in a transaction of its own: a role that may not read the sequence
-        (PostgreSQL) fails this check alone."""
+        at or below ``passed``, the highest id the lane has passed, and no row holds ``passed``
+        or a higher id any more. Its ids started again (the table truncated, its sequence
+        restarted), and the lane would never send the rows given those ids again. (Both, as
+        MySQL 8 may report a table's next id from a statistics cache, late.) Read in a
+        transaction of its own: a role that may not read the sequence (PostgreSQL) fails this
+        check alone."""
         now = time.monotonic()
         if not self.owner.dialect.next_id_sql or now < self._next_id_check:
             return
@@ -264,7 +266,7 @@ class LaneStore(LeasedRows):
         except Exception as exc:
             log.debug("could not read room_outbox's next id", extra={"lane": self.lane, "error": str(exc)})
             return
-        if row is None or row[0] is None or int(row[0]) > passed:
+        if row is None or row[0] is None or int(row[0]) > passed or (row[1] is not None and int(row[1]) >= passed):
             return
         log.error(
             "room_outbox's ids started again below this lane's cursor (the table truncated, or its"
