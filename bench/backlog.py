@@ -53,7 +53,7 @@ class BacklogRun:
     backlog: int  # rows the lane owed when the process started
     samples: list[Sample]
     peak_mb: float  # VmHWM: the most the process ever held
-    #: Backlog gauge samples that failed (logged by the process as "backlog sample failed").
+    #: Backlog gauge samples that failed (:func:`failed_samples`).
     failed_samples: int
 
     @property
@@ -174,10 +174,27 @@ async def drain(
             procs.stop(worker)
             log.seek(0)
             said = log.read()
-            failed = said.count("backlog sample failed")
+            failed = failed_samples(said)
             log.close()
     assert samples[-1].published > 0, f"{name}: nothing published in {max_seconds:g}s; it said: {said[-2000:]}"
     return BacklogRun(name, backlog, samples, peak, failed)
+
+
+def failed_samples(log: str) -> int:
+    """How many backlog samples failed, from the process's JSON log: a run of failures is logged
+    at its first sample, then once a minute with ``failed_rounds`` so far, and once over with
+    its total (a run still going at the end counts as its last line says)."""
+    total = going = 0
+    for line in log.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("msg") == "backlog sample failed":
+            going = int(record.get("failed_rounds", 1))
+        elif record.get("msg") == "backlog samples succeed again":
+            total, going = total + int(record["failed_rounds"]), 0
+    return total + going
 
 
 async def count(store: MySQLStore, sql: str) -> int:

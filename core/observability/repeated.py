@@ -18,8 +18,8 @@ REPEAT_EVERY = 60.0
 
 class RepeatedFailure:
     """One recurring failure's log lines: :meth:`failed` after each failed round,
-    :meth:`succeeded` after each successful one. ``message`` is the failure's line,
-    ``recovered`` the line once it is over; ``fields`` go on every line."""
+    :meth:`succeeded` after each successful one. ``message`` is the failure's line (at
+    ``level``), ``recovered`` the line once it is over; ``fields`` go on every line."""
 
     def __init__(
         self,
@@ -28,9 +28,11 @@ class RepeatedFailure:
         recovered: str,
         interval: float = REPEAT_EVERY,
         clock: Callable[[], float] = time.monotonic,
+        level: int = logging.ERROR,
         **fields: object,
     ) -> None:
         self._log = logger
+        self.level = level
         self.message = message
         self.recovered = recovered
         self.interval = interval
@@ -51,7 +53,7 @@ class RepeatedFailure:
         fields = {**self._fields, **more, "error": error}
         if self.failures > 1:
             fields |= {"failed_rounds": self.failures, "failing_for_s": round(now - self._since, 1)}
-        self._log.error(self.message, extra=fields)
+        self._log.log(self.level, self.message, extra=fields)
         self._next_line = now + self.interval
 
     def succeeded(self) -> None:

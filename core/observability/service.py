@@ -21,6 +21,7 @@ from room_outbox.config import MAIN_LANE, ConfigError, LanePlan, Settings, parse
 from room_outbox.observability.health import CHECK_TEXT_MAX, Health, stalled_after
 from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
+from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.observability.systemd import notify_systemd
 from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
@@ -116,13 +117,17 @@ async def _sample_backlog(store: SQLStore, obs: Observability, interval: float, 
     """Each running lane's backlog, every ``interval`` (index range counts, see
     :mod:`room_outbox.store.lanes.catalog`)."""
     await obs._lanes_known.wait()
+    # A failure lasts as long as what causes it (the database down): the first sample that
+    # fails is logged in full, then a line a minute, then the first that succeeds again.
+    failing = RepeatedFailure(log, "backlog sample failed", "backlog samples succeed again", level=logging.WARNING)
     while True:
         if obs.lanes is not None:
             try:
                 await _sample_lanes(store, obs.telemetry, obs.lanes)
             except Exception as exc:
-                error = redact_and_shorten(redactor, f"{type(exc).__name__}: {exc}", CHECK_TEXT_MAX)
-                log.warning("backlog sample failed", extra={"error": error})
+                failing.failed(redact_and_shorten(redactor, f"{type(exc).__name__}: {exc}", CHECK_TEXT_MAX))
+            else:
+                failing.succeeded()
         await anyio.sleep(interval)
 
 

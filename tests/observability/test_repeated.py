@@ -35,3 +35,49 @@ def test_a_failure_each_round_makes_a_line_when_it_begins_one_a_minute_and_one_w
         ("ERROR", "round failed", {"error": "again", "failed_rounds": None, "lane": "main"}),  # news again
     ]
     assert caplog.records[2].failing_for_s == 120.0 and caplog.records[3].failing_for_s == 149.0
+
+
+@pytest.mark.anyio
+async def test_backlog_samples_failing_while_the_database_is_down_are_logged_once_then_their_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The backlog gauges' samples (every telemetry.backlog_interval) during an outage: one
+    warning when they start failing and one when they succeed again, not one per sample."""
+    from types import SimpleNamespace
+
+    import anyio
+
+    from room_outbox.config import LanePlan
+    from room_outbox.observability import service
+    from room_outbox.observability.redaction import Redactor
+    from room_outbox.observability.telemetry import Telemetry
+    from room_outbox.store.schema.profiles import V1
+
+    samples = [0]
+
+    class DownStore:
+        profile = V1
+
+        def transaction(self) -> object:
+            samples[0] += 1
+            raise ConnectionRefusedError("the database is down")
+
+    def recovered() -> bool:
+        return any(r.getMessage() == "backlog samples succeed again" for r in caplog.records)
+
+    lanes_known = anyio.Event()
+    lanes_known.set()
+    obs = SimpleNamespace(_lanes_known=lanes_known, lanes=LanePlan(main=True, own=()), telemetry=Telemetry())
+    with caplog.at_level(logging.INFO, logger="room_outbox.observability"), anyio.fail_after(10):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(service._sample_backlog, DownStore(), obs, 0.001, Redactor())
+            while samples[0] < 50:
+                await anyio.sleep(0.001)
+            obs.lanes = LanePlan(main=False, own=())  # nothing left to read: the next sample succeeds
+            while not recovered():
+                await anyio.sleep(0.001)
+            tasks.cancel_scope.cancel()
+    lines = [(r.levelname, r.getMessage(), getattr(r, "failed_rounds", None)) for r in caplog.records]
+    assert lines[0] == ("WARNING", "backlog sample failed", None)
+    assert lines[1][:2] == ("WARNING", "backlog samples succeed again") and lines[1][2] >= 50
+    assert len(lines) == 2, lines
