@@ -1,13 +1,20 @@
 """A failure that comes back every round is logged when it begins, once per interval while it
-lasts, and once when it ends: not once a round."""
+lasts, and once when it ends: not once a round (the backlog gauges' samples too)."""
 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
+import anyio
 import pytest
 
+from room_outbox.config import LanePlan
+from room_outbox.observability import service
+from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.repeated import RepeatedFailure
+from room_outbox.observability.telemetry import Telemetry
+from room_outbox.store.schema.profiles import V1
 
 
 def test_a_failure_each_round_makes_a_line_when_it_begins_one_a_minute_and_one_when_it_ends(
@@ -43,16 +50,6 @@ async def test_backlog_samples_failing_while_the_database_is_down_are_logged_onc
 ) -> None:
     """The backlog gauges' samples (every telemetry.backlog_interval) during an outage: one
     warning when they start failing and one when they succeed again, not one per sample."""
-    from types import SimpleNamespace
-
-    import anyio
-
-    from room_outbox.config import LanePlan
-    from room_outbox.observability import service
-    from room_outbox.observability.redaction import Redactor
-    from room_outbox.observability.telemetry import Telemetry
-    from room_outbox.store.schema.profiles import V1
-
     samples = [0]
 
     class DownStore:
