@@ -18,7 +18,9 @@ from room_outbox.store.clock import now_ms
 from room_outbox.store.deadline import QueryTimeout
 from room_outbox.store.factory import describe, open_store, store_address
 from room_outbox.store.schema import registry
+from room_outbox.store.schema.buckets import PG_CRC32_DDL
 from room_outbox.store.schema.check import check_schema
+from room_outbox.store.schema.outbox import V1_TABLE_DDL
 from room_outbox.store.schema.registry import WantedSchema
 
 pytestmark = pytest.mark.anyio
@@ -246,3 +248,52 @@ async def test_a_caching_id_sequence_is_refused_where_lanes_tail_room_outbox(pos
         await check_schema(store, lanes=["audit"], tail_lanes=["kafka"])
     finally:
         await store.aclose()
+
+
+async def test_an_outbox_table_outside_the_sessions_first_schema_is_refused_naming_the_search_path(
+    postgresql_dsn: str,
+) -> None:
+    """PostgreSQL's default search path starts with a schema named after the role: where room-
+    service's table is in public and the role has a schema of its own, migrate made a second,
+    empty room_outbox there, which room-outbox then read while room-service wrote the other.
+    Refused by migrate and run, naming the DSN's search_path, which then works (the bucket
+    function found as the index will find it, not in the role's own schema)."""
+    role = f"ro_own_{uuid.uuid4().hex[:8]}"
+    admin = await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True)
+    try:
+        await admin.execute(f"CREATE ROLE {role} LOGIN")
+        await admin.execute(f"CREATE SCHEMA AUTHORIZATION {role}")
+        await admin.execute(f"GRANT ALL ON SCHEMA public TO {role}")
+        await admin.execute(V1_TABLE_DDL["postgresql"][0].format(table="room_outbox"))
+        await admin.execute(f"ALTER TABLE public.room_outbox OWNER TO {role}")
+        await admin.execute(f"SET search_path = {role}")
+        await admin.execute(PG_CRC32_DDL)  # a function of that name in the role's schema only
+        as_role = postgresql_dsn.replace("://postgres@", f"://{role}@")
+        store = await PostgresStore.connect(as_role)
+        try:
+            with pytest.raises(SchemaError) as refused:
+                await store.migrate()
+            assert str(refused.value) == (
+                f"room_outbox is public.room_outbox, found through the search path, but this session's first"
+                f" schema is {role}, where room-outbox keeps its tables and migrate would make a second, empty"
+                " room_outbox: add ?search_path=public to database.dsn"
+            )
+            with pytest.raises(SchemaError, match=r"add \?search_path=public to database.dsn"):
+                await check_schema(store)
+        finally:
+            await store.aclose()
+        cur = await admin.execute(f"SELECT count(*) FROM pg_tables WHERE schemaname = '{role}'")
+        assert (await cur.fetchone()) == (0,)  # nothing made in the role's schema
+        store = await PostgresStore.connect(f"{as_role}?search_path=public")
+        try:
+            await store.migrate()
+            await check_schema(store)
+            await insert_events(store, [envelope("e1")])
+            claimed = await store.claim("a#1", 10, now_ms() + 60_000)
+            assert [r.event_id for r in claimed.rows] == ["e1"]
+        finally:
+            await store.aclose()
+    finally:
+        await admin.execute(f"DROP OWNED BY {role} CASCADE")
+        await admin.execute(f"DROP ROLE IF EXISTS {role}")
+        await admin.close()

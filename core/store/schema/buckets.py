@@ -175,7 +175,8 @@ async def _pg_bucket_steps(
     blocking writes, and a rerun takes up where an interrupted one stopped. The earlier
     install's column stays (dropping it would break processes still running the old version)."""
     steps: list[tuple[str, tuple[str, ...]]] = []
-    await cur.execute("SELECT prosrc FROM pg_proc WHERE proname = %s", (PG_CRC32_FUNCTION,))
+    # The one the index's expression will find: through the search path, not in any schema.
+    await cur.execute("SELECT prosrc FROM pg_proc WHERE oid = to_regprocedure(%s)", (f"{PG_CRC32_FUNCTION}(text)",))
     function = await cur.fetchone()
     if function is None:
         steps.append((f"created function {PG_CRC32_FUNCTION}", (PG_CRC32_DDL.strip(),)))

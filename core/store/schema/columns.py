@@ -348,6 +348,30 @@ async def binlog_problems(cur: Any, dialect: Dialect) -> list[str]:
     ]
 
 
+async def schema_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[str]:
+    """A PostgreSQL outbox table found through the search path in another schema than the
+    session's first (the default search path starts with a schema named after the role,
+    ``"$user"``). The catalogue checks and room-outbox's own tables go by the first schema:
+    ``migrate`` would make a second, empty outbox table there, which room-outbox would read
+    while room-service writes the other."""
+    if dialect.name != "postgresql":
+        return []
+    await cur.execute(
+        "SELECT n.nspname, current_schema() FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE c.oid = to_regclass(%s)",
+        (profile.table,),
+    )
+    row = await cur.fetchone()
+    if row is None or row[0] == row[1]:
+        return []
+    found, first = row
+    return [
+        f"{profile.table} is {found}.{profile.table}, found through the search path, but this session's first"
+        f" schema is {first}, where room-outbox keeps its tables and migrate would make a second, empty"
+        f" {profile.table}: add ?search_path={found} to database.dsn"
+    ]
+
+
 async def sequence_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[str]:
     """A PostgreSQL sequence behind the outbox's key that caches values (``CACHE`` above 1):
     each producer session takes a block of ids and uses them over its life, long after other
@@ -514,6 +538,9 @@ async def checked_fixes(cur: Any, dialect: Dialect, profile: Profile) -> list[St
 async def check_columns(cur: Any, dialect: Dialect, profile: Profile, claim_ids: int = 0) -> None:
     """``run``'s side: refuse every problem, those ``migrate`` fixes included."""
     columns = await read_columns(cur, dialect, profile.table)
+    wrong_schema = await schema_problems(cur, dialect, profile)
+    if wrong_schema:  # its columns are read in the first schema, where the table is not
+        raise SchemaError("\n".join(wrong_schema))
     refused, fixable = column_problems(columns, profile, dialect, claim_ids)
     refused = await binlog_problems(cur, dialect) + await engine_problems(cur, dialect, profile.table) + refused
     refused += await check_constraint_problems(cur, dialect, profile, columns)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import PLUGIN_SCHEMA, Dialect
 from room_outbox.store.schema.buckets import BUCKET_COLUMN, BUCKET_TABLE, NODE_TABLE, bucket_plan
-from room_outbox.store.schema.columns import sequence_problems
+from room_outbox.store.schema.columns import schema_problems, sequence_problems
 from room_outbox.store.schema.consumers import consumer_steps
 from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_steps, lane_table
 from room_outbox.store.schema.outbox import Migration, concurrent_step, invalid_index_steps, plan_outbox
@@ -63,6 +63,9 @@ async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: Want
     """The changes ``wanted`` still needs, read from the catalogue in the caller's transaction."""
     plan: list[Migration] = []
     if wanted.outbox:
+        wrong_schema = await schema_problems(cur, dialect, profile)
+        if wrong_schema:  # before anything is made in the session's first schema
+            raise SchemaError("\n".join(wrong_schema))
         if dialect.name == "postgresql":  # interrupted index builds first
             plan += await invalid_index_steps(cur, [profile.table])
         plan += await plan_outbox(cur, dialect, profile)
