@@ -1,7 +1,7 @@
 """A MySQL/MariaDB server with binary logging, as every replicated production server has: in
 STATEMENT format InnoDB refuses every write of a READ COMMITTED transaction (error 1665), so
-`migrate`, `run` and `consume` refuse it at once, naming the setting; in MIXED and ROW format both work.
-A MariaDB of the test's own, as the suite's server must keep its settings."""
+`migrate`, `run` and `consume` refuse it at once, naming the setting; in MIXED and ROW format
+all work. A MariaDB of the test's own, as the suite's server must keep its settings."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def set_format(server: PrivateMariaDB, binlog_format: str) -> None:
         conn.close()
 
 
-async def test_statement_format_is_refused_by_migrate_and_run_and_the_others_deliver(
+async def test_statement_format_is_refused_by_migrate_run_and_consume_and_the_others_deliver(
     logging_server: PrivateMariaDB,
 ) -> None:
     set_format(logging_server, "STATEMENT")

@@ -64,8 +64,9 @@ TIME_ZONE = "+00:00"
 #: Every session without the guards a server's default may put on ad-hoc statements, which
 #: room-outbox's are not: ``sql_select_limit`` cut every SELECT without a LIMIT of its own short,
 #: silently (a per-room look-back, the cluster's members, a report), ``sql_safe_updates`` refused
-#: retention's DELETEs, and ``max_join_size`` would refuse a large report (``sql_big_selects``).
+#: retention's DELETEs, and ``max_join_size`` refused migrate's reads (``sql_big_selects``).
 UNGUARDED = ("sql_select_limit = 18446744073709551615", "sql_safe_updates = 0", "sql_big_selects = 1")
+
 #: ``ssl_mode`` in a DSN, as MySQL's own client names its modes: ``disabled`` (no TLS), ``required``
 #: (encrypted, the server's certificate not checked), ``verify_ca`` (it must chain to ``ssl_ca``,
 #: or to the system's trust store) and ``verify_identity`` (that, and name the host connected to).

@@ -537,10 +537,10 @@ async def checked_fixes(cur: Any, dialect: Dialect, profile: Profile) -> list[St
 
 async def check_columns(cur: Any, dialect: Dialect, profile: Profile, claim_ids: int = 0) -> None:
     """``run``'s side: refuse every problem, those ``migrate`` fixes included."""
-    columns = await read_columns(cur, dialect, profile.table)
     wrong_schema = await schema_problems(cur, dialect, profile)
-    if wrong_schema:  # its columns are read in the first schema, where the table is not
+    if wrong_schema:  # its columns would be looked for in the first schema, where it is not
         raise SchemaError("\n".join(wrong_schema))
+    columns = await read_columns(cur, dialect, profile.table)
     refused, fixable = column_problems(columns, profile, dialect, claim_ids)
     refused = await binlog_problems(cur, dialect) + await engine_problems(cur, dialect, profile.table) + refused
     refused += await check_constraint_problems(cur, dialect, profile, columns)
