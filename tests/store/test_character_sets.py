@@ -12,6 +12,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,23 @@ NARROW = [
 ]
 
 
+@asynccontextmanager
+async def pg_database_in(encoding: str) -> AsyncIterator[tuple[PostgresStore, str]]:
+    """A migrated store on a new PostgreSQL database in ``encoding``, and its DSN; dropped after."""
+    name = f"ro_test_{uuid.uuid4().hex[:12]}"
+    pg_admin(f"CREATE DATABASE {name} ENCODING '{encoding}' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'")
+    dsn = f"{POSTGRESQL_SERVER_DSN}/{name}"
+    try:
+        store = await PostgresStore.connect(dsn)
+        try:
+            await store.migrate()
+            yield store, dsn
+        finally:
+            await store.aclose()
+    finally:
+        pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture(params=NARROW, ids=lambda narrow: narrow.encoding)
 async def narrow_store(request: pytest.FixtureRequest, database_dsn: str) -> AsyncIterator[tuple[SQLStore, Narrow]]:
     narrow: Narrow = request.param
@@ -90,17 +108,8 @@ async def narrow_store(request: pytest.FixtureRequest, database_dsn: str) -> Asy
         finally:
             await mysql.aclose()
         return
-    name = f"ro_test_{uuid.uuid4().hex[:12]}"
-    pg_admin(f"CREATE DATABASE {name} ENCODING '{narrow.encoding}' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'")
-    try:
-        postgres = await PostgresStore.connect(f"{POSTGRESQL_SERVER_DSN}/{name}")
-        try:
-            await postgres.migrate()
-            yield postgres, narrow
-        finally:
-            await postgres.aclose()
-    finally:
-        pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    async with pg_database_in(narrow.encoding) as (postgres, _dsn):
+        yield postgres, narrow
 
 
 async def test_events_are_delivered_and_failures_recorded_escaped(
@@ -151,39 +160,29 @@ async def test_an_envelope_in_another_encoding_in_a_sql_ascii_database_is_its_ro
     sends its text as it is (client_encoding SQL_ASCII). The server refuses to send such a row as UTF-8, so
     read as text it failed every claim that reached it, and the rows after it waited. Read as
     bytes, it fails alone, naming the cause; the rows around it are delivered."""
-    name = f"ro_test_{uuid.uuid4().hex[:12]}"
-    pg_admin(f"CREATE DATABASE {name} ENCODING 'SQL_ASCII' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'")
-    dsn = f"{POSTGRESQL_SERVER_DSN}/{name}"
-    try:
-        store = await PostgresStore.connect(dsn)
-        try:
-            await store.migrate()
-            await insert_events(store, [envelope("before", payload={"text": "你好"})])
-            gbk = json.dumps(envelope("gbk", payload={"text": "你好"}), ensure_ascii=False).encode("gbk")
-            with psycopg.connect(dsn, autocommit=True, client_encoding="SQL_ASCII", connect_timeout=10) as raw:
-                raw.cursor().execute(
-                    b"INSERT INTO room_outbox (event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"
-                    b" VALUES ('gbk', 'RoomUserJoined', 'r_1', '" + gbk + b"', 0, 0)"
-                )
-            await insert_events(store, [envelope("after", payload={"text": "你好"})])
-            sink = ErringSink()
-            dispatcher = make_dispatcher(store, sink)
-            assert (await dispatcher.run_once()).claimed == 3
-            await dispatcher.flush()
-            assert sink.payloads == {"before": {"text": "你好"}, "after": {"text": "你好"}}
-            async with store.transaction() as cur:  # every column but the envelope, which the server cannot send
-                await cur.execute("SELECT event_id, status, last_error FROM room_outbox")
-                rows = {event_id: (status, error) for event_id, status, error in await cur.fetchall()}
-            assert {e: status for e, (status, _) in rows.items()} == {
-                "before": "published", "gbk": "pending", "after": "published"
-            }  # fmt: skip
-            assert "envelope is not valid UTF-8" in rows["gbk"][1], rows["gbk"]
-            inspected = await inspect_event(store, "gbk")  # the operator sees it too
-            assert inspected is not None and inspected["envelope_error"].startswith("envelope is not valid UTF-8")
-        finally:
-            await store.aclose()
-    finally:
-        pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    async with pg_database_in("SQL_ASCII") as (store, dsn):
+        await insert_events(store, [envelope("before", payload={"text": "你好"})])
+        gbk = json.dumps(envelope("gbk", payload={"text": "你好"}), ensure_ascii=False).encode("gbk")
+        with psycopg.connect(dsn, autocommit=True, client_encoding="SQL_ASCII", connect_timeout=10) as raw:
+            raw.cursor().execute(
+                b"INSERT INTO room_outbox (event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"
+                b" VALUES ('gbk', 'RoomUserJoined', 'r_1', '" + gbk + b"', 0, 0)"
+            )
+        await insert_events(store, [envelope("after", payload={"text": "你好"})])
+        sink = ErringSink()
+        dispatcher = make_dispatcher(store, sink)
+        assert (await dispatcher.run_once()).claimed == 3
+        await dispatcher.flush()
+        assert sink.payloads == {"before": {"text": "你好"}, "after": {"text": "你好"}}
+        async with store.transaction() as cur:  # every column but the envelope, which the server cannot send
+            await cur.execute("SELECT event_id, status, last_error FROM room_outbox")
+            rows = {event_id: (status, error) for event_id, status, error in await cur.fetchall()}
+        assert {e: status for e, (status, _) in rows.items()} == {
+            "before": "published", "gbk": "pending", "after": "published"
+        }  # fmt: skip
+        assert "envelope is not valid UTF-8" in rows["gbk"][1], rows["gbk"]
+        inspected = await inspect_event(store, "gbk")  # the operator sees it too
+        assert inspected is not None and inspected["envelope_error"].startswith("envelope is not valid UTF-8")
 
 
 class OrderedLog:
@@ -209,27 +208,18 @@ async def test_a_tailing_lane_parks_an_error_its_table_cannot_hold_escaped_and_g
     """On a LATIN1 database, errors naming Chinese text: a bad envelope (a Chinese key holding a
     number JSON has not) and a sink's own refusal. Each was refused by the parked table, which
     failed the round, so the lane read the same rows again for ever and sent nothing after them."""
-    name = f"ro_test_{uuid.uuid4().hex[:12]}"
-    pg_admin(f"CREATE DATABASE {name} ENCODING 'LATIN1' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'")
-    try:
-        store = await PostgresStore.connect(f"{POSTGRESQL_SERVER_DSN}/{name}")
-        try:
-            await store.migrate()
-            await migrate_tail(store, ["kafka"])
-            bad = json.dumps(envelope("bad", payload={"金额": 1})).replace("1}", "NaN}")
-            await insert_rows(store, [("default", "bad", "RoomUserJoined", "r_1", bad)])
-            await insert_events(store, [envelope("refused"), envelope("after")])
-            sink = OrderedLog({"refused": "ErrorCode 10010: 群组不存在"})
-            tail = TailStore(owner=store, lane="kafka", start="beginning", feed_batch=10, gap_timeout=30.0)
-            router = Router({"kafka": sink}, {}, catch_all="kafka", skip_unrouted=True)
-            relay = TailRelay(tail, router, poll_interval=0.05, publish_timeout=5.0, redactor=Redactor())
-            await relay.run_once()
-            assert sink.sent == ["after"]
-            parked = {row["event_id"]: row["last_error"] for row in await tail.parked()}
-        finally:
-            await store.aclose()
-    finally:
-        pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    async with pg_database_in("LATIN1") as (store, _dsn):
+        await migrate_tail(store, ["kafka"])
+        bad = json.dumps(envelope("bad", payload={"金额": 1})).replace("1}", "NaN}")
+        await insert_rows(store, [("default", "bad", "RoomUserJoined", "r_1", bad)])
+        await insert_events(store, [envelope("refused"), envelope("after")])
+        sink = OrderedLog({"refused": "ErrorCode 10010: 群组不存在"})
+        tail = TailStore(owner=store, lane="kafka", start="beginning", feed_batch=10, gap_timeout=30.0)
+        router = Router({"kafka": sink}, {}, catch_all="kafka", skip_unrouted=True)
+        relay = TailRelay(tail, router, poll_interval=0.05, publish_timeout=5.0, redactor=Redactor())
+        await relay.run_once()
+        assert sink.sent == ["after"]
+        parked = {row["event_id"]: row["last_error"] for row in await tail.parked()}
     assert parked == {
         "bad": r"malformed envelope: payload.\u91d1\u989d: not a finite number (NaN, Infinity or out of range)",
         "refused": r"ErrorCode 10010: \u7fa4\u7ec4\u4e0d\u5b58\u5728",
