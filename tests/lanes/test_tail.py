@@ -8,11 +8,13 @@ import io
 import json
 import logging
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import psycopg
 import pytest
 from aiokafka.partitioner import DefaultPartitioner
 from lanes.conftest import Broker
@@ -32,6 +34,7 @@ from room_outbox.observability.telemetry import Telemetry
 from room_outbox.plugins.kafka import KafkaSettings
 from room_outbox.plugins.kafka.sink import KafkaSink
 from room_outbox.sink import PermanentSinkError, SinkContext
+from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes import store as lane_store_module
 from room_outbox.store.lanes.catalog import own_lane_backlog, retire_lane, stored_lanes
@@ -654,3 +657,41 @@ async def test_ids_started_again_below_a_lanes_cursor_are_reported(
         assert reports() == [("kafka", 3, 5), ("t", 3, 5)]
     finally:
         await sink.aclose()
+
+
+async def test_the_id_check_failing_for_want_of_a_privilege_fails_nothing_else(
+    postgresql_dsn: str, kafka_broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A role that may use room_outbox but not read its sequence: an idle round's id check
+    fails alone (a savepoint). The rest of that transaction goes on: a lane's claim, fed in
+    the same transaction, and a tailing round."""
+    monkeypatch.setattr(lane_store_module, "ID_CHECK_INTERVAL", 0.0)
+    role = f"ro_noseq_{uuid.uuid4().hex[:8]}"
+    admin = await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True)
+    owner = await open_store(postgresql_dsn)
+    sink = kafka_sink(kafka_broker)
+    try:
+        await owner.migrate()
+        await migrate_tail(owner, ["kafka"])
+        await migrate_lanes(owner, ["t"])
+        await admin.execute(f"CREATE ROLE {role} LOGIN")
+        await admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+        await insert_events(owner, [envelope("e1")])
+        store = await open_store(postgresql_dsn.replace("://postgres@", f"://{role}@"))
+        try:
+            lane = LaneStore(owner=store, lane="t", start="beginning")
+            assert [r.event_id for r in (await lane.claim("c#1", 10, now_ms() + 60_000)).rows] == ["e1"]
+            assert (await lane.claim("c#2", 10, now_ms() + 60_000)).rows == []  # idle: the check fails
+            tail = relay(store, sink)
+            await drain(tail, store)
+            await tail.run_once()  # idle: the check fails
+            assert await cursor(store) == await highest_id(store)
+        finally:
+            await store.aclose()
+        assert event_ids(await consume(kafka_broker, {"e1"})) == ["e1"]
+    finally:
+        await sink.aclose()
+        await owner.aclose()
+        await admin.execute(f"DROP OWNED BY {role}")
+        await admin.execute(f"DROP ROLE IF EXISTS {role}")
+        await admin.close()

@@ -223,7 +223,7 @@ class LaneStore(LeasedRows):
         # nothing new and waits for no gap costs one primary-key read.
         fresh = await self._fetch_new(cur)
         if not fresh and not self._gaps and self._high >= 0:
-            await self._warn_if_ids_started_again(self._high)
+            await self._warn_if_ids_started_again(cur, self._high)
             return 0
         cursor = await self._lock_cursor(cur)
         if cursor is None:
@@ -246,21 +246,21 @@ class LaneStore(LeasedRows):
             )
         return len(ids)
 
-    async def _warn_if_ids_started_again(self, passed: int) -> None:
+    async def _warn_if_ids_started_again(self, cur: Any, passed: int) -> None:
         """On an idle round, once a minute at most: warn when the next id room_outbox will give is
         at or below ``passed``, the highest id the lane has passed, and no row holds ``passed``
         or a higher id any more. Its ids started again (the table truncated, its sequence
         restarted), and the lane would never send the rows given those ids again. (Both, as
-        MySQL 8 may report a table's next id from a statistics cache, late.) Read in a
-        transaction of its own: a role that may not read the sequence (PostgreSQL) fails this
-        check alone."""
+        MySQL 8 may report a table's next id from a statistics cache, late.) Read with the
+        round's own cursor, no second connection; a role that may not read the sequence
+        (PostgreSQL) fails this statement alone."""
         now = time.monotonic()
         if not self.owner.dialect.next_id_sql or now < self._next_id_check:
             return
         self._next_id_check = now + ID_CHECK_INTERVAL
         p = self.owner.profile
         try:
-            async with self.owner.transaction() as cur:
+            async with self._undone_if_refused(cur):
                 await cur.execute(self.owner.dialect.next_id_sql.format(table=p.table, key=p.key))
                 row = await cur.fetchone()
         except Exception as exc:

@@ -169,7 +169,7 @@ class TailStore(LaneStore):
                 read = ahead[1] if ahead is not None and ahead[0] == self._high else await self._read(cur)
                 fresh = [row.outbox_id for row in read if row.outbox_id > self._high]
                 if not read:
-                    await self._warn_if_ids_started_again(self._high)
+                    await self._warn_if_ids_started_again(cur, self._high)
                 self._turned_up([row.outbox_id for row in read if row.outbox_id <= self._high])
                 self._take_new(fresh, watermark)
                 requeued = await self._requeued(cur) if any_requeued else []
