@@ -284,6 +284,20 @@ async def test_an_outbox_table_outside_the_sessions_first_schema_is_refused_nami
             await store.aclose()
         cur = await admin.execute(f"SELECT count(*) FROM pg_tables WHERE schemaname = '{role}'")
         assert (await cur.fetchone()) == (0,)  # nothing made in the role's schema
+        # A second room_outbox there already (made by an earlier migrate): which one room-service
+        # writes, the catalogue cannot tell, so neither is taken.
+        await admin.execute(f"CREATE TABLE {role}.room_outbox (LIKE public.room_outbox INCLUDING ALL)")
+        store = await PostgresStore.connect(as_role)
+        try:
+            with pytest.raises(SchemaError) as refused:
+                await check_schema(store)
+            assert str(refused.value) == (
+                f"room_outbox is in {role} and public, all in the search path, and room-outbox would read"
+                f" {role}.room_outbox: name the schema room-service writes in database.dsn"
+                f" (?search_path=public, or ?search_path={role} for the first)"
+            )
+        finally:
+            await store.aclose()
         store = await PostgresStore.connect(f"{as_role}?search_path=public")
         try:
             await store.migrate()

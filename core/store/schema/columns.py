@@ -362,13 +362,28 @@ async def schema_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[
         (profile.table,),
     )
     row = await cur.fetchone()
-    if row is None or row[0] == row[1]:
+    if row is not None and row[0] != row[1]:
+        found, first = row
+        return [
+            f"{profile.table} is {found}.{profile.table}, found through the search path, but this session's"
+            f" first schema is {first}, where room-outbox keeps its tables and migrate would make a second,"
+            f" empty {profile.table}: add ?search_path={found} to database.dsn"
+        ]
+    # One table of that name in each of several schemas of the search path (a second one made
+    # by an earlier migrate, say): which one room-service writes, the catalogue cannot tell.
+    await cur.execute(
+        "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE c.relname = %s AND c.relkind IN ('r', 'p') AND n.nspname = ANY(current_schemas(false))"
+        " ORDER BY array_position(current_schemas(false), n.nspname)",
+        (profile.table,),
+    )
+    schemas = [str(name) for (name,) in await cur.fetchall()]
+    if len(schemas) < 2:
         return []
-    found, first = row
     return [
-        f"{profile.table} is {found}.{profile.table}, found through the search path, but this session's first"
-        f" schema is {first}, where room-outbox keeps its tables and migrate would make a second, empty"
-        f" {profile.table}: add ?search_path={found} to database.dsn"
+        f"{profile.table} is in {' and '.join(schemas)}, all in the search path, and room-outbox would read"
+        f" {schemas[0]}.{profile.table}: name the schema room-service writes in database.dsn"
+        f" (?search_path={schemas[1]}, or ?search_path={schemas[0]} for the first)"
     ]
 
 
