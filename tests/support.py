@@ -249,6 +249,13 @@ def mysql_global(dsn: str, name: str, value: Callable[[Any], object]) -> Iterato
         conn.close()
 
 
+def kill_if_running(proc: subprocess.Popen[Any]) -> None:
+    """For a test's ``finally``: a process the test did not see end is killed, and reaped."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def free_port() -> int:
     """A loopback port nothing listens on (bound, then released)."""
     with socket.socket() as probe:

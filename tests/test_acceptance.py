@@ -24,7 +24,7 @@ import aiomysql
 import anyio
 import pytest
 from im_support import im_dispatcher, im_router, im_section
-from support import fetch_rows, wait_until
+from support import fetch_rows, kill_if_running, wait_until
 
 from bench.drive import run_until_empty
 from room_outbox.delivery.routing import Router
@@ -380,9 +380,7 @@ async def test_done_definition_with_room_outbox_run_as_a_process(
             proc.send_signal(signal.SIGTERM)
             await wait_until(lambda: _true(proc.poll() is not None), timeout=15)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            kill_if_running(proc)
     logs = log_path.read_text()
     assert proc.returncode == 0, logs
     assert fake.event_ids() == [gift.event_id]

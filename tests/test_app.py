@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
-from support import V1_DDL, RecordingSink, SinkPlugin, envelope, fetch_rows, insert_events, wait_until
+from support import V1_DDL, RecordingSink, SinkPlugin, envelope, fetch_rows, insert_events, kill_if_running, wait_until
 
 from room_outbox.app import run_service
 from room_outbox.config import Settings
@@ -118,8 +118,7 @@ async def test_migrate_then_run_publishes_v1_rows_and_stops_on_sigterm(database_
             run.send_signal(signal.SIGTERM)
             _, err = run.communicate(timeout=30)
         finally:
-            if run.poll() is None:
-                run.kill()
+            kill_if_running(run)
         assert run.returncode == 0, err
         lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
         assert [line["lifecycle"] for line in lines if "lifecycle" in line][-5:] == [
@@ -180,8 +179,7 @@ async def _sigterm_once(
         run.send_signal(signum)
         assert run.wait(timeout=30) == 0, _lifecycle(log)
     finally:
-        if run.poll() is None:
-            run.kill()
+        kill_if_running(run)
 
 
 def _migrated_config(tmp_path: Path, database_dsn: str, env: dict[str, str], extra: str = "") -> Path:

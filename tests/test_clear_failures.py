@@ -27,6 +27,7 @@ from support import (
     envelope,
     free_port,
     insert_events,
+    kill_if_running,
     mysql_global,
     pg_admin,
     wait_until,
@@ -460,8 +461,7 @@ async def test_start_up_waits_for_a_database_that_comes_up(database_dsn: str, tm
             await wait_until(lambda: proc.poll() is not None, timeout=30)
             tg.cancel_scope.cancel()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_if_running(proc)
     assert proc.returncode == 0, log.read_text()
     waits = _waits(log)
     assert waits[0]["level"] == "warning" and f"127.0.0.1:{port}" in waits[0]["error"]
@@ -483,8 +483,7 @@ async def test_start_up_gives_up_after_connect_wait(database_dsn: str, tmp_path:
     try:
         assert proc.wait(timeout=30) == 3
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_if_running(proc)
     lines = log.read_text().splitlines()
     assert len(_waits(log)) >= 3
     assert lines[-1].startswith(f"room-outbox: cannot reach {where(database_dsn, port)}")
@@ -526,8 +525,7 @@ async def test_ctrl_c_while_waiting_ends_with_one_line(database_dsn: str, tmp_pa
             pytest.fail(f"no exit within 30 s of SIGINT; the child's signal masks were {signals}")
         assert code == 130
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_if_running(proc)
     text = log.read_text()
     assert text.splitlines()[-1] == "room-outbox: interrupted" and "Traceback" not in text
 
@@ -554,8 +552,7 @@ async def test_output_to_a_closed_pipe_ends_quietly(store: MySQLStore, database_
         err = proc.stderr.read()
         code = proc.wait(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_if_running(proc)
     assert head.startswith(b"{")
     assert (code, err) == (141, b"")
 

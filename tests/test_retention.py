@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
-from support import INSERT_V1, envelope, fetch_rows, wait_until
+from support import INSERT_V1, envelope, fetch_rows, kill_if_running, wait_until
 
 from room_outbox.cli.main import main
 from room_outbox.config import ConfigError, RetentionSettings, load_settings
@@ -233,8 +233,7 @@ async def test_cleanup_shows_a_progress_line_per_batch_on_a_terminal(
         try:
             code = proc.wait(timeout=60)
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            kill_if_running(proc)
     terminal = _read_all(primary)
     assert code == 0
     lines = [line for line in terminal.splitlines() if line.startswith("batch ")]

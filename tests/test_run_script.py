@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support import envelope, insert_events, wait_until
+from support import envelope, insert_events, kill_if_running, wait_until
 
 from room_outbox.store.backends.mysql import MySQLStore
 
@@ -51,6 +51,4 @@ async def test_run_sh_starts_the_fake_im_its_config_points_at(database_dsn: str,
         assert "starting the fake Tencent IM" in stderr
         await wait_until(lambda: not _answers(8090), timeout=10)
     finally:
-        if script.poll() is None:
-            script.kill()
-            script.wait(timeout=10)
+        kill_if_running(script)

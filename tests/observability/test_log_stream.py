@@ -17,7 +17,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from support import envelope, fetch_rows, insert_events, wait_until, wait_until_sync
+from support import envelope, fetch_rows, insert_events, kill_if_running, wait_until, wait_until_sync
 
 from room_outbox.observability.logs import BackgroundHandler, JsonFormatter
 from room_outbox.observability.redaction import Redactor
@@ -85,9 +85,7 @@ async def test_run_delivers_while_its_log_stream_is_blocked(
         run.send_signal(signal.SIGTERM)
         assert await anyio.to_thread.run_sync(lambda: run.wait(timeout=30)) == 0
     finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait(timeout=10)
+        kill_if_running(run)
     await anyio.to_thread.run_sync(lambda: drain.join(timeout=30))
     lines = [json.loads(line) for line in drain.data[held:].decode().splitlines()]
     lifecycle = [line["lifecycle"] for line in lines if "lifecycle" in line]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from support import wait_until
+from support import kill_if_running, wait_until
 
 from room_outbox.observability.health import Health
 from room_outbox.observability.systemd import Notifier, notify_systemd, watchdog_interval
@@ -94,9 +94,7 @@ async def test_run_says_ready_once_its_worker_runs_pings_the_watchdog_and_says_s
         assert [m for m in stopping[:-1] if m != "WATCHDOG=1"] == []
         assert await anyio.to_thread.run_sync(lambda: run.wait(timeout=30)) == 0
     finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait(timeout=10)
+        kill_if_running(run)
 
 
 class CountedHealth(Health):

@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 import pymysql
 import pytest
-from support import V1_DDL, wait_until
+from support import V1_DDL, kill_if_running, wait_until
 
 from room_outbox.cli.main import main
 from room_outbox.errors import SchemaError
@@ -329,9 +329,7 @@ async def test_an_interrupted_migrate_stops_its_statement_on_the_server_and_a_re
         migrate.send_signal(signal.SIGTERM)
         assert await anyio.to_thread.run_sync(lambda: migrate.wait(timeout=30)) == 130
     finally:
-        if migrate.poll() is None:
-            migrate.kill()
-            migrate.wait(timeout=10)
+        kill_if_running(migrate)
     assert "interrupted; its running statement was stopped: run it again to finish" in err.read_text()
     await wait_until(lambda: schema_changes_running(v1_table) == [], timeout=1)  # stopped, not left waiting
     table_reader.commit()
@@ -403,9 +401,7 @@ async def test_a_migrate_interrupted_while_it_tries_its_changes_leaves_nothing(v
             migrate.send_signal(signal.SIGHUP)
             assert await anyio.to_thread.run_sync(lambda: migrate.wait(timeout=30)) == 130
         finally:
-            if migrate.poll() is None:
-                migrate.kill()
-                migrate.wait(timeout=10)
+            kill_if_running(migrate)
         assert schema_changes_running(v1_table, copying) == []
     finally:
         holder.close()

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support import kill_if_running
 
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM, serve_fake_im
 from room_outbox.plugins.tencent_im.usersig import gen_usersig
@@ -245,6 +246,4 @@ def test_cli_subcommand_serves_until_sigterm() -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_if_running(proc)
