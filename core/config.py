@@ -40,6 +40,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from room_outbox.envelope import MAX_ENVELOPE_BYTES
 from room_outbox.errors import ConfigurationError
 
 ENV_PREFIX = "ROOM_OUTBOX__"
@@ -165,6 +166,10 @@ class DatabaseSettings(Section):
     profile: str = "v1"
     #: The outbox table's name; empty: the profile's own (``room_outbox`` for v1).
     table: str = ""
+    #: The longest envelope read, in bytes. A longer one is never read: its row fails as too
+    #: large (parked with ``parking: true``), so that one oversized row cannot exhaust the
+    #: process's memory, which holds an envelope several times over while reading it.
+    max_envelope_bytes: int = Field(default=MAX_ENVELOPE_BYTES, ge=1024)
 
     @field_validator("profile")
     @classmethod

@@ -12,7 +12,9 @@ from room_outbox.errors import EnvelopeError
 
 __all__ = [
     "KNOWN_EVENT_TYPES",
+    "MAX_ENVELOPE_BYTES",
     "OTHER_EVENT_TYPE",
+    "TOO_LARGE",
     "EnvelopeError",
     "EventEnvelope",
     "event_type_label",
@@ -74,6 +76,16 @@ class EventEnvelope(BaseModel):
     payload: dict[str, Any] | None = None
 
 
+#: The default of ``database.max_envelope_bytes``: the longest envelope the stores read. Above
+#: what either built-in sink sends (Kafka's default message limit is 1,000,000 bytes), far
+#: below what would exhaust a process's memory (the driver and the parser each hold a copy).
+MAX_ENVELOPE_BYTES = 1 << 20
+
+#: What the stores read in place of an envelope longer than ``database.max_envelope_bytes``,
+#: followed by its size in bytes; never the start of a JSON object, so never a real envelope.
+TOO_LARGE = "room-outbox:too-large:"
+
+
 #: The model's validator itself: ``model_validate_json`` without its wrapper, once per row.
 _validate_json: Callable[[str], EventEnvelope] = EventEnvelope.__pydantic_validator__.validate_json
 
@@ -95,6 +107,11 @@ def parse_envelope(raw: str | bytes | None) -> EventEnvelope:
     try:
         envelope = _validate_json(raw)
     except ValidationError as exc:
+        if raw.startswith(TOO_LARGE):
+            size = raw.removeprefix(TOO_LARGE)
+            raise EnvelopeError(
+                f"envelope too large: {size} bytes, above database.max_envelope_bytes (left unread)"
+            ) from None
         raise EnvelopeError(f"malformed envelope: {_describe(exc)}") from exc
     # The parser accepts NaN, Infinity and numbers out of range (1e999), which JSON has not:
     # they can only be floats in the payload or in unknown fields (the typed fields refuse them).

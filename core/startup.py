@@ -111,6 +111,7 @@ async def open_checked_store(settings: Settings, own_lanes: list[str], tail_lane
         query_timeout=database.query_timeout,
         wait=database.connect_wait,
         profile=table_profile(settings),
+        max_envelope_bytes=database.max_envelope_bytes,
     )
     try:
         with translated(describe(store_address(database.dsn.get_secret_value()))):

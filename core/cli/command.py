@@ -109,7 +109,11 @@ async def with_store(settings: Settings, work: Callable[[SQLStore], Awaitable[in
     """``work`` given one connection to the configured database, closed again after."""
     dsn = settings.database.dsn.get_secret_value()
     store = await open_store(
-        dsn, pool_size=1, query_timeout=settings.database.query_timeout, profile=table_profile(settings)
+        dsn,
+        pool_size=1,
+        query_timeout=settings.database.query_timeout,
+        profile=table_profile(settings),
+        max_envelope_bytes=settings.database.max_envelope_bytes,
     )
     try:
         with translated_errors(dsn):

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from room_outbox.envelope import TOO_LARGE
+
 #: Capabilities a store may declare.
 #: ``row_locks``: claimants on several hosts pass each other with ``FOR UPDATE SKIP LOCKED``
 #: (SQLite serialises every writer instead: one host, one file).
@@ -75,6 +77,10 @@ class Dialect:
     #: SQL: the next id the table ``{table}``'s key ``{key}`` will be given (NULL: unknown), and
     #: the highest id it holds; "": not read here.
     next_id_sql: str = ""
+    #: SQL: the size in bytes of the text (or bytes) ``{value}``.
+    octet_length: str = "octet_length({value})"
+    #: SQL: the text ``{first}`` followed by ``{second}``.
+    concat: str = "{first} || {second}"
 
     @property
     def room_buckets(self) -> bool:
@@ -92,6 +98,17 @@ class Dialect:
     def room_bucket(self, app_code: str = "app_code", room_id: str = "room_id") -> str:
         """SQL: the room bucket of a row whose app code and room are these columns (or expressions)."""
         return self.row_bucket.format(app_code=app_code, room_id=room_id)
+
+    def bounded_envelope(self, envelope: str, max_bytes: int, marker: str = "{}") -> str:
+        """SQL: the envelope ``envelope`` (text or bytes) as read, or, when it is longer than
+        ``max_bytes``, :data:`~room_outbox.envelope.TOO_LARGE` followed by its size (in the
+        column's type: ``marker`` formats that text). One oversized row never reaches the
+        process's memory, where its copies (the driver's, the parser's) would take several
+        times its size, and it fails as that row's own error (see
+        :func:`~room_outbox.envelope.parse_envelope`)."""
+        size = self.octet_length.format(value=envelope)
+        too_large = marker.format(self.concat.format(first=f"'{TOO_LARGE}'", second=size))
+        return f"CASE WHEN {size} <= {int(max_bytes)} THEN {envelope} ELSE {too_large} END"
 
 
 MYSQL = Dialect(
@@ -115,6 +132,8 @@ MYSQL = Dialect(
     row_bucket="room_bucket",
     online_column=", ALGORITHM=INSTANT",
     online_index=", ALGORITHM=INPLACE, LOCK=NONE",
+    octet_length="LENGTH({value})",
+    concat="CONCAT({first}, {second})",
     next_id_sql="SELECT (SELECT AUTO_INCREMENT FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE()"
     " AND TABLE_NAME = '{table}'), (SELECT MAX({key}) FROM {table})",
 )
@@ -158,6 +177,7 @@ SQLITE = Dialect(
     now_ms="CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)",
     capabilities=frozenset(),
     union_after_limit="SELECT * FROM ({first}) AS first UNION ALL {second}",
+    octet_length="length(CAST({value} AS BLOB))",  # length() of text counts characters
 )
 
 

@@ -15,6 +15,7 @@ from urllib.parse import unquote, urlsplit
 
 import anyio
 
+from room_outbox.envelope import MAX_ENVELOPE_BYTES
 from room_outbox.errors import ConfigurationError, StoreUnavailable
 from room_outbox.store.backends.dsn import DsnOptionError
 from room_outbox.store.backends.errors import translated
@@ -98,6 +99,7 @@ async def open_store(
     wait: float = 0.0,
     profile: Profile = V1,
     idle_in_transaction: float = 0.0,
+    max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
 ) -> SQLStore:
     """Connect to the store ``dsn`` names, keeping the main lane's state in ``profile``'s table
     and words. ``create_database`` creates a missing MySQL or PostgreSQL database; a SQLite
@@ -105,6 +107,8 @@ async def open_store(
     :mod:`.deadline`); on SQLite it is how long a transaction waits for another writer's lock.
     ``idle_in_transaction``: how long a caller may keep a transaction idle on purpose (a
     consumer's handler runs inside its transaction): the server's session limits allow for it.
+    ``max_envelope_bytes``: a longer envelope is not read (see
+    :meth:`~.leased.LeasedRows.read_envelope`).
 
     A server that cannot be reached (down, starting, refusing connections) is tried again for
     up to ``wait`` seconds, pausing 0.25 s, 0.5 s, 1 s ... at most 5 s between attempts, each
@@ -140,7 +144,9 @@ async def open_store(
                     store = await MySQLStore.connect(
                         dsn, pool_size, create_database, query_timeout, idle_in_transaction
                     )
+                store.max_envelope_bytes = max_envelope_bytes
                 store.use_profile(profile)
+                await store.read_column_types()
                 if not isinstance(store, SQLiteStore):
                     await _read_clock(store)
                 return store

@@ -158,6 +158,10 @@ class SQLStore(OutboxStore, Protocol):
     #: The age (ms) the producer's rows must reach before a claim takes them (``outbox_worker.claim_after``).
     claim_after_ms: int
 
+    #: SQL: how statements read the outbox's envelope column (an oversized one left unread; see
+    #: :meth:`~.backends.leased.LeasedRows.read_envelope`).
+    envelope_column: str
+
     @property
     def profile(self) -> Profile:
         """The outbox table's name and status words (``database.profile``)."""

@@ -1,19 +1,25 @@
 """The envelope column as deployments type it: TEXT as room-outbox creates it, JSON or BLOB on
 MariaDB, json, jsonb or bytea on PostgreSQL. The main lane, a lane with a table of its own and
 the tailing lane deliver every one of them (PostgreSQL's driver would hand a json column over
-parsed: the store reads it as text, and the envelope is checked as any other)."""
+parsed: the store reads it as text, and the envelope is checked as any other). An envelope
+longer than ``database.max_envelope_bytes`` is left unread in each of them: its row fails as too
+large, naming its size, and the rows after it are delivered."""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
+from typing import Any
 
 import pytest
 from lanes.conftest import Broker
-from lanes.test_lanes import lane_dispatcher
+from lanes.test_lanes import lane_dispatcher, lane_rows
 from lanes.test_tail import consume, drain, event_ids, kafka_sink, relay
-from support import RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher
+from support import RecordingSink, envelope, fetch_rows, insert_rows, make_dispatcher
 
 from bench.drive import run_until_empty
+from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.store import migrate_lanes
 from room_outbox.store.lanes.tail import migrate_tail
@@ -31,16 +37,62 @@ COLUMNS = {
 }  # fmt: skip
 
 
-async def store_with(request: pytest.FixtureRequest, column: str) -> SQLStore:
-    fixture, change = COLUMNS[column]
-    store = await open_store(request.getfixturevalue(fixture))
-    await store.migrate()
-    await migrate_tail(store, ["kafka"])
-    await migrate_lanes(store, ["t"])
-    async with store.transaction() as cur:
-        await cur.execute(change)
-    await insert_events(store, [envelope("first", payload={"heat": 1.5}), envelope("second")])
+#: Each column type, and room-outbox's own TEXT (LONGTEXT on MariaDB).
+ALL_COLUMNS = {
+    **COLUMNS,
+    "mariadb-longtext": ("database_dsn", ""),
+    "postgresql-text": ("postgresql_dsn", ""),
+    "sqlite-text": ("sqlite_dsn", ""),
+}
+
+
+@pytest.fixture
+def sqlite_dsn(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'outbox.db'}"
+
+
+#: A bound small enough for a test, and an envelope above it in bytes though not in characters
+#: (each Chinese character is three bytes in UTF-8).
+BOUND = 4096
+OVERSIZED = envelope("huge", payload={"text": "你好" * (BOUND // 4)})
+
+
+async def store_with(
+    request: pytest.FixtureRequest, column: str, events: list[dict[str, Any]] | None = None, **options: Any
+) -> SQLStore:
+    """A store opened on a table whose envelope column is ``column``'s type (changed before the
+    store opens, as a deployment's table is there before room-outbox starts), holding
+    ``events`` (default: first, second)."""
+    fixture, change = ALL_COLUMNS[column]
+    dsn = request.getfixturevalue(fixture)
+    store = await open_store(dsn)
+    try:
+        await store.migrate()
+        await migrate_tail(store, ["kafka"])
+        await migrate_lanes(store, ["t"])
+        if change:
+            async with store.transaction() as cur:
+                await cur.execute(change)
+    finally:
+        await store.aclose()
+    store = await open_store(dsn, **options)
+    events = events or [envelope("first", payload={"heat": 1.5}), envelope("second")]
+    as_written = [json.dumps(e, ensure_ascii=False) for e in events]
+    await insert_rows(
+        store,
+        [
+            (e["app_code"], e["event_id"], e["event_type"], e["room_id"], text)
+            for e, text in zip(events, as_written, strict=True)
+        ],
+    )
     return store
+
+
+def too_large(error: str | None) -> int:
+    """The size an error names for an envelope left unread."""
+    found = re.search(r"envelope too large: (\d+) bytes, above database.max_envelope_bytes", error or "")
+    assert found, error
+    return int(found[1])
 
 
 @pytest.mark.parametrize("column", list(COLUMNS))
@@ -84,6 +136,57 @@ async def test_the_tailing_lane_delivers_every_envelope_column_type(
         assert event_ids(messages) == ["first", "second"]
         assert json.loads(messages[0].value)["payload"] == {"heat": 1.5}
         assert await tail.store.parked() == []
+    finally:
+        await sink.aclose()
+        await store.aclose()
+
+
+@pytest.mark.parametrize("column", list(ALL_COLUMNS))
+async def test_the_main_lane_leaves_an_oversized_envelope_unread_and_goes_on(
+    request: pytest.FixtureRequest, column: str
+) -> None:
+    store = await store_with(request, column, [OVERSIZED, envelope("after")], max_envelope_bytes=BOUND)
+    try:
+        sink = RecordingSink()
+        parking = RetryPolicy(interval=0.05, parking=True)
+        await run_until_empty(make_dispatcher(store, sink, batch_size=10, retry=parking))
+        rows = await fetch_rows(store)
+        assert (rows["huge"]["status"], rows["after"]["status"]) == ("failed", "published")
+        assert too_large(rows["huge"]["last_error"]) > BOUND
+        assert sink.received == ["after"]
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.parametrize("column", list(ALL_COLUMNS))
+async def test_a_lane_table_lane_leaves_an_oversized_envelope_unread_and_goes_on(
+    request: pytest.FixtureRequest, column: str
+) -> None:
+    store = await store_with(request, column, [OVERSIZED, envelope("after")], max_envelope_bytes=BOUND)
+    try:
+        sink = RecordingSink()
+        await run_until_empty(lane_dispatcher(store, sink, retry=RetryPolicy(interval=0.05, parking=True)))
+        rows = await lane_rows(store)
+        assert (rows["huge"]["status"], rows["after"]["status"]) == ("failed", "published")
+        assert too_large(rows["huge"]["last_error"]) > BOUND
+        assert sink.received == ["after"]
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.parametrize("column", list(ALL_COLUMNS))
+async def test_the_tailing_lane_parks_an_oversized_envelope_unread_and_goes_on(
+    request: pytest.FixtureRequest, column: str, kafka_broker: Broker
+) -> None:
+    store = await store_with(request, column, [OVERSIZED, envelope("after")], max_envelope_bytes=BOUND)
+    sink = kafka_sink(kafka_broker)
+    try:
+        tail = relay(store, sink)
+        await drain(tail, store)
+        assert event_ids(await consume(kafka_broker, {"after"})) == ["after"]
+        [parked] = await tail.store.parked()
+        assert parked["event_id"] == "huge"
+        assert too_large(parked["last_error"]) > BOUND
     finally:
         await sink.aclose()
         await store.aclose()

@@ -20,6 +20,7 @@ import psycopg
 import pytest
 from support import POSTGRESQL_SERVER_DSN, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, pg_admin
 
+from bench.drive import run_until_empty
 from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.cli.inspect import inspect_event
 from room_outbox.cluster.identity import process_identity
@@ -29,6 +30,7 @@ from room_outbox.observability.redaction import Redactor
 from room_outbox.sink import PermanentSinkError, RetryableSinkError
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.backends.postgres import PostgresStore
+from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.tail import TailStore, migrate_tail
 from room_outbox.store.protocol import SQLStore
 
@@ -183,6 +185,31 @@ async def test_an_envelope_in_another_encoding_in_a_sql_ascii_database_is_its_ro
         assert "envelope is not valid UTF-8" in rows["gbk"][1], rows["gbk"]
         inspected = await inspect_event(store, "gbk")  # the operator sees it too
         assert inspected is not None and inspected["envelope_error"].startswith("envelope is not valid UTF-8")
+
+
+async def test_an_oversized_envelope_in_a_sql_ascii_database_is_left_unread() -> None:
+    """SQL_ASCII's envelopes are read as bytes: one above ``database.max_envelope_bytes`` in
+    bytes (not in characters) is left unread there too, and its row fails alone."""
+    async with pg_database_in("SQL_ASCII") as (_, dsn):
+        store = await open_store(dsn, max_envelope_bytes=4096)
+        try:
+            huge = envelope("huge", payload={"text": "你好" * 1024})  # 2,048 characters, 6,144 bytes
+            huge_text = json.dumps(huge, ensure_ascii=False)
+            await insert_rows(store, [("", "huge", huge["event_type"], huge["room_id"], huge_text)])
+            await insert_events(store, [envelope("after", payload={"text": "你好"})])
+            sink = ErringSink()
+            await run_until_empty(make_dispatcher(store, sink, retry=RetryPolicy(interval=0.05, parking=True)))
+            assert sink.payloads == {"after": {"text": "你好"}}
+            rows = await fetch_rows(store)
+            assert (rows["huge"]["status"], rows["after"]["status"]) == ("failed", "published")
+            size = len(huge_text.encode())
+            assert rows["huge"]["last_error"].endswith(
+                f"envelope too large: {size} bytes, above database.max_envelope_bytes (left unread)"
+            ), rows["huge"]["last_error"]
+            inspected = await inspect_event(store, "huge")  # the operator sees why, not the envelope
+            assert inspected is not None and inspected["envelope_error"].startswith(f"envelope too large: {size}")
+        finally:
+            await store.aclose()
 
 
 class OrderedLog:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
+from room_outbox.envelope import MAX_ENVELOPE_BYTES
 from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import MYSQL, Dialect, ascii_text
@@ -100,6 +101,9 @@ class LeasedRows:
 
     table = TABLE
     key = "id"
+    #: The longest envelope read (bytes, ``database.max_envelope_bytes``; see :meth:`read_envelope`).
+    max_envelope_bytes = MAX_ENVELOPE_BYTES
+    #: SQL: how every statement reads the outbox's envelope (:meth:`read_envelope`).
     envelope_column = "envelope"
     #: The database's dialect; its ``row_lock`` is how the claim scan locks what it takes
     #: (SQLite's is "": its BEGIN IMMEDIATE already serialises every writer).
@@ -122,7 +126,16 @@ class LeasedRows:
         self.profile = profile
         self.table = profile.table
         self.key = profile.key
-        self.envelope_column = profile.envelope
+        self.envelope_column = self.read_envelope(profile.envelope)
+
+    def read_envelope(self, column: str) -> str:
+        """SQL: the envelope ``column`` as read, an oversized one left unread (see
+        :meth:`~.dialect.Dialect.bounded_envelope`)."""
+        return self.dialect.bounded_envelope(column, self.max_envelope_bytes)
+
+    async def read_column_types(self) -> None:
+        """Read what :meth:`read_envelope` needs to know of the outbox's columns (PostgreSQL:
+        the envelope's type), once the store is open."""
 
     def transaction(self) -> AbstractAsyncContextManager[Any]:
         """A cursor taking ``%s`` placeholders in a transaction, committed when the block ends."""

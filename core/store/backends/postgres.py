@@ -11,7 +11,6 @@ runs online (:meth:`PostgresStore.run_migration`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import time
@@ -39,7 +38,6 @@ from room_outbox.store.deadline import (
 from room_outbox.store.dialect import POSTGRESQL
 from room_outbox.store.schema import registry
 from room_outbox.store.schema.outbox import Migration
-from room_outbox.store.schema.profiles import Profile
 from room_outbox.store.schema.registry import Planner
 
 #: The pool's type adapters: json and jsonb values read as their text, as MySQL's drivers give
@@ -151,6 +149,8 @@ class PostgresStore(LeasedRows):
         self._transaction_settings = ""
         #: The database's encoding (``server_encoding``), read as the pool opens.
         self.server_encoding = "UTF8"
+        #: The type of the outbox's envelope column (see :meth:`read_column_types`).
+        self.envelope_type = "text"
 
     @classmethod
     async def connect(
@@ -206,15 +206,34 @@ class PostgresStore(LeasedRows):
             store._transaction_settings = address.session_settings(query_timeout, idle_in_transaction, local=True)
         return store
 
-    def use_profile(self, profile: Profile) -> None:
-        """As :meth:`LeasedRows.use_profile`; in a SQL_ASCII database the envelope is read as its
-        bytes. Such a database stores any bytes and checks none, so a producer writing another
-        encoding (GBK, say) leaves text the server refuses to send as UTF-8 ("invalid byte
-        sequence"): read as text, that one row would fail every claim that reaches it, and the
-        rows after it would wait. As bytes, it is that row's own error (not valid UTF-8)."""
-        if self.server_encoding == "SQL_ASCII":
-            profile = dataclasses.replace(profile, envelope=f"convert_to({profile.envelope}, 'SQL_ASCII')")
-        super().use_profile(profile)
+    def read_envelope(self, column: str) -> str:
+        """As :meth:`LeasedRows.read_envelope`, as this database and the column's type need.
+
+        - json and jsonb have no size of their own: they are read as text (as the driver would
+          send them anyway); a bytea column is read as its bytes.
+        - In a SQL_ASCII database text is read as its bytes. Such a database stores any bytes
+          and checks none, so a producer writing another encoding (GBK, say) leaves text the
+          server refuses to send as UTF-8 ("invalid byte sequence"): read as text, that one row
+          would fail every claim that reaches it, and the rows after it would wait. As bytes,
+          it is that row's own error (not valid UTF-8)."""
+        if self.envelope_type == "bytea":
+            return self.dialect.bounded_envelope(column, self.max_envelope_bytes, marker="convert_to({}, 'UTF8')")
+        text = f"({column})::text" if self.envelope_type in ("json", "jsonb") else column
+        read = self.dialect.bounded_envelope(text, self.max_envelope_bytes)
+        return f"convert_to({read}, 'SQL_ASCII')" if self.server_encoding == "SQL_ASCII" else read
+
+    async def read_column_types(self) -> None:
+        """Read the type of the outbox's envelope column, which :meth:`read_envelope` needs
+        (text where the table is not there yet: ``migrate`` makes it so)."""
+        async with self.transaction() as cur:
+            await cur.execute(
+                "SELECT format_type(atttypid, NULL) FROM pg_attribute"
+                " WHERE attrelid = to_regclass(%s) AND attname = %s AND NOT attisdropped",
+                (self.profile.table, self.profile.envelope),
+            )
+            found = await cur.fetchone()
+        self.envelope_type = found[0] if found else "text"
+        self.use_profile(self.profile)
 
     async def aclose(self) -> None:
         """Close the pool. Connections still in use get ``query_timeout`` to come back; then

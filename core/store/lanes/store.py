@@ -112,7 +112,9 @@ class LaneStore(LeasedRows):
         # room_outbox meanwhile gets no envelope (NULL, whatever the column's type): it fails
         # as a bad envelope, visibly, instead of vanishing.
         p = self.owner.profile
-        self.envelope_column = f"(SELECT {p.envelope} FROM {p.table} WHERE {p.key} = {self.table}.outbox_id)"
+        self.envelope_column = (
+            f"(SELECT {self.owner.envelope_column} FROM {p.table} WHERE {p.key} = {self.table}.outbox_id)"
+        )
 
     def transaction(self) -> AbstractAsyncContextManager[Any]:
         return self.owner.transaction()

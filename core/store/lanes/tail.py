@@ -281,13 +281,13 @@ class TailStore(LaneStore):
         """In one statement, in id order: the rows above the highest id seen, up to
         ``feed_batch``, and the rows that turned up in the ranges seen missing (ids that
         were in flight)."""
-        p = self.owner.profile
-        above = f"SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {p.key} > %s ORDER BY {p.key} LIMIT %s"
+        p, envelope = self.owner.profile, self.owner.envelope_column
+        above = f"SELECT {p.key}, {envelope} FROM {p.table} WHERE {p.key} > %s ORDER BY {p.key} LIMIT %s"
         if not self._gaps:
             await cur.execute(above, (self._high, self.feed_batch))
             return [TailRow(int(r[0]), r[1]) for r in await cur.fetchall()]
         ranges, bounds = self._gap_ranges()
-        late = f"SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {ranges}"
+        late = f"SELECT {p.key}, {envelope} FROM {p.table} WHERE {ranges}"
         await cur.execute(
             self.owner.dialect.union_after_limit.format(first=above, second=late),
             (self._high, self.feed_batch, *bounds),
@@ -297,8 +297,8 @@ class TailStore(LaneStore):
     async def _rows(self, cur: Any, ids: Sequence[int]) -> list[TailRow]:
         if not ids:
             return []
-        p = self.owner.profile
-        await cur.execute(f"SELECT {p.key}, {p.envelope} FROM {p.table} WHERE {p.key} IN ({marks(ids)})", list(ids))
+        p, envelope = self.owner.profile, self.owner.envelope_column
+        await cur.execute(f"SELECT {p.key}, {envelope} FROM {p.table} WHERE {p.key} IN ({marks(ids)})", list(ids))
         found = {int(r[0]): TailRow(int(r[0]), r[1]) for r in await cur.fetchall()}
         return [found[i] for i in ids if i in found]
 

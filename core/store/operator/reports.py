@@ -223,7 +223,7 @@ async def event_row(store: SQLStore, event_id: str) -> tuple[dict[str, Any], dic
     p = store.profile
     read = {
         "key": p.key, "event_id": p.event_id, "event_type": p.event_type, "room_id": p.room_id,
-        "app_code": p.app_code, "envelope": p.envelope, "lock_ms": p.as_ms(p.lock),
+        "app_code": p.app_code, "envelope": store.envelope_column, "lock_ms": p.as_ms(p.lock),
     }  # fmt: skip
     async with store.transaction() as cur:
         # Every column but the raw envelope: ``envelope`` reads it as the store does (as bytes
