@@ -26,6 +26,7 @@ Handling one message (:mod:`.handling`), the retry worker (:mod:`.retries`), dea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -58,6 +59,8 @@ COMMIT_TIMEOUT = 10.0
 #: One attempt to reach the broker and join the group; then a pause before the next.
 JOIN_TIMEOUT = 30.0
 JOIN_RETRY_PAUSE = 2.0
+#: The look, on each assignment, at where the partitions' committed offsets stand in their logs.
+OFFSETS_CHECK_TIMEOUT = 5.0
 
 
 class Consumer:
@@ -139,7 +142,7 @@ class Consumer:
                 max_poll_records=s.max_batch,
                 **s.security.client_kwargs(),
             )
-            kafka.subscribe([s.topic], listener=_SettleBeforeRevoke(self))
+            kafka.subscribe([s.topic], listener=_SettleBeforeRevoke(self, kafka))
             try:
                 with anyio.fail_after(JOIN_TIMEOUT):
                     await kafka.start()
@@ -388,8 +391,9 @@ class _SettleBeforeRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
     """Partitions leave this member only once the batch in progress is settled and what is
     settled is committed."""
 
-    def __init__(self, consumer: Consumer) -> None:
+    def __init__(self, consumer: Consumer, kafka: AIOKafkaConsumer) -> None:
         self.consumer = consumer
+        self.kafka = kafka
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
         async with self.consumer._batch_lock:
@@ -405,6 +409,44 @@ class _SettleBeforeRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
             "partitions assigned",
             extra={"consumer": self.consumer.name, "partitions": sorted(tp.partition for tp in assigned)},
         )
+        # It only informs: the fetch meets a broker that does not answer by itself.
+        with anyio.move_on_after(OFFSETS_CHECK_TIMEOUT), contextlib.suppress(KafkaError):
+            await self._report_offsets_out_of_range(sorted(assigned))
+
+    async def _report_offsets_out_of_range(self, assigned: list[TopicPartition]) -> None:
+        """Where a committed offset is outside its partition's log, say so and read from the
+        log's beginning. Kafka's answer to such a fetch makes the client do that, saying so only
+        at INFO; a broker that answers it with nothing at all would leave the partition unread."""
+        if not assigned:
+            return
+        first = await self.kafka.beginning_offsets(assigned)
+        end = await self.kafka.end_offsets(assigned)
+        for tp in assigned:
+            committed = await self.kafka.committed(tp)
+            problem = offset_out_of_range(committed, first[tp], end[tp])
+            if problem is not None:
+                level, message = problem
+                log.log(level, message, extra={"consumer": self.consumer.name, "partition": tp.partition,
+                                               "committed": committed, "log_start": first[tp], "log_end": end[tp]})  # fmt: skip
+                self.kafka.seek(tp, first[tp])
+
+
+def offset_out_of_range(committed: int | None, first: int, end: int) -> tuple[int, str] | None:
+    """What a member is told where a partition's committed offset is not in its log
+    (``first`` to ``end``, the next offset written), and at which level; None where it is, or
+    where nothing is committed yet (a new group reads from the beginning)."""
+    if committed is None or first <= committed <= end:
+        return None
+    if committed < first:
+        return logging.ERROR, (
+            f"{first - committed} messages were deleted by the topic's retention before this consumer"
+            " handled them: it goes on from the oldest message left; keep messages longer than the"
+            " consumer may fall behind (retention.ms)"
+        )
+    return logging.WARNING, (
+        "the committed offset is past the end of the partition (the topic deleted and created"
+        " again?): this consumer reads the partition from its beginning"
+    )
 
 
 __all__ = ["Consumer"]

@@ -5,13 +5,14 @@ the process tests are in test_consume_processes."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from consume.conftest import TOPIC, ConsumerBroker, envelope
 from faults.tcp_proxy import TcpProxy
 from opentelemetry.trace import StatusCode
@@ -21,7 +22,7 @@ from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, captur
 from room_outbox import hookimpl
 from room_outbox.cli.consume import migrate_consumers
 from room_outbox.config import ConfigError, Settings
-from room_outbox.consume.engine import Consumer
+from room_outbox.consume.engine import Consumer, offset_out_of_range
 from room_outbox.consume.registry import build_handlers, check_consumers, registered_handlers
 from room_outbox.consume.service import run_consumers
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
@@ -555,3 +556,50 @@ async def test_the_group_waits_for_a_batch_as_long_as_its_own_deadlines_allow() 
     assert rebalance_timeout(settings, batch_handlers=1) >= longest
     short = ConsumerSettings(handlers=["audit"], handler_timeout=0.1, max_batch=1, session_timeout=30)
     assert rebalance_timeout(short, batch_handlers=0) == 30  # never below the session timeout
+
+
+async def test_a_committed_offset_past_the_partitions_end_is_reported_and_the_partition_read_again(
+    migrated: MySQLStore, broker: ConsumerBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The topic deleted and created again under a group that had committed offsets: the
+    client reads each partition from its beginning, saying so only at INFO. The consumer
+    warns, naming the partition, and handles what the new topic holds."""
+    events = [envelope(f"r{n}", "RoomUserJoined", f"room_{n}", 1) for n in range(6)]
+    await send(broker.bootstrap, events, traceparent=None)
+    settings = ConsumerSettings(bootstrap_servers=broker.bootstrap, handlers=["audit"], session_timeout=6)
+    partitions = [TopicPartition(TOPIC, p) for p in range(3)]
+    earlier = AIOKafkaConsumer(bootstrap_servers=broker.bootstrap, group_id=settings.group("feed"))
+    with anyio.fail_after(30):
+        await earlier.start()
+        try:
+            earlier.assign(partitions)
+            await earlier.commit({tp: 1000 for tp in partitions})  # as the topic before left them
+        finally:
+            await earlier.stop()
+    consumer = Consumer(
+        "feed", settings, SQLConsumerStore(migrated, settings.handler_timeout),
+        build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor()), "node-1", Redactor(),
+        capture().telemetry,
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="room_outbox.consume"):
+        async with running(consumer):
+
+            async def audited() -> bool:
+                return len(await rows(migrated, "SELECT id FROM room_audit_log")) == len(events)
+
+            await wait_until(audited, timeout=60)
+    reported = [r for r in caplog.records if "past the end of the partition" in r.getMessage()]
+    assert sorted(r.partition for r in reported) == [0, 1, 2], caplog.text  # type: ignore[attr-defined]
+    assert all(r.levelno == logging.WARNING and r.committed == 1000 for r in reported)  # type: ignore[attr-defined]
+
+
+def test_offsets_outside_the_log_are_told_apart() -> None:
+    """Where nothing is committed, or the offset is in the log (its end included: nothing new),
+    nothing is said; below the log's start, messages were deleted unread: an error."""
+    assert offset_out_of_range(None, 5, 10) is None
+    assert offset_out_of_range(5, 5, 10) is None
+    assert offset_out_of_range(10, 5, 10) is None
+    level, message = offset_out_of_range(2, 5, 10) or (0, "")
+    assert level == logging.ERROR and message.startswith("3 messages were deleted by the topic's retention")
+    level, message = offset_out_of_range(11, 5, 10) or (0, "")
+    assert level == logging.WARNING and "past the end of the partition" in message
