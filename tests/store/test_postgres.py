@@ -3,6 +3,7 @@ keep a statement from hanging a worker, and a database created by ``migrate``.""
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 import uuid
@@ -10,7 +11,7 @@ import uuid
 import anyio
 import psycopg
 import pytest
-from support import POSTGRESQL_SERVER_DSN, envelope, insert_events, pg_admin, wait_until
+from support import POSTGRESQL_SERVER_DSN, RecordingSink, envelope, insert_events, make_dispatcher, pg_admin, wait_until
 
 from room_outbox.errors import ConfigurationError, SchemaError, StoreUnavailable
 from room_outbox.store.backends.postgres import PostgresAddress, PostgresStore, open_session
@@ -310,4 +311,49 @@ async def test_an_outbox_table_outside_the_sessions_first_schema_is_refused_nami
     finally:
         await admin.execute(f"DROP OWNED BY {role} CASCADE")
         await admin.execute(f"DROP ROLE IF EXISTS {role}")
+        await admin.close()
+
+
+async def test_row_level_security_on_the_outbox_is_said_at_start(
+    postgresql_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under row-level security a role sees only the rows the table's policies show it, and
+    with no policy none: its claims, counts and backlog all read zero while room-service's rows
+    pile up. Said at start, naming the role and the way out; not refused (one process per
+    tenant may mean it); nothing said once the role bypasses it."""
+    role = f"ro_rls_{uuid.uuid4().hex[:8]}"
+    admin = await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True)
+    store = await open_store(postgresql_dsn)
+    try:
+        await store.migrate()
+        await insert_events(store, [envelope("e1")])
+        await admin.execute(f"CREATE ROLE {role} LOGIN")
+        await admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+        await admin.execute("ALTER TABLE room_outbox ENABLE ROW LEVEL SECURITY")
+        as_role = await open_store(postgresql_dsn.replace("://postgres@", f"://{role}@"))
+        try:
+
+            async def said_at_start() -> list[str]:
+                caplog.clear()
+                with caplog.at_level(logging.WARNING, logger="room_outbox.store"):
+                    await check_schema(as_role)
+                return [r.getMessage() for r in caplog.records if "row-level security" in r.getMessage()]
+
+            assert await said_at_start() == [
+                f"room_outbox has row-level security on for {role}: this process claims, delivers and counts"
+                f" no row at all (no policy shows {role} any); if every row is to be delivered, give {role}"
+                " BYPASSRLS or a policy that shows them"
+            ]
+            assert (await make_dispatcher(as_role, RecordingSink()).run_once()).claimed == 0  # what it means
+            await admin.execute("CREATE POLICY one_app ON room_outbox USING (app_code = 'default')")
+            [said] = await said_at_start()
+            assert f"counts only the rows its policies show {role} (1 on the table)" in said, said
+            await admin.execute(f"ALTER ROLE {role} BYPASSRLS")
+            assert await said_at_start() == []
+        finally:
+            await as_role.aclose()
+    finally:
+        await store.aclose()
+        await admin.execute(f"DROP OWNED BY {role}")
+        await admin.execute(f"DROP ROLE {role}")
         await admin.close()

@@ -9,13 +9,16 @@ outbox table is the profile's (``database.profile``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import column_names
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.columns import check_columns, sequence_problems
+from room_outbox.store.schema.columns import check_columns, row_security_notice, sequence_problems
 from room_outbox.store.schema.registry import WantedSchema, required_columns
+
+log = logging.getLogger("room_outbox.store")
 
 _FIX = "run `room-outbox migrate`"
 
@@ -35,6 +38,9 @@ async def check_schema(
     async with store.transaction() as cur:
         await check_columns(cur, store.dialect, store.profile, claim_ids)
         refused = await sequence_problems(cur, store.dialect, store.profile) if lanes or tail_lanes else []
+        row_security = await row_security_notice(cur, store.dialect, store.profile)
+    if row_security:
+        log.warning(row_security)
     if refused:
         raise SchemaError("\n".join(refused))
     found = await _columns(store, list(required))

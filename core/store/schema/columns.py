@@ -387,6 +387,34 @@ async def schema_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[
     ]
 
 
+async def row_security_notice(cur: Any, dialect: Dialect, profile: Profile) -> str | None:
+    """What to say where PostgreSQL's row-level security applies to this role on the outbox
+    table: its claims, its counts and its backlog see only the rows the table's policies show
+    it, and with no policy none at all, so that room-service's rows would pile up unsent while
+    every figure reads zero. (One process per tenant may want exactly that: it is said, not
+    refused.)"""
+    if dialect.name != "postgresql":
+        return None
+    await cur.execute(
+        "SELECT row_security_active(c.oid), current_user, (SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid)"
+        " FROM pg_class c WHERE c.oid = to_regclass(%s)",
+        (profile.table,),
+    )
+    row = await cur.fetchone()
+    if row is None or not row[0]:
+        return None
+    _active, user, policies = row
+    seen = (
+        f"only the rows its policies show {user} ({policies} on the table)"
+        if policies
+        else f"no row at all (no policy shows {user} any)"
+    )
+    return (
+        f"{profile.table} has row-level security on for {user}: this process claims, delivers and counts {seen};"
+        f" if every row is to be delivered, give {user} BYPASSRLS or a policy that shows them"
+    )
+
+
 async def sequence_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[str]:
     """A PostgreSQL sequence behind the outbox's key that caches values (``CACHE`` above 1):
     each producer session takes a block of ids and uses them over its life, long after other
