@@ -146,9 +146,7 @@ async def open_store(
                     )
                 store.max_envelope_bytes = max_envelope_bytes
                 store.use_profile(profile)
-                await store.read_column_types()
-                if not isinstance(store, SQLiteStore):
-                    await _read_clock(store)
+                await _read_server(store)
                 return store
         except StoreUnavailable as exc:
             _raise_if_cancellation_was_lost()
@@ -167,11 +165,14 @@ async def open_store(
             attempt += 1
 
 
-async def _read_clock(store: MySQLStore | PostgresStore) -> None:
-    """Measure the process's offset from the server's clock, closing the pool if it fails."""
+async def _read_server(store: MySQLStore | PostgresStore | SQLiteStore) -> None:
+    """Read what the store needs of its table's columns and, on a server, measure the process's
+    offset from the server's clock; close the pool if either fails."""
     try:
-        async with store.transaction() as cur:
-            await CLOCK.measure(cur, store.dialect)
+        await store.read_column_types()
+        if not isinstance(store, SQLiteStore):
+            async with store.transaction() as cur:
+                await CLOCK.measure(cur, store.dialect)
     except BaseException:
         await store.aclose()
         raise

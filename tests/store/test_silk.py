@@ -13,7 +13,8 @@ import pytest
 from room_outbox.cli.inspect import inspect_event
 from room_outbox.cli.status import status_report
 from room_outbox.config import load_settings
-from room_outbox.errors import ConfigurationError
+from room_outbox.envelope import parse_envelope
+from room_outbox.errors import ConfigurationError, EnvelopeError
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
 from room_outbox.store.membership import bucket_of
@@ -172,3 +173,18 @@ async def test_claim_after_leaves_young_pending_events_and_takes_due_retries(sil
     silk.claim_after_ms = 10_000
     claimed = await silk.claim("c#1", 10, now_ms() + 60_000)
     assert {row.event_id for row in claimed.rows} == {"old", "retried"}
+
+
+async def test_a_silk_envelope_above_the_bound_is_claimed_unread(postgresql_dsn: str) -> None:
+    """silk's envelope is built of its row's columns: one above ``database.max_envelope_bytes``
+    is claimed with its size in place of it, and fails as too large."""
+    store = await open_store(postgresql_dsn, profile=SILK, max_envelope_bytes=4096)
+    try:
+        await store.migrate()
+        await silk_publish(store, ("big", "u1", {"text": "你好" * 1024}), ("small", "u2", {"text": "你好"}))
+        rows = {r.event_id: r.envelope for r in (await store.claim("a#1", 10, now_ms() + 60_000)).rows}
+        assert json.loads(rows["small"])["payload"] == {"text": "你好"}
+        with pytest.raises(EnvelopeError, match=r"^envelope too large: \d+ bytes, above database.max_envelope_bytes"):
+            parse_envelope(rows["big"])
+    finally:
+        await store.aclose()

@@ -211,6 +211,8 @@ class PostgresStore(LeasedRows):
 
         - json and jsonb have no size of their own: they are read as text (as the driver would
           send them anyway); a bytea column is read as its bytes.
+        - An envelope made by an expression is made once per row, in a subquery the planner
+          may not fold into the CASE (``OFFSET 0``): folded, the CASE would make it twice.
         - In a SQL_ASCII database text is read as its bytes. Such a database stores any bytes
           and checks none, so a producer writing another encoding (GBK, say) leaves text the
           server refuses to send as UTF-8 ("invalid byte sequence"): read as text, that one row
@@ -219,7 +221,11 @@ class PostgresStore(LeasedRows):
         if self.envelope_type == "bytea":
             return self.dialect.bounded_envelope(column, self.max_envelope_bytes, marker="convert_to({}, 'UTF8')")
         text = f"({column})::text" if self.envelope_type in ("json", "jsonb") else column
-        read = self.dialect.bounded_envelope(text, self.max_envelope_bytes)
+        if text.isidentifier():
+            read = self.dialect.bounded_envelope(text, self.max_envelope_bytes)
+        else:  # an expression (a json column as text, silk's envelope built of its columns): made once per row
+            bounded = self.dialect.bounded_envelope("made", self.max_envelope_bytes)
+            read = f"(SELECT {bounded} FROM (SELECT {text} AS made OFFSET 0) AS envelope)"
         return f"convert_to({read}, 'SQL_ASCII')" if self.server_encoding == "SQL_ASCII" else read
 
     async def read_column_types(self) -> None:
