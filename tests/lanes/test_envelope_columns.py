@@ -141,32 +141,21 @@ async def test_the_tailing_lane_delivers_every_envelope_column_type(
         await store.aclose()
 
 
+@pytest.mark.parametrize("lane", ["main", "lane table"])
 @pytest.mark.parametrize("column", list(ALL_COLUMNS))
-async def test_the_main_lane_leaves_an_oversized_envelope_unread_and_goes_on(
-    request: pytest.FixtureRequest, column: str
+async def test_a_lane_of_leased_rows_leaves_an_oversized_envelope_unread_and_goes_on(
+    request: pytest.FixtureRequest, column: str, lane: str
 ) -> None:
     store = await store_with(request, column, [OVERSIZED, envelope("after")], max_envelope_bytes=BOUND)
     try:
         sink = RecordingSink()
         parking = RetryPolicy(interval=0.05, parking=True)
-        await run_until_empty(make_dispatcher(store, sink, batch_size=10, retry=parking))
-        rows = await fetch_rows(store)
-        assert (rows["huge"]["status"], rows["after"]["status"]) == ("failed", "published")
-        assert too_large(rows["huge"]["last_error"]) > BOUND
-        assert sink.received == ["after"]
-    finally:
-        await store.aclose()
-
-
-@pytest.mark.parametrize("column", list(ALL_COLUMNS))
-async def test_a_lane_table_lane_leaves_an_oversized_envelope_unread_and_goes_on(
-    request: pytest.FixtureRequest, column: str
-) -> None:
-    store = await store_with(request, column, [OVERSIZED, envelope("after")], max_envelope_bytes=BOUND)
-    try:
-        sink = RecordingSink()
-        await run_until_empty(lane_dispatcher(store, sink, retry=RetryPolicy(interval=0.05, parking=True)))
-        rows = await lane_rows(store)
+        if lane == "main":
+            await run_until_empty(make_dispatcher(store, sink, batch_size=10, retry=parking))
+            rows = await fetch_rows(store)
+        else:
+            await run_until_empty(lane_dispatcher(store, sink, retry=parking))
+            rows = await lane_rows(store)
         assert (rows["huge"]["status"], rows["after"]["status"]) == ("failed", "published")
         assert too_large(rows["huge"]["last_error"]) > BOUND
         assert sink.received == ["after"]
