@@ -76,10 +76,12 @@ class EventEnvelope(BaseModel):
     payload: dict[str, Any] | None = None
 
 
-#: The default of ``database.max_envelope_bytes``: the longest envelope the stores read. Above
-#: what either built-in sink sends (Kafka's default message limit is 1,000,000 bytes), far
-#: below what would exhaust a process's memory (the driver and the parser each hold a copy).
-MAX_ENVELOPE_BYTES = 1 << 20
+#: The default of ``database.max_envelope_bytes``: the longest envelope the stores read. Room
+#: events are a few hundred bytes (Tencent IM takes at most 8,000); a process holds about
+#: twice a batch's envelopes while it reads and parses them, so that a batch of 100 this size
+#: still fits the shipped Kubernetes memory limit (256 Mi). Kafka takes up to 1,000,000 bytes
+#: by default: a lane that sends bigger events needs the bound raised, and the limit with it.
+MAX_ENVELOPE_BYTES = 256 << 10
 
 #: What the stores read in place of an envelope longer than ``database.max_envelope_bytes``,
 #: followed by its size in bytes; never the start of a JSON object, so never a real envelope.
