@@ -134,7 +134,13 @@ async def test_the_running_process_resumes_after_a_partition_heals(
             await wait_until(ready, timeout=10)
             await wait_until(lambda: all_published(store, 40), timeout=10)
             assert proc.alive()
-            [recovered] = [line for line in proc.lines() if line["msg"] == "outbox rounds succeed again"]
+
+            def recovery_lines() -> list[dict[str, Any]]:
+                return [line for line in proc.lines() if line["msg"] == "outbox rounds succeed again"]
+
+            # Logged just after the round that succeeded: it may reach the reader a moment later.
+            await wait_until(lambda: bool(recovery_lines()), timeout=10)
+            [recovered] = recovery_lines()
             assert recovered["lane"] == "main" and recovered["failed_rounds"] > failures, recovered
             # Every failed round counted for the alert, though logged once
             metrics = (await http.get(f"{base}/metrics")).text
