@@ -225,7 +225,7 @@ class PostgresStore(LeasedRows):
             read = self.dialect.bounded_envelope(text, self.max_envelope_bytes)
         else:  # an expression (a json column as text, silk's envelope built of its columns): made once per row
             bounded = self.dialect.bounded_envelope("made", self.max_envelope_bytes)
-            read = f"(SELECT {bounded} FROM (SELECT {text} AS made OFFSET 0) AS envelope)"
+            read = f"(SELECT {bounded} FROM (SELECT {text} AS made OFFSET 0) AS once)"
         return f"convert_to({read}, 'SQL_ASCII')" if self.server_encoding == "SQL_ASCII" else read
 
     async def read_column_types(self) -> None:
