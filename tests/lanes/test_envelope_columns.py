@@ -1,5 +1,5 @@
 """The envelope column as deployments type it: TEXT as room-outbox creates it, JSON or BLOB on
-MariaDB, json, jsonb or bytea on PostgreSQL. The main lane, a lane with a table of its own and
+MariaDB, json, jsonb, bytea, varchar or a domain over one of them on PostgreSQL. The main lane, a lane with a table of its own and
 the tailing lane deliver every one of them (PostgreSQL's driver would hand a json column over
 parsed: the store reads it as text, and the envelope is checked as any other). An envelope
 longer than ``database.max_envelope_bytes`` is left unread in each of them: its row fails as too
@@ -34,6 +34,11 @@ COLUMNS = {
     "postgresql-json": ("postgresql_dsn", "ALTER TABLE room_outbox ALTER COLUMN envelope TYPE json USING envelope::json"),
     "postgresql-jsonb": ("postgresql_dsn", "ALTER TABLE room_outbox ALTER COLUMN envelope TYPE jsonb USING envelope::jsonb"),
     "postgresql-bytea": ("postgresql_dsn", "ALTER TABLE room_outbox ALTER COLUMN envelope TYPE bytea USING convert_to(envelope, 'UTF8')"),
+    "postgresql-varchar": ("postgresql_dsn", "ALTER TABLE room_outbox ALTER COLUMN envelope TYPE varchar(1000000)"),
+    "postgresql-jsonb-domain": ("postgresql_dsn", "CREATE DOMAIN envelope_doc AS jsonb NOT NULL;"
+                                " ALTER TABLE room_outbox ALTER COLUMN envelope TYPE envelope_doc USING envelope::jsonb"),
+    "postgresql-bytea-domain": ("postgresql_dsn", "CREATE DOMAIN envelope_bytes AS bytea;"
+                                " ALTER TABLE room_outbox ALTER COLUMN envelope TYPE envelope_bytes USING convert_to(envelope, 'UTF8')"),
 }  # fmt: skip
 
 

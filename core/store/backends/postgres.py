@@ -40,6 +40,9 @@ from room_outbox.store.schema import registry
 from room_outbox.store.schema.outbox import Migration
 from room_outbox.store.schema.registry import Planner
 
+#: Envelope column types read as they are: text already (see :meth:`PostgresStore.read_envelope`).
+TEXT_TYPES = frozenset({"text", "character varying", "character"})
+
 #: The pool's type adapters: json and jsonb values read as their text, as MySQL's drivers give
 #: a JSON column. An envelope column of either type is then parsed and checked as a TEXT one is
 #: (psycopg's own loaders would hand over the parsed value, which no envelope check expects).
@@ -209,8 +212,9 @@ class PostgresStore(LeasedRows):
     def read_envelope(self, column: str) -> str:
         """As :meth:`LeasedRows.read_envelope`, as this database and the column's type need.
 
-        - json and jsonb have no size of their own: they are read as text (as the driver would
-          send them anyway); a bytea column is read as its bytes.
+        - json and jsonb (and any other type but text and bytea) have no size of their own:
+          they are read as text, as the driver would send them anyway; a bytea column is read
+          as its bytes. A domain is read as the type it is based on.
         - An envelope made by an expression is made once per row, in a subquery the planner
           may not fold into the CASE (``OFFSET 0``): folded, the CASE would make it twice.
         - In a SQL_ASCII database text is read as its bytes. Such a database stores any bytes
@@ -220,7 +224,7 @@ class PostgresStore(LeasedRows):
           it is that row's own error (not valid UTF-8)."""
         if self.envelope_type == "bytea":
             return self.dialect.bounded_envelope(column, self.max_envelope_bytes, marker="convert_to({}, 'UTF8')")
-        text = f"({column})::text" if self.envelope_type in ("json", "jsonb") else column
+        text = column if self.envelope_type in TEXT_TYPES else f"({column})::text"
         if text.isidentifier():
             read = self.dialect.bounded_envelope(text, self.max_envelope_bytes)
         else:  # an expression (a json column as text, silk's envelope built of its columns): made once per row
@@ -233,8 +237,9 @@ class PostgresStore(LeasedRows):
         (text where the table is not there yet: ``migrate`` makes it so)."""
         async with self.transaction() as cur:
             await cur.execute(
-                "SELECT format_type(atttypid, NULL) FROM pg_attribute"
-                " WHERE attrelid = to_regclass(%s) AND attname = %s AND NOT attisdropped",
+                "SELECT format_type(CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END, NULL)"
+                " FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid"
+                " WHERE a.attrelid = to_regclass(%s) AND a.attname = %s AND NOT a.attisdropped",
                 (self.profile.table, self.profile.envelope),
             )
             found = await cur.fetchone()
