@@ -227,7 +227,8 @@ async def event_row(store: SQLStore, event_id: str) -> tuple[dict[str, Any], dic
     }  # fmt: skip
     async with store.transaction() as cur:
         # Every column but the raw envelope: ``envelope`` reads it as the store does (as bytes
-        # where the server cannot send it as text, see PostgresStore.use_profile).
+        # where the server cannot send it as text, a marker where it is too large: see
+        # LeasedRows.read_envelope).
         columns = [name for name in await column_names(cur, store.dialect, p.table) if name != "envelope"]
         await cur.execute(
             f"SELECT {', '.join(columns)}, {', '.join(f'{sql} AS read_{name}' for name, sql in read.items())}"
