@@ -208,6 +208,7 @@ async def test_an_oversized_envelope_in_a_sql_ascii_database_is_left_unread() ->
             ), rows["huge"]["last_error"]
             inspected = await inspect_event(store, "huge")  # the operator sees why, not the envelope
             assert inspected is not None and inspected["envelope_error"].startswith(f"envelope too large: {size}")
+            assert "envelope_raw" not in inspected  # nothing of it was read
         finally:
             await store.aclose()
 
