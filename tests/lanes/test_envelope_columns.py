@@ -181,6 +181,16 @@ async def test_the_tailing_lane_parks_an_oversized_envelope_unread_and_goes_on(
         [parked] = await tail.store.parked()
         assert parked["event_id"] == "huge"
         assert too_large(parked["last_error"]) > BOUND
+        # The way out: the bound raised (the default here), the parked row requeued and sent.
+        assert await tail.store.requeue() == 1
+        raised = await open_store(request.getfixturevalue(ALL_COLUMNS[column][0]))
+        try:
+            await relay(raised, sink).run_once()
+        finally:
+            await raised.aclose()
+        messages = await consume(kafka_broker, {"huge"})
+        assert event_ids(messages) == ["after", "huge"]
+        assert json.loads(messages[-1].value)["payload"] == OVERSIZED["payload"]
     finally:
         await sink.aclose()
         await store.aclose()
