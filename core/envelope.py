@@ -16,6 +16,7 @@ __all__ = [
     "OTHER_EVENT_TYPE",
     "TOO_LARGE",
     "EnvelopeError",
+    "EnvelopeTooLarge",
     "EventEnvelope",
     "event_type_label",
     "parse_envelope",
@@ -88,6 +89,10 @@ MAX_ENVELOPE_BYTES = 256 << 10
 TOO_LARGE = "room-outbox:too-large:"
 
 
+class EnvelopeTooLarge(EnvelopeError):
+    """The envelope was longer than ``database.max_envelope_bytes``: nothing of it was read."""
+
+
 #: The model's validator itself: ``model_validate_json`` without its wrapper, once per row.
 _validate_json: Callable[[str], EventEnvelope] = EventEnvelope.__pydantic_validator__.validate_json
 
@@ -111,7 +116,7 @@ def parse_envelope(raw: str | bytes | None) -> EventEnvelope:
     except ValidationError as exc:
         if raw.startswith(TOO_LARGE):
             size = raw.removeprefix(TOO_LARGE)
-            raise EnvelopeError(
+            raise EnvelopeTooLarge(
                 f"envelope too large: {size} bytes, above database.max_envelope_bytes (left unread)"
             ) from None
         raise EnvelopeError(f"malformed envelope: {_describe(exc)}") from exc

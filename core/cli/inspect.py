@@ -13,7 +13,7 @@ from room_outbox.cli.consumers import format_states
 from room_outbox.cli.output import format_age, format_time, printable
 from room_outbox.config import Settings
 from room_outbox.consume.ops import consumer_states
-from room_outbox.envelope import TOO_LARGE, EnvelopeError, parse_envelope
+from room_outbox.envelope import EnvelopeError, EnvelopeTooLarge, parse_envelope
 from room_outbox.store.clock import now_ms
 from room_outbox.store.lanes.catalog import stored_lanes
 from room_outbox.store.operator.reports import event_row, lane_row, tail_parked_row
@@ -46,9 +46,8 @@ async def inspect_event(store: SQLStore, event_id: str) -> dict[str, Any] | None
         envelope = parse_envelope(raw)
     except EnvelopeError as exc:
         doc["envelope_error"] = str(exc)
-        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes | bytearray) else raw
-        if not (text or "").startswith(TOO_LARGE):  # left unread: the error says all there is
-            doc["envelope_raw"] = text
+        if not isinstance(exc, EnvelopeTooLarge):  # left unread: the error says all there is
+            doc["envelope_raw"] = raw.decode("utf-8", "replace") if isinstance(raw, bytes | bytearray) else raw
     else:
         doc["envelope"] = envelope.model_dump(mode="json", exclude_none=True)
         mismatches = [
