@@ -106,6 +106,29 @@ async def test_a_young_row_whose_lease_ran_out_is_taken_over(store: SQLStore) ->
 
 
 @pytest.mark.parametrize("server", ["mysql", "postgresql"])
+async def test_a_row_without_a_creation_time_is_claimed_and_holds_back_no_row_after_it(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    """A table whose creation time is nullable, and a row the producer left without one:
+    its age cannot be told, so it is claimed as an old row is, rather than waiting for ever
+    (on MySQL, with every row after it)."""
+    store = await open_store(str(request.getfixturevalue("database_dsn" if server == "mysql" else "postgresql_dsn")))
+    try:
+        await store.migrate()
+        store.claim_after_ms = CLAIM_AFTER_MS
+        async with store.transaction() as cur:
+            nullable = "MODIFY created_at_ms BIGINT NULL" if server == "mysql" else "ALTER created_at_ms DROP NOT NULL"
+            await cur.execute(f"ALTER TABLE room_outbox {nullable}")
+        old = CLAIM_AFTER_MS + 5_000
+        await insert_aged(store, {"old-1": old})
+        await insert_aged(store, {"no-time": old}, created_at_ms=None)
+        await insert_aged(store, {"old-2": old, "young": 1_000})
+        assert await claimed_ids(store) == {"old-1", "no-time", "old-2"}
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.parametrize("server", ["mysql", "postgresql"])
 async def test_a_claim_limited_to_room_buckets_honours_claim_after(server: str, request: pytest.FixtureRequest) -> None:
     """Per-room claims on a server read their own buckets' rows without locks, then lock them."""
 

@@ -152,7 +152,9 @@ class LeasedRows:
         then the rows due by ``lock``: two exact ranges of the index, which never reach, let
         alone lock, a younger row. Elsewhere the creation time is checked on the rows of the
         ``lock <= now`` range: the young pending rows are read, not locked (PostgreSQL locks
-        only the rows that pass)."""
+        only the rows that pass). A row without a creation time (a nullable column the
+        producer left empty) counts as old: its age cannot be told, and waiting for it would
+        wait for ever (on MySQL, with every row after it)."""
         p = self.profile
         lock_due = f"{p.lock} <= {p.ms('%s')}"
         if self.claim_after_ms <= 0:
@@ -164,28 +166,31 @@ class LeasedRows:
                 (f"{p.lock} > {p.lock_cleared} AND {lock_due}", now_ms()),
             ]
         claimed_before = f"{p.lock} > {p.lock_cleared}" if p.fresh_at_cleared_lock else f"status <> '{p.fresh}'"
-        old_enough = f"{p.created} <= {p.ms(f'({self.dialect.now_ms} - {int(self.claim_after_ms)})')}"
+        old_enough = (
+            f"{p.created} <= {p.ms(f'({self.dialect.now_ms} - {int(self.claim_after_ms)})')} OR {p.created} IS NULL"
+        )
         return [(f"{lock_due} AND ({claimed_before} OR {old_enough})", now_ms())]
 
     async def _fresh_bound(self, cur: Any, limit: int, buckets: Sequence[int] | None) -> int:
-        """The key up to which the producer's unclaimed rows are claimable: the last of the
-        first ``limit`` of them (in key order, the claim's) before the first one younger than
-        ``claim_after_ms``; 0: none. Read without locks, so the producer's own update of a young
-        row never waits for it, and never more rows than the claim itself may take. The
-        database finds the bound and sends it alone, not the rows it is found in."""
+        """The key up to which the producer's unclaimed rows are claimable: those of the
+        first ``limit`` of them (in key order, the claim's) that come before the first one
+        younger than ``claim_after_ms``; 0: none. Read without locks, so the producer's own
+        update of a young row never waits for it, and never more rows than the claim itself
+        may take. The database reads those rows once and sends two keys, not the rows: the
+        last one read and the first young one."""
         p = self.profile
         forced = self.dialect.index_hint.format(index=claim_index(self.table)[0])
         only = f" AND {self._row_bucket} IN ({_marks(buckets)})" if buckets else ""
         await cur.execute(
-            f"WITH first_rows AS (SELECT {self.key} AS k,"
-            f" CASE WHEN {p.created} <= {self.dialect.now_ms} - %s THEN 1 ELSE 0 END AS old_enough"
-            f" FROM {self.table}{forced} WHERE status = '{p.fresh}' AND {p.lock} = {p.lock_cleared}{only}"
-            f" ORDER BY {self.key} LIMIT %s)"
-            " SELECT COALESCE(MAX(k), 0) FROM first_rows"
-            " WHERE k < COALESCE((SELECT MIN(k) FROM first_rows WHERE old_enough = 0), k + 1)",
+            f"SELECT MAX(k), MIN(CASE WHEN created > {self.dialect.now_ms} - %s THEN k END) FROM"
+            f" (SELECT {self.key} AS k, {p.created} AS created FROM {self.table}{forced}"
+            f" WHERE status = '{p.fresh}' AND {p.lock} = {p.lock_cleared}{only} ORDER BY {self.key} LIMIT %s) AS first_rows",
             (self.claim_after_ms, *(buckets or ()), limit),
         )
-        return int((await cur.fetchone())[0])
+        last, first_young = await cur.fetchone()
+        if last is None:
+            return 0
+        return int(last) if first_young is None else min(int(last), int(first_young) - 1)
 
     @property
     def _row_bucket(self) -> str:
