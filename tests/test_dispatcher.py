@@ -346,8 +346,9 @@ async def test_results_are_written_in_batches_not_per_row(store: MySQLStore) -> 
     store.transaction = counting  # type: ignore[method-assign]
     await run_until_empty(make_dispatcher(store, RecordingSink(), batch_size=100))
     store.transaction = real  # type: ignore[method-assign]
-    # 6 claims, each writing the previous batch's results: one commit per batch, not per row
-    assert transactions == 6
+    # 6 claims, and beside each but the first the previous batch's results in a transaction
+    # of their own: a commit or two per batch, not one per row
+    assert transactions == 6 + 5
     assert all(r["status"] == "published" for r in (await fetch_rows(store)).values())
 
 

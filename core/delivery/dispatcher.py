@@ -34,7 +34,14 @@ from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.observability.telemetry import NO_ATTEMPT, DeliveryAttempt, Telemetry
 from room_outbox.store.clock import now_ms
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
-from room_outbox.store.protocol import Claimed, DeliveryResult, OutboxRow, OutboxStore, Outcome
+from room_outbox.store.protocol import (
+    Claimed,
+    ClaimFailedAfterResults,
+    DeliveryResult,
+    OutboxRow,
+    OutboxStore,
+    Outcome,
+)
 
 log = logging.getLogger("room_outbox.dispatcher")
 
@@ -218,8 +225,7 @@ class Dispatcher:
                         if self._stopping.is_set():
                             break
                         limit = self.options.batch_size - feed.outstanding
-                        claimed = await self._claim(limit)
-                        feed.put(self._queues(claimed.rows), len(claimed.rows))
+                        claimed = await self._claim(limit, feed)
                         total, exhausted = total + len(claimed.rows), claimed.exhausted
                         wait_for = self._outstanding_before_next_claim(limit, len(claimed.rows))
                 except Exception as exc:  # the store failed: let what is in flight finish first
@@ -241,28 +247,46 @@ class Dispatcher:
             return 0
         return self.options.batch_size // 2
 
-    async def _claim(self, limit: int) -> Claimed:
-        """Claim up to ``limit`` rows, writing in the same transaction the results in so far."""
+    async def _claim(self, limit: int, feed: Feed | None = None) -> Claimed:
+        """Claim up to ``limit`` rows, writing the results in so far. With ``feed``, the rows
+        go into it as soon as the store has them locked, so that the workers deliver them
+        while the claim writes their leases and commits (``on_locked``)."""
         # Before every claim, as a round under a steady backlog goes on claiming for as long
         # as the backlog lasts: a no-op but once per interval.
         self.failures.summarise()
         self.telemetry.flush_counts()
         claim = f"{self.node_id}#{next(self._claim_numbers)}"
         lease_until = now_ms() + int(self.options.lease * 1000)
+        fed = False
+
+        async def feed_early(rows: list[OutboxRow]) -> None:
+            nonlocal fed
+            if feed is not None:
+                feed.put(self._queues(rows), len(rows))
+                fed = True
+
         async with self._store_turn:
             written = self._unrecorded[:]  # workers may append more while the claim runs
-            claimed = await self.store.claim(
-                claim,
-                limit,
-                lease_until,
-                written,
-                per_room=self.options.per_room,
-                hold_back_ms=int(self.options.poll_interval * 1000),
-                busy_rooms=self._rooms_in_flight(written) if self.options.per_room else (),
-            )
+            try:
+                claimed = await self.store.claim(
+                    claim,
+                    limit,
+                    lease_until,
+                    written,
+                    per_room=self.options.per_room,
+                    hold_back_ms=int(self.options.poll_interval * 1000),
+                    busy_rooms=self._rooms_in_flight(written) if self.options.per_room else (),
+                    on_locked=feed_early,
+                )
+            except ClaimFailedAfterResults as exc:
+                self._forget(written)
+                self._report_stale(exc.stale)
+                raise exc.__cause__ or exc from None
             self._forget(written)
             if claimed.rows:
                 self._held[claim] = {row.id: (row.app_code, row.room_id) for row in claimed.rows}
+                if feed is not None and not fed:
+                    feed.put(self._queues(claimed.rows), len(claimed.rows))
         # A successful claim counts as a round ended for readiness: after an outage, a round
         # draining the backlog it left may go on for minutes.
         self.health.round_ended()

@@ -81,6 +81,15 @@ class Claimed:
     exhausted: bool
 
 
+class ClaimFailedAfterResults(Exception):
+    """A claim failed (the ``__cause__``) after the results it was given were written beside
+    it: ``stale`` are those of them whose claim no longer held their row."""
+
+    def __init__(self, stale: list[DeliveryResult]) -> None:
+        super().__init__("claim failed after its results were written")
+        self.stale = stale
+
+
 def room_heads(found: Sequence[OutboxRow], pending: Iterable[tuple[int, str, str]]) -> list[OutboxRow]:
     """Per-room ordering's rule, the same for every backend: keep a found row only if no
     earlier pending row of its room (``pending``: ``(id, app_code, room_id)`` of the rooms'
@@ -107,8 +116,12 @@ class OutboxStore(Protocol):
         per_room: bool = False,
         hold_back_ms: int = 1000,
         busy_rooms: Collection[tuple[str, str]] = (),
+        on_locked: Callable[[list[OutboxRow]], Awaitable[None]] | None = None,
     ) -> Claimed:
-        """Record ``results`` and claim up to ``limit`` pending rows, in one transaction.
+        """Record ``results`` and claim up to ``limit`` pending rows. The results are written
+        in the claim's transaction, or beside it in one of their own, committed before the
+        claim writes its leases (so that the rows held never exceed what the caller holds):
+        should the claim then fail, it raises :class:`ClaimFailedAfterResults`.
 
         With ``per_room``, a row is claimed only if no earlier pending row of its room is
         left outside the claim (waiting for a retry, leased elsewhere, or skipped); a row
@@ -116,6 +129,13 @@ class OutboxStore(Protocol):
         room_id)``): rooms the caller still has rows of in flight; their rows found are
         neither taken nor held back, so that a claim made ahead of those rows' results
         leaves the rooms for the claim after them.
+
+        ``on_locked``: awaited with the rows claimed as soon as they are locked and the
+        results are committed (never while they are still to be written in the claim's
+        transaction), before the claim writes the rows' leases and commits; if it raises, the
+        claim fails. From then on the caller may deliver the rows while the claim finishes:
+        should it fail, they are claimable again, delivered twice at worst, as after a kill.
+        A store that never awaits it leaves the rows to the caller once it returns.
         """
 
     async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
@@ -165,6 +185,12 @@ class SQLStore(OutboxStore, Protocol):
     @property
     def profile(self) -> Profile:
         """The outbox table's name and status words (``database.profile``)."""
+        ...
+
+    @property
+    def writes_beside_claims(self) -> bool:
+        """Whether a claim writes the results it is given beside it, in a transaction of their
+        own on another connection (a server's pool of two connections or more)."""
         ...
 
     def transaction(self) -> AbstractAsyncContextManager[Any]:

@@ -18,16 +18,26 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
+
+import anyio
 
 from room_outbox.envelope import MAX_ENVELOPE_BYTES
 from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import MYSQL, Dialect, ascii_text
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult, OutboxRow, Outcome, room_heads
+from room_outbox.store.protocol import (
+    BucketReader,
+    Claimed,
+    ClaimFailedAfterResults,
+    DeliveryResult,
+    OutboxRow,
+    Outcome,
+    room_heads,
+)
 from room_outbox.store.schema.buckets import row_bucket
 from room_outbox.store.schema.columns import LAST_ERROR_MAX
 from room_outbox.store.schema.outbox import ROOM_INDEX, TABLE, claim_index
@@ -215,18 +225,64 @@ class LeasedRows:
         per_room: bool = False,
         hold_back_ms: int = 1000,
         busy_rooms: Collection[tuple[str, str]] = (),
+        on_locked: Callable[[list[OutboxRow]], Awaitable[None]] | None = None,
     ) -> Claimed:
+        if not results or not self.writes_beside_claims:
+            return await self._claim(
+                claim, limit, lease_until_ms, results, per_room, hold_back_ms, busy_rooms, on_locked
+            )
+        beside = _WrittenBeside(self, results)
+        failure: Exception | None = None
+        async with anyio.create_task_group() as writing:
+            writing.start_soon(beside.write)
+            await beside.connected.wait()  # its connection first: the claim waits for it, never it for the claim
+            try:
+                claimed = await self._claim(
+                    claim, limit, lease_until_ms, results, per_room, hold_back_ms, busy_rooms, on_locked, beside
+                )
+            except Exception as exc:  # raised once the write beside it has ended
+                failure = exc
+        if failure is None:
+            return claimed
+        if beside.stale is None:
+            raise failure  # written in the claim's transaction, if at all: undone with it
+        raise ClaimFailedAfterResults(beside.stale) from failure
+
+    async def _claim(
+        self,
+        claim: str,
+        limit: int,
+        lease_until_ms: int,
+        results: Sequence[DeliveryResult] = (),
+        per_room: bool = False,
+        hold_back_ms: int = 1000,
+        busy_rooms: Collection[tuple[str, str]] = (),
+        on_locked: Callable[[list[OutboxRow]], Awaitable[None]] | None = None,
+        beside: _WrittenBeside | None = None,
+    ) -> Claimed:
+        """:meth:`claim`'s transaction; ``results`` are written in it, unless ``beside``
+        writes them."""
         read_buckets = self._room_buckets() if per_room else None
-        # Per room on MySQL, the reads come first and the results are written after them,
-        # in the same transaction (see Dialect.slow_reads_after_own_writes).
-        reads_first = per_room and self.dialect.slow_reads_after_own_writes
+        # The results are written after the reads where they are written beside (their write
+        # is waited for as late as can be), and per room on MySQL (in the same transaction,
+        # see Dialect.slow_reads_after_own_writes).
+        reads_first = beside is not None or (per_room and self.dialect.slow_reads_after_own_writes)
+        committed = not results  # the results, before the rows are handed over
+
+        async def write_results(cur: Any) -> list[DeliveryResult]:
+            nonlocal committed
+            if beside is None:
+                return await self._apply_results(cur, results)
+            stale, committed = await beside.finish(cur)
+            return stale
+
         async with self.transaction() as cur:
             lease_until_ms += await self._before_claim(cur)
-            stale = [] if reads_first else await self._apply_results(cur, results)
+            stale = [] if reads_first else await write_results(cur)
             buckets = None if read_buckets is None else await read_buckets(cur)
             if buckets == []:  # none of its own yet (joining), or all handed over
                 if reads_first:
-                    stale = await self._apply_results(cur, results)
+                    stale = await write_results(cur)
                 return Claimed([], stale, exhausted=True)
             scanned: list[Sequence[Any]] = []
             for due, param in await self._due_ranges(cur, limit, buckets):
@@ -241,7 +297,7 @@ class LeasedRows:
                 idle = [row for row in found if (row.app_code, row.room_id) not in busy_rooms]
                 exhausted = exhausted and len(idle) == len(found)  # else come back for them soon
                 found = idle
-            if reads_first:
+            if per_room and reads_first:
                 # The results' rows are still open, claimed by this process. Those the results
                 # close (published, parked) do not hold their rooms back; the others do, as they
                 # will once written. None of them is taken again here, even where its lease has
@@ -250,12 +306,16 @@ class LeasedRows:
                 written = {r.row_id for r in results}
                 untaken = [row for row in found if row.id not in written]
                 rows = await self._heads_of_rooms(cur, untaken, hold_back_ms, bool(buckets), closing)
-                stale = await self._apply_results(cur, results)
+                stale = await write_results(cur)
                 if any(r.row_id in closing and not r.published_by_producer for r in stale):
                     rows = []  # a row counted as closed is open elsewhere: look again next claim
             else:
                 rows = await self._heads_of_rooms(cur, found, hold_back_ms, bool(buckets)) if per_room else found
+                if reads_first:
+                    stale = await write_results(cur)
             if rows:
+                if on_locked is not None and committed:
+                    await on_locked(rows)  # locked by this transaction: no other claim can take them
                 ids = [row.id for row in rows]
                 p = self.profile
                 in_flight = "" if p.in_flight == p.fresh else f", status = '{p.in_flight}'"
@@ -265,6 +325,21 @@ class LeasedRows:
                     (claim, lease_until_ms, *ids),
                 )
         return Claimed(rows, stale, exhausted=exhausted)
+
+    @property
+    def writes_beside_claims(self) -> bool:
+        """See :class:`~.protocol.SQLStore` and :class:`_WrittenBeside`: a server's store
+        (the main lane's; a lane table's writes its results in its claims) says yes where its
+        pool holds two connections or more."""
+        return False
+
+    def _beside_transaction(self) -> AbstractAsyncContextManager[Any]:
+        """:meth:`transaction` for results written beside a claim: its statements never wait
+        for a row lock, but fail at once. The claim, which waits for them, may hold one: a
+        locking scan that comes back short locks the index entry that ends its range, which
+        may be a row whose result is being written. Failed, they are written in the claim's
+        transaction instead."""
+        raise NotImplementedError
 
     async def _scan(
         self, cur: Any, due: str, param: int, limit: int, buckets: Sequence[int] | None
@@ -555,3 +630,40 @@ class LeasedRows:
                 result.event_id,
                 refused,
             )
+
+
+class _WrittenBeside:
+    """Results a claim writes beside it, in a transaction of their own on another of the
+    pool's connections: the database works on them while it reads the claim's rows, and the
+    claim's transaction does not wait for their writes nor their commit, only, before it
+    writes its leases, for the end of it all (:meth:`finish`)."""
+
+    def __init__(self, rows: LeasedRows, results: Sequence[DeliveryResult]) -> None:
+        self.rows = rows
+        self.results = results
+        #: The write holds its connection, or gave up getting one.
+        self.connected = anyio.Event()
+        self.done = anyio.Event()
+        #: Once committed: the results whose claim no longer held their row.
+        self.stale: list[DeliveryResult] | None = None
+
+    async def write(self) -> None:
+        try:
+            async with self.rows._beside_transaction() as cur:
+                self.connected.set()
+                stale = await self.rows._apply_results(cur, self.results)
+            self.stale = stale
+        except Exception as exc:  # written in the claim's transaction instead
+            log.debug("results not written beside the claim (%s); writing them in it", type(exc).__name__)
+        finally:
+            self.connected.set()
+            self.done.set()
+
+    async def finish(self, cur: Any) -> tuple[list[DeliveryResult], bool]:
+        """The stale results, and whether the results are committed: once written beside,
+        yes; where that failed, they are written in the claim's transaction (``cur``), not
+        yet committed."""
+        await self.done.wait()
+        if self.stale is not None:
+            return self.stale, True
+        return await self.rows._apply_results(cur, self.results), False

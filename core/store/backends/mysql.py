@@ -300,6 +300,18 @@ class MySQLStore(LeasedRows):
         store.limits = limits
         return store
 
+    @property
+    def writes_beside_claims(self) -> bool:
+        # Only MariaDB lets a session wait for no row lock at all (MySQL waits a second at least).
+        return bool(self._pool.maxsize >= 2) and is_mariadb(self.server_version)
+
+    @asynccontextmanager
+    async def _beside_transaction(self) -> AsyncIterator[aiomysql.Cursor]:
+        async with self.transaction() as cur:
+            await cur.execute("SET SESSION innodb_lock_wait_timeout = 0")
+            yield cur
+            await cur.execute(f"SET SESSION innodb_lock_wait_timeout = {self.limits.lock_wait_seconds}")
+
     async def aclose(self) -> None:
         """Close the pool. Connections still in use get ``query_timeout`` to come back; then
         they are closed regardless, so closing never waits on the database for longer."""

@@ -246,6 +246,16 @@ class PostgresStore(LeasedRows):
         self.envelope_type = found[0] if found else "text"
         self.use_profile(self.profile)
 
+    @property
+    def writes_beside_claims(self) -> bool:
+        return self._pool.max_size >= 2
+
+    @asynccontextmanager
+    async def _beside_transaction(self) -> AsyncIterator[PgCursor]:
+        async with self.transaction() as cur:
+            await cur.execute("SET LOCAL lock_timeout = '1ms'")  # the least: 0 would wait for ever
+            yield cur
+
     async def aclose(self) -> None:
         """Close the pool. Connections still in use get ``query_timeout`` to come back; then
         they are closed regardless."""
