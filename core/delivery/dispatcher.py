@@ -201,8 +201,10 @@ class Dispatcher:
         by the next claim or :meth:`flush`.
 
         Each claim takes up to ``batch_size`` rows and records the results in since the last
-        one (one commit per claim, not per row). ``concurrency`` workers deliver, and the held
-        rows' leases are renewed meanwhile, so they never expire under a live process. Once
+        one (a batch at a time, not row by row; see
+        :meth:`~room_outbox.store.protocol.OutboxStore.claim`), and hands its rows to the
+        workers as soon as the store has them locked. ``concurrency`` workers deliver, and the
+        held rows' leases are renewed meanwhile, so they never expire under a live process. Once
         every claimed row has a worker, the next claim is made while the last rows are still in
         flight, for as many rows as keep those held within ``batch_size``
         (:meth:`_outstanding_before_next_claim`): the database and the sink are not idle in
