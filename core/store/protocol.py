@@ -187,12 +187,6 @@ class SQLStore(OutboxStore, Protocol):
         """The outbox table's name and status words (``database.profile``)."""
         ...
 
-    @property
-    def writes_beside_claims(self) -> bool:
-        """Whether a claim writes the results it is given beside it, in a transaction of their
-        own on another connection (a server's pool of two connections or more)."""
-        ...
-
     def transaction(self) -> AbstractAsyncContextManager[Any]:
         """A cursor (``execute``/``executemany`` with ``%s`` placeholders, ``fetchone``,
         ``fetchall``, ``description``) in a transaction, committed when the block ends."""

@@ -328,9 +328,9 @@ class LeasedRows:
 
     @property
     def writes_beside_claims(self) -> bool:
-        """See :class:`~.protocol.SQLStore` and :class:`_WrittenBeside`: a server's store
-        (the main lane's; a lane table's writes its results in its claims) says yes where its
-        pool holds two connections or more."""
+        """Whether a claim writes the results it is given beside it (:class:`_WrittenBeside`):
+        the main lane's store on a server whose pool holds two connections or more says yes;
+        a lane table's store writes them in its claims."""
         return False
 
     def _beside_transaction(self) -> AbstractAsyncContextManager[Any]:
@@ -635,8 +635,7 @@ class LeasedRows:
 class _WrittenBeside:
     """Results a claim writes beside it, in a transaction of their own on another of the
     pool's connections: the database works on them while it reads the claim's rows, and the
-    claim's transaction does not wait for their writes nor their commit, only, before it
-    writes its leases, for the end of it all (:meth:`finish`)."""
+    claim waits for their commit only before it writes its leases (:meth:`finish`)."""
 
     def __init__(self, rows: LeasedRows, results: Sequence[DeliveryResult]) -> None:
         self.rows = rows
