@@ -98,7 +98,7 @@ async def test_results_are_committed_beside_the_claim_before_it_hands_over_its_r
 
 
 async def test_results_whose_write_beside_fails_are_written_in_the_claim_and_it_hands_over_nothing_early(
-    store: SQLStore, transactions: list[str]
+    store: SQLStore,
 ) -> None:
     results = await delivered_first(store)
 
