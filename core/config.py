@@ -149,6 +149,8 @@ class DatabaseSettings(Section):
     scheme chooses the store). ``mysql:`` is accepted as this section's former name."""
 
     dsn: SecretStr = SecretStr("mysql://root:@127.0.0.1:3306/room")
+    #: Connections in the pool. Two or more let a claim write the last results beside it, on
+    #: a second connection (MariaDB and PostgreSQL); with one, they are written in the claim.
     pool_size: int = Field(default=10, ge=1, le=1000)
     #: Every database call (a transaction: taking a connection, its statements, the commit)
     #: ends within this or fails, and its connection is discarded. Server-side session
