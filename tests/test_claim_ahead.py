@@ -182,17 +182,17 @@ async def test_results_written_beside_a_claim_that_fails_are_not_written_again(
     await insert_events(store, [envelope(f"e{i}") for i in range(20)])
     sink = RecordingSink()
     dispatcher = make_dispatcher(store, sink, batch_size=10)
-    real_claim = store._claim
+    real_due_ranges = store._due_ranges
     calls = 0
 
-    async def claim(*args: Any, **kwargs: Any) -> Any:
+    async def due_ranges(*args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 2:  # the claim with the first batch's results, written beside it
             raise ConnectionError("database gone")
-        return await real_claim(*args, **kwargs)
+        return await real_due_ranges(*args, **kwargs)
 
-    store._claim = claim  # type: ignore[method-assign]
+    store._due_ranges = due_ranges  # type: ignore[method-assign]
     with pytest.raises(ConnectionError):
         await dispatcher.run_once()
     assert dispatcher._unrecorded == []  # written: not kept to be written again

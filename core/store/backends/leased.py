@@ -227,104 +227,93 @@ class LeasedRows:
         busy_rooms: Collection[tuple[str, str]] = (),
         on_locked: Callable[[list[OutboxRow]], Awaitable[None]] | None = None,
     ) -> Claimed:
+        async with self._results_beside(results) as beside:
+            read_buckets = self._room_buckets() if per_room else None
+            # The results are written after the reads where they are written beside (their write
+            # is waited for as late as can be), and per room on MySQL (in the same transaction,
+            # see Dialect.slow_reads_after_own_writes).
+            reads_first = beside is not None or (per_room and self.dialect.slow_reads_after_own_writes)
+            committed = not results  # the results, before the rows are handed over
+
+            async def write_results(cur: Any) -> list[DeliveryResult]:
+                nonlocal committed
+                if beside is None:
+                    return await self._apply_results(cur, results)
+                stale, committed = await beside.finish(cur)
+                return stale
+
+            async with self.transaction() as cur:
+                lease_until_ms += await self._before_claim(cur)
+                stale = [] if reads_first else await write_results(cur)
+                buckets = None if read_buckets is None else await read_buckets(cur)
+                if buckets == []:  # none of its own yet (joining), or all handed over
+                    if reads_first:
+                        stale = await write_results(cur)
+                    return Claimed([], stale, exhausted=True)
+                scanned: list[Sequence[Any]] = []
+                for due, param in await self._due_ranges(cur, limit, buckets):
+                    if len(scanned) < limit:
+                        scanned += await self._scan(cur, due, param, limit - len(scanned), buckets)
+                exhausted = len(scanned) < limit
+                found = [
+                    OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
+                    for id, event_id, event_type, room_id, app_code, envelope, retries in scanned
+                ]
+                if busy_rooms:  # left for the claim after their rows in flight: neither taken nor held back
+                    idle = [row for row in found if (row.app_code, row.room_id) not in busy_rooms]
+                    exhausted = exhausted and len(idle) == len(found)  # else come back for them soon
+                    found = idle
+                if per_room and reads_first:
+                    # The results' rows are still open, claimed by this process. Those the results
+                    # close (published, parked) do not hold their rooms back; the others do, as they
+                    # will once written. None of them is taken again here, even where its lease has
+                    # run out: its result decides what becomes of it.
+                    closing = _closing(results)
+                    written = {r.row_id for r in results}
+                    untaken = [row for row in found if row.id not in written]
+                    rows = await self._heads_of_rooms(cur, untaken, hold_back_ms, bool(buckets), closing)
+                    stale = await write_results(cur)
+                    if any(r.row_id in closing and not r.published_by_producer for r in stale):
+                        rows = []  # a row counted as closed is open elsewhere: look again next claim
+                else:
+                    rows = await self._heads_of_rooms(cur, found, hold_back_ms, bool(buckets)) if per_room else found
+                    if reads_first:
+                        stale = await write_results(cur)
+                if rows:
+                    if on_locked is not None and committed:
+                        await on_locked(rows)  # locked by this transaction: no other claim can take them
+                    ids = [row.id for row in rows]
+                    p = self.profile
+                    in_flight = "" if p.in_flight == p.fresh else f", status = '{p.in_flight}'"
+                    await cur.execute(
+                        f"UPDATE {self.table} SET worker_id = %s, {p.lock} = {p.ms('%s')}{in_flight}"
+                        f" WHERE {self.key} IN ({_marks(ids)})",
+                        (claim, lease_until_ms, *ids),
+                    )
+            return Claimed(rows, stale, exhausted=exhausted)
+
+    @asynccontextmanager
+    async def _results_beside(self, results: Sequence[DeliveryResult]) -> AsyncIterator[_WrittenBeside | None]:
+        """Around a claim: ``results`` written beside it (:class:`_WrittenBeside`) where the
+        store does that, else None (the claim writes them). A claim that fails after they were
+        written beside it raises :class:`ClaimFailedAfterResults`."""
         if not results or not self.writes_beside_claims:
-            return await self._claim(
-                claim, limit, lease_until_ms, results, per_room, hold_back_ms, busy_rooms, on_locked
-            )
+            yield None
+            return
         beside = _WrittenBeside(self, results)
         failure: Exception | None = None
         async with anyio.create_task_group() as writing:
             writing.start_soon(beside.write)
             await beside.connected.wait()  # its connection first: the claim waits for it, never it for the claim
             try:
-                claimed = await self._claim(
-                    claim, limit, lease_until_ms, results, per_room, hold_back_ms, busy_rooms, on_locked, beside
-                )
+                yield beside
             except Exception as exc:  # raised once the write beside it has ended
                 failure = exc
         if failure is None:
-            return claimed
+            return
         if beside.stale is None:
             raise failure  # written in the claim's transaction, if at all: undone with it
         raise ClaimFailedAfterResults(beside.stale) from failure
-
-    async def _claim(
-        self,
-        claim: str,
-        limit: int,
-        lease_until_ms: int,
-        results: Sequence[DeliveryResult] = (),
-        per_room: bool = False,
-        hold_back_ms: int = 1000,
-        busy_rooms: Collection[tuple[str, str]] = (),
-        on_locked: Callable[[list[OutboxRow]], Awaitable[None]] | None = None,
-        beside: _WrittenBeside | None = None,
-    ) -> Claimed:
-        """:meth:`claim`'s transaction; ``results`` are written in it, unless ``beside``
-        writes them."""
-        read_buckets = self._room_buckets() if per_room else None
-        # The results are written after the reads where they are written beside (their write
-        # is waited for as late as can be), and per room on MySQL (in the same transaction,
-        # see Dialect.slow_reads_after_own_writes).
-        reads_first = beside is not None or (per_room and self.dialect.slow_reads_after_own_writes)
-        committed = not results  # the results, before the rows are handed over
-
-        async def write_results(cur: Any) -> list[DeliveryResult]:
-            nonlocal committed
-            if beside is None:
-                return await self._apply_results(cur, results)
-            stale, committed = await beside.finish(cur)
-            return stale
-
-        async with self.transaction() as cur:
-            lease_until_ms += await self._before_claim(cur)
-            stale = [] if reads_first else await write_results(cur)
-            buckets = None if read_buckets is None else await read_buckets(cur)
-            if buckets == []:  # none of its own yet (joining), or all handed over
-                if reads_first:
-                    stale = await write_results(cur)
-                return Claimed([], stale, exhausted=True)
-            scanned: list[Sequence[Any]] = []
-            for due, param in await self._due_ranges(cur, limit, buckets):
-                if len(scanned) < limit:
-                    scanned += await self._scan(cur, due, param, limit - len(scanned), buckets)
-            exhausted = len(scanned) < limit
-            found = [
-                OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
-                for id, event_id, event_type, room_id, app_code, envelope, retries in scanned
-            ]
-            if busy_rooms:  # left for the claim after their rows in flight: neither taken nor held back
-                idle = [row for row in found if (row.app_code, row.room_id) not in busy_rooms]
-                exhausted = exhausted and len(idle) == len(found)  # else come back for them soon
-                found = idle
-            if per_room and reads_first:
-                # The results' rows are still open, claimed by this process. Those the results
-                # close (published, parked) do not hold their rooms back; the others do, as they
-                # will once written. None of them is taken again here, even where its lease has
-                # run out: its result decides what becomes of it.
-                closing = _closing(results)
-                written = {r.row_id for r in results}
-                untaken = [row for row in found if row.id not in written]
-                rows = await self._heads_of_rooms(cur, untaken, hold_back_ms, bool(buckets), closing)
-                stale = await write_results(cur)
-                if any(r.row_id in closing and not r.published_by_producer for r in stale):
-                    rows = []  # a row counted as closed is open elsewhere: look again next claim
-            else:
-                rows = await self._heads_of_rooms(cur, found, hold_back_ms, bool(buckets)) if per_room else found
-                if reads_first:
-                    stale = await write_results(cur)
-            if rows:
-                if on_locked is not None and committed:
-                    await on_locked(rows)  # locked by this transaction: no other claim can take them
-                ids = [row.id for row in rows]
-                p = self.profile
-                in_flight = "" if p.in_flight == p.fresh else f", status = '{p.in_flight}'"
-                await cur.execute(
-                    f"UPDATE {self.table} SET worker_id = %s, {p.lock} = {p.ms('%s')}{in_flight}"
-                    f" WHERE {self.key} IN ({_marks(ids)})",
-                    (claim, lease_until_ms, *ids),
-                )
-        return Claimed(rows, stale, exhausted=exhausted)
 
     @property
     def writes_beside_claims(self) -> bool:
