@@ -57,7 +57,7 @@ class InTurnDispatcher(Dispatcher):
     """The dispatcher with claims in turn with delivery, as its rounds were before claims
     overlapped the last deliveries: the next claim waits for every row's result."""
 
-    def _outstanding_before_next_claim(self, limit: int, taken: int) -> int:
+    def _outstanding_before_next_claim(self) -> int:
         return 0
 
 

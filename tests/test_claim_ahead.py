@@ -13,8 +13,8 @@ import pytest
 from support import RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher
 
 from bench.drive import run_until_empty
+from room_outbox.sink import RetryableSinkError
 from room_outbox.store.backends.mysql import MySQLStore
-from room_outbox.store.clock import now_ms
 
 pytestmark = pytest.mark.anyio
 
@@ -22,24 +22,31 @@ HELD = "SELECT COUNT(*) FROM room_outbox WHERE status = 'pending' AND worker_id 
 
 
 class GatedSink:
-    """Delivers at once, except ``slow``, which waits (5 s at most) for ``gate``; records what
-    it received and, at each delivery, how many rows the database shows as claimed and not
-    yet settled."""
+    """Delivers at once, except ``slow``, which waits (5 s at most) for ``gate`` and then, the
+    first time, fails if ``fails`` (a retryable error); records what it was given
+    (``started``), what it delivered (``received``) and, at each delivery, how many rows the
+    database shows as claimed and not yet settled."""
 
-    def __init__(self, store: MySQLStore, slow: str) -> None:
+    def __init__(self, store: MySQLStore, slow: str, fails: bool = False) -> None:
         self.store = store
         self.slow = slow
+        self.fails = fails
         self.gate = anyio.Event()
+        self.started: list[str] = []
         self.received: list[str] = []
         self.held: list[int] = []
 
     async def deliver(self, env: Any) -> None:
+        self.started.append(env.event_id)
         async with self.store.transaction() as cur:
             await cur.execute(HELD)
             self.held.append(int((await cur.fetchone())[0]))
         if env.event_id == self.slow:
             with anyio.fail_after(5):
                 await self.gate.wait()
+            if self.fails:
+                self.fails = False
+                raise RetryableSinkError("the sink failed once")
         self.received.append(env.event_id)
 
     async def aclose(self) -> None:
@@ -119,39 +126,71 @@ async def test_a_successful_claim_inside_a_long_round_makes_the_lane_ready_again
     assert failed_while_draining == [0]
 
 
-async def test_per_room_the_next_claim_skips_a_room_in_flight_without_holding_it_back(store: MySQLStore) -> None:
-    # Rows 1-10: room r0's first event and nine other rooms; rows 11-20 and 21-30 likewise,
-    # each with r0's next event first. r0's first event is slow.
-    events = [
+def three_rounds_of_ten_rooms() -> list[dict[str, Any]]:
+    """Rows 1-10: room r0's first event and nine other rooms; rows 11-20 and 21-30 likewise,
+    each with r0's next event first."""
+    return [
         envelope(f"r{room}-{n}", room_id=f"r{room}" if room == 0 else f"r{n}{room}")
         for n in range(3)
         for room in range(10)
     ]
+
+
+async def test_per_room_a_claim_ahead_takes_the_next_rows_of_a_room_in_flight_and_delivers_them_after_it(
+    store: MySQLStore,
+) -> None:
+    events = three_rounds_of_ten_rooms()
     await insert_events(store, events)
-    sink = GatedSink(store, slow="r0-0")
+    sink = GatedSink(store, slow="r0-0")  # r0's first event is slow
     # A poll interval longer than the test: a row held back would wait for it.
     dispatcher = make_dispatcher(store, sink, batch_size=10, concurrency=4, per_room=True, poll_interval=30.0)
     ahead: list[list[str]] = []
-    r0_next_while_in_flight: list[dict[str, Any]] = []
     real_claim = store.claim
 
     async def claim(*args: Any, **kwargs: Any) -> Any:
         claimed = await real_claim(*args, **kwargs)
         if claimed.rows and not sink.gate.is_set() and "r0-0" not in [r.event_id for r in claimed.rows]:
             ahead.append([r.event_id for r in claimed.rows])  # made while r0-0 is in flight
-            r0_next_while_in_flight.append((await fetch_rows(store))["r0-1"])
-            sink.gate.set()
+            if "r0-1" in ahead[-1]:
+                await anyio.wait_all_tasks_blocked()  # the workers free to take r0-1, had they been let
+                assert "r0-1" not in sink.started
+                sink.gate.set()
         return claimed
 
     store.claim = claim  # type: ignore[method-assign]
     with anyio.fail_after(10):
         assert await run_until_empty(dispatcher) == 30
-    assert ahead and "r0-1" not in ahead[0] and len(ahead[0]) >= 5, ahead  # the other rooms' rows went ahead
-    (r0_next,) = r0_next_while_in_flight
-    assert r0_next["worker_id"] is None and (r0_next["lock_until_ms"] or 0) <= now_ms()  # not held back
-    assert [e for e in sink.received if e.startswith("r0-")] == ["r0-0", "r0-1", "r0-2"]  # in order, once
+    assert ahead and "r0-1" in ahead[0] and len(ahead[0]) >= 5, ahead  # r0's next row went ahead too
+    assert [e for e in sink.started if e.startswith("r0-")] == ["r0-0", "r0-1", "r0-2"]  # in order, once
     assert sorted(sink.received) == sorted(e["event_id"] for e in events)
     assert max(sink.held) <= 10, sink.held  # a kill repeats at most one batch
+
+
+async def test_per_room_rows_following_a_row_that_fails_are_released_and_delivered_after_its_retry(
+    store: MySQLStore,
+) -> None:
+    events = three_rounds_of_ten_rooms()
+    await insert_events(store, events)
+    sink = GatedSink(store, slow="r0-0", fails=True)
+    dispatcher = make_dispatcher(store, sink, batch_size=10, concurrency=4, per_room=True)
+    real_claim = store.claim
+
+    async def claim(*args: Any, **kwargs: Any) -> Any:
+        claimed = await real_claim(*args, **kwargs)
+        if "r0-1" in [r.event_id for r in claimed.rows] and not sink.gate.is_set():
+            sink.gate.set()  # r0-0 fails with r0-1 waiting behind it
+        return claimed
+
+    store.claim = claim  # type: ignore[method-assign]
+    with anyio.fail_after(10):
+        while (await fetch_rows(store))["r0-2"]["status"] != "published":
+            await run_until_empty(dispatcher)
+    r0 = [e for e in sink.started if e.startswith("r0-")]
+    assert r0 == ["r0-0", "r0-0", "r0-1", "r0-2"], r0  # r0-1 released untried, then in order
+    assert sorted(sink.received) == sorted(e["event_id"] for e in events)  # each once
+    rows = await fetch_rows(store)
+    assert rows["r0-1"]["retry_count"] == 0  # released, not failed
+    assert all(r["status"] == "published" for r in rows.values())
 
 
 async def test_the_rows_of_a_claim_made_ahead_are_delivered_while_it_commits(store: MySQLStore) -> None:
@@ -204,9 +243,26 @@ async def test_results_written_beside_a_claim_that_fails_are_not_written_again(
     assert sorted(sink.received) == sorted(f"e{i}" for i in range(20))  # none twice
 
 
-def test_per_room_a_claim_ahead_that_took_under_half_its_limit_makes_the_next_wait_for_every_result() -> None:
-    per_room = make_dispatcher(None, RecordingSink(), batch_size=100, per_room=True)
-    unordered = make_dispatcher(None, RecordingSink(), batch_size=100)
-    assert per_room._outstanding_before_next_claim(limit=60, taken=30) == 50  # half taken: ahead again
-    assert per_room._outstanding_before_next_claim(limit=60, taken=29) == 0  # hot rooms: in turn
-    assert unordered._outstanding_before_next_claim(limit=60, taken=0) == 50
+async def test_per_room_stopping_releases_the_rows_waiting_behind_a_room_in_flight(store: MySQLStore) -> None:
+    events = three_rounds_of_ten_rooms()
+    await insert_events(store, events)
+    sink = GatedSink(store, slow="r0-0")
+    dispatcher = make_dispatcher(store, sink, batch_size=10, concurrency=4, per_room=True)
+    real_claim = store.claim
+
+    async def claim(*args: Any, **kwargs: Any) -> Any:
+        claimed = await real_claim(*args, **kwargs)
+        if "r0-1" in [r.event_id for r in claimed.rows]:
+            dispatcher.stop()  # r0-1 waits behind r0-0, in flight
+            sink.gate.set()
+        return claimed
+
+    store.claim = claim  # type: ignore[method-assign]
+    with anyio.fail_after(10):
+        await dispatcher.run_once()
+        await dispatcher.flush()
+    assert "r0-0" in sink.received and "r0-1" not in sink.started
+    rows = await fetch_rows(store)
+    assert rows["r0-0"]["status"] == "published"
+    assert all(r["worker_id"] is None for r in rows.values())  # nothing left leased
+    assert rows["r0-1"]["status"] == "pending" and rows["r0-1"]["retry_count"] == 0

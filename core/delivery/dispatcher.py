@@ -113,7 +113,7 @@ class Dispatcher:
         #: writes its head, so it is only ever changed in place.
         self._unrecorded: list[DeliveryResult] = []
         #: Per claim, the rows whose results are not yet written (id: room): the rows whose
-        #: leases are renewed and, with per-room ordering, the rooms a claim made ahead skips.
+        #: leases are renewed and, with per-room ordering, those a claim made ahead may follow.
         self._held: dict[str, dict[int, tuple[str, str]]] = {}
         #: Claims and lease renewals take turns, so that a renewal never counts as lost a row
         #: whose result a claim has just written.
@@ -208,14 +208,14 @@ class Dispatcher:
         every claimed row has a worker, the next claim is made while the last rows are still in
         flight, for as many rows as keep those held within ``batch_size``
         (:meth:`_outstanding_before_next_claim`): the database and the sink are not idle in
-        turn. With per-room ordering such a claim skips the rooms still in flight."""
-        claimed = await self._claim(self.options.batch_size)
+        turn. With per-room ordering such a claim may take the next rows of rooms still in
+        flight, which follow those rows (:class:`Feed`)."""
+        feed = Feed(chained=self.options.per_room)
+        claimed = await self._claim(self.options.batch_size, feed)
         if not claimed.rows:
             return Round(0, claimed.exhausted)
-        feed = Feed()
-        feed.put(self._queues(claimed.rows), len(claimed.rows))
         total, exhausted, failure = len(claimed.rows), claimed.exhausted, None
-        wait_for = self._outstanding_before_next_claim(self.options.batch_size, len(claimed.rows))
+        wait_for = self._outstanding_before_next_claim()
         async with anyio.create_task_group() as renewal:
             renewal.start_soon(self._keep_leases)
             async with anyio.create_task_group() as deliveries:
@@ -229,7 +229,6 @@ class Dispatcher:
                         limit = self.options.batch_size - feed.outstanding
                         claimed = await self._claim(limit, feed)
                         total, exhausted = total + len(claimed.rows), claimed.exhausted
-                        wait_for = self._outstanding_before_next_claim(limit, len(claimed.rows))
                 except Exception as exc:  # the store failed: let what is in flight finish first
                     failure = exc
                 finally:
@@ -239,20 +238,16 @@ class Dispatcher:
             raise failure
         return Round(total, exhausted)
 
-    def _outstanding_before_next_claim(self, limit: int, taken: int) -> int:
+    def _outstanding_before_next_claim(self) -> int:
         """How many claimed rows may still be without a result when the next claim is made
         (every claimed row with a worker by then): it claims what keeps the rows held within
-        a batch, so at least half a batch. With per-room ordering, none after a claim that
-        took under half of its ``limit``: a claim made ahead skips the rooms in flight, and
-        where those are most rooms (a few hot rooms) claiming ahead finds little to take."""
-        if self.options.per_room and 2 * taken < limit:
-            return 0
+        a batch, so at least half a batch."""
         return self.options.batch_size // 2
 
-    async def _claim(self, limit: int, feed: Feed | None = None) -> Claimed:
-        """Claim up to ``limit`` rows, writing the results in so far. With ``feed``, the rows
-        go into it as soon as the store has them locked, so that the workers deliver them
-        while the claim writes their leases and commits (``on_locked``)."""
+    async def _claim(self, limit: int, feed: Feed) -> Claimed:
+        """Claim up to ``limit`` rows, writing the results in so far. The rows go into
+        ``feed`` as soon as the store has them locked, so that the workers deliver them while
+        the claim writes their leases and commits (``on_locked``)."""
         # Before every claim, as a round under a steady backlog goes on claiming for as long
         # as the backlog lasts: a no-op but once per interval.
         self.failures.summarise()
@@ -263,12 +258,12 @@ class Dispatcher:
 
         async def feed_early(rows: list[OutboxRow]) -> None:
             nonlocal fed
-            if feed is not None:
-                feed.put(self._queues(rows), len(rows))
-                fed = True
+            self._put(feed, rows, in_flight)
+            fed = True
 
         async with self._store_turn:
             written = self._unrecorded[:]  # workers may append more while the claim runs
+            in_flight = self._in_flight(written) if self.options.per_room else {}
             try:
                 claimed = await self.store.claim(
                     claim,
@@ -277,7 +272,7 @@ class Dispatcher:
                     written,
                     per_room=self.options.per_room,
                     hold_back_ms=int(self.options.poll_interval * 1000),
-                    busy_rooms=self._rooms_in_flight(written) if self.options.per_room else (),
+                    in_flight=in_flight,
                     on_locked=feed_early,
                 )
             except ClaimFailedAfterResults as exc:
@@ -287,8 +282,8 @@ class Dispatcher:
             self._forget(written)
             if claimed.rows:
                 self._held[claim] = {row.id: (row.app_code, row.room_id) for row in claimed.rows}
-                if feed is not None and not fed:
-                    feed.put(self._queues(claimed.rows), len(claimed.rows))
+                if not fed:
+                    self._put(feed, claimed.rows, in_flight)
         # A successful claim counts as a round ended for readiness: after an outage, a round
         # draining the backlog it left may go on for minutes.
         self.health.round_ended()
@@ -305,11 +300,21 @@ class Dispatcher:
             self._forget(written)
             self._report_stale(stale)
 
-    def _rooms_in_flight(self, written: Sequence[DeliveryResult]) -> set[tuple[str, str]]:
-        """The rooms of the rows held whose results are not among ``written``: rows being
+    def _in_flight(self, written: Sequence[DeliveryResult]) -> dict[int, tuple[str, str]]:
+        """The rows held whose results are not among ``written`` (id: room): rows being
         delivered or waiting for a worker, or delivered with their results not yet in hand."""
         settled = {result.row_id for result in written}
-        return {room for rows in self._held.values() for row_id, room in rows.items() if row_id not in settled}
+        return {row_id: room for rows in self._held.values() for row_id, room in rows.items() if row_id not in settled}
+
+    def _put(self, feed: Feed, rows: Sequence[OutboxRow], in_flight: dict[int, tuple[str, str]]) -> None:
+        """Hand claimed rows to the workers. With per-room ordering, a room's rows follow its rows
+        ``in_flight`` when claimed, and are released at once if one of those was not published."""
+        after: dict[tuple[str, str], list[int]] = {}
+        for row_id, room in in_flight.items():
+            after.setdefault(room, []).append(row_id)
+        for queue in feed.put(self._queues(rows), len(rows), after):
+            self._unrecorded.extend(map(self._release, queue))
+            feed.settled(len(queue))
 
     def _forget(self, written: Sequence[DeliveryResult]) -> None:
         """These results, the head of ``_unrecorded``, are written (or stale): their rows are no
@@ -348,14 +353,18 @@ class Dispatcher:
                         await feed.more()
                         continue
                     current.queue = queue
+                    unpublished: Sequence[OutboxRow] = ()
                     for position, row in enumerate(queue):
                         current.position = position
                         result = self._release(row) if self._stopping.is_set() else await self._attempt(row, current)
                         results.append(result)
                         if result.outcome is not Outcome.PUBLISHED:
                             feed.settled(self._release_rest(queue, position, results) + 1)
+                            unpublished = queue[position:]
                             break
                         feed.settled(1)
+                    if feed.chained:
+                        self._queue_done(feed, queue, unpublished, results)
                     if current.scope.cancel_called:
                         break  # the deadline passed as the sink answered (a timeout): a new scope
             if not current.scope.cancelled_caught:
@@ -364,6 +373,21 @@ class Dispatcher:
             row = current.queue[current.position]
             results.append(self._result(row, self.attempts.timed_out(current.sink, current.attempt)))
             feed.settled(self._release_rest(current.queue, current.position, results) + 1)
+            if feed.chained:
+                self._queue_done(feed, current.queue, current.queue[current.position :], results)
+
+    def _queue_done(
+        self,
+        feed: Feed,
+        queue: Sequence[OutboxRow],
+        unpublished: Sequence[OutboxRow],
+        results: list[DeliveryResult],
+    ) -> None:
+        """A room's queue has ended, ``unpublished`` its rows not published: release the queues
+        that were to follow it if there are any such rows (:meth:`Feed.done`)."""
+        for released in feed.done(queue, unpublished):
+            results.extend(map(self._release, released))
+            feed.settled(len(released))
 
     def _release_rest(self, queue: Sequence[OutboxRow], position: int, results: list[DeliveryResult]) -> int:
         """Release the rows of ``queue`` after ``position``; return how many."""
@@ -576,11 +600,26 @@ class Feed:
     claimed rows whose result is not in yet. Workers take queues without waiting while there
     are any. A worker with nothing to take waits for more; the claimer waits for every queue to
     be taken and the rows outstanding to fall to what it needs. Each waits on its own event,
-    made only while somebody waits and set only when what it waits for may have come."""
+    made only while somebody waits and set only when what it waits for may have come.
 
-    __slots__ = ("_for_claimer", "_for_workers", "_wanted", "closed", "outstanding", "queues")
+    ``chained`` (per-room ordering): a claim made ahead may take the next rows of a room whose
+    earlier rows are still in flight in this process. Such a room's queue waits behind the
+    room's queue being delivered and is taken once that one has ended with every row
+    published; if one was not, the queues waiting behind it are released (the room's order
+    holds: its later rows are claimed again once the one that failed is due)."""
 
-    def __init__(self) -> None:
+    __slots__ = (
+        "_chains",
+        "_for_claimer",
+        "_for_workers",
+        "_unpublished",
+        "_wanted",
+        "closed",
+        "outstanding",
+        "queues",
+    )
+
+    def __init__(self, chained: bool = False) -> None:
         self.queues: deque[Sequence[OutboxRow]] = deque()
         self.outstanding = 0
         #: No queue will be added any more: a worker finding none left ends.
@@ -588,11 +627,64 @@ class Feed:
         self._wanted = -1  # the claimer waits for outstanding <= this
         self._for_workers: anyio.Event | None = None
         self._for_claimer: anyio.Event | None = None
+        #: Per room with a queue taken or ready: the queues waiting to follow it.
+        self._chains: dict[tuple[str, str], deque[Sequence[OutboxRow]]] | None = {} if chained else None
+        #: The rows of this round that ended unpublished, which no later row of their room follows.
+        self._unpublished: set[int] = set()
 
-    def put(self, queues: Iterable[Sequence[OutboxRow]], rows: int) -> None:
-        self.queues.extend(queues)
+    @property
+    def chained(self) -> bool:
+        return self._chains is not None
+
+    def put(
+        self,
+        queues: Iterable[Sequence[OutboxRow]],
+        rows: int,
+        after: dict[tuple[str, str], list[int]] | None = None,
+    ) -> list[Sequence[OutboxRow]]:
+        """Add ``queues`` (``rows`` rows). Chained, each room's queue follows the rows ``after``
+        lists for its room, the rows of the room that were in flight when it was claimed.
+        Return the queues to release at once: those following a row that was not published."""
         self.outstanding += rows
+        chains = self._chains
+        if chains is None:
+            self.queues.extend(queues)
+            self._wake_workers()
+            return []
+        released = []
+        for queue in queues:
+            room = (queue[0].app_code, queue[0].room_id)
+            follows = after.get(room) if after else None
+            if follows and not self._unpublished.isdisjoint(follows):
+                self._unpublished.update(row.id for row in queue)
+                released.append(queue)
+            elif room in chains:
+                chains[room].append(queue)
+            else:
+                chains[room] = deque()
+                self.queues.append(queue)
         self._wake_workers()
+        return released
+
+    def done(self, queue: Sequence[OutboxRow], unpublished: Sequence[OutboxRow]) -> list[Sequence[OutboxRow]]:
+        """A chained room's ``queue`` has ended, ``unpublished`` its rows not published: the
+        next queue of its room becomes ready, or, if any row was not, the queues waiting are
+        returned, to be released."""
+        assert self._chains is not None
+        room = (queue[0].app_code, queue[0].room_id)
+        waiting = self._chains[room]
+        if unpublished:
+            self._unpublished.update(row.id for row in unpublished)
+            del self._chains[room]
+            for later in waiting:
+                self._unpublished.update(row.id for row in later)
+            return list(waiting)
+        if waiting:
+            self.queues.append(waiting.popleft())
+            self._wake_workers()
+        else:
+            del self._chains[room]
+        return []
 
     def close(self) -> None:
         self.closed = True

@@ -13,7 +13,7 @@ This module imports no database driver, so that depending on the store's types n
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -115,7 +115,7 @@ class OutboxStore(Protocol):
         results: Sequence[DeliveryResult] = (),
         per_room: bool = False,
         hold_back_ms: int = 1000,
-        busy_rooms: Collection[tuple[str, str]] = (),
+        in_flight: Mapping[int, tuple[str, str]] | None = None,
         on_locked: Callable[[list[OutboxRow]], Awaitable[None]] | None = None,
     ) -> Claimed:
         """Record ``results`` and claim up to ``limit`` pending rows. The results are written
@@ -125,10 +125,11 @@ class OutboxStore(Protocol):
 
         With ``per_room``, a row is claimed only if no earlier pending row of its room is
         left outside the claim (waiting for a retry, leased elsewhere, or skipped); a row
-        held back is not looked at again for ``hold_back_ms``. ``busy_rooms`` (``(app_code,
-        room_id)``): rooms the caller still has rows of in flight; their rows found are
-        neither taken nor held back, so that a claim made ahead of those rows' results
-        leaves the rooms for the claim after them.
+        held back is not looked at again for ``hold_back_ms``. ``in_flight`` (row id:
+        ``(app_code, room_id)``): rows the caller holds whose results are not among
+        ``results``. They do not hold their rooms back: the caller delivers a later row of
+        their room only once they are published, and releases it otherwise, so that a claim
+        made ahead of their results may take their rooms' next rows.
 
         ``on_locked``: awaited with the rows claimed as soon as they are locked and the
         results are committed (never while they are still to be written in the claim's

@@ -373,23 +373,25 @@ async def test_per_room_claims_only_heads_and_holds_the_rest_back(any_store: SQL
     assert [r.event_id for r in (await any_store.claim("y#2", 10, now_ms() + 60_000, per_room=True)).rows] == ["a2"]
 
 
-async def test_per_room_leaves_a_busy_rooms_rows_neither_taken_nor_held_back(any_store: SQLStore) -> None:
+async def test_per_room_rows_the_caller_has_in_flight_do_not_hold_their_rooms_back(any_store: SQLStore) -> None:
     await insert_events(
         any_store,
         [envelope("a1", room_id="A"), envelope("b1", room_id="B"), envelope("a2", room_id="A")],
     )
     (a1,) = (await any_store.claim("x#1", 1, now_ms() + 60_000)).rows  # in flight in this process
-    busy = {("default", "A")}
-    claimed = await any_store.claim("x#2", 10, now_ms() + 60_000, per_room=True, hold_back_ms=60_000, busy_rooms=busy)
-    assert [r.event_id for r in claimed.rows] == ["b1"]
-    assert not claimed.exhausted  # a2 is due once a1 has its result: come back for it
-    a2 = (await fetch_rows(any_store))["a2"]
-    assert a2["worker_id"] is None and (a2["lock_until_ms"] or 0) <= now_ms()  # not held back
-    # Once a1's result is in, the next claim takes a2 at once.
+    in_flight = {a1.id: ("default", "A")}
     claimed = await any_store.claim(
-        "x#3", 10, now_ms() + 60_000, [DeliveryResult(a1.id, "a1", "x#1", Outcome.PUBLISHED)], per_room=True
+        "x#2", 10, now_ms() + 60_000, per_room=True, hold_back_ms=60_000, in_flight=in_flight
     )
-    assert [r.event_id for r in claimed.rows] == ["a2"]
+    assert [r.event_id for r in claimed.rows] == ["b1", "a2"]  # the caller delivers a2 after a1
+
+
+async def test_per_room_a_row_in_flight_whose_lease_ran_out_is_not_taken_again(any_store: SQLStore) -> None:
+    await insert_events(any_store, [envelope("a1", room_id="A"), envelope("a2", room_id="A")])
+    (a1, a2) = (await any_store.claim("x#1", 2, now_ms() - 1)).rows  # leases already over
+    in_flight = {a1.id: ("default", "A"), a2.id: ("default", "A")}
+    claimed = await any_store.claim("x#2", 10, now_ms() + 60_000, per_room=True, in_flight=in_flight)
+    assert claimed.rows == []  # their results decide what becomes of them
 
 
 async def test_per_room_takes_a_whole_room_when_every_earlier_row_is_in_the_claim(any_store: SQLStore) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -224,7 +224,7 @@ class LeasedRows:
         results: Sequence[DeliveryResult] = (),
         per_room: bool = False,
         hold_back_ms: int = 1000,
-        busy_rooms: Collection[tuple[str, str]] = (),
+        in_flight: Mapping[int, tuple[str, str]] | None = None,
         on_locked: Callable[[list[OutboxRow]], Awaitable[None]] | None = None,
     ) -> Claimed:
         async with self._results_beside(results) as beside:
@@ -259,10 +259,8 @@ class LeasedRows:
                     OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
                     for id, event_id, event_type, room_id, app_code, envelope, retries in scanned
                 ]
-                if busy_rooms:  # left for the claim after their rows in flight: neither taken nor held back
-                    idle = [row for row in found if (row.app_code, row.room_id) not in busy_rooms]
-                    exhausted = exhausted and len(idle) == len(found)  # else come back for them soon
-                    found = idle
+                if in_flight:  # a lease that ran out under its own claim: its result decides
+                    found = [row for row in found if row.id not in in_flight]
                 if per_room and reads_first:
                     # The results' rows are still open, claimed by this process. Those the results
                     # close (published, parked) do not hold their rooms back; the others do, as they
@@ -271,12 +269,16 @@ class LeasedRows:
                     closing = _closing(results)
                     written = {r.row_id for r in results}
                     untaken = [row for row in found if row.id not in written]
-                    rows = await self._heads_of_rooms(cur, untaken, hold_back_ms, bool(buckets), closing)
+                    rows = await self._heads_of_rooms(cur, untaken, hold_back_ms, bool(buckets), closing, in_flight)
                     stale = await write_results(cur)
                     if any(r.row_id in closing and not r.published_by_producer for r in stale):
                         rows = []  # a row counted as closed is open elsewhere: look again next claim
+                elif per_room:
+                    rows = await self._heads_of_rooms(cur, found, hold_back_ms, bool(buckets), (), in_flight)
+                    if reads_first:
+                        stale = await write_results(cur)
                 else:
-                    rows = await self._heads_of_rooms(cur, found, hold_back_ms, bool(buckets)) if per_room else found
+                    rows = found
                     if reads_first:
                         stale = await write_results(cur)
                 if rows:
@@ -284,9 +286,9 @@ class LeasedRows:
                         await on_locked(rows)  # locked by this transaction: no other claim can take them
                     ids = [row.id for row in rows]
                     p = self.profile
-                    in_flight = "" if p.in_flight == p.fresh else f", status = '{p.in_flight}'"
+                    in_flight_status = "" if p.in_flight == p.fresh else f", status = '{p.in_flight}'"
                     await cur.execute(
-                        f"UPDATE {self.table} SET worker_id = %s, {p.lock} = {p.ms('%s')}{in_flight}"
+                        f"UPDATE {self.table} SET worker_id = %s, {p.lock} = {p.ms('%s')}{in_flight_status}"
                         f" WHERE {self.key} IN ({_marks(ids)})",
                         (claim, lease_until_ms, *ids),
                     )
@@ -367,12 +369,15 @@ class LeasedRows:
         hold_back_ms: int,
         lock: bool = False,
         closing: Collection[int] = (),
+        in_flight: Mapping[int, tuple[str, str]] | None = None,
     ) -> list[OutboxRow]:
         """Keep a found row only if every earlier pending row of its room was found too.
         ``lock``: the rows were found without locks (:meth:`_scan` with buckets): lock those
         still claimable first, skipping the others, in the same statement where the dialect
         allows (:meth:`_lock_and_look_back`). ``closing``: open rows that count as closed (those
-        the results this transaction writes next publish or park).
+        the results this transaction writes next publish or park). ``in_flight``: open rows
+        the caller delivers before any later row of their rooms (see :meth:`claim`), which
+        do not hold their rooms back either.
 
         A row held back this way is made unclaimable for ``hold_back_ms``: otherwise a room
         with a long backlog behind a waiting event would fill every later scan with rows
@@ -380,7 +385,11 @@ class LeasedRows:
         """
         if not found:
             return found
-        found, earlier = await self._lock_and_look_back(cur, found, lock, sorted(closing))
+        passing = set(closing)
+        if in_flight:
+            rooms = {(row.app_code, row.room_id) for row in found}
+            passing.update(row_id for row_id, room in in_flight.items() if room in rooms)
+        found, earlier = await self._lock_and_look_back(cur, found, lock, sorted(passing))
         heads = room_heads(found, earlier)
         held_back = sorted({r.id for r in found} - {r.id for r in heads})
         if held_back:
@@ -392,11 +401,11 @@ class LeasedRows:
         return heads
 
     async def _lock_and_look_back(
-        self, cur: Any, found: list[OutboxRow], lock: bool, closing: Sequence[int] = ()
+        self, cur: Any, found: list[OutboxRow], lock: bool, passing: Sequence[int] = ()
     ) -> tuple[list[OutboxRow], list[tuple[int, str, str]]]:
         """The found rows (with ``lock``: those locked, the others skipped) and the open rows
         of their rooms below the highest of them (:func:`open_rows_of_rooms_sql`), but for the
-        found rows and ``closing`` (left out in the index entries, before their rows are read).
+        found rows and ``passing`` (left out in the index entries, before their rows are read).
         A found row that fails the lock counts among its room's earlier open rows, open or not
         by now (one closed meanwhile holds its room back one claim: the safe side); read again
         by the look-back, each found row would cost the claim a row more to send and parse.
@@ -406,8 +415,8 @@ class LeasedRows:
         rooms = sorted({row.room_id for row in found})
         hint = self.dialect.index_hint
         ids = [row.id for row in found]
-        look_back_params = (*rooms, max(ids), *ids, *closing)
-        besides = len(ids) + len(closing)
+        look_back_params = (*rooms, max(ids), *ids, *passing)
+        besides = len(ids) + len(passing)
         if not lock:  # the scan locked what it found
             look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, besides=besides)
             await cur.execute(look_back, look_back_params)

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -136,13 +136,13 @@ class LaneStore(LeasedRows):
         results: Sequence[DeliveryResult] = (),
         per_room: bool = False,
         hold_back_ms: int = 1000,
-        busy_rooms: Collection[tuple[str, str]] = (),
+        in_flight: Mapping[int, tuple[str, str]] | None = None,
         on_locked: Callable[[list[OutboxRow]], Awaitable[None]] | None = None,
     ) -> Claimed:
         # Not ``on_locked``: a copy's values may be cut, and the rows are whole only once read
         # again after the claim.
         with self._forgotten_unless_committed():
-            claimed = await super().claim(claim, limit, lease_until_ms, results, per_room, hold_back_ms, busy_rooms)
+            claimed = await super().claim(claim, limit, lease_until_ms, results, per_room, hold_back_ms, in_flight)
         cut = [row.id for row in claimed.rows if max(map(len, _copied(row))) >= KEPT_WIDTH]
         if not cut:
             return claimed
