@@ -44,7 +44,7 @@ FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events
         "process_events": 20_000, "process_rooms": 500, "process_rounds": 3,
         "kafka_process_events": 20_000, "kafka_process_rounds": 3,
         "join_events": 6_000, "join_rooms": 50, "join_rounds": 3,
-        "per_room_events": 20_000, "per_room_slow_events": 10_000, "per_room_rooms": "500,50", "per_room_rounds": 3}  # fmt: skip
+        "per_room_events": 20_000, "per_room_slow_events": 10_000, "per_room_rooms": "500,50,20", "per_room_rounds": 3}  # fmt: skip
 QUICK = {"events": 2_000, "seed_events": 500, "batches": "100", "im_events": 300, "quota_events": 300,
          "latency_seconds": 2.0, "latency_batch": 100, "published": 20_000, "claim_rounds": 20, "rss_events": 5_000,
          "ordered_events": 2_000, "ordered_rooms": "50,500",
