@@ -13,8 +13,10 @@ import pytest
 from support import RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher
 
 from bench.drive import run_until_empty
+from room_outbox.delivery.dispatcher import Feed
 from room_outbox.sink import RetryableSinkError
 from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.protocol import DeliveryResult, OutboxRow, Outcome
 
 pytestmark = pytest.mark.anyio
 
@@ -266,3 +268,41 @@ async def test_per_room_stopping_releases_the_rows_waiting_behind_a_room_in_flig
     assert rows["r0-0"]["status"] == "published"
     assert all(r["worker_id"] is None for r in rows.values())  # nothing left leased
     assert rows["r0-1"]["status"] == "pending" and rows["r0-1"]["retry_count"] == 0
+
+
+def row_of(row_id: int, room: str) -> OutboxRow:
+    return OutboxRow(row_id, f"e{row_id}", "RoomCreated", room, "default", None, 0, "c#1")
+
+
+def test_feed_chained_a_rooms_next_queue_waits_for_the_one_taken_and_goes_once_it_is_published() -> None:
+    feed = Feed(chained=True)
+    a1, b1, a2 = row_of(1, "A"), row_of(2, "B"), row_of(3, "A")
+    assert feed.put([[a1], [b1]], 2) == []
+    assert feed.put([[a2]], 1, {("default", "A"): [1]}) == []
+    assert feed.take() == [a1] and feed.take() == [b1] and feed.take() is None  # a2 waits behind a1
+    assert feed.done([a1], published=True) == []
+    assert feed.take() == [a2]
+
+
+def test_feed_chained_the_queues_behind_one_not_published_are_returned_to_release() -> None:
+    feed = Feed(chained=True)
+    a1, a2, a3 = row_of(1, "A"), row_of(2, "A"), row_of(3, "A")
+    feed.put([[a1]], 1)
+    feed.put([[a2]], 1, {("default", "A"): [1]})
+    feed.put([[a3]], 1, {("default", "A"): [1, 2]})
+    assert feed.take() == [a1]
+    assert feed.done([a1], published=False) == [[a2], [a3]]
+    assert feed.take() is None
+    # The room's next queue, claimed once those results are written, starts a chain of its own.
+    assert feed.put([[row_of(4, "A")]], 1) == [] and feed.take() == [row_of(4, "A")]
+
+
+def test_per_room_rows_following_a_row_that_ended_unpublished_before_they_were_handed_over_are_released() -> None:
+    dispatcher = make_dispatcher(None, RecordingSink(), batch_size=10, per_room=True)
+    feed = Feed(chained=True)
+    failed = DeliveryResult(1, "e1", "c#1", Outcome.FAILED, "sink down")
+    dispatcher._unrecorded.append(failed)  # its result came in after the claim began
+    dispatcher._put(feed, [row_of(2, "A"), row_of(3, "B")], {1: ("default", "A")})
+    assert feed.take() == [row_of(3, "B")] and feed.take() is None
+    assert dispatcher._unrecorded[1:] == [DeliveryResult(2, "e2", "c#1", Outcome.RELEASED)]
+    assert feed.outstanding == 1  # B's row

@@ -16,6 +16,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import anyio
@@ -308,11 +309,13 @@ class Dispatcher:
 
     def _put(self, feed: Feed, rows: Sequence[OutboxRow], in_flight: dict[int, tuple[str, str]]) -> None:
         """Hand claimed rows to the workers. With per-room ordering, a room's rows follow its rows
-        ``in_flight`` when claimed, and are released at once if one of those was not published."""
+        ``in_flight`` when claimed, and are released at once if one of those has ended
+        unpublished since (its result is not written yet: it was not among the claim's)."""
         after: dict[tuple[str, str], list[int]] = {}
         for row_id, room in in_flight.items():
             after.setdefault(room, []).append(row_id)
-        for queue in feed.put(self._queues(rows), len(rows), after):
+        unpublished = {r.row_id for r in self._unrecorded if r.outcome is not Outcome.PUBLISHED} if after else set()
+        for queue in feed.put(self._queues(rows), len(rows), after, unpublished):
             self._unrecorded.extend(map(self._release, queue))
             feed.settled(len(queue))
 
@@ -353,18 +356,18 @@ class Dispatcher:
                         await feed.more()
                         continue
                     current.queue = queue
-                    unpublished: Sequence[OutboxRow] = ()
+                    published = True
                     for position, row in enumerate(queue):
                         current.position = position
                         result = self._release(row) if self._stopping.is_set() else await self._attempt(row, current)
                         results.append(result)
                         if result.outcome is not Outcome.PUBLISHED:
                             feed.settled(self._release_rest(queue, position, results) + 1)
-                            unpublished = queue[position:]
+                            published = False
                             break
                         feed.settled(1)
                     if feed.chained:
-                        self._queue_done(feed, queue, unpublished, results)
+                        self._queue_done(feed, queue, published, results)
                     if current.scope.cancel_called:
                         break  # the deadline passed as the sink answered (a timeout): a new scope
             if not current.scope.cancelled_caught:
@@ -374,18 +377,14 @@ class Dispatcher:
             results.append(self._result(row, self.attempts.timed_out(current.sink, current.attempt)))
             feed.settled(self._release_rest(current.queue, current.position, results) + 1)
             if feed.chained:
-                self._queue_done(feed, current.queue, current.queue[current.position :], results)
+                self._queue_done(feed, current.queue, False, results)
 
     def _queue_done(
-        self,
-        feed: Feed,
-        queue: Sequence[OutboxRow],
-        unpublished: Sequence[OutboxRow],
-        results: list[DeliveryResult],
+        self, feed: Feed, queue: Sequence[OutboxRow], published: bool, results: list[DeliveryResult]
     ) -> None:
-        """A room's queue has ended, ``unpublished`` its rows not published: release the queues
-        that were to follow it if there are any such rows (:meth:`Feed.done`)."""
-        for released in feed.done(queue, unpublished):
+        """A room's queue has ended, ``published`` if every row was: if not, release the queues
+        that were to follow it (:meth:`Feed.done`)."""
+        for released in feed.done(queue, published):
             results.extend(map(self._release, released))
             feed.settled(len(released))
 
@@ -612,7 +611,6 @@ class Feed:
         "_chains",
         "_for_claimer",
         "_for_workers",
-        "_unpublished",
         "_wanted",
         "closed",
         "outstanding",
@@ -629,8 +627,6 @@ class Feed:
         self._for_claimer: anyio.Event | None = None
         #: Per room with a queue taken or ready: the queues waiting to follow it.
         self._chains: dict[tuple[str, str], deque[Sequence[OutboxRow]]] | None = {} if chained else None
-        #: The rows of this round that ended unpublished, which no later row of their room follows.
-        self._unpublished: set[int] = set()
 
     @property
     def chained(self) -> bool:
@@ -641,10 +637,12 @@ class Feed:
         queues: Iterable[Sequence[OutboxRow]],
         rows: int,
         after: dict[tuple[str, str], list[int]] | None = None,
+        unpublished: AbstractSet[int] = frozenset(),
     ) -> list[Sequence[OutboxRow]]:
         """Add ``queues`` (``rows`` rows). Chained, each room's queue follows the rows ``after``
         lists for its room, the rows of the room that were in flight when it was claimed.
-        Return the queues to release at once: those following a row that was not published."""
+        Return the queues to release at once: those following a row among ``unpublished``
+        (ended without being published)."""
         self.outstanding += rows
         chains = self._chains
         if chains is None:
@@ -655,8 +653,7 @@ class Feed:
         for queue in queues:
             room = (queue[0].app_code, queue[0].room_id)
             follows = after.get(room) if after else None
-            if follows and not self._unpublished.isdisjoint(follows):
-                self._unpublished.update(row.id for row in queue)
+            if follows and not unpublished.isdisjoint(follows):
                 released.append(queue)
             elif room in chains:
                 chains[room].append(queue)
@@ -666,18 +663,14 @@ class Feed:
         self._wake_workers()
         return released
 
-    def done(self, queue: Sequence[OutboxRow], unpublished: Sequence[OutboxRow]) -> list[Sequence[OutboxRow]]:
-        """A chained room's ``queue`` has ended, ``unpublished`` its rows not published: the
-        next queue of its room becomes ready, or, if any row was not, the queues waiting are
-        returned, to be released."""
+    def done(self, queue: Sequence[OutboxRow], published: bool) -> list[Sequence[OutboxRow]]:
+        """A chained room's ``queue`` has ended, ``published`` if every row was: the next queue
+        of its room becomes ready; if not, the queues waiting are returned, to be released."""
         assert self._chains is not None
         room = (queue[0].app_code, queue[0].room_id)
         waiting = self._chains[room]
-        if unpublished:
-            self._unpublished.update(row.id for row in unpublished)
+        if not published:
             del self._chains[room]
-            for later in waiting:
-                self._unpublished.update(row.id for row in later)
             return list(waiting)
         if waiting:
             self.queues.append(waiting.popleft())
