@@ -259,7 +259,7 @@ class LeasedRows:
                     OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
                     for id, event_id, event_type, room_id, app_code, envelope, retries in scanned
                 ]
-                if in_flight:  # a lease that ran out under its own claim: its result decides
+                if in_flight:  # one whose lease ran out is found again: still the caller's, its result decides
                     found = [row for row in found if row.id not in in_flight]
                 if per_room and reads_first:
                     # The results' rows are still open, claimed by this process. Those the results
