@@ -41,7 +41,7 @@ FULL = {"events": 20_000, "seed_events": 5_000, "batches": "100,500", "im_events
         "ordered_events": 20_000, "ordered_rooms": "50,500,5000",
         "consume_events": 60_000, "consume_rounds": 5, "kafka_events": 10_000, "kafka_rounds": 3,
         "backlog": 1_000_000, "backlog_drain": 50_000, "backlog_seconds": 120.0,
-        "process_events": 20_000, "process_rooms": 500, "process_rounds": 3,
+        "process_events": 20_000, "process_rooms": 500, "process_rounds": 5,
         "kafka_process_events": 20_000, "kafka_process_rounds": 3,
         "join_events": 6_000, "join_rooms": 50, "join_rounds": 3,
         "per_room_events": 20_000, "per_room_slow_events": 10_000, "per_room_rooms": "500,50,20", "per_room_rounds": 3}  # fmt: skip
