@@ -111,6 +111,46 @@ async def test_a_row_taken_over_by_another_claim_counts_as_a_lost_lease(
 
 
 @pytest.mark.anyio
+async def test_rows_of_a_claim_that_failed_after_handing_them_over_are_not_counted_as_taken_over(
+    store: MySQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A claim hands its rows to the workers, then fails before its leases are written (the
+    database gone): the rows are delivered, their results cannot be written, and they are
+    claimed and delivered again. Counted and logged under a cause of their own: no other
+    claim took them over."""
+    await insert_events(store, [envelope(f"e{i:02}") for i in range(30)])
+    captured = capture()
+    sink = RecordingSink()
+    dispatcher = make_dispatcher(store, sink, batch_size=10)
+    dispatcher.telemetry = captured.telemetry
+    real_claim = store.claim
+    failed: list[str] = []
+
+    async def claim(*args: Any, on_locked: Any = None, **kwargs: Any) -> Any:
+        async def then_fail(rows: Any) -> None:
+            await on_locked(rows)
+            if not failed:
+                failed.extend(row.event_id for row in rows)
+                raise ConnectionError("database gone as the leases were written")
+
+        return await real_claim(*args, on_locked=then_fail if on_locked and args[3] else on_locked, **kwargs)
+
+    store.claim = claim  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, logger="room_outbox"):
+        with pytest.raises(ConnectionError):
+            await dispatcher.run_once()
+        assert failed, "no claim handed its rows over before writing its leases"
+        await run_until_empty(dispatcher)
+    lost = captured.value
+    assert lost("room_outbox.lost_leases", detected_at="result_write", cause="claim_failed") == len(failed)
+    assert lost("room_outbox.lost_leases", detected_at="result_write", cause="taken_over") == 0
+    records = [r for r in caplog.records if "result not recorded" in r.getMessage()]
+    assert len(records) == len(failed)
+    assert all(r.levelno == logging.WARNING and "claim failed" in r.getMessage() for r in records)
+    assert sorted(sink.received) == sorted([f"e{i:02}" for i in range(30)] + failed)  # those twice
+
+
+@pytest.mark.anyio
 async def test_event_types_the_routing_does_not_know_are_labelled_other(store: MySQLStore) -> None:
     """Rows name the event type: unknown ones must not mint label values or span names."""
     from support import insert_rows

@@ -30,6 +30,7 @@ from room_outbox.delivery.failure_log import FailureLog
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 from room_outbox.observability.health import LaneHealth
+from room_outbox.observability.metrics import LEASE_LOSS_CAUSES
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.observability.telemetry import NO_ATTEMPT, DeliveryAttempt, Telemetry
@@ -116,6 +117,9 @@ class Dispatcher:
         #: Per claim, the rows whose results are not yet written (id: room): the rows whose
         #: leases are renewed and, with per-room ordering, those a claim made ahead may follow.
         self._held: dict[str, dict[int, tuple[str, str]]] = {}
+        #: The last claims that failed after handing their rows over: those rows never got a
+        #: lease, so their results cannot be written (told apart from rows taken over).
+        self._failed_claims: deque[str] = deque(maxlen=16)
         #: Claims and lease renewals take turns, so that a renewal never counts as lost a row
         #: whose result a claim has just written.
         self._store_turn = anyio.Lock()
@@ -276,7 +280,11 @@ class Dispatcher:
                     in_flight=in_flight,
                     on_locked=feed_early,
                 )
-            except ClaimFailedAfterResults as exc:
+            except Exception as exc:
+                if fed:
+                    self._failed_claims.append(claim)
+                if not isinstance(exc, ClaimFailedAfterResults):
+                    raise
                 self._forget(written)
                 self._report_stale(exc.stale)
                 raise exc.__cause__ or exc from None
@@ -539,16 +547,28 @@ class Dispatcher:
     def _report_stale(self, stale: Sequence[DeliveryResult]) -> None:
         """Results not written. A row the producer published itself meanwhile is the normal
         end of a race with its own push (INFO); a row another claim took over is a fault: a
-        paused process or a lease too short for its batch (WARNING)."""
-        by_producer = [r for r in stale if r.published_by_producer]
-        self.telemetry.leases_lost(len(by_producer), "result_write", "published_by_producer")
-        self.telemetry.leases_lost(len(stale) - len(by_producer), "result_write", "taken_over")
-        for result in stale:
+        paused process or a lease too short for its batch (WARNING); so is a row whose claim
+        failed after handing it over, before taking its lease (a database fault)."""
+        causes = [self._stale_cause(result) for result in stale]
+        for cause in LEASE_LOSS_CAUSES:
+            self.telemetry.leases_lost(causes.count(cause), "result_write", cause)
+        for result, cause in zip(stale, causes, strict=True):
             fields = {"event_id": result.event_id, "claim": result.claim, "outcome": result.outcome.value}
-            if result.published_by_producer:
+            if cause == "published_by_producer":
                 log.info("result not recorded: the producer already published the row", extra=fields)
+            elif cause == "claim_failed":
+                log.warning(
+                    "result not recorded: its claim failed before taking the row's lease"
+                    " (claimable again: delivered twice at worst)",
+                    extra=fields,
+                )
             else:
                 log.warning("result not recorded: the claim no longer holds the row (lease taken over)", extra=fields)
+
+    def _stale_cause(self, result: DeliveryResult) -> str:
+        if result.published_by_producer:
+            return "published_by_producer"
+        return "claim_failed" if result.claim in self._failed_claims else "taken_over"
 
     def _short(self, text: str) -> str:
         return error_text(self.redactor, text)

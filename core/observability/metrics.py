@@ -39,9 +39,11 @@ SINK_ERROR_CLASSES = ("timeout", "permanent", "retryable", "sink_bug")
 #: ``detected_at`` of a lost lease.
 LEASE_LOSS_POINTS = ("renewal", "result_write")
 #: ``cause`` of a lost lease: ``taken_over`` (another claim holds the row: a paused process,
-#: a lease too short; a fault) or ``published_by_producer`` (room-service's own push
-#: succeeded while this claim held the row; not a fault). A renewal counts only the first.
-LEASE_LOSS_CAUSES = ("taken_over", "published_by_producer")
+#: a lease too short; a fault), ``published_by_producer`` (room-service's own push
+#: succeeded while this claim held the row; not a fault) or ``claim_failed`` (the claim
+#: handed the row over and then failed, before its lease was written: a database fault, which
+#: fails the round too). A renewal counts only the first.
+LEASE_LOSS_CAUSES = ("taken_over", "published_by_producer", "claim_failed")
 LEASE_LOSSES = (("renewal", "taken_over"), *(("result_write", cause) for cause in LEASE_LOSS_CAUSES))
 
 

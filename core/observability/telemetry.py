@@ -105,7 +105,7 @@ class Telemetry:
     def leases_lost(self, rows: int, detected_at: str, cause: str = "taken_over") -> None:
         """``detected_at``: ``renewal`` (the renewal found rows gone) or ``result_write``
         (a result could not be written because the claim no longer held the row); ``cause``:
-        ``taken_over`` or ``published_by_producer`` (see ``LEASE_LOSS_CAUSES``)."""
+        one of ``LEASE_LOSS_CAUSES``."""
         if rows > 0 and self.metrics_enabled:
             self.metrics.lost_leases.add(rows, {"detected_at": detected_at, "cause": cause})
 
