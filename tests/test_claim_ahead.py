@@ -6,7 +6,6 @@ long round counts for readiness."""
 from __future__ import annotations
 
 import logging
-import random
 from typing import Any
 
 import anyio
@@ -307,40 +306,3 @@ def test_per_room_rows_following_a_row_that_ended_unpublished_before_they_were_h
     assert feed.take() == [row_of(3, "B")] and feed.take() is None
     assert dispatcher._unrecorded[1:] == [DeliveryResult(2, "e2", "c#1", Outcome.RELEASED)]
     assert feed.outstanding == 1  # B's row
-
-
-class ShakySink:
-    """Answers after 0–2 ms and fails (retryably) about one delivery in eight, from a seeded
-    generator; records each room's successful deliveries in order."""
-
-    def __init__(self) -> None:
-        self._random = random.Random(11)
-        self.delivered: dict[str, list[int]] = {}
-
-    async def deliver(self, env: Any) -> None:
-        await anyio.sleep(self._random.uniform(0, 0.002))
-        if self._random.random() < 0.125:
-            raise RetryableSinkError("the sink failed")
-        self.delivered.setdefault(env.room_id, []).append(env.room_version)
-
-    async def aclose(self) -> None:
-        pass
-
-
-async def test_per_room_order_holds_over_a_few_hot_rooms_with_a_slow_failing_sink(store: MySQLStore) -> None:
-    rooms, per_room = 5, 40
-    await insert_events(
-        store,
-        [
-            envelope(f"r{room}-{v:02}", room_id=f"r{room}", room_version=v)
-            for v in range(per_room)
-            for room in range(rooms)
-        ],
-    )
-    sink = ShakySink()
-    dispatcher = make_dispatcher(store, sink, batch_size=20, concurrency=8, per_room=True, poll_interval=0.01)
-    with anyio.fail_after(60):
-        while any(r["status"] != "published" for r in (await fetch_rows(store)).values()):
-            await run_until_empty(dispatcher)
-    # Every event once, each room's in order: a row behind one that failed waited for its retry.
-    assert sink.delivered == {f"r{room}": list(range(per_room)) for room in range(rooms)}
