@@ -323,9 +323,7 @@ class Dispatcher:
         for row_id, room in in_flight.items():
             after.setdefault(room, []).append(row_id)
         unpublished = {r.row_id for r in self._unrecorded if r.outcome is not Outcome.PUBLISHED} if after else set()
-        for queue in feed.put(self._queues(rows), len(rows), after, unpublished):
-            self._unrecorded.extend(map(self._release, queue))
-            feed.settled(len(queue))
+        self._release_queues(feed, feed.put(self._queues(rows), len(rows), after, unpublished), self._unrecorded)
 
     def _forget(self, written: Sequence[DeliveryResult]) -> None:
         """These results, the head of ``_unrecorded``, are written (or stale): their rows are no
@@ -392,9 +390,13 @@ class Dispatcher:
     ) -> None:
         """A room's queue has ended, ``published`` if every row was: if not, release the queues
         that were to follow it (:meth:`Feed.done`)."""
-        for released in feed.done(queue, published):
-            results.extend(map(self._release, released))
-            feed.settled(len(released))
+        self._release_queues(feed, feed.done(queue, published), results)
+
+    def _release_queues(self, feed: Feed, queues: Sequence[Sequence[OutboxRow]], results: list[DeliveryResult]) -> None:
+        """Release every row of ``queues``, untried, into ``results``."""
+        for queue in queues:
+            results.extend(map(self._release, queue))
+            feed.settled(len(queue))
 
     def _release_rest(self, queue: Sequence[OutboxRow], position: int, results: list[DeliveryResult]) -> int:
         """Release the rows of ``queue`` after ``position``; return how many."""

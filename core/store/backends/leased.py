@@ -273,12 +273,10 @@ class LeasedRows:
                     stale = await write_results(cur)
                     if any(r.row_id in closing and not r.published_by_producer for r in stale):
                         rows = []  # a row counted as closed is open elsewhere: look again next claim
-                elif per_room:
-                    rows = await self._heads_of_rooms(cur, found, hold_back_ms, bool(buckets), (), in_flight)
-                    if reads_first:
-                        stale = await write_results(cur)
                 else:
                     rows = found
+                    if per_room:
+                        rows = await self._heads_of_rooms(cur, found, hold_back_ms, bool(buckets), (), in_flight)
                     if reads_first:
                         stale = await write_results(cur)
                 if rows:
