@@ -27,7 +27,7 @@ from room_outbox.cluster.quota import WINDOW, QuotaShare
 from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.store import membership as sql
 from room_outbox.store.clock import CLOCK, now_ms
-from room_outbox.store.protocol import SQLStore
+from room_outbox.store.protocol import ReadAlong, SQLStore
 from room_outbox.store.schema.buckets import BUCKETS
 from room_outbox.store.schema.profiles import V1, Profile
 
@@ -143,9 +143,10 @@ class Membership:
 
     # -- what the rest of the process asks -----------------------------------------------
 
-    async def room_buckets(self, cur: Any) -> list[int] | None:
-        """The buckets a claim may take now (``None``: all), read in the claim's transaction."""
-        buckets = await sql.claimable_buckets(cur, self.store.dialect, self.node_id)
+    async def room_buckets(self, cur: Any, along: ReadAlong | None = None) -> list[int] | None:
+        """The buckets a claim may take now (``None``: all), read in the claim's transaction
+        (with ``along``: see :class:`~room_outbox.store.protocol.BucketReader`)."""
+        buckets = await sql.claimable_buckets(cur, self.store.dialect, self.node_id, along)
         return None if len(buckets) == BUCKETS else buckets
 
     async def wait_joined(self, timeout: float, stop: anyio.Event | None = None) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import Dialect, text
 from room_outbox.store.dialect import marks as _marks
+from room_outbox.store.protocol import ReadAlong
 from room_outbox.store.schema.buckets import BUCKET_TABLE, BUCKETS, NODE_TABLE, row_bucket
 from room_outbox.store.schema.profiles import Profile
 
@@ -36,7 +37,7 @@ def bucket_of(app_code: str, room_id: str) -> int:
     return zlib.crc32(bucket_key(app_code, room_id)) % BUCKETS
 
 
-async def claimable_buckets(cur: Any, dialect: Dialect, node_id: str) -> list[int]:
+async def claimable_buckets(cur: Any, dialect: Dialect, node_id: str, along: ReadAlong | None = None) -> list[int]:
     """The buckets ``node_id`` may claim now, read with a shared lock in the claim's own
     transaction. The fence: a reassignment updates these rows, so it waits until the claim has
     committed, and once it has committed the former owner's claims can no longer take the
@@ -44,19 +45,33 @@ async def claimable_buckets(cur: Any, dialect: Dialect, node_id: str) -> list[in
 
     On MySQL/MariaDB they come as one row: every claim reads them, and the driver's cost per
     row read outweighs the statement's. A list cut short (``group_concat_max_len``) shows in
-    its count or its last bucket, and is then read row by row."""
-    mine = f"FROM {BUCKET_TABLE} WHERE owner = %s AND handing_over = 0 AND claimable_from_ms <= %s"
+    its count or its last bucket, and is then read row by row. ``along`` (:class:`ReadAlong`)
+    comes in the same row there, joined as a table of one row: the shared lock is taken on the
+    bucket rows alone (the joined read, aggregated, is materialised first and locks nothing)."""
+    claimable = "WHERE owner = %s AND handing_over = 0 AND claimable_from_ms <= %s"
     params = (node_id, now_ms())
     if dialect.name == "mysql":
+        joined, carried, joined_params = "", "", ()
+        if along is not None:
+            joined = f" CROSS JOIN ({along.sql}) AS along"
+            carried = "".join(f", MAX(along.{column})" for column in along.columns)
+            joined_params = along.params
         await cur.execute(
-            f"SELECT COUNT(*), MAX(bucket), GROUP_CONCAT(bucket ORDER BY bucket) {mine} LOCK IN SHARE MODE", params
+            f"SELECT COUNT(*), MAX(bucket), GROUP_CONCAT(bucket ORDER BY bucket){carried}"
+            f" FROM {BUCKET_TABLE}{joined} {claimable} LOCK IN SHARE MODE",
+            (*joined_params, *params),
         )
-        count, highest, listed = await cur.fetchone()
+        count, highest, listed, *row = await cur.fetchone()
+        if along is not None:
+            along.row = tuple(row)
         buckets = [int(b) for b in text(listed).split(",") if b] if listed else []
         if len(buckets) == count and (not buckets or buckets[-1] == highest):
             return buckets
+    elif along is not None:
+        await cur.execute(along.sql, along.params)
+        along.row = tuple(await cur.fetchone())
     lock = " LOCK IN SHARE MODE" if dialect.name == "mysql" else " FOR SHARE"
-    await cur.execute(f"SELECT bucket {mine} ORDER BY bucket{lock}", params)
+    await cur.execute(f"SELECT bucket FROM {BUCKET_TABLE} {claimable} ORDER BY bucket{lock}", params)
     return [int(row[0]) for row in await cur.fetchall()]
 
 

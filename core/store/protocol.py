@@ -23,9 +23,26 @@ if TYPE_CHECKING:
     from room_outbox.store.schema.outbox import Migration
     from room_outbox.store.schema.profiles import Profile
 
-#: Reads the room buckets this process may claim, in the claim's transaction (its cursor);
-#: None: every bucket.
-BucketReader = Callable[[Any], Awaitable[list[int] | None]]
+
+@dataclass(slots=True)
+class ReadAlong:
+    """A one-row read that the room buckets' read carries in its own statement, saving the
+    claim a round trip (on MySQL/MariaDB; elsewhere it runs as a statement of its own).
+    ``sql``: a SELECT of one row whose columns are named ``columns``, read without locks;
+    ``params``: its parameters. The reader sets ``row``; a reader that leaves it None did not
+    read it."""
+
+    sql: str
+    params: tuple[Any, ...]
+    columns: tuple[str, ...]
+    row: tuple[Any, ...] | None = None
+
+
+class BucketReader(Protocol):
+    """Reads the room buckets this process may claim, in the claim's transaction (its
+    cursor), and ``along`` with them where given; None back: every bucket."""
+
+    async def __call__(self, cur: Any, along: ReadAlong | None = None) -> list[int] | None: ...
 
 
 # One OutboxRow and one DeliveryResult are built per event: not frozen, as a frozen dataclass

@@ -15,7 +15,7 @@ from support import INSERT_V1, envelope
 from room_outbox.store.backends.leased import claim_sql
 from room_outbox.store.dialect import MYSQL
 from room_outbox.store.factory import open_store
-from room_outbox.store.protocol import SQLStore
+from room_outbox.store.protocol import ReadAlong, SQLStore
 from room_outbox.store.schema.buckets import BUCKETS
 from room_outbox.store.schema.outbox import TABLE
 from room_outbox.store.schema.profiles import ROOM_CELL, V1
@@ -132,7 +132,7 @@ async def test_a_row_without_a_creation_time_is_claimed_and_holds_back_no_row_af
 async def test_a_claim_limited_to_room_buckets_honours_claim_after(server: str, request: pytest.FixtureRequest) -> None:
     """Per-room claims on a server read their own buckets' rows without locks, then lock them."""
 
-    async def every_bucket(cur: Any) -> list[int]:
+    async def every_bucket(cur: Any, along: ReadAlong | None = None) -> list[int]:
         return list(range(BUCKETS))
 
     store = await open_store(str(request.getfixturevalue("database_dsn" if server == "mysql" else "postgresql_dsn")))

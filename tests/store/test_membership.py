@@ -3,18 +3,19 @@ rebalancing, and the fence of a handover (the new owner waits for the old owner'
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from support import envelope, insert_events
+from support import INSERT_V1, envelope, insert_events
 
 from room_outbox.cluster.membership import Membership
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.store import LaneStore, migrate_lanes
 from room_outbox.store.membership import bucket_of, claimable_buckets, read_buckets, still_leased
-from room_outbox.store.protocol import SQLStore
+from room_outbox.store.protocol import ReadAlong, SQLStore
 from room_outbox.store.schema.buckets import BUCKET_TABLE, BUCKETS, row_bucket
 from room_outbox.store.schema.profiles import ROOM_CELL, V1
 
@@ -110,6 +111,75 @@ async def test_the_claimable_buckets_are_the_nodes_own(store: SQLStore) -> None:
         assert await claimable_buckets(cur, store.dialect, "nobody") == []
 
 
+async def test_the_claimable_buckets_carry_a_read_along_in_their_statement(store: SQLStore) -> None:
+    """A claim's key bound comes in the buckets' read (one statement on MySQL/MariaDB)."""
+    along = ReadAlong("SELECT 7 AS seven, 'x' AS letter", (), ("seven", "letter"))
+    async with store.transaction() as cur:
+        mine = await own_every_third_bucket(cur)
+        assert await claimable_buckets(cur, store.dialect, "me", along) == mine
+    assert along.row == (7, "x")
+
+
+async def test_the_fence_read_with_the_key_bound_locks_the_buckets_and_no_outbox_row(store: SQLStore) -> None:
+    """The key bound read with the buckets' shared lock takes no lock on the rows it reads: the
+    producer's own update of one goes through at once, while a reassignment of a bucket still
+    waits for the claim's commit (the fence)."""
+    await insert_events(store, [envelope("e1", room_id="A")])
+    bound = store._fresh_bound_read(100, None)  # type: ignore[attr-defined]
+    wait_at_most_a_second = (
+        "SET SESSION innodb_lock_wait_timeout = 1" if store.dialect.name == "mysql" else "SET lock_timeout = '1s'"
+    )
+    async with store.transaction() as cur:
+        mine = await own_every_third_bucket(cur)
+    async with store.transaction() as claim:
+        assert await claimable_buckets(claim, store.dialect, "me", bound) == mine
+        assert bound.row is not None and bound.row[0] is not None  # it read e1's key
+        async with store.transaction() as producer:
+            await producer.execute(wait_at_most_a_second)
+            await producer.execute("UPDATE room_outbox SET status = 'published' WHERE event_id = 'e1'")
+        with pytest.raises(Exception, match=r"(?i)lock"):
+            async with store.transaction() as reassignment:
+                await reassignment.execute(wait_at_most_a_second)
+                await reassignment.execute(f"UPDATE {BUCKET_TABLE} SET owner = 'other' WHERE bucket = %s", (mine[0],))
+
+
+async def test_a_bucket_gained_between_claims_is_taken_once_the_key_bound_counts_it(store: SQLStore) -> None:
+    """The key bound read with the buckets counts the buckets the claim before found: a bucket
+    gained since is left to the next claim, so a young row of it below that bound is not taken
+    (it would race room-service's own push)."""
+    store.claim_after_ms = 10_000
+
+    async def mine(cur: Any, along: ReadAlong | None = None) -> list[int]:
+        return await claimable_buckets(cur, store.dialect, "me", along)
+
+    store.room_buckets = mine
+    gained = 7
+    kept_room = room_in(next(b for b in range(BUCKETS) if b != gained))
+    async with store.transaction() as cur:
+        await cur.execute(f"UPDATE {BUCKET_TABLE} SET owner = 'me', handing_over = 0, claimable_from_ms = 0")
+        await cur.execute(f"UPDATE {BUCKET_TABLE} SET owner = 'other' WHERE bucket = %s", (gained,))
+        await cur.execute(f"SELECT {store.dialect.now_ms}")
+        now = int((await cur.fetchone())[0])
+
+    async def insert(event_id: str, room_id: str, age_ms: int) -> None:
+        body = json.dumps(envelope(event_id, room_id=room_id))
+        created = now - age_ms
+        async with store.transaction() as cur:
+            await cur.execute(INSERT_V1, ("default", event_id, "RoomUserJoined", room_id, body, created, created))
+
+    await insert("old-1", kept_room, 60_000)
+    first = await store.claim("me#1", 10, now_ms() + 60_000, per_room=True)
+    assert [row.event_id for row in first.rows] == ["old-1"]
+    await insert("young", room_in(gained), 0)
+    await insert("old-2", kept_room + "-b", 60_000)  # after the young row, in a bucket kept
+    async with store.transaction() as cur:
+        await cur.execute(f"UPDATE {BUCKET_TABLE} SET owner = 'me' WHERE bucket = %s", (gained,))
+    second = await store.claim("me#2", 10, now_ms() + 60_000, per_room=True)
+    assert [row.event_id for row in second.rows] == ["old-2"]
+    third = await store.claim("me#3", 10, now_ms() + 60_000, per_room=True)
+    assert third.rows == []  # the young row waits for claim_after, its bucket now counted
+
+
 @pytest.mark.parametrize("cut_short_at", [41, 42])
 async def test_claimable_buckets_cut_short_by_group_concat_max_len_are_read_row_by_row(
     database_dsn: str, cut_short_at: int
@@ -198,7 +268,9 @@ async def test_a_found_row_another_transaction_holds_holds_its_room_back(store: 
     used = {bucket_of("default", "A"), bucket_of("default", "B")}
     spare = next(bucket for bucket in range(BUCKETS) if bucket not in used)
 
-    async def all_but_a_spare_bucket(cur: Any) -> list[int]:  # a list: the claim reads, then locks
+    async def all_but_a_spare_bucket(
+        cur: Any, along: ReadAlong | None = None
+    ) -> list[int]:  # a list: the claim reads, then locks
         return [bucket for bucket in range(BUCKETS) if bucket != spare]
 
     store.room_buckets = all_but_a_spare_bucket

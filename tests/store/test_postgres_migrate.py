@@ -18,7 +18,7 @@ from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.store import LaneStore, migrate_lanes
 from room_outbox.store.membership import bucket_of
-from room_outbox.store.protocol import SQLStore
+from room_outbox.store.protocol import ReadAlong, SQLStore
 from room_outbox.store.schema.buckets import BUCKETS, row_bucket
 from room_outbox.store.schema.outbox import SILK_TABLE_DDL, V1_TABLE_DDL
 from room_outbox.store.schema.profiles import SILK
@@ -273,7 +273,7 @@ async def test_an_earlier_install_with_a_stored_bucket_column_moves_to_the_expre
         await insert_events(store, [envelope(f"e{n}", room_id=room) for n, room in enumerate(rooms)])
         mine = list(range(BUCKETS // 3))
 
-        async def own_buckets(_cur: object) -> list[int]:
+        async def own_buckets(_cur: object, along: ReadAlong | None = None) -> list[int]:
             return mine
 
         store.room_buckets = own_buckets

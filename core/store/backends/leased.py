@@ -36,6 +36,7 @@ from room_outbox.store.protocol import (
     DeliveryResult,
     OutboxRow,
     Outcome,
+    ReadAlong,
     room_heads,
 )
 from room_outbox.store.schema.buckets import row_bucket
@@ -101,6 +102,15 @@ def open_rows_of_rooms_sql(
     )
 
 
+def _fresh_bound_of(row: Sequence[Any]) -> int:
+    """The key bound :meth:`LeasedRows._fresh_bound` reads, from its row (the last key read,
+    the first young one)."""
+    last, first_young = row
+    if last is None:
+        return 0
+    return int(last) if first_young is None else min(int(last), int(first_young) - 1)
+
+
 class LeasedRows:
     """One lane's consumption state in one table: claims with leases, fenced result writes.
 
@@ -130,6 +140,9 @@ class LeasedRows:
     #: commit and then marks it published; a claim before that would send it a second time.
     #: Rows waiting for a retry or a lease's end are due by ``lock`` alone. 0: at once.
     claim_after_ms: int = 0
+    #: The room buckets the last per-room claim found claimable (None: all), once it has read them.
+    _buckets_seen: list[int] | None = None
+    _buckets_seen_yet = False
 
     def use_profile(self, profile: Profile) -> None:
         """Keep the main lane's state in ``profile``'s table and words (``database.profile``)."""
@@ -151,26 +164,36 @@ class LeasedRows:
         """A cursor taking ``%s`` placeholders in a transaction, committed when the block ends."""
         raise NotImplementedError
 
-    async def _due_ranges(self, cur: Any, limit: int, buckets: Sequence[int] | None) -> list[tuple[str, int]]:
+    @property
+    def _bound_by_key(self) -> bool:
+        """Whether a claim takes the producer's rows up to a key bound read first
+        (:meth:`_fresh_bound`; see :meth:`_due_ranges`)."""
+        return self.claim_after_ms > 0 and self.dialect.locks_before_filtering and self.profile.fresh_at_cleared_lock
+
+    async def _due_ranges(
+        self, cur: Any, limit: int, buckets: Sequence[int] | None, bound: int | None = None
+    ) -> list[tuple[str, int]]:
         """What a claim takes, in its order: due conditions for :func:`claim_sql`, each with
         its parameter, read one after the other while the batch is not full.
 
         Without ``claim_after_ms``: ``lock <= now``. With it, the rows the producer wrote that
         no claim has taken yet must be that old too. Where a locking scan locks every row it
         reads (MySQL), and those rows all sit at ``lock`` 0 (v1, room_cell), so that the claim
-        index orders them by key ahead of every other row, they are taken up to a key bound,
-        then the rows due by ``lock``: two exact ranges of the index, which never reach, let
-        alone lock, a younger row. Elsewhere the creation time is checked on the rows of the
-        ``lock <= now`` range: the young pending rows are read, not locked (PostgreSQL locks
-        only the rows that pass). A row without a creation time (a nullable column the
-        producer left empty) counts as old: its age cannot be told, and waiting for it would
-        wait for ever (on MySQL, with every row after it)."""
+        index orders them by key ahead of every other row, they are taken up to a key bound
+        (``bound`` where the claim read it already, else read here), then the rows due by
+        ``lock``: two exact ranges of the index, which never reach, let alone lock, a younger
+        row. Elsewhere the creation time is checked on the rows of the ``lock <= now`` range:
+        the young pending rows are read, not locked (PostgreSQL locks only the rows that
+        pass). A row without a creation time (a nullable column the producer left empty)
+        counts as old: its age cannot be told, and waiting for it would wait for ever (on
+        MySQL, with every row after it)."""
         p = self.profile
         lock_due = f"{p.lock} <= {p.ms('%s')}"
         if self.claim_after_ms <= 0:
             return [(lock_due, now_ms())]
-        if self.dialect.locks_before_filtering and p.fresh_at_cleared_lock:
-            bound = await self._fresh_bound(cur, limit, buckets)
+        if self._bound_by_key:
+            if bound is None:
+                bound = await self._fresh_bound(cur, limit, buckets)
             return [
                 (f"{p.lock} = {p.lock_cleared} AND {self.key} <= %s", bound),
                 (f"{p.lock} > {p.lock_cleared} AND {lock_due}", now_ms()),
@@ -186,21 +209,24 @@ class LeasedRows:
         first ``limit`` of them (in key order, the claim's) that come before the first one
         younger than ``claim_after_ms``; 0: none. Read without locks, so the producer's own
         update of a young row never waits for it, and never more rows than the claim itself
-        may take. The database reads those rows once and sends two keys, not the rows: the
-        last one read and the first young one."""
+        may take."""
+        read = self._fresh_bound_read(limit, buckets)
+        await cur.execute(read.sql, read.params)
+        return _fresh_bound_of(await cur.fetchone())
+
+    def _fresh_bound_read(self, limit: int, buckets: Sequence[int] | None) -> ReadAlong:
+        """:meth:`_fresh_bound`'s read. The database reads those rows once and sends two keys,
+        not the rows: the last one read and the first young one."""
         p = self.profile
         forced = self.dialect.index_hint.format(index=claim_index(self.table)[0])
         only = f" AND {self._row_bucket} IN ({_marks(buckets)})" if buckets else ""
-        await cur.execute(
-            f"SELECT MAX(k), MIN(CASE WHEN created > {self.dialect.now_ms} - %s THEN k END) FROM"
-            f" (SELECT {self.key} AS k, {p.created} AS created FROM {self.table}{forced}"
+        return ReadAlong(
+            f"SELECT MAX(k) AS last_key, MIN(CASE WHEN created > {self.dialect.now_ms} - %s THEN k END) AS first_young_key"
+            f" FROM (SELECT {self.key} AS k, {p.created} AS created FROM {self.table}{forced}"
             f" WHERE status = '{p.fresh}' AND {p.lock} = {p.lock_cleared}{only} ORDER BY {self.key} LIMIT %s) AS first_rows",
             (self.claim_after_ms, *(buckets or ()), limit),
+            ("last_key", "first_young_key"),
         )
-        last, first_young = await cur.fetchone()
-        if last is None:
-            return 0
-        return int(last) if first_young is None else min(int(last), int(first_young) - 1)
 
     @property
     def _row_bucket(self) -> str:
@@ -209,6 +235,25 @@ class LeasedRows:
 
     def _room_buckets(self) -> BucketReader | None:
         return self.room_buckets
+
+    async def _claimable(self, cur: Any, read_buckets: BucketReader, limit: int) -> tuple[list[int] | None, int | None]:
+        """The room buckets a per-room claim takes (None: all), read under the fence's lock, and
+        the key bound where it came along (None: to be read). A key bound to read
+        (:attr:`_bound_by_key`) comes in the buckets' own statement, a round trip less. It is
+        counted over the buckets the last claim found, as the buckets are not known before
+        that statement; the claim then takes the buckets both found, so the bound holds for
+        every row it reads, and a bucket gained meanwhile from the next claim on."""
+        seen = self._buckets_seen
+        along = None
+        if self._bound_by_key and self._buckets_seen_yet and seen != []:
+            along = self._fresh_bound_read(limit, seen)
+        buckets = await read_buckets(cur, along)
+        self._buckets_seen, self._buckets_seen_yet = buckets, True
+        if along is None or along.row is None:
+            return buckets, None
+        if buckets is not None and seen is not None:
+            buckets = sorted(set(buckets) & set(seen))
+        return buckets if buckets is not None else seen, _fresh_bound_of(along.row)
 
     async def _before_claim(self, cur: Any) -> int:
         """Work a claim's transaction does first (a lane of its own feeds its table here);
@@ -245,13 +290,15 @@ class LeasedRows:
             async with self.transaction() as cur:
                 lease_until_ms += await self._before_claim(cur)
                 stale = [] if reads_first else await write_results(cur)
-                buckets = None if read_buckets is None else await read_buckets(cur)
+                buckets, bound = (
+                    (None, None) if read_buckets is None else await self._claimable(cur, read_buckets, limit)
+                )
                 if buckets == []:  # none of its own yet (joining), or all handed over
                     if reads_first:
                         stale = await write_results(cur)
                     return Claimed([], stale, exhausted=True)
                 scanned: list[Sequence[Any]] = []
-                for due, param in await self._due_ranges(cur, limit, buckets):
+                for due, param in await self._due_ranges(cur, limit, buckets, bound):
                     if len(scanned) < limit:
                         scanned += await self._scan(cur, due, param, limit - len(scanned), buckets)
                 exhausted = len(scanned) < limit
