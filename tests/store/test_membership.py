@@ -280,6 +280,18 @@ async def test_a_found_row_another_transaction_holds_holds_its_room_back(store: 
     assert [row.event_id for row in claimed.rows] == ["b1"]  # a2 waits behind a1
 
 
+async def test_a_row_another_transaction_holds_holds_its_room_back_in_a_claim_of_every_room(
+    store: SQLStore,
+) -> None:
+    """Claiming every room, the scan locks what it reads and skips what another transaction
+    holds: a row skipped so still holds the later rows of its room back."""
+    await insert_events(store, [envelope("a1", room_id="A"), envelope("b1", room_id="B"), envelope("a2", room_id="A")])
+    async with store.transaction() as holder:
+        await holder.execute("SELECT id FROM room_outbox WHERE event_id = %s FOR UPDATE", ("a1",))
+        claimed = await store.claim("me#1", 10, now_ms() + 60_000, per_room=True, hold_back_ms=5_000)
+    assert [row.event_id for row in claimed.rows] == ["b1"]  # a2 waits behind a1
+
+
 async def test_the_fence_sees_leases_in_the_profiles_words(store: SQLStore) -> None:
     """A handover waits for a lease however the table's profile names a held row: room_cell's
     'delivering' counts as leased, V1's words alone would miss it."""

@@ -375,6 +375,22 @@ async def test_per_room_claims_only_heads_and_holds_the_rest_back(any_store: SQL
     assert [r.event_id for r in (await any_store.claim("y#2", 10, now_ms() + 60_000, per_room=True)).rows] == ["a2"]
 
 
+async def test_per_room_a_room_of_another_app_with_the_same_id_holds_nothing_back(any_store: SQLStore) -> None:
+    """A room is per app: another app's open row of the same room id is no earlier row of it."""
+    await insert_events(
+        any_store,
+        [
+            envelope("x1", room_id="A", app_code="x"),
+            envelope("d1", room_id="A"),
+            envelope("x2", room_id="A", app_code="x"),
+        ],
+    )
+    (x1,) = (await any_store.claim("x#1", 1, now_ms() + 60_000)).rows  # leased elsewhere
+    assert x1.event_id == "x1"
+    claimed = await any_store.claim("y#1", 10, now_ms() + 60_000, per_room=True, hold_back_ms=5_000)
+    assert [r.event_id for r in claimed.rows] == ["d1"]  # x2 waits behind x1, d1 behind nothing
+
+
 async def test_per_room_rows_the_caller_has_in_flight_do_not_hold_their_rooms_back(any_store: SQLStore) -> None:
     await insert_events(
         any_store,
