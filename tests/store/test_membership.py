@@ -185,7 +185,8 @@ async def test_claimable_buckets_cut_short_by_group_concat_max_len_are_read_row_
     database_dsn: str, cut_short_at: int
 ) -> None:
     """MySQL/MariaDB read them as one list; cut short (at 41 characters just after a separator,
-    at 42 within one), it is read again row by row: a claim never misses one of its buckets."""
+    at 42 within one), it is read again row by row: a claim never misses one of its buckets,
+    nor what its first statement read along."""
     store = await open_store(database_dsn)
     try:
         await store.migrate()
@@ -194,6 +195,9 @@ async def test_claimable_buckets_cut_short_by_group_concat_max_len_are_read_row_
             await cur.execute(f"SET SESSION group_concat_max_len = {cut_short_at}")
             try:
                 assert await claimable_buckets(cur, store.dialect, "me") == mine
+                along = ReadAlong("SELECT 7 AS seven", (), ("seven",))
+                assert await claimable_buckets(cur, store.dialect, "me", along) == mine
+                assert along.row == (7,)
             finally:
                 await cur.execute("SET SESSION group_concat_max_len = DEFAULT")
     finally:
