@@ -153,8 +153,7 @@ async def test_a_bucket_gained_between_claims_is_taken_once_the_key_bound_counts
         return await claimable_buckets(cur, store.dialect, "me", along)
 
     store.room_buckets = mine
-    gained = 7
-    kept_room = room_in(next(b for b in range(BUCKETS) if b != gained))
+    gained, kept = 7, (0, 1)
     async with store.transaction() as cur:
         await cur.execute(f"UPDATE {BUCKET_TABLE} SET owner = 'me', handing_over = 0, claimable_from_ms = 0")
         await cur.execute(f"UPDATE {BUCKET_TABLE} SET owner = 'other' WHERE bucket = %s", (gained,))
@@ -167,11 +166,11 @@ async def test_a_bucket_gained_between_claims_is_taken_once_the_key_bound_counts
         async with store.transaction() as cur:
             await cur.execute(INSERT_V1, ("default", event_id, "RoomUserJoined", room_id, body, created, created))
 
-    await insert("old-1", kept_room, 60_000)
+    await insert("old-1", room_in(kept[0]), 60_000)
     first = await store.claim("me#1", 10, now_ms() + 60_000, per_room=True)
     assert [row.event_id for row in first.rows] == ["old-1"]
     await insert("young", room_in(gained), 0)
-    await insert("old-2", kept_room + "-b", 60_000)  # after the young row, in a bucket kept
+    await insert("old-2", room_in(kept[1]), 60_000)  # after the young row, in a bucket kept
     async with store.transaction() as cur:
         await cur.execute(f"UPDATE {BUCKET_TABLE} SET owner = 'me' WHERE bucket = %s", (gained,))
     second = await store.claim("me#2", 10, now_ms() + 60_000, per_room=True)
@@ -272,10 +271,8 @@ async def test_a_found_row_another_transaction_holds_holds_its_room_back(store: 
     used = {bucket_of("default", "A"), bucket_of("default", "B")}
     spare = next(bucket for bucket in range(BUCKETS) if bucket not in used)
 
-    async def all_but_a_spare_bucket(
-        cur: Any, along: ReadAlong | None = None
-    ) -> list[int]:  # a list: the claim reads, then locks
-        return [bucket for bucket in range(BUCKETS) if bucket != spare]
+    async def all_but_a_spare_bucket(cur: Any, along: ReadAlong | None = None) -> list[int]:
+        return [bucket for bucket in range(BUCKETS) if bucket != spare]  # a list: the claim reads, then locks
 
     store.room_buckets = all_but_a_spare_bucket
     async with store.transaction() as holder:
