@@ -134,8 +134,8 @@ class BackgroundHandler(logging.Handler):
     Docker's log driver in its blocking mode with its backend down, a terminal paused with
     Ctrl-S) would otherwise stop the event loop, and with it every lane, lease renewal and
     heartbeat. A line that finds :attr:`capacity` lines waiting is dropped and counted; once
-    the stream takes lines again, a line says how many were lost since the last such line. At exit the lines still
-    waiting get :data:`FLUSH_WAIT` seconds to be written."""
+    the stream takes lines again, a line says how many were lost since the last such line. At
+    exit the lines still waiting get :data:`FLUSH_WAIT` seconds to be written."""
 
     #: Lines waiting for the stream at most (a few MB).
     capacity = 10_000

@@ -140,9 +140,8 @@ class LeasedRows:
     #: commit and then marks it published; a claim before that would send it a second time.
     #: Rows waiting for a retry or a lease's end are due by ``lock`` alone. 0: at once.
     claim_after_ms: int = 0
-    #: The room buckets the last per-room claim found claimable (None: all), once it has read them.
-    _buckets_seen: list[int] | None = None
-    _buckets_seen_yet = False
+    #: The room buckets the last per-room claim found claimable (None: all; none before the first).
+    _buckets_seen: Sequence[int] | None = ()
 
     def use_profile(self, profile: Profile) -> None:
         """Keep the main lane's state in ``profile``'s table and words (``database.profile``)."""
@@ -245,15 +244,15 @@ class LeasedRows:
         every row it reads, and a bucket gained meanwhile from the next claim on."""
         seen = self._buckets_seen
         along = None
-        if self._bound_by_key and self._buckets_seen_yet and seen != []:
+        if self._bound_by_key and (seen is None or seen):
             along = self._fresh_bound_read(limit, seen)
         buckets = await read_buckets(cur, along)
-        self._buckets_seen, self._buckets_seen_yet = buckets, True
+        self._buckets_seen = buckets
         if along is None or along.row is None:
             return buckets, None
-        if buckets is not None and seen is not None:
-            buckets = sorted(set(buckets) & set(seen))
-        return buckets if buckets is not None else seen, _fresh_bound_of(along.row)
+        if seen is not None:  # None: every bucket
+            buckets = list(seen) if buckets is None else sorted(set(buckets) & set(seen))
+        return buckets, _fresh_bound_of(along.row)
 
     async def _before_claim(self, cur: Any) -> int:
         """Work a claim's transaction does first (a lane of its own feeds its table here);
