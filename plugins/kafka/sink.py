@@ -46,13 +46,16 @@ class KafkaSink:
 
     async def publish(self, envelopes: Sequence[EventEnvelope]) -> list[PermanentSinkError | None]:
         """The tailing lane's entry point: the messages packed into record batches, one
-        partition's in order (the partition every Kafka client picks for the key), the
-        batches handed to the producer at once (one request in flight per partition, so a
-        key's messages keep their order), then every acknowledgement awaited. Packing them
-        here spares each message the producer's own path through ``send`` (its metadata
-        wait, partitioner, queue and future). A message too large is that envelope's
-        permanent error (a batch the broker refuses as too large: each of its envelopes');
-        any other failure fails the whole publish (retryable)."""
+        partition's in order (the partition every Kafka client picks for the key), and handed
+        to the producer in waves: each partition's first batch at once, then, once every batch
+        of a wave is acknowledged, each partition's next. A partition's batch goes out only
+        after the one before it was written, so when one fails (the broker hung, a timeout) the
+        ones after it are never sent, to be written once it is back ahead of the round sent
+        again: a key's messages never overtake each other. Packing them here spares each
+        message the producer's own path through ``send`` (its metadata wait, partitioner,
+        queue and future). A message too large is that envelope's permanent error (a batch
+        the broker refuses as too large: each of its envelopes'); any other failure fails the
+        whole publish (retryable)."""
         producer = await self._started()
         topic = self.settings.topic
         outcomes: list[PermanentSinkError | None] = [None] * len(envelopes)
@@ -60,29 +63,36 @@ class KafkaSink:
         try:
             partitions = sorted(await producer.partitions_for(topic))
             self._note_partitions(len(partitions))
-            filling: dict[int, tuple[Any, list[int]]] = {}  # partition: its open batch, which envelopes
+            # Each partition's record batches, in order, with the envelopes each holds.
+            filled: dict[int, list[tuple[Any, list[int]]]] = {}
             for index, envelope in enumerate(envelopes):
                 try:
                     value, key, headers = self._message(envelope)
                 except PermanentSinkError as exc:
                     outcomes[index] = exc
                     continue
-                partition = self._partitioner(key, partitions, partitions)
-                batch, indexes = filling.get(partition) or (producer.create_batch(), [])
-                if batch.append(timestamp=None, key=key, value=value, headers=headers) is None:  # full
-                    sent.append((indexes, await producer.send_batch(batch, topic, partition=partition)))
-                    batch, indexes = producer.create_batch(), []
-                    batch.append(timestamp=None, key=key, value=value, headers=headers)  # a first one always fits
-                indexes.append(index)
-                filling[partition] = batch, indexes
-            for partition, (batch, indexes) in filling.items():
-                sent.append((indexes, await producer.send_batch(batch, topic, partition=partition)))
-            for indexes, future in sent:
-                try:
-                    await future
-                except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
-                    for index in indexes:
-                        outcomes[index] = _too_large(exc)
+                batches = filled.setdefault(self._partitioner(key, partitions, partitions), [])
+                if not batches or batches[-1][0].append(timestamp=None, key=key, value=value, headers=headers) is None:
+                    batches.append((producer.create_batch(), []))  # the first, or the last one is full
+                    batches[-1][0].append(timestamp=None, key=key, value=value, headers=headers)  # one always fits
+                batches[-1][1].append(index)
+            for wave in range(max(map(len, filled.values()), default=0)):
+                sent = [
+                    (batches[wave][1], await producer.send_batch(batches[wave][0], topic, partition=partition))
+                    for partition, batches in filled.items()
+                    if wave < len(batches)
+                ]
+                failed: KafkaError | None = None
+                for indexes, future in sent:
+                    try:
+                        await future
+                    except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
+                        for index in indexes:
+                            outcomes[index] = _too_large(exc)
+                    except KafkaError as exc:
+                        failed = failed or exc  # the wave's other answers are still awaited
+                if failed is not None:
+                    raise failed
         except KafkaError as exc:
             raise self._retryable(exc) from exc
         finally:

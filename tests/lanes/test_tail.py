@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import signal
 import time
 import uuid
 from collections import defaultdict
@@ -62,7 +63,7 @@ async def any_store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
 
 def kafka_sink(broker: Broker, **settings: Any) -> KafkaSink:
     return KafkaSink(
-        KafkaSettings(bootstrap_servers=broker.bootstrap, request_timeout=2.0, **settings),
+        KafkaSettings(**{"bootstrap_servers": broker.bootstrap, "request_timeout": 2.0, **settings}),
         SinkContext(node_id="t", logger=logging.getLogger("test.kafka")),
     )
 
@@ -695,3 +696,35 @@ async def test_the_id_check_failing_for_want_of_a_privilege_fails_nothing_else(
         await admin.execute(f"DROP OWNED BY {role}")
         await admin.execute(f"DROP ROLE IF EXISTS {role}")
         await admin.close()
+
+
+async def test_a_broker_stall_mid_round_never_lets_a_rooms_later_batch_overtake_an_earlier(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """One room's round fills several record batches of its partition, and the broker hangs
+    (SIGSTOP) as it is sent: the first batch times out and fails the round. The batches after it
+    must not go out once the broker is back, before the round is read and sent again: a room's
+    later events would reach the topic before its earlier ones' first copies."""
+    events = [envelope(f"s{v:02}", room_id="r1", room_version=v, payload={"note": "x" * 2000}) for v in range(40)]
+    await insert_events(any_store, events)
+    sink = kafka_sink(kafka_broker, request_timeout=1.0)
+    tail = relay(any_store, sink, batch=40)  # one round: about 90 KB, six record batches of one partition
+    assert kafka_broker.proc is not None
+    try:
+        await sink.publish([])  # connected, the topic's partitions known
+        kafka_broker.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(Exception):  # noqa: B017,PT011 - the round fails, whatever the error
+                await tail.run_once()
+        finally:
+            kafka_broker.proc.send_signal(signal.SIGCONT)
+        await drain(tail, any_store)
+    finally:
+        await sink.aclose()
+    messages = await consume(kafka_broker, {e["event_id"] for e in events}, timeout=60)
+    first_copies: list[int] = []
+    for message in messages:
+        version = json.loads(message.value)["room_version"]
+        if version not in first_copies:
+            first_copies.append(version)
+    assert first_copies == list(range(40)), first_copies
