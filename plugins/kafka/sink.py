@@ -167,6 +167,9 @@ class KafkaSink:
             enable_idempotence=idempotent,
             request_timeout_ms=int(self.settings.request_timeout * 1000),
             max_request_size=self.settings.max_message_bytes + 1024,
+            # The broker's limit (message.max.bytes) bounds a record batch, not a message: a
+            # batch above it is refused as too large, with every message in it.
+            max_batch_size=min(DEFAULT_BATCH_BYTES, self.settings.max_message_bytes),
             partitioner=self._partitioner,
             **self._security,
         )
@@ -182,6 +185,9 @@ class KafkaSink:
             await self._producer.stop()
             self._producer = None
 
+
+#: aiokafka's own record batch size.
+DEFAULT_BATCH_BYTES = 16_384
 
 #: The envelope as JSON bytes: ``model_dump_json`` without its wrapper and its str round trip.
 _json = EventEnvelope.__pydantic_serializer__.to_json
