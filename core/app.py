@@ -219,6 +219,8 @@ async def _join_cluster(
     the main lane's event types with their sinks, where this process claims it (likewise)."""
     if not store.dialect.room_buckets:
         return
+    # Before the first heartbeat: it decides how long a bucket that changes hands waits.
+    quota.rooms_owned = delivery_settings(settings, MAIN_LANE).ordering == "per_room"
     membership = Membership(
         store,
         identity,
@@ -231,7 +233,6 @@ async def _join_cluster(
     )
     await stack.enter_async_context(membership.running())
     store.room_buckets = membership.room_buckets
-    quota.rooms_owned = delivery_settings(settings, MAIN_LANE).ordering == "per_room"
     # Start delivering once the others have made room in the quota (a heartbeat and a rate-limit
     # window), unless stopped meanwhile.
     if not await membership.wait_joined(settings.cluster.node_timeout * 2, stop) and not stop.is_set():

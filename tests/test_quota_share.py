@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from typing import cast
 
-from room_outbox.cluster.membership import plan
-from room_outbox.cluster.quota import QuotaShare
+from room_outbox.cluster.membership import Membership, plan
+from room_outbox.cluster.quota import WINDOW, QuotaShare
+from room_outbox.plugins.tencent_im import TencentIMSettings
+from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID
+from room_outbox.plugins.tencent_im.sink import TencentIMSink
+from room_outbox.sink import SinkContext
 from room_outbox.store.membership import BucketRow
+from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.buckets import BUCKETS
 
 
@@ -50,3 +57,21 @@ def test_bucket_plan_moves_buckets_without_leased_rows_first() -> None:
     assert len(moves) == BUCKETS // 2 and not leased & set(moves)  # a fair count, all idle
     all_leased = plan(rows, ["a", "b"], set(range(BUCKETS)))
     assert len(all_leased) == BUCKETS // 2  # none idle: busy ones move (handed over) all the same
+
+
+def test_a_bucket_waits_a_window_before_its_new_owner_only_where_a_room_limit_follows_the_room() -> None:
+    """The Tencent IM sink with a group per room declares a limit of each room's messages: with
+    per-room ordering the room's owner keeps it whole, so a bucket that changes hands waits a
+    rate-limit window (the former owner's last messages must leave it first). A group per app,
+    or rooms not owned, or no such sink: claimable at once."""
+    cases = [("im_{room_id}", True, True), ("im_{room_id}", False, False), ("im_{app_code}", True, False)]
+    for template, per_room, waits in cases:
+        quota = QuotaShare()
+        quota.rooms_owned = per_room
+        settings = TencentIMSettings(sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY, group_id_template=template)
+        TencentIMSink(settings, SinkContext("n", logging.getLogger("test"), quota=quota))
+        membership = Membership(cast(SQLStore, None), "n", [], quota=quota)
+        assert membership._handover_delay_ms() == (int(WINDOW * 1000) + 1 if waits else 0), (template, per_room)
+    quota = QuotaShare()
+    quota.rooms_owned = True  # per-room ordering, and no sink limiting a room's messages
+    assert Membership(cast(SQLStore, None), "n", [], quota=quota)._handover_delay_ms() == 0

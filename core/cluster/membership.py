@@ -39,7 +39,8 @@ SETTLE_MARGIN = 0.01
 
 
 def plan(buckets: Sequence[sql.BucketRow], live: Sequence[str], leased: Collection[int] = ()) -> dict[int, str]:
-    """New owners for the buckets that must move so that every live node owns its fair count
+    """New owners for the buckets that must move so that every node in ``live`` (the nodes that
+    may own buckets: :meth:`Membership.beat`) owns its fair count
     (``BUCKETS // n``, the first ``BUCKETS % n`` nodes in name order one more), moving as few
     buckets as possible, and of those, buckets with a row ``leased`` last: they stay with the
     owner delivering them, where others can move at once (a joining node takes over idle
@@ -125,6 +126,9 @@ class Membership:
         self._view = ""
         self._view_since_ms = 0
         self._joined = anyio.Event()
+        #: When this node joined (0: not yet), and whether its last heartbeat showed it.
+        self._joined_ms = 0
+        self._shown_joined = False
         #: Whether the last heartbeat reached the database.
         self._reachable = True
         #: Heartbeats failing one after another: the first logged, then a line a minute.
@@ -205,7 +209,9 @@ class Membership:
                 self._settles_in = None
                 self._failing_beats.failed(f"{type(exc).__name__}: {exc}")
             wait = self.heartbeat_interval - (anyio.current_time() - started)
-            if self._settles_in is not None:
+            if self._joined_ms and not self._shown_joined:
+                wait = 0.0  # tell the others at once: buckets move to a node once it has joined
+            elif self._settles_in is not None:
                 # A joining node sends nothing, and a share grows only, once a view is a window
                 # old: beat as it turns so, not up to a heartbeat later.
                 wait = min(wait, self._settles_in + SETTLE_MARGIN)
@@ -217,29 +223,33 @@ class Membership:
         :mod:`room_outbox.store.clock`); renew this node's row with its view of the membership;
         read the nodes (dead: no heartbeat for ``node_timeout``); when buckets belong to dead
         or departed nodes or are unevenly spread, reassign them (:func:`plan`) and forget the
-        dead nodes' rows: a bucket without a leased row moves at once (claimable one rate-limit
-        window later), one with a leased row is handed over; open each bucket handed over to
-        this node once no process holds a lease on its rows; update the quota share
-        (:mod:`.quota`)."""
+        dead nodes' rows: a bucket without a leased row moves at once, one with a leased row is
+        handed over; open each bucket handed over to this node once no process holds a lease on
+        its rows; update the quota share (:mod:`.quota`). Buckets go only to nodes that have
+        joined (may send: :meth:`wait_joined`), so that a node starting up does not hold rooms
+        it cannot deliver yet; only where none has, to every live node. A bucket that changes
+        hands is claimable :meth:`_handover_delay_ms` later."""
         began = time.monotonic()
         timeout_ms = int(self.node_timeout * 1000)
         async with self.store.transaction() as cur:
             await CLOCK.measure(cur, self.store.dialect)  # every time below is the database's
+            joined_ms = self._joined_ms
             await sql.heartbeat(
-                cur, self.store.dialect, self.node_id, self._view, self._view_since_ms, self._orderings_text
+                cur, self.store.dialect, self.node_id, self._view, self._view_since_ms, self._orderings_text, joined_ms
             )
             nodes = await sql.read_nodes(cur)
             now = now_ms()
             live = sorted(n.node_id for n in nodes if now - n.heartbeat_ms <= timeout_ms or n.node_id == self.node_id)
             dead = [n.node_id for n in nodes if n.node_id not in live]
+            owners = [n.node_id for n in nodes if n.node_id in live and n.joined_ms] or live
             buckets = await sql.read_buckets(cur)
-            if dead or plan(buckets, live):
+            if dead or plan(buckets, owners):
                 buckets = await sql.read_buckets(cur, lock=True)
                 leased = await sql.still_leased(
                     cur, self.store.dialect, self._leased_tables(), [b.bucket for b in buckets]
                 )
-                moves = plan(buckets, live, leased)
-                await sql.assign(cur, moves, set(moves) - leased, int(WINDOW * 1000) + 1)
+                moves = plan(buckets, owners, leased)
+                await sql.assign(cur, moves, set(moves) - leased, self._handover_delay_ms())
                 await sql.forget_nodes(cur, dead)
                 if moves or dead:
                     log.info(
@@ -252,14 +262,21 @@ class Membership:
                 free = sorted(
                     set(waiting) - await sql.still_leased(cur, self.store.dialect, self._leased_tables(), waiting)
                 )
-                await sql.open_buckets(cur, self.node_id, free, int(WINDOW * 1000) + 1)
+                await sql.open_buckets(cur, self.node_id, free, self._handover_delay_ms())
             view = view_of(live)
             if view != self._view:
                 self._view, self._view_since_ms = view, now_ms()
                 await sql.heartbeat(
-                    cur, self.store.dialect, self.node_id, self._view, self._view_since_ms, self._orderings_text
+                    cur,
+                    self.store.dialect,
+                    self.node_id,
+                    self._view,
+                    self._view_since_ms,
+                    self._orderings_text,
+                    joined_ms,
                 )
         self.live = live
+        self._shown_joined = joined_ms != 0
         self.owned = [b.bucket for b in buckets if b.owner == self.node_id]
         self._apply_quota(nodes, live, began)
         self._notice_namesakes(nodes)
@@ -342,6 +359,14 @@ class Membership:
             extra={"routes": dict(sorted(self.routes.items())), "others": sorted(differ)},
         )
 
+    def _handover_delay_ms(self) -> int:
+        """How long after it changes hands a bucket becomes claimable: one rate-limit window
+        where a room's owner keeps a room's whole limit (:attr:`QuotaShare.keeps_room_limits`), so
+        that the former owner's last messages to a room have left the destination's window
+        before the new owner sends to it; at once otherwise (the fence and the leases keep
+        two owners apart)."""
+        return int(WINDOW * 1000) + 1 if self.quota.keeps_room_limits else 0
+
     def _leased_tables(self) -> list[tuple[str, Profile]]:
         """The tables whose leases fence a handover, each with its rows' shape: the outbox
         table the store's profile describes, the lane tables room-outbox's own."""
@@ -362,6 +387,7 @@ class Membership:
         self.quota.apply(nodes_applied, valid_until)
         if not math.isinf(nodes_applied) and not self._joined.is_set():
             self._joined.set()
+            self._joined_ms = now_ms()
             log.info(
                 "joined the membership",
                 extra={"lifecycle": "membership_joined", "identity": self.node_id, "nodes": list(live)},

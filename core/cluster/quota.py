@@ -45,6 +45,15 @@ class QuotaShare:
         self._valid_until = math.inf
         #: Whether a room's messages all come from this process (per-room ordering on buckets).
         self.rooms_owned = False
+        #: Whether a sink limits each room's messages over a rate-limit window (a group per
+        #: room): with :attr:`rooms_owned`, the room's owner keeps that limit whole.
+        self.limits_rooms = False
+
+    @property
+    def keeps_room_limits(self) -> bool:
+        """Whether a room's owner keeps a limit of the room's messages whole: a room then
+        changes owner only a rate-limit window after (:mod:`.membership`)."""
+        return self.rooms_owned and self.limits_rooms
 
     @property
     def nodes(self) -> float:

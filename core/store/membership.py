@@ -84,6 +84,8 @@ class NodeRow:
 
     node_id: str
     heartbeat_ms: int
+    #: When the node joined (it may send, so it may own buckets); 0 while it joins. Older
+    #: versions write their first heartbeat's time here: they count as joined from the start.
     joined_ms: int
     view: str
     view_since_ms: int
@@ -104,19 +106,20 @@ class BucketRow:
 
 
 async def heartbeat(
-    cur: Any, dialect: Dialect, node_id: str, view: str, view_since_ms: int, orderings: str = ""
+    cur: Any, dialect: Dialect, node_id: str, view: str, view_since_ms: int, orderings: str, joined_ms: int
 ) -> None:
-    now = now_ms()
+    """Renew ``node_id``'s row; ``joined_ms``: when it joined (may send), 0 while it joins."""
     if dialect.name == "mysql":
-        update = " ON DUPLICATE KEY UPDATE heartbeat_ms = VALUES(heartbeat_ms), view = VALUES(view),"
-        update += " view_since_ms = VALUES(view_since_ms), orderings = VALUES(orderings)"
+        update = " ON DUPLICATE KEY UPDATE heartbeat_ms = VALUES(heartbeat_ms), joined_ms = VALUES(joined_ms),"
+        update += " view = VALUES(view), view_since_ms = VALUES(view_since_ms), orderings = VALUES(orderings)"
     else:
-        update = " ON CONFLICT (node_id) DO UPDATE SET heartbeat_ms = EXCLUDED.heartbeat_ms, view = EXCLUDED.view,"
-        update += " view_since_ms = EXCLUDED.view_since_ms, orderings = EXCLUDED.orderings"
+        update = " ON CONFLICT (node_id) DO UPDATE SET heartbeat_ms = EXCLUDED.heartbeat_ms,"
+        update += " joined_ms = EXCLUDED.joined_ms, view = EXCLUDED.view, view_since_ms = EXCLUDED.view_since_ms,"
+        update += " orderings = EXCLUDED.orderings"
     await cur.execute(
         f"INSERT INTO {NODE_TABLE} (node_id, heartbeat_ms, joined_ms, view, view_since_ms, orderings)"
         " VALUES (%s, %s, %s, %s, %s, %s)" + update,
-        (node_id, now, now, view, view_since_ms, orderings),
+        (node_id, now_ms(), joined_ms, view, view_since_ms, orderings),
     )
 
 
@@ -138,9 +141,10 @@ async def assign(cur: Any, moves: dict[int, str], unleased: Collection[int] = ()
     ``unleased`` (no row leased in it, read under those locks: no claim of the former owner
     can take one any more) needs no handover: claimable ``delay_ms`` from now. The others start
     with ``handing_over``: the new owner checks each heartbeat (:func:`still_leased`) and opens
-    them once no row is leased (:func:`open_buckets`). ``delay_ms`` is one rate-limit window,
-    so the former owner's last requests for a group have left the destination's window too. A
-    killed owner's leases simply run out; a gracefully stopped one leaves none."""
+    them once no row is leased (:func:`open_buckets`). ``delay_ms``: one rate-limit window where a
+    room's owner keeps a limit of the room's messages (the former owner's last requests for a
+    group must leave the destination's window first), else 0. A killed owner's leases simply run
+    out; a gracefully stopped one leaves none."""
     groups: dict[tuple[str, bool], list[int]] = {}
     for bucket, owner in moves.items():
         groups.setdefault((owner, bucket in unleased), []).append(bucket)

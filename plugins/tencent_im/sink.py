@@ -87,6 +87,10 @@ class TencentIMSink:
         self._quota = context.quota
         app_limit, group_limit = settings.usable(settings.app_rate_limit), settings.usable(settings.group_rate_limit)
         group_per_room = "{room_id}" in settings.group_id_template
+        if group_per_room:
+            # A room that changes owner then waits a window, until its former owner's last
+            # messages to its group have left Tencent's window.
+            self._quota.limits_rooms = True
         self._app_rate = lambda: self._quota.split(app_limit)
         self._groups = KeyedLimiter(lambda: self._quota.split(group_limit, per_room=group_per_room))
         default = self._make_app(

@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from support import INSERT_V1, envelope, insert_events
+from support import INSERT_V1, envelope, insert_events, wait_until
 
 from room_outbox.cluster.membership import Membership
+from room_outbox.cluster.quota import QuotaShare
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.store import LaneStore, migrate_lanes
@@ -37,6 +38,19 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
 async def owners(store: SQLStore) -> dict[int, tuple[str | None, bool]]:
     async with store.transaction() as cur:
         return {b.bucket: (b.owner, b.handing_over) for b in await read_buckets(cur)}
+
+
+def room_limits() -> QuotaShare:
+    """The quota of a process whose sink limits each room's messages, a limit the room's owner
+    keeps whole (Tencent IM's group per room, with per-room ordering): a bucket that changes
+    hands is claimable a rate-limit window later."""
+    quota = QuotaShare()
+    quota.rooms_owned = quota.limits_rooms = True
+    return quota
+
+
+async def owned_by(store: SQLStore, node_id: str) -> list[int]:
+    return sorted(bucket for bucket, (owner, _) in (await owners(store)).items() if owner == node_id)
 
 
 async def pass_window(cur: object) -> None:
@@ -71,7 +85,7 @@ async def lease_rows_in(store: SQLStore, buckets: list[int]) -> None:
 
 async def test_buckets_are_split_and_handed_over_only_after_the_leases_end(store: SQLStore) -> None:
     """Every bucket busy: the joining node's half is handed over, each bucket once its lease ends."""
-    a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
+    a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0, quota=room_limits())
     await a.beat()
     await a.beat()  # no lease anywhere: every bucket claimable by the only node, a window later
     async with store.transaction() as cur:
@@ -81,7 +95,7 @@ async def test_buckets_are_split_and_handed_over_only_after_the_leases_end(store
 
     await lease_rows_in(store, list(range(BUCKETS)))  # node-a holds a lease in every bucket
     moving = BUCKETS - 1  # a bucket that moves to node-b (the upper half, by plan's order)
-    b = Membership(store, "node-b", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
+    b = Membership(store, "node-b", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0, quota=room_limits())
     await b.beat()
     await b.beat()
     after = await owners(store)
@@ -206,11 +220,11 @@ async def test_claimable_buckets_cut_short_by_group_concat_max_len_are_read_row_
 async def test_a_joining_node_takes_idle_buckets_at_once_and_leaves_the_busy_ones(store: SQLStore) -> None:
     """A node joining while the owner delivers: it takes its fair count from the buckets
     without a leased row, claimable a window later with no handover; the busy ones stay."""
-    a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
+    a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0, quota=room_limits())
     await a.beat()
     busy = [BUCKETS // 2 + n for n in range(10)]  # buckets a plan blind to leases would move
     await lease_rows_in(store, busy)
-    b = Membership(store, "node-b", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
+    b = Membership(store, "node-b", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0, quota=room_limits())
     await b.beat()
     after = await owners(store)
     taken = [bucket for bucket, (owner, _) in after.items() if owner == "node-b"]
@@ -222,6 +236,45 @@ async def test_a_joining_node_takes_idle_buckets_at_once_and_leaves_the_busy_one
         await pass_window(cur)
         assert sorted(await b.room_buckets(cur) or []) == sorted(taken)
         assert set(await a.room_buckets(cur) or []) == set(range(BUCKETS)) - set(taken)
+
+
+async def test_buckets_go_to_a_starting_node_once_it_may_send_and_are_claimable_at_once(store: SQLStore) -> None:
+    """A node starting up takes no bucket until it has joined (may send): the rooms stay with
+    the owner delivering them meanwhile. Then it takes its fair count, claimable at once where
+    no sink limits a room's messages over a window."""
+    a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
+    async with a.running():
+        assert await a.wait_joined(10)
+        await wait_until(lambda: joined_ms(store, "node-a"))  # its heartbeat shows it
+        b = Membership(store, "node-b", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
+        await b.beat()
+        await wait_until(lambda: views_agree(store))  # node-a has seen node-b and counts it
+        await b.beat()
+        assert await owned_by(store, "node-b") == []  # it may not send yet
+        assert await owned_by(store, "node-a") == list(range(BUCKETS))
+        async with b.running():
+            assert await b.wait_joined(10)
+            await wait_until(lambda: has_fair_count(store, "node-b"))
+            taken = await owned_by(store, "node-b")
+            async with store.transaction() as cur:
+                assert sorted(await b.room_buckets(cur) or []) == taken  # no window to wait
+
+
+async def joined_ms(store: SQLStore, node_id: str) -> int:
+    async with store.transaction() as cur:
+        await cur.execute("SELECT joined_ms FROM room_outbox_node WHERE node_id = %s", (node_id,))
+        row = await cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+async def views_agree(store: SQLStore) -> bool:
+    async with store.transaction() as cur:
+        await cur.execute("SELECT DISTINCT view FROM room_outbox_node")
+        return len(await cur.fetchall()) == 1
+
+
+async def has_fair_count(store: SQLStore, node_id: str) -> bool:
+    return len(await owned_by(store, node_id)) == BUCKETS // 2
 
 
 async def test_a_node_joins_as_its_view_turns_a_window_old_not_a_heartbeat_later(store: SQLStore) -> None:
