@@ -172,9 +172,9 @@ class Membership:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Membership]:
-        """Heartbeats while the block runs; on exit the node leaves (buckets given up), so the
-        others take its buckets at their next heartbeat instead of after ``node_timeout``. The
-        block ends once the dispatchers have written their results: a leave leaves no lease."""
+        """Heartbeats while the block runs; on exit the node leaves (:meth:`leave`), so the
+        others claim its buckets' rows at once instead of after ``node_timeout``. The block ends
+        once the dispatchers have written their results: a leave leaves no lease."""
         async with anyio.create_task_group() as beats:
             beats.start_soon(self._loop)
             try:
@@ -188,14 +188,45 @@ class Membership:
             return
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.node_timeout):
             try:
-                async with self.store.transaction() as cur:
-                    await sql.leave(cur, self.node_id)
-                log.info("left the membership; buckets given up", extra={"lifecycle": "membership_left"})
+                await self.leave()
+                log.info(
+                    "left the membership; buckets handed to the processes that stay",
+                    extra={"lifecycle": "membership_left"},
+                )
             except Exception as exc:
                 log.error(
                     "could not leave the membership; the others take over once the heartbeat is stale",
                     extra={"error": f"{type(exc).__name__}: {exc}"},
                 )
+
+    async def leave(self) -> None:
+        """Hand this node's buckets to the live nodes that stay (their fair counts, as their
+        next heartbeat would) and drop its row, in one transaction: they claim the buckets' rows
+        at once, not a heartbeat later. With none staying, the buckets are left without owner."""
+        timeout_ms = int(self.node_timeout * 1000)
+        async with self.store.transaction() as cur:
+            nodes = await sql.read_nodes(cur)
+            now = now_ms()
+            staying = [n.node_id for n in nodes if n.node_id != self.node_id and now - n.heartbeat_ms <= timeout_ms]
+            if staying:
+                await self._reassign(cur, self._owners(nodes, staying))
+            await sql.leave(cur, self.node_id)
+
+    def _owners(self, nodes: Sequence[sql.NodeRow], live: Sequence[str]) -> list[str]:
+        """The nodes buckets may go to: the live ones that have joined (may send), so that a node
+        starting up does not hold rooms it cannot deliver yet; only where none has, every live
+        one."""
+        return [n.node_id for n in nodes if n.node_id in live and n.joined_ms] or list(live)
+
+    async def _reassign(self, cur: Any, owners: Sequence[str]) -> dict[int, str]:
+        """Under the bucket rows' locks, give ``owners`` their fair counts (:func:`plan`): a
+        bucket without a leased row moves at once, one with a leased row is handed over. Each is
+        claimable :meth:`_handover_delay_ms` after. Returns the moves."""
+        buckets = await sql.read_buckets(cur, lock=True)
+        leased = await sql.still_leased(cur, self.store.dialect, self._leased_tables(), [b.bucket for b in buckets])
+        moves = plan(buckets, owners, leased)
+        await sql.assign(cur, moves, set(moves) - leased, self._handover_delay_ms())
+        return moves
 
     async def _loop(self) -> None:
         while True:
@@ -223,12 +254,9 @@ class Membership:
         :mod:`room_outbox.store.clock`); renew this node's row with its view of the membership;
         read the nodes (dead: no heartbeat for ``node_timeout``); when buckets belong to dead
         or departed nodes or are unevenly spread, reassign them (:func:`plan`) and forget the
-        dead nodes' rows: a bucket without a leased row moves at once, one with a leased row is
-        handed over; open each bucket handed over to this node once no process holds a lease on
-        its rows; update the quota share (:mod:`.quota`). Buckets go only to nodes that have
-        joined (may send: :meth:`wait_joined`), so that a node starting up does not hold rooms
-        it cannot deliver yet; only where none has, to every live node. A bucket that changes
-        hands is claimable :meth:`_handover_delay_ms` later."""
+        dead nodes' rows (:meth:`_reassign`, among :meth:`_owners`); open each bucket handed
+        over to this node once no process holds a lease on its rows; update the quota share
+        (:mod:`.quota`)."""
         began = time.monotonic()
         timeout_ms = int(self.node_timeout * 1000)
         async with self.store.transaction() as cur:
@@ -241,15 +269,10 @@ class Membership:
             now = now_ms()
             live = sorted(n.node_id for n in nodes if now - n.heartbeat_ms <= timeout_ms or n.node_id == self.node_id)
             dead = [n.node_id for n in nodes if n.node_id not in live]
-            owners = [n.node_id for n in nodes if n.node_id in live and n.joined_ms] or live
+            owners = self._owners(nodes, live)
             buckets = await sql.read_buckets(cur)
             if dead or plan(buckets, owners):
-                buckets = await sql.read_buckets(cur, lock=True)
-                leased = await sql.still_leased(
-                    cur, self.store.dialect, self._leased_tables(), [b.bucket for b in buckets]
-                )
-                moves = plan(buckets, owners, leased)
-                await sql.assign(cur, moves, set(moves) - leased, self._handover_delay_ms())
+                moves = await self._reassign(cur, owners)
                 await sql.forget_nodes(cur, dead)
                 if moves or dead:
                     log.info(

@@ -286,11 +286,37 @@ async def test_a_node_joins_as_its_view_turns_a_window_old_not_a_heartbeat_later
         assert a.quota.nodes == 1
 
 
-async def test_a_process_that_leaves_gives_its_buckets_up(store: SQLStore) -> None:
+async def test_a_process_that_leaves_alone_gives_its_buckets_up(store: SQLStore) -> None:
     a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
     async with a.running():
         await a.wait_joined(10)
     assert {owner for owner, _ in (await owners(store)).values()} == {None}
+
+
+async def test_a_process_that_leaves_hands_its_buckets_to_the_one_that_stays_claimable_at_once(
+    store: SQLStore,
+) -> None:
+    """The one that stays claims the leaver's rooms at once, before its own next heartbeat; the
+    leaver's row is gone. (Heartbeats made by hand: each node beats only when told.)"""
+    a = Membership(store, "node-a", ["room_outbox"], node_timeout=180.0)
+    b = Membership(store, "node-b", ["room_outbox"], node_timeout=180.0)
+    await wait_until(lambda: beaten_until_joined(b))
+    await wait_until(lambda: beaten_until_joined(a, b))  # b sees a; a joins a window later
+    await a.beat()  # its row shows it joined: it takes its half
+    assert len(await owned_by(store, "node-a")) == BUCKETS // 2
+    await a.leave()
+    assert await owned_by(store, "node-b") == list(range(BUCKETS))
+    async with store.transaction() as cur:
+        assert await b.room_buckets(cur) is None  # every bucket, claimable now
+        await cur.execute("SELECT node_id FROM room_outbox_node")
+        assert [row[0] for row in await cur.fetchall()] == ["node-b"]
+
+
+async def beaten_until_joined(node: Membership, *others: Membership) -> bool:
+    """One heartbeat of each of ``others``, then of ``node``: whether ``node`` has joined."""
+    for member in [*others, node]:
+        await member.beat()
+    return await node.wait_joined(0)
 
 
 async def test_per_room_claims_take_only_the_own_buckets_in_every_lane(store: SQLStore) -> None:
