@@ -40,7 +40,7 @@ SETTLE_MARGIN = 0.01
 
 def plan(buckets: Sequence[sql.BucketRow], live: Sequence[str], leased: Collection[int] = ()) -> dict[int, str]:
     """New owners for the buckets that must move so that every node in ``live`` (the nodes that
-    may own buckets: :meth:`Membership.beat`) owns its fair count
+    may own buckets) owns its fair count
     (``BUCKETS // n``, the first ``BUCKETS % n`` nodes in name order one more), moving as few
     buckets as possible, and of those, buckets with a row ``leased`` last: they stay with the
     owner delivering them, where others can move at once (a joining node takes over idle
@@ -203,14 +203,17 @@ class Membership:
         """Hand this node's buckets to the live nodes that stay (their fair counts, as their
         next heartbeat would) and drop its row, in one transaction: they claim the buckets' rows
         at once, not a heartbeat later. With none staying, the buckets are left without owner."""
-        timeout_ms = int(self.node_timeout * 1000)
         async with self.store.transaction() as cur:
             nodes = await sql.read_nodes(cur)
-            now = now_ms()
-            staying = [n.node_id for n in nodes if n.node_id != self.node_id and now - n.heartbeat_ms <= timeout_ms]
+            staying = [node for node in self._live(nodes) if node != self.node_id]
             if staying:
                 await self._reassign(cur, self._owners(nodes, staying))
             await sql.leave(cur, self.node_id)
+
+    def _live(self, nodes: Sequence[sql.NodeRow]) -> list[str]:
+        """The nodes with a heartbeat younger than ``node_timeout``, and this one."""
+        now, timeout_ms = now_ms(), int(self.node_timeout * 1000)
+        return sorted(n.node_id for n in nodes if now - n.heartbeat_ms <= timeout_ms or n.node_id == self.node_id)
 
     def _owners(self, nodes: Sequence[sql.NodeRow], live: Sequence[str]) -> list[str]:
         """The nodes buckets may go to: the live ones that have joined (may send), so that a node
@@ -240,7 +243,7 @@ class Membership:
                 self._settles_in = None
                 self._failing_beats.failed(f"{type(exc).__name__}: {exc}")
             wait = self.heartbeat_interval - (anyio.current_time() - started)
-            if self._joined_ms and not self._shown_joined:
+            if self._joined_ms and not self._shown_joined and self._reachable:
                 wait = 0.0  # tell the others at once: buckets move to a node once it has joined
             elif self._settles_in is not None:
                 # A joining node sends nothing, and a share grows only, once a view is a window
@@ -258,7 +261,6 @@ class Membership:
         over to this node once no process holds a lease on its rows; update the quota share
         (:mod:`.quota`)."""
         began = time.monotonic()
-        timeout_ms = int(self.node_timeout * 1000)
         async with self.store.transaction() as cur:
             await CLOCK.measure(cur, self.store.dialect)  # every time below is the database's
             joined_ms = self._joined_ms
@@ -266,8 +268,7 @@ class Membership:
                 cur, self.store.dialect, self.node_id, self._view, self._view_since_ms, self._orderings_text, joined_ms
             )
             nodes = await sql.read_nodes(cur)
-            now = now_ms()
-            live = sorted(n.node_id for n in nodes if now - n.heartbeat_ms <= timeout_ms or n.node_id == self.node_id)
+            live = self._live(nodes)
             dead = [n.node_id for n in nodes if n.node_id not in live]
             owners = self._owners(nodes, live)
             buckets = await sql.read_buckets(cur)

@@ -49,9 +49,10 @@ class KafkaSink:
         partition's in order (the partition every Kafka client picks for the key), and handed
         to the producer in waves: each partition's first batch at once, then, once every batch
         of a wave is acknowledged, each partition's next. A partition's batch goes out only
-        after the one before it was written, so when one fails (the broker hung, a timeout) the
-        ones after it are never sent, to be written once it is back ahead of the round sent
-        again: a key's messages never overtake each other. Packing them here spares each
+        after the one before it was written: when one fails (the broker hung, a timeout), the
+        ones after it are never sent, so none of them is written, once the broker is back,
+        ahead of the round sent again, and a key's messages never overtake each other.
+        Packing them here spares each
         message the producer's own path through ``send`` (its metadata wait, partitioner,
         queue and future). A message too large is that envelope's permanent error (a batch
         the broker refuses as too large: each of its envelopes'); any other failure fails the

@@ -7,6 +7,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
 from support import INSERT_V1, envelope, insert_events, wait_until
 
@@ -504,3 +505,26 @@ async def test_migrate_adds_the_orderings_column_to_an_earlier_node_table(store:
     assert await store.migrate() == ["added column room_outbox_node.orderings"]
     assert await store.migrate() == []
     await Membership(store, "node-a", ["room_outbox"], orderings={"main": "none"}).beat()
+
+
+async def test_a_node_that_just_joined_keeps_its_heartbeats_pace_while_they_fail(database_dsn: str) -> None:
+    """Right after joining, a node beats again at once to show it; while its heartbeats fail
+    (the database unreachable) it waits its interval between them, as before joining, instead
+    of trying again at once in a loop."""
+    store = await open_store(database_dsn)
+    await store.migrate()
+    await store.aclose()  # every heartbeat fails from now on
+    member = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.2, node_timeout=3.0)
+    member._joined_ms = now_ms()  # joined, not shown yet
+    beats = 0
+    beat = member.beat
+
+    async def counted() -> None:
+        nonlocal beats
+        beats += 1
+        await beat()
+
+    member.beat = counted  # type: ignore[method-assign]
+    with anyio.move_on_after(1.0):
+        await member._loop()
+    assert 1 <= beats <= 7, beats
