@@ -36,6 +36,10 @@ log = logging.getLogger("room_outbox.cluster")
 #: How long after a view turns a window old the heartbeat that applies it comes: past the
 #: boundary, whatever the rounding of milliseconds.
 SETTLE_MARGIN = 0.01
+#: How often a node looks again, while buckets handed over to it wait for their leases to end:
+#: their rooms are claimed by nobody meanwhile, and the leases end as the former owner's
+#: deliveries do, within a moment, not a heartbeat.
+HANDOVER_CHECK_INTERVAL = 0.05
 
 
 def plan(buckets: Sequence[sql.BucketRow], live: Sequence[str], leased: Collection[int] = ()) -> dict[int, str]:
@@ -129,6 +133,8 @@ class Membership:
         #: When this node joined (0: not yet), and whether its last heartbeat showed it.
         self._joined_ms = 0
         self._shown_joined = False
+        #: Whether buckets handed over to this node still wait for leases to end.
+        self._handed_over_leased = False
         #: Whether the last heartbeat reached the database.
         self._reachable = True
         #: Heartbeats failing one after another: the first logged, then a line a minute.
@@ -245,6 +251,8 @@ class Membership:
             wait = self.heartbeat_interval - (anyio.current_time() - started)
             if self._joined_ms and not self._shown_joined and self._reachable:
                 wait = 0.0  # tell the others at once: buckets move to a node once it has joined
+            elif self._handed_over_leased and self._reachable:
+                wait = min(wait, HANDOVER_CHECK_INTERVAL)
             elif self._settles_in is not None:
                 # A joining node sends nothing, and a share grows only, once a view is a window
                 # old: beat as it turns so, not up to a heartbeat later.
@@ -282,11 +290,8 @@ class Membership:
                     )
                 buckets = await sql.read_buckets(cur)
             waiting = [b.bucket for b in buckets if b.owner == self.node_id and b.handing_over]
-            if waiting:
-                free = sorted(
-                    set(waiting) - await sql.still_leased(cur, self.store.dialect, self._leased_tables(), waiting)
-                )
-                await sql.open_buckets(cur, self.node_id, free, self._handover_delay_ms())
+            leased = await sql.still_leased(cur, self.store.dialect, self._leased_tables(), waiting)
+            await sql.open_buckets(cur, self.node_id, sorted(set(waiting) - leased), self._handover_delay_ms())
             view = view_of(live)
             if view != self._view:
                 self._view, self._view_since_ms = view, now_ms()
@@ -301,6 +306,7 @@ class Membership:
                 )
         self.live = live
         self._shown_joined = joined_ms != 0
+        self._handed_over_leased = bool(leased)
         self.owned = [b.bucket for b in buckets if b.owner == self.node_id]
         self._apply_quota(nodes, live, began)
         self._notice_namesakes(nodes)

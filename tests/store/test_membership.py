@@ -528,3 +528,29 @@ async def test_a_node_that_just_joined_keeps_its_heartbeats_pace_while_they_fail
     with anyio.move_on_after(1.0):
         await member._loop()
     assert 1 <= beats <= 7, beats
+
+
+async def test_buckets_handed_over_open_as_soon_as_their_leases_end_not_a_heartbeat_later(store: SQLStore) -> None:
+    """While buckets handed over to a node wait for the former owner's leases, the node looks
+    again every few tens of ms: their rooms are claimed by nobody meanwhile."""
+    a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=10.0)
+    b = Membership(store, "node-b", ["room_outbox"], heartbeat_interval=3.0, node_timeout=10.0)
+    async with a.running():
+        assert await a.wait_joined(10)
+        await lease_rows_in(store, list(range(BUCKETS)))  # node-a delivers a row of every bucket
+        async with b.running():
+            assert await b.wait_joined(10)
+            await wait_until(lambda: handing_over_to(store, "node-b"))
+            async with store.transaction() as cur:  # the leases end (node-a wrote its results)
+                await cur.execute("UPDATE room_outbox SET worker_id = NULL, lock_until_ms = 0, status = 'published'")
+            await wait_until(lambda: has_fair_count_claimable(b), timeout=1.0)  # b's heartbeat: 3 s away
+
+
+async def handing_over_to(store: SQLStore, node_id: str) -> bool:
+    handed = [bucket for bucket, (owner, handing) in (await owners(store)).items() if owner == node_id and handing]
+    return len(handed) == BUCKETS // 2
+
+
+async def has_fair_count_claimable(member: Membership) -> bool:
+    async with member.store.transaction() as cur:
+        return len(await member.room_buckets(cur) or []) == BUCKETS // 2
