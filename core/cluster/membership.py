@@ -36,10 +36,11 @@ log = logging.getLogger("room_outbox.cluster")
 #: How long after a view turns a window old the heartbeat that applies it comes: past the
 #: boundary, whatever the rounding of milliseconds.
 SETTLE_MARGIN = 0.01
-#: How often a node looks again, while buckets handed over to it wait for their leases to end:
-#: their rooms are claimed by nobody meanwhile, and the leases end as the former owner's
-#: deliveries do, within a moment, not a heartbeat.
-HANDOVER_CHECK_INTERVAL = 0.05
+#: How soon a node looks again at buckets handed over to it that wait for their leases to end:
+#: their rooms are claimed by nobody meanwhile, and a live former owner's leases end as its
+#: deliveries do, within a moment, not a heartbeat. Each look that finds some still leased
+#: doubles the wait, up to the heartbeat interval (a killed owner's leases just run out).
+FIRST_HANDOVER_CHECK = 0.05
 
 
 def plan(buckets: Sequence[sql.BucketRow], live: Sequence[str], leased: Collection[int] = ()) -> dict[int, str]:
@@ -133,8 +134,9 @@ class Membership:
         #: When this node joined (0: not yet), and whether its last heartbeat showed it.
         self._joined_ms = 0
         self._shown_joined = False
-        #: Whether buckets handed over to this node still wait for leases to end.
-        self._handed_over_leased = False
+        #: Seconds until this node looks again at buckets handed over to it that wait for
+        #: leases to end (:data:`FIRST_HANDOVER_CHECK`); None: none waits.
+        self._handover_check: float | None = None
         #: Whether the last heartbeat reached the database.
         self._reachable = True
         #: Heartbeats failing one after another: the first logged, then a line a minute.
@@ -251,8 +253,8 @@ class Membership:
             wait = self.heartbeat_interval - (anyio.current_time() - started)
             if self._joined_ms and not self._shown_joined and self._reachable:
                 wait = 0.0  # tell the others at once: buckets move to a node once it has joined
-            elif self._handed_over_leased and self._reachable:
-                wait = min(wait, HANDOVER_CHECK_INTERVAL)
+            elif self._handover_check is not None and self._reachable:
+                wait = min(wait, self._handover_check)
             elif self._settles_in is not None:
                 # A joining node sends nothing, and a share grows only, once a view is a window
                 # old: beat as it turns so, not up to a heartbeat later.
@@ -306,7 +308,12 @@ class Membership:
                 )
         self.live = live
         self._shown_joined = joined_ms != 0
-        self._handed_over_leased = bool(leased)
+        if not leased:
+            self._handover_check = None
+        elif self._handover_check is None:
+            self._handover_check = FIRST_HANDOVER_CHECK
+        else:
+            self._handover_check = min(2 * self._handover_check, self.heartbeat_interval)
         self.owned = [b.bucket for b in buckets if b.owner == self.node_id]
         self._apply_quota(nodes, live, began)
         self._notice_namesakes(nodes)
