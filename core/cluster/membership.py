@@ -218,6 +218,12 @@ class Membership:
                 await self._reassign(cur, self._owners(nodes, staying))
             await sql.leave(cur, self.node_id)
 
+    async def _write_heartbeat(self, cur: Any, joined_ms: int) -> None:
+        """This node's row as it stands: the heartbeat, when it joined, its view and orderings."""
+        await sql.heartbeat(
+            cur, self.store.dialect, self.node_id, self._view, self._view_since_ms, self._orderings_text, joined_ms
+        )
+
     def _live(self, nodes: Sequence[sql.NodeRow]) -> list[str]:
         """The nodes with a heartbeat younger than ``node_timeout``, and this one."""
         now, timeout_ms = now_ms(), int(self.node_timeout * 1000)
@@ -274,9 +280,7 @@ class Membership:
         async with self.store.transaction() as cur:
             await CLOCK.measure(cur, self.store.dialect)  # every time below is the database's
             joined_ms = self._joined_ms
-            await sql.heartbeat(
-                cur, self.store.dialect, self.node_id, self._view, self._view_since_ms, self._orderings_text, joined_ms
-            )
+            await self._write_heartbeat(cur, joined_ms)
             nodes = await sql.read_nodes(cur)
             live = self._live(nodes)
             dead = [n.node_id for n in nodes if n.node_id not in live]
@@ -297,15 +301,7 @@ class Membership:
             view = view_of(live)
             if view != self._view:
                 self._view, self._view_since_ms = view, now_ms()
-                await sql.heartbeat(
-                    cur,
-                    self.store.dialect,
-                    self.node_id,
-                    self._view,
-                    self._view_since_ms,
-                    self._orderings_text,
-                    joined_ms,
-                )
+                await self._write_heartbeat(cur, joined_ms)
         self.live = live
         self._shown_joined = joined_ms != 0
         if not leased:
