@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +16,9 @@ from aiokafka.partitioner import DefaultPartitioner, murmur2
 
 from room_outbox import EventEnvelope, PermanentSinkError, RetryableSinkError, SinkContext
 from room_outbox.plugins.kafka import KafkaSettings
+
+#: A Kafka message as the producer takes it: value, key, headers.
+Message = tuple[bytes, bytes, list[tuple[str, bytes]]]
 
 
 class KafkaSink:
@@ -38,7 +42,16 @@ class KafkaSink:
         if known:
             self._note_partitions(len(known))
         try:
-            await producer.send_and_wait(self.settings.topic, value, key=key, headers=headers)
+            try:
+                await producer.send_and_wait(self.settings.topic, value, key=key, headers=headers)
+            except MessageSizeTooLargeError:
+                # The producer may have put other events' messages in the same record batch,
+                # which the broker refused whole: sent in a batch of its own, this message
+                # alone says whether it is the one too large.
+                partitions = sorted(await producer.partitions_for(self.settings.topic))
+                alone = _batch_of_one(producer, (value, key, headers))
+                partition = self._partitioner(key, partitions, partitions)
+                await (await producer.send_batch(alone, self.settings.topic, partition=partition))
         except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
             raise _too_large(exc) from exc
         except KafkaError as exc:
@@ -55,41 +68,49 @@ class KafkaSink:
         Packing them here spares each
         message the producer's own path through ``send`` (its metadata wait, partitioner,
         queue and future). A message too large is that envelope's permanent error (a batch
-        the broker refuses as too large: each of its envelopes'); any other failure fails the
-        whole publish (retryable)."""
+        the broker refuses as too large is sent again a message at a time, so that only the
+        messages too large by themselves are refused); any other failure fails the whole
+        publish (retryable)."""
         producer = await self._started()
         topic = self.settings.topic
         outcomes: list[PermanentSinkError | None] = [None] * len(envelopes)
-        sent: list[tuple[list[int], asyncio.Future[Any]]] = []
+        sent: list[tuple[int, list[int], asyncio.Future[Any]]] = []
         try:
             partitions = sorted(await producer.partitions_for(topic))
             self._note_partitions(len(partitions))
-            # Each partition's record batches, in order, with the envelopes each holds.
-            filled: dict[int, list[tuple[Any, list[int]]]] = {}
+            # Each partition's record batches still to send, in order, with the envelopes each holds.
+            queued: dict[int, deque[tuple[Any, list[int]]]] = {}
+            messages: dict[int, Message] = {}
             for index, envelope in enumerate(envelopes):
                 try:
-                    value, key, headers = self._message(envelope)
+                    value, key, headers = messages[index] = self._message(envelope)
                 except PermanentSinkError as exc:
                     outcomes[index] = exc
                     continue
-                batches = filled.setdefault(self._partitioner(key, partitions, partitions), [])
+                batches = queued.setdefault(self._partitioner(key, partitions, partitions), deque())
                 if not batches or batches[-1][0].append(timestamp=None, key=key, value=value, headers=headers) is None:
                     batches.append((producer.create_batch(), []))  # the first, or the last one is full
                     batches[-1][0].append(timestamp=None, key=key, value=value, headers=headers)  # one always fits
                 batches[-1][1].append(index)
-            for wave in range(max(map(len, filled.values()), default=0)):
+            while any(queued.values()):
+                wave = [(partition, *batches.popleft()) for partition, batches in queued.items() if batches]
                 sent = [
-                    (batches[wave][1], await producer.send_batch(batches[wave][0], topic, partition=partition))
-                    for partition, batches in filled.items()
-                    if wave < len(batches)
+                    (partition, indexes, await producer.send_batch(batch, topic, partition=partition))
+                    for partition, batch, indexes in wave
                 ]
                 failed: KafkaError | None = None
-                for indexes, future in sent:
+                for partition, indexes, future in sent:
                     try:
                         await future
                     except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
-                        for index in indexes:
-                            outcomes[index] = _too_large(exc)
+                        if len(indexes) == 1:
+                            outcomes[indexes[0]] = _too_large(exc)
+                            continue
+                        # The broker's limit is below max_message_bytes: its messages go again,
+                        # each in a batch of its own and in order, before the partition's next
+                        # batch, so that only a message too large by itself is refused.
+                        for index in reversed(indexes):
+                            queued[partition].appendleft((_batch_of_one(producer, messages[index]), [index]))
                     except KafkaError as exc:
                         failed = failed or exc  # the wave's other answers are still awaited
                 if failed is not None:
@@ -97,7 +118,7 @@ class KafkaSink:
         except KafkaError as exc:
             raise self._retryable(exc) from exc
         finally:
-            for _, future in sent:  # a failed publish: nothing left unobserved
+            for _, _, future in sent:  # a failed publish: nothing left unobserved
                 if future.done() and not future.cancelled():
                     future.exception()
         return outcomes
@@ -117,7 +138,7 @@ class KafkaSink:
                 )  # fmt: skip
             self._partition_count = count
 
-    def _message(self, envelope: EventEnvelope) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    def _message(self, envelope: EventEnvelope) -> Message:
         value = _json(envelope)
         if len(value) > self.settings.max_message_bytes:
             raise PermanentSinkError(
@@ -169,7 +190,7 @@ class KafkaSink:
             request_timeout_ms=int(self.settings.request_timeout * 1000),
             max_request_size=self.settings.max_message_bytes + 1024,
             # The broker's limit (message.max.bytes) bounds a record batch, not a message: a
-            # batch above it is refused as too large, with every message in it.
+            # batch above it is refused whole, and its messages must go again one at a time.
             max_batch_size=min(DEFAULT_BATCH_BYTES, self.settings.max_message_bytes),
             partitioner=self._partitioner,
             **self._security,
@@ -207,6 +228,13 @@ class KeyPartitioner:
             partition: int = DefaultPartitioner()(key, all_partitions, available)
             return partition
         return all_partitions[(self._hash(key) & 0x7FFFFFFF) % len(all_partitions)]
+
+
+def _batch_of_one(producer: AIOKafkaProducer, message: Message) -> Any:
+    value, key, headers = message
+    batch = producer.create_batch()
+    batch.append(timestamp=None, key=key, value=value, headers=headers)
+    return batch
 
 
 def _too_large(exc: KafkaError) -> PermanentSinkError:

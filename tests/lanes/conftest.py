@@ -6,10 +6,12 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka.producer.sender import SendProduceReqHandler
 
 
 def tansu_binary() -> Path:
@@ -85,3 +87,28 @@ def kafka_broker(tmp_path: Path) -> Iterator[Broker]:
         yield broker
     finally:
         broker.stop()
+
+
+@pytest.fixture
+def broker_message_limit(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """``limit(n)``: from then on every aiokafka producer's record batch above ``n`` bytes is
+    refused as the broker refuses one above its ``message.max.bytes`` (tansu has no such limit),
+    the rest of the produce request going to the broker as usual."""
+
+    def limit(max_bytes: int) -> None:
+        send = SendProduceReqHandler.do
+
+        async def do(handler: SendProduceReqHandler, node_id: int) -> None:
+            batches = {}
+            for partition, batch in handler._batches.items():
+                if len(batch.get_data_buffer()) > max_bytes:
+                    batch.failure(exception=MessageSizeTooLargeError())
+                else:
+                    batches[partition] = batch
+            handler._batches = batches
+            if batches:
+                await send(handler, node_id)
+
+        monkeypatch.setattr(SendProduceReqHandler, "do", do)
+
+    return limit

@@ -11,7 +11,7 @@ import signal
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -755,3 +755,32 @@ async def test_no_record_batch_is_larger_than_max_message_bytes(any_store: SQLSt
     messages = await consume(kafka_broker, {e["event_id"] for e in events})
     assert event_ids(messages) == [e["event_id"] for e in events]
     assert len(sizes) > 1 and max(sizes) <= 4096, sizes
+
+
+async def test_a_batch_the_broker_refuses_as_too_large_parks_only_the_message_too_large_by_itself(
+    any_store: SQLStore, kafka_broker: Broker, broker_message_limit: Callable[[int], None]
+) -> None:
+    """``max_message_bytes`` set above the broker's own limit: the broker refuses the sink's
+    record batches (up to 10 KB here) whole. Their messages go again one at a time, so only
+    the one too large by itself is parked, and each room's order holds."""
+    events = [
+        envelope(f"m{v:02}-r{r}", room_id=f"r{r}", room_version=v, payload={"note": "x" * 800})
+        for v in range(10) for r in range(2)
+    ]  # fmt: skip
+    big = envelope("big", room_id="r0", room_version=10, payload={"note": "x" * 4000})
+    after = [envelope(f"after-{v}", room_id="r0", room_version=11 + v) for v in range(3)]
+    await insert_events(any_store, [*events, big, *after])
+    broker_message_limit(3000)
+    sink = kafka_sink(kafka_broker, max_message_bytes=10_000)
+    tail = relay(any_store, sink, batch=30)
+    try:
+        await drain(tail, any_store)
+    finally:
+        await sink.aclose()
+    parked = await tail.store.parked()
+    assert [(p["event_id"], p["status"]) for p in parked] == [("big", "parked")]
+    assert "too large" in parked[0]["last_error"]
+    expected = [e["event_id"] for e in [*events, *after]]
+    messages = await consume(kafka_broker, set(expected))
+    assert sorted(event_ids(messages)) == sorted(expected)  # each once: a refused batch wrote nothing
+    assert_room_order(messages)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import signal
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 from lanes.conftest import Broker
 
-from room_outbox import EventEnvelope, SinkContext
+from room_outbox import EventEnvelope, PermanentSinkError, SinkContext
 from room_outbox.plugins import kafka
 from room_outbox.plugins.kafka import KafkaSettings
 from room_outbox.plugins.kafka import sink as kafka_sink
@@ -150,3 +150,39 @@ async def test_a_change_of_the_topics_partition_count_is_logged_once(
     finally:
         await sink.aclose()
         broker.stop()
+
+
+@pytest.mark.anyio
+async def test_deliveries_batched_together_and_refused_as_too_large_fail_only_the_one_too_large(
+    kafka_broker: Broker, broker_message_limit: Callable[[int], None]
+) -> None:
+    """The producer packs concurrent deliveries into one record batch, which a broker whose
+    limit is below ``max_message_bytes`` refuses whole: each message then goes alone, and only
+    the one too large by itself fails for good."""
+    broker_message_limit(3000)
+    sink = kafka_sink.KafkaSink(
+        KafkaSettings(bootstrap_servers=kafka_broker.bootstrap, topic=kafka_broker.topic, max_message_bytes=10_000),
+        SinkContext("node", logging.getLogger("test.kafka_limit")),
+    )
+    small = [event(f"small-{n}", room_id="r1", payload={"note": "x" * 800}) for n in range(8)]
+    big = event("big", room_id="r1", payload={"note": "x" * 4000})
+    outcomes: dict[str, BaseException | None] = {}
+
+    async def deliver(envelope: EventEnvelope) -> None:
+        try:
+            await sink.deliver(envelope)
+            outcomes[envelope.event_id] = None
+        except Exception as exc:  # the outcome is what the test looks at
+            outcomes[envelope.event_id] = exc
+
+    try:
+        await sink.deliver(event("warm-up", room_id="r1"))  # started: the next ones are sent together
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as group:
+                for envelope in [*small, big]:
+                    group.start_soon(deliver, envelope)
+    finally:
+        await sink.aclose()
+    assert {e.event_id: outcomes[e.event_id] for e in small} == {e.event_id: None for e in small}
+    assert isinstance(outcomes["big"], PermanentSinkError), outcomes["big"]
+    assert "too large" in str(outcomes["big"])
