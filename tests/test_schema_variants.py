@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 from processes import FakeIMProcess, _env, dispatchers, write_config
-from support import V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, wait_until
+from support import INSERT_V1, V1_DDL, RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, wait_until
 
 from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.sink import PermanentSinkError
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.factory import open_store
+from room_outbox.store.operator.reports import status_report
 from room_outbox.store.protocol import SQLStore
 
 pytestmark = pytest.mark.anyio
@@ -306,3 +307,38 @@ async def test_a_result_the_table_refuses_for_one_row_leaves_the_batch_written_a
     await dispatcher.flush()
     rows = await fetch_rows(store)
     assert rows["late1"]["status"] == rows["late2"]["status"] == "published"
+
+
+async def test_a_nullable_retry_count_the_producer_leaves_null_counts_attempts_and_blocks_nothing(
+    store: MySQLStore,
+) -> None:
+    """``retry_count INT NULL DEFAULT NULL``, which the producer leaves out: a failed attempt
+    counts 1 (NULL + 1 would stay NULL), a row failing for good is parked at its limit, and
+    the rest of the batch is written, `status` counting the rows by their attempts."""
+    async with store.transaction() as cur:
+        await cur.execute("ALTER TABLE room_outbox MODIFY retry_count INT NULL DEFAULT NULL")
+    await insert_events(store, [envelope(event_id) for event_id in ("a1", "flaky", "a2")])
+    async with store.transaction() as cur:
+        now = int(time.time() * 1000)
+        await cur.execute(INSERT_V1, ("default", "torn", "RoomUserJoined", "r_1", "{not json", now, now))
+    sink = RecordingSink(fail={"flaky"})
+    dispatcher = make_dispatcher(store, sink, retry=RetryPolicy(interval=0.05, max_attempts=2, parking=True))
+    assert (await dispatcher.run_once()).claimed == 4
+    await dispatcher.flush()
+    rows = await fetch_rows(store)
+    assert {e: (r["status"], r["retry_count"]) for e, r in rows.items()} == {
+        "a1": ("published", None),
+        "flaky": ("pending", 1),
+        "a2": ("published", None),
+        "torn": ("failed", 1),
+    }
+    histogram = (await status_report(store)).retry_histogram  # the open rows by their attempts
+    assert (histogram["0"], histogram["1"]) == (0, 1)
+
+    async def parked() -> bool:
+        await dispatcher.run_once()
+        await dispatcher.flush()
+        return (await fetch_rows(store))["flaky"]["status"] == "failed"
+
+    await wait_until(parked, timeout=10.0, interval=0.05)
+    assert (await fetch_rows(store))["flaky"]["retry_count"] == 2

@@ -101,7 +101,7 @@ def describe_state(row: dict[str, Any], now: int, words: Profile = V1, lock_unti
     """A sentence on a row's delivery state, in ``words``' vocabulary (lanes speak ``v1``);
     ``lock_until``: the row's lock in epoch ms when its table keeps it otherwise."""
     status = row["status"]
-    retries = row[words.attempts]
+    retries = row[words.attempts] or 0  # NULL where the producer leaves a nullable column out
     if lock_until is None:
         lock_until = int(row.get("lock_until_ms") or 0)
     if status == words.delivered:

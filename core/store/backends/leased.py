@@ -72,7 +72,7 @@ def claim_sql(
     only = f" AND {bucket} IN ({_marks(range(buckets))})" if buckets else ""
     forced = hint.format(index=claim_index(table)[0])
     return (
-        f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts}"
+        f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts_made}"
         f" FROM {table}{forced}"
         f" WHERE {p.is_open()} AND {due or p.lock + ' <= ' + p.ms('%s')}{only} ORDER BY {p.lock}, {key} LIMIT %s{lock}"
     )
@@ -607,7 +607,7 @@ class LeasedRows:
             [r] = group
             status = f"'{words.parked}'" if outcome is Outcome.PARKED else words.after_failure()
             matched = await cur.execute(
-                f"UPDATE {self.table} SET status = {status}, {words.attempts} = {words.attempts} + 1,"
+                f"UPDATE {self.table} SET status = {status}, {words.attempts} = {words.attempts_made} + 1,"
                 f" last_error = %s, worker_id = NULL, {words.lock} = {words.ms('%s')},"
                 f" {words.updated} = {words.ms('%s')} WHERE {self.key} = %s AND {held}",
                 ((r.error or "unknown error")[:LAST_ERROR_MAX], r.retry_at_ms, now, r.row_id, claim),
@@ -648,7 +648,7 @@ class LeasedRows:
         words = self.profile
         back = "" if words.in_flight == words.fresh else f"status = {words.released()}, "
         unattempted = result.outcome in (Outcome.RELEASED, Outcome.THROTTLED)
-        counted = "" if unattempted else f", {words.attempts} = {words.attempts} + 1"
+        counted = "" if unattempted else f", {words.attempts} = {words.attempts_made} + 1"
         error = f"its {result.outcome.value} result was refused by the database: {cause}"
         if result.error:
             error += f"; {result.error}"

@@ -63,7 +63,7 @@ async def find_requeue_candidates(store: SQLStore, where: RequeueFilter, limit: 
     async with store.transaction() as cur:
         await cur.execute(
             f"SELECT {p.key} AS id, {p.event_id} AS event_id, {p.event_type} AS event_type, {p.room_id} AS room_id,"
-            f" status, {p.attempts} AS retry_count, last_error, {p.as_ms(p.created)} AS created_at_ms FROM {p.table}"
+            f" status, {p.attempts_made} AS retry_count, last_error, {p.as_ms(p.created)} AS created_at_ms FROM {p.table}"
             f" WHERE {' AND '.join(clauses)} ORDER BY {p.key} LIMIT %s",
             (*params, limit),
         )

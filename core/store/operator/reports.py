@@ -127,7 +127,7 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
     words = store.profile
     table, open_ = words.table, words.is_open()
     async with store.transaction() as cur:
-        attempts, lock, after = words.attempts, words.lock, words.ms("%s")
+        attempts, lock, after = words.attempts_made, words.lock, words.ms("%s")
         await cur.execute(f"SELECT {attempts}, COUNT(*) FROM {table} WHERE {open_} GROUP BY {attempts}")
         by_retries = {int(retries): int(rows) for retries, rows in await cur.fetchall()}
         await cur.execute(

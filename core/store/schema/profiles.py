@@ -67,17 +67,25 @@ class Profile:
     def is_waiting(self, column: str = "status") -> str:
         return in_list(column, self.waiting)
 
+    @property
+    def attempts_made(self) -> str:
+        """SQL: the row's attempts so far. A producer may leave a nullable attempts column NULL
+        (its default): that is no attempt yet, where NULL + 1 would stay NULL for ever."""
+        return f"COALESCE({self.attempts}, 0)"
+
     def released(self) -> str:
         """SQL: the status a row goes back to when its claim drops it unattempted."""
         if self.fresh == self.retry:
             return f"'{self.fresh}'"
-        return f"CASE WHEN {self.attempts} = 0 THEN '{self.fresh}' ELSE '{self.retry}' END"
+        return f"CASE WHEN {self.attempts_made} = 0 THEN '{self.fresh}' ELSE '{self.retry}' END"
 
     def after_failure(self) -> str:
         """SQL: the status of a row whose attempt failed (before its attempts are counted)."""
         if self.attempts_limit is None:
             return f"'{self.retry}'"
-        return f"CASE WHEN {self.attempts} + 1 >= {self.attempts_limit} THEN '{self.parked}' ELSE '{self.retry}' END"
+        return (
+            f"CASE WHEN {self.attempts_made} + 1 >= {self.attempts_limit} THEN '{self.parked}' ELSE '{self.retry}' END"
+        )
 
     @property
     def fresh_at_cleared_lock(self) -> bool:
