@@ -47,6 +47,16 @@ V1_MYISAM_DDL = V1_DDL.replace("ENGINE=InnoDB", "ENGINE=MyISAM")
 FIRST_V1_DDL = V1_DDL.replace("  app_code      VARCHAR(64)  NOT NULL DEFAULT '',\n", "").replace(
     "  updated_at_ms BIGINT       NOT NULL,\n", ""
 )
+#: V1's table with a nullable app_code (with a comment, in a collation of its own: what a
+#: MODIFY must keep), which its producer leaves out.
+NULLABLE_APP_DDL = V1_DDL.replace(
+    "app_code      VARCHAR(64)  NOT NULL DEFAULT ''",
+    "app_code      VARCHAR(64) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL COMMENT '应用编码'",
+)
+INSERT_WITHOUT_APP = (
+    "INSERT INTO room_outbox (event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"
+    " VALUES (%s, 'RoomUserJoined', %s, %s, %s, %s)"
+)
 #: How each producer inserts: only the columns it knows.
 INSERT_WITH_APP = (
     "INSERT INTO room_outbox (app_code, event_id, event_type, room_id, envelope, created_at_ms, updated_at_ms)"
@@ -342,3 +352,45 @@ async def test_a_nullable_retry_count_the_producer_leaves_null_counts_attempts_a
 
     await wait_until(parked, timeout=10.0, interval=0.05)
     assert (await fetch_rows(store))["flaky"]["retry_count"] == 2
+
+
+@pytest.mark.slow
+async def test_a_nullable_app_code_the_producer_leaves_out_is_fixed_by_migrate_then_delivered(
+    database_dsn: str, tmp_path: Path
+) -> None:
+    """A NULL app_code puts its row in no room bucket and fails the envelope's check: such rows
+    were never delivered. `run` refuses the table; `migrate` backfills '' (the app of a row
+    whose producer writes none) and makes the column NOT NULL online, keeping its collation and
+    comment; then every row is delivered."""
+    fake = FakeIMProcess(tmp_path)
+    store = await open_store(database_dsn)
+    try:
+        config = configure(tmp_path, database_dsn, fake, "v1")
+        await execute(store, NULLABLE_APP_DDL)
+        await execute(store, INSERT_WITHOUT_APP, produced([f"old{i}" for i in range(10)]))
+        refused = room_outbox(config, "run")
+        assert (refused.returncode, refused.stderr.strip()) == (
+            3,
+            "room-outbox: room_outbox.app_code is nullable, and a row whose app_code is NULL is never delivered:"
+            " run `room-outbox migrate`, which backfills '' and makes it NOT NULL online",
+        )
+        migrated = room_outbox(config, "migrate")
+        assert migrated.returncode == 0, migrated.stderr
+        for change in (
+            "set room_outbox.app_code's default to ''",
+            "set room_outbox.app_code to '' where it was NULL",
+            "made room_outbox.app_code NOT NULL",
+        ):
+            assert change in migrated.stdout.splitlines()
+        async with store.transaction() as cur:
+            await cur.execute(
+                "SELECT IS_NULLABLE, COLUMN_DEFAULT, COLLATION_NAME, COLUMN_COMMENT FROM information_schema.COLUMNS"
+                " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'room_outbox' AND COLUMN_NAME = 'app_code'"
+            )
+            assert await cur.fetchone() == ("NO", "''", "utf8mb4_bin", "应用编码")
+        await execute(store, INSERT_WITHOUT_APP, produced([f"new{i}" for i in range(10)]))  # app_code left out: ''
+        rows = await deliver_all(store, config, fake, "published")
+        assert len(rows) == 20 and {r["app_code"] for r in rows.values()} == {""}
+    finally:
+        await store.aclose()
+        fake.close()

@@ -4,6 +4,7 @@ PostgreSQL refuses for one row, undone to a savepoint, leaving the others writte
 
 from __future__ import annotations
 
+import anyio
 import pytest
 from support import envelope, fetch_rows, insert_events
 from test_schema_variants import ROOM_CELL_DDL
@@ -254,6 +255,56 @@ async def test_a_nullable_lock_is_backfilled_beyond_one_batch_and_a_rerun_finds_
         assert await store.migration_plan() == []
     finally:
         await store.aclose()
+
+
+async def test_a_producer_writing_null_into_the_lock_itself_stops_migrate_with_the_reason(database_dsn: str) -> None:
+    """Room Cell's producer writing ``lock_until_ms = NULL`` explicitly (a pointer field left
+    nil) while migrate runs: the NOT NULL step is refused, naming the column, the producer's
+    NULLs and what to do, not the server's bare "Invalid use of NULL value"."""
+    store = await open_store(database_dsn, profile=ROOM_CELL)
+    written = 0
+
+    async def producer() -> None:
+        nonlocal written
+        while True:
+            async with store.transaction() as cur:
+                await cur.execute(
+                    "INSERT INTO room_outbox (app_code, event_id, event_type, room_id, envelope, worker_id,"
+                    " lock_until_ms, created_at_ms, updated_at_ms)"
+                    " VALUES ('default', %s, 'RoomUserJoined', 'r_1', '{}', NULL, NULL, 0, 0)",
+                    (f"w{written}",),
+                )
+            written += 1
+            await anyio.sleep(0.002)  # a producer's pace, not a synchronisation
+
+    try:
+        await alter(store, ROOM_CELL_DDL)
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as writing:
+                writing.start_soon(producer)
+                try:
+                    with pytest.raises(SchemaError) as refused:
+                        await store.migrate()
+                finally:
+                    writing.cancel_scope.cancel()
+        assert str(refused.value).startswith(
+            "made room_outbox.lock_until_ms NOT NULL: refused, as rows with NULL there keep arriving while migrate"
+            " runs ("
+        ), refused.value
+        assert "): room-service writes NULL into the column itself, and once it is NOT NULL" in str(refused.value)
+        assert written > 0
+    finally:
+        await store.aclose()
+
+
+async def test_postgresql_refuses_a_nullable_app_code_with_its_fix(pg_store: SQLStore) -> None:
+    await alter(pg_store, "ALTER TABLE room_outbox ALTER COLUMN app_code DROP NOT NULL")
+    line = (
+        "room_outbox.app_code is nullable, and a row whose app_code is NULL is never delivered:"
+        " run UPDATE room_outbox SET app_code = '' WHERE app_code IS NULL;"
+        " ALTER TABLE room_outbox ALTER COLUMN app_code SET DEFAULT '', ALTER COLUMN app_code SET NOT NULL"
+    )
+    assert await refusals(pg_store) == (line, line)
 
 
 async def test_a_nullable_lock_beside_a_generated_column_is_refused_as_not_online(store: MySQLStore) -> None:

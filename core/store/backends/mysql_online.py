@@ -46,6 +46,8 @@ ER_LOCK_WAIT_TIMEOUT = 1205
 #: The algorithm or lock a statement names is not possible for it (a compressed table, say).
 ER_NOT_ONLINE = (1845, 1846)
 ER_NO_SUCH_THREAD = 1094
+#: NOT NULL refused: the column has NULLs (found as the change starts; written meanwhile).
+ER_NULLS_LEFT = (1138, 1265)
 #: The user may not run the statement (on the database, on a table).
 ER_ACCESS_DENIED = (1044, 1142)
 #: The table a running statement changes: ``ALTER TABLE t …``, ``CREATE [UNIQUE] INDEX i ON t``.
@@ -242,6 +244,16 @@ class OnlineSchemaChange:
             except pymysql.err.MySQLError as exc:
                 if exc.args[0] in ER_NOT_ONLINE:
                     raise not_online(change, exc, made="it was not made") from None
+                if exc.args[0] in ER_NULLS_LEFT:
+                    # The backfill had left none: the producer writes NULL there itself, and
+                    # would have its INSERTs refused once the column is NOT NULL.
+                    raise SchemaError(
+                        f"{change}: refused, as rows with NULL there keep arriving while migrate runs"
+                        f" ({exc.args[1]}): room-service writes NULL into the column itself, and once it is"
+                        " NOT NULL the server would refuse those INSERTs. Make it leave the column out (its"
+                        " default is set now) or write the default, then run migrate again, which goes on"
+                        " from the changes already made"
+                    ) from None
                 if exc.args[0] != ER_LOCK_WAIT_TIMEOUT:
                     raise
                 if attempt == DDL_ATTEMPTS:

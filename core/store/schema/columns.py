@@ -60,6 +60,11 @@ class Column:
     default: str | None = None
     #: Computed from other columns (MySQL/MariaDB: a table with one is rebuilt by a copy).
     generated: bool = False
+    #: What a MySQL/MariaDB ``MODIFY`` must say again to keep them: the character set and
+    #: collation of a text column (a change of either copies the table) and the comment.
+    charset: str | None = None
+    collation: str | None = None
+    comment: str = ""
 
 
 def adoption_plan(columns: set[str], dialect: Dialect, table: str) -> list[Step]:
@@ -93,7 +98,8 @@ async def read_columns(cur: Any, dialect: Dialect, table: str) -> dict[str, Colu
 
 _MYSQL_COLUMNS = (
     "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE, IS_NULLABLE, CHARACTER_MAXIMUM_LENGTH, COLUMN_DEFAULT,"
-    " GENERATION_EXPRESSION FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s"
+    " GENERATION_EXPRESSION, CHARACTER_SET_NAME, COLLATION_NAME, COLUMN_COMMENT"
+    " FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s"
 )
 _POSTGRESQL_COLUMNS = (
     "SELECT c.column_name, c.data_type, c.udt_name, c.is_nullable, c.character_maximum_length, c.column_default,"
@@ -104,13 +110,15 @@ _POSTGRESQL_COLUMNS = (
 
 
 def _mysql_column(row: Sequence[Any]) -> Column:
-    name, kind, declared, nullable, length, default, expression = (
+    name, kind, declared, nullable, length, default, expression, charset, collation, comment = (
         v.decode() if isinstance(v, bytes) else v for v in row
     )
     kind = str(kind).lower()
     members = tuple(m.replace("''", "'") for m in re.findall(r"'((?:[^']|'')*)'", declared)) if kind == "enum" else ()
     column = Column(str(name).lower(), kind, str(declared), nullable == "YES", _int(length), members, default)
-    return dataclasses.replace(column, generated=bool(expression))
+    return dataclasses.replace(
+        column, generated=bool(expression), charset=charset, collation=collation, comment=comment or ""
+    )
 
 
 def _int(value: Any) -> int | None:
@@ -133,9 +141,9 @@ def column_problems(
 
     * a ``status`` ENUM of the producer's own words, or a short VARCHAR: a parked or cancelled
       row would be refused by the database. Refused, with the ALTER that makes room;
-    * a nullable ``lock_until_ms`` that the producer leaves NULL: the claim's
-      ``lock_until_ms <= now`` never matches NULL, so such rows would wait for ever. Fixed
-      online on MySQL/MariaDB; on PostgreSQL refused with the statements to run;
+    * a nullable ``lock_until_ms`` or ``app_code`` that the producer leaves NULL
+      (:func:`_nullable_values`): such rows would never be delivered. Fixed online on
+      MySQL/MariaDB; on PostgreSQL refused with the statements to run;
     * ``last_error``, ``worker_id`` too short or NOT NULL, times or keys that are not integers
       wide enough: refused, with the fix."""
     table = profile.table
@@ -160,23 +168,22 @@ def column_problems(
                     f"{table}.{name} is {column.declared}, which cannot hold epoch milliseconds:"
                     f" run ALTER TABLE {table} {_retype(dialect, name, 'BIGINT', not column.nullable)}"
                 )
-        lock = columns.get(profile.lock)
-        if lock is not None and lock.nullable:
-            line = f"{table}.{profile.lock} is nullable, and a claim never takes a row whose {profile.lock} is NULL"
-            if _fixed_online(columns, dialect):
-                fixable.append(f"{line}: run `room-outbox migrate`, which backfills 0 and makes it NOT NULL online")
-            elif dialect.name == "mysql":
-                refused.append(
-                    f"{line}; the table's generated columns make NOT NULL a copy of the table, so migrate leaves it:"
-                    f" set it to 0 where NULL (in batches), then ALTER TABLE {table} MODIFY {profile.lock}"
-                    f" {lock.declared} NOT NULL DEFAULT 0 with gh-ost or pt-online-schema-change"
-                )
-            else:
-                refused.append(
-                    f"{line}: run UPDATE {table} SET {profile.lock} = 0 WHERE {profile.lock} IS NULL;"
-                    f" ALTER TABLE {table} ALTER COLUMN {profile.lock} SET DEFAULT 0,"
-                    f" ALTER COLUMN {profile.lock} SET NOT NULL"
-                )
+    for value in _nullable_values(columns, profile):
+        name, empty = value.column.name, value.empty
+        line = f"{table}.{name} is nullable, and {value.why}"
+        if _fixed_online(columns, dialect):
+            fixable.append(f"{line}: run `room-outbox migrate`, which backfills {empty} and makes it NOT NULL online")
+        elif dialect.name == "mysql":
+            refused.append(
+                f"{line}; the table's generated columns make NOT NULL a copy of the table, so migrate leaves it:"
+                f" set it to {empty} where NULL (in batches), then ALTER TABLE {table} MODIFY"
+                f" {_not_null_declaration(value)} with gh-ost or pt-online-schema-change"
+            )
+        else:
+            refused.append(
+                f"{line}: run UPDATE {table} SET {name} = {empty} WHERE {name} IS NULL;"
+                f" ALTER TABLE {table} ALTER COLUMN {name} SET DEFAULT {empty}, ALTER COLUMN {name} SET NOT NULL"
+            )
     for name in (profile.key, profile.attempts):
         column = columns.get(name)
         if column is not None and column.kind not in _INTEGERS:
@@ -255,46 +262,91 @@ def _default_sql(column: Column) -> str:
 BACKFILL_INDEX = "idx_{table}_{column}_null"
 
 
-def column_fixes(columns: dict[str, Column], indexes: set[str], profile: Profile, dialect: Dialect) -> list[Step]:
-    """What ``migrate`` changes itself (MySQL/MariaDB): a nullable lock column gets DEFAULT 0
-    (metadata only); an index on it is built online, so that each batch of the backfill reads
-    the NULLs left instead of scanning past every row done (a cost that grows with the square
-    of the table); the NULLs become 0 in small batches, each its own short transaction; then
-    one online rebuild makes the column NOT NULL and drops the index, writes going on. A rerun
-    after an interruption finds the index already there."""
+@dataclass(frozen=True)
+class _NullableValue:
+    """A nullable column room-outbox reads as a value, and what NULL does there."""
+
+    column: Column
+    #: What NULL stands for (SQL): the value a backfill writes and the column's default after.
+    empty: str
+    why: str
+
+
+def _nullable_values(columns: dict[str, Column], profile: Profile) -> list[_NullableValue]:
+    """Nullable columns whose NULL no row can be delivered with, where a producer leaves them
+    out: the claim's ``lock <= now`` never matches a NULL lock; a NULL ``app_code`` puts the row
+    in no room bucket (their key is built of it), and its envelope's app cannot be checked
+    against it. ``''`` is the app of a row whose producer writes none (the envelope's stands)."""
+    found = []
     lock = columns.get(profile.lock)
-    if not profile.ms_columns or lock is None or not lock.nullable or not _fixed_online(columns, dialect):
+    if profile.ms_columns and lock is not None and lock.nullable:
+        found.append(_NullableValue(lock, "0", f"a claim never takes a row whose {profile.lock} is NULL"))
+    app = columns.get(profile.app_code)
+    if app is not None and app.nullable:
+        found.append(_NullableValue(app, "''", f"a row whose {profile.app_code} is NULL is never delivered"))
+    return found
+
+
+def _not_null_declaration(value: _NullableValue) -> str:
+    """``name type NOT NULL DEFAULT …`` keeping the column's type, its non-NULL default (else
+    the value NULL stands for), character set, collation and comment."""
+    column = value.column
+    default = _default_sql(column) or f" DEFAULT {value.empty}"
+    kept = f" CHARACTER SET {column.charset} COLLATE {column.collation}" if column.charset and column.collation else ""
+    if column.comment:
+        kept += " COMMENT '" + column.comment.replace("\\", "\\\\").replace("'", "''") + "'"
+    return f"{column.name} {column.declared}{kept} NOT NULL{default}"
+
+
+def column_fixes(columns: dict[str, Column], indexes: set[str], profile: Profile, dialect: Dialect) -> list[Step]:
+    """What ``migrate`` changes itself (MySQL/MariaDB), for each nullable column of
+    :func:`_nullable_values`: a default (metadata only) where it has none; an index on it built
+    online, so that each batch of the backfill reads the NULLs left instead of scanning past
+    every row done (a cost that grows with the square of the table); the NULLs set in small
+    batches, each its own short transaction. Then one online rebuild makes them all NOT NULL
+    and drops the indexes, writes going on. A rerun after an interruption finds the indexes
+    already there."""
+    nullable = _nullable_values(columns, profile)
+    if not nullable or not _fixed_online(columns, dialect):
         return []
-    table, name = profile.table, profile.lock
-    index = BACKFILL_INDEX.format(table=table, column=name)
-    steps: list[Step] = [
-        (
-            f"set {table}.{name}'s default to 0",
-            (f"ALTER TABLE {table} ALTER COLUMN {name} SET DEFAULT 0{dialect.online_column}",),
-            False,
-        )
-    ]
-    if index not in indexes:
+    table = profile.table
+    steps: list[Step] = []
+    for value in nullable:
+        name, empty = value.column.name, value.empty
+        index = BACKFILL_INDEX.format(table=table, column=name)
+        if not _default_sql(value.column):
+            steps.append(
+                (
+                    f"set {table}.{name}'s default to {empty}",
+                    (f"ALTER TABLE {table} ALTER COLUMN {name} SET DEFAULT {empty}{dialect.online_column}",),
+                    False,
+                )
+            )
+        if index not in indexes:
+            steps.append(
+                (
+                    f"added index {table}.{index} (for the backfill)",
+                    (f"ALTER TABLE {table} ADD INDEX {index} ({name}){dialect.online_index}",),
+                    False,
+                )
+            )
         steps.append(
             (
-                f"added index {table}.{index} (for the backfill)",
-                (f"ALTER TABLE {table} ADD INDEX {index} ({name}){dialect.online_index}",),
-                False,
+                f"set {table}.{name} to {empty} where it was NULL",
+                (
+                    f"UPDATE {table} FORCE INDEX ({index}) SET {name} = {empty} WHERE {name} IS NULL LIMIT {BACKFILL_BATCH}",
+                ),
+                True,
             )
         )
+    modified = ", ".join(f"MODIFY {_not_null_declaration(value)}" for value in nullable)
+    dropped = ", ".join(f"DROP INDEX {BACKFILL_INDEX.format(table=table, column=v.column.name)}" for v in nullable)
+    names = ", ".join(f"{table}.{value.column.name}" for value in nullable)
     return [
         *steps,
         (
-            f"set {table}.{name} to 0 where it was NULL",
-            (f"UPDATE {table} FORCE INDEX ({index}) SET {name} = 0 WHERE {name} IS NULL LIMIT {BACKFILL_BATCH}",),
-            True,
-        ),
-        (
-            f"made {table}.{name} NOT NULL",
-            (
-                f"ALTER TABLE {table} MODIFY {name} {lock.declared} NOT NULL DEFAULT 0, DROP INDEX {index},"
-                " ALGORITHM=INPLACE, LOCK=NONE",
-            ),
+            f"made {names} NOT NULL",
+            (f"ALTER TABLE {table} {modified}, {dropped}, ALGORITHM=INPLACE, LOCK=NONE",),
             False,
         ),
     ]
