@@ -65,6 +65,9 @@ class Column:
     charset: str | None = None
     collation: str | None = None
     comment: str = ""
+    #: A view's column: whether it can hold NULL, the catalogue does not say (PostgreSQL calls
+    #: every one nullable).
+    in_view: bool = False
 
 
 def adoption_plan(columns: set[str], dialect: Dialect, table: str) -> list[Step]:
@@ -98,26 +101,35 @@ async def read_columns(cur: Any, dialect: Dialect, table: str) -> dict[str, Colu
 
 _MYSQL_COLUMNS = (
     "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE, IS_NULLABLE, CHARACTER_MAXIMUM_LENGTH, COLUMN_DEFAULT,"
-    " GENERATION_EXPRESSION, CHARACTER_SET_NAME, COLLATION_NAME, COLUMN_COMMENT"
-    " FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s"
+    " GENERATION_EXPRESSION, CHARACTER_SET_NAME, COLLATION_NAME, COLUMN_COMMENT,"
+    " (SELECT t.TABLE_TYPE = 'VIEW' FROM information_schema.TABLES t"
+    "  WHERE t.TABLE_SCHEMA = c.TABLE_SCHEMA AND t.TABLE_NAME = c.TABLE_NAME)"
+    " FROM information_schema.COLUMNS c WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s"
 )
 _POSTGRESQL_COLUMNS = (
     "SELECT c.column_name, c.data_type, c.udt_name, c.is_nullable, c.character_maximum_length, c.column_default,"
     " (SELECT array_agg(e.enumlabel::text ORDER BY e.enumsortorder) FROM pg_enum e"
     "  JOIN pg_type t ON t.oid = e.enumtypid WHERE t.typname = c.udt_name)"
+    " , (SELECT t.table_type = 'VIEW' FROM information_schema.tables t"
+    "  WHERE t.table_schema = c.table_schema AND t.table_name = c.table_name)"
     " FROM information_schema.columns c WHERE c.table_schema = current_schema() AND c.table_name = %s"
 )
 
 
 def _mysql_column(row: Sequence[Any]) -> Column:
-    name, kind, declared, nullable, length, default, expression, charset, collation, comment = (
+    name, kind, declared, nullable, length, default, expression, charset, collation, comment, view = (
         v.decode() if isinstance(v, bytes) else v for v in row
     )
     kind = str(kind).lower()
     members = tuple(m.replace("''", "'") for m in re.findall(r"'((?:[^']|'')*)'", declared)) if kind == "enum" else ()
     column = Column(str(name).lower(), kind, str(declared), nullable == "YES", _int(length), members, default)
     return dataclasses.replace(
-        column, generated=bool(expression), charset=charset, collation=collation, comment=comment or ""
+        column,
+        generated=bool(expression),
+        charset=charset,
+        collation=collation,
+        comment=comment or "",
+        in_view=bool(view),
     )
 
 
@@ -126,9 +138,10 @@ def _int(value: Any) -> int | None:
 
 
 def _postgresql_column(row: Sequence[Any]) -> Column:
-    name, kind, udt, nullable, length, default, labels = row
+    name, kind, udt, nullable, length, default, labels, view = row
     declared = f"{udt}({length})" if length else udt
-    return Column(name.lower(), kind.lower(), declared, nullable == "YES", _int(length), tuple(labels or ()), default)
+    column = Column(name.lower(), kind.lower(), declared, nullable == "YES", _int(length), tuple(labels or ()), default)
+    return dataclasses.replace(column, in_view=bool(view))
 
 
 def column_problems(
@@ -279,10 +292,10 @@ def _nullable_values(columns: dict[str, Column], profile: Profile) -> list[_Null
     against it. ``''`` is the app of a row whose producer writes none (the envelope's stands)."""
     found = []
     lock = columns.get(profile.lock)
-    if profile.ms_columns and lock is not None and lock.nullable:
+    if profile.ms_columns and lock is not None and lock.nullable and not lock.in_view:
         found.append(_NullableValue(lock, "0", f"a claim never takes a row whose {profile.lock} is NULL"))
     app = columns.get(profile.app_code)
-    if app is not None and app.nullable:
+    if app is not None and app.nullable and not app.in_view:
         found.append(_NullableValue(app, "''", f"a row whose {profile.app_code} is NULL is never delivered"))
     return found
 
