@@ -293,3 +293,36 @@ async def test_a_terminal_without_an_events_characters_shows_them_escaped(store:
     )
     assert shown.returncode == 0, shown.stderr.decode()
     assert '"t": "\\U0001f389 \\u4f60\\u597d"' in shown.stdout.decode("ascii")
+
+
+# -- integer options out of range --------------------------------------------------------------
+
+
+def room_outbox(*argv: str) -> subprocess.CompletedProcess[str]:
+    """The command line as a process: what an operator sees, exit code and all."""
+    return subprocess.run([sys.executable, "-m", "room_outbox.cli", *argv], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("limit", ["-1", "0", "99999999999999999999"])
+async def test_dead_letters_refuses_a_limit_out_of_range_naming_it(store: MySQLStore, config: str, limit: str) -> None:
+    """The limit went into SQL's LIMIT as typed: a traceback (exit 1) from the database."""
+    consumers = consumer_store(store)
+    assert consumers is not None
+    await consumers.migrate()
+    done = room_outbox("--config", config, "consumers", "dead-letters", f"--limit={limit}")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"room-outbox consumers dead-letters: error: argument --limit: {limit} is out of range (1 to 100000)"
+    )
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_fake_im_refuses_a_port_out_of_range_naming_it(port: str) -> None:
+    """A port beyond 0 to 65535 reached the socket: an OverflowError traceback (exit 1)."""
+    done = room_outbox("fake-im", f"--port={port}")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"room-outbox fake-im: error: argument --port: {port} is out of range (0 to 65535)"
+    )

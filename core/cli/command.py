@@ -81,6 +81,23 @@ def duration_argument(text: str) -> TypedDuration:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def int_argument(low: int, high: int) -> Callable[[str], int]:
+    """An integer option's type that takes only ``low`` to ``high``: a value outside them goes
+    on into SQL, a socket or a loop and fails there with a traceback, so argparse refuses it
+    instead (exit 2, naming the option)."""
+
+    def parsed(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is out of range ({low} to {high})")
+        return value
+
+    return parsed
+
+
 def format_duration(seconds: float) -> str:
     """A configured duration in the largest unit that divides it (``168h`` stays ``7d``,
     ``90`` is ``90s``): configuration values are echoed in words a person would type."""

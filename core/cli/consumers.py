@@ -16,7 +16,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 
-from room_outbox.cli.command import Command, add_json_option, add_yes_option, with_store
+from room_outbox.cli.command import Command, add_json_option, add_yes_option, int_argument, with_store
 from room_outbox.cli.output import NONE, format_age, format_table, printable
 from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.ops import migrated_consumer_store
@@ -28,6 +28,9 @@ from room_outbox.store.protocol import SQLStore
 
 #: Dead letters a redrive preview lists (the count covers them all).
 SHOWN = 20
+
+#: The most dead letters ``dead-letters --limit`` lists (and ``redrive`` reads) at once.
+MAX_DEAD_LETTERS = 100_000
 
 #: How long ``describe`` waits for the broker's answers.
 BROKER_TIMEOUT = 15.0
@@ -124,7 +127,7 @@ async def redrive_command(
         return 2
     selected = [
         row
-        for row in await consumers.dead_letters(consumer, 100_000)
+        for row in await consumers.dead_letters(consumer, MAX_DEAD_LETTERS)
         if (handler is None or row["handler"] == handler) and (not event_ids or row["event_id"] in event_ids)
     ]
     changed = await consumers.redrive(consumer, handler, event_ids) if apply else 0
@@ -276,7 +279,12 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="consumers_command", required=True, metavar="ACTION")
     dead = actions.add_parser("dead-letters", help="list dead letters")
     dead.add_argument("--consumer", help="only this consumer's")
-    dead.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    dead.add_argument(
+        "--limit",
+        type=int_argument(1, MAX_DEAD_LETTERS),
+        default=100,
+        help=f"at most this many, 1 to {MAX_DEAD_LETTERS} (default 100)",
+    )
     add_json_option(dead)
     redrive = actions.add_parser(
         "redrive", help="send dead letters round again (retried by a running consume); shows them, applies with --yes"

@@ -11,16 +11,21 @@ import sys
 
 import anyio
 
-from room_outbox.cli.command import Command
+from room_outbox.cli.command import Command, int_argument
 from room_outbox.plugins.tencent_im.fake.im import DEFAULT_ADMIN, DEV_KEY, DEV_SDKAPPID, FakeTencentIM, Faults
 from room_outbox.plugins.tencent_im.fake.server import serve_fake_im
 
 
 def add_fake_im_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=8090, help="TCP port (0: any free port; default 8090)")
+    parser.add_argument(
+        "--port", type=int_argument(0, 65535), default=8090, help="TCP port (0: any free port; default 8090)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument(
-        "--sdkappid", type=int, default=DEV_SDKAPPID, help=f"SDKAppID it serves (default {DEV_SDKAPPID})"
+        "--sdkappid",
+        type=int_argument(1, 2**63 - 1),
+        default=DEV_SDKAPPID,
+        help=f"SDKAppID it serves (default {DEV_SDKAPPID})",
     )
     parser.add_argument(
         "--key",
