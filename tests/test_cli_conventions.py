@@ -326,3 +326,27 @@ def test_fake_im_refuses_a_port_out_of_range_naming_it(port: str) -> None:
     assert done.stderr.splitlines()[-1] == (
         f"room-outbox fake-im: error: argument --port: {port} is out of range (0 to 65535)"
     )
+
+
+@pytest.mark.parametrize(
+    ("faults", "said"),
+    [
+        (
+            '{"bogus": 1}',
+            "bogus: no such fault (known: error_rate, error_codes, fail_next, http_error_rate, http_status,"
+            " latency, hang_rate, drop_rate, drop_reason, app_qps_limit, group_qps_limit)",
+        ),
+        (
+            '{"error_rate": 2, "latency": "x"}',
+            "error_rate: Input should be less than or equal to 1;"
+            " latency: Input should be a valid number, unable to parse string as a number",
+        ),
+        ("[1]", 'the faults: a JSON object is expected, e.g. {"error_rate": 0.2}'),
+        ('{"error_rate', "not JSON: Unterminated string starting at: line 1 column 2 (char 1)"),
+    ],
+)
+def test_fake_im_names_each_bad_fault_in_one_line(faults: str, said: str) -> None:
+    """pydantic's own text took four lines a field, with the input and a web link."""
+    done = room_outbox("fake-im", "--port", "0", "--faults", faults)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"room-outbox fake-im: --faults: {said}\n"

@@ -10,6 +10,7 @@ import signal
 import sys
 
 import anyio
+from pydantic import ValidationError
 
 from room_outbox.cli.command import Command, int_argument
 from room_outbox.plugins.tencent_im.fake.im import DEFAULT_ADMIN, DEV_KEY, DEV_SDKAPPID, FakeTencentIM, Faults
@@ -38,7 +39,7 @@ def add_fake_im_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_fake_im(args: argparse.Namespace) -> int:
     try:
-        faults = Faults.model_validate(json.loads(args.faults))
+        faults = parse_faults(args.faults)
     except ValueError as exc:
         print(f"room-outbox fake-im: --faults: {exc}", file=sys.stderr)
         return 2
@@ -48,6 +49,28 @@ def run_fake_im(args: argparse.Namespace) -> int:
         print(f"room-outbox fake-im: {problem}", file=sys.stderr)
         return 2
     return 0
+
+
+def parse_faults(text: str) -> Faults:
+    """``--faults``; a ValueError whose text is one line naming each bad field (pydantic's own
+    text spans lines, with the input and a web link, which an operator's terminal need not show)."""
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    try:
+        return Faults.model_validate(doc)
+    except ValidationError as exc:
+        known = ", ".join(Faults.model_fields)
+        problems = []
+        for error in exc.errors(include_url=False, include_input=False):
+            field = ".".join(str(part) for part in error["loc"]) or "the faults"
+            reason = {
+                "extra_forbidden": f"no such fault (known: {known})",
+                "model_type": 'a JSON object is expected, e.g. {"error_rate": 0.2}',
+            }.get(error["type"], error["msg"])
+            problems.append(f"{field}: {reason}")
+        raise ValueError("; ".join(problems)) from None
 
 
 async def _serve(fake: FakeTencentIM, host: str, port: int) -> str | None:
