@@ -350,3 +350,16 @@ def test_fake_im_names_each_bad_fault_in_one_line(faults: str, said: str) -> Non
     done = room_outbox("fake-im", "--port", "0", "--faults", faults)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == f"room-outbox fake-im: --faults: {said}\n"
+
+
+def test_consumers_on_sqlite_say_so_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The message carried the prefix the CLI adds to every error: it was printed twice."""
+    without_room_outbox_environment(monkeypatch)
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"database: {{dsn: 'sqlite:///{tmp_path}/outbox.db'}}\nsinks: {{tencent_im: {{enabled: false}}}}\n"
+    )
+    assert room_outbox("--config", str(config), "migrate").returncode == 0
+    done = room_outbox("--config", str(config), "consumers", "dead-letters")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == "room-outbox: consumers: needs a MySQL or PostgreSQL database; database.dsn names SQLite\n"
