@@ -604,7 +604,9 @@ class _Environment(EnvSettingsSource):
     typed sections decode it by their types, but the sections whose keys are the plugins' own
     (``sinks``, ``consumers``, ``outbox_worker.lanes``) are mappings of any value, so their
     JSON arrays and objects are decoded here (``ROOM_OUTBOX__SINKS__NOOP__EVENT_TYPES=
-    '["RoomCreated"]'``). A value that is not valid JSON stays text (``{room_id}``)."""
+    '["RoomCreated"]'``). A value that is not valid JSON stays text (``{room_id}``); should its
+    key want a list or a mapping, the section's error names the variable and where its JSON
+    breaks (:func:`describe_validation_error`)."""
 
     def explode_env_vars(self, field_name: str, field: FieldInfo, env_vars: Mapping[str, str | None]) -> dict[str, Any]:
         exploded = super().explode_env_vars(field_name, field, env_vars)
@@ -699,8 +701,15 @@ def _undecodable_environment(exc: SettingsError) -> str:
             try:
                 json.loads(value)
             except json.JSONDecodeError as error:
-                bad.append(f"{name}: not valid JSON ({error.msg} at character {error.pos})")
+                bad.append(f"{name}: not valid JSON ({_where_json_breaks(error)})")
     return "invalid environment: " + ("; ".join(bad) if bad else str(exc))
+
+
+def _where_json_breaks(error: json.JSONDecodeError) -> str:
+    """``Expecting ',' delimiter at character 41``; some of json's messages end in "at"
+    already (``Unterminated string starting at``)."""
+    at = "" if error.msg.endswith(" at") else " at"
+    return f"{error.msg}{at} character {error.pos}"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -761,5 +770,24 @@ def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
     for error in exc.errors(include_url=False, include_input=False):
         key = ".".join(str(part) for part in (prefix, *error["loc"]) if part != "")
         message = error["msg"].removeprefix("Value error, ")
-        lines.append(f"{key or 'config'}: {message}")
+        broken = _broken_json_variable(key)
+        lines.append(f"{key or 'config'}: {message}" + (f"; {broken}" if broken else ""))
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _broken_json_variable(key: str) -> str | None:
+    """The environment variable that set ``key`` (or a section above it) with JSON that does
+    not parse, named with where it breaks (never its value: it may hold a secret). The plugins'
+    sections keep such text as text (it may be a template, ``{room_id}``), so the error their
+    own validation raises is the only place left to say that the JSON broke."""
+    parts = key.split(".")
+    variables = {name.upper(): value for name, value in os.environ.items()}
+    for end in range(len(parts), 0, -1):
+        name = ENV_PREFIX + "__".join(parts[:end]).upper()
+        value = variables.get(name)
+        if value is not None and _looks_like_json(value):
+            try:
+                json.loads(value)
+            except json.JSONDecodeError as error:
+                return f"{name} is not valid JSON ({_where_json_breaks(error)})"
+    return None
