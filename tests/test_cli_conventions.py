@@ -264,6 +264,46 @@ async def test_check_config_and_migrate_report_json(
     assert all(isinstance(statement, str) for statement in steps[0]["statements"])
 
 
+EVERY_ERROR = [
+    "database.pool_sise: Extra inputs are not permitted",
+    "sinks.tencent_im.sdkappid: is required: the SDKAppID of the Tencent IM app (console → app → SDKAppID)",
+    "sinks.tencent_im.secret_key: is empty; set it through the environment as ROOM_OUTBOX__SINKS__TENCENT_IM__SECRET_KEY",
+]
+
+
+@pytest.mark.parametrize("command", ["check-config", "run"])
+def test_a_configuration_that_does_not_load_is_reported_with_every_other_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """A key the settings refuse stopped the check there: the sink's own errors showed only on
+    the next run, once the key was fixed."""
+    without_room_outbox_environment(monkeypatch)
+    config = tmp_path / "config.yaml"
+    config.write_text("database:\n  pool_sise: 3\nsinks:\n  tencent_im:\n    enabled: true\n")
+    done = room_outbox(command, "--config", str(config))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.splitlines() == ["room-outbox: invalid configuration:", *(f"  {e}" for e in EVERY_ERROR)]
+
+
+def test_check_config_json_reports_an_invalid_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--json printed nothing on stdout for an invalid configuration ("ok" was true, always)."""
+    without_room_outbox_environment(monkeypatch)
+    config = tmp_path / "config.yaml"
+    config.write_text("database:\n  pool_sise: 3\nsinks:\n  tencent_im:\n    enabled: true\n")
+    done = room_outbox("check-config", "--json", "--config", str(config))
+    assert done.returncode == 2
+    doc = json.loads(done.stdout)
+    assert (doc["ok"], doc["errors"], doc["source"], doc["main_sinks"]) == (False, EVERY_ERROR, str(config), [])
+    config.write_text("database:\n  pool_size: 3\nsinks:\n  tencent_im:\n    enabled: true\n")
+    done = room_outbox("check-config", "--json", "--config", str(config))
+    assert done.returncode == 2
+    assert (json.loads(done.stdout)["ok"], json.loads(done.stdout)["errors"]) == (False, EVERY_ERROR[1:])
+    config.write_text("database:\n  pool_size: 3\nsinks:\n  tencent_im:\n    enabled: false\n")
+    done = room_outbox("check-config", "--json", "--config", str(config))
+    assert done.returncode == 0
+    assert (json.loads(done.stdout)["ok"], json.loads(done.stdout)["errors"]) == (True, [])
+
+
 # -- consumers redrive names an unknown consumer -------------------------------------------------
 
 

@@ -273,6 +273,18 @@ def test_an_environment_variable_naming_no_setting_is_refused_with_the_name_mean
     assert load_settings().node_id == "relay-1"
 
 
+def test_a_variable_naming_no_setting_and_a_key_in_error_are_both_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variables naming no setting stopped the load before the file's keys were looked at."""
+    monkeypatch.setenv("ROOM_OUTBOX__DATBASE__DSN", "mysql://u:hunter22@db/room")
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, "database:\n  pool_sise: 3\n"))
+    lines = str(info.value).splitlines()
+    assert lines[0] == "invalid configuration:" and lines[1].startswith("  ROOM_OUTBOX__DATBASE__DSN: names no setting")
+    assert lines[2:] == ["  database.pool_sise: Extra inputs are not permitted"]
+
+
 def test_a_plugins_list_or_mapping_comes_from_the_environment_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sinks', consumers' and lanes' keys are the plugins' own, so no type decodes their JSON:
     a list or a mapping given in one variable is decoded as the typed sections' are; text that

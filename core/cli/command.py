@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from room_outbox.config import Settings, parse_duration
+from room_outbox.errors import ConfigurationError
+from room_outbox.observability.redaction import Redactor
 from room_outbox.startup import table_profile
 from room_outbox.store.backends.errors import translated
 from room_outbox.store.factory import describe, open_store, store_address
@@ -39,6 +41,10 @@ class Command:
     #: Adds the command's own arguments (and actions) to its parser.
     arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[..., Any]
+    #: ``needs`` config or store: what the command does when the configuration does not load,
+    #: given the error, its arguments and the process's redactor (``check-config`` and ``run``
+    #: report it with every other problem); None: the error stops the command as it is.
+    invalid_config: Callable[[ConfigurationError, argparse.Namespace, Redactor], int] | None = None
 
 
 def add_config_option(parser: argparse.ArgumentParser, needs: Needs) -> None:

@@ -16,7 +16,7 @@ import anyio
 from room_outbox.cli.command import CONFIG_HELP, add_config_option, default_config, with_store
 from room_outbox.cli.registry import COMMANDS
 from room_outbox.config import load_settings
-from room_outbox.errors import RoomOutboxError
+from room_outbox.errors import ConfigurationError, RoomOutboxError
 from room_outbox.observability.logs import configure_logging, flush_logs
 from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.version import package_version
@@ -147,7 +147,12 @@ def _command(args: argparse.Namespace, parser: argparse.ArgumentParser, redactor
     command = BY_NAME[args.command].command()
     if command.needs == "none":
         return int(command.run(args, parser))
-    settings = load_settings(args.config)
+    try:
+        settings = load_settings(args.config)
+    except ConfigurationError as exc:
+        if command.invalid_config is None:
+            raise
+        return int(command.invalid_config(exc, args, redactor))
     redactor.add_all(redactor_for(settings))  # logs, spans, last_error, sinks and failures share it
     configure_logging(
         settings.log.level,
