@@ -403,3 +403,29 @@ def test_consumers_on_sqlite_say_so_once(tmp_path: Path, monkeypatch: pytest.Mon
     done = room_outbox("--config", str(config), "consumers", "dead-letters")
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == "room-outbox: consumers: needs a MySQL or PostgreSQL database; database.dsn names SQLite\n"
+
+
+# -- a mistyped SQLite path ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["status"], ["inspect", "evt_1"], ["lanes"], ["run"]])
+def test_a_missing_sqlite_file_is_named_and_not_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]
+) -> None:
+    """Every command made the file's folders and an empty database there, then failed on its
+    missing tables: a later migrate with the same typo would have migrated the wrong file."""
+    without_room_outbox_environment(monkeypatch)
+    path = tmp_path / "typo" / "deep" / "outbox.db"
+    config = tmp_path / "config.yaml"
+    dsn = f"sqlite://{path}"  # sqlite:///tmp/…: the path is absolute
+    config.write_text(f"database: {{dsn: '{dsn}'}}\nsinks: {{tencent_im: {{enabled: false}}}}\n")
+    done = room_outbox("--config", str(config), *command)
+    assert (done.returncode, done.stdout) == (3, "")
+    assert done.stderr.splitlines()[-1] == (
+        f"room-outbox: SQLite database file '{path}' does not exist: is database.dsn's path right?"
+        " (`room-outbox migrate` creates it)"
+    )
+    assert not (tmp_path / "typo").exists()
+    assert room_outbox("--config", str(config), "migrate").returncode == 0  # migrate creates it
+    done = room_outbox("--config", str(config), "status", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["pending"] == 0

@@ -137,6 +137,7 @@ async def with_store(settings: Settings, work: Callable[[SQLStore], Awaitable[in
         query_timeout=settings.database.query_timeout,
         profile=table_profile(settings),
         max_envelope_bytes=settings.database.max_envelope_bytes,
+        existing_only=True,  # only migrate (and the demo) create a SQLite file
     )
     try:
         with translated_errors(dsn):
