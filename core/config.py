@@ -9,6 +9,7 @@ Bad configuration raises :class:`ConfigError` with one line per problem, each na
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -73,6 +74,17 @@ MAX_IDENTIFIER = 63
 MAX_TABLE_NAME = MAX_IDENTIFIER - len("idx__status_id")
 #: The configuration error of :mod:`room_outbox.errors`, under the name this module always had.
 ConfigError = ConfigurationError
+
+
+class InvalidSettings(ConfigurationError):
+    """The file and environment do not make settings. ``rest``: the settings with the keys in
+    error left out (their defaults in their place), so that ``check-config`` can look for the
+    problems beyond them too; None when they cannot be left out (an environment variable's,
+    a value wrong across keys, the whole ``sinks`` section)."""
+
+    def __init__(self, message: str, rest: Settings | None) -> None:
+        super().__init__(message)
+        self.rest = rest
 
 
 def parse_listen(address: str) -> tuple[str, int]:
@@ -604,7 +616,9 @@ class _Environment(EnvSettingsSource):
     typed sections decode it by their types, but the sections whose keys are the plugins' own
     (``sinks``, ``consumers``, ``outbox_worker.lanes``) are mappings of any value, so their
     JSON arrays and objects are decoded here (``ROOM_OUTBOX__SINKS__NOOP__EVENT_TYPES=
-    '["RoomCreated"]'``). A value that is not valid JSON stays text (``{room_id}``)."""
+    '["RoomCreated"]'``). A value that is not valid JSON stays text (``{room_id}``); should its
+    key want a list or a mapping, the section's error names the variable and where its JSON
+    breaks (:func:`describe_validation_error`)."""
 
     def explode_env_vars(self, field_name: str, field: FieldInfo, env_vars: Mapping[str, str | None]) -> dict[str, Any]:
         exploded = super().explode_env_vars(field_name, field, env_vars)
@@ -651,15 +665,59 @@ def load_settings(config_file: str | Path | None = None) -> Settings:
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
         data = loaded or {}
-    unknown = _unknown_environment()
-    if unknown:
-        raise ConfigError("invalid environment:\n  " + "\n  ".join(unknown))
+    # Every problem at once: the variables naming no setting, then the keys in error.
+    unknown = [f"  {line}" for line in _unknown_environment()]
     try:
-        return Settings(**data)
+        settings = Settings(**data)
     except ValidationError as exc:
-        raise ConfigError(describe_validation_error(exc)) from None
+        problems, rest = describe_validation_error(exc).splitlines()[1:], _the_rest(data, exc)
     except SettingsError as exc:  # an environment variable that should hold JSON does not
-        raise ConfigError(_undecodable_environment(exc)) from None
+        if not unknown:
+            raise InvalidSettings(_undecodable_environment(exc), None) from None
+        problems, rest = ["  " + _undecodable_environment(exc).removeprefix("invalid environment: ")], None
+    else:
+        if not unknown:
+            return settings
+        problems, rest = [], settings
+    heading = "invalid configuration:" if problems else "invalid environment:"
+    raise InvalidSettings("\n".join([heading, *unknown, *problems]), rest)
+
+
+#: How many times :func:`_the_rest` leaves keys out before it gives up (each round's errors can
+#: hide others: a section's own check runs once its keys are valid).
+_REST_ROUNDS = 5
+
+
+def _the_rest(data: dict[str, Any], exc: ValidationError) -> Settings | None:
+    """Settings from ``data`` without the keys ``exc`` (and each next try) finds in error."""
+    rest = copy.deepcopy(data)
+    for _ in range(_REST_ROUNDS):
+        if not all(_left_out(rest, error["loc"]) for error in exc.errors()):
+            return None
+        try:
+            return Settings(**rest)
+        except ValidationError as again:
+            exc = again
+        except SettingsError:
+            return None
+    return None
+
+
+def _left_out(data: dict[str, Any], loc: tuple[int | str, ...]) -> bool:
+    """Delete the key ``loc`` names from the file's ``data``; whether there was one to delete.
+    A whole ``sinks`` section is kept: its default enables tencent_im, whose missing
+    credentials would then be reported as the operator's mistake."""
+    if not loc or loc == ("sinks",):
+        return False
+    container: Any = data
+    for key in loc[:-1]:
+        if not isinstance(container, dict) or key not in container:
+            return False
+        container = container[key]
+    if not isinstance(container, dict) or loc[-1] not in container:
+        return False
+    del container[loc[-1]]
+    return True
 
 
 def _unknown_environment() -> list[str]:
@@ -699,8 +757,15 @@ def _undecodable_environment(exc: SettingsError) -> str:
             try:
                 json.loads(value)
             except json.JSONDecodeError as error:
-                bad.append(f"{name}: not valid JSON ({error.msg} at character {error.pos})")
+                bad.append(f"{name}: not valid JSON ({_where_json_breaks(error)})")
     return "invalid environment: " + ("; ".join(bad) if bad else str(exc))
+
+
+def _where_json_breaks(error: json.JSONDecodeError) -> str:
+    """``Expecting ',' delimiter at character 41``; some of json's messages end in "at"
+    already (``Unterminated string starting at``)."""
+    at = "" if error.msg.endswith(" at") else " at"
+    return f"{error.msg}{at} character {error.pos}"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -761,5 +826,24 @@ def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
     for error in exc.errors(include_url=False, include_input=False):
         key = ".".join(str(part) for part in (prefix, *error["loc"]) if part != "")
         message = error["msg"].removeprefix("Value error, ")
-        lines.append(f"{key or 'config'}: {message}")
+        broken = _broken_json_variable(key)
+        lines.append(f"{key or 'config'}: {message}" + (f"; {broken}" if broken else ""))
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _broken_json_variable(key: str) -> str | None:
+    """The environment variable that set ``key`` (or a section above it) with JSON that does
+    not parse, named with where it breaks (never its value: it may hold a secret). The plugins'
+    sections keep such text as text (it may be a template, ``{room_id}``), so the error their
+    own validation raises is the only place left to say that the JSON broke."""
+    parts = key.split(".")
+    variables = {name.upper(): value for name, value in os.environ.items()}
+    for end in range(len(parts), 0, -1):
+        name = ENV_PREFIX + "__".join(parts[:end]).upper()
+        value = variables.get(name)
+        if value is not None and _looks_like_json(value):
+            try:
+                json.loads(value)
+            except json.JSONDecodeError as error:
+                return f"{name} is not valid JSON ({_where_json_breaks(error)})"
+    return None

@@ -2,6 +2,7 @@
 
     RoomOutboxError                 root: the CLI prints its message as one line and exits
     ├── ConfigurationError          bad configuration (exit 2); ``config.ConfigError`` is this class
+    ├── BrokerUnavailable           a Kafka broker an operator command asks (exit 3)
     ├── StoreError                  the database (exit 3)
     │   ├── StoreUnavailable        cannot connect, log in, or find the database
     │   ├── SchemaError             connected, but the tables are not migrated
@@ -37,6 +38,13 @@ class ConfigurationError(RoomOutboxError):
     """Configuration that must stop start-up; the message names every offending key."""
 
     exit_code = 2
+
+
+class BrokerUnavailable(RoomOutboxError):
+    """A Kafka broker a one-off command asks (``consumers describe``) cannot be reached, or
+    refuses or does not answer it: an unreachable dependency, exit 3 as for the database."""
+
+    exit_code = 3
 
 
 class StoreError(RoomOutboxError):

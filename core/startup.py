@@ -112,6 +112,7 @@ async def open_checked_store(settings: Settings, own_lanes: list[str], tail_lane
         wait=database.connect_wait,
         profile=table_profile(settings),
         max_envelope_bytes=database.max_envelope_bytes,
+        existing_only=True,  # a SQLite file is migrate's to create: run would find no table in a new one
     )
     try:
         with translated(describe(store_address(database.dsn.get_secret_value()))):

@@ -264,6 +264,46 @@ async def test_check_config_and_migrate_report_json(
     assert all(isinstance(statement, str) for statement in steps[0]["statements"])
 
 
+EVERY_ERROR = [
+    "database.pool_sise: Extra inputs are not permitted",
+    "sinks.tencent_im.sdkappid: is required: the SDKAppID of the Tencent IM app (console → app → SDKAppID)",
+    "sinks.tencent_im.secret_key: is empty; set it through the environment as ROOM_OUTBOX__SINKS__TENCENT_IM__SECRET_KEY",
+]
+
+
+@pytest.mark.parametrize("command", ["check-config", "run"])
+def test_a_configuration_that_does_not_load_is_reported_with_every_other_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """A key the settings refuse stopped the check there: the sink's own errors showed only on
+    the next run, once the key was fixed."""
+    without_room_outbox_environment(monkeypatch)
+    config = tmp_path / "config.yaml"
+    config.write_text("database:\n  pool_sise: 3\nsinks:\n  tencent_im:\n    enabled: true\n")
+    done = room_outbox(command, "--config", str(config))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.splitlines() == ["room-outbox: invalid configuration:", *(f"  {e}" for e in EVERY_ERROR)]
+
+
+def test_check_config_json_reports_an_invalid_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--json printed nothing on stdout for an invalid configuration ("ok" was true, always)."""
+    without_room_outbox_environment(monkeypatch)
+    config = tmp_path / "config.yaml"
+    config.write_text("database:\n  pool_sise: 3\nsinks:\n  tencent_im:\n    enabled: true\n")
+    done = room_outbox("check-config", "--json", "--config", str(config))
+    assert done.returncode == 2
+    doc = json.loads(done.stdout)
+    assert (doc["ok"], doc["errors"], doc["source"], doc["main_sinks"]) == (False, EVERY_ERROR, str(config), [])
+    config.write_text("database:\n  pool_size: 3\nsinks:\n  tencent_im:\n    enabled: true\n")
+    done = room_outbox("check-config", "--json", "--config", str(config))
+    assert done.returncode == 2
+    assert (json.loads(done.stdout)["ok"], json.loads(done.stdout)["errors"]) == (False, EVERY_ERROR[1:])
+    config.write_text("database:\n  pool_size: 3\nsinks:\n  tencent_im:\n    enabled: false\n")
+    done = room_outbox("check-config", "--json", "--config", str(config))
+    assert done.returncode == 0
+    assert (json.loads(done.stdout)["ok"], json.loads(done.stdout)["errors"]) == (True, [])
+
+
 # -- consumers redrive names an unknown consumer -------------------------------------------------
 
 
@@ -293,3 +333,99 @@ async def test_a_terminal_without_an_events_characters_shows_them_escaped(store:
     )
     assert shown.returncode == 0, shown.stderr.decode()
     assert '"t": "\\U0001f389 \\u4f60\\u597d"' in shown.stdout.decode("ascii")
+
+
+# -- integer options out of range --------------------------------------------------------------
+
+
+def room_outbox(*argv: str) -> subprocess.CompletedProcess[str]:
+    """The command line as a process: what an operator sees, exit code and all."""
+    return subprocess.run([sys.executable, "-m", "room_outbox.cli", *argv], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("limit", ["-1", "0", "99999999999999999999"])
+async def test_dead_letters_refuses_a_limit_out_of_range_naming_it(store: MySQLStore, config: str, limit: str) -> None:
+    """The limit went into SQL's LIMIT as typed: a traceback (exit 1) from the database."""
+    consumers = consumer_store(store)
+    assert consumers is not None
+    await consumers.migrate()
+    done = room_outbox("--config", config, "consumers", "dead-letters", f"--limit={limit}")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"room-outbox consumers dead-letters: error: argument --limit: {limit} is out of range (1 to 100000)"
+    )
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_fake_im_refuses_a_port_out_of_range_naming_it(port: str) -> None:
+    """A port beyond 0 to 65535 reached the socket: an OverflowError traceback (exit 1)."""
+    done = room_outbox("fake-im", f"--port={port}")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"room-outbox fake-im: error: argument --port: {port} is out of range (0 to 65535)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("faults", "said"),
+    [
+        (
+            '{"bogus": 1}',
+            "bogus: no such fault (known: error_rate, error_codes, fail_next, http_error_rate, http_status,"
+            " latency, hang_rate, drop_rate, drop_reason, app_qps_limit, group_qps_limit)",
+        ),
+        (
+            '{"error_rate": 2, "latency": "x"}',
+            "error_rate: Input should be less than or equal to 1;"
+            " latency: Input should be a valid number, unable to parse string as a number",
+        ),
+        ("[1]", 'the faults: a JSON object is expected, e.g. {"error_rate": 0.2}'),
+        ('{"error_rate', "not JSON: Unterminated string starting at: line 1 column 2 (char 1)"),
+    ],
+)
+def test_fake_im_names_each_bad_fault_in_one_line(faults: str, said: str) -> None:
+    """pydantic's own text took four lines a field, with the input and a web link."""
+    done = room_outbox("fake-im", "--port", "0", "--faults", faults)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"room-outbox fake-im: --faults: {said}\n"
+
+
+def test_consumers_on_sqlite_say_so_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The message carried the prefix the CLI adds to every error: it was printed twice."""
+    without_room_outbox_environment(monkeypatch)
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"database: {{dsn: 'sqlite:///{tmp_path}/outbox.db'}}\nsinks: {{tencent_im: {{enabled: false}}}}\n"
+    )
+    assert room_outbox("--config", str(config), "migrate").returncode == 0
+    done = room_outbox("--config", str(config), "consumers", "dead-letters")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == "room-outbox: consumers: needs a MySQL or PostgreSQL database; database.dsn names SQLite\n"
+
+
+# -- a mistyped SQLite path ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["status"], ["inspect", "evt_1"], ["lanes"], ["run"]])
+def test_a_missing_sqlite_file_is_named_and_not_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]
+) -> None:
+    """Every command made the file's folders and an empty database there, then failed on its
+    missing tables: a later migrate with the same typo would have migrated the wrong file."""
+    without_room_outbox_environment(monkeypatch)
+    path = tmp_path / "typo" / "deep" / "outbox.db"
+    config = tmp_path / "config.yaml"
+    dsn = f"sqlite://{path}"  # sqlite:///tmp/…: the path is absolute
+    config.write_text(f"database: {{dsn: '{dsn}'}}\nsinks: {{tencent_im: {{enabled: false}}}}\n")
+    done = room_outbox("--config", str(config), *command)
+    assert (done.returncode, done.stdout) == (3, "")
+    assert done.stderr.splitlines()[-1] == (
+        f"room-outbox: SQLite database file '{path}' does not exist: is database.dsn's path right?"
+        " (`room-outbox migrate` creates it)"
+    )
+    assert not (tmp_path / "typo").exists()
+    assert room_outbox("--config", str(config), "migrate").returncode == 0  # migrate creates it
+    done = room_outbox("--config", str(config), "status", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["pending"] == 0

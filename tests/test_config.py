@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from room_outbox.config import ConfigError, load_settings, parse_duration
+from room_outbox.plugin_manager import make_plugin_manager
+from room_outbox.startup import check_configuration
 
 
 @pytest.fixture(autouse=True)
@@ -202,6 +204,51 @@ def test_an_environment_variable_whose_json_breaks_is_named_not_echoed(monkeypat
     )
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "line"),
+    [
+        (
+            "ROOM_OUTBOX__SINKS__NOOP__EVENT_TYPES",
+            '["RoomCreated", "hunter22',
+            "sinks.noop.event_types: Input should be a valid list; ROOM_OUTBOX__SINKS__NOOP__EVENT_TYPES is not"
+            " valid JSON (Unterminated string starting at character 16)",
+        ),
+        (
+            "ROOM_OUTBOX__SINKS__TENCENT_IM__APPS",
+            '{"main": {"sdkappid": 1400000000, "secret_key": "hunter22"}',
+            "sinks.tencent_im.apps: Input should be a valid dictionary; ROOM_OUTBOX__SINKS__TENCENT_IM__APPS is not"
+            " valid JSON (Expecting ',' delimiter at character 59)",
+        ),
+        (
+            "ROOM_OUTBOX__CONSUMERS__FEED__HANDLERS",
+            "[audit, hunter22]",
+            "consumers.feed.handlers: Input should be a valid list; ROOM_OUTBOX__CONSUMERS__FEED__HANDLERS is not"
+            " valid JSON (Expecting value at character 1)",
+        ),
+        (
+            "ROOM_OUTBOX__OUTBOX_WORKER__LANES__MAIN__RETRY",
+            '{"base": "hunter22"',
+            "outbox_worker.lanes.main.retry: Input should be a valid dictionary or instance of RetrySettings;"
+            " ROOM_OUTBOX__OUTBOX_WORKER__LANES__MAIN__RETRY is not valid JSON (Expecting ',' delimiter at"
+            " character 19)",
+        ),
+    ],
+)
+def test_a_plugin_sections_variable_whose_json_breaks_is_named_with_where(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, line: str
+) -> None:
+    """The plugins' sections keep text that is not JSON as text (a template), so a list or a
+    mapping whose JSON broke was reported only as "Input should be a valid list", the variable
+    and the break unnamed. The value is never shown (it may hold a secret)."""
+    monkeypatch.setenv("ROOM_OUTBOX__SINKS__TENCENT_IM__SDKAPPID", "1400000000")
+    monkeypatch.setenv("ROOM_OUTBOX__SINKS__TENCENT_IM__SECRET_KEY", "k")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as info:
+        check_configuration(load_settings(), make_plugin_manager())
+    message = str(info.value)
+    assert f"  {line}" in message.splitlines() and "hunter22" not in message
+
+
 def test_an_environment_variable_naming_no_setting_is_refused_with_the_name_meant(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -224,6 +271,18 @@ def test_an_environment_variable_naming_no_setting_is_refused_with_the_name_mean
     for name in ("ROOM_OUTBOX__DATABASE_DSN", "ROOM_OUTBOX_OUTBOX_WORKER__BATCH_SIZE", "ROOM_OUTBOX__DATBASE__DSN"):
         monkeypatch.delenv(name)
     assert load_settings().node_id == "relay-1"
+
+
+def test_a_variable_naming_no_setting_and_a_key_in_error_are_both_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variables naming no setting stopped the load before the file's keys were looked at."""
+    monkeypatch.setenv("ROOM_OUTBOX__DATBASE__DSN", "mysql://u:hunter22@db/room")
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, "database:\n  pool_sise: 3\n"))
+    lines = str(info.value).splitlines()
+    assert lines[0] == "invalid configuration:" and lines[1].startswith("  ROOM_OUTBOX__DATBASE__DSN: names no setting")
+    assert lines[2:] == ["  database.pool_sise: Extra inputs are not permitted"]
 
 
 def test_a_plugins_list_or_mapping_comes_from_the_environment_as_json(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,27 +4,27 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from room_outbox.cli.command import Command, add_json_option
-from room_outbox.config import Settings
-from room_outbox.observability.redaction import Redactor
+from room_outbox.config import InvalidSettings, Settings
+from room_outbox.errors import ConfigurationError
+from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.plugin_manager import make_plugin_manager
-from room_outbox.startup import check_configuration
+from room_outbox.startup import CheckedConfiguration, check_configuration
+
+#: The headings of a configuration error that lists its problems a line each.
+_HEADINGS = ("invalid configuration:", "invalid environment:")
 
 
 def check_config(settings: Settings, source: str | None, as_json: bool = False) -> int:
-    """OK with what runs, or (raised before this returns) every problem, naming the key."""
-    checked = check_configuration(settings, make_plugin_manager(settings.plugins.disabled))
+    """OK with what runs, or every problem, naming the key (exit 2)."""
+    try:
+        checked = check_configuration(settings, make_plugin_manager(settings.plugins.disabled))
+    except ConfigurationError as exc:
+        return _invalid(problems(exc), source, as_json, list(settings.deprecated_names))
     if as_json:
-        doc = {
-            "ok": True,
-            "source": source,
-            "database": checked.database,
-            "main_sinks": list(checked.main_sinks),
-            "own_lanes": list(checked.own_lanes),
-            "warnings": list(settings.deprecated_names),
-        }
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(_report(source, checked, list(settings.deprecated_names), []), indent=2))
         return 0
     print(
         f"configuration OK ({source or 'defaults and environment'}): database {checked.database!r};"
@@ -34,6 +34,54 @@ def check_config(settings: Settings, source: str | None, as_json: bool = False) 
     for line in settings.deprecated_names:
         print(f"warning: {line}")
     return 0
+
+
+def check_unloadable(exc: ConfigurationError, source: str | None, redactor: Redactor, as_json: bool = False) -> int:
+    """A configuration that does not load: its problems, and those of the rest of it (the
+    keys in error left out), so that one run lists every error, not one a run. Raises the
+    :class:`ConfigurationError` that lists them all (exit 2)."""
+    found = problems(exc)
+    rest = exc.rest if isinstance(exc, InvalidSettings) else None
+    warnings: list[str] = []
+    if rest is not None:
+        redactor.add_all(redactor_for(rest))  # the error printed is masked as a loaded one's
+        warnings = list(rest.deprecated_names)
+        try:
+            check_configuration(rest, make_plugin_manager(rest.plugins.disabled))
+        except ConfigurationError as more:
+            found += [line for line in problems(more) if line not in found]
+    return _invalid([redactor.redact(line) for line in found], source, as_json, warnings)
+
+
+def problems(exc: ConfigurationError) -> list[str]:
+    """The problems of a configuration error, a line each, without its heading."""
+    text = str(exc)
+    for heading in _HEADINGS:
+        if text.startswith(heading):
+            return [line.strip() for line in text.removeprefix(heading).splitlines() if line.strip()]
+    return [text]
+
+
+def _invalid(found: list[str], source: str | None, as_json: bool, warnings: list[str]) -> int:
+    """``--json``: the report with ``ok`` false and the problems; the problems as the one
+    error on stderr either way (exit 2)."""
+    if as_json:
+        print(json.dumps(_report(source, None, warnings, found), indent=2))
+    raise ConfigurationError("invalid configuration:\n  " + "\n  ".join(found))
+
+
+def _report(
+    source: str | None, checked: CheckedConfiguration | None, warnings: list[str], errors: list[str]
+) -> dict[str, Any]:
+    return {
+        "ok": not errors,
+        "source": source,
+        "database": checked.database if checked else None,
+        "main_sinks": list(checked.main_sinks) if checked else [],
+        "own_lanes": list(checked.own_lanes) if checked else [],
+        "warnings": warnings,
+        "errors": errors,
+    }
 
 
 def _run(settings: Settings, args: argparse.Namespace, _redactor: Redactor) -> int:
@@ -49,4 +97,5 @@ COMMAND = Command(
     needs="config",
     arguments=add_json_option,
     run=_run,
+    invalid_config=lambda exc, args, redactor: check_unloadable(exc, args.config, redactor, args.json),
 )

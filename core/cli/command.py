@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from room_outbox.config import Settings, parse_duration
+from room_outbox.errors import ConfigurationError
+from room_outbox.observability.redaction import Redactor
 from room_outbox.startup import table_profile
 from room_outbox.store.backends.errors import translated
 from room_outbox.store.factory import describe, open_store, store_address
@@ -39,6 +41,10 @@ class Command:
     #: Adds the command's own arguments (and actions) to its parser.
     arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[..., Any]
+    #: ``needs`` config or store: what the command does when the configuration does not load,
+    #: given the error, its arguments and the process's redactor (``check-config`` and ``run``
+    #: report it with every other problem); None: the error stops the command as it is.
+    invalid_config: Callable[[ConfigurationError, argparse.Namespace, Redactor], int] | None = None
 
 
 def add_config_option(parser: argparse.ArgumentParser, needs: Needs) -> None:
@@ -81,6 +87,23 @@ def duration_argument(text: str) -> TypedDuration:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def int_argument(low: int, high: int) -> Callable[[str], int]:
+    """An integer option's type that takes only ``low`` to ``high``: a value outside them goes
+    on into SQL, a socket or a loop and fails there with a traceback, so argparse refuses it
+    instead (exit 2, naming the option)."""
+
+    def parsed(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is out of range ({low} to {high})")
+        return value
+
+    return parsed
+
+
 def format_duration(seconds: float) -> str:
     """A configured duration in the largest unit that divides it (``168h`` stays ``7d``,
     ``90`` is ``90s``): configuration values are echoed in words a person would type."""
@@ -114,6 +137,7 @@ async def with_store(settings: Settings, work: Callable[[SQLStore], Awaitable[in
         query_timeout=settings.database.query_timeout,
         profile=table_profile(settings),
         max_envelope_bytes=settings.database.max_envelope_bytes,
+        existing_only=True,  # only migrate (and the demo) create a SQLite file
     )
     try:
         with translated_errors(dsn):

@@ -6,8 +6,11 @@ group's members, partitions, committed and end offsets and lag, as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
@@ -15,12 +18,15 @@ import anyio
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
+from aiokafka.errors import KafkaError
 
-from room_outbox.cli.command import Command, add_json_option, add_yes_option, with_store
+from room_outbox.attempt.failure import describe
+from room_outbox.cli.command import Command, add_json_option, add_yes_option, int_argument, with_store
 from room_outbox.cli.output import NONE, format_age, format_table, printable
 from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.ops import migrated_consumer_store
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
+from room_outbox.errors import BrokerUnavailable
 from room_outbox.observability.redaction import Redactor
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import consumer_store
@@ -28,6 +34,9 @@ from room_outbox.store.protocol import SQLStore
 
 #: Dead letters a redrive preview lists (the count covers them all).
 SHOWN = 20
+
+#: The most dead letters ``dead-letters --limit`` lists (and ``redrive`` reads) at once.
+MAX_DEAD_LETTERS = 100_000
 
 #: How long ``describe`` waits for the broker's answers.
 BROKER_TIMEOUT = 15.0
@@ -124,7 +133,7 @@ async def redrive_command(
         return 2
     selected = [
         row
-        for row in await consumers.dead_letters(consumer, 100_000)
+        for row in await consumers.dead_letters(consumer, MAX_DEAD_LETTERS)
         if (handler is None or row["handler"] == handler) and (not event_ids or row["event_id"] in event_ids)
     ]
     changed = await consumers.redrive(consumer, handler, event_ids) if apply else 0
@@ -190,6 +199,8 @@ async def describe_group(name: str, consumer: ConsumerSettings) -> GroupState:
     client = {"bootstrap_servers": consumer.bootstrap_servers, **consumer.security.client_kwargs()}
     admin = AIOKafkaAdminClient(**client)
     reader = AIOKafkaConsumer(enable_auto_commit=False, fetch_max_wait_ms=100, **client)
+    # Every failure of the talk is the broker's (down, refusing the login, not answering):
+    # one error naming the broker and the key that sets it, not a driver's traceback.
     try:
         with anyio.fail_after(BROKER_TIMEOUT):
             await admin.start()
@@ -199,6 +210,15 @@ async def describe_group(name: str, consumer: ConsumerSettings) -> GroupState:
             partitions = [TopicPartition(consumer.topic, p) for p in sorted(await _partitions(reader, consumer.topic))]
             committed = await admin.list_consumer_group_offsets(group, partitions=partitions) if partitions else {}
             ends = await _end_offsets(reader, partitions)
+    except (KafkaError, OSError, TimeoutError) as exc:
+        said = str(exc)  # aiokafka's text often starts with its class's name already
+        reason = said if said.startswith(type(exc).__name__) else describe(exc)
+        if isinstance(exc, TimeoutError):
+            reason = f"no answer within {BROKER_TIMEOUT:g}s"
+        raise BrokerUnavailable(
+            f"consumers describe: cannot reach the Kafka broker {consumer.bootstrap_servers} of consumer {name}"
+            f" ({reason}); is it running, and is consumers.{name}.bootstrap_servers right?"
+        ) from exc
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             await reader.stop()
@@ -243,11 +263,26 @@ async def _partitions(reader: AIOKafkaConsumer, topic: str) -> set[int]:
     return reader.partitions_for_topic(topic) or set()
 
 
+@contextlib.contextmanager
+def _driver_logs_quiet() -> Iterator[None]:
+    """aiokafka's own records held back (all but CRITICAL) while ``describe`` talks to the
+    broker: a broker it cannot reach is reported once, as the command's error; the driver
+    would log it first as an ERROR line of its own."""
+    driver = logging.getLogger("aiokafka")
+    level = driver.level
+    driver.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        driver.setLevel(level)
+
+
 async def describe_command(settings: Settings, only: str | None, as_json: bool, out: IO[str]) -> int:
     found = consumer_settings(settings, only)
-    if not found:
-        raise ConfigError("room-outbox consumers describe: no enabled consumer in the configuration (consumers.<name>)")
-    groups = [await describe_group(name, consumer) for name, consumer in found.items()]
+    if not found:  # (the CLI prefixes "room-outbox: " to every error it prints)
+        raise ConfigError("consumers describe: no enabled consumer in the configuration (consumers.<name>)")
+    with _driver_logs_quiet():
+        groups = [await describe_group(name, consumer) for name, consumer in found.items()]
     if as_json:
         print(json.dumps([asdict(g) | {"lag": g.lag} for g in groups], indent=2), file=out)
         return 0
@@ -276,7 +311,12 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="consumers_command", required=True, metavar="ACTION")
     dead = actions.add_parser("dead-letters", help="list dead letters")
     dead.add_argument("--consumer", help="only this consumer's")
-    dead.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    dead.add_argument(
+        "--limit",
+        type=int_argument(1, MAX_DEAD_LETTERS),
+        default=100,
+        help=f"at most this many, 1 to {MAX_DEAD_LETTERS} (default 100)",
+    )
     add_json_option(dead)
     redrive = actions.add_parser(
         "redrive", help="send dead letters round again (retried by a running consume); shows them, applies with --yes"
@@ -301,7 +341,7 @@ def _run(settings: Settings, args: argparse.Namespace, _redactor: Redactor) -> i
 
 async def _operate(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
     if consumer_store(store) is None:
-        raise ConfigError("room-outbox consumers: needs a MySQL or PostgreSQL database; database.dsn names SQLite")
+        raise ConfigError("consumers: needs a MySQL or PostgreSQL database; database.dsn names SQLite")
     if args.consumers_command == "dead-letters":
         return await dead_letters_command(store, args.consumer, args.limit, args.json, sys.stdout)
     configured = frozenset(settings.consumers)

@@ -10,17 +10,23 @@ import signal
 import sys
 
 import anyio
+from pydantic import ValidationError
 
-from room_outbox.cli.command import Command
+from room_outbox.cli.command import Command, int_argument
 from room_outbox.plugins.tencent_im.fake.im import DEFAULT_ADMIN, DEV_KEY, DEV_SDKAPPID, FakeTencentIM, Faults
 from room_outbox.plugins.tencent_im.fake.server import serve_fake_im
 
 
 def add_fake_im_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=8090, help="TCP port (0: any free port; default 8090)")
+    parser.add_argument(
+        "--port", type=int_argument(0, 65535), default=8090, help="TCP port (0: any free port; default 8090)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument(
-        "--sdkappid", type=int, default=DEV_SDKAPPID, help=f"SDKAppID it serves (default {DEV_SDKAPPID})"
+        "--sdkappid",
+        type=int_argument(1, 2**63 - 1),
+        default=DEV_SDKAPPID,
+        help=f"SDKAppID it serves (default {DEV_SDKAPPID})",
     )
     parser.add_argument(
         "--key",
@@ -33,7 +39,7 @@ def add_fake_im_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_fake_im(args: argparse.Namespace) -> int:
     try:
-        faults = Faults.model_validate(json.loads(args.faults))
+        faults = parse_faults(args.faults)
     except ValueError as exc:
         print(f"room-outbox fake-im: --faults: {exc}", file=sys.stderr)
         return 2
@@ -43,6 +49,28 @@ def run_fake_im(args: argparse.Namespace) -> int:
         print(f"room-outbox fake-im: {problem}", file=sys.stderr)
         return 2
     return 0
+
+
+def parse_faults(text: str) -> Faults:
+    """``--faults``; a ValueError whose text is one line naming each bad field (pydantic's own
+    text spans lines, with the input and a web link, which an operator's terminal need not show)."""
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    try:
+        return Faults.model_validate(doc)
+    except ValidationError as exc:
+        known = ", ".join(Faults.model_fields)
+        problems = []
+        for error in exc.errors(include_url=False, include_input=False):
+            field = ".".join(str(part) for part in error["loc"]) or "the faults"
+            reason = {
+                "extra_forbidden": f"no such fault (known: {known})",
+                "model_type": 'a JSON object is expected, e.g. {"error_rate": 0.2}',
+            }.get(error["type"], error["msg"])
+            problems.append(f"{field}: {reason}")
+        raise ValueError("; ".join(problems)) from None
 
 
 async def _serve(fake: FakeTencentIM, host: str, port: int) -> str | None:

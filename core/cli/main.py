@@ -16,7 +16,7 @@ import anyio
 from room_outbox.cli.command import CONFIG_HELP, add_config_option, default_config, with_store
 from room_outbox.cli.registry import COMMANDS
 from room_outbox.config import load_settings
-from room_outbox.errors import RoomOutboxError
+from room_outbox.errors import ConfigurationError, RoomOutboxError
 from room_outbox.observability.logs import configure_logging, flush_logs
 from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.version import package_version
@@ -35,14 +35,15 @@ examples:
 
 The configuration comes from --config FILE (default $ROOM_OUTBOX_CONFIG) and the environment
 (ROOM_OUTBOX__SECTION__KEY, which wins over the file). Exit codes: 0 done, 1 unexpected error,
-2 configuration, 3 database unreachable or not migrated, 141 output closed early."""
+2 configuration, 3 database (or a broker asked) unreachable or not migrated, 141 output closed
+early."""
 
 #: Exit codes, as docs/reference/errors.md documents them.
 EXIT_CODES = {
     0: "done",
     1: "unexpected error (a bug: the traceback says where), or the command's own 'no' (no such event)",
     2: "configuration: a key, the DSN, a sink section, a command-line argument",
-    3: "database: unreachable, refusing the login, missing, or not migrated",
+    3: "a dependency: the database unreachable, refusing the login, missing, or not migrated; a broker asked unreachable",
     130: "interrupted (Ctrl-C) before the command finished",
     141: "standard output closed early (`room-outbox status --json | head`)",
 }
@@ -146,7 +147,12 @@ def _command(args: argparse.Namespace, parser: argparse.ArgumentParser, redactor
     command = BY_NAME[args.command].command()
     if command.needs == "none":
         return int(command.run(args, parser))
-    settings = load_settings(args.config)
+    try:
+        settings = load_settings(args.config)
+    except ConfigurationError as exc:
+        if command.invalid_config is None:
+            raise
+        return int(command.invalid_config(exc, args, redactor))
     redactor.add_all(redactor_for(settings))  # logs, spans, last_error, sinks and failures share it
     configure_logging(
         settings.log.level,

@@ -8,6 +8,7 @@ import functools
 import anyio
 
 from room_outbox.app import run_service
+from room_outbox.cli.check_config import check_unloadable
 from room_outbox.cli.command import Command
 from room_outbox.config import Settings
 from room_outbox.observability.redaction import Redactor
@@ -27,4 +28,6 @@ COMMAND = Command(
     needs="config",
     arguments=lambda _parser: None,
     run=_run,
+    # Stopped by its configuration, run lists every problem, as check-config does.
+    invalid_config=lambda exc, args, redactor: check_unloadable(exc, args.config, redactor),
 )

@@ -65,6 +65,7 @@ class ConsumerSettings(Section):
     #: Kafka's group session timeout: a member silent this long (killed, stopped) loses its
     #: partitions to the others.
     session_timeout: Duration = 10.0
+    #: The client id the group's members give the broker (`consumers describe` lists it per member).
     client_id: str = "room-outbox-consumer"
     security: KafkaSecurity = KafkaSecurity()
 

@@ -100,10 +100,12 @@ async def open_store(
     profile: Profile = V1,
     idle_in_transaction: float = 0.0,
     max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
+    existing_only: bool = False,
 ) -> SQLStore:
     """Connect to the store ``dsn`` names, keeping the main lane's state in ``profile``'s table
     and words. ``create_database`` creates a missing MySQL or PostgreSQL database; a SQLite
-    file is created whenever it is missing. ``query_timeout`` bounds every database call (see
+    file is created whenever it is missing, unless ``existing_only`` (then it is an error:
+    the commands that do not migrate leave no empty file at a mistyped path). ``query_timeout`` bounds every database call (see
     :mod:`.deadline`); on SQLite it is how long a transaction waits for another writer's lock.
     ``idle_in_transaction``: how long a caller may keep a transaction idle on purpose (a
     consumer's handler runs inside its transaction): the server's session limits allow for it.
@@ -132,7 +134,7 @@ async def open_store(
             with translated(where, password):
                 store: MySQLStore | PostgresStore | SQLiteStore
                 if isinstance(address, SQLiteAddress):
-                    store = await SQLiteStore.connect(dsn, busy_timeout=query_timeout)
+                    store = await SQLiteStore.connect(dsn, busy_timeout=query_timeout, create=not existing_only)
                 elif isinstance(address, PostgresAddress):
                     # Imported here: a process on MySQL or SQLite never loads psycopg.
                     from room_outbox.store.backends.postgres import PostgresStore

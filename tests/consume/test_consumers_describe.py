@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,6 +24,7 @@ from room_outbox.consume.service import run_consumers
 from room_outbox.consume.settings import consumer_settings
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.testing import closed_port
 
 pytestmark = pytest.mark.anyio
 
@@ -93,3 +98,42 @@ async def test_describe_shows_members_while_running_and_lag_after_the_consumer_s
     assert lines[0].startswith("consumer feed: group room-outbox.feed (") and lines[0].endswith(", lag 7")
     assert lines[1].split() == ["topic", "partition", "committed", "end", "lag", "member"]
     assert [line.split()[1] for line in lines[2:5]] == ["0", "1", "2"]
+
+
+def describe_process(config: Path) -> subprocess.CompletedProcess[str]:
+    """`room-outbox consumers describe` as an operator runs it."""
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("ROOM_OUTBOX")}
+    return subprocess.run(
+        [sys.executable, "-m", "room_outbox.cli", "consumers", "describe", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=environment,
+    )
+
+
+def test_describe_with_the_broker_unreachable_names_it_in_one_line(tmp_path: Path) -> None:
+    """It was an uncaught KafkaConnectionError: aiokafka's own error line, then a traceback,
+    exit 1."""
+    port = closed_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "sinks: {tencent_im: {enabled: false}}\n"
+        f"consumers: {{feed: {{bootstrap_servers: '127.0.0.1:{port}', handlers: [audit]}}}}\n"
+    )
+    done = describe_process(config)
+    assert (done.returncode, done.stdout) == (3, "")
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"room-outbox: consumers describe: cannot reach the Kafka broker 127.0.0.1:{port}")
+    assert line.endswith("is it running, and is consumers.feed.bootstrap_servers right?")
+
+
+def test_describe_without_an_enabled_consumer_says_so_once(tmp_path: Path) -> None:
+    """The message carried the prefix the CLI adds to every error: it was printed twice."""
+    config = tmp_path / "config.yaml"
+    config.write_text("sinks: {tencent_im: {enabled: false}}\n")
+    done = describe_process(config)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        "room-outbox: consumers describe: no enabled consumer in the configuration (consumers.<name>)\n"
+    )

@@ -20,6 +20,7 @@ from urllib.parse import unquote, urlsplit
 import aiosqlite
 import anyio
 
+from room_outbox.errors import StoreUnavailable
 from room_outbox.store.backends.leased import LeasedRows
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.dialect import SQLITE
@@ -120,11 +121,25 @@ class SQLiteStore(LeasedRows):
         self.address = address
 
     @classmethod
-    async def connect(cls, dsn: str, busy_timeout: float = BUSY_TIMEOUT) -> SQLiteStore:
+    async def connect(cls, dsn: str, busy_timeout: float = BUSY_TIMEOUT, create: bool = True) -> SQLiteStore:
+        """The store on the file ``dsn`` names. ``create``: a missing file is made, with its
+        folders; else it is refused (:class:`StoreUnavailable`, naming it), so a command that
+        only reads or changes rows leaves no empty database behind at a mistyped path, for a
+        later ``migrate`` to fill instead of the real one."""
         address = SQLiteAddress.from_dsn(dsn)
-        address.path.parent.mkdir(parents=True, exist_ok=True)
+        target: str | Path = address.path
+        if create:
+            address.path.parent.mkdir(parents=True, exist_ok=True)
+        elif str(address.path) != ":memory:":
+            if not address.path.is_file():
+                raise StoreUnavailable(
+                    f"SQLite database file {str(address.path)!r} does not exist: is database.dsn's path right?"
+                    " (`room-outbox migrate` creates it)"
+                )
+            # mode=rw: opened, never created, even should the file go between the look and here.
+            target = address.path.resolve().as_uri() + "?mode=rw"
         # isolation_level=None: no implicit transactions; every one is an explicit BEGIN IMMEDIATE.
-        conn = await aiosqlite.connect(address.path, isolation_level=None, timeout=busy_timeout)
+        conn = await aiosqlite.connect(target, isolation_level=None, timeout=busy_timeout, uri=isinstance(target, str))
         try:
             await conn.execute("PRAGMA journal_mode=WAL")
             await conn.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
