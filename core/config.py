@@ -651,7 +651,7 @@ def load_settings(config_file: str | Path | None = None) -> Settings:
     if config_file is not None:
         path = Path(config_file)
         try:
-            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # a SafeLoader (PyYAML's safe loader, refusing duplicate keys)
+            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # a SafeLoader
         except OSError as exc:
             raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:  # saved by an editor in another encoding (GBK, UTF-16)
