@@ -155,6 +155,33 @@ async def test_a_row_committed_late_is_published_once_though_the_rounds_around_i
     assert await cursor(any_store) == await highest_id(any_store)
 
 
+async def test_a_new_lanes_start_is_kept_though_its_first_round_fails_and_no_row_committed_meanwhile_is_skipped(
+    any_store: SQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new lane starting ``now`` whose first round fails (as when its batch does, the broker
+    down): its cursor row is committed before that round, so the lane counts as started, and
+    the rows committed while the round was on are sent next round; were the start measured
+    again, they would be passed over."""
+    await insert_events(any_store, [envelope("before")])
+    started_at = await highest_id(any_store)
+    tail = TailStore(owner=any_store, lane="kafka", start="now", feed_batch=25, gap_timeout=30.0)
+    during = room_events("d", rooms=2, per_room=3)
+    with caplog.at_level(logging.INFO, logger="room_outbox.lanes"):
+        with pytest.raises(RuntimeError, match="the batch failed"):
+            async with tail.round() as first:
+                assert first is not None and first.rows == []
+                await insert_events(any_store, during)  # committed while the round is on
+                raise RuntimeError("the batch failed")
+        assert await cursor(any_store) == started_at  # kept: the lane has started
+        async with tail.round() as second:
+            assert second is not None
+            sent = [row.outbox_id for row in second.rows]
+    async with any_store.transaction() as cur:
+        await cur.execute("SELECT id FROM room_outbox WHERE id > %s ORDER BY id", (started_at,))
+        assert sent == [int(row[0]) for row in await cur.fetchall()] and len(sent) == len(during)
+    assert [r.message for r in caplog.records].count("lane started") == 1
+
+
 async def test_a_round_larger_than_a_record_batch_keeps_each_rooms_order_and_partition(
     any_store: SQLStore, kafka_broker: Broker
 ) -> None:
