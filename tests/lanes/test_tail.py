@@ -12,6 +12,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -51,8 +52,25 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture(params=["mariadb", "postgresql"])
 async def any_store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
+    async with migrated_store(request) as store:
+        yield store
+
+
+#: ``quick_store``'s database.query_timeout.
+QUICK_QUERY_TIMEOUT = 1.0
+
+
+@pytest.fixture(params=["mariadb", "postgresql"])
+async def quick_store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
+    """``any_store`` with a query_timeout of :data:`QUICK_QUERY_TIMEOUT`."""
+    async with migrated_store(request, query_timeout=QUICK_QUERY_TIMEOUT) as store:
+        yield store
+
+
+@asynccontextmanager
+async def migrated_store(request: pytest.FixtureRequest, **options: Any) -> AsyncIterator[SQLStore]:
     dsn = request.getfixturevalue("database_dsn" if request.param == "mariadb" else "postgresql_dsn")
-    store = await open_store(dsn)
+    store = await open_store(dsn, **options)
     await store.migrate()
     await migrate_tail(store, ["kafka"])
     try:
@@ -68,10 +86,14 @@ def kafka_sink(broker: Broker, **settings: Any) -> KafkaSink:
     )
 
 
-def relay(store: SQLStore, sink: KafkaSink, batch: int = 25, telemetry: Telemetry | None = None) -> TailRelay:
+def relay(
+    store: SQLStore, sink: KafkaSink, batch: int = 25, telemetry: Telemetry | None = None, publish_timeout: float = 5.0
+) -> TailRelay:
     tail = TailStore(owner=store, lane="kafka", start="beginning", feed_batch=batch, gap_timeout=30.0)
     router = Router({"kafka": sink}, {}, catch_all="kafka", skip_unrouted=True)
-    return TailRelay(tail, router, poll_interval=0.05, publish_timeout=5.0, redactor=Redactor(), telemetry=telemetry)
+    return TailRelay(
+        tail, router, poll_interval=0.05, publish_timeout=publish_timeout, redactor=Redactor(), telemetry=telemetry
+    )
 
 
 async def cursor(store: SQLStore) -> int:
@@ -755,6 +777,43 @@ async def test_a_broker_stall_mid_round_never_lets_a_rooms_later_batch_overtake_
         if version not in first_copies:
             first_copies.append(version)
     assert first_copies == list(range(40)), first_copies
+
+
+async def test_a_broker_slower_than_query_timeout_within_publish_timeout_only_delays_the_round(
+    quick_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """A round's transaction spans its publish, but the broker's time is publish_timeout's (5 s
+    here), not the database's query_timeout (1 s): a broker that hangs for twice
+    query_timeout delays the round, which then succeeds, nothing blamed on the database."""
+    events = room_events("q", rooms=2, per_room=3)
+    await insert_events(quick_store, events)
+    sink = kafka_sink(kafka_broker, request_timeout=10.0)
+    tail = relay(quick_store, sink)
+    ended = anyio.Event()
+
+    async def one_round() -> None:
+        await tail.run_once()  # a failure (a QueryTimeout) ends the test with it
+        ended.set()
+
+    assert kafka_broker.proc is not None
+    try:
+        await sink.publish([])  # connected, the topic's partitions known
+        async with anyio.create_task_group() as rounds:
+            kafka_broker.proc.send_signal(signal.SIGSTOP)
+            try:
+                rounds.start_soon(one_round)
+                with anyio.move_on_after(2 * QUICK_QUERY_TIMEOUT):  # the broker hangs this long
+                    await ended.wait()
+                assert not ended.is_set()  # the round waits for the broker
+            finally:
+                kafka_broker.proc.send_signal(signal.SIGCONT)
+            with anyio.fail_after(30):
+                await ended.wait()
+    finally:
+        await sink.aclose()
+    messages = await consume(kafka_broker, {e["event_id"] for e in events})
+    assert sorted(event_ids(messages)) == sorted(e["event_id"] for e in events)  # each once
+    assert await cursor(quick_store) == await highest_id(quick_store)
 
 
 async def test_no_record_batch_is_larger_than_max_message_bytes(any_store: SQLStore, kafka_broker: Broker) -> None:
