@@ -10,7 +10,7 @@ import logging
 import signal
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -814,6 +814,40 @@ async def test_a_broker_slower_than_query_timeout_within_publish_timeout_only_de
     messages = await consume(kafka_broker, {e["event_id"] for e in events})
     assert sorted(event_ids(messages)) == sorted(e["event_id"] for e in events)  # each once
     assert await cursor(quick_store) == await highest_id(quick_store)
+
+
+async def test_rounds_retried_while_the_broker_hangs_repeat_the_batch_once_at_most(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """publish_timeout (1 s) below the producer's request_timeout (5 s): a round cut off by its
+    deadline leaves its record batches in the producer, and the rounds tried again while the
+    broker hangs must not queue copies of their own. Once it is back, each event is written
+    twice at most: by the attempt cut off and by the round sent again."""
+    sink = kafka_sink(kafka_broker, request_timeout=5.0)
+    tail = relay(any_store, sink, batch=20, publish_timeout=1.0)
+    stalled = room_events("s", rooms=4, per_room=5)  # one round
+    last = room_events("z", rooms=4, per_room=1)  # after every copy, in each room's partition
+    assert kafka_broker.proc is not None
+    try:
+        await sink.publish([])  # connected, the topic's partitions known
+        async with anyio.create_task_group() as rounds:
+            await rounds.start(tail.run)
+            kafka_broker.proc.send_signal(signal.SIGSTOP)
+            try:
+                await insert_events(any_store, stalled)
+                await wait_until(lambda: tail.health.failed_in_a_row >= 3, timeout=30)
+            finally:
+                kafka_broker.proc.send_signal(signal.SIGCONT)
+            await wait_until(lambda: _at_end(any_store), timeout=60)
+            await insert_events(any_store, last)
+            await wait_until(lambda: _at_end(any_store), timeout=30)
+            tail.stop()
+    finally:
+        await sink.aclose()
+    messages = await consume(kafka_broker, {e["event_id"] for e in stalled + last}, timeout=60)
+    copies = Counter(event_ids(messages))
+    assert max(copies.values()) <= 2, copies
+    assert sum(n - 1 for n in copies.values()) <= len(stalled), copies  # a batch's worth at most
 
 
 async def test_no_record_batch_is_larger_than_max_message_bytes(any_store: SQLStore, kafka_broker: Broker) -> None:
