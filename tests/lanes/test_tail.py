@@ -779,6 +779,7 @@ async def test_a_broker_stall_mid_round_never_lets_a_rooms_later_batch_overtake_
     assert first_copies == list(range(40)), first_copies
 
 
+@pytest.mark.serial  # a round's database work within a 1 s query_timeout is a bound on time
 async def test_a_broker_slower_than_query_timeout_within_publish_timeout_only_delays_the_round(
     quick_store: SQLStore, kafka_broker: Broker
 ) -> None:
@@ -816,6 +817,7 @@ async def test_a_broker_slower_than_query_timeout_within_publish_timeout_only_de
     assert await cursor(quick_store) == await highest_id(quick_store)
 
 
+@pytest.mark.serial  # a bound on duplicates, and the outage must end within request_timeout
 async def test_rounds_retried_while_the_broker_hangs_repeat_the_batch_once_at_most(
     any_store: SQLStore, kafka_broker: Broker
 ) -> None:

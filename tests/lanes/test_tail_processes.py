@@ -111,6 +111,7 @@ async def test_two_processes_a_kill_and_a_broker_stop_deliver_everything_in_room
     assert all(v == list(range(60)) for v in versions.values()), versions
 
 
+@pytest.mark.serial  # a bound on time
 async def test_sigterm_while_the_broker_hangs_stops_within_the_bound_abandoning_the_producer(
     store: MySQLStore, database_dsn: str, kafka_broker: Broker, tmp_path: Path
 ) -> None:
