@@ -23,7 +23,7 @@ import pluggy
 from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH, longest_claim_id, stored_node_id
 from room_outbox.config import Settings
 from room_outbox.consume.registry import check_consumers
-from room_outbox.delivery.lanes import tails
+from room_outbox.delivery.lanes import delivery_settings, tails
 from room_outbox.delivery.routing import validate_sinks
 from room_outbox.errors import ConfigurationError
 from room_outbox.observability.telemetry import check_environment
@@ -105,12 +105,16 @@ def table_profile(settings: Settings) -> Profile:
 async def open_checked_store(settings: Settings, own_lanes: list[str], tail_lanes: Sequence[str] = ()) -> SQLStore:
     """The store, once reachable (waiting up to ``database.connect_wait``) and migrated."""
     database = settings.database
+    # A tailing round's transaction waits, idle, for its batch's publish: the server's session
+    # limits must allow the longest publish_timeout besides query_timeout.
+    publishing = max((delivery_settings(settings, lane).publish_timeout for lane in tail_lanes), default=0.0)
     store = await open_store(
         database.dsn.get_secret_value(),
         database.pool_size,
         query_timeout=database.query_timeout,
         wait=database.connect_wait,
         profile=table_profile(settings),
+        idle_in_transaction=publishing,
         max_envelope_bytes=database.max_envelope_bytes,
         existing_only=True,  # a SQLite file is migrate's to create: run would find no table in a new one
     )

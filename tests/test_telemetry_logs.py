@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from room_outbox.observability.logs import configure_logging, span_stream
+from room_outbox.observability.logs import RepeatedLibraryLines, configure_logging, span_stream
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import telemetry_from_environment
 
@@ -41,6 +41,35 @@ def test_json_lines_carry_seed_000_fields_and_mask_secrets() -> None:
     }  # fmt: skip
     assert doc["error"] == "usersig=[REDACTED] rejected"
     assert "sup3rsecret" not in line
+
+
+def test_a_librarys_line_repeated_word_for_word_passes_once_a_minute_with_a_count() -> None:
+    """aiokafka logs an ERROR per failed round while the broker is down (a ten-minute outage at
+    a one-second poll here): its first line passes, the same line again only once a minute,
+    with how many were left out; another line of its passes, and our own lines all do."""
+    stream = io.StringIO()
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    unreachable = 'Unable connect to "127.0.0.1:9": [Errno 111] Connect call failed'
+    try:
+        configure_logging("INFO", "node-7", Redactor(), stream)
+        ((repeats,),) = [[f for f in h.filters if isinstance(f, RepeatedLibraryLines)] for h in root.handlers]
+        second = 0.0
+        repeats.clock = lambda: second
+        for tick in range(600):
+            second = float(tick)
+            logging.getLogger("aiokafka").error(unreachable)
+            logging.getLogger("room_outbox.tail").error("ours")
+        logging.getLogger("aiokafka.conn").error("another line")
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    library = [line for line in lines if line["msg"] == unreachable]
+    assert len(library) == 10  # at 0 s, 60 s, ..., 540 s
+    assert "repeated" not in library[0] and [line["repeated"] for line in library[1:]] == [59] * 9
+    assert [line["msg"] for line in lines].count("ours") == 600
+    assert lines[-1]["msg"] == "another line"
 
 
 class Terminal(io.StringIO):

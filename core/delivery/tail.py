@@ -35,6 +35,7 @@ from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.sink import OrderedLogSink, PermanentSinkError
+from room_outbox.store.deadline import database_deadline_paused
 from room_outbox.store.lanes.tail import TailRow, TailStore
 
 log = logging.getLogger("room_outbox.tail")
@@ -149,7 +150,9 @@ class TailRelay:
         async with anyio.create_task_group() as database:
             database.start_soon(while_sending)
             await anyio.lowlevel.checkpoint()  # its statement is sent before the batch is built
-            failure = await self.attempts.run(self._sink_name, publish, envelopes)
+            # The broker's time, bounded by publish_timeout: not the round's query_timeout.
+            with database_deadline_paused():
+                failure = await self.attempts.run(self._sink_name, publish, envelopes)
         if failure is not None:
             raise BatchFailed(failure)
         return outcomes

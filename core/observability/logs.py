@@ -18,13 +18,14 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import IO, Any
 
 from opentelemetry import trace
 
 from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.repeated import REPEAT_EVERY
 
 WORKER = "room_outbox"
 #: Library loggers that get ``log.library_level`` instead of ``log.level``.
@@ -126,6 +127,43 @@ def wants_colour(stream: IO[str], environ: Mapping[str, str] | None = None) -> b
 def _is_terminal(stream: IO[str]) -> bool:
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())
+
+
+class RepeatedLibraryLines(logging.Filter):
+    """A library's line (:data:`LIBRARY_LOGGERS`) that comes back word for word: the first
+    passes, the same line again within ``interval`` is left out and counted, and the first one
+    after that passes with ``repeated``, how many were left out since the line before. A
+    library logs per attempt (aiokafka's ``Unable connect to ...`` once per failed round):
+    without this, one line per ``poll_interval`` while an outage lasts, as many as the lanes'
+    own lines would be without :class:`~room_outbox.observability.repeated.RepeatedFailure`."""
+
+    #: Different lines remembered at most: beyond it, those not seen within ``interval`` go.
+    capacity = 1_000
+
+    def __init__(self, interval: float = REPEAT_EVERY, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.interval = interval
+        self.clock = clock
+        #: Each line's key → when it last passed, and how many were left out since.
+        self._lines: dict[tuple[str, int, str], tuple[float, int]] = {}
+        self._lock = threading.Lock()  # records come from any thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not any(record.name == name or record.name.startswith(f"{name}.") for name in LIBRARY_LOGGERS):
+            return True
+        key = (record.name, record.levelno, record.getMessage())
+        now = self.clock()
+        with self._lock:
+            passed, left_out = self._lines.get(key, (None, 0))
+            if passed is not None and now - passed < self.interval:
+                self._lines[key] = (passed, left_out + 1)
+                return False
+            if left_out:
+                record.repeated = left_out
+            self._lines[key] = (now, 0)
+            if len(self._lines) > self.capacity:
+                self._lines = {k: v for k, v in self._lines.items() if now - v[0] < self.interval}
+        return True
 
 
 class BackgroundHandler(logging.Handler):
@@ -230,7 +268,8 @@ def configure_logging(
 ) -> None:
     """Route every logger to ``stream`` (stderr by default) in ``log_format``, through one
     handler whose formatter redacts the whole text: a library's record is masked like our own.
-    Libraries log at ``library_level``; Python warnings become log records too."""
+    Libraries log at ``library_level``, a line repeated word for word once per interval at most
+    (:class:`RepeatedLibraryLines`); Python warnings become log records too."""
     global _span_stream
     if log_format not in FORMATS:
         raise ValueError(f"unknown log format {log_format!r} (allowed: {', '.join(FORMATS)})")
@@ -247,6 +286,7 @@ def configure_logging(
     for replaced in root.handlers:
         if isinstance(replaced, BackgroundHandler):
             replaced.close()
+    handler.addFilter(RepeatedLibraryLines())
     root.handlers[:] = [handler]
     root.setLevel(level)
     for name in LIBRARY_LOGGERS:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import anyio
@@ -25,6 +26,7 @@ __all__ = [
     "QueryTimeout",
     "SessionLimits",
     "TimeoutWatch",
+    "database_deadline_paused",
     "query_deadline",
 ]
 
@@ -50,9 +52,36 @@ def query_deadline(seconds: float) -> Iterator[None]:
     The block's own clean-up (closing its connection) runs before the error is raised; a
     ``TimeoutError`` of the block's own making passes through unchanged."""
     with anyio.move_on_after(seconds) as scope:
-        yield
+        token = _deadline.set(scope)
+        try:
+            yield
+        finally:
+            _deadline.reset(token)
     if scope.cancelled_caught:
         raise QueryTimeout(seconds)
+
+
+#: The deadline of the database call the running task is in (None: none).
+_deadline: ContextVar[anyio.CancelScope | None] = ContextVar("database_deadline", default=None)
+
+
+@contextmanager
+def database_deadline_paused() -> Iterator[None]:
+    """Inside a database call (a transaction), a stretch where it waits for something else
+    under a deadline of its own (a tailing round's publish, ``publish_timeout``): the call's
+    ``query_timeout`` stops meanwhile and runs on afterwards with what was left of it. So a
+    slow broker is never reported as the database's timeout, and the database's own work
+    still gets ``query_timeout``. Outside a call (SQLite has none): nothing changes."""
+    scope = _deadline.get()
+    if scope is None:
+        yield
+        return
+    left = scope.deadline - anyio.current_time()
+    scope.deadline = math.inf
+    try:
+        yield
+    finally:
+        scope.deadline = anyio.current_time() + left
 
 
 class TimeoutWatch:

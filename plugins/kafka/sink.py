@@ -34,6 +34,8 @@ class KafkaSink:
         self._starting = anyio.Lock()
         #: The topic's partition count when last sent to (0: not yet known).
         self._partition_count = 0
+        #: Record batches a publish cut off by its deadline left in the producer (see :meth:`publish`).
+        self._unresolved: list[asyncio.Future[Any]] = []
 
     async def deliver(self, envelope: EventEnvelope) -> None:
         producer = await self._started()
@@ -70,7 +72,16 @@ class KafkaSink:
         queue and future). A message too large is that envelope's permanent error (a batch
         the broker refuses as too large is sent again a message at a time, so that only the
         messages too large by themselves are refused); any other failure fails the whole
-        publish (retryable)."""
+        publish (retryable).
+
+        A publish cut off by its deadline leaves the batches it handed over queued or in
+        flight in the producer, written or failed only later (up to ``request_timeout``): the
+        next publish waits for them first, within its own deadline, so that a round sent again
+        while the broker hangs adds no copy of its own and each outage repeats a batch once at
+        most."""
+        if self._unresolved:
+            await asyncio.wait(self._unresolved)  # cancelled by the deadline: they stay awaited
+            self._unresolved = []
         producer = await self._started()
         topic = self.settings.topic
         outcomes: list[PermanentSinkError | None] = [None] * len(envelopes)
@@ -94,14 +105,15 @@ class KafkaSink:
                 batches[-1][1].append(index)
             while any(queued.values()):
                 wave = [(partition, *batches.popleft()) for partition, batches in queued.items() if batches]
-                sent = [
-                    (partition, indexes, await producer.send_batch(batch, topic, partition=partition))
-                    for partition, batch, indexes in wave
-                ]
+                sent = []  # filled one by one: a deadline may cut the wave off half handed over
+                for partition, batch, indexes in wave:
+                    sent.append((partition, indexes, await producer.send_batch(batch, topic, partition=partition)))
                 failed: KafkaError | None = None
                 for partition, indexes, future in sent:
                     try:
-                        await future
+                        # Shielded: a deadline cancels this wait, never the batch's own future,
+                        # which says when the batch is written or failed.
+                        await asyncio.shield(future)
                     except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
                         if len(indexes) == 1:
                             outcomes[indexes[0]] = _too_large(exc)
@@ -119,8 +131,11 @@ class KafkaSink:
             raise self._retryable(exc) from exc
         finally:
             for _, _, future in sent:  # a failed publish: nothing left unobserved
-                if future.done() and not future.cancelled():
-                    future.exception()
+                if future.done():
+                    _observe(future)
+                else:
+                    future.add_done_callback(_observe)
+                    self._unresolved.append(future)
         return outcomes
 
     def _note_partitions(self, count: int) -> None:
@@ -235,6 +250,12 @@ def _batch_of_one(producer: AIOKafkaProducer, message: Message) -> Any:
     batch = producer.create_batch()
     batch.append(timestamp=None, key=key, value=value, headers=headers)
     return batch
+
+
+def _observe(future: asyncio.Future[Any]) -> None:
+    """Take a finished batch's error, which nobody else awaits, so asyncio does not log it."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _too_large(exc: KafkaError) -> PermanentSinkError:

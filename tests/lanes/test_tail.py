@@ -10,8 +10,9 @@ import logging
 import signal
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -51,8 +52,25 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture(params=["mariadb", "postgresql"])
 async def any_store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
+    async with migrated_store(request) as store:
+        yield store
+
+
+#: ``quick_store``'s database.query_timeout.
+QUICK_QUERY_TIMEOUT = 1.0
+
+
+@pytest.fixture(params=["mariadb", "postgresql"])
+async def quick_store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
+    """``any_store`` with a query_timeout of :data:`QUICK_QUERY_TIMEOUT`."""
+    async with migrated_store(request, query_timeout=QUICK_QUERY_TIMEOUT) as store:
+        yield store
+
+
+@asynccontextmanager
+async def migrated_store(request: pytest.FixtureRequest, **options: Any) -> AsyncIterator[SQLStore]:
     dsn = request.getfixturevalue("database_dsn" if request.param == "mariadb" else "postgresql_dsn")
-    store = await open_store(dsn)
+    store = await open_store(dsn, **options)
     await store.migrate()
     await migrate_tail(store, ["kafka"])
     try:
@@ -68,10 +86,14 @@ def kafka_sink(broker: Broker, **settings: Any) -> KafkaSink:
     )
 
 
-def relay(store: SQLStore, sink: KafkaSink, batch: int = 25, telemetry: Telemetry | None = None) -> TailRelay:
+def relay(
+    store: SQLStore, sink: KafkaSink, batch: int = 25, telemetry: Telemetry | None = None, publish_timeout: float = 5.0
+) -> TailRelay:
     tail = TailStore(owner=store, lane="kafka", start="beginning", feed_batch=batch, gap_timeout=30.0)
     router = Router({"kafka": sink}, {}, catch_all="kafka", skip_unrouted=True)
-    return TailRelay(tail, router, poll_interval=0.05, publish_timeout=5.0, redactor=Redactor(), telemetry=telemetry)
+    return TailRelay(
+        tail, router, poll_interval=0.05, publish_timeout=publish_timeout, redactor=Redactor(), telemetry=telemetry
+    )
 
 
 async def cursor(store: SQLStore) -> int:
@@ -153,6 +175,33 @@ async def test_a_row_committed_late_is_published_once_though_the_rounds_around_i
     assert sorted(event_ids(messages)) == sorted(expected)  # each once, "late" too
     assert_room_order(messages)
     assert await cursor(any_store) == await highest_id(any_store)
+
+
+async def test_a_new_lanes_start_is_kept_though_its_first_round_fails_and_no_row_committed_meanwhile_is_skipped(
+    any_store: SQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new lane starting ``now`` whose first round fails (as when its batch does, the broker
+    down): its cursor row is committed before that round, so the lane counts as started, and
+    the rows committed while the round was on are sent next round; were the start measured
+    again, they would be passed over."""
+    await insert_events(any_store, [envelope("before")])
+    started_at = await highest_id(any_store)
+    tail = TailStore(owner=any_store, lane="kafka", start="now", feed_batch=25, gap_timeout=30.0)
+    during = room_events("d", rooms=2, per_room=3)
+    with caplog.at_level(logging.INFO, logger="room_outbox.lanes"):
+        with pytest.raises(RuntimeError, match="the batch failed"):
+            async with tail.round() as first:
+                assert first is not None and first.rows == []
+                await insert_events(any_store, during)  # committed while the round is on
+                raise RuntimeError("the batch failed")
+        assert await cursor(any_store) == started_at  # kept: the lane has started
+        async with tail.round() as second:
+            assert second is not None
+            sent = [row.outbox_id for row in second.rows]
+    async with any_store.transaction() as cur:
+        await cur.execute("SELECT id FROM room_outbox WHERE id > %s ORDER BY id", (started_at,))
+        assert sent == [int(row[0]) for row in await cur.fetchall()] and len(sent) == len(during)
+    assert [r.message for r in caplog.records].count("lane started") == 1
 
 
 async def test_a_round_larger_than_a_record_batch_keeps_each_rooms_order_and_partition(
@@ -728,6 +777,79 @@ async def test_a_broker_stall_mid_round_never_lets_a_rooms_later_batch_overtake_
         if version not in first_copies:
             first_copies.append(version)
     assert first_copies == list(range(40)), first_copies
+
+
+@pytest.mark.serial  # a round's database work within a 1 s query_timeout is a bound on time
+async def test_a_broker_slower_than_query_timeout_within_publish_timeout_only_delays_the_round(
+    quick_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """A round's transaction spans its publish, but the broker's time is publish_timeout's (5 s
+    here), not the database's query_timeout (1 s): a broker that hangs for twice
+    query_timeout delays the round, which then succeeds, nothing blamed on the database."""
+    events = room_events("q", rooms=2, per_room=3)
+    await insert_events(quick_store, events)
+    sink = kafka_sink(kafka_broker, request_timeout=10.0)
+    tail = relay(quick_store, sink)
+    ended = anyio.Event()
+
+    async def one_round() -> None:
+        await tail.run_once()  # a failure (a QueryTimeout) ends the test with it
+        ended.set()
+
+    assert kafka_broker.proc is not None
+    try:
+        await sink.publish([])  # connected, the topic's partitions known
+        async with anyio.create_task_group() as rounds:
+            kafka_broker.proc.send_signal(signal.SIGSTOP)
+            try:
+                rounds.start_soon(one_round)
+                with anyio.move_on_after(2 * QUICK_QUERY_TIMEOUT):  # the broker hangs this long
+                    await ended.wait()
+                assert not ended.is_set()  # the round waits for the broker
+            finally:
+                kafka_broker.proc.send_signal(signal.SIGCONT)
+            with anyio.fail_after(30):
+                await ended.wait()
+    finally:
+        await sink.aclose()
+    messages = await consume(kafka_broker, {e["event_id"] for e in events})
+    assert sorted(event_ids(messages)) == sorted(e["event_id"] for e in events)  # each once
+    assert await cursor(quick_store) == await highest_id(quick_store)
+
+
+@pytest.mark.serial  # a bound on duplicates, and the outage must end within request_timeout
+async def test_rounds_retried_while_the_broker_hangs_repeat_the_batch_once_at_most(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """publish_timeout (1 s) below the producer's request_timeout (5 s): a round cut off by its
+    deadline leaves its record batches in the producer, and the rounds tried again while the
+    broker hangs must not queue copies of their own. Once it is back, each event is written
+    twice at most: by the attempt cut off and by the round sent again."""
+    sink = kafka_sink(kafka_broker, request_timeout=5.0)
+    tail = relay(any_store, sink, batch=20, publish_timeout=1.0)
+    stalled = room_events("s", rooms=4, per_room=5)  # one round
+    last = room_events("z", rooms=4, per_room=1)  # after every copy, in each room's partition
+    assert kafka_broker.proc is not None
+    try:
+        await sink.publish([])  # connected, the topic's partitions known
+        async with anyio.create_task_group() as rounds:
+            await rounds.start(tail.run)
+            kafka_broker.proc.send_signal(signal.SIGSTOP)
+            try:
+                await insert_events(any_store, stalled)
+                await wait_until(lambda: tail.health.failed_in_a_row >= 3, timeout=30)
+            finally:
+                kafka_broker.proc.send_signal(signal.SIGCONT)
+            await wait_until(lambda: _at_end(any_store), timeout=60)
+            await insert_events(any_store, last)
+            await wait_until(lambda: _at_end(any_store), timeout=30)
+            tail.stop()
+    finally:
+        await sink.aclose()
+    messages = await consume(kafka_broker, {e["event_id"] for e in stalled + last}, timeout=60)
+    copies = Counter(event_ids(messages))
+    assert max(copies.values()) <= 2, copies
+    assert sum(n - 1 for n in copies.values()) <= len(stalled), copies  # a batch's worth at most
 
 
 async def test_no_record_batch_is_larger_than_max_message_bytes(any_store: SQLStore, kafka_broker: Broker) -> None:

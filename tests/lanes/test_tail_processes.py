@@ -109,3 +109,41 @@ async def test_two_processes_a_kill_and_a_broker_stop_deliver_everything_in_room
             versions[message.key].append(json.loads(message.value)["room_version"])
     assert all(len(p) == 1 for p in partitions.values()), partitions
     assert all(v == list(range(60)) for v in versions.values()), versions
+
+
+@pytest.mark.serial  # a bound on time
+async def test_sigterm_while_the_broker_hangs_stops_within_the_bound_abandoning_the_producer(
+    store: MySQLStore, database_dsn: str, kafka_broker: Broker, tmp_path: Path
+) -> None:
+    """A failed round leaves its record batches in the Kafka producer, which would wait up to
+    request_timeout (30 s) for them when closed. SIGTERM must stop the process within
+    publish_timeout + query_timeout + 1 s all the same: the sink is abandoned, and says so."""
+    config = write(tmp_path / "tail.yaml", {
+        "mysql": {"dsn": database_dsn, "pool_size": 4, "query_timeout": "2s"},
+        "outbox_worker": {"poll_interval": "50ms", "batch_size": BATCH, "publish_timeout": "1s", "lease": "10s"},
+        "sinks": {
+            "tencent_im": {"enabled": False},
+            "kafka": {"bootstrap_servers": kafka_broker.bootstrap, "start": "beginning", "request_timeout": "30s"},
+        },
+    })  # fmt: skip
+    migrated = cli(config, "migrate")
+    assert migrated.returncode == 0, migrated.stderr
+    proc = DispatcherProcess(config, "tail-0")
+    assert kafka_broker.proc is not None
+    try:
+        first = room_events("a", 0, 2)
+        await insert_events(store, first)
+        await consume(kafka_broker, {str(e["event_id"]) for e in first}, timeout=60)
+        kafka_broker.proc.send_signal(signal.SIGSTOP)
+        try:
+            await insert_events(store, room_events("b", 2, 2))
+            await wait_until(lambda: any(line.get("msg", "").startswith("tailing round failed")
+                                         for line in proc.lines()), timeout=30)  # fmt: skip
+            took = proc.terminate(timeout=60)
+        finally:
+            kafka_broker.proc.send_signal(signal.SIGCONT)
+    finally:
+        if proc.alive():
+            proc.kill()
+    assert took <= 1 + 2 + 1, took
+    assert any(line.get("msg") == "sink kafka did not close within 0.5s; abandoned" for line in proc.lines())

@@ -101,6 +101,8 @@ class LaneStore(LeasedRows):
     _recent: list[tuple[float, int]] = field(default_factory=list)
     #: When an idle round next checks that room_outbox's ids have not started again (monotonic).
     _next_id_check: float = 0.0
+    #: Whether the lane's cursor row is known to exist (:meth:`_create_cursor`).
+    _cursor_made: bool = False
 
     def __post_init__(self) -> None:
         self.table = lane_table(self.lane)
@@ -139,6 +141,7 @@ class LaneStore(LeasedRows):
         in_flight: Mapping[int, tuple[str, str]] | None = None,
         on_locked: Callable[[list[OutboxRow]], Awaitable[None]] | None = None,
     ) -> Claimed:
+        await self._create_cursor()
         # Not ``on_locked``: a copy's values may be cut, and the rows are whole only once read
         # again after the claim.
         with self._forgotten_unless_committed():
@@ -193,6 +196,7 @@ class LaneStore(LeasedRows):
 
     async def feed(self) -> int:
         """One feeding round in a transaction of its own; returns rows added to the lane."""
+        await self._create_cursor()
         with self._forgotten_unless_committed():
             async with self.transaction() as cur:
                 return await self._feed(cur)
@@ -296,27 +300,43 @@ class LaneStore(LeasedRows):
             )
             await cur.execute(self.dialect.insert_skipping_duplicates(insert, "outbox_id"), chunk)
 
+    async def _create_cursor(self) -> None:
+        """Create the lane's cursor row where ``start`` says, unless it is known to exist, in a
+        transaction of its own, committed before any round's work. A round that fails rolls
+        back its own writes only: the lane's start is fixed once (``now`` measured again each
+        round would pass over the rows committed meanwhile), and the lane counts as started
+        while its first rounds fail."""
+        if self._cursor_made:
+            return
+        async with self.transaction() as cur:
+            await cur.execute(f"SELECT 1 FROM {CURSOR_TABLE} WHERE lane = %s", (self.lane,))
+            if await cur.fetchone() is None:
+                p = self.owner.profile
+                await cur.execute(f"SELECT COALESCE(MAX({p.key}), 0) FROM {p.table}")
+                (max_id,) = await cur.fetchone()
+                first = start_id(self.start, int(max_id))
+                insert = f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, updated_at_ms) VALUES (%s, %s, %s)"
+                await cur.execute(self.dialect.insert_skipping_duplicates(insert, "lane"), (self.lane, first, now_ms()))
+                if cur.rowcount:  # not when another process made it first
+                    log.info(
+                        "lane started", extra={"lane": self.lane, "start": str(self.start), "fed_through_id": first}
+                    )
+        self._cursor_made = True
+
     async def _lock_cursor(self, cur: Any, also: str = "", params: Sequence[Any] = ()) -> Sequence[Any] | None:
-        """The lane's cursor row, locked (created first if the lane has none): its
+        """The lane's cursor row (:meth:`_create_cursor` made it), locked: its
         ``fed_through_id``, then the ``also`` columns (SQL taking ``params``); None when
-        another process holds it."""
+        another process holds it, or when it is gone (the lane retired meanwhile: the next
+        round makes it again)."""
         query = f"SELECT fed_through_id{also} FROM {CURSOR_TABLE} WHERE lane = %s{self.dialect.row_lock}"
         await cur.execute(query, (*params, self.lane))
         row = await cur.fetchone()
         if row is not None:
             return tuple(row)
         await cur.execute(f"SELECT 1 FROM {CURSOR_TABLE} WHERE lane = %s", (self.lane,))
-        if await cur.fetchone():
-            return None  # exists, locked by another feeder
-        await cur.execute(f"SELECT COALESCE(MAX({self.owner.profile.key}), 0) FROM {self.owner.profile.table}")
-        (max_id,) = await cur.fetchone()
-        first = start_id(self.start, int(max_id))
-        insert = f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, updated_at_ms) VALUES (%s, %s, %s)"
-        await cur.execute(self.dialect.insert_skipping_duplicates(insert, "lane"), (self.lane, first, now_ms()))
-        log.info("lane started", extra={"lane": self.lane, "start": str(self.start), "fed_through_id": first})
-        await cur.execute(query, (*params, self.lane))
-        row = await cur.fetchone()
-        return tuple(row) if row else None
+        if await cur.fetchone() is None:
+            self._cursor_made = False
+        return None
 
     async def _fetch_new(self, cur: Any) -> list[int]:
         """Ids above the highest id seen, up to ``feed_batch``."""

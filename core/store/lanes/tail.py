@@ -153,6 +153,7 @@ class TailStore(LaneStore):
         turn. Reading rows a moment earlier changes nothing else: ids still in flight below
         them are waited for as gaps all the same, and nothing read ahead counts as done until
         the round that sends it commits."""
+        await self._create_cursor()
         ahead, self._ahead = self._ahead, None
         with self._forgotten_unless_committed():
             async with self.transaction() as cur:
