@@ -8,9 +8,9 @@ import functools
 import anyio
 
 from room_outbox.app import run_service
-from room_outbox.cli.check_config import check_unloadable
 from room_outbox.cli.command import Command
 from room_outbox.config import Settings
+from room_outbox.errors import ConfigurationError
 from room_outbox.observability.redaction import Redactor
 from room_outbox.startup import freeze_startup_heap
 
@@ -21,6 +21,13 @@ def _run(settings: Settings, _args: argparse.Namespace, redactor: Redactor) -> i
     return 0
 
 
+def _invalid_config(exc: ConfigurationError, args: argparse.Namespace, redactor: Redactor) -> int:
+    # Imported only for a configuration in error: a start that loads pays for every module.
+    from room_outbox.cli.check_config import check_unloadable
+
+    return check_unloadable(exc, args.config, redactor)
+
+
 COMMAND = Command(
     description="Deliver events until SIGTERM, SIGINT or SIGHUP. Before anything is claimed: the whole configuration\n"
     "is checked, the database is waited for (up to database.connect_wait) and its schema is checked.",
@@ -29,5 +36,5 @@ COMMAND = Command(
     arguments=lambda _parser: None,
     run=_run,
     # Stopped by its configuration, run lists every problem, as check-config does.
-    invalid_config=lambda exc, args, redactor: check_unloadable(exc, args.config, redactor),
+    invalid_config=_invalid_config,
 )
