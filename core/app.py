@@ -108,6 +108,15 @@ async def _serve(
                 "own_lanes": sorted(lanes.own),
             },
         )
+        unrouted = lanes.main.unrouted() if lanes.main.sinks else []
+        if unrouted:  # the Tencent IM sink disabled, the noop sink left on: most rows parked
+            log.warning(
+                "no enabled sink takes these event types: their rows will be parked in room_outbox (status"
+                " failed, no sink for event_type); enable a sink for them or, where room_outbox.status is"
+                " not this process's to write (Kafka only), disable the main lane's sinks too"
+                " (sinks.noop.enabled: false)",
+                extra={"lifecycle": "unrouted_event_types", "event_types": unrouted, "sinks": sorted(lanes.main.sinks)},
+            )
         # Unique per start, even where two processes share a node_id (see cluster.identity).
         identity = process_identity(settings.node_id)
         if settings.outbox_worker.enabled:  # leaves once the dispatchers have stopped

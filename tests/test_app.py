@@ -18,6 +18,8 @@ from support import V1_DDL, RecordingSink, SinkPlugin, envelope, fetch_rows, ins
 
 from room_outbox.app import run_service
 from room_outbox.config import Settings
+from room_outbox.envelope import KNOWN_EVENT_TYPES
+from room_outbox.plugins.noop import DEFAULT_EVENT_TYPES as NOOP_EVENT_TYPES
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.schema.buckets import NODE_TABLE
@@ -189,6 +191,20 @@ def _migrated_config(tmp_path: Path, database_dsn: str, env: dict[str, str], ext
     _, err = migrate.communicate(timeout=60)
     assert migrate.returncode == 0, err
     return config
+
+
+async def test_a_main_lane_that_takes_only_some_event_types_says_so_at_start(database_dsn: str, tmp_path: Path) -> None:
+    """The Tencent IM sink disabled and the noop sink left on (its three types): every other
+    event would be parked in room_outbox. The start says which types, and the way out."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
+    log = tmp_path / "run.log"
+    run = _run_logged(_migrated_config(tmp_path, database_dsn, env), log, env)
+    await _sigterm_once(run, log, '"lifecycle": "worker_started"')
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    (warning,) = [line for line in lines if line.get("lifecycle") == "unrouted_event_types"]
+    assert warning["event_types"] == sorted(KNOWN_EVENT_TYPES - set(NOOP_EVENT_TYPES))
+    assert warning["sinks"] == ["noop"]
+    assert "sinks.noop.enabled: false" in warning["msg"]
 
 
 async def test_a_process_loads_only_what_it_runs(database_dsn: str, tmp_path: Path) -> None:

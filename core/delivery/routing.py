@@ -51,6 +51,12 @@ class Router:
         or routed by name here (see :func:`~room_outbox.envelope.event_type_label`)."""
         return event_type_label(event_type, self.routes)
 
+    def unrouted(self) -> list[str]:
+        """The catalogued event types no sink of this lane takes (on the main lane, parked)."""
+        if self.catch_all is not None:
+            return []
+        return sorted(KNOWN_EVENT_TYPES - self.routes.keys())
+
     def sink_for(self, event_type: str) -> tuple[str, Sink] | None:
         name = self.routes.get(event_type, self.catch_all)
         return (name, self.sinks[name]) if name is not None else None
