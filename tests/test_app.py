@@ -46,9 +46,10 @@ async def test_start_and_stop_order(database_dsn: str, store: MySQLStore, caplog
             await wait_until(lambda: len(sink.received) == 3)  # all three in flight
             stop.set()
     order = [r.lifecycle for r in caplog.records if hasattr(r, "lifecycle")]  # type: ignore[attr-defined]
+    # unrouted: the sinks take RoomUserJoined and the noop sink's three types alone
     assert order == [
-        "pool_opened", "sinks_loaded", "membership_joined", "worker_started", "stop_requested", "worker_stopped",
-        "membership_left", "sinks_closed", "pool_closed",
+        "pool_opened", "sinks_loaded", "unrouted_event_types", "membership_joined", "worker_started",
+        "stop_requested", "worker_stopped", "membership_left", "sinks_closed", "pool_closed",
     ]  # fmt: skip
     assert sink.closed
     rows = await fetch_rows(store)  # in-flight deliveries finished and were recorded before the pool closed
