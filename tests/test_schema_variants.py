@@ -138,6 +138,15 @@ def assert_refused(config: Path, line: str) -> None:
         assert (refused.returncode, refused.stderr.strip()) == (3, line), command
 
 
+def refused_until_migrated(config: Path, line: str) -> list[str]:
+    """`run` refuses the table with ``line`` (exit code 3); then `migrate` succeeds: its changes."""
+    refused = room_outbox(config, "run")
+    assert (refused.returncode, refused.stderr.strip()) == (3, line)
+    migrated = room_outbox(config, "migrate")
+    assert migrated.returncode == 0, migrated.stderr
+    return migrated.stdout.splitlines()
+
+
 async def deliver_all(store: SQLStore, config: Path, fake: FakeIMProcess, delivered: str) -> dict[str, dict]:
     """Run `room-outbox run` until every row is ``delivered``; every event reached IM."""
 
@@ -163,8 +172,6 @@ async def test_a_room_cell_table_with_a_nullable_lock_is_fixed_by_migrate_then_d
         config = configure(tmp_path, database_dsn, fake, "room_cell")
         await execute(store, ROOM_CELL_DDL)
         await execute(store, INSERT_WITH_APP, produced([f"old{i}" for i in range(12)]))
-        refused = room_outbox(config, "run")
-        assert (refused.returncode, refused.stderr.strip()) == (3, LOCK_LINE)
         script = room_outbox(config, "migrate", "--sql").stdout
         assert (
             "-- would set room_outbox.lock_until_ms to 0 where it was NULL\n"
@@ -172,14 +179,13 @@ async def test_a_room_cell_table_with_a_nullable_lock_is_fixed_by_migrate_then_d
             "UPDATE room_outbox FORCE INDEX (idx_room_outbox_lock_until_ms_null) SET lock_until_ms = 0"
             " WHERE lock_until_ms IS NULL LIMIT 5000;\n"
         ) in script
-        migrated = room_outbox(config, "migrate")
-        assert migrated.returncode == 0, migrated.stderr
+        changes = refused_until_migrated(config, LOCK_LINE)
         for change in (
             "set room_outbox.lock_until_ms's default to 0",
             "set room_outbox.lock_until_ms to 0 where it was NULL",
             "made room_outbox.lock_until_ms NOT NULL",
         ):
-            assert change in migrated.stdout.splitlines()
+            assert change in changes
         await execute(store, INSERT_WITH_APP, produced([f"new{i}" for i in range(12)]))  # lock left out: 0
         rows = await deliver_all(store, config, fake, "delivered")
         assert len(rows) == 24
@@ -258,15 +264,12 @@ async def test_the_first_v1_table_without_app_code_and_updated_at_ms_is_adopted_
         config = configure(tmp_path, database_dsn, fake, "v1")
         await execute(store, FIRST_V1_DDL)
         await execute(store, INSERT_FIRST_V1, produced([f"old{i}" for i in range(10)], first_v1=True))
-        refused = room_outbox(config, "run")
-        assert (refused.returncode, refused.stderr.strip()) == (
-            3,
+        changes = refused_until_migrated(
+            config,
             "room-outbox: table room_outbox lacks app_code, updated_at_ms, worker_id, lock_until_ms, room_bucket:"
             " run `room-outbox migrate`",
         )
-        migrated = room_outbox(config, "migrate")
-        assert migrated.returncode == 0, migrated.stderr
-        assert migrated.stdout.splitlines()[:2] == [
+        assert changes[:2] == [
             "added column room_outbox.app_code",
             "added column room_outbox.updated_at_ms",
         ]
@@ -368,20 +371,17 @@ async def test_a_nullable_app_code_the_producer_leaves_out_is_fixed_by_migrate_t
         config = configure(tmp_path, database_dsn, fake, "v1")
         await execute(store, NULLABLE_APP_DDL)
         await execute(store, INSERT_WITHOUT_APP, produced([f"old{i}" for i in range(10)]))
-        refused = room_outbox(config, "run")
-        assert (refused.returncode, refused.stderr.strip()) == (
-            3,
+        changes = refused_until_migrated(
+            config,
             "room-outbox: room_outbox.app_code is nullable, and a row whose app_code is NULL is never delivered:"
             " run `room-outbox migrate`, which backfills '' and makes it NOT NULL online",
         )
-        migrated = room_outbox(config, "migrate")
-        assert migrated.returncode == 0, migrated.stderr
         for change in (
             "set room_outbox.app_code's default to ''",
             "set room_outbox.app_code to '' where it was NULL",
             "made room_outbox.app_code NOT NULL",
         ):
-            assert change in migrated.stdout.splitlines()
+            assert change in changes
         async with store.transaction() as cur:
             await cur.execute(
                 "SELECT IS_NULLABLE, COLUMN_DEFAULT, COLLATION_NAME, COLUMN_COMMENT FROM information_schema.COLUMNS"
