@@ -10,6 +10,7 @@ tries once more at once before reporting it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from room_outbox import PermanentSinkError, RetryableSinkError, SinkError
 
@@ -35,14 +36,20 @@ def is_retryable(code: int) -> bool:
     return code not in PERMANENT_CODES
 
 
-def error_for_code(code: int, info: str, context: str) -> SinkError:
+def _unchanged(text: str) -> str:
+    return text
+
+
+def error_for_code(code: int, info: str, context: str, redact: Callable[[str], str] = _unchanged) -> SinkError:
     """The sink error for a Tencent ``ErrorCode``; the text carries code and ErrorInfo only."""
     kind = RetryableSinkError if is_retryable(code) else PermanentSinkError
-    return kind(f"ErrorCode {code}: {short_info(info)} ({context})")
+    return kind(f"ErrorCode {code}: {short_info(info, redact)} ({context})")
 
 
-def short_info(info: str) -> str:
-    """ErrorInfo on one line, bounded, with anything that looks like a UserSig masked."""
-    text = " ".join(str(info).split()) or "no ErrorInfo"
+def short_info(info: str, redact: Callable[[str], str] = _unchanged) -> str:
+    """ErrorInfo on one line, bounded, with anything that looks like a UserSig masked.
+    ``redact`` (the sink's own secrets) runs before the cut: a secret cut in two, its tail
+    beyond the bound, would no longer be recognised by any later redaction."""
+    text = redact(" ".join(str(info).split())) or "no ErrorInfo"
     text = _USERSIG_IN_TEXT.sub(r"\1[REDACTED]", text)
     return text if len(text) <= ERROR_INFO_MAX else text[: ERROR_INFO_MAX - 1] + "…"

@@ -228,12 +228,13 @@ class TencentIMSink:
                 f"unexpected answer from Tencent IM: ErrorCode is not a number (GroupId {group_id})"
             ) from None
         if answer.get("ActionStatus") != "OK" or code != 0:
-            raise error_for_code(code or -1, str(answer.get("ErrorInfo", "")), f"GroupId {group_id}, app {app.name}")
+            info, context = str(answer.get("ErrorInfo", "")), f"GroupId {group_id}, app {app.name}"
+            raise error_for_code(code or -1, info, context, self._own_secrets.redact)
         drop = answer.get("MsgDropReason")
         if drop:
             # Accepted, then dropped by Tencent's rate control: not delivered, so not a success.
             raise RetryableSinkError(
-                f"Tencent IM dropped the message: MsgDropReason {short_info(str(drop))} (GroupId {group_id})"
+                f"Tencent IM dropped the message: MsgDropReason {short_info(str(drop), self._own_secrets.redact)} (GroupId {group_id})"
             )
 
     def _scrub(self, exc: BaseException) -> str:

@@ -13,7 +13,8 @@ import pytest
 from aiohttp import web
 from im_support import event, make_sink
 
-from room_outbox.plugins.tencent_im.errors import PERMANENT_CODES, RETRYABLE_CODES
+from room_outbox.observability.redaction import Redactor
+from room_outbox.plugins.tencent_im.errors import ERROR_INFO_MAX, PERMANENT_CODES, RETRYABLE_CODES
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM
 from room_outbox.plugins.tencent_im.settings import TencentIMSettings
 from room_outbox.plugins.tencent_im.sink import TencentIMSink
@@ -151,6 +152,29 @@ async def test_error_info_is_bounded_and_masks_a_usersig() -> None:
     text = str(error.value)
     assert "eJyrVgrxCdYrSy1S" not in text and "usersig=[REDACTED]" in text
     assert len(text) < 300
+
+
+async def test_error_info_echoing_the_usersig_keeps_none_of_it() -> None:
+    """An ErrorInfo quoting the request's UserSig (a gateway echoing the query) longer than the
+    bound: the sink masks its own secrets before it cuts the text, so no prefix of the UserSig
+    survives for the process's redactor (whole tokens only) to miss."""
+
+    async def echo(request: web.Request) -> web.Response:
+        await request.read()
+        info = "bad sig " + request.query["usersig"]
+        answer = {"ActionStatus": "FAIL", "ErrorCode": 70009, "ErrorInfo": info}
+        return web.Response(status=200, body=json.dumps(answer).encode(), content_type="application/json")
+
+    async with serving(echo) as sink:
+        usersig = sink._apps_by_code["default"].usersig.get()
+        assert len("bad sig " + usersig) > ERROR_INFO_MAX  # the cut falls inside the UserSig
+        with pytest.raises(PermanentSinkError) as error:
+            await sink.deliver(event("e1"))
+    process = Redactor()  # what the dispatcher masks with, told every secret of the sink
+    process.add(usersig)
+    text = process.redact(str(error.value))
+    assert "ErrorCode 70009" in text and "bad sig" in text
+    assert usersig[:16] not in text  # not even a prefix of it
 
 
 async def test_timeouts_and_refused_connections_are_retryable(fake: FakeTencentIM) -> None:
