@@ -82,8 +82,10 @@ class ThrottledSinkError(RetryableSinkError):
     """Not sent at all: this process's own rate limit (or its share of a deployment-wide one)
     held the delivery back. Not an attempt: the event keeps its retry count, is never parked
     for it, and is claimable again after ``retry_after`` seconds (``None``: at once), when a
-    slot may have opened. Raise it only when no request left the process: a request that may
-    have reached the destination is an attempt (:class:`RetryableSinkError`)."""
+    slot may have opened. Raise it only when nothing was delivered for a rate limit: no
+    request left the process, or the destination answered that it refused the request for
+    its own rate limit. Any other request that may have reached the destination is an attempt
+    (:class:`RetryableSinkError`)."""
 
     def __init__(self, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)

@@ -237,7 +237,7 @@ async def test_4_worker_failure_keeps_pending_and_counts(
 async def test_5_fails_once_then_succeeds_on_the_next_round(
     service: RoomService, fake: FakeTencentIM, store: MySQLStore, router: Router
 ) -> None:
-    fake.set_faults(error_rate=1.0, error_codes=[10023])
+    fake.set_faults(error_rate=1.0, error_codes=[10002])
     gift = await service.send_gift("r_1", "u1", "rose", 1)
     gift_event = next(e for e in gift.events if e.event_type == "RoomGiftSent")
     dispatcher = im_dispatcher(store, router)

@@ -5,6 +5,11 @@ Codes not listed are treated as retryable: an unknown code is more likely a new 
 condition than a permanent one, and in doubt an event must not be given up on.
 70001 (UserSig expired) is listed as retryable; the sink also regenerates the UserSig and
 tries once more at once before reporting it.
+
+Rate-limit answers are retryable too, but no attempt: Tencent refused the message for its rate
+without delivering it, so the event must not lose a retry (or be parked) for it. The sink hands
+it back throttled and slows down the limiter the answer names: the app's (60007, 60011) or the
+group's (10023, and an OK answer with ``MsgDropReason`` ``MsgFreqCtrl``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,12 @@ from collections.abc import Callable
 from room_outbox import PermanentSinkError, RetryableSinkError, SinkError
 
 USERSIG_EXPIRED = 70001
+#: The app's request rate (60007: REST API calls, 60011: the SDKAppID's requests).
+APP_RATE_CODES: frozenset[int] = frozenset({60007, 60011})
+#: The group's message rate.
+GROUP_RATE_CODES: frozenset[int] = frozenset({10023})
+#: An OK answer's ``MsgDropReason`` when the group's rate control dropped the message.
+GROUP_RATE_DROP = "MsgFreqCtrl"
 
 RETRYABLE_CODES: frozenset[int] = frozenset(
     {10002, 10006, 10023, 60007, 60008, 60011, 60014, 60018, 60019, USERSIG_EXPIRED}

@@ -17,6 +17,13 @@ A caller that would have to wait longer than ``max_wait`` gets no slot: the sink
 that delivery back unsent at once (throttled, not an attempt: it costs the event no retry)
 instead of holding a dispatcher slot, so a hot room's backlog waits in the outbox, until
 :meth:`SlidingWindowLimiter.next_slot_in`, while other rooms' events keep flowing.
+
+The destination may still refuse for its rate (others send with the same credentials:
+room-service's pushes above their reserve). Then :meth:`SlidingWindowLimiter.slow_down`: no new
+slot for a window, so the destination's window empties, and the rate halved (at most once a
+window: the refusals of requests already sent tell nothing new), growing back to the whole
+rate by a sixteenth of it per window without a refusal. So a process that meets the
+destination's limit backs off to what is left of it instead of sending at its own share.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ from room_outbox import JITTER_MARGIN
 #: How often a caller waiting while its rate is 0 (this process may send nothing right now)
 #: looks again.
 ZERO_RATE_POLL = 0.05
+#: A limiter slowed down by the destination's refusals keeps at least this part of its rate...
+MIN_SLOWDOWN = 1 / 16
+#: ...and gets this part of it back per window without a refusal.
+RECOVERY_PER_WINDOW = 1 / 16
 
 __all__ = ["JITTER_MARGIN", "KeyedLimiter", "SlidingWindowLimiter"]
 
@@ -61,9 +72,13 @@ class SlidingWindowLimiter:
         window: float = 1.0 + JITTER_MARGIN,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._rate = _rate_source(rate)
+        self._full_rate = _rate_source(rate)
         self.window = window
         self._clock = clock
+        #: After the destination refused for its rate (:meth:`slow_down`): the part of the rate
+        #: kept as of ``_held_until``, before which no slot is taken. 1.0: not slowed down.
+        self._factor = 1.0
+        self._held_until = -math.inf
         #: Requests in flight: each holds its slot until its answer (or failure) is back.
         self._in_flight = 0
         #: When each answered request's slot frees, in order; entries in the past are free.
@@ -76,6 +91,40 @@ class SlidingWindowLimiter:
     @property
     def rate(self) -> int:
         return self._rate()
+
+    def _rate(self) -> int:
+        full = self._full_rate()
+        if self._factor >= 1.0 or full < 1:
+            return full
+        return max(1, int(full * self._slowed_factor(self._clock())))
+
+    def _slowed_factor(self, now: float) -> float:
+        """The part of the rate kept right now, after a :meth:`slow_down`."""
+        regained = RECOVERY_PER_WINDOW * max(0.0, now - self._held_until) / self.window
+        factor = min(1.0, self._factor + regained)
+        if factor >= 1.0:
+            self._factor = 1.0  # recovered: back to the path without clock readings
+        return factor
+
+    def slow_down(self) -> bool:
+        """The destination refused a request for its rate: hold every new slot for a window
+        and halve the rate (see the module's docstring). Refusals within the hold answer
+        requests sent before it and change nothing (``False``)."""
+        now = self._clock()
+        if now < self._held_until:
+            return False
+        factor = self._slowed_factor(now) if self._factor < 1.0 else 1.0
+        self._factor = max(MIN_SLOWDOWN, factor / 2)
+        self._held_until = now + self.window
+        if self._released is not None:  # a waiter recomputes when its slot may free
+            self._released.set()
+            self._released = None
+        return True
+
+    @property
+    def slowed_down(self) -> bool:
+        """Whether a :meth:`slow_down` still holds back slots or part of the rate."""
+        return self._factor < 1.0 and self._slowed_factor(self._clock()) < 1.0
 
     def try_acquire(self) -> bool:
         """Take a slot if one is free and nobody is queued for one, without waiting."""
@@ -126,6 +175,8 @@ class SlidingWindowLimiter:
             cooling.popleft()
 
     def _take_free(self) -> bool:
+        if self._factor < 1.0 and self._clock() < self._held_until:
+            return False
         rate = self._rate()
         # Slots that have cooled are forgotten only when the count reaches the rate (and at
         # each release), so a limiter far from its rate costs no clock reading here.
@@ -139,9 +190,10 @@ class SlidingWindowLimiter:
         answer still outstanding). Busy slots in the order they free: the cooling ones, then
         the ones in flight."""
         excess = self._busy() - rate  # how many more must free, less one
-        if excess < 0:
-            return self._clock()
-        return self._cooling[excess] if excess < len(self._cooling) else math.inf
+        if excess >= len(self._cooling):
+            return math.inf
+        free_at = self._clock() if excess < 0 else self._cooling[excess]
+        return max(free_at, self._held_until) if self._factor < 1.0 else free_at
 
     def next_slot_in(self) -> float | None:
         """Seconds until a slot may free for one more caller (not counting those queued), for
@@ -166,8 +218,9 @@ class SlidingWindowLimiter:
             self._released = None
 
     def idle(self) -> bool:
-        """No slot busy and nobody waiting: the limiter holds no information worth keeping."""
-        return not self._lock.locked() and self._busy() == 0
+        """No slot busy, nobody waiting, not slowed down: the limiter holds no information
+        worth keeping."""
+        return not self._lock.locked() and self._busy() == 0 and not self.slowed_down
 
 
 class KeyedLimiter:

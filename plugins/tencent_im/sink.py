@@ -31,7 +31,14 @@ from room_outbox import (
     ThrottledSinkError,
     http_client_span,
 )
-from room_outbox.plugins.tencent_im.errors import USERSIG_EXPIRED, error_for_code, short_info
+from room_outbox.plugins.tencent_im.errors import (
+    APP_RATE_CODES,
+    GROUP_RATE_CODES,
+    GROUP_RATE_DROP,
+    USERSIG_EXPIRED,
+    error_for_code,
+    short_info,
+)
 from room_outbox.plugins.tencent_im.message import SEND_GROUP_MSG, body_size, group_id_for, msg_body, request_body
 from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindowLimiter
 from room_outbox.plugins.tencent_im.settings import TencentIMSettings
@@ -227,15 +234,45 @@ class TencentIMSink:
             raise RetryableSinkError(
                 f"unexpected answer from Tencent IM: ErrorCode is not a number (GroupId {group_id})"
             ) from None
+        redact = self._own_secrets.redact
         if answer.get("ActionStatus") != "OK" or code != 0:
-            info, context = str(answer.get("ErrorInfo", "")), f"GroupId {group_id}, app {app.name}"
-            raise error_for_code(code or -1, info, context, self._own_secrets.redact)
+            info = str(answer.get("ErrorInfo", ""))
+            if code in APP_RATE_CODES:
+                raise self._refused_for_rate(app.limiter, f"ErrorCode {code}: {short_info(info, redact)}", app, None)
+            if code in GROUP_RATE_CODES:
+                text = f"ErrorCode {code}: {short_info(info, redact)}"
+                raise self._refused_for_rate(self._groups.get(group_id), text, app, group_id)
+            raise error_for_code(code or -1, info, f"GroupId {group_id}, app {app.name}", redact)
         drop = answer.get("MsgDropReason")
+        if drop == GROUP_RATE_DROP:
+            text = f"MsgDropReason {GROUP_RATE_DROP}"
+            raise self._refused_for_rate(self._groups.get(group_id), text, app, group_id)
         if drop:
-            # Accepted, then dropped by Tencent's rate control: not delivered, so not a success.
+            # Accepted, then dropped by Tencent: not delivered, so not a success.
             raise RetryableSinkError(
-                f"Tencent IM dropped the message: MsgDropReason {short_info(str(drop), self._own_secrets.redact)} (GroupId {group_id})"
+                f"Tencent IM dropped the message: MsgDropReason {short_info(str(drop), redact)} (GroupId {group_id})"
             )
+
+    def _refused_for_rate(
+        self, limiter: SlidingWindowLimiter, text: str, app: TencentApp, group_id: str | None
+    ) -> ThrottledSinkError:
+        """Tencent refused (or dropped) the message for its rate limit: nothing was delivered,
+        so it is no attempt (the event keeps its retries and is never parked for it) but a
+        throttled delivery, due again once the limiter has a slot. The limiter it names is
+        slowed down, as others (room-service's pushes) are using the rate this process's share
+        assumed free; sending at the share again would only be refused again."""
+        if limiter.slow_down():  # once a window at most: an app's is worth a warning
+            log = self.log.warning if group_id is None else self.log.info
+            log(
+                "Tencent IM refused for its rate limit; sending slower for a while",
+                extra={"app": app.name, "sdkappid": app.sdkappid, "group_id": group_id, "answer": text},
+            )
+        retry_after = limiter.next_slot_in()
+        where = f"app {app.name}" if group_id is None else f"GroupId {group_id}, app {app.name}"
+        return ThrottledSinkError(
+            f"Tencent IM rate limit: {text} ({where}); this process sends slower for a while",
+            retry_after=limiter.window if retry_after is None else retry_after,
+        )
 
     def _scrub(self, exc: BaseException) -> str:
         # Masked before it is shortened: a secret cut in two would no longer match.

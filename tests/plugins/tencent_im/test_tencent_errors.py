@@ -14,11 +14,17 @@ from aiohttp import web
 from im_support import event, make_sink
 
 from room_outbox.observability.redaction import Redactor
-from room_outbox.plugins.tencent_im.errors import ERROR_INFO_MAX, PERMANENT_CODES, RETRYABLE_CODES
+from room_outbox.plugins.tencent_im.errors import (
+    APP_RATE_CODES,
+    ERROR_INFO_MAX,
+    GROUP_RATE_CODES,
+    PERMANENT_CODES,
+    RETRYABLE_CODES,
+)
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM
 from room_outbox.plugins.tencent_im.settings import TencentIMSettings
 from room_outbox.plugins.tencent_im.sink import TencentIMSink
-from room_outbox.sink import PermanentSinkError, RetryableSinkError, SinkContext
+from room_outbox.sink import PermanentSinkError, RetryableSinkError, SinkContext, ThrottledSinkError
 
 pytestmark = pytest.mark.anyio
 
@@ -27,14 +33,21 @@ DESIGN_PERMANENT = [10003, 10004, 10007, 10010, 10015, 10016, 10017, 80001, 8000
                     70003, 70009, 70013, 70014, 70016, 70020, 70051, 70107]  # fmt: skip
 
 
+#: Tencent's rate limits: the app's requests (60007 REST calls, 60011 the SDKAppID's), the
+#: group's messages (10023).
+DESIGN_RATE = [10023, 60007, 60011]
+
+
 def test_tables_match_design() -> None:
     assert set(DESIGN_RETRYABLE) | {70001} == RETRYABLE_CODES
+    assert set(DESIGN_RATE) == APP_RATE_CODES | GROUP_RATE_CODES and set(DESIGN_RATE) <= RETRYABLE_CODES
     assert set(DESIGN_PERMANENT) == PERMANENT_CODES
 
 
 @pytest.mark.parametrize(
     ("code", "kind"),
-    [(c, RetryableSinkError) for c in [*DESIGN_RETRYABLE, 12345]]  # an unknown code: retryable
+    [(c, RetryableSinkError) for c in [*DESIGN_RETRYABLE, 12345] if c not in DESIGN_RATE]  # unknown: retryable
+    + [(c, ThrottledSinkError) for c in DESIGN_RATE]  # retryable, and no attempt
     + [(c, PermanentSinkError) for c in DESIGN_PERMANENT],
 )
 async def test_error_code_classification(fake: FakeTencentIM, code: int, kind: type[Exception]) -> None:
@@ -72,11 +85,17 @@ async def test_usersig_expired_is_regenerated_once_and_retried(fake: FakeTencent
 
 
 async def test_msg_drop_reason_is_a_retryable_failure(fake: FakeTencentIM) -> None:
+    """MsgFreqCtrl (the group's rate control dropped it): throttled, as a 10023; any other
+    reason: a plain retryable failure."""
     sink = make_sink(fake)
     fake.set_faults(drop_rate=1.0)
     try:
-        with pytest.raises(RetryableSinkError, match="MsgDropReason MsgFreqCtrl"):
+        with pytest.raises(ThrottledSinkError, match="MsgDropReason MsgFreqCtrl"):
             await sink.deliver(event("e1"))
+        fake.set_faults(drop_reason="SomethingElse")
+        with pytest.raises(RetryableSinkError, match="MsgDropReason SomethingElse") as info:
+            await sink.deliver(event("e2", room_id="r_2"))
+        assert type(info.value) is RetryableSinkError
     finally:
         await sink.aclose()
     assert fake.messages == []

@@ -181,3 +181,63 @@ async def test_the_reserved_share_is_left_to_room_service(fake: FakeTencentIM) -
         await sink.aclose()
     assert outcomes == [None] * 14
     assert fake.max_in_window(1.0) == 7  # 10 less 30 %
+
+
+async def test_slowing_down_holds_a_window_halves_the_rate_once_a_window_and_recovers() -> None:
+    """The destination refused for its rate: no slot for a window, then half the rate, growing
+    back by a sixteenth of it per window; refusals within the hold (answers to requests sent
+    before it) change nothing."""
+    now = [0.0]
+    limiter = SlidingWindowLimiter(rate=32, window=1.0, clock=lambda: now[0])
+    assert limiter.slow_down()
+    assert not limiter.slow_down()  # the same burst's other refusals
+    assert not limiter.try_acquire() and limiter.next_slot_in() == 1.0
+    assert not await limiter.acquire(0.0)
+    now[0] = 1.0  # the hold is over
+    assert limiter.rate == 16
+    assert all(limiter.try_acquire() for _ in range(16)) and not limiter.try_acquire()
+    for _ in range(16):
+        limiter.release(sent=False)
+    assert limiter.slow_down()  # refused again after the hold: halved again
+    now[0] = 2.0
+    assert limiter.rate == 8 and limiter.slowed_down and not limiter.idle()
+    now[0] = 6.0  # four windows without a refusal: 1/4 + 4/16 of the rate
+    assert limiter.rate == 16
+    now[0] = 14.0
+    assert limiter.rate == 32 and not limiter.slowed_down and limiter.idle()
+
+
+async def test_a_rate_limit_answer_is_no_attempt_and_slows_down_the_limiter_it_names(fake: FakeTencentIM) -> None:
+    """60011 (the app's rate): throttled, due again after the hold, and the app sends nothing
+    more for a while, whatever the group; 10023 (the group's): only that group holds back."""
+    sink = make_sink(fake, rate_limit_max_wait="100ms", reserved_share=0)
+    try:
+        fake.set_faults(fail_next=[60011])
+        with pytest.raises(ThrottledSinkError, match="ErrorCode 60011") as app_refusal:
+            await sink.deliver(event("a1", room_id="r_1"))
+        assert app_refusal.value.retry_after is not None and app_refusal.value.retry_after > 0.5
+        with pytest.raises(ThrottledSinkError, match="client-side rate limit: app"):
+            await sink.deliver(event("a2", room_id="r_2"))  # another group, the same app
+        assert [a.error_code for a in fake.arrivals] == [60011]  # held back without a request
+    finally:
+        await sink.aclose()
+
+    fake.reset()
+    sink = make_sink(fake, rate_limit_max_wait="100ms", reserved_share=0)
+    try:
+        fake.set_faults(fail_next=[10023])
+        with pytest.raises(ThrottledSinkError, match="ErrorCode 10023"):
+            await sink.deliver(event("g1", room_id="hot"))
+        await sink.deliver(event("g2", room_id="quiet"))  # another group: unaffected
+        with pytest.raises(ThrottledSinkError, match="client-side rate limit: group hot"):
+            await sink.deliver(event("g3", room_id="hot"))
+        fake.set_faults(drop_rate=1.0)  # MsgFreqCtrl: the group's rate control dropped it
+        with pytest.raises(ThrottledSinkError, match="MsgFreqCtrl"):
+            await sink.deliver(event("g4", room_id="quiet"))
+        fake.set_faults(drop_rate=0.0)
+        with pytest.raises(ThrottledSinkError, match="client-side rate limit: group quiet"):
+            await sink.deliver(event("g5", room_id="quiet"))
+    finally:
+        await sink.aclose()
+    assert [a.error_code for a in fake.arrivals] == [10023, 0, 0]
+    assert fake.event_ids() == ["g2"]

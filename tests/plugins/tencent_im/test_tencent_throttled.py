@@ -131,6 +131,42 @@ async def test_a_quota_share_of_zero_holds_back_without_an_attempt(fake: FakeTen
     assert sorted(fake.event_ids()) == [f"e{i}" for i in range(5)]
 
 
+@pytest.mark.serial
+async def test_tencent_rate_limit_answers_park_nothing_and_slow_the_process_down(
+    fake: FakeTencentIM, store: MySQLStore
+) -> None:
+    """Others use most of the app's quota (room-service pushing above its reserve): Tencent
+    takes 20 requests/s where this process's share says 200. Its 60011 answers are no
+    attempts (nothing parked after 3 of them, no retry counted) and slow the app's limiter
+    down, so few requests go over Tencent's limit: without the slow-down the process kept
+    sending at its share, about seven requests over the limit per message delivered."""
+    events = 150
+    fake.set_faults(app_qps_limit=20)
+    router = await _router(fake, reserved_share=0)
+    captured = capture()
+    dispatcher = _dispatcher(store, router, captured, parking=True, retry={"max_attempts": 3})
+    await insert_events(store, [envelope(f"e{i}", room_id=f"r_{i % 30}", room_version=i) for i in range(events)])
+    try:
+        async with _running(dispatcher):
+
+            async def drained() -> bool:
+                rows = await fetch_rows(store)
+                assert not [e for e, r in rows.items() if r["status"] == "failed"]  # fail at once
+                return _all_published(rows, events)
+
+            await wait_until(drained, timeout=60, interval=0.1)
+    finally:
+        await router.aclose()
+    rows = await fetch_rows(store)
+    assert {r["status"] for r in rows.values()} == {"published"}
+    assert {r["retry_count"] for r in rows.values()} == {0}  # rate-limit answers only
+    assert all(r["last_error"] is None for r in rows.values())
+    assert sorted(fake.event_ids()) == sorted(rows)  # each delivered once
+    assert fake.over_quota["app"] > 0  # Tencent's limit was met
+    assert fake.over_quota["app"] < events / 2  # and the process backed off
+    assert captured.value(FAILED) == 0
+
+
 def _run_config(path: Path, dsn: str, fake: FakeTencentIM) -> Path:
     """The in-process test's limits for `room-outbox run`: app_rate_limit 10 below a
     concurrency of 64, parking after 3 attempts, rows claimable at once, /metrics on a free
