@@ -89,17 +89,12 @@ class TencentIMSink:
         self._own_secrets = Redactor()
         self._apps_by_code: dict[str, TencentApp] = {}
         # Both limits are Tencent's for the whole deployment: this process keeps to its share
-        # of what room-service's pushes leave (reserved_share). A group per room, with per-room
-        # ordering, is served by one process only: the owner of the room's bucket.
+        # of what room-service's pushes leave (reserved_share).
         self._quota = context.quota
         app_limit, group_limit = settings.usable(settings.app_rate_limit), settings.usable(settings.group_rate_limit)
-        group_per_room = "{room_id}" in settings.group_id_template
-        if group_per_room:
-            # A room that changes owner then waits a window, until its former owner's last
-            # messages to its group have left Tencent's window.
-            self._quota.limits_rooms = True
         self._app_rate = lambda: self._quota.split(app_limit)
-        self._groups = KeyedLimiter(lambda: self._quota.split(group_limit, per_room=group_per_room))
+        # Tencent counts requests per SDKAppID: app codes sharing one share its limiter.
+        self._app_limiters: dict[int, SlidingWindowLimiter] = {}
         default = self._make_app(
             "default", settings.sdkappid, settings.identifier, settings.base_url, settings.secret_key.get_secret_value()
         )
@@ -113,6 +108,12 @@ class TencentIMSink:
                 creds.base_url or settings.base_url,
                 creds.secret_key.get_secret_value(),
             )
+        group_per_room = "{room_id}" in settings.group_id_template
+        if group_per_room:
+            # A room that changes owner then waits a window, until its former owner's last
+            # messages to its group have left Tencent's window.
+            self._quota.limits_rooms = True
+        self._groups = KeyedLimiter(lambda: self._quota.split(group_limit, per_room=group_per_room))
         proxy = urlsplit(settings.proxy.get_secret_value())
         if proxy.password:
             self._remember_secret(proxy.password)
@@ -122,7 +123,10 @@ class TencentIMSink:
     def _make_app(self, name: str, sdkappid: int, identifier: str, base_url: str, key: str) -> TencentApp:
         self._remember_secret(key)
         usersig = UserSigCache(sdkappid, identifier, key, int(self.settings.usersig_ttl), on_new=self._remember_secret)
-        return TencentApp(name, sdkappid, identifier, base_url, usersig, SlidingWindowLimiter(self._app_rate))
+        limiter = self._app_limiters.get(sdkappid)
+        if limiter is None:
+            limiter = self._app_limiters[sdkappid] = SlidingWindowLimiter(self._app_rate)
+        return TencentApp(name, sdkappid, identifier, base_url, usersig, limiter)
 
     def _remember_secret(self, secret: str) -> None:
         """Every secret key and every UserSig the cache makes (raw and URL-encoded forms)."""
@@ -164,7 +168,7 @@ class TencentIMSink:
     async def _send(self, app: TencentApp, content: bytes, group_id: str) -> dict[str, Any]:
         """POST within both rate limits; the slots stay busy until the answer is back. A limit
         with no slot in time: :class:`ThrottledSinkError`, as nothing was sent (not an attempt)."""
-        group = self._groups.get(group_id)
+        group = self._groups.get(self._group_key(app, group_id))
         if not (group.try_acquire() or await group.acquire(self._max_wait())):
             raise ThrottledSinkError(
                 f"client-side rate limit: group {group_id} is above this process's share"
@@ -186,6 +190,11 @@ class TencentIMSink:
                 app.limiter.release()
         finally:
             group.release(sent)
+
+    @staticmethod
+    def _group_key(app: TencentApp, group_id: str) -> str:
+        """A group is Tencent's within its app: one name in two apps is two groups."""
+        return f"{app.sdkappid}/{group_id}"
 
     def _max_wait(self) -> float:
         """How long to wait for a rate-limit slot. Waiting spends the caller's publish_timeout:
@@ -241,12 +250,12 @@ class TencentIMSink:
                 raise self._refused_for_rate(app.limiter, f"ErrorCode {code}: {short_info(info, redact)}", app, None)
             if code in GROUP_RATE_CODES:
                 text = f"ErrorCode {code}: {short_info(info, redact)}"
-                raise self._refused_for_rate(self._groups.get(group_id), text, app, group_id)
+                raise self._refused_for_rate(self._groups.get(self._group_key(app, group_id)), text, app, group_id)
             raise error_for_code(code or -1, info, f"GroupId {group_id}, app {app.name}", redact)
         drop = answer.get("MsgDropReason")
         if drop == GROUP_RATE_DROP:
             text = f"MsgDropReason {GROUP_RATE_DROP}"
-            raise self._refused_for_rate(self._groups.get(group_id), text, app, group_id)
+            raise self._refused_for_rate(self._groups.get(self._group_key(app, group_id)), text, app, group_id)
         if drop:
             # Accepted, then dropped by Tencent: not delivered, so not a success.
             raise RetryableSinkError(

@@ -11,7 +11,7 @@ from im_support import event, im_dispatcher, im_router, make_sink
 from support import envelope, fetch_rows, insert_events
 
 from bench.drive import run_until_empty
-from room_outbox.plugins.tencent_im.fake import FakeTencentIM
+from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM
 from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindowLimiter
 from room_outbox.sink import RetryableSinkError, ThrottledSinkError
 from room_outbox.store.backends.mysql import MySQLStore
@@ -241,3 +241,23 @@ async def test_a_rate_limit_answer_is_no_attempt_and_slows_down_the_limiter_it_n
         await sink.aclose()
     assert [a.error_code for a in fake.arrivals] == [10023, 0, 0]
     assert fake.event_ids() == ["g2"]
+
+
+async def test_app_codes_on_one_sdkappid_share_its_limit(fake: FakeTencentIM) -> None:
+    """Tencent counts requests per SDKAppID: two app codes with the same one (an `apps` entry
+    and the default app's codes) share one limiter, not one each."""
+    sink = make_sink(
+        fake,
+        app_rate_limit=10,
+        reserved_share=0,
+        rate_limit_max_wait="100ms",
+        default_app_codes=["game1"],
+        apps={"game2": {"sdkappid": DEV_SDKAPPID, "secret_key": DEV_KEY}},
+    )
+    events = [event(f"{code}-{i}", room_id=f"r_{i}", app_code=code) for i in range(15) for code in ("game1", "game2")]
+    try:
+        outcomes = await _deliver_all(sink, events)
+    finally:
+        await sink.aclose()
+    assert sum(o is None for o in outcomes) == 10  # the rest throttled within the first window
+    assert fake.max_in_window(1.0, sdkappid=DEV_SDKAPPID) == 10
