@@ -60,18 +60,29 @@ def test_bucket_plan_moves_buckets_without_leased_rows_first() -> None:
 
 
 def test_a_bucket_waits_a_window_before_its_new_owner_only_where_a_room_limit_follows_the_room() -> None:
-    """The Tencent IM sink with a group per room declares a limit of each room's messages: with
-    per-room ordering the room's owner keeps it whole, so a bucket that changes hands waits a
-    rate-limit window (the former owner's last messages must leave it first). A group per app,
-    or rooms not owned, or no such sink: claimable at once."""
-    cases = [("im_{room_id}", True, True), ("im_{room_id}", False, False), ("im_{app_code}", True, False)]
-    for template, per_room, waits in cases:
+    """The Tencent IM sink with a group per room bucket declares a limit of each room's messages:
+    with per-room ordering the room's owner keeps it whole, so a bucket that changes hands waits
+    a rate-limit window (the former owner's last messages must leave it first). A group per
+    app, a group fed by two app codes' rooms (two buckets), rooms not owned, or no such sink:
+    claimable at once."""
+    one, two = ["default"], ["", "default"]  # app codes of the default app
+    cases = [
+        ("im_{room_id}", one, True, True),
+        ("im_{room_id}", one, False, False),
+        ("im_{room_id}", two, True, False),  # ("", r) and ("default", r): one group, two buckets
+        ("im_{app_code}_{room_id}", two, True, True),
+        ("im_{app_code}", one, True, False),
+    ]
+    for template, codes, per_room, waits in cases:
         quota = QuotaShare()
         quota.rooms_owned = per_room
-        settings = TencentIMSettings(sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY, group_id_template=template)
+        settings = TencentIMSettings(
+            sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY, group_id_template=template, default_app_codes=codes
+        )
         TencentIMSink(settings, SinkContext("n", logging.getLogger("test"), quota=quota))
         membership = Membership(cast(SQLStore, None), "n", [], quota=quota)
-        assert membership._handover_delay_ms() == (int(WINDOW * 1000) + 1 if waits else 0), (template, per_room)
+        expected = int(WINDOW * 1000) + 1 if waits else 0
+        assert membership._handover_delay_ms() == expected, (template, codes, per_room)
     quota = QuotaShare()
     quota.rooms_owned = True  # per-room ordering, and no sink limiting a room's messages
     assert Membership(cast(SQLStore, None), "n", [], quota=quota)._handover_delay_ms() == 0

@@ -108,7 +108,7 @@ class TencentIMSink:
                 creds.base_url or settings.base_url,
                 creds.secret_key.get_secret_value(),
             )
-        group_per_room = "{room_id}" in settings.group_id_template
+        group_per_room = self._one_room_per_group()
         if group_per_room:
             # A room that changes owner then waits a window, until its former owner's last
             # messages to its group have left Tencent's window.
@@ -127,6 +127,22 @@ class TencentIMSink:
         if limiter is None:
             limiter = self._app_limiters[sdkappid] = SlidingWindowLimiter(self._app_rate)
         return TencentApp(name, sdkappid, identifier, base_url, usersig, limiter)
+
+    def _one_room_per_group(self) -> bool:
+        """Whether every Tencent group is fed by one room bucket's events, so that with per-room
+        ordering its owner may keep the whole group limit. A room bucket is an (app_code, room)
+        pair; a group is a group_id within an SDKAppID. So the template must hold {room_id},
+        and either {app_code} too or no SDKAppID may serve two app codes (their rooms of one
+        name, in two buckets with two owners, would be one group)."""
+        template = self.settings.group_id_template
+        if "{room_id}" not in template:
+            return False
+        if "{app_code}" in template:
+            return True
+        codes: dict[int, int] = {}
+        for app in self._apps_by_code.values():
+            codes[app.sdkappid] = codes.get(app.sdkappid, 0) + 1
+        return all(count == 1 for count in codes.values())
 
     def _remember_secret(self, secret: str) -> None:
         """Every secret key and every UserSig the cache makes (raw and URL-encoded forms)."""

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import random
 import time
 
 import anyio
 import pytest
-from im_support import event, im_dispatcher, im_router, make_sink
+from im_support import event, im_dispatcher, im_router, im_section, make_sink
 from support import envelope, fetch_rows, insert_events
 
 from bench.drive import run_until_empty
+from room_outbox import QuotaShare
+from room_outbox.plugins.tencent_im import TencentIMSettings
 from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, FakeTencentIM
 from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindowLimiter
-from room_outbox.sink import RetryableSinkError, ThrottledSinkError
+from room_outbox.plugins.tencent_im.sink import TencentIMSink
+from room_outbox.sink import RetryableSinkError, SinkContext, ThrottledSinkError
 from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = [pytest.mark.anyio, pytest.mark.serial]
@@ -261,3 +266,36 @@ async def test_app_codes_on_one_sdkappid_share_its_limit(fake: FakeTencentIM) ->
         await sink.aclose()
     assert sum(o is None for o in outcomes) == 10  # the rest throttled within the first window
     assert fake.max_in_window(1.0, sdkappid=DEV_SDKAPPID) == 10
+
+
+async def test_a_group_fed_by_two_app_codes_is_shared_by_their_room_owners(fake: FakeTencentIM) -> None:
+    """Per-room ordering, two processes (two sinks, each with its own quota share of two
+    nodes), each owning one of the room buckets (game1, r_1) and (game2, r_1), which the
+    template "{room_id}" sends to one Tencent group: each keeps half the group limit, not all
+    of it (each owner sent the whole limit, twice the group's limit between them)."""
+    sinks = []
+    for _ in range(2):
+        quota = QuotaShare()
+        quota.apply(2, math.inf)
+        quota.rooms_owned = True
+        settings = TencentIMSettings.model_validate(
+            im_section(
+                fake,
+                group_rate_limit=10,
+                reserved_share=0,
+                rate_limit_max_wait="100ms",
+                group_id_template="{room_id}",
+                default_app_codes=["game1", "game2"],
+            )
+        )
+        sinks.append(TencentIMSink(settings, SinkContext("n", logging.getLogger("test"), quota=quota)))
+    try:
+        async with anyio.create_task_group() as tg:
+            for sink, code in zip(sinks, ("game1", "game2"), strict=True):
+                tg.start_soon(
+                    _deliver_all, sink, [event(f"{code}-{i}", room_id="r_1", app_code=code) for i in range(10)]
+                )
+    finally:
+        for sink in sinks:
+            await sink.aclose()
+    assert fake.max_in_window(1.0, group_id="r_1") == 10  # 5 each
