@@ -65,11 +65,11 @@ def test_a_bucket_waits_a_window_before_its_new_owner_only_where_a_room_limit_fo
     a rate-limit window (the former owner's last messages must leave it first). A group per
     app, a group fed by two app codes' rooms (two buckets), rooms not owned, or no such sink:
     claimable at once."""
-    one, two = ["default"], ["", "default"]  # app codes of the default app
+    one, two = ["", "default"], ["game1", "game2"]  # app codes of the default app (the empty one not counted)
     cases = [
         ("im_{room_id}", one, True, True),
         ("im_{room_id}", one, False, False),
-        ("im_{room_id}", two, True, False),  # ("", r) and ("default", r): one group, two buckets
+        ("im_{room_id}", two, True, False),  # ("game1", r) and ("game2", r): one group, two buckets
         ("im_{app_code}_{room_id}", two, True, True),
         ("im_{app_code}", one, True, False),
     ]

@@ -133,15 +133,18 @@ class TencentIMSink:
         ordering its owner may keep the whole group limit. A room bucket is an (app_code, room)
         pair; a group is a group_id within an SDKAppID. So the template must hold {room_id},
         and either {app_code} too or no SDKAppID may serve two app codes (their rooms of one
-        name, in two buckets with two owners, would be one group)."""
+        name, in two buckets with two owners, would be one group). The empty app code is not
+        counted: it is the app of rows whose producer writes none, and such a producer writes
+        it for every row, so its rooms never share a group with another code's."""
         template = self.settings.group_id_template
         if "{room_id}" not in template:
             return False
         if "{app_code}" in template:
             return True
         codes: dict[int, int] = {}
-        for app in self._apps_by_code.values():
-            codes[app.sdkappid] = codes.get(app.sdkappid, 0) + 1
+        for code, app in self._apps_by_code.items():
+            if code:
+                codes[app.sdkappid] = codes.get(app.sdkappid, 0) + 1
         return all(count == 1 for count in codes.values())
 
     def _remember_secret(self, secret: str) -> None:
