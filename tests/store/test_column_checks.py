@@ -16,7 +16,7 @@ from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
 from room_outbox.store.protocol import DeliveryResult, Outcome, SQLStore
 from room_outbox.store.schema.check import check_schema
-from room_outbox.store.schema.profiles import ROOM_CELL
+from room_outbox.store.schema.profiles import ROOM_CELL, SILK
 
 pytestmark = pytest.mark.anyio
 
@@ -338,5 +338,30 @@ async def test_postgresql_adopts_the_first_v1_table(postgresql_dsn: str) -> None
         )
         row = (await fetch_rows(store))["e1"]
         assert (row["app_code"], row["updated_at_ms"], row["lock_until_ms"]) == ("", 0, 0)
+    finally:
+        await store.aclose()
+
+
+async def test_silk_columns_of_other_types_than_its_producers_are_refused_with_their_fixes(postgresql_dsn: str) -> None:
+    """silk's table with ``payload`` as text (every envelope's payload would be a JSON string:
+    each row parked as malformed) and ``next_attempt_at`` as bigint (every claim would fail):
+    refused by `migrate` and `run` alike, naming each column and its fix."""
+    store = await open_store(postgresql_dsn, profile=SILK)
+    try:
+        await store.migrate()
+        await alter(
+            store,
+            "ALTER TABLE outbox_events ALTER COLUMN payload TYPE text",
+            "ALTER TABLE outbox_events ALTER COLUMN next_attempt_at DROP DEFAULT,"
+            " ALTER COLUMN next_attempt_at TYPE bigint USING 0",
+        )
+        line = (
+            "outbox_events.next_attempt_at is int8, which room-outbox compares with timestamps: run ALTER TABLE"
+            " outbox_events ALTER COLUMN next_attempt_at TYPE timestamptz USING (its values as timestamps)\n"
+            "outbox_events.payload is text: the envelope takes it as a JSON value, and from a text column every"
+            " row would fail as a malformed envelope: run ALTER TABLE outbox_events ALTER COLUMN payload TYPE jsonb"
+            " USING payload::jsonb (it rewrites the table under an exclusive lock: on a live table, plan it)"
+        )
+        assert await refusals(store) == (line, line)
     finally:
         await store.aclose()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
@@ -331,3 +332,37 @@ async def test_v1_and_lane_tables_migrate_while_room_service_inserts(postgresql_
         assert len(claimed.rows) == 200 + len(latencies)
     finally:
         await store.aclose()
+
+
+async def test_a_table_owner_without_create_on_the_schema_is_refused_before_any_change(postgresql_dsn: str) -> None:
+    """silk's table owned by the role in the DSN, which may alter it but not make a sequence in
+    the schema: migrate's first steps (a column) would be made and its sequence refused, the
+    table left half adopted. Refused before the first change, naming the privilege."""
+    role = f"ro_noc_{uuid.uuid4().hex[:8]}"
+    admin = await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True)
+    try:
+        await admin.execute(f"CREATE ROLE {role} LOGIN")
+        await admin.execute(f"REVOKE CREATE ON SCHEMA public FROM {role}, PUBLIC")
+        await admin.execute(f"GRANT USAGE ON SCHEMA public TO {role}")
+        for statement in SILK_TABLE_DDL:
+            await admin.execute(statement.format(table="outbox_events"))
+        await admin.execute(f"ALTER TABLE outbox_events OWNER TO {role}")
+        store = await open_store(postgresql_dsn.replace("://postgres@", f"://{role}@"), profile=SILK)
+        try:
+            with pytest.raises(SchemaError) as refused:
+                await store.migrate()
+        finally:
+            await store.aclose()
+        assert str(refused.value).endswith(
+            "needs CREATE on schema public, which this role lacks; nothing was changed: GRANT CREATE ON SCHEMA"
+            " public TO the role in database.dsn, or run migrate as one that has it"
+        ), refused.value
+        cur = await admin.execute(
+            "SELECT count(*) FROM information_schema.columns WHERE table_name = 'outbox_events'"
+            " AND column_name IN ('outbox_seq', 'worker_id')"
+        )
+        assert await cur.fetchone() == (0,)
+    finally:
+        await admin.execute(f"DROP OWNED BY {role} CASCADE")
+        await admin.execute(f"DROP ROLE IF EXISTS {role}")
+        await admin.close()

@@ -12,6 +12,7 @@ runs online (:meth:`PostgresStore.run_migration`).
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 import weakref
@@ -303,8 +304,22 @@ class PostgresStore(LeasedRows):
         return await registry.migration_plan(self)
 
     async def _read_plan(self, planner: Planner) -> list[Migration]:
+        """The plan, refused before its first change where a step makes an object in the
+        schema (a table, a sequence, a function) and the role may not: a table's owner may alter
+        it without that privilege, so a plan would otherwise be left half made."""
         async with self.transaction() as cur:
-            return await planner(cur)
+            plan = await planner(cur)
+            making = next((step for step in plan if any(_MAKES_OBJECT.match(s) for s in step.statements)), None)
+            if making is not None:
+                await cur.execute("SELECT current_schema(), has_schema_privilege(current_schema(), 'CREATE')")
+                schema, allowed = await cur.fetchone()
+                if not allowed:
+                    raise SchemaError(
+                        f"migrate: {making.change} needs CREATE on schema {schema}, which this role lacks;"
+                        f" nothing was changed: GRANT CREATE ON SCHEMA {schema} TO the role in database.dsn,"
+                        " or run migrate as one that has it"
+                    )
+            return plan
 
     async def run_migration(self, planner: Planner) -> list[str]:
         """Run the plan ``planner`` reads from the catalogue, online: on a connection of its
@@ -329,7 +344,8 @@ class PostgresStore(LeasedRows):
                     try:
                         for step in await self._read_plan(planner):
                             await _run_step(conn, step, watcher)
-                            changes.append(step.change)
+                            if step.change not in changes:  # a step made again in a later attempt
+                                changes.append(step.change)
                         return changes
                     except psycopg.errors.LockNotAvailable:
                         waiting = step.change if step is not None else "reading the catalogue"
@@ -341,6 +357,8 @@ class PostgresStore(LeasedRows):
                     except psycopg.DatabaseError as exc:
                         refused = refused_change(exc, step, changes)
                         if refused is None:
+                            if changes:  # the error says what is missing, not what was made
+                                _say(f"migrate: made before the error below: {', '.join(changes)}")
                             raise
                         raise refused from exc
         raise StoreError(
@@ -465,6 +483,10 @@ async def _report_build(watcher: psycopg.AsyncConnection[Any], pid: int, change:
         if row is not None:
             phase, done, total = row
             _say(f"migrate: {change}: {phase}" + (f", {100 * done // total}% of the blocks" if total else ""))
+
+
+#: A statement that makes an object in the schema (CREATE on the schema needed).
+_MAKES_OBJECT = re.compile(r"^\s*CREATE\s+(?:OR\s+REPLACE\s+)?(?:TABLE|SEQUENCE|FUNCTION|TYPE|VIEW)\b", re.I)
 
 
 def _say(line: str) -> None:

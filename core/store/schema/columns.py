@@ -158,7 +158,8 @@ def column_problems(
       (:func:`_nullable_values`): such rows would never be delivered. Fixed online on
       MySQL/MariaDB; on PostgreSQL refused with the statements to run;
     * ``last_error``, ``worker_id`` too short or NOT NULL, times or keys that are not integers
-      wide enough: refused, with the fix."""
+      wide enough (timestamps, for a profile that keeps them so), a column the envelope takes
+      as JSON that is not json or jsonb: refused, with the fix."""
     table = profile.table
     refused: list[str] = []
     fixable: list[str] = []
@@ -181,6 +182,24 @@ def column_problems(
                     f"{table}.{name} is {column.declared}, which cannot hold epoch milliseconds:"
                     f" run ALTER TABLE {table} {_retype(dialect, name, 'BIGINT', not column.nullable)}"
                 )
+    else:
+        for name in (profile.lock, profile.updated, profile.created):
+            column = columns.get(name)
+            if column is not None and not column.kind.startswith("timestamp"):
+                refused.append(
+                    f"{table}.{name} is {column.declared}, which room-outbox compares with timestamps: run ALTER"
+                    f" TABLE {table} ALTER COLUMN {name} TYPE timestamptz USING (its values as timestamps)"
+                )
+    for name in profile.json_columns:
+        column = columns.get(name)
+        if column is not None and column.kind not in ("json", "jsonb"):
+            values = f"convert_from({name}, 'UTF8')::jsonb" if column.kind == "bytea" else f"{name}::jsonb"
+            refused.append(
+                f"{table}.{name} is {column.declared}: the envelope takes it as a JSON value, and from a"
+                f" {column.declared} column every row would fail as a malformed envelope: run ALTER TABLE"
+                f" {table} ALTER COLUMN {name} TYPE jsonb USING {values} (it rewrites the table under an"
+                " exclusive lock: on a live table, plan it)"
+            )
     for value in _nullable_values(columns, profile):
         name, empty = value.column.name, value.empty
         line = f"{table}.{name} is nullable, and {value.why}"

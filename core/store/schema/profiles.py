@@ -49,6 +49,8 @@ class Profile:
     attempts_limit: str | None = None
     #: Databases the profile's table exists on; empty: all.
     databases: tuple[str, ...] = ()
+    #: Columns the envelope takes as JSON values (json or jsonb on the server).
+    json_columns: tuple[str, ...] = ()
 
     @property
     def open(self) -> tuple[str, ...]:
@@ -151,6 +153,7 @@ SILK = Profile(
     # silk's rule: a row's own max_attempts, its default (5) where the row says 0 or less
     attempts_limit="CASE WHEN max_attempts > 0 THEN max_attempts ELSE 5 END",
     databases=("postgresql",),
+    json_columns=("payload",),
 )
 PROFILES = {profile.name: profile for profile in (V1, ROOM_CELL, SILK)}
 
