@@ -100,23 +100,37 @@ async def as_enum(store: SQLStore, members: str) -> None:
     )
 
 
+#: The online fix a refusal gives for a nullable column on PostgreSQL (``column``, ``value``).
+PG_NOT_NULL_FIX = (
+    "ALTER TABLE room_outbox ALTER COLUMN {column} SET DEFAULT {value}; then, until it changes no row,"
+    " UPDATE room_outbox SET {column} = {value} WHERE ctid IN (SELECT ctid FROM room_outbox WHERE {column} IS NULL"
+    " LIMIT 5000); then ALTER TABLE room_outbox ADD CONSTRAINT {column}_not_null CHECK ({column} IS NOT NULL)"
+    " NOT VALID; ALTER TABLE room_outbox VALIDATE CONSTRAINT {column}_not_null;"
+    " ALTER TABLE room_outbox ALTER COLUMN {column} SET NOT NULL, DROP CONSTRAINT {column}_not_null"
+)
+
+
+async def run_fix(store: SQLStore, fix: str) -> None:
+    """The statements of a refusal's fix, the backfill's batch until it changes no row."""
+    async with store.transaction() as cur:
+        for statement in fix.replace("; then, until it changes no row, ", "; ").replace("; then ", "; ").split("; "):
+            while await cur.execute(statement) and statement.startswith("UPDATE") and cur.rowcount:
+                pass
+
+
 async def test_postgresql_enum_and_nullable_lock_are_refused_with_their_fixes(pg_store: SQLStore) -> None:
     await as_enum(pg_store, "'pending', 'published'")
     await alter(pg_store, "ALTER TABLE room_outbox ALTER COLUMN lock_until_ms DROP NOT NULL")
     line = (
         "room_outbox.status is an ENUM without 'failed', 'cancelled', statuses room-outbox writes:"
         " run ALTER TYPE outbox_status ADD VALUE 'failed'; ALTER TYPE outbox_status ADD VALUE 'cancelled'\n"
-        "room_outbox.lock_until_ms is nullable, and a claim never takes a row whose lock_until_ms is NULL:"
-        " run UPDATE room_outbox SET lock_until_ms = 0 WHERE lock_until_ms IS NULL;"
-        " ALTER TABLE room_outbox ALTER COLUMN lock_until_ms SET DEFAULT 0, ALTER COLUMN lock_until_ms SET NOT NULL"
+        f"{NULLABLE_LOCK}: run {PG_NOT_NULL_FIX.format(column='lock_until_ms', value='0')}"
     )
     assert await refusals(pg_store) == (line, line)
     await alter(
-        pg_store,
-        "ALTER TYPE outbox_status ADD VALUE 'failed'",
-        "ALTER TYPE outbox_status ADD VALUE 'cancelled'",
-        "ALTER TABLE room_outbox ALTER COLUMN lock_until_ms SET DEFAULT 0, ALTER COLUMN lock_until_ms SET NOT NULL",
+        pg_store, "ALTER TYPE outbox_status ADD VALUE 'failed'", "ALTER TYPE outbox_status ADD VALUE 'cancelled'"
     )
+    await run_fix(pg_store, PG_NOT_NULL_FIX.format(column="lock_until_ms", value="0"))
     await check_schema(pg_store, (), longest_claim_id("node-1"))
     assert await pg_store.migration_plan() == []
 
@@ -299,12 +313,15 @@ async def test_a_producer_writing_null_into_the_lock_itself_stops_migrate_with_t
 
 async def test_postgresql_refuses_a_nullable_app_code_with_its_fix(pg_store: SQLStore) -> None:
     await alter(pg_store, "ALTER TABLE room_outbox ALTER COLUMN app_code DROP NOT NULL")
-    line = (
-        "room_outbox.app_code is nullable, and a row whose app_code is NULL is never delivered:"
-        " run UPDATE room_outbox SET app_code = '' WHERE app_code IS NULL;"
-        " ALTER TABLE room_outbox ALTER COLUMN app_code SET DEFAULT '', ALTER COLUMN app_code SET NOT NULL"
-    )
+    await insert_events(pg_store, [envelope("e1")])
+    async with pg_store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET app_code = NULL")
+    fix = PG_NOT_NULL_FIX.format(column="app_code", value="''")
+    line = f"room_outbox.app_code is nullable, and a row whose app_code is NULL is never delivered: run {fix}"
     assert await refusals(pg_store) == (line, line)
+    await run_fix(pg_store, fix)  # the statements given work, and leave nothing to refuse
+    await check_schema(pg_store, (), longest_claim_id("node-1"))
+    assert [r["app_code"] for r in (await fetch_rows(pg_store)).values()] == [""]
 
 
 async def test_a_nullable_lock_beside_a_generated_column_is_refused_as_not_online(store: MySQLStore) -> None:

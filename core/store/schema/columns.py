@@ -212,9 +212,16 @@ def column_problems(
                 f" {_not_null_declaration(value)} with gh-ost or pt-online-schema-change"
             )
         else:
+            # Online on PostgreSQL: the default first (catalogue only), NULLs set in short
+            # batches, then NOT NULL through a check validated without blocking writes (SET NOT
+            # NULL alone scans the table under an exclusive lock).
+            check = f"{name}_not_null"
             refused.append(
-                f"{line}: run UPDATE {table} SET {name} = {empty} WHERE {name} IS NULL;"
-                f" ALTER TABLE {table} ALTER COLUMN {name} SET DEFAULT {empty}, ALTER COLUMN {name} SET NOT NULL"
+                f"{line}: run ALTER TABLE {table} ALTER COLUMN {name} SET DEFAULT {empty}; then, until it changes"
+                f" no row, UPDATE {table} SET {name} = {empty} WHERE ctid IN (SELECT ctid FROM {table} WHERE"
+                f" {name} IS NULL LIMIT {BACKFILL_BATCH}); then ALTER TABLE {table} ADD CONSTRAINT {check}"
+                f" CHECK ({name} IS NOT NULL) NOT VALID; ALTER TABLE {table} VALIDATE CONSTRAINT {check};"
+                f" ALTER TABLE {table} ALTER COLUMN {name} SET NOT NULL, DROP CONSTRAINT {check}"
             )
     for name in (profile.key, profile.attempts):
         column = columns.get(name)
