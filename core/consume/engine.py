@@ -356,17 +356,21 @@ class Consumer:
         for message in messages:
             if message.rejected is not None:
                 row = message.retry_row(self.name, NO_HANDLER, 1, message.rejected)
-                await outcomes.dead_letter(row)
+                row = await self.handling.write_row(outcomes, row, dead=True) or row
                 dead.append((row, "rejected"))
                 continue
             for handler in message.handlers:
                 if (message.partition, message.offset, handler.name) in done:
                     continue
                 if handler.name in held:
-                    await outcomes.schedule(
-                        message.retry_row(self.name, handler.name, 0, "waiting behind an earlier event of its room")
+                    waiting = message.retry_row(
+                        self.name, handler.name, 0, "waiting behind an earlier event of its room"
                     )
-                    self._retrying.add((handler.name, message.held_key))
+                    refused = await self.handling.write_row(outcomes, waiting)
+                    if refused is not None:
+                        dead.append((refused, "failed"))
+                    else:
+                        self._retrying.add((handler.name, message.held_key))
                     continue
                 result = await self.handling.handle(message, handler, attempt=1, retry=None, batch=batch, dead=dead)
                 if result == "retry":
