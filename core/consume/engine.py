@@ -129,6 +129,12 @@ class Consumer:
     async def _join(self) -> AIOKafkaConsumer | None:
         """A started group member; None when stopped before the broker answered."""
         s = self.settings
+        # The longest a batch may take: the group waits that long for this member in a
+        # rebalance, and the client that long between two fetches. A fetch is not made while
+        # a batch settles: past max_poll_interval_ms (aiokafka's default, 300 s) the client
+        # would leave the group without the revocation callback, and another member would
+        # handle the batch's messages while this one still does.
+        batch_bound_ms = int(rebalance_timeout(s, len(self._batch_handlers)) * 1000)
         while not self._stop.is_set():
             kafka = AIOKafkaConsumer(
                 bootstrap_servers=s.bootstrap_servers,
@@ -138,7 +144,8 @@ class Consumer:
                 auto_offset_reset="earliest",
                 session_timeout_ms=int(s.session_timeout * 1000),
                 heartbeat_interval_ms=max(100, int(s.session_timeout * 1000 / 3)),
-                rebalance_timeout_ms=int(rebalance_timeout(s, len(self._batch_handlers)) * 1000),
+                rebalance_timeout_ms=batch_bound_ms,
+                max_poll_interval_ms=batch_bound_ms,
                 max_poll_records=s.max_batch,
                 **s.security.client_kwargs(),
             )
@@ -385,7 +392,8 @@ def rebalance_timeout(settings: ConsumerSettings, batch_handlers: int) -> float:
     must outlast the longest batch its own deadlines allow: each batch handler's call, every
     message twice (in its chunk's transaction, then alone if that one failed), the
     dead-letter copies and the commit. Shorter (aiokafka's default is ``session_timeout``),
-    a slow batch would lose its partitions mid-way and its messages be handled again."""
+    a slow batch would lose its partitions mid-way and its messages be handled again. It is
+    the client's ``max_poll_interval_ms`` too: no fetch is made while a batch settles."""
     messages = batch_handlers + 2 * (settings.max_batch + 1)
     batch = settings.handler_timeout * messages + DLQ_SEND_TIMEOUT + COMMIT_TIMEOUT
     return max(settings.session_timeout, batch)
