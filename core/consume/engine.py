@@ -98,6 +98,8 @@ class Consumer:
         self._kafka: AIOKafkaConsumer | None = None
         #: (handler, room) pairs the settling batch has put in the retry table.
         self._retrying: set[tuple[str, str]] = set()
+        #: Set when the consumer stopped mid-batch and left some of it unsettled.
+        self._left_unsettled = False
         self._batch_handlers = [h for h in handlers.values() if isinstance(h.handler, BatchHandler)]
 
     def stop(self) -> None:
@@ -217,6 +219,13 @@ class Consumer:
             if error is None:
                 self._settled.update(fetched.offsets)
                 return ahead, retrying
+            if isinstance(error, _Stopping):
+                log.info(
+                    "stopping mid-batch: its offsets are not committed, and what it had not handled yet is"
+                    " handled after (what it had is found processed)",
+                    extra={"consumer": self.name, "lifecycle": "stop_requested"},
+                )
+                return None, set()
             # Nothing of this batch is committed: fetch it again from its first offsets after a
             # pause; what it settled already is found as processed.
             log.error(
@@ -287,16 +296,21 @@ class Consumer:
                 looked_up = await self.store.blocked_rooms(self.name, set(rooms))
             blocked = looked_up | retrying
         self._retrying = set()
+        self._left_unsettled = False
         done = await self._settle_batch_handlers(list(rooms.values()), blocked) if self._batch_handlers else set()
         # What is left (handlers one message at a time, dead letters, the batch handlers'
         # fallback): up to `concurrency` chunks of whole rooms, each settled in one transaction.
         if len(done) == fetched.handlings and not fetched.rejected:
             return self._retrying
+        if self._stop.is_set():
+            raise _Stopping
         groups = [room for room in rooms.values() if self._unsettled(room, done)]
         width = min(self.settings.concurrency, len(groups))
         async with anyio.create_task_group() as tasks:
             for n in range(width):
                 tasks.start_soon(self._settle_chunk, groups[n::width], blocked, done)
+        if self._left_unsettled:
+            raise _Stopping
         return self._retrying
 
     @staticmethod
@@ -327,7 +341,12 @@ class Consumer:
         """The rooms' messages in one transaction (each handling in a savepoint), one room
         after another, but the handlings in ``done``. If that transaction cannot complete (a
         handler timed out, the connection broke), everything in it is rolled back and the
-        messages are settled again one transaction each."""
+        messages are settled again one transaction each.
+
+        Once the consumer is told to stop, no further message is started (what is settled is
+        committed) and a chunk that failed is not settled again: the stop waits for the
+        handlings in progress only, each at most ``handler_timeout``, and the rest waits in
+        Kafka, its offsets not committed."""
         dead: list[tuple[RetryRow, str]] = []
         messages = sum(len(room) for room in rooms)
         limit = self.settings.handler_timeout * (messages + 1)
@@ -337,6 +356,9 @@ class Consumer:
                     for room in rooms:
                         await self._settle_room(room, blocked, batch, dead, done)
         except Exception as exc:
+            if self._stop.is_set():
+                self._left_unsettled = True
+                return  # rolled back: its messages are handled again after
             log.warning(
                 "chunk not settled in one transaction; settling its messages one by one",
                 extra={"consumer": self.name, "messages": messages, "error": error_text(self.redactor, describe(exc))},
@@ -361,6 +383,9 @@ class Consumer:
         outcomes: ConsumerBatch | ConsumerStore = batch if batch is not None else self.store
         held: set[str] = {handler for handler, room in blocked if room == messages[0].held_key}
         for message in messages:
+            if self._stop.is_set():
+                self._left_unsettled = True  # the room's later messages too: its order holds
+                return
             if message.rejected is not None:
                 row = message.retry_row(self.name, NO_HANDLER, 1, message.rejected)
                 row = await self.handling.write_row(outcomes, row, dead=True) or row
@@ -384,6 +409,10 @@ class Consumer:
                     self._retrying.add((handler.name, message.held_key))
                 if result != "done" and self.ordered:
                     held.add(handler.name)
+
+
+class _Stopping(Exception):
+    """The consumer stopped while settling a batch, leaving some of it unsettled."""
 
 
 def rebalance_timeout(settings: ConsumerSettings, batch_handlers: int) -> float:
