@@ -101,7 +101,7 @@ def headers(consumer: str, row: RetryRow) -> list[tuple[str, bytes]]:
     """The message's own headers but earlier ``dlq.*`` ones, and where and why it died."""
     return [
         *((k, v.encode()) for k, v in row.headers.items() if not k.startswith("dlq.")),
-        ("dlq.error", (row.last_error or "").encode()),  # already cut to LAST_ERROR_MAX
+        ("dlq.error", (row.last_error or "").encode()),  # fitted to its column (RetryRow)
         ("dlq.consumer", consumer.encode()),
         ("dlq.handler", row.handler.encode()),
         ("dlq.topic", row.topic.encode()),

@@ -98,6 +98,8 @@ class Consumer:
         self._kafka: AIOKafkaConsumer | None = None
         #: (handler, room) pairs the settling batch has put in the retry table.
         self._retrying: set[tuple[str, str]] = set()
+        #: Set when the consumer stopped mid-batch and left some of it unsettled.
+        self._left_unsettled = False
         self._batch_handlers = [h for h in handlers.values() if isinstance(h.handler, BatchHandler)]
 
     def stop(self) -> None:
@@ -129,6 +131,12 @@ class Consumer:
     async def _join(self) -> AIOKafkaConsumer | None:
         """A started group member; None when stopped before the broker answered."""
         s = self.settings
+        # The longest a batch may take: the group waits that long for this member in a
+        # rebalance, and the client that long between two fetches. A fetch is not made while
+        # a batch settles: past max_poll_interval_ms (aiokafka's default, 300 s) the client
+        # would leave the group without the revocation callback, and another member would
+        # handle the batch's messages while this one still does.
+        batch_bound_ms = int(rebalance_timeout(s, len(self._batch_handlers)) * 1000)
         while not self._stop.is_set():
             kafka = AIOKafkaConsumer(
                 bootstrap_servers=s.bootstrap_servers,
@@ -138,7 +146,8 @@ class Consumer:
                 auto_offset_reset="earliest",
                 session_timeout_ms=int(s.session_timeout * 1000),
                 heartbeat_interval_ms=max(100, int(s.session_timeout * 1000 / 3)),
-                rebalance_timeout_ms=int(rebalance_timeout(s, len(self._batch_handlers)) * 1000),
+                rebalance_timeout_ms=batch_bound_ms,
+                max_poll_interval_ms=batch_bound_ms,
                 max_poll_records=s.max_batch,
                 **s.security.client_kwargs(),
             )
@@ -210,6 +219,13 @@ class Consumer:
             if error is None:
                 self._settled.update(fetched.offsets)
                 return ahead, retrying
+            if isinstance(error, _Stopping):
+                log.info(
+                    "stopping mid-batch: its offsets are not committed, and what it had not handled yet is"
+                    " handled after (what it had is found processed)",
+                    extra={"consumer": self.name, "lifecycle": "stop_requested"},
+                )
+                return None, set()
             # Nothing of this batch is committed: fetch it again from its first offsets after a
             # pause; what it settled already is found as processed.
             log.error(
@@ -280,16 +296,21 @@ class Consumer:
                 looked_up = await self.store.blocked_rooms(self.name, set(rooms))
             blocked = looked_up | retrying
         self._retrying = set()
+        self._left_unsettled = False
         done = await self._settle_batch_handlers(list(rooms.values()), blocked) if self._batch_handlers else set()
         # What is left (handlers one message at a time, dead letters, the batch handlers'
         # fallback): up to `concurrency` chunks of whole rooms, each settled in one transaction.
         if len(done) == fetched.handlings and not fetched.rejected:
             return self._retrying
+        if self._stop.is_set():
+            raise _Stopping
         groups = [room for room in rooms.values() if self._unsettled(room, done)]
         width = min(self.settings.concurrency, len(groups))
         async with anyio.create_task_group() as tasks:
             for n in range(width):
                 tasks.start_soon(self._settle_chunk, groups[n::width], blocked, done)
+        if self._left_unsettled:
+            raise _Stopping
         return self._retrying
 
     @staticmethod
@@ -320,7 +341,12 @@ class Consumer:
         """The rooms' messages in one transaction (each handling in a savepoint), one room
         after another, but the handlings in ``done``. If that transaction cannot complete (a
         handler timed out, the connection broke), everything in it is rolled back and the
-        messages are settled again one transaction each."""
+        messages are settled again one transaction each.
+
+        Once the consumer is told to stop, no further message is started (what is settled is
+        committed) and a chunk that failed is not settled again: the stop waits for the
+        handlings in progress only, each at most ``handler_timeout``, and the rest waits in
+        Kafka, its offsets not committed."""
         dead: list[tuple[RetryRow, str]] = []
         messages = sum(len(room) for room in rooms)
         limit = self.settings.handler_timeout * (messages + 1)
@@ -330,6 +356,9 @@ class Consumer:
                     for room in rooms:
                         await self._settle_room(room, blocked, batch, dead, done)
         except Exception as exc:
+            if self._stop.is_set():
+                self._left_unsettled = True
+                return  # rolled back: its messages are handled again after
             log.warning(
                 "chunk not settled in one transaction; settling its messages one by one",
                 extra={"consumer": self.name, "messages": messages, "error": error_text(self.redactor, describe(exc))},
@@ -354,19 +383,26 @@ class Consumer:
         outcomes: ConsumerBatch | ConsumerStore = batch if batch is not None else self.store
         held: set[str] = {handler for handler, room in blocked if room == messages[0].held_key}
         for message in messages:
+            if self._stop.is_set():
+                self._left_unsettled = True  # the room's later messages too: its order holds
+                return
             if message.rejected is not None:
                 row = message.retry_row(self.name, NO_HANDLER, 1, message.rejected)
-                await outcomes.dead_letter(row)
+                row = await self.handling.write_row(outcomes, row, dead=True) or row
                 dead.append((row, "rejected"))
                 continue
             for handler in message.handlers:
                 if (message.partition, message.offset, handler.name) in done:
                     continue
                 if handler.name in held:
-                    await outcomes.schedule(
-                        message.retry_row(self.name, handler.name, 0, "waiting behind an earlier event of its room")
+                    waiting = message.retry_row(
+                        self.name, handler.name, 0, "waiting behind an earlier event of its room"
                     )
-                    self._retrying.add((handler.name, message.held_key))
+                    refused = await self.handling.write_row(outcomes, waiting)
+                    if refused is not None:
+                        dead.append((refused, "failed"))
+                    else:
+                        self._retrying.add((handler.name, message.held_key))
                     continue
                 result = await self.handling.handle(message, handler, attempt=1, retry=None, batch=batch, dead=dead)
                 if result == "retry":
@@ -375,13 +411,18 @@ class Consumer:
                     held.add(handler.name)
 
 
+class _Stopping(Exception):
+    """The consumer stopped while settling a batch, leaving some of it unsettled."""
+
+
 def rebalance_timeout(settings: ConsumerSettings, batch_handlers: int) -> float:
     """How long the group waits for this member to rejoin in a rebalance. A member gives up
     its partitions only once its batch is settled (:class:`_SettleBeforeRevoke`), so the wait
     must outlast the longest batch its own deadlines allow: each batch handler's call, every
     message twice (in its chunk's transaction, then alone if that one failed), the
     dead-letter copies and the commit. Shorter (aiokafka's default is ``session_timeout``),
-    a slow batch would lose its partitions mid-way and its messages be handled again."""
+    a slow batch would lose its partitions mid-way and its messages be handled again. It is
+    the client's ``max_poll_interval_ms`` too: no fetch is made while a batch settles."""
     messages = batch_handlers + 2 * (settings.max_batch + 1)
     batch = settings.handler_timeout * messages + DLQ_SEND_TIMEOUT + COMMIT_TIMEOUT
     return max(settings.session_timeout, batch)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from room_outbox.attempt.failure import ErrorClass, Failure, describe
+from room_outbox.attempt.failure import ErrorClass, Failure, describe, error_text
 from room_outbox.attempt.pipeline import Attempts
 from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.consume.dead_letters import DeadLetters
@@ -105,7 +105,7 @@ class Handling:
         if self.policy.parks(attempt, failure.permanent):
             row = message.retry_row(self.consumer, handler.name, attempt, text)
             if retry is None:
-                await outcomes.dead_letter(row)
+                row = await self.write_row(outcomes, row, dead=True) or row
                 if dead is not None:
                     dead.append((row, reason))
                 else:
@@ -114,13 +114,43 @@ class Handling:
                 await self.dead_letters.announce([(row, reason)])
             return "dead"
         due = now_ms() + int(self.policy.delay(attempt) * 1000)
-        log.warning("handling failed; retry scheduled", extra={**extra, "retry_at_ms": due})
-        self.metrics.retried.add(1, labels)
         if retry is None:
-            await outcomes.schedule(message.retry_row(self.consumer, handler.name, attempt, text, due))
+            refused = await self.write_row(outcomes, message.retry_row(self.consumer, handler.name, attempt, text, due))
+            if refused is not None:
+                if dead is not None:
+                    dead.append((refused, reason))
+                else:
+                    await self.dead_letters.announce([(refused, reason)])
+                return "dead"
         else:
             await self.store.retry_failed(retry, attempt, due, text, dead=False)
+        log.warning("handling failed; retry scheduled", extra={**extra, "retry_at_ms": due})
+        self.metrics.retried.add(1, labels)
         return "retry"
+
+    async def write_row(
+        self, outcomes: ConsumerBatch | ConsumerStore, row: RetryRow, dead: bool = False
+    ) -> RetryRow | None:
+        """Write ``row`` to the retry table, as a dead letter or (not ``dead``) a retry. When
+        the database refuses the row's values in a transaction of the row's own, the message
+        becomes the dead letter :func:`minimal_dead_letter` makes of it, which always fits, and
+        that row is returned: one message's row must never hold its partition for ever. The
+        database unreachable, that write fails too and the error propagates (the batch is
+        fetched again). In a shared transaction (``outcomes`` is a batch) any error propagates:
+        its messages are then settled again one at a time, each in its own."""
+        try:
+            if dead:
+                await outcomes.dead_letter(row)
+            else:
+                await outcomes.schedule(row)
+            return None
+        except Exception as exc:
+            if outcomes is not self.store or not self.store.refused(exc):
+                raise
+            cause = describe(exc)
+        minimal = minimal_dead_letter(row, error_text(self.redactor, cause))
+        await self.store.dead_letter(minimal)
+        return minimal
 
     async def _process(self, one: _One) -> None:
         """The handling itself: the processed record and the handler's writes, one transaction."""
@@ -206,6 +236,21 @@ class Handling:
             f"process {message.topic} {handler}", context=producer_context(message.traceparent),
             kind=SpanKind.CONSUMER, attributes=attributes, record_exception=False, set_status_on_exception=False,
         )  # fmt: skip
+
+
+def minimal_dead_letter(row: RetryRow, cause: str) -> RetryRow:
+    """The dead letter of a message whose row the database refused: where the message is
+    (topic, partition, offset: the whole of it is still there) and why, its handler, and
+    nothing else that came from the message, so that it fits whatever the message holds. Its
+    event id is made of where it is: one per message."""
+    where = f"{row.topic}:{row.partition}:{row.offset}"
+    return RetryRow(
+        consumer=row.consumer, handler=row.handler, app_code="", event_id=where, event_type="",
+        room_key=f"@{row.partition}:{row.offset}", topic=row.topic, partition=row.partition, offset=row.offset,
+        value=b"", headers={}, attempts=row.attempts, due_at_ms=0,
+        last_error=f"the database refused this message's row ({cause}); its value and headers are left out:"
+        f" the message is at topic {row.topic} partition {row.partition} offset {row.offset}",
+    )  # fmt: skip
 
 
 def explain_handler_error(handler: str, exc: Exception) -> tuple[ErrorClass, str, float | None]:

@@ -16,7 +16,7 @@ from anyio.lowlevel import checkpoint
 
 from room_outbox.consume.registry import BoundHandler
 from room_outbox.envelope import KNOWN_EVENT_TYPES, EnvelopeError, EventEnvelope, parse_envelope
-from room_outbox.store.consumers.protocol import ROOM_KEY_MAX, RetryRow
+from room_outbox.store.consumers.protocol import RetryRow, fit_room_key
 
 #: Event types whose handlers are remembered: a topic full of made-up types stays bounded.
 MAX_EVENT_TYPES_KEPT = 1000
@@ -48,7 +48,7 @@ class Message:
     @property
     def held_key(self) -> str:
         """The room as the retry table keeps it (and so as held-back rooms are compared)."""
-        return self.room[:ROOM_KEY_MAX]
+        return fit_room_key(self.room)
 
     @property
     def app_code(self) -> str:
@@ -72,10 +72,11 @@ class Message:
         return self.envelope.event_type if self.envelope is not None else self.headers.get("event_type", "")
 
     def retry_row(self, consumer: str, handler: str, attempts: int, error: str | None, due: int = 0) -> RetryRow:
-        """This message's row in the retry table (a retry or a dead letter) for ``handler``."""
+        """This message's row in the retry table (a retry or a dead letter) for ``handler``; the
+        row fits its columns whatever the message holds (:class:`RetryRow`)."""
         return RetryRow(
-            consumer=consumer, handler=handler, app_code=self.app_code, event_id=self.event_id[:128],
-            event_type=self.event_type[:64], room_key=self.room, topic=self.topic, partition=self.partition,
+            consumer=consumer, handler=handler, app_code=self.app_code, event_id=self.event_id,
+            event_type=self.event_type, room_key=self.room, topic=self.topic, partition=self.partition,
             offset=self.offset, value=self.value, headers=self.headers, attempts=attempts, due_at_ms=due,
             last_error=error,
         )  # fmt: skip

@@ -3,8 +3,9 @@
 Start: database pool (waited for up to ``database.connect_wait``) → plugins and handlers →
 telemetry and the HTTP endpoint (``/healthz``, ``/readyz``, ``/metrics`` on
 ``telemetry.http_listen``) → one group member per consumer. Stop (SIGTERM, SIGINT or ``stop``):
-each consumer settles and commits its batch in progress and leaves its group → handlers close →
-pool closes; a signal while it starts ends the start before any consumer joins. ``/readyz`` is
+each consumer lets its handlings in progress end or time out (``handler_timeout``), starts no
+further message, commits what is settled (the rest of its batch is read again later) and leaves
+its group → handlers close → pool closes; a signal while it starts ends the start before any consumer joins. ``/readyz`` is
 ready while the database answers and every consumer has joined its group.
 """
 

@@ -558,6 +558,33 @@ async def test_the_group_waits_for_a_batch_as_long_as_its_own_deadlines_allow() 
     assert rebalance_timeout(short, batch_handlers=0) == 30  # never below the session timeout
 
 
+async def test_a_member_may_go_without_a_fetch_for_as_long_as_a_batch_may_take(
+    migrated: MySQLStore, broker: ConsumerBroker
+) -> None:
+    """No fetch is made while a batch settles, and aiokafka leaves the group once
+    max_poll_interval_ms (300 s by default) pass without one, without calling the revocation
+    callback: another member would take the partitions and handle the batch's messages while
+    this one still does. A member joins with that interval set to the batch's bound (here
+    above 300 s), the same as the group's rebalance timeout."""
+    from room_outbox.consume.engine import rebalance_timeout
+
+    settings = ConsumerSettings(
+        bootstrap_servers=broker.bootstrap, handlers=["audit"], handler_timeout=60, max_batch=10, session_timeout=6
+    )
+    bound = rebalance_timeout(settings, batch_handlers=1)  # audit takes batches
+    assert bound > 300
+    consumer = Consumer(
+        "feed", settings, SQLConsumerStore(migrated, settings.handler_timeout),
+        build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor()), "node-1", Redactor(),
+        capture().telemetry,
+    )  # fmt: skip
+    async with running(consumer):
+        await wait_until(lambda: consumer._kafka is not None, timeout=30)
+        coordinator = consumer._kafka._coordinator  # type: ignore[union-attr]
+        assert coordinator._max_poll_interval == bound
+        assert coordinator._rebalance_timeout_ms == int(bound * 1000)
+
+
 async def test_a_committed_offset_past_the_partitions_end_is_reported_and_the_partition_read_again(
     migrated: MySQLStore, broker: ConsumerBroker, caplog: pytest.LogCaptureFixture
 ) -> None:

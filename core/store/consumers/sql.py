@@ -23,7 +23,16 @@ from typing import TYPE_CHECKING, Any
 from room_outbox.handler import Transaction
 from room_outbox.store.backends.errors import mysql_error
 from room_outbox.store.clock import now_ms
-from room_outbox.store.consumers.protocol import ROOM_KEY_MAX, LeaseLost, Processed, RetryRow
+from room_outbox.store.consumers.protocol import (
+    EVENT_ID_MAX,
+    RETRY_ERROR_MAX,
+    LeaseLost,
+    Processed,
+    RetryRow,
+    fit_key,
+    fit_room_key,
+    fit_text,
+)
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.dialect import table_names
 from room_outbox.store.schema.consumers import PROCESSED, RETRY, consumer_steps
@@ -36,6 +45,13 @@ if TYPE_CHECKING:
 
 DUPLICATE_KEY = 1062
 _KEY = "consumer, handler, app_code, event_id"
+#: MySQL/MariaDB errors refusing a row's values, not the server: a NULL (1048), a row too large
+#: (1118), a packet above max_allowed_packet (1153, 1301), out of range (1264), truncated or
+#: too long (1265, 1406), a bad date (1292), a string the character set cannot hold (1366),
+#: a CHECK constraint (3819, 4025).
+_REFUSED_VALUES = (1048, 1118, 1153, 1264, 1265, 1292, 1301, 1366, 1406, 3819, 4025)
+#: PostgreSQL's SQLSTATE classes for the same: data exceptions (22), program limits (54).
+_REFUSED_STATES = ("22", "54")
 
 
 def _same_handling(retry: str, processed: str) -> str:
@@ -139,9 +155,9 @@ def _row(values: Sequence[Any]) -> RetryRow:
 
 def _insert_params(row: RetryRow, status: str, now: int) -> tuple[Any, ...]:
     return (
-        row.consumer, row.handler, row.app_code, row.event_id, row.event_type, row.room_key[:ROOM_KEY_MAX], row.topic,
+        row.consumer, row.handler, row.app_code, row.event_id, row.event_type, fit_room_key(row.room_key), row.topic,
         row.partition, row.offset, row.value, json.dumps(row.headers), status, row.attempts, row.due_at_ms,
-        (row.last_error or "")[:1024] or None, now, now,
+        row.last_error or None, now, now,
     )  # fmt: skip
 
 
@@ -333,7 +349,7 @@ class SQLConsumerStore:
     async def blocked_rooms(self, consumer: str, room_keys: set[str]) -> set[tuple[str, str]]:
         if not room_keys:
             return set()
-        keys = sorted({k[:ROOM_KEY_MAX] for k in room_keys})
+        keys = sorted({fit_room_key(k) for k in room_keys})
         async with self.owner.transaction() as cur:
             # Mostly nothing is retrying: one index look-up says so, and the statement naming
             # every room of the batch is not needed.
@@ -354,6 +370,12 @@ class SQLConsumerStore:
     async def dead_letter(self, row: RetryRow) -> None:
         async with self.owner.transaction() as cur:
             await _Writes(cur, self.dialect).dead_letter(row)
+
+    def refused(self, exc: BaseException) -> bool:
+        if isinstance(exc, UnicodeError) or mysql_error(exc, *_REFUSED_VALUES):
+            return True
+        state = getattr(exc, "sqlstate", None)  # psycopg's errors; the store imports no driver
+        return isinstance(state, str) and (state[:2] in _REFUSED_STATES or state == "23514")
 
     async def claim_retries(
         self, consumer: str, owner: str, limit: int, lease_ms: int, ordered: bool
@@ -395,7 +417,15 @@ class SQLConsumerStore:
             changed = await cur.execute(
                 f"UPDATE {RETRY} SET status = %s, attempts = %s, due_at_ms = %s, last_error = %s, owner = NULL,"
                 " updated_at_ms = %s WHERE id = %s AND owner = %s",
-                ("dead" if dead else "retrying", attempts, due_at_ms, error[:1024], now_ms(), row.id, row.owner),
+                (
+                    "dead" if dead else "retrying",
+                    attempts,
+                    due_at_ms,
+                    fit_text(error, RETRY_ERROR_MAX),
+                    now_ms(),
+                    row.id,
+                    row.owner,
+                ),
             )
         return bool(changed)
 
@@ -424,9 +454,9 @@ class SQLConsumerStore:
         if handler is not None:
             clauses.append("handler = %s")
             params.append(handler)
-        if event_ids:
+        if event_ids:  # as the table keeps them (a long id: its start and its digest)
             clauses.append(f"event_id IN ({_marks(event_ids)})")
-            params.extend(event_ids)
+            params.extend(fit_key(e, EVENT_ID_MAX) for e in event_ids)
         async with self.owner.transaction() as cur:
             return int(
                 await cur.execute(
@@ -462,6 +492,7 @@ class SQLConsumerStore:
             return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
 
     async def event_states(self, event_id: str) -> list[dict[str, Any]]:
+        event_id = fit_key(event_id, EVENT_ID_MAX)  # as the tables keep it
         async with self.owner.transaction() as cur:
             if RETRY not in await table_names(cur, self.owner.dialect):
                 return []

@@ -1,0 +1,125 @@
+"""How long `room-outbox consume` takes to stop on SIGTERM while a handler hangs: at most
+``handler_timeout`` and a few seconds (docs/how-to/run-consumers.md), the batch's unsettled
+messages left to be handled again. A real process on tansu and MariaDB, its handler a plugin
+installed for it alone."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from consume.conftest import (
+    ConsumeProcess,
+    ConsumerBroker,
+    cli,
+    encode,
+    envelope,
+    eventually,
+    produce,
+    query,
+    write_config,
+)
+
+pytestmark = pytest.mark.serial
+
+HANDLER_TIMEOUT = 6.0
+#: What the documentation promises on top of handler_timeout: the commit, leaving the group,
+#: closing the handlers and the pool.
+STOP_MARGIN = 5.0
+
+PLUGIN = '''
+import asyncio
+from pathlib import Path
+
+from room_outbox import HandleContext, HandlerFactoryContext, HandlerSettings, HandlerSpec, ConsumedEvent, hookimpl
+
+
+class HangSettings(HandlerSettings):
+    hang_ids: list[str] = []
+    started_file: str = ""
+
+
+class Hang:
+    """Records each event; one in hang_ids says so in started_file, then never returns."""
+
+    def __init__(self, settings):
+        self.settings = settings
+
+    async def handle(self, event: ConsumedEvent, ctx: HandleContext) -> None:
+        async with ctx.transaction() as tx:
+            await tx.execute("INSERT INTO hang_log (event_id) VALUES (%s)", (event.envelope.event_id,))
+        if event.envelope.event_id in self.settings.hang_ids:
+            Path(self.settings.started_file).write_text(event.envelope.event_id)
+            await asyncio.sleep(3600)
+
+    async def aclose(self) -> None:
+        pass
+
+
+SCHEMA = {
+    "mysql": ["CREATE TABLE IF NOT EXISTS hang_log (id BIGINT AUTO_INCREMENT PRIMARY KEY, event_id VARCHAR(64))"],
+    "postgresql": ["CREATE TABLE IF NOT EXISTS hang_log (id BIGSERIAL PRIMARY KEY, event_id VARCHAR(64))"],
+}
+
+
+@hookimpl
+def room_outbox_register_handlers():
+    return [HandlerSpec("hang", lambda settings, context: Hang(settings), settings_model=HangSettings, schema=SCHEMA)]
+'''
+
+
+def install_plugin(site: Path) -> dict[str, str]:
+    """The handler ``hang`` as an installed distribution under ``site``; the environment that sees it."""
+    site.mkdir()
+    (site / "hang_handler.py").write_text(PLUGIN)
+    info = site / "hang_handler-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hang-handler\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[room_outbox.plugins]\nhang = hang_handler\n")
+    return {"PYTHONPATH": str(site)}
+
+
+def test_sigterm_while_a_handler_hangs_stops_within_handler_timeout_and_a_few_seconds(
+    tmp_path: Path,
+    database_dsn: str,
+    broker: ConsumerBroker,
+    processes: list[ConsumeProcess],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handler hangs in its chunk's transaction; SIGTERM comes as it starts hanging. The
+    handling times out after handler_timeout, the chunk is not settled again message by
+    message (that took a second handler_timeout), and the process exits 0 within
+    handler_timeout and a few seconds. The hung event was not committed past: another start
+    handles it (its handler no longer hanging), and each other event once."""
+    env = install_plugin(tmp_path / "site")
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])  # for the migrate below (cli passes os.environ)
+    started = tmp_path / "hang-started"
+    handler = {"handlers": ["hang"], "handler_timeout": f"{HANDLER_TIMEOUT}s", "max_batch": 50}
+    config = write_config(tmp_path / "c.yaml", database_dsn, broker, {
+        "feed": {**handler, "handler_settings": {"hang": {"hang_ids": ["h1"], "started_file": str(started)}}},
+    })  # fmt: skip
+    assert cli(config, "migrate").returncode == 0
+    events = [envelope("h1", "RoomUserJoined", "room_h", 1)]
+    events += [envelope(f"e{n}", "RoomUserJoined", f"room_{n % 3}", n + 1) for n in range(9)]
+    produce(broker.bootstrap, [encode(e) for e in events])
+    member = ConsumeProcess(config, "m0", env=env)
+    processes.append(member)
+    eventually(started.exists, 60, "the handler hangs")
+    t0 = time.monotonic()
+    rc = member.terminate(timeout=60)
+    took = time.monotonic() - t0
+    assert rc == 0, member.log.read_text()[-2000:]
+    assert took < HANDLER_TIMEOUT + STOP_MARGIN, f"SIGTERM took {took:.1f}s"
+    assert member.said("stopping mid-batch: its offsets are not committed, and what it had not handled yet is"
+                       " handled after (what it had is found processed)")  # fmt: skip
+
+    again = write_config(tmp_path / "again.yaml", database_dsn, broker, {"feed": handler})
+    processes.append(ConsumeProcess(again, "m1", env=env))
+
+    def handled() -> dict[str, int]:
+        return {e: int(n) for e, n in query(database_dsn, "SELECT event_id, COUNT(*) FROM room_consumer_processed"
+                                            " GROUP BY event_id")}  # fmt: skip
+
+    eventually(lambda: len(handled()) == len(events), 60, "every event handled after the restart")
+    assert set(handled().values()) == {1}
