@@ -412,7 +412,10 @@ class Membership:
         settles_in = (since_ms - now_ms()) / 1000 + WINDOW
         settled = agreed and settles_in <= 0
         count = float(len(live))
-        current = self.quota.nodes
+        # A share that ran out (heartbeats that could not be written, a frozen process) counts
+        # as none: the others may have grown into it, so this process sends again only as a
+        # joining one does, once everyone has seen it and a window has passed.
+        current = math.inf if self.quota.lapsed else self.quota.nodes
         # Shrink at once; grow (or start) only once everyone applies the same view since a window.
         nodes_applied = count if count >= current or settled else current
         self._settles_in = settles_in if agreed and nodes_applied != count else None

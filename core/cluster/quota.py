@@ -35,7 +35,9 @@ class QuotaShare:
       have shrunk before it starts;
     * a node that could not renew its heartbeat for ``node_timeout`` minus two windows sends
       nothing until it can: the others declare it dead only at ``node_timeout``, and then
-      still wait a window before they grow."""
+      still wait a window before they grow. Once it can again, it sends nothing until its
+      view settles, as a joining node: the others may have grown into its share meanwhile
+      (a frozen process resumed), and shrink only once they see it again."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -59,6 +61,11 @@ class QuotaShare:
     def nodes(self) -> float:
         return self._nodes
 
+    @property
+    def lapsed(self) -> bool:
+        """Whether this share ran out before it was renewed (see :meth:`apply`)."""
+        return self._clock() > self._valid_until
+
     def apply(self, nodes: float, valid_until: float) -> None:
         self._nodes = nodes
         self._valid_until = valid_until
@@ -66,7 +73,7 @@ class QuotaShare:
     def split(self, limit: int, per_room: bool = False) -> int:
         """This process's part of a deployment-wide ``limit`` (per second) right now; 0: send
         nothing now. ``per_room``: a limit of one room's messages (a group per room)."""
-        if self._clock() > self._valid_until or math.isinf(self._nodes):
+        if self.lapsed or math.isinf(self._nodes):
             return 0
         if per_room and self.rooms_owned:
             return limit

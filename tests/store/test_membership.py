@@ -4,7 +4,7 @@ rebalancing, and the fence of a handover (the new owner waits for the old owner'
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -554,3 +554,26 @@ async def handing_over_to(store: SQLStore, node_id: str) -> bool:
 async def has_fair_count_claimable(member: Membership) -> bool:
     async with member.store.transaction() as cur:
         return len(await member.room_buckets(cur) or []) == BUCKETS // 2
+
+
+async def test_a_process_whose_share_ran_out_sends_again_only_once_the_others_have_seen_it(store: SQLStore) -> None:
+    """A process frozen past node_timeout (SIGSTOP, a VM paused): the other counted it dead and
+    grew into its share. Resumed, it must not send at a share of its own before the other has
+    seen it again and shrunk, or the two together exceed the limit."""
+    a = Membership(store, "node-a", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
+    b = Membership(store, "node-b", ["room_outbox"], heartbeat_interval=0.1, node_timeout=3.0)
+
+    async def a_beats_until(done: Callable[[], bool]) -> bool:
+        await a.beat()
+        return done()
+
+    async with b.running():
+        await wait_until(lambda: a_beats_until(lambda: a.quota.split(200) == 100), timeout=15.0, interval=0.1)
+        await wait_until(lambda: b.quota.split(200) == 100, timeout=15.0, interval=0.05)
+        # a frozen: no heartbeat until b has counted it dead and grown to the whole limit
+        await wait_until(lambda: b.quota.split(200) == 200, timeout=20.0, interval=0.05)
+        assert a.quota.split(200) == 0  # its share ran out meanwhile
+        await a.beat()  # resumed
+        assert (a.quota.split(200), b.quota.split(200)) == (0, 200)
+        await wait_until(lambda: a_beats_until(lambda: a.quota.split(200) == 100), timeout=15.0, interval=0.1)
+        assert b.quota.split(200) == 100  # b shrank before a sent at its share
