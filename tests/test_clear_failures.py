@@ -186,7 +186,8 @@ async def test_migrate_by_a_user_without_the_privilege_says_which_commands_need_
                 )
         assert "ALTER command denied" in errors["mysql"]
         assert "migrate needs CREATE, ALTER, INDEX and DROP on the database" in errors["mysql"]
-        assert "must be owner of table room_outbox" in errors["postgresql"]
+        assert "lacks CREATE on schema public and ownership of table room_outbox" in errors["postgresql"]
+        assert "nothing was changed" in errors["postgresql"]
         assert "migrate needs CREATE on the schema and to own the outbox table" in errors["postgresql"]
     finally:
         async with mysql_admin.cursor() as cur:

@@ -37,7 +37,7 @@ _PRIVILEGES_NEEDED = (
     " CREATE, ALTER, INDEX and DROP on the database; run and the other commands need SELECT, INSERT,"
     " UPDATE and DELETE, and cleanup --archive CREATE too, for its archive table)"
 )
-_PG_PRIVILEGES_NEEDED = (
+PG_PRIVILEGES_NEEDED = (
     "grant it to the user in database.dsn, or run this command as one who has it (migrate needs"
     " CREATE on the schema and to own the outbox table, as PostgreSQL alters a table for its"
     " owner only; run and the other commands need SELECT, INSERT, UPDATE and DELETE, cleanup"
@@ -158,7 +158,7 @@ def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOu
             f"{where}: the database does not exist; create it, or run `room-outbox migrate`, which creates it"
         )
     if state == _PG_PRIVILEGE:
-        return StoreUnavailable(f"{where}: {reason}; {_PG_PRIVILEGES_NEEDED}")
+        return StoreUnavailable(f"{where}: {reason}; {PG_PRIVILEGES_NEEDED}")
     if state == _PG_READ_ONLY:
         return _read_only(where, reason)
     if isinstance(exc, PoolTimeout) or (isinstance(exc, psycopg.OperationalError) and state is None):

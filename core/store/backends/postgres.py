@@ -27,6 +27,7 @@ from psycopg.types.string import TextLoader
 from psycopg_pool import AsyncConnectionPool
 
 from room_outbox.errors import SchemaError, StoreError
+from room_outbox.store.backends.errors import PG_PRIVILEGES_NEEDED
 from room_outbox.store.backends.leased import LeasedRows
 from room_outbox.store.backends.postgres_address import POOL_MODE, PostgresAddress
 from room_outbox.store.deadline import (
@@ -309,16 +310,24 @@ class PostgresStore(LeasedRows):
         it without that privilege, so a plan would otherwise be left half made."""
         async with self.transaction() as cur:
             plan = await planner(cur)
-            making = next((step for step in plan if any(_MAKES_OBJECT.match(s) for s in step.statements)), None)
-            if making is not None:
-                await cur.execute("SELECT current_schema(), has_schema_privilege(current_schema(), 'CREATE')")
-                schema, allowed = await cur.fetchone()
-                if not allowed:
-                    raise SchemaError(
-                        f"migrate: {making.change} needs CREATE on schema {schema}, which this role lacks;"
-                        f" nothing was changed: GRANT CREATE ON SCHEMA {schema} TO the role in database.dsn,"
-                        " or run migrate as one that has it"
-                    )
+            statements = [statement for step in plan for statement in step.statements]
+            await cur.execute(
+                "SELECT current_schema(), has_schema_privilege(current_schema(), 'CREATE'),"
+                " (SELECT pg_has_role(current_user, relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass(%s))",
+                (self.table,),
+            )
+            schema, may_create, owns = await cur.fetchone()
+            lacks = []
+            if not may_create and any(_MAKES_OBJECT.match(statement) for statement in statements):
+                lacks.append(f"CREATE on schema {schema}")
+            changes_table = re.compile(rf"\b(?:ALTER\s+TABLE|ON(?:\s+ONLY)?)\s+{re.escape(self.table)}\b", re.I)
+            if owns is False and any(changes_table.search(statement) for statement in statements):
+                lacks.append(f"ownership of table {self.table}")
+            if lacks:
+                raise SchemaError(
+                    f"migrate: this role lacks {' and '.join(lacks)}, which its changes need; nothing was"
+                    f" changed: {PG_PRIVILEGES_NEEDED}"
+                )
             return plan
 
     async def run_migration(self, planner: Planner) -> list[str]:
@@ -341,10 +350,11 @@ class PostgresStore(LeasedRows):
             async with self._migrate_lock() as watcher, self._migration_session() as conn:
                 for attempt in range(1, self.step_attempts + 1):
                     step = None
+                    made_before = set(changes)  # an attempt after a lock wait plans some of them again
                     try:
                         for step in await self._read_plan(planner):
                             await _run_step(conn, step, watcher)
-                            if step.change not in changes:  # a step made again in a later attempt
+                            if step.change not in made_before:
                                 changes.append(step.change)
                         return changes
                     except psycopg.errors.LockNotAvailable:
