@@ -310,6 +310,8 @@ class PostgresStore(LeasedRows):
         it without that privilege, so a plan would otherwise be left half made."""
         async with self.transaction() as cur:
             plan = await planner(cur)
+            if not plan:
+                return plan
             statements = [statement for step in plan for statement in step.statements]
             await cur.execute(
                 "SELECT current_schema(), has_schema_privilege(current_schema(), 'CREATE'),"
