@@ -852,6 +852,45 @@ async def test_rounds_retried_while_the_broker_hangs_repeat_the_batch_once_at_mo
     assert sum(n - 1 for n in copies.values()) <= len(stalled), copies  # a batch's worth at most
 
 
+@pytest.mark.serial  # a bound on duplicates over an outage several request_timeouts long
+async def test_an_outage_longer_than_request_timeout_repeats_the_batch_once_at_most(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """The broker hangs for several request_timeouts (1 s), publish_timeout (0.3 s) cutting
+    rounds off meanwhile. A produce request the producer gave up on still waits in the hung
+    broker's socket and is written once it is back: the rounds tried again meanwhile must not
+    each leave a copy there (a publish first waits for the batches a cut-off one left; the
+    producer closes a connection whose request timed out, and a new one asks the broker's API
+    versions before it sends anything). Each event is written twice at most: by the attempt
+    that first hung and by the round sent once the broker answers."""
+    sink = kafka_sink(kafka_broker, request_timeout=1.0)
+    tail = relay(any_store, sink, batch=20, publish_timeout=0.3)
+    stalled = room_events("o", rooms=4, per_room=5)  # one round
+    last = room_events("y", rooms=4, per_room=1)  # after every copy, in each room's partition
+    assert kafka_broker.proc is not None
+    try:
+        await sink.publish([])  # connected, the topic's partitions known
+        async with anyio.create_task_group() as rounds:
+            await rounds.start(tail.run)
+            kafka_broker.proc.send_signal(signal.SIGSTOP)
+            try:
+                await insert_events(any_store, stalled)
+                # Each failed round takes publish_timeout at least: the outage lasts 3 request_timeouts.
+                await wait_until(lambda: tail.health.failed_in_a_row >= 10, timeout=60)
+            finally:
+                kafka_broker.proc.send_signal(signal.SIGCONT)
+            await wait_until(lambda: _at_end(any_store), timeout=60)
+            await insert_events(any_store, last)
+            await wait_until(lambda: _at_end(any_store), timeout=30)
+            tail.stop()
+    finally:
+        await sink.aclose()
+    messages = await consume(kafka_broker, {e["event_id"] for e in stalled + last}, timeout=60)
+    copies = Counter(event_ids(messages))
+    assert max(copies.values()) <= 2, copies
+    assert sum(n - 1 for n in copies.values()) <= len(stalled), copies  # a batch's worth at most
+
+
 async def test_no_record_batch_is_larger_than_max_message_bytes(any_store: SQLStore, kafka_broker: Broker) -> None:
     """A broker refuses a record batch above its message.max.bytes as too large, and each
     envelope in it would be parked though every message fits: with ``max_message_bytes`` set to
