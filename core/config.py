@@ -624,6 +624,19 @@ class _Environment(EnvSettingsSource):
         exploded = super().explode_env_vars(field_name, field, env_vars)
         return _json_leaves(exploded) if field_name in _PLUGIN_KEYED else exploded
 
+    def __call__(self) -> dict[str, Any]:
+        """The variables' values; ``ROOM_OUTBOX__MYSQL__*`` as ``database`` keys, so that they
+        win over the file's ``database`` section as every variable wins over the file (a
+        ``ROOM_OUTBOX__DATABASE__*`` variable of the same key wins over them)."""
+        values = super().__call__()
+        former = values.pop("mysql", None)
+        if isinstance(former, dict):
+            database = values.get("database")
+            values["database"] = {**former, **(database if isinstance(database, dict) else {})}
+        elif former is not None:
+            values["mysql"] = former  # not a section: its error names it
+        return values
+
 
 #: Settings fields holding, somewhere below, mappings of the plugins' own keys and values.
 _PLUGIN_KEYED = ("sinks", "consumers", "outbox_worker")

@@ -391,6 +391,15 @@ def test_the_database_section_names_any_store_and_mysql_stays_its_alias(
     assert (both.database.dsn.get_secret_value(), both.database.pool_size) == ("sqlite:///x.db", 4)
     monkeypatch.setenv("ROOM_OUTBOX__MYSQL__DSN", "mysql://u@h/from_env")
     assert load_settings().database.dsn.get_secret_value() == "mysql://u@h/from_env"
+    # The environment wins over the file, whichever name each gives the section: the shipped
+    # compose files set ROOM_OUTBOX__MYSQL__DSN, the reference writes `database:`.
+    new_file = load_settings(write(tmp_path, "database:\n  dsn: mysql://u@h/file\n  pool_size: 4\n")).database
+    assert (new_file.dsn.get_secret_value(), new_file.pool_size) == ("mysql://u@h/from_env", 4)
+    monkeypatch.setenv("ROOM_OUTBOX__DATABASE__DSN", "mysql://u@h/database_env")
+    assert load_settings().database.dsn.get_secret_value() == "mysql://u@h/database_env"  # its own name first
+    monkeypatch.delenv("ROOM_OUTBOX__MYSQL__DSN")
+    old_file = load_settings(write(tmp_path, "mysql:\n  dsn: mysql://u@h/file\n"))
+    assert old_file.database.dsn.get_secret_value() == "mysql://u@h/database_env"
 
 
 @pytest.mark.parametrize(
