@@ -5,6 +5,7 @@
 * Every envelope shown as ``json`` in the docs satisfies that schema and parses as an envelope.
 * ``mkdocs build --strict`` builds the site without a warning.
 * Every module and folder the README's code map names exists.
+* The sample outputs the how-tos show are what the commands print.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from room_outbox.cli.lanes import LaneRow, format_lanes
 from room_outbox.envelope import parse_envelope
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,3 +180,16 @@ def test_every_instrument_is_in_the_metrics_table() -> None:
         and not any(pattern.endswith("*") and exposed.startswith(pattern[:-1]) for pattern in shown)
     ]
     assert missing == []
+
+
+def test_the_lanes_sample_is_what_the_command_prints() -> None:
+    """manage-lanes.md shows `room-outbox lanes`'s table: the same rows printed now match it."""
+    day = 86_400_000
+    rows = [
+        LaneRow("main", "enabled", True, None, 0, 0, 0, None),
+        LaneRow("kafka", "enabled", True, 4711, 3, 0, 1, 2_000),
+        LaneRow("audit_table", "disabled: holds back retention until retired", False, 1200, 0, 3511, 0, 3 * day),
+    ]
+    page = (ROOT / "docs" / "how-to" / "manage-lanes.md").read_text()
+    (sample,) = re.findall(r"^```text\n(lane .*?)^```", page, flags=re.MULTILINE | re.DOTALL)
+    assert sample.rstrip("\n") == format_lanes(rows)

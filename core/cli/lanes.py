@@ -149,7 +149,7 @@ COMMAND = Command(
     "disabled lane leaves behind; with --yes it drops its table (a tailing lane: its parked\n"
     "rows) and cursor.",
     examples="room-outbox lanes\nroom-outbox lanes --json | jq '.[] | {lane, pending}'\n"
-    "room-outbox lanes retire audit --yes\nroom-outbox lanes retire audit --config config/config.yaml",
+    "room-outbox lanes retire audit_table --yes\nroom-outbox lanes retire audit_table --config config/config.yaml",
     needs="store",
     arguments=_arguments,
     run=_run,

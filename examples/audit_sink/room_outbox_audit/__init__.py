@@ -8,7 +8,7 @@ enabled. Enable it with::
     sinks:
       audit_table:
         enabled: true
-        dsn: "mysql://user:password@host:3306/room"   # or ROOM_OUTBOX__SINKS__AUDIT__DSN
+        dsn: "mysql://user:password@host:3306/room"   # or ROOM_OUTBOX__SINKS__AUDIT_TABLE__DSN
 """
 
 from __future__ import annotations
