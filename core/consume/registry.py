@@ -63,9 +63,7 @@ def check_consumers(pm: pluggy.PluginManager, settings: Settings) -> list[str]:
             )
         for handler in consumer.handlers:
             if handler not in specs:
-                problems.append(
-                    f"{where}.handlers: unknown handler {handler!r} (registered: {', '.join(sorted(specs))})"
-                )
+                problems.append(_not_registered(pm, where, [handler], specs))
                 continue
             try:
                 specs[handler].settings_model.model_validate(consumer.handler_settings.get(handler, {}))
@@ -82,6 +80,20 @@ def check_consumers(pm: pluggy.PluginManager, settings: Settings) -> list[str]:
     return sorted(consumers)
 
 
+def _not_registered(pm: pluggy.PluginManager, where: str, names: list[str], specs: dict[str, Any]) -> str:
+    """The problem of handlers no plugin registers: those named after a plugin listed in
+    ``plugins.disabled`` as such, the others as unknown."""
+    blocked = [name for name in names if pm.is_blocked(name)]
+    unknown = [name for name in names if name not in blocked]
+    parts = [f"{', '.join(blocked)}: listed in plugins.disabled"] if blocked else []
+    if unknown:
+        known = ", ".join(sorted(specs)) or "none installed"
+        disabled = sorted(name for name, plugin in pm.list_name_plugin() if plugin is None)
+        also = f"; not loaded, in plugins.disabled: {', '.join(disabled)}" if disabled else ""
+        parts.append(f"unknown handler(s) {', '.join(unknown)} (registered: {known}{also})")
+    return f"{where}.handlers: " + "; ".join(parts)
+
+
 def build_handlers(
     pm: pluggy.PluginManager, consumer: str, settings: ConsumerSettings, node_id: str, redactor: Redactor
 ) -> dict[str, BoundHandler]:
@@ -91,11 +103,7 @@ def build_handlers(
     where = f"consumers.{consumer}"
     unknown = [name for name in settings.handlers if name not in specs]
     if unknown:
-        known = ", ".join(sorted(specs)) or "none installed"
-        raise ConfigError(
-            f"{where}.handlers: unknown handler(s) {', '.join(unknown)} (registered: {known}; "
-            "a handler in plugins.disabled is not registered)"
-        )
+        raise ConfigError(_not_registered(pm, where, unknown, specs))
     extra = sorted(set(settings.handler_settings) - set(settings.handlers))
     if extra:
         raise ConfigError(f"{where}.handler_settings: {', '.join(extra)} not in {where}.handlers")

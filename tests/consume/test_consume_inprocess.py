@@ -143,8 +143,16 @@ async def test_handlers_come_from_plugins_and_plugins_disabled_applies() -> None
     assert {"audit", "activity", "recording"} <= set(registered_handlers(pm))
     blocked = make_plugin_manager(disabled=["audit_log"])
     assert "audit" not in registered_handlers(blocked)
-    with pytest.raises(ConfigError, match=r"consumers\.feed\.handlers: unknown handler\(s\) audit"):
+    with pytest.raises(
+        ConfigError,
+        match=r"consumers\.feed\.handlers: unknown handler\(s\) audit \(.*not loaded, in plugins\.disabled: audit_log\)",
+    ):
         build_handlers(blocked, "feed", ConsumerSettings(handlers=["audit"]), "node", Redactor())
+    # A handler named after its plugin, the plugin disabled: said so, not "unknown".
+    with pytest.raises(ConfigError, match=r"consumers\.feed\.handlers: gift_stats: listed in plugins\.disabled$"):
+        check_consumers(
+            make_plugin_manager(disabled=["gift_stats"]), Settings(consumers={"feed": {"handlers": ["gift_stats"]}})
+        )
 
 
 async def test_bad_handler_settings_name_the_key() -> None:
@@ -188,7 +196,7 @@ async def test_check_config_names_every_consumer_problem_without_connecting() ->
         check_consumers(make_plugin_manager(), settings)
     assert str(info.value).splitlines()[1:] == [
         "  consumers.feed.handler_settings.audit.x: Extra inputs are not permitted",
-        "  consumers.feed.handlers: unknown handler 'nope' (registered: activity, audit, gift_stats)",
+        "  consumers.feed.handlers: unknown handler(s) nope (registered: activity, audit, gift_stats)",
         "  consumers.feed.handler_settings: other not in consumers.feed.handlers",
         "  consumers.stats.handler_settings.gift_stats.amount_field: Input should be a valid string",
     ]
