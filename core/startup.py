@@ -22,7 +22,7 @@ import pluggy
 
 from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH, longest_claim_id, stored_node_id
 from room_outbox.config import Settings
-from room_outbox.consume.registry import check_consumers
+from room_outbox.consume.registry import NO_CONSUMER, check_consumers
 from room_outbox.delivery.lanes import delivery_settings, tails
 from room_outbox.delivery.routing import validate_sinks
 from room_outbox.errors import ConfigurationError
@@ -45,6 +45,8 @@ class CheckedConfiguration:
     database: str
     #: Those of ``own_lanes`` that tail ``room_outbox`` (no lane table).
     tail_lanes: list[str] = field(default_factory=list)
+    #: The enabled consumers (``consume``'s).
+    consumers: list[str] = field(default_factory=list)
 
     @property
     def lane_tables(self) -> list[str]:
@@ -52,9 +54,11 @@ class CheckedConfiguration:
         return [lane for lane in self.own_lanes if lane not in self.tail_lanes]
 
 
-def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> CheckedConfiguration:
-    """Validate everything ``run`` needs short of connecting; one :class:`ConfigurationError`
-    names every problem found."""
+def check_configuration(settings: Settings, pm: pluggy.PluginManager, command: str = "run") -> CheckedConfiguration:
+    """Validate everything ``command`` (``run`` or ``consume``) needs short of connecting; one
+    :class:`ConfigurationError` names every problem found. ``consume`` delivers to no sink: a
+    consumers' file need not configure the sinks (their defaults want credentials), but it
+    must enable a consumer."""
     problems: list[str] = []
     database = ""
     try:
@@ -75,8 +79,9 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> Checked
     main_sinks: list[str] = []
     own_lanes: list[str] = []
     tail_lanes: list[str] = []
+    consumers: list[str] = []
     try:
-        enabled = validate_sinks(pm, settings)
+        enabled = validate_sinks(pm, settings) if command == "run" else {}
     except ConfigurationError as exc:
         problems.extend(_lines(exc))
     else:
@@ -89,12 +94,15 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager) -> Checked
         except ConfigurationError as exc:
             problems.append(f"sinks.{lane}: {exc}")
     try:
-        check_consumers(pm, settings)
+        consumers = check_consumers(pm, settings)
     except ConfigurationError as exc:
         problems.extend(_lines(exc))
+    else:
+        if command == "consume" and not consumers:
+            problems.append(NO_CONSUMER)
     if problems:
         raise ConfigurationError("invalid configuration:\n  " + "\n  ".join(problems))
-    return CheckedConfiguration(main_sinks, own_lanes, database, tail_lanes)
+    return CheckedConfiguration(main_sinks, own_lanes, database, tail_lanes, consumers)
 
 
 def table_profile(settings: Settings) -> Profile:

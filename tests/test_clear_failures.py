@@ -366,7 +366,7 @@ async def test_check_config_is_offline_and_says_ok(tmp_path: Path, capsys: pytes
     config = write_config(tmp_path, f"mysql://root:pw@127.0.0.1:{free_port()}/x")  # nothing listens there
     code, out, err = await cli(capsys, "check-config", "--config", config)
     assert (code, err) == (0, [])
-    assert out.startswith(f"configuration OK ({config}): database 'x'; main lane sinks: noop;")
+    assert out.startswith(f"configuration OK ({config}) for run: database 'x'; main lane sinks: noop;")
 
 
 async def test_check_config_reports_every_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,6 +21,7 @@ from test_cli import cli
 from room_outbox.cli import cleanup as cleanup_cli
 from room_outbox.cli.main import build_parser
 from room_outbox.cli.registry import COMMANDS
+from room_outbox.consume.registry import NO_CONSUMER
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import consumer_store
@@ -304,6 +305,23 @@ def test_check_config_json_reports_an_invalid_configuration(tmp_path: Path, monk
     assert (json.loads(done.stdout)["ok"], json.loads(done.stdout)["errors"]) == (True, [])
 
 
+def test_check_config_for_consume_leaves_the_sinks_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumers' own file (the shipped compose one) configures no sink: checked as `run`
+    would, the Tencent IM sink's missing credentials refused it, though `consume` runs it."""
+    without_room_outbox_environment(monkeypatch)
+    shipped = str(Path(__file__).resolve().parent.parent / "config" / "config.consume.docker.yaml")
+    assert room_outbox("check-config", "--config", shipped).returncode == 2  # as `run` would: sinks unset
+    done = room_outbox("check-config", "--for", "consume", "--config", shipped)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == f"configuration OK ({shipped}) for consume: database 'room'; consumers: feed\n"
+    config = tmp_path / "config.yaml"
+    config.write_text("consumers:\n  feed:\n    enabled: false\n    handlers: [audit]\n")
+    done = room_outbox("check-config", "--for", "consume", "--json", "--config", str(config))
+    assert done.returncode == 2
+    doc = json.loads(done.stdout)
+    assert (doc["ok"], doc["errors"]) == (False, [NO_CONSUMER])
+
+
 # -- consumers redrive names an unknown consumer -------------------------------------------------
 
 
@@ -429,3 +447,21 @@ def test_a_missing_sqlite_file_is_named_and_not_created(
     assert room_outbox("--config", str(config), "migrate").returncode == 0  # migrate creates it
     done = room_outbox("--config", str(config), "status", "--json")
     assert done.returncode == 0 and json.loads(done.stdout)["pending"] == 0
+
+
+def test_no_commands_option_overwrites_which_command_runs() -> None:
+    """The parser records the command typed in `args.command`: an option of a command with the
+    same dest (`check-config --for` at first) made `check-config --for consume` run `consume`."""
+    parser = build_parser(every_command=True)
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    clashes = [
+        f"{name} {action.option_strings}"
+        for name, sub in commands.choices.items()
+        for nested in [
+            sub,
+            *(p for a in sub._actions if isinstance(a, argparse._SubParsersAction) for p in a.choices.values()),
+        ]
+        for action in nested._actions
+        if action.dest == commands.dest
+    ]
+    assert commands.dest == "command" and clashes == []

@@ -42,6 +42,9 @@ def registered_handlers(pm: pluggy.PluginManager) -> dict[str, HandlerSpec[Any]]
     return found
 
 
+#: What ``consume`` and ``check-config --for consume`` say when no consumer is enabled.
+NO_CONSUMER = "consumers: no enabled consumer configured (consumers.<name> with enabled: true)"
+
 #: A consumer's retry leases are owned by ``<identity>#<consumer>``, in a VARCHAR(128) column.
 MAX_OWNER = 128
 

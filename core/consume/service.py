@@ -23,7 +23,7 @@ import pluggy
 from room_outbox.cluster.identity import process_identity
 from room_outbox.config import ConfigError, Settings, parse_listen
 from room_outbox.consume.engine import Consumer
-from room_outbox.consume.registry import BoundHandler, build_handlers
+from room_outbox.consume.registry import NO_CONSUMER, BoundHandler, build_handlers
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.errors import SchemaError
 from room_outbox.observability.health import Health
@@ -55,7 +55,7 @@ async def run_consumers(
     stop = stop or anyio.Event()
     chosen = consumer_settings(settings, only)
     if not chosen:
-        raise ConfigError("consumers: no enabled consumer configured (consumers.<name> with enabled: true)")
+        raise ConfigError(NO_CONSUMER)
     redactor = redactor or redactor_for(settings)
     for name, options in chosen.items():
         for secret in options.security.secrets():
