@@ -118,5 +118,7 @@ COMMAND = Command(
     needs="config",
     arguments=_arguments,
     run=_run,
-    invalid_config=lambda exc, args, redactor: check_unloadable(exc, args.config, redactor, args.json, args.checked_for),
+    invalid_config=lambda exc, args, redactor: check_unloadable(
+        exc, args.config, redactor, args.json, args.checked_for
+    ),
 )

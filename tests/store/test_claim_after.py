@@ -83,6 +83,22 @@ async def test_the_claim_stops_at_the_first_young_row(store: SQLStore) -> None:
     assert await claimed_ids(store, "c1") == ({"old-1", "old-2"} if bounded else {"old-1", "old-2", "old-3"})
 
 
+async def test_a_row_created_ahead_of_the_clock_holds_back_no_other_row(store: SQLStore) -> None:
+    """A producer host whose clock runs an hour fast: its row is young for an hour and more.
+    On MySQL/MariaDB it ended the key range of the rows old enough, so every later row of
+    every room waited that hour with it. Only the row itself waits, until old enough."""
+    old = CLAIM_AFTER_MS + 5_000
+    await insert_aged(store, {"old-1": old, "ahead": -3_600_000, "old-2": old, "young": 1_000, "old-3": old})
+    bounded = store.dialect.locks_before_filtering
+    assert await claimed_ids(store, "c1") == ({"old-1", "old-2"} if bounded else {"old-1", "old-2", "old-3"})
+    async with store.transaction() as cur:  # the hour passes for "ahead" alone
+        await cur.execute(
+            "UPDATE room_outbox SET created_at_ms = created_at_ms - %s WHERE event_id = 'ahead'",
+            (3_600_000 + CLAIM_AFTER_MS,),
+        )
+    assert "ahead" in await claimed_ids(store, "c2")
+
+
 async def test_claim_after_zero_claims_at_once(store: SQLStore) -> None:
     store.claim_after_ms = 0
     await insert_aged(store, {"young": 0})

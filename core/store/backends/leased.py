@@ -44,7 +44,10 @@ from room_outbox.store.schema.columns import LAST_ERROR_MAX
 from room_outbox.store.schema.outbox import ROOM_INDEX, TABLE, claim_index
 from room_outbox.store.schema.profiles import V1, Profile
 
-#: Reads the room buckets a claim may take, with the claim's cursor (``None``: every room).
+#: How far ahead of the database's clock a producer's row may be created and still end the
+#: key range of a claim's rows old enough (see :meth:`LeasedRows._fresh_bound`): the few
+#: milliseconds hosts' clocks differ by, with room to spare.
+CREATED_AHEAD_MS = 1_000
 #: A row whose result the database refused is due again this long after at the soonest.
 REFUSED_RETRY_MS = 60_000
 
@@ -190,17 +193,18 @@ class LeasedRows:
         lock_due = f"{p.lock} <= {p.ms('%s')}"
         if self.claim_after_ms <= 0:
             return [(lock_due, now_ms())]
-        if self._bound_by_key:
-            if bound is None:
-                bound = await self._fresh_bound(cur, limit, buckets)
-            return [
-                (f"{p.lock} = {p.lock_cleared} AND {self.key} <= %s", bound),
-                (f"{p.lock} > {p.lock_cleared} AND {lock_due}", now_ms()),
-            ]
-        claimed_before = f"{p.lock} > {p.lock_cleared}" if p.fresh_at_cleared_lock else f"status <> '{p.fresh}'"
         old_enough = (
             f"{p.created} <= {p.ms(f'({self.dialect.now_ms} - {int(self.claim_after_ms)})')} OR {p.created} IS NULL"
         )
+        if self._bound_by_key:
+            if bound is None:
+                bound = await self._fresh_bound(cur, limit, buckets)
+            # Below the bound, only rows created ahead of the clock may be young: checked here.
+            return [
+                (f"{p.lock} = {p.lock_cleared} AND {self.key} <= %s AND ({old_enough})", bound),
+                (f"{p.lock} > {p.lock_cleared} AND {lock_due}", now_ms()),
+            ]
+        claimed_before = f"{p.lock} > {p.lock_cleared}" if p.fresh_at_cleared_lock else f"status <> '{p.fresh}'"
         return [(f"{lock_due} AND ({claimed_before} OR {old_enough})", now_ms())]
 
     async def _fresh_bound(self, cur: Any, limit: int, buckets: Sequence[int] | None) -> int:
@@ -208,7 +212,13 @@ class LeasedRows:
         first ``limit`` of them (in key order, the claim's) that come before the first one
         younger than ``claim_after_ms``; 0: none. Read without locks, so the producer's own
         update of a young row never waits for it, and never more rows than the claim itself
-        may take."""
+        may take.
+
+        A row created more than :data:`CREATED_AHEAD_MS` ahead of the database's clock (by a
+        producer whose clock runs fast) does not end the range: it would hold back every
+        later row, of every room, for as long as that clock is ahead. The claim leaves it
+        until it is old enough by its own creation time, as it would anywhere else, reading
+        it meanwhile (a lock held for the claim's few milliseconds)."""
         read = self._fresh_bound_read(limit, buckets)
         await cur.execute(read.sql, read.params)
         return _fresh_bound_of(await cur.fetchone())
@@ -220,7 +230,8 @@ class LeasedRows:
         forced = self.dialect.index_hint.format(index=claim_index(self.table)[0])
         only = f" AND {self._row_bucket} IN ({_marks(buckets)})" if buckets else ""
         return ReadAlong(
-            f"SELECT MAX(k) AS last_key, MIN(CASE WHEN created > {self.dialect.now_ms} - %s THEN k END) AS first_young_key"
+            f"SELECT MAX(k) AS last_key, MIN(CASE WHEN created > {self.dialect.now_ms} - %s"
+            f" AND created <= {self.dialect.now_ms} + {CREATED_AHEAD_MS} THEN k END) AS first_young_key"
             f" FROM (SELECT {self.key} AS k, {p.created} AS created FROM {self.table}{forced}"
             f" WHERE status = '{p.fresh}' AND {p.lock} = {p.lock_cleared}{only} ORDER BY {self.key} LIMIT %s) AS first_rows",
             (self.claim_after_ms, *(buckets or ()), limit),
