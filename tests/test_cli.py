@@ -344,6 +344,19 @@ async def test_migrate_sql_on_postgresql_prints_the_bucket_function_and_index(
         await store.aclose()
 
 
+async def test_migrate_on_postgresql_creates_the_bucket_function_once(
+    postgresql_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The outbox's and the lanes' room buckets both need the CRC-32 function: the plan creates
+    it once, the script prints it once."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"database:\n  dsn: '{postgresql_dsn}'\nsinks:\n  tencent_im:\n    enabled: false\n")
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql")
+    assert code == 0 and out.count("CREATE OR REPLACE FUNCTION room_outbox_crc32") == 1
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate")
+    assert code == 0 and out.count("created function room_outbox_crc32") == 1
+
+
 async def test_migrate_sql_on_sqlite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "config.yaml"
     config.write_text(
