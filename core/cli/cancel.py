@@ -50,8 +50,10 @@ async def cancel_command(
             file=err,
         )
     else:
+        words = store.profile
         print(
-            f"room-outbox cancel: {shown} is {printable(status)}: only pending or failed events can be cancelled",
+            f"room-outbox cancel: {shown} is {printable(status)}: only {', '.join(words.open)} or {words.parked}"
+            " events can be cancelled",
             file=err,
         )
     return 1

@@ -35,7 +35,11 @@ async def requeue_command(
         print(json.dumps(doc, indent=2, default=str), file=out)
         return 0
     if not rows:
-        print("no rows match (published, cancelled and currently leased rows are never requeued)", file=out)
+        words = store.profile
+        print(
+            f"no rows match ({words.delivered}, {words.cancelled} and currently leased rows are never requeued)",
+            file=out,
+        )
         return 0
     now = time.time() * 1000
     cells = [
@@ -50,8 +54,12 @@ async def requeue_command(
         print(f"{len(rows)} row(s) would be requeued{beyond}; run again with --yes to apply", file=out)
         return 0
     note = ""
-    if changed < len(rows):  # claimed, published or cancelled since they were listed
-        note = f"; {len(rows) - changed} of the {len(rows)} listed changed meanwhile (leased, published or cancelled)"
+    if changed < len(rows):  # claimed, delivered or cancelled since they were listed
+        words = store.profile
+        note = (
+            f"; {len(rows) - changed} of the {len(rows)} listed changed meanwhile"
+            f" (leased, {words.delivered} or {words.cancelled})"
+        )
     print(f"requeued {changed} row(s){note}{_reaching_the_rest(where, limit) if more else ''}", file=out)
     return 0
 

@@ -10,6 +10,7 @@ bytes parameters) stay in ``test_mysql_migrate.py``.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import random
 from collections import Counter
@@ -34,7 +35,10 @@ from support import (
 )
 
 from bench.drive import run_until_empty
+from room_outbox.cli.cancel import cancel_command
+from room_outbox.cli.cleanup import cleanup_command
 from room_outbox.cli.inspect import inspect_event
+from room_outbox.cli.requeue import requeue_command
 from room_outbox.cli.status import status_report
 from room_outbox.errors import SchemaError
 from room_outbox.producer import append_event
@@ -790,9 +794,18 @@ async def test_room_cell_operator_commands_and_retention_speak_its_words(room_ce
     assert await requeue(room_cell, [r["id"] for r in found]) == 2
     assert await cancel(room_cell, "e2") == (True, "cancelled")
     assert await cancel(room_cell, "e0") == (False, "delivered")
+    out = io.StringIO()
+    assert await cancel_command(room_cell, "e0", out, out) == 1
+    assert await requeue_command(room_cell, RequeueFilter(event_ids=("e0", "e2")), True, out) == 0
+    assert out.getvalue().splitlines() == [
+        "room-outbox cancel: e0 is delivered: only pending, retryable, delivering or failed events can be cancelled",
+        "no rows match (delivered, cancelled and currently leased rows are never requeued)",
+    ]
     async with room_cell.transaction() as cur:
         await cur.execute("UPDATE room_outbox SET created_at_ms = 1 WHERE event_id = 'e0'")
-    assert (await cleanup(room_cell, RetentionOptions(older_than=3600, pause=0))).removed == 1
+    out = io.StringIO()
+    assert await cleanup_command(room_cell, RetentionOptions(older_than=3600, pause=0), True, out, out, False) == 0
+    assert out.getvalue().startswith("1 delivered row(s) older than 1h deleted in 1 batch(es)")
     assert states(await fetch_rows(room_cell)) == {
         "e1": ("pending", 0, None),
         "e2": ("cancelled", 0, None),  # requeued (a fresh count), then cancelled
