@@ -62,6 +62,27 @@ async def insert_rows(store: MySQLStore, rows: list[tuple[str, str, str, str, st
         await cur.executemany(INSERT_V1, [(*row, now, now) for row in rows])
 
 
+async def key_event_ids_per_app(store: Any) -> None:
+    """room_outbox's event_id key swapped for ``UNIQUE (app_code, event_id)``, as room-service may
+    key a Room Cell table when consumers keep their idempotency per app: one event id may then
+    name rows of several apps."""
+    drop = {
+        "mysql": "ALTER TABLE room_outbox DROP INDEX uk_room_outbox_event_id",
+        "postgresql": "ALTER TABLE room_outbox DROP CONSTRAINT uk_room_outbox_event_id",
+        "sqlite": "DROP INDEX uk_room_outbox_event_id",
+    }[store.dialect.name]
+    async with store.transaction() as cur:
+        await cur.execute(drop)
+        await cur.execute("CREATE UNIQUE INDEX uk_room_outbox_app_event ON room_outbox (app_code, event_id)")
+
+
+async def statuses_by_app(store: Any, event_id: str) -> dict[str, str]:
+    """The status of each app's row of ``event_id``."""
+    async with store.transaction() as cur:
+        await cur.execute("SELECT app_code, status FROM room_outbox WHERE event_id = %s", (event_id,))
+        return {str(app): str(status) for app, status in await cur.fetchall()}
+
+
 @contextlib.asynccontextmanager
 async def id_held_open(store: Any, event_id: str, room_id: str = "late-room") -> AsyncIterator[anyio.Event]:
     """An event inserted in a transaction that commits once the event yielded is set (or the

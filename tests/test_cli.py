@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import psycopg
 import pytest
-from support import V1_DDL, envelope, insert_events
+from support import V1_DDL, envelope, insert_events, key_event_ids_per_app, statuses_by_app
 
 from room_outbox.cli.main import EXIT_CODES, build_parser, main
 from room_outbox.cli.output import format_relative, format_time
@@ -151,6 +151,54 @@ def test_config_after_the_command_wins_and_before_it_is_kept() -> None:
 async def test_cancel_errors_go_to_stderr(store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = await cli(capsys, "--config", config, "cancel", "nosuch")
     assert (code, out, err) == (1, "", "room-outbox cancel: no event nosuch\n")
+
+
+# -- event ids unique per app --------------------------------------------------------------------
+
+
+async def test_an_event_id_several_apps_have_is_shown_per_app_and_changed_only_for_the_app_named(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where event ids are unique per app only, ``cancel`` and ``requeue --event-id`` refuse an id
+    that names rows of several apps (previews as the change itself) and take ``--app-code``;
+    ``inspect`` shows each app's row and labels the consumers' records by app."""
+    await key_event_ids_per_app(store)
+    await insert_events(store, [envelope("x0", app_code="appa"), envelope("x0", app_code="appb")])
+    consumers = consumer_store(store)
+    assert consumers is not None
+    await consumers.migrate()
+    async with store.transaction() as cur:
+        await cur.execute(
+            "INSERT INTO room_consumer_processed (consumer, handler, app_code, event_id, topic, kafka_partition,"
+            " kafka_offset, processed_at_ms) VALUES ('feed', 'audit', 'appa', 'x0', 'room.events', 0, 7, %s)",
+            (now_ms(),),
+        )
+    refused = (
+        "room-outbox {}: event id x0 names rows of several apps (appa, appb): nothing changed;"
+        " say which app's event with --app-code\n"
+    )
+    previews_and_changes = (["cancel", "x0"], ["cancel", "x0", "--yes"], ["requeue", "--event-id", "x0"],
+                            ["requeue", "--event-id", "x0", "--yes"])  # fmt: skip
+    for argv in previews_and_changes:
+        assert await cli(capsys, "--config", config, *argv) == (1, "", refused.format(argv[0])), argv
+    assert await statuses_by_app(store, "x0") == {"appa": "pending", "appb": "pending"}
+
+    code, out, _ = await cli(capsys, "--config", config, "inspect", "x0")
+    assert code == 0 and out.startswith("event x0: 2 rows, of several apps (--app-code shows one)\n\n== app appa ==\n")
+    assert re.search(r"^== app appb ==\nid +2\napp_code +appb$", out, re.M)
+    assert "consumer feed / audit, app appa: consumed from room.events[0]@7" in out
+    code, out, _ = await cli(capsys, "--config", config, "inspect", "x0", "--json")
+    assert [doc["row"]["app_code"] for doc in json.loads(out)["events"]] == ["appa", "appb"]
+    code, out, _ = await cli(capsys, "--config", config, "inspect", "x0", "--app-code", "appb", "--json")
+    assert (json.loads(out)["row"]["app_code"], json.loads(out)["consumers"]) == ("appb", [])
+
+    code, out, _ = await cli(capsys, "--config", config, "cancel", "x0", "--app-code", "appb")
+    assert (code, out) == (0, "would cancel x0 of app appb (now pending); run again with --yes to cancel it\n")
+    code, out, _ = await cli(capsys, "--config", config, "cancel", "x0", "--app-code", "appb", "--yes")
+    assert (code, out) == (0, "cancelled x0 of app appb: it will never be delivered; the row is kept\n")
+    code, out, _ = await cli(capsys, "--config", config, "requeue", "--event-id", "x0", "--app-code", "appa")
+    assert code == 0 and re.search(r"^x0 +appa +RoomUserJoined +pending ", out, re.M) and "appb" not in out
+    assert await statuses_by_app(store, "x0") == {"appa": "pending", "appb": "cancelled"}
 
 
 # -- human times ----------------------------------------------------------------------------------
@@ -342,6 +390,19 @@ async def test_migrate_sql_on_postgresql_prints_the_bucket_function_and_index(
             assert (await cur.fetchone())[0] == bucket_of("default", "房间-9")
     finally:
         await store.aclose()
+
+
+async def test_migrate_on_postgresql_creates_the_bucket_function_once(
+    postgresql_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The outbox's and the lanes' room buckets both need the CRC-32 function: the plan creates
+    it once, the script prints it once."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"database:\n  dsn: '{postgresql_dsn}'\nsinks:\n  tencent_im:\n    enabled: false\n")
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql")
+    assert code == 0 and out.count("CREATE OR REPLACE FUNCTION room_outbox_crc32") == 1
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate")
+    assert code == 0 and out.count("created function room_outbox_crc32") == 1
 
 
 async def test_migrate_sql_on_sqlite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -123,7 +123,8 @@ async def test_cancel_previews_and_changes_only_with_yes(
     assert (await fetch_rows(store))["c1"]["status"] == "cancelled"
     code, out, _ = await cli(capsys, "cancel", "c2", "--json", "--config", config)
     assert code == 0 and json.loads(out) == {
-        "event_id": "c2", "applied": False, "cancelled": False, "would_cancel": True, "status": "pending",
+        "event_id": "c2", "app_code": None, "applied": False, "cancelled": False, "would_cancel": True,
+        "status": "pending",
     }  # fmt: skip
     code, out, err = await cli(capsys, "cancel", "c1", "--config", config)  # already cancelled: says so, preview too
     assert (code, out, err) == (
@@ -161,11 +162,12 @@ async def test_requeue_columns_follow_the_content(
     code, out, _ = await cli(capsys, "--config", config, "requeue", "--status", "failed")
     header, *rows, summary = out.splitlines()
     assert code == 0 and summary.startswith("2 row(s) would be requeued")
-    start = header.index("event_type")
+    start = header.index("app_code")
     assert start == len(long_id) + 2  # the event_id column is as wide as the longest id, plus the gap
     for row in rows:
-        assert row[start - 2 : start] == "  " and row[start] != " "  # every event_type starts in the column
-    assert header.index("status") == start + len("RoomGiftSentWithAVeryLongTypeName") + 2
+        assert row[start - 2 : start] == "  " and row[start] != " "  # every app_code starts in the column
+    types = header.index("event_type")
+    assert header.index("status") == types + len("RoomGiftSentWithAVeryLongTypeName") + 2
 
 
 # -- status groups errors ------------------------------------------------------------------------

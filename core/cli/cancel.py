@@ -10,32 +10,48 @@ import json
 import sys
 from typing import Any
 
-from room_outbox.cli.command import Command, add_json_option, add_yes_option, not_a_tailing_lane
+from room_outbox.cli.command import (
+    Command,
+    add_app_code_option,
+    add_json_option,
+    add_yes_option,
+    not_a_tailing_lane,
+    several_apps,
+)
 from room_outbox.cli.inspect import describe_state
-from room_outbox.cli.output import printable
+from room_outbox.cli.output import format_app, printable
 from room_outbox.config import Settings
 from room_outbox.store.clock import now_ms
 from room_outbox.store.lanes.tail import TailStore
-from room_outbox.store.operator.changes import IN_FLIGHT, cancel
-from room_outbox.store.operator.reports import event_row
+from room_outbox.store.operator.changes import IN_FLIGHT, SEVERAL_APPS, cancel
+from room_outbox.store.operator.reports import event_apps, event_rows
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.tail import PARKED
 
 
 async def cancel_command(
-    store: SQLStore, event_id: str, out: Any, err: Any, apply: bool = True, as_json: bool = False
+    store: SQLStore,
+    event_id: str,
+    out: Any,
+    err: Any,
+    apply: bool = True,
+    as_json: bool = False,
+    app_code: str | None = None,
 ) -> int:
-    """Result on ``out``; why nothing was (or would be) cancelled on ``err`` (exit code 1)."""
+    """Result on ``out``; why nothing was (or would be) cancelled on ``err`` (exit code 1). An
+    event id that names rows of several apps is refused unless ``app_code`` says which."""
     if apply:
-        cancelled, status = await cancel(store, event_id)
+        cancelled, status = await cancel(store, event_id, app_code)
     else:
-        cancelled, status = False, await _status_now(store, event_id)
-    would = not apply and status is not None and status != IN_FLIGHT and _cancellable(store, status)
+        cancelled, status = False, await _status_now(store, event_id, app_code)
+    would = not apply and status not in (None, IN_FLIGHT, SEVERAL_APPS) and _cancellable(store, str(status))
+    apps = await event_apps(store, event_id) if status == SEVERAL_APPS else []
     if as_json:
-        doc = {"event_id": event_id, "applied": apply, "cancelled": cancelled, "would_cancel": would, "status": status}
-        print(json.dumps(doc, indent=2), file=out)
+        doc = {"event_id": event_id, "app_code": app_code, "applied": apply, "cancelled": cancelled,
+               "would_cancel": would, "status": status}  # fmt: skip
+        print(json.dumps({**doc, "app_codes": apps} if apps else doc, indent=2), file=out)
         return 0 if cancelled or would else 1
-    shown = printable(event_id)
+    shown = printable(event_id) + (f" of app {format_app(app_code)}" if app_code is not None else "")
     if cancelled:
         print(f"cancelled {shown}: it will never be delivered; the row is kept", file=out)
         return 0
@@ -44,14 +60,18 @@ async def cancel_command(
         return 0
     if status is None:
         print(f"room-outbox cancel: no event {shown}", file=err)
+    elif status == SEVERAL_APPS:
+        print(several_apps("cancel", event_id, apps), file=err)
     elif status == IN_FLIGHT:
         print(
             f"room-outbox cancel: {shown} is being delivered right now; try again once its attempt has ended",
             file=err,
         )
     else:
+        words = store.profile
         print(
-            f"room-outbox cancel: {shown} is {printable(status)}: only pending or failed events can be cancelled",
+            f"room-outbox cancel: {shown} is {printable(status)}: only {', '.join(words.open)} or {words.parked}"
+            " events can be cancelled",
             file=err,
         )
     return 1
@@ -64,6 +84,10 @@ async def cancel_tail_command(
     never sends it; the row in room_outbox is left as it is). Result on ``out``; why nothing was
     (or would be) cancelled on ``err`` (exit code 1)."""
     if await not_a_tailing_lane(store, lane, "cancel", err):
+        return 1
+    apps = await event_apps(store, event_id)
+    if len(apps) > 1:  # the lane's parked entries of those rows share the id: it would cancel them all
+        print(several_apps("cancel", event_id, apps, "--lane cannot tell their parked entries apart"), file=err)
         return 1
     status = await TailStore(owner=store, lane=lane).cancel(event_id, apply)
     done = status == PARKED
@@ -87,12 +111,12 @@ async def cancel_tail_command(
     return 0 if done else 1
 
 
-async def _status_now(store: SQLStore, event_id: str) -> str | None:
+async def _status_now(store: SQLStore, event_id: str, app_code: str | None) -> str | None:
     """The event's status as :func:`cancel` would report it, read without changing it."""
-    found = await event_row(store, event_id)
-    if found is None:
-        return None
-    row, seen = found
+    found = await event_rows(store, event_id, app_code)
+    if len(found) != 1:
+        return SEVERAL_APPS if found else None
+    ((row, seen),) = found
     if describe_state(row, now_ms(), store.profile, int(seen["lock_ms"] or 0)).startswith("in flight"):
         return IN_FLIGHT
     return str(row["status"])
@@ -104,13 +128,17 @@ def _cancellable(store: SQLStore, status: str) -> bool:
 
 
 async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
+    if args.lane and args.app_code is not None:
+        print("room-outbox cancel: --app-code is for room_outbox's rows; --lane does not take it", file=sys.stderr)
+        return 2
     if args.lane:
         return await cancel_tail_command(store, args.lane, args.event_id, sys.stdout, sys.stderr, args.yes, args.json)
-    return await cancel_command(store, args.event_id, sys.stdout, sys.stderr, args.yes, args.json)
+    return await cancel_command(store, args.event_id, sys.stdout, sys.stderr, args.yes, args.json, args.app_code)
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("event_id", help="the event's event_id")
+    add_app_code_option(parser, "the app whose event it is; needed where several apps have an event with this id")
     parser.add_argument(
         "--lane",
         help="a tailing lane (such as kafka): cancel the event's parked entry there instead (that lane never"
@@ -123,8 +151,10 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 COMMAND = Command(
     description="Mark a pending or parked event cancelled: it is never delivered; the row is kept.\n"
     "With --lane, an event a tailing lane parked: that lane never sends it; the parked entry is\n"
-    "kept as cancelled. Without --yes it only says what it would do.",
+    "kept as cancelled. Without --yes it only says what it would do. An event id that several\n"
+    "apps' rows have (event ids unique per app) is refused until --app-code names the app.",
     examples="room-outbox cancel evt_01J9ZQ\nroom-outbox cancel evt_01J9ZQ --yes\n"
+    "room-outbox cancel evt_01J9ZQ --app-code appa --yes\n"
     "room-outbox cancel evt_01J9ZQ --lane kafka --yes",
     needs="store",
     arguments=_arguments,

@@ -85,7 +85,7 @@ async def cleanup_command(
         }
         print(json.dumps(doc, indent=2), file=out)
         return 0
-    what = "published row(s)" if report.by_status else "row(s) every enabled lane has finished"
+    what = f"{store.profile.delivered} row(s)" if report.by_status else "row(s) every enabled lane has finished"
     if not apply:
         target = f"moved to {archive}" if options.archive else "deleted"
         print(

@@ -69,6 +69,27 @@ def add_yes_option(parser: argparse._ActionsContainer, what: str) -> None:
     parser.add_argument("--yes", action="store_true", help=f"{what} (default: only show what would change)")
 
 
+def add_app_code_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--app-code`` of the commands that take events by their id: where event ids are unique
+    per app only (``UNIQUE (app_code, event_id)``), one id may name rows of several apps."""
+    parser.add_argument("--app-code", metavar="APP", help=f"{what} ('': the default app)")
+
+
+def several_apps(
+    command: str, event_id: str, app_codes: list[str], fix: str = "say which app's event with --app-code"
+) -> str:
+    """Why ``command`` changed nothing: ``event_id`` names rows of several apps, and changing
+    them all would change other apps' events unasked; ``fix``: what the operator can do."""
+    # Imported here: only the commands that take an event id need them.
+    from room_outbox.cli.output import format_app, printable
+
+    apps = ", ".join(map(format_app, app_codes))
+    return (
+        f"room-outbox {command}: event id {printable(event_id)} names rows of several apps ({apps}): nothing"
+        f" changed; {fix}"
+    )
+
+
 @dataclass(frozen=True)
 class TypedDuration:
     """A duration from the command line: its seconds, and the text typed, echoed as is."""

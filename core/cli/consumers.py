@@ -22,7 +22,7 @@ from aiokafka.errors import KafkaError
 
 from room_outbox.attempt.failure import describe
 from room_outbox.cli.command import Command, add_json_option, add_yes_option, int_argument, with_store
-from room_outbox.cli.output import NONE, format_age, format_table, printable
+from room_outbox.cli.output import NONE, format_age, format_app, format_table, printable
 from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.ops import migrated_consumer_store
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
@@ -65,7 +65,8 @@ def format_overview(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def format_states(states: list[dict[str, Any]]) -> list[str]:
-    """Lines for ``inspect``: the event in each consumer (consumed / retrying / dead)."""
+    """Lines for ``inspect``: the event in each consumer (consumed / retrying / dead), with the app
+    whose event it was (event ids may be unique per app only)."""
     lines = []
     for s in states:
         where = f"{s['topic']}[{s['partition']}]@{s['offset']}"
@@ -76,7 +77,7 @@ def format_states(states: list[dict[str, Any]]) -> list[str]:
             detail = f"retrying after {s['attempts']} attempt(s), next in {due:.1f}s: {s['last_error']} ({where})"
         else:
             detail = f"dead after {s['attempts']} attempt(s): {s['last_error']} ({where})"
-        lines.append(printable(f"consumer {s['consumer']} / {s['handler']}: {detail}"))
+        lines.append(printable(f"consumer {s['consumer']} / {s['handler']}, app {format_app(s['app_code'])}: {detail}"))
     return lines
 
 

@@ -1,5 +1,6 @@
 """``room-outbox inspect EVENT_ID``: one event's row (times in local time, with how long ago),
-its parsed envelope or why it does not parse, and its state in every lane and consumer."""
+its parsed envelope or why it does not parse, and its state in every lane and consumer. Where
+event ids are unique per app only, every app's row with that id, each under its app code."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ import json
 import sys
 from typing import IO, Any
 
-from room_outbox.cli.command import Command, add_json_option
+from room_outbox.cli.command import Command, add_app_code_option, add_json_option
 from room_outbox.cli.consumers import format_states
-from room_outbox.cli.output import format_age, format_time, printable
+from room_outbox.cli.output import format_age, format_app, format_time, printable
 from room_outbox.config import Settings
 from room_outbox.consume.ops import consumer_states
 from room_outbox.envelope import EnvelopeError, EnvelopeTooLarge, parse_envelope
 from room_outbox.store.clock import now_ms
 from room_outbox.store.lanes.catalog import stored_lanes
-from room_outbox.store.operator.reports import event_row, lane_row, tail_parked_row
+from room_outbox.store.operator.reports import event_rows, lane_row, tail_parked_row
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.profiles import V1, Profile
 from room_outbox.store.schema.tail import CANCELLED
@@ -31,14 +32,16 @@ def _now_ms() -> int:
 TIME_COLUMNS = ("created_at_ms", "updated_at_ms", "lock_until_ms")
 
 
-async def inspect_event(store: SQLStore, event_id: str) -> dict[str, Any] | None:
-    """The row of ``event_id`` with its parsed envelope (or why it does not parse) and a
-    sentence on its delivery state; ``None`` when no row has that event_id."""
+async def inspect_events(store: SQLStore, event_id: str, app_code: str | None = None) -> list[dict[str, Any]]:
+    """Every row of ``event_id`` (of ``app_code`` when given; several apps may each have one
+    where event ids are unique per app), lowest id first: each with its parsed envelope (or
+    why it does not parse) and a sentence on its delivery state."""
+    return [await _inspected(store, row, seen) for row, seen in await event_rows(store, event_id, app_code)]
+
+
+async def _inspected(store: SQLStore, row: dict[str, Any], seen: dict[str, Any]) -> dict[str, Any]:
+    """One row as :func:`inspect_events` shows it; ``seen``: what :func:`event_rows` read of it."""
     p = store.profile
-    found = await event_row(store, event_id)
-    if found is None:
-        return None
-    row, seen = found
     row.pop("envelope", None)  # shown parsed below
     raw = seen["envelope"]
     doc: dict[str, Any] = {"row": row}
@@ -144,33 +147,50 @@ def format_inspection(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def inspect_command(store: SQLStore, event_id: str, as_json: bool, out: IO[str], err: IO[str]) -> int:
-    doc = await inspect_event(store, event_id)
-    consumers = await consumer_states(store, event_id)
-    if doc is None and not consumers:
-        print(f"room-outbox inspect: no row with event_id {printable(event_id)!r}", file=err)
+async def inspect_command(
+    store: SQLStore, event_id: str, as_json: bool, out: IO[str], err: IO[str], app_code: str | None = None
+) -> int:
+    """Every row of ``event_id`` (of ``app_code`` when given) and the consumers' records of
+    it. ``--json``: one row's document as it is, several rows' as ``events``."""
+    docs = await inspect_events(store, event_id, app_code)
+    consumers = [s for s in await consumer_states(store, event_id) if app_code is None or s["app_code"] == app_code]
+    if not docs and not consumers:
+        of_app = f" of app {format_app(app_code)}" if app_code is not None else ""
+        print(f"room-outbox inspect: no row with event_id {printable(event_id)!r}{of_app}", file=err)
         return 1
     if as_json:
-        print(json.dumps({**(doc or {}), "consumers": consumers}, indent=2, default=str, ensure_ascii=False), file=out)
+        shown: dict[str, Any] = {"events": docs} if len(docs) > 1 else docs[0] if docs else {}
+        print(json.dumps({**shown, "consumers": consumers}, indent=2, default=str, ensure_ascii=False), file=out)
         return 0
-    lines = [format_inspection(doc)] if doc is not None else [f"event {printable(event_id)}: not in room_outbox"]
+    if not docs:
+        lines = [f"event {printable(event_id)}: not in room_outbox"]
+    elif len(docs) == 1:
+        lines = [format_inspection(docs[0])]
+    else:  # event ids unique per app: one section per app's row
+        lines = [f"event {printable(event_id)}: {len(docs)} rows, of several apps (--app-code shows one)"]
+        for doc in docs:
+            lines += ["", f"== app {format_app(doc['row'].get('app_code', ''))} ==", format_inspection(doc)]
     print("\n".join([*lines, "", *format_states(consumers)] if consumers else lines), file=out)
     return 0
 
 
 async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
-    return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr)
+    return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr, args.app_code)
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("event_id", help="the event's event_id")
+    add_app_code_option(parser, "only this app's row (default: every app's row with this event_id)")
     add_json_option(parser)
 
 
 COMMAND = Command(
     description="One event by event_id: its row (times in local time, with how long ago), its parsed\n"
-    "envelope or why it does not parse, and its state in every lane. --json keeps raw values.",
-    examples="room-outbox inspect evt_01J9ZQ\nroom-outbox inspect evt_01J9ZQ --json | jq .row.last_error",
+    "envelope or why it does not parse, and its state in every lane. --json keeps raw values.\n"
+    "Where event ids are unique per app, every app's row with that id, each under its app code\n"
+    "(--json: an events list); --app-code shows one app's.",
+    examples="room-outbox inspect evt_01J9ZQ\nroom-outbox inspect evt_01J9ZQ --json | jq .row.last_error\n"
+    "room-outbox inspect evt_01J9ZQ --app-code appa",
     needs="store",
     arguments=_arguments,
     run=_run,

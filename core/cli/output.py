@@ -23,6 +23,12 @@ def printable(value: object, keep_newlines: bool = False) -> str:
     return "".join(char if (keep_newlines and char == "\n") or not _hidden(char) else _escaped(char) for char in text)
 
 
+def format_app(app_code: str) -> str:
+    """An app code as the operator would type it after ``--app-code``: the default app (``''``)
+    quoted, so that it does not read as nothing."""
+    return printable(app_code) if app_code else "''"
+
+
 def _hidden(char: str) -> bool:
     category = unicodedata.category(char)
     return category in ("Cc", "Zl", "Zp") or (category == "Cf" and char not in _KEPT_FORMAT_CHARACTERS)

@@ -9,13 +9,23 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from room_outbox.cli.command import Command, add_json_option, add_yes_option, duration_argument, not_a_tailing_lane
-from room_outbox.cli.output import format_age, format_table, printable
+from room_outbox.cli.command import (
+    Command,
+    add_app_code_option,
+    add_json_option,
+    add_yes_option,
+    duration_argument,
+    not_a_tailing_lane,
+    several_apps,
+)
+from room_outbox.cli.output import format_age, format_app, format_table, printable
 from room_outbox.config import Settings
 from room_outbox.store.lanes.tail import TailStore
 from room_outbox.store.operator.changes import RequeueFilter, find_requeue_candidates, requeue
+from room_outbox.store.operator.reports import apps_of_rows, event_apps
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.tail import PARKED
 
@@ -24,8 +34,19 @@ REQUEUE_LIMIT = 10_000
 
 
 async def requeue_command(
-    store: SQLStore, where: RequeueFilter, apply: bool, out: Any, limit: int = REQUEUE_LIMIT, as_json: bool = False
+    store: SQLStore,
+    where: RequeueFilter,
+    apply: bool,
+    out: Any,
+    limit: int = REQUEUE_LIMIT,
+    as_json: bool = False,
+    err: Any = None,
 ) -> int:
+    """The rows ``where`` selects, listed, and requeued with ``apply``. An ``--event-id`` that
+    names rows of several apps is refused (exit code 1, nothing changed) unless the filter
+    names the app: the operator meant one event; why on ``err`` (default: standard error)."""
+    if await _ids_of_several_apps(store, where.event_ids if where.app_code is None else (), err or sys.stderr):
+        return 1
     rows = await find_requeue_candidates(store, where, limit + 1)  # one more: are there more?
     more = len(rows) > limit
     rows = rows[:limit]
@@ -35,25 +56,44 @@ async def requeue_command(
         print(json.dumps(doc, indent=2, default=str), file=out)
         return 0
     if not rows:
-        print("no rows match (published, cancelled and currently leased rows are never requeued)", file=out)
+        words = store.profile
+        print(
+            f"no rows match ({words.delivered}, {words.cancelled} and currently leased rows are never requeued)",
+            file=out,
+        )
         return 0
     now = time.time() * 1000
     cells = [
-        (r["event_id"], r["event_type"], r["status"], r["retry_count"], format_age(now - r["created_at_ms"]),
-         (r["last_error"] or "")[:60])
+        (r["event_id"], format_app(r["app_code"]), r["event_type"], r["status"], r["retry_count"],
+         format_age(now - r["created_at_ms"]), (r["last_error"] or "")[:60])
         for r in rows
     ]  # fmt: skip
-    headers = ("event_id", "event_type", "status", "retries", "age", "last_error")
+    headers = ("event_id", "app_code", "event_type", "status", "retries", "age", "last_error")
     print("\n".join(format_table(headers, cells, right=("retries", "age"))), file=out)
     beyond = f"; more than {limit:,} rows match: only the first {limit:,} (lowest ids) are taken" if more else ""
     if not apply:
         print(f"{len(rows)} row(s) would be requeued{beyond}; run again with --yes to apply", file=out)
         return 0
     note = ""
-    if changed < len(rows):  # claimed, published or cancelled since they were listed
-        note = f"; {len(rows) - changed} of the {len(rows)} listed changed meanwhile (leased, published or cancelled)"
+    if changed < len(rows):  # claimed, delivered or cancelled since they were listed
+        words = store.profile
+        note = (
+            f"; {len(rows) - changed} of the {len(rows)} listed changed meanwhile"
+            f" (leased, {words.delivered} or {words.cancelled})"
+        )
     print(f"requeued {changed} row(s){note}{_reaching_the_rest(where, limit) if more else ''}", file=out)
     return 0
+
+
+async def _ids_of_several_apps(store: SQLStore, event_ids: Sequence[str], err: Any) -> bool:
+    """Whether one of ``event_ids`` names rows of several apps; then says so on ``err``."""
+    several = False
+    for event_id in event_ids:
+        apps = await event_apps(store, event_id)
+        if len(apps) > 1:
+            print(several_apps("requeue", event_id, apps), file=err)
+            several = True
+    return several
 
 
 def _reaching_the_rest(where: RequeueFilter, limit: int) -> str:
@@ -78,6 +118,7 @@ def requeue_filter(args: argparse.Namespace) -> RequeueFilter | None:
         return None
     return RequeueFilter(
         event_ids=tuple(args.event_id),
+        app_code=args.app_code,
         event_type=args.event_type,
         error_contains=args.error_contains,
         older_than_ms=int(args.older_than.seconds * 1000) if args.older_than else None,
@@ -86,19 +127,32 @@ def requeue_filter(args: argparse.Namespace) -> RequeueFilter | None:
 
 
 async def requeue_tail_command(
-    store: SQLStore, lane: str, event_ids: tuple[str, ...], apply: bool, out: Any, err: Any
+    store: SQLStore,
+    lane: str,
+    event_ids: tuple[str, ...],
+    apply: bool,
+    out: Any,
+    err: Any,
+    app_code: str | None = None,
 ) -> int:
-    """A tailing lane's parked events (all, or those of ``event_ids``): listed, and with ``apply``
-    marked to be sent again by the lane's next round."""
+    """A tailing lane's parked events (all, or those of ``event_ids``; of ``app_code`` only when
+    given): listed, and with ``apply`` marked to be sent again by the lane's next round. An
+    event id that names rows of several apps is refused, as :func:`requeue_command` refuses it."""
     if await not_a_tailing_lane(store, lane, "requeue", err):
+        return 1
+    if await _ids_of_several_apps(store, event_ids if app_code is None else (), err):
         return 1
     tail = TailStore(owner=store, lane=lane)
     rows = [r for r in await tail.parked() if r["status"] == PARKED and (not event_ids or r["event_id"] in event_ids)]
+    app_of = await apps_of_rows(store, [int(r["outbox_id"]) for r in rows])
+    rows = [r for r in rows if app_code is None or app_of.get(int(r["outbox_id"])) == app_code]
     if not rows:
         print(f"no parked events in lane {printable(lane)}", file=out)
         return 0
-    cells = [(r["event_id"], r["room_id"], (r["last_error"] or "")[:60]) for r in rows]
-    print("\n".join(format_table(("event_id", "room_id", "last_error"), cells)), file=out)
+    cells = [
+        (r["event_id"], _app_of_row(app_of, r["outbox_id"]), r["room_id"], (r["last_error"] or "")[:60]) for r in rows
+    ]
+    print("\n".join(format_table(("event_id", "app_code", "room_id", "last_error"), cells)), file=out)
     if not apply:
         print(f"{len(rows)} event(s) would be requeued; run again with --yes to apply", file=out)
         return 0
@@ -107,9 +161,16 @@ async def requeue_tail_command(
     return 0
 
 
+def _app_of_row(app_of: dict[int, str], outbox_id: int) -> str:
+    """The app of a parked entry's row; ``-`` when the row has been removed since."""
+    return format_app(app_of[int(outbox_id)]) if int(outbox_id) in app_of else "-"
+
+
 async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
     if args.lane:
-        return await requeue_tail_command(store, args.lane, tuple(args.event_id), args.yes, sys.stdout, sys.stderr)
+        return await requeue_tail_command(
+            store, args.lane, tuple(args.event_id), args.yes, sys.stdout, sys.stderr, args.app_code
+        )
     where = requeue_filter(args)
     if where is None:
         print(
@@ -123,6 +184,7 @@ async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--event-id", action="append", default=[], help="this event (repeatable)")
+    add_app_code_option(parser, "only this app's rows; needed with an --event-id that several apps have")
     parser.add_argument("--event-type", help="events of this type")
     parser.add_argument("--error-contains", help="events whose last_error contains this text")
     parser.add_argument(
@@ -145,7 +207,8 @@ COMMAND = Command(
     description="Make pending or parked (failed) rows due now with retry_count 0. Without --yes it only\n"
     "lists the rows it would change. Filters combine freely; --status failed alone takes every\n"
     "parked row. At most 10,000 rows a run; it says so when more match. Published, cancelled\n"
-    "and currently leased rows are never touched.",
+    "and currently leased rows are never touched. An --event-id that several apps' rows have\n"
+    "(event ids unique per app) is refused until --app-code names the app.",
     examples='room-outbox requeue --error-contains "group gone"\n'
     "room-outbox requeue --status failed\n"
     "room-outbox requeue --event-type RoomGiftSent --status failed --yes",

@@ -381,7 +381,7 @@ async def test_status_shows_each_lane(store: MySQLStore) -> None:
 
 
 async def test_inspect_shows_the_event_in_each_lane(store: MySQLStore) -> None:
-    from room_outbox.cli.inspect import format_inspection, inspect_event
+    from room_outbox.cli.inspect import format_inspection, inspect_events
 
     await migrate_lanes(store, ["t"])
     # "stuck" waits a minute for its retry, so it is still waiting however slow the machine is
@@ -389,10 +389,10 @@ async def test_inspect_shows_the_event_in_each_lane(store: MySQLStore) -> None:
     await insert_events(store, [envelope("ok"), envelope("stuck")])
     await run_until_empty(dispatcher)
     await insert_events(store, [envelope("later")])
-    assert (await inspect_event(store, "ok"))["lanes"]["t"].startswith("published")  # type: ignore[index]
-    assert (await inspect_event(store, "stuck"))["lanes"]["t"].startswith("waiting: failed 1 time(s)")  # type: ignore[index]
-    doc = await inspect_event(store, "later")
-    assert doc is not None and doc["lanes"] == {"t": "not fed to this lane yet"}
+    assert (await inspect_events(store, "ok"))[0]["lanes"]["t"].startswith("published")
+    assert (await inspect_events(store, "stuck"))[0]["lanes"]["t"].startswith("waiting: failed 1 time(s)")
+    (doc,) = await inspect_events(store, "later")
+    assert doc["lanes"] == {"t": "not fed to this lane yet"}
     assert "lane t: not fed to this lane yet" in format_inspection(doc)
 
 

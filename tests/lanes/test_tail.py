@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import signal
 import time
 import uuid
@@ -21,11 +22,20 @@ import pytest
 from aiokafka.partitioner import DefaultPartitioner
 from lanes.conftest import Broker
 from lanes.test_lanes import consume, event_ids
-from support import INSERT_V1, envelope, fetch_rows, id_held_open, insert_events, insert_rows, wait_until
+from support import (
+    INSERT_V1,
+    envelope,
+    fetch_rows,
+    id_held_open,
+    insert_events,
+    insert_rows,
+    key_event_ids_per_app,
+    wait_until,
+)
 from telemetry_support import capture
 
 from room_outbox.cli.cancel import cancel_tail_command
-from room_outbox.cli.inspect import inspect_event
+from room_outbox.cli.inspect import inspect_events
 from room_outbox.cli.requeue import requeue_tail_command
 from room_outbox.config import LanePlan
 from room_outbox.delivery.routing import Router
@@ -475,8 +485,7 @@ async def test_inspect_tells_the_events_a_tailing_lane_sent_from_those_it_has_no
         )
 
     async def state(event_id: str) -> str:
-        doc = await inspect_event(any_store, event_id)
-        assert doc is not None
+        (doc,) = await inspect_events(any_store, event_id)
         return str(doc["lanes"]["kafka"])
 
     sent, waiting = "sent by the tailing lane (or before the lane's start)", "not sent by the tailing lane yet"
@@ -606,8 +615,8 @@ async def test_an_operator_cancels_a_parked_event_and_the_lane_never_sends_it(an
     assert await tail.store.parked() == [] and await tail.store.requeue() == 0
     (lane,) = await stored_lanes(any_store)
     assert (await own_lane_backlog(any_store, lane)).parked == 0
-    doc = await inspect_event(any_store, "huge")
-    assert doc is not None and doc["lanes"]["kafka"].startswith("cancelled by an operator: never sent")
+    (doc,) = await inspect_events(any_store, "huge")
+    assert doc["lanes"]["kafka"].startswith("cancelled by an operator: never sent")
 
     assert await cancel("huge", apply=True) == (
         1, "", "room-outbox cancel: huge is cancelled in lane kafka: only parked events can be cancelled\n")  # fmt: skip
@@ -622,6 +631,30 @@ async def test_an_operator_cancels_a_parked_event_and_the_lane_never_sends_it(an
         await cur.execute("UPDATE room_outbox SET status = 'published', created_at_ms = created_at_ms - 864000000")
     options, plan = RetentionOptions(older_than=86400, pause=0), LanePlan(main=True, own=("kafka",))
     assert (await cleanup(any_store, options, plan)).removed == 3  # the cancelled event's row too
+
+
+async def test_an_event_id_several_apps_have_parked_is_changed_in_the_lane_only_for_the_app_named(
+    any_store: SQLStore,
+) -> None:
+    """Event ids unique per app only, both apps' x0 parked: ``cancel --lane`` and ``requeue --lane
+    --event-id`` refuse the id (its entries would all change); requeue takes ``--app-code``."""
+    await key_event_ids_per_app(any_store)
+    await insert_events(any_store, [envelope("x0", app_code="appa"), envelope("x0", app_code="appb")])
+    tail = log_relay(any_store, OrderedLog(too_large={"x0"}))
+    await drain(tail, any_store)
+    refused = "room-outbox {}: event id x0 names rows of several apps (appa, appb): nothing changed; {}\n"
+    out, err = io.StringIO(), io.StringIO()
+    assert await cancel_tail_command(any_store, "kafka", "x0", out, err, True) == 1
+    assert await requeue_tail_command(any_store, "kafka", ("x0",), True, out, err) == 1
+    assert (out.getvalue(), err.getvalue()) == (
+        "",
+        refused.format("cancel", "--lane cannot tell their parked entries apart")
+        + refused.format("requeue", "say which app's event with --app-code"),
+    )
+    assert [p["status"] for p in await tail.store.parked()] == ["parked", "parked"]
+    assert await requeue_tail_command(any_store, "kafka", ("x0",), True, out, err, app_code="appa") == 0
+    assert re.search(r"^x0 +appa +r_1 ", out.getvalue(), re.M) and "appb" not in out.getvalue()
+    assert [p["status"] for p in await tail.store.parked()] == ["requeued", "parked"]
 
 
 async def test_a_requeued_event_whose_row_is_gone_stays_parked_and_says_why(any_store: SQLStore) -> None:

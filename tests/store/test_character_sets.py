@@ -22,7 +22,7 @@ from support import POSTGRESQL_SERVER_DSN, envelope, fetch_rows, insert_events, 
 
 from bench.drive import run_until_empty
 from room_outbox.attempt.retry import RetryPolicy
-from room_outbox.cli.inspect import inspect_event
+from room_outbox.cli.inspect import inspect_events
 from room_outbox.cluster.identity import process_identity
 from room_outbox.delivery.routing import Router
 from room_outbox.delivery.tail import TailRelay
@@ -183,8 +183,8 @@ async def test_an_envelope_in_another_encoding_in_a_sql_ascii_database_is_its_ro
             "before": "published", "gbk": "pending", "after": "published"
         }  # fmt: skip
         assert "envelope is not valid UTF-8" in rows["gbk"][1], rows["gbk"]
-        inspected = await inspect_event(store, "gbk")  # the operator sees it too
-        assert inspected is not None and inspected["envelope_error"].startswith("envelope is not valid UTF-8")
+        (inspected,) = await inspect_events(store, "gbk")  # the operator sees it too
+        assert inspected["envelope_error"].startswith("envelope is not valid UTF-8")
 
 
 async def test_an_oversized_envelope_in_a_sql_ascii_database_is_left_unread() -> None:
@@ -206,8 +206,8 @@ async def test_an_oversized_envelope_in_a_sql_ascii_database_is_left_unread() ->
             assert rows["huge"]["last_error"].endswith(
                 f"envelope too large: {size} bytes, above database.max_envelope_bytes (left unread)"
             ), rows["huge"]["last_error"]
-            inspected = await inspect_event(store, "huge")  # the operator sees why, not the envelope
-            assert inspected is not None and inspected["envelope_error"].startswith(f"envelope too large: {size}")
+            (inspected,) = await inspect_events(store, "huge")  # the operator sees why, not the envelope
+            assert inspected["envelope_error"].startswith(f"envelope too large: {size}")
             assert "envelope_raw" not in inspected  # nothing of it was read
         finally:
             await store.aclose()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from room_outbox.cli.inspect import inspect_event
+from room_outbox.cli.inspect import inspect_events
 from room_outbox.cli.status import status_report
 from room_outbox.config import load_settings
 from room_outbox.envelope import parse_envelope
@@ -128,8 +128,8 @@ async def test_silk_operator_commands_speak_its_words(silk: SQLStore) -> None:
     await silk.record([DeliveryResult(rows["e1"].id, "e1", "a#1", Outcome.FAILED, "group gone", now_ms())])
     report = await status_report(silk)
     assert (report.pending, report.leased, report.other_statuses) == (1, 1, {"failed": 1})
-    doc = await inspect_event(silk, "e2")
-    assert doc is not None and doc["state"].startswith("in flight: leased by a#1")
+    (doc,) = await inspect_events(silk, "e2")
+    assert doc["state"].startswith("in flight: leased by a#1")
     assert doc["envelope"]["room_id"] == "u2"
     (found,) = await find_requeue_candidates(silk, RequeueFilter(error_contains="group gone"))
     assert await requeue(silk, [found["id"]]) == 1

@@ -10,6 +10,7 @@ bytes parameters) stay in ``test_mysql_migrate.py``.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import random
 from collections import Counter
@@ -28,13 +29,18 @@ from support import (
     envelope,
     fetch_rows,
     insert_events,
+    key_event_ids_per_app,
     make_dispatcher,
     running,
+    statuses_by_app,
     wait_until,
 )
 
 from bench.drive import run_until_empty
-from room_outbox.cli.inspect import inspect_event
+from room_outbox.cli.cancel import cancel_command
+from room_outbox.cli.cleanup import cleanup_command
+from room_outbox.cli.inspect import inspect_events
+from room_outbox.cli.requeue import requeue_command
 from room_outbox.cli.status import status_report
 from room_outbox.errors import SchemaError
 from room_outbox.producer import append_event
@@ -43,7 +49,8 @@ from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import ROW_LOCKS, table_names
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.store import LaneStore, migrate_lanes
-from room_outbox.store.operator.changes import RequeueFilter, cancel, find_requeue_candidates, requeue
+from room_outbox.store.operator.changes import SEVERAL_APPS, RequeueFilter, cancel, find_requeue_candidates, requeue
+from room_outbox.store.operator.reports import event_apps, event_rows
 from room_outbox.store.operator.retention import RetentionOptions, cleanup
 from room_outbox.store.protocol import Claimed, DeliveryResult, Outcome, SQLStore
 from room_outbox.store.schema.columns import LAST_ERROR_MAX
@@ -681,8 +688,8 @@ async def test_status_and_inspect_report_the_im_lane_and_the_lanes(any_store: SQ
     report = await status_report(any_store)
     assert (report.pending, report.leased, [h.node for h in report.holders]) == (3, 1, ["node-a"])
     assert [(x.lane, x.pending, x.parked, x.unfed) for x in report.lanes] == [("audit", 2, 1, 0)]
-    doc = await inspect_event(any_store, im_row.event_id)
-    assert doc is not None and doc["state"].startswith("in flight: leased by node-a#1")
+    (doc,) = await inspect_events(any_store, im_row.event_id)
+    assert doc["state"].startswith("in flight: leased by node-a#1")
     assert doc["lanes"] == {"audit": "parked after 1 attempt(s): never retried until `room-outbox requeue`"}
     assert doc["envelope"]["event_id"] == im_row.event_id
 
@@ -783,21 +790,47 @@ async def test_room_cell_operator_commands_and_retention_speak_its_words(room_ce
     )
     report = await status_report(room_cell)
     assert (report.pending, report.leased, report.waiting_for_retry, report.other_statuses) == (2, 1, 1, {"failed": 1})
-    doc = await inspect_event(room_cell, "e0")
-    assert doc is not None and doc["state"].startswith("delivered: delivered")
+    (doc,) = await inspect_events(room_cell, "e0")
+    assert doc["state"].startswith("delivered: delivered")
     found = await find_requeue_candidates(room_cell, RequeueFilter(event_ids=("e1", "e2", "e3")))
     assert [r["event_id"] for r in found] == ["e1", "e2"]  # e3 is delivering under a live lock
     assert await requeue(room_cell, [r["id"] for r in found]) == 2
     assert await cancel(room_cell, "e2") == (True, "cancelled")
     assert await cancel(room_cell, "e0") == (False, "delivered")
+    out = io.StringIO()
+    assert await cancel_command(room_cell, "e0", out, out) == 1
+    assert await requeue_command(room_cell, RequeueFilter(event_ids=("e0", "e2")), True, out) == 0
+    assert out.getvalue().splitlines() == [
+        "room-outbox cancel: e0 is delivered: only pending, retryable, delivering or failed events can be cancelled",
+        "no rows match (delivered, cancelled and currently leased rows are never requeued)",
+    ]
     async with room_cell.transaction() as cur:
         await cur.execute("UPDATE room_outbox SET created_at_ms = 1 WHERE event_id = 'e0'")
-    assert (await cleanup(room_cell, RetentionOptions(older_than=3600, pause=0))).removed == 1
+    out = io.StringIO()
+    assert await cleanup_command(room_cell, RetentionOptions(older_than=3600, pause=0), True, out, out, False) == 0
+    assert out.getvalue().startswith("1 delivered row(s) older than 1h deleted in 1 batch(es)")
     assert states(await fetch_rows(room_cell)) == {
         "e1": ("pending", 0, None),
         "e2": ("cancelled", 0, None),  # requeued (a fresh count), then cancelled
         "e3": ("delivering", 0, "a#1"),
     }
+
+
+async def test_an_event_id_several_apps_have_changes_no_row_until_the_app_is_named(room_cell: SQLStore) -> None:
+    """Event ids unique per app only: ``cancel`` refuses an id that names rows of several apps
+    (never another app's event unasked); named, only that app's row changes; requeue's filter
+    takes the app too."""
+    await key_event_ids_per_app(room_cell)
+    await insert_events(room_cell, [envelope("x0", app_code="appa"), envelope("x0", app_code="appb")])
+    assert [seen["app_code"] for _row, seen in await event_rows(room_cell, "x0")] == ["appa", "appb"]
+    assert (await event_apps(room_cell, "x0"), await event_apps(room_cell, "nosuch")) == (["appa", "appb"], [])
+    assert await cancel(room_cell, "x0") == (False, SEVERAL_APPS)
+    assert await statuses_by_app(room_cell, "x0") == {"appa": "pending", "appb": "pending"}
+    assert await cancel(room_cell, "x0", "appb") == (True, "cancelled")
+    assert await cancel(room_cell, "x0", "appc") == (False, None)
+    assert await statuses_by_app(room_cell, "x0") == {"appa": "pending", "appb": "cancelled"}
+    found = await find_requeue_candidates(room_cell, RequeueFilter(event_ids=("x0",), app_code="appa"))
+    assert [(r["app_code"], r["status"]) for r in found] == [("appa", "pending")]
 
 
 # -- the producer ---------------------------------------------------------------------------------
@@ -835,6 +868,6 @@ async def test_database_table_names_another_outbox_table(store_dsn: str) -> None
             assert "room_outbox" not in await table_names(cur, store.dialect)
         (row,) = (await store.claim("a#1", 10, now_ms() + 60_000)).rows
         assert await store.record([DeliveryResult(row.id, "e1", "a#1", Outcome.PUBLISHED)]) == []
-        assert (await inspect_event(store, "e1") or {})["row"]["status"] == "published"
+        assert (await inspect_events(store, "e1"))[0]["row"]["status"] == "published"
     finally:
         await store.aclose()

@@ -11,6 +11,7 @@ from room_outbox.errors import SchemaError
 from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import marks
+from room_outbox.store.operator.reports import matching_event
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.columns import column_problems, read_columns
 from room_outbox.store.schema.profiles import Profile, in_list
@@ -21,6 +22,8 @@ class RequeueFilter:
     """Which rows ``room-outbox requeue`` selects; every given criterion must hold."""
 
     event_ids: tuple[str, ...] = ()
+    #: Rows of this app only (event ids may be unique per app only: see :func:`matching_event`).
+    app_code: str | None = None
     event_type: str | None = None
     error_contains: str | None = None
     older_than_ms: int | None = None  # created at least this long ago
@@ -51,6 +54,9 @@ async def find_requeue_candidates(store: SQLStore, where: RequeueFilter, limit: 
     if where.event_ids:
         clauses.append(f"{p.event_id} IN ({marks(where.event_ids)})")
         params.extend(where.event_ids)
+    if where.app_code is not None:
+        clauses.append(f"{p.app_code} = %s")
+        params.append(where.app_code)
     if where.event_type:
         clauses.append(f"{p.event_type} = %s")
         params.append(where.event_type)
@@ -62,8 +68,8 @@ async def find_requeue_candidates(store: SQLStore, where: RequeueFilter, limit: 
         params.append(now_ms() - where.older_than_ms)
     async with store.transaction() as cur:
         await cur.execute(
-            f"SELECT {p.key} AS id, {p.event_id} AS event_id, {p.event_type} AS event_type, {p.room_id} AS room_id,"
-            f" status, {p.attempts_made} AS retry_count, last_error, {p.as_ms(p.created)} AS created_at_ms FROM {p.table}"
+            f"SELECT {p.key} AS id, {p.event_id} AS event_id, {p.app_code} AS app_code, {p.event_type} AS event_type,"
+            f" {p.room_id} AS room_id, status, {p.attempts_made} AS retry_count, last_error, {p.as_ms(p.created)} AS created_at_ms FROM {p.table}"
             f" WHERE {' AND '.join(clauses)} ORDER BY {p.key} LIMIT %s",
             (*params, limit),
         )
@@ -91,17 +97,21 @@ async def requeue(store: SQLStore, row_ids: Sequence[int]) -> int:
 
 #: :func:`cancel`'s status for an event leased right now: its delivery may be under way.
 IN_FLIGHT = "in flight"
+#: :func:`cancel`'s status for an event id that names rows of several apps (no app given):
+#: nothing is changed, the operator must say which app's event is meant.
+SEVERAL_APPS = "several apps"
 
 
-async def cancel(store: SQLStore, event_id: str) -> tuple[bool, str | None]:
-    """Mark a pending or failed event ``cancelled`` (never delivered, kept for audit).
-    Returns whether it was cancelled and the status it has now (None: no such event;
-    :data:`IN_FLIGHT`: leased right now). A leased row is left alone, as ``requeue`` leaves
-    it: its delivery may already have reached the sink, and cancelling it would leave an
-    event delivered yet ``cancelled``. A status column that cannot hold ``cancelled`` is one
-    line (:class:`SchemaError`)."""
+async def cancel(store: SQLStore, event_id: str, app_code: str | None = None) -> tuple[bool, str | None]:
+    """Mark a pending or failed event ``cancelled`` (never delivered, kept for audit): the row
+    of ``event_id`` (of ``app_code`` when given). Returns whether it was cancelled and the
+    status it has now (None: no such event; :data:`IN_FLIGHT`: leased right now;
+    :data:`SEVERAL_APPS`: the id names rows of several apps, none changed). A leased row is
+    left alone, as ``requeue`` leaves it: its delivery may already have reached the sink, and
+    cancelling it would leave an event delivered yet ``cancelled``. A status column that
+    cannot hold ``cancelled`` is one line (:class:`SchemaError`)."""
     try:
-        return await _cancel(store, event_id)
+        return await _cancel(store, event_id, app_code)
     except Exception as exc:
         cause = refused_value(exc)
         if cause is None:
@@ -109,25 +119,30 @@ async def cancel(store: SQLStore, event_id: str) -> tuple[bool, str | None]:
         raise SchemaError(await _status_problem(store, cause)) from exc
 
 
-async def _cancel(store: SQLStore, event_id: str) -> tuple[bool, str | None]:
+async def _cancel(store: SQLStore, event_id: str, app_code: str | None) -> tuple[bool, str | None]:
     words = store.profile
     leased = f"worker_id IS NOT NULL AND {words.lock} > {words.ms('%s')}"
+    where, params = matching_event(store, event_id, app_code)
     async with store.transaction() as cur:
+        await cur.execute(f"SELECT {words.key} FROM {words.table} WHERE {where}", params)
+        keys = [key for (key,) in await cur.fetchall()]
+        if len(keys) != 1:  # the one row by its key: never another app's row with the same id
+            return False, SEVERAL_APPS if keys else None
         now = now_ms()
         changed = await cur.execute(
             f"UPDATE {words.table} SET status = '{words.cancelled}', worker_id = NULL,"
             f" {words.lock} = {words.lock_cleared}, {words.updated} = {words.ms('%s')}"
-            f" WHERE {words.event_id} = %s AND {in_list('status', (*words.open, words.parked))} AND NOT ({leased})",
-            (now, event_id, now),
+            f" WHERE {words.key} = %s AND {in_list('status', (*words.open, words.parked))} AND NOT ({leased})",
+            (now, keys[0], now),
         )
         await cur.execute(
-            f"SELECT status, CASE WHEN {leased} THEN 1 ELSE 0 END FROM {words.table} WHERE {words.event_id} = %s",
-            (now, event_id),
+            f"SELECT status, CASE WHEN {leased} THEN 1 ELSE 0 END FROM {words.table} WHERE {words.key} = %s",
+            (now, keys[0]),
         )
-        row = await cur.fetchone()
-    if row is None:
+        found = await cur.fetchone()
+    if found is None:  # removed meanwhile
         return bool(changed), None
-    status, in_flight = row
+    status, in_flight = found
     return bool(changed), IN_FLIGHT if in_flight and not changed and status != words.cancelled else status
 
 

@@ -8,11 +8,12 @@ count on the (status, id) index plus one primary-key lookup."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import column_names, table_names
+from room_outbox.store.dialect import column_names, marks, table_names, text
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.protocol import SQLStore
@@ -215,16 +216,29 @@ async def lane_statuses(store: SQLStore) -> list[LaneStatus]:
     return lanes
 
 
-async def event_row(store: SQLStore, event_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The row of ``event_id`` as stored (every column by name but ``envelope``), and what
-    room-outbox reads of it under the profile's column names (``key``, ``event_id``,
-    ``event_type``, ``room_id``, ``app_code``, ``envelope``, ``lock_ms``); ``None`` when there
-    is no such row."""
+def matching_event(store: SQLStore, event_id: str, app_code: str | None = None) -> tuple[str, list[Any]]:
+    """SQL and parameters: the rows of ``event_id``, of app ``app_code`` only when given. Event
+    ids may be unique per app only (``UNIQUE (app_code, event_id)``): one id may name rows of
+    several apps, and the operator commands that change a row refuse such an id without the app."""
+    p = store.profile
+    if app_code is None:
+        return f"{p.event_id} = %s", [event_id]
+    return f"{p.event_id} = %s AND {p.app_code} = %s", [event_id, app_code]
+
+
+async def event_rows(
+    store: SQLStore, event_id: str, app_code: str | None = None
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Every row of ``event_id`` (of ``app_code`` when given), lowest key first: each as stored
+    (every column by name but ``envelope``), and what room-outbox reads of it under the
+    profile's column names (``key``, ``event_id``, ``event_type``, ``room_id``, ``app_code``,
+    ``envelope``, ``lock_ms``)."""
     p = store.profile
     read = {
         "key": p.key, "event_id": p.event_id, "event_type": p.event_type, "room_id": p.room_id,
         "app_code": p.app_code, "envelope": store.envelope_column, "lock_ms": p.as_ms(p.lock),
     }  # fmt: skip
+    where, params = matching_event(store, event_id, app_code)
     async with store.transaction() as cur:
         # Every column but the raw envelope: ``envelope`` reads it as the store does (as bytes
         # where the server cannot send it as text, a marker where it is too large: see
@@ -232,15 +246,34 @@ async def event_row(store: SQLStore, event_id: str) -> tuple[dict[str, Any], dic
         columns = [name for name in await column_names(cur, store.dialect, p.table) if name != "envelope"]
         await cur.execute(
             f"SELECT {', '.join(columns)}, {', '.join(f'{sql} AS read_{name}' for name, sql in read.items())}"
-            f" FROM {p.table} WHERE {p.event_id} = %s",
-            (event_id,),
+            f" FROM {p.table} WHERE {where} ORDER BY {p.key}",
+            params,
         )
-        found = await cur.fetchone()
+        found = await cur.fetchall()
         names = [d[0] for d in cur.description]
-    if found is None:
-        return None
-    row = dict(zip(names, found, strict=True))
-    return row, {name: row.pop(f"read_{name}") for name in read}
+    rows = [dict(zip(names, values, strict=True)) for values in found]
+    return [(row, {name: row.pop(f"read_{name}") for name in read}) for row in rows]
+
+
+async def event_apps(store: SQLStore, event_id: str) -> list[str]:
+    """The app code of each row of ``event_id`` (the rows the table's own comparison matches,
+    as :func:`event_rows` and ``cancel`` find them), in order."""
+    where, params = matching_event(store, event_id)
+    async with store.transaction() as cur:
+        await cur.execute(
+            f"SELECT {store.profile.app_code} FROM {store.profile.table} WHERE {where} ORDER BY 1", params
+        )
+        return [text(app_code) for (app_code,) in await cur.fetchall()]
+
+
+async def apps_of_rows(store: SQLStore, keys: Sequence[int]) -> dict[int, str]:
+    """The app code of each of the rows ``keys`` (the profile's key) still in the table."""
+    p = store.profile
+    if not keys:
+        return {}
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT {p.key}, {p.app_code} FROM {p.table} WHERE {p.key} IN ({marks(keys)})", list(keys))
+        return {int(key): text(app_code) for key, app_code in await cur.fetchall()}
 
 
 async def lane_row(store: SQLStore, lane: str, outbox_id: int) -> dict[str, Any] | None:

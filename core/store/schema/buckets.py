@@ -118,13 +118,15 @@ async def bucket_plan(
     membership: bool = True,
     profile: Profile = V1,
     key: str | None = None,
+    function_planned: bool = False,
 ) -> list[tuple[str, tuple[str, ...]]]:
     """What a migration adds (``(change, statements)`` steps, MySQL/MariaDB or PostgreSQL): with
     ``membership``, the node and bucket tables when missing; for each of ``tables`` (created by
     an earlier step or already there, rows shaped as ``profile`` says, keyed by ``key``,
     default the profile's), its bucket column when missing and the claim's index with the
     bucket last (an earlier install's index without it is rebuilt; PostgreSQL:
-    :func:`_pg_bucket_steps`). A column already there stays as it is, STORED or VIRTUAL."""
+    :func:`_pg_bucket_steps`; ``function_planned``: an earlier step of the same plan sees to the
+    bucket function). A column already there stays as it is, STORED or VIRTUAL."""
     steps: list[tuple[str, tuple[str, ...]]] = []
     existing = await table_names(cur, dialect)
     if membership:
@@ -139,7 +141,8 @@ async def bucket_plan(
             insert = f"INSERT INTO {BUCKET_TABLE} (bucket, owner, updated_at_ms) VALUES {rows}"
             steps.append((f"created table {BUCKET_TABLE}", (bucket_ddl(dialect), insert)))
     if dialect.name == "postgresql":
-        return steps + await _pg_bucket_steps(cur, tables, existing, profile, key or profile.key)
+        function = [] if function_planned else await _pg_function_steps(cur)
+        return steps + function + await _pg_bucket_steps(cur, tables, existing, profile, key or profile.key)
     # MySQL/MariaDB from here on. A table created by an earlier step of the same plan has no bucket column yet.
     missing = [
         table
@@ -167,21 +170,13 @@ async def bucket_plan(
 async def _pg_bucket_steps(
     cur: Any, tables: Sequence[str], existing: set[str], profile: Profile, key: str
 ) -> list[tuple[str, tuple[str, ...]]]:
-    """PostgreSQL: the CRC-32 function when missing, and on each table the claim's index with
-    the bucket expression last, built ``CONCURRENTLY`` (writes go on meanwhile). No column:
+    """PostgreSQL: on each table the claim's index with the bucket expression last, built ``CONCURRENTLY`` (writes go on meanwhile). No column:
     adding a generated one rewrites the whole table under a lock that blocks even reads. An
     earlier install's index (the bucket column last, or no bucket) is replaced under its name:
     the new index is built beside it, the old one dropped, the new one renamed, each without
     blocking writes, and a rerun takes up where an interrupted one stopped. The earlier
     install's column stays (dropping it would break processes still running the old version)."""
     steps: list[tuple[str, tuple[str, ...]]] = []
-    # The one the index's expression will find: through the search path, not in any schema.
-    await cur.execute("SELECT prosrc FROM pg_proc WHERE oid = to_regprocedure(%s)", (f"{PG_CRC32_FUNCTION}(text)",))
-    function = await cur.fetchone()
-    if function is None:
-        steps.append((f"created function {PG_CRC32_FUNCTION}", (PG_CRC32_DDL.strip(),)))
-    elif function[0] != PG_CRC32_DDL.split("$$")[1]:  # an earlier version: same results, slower
-        steps.append((f"replaced function {PG_CRC32_FUNCTION} (same results, faster)", (PG_CRC32_DDL.strip(),)))
     for table in tables:
         name, columns = claim_index(table, profile.lock, key, f"({row_bucket(POSTGRESQL, profile)})")
         indexes = await _pg_index_definitions(cur, table) if table.lower() in existing else {}
@@ -204,6 +199,18 @@ async def _pg_bucket_steps(
             (f"rebuilt index {table}.{name} with the room bucket", (*replace, f"ALTER INDEX {beside} RENAME TO {name}"))
         )
     return steps
+
+
+async def _pg_function_steps(cur: Any) -> list[tuple[str, tuple[str, ...]]]:
+    """PostgreSQL: the CRC-32 function the bucket indexes compute, when missing or outdated."""
+    # The one the index's expression will find: through the search path, not in any schema.
+    await cur.execute("SELECT prosrc FROM pg_proc WHERE oid = to_regprocedure(%s)", (f"{PG_CRC32_FUNCTION}(text)",))
+    function = await cur.fetchone()
+    if function is None:
+        return [(f"created function {PG_CRC32_FUNCTION}", (PG_CRC32_DDL.strip(),))]
+    if function[0] != PG_CRC32_DDL.split("$$")[1]:  # an earlier version: same results, slower
+        return [(f"replaced function {PG_CRC32_FUNCTION} (same results, faster)", (PG_CRC32_DDL.strip(),))]
+    return []
 
 
 async def _pg_index_definitions(cur: Any, table: str) -> dict[str, str]:

@@ -83,16 +83,23 @@ def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
     ]
 
 
-async def lane_steps(cur: Any, dialect: Dialect, lanes: Sequence[str]) -> list[Migration]:
+async def lane_steps(
+    cur: Any, dialect: Dialect, lanes: Sequence[str], function_planned: bool = False
+) -> list[Migration]:
     """What the lanes need, read from the catalogue in the caller's transaction: the cursor
-    table and each lane's table when missing, then (on a server) their room buckets."""
+    table and each lane's table when missing, then (on a server) their room buckets
+    (``function_planned``: an earlier step of the same plan sees to the bucket function)."""
     existing = await table_names(cur, dialect)
     wanted = [(CURSOR_TABLE, cursor_ddl(dialect))]
     wanted += [(lane_table(lane), lane_ddl(lane, dialect)) for lane in lanes]
     plan = [Migration(f"created table {name}", tuple(ddl)) for name, ddl in wanted if name not in existing]
     # Room buckets belong to the processes' membership: on a server, not SQLite (see .membership).
     tables = [lane_table(lane) for lane in lanes]
-    buckets = await bucket_plan(cur, dialect, tables, membership=False, key="outbox_id") if dialect.room_buckets else []
+    buckets = (
+        await bucket_plan(cur, dialect, tables, membership=False, key="outbox_id", function_planned=function_planned)
+        if dialect.room_buckets
+        else []
+    )
     if dialect.name == "postgresql":  # interrupted index builds first
         plan = await invalid_index_steps(cur, [t for t in tables if t in existing]) + plan
     return plan + [concurrent_step(change, statements) for change, statements in buckets]

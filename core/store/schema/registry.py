@@ -77,7 +77,8 @@ async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: Want
         if refused:
             raise SchemaError("\n".join(refused))
     if wanted.lanes is not None:
-        plan += await lane_steps(cur, dialect, wanted.lanes)
+        # the outbox's room buckets above create the bucket function the lanes' indexes compute too
+        plan += await lane_steps(cur, dialect, wanted.lanes, function_planned=wanted.outbox)
     plan += await tail_steps(cur, dialect, wanted.tail_lanes, cursor_planned=wanted.lanes is not None)
     for owner, statements in wanted.plugin_statements:
         if PLUGIN_SCHEMA in dialect.capabilities:
