@@ -24,7 +24,7 @@ from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH, longest_claim_id, s
 from room_outbox.config import Settings
 from room_outbox.consume.registry import NO_CONSUMER, check_consumers
 from room_outbox.delivery.lanes import delivery_settings, tails
-from room_outbox.delivery.routing import validate_sinks
+from room_outbox.delivery.routing import registered_sinks, sink_name_problems, validate_sinks
 from room_outbox.errors import ConfigurationError
 from room_outbox.observability.telemetry import check_environment
 from room_outbox.store.backends.errors import translated
@@ -103,6 +103,19 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager, command: s
     if problems:
         raise ConfigurationError("invalid configuration:\n  " + "\n  ".join(problems))
     return CheckedConfiguration(main_sinks, own_lanes, database, tail_lanes, consumers)
+
+
+def check_migrate_configuration(settings: Settings, pm: pluggy.PluginManager) -> None:
+    """What ``migrate`` reads of the configuration, checked before it connects: the names of
+    the enabled sinks and of the consumers' handlers, whose tables it makes. A misspelt one
+    would get no table, silently; a sink's other settings (credentials) are not its concern."""
+    problems = sink_name_problems(pm, registered_sinks(pm), settings)
+    try:
+        check_consumers(pm, settings)
+    except ConfigurationError as exc:
+        problems.extend(_lines(exc))
+    if problems:
+        raise ConfigurationError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
 def table_profile(settings: Settings) -> Profile:

@@ -467,3 +467,27 @@ def test_no_commands_option_overwrites_which_command_runs() -> None:
         if action.dest == commands.dest
     ]
     assert commands.dest == "command" and clashes == []
+
+
+def test_migrate_refuses_a_sink_or_handler_name_it_would_make_no_table_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """migrate made tables for the names it knew and passed over a misspelt sink or handler in
+    silence (exit 0); run, consume and check-config refuse them. It names them, before it
+    connects: nothing is created."""
+    without_room_outbox_environment(monkeypatch)
+    database = tmp_path / "outbox.db"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"database:\n  dsn: sqlite:///{database}\nsinks:\n  tencent_im:\n    enabled: false\n  jsnol:\n    enabled: true\n"
+        "consumers:\n  stats:\n    handlers: [gift_stat]\n"
+    )
+    for sql in ([], ["--sql"]):
+        done = room_outbox("migrate", *sql, "--config", str(config))
+        assert (done.returncode, done.stdout) == (2, "")
+        problems = done.stderr.splitlines()[1:]
+        assert [line.split(" (")[0] for line in problems] == [
+            "  sinks.jsnol: no installed plugin provides a sink named 'jsnol'",
+            "  consumers.stats.handlers: unknown handler(s) gift_stat",
+        ], problems
+    assert not database.exists()

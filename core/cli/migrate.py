@@ -21,7 +21,7 @@ from room_outbox.delivery.lanes import plugins_schema
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.signals import STOP_SIGNALS
-from room_outbox.startup import table_profile
+from room_outbox.startup import check_migrate_configuration, table_profile
 from room_outbox.store.backends.sqlite import SQLiteAddress
 from room_outbox.store.factory import describe, open_store, store_address
 from room_outbox.store.protocol import SQLStore
@@ -34,6 +34,7 @@ T = TypeVar("T")
 async def migrate(settings: Settings, sql_only: bool, as_json: bool = False) -> int:
     dsn = settings.database.dsn.get_secret_value()
     pm = make_plugin_manager(settings.plugins.disabled)
+    check_migrate_configuration(settings, pm)
     if sql_only:
         return await print_migration(settings, pm, as_json)
     database = settings.database

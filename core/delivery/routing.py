@@ -151,18 +151,7 @@ def enabled_sink_settings(
 ) -> dict[str, tuple[SinkSpec[Any], SinkSettings]]:
     """Validate every enabled sink's section; raise one :class:`ConfigError` naming each bad key."""
     specs = registered_sinks(pm)
-    problems: list[str] = []
-    for name, configured in settings.sinks.items():
-        if name in specs or not section_enabled(configured, default=True):
-            continue
-        if pm.is_blocked(name):
-            problems.append(f"sinks.{name}: is enabled, but plugin {name!r} is listed in plugins.disabled")
-        else:
-            available = ", ".join(sorted(specs)) or "none"
-            problems.append(
-                f"sinks.{name}: no installed plugin provides a sink named {name!r} (available: {available})"
-            )
-    problems.extend(lane_override_problems(specs, settings))
+    problems = sink_name_problems(pm, specs, settings)
     enabled: dict[str, tuple[SinkSpec[Any], SinkSettings]] = {}
     for name, spec in specs.items():
         raw: Mapping[str, Any] | None = settings.sinks.get(name)
@@ -176,6 +165,23 @@ def enabled_sink_settings(
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(p.strip() for p in problems))
     return enabled
+
+
+def sink_name_problems(pm: pluggy.PluginManager, specs: Mapping[str, SinkSpec[Any]], settings: Settings) -> list[str]:
+    """Enabled sink sections no installed plugin provides (a typo, a plugin disabled), and lane
+    overrides naming no lane."""
+    problems: list[str] = []
+    for name, configured in settings.sinks.items():
+        if name in specs or not section_enabled(configured, default=True):
+            continue
+        if pm.is_blocked(name):
+            problems.append(f"sinks.{name}: is enabled, but plugin {name!r} is listed in plugins.disabled")
+        else:
+            available = ", ".join(sorted(specs)) or "none"
+            problems.append(
+                f"sinks.{name}: no installed plugin provides a sink named {name!r} (available: {available})"
+            )
+    return problems + lane_override_problems(specs, settings)
 
 
 def validate_sinks(pm: pluggy.PluginManager, settings: Settings) -> dict[str, tuple[SinkSpec[Any], SinkSettings]]:
