@@ -16,11 +16,14 @@ import anyio
 import psycopg
 import pytest
 from support import envelope, free_port, insert_events, pg_admin, wait_until
+from test_silk_wall_times import ZONE, in_zone, producer, publish, silk_table
 
 from room_outbox.errors import StoreError
 from room_outbox.store.backends.postgres import PostgresAddress, PostgresStore
 from room_outbox.store.clock import now_ms
+from room_outbox.store.factory import open_store
 from room_outbox.store.protocol import DeliveryResult, Outcome
+from room_outbox.store.schema.profiles import SILK
 
 pytestmark = pytest.mark.anyio
 
@@ -174,3 +177,29 @@ async def test_through_transaction_pooling_a_statement_run_often_runs_on_another
         finally:
             await store.aclose()
     assert claimed == [f"e{i}" for i in range(9)]
+
+
+async def test_wall_times_through_pgbouncer_are_taken_in_the_databases_zone(
+    pgbouncer: str, postgresql_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """silk's times as timestamp without time zone, the database in Asia/Shanghai, the relay's
+    environment saying PGTZ=UTC: its sessions take the database's zone through PgBouncer too (in
+    transaction pooling each transaction sets it, as its bounds), so the producer's row is due
+    when written."""
+    silk_table(in_zone(postgresql_dsn, ZONE))
+    direct = await open_store(postgresql_dsn, profile=SILK)
+    try:
+        await direct.migrate()
+    finally:
+        await direct.aclose()
+    with producer(postgresql_dsn) as conn:
+        monkeypatch.setenv("PGTZ", "UTC")
+        store = await open_store(pgbouncer, profile=SILK, pool_size=2)
+        try:
+            publish(conn, "due")
+            assert [r.event_id for r in (await store.claim("a#1", 10, now_ms() + 60_000)).rows] == ["due"]
+            async with store.transaction() as cur:
+                await cur.execute("SHOW timezone")
+                assert await cur.fetchone() == (ZONE,)
+        finally:
+            await store.aclose()

@@ -39,6 +39,7 @@ from room_outbox.store.deadline import (
 )
 from room_outbox.store.dialect import POSTGRESQL
 from room_outbox.store.schema import registry
+from room_outbox.store.schema.columns import read_columns, wall_time_columns
 from room_outbox.store.schema.outbox import Migration
 from room_outbox.store.schema.registry import Planner
 
@@ -64,6 +65,7 @@ class _ClosedOnPurpose(logging.Filter):
 
 
 logging.getLogger("psycopg.pool").addFilter(_ClosedOnPurpose())
+log = logging.getLogger("room_outbox.store")
 
 #: The key of migrate's session lock (``pg_advisory_lock``): one migrate at a time per database.
 MIGRATE_LOCK_KEY = 0x726F6F6D2D6F7574  # "room-out"
@@ -90,6 +92,24 @@ async def open_session(
         await conn.close()
         raise
     return conn
+
+
+class SessionSetup:
+    """What every pooled session runs once open (:meth:`PostgresAddress.session_settings`): the
+    pool's ``configure``. The time zone is named later, once the store has read the outbox's
+    columns (:meth:`PostgresStore.read_column_types`): sessions opened from then on set it."""
+
+    def __init__(self, address: PostgresAddress, query_timeout: float, idle_in_transaction: float = 0.0) -> None:
+        self.address = address
+        self.query_timeout = query_timeout
+        self.idle_in_transaction = idle_in_transaction
+        self.time_zone: str | None = None
+
+    def settings(self, local: bool = False) -> str:
+        return self.address.session_settings(self.query_timeout, self.idle_in_transaction, local, self.time_zone)
+
+    async def __call__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        await set_up_session(conn, self.settings())
 
 
 async def set_up_session(conn: psycopg.AsyncConnection[Any], settings: str) -> None:
@@ -140,10 +160,16 @@ class PostgresStore(LeasedRows):
     step_attempts = 5
 
     def __init__(
-        self, pool: AsyncConnectionPool, address: PostgresAddress, query_timeout: float = DEFAULT_QUERY_TIMEOUT
+        self,
+        pool: AsyncConnectionPool,
+        address: PostgresAddress,
+        query_timeout: float = DEFAULT_QUERY_TIMEOUT,
+        session: SessionSetup | None = None,
     ) -> None:
         self._pool = pool
         self.address = address
+        #: What the pool's sessions run once open.
+        self._session = session or SessionSetup(address, query_timeout)
         self.query_timeout = query_timeout
         self.limits = SessionLimits.for_query_timeout(query_timeout)
         self._timeouts = TimeoutWatch()
@@ -170,18 +196,14 @@ class PostgresStore(LeasedRows):
         ``idle_in_transaction``: see :meth:`SessionLimits.for_query_timeout`."""
         address = PostgresAddress.from_dsn(dsn)
         limits = SessionLimits.for_query_timeout(query_timeout, idle_in_transaction)
-        settings = address.session_settings(query_timeout, idle_in_transaction)
-
-        async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
-            await set_up_session(conn, settings)
-
+        session = SessionSetup(address, query_timeout, idle_in_transaction)
         kwargs: dict[str, Any] = {**address.connect_kwargs(query_timeout), "context": JSON_AS_TEXT}
         if address.transaction_pooling:
             # A statement psycopg prepared on one server session is unknown to the next.
             kwargs["prepare_threshold"] = None
         pool = AsyncConnectionPool(
             kwargs=kwargs,
-            configure=None if address.transaction_pooling else configure,
+            configure=None if address.transaction_pooling else session,
             min_size=1,
             max_size=pool_size,
             open=False,
@@ -203,12 +225,12 @@ class PostgresStore(LeasedRows):
             with anyio.CancelScope(shield=True):
                 await pool.close(timeout=1.0)
             raise
-        store = cls(pool, address, query_timeout)
+        store = cls(pool, address, query_timeout, session)
         store.server_encoding = encoding
         store.use_profile(store.profile)  # the default profile read as this database needs
         store.limits = limits
         if address.transaction_pooling:
-            store._transaction_settings = address.session_settings(query_timeout, idle_in_transaction, local=True)
+            store._transaction_settings = session.settings(local=True)
         return store
 
     def read_envelope(self, column: str) -> str:
@@ -236,7 +258,10 @@ class PostgresStore(LeasedRows):
 
     async def read_column_types(self) -> None:
         """Read the type of the outbox's envelope column, which :meth:`read_envelope` needs
-        (text where the table is not there yet: ``migrate`` makes it so)."""
+        (text where the table is not there yet: ``migrate`` makes it so); and where the
+        profile's times are ``timestamp`` without time zone, take them in the database's zone
+        (:meth:`_take_wall_times`)."""
+        wall_times: list[str] = []
         async with self.transaction() as cur:
             await cur.execute(
                 "SELECT format_type(CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END, NULL)"
@@ -245,8 +270,61 @@ class PostgresStore(LeasedRows):
                 (self.profile.table, self.profile.envelope),
             )
             found = await cur.fetchone()
+            if not self.profile.ms_columns:
+                wall_times = wall_time_columns(await read_columns(cur, self.dialect, self.profile.table), self.profile)
+            if wall_times:
+                await cur.execute(_TIME_ZONES)
+                database_zone, session_zone, source = await cur.fetchone()
         self.envelope_type = found[0] if found else "text"
         self.use_profile(self.profile)
+        if wall_times:
+            await self._take_wall_times(wall_times, database_zone, session_zone, source)
+
+    async def _take_wall_times(
+        self, columns: list[str], database_zone: str | None, session_zone: str, source: str
+    ) -> None:
+        """The outbox's ``columns`` hold wall times (``timestamp`` without time zone): an
+        instant only in the zone their writer takes them in. room-outbox's own writes, reads
+        and comparisons take them in its session's zone (see :func:`.profiles.epoch_ms`); the
+        producer's, in its sessions' zone, which is the database's (what ``now()`` gives them
+        there). So every session of this store takes the database's zone, whatever its own
+        would have been (PGTZ, a role's setting): otherwise rows would look hours old to it, or
+        be due hours late. Where that zone cannot be read, refused, naming the fix; else said
+        at start."""
+        table = self.profile.table
+        named = ", ".join(f"{table}.{name}" for name in columns)
+        retype = ", ".join(
+            f"ALTER COLUMN {name} TYPE timestamptz USING {name} AT TIME ZONE '{database_zone or '<that zone>'}'"
+            for name in columns
+        )
+        to_timestamptz = (
+            f"or make them timestamptz, which hold instants in any zone: ALTER TABLE {table} {retype} (a rewrite"
+            " of the table under an exclusive lock: on a live table, plan it; migrate does not do it)"
+        )
+        if database_zone is None:
+            raise SchemaError(
+                f"{named} are timestamp without time zone: wall times, which room-outbox takes in the zone the"
+                f" database gives its producers' sessions; the database names none, and this session's"
+                f" ({session_zone}) comes from {_ZONE_SOURCES.get(source, source)}, which hides the server's:"
+                f" name the producers' zone (SHOW timezone in their sessions) with ALTER DATABASE"
+                f" {self.address.database} SET timezone = '<that zone>', {to_timestamptz}"
+            )
+        own = ""
+        if session_zone.lower() != database_zone.lower():  # zone names are case-insensitive
+            own = (
+                f" (this process's sessions, in {session_zone} from {_ZONE_SOURCES.get(source, source)}, are set to it)"
+            )
+            self._session.time_zone = database_zone
+            if self.address.transaction_pooling:
+                self._transaction_settings = self._session.settings(local=True)
+            else:
+                await self._pool.drain()  # the sessions open already, replaced
+        log.warning(
+            f"{named} are timestamp without time zone: room-outbox reads and writes them as wall times in"
+            f" {database_zone}, the database's time zone{own}; its producers must write them in that zone, as"
+            f" now() and CURRENT_TIMESTAMP do in their sessions; {to_timestamptz}",
+            extra={"lifecycle": "wall_time_zone", "columns": columns, "time_zone": database_zone},
+        )
 
     @property
     def writes_beside_claims(self) -> bool:
@@ -423,6 +501,28 @@ def refused_change(exc: psycopg.DatabaseError, step: Migration | None, made: lis
     before = f" (made before it: {', '.join(made)})" if made else " (nothing was changed)"
     reason = " ".join(str(exc).split()).rstrip(".")
     return SchemaError(f"migrate: {step.change}: PostgreSQL refused it: {reason}{before}")
+
+
+#: The time zone the database gives the sessions of every role: its own setting (ALTER DATABASE
+#: … SET timezone), else one for every role (ALTER ROLE ALL SET timezone), else the server's
+#: configuration, which this session shows only where nothing of its own overrode it (NULL where
+#: something did: its client, its role, a SET); this session's zone; and where that came from.
+_TIME_ZONES = (
+    "SELECT COALESCE((SELECT substr(c, length('timezone=') + 1)"
+    "  FROM pg_db_role_setting s, unnest(s.setconfig) AS c WHERE s.setrole = 0"
+    "  AND s.setdatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database()))"
+    "  AND lower(c) LIKE 'timezone=%' ORDER BY s.setdatabase DESC LIMIT 1),"
+    " (SELECT setting FROM pg_settings WHERE name = 'TimeZone'"
+    "  AND source IN ('default', 'environment variable', 'configuration file', 'command line'))),"
+    " current_setting('TimeZone'), (SELECT source FROM pg_settings WHERE name = 'TimeZone')"
+)
+#: Where a session's time zone came from (``pg_settings.source``) when not from the server's side.
+_ZONE_SOURCES = {
+    "client": "the client (PGTZ or PGOPTIONS in this process's environment)",
+    "user": "this role's setting (ALTER ROLE … SET timezone)",
+    "database user": "this role's setting in this database (ALTER ROLE … IN DATABASE … SET timezone)",
+    "session": "a SET on the server session (a pooler's)",
+}
 
 
 #: How often a long step reports its progress (seconds).

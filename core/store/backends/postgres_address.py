@@ -102,7 +102,9 @@ class PostgresAddress:
             "client_encoding": "UTF8",
         }
 
-    def session_settings(self, query_timeout: float, idle_in_transaction: float = 0.0, local: bool = False) -> str:
+    def session_settings(
+        self, query_timeout: float, idle_in_transaction: float = 0.0, local: bool = False, time_zone: str | None = None
+    ) -> str:
         """What every session runs once it is open: the server-side bounds of
         :class:`SessionLimits` for ``query_timeout`` (and ``idle_in_transaction``):
         ``statement_timeout``, ``lock_timeout`` and ``idle_in_transaction_session_timeout`` (a
@@ -110,7 +112,8 @@ class PostgresAddress:
         locks); and READ COMMITTED for every transaction, whatever the server, database or role
         default: the claims, the lanes' feeding and the tailing relay rely on each statement
         seeing what committed before it, and a stricter default would fail their concurrent
-        claims with serialization errors. And the DSN's :data:`SEARCH_PATH`, if any.
+        claims with serialization errors. And the DSN's :data:`SEARCH_PATH`, if any, and
+        ``time_zone``, if any (``TimeZone``: see :meth:`PostgresStore.read_column_types`).
 
         Set with statements, not libpq's startup ``options``: a pooler in front of the server
         (PgBouncer) refuses that parameter, or, told to ignore it, drops it. ``local``: the same
@@ -121,8 +124,10 @@ class PostgresAddress:
             "SET", "SET default_transaction_isolation = 'read committed'"
         )  # fmt: skip
         search_path = f"; {scope} search_path = {', '.join(self.search_path)}" if self.search_path else ""
+        quoted_zone = (time_zone or "").replace("'", "''")
+        zone = f"; {scope} TimeZone = '{quoted_zone}'" if time_zone else ""
         return (
             f"{isolation}; {scope} statement_timeout = {limits.statement_seconds * 1000};"
             f" {scope} lock_timeout = {limits.lock_wait_seconds * 1000};"
-            f" {scope} idle_in_transaction_session_timeout = {limits.idle_seconds * 1000}{search_path}"
+            f" {scope} idle_in_transaction_session_timeout = {limits.idle_seconds * 1000}{search_path}{zone}"
         )

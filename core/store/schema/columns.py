@@ -158,8 +158,9 @@ def column_problems(
       (:func:`_nullable_values`): such rows would never be delivered. Fixed online on
       MySQL/MariaDB; on PostgreSQL refused with the statements to run;
     * ``last_error``, ``worker_id`` too short or NOT NULL, times or keys that are not integers
-      wide enough (timestamps, for a profile that keeps them so), a column the envelope takes
-      as JSON that is not json or jsonb: refused, with the fix."""
+      wide enough (timestamps, for a profile that keeps them so: ``timestamptz``, or ``timestamp``
+      taken in the database's zone, :func:`wall_time_columns`), a column the envelope takes as
+      JSON that is not json or jsonb: refused, with the fix."""
     table = profile.table
     refused: list[str] = []
     fixable: list[str] = []
@@ -228,6 +229,20 @@ def column_problems(
         if column is not None and column.kind not in _INTEGERS:
             refused.append(f"{table}.{name} is {column.declared}: room-outbox needs an integer there")
     return refused, fixable
+
+
+#: PostgreSQL's ``timestamp`` (without time zone), as the catalogue names it.
+WALL_TIME = "timestamp without time zone"
+
+
+def wall_time_columns(columns: dict[str, Column], profile: Profile) -> list[str]:
+    """The profile's time columns that are ``timestamp`` without time zone (what GORM makes of a
+    ``time.Time`` on some set-ups): wall times, an instant only in the zone their writers take
+    them in. They are taken in the database's (see ``PostgresStore.read_column_types``)."""
+    if profile.ms_columns:
+        return []
+    names = (profile.created, profile.updated, profile.lock)
+    return [name for name in names if name in columns and columns[name].kind == WALL_TIME]
 
 
 def _statuses(profile: Profile) -> tuple[str, ...]:

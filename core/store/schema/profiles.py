@@ -40,7 +40,8 @@ class Profile:
     lock: str = "lock_until_ms"
     updated: str = "updated_at_ms"
     created: str = "created_at_ms"
-    #: Times are epoch-ms integers; False: timestamps (``timestamptz``).
+    #: Times are epoch-ms integers; False: timestamps (``timestamptz``, or ``timestamp`` without
+    #: time zone: wall times in the session's zone, see :func:`epoch_ms`).
     ms_columns: bool = True
     #: ``lock`` of a row no claim holds and no retry waits for: due at once.
     lock_cleared: str = "0"
@@ -102,7 +103,15 @@ class Profile:
 
     def as_ms(self, column: str) -> str:
         """SQL: a time column read as epoch ms."""
-        return column if self.ms_columns else f"CAST(EXTRACT(EPOCH FROM {column}) * 1000 AS BIGINT)"
+        return column if self.ms_columns else epoch_ms(column)
+
+
+def epoch_ms(column: str) -> str:
+    """SQL: a PostgreSQL timestamp read as epoch ms. A ``timestamp`` without time zone is a wall
+    time, which every write (``now()``, ``to_timestamp(…)``) and every comparison with a
+    ``timestamptz`` takes in the session's zone: read in that zone too (EXTRACT alone would take
+    it as UTC). For a ``timestamptz`` the cast is no operation: the planner drops it."""
+    return f"CAST(EXTRACT(EPOCH FROM CAST({column} AS timestamptz)) * 1000 AS BIGINT)"
 
 
 def in_list(column: str, statuses: tuple[str, ...]) -> str:
@@ -127,7 +136,7 @@ ROOM_CELL = Profile(
 SILK_ENVELOPE = (
     "CAST(json_build_object('event_id', event_id, 'event_type', event_type, 'app_code', '',"
     " 'room_id', COALESCE(aggregate_id, ''), 'aggregate_type', aggregate_type,"
-    " 'occurred_at_ms', CAST(EXTRACT(EPOCH FROM created_at) * 1000 AS BIGINT), 'payload', payload) AS TEXT)"
+    f" 'occurred_at_ms', {epoch_ms('created_at')}, 'payload', payload) AS TEXT)"
 )
 #: silk's ``outbox_events`` (PostgreSQL): ``pending`` and ``retry`` rows are claimable once
 #: ``next_attempt_at`` is due; ``sending`` while claimed (``next_attempt_at`` is then the
