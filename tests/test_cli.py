@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import time
 from pathlib import Path
 
 import anyio
@@ -242,6 +243,20 @@ async def test_status_shows_the_oldest_pending_time(
     assert re.search(rf"^oldest pending        {HUMAN_TIME}$", out, re.M) and "(2 h ago)" in out
     code, out, _ = await cli(capsys, "--config", config, "status", "--json")
     assert 7_200_000 <= json.loads(out)["oldest_pending_age_ms"] < 7_300_000
+
+
+async def test_requeue_ages_rows_on_the_databases_clock_not_the_hosts(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host whose clock runs 8 h ahead: a row created 2 minutes ago (the database's clock) is
+    2 minutes old in requeue's list, as status and inspect say, not 8 hours."""
+    await insert_events(store, [envelope("e1")])
+    async with store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET created_at_ms = %s", (now_ms() - 120_000,))
+    host_clock = time.time
+    monkeypatch.setattr(time, "time", lambda: host_clock() + 8 * 3600)
+    code, out, _ = await cli(capsys, "--config", config, "requeue", "--event-id", "e1")
+    assert code == 0 and re.search(r"^e1 +default +RoomUserJoined +pending +0 +2 min\b", out, re.M), out
 
 
 # -- requeue's limit ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import anyio
@@ -10,6 +11,9 @@ from support import envelope, fetch_rows, insert_events, without_room_outbox_env
 
 from room_outbox.cli.main import main
 from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.lanes.store import CURSOR_TABLE
+from room_outbox.store.lanes.tail import migrate_tail
+from room_outbox.store.schema.tail import PARKED_TABLE
 
 pytestmark = pytest.mark.anyio
 
@@ -49,3 +53,41 @@ async def test_requeue_and_cancel_from_the_command_line(
 async def test_requeue_without_a_filter_refuses(config: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert await anyio.to_thread.run_sync(main, ["--config", config, "requeue", "--yes"]) == 2
     assert "give at least one of" in capsys.readouterr().err
+
+
+async def test_requeue_and_cancel_lane_from_the_command_line_take_their_filters(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``requeue --lane kafka`` passes its filters and ``--json`` on (it once requeued every
+    parked event of the lane whatever the filter), refuses ``--status`` (a lane's entries are
+    all parked), and ``cancel --lane`` takes ``--app-code``."""
+    await migrate_tail(store, ["kafka"])
+    await insert_events(store, [envelope("e1", "RoomGiftSent"), envelope("e2"), envelope("e3")])
+    async with store.transaction() as cur:
+        await cur.execute(
+            f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, read_through_id, updated_at_ms)"
+            " SELECT 'kafka', MAX(id), MAX(id), 0 FROM room_outbox"
+        )
+        await cur.execute(
+            f"INSERT INTO {PARKED_TABLE} (lane, outbox_id, event_id, room_id, status, last_error, created_at_ms,"
+            " updated_at_ms) SELECT 'kafka', id, event_id, room_id, 'parked', CASE WHEN event_id = 'e1'"
+            " THEN 'MessageSizeTooLargeError' ELSE 'malformed envelope' END, 0, 0 FROM room_outbox"
+        )
+
+    def run(*argv: str) -> int:
+        return main(["--config", config, *argv])
+
+    chosen = ["requeue", "--lane", "kafka", "--error-contains", "MessageSizeTooLarge"]
+    assert await anyio.to_thread.run_sync(run, *chosen, "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["matched"], [r["event_id"] for r in doc["rows"]]) == (1, ["e1"])
+    assert await anyio.to_thread.run_sync(run, "requeue", "--lane", "kafka", "--event-type", "NoSuchType") == 0
+    assert capsys.readouterr().out == "no parked events in lane kafka match\n"
+    assert await anyio.to_thread.run_sync(run, "requeue", "--lane", "kafka", "--status", "pending") == 2
+    assert "--lane does not take --status" in capsys.readouterr().err
+    assert await anyio.to_thread.run_sync(run, *chosen, "--yes") == 0
+    assert capsys.readouterr().out.endswith("requeued 1 event(s) in lane kafka\n")
+    assert await anyio.to_thread.run_sync(run, "cancel", "e2", "--lane", "kafka", "--app-code", "default", "--yes") == 0
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT event_id, status FROM {PARKED_TABLE} ORDER BY outbox_id")
+        assert await cur.fetchall() == (("e1", "requeued"), ("e2", "cancelled"), ("e3", "parked"))

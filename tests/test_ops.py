@@ -44,6 +44,7 @@ async def _populate(store: MySQLStore) -> None:
     await insert_events(store, [envelope(f"retry{i}") for i in range(4)] + [envelope("leased1"), envelope("leased2")])
     await insert_events(store, [envelope("done")])
     await insert_rows(store, [("", "broken", "RoomUserJoined", "r_1", "{not json")])
+    await insert_events(store, [envelope(f"parked{i}") for i in range(3)])
     now = int(time.time() * 1000)
     async with store.transaction() as cur:
         await cur.execute("UPDATE room_outbox SET created_at_ms = %s WHERE event_id = 'fresh0'", (now - 3_600_000,))
@@ -60,10 +61,19 @@ async def _populate(store: MySQLStore) -> None:
             (now + 30_000,),
         )
         await cur.execute("UPDATE room_outbox SET status = 'published' WHERE event_id = 'done'")
+        await cur.execute(  # parked: not retrying, but what an incident is about
+            "UPDATE room_outbox SET status = 'failed', retry_count = 1, last_error = CONCAT('tencent_im: permanent:"
+            " ErrorCode 10010: group gone (GroupId g', id, ')') WHERE event_id LIKE 'parked%%'"
+        )
 
 
 async def test_status_json_counts_backlog_retries_errors_and_leases(
-    store: MySQLStore, database_dsn: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, keep_logging: None
+    store: MySQLStore,
+    database_dsn: str,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    keep_logging: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     await _populate(store)
     code, out, _ = await _cli(capsys, tmp_path, database_dsn, "status", "--json")
@@ -74,9 +84,16 @@ async def test_status_json_counts_backlog_retries_errors_and_leases(
     assert doc["retry_histogram"] == {"0": 6, "1": 0, "2-4": 3, "5-9": 0, "10-99": 1, "100+": 0}
     assert doc["top_errors"][0] == {"last_error": "tencent_im: ErrorCode 10007 no permission", "rows": 3}
     assert doc["top_errors"][1] == {"last_error": "tencent_im: timeout", "rows": 1}
+    gone = "tencent_im: permanent: ErrorCode 10010: group gone (GroupId <id>)"
+    assert doc["top_parked_errors"] == [{"last_error": gone, "rows": 3}] and gone not in str(doc["top_errors"])
+    assert doc["error_sample"] == 10_000
     assert doc["waiting_for_retry"] == 3
     assert doc["leased"] == 2
     assert [(h["node"], h["claims"], h["rows"]) for h in doc["holders"]] == [("node-a", 1, 2)]
+
+    monkeypatch.setattr("room_outbox.store.operator.reports.ERROR_SAMPLE", 2)  # a bounded read per status
+    doc = json.loads((await _cli(capsys, tmp_path, database_dsn, "status", "--json"))[1])
+    assert (doc["top_parked_errors"], doc["error_sample"]) == ([{"last_error": gone, "rows": 2}], 2)
 
 
 async def test_status_table_is_readable(
@@ -88,6 +105,10 @@ async def test_status_table_is_readable(
     assert "pending               10" in out
     assert re.search(r"^oldest pending        \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(1 h ago\)$", out, re.M)
     assert "node-a" in out and "tencent_im: ErrorCode 10007 no permission" in out
+    parked = out.split("most frequent last_error of parked (failed) rows (among the latest 10,000)\n")[1]
+    assert re.match(
+        r"  rows +last_error\n +3 +tencent_im: permanent: ErrorCode 10010: group gone \(GroupId <id>\)", parked
+    )
     code, out, _ = await _cli(capsys, tmp_path, database_dsn, "status")  # an empty outbox too
     assert code == 0
 

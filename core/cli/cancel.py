@@ -78,25 +78,34 @@ async def cancel_command(
 
 
 async def cancel_tail_command(
-    store: SQLStore, lane: str, event_id: str, out: Any, err: Any, apply: bool = True, as_json: bool = False
+    store: SQLStore,
+    lane: str,
+    event_id: str,
+    out: Any,
+    err: Any,
+    apply: bool = True,
+    as_json: bool = False,
+    app_code: str | None = None,
 ) -> int:
     """``cancel --lane``: the event's parked entry in a tailing lane made ``cancelled`` (the lane
     never sends it; the row in room_outbox is left as it is). Result on ``out``; why nothing was
-    (or would be) cancelled on ``err`` (exit code 1)."""
+    (or would be) cancelled on ``err`` (exit code 1). An event id that names rows of several
+    apps is refused unless ``app_code`` says which (their entries share the id)."""
     if await not_a_tailing_lane(store, lane, "cancel", err):
         return 1
-    apps = await event_apps(store, event_id)
-    if len(apps) > 1:  # the lane's parked entries of those rows share the id: it would cancel them all
-        print(several_apps("cancel", event_id, apps, "--lane cannot tell their parked entries apart"), file=err)
+    apps = await event_apps(store, event_id) if app_code is None else []
+    if len(apps) > 1:
+        print(several_apps("cancel", event_id, apps), file=err)
         return 1
-    status = await TailStore(owner=store, lane=lane).cancel(event_id, apply)
+    status = await TailStore(owner=store, lane=lane).cancel(event_id, apply, app_code)
     done = status == PARKED
     if as_json:
-        doc = {"event_id": event_id, "lane": lane, "applied": apply, "cancelled": apply and done,
-               "would_cancel": not apply and done, "status": status}  # fmt: skip
+        doc = {"event_id": event_id, "app_code": app_code, "lane": lane, "applied": apply,
+               "cancelled": apply and done, "would_cancel": not apply and done, "status": status}  # fmt: skip
         print(json.dumps(doc, indent=2), file=out)
         return 0 if done else 1
-    shown, where = printable(event_id), f"lane {printable(lane)}"
+    shown = printable(event_id) + (f" of app {format_app(app_code)}" if app_code is not None else "")
+    where = f"lane {printable(lane)}"
     if done and apply:
         print(f"cancelled {shown} in {where}: it will never be sent there; its parked entry is kept", file=out)
     elif done:
@@ -128,11 +137,10 @@ def _cancellable(store: SQLStore, status: str) -> bool:
 
 
 async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
-    if args.lane and args.app_code is not None:
-        print("room-outbox cancel: --app-code is for room_outbox's rows; --lane does not take it", file=sys.stderr)
-        return 2
     if args.lane:
-        return await cancel_tail_command(store, args.lane, args.event_id, sys.stdout, sys.stderr, args.yes, args.json)
+        return await cancel_tail_command(
+            store, args.lane, args.event_id, sys.stdout, sys.stderr, args.yes, args.json, args.app_code
+        )
     return await cancel_command(store, args.event_id, sys.stdout, sys.stderr, args.yes, args.json, args.app_code)
 
 
@@ -155,7 +163,8 @@ COMMAND = Command(
     "apps' rows have (event ids unique per app) is refused until --app-code names the app.",
     examples="room-outbox cancel evt_01J9ZQ\nroom-outbox cancel evt_01J9ZQ --yes\n"
     "room-outbox cancel evt_01J9ZQ --app-code appa --yes\n"
-    "room-outbox cancel evt_01J9ZQ --lane kafka --yes",
+    "room-outbox cancel evt_01J9ZQ --lane kafka --yes\n"
+    "room-outbox cancel evt_01J9ZQ --lane kafka --app-code appa --yes",
     needs="store",
     arguments=_arguments,
     run=_run,

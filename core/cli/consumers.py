@@ -21,7 +21,15 @@ from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from aiokafka.errors import KafkaError
 
 from room_outbox.attempt.failure import describe
-from room_outbox.cli.command import Command, add_json_option, add_yes_option, int_argument, with_store
+from room_outbox.cli.command import (
+    Command,
+    add_app_code_option,
+    add_json_option,
+    add_yes_option,
+    int_argument,
+    several_apps,
+    with_store,
+)
 from room_outbox.cli.output import NONE, format_age, format_app, format_table, printable
 from room_outbox.config import ConfigError, Settings
 from room_outbox.consume.ops import migrated_consumer_store
@@ -29,13 +37,14 @@ from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.errors import BrokerUnavailable
 from room_outbox.observability.redaction import Redactor
 from room_outbox.store.clock import now_ms
+from room_outbox.store.consumers.protocol import DeadLetters
 from room_outbox.store.factory import consumer_store
 from room_outbox.store.protocol import SQLStore
 
 #: Dead letters a redrive preview lists (the count covers them all).
 SHOWN = 20
 
-#: The most dead letters ``dead-letters --limit`` lists (and ``redrive`` reads) at once.
+#: The most dead letters ``dead-letters --limit`` lists (and ``redrive --json``) at once.
 MAX_DEAD_LETTERS = 100_000
 
 #: How long ``describe`` waits for the broker's answers.
@@ -86,7 +95,7 @@ def format_states(states: list[dict[str, Any]]) -> list[str]:
 
 async def dead_letters_command(store: SQLStore, consumer: str | None, limit: int, as_json: bool, out: IO[str]) -> int:
     consumers = await migrated_consumer_store(store)
-    rows = await consumers.dead_letters(consumer, limit) if consumers is not None else []
+    rows = await consumers.dead_letters(DeadLetters(consumer), limit) if consumers is not None else []
     if as_json:
         print(json.dumps(rows, indent=2, default=str), file=out)
         return 0
@@ -119,36 +128,49 @@ async def redrive_command(
     out: IO[str],
     configured: frozenset[str] = frozenset(),
     as_json: bool = False,
+    app_code: str | None = None,
+    err: IO[str] | None = None,
 ) -> int:
-    """Dead letters of ``consumer`` (optionally one handler's, or these events) back to
-    ``retrying``, due now, attempts from 0: a running ``consume`` process takes them up. A
-    consumer neither ``configured`` nor in the retry table is a typo: exit 2, naming it."""
+    """Dead letters of ``consumer`` (optionally one handler's, these events', one app's) back to
+    ``retrying``, due now, attempts from 0: a running ``consume`` process takes them up. The
+    preview counts what ``apply`` changes (one selection for both); the listing shows the first
+    :data:`SHOWN` (``--json``: :data:`MAX_DEAD_LETTERS`). A consumer neither ``configured`` nor in
+    the retry table is a typo: exit 2, naming it. An event id that names dead letters of several
+    apps is refused (exit 1, nothing changed) unless ``app_code`` says which, as ``requeue`` and
+    ``cancel`` refuse it; why on ``err`` (default: standard error)."""
+    err = err or sys.stderr
     consumers = await migrated_consumer_store(store)
     if consumers is None:
-        print("no consumer tables here: run `room-outbox migrate`", file=sys.stderr)
+        print("no consumer tables here: run `room-outbox migrate`", file=err)
         return 1
     known = configured | {row["consumer"] for row in await consumers.overview()}
     if consumer not in known:
         names = ", ".join(sorted(known)) or "none"
-        print(f"room-outbox consumers redrive: no consumer {consumer!r} (known: {names})", file=sys.stderr)
+        print(f"room-outbox consumers redrive: no consumer {consumer!r} (known: {names})", file=err)
         return 2
-    selected = [
-        row
-        for row in await consumers.dead_letters(consumer, MAX_DEAD_LETTERS)
-        if (handler is None or row["handler"] == handler) and (not event_ids or row["event_id"] in event_ids)
-    ]
-    changed = await consumers.redrive(consumer, handler, event_ids) if apply else 0
+    several = False
+    for event_id in event_ids if app_code is None else []:
+        apps = await consumers.dead_letter_apps(DeadLetters(consumer, handler, (event_id,)))
+        if len(apps) > 1:
+            print(several_apps("consumers redrive", event_id, apps), file=err)
+            several = True
+    if several:
+        return 1
+    dead = DeadLetters(consumer, handler, tuple(event_ids), app_code)
+    selected = await consumers.count_dead_letters(dead)
+    listed = await consumers.dead_letters(dead, MAX_DEAD_LETTERS if as_json else SHOWN)
+    changed = await consumers.redrive(dead) if apply and selected else 0
     if as_json:
-        doc = {"consumer": consumer, "applied": apply, "selected": len(selected), "redriven": changed}
-        print(json.dumps(doc | {"dead_letters": selected}, indent=2, default=str), file=out)
+        doc = {"consumer": consumer, "applied": apply, "selected": selected, "redriven": changed}
+        print(json.dumps(doc | {"dead_letters": listed}, indent=2, default=str), file=out)
         return 0
-    if selected:
-        cells = [(r["handler"] or "(none)", r["event_id"], r["last_error"]) for r in selected[:SHOWN]]
-        print("\n".join(format_table(("handler", "event_id", "last_error"), cells, indent="  ")), file=out)
-    if len(selected) > SHOWN:
-        print(f"  … and {len(selected) - SHOWN} more", file=out)
+    if listed:
+        cells = [(r["handler"] or "(none)", format_app(r["app_code"]), r["event_id"], r["last_error"]) for r in listed]
+        print("\n".join(format_table(("handler", "app_code", "event_id", "last_error"), cells, indent="  ")), file=out)
+    if selected > len(listed):
+        print(f"  … and {selected - len(listed)} more", file=out)
     if not apply:
-        print(f"{len(selected)} dead letter(s) would be sent round again; add --yes to do it", file=out)
+        print(f"{selected} dead letter(s) would be sent round again; add --yes to do it", file=out)
     else:
         print(f"{changed} dead letter(s) sent round again", file=out)
     return 0
@@ -325,6 +347,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     redrive.add_argument("--consumer", required=True, help="the consumer whose dead letters to send")
     redrive.add_argument("--handler", help="only this handler's dead letters")
     redrive.add_argument("--event-id", action="append", default=[], help="only this event (repeatable)")
+    add_app_code_option(redrive, "only this app's dead letters; needed with an --event-id that several apps have")
     add_yes_option(redrive, "send them round again")
     add_json_option(redrive)
     describe = actions.add_parser(
@@ -347,13 +370,15 @@ async def _operate(store: SQLStore, settings: Settings, args: argparse.Namespace
         return await dead_letters_command(store, args.consumer, args.limit, args.json, sys.stdout)
     configured = frozenset(settings.consumers)
     return await redrive_command(
-        store, args.consumer, args.handler, args.event_id, args.yes, sys.stdout, configured, args.json
+        store, args.consumer, args.handler, args.event_id, args.yes, sys.stdout, configured, args.json, args.app_code
     )
 
 
 COMMAND = Command(
     description="Dead letters of the consumers, from the database: `dead-letters` lists them, `redrive`\n"
-    "makes them due again (a running consume takes them up); redrive applies only with --yes.\n"
+    "makes them due again (a running consume takes them up); redrive applies only with --yes,\n"
+    "counts exactly what --yes changes and changes it in batches of 1,000 rows. An --event-id\n"
+    "that several apps' dead letters have is refused until --app-code names the app.\n"
     "`describe` asks the broker for each group's members, partitions, committed and end offsets\n"
     "and lag, as kafka-consumer-groups --describe does.",
     examples="room-outbox consumers dead-letters --consumer feed\n"

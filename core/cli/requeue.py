@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,13 +20,18 @@ from room_outbox.cli.command import (
     not_a_tailing_lane,
     several_apps,
 )
-from room_outbox.cli.output import format_age, format_app, format_table, printable
+from room_outbox.cli.output import NONE, format_age, format_app, format_table, printable
 from room_outbox.config import Settings
+from room_outbox.store.clock import now_ms
 from room_outbox.store.lanes.tail import TailStore
-from room_outbox.store.operator.changes import RequeueFilter, find_requeue_candidates, requeue
-from room_outbox.store.operator.reports import apps_of_rows, event_apps
+from room_outbox.store.operator.changes import (
+    RequeueFilter,
+    find_parked_in_lane,
+    find_requeue_candidates,
+    requeue,
+)
+from room_outbox.store.operator.reports import event_apps
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.tail import PARKED
 
 #: Rows one ``requeue`` changes at most: one statement, a list a person can still read.
 REQUEUE_LIMIT = 10_000
@@ -62,7 +66,7 @@ async def requeue_command(
             file=out,
         )
         return 0
-    now = time.time() * 1000
+    now = now_ms()  # the database's clock, which wrote created_at_ms: not this host's
     cells = [
         (r["event_id"], format_app(r["app_code"]), r["event_type"], r["status"], r["retry_count"],
          format_age(now - r["created_at_ms"]), (r["last_error"] or "")[:60])
@@ -111,11 +115,8 @@ def _reaching_the_rest(where: RequeueFilter, limit: int) -> str:
     return f"{taken} narrow the filter ({', '.join(['--status failed', *narrower])}) to reach the rest"
 
 
-def requeue_filter(args: argparse.Namespace) -> RequeueFilter | None:
-    """The rows the arguments select; None when none was given (every open row is too wide a
-    net to be cast by accident)."""
-    if not (args.event_id or args.event_type or args.error_contains or args.older_than or args.status):
-        return None
+def requeue_filter(args: argparse.Namespace) -> RequeueFilter:
+    """The rows the arguments select."""
     return RequeueFilter(
         event_ids=tuple(args.event_id),
         app_code=args.app_code,
@@ -126,67 +127,90 @@ def requeue_filter(args: argparse.Namespace) -> RequeueFilter | None:
     )
 
 
+def _filtered(args: argparse.Namespace) -> bool:
+    """Whether a filter narrows the main lane's rows: every open row is too wide a net to be
+    cast by accident (``--app-code`` alone still takes all of an app's)."""
+    return bool(args.event_id or args.event_type or args.error_contains or args.older_than or args.status)
+
+
 async def requeue_tail_command(
     store: SQLStore,
     lane: str,
-    event_ids: tuple[str, ...],
+    where: RequeueFilter,
     apply: bool,
     out: Any,
     err: Any,
-    app_code: str | None = None,
+    limit: int = REQUEUE_LIMIT,
+    as_json: bool = False,
 ) -> int:
-    """A tailing lane's parked events (all, or those of ``event_ids``; of ``app_code`` only when
-    given): listed, and with ``apply`` marked to be sent again by the lane's next round. An
-    event id that names rows of several apps is refused, as :func:`requeue_command` refuses it."""
+    """A tailing lane's parked events that ``where`` selects (:func:`find_parked_in_lane`; all
+    of them when it names nothing), listed, and with ``apply`` marked to be sent again by the
+    lane's next round: the listed ones and no other, at most ``limit``, as
+    :func:`requeue_command` takes rows. An event id that names rows of several apps is refused
+    as it refuses it."""
     if await not_a_tailing_lane(store, lane, "requeue", err):
         return 1
-    if await _ids_of_several_apps(store, event_ids if app_code is None else (), err):
+    if await _ids_of_several_apps(store, where.event_ids if where.app_code is None else (), err):
         return 1
+    rows = await find_parked_in_lane(store, lane, where, limit + 1)  # one more: are there more?
+    more = len(rows) > limit
+    rows = rows[:limit]
     tail = TailStore(owner=store, lane=lane)
-    rows = [r for r in await tail.parked() if r["status"] == PARKED and (not event_ids or r["event_id"] in event_ids)]
-    app_of = await apps_of_rows(store, [int(r["outbox_id"]) for r in rows])
-    rows = [r for r in rows if app_code is None or app_of.get(int(r["outbox_id"])) == app_code]
+    changed = await tail.requeue([int(row["outbox_id"]) for row in rows]) if apply and rows else 0
+    if as_json:
+        doc = {"lane": lane, "applied": apply, "matched": len(rows), "more": more, "requeued": changed, "rows": rows}
+        print(json.dumps(doc, indent=2, default=str), file=out)
+        return 0
     if not rows:
-        print(f"no parked events in lane {printable(lane)}", file=out)
+        print(f"no parked events in lane {printable(lane)} match", file=out)
         return 0
+    now = now_ms()  # the database's clock, which wrote created_at_ms
     cells = [
-        (r["event_id"], _app_of_row(app_of, r["outbox_id"]), r["room_id"], (r["last_error"] or "")[:60]) for r in rows
-    ]
-    print("\n".join(format_table(("event_id", "app_code", "room_id", "last_error"), cells)), file=out)
+        (r["event_id"], NONE if r["app_code"] is None else format_app(r["app_code"]), r["event_type"] or NONE,
+         r["room_id"], NONE if r["created_at_ms"] is None else format_age(now - r["created_at_ms"]),
+         (r["last_error"] or "")[:60])
+        for r in rows
+    ]  # fmt: skip
+    headers = ("event_id", "app_code", "event_type", "room_id", "age", "last_error")
+    print("\n".join(format_table(headers, cells, right=("age",))), file=out)
+    beyond = f"; more than {limit:,} events match: only the first {limit:,} (lowest ids) are taken" if more else ""
     if not apply:
-        print(f"{len(rows)} event(s) would be requeued; run again with --yes to apply", file=out)
+        print(f"{len(rows)} event(s) would be requeued{beyond}; run again with --yes to apply", file=out)
         return 0
-    changed = await tail.requeue([int(row["outbox_id"]) for row in rows])
-    print(f"requeued {changed} event(s) in lane {printable(lane)}", file=out)
+    note = f"; {len(rows) - changed} of the {len(rows)} listed changed meanwhile" if changed < len(rows) else ""
+    rest = (
+        f"; more than {limit:,} events matched: only the first {limit:,} (lowest ids) were taken; run it again to"
+        " reach the rest (the events just requeued are no longer parked)"
+    )
+    print(f"requeued {changed} event(s) in lane {printable(lane)}{note}{rest if more else ''}", file=out)
     return 0
-
-
-def _app_of_row(app_of: dict[int, str], outbox_id: int) -> str:
-    """The app of a parked entry's row; ``-`` when the row has been removed since."""
-    return format_app(app_of[int(outbox_id)]) if int(outbox_id) in app_of else "-"
 
 
 async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
     if args.lane:
+        if args.status:  # a lane's entries are all parked: a status there would select nothing or everything
+            print(
+                "room-outbox requeue: --lane does not take --status (a lane's entries are all parked)", file=sys.stderr
+            )
+            return 2
         return await requeue_tail_command(
-            store, args.lane, tuple(args.event_id), args.yes, sys.stdout, sys.stderr, args.app_code
+            store, args.lane, requeue_filter(args), args.yes, sys.stdout, sys.stderr, as_json=args.json
         )
-    where = requeue_filter(args)
-    if where is None:
+    if not _filtered(args):
         print(
             "room-outbox requeue: give at least one of --event-id, --event-type, --error-contains, --older-than,"
             " --status",
             file=sys.stderr,
         )
         return 2
-    return await requeue_command(store, where, args.yes, sys.stdout, as_json=args.json)
+    return await requeue_command(store, requeue_filter(args), args.yes, sys.stdout, as_json=args.json)
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--event-id", action="append", default=[], help="this event (repeatable)")
     add_app_code_option(parser, "only this app's rows; needed with an --event-id that several apps have")
     parser.add_argument("--event-type", help="events of this type")
-    parser.add_argument("--error-contains", help="events whose last_error contains this text")
+    parser.add_argument("--error-contains", help="events whose last_error contains this text (whatever the case)")
     parser.add_argument(
         "--older-than",
         type=duration_argument,
@@ -194,10 +218,14 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
         help="events created at least this long ago (e.g. 10m)",
     )
     parser.add_argument(
-        "--status", choices=("pending", "failed"), help="only rows in this status (default: both); a filter on its own"
+        "--status",
+        choices=("pending", "failed"),
+        help="only rows in this status (default: both); a filter on its own; not with --lane",
     )
     parser.add_argument(
-        "--lane", help="a tailing lane (such as kafka): send its parked events again (with --event-id: only those)"
+        "--lane",
+        help="a tailing lane (such as kafka): send its parked events again (those the other filters select;"
+        " without one: all)",
     )
     add_yes_option(parser, "apply the change")
     add_json_option(parser)
@@ -208,10 +236,12 @@ COMMAND = Command(
     "lists the rows it would change. Filters combine freely; --status failed alone takes every\n"
     "parked row. At most 10,000 rows a run; it says so when more match. Published, cancelled\n"
     "and currently leased rows are never touched. An --event-id that several apps' rows have\n"
-    "(event ids unique per app) is refused until --app-code names the app.",
+    "(event ids unique per app) is refused until --app-code names the app. With --lane, a tailing\n"
+    "lane's parked events, selected by the same filters (but --status) and capped the same way.",
     examples='room-outbox requeue --error-contains "group gone"\n'
     "room-outbox requeue --status failed\n"
-    "room-outbox requeue --event-type RoomGiftSent --status failed --yes",
+    "room-outbox requeue --event-type RoomGiftSent --status failed --yes\n"
+    'room-outbox requeue --lane kafka --error-contains "too large" --yes',
     needs="store",
     arguments=_arguments,
     run=_run,

@@ -1,5 +1,5 @@
-"""``room-outbox status``: the backlog, retries, frequent errors (grouped), leases, lanes and
-consumers at a glance. The report reads the pending rows themselves: it is for a person at a
+"""``room-outbox status``: the backlog, retries, frequent errors (grouped; of the rows retrying
+and of the parked rows), leases, lanes and consumers at a glance. The report reads the pending rows themselves: it is for a person at a
 terminal, not for a timer (the metrics sample the backlog on an index instead)."""
 
 from __future__ import annotations
@@ -50,13 +50,24 @@ def format_status(report: StatusReport) -> str:
     else:
         lines.append("  (none)")
     lines += _format_lanes(report)
-    lines += ["", "most frequent last_error (pending rows; identifiers such as a GroupId shown as <id>)"]
-    if report.top_errors:
-        errors = [(count, error) for error, count in report.top_errors]
-        lines += format_table(("rows", "last_error"), errors, right=("rows",), indent="  ")
-    else:
-        lines.append("  (none)")
+    sample = f"{report.error_sample:,}"
+    lines += _format_errors(
+        f"most frequent last_error of rows retrying (among the oldest {sample} still to deliver;"
+        " identifiers such as a GroupId shown as <id>)",
+        report.top_errors,
+    )
+    lines += _format_errors(
+        f"most frequent last_error of parked (failed) rows (among the latest {sample})",
+        report.top_parked_errors,
+    )
     return "\n".join(lines)
+
+
+def _format_errors(title: str, top: list[tuple[str, int]]) -> list[str]:
+    if not top:
+        return ["", title, "  (none)"]
+    errors = [(count, error) for error, count in top]
+    return ["", title, *format_table(("rows", "last_error"), errors, right=("rows",), indent="  ")]
 
 
 def _format_lanes(report: StatusReport) -> list[str]:
@@ -84,8 +95,10 @@ async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) ->
 
 COMMAND = Command(
     description="The backlog (pending rows, the oldest one's time), rows waiting for a retry, the retry-count\n"
-    "histogram, lease holders, lanes of their own and the most frequent last_error values, grouped\n"
-    "(errors that differ only by an identifier such as a GroupId are one line, with their count).",
+    "histogram, lease holders, lanes of their own and the most frequent last_error values of the\n"
+    "rows retrying and, apart, of the parked (failed) rows, grouped (errors that differ only by an\n"
+    "identifier such as a GroupId are one line, with their count); each read from at most 10,000\n"
+    "rows of a status: the oldest still to deliver, the latest parked.",
     examples="room-outbox status\nroom-outbox status --json | jq .oldest_pending_age_ms",
     needs="store",
     arguments=add_json_option,

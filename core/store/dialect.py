@@ -40,7 +40,9 @@ class Dialect:
     id_type: str
     #: Ends an INSERT whose duplicate key is skipped; ``{key}`` is the conflicting column.
     on_duplicate_skip: str
-    #: ``{column}`` contains the text bound to ``%s``.
+    #: ``{column}`` contains the text bound to ``%s``, whatever the case of either (``requeue
+    #: --error-contains``): both lowered, so the column's collation (case-insensitive or not)
+    #: changes nothing. SQLite's ``lower`` folds ASCII letters only.
     contains: str
     #: Names of the tables of the current database.
     tables_sql: str
@@ -119,7 +121,7 @@ MYSQL = Dialect(
     table_options=" ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",
     id_type="BIGINT UNSIGNED",
     on_duplicate_skip=" ON DUPLICATE KEY UPDATE {key} = {key}",
-    contains="INSTR({column}, %s) > 0",
+    contains="INSTR(LOWER({column}), LOWER(%s)) > 0",
     tables_sql="SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE()",
     columns_sql="SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()"
     " AND TABLE_NAME = %s ORDER BY ORDINAL_POSITION",
@@ -146,7 +148,7 @@ POSTGRESQL = Dialect(
     table_options="",
     id_type="BIGINT",
     on_duplicate_skip=" ON CONFLICT ({key}) DO NOTHING",
-    contains="strpos({column}, %s) > 0",
+    contains="strpos(lower({column}), lower(%s)) > 0",
     tables_sql="SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()",
     columns_sql="SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
     " AND table_name = %s ORDER BY ordinal_position",
@@ -170,7 +172,7 @@ SQLITE = Dialect(
     table_options="",
     id_type="INTEGER",
     on_duplicate_skip=" ON CONFLICT ({key}) DO NOTHING",
-    contains="instr({column}, %s) > 0",
+    contains="instr(lower({column}), lower(%s)) > 0",
     tables_sql="SELECT name FROM sqlite_master WHERE type = 'table'",
     columns_sql="SELECT name FROM pragma_table_info(%s) ORDER BY cid",
     indexes_sql="SELECT name FROM pragma_index_list(%s)",

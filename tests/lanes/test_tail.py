@@ -52,6 +52,7 @@ from room_outbox.store.lanes import store as lane_store_module
 from room_outbox.store.lanes.catalog import own_lane_backlog, retire_lane, stored_lanes
 from room_outbox.store.lanes.store import CURSOR_TABLE, LaneStore, migrate_lanes
 from room_outbox.store.lanes.tail import TailStore, migrate_tail, tail_migration_plan
+from room_outbox.store.operator.changes import RequeueFilter
 from room_outbox.store.operator.retention import RetentionOptions, cleanup
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.check import check_schema
@@ -607,7 +608,7 @@ async def test_an_operator_cancels_a_parked_event_and_the_lane_never_sends_it(an
         0, "would cancel huge in lane kafka (now parked); run again with --yes to cancel it\n", "")  # fmt: skip
     out = io.StringIO()
     assert await cancel_tail_command(any_store, "kafka", "huge", out, io.StringIO(), False, as_json=True) == 0
-    assert json.loads(out.getvalue()) == {"event_id": "huge", "lane": "kafka", "applied": False,
+    assert json.loads(out.getvalue()) == {"event_id": "huge", "app_code": None, "lane": "kafka", "applied": False,
                                           "cancelled": False, "would_cancel": True, "status": "parked"}  # fmt: skip
     assert [p["status"] for p in await tail.store.parked()] == ["parked"]  # a preview changes nothing
     assert await cancel("huge", apply=True) == (
@@ -624,7 +625,7 @@ async def test_an_operator_cancels_a_parked_event_and_the_lane_never_sends_it(an
     code, _, err = await cancel("huge", apply=True, lane="activity")
     assert code == 1 and err == "room-outbox cancel: activity is not a tailing lane (tailing lanes: kafka)\n"
     errors = io.StringIO()  # requeue --lane checks the lane the same way
-    assert await requeue_tail_command(any_store, "activity", (), True, io.StringIO(), errors) == 1
+    assert await requeue_tail_command(any_store, "activity", RequeueFilter(), True, io.StringIO(), errors) == 1
     assert errors.getvalue() == "room-outbox requeue: activity is not a tailing lane (tailing lanes: kafka)\n"
 
     async with any_store.transaction() as cur:  # delivered to IM long ago
@@ -637,7 +638,7 @@ async def test_an_event_id_several_apps_have_parked_is_changed_in_the_lane_only_
     any_store: SQLStore,
 ) -> None:
     """Event ids unique per app only, both apps' x0 parked: ``cancel --lane`` and ``requeue --lane
-    --event-id`` refuse the id (its entries would all change); requeue takes ``--app-code``."""
+    --event-id`` refuse the id (its entries would all change); both take ``--app-code``."""
     await key_event_ids_per_app(any_store)
     await insert_events(any_store, [envelope("x0", app_code="appa"), envelope("x0", app_code="appb")])
     tail = log_relay(any_store, OrderedLog(too_large={"x0"}))
@@ -645,16 +646,80 @@ async def test_an_event_id_several_apps_have_parked_is_changed_in_the_lane_only_
     refused = "room-outbox {}: event id x0 names rows of several apps (appa, appb): nothing changed; {}\n"
     out, err = io.StringIO(), io.StringIO()
     assert await cancel_tail_command(any_store, "kafka", "x0", out, err, True) == 1
-    assert await requeue_tail_command(any_store, "kafka", ("x0",), True, out, err) == 1
+    assert await requeue_tail_command(any_store, "kafka", RequeueFilter(event_ids=("x0",)), True, out, err) == 1
     assert (out.getvalue(), err.getvalue()) == (
         "",
-        refused.format("cancel", "--lane cannot tell their parked entries apart")
+        refused.format("cancel", "say which app's event with --app-code")
         + refused.format("requeue", "say which app's event with --app-code"),
     )
     assert [p["status"] for p in await tail.store.parked()] == ["parked", "parked"]
-    assert await requeue_tail_command(any_store, "kafka", ("x0",), True, out, err, app_code="appa") == 0
-    assert re.search(r"^x0 +appa +r_1 ", out.getvalue(), re.M) and "appb" not in out.getvalue()
+    appa = RequeueFilter(event_ids=("x0",), app_code="appa")
+    assert await requeue_tail_command(any_store, "kafka", appa, True, out, err) == 0
+    assert re.search(r"^x0 +appa +RoomUserJoined +r_1 ", out.getvalue(), re.M) and "appb" not in out.getvalue()
     assert [p["status"] for p in await tail.store.parked()] == ["requeued", "parked"]
+
+    out = io.StringIO()
+    assert await cancel_tail_command(any_store, "kafka", "x0", out, err, True, app_code="appa") == 1  # requeued
+    assert await cancel_tail_command(any_store, "kafka", "x0", out, err, False, app_code="appb") == 0
+    assert [p["status"] for p in await tail.store.parked()] == ["requeued", "parked"]  # a preview
+    assert await cancel_tail_command(any_store, "kafka", "x0", out, err, True, app_code="appb") == 0
+    assert out.getvalue().splitlines() == [
+        "would cancel x0 of app appb in lane kafka (now parked); run again with --yes to cancel it",
+        "cancelled x0 of app appb in lane kafka: it will never be sent there; its parked entry is kept",
+    ]
+    assert [p["status"] for p in await tail.store.parked()] == ["requeued"]  # appa's entry is untouched
+    assert await cancel_tail_command(any_store, "kafka", "x0", out, err, True, app_code="appc") == 1
+    assert err.getvalue().endswith("room-outbox cancel: x0 of app appc is not parked in lane kafka\n")
+
+
+async def test_requeue_lane_takes_exactly_the_parked_events_its_filters_select(any_store: SQLStore) -> None:
+    """``requeue --lane kafka`` with filters: the error text (whatever its case), the event type and
+    the age select among the lane's parked events as on the main lane; the preview lists what
+    ``--yes`` changes and no more, capped the same way, and ``--json`` is honoured."""
+    events = [envelope("p1", "RoomGiftSent"), envelope("p2"), envelope("ok"), envelope("p3"), envelope("p4")]
+    await insert_events(any_store, events)
+    tail = log_relay(any_store, OrderedLog(too_large={"p1", "p2", "p3", "p4"}))
+    await drain(tail, any_store)
+    async with any_store.transaction() as cur:  # parked for other causes, and p3 two days old
+        await cur.execute(f"UPDATE {PARKED_TABLE} SET last_error = 'MessageSizeTooLargeError' WHERE event_id = 'p1'")
+        await cur.execute(f"UPDATE {PARKED_TABLE} SET last_error = 'malformed envelope' WHERE event_id <> 'p1'")
+        await cur.execute("UPDATE room_outbox SET created_at_ms = created_at_ms - 172800000 WHERE event_id = 'p3'")
+
+    async def requeue(where: RequeueFilter, apply: bool = False, limit: int = 100) -> list[str]:
+        out = io.StringIO()
+        assert await requeue_tail_command(any_store, "kafka", where, apply, out, io.StringIO(), limit) == 0
+        return out.getvalue().splitlines()
+
+    async def parked() -> dict[str, str]:
+        return {p["event_id"]: p["status"] for p in await tail.store.parked()}
+
+    listed = await requeue(RequeueFilter(error_contains="messagesizetoolarge"))
+    assert re.match(r"p1 +default +RoomGiftSent +r_1 +\d+ s +MessageSizeTooLargeError$", listed[1])
+    assert listed[2:] == ["1 event(s) would be requeued; run again with --yes to apply"]
+    assert await requeue(RequeueFilter(event_type="NoSuchType")) == ["no parked events in lane kafka match"]
+    assert [line.split()[0] for line in (await requeue(RequeueFilter(older_than_ms=86_400_000)))[1:-1]] == ["p3"]
+    out = io.StringIO()
+    joined = RequeueFilter(event_type="RoomUserJoined")
+    assert await requeue_tail_command(any_store, "kafka", joined, False, out, io.StringIO(), as_json=True) == 0
+    doc = json.loads(out.getvalue())
+    assert (doc["lane"], doc["applied"], doc["matched"], doc["more"], doc["requeued"]) == ("kafka", False, 3, False, 0)
+    assert [(r["event_id"], r["event_type"], r["app_code"]) for r in doc["rows"]] == [
+        ("p2", "RoomUserJoined", "default"), ("p3", "RoomUserJoined", "default"), ("p4", "RoomUserJoined", "default")
+    ]  # fmt: skip
+    assert set((await parked()).values()) == {"parked"}  # previews change nothing
+
+    assert (await requeue(RequeueFilter(error_contains="too large"), apply=True))[-1:] == [
+        "no parked events in lane kafka match"
+    ]
+    taken = await requeue(joined, apply=True, limit=2)
+    assert [line.split()[0] for line in taken[1:-1]] == ["p2", "p3"]
+    assert taken[-1] == (
+        "requeued 2 event(s) in lane kafka; more than 2 events matched: only the first 2 (lowest ids) were taken;"
+        " run it again to reach the rest (the events just requeued are no longer parked)"
+    )
+    assert await parked() == {"p1": "parked", "p2": "requeued", "p3": "requeued", "p4": "parked"}
+    assert (await requeue(joined, apply=True, limit=2))[-1] == "requeued 1 event(s) in lane kafka"
+    assert await parked() == {"p1": "parked", "p2": "requeued", "p3": "requeued", "p4": "requeued"}
 
 
 async def test_a_requeued_event_whose_row_is_gone_stays_parked_and_says_why(any_store: SQLStore) -> None:

@@ -3,17 +3,20 @@ PostgreSQL: the same methods, the same outcomes."""
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from room_outbox.store.consumers.protocol import LeaseLost, Processed, RetryRow
+from room_outbox.cli.consumers import redrive_command
+from room_outbox.store.consumers.protocol import DeadLetters, LeaseLost, Processed, RetryRow
 from room_outbox.store.consumers.sql import SQLConsumerStore
 from room_outbox.store.dialect import index_names
 from room_outbox.store.factory import consumer_store, open_store
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.consumers import AGE_INDEX, PROCESSED
+from room_outbox.store.schema.consumers import AGE_INDEX, PROCESSED, RETRY
 
 pytestmark = pytest.mark.anyio
 
@@ -174,15 +177,56 @@ async def test_retries_are_claimed_per_room_in_order_fenced_and_become_dead_lett
     assert await consumers.retry_failed(claimed[1], 5, 0, "gave up", dead=True)
     await consumers.dead_letter(retry_row("r2"))  # the waiting row becomes the dead letter
     assert [(s["consumer"], s["status"], s["rows"]) for s in await consumers.overview()] == [("feed", "dead", 2)]
-    dead = await consumers.dead_letters("feed", 10)
+    dead = await consumers.dead_letters(DeadLetters("feed"), 10)
     assert [(d["event_id"], d["last_error"]) for d in dead] == [("r2", "boom"), ("s1", "gave up")]
     states = await consumers.event_states("r1")
     assert [(s["handler"], s["state"]) for s in states] == [("audit", "consumed")]
 
-    assert await consumers.redrive("feed", "audit", ["s1"]) == 1
+    assert await consumers.redrive(DeadLetters("feed", "audit", ("s1",))) == 1
     again = await consumers.claim_retries("feed", "node-a", 10, 60_000, ordered=True)
     assert [(r.event_id, r.attempts) for r in again] == [("s1", 0)]
     await consumers.release(again)
     replaced = (await consumers.claim_retries("feed", "node-a", 10, 60_000, ordered=False))[0]
     assert await consumers.replace(replaced, [retry_row("s1", handler="activity")])
     assert [(s["handler"], s["state"]) for s in await consumers.event_states("s1")] == [("activity", "retrying")]
+
+
+async def test_redrive_previews_exactly_what_it_changes_and_changes_it_in_batches(
+    store: SQLStore, consumers: SQLConsumerStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``consumers redrive``: the preview's count is the change's, beyond what it lists (it read
+    at most ``MAX_DEAD_LETTERS`` rows and counted those, while the change took every one); the
+    change goes in batches; a long event id (kept cut with its digest) is found by both; an
+    event id two apps have is refused until ``--app-code`` names one."""
+    long_id = "L" * 300
+    for n in range(12):
+        await consumers.dead_letter(retry_row(f"d{n}"))
+    await consumers.dead_letter(retry_row(long_id))
+    await consumers.dead_letter(RetryRow(**{**retry_row("twin").__dict__, "app_code": "app2"}))
+    await consumers.dead_letter(retry_row("twin"))
+    await consumers.schedule(retry_row("waiting", room="app1:room_2"))  # retrying: never redriven
+    monkeypatch.setattr("room_outbox.cli.consumers.MAX_DEAD_LETTERS", 5)
+
+    async def redrive(*event_ids: str, apply: bool = False, app_code: str | None = None) -> tuple[int, dict[str, Any]]:
+        out, err = io.StringIO(), io.StringIO()
+        code = await redrive_command(
+            store, "feed", "audit", list(event_ids), apply, out, frozenset({"feed"}), True, app_code, err
+        )
+        return code, json.loads(out.getvalue()) if code == 0 else {"error": err.getvalue()}
+
+    code, preview = await redrive()
+    assert (code, preview["selected"], len(preview["dead_letters"])) == (0, 15, 5)
+    code, by_id = await redrive(long_id)
+    assert (code, by_id["selected"], by_id["redriven"]) == (0, 1, 0)
+    code, refused = await redrive("twin", apply=True)
+    assert code == 1 and refused["error"] == (
+        "room-outbox consumers redrive: event id twin names rows of several apps (app1, app2): nothing changed;"
+        " say which app's event with --app-code\n"
+    )
+    code, one_app = await redrive("twin", apply=True, app_code="app2")
+    assert (code, one_app["selected"], one_app["redriven"]) == (0, 1, 1)
+
+    monkeypatch.setattr("room_outbox.store.consumers.sql.REDRIVE_BATCH", 4)
+    code, applied = await redrive(apply=True)
+    assert (code, applied["selected"], applied["redriven"]) == (0, 14, 14)
+    assert await rows(store, f"SELECT status, COUNT(*) FROM {RETRY} GROUP BY status") == [("retrying", 16)]

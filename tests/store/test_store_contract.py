@@ -660,6 +660,8 @@ async def test_requeue_sends_parked_and_failing_rows_round_again(any_store: SQLS
     )
     found = await find_requeue_candidates(any_store, RequeueFilter(error_contains="group gone"))
     assert [r["event_id"] for r in found] == ["e0"]
+    shouted = await find_requeue_candidates(any_store, RequeueFilter(error_contains="GROUP Gone"))
+    assert [r["event_id"] for r in shouted] == ["e0"]  # whatever the case, on every database
     by_type = await find_requeue_candidates(any_store, RequeueFilter(event_type="RoomGiftSent"))
     assert [r["event_id"] for r in by_type] == ["e1"]  # e2 published, e3 leased right now
     assert await requeue(any_store, [found[0]["id"], by_type[0]["id"]]) == 2

@@ -179,6 +179,36 @@ class ConsumerBatch(Protocol):
     async def dead_letter(self, row: RetryRow) -> None: ...
 
 
+@dataclass(frozen=True)
+class DeadLetters:
+    """Which dead letters ``consumers dead-letters`` and ``redrive`` take: a consumer's (every
+    consumer's: None), of one handler, of these events, of one app. One WHERE for the preview,
+    the count and the change, so that they select alike."""
+
+    consumer: str | None
+    handler: str | None = None
+    event_ids: tuple[str, ...] = ()
+    app_code: str | None = None
+
+    def where(self) -> tuple[str, list[Any]]:
+        """SQL and parameters over the retry table; ids and app as the table keeps them (a long
+        one: its start and its digest)."""
+        clauses, params = ["status = 'dead'"], []
+        if self.consumer is not None:
+            clauses.append("consumer = %s")
+            params.append(self.consumer)
+        if self.handler is not None:
+            clauses.append("handler = %s")
+            params.append(self.handler)
+        if self.app_code is not None:
+            clauses.append("app_code = %s")
+            params.append(fit_key(self.app_code, APP_CODE_MAX))
+        if self.event_ids:
+            clauses.append(f"event_id IN ({', '.join(['%s'] * len(self.event_ids))})")
+            params.extend(fit_key(e, EVENT_ID_MAX) for e in self.event_ids)
+        return " AND ".join(clauses), params
+
+
 class ConsumerStore(Protocol):
     async def migrate(self) -> list[str]: ...
 
@@ -240,13 +270,19 @@ class ConsumerStore(Protocol):
         """Swap a claimed handler-less row for one row per handler that takes it."""
         ...
 
-    async def redrive(self, consumer: str, handler: str | None, event_ids: list[str]) -> int: ...
+    async def redrive(self, dead: DeadLetters) -> int:
+        """The dead letters ``dead`` selects made ``retrying`` again, in batches; returns how many."""
+        ...
+
+    async def count_dead_letters(self, dead: DeadLetters) -> int: ...
+
+    async def dead_letter_apps(self, dead: DeadLetters) -> list[str]: ...
 
     async def overview(self) -> list[dict[str, Any]]:
         """Per consumer and handler: rows retrying and dead, oldest dead letter."""
         ...
 
-    async def dead_letters(self, consumer: str | None, limit: int) -> list[dict[str, Any]]: ...
+    async def dead_letters(self, dead: DeadLetters, limit: int) -> list[dict[str, Any]]: ...
 
     async def event_states(self, event_id: str) -> list[dict[str, Any]]:
         """Every consumer's record of ``event_id``: consumed, retrying or dead."""

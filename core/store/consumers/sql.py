@@ -26,6 +26,7 @@ from room_outbox.store.clock import now_ms
 from room_outbox.store.consumers.protocol import (
     EVENT_ID_MAX,
     RETRY_ERROR_MAX,
+    DeadLetters,
     LeaseLost,
     Processed,
     RetryRow,
@@ -296,6 +297,10 @@ class SQLBatch(_Writes):
         await cur.execute("RELEASE SAVEPOINT handling")
 
 
+#: Dead letters one transaction of a redrive changes.
+REDRIVE_BATCH = 1_000
+
+
 class SQLConsumerStore:
     """:class:`~room_outbox.store.consumers.protocol.ConsumerStore` on ``owner``'s database (MySQL or
     PostgreSQL: :func:`consumer_store` picks it by the store). ``handling_timeout``: how long a
@@ -448,23 +453,49 @@ class SQLConsumerStore:
                 await writes.schedule(new)
         return True
 
-    async def redrive(self, consumer: str, handler: str | None, event_ids: list[str]) -> int:
-        clauses = ["consumer = %s", "status = 'dead'"]
-        params: list[Any] = [consumer]
-        if handler is not None:
-            clauses.append("handler = %s")
-            params.append(handler)
-        if event_ids:  # as the table keeps them (a long id: its start and its digest)
-            clauses.append(f"event_id IN ({_marks(event_ids)})")
-            params.extend(fit_key(e, EVENT_ID_MAX) for e in event_ids)
+    async def redrive(self, dead: DeadLetters) -> int:
+        """The dead letters ``dead`` selects made ``retrying``, due now, attempts from 0; returns
+        how many. In batches of :data:`REDRIVE_BATCH` rows, each its own transaction, so that no
+        other writer waits on one long UPDATE; up the ids to the highest there at the start, so
+        that one redriven and dead again meanwhile is not taken twice."""
+        where, params = dead.where()
         async with self.owner.transaction() as cur:
-            return int(
+            await cur.execute(f"SELECT MAX(id) FROM {RETRY} WHERE {where}", params)
+            (highest,) = await cur.fetchone()
+        done, after = 0, 0
+        while highest is not None and after < highest:
+            async with self.owner.transaction() as cur:
                 await cur.execute(
-                    f"UPDATE {RETRY} SET status = 'retrying', attempts = 0, due_at_ms = 0, owner = NULL,"
-                    f" updated_at_ms = %s WHERE {' AND '.join(clauses)}",
-                    (now_ms(), *params),
+                    f"SELECT id FROM {RETRY} WHERE {where} AND id > %s AND id <= %s ORDER BY id LIMIT %s",
+                    (*params, after, highest, REDRIVE_BATCH),
                 )
-            )
+                ids = [int(id_) for (id_,) in await cur.fetchall()]
+                if not ids:
+                    break
+                done += int(
+                    await cur.execute(
+                        f"UPDATE {RETRY} SET status = 'retrying', attempts = 0, due_at_ms = 0, owner = NULL,"
+                        f" updated_at_ms = %s WHERE id IN ({_marks(ids)}) AND status = 'dead'",
+                        (now_ms(), *ids),
+                    )
+                )
+            after = ids[-1]
+        return done
+
+    async def count_dead_letters(self, dead: DeadLetters) -> int:
+        """How many dead letters ``dead`` selects: what :meth:`redrive` would change."""
+        where, params = dead.where()
+        async with self.owner.transaction() as cur:
+            await cur.execute(f"SELECT COUNT(*) FROM {RETRY} WHERE {where}", params)
+            (count,) = await cur.fetchone()
+        return int(count)
+
+    async def dead_letter_apps(self, dead: DeadLetters) -> list[str]:
+        """The apps whose dead letters ``dead`` selects (event ids may be unique per app only)."""
+        where, params = dead.where()
+        async with self.owner.transaction() as cur:
+            await cur.execute(f"SELECT DISTINCT app_code FROM {RETRY} WHERE {where} ORDER BY app_code", params)
+            return [str(app_code) for (app_code,) in await cur.fetchall()]
 
     async def overview(self) -> list[dict[str, Any]]:
         async with self.owner.transaction() as cur:
@@ -477,11 +508,9 @@ class SQLConsumerStore:
                 for c, h, s, n, oldest in await cur.fetchall()
             ]
 
-    async def dead_letters(self, consumer: str | None, limit: int) -> list[dict[str, Any]]:
-        where, params = ("status = 'dead'", [])
-        if consumer is not None:
-            where += " AND consumer = %s"
-            params.append(consumer)
+    async def dead_letters(self, dead: DeadLetters, limit: int) -> list[dict[str, Any]]:
+        """The first ``limit`` (lowest ids) of the dead letters ``dead`` selects."""
+        where, params = dead.where()
         async with self.owner.transaction() as cur:
             await cur.execute(
                 "SELECT consumer, handler, app_code, event_id, event_type, room_key, topic, kafka_partition,"

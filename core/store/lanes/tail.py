@@ -395,23 +395,33 @@ class TailStore(LaneStore):
             )
             return int(cur.rowcount)
 
-    async def cancel(self, event_id: str, apply: bool) -> str | None:
+    async def cancel(self, event_id: str, apply: bool, app_code: str | None = None) -> str | None:
         """The status ``event_id`` has among the lane's parked rows (None: it has none there);
         with ``apply`` a ``parked`` one is made ``cancelled``: the lane never sends it, and
         requeue, the backlog and retention no longer count it. Only a parked one: a requeued
-        one may be on its way already."""
+        one may be on its way already. With ``app_code``, only the entry of that app's row
+        (event ids may be unique per app only): found by the row's key, so an entry whose row
+        is gone is not found."""
+        where = "lane = %s AND event_id = %s"
+        params: list[Any] = [self.lane, event_id]
         async with self.transaction() as cur:
+            if app_code is not None:
+                p = self.owner.profile
+                await cur.execute(
+                    f"SELECT {p.key} FROM {p.table} WHERE {p.event_id} = %s AND {p.app_code} = %s", (event_id, app_code)
+                )
+                keys = [int(key) for (key,) in await cur.fetchall()]
+                if not keys:
+                    return None
+                where, params = f"lane = %s AND outbox_id IN ({marks(keys)})", [self.lane, *keys]
             if apply:
                 await cur.execute(
-                    f"UPDATE {PARKED_TABLE} SET status = %s, updated_at_ms = %s"
-                    " WHERE lane = %s AND event_id = %s AND status = %s",
-                    (CANCELLED, now_ms(), self.lane, event_id, PARKED),
+                    f"UPDATE {PARKED_TABLE} SET status = %s, updated_at_ms = %s WHERE {where} AND status = %s",
+                    (CANCELLED, now_ms(), *params, PARKED),
                 )
                 if cur.rowcount:
                     return PARKED
-            await cur.execute(
-                f"SELECT status FROM {PARKED_TABLE} WHERE lane = %s AND event_id = %s", (self.lane, event_id)
-            )
+            await cur.execute(f"SELECT status FROM {PARKED_TABLE} WHERE {where}", params)
             found = await cur.fetchone()
         return None if found is None else str(found[0])
 

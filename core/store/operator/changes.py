@@ -1,5 +1,6 @@
 """The statements of the operator commands that change rows: ``requeue`` and ``cancel``, in
-SQL all three stores speak and the words of the table's profile (see :mod:`room_outbox.cli.requeue` for the commands themselves)."""
+SQL all three stores speak and the words of the table's profile (see :mod:`room_outbox.cli.requeue` for the commands themselves),
+and the selection of ``requeue --lane`` among a tailing lane's parked entries."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from room_outbox.store.operator.reports import matching_event
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.columns import column_problems, read_columns
 from room_outbox.store.schema.profiles import Profile, in_list
+from room_outbox.store.schema.tail import PARKED, PARKED_TABLE
 
 
 @dataclass(frozen=True)
@@ -54,27 +56,82 @@ async def find_requeue_candidates(store: SQLStore, where: RequeueFilter, limit: 
     if where.event_ids:
         clauses.append(f"{p.event_id} IN ({marks(where.event_ids)})")
         params.extend(where.event_ids)
+    if where.error_contains:
+        clauses.append(store.dialect.text_contains("last_error"))
+        params.append(where.error_contains)
+    of_row, of_row_params = _row_clauses(store, where)
+    async with store.transaction() as cur:
+        await cur.execute(
+            f"SELECT {p.key} AS id, {p.event_id} AS event_id, {p.app_code} AS app_code, {p.event_type} AS event_type,"
+            f" {p.room_id} AS room_id, status, {p.attempts_made} AS retry_count, last_error, {p.as_ms(p.created)} AS created_at_ms FROM {p.table}"
+            f" WHERE {' AND '.join(clauses + of_row)} ORDER BY {p.key} LIMIT %s",
+            (*params, *of_row_params, limit),
+        )
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
+
+
+def _row_clauses(store: SQLStore, where: RequeueFilter) -> tuple[list[str], list[Any]]:
+    """SQL and parameters: the criteria an outbox row answers itself (its app, its event type,
+    its age), on the outbox table's columns unqualified."""
+    p = store.profile
+    clauses: list[str] = []
+    params: list[Any] = []
     if where.app_code is not None:
         clauses.append(f"{p.app_code} = %s")
         params.append(where.app_code)
     if where.event_type:
         clauses.append(f"{p.event_type} = %s")
         params.append(where.event_type)
-    if where.error_contains:
-        clauses.append(store.dialect.text_contains("last_error"))
-        params.append(where.error_contains)
     if where.older_than_ms is not None:
         clauses.append(f"{p.created} <= {p.ms('%s')}")
         params.append(now_ms() - where.older_than_ms)
+    return clauses, params
+
+
+async def find_parked_in_lane(
+    store: SQLStore, lane: str, where: RequeueFilter, limit: int = 10_000
+) -> list[dict[str, Any]]:
+    """A tailing lane's parked entries the filter selects (``requeue --lane``), lowest outbox id
+    first, each with its row's app, event type and creation time (None: the row is gone). The
+    entry answers the event id and the error, its row the app, the event type and the age: an
+    entry whose row is gone matches none of those. ``statuses`` is not the lane's to answer
+    (its entries are all parked), nor is a lease (a lane's round holds no row)."""
+    p = store.profile
+    clauses, params = ["lane = %s", "status = %s"], [lane, PARKED]
+    if where.event_ids:  # as the entry keeps it
+        clauses.append(f"event_id IN ({marks(where.event_ids)})")
+        params.extend(where.event_ids)
+    if where.error_contains:
+        clauses.append(store.dialect.text_contains("last_error"))
+        params.append(where.error_contains)
+    of_row, of_row_params = _row_clauses(store, where)
+    if of_row:  # each entry's one row, by its key: the lane's few entries lead, never a scan of the outbox
+        clauses.append(
+            f"EXISTS (SELECT 1 FROM {p.table} WHERE {p.key} = {PARKED_TABLE}.outbox_id AND {' AND '.join(of_row)})"
+        )
+        params.extend(of_row_params)
     async with store.transaction() as cur:
         await cur.execute(
-            f"SELECT {p.key} AS id, {p.event_id} AS event_id, {p.app_code} AS app_code, {p.event_type} AS event_type,"
-            f" {p.room_id} AS room_id, status, {p.attempts_made} AS retry_count, last_error, {p.as_ms(p.created)} AS created_at_ms FROM {p.table}"
-            f" WHERE {' AND '.join(clauses)} ORDER BY {p.key} LIMIT %s",
+            f"SELECT outbox_id, event_id, room_id, status, last_error FROM {PARKED_TABLE}"
+            f" WHERE {' AND '.join(clauses)} ORDER BY outbox_id LIMIT %s",
             (*params, limit),
         )
         names = [d[0] for d in cur.description]
-        return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
+        entries = [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
+        keys = [int(entry["outbox_id"]) for entry in entries]
+        rows: dict[int, tuple[Any, ...]] = {}
+        if keys:
+            await cur.execute(
+                f"SELECT {p.key}, {p.app_code}, {p.event_type}, {p.as_ms(p.created)} FROM {p.table}"
+                f" WHERE {p.key} IN ({marks(keys)})",
+                keys,
+            )
+            rows = {int(key): (app, event_type, int(created)) for key, app, event_type, created in await cur.fetchall()}
+    for entry in entries:
+        app_code, event_type, created = rows.get(int(entry["outbox_id"]), (None, None, None))
+        entry.update(app_code=app_code, event_type=event_type, created_at_ms=created)
+    return entries
 
 
 async def requeue(store: SQLStore, row_ids: Sequence[int]) -> int:

@@ -105,6 +105,8 @@ class StatusReport:
     #: Parked (``failed``) and ``cancelled`` rows, when the lane has them.
     other_statuses: dict[str, int]
     retry_histogram: dict[str, int]
+    #: The most frequent errors (grouped: :func:`grouped_errors`) of the rows still to deliver
+    #: that have failed (retrying), among the oldest :data:`ERROR_SAMPLE` of each status.
     top_errors: list[tuple[str, int]]
     leased: int
     holders: list[LeaseHolder] = field(default_factory=list)
@@ -112,10 +114,15 @@ class StatusReport:
     #: False when no main-lane sink is enabled: ``room_outbox.status`` is then room-service's
     #: alone, and its pending rows are nobody's backlog here (the IM figures above are 0).
     im_lane: bool = True
+    #: The same for the parked (``failed``) rows, among the latest :data:`ERROR_SAMPLE`.
+    top_parked_errors: list[tuple[str, int]] = field(default_factory=list)
+    #: The rows of each status the error counts read at most.
+    error_sample: int = 0
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
-        doc["top_errors"] = [{"last_error": error, "rows": rows} for error, rows in self.top_errors]
+        for name in ("top_errors", "top_parked_errors"):
+            doc[name] = [{"last_error": error, "rows": rows} for error, rows in getattr(self, name)]
         return doc
 
 
@@ -131,12 +138,10 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
         attempts, lock, after = words.attempts_made, words.lock, words.ms("%s")
         await cur.execute(f"SELECT {attempts}, COUNT(*) FROM {table} WHERE {open_} GROUP BY {attempts}")
         by_retries = {int(retries): int(rows) for retries, rows in await cur.fetchall()}
-        await cur.execute(
-            f"SELECT last_error, COUNT(*) AS n FROM {table} WHERE {open_} AND last_error IS NOT NULL"
-            " GROUP BY last_error ORDER BY n DESC, last_error LIMIT %s",
-            (ERRORS_READ,),
-        )
-        top_errors = grouped_errors([(str(error), int(rows)) for error, rows in await cur.fetchall()])[:top]
+        # Rows still to deliver: the oldest, the head of the backlog, where the failing rows wait;
+        # parked rows: the latest, what failed last (in an incident, the incident).
+        top_errors = (await _frequent_errors(store, cur, words.open, latest=False))[:top]
+        top_parked_errors = (await _frequent_errors(store, cur, (words.parked,), latest=True))[:top]
         await cur.execute(
             f"SELECT worker_id, COUNT(*), MAX({words.as_ms(lock)}) FROM {table}"
             f" WHERE status = '{words.in_flight}' AND worker_id IS NOT NULL AND {lock} > {after} GROUP BY worker_id",
@@ -172,6 +177,8 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
         other_statuses=other,
         retry_histogram=histogram,
         top_errors=top_errors,
+        top_parked_errors=top_parked_errors,
+        error_sample=ERROR_SAMPLE,
         leased=sum(entry[1] for entry in holders.values()),
         holders=[LeaseHolder(node, c, r, u) for node, (c, r, u) in sorted(holders.items())],
         lanes=await lane_statuses(store),
@@ -180,6 +187,28 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
 
 #: Distinct last_error values the status report groups (the most frequent first).
 ERRORS_READ = 1000
+
+#: Rows of each status whose errors the status report counts, read on the (status, id) index:
+#: a table with millions of rows in a status costs the report no more than this many row reads.
+ERROR_SAMPLE = 10_000
+
+
+async def _frequent_errors(store: SQLStore, cur: Any, statuses: Sequence[str], latest: bool) -> list[tuple[str, int]]:
+    """The errors of :data:`ERROR_SAMPLE` rows of each of ``statuses`` (the ``latest``: highest
+    keys, else the oldest), grouped (:func:`grouped_errors`), the most frequent first. A status
+    at a time: one index range each, where an IN list would sort all of their rows first."""
+    p = store.profile
+    counts: list[tuple[str, int]] = []
+    for status in dict.fromkeys(statuses):
+        await cur.execute(
+            f"SELECT last_error, COUNT(*) AS n FROM (SELECT last_error FROM {p.table} WHERE status = %s"
+            f" ORDER BY {p.key}{' DESC' if latest else ''} LIMIT %s) AS sample WHERE last_error IS NOT NULL"
+            " GROUP BY last_error ORDER BY n DESC, last_error LIMIT %s",
+            (status, ERROR_SAMPLE, ERRORS_READ),
+        )
+        counts += [(str(error), int(rows)) for error, rows in await cur.fetchall()]
+    return grouped_errors(counts)
+
 
 #: An identifier inside an error: the value after a name such as ``GroupId`` or ``room_id``, or
 #: a token of 8+ characters mixing letters and digits. Error codes (digits alone) stay.
