@@ -127,7 +127,10 @@ async def find_parked_in_lane(
                 f" WHERE {p.key} IN ({marks(keys)})",
                 keys,
             )
-            rows = {int(key): (app, event_type, int(created)) for key, app, event_type, created in await cur.fetchall()}
+            rows = {
+                int(key): (app, event_type, None if created is None else int(created))  # a nullable creation time
+                for key, app, event_type, created in await cur.fetchall()
+            }
     for entry in entries:
         app_code, event_type, created = rows.get(int(entry["outbox_id"]), (None, None, None))
         entry.update(app_code=app_code, event_type=event_type, created_at_ms=created)
