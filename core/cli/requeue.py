@@ -69,7 +69,7 @@ async def requeue_command(
     now = now_ms()  # the database's clock, which wrote created_at_ms: not this host's
     cells = [
         (r["event_id"], format_app(r["app_code"]), r["event_type"], r["status"], r["retry_count"],
-         format_age(now - r["created_at_ms"]), (r["last_error"] or "")[:60])
+         NONE if r["created_at_ms"] is None else format_age(now - r["created_at_ms"]), (r["last_error"] or "")[:60])
         for r in rows
     ]  # fmt: skip
     headers = ("event_id", "app_code", "event_type", "status", "retries", "age", "last_error")
