@@ -259,6 +259,18 @@ async def test_requeue_ages_rows_on_the_databases_clock_not_the_hosts(
     assert code == 0 and re.search(r"^e1 +default +RoomUserJoined +pending +0 +2 min\b", out, re.M), out
 
 
+async def test_requeue_lists_a_row_without_a_creation_time(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A nullable creation time the producer left empty: listed with no age, not a TypeError."""
+    await insert_events(store, [envelope("e1")])
+    async with store.transaction() as cur:
+        await cur.execute("ALTER TABLE room_outbox MODIFY created_at_ms BIGINT NULL")
+        await cur.execute("UPDATE room_outbox SET created_at_ms = NULL")
+    code, out, _ = await cli(capsys, "--config", config, "requeue", "--event-id", "e1")
+    assert code == 0 and re.search(r"^e1 +default +RoomUserJoined +pending +0 +-$", out, re.M), out
+
+
 # -- requeue's limit ------------------------------------------------------------------------------
 
 
