@@ -4,7 +4,7 @@ PostgreSQL or SQLite).
 The public plugin API lives here (``__all__``): ``hookimpl`` marks a plugin's hooks;
 ``SinkSpec``, ``SinkSettings``, ``Sink`` and its errors are what a sink registers, implements
 and raises; ``HandlerSpec``, ``HandlerSettings``, ``Handler`` and its kin are a consumer
-handler's; ``EventEnvelope`` is what both receive; and the helpers a plugin shares with the
+handler's (``HandlerTable`` and ``HandlerColumn``: the columns it writes); ``EventEnvelope`` is what both receive; and the helpers a plugin shares with the
 service (``Duration``, ``http_client_span``, ``sink_span``, ``Redactor``, ``QuotaShare``,
 ``KafkaSecurity``...). Plugins import only from here: the subpackages (``delivery``,
 ``store``, ``observability``, ``cli``...) are the service's inside and may change between
@@ -21,10 +21,12 @@ from room_outbox.handler import (
     ConsumedEvent,
     HandleContext,
     Handler,
+    HandlerColumn,
     HandlerError,
     HandlerFactoryContext,
     HandlerSettings,
     HandlerSpec,
+    HandlerTable,
     PermanentHandlerError,
     RetryableHandlerError,
     Transaction,
@@ -54,10 +56,12 @@ __all__ = [
     "EventEnvelope",
     "HandleContext",
     "Handler",
+    "HandlerColumn",
     "HandlerError",
     "HandlerFactoryContext",
     "HandlerSettings",
     "HandlerSpec",
+    "HandlerTable",
     "KafkaSecurity",
     "OrderedLogSink",
     "PermanentHandlerError",

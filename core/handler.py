@@ -7,7 +7,9 @@ what the handler owns. Its database writes go through the transaction the consum
 by this handler: both commit together or roll back together, so a message delivered again is
 not handled again. Side effects outside that transaction (an HTTP call) are at-least-once.
 :class:`PermanentHandlerError` makes the message a dead letter at once; anything else
-(including :class:`RetryableHandlerError`) schedules a retry with backoff.
+(including :class:`RetryableHandlerError`) schedules a retry with backoff. A handler that
+declares the columns it writes (:class:`HandlerTable`) has its tables checked by ``migrate``
+and at start, and its rows checked before they are written.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, overload, runtime_checkable
+from typing import Any, Generic, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -118,6 +120,94 @@ class HandlerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+#: The kinds of column a handler declares: text, and integers of 4 and 8 bytes.
+ColumnType = Literal["text", "int", "bigint"]
+
+#: The range of each integer type.
+_INTEGER_RANGES = {"int": range(-(1 << 31), 1 << 31), "bigint": range(-(1 << 63), 1 << 63)}
+
+
+@dataclass(frozen=True)
+class HandlerColumn:
+    """A column a handler writes (:class:`HandlerTable`)."""
+
+    type: ColumnType
+    #: Text: the characters a value may have (its ``VARCHAR(n)``); None: any, a document such as
+    #: the envelope (LONGTEXT on MySQL, whose TEXT holds 64 KB only; TEXT on PostgreSQL).
+    length: int | None = None
+    #: Whether the handler writes NULL there.
+    nullable: bool = False
+    #: Text, as found in the table at start: the bytes it holds where the server counts bytes
+    #: (MySQL's TEXT types); None: no such bound. The check at start sets it, never the handler.
+    max_bytes: int | None = None
+
+    def declaration(self, dialect: str) -> str:
+        """Its type and nullability in a CREATE TABLE (or ADD COLUMN) of ``dialect``."""
+        if self.type != "text":
+            sql = self.type.upper()
+        elif self.length is not None:
+            sql = f"VARCHAR({self.length})"
+        else:
+            sql = "LONGTEXT" if dialect == "mysql" else "TEXT"
+        return f"{sql:<12} {'NULL' if self.nullable else 'NOT NULL'}"
+
+
+@dataclass(frozen=True)
+class HandlerTable:
+    """A table a handler writes and the columns it writes there, given in
+    :attr:`HandlerSpec.tables`. A ``CREATE TABLE IF NOT EXISTS`` keeps a table made beforehand
+    as it is, so ``migrate`` and ``consume`` (at start) check the table found against these
+    columns and refuse one that cannot hold what the handler writes, naming the column and the
+    fix; ``consume`` then hands the handler the table as found
+    (:meth:`HandlerFactoryContext.table`).
+
+    :meth:`row` refuses a value its column cannot hold as a :class:`PermanentHandlerError`
+    naming the column: a retry cannot make it fit, PostgreSQL's own error names no column, and
+    MySQL outside strict mode would cut the value short."""
+
+    name: str
+    columns: Mapping[str, HandlerColumn]
+    #: Columns found narrower than the handler asks where the check only warns (a document
+    #: column that MySQL widens only by copying the table): the statement that widens each.
+    widen: Mapping[str, str] = field(default_factory=dict)
+
+    def definitions(self, dialect: str) -> str:
+        """The columns' lines of a CREATE TABLE of ``dialect`` (no trailing comma)."""
+        width = max(map(len, self.columns)) + 1
+        return ",\n".join(f"  {name:<{width}}{column.declaration(dialect)}" for name, column in self.columns.items())
+
+    @property
+    def insert_columns(self) -> str:
+        """The column list of an INSERT of :meth:`row`'s values: ``a, b, c``."""
+        return ", ".join(self.columns)
+
+    def row(self, values: Mapping[str, object], dialect: str) -> tuple[object, ...]:
+        """``values`` (by column) in the columns' order, or :class:`PermanentHandlerError` for
+        the first that its column cannot hold (``dialect``: the transaction's)."""
+        for name, column in self.columns.items():
+            refused = _refusal(f"{self.name}.{name}", column, values[name], dialect)
+            if refused:
+                fix = f": run {self.widen[name]}" if name in self.widen else ""
+                raise PermanentHandlerError(f"{name} {refused}{fix}")
+        return tuple(values[name] for name in self.columns)
+
+
+def _refusal(where: str, column: HandlerColumn, value: object, dialect: str) -> str:
+    """Why the column ``where`` (``table.column``) cannot hold ``value``, or ``""``."""
+    if isinstance(value, str):
+        if column.length is not None and len(value) > column.length:
+            return f"is {len(value)} characters; {where} holds {column.length}"
+        if column.max_bytes is not None:
+            size = len(value.encode("utf-8", "surrogatepass"))
+            if size > column.max_bytes:
+                return f"is {size} bytes; {where} holds {column.max_bytes}"
+        if dialect == "postgresql" and "\x00" in value:
+            return f"holds a NUL character, which PostgreSQL cannot store in {where}"
+    elif isinstance(value, int) and column.type in _INTEGER_RANGES and value not in _INTEGER_RANGES[column.type]:
+        return f"is {value}, out of the range of {where} ({column.type.upper()})"
+    return ""
+
+
 @dataclass(frozen=True)
 class HandlerFactoryContext:
     """What the consumer hands a handler factory besides its settings."""
@@ -127,6 +217,14 @@ class HandlerFactoryContext:
     logger: logging.Logger
     #: Register a secret so the core redacts it wherever it might leak.
     add_secret: Callable[[str], None] = field(default=lambda _secret: None)
+    #: The handler's tables as ``consume`` found them at start, by name (:meth:`table`).
+    tables: Mapping[str, HandlerTable] = field(default_factory=dict)
+
+    def table(self, declared: HandlerTable) -> HandlerTable:
+        """``declared`` as found at start: its text columns hold what the table's do (a wider
+        column takes longer values; a narrower document column is refused beyond its size,
+        the fix named). Not checked (a test's factory call): ``declared`` itself."""
+        return self.tables.get(declared.name, declared)
 
 
 #: A handler's own settings model: what :attr:`HandlerSpec.factory` receives, already validated.
@@ -153,6 +251,9 @@ class HandlerSpec(Generic[SettingsT]):
     ``dialect``), the statements that create the handler's tables, each idempotent
     (``CREATE TABLE IF NOT EXISTS …``): ``room-outbox migrate`` runs those of its database
     every time, for each handler an enabled consumer of its configuration lists.
+
+    ``tables``: the tables it writes and their columns (:class:`HandlerTable`), which
+    ``migrate`` and ``consume`` check the tables found against before anything is written.
     """
 
     name: str
@@ -160,6 +261,7 @@ class HandlerSpec(Generic[SettingsT]):
     event_types: frozenset[str] | None
     settings_model: type[SettingsT]
     schema: Mapping[str, Sequence[str]]
+    tables: Sequence[HandlerTable]
 
     # Without settings_model, the factory must take HandlerSettings (what it will get)...
     @overload
@@ -170,6 +272,7 @@ class HandlerSpec(Generic[SettingsT]):
         *,
         event_types: frozenset[str] | None = None,
         schema: Mapping[str, Sequence[str]] | None = None,
+        tables: Sequence[HandlerTable] = (),
     ) -> None: ...
 
     # ... with it, what settings_model makes.
@@ -182,6 +285,7 @@ class HandlerSpec(Generic[SettingsT]):
         event_types: frozenset[str] | None = None,
         settings_model: type[SettingsT],
         schema: Mapping[str, Sequence[str]] | None = None,
+        tables: Sequence[HandlerTable] = (),
     ) -> None: ...
 
     # Deprecated: event_types as the third positional argument (warns; to be removed).
@@ -194,6 +298,7 @@ class HandlerSpec(Generic[SettingsT]):
         /,
         *,
         schema: Mapping[str, Sequence[str]] | None = None,
+        tables: Sequence[HandlerTable] = (),
     ) -> None: ...
 
     @overload
@@ -206,6 +311,7 @@ class HandlerSpec(Generic[SettingsT]):
         *,
         settings_model: type[SettingsT],
         schema: Mapping[str, Sequence[str]] | None = None,
+        tables: Sequence[HandlerTable] = (),
     ) -> None: ...
 
     def __init__(
@@ -216,6 +322,7 @@ class HandlerSpec(Generic[SettingsT]):
         event_types: frozenset[str] | None = None,
         settings_model: Any = HandlerSettings,
         schema: Mapping[str, Sequence[str]] | None = None,
+        tables: Sequence[HandlerTable] = (),
     ) -> None:
         if former:  # the former order: (name, factory, event_types, settings_model, schema)
             warnings.warn(
@@ -231,3 +338,4 @@ class HandlerSpec(Generic[SettingsT]):
         object.__setattr__(self, "event_types", event_types)
         object.__setattr__(self, "settings_model", settings_model)
         object.__setattr__(self, "schema", {} if schema is None else schema)
+        object.__setattr__(self, "tables", tuple(tables))

@@ -29,16 +29,18 @@ def enabled_handlers(settings: Settings) -> set[str]:
 
 def consumers_schema(store: SQLStore, pm: pluggy.PluginManager, handlers: Collection[str]) -> WantedSchema:
     """The consumers' tables, then the table statements of each of ``handlers`` (the enabled
-    ones, ``HandlerSpec.schema``) for this database; nothing where consumers keep no tables
-    (SQLite)."""
+    ones, ``HandlerSpec.schema``) for this database, and the columns they write, checked where
+    their tables exist (``HandlerSpec.tables``); nothing where consumers keep no tables (SQLite)."""
     if consumer_store(store) is None:
         return WantedSchema(outbox=False)
-    statements = [
-        (f"handler {name}", tuple(spec.schema.get(store.dialect.name, ())))
-        for name, spec in sorted(registered_handlers(pm).items())
-        if name in handlers
-    ]
-    return WantedSchema(outbox=False, consumers=True, handler_statements=steps_of(s for s in statements if s[1]))
+    specs = [(name, spec) for name, spec in sorted(registered_handlers(pm).items()) if name in handlers]
+    statements = [(f"handler {name}", tuple(spec.schema.get(store.dialect.name, ()))) for name, spec in specs]
+    return WantedSchema(
+        outbox=False,
+        consumers=True,
+        handler_statements=steps_of(s for s in statements if s[1]),
+        handler_tables=tuple(table for _name, spec in specs for table in spec.tables),
+    )
 
 
 async def migrate_consumers(store: SQLStore, pm: pluggy.PluginManager, handlers: Collection[str]) -> list[str]:

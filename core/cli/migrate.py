@@ -72,7 +72,11 @@ def wanted_schema(store: SQLStore, pm: pluggy.PluginManager, settings: Settings)
     plugins = plugins_schema(pm, settings, handlers)
     consumers = consume_cli.consumers_schema(store, pm, handlers)
     return dataclasses.replace(
-        plugins, outbox=True, consumers=consumers.consumers, handler_statements=consumers.handler_statements
+        plugins,
+        outbox=True,
+        consumers=consumers.consumers,
+        handler_statements=consumers.handler_statements,
+        handler_tables=consumers.handler_tables,
     )
 
 
@@ -156,6 +160,7 @@ _WOULD = {
     "rebuilt": "would rebuild",
     "set": "would set",
     "made": "would make",
+    "left": "would leave",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ from room_outbox.cluster.identity import process_identity
 from room_outbox.config import ConfigError, Settings, describe_validation_error
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.envelope import KNOWN_EVENT_TYPES
-from room_outbox.handler import Handler, HandlerFactoryContext, HandlerSpec
+from room_outbox.handler import Handler, HandlerFactoryContext, HandlerSpec, HandlerTable
 from room_outbox.observability.redaction import Redactor
 
 
@@ -98,10 +99,16 @@ def _not_registered(pm: pluggy.PluginManager, where: str, names: list[str], spec
 
 
 def build_handlers(
-    pm: pluggy.PluginManager, consumer: str, settings: ConsumerSettings, node_id: str, redactor: Redactor
+    pm: pluggy.PluginManager,
+    consumer: str,
+    settings: ConsumerSettings,
+    node_id: str,
+    redactor: Redactor,
+    tables: Mapping[str, HandlerTable] | None = None,
 ) -> dict[str, BoundHandler]:
-    """The consumer's handlers, each built from its validated settings; ConfigError names
-    ``consumers.<name>.handlers`` or ``….handler_settings.<handler>.<key>``."""
+    """The consumer's handlers, each built from its validated settings and given its tables as
+    found at start (``tables``, by name); ConfigError names ``consumers.<name>.handlers`` or
+    ``….handler_settings.<handler>.<key>``."""
     specs = registered_handlers(pm)
     where = f"consumers.{consumer}"
     unknown = [name for name in settings.handlers if name not in specs]
@@ -121,7 +128,7 @@ def build_handlers(
             raise ConfigError(describe_validation_error(exc, f"{where}.handler_settings.{name}")) from None
         context = HandlerFactoryContext(
             consumer=consumer, node_id=node_id, logger=logging.getLogger(f"room_outbox.handler.{name}"),
-            add_secret=redactor.add,
+            add_secret=redactor.add, tables=tables or {},
         )  # fmt: skip
         try:
             handler = spec.factory(handler_settings, context)

@@ -1,6 +1,7 @@
 """``room-outbox consume``: the process around the consumers.
 
-Start: database pool (waited for up to ``database.connect_wait``) → plugins and handlers →
+Start: database pool (waited for up to ``database.connect_wait``) → the handlers' tables checked
+(as ``migrate`` checks them) → plugins and handlers →
 telemetry and the HTTP endpoint (``/healthz``, ``/readyz``, ``/metrics`` on
 ``telemetry.http_listen``) → one group member per consumer. Stop (SIGTERM, SIGINT or ``stop``):
 each consumer lets its handlings in progress end or time out (``handler_timeout``), starts no
@@ -23,7 +24,7 @@ import pluggy
 from room_outbox.cluster.identity import process_identity
 from room_outbox.config import ConfigError, Settings, parse_listen
 from room_outbox.consume.engine import Consumer
-from room_outbox.consume.registry import NO_CONSUMER, BoundHandler, build_handlers
+from room_outbox.consume.registry import NO_CONSUMER, BoundHandler, build_handlers, registered_handlers
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.errors import SchemaError
 from room_outbox.observability.health import Health
@@ -37,6 +38,7 @@ from room_outbox.store.factory import consumer_store, open_store
 from room_outbox.store.operator.reports import ping
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.columns import binlog_problems
+from room_outbox.store.schema.handler_tables import CheckedTables, check_handler_tables
 
 log = logging.getLogger("room_outbox.consume")
 
@@ -107,12 +109,13 @@ async def _consume(
         consumers_store = consumer_store(store, handler_timeout)
         if consumers_store is None:
             raise ConfigError("consumers: need a MySQL or PostgreSQL database (database.dsn names SQLite)")
+        tables = await _checked_tables(store, pm, chosen)
         async with _observed(settings, store, redactor) as (telemetry, health):
             # Retry leases are held by the identity, unique per start (see cluster.identity).
             identity = process_identity(settings.node_id)
             consumers = []
             for name, options in chosen.items():
-                bound = build_handlers(pm, name, options, settings.node_id, redactor)
+                bound = build_handlers(pm, name, options, settings.node_id, redactor, tables.found)
                 handlers.extend(bound.values())
                 consumers.append(Consumer(name, options, consumers_store, bound, identity, redactor, telemetry))
             if stop.is_set():  # signalled while starting: no consumer joins, and what opened closes
@@ -135,6 +138,24 @@ async def _consume(
                 await each.handler.aclose()
         await store.aclose()
         log.info("database pool closed", extra={"lifecycle": "pool_closed"})
+
+
+async def _checked_tables(
+    store: SQLStore, pm: pluggy.PluginManager, chosen: dict[str, ConsumerSettings]
+) -> CheckedTables:
+    """The tables of the chosen consumers' handlers as found, checked as ``migrate`` checks
+    them: one that cannot hold what its handler writes stops the start (:class:`SchemaError`
+    naming the column and the fix) rather than failing events one at a time."""
+    specs = registered_handlers(pm)
+    names = sorted({name for options in chosen.values() for name in options.handlers if name in specs})
+    async with store.transaction() as cur:
+        checked = await check_handler_tables(cur, store.dialect, [t for name in names for t in specs[name].tables])
+    refused = [f"table {table} does not exist: run `room-outbox migrate`" for table in checked.missing]
+    if refused or checked.refused:
+        raise SchemaError("\n".join(refused + checked.refused))
+    for warning in checked.warnings:
+        log.warning(warning)
+    return checked
 
 
 @asynccontextmanager

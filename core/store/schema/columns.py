@@ -68,6 +68,9 @@ class Column:
     #: A view's column: whether it can hold NULL, the catalogue does not say (PostgreSQL calls
     #: every one nullable).
     in_view: bool = False
+    #: Filled by the server when an INSERT leaves it out, without a default: AUTO_INCREMENT, an
+    #: identity or a generated column.
+    filled: bool = False
 
 
 def adoption_plan(columns: set[str], dialect: Dialect, table: str) -> list[Step]:
@@ -101,7 +104,7 @@ async def read_columns(cur: Any, dialect: Dialect, table: str) -> dict[str, Colu
 
 _MYSQL_COLUMNS = (
     "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE, IS_NULLABLE, CHARACTER_MAXIMUM_LENGTH, COLUMN_DEFAULT,"
-    " GENERATION_EXPRESSION, CHARACTER_SET_NAME, COLLATION_NAME, COLUMN_COMMENT,"
+    " GENERATION_EXPRESSION, CHARACTER_SET_NAME, COLLATION_NAME, COLUMN_COMMENT, EXTRA,"
     " (SELECT t.TABLE_TYPE = 'VIEW' FROM information_schema.TABLES t"
     "  WHERE t.TABLE_SCHEMA = c.TABLE_SCHEMA AND t.TABLE_NAME = c.TABLE_NAME)"
     " FROM information_schema.COLUMNS c WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s"
@@ -110,6 +113,7 @@ _POSTGRESQL_COLUMNS = (
     "SELECT c.column_name, c.data_type, c.udt_name, c.is_nullable, c.character_maximum_length, c.column_default,"
     " (SELECT array_agg(e.enumlabel::text ORDER BY e.enumsortorder) FROM pg_enum e"
     "  JOIN pg_type t ON t.oid = e.enumtypid WHERE t.typname = c.udt_name)"
+    " , c.is_identity = 'YES' OR c.is_generated = 'ALWAYS'"
     " , (SELECT t.table_type = 'VIEW' FROM information_schema.tables t"
     "  WHERE t.table_schema = c.table_schema AND t.table_name = c.table_name)"
     " FROM information_schema.columns c WHERE c.table_schema = current_schema() AND c.table_name = %s"
@@ -117,7 +121,7 @@ _POSTGRESQL_COLUMNS = (
 
 
 def _mysql_column(row: Sequence[Any]) -> Column:
-    name, kind, declared, nullable, length, default, expression, charset, collation, comment, view = (
+    name, kind, declared, nullable, length, default, expression, charset, collation, comment, extra, view = (
         v.decode() if isinstance(v, bytes) else v for v in row
     )
     kind = str(kind).lower()
@@ -130,6 +134,7 @@ def _mysql_column(row: Sequence[Any]) -> Column:
         collation=collation,
         comment=comment or "",
         in_view=bool(view),
+        filled=bool(expression) or "auto_increment" in str(extra).lower(),
     )
 
 
@@ -138,10 +143,10 @@ def _int(value: Any) -> int | None:
 
 
 def _postgresql_column(row: Sequence[Any]) -> Column:
-    name, kind, udt, nullable, length, default, labels, view = row
+    name, kind, udt, nullable, length, default, labels, filled, view = row
     declared = f"{udt}({length})" if length else udt
     column = Column(name.lower(), kind.lower(), declared, nullable == "YES", _int(length), tuple(labels or ()), default)
-    return dataclasses.replace(column, in_view=bool(view))
+    return dataclasses.replace(column, in_view=bool(view), filled=bool(filled))
 
 
 def column_problems(

@@ -25,12 +25,14 @@ from room_outbox.store.dialect import PLUGIN_SCHEMA, Dialect
 from room_outbox.store.schema.buckets import BUCKET_COLUMN, BUCKET_TABLE, NODE_TABLE, bucket_plan
 from room_outbox.store.schema.columns import schema_problems, sequence_problems
 from room_outbox.store.schema.consumers import consumer_steps
+from room_outbox.store.schema.handler_tables import check_handler_tables
 from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_steps, lane_table
 from room_outbox.store.schema.outbox import Migration, concurrent_step, invalid_index_steps, plan_outbox
 from room_outbox.store.schema.outbox import required_columns as outbox_columns
 from room_outbox.store.schema.tail import PARKED_TABLE, tail_steps
 
 if TYPE_CHECKING:
+    from room_outbox.handler import HandlerTable
     from room_outbox.store.protocol import SQLStore
     from room_outbox.store.schema.profiles import Profile
 
@@ -45,7 +47,8 @@ class WantedSchema:
     lanes of their own (None: no lane tables); ``tail_lanes``: the cursor and parked tables
     of the lanes that tail the outbox; ``plugin_statements`` and
     ``handler_statements``: ``(what for, statements)`` of the plugins and handlers in use
-    (idempotent, so they run every time); ``consumers``: the consumers' tables."""
+    (idempotent, so they run every time); ``consumers``: the consumers' tables;
+    ``handler_tables``: the columns those handlers write, checked where their tables exist."""
 
     outbox: bool = True
     lanes: tuple[str, ...] | None = None
@@ -53,6 +56,7 @@ class WantedSchema:
     plugin_statements: tuple[tuple[str, tuple[str, ...]], ...] = ()
     consumers: bool = False
     handler_statements: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    handler_tables: tuple[HandlerTable, ...] = ()
 
 
 #: The outbox table with the membership and room buckets: what ``SQLStore.migrate`` brings about.
@@ -87,6 +91,11 @@ async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: Want
             plan.append(Migration(f"skipped {len(statements)} schema statement(s) for {owner}: they are MySQL's", ()))
     if wanted.consumers:
         plan += await consumer_steps(cur, dialect)
+    # Tables made beforehand, which the handlers' CREATE TABLE IF NOT EXISTS keeps as they are
+    handlers = await check_handler_tables(cur, dialect, wanted.handler_tables)
+    if handlers.refused:
+        raise SchemaError("\n".join(handlers.refused))
+    plan += [Migration(f"left as it is: {warning}", ()) for warning in handlers.warnings]
     for owner, statements in wanted.handler_statements:
         plan.append(Migration(f"ran {len(statements)} schema statement(s) for {owner}", statements))
     return plan
