@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import envelope, fetch_rows, insert_events, without_room_outbox_environment
+from support import envelope, fetch_rows, free_port, insert_events, without_room_outbox_environment
 from test_cli import cli
 
 from room_outbox.cli import cleanup as cleanup_cli
@@ -491,3 +491,19 @@ def test_migrate_refuses_a_sink_or_handler_name_it_would_make_no_table_for(
             "  consumers.stats.handlers: unknown handler(s) gift_stat",
         ], problems
     assert not database.exists()
+
+
+def test_consume_names_a_misspelt_handler_before_it_waits_for_the_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """consume waited connect_wait for an unreachable database and said only that; the
+    handler's name, which needs no database, is named at once (exit 2)."""
+    without_room_outbox_environment(monkeypatch)
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"database:\n  dsn: mysql://root@127.0.0.1:{free_port()}/x\n  connect_wait: 60s\n"
+        "consumers:\n  feed:\n    bootstrap_servers: 127.0.0.1:1\n    handlers: [audti]\n"
+    )
+    done = room_outbox("consume", "--config", str(config))  # within its 60 s timeout: not after connect_wait
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.splitlines()[-1].startswith("  consumers.feed.handlers: unknown handler(s) audti ("), done.stderr

@@ -50,11 +50,12 @@ NO_CONSUMER = "consumers: no enabled consumer configured (consumers.<name> with 
 MAX_OWNER = 128
 
 
-def check_consumers(pm: pluggy.PluginManager, settings: Settings) -> list[str]:
-    """Validate every enabled consumer short of connecting (``check-config``): its section,
-    its handlers and their settings, its TLS files. Returns the consumers' names; one
+def check_consumers(pm: pluggy.PluginManager, settings: Settings, only: str | None = None) -> list[str]:
+    """Validate every enabled consumer (``only``: that one) short of connecting
+    (``check-config``, and ``consume`` before it waits for the database): its section, its
+    handlers and their settings, its TLS files. Returns the consumers' names; one
     :class:`ConfigError` names every problem."""
-    consumers = consumer_settings(settings)
+    consumers = consumer_settings(settings, only)
     specs = registered_handlers(pm)
     problems: list[str] = []
     for name, consumer in consumers.items():

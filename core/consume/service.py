@@ -24,7 +24,7 @@ import pluggy
 from room_outbox.cluster.identity import process_identity
 from room_outbox.config import ConfigError, Settings, parse_listen
 from room_outbox.consume.engine import Consumer
-from room_outbox.consume.registry import NO_CONSUMER, BoundHandler, build_handlers, registered_handlers
+from room_outbox.consume.registry import NO_CONSUMER, BoundHandler, build_handlers, check_consumers, registered_handlers
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.errors import SchemaError
 from room_outbox.observability.health import Health
@@ -59,14 +59,12 @@ async def run_consumers(
     if not chosen:
         raise ConfigError(NO_CONSUMER)
     redactor = redactor or redactor_for(settings)
-    for name, options in chosen.items():
+    for options in chosen.values():
         for secret in options.security.secrets():
             redactor.add(secret)
-        try:  # TLS files are read now: a bad certificate stops start-up, naming the file
-            options.security.ssl_context()
-        except ValueError as exc:
-            raise ConfigError(f"consumers.{name}.security.{exc}") from None
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
+    # Before the wait for the database: a misspelt handler, a bad TLS file is named at once.
+    check_consumers(pm, settings, only)
     # Signals are handled from here on: one that comes while the process waits for the
     # database or opens what the consumers need ends the start, and no consumer joins a group.
     await stopped_by_signals(
