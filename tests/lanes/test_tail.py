@@ -36,6 +36,7 @@ from telemetry_support import capture
 
 from room_outbox.cli.cancel import cancel_tail_command
 from room_outbox.cli.inspect import inspect_events
+from room_outbox.cli.lanes import lane_rows
 from room_outbox.cli.requeue import requeue_tail_command
 from room_outbox.config import LanePlan
 from room_outbox.delivery.routing import Router
@@ -49,7 +50,7 @@ from room_outbox.sink import PermanentSinkError, SinkContext
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes import store as lane_store_module
-from room_outbox.store.lanes.catalog import own_lane_backlog, retire_lane, stored_lanes
+from room_outbox.store.lanes.catalog import own_lane_backlog, retire_lane, stored_lanes, tailing_lanes
 from room_outbox.store.lanes.store import CURSOR_TABLE, LaneStore, migrate_lanes
 from room_outbox.store.lanes.tail import TailStore, migrate_tail, tail_migration_plan
 from room_outbox.store.operator.changes import RequeueFilter
@@ -354,35 +355,140 @@ async def test_one_owner_at_a_time_each_event_once(any_store: SQLStore, kafka_br
     assert_room_order(messages)
 
 
-async def test_migrate_moves_a_lane_table_lanes_cursor_back_to_its_first_unfinished_row(
-    any_store: SQLStore,
-) -> None:
-    await insert_events(any_store, room_events("m", rooms=1, per_room=6))
-    await migrate_lanes(any_store, ["kafka"])
-    first = await highest_id(any_store) - 5
-    async with any_store.transaction() as cur:  # as the lane-table lane left it: 3 sent, 3 owed
-        await cur.execute(  # where an earlier tailing run had read to, before the lane table ran
+async def lane_table_lane(store: SQLStore, statuses: list[str]) -> int:
+    """The Kafka lane as it ran on its own table (``relay: lane_table``): one row per status of
+    ``statuses``, of as many events in ``room_outbox``, fed through the last. Returns the first's
+    id. The cursor also holds where an earlier tailing run had read to, before the table ran."""
+    await insert_events(store, room_events("m", rooms=1, per_room=len(statuses)))
+    await migrate_lanes(store, ["kafka"])
+    last = await highest_id(store)
+    first = last - len(statuses) + 1
+    async with store.transaction() as cur:
+        await cur.execute(
             "INSERT INTO room_outbox_lane_cursor (lane, fed_through_id, updated_at_ms, read_through_id, open_gaps)"
             " VALUES ('kafka', %s, 0, %s, %s)",
-            (first + 5, first + 5, f"{first}-{first}@0"),
+            (last, last, f"{first}-{first}@0"),
         )
-        for n in range(6):
+        for n, status in enumerate(statuses):
             await cur.execute(
                 "INSERT INTO room_outbox_lane_kafka (outbox_id, event_id, event_type, room_id, status,"
                 " created_at_ms, updated_at_ms) VALUES (%s, %s, 'RoomUserJoined', 'r0', %s, 0, 0)",
-                (first + n, f"m{n}", "published" if n < 3 else "pending"),
+                (first + n, f"m{n:02}-r0", status),
             )
-    assert await migrate_tail(any_store, ["kafka"]) == [
-        f"moved lane kafka's cursor back to {first + 2}: it tails from room_outbox_lane_kafka's first unfinished row"
-    ]
+    return first
+
+
+HANDED_OVER = (
+    "moved lane kafka's cursor back to {}: it tails from room_outbox_lane_kafka's first unfinished row;"
+    " dropped room_outbox_lane_kafka (room-outbox's own table): lane kafka tails from its cursor now,"
+    " which holds all it owes"
+)
+
+
+async def test_migrate_hands_a_lane_table_lane_over_to_tailing_and_drops_its_table(any_store: SQLStore) -> None:
+    """Switched to ``relay: tail``, the lane's cursor goes back to just below its table's first
+    unfinished row and the table is dropped, in one step that ``migrate --sql`` shows; until then
+    a tailing process refuses to start. The cursor alone decides from then on: the lane sends
+    what the table owed, and a later migrate does not move it back again."""
+    first = await lane_table_lane(any_store, ["published"] * 3 + ["pending"] * 3)
+    (step,) = await tail_migration_plan(any_store, ["kafka"])
+    assert step.change == HANDED_OVER.format(first + 2)
+    assert step.statements == (
+        f"UPDATE {CURSOR_TABLE} SET fed_through_id = {first + 2}, read_through_id = NULL, open_gaps = NULL"
+        " WHERE lane = 'kafka'",
+        "DROP TABLE IF EXISTS room_outbox_lane_kafka",
+    )
+    with pytest.raises(SchemaError, match="table room_outbox_lane_kafka is still there: lane kafka ran on it"):
+        await check_schema(any_store, tail_lanes=["kafka"])
+
+    assert await migrate_tail(any_store, ["kafka"]) == [step.change]
+    await check_schema(any_store, tail_lanes=["kafka"])
     assert await cursor(any_store) == first + 2
     async with any_store.transaction() as cur:  # the lane tails again from the cursor itself
         await cur.execute("SELECT read_through_id, open_gaps FROM room_outbox_lane_cursor WHERE lane = 'kafka'")
         assert tuple(await cur.fetchone()) == (None, None)
-    assert await migrate_tail(any_store, ["kafka"]) == []  # idempotent
+    (lane,) = await stored_lanes(any_store)
+    assert not lane.has_table and await tailing_lanes(any_store) == ["kafka"]
+    assert (await own_lane_backlog(any_store, lane)).unfed == 3
+
+    sink = OrderedLog()
+    await drain(log_relay(any_store, sink), any_store)
+    assert sink.sent == ["m03-r0", "m04-r0", "m05-r0"]
+    assert await migrate_tail(any_store, ["kafka"]) == []
+    assert await cursor(any_store) == first + 5  # not moved back: nothing is sent again
+
+
+async def test_the_hand_over_never_moves_the_cursor_forward_and_starts_one_the_table_lacked(
+    any_store: SQLStore,
+) -> None:
+    """A table that finished every row keeps the cursor where it is (a migrate whose drop
+    failed is such a one, run again); a table whose lane never wrote its cursor row gets one
+    just below its first unfinished row, rather than the lane starting at ``start``."""
+    first = await lane_table_lane(any_store, ["published"] * 3)
+    async with any_store.transaction() as cur:  # the rows the cursor has yet to pass are not in the table
+        await cur.execute(f"UPDATE {CURSOR_TABLE} SET fed_through_id = {first + 1} WHERE lane = 'kafka'")
+    assert await migrate_tail(any_store, ["kafka"]) == [
+        f"kept lane kafka's cursor at {first + 1}: room_outbox_lane_kafka had finished every row up to it;"
+        + HANDED_OVER.split(";")[1]
+    ]
+    assert await cursor(any_store) == first + 1
+
+    await migrate_lanes(any_store, ["kafka"])
     async with any_store.transaction() as cur:
-        await cur.execute(f"SELECT COUNT(*) FROM {PARKED_TABLE}")
-        assert (await cur.fetchone())[0] == 0
+        await cur.execute(f"DELETE FROM {CURSOR_TABLE}")
+        await cur.execute(
+            "INSERT INTO room_outbox_lane_kafka (outbox_id, event_id, event_type, room_id, status,"
+            " created_at_ms, updated_at_ms) VALUES (%s, 'm02-r0', 'RoomUserJoined', 'r0', 'pending', 0, 0)",
+            (first + 2,),
+        )
+    assert await migrate_tail(any_store, ["kafka"]) == [
+        f"started lane kafka's cursor at {first + 1}: it tails from room_outbox_lane_kafka's first unfinished row;"
+        + HANDED_OVER.split(";")[1]
+    ]
+    assert await cursor(any_store) == first + 1
+
+
+async def test_a_lane_handed_over_to_tailing_owes_nothing_to_its_old_table(any_store: SQLStore) -> None:
+    """After the switch the lane is a tailing lane everywhere: its backlog is its cursor's and
+    its parked events the tailing lanes' (``lanes``, ``status``, the metrics), ``requeue`` and
+    ``cancel --lane kafka`` take them, and retention removes every row the lane has done with."""
+    await lane_table_lane(any_store, ["published"] * 2 + ["pending"] * 3)
+    await migrate_tail(any_store, ["kafka"])
+    await insert_events(any_store, [envelope("bad-1")])
+    await drain(log_relay(any_store, OrderedLog(too_large={"bad-1"})), any_store)
+
+    (lane,) = (await lane_rows(any_store, LanePlan(main=False, own=("kafka",), tail=("kafka",))))[1:]
+    assert (lane.lane, lane.pending, lane.unfed, lane.parked) == ("kafka", 0, 0, 1)
+    out, err = io.StringIO(), io.StringIO()
+    assert await requeue_tail_command(any_store, "kafka", RequeueFilter(), False, out, err) == 0, err.getvalue()
+    assert out.getvalue().splitlines()[1].startswith("bad-1 ")
+    assert await cancel_tail_command(any_store, "kafka", "bad-1", out, err, True) == 0, err.getvalue()
+
+    async with any_store.transaction() as cur:  # delivered to IM long ago
+        await cur.execute("UPDATE room_outbox SET status = 'published', created_at_ms = created_at_ms - 864000000")
+    options, plan = RetentionOptions(older_than=86400, pause=0), LanePlan(main=True, own=("kafka",))
+    assert (await cleanup(any_store, options, plan)).removed == 6
+    assert list(await fetch_rows(any_store)) == []
+
+
+async def test_a_lane_is_not_switched_back_to_a_lane_table_while_events_it_parked_tailing_wait(
+    any_store: SQLStore,
+) -> None:
+    """``relay: lane_table`` after tailing: the lane table would never see the events the tailing
+    lane parked, so migrate refuses, naming them and the way out, until they are sent or
+    cancelled; then the table is made."""
+    await insert_events(any_store, [envelope("a"), envelope("huge"), envelope("b")])
+    await drain(log_relay(any_store, OrderedLog(too_large={"huge"})), any_store)
+    refused = re.escape(
+        "lane kafka has 1 event(s) it parked while it tailed room_outbox (relay: tail), which a lane table"
+        " would never send: with relay: tail, requeue them (`room-outbox requeue --lane kafka`)"
+    )
+    with pytest.raises(SchemaError, match=refused):
+        await migrate_lanes(any_store, ["kafka"])
+    assert [lane.has_table for lane in await stored_lanes(any_store)] == [False]
+
+    assert await cancel_tail_command(any_store, "kafka", "huge", io.StringIO(), io.StringIO(), True) == 0
+    assert (await migrate_lanes(any_store, ["kafka"]))[0] == "created table room_outbox_lane_kafka"
 
 
 async def test_a_new_owner_resumes_where_the_last_one_read_even_behind_an_id_still_missing(

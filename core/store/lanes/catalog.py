@@ -1,7 +1,9 @@
 """The lanes a database holds, what each one owes, and dropping a retired one.
 
 A lane of its own exists in the database as its table ``room_outbox_lane_<name>`` and, once
-it has run, a row of ``room_outbox_lane_cursor``; the main lane is ``room_outbox.status``. Every
+it has run, a row of ``room_outbox_lane_cursor``; a tailing lane as its cursor row alone (a lane
+switched to tailing has its table dropped by ``migrate``, see :mod:`room_outbox.store.schema.tail`,
+and no tailing process starts while it is there); the main lane is ``room_outbox.status``. Every
 count here reads an index range (``status`` first in the lane tables' claim index, the
 primary key of ``room_outbox`` up to a bound), never a whole table.
 """

@@ -16,6 +16,7 @@ from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import column_names
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.columns import check_columns, row_security_notice, sequence_problems
+from room_outbox.store.schema.lanes import lane_table
 from room_outbox.store.schema.registry import WantedSchema, required_columns
 
 log = logging.getLogger("room_outbox.store")
@@ -31,7 +32,8 @@ async def check_schema(
     ``migrate`` makes too; ``claim_ids``: how long this process's claim ids, which ``worker_id``
     holds, may grow), and each lane in ``lanes`` (enabled sinks with a lane of their own) has
     its table; tailing lanes (``tail_lanes``) need the cursor and parked tables: the registry's
-    required columns (:func:`.registry.required_columns`)."""
+    required columns (:func:`.registry.required_columns`), and no table of their own left from
+    before they tailed (``migrate`` hands over from it)."""
     wanted = WantedSchema(lanes=tuple(lanes) if lanes else None, tail_lanes=tuple(tail_lanes))
     required = required_columns(store.dialect, store.profile, wanted)
     # What the columns can hold comes first: migrate refuses it before adding anything missing
@@ -51,6 +53,15 @@ async def check_schema(
         missing = [column for column in columns if column not in have]
         if missing:
             raise SchemaError(f"table {table} lacks {', '.join(missing)}: {_FIX}")
+    # A lane switched to tailing hands over from its old table in migrate, which drops it: run
+    # before that, it would go on from a cursor that the table's unsent rows are not behind yet.
+    left = await _columns(store, [lane_table(lane) for lane in tail_lanes])
+    for lane in tail_lanes:
+        if lane_table(lane) in left:
+            raise SchemaError(
+                f"table {lane_table(lane)} is still there: lane {lane} ran on it before it tailed room_outbox;"
+                f" {_FIX} (it moves the lane's cursor back to the table's first unfinished row and drops the table)"
+            )
 
 
 async def _columns(store: SQLStore, tables: list[str]) -> dict[str, set[str]]:

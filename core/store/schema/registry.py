@@ -29,7 +29,7 @@ from room_outbox.store.schema.handler_tables import check_handler_tables
 from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_steps, lane_table
 from room_outbox.store.schema.outbox import Migration, concurrent_step, invalid_index_steps, plan_outbox
 from room_outbox.store.schema.outbox import required_columns as outbox_columns
-from room_outbox.store.schema.tail import PARKED_TABLE, tail_steps
+from room_outbox.store.schema.tail import PARKED_TABLE, parked_while_tailing, tail_steps
 
 if TYPE_CHECKING:
     from room_outbox.handler import HandlerTable
@@ -81,6 +81,9 @@ async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: Want
         if refused:
             raise SchemaError("\n".join(refused))
     if wanted.lanes is not None:
+        refused = await parked_while_tailing(cur, dialect, wanted.lanes)
+        if refused:
+            raise SchemaError("\n".join(refused))
         # the outbox's room buckets above create the bucket function the lanes' indexes compute too
         plan += await lane_steps(cur, dialect, wanted.lanes, function_planned=wanted.outbox)
     plan += await tail_steps(cur, dialect, wanted.tail_lanes, cursor_planned=wanted.lanes is not None)
