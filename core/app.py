@@ -4,8 +4,9 @@ Start: configuration (already loaded) checked whole, sinks included → database
 for up to ``database.connect_wait``) → schema checked → plugins and sinks → telemetry and the
 HTTP endpoint → worker. Stop (SIGTERM, SIGINT or the ``stop`` event): stop claiming new
 batches → in-flight deliveries finish within ``publish_timeout`` and their results are
-written → worker exits → telemetry flushes, the endpoint stops → sinks close (bounded: one
-that does not close in time is abandoned) → pool closes.
+written → worker exits → telemetry flushes (bounded: exporters still sending after
+``EXPORT_AT_STOP`` are abandoned), the endpoint stops → sinks close (bounded: one that does not
+close in time is abandoned) → pool closes.
 The pool closes last because the worker needs it to write results. A killed process leaves its rows pending (leased until the lease expires).
 """
 

@@ -414,8 +414,8 @@ class PluginsSettings(Section):
 class LogSettings(Section):
     level: str = "INFO"
     #: Level of the libraries' own loggers (httpx, httpcore, aiohttp, aiokafka, aiomysql,
-    #: asyncio). Kept at WARNING whatever ``level`` says: at INFO httpx logs every request
-    #: URL, and their DEBUG is noise. Their records are redacted like every other.
+    #: psycopg, opentelemetry, asyncio). Kept at WARNING whatever ``level`` says: at INFO httpx
+    #: logs every request URL, and their DEBUG is noise. Their records are redacted like every other.
     library_level: str = "WARNING"
     #: ``json``: one JSON object per line; ``console``: short aligned lines for people;
     #: ``auto``: console when stderr is a terminal, JSON otherwise

@@ -5,6 +5,7 @@ itself, and stops within publish_timeout + query_timeout."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -62,6 +63,23 @@ async def test_readyz_fails_after_consecutive_failed_rounds(served: tuple[Health
     assert unready.json()["lane kafka"] == "3 rounds failed in a row"  # a fixed cause: no driver text
     lane.round_ended()
     assert (await client.get("/readyz")).status_code == 200
+
+
+async def test_a_database_check_that_times_out_is_logged_by_its_type_without_a_dangling_colon(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ping the database never answers ends in a TimeoutError whose text is empty: the line
+    names the type alone, not ``TimeoutError: `` with nothing after the colon."""
+    monkeypatch.setattr("room_outbox.observability.health.DATABASE_CHECK_TIMEOUT", 0.05)
+
+    async def never_answers() -> None:
+        await anyio.sleep(60)
+
+    health = Health(never_answers)
+    with caplog.at_level(logging.WARNING, logger="room_outbox.health"):
+        await health._ping()
+    assert [r.getMessage() for r in caplog.records] == ["readiness: the database check failed: TimeoutError"]
+    assert health.readiness()[1]["database"] == "no answer within 0.05s"
 
 
 def test_the_stall_limit_is_never_shorter_than_a_healthy_gap() -> None:

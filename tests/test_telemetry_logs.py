@@ -72,6 +72,45 @@ def test_a_librarys_line_repeated_word_for_word_passes_once_a_minute_with_a_coun
     assert lines[-1]["msg"] == "another line"
 
 
+def test_database_driver_and_exporter_lines_are_bounded_too_even_with_numbers_that_change() -> None:
+    """psycopg's pool logs a WARNING per failed connection (a dozen in four seconds while a
+    PgBouncer restarts), OpenTelemetry's exporters one per retry with its jittered delay and
+    an object's address in the text: lines that differ only in their numbers are one line,
+    passed once a minute with how many were left out. Different words still pass."""
+    stream = io.StringIO()
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    refused = "error connecting in 'room-outbox': connection failed: port 6432 failed: Connection refused"
+    try:
+        configure_logging("INFO", "node-7", Redactor(), stream)
+        ((repeats,),) = [[f for f in h.filters if isinstance(f, RepeatedLibraryLines)] for h in root.handlers]
+        second = 0.0
+        repeats.clock = lambda: second
+        for tick in range(121):
+            second = tick / 2  # a minute, then the first line past it
+            logging.getLogger("psycopg.pool").warning(refused)
+            logging.getLogger("opentelemetry.exporter.otlp.proto.http.trace_exporter").warning(
+                "Transient error %s encountered while exporting spans batch, retrying in %.2fs.",
+                f"NewConnectionError('<HTTPConnection object at 0x7f{tick * 0xBEEF:08x}>: [Errno 111] refused')",
+                0.8 + tick % 7 / 10,
+            )
+        logging.getLogger("psycopg.pool").warning("error connecting in 'room-outbox': authentication failed")
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    pool = [line for line in lines if line["logger"] == "psycopg.pool"]
+    exporter = [line for line in lines if line["logger"].startswith("opentelemetry")]
+    assert [line["msg"] for line in pool] == [
+        refused,
+        refused,
+        "error connecting in 'room-outbox': authentication failed",
+    ]
+    assert [line.get("repeated") for line in pool] == [None, 119, None]
+    assert len(exporter) == 2 and "retrying in 0.80s" in exporter[0]["msg"], [line["msg"] for line in exporter]
+    assert exporter[1]["repeated"] == 119
+
+
 class Terminal(io.StringIO):
     """A stream that says it is a terminal, as stderr does in an interactive shell."""
 

@@ -59,9 +59,9 @@ async def test_success_failure_latency_and_batch_size(store: MySQLStore) -> None
 async def test_a_row_published_by_the_producer_mid_delivery_is_told_apart_from_a_takeover(
     store: MySQLStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The producer's own push won the race: counted under its own cause, logged at INFO, no
-    WARNING; nothing counted as taken over."""
-    await insert_events(store, [envelope("e1")])
+    """The producer's own push won the race: counted under its own cause, logged at INFO (one
+    line for the batch's rows), no WARNING; nothing counted as taken over."""
+    await insert_events(store, [envelope(f"e{i}", room_id=f"r_{i}") for i in range(3)])
     captured = capture()
 
     class ProducerWins(RecordingSink):
@@ -74,10 +74,11 @@ async def test_a_row_published_by_the_producer_mid_delivery_is_told_apart_from_a
     with caplog.at_level(logging.INFO, logger="room_outbox"):
         await run_until_empty(dispatcher)
     lost = captured.value
-    assert lost("room_outbox.lost_leases", detected_at="result_write", cause="published_by_producer") == 1
+    assert lost("room_outbox.lost_leases", detected_at="result_write", cause="published_by_producer") == 3
     assert lost("room_outbox.lost_leases", detected_at="result_write", cause="taken_over") == 0
-    (record,) = [r for r in caplog.records if "result not recorded" in r.getMessage()]
+    (record,) = [r for r in caplog.records if "results not recorded" in r.getMessage()]
     assert record.levelno == logging.INFO and "producer already published" in record.getMessage()
+    assert record.rows == 3 and sorted(record.event_ids) == ["e0", "e1", "e2"]  # type: ignore[attr-defined]
 
 
 @pytest.mark.anyio
@@ -106,8 +107,9 @@ async def test_a_row_taken_over_by_another_claim_counts_as_a_lost_lease(
     lost = captured.value
     assert lost("room_outbox.lost_leases", detected_at="result_write", cause="taken_over") == 1
     assert lost("room_outbox.lost_leases", detected_at="result_write", cause="published_by_producer") == 0
-    (record,) = [r for r in caplog.records if "result not recorded" in r.getMessage()]
+    (record,) = [r for r in caplog.records if "results not recorded" in r.getMessage()]
     assert record.levelno == logging.WARNING and "taken over" in record.getMessage()
+    assert record.rows == 1 and record.event_ids == ["e1"]  # type: ignore[attr-defined]
 
 
 @pytest.mark.anyio
@@ -117,7 +119,8 @@ async def test_rows_of_a_claim_that_failed_after_handing_them_over_are_not_count
     """A claim hands its rows to the workers, then fails before its leases are written (the
     database gone): the rows are delivered, their results cannot be written, and they are
     claimed and delivered again. Counted and logged under a cause of their own: no other
-    claim took them over."""
+    claim took them over. One line for them all, with how many and a few of their event ids:
+    not one per row, which a batch of 10,000 would make 10,000 of."""
     await insert_events(store, [envelope(f"e{i:02}") for i in range(30)])
     captured = capture()
     sink = RecordingSink()
@@ -144,9 +147,10 @@ async def test_rows_of_a_claim_that_failed_after_handing_them_over_are_not_count
     lost = captured.value
     assert lost("room_outbox.lost_leases", detected_at="result_write", cause="claim_failed") == len(failed)
     assert lost("room_outbox.lost_leases", detected_at="result_write", cause="taken_over") == 0
-    records = [r for r in caplog.records if "result not recorded" in r.getMessage()]
-    assert len(records) == len(failed)
-    assert all(r.levelno == logging.WARNING and "claim failed" in r.getMessage() for r in records)
+    (record,) = [r for r in caplog.records if "results not recorded" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "claim failed" in record.getMessage()
+    assert record.rows == len(failed) == 10 and record.outcomes == {"published": 10}  # type: ignore[attr-defined]
+    assert len(record.event_ids) == 5 and set(record.event_ids) <= set(failed)  # type: ignore[attr-defined]
     assert sorted(sink.received) == sorted([f"e{i:02}" for i in range(30)] + failed)  # those twice
 
 

@@ -152,14 +152,21 @@ class Health:
                 await self.check_database()
         except Exception as exc:
             if self._failure is None:  # once per outage: the lanes log their own failures
-                text = redact_and_shorten(self.redactor, f"{type(exc).__name__}: {exc}", CHECK_TEXT_MAX)
-                log.warning("readiness: the database check failed: %s", text)
+                log.warning("readiness: the database check failed: %s", check_error(self.redactor, exc))
             timed_out = isinstance(exc, TimeoutError)
             self._failure = f"no answer within {DATABASE_CHECK_TIMEOUT:g}s" if timed_out else "query failed"
             self._failed_at = time.monotonic()
         else:
             self._pinged_at = time.monotonic()
             self._failure = None
+
+
+def check_error(redactor: Redactor, exc: BaseException) -> str:
+    """A failed check's exception as its log line tells it: ``TypeName: message``, or the
+    type's name alone when the message is empty (a timeout's, whose text is blank); secrets
+    masked, cut to :data:`CHECK_TEXT_MAX` characters."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return redact_and_shorten(redactor, text, CHECK_TEXT_MAX)
 
 
 def stalled_after(polls: int, poll_interval: float, query_timeout: float, publish_timeout: float) -> float:

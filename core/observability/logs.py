@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -28,8 +29,9 @@ from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.repeated import REPEAT_EVERY
 
 WORKER = "room_outbox"
-#: Library loggers that get ``log.library_level`` instead of ``log.level``.
-LIBRARY_LOGGERS = ("httpx", "httpcore", "aiohttp", "aiokafka", "aiomysql", "asyncio")
+#: Library loggers that get ``log.library_level`` instead of ``log.level``, their repeated
+#: lines bounded (:class:`RepeatedLibraryLines`).
+LIBRARY_LOGGERS = ("httpx", "httpcore", "aiohttp", "aiokafka", "aiomysql", "psycopg", "opentelemetry", "asyncio")
 #: The fields of an event line, shown first and in this order by the console format.
 KEY_FIELDS = ("lane", "event_id", "event_type", "room_id", "sink", "retry_count", "status", "error")
 FORMATS = ("auto", "console", "json")
@@ -129,13 +131,20 @@ def _is_terminal(stream: IO[str]) -> bool:
     return bool(isatty and isatty())
 
 
+#: Numbers in a library's line (a delay, a port, an object's address): lines that differ only
+#: in them are the same line (see :class:`RepeatedLibraryLines`).
+_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
+
+
 class RepeatedLibraryLines(logging.Filter):
-    """A library's line (:data:`LIBRARY_LOGGERS`) that comes back word for word: the first
-    passes, the same line again within ``interval`` is left out and counted, and the first one
-    after that passes with ``repeated``, how many were left out since the line before. A
-    library logs per attempt (aiokafka's ``Unable connect to ...`` once per failed round):
-    without this, one line per ``poll_interval`` while an outage lasts, as many as the lanes'
-    own lines would be without :class:`~room_outbox.observability.repeated.RepeatedFailure`."""
+    """A library's line (:data:`LIBRARY_LOGGERS`) that comes back the same but for its numbers:
+    the first passes, the same line again within ``interval`` is left out and counted, and the
+    first one after that passes with ``repeated``, how many were left out since the line before.
+    A library logs per attempt (aiokafka's ``Unable connect to ...`` once per failed round,
+    psycopg's pool per failed connection, an OpenTelemetry exporter per retry with its jittered
+    delay in the text: ``retrying in 1.07s``): without this, a line or more per second while an
+    outage lasts, as many as the lanes' own lines would be without
+    :class:`~room_outbox.observability.repeated.RepeatedFailure`."""
 
     #: Different lines remembered at most: beyond it, those not seen within ``interval`` go.
     capacity = 1_000
@@ -151,7 +160,7 @@ class RepeatedLibraryLines(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if not any(record.name == name or record.name.startswith(f"{name}.") for name in LIBRARY_LOGGERS):
             return True
-        key = (record.name, record.levelno, record.getMessage())
+        key = (record.name, record.levelno, _NUMBERS.sub("#", record.getMessage()))
         now = self.clock()
         with self._lock:
             passed, left_out = self._lines.get(key, (None, 0))
@@ -268,7 +277,7 @@ def configure_logging(
 ) -> None:
     """Route every logger to ``stream`` (stderr by default) in ``log_format``, through one
     handler whose formatter redacts the whole text: a library's record is masked like our own.
-    Libraries log at ``library_level``, a line repeated word for word once per interval at most
+    Libraries log at ``library_level``, a line repeated (but for its numbers) once per interval at most
     (:class:`RepeatedLibraryLines`); Python warnings become log records too."""
     global _span_stream
     if log_format not in FORMATS:

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import anyio
 
 from room_outbox.config import MAIN_LANE, ConfigError, LanePlan, Settings, parse_listen
-from room_outbox.observability.health import CHECK_TEXT_MAX, Health, stalled_after
+from room_outbox.observability.health import Health, check_error, stalled_after
 from room_outbox.observability.http_endpoint import HttpEndpoint
-from room_outbox.observability.redaction import Redactor, redact_and_shorten
+from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.observability.systemd import notify_systemd
 from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
@@ -125,7 +125,7 @@ async def _sample_backlog(store: SQLStore, obs: Observability, interval: float, 
             try:
                 await _sample_lanes(store, obs.telemetry, obs.lanes)
             except Exception as exc:
-                failing.failed(redact_and_shorten(redactor, f"{type(exc).__name__}: {exc}", CHECK_TEXT_MAX))
+                failing.failed(check_error(redactor, exc))
             else:
                 failing.succeeded()
         await anyio.sleep(interval)

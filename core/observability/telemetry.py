@@ -10,9 +10,11 @@ few attribute look-ups per delivery attempt.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +29,7 @@ from opentelemetry.sdk.metrics.export import (
     PeriodicExportingMetricReader,
 )
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
 from room_outbox.config import ConfigError
@@ -43,6 +45,14 @@ if TYPE_CHECKING:
     from room_outbox.envelope import EventEnvelope
     from room_outbox.store.protocol import OutboxRow
 
+log = logging.getLogger("room_outbox.telemetry")
+
+#: Seconds the exporters get, all together, to send what they hold when the process stops.
+#: Unbounded, a collector that is down, refuses or never answers would hold the stop for as
+#: long as the SDK retries (each batch of spans with the exporter's timeout and backoff, then
+#: the metrics' last export): past a container's grace period, and the process is killed.
+EXPORT_AT_STOP = 2.0
+
 # -- traces and metrics ---------------------------------------------------------------------
 
 
@@ -55,7 +65,10 @@ class Telemetry:
         tracer_provider: trace.TracerProvider | None = None,
         meter_provider: MeterProvider | None = None,
         prometheus: PrometheusExposition | None = None,
+        span_processors: Sequence[SpanProcessor] = (),
     ) -> None:
+        """``span_processors``: the batch processors of ``tracer_provider``, to count the spans
+        a stop abandons (:meth:`aclose`)."""
         self.tracer = tracer_provider.get_tracer(SCOPE) if tracer_provider is not None else None
         #: True when some reader or exporter consumes metrics (the backlog timer runs only then).
         self.metrics_enabled = meter_provider is not None
@@ -66,6 +79,7 @@ class Telemetry:
         #: False: :meth:`attempt` observes nothing, and callers may skip what only it needs.
         self.recording = self.tracer is not None or self.metrics_enabled
         self._providers: list[Any] = [p for p in (tracer_provider, meter_provider) if p is not None]
+        self._span_processors = span_processors
         #: Sinks whose attempts are counted but not timed (see ``SinkSpec.timed``).
         self.untimed_sinks: frozenset[str] = frozenset()
         #: Outcome counts not yet added to their counters (see :meth:`count`).
@@ -127,12 +141,45 @@ class Telemetry:
         return self._prometheus.render()
 
     async def aclose(self) -> None:
-        """Flush and stop exporters (they block on network I/O: run off the event loop)."""
+        """Flush and stop the exporters, for :data:`EXPORT_AT_STOP` seconds at most: past it
+        they are abandoned (what they still hold is lost, said in one WARNING) and the stop
+        goes on. They block on network I/O, so they stop in a thread of their own: a daemon,
+        which a collector that never answers cannot keep from exiting with the process."""
         self.flush_counts()
-        for provider in self._providers:
-            if hasattr(provider, "shutdown"):
-                await anyio.to_thread.run_sync(provider.shutdown)
-        self._providers = []
+        providers, self._providers = self._providers, []
+        if not providers:
+            return
+        stopped = threading.Event()
+
+        def stop() -> None:
+            try:
+                for provider in providers:
+                    if hasattr(provider, "shutdown"):  # the API's no-op providers have none
+                        provider.shutdown()
+            except Exception as exc:  # the metric readers' failures, gathered by the SDK
+                log.warning("telemetry exporters failed to stop", extra={"error": f"{type(exc).__name__}: {exc}"})
+            finally:
+                stopped.set()
+
+        threading.Thread(target=stop, name="room-outbox-telemetry-stop", daemon=True).start()
+        if await anyio.to_thread.run_sync(stopped.wait, EXPORT_AT_STOP):
+            return
+        waiting = _spans_waiting(self._span_processors)
+        log.warning(
+            "telemetry exporters did not finish within %gs: abandoned, what they still held is lost",
+            EXPORT_AT_STOP,
+            extra={"lifecycle": "telemetry_abandoned", **({"spans_lost": waiting} if waiting is not None else {})},
+        )
+
+
+def _spans_waiting(processors: Sequence[SpanProcessor]) -> int | None:
+    """Spans the batch processors still hold, besides any batch being exported; ``None`` when
+    unknown: the SDK keeps them in a private queue, read here only to say what a stop lost."""
+    try:
+        queues = [processor._batch_processor._queue for processor in processors]  # type: ignore[attr-defined]
+    except AttributeError:
+        return None
+    return sum(len(queue) for queue in queues)
 
 
 class DeliveryAttempt:
@@ -240,13 +287,18 @@ def telemetry_from_environment(
     if exposition is not None:
         readers.append(exposition.reader)
     resource = _resource(node_id)
+    # No shutdown at exit from the SDK: Telemetry.aclose stops the providers, bounded; the SDK's
+    # own would wait for the exporters again, unbounded, after the process has finished.
     tracer_provider = None
-    if span_exporters:
-        tracer_provider = TracerProvider(resource=resource)
-        for exporter in span_exporters:
-            tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
-    meter_provider = SDKMeterProvider(resource=resource, metric_readers=readers) if readers else None
-    return Telemetry(tracer_provider, meter_provider, exposition)
+    processors = [BatchSpanProcessor(exporter) for exporter in span_exporters]
+    if processors:
+        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        for processor in processors:
+            tracer_provider.add_span_processor(processor)
+    meter_provider = (
+        SDKMeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False) if readers else None
+    )
+    return Telemetry(tracer_provider, meter_provider, exposition, processors)
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
