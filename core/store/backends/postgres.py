@@ -54,17 +54,37 @@ for _json_type in ("json", "jsonb"):
     JSON_AS_TEXT.register_loader(_json_type, TextLoader)
 
 
-class _ClosedOnPurpose(logging.Filter):
-    """Drops the pool's warning for a closed connection handed back to it: the store closes a
-    connection after any error in its transaction, on purpose (:meth:`PostgresStore.transaction`),
-    and reports that error where it happened. Left in, the warning came with every failed
-    transaction, a line a second while the database was down or read-only."""
+class _PoolWarnings(logging.Filter):
+    """The pool's warnings, thinned to those that tell something:
+
+    - a closed connection handed back to it: dropped. The store closes a connection after any
+      error in its transaction, on purpose (:meth:`PostgresStore.transaction`), and reports
+      that error where it happened; left in, the line came with every failed transaction.
+    - a connection attempt that gave up after ``reconnect_timeout``: dropped, the store bounds
+      it on purpose (:meth:`PostgresStore.connect`), and the next caller starts another.
+    - a connection attempt that failed: the first, then one a minute at most. While the
+      database is down the pool tries every second or two; each would be a line."""
+
+    #: Seconds between two lines about failed connection attempts.
+    CONNECT_ERROR_EVERY = 60.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._next_connect_error = 0.0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("discarding closed connection")
+        message = record.getMessage()
+        if message.startswith(("discarding closed connection", "reconnection attempt in pool")):
+            return False
+        if message.startswith("error connecting in"):
+            now = time.monotonic()
+            if now < self._next_connect_error:
+                return False
+            self._next_connect_error = now + self.CONNECT_ERROR_EVERY
+        return True
 
 
-logging.getLogger("psycopg.pool").addFilter(_ClosedOnPurpose())
+logging.getLogger("psycopg.pool").addFilter(_PoolWarnings())
 log = logging.getLogger("room_outbox.store")
 
 #: The key of migrate's session lock (``pg_advisory_lock``): one migrate at a time per database.
@@ -209,6 +229,15 @@ class PostgresStore(LeasedRows):
             open=False,
             timeout=query_timeout,
             max_idle=limits.pool_recycle,
+            # A connection the pool fails to open is tried again with a doubling delay, for up
+            # to reconnect_timeout; meanwhile it holds one of the pool's max_size places. Left
+            # at its 5 minutes, an outage of a minute or more put every place behind a delay of
+            # a minute or more: the database back, no caller got a connection until the next
+            # attempt came due. Bounded by query_timeout, an attempt gives up no later than
+            # its caller did, and the next caller that finds no connection starts a fresh one
+            # (the pool grows on demand), so a running process resumes within query_timeout +
+            # poll_interval of the database answering again, whatever the outage's length.
+            reconnect_timeout=query_timeout,
             name="room-outbox",
         )
         try:
