@@ -7,7 +7,9 @@ The bounds under test (docs/explanation/database-deadlines.md):
 * the running process resumes within ``query_timeout`` + ``poll_interval`` of the heal;
 * rows a dead session had claimed are delivered by a fresh process once the server has ended
   that session (``SessionLimits.idle_seconds``) and the lease has passed;
-* SIGTERM during a partition ends the process within ``publish_timeout`` + ``query_timeout`` + 1 s.
+* SIGTERM during a partition ends the process within ``publish_timeout`` + ``query_timeout`` + 1 s;
+* on PostgreSQL, after an outage (connections refused) of any length, the running process resumes
+  within ``query_timeout`` + ``poll_interval`` of the database answering again.
 
 Each test prints the figure it measured (``pytest -s`` shows them).
 """
@@ -28,7 +30,9 @@ from processes import DispatcherProcess, FakeIMProcess, dispatchers, write_confi
 from support import envelope, fetch_rows, insert_events, wait_until
 
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.backends.postgres_address import PostgresAddress
 from room_outbox.store.deadline import SessionLimits
+from room_outbox.store.factory import open_store
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.serial]
 
@@ -201,6 +205,51 @@ async def test_sigterm_during_a_partition_ends_the_process_in_time(
             assert proc.proc.returncode == 0
     figure("SIGTERM during a partition", took, PUBLISH_TIMEOUT + QUERY_TIMEOUT + 1)
     assert took <= PUBLISH_TIMEOUT + QUERY_TIMEOUT + 1.0, took
+
+
+async def test_the_running_process_resumes_after_a_long_postgresql_outage(
+    postgresql_dsn: str, fake_im: FakeIMProcess, tmp_path: Path
+) -> None:
+    """The database unreachable (every connection refused) for longer than the connection pool's
+    own retry delays would grow to: once it answers again, the process resumes within the
+    bound, not when the pool's next attempt comes due (seconds later, minutes after a longer
+    outage)."""
+    store = await open_store(postgresql_dsn)
+    real = PostgresAddress.from_dsn(postgresql_dsn)
+    try:
+        await store.migrate()
+        async with TcpProxy(real.host, real.port) as proxy, httpx.AsyncClient(timeout=10) as http:
+            via_proxy = f"postgresql://{real.user}@127.0.0.1:{proxy.port}/{real.database}"
+            await insert_events(store, [envelope(f"a{i}") for i in range(20)])
+            with dispatchers(config(tmp_path / "c.yaml", via_proxy, fake_im)) as (proc,):
+                base = await endpoint_of(proc)
+                await wait_until(lambda: all_published(store, 20), timeout=60)
+
+                await proxy.cut()
+                cut = time.monotonic()
+                await insert_events(store, [envelope(f"b{i}") for i in range(20)])
+                await wait_until(lambda: rounds_failed(http, base), timeout=10 * QUERY_TIMEOUT)
+                # The outage itself, not a sync: long enough for the pool's retry delays, doubling
+                # from 1 s, to run past its end (psycopg_pool's own: 1, 2, 4, 8 s …).
+                await anyio.sleep(max(0.0, 8.0 - (time.monotonic() - cut)))
+                await proxy.restore()
+                restored = time.monotonic()
+                await wait_until(lambda: {f"b{i}" for i in range(20)} <= set(received_ids(fake_im)), timeout=60)
+                recovery = time.monotonic() - restored
+
+                async def ready() -> bool:
+                    return (await http.get(f"{base}/readyz")).status_code == 200
+
+                await wait_until(ready, timeout=10)
+                assert proc.alive()
+                # The pool tried again every second or so; its failures make one line, not one each.
+                pool_lines = [line["msg"] for line in proc.lines() if line["logger"] == "psycopg.pool"]
+                assert len(pool_lines) == 1 and pool_lines[0].startswith("error connecting"), pool_lines
+        assert not proxy.links
+    finally:
+        await store.aclose()
+    figure("recovery after a PostgreSQL outage", recovery, QUERY_TIMEOUT + POLL_INTERVAL)
+    assert recovery <= QUERY_TIMEOUT + POLL_INTERVAL + SLACK, recovery
 
 
 async def rows_locked_by(store: MySQLStore, session: int) -> int:

@@ -18,7 +18,7 @@ import pytest
 from support import envelope, free_port, insert_events, pg_admin, wait_until
 from test_silk_wall_times import ZONE, in_zone, producer, publish, silk_table
 
-from room_outbox.errors import StoreError
+from room_outbox.errors import ConfigurationError, StoreError
 from room_outbox.store.backends.postgres import PostgresAddress, PostgresStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
@@ -145,14 +145,61 @@ async def test_the_store_works_through_pgbouncer_with_its_bounds_in_every_transa
     assert seen and all(settings == expected for settings in seen)
 
 
+async def server_sessions_left_clean(pooled_dsn: str, postgresql_dsn: str) -> None:
+    """Nothing of room-outbox's is left on PgBouncer's server sessions: no advisory lock in the
+    database, and each of the (at most two) server sessions, held at once by two clients of the
+    pooler, has the server's own statement and lock time limits (none)."""
+    direct = PostgresAddress.from_dsn(postgresql_dsn).connect_kwargs(5.0)
+    async with await psycopg.AsyncConnection.connect(**direct, autocommit=True) as admin:
+        locks = await admin.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+        assert await locks.fetchone() == (0,)
+    libpq = PostgresAddress.from_dsn(pooled_dsn).connect_kwargs(5.0)
+    async with (
+        await psycopg.AsyncConnection.connect(**libpq) as one,
+        await psycopg.AsyncConnection.connect(**libpq) as other,
+    ):
+        for client in (one, other):  # each in a transaction: each on a server session of its own
+            limits = await client.execute(
+                "SELECT current_setting('statement_timeout'), current_setting('lock_timeout')"
+            )
+            assert await limits.fetchone() == ("0", "0")
+
+
 async def test_migrate_through_transaction_pooling_is_refused_naming_the_fix(
     postgresql_dsn: str, tmp_path: Path
 ) -> None:
+    """Refused before it takes its lock or sets anything: nothing of it outlives it on the
+    pooler's server sessions, which other clients get next."""
     async with running_pgbouncer(postgresql_dsn, tmp_path, "transaction") as dsn:
-        store = await PostgresStore.connect(dsn)
+        store = await open_store(dsn, create_database=True)
         try:
             with pytest.raises(StoreError, match=r"migrate cannot run through database\.dsn's pool_mode=transaction"):
                 await store.migrate()
+        finally:
+            await store.aclose()
+        await server_sessions_left_clean(dsn, postgresql_dsn)
+
+
+async def test_transaction_pooling_the_dsn_does_not_name_is_refused_at_start_naming_the_fix(
+    postgresql_dsn: str, tmp_path: Path
+) -> None:
+    """A DSN through PgBouncer's transaction pooling without ``pool_mode=transaction``: the
+    store would take session settings, and migrate's session lock, for lasting, and leave them
+    on a server session other clients get next (the lock held by nobody, making the next migrate
+    wait, then fail). Refused at start, migrate's connect as run's, before anything is set."""
+    await migrated_with_events(postgresql_dsn, 3)
+    async with running_pgbouncer(postgresql_dsn, tmp_path, "transaction") as said:
+        unsaid = said.removesuffix("?pool_mode=transaction")
+        for create_database in (True, False):  # migrate's start, run's
+            with pytest.raises(ConfigurationError, match=r"^database\.dsn: .* add \?pool_mode=transaction to it"):
+                await open_store(unsaid, create_database=create_database)
+        await server_sessions_left_clean(said, postgresql_dsn)
+        store = await open_store(said)  # said so, it runs
+        try:
+            assert len((await store.claim("a#1", 10, now_ms() + 60_000)).rows) == 3
         finally:
             await store.aclose()
 

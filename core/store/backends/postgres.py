@@ -26,7 +26,7 @@ from psycopg.adapt import AdaptersMap
 from psycopg.types.string import TextLoader
 from psycopg_pool import AsyncConnectionPool
 
-from room_outbox.errors import SchemaError, StoreError
+from room_outbox.errors import ConfigurationError, SchemaError, StoreError
 from room_outbox.store.backends.errors import PG_PRIVILEGES_NEEDED
 from room_outbox.store.backends.leased import LeasedRows
 from room_outbox.store.backends.postgres_address import POOL_MODE, PostgresAddress
@@ -54,17 +54,37 @@ for _json_type in ("json", "jsonb"):
     JSON_AS_TEXT.register_loader(_json_type, TextLoader)
 
 
-class _ClosedOnPurpose(logging.Filter):
-    """Drops the pool's warning for a closed connection handed back to it: the store closes a
-    connection after any error in its transaction, on purpose (:meth:`PostgresStore.transaction`),
-    and reports that error where it happened. Left in, the warning came with every failed
-    transaction, a line a second while the database was down or read-only."""
+class _PoolWarnings(logging.Filter):
+    """The pool's warnings, thinned to those that tell something:
+
+    - a closed connection handed back to it: dropped. The store closes a connection after any
+      error in its transaction, on purpose (:meth:`PostgresStore.transaction`), and reports
+      that error where it happened; left in, the line came with every failed transaction.
+    - a connection attempt that gave up after ``reconnect_timeout``: dropped, the store bounds
+      it on purpose (:meth:`PostgresStore.connect`), and the next caller starts another.
+    - a connection attempt that failed: the first, then one a minute at most. While the
+      database is down the pool tries every second or two; each would be a line."""
+
+    #: Seconds between two lines about failed connection attempts.
+    CONNECT_ERROR_EVERY = 60.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._next_connect_error = 0.0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("discarding closed connection")
+        message = record.getMessage()
+        if message.startswith(("discarding closed connection", "reconnection attempt in pool")):
+            return False
+        if message.startswith("error connecting in"):
+            now = time.monotonic()
+            if now < self._next_connect_error:
+                return False
+            self._next_connect_error = now + self.CONNECT_ERROR_EVERY
+        return True
 
 
-logging.getLogger("psycopg.pool").addFilter(_ClosedOnPurpose())
+logging.getLogger("psycopg.pool").addFilter(_PoolWarnings())
 log = logging.getLogger("room_outbox.store")
 
 #: The key of migrate's session lock (``pg_advisory_lock``): one migrate at a time per database.
@@ -92,6 +112,43 @@ async def open_session(
         await conn.close()
         raise
     return conn
+
+
+async def refuse_unsaid_transaction_pooling(
+    conn: psycopg.AsyncConnection[Any], address: PostgresAddress, query_timeout: float
+) -> None:
+    """Refuse a pooler in transaction pooling (PgBouncer's ``pool_mode = transaction``) the DSN
+    does not name: the store would take session settings, and migrate its session lock, for
+    lasting, and leave them on a server session the pooler hands to its next client. Run on
+    ``conn`` (autocommit) before anything is set on it.
+
+    Straight to PostgreSQL, a connection learns its server session's pid as it opens (libpq's
+    backend key; a pooler gives keys of its own): nothing more to check. Through a pooler, each
+    statement below is a transaction of its own. In session pooling a connection keeps one
+    server session, no other connection's; in transaction pooling a transaction takes a free
+    one: the one released last (PgBouncer's default), so the other connection runs on
+    ``conn``'s, or the next in turn (``server_round_robin``), so ``conn``'s second statement runs
+    on another. A free server session is handed out at once: a connection still waiting for one
+    is session pooling with none to spare, and is not waited for."""
+    ran_on = [await _backend_pid(conn)]
+    if ran_on[0] == conn.info.backend_pid:  # PostgreSQL itself
+        return
+    ran_on.append(await _backend_pid(conn))
+    with anyio.move_on_after(query_timeout / 4):
+        kwargs = address.connect_kwargs(query_timeout)
+        async with await psycopg.AsyncConnection.connect(**kwargs, autocommit=True) as other:
+            ran_on.append(await _backend_pid(other))
+    if ran_on[0] != ran_on[1] or ran_on[0] in ran_on[2:]:
+        raise ConfigurationError(
+            f"database.dsn: {address.location} runs each transaction on whichever server session is free"
+            f" (a pooler's transaction pooling, PgBouncer's pool_mode = transaction), which the DSN does not"
+            f" say: add ?{POOL_MODE}=transaction to it (and run migrate with a DSN pointing at PostgreSQL itself)"
+        )
+
+
+async def _backend_pid(conn: psycopg.AsyncConnection[Any]) -> int:
+    row = await (await conn.execute("SELECT pg_backend_pid()")).fetchone()
+    return int(row[0]) if row else 0
 
 
 class SessionSetup:
@@ -209,6 +266,15 @@ class PostgresStore(LeasedRows):
             open=False,
             timeout=query_timeout,
             max_idle=limits.pool_recycle,
+            # A connection the pool fails to open is tried again with a doubling delay, for up
+            # to reconnect_timeout; meanwhile it holds one of the pool's max_size places. Left
+            # at its 5 minutes, an outage of a minute or more put every place behind a delay of
+            # a minute or more: the database back, no caller got a connection until the next
+            # attempt came due. Bounded by query_timeout, an attempt gives up no later than
+            # its caller did, and the next caller that finds no connection starts a fresh one
+            # (the pool grows on demand), so a running process resumes within query_timeout +
+            # poll_interval of the database answering again, whatever the outage's length.
+            reconnect_timeout=query_timeout,
             name="room-outbox",
         )
         try:
@@ -217,9 +283,14 @@ class PostgresStore(LeasedRows):
                     await _create_database(address, query_timeout)
                 # One connection first, alone: its error (refused, login, no such database) is
                 # the driver's own, where the pool would only report that it timed out.
-                first = await open_session(address, query_timeout, idle_in_transaction=idle_in_transaction)
-                encoding = first.info.parameter_status("server_encoding") or "UTF8"
-                await first.close()
+                first = await psycopg.AsyncConnection.connect(**address.connect_kwargs(query_timeout), autocommit=True)
+                try:
+                    if not address.transaction_pooling:
+                        await refuse_unsaid_transaction_pooling(first, address, query_timeout)
+                        await set_up_session(first, session.settings())
+                    encoding = first.info.parameter_status("server_encoding") or "UTF8"
+                finally:
+                    await first.close()
                 await pool.open(wait=True, timeout=query_timeout)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -475,8 +546,10 @@ class PostgresStore(LeasedRows):
     @asynccontextmanager
     async def _migrate_lock(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """migrate's session lock, held on a connection of its own for the whole migrate (it
-        ends with that session, whatever stops migrate); that connection also reads the
-        progress of index builds."""
+        ends with that session, whatever stops migrate: :meth:`connect` refuses a pooler's
+        transaction pooling the DSN does not name, where it would outlive migrate, and
+        :meth:`run_migration` one it names); that connection also reads the progress of index
+        builds."""
         conn = await open_session(self.address, self.query_timeout, autocommit=True)
         try:
             await conn.execute(f"SET lock_timeout = {int(self.migrate_lock_wait * 1000)}")
