@@ -216,5 +216,10 @@ class OrderedLogSink(Sink, Protocol):
         """Send ``envelopes`` in order (many in flight; order kept per key); return once every
         one is acknowledged or failed for good: per envelope, None (sent) or the
         :class:`PermanentSinkError` it can never get past. Raise :class:`RetryableSinkError`
-        when the batch must be sent again (broker down): the caller repeats it, in order."""
+        when the batch must be sent again (broker down): the caller repeats it, in order.
+
+        Optional, besides: ``async def reachable(self) -> None``, one cheap round trip to the
+        destination, raising when it fails. After a batch failed as a whole, the relay calls it
+        (bounded by ``publish_timeout``) before its next round, outside the round's transaction,
+        so that an outage does not keep ``room_outbox`` held round after round."""
         ...

@@ -13,6 +13,13 @@ once: a batch's worth of duplicates at most).
 Only the process holding the cursor row's lock runs a round; the others find it locked, wait
 ``poll_interval`` and try again, so ownership fails over as soon as the owner's connection
 drops.
+
+A round's transaction holds ``room_outbox`` (its metadata lock on MySQL/MariaDB, a share lock
+on PostgreSQL) while its batch is on its way, so room-service's own schema changes wait for it,
+and its writes behind them. After a batch the sink failed as a whole, the next round therefore
+waits, outside any transaction, until the sink answers again (``OrderedLogSink``'s optional
+``reachable``): a broker that hangs holds the table for one round's ``publish_timeout``, not
+for every round of the outage.
 """
 
 from __future__ import annotations
@@ -47,6 +54,10 @@ class BatchFailed(Exception):
     def __init__(self, failure: Failure) -> None:
         super().__init__(failure.error)
         self.failure = failure
+
+
+class SinkUnreachable(Exception):
+    """After a failed batch, the sink did not answer within ``publish_timeout``: no round ran."""
 
 
 class TailRelay:
@@ -87,15 +98,20 @@ class TailRelay:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         log.info("tailing relay started", extra={"lifecycle": "worker_started", "lane": self.lane})
         task_status.started()
+        sink_failed = False  # the last round's batch failed as a whole: wait for the sink first
         while not self._stopping.is_set():
             try:
+                if sink_failed:
+                    await self._sink_reachable()
                 full = await self.run_once()
+                sink_failed = False
                 self.health.round_ended()
                 self.failing_rounds.succeeded()
                 if full:
                     continue  # a backlog drains at full speed
             except Exception as exc:
-                error = str(exc) if isinstance(exc, BatchFailed) else self._short(describe(exc))
+                sink_failed = isinstance(exc, BatchFailed | SinkUnreachable)
+                error = str(exc) if sink_failed else self._short(describe(exc))
                 self.health.round_ended(error)
                 self.telemetry.round_failed(self.lane)
                 self.failing_rounds.failed(error)
@@ -156,6 +172,23 @@ class TailRelay:
         if failure is not None:
             raise BatchFailed(failure)
         return outcomes
+
+    async def _sink_reachable(self) -> None:
+        """Return once the sink answers (its optional ``reachable``), within ``publish_timeout``;
+        raise :class:`SinkUnreachable` otherwise. No transaction is open meanwhile."""
+        reachable = getattr(self._sink, "reachable", None)
+        if reachable is None:
+            return
+        try:
+            with anyio.fail_after(self.publish_timeout):
+                await reachable()
+        except TimeoutError:
+            raise SinkUnreachable(
+                f"sink {self._sink_name} did not answer within publish_timeout ({self.publish_timeout:g}s);"
+                " no round runs until it does"
+            ) from None
+        except Exception as exc:
+            raise SinkUnreachable(self._short(f"sink {self._sink_name} unreachable: {describe(exc)}")) from None
 
     def _count(self, event_label: str, error_class: str | None, events: int = 1) -> None:
         """``events`` published (``error_class`` None) or parked, on the delivery counters."""

@@ -138,6 +138,17 @@ class KafkaSink:
                     self._unresolved.append(future)
         return outcomes
 
+    async def reachable(self) -> None:
+        """One metadata round trip to the brokers (see ``OrderedLogSink``); raises while they do
+        not answer. The caller bounds the wait."""
+        producer = await self._started()
+        try:
+            await producer.client.fetch_all_metadata()
+        except KafkaError as exc:
+            raise RetryableSinkError(
+                f"broker {self.settings.bootstrap_servers} unreachable: {type(exc).__name__}: {exc}"
+            ) from exc
+
     def _note_partitions(self, count: int) -> None:
         """Warn once when the topic's partition count changes (as the producer's metadata shows
         it): each room's key then maps to another partition, so a consumer may read a room's

@@ -1095,6 +1095,53 @@ async def test_an_outage_longer_than_request_timeout_repeats_the_batch_once_at_m
     assert sum(n - 1 for n in copies.values()) <= len(stalled), copies  # a batch's worth at most
 
 
+@pytest.mark.serial  # lock waits of a second are bounds on time
+async def test_a_hung_broker_does_not_keep_room_outbox_held_round_after_round(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """A round's transaction holds room_outbox while its batch is on its way: room-service's own
+    schema change waits for it, and its writes behind that. Once a batch failed, the next
+    rounds wait for the broker outside any transaction, so during the outage an exclusive
+    lock on the table (what a DDL takes) is granted at once, every time."""
+    events = room_events("h", rooms=4, per_room=5)
+    await insert_events(any_store, events)
+    sink = kafka_sink(kafka_broker, request_timeout=1.0)
+    tail = relay(any_store, sink, batch=20, publish_timeout=2.0)
+    mysql = any_store.dialect.name == "mysql"
+    assert kafka_broker.proc is not None
+    try:
+        await sink.publish([])  # connected, the topic's partitions known
+        async with anyio.create_task_group() as rounds:
+            kafka_broker.proc.send_signal(signal.SIGSTOP)
+            try:
+                await rounds.start(tail.run)
+                await wait_until(lambda: tail.health.failed_in_a_row >= 2, timeout=30)  # a round, then a wait
+                refused, tried = 0, 0
+                with anyio.move_on_after(2 * 2.0 + 1):  # rounds of the relay's 2 s publish_timeout, were they run
+                    while True:
+                        tried += 1
+                        try:
+                            async with any_store.transaction() as cur:
+                                if mysql:
+                                    await cur.execute("SET SESSION lock_wait_timeout = 1")
+                                    await cur.execute("LOCK TABLES room_outbox WRITE")
+                                    await cur.execute("UNLOCK TABLES")
+                                else:
+                                    await cur.execute("SET LOCAL lock_timeout = '1s'")
+                                    await cur.execute("LOCK TABLE room_outbox IN ACCESS EXCLUSIVE MODE")
+                        except Exception:
+                            refused += 1
+                assert tried > 0 and refused == 0, (tried, refused)
+            finally:
+                kafka_broker.proc.send_signal(signal.SIGCONT)
+            await wait_until(lambda: _at_end(any_store), timeout=60)
+            tail.stop()
+    finally:
+        await sink.aclose()
+    messages = await consume(kafka_broker, {e["event_id"] for e in events}, timeout=60)
+    assert set(event_ids(messages)) == {e["event_id"] for e in events}
+
+
 async def test_no_record_batch_is_larger_than_max_message_bytes(any_store: SQLStore, kafka_broker: Broker) -> None:
     """A broker refuses a record batch above its message.max.bytes as too large, and each
     envelope in it would be parked though every message fits: with ``max_message_bytes`` set to
