@@ -1142,6 +1142,32 @@ async def test_a_hung_broker_does_not_keep_room_outbox_held_round_after_round(
     assert set(event_ids(messages)) == {e["event_id"] for e in events}
 
 
+async def test_a_lane_changing_hands_at_every_round_says_so_at_info_once(
+    any_store: SQLStore, kafka_broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two processes and light traffic: whichever polls first takes the next round, so the lane
+    changed hands at almost every round, each time a line at INFO (QA: 43 lines in a minute a
+    process). Each process says it once (then once a minute), the rest at DEBUG."""
+    sinks = [kafka_sink(kafka_broker), kafka_sink(kafka_broker)]
+    relays = [relay(any_store, sink) for sink in sinks]
+    try:
+        with caplog.at_level(logging.DEBUG, logger="room_outbox.lanes"):
+            async with anyio.create_task_group() as rounds:
+                for each in relays:
+                    await rounds.start(each.run)
+                for wave in range(20):  # a wave sent before the next: the lane idles between
+                    await insert_events(any_store, room_events(f"w{wave}-", rooms=2, per_room=1))
+                    await wait_until(lambda: _at_end(any_store), timeout=30)
+                for each in relays:
+                    each.stop()
+    finally:
+        for sink in sinks:
+            await sink.aclose()
+    taken = [r for r in caplog.records if r.message == "tailing the lane from its cursor"]
+    assert len(taken) > 4, len(taken)  # the lane did change hands, more than once a process
+    assert [r.levelno for r in taken].count(logging.INFO) <= 2
+
+
 async def test_no_record_batch_is_larger_than_max_message_bytes(any_store: SQLStore, kafka_broker: Broker) -> None:
     """A broker refuses a record batch above its message.max.bytes as too large, and each
     envelope in it would be parked though every message fits: with ``max_message_bytes`` set to

@@ -23,6 +23,8 @@ table's unfinished rows when a lane switches from its table to tailing.
 from __future__ import annotations
 
 import functools
+import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
@@ -75,6 +77,10 @@ class TailRound:
 
     def park(self, row: TailRow, error: str) -> None:
         self.parked[row.outbox_id] = error[:1024]
+
+
+#: Seconds between two INFO lines of one process taking a tailing lane over.
+RESUME_SAID_EVERY = 60.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,8 @@ class TailStore(LaneStore):
     #: The next round's rows, read ahead by the last round, with the highest id seen when they
     #: were read: the next round's own read as long as nothing moved.
     _ahead: tuple[int, list[TailRow]] | None = None
+    #: When this process last said at INFO that it took the lane over (see :meth:`_resume`).
+    _resume_said_at: float = -math.inf
 
     async def migrate(self) -> list[str]:
         return await migrate_tail(self.owner, [self.lane])
@@ -223,7 +231,14 @@ class TailStore(LaneStore):
                     for low, high, since in ranges
                     if high > cursor.fed_through_id
                 ]
-        log.info(
+        # With light traffic and several processes the lane changes hands at almost every round
+        # (whichever polls first takes it): said at INFO once in RESUME_SAID_EVERY, else DEBUG.
+        now = time.monotonic()
+        level = logging.INFO if now - self._resume_said_at >= RESUME_SAID_EVERY else logging.DEBUG
+        if level == logging.INFO:
+            self._resume_said_at = now
+        log.log(
+            level,
             "tailing the lane from its cursor",
             extra={"lane": self.lane, "fed_through_id": cursor.fed_through_id, "read_through_id": self._high},
         )
