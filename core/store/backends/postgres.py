@@ -62,26 +62,13 @@ class _PoolWarnings(logging.Filter):
       that error where it happened; left in, the line came with every failed transaction.
     - a connection attempt that gave up after ``reconnect_timeout``: dropped, the store bounds
       it on purpose (:meth:`PostgresStore.connect`), and the next caller starts another.
-    - a connection attempt that failed: the first, then one a minute at most. While the
-      database is down the pool tries every second or two; each would be a line."""
 
-    #: Seconds between two lines about failed connection attempts.
-    CONNECT_ERROR_EVERY = 60.0
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._next_connect_error = 0.0
+    A failed connection attempt, repeated every second or two while the database is down, is
+    passed once a minute by the log handlers' filter of the libraries' repeated lines
+    (:class:`~room_outbox.observability.logs.RepeatedLibraryLines`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message.startswith(("discarding closed connection", "reconnection attempt in pool")):
-            return False
-        if message.startswith("error connecting in"):
-            now = time.monotonic()
-            if now < self._next_connect_error:
-                return False
-            self._next_connect_error = now + self.CONNECT_ERROR_EVERY
-        return True
+        return not record.getMessage().startswith(("discarding closed connection", "reconnection attempt in pool"))
 
 
 logging.getLogger("psycopg.pool").addFilter(_PoolWarnings())
