@@ -260,8 +260,10 @@ async def run_kafka_lane(store: MySQLStore, events: int, batch_size: int = 100, 
     broker = Tansu()
     try:
         settings = kafka_settings(broker.bootstrap)
-        await migrate_plugins(store, make_plugin_manager(), settings)
+        # The tailing relay's tables first: migrating them hands a lane table over to tailing,
+        # dropping it, and both relays are measured here, on the same lane.
         await migrate_tail(store, ["kafka"])
+        await migrate_plugins(store, make_plugin_manager(), settings)
         worker = settings.outbox_worker.for_lane("kafka")
         options = replace(LaneOptions.from_settings(worker), batch_size=batch_size, poll_interval=0.1)
         await fresh_lane_rows(store, events)
