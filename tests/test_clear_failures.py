@@ -315,6 +315,29 @@ async def test_run_checks_the_schema_at_start(
     assert not any("worker_started" in line for line in err)
 
 
+async def test_run_refuses_a_table_swapped_for_one_without_room_outboxs_indexes(
+    store: MySQLStore, database_dsn: str, tmp_path: Path
+) -> None:
+    """gh-ost's or pt-online-schema-change's shadow table, built without room-outbox's indexes,
+    swapped in: every claim forcing the claim index would fail, any other would scan the table."""
+    async with store.transaction() as cur:
+        await cur.execute("CREATE TABLE _room_outbox_gho LIKE room_outbox")
+        await cur.execute(
+            "ALTER TABLE _room_outbox_gho DROP INDEX idx_room_outbox_claim, DROP INDEX idx_room_outbox_room"
+        )
+        await cur.execute("RENAME TABLE room_outbox TO _room_outbox_del, _room_outbox_gho TO room_outbox")
+    # A process of its own: one that started after all would run until stopped
+    config = write_config(tmp_path, database_dsn)
+    run = [sys.executable, "-m", "room_outbox.cli", "--config", config, "run"]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 3
+    assert done.stderr.splitlines()[-1] == (
+        "room-outbox: table room_outbox lacks the indexes idx_room_outbox_claim, idx_room_outbox_room:"
+        " run `room-outbox migrate`"
+    )
+    assert "worker_started" not in done.stderr
+
+
 class OwnLanePlugin:
     @hookimpl
     def room_outbox_register_sinks(self) -> list[SinkSpec]:

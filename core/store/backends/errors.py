@@ -6,6 +6,9 @@ into :class:`~room_outbox.errors.StoreUnavailable` or :class:`~room_outbox.error
 with a message that names the server, the cause and the fix, and never the password; the
 driver's exception stays the ``__cause__``. Anything else is left alone (a bug, not a
 deployment problem, deserves its traceback).
+
+Every store transaction runs inside :func:`named_fix`: a column or index of room-outbox's gone
+from the outbox table (swapped for a copy built without it) fails a round with the fix.
 """
 
 from __future__ import annotations
@@ -16,10 +19,17 @@ import ssl
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pymysql
 
 from room_outbox.errors import RoomOutboxError, SchemaError, StoreUnavailable
+from room_outbox.store.schema.registry import OUTBOX, required_columns, required_indexes
+
+if TYPE_CHECKING:
+    from room_outbox.store.dialect import Dialect
+    from room_outbox.store.schema.profiles import Profile
 
 #: MySQL client and server error numbers, by what they mean to an operator.
 _CANNOT_CONNECT = {2003: "connection refused or unreachable", 2005: "unknown host"}
@@ -50,6 +60,8 @@ _UNKNOWN_DATABASE = 1049
 _READ_ONLY = (1290, 1792, 1836)
 _NO_SUCH_TABLE = 1146
 _NO_SUCH_COLUMN = 1054
+#: An index a statement forces (``FORCE INDEX``) that the table lacks.
+_NO_SUCH_INDEX = 1176
 
 
 def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxError | None:
@@ -87,7 +99,7 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
             )
         if code in _PRIVILEGE:
             return StoreUnavailable(f"{where}: {reason}; {_PRIVILEGES_NEEDED}")
-        if code in (_NO_SUCH_TABLE, _NO_SUCH_COLUMN):
+        if code in (_NO_SUCH_TABLE, _NO_SUCH_COLUMN, _NO_SUCH_INDEX):
             return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
         if code in _READ_ONLY and "read" in reason.lower():
             return _read_only(where, reason)
@@ -228,6 +240,79 @@ def refused_value(exc: BaseException) -> str | None:
 
         if isinstance(exc, psycopg.errors.DataError | psycopg.errors.IntegrityError):
             return _reason(exc, "")
+    return None
+
+
+@contextmanager
+def named_fix(dialect: Dialect, profile: Profile) -> Iterator[None]:
+    """Around a store's transaction: a statement that fails because the outbox table lacks a
+    column or an index room-outbox's statements need (:func:`.registry.required_columns`,
+    :func:`.registry.required_indexes`: the table was swapped for a copy built without them,
+    after the start-up check passed) raises :class:`SchemaError` naming it and the fix, the
+    driver's error as its cause. Other errors (a handler's own statements among them) pass as
+    they are. The names come from the error: a claim costs nothing more."""
+    try:
+        yield
+    except Exception as exc:
+        missing = _missing(exc)
+        if missing is None or missing.table not in (None, profile.table.lower()):
+            raise
+        if missing.kind == "index":
+            ours = required_indexes(profile)
+        else:
+            ours = required_columns(dialect, profile, OUTBOX)[profile.table]
+        if missing.name not in ours:
+            raise
+        raise SchemaError(
+            f"{missing.said}: {profile.table} lacks the {missing.kind} {missing.name} (the table was replaced?):"
+            " run `room-outbox migrate`"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class Missing:
+    """A column or an index a statement named that its table lacks, as the database said it."""
+
+    #: ``column`` or ``index``.
+    kind: str
+    #: Its name, lower case, without the table or alias before it.
+    name: str
+    #: The table, lower case, where the database's words name it; None where they do not.
+    table: str | None
+    #: The database's words, on one line.
+    said: str
+
+
+#: The database's words for a missing column or index: the name, then the table where named.
+_MISSING_PATTERNS = (
+    ("column", re.compile(r"Unknown column '(?:[^']*\.)?([^'.]+)' in")),  # MySQL/MariaDB 1054
+    ("index", re.compile(r"Key '([^']+)' doesn't exist in table '([^']+)'")),  # MySQL/MariaDB 1176
+    # PostgreSQL 42703: column "x" [of relation "t"] does not exist, column t.x does not exist
+    ("column", re.compile(r'column (?:\S+\.)?"?([^"\s.]+)"?(?: of relation "([^"]+)")? does not exist')),
+    ("column", re.compile(r"no such column: (?:\S+\.)?(\S+)")),  # SQLite
+)
+#: PostgreSQL's SQLSTATE for a column that does not exist.
+_PG_UNDEFINED_COLUMN = "42703"
+
+
+def _missing(exc: BaseException) -> Missing | None:
+    """The column or index a statement failed for lack of (None: another error)."""
+    if isinstance(exc, pymysql.err.Error):
+        if not exc.args or exc.args[0] not in (_NO_SUCH_COLUMN, _NO_SUCH_INDEX):
+            return None
+        said = _reason(exc, "")
+    elif isinstance(exc, sqlite3.OperationalError):
+        said = _reason(exc, "")
+    elif getattr(exc, "sqlstate", None) == _PG_UNDEFINED_COLUMN:
+        # The primary message alone: the whole text goes on with the statement and a caret
+        said = " ".join(str(getattr(getattr(exc, "diag", None), "message_primary", None) or exc).split())
+    else:
+        return None
+    for kind, pattern in _MISSING_PATTERNS:
+        found = pattern.search(said)
+        if found:
+            table = found.group(2) if pattern.groups > 1 else None
+            return Missing(kind, found.group(1).lower(), table.lower() if table else None, said)
     return None
 
 

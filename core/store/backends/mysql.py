@@ -27,6 +27,7 @@ from pymysql.constants import CLIENT
 
 from room_outbox.errors import StoreUnavailable
 from room_outbox.store.backends.dsn import DsnOptionError, host_and_port, parse_server_dsn, socket_option
+from room_outbox.store.backends.errors import named_fix
 from room_outbox.store.backends.leased import LeasedRows, claim_sql
 from room_outbox.store.backends.mysql_online import OnlineSchemaChange, exclusive_migration, to_stderr
 from room_outbox.store.deadline import (
@@ -342,8 +343,10 @@ class MySQLStore(LeasedRows):
         connection, which may be broken (a server restart leaves dead ones in the pool).
 
         The whole transaction — taking a connection, the block, the commit — ends within
-        ``timeout`` (default ``query_timeout``) or raises :class:`QueryTimeout`."""
-        with self._timeouts.call(timeout or self.query_timeout):
+        ``timeout`` (default ``query_timeout``) or raises :class:`QueryTimeout`. A statement
+        failing for a column or index of room-outbox's that the outbox table lacks raises
+        :class:`SchemaError` naming the fix (:func:`.errors.named_fix`)."""
+        with self._timeouts.call(timeout or self.query_timeout), named_fix(self.dialect, self.profile):
             conn = await self._acquire()
             try:
                 async with conn.cursor() as cur:

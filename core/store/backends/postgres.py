@@ -27,7 +27,7 @@ from psycopg.types.string import TextLoader
 from psycopg_pool import AsyncConnectionPool
 
 from room_outbox.errors import ConfigurationError, SchemaError, StoreError
-from room_outbox.store.backends.errors import PG_PRIVILEGES_NEEDED
+from room_outbox.store.backends.errors import PG_PRIVILEGES_NEEDED, named_fix
 from room_outbox.store.backends.leased import LeasedRows
 from room_outbox.store.backends.postgres_address import POOL_MODE, PostgresAddress
 from room_outbox.store.deadline import (
@@ -405,8 +405,9 @@ class PostgresStore(LeasedRows):
         connection (which rolls back), never handing it back to the pool as healthy.
 
         The whole transaction — taking a connection, the block, the commit — ends within
-        ``timeout`` (default ``query_timeout``) or raises :class:`QueryTimeout`."""
-        with self._timeouts.call(timeout or self.query_timeout):
+        ``timeout`` (default ``query_timeout``) or raises :class:`QueryTimeout`; a column or
+        index of room-outbox's missing, :class:`SchemaError` (:func:`.errors.named_fix`)."""
+        with self._timeouts.call(timeout or self.query_timeout), named_fix(self.dialect, self.profile):
             conn = await self._acquire()
             try:
                 async with conn.cursor() as cur:

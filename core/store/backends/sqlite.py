@@ -21,6 +21,7 @@ import aiosqlite
 import anyio
 
 from room_outbox.errors import StoreUnavailable
+from room_outbox.store.backends.errors import named_fix
 from room_outbox.store.backends.leased import LeasedRows
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
 from room_outbox.store.dialect import SQLITE
@@ -153,9 +154,11 @@ class SQLiteStore(LeasedRows):
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[FormatCursor]:
-        """A ``%s``-style cursor in a write transaction: commit on success, roll back on error."""
-        async with self._lock, self._begin() as conn:
-            yield FormatCursor(conn)
+        """A ``%s``-style cursor in a write transaction: commit on success, roll back on error
+        (a column of room-outbox's missing: :class:`SchemaError`, :func:`.errors.named_fix`)."""
+        with named_fix(self.dialect, self.profile):
+            async with self._lock, self._begin() as conn:
+                yield FormatCursor(conn)
 
     @asynccontextmanager
     async def _begin(self) -> AsyncIterator[aiosqlite.Connection]:

@@ -1,10 +1,15 @@
 """Is the schema migrated? ``run`` asks once at start, before any worker claims a row.
 
 A table that was never migrated would otherwise let the process start, report ready and fail
-every round on a missing column. The check reads the catalogue only (the dialect's catalogue
-query: ``information_schema`` or SQLite's ``pragma_table_info``) and names the first thing
-missing together with the fix, then whether the columns can hold what room-outbox writes. The
-outbox table is the profile's (``database.profile``).
+every round on a missing column or index. The check reads the catalogue only (the dialect's
+catalogue query: ``information_schema`` or SQLite's ``pragma_table_info``) and names the first
+thing missing together with the fix, then whether the columns can hold what room-outbox writes.
+The outbox table is the profile's (``database.profile``).
+
+A table that loses them later, swapped under a running process for a copy built without them
+(gh-ost's or pt-online-schema-change's ``RENAME TABLE``, from room-service's own schema file or
+without room-outbox's indexes), fails the rounds instead: the store's transactions turn that
+failure into the same fix (:func:`~room_outbox.store.backends.errors.named_fix`).
 """
 
 from __future__ import annotations
@@ -13,11 +18,11 @@ import logging
 from collections.abc import Sequence
 
 from room_outbox.errors import SchemaError
-from room_outbox.store.dialect import column_names
+from room_outbox.store.dialect import column_names, index_names
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.columns import check_columns, row_security_notice, sequence_problems
 from room_outbox.store.schema.lanes import lane_table
-from room_outbox.store.schema.registry import WantedSchema, required_columns
+from room_outbox.store.schema.registry import WantedSchema, required_columns, required_indexes
 
 log = logging.getLogger("room_outbox.store")
 
@@ -33,7 +38,8 @@ async def check_schema(
     holds, may grow), and each lane in ``lanes`` (enabled sinks with a lane of their own) has
     its table; tailing lanes (``tail_lanes``) need the cursor and parked tables: the registry's
     required columns (:func:`.registry.required_columns`), and no table of their own left from
-    before they tailed (``migrate`` hands over from it)."""
+    before they tailed (``migrate`` hands over from it). The outbox table needs the indexes its
+    statements read by name too (:func:`.registry.required_indexes`)."""
     wanted = WantedSchema(lanes=tuple(lanes) if lanes else None, tail_lanes=tuple(tail_lanes))
     required = required_columns(store.dialect, store.profile, wanted)
     # What the columns can hold comes first: migrate refuses it before adding anything missing
@@ -41,6 +47,7 @@ async def check_schema(
         await check_columns(cur, store.dialect, store.profile, claim_ids)
         refused = await sequence_problems(cur, store.dialect, store.profile) if lanes or tail_lanes else []
         row_security = await row_security_notice(cur, store.dialect, store.profile)
+        indexes = await index_names(cur, store.dialect, store.profile.table)
     if row_security:
         log.warning(row_security)
     if refused:
@@ -53,6 +60,10 @@ async def check_schema(
         missing = [column for column in columns if column not in have]
         if missing:
             raise SchemaError(f"table {table} lacks {', '.join(missing)}: {_FIX}")
+    missing = [index for index in required_indexes(store.profile) if index not in indexes]
+    if missing:
+        which = "the index" if len(missing) == 1 else "the indexes"
+        raise SchemaError(f"table {store.profile.table} lacks {which} {', '.join(missing)}: {_FIX}")
     # A lane switched to tailing hands over from its old table in migrate, which drops it: run
     # before that, it would go on from a cursor that the table's unsent rows are not behind yet.
     left = await _columns(store, [lane_table(lane) for lane in tail_lanes])

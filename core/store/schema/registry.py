@@ -27,7 +27,14 @@ from room_outbox.store.schema.columns import schema_problems, sequence_problems
 from room_outbox.store.schema.consumers import consumer_steps
 from room_outbox.store.schema.handler_tables import check_handler_tables
 from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_steps, lane_table
-from room_outbox.store.schema.outbox import Migration, concurrent_step, invalid_index_steps, plan_outbox
+from room_outbox.store.schema.outbox import (
+    ROOM_INDEX,
+    Migration,
+    claim_index,
+    concurrent_step,
+    invalid_index_steps,
+    plan_outbox,
+)
 from room_outbox.store.schema.outbox import required_columns as outbox_columns
 from room_outbox.store.schema.tail import PARKED_TABLE, parked_while_tailing, tail_steps
 
@@ -128,6 +135,16 @@ def required_columns(dialect: Dialect, profile: Profile, wanted: WantedSchema) -
         required[NODE_TABLE] = ("node_id", "heartbeat_ms", "view", "view_since_ms", "orderings")
         required[BUCKET_TABLE] = ("bucket", "owner", "handing_over", "claimable_from_ms")
     return required
+
+
+def required_indexes(profile: Profile) -> tuple[str, ...]:
+    """The outbox table's indexes room-outbox's statements read by name (lower case), which
+    ``migrate`` creates on every database: the claim's, and per-room order's look-back. MySQL
+    and MariaDB refuse a statement that forces one the table lacks (the claim does, with
+    ``claim_after`` or room buckets); elsewhere every claim would scan the table. A table
+    swapped for a copy built without them (gh-ost, pt-online-schema-change) lacks them."""
+    table = profile.table.lower()
+    return claim_index(table)[0], ROOM_INDEX.format(table=table)
 
 
 async def migration_plan(store: SQLStore, wanted: WantedSchema = OUTBOX) -> list[Migration]:
