@@ -171,7 +171,8 @@ class DatabaseSettings(Section):
     #: the lease (checked by :class:`Settings`).
     query_timeout: Duration = 0.0
     #: How long ``run``, ``consume`` and ``migrate`` wait for a database that cannot be reached
-    #: yet (down, starting) before giving up with exit code 3; 0: try once.
+    #: yet (down, starting) or does not answer yet (PgBouncer paused) before giving up with exit
+    #: code 3; 0: try once.
     connect_wait: Duration = Field(default=30.0, ge=0)
     #: Which outbox table and status words: ``v1`` (room_outbox: pending → published),
     #: ``room_cell`` (room_outbox: pending → delivering → delivered | retryable → failed) or

@@ -25,7 +25,7 @@ from room_outbox.store.backends.postgres_address import PostgresAddress
 from room_outbox.store.backends.sqlite import SQLiteAddress, SQLiteStore
 from room_outbox.store.clock import CLOCK
 from room_outbox.store.consumers.sql import SQLConsumerStore
-from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT
+from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT, QueryTimeout
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.profiles import V1, Profile
 
@@ -112,8 +112,8 @@ async def open_store(
     ``max_envelope_bytes``: a longer envelope is not read (see
     :meth:`~.leased.LeasedRows.read_envelope`).
 
-    A server that cannot be reached (down, starting, refusing connections) is tried again for
-    up to ``wait`` seconds, pausing 0.25 s, 0.5 s, 1 s ... at most 5 s between attempts, each
+    A server that cannot be reached (down, starting, refusing connections) or does not answer
+    (:class:`~.deadline.QueryTimeout`) is tried again for up to ``wait`` seconds, pausing 0.25 s, 0.5 s, 1 s ... at most 5 s between attempts, each
     logged; then, like every other failure, it raises :class:`StoreUnavailable` (or
     :class:`ConfigurationError` for a DSN that does not parse, or a profile whose table lives
     on another kind of database)."""
@@ -150,12 +150,18 @@ async def open_store(
                 store.use_profile(profile)
                 await _read_server(store)
                 return store
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, QueryTimeout) as exc:
             _raise_if_cancellation_was_lost()
+            # A server that takes connections but answers no statement (PgBouncer paused for a
+            # switchover, a server still recovering) is not there yet either.
+            transient = isinstance(exc, QueryTimeout) or exc.transient
             left = deadline - anyio.current_time()
-            if not exc.transient or left <= 0:
-                if wait > 0 and exc.transient:
-                    raise StoreUnavailable(f"{exc} (gave up after waiting {wait:g}s: database.connect_wait)") from exc
+            if not transient or left <= 0:
+                if wait > 0 and transient:
+                    raise StoreUnavailable(
+                        f"{exc if isinstance(exc, StoreUnavailable) else f'{where}: {exc}'}"
+                        f" (gave up after waiting {wait:g}s: database.connect_wait)"
+                    ) from exc
                 raise
             log.warning(
                 "waiting for the database",

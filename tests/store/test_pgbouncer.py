@@ -47,7 +47,7 @@ async def running_pgbouncer(postgresql_dsn: str, tmp_path: Path, pool_mode: str)
         f"* = host={server.host} port={server.port} user={server.user}\n"
         "[pgbouncer]\n"
         f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
-        f"auth_type = any\npool_mode = {pool_mode}\ndefault_pool_size = 2\n"
+        f"auth_type = any\npool_mode = {pool_mode}\ndefault_pool_size = 2\nadmin_users = {server.user}\n"
     )
     # PgBouncer refuses to run as root: it reads its configuration, then becomes nobody.
     as_user = ["-u", "nobody"] if os.geteuid() == 0 else []
@@ -250,3 +250,30 @@ async def test_wall_times_through_pgbouncer_are_taken_in_the_databases_zone(
                 assert await cur.fetchone() == (ZONE,)
         finally:
             await store.aclose()
+
+
+async def test_start_waits_for_a_paused_pgbouncer_within_connect_wait(
+    postgresql_dsn: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PgBouncer paused (a switchover) takes the connection but runs no statement: start-up
+    gave up at the first statement's query_timeout (exit 3 after 2.5 s, QA's run), where a
+    server not answering yet is waited for up to database.connect_wait."""
+    async with running_pgbouncer(postgresql_dsn, tmp_path, "session") as dsn:
+        server = PostgresAddress.from_dsn(dsn)
+        admin = f"postgresql://{server.user}@127.0.0.1:{server.port}/pgbouncer"
+        with psycopg.connect(admin, autocommit=True, connect_timeout=5) as console:
+            console.execute("PAUSE")
+            opened: list[object] = []
+
+            async def start() -> None:
+                opened.append(await open_store(dsn, query_timeout=1.0, wait=30.0))
+
+            with caplog.at_level("WARNING", logger="room_outbox.store"):
+                async with anyio.create_task_group() as starting:
+                    starting.start_soon(start)
+                    waited = lambda: any(r.message == "waiting for the database" for r in caplog.records)  # noqa: E731
+                    await wait_until(waited, timeout=20)
+                    console.execute("RESUME")
+        (store,) = opened
+        assert isinstance(store, PostgresStore)
+        await store.aclose()
