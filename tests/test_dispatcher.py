@@ -389,3 +389,4 @@ async def test_failed_events_are_logged_with_seed_000_fields(
         "e1", "RoomGiftSent", "r_7", 1, "pending",
     )  # fmt: skip
     assert record.error == "test: refused e1"  # type: ignore[attr-defined]
+    assert record.app_code == "default"  # type: ignore[attr-defined]  # ids repeat across apps

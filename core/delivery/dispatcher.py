@@ -594,6 +594,7 @@ class Dispatcher:
         return {
             "lane": self.lane,
             "event_id": row.event_id,
+            "app_code": row.app_code,  # event ids are unique per app only, room ids repeat across apps
             "event_type": row.event_type,
             "room_id": row.room_id,
             "retry_count": row.retry_count,

@@ -40,6 +40,10 @@ def _check_base_url(value: str) -> str:
     value = value.strip().rstrip("/")
     if not value.startswith(("https://", "http://")):
         raise ValueError(f"{value!r} is not an http(s) URL, e.g. {DEFAULT_BASE_URL}")
+    if "?" in value or "#" in value:
+        # The API's path and query are appended to it: a query or fragment here would swallow
+        # them, and every request would go to the wrong resource.
+        raise ValueError(f"{value!r} has a query or fragment; give the endpoint alone, e.g. {DEFAULT_BASE_URL}")
     return value
 
 

@@ -168,7 +168,8 @@ class TencentIMSink:
         size = body_size(body)
         if size > self.settings.max_message_bytes:
             raise PermanentSinkError(
-                f"message is {size} bytes; Tencent IM accepts at most {self.settings.max_message_bytes} (GroupId {group_id})"
+                f"message is {size} bytes; Tencent IM accepts at most {self.settings.max_message_bytes}"
+                f" (GroupId {group_id}, app {app.name})"
             )
         content = request_body(group_id, envelope, body, self.settings.priority_for(envelope.event_type))
         answer = await self._send(app, content, group_id)
@@ -243,7 +244,7 @@ class TencentIMSink:
             raise RetryableSinkError(f"network error ({self._scrub(exc)}) calling Tencent IM app {app.name}") from exc
         status, raw = response.status_code, response.content
         if status != 200:
-            raise RetryableSinkError(f"HTTP {status} from Tencent IM (GroupId {group_id})")
+            raise RetryableSinkError(f"HTTP {status} from Tencent IM (GroupId {group_id}, app {app.name})")
         try:
             answer = json.loads(raw)
         except ValueError:
@@ -251,7 +252,7 @@ class TencentIMSink:
         if not isinstance(answer, dict) or "ActionStatus" not in answer:
             raise RetryableSinkError(
                 f"unexpected answer from Tencent IM: HTTP 200 with {len(raw)} bytes that are not "
-                f"the expected JSON (GroupId {group_id})"
+                f"the expected JSON (GroupId {group_id}, app {app.name})"
             )
         return answer
 
@@ -260,7 +261,7 @@ class TencentIMSink:
             code = int(answer.get("ErrorCode", 0))
         except (TypeError, ValueError):
             raise RetryableSinkError(
-                f"unexpected answer from Tencent IM: ErrorCode is not a number (GroupId {group_id})"
+                f"unexpected answer from Tencent IM: ErrorCode is not a number (GroupId {group_id}, app {app.name})"
             ) from None
         redact = self._own_secrets.redact
         if answer.get("ActionStatus") != "OK" or code != 0:
@@ -278,7 +279,8 @@ class TencentIMSink:
         if drop:
             # Accepted, then dropped by Tencent: not delivered, so not a success.
             raise RetryableSinkError(
-                f"Tencent IM dropped the message: MsgDropReason {short_info(str(drop), redact)} (GroupId {group_id})"
+                f"Tencent IM dropped the message: MsgDropReason {short_info(str(drop), redact)}"
+                f" (GroupId {group_id}, app {app.name})"
             )
 
     def _refused_for_rate(

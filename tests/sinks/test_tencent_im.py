@@ -57,6 +57,7 @@ class TestTencentIMSink(SinkContract):
             invalid=[
                 ({"sdkappid": 0}, "sdkappid"),
                 ({"base_url": "ftp://im.example"}, "base_url"),
+                ({"base_url": "https://im.example?region=sgp"}, "base_url"),  # swallowed the API's path
                 ({"group_id_template": "{room}"}, "group_id_template"),
                 ({"request_timeout": "soon"}, "request_timeout"),
             ],

@@ -96,6 +96,7 @@ async def test_msg_drop_reason_is_a_retryable_failure(fake: FakeTencentIM) -> No
         with pytest.raises(RetryableSinkError, match="MsgDropReason SomethingElse") as info:
             await sink.deliver(event("e2", room_id="r_2"))
         assert type(info.value) is RetryableSinkError
+        assert str(info.value).endswith("(GroupId r_2, app default)")  # room ids repeat across apps
     finally:
         await sink.aclose()
     assert fake.messages == []
@@ -110,6 +111,7 @@ async def test_http_5xx_is_retryable_and_never_quotes_the_body(fake: FakeTencent
     finally:
         await sink.aclose()
     assert "HTTP 503" in str(info.value) and "html" not in str(info.value)
+    assert str(info.value).endswith(", app default)")  # which app's endpoint failed
 
 
 @asynccontextmanager
