@@ -90,6 +90,9 @@ class SinkContext:
     logger: logging.Logger
     #: Register a secret (a key, a signature) so the core redacts it wherever it might leak.
     add_secret: Callable[[str], None] = field(default=lambda _secret: None)
+    #: Unregister a secret no output can hold any more (a signature long replaced): a sink that
+    #: makes secrets at run time keeps their number bounded.
+    remove_secret: Callable[[str], None] = field(default=lambda _secret: None)
     #: This process's share of rate limits the deployment's processes share (one process: all).
     quota: QuotaShare = field(default_factory=QuotaShare)
 

@@ -237,6 +237,7 @@ async def build_lanes(
             node_id=settings.node_id,
             logger=logging.getLogger(f"room_outbox.sink.{name}"),
             add_secret=redactor.add,
+            remove_secret=redactor.discard,
             quota=quota or QuotaShare(),
         )
         try:

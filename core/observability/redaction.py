@@ -71,6 +71,15 @@ class Redactor:
         self._secrets.add(secret)
         self._matcher = _Matcher(self._secrets)
 
+    def discard(self, secret: str) -> None:
+        """Mask ``secret`` no more (a signature replaced: nothing sends it any longer). Each
+        secret costs every later :meth:`add` (one pattern holds them all), so those made over
+        and over must be let go."""
+        secret = secret.strip()
+        if secret in self._secrets:
+            self._secrets.discard(secret)
+            self._matcher = _Matcher(self._secrets) if self._secrets else None
+
     def add_all(self, other: Redactor) -> None:
         for secret in other._secrets:
             self.add(secret)

@@ -13,6 +13,8 @@ import http.cookiejar
 import json
 import random
 import urllib.request
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlencode, urlsplit
@@ -44,6 +46,10 @@ from room_outbox.plugins.tencent_im.ratelimit import KeyedLimiter, SlidingWindow
 from room_outbox.plugins.tencent_im.settings import TencentIMSettings
 from room_outbox.plugins.tencent_im.usersig import UserSigCache
 from room_outbox.tls import as_servers_clients_check
+
+#: UserSigs of one app masked at a time: the one in use and the one before it, which a request
+#: still in flight may have sent.
+USERSIGS_KEPT = 2
 
 
 @dataclass
@@ -84,6 +90,7 @@ class TencentIMSink:
         self.settings = settings
         self.log = context.logger
         self._add_secret = context.add_secret
+        self._remove_secret = context.remove_secret
         # The sink's own secrets, masked in its error texts even before they reach the core
         # (which masks them again with the process's redactor, told through add_secret).
         self._own_secrets = Redactor()
@@ -122,7 +129,7 @@ class TencentIMSink:
 
     def _make_app(self, name: str, sdkappid: int, identifier: str, base_url: str, key: str) -> TencentApp:
         self._remember_secret(key)
-        usersig = UserSigCache(sdkappid, identifier, key, int(self.settings.usersig_ttl), on_new=self._remember_secret)
+        usersig = UserSigCache(sdkappid, identifier, key, int(self.settings.usersig_ttl), on_new=self._usersigs_kept())
         limiter = self._app_limiters.get(sdkappid)
         if limiter is None:
             limiter = self._app_limiters[sdkappid] = SlidingWindowLimiter(self._app_rate)
@@ -151,6 +158,23 @@ class TencentIMSink:
         """Every secret key and every UserSig the cache makes (raw and URL-encoded forms)."""
         self._own_secrets.add(secret)
         self._add_secret(secret)
+
+    def _usersigs_kept(self) -> Callable[[str], None]:
+        """One app's UserSig cache's ``on_new``: each new UserSig is a secret, and the one before
+        the last is forgotten (no request sends it any more). A cache renewed over and over (a
+        clock behind Tencent's by more than ``usersig_ttl``: every UserSig answered 70001)
+        would otherwise pile up secrets, each making every later one dearer to add."""
+        kept: deque[str] = deque()
+
+        def remember(usersig: str) -> None:
+            self._remember_secret(usersig)
+            kept.append(usersig)
+            if len(kept) > USERSIGS_KEPT:
+                old = kept.popleft()
+                self._own_secrets.discard(old)
+                self._remove_secret(old)
+
+        return remember
 
     # -- the Sink protocol ---------------------------------------------------------------
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -11,7 +13,7 @@ import anyio
 import anyio.abc
 import pytest
 from aiohttp import web
-from im_support import event, make_sink
+from im_support import event, im_section, make_sink
 
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugins.tencent_im.errors import (
@@ -316,3 +318,33 @@ async def test_each_app_code_uses_its_own_credentials(fake: FakeTencentIM) -> No
         ("c", 1400000002),
     ]
     assert json.loads(fake.messages[2].data or "")["app_code"] == "game2"
+
+
+async def test_usersigs_renewed_over_and_over_keep_the_secrets_masked_bounded(fake: FakeTencentIM) -> None:
+    """This host's clock behind Tencent's by more than usersig_ttl: Tencent answers every
+    UserSig 70001, and each delivery makes a new one. Each was registered as a secret for
+    good, and every registration rebuilds one pattern over all of them: memory and CPU grew
+    without bound (687 MB after 11 minutes in QA's run). The process masks the UserSig in use
+    and the one before it; the rest are let go."""
+    fake.wall_clock = lambda: time.time() + 2 * 86_400  # Tencent two days ahead of this host
+    redactor = Redactor()
+    context = SinkContext(
+        "test", logging.getLogger("test.tencent_im"), add_secret=redactor.add, remove_secret=redactor.discard
+    )
+    sink = TencentIMSink(TencentIMSettings.model_validate(im_section(fake)), context)
+    seconds = iter(range(1_700_000_000, 1_800_000_000, 7))  # each UserSig made in another second
+    sink._apps_by_code["default"].usersig.clock = lambda: float(next(seconds))
+    usersigs: list[str] = []
+    made = sink._apps_by_code["default"].usersig.on_new
+    sink._apps_by_code["default"].usersig.on_new = lambda sig: (usersigs.append(sig), made(sig))[1]
+    try:
+        for n in range(30):
+            with pytest.raises(RetryableSinkError, match="70001"):
+                await sink.deliver(event(f"e{n}"))
+    finally:
+        await sink.aclose()
+    assert len(set(usersigs)) >= 30  # a new UserSig at least once a delivery
+    masked = [sig for sig in usersigs if sig in redactor]
+    assert masked == usersigs[-2:]  # the one in use and the one before it
+    assert redactor.redact(f"usersig={usersigs[-1]}") == "usersig=[REDACTED]"
+    assert len(redactor._secrets) == 3  # with the secret key
