@@ -1021,16 +1021,25 @@ async def test_a_broker_slower_than_query_timeout_within_publish_timeout_only_de
     assert await cursor(quick_store) == await highest_id(quick_store)
 
 
-@pytest.mark.serial  # a bound on duplicates, and the outage must end within request_timeout
+@pytest.mark.serial  # a bound on duplicates, and an outage of a known length
+@pytest.mark.parametrize(
+    ("request_timeout", "publish_timeout", "failures"),
+    [(5.0, 1.0, 3), (1.0, 0.3, 10)],
+    ids=["within_request_timeout", "several_request_timeouts"],
+)
 async def test_rounds_retried_while_the_broker_hangs_repeat_the_batch_once_at_most(
-    any_store: SQLStore, kafka_broker: Broker
+    any_store: SQLStore, kafka_broker: Broker, request_timeout: float, publish_timeout: float, failures: int
 ) -> None:
-    """publish_timeout (1 s) below the producer's request_timeout (5 s): a round cut off by its
-    deadline leaves its record batches in the producer, and the rounds tried again while the
-    broker hangs must not queue copies of their own. Once it is back, each event is written
-    twice at most: by the attempt cut off and by the round sent again."""
-    sink = kafka_sink(kafka_broker, request_timeout=5.0)
-    tail = relay(any_store, sink, batch=20, publish_timeout=1.0)
+    """publish_timeout below the producer's request_timeout: a round cut off by its deadline
+    leaves its record batches in the producer, and the rounds tried again while the broker
+    hangs must not queue copies of their own (a publish first waits for the batches a cut-off
+    one left). Nor, in an outage several request_timeouts long, must they leave copies in the
+    hung broker's socket, written once it is back (the producer closes a connection whose
+    request timed out, and a new one asks the broker's API versions before it sends anything).
+    Each event is written twice at most: by the attempt that first hung and by the round sent
+    once the broker answers."""
+    sink = kafka_sink(kafka_broker, request_timeout=request_timeout)
+    tail = relay(any_store, sink, batch=20, publish_timeout=publish_timeout)
     stalled = room_events("s", rooms=4, per_room=5)  # one round
     last = room_events("z", rooms=4, per_room=1)  # after every copy, in each room's partition
     assert kafka_broker.proc is not None
@@ -1041,46 +1050,8 @@ async def test_rounds_retried_while_the_broker_hangs_repeat_the_batch_once_at_mo
             kafka_broker.proc.send_signal(signal.SIGSTOP)
             try:
                 await insert_events(any_store, stalled)
-                await wait_until(lambda: tail.health.failed_in_a_row >= 3, timeout=30)
-            finally:
-                kafka_broker.proc.send_signal(signal.SIGCONT)
-            await wait_until(lambda: _at_end(any_store), timeout=60)
-            await insert_events(any_store, last)
-            await wait_until(lambda: _at_end(any_store), timeout=30)
-            tail.stop()
-    finally:
-        await sink.aclose()
-    messages = await consume(kafka_broker, {e["event_id"] for e in stalled + last}, timeout=60)
-    copies = Counter(event_ids(messages))
-    assert max(copies.values()) <= 2, copies
-    assert sum(n - 1 for n in copies.values()) <= len(stalled), copies  # a batch's worth at most
-
-
-@pytest.mark.serial  # a bound on duplicates over an outage several request_timeouts long
-async def test_an_outage_longer_than_request_timeout_repeats_the_batch_once_at_most(
-    any_store: SQLStore, kafka_broker: Broker
-) -> None:
-    """The broker hangs for several request_timeouts (1 s), publish_timeout (0.3 s) cutting
-    rounds off meanwhile. A produce request the producer gave up on still waits in the hung
-    broker's socket and is written once it is back: the rounds tried again meanwhile must not
-    each leave a copy there (a publish first waits for the batches a cut-off one left; the
-    producer closes a connection whose request timed out, and a new one asks the broker's API
-    versions before it sends anything). Each event is written twice at most: by the attempt
-    that first hung and by the round sent once the broker answers."""
-    sink = kafka_sink(kafka_broker, request_timeout=1.0)
-    tail = relay(any_store, sink, batch=20, publish_timeout=0.3)
-    stalled = room_events("o", rooms=4, per_room=5)  # one round
-    last = room_events("y", rooms=4, per_room=1)  # after every copy, in each room's partition
-    assert kafka_broker.proc is not None
-    try:
-        await sink.publish([])  # connected, the topic's partitions known
-        async with anyio.create_task_group() as rounds:
-            await rounds.start(tail.run)
-            kafka_broker.proc.send_signal(signal.SIGSTOP)
-            try:
-                await insert_events(any_store, stalled)
-                # Each failed round takes publish_timeout at least: the outage lasts 3 request_timeouts.
-                await wait_until(lambda: tail.health.failed_in_a_row >= 10, timeout=60)
+                # Each failed round (or wait for the broker) takes publish_timeout at least.
+                await wait_until(lambda: tail.health.failed_in_a_row >= failures, timeout=60)
             finally:
                 kafka_broker.proc.send_signal(signal.SIGCONT)
             await wait_until(lambda: _at_end(any_store), timeout=60)
