@@ -508,19 +508,48 @@ class _SettleBeforeRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
     async def _report_offsets_out_of_range(self, assigned: list[TopicPartition]) -> None:
         """Where a committed offset is outside its partition's log, say so and read from the
         log's beginning. Kafka's answer to such a fetch makes the client do that, saying so only
-        at INFO; a broker that answers it with nothing at all would leave the partition unread."""
+        at INFO; a broker that answers it with nothing at all would leave the partition unread.
+        An offset past the looked-up end is confirmed with a fetch first (:func:`fetched_ends`)."""
         if not assigned:
             return
         first = await self.kafka.beginning_offsets(assigned)
         end = await self.kafka.end_offsets(assigned)
+        committed = {tp: await self.kafka.committed(tp) for tp in assigned}
+        beyond = [tp for tp in assigned if (committed[tp] or 0) > end[tp]]
+        if beyond:
+            end.update(await fetched_ends(self.consumer.settings, beyond, end))
         for tp in assigned:
-            committed = await self.kafka.committed(tp)
-            problem = offset_out_of_range(committed, first[tp], end[tp])
+            problem = offset_out_of_range(committed[tp], first[tp], end[tp])
             if problem is not None:
                 level, message = problem
                 log.log(level, message, extra={"consumer": self.consumer.name, "partition": tp.partition,
-                                               "committed": committed, "log_start": first[tp], "log_end": end[tp]})  # fmt: skip
+                                               "committed": committed[tp], "log_start": first[tp], "log_end": end[tp]})  # fmt: skip
                 self.kafka.seek(tp, first[tp])
+
+
+async def fetched_ends(
+    settings: ConsumerSettings, partitions: list[TopicPartition], listed: dict[TopicPartition, int]
+) -> dict[TopicPartition, int]:
+    """Each partition's end as a fetch reports it (its high watermark), read from where the
+    offsets lookup (``listed``) says the end is. The lookup alone can lag by the last batch on
+    some brokers (seen on tansu): a caught-up consumer's committed offset would look past the
+    end. A reader of its own, outside the group: the member's positions stay as they are. The
+    caller bounds the wait."""
+    reader = AIOKafkaConsumer(
+        bootstrap_servers=settings.bootstrap_servers, client_id=settings.client_id,
+        enable_auto_commit=False, **settings.security.client_kwargs(),
+    )  # fmt: skip
+    try:
+        await reader.start()
+        reader.assign(partitions)
+        for tp in partitions:
+            reader.seek(tp, listed[tp])
+        while any(reader.highwater(tp) is None for tp in partitions):
+            await reader.getmany(*partitions, timeout_ms=200, max_records=1)
+        return {tp: max(listed[tp], reader.highwater(tp) or 0) for tp in partitions}
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await reader.stop()
 
 
 def offset_out_of_range(committed: int | None, first: int, end: int) -> tuple[int, str] | None:
