@@ -20,6 +20,10 @@ revoked meanwhile it is dropped (the new assignment reads from the committed off
 partitions move to another member only after this member's batch is settled and committed,
 so no message is handled by two members at the same time.
 
+**Stopping.** No further message is started; the handlings in progress end or time out. Every
+broker operation (fetch, commit, leaving the group) gets STOP_BROKER_TIMEOUT more once the stop
+is asked, then is abandoned: an offset not committed only makes the next owner read again.
+
 Handling one message (:mod:`.handling`), the retry worker (:mod:`.retries`), dead letters
 (:mod:`.dead_letters`) and routing (:mod:`.messages`) are parts the consumer owns.
 """
@@ -28,8 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -51,6 +56,8 @@ from room_outbox.store.consumers.protocol import NO_HANDLER, ConsumerBatch, Cons
 
 log = logging.getLogger("room_outbox.consume")
 
+T = TypeVar("T")
+
 FETCH_TIMEOUT_MS = 500
 #: Pause after a batch could not be settled (the database is down, say) before it is tried again.
 BATCH_RETRY_PAUSE = 1.0
@@ -59,6 +66,9 @@ COMMIT_TIMEOUT = 10.0
 #: One attempt to reach the broker and join the group; then a pause before the next.
 JOIN_TIMEOUT = 30.0
 JOIN_RETRY_PAUSE = 2.0
+#: How much longer any one broker operation (a fetch, a commit, leaving the group) may take once
+#: the consumer is told to stop: aiokafka retries them for as long as the broker does not answer.
+STOP_BROKER_TIMEOUT = 1.5
 #: The look, on each assignment, at where the partitions' committed offsets stand in their logs.
 OFFSETS_CHECK_TIMEOUT = 5.0
 
@@ -83,6 +93,8 @@ class Consumer:
         self.ordered = settings.ordering == "per_room"
         self.running = False
         self._stop = anyio.Event()
+        #: The broker operations in progress (:meth:`_on_broker`).
+        self._broker_calls: set[anyio.CancelScope] = set()
         self.router = Router(name, handlers)
         self.dead_letters = DeadLetters(name, settings, self.metrics, redactor)
         self.handling = Handling(name, settings, store, telemetry, self.metrics, redactor, self.dead_letters)
@@ -104,6 +116,9 @@ class Consumer:
 
     def stop(self) -> None:
         self._stop.set()
+        deadline = anyio.current_time() + STOP_BROKER_TIMEOUT
+        for call in self._broker_calls:
+            call.deadline = min(call.deadline, deadline)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -121,8 +136,10 @@ class Consumer:
                         await self._live_loop(kafka)
                     finally:
                         self.running = False
-                        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                            await kafka.stop()  # leaves the group: the others take over at once
+                        # Leaves the group: the others take over at once (or, when the broker does
+                        # not answer, after session_timeout).
+                        with anyio.CancelScope(shield=True), anyio.move_on_after(10), contextlib.suppress(_Abandoned):
+                            await self._on_broker(kafka.stop)
                 tasks.cancel_scope.cancel()
         finally:
             await self.dead_letters.close()
@@ -154,10 +171,12 @@ class Consumer:
             kafka.subscribe([s.topic], listener=_SettleBeforeRevoke(self, kafka))
             try:
                 with anyio.fail_after(JOIN_TIMEOUT):
-                    await kafka.start()
-            except (KafkaError, TimeoutError, OSError) as exc:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    await kafka.stop()
+                    await self._on_broker(kafka.start)
+            except (KafkaError, TimeoutError, OSError, _Abandoned) as exc:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(_Abandoned):
+                    await self._on_broker(kafka.stop)
+                if self._stop.is_set():
+                    break
                 log.warning(
                     "broker unavailable; trying again",
                     extra={
@@ -241,10 +260,18 @@ class Consumer:
     async def _commit_settled(self) -> None:
         """Commit the offsets of the batches settled since the last commit."""
         offsets, self._settled = self._settled, {}
-        if not offsets or self._kafka is None:
+        kafka = self._kafka
+        if not offsets or kafka is None:
             return
         try:
-            await self._kafka.commit(offsets)
+            await self._on_broker(lambda: kafka.commit(offsets))
+        except _Abandoned:
+            log.warning(
+                "offset commit abandoned: the broker did not answer while the consumer stops; the"
+                " partitions' next owner reads these messages again and finds them processed",
+                extra={"consumer": self.name, "partitions": sorted(tp.partition for tp in offsets)},
+            )
+            return
         except KafkaError as exc:
             # The partitions moved on (a rebalance): their new owner re-reads from the last
             # commit and finds these messages processed.
@@ -252,11 +279,31 @@ class Consumer:
                 "offset commit failed", extra={"consumer": self.name, "error": error_text(self.redactor, describe(exc))}
             )
             return
-        self._record_lag(self._kafka, offsets)
+        self._record_lag(kafka, offsets)
+
+    async def _on_broker(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """``operation()`` on the broker, which aiokafka retries for as long as the broker does
+        not answer. Once the consumer is told to stop it has STOP_BROKER_TIMEOUT more, then is
+        abandoned (:class:`_Abandoned`): a stop takes a bounded time whatever the broker does."""
+        with anyio.CancelScope() as scope:
+            if self._stop.is_set():
+                scope.deadline = anyio.current_time() + STOP_BROKER_TIMEOUT
+            self._broker_calls.add(scope)  # stop() sets their deadline
+            try:
+                return await operation()
+            finally:
+                self._broker_calls.discard(scope)
+        raise _Abandoned
 
     async def _fetch(self, kafka: AIOKafkaConsumer, timeout_ms: int) -> Fetched | None:
-        """The next batch, routed; None when none came within ``timeout_ms``."""
-        batch = await kafka.getmany(timeout_ms=timeout_ms, max_records=self.settings.max_batch)
+        """The next batch, routed; None when none came within ``timeout_ms`` (or the consumer
+        stops and the broker does not answer)."""
+        try:
+            batch = await self._on_broker(
+                lambda: kafka.getmany(timeout_ms=timeout_ms, max_records=self.settings.max_batch)
+            )
+        except _Abandoned:
+            return None
         return await self.router.route_batch(batch, self._generation) if batch else None
 
     async def _fetch_ahead(self, kafka: AIOKafkaConsumer, into: list[Fetched]) -> None:
@@ -415,6 +462,10 @@ class _Stopping(Exception):
     """The consumer stopped while settling a batch, leaving some of it unsettled."""
 
 
+class _Abandoned(Exception):
+    """A broker operation did not end within STOP_BROKER_TIMEOUT of the consumer's stop."""
+
+
 def rebalance_timeout(settings: ConsumerSettings, batch_handlers: int) -> float:
     """How long the group waits for this member to rejoin in a rebalance. A member gives up
     its partitions only once its batch is settled (:class:`_SettleBeforeRevoke`), so the wait
@@ -457,19 +508,48 @@ class _SettleBeforeRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
     async def _report_offsets_out_of_range(self, assigned: list[TopicPartition]) -> None:
         """Where a committed offset is outside its partition's log, say so and read from the
         log's beginning. Kafka's answer to such a fetch makes the client do that, saying so only
-        at INFO; a broker that answers it with nothing at all would leave the partition unread."""
+        at INFO; a broker that answers it with nothing at all would leave the partition unread.
+        An offset past the looked-up end is confirmed with a fetch first (:func:`fetched_ends`)."""
         if not assigned:
             return
         first = await self.kafka.beginning_offsets(assigned)
         end = await self.kafka.end_offsets(assigned)
+        committed = {tp: await self.kafka.committed(tp) for tp in assigned}
+        beyond = [tp for tp in assigned if (committed[tp] or 0) > end[tp]]
+        if beyond:
+            end.update(await fetched_ends(self.consumer.settings, beyond, end))
         for tp in assigned:
-            committed = await self.kafka.committed(tp)
-            problem = offset_out_of_range(committed, first[tp], end[tp])
+            problem = offset_out_of_range(committed[tp], first[tp], end[tp])
             if problem is not None:
                 level, message = problem
                 log.log(level, message, extra={"consumer": self.consumer.name, "partition": tp.partition,
-                                               "committed": committed, "log_start": first[tp], "log_end": end[tp]})  # fmt: skip
+                                               "committed": committed[tp], "log_start": first[tp], "log_end": end[tp]})  # fmt: skip
                 self.kafka.seek(tp, first[tp])
+
+
+async def fetched_ends(
+    settings: ConsumerSettings, partitions: list[TopicPartition], listed: dict[TopicPartition, int]
+) -> dict[TopicPartition, int]:
+    """Each partition's end as a fetch reports it (its high watermark), read from where the
+    offsets lookup (``listed``) says the end is. The lookup alone can lag by the last batch on
+    some brokers (seen on tansu): a caught-up consumer's committed offset would look past the
+    end. A reader of its own, outside the group: the member's positions stay as they are. The
+    caller bounds the wait."""
+    reader = AIOKafkaConsumer(
+        bootstrap_servers=settings.bootstrap_servers, client_id=settings.client_id,
+        enable_auto_commit=False, **settings.security.client_kwargs(),
+    )  # fmt: skip
+    try:
+        await reader.start()
+        reader.assign(partitions)
+        for tp in partitions:
+            reader.seek(tp, listed[tp])
+        while any(reader.highwater(tp) is None for tp in partitions):
+            await reader.getmany(*partitions, timeout_ms=200, max_records=1)
+        return {tp: max(listed[tp], reader.highwater(tp) or 0) for tp in partitions}
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await reader.stop()
 
 
 def offset_out_of_range(committed: int | None, first: int, end: int) -> tuple[int, str] | None:

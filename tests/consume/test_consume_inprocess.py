@@ -638,3 +638,38 @@ def test_offsets_outside_the_log_are_told_apart() -> None:
     assert level == logging.ERROR and message.startswith("3 messages were deleted by the topic's retention")
     level, message = offset_out_of_range(11, 5, 10) or (0, "")
     assert level == logging.WARNING and "past the end of the partition" in message
+
+
+async def test_a_caught_up_consumer_started_again_goes_on_from_its_committed_offsets(
+    migrated: MySQLStore, broker: ConsumerBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A consumer that handled everything stops (committing the log's end) and starts again. On
+    tansu the end-offset lookup lags by the last batch: that end is confirmed by a fetch's high
+    watermark, and the committed offsets are not taken for past the end (re-read from 0)."""
+    events = [envelope(f"c{n}", "RoomUserJoined", f"room_{n}", 1) for n in range(30)]
+    await send(broker.bootstrap, events, traceparent=None)
+    settings = ConsumerSettings(bootstrap_servers=broker.bootstrap, handlers=["audit"], session_timeout=6)
+
+    def consumer() -> Consumer:
+        return Consumer(
+            "feed", settings, SQLConsumerStore(migrated, settings.handler_timeout),
+            build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor()), "node-1", Redactor(),
+            capture().telemetry,
+        )  # fmt: skip
+
+    async def audited() -> bool:
+        return len(await rows(migrated, "SELECT id FROM room_audit_log")) == len(events)
+
+    async with running(consumer()):
+        await wait_until(audited, timeout=60)
+    again = consumer()
+    with caplog.at_level(logging.INFO, logger="room_outbox.consume"):
+        async with running(again):
+            partitions = [TopicPartition(TOPIC, p) for p in range(3)]
+
+            def fetched() -> bool:  # a fetch follows the assignment's checks
+                kafka = again._kafka
+                return kafka is not None and all(kafka.highwater(tp) is not None for tp in partitions)
+
+            await wait_until(fetched, timeout=60)
+    assert "past the end of the partition" not in caplog.text

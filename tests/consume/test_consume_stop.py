@@ -1,10 +1,11 @@
-"""How long `room-outbox consume` takes to stop on SIGTERM while a handler hangs: at most
-``handler_timeout`` and a few seconds (docs/how-to/run-consumers.md), the batch's unsettled
-messages left to be handled again. A real process on tansu and MariaDB, its handler a plugin
+"""How long `room-outbox consume` takes to stop on SIGTERM while a handler hangs or the broker
+does not answer: at most ``handler_timeout`` and a few seconds (docs/how-to/run-consumers.md),
+the batch's unsettled (or uncommitted) messages left to be handled again. A real process on tansu and MariaDB, its handler a plugin
 installed for it alone."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -123,3 +124,41 @@ def test_sigterm_while_a_handler_hangs_stops_within_handler_timeout_and_a_few_se
 
     eventually(lambda: len(handled()) == len(events), 60, "every event handled after the restart")
     assert set(handled().values()) == {1}
+
+
+def test_sigterm_while_the_broker_does_not_answer_stops_within_handler_timeout_and_a_few_seconds(
+    tmp_path: Path, database_dsn: str, broker: ConsumerBroker, processes: list[ConsumeProcess]
+) -> None:
+    """Events flow, then the broker stops answering (SIGSTOP) and SIGTERM comes: the commits,
+    fetches and the group's leave that aiokafka would retry until the broker answers are
+    abandoned, and the process exits 0 within handler_timeout and a few seconds. What it had
+    handled but not committed is read again by the next start and found processed."""
+    handler = {"handlers": ["audit"], "handler_timeout": f"{HANDLER_TIMEOUT}s", "max_batch": 50}
+    config = write_config(tmp_path / "c.yaml", database_dsn, broker, {"feed": handler})
+    assert cli(config, "migrate").returncode == 0
+    events = [envelope(f"e{n}", "RoomUserJoined", f"room_{n % 40}", n // 40 + 1) for n in range(6000)]
+    produce(broker.bootstrap, [encode(e) for e in events])
+    member = ConsumeProcess(config, "m0")
+    processes.append(member)
+
+    def audited() -> int:
+        return int(query(database_dsn, "SELECT COUNT(*) FROM room_audit_log")[0][0])
+
+    eventually(lambda: audited() >= 300, 60, "handling under way")
+    assert broker.proc is not None
+    broker.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert audited() < len(events), "the consumer caught up before the broker stopped answering"
+        t0 = time.monotonic()
+        rc = member.terminate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        broker.proc.send_signal(signal.SIGCONT)
+    assert rc == 0, member.log.read_text()[-2000:]
+    assert took < HANDLER_TIMEOUT + STOP_MARGIN, f"SIGTERM took {took:.1f}s"
+    assert member.said("consumer stopped")
+
+    processes.append(ConsumeProcess(config, "m1"))
+    eventually(lambda: audited() == len(events), 120, "every event audited after the restart")
+    processed = query(database_dsn, "SELECT COUNT(*), COUNT(DISTINCT event_id) FROM room_consumer_processed")
+    assert processed == [(len(events), len(events))]
