@@ -90,11 +90,17 @@ class DeadLetters:
             self._producer = producer
         return self._producer
 
-    async def close(self) -> None:
-        """Stop the producer, if one was started; shielded, and bounded."""
+    async def close(self, timeout: float) -> None:
+        """Stop the producer, if one was started; shielded, and bounded by ``timeout``: a dead
+        letter it still held is in room_consumer_retry all the same (redrive sends it again)."""
         if self._producer is not None:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(timeout) as bounded:
                 await self._producer.stop()
+            if bounded.cancelled_caught:
+                log.warning(
+                    "dead-letter producer abandoned: the broker did not answer while the consumer stops;"
+                    " the dead letters stay in room_consumer_retry"
+                )
 
 
 def headers(consumer: str, row: RetryRow) -> list[tuple[str, bytes]]:

@@ -142,7 +142,7 @@ class Consumer:
                             await self._on_broker(kafka.stop)
                 tasks.cancel_scope.cancel()
         finally:
-            await self.dead_letters.close()
+            await self.dead_letters.close(STOP_BROKER_TIMEOUT)
             log.info("consumer stopped", extra={"lifecycle": "consumer_stopped", "consumer": self.name})
 
     async def _join(self) -> AIOKafkaConsumer | None:
