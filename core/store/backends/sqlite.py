@@ -54,8 +54,11 @@ class SQLiteAddress:
             raise ValueError(f"database.dsn: scheme must be sqlite:// (got {parts.scheme or 'none'}://)")
         if parts.netloc:
             raise ValueError("database.dsn: a SQLite DSN names a file, not a host: sqlite:///path/to/outbox.db")
-        if parts.query:
-            raise ValueError("database.dsn: a SQLite DSN takes no options")
+        if parts.query or parts.fragment:
+            # A raw `#` would cut the path short silently: another file, empty, watched for ever.
+            raise ValueError(
+                "database.dsn: a SQLite DSN takes no options or fragment; write `?` and `#` in a path as %3F and %23"
+            )
         path = unquote(parts.path)
         if not path or path.endswith("/"):
             raise ValueError("database.dsn: names no file (sqlite:///path/to/outbox.db)")
@@ -130,7 +133,13 @@ class SQLiteStore(LeasedRows):
         address = SQLiteAddress.from_dsn(dsn)
         target: str | Path = address.path
         if create:
-            address.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                address.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreUnavailable(
+                    f"cannot create the folder of SQLite database file {str(address.path)!r}:"
+                    f" {exc.strerror or exc}; is database.dsn's path right, and writable?"
+                ) from None
         elif str(address.path) != ":memory:":
             if not address.path.is_file():
                 raise StoreUnavailable(

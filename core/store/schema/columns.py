@@ -698,5 +698,40 @@ async def check_columns(cur: Any, dialect: Dialect, profile: Profile, claim_ids:
     refused, fixable = column_problems(columns, profile, dialect, claim_ids)
     refused = await binlog_problems(cur, dialect) + await engine_problems(cur, dialect, profile.table) + refused
     refused += await check_constraint_problems(cur, dialect, profile, columns)
+    refused += await sqlite_problems(cur, dialect, profile)
     if refused or fixable:
         raise SchemaError("\n".join(refused + fixable))
+
+
+async def sqlite_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[str]:
+    """SQLite's columns hold any value, so only what leaves rows unreachable is refused:
+
+    * a key declared other than ``INTEGER PRIMARY KEY`` is no alias of the row id: a row the
+      producer inserts without one gets a NULL key, which no lease or result can name (sent,
+      never marked, and sent again at every start);
+    * a time column declared without a type (or as BLOB) has no numeric affinity: a time the
+      producer binds as text compares above every number, never due, never old enough."""
+    if dialect.name != "sqlite":
+        return []
+    await cur.execute(f"SELECT name, type, pk FROM pragma_table_info('{profile.table}')")
+    declared = {str(name).lower(): (str(kind).upper(), int(pk)) for name, kind, pk in await cur.fetchall()}
+    problems = []
+    key = declared.get(profile.key.lower())
+    keys = sum(1 for _, pk in declared.values() if pk)
+    if key is not None and (key != ("INTEGER", 1) or keys > 1):
+        problems.append(
+            f"{profile.table}.{profile.key} is declared {key[0] or 'without a type'}"
+            f"{' PRIMARY KEY' if key[1] else ''}{' (of several columns)' if keys > 1 else ''}: on SQLite only"
+            f" {profile.key} INTEGER PRIMARY KEY is the row's id, and a row inserted without one gets a NULL"
+            f" {profile.key} that no lease can name; make the table again with {profile.key} INTEGER PRIMARY KEY"
+            " AUTOINCREMENT and copy its rows"
+        )
+    if profile.ms_columns:
+        for column in (profile.created, profile.lock):
+            kind = declared.get(column.lower(), ("INTEGER", 0))[0]
+            if kind == "" or "BLOB" in kind:
+                problems.append(
+                    f"{profile.table}.{column} is declared {kind or 'without a type'}: SQLite compares a time"
+                    " stored as text above every number, so such a row is never due; declare it INTEGER"
+                )
+    return problems
