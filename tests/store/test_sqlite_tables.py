@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from room_outbox.errors import SchemaError, StoreUnavailable
+from room_outbox.store.backends.errors import translate
 from room_outbox.store.factory import open_store
 from room_outbox.store.schema.check import check_schema
 
@@ -83,3 +84,10 @@ async def test_a_folder_that_cannot_be_made_is_named_not_a_traceback(tmp_path: P
     blocker.write_text("")  # a file where the folder should be: mkdir fails, even as root
     with pytest.raises(StoreUnavailable, match="cannot create the folder of SQLite database file"):
         await open_store(f"sqlite:///{blocker}/sub/outbox.db")
+
+
+def test_a_locked_database_is_said_to_be_locked_by_another_process_not_a_file_problem() -> None:
+    """ "database is locked" pointed at the file's path: another process holds its write lock."""
+    error = translate(sqlite3.OperationalError("database is locked"), "SQLite database /data/outbox.db")
+    assert isinstance(error, StoreUnavailable) and error.transient
+    assert "another process held the file's write lock" in str(error) and "directory" not in str(error)

@@ -112,8 +112,13 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
         if "no such table" in reason or "no such column" in reason:
             return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
         if isinstance(exc, sqlite3.OperationalError):
-            locked = "locked" in reason or "busy" in reason
-            return StoreUnavailable(f"{where}: {reason}; check database.dsn's file and its directory", transient=locked)
+            if "locked" in reason or "busy" in reason:
+                return StoreUnavailable(
+                    f"{where}: {reason}: another process held the file's write lock longer than"
+                    " database.query_timeout (a long transaction of the producer's?)",
+                    transient=True,
+                )
+            return StoreUnavailable(f"{where}: {reason}; check database.dsn's file and its directory")
         return None
     if isinstance(exc, BrokenPipeError):
         return None  # our own standard output closed (`| head`), not the database
