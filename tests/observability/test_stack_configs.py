@@ -9,6 +9,7 @@ expression of the dashboard goes through ``promtool`` too, as a recording rule.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -233,3 +234,39 @@ def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
     checked = promtool("check", "rules", str(path))
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert f"SUCCESS: {len(queries)} rules found" in checked.stdout
+
+
+def test_a_few_events_failing_for_good_page_and_a_backlog_is_not_counted_once_a_process(tmp_path: Path) -> None:
+    """Unit tests of alerts.yml's rules (promtool test rules). Twenty events parked at once (each
+    fails for good once, then is parked): the page came only of failures lasting ten minutes,
+    so it never did. Two processes each report the table's whole backlog: its growth is the
+    lane's, not twice it."""
+    rules = {rule.get("alert"): rule for rule in yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]}
+    labels = {"sink": "tencent_im", "error_class": "permanent"}
+    annotations = {
+        key: re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m[1]], text)
+        for key, text in rules["RoomOutboxDeliveryFailingForGood"]["annotations"].items()
+    }
+    tests = tmp_path / "alerts.test.yml"
+    tests.write_text(
+        f"rule_files: [{ALERTS}]\n"
+        "evaluation_interval: 1m\n"
+        "tests:\n"
+        "  - interval: 1m\n"
+        "    input_series:\n"
+        '      - series: \'room_outbox_publish_failure_total{sink="tencent_im",error_class="permanent"}\'\n'
+        "        values: '0 0 20 20 20 20 20 20 20 20 20 20 20 20 20 20 20 20 20 20 20 20 20 20 20'\n"
+        "    alert_rule_test:\n"
+        "      - eval_time: 3m\n"
+        "        alertname: RoomOutboxDeliveryFailingForGood\n"
+        "        exp_alerts:\n"
+        "          - exp_labels: {severity: page, sink: tencent_im, error_class: permanent}\n"
+        f"            exp_annotations: {json.dumps(annotations)}\n"
+        "      - eval_time: 20m\n"
+        "        alertname: RoomOutboxDeliveryFailingForGood\n"
+        "        exp_alerts: []\n"
+    )
+    done = promtool("test", "rules", str(tests))
+    assert done.returncode == 0, done.stdout + done.stderr
+    backlog = [rule for rule in rules.values() if "room_outbox_pending" in rule["expr"]]
+    assert all("sum by (lane)" not in rule["expr"] for rule in backlog), backlog
