@@ -65,6 +65,22 @@ async def test_readyz_fails_after_consecutive_failed_rounds(served: tuple[Health
     assert (await client.get("/readyz")).status_code == 200
 
 
+async def test_a_lanes_sink_failing_round_after_round_never_makes_the_process_unready(
+    served: tuple[Health, httpx.AsyncClient],
+) -> None:
+    """A tailing lane's broker down failed its rounds, and the process went unready (an
+    orchestrator took it out of service) though its database and its other lanes were well."""
+    health, client = served
+    health.worker = "running"
+    lane = health.lane("kafka")
+    await wait_until(lambda: health.readiness()[0], timeout=5)  # once the watch's first ping is in
+    for _ in range(5):
+        lane.round_ended("sink kafka did not answer within publish_timeout", sink_failed=True)
+    assert (await client.get("/readyz")).status_code == 200
+    lane.round_ended("QueryTimeout: the database did not answer")  # the database's, after those
+    assert (await client.get("/readyz")).status_code == 503
+
+
 async def test_a_database_check_that_times_out_is_logged_by_its_type_without_a_dangling_colon(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

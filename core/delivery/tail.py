@@ -112,7 +112,7 @@ class TailRelay:
             except Exception as exc:
                 sink_failed = isinstance(exc, BatchFailed | SinkUnreachable)
                 error = str(exc) if sink_failed else self._short(describe(exc))
-                self.health.round_ended(error)
+                self.health.round_ended(error, sink_failed=sink_failed)
                 self.telemetry.round_failed(self.lane)
                 self.failing_rounds.failed(error)
             with anyio.move_on_after(self.poll_interval):

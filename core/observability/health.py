@@ -46,12 +46,15 @@ class LaneHealth:
     last_error: str = ""
     #: ``time.monotonic()`` of the last successful round (its queries answered); None: none yet.
     succeeded_at: float | None = None
+    #: Whether the last failed round failed for its sink (a tailing lane's broker down), not
+    #: for the database: a failing sink never makes the process unready.
+    sink_failing: bool = False
 
     def progressed(self) -> None:
         self.last_progress = time.monotonic()
 
-    def round_ended(self, error: str | None = None) -> None:
-        """A round ended: successfully (``error`` None) or not."""
+    def round_ended(self, error: str | None = None, *, sink_failed: bool = False) -> None:
+        """A round ended: successfully (``error`` None) or not; ``sink_failed``: for its sink."""
         self.progressed()
         if error is None:
             self.failed_in_a_row = 0
@@ -59,6 +62,7 @@ class LaneHealth:
         else:
             self.failed_in_a_row += 1
             self.last_error = error
+        self.sink_failing = error is not None and sink_failed
 
 
 async def _no_database_check() -> None:
@@ -114,14 +118,15 @@ class Health:
     def readiness(self) -> tuple[bool, dict[str, str]]:
         """Ready when the worker runs (or is disabled by configuration), a query succeeded
         within the last ``DATABASE_FRESH_FOR`` seconds (a lane's successful round counts) and no
-        lane has had ``unready_after_failed_rounds`` failed rounds in a row. The ``clock`` check
+        lane has had ``unready_after_failed_rounds`` failed rounds in a row (but for its sink's:
+        a broker down is the lane's alert, not the process's readiness). The ``clock`` check
         says whether this host's clock is off the database's by more than
         ``cluster.max_clock_skew``: shown, not a cause of unreadiness."""
         checks: dict[str, str] = {"worker": self.worker, "database": self._database_check()}
         ready = checks["database"] == "ok" and self.worker in ("running", "disabled")
         checks["clock"] = CLOCK_SKEWED if self.clock.skewed else "ok"
         for name, lane in sorted(self.lanes.items()):
-            if lane.failed_in_a_row >= self.unready_after_failed_rounds:
+            if lane.failed_in_a_row >= self.unready_after_failed_rounds and not lane.sink_failing:
                 ready = False
                 checks[f"lane {name}"] = f"{lane.failed_in_a_row} rounds failed in a row"
         return ready, checks

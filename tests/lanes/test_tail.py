@@ -1087,6 +1087,7 @@ async def test_a_hung_broker_does_not_keep_room_outbox_held_round_after_round(
             try:
                 await rounds.start(tail.run)
                 await wait_until(lambda: tail.health.failed_in_a_row >= 2, timeout=30)  # a round, then a wait
+                assert tail.health.sink_failing  # the broker's, not the database's: the process stays ready
                 refused, tried = 0, 0
                 with anyio.move_on_after(2 * 2.0 + 1):  # rounds of the relay's 2 s publish_timeout, were they run
                     while True:
