@@ -32,6 +32,7 @@ from room_outbox.cli.command import (
 )
 from room_outbox.cli.output import NONE, format_age, format_app, format_table, printable
 from room_outbox.config import ConfigError, Settings
+from room_outbox.consume.engine import high_watermarks
 from room_outbox.consume.ops import migrated_consumer_store
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.errors import BrokerUnavailable
@@ -271,13 +272,7 @@ async def _end_offsets(reader: AIOKafkaConsumer, partitions: list[TopicPartition
     lag by the last batch on some brokers (seen on tansu); the fetch's answer cannot."""
     if not partitions:
         return {}
-    listed = await reader.end_offsets(partitions)
-    reader.assign(partitions)
-    for tp in partitions:
-        reader.seek(tp, listed[tp])
-    while any(reader.highwater(tp) is None for tp in partitions):
-        await reader.getmany(*partitions, timeout_ms=200, max_records=1)
-    return {tp: max(listed[tp], reader.highwater(tp) or 0) for tp in partitions}
+    return await high_watermarks(reader, partitions, await reader.end_offsets(partitions))
 
 
 async def _partitions(reader: AIOKafkaConsumer, topic: str) -> set[int]:

@@ -541,15 +541,24 @@ async def fetched_ends(
     )  # fmt: skip
     try:
         await reader.start()
-        reader.assign(partitions)
-        for tp in partitions:
-            reader.seek(tp, listed[tp])
-        while any(reader.highwater(tp) is None for tp in partitions):
-            await reader.getmany(*partitions, timeout_ms=200, max_records=1)
-        return {tp: max(listed[tp], reader.highwater(tp) or 0) for tp in partitions}
+        return await high_watermarks(reader, partitions, listed)
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             await reader.stop()
+
+
+async def high_watermarks(
+    reader: AIOKafkaConsumer, partitions: list[TopicPartition], listed: dict[TopicPartition, int]
+) -> dict[TopicPartition, int]:
+    """Each partition's end: the later of ``listed`` (the offsets lookup) and the high watermark
+    a fetch from there reports, which the lookup can lag by the last batch (seen on tansu).
+    ``reader`` is assigned the partitions: a reader outside any group."""
+    reader.assign(partitions)
+    for tp in partitions:
+        reader.seek(tp, listed[tp])
+    while any(reader.highwater(tp) is None for tp in partitions):
+        await reader.getmany(*partitions, timeout_ms=200, max_records=1)
+    return {tp: max(listed[tp], reader.highwater(tp) or 0) for tp in partitions}
 
 
 def offset_out_of_range(committed: int | None, first: int, end: int) -> tuple[int, str] | None:

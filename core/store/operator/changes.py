@@ -53,12 +53,7 @@ async def find_requeue_candidates(store: SQLStore, where: RequeueFilter, limit: 
     p = store.profile
     clauses = [f"status IN ({marks(statuses)})", f"NOT (worker_id IS NOT NULL AND {p.lock} > {p.ms('%s')})"]
     params: list[Any] = [*statuses, now_ms()]
-    if where.event_ids:
-        clauses.append(f"{p.event_id} IN ({marks(where.event_ids)})")
-        params.extend(where.event_ids)
-    if where.error_contains:
-        clauses.append(store.dialect.text_contains("last_error"))
-        params.append(where.error_contains)
+    _id_and_error_clauses(store, where, p.event_id, clauses, params)
     of_row, of_row_params = _row_clauses(store, where)
     async with store.transaction() as cur:
         await cur.execute(
@@ -69,6 +64,19 @@ async def find_requeue_candidates(store: SQLStore, where: RequeueFilter, limit: 
         )
         names = [d[0] for d in cur.description]
         return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
+
+
+def _id_and_error_clauses(
+    store: SQLStore, where: RequeueFilter, event_id: str, clauses: list[str], params: list[Any]
+) -> None:
+    """Add to ``clauses`` and ``params`` the filter's event ids (in the column ``event_id``) and
+    error text: what an outbox row and a parked entry both answer themselves."""
+    if where.event_ids:
+        clauses.append(f"{event_id} IN ({marks(where.event_ids)})")
+        params.extend(where.event_ids)
+    if where.error_contains:
+        clauses.append(store.dialect.text_contains("last_error"))
+        params.append(where.error_contains)
 
 
 def _row_clauses(store: SQLStore, where: RequeueFilter) -> tuple[list[str], list[Any]]:
@@ -99,12 +107,7 @@ async def find_parked_in_lane(
     (its entries are all parked), nor is a lease (a lane's round holds no row)."""
     p = store.profile
     clauses, params = ["lane = %s", "status = %s"], [lane, PARKED]
-    if where.event_ids:  # as the entry keeps it
-        clauses.append(f"event_id IN ({marks(where.event_ids)})")
-        params.extend(where.event_ids)
-    if where.error_contains:
-        clauses.append(store.dialect.text_contains("last_error"))
-        params.append(where.error_contains)
+    _id_and_error_clauses(store, where, "event_id", clauses, params)  # the event id as the entry keeps it
     of_row, of_row_params = _row_clauses(store, where)
     if of_row:  # each entry's one row, by its key: the lane's few entries lead, never a scan of the outbox
         clauses.append(
