@@ -106,6 +106,13 @@ async def id_held_open(store: Any, event_id: str, room_id: str = "late-room") ->
             commit.set()
 
 
+async def execute(store: Any, *statements: str) -> None:
+    """Each of ``statements`` run in one transaction of ``store`` (a table's set-up)."""
+    async with store.transaction() as cur:
+        for statement in statements:
+            await cur.execute(statement)
+
+
 async def fetch_rows(store: MySQLStore) -> dict[str, dict[str, Any]]:
     """event_id → row (as a dict) for every row of room_outbox."""
     async with store.transaction() as cur:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 import pytest
-from support import free_port
+from support import execute, free_port
 
 from room_outbox import ConsumedEvent, HandleContext, HandlerTable, PermanentHandlerError
 from room_outbox.cli.consume import migrate_consumers
@@ -42,12 +42,6 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
         yield store
     finally:
         await store.aclose()
-
-
-async def execute(store: SQLStore, *statements: str) -> None:
-    async with store.transaction() as cur:
-        for statement in statements:
-            await cur.execute(statement)
 
 
 async def refusal_at_migrate_and_start(store: SQLStore, dsn: str) -> str:

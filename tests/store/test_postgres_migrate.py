@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import anyio
 import psycopg
 import pytest
-from support import envelope, insert_events, pg_producing, wait_until
+from support import envelope, execute, insert_events, pg_producing, wait_until
 
 from room_outbox.errors import SchemaError, StoreError
 from room_outbox.store.backends.postgres import MIGRATE_LOCK_KEY, PostgresStore
@@ -57,12 +57,6 @@ async def silk(postgresql_dsn: str) -> AsyncIterator[PostgresStore]:
         yield store
     finally:
         await store.aclose()
-
-
-async def execute(store: SQLStore, *statements: str) -> None:
-    async with store.transaction() as cur:
-        for statement in statements:
-            await cur.execute(statement)
 
 
 async def fetch(store: SQLStore, sql: str) -> list[tuple[object, ...]]:
