@@ -379,7 +379,7 @@ async def lane_table_lane(store: SQLStore, statuses: list[str]) -> int:
 
 
 HANDED_OVER = (
-    "moved lane kafka's cursor back to {}: it tails from room_outbox_lane_kafka's first unfinished row;"
+    "moved lane kafka's cursor back to {}: it tails from room_outbox_lane_kafka's first row still owed;"
     " dropped room_outbox_lane_kafka (room-outbox's own table): lane kafka tails from its cursor now,"
     " which holds all it owes"
 )
@@ -387,7 +387,7 @@ HANDED_OVER = (
 
 async def test_migrate_hands_a_lane_table_lane_over_to_tailing_and_drops_its_table(any_store: SQLStore) -> None:
     """Switched to ``relay: tail``, the lane's cursor goes back to just below its table's first
-    unfinished row and the table is dropped, in one step that ``migrate --sql`` shows; until then
+    row still owed and the table is dropped, in one step that ``migrate --sql`` shows; until then
     a tailing process refuses to start. The cursor alone decides from then on: the lane sends
     what the table owed, and a later migrate does not move it back again."""
     first = await lane_table_lane(any_store, ["published"] * 3 + ["pending"] * 3)
@@ -423,12 +423,12 @@ async def test_the_hand_over_never_moves_the_cursor_forward_and_starts_one_the_t
 ) -> None:
     """A table that finished every row keeps the cursor where it is (a migrate whose drop
     failed is such a one, run again); a table whose lane never wrote its cursor row gets one
-    just below its first unfinished row, rather than the lane starting at ``start``."""
+    just below its first row still owed, rather than the lane starting at ``start``."""
     first = await lane_table_lane(any_store, ["published"] * 3)
     async with any_store.transaction() as cur:  # the rows the cursor has yet to pass are not in the table
         await cur.execute(f"UPDATE {CURSOR_TABLE} SET fed_through_id = {first + 1} WHERE lane = 'kafka'")
     assert await migrate_tail(any_store, ["kafka"]) == [
-        f"kept lane kafka's cursor at {first + 1}: room_outbox_lane_kafka had finished every row up to it;"
+        f"kept lane kafka's cursor at {first + 1}: room_outbox_lane_kafka owed no row up to it;"
         + HANDED_OVER.split(";")[1]
     ]
     assert await cursor(any_store) == first + 1
@@ -442,10 +442,98 @@ async def test_the_hand_over_never_moves_the_cursor_forward_and_starts_one_the_t
             (first + 2,),
         )
     assert await migrate_tail(any_store, ["kafka"]) == [
-        f"started lane kafka's cursor at {first + 1}: it tails from room_outbox_lane_kafka's first unfinished row;"
+        f"started lane kafka's cursor at {first + 1}: it tails from room_outbox_lane_kafka's first row still owed;"
         + HANDED_OVER.split(";")[1]
     ]
     assert await cursor(any_store) == first + 1
+
+
+async def test_the_hand_over_tails_from_the_first_row_still_owed_and_keeps_the_rows_the_table_parked(
+    any_store: SQLStore,
+) -> None:
+    """Rows the lane table parked for good (``failed``: too large, a bad envelope; perhaps months
+    ago) or an operator cancelled are not owed: the cursor goes back to just below the first
+    row still to send, not below them, and they move to the tailing lane's parked table with
+    their error, in the same step (shown by ``migrate --sql``), where ``lanes``, ``inspect``
+    and ``requeue --lane`` see them. One parked above that row is read and sent again."""
+    statuses = ["failed", "cancelled"] + ["published"] * 6 + ["pending", "failed", "pending"]
+    first = await lane_table_lane(any_store, statuses)
+    async with any_store.transaction() as cur:
+        await cur.execute(
+            "UPDATE room_outbox_lane_kafka SET last_error = 'too large', created_at_ms = 5, updated_at_ms = 7"
+            " WHERE status = 'failed'"
+        )
+        await cur.execute(f"DROP TABLE {PARKED_TABLE}")  # the lane never tailed before
+    created, step = await tail_migration_plan(any_store, ["kafka"])
+    assert created.change == f"created table {PARKED_TABLE}"
+    assert step.change == (
+        f"moved room_outbox_lane_kafka's 1 parked and 1 cancelled row(s) up to {first + 7} to {PARKED_TABLE}; "
+        + HANDED_OVER.format(first + 7)
+    )
+    assert step.statements[0].startswith(f"INSERT INTO {PARKED_TABLE} ")
+    assert step.statements[1:] == (
+        f"UPDATE {CURSOR_TABLE} SET fed_through_id = {first + 7}, read_through_id = NULL, open_gaps = NULL"
+        " WHERE lane = 'kafka'",
+        "DROP TABLE IF EXISTS room_outbox_lane_kafka",
+    )
+    assert await migrate_tail(any_store, ["kafka"]) == [created.change, step.change]
+    assert await cursor(any_store) == first + 7
+
+    sink = OrderedLog()
+    await drain(log_relay(any_store, sink), any_store)
+    assert sink.sent == ["m08-r0", "m09-r0", "m10-r0"]
+    async with any_store.transaction() as cur:
+        await cur.execute(
+            f"SELECT outbox_id, event_id, room_id, status, last_error, created_at_ms, updated_at_ms FROM {PARKED_TABLE}"
+            " WHERE lane = 'kafka' ORDER BY outbox_id"
+        )
+        assert [tuple(row) for row in await cur.fetchall()] == [
+            (first, "m00-r0", "r0", "parked", "too large", 5, 7),
+            (first + 1, "m01-r0", "r0", "cancelled", None, 0, 0),
+        ]
+    (lane,) = (await lane_rows(any_store, LanePlan(main=False, own=("kafka",), tail=("kafka",))))[1:]
+    assert (lane.pending, lane.unfed, lane.parked) == (0, 0, 1)
+    (doc,) = await inspect_events(any_store, "m00-r0")
+    assert doc["lanes"]["kafka"].startswith("parked")
+    out, err = io.StringIO(), io.StringIO()
+    assert await requeue_tail_command(any_store, "kafka", RequeueFilter(), True, out, err) == 0, err.getvalue()
+    await log_relay(any_store, sink).run_once()
+    assert sink.sent[3:] == ["m00-r0"]
+
+
+async def test_a_hand_over_interrupted_half_way_is_made_whole_by_the_next_migrate(any_store: SQLStore) -> None:
+    """Where its statements commit one by one (MySQL), a hand over stopped after moving the
+    parked rows, or after the cursor too, ends the same when migrate runs again: no row moved
+    twice, the cursor in the same place. A table whose lane never wrote its cursor row starts
+    one just below its first row still owed, and its parked rows below it move too."""
+    first = await lane_table_lane(any_store, ["failed", "published", "pending", "pending"])
+    async with any_store.transaction() as cur:
+        await cur.execute(f"DELETE FROM {CURSOR_TABLE}")
+    (step,) = await tail_migration_plan(any_store, ["kafka"])
+    assert step.change.startswith(
+        f"moved room_outbox_lane_kafka's 1 parked row(s) up to {first + 1} to {PARKED_TABLE}; started lane"
+        f" kafka's cursor at {first + 1}: it tails from room_outbox_lane_kafka's first row still owed;"
+    )
+    move, start, drop = step.statements
+    assert start == f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, updated_at_ms) VALUES ('kafka', {first + 1}, 0)"
+    async with any_store.transaction() as cur:
+        await cur.execute(move)
+    (again,) = await tail_migration_plan(any_store, ["kafka"])
+    assert again.statements == (start, drop)  # nothing left to move
+    async with any_store.transaction() as cur:
+        await cur.execute(move)  # run again, it moves nothing twice
+        await cur.execute(start)
+    (again,) = await tail_migration_plan(any_store, ["kafka"])
+    assert again.statements == (
+        f"UPDATE {CURSOR_TABLE} SET fed_through_id = {first + 1}, read_through_id = NULL, open_gaps = NULL"
+        " WHERE lane = 'kafka'",
+        drop,
+    )
+    await migrate_tail(any_store, ["kafka"])
+    assert await cursor(any_store) == first + 1
+    async with any_store.transaction() as cur:
+        await cur.execute(f"SELECT outbox_id, status FROM {PARKED_TABLE} WHERE lane = 'kafka'")
+        assert [tuple(row) for row in await cur.fetchall()] == [(first, "parked")]
 
 
 async def test_a_lane_handed_over_to_tailing_owes_nothing_to_its_old_table(any_store: SQLStore) -> None:

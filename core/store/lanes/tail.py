@@ -17,7 +17,8 @@ and the ranges below it still missing (:class:`TailCursor`): an id that is missi
 (a producer's transaction still open, a rolled-back insert) holds ``fed_through_id`` below it
 for up to ``gap_timeout``, while the rounds go on sending what is above it, and a new owner
 must not send all of that again. :func:`migrate_tail` moves the cursor back below the lane
-table's unfinished rows when a lane switches from its table to tailing.
+table's first row still owed when a lane switches from its table to tailing, and moves the rows
+the table parked to the parked table.
 """
 
 from __future__ import annotations

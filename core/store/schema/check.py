@@ -71,7 +71,8 @@ async def check_schema(
         if lane_table(lane) in left:
             raise SchemaError(
                 f"table {lane_table(lane)} is still there: lane {lane} ran on it before it tailed room_outbox;"
-                f" {_FIX} (it moves the lane's cursor back to the table's first unfinished row and drops the table)"
+                f" {_FIX} (it moves the lane's cursor back to the table's first row still owed, keeps the rows it"
+                " parked, and drops the table)"
             )
 
 
