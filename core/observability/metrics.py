@@ -130,13 +130,15 @@ def _clock_offset(options: CallbackOptions) -> Iterable[Observation]:
 class ConsumerMetrics:
     """One consumer's instruments, its counters exported at 0 for each of ``handlers``. A
     handling's ``outcome`` is ``handled``, or ``duplicate`` (its processed record existed: a
-    redelivery); the lag is the partition's high watermark minus the offset this process last
-    committed, set after each commit."""
+    redelivery); the lag is the partition's end minus the group's committed offset, read from
+    the broker on a timer for every partition of the topic (room_outbox.consume.offsets)."""
 
     def __init__(self, meter: Meter, consumer: str, handlers: Iterable[str]) -> None:
         self.consumer = consumer
         self.lag = meter.create_gauge(
-            "room_outbox.consumer.lag", unit="{message}", description="Messages of a partition not yet committed."
+            "room_outbox.consumer.lag",
+            unit="{message}",
+            description="Messages of a partition its group has not committed yet, as the broker says.",
         )
         self.handled = meter.create_counter(
             "room_outbox.consumer.handled", unit="{message}", description="Messages a handler settled."
