@@ -42,6 +42,7 @@ from aiokafka.errors import KafkaError
 from anyio.abc import TaskStatus
 
 from room_outbox.attempt.failure import describe, error_text
+from room_outbox.config import TelemetrySettings
 from room_outbox.consume.dead_letters import DLQ_SEND_TIMEOUT, DeadLetters
 from room_outbox.consume.handling import Handling
 from room_outbox.consume.messages import Fetched, Message, Router
@@ -84,7 +85,7 @@ class Consumer:
         node_id: str,
         redactor: Redactor,
         telemetry: Telemetry,
-        lag_interval: float = 15.0,
+        lag_interval: float = TelemetrySettings().backlog_interval,
     ) -> None:
         self.name = name
         self.settings = settings

@@ -28,6 +28,8 @@ log = logging.getLogger("room_outbox.consume")
 #: One reading of the lag (metadata, committed offsets, end offsets and a fetch): past it, the
 #: reading is abandoned and the gauges keep their last values until the next one.
 LAG_READ_TIMEOUT = 10.0
+#: Closing the watch's clients (at the consumer's stop, or after a failed reading).
+CLOSE_TIMEOUT = 2.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,8 @@ class LagWatch:
         clients, self._clients = self._clients, None
         if clients is None:
             return
-        for close in (clients[1].stop, clients[0].close):
-            with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(Exception):
-                await close()
+        admin, reader = clients
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+            for close in (reader.stop, admin.close):
+                with contextlib.suppress(Exception):  # a client whose start failed may refuse its close
+                    await close()
