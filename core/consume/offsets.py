@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import anyio
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
 
 from room_outbox.attempt.failure import describe, error_text
 from room_outbox.consume.settings import ConsumerSettings
@@ -115,7 +114,7 @@ class LagWatch:
             with anyio.fail_after(LAG_READ_TIMEOUT):
                 admin, reader = await self._started()
                 offsets = await group_offsets(admin, reader, self.settings.group(self.name), self.settings.topic)
-        except (KafkaError, OSError, TimeoutError) as exc:
+        except Exception as exc:  # whatever the broker or the driver does, a metric never stops consuming
             await self._close()
             if not self._failing:
                 log.warning(
