@@ -441,7 +441,8 @@ class TelemetrySettings(Section):
 
     #: ``host:port`` serving /healthz, /readyz and /metrics; empty: no endpoint.
     http_listen: str = ""
-    #: How often the pending count and oldest pending age are sampled (two index lookups).
+    #: How often the backlog is sampled: a lane's pending count and oldest pending age (two
+    #: index lookups), a consume process's lag (its end and committed offsets, from the broker).
     backlog_interval: Duration = 15.0
     #: /healthz fails once a running lane has ended no round (and no delivery attempt) for
     #: this many poll intervals (see ``room_outbox.observability.health``).

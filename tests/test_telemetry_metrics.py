@@ -7,9 +7,10 @@ import logging
 import time
 from typing import Any
 
+import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import RecordingSink, envelope, insert_events, make_dispatcher
+from support import RecordingSink, envelope, insert_events, make_dispatcher, wait_until
 from telemetry_support import capture
 
 from bench.drive import run_until_empty
@@ -110,6 +111,31 @@ async def test_a_row_taken_over_by_another_claim_counts_as_a_lost_lease(
     (record,) = [r for r in caplog.records if "results not recorded" in r.getMessage()]
     assert record.levelno == logging.WARNING and "taken over" in record.getMessage()
     assert record.rows == 1 and record.event_ids == ["e1"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.anyio
+async def test_a_takeover_the_renewal_finds_first_counts_once(store: MySQLStore) -> None:
+    """Another claim takes the row while it is being delivered; a lease renewal finds it gone
+    (counted there), then its result comes back stale: the same lost lease, not a second one."""
+    await insert_events(store, [envelope("e1")])
+    captured = capture()
+
+    def lost(point: str) -> float:
+        return captured.value("room_outbox.lost_leases", detected_at=point, cause="taken_over")
+
+    class TakenOverMidDelivery(RecordingSink):
+        async def deliver(self, env: Any) -> None:
+            async with store.transaction() as cur:  # another process's claim takes the row
+                await cur.execute("UPDATE room_outbox SET worker_id = 'other#1' WHERE event_id = %s", (env.event_id,))
+            await wait_until(lambda: lost("renewal") == 1, timeout=10)
+
+    dispatcher = make_dispatcher(store, TakenOverMidDelivery(), lease=0.6, publish_timeout=20)
+    dispatcher.telemetry = captured.telemetry
+    with anyio.fail_after(30):
+        await dispatcher.run_once()
+        await dispatcher.flush()
+    assert (lost("renewal"), lost("result_write")) == (1, 0)
+    assert not dispatcher._lost_at_renewal  # the claim's count is used up with its results
 
 
 @pytest.mark.anyio

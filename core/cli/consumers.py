@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import IO, Any
 
 import anyio
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from aiokafka.errors import KafkaError
@@ -32,7 +32,7 @@ from room_outbox.cli.command import (
 )
 from room_outbox.cli.output import NONE, format_age, format_app, format_table, printable
 from room_outbox.config import ConfigError, Settings
-from room_outbox.consume.engine import high_watermarks
+from room_outbox.consume.offsets import group_offsets
 from room_outbox.consume.ops import migrated_consumer_store
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.errors import BrokerUnavailable
@@ -231,9 +231,7 @@ async def describe_group(name: str, consumer: ConsumerSettings) -> GroupState:
             await reader.start()
             (response,) = await admin.describe_consumer_groups([group])
             described = response.to_object()["groups"][0]
-            partitions = [TopicPartition(consumer.topic, p) for p in sorted(await _partitions(reader, consumer.topic))]
-            committed = await admin.list_consumer_group_offsets(group, partitions=partitions) if partitions else {}
-            ends = await _end_offsets(reader, partitions)
+            offsets = await group_offsets(admin, reader, group, consumer.topic)
     except (KafkaError, OSError, TimeoutError) as exc:
         said = str(exc)  # aiokafka's text often starts with its class's name already
         reason = said if said.startswith(type(exc).__name__) else describe(exc)
@@ -254,31 +252,11 @@ async def describe_group(name: str, consumer: ConsumerSettings) -> GroupState:
         owners.update({(tp.topic, tp.partition): m["member_id"] for tp in assigned})
         shown = [f"{tp.topic}[{tp.partition}]" for tp in assigned]
         members.append(Member(m["member_id"], m["client_id"], m["client_host"], shown))
-    rows = []
-    for tp in partitions:
-        done = committed.get(tp)
-        offset = done.offset if done is not None and done.offset >= 0 else None
-        rows.append(
-            PartitionState(
-                tp.topic, tp.partition, offset, ends[tp], ends[tp] - (offset or 0), owners.get((tp.topic, tp.partition))
-            )
-        )
+    rows = [
+        PartitionState(tp.topic, tp.partition, at.committed, at.end, at.lag, owners.get((tp.topic, tp.partition)))
+        for tp, at in offsets.items()
+    ]
     return GroupState(name, group, described["state"] or "Empty", members, rows)
-
-
-async def _end_offsets(reader: AIOKafkaConsumer, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
-    """Each partition's end: the high watermark a fetch reports (what the consumers' lag
-    metric uses), read from where the offsets lookup says the end is. The lookup alone can
-    lag by the last batch on some brokers (seen on tansu); the fetch's answer cannot."""
-    if not partitions:
-        return {}
-    return await high_watermarks(reader, partitions, await reader.end_offsets(partitions))
-
-
-async def _partitions(reader: AIOKafkaConsumer, topic: str) -> set[int]:
-    """The topic's partitions (none when it does not exist yet)."""
-    await reader._client.force_metadata_update()
-    return reader.partitions_for_topic(topic) or set()
 
 
 @contextlib.contextmanager

@@ -42,9 +42,11 @@ from aiokafka.errors import KafkaError
 from anyio.abc import TaskStatus
 
 from room_outbox.attempt.failure import describe, error_text
+from room_outbox.config import TelemetrySettings
 from room_outbox.consume.dead_letters import DLQ_SEND_TIMEOUT, DeadLetters
 from room_outbox.consume.handling import Handling
 from room_outbox.consume.messages import Fetched, Message, Router
+from room_outbox.consume.offsets import LagWatch, high_watermarks
 from room_outbox.consume.registry import BoundHandler
 from room_outbox.consume.retries import RetryWorker
 from room_outbox.consume.settings import ConsumerSettings
@@ -83,6 +85,7 @@ class Consumer:
         node_id: str,
         redactor: Redactor,
         telemetry: Telemetry,
+        lag_interval: float = TelemetrySettings().backlog_interval,
     ) -> None:
         self.name = name
         self.settings = settings
@@ -113,6 +116,10 @@ class Consumer:
         #: Set when the consumer stopped mid-batch and left some of it unsettled.
         self._left_unsettled = False
         self._batch_handlers = [h for h in handlers.values() if isinstance(h.handler, BatchHandler)]
+        #: The lag metric, read from the broker every ``lag_interval`` (none without metrics).
+        self.lag_watch = (
+            LagWatch(name, settings, self.metrics, redactor, lag_interval) if telemetry.metrics_enabled else None
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -124,10 +131,13 @@ class Consumer:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Join the group (again and again while the broker does not answer) and consume
-        until :meth:`stop`; the retry worker runs from the start, broker or not."""
+        until :meth:`stop`; the retry worker and the lag metric run from the start, member or
+        not."""
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self.retries.run)
+                if self.lag_watch is not None:
+                    tasks.start_soon(self.lag_watch.run, self._stop)
                 kafka = await self._join()
                 if kafka is not None:
                     self.running = True
@@ -279,7 +289,6 @@ class Consumer:
                 "offset commit failed", extra={"consumer": self.name, "error": error_text(self.redactor, describe(exc))}
             )
             return
-        self._record_lag(kafka, offsets)
 
     async def _on_broker(self, operation: Callable[[], Awaitable[T]]) -> T:
         """``operation()`` on the broker, which aiokafka retries for as long as the broker does
@@ -321,14 +330,6 @@ class Consumer:
                 fetched.blocked = await self.store.blocked_rooms(self.name, set(fetched.rooms))
             except Exception:
                 return  # settling it looks again
-
-    def _record_lag(self, kafka: AIOKafkaConsumer, offsets: dict[TopicPartition, int]) -> None:
-        for tp, committed in offsets.items():
-            high = kafka.highwater(tp)
-            if high is not None:
-                self.metrics.lag.set(
-                    max(0, high - committed), {"consumer": self.name, "topic": tp.topic, "partition": tp.partition}
-                )
 
     # -- the live path ------------------------------------------------------------------------
 
@@ -545,20 +546,6 @@ async def fetched_ends(
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             await reader.stop()
-
-
-async def high_watermarks(
-    reader: AIOKafkaConsumer, partitions: list[TopicPartition], listed: dict[TopicPartition, int]
-) -> dict[TopicPartition, int]:
-    """Each partition's end: the later of ``listed`` (the offsets lookup) and the high watermark
-    a fetch from there reports, which the lookup can lag by the last batch (seen on tansu).
-    ``reader`` is assigned the partitions: a reader outside any group."""
-    reader.assign(partitions)
-    for tp in partitions:
-        reader.seek(tp, listed[tp])
-    while any(reader.highwater(tp) is None for tp in partitions):
-        await reader.getmany(*partitions, timeout_ms=200, max_records=1)
-    return {tp: max(listed[tp], reader.highwater(tp) or 0) for tp in partitions}
 
 
 def offset_out_of_range(committed: int | None, first: int, end: int) -> tuple[int, str] | None:

@@ -112,10 +112,13 @@ async def _consume(
             # Retry leases are held by the identity, unique per start (see cluster.identity).
             identity = process_identity(settings.node_id)
             consumers = []
+            lag_interval = settings.telemetry.backlog_interval
             for name, options in chosen.items():
                 bound = build_handlers(pm, name, options, settings.node_id, redactor, tables.found)
                 handlers.extend(bound.values())
-                consumers.append(Consumer(name, options, consumers_store, bound, identity, redactor, telemetry))
+                consumers.append(
+                    Consumer(name, options, consumers_store, bound, identity, redactor, telemetry, lag_interval)
+                )
             if stop.is_set():  # signalled while starting: no consumer joins, and what opened closes
                 log.info("stopping before the consumers started", extra={"lifecycle": "stop_requested"})
                 return

@@ -120,6 +120,10 @@ class Dispatcher:
         #: The last claims that failed after handing their rows over: those rows never got a
         #: lease, so their results cannot be written (told apart from rows taken over).
         self._failed_claims: deque[str] = deque(maxlen=16)
+        #: Per claim, the rows a lease renewal found taken over and counted whose results are
+        #: not written yet. Their results come back stale: a lost lease is counted once, where
+        #: it is first seen, not again at the result write.
+        self._lost_at_renewal: dict[str, int] = {}
         #: Claims and lease renewals take turns, so that a renewal never counts as lost a row
         #: whose result a claim has just written.
         self._store_turn = anyio.Lock()
@@ -289,6 +293,9 @@ class Dispatcher:
                 self._report_stale(exc.stale)
                 raise exc.__cause__ or exc from None
             self._forget(written)
+            # In this turn: the stale rows have left the rows held, so a renewal must not
+            # find them gone before the counts they were seen under are settled.
+            self._report_stale(claimed.stale)
             if claimed.rows:
                 self._held[claim] = {row.id: (row.app_code, row.room_id) for row in claimed.rows}
                 if not fed:
@@ -296,7 +303,6 @@ class Dispatcher:
         # A successful claim counts as a round ended for readiness: after an outage, a round
         # draining the backlog it left may go on for minutes.
         self.health.round_ended()
-        self._report_stale(claimed.stale)
         self.telemetry.claimed(len(claimed.rows))
         return claimed
 
@@ -511,11 +517,9 @@ class Dispatcher:
     async def _keep_leases(self) -> None:
         """Renew the leases of the rows held every third of the lease's length until cancelled."""
         interval = self.options.lease / 3
-        lost: dict[str, int] = {}  # per claim, rows already counted as lost: a later renewal finds them gone again
         while True:
             await anyio.sleep(interval)
             async with self._store_turn:
-                lost = {claim: n for claim, n in lost.items() if claim in self._held}  # drop claims settled since
                 for claim, rows in list(self._held.items()):
                     row_ids = sorted(rows)
                     try:
@@ -527,9 +531,11 @@ class Dispatcher:
                         )
                         continue
                     if held < len(row_ids):
+                        # Rows counted by an earlier renewal are still held (their results
+                        # unwritten), and found gone again: only the rest are new.
                         gone = len(row_ids) - held
-                        self.telemetry.leases_lost(max(0, gone - lost.get(claim, 0)), "renewal")
-                        lost[claim] = max(lost.get(claim, 0), gone)
+                        self.telemetry.leases_lost(max(0, gone - self._lost_at_renewal.get(claim, 0)), "renewal")
+                        self._lost_at_renewal[claim] = gone
                         log.warning(
                             "lease lost on some rows (taken over by another claim)",
                             extra={"claim": claim, "rows": len(row_ids), "held": held},
@@ -569,7 +575,8 @@ class Dispatcher:
         for result in stale:
             by_cause[self._stale_cause(result)].append(result)
         for cause, results in by_cause.items():
-            self.telemetry.leases_lost(len(results), "result_write", cause)
+            first_seen = self._not_counted_at_renewal(results) if cause == "taken_over" else len(results)
+            self.telemetry.leases_lost(first_seen, "result_write", cause)
             if not results:
                 continue
             level, message = lines[cause]
@@ -581,6 +588,18 @@ class Dispatcher:
                 "claims": sorted({result.claim for result in results})[:5],
             }
             log.log(level, message, extra=fields)
+
+    def _not_counted_at_renewal(self, taken_over: Sequence[DeliveryResult]) -> int:
+        """How many of these taken-over rows no renewal has counted. A row a renewal counted
+        stays held until its result comes back stale here, so a claim's count is used up by
+        its stale results (which of its rows they are does not change the total)."""
+        new = 0
+        for claim, rows in Counter(result.claim for result in taken_over).items():
+            counted = self._lost_at_renewal.pop(claim, 0)
+            if counted > rows:
+                self._lost_at_renewal[claim] = counted - rows
+            new += max(0, rows - counted)
+        return new
 
     def _stale_cause(self, result: DeliveryResult) -> str:
         if result.published_by_producer:

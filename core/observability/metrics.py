@@ -36,7 +36,7 @@ BATCH_BUCKETS = (0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
 #: (their ``sink`` label is "-"); the others come from a sink.
 ROUTING_ERROR_CLASSES = ("bad_envelope", "no_route")
 SINK_ERROR_CLASSES = ("timeout", "permanent", "retryable", "sink_bug")
-#: ``detected_at`` of a lost lease.
+#: ``detected_at`` of a lost lease: where it was found first (a row is counted once).
 LEASE_LOSS_POINTS = ("renewal", "result_write")
 #: ``cause`` of a lost lease: ``taken_over`` (another claim holds the row: a paused process,
 #: a lease too short; a fault), ``published_by_producer`` (room-service's own push
@@ -91,7 +91,8 @@ class OutboxMetrics:
         self.lost_leases = meter.create_counter(
             "room_outbox.lost_leases",
             unit="{event}",
-            description="Claimed rows this process no longer held, by cause (taken over, published by the producer).",
+            description="Claimed rows this process no longer held, each counted once, by cause (taken over,"
+            " published by the producer, claim failed).",
         )
         meter.create_observable_gauge(
             "room_outbox.clock.offset",
@@ -129,13 +130,15 @@ def _clock_offset(options: CallbackOptions) -> Iterable[Observation]:
 class ConsumerMetrics:
     """One consumer's instruments, its counters exported at 0 for each of ``handlers``. A
     handling's ``outcome`` is ``handled``, or ``duplicate`` (its processed record existed: a
-    redelivery); the lag is the partition's high watermark minus the offset this process last
-    committed, set after each commit."""
+    redelivery); the lag is the partition's end minus the group's committed offset, read from
+    the broker on a timer for every partition of the topic (room_outbox.consume.offsets)."""
 
     def __init__(self, meter: Meter, consumer: str, handlers: Iterable[str]) -> None:
         self.consumer = consumer
         self.lag = meter.create_gauge(
-            "room_outbox.consumer.lag", unit="{message}", description="Messages of a partition not yet committed."
+            "room_outbox.consumer.lag",
+            unit="{message}",
+            description="Messages of a partition its group has not committed yet, as the broker says.",
         )
         self.handled = meter.create_counter(
             "room_outbox.consumer.handled", unit="{message}", description="Messages a handler settled."

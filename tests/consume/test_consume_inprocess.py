@@ -226,6 +226,7 @@ async def test_spans_follow_the_producer_trace_and_metrics_count_outcomes(
         "node-1",
         Redactor(),
         captured.telemetry,
+        lag_interval=0.2,
     )
     events = [
         envelope("ok-1", "RoomUserJoined", "room_1", 1),
@@ -236,6 +237,8 @@ async def test_spans_follow_the_producer_trace_and_metrics_count_outcomes(
     async with running(consumer):
         await send(broker.bootstrap, events)
         await wait_until(lambda: _recorded(migrated, 3), timeout=30)
+        # Every message settled and committed: the lag read from the broker comes down to 0.
+        await wait_until(lambda: len(_lags(captured)) == 3 and not any(_lags(captured).values()), timeout=30)
     # room_1 in order: ok-2 waited in the retry table behind muted-1
     assert [e for (e,) in await rows(migrated, "SELECT event_id FROM recorded ORDER BY seq")] == [
         "ok-1",
@@ -267,8 +270,67 @@ async def test_spans_follow_the_producer_trace_and_metrics_count_outcomes(
     assert captured.value("room_outbox.consumer.retried", **labels) == 2
     assert captured.value("room_outbox.consumer.dead", **labels, reason="permanent") == 1
     assert sum(p.count for p in captured.histogram("room_outbox.consumer.handler.duration", **labels)) == 6
-    lags = captured.points("room_outbox.consumer.lag")
-    assert lags and all(p.value == 0 for p in lags)
+
+
+def _lags(captured: Any, consumer: str = "feed") -> dict[int, float]:
+    """The consumer's lag gauge, per partition."""
+    points = captured.points("room_outbox.consumer.lag")
+    return {p.attributes["partition"]: p.value for p in points if p.attributes["consumer"] == consumer}
+
+
+class StuckPlugin:
+    """A handler that does not return until ``released`` is set."""
+
+    def __init__(self) -> None:
+        self.entered = anyio.Event()
+        self.released = anyio.Event()
+
+    @hookimpl
+    def room_outbox_register_handlers(self) -> list[HandlerSpec]:
+        plugin = self
+
+        class Stuck:
+            async def handle(self, event: ConsumedEvent, ctx: HandleContext) -> None:
+                plugin.entered.set()
+                await plugin.released.wait()
+
+            async def aclose(self) -> None:
+                pass
+
+        return [HandlerSpec("stuck", lambda settings, context: Stuck())]
+
+
+async def test_the_lag_grows_while_a_handler_is_stuck(migrated: MySQLStore, broker: ConsumerBroker) -> None:
+    """Nothing is committed while the first message's handling hangs: the lag metric, read
+    from the broker, grows with every message that comes meanwhile (set only after a commit,
+    it stayed at its last value), and comes down once the handling ends."""
+    plugin = StuckPlugin()
+    settings = ConsumerSettings(
+        bootstrap_servers=broker.bootstrap, handlers=["stuck"], session_timeout=6, handler_timeout=60
+    )
+    captured = capture()
+    consumer = Consumer(
+        "feed",
+        settings,
+        SQLConsumerStore(migrated, settings.handler_timeout),
+        build_handlers(make_plugin_manager(extra_plugins=[plugin]), "feed", settings, "node-1", Redactor()),
+        "node-1",
+        Redactor(),
+        captured.telemetry,
+        lag_interval=0.2,
+    )
+    async with running(consumer):
+        try:
+            await send(broker.bootstrap, [envelope("first", "RoomUserJoined", "room_1", 1)])
+            with anyio.fail_after(30):
+                await plugin.entered.wait()
+            await wait_until(lambda: sum(_lags(captured).values()) == 1, timeout=30)
+            later = [envelope(f"later-{n}", "RoomUserJoined", "room_1", n + 2) for n in range(4)]
+            await send(broker.bootstrap, later)
+            await wait_until(lambda: sum(_lags(captured).values()) == 5, timeout=30)
+        finally:
+            plugin.released.set()  # else the consumer's stop waits for the handling's timeout
+        await wait_until(lambda: len(_lags(captured)) == 3 and not any(_lags(captured).values()), timeout=30)
 
 
 async def _recorded(store: SQLStore, expected: int) -> bool:

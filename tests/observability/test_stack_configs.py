@@ -270,3 +270,75 @@ def test_a_few_events_failing_for_good_page_and_a_backlog_is_not_counted_once_a_
     assert done.returncode == 0, done.stdout + done.stderr
     backlog = [rule for rule in rules.values() if "room_outbox_pending" in rule["expr"]]
     assert all("sum by (lane)" not in rule["expr"] for rule in backlog), backlog
+
+
+def expected_alert(rule: dict[str, Any], **labels: str) -> dict[str, Any]:
+    """What promtool must find for ``rule`` firing with ``labels``: its severity and its
+    annotations with the labels filled in."""
+    annotations = {
+        key: re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m[1]], text)
+        for key, text in rule["annotations"].items()
+    }
+    return {"exp_labels": {"severity": rule["labels"]["severity"], **labels}, "exp_annotations": annotations}
+
+
+def test_consumers_down_stuck_or_falling_behind_alert(tmp_path: Path) -> None:
+    """Unit tests of the consumers' alerts (promtool test rules), one-minute samples. A consume
+    process that stops answering pages. A partition whose lag stays above 0 without once going
+    down (nothing committed) pages after 15 minutes, once though two replicas report it; a
+    busy partition whose lag goes up and down does not. A lag growing for 30 minutes warns,
+    a steady one does not."""
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    lag = 'room_outbox_consumer_lag{{consumer="{}",topic="room-events",partition="{}",instance="{}"}}'
+    busy = " ".join(["5 2 6 3"] * 10)  # never 0, but committed every other minute: it goes down
+    tests = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {"series": 'up{job="room-outbox-consume",instance="consume-1:9464"}', "values": "1 1 0x10"},
+                    {"series": 'up{job="room-outbox-consume",instance="consume-2:9464"}', "values": "1x12"},
+                    {"series": lag.format("feed", 0, "consume-1:9464"), "values": "5x12 6x12 8x15"},
+                    {"series": lag.format("feed", 0, "consume-2:9464"), "values": "5x12 6x12 8x15"},
+                    {"series": lag.format("feed", 1, "consume-1:9464"), "values": busy},
+                    {"series": lag.format("stats", 0, "consume-1:9464"), "values": "0+10x50"},
+                    {"series": lag.format("audit", 0, "consume-1:9464"), "values": "7x50"},
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "1m", "alertname": "RoomOutboxConsumerDown", "exp_alerts": []},
+                    {
+                        "eval_time": "5m",
+                        "alertname": "RoomOutboxConsumerDown",
+                        "exp_alerts": [
+                            expected_alert(
+                                rules["RoomOutboxConsumerDown"], job="room-outbox-consume", instance="consume-1:9464"
+                            )
+                        ],
+                    },
+                    {"eval_time": "10m", "alertname": "RoomOutboxConsumerStuck", "exp_alerts": []},
+                    {
+                        "eval_time": "20m",
+                        "alertname": "RoomOutboxConsumerStuck",
+                        "exp_alerts": [
+                            expected_alert(
+                                rules["RoomOutboxConsumerStuck"], consumer=c, topic="room-events", partition="0"
+                            )
+                            for c in ("audit", "feed", "stats")
+                        ],
+                    },
+                    {"eval_time": "20m", "alertname": "RoomOutboxConsumerLagGrowing", "exp_alerts": []},
+                    {
+                        "eval_time": "45m",
+                        "alertname": "RoomOutboxConsumerLagGrowing",
+                        "exp_alerts": [expected_alert(rules["RoomOutboxConsumerLagGrowing"], consumer="stats")],
+                    },
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "consumers.test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    done = promtool("test", "rules", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
