@@ -520,6 +520,8 @@ class Dispatcher:
         while True:
             await anyio.sleep(interval)
             async with self._store_turn:
+                # Claims settled since (their stale results reported with another cause, say) count no more.
+                self._lost_at_renewal = {c: n for c, n in self._lost_at_renewal.items() if c in self._held}
                 for claim, rows in list(self._held.items()):
                     row_ids = sorted(rows)
                     try:
