@@ -8,14 +8,16 @@ import json
 from typing import Any
 
 import pytest
-from support import INSERT_V1, V1_DDL, fetch_rows, mysql_global
+from support import INSERT_V1, V1_DDL, envelope, execute, fetch_rows, insert_events, mysql_global
 
 from room_outbox.store.backends.leased import claim_sql, open_rows_of_rooms_sql
 from room_outbox.store.backends.mysql import CLAIM_SQL, SQL_MODE, MySQLStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import MYSQL
+from room_outbox.store.lanes.store import LaneStore, migrate_lanes
+from room_outbox.store.membership import bucket_of
 from room_outbox.store.operator.retention import RetentionOptions, cleanup
-from room_outbox.store.protocol import DeliveryResult, Outcome
+from room_outbox.store.protocol import DeliveryResult, Outcome, ReadAlong
 from room_outbox.store.schema.buckets import BUCKETS
 from room_outbox.store.schema.outbox import TABLE
 from room_outbox.store.schema.profiles import V1
@@ -198,3 +200,29 @@ async def test_per_room_ordering_reads_the_rooms_open_rows_by_the_room_index(sto
     table = first_table(plan)
     assert table["key"] == "idx_room_outbox_room", table
     assert table["r_rows"] <= 2 * len(found), table  # the found rows themselves, not the published ones
+
+
+async def test_a_lane_table_from_before_the_buckets_gets_no_column_and_claims_by_bucket(store: MySQLStore) -> None:
+    """A lane table an old version made (no bucket column, its claim index without it) is
+    already there: migrate adds no column (its rows are not room-service's, but a column would
+    be added the same way), and the lane's per-room claims compute each row's bucket."""
+    await migrate_lanes(store, ["audit"])
+    lane_table = "room_outbox_lane_audit"
+    await execute(
+        store,
+        f"ALTER TABLE {lane_table} DROP INDEX idx_{lane_table}_claim, DROP COLUMN room_bucket",
+        f"CREATE INDEX idx_{lane_table}_claim ON {lane_table} (status, lock_until_ms, outbox_id)",
+    )
+    assert await migrate_lanes(store, ["audit"]) == []
+    rooms = [f"r_{n}" for n in range(40)]
+    await insert_events(store, [envelope(f"e{n}", room_id=room) for n, room in enumerate(rooms)])
+    lane = LaneStore(owner=store, lane="audit", start="beginning")
+
+    async def lower_half(cur: Any, along: ReadAlong | None = None) -> list[int]:
+        return list(range(BUCKETS // 2))
+
+    store.room_buckets = lower_half
+    claimed = await lane.claim("me#1", 100, now_ms() + 60_000, per_room=True)
+    mine = {room for room in rooms if bucket_of("default", room) < BUCKETS // 2}
+    assert 0 < len(mine) < len(rooms)
+    assert {row.room_id for row in claimed.rows} == mine
