@@ -113,6 +113,29 @@ async def execute(store: Any, *statements: str) -> None:
             await cur.execute(statement)
 
 
+#: How ``migrate`` leaves the outbox table on MySQL/MariaDB: it created it (the room bucket a
+#: STORED column, last in the claim index), it adopted room-service's table (no bucket column:
+#: claims compute it on the row), or an earlier version adopted it (the bucket a VIRTUAL
+#: column in the claim index, kept for that version's processes).
+CREATED, ADOPTED, ADOPTED_EARLIER = "created", "adopted", "adopted_earlier"
+TABLE_SHAPES = (CREATED, ADOPTED, ADOPTED_EARLIER)
+#: What an earlier version's migrate changed in room-service's table (its own indexes aside).
+EARLIER_ADOPTION = (
+    "ALTER TABLE room_outbox ADD COLUMN worker_id VARCHAR(128) NULL DEFAULT NULL,"
+    " ADD COLUMN lock_until_ms BIGINT NOT NULL DEFAULT 0",
+    "ALTER TABLE room_outbox ADD COLUMN room_bucket SMALLINT UNSIGNED"
+    " AS (CRC32(CONCAT(app_code, ':', room_id)) % 256) VIRTUAL",
+    "ALTER TABLE room_outbox ADD INDEX idx_room_outbox_claim (status, lock_until_ms, id, room_bucket)",
+)
+
+
+async def migrated_in_shape(store: Any, shape: str) -> None:
+    """Migrate ``store``'s (MySQL/MariaDB) fresh database, its outbox table left in ``shape``."""
+    if shape != CREATED:
+        await execute(store, V1_DDL, *(EARLIER_ADOPTION if shape == ADOPTED_EARLIER else ()))
+    await store.migrate()
+
+
 async def fetch_rows(store: MySQLStore) -> dict[str, dict[str, Any]]:
     """event_id → row (as a dict) for every row of room_outbox."""
     async with store.transaction() as cur:

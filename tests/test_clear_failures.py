@@ -309,9 +309,7 @@ async def test_run_checks_the_schema_at_start(
         await store.aclose()
     code, _, err = await cli(capsys, "--config", write_config(tmp_path, database_dsn), "run")
     assert code == 3
-    assert err[-1] == (
-        "room-outbox: table room_outbox lacks worker_id, lock_until_ms, room_bucket: run `room-outbox migrate`"
-    )
+    assert err[-1] == ("room-outbox: table room_outbox lacks worker_id, lock_until_ms: run `room-outbox migrate`")
     assert not any("worker_started" in line for line in err)
 
 

@@ -266,8 +266,7 @@ async def test_the_first_v1_table_without_app_code_and_updated_at_ms_is_adopted_
         await execute(store, INSERT_FIRST_V1, produced([f"old{i}" for i in range(10)], first_v1=True))
         changes = refused_until_migrated(
             config,
-            "room-outbox: table room_outbox lacks app_code, updated_at_ms, worker_id, lock_until_ms, room_bucket:"
-            " run `room-outbox migrate`",
+            "room-outbox: table room_outbox lacks app_code, updated_at_ms, worker_id, lock_until_ms: run `room-outbox migrate`",
         )
         assert changes[:2] == [
             "added column room_outbox.app_code",

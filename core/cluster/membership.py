@@ -240,7 +240,7 @@ class Membership:
         bucket without a leased row moves at once, one with a leased row is handed over. Each is
         claimable :meth:`_handover_delay_ms` after. Returns the moves."""
         buckets = await sql.read_buckets(cur, lock=True)
-        leased = await sql.still_leased(cur, self.store.dialect, self._leased_tables(), [b.bucket for b in buckets])
+        leased = await sql.still_leased(cur, await self._leased_tables(cur), [b.bucket for b in buckets])
         moves = plan(buckets, owners, leased)
         await sql.assign(cur, moves, set(moves) - leased, self._handover_delay_ms())
         return moves
@@ -296,7 +296,7 @@ class Membership:
                     )
                 buckets = await sql.read_buckets(cur)
             waiting = [b.bucket for b in buckets if b.owner == self.node_id and b.handing_over]
-            leased = await sql.still_leased(cur, self.store.dialect, self._leased_tables(), waiting)
+            leased = await sql.still_leased(cur, await self._leased_tables(cur), waiting)
             await sql.open_buckets(cur, self.node_id, sorted(set(waiting) - leased), self._handover_delay_ms())
             view = view_of(live)
             if view != self._view:
@@ -400,10 +400,15 @@ class Membership:
         two owners apart)."""
         return int(WINDOW * 1000) + 1 if self.quota.keeps_room_limits else 0
 
-    def _leased_tables(self) -> list[tuple[str, Profile]]:
-        """The tables whose leases fence a handover, each with its rows' shape: the outbox
-        table the store's profile describes, the lane tables room-outbox's own."""
-        return [(table, self.store.profile if table == self.store.profile.table else V1) for table in self.tables]
+    async def _leased_tables(self, cur: Any) -> list[tuple[str, Profile, str]]:
+        """The tables whose leases fence a handover, each with its rows' shape (the outbox
+        table the store's profile describes, the lane tables room-outbox's own) and its rows'
+        bucket as the claims on it read it."""
+        tables = []
+        for table in self.tables:
+            profile = self.store.profile if table == self.store.profile.table else V1
+            tables.append((table, profile, await self.store.row_bucket(cur, table, profile)))
+        return tables
 
     def _apply_quota(self, nodes: Sequence[sql.NodeRow], live: Sequence[str], began: float) -> None:
         others = {n.node_id: n for n in nodes if n.node_id in live and n.node_id != self.node_id}

@@ -62,10 +62,10 @@ class Dialect:
     #: may see): a per-room claim reads before it writes the results it carries, as its
     #: look-back reads the room index pages where those results move rows.
     slow_reads_after_own_writes: bool = False
-    #: A row's room bucket as the claim and the handover fence read it (``{app_code}``,
-    #: ``{room_id}``: the row's columns or expressions; see room_outbox.store.membership):
-    #: MySQL/MariaDB read their bucket column; PostgreSQL computes it, and its claim index holds
-    #: the same expression (a column there would rewrite the whole table to add it).
+    #: SQL: a row's room bucket computed on the row (``{app_code}``, ``{room_id}``: the row's
+    #: columns or expressions; see room_outbox.store.membership). PostgreSQL's claim index holds
+    #: the same expression; on MySQL/MariaDB a table ``migrate`` created holds it in a STORED
+    #: column instead, which claims read there (room_outbox.store.schema.buckets.read_row_bucket).
     row_bucket: str = ""
     #: A UNION ALL of ``{first}``, a SELECT with its own ORDER BY … LIMIT, and ``{second}``:
     #: each in parentheses, which MySQL/MariaDB read without copying the first one's rows into
@@ -131,7 +131,8 @@ MYSQL = Dialect(
     capabilities=frozenset({ROW_LOCKS, PLUGIN_SCHEMA}),
     locks_before_filtering=True,
     slow_reads_after_own_writes=True,
-    row_bucket="room_bucket",
+    # 256: room_outbox.store.membership.BUCKETS; MOD(), not %, which the driver reads as a placeholder
+    row_bucket="MOD(CRC32(CONCAT({app_code}, ':', {room_id})), 256)",
     online_column=", ALGORITHM=INSTANT",
     online_index=", ALGORITHM=INPLACE, LOCK=NONE",
     octet_length="LENGTH({value})",

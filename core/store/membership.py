@@ -1,13 +1,13 @@
 """Live nodes and room buckets, kept in the database every process already shares.
 
 Every room hashes to one of :data:`BUCKETS` buckets (:func:`bucket_of`; in SQL
-:func:`~room_outbox.store.schema.buckets.row_bucket`), and every bucket has one owner among the
+:meth:`~room_outbox.store.protocol.SQLStore.row_bucket`), and every bucket has one owner among the
 live nodes. With per-room ordering a process claims only the rows of its own buckets, so two
 processes never compete for one room: claims never collide and a room's events go out from one
 process, in order. A bucket changes hands through a fence (:func:`claimable_buckets`,
 :func:`assign`): the former owner can take none of its rows once the move has committed, and
-the new owner starts only when none of them is leased any more. The bucket column and index
-each table gets are :mod:`room_outbox.store.schema.buckets`'s.
+the new owner starts only when none of them is leased any more. The bucket column (where a
+table has one) and the claim index each table gets are :mod:`room_outbox.store.schema.buckets`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import Dialect, text
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.protocol import ReadAlong
-from room_outbox.store.schema.buckets import BUCKET_TABLE, BUCKETS, NODE_TABLE, row_bucket
+from room_outbox.store.schema.buckets import BUCKET_TABLE, BUCKETS, NODE_TABLE
 from room_outbox.store.schema.profiles import Profile
 
 
@@ -156,16 +156,14 @@ async def assign(cur: Any, moves: dict[int, str], unleased: Collection[int] = ()
         )
 
 
-async def still_leased(
-    cur: Any, dialect: Dialect, tables: Iterable[tuple[str, Profile]], buckets: Sequence[int]
-) -> set[int]:
+async def still_leased(cur: Any, tables: Iterable[tuple[str, Profile, str]], buckets: Sequence[int]) -> set[int]:
     """Of ``buckets``, those with a row leased right now in any of ``tables`` (each with the
-    profile its rows are shaped by: an open row a claim holds until a time to come)."""
+    profile its rows are shaped by, and its rows' bucket in SQL as its claims read it: an
+    open row a claim holds until a time to come)."""
     if not buckets:
         return set()
     leased: set[int] = set()
-    for table, p in tables:
-        bucket = row_bucket(dialect, p)
+    for table, p, bucket in tables:
         await cur.execute(
             f"SELECT DISTINCT {bucket} FROM {table} WHERE {p.is_open()} AND {p.lock} > {p.ms('%s')}"
             f" AND {bucket} IN ({_marks(buckets)}) AND worker_id IS NOT NULL",

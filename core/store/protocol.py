@@ -209,3 +209,9 @@ class SQLStore(OutboxStore, Protocol):
         """A cursor (``execute``/``executemany`` with ``%s`` placeholders, ``fetchone``,
         ``fetchall``, ``description``) in a transaction, committed when the block ends."""
         ...
+
+    async def row_bucket(self, cur: Any, table: str, profile: Profile) -> str:
+        """SQL: the room bucket of a row of ``table`` (shaped as ``profile`` says), as claims and
+        the handover fence read it, decided once per table (see
+        :meth:`~.backends.leased.LeasedRows.row_bucket`)."""
+        ...

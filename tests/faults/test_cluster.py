@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from processes import DispatcherProcess, FakeIMProcess
-from support import envelope, insert_events, wait_until
+from support import TABLE_SHAPES, envelope, insert_events, migrated_in_shape, wait_until
 
 from room_outbox.plugins.tencent_im.fake import DEV_SDKAPPID
 from room_outbox.store.backends.mysql import MySQLStore
@@ -73,12 +73,26 @@ def per_room_versions(fake: FakeIMProcess) -> dict[str, list[int]]:
     return versions
 
 
+@pytest.fixture(params=TABLE_SHAPES)
+async def shaped_store(request: pytest.FixtureRequest, database_dsn: str) -> AsyncIterator[MySQLStore]:
+    """A store on a fresh database, its outbox table in each shape migrate leaves on MariaDB:
+    created (the bucket STORED, in the claim index), room-service's adopted (claims compute
+    the bucket), adopted by an earlier version (the bucket VIRTUAL, in the index)."""
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        await migrated_in_shape(store, request.param)
+        yield store
+    finally:
+        await store.aclose()
+
+
 async def test_per_room_order_on_50_hot_rooms_through_join_leave_and_kill_9(
-    store: MySQLStore, database_dsn: str, fake_im: FakeIMProcess, tmp_path: Path
+    shaped_store: MySQLStore, database_dsn: str, fake_im: FakeIMProcess, tmp_path: Path
 ) -> None:
     """Three processes share 50 busy rooms; one is killed with SIGKILL, a fresh one joins, one
     stops with SIGTERM. Every room's events arrive in order; the only repeats are what the
     killed process had delivered and not yet recorded (at most one batch)."""
+    store = shaped_store
     fake_im.set_faults(latency=0.003)
     rooms, per_room, batch = 50, 60, 50
     config = cluster_config(

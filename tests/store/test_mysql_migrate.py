@@ -8,16 +8,19 @@ import json
 from typing import Any
 
 import pytest
-from support import INSERT_V1, V1_DDL, fetch_rows, mysql_global
+from support import INSERT_V1, V1_DDL, envelope, execute, fetch_rows, insert_events, mysql_global
 
 from room_outbox.store.backends.leased import claim_sql, open_rows_of_rooms_sql
 from room_outbox.store.backends.mysql import CLAIM_SQL, SQL_MODE, MySQLStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import MYSQL
+from room_outbox.store.lanes.store import LaneStore, migrate_lanes
+from room_outbox.store.membership import bucket_of
 from room_outbox.store.operator.retention import RetentionOptions, cleanup
-from room_outbox.store.protocol import DeliveryResult, Outcome
+from room_outbox.store.protocol import DeliveryResult, Outcome, ReadAlong
 from room_outbox.store.schema.buckets import BUCKETS
 from room_outbox.store.schema.outbox import TABLE
+from room_outbox.store.schema.profiles import V1
 
 pytestmark = pytest.mark.anyio
 
@@ -147,10 +150,11 @@ async def test_a_claim_limited_to_buckets_checks_them_in_the_index(store: MySQLS
     assert "filesort" not in json.dumps(plan).lower(), plan
 
 
-async def test_on_an_adopted_table_the_claim_checks_the_virtual_bucket_on_the_row(database_dsn: str) -> None:
-    """On room-service's table ``migrate`` adds the bucket VIRTUAL (a STORED column would copy
-    the table): the claim reads the same range of the same index in the same order, but the
-    server checks a virtual column's condition on the row only, never in the index entries."""
+async def test_on_an_adopted_table_the_claim_computes_the_bucket_on_the_row(database_dsn: str) -> None:
+    """On room-service's table ``migrate`` adds no bucket column (a STORED one would copy the
+    table, an indexed VIRTUAL one take away room-service's online column changes): the claim
+    reads the same range of the claim index, ``(status, lock_until_ms, id)``, in the same
+    order, and computes each row's bucket on the row."""
     store = await MySQLStore.connect(database_dsn)
     try:
         async with store.transaction() as cur:
@@ -158,21 +162,24 @@ async def test_on_an_adopted_table_the_claim_checks_the_virtual_bucket_on_the_ro
         await store.migrate()
         async with store.transaction() as cur:
             await cur.execute("SHOW COLUMNS FROM room_outbox LIKE 'room_bucket'")
-            assert "VIRTUAL" in str((await cur.fetchone())[5]).upper()
+            assert await cur.fetchall() == ()
+            await cur.execute(
+                "SELECT COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE()"
+                " AND INDEX_NAME = 'idx_room_outbox_claim' ORDER BY SEQ_IN_INDEX"
+            )
+            assert [row[0] for row in await cur.fetchall()] == ["status", "lock_until_ms", "id"]
             await published_then_pending(cur, rooms=50, published=3000, pending=1000)
             mine = list(range(0, BUCKETS, 3))
-            await cur.execute(
-                "EXPLAIN FORMAT=JSON "
-                + claim_sql(TABLE, "id", "envelope", "", buckets=len(mine), hint=MYSQL.index_hint),
-                (10**13, *mine, 100),
-            )
+            bucket = await store.row_bucket(cur, TABLE, V1)
+            assert bucket == MYSQL.room_bucket()
+            claim = claim_sql(TABLE, "id", "envelope", "", buckets=len(mine), hint=MYSQL.index_hint, bucket=bucket)
+            await cur.execute("EXPLAIN FORMAT=JSON " + claim, (10**13, *mine, 100))
             plan = json.loads((await cur.fetchone())[0])
     finally:
         await store.aclose()
     table = first_table(plan)
     assert table["key"] == "idx_room_outbox_claim", table
-    assert "room_bucket" in table.get("attached_condition", ""), json.dumps(table)
-    assert "room_bucket" not in table.get("index_condition", ""), json.dumps(table)
+    assert "crc32" in table.get("attached_condition", "").lower(), json.dumps(table)
     assert "filesort" not in json.dumps(plan).lower(), plan
 
 
@@ -193,3 +200,29 @@ async def test_per_room_ordering_reads_the_rooms_open_rows_by_the_room_index(sto
     table = first_table(plan)
     assert table["key"] == "idx_room_outbox_room", table
     assert table["r_rows"] <= 2 * len(found), table  # the found rows themselves, not the published ones
+
+
+async def test_a_lane_table_from_before_the_buckets_gets_no_column_and_claims_by_bucket(store: MySQLStore) -> None:
+    """A lane table an old version made (no bucket column, its claim index without it) is
+    already there: migrate adds no column (its rows are not room-service's, but a column would
+    be added the same way), and the lane's per-room claims compute each row's bucket."""
+    await migrate_lanes(store, ["audit"])
+    lane_table = "room_outbox_lane_audit"
+    await execute(
+        store,
+        f"ALTER TABLE {lane_table} DROP INDEX idx_{lane_table}_claim, DROP COLUMN room_bucket",
+        f"CREATE INDEX idx_{lane_table}_claim ON {lane_table} (status, lock_until_ms, outbox_id)",
+    )
+    assert await migrate_lanes(store, ["audit"]) == []
+    rooms = [f"r_{n}" for n in range(40)]
+    await insert_events(store, [envelope(f"e{n}", room_id=room) for n, room in enumerate(rooms)])
+    lane = LaneStore(owner=store, lane="audit", start="beginning")
+
+    async def lower_half(cur: Any, along: ReadAlong | None = None) -> list[int]:
+        return list(range(BUCKETS // 2))
+
+    store.room_buckets = lower_half
+    claimed = await lane.claim("me#1", 100, now_ms() + 60_000, per_room=True)
+    mine = {room for room in rooms if bucket_of("default", room) < BUCKETS // 2}
+    assert 0 < len(mine) < len(rooms)
+    assert {row.room_id for row in claimed.rows} == mine

@@ -18,13 +18,25 @@ from pathlib import Path
 import anyio
 import pymysql
 import pytest
-from support import V1_DDL, kill_if_running, wait_until
+from support import (
+    EARLIER_ADOPTION,
+    V1_DDL,
+    envelope,
+    execute,
+    insert_events,
+    kill_if_running,
+    wait_until,
+)
 
 from room_outbox.cli.main import main
 from room_outbox.errors import SchemaError
 from room_outbox.store.backends import mysql_online
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore, mysql_dialect
 from room_outbox.store.clock import now_ms
+from room_outbox.store.membership import bucket_of
+from room_outbox.store.protocol import ReadAlong
+from room_outbox.store.schema import outbox
+from room_outbox.store.schema.buckets import BUCKETS
 
 pytestmark = pytest.mark.anyio
 
@@ -35,7 +47,6 @@ V1_CHANGES = [
     "added index room_outbox.idx_room_outbox_room",
     "created table room_outbox_node",
     "created table room_outbox_bucket",
-    "added column room_outbox.room_bucket",
     "added index room_outbox.idx_room_outbox_claim",
 ]
 ROOM_SERVICE_INSERT = (
@@ -138,9 +149,9 @@ def test_a_server_without_instant_columns_adds_them_in_place_without_blocking_wr
 async def test_migrate_sql_names_the_online_algorithm_of_every_change_to_a_live_table(
     v1_table: str, config: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Columns are added INSTANT, the bucket VIRTUAL; indexes are built INPLACE with LOCK=NONE:
-    a change the server cannot make so is refused, never made by copying the table. migrate
-    runs exactly those statements."""
+    """Columns are added INSTANT, no room bucket column; indexes are built INPLACE with
+    LOCK=NONE: a change the server cannot make so is refused, never made by copying the table.
+    migrate runs exactly those statements."""
     code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql")
     assert code == 0
     on_live_table = [line for line in out.splitlines() if line.startswith("ALTER TABLE room_outbox ")]
@@ -148,12 +159,10 @@ async def test_migrate_sql_names_the_online_algorithm_of_every_change_to_a_live_
         "ALTER TABLE room_outbox ADD COLUMN worker_id VARCHAR(128) NULL DEFAULT NULL, ALGORITHM=INSTANT;",
         "ALTER TABLE room_outbox ADD COLUMN lock_until_ms BIGINT NOT NULL DEFAULT 0, ALGORITHM=INSTANT;",
         "ALTER TABLE room_outbox ADD INDEX idx_room_outbox_room (room_id, status, id), ALGORITHM=INPLACE, LOCK=NONE;",
-        "ALTER TABLE room_outbox ADD COLUMN room_bucket SMALLINT UNSIGNED AS (CRC32(CONCAT(app_code, ':', room_id))"
-        " % 256) VIRTUAL, ALGORITHM=INSTANT;",
-        "ALTER TABLE room_outbox ADD INDEX idx_room_outbox_claim (status, lock_until_ms, id, room_bucket),"
+        "ALTER TABLE room_outbox ADD INDEX idx_room_outbox_claim (status, lock_until_ms, id),"
         " ALGORITHM=INPLACE, LOCK=NONE;",
     ]
-    assert "room_bucket" not in columns_of(v1_table)  # --sql ran nothing
+    assert "worker_id" not in columns_of(v1_table)  # --sql ran nothing
     code, out, _ = await cli(capsys, "--config", str(config), "migrate")
     assert code == 0 and out.splitlines()[: len(V1_CHANGES)] == V1_CHANGES
     code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql")
@@ -201,16 +210,18 @@ PARTITIONED_V1 = (
 )  # fmt: skip
 
 
-async def test_a_plan_the_server_would_refuse_half_way_is_refused_before_any_change(database_dsn: str) -> None:
-    """MariaDB adds no virtual column to a partitioned table online. The bucket column comes
-    after two columns and an index that it can add: migrate tries every change on an empty
-    copy of the table first, so it refuses before the first, not after the third."""
-    refused = await migrate_refused(database_dsn, PARTITIONED_V1)
-    assert str(refused.value).startswith(
-        "added column room_outbox.room_bucket: the server cannot make this change online ("
-    )
+async def test_a_plan_the_server_would_refuse_half_way_is_refused_before_any_change(
+    database_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A third column the server cannot add online (a STORED generated one, here) after two it
+    can: migrate tries every change on an empty copy of the table first, so it refuses before
+    the first, not after the second."""
+    stored = "SMALLINT UNSIGNED AS (CRC32(room_id) % 7) STORED"
+    monkeypatch.setitem(outbox.ADDED_COLUMNS["mysql"], "shard", stored)
+    refused = await migrate_refused(database_dsn, V1_DDL)
+    assert str(refused.value).startswith("added column room_outbox.shard: the server cannot make this change online (")
     assert "so nothing was changed; make it with gh-ost or pt-online-schema-change" in str(refused.value)
-    assert {"worker_id", "lock_until_ms", "room_bucket"}.isdisjoint(columns_of(database_dsn))
+    assert {"worker_id", "lock_until_ms", "shard"}.isdisjoint(columns_of(database_dsn))
     conn = connect(database_dsn)
     try:
         with conn.cursor() as cur:
@@ -220,6 +231,101 @@ async def test_a_plan_the_server_would_refuse_half_way_is_refused_before_any_cha
             assert [name for (name,) in cur.fetchall()] == ["room_outbox"]  # the copy is gone
     finally:
         conn.close()
+
+
+async def test_a_partitioned_table_is_adopted_online_and_claimed_by_room_buckets(database_dsn: str) -> None:
+    """MariaDB adds no generated column to a partitioned table online; migrate adds none, so
+    it adopts one online like any other table, and per-room claims limited to some buckets
+    take their rooms' rows."""
+    await execute_on(database_dsn, PARTITIONED_V1)
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        assert await store.migrate() == V1_CHANGES
+        await per_room_claims_take_their_buckets(store)
+    finally:
+        await store.aclose()
+
+
+async def execute_on(dsn: str, *statements: str) -> None:
+    """``statements`` run on a session of room-service's."""
+    conn = connect(dsn)
+    try:
+        with conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+    finally:
+        conn.close()
+
+
+async def per_room_claims_take_their_buckets(store: MySQLStore) -> None:
+    """A per-room claim limited to the lower half of the buckets takes its rooms' rows, none of
+    the other half's."""
+    rooms = [f"r_{n}" for n in range(40)]
+    await insert_events(store, [envelope(f"{room}-{v}", room_id=room) for v in range(2) for room in rooms])
+
+    async def lower_half(cur: object, along: ReadAlong | None = None) -> list[int]:
+        return list(range(BUCKETS // 2))
+
+    store.room_buckets = lower_half
+    claimed = await store.claim(f"me#{uuid.uuid4().hex[:6]}", 100, now_ms() + 60_000, per_room=True)
+    mine = {room for room in rooms if bucket_of("default", room) < BUCKETS // 2}
+    assert 0 < len(mine) < len(rooms)
+    assert sorted(row.event_id for row in claimed.rows) == sorted(f"{room}-{v}" for v in range(2) for room in mine)
+
+
+#: room-service's own column changes, each named online so that the server refuses rather
+#: than rebuild the table with every write waiting.
+ROOM_SERVICES_CHANGES = (
+    "ALTER TABLE room_outbox ADD COLUMN x INT NULL, ALGORITHM=INSTANT",
+    "ALTER TABLE room_outbox DROP COLUMN x, ALGORITHM=INSTANT",
+    "ALTER TABLE room_outbox ADD COLUMN y INT NULL, ALGORITHM=INPLACE, LOCK=NONE",
+    "ALTER TABLE room_outbox DROP COLUMN y, ALGORITHM=INPLACE, LOCK=NONE",
+)
+
+
+async def test_room_services_own_column_changes_stay_online_after_adoption(v1_table: str) -> None:
+    """migrate gives room-service's table no generated column: room-service's DBA still adds
+    and drops columns online (an indexed VIRTUAL column would make MariaDB refuse each of
+    these), and per-room claims by room bucket go on across them."""
+    store = await MySQLStore.connect(v1_table)
+    try:
+        await store.migrate()
+        assert "room_bucket" not in columns_of(v1_table)
+        await execute_on(v1_table, *ROOM_SERVICES_CHANGES)
+        await execute(store, "DELETE FROM room_outbox")
+        await per_room_claims_take_their_buckets(store)
+    finally:
+        await store.aclose()
+
+
+async def test_a_table_an_earlier_version_adopted_keeps_its_column_until_dropped_online(database_dsn: str) -> None:
+    """An earlier version's adoption (the bucket VIRTUAL, in the claim index): migrate leaves
+    both as they are (that version's processes read the column) and claims go on. Once no such
+    process runs, the index rebuilt without the column and the column dropped, each named
+    online, go through while a process of this version runs, whose claims never read it; then
+    room-service's own column changes are online again, and migrate has nothing to add."""
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        await execute(store, V1_DDL, *EARLIER_ADOPTION)
+        assert await store.migrate() == [  # its own index aside, the earlier version's room_outbox is left as it is
+            "added index room_outbox.idx_room_outbox_room",
+            "created table room_outbox_node",
+            "created table room_outbox_bucket",
+        ]
+        assert "room_bucket" in columns_of(database_dsn)
+        await per_room_claims_take_their_buckets(store)
+        await execute_on(
+            database_dsn,
+            "ALTER TABLE room_outbox DROP INDEX idx_room_outbox_claim,"
+            " ADD INDEX idx_room_outbox_claim (status, lock_until_ms, id), ALGORITHM=INPLACE, LOCK=NONE",
+            "ALTER TABLE room_outbox DROP COLUMN room_bucket, ALGORITHM=INSTANT",
+            *ROOM_SERVICES_CHANGES,
+        )
+        await execute(store, "DELETE FROM room_outbox")
+        await per_room_claims_take_their_buckets(store)  # the same process, its choice made before
+        assert await store.migrate() == []
+    finally:
+        await store.aclose()
 
 
 async def test_a_second_migrate_waits_for_the_first_then_says_another_is_running(

@@ -70,15 +70,15 @@ SERVER_MIGRATION = {
     "created table room_outbox_node",
     "created table room_outbox_bucket",
 }
-#: MySQL/MariaDB keep the bucket in a column; PostgreSQL computes it with a function of its
-#: own, in the claim's index.
+#: MySQL/MariaDB keep the bucket in a STORED column of a table migrate creates (none in a table
+#: already there); PostgreSQL computes it with a function of its own, in the claim's index.
 MYSQL_MIGRATION = {"added column room_outbox.room_bucket"}
 POSTGRESQL_MIGRATION = {"created function room_outbox_crc32"}
 
 
-def migration(store: SQLStore) -> set[str]:
+def migration(store: SQLStore, created: bool = True) -> set[str]:
     if store.dialect.name == "mysql":
-        return MIGRATION | SERVER_MIGRATION | MYSQL_MIGRATION
+        return MIGRATION | SERVER_MIGRATION | (MYSQL_MIGRATION if created else set())
     if store.dialect.name == "postgresql":
         return MIGRATION | SERVER_MIGRATION | POSTGRESQL_MIGRATION
     return MIGRATION
@@ -121,7 +121,7 @@ async def test_migrate_upgrades_a_v1_table_in_place_keeping_its_rows(bare_store:
         ):
             await cur.execute(statement)
         await cur.execute(INSERT_V1, ("default", "e_old", "RoomUserJoined", "r_1", '{"x":1}', 1, 1))
-    assert set(await bare_store.migrate()) == migration(bare_store)
+    assert set(await bare_store.migrate()) == migration(bare_store, created=False)
     assert await bare_store.migrate() == []
     row = (await fetch_rows(bare_store))["e_old"]
     assert (row["status"], row["worker_id"], row["lock_until_ms"], row["envelope"]) == ("pending", None, 0, '{"x":1}')

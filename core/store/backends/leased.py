@@ -9,7 +9,9 @@ claim reads ``status='pending' AND lock_until_ms <= now ORDER BY lock_until_ms, 
 on the ``(status, lock_until_ms, key)`` index that stops after ``limit`` rows, however many
 published rows, leased rows or rows waiting for a retry the table holds. A claim limited to
 room buckets (per-room ordering with several processes, :mod:`.membership`) reads the same
-range and checks the bucket, the index's last column on a server, in the index entries.
+range and checks each row's bucket (:meth:`LeasedRows.row_bucket`): in the index entries where
+the index holds it last (PostgreSQL, and the MySQL/MariaDB tables ``migrate`` creates), else on
+the row.
 With ``claim_after`` the main lane leaves the producer's youngest rows to its own push
 (:meth:`LeasedRows._due_ranges`).
 """
@@ -39,7 +41,7 @@ from room_outbox.store.protocol import (
     ReadAlong,
     room_heads,
 )
-from room_outbox.store.schema.buckets import row_bucket
+from room_outbox.store.schema.buckets import read_row_bucket
 from room_outbox.store.schema.columns import LAST_ERROR_MAX
 from room_outbox.store.schema.outbox import ROOM_INDEX, TABLE, claim_index
 from room_outbox.store.schema.profiles import V1, Profile
@@ -145,6 +147,8 @@ class LeasedRows:
     claim_after_ms: int = 0
     #: The room buckets the last per-room claim found claimable (None: all; none before the first).
     _buckets_seen: Sequence[int] | None = ()
+    #: Table → SQL of its rows' room bucket, read once per table (:meth:`row_bucket`).
+    _row_buckets: dict[str, str] | None = None
 
     def use_profile(self, profile: Profile) -> None:
         """Keep the main lane's state in ``profile``'s table and words (``database.profile``)."""
@@ -219,16 +223,18 @@ class LeasedRows:
         later row, of every room, for as long as that clock is ahead. The claim leaves it
         until it is old enough by its own creation time, as it would anywhere else, reading
         it meanwhile (a lock held for the claim's few milliseconds)."""
-        read = self._fresh_bound_read(limit, buckets)
+        bucket = await self.row_bucket(cur, self.table, self.profile) if buckets else ""
+        read = self._fresh_bound_read(limit, buckets, bucket)
         await cur.execute(read.sql, read.params)
         return _fresh_bound_of(await cur.fetchone())
 
-    def _fresh_bound_read(self, limit: int, buckets: Sequence[int] | None) -> ReadAlong:
+    def _fresh_bound_read(self, limit: int, buckets: Sequence[int] | None, bucket: str = "") -> ReadAlong:
         """:meth:`_fresh_bound`'s read. The database reads those rows once and sends two keys,
-        not the rows: the last one read and the first young one."""
+        not the rows: the last one read and the first young one. ``bucket``: a row's bucket
+        (:meth:`row_bucket`), where ``buckets`` limit it."""
         p = self.profile
         forced = self.dialect.index_hint.format(index=claim_index(self.table)[0])
-        only = f" AND {self._row_bucket} IN ({_marks(buckets)})" if buckets else ""
+        only = f" AND {bucket} IN ({_marks(buckets)})" if buckets else ""
         return ReadAlong(
             f"SELECT MAX(k) AS last_key, MIN(CASE WHEN created > {self.dialect.now_ms} - %s"
             f" AND created <= {self.dialect.now_ms} + {CREATED_AHEAD_MS} THEN k END) AS first_young_key"
@@ -238,10 +244,16 @@ class LeasedRows:
             ("last_key", "first_young_key"),
         )
 
-    @property
-    def _row_bucket(self) -> str:
-        """SQL: a row's room bucket in this lane's table (a column, or an expression)."""
-        return row_bucket(self.dialect, self.profile)
+    async def row_bucket(self, cur: Any, table: str, profile: Profile) -> str:
+        """SQL: the room bucket of a row of ``table`` (shaped as ``profile`` says), as every
+        claim on it and the handover fence read it: decided from the table's columns the first
+        time it is asked for (:func:`~room_outbox.store.schema.buckets.read_row_bucket`), then
+        kept for the process's life."""
+        if self._row_buckets is None:
+            self._row_buckets = {}
+        if table not in self._row_buckets:
+            self._row_buckets[table] = await read_row_bucket(cur, self.dialect, table, profile)
+        return self._row_buckets[table]
 
     def _room_buckets(self) -> BucketReader | None:
         return self.room_buckets
@@ -256,7 +268,8 @@ class LeasedRows:
         seen = self._buckets_seen
         along = None
         if self._bound_by_key and (seen is None or seen):
-            along = self._fresh_bound_read(limit, seen)
+            bucket = await self.row_bucket(cur, self.table, self.profile) if seen else ""
+            along = self._fresh_bound_read(limit, seen, bucket)
         buckets = await read_buckets(cur, along)
         self._buckets_seen = buckets
         if along is None or along.row is None:
@@ -412,7 +425,7 @@ class LeasedRows:
                 len(buckets),
                 self.dialect.index_hint,
                 due,
-                self._row_bucket,
+                await self.row_bucket(cur, self.table, self.profile),
             )
             await cur.execute(sql, (param, *buckets, limit))
         return list(await cur.fetchall())

@@ -32,6 +32,7 @@ from room_outbox.store.schema.registry import WantedSchema, migrate
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
+    from room_outbox.store.schema.profiles import Profile
 
 log = logging.getLogger("room_outbox.lanes")
 
@@ -123,6 +124,9 @@ class LaneStore(LeasedRows):
 
     def _room_buckets(self) -> BucketReader | None:
         return self.owner.room_buckets  # one membership per process: every lane claims the same rooms
+
+    async def row_bucket(self, cur: Any, table: str, profile: Profile) -> str:
+        return await self.owner.row_bucket(cur, table, profile)  # read once per process, with the fence's
 
     async def migrate(self) -> list[str]:
         return await migrate_lanes(self.owner, [self.lane])

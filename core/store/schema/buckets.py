@@ -1,7 +1,10 @@
 """The cluster's tables: their names, their DDL, and the plan that adds them with each table's
 room bucket. Live nodes and room buckets (:mod:`room_outbox.store.membership`) live in tables
-of their own, and a row's bucket in a column of the outbox and lane tables (on PostgreSQL in
-the claim index's expression)."""
+of their own. A row's bucket is a STORED column, last in the claim index, in the MySQL/MariaDB
+tables ``migrate`` creates; it is computed on the row in a table that was there before (a
+generated column would take away its owner's online column changes) and on PostgreSQL (the
+claim index holds the expression). :func:`read_row_bucket` says which, per table.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from room_outbox.errors import SchemaError
-from room_outbox.store.dialect import POSTGRESQL, Dialect, column_names, table_names
+from room_outbox.store.dialect import POSTGRESQL, Dialect, column_names, table_names, text
 from room_outbox.store.schema.outbox import add_column_sql, add_index_sql, claim_index
 from room_outbox.store.schema.partitions import index_statements, partitions_of
 from room_outbox.store.schema.profiles import V1, Profile
@@ -82,33 +85,51 @@ def bucket_ddl(dialect: Dialect) -> str:
 ){dialect.table_options}"""
 
 
-def bucket_column(dialect: Dialect, profile: Profile = V1, stored: bool = True) -> str:
-    """The bucket column's definition in a table whose rows are shaped as ``profile`` says.
-    On MySQL/MariaDB ``stored`` only for a table the same migration creates (see the module
-    docstring): a STORED column is added by copying the table, a VIRTUAL one instantly.
-    PostgreSQL has no column: its claim index holds the expression (:func:`row_bucket`)."""
+def bucket_column(dialect: Dialect, profile: Profile = V1) -> str:
+    """The bucket column's definition (MySQL/MariaDB), STORED, in a table the same migration
+    creates, whose rows are shaped as ``profile`` says. A table already there gets none: a
+    STORED column is added by copying the table, and a VIRTUAL one in an index takes away
+    every online ADD or DROP COLUMN of the table on MariaDB. PostgreSQL has no column: its
+    claim index holds the expression."""
     if dialect.name == "mysql":
-        return (
-            f"{BUCKET_COLUMN} SMALLINT UNSIGNED AS ({bucket_sql('mysql', profile)}) {'STORED' if stored else 'VIRTUAL'}"
-        )
+        return f"{BUCKET_COLUMN} SMALLINT UNSIGNED AS ({row_bucket(dialect, profile)}) STORED"
     raise ValueError(f"no room bucket column on the {dialect.name} dialect")
 
 
 def row_bucket(dialect: Dialect, profile: Profile = V1) -> str:
-    """SQL: the room bucket of a row shaped as ``profile`` says, as claims and the handover
-    fence read it (the column on MySQL/MariaDB, the claim index's expression on PostgreSQL)."""
+    """SQL: the room bucket of a row shaped as ``profile`` says, computed on the row (the
+    dialect's :meth:`~room_outbox.store.dialect.Dialect.room_bucket`: :func:`bucket_of` in SQL)."""
     return dialect.room_bucket(profile.app_code, profile.room_id)
 
 
-def bucket_sql(dialect: str = "mysql", profile: Profile = V1) -> str:
-    """:func:`bucket_of` as a SQL expression over a row's app code and room (the columns, or
-    expressions, ``profile`` names): the one definition each store renders in its own dialect."""
-    app_code, room_id = profile.app_code, profile.room_id
-    if dialect == "mysql":
-        return f"CRC32(CONCAT({app_code}, ':', {room_id})) % {BUCKETS}"
-    if dialect == "postgresql":
-        return POSTGRESQL.room_bucket(app_code, room_id)
-    raise ValueError(f"no bucket expression for the {dialect} dialect")
+#: How a MySQL/MariaDB table holds the bucket (:func:`bucket_column_kind`).
+STORED, VIRTUAL, NO_COLUMN = "stored", "virtual", ""
+
+
+async def bucket_column_kind(cur: Any, table: str) -> str:
+    """How ``table`` holds the room bucket (MySQL/MariaDB): :data:`STORED` (tables ``migrate``
+    created), :data:`VIRTUAL` (a table an earlier version adopted) or :data:`NO_COLUMN`."""
+    await cur.execute(
+        "SELECT EXTRA FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s"
+        " AND COLUMN_NAME = %s",
+        (table, BUCKET_COLUMN),
+    )
+    row = await cur.fetchone()
+    if row is None:
+        return NO_COLUMN
+    return VIRTUAL if "VIRTUAL" in text(row[0] or "").upper() else STORED
+
+
+async def read_row_bucket(cur: Any, dialect: Dialect, table: str, profile: Profile = V1) -> str:
+    """SQL: the room bucket of a row of ``table`` (shaped as ``profile`` says) as claims and
+    the handover fence read it, decided from the table's columns: the STORED column where the
+    table has one (the claim index's last column: a claim checks it in the index entries),
+    else computed on the row. A VIRTUAL column (an earlier version's adoption, kept for its
+    processes) is computed on every read anyway, and is left unread so that it can be dropped
+    while these processes run."""
+    if dialect.name == "mysql" and await bucket_column_kind(cur, table) == STORED:
+        return BUCKET_COLUMN
+    return row_bucket(dialect, profile)
 
 
 async def bucket_plan(
@@ -123,10 +144,16 @@ async def bucket_plan(
     """What a migration adds (``(change, statements)`` steps, MySQL/MariaDB or PostgreSQL): with
     ``membership``, the node and bucket tables when missing; for each of ``tables`` (created by
     an earlier step or already there, rows shaped as ``profile`` says, keyed by ``key``,
-    default the profile's), its bucket column when missing and the claim's index with the
-    bucket last (an earlier install's index without it is rebuilt; PostgreSQL:
-    :func:`_pg_bucket_steps`; ``function_planned``: an earlier step of the same plan sees to the
-    bucket function). A column already there stays as it is, STORED or VIRTUAL."""
+    default the profile's), the claim's index with the room bucket last where the bucket has a
+    place in it (PostgreSQL: :func:`_pg_bucket_steps`; ``function_planned``: an earlier step of
+    the same plan sees to the bucket function).
+
+    MySQL/MariaDB: a table the same plan creates gets the STORED bucket column, last in its
+    claim index; a table already there without one gets none, and the index without it (the
+    claims compute the bucket on the row: :func:`read_row_bucket`). A column already there
+    stays: processes of an earlier version read it. With it STORED the index must hold it (an
+    earlier install's index without it is rebuilt); VIRTUAL (an earlier version's adoption),
+    either index is left as it is."""
     steps: list[tuple[str, tuple[str, ...]]] = []
     existing = await table_names(cur, dialect)
     if membership:
@@ -143,27 +170,27 @@ async def bucket_plan(
     if dialect.name == "postgresql":
         function = [] if function_planned else await _pg_function_steps(cur)
         return steps + function + await _pg_bucket_steps(cur, tables, existing, profile, key or profile.key)
-    # MySQL/MariaDB from here on. A table created by an earlier step of the same plan has no bucket column yet.
-    missing = [
-        table
-        for table in tables
-        if table.lower() not in existing or BUCKET_COLUMN not in await column_names(cur, dialect, table)
-    ]
-    for table in tables:
-        if table in missing:
+    for table in tables:  # MySQL/MariaDB
+        there = table.lower() in existing  # not there: created by an earlier step of the same plan
+        kind = await bucket_column_kind(cur, table) if there else STORED
+        if not there:
             steps.append(
-                (f"added column {table}.{BUCKET_COLUMN}", (_add_bucket_column(dialect, table, existing, profile),))
+                (
+                    f"added column {table}.{BUCKET_COLUMN}",
+                    (f"ALTER TABLE {table} ADD COLUMN {bucket_column(dialect, profile)}",),
+                )
             )
-        name, columns = claim_index(table, profile.lock, key or profile.key, BUCKET_COLUMN)
-        have = await _index_columns(cur, table, name) if table.lower() in existing else []
-        if have == _columns_of(columns):
+        name, plain = claim_index(table, profile.lock, key or profile.key)
+        with_bucket = claim_index(table, profile.lock, key or profile.key, BUCKET_COLUMN)[1]
+        accepted = {STORED: [with_bucket], VIRTUAL: [plain, with_bucket], NO_COLUMN: [plain]}[kind]
+        have = await _index_columns(cur, table, name) if there else []
+        if have in [_columns_of(columns) for columns in accepted]:
             continue
         if not have:
-            steps.append((f"added index {table}.{name}", add_index_sql(dialect, table, name, columns)))
+            steps.append((f"added index {table}.{name}", add_index_sql(dialect, table, name, accepted[0])))
         else:
-            steps.append(
-                (f"rebuilt index {table}.{name} with {BUCKET_COLUMN}", _rebuild_index(dialect, table, name, columns))
-            )
+            rebuilt = f" with {BUCKET_COLUMN}" if accepted[0] == with_bucket else ""
+            steps.append((f"rebuilt index {table}.{name}{rebuilt}", _rebuild_index(dialect, table, name, accepted[0])))
     return steps
 
 
@@ -222,15 +249,6 @@ async def _pg_index_definitions(cur: Any, table: str) -> dict[str, str]:
         (table,),
     )
     return {str(row[0]): str(row[1]) for row in await cur.fetchall()}
-
-
-def _add_bucket_column(dialect: Dialect, table: str, existing: set[str], profile: Profile) -> str:
-    """The bucket column added to ``table`` (MySQL/MariaDB). A table already there (room-service's
-    live table, a lane's full one) gets a VIRTUAL column, added instantly; a table created by
-    the same migration is empty and gets a STORED one, which the claim reads in the index."""
-    if table.lower() in existing:
-        return add_column_sql(dialect, table, bucket_column(dialect, profile, stored=False))
-    return f"ALTER TABLE {table} ADD COLUMN {bucket_column(dialect, profile)}"
 
 
 def _rebuild_index(dialect: Dialect, table: str, name: str, columns: str) -> tuple[str, ...]:

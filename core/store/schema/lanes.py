@@ -59,7 +59,7 @@ KEPT_WIDTH = 255
 
 def lane_ddl(lane: str, dialect: Dialect) -> list[str]:
     """A lane's table; its claim index too where there are no room buckets (SQLite): on a
-    server the buckets' plan creates it after the bucket column (:mod:`.membership`)."""
+    server the buckets' plan creates it after the bucket column (:mod:`.buckets`)."""
     table = lane_table(lane)
     name, columns = claim_index(table, key="outbox_id")
     claim = [] if dialect.room_buckets else [f"CREATE INDEX {name} ON {table} {columns}"]

@@ -133,9 +133,10 @@ REQUIRED_V1_COLUMNS = (
 def claim_index(table: str, lock: str = "lock_until_ms", key: str = "id", bucket: str = "") -> tuple[str, str]:
     """The claim's index on ``table``: its name and columns. The claim reads a range of it in
     its order (``status``, then due time ``lock``, then ``key``) and stops after a batch.
-    ``bucket``: the room bucket column, appended on a server (:mod:`.membership`), so that a
-    claim limited to some buckets checks them in the index entries it passes over rather than
-    in the rows; being last, it leaves the range and its order as they are."""
+    ``bucket``: the room bucket (a STORED column, or PostgreSQL's expression), appended on a
+    server where the table has it (:mod:`.buckets`), so that a claim limited to some buckets
+    checks them in the index entries it passes over rather than in the rows; being last, it
+    leaves the range and its order as they are."""
     return f"idx_{table}_claim", f"(status, {lock}, {key}{', ' + bucket if bucket else ''})"
 
 
@@ -166,7 +167,7 @@ async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migrat
                 Migration(f"added column {table}.{name}", (add_column_sql(dialect, table, f"{name} {definition}"),))
             )
     wanted = [(template.format(table=table), columns_sql) for template, columns_sql in ADDED_INDEXES.items()]
-    if not dialect.room_buckets:  # on a server the room buckets' plan creates it, after their column
+    if not dialect.room_buckets:  # on a server the room buckets' plan creates it, with the bucket where it fits
         wanted.insert(0, claim_index(table))
     partitions = await partitions_of(cur, table) if dialect.name == "postgresql" else None
     for name, columns_sql in wanted:

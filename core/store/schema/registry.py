@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import PLUGIN_SCHEMA, Dialect
-from room_outbox.store.schema.buckets import BUCKET_COLUMN, BUCKET_TABLE, NODE_TABLE, bucket_plan
+from room_outbox.store.schema.buckets import BUCKET_TABLE, NODE_TABLE, bucket_plan
 from room_outbox.store.schema.columns import schema_problems, sequence_problems
 from room_outbox.store.schema.consumers import consumer_steps
 from room_outbox.store.schema.handler_tables import check_handler_tables
@@ -118,16 +118,15 @@ LANE_COLUMNS = ("outbox_id", "status", "retry_count", "last_error", "worker_id",
 def required_columns(dialect: Dialect, profile: Profile, wanted: WantedSchema) -> dict[str, tuple[str, ...]]:
     """Table → the columns room-outbox reads or writes there, of what ``wanted`` creates (the
     start-up check requires them; plugins' and consumers' tables are checked by their users)."""
-    # On a server: the processes' membership and the room buckets (SQLite runs without them)
+    # On a server: the processes' membership and the room buckets (SQLite runs without them).
+    # No bucket column: a table that has none computes its rows' bucket (schema.buckets).
     server = dialect.room_buckets
-    # The bucket column where the dialect reads one (PostgreSQL computes the bucket instead)
-    bucket = (BUCKET_COLUMN,) if server and dialect.row_bucket == BUCKET_COLUMN else ()
     required: dict[str, tuple[str, ...]] = {}
     if wanted.outbox:
-        required[profile.table] = (*outbox_columns(profile), *bucket)
+        required[profile.table] = outbox_columns(profile)
     if wanted.lanes is not None:
         required[CURSOR_TABLE] = ("lane", "fed_through_id")
-        required.update({lane_table(lane): (*LANE_COLUMNS, *bucket) for lane in wanted.lanes})
+        required.update({lane_table(lane): LANE_COLUMNS for lane in wanted.lanes})
     if wanted.tail_lanes:
         required[CURSOR_TABLE] = ("lane", "fed_through_id", "read_through_id", "open_gaps")
         required[PARKED_TABLE] = ("lane", "outbox_id", "status", "last_error")
@@ -142,7 +141,8 @@ def required_indexes(profile: Profile) -> tuple[str, ...]:
     ``migrate`` creates on every database: the claim's, and per-room order's look-back. MySQL
     and MariaDB refuse a statement that forces one the table lacks (the claim does, with
     ``claim_after`` or room buckets); elsewhere every claim would scan the table. A table
-    swapped for a copy built without them (gh-ost, pt-online-schema-change) lacks them."""
+    swapped for a copy built without them (gh-ost, pt-online-schema-change) lacks them. By
+    name: the claim's holds the room bucket last or not (:func:`.buckets.bucket_plan`)."""
     table = profile.table.lower()
     return claim_index(table)[0], ROOM_INDEX.format(table=table)
 
