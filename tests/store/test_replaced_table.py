@@ -5,6 +5,7 @@ store, each failing round names the fix instead of the database's bare words."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 from collections.abc import AsyncIterator
@@ -288,3 +289,47 @@ def test_the_indexes_a_plan_builds_are_read_from_its_statements_as_postgresql_na
         ("idx_room_outbox_a_room", "room_outbox_a"),
         ("uk_x", "t"),
     ]
+
+
+# -- the operator's reports say what run would refuse -----------------------------------------
+
+
+@pytest.mark.parametrize("server", ["mysql", "postgresql"])
+async def test_status_and_lanes_say_that_run_cannot_start_for_a_missing_index(
+    server: str, request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With the indexes missing, ``status`` showed a normal-looking report (exit 0) while no
+    ``run`` could start. The report is still shown; start-up's line follows on stderr, exit 3."""
+    dsn = request.getfixturevalue("database_dsn" if server == "mysql" else "postgresql_dsn")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"database:\n  dsn: '{dsn}'\nsinks:\n  tencent_im:\n    enabled: false\n")
+
+    async def cli(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = await anyio.to_thread.run_sync(main, ["--config", str(config), *argv])  # its own event loop
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    store = await open_store(dsn)
+    try:
+        await store.migrate()
+        await insert_events(store, [envelope("e1")])  # type: ignore[arg-type]
+        await swap(store, "like")
+    finally:
+        await store.aclose()
+    refused = (
+        "room-outbox: `run` would refuse to start: table room_outbox lacks the indexes"
+        f" idx_room_outbox_claim, idx_room_outbox_room: {MIGRATE}\n"
+    )
+    code, out, err = await cli("status")
+    assert (code, err) == (3, refused)
+    assert out.startswith("pending               1\n")  # the report, as it reads
+    code, out, err = await cli("status", "--json")
+    assert (code, err, json.loads(out)["pending"]) == (3, refused, 1)
+    code, out, err = await cli("lanes")
+    assert (code, err) == (3, refused)
+    assert out.splitlines()[1].split()[:2] == ["main", "-"]
+    assert (await cli("migrate"))[0] == 0
+    for argv in (["status"], ["lanes"]):
+        code, _, err = await cli(*argv)
+        assert (code, err) == (0, "")
