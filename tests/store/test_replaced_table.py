@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from support import RecordingSink, envelope, fetch_rows, insert_events, make_dis
 from room_outbox.cli.main import main
 from room_outbox.cluster.identity import longest_claim_id
 from room_outbox.errors import SchemaError
+from room_outbox.observability.health import Health
 from room_outbox.store.backends.errors import named_fix
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.dialect import MYSQL
@@ -121,6 +123,8 @@ async def test_rounds_on_a_table_swapped_without_the_claim_index_name_the_fix_un
     store.claim_after_ms = 1  # the claim index forced
     sink = RecordingSink()
     dispatcher = make_dispatcher(store, sink, poll_interval=0.05)
+    health = Health(worker="running", unready_after_failed_rounds=3)
+    dispatcher.health = health.lane("main")
     async with running(dispatcher):
         await wait_until(lambda: dispatcher.health.succeeded_at is not None)
         await swap(store, "like")
@@ -131,6 +135,11 @@ async def test_rounds_on_a_table_swapped_without_the_claim_index_name_the_fix_un
             f" the index idx_room_outbox_claim (the table was replaced?): {MIGRATE}"
         )
         assert dispatcher.health.last_error == fix
+        # /readyz says it too, not only that rounds fail
+        ready, checks = health.readiness()
+        assert not ready and re.fullmatch(
+            r"\d+ rounds failed in a row, the last: " + re.escape(fix), checks["lane main"]
+        )
         await store.migrate()
 
         async def published() -> bool:
