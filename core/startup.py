@@ -141,11 +141,21 @@ async def open_checked_store(settings: Settings, own_lanes: list[str], tail_lane
     )
     try:
         with translated(describe(store_address(database.dsn.get_secret_value()))):
-            await check_schema(store, own_lanes, longest_claim_id(settings.node_id), tail_lanes)
+            await check_run_schema(store, settings, own_lanes, tail_lanes)
     except BaseException:
         await store.aclose()
         raise
     return store
+
+
+async def check_run_schema(
+    store: SQLStore, settings: Settings, lane_tables: Sequence[str], tail_lanes: Sequence[str] = ()
+) -> None:
+    """Start-up's schema check (step 3): raises :class:`~room_outbox.errors.SchemaError`
+    naming what ``run`` would refuse to start for. ``lane_tables``: the lanes of their own
+    kept in a table, ``tail_lanes``: those tailing the outbox. ``status`` and ``lanes`` make
+    it too: a report that looks normal must not hide that no process can start."""
+    await check_schema(store, lane_tables, longest_claim_id(settings.node_id), tail_lanes)
 
 
 def _lines(exc: ConfigurationError) -> list[str]:

@@ -5,6 +5,7 @@ itself, and stops within publish_timeout + query_timeout."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,7 +18,11 @@ from support import RecordingSink, envelope, insert_events, make_dispatcher, wai
 
 from room_outbox.observability.health import Health, stalled_after
 from room_outbox.observability.http_endpoint import HttpEndpoint
+from room_outbox.observability.redaction import Redactor
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.backends.postgres_address import PostgresAddress
+from room_outbox.store.factory import open_store
+from room_outbox.store.operator.reports import ping
 
 pytestmark = pytest.mark.anyio
 
@@ -60,7 +65,9 @@ async def test_readyz_fails_after_consecutive_failed_rounds(served: tuple[Health
     lane.round_ended("QueryTimeout: the database did not answer")
     unready = await client.get("/readyz")
     assert unready.status_code == 503
-    assert unready.json()["lane kafka"] == "3 rounds failed in a row"  # a fixed cause: no driver text
+    assert (
+        unready.json()["lane kafka"] == "3 rounds failed in a row, the last: QueryTimeout: the database did not answer"
+    )
     lane.round_ended()
     assert (await client.get("/readyz")).status_code == 200
 
@@ -96,6 +103,46 @@ async def test_a_database_check_that_times_out_is_logged_by_its_type_without_a_d
         await health._ping()
     assert [r.getMessage() for r in caplog.records] == ["readiness: the database check failed: TimeoutError"]
     assert health.readiness()[1]["database"] == "no answer within 0.05s"
+
+
+async def test_readyz_says_why_the_database_check_fails_without_the_dsns_password(postgresql_dsn: str) -> None:
+    """The database cut off (every connection reset): /readyz said ``query failed`` and no
+    more; the reason was in the log only. It gives the driver's words now, on one line, with
+    the DSN's password masked."""
+    real = PostgresAddress.from_dsn(postgresql_dsn)
+    password = "pw-of-the-dsn-1234"
+    async with TcpProxy(real.host, real.port) as proxy:
+        # PostgreSQL trusts loopback here: the password is sent, or not, and never checked
+        store = await open_store(
+            f"postgresql://{real.user}:{password}@127.0.0.1:{proxy.port}/{real.database}", query_timeout=1.0
+        )
+        redactor = Redactor()
+        redactor.add(password)
+        health = Health(functools.partial(ping, store), redactor=redactor, worker="running")
+        server = HttpEndpoint(health, lambda: "")
+        port = await server.bind("127.0.0.1", 0)
+        try:
+            async with (
+                anyio.create_task_group() as tg,
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client,
+            ):
+                tg.start_soon(server.serve)
+                tg.start_soon(health.watch_database, 0.05)
+                await wait_until(lambda: health.readiness()[0], timeout=10)
+                await proxy.cut()
+                await wait_until(lambda: not health.readiness()[0], timeout=10)
+                answer = await client.get("/readyz")
+                assert answer.status_code == 503
+                cause = answer.json()["database"]
+                fixed, _, why = cause.partition(": ")
+                assert fixed in ("query failed", "no answer within 2s") and why, cause
+                assert "\n" not in cause and len(cause) <= 320
+                assert password not in answer.text
+                await proxy.restore()
+                await wait_until(lambda: health.readiness()[0], timeout=10)
+                tg.cancel_scope.cancel()
+        finally:
+            await store.aclose()
 
 
 def test_the_stall_limit_is_never_shorter_than_a_healthy_gap() -> None:

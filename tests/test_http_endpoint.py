@@ -65,10 +65,11 @@ async def test_health_readiness_and_metrics(endpoint: tuple[HttpEndpoint, Databa
     server.health.worker = "disabled"  # outbox_worker.enabled: false serves nothing, yet is not broken
     assert (await readyz(client))["ready"] is True
 
-    # A short fixed cause, never the driver's text (redacted or not).
-    database.error = OSError("Can't connect as room:dbpassw0rd@db")
+    # A short fixed cause, then the error on one line, its secrets masked.
+    database.error = OSError("Can't connect as room:dbpassw0rd@db\n\tIs the server running?")
     await wait_until(lambda: server.health.readiness()[1]["database"] != "ok", timeout=5)
-    assert await readyz(client) == {"ready": False, "worker": "disabled", "database": "query failed", "clock": "ok"}
+    cause = "query failed: OSError: Can't connect as room:[REDACTED]@db Is the server running?"
+    assert await readyz(client) == {"ready": False, "worker": "disabled", "database": cause, "clock": "ok"}
     database.error = None
     await wait_until(lambda: server.health.readiness()[0], timeout=5)
 

@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from room_outbox.config import Settings, parse_duration
-from room_outbox.errors import ConfigurationError
+from room_outbox.config import LanePlan, Settings, parse_duration
+from room_outbox.errors import ConfigurationError, SchemaError
 from room_outbox.observability.redaction import Redactor
-from room_outbox.startup import table_profile
+from room_outbox.startup import check_run_schema, table_profile
 from room_outbox.store.backends.errors import translated
 from room_outbox.store.factory import describe, open_store, store_address
 from room_outbox.store.protocol import SQLStore
@@ -147,6 +147,29 @@ async def not_a_tailing_lane(store: SQLStore, lane: str, command: str, err: Any)
     names = ", ".join(tailing) or "none here"
     print(f"room-outbox {command}: {printable(lane)} is not a tailing lane (tailing lanes: {names})", file=err)
     return True
+
+
+async def checked_report(
+    store: SQLStore, settings: Settings, plan: LanePlan, report: Callable[[], Awaitable[int]], err: Any
+) -> int:
+    """A report (``status``, ``lanes``) checked as ``run`` checks the schema at start (for the
+    lanes of ``plan``): a normal-looking report must not hide that no process can start. The
+    report is still printed (what it reads is true), then that problem and its fix on ``err``
+    as start-up words it, with start-up's exit code (3). A report the problem keeps from
+    being read fails with the problem itself, which names the fix."""
+    lane_tables = [lane for lane in plan.own if lane not in plan.tail]
+    try:
+        await check_run_schema(store, settings, lane_tables, plan.tail)
+    except SchemaError as exc:
+        problem = exc
+    else:
+        return await report()
+    try:
+        await report()
+    except Exception as exc:  # a missing table or column, say: the driver's words name no fix
+        raise problem from exc
+    print(f"room-outbox: `run` would refuse to start: {problem}", file=err)
+    return problem.exit_code
 
 
 async def with_store(settings: Settings, work: Callable[[SQLStore], Awaitable[int]]) -> int:

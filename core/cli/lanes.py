@@ -11,12 +11,13 @@ Retiring drops both. It refuses an enabled lane: stop running it first, on every
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import asdict, dataclass
 from typing import IO
 
-from room_outbox.cli.command import Command, add_json_option, add_yes_option
+from room_outbox.cli.command import Command, add_json_option, add_yes_option, checked_report
 from room_outbox.cli.output import NONE, format_age, format_table
 from room_outbox.config import MAIN_LANE, LanePlan, Settings
 from room_outbox.delivery.lanes import lane_plan
@@ -129,7 +130,10 @@ async def _retire(store: SQLStore, plan: LanePlan, name: str, yes: bool, out: IO
 
 async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
     plan = lane_plan(make_plugin_manager(settings.plugins.disabled), settings)
-    return await lanes_command(store, plan, args, sys.stdout, sys.stderr)
+    command = functools.partial(lanes_command, store, plan, args, sys.stdout, sys.stderr)
+    if getattr(args, "lanes_action", None) == "retire":  # a change, not a report
+        return await command()
+    return await checked_report(store, settings, plan, command, sys.stderr)
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,7 +151,8 @@ COMMAND = Command(
     "cursor the database still holds, with its state, watermark (fed through id), pending, unfed\n"
     "and parked rows and the age of the oldest event it owes. `lanes retire NAME` shows what a\n"
     "disabled lane leaves behind; with --yes it drops its table (a tailing lane: its parked\n"
-    "rows) and cursor.",
+    "rows) and cursor. The list checks the schema as `run` does at start: what would stop `run`\n"
+    "follows it on stderr, with its fix, and the exit code is 3.",
     examples="room-outbox lanes\nroom-outbox lanes --json | jq '.[] | {lane, pending}'\n"
     "room-outbox lanes retire audit_table --yes\nroom-outbox lanes retire audit_table --config config/config.yaml",
     needs="store",

@@ -5,11 +5,12 @@ terminal, not for a timer (the metrics sample the backlog on an index instead)."
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from typing import IO
 
-from room_outbox.cli.command import Command, add_json_option
+from room_outbox.cli.command import Command, add_json_option, checked_report
 from room_outbox.cli.consumers import format_overview
 from room_outbox.cli.output import format_table, format_time
 from room_outbox.config import Settings
@@ -89,8 +90,9 @@ async def status_command(store: SQLStore, as_json: bool, out: IO[str], im_lane: 
 
 
 async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
-    im_lane = lane_plan(make_plugin_manager(settings.plugins.disabled), settings).main
-    return await status_command(store, args.json, sys.stdout, im_lane)
+    plan = lane_plan(make_plugin_manager(settings.plugins.disabled), settings)
+    report = functools.partial(status_command, store, args.json, sys.stdout, plan.main)
+    return await checked_report(store, settings, plan, report, sys.stderr)
 
 
 COMMAND = Command(
@@ -98,7 +100,9 @@ COMMAND = Command(
     "histogram, lease holders, lanes of their own and the most frequent last_error values of the\n"
     "rows retrying and, apart, of the parked (failed) rows, grouped (errors that differ only by an\n"
     "identifier such as a GroupId are one line, with their count); each read from at most 10,000\n"
-    "rows of a status: the oldest still to deliver, the latest parked.",
+    "rows of a status: the oldest still to deliver, the latest parked. The schema is checked as `run`\n"
+    "checks it at start: what would stop `run` (a missing index, say) follows the report on stderr,\n"
+    "with its fix, and the exit code is 3.",
     examples="room-outbox status\nroom-outbox status --json | jq .oldest_pending_age_ms",
     needs="store",
     arguments=add_json_option,

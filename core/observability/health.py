@@ -4,8 +4,9 @@ Live: every lane that should be running rounds has made progress lately
 (:meth:`Health.liveness`): a lane blocked for good is cured by a restart, a database that is
 down is not. Ready: the worker runs, the database answered lately and no lane keeps failing
 (:meth:`Health.readiness`); sinks are not checked, so a sink's jitter never takes the process
-out of service. Both are read from state the process keeps, never from a query per request;
-each check's cause is a short fixed text, the driver's own words go to the log. The
+out of service. Both are read from state the process keeps, never from a query per request.
+A failed check says why: a short fixed cause, then the error behind it (secrets masked, cut to
+:data:`CHECK_TEXT_MAX`), so that a probe's answer names what to fix without a log search. The
 dispatchers report to their :class:`LaneHealth`; the lifecycle sets :attr:`Health.worker`.
 """
 
@@ -29,7 +30,8 @@ DATABASE_CHECK_TIMEOUT = 2.0
 DATABASE_CHECK_INTERVAL = 5.0
 #: Ready only while a query has succeeded within this long: a missed ping or two is tolerated.
 DATABASE_FRESH_FOR = 3 * DATABASE_CHECK_INTERVAL
-#: Longest error text in a log line about a check (and in a backlog-sample warning).
+#: Longest error text in a log line about a check, in a failed check's cause (``/readyz``) and
+#: in a backlog-sample warning.
 CHECK_TEXT_MAX = 300
 #: ``/readyz``'s clock check when this host's clock is off the database's beyond the bound.
 CLOCK_SKEWED = "off the database's clock by more than cluster.max_clock_skew"
@@ -84,7 +86,7 @@ class Health:
     unready_after_failed_rounds: int = UNREADY_AFTER_FAILED_ROUNDS
     lanes: dict[str, LaneHealth] = field(default_factory=dict)
     #: The watch's last successful ping and last failure (``time.monotonic()``), and that
-    #: failure's fixed cause (None once a ping succeeds again).
+    #: failure's cause (None once a ping succeeds again).
     _pinged_at: float | None = None
     _failed_at: float | None = None
     _failure: str | None = None
@@ -128,7 +130,8 @@ class Health:
         for name, lane in sorted(self.lanes.items()):
             if lane.failed_in_a_row >= self.unready_after_failed_rounds and not lane.sink_failing:
                 ready = False
-                checks[f"lane {name}"] = f"{lane.failed_in_a_row} rounds failed in a row"
+                why = check_text(self.redactor, lane.last_error)
+                checks[f"lane {name}"] = f"{lane.failed_in_a_row} rounds failed in a row, the last: {why}"
         return ready, checks
 
     def _last_success(self) -> float | None:
@@ -159,7 +162,8 @@ class Health:
             if self._failure is None:  # once per outage: the lanes log their own failures
                 log.warning("readiness: the database check failed: %s", check_error(self.redactor, exc))
             timed_out = isinstance(exc, TimeoutError)
-            self._failure = f"no answer within {DATABASE_CHECK_TIMEOUT:g}s" if timed_out else "query failed"
+            why = f"no answer within {DATABASE_CHECK_TIMEOUT:g}s" if timed_out else "query failed"
+            self._failure = f"{why}: {check_error(self.redactor, exc)}" if str(exc) else why
             self._failed_at = time.monotonic()
         else:
             self._pinged_at = time.monotonic()
@@ -167,11 +171,16 @@ class Health:
 
 
 def check_error(redactor: Redactor, exc: BaseException) -> str:
-    """A failed check's exception as its log line tells it: ``TypeName: message``, or the
-    type's name alone when the message is empty (a timeout's, whose text is blank); secrets
-    masked, cut to :data:`CHECK_TEXT_MAX` characters."""
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return redact_and_shorten(redactor, text, CHECK_TEXT_MAX)
+    """A failed check's exception as its log line and ``/readyz`` tell it: ``TypeName:
+    message``, or the type's name alone when the message is empty (a timeout's, whose text is
+    blank); secrets masked, cut to :data:`CHECK_TEXT_MAX` characters."""
+    return check_text(redactor, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+
+def check_text(redactor: Redactor, text: str) -> str:
+    """An error's text as a check tells it: on one line (drivers' messages run over several),
+    secrets masked, cut to :data:`CHECK_TEXT_MAX` characters."""
+    return redact_and_shorten(redactor, " ".join(redactor.redact(text).split()), CHECK_TEXT_MAX)
 
 
 def stalled_after(polls: int, poll_interval: float, query_timeout: float, publish_timeout: float) -> float:

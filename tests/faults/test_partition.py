@@ -85,7 +85,8 @@ async def rounds_failed(http: httpx.AsyncClient, base: str, more_than: int = 0) 
     process unready), when more than ``more_than``; else 0."""
     answer = await http.get(f"{base}/readyz")
     check = answer.json().get("lane main", "") if answer.status_code == 503 else ""
-    failed = int(check.split()[0]) if check.endswith("rounds failed in a row") else 0
+    counted = re.match(r"(\d+) rounds failed in a row, the last: ", check)
+    failed = int(counted[1]) if counted else 0
     return failed if failed > more_than else 0
 
 

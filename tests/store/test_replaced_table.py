@@ -5,24 +5,31 @@ store, each failing round names the fix instead of the database's bare words."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import sqlite3
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import anyio
 import pymysql
 import pytest
 from support import RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, running, wait_until
 
+from room_outbox.cli.main import main
 from room_outbox.cluster.identity import longest_claim_id
 from room_outbox.errors import SchemaError
+from room_outbox.observability.health import Health
 from room_outbox.store.backends.errors import named_fix
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.dialect import MYSQL
 from room_outbox.store.factory import open_store
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.check import check_schema
-from room_outbox.store.schema.outbox import V1_TABLE_DDL
-from room_outbox.store.schema.profiles import V1
+from room_outbox.store.schema.outbox import SILK_TABLE_DDL, V1_TABLE_DDL, built_indexes, concurrent_step
+from room_outbox.store.schema.partitions import Partition, index_statements
+from room_outbox.store.schema.profiles import SILK, V1
 
 pytestmark = pytest.mark.anyio
 
@@ -43,9 +50,10 @@ async def server_store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore
         await store.aclose()
 
 
-async def swap(store: SQLStore, shadow: str) -> None:
+async def swap(store: SQLStore, shadow: str, keep_names: bool = False) -> None:
     """Build ``_room_outbox_gho`` (``like``: as room_outbox, without room-outbox's two indexes;
-    ``v1``: from room-service's own CREATE TABLE), copy the rows over, swap it in atomically."""
+    ``v1``: from room-service's own CREATE TABLE), copy the rows over, swap it in atomically.
+    ``keep_names`` (PostgreSQL): the old table keeps its indexes' names, as a hand-made swap does."""
     mysql = store.dialect.name == "mysql"
     async with store.transaction() as cur:
         if shadow == "v1":
@@ -66,7 +74,7 @@ async def swap(store: SQLStore, shadow: str) -> None:
         else:  # index names are the schema's: the old table's give theirs up, as PostgreSQL's swap tools do
             await cur.execute("ALTER TABLE room_outbox RENAME TO _room_outbox_del")
             await cur.execute("ALTER TABLE _room_outbox_gho RENAME TO room_outbox")
-            for index in ("idx_room_outbox_claim", "idx_room_outbox_room"):
+            for index in () if keep_names else ("idx_room_outbox_claim", "idx_room_outbox_room"):
                 await cur.execute(f"ALTER INDEX {index} RENAME TO _del_{index}")
 
 
@@ -115,6 +123,8 @@ async def test_rounds_on_a_table_swapped_without_the_claim_index_name_the_fix_un
     store.claim_after_ms = 1  # the claim index forced
     sink = RecordingSink()
     dispatcher = make_dispatcher(store, sink, poll_interval=0.05)
+    health = Health(worker="running", unready_after_failed_rounds=3)
+    dispatcher.health = health.lane("main")
     async with running(dispatcher):
         await wait_until(lambda: dispatcher.health.succeeded_at is not None)
         await swap(store, "like")
@@ -125,6 +135,11 @@ async def test_rounds_on_a_table_swapped_without_the_claim_index_name_the_fix_un
             f" the index idx_room_outbox_claim (the table was replaced?): {MIGRATE}"
         )
         assert dispatcher.health.last_error == fix
+        # /readyz says it too, not only that rounds fail
+        ready, checks = health.readiness()
+        assert not ready and re.fullmatch(
+            r"\d+ rounds failed in a row, the last: " + re.escape(fix), checks["lane main"]
+        )
         await store.migrate()
 
         async def published() -> bool:
@@ -160,3 +175,170 @@ def test_which_errors_name_the_fix(error: Exception, fix: str | None) -> None:
     else:
         assert str(raised.value) == f"{fix} (the table was replaced?): {MIGRATE}"
         assert raised.value.__cause__ is error
+
+
+# -- PostgreSQL: index names are the schema's ---------------------------------------------------
+
+
+def taken(index: str, holder: str, renamed: str) -> str:
+    return (
+        f"the name {index} is taken by an index of table {holder} (PostgreSQL names indexes per schema, and a"
+        f" table swapped out keeps its indexes' names): rename that index (ALTER INDEX {index} RENAME TO"
+        f" {renamed}) or drop it, then run {MIGRATE.removeprefix('run ')}"
+    )
+
+
+async def indexes_of_the_schema(store: SQLStore) -> list[tuple[object, ...]]:
+    async with store.transaction() as cur:
+        await cur.execute(
+            "SELECT indexname, tablename, indexdef FROM pg_indexes WHERE schemaname = current_schema() ORDER BY 1"
+        )
+        return list(await cur.fetchall())
+
+
+async def test_migrate_refuses_to_build_an_index_whose_name_the_swapped_out_table_still_holds(
+    postgresql_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The old table keeps idx_room_outbox_claim and idx_room_outbox_room: ``CREATE INDEX
+    CONCURRENTLY IF NOT EXISTS`` on the new one did nothing, migrate said it added them, and
+    ``run`` refused to start for want of them. Now migrate (and ``--sql``) refuses before any
+    change, naming the table that holds each name and the fix; the start-up check says the
+    same; once the operator renamed them, migrate builds them."""
+    store = await open_store(postgresql_dsn)
+    try:
+        await store.migrate()
+        await swap(store, "like", keep_names=True)
+        before = await indexes_of_the_schema(store)
+        refused = [
+            "cannot build index idx_room_outbox_room on table room_outbox: "
+            + taken("idx_room_outbox_room", "_room_outbox_del", "idx__room_outbox_del_room"),
+            "cannot build index idx_room_outbox_claim on table room_outbox: "
+            + taken("idx_room_outbox_claim", "_room_outbox_del", "idx__room_outbox_del_claim"),
+        ]
+        for plan_or_run in (store.migration_plan, store.migrate):
+            with pytest.raises(SchemaError) as raised:
+                await plan_or_run()
+            assert str(raised.value).splitlines() == refused
+        config = tmp_path / "config.yaml"
+        config.write_text(f"database:\n  dsn: '{postgresql_dsn}'\nsinks:\n  tencent_im:\n    enabled: false\n")
+        for argv in (["migrate", "--sql"], ["migrate"]):
+            capsys.readouterr()
+            code = await anyio.to_thread.run_sync(main, ["--config", str(config), *argv])
+            assert (code, capsys.readouterr().err.splitlines()) == (3, [f"room-outbox: {refused[0]}", refused[1]])
+        assert await indexes_of_the_schema(store) == before  # nothing changed
+        with pytest.raises(SchemaError) as at_start:
+            await check_schema(store, (), longest_claim_id("node-1"))
+        assert str(at_start.value).splitlines() == [
+            "table room_outbox lacks the index idx_room_outbox_claim: "
+            + taken("idx_room_outbox_claim", "_room_outbox_del", "idx__room_outbox_del_claim"),
+            "table room_outbox lacks the index idx_room_outbox_room: "
+            + taken("idx_room_outbox_room", "_room_outbox_del", "idx__room_outbox_del_room"),
+        ]
+        async with store.transaction() as cur:  # the fix the message gives
+            await cur.execute("ALTER INDEX idx_room_outbox_claim RENAME TO idx__room_outbox_del_claim")
+            await cur.execute("ALTER INDEX idx_room_outbox_room RENAME TO idx__room_outbox_del_room")
+        assert await store.migrate() == [
+            "added index room_outbox.idx_room_outbox_room",
+            "added index room_outbox.idx_room_outbox_claim",
+        ]
+        await check_schema(store, (), longest_claim_id("node-1"))
+    finally:
+        await store.aclose()
+
+
+async def test_silks_partial_backfill_index_held_by_another_table_is_refused_before_any_change(
+    postgresql_dsn: str,
+) -> None:
+    """The backfill's partial index (``WHERE outbox_seq IS NULL``), left on silk's table
+    before it was swapped out: adding the key would number no row through it."""
+    store = await open_store(postgresql_dsn, profile=SILK)
+    try:
+        async with store.transaction() as cur:
+            for statement in SILK_TABLE_DDL:
+                await cur.execute(statement.format(table="outbox_events"))
+                await cur.execute(statement.format(table="outbox_events_old").replace("uk_outbox_events_old", "uk_old"))
+            await cur.execute(
+                "CREATE INDEX idx_outbox_events_outbox_seq_backfill ON outbox_events_old (created_at, id)"
+                " WHERE status = 'pending'"
+            )
+        before = await indexes_of_the_schema(store)
+        with pytest.raises(SchemaError) as raised:
+            await store.migrate()
+        assert str(raised.value) == (
+            "cannot build index idx_outbox_events_outbox_seq_backfill on table outbox_events: "
+            + taken(
+                "idx_outbox_events_outbox_seq_backfill",
+                "outbox_events_old",
+                "idx_outbox_events_old_outbox_seq_backfill",
+            )
+        )
+        assert await indexes_of_the_schema(store) == before
+        async with store.transaction() as cur:
+            await cur.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'outbox_events'")
+            assert "outbox_seq" not in {row[0] for row in await cur.fetchall()}  # no step ran
+    finally:
+        await store.aclose()
+
+
+def test_the_indexes_a_plan_builds_are_read_from_its_statements_as_postgresql_names_them() -> None:
+    partitions = [
+        Partition("Room_Outbox_Next", "room_outbox", False),
+        Partition("room_outbox_a", "Room_Outbox_Next", True),
+    ]
+    plan = [
+        concurrent_step(
+            "added index", index_statements("room_outbox", "idx_room_outbox_room", "(room_id)", partitions)
+        ),
+        concurrent_step("added index", ("CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS UK_X ON T (a)",)),
+        concurrent_step("a handler's", ("CREATE INDEX IF NOT EXISTS idx_y ON other_schema.t (a)",)),
+    ]
+    assert built_indexes(plan) == [
+        ("idx_room_outbox_room", "room_outbox"),
+        ("idx_Room_Outbox_Next_room", "Room_Outbox_Next"),
+        ("idx_room_outbox_a_room", "room_outbox_a"),
+        ("uk_x", "t"),
+    ]
+
+
+# -- the operator's reports say what run would refuse -----------------------------------------
+
+
+@pytest.mark.parametrize("server", ["mysql", "postgresql"])
+async def test_status_and_lanes_say_that_run_cannot_start_for_a_missing_index(
+    server: str, request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With the indexes missing, ``status`` showed a normal-looking report (exit 0) while no
+    ``run`` could start. The report is still shown; start-up's line follows on stderr, exit 3."""
+    dsn = request.getfixturevalue("database_dsn" if server == "mysql" else "postgresql_dsn")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"database:\n  dsn: '{dsn}'\nsinks:\n  tencent_im:\n    enabled: false\n")
+
+    async def cli(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = await anyio.to_thread.run_sync(main, ["--config", str(config), *argv])  # its own event loop
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    store = await open_store(dsn)
+    try:
+        await store.migrate()
+        await insert_events(store, [envelope("e1")])  # type: ignore[arg-type]
+        await swap(store, "like")
+    finally:
+        await store.aclose()
+    refused = (
+        "room-outbox: `run` would refuse to start: table room_outbox lacks the indexes"
+        f" idx_room_outbox_claim, idx_room_outbox_room: {MIGRATE}\n"
+    )
+    code, out, err = await cli("status")
+    assert (code, err) == (3, refused)
+    assert out.startswith("pending               1\n")  # the report, as it reads
+    code, out, err = await cli("status", "--json")
+    assert (code, err, json.loads(out)["pending"]) == (3, refused, 1)
+    code, out, err = await cli("lanes")
+    assert (code, err) == (3, refused)
+    assert out.splitlines()[1].split()[:2] == ["main", "-"]
+    assert (await cli("migrate"))[0] == 0
+    for argv in (["status"], ["lanes"]):
+        code, _, err = await cli(*argv)
+        assert (code, err) == (0, "")

@@ -22,6 +22,7 @@ from room_outbox.store.dialect import column_names, index_names
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.columns import check_columns, row_security_notice, sequence_problems
 from room_outbox.store.schema.lanes import lane_table
+from room_outbox.store.schema.outbox import taken_index_names
 from room_outbox.store.schema.registry import WantedSchema, required_columns, required_indexes
 
 log = logging.getLogger("room_outbox.store")
@@ -39,7 +40,8 @@ async def check_schema(
     its table; tailing lanes (``tail_lanes``) need the cursor and parked tables: the registry's
     required columns (:func:`.registry.required_columns`), and no table of their own left from
     before they tailed (``migrate`` hands over from it). The outbox table needs the indexes its
-    statements read by name too (:func:`.registry.required_indexes`)."""
+    statements read by name too (:func:`.registry.required_indexes`); on PostgreSQL, one whose
+    name another table's index holds is named with that table (``migrate`` refuses to build it)."""
     wanted = WantedSchema(lanes=tuple(lanes) if lanes else None, tail_lanes=tuple(tail_lanes))
     required = required_columns(store.dialect, store.profile, wanted)
     # What the columns can hold comes first: migrate refuses it before adding anything missing
@@ -60,10 +62,18 @@ async def check_schema(
         missing = [column for column in columns if column not in have]
         if missing:
             raise SchemaError(f"table {table} lacks {', '.join(missing)}: {_FIX}")
+    table = store.profile.table
     missing = [index for index in required_indexes(store.profile) if index not in indexes]
     if missing:
+        # migrate refuses to build one whose name another table's index holds: say that fix now
+        async with store.transaction() as cur:
+            taken = await taken_index_names(cur, store.dialect, [(index, table.lower()) for index in missing])
+        if taken:
+            raise SchemaError(
+                "\n".join(f"table {table} lacks the index {index}: {why}" for index, why in taken.items())
+            )
         which = "the index" if len(missing) == 1 else "the indexes"
-        raise SchemaError(f"table {store.profile.table} lacks {which} {', '.join(missing)}: {_FIX}")
+        raise SchemaError(f"table {table} lacks {which} {', '.join(missing)}: {_FIX}")
     # A lane switched to tailing hands over from its old table in migrate, which drops it: run
     # before that, it would go on from a cursor that the table's unsent rows are not behind yet.
     left = await _columns(store, [lane_table(lane) for lane in tail_lanes])

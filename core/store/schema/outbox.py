@@ -11,13 +11,15 @@ indexes are built ``CONCURRENTLY``, silk's key is added and backfilled in batche
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import Dialect, column_names, index_names
 from room_outbox.store.schema.columns import ADOPTED_COLUMNS, adoption_plan, checked_fixes
-from room_outbox.store.schema.partitions import Partition, index_statements, partitions_of, quoted
+from room_outbox.store.schema.partitions import Partition, index_statements, partition_index, partitions_of, quoted
 
 if TYPE_CHECKING:
     from room_outbox.store.schema.profiles import Profile
@@ -198,6 +200,65 @@ async def invalid_index_steps(cur: Any, tables: list[str]) -> list[Migration]:
         )
         for (name,) in await cur.fetchall()
     ]
+
+
+#: An index a statement builds: its name and its table (``CREATE [UNIQUE] INDEX [CONCURRENTLY]
+#: [IF NOT EXISTS] name ON [ONLY] table``), each a plain or a double-quoted identifier.
+_BUILDS_INDEX = re.compile(
+    r'CREATE\s+(?:UNIQUE\s+)?INDEX\s+(?:CONCURRENTLY\s+)?(?:IF\s+NOT\s+EXISTS\s+)?("(?:[^"]|"")+"|[^\s"]+)'
+    r'\s+ON\s+(?:ONLY\s+)?("(?:[^"]|"")+"|[^\s("]+)',
+    re.IGNORECASE,
+)
+
+
+def built_indexes(plan: Iterable[Migration]) -> list[tuple[str, str]]:
+    """``(index, table)`` of every index the plan's statements build, as PostgreSQL stores
+    the names (a plain identifier in lower case). An index on a table named with its schema
+    lives in that schema and is left out."""
+
+    def stored(identifier: str) -> str:
+        quoted_name = identifier.startswith('"')
+        return identifier[1:-1].replace('""', '"') if quoted_name else identifier.lower()
+
+    return [
+        (stored(index), stored(table))
+        for step in plan
+        for statement in step.statements
+        for index, table in _BUILDS_INDEX.findall(statement)
+        if table.startswith('"') or "." not in table
+    ]
+
+
+async def taken_index_names(cur: Any, dialect: Dialect, wanted: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """PostgreSQL: index name → why it cannot be built, for each ``(index, table)`` of
+    ``wanted`` whose name another relation of the schema holds, with the fix. PostgreSQL
+    names indexes per schema, not per table: a table swapped out for a copy (``RENAME TO``)
+    keeps its indexes and their names, and ``CREATE INDEX … IF NOT EXISTS`` on the copy then
+    does nothing, quietly. MySQL/MariaDB name them per table."""
+    table_of = dict(wanted)
+    if dialect.name != "postgresql" or not table_of:
+        return {}
+    await cur.execute(
+        "SELECT c.relname, t.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " LEFT JOIN pg_index i ON i.indexrelid = c.oid LEFT JOIN pg_class t ON t.oid = i.indrelid"
+        " WHERE n.nspname = current_schema() AND c.relname = ANY(%s) ORDER BY 1",
+        (list(table_of),),
+    )
+    taken: dict[str, str] = {}
+    for name, holder in await cur.fetchall():
+        table = table_of[name]
+        if holder == table:  # its own index: built already, or an invalid one dropped first
+            continue
+        if holder is None:
+            taken[name] = f"the name {name} is taken by a relation of the schema that is not an index: rename it"
+        else:
+            taken[name] = (
+                f"the name {name} is taken by an index of table {holder} (PostgreSQL names indexes per schema,"
+                " and a table swapped out keeps its indexes' names): rename that index (ALTER INDEX"
+                f" {quoted(name)} RENAME TO {quoted(partition_index(name, table, holder))}) or drop it"
+            )
+        taken[name] += ", then run `room-outbox migrate`"
+    return taken
 
 
 def add_column_sql(dialect: Dialect, table: str, column: str) -> str:

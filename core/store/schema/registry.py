@@ -30,10 +30,12 @@ from room_outbox.store.schema.lanes import CURSOR_TABLE, lane_steps, lane_table
 from room_outbox.store.schema.outbox import (
     ROOM_INDEX,
     Migration,
+    built_indexes,
     claim_index,
     concurrent_step,
     invalid_index_steps,
     plan_outbox,
+    taken_index_names,
 )
 from room_outbox.store.schema.outbox import required_columns as outbox_columns
 from room_outbox.store.schema.tail import PARKED_TABLE, parked_while_tailing, tail_steps
@@ -108,6 +110,14 @@ async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: Want
     plan += [Migration(f"left as it is: {warning}", ()) for warning in handlers.warnings]
     for owner, statements in wanted.handler_statements:
         plan.append(Migration(f"ran {len(statements)} schema statement(s) for {owner}", statements))
+    # Refused before anything runs: IF NOT EXISTS would take another table's index for built
+    built = built_indexes(plan)
+    taken = await taken_index_names(cur, dialect, built)
+    if taken:
+        refused = [
+            f"cannot build index {name} on table {table}: {taken[name]}" for name, table in built if name in taken
+        ]
+        raise SchemaError("\n".join(dict.fromkeys(refused)))
     return plan
 
 
