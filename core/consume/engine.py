@@ -48,7 +48,7 @@ from room_outbox.consume.handling import Handling
 from room_outbox.consume.messages import Fetched, Message, Router
 from room_outbox.consume.offsets import LagWatch, high_watermarks
 from room_outbox.consume.registry import BoundHandler
-from room_outbox.consume.retries import RetryWorker
+from room_outbox.consume.retries import RetryBacklogWatch, RetryWorker
 from room_outbox.consume.settings import ConsumerSettings
 from room_outbox.handler import BatchHandler
 from room_outbox.observability.metrics import ConsumerMetrics
@@ -120,6 +120,9 @@ class Consumer:
         self.lag_watch = (
             LagWatch(name, settings, self.metrics, redactor, lag_interval) if telemetry.metrics_enabled else None
         )
+        #: The retry table's size, read from the database as often (run only with the lag's).
+        self.retry_backlog = RetryBacklogWatch(name, store, self.metrics, redactor, lag_interval)
+        self._lag_interval = lag_interval
 
     def stop(self) -> None:
         self._stop.set()
@@ -127,17 +130,44 @@ class Consumer:
         for call in self._broker_calls:
             call.deadline = min(call.deadline, deadline)
 
+    def assigned_partitions(self) -> int:
+        """The partitions this member holds: none while it is out of the group (not joined
+        yet, rebalancing, or out of touch with the group's coordinator)."""
+        kafka = self._kafka
+        if kafka is None:
+            return 0
+        coordinator = kafka._coordinator
+        # aiokafka keeps its last assignment while it cannot reach the group's coordinator (the
+        # broker down or unreachable): once its heartbeats have failed for session_timeout it
+        # marks the coordinator unknown, and the broker has dropped the member from the group by
+        # then. An unknown member id: the broker no longer knows it, and it rejoins.
+        if coordinator is None or coordinator.coordinator_id is None or not coordinator.member_id:
+            return 0
+        return len(kafka.assignment())
+
+    async def _report_membership(self) -> None:
+        """The assigned-partitions metric, every lag interval (nothing to read but the
+        client's state), until the consumer stops."""
+        labels = {"consumer": self.name}
+        while not self._stop.is_set():
+            self.metrics.assigned.set(self.assigned_partitions(), labels)
+            with anyio.move_on_after(self._lag_interval):
+                await self._stop.wait()
+        self.metrics.assigned.set(0, labels)
+
     # -- lifecycle --------------------------------------------------------------------------
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Join the group (again and again while the broker does not answer) and consume
-        until :meth:`stop`; the retry worker and the lag metric run from the start, member or
-        not."""
+        until :meth:`stop`; the retry worker and the metrics' readings run from the start,
+        member or not."""
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self.retries.run)
                 if self.lag_watch is not None:
                     tasks.start_soon(self.lag_watch.run, self._stop)
+                    tasks.start_soon(self.retry_backlog.run, self._stop)
+                    tasks.start_soon(self._report_membership)
                 kafka = await self._join()
                 if kafka is not None:
                     self.running = True

@@ -19,11 +19,16 @@ from room_outbox.consume.dead_letters import DeadLetters
 from room_outbox.consume.handling import Handling
 from room_outbox.consume.messages import Message, Router
 from room_outbox.consume.settings import ConsumerSettings
+from room_outbox.observability.metrics import ConsumerMetrics
 from room_outbox.observability.redaction import Redactor
 from room_outbox.store.clock import now_ms
 from room_outbox.store.consumers.protocol import NO_HANDLER, ConsumerStore, RetryRow
 
 log = logging.getLogger("room_outbox.consume")
+
+#: The most rows the retry backlog metric counts: past it, the reading says "at least this many"
+#: and costs no more.
+RETRY_COUNT_LIMIT = 10_000
 
 
 class RetryWorker:
@@ -118,3 +123,44 @@ class RetryWorker:
             await self.store.retry_failed(row, row.attempts, now_ms(), error, dead=True)
             return
         await self.handling.handle(message, handler, attempt=row.attempts + 1, retry=row)
+
+
+class RetryBacklogWatch:
+    """A consumer's retry backlog metric (``room_outbox.consumer.retrying``), read every
+    ``interval``: its rows waiting for a retry, up to RETRY_COUNT_LIMIT, as ``room-outbox
+    status`` counts them. The table is the group's: every process reports the same number
+    (take their max). A reading that fails leaves the gauge as it was, and is logged once
+    until one succeeds again."""
+
+    def __init__(
+        self, consumer: str, store: ConsumerStore, metrics: ConsumerMetrics, redactor: Redactor, interval: float
+    ) -> None:
+        self.consumer = consumer
+        self.store = store
+        self.metrics = metrics
+        self.redactor = redactor
+        self.interval = interval
+        self._failing = False
+
+    async def run(self, stop: anyio.Event) -> None:
+        """Read the backlog now, then every ``interval``, until ``stop`` is set."""
+        while not stop.is_set():
+            await self.read_once()
+            with anyio.move_on_after(self.interval):
+                await stop.wait()
+
+    async def read_once(self) -> None:
+        try:
+            waiting = await self.store.count_retrying(self.consumer, RETRY_COUNT_LIMIT)
+        except Exception as exc:  # a metric never stops consuming (the store bounds the wait)
+            if not self._failing:
+                log.warning(
+                    "retry backlog not read; its metric keeps its last value until it is",
+                    extra={"consumer": self.consumer, "error": error_text(self.redactor, describe(exc))},
+                )
+            self._failing = True
+            return
+        if self._failing:
+            log.info("retry backlog read again", extra={"consumer": self.consumer})
+        self._failing = False
+        self.metrics.retrying.set(waiting, {"consumer": self.consumer})

@@ -127,11 +127,20 @@ def _clock_offset(options: CallbackOptions) -> Iterable[Observation]:
     yield Observation(CLOCK.offset)
 
 
+#: ``reason`` of a dead letter a handler made: it failed for good, or ran out of attempts.
+HANDLER_DEAD_REASONS = ("permanent", "failed")
+#: The labels of a message no handler was chosen for (unparsable, or a type none takes).
+REJECTED_DEAD = {"handler": "(none)", "reason": "rejected"}
+
+
 class ConsumerMetrics:
-    """One consumer's instruments, its counters exported at 0 for each of ``handlers``. A
-    handling's ``outcome`` is ``handled``, or ``duplicate`` (its processed record existed: a
-    redelivery); the lag is the partition's end minus the group's committed offset, read from
-    the broker on a timer for every partition of the topic (room_outbox.consume.offsets)."""
+    """One consumer's instruments, its counters exported at 0 for each of ``handlers`` (and
+    every dead-letter reason: an alert on their increase sees the first dead letter only
+    from a series that was there before it). A handling's ``outcome`` is ``handled``, or
+    ``duplicate`` (its processed record existed: a redelivery); the lag is the partition's end
+    minus the group's committed offset, read from the broker on a timer for every partition of
+    the topic (room_outbox.consume.offsets). The partitions assigned start at 0: a process
+    that never joins its group says so."""
 
     def __init__(self, meter: Meter, consumer: str, handlers: Iterable[str]) -> None:
         self.consumer = consumer
@@ -139,6 +148,17 @@ class ConsumerMetrics:
             "room_outbox.consumer.lag",
             unit="{message}",
             description="Messages of a partition its group has not committed yet, as the broker says.",
+        )
+        self.assigned = meter.create_gauge(
+            "room_outbox.consumer.assigned_partitions",
+            unit="{partition}",
+            description="Partitions this process's member of the group holds; 0 while it is out of the group.",
+        )
+        self.retrying = meter.create_gauge(
+            "room_outbox.consumer.retrying",
+            unit="{message}",
+            description="Rows of the consumer's retry table waiting for a retry (every process of the group"
+            " reports them all).",
         )
         self.handled = meter.create_counter(
             "room_outbox.consumer.handled", unit="{message}", description="Messages a handler settled."
@@ -161,7 +181,10 @@ class ConsumerMetrics:
             labels = {"consumer": consumer, "handler": handler}
             self.handled.add(0, {**labels, "outcome": "handled"})
             self.retried.add(0, labels)
-            self.dead.add(0, {**labels, "reason": "failed"})
+            for reason in HANDLER_DEAD_REASONS:
+                self.dead.add(0, {**labels, "reason": reason})
+        self.dead.add(0, {"consumer": consumer, **REJECTED_DEAD})
+        self.assigned.set(0, {"consumer": consumer})
 
 
 # -- /metrics ------------------------------------------------------------------------------

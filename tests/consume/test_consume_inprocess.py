@@ -333,6 +333,98 @@ async def test_the_lag_grows_while_a_handler_is_stuck(migrated: MySQLStore, brok
         await wait_until(lambda: len(_lags(captured)) == 3 and not any(_lags(captured).values()), timeout=30)
 
 
+def _gauge(captured: Any, metric: str, consumer: str = "feed") -> float | None:
+    """A gauge's value for the consumer; None while it has no series."""
+    points = [p for p in captured.points(metric) if p.attributes["consumer"] == consumer]
+    return points[0].value if points else None
+
+
+def _audit_consumer(store: SQLStore, bootstrap: str, captured: Any) -> Consumer:
+    settings = ConsumerSettings(bootstrap_servers=bootstrap, handlers=["audit"], session_timeout=6)
+    return Consumer(
+        "feed", settings, SQLConsumerStore(store, settings.handler_timeout),
+        build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor()), "node-1", Redactor(),
+        captured.telemetry, lag_interval=0.2,
+    )  # fmt: skip
+
+
+async def test_the_partitions_a_member_holds_are_reported_and_none_while_it_is_out_of_its_group(
+    migrated: MySQLStore, tmp_path: Any
+) -> None:
+    """A consumer that cannot reach its broker reports 0 partitions (not no series: an alert
+    needs one), the topic's 3 once it has joined, and 0 again once the broker is gone: the
+    client keeps its last assignment meanwhile, and the lag keeps its last reading (0)."""
+    broker = ConsumerBroker(tmp_path / "tansu.log", topic=TOPIC, partitions=3)  # its port, not started yet
+    captured = capture()
+    consumer = _audit_consumer(migrated, broker.bootstrap, captured)
+    assigned = "room_outbox.consumer.assigned_partitions"
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(consumer.run)
+            try:
+                await wait_until(lambda: _gauge(captured, assigned) == 0, timeout=10)
+                await anyio.to_thread.run_sync(broker.start)
+                await wait_until(lambda: _gauge(captured, assigned) == 3, timeout=60)
+                await wait_until(lambda: _lags(captured) == {0: 0, 1: 0, 2: 0}, timeout=30)
+                await anyio.to_thread.run_sync(broker.stop)
+                # Heartbeats fail for session_timeout (6 s), then the member counts as out.
+                await wait_until(lambda: _gauge(captured, assigned) == 0, timeout=30)
+                assert _lags(captured) == {0: 0, 1: 0, 2: 0}
+            finally:
+                consumer.stop()
+    finally:
+        broker.stop()
+
+
+async def test_the_members_of_a_group_report_the_partitions_each_holds(
+    migrated: MySQLStore, broker: ConsumerBroker
+) -> None:
+    """Two processes of one consumer: the partitions they report add up to the topic's, each
+    holding some once the group has rebalanced."""
+    first, second = capture(), capture()
+    assigned = "room_outbox.consumer.assigned_partitions"
+    async with running(_audit_consumer(migrated, broker.bootstrap, first)):
+        await wait_until(lambda: _gauge(first, assigned) == 3, timeout=60)
+        async with running(_audit_consumer(migrated, broker.bootstrap, second)):
+
+            def shared() -> bool:
+                held = (_gauge(first, assigned) or 0, _gauge(second, assigned) or 0)
+                return sum(held) == 3 and min(held) > 0
+
+            await wait_until(shared, timeout=60)
+
+
+async def test_the_retry_backlog_is_reported_as_status_counts_it(
+    server_store: SQLStore, broker: ConsumerBroker
+) -> None:
+    """Rows waiting for a retry (failed handlings, and a room's later event queued behind
+    one) are the gauge's value, read from the database on the lag's timer: the number
+    ``room-outbox status`` shows. The count stops at its limit."""
+    store = server_store
+    plugin = RecordingPlugin(flaky=1000)  # RoomUserMuted keeps failing, retryably
+    settings = ConsumerSettings(
+        bootstrap_servers=broker.bootstrap, handlers=["recording"], session_timeout=6,
+        retry={"base": 600, "cap": 600, "poll_interval": 0.1},
+    )  # fmt: skip
+    captured = capture()
+    consumers_store = SQLConsumerStore(store, settings.handler_timeout)
+    consumer = Consumer(
+        "feed", settings, consumers_store,
+        build_handlers(make_plugin_manager(extra_plugins=[plugin]), "feed", settings, "node-1", Redactor()),
+        "node-1", Redactor(), captured.telemetry, lag_interval=0.2,
+    )  # fmt: skip
+    events = [envelope(f"muted-{n}", "RoomUserMuted", f"room_{n}", 1) for n in range(3)]
+    events += [envelope("joined-0", "RoomUserJoined", "room_0", 2), envelope("joined-9", "RoomUserJoined", "room_9", 1)]
+    async with running(consumer):
+        await wait_until(lambda: _gauge(captured, "room_outbox.consumer.retrying") == 0, timeout=30)
+        await send(broker.bootstrap, events, traceparent=None)
+        await wait_until(lambda: _gauge(captured, "room_outbox.consumer.retrying") == 4, timeout=30)
+    status = [r for r in await consumers_store.overview() if r["status"] == "retrying"]
+    assert sum(r["rows"] for r in status if r["consumer"] == "feed") == 4
+    assert await consumers_store.count_retrying("feed", 3) == 3
+    assert await consumers_store.count_retrying("other", 3) == 0
+
+
 async def _recorded(store: SQLStore, expected: int) -> bool:
     return len(await rows(store, "SELECT event_id FROM recorded")) >= expected
 

@@ -54,11 +54,20 @@ def test_a_consumers_instruments_pass_promtool_and_every_instrument_is_named_per
     consumer.duration.record(0.012, labels)
     consumer.handled.add(1, {**labels, "outcome": "handled"})
     consumer.lag.set(4, {"consumer": "gifts", "topic": "room-events", "partition": 0})
+    consumer.retrying.set(2, {"consumer": "gifts"})
     telemetry.metrics.start_at_zero([("noop", "RoomCreated")])
     telemetry.backlog(2, 1500)
     text = telemetry.prometheus_text()
     assert promtool_check_metrics(text) == ""
     assert "room_outbox_consumer_handler_duration_seconds_sum" in text and "room_outbox_consumer_lag{" in text
+    # Before anything happened: every dead-letter reason's counter at 0 (an alert on their
+    # increase sees the first dead letter only from a series that was there before it), and
+    # no partition held.
+    for reason in ("permanent", "failed"):
+        assert f'room_outbox_consumer_dead_total{{consumer="gifts",handler="stats",reason="{reason}"}} 0.0' in text
+    assert 'room_outbox_consumer_dead_total{consumer="gifts",handler="(none)",reason="rejected"} 0.0' in text
+    assert 'room_outbox_consumer_assigned_partitions{consumer="gifts"} 0.0' in text
+    assert 'room_outbox_consumer_retrying{consumer="gifts"} 2.0' in text
 
     # The OTel side: dotted names, the unit in its field, no Prometheus suffix in the name.
     data = readback.get_metrics_data()

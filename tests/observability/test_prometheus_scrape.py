@@ -38,7 +38,15 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 SCRAPE_INTERVAL = "1s"
 #: Queries of panels and alerts whose metrics come from another process than `room-outbox run`
 #: (their promtool unit tests are in test_stack_configs), and that process's scrape job.
-FROM_OTHER_PROCESSES = {"room_outbox_consumer_lag": "room-outbox consume"}
+FROM_OTHER_PROCESSES = {
+    name: "room-outbox consume"
+    for name in (
+        "room_outbox_consumer_lag",
+        "room_outbox_consumer_assigned_partitions",
+        "room_outbox_consumer_retrying",
+        "room_outbox_consumer_dead_total",
+    )
+}
 OTHER_JOBS = ('job="room-outbox-consume"',)
 #: Alerts the traffic below must make active (pending while their `for` runs, or firing).
 PROVOKED = {"RoomOutboxDeliveryFailing", "RoomOutboxDeliveryFailingForGood", "RoomOutboxLostLeases"}

@@ -217,6 +217,9 @@ def test_the_dashboard_has_the_panels_an_operator_needs() -> None:
         "room_outbox_publish_duration_seconds_bucket",
         "room_outbox_lost_leases_total",
         "room_outbox_consumer_lag",
+        "room_outbox_consumer_assigned_partitions",
+        "room_outbox_consumer_retrying",
+        "room_outbox_consumer_dead_total",
     ):
         assert metric in exprs, f"no panel shows {metric}"
     assert "by (lane)" in exprs and "by (sink, error_class)" in exprs
@@ -334,6 +337,63 @@ def test_consumers_down_stuck_or_falling_behind_alert(tmp_path: Path) -> None:
                         "alertname": "RoomOutboxConsumerLagGrowing",
                         "exp_alerts": [expected_alert(rules["RoomOutboxConsumerLagGrowing"], consumer="stats")],
                     },
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "consumers.test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    done = promtool("test", "rules", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_consumer_no_process_holds_partitions_of_or_making_dead_letters_pages(tmp_path: Path) -> None:
+    """Unit tests of the consumers' membership and dead-letter alerts (promtool test rules),
+    one-minute samples. No process of a consumer holding a partition for 5 minutes pages (its
+    lag may well be 0); processes that join within 5 minutes of their start do not, nor one
+    replica holding none while another holds them all (more replicas than partitions). One
+    dead letter pages at once, and no more once 15 minutes have passed; a process restarting
+    (its counter back to 0) does not page."""
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    assigned = 'room_outbox_consumer_assigned_partitions{{consumer="{}",instance="{}"}}'
+    dead = 'room_outbox_consumer_dead_total{{consumer="{}",handler="{}",reason="{}",instance="{}"}}'
+    tests = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {"series": assigned.format("feed", "consume-1:9464"), "values": "3x3 0x25"},
+                    {"series": assigned.format("feed", "consume-2:9464"), "values": "0x29"},
+                    {"series": assigned.format("stats", "consume-1:9464"), "values": "0x3 2x25"},
+                    {"series": assigned.format("audit", "consume-1:9464"), "values": "0x29"},
+                    {"series": assigned.format("audit", "consume-2:9464"), "values": "3x29"},
+                    {"series": dead.format("feed", "audit", "permanent", "consume-1:9464"), "values": "0 0 1x27"},
+                    {"series": dead.format("feed", "audit", "failed", "consume-1:9464"), "values": "0x29"},
+                    {"series": dead.format("stats", "gift_stats", "failed", "consume-1:9464"), "values": "2x3 0x25"},
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "8m", "alertname": "RoomOutboxConsumerNoPartitions", "exp_alerts": []},
+                    {
+                        "eval_time": "10m",
+                        "alertname": "RoomOutboxConsumerNoPartitions",
+                        "exp_alerts": [expected_alert(rules["RoomOutboxConsumerNoPartitions"], consumer="feed")],
+                    },
+                    {"eval_time": "1m", "alertname": "RoomOutboxConsumerDeadLetters", "exp_alerts": []},
+                    {
+                        "eval_time": "3m",
+                        "alertname": "RoomOutboxConsumerDeadLetters",
+                        "exp_alerts": [
+                            expected_alert(
+                                rules["RoomOutboxConsumerDeadLetters"],
+                                consumer="feed",
+                                handler="audit",
+                                reason="permanent",
+                            )
+                        ],
+                    },
+                    {"eval_time": "20m", "alertname": "RoomOutboxConsumerDeadLetters", "exp_alerts": []},
                 ],
             }
         ],

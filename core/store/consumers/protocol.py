@@ -244,6 +244,11 @@ class ConsumerStore(Protocol):
         """Record ``row`` as a dead letter (a retrying row of the same event becomes dead)."""
         ...
 
+    async def count_retrying(self, consumer: str, limit: int) -> int:
+        """The consumer's rows waiting for a retry (``status``'s "retrying"), counted up to
+        ``limit``."""
+        ...
+
     def refused(self, exc: BaseException) -> bool:
         """Whether ``exc``, raised by a write, is the database refusing the row's values (too
         long, out of range, a character it cannot store, a packet too large) rather than the

@@ -368,6 +368,18 @@ class SQLConsumerStore:
             )
             return {(str(h), str(k)) for h, k in await cur.fetchall()}
 
+    async def count_retrying(self, consumer: str, limit: int) -> int:
+        async with self.owner.transaction() as cur:
+            # A range of the (consumer, status, due_at_ms, id) index, read no further than
+            # ``limit`` entries: the cost stays bounded however large the backlog.
+            await cur.execute(
+                f"SELECT COUNT(*) FROM (SELECT 1 FROM {RETRY} WHERE consumer = %s AND status = 'retrying' LIMIT %s)"
+                " AS waiting",
+                (consumer, limit),
+            )
+            (count,) = await cur.fetchone()
+        return int(count)
+
     async def schedule(self, row: RetryRow) -> None:
         async with self.owner.transaction() as cur:
             await _Writes(cur, self.dialect).schedule(row)
