@@ -16,6 +16,7 @@ import pytest
 from faults.tcp_proxy import TcpProxy
 from support import RecordingSink, envelope, insert_events, make_dispatcher, wait_until
 
+from room_outbox.errors import SchemaError
 from room_outbox.observability.health import Health, stalled_after
 from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor
@@ -192,3 +193,46 @@ async def test_a_dispatcher_cut_off_from_its_database_reports_recovers_and_stops
             await store.aclose()
             await direct.aclose()
     assert took <= publish_timeout + query_timeout + 0.3, took
+
+
+async def test_the_schema_watch_says_a_missing_index_once_per_incident_and_nothing_for_a_database_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The watch's check raising :class:`SchemaError`: one ERROR line and the ``schema``
+    readiness check, until it passes (one line then); failing otherwise (the database down):
+    nothing, the database check says it. A lane whose rounds fail on the schema says it alone;
+    the watch waits for a round of each lane to end after it found the index missing."""
+    answers: list[Exception | None] = []
+
+    async def check() -> None:
+        answer = answers.pop(0)
+        if answer is not None:
+            raise answer
+
+    missing = SchemaError("table room_outbox lacks the index idx_room_outbox_claim: run `room-outbox migrate`")
+    health = Health(check_schema=check, worker="running")
+    lane = health.lane("main")
+    lane.round_ended()
+    answers.extend([missing, missing, ConnectionError("down"), missing, None])
+    await health._check_schema_once(check)  # found: no round of the lane has ended since
+    assert health.readiness()[0]
+    lane.round_ended()
+    for _ in range(3):
+        await health._check_schema_once(check)
+        assert health.readiness() == (
+            False,
+            {"worker": "running", "database": "ok", "clock": "ok", "schema": str(missing)},
+        )
+    await health._check_schema_once(check)  # it passes again
+    assert "schema" not in health.readiness()[1]
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.ERROR, f"schema check failed: {missing}"),
+        (logging.WARNING, "schema check passes again: the outbox table has room-outbox's indexes"),
+    ]
+    caplog.clear()
+    lane.round_ended("SchemaError: ...", schema_failed=True)  # the rounds say it: the watch does not
+    answers.extend([missing, missing])
+    for _ in range(2):
+        await health._check_schema_once(check)
+        assert "schema" not in health.readiness()[1]
+    assert caplog.records == []

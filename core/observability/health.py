@@ -2,9 +2,11 @@
 
 Live: every lane that should be running rounds has made progress lately
 (:meth:`Health.liveness`): a lane blocked for good is cured by a restart, a database that is
-down is not. Ready: the worker runs, the database answered lately and no lane keeps failing
-(:meth:`Health.readiness`); sinks are not checked, so a sink's jitter never takes the process
-out of service. Both are read from state the process keeps, never from a query per request.
+down is not. Ready: the worker runs, the database answered lately, no lane keeps failing and
+the outbox table has room-outbox's indexes (:meth:`Health.readiness`); sinks are not checked,
+so a sink's jitter never takes the process out of service. Both are read from state the process
+keeps, never from a query per request: background checks keep it (:meth:`Health.watch_database`,
+:meth:`Health.watch_schema`).
 A failed check says why: a short fixed cause, then the error behind it (secrets masked, cut to
 :data:`CHECK_TEXT_MAX`), so that a probe's answer names what to fix without a log search. The
 dispatchers report to their :class:`LaneHealth`; the lifecycle sets :attr:`Health.worker`.
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from room_outbox.config import UNREADY_AFTER_FAILED_ROUNDS
+from room_outbox.errors import SchemaError
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.store.clock import CLOCK, ClusterClock
 
@@ -30,6 +33,13 @@ DATABASE_CHECK_TIMEOUT = 2.0
 DATABASE_CHECK_INTERVAL = 5.0
 #: Ready only while a query has succeeded within this long: a missed ping or two is tolerated.
 DATABASE_FRESH_FOR = 3 * DATABASE_CHECK_INTERVAL
+#: How often a running process checks that the outbox table still has the indexes its
+#: statements read by name (a catalogue query): a table swapped for a copy without them is
+#: noticed within this long.
+SCHEMA_CHECK_INTERVAL = 30.0
+#: How soon the check is made again once it has found an index missing, to tell it as soon as
+#: each lane has ended a round since (none failing on it).
+SCHEMA_RECHECK_AFTER = 1.0
 #: Longest error text in a log line about a check, in a failed check's cause (``/readyz``) and
 #: in a backlog-sample warning.
 CHECK_TEXT_MAX = 300
@@ -46,18 +56,25 @@ class LaneHealth:
     last_progress: float = field(default_factory=time.monotonic)
     failed_in_a_row: int = 0
     last_error: str = ""
+    #: ``time.monotonic()`` when a round last ended, successfully or not; None: none yet.
+    ended_at: float | None = None
     #: ``time.monotonic()`` of the last successful round (its queries answered); None: none yet.
     succeeded_at: float | None = None
     #: Whether the last failed round failed for its sink (a tailing lane's broker down), not
     #: for the database: a failing sink never makes the process unready.
     sink_failing: bool = False
+    #: Whether the last failed round failed on the schema (a column or an index of
+    #: room-outbox's gone, its error naming the fix).
+    schema_failing: bool = False
 
     def progressed(self) -> None:
         self.last_progress = time.monotonic()
 
-    def round_ended(self, error: str | None = None, *, sink_failed: bool = False) -> None:
-        """A round ended: successfully (``error`` None) or not; ``sink_failed``: for its sink."""
+    def round_ended(self, error: str | None = None, *, sink_failed: bool = False, schema_failed: bool = False) -> None:
+        """A round ended: successfully (``error`` None) or not; ``sink_failed``: for its sink,
+        ``schema_failed``: on the schema."""
         self.progressed()
+        self.ended_at = self.last_progress
         if error is None:
             self.failed_in_a_row = 0
             self.succeeded_at = self.last_progress
@@ -65,6 +82,7 @@ class LaneHealth:
             self.failed_in_a_row += 1
             self.last_error = error
         self.sink_failing = error is not None and sink_failed
+        self.schema_failing = error is not None and schema_failed
 
 
 async def _no_database_check() -> None:
@@ -74,9 +92,11 @@ async def _no_database_check() -> None:
 @dataclass
 class Health:
     """What liveness and readiness depend on. ``check_database`` raises when the database
-    does not answer."""
+    does not answer; ``check_schema`` raises :class:`SchemaError` naming the fix when the
+    outbox table lacks an index room-outbox's statements need (None: no table to check)."""
 
     check_database: Callable[[], Awaitable[None]] = _no_database_check
+    check_schema: Callable[[], Awaitable[None]] | None = None
     #: ``starting``, ``running``, ``stopping`` or ``disabled`` (by ``outbox_worker.enabled``).
     worker: str = "starting"
     redactor: Redactor = field(default_factory=Redactor)
@@ -90,6 +110,12 @@ class Health:
     _pinged_at: float | None = None
     _failed_at: float | None = None
     _failure: str | None = None
+    #: When the schema watch first found an index missing (None: nothing missing), what it
+    #: says is missing (None: nothing, or the rounds' own errors say it), and whether it has
+    #: logged the incident (its end is logged too).
+    _schema_missing_since: float | None = None
+    _schema_problem: str | None = None
+    _schema_logged: bool = False
     #: The process's reading of the database's clock (its offset is reported, not a cause of
     #: unreadiness: every time compared between processes is the database's).
     clock: ClusterClock = field(default_factory=lambda: CLOCK)
@@ -121,12 +147,16 @@ class Health:
         """Ready when the worker runs (or is disabled by configuration), a query succeeded
         within the last ``DATABASE_FRESH_FOR`` seconds (a lane's successful round counts) and no
         lane has had ``unready_after_failed_rounds`` failed rounds in a row (but for its sink's:
-        a broker down is the lane's alert, not the process's readiness). The ``clock`` check
+        a broker down is the lane's alert, not the process's readiness) and the schema watch
+        finds no index missing (the ``schema`` check, shown while it fails). The ``clock`` check
         says whether this host's clock is off the database's by more than
         ``cluster.max_clock_skew``: shown, not a cause of unreadiness."""
         checks: dict[str, str] = {"worker": self.worker, "database": self._database_check()}
         ready = checks["database"] == "ok" and self.worker in ("running", "disabled")
         checks["clock"] = CLOCK_SKEWED if self.clock.skewed else "ok"
+        if self._schema_problem is not None:
+            ready = False
+            checks["schema"] = self._schema_problem
         for name, lane in sorted(self.lanes.items()):
             if lane.failed_in_a_row >= self.unready_after_failed_rounds and not lane.sink_failing:
                 ready = False
@@ -153,6 +183,48 @@ class Health:
             if succeeded is None or time.monotonic() - succeeded >= interval:
                 await self._ping()
             await anyio.sleep(interval)
+
+    async def watch_schema(self, interval: float | None = None) -> None:
+        """Check the outbox table's indexes every ``interval`` (default
+        :data:`SCHEMA_CHECK_INTERVAL`), until cancelled. A table swapped under the running
+        process for a copy without them fails no statement on PostgreSQL: every claim reads the
+        whole table instead, slower as it grows, and nothing else would say so. A missing index
+        is logged once per incident (and its end), and makes the process unready meanwhile."""
+        if self.check_schema is None:
+            return
+        every = SCHEMA_CHECK_INTERVAL if interval is None else interval
+        waiting = False
+        while True:  # start-up has just checked: the first check waits an interval too
+            await anyio.sleep(min(every, SCHEMA_RECHECK_AFTER) if waiting else every)
+            waiting = await self._check_schema_once(self.check_schema)
+
+    async def _check_schema_once(self, check: Callable[[], Awaitable[None]]) -> bool:
+        """One check; True when it found an index missing and waits for the lanes' rounds."""
+        try:
+            await check()
+        except SchemaError as exc:
+            # MySQL/MariaDB refuse a statement forcing an index the table lacks: the failing
+            # rounds name it and the fix, in the log and in readiness, and once is enough. So
+            # the watch says it only once every lane has ended a round since, none failing on it.
+            found = self._schema_missing_since = self._schema_missing_since or time.monotonic()
+            lanes = self.lanes.values()
+            if any(lane.schema_failing for lane in lanes):
+                self._schema_problem = None
+                return False
+            if any(lane.ended_at is None or lane.ended_at <= found for lane in lanes):
+                return True
+            self._schema_problem = check_text(self.redactor, str(exc))
+            if not self._schema_logged:
+                log.error("schema check failed: %s", self._schema_problem)
+                self._schema_logged = True
+        except Exception:  # the database's trouble, not the schema's: the database check says it
+            return False
+        else:
+            if self._schema_logged:
+                log.warning("schema check passes again: the outbox table has room-outbox's indexes")
+            self._schema_missing_since = self._schema_problem = None
+            self._schema_logged = False
+        return False
 
     async def _ping(self) -> None:
         try:

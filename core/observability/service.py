@@ -1,5 +1,5 @@
 """The observability side of the lifecycle: telemetry, the backlog timer, the HTTP endpoint,
-systemd's notifications.
+systemd's notifications, the check that the outbox table keeps its indexes.
 
 :func:`observability` is entered right after the database pool opens and left after the
 worker has stopped (before the pool closes): the endpoint answers ``/healthz`` and
@@ -27,6 +27,7 @@ from room_outbox.observability.telemetry import Telemetry, telemetry_from_enviro
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.operator.reports import ping, sample_backlog
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.check import check_indexes
 
 log = logging.getLogger("room_outbox.observability")
 
@@ -65,6 +66,7 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
     ]
     health = Health(
         functools.partial(ping, store),
+        check_schema=functools.partial(check_indexes, store),
         redactor=redactor,
         stalled_after=max(
             stalled_after(
@@ -92,6 +94,7 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
             )
         async with anyio.create_task_group() as background:
             background.start_soon(notify_systemd, obs.health)
+            background.start_soon(obs.health.watch_schema)  # with or without the endpoint: it logs too
             if obs.endpoint is not None:
                 background.start_soon(obs.endpoint.serve)
                 background.start_soon(obs.health.watch_database)

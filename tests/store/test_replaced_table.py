@@ -13,20 +13,25 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
+import httpx
 import pymysql
 import pytest
-from support import RecordingSink, envelope, fetch_rows, insert_events, make_dispatcher, running, wait_until
+from support import RecordingSink, envelope, fetch_rows, free_port, insert_events, make_dispatcher, running, wait_until
 
+from room_outbox.app import run_service
 from room_outbox.cli.main import main
 from room_outbox.cluster.identity import longest_claim_id
+from room_outbox.config import Settings
 from room_outbox.errors import SchemaError
+from room_outbox.observability import health as health_module
+from room_outbox.observability import service as service_module
 from room_outbox.observability.health import Health
 from room_outbox.store.backends.errors import named_fix
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.dialect import MYSQL
 from room_outbox.store.factory import open_store
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.check import check_schema
+from room_outbox.store.schema.check import check_indexes, check_schema
 from room_outbox.store.schema.outbox import SILK_TABLE_DDL, V1_TABLE_DDL, built_indexes, concurrent_step
 from room_outbox.store.schema.partitions import Partition, index_statements
 from room_outbox.store.schema.profiles import SILK, V1
@@ -342,3 +347,104 @@ async def test_status_and_lanes_say_that_run_cannot_start_for_a_missing_index(
     for argv in (["status"], ["lanes"]):
         code, _, err = await cli(*argv)
         assert (code, err) == (0, "")
+
+
+# -- a running process notices a swap that fails no statement ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("server", "claim_after", "rounds_say_it"),
+    [("postgresql", "5s", False), ("mysql", "0s", False), ("mysql", "5s", True)],
+)
+async def test_a_running_process_notices_a_swap_without_the_indexes_until_migrate_builds_them(
+    server: str,
+    claim_after: str,
+    rounds_say_it: bool,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """PostgreSQL fails no claim on a table swapped for a copy without room-outbox's indexes,
+    nor MariaDB one that forces no index (``claim_after`` 0, ordering ``none``): every claim
+    read the whole table and ``/readyz`` stayed ready, with nothing in the log. The schema
+    watch now says it (one ERROR line naming the indexes and the fix, ``/readyz`` unready with
+    the same words) until ``migrate`` builds them. Where the claim forces its index (MariaDB,
+    ``claim_after`` above 0) the rounds fail first and their own errors say it: the watch adds
+    nothing."""
+    dsn = request.getfixturevalue("database_dsn" if server == "mysql" else "postgresql_dsn")
+    monkeypatch.setattr(health_module, "SCHEMA_CHECK_INTERVAL", 0.05)
+    monkeypatch.setenv("ROOM_OUTBOX__OUTBOX_WORKER__CLAIM_AFTER", claim_after)  # above 0: the claim forces its index
+    checks = 0
+
+    async def counted(store: SQLStore) -> None:
+        nonlocal checks
+        checks += 1
+        await check_indexes(store)
+
+    monkeypatch.setattr(service_module, "check_indexes", counted)
+    port = free_port()
+    settings = Settings(
+        database={"dsn": dsn},
+        node_id="watch-test",
+        outbox_worker={"poll_interval": "50ms"},
+        sinks={"tencent_im": {"enabled": False}, "noop": {"enabled": True}},
+        telemetry={"http_listen": f"127.0.0.1:{port}"},
+    )
+    store = await open_store(dsn)
+    stop = anyio.Event()
+    try:
+        await store.migrate()
+        async with (
+            anyio.create_task_group() as tasks,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http,
+        ):
+            tasks.start_soon(lambda: run_service(settings, stop, False))
+
+            async def readiness() -> dict[str, object]:
+                try:
+                    return dict((await http.get("/readyz")).json())
+                except httpx.TransportError:
+                    return {}
+
+            async def ready() -> bool:
+                return (await readiness()).get("ready") is True
+
+            await wait_until(ready, timeout=30)
+            await swap(store, "like")
+            await insert_events(store, [envelope("e1")])  # type: ignore[arg-type]
+
+            async def unready() -> bool:
+                return (await readiness()).get("ready") is False
+
+            await wait_until(unready)
+            seen = checks
+            await wait_until(lambda: checks >= seen + 3)  # the watch has looked again since
+            body = await readiness()
+            missing = f"table room_outbox lacks the indexes idx_room_outbox_claim, idx_room_outbox_room: {MIGRATE}"
+            watch_lines = [r for r in caplog.records if r.name == "room_outbox.health"]
+            round_lines = [r for r in caplog.records if r.message.startswith("outbox round failed")]
+            if not rounds_say_it:
+                assert body["schema"] == missing
+                assert [(r.levelno, r.getMessage()) for r in watch_lines] == [
+                    (logging.ERROR, f"schema check failed: {missing}")
+                ]
+                assert round_lines == []
+            else:  # the rounds say it: no second line, no second check in /readyz
+                assert "schema" not in body
+                assert "lacks the index idx_room_outbox_claim" in str(body["lane main"])
+                assert watch_lines == []
+                assert len(round_lines) == 1
+            assert (await http.get("/readyz")).status_code == 503
+            await store.migrate()
+            await wait_until(ready)
+            assert "schema" not in await readiness()
+            stop.set()
+    finally:
+        await store.aclose()
+    watch_lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "room_outbox.health"]
+    if not rounds_say_it:
+        assert watch_lines[1:] == [
+            (logging.WARNING, "schema check passes again: the outbox table has room-outbox's indexes")
+        ]
+    else:
+        assert watch_lines == []

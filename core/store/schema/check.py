@@ -8,8 +8,11 @@ The outbox table is the profile's (``database.profile``).
 
 A table that loses them later, swapped under a running process for a copy built without them
 (gh-ost's or pt-online-schema-change's ``RENAME TABLE``, from room-service's own schema file or
-without room-outbox's indexes), fails the rounds instead: the store's transactions turn that
-failure into the same fix (:func:`~room_outbox.store.backends.errors.named_fix`).
+without room-outbox's indexes), fails the rounds where a statement names what is gone: the
+store's transactions turn that failure into the same fix
+(:func:`~room_outbox.store.backends.errors.named_fix`). An index no statement forces is not
+missed by the database, which scans the whole table instead: the running process repeats
+:func:`check_indexes` now and then for that (:meth:`~room_outbox.observability.health.Health.watch_schema`).
 """
 
 from __future__ import annotations
@@ -62,18 +65,7 @@ async def check_schema(
         missing = [column for column in columns if column not in have]
         if missing:
             raise SchemaError(f"table {table} lacks {', '.join(missing)}: {_FIX}")
-    table = store.profile.table
-    missing = [index for index in required_indexes(store.profile) if index not in indexes]
-    if missing:
-        # migrate refuses to build one whose name another table's index holds: say that fix now
-        async with store.transaction() as cur:
-            taken = await taken_index_names(cur, store.dialect, [(index, table.lower()) for index in missing])
-        if taken:
-            raise SchemaError(
-                "\n".join(f"table {table} lacks the index {index}: {why}" for index, why in taken.items())
-            )
-        which = "the index" if len(missing) == 1 else "the indexes"
-        raise SchemaError(f"table {table} lacks {which} {', '.join(missing)}: {_FIX}")
+    await _check_indexes(store, indexes)
     # A lane switched to tailing hands over from its old table in migrate, which drops it: run
     # before that, it would go on from a cursor that the table's unsent rows are not behind yet.
     left = await _columns(store, [lane_table(lane) for lane in tail_lanes])
@@ -84,6 +76,31 @@ async def check_schema(
                 f" {_FIX} (it moves the lane's cursor back to the table's first row still owed, keeps the rows it"
                 " parked, and drops the table)"
             )
+
+
+async def check_indexes(store: SQLStore) -> None:
+    """Raise :class:`SchemaError` unless the outbox table has the indexes its statements read by
+    name (:func:`.registry.required_indexes`): :func:`check_schema`'s index part, one catalogue
+    query while they are all there, for a running process to repeat."""
+    async with store.transaction() as cur:
+        indexes = await index_names(cur, store.dialect, store.profile.table)
+    await _check_indexes(store, indexes)
+
+
+async def _check_indexes(store: SQLStore, indexes: set[str]) -> None:
+    """Raise :class:`SchemaError` naming those of the outbox table's required indexes not among
+    ``indexes`` (its indexes' names, lower case) and the fix."""
+    table = store.profile.table
+    missing = [index for index in required_indexes(store.profile) if index not in indexes]
+    if not missing:
+        return
+    # migrate refuses to build one whose name another table's index holds: say that fix now
+    async with store.transaction() as cur:
+        taken = await taken_index_names(cur, store.dialect, [(index, table.lower()) for index in missing])
+    if taken:
+        raise SchemaError("\n".join(f"table {table} lacks the index {index}: {why}" for index, why in taken.items()))
+    which = "the index" if len(missing) == 1 else "the indexes"
+    raise SchemaError(f"table {table} lacks {which} {', '.join(missing)}: {_FIX}")
 
 
 async def _columns(store: SQLStore, tables: list[str]) -> dict[str, set[str]]:
