@@ -29,7 +29,6 @@ from room_outbox.config import MAIN_LANE, OutboxWorkerSettings
 from room_outbox.delivery.failure_log import FailureLog
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
-from room_outbox.errors import SchemaError
 from room_outbox.observability.health import LaneHealth
 from room_outbox.observability.metrics import LEASE_LOSS_CAUSES
 from room_outbox.observability.redaction import Redactor
@@ -180,7 +179,7 @@ class Dispatcher:
                             continue  # a backlog drains at full speed: no wait after a full batch
                     except Exception as exc:
                         error = self._short(describe(exc))
-                        self.health.round_ended(error, schema_failed=isinstance(exc, SchemaError))
+                        self.health.round_ended(error)
                         self.telemetry.round_failed(self.lane)
                         self.failing_rounds.failed(error, unrecorded=len(self._unrecorded))
                 self._round_scope = None

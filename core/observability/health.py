@@ -37,9 +37,6 @@ DATABASE_FRESH_FOR = 3 * DATABASE_CHECK_INTERVAL
 #: statements read by name (a catalogue query): a table swapped for a copy without them is
 #: noticed within this long.
 SCHEMA_CHECK_INTERVAL = 30.0
-#: How soon the check is made again once it has found an index missing, to tell it as soon as
-#: each lane has ended a round since (none failing on it).
-SCHEMA_RECHECK_AFTER = 1.0
 #: Longest error text in a log line about a check, in a failed check's cause (``/readyz``) and
 #: in a backlog-sample warning.
 CHECK_TEXT_MAX = 300
@@ -56,25 +53,18 @@ class LaneHealth:
     last_progress: float = field(default_factory=time.monotonic)
     failed_in_a_row: int = 0
     last_error: str = ""
-    #: ``time.monotonic()`` when a round last ended, successfully or not; None: none yet.
-    ended_at: float | None = None
     #: ``time.monotonic()`` of the last successful round (its queries answered); None: none yet.
     succeeded_at: float | None = None
     #: Whether the last failed round failed for its sink (a tailing lane's broker down), not
     #: for the database: a failing sink never makes the process unready.
     sink_failing: bool = False
-    #: Whether the last failed round failed on the schema (a column or an index of
-    #: room-outbox's gone, its error naming the fix).
-    schema_failing: bool = False
 
     def progressed(self) -> None:
         self.last_progress = time.monotonic()
 
-    def round_ended(self, error: str | None = None, *, sink_failed: bool = False, schema_failed: bool = False) -> None:
-        """A round ended: successfully (``error`` None) or not; ``sink_failed``: for its sink,
-        ``schema_failed``: on the schema."""
+    def round_ended(self, error: str | None = None, *, sink_failed: bool = False) -> None:
+        """A round ended: successfully (``error`` None) or not; ``sink_failed``: for its sink."""
         self.progressed()
-        self.ended_at = self.last_progress
         if error is None:
             self.failed_in_a_row = 0
             self.succeeded_at = self.last_progress
@@ -82,7 +72,6 @@ class LaneHealth:
             self.failed_in_a_row += 1
             self.last_error = error
         self.sink_failing = error is not None and sink_failed
-        self.schema_failing = error is not None and schema_failed
 
 
 async def _no_database_check() -> None:
@@ -110,10 +99,7 @@ class Health:
     _pinged_at: float | None = None
     _failed_at: float | None = None
     _failure: str | None = None
-    #: When the schema watch first found an index missing (None: nothing missing), what it
-    #: says is missing (None: nothing, or the rounds' own errors say it), and whether it has
-    #: logged the incident (its end is logged too).
-    _schema_missing_since: float | None = None
+    #: What the schema watch finds missing (None: nothing), and whether it has logged it.
     _schema_problem: str | None = None
     _schema_logged: bool = False
     #: The process's reading of the database's clock (its offset is reported, not a cause of
@@ -187,44 +173,31 @@ class Health:
     async def watch_schema(self, interval: float | None = None) -> None:
         """Check the outbox table's indexes every ``interval`` (default
         :data:`SCHEMA_CHECK_INTERVAL`), until cancelled. A table swapped under the running
-        process for a copy without them fails no statement on PostgreSQL: every claim reads the
-        whole table instead, slower as it grows, and nothing else would say so. A missing index
-        is logged once per incident (and its end), and makes the process unready meanwhile."""
+        process for a copy without them fails no statement on PostgreSQL (nor on MySQL/MariaDB
+        where no claim forces its index): every claim reads the whole table instead, slower as
+        it grows, and nothing else would say so. A missing index is logged once per incident
+        (and its end), and makes the process unready meanwhile."""
         if self.check_schema is None:
             return
-        every = SCHEMA_CHECK_INTERVAL if interval is None else interval
-        waiting = False
         while True:  # start-up has just checked: the first check waits an interval too
-            await anyio.sleep(min(every, SCHEMA_RECHECK_AFTER) if waiting else every)
-            waiting = await self._check_schema_once(self.check_schema)
+            await anyio.sleep(SCHEMA_CHECK_INTERVAL if interval is None else interval)
+            await self._check_schema_once(self.check_schema)
 
-    async def _check_schema_once(self, check: Callable[[], Awaitable[None]]) -> bool:
-        """One check; True when it found an index missing and waits for the lanes' rounds."""
+    async def _check_schema_once(self, check: Callable[[], Awaitable[None]]) -> None:
         try:
             await check()
         except SchemaError as exc:
-            # MySQL/MariaDB refuse a statement forcing an index the table lacks: the failing
-            # rounds name it and the fix, in the log and in readiness, and once is enough. So
-            # the watch says it only once every lane has ended a round since, none failing on it.
-            found = self._schema_missing_since = self._schema_missing_since or time.monotonic()
-            lanes = self.lanes.values()
-            if any(lane.schema_failing for lane in lanes):
-                self._schema_problem = None
-                return False
-            if any(lane.ended_at is None or lane.ended_at <= found for lane in lanes):
-                return True
             self._schema_problem = check_text(self.redactor, str(exc))
             if not self._schema_logged:
                 log.error("schema check failed: %s", self._schema_problem)
                 self._schema_logged = True
         except Exception:  # the database's trouble, not the schema's: the database check says it
-            return False
+            return
         else:
             if self._schema_logged:
                 log.warning("schema check passes again: the outbox table has room-outbox's indexes")
-            self._schema_missing_since = self._schema_problem = None
+            self._schema_problem = None
             self._schema_logged = False
-        return False
 
     async def _ping(self) -> None:
         try:
