@@ -10,10 +10,13 @@ copied stays in the retry table).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import anyio
+from aiokafka import AIOKafkaConsumer
+from aiokafka.consumer.group_coordinator import GroupCoordinator
 
 T = TypeVar("T")
 
@@ -53,3 +56,20 @@ class BrokerCalls:
             finally:
                 self._calls.discard(scope)
         raise Abandoned
+
+
+def cancel_abandoned_commit(kafka: AIOKafkaConsumer) -> None:
+    """Cancel the offset commit request an abandoned ``kafka.commit`` left running. aiokafka
+    sends it from a task of its own, shielded from its caller's cancellation, that nobody
+    awaits once the caller is gone: it would fail when the client closes and asyncio would log
+    that failure, with a traceback, as never retrieved. The commit is given up either way."""
+    coordinator = getattr(kafka, "_coordinator", None)
+    for task in asyncio.all_tasks():
+        coro = task.get_coro()
+        frame = getattr(coro, "cr_frame", None)  # None once the coroutine has ended
+        if (
+            getattr(coro, "cr_code", None) is GroupCoordinator._do_commit_offsets.__code__
+            and frame is not None
+            and frame.f_locals.get("self") is coordinator
+        ):
+            task.cancel()

@@ -43,7 +43,7 @@ from anyio.abc import TaskStatus
 
 from room_outbox.attempt.failure import describe, error_text
 from room_outbox.config import TelemetrySettings
-from room_outbox.consume.broker_calls import STOP_BROKER_TIMEOUT, Abandoned, BrokerCalls
+from room_outbox.consume.broker_calls import STOP_BROKER_TIMEOUT, Abandoned, BrokerCalls, cancel_abandoned_commit
 from room_outbox.consume.dead_letters import DLQ_SEND_TIMEOUT, DeadLetters
 from room_outbox.consume.handling import Handling
 from room_outbox.consume.messages import Fetched, Message, Router
@@ -270,6 +270,7 @@ class Consumer:
         try:
             await self._on_broker(lambda: kafka.commit(offsets))
         except Abandoned:
+            cancel_abandoned_commit(kafka)
             log.warning(
                 "offset commit abandoned: the broker did not answer while the consumer stops; the"
                 " partitions' next owner reads these messages again and finds them processed",
