@@ -226,6 +226,9 @@ def test_sigterm_while_a_dead_letter_waits_on_a_broker_that_does_not_answer_stop
     assert rc == 0, member.log.read_text()[-2000:]
     assert took < HANDLER_TIMEOUT + STOP_MARGIN, f"SIGTERM took {took:.1f}s"
     assert member.said("consumer stopped")
+    assert member.said("dead letters not copied to their topic (they are in room_consumer_retry)")
+    assert member.said("dead-letter producer abandoned: the broker did not answer while the consumer stops;"
+                       " the dead letters stay in room_consumer_retry")  # fmt: skip
     assert_no_traceback(member.log)
     assert sorted(e for (e,) in query(database_dsn, "SELECT event_id FROM room_consumer_retry")) == ["d0", "d1"]
 
