@@ -451,6 +451,33 @@ def test_a_missing_sqlite_file_is_named_and_not_created(
     assert done.returncode == 0 and json.loads(done.stdout)["pending"] == 0
 
 
+@pytest.mark.parametrize(
+    ("command", "what", "reason"),
+    [
+        (["migrate"], "a folder", "unable to open database file; check database.dsn's file and its directory"),
+        (["run"], "not a database", "file is not a database; does database.dsn's path name room-outbox's"
+         " database, and is the file undamaged?"),
+    ],
+)  # fmt: skip
+def test_a_sqlite_file_that_cannot_be_opened_is_one_line_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str], what: str, reason: str
+) -> None:
+    """A path that is a folder failed in aiosqlite's connect, whose worker thread, left to stop
+    on its own, then reported to the closed event loop ("Event loop is closed", a traceback); a
+    file that is not a database failed untranslated, as a traceback. Each is one line, exit 3."""
+    without_room_outbox_environment(monkeypatch)
+    path = tmp_path / "outbox.db"
+    if what == "a folder":
+        path.mkdir()
+    else:
+        path.write_bytes(b"not a SQLite database, " * 512)
+    config = tmp_path / "config.yaml"
+    config.write_text(f"database: {{dsn: 'sqlite://{path}'}}\nsinks: {{tencent_im: {{enabled: false}}}}\n")
+    done = room_outbox("--config", str(config), *command)
+    assert (done.returncode, done.stdout) == (3, "")
+    assert done.stderr.splitlines() == [f"room-outbox: SQLite file '{path}': {reason}"], done.stderr[-3000:]
+
+
 def test_no_commands_option_overwrites_which_command_runs() -> None:
     """The parser records the command typed in `args.command`: an option of a command with the
     same dest (`check-config --for` at first) made `check-config --for consume` run `consume`."""

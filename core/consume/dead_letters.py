@@ -4,7 +4,8 @@ The rows in ``room_consumer_retry`` are the record that counts (status, inspect,
 copy on the topic is for whoever watches it, with where and why the message died in its
 ``dlq.*`` headers. So a copy that fails is logged, never retried, and a batch's copies are sent
 together under one deadline: a topic that refuses them holds the partition once, not once per
-copy.
+copy. Once the consumer is told to stop, the copies in progress are abandoned as its other
+broker operations are (:mod:`.broker_calls`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from room_outbox.attempt.failure import describe, error_text
+from room_outbox.consume.broker_calls import Abandoned, BrokerCalls
 from room_outbox.consume.settings import ConsumerSettings
 from room_outbox.observability.metrics import ConsumerMetrics
 from room_outbox.observability.redaction import Redactor
@@ -33,11 +35,19 @@ class DeadLetters:
     """One consumer's dead letters, and its producer to the dead-letter topic (started on the
     first copy: most consumers never send one)."""
 
-    def __init__(self, consumer: str, settings: ConsumerSettings, metrics: ConsumerMetrics, redactor: Redactor) -> None:
+    def __init__(
+        self,
+        consumer: str,
+        settings: ConsumerSettings,
+        metrics: ConsumerMetrics,
+        redactor: Redactor,
+        on_broker: BrokerCalls,
+    ) -> None:
         self.consumer = consumer
         self.settings = settings
         self.metrics = metrics
         self.redactor = redactor
+        self.on_broker = on_broker
         self._producer: AIOKafkaProducer | None = None
 
     async def announce(self, dead: list[tuple[RetryRow, str]]) -> None:
@@ -55,21 +65,23 @@ class DeadLetters:
 
     async def publish(self, rows: list[RetryRow]) -> None:
         """Copies to the dead-letter topic, all sent at once and awaited together within
-        ``DLQ_SEND_TIMEOUT``; a failed copy is logged."""
+        ``DLQ_SEND_TIMEOUT`` (less once the consumer stops); a failed copy is logged."""
         topic = self.settings.dlq_topic()
         if topic is None or not rows:
             return
+
+        async def send() -> None:
+            producer = await self.producer()
+            sent = [
+                await producer.send(topic, row.value, key=row.room_key.encode(), headers=headers(self.consumer, row))
+                for row in rows
+            ]
+            await asyncio.gather(*sent)
+
         try:
             with anyio.fail_after(DLQ_SEND_TIMEOUT):
-                producer = await self.producer()
-                sent = [
-                    await producer.send(
-                        topic, row.value, key=row.room_key.encode(), headers=headers(self.consumer, row)
-                    )
-                    for row in rows
-                ]
-                await asyncio.gather(*sent)
-        except (KafkaError, TimeoutError, OSError) as exc:
+                await self.on_broker(send)
+        except (KafkaError, TimeoutError, OSError, Abandoned) as exc:
             log.warning(
                 "dead letters not copied to their topic (they are in room_consumer_retry)",
                 extra={"consumer": self.consumer, "topic": topic, "event_ids": [row.event_id for row in rows][:20],

@@ -21,8 +21,9 @@ partitions move to another member only after this member's batch is settled and 
 so no message is handled by two members at the same time.
 
 **Stopping.** No further message is started; the handlings in progress end or time out. Every
-broker operation (fetch, commit, leaving the group) gets STOP_BROKER_TIMEOUT more once the stop
-is asked, then is abandoned: an offset not committed only makes the next owner read again.
+broker operation (fetch, commit, dead-letter copy, leaving the group) gets STOP_BROKER_TIMEOUT
+more once the stop is asked, then is abandoned (:mod:`.broker_calls`): an offset not committed
+only makes the next owner read again.
 
 Handling one message (:mod:`.handling`), the retry worker (:mod:`.retries`), dead letters
 (:mod:`.dead_letters`) and routing (:mod:`.messages`) are parts the consumer owns.
@@ -32,9 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -43,6 +43,7 @@ from anyio.abc import TaskStatus
 
 from room_outbox.attempt.failure import describe, error_text
 from room_outbox.config import TelemetrySettings
+from room_outbox.consume.broker_calls import STOP_BROKER_TIMEOUT, Abandoned, BrokerCalls, cancel_abandoned_commit
 from room_outbox.consume.dead_letters import DLQ_SEND_TIMEOUT, DeadLetters
 from room_outbox.consume.handling import Handling
 from room_outbox.consume.messages import Fetched, Message, Router
@@ -58,8 +59,6 @@ from room_outbox.store.consumers.protocol import NO_HANDLER, ConsumerBatch, Cons
 
 log = logging.getLogger("room_outbox.consume")
 
-T = TypeVar("T")
-
 FETCH_TIMEOUT_MS = 500
 #: Pause after a batch could not be settled (the database is down, say) before it is tried again.
 BATCH_RETRY_PAUSE = 1.0
@@ -68,9 +67,6 @@ COMMIT_TIMEOUT = 10.0
 #: One attempt to reach the broker and join the group; then a pause before the next.
 JOIN_TIMEOUT = 30.0
 JOIN_RETRY_PAUSE = 2.0
-#: How much longer any one broker operation (a fetch, a commit, leaving the group) may take once
-#: the consumer is told to stop: aiokafka retries them for as long as the broker does not answer.
-STOP_BROKER_TIMEOUT = 1.5
 #: The look, on each assignment, at where the partitions' committed offsets stand in their logs.
 OFFSETS_CHECK_TIMEOUT = 5.0
 
@@ -96,10 +92,10 @@ class Consumer:
         self.ordered = settings.ordering == "per_room"
         self.running = False
         self._stop = anyio.Event()
-        #: The broker operations in progress (:meth:`_on_broker`).
-        self._broker_calls: set[anyio.CancelScope] = set()
+        #: Every operation on the broker goes through it: a stop abandons them in bounded time.
+        self._on_broker = BrokerCalls(self._stop)
         self.router = Router(name, handlers)
-        self.dead_letters = DeadLetters(name, settings, self.metrics, redactor)
+        self.dead_letters = DeadLetters(name, settings, self.metrics, redactor, self._on_broker)
         self.handling = Handling(name, settings, store, telemetry, self.metrics, redactor, self.dead_letters)
         self.retries = RetryWorker(
             name, f"{node_id}#{name}", settings, store, self.router, self.handling, self.dead_letters, redactor,
@@ -126,9 +122,7 @@ class Consumer:
 
     def stop(self) -> None:
         self._stop.set()
-        deadline = anyio.current_time() + STOP_BROKER_TIMEOUT
-        for call in self._broker_calls:
-            call.deadline = min(call.deadline, deadline)
+        self._on_broker.stop()
 
     def assigned_partitions(self) -> int:
         """The partitions this member holds: none while it is out of the group (not joined
@@ -178,7 +172,7 @@ class Consumer:
                         self.running = False
                         # Leaves the group: the others take over at once (or, when the broker does
                         # not answer, after session_timeout).
-                        with anyio.CancelScope(shield=True), anyio.move_on_after(10), contextlib.suppress(_Abandoned):
+                        with anyio.CancelScope(shield=True), anyio.move_on_after(10), contextlib.suppress(Abandoned):
                             await self._on_broker(kafka.stop)
                 tasks.cancel_scope.cancel()
         finally:
@@ -212,8 +206,8 @@ class Consumer:
             try:
                 with anyio.fail_after(JOIN_TIMEOUT):
                     await self._on_broker(kafka.start)
-            except (KafkaError, TimeoutError, OSError, _Abandoned) as exc:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(_Abandoned):
+            except (KafkaError, TimeoutError, OSError, Abandoned) as exc:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(Abandoned):
                     await self._on_broker(kafka.stop)
                 if self._stop.is_set():
                     break
@@ -305,7 +299,8 @@ class Consumer:
             return
         try:
             await self._on_broker(lambda: kafka.commit(offsets))
-        except _Abandoned:
+        except Abandoned:
+            cancel_abandoned_commit(kafka)
             log.warning(
                 "offset commit abandoned: the broker did not answer while the consumer stops; the"
                 " partitions' next owner reads these messages again and finds them processed",
@@ -320,20 +315,6 @@ class Consumer:
             )
             return
 
-    async def _on_broker(self, operation: Callable[[], Awaitable[T]]) -> T:
-        """``operation()`` on the broker, which aiokafka retries for as long as the broker does
-        not answer. Once the consumer is told to stop it has STOP_BROKER_TIMEOUT more, then is
-        abandoned (:class:`_Abandoned`): a stop takes a bounded time whatever the broker does."""
-        with anyio.CancelScope() as scope:
-            if self._stop.is_set():
-                scope.deadline = anyio.current_time() + STOP_BROKER_TIMEOUT
-            self._broker_calls.add(scope)  # stop() sets their deadline
-            try:
-                return await operation()
-            finally:
-                self._broker_calls.discard(scope)
-        raise _Abandoned
-
     async def _fetch(self, kafka: AIOKafkaConsumer, timeout_ms: int) -> Fetched | None:
         """The next batch, routed; None when none came within ``timeout_ms`` (or the consumer
         stops and the broker does not answer)."""
@@ -341,7 +322,7 @@ class Consumer:
             batch = await self._on_broker(
                 lambda: kafka.getmany(timeout_ms=timeout_ms, max_records=self.settings.max_batch)
             )
-        except _Abandoned:
+        except Abandoned:
             return None
         return await self.router.route_batch(batch, self._generation) if batch else None
 
@@ -491,10 +472,6 @@ class Consumer:
 
 class _Stopping(Exception):
     """The consumer stopped while settling a batch, leaving some of it unsettled."""
-
-
-class _Abandoned(Exception):
-    """A broker operation did not end within STOP_BROKER_TIMEOUT of the consumer's stop."""
 
 
 def rebalance_timeout(settings: ConsumerSettings, batch_handlers: int) -> float:

@@ -16,7 +16,7 @@ import psycopg
 import pymysql
 import pytest
 import yaml
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from lanes.conftest import Broker
 
 from room_outbox.store.backends.mysql import MySQLAddress
@@ -72,6 +72,26 @@ def produce(bootstrap: str, messages: list[tuple[bytes, bytes]], topic: str = TO
             await producer.stop()
 
     asyncio.run(asyncio.wait_for(send(), 60))
+
+
+def dlq_messages(bootstrap: str, expected: int) -> list[Any]:
+    """The first ``expected`` copies on the dead-letter topic (waiting up to 60 s for them)."""
+
+    async def read() -> list[Any]:
+        consumer = AIOKafkaConsumer(
+            f"{TOPIC}.dlq", bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+        )
+        await consumer.start()
+        found: list[Any] = []
+        try:
+            while len(found) < expected:
+                for records in (await consumer.getmany(timeout_ms=500)).values():
+                    found.extend(records)
+        finally:
+            await consumer.stop()
+        return found
+
+    return asyncio.run(asyncio.wait_for(read(), 60))
 
 
 def encode(env: dict[str, Any]) -> tuple[bytes, bytes]:

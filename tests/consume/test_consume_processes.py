@@ -9,7 +9,6 @@ letters that a redrive sends round again.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 from collections import defaultdict
@@ -17,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer
 from consume.conftest import (
     TOPIC,
     ConsumeProcess,
     ConsumerBroker,
     cli,
+    dlq_messages,
     encode,
     envelope,
     eventually,
@@ -124,24 +123,6 @@ def test_three_members_a_kill_and_a_rebalance_handle_every_event_once_in_room_or
     assert count(database_dsn, "SELECT COUNT(*) FROM room_consumer_retry") == 0
     for proc in processes[1:]:
         assert proc.terminate() == 0
-
-
-def dlq_messages(bootstrap: str, expected: int) -> list[Any]:
-    async def read() -> list[Any]:
-        consumer = AIOKafkaConsumer(
-            f"{TOPIC}.dlq", bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
-        )
-        await consumer.start()
-        found: list[Any] = []
-        try:
-            while len(found) < expected:
-                for records in (await consumer.getmany(timeout_ms=500)).values():
-                    found.extend(records)
-        finally:
-            await consumer.stop()
-        return found
-
-    return asyncio.run(asyncio.wait_for(read(), 60))
 
 
 def rename_tables(dsn: str, renames: dict[str, str]) -> None:

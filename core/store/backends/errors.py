@@ -119,6 +119,11 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
                     transient=True,
                 )
             return StoreUnavailable(f"{where}: {reason}; check database.dsn's file and its directory")
+        if exc.sqlite_errorname in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
+            # The file is there but is no database, or a damaged one: another file at the path?
+            return StoreUnavailable(
+                f"{where}: {reason}; does database.dsn's path name room-outbox's database, and is the file undamaged?"
+            )
         return None
     if isinstance(exc, BrokenPipeError):
         return None  # our own standard output closed (`| head`), not the database

@@ -65,6 +65,19 @@ class SQLiteAddress:
         return cls(Path(path))
 
 
+#: The wait for the worker thread of a connection that failed to open, which has nothing left
+#: to do but end.
+WORKER_STOP_TIMEOUT = 5.0
+
+
+async def _worker_stopped(conn: aiosqlite.Connection) -> None:
+    """Wait for the worker thread of a connection that failed to open. aiosqlite tells it to
+    stop without waiting; the thread then reports to the event loop, which is closed already
+    when the process exits on that very failure ("Event loop is closed", with a traceback)."""
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(conn._thread.join, WORKER_STOP_TIMEOUT)
+
+
 class FormatCursor:
     """A cursor taking MySQL's ``%s`` placeholders, shaped like the parts of aiomysql's cursor
     the shared code uses (``execute`` returning the row count, ``fetchone``, ``fetchall``,
@@ -149,7 +162,12 @@ class SQLiteStore(LeasedRows):
             # mode=rw: opened, never created, even should the file go between the look and here.
             target = address.path.resolve().as_uri() + "?mode=rw"
         # isolation_level=None: no implicit transactions; every one is an explicit BEGIN IMMEDIATE.
-        conn = await aiosqlite.connect(target, isolation_level=None, timeout=busy_timeout, uri=isinstance(target, str))
+        connecting = aiosqlite.connect(target, isolation_level=None, timeout=busy_timeout, uri=isinstance(target, str))
+        try:
+            conn = await connecting
+        except BaseException:
+            await _worker_stopped(connecting)
+            raise
         try:
             await conn.execute("PRAGMA journal_mode=WAL")
             await conn.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
