@@ -10,8 +10,10 @@ rows are the newest. So these reads are kept on an index that starts with ``stat
 the statement where the database takes a hint (MySQL/MariaDB: room-service's ``(status, id)``
 index, which holds each status's rows in key order, where the table has it, else the claim's,
 ``migrate``'s, whose range of a status holds its rows too), and on PostgreSQL, which takes no
-hint, by ordering on an expression of the key that no index holds: the planner then reads the
-statuses' rows and sorts them, and never walks the primary key for its order.
+hint, by ordering on an expression of the key that no index holds, with whole-table scans off
+for the transaction (a table scan, the planner's choice once the statuses' rows look many, reads
+every published row too): the planner then reads the statuses' rows by their index and sorts
+them.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ class StatusRead:
 
 
 async def status_read(cur: Any, store: SQLStore) -> StatusRead:
-    """:class:`StatusRead` for ``store``'s outbox table, from the indexes it has now."""
+    """:class:`StatusRead` for ``store``'s outbox table, from the indexes it has now; on
+    PostgreSQL, the rest of ``cur``'s transaction plans without whole-table scans."""
     p = store.profile
+    if store.dialect.status_read_setup:
+        await cur.execute(store.dialect.status_read_setup)
     hint = ""
     if store.dialect.index_hint:
         indexes = await index_names(cur, store.dialect, p.table)
