@@ -1,5 +1,5 @@
 """Failures that stop a command: one line on stderr naming the cause and the fix, a documented
-exit code (2 configuration, 3 database unreachable or not migrated), never a traceback.
+exit code (2 configuration, 3 database unreachable, too slow or not migrated), never a traceback.
 
 Commands run in-process through ``main([...])`` where that is enough, and as real processes
 where the process itself is the point (waiting for a database, a closed pipe)."""
@@ -40,6 +40,7 @@ from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError, RoomOutboxError, SchemaError, StoreUnavailable
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.factory import open_store, store_address
+from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.outbox import V1_TABLE_DDL
 
 pytestmark = pytest.mark.anyio
@@ -297,6 +298,30 @@ async def test_operator_command_on_a_table_never_migrated(
         3,
         ["room-outbox: table room_outbox does not exist: run `room-outbox migrate`"],
     )  # as run says it
+
+
+async def test_a_statement_past_query_timeout_on_a_database_that_answers_says_so(
+    store: MySQLStore,
+    database_dsn: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Exit 3 as for a database that does not answer, but in words that say it does, that a
+    statement was too slow, and what to do."""
+
+    async def slow_report(store: SQLStore, **_: Any) -> None:
+        async with store.transaction() as cur:
+            await cur.execute("SELECT SLEEP(5)")  # the server answers everything else meanwhile
+
+    monkeypatch.setattr("room_outbox.cli.status.status_report", slow_report)
+    config = write_config(tmp_path, database_dsn, QUIET_SINKS + "database:\n  query_timeout: 1s\n")
+    code, _, err = await cli(capsys, "--config", config, "status")
+    assert code == 3, err
+    assert err[-1].startswith(
+        "room-outbox: the database answers, but a statement of this command ran longer than database.query_timeout (1s)"
+    ), err
+    assert "ROOM_OUTBOX__DATABASE__QUERY_TIMEOUT" in err[-1]
 
 
 async def test_run_checks_the_schema_at_start(

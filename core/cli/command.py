@@ -16,7 +16,9 @@ from room_outbox.errors import ConfigurationError, SchemaError
 from room_outbox.observability.redaction import Redactor
 from room_outbox.startup import check_run_schema, table_profile
 from room_outbox.store.backends.errors import translated
+from room_outbox.store.deadline import QueryTimeout
 from room_outbox.store.factory import describe, open_store, store_address
+from room_outbox.store.operator.reports import ping
 from room_outbox.store.protocol import SQLStore
 
 #: What a command's ``run`` is given:
@@ -185,9 +187,30 @@ async def with_store(settings: Settings, work: Callable[[SQLStore], Awaitable[in
     )
     try:
         with translated_errors(dsn):
-            return await work(store)
+            try:
+                return await work(store)
+            except QueryTimeout as exc:
+                raise await _timed_out(store, exc) from exc
     finally:
         await store.aclose()
+
+
+async def _timed_out(store: SQLStore, exc: QueryTimeout) -> QueryTimeout:
+    """A command's database call past ``query_timeout``: when the database answers a ping now
+    it is up and one of the command's statements was too slow, which the operator can work
+    around, not the outage the bare timeout suggests (both exit 3)."""
+    try:
+        await ping(store)
+    except Exception:  # no answer now either: the timeout's own words stand
+        return exc
+    return QueryTimeout(
+        exc.seconds,
+        f"the database answers, but a statement of this command ran longer than database.query_timeout"
+        f" ({exc.seconds:g}s) and was abandoned: run the command again with a longer one, such as"
+        " ROOM_OUTBOX__DATABASE__QUERY_TIMEOUT=30s (below a third of outbox_worker.lease: raise it too for"
+        " the command, such as ROOM_OUTBOX__OUTBOX_WORKER__LEASE=120s), and find the statement in the"
+        " database's slow query log",
+    )
 
 
 def translated_errors(dsn: str) -> contextlib.AbstractContextManager[None]:

@@ -35,15 +35,16 @@ examples:
 
 The configuration comes from --config FILE (default $ROOM_OUTBOX_CONFIG) and the environment
 (ROOM_OUTBOX__SECTION__KEY, which wins over the file). Exit codes: 0 done, 1 unexpected error,
-2 configuration, 3 database (or a broker asked) unreachable or not migrated, 141 output closed
-early."""
+2 configuration, 3 database (or a broker asked) unreachable, too slow (database.query_timeout) or
+not migrated, 141 output closed early."""
 
 #: Exit codes, as docs/reference/errors.md documents them.
 EXIT_CODES = {
     0: "done",
     1: "unexpected error (a bug: the traceback says where), or the command's own 'no' (no such event)",
     2: "configuration: a key, the DSN, a sink section, a command-line argument",
-    3: "a dependency: the database unreachable, refusing the login, missing, or not migrated; a broker asked unreachable",
+    3: "a dependency: the database unreachable, too slow (a statement past database.query_timeout), refusing the"
+    " login, missing, or not migrated; a broker asked unreachable",
     130: "interrupted (Ctrl-C) before the command finished",
     141: "standard output closed early (`room-outbox status --json | head`)",
 }

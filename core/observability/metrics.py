@@ -13,6 +13,7 @@ alert expression has a series to evaluate before the first failure ever happens.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -120,6 +121,38 @@ class OutboxMetrics:
                 self.failure.add(0, {"sink": "-", "event_type": event_type, "error_class": error_class})
         for point, cause in LEASE_LOSSES:
             self.lost_leases.add(0, {"detected_at": point, "cause": cause})
+
+
+class BacklogSamples:
+    """How the backlog timer fares, exported by the process that runs it from its first round
+    on. A sample that fails leaves the backlog gauges at their last values, which alone look
+    like a backlog standing still: the age says how old they are (alerts leave out a process's
+    stale gauges), the counter how often sampling fails."""
+
+    def __init__(self, meter: Meter) -> None:
+        self._sampled_at = time.monotonic()
+        self.failures = meter.create_counter(
+            "room_outbox.backlog.sample.failures",
+            unit="{sample}",
+            description="Backlog samples that failed; the backlog gauges keep their last values meanwhile.",
+        )
+        self.failures.add(0)
+        meter.create_observable_gauge(
+            "room_outbox.backlog.sample.age",
+            callbacks=[self._age],
+            unit="s",
+            description="Time since the backlog gauges were last sampled (before the first sample: since the"
+            " timer started).",
+        )
+
+    def succeeded(self) -> None:
+        self._sampled_at = time.monotonic()
+
+    def failed(self) -> None:
+        self.failures.add(1)
+
+    def _age(self, options: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(time.monotonic() - self._sampled_at)
 
 
 def _clock_offset(options: CallbackOptions) -> Iterable[Observation]:

@@ -20,6 +20,7 @@ import anyio
 from room_outbox.config import MAIN_LANE, ConfigError, LanePlan, Settings, parse_listen
 from room_outbox.observability.health import Health, check_error, stalled_after
 from room_outbox.observability.http_endpoint import HttpEndpoint
+from room_outbox.observability.metrics import BacklogSamples
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.observability.systemd import notify_systemd
@@ -123,13 +124,16 @@ async def _sample_backlog(store: SQLStore, obs: Observability, interval: float, 
     # A failure lasts as long as what causes it (the database down): the first sample that
     # fails is logged in full, then a line a minute, then the first that succeeds again.
     failing = RepeatedFailure(log, "backlog sample failed", "backlog samples succeed again", level=logging.WARNING)
+    samples = BacklogSamples(obs.telemetry.meter)
     while True:
         if obs.lanes is not None:
             try:
                 await _sample_lanes(store, obs.telemetry, obs.lanes)
             except Exception as exc:
+                samples.failed()
                 failing.failed(check_error(redactor, exc))
             else:
+                samples.succeeded()
                 failing.succeeded()
         await anyio.sleep(interval)
 

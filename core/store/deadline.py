@@ -36,11 +36,13 @@ SCHEMA_CHANGE_TIMEOUT = 3600.0
 
 
 class QueryTimeout(StoreError, TimeoutError):
-    """A database call did not end within ``query_timeout``; its connection was discarded."""
+    """A database call did not end within ``query_timeout``; its connection was discarded.
+    ``message``: what is known of the cause, where the caller found out more (by default,
+    only that nothing came back in time: a server gone or a statement still running)."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, message: str = "") -> None:
         super().__init__(
-            f"the database did not answer within database.query_timeout {seconds:g}s; connection discarded"
+            message or f"the database did not answer within database.query_timeout {seconds:g}s; connection discarded"
         )
         self.seconds = seconds
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import anyio
 import pytest
+from telemetry_support import capture
 
 from room_outbox.config import LanePlan
 from room_outbox.observability import service
@@ -78,3 +79,36 @@ async def test_backlog_samples_failing_while_the_database_is_down_are_logged_onc
     assert lines[0] == ("WARNING", "backlog sample failed", None)
     assert lines[1][:2] == ("WARNING", "backlog samples succeed again") and lines[1][2] >= 50
     assert len(lines) == 2, lines
+
+
+@pytest.mark.anyio
+async def test_failed_backlog_samples_are_counted_and_the_gauges_age_is_exported() -> None:
+    """The backlog gauges keep their last values while samples fail: /metrics counts the failed
+    samples and says how old the gauges are, which a successful sample brings back to 0."""
+
+    class DownStore:
+        profile = V1
+
+        def transaction(self) -> object:
+            raise ConnectionRefusedError("the database is down")
+
+    captured = capture()
+    lanes_known = anyio.Event()
+    lanes_known.set()
+    obs = SimpleNamespace(_lanes_known=lanes_known, lanes=LanePlan(main=True, own=()), telemetry=captured.telemetry)
+
+    def age() -> float:
+        return captured.value("room_outbox.backlog.sample.age")
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(service._sample_backlog, DownStore(), obs, 0.001, Redactor())
+            while captured.value("room_outbox.backlog.sample.failures") < 5 or age() < 0.2:
+                await anyio.sleep(0.001)
+            text = captured.telemetry.prometheus_text()
+            obs.lanes = LanePlan(main=False, own=())  # nothing left to read: the next sample succeeds
+            while age() >= 0.2:
+                await anyio.sleep(0.001)
+            tasks.cancel_scope.cancel()
+    assert "room_outbox_backlog_sample_failures_total" in text
+    assert "room_outbox_backlog_sample_age_seconds" in text

@@ -402,3 +402,50 @@ def test_a_consumer_no_process_holds_partitions_of_or_making_dead_letters_pages(
     path.write_text(yaml.safe_dump(tests))
     done = promtool("test", "rules", str(path))
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_backlog_alerts_leave_out_stale_gauges_and_say_they_are_stale(tmp_path: Path) -> None:
+    """Unit tests of the backlog alerts (promtool test rules), one-minute samples. A process
+    whose backlog samples fail keeps exporting its last values: a frozen "oldest pending 10
+    minutes" does not page as a stuck backlog, and a frozen 0 does not hide another process's
+    fresh one; the stale gauges warn on their own."""
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    oldest = 'room_outbox_oldest_pending_age_seconds{{job="room-outbox",instance="{}",lane="main"}}'
+    sampled = 'room_outbox_backlog_sample_age_seconds{{job="room-outbox",instance="{}"}}'
+    stuck = expected_alert(rules["RoomOutboxBacklogStuck"], lane="main")
+    stuck["exp_annotations"]["summary"] = stuck["exp_annotations"]["summary"].replace("{{ $value }}", "600")
+    unknown = expected_alert(rules["RoomOutboxBacklogUnknown"], job="room-outbox", instance="b:9464")
+    unknown["exp_annotations"]["summary"] = unknown["exp_annotations"]["summary"].replace("{{ $value }}", "600")
+    tests = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {  # b's samples fail from the start: its gauges stay at 600 s, stale
+                "interval": "1m",
+                "input_series": [
+                    {"series": oldest.format("b:9464"), "values": "600x20"},
+                    {"series": sampled.format("b:9464"), "values": "0+60x20"},
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "10m", "alertname": "RoomOutboxBacklogStuck", "exp_alerts": []},
+                    {"eval_time": "10m", "alertname": "RoomOutboxBacklogUnknown", "exp_alerts": [unknown]},
+                ],
+            },
+            {  # a samples a backlog growing old; b's stale gauge says 0
+                "interval": "1m",
+                "input_series": [
+                    {"series": oldest.format("a:9464"), "values": "0+60x20"},
+                    {"series": sampled.format("a:9464"), "values": "15x20"},
+                    {"series": oldest.format("b:9464"), "values": "0x20"},
+                    {"series": sampled.format("b:9464"), "values": "0+60x20"},
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "10m", "alertname": "RoomOutboxBacklogStuck", "exp_alerts": [stuck]},
+                ],
+            },
+        ],
+    }
+    path = tmp_path / "backlog.test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    done = promtool("test", "rules", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from room_outbox.store.by_status import open_rows
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import table_names
 from room_outbox.store.lanes.store import CURSOR_TABLE, lane_table
@@ -167,13 +168,10 @@ async def im_lane_backlog(store: SQLStore) -> LaneBacklog:
     words of its table profile."""
     p = store.profile
     async with store.transaction() as cur:
-        await cur.execute(f"SELECT COUNT(*) FROM {p.table} WHERE {p.is_open()}")
-        (pending,) = await cur.fetchone()
-        await cur.execute(f"SELECT {p.as_ms(p.created)} FROM {p.table} WHERE {p.is_open()} ORDER BY {p.key} LIMIT 1")
-        oldest = await cur.fetchone()
+        pending, oldest = await open_rows(cur, store)
         await cur.execute(f"SELECT COUNT(*) FROM {p.table} WHERE status = %s", (p.parked,))
         (parked,) = await cur.fetchone()
-    return LaneBacklog(int(pending), 0, int(parked), int(oldest[0]) if oldest else None)
+    return LaneBacklog(pending, 0, int(parked), oldest)
 
 
 async def tailing_lanes(store: SQLStore) -> list[str]:

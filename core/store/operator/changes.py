@@ -10,6 +10,7 @@ from typing import Any
 
 from room_outbox.errors import SchemaError
 from room_outbox.store.backends.errors import refused_value
+from room_outbox.store.by_status import StatusRead, status_read
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import marks
 from room_outbox.store.operator.reports import matching_event
@@ -45,25 +46,36 @@ def _statuses(words: Profile, wanted: Sequence[str]) -> list[str]:
 
 
 async def find_requeue_candidates(store: SQLStore, where: RequeueFilter, limit: int = 10_000) -> list[dict[str, Any]]:
-    """Rows the filter selects, leaving out rows leased right now (their in-flight result
-    would be lost) and rows neither pending nor failed (published, cancelled)."""
-    statuses = _statuses(store.profile, where.statuses)
+    """Rows the filter selects, lowest key first, leaving out rows leased right now (their
+    in-flight result would be lost) and rows neither pending nor failed (published, cancelled).
+
+    Event ids lead to their rows by the event id's index. Without them, the rows are read a
+    status at a time on a status index (:mod:`room_outbox.store.by_status`), each up to
+    ``limit``, and the lowest keys of all of them kept: the selection reads the rows of the
+    statuses it selects, never the published ones."""
+    statuses = list(dict.fromkeys(_statuses(store.profile, where.statuses)))
     if not statuses:
         return []
     p = store.profile
-    clauses = [f"status IN ({marks(statuses)})", f"NOT (worker_id IS NOT NULL AND {p.lock} > {p.ms('%s')})"]
-    params: list[Any] = [*statuses, now_ms()]
+    clauses = [f"NOT (worker_id IS NOT NULL AND {p.lock} > {p.ms('%s')})"]
+    params: list[Any] = [now_ms()]
     _id_and_error_clauses(store, where, p.event_id, clauses, params)
     of_row, of_row_params = _row_clauses(store, where)
+    found: list[dict[str, Any]] = []
     async with store.transaction() as cur:
-        await cur.execute(
-            f"SELECT {p.key} AS id, {p.event_id} AS event_id, {p.app_code} AS app_code, {p.event_type} AS event_type,"
-            f" {p.room_id} AS room_id, status, {p.attempts_made} AS retry_count, last_error, {p.as_ms(p.created)} AS created_at_ms FROM {p.table}"
-            f" WHERE {' AND '.join(clauses + of_row)} ORDER BY {p.key} LIMIT %s",
-            (*params, *of_row_params, limit),
-        )
-        names = [d[0] for d in cur.description]
-        return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
+        read = StatusRead(p.table, p.key) if where.event_ids else await status_read(cur, store)
+        for group in [statuses] if where.event_ids else [[status] for status in statuses]:
+            await cur.execute(
+                f"SELECT {p.key} AS id, {p.event_id} AS event_id, {p.app_code} AS app_code, {p.event_type} AS event_type,"
+                f" {p.room_id} AS room_id, status, {p.attempts_made} AS retry_count, last_error,"
+                f" {p.as_ms(p.created)} AS created_at_ms FROM {read.source}"
+                f" WHERE {' AND '.join([in_list('status', tuple(group)), *clauses, *of_row])}"
+                f" ORDER BY {read.order} LIMIT %s",
+                (*params, *of_row_params, limit),
+            )
+            names = [d[0] for d in cur.description]
+            found += [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
+    return sorted(found, key=lambda row: int(row["id"]))[:limit]
 
 
 def _id_and_error_clauses(

@@ -2,8 +2,8 @@
 operators and the demo: what the tables say, never a change. Every statement is one all
 stores speak.
 
-Queries that run often stay on an index: :func:`sample_backlog` (the metrics timer) is a range
-count on the (status, id) index plus one primary-key lookup."""
+Queries that run often stay on an index: :func:`sample_backlog` (the metrics timer) reads the
+open rows' index range once, plus one row by primary key (:mod:`room_outbox.store.by_status`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from room_outbox.store.by_status import open_rows, status_read
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import column_names, marks, table_names, text
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
@@ -58,17 +59,9 @@ class Backlog:
 async def sample_backlog(store: SQLStore) -> Backlog:
     """Pending count and oldest pending age: both read only the index range of pending rows
     and one row by primary key, however many published rows the table holds."""
-    table, open_ = store.profile.table, store.profile.is_open()
     async with store.transaction() as cur:
-        await cur.execute(f"SELECT COUNT(*) FROM {table} WHERE {open_}")
-        (pending,) = await cur.fetchone()
-        await cur.execute(
-            f"SELECT {store.profile.as_ms(store.profile.created)} FROM {table} WHERE {open_}"
-            f" ORDER BY {store.profile.key} LIMIT 1"
-        )
-        oldest = await cur.fetchone()
-    age = max(0, now_ms() - int(oldest[0])) if oldest else 0
-    return Backlog(int(pending), age)
+        pending, oldest = await open_rows(cur, store)
+    return Backlog(pending, 0 if oldest is None else max(0, now_ms() - oldest))
 
 
 #: Retry-count histogram buckets of the status report: (label, lowest, highest).
@@ -136,7 +129,8 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
     table, open_ = words.table, words.is_open()
     async with store.transaction() as cur:
         attempts, lock, after = words.attempts_made, words.lock, words.ms("%s")
-        await cur.execute(f"SELECT {attempts}, COUNT(*) FROM {table} WHERE {open_} GROUP BY {attempts}")
+        read = await status_read(cur, store)
+        await cur.execute(f"SELECT {attempts}, COUNT(*) FROM {read.source} WHERE {open_} GROUP BY {attempts}")
         by_retries = {int(retries): int(rows) for retries, rows in await cur.fetchall()}
         # Rows still to deliver: the oldest, the head of the backlog, where the failing rows wait;
         # parked rows: the latest, what failed last (in an incident, the incident).
@@ -188,8 +182,10 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
 #: Distinct last_error values the status report groups (the most frequent first).
 ERRORS_READ = 1000
 
-#: Rows of each status whose errors the status report counts, read on the (status, id) index:
-#: a table with millions of rows in a status costs the report no more than this many row reads.
+#: Rows of each status whose errors the status report counts, the oldest (or latest) by key:
+#: read on the (status, id) index, a status with millions of rows costs the report no more than
+#: this many row reads; on a table without it, that status's rows (see
+#: :mod:`room_outbox.store.by_status`), never the other statuses'.
 ERROR_SAMPLE = 10_000
 
 
@@ -197,12 +193,12 @@ async def _frequent_errors(store: SQLStore, cur: Any, statuses: Sequence[str], l
     """The errors of :data:`ERROR_SAMPLE` rows of each of ``statuses`` (the ``latest``: highest
     keys, else the oldest), grouped (:func:`grouped_errors`), the most frequent first. A status
     at a time: one index range each, where an IN list would sort all of their rows first."""
-    p = store.profile
+    read = await status_read(cur, store)
     counts: list[tuple[str, int]] = []
     for status in dict.fromkeys(statuses):
         await cur.execute(
-            f"SELECT last_error, COUNT(*) AS n FROM (SELECT last_error FROM {p.table} WHERE status = %s"
-            f" ORDER BY {p.key}{' DESC' if latest else ''} LIMIT %s) AS sample WHERE last_error IS NOT NULL"
+            f"SELECT last_error, COUNT(*) AS n FROM (SELECT last_error FROM {read.source} WHERE status = %s"
+            f" ORDER BY {read.order}{' DESC' if latest else ''} LIMIT %s) AS sample WHERE last_error IS NOT NULL"
             " GROUP BY last_error ORDER BY n DESC, last_error LIMIT %s",
             (status, ERROR_SAMPLE, ERRORS_READ),
         )

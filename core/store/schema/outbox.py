@@ -119,6 +119,9 @@ ADDED_COLUMNS: dict[str, dict[str, str]] = {
     "postgresql": {"worker_id": "VARCHAR(128) NULL DEFAULT NULL", "lock_until_ms": "BIGINT NOT NULL DEFAULT 0"},
     "sqlite": {"worker_id": "TEXT NULL DEFAULT NULL", "lock_until_ms": "INTEGER NOT NULL DEFAULT 0"},
 }
+#: room-service's (status, id) index's name template (the V1 DDL above): each status's rows in
+#: key order. A table may lack it; the reads of a status's rows then take the claim's index.
+STATUS_INDEX = "idx_{table}_status_id"
 #: The per-room index's name template: (room, status, key). Per-room ordering reads it for
 #: "which earlier rows of these rooms are still open".
 ROOM_INDEX = "idx_{table}_room"

@@ -1,0 +1,197 @@
+"""The operator's and the backlog timer's reads of some statuses' rows read those rows, never
+the published rows below them: the table's newest rows pending behind many published ones,
+with and without room-service's (status, id) index, as the database itself counts the rows
+each statement read (MariaDB's ANALYZE, PostgreSQL's EXPLAIN ANALYZE)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import psycopg
+import pytest
+from support import INSERT_V1
+
+from room_outbox.store.factory import open_store
+from room_outbox.store.lanes.catalog import im_lane_backlog
+from room_outbox.store.operator.changes import RequeueFilter, find_requeue_candidates
+from room_outbox.store.operator.reports import sample_backlog, status_report
+from room_outbox.store.protocol import SQLStore
+
+pytestmark = pytest.mark.anyio
+
+PUBLISHED, PENDING, FAILED = 4000, 60, 20
+
+
+#: The statements of each transaction a store ran, with their parameters.
+Transactions = list[list[tuple[str, Any]]]
+
+
+class Recording:
+    """A cursor that keeps the statements it runs."""
+
+    def __init__(self, cur: Any, statements: list[tuple[str, Any]]) -> None:
+        self._cur, self._statements = cur, statements
+
+    async def execute(self, sql: str, params: Any = None) -> Any:
+        self._statements.append((sql, params))
+        return await self._cur.execute(sql, params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cur, name)
+
+
+@asynccontextmanager
+async def recorded(store: SQLStore) -> AsyncIterator[Transactions]:
+    """The statements ``store`` runs inside the block, by transaction."""
+    transactions: Transactions = []
+    original = store.transaction
+
+    @asynccontextmanager
+    async def transaction(timeout: float | None = None) -> AsyncIterator[Any]:
+        transactions.append([])
+        async with original(timeout) as cur:
+            yield Recording(cur, transactions[-1])
+
+    store.transaction = transaction  # type: ignore[method-assign]
+    try:
+        yield transactions
+    finally:
+        del store.transaction
+
+
+@pytest.fixture(params=["mysql", "postgresql"])
+def server(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=[True, False], ids=["status-index", "claim-index-only"])
+async def table(server: str, request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
+    """PUBLISHED published rows, then PENDING pending and FAILED parked ones above them, with
+    errors; room-service's (status, id) index dropped for the second parameter."""
+    dsn = str(request.getfixturevalue("database_dsn" if server == "mysql" else "postgresql_dsn"))
+    if server == "postgresql":
+        await plan_as_for_a_large_table(dsn)
+    store = await open_store(dsn)
+    try:
+        await store.migrate()
+        async with store.transaction() as cur:
+            rows = [(f"p{i}", 1) for i in range(PUBLISHED)] + [(f"q{i}", 2) for i in range(PENDING + FAILED)]
+            await cur.executemany(
+                INSERT_V1,
+                [("default", e, "RoomUserJoined", f"r_{i % 50}", "{}", c, c) for i, (e, c) in enumerate(rows)],
+            )
+            await cur.execute("UPDATE room_outbox SET status = 'published' WHERE event_id LIKE 'p%%'")
+            await cur.execute(
+                "UPDATE room_outbox SET last_error = 'ErrorCode 10010: group gone' WHERE event_id LIKE 'q%%'"
+            )
+            failed = [f"q{i}" for i in range(FAILED)]
+            await cur.execute(
+                f"UPDATE room_outbox SET status = 'failed' WHERE event_id IN ({', '.join(['%s'] * FAILED)})", failed
+            )
+            if not request.param:
+                await cur.execute(
+                    "DROP INDEX idx_room_outbox_status_id" + (" ON room_outbox" if server == "mysql" else "")
+                )
+        async with store.transaction() as cur:
+            await cur.execute("ANALYZE TABLE room_outbox" if server == "mysql" else "ANALYZE room_outbox")
+            if server == "mysql":
+                await cur.fetchall()
+        yield store
+    finally:
+        await store.aclose()
+
+
+async def plan_as_for_a_large_table(dsn: str) -> None:
+    """The database's sessions plan as if reading the pending rows by their index cost more
+    than reading the whole table, as PostgreSQL may find on a large table (there, with parallel
+    workers): the read must stay on the index all the same."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        name = (await (await conn.execute("SELECT current_database()")).fetchone())[0]
+        await conn.execute(f'ALTER DATABASE "{name}" SET random_page_cost = 100')
+
+
+async def rows_read(store: SQLStore, transactions: Transactions) -> list[tuple[int, str]]:
+    """The rows of ``room_outbox`` the database read to run each of the SELECTs on it, by its
+    own count, each run again in its transaction after the statements before it."""
+    reads = []
+    for statements in transactions:
+        async with store.transaction() as cur:
+            for sql, params in statements:
+                if "room_outbox" not in sql or not sql.lstrip().upper().startswith("SELECT"):
+                    await cur.execute(sql, params)  # the catalogue, the session's settings
+                    if cur.description:
+                        await cur.fetchall()
+                elif store.dialect.name == "mysql":
+                    await cur.execute("ANALYZE FORMAT=JSON " + sql, params)
+                    reads.append((round(sum(_mariadb_reads(json.loads((await cur.fetchone())[0])))), sql))
+                else:
+                    await cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
+                    (plan,) = json.loads((await cur.fetchone())[0])
+                    reads.append((round(sum(_postgresql_reads(plan["Plan"]))), sql))
+    return reads
+
+
+def _mariadb_reads(node: Any) -> Iterator[float]:
+    """Each access to room_outbox's rows read (``r_rows`` per loop times its loops; a derived
+    table's rows are not read again from the table)."""
+    if isinstance(node, dict):
+        if node.get("table_name") == "room_outbox" and "r_rows" in node:
+            yield float(node["r_rows"] or 0) * float(node.get("r_loops") or 1)
+        for value in node.values():
+            yield from _mariadb_reads(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _mariadb_reads(value)
+
+
+def _postgresql_reads(node: dict[str, Any]) -> Iterator[float]:
+    """Each scan's rows read: those it returned and those its filters removed, times its loops
+    (a bitmap index scan's entries are counted by the heap scan above it)."""
+    if node.get("Relation Name") == "room_outbox":
+        removed = node.get("Rows Removed by Filter", 0) + node.get("Rows Removed by Index Recheck", 0)
+        yield float(node["Actual Rows"] + removed) * node["Actual Loops"]
+    for child in node.get("Plans", []):
+        yield from _postgresql_reads(child)
+
+
+async def assert_bounded(store: SQLStore, transactions: Transactions, bound: int) -> None:
+    reads = await rows_read(store, transactions)
+    assert reads
+    over = [f"{read} rows: {sql}" for read, sql in reads if read > bound]
+    assert not over, "\n".join(over)
+
+
+async def test_the_backlog_reads_the_pending_rows_only(table: SQLStore) -> None:
+    async with recorded(table) as statements:
+        backlog = await sample_backlog(table)
+        lane = await im_lane_backlog(table)
+    assert backlog.pending == lane.pending == PENDING
+    assert lane.oldest_created_ms == 2 and lane.parked == FAILED
+    await assert_bounded(table, statements, PENDING + FAILED)
+
+
+async def test_the_status_report_reads_the_rows_of_its_statuses_only(table: SQLStore) -> None:
+    async with recorded(table) as statements:
+        report = await status_report(table)
+    assert report.top_errors == [("ErrorCode 10010: group gone", PENDING)]
+    assert report.top_parked_errors == [("ErrorCode 10010: group gone", FAILED)]
+    await assert_bounded(table, statements, PENDING + FAILED)
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        RequeueFilter(error_contains="group gone"),
+        RequeueFilter(older_than_ms=0),
+        RequeueFilter(event_type="RoomUserJoined"),
+    ],
+    ids=["error", "age", "type"],
+)
+async def test_requeue_selects_among_the_rows_of_its_statuses_only(table: SQLStore, where: RequeueFilter) -> None:
+    async with recorded(table) as statements:
+        found = await find_requeue_candidates(table, where, limit=30)
+    assert [row["event_id"] for row in found] == [f"q{i}" for i in range(30)]  # the lowest keys, of both statuses
+    await assert_bounded(table, statements, PENDING + FAILED)
