@@ -18,6 +18,7 @@ import pytest
 from support import V1_DDL, envelope, insert_events, key_event_ids_per_app, statuses_by_app
 
 from room_outbox.cli.main import EXIT_CODES, build_parser, main
+from room_outbox.cli.migrate import script_lines
 from room_outbox.cli.output import format_relative, format_time
 from room_outbox.cli.registry import COMMANDS
 from room_outbox.cli.requeue import requeue_command
@@ -27,6 +28,7 @@ from room_outbox.store.dialect import table_names
 from room_outbox.store.factory import consumer_store, open_store
 from room_outbox.store.membership import bucket_of
 from room_outbox.store.operator.changes import RequeueFilter
+from room_outbox.store.schema.outbox import Migration
 from room_outbox.version import package_version
 
 pytestmark = pytest.mark.anyio
@@ -398,7 +400,7 @@ async def test_migrate_sql_on_postgresql_prints_the_bucket_function_and_index(
         f"CREATE INDEX CONCURRENTLY IF NOT EXISTS idx_room_outbox_claim ON room_outbox (status, lock_until_ms, id, ({bucket}))"
         in out
     )
-    assert "-- would create table room_consumer_retry\nCREATE TABLE IF NOT EXISTS room_consumer_retry" in out
+    assert "-- would create table room_consumer_retry\nBEGIN;\nCREATE TABLE IF NOT EXISTS room_consumer_retry" in out
     assert "-- would run 2 schema statement(s) for handler audit\n" in out
     assert "CREATE TABLE IF NOT EXISTS room_audit_log" in out and "CREATE TABLE IF NOT EXISTS room_activity" in out
     async with await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True) as conn:
@@ -474,3 +476,28 @@ def test_fake_im_on_a_busy_port_says_so_in_one_line(capsys: pytest.CaptureFixtur
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err == f"room-outbox fake-im: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+def test_migrate_sql_wraps_a_step_migrate_runs_as_one_transaction_in_one() -> None:
+    """PostgreSQL runs a step of several statements (a lane's hand-over to tailing: its parked
+    rows moved, its cursor set, its table dropped) as one transaction: the script wraps it in
+    one, so a DBA running it by hand gets all of it or none. Not a step of one statement, nor
+    one outside any transaction (CONCURRENTLY), nor a batch repeated, nor on MySQL/MariaDB,
+    whose schema changes each commit."""
+    hand_over = Migration("moved lane kafka's cursor back to 7", ("INSERT INTO p SELECT 1", "UPDATE c SET x = 7;"))
+    assert script_lines(hand_over, transactional_ddl=True) == [
+        "-- would apply: moved lane kafka's cursor back to 7",
+        "BEGIN;",
+        "INSERT INTO p SELECT 1;",
+        "UPDATE c SET x = 7;",
+        "COMMIT;",
+    ]
+    assert "BEGIN;" not in script_lines(hand_over, transactional_ddl=False)
+    for step in (
+        Migration(
+            "added index t.i", ("CREATE INDEX CONCURRENTLY i ON t (a)", "DROP INDEX CONCURRENTLY j"), autocommit=True
+        ),
+        Migration("set t.a to 0 where it was NULL", ("UPDATE t SET a = 0 WHERE a IS NULL LIMIT 10",), repeat=True),
+        Migration("created table t", ("CREATE TABLE t (a INT)",)),
+    ):
+        assert "BEGIN;" not in script_lines(step, transactional_ddl=True)

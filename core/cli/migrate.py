@@ -26,6 +26,7 @@ from room_outbox.store.backends.sqlite import SQLiteAddress
 from room_outbox.store.factory import describe, open_store, store_address
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema import registry
+from room_outbox.store.schema.outbox import Migration
 from room_outbox.store.schema.registry import WantedSchema
 
 T = TypeVar("T")
@@ -144,12 +145,22 @@ async def print_migration(settings: Settings, pm: pluggy.PluginManager, as_json:
     if any(step.autocommit for step in plan):
         print("-- run statement by statement, outside a transaction (psql's default): CONCURRENTLY refuses one")
     for step in plan:
-        print(f"\n-- {would(step.change)}")
-        if step.repeat:
-            print("-- (a batch: run it again, each time on its own, until it changes no row)")
-        for statement in step.statements:
-            print(statement.strip().rstrip(";") + ";")
+        print("\n" + "\n".join(script_lines(step, store.dialect.name == "postgresql")))
     return 0
+
+
+def script_lines(step: Migration, transactional_ddl: bool) -> list[str]:
+    """One step of ``migrate --sql``'s script. Where ``migrate`` runs a step of several
+    statements as one transaction (``transactional_ddl``: PostgreSQL, whose schema changes take
+    part in transactions; MySQL/MariaDB commit each one), the script wraps it in one too, so that
+    a DBA running it by hand gets all of it or none."""
+    lines = [f"-- {would(step.change)}"]
+    if step.repeat:
+        lines.append("-- (a batch: run it again, each time on its own, until it changes no row)")
+    statements = [statement.strip().rstrip(";") + ";" for statement in step.statements]
+    if transactional_ddl and not step.autocommit and not step.repeat and len(statements) > 1:
+        statements = ["BEGIN;", *statements, "COMMIT;"]
+    return lines + statements
 
 
 #: A step's change says what ``migrate`` did ("created table …"); the script says what it would do.
