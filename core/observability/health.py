@@ -106,6 +106,12 @@ class Health:
     #: unreadiness: every time compared between processes is the database's).
     clock: ClusterClock = field(default_factory=lambda: CLOCK)
 
+    @property
+    def schema_failing(self) -> bool:
+        """Whether the schema watch's last check found an index missing (the ``schema``
+        check of :meth:`readiness`)."""
+        return self._schema_problem is not None
+
     def lane(self, name: str) -> LaneHealth:
         """The record a lane's dispatcher reports to (created when first asked for)."""
         return self.lanes.setdefault(name, LaneHealth(name))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -153,6 +153,23 @@ class BacklogSamples:
 
     def _age(self, options: CallbackOptions) -> Iterable[Observation]:
         yield Observation(time.monotonic() - self._sampled_at)
+
+
+def export_schema_problems(meter: Meter, failing: Callable[[], bool]) -> None:
+    """The schema watch's finding (``failing``, read at each collection) as a gauge, 0 from
+    start-up: a missing index makes the process unready and logs one line, neither of which
+    pages anyone; an alert on the gauge does."""
+
+    def observe(options: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(1 if failing() else 0)
+
+    meter.create_observable_gauge(
+        "room_outbox.schema.problems",
+        callbacks=[observe],
+        unit="{problem}",
+        description="1 while the outbox table lacks an index room-outbox's statements need (the schema watch's"
+        " finding), else 0.",
+    )
 
 
 def _clock_offset(options: CallbackOptions) -> Iterable[Observation]:

@@ -20,7 +20,7 @@ import anyio
 from room_outbox.config import MAIN_LANE, ConfigError, LanePlan, Settings, parse_listen
 from room_outbox.observability.health import Health, check_error, stalled_after
 from room_outbox.observability.http_endpoint import HttpEndpoint
-from room_outbox.observability.metrics import BacklogSamples
+from room_outbox.observability.metrics import BacklogSamples, export_schema_problems
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.observability.systemd import notify_systemd
@@ -80,6 +80,7 @@ async def observability(settings: Settings, store: SQLStore, redactor: Redactor)
         ),
         unready_after_failed_rounds=options.unready_after_failed_rounds,
     )
+    export_schema_problems(telemetry.meter, lambda: health.schema_failing)
     obs = Observability(telemetry, health)
     error: BaseException | None = None
     try:

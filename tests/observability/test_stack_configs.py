@@ -285,6 +285,111 @@ def expected_alert(rule: dict[str, Any], **labels: str) -> dict[str, Any]:
     return {"exp_labels": {"severity": rule["labels"]["severity"], **labels}, "exp_annotations": annotations}
 
 
+def test_the_first_failure_for_good_of_a_label_set_never_exported_before_pages(tmp_path: Path) -> None:
+    """Unit tests of RoomOutboxDeliveryFailingForGood (promtool test rules), one-minute samples,
+    for a label set not exported at 0 beforehand (a tailing lane's bad envelope, counted as
+    ``event_type="other"``), whose first sample is 1: increase() alone never saw it. It pages
+    for 15 minutes when it appears in a process running for long, and when it appears again
+    in a process restarted since (same instance: increase() saw 1 then 1). A process running
+    since before Prometheus started, its counter above 0 from its first scrape, does not."""
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    target = 'job="room-outbox",instance="{}"'
+    failure = (
+        'room_outbox_publish_failure_total{{sink="kafka",error_class="bad_envelope",event_type="other",' + target + "}}"
+    )
+    zero = (
+        'room_outbox_publish_failure_total{{sink="kafka",error_class="permanent",event_type="RoomCreated",'
+        + target
+        + "}}"
+    )
+    up = "up{{" + target + "}}"
+    started = "process_start_time_seconds{{" + target + "}}"
+    bad_envelope = expected_alert(rules["RoomOutboxDeliveryFailingForGood"], sink="kafka", error_class="bad_envelope")
+
+    def at(minute: int, fires: bool) -> dict[str, Any]:
+        return {
+            "eval_time": f"{minute}m",
+            "alertname": "RoomOutboxDeliveryFailingForGood",
+            "exp_alerts": [bad_envelope] if fires else [],
+        }
+
+    tests = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {  # started at 0, scraped since; its first bad envelope at 20m
+                "interval": "1m",
+                "input_series": [
+                    {"series": up.format("a:9464"), "values": "1x50"},
+                    {"series": started.format("a:9464"), "values": "0x50"},
+                    {"series": zero.format("a:9464"), "values": "0x50"},
+                    {"series": failure.format("a:9464"), "values": "_x20 1x30"},
+                ],
+                "alert_rule_test": [at(19, False), at(20, True), at(30, True), at(34, True), at(36, False)],
+            },
+            {  # running for two hours when Prometheus starts, one bad envelope behind it;
+                # restarted at 11m (same instance), a bad envelope again at 15m
+                "interval": "1m",
+                "input_series": [
+                    {"series": up.format("b:9464"), "values": "1x9 0 1x40"},
+                    {"series": started.format("b:9464"), "values": "-7200x9 stale 660x40"},
+                    {"series": failure.format("b:9464"), "values": "1x9 stale _x4 1x35"},
+                ],
+                "alert_rule_test": [at(5, False), at(14, False), at(15, True), at(29, True), at(31, False)],
+            },
+        ],
+    }
+    path = tmp_path / "first-failure.test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    done = promtool("test", "rules", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_table_without_the_indexes_pages_and_lost_leases_name_their_process(tmp_path: Path) -> None:
+    """Unit tests (promtool test rules), one-minute samples. A process whose schema watch finds
+    the outbox table without room-outbox's indexes pages after a minute, naming itself, and no
+    more once they are built again; its neighbour, finding none missing, does not. Rows taken
+    over from a process warn, naming that process."""
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    problems = 'room_outbox_schema_problems{{job="room-outbox",instance="{}"}}'
+    taken = (
+        'room_outbox_lost_leases_total{{detected_at="result_write",cause="taken_over",job="room-outbox",instance="{}"}}'
+    )
+    tests = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {"series": problems.format("a:9464"), "values": "0x3 1x10 0x10"},
+                    {"series": problems.format("b:9464"), "values": "0x23"},
+                    {"series": taken.format("a:9464"), "values": "0x23"},
+                    {"series": taken.format("b:9464"), "values": "0 0 3x21"},
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "4m", "alertname": "RoomOutboxIndexesMissing", "exp_alerts": []},
+                    {
+                        "eval_time": "5m",
+                        "alertname": "RoomOutboxIndexesMissing",
+                        "exp_alerts": [expected_alert(rules["RoomOutboxIndexesMissing"], instance="a:9464")],
+                    },
+                    {"eval_time": "15m", "alertname": "RoomOutboxIndexesMissing", "exp_alerts": []},
+                    {
+                        "eval_time": "3m",
+                        "alertname": "RoomOutboxLostLeases",
+                        "exp_alerts": [expected_alert(rules["RoomOutboxLostLeases"], instance="b:9464")],
+                    },
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "indexes.test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    done = promtool("test", "rules", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_consumers_down_stuck_or_falling_behind_alert(tmp_path: Path) -> None:
     """Unit tests of the consumers' alerts (promtool test rules), one-minute samples. A consume
     process that stops answering pages. A partition whose lag stays above 0 without once going

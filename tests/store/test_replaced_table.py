@@ -368,8 +368,9 @@ async def test_a_running_process_notices_a_swap_without_the_indexes_until_migrat
     nor MariaDB one that forces no index (``claim_after`` 0, ordering ``none``): every claim
     read the whole table and ``/readyz`` stayed ready, with nothing in the log. The schema
     watch now says it (one ERROR line naming the indexes and the fix, ``/readyz`` unready with
-    the same words) until ``migrate`` builds them. Where the claim forces its index (MariaDB,
-    ``claim_after`` above 0) the rounds fail too, their own errors naming the fix."""
+    the same words, the gauge ``room_outbox_schema_problems`` an alert reads at 1: 0 before)
+    until ``migrate`` builds them. Where the claim forces its index (MariaDB, ``claim_after``
+    above 0) the rounds fail too, their own errors naming the fix."""
     dsn = request.getfixturevalue("database_dsn" if server == "mysql" else "postgresql_dsn")
     monkeypatch.setattr(health_module, "SCHEMA_CHECK_INTERVAL", 0.05)
     monkeypatch.setenv("ROOM_OUTBOX__OUTBOX_WORKER__CLAIM_AFTER", claim_after)  # above 0: the claim forces its index
@@ -408,7 +409,12 @@ async def test_a_running_process_notices_a_swap_without_the_indexes_until_migrat
             async def ready() -> bool:
                 return (await readiness()).get("ready") is True
 
+            async def schema_problems() -> str:
+                found = re.search(r"^room_outbox_schema_problems (\S+)$", (await http.get("/metrics")).text, re.M)
+                return found[1] if found else "(none)"
+
             await wait_until(ready, timeout=30)
+            assert await schema_problems() == "0.0"
             await swap(store, "like")
             await insert_events(store, [envelope("e1")])  # type: ignore[arg-type]
 
@@ -432,9 +438,11 @@ async def test_a_running_process_notices_a_swap_without_the_indexes_until_migrat
             else:
                 assert round_lines == []
             assert (await http.get("/readyz")).status_code == 503
+            assert await schema_problems() == "1.0"
             await store.migrate()
             await wait_until(ready)
             assert "schema" not in await readiness()
+            assert await schema_problems() == "0.0"
             stop.set()
     finally:
         await store.aclose()
