@@ -110,19 +110,22 @@ class RetryWorker:
                 self.router.choose_handlers(message)
             if message.rejected is not None or not message.handlers:
                 error = message.rejected or f"no handler of consumer {self.consumer} takes {message.event_type!r}"
-                if await self.store.retry_failed(row, row.attempts + 1, now_ms(), error, dead=True):
-                    await self.dead_letters.publish(
-                        [message.retry_row(self.consumer, NO_HANDLER, row.attempts + 1, error)]
-                    )
+                await self._dead(row, message.retry_row(self.consumer, NO_HANDLER, row.attempts + 1, error))
                 return
             await self.store.replace(row, [message.retry_row(self.consumer, h.name, 0, None) for h in message.handlers])
             return
         handler = self.router.handlers.get(row.handler)
         if handler is None or message.envelope is None:
             error = message.rejected or f"handler {row.handler!r} is not among consumer {self.consumer}'s handlers"
-            await self.store.retry_failed(row, row.attempts, now_ms(), error, dead=True)
+            await self._dead(row, message.retry_row(self.consumer, row.handler, row.attempts, error))
             return
         await self.handling.handle(message, handler, attempt=row.attempts + 1, retry=row)
+
+    async def _dead(self, row: RetryRow, dead: RetryRow) -> None:
+        """``row`` made a dead letter no handler can take (``dead``: as it is recorded): logged,
+        counted and copied like every dead letter, so the dead-letter alert sees it too."""
+        if await self.store.retry_failed(row, dead.attempts, now_ms(), dead.last_error or "", dead=True):
+            await self.dead_letters.announce([(dead, "rejected")])
 
 
 class RetryBacklogWatch:

@@ -37,6 +37,7 @@ from room_outbox.handler import (
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.consumers.protocol import RetryRow
 from room_outbox.store.consumers.sql import SQLConsumerStore
 from room_outbox.store.factory import open_store
 from room_outbox.store.protocol import SQLStore
@@ -423,6 +424,44 @@ async def test_the_retry_backlog_is_reported_as_status_counts_it(
     assert sum(r["rows"] for r in status if r["consumer"] == "feed") == 4
     assert await consumers_store.count_retrying("feed", 3) == 3
     assert await consumers_store.count_retrying("other", 3) == 0
+
+
+async def test_a_retry_left_by_a_handler_no_longer_configured_is_an_announced_dead_letter(
+    server_store: SQLStore, broker: ConsumerBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A retry row whose handler the consumer no longer has (taken out of its configuration
+    meanwhile) can never be handled: a dead letter, logged and counted as every dead letter is
+    (the dead-letter alert reads the count), not recorded silently."""
+    settings = ConsumerSettings(
+        bootstrap_servers=broker.bootstrap, handlers=["audit"], session_timeout=6, retry={"poll_interval": 0.05}
+    )
+    captured = capture()
+    consumers_store = SQLConsumerStore(server_store, settings.handler_timeout)
+    value = json.dumps(envelope("gone-1", "RoomUserJoined", "room_1", 1)).encode()
+    await consumers_store.schedule(
+        RetryRow(
+            consumer="feed", handler="gift_stats", app_code="app1", event_id="gone-1", event_type="RoomUserJoined",
+            room_key="app1:room_1", topic=TOPIC, partition=0, offset=0, value=value, headers={}, attempts=1,
+            due_at_ms=0, last_error="table room_gift_totals missing",
+        )
+    )  # fmt: skip
+    consumer = Consumer(
+        "feed", settings, consumers_store,
+        build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor()), "node-1", Redactor(),
+        captured.telemetry, lag_interval=0.2,
+    )  # fmt: skip
+
+    def counted() -> float:
+        points = captured.points("room_outbox.consumer.dead")
+        return sum(p.value for p in points if p.attributes["handler"] == "gift_stats")
+
+    with caplog.at_level(logging.ERROR, logger="room_outbox.consume"):
+        async with running(consumer):
+            await wait_until(lambda: counted() == 1, timeout=30)
+    (line,) = [r for r in caplog.records if r.getMessage() == "dead letter"]
+    assert line.__dict__["event_id"] == "gone-1" and "not among consumer feed's handlers" in line.__dict__["error"]
+    (point,) = [p for p in captured.points("room_outbox.consumer.dead") if p.attributes["handler"] == "gift_stats"]
+    assert point.attributes["reason"] == "rejected"
 
 
 async def _recorded(store: SQLStore, expected: int) -> bool:

@@ -345,6 +345,44 @@ def test_the_first_failure_for_good_of_a_label_set_never_exported_before_pages(t
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_a_dead_letter_of_a_label_set_never_exported_before_pages(tmp_path: Path) -> None:
+    """Unit test of RoomOutboxConsumerDeadLetters (promtool test rules), one-minute samples: a
+    retry row left by a handler no longer configured dies as a dead letter under that
+    handler's name, a label set not exported at 0 beforehand, whose first sample is 1:
+    increase() alone never saw it. It pages for 15 minutes."""
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    target = 'job="room-outbox-consume",instance="consume-1:9464"'
+    dead = 'room_outbox_consumer_dead_total{consumer="feed",handler="gone",reason="rejected",' + target + "}"
+    alert = expected_alert(rules["RoomOutboxConsumerDeadLetters"], consumer="feed", handler="gone", reason="rejected")
+
+    def at(minute: int, fires: bool) -> dict[str, Any]:
+        return {
+            "eval_time": f"{minute}m",
+            "alertname": "RoomOutboxConsumerDeadLetters",
+            "exp_alerts": [alert] if fires else [],
+        }
+
+    tests = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {"series": "up{" + target + "}", "values": "1x50"},
+                    {"series": "process_start_time_seconds{" + target + "}", "values": "0x50"},
+                    {"series": dead, "values": "_x20 1x30"},
+                ],
+                "alert_rule_test": [at(19, False), at(20, True), at(34, True), at(36, False)],
+            }
+        ],
+    }
+    path = tmp_path / "first-dead-letter.test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    done = promtool("test", "rules", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_a_table_without_the_indexes_pages_and_lost_leases_name_their_process(tmp_path: Path) -> None:
     """Unit tests (promtool test rules), one-minute samples. A process whose schema watch finds
     the outbox table without room-outbox's indexes pages after a minute, naming itself, and no
