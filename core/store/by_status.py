@@ -7,9 +7,10 @@ walking the primary key from the lowest id and stopping at the first ``n`` pendi
 meets: cheap by its estimates, which spread the pending rows evenly over the ids; in fact a
 read of every published row below the first pending one, millions of them when the pending
 rows are the newest. So these reads are kept on an index that starts with ``status``: named in
-the statement where the database takes a hint (MySQL/MariaDB: room-service's ``(status, id)``
-index, which holds each status's rows in key order, where the table has it, else the claim's,
-``migrate``'s, whose range of a status holds its rows too), and on PostgreSQL, which takes no
+the statement where the database takes a hint (MySQL/MariaDB's ``FORCE INDEX``, SQLite's
+``INDEXED BY``: room-service's ``(status, id)`` index, which holds each status's rows in key
+order, where the table has it, else the claim's, ``migrate``'s, whose range of a status holds
+its rows too), and on PostgreSQL, which takes no
 hint, by ordering on an expression of the key that no index holds, with whole-table scans off
 for the transaction (a table scan, the planner's choice once the statuses' rows look many, reads
 every published row too): the planner then reads the statuses' rows by their index and sorts
@@ -46,11 +47,11 @@ async def status_read(cur: Any, store: SQLStore) -> StatusRead:
     if store.dialect.status_read_setup:
         await cur.execute(store.dialect.status_read_setup)
     hint = ""
-    if store.dialect.index_hint:
+    if store.dialect.status_index_hint:
         indexes = await index_names(cur, store.dialect, p.table)
         for index in (STATUS_INDEX.format(table=p.table), claim_index(p.table)[0]):
             if index.lower() in indexes:
-                hint = store.dialect.index_hint.format(index=index)
+                hint = store.dialect.status_index_hint.format(index=index)
                 break
     return StatusRead(f"{p.table}{hint}", store.dialect.status_order.format(key=p.key))
 

@@ -34,6 +34,10 @@ class Dialect:
     #: limited to room buckets (its statistics sometimes lead the optimizer to read the
     #: claim's index range without checking the bucket in the index entries).
     index_hint: str
+    #: Appended to the outbox table's name in a read of some statuses' rows: the hint that keeps
+    #: it on an index starting with ``status`` (``{index}``); "": the dialect takes none. See
+    #: room_outbox.store.by_status.
+    status_index_hint: str
     #: ORDER BY's expression for a read of some statuses' rows in key order (``{key}``), where
     #: the dialect takes no index hint: see room_outbox.store.by_status.
     status_order: str
@@ -123,6 +127,7 @@ MYSQL = Dialect(
     row_lock=" FOR UPDATE SKIP LOCKED",
     primary_hint=" FORCE INDEX (PRIMARY)",
     index_hint=" FORCE INDEX ({index})",
+    status_index_hint=" FORCE INDEX ({index})",
     status_order="{key}",
     status_read_setup="",
     table_options=" ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",
@@ -155,6 +160,7 @@ POSTGRESQL = Dialect(
     index_hint="",
     # An order no index holds, and no whole-table scan: the planner has the status indexes'
     # ranges left, never the primary key's walk nor a scan of every published row.
+    status_index_hint="",
     status_order="{key} + 0",
     status_read_setup="SET LOCAL enable_seqscan = off",
     table_options="",
@@ -181,6 +187,8 @@ SQLITE = Dialect(
     row_lock="",
     primary_hint="",
     index_hint="",
+    # SQLite's planner, once ANALYZE has counted few statuses, scans the table instead.
+    status_index_hint=" INDEXED BY {index}",
     status_order="{key}",
     status_read_setup="",
     table_options="",
