@@ -709,15 +709,39 @@ async def test_the_group_waits_for_a_batch_as_long_as_its_own_deadlines_allow() 
     from aiokafka import AIOKafkaConsumer
 
     from room_outbox.consume.dead_letters import DLQ_SEND_TIMEOUT
-    from room_outbox.consume.engine import COMMIT_TIMEOUT, rebalance_timeout
+    from room_outbox.consume.engine import COMMIT_TIMEOUT, rebalance_timeout_ms
 
     assert AIOKafkaConsumer(session_timeout_ms=10_000)._rebalance_timeout_ms == 10_000  # the suspected default
     settings = ConsumerSettings(handlers=["audit"], handler_timeout=10, max_batch=500, session_timeout=10)
     chunk = settings.handler_timeout * (settings.max_batch + 1)  # _settle_chunk's own deadline
     longest = settings.handler_timeout + 2 * chunk + DLQ_SEND_TIMEOUT + COMMIT_TIMEOUT
-    assert rebalance_timeout(settings, batch_handlers=1) >= longest
+    assert rebalance_timeout_ms(settings, batch_handlers=1) >= longest * 1000
     short = ConsumerSettings(handlers=["audit"], handler_timeout=0.1, max_batch=1, session_timeout=30)
-    assert rebalance_timeout(short, batch_handlers=0) == 30  # never below the session timeout
+    assert rebalance_timeout_ms(short, batch_handlers=0) == 30_000  # never below the session timeout
+
+
+def test_the_groups_timeouts_stay_within_what_kafka_can_carry() -> None:
+    """JoinGroup carries the session and rebalance timeouts as signed 32-bit counts of
+    milliseconds: a long handler_timeout (40 minutes with the default max_batch) made the
+    rebalance timeout larger, the request could not be encoded and the member never joined.
+    The rebalance timeout is capped there, for the largest settings allowed too; a session
+    timeout past it is refused, naming the key."""
+    from aiokafka.protocol.group import JoinGroupRequest, JoinGroupRequest_v1
+
+    from room_outbox.consume.engine import rebalance_timeout_ms
+    from room_outbox.consume.settings import MAX_GROUP_TIMEOUT_MS
+
+    assert MAX_GROUP_TIMEOUT_MS == 2**31 - 1
+    largest = ConsumerSettings(handlers=["audit"], handler_timeout=10 * 365 * 86400, max_batch=100_000,
+                               session_timeout=MAX_GROUP_TIMEOUT_MS / 1000)  # fmt: skip
+    for settings in (largest, ConsumerSettings(handlers=["audit"], handler_timeout="40m")):
+        bound = rebalance_timeout_ms(settings, batch_handlers=2)
+        assert bound == MAX_GROUP_TIMEOUT_MS
+        session = int(settings.session_timeout * 1000)  # as the consumer sends it
+        request = JoinGroupRequest("room-outbox.feed", session, bound, "", "", "consumer", [])
+        request.build(JoinGroupRequest_v1).encode()  # failed: "'i' format requires -2147483648 <= number ..."
+    with pytest.raises(ConfigError, match=r"consumers\.feed\.session_timeout: .*at most 2147483\.647s"):
+        consumer_settings(Settings(consumers={"feed": {"handlers": ["audit"], "session_timeout": "25d"}}))
 
 
 async def test_a_member_may_go_without_a_fetch_for_as_long_as_a_batch_may_take(
@@ -728,13 +752,13 @@ async def test_a_member_may_go_without_a_fetch_for_as_long_as_a_batch_may_take(
     callback: another member would take the partitions and handle the batch's messages while
     this one still does. A member joins with that interval set to the batch's bound (here
     above 300 s), the same as the group's rebalance timeout."""
-    from room_outbox.consume.engine import rebalance_timeout
+    from room_outbox.consume.engine import rebalance_timeout_ms
 
     settings = ConsumerSettings(
         bootstrap_servers=broker.bootstrap, handlers=["audit"], handler_timeout=60, max_batch=10, session_timeout=6
     )
-    bound = rebalance_timeout(settings, batch_handlers=1)  # audit takes batches
-    assert bound > 300
+    bound = rebalance_timeout_ms(settings, batch_handlers=1)  # audit takes batches
+    assert bound > 300_000
     consumer = Consumer(
         "feed", settings, SQLConsumerStore(migrated, settings.handler_timeout),
         build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor()), "node-1", Redactor(),
@@ -743,8 +767,26 @@ async def test_a_member_may_go_without_a_fetch_for_as_long_as_a_batch_may_take(
     async with running(consumer):
         await wait_until(lambda: consumer._kafka is not None, timeout=30)
         coordinator = consumer._kafka._coordinator  # type: ignore[union-attr]
-        assert coordinator._max_poll_interval == bound
-        assert coordinator._rebalance_timeout_ms == int(bound * 1000)
+        assert coordinator._max_poll_interval == bound / 1000
+        assert coordinator._rebalance_timeout_ms == bound
+
+
+async def test_a_member_with_a_long_handler_timeout_joins_its_group(
+    migrated: MySQLStore, broker: ConsumerBroker
+) -> None:
+    """handler_timeout 40 minutes with the default max_batch: the group's wait for a batch
+    is past what Kafka can carry, and is capped there. The member joins and is given the
+    topic's partitions (before: "broker unavailable; trying again", for ever)."""
+    settings = ConsumerSettings(bootstrap_servers=broker.bootstrap, handlers=["audit"], handler_timeout="40m",
+                                session_timeout=6)  # fmt: skip
+    consumer = Consumer(
+        "feed", settings, SQLConsumerStore(migrated, settings.handler_timeout),
+        build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor()), "node-1", Redactor(),
+        capture().telemetry,
+    )  # fmt: skip
+    with anyio.fail_after(45):
+        async with running(consumer):  # returns once the member has joined
+            await wait_until(lambda: consumer.assigned_partitions() == 3, timeout=30)
 
 
 async def test_a_committed_offset_past_the_partitions_end_is_reported_and_the_partition_read_again(
