@@ -208,18 +208,26 @@ class Consumer:
                 with anyio.fail_after(JOIN_TIMEOUT):
                     await self._on_broker(kafka.start)
             except (KafkaError, TimeoutError, OSError, Abandoned) as exc:
+                rebalancing = isinstance(exc, TimeoutError) and _coordinator_found(kafka)
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(Abandoned):
                     await self._on_broker(kafka.stop)
                 if self._stop.is_set():
                     break
-                log.warning(
-                    "broker unavailable; trying again",
-                    extra={
-                        "consumer": self.name,
-                        "bootstrap_servers": s.bootstrap_servers,
-                        "error": error_text(self.redactor, describe(exc)),
-                    },
-                )
+                if rebalancing:
+                    log.warning(
+                        "group rebalance did not complete (the broker answers; a member may be settling a long"
+                        " batch, up to handler_timeout per message); trying again",
+                        extra={"consumer": self.name, "group": s.group(self.name), "waited": JOIN_TIMEOUT},
+                    )
+                else:
+                    log.warning(
+                        "broker unavailable; trying again",
+                        extra={
+                            "consumer": self.name,
+                            "bootstrap_servers": s.bootstrap_servers,
+                            "error": error_text(self.redactor, describe(exc)),
+                        },
+                    )
                 with anyio.move_on_after(JOIN_RETRY_PAUSE):
                     await self._stop.wait()
                 continue
@@ -490,6 +498,15 @@ def rebalance_timeout_ms(settings: ConsumerSettings, batch_handlers: int) -> int
     messages = batch_handlers + 2 * (settings.max_batch + 1)
     batch = settings.handler_timeout * messages + DLQ_SEND_TIMEOUT + COMMIT_TIMEOUT
     return min(MAX_GROUP_TIMEOUT_MS, math.ceil(max(settings.session_timeout, batch) * 1000))
+
+
+def _coordinator_found(kafka: AIOKafkaConsumer) -> bool:
+    """Whether the client got as far as the group's coordinator: the broker answered its
+    metadata and coordinator requests, and only the join itself was left. A join waits for
+    the rebalance to complete, which waits for every member to rejoin, and a member rejoins
+    only once its batch is settled (:class:`_SettleBeforeRevoke`)."""
+    coordinator = kafka._coordinator  # made by start() once the metadata is read
+    return coordinator is not None and coordinator.coordinator_id is not None
 
 
 class _SettleBeforeRevoke(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -333,6 +333,81 @@ async def test_the_lag_grows_while_a_handler_is_stuck(migrated: MySQLStore, brok
         await wait_until(lambda: len(_lags(captured)) == 3 and not any(_lags(captured).values()), timeout=30)
 
 
+def _joining(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the consume log said of joins that did not complete."""
+    said = ("broker unavailable", "group rebalance did not complete")
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(said)]
+
+
+async def test_a_join_held_by_a_members_batch_says_so_not_that_the_broker_is_unavailable(
+    migrated: MySQLStore, broker: ConsumerBroker, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member's handler hangs; a second member starting meanwhile cannot join: the broker
+    answers, and the rebalance its join started waits for the first member, whose batch holds
+    its partitions (up to handler_timeout per message). The log says the rebalance did not
+    complete (before: "broker unavailable; trying again", error=TimeoutError)."""
+    from room_outbox.consume import engine
+
+    plugin = StuckPlugin()
+    settings = ConsumerSettings(
+        bootstrap_servers=broker.bootstrap, handlers=["stuck"], session_timeout=6, handler_timeout=60
+    )
+    pm = make_plugin_manager(extra_plugins=[plugin])
+
+    def member(node: str) -> Consumer:
+        handlers = build_handlers(pm, "feed", settings, node, Redactor())
+        store = SQLConsumerStore(migrated, settings.handler_timeout)
+        return Consumer("feed", settings, store, handlers, node, Redactor(), capture().telemetry)
+
+    first, second = member("node-1"), member("node-2")
+    with caplog.at_level(logging.WARNING, logger="room_outbox.consume"), anyio.fail_after(90):
+        async with running(first), anyio.create_task_group() as tasks:
+            try:
+                await send(broker.bootstrap, [envelope("held", "RoomUserJoined", "room_1", 1)])
+                await plugin.entered.wait()
+                # One attempt to join, for the second member: longer than a join takes (the
+                # broker holds the first rebalance of a group for 3 s), far shorter than the batch.
+                monkeypatch.setattr(engine, "JOIN_TIMEOUT", 8.0)
+                tasks.start_soon(second.run)
+                await wait_until(lambda: _joining(caplog), timeout=30)
+            finally:
+                second.stop()
+                plugin.released.set()  # else the first member's stop waits for the handling's timeout
+    said = _joining(caplog)
+    assert said[0].startswith("group rebalance did not complete (the broker answers; a member may be"), said
+    assert not [line for line in said if line.startswith("broker unavailable")], said
+
+
+async def test_a_join_the_broker_does_not_answer_says_the_broker_is_unavailable(
+    migrated: MySQLStore, broker: ConsumerBroker, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other side of the test above: a broker that accepts connections and answers
+    nothing (a partition) times the join out before any metadata came: the broker is
+    unavailable."""
+    from room_outbox.consume import engine
+
+    monkeypatch.setattr(engine, "JOIN_TIMEOUT", 3.0)
+    host, port = broker.bootstrap.rsplit(":", 1)
+    async with TcpProxy(host, int(port)) as proxy:
+        proxy.partition()
+        settings = ConsumerSettings(bootstrap_servers=f"127.0.0.1:{proxy.port}", handlers=["audit"], session_timeout=6)
+        consumer = Consumer(
+            "feed", settings, SQLConsumerStore(migrated, settings.handler_timeout),
+            build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor()), "node-1", Redactor(),
+            capture().telemetry,
+        )  # fmt: skip
+        with caplog.at_level(logging.WARNING, logger="room_outbox.consume"), anyio.fail_after(60):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(consumer.run)
+                try:
+                    await wait_until(lambda: _joining(caplog), timeout=30)
+                finally:
+                    consumer.stop()
+    said = [r for r in caplog.records if r.getMessage() in _joining(caplog)]
+    assert said[0].getMessage() == "broker unavailable; trying again", _joining(caplog)
+    assert said[0].error == "TimeoutError"  # type: ignore[attr-defined]
+
+
 def _gauge(captured: Any, metric: str, consumer: str = "feed") -> float | None:
     """A gauge's value for the consumer; None while it has no series."""
     points = [p for p in captured.points(metric) if p.attributes["consumer"] == consumer]
