@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -50,7 +51,7 @@ from room_outbox.consume.messages import Fetched, Message, Router
 from room_outbox.consume.offsets import LagWatch, high_watermarks
 from room_outbox.consume.registry import BoundHandler
 from room_outbox.consume.retries import RetryBacklogWatch, RetryWorker
-from room_outbox.consume.settings import ConsumerSettings
+from room_outbox.consume.settings import MAX_GROUP_TIMEOUT_MS, ConsumerSettings
 from room_outbox.handler import BatchHandler
 from room_outbox.observability.metrics import ConsumerMetrics
 from room_outbox.observability.redaction import Redactor
@@ -187,7 +188,7 @@ class Consumer:
         # a batch settles: past max_poll_interval_ms (aiokafka's default, 300 s) the client
         # would leave the group without the revocation callback, and another member would
         # handle the batch's messages while this one still does.
-        batch_bound_ms = int(rebalance_timeout(s, len(self._batch_handlers)) * 1000)
+        batch_bound_ms = rebalance_timeout_ms(s, len(self._batch_handlers))
         while not self._stop.is_set():
             kafka = AIOKafkaConsumer(
                 bootstrap_servers=s.bootstrap_servers,
@@ -207,18 +208,26 @@ class Consumer:
                 with anyio.fail_after(JOIN_TIMEOUT):
                     await self._on_broker(kafka.start)
             except (KafkaError, TimeoutError, OSError, Abandoned) as exc:
+                rebalancing = isinstance(exc, TimeoutError) and _coordinator_found(kafka)
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(Abandoned):
                     await self._on_broker(kafka.stop)
                 if self._stop.is_set():
                     break
-                log.warning(
-                    "broker unavailable; trying again",
-                    extra={
-                        "consumer": self.name,
-                        "bootstrap_servers": s.bootstrap_servers,
-                        "error": error_text(self.redactor, describe(exc)),
-                    },
-                )
+                if rebalancing:
+                    log.warning(
+                        "group rebalance did not complete (the broker answers; a member may be settling a long"
+                        " batch, up to handler_timeout per message); trying again",
+                        extra={"consumer": self.name, "group": s.group(self.name), "waited": JOIN_TIMEOUT},
+                    )
+                else:
+                    log.warning(
+                        "broker unavailable; trying again",
+                        extra={
+                            "consumer": self.name,
+                            "bootstrap_servers": s.bootstrap_servers,
+                            "error": error_text(self.redactor, describe(exc)),
+                        },
+                    )
                 with anyio.move_on_after(JOIN_RETRY_PAUSE):
                     await self._stop.wait()
                 continue
@@ -474,17 +483,30 @@ class _Stopping(Exception):
     """The consumer stopped while settling a batch, leaving some of it unsettled."""
 
 
-def rebalance_timeout(settings: ConsumerSettings, batch_handlers: int) -> float:
-    """How long the group waits for this member to rejoin in a rebalance. A member gives up
-    its partitions only once its batch is settled (:class:`_SettleBeforeRevoke`), so the wait
-    must outlast the longest batch its own deadlines allow: each batch handler's call, every
-    message twice (in its chunk's transaction, then alone if that one failed), the
-    dead-letter copies and the commit. Shorter (aiokafka's default is ``session_timeout``),
-    a slow batch would lose its partitions mid-way and its messages be handled again. It is
-    the client's ``max_poll_interval_ms`` too: no fetch is made while a batch settles."""
+def rebalance_timeout_ms(settings: ConsumerSettings, batch_handlers: int) -> int:
+    """How long the group waits for this member to rejoin in a rebalance, in milliseconds. A
+    member gives up its partitions only once its batch is settled (:class:`_SettleBeforeRevoke`),
+    so the wait must outlast the longest batch its own deadlines allow: each batch handler's
+    call, every message twice (in its chunk's transaction, then alone if that one failed), the
+    dead-letter copies and the commit. Shorter (aiokafka's default is ``session_timeout``), a
+    slow batch would lose its partitions mid-way and its messages be handled again. It is the
+    client's ``max_poll_interval_ms`` too: no fetch is made while a batch settles.
+
+    Capped at what the protocol can carry rather than refused: only a batch whose handlings
+    nearly all time out, twice, would take longer, and a long ``handler_timeout`` is a setting
+    people need."""
     messages = batch_handlers + 2 * (settings.max_batch + 1)
     batch = settings.handler_timeout * messages + DLQ_SEND_TIMEOUT + COMMIT_TIMEOUT
-    return max(settings.session_timeout, batch)
+    return min(MAX_GROUP_TIMEOUT_MS, math.ceil(max(settings.session_timeout, batch) * 1000))
+
+
+def _coordinator_found(kafka: AIOKafkaConsumer) -> bool:
+    """Whether the client got as far as the group's coordinator: the broker answered its
+    metadata and coordinator requests, and only the join itself was left. A join waits for
+    the rebalance to complete, which waits for every member to rejoin, and a member rejoins
+    only once its batch is settled (:class:`_SettleBeforeRevoke`)."""
+    coordinator = kafka._coordinator  # made by start() once the metadata is read
+    return coordinator is not None and coordinator.coordinator_id is not None
 
 
 class _SettleBeforeRevoke(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -36,6 +36,11 @@ class ConsumerRetrySettings(Section):
         return value
 
 
+#: Kafka's protocol carries a group's timeouts (session, rebalance) as signed 32-bit counts of
+#: milliseconds, about 24.8 days: a larger one cannot be sent, and the member never joins.
+MAX_GROUP_TIMEOUT_MS = 2**31 - 1
+
+
 class ConsumerSettings(Section):
     enabled: bool = True
     bootstrap_servers: str = "127.0.0.1:9092"
@@ -54,6 +59,9 @@ class ConsumerSettings(Section):
     #: Messages fetched per round; the round's offsets are committed once all are settled.
     max_batch: int = Field(default=500, ge=1, le=100_000)
     #: One handling (database transaction included) may take this long; then it is a failure.
+    #: In a rebalance the group waits for a member's batch as long as its deadlines allow, this
+    #: times about 2 × ``max_batch``, up to Kafka's limit of about 24.8 days (2^31 - 1 ms): a
+    #: longer wait is capped there, the setting is not refused.
     handler_timeout: Duration = 10.0
     #: ``per_room``: a room's later events wait behind its event in retry (the room's order
     #: holds). ``none``: they go ahead.
@@ -63,7 +71,8 @@ class ConsumerSettings(Section):
     #: topic (default ``<topic>.dlq``), the error in its headers. ``false``: no copy.
     dead_letter_topic: str | bool = True
     #: Kafka's group session timeout: a member silent this long (killed, stopped) loses its
-    #: partitions to the others.
+    #: partitions to the others. At most about 24.8 days (2^31 - 1 ms, Kafka's limit); brokers
+    #: refuse more than their ``group.max.session.timeout.ms`` (Kafka's default: 30 minutes).
     session_timeout: Duration = 10.0
     #: The client id the group's members give the broker (`consumers describe` lists it per member).
     client_id: str = "room-outbox-consumer"
@@ -79,6 +88,13 @@ class ConsumerSettings(Section):
     def _positive(cls, value: float) -> float:
         if value <= 0:
             raise ValueError("must be a positive duration")
+        return value
+
+    @field_validator("session_timeout")
+    @classmethod
+    def _sendable(cls, value: float) -> float:
+        if value * 1000 > MAX_GROUP_TIMEOUT_MS:
+            raise ValueError(f"must be at most {MAX_GROUP_TIMEOUT_MS / 1000}s, about 24 days (Kafka's limit)")
         return value
 
     def group(self, name: str) -> str:

@@ -334,6 +334,81 @@ async def test_the_lag_grows_while_a_handler_is_stuck(migrated: MySQLStore, brok
         await wait_until(lambda: len(_lags(captured)) == 3 and not any(_lags(captured).values()), timeout=30)
 
 
+def _joining(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the consume log said of joins that did not complete."""
+    said = ("broker unavailable", "group rebalance did not complete")
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(said)]
+
+
+async def test_a_join_held_by_a_members_batch_says_so_not_that_the_broker_is_unavailable(
+    migrated: MySQLStore, broker: ConsumerBroker, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member's handler hangs; a second member starting meanwhile cannot join: the broker
+    answers, and the rebalance its join started waits for the first member, whose batch holds
+    its partitions (up to handler_timeout per message). The log says the rebalance did not
+    complete (before: "broker unavailable; trying again", error=TimeoutError)."""
+    from room_outbox.consume import engine
+
+    plugin = StuckPlugin()
+    settings = ConsumerSettings(
+        bootstrap_servers=broker.bootstrap, handlers=["stuck"], session_timeout=6, handler_timeout=60
+    )
+    pm = make_plugin_manager(extra_plugins=[plugin])
+
+    def member(node: str) -> Consumer:
+        handlers = build_handlers(pm, "feed", settings, node, Redactor())
+        store = SQLConsumerStore(migrated, settings.handler_timeout)
+        return Consumer("feed", settings, store, handlers, node, Redactor(), capture().telemetry)
+
+    first, second = member("node-1"), member("node-2")
+    with caplog.at_level(logging.WARNING, logger="room_outbox.consume"), anyio.fail_after(90):
+        async with running(first), anyio.create_task_group() as tasks:
+            try:
+                await send(broker.bootstrap, [envelope("held", "RoomUserJoined", "room_1", 1)])
+                await plugin.entered.wait()
+                # One attempt to join, for the second member: longer than a join takes (the
+                # broker holds the first rebalance of a group for 3 s), far shorter than the batch.
+                monkeypatch.setattr(engine, "JOIN_TIMEOUT", 8.0)
+                tasks.start_soon(second.run)
+                await wait_until(lambda: _joining(caplog), timeout=30)
+            finally:
+                second.stop()
+                plugin.released.set()  # else the first member's stop waits for the handling's timeout
+    said = _joining(caplog)
+    assert said[0].startswith("group rebalance did not complete (the broker answers; a member may be"), said
+    assert not [line for line in said if line.startswith("broker unavailable")], said
+
+
+async def test_a_join_the_broker_does_not_answer_says_the_broker_is_unavailable(
+    migrated: MySQLStore, broker: ConsumerBroker, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other side of the test above: a broker that accepts connections and answers
+    nothing (a partition) times the join out before any metadata came: the broker is
+    unavailable."""
+    from room_outbox.consume import engine
+
+    monkeypatch.setattr(engine, "JOIN_TIMEOUT", 3.0)
+    host, port = broker.bootstrap.rsplit(":", 1)
+    async with TcpProxy(host, int(port)) as proxy:
+        proxy.partition()
+        settings = ConsumerSettings(bootstrap_servers=f"127.0.0.1:{proxy.port}", handlers=["audit"], session_timeout=6)
+        consumer = Consumer(
+            "feed", settings, SQLConsumerStore(migrated, settings.handler_timeout),
+            build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor()), "node-1", Redactor(),
+            capture().telemetry,
+        )  # fmt: skip
+        with caplog.at_level(logging.WARNING, logger="room_outbox.consume"), anyio.fail_after(60):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(consumer.run)
+                try:
+                    await wait_until(lambda: _joining(caplog), timeout=30)
+                finally:
+                    consumer.stop()
+    said = [r for r in caplog.records if r.getMessage() in _joining(caplog)]
+    assert said[0].getMessage() == "broker unavailable; trying again", _joining(caplog)
+    assert said[0].error == "TimeoutError"  # type: ignore[attr-defined]
+
+
 def _gauge(captured: Any, metric: str, consumer: str = "feed") -> float | None:
     """A gauge's value for the consumer; None while it has no series."""
     points = [p for p in captured.points(metric) if p.attributes["consumer"] == consumer]
@@ -748,15 +823,39 @@ async def test_the_group_waits_for_a_batch_as_long_as_its_own_deadlines_allow() 
     from aiokafka import AIOKafkaConsumer
 
     from room_outbox.consume.dead_letters import DLQ_SEND_TIMEOUT
-    from room_outbox.consume.engine import COMMIT_TIMEOUT, rebalance_timeout
+    from room_outbox.consume.engine import COMMIT_TIMEOUT, rebalance_timeout_ms
 
     assert AIOKafkaConsumer(session_timeout_ms=10_000)._rebalance_timeout_ms == 10_000  # the suspected default
     settings = ConsumerSettings(handlers=["audit"], handler_timeout=10, max_batch=500, session_timeout=10)
     chunk = settings.handler_timeout * (settings.max_batch + 1)  # _settle_chunk's own deadline
     longest = settings.handler_timeout + 2 * chunk + DLQ_SEND_TIMEOUT + COMMIT_TIMEOUT
-    assert rebalance_timeout(settings, batch_handlers=1) >= longest
+    assert rebalance_timeout_ms(settings, batch_handlers=1) >= longest * 1000
     short = ConsumerSettings(handlers=["audit"], handler_timeout=0.1, max_batch=1, session_timeout=30)
-    assert rebalance_timeout(short, batch_handlers=0) == 30  # never below the session timeout
+    assert rebalance_timeout_ms(short, batch_handlers=0) == 30_000  # never below the session timeout
+
+
+def test_the_groups_timeouts_stay_within_what_kafka_can_carry() -> None:
+    """JoinGroup carries the session and rebalance timeouts as signed 32-bit counts of
+    milliseconds: a long handler_timeout (40 minutes with the default max_batch) made the
+    rebalance timeout larger, the request could not be encoded and the member never joined.
+    The rebalance timeout is capped there, for the largest settings allowed too; a session
+    timeout past it is refused, naming the key."""
+    from aiokafka.protocol.group import JoinGroupRequest, JoinGroupRequest_v1
+
+    from room_outbox.consume.engine import rebalance_timeout_ms
+    from room_outbox.consume.settings import MAX_GROUP_TIMEOUT_MS
+
+    assert MAX_GROUP_TIMEOUT_MS == 2**31 - 1
+    largest = ConsumerSettings(handlers=["audit"], handler_timeout=10 * 365 * 86400, max_batch=100_000,
+                               session_timeout=MAX_GROUP_TIMEOUT_MS / 1000)  # fmt: skip
+    for settings in (largest, ConsumerSettings(handlers=["audit"], handler_timeout="40m")):
+        bound = rebalance_timeout_ms(settings, batch_handlers=2)
+        assert bound == MAX_GROUP_TIMEOUT_MS
+        session = int(settings.session_timeout * 1000)  # as the consumer sends it
+        request = JoinGroupRequest("room-outbox.feed", session, bound, "", "", "consumer", [])
+        request.build(JoinGroupRequest_v1).encode()  # failed: "'i' format requires -2147483648 <= number ..."
+    with pytest.raises(ConfigError, match=r"consumers\.feed\.session_timeout: .*at most 2147483\.647s"):
+        consumer_settings(Settings(consumers={"feed": {"handlers": ["audit"], "session_timeout": "25d"}}))
 
 
 async def test_a_member_may_go_without_a_fetch_for_as_long_as_a_batch_may_take(
@@ -767,13 +866,13 @@ async def test_a_member_may_go_without_a_fetch_for_as_long_as_a_batch_may_take(
     callback: another member would take the partitions and handle the batch's messages while
     this one still does. A member joins with that interval set to the batch's bound (here
     above 300 s), the same as the group's rebalance timeout."""
-    from room_outbox.consume.engine import rebalance_timeout
+    from room_outbox.consume.engine import rebalance_timeout_ms
 
     settings = ConsumerSettings(
         bootstrap_servers=broker.bootstrap, handlers=["audit"], handler_timeout=60, max_batch=10, session_timeout=6
     )
-    bound = rebalance_timeout(settings, batch_handlers=1)  # audit takes batches
-    assert bound > 300
+    bound = rebalance_timeout_ms(settings, batch_handlers=1)  # audit takes batches
+    assert bound > 300_000
     consumer = Consumer(
         "feed", settings, SQLConsumerStore(migrated, settings.handler_timeout),
         build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor()), "node-1", Redactor(),
@@ -782,8 +881,26 @@ async def test_a_member_may_go_without_a_fetch_for_as_long_as_a_batch_may_take(
     async with running(consumer):
         await wait_until(lambda: consumer._kafka is not None, timeout=30)
         coordinator = consumer._kafka._coordinator  # type: ignore[union-attr]
-        assert coordinator._max_poll_interval == bound
-        assert coordinator._rebalance_timeout_ms == int(bound * 1000)
+        assert coordinator._max_poll_interval == bound / 1000
+        assert coordinator._rebalance_timeout_ms == bound
+
+
+async def test_a_member_with_a_long_handler_timeout_joins_its_group(
+    migrated: MySQLStore, broker: ConsumerBroker
+) -> None:
+    """handler_timeout 40 minutes with the default max_batch: the group's wait for a batch
+    is past what Kafka can carry, and is capped there. The member joins and is given the
+    topic's partitions (before: "broker unavailable; trying again", for ever)."""
+    settings = ConsumerSettings(bootstrap_servers=broker.bootstrap, handlers=["audit"], handler_timeout="40m",
+                                session_timeout=6)  # fmt: skip
+    consumer = Consumer(
+        "feed", settings, SQLConsumerStore(migrated, settings.handler_timeout),
+        build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor()), "node-1", Redactor(),
+        capture().telemetry,
+    )  # fmt: skip
+    with anyio.fail_after(45):
+        async with running(consumer):  # returns once the member has joined
+            await wait_until(lambda: consumer.assigned_partitions() == 3, timeout=30)
 
 
 async def test_a_committed_offset_past_the_partitions_end_is_reported_and_the_partition_read_again(
