@@ -24,7 +24,7 @@ from room_outbox.cluster.membership import Membership
 from room_outbox.cluster.quota import QuotaShare
 from room_outbox.config import MAIN_LANE, Settings
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
-from room_outbox.delivery.lanes import delivery_settings, lane_plan, lane_store, tail_store
+from room_outbox.delivery.lanes import claim_after_ms, delivery_settings, lane_plan, lane_store, tail_store
 from room_outbox.delivery.routing import Lanes, build_lanes
 from room_outbox.delivery.tail import TailRelay
 from room_outbox.observability.health import Health
@@ -172,7 +172,7 @@ def _dispatchers(
     dispatchers: list[Dispatcher | TailRelay] = []
     if lanes.main.sinks:
         options = _options(settings, MAIN_LANE)
-        store.claim_after_ms = int(delivery_settings(settings, MAIN_LANE).claim_after * 1000)
+        store.claim_after_ms = claim_after_ms(settings)
         dispatchers.append(
             Dispatcher(store, lanes.main, options, identity, redactor, telemetry, health=health.lane(MAIN_LANE))
         )

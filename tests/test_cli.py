@@ -234,6 +234,25 @@ async def test_inspect_shows_human_times_and_json_keeps_raw_ones(
     assert isinstance(row["created_at_ms"], int) and isinstance(row["lock_until_ms"], int)
 
 
+async def test_inspect_says_when_a_row_younger_than_claim_after_becomes_claimable(
+    store: MySQLStore, tmp_path: Path, database_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A row room-service just wrote waits for the configuration's ``outbox_worker.claim_after``
+    before the dispatcher claims it: inspect says so and when, where it said "due: the next
+    scan claims it"."""
+    await insert_events(store, [envelope("justnow")])  # created now, by the database's clock
+    config = tmp_path / "config.yaml"
+    config.write_text(f"mysql:\n  dsn: '{database_dsn}'\noutbox_worker:\n  claim_after: 2m\n")
+    code, out, _ = await cli(capsys, "--config", str(config), "inspect", "justnow")
+    (state,) = [line for line in out.splitlines() if line.startswith("state: ")]
+    assert code == 0 and re.fullmatch(
+        r"state: young: left to the producer's own push until 2 min old \(outbox_worker.claim_after\);"
+        rf" claimable from {HUMAN_TIME}",
+        state,
+    ), state
+    assert re.search(r"\(in (1|2) min\)$", state), state
+
+
 async def test_status_shows_the_oldest_pending_time(
     store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -125,8 +125,8 @@ async def _status_now(store: SQLStore, event_id: str, app_code: str | None) -> s
     found = await event_rows(store, event_id, app_code)
     if len(found) != 1:
         return SEVERAL_APPS if found else None
-    ((row, seen),) = found
-    if describe_state(row, now_ms(), store.profile, int(seen["lock_ms"] or 0)).startswith("in flight"):
+    ((row, _),) = found
+    if describe_state(row, now_ms(), store.profile).startswith("in flight"):
         return IN_FLIGHT
     return str(row["status"])
 

@@ -1,12 +1,14 @@
 """``room-outbox inspect EVENT_ID``: one event's row (times in local time, with how long ago),
-its parsed envelope or why it does not parse, and its state in every lane and consumer. Where
-event ids are unique per app only, every app's row with that id, each under its app code."""
+its parsed envelope or why it does not parse, and its state in every lane and consumer, as the
+dispatcher sees them (the database's clock, ``claim_after``). Where event ids are unique per app
+only, every app's row with that id, each under its app code."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Collection
 from typing import IO, Any
 
 from room_outbox.cli.command import Command, add_app_code_option, add_json_option
@@ -14,7 +16,9 @@ from room_outbox.cli.consumers import format_states
 from room_outbox.cli.output import format_age, format_app, format_time, printable
 from room_outbox.config import Settings
 from room_outbox.consume.ops import consumer_states
+from room_outbox.delivery.lanes import claim_after_ms
 from room_outbox.envelope import EnvelopeError, EnvelopeTooLarge, parse_envelope
+from room_outbox.store.backends.leased import CREATED_AHEAD_MS
 from room_outbox.store.clock import now_ms
 from room_outbox.store.lanes.catalog import stored_lanes
 from room_outbox.store.operator.reports import event_rows, lane_row, tail_parked_row
@@ -28,14 +32,11 @@ def _now_ms() -> int:
     return now_ms()
 
 
-#: Row columns that hold an epoch-ms time (0: none).
-TIME_COLUMNS = ("created_at_ms", "updated_at_ms", "lock_until_ms")
-
-
 async def inspect_events(store: SQLStore, event_id: str, app_code: str | None = None) -> list[dict[str, Any]]:
     """Every row of ``event_id`` (of ``app_code`` when given; several apps may each have one
     where event ids are unique per app), lowest id first: each with its parsed envelope (or
-    why it does not parse) and a sentence on its delivery state."""
+    why it does not parse) and a sentence on its delivery state, with the store's
+    ``claim_after_ms``. Its times are epoch ms (0 or None: none)."""
     return [await _inspected(store, row, seen) for row, seen in await event_rows(store, event_id, app_code)]
 
 
@@ -61,7 +62,7 @@ async def _inspected(store: SQLStore, row: dict[str, Any], seen: dict[str, Any])
         if mismatches:
             doc["envelope_error"] = "; ".join(mismatches)
     now = _now_ms()
-    doc["state"] = describe_state(row, now, p, int(seen["lock_ms"] or 0))
+    doc["state"] = describe_state(row, now, p, store.claim_after_ms)
     lanes = await _lane_states(store, int(seen["key"]), now)
     if lanes:
         doc["lanes"] = lanes
@@ -100,13 +101,13 @@ async def _lane_states(store: SQLStore, outbox_id: int, now: int) -> dict[str, s
     return states
 
 
-def describe_state(row: dict[str, Any], now: int, words: Profile = V1, lock_until: int | None = None) -> str:
-    """A sentence on a row's delivery state, in ``words``' vocabulary (lanes speak ``v1``);
-    ``lock_until``: the row's lock in epoch ms when its table keeps it otherwise."""
+def describe_state(row: dict[str, Any], now: int, words: Profile = V1, claim_after: int = 0) -> str:
+    """A sentence on a row's delivery state, in ``words``' vocabulary and columns (lanes speak
+    ``v1``), its times in epoch ms, ``now`` by the database's clock; ``claim_after``: the main
+    lane's ``outbox_worker.claim_after`` in ms."""
     status = row["status"]
     retries = row[words.attempts] or 0  # NULL where the producer leaves a nullable column out
-    if lock_until is None:
-        lock_until = int(row.get("lock_until_ms") or 0)
+    lock_until = int(row.get(words.lock) or 0)
     if status == words.delivered:
         return f"{status}: delivered (or pushed by room-service itself); nothing left to do"
     if status == words.parked:
@@ -117,6 +118,9 @@ def describe_state(row: dict[str, Any], now: int, words: Profile = V1, lock_unti
         return f"status {status!r}: not a status of table profile {words.name}"
     if row.get("worker_id") and lock_until > now:
         return f"in flight: leased by {row['worker_id']} for another {format_age(lock_until - now)}"
+    old_enough = _old_enough_at(row, words, claim_after)
+    if old_enough > max(now, lock_until):
+        return _young(int(row[words.created]), old_enough, now, claim_after)
     if lock_until > now:
         return f"waiting: failed {retries} time(s), next attempt in {format_age(lock_until - now)}"
     if row.get("worker_id"):
@@ -124,13 +128,38 @@ def describe_state(row: dict[str, Any], now: int, words: Profile = V1, lock_unti
     return "due: the next scan claims it" + (f" (failed {retries} time(s) so far)" if retries else "")
 
 
-def format_inspection(doc: dict[str, Any]) -> str:
+def _old_enough_at(row: dict[str, Any], words: Profile, claim_after: int) -> int:
+    """When the main lane's claim finds an open row old enough, as the claim decides it: a row
+    the producer wrote that no claim has taken yet ``claim_after`` after its creation (the
+    producer pushes it itself meanwhile), any other row at once (0). A row without a creation
+    time counts as old: its age cannot be told."""
+    created = row.get(words.created)
+    if not claim_after or created is None:
+        return 0
+    # Taken before: a lease or a retry time set (v1, room_cell), or no longer the producer's status.
+    taken = int(row.get(words.lock) or 0) > 0 if words.fresh_at_cleared_lock else row["status"] != words.fresh
+    return 0 if taken else int(created) + claim_after
+
+
+def _young(created: int, old_enough: int, now: int, claim_after: int) -> str:
+    """The state of a row younger than ``claim_after``: when the claim takes it, and why not yet."""
+    state = (
+        f"young: left to the producer's own push until {format_age(claim_after)} old"
+        f" (outbox_worker.claim_after); claimable from {format_time(old_enough, now)}"
+    )
+    if created > now + CREATED_AHEAD_MS:  # its producer's clock runs ahead of the database's
+        state += f"; created {format_age(created - now)} ahead of the database's clock, it counts from then"
+    return state
+
+
+def format_inspection(doc: dict[str, Any], times: Collection[str]) -> str:
+    """One row's document for a person; ``times``: its columns holding an epoch-ms time."""
     row = doc["row"]
     width = max(len(name) for name in row)
     now = _now_ms()
     lines = [
         f"{name:<{width}}  {printable(value)}"
-        + (f"  {format_time(int(value), now)}" if name in TIME_COLUMNS and value else "")
+        + (f"  {format_time(int(value), now)}" if name in times and value else "")
         for name, value in row.items()
     ]
     lines += ["", f"state: {printable(doc['state'])}"]
@@ -153,6 +182,7 @@ async def inspect_command(
     """Every row of ``event_id`` (of ``app_code`` when given) and the consumers' records of
     it. ``--json``: one row's document as it is, several rows' as ``events``."""
     docs = await inspect_events(store, event_id, app_code)
+    times = store.profile.time_columns
     consumers = [s for s in await consumer_states(store, event_id) if app_code is None or s["app_code"] == app_code]
     if not docs and not consumers:
         of_app = f" of app {format_app(app_code)}" if app_code is not None else ""
@@ -165,16 +195,17 @@ async def inspect_command(
     if not docs:
         lines = [f"event {printable(event_id)}: not in room_outbox"]
     elif len(docs) == 1:
-        lines = [format_inspection(docs[0])]
+        lines = [format_inspection(docs[0], times)]
     else:  # event ids unique per app: one section per app's row
         lines = [f"event {printable(event_id)}: {len(docs)} rows, of several apps (--app-code shows one)"]
         for doc in docs:
-            lines += ["", f"== app {format_app(doc['row'].get('app_code', ''))} ==", format_inspection(doc)]
+            lines += ["", f"== app {format_app(doc['row'].get('app_code', ''))} ==", format_inspection(doc, times)]
     print("\n".join([*lines, "", *format_states(consumers)] if consumers else lines), file=out)
     return 0
 
 
-async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
+async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
+    store.claim_after_ms = claim_after_ms(settings)  # the dispatcher's, for the states told
     return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr, args.app_code)
 
 
@@ -186,7 +217,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 COMMAND = Command(
     description="One event by event_id: its row (times in local time, with how long ago), its parsed\n"
-    "envelope or why it does not parse, and its state in every lane. --json keeps raw values.\n"
+    "envelope or why it does not parse, and its state in every lane, as the dispatcher sees it\n"
+    "(a row younger than outbox_worker.claim_after: when it becomes claimable). --json keeps raw\n"
+    "values (times: epoch ms).\n"
     "Where event ids are unique per app, every app's row with that id, each under its app code\n"
     "(--json: an events list); --app-code shows one app's.",
     examples="room-outbox inspect evt_01J9ZQ\nroom-outbox inspect evt_01J9ZQ --json | jq .row.last_error\n"

@@ -13,7 +13,7 @@ from typing import Any
 
 import pluggy
 
-from room_outbox.config import LanePlan, OutboxWorkerSettings, Settings
+from room_outbox.config import MAIN_LANE, LanePlan, OutboxWorkerSettings, Settings
 from room_outbox.delivery.routing import registered_sinks, section_enabled
 from room_outbox.sink import SinkSpec
 from room_outbox.store.lanes.store import LaneStore
@@ -63,6 +63,12 @@ def own_lane_sinks(pm: pluggy.PluginManager, settings: Settings) -> list[str]:
 def delivery_settings(settings: Settings, lane: str) -> OutboxWorkerSettings:
     """The settings ``lane`` delivers with: ``outbox_worker.lanes.<lane>`` over ``outbox_worker``."""
     return settings.outbox_worker.for_lane(lane)
+
+
+def claim_after_ms(settings: Settings) -> int:
+    """The age (ms) the main lane's claim waits for in a row the producer wrote
+    (``claim_after``): what the dispatcher's store is given, and what ``inspect`` reports."""
+    return int(delivery_settings(settings, MAIN_LANE).claim_after * 1000)
 
 
 async def migrate_plugins(

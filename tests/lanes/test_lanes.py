@@ -29,7 +29,7 @@ from room_outbox.plugins.tencent_im.fake import DEV_KEY, DEV_SDKAPPID, serve_fak
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.store import CURSOR_TABLE, LaneStore, migrate_lanes
-from room_outbox.store.schema.profiles import SILK
+from room_outbox.store.schema.profiles import SILK, V1
 
 pytestmark = pytest.mark.anyio
 
@@ -393,7 +393,7 @@ async def test_inspect_shows_the_event_in_each_lane(store: MySQLStore) -> None:
     assert (await inspect_events(store, "stuck"))[0]["lanes"]["t"].startswith("waiting: failed 1 time(s)")
     (doc,) = await inspect_events(store, "later")
     assert doc["lanes"] == {"t": "not fed to this lane yet"}
-    assert "lane t: not fed to this lane yet" in format_inspection(doc)
+    assert "lane t: not fed to this lane yet" in format_inspection(doc, V1.time_columns)
 
 
 async def test_unfed_rows_beyond_the_counted_ones_are_estimated_from_their_ids(store: MySQLStore) -> None:

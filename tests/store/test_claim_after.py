@@ -6,12 +6,14 @@ time; on MySQL, the claim's reads stay exact ranges of the claim index."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from support import INSERT_V1, envelope
 
+from room_outbox.cli.inspect import inspect_events
 from room_outbox.store.backends.leased import claim_sql
 from room_outbox.store.dialect import MYSQL
 from room_outbox.store.factory import open_store
@@ -97,6 +99,25 @@ async def test_a_row_created_ahead_of_the_clock_holds_back_no_other_row(store: S
             (3_600_000 + CLAIM_AFTER_MS,),
         )
     assert "ahead" in await claimed_ids(store, "c2")
+
+
+async def test_inspect_tells_which_rows_the_claim_takes_and_when_the_young_ones(store: SQLStore) -> None:
+    """``inspect`` says "due" of the rows the claim takes and, of the rows younger than
+    claim_after, when they become claimable (by their creation time, also for one created
+    ahead of the database's clock) and why: it said "due: the next scan claims it" of them."""
+    now = await db_now_ms(store)
+    await insert_aged(store, {"old": CLAIM_AFTER_MS + 5_000})
+    await insert_aged(store, {"retry-due": 1_000}, lock_until_ms=now - 1, retry_count=1)
+    await insert_aged(store, {"young": 1_000})
+    await insert_aged(store, {"ahead": -7_230_000})  # a producer's clock 2 h fast
+    states = {event_id: (await inspect_events(store, event_id))[0]["state"] for event_id in
+              ("old", "retry-due", "young", "ahead")}  # fmt: skip
+    assert {e for e, state in states.items() if state.startswith("due: ")} == await claimed_ids(store)
+    young = "young: left to the producer's own push until 10 s old (outbox_worker.claim_after); claimable from "
+    assert states["young"].startswith(young) and re.search(r"\(in [5-9] s\)$", states["young"]), states["young"]
+    assert states["ahead"].startswith(young) and states["ahead"].endswith(
+        "(in 2 h); created 2 h ahead of the database's clock, it counts from then"
+    ), states["ahead"]
 
 
 async def test_claim_after_zero_claims_at_once(store: SQLStore) -> None:

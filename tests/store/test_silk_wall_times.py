@@ -10,12 +10,15 @@ import logging
 import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 
+import anyio
 import psycopg
 import pytest
 from support import pg_admin, wait_until
 
 from room_outbox.cli.inspect import inspect_events
+from room_outbox.cli.main import main
 from room_outbox.errors import SchemaError
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
@@ -30,6 +33,8 @@ ZONE = "Asia/Shanghai"
 #: How far a time read back may be from the one expected (ms): the process's and the server's
 #: clocks, a slow machine.
 SLACK_MS = 5_000
+#: A time as inspect shows it, in local time with how long ago.
+HUMAN_TIME = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \((\d+ (s|min|h|d) ago|in \d+ (s|min|h|d))\)"
 
 
 def silk_table(dsn: str, time_type: str = "TIMESTAMP") -> None:
@@ -202,3 +207,38 @@ async def test_timestamptz_sessions_keep_their_own_zone(
             await cur.execute("SHOW timezone")
             assert await cur.fetchone() == ("UTC",)
     assert not [r for r in caplog.records if "time zone" in r.getMessage()]
+
+
+async def test_inspect_shows_wall_times_as_instants_like_every_profiles_times(
+    shanghai_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``inspect`` reads silk's times as the claim does, in the database's zone: in local time
+    with how long ago, epoch ms in ``--json``, as the other profiles' ``*_ms`` columns (as
+    stored they were the producer's wall times, hours off for a host in another zone, with no
+    age and, in ``--json``, no epoch ms); a row younger than the configuration's claim_after
+    is said to wait for it, as the claim does, not to be due."""
+    with producer(shanghai_dsn) as conn:
+        async with relay(shanghai_dsn):  # migrated
+            pass
+        publish(conn, "old", "10 min")
+        conn.execute("UPDATE outbox_events SET next_attempt_at = now() + interval '30 minutes' WHERE event_id = 'old'")
+        publish(conn, "young")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"database:\n  dsn: '{shanghai_dsn}'\n  profile: silk\noutbox_worker:\n  claim_after: 60s\n")
+    capsys.readouterr()
+    assert await anyio.to_thread.run_sync(main, ["--config", str(config), "inspect", "old"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert lines["created_at"].endswith(" (10 min ago)") and lines["updated_at"].endswith(" (10 min ago)")
+    assert re.search(r" \(in (29|30) min\)$", lines["next_attempt_at"]), lines["next_attempt_at"]
+    assert await anyio.to_thread.run_sync(main, ["--config", str(config), "inspect", "old", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["row"]
+    assert abs(row["created_at"] - (now_ms() - 600_000)) < SLACK_MS
+    assert abs(row["next_attempt_at"] - (now_ms() + 1_800_000)) < SLACK_MS
+    monkeypatch.delenv("ROOM_OUTBOX__OUTBOX_WORKER__CLAIM_AFTER")  # the configuration's, then
+    assert await anyio.to_thread.run_sync(main, ["--config", str(config), "inspect", "young"]) == 0
+    (state,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("state:")]
+    young = r"state: young: left to the producer's own push until 1 min old \(outbox_worker.claim_after\);"
+    assert re.fullmatch(rf"{young} claimable from {HUMAN_TIME}", state) and re.search(r"\(in (5\d s|1 min)\)$", state)
+    async with relay(shanghai_dsn) as store:
+        store.claim_after_ms = 60_000
+        assert (await store.claim("a#1", 10, now_ms() + 60_000)).rows == []  # as said

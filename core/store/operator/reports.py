@@ -255,20 +255,25 @@ async def event_rows(
     store: SQLStore, event_id: str, app_code: str | None = None
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """Every row of ``event_id`` (of ``app_code`` when given), lowest key first: each as stored
-    (every column by name but ``envelope``), and what room-outbox reads of it under the
-    profile's column names (``key``, ``event_id``, ``event_type``, ``room_id``, ``app_code``,
-    ``envelope``, ``lock_ms``)."""
+    (every column by name but ``envelope``), its times (:attr:`~.profiles.Profile.time_columns`)
+    in epoch ms, and what room-outbox reads of it under the profile's column names (``key``,
+    ``event_id``, ``event_type``, ``room_id``, ``app_code``, ``envelope``)."""
     p = store.profile
     read = {
         "key": p.key, "event_id": p.event_id, "event_type": p.event_type, "room_id": p.room_id,
-        "app_code": p.app_code, "envelope": store.envelope_column, "lock_ms": p.as_ms(p.lock),
+        "app_code": p.app_code, "envelope": store.envelope_column,
     }  # fmt: skip
     where, params = matching_event(store, event_id, app_code)
     async with store.transaction() as cur:
         # Every column but the raw envelope: ``envelope`` reads it as the store does (as bytes
         # where the server cannot send it as text, a marker where it is too large: see
-        # LeasedRows.read_envelope).
-        columns = [name for name in await column_names(cur, store.dialect, p.table) if name != "envelope"]
+        # LeasedRows.read_envelope). Times as epoch ms, whatever the table keeps: a timestamp
+        # without time zone is a wall time, an instant only in the zone the claim takes it in.
+        columns = [
+            f"{p.as_ms(name)} AS {name}" if name in p.time_columns else name
+            for name in await column_names(cur, store.dialect, p.table)
+            if name != "envelope"
+        ]
         await cur.execute(
             f"SELECT {', '.join(columns)}, {', '.join(f'{sql} AS read_{name}' for name, sql in read.items())}"
             f" FROM {p.table} WHERE {where} ORDER BY {p.key}",

@@ -105,6 +105,11 @@ class Profile:
         """SQL: a time column read as epoch ms."""
         return column if self.ms_columns else epoch_ms(column)
 
+    @property
+    def time_columns(self) -> tuple[str, ...]:
+        """The row's times: its creation, its last update and ``lock`` (each read by :meth:`as_ms`)."""
+        return (self.created, self.updated, self.lock)
+
 
 def epoch_ms(column: str) -> str:
     """SQL: a PostgreSQL timestamp read as epoch ms. A ``timestamp`` without time zone is a wall
