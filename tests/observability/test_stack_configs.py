@@ -44,6 +44,14 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([tool, *args], capture_output=True, text=True, timeout=60)
 
 
+def assert_rule_tests(path: Path, tests: dict[str, Any]) -> None:
+    """``promtool test rules`` on ``tests`` (a unit-test file's contents), written to ``path``:
+    every case as expected."""
+    path.write_text(yaml.safe_dump(tests))
+    done = promtool("test", "rules", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
     """docker-compose.yml as written (paths relative to the repository)."""
@@ -339,10 +347,7 @@ def test_the_first_failure_for_good_of_a_label_set_never_exported_before_pages(t
             },
         ],
     }
-    path = tmp_path / "first-failure.test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    done = promtool("test", "rules", str(path))
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_rule_tests(tmp_path / "first-failure.test.yml", tests)
 
 
 def test_a_dead_letter_of_a_label_set_never_exported_before_pages(tmp_path: Path) -> None:
@@ -377,10 +382,7 @@ def test_a_dead_letter_of_a_label_set_never_exported_before_pages(tmp_path: Path
             }
         ],
     }
-    path = tmp_path / "first-dead-letter.test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    done = promtool("test", "rules", str(path))
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_rule_tests(tmp_path / "first-dead-letter.test.yml", tests)
 
 
 def test_a_table_without_the_indexes_pages_and_lost_leases_name_their_process(tmp_path: Path) -> None:
@@ -422,10 +424,7 @@ def test_a_table_without_the_indexes_pages_and_lost_leases_name_their_process(tm
             }
         ],
     }
-    path = tmp_path / "indexes.test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    done = promtool("test", "rules", str(path))
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_rule_tests(tmp_path / "indexes.test.yml", tests)
 
 
 def test_consumers_down_stuck_or_falling_behind_alert(tmp_path: Path) -> None:
@@ -484,10 +483,7 @@ def test_consumers_down_stuck_or_falling_behind_alert(tmp_path: Path) -> None:
             }
         ],
     }
-    path = tmp_path / "consumers.test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    done = promtool("test", "rules", str(path))
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_rule_tests(tmp_path / "consumers.test.yml", tests)
 
 
 def test_a_consumer_no_process_holds_partitions_of_or_making_dead_letters_pages(tmp_path: Path) -> None:
@@ -541,10 +537,7 @@ def test_a_consumer_no_process_holds_partitions_of_or_making_dead_letters_pages(
             }
         ],
     }
-    path = tmp_path / "consumers.test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    done = promtool("test", "rules", str(path))
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_rule_tests(tmp_path / "consumers.test.yml", tests)
 
 
 def test_the_backlog_alerts_leave_out_stale_gauges_and_say_they_are_stale(tmp_path: Path) -> None:
@@ -588,7 +581,4 @@ def test_the_backlog_alerts_leave_out_stale_gauges_and_say_they_are_stale(tmp_pa
             },
         ],
     }
-    path = tmp_path / "backlog.test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    done = promtool("test", "rules", str(path))
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_rule_tests(tmp_path / "backlog.test.yml", tests)
