@@ -476,7 +476,7 @@ async def test_the_hand_over_tails_from_the_first_row_still_owed_and_keeps_the_r
     created, step = await tail_migration_plan(any_store, ["kafka"])
     assert created.change == f"created table {PARKED_TABLE}"
     assert step.change == (
-        f"moved room_outbox_lane_kafka's 1 parked and 1 cancelled row(s) up to {first + 7} to {PARKED_TABLE}; "
+        f"moved room_outbox_lane_kafka's 1 parked row(s) up to {first + 7} and 1 cancelled row(s) to {PARKED_TABLE}; "
         + HANDED_OVER.format(first + 7)
     )
     assert step.statements[0].startswith(f"INSERT INTO {PARKED_TABLE} ")
@@ -508,6 +508,39 @@ async def test_the_hand_over_tails_from_the_first_row_still_owed_and_keeps_the_r
     assert await requeue_tail_command(any_store, "kafka", RequeueFilter(), True, out, err) == 0, err.getvalue()
     await log_relay(any_store, sink).run_once()
     assert sink.sent[3:] == ["m00-r0"]
+
+
+async def test_rows_the_lane_table_cancelled_beyond_its_first_row_still_owed_are_never_sent_by_the_tailing_lane(
+    any_store: SQLStore,
+) -> None:
+    """The cursor goes back below the first row still owed, so the rows the lane table had
+    finished beyond it are read again. Those an operator cancelled there move to the parked
+    table as cancelled with the rows below, and the tailing lane passes over them unsent: they
+    count nowhere as parked, and inspect says they were cancelled. A row the table parked
+    beyond it is sent again, as before."""
+    statuses = ["published", "pending", "cancelled", "failed", "published", "cancelled", "pending"]
+    first = await lane_table_lane(any_store, statuses)
+    (step,) = await tail_migration_plan(any_store, ["kafka"])
+    assert step.change.startswith(f"moved room_outbox_lane_kafka's 2 cancelled row(s) to {PARKED_TABLE}; ")
+    await migrate_tail(any_store, ["kafka"])
+    assert await cursor(any_store) == first
+
+    sink = OrderedLog()
+    await drain(log_relay(any_store, sink), any_store)
+    assert sink.sent == ["m01-r0", "m03-r0", "m04-r0", "m06-r0"]
+    assert await cursor(any_store) == first + 6
+    async with any_store.transaction() as cur:
+        await cur.execute(f"SELECT outbox_id, status FROM {PARKED_TABLE} WHERE lane = 'kafka' ORDER BY outbox_id")
+        assert [tuple(row) for row in await cur.fetchall()] == [(first + 2, "cancelled"), (first + 5, "cancelled")]
+    (lane,) = (await lane_rows(any_store, LanePlan(main=False, own=("kafka",), tail=("kafka",))))[1:]
+    assert (lane.pending, lane.unfed, lane.parked) == (0, 0, 0)
+    assert await log_relay(any_store, sink).store.parked() == []
+    (doc,) = await inspect_events(any_store, "m05-r0")
+    assert doc["lanes"]["kafka"].startswith("cancelled by an operator: never sent")
+
+    await insert_events(any_store, [envelope("later")])  # the lane goes on past them
+    await drain(log_relay(any_store, sink), any_store)
+    assert sink.sent[4:] == ["later"]
 
 
 async def test_a_hand_over_interrupted_half_way_is_made_whole_by_the_next_migrate(any_store: SQLStore) -> None:

@@ -18,7 +18,8 @@ and the ranges below it still missing (:class:`TailCursor`): an id that is missi
 for up to ``gap_timeout``, while the rounds go on sending what is above it, and a new owner
 must not send all of that again. :func:`migrate_tail` moves the cursor back below the lane
 table's first row still owed when a lane switches from its table to tailing, and moves the rows
-the table parked to the parked table.
+the table parked below it, and those it cancelled, to the parked table; a round passes over the
+rows it holds as cancelled.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ class TailStore(LaneStore):
                 if locked is None:
                     yield None
                     return
-                cursor, any_requeued = locked
+                cursor, any_requeued, any_cancelled = locked
                 watermark = cursor.fed_through_id
                 if cursor != self._committed:
                     self._resume(cursor)
@@ -184,7 +185,9 @@ class TailStore(LaneStore):
                 self._take_new(fresh, watermark)
                 requeued = await self._requeued(cur) if any_requeued else []
                 again = await self._rows(cur, requeued)
-                tail = TailRound(rows=again + read, requeued=requeued)
+                cancelled = await self._cancelled(cur, read) if any_cancelled else set()
+                to_send = [row for row in read if row.outbox_id not in cancelled]
+                tail = TailRound(rows=again + to_send, requeued=requeued)
                 for gone in sorted(set(requeued) - {row.outbox_id for row in again}):
                     # Deleted from room_outbox since it was parked: nothing to send, and not sent.
                     tail.parked[gone] = "requeued, but its row is no longer in room_outbox: nothing to send"
@@ -283,16 +286,34 @@ class TailStore(LaneStore):
             for g in sorted(self._gaps, key=attrgetter("low"))
         )
 
-    async def _lock(self, cur: Any) -> tuple[TailCursor, bool] | None:
-        """The cursor, locked (None: another process owns the lane right now), and whether any
-        of the lane's parked rows are requeued, in the same statement (a locking read does not
-        lock what a subquery in its column list reads)."""
-        also = f", read_through_id, open_gaps, EXISTS (SELECT 1 FROM {PARKED_TABLE} WHERE lane = %s AND status = %s)"
-        row = await self._lock_cursor(cur, also, (self.lane, REQUEUED))
+    async def _lock(self, cur: Any) -> tuple[TailCursor, bool, bool] | None:
+        """The cursor, locked (None: another process owns the lane right now), whether any of
+        the lane's parked rows are requeued and whether any above ``fed_through_id`` are
+        cancelled (:meth:`_cancelled`), in the same statement (a locking read does not lock what
+        a subquery in its column list reads)."""
+        also = (
+            f", read_through_id, open_gaps, EXISTS (SELECT 1 FROM {PARKED_TABLE} WHERE lane = %s AND status = %s),"
+            f" EXISTS (SELECT 1 FROM {PARKED_TABLE} WHERE lane = %s AND status = %s"
+            f" AND outbox_id > {CURSOR_TABLE}.fed_through_id)"
+        )
+        row = await self._lock_cursor(cur, also, (self.lane, REQUEUED, self.lane, CANCELLED))
         if row is None:
             return None
-        fed, read_through, open_gaps, any_requeued = row
-        return TailCursor.from_row(fed, read_through, open_gaps), bool(any_requeued)
+        fed, read_through, open_gaps, any_requeued, any_cancelled = row
+        return TailCursor.from_row(fed, read_through, open_gaps), bool(any_requeued), bool(any_cancelled)
+
+    async def _cancelled(self, cur: Any, rows: Sequence[TailRow]) -> set[int]:
+        """The ids among ``rows`` (in id order) that the parked table holds as cancelled: rows
+        the lane has not reached yet that an operator cancelled while its lane table ran (the
+        switch to tailing carries them over). The lane passes over them, unsent, as it passes
+        over rows it sent."""
+        if not rows:
+            return set()
+        await cur.execute(
+            f"SELECT outbox_id FROM {PARKED_TABLE} WHERE lane = %s AND status = %s AND outbox_id BETWEEN %s AND %s",
+            (self.lane, CANCELLED, rows[0].outbox_id, rows[-1].outbox_id),
+        )
+        return {int(r[0]) for r in await cur.fetchall()}
 
     async def _read(self, cur: Any) -> list[TailRow]:
         """In one statement, in id order: the rows above the highest id seen, up to

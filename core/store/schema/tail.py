@@ -17,7 +17,7 @@ from typing import Any
 from room_outbox.store.dialect import Dialect, column_names, table_names
 from room_outbox.store.schema.lanes import CURSOR_TABLE, KEPT_WIDTH, cursor_ddl, lane_table, tail_cursor_columns
 from room_outbox.store.schema.outbox import Migration, add_column_sql
-from room_outbox.store.schema.profiles import V1, in_list
+from room_outbox.store.schema.profiles import V1
 
 PARKED_TABLE = "room_outbox_tail_parked"
 PARKED = "parked"
@@ -73,11 +73,12 @@ async def tail_steps(cur: Any, dialect: Dialect, lanes: Sequence[str], cursor_pl
 async def _hand_over(cur: Any, lane: str, cursor_rows: bool, parked_rows: bool) -> Migration:
     """A lane switched from its own table to tailing: its cursor goes back to just below the
     table's first row still owed (``pending``: fresh, retrying or in flight), so nothing the
-    table owed is lost (what it had finished beyond may be sent once more: parked again if it
-    still fails); the rows it finished for good below that, parked (``failed``) or cancelled,
-    move to the parked table as ``parked`` or ``cancelled``, their error and times kept, where
-    ``status``, ``inspect`` and ``requeue --lane`` see them, instead of holding the cursor back
-    to be sent again from there (months of events, perhaps); then the table is dropped, in the
+    table owed is lost (what it had sent or parked beyond may be sent once more: parked again if
+    it still fails); the rows it parked (``failed``) below that move to the parked table as
+    ``parked``, their error and times kept, where ``status``, ``inspect`` and ``requeue --lane``
+    see them, instead of holding the cursor back to be sent again from there (months of events,
+    perhaps), and the rows an operator cancelled, wherever they are, as ``cancelled``, so that
+    the lane never sends them (:func:`_carried_over`); then the table is dropped, in the
     same step. The cursor is the tailing lane's whole state, and a table left behind would still
     count as owed: its pending rows shown as the lane's backlog, holding back retention, and
     moving the cursor back again at every migrate. It is room-outbox's own table, not
@@ -133,15 +134,17 @@ async def _hand_over(cur: Any, lane: str, cursor_rows: bool, parked_rows: bool) 
 async def _carried_over(
     cur: Any, lane: str, table: str, tail_from: int | None, parked_rows: bool
 ) -> tuple[str, str] | None:
-    """The statement that copies the rows ``table`` finished for good at or below ``tail_from``
-    (all of them when None: the lane starts at its ``start``) into the parked table, and what it
-    does; None when there are none. One INSERT … SELECT, however many rows: the statement's size
-    does not grow with them. Rows above ``tail_from`` are not copied: the lane reads them again,
-    and parks again those that still fail. A row the parked table has already (moved by an
-    interrupted run of this step) is left as it is. ``parked_rows``: the parked table exists
-    now (else an earlier step of the plan creates it, empty)."""
+    """The statement that copies into the parked table the rows ``table`` parked at or below
+    ``tail_from`` (all of them when None: the lane starts at its ``start``) and every row it
+    cancelled, and what it does; None when there are none. One INSERT … SELECT, however many
+    rows: the statement's size does not grow with them. Parked rows above ``tail_from`` are not
+    copied: the lane reads them again, and parks again those that still fail. Cancelled rows
+    are copied wherever they are: an operator decided they are never sent, and the tailing lane
+    passes over the rows its parked table holds as cancelled. A row the parked table has already
+    (moved by an interrupted run of this step) is left as it is. ``parked_rows``: the parked
+    table exists now (else an earlier step of the plan creates it, empty)."""
     below = "" if tail_from is None else f" AND outbox_id <= {tail_from}"
-    rows = f"FROM {table} WHERE {in_list('status', (V1.parked, V1.cancelled))}{below}"
+    rows = f"FROM {table} WHERE (status = '{V1.parked}'{below} OR status = '{V1.cancelled}')"
     not_moved = (
         f" AND NOT EXISTS (SELECT 1 FROM {PARKED_TABLE} p WHERE p.lane = '{lane}' AND p.outbox_id = {table}.outbox_id)"
     )
@@ -156,13 +159,13 @@ async def _carried_over(
         f" CASE status WHEN '{V1.parked}' THEN '{PARKED}' ELSE '{CANCELLED}' END,"
         f" last_error, created_at_ms, updated_at_ms {rows}{not_moved}"
     )
+    up_to = "" if tail_from is None else f" up to {tail_from}"
     kinds = [
-        f"{counts[status]} {name}"
-        for status, name in ((V1.parked, PARKED), (V1.cancelled, CANCELLED))
+        f"{counts[status]} {name} row(s){where}"
+        for status, name, where in ((V1.parked, PARKED, up_to), (V1.cancelled, CANCELLED, ""))
         if status in counts
     ]
-    up_to = "" if tail_from is None else f" up to {tail_from}"
-    return statement, f"moved {table}'s {' and '.join(kinds)} row(s){up_to} to {PARKED_TABLE}"
+    return statement, f"moved {table}'s {' and '.join(kinds)} to {PARKED_TABLE}"
 
 
 async def parked_while_tailing(cur: Any, dialect: Dialect, lanes: Sequence[str]) -> list[str]:
