@@ -41,7 +41,7 @@ def format_status(report: StatusReport) -> str:
         f"waiting for retry     {report.waiting_for_retry}",
         f"leased now            {report.leased}",
     ]
-    lines += [f"{status:<22}{count}" for status, count in sorted(report.other_statuses.items())]
+    lines += [f"{status:<22}{count}" for status, count in report.other_statuses.items()]  # in the report's order
     lines += ["", "retries  pending rows"]
     lines += [f"{label:>7}  {rows}" for label, rows in report.retry_histogram.items()]
     lines += ["", "lease holders"]

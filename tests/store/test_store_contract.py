@@ -41,7 +41,7 @@ from room_outbox.cli.cancel import cancel_command
 from room_outbox.cli.cleanup import cleanup_command
 from room_outbox.cli.inspect import inspect_events
 from room_outbox.cli.requeue import requeue_command
-from room_outbox.cli.status import status_report
+from room_outbox.cli.status import format_status, status_report
 from room_outbox.errors import SchemaError
 from room_outbox.producer import append_event
 from room_outbox.sink import RetryableSinkError
@@ -694,6 +694,28 @@ async def test_status_and_inspect_report_the_im_lane_and_the_lanes(any_store: SQ
     assert doc["state"].startswith("in flight: leased by node-a#1")
     assert doc["lanes"] == {"audit": "parked after 1 attempt(s): never retried until `room-outbox requeue`"}
     assert doc["envelope"]["event_id"] == im_row.event_id
+
+
+async def test_status_lists_the_statuses_in_the_order_of_a_rows_life(any_store: SQLStore) -> None:
+    """Pending, waiting for a retry, leased, then parked (``failed``), then cancelled last, in the
+    table and in JSON; a lane's rows not fed yet, then pending, then parked."""
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(5)])
+    lane = await lane_of(any_store)
+    (row, *_) = (await lane.claim("l#1", 10, now_ms() + 60_000)).rows
+    await lane.record([DeliveryResult(row.id, row.event_id, "l#1", Outcome.PARKED, "bad")])
+    await any_store.claim("node-a#1", 1, now_ms() + 60_000)
+    async with any_store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET status = 'failed' WHERE event_id = 'e3'")
+        await cur.execute("UPDATE room_outbox SET status = 'cancelled' WHERE event_id = 'e4'")
+    await insert_events(any_store, [envelope("unfed")])
+    report = await status_report(any_store)
+    assert list(report.to_json()["other_statuses"].items()) == [("failed", 1), ("cancelled", 1)]
+    lines = format_status(report).splitlines()
+    counts = [line.split("  ")[0] for line in lines[: lines.index("")]]
+    assert counts == ["pending", "oldest pending", "waiting for retry", "leased now", "failed", "cancelled"]
+    header = next(line for line in lines if line.split()[:1] == ["lane"])
+    assert header.split() == ["lane", "fed", "through", "id", "unfed", "pending", "parked"]
+    assert list(report.to_json()["lanes"][0]) == ["lane", "fed_through_id", "unfed", "pending", "parked"]
 
 
 # -- table profile room_cell ---------------------------------------------------------------------

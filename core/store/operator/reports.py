@@ -95,7 +95,8 @@ class StatusReport:
     oldest_pending_age_ms: int
     #: Pending rows not claimable now: waiting for their retry time.
     waiting_for_retry: int
-    #: Parked (``failed``) and ``cancelled`` rows, when the lane has them.
+    #: Parked (``failed``) and ``cancelled`` rows, when the lane has them, in that order: the
+    #: order of a row's life, after the pending ones (leased among them), which ``status`` keeps.
     other_statuses: dict[str, int]
     retry_histogram: dict[str, int]
     #: The most frequent errors (grouped: :func:`grouped_errors`) of the rows still to deliver
