@@ -14,14 +14,20 @@ from typing import IO, Any
 from room_outbox.cli.command import Command, add_app_code_option, add_json_option
 from room_outbox.cli.consumers import format_states
 from room_outbox.cli.output import format_age, format_app, format_time, printable
-from room_outbox.config import Settings
+from room_outbox.config import MAIN_LANE, Settings
 from room_outbox.consume.ops import consumer_states
-from room_outbox.delivery.lanes import claim_after_ms
+from room_outbox.delivery.lanes import claim_after_ms, delivery_settings
 from room_outbox.envelope import EnvelopeError, EnvelopeTooLarge, parse_envelope
 from room_outbox.store.backends.leased import CREATED_AHEAD_MS
 from room_outbox.store.clock import now_ms
 from room_outbox.store.lanes.catalog import stored_lanes
-from room_outbox.store.operator.reports import event_rows, lane_row, tail_parked_row
+from room_outbox.store.operator.reports import (
+    earlier_open_rows,
+    event_rows,
+    first_young_row_before,
+    lane_row,
+    tail_parked_row,
+)
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.profiles import V1, Profile
 from room_outbox.store.schema.tail import CANCELLED
@@ -32,15 +38,19 @@ def _now_ms() -> int:
     return now_ms()
 
 
-async def inspect_events(store: SQLStore, event_id: str, app_code: str | None = None) -> list[dict[str, Any]]:
+async def inspect_events(
+    store: SQLStore, event_id: str, app_code: str | None = None, per_room: bool = False
+) -> list[dict[str, Any]]:
     """Every row of ``event_id`` (of ``app_code`` when given; several apps may each have one
     where event ids are unique per app), lowest id first: each with its parsed envelope (or
     why it does not parse) and a sentence on its delivery state, with the store's
-    ``claim_after_ms``. Its times are epoch ms (0 or None: none)."""
-    return [await _inspected(store, row, seen) for row, seen in await event_rows(store, event_id, app_code)]
+    ``claim_after_ms`` and the main lane's ``per_room`` ordering. Its times are epoch ms (0 or
+    None: none)."""
+    rows = await event_rows(store, event_id, app_code)
+    return [await _inspected(store, row, seen, per_room) for row, seen in rows]
 
 
-async def _inspected(store: SQLStore, row: dict[str, Any], seen: dict[str, Any]) -> dict[str, Any]:
+async def _inspected(store: SQLStore, row: dict[str, Any], seen: dict[str, Any], per_room: bool) -> dict[str, Any]:
     """One row as :func:`inspect_events` shows it; ``seen``: what :func:`event_rows` read of it."""
     p = store.profile
     row.pop("envelope", None)  # shown parsed below
@@ -63,6 +73,8 @@ async def _inspected(store: SQLStore, row: dict[str, Any], seen: dict[str, Any])
             doc["envelope_error"] = "; ".join(mismatches)
     now = _now_ms()
     doc["state"] = describe_state(row, now, p, store.claim_after_ms)
+    if doc["state"].startswith("due"):
+        doc["state"] = await _held_back(store, seen, now, per_room) or doc["state"]
     lanes = await _lane_states(store, int(seen["key"]), now)
     if lanes:
         doc["lanes"] = lanes
@@ -141,6 +153,30 @@ def _old_enough_at(row: dict[str, Any], words: Profile, claim_after: int) -> int
     return 0 if taken else int(created) + claim_after
 
 
+async def _held_back(store: SQLStore, seen: dict[str, Any], now: int, per_room: bool) -> str | None:
+    """Why the claim does not take a row that is due by its own state, as the claim decides it;
+    None when it takes it. ``per_room``: behind the first earlier open row of its room that the
+    claim would not take (leased, waiting for its retry, young); where the claim takes the
+    producer's rows up to the first young one (MySQL/MariaDB), behind that row."""
+    key, p, claim_after = int(seen["key"]), store.profile, store.claim_after_ms
+    if per_room:
+        for earlier in await earlier_open_rows(store, key, seen["app_code"], seen["room_id"]):
+            state = describe_state(earlier, now, p, claim_after)
+            if not state.startswith("due"):
+                return (
+                    f"waiting: behind event {earlier['event_id']} (id {earlier['key']}), an earlier event of its"
+                    f" room (outbox_worker.ordering: per_room), which is {state}"
+                )
+    young = await first_young_row_before(store, key)
+    if young is not None:
+        return (
+            f"waiting: behind event {young['event_id']} (id {young['key']}), younger than outbox_worker.claim_after:"
+            " this database's claim takes the producer's rows in id order up to the first young one; claimable"
+            f" from {format_time(young['created'] + claim_after, now)}"
+        )
+    return None
+
+
 def _young(created: int, old_enough: int, now: int, claim_after: int) -> str:
     """The state of a row younger than ``claim_after``: when the claim takes it, and why not yet."""
     state = (
@@ -177,11 +213,17 @@ def format_inspection(doc: dict[str, Any], times: Collection[str]) -> str:
 
 
 async def inspect_command(
-    store: SQLStore, event_id: str, as_json: bool, out: IO[str], err: IO[str], app_code: str | None = None
+    store: SQLStore,
+    event_id: str,
+    as_json: bool,
+    out: IO[str],
+    err: IO[str],
+    app_code: str | None = None,
+    per_room: bool = False,
 ) -> int:
     """Every row of ``event_id`` (of ``app_code`` when given) and the consumers' records of
     it. ``--json``: one row's document as it is, several rows' as ``events``."""
-    docs = await inspect_events(store, event_id, app_code)
+    docs = await inspect_events(store, event_id, app_code, per_room)
     times = store.profile.time_columns
     consumers = [s for s in await consumer_states(store, event_id) if app_code is None or s["app_code"] == app_code]
     if not docs and not consumers:
@@ -206,7 +248,8 @@ async def inspect_command(
 
 async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
     store.claim_after_ms = claim_after_ms(settings)  # the dispatcher's, for the states told
-    return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr, args.app_code)
+    per_room = delivery_settings(settings, MAIN_LANE).ordering == "per_room"
+    return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr, args.app_code, per_room)
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:

@@ -249,3 +249,38 @@ async def rows_read(cur: Any, server: str, due: str, param: int) -> tuple[int, i
         (node,) = node["Plans"]
     assert node["Index Name"] == "idx_room_outbox_claim", node
     return int(node["Actual Rows"]), int(node.get("Rows Removed by Filter", 0))
+
+
+async def test_inspect_says_due_only_of_an_old_row_the_claim_takes_behind_a_younger_one(store: SQLStore) -> None:
+    """An old row after a young one (created earlier, committed later): on MySQL/MariaDB the
+    claim takes the producer's rows only up to the first young one, and inspect said "due" of
+    the old row all the same; it says what it waits for. Elsewhere it is due and claimed."""
+    await insert_aged(store, {"young": 1_000, "old-after": CLAIM_AFTER_MS + 5_000})
+    state = (await inspect_events(store, "old-after"))[0]["state"]
+    claimed = await claimed_ids(store)
+    assert state.startswith("due: ") == ("old-after" in claimed), state
+    if store.dialect.locks_before_filtering:
+        assert state.startswith("waiting: behind event young (id 1), younger than outbox_worker.claim_after"), state
+
+
+async def test_inspect_says_due_only_of_a_row_per_room_ordering_lets_the_claim_take(store: SQLStore) -> None:
+    """``ordering: per_room``: an old row behind an earlier row of its room that is leased
+    elsewhere (or waiting for its retry, or young) is not claimed; inspect said "due" of it.
+    A row behind earlier rows that are due themselves is claimed with them."""
+    now = await db_now_ms(store)
+    old = CLAIM_AFTER_MS + 5_000
+    await insert_aged(store, {"held": old}, worker_id="gone#1", lock_until_ms=now + 60_000)
+    await insert_aged(store, {"behind-held": old})
+    async with store.transaction() as cur:  # another room: two old rows, both due
+        for event_id in ("first", "second"):
+            body = json.dumps(envelope(event_id))
+            await cur.execute(INSERT_V1, ("default", event_id, "RoomUserJoined", "r_2", body, now - old, now - old))
+    states = {e: (await inspect_events(store, e, per_room=True))[0]["state"] for e in ("behind-held", "second")}
+    claimed = await store.claim("c1", 100, 10**13, per_room=True)
+    assert {e for e, state in states.items() if state.startswith("due: ")} == {r.event_id for r in claimed.rows} - {
+        "first"
+    }
+    assert states["behind-held"].startswith(
+        "waiting: behind event held (id 1), an earlier event of its room (outbox_worker.ordering: per_room),"
+        " which is in flight: leased by gone#1"
+    ), states["behind-held"]

@@ -83,6 +83,14 @@ def claim_sql(
     )
 
 
+def bounded_by_key(claim_after_ms: int, dialect: Dialect, profile: Profile) -> bool:
+    """Whether a store's claim takes the producer's rows that no claim has taken yet in key
+    order only up to the first one younger than ``claim_after`` (:meth:`LeasedRows._due_ranges`):
+    where a locking scan locks every row it reads (MySQL) and those rows sit first in the claim
+    index. The rows after that young one wait for it, however old."""
+    return claim_after_ms > 0 and dialect.locks_before_filtering and profile.fresh_at_cleared_lock
+
+
 def _closing(results: Sequence[DeliveryResult]) -> set[int]:
     """The rows ``results`` close once written: published or parked, no longer open."""
     return {r.row_id for r in results if r.outcome in (Outcome.PUBLISHED, Outcome.PARKED)}
@@ -174,7 +182,7 @@ class LeasedRows:
     def _bound_by_key(self) -> bool:
         """Whether a claim takes the producer's rows up to a key bound read first
         (:meth:`_fresh_bound`; see :meth:`_due_ranges`)."""
-        return self.claim_after_ms > 0 and self.dialect.locks_before_filtering and self.profile.fresh_at_cleared_lock
+        return bounded_by_key(self.claim_after_ms, self.dialect, self.profile)
 
     async def _due_ranges(
         self, cur: Any, limit: int, buckets: Sequence[int] | None, bound: int | None = None

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from room_outbox.store.backends.leased import CREATED_AHEAD_MS, bounded_by_key
 from room_outbox.store.by_status import open_rows, status_read
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import column_names, marks, table_names, text
@@ -329,6 +330,44 @@ async def tail_parked_row(store: SQLStore, lane: str, outbox_id: int) -> dict[st
         )
         found = await cur.fetchone()
     return None if found is None else {"status": found[0], "last_error": found[1]}
+
+
+async def earlier_open_rows(store: SQLStore, key: int, app_code: str, room_id: str) -> list[dict[str, Any]]:
+    """The open rows of room ``room_id`` of app ``app_code`` before row ``key``, lowest key first,
+    with what a row's delivery state is told from: its key, event id, status, attempts, lease
+    or retry time and creation time (epoch ms, under the profile's column names) and worker_id.
+    Per-room ordering holds row ``key`` back behind the first of them a claim would not take."""
+    p = store.profile
+    async with store.transaction() as cur:
+        await cur.execute(
+            f"SELECT {p.key}, {p.event_id}, status, {p.attempts}, {p.as_ms(p.lock)}, {p.as_ms(p.created)}, worker_id"
+            f" FROM {p.table} WHERE {p.room_id} = %s AND {p.app_code} = %s AND {p.is_open()} AND {p.key} < %s"
+            f" ORDER BY {p.key}",
+            (room_id, app_code, key),
+        )
+        names = ("key", "event_id", "status", p.attempts, p.lock, p.created, "worker_id")
+        return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
+
+
+async def first_young_row_before(store: SQLStore, key: int) -> dict[str, Any] | None:
+    """Where the claim takes the producer's rows that no claim has taken yet only up to the
+    first one younger than ``claim_after`` (:func:`bounded_by_key`) and row ``key`` is such a
+    row: that first young row before it (its key, event id and creation time in epoch ms),
+    which holds it back, of whatever room. None otherwise."""
+    p = store.profile
+    if not bounded_by_key(store.claim_after_ms, store.dialect, p):
+        return None
+    now, unclaimed = store.dialect.now_ms, f"status = '{p.fresh}' AND {p.lock} = {p.lock_cleared}"
+    async with store.transaction() as cur:
+        await cur.execute(
+            f"SELECT {p.key}, {p.event_id}, {p.as_ms(p.created)} FROM {p.table} WHERE {unclaimed} AND {p.key} < %s"
+            f" AND {p.created} > {now} - %s AND {p.created} <= {now} + {CREATED_AHEAD_MS}"
+            f" AND EXISTS (SELECT 1 FROM {p.table} r WHERE r.{p.key} = %s AND {unclaimed})"
+            f" ORDER BY {p.key} LIMIT 1",
+            (key, store.claim_after_ms, key),
+        )
+        found = await cur.fetchone()
+    return None if found is None else {"key": int(found[0]), "event_id": text(found[1]), "created": int(found[2])}
 
 
 async def holds_rows_besides(store: SQLStore, event_id_prefix: str) -> bool:
