@@ -31,15 +31,17 @@ Handling one message (:mod:`.handling`), the retry worker (:mod:`.retries`), dea
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Set as AbstractSet
 from typing import Any
 
 import anyio
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import InvalidSessionTimeoutError, KafkaError
 from anyio.abc import TaskStatus
 
 from room_outbox.attempt.failure import describe, error_text
@@ -47,6 +49,7 @@ from room_outbox.config import TelemetrySettings
 from room_outbox.consume.broker_calls import STOP_BROKER_TIMEOUT, Abandoned, BrokerCalls, cancel_abandoned_commit
 from room_outbox.consume.dead_letters import DLQ_SEND_TIMEOUT, DeadLetters
 from room_outbox.consume.handling import Handling
+from room_outbox.consume.joining import broker_unavailable, refusal_hint, session_timeout_refused
 from room_outbox.consume.messages import Fetched, Message, Router
 from room_outbox.consume.offsets import LagWatch, high_watermarks
 from room_outbox.consume.registry import BoundHandler
@@ -120,6 +123,8 @@ class Consumer:
         #: The retry table's size, read from the database as often (run only with the lag's).
         self.retry_backlog = RetryBacklogWatch(name, store, self.metrics, redactor, lag_interval)
         self._lag_interval = lag_interval
+        #: ``time.monotonic()`` when the member last had an answer from the broker (None: never).
+        self._broker_reached_at: float | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -140,6 +145,36 @@ class Consumer:
             return 0
         return len(kafka.assignment())
 
+    def broker_check(self) -> str:
+        """``/readyz``'s check of this consumer's broker: "ok" while the member has had an
+        answer from it within ``session_timeout`` (the time the broker gives a silent member
+        before its partitions go to the others), else why not, naming the broker."""
+        reached = self._broker_reached_at
+        if not self.running or reached is None:
+            return f"not in its group yet (broker {self.settings.bootstrap_servers})"
+        silent = time.monotonic() - reached
+        if silent <= self.settings.session_timeout:
+            return "ok"
+        return (
+            f"no answer from the broker {self.settings.bootstrap_servers} for {silent:.0f}s"
+            f" (session_timeout {self.settings.session_timeout:g}s)"
+        )
+
+    async def _watch_broker(self) -> None:
+        """Ask the broker for the topic's metadata, through the member's own client, as often
+        as the member heartbeats, until the consumer stops: each answer is the time of the
+        broker's last answer :meth:`broker_check` reads. The client's own retries never say
+        that the broker is gone (a member keeps its partitions while it cannot reach it)."""
+        interval = heartbeat_interval_ms(self.settings) / 1000
+        while not self._stop.is_set():
+            kafka = self._kafka
+            if kafka is not None:
+                with anyio.move_on_after(interval), contextlib.suppress(KafkaError):
+                    if await kafka._client.force_metadata_update():
+                        self._broker_reached_at = time.monotonic()
+            with anyio.move_on_after(interval):
+                await self._stop.wait()
+
     async def _report_membership(self) -> None:
         """The assigned-partitions metric, every lag interval (nothing to read but the
         client's state), until the consumer stops."""
@@ -159,6 +194,7 @@ class Consumer:
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self.retries.run)
+                tasks.start_soon(self._watch_broker)
                 if self.lag_watch is not None:
                     tasks.start_soon(self.lag_watch.run, self._stop)
                     tasks.start_soon(self.retry_backlog.run, self._stop)
@@ -189,6 +225,7 @@ class Consumer:
         # would leave the group without the revocation callback, and another member would
         # handle the batch's messages while this one still does.
         batch_bound_ms = rebalance_timeout_ms(s, len(self._batch_handlers))
+        refused: str | None = None  # the refusal of the join said last, said once while it lasts
         while not self._stop.is_set():
             kafka = AIOKafkaConsumer(
                 bootstrap_servers=s.bootstrap_servers,
@@ -197,7 +234,7 @@ class Consumer:
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",
                 session_timeout_ms=int(s.session_timeout * 1000),
-                heartbeat_interval_ms=max(100, int(s.session_timeout * 1000 / 3)),
+                heartbeat_interval_ms=heartbeat_interval_ms(s),
                 rebalance_timeout_ms=batch_bound_ms,
                 max_poll_interval_ms=batch_bound_ms,
                 max_poll_records=s.max_batch,
@@ -205,29 +242,15 @@ class Consumer:
             )
             kafka.subscribe([s.topic], listener=_SettleBeforeRevoke(self, kafka))
             try:
-                with anyio.fail_after(JOIN_TIMEOUT):
-                    await self._on_broker(kafka.start)
+                await self._start(kafka)
             except (KafkaError, TimeoutError, OSError, Abandoned) as exc:
-                rebalancing = isinstance(exc, TimeoutError) and _coordinator_found(kafka)
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(Abandoned):
                     await self._on_broker(kafka.stop)
                 if self._stop.is_set():
                     break
-                if rebalancing:
-                    log.warning(
-                        "group rebalance did not complete (the broker answers; a member may be settling a long"
-                        " batch, up to handler_timeout per message); trying again",
-                        extra={"consumer": self.name, "group": s.group(self.name), "waited": JOIN_TIMEOUT},
-                    )
-                else:
-                    log.warning(
-                        "broker unavailable; trying again",
-                        extra={
-                            "consumer": self.name,
-                            "bootstrap_servers": s.bootstrap_servers,
-                            "error": error_text(self.redactor, describe(exc)),
-                        },
-                    )
+                if isinstance(exc, InvalidSessionTimeoutError):  # no join can ever succeed
+                    raise await session_timeout_refused(s, self.name, exc) from None
+                refused = self._join_refused(exc, refused)
                 with anyio.move_on_after(JOIN_RETRY_PAUSE):
                     await self._stop.wait()
                 continue
@@ -236,8 +259,62 @@ class Consumer:
                 extra={"lifecycle": "consumer_started", "consumer": self.name, "group": s.group(self.name),
                        "topic": s.topic, "handlers": list(self.handlers)},
             )  # fmt: skip
+            self._broker_reached_at = time.monotonic()
             return kafka
         return None
+
+    async def _start(self, kafka: AIOKafkaConsumer) -> None:
+        """``kafka.start()``: the broker reached and the group joined. Past JOIN_TIMEOUT
+        without the group's coordinator, the broker is unavailable (TimeoutError). With it,
+        the join waits for a rebalance to complete, which waits for every member to rejoin,
+        and a member rejoins only once its batch is settled (:class:`_SettleBeforeRevoke`):
+        the join goes on, said every JOIN_TIMEOUT. A client started anew would join as a new
+        member, one more for the rebalance to wait for, again and again while it is held."""
+        starting = asyncio.ensure_future(kafka.start())
+        try:
+            while True:
+                with anyio.move_on_after(JOIN_TIMEOUT):
+                    await self._on_broker(lambda: asyncio.shield(starting))
+                    return
+                if not (_coordinator_found(kafka) or _member_id(kafka)):
+                    raise TimeoutError
+                if _coordinator_found(kafka):
+                    log.warning(
+                        "group rebalance did not complete (the broker answers; a member may be settling a long"
+                        " batch, up to handler_timeout per message); still waiting, as the same member",
+                        extra={"consumer": self.name, "group": self.settings.group(self.name), "waited": JOIN_TIMEOUT,
+                               "member_id": _member_id(kafka)},
+                    )  # fmt: skip
+                else:
+                    self._join_refused(TimeoutError(), None)
+        finally:
+            if not starting.done():
+                starting.cancel()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(BaseException):
+                await starting  # its outcome was met above, or it is given up
+
+    def _join_refused(self, exc: BaseException, said: str | None) -> str | None:
+        """Log a failed join: the broker unavailable, every time; any other refusal by its
+        Kafka error class and the fix, once while it lasts (``said``: the refusal logged
+        last). Returns the refusal now logged."""
+        if broker_unavailable(exc):
+            log.warning(
+                "broker unavailable; trying again",
+                extra={
+                    "consumer": self.name,
+                    "bootstrap_servers": self.settings.bootstrap_servers,
+                    "error": error_text(self.redactor, describe(exc)),
+                },
+            )
+            return None
+        kind = type(exc).__name__
+        if kind != said:
+            log.error(
+                f"the broker refuses the group join ({kind}): {refusal_hint(exc, self.name)}; trying again",
+                extra={"consumer": self.name, "group": self.settings.group(self.name),
+                       "error": error_text(self.redactor, describe(exc))},
+            )  # fmt: skip
+        return kind
 
     async def _live_loop(self, kafka: AIOKafkaConsumer) -> None:
         """Fetch, settle, commit, one batch after another, the next read ahead while one
@@ -483,6 +560,11 @@ class _Stopping(Exception):
     """The consumer stopped while settling a batch, leaving some of it unsettled."""
 
 
+def heartbeat_interval_ms(settings: ConsumerSettings) -> int:
+    """How often a member tells the broker it is alive: three times a session timeout."""
+    return max(100, int(settings.session_timeout * 1000 / 3))
+
+
 def rebalance_timeout_ms(settings: ConsumerSettings, batch_handlers: int) -> int:
     """How long the group waits for this member to rejoin in a rebalance, in milliseconds. A
     member gives up its partitions only once its batch is settled (:class:`_SettleBeforeRevoke`),
@@ -498,6 +580,12 @@ def rebalance_timeout_ms(settings: ConsumerSettings, batch_handlers: int) -> int
     messages = batch_handlers + 2 * (settings.max_batch + 1)
     batch = settings.handler_timeout * messages + DLQ_SEND_TIMEOUT + COMMIT_TIMEOUT
     return min(MAX_GROUP_TIMEOUT_MS, math.ceil(max(settings.session_timeout, batch) * 1000))
+
+
+def _member_id(kafka: AIOKafkaConsumer) -> str:
+    """The member id the broker gave this client for its group ("" before it gave one)."""
+    coordinator = kafka._coordinator
+    return str(getattr(coordinator, "member_id", "") or "")
 
 
 def _coordinator_found(kafka: AIOKafkaConsumer) -> bool:

@@ -7,7 +7,8 @@ telemetry and the HTTP endpoint (``/healthz``, ``/readyz``, ``/metrics`` on
 each consumer lets its handlings in progress end or time out (``handler_timeout``), starts no
 further message, commits what is settled (the rest of its batch is read again later) and leaves
 its group → handlers close → pool closes; a signal while it starts ends the start before any consumer joins. ``/readyz`` is
-ready while the database answers and every consumer has joined its group.
+ready while the database answers and every consumer has joined its group and had an answer from
+its broker within its ``session_timeout`` (the ``broker <name>`` checks).
 """
 
 from __future__ import annotations
@@ -116,9 +117,9 @@ async def _consume(
             for name, options in chosen.items():
                 bound = build_handlers(pm, name, options, settings.node_id, redactor, tables.found)
                 handlers.extend(bound.values())
-                consumers.append(
-                    Consumer(name, options, consumers_store, bound, identity, redactor, telemetry, lag_interval)
-                )
+                consumer = Consumer(name, options, consumers_store, bound, identity, redactor, telemetry, lag_interval)
+                consumers.append(consumer)
+                health.checks[f"broker {name}"] = consumer.broker_check
             if stop.is_set():  # signalled while starting: no consumer joins, and what opened closes
                 log.info("stopping before the consumers started", extra={"lifecycle": "stop_requested"})
                 return

@@ -94,6 +94,8 @@ class Health:
     #: Failed rounds in a row (in any lane) that make the process not ready.
     unready_after_failed_rounds: int = UNREADY_AFTER_FAILED_ROUNDS
     lanes: dict[str, LaneHealth] = field(default_factory=dict)
+    #: Further readiness checks by name (a consumer's broker): each says "ok" or why not.
+    checks: dict[str, Callable[[], str]] = field(default_factory=dict)
     #: The watch's last successful ping and last failure (``time.monotonic()``), and that
     #: failure's cause (None once a ping succeeds again).
     _pinged_at: float | None = None
@@ -140,7 +142,8 @@ class Health:
         within the last ``DATABASE_FRESH_FOR`` seconds (a lane's successful round counts) and no
         lane has had ``unready_after_failed_rounds`` failed rounds in a row (but for its sink's:
         a broker down is the lane's alert, not the process's readiness) and the schema watch
-        finds no index missing (the ``schema`` check, shown while it fails). The ``clock`` check
+        finds no index missing (the ``schema`` check, shown while it fails) and every further
+        check of :attr:`checks` says "ok" (a consumer's broker answers). The ``clock`` check
         says whether this host's clock is off the database's by more than
         ``cluster.max_clock_skew``: shown, not a cause of unreadiness."""
         checks: dict[str, str] = {"worker": self.worker, "database": self._database_check()}
@@ -154,6 +157,9 @@ class Health:
                 ready = False
                 why = check_text(self.redactor, lane.last_error)
                 checks[f"lane {name}"] = f"{lane.failed_in_a_row} rounds failed in a row, the last: {why}"
+        for name, check in sorted(self.checks.items()):
+            checks[name] = check_text(self.redactor, check())
+            ready = ready and checks[name] == "ok"
         return ready, checks
 
     def _last_success(self) -> float | None:

@@ -572,6 +572,7 @@ async def test_a_consume_process_answers_healthz_and_readyz(
             "worker": "running",
             "database": "ok",
             "clock": "ok",
+            "broker feed": "ok",
         }
         stop.set()
 
