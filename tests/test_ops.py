@@ -91,9 +91,10 @@ async def test_status_json_counts_backlog_retries_errors_and_leases(
     assert doc["leased"] == 2
     assert [(h["node"], h["claims"], h["rows"]) for h in doc["holders"]] == [("node-a", 1, 2)]
 
-    monkeypatch.setattr("room_outbox.store.operator.reports.ERROR_SAMPLE", 2)  # a bounded read per status
+    monkeypatch.setattr("room_outbox.store.operator.reports.STATUS_SAMPLE", 2)  # a bounded read per status
     doc = json.loads((await _cli(capsys, tmp_path, database_dsn, "status", "--json"))[1])
     assert (doc["top_parked_errors"], doc["error_sample"]) == ([{"last_error": gone, "rows": 2}], 2)
+    assert sum(doc["retry_histogram"].values()) == 2 and doc["retry_histogram_sampled"]  # of the 10 pending
 
 
 async def test_status_table_is_readable(

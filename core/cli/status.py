@@ -1,6 +1,8 @@
 """``room-outbox status``: the backlog, retries, frequent errors (grouped; of the rows retrying
-and of the parked rows), leases, lanes and consumers at a glance. The report reads the pending rows themselves: it is for a person at a
-terminal, not for a timer (the metrics sample the backlog on an index instead)."""
+and of the parked rows), leases, lanes and consumers at a glance. Its counts are exact (read in
+the status index); the retry histogram and the errors read a sample of each status's rows, at
+most 10,000 however large the backlog, and say so. It is for a person at a terminal, not for a
+timer (the metrics sample the backlog on an index instead)."""
 
 from __future__ import annotations
 
@@ -42,7 +44,10 @@ def format_status(report: StatusReport) -> str:
         f"leased now            {report.leased}",
     ]
     lines += [f"{status:<22}{count}" for status, count in report.other_statuses.items()]  # in the report's order
+    sample = f"{report.error_sample:,}"
     lines += ["", "retries  pending rows"]
+    if report.retry_histogram_sampled:  # the pending count above is exact; these rows are not all of them
+        lines[-1] += f"  (a sample: the oldest {sample} of each status still to deliver, not all {report.pending:,})"
     lines += [f"{label:>7}  {rows}" for label, rows in report.retry_histogram.items()]
     lines += ["", "lease holders"]
     if report.holders:
@@ -51,7 +56,6 @@ def format_status(report: StatusReport) -> str:
     else:
         lines.append("  (none)")
     lines += _format_lanes(report)
-    sample = f"{report.error_sample:,}"
     lines += _format_errors(
         f"most frequent last_error of rows retrying (among the oldest {sample} still to deliver;"
         " identifiers such as a GroupId shown as <id>)",
@@ -99,8 +103,9 @@ COMMAND = Command(
     description="The backlog (pending rows, the oldest one's time), rows waiting for a retry, the retry-count\n"
     "histogram, lease holders, lanes of their own and the most frequent last_error values of the\n"
     "rows retrying and, apart, of the parked (failed) rows, grouped (errors that differ only by an\n"
-    "identifier such as a GroupId are one line, with their count); each read from at most 10,000\n"
-    "rows of a status: the oldest still to deliver, the latest parked. The schema is checked as `run`\n"
+    "identifier such as a GroupId are one line, with their count). The histogram and the errors\n"
+    "are read from at most 10,000 rows of a status: the oldest still to deliver, the latest parked;\n"
+    "the histogram says when it is such a sample. The schema is checked as `run`\n"
     "checks it at start: what would stop `run` (a missing index, say) follows the report on stderr,\n"
     "with its fix, and the exit code is 3.",
     examples="room-outbox status\nroom-outbox status --json | jq .oldest_pending_age_ms",

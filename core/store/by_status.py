@@ -1,6 +1,6 @@
 """Reads of the outbox's rows of some statuses, bounded by those rows however many others the
 table holds: the backlog's count and oldest row (the metrics timer, ``status``, ``lanes``), the
-status report's error samples, ``requeue``'s selections.
+status report's samples (retry counts, errors), ``requeue``'s selections.
 
 Left to choose, an optimizer may answer ``WHERE status = 'pending' ORDER BY id LIMIT n`` by
 walking the primary key from the lowest id and stopping at the first ``n`` pending rows it
@@ -10,15 +10,20 @@ rows are the newest. So these reads are kept on an index that starts with ``stat
 the statement where the database takes a hint (MySQL/MariaDB's ``FORCE INDEX``, SQLite's
 ``INDEXED BY``: room-service's ``(status, id)`` index, which holds each status's rows in key
 order, where the table has it, else the claim's, ``migrate``'s, whose range of a status holds
-its rows too), and on PostgreSQL, which takes no
-hint, by ordering on an expression of the key that no index holds, with whole-table scans off
-for the transaction (a table scan, the planner's choice once the statuses' rows look many, reads
-every published row too): the planner then reads the statuses' rows by their index and sorts
-them.
+its rows too), and on PostgreSQL, which takes no hint, by ordering on ``(status, key)`` with
+the statuses written as an array (an equality would make ``status`` a constant the planner
+drops from the order, leaving the primary key's order), with whole-table scans off for the
+transaction (a table scan, the planner's choice once the statuses' rows look many, reads every
+published row too).
+
+A read of a status's first ``n`` rows in key order (:meth:`StatusRead.first_rows`) then reads ``n`` rows
+of the ``(status, id)`` index however many the status has; without that index it reads every
+row of the status (the claim's index holds them by due time) and keeps the first ``n``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +41,26 @@ class StatusRead:
     #: FROM's table, with the hint that keeps the read on a status index where the database
     #: takes one.
     source: str
-    #: ORDER BY's expression for "in key order".
-    order: str
+    #: ORDER BY's columns for "in key order".
+    order_columns: tuple[str, ...]
+    #: SQL template: the status is one of ``{quoted}`` / ``{bare}`` (see Dialect.status_in).
+    status_in: str
+
+    def order(self, descending: bool = False) -> str:
+        """ORDER BY's expression for "in key order" (highest keys first when ``descending``)."""
+        return ", ".join(f"{column}{' DESC' if descending else ''}" for column in self.order_columns)
+
+    def of_statuses(self, statuses: Sequence[str]) -> str:
+        """SQL: the row is in one of ``statuses`` (constants, never input), written so that the
+        read keeps the status index and its order."""
+        return self.status_in.format(quoted=", ".join(f"'{status}'" for status in statuses), bare=",".join(statuses))
+
+    def first_rows(self, columns: str, status: str, where: Sequence[str] = (), descending: bool = False) -> str:
+        """SQL: ``columns`` of the first rows of ``status`` in key order (the last with
+        ``descending``) that also meet ``where``, as many as the one ``%s`` after ``where``'s
+        own parameters: a walk of the status index that stops there (see this module's docstring)."""
+        conditions = " AND ".join([self.of_statuses((status,)), *where])
+        return f"SELECT {columns} FROM {self.source} WHERE {conditions} ORDER BY {self.order(descending)} LIMIT %s"
 
 
 async def status_read(cur: Any, store: SQLStore) -> StatusRead:
@@ -53,7 +76,8 @@ async def status_read(cur: Any, store: SQLStore) -> StatusRead:
             if index.lower() in indexes:
                 hint = store.dialect.status_index_hint.format(index=index)
                 break
-    return StatusRead(f"{p.table}{hint}", store.dialect.status_order.format(key=p.key))
+    order = tuple(column.format(key=p.key) for column in store.dialect.status_order)
+    return StatusRead(f"{p.table}{hint}", order, store.dialect.status_in)
 
 
 async def open_rows(cur: Any, store: SQLStore) -> tuple[int, int | None]:

@@ -38,9 +38,12 @@ class Dialect:
     #: it on an index starting with ``status`` (``{index}``); "": the dialect takes none. See
     #: room_outbox.store.by_status.
     status_index_hint: str
-    #: ORDER BY's expression for a read of some statuses' rows in key order (``{key}``), where
-    #: the dialect takes no index hint: see room_outbox.store.by_status.
-    status_order: str
+    #: ORDER BY's columns for a read of some statuses' rows in key order (``{key}``): see
+    #: room_outbox.store.by_status.
+    status_order: tuple[str, ...]
+    #: SQL: the row's status is one of ``{quoted}`` (the statuses quoted, comma-separated) or,
+    #: the same, of ``{bare}`` (unquoted), in such a read.
+    status_in: str
     #: Run before such reads, for the rest of their transaction ("": nothing).
     status_read_setup: str
     #: Appended to CREATE TABLE.
@@ -128,7 +131,8 @@ MYSQL = Dialect(
     primary_hint=" FORCE INDEX (PRIMARY)",
     index_hint=" FORCE INDEX ({index})",
     status_index_hint=" FORCE INDEX ({index})",
-    status_order="{key}",
+    status_order=("{key}",),
+    status_in="status IN ({quoted})",
     status_read_setup="",
     table_options=" ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",
     id_type="BIGINT UNSIGNED",
@@ -158,10 +162,13 @@ POSTGRESQL = Dialect(
     row_lock=" FOR UPDATE SKIP LOCKED",
     primary_hint="",
     index_hint="",
-    # An order no index holds, and no whole-table scan: the planner has the status indexes'
-    # ranges left, never the primary key's walk nor a scan of every published row.
+    # An order only the (status, key) index holds (the statuses an array, never a constant
+    # the planner drops from the order), no whole-table scan and no sort: the planner walks
+    # that index's range and stops at the LIMIT, never the primary key's walk nor a scan of
+    # every published row.
     status_index_hint="",
-    status_order="{key} + 0",
+    status_order=("status", "{key}"),
+    status_in="status = ANY('{{{bare}}}')",
     status_read_setup="SET LOCAL enable_seqscan = off",
     table_options="",
     id_type="BIGINT",
@@ -189,7 +196,8 @@ SQLITE = Dialect(
     index_hint="",
     # SQLite's planner, once ANALYZE has counted few statuses, scans the table instead.
     status_index_hint=" INDEXED BY {index}",
-    status_order="{key}",
+    status_order=("{key}",),
+    status_in="status IN ({quoted})",
     status_read_setup="",
     table_options="",
     id_type="INTEGER",

@@ -6,6 +6,7 @@ its plan scans the whole table."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -15,10 +16,12 @@ import psycopg
 import pytest
 from support import INSERT_V1
 
+from room_outbox.cli.requeue import requeue_command
+from room_outbox.cli.status import format_status
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.catalog import im_lane_backlog
 from room_outbox.store.operator.changes import RequeueFilter, find_requeue_candidates
-from room_outbox.store.operator.reports import sample_backlog, status_report
+from room_outbox.store.operator.reports import RETRY_BUCKETS, sample_backlog, status_report
 from room_outbox.store.protocol import SQLStore
 
 pytestmark = pytest.mark.anyio
@@ -118,9 +121,13 @@ async def plan_as_for_a_large_table(dsn: str) -> None:
         await conn.execute(f'ALTER DATABASE "{name}" SET random_page_cost = 100')
 
 
-async def rows_read(store: SQLStore, transactions: Transactions) -> list[tuple[int, str]]:
+async def rows_read(
+    store: SQLStore, transactions: Transactions, counted_in_index: bool = True
+) -> list[tuple[int, str]]:
     """The rows of ``room_outbox`` the database read to run each of the SELECTs on it, by its
-    own count, each run again in its transaction after the statements before it."""
+    own count, each run again in its transaction after the statements before it; without
+    ``counted_in_index``, the entries of an index read alone (a count in the status index,
+    which never reads the rows) are left out."""
     reads = []
     for statements in transactions:
         async with store.transaction() as cur:
@@ -135,39 +142,48 @@ async def rows_read(store: SQLStore, transactions: Transactions) -> list[tuple[i
                     reads.append((PUBLISHED if scans else 0, sql))  # a scan reads every published row
                 elif store.dialect.name == "mysql":
                     await cur.execute("ANALYZE FORMAT=JSON " + sql, params)
-                    reads.append((round(sum(_mariadb_reads(json.loads((await cur.fetchone())[0])))), sql))
+                    plan = json.loads((await cur.fetchone())[0])
+                    reads.append((round(sum(_mariadb_reads(plan, counted_in_index))), sql))
                 else:
                     await cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
                     (plan,) = json.loads((await cur.fetchone())[0])
-                    reads.append((round(sum(_postgresql_reads(plan["Plan"]))), sql))
+                    reads.append((round(sum(_postgresql_reads(plan["Plan"], counted_in_index))), sql))
     return reads
 
 
-def _mariadb_reads(node: Any) -> Iterator[float]:
+def _mariadb_reads(node: Any, counted_in_index: bool = True) -> Iterator[float]:
     """Each access to room_outbox's rows read (``r_rows`` per loop times its loops; a derived
-    table's rows are not read again from the table)."""
+    table's rows are not read again from the table); without ``counted_in_index``, not those
+    of an index read alone (``using_index``)."""
     if isinstance(node, dict):
-        if node.get("table_name") == "room_outbox" and "r_rows" in node:
+        read = node.get("table_name") == "room_outbox" and "r_rows" in node
+        if read and (counted_in_index or not node.get("using_index")):
             yield float(node["r_rows"] or 0) * float(node.get("r_loops") or 1)
         for value in node.values():
-            yield from _mariadb_reads(value)
+            yield from _mariadb_reads(value, counted_in_index)
     elif isinstance(node, list):
         for value in node:
-            yield from _mariadb_reads(value)
+            yield from _mariadb_reads(value, counted_in_index)
 
 
-def _postgresql_reads(node: dict[str, Any]) -> Iterator[float]:
+def _postgresql_reads(node: dict[str, Any], counted_in_index: bool = True) -> Iterator[float]:
     """Each scan's rows read: those it returned and those its filters removed, times its loops
-    (a bitmap index scan's entries are counted by the heap scan above it)."""
+    (a bitmap index scan's entries are counted by the heap scan above it); without
+    ``counted_in_index``, an index-only scan's rows are those it fetched from the table."""
     if node.get("Relation Name") == "room_outbox":
-        removed = node.get("Rows Removed by Filter", 0) + node.get("Rows Removed by Index Recheck", 0)
-        yield float(node["Actual Rows"] + removed) * node["Actual Loops"]
+        if not counted_in_index and node["Node Type"] == "Index Only Scan":
+            yield float(node["Heap Fetches"]) * node["Actual Loops"]
+        else:
+            removed = node.get("Rows Removed by Filter", 0) + node.get("Rows Removed by Index Recheck", 0)
+            yield float(node["Actual Rows"] + removed) * node["Actual Loops"]
     for child in node.get("Plans", []):
-        yield from _postgresql_reads(child)
+        yield from _postgresql_reads(child, counted_in_index)
 
 
-async def assert_bounded(store: SQLStore, transactions: Transactions, bound: int) -> None:
-    reads = await rows_read(store, transactions)
+async def assert_bounded(
+    store: SQLStore, transactions: Transactions, bound: int, counted_in_index: bool = True
+) -> None:
+    reads = await rows_read(store, transactions, counted_in_index)
     assert reads
     over = [f"{read} rows: {sql}" for read, sql in reads if read > bound]
     assert not over, "\n".join(over)
@@ -204,3 +220,92 @@ async def test_requeue_selects_among_the_rows_of_its_statuses_only(table: SQLSto
         found = await find_requeue_candidates(table, where, limit=30)
     assert [row["event_id"] for row in found] == [f"q{i}" for i in range(30)]  # the lowest keys, of both statuses
     await assert_bounded(table, statements, PENDING + FAILED)
+
+
+#: Rows of each status in a backlog far beyond the samples (cut to SAMPLE rows): a read of every
+#: row of a status reads BIG rows, a sample at most SAMPLE.
+BIG, SAMPLE = 3000, 50
+
+
+@pytest.fixture(params=["mysql", "postgresql"])
+async def backlog(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[SQLStore]:
+    """A few published rows, then BIG pending rows (retry counts 0 to 6, a timeout each), then
+    BIG parked ones (the latest an error of their own), on room-service's (status, id) index;
+    the status report's samples cut to SAMPLE rows."""
+    monkeypatch.setattr("room_outbox.store.operator.reports.STATUS_SAMPLE", SAMPLE)
+    server = str(request.param)
+    dsn = str(request.getfixturevalue("database_dsn" if server == "mysql" else "postgresql_dsn"))
+    if server == "postgresql":
+        await plan_as_for_a_large_table(dsn)
+    store = await open_store(dsn)
+    try:
+        await store.migrate()
+        async with store.transaction(120) as cur:
+            events = [f"p{i}" for i in range(100)] + [f"q{i}" for i in range(BIG)] + [f"f{i}" for i in range(BIG)]
+            await cur.executemany(
+                INSERT_V1, [("default", e, "RoomUserJoined", f"r_{i % 50}", "{}", 1, 1) for i, e in enumerate(events)]
+            )
+            await cur.execute("UPDATE room_outbox SET status = 'published' WHERE event_id LIKE 'p%%'")
+            await cur.execute(
+                "UPDATE room_outbox SET last_error = 'timeout', retry_count = MOD(id, 7) WHERE event_id LIKE 'q%%'"
+            )
+            await cur.execute(
+                "UPDATE room_outbox SET status = 'failed', last_error = 'ErrorCode 10010: group gone' WHERE event_id LIKE 'f%%'"
+            )
+            await cur.execute(
+                "UPDATE room_outbox SET last_error = 'ErrorCode 10007: no permission' WHERE id > %s",
+                (100 + 2 * BIG - SAMPLE,),
+            )
+        if server == "mysql":
+            async with store.transaction() as cur:
+                await cur.execute("ANALYZE TABLE room_outbox")
+                await cur.fetchall()
+        else:  # statistics, and the visibility map that lets a count stay in the index
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                await conn.execute("VACUUM ANALYZE room_outbox")
+        yield store
+    finally:
+        await store.aclose()
+
+
+async def test_a_large_backlog_is_counted_in_the_index_and_sampled(backlog: SQLStore) -> None:
+    async with recorded(backlog) as statements:
+        report = await status_report(backlog)
+    # Counts are exact, read in the status index alone.
+    assert (report.pending, report.other_statuses) == (BIG, {"failed": BIG})
+    # The retry counts and errors are those of the oldest SAMPLE pending rows, the latest SAMPLE parked.
+    first_ids = range(101, 101 + SAMPLE)
+    retries = [key % 7 for key in first_ids]
+    expected = {
+        label: sum(low <= r and (high is None or r <= high) for r in retries) for label, low, high in RETRY_BUCKETS
+    }
+    assert report.retry_histogram == expected and report.retry_histogram_sampled
+    assert report.top_errors == [("timeout", SAMPLE)]
+    assert report.top_parked_errors == [("ErrorCode 10007: no permission", SAMPLE)]
+    text = format_status(report)
+    assert (
+        f"retries  pending rows  (a sample: the oldest {SAMPLE} of each status still to deliver, not all {BIG:,})"
+        in text
+    )
+    assert f"parked (failed) rows (among the latest {SAMPLE})" in text
+    await assert_bounded(backlog, statements, SAMPLE, counted_in_index=False)
+
+
+async def test_requeue_previews_read_as_many_rows_as_they_show(backlog: SQLStore) -> None:
+    out = io.StringIO()
+    async with recorded(backlog) as statements:
+        await requeue_command(backlog, RequeueFilter(statuses=("failed",)), apply=False, out=out, limit=SAMPLE)
+    assert (
+        f"{SAMPLE} row(s) would be requeued; more than {SAMPLE} rows match: only the first {SAMPLE}" in out.getvalue()
+    )
+    assert [line.split()[0] for line in out.getvalue().splitlines()[1:-1]] == [f"f{i}" for i in range(SAMPLE)]
+    await assert_bounded(backlog, statements, SAMPLE + 1, counted_in_index=False)  # one more: are there more?
+    assert (await im_lane_backlog(backlog)).parked == BIG  # a preview changes nothing
+
+
+async def test_the_backlog_gauges_count_in_the_index(backlog: SQLStore) -> None:
+    async with recorded(backlog) as statements:
+        pending = (await sample_backlog(backlog)).pending
+        lane = await im_lane_backlog(backlog)
+    assert pending == lane.pending == BIG and lane.parked == BIG
+    await assert_bounded(backlog, statements, 1, counted_in_index=False)  # the oldest row, by its key

@@ -10,7 +10,7 @@ from typing import Any
 
 from room_outbox.errors import SchemaError
 from room_outbox.store.backends.errors import refused_value
-from room_outbox.store.by_status import StatusRead, status_read
+from room_outbox.store.by_status import status_read
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import marks
 from room_outbox.store.operator.reports import matching_event
@@ -61,18 +61,24 @@ async def find_requeue_candidates(store: SQLStore, where: RequeueFilter, limit: 
     params: list[Any] = [now_ms()]
     _id_and_error_clauses(store, where, p.event_id, clauses, params)
     of_row, of_row_params = _row_clauses(store, where)
+    columns = (
+        f"{p.key} AS id, {p.event_id} AS event_id, {p.app_code} AS app_code, {p.event_type} AS event_type,"
+        f" {p.room_id} AS room_id, status, {p.attempts_made} AS retry_count, last_error,"
+        f" {p.as_ms(p.created)} AS created_at_ms"
+    )
+    conditions = [*clauses, *of_row]
     found: list[dict[str, Any]] = []
     async with store.transaction() as cur:
-        read = StatusRead(p.table, p.key) if where.event_ids else await status_read(cur, store)
-        for group in [statuses] if where.event_ids else [[status] for status in statuses]:
-            await cur.execute(
-                f"SELECT {p.key} AS id, {p.event_id} AS event_id, {p.app_code} AS app_code, {p.event_type} AS event_type,"
-                f" {p.room_id} AS room_id, status, {p.attempts_made} AS retry_count, last_error,"
-                f" {p.as_ms(p.created)} AS created_at_ms FROM {read.source}"
-                f" WHERE {' AND '.join([in_list('status', tuple(group)), *clauses, *of_row])}"
-                f" ORDER BY {read.order} LIMIT %s",
-                (*params, *of_row_params, limit),
-            )
+        if where.event_ids:
+            of_statuses = in_list("status", tuple(statuses))
+            selects = [
+                f"SELECT {columns} FROM {p.table} WHERE {' AND '.join([of_statuses, *conditions])} ORDER BY {p.key} LIMIT %s"
+            ]
+        else:
+            read = await status_read(cur, store)
+            selects = [read.first_rows(columns, status, conditions) for status in statuses]
+        for select in selects:
+            await cur.execute(select, (*params, *of_row_params, limit))
             names = [d[0] for d in cur.description]
             found += [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
     return sorted(found, key=lambda row: int(row["id"]))[:limit]

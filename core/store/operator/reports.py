@@ -3,7 +3,9 @@ operators and the demo: what the tables say, never a change. Every statement is 
 stores speak.
 
 Queries that run often stay on an index: :func:`sample_backlog` (the metrics timer) reads the
-open rows' index range once, plus one row by primary key (:mod:`room_outbox.store.by_status`)."""
+open rows' index range once, plus one row by primary key (:mod:`room_outbox.store.by_status`).
+The status report counts rows in the status index (exact counts) and reads rows themselves
+only from a sample of at most :data:`STATUS_SAMPLE` rows of each status, which it says it is."""
 
 from __future__ import annotations
 
@@ -99,9 +101,11 @@ class StatusReport:
     #: Parked (``failed``) and ``cancelled`` rows, when the lane has them, in that order: the
     #: order of a row's life, after the pending ones (leased among them), which ``status`` keeps.
     other_statuses: dict[str, int]
+    #: Rows still to deliver by retry count, among the oldest :data:`STATUS_SAMPLE` of each
+    #: status: all of them unless :attr:`retry_histogram_sampled`.
     retry_histogram: dict[str, int]
     #: The most frequent errors (grouped: :func:`grouped_errors`) of the rows still to deliver
-    #: that have failed (retrying), among the oldest :data:`ERROR_SAMPLE` of each status.
+    #: that have failed (retrying), among the oldest :data:`STATUS_SAMPLE` of each status.
     top_errors: list[tuple[str, int]]
     leased: int
     holders: list[LeaseHolder] = field(default_factory=list)
@@ -109,10 +113,12 @@ class StatusReport:
     #: False when no main-lane sink is enabled: ``room_outbox.status`` is then room-service's
     #: alone, and its pending rows are nobody's backlog here (the IM figures above are 0).
     im_lane: bool = True
-    #: The same for the parked (``failed``) rows, among the latest :data:`ERROR_SAMPLE`.
+    #: The same for the parked (``failed``) rows, among the latest :data:`STATUS_SAMPLE`.
     top_parked_errors: list[tuple[str, int]] = field(default_factory=list)
-    #: The rows of each status the error counts read at most.
+    #: The rows of each status the error counts and the retry histogram read at most.
     error_sample: int = 0
+    #: Whether the retry histogram counts a sample (more rows are still to deliver than it read).
+    retry_histogram_sampled: bool = False
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -128,12 +134,10 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
     now = now_ms()
     backlog = await sample_backlog(store)
     words = store.profile
-    table, open_ = words.table, words.is_open()
+    table = words.table
     async with store.transaction() as cur:
-        attempts, lock, after = words.attempts_made, words.lock, words.ms("%s")
-        read = await status_read(cur, store)
-        await cur.execute(f"SELECT {attempts}, COUNT(*) FROM {read.source} WHERE {open_} GROUP BY {attempts}")
-        by_retries = {int(retries): int(rows) for retries, rows in await cur.fetchall()}
+        lock, after = words.lock, words.ms("%s")
+        by_retries = await _retries_sampled(store, cur)
         # Rows still to deliver: the oldest, the head of the backlog, where the failing rows wait;
         # parked rows: the latest, what failed last (in an incident, the incident).
         top_errors = (await _frequent_errors(store, cur, words.open, latest=False))[:top]
@@ -172,9 +176,10 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
         waiting_for_retry=int(waiting),
         other_statuses=other,
         retry_histogram=histogram,
+        retry_histogram_sampled=sum(histogram.values()) < backlog.pending,
         top_errors=top_errors,
         top_parked_errors=top_parked_errors,
-        error_sample=ERROR_SAMPLE,
+        error_sample=STATUS_SAMPLE,
         leased=sum(entry[1] for entry in holders.values()),
         holders=[LeaseHolder(node, c, r, u) for node, (c, r, u) in sorted(holders.items())],
         lanes=await lane_statuses(store),
@@ -184,25 +189,40 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
 #: Distinct last_error values the status report groups (the most frequent first).
 ERRORS_READ = 1000
 
-#: Rows of each status whose errors the status report counts, the oldest (or latest) by key:
-#: read on the (status, id) index, a status with millions of rows costs the report no more than
-#: this many row reads; on a table without it, that status's rows (see
-#: :mod:`room_outbox.store.by_status`), never the other statuses'.
-ERROR_SAMPLE = 10_000
+#: Rows of each status whose retry counts and errors the status report counts, the oldest (or
+#: latest) by key: read on the (status, id) index, a status with millions of rows costs the
+#: report no more than this many row reads; on a table without it, that status's rows (see
+#: :mod:`room_outbox.store.by_status`), never the other statuses'. Counts of rows are exact
+#: (the status index counts them without reading the rows).
+STATUS_SAMPLE = 10_000
+
+
+async def _retries_sampled(store: SQLStore, cur: Any) -> dict[int, int]:
+    """Rows still to deliver by retry count, among the oldest :data:`STATUS_SAMPLE` of each
+    open status (a status at a time: one index range each)."""
+    read = await status_read(cur, store)
+    attempts = store.profile.attempts_made
+    by_retries: dict[int, int] = {}
+    for status in store.profile.open:
+        sample = read.first_rows(f"{attempts} AS retries", status)
+        await cur.execute(f"SELECT retries, COUNT(*) FROM ({sample}) AS sample GROUP BY retries", (STATUS_SAMPLE,))
+        for retries, rows in await cur.fetchall():
+            by_retries[int(retries)] = by_retries.get(int(retries), 0) + int(rows)
+    return by_retries
 
 
 async def _frequent_errors(store: SQLStore, cur: Any, statuses: Sequence[str], latest: bool) -> list[tuple[str, int]]:
-    """The errors of :data:`ERROR_SAMPLE` rows of each of ``statuses`` (the ``latest``: highest
+    """The errors of :data:`STATUS_SAMPLE` rows of each of ``statuses`` (the ``latest``: highest
     keys, else the oldest), grouped (:func:`grouped_errors`), the most frequent first. A status
     at a time: one index range each, where an IN list would sort all of their rows first."""
     read = await status_read(cur, store)
     counts: list[tuple[str, int]] = []
     for status in dict.fromkeys(statuses):
+        sample = read.first_rows("last_error", status, descending=latest)
         await cur.execute(
-            f"SELECT last_error, COUNT(*) AS n FROM (SELECT last_error FROM {read.source} WHERE status = %s"
-            f" ORDER BY {read.order}{' DESC' if latest else ''} LIMIT %s) AS sample WHERE last_error IS NOT NULL"
+            f"SELECT last_error, COUNT(*) AS n FROM ({sample}) AS sample WHERE last_error IS NOT NULL"
             " GROUP BY last_error ORDER BY n DESC, last_error LIMIT %s",
-            (status, ERROR_SAMPLE, ERRORS_READ),
+            (STATUS_SAMPLE, ERRORS_READ),
         )
         counts += [(str(error), int(rows)) for error, rows in await cur.fetchall()]
     return grouped_errors(counts)
