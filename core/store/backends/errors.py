@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import pymysql
 
 from room_outbox.errors import RoomOutboxError, SchemaError, StoreUnavailable
+from room_outbox.store.deadline import LONGER_QUERY_TIMEOUT
 from room_outbox.store.schema.registry import OUTBOX, required_columns, required_indexes
 
 if TYPE_CHECKING:
@@ -62,6 +63,9 @@ _NO_SUCH_TABLE = 1146
 _NO_SUCH_COLUMN = 1054
 #: An index a statement forces (``FORCE INDEX``) that the table lacks.
 _NO_SUCH_INDEX = 1176
+#: A row lock (``innodb_lock_wait_timeout``) or a table's metadata lock (``lock_wait_timeout``)
+#: waited for too long. room-outbox sets both, per session, to database.query_timeout.
+_LOCK_WAIT_TIMEOUT = 1205
 
 
 def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxError | None:
@@ -103,6 +107,13 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
             return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
         if code in _READ_ONLY and "read" in reason.lower():
             return _read_only(where, reason)
+        if code == _LOCK_WAIT_TIMEOUT:
+            return StoreUnavailable(
+                f"{where}: {reason}: a row or table this command needed stayed locked by another transaction"
+                " for the server's innodb_lock_wait_timeout (database.query_timeout, rounded up to whole"
+                " seconds): let that transaction end (information_schema.innodb_trx lists the open ones with"
+                f" their trx_started), or run the command again with a longer query_timeout, {LONGER_QUERY_TIMEOUT}"
+            )
         if isinstance(exc, pymysql.err.OperationalError):
             return StoreUnavailable(f"{where}: {reason}")
         return None
