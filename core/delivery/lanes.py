@@ -44,7 +44,7 @@ def unused_tail_settings(settings: Settings, lane: str) -> str | None:
     None. Only the lane's own overrides: ``outbox_worker``'s keys are every lane's, the main
     lane's among them. A warning, not an error: a configuration that starts today keeps starting."""
     overrides = settings.outbox_worker.lanes.get(lane, {})
-    unused = []
+    unused: list[str] = []
     for key in LANE_TABLE_ONLY_SETTINGS:
         value = overrides.get(key)
         if isinstance(value, dict):
