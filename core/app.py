@@ -59,8 +59,8 @@ async def run_service(
     redactor = redactor or redactor_for(settings)
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
     checked = check_configuration(settings, pm)  # all of it, before anything connects
-    for line in settings.deprecated_names:
-        log.warning(line, extra={"lifecycle": "deprecated_config"})
+    for line in checked.warnings:
+        log.warning(line, extra={"lifecycle": "config_warning"})
     # Signals are handled from here on, never left to their default action (which would kill
     # the process holding its buckets and, once it delivers, its leases): one that comes while
     # the process starts ends its waits (for the database, to join the membership), no worker

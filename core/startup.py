@@ -23,7 +23,7 @@ import pluggy
 from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH, longest_claim_id, stored_node_id
 from room_outbox.config import Settings
 from room_outbox.consume.registry import NO_CONSUMER, check_consumers
-from room_outbox.delivery.lanes import delivery_settings, tails
+from room_outbox.delivery.lanes import delivery_settings, tails, unused_tail_settings
 from room_outbox.delivery.routing import registered_sinks, sink_name_problems, validate_sinks
 from room_outbox.errors import ConfigurationError
 from room_outbox.observability.telemetry import check_environment
@@ -47,6 +47,8 @@ class CheckedConfiguration:
     tail_lanes: list[str] = field(default_factory=list)
     #: The enabled consumers (``consume``'s).
     consumers: list[str] = field(default_factory=list)
+    #: What runs but deserves a word: settings that do nothing, former names. A line each.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def lane_tables(self) -> list[str]:
@@ -102,7 +104,11 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager, command: s
             problems.append(NO_CONSUMER)
     if problems:
         raise ConfigurationError("invalid configuration:\n  " + "\n  ".join(problems))
-    return CheckedConfiguration(main_sinks, own_lanes, database, tail_lanes, consumers)
+    warnings = [
+        *settings.deprecated_names,
+        *filter(None, (unused_tail_settings(settings, lane) for lane in tail_lanes)),
+    ]
+    return CheckedConfiguration(main_sinks, own_lanes, database, tail_lanes, consumers, warnings)
 
 
 def check_migrate_configuration(settings: Settings, pm: pluggy.PluginManager) -> None:

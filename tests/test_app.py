@@ -208,6 +208,25 @@ async def test_a_main_lane_that_takes_only_some_event_types_says_so_at_start(dat
     assert "sinks.noop.enabled: false" in warning["msg"]
 
 
+async def test_lane_settings_a_tailing_lane_ignores_are_named_once_at_start(database_dsn: str, tmp_path: Path) -> None:
+    """Retries, parking and ordering of a lane that tails room_outbox do nothing: the start says
+    which keys, once, and runs all the same (a configuration that started before still starts)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
+    env.update(ROOM_OUTBOX__SINKS__KAFKA__ENABLED="true", ROOM_OUTBOX__SINKS__KAFKA__BOOTSTRAP_SERVERS="127.0.0.1:1")
+    lanes = "outbox_worker:\n  lanes: {kafka: {parking: true, retry: {max_attempts: 20}, batch_size: 50}}\n"
+    log = tmp_path / "run.log"
+    run = _run_logged(_migrated_config(tmp_path, database_dsn, env, lanes), log, env)
+    await _sigterm_once(run, log, '"lane": "kafka"')  # the tailing relay's worker_started
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    (warning,) = [line for line in lines if line.get("lifecycle") == "config_warning"]
+    assert warning["level"] == "warning"
+    assert warning["msg"].startswith(
+        "outbox_worker.lanes.kafka.retry.max_attempts, outbox_worker.lanes.kafka.parking: ignored while the kafka"
+        " lane tails room_outbox (sinks.kafka.relay: tail)"
+    )
+    assert warning["msg"].endswith("they take effect only with relay: lane_table")
+
+
 async def test_a_process_loads_only_what_it_runs(database_dsn: str, tmp_path: Path) -> None:
     """`room-outbox run` on MySQL/MariaDB without the Kafka lane (a start pays for every module
     it imports) imports no PostgreSQL driver, no Kafka client and no other command's module:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -39,6 +40,7 @@ from room_outbox.cli.main import main
 from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError, RoomOutboxError, SchemaError, StoreUnavailable
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.deadline import SessionLimits
 from room_outbox.store.factory import open_store, store_address
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.outbox import V1_TABLE_DDL
@@ -322,6 +324,113 @@ async def test_a_statement_past_query_timeout_on_a_database_that_answers_says_so
         "room-outbox: the database answers, but a statement of this command ran longer than database.query_timeout (1s)"
     ), err
     assert "ROOM_OUTBOX__DATABASE__QUERY_TIMEOUT" in err[-1]
+
+
+@pytest.mark.parametrize("command", [("cancel", "held", "--yes"), ("requeue", "--event-id", "held", "--yes")])
+async def test_a_row_locked_past_the_lock_wait_on_mysql_says_so_and_what_to_do(
+    store: MySQLStore,
+    database_dsn: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: tuple[str, ...],
+) -> None:
+    """Another transaction holds the row the command writes longer than the session's lock
+    wait (query_timeout): MySQL/MariaDB's own words name no cause nor fix; the line adds both."""
+    # The session's lock wait is query_timeout rounded up, so the server's error and the
+    # client's deadline race; a shorter lock wait makes the server's error the one that ends it.
+    for_query_timeout = SessionLimits.for_query_timeout
+
+    def short_lock_wait(query_timeout: float, idle_in_transaction: float = 0.0) -> SessionLimits:
+        return dataclasses.replace(for_query_timeout(query_timeout, idle_in_transaction), lock_wait_seconds=1)
+
+    monkeypatch.setattr(SessionLimits, "for_query_timeout", short_lock_wait)
+    await insert_events(store, [envelope("held")])
+    config = write_config(tmp_path, database_dsn, QUIET_SINKS + "database:\n  query_timeout: 3s\n")
+    holder = await MySQLStore.connect(database_dsn)
+    try:
+        async with holder.transaction() as cur:
+            await cur.execute("SELECT id FROM room_outbox WHERE event_id = 'held' FOR UPDATE")
+            code, _, err = await cli(capsys, "--config", config, *command)
+    finally:
+        await holder.aclose()
+    address = MySQLAddress.from_dsn(database_dsn)
+    assert (code, err) == (
+        3,
+        [
+            f"room-outbox: MySQL at {address.host}:{address.port} (database '{address.database}', user"
+            f" '{address.user}'): Lock wait timeout exceeded; try restarting transaction: a row or table this"
+            " command needed stayed locked by another transaction for the server's innodb_lock_wait_timeout"
+            " (database.query_timeout, rounded up to whole seconds): let that transaction end"
+            " (information_schema.innodb_trx lists the open ones with their start), or run the command"
+            " again with a longer query_timeout, such as ROOM_OUTBOX__DATABASE__QUERY_TIMEOUT=30s (below a third"
+            " of outbox_worker.lease: raise it too for the command, such as ROOM_OUTBOX__OUTBOX_WORKER__LEASE=120s)"
+        ],
+    )
+
+
+async def test_a_row_locked_past_the_lock_wait_on_postgresql_says_so_and_what_to_do(
+    postgresql_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL's lock_timeout, as MySQL's lock wait above: the line adds the cause and the fix."""
+    for_query_timeout = SessionLimits.for_query_timeout
+
+    def short_lock_wait(query_timeout: float, idle_in_transaction: float = 0.0) -> SessionLimits:
+        return dataclasses.replace(for_query_timeout(query_timeout, idle_in_transaction), lock_wait_seconds=1)
+
+    monkeypatch.setattr(SessionLimits, "for_query_timeout", short_lock_wait)
+    store = await open_store(postgresql_dsn, pool_size=1)
+    try:
+        await store.migrate()
+        await insert_events(store, [envelope("held")])  # type: ignore[arg-type]
+    finally:
+        await store.aclose()
+    config = write_config(tmp_path, postgresql_dsn, QUIET_SINKS + "database:\n  query_timeout: 3s\n")
+    async with await psycopg.AsyncConnection.connect(postgresql_dsn) as holder:
+        await holder.execute("SELECT id FROM room_outbox WHERE event_id = 'held' FOR UPDATE")
+        code, _, err = await cli(capsys, "--config", config, "cancel", "held", "--yes")
+        await holder.rollback()
+    assert code == 3 and len(err) == 1, err
+    assert "canceling statement due to lock timeout" in err[0]
+    assert err[0].endswith(
+        ": a row or table this command needed stayed locked by another transaction for the server's lock_timeout"
+        " (database.query_timeout, rounded up to whole seconds): let that transaction end (pg_stat_activity lists"
+        " the open ones with their start), or run the command again with a longer query_timeout, such as"
+        " ROOM_OUTBOX__DATABASE__QUERY_TIMEOUT=30s (below a third of outbox_worker.lease: raise it too for the"
+        " command, such as ROOM_OUTBOX__OUTBOX_WORKER__LEASE=120s)"
+    ), err
+
+
+@pytest.mark.parametrize("command", ["status", "cancel"])
+async def test_a_statement_past_query_timeout_on_postgresql_is_one_line_on_stderr(
+    postgresql_dsn: str, tmp_path: Path, command: str
+) -> None:
+    """The table locked by another transaction: the command's whole stderr is its one line (no
+    library warning about the connection it closed before)."""
+    store = await open_store(postgresql_dsn, pool_size=1)
+    try:
+        await store.migrate()
+        await insert_events(store, [envelope("e1")])  # type: ignore[arg-type]
+    finally:
+        await store.aclose()
+    # 1.5s: before the session's lock_timeout (rounded up to 2s), so the client's deadline ends the wait.
+    config = write_config(tmp_path, postgresql_dsn, QUIET_SINKS + "database:\n  query_timeout: 1500ms\n")
+    args = {"status": ["status"], "cancel": ["cancel", "e1", "--yes"]}[command]
+    async with await psycopg.AsyncConnection.connect(postgresql_dsn) as holder:
+        await holder.execute("LOCK TABLE room_outbox IN ACCESS EXCLUSIVE MODE")
+        done = await anyio.to_thread.run_sync(
+            lambda: subprocess.run(
+                [sys.executable, "-m", "room_outbox.cli", "--config", config, *args],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        )
+        await holder.rollback()
+    assert done.returncode == 3, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("room-outbox: the database answers, but a statement of this command ran longer than"), line
+    assert "query_timeout (1.5s)" in line
 
 
 async def test_run_checks_the_schema_at_start(

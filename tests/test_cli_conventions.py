@@ -428,16 +428,20 @@ def test_consumers_on_sqlite_say_so_once(tmp_path: Path, monkeypatch: pytest.Mon
 # -- a mistyped SQLite path ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [["status"], ["inspect", "evt_1"], ["lanes"], ["run"]])
+@pytest.mark.parametrize(
+    ("command", "slashes"),
+    [(["status"], "//"), (["inspect", "evt_1"], "//"), (["lanes"], "//"), (["run"], "//"), (["status"], "///")],
+)
 def test_a_missing_sqlite_file_is_named_and_not_created(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str], slashes: str
 ) -> None:
     """Every command made the file's folders and an empty database there, then failed on its
     missing tables: a later migrate with the same typo would have migrated the wrong file."""
     without_room_outbox_environment(monkeypatch)
     path = tmp_path / "typo" / "deep" / "outbox.db"
     config = tmp_path / "config.yaml"
-    dsn = f"sqlite://{path}"  # sqlite:///tmp/…: the path is absolute
+    # sqlite:///tmp/…: the path is absolute; sqlite:////tmp/… (SQLAlchemy's form) names it too.
+    dsn = f"sqlite:{slashes}{path}"
     config.write_text(f"database: {{dsn: '{dsn}'}}\nsinks: {{tencent_im: {{enabled: false}}}}\n")
     done = room_outbox("--config", str(config), *command)
     assert (done.returncode, done.stdout) == (3, "")

@@ -97,7 +97,8 @@ def test_every_room_outbox_command_in_the_readme_exists() -> None:
         name, args = program(line)
         if name != "room-outbox":
             continue
-        if "[" in line or "FILTERS" in line:  # a synopsis: the command and its options must exist
+        # A synopsis (``[optional]``, ``{one,of,these}``): the command and its options must exist.
+        if "[" in line or "{" in line or "FILTERS" in line:
             words = [w for w in re.sub(r"\[--config FILE\]", "", " ".join(args)).replace("[", " ").split()]
             command = words[0]
             assert command in commands, line

@@ -25,7 +25,7 @@ def check_config(settings: Settings, source: str | None, as_json: bool = False, 
     except ConfigurationError as exc:
         return _invalid(problems(exc), source, as_json, list(settings.deprecated_names))
     if as_json:
-        print(json.dumps(_report(source, checked, list(settings.deprecated_names), []), indent=2))
+        print(json.dumps(_report(source, checked, checked.warnings, []), indent=2))
         return 0
     runs = (
         f"consumers: {', '.join(checked.consumers)}"
@@ -36,7 +36,7 @@ def check_config(settings: Settings, source: str | None, as_json: bool = False, 
     print(
         f"configuration OK ({source or 'defaults and environment'}) for {command}: database {checked.database!r}; {runs}"
     )
-    for line in settings.deprecated_names:
+    for line in checked.warnings:
         print(f"warning: {line}")
     return 0
 

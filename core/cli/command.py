@@ -16,7 +16,7 @@ from room_outbox.errors import ConfigurationError, SchemaError
 from room_outbox.observability.redaction import Redactor
 from room_outbox.startup import check_run_schema, table_profile
 from room_outbox.store.backends.errors import translated
-from room_outbox.store.deadline import QueryTimeout
+from room_outbox.store.deadline import LONGER_QUERY_TIMEOUT, QueryTimeout
 from room_outbox.store.factory import describe, open_store, store_address
 from room_outbox.store.operator.reports import ping
 from room_outbox.store.protocol import SQLStore
@@ -206,10 +206,8 @@ async def _timed_out(store: SQLStore, exc: QueryTimeout) -> QueryTimeout:
     return QueryTimeout(
         exc.seconds,
         f"the database answers, but a statement of this command ran longer than database.query_timeout"
-        f" ({exc.seconds:g}s) and was abandoned: run the command again with a longer one, such as"
-        " ROOM_OUTBOX__DATABASE__QUERY_TIMEOUT=30s (below a third of outbox_worker.lease: raise it too for"
-        " the command, such as ROOM_OUTBOX__OUTBOX_WORKER__LEASE=120s), and find the statement in the"
-        " database's slow query log",
+        f" ({exc.seconds:g}s) and was abandoned: run the command again with a longer one, {LONGER_QUERY_TIMEOUT},"
+        " and find the statement in the database's slow query log",
     )
 
 

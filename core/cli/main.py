@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -165,6 +166,11 @@ def _command(args: argparse.Namespace, parser: argparse.ArgumentParser, redactor
     )
     if command.needs == "config":
         return int(command.run(settings, args, redactor))
+    # An operator command's failure is its one line on stderr, naming the cause and the fix.
+    # psycopg warns as it closes a connection whose statement query_timeout cancelled, which that
+    # line says better; its errors still show, and the services (run, consume) keep its warnings.
+    psycopg = logging.getLogger("psycopg")
+    psycopg.setLevel(max(logging.ERROR, psycopg.getEffectiveLevel()))
     return anyio.run(with_store, settings, lambda store: command.run(store, settings, args))
 
 

@@ -15,6 +15,7 @@ import pluggy
 
 from room_outbox.config import MAIN_LANE, LanePlan, OutboxWorkerSettings, Settings
 from room_outbox.delivery.routing import registered_sinks, section_enabled
+from room_outbox.delivery.tail import LANE_TABLE_ONLY_SETTINGS
 from room_outbox.sink import SinkSpec
 from room_outbox.store.lanes.store import LaneStore
 from room_outbox.store.lanes.tail import TailStore
@@ -36,6 +37,26 @@ def lane_plan(pm: pluggy.PluginManager, settings: Settings) -> LanePlan:
 def tails(spec: SinkSpec[Any], settings: Settings) -> bool:
     """Whether the sink's lane tails ``room_outbox`` (see :mod:`room_outbox.delivery.tail`)."""
     return spec.own_lane and spec.ordered_log and settings.sinks.get(spec.name, {}).get("relay", "tail") == "tail"
+
+
+def unused_tail_settings(settings: Settings, lane: str) -> str | None:
+    """A warning naming the ``outbox_worker.lanes.<lane>`` keys that a tailing lane ignores, or
+    None. Only the lane's own overrides: ``outbox_worker``'s keys are every lane's, the main
+    lane's among them. A warning, not an error: a configuration that starts today keeps starting."""
+    overrides = settings.outbox_worker.lanes.get(lane, {})
+    unused: list[str] = []
+    for key in LANE_TABLE_ONLY_SETTINGS:
+        value = overrides.get(key)
+        if isinstance(value, dict):
+            unused.extend(f"outbox_worker.lanes.{lane}.{key}.{inner}" for inner in value)
+        elif key in overrides:
+            unused.append(f"outbox_worker.lanes.{lane}.{key}")
+    if not unused:
+        return None
+    return (
+        f"{', '.join(unused)}: ignored while the {lane} lane tails room_outbox (sinks.{lane}.relay: tail);"
+        f" they take effect only with relay: lane_table"
+    )
 
 
 def enabled_sinks(pm: pluggy.PluginManager, settings: Settings) -> set[str]:

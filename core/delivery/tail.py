@@ -49,6 +49,12 @@ from room_outbox.store.lanes.tail import TailRow, TailStore
 
 log = logging.getLogger("room_outbox.tail")
 
+#: Delivery settings a lane-table lane honours and this relay never reads: a batch fails or is
+#: sent as a whole (no per-row retries, back-off or attempt count), a sink that can never take a
+#: row has it parked at once, order is the sink's (by key), and no row is claimed or leased. The
+#: relay reads ``batch_size``, ``poll_interval`` and ``publish_timeout`` only.
+LANE_TABLE_ONLY_SETTINGS = ("retry_strategy", "retry", "parking", "ordering", "concurrency", "lease")
+
 
 class BatchFailed(Exception):
     """The sink failed a batch as a whole: the round is rolled back and read again."""

@@ -22,6 +22,7 @@ from room_outbox.errors import StoreError
 
 __all__ = [
     "DEFAULT_QUERY_TIMEOUT",
+    "LONGER_QUERY_TIMEOUT",
     "SCHEMA_CHANGE_TIMEOUT",
     "QueryTimeout",
     "SessionLimits",
@@ -33,6 +34,13 @@ __all__ = [
 #: Client-side bound on ``migrate``'s transaction: adding a column or an index to a large
 #: table may take long. Its lock waits stay bounded by the session's limits.
 SCHEMA_CHANGE_TIMEOUT = 3600.0
+
+#: How an operator command gets a longer database.query_timeout, for a message's advice. A
+#: query_timeout must stay below a third of the lease, which is raised with it where needed.
+LONGER_QUERY_TIMEOUT = (
+    "such as ROOM_OUTBOX__DATABASE__QUERY_TIMEOUT=30s (below a third of outbox_worker.lease: raise it too"
+    " for the command, such as ROOM_OUTBOX__OUTBOX_WORKER__LEASE=120s)"
+)
 
 
 class QueryTimeout(StoreError, TimeoutError):

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import yaml
 
 from room_outbox.attempt.retry import RetryPolicy
+from room_outbox.cli.main import main
 from room_outbox.config import ConfigError, Settings, describe_validation_error
 from room_outbox.delivery.dispatcher import LaneOptions
 from room_outbox.delivery.routing import build_lanes
+from room_outbox.delivery.tail import LANE_TABLE_ONLY_SETTINGS
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
 
@@ -58,6 +64,53 @@ async def test_a_lane_that_does_not_exist_or_shares_the_main_lane_is_refused() -
         "outbox_worker.lanes.noop: sink 'noop' shares the main lane; its settings are outbox_worker.lanes.main"
         in str(info.value)
     )
+
+
+LANE_TABLE_ONLY = (
+    "    kafka:\n      retry_strategy: exponential\n      parking: true\n      batch_size: 500\n"
+    "      retry: {base: 1s, max_attempts: 20}\n      ordering: per_room\n      concurrency: 4\n      lease: 1m\n"
+)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_check_config_warns_of_lane_settings_a_tailing_lane_ignores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], as_json: bool
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "database: {dsn: 'sqlite:///x.db'}\noutbox_worker:\n  poll_interval: 2s\n  lanes:\n" + LANE_TABLE_ONLY
+        + "sinks:\n  tencent_im: {enabled: false}\n  kafka: {enabled: true, bootstrap_servers: '127.0.0.1:1'}\n"
+    )  # fmt: skip
+    assert main(["--config", str(path), "check-config", *(["--json"] if as_json else [])]) == 0
+    out = capsys.readouterr().out
+    (warning,) = json.loads(out)["warnings"] if as_json else [line for line in out.splitlines() if "warning" in line]
+    keys = "retry_strategy, retry.base, retry.max_attempts, parking, ordering, concurrency, lease"
+    named = ", ".join(f"outbox_worker.lanes.kafka.{key}" for key in keys.split(", "))
+    assert warning == ("" if as_json else "warning: ") + (
+        f"{named}: ignored while the kafka lane tails room_outbox (sinks.kafka.relay: tail);"
+        " they take effect only with relay: lane_table"
+    )
+    # The relay reads batch_size (and poll_interval, publish_timeout); outbox_worker's own keys
+    # are every lane's, the main lane's among them: neither is named.
+    assert "batch_size" not in warning and "poll_interval" not in warning
+
+
+def test_a_lane_table_lane_honours_those_settings_without_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "database: {dsn: 'sqlite:///x.db'}\noutbox_worker:\n  lanes:\n" + LANE_TABLE_ONLY + "sinks:\n"
+        "  tencent_im: {enabled: false}\n  kafka: {enabled: true, bootstrap_servers: '127.0.0.1:1', relay: lane_table}\n"
+    )  # fmt: skip
+    assert main(["--config", str(path), "check-config", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == []
+
+
+def test_the_kafka_only_config_sets_nothing_its_tailing_lane_ignores() -> None:
+    config = yaml.safe_load((Path(__file__).parents[2] / "config" / "config.kafka-only.yaml").read_text())
+    assert config["sinks"]["kafka"]["relay"] == "tail"
+    assert set(config["outbox_worker"]) & set(LANE_TABLE_ONLY_SETTINGS) == set()
 
 
 def test_option_defaults_are_the_configuration_defaults() -> None:

@@ -302,7 +302,7 @@ async def test_a_producer_writing_null_into_the_lock_itself_stops_migrate_with_t
                 finally:
                     writing.cancel_scope.cancel()
         assert str(refused.value).startswith(
-            "made room_outbox.lock_until_ms NOT NULL: refused, as rows with NULL there keep arriving while migrate"
+            "making room_outbox.lock_until_ms NOT NULL: refused, as rows with NULL there keep arriving while migrate"
             " runs ("
         ), refused.value
         assert "): room-service writes NULL into the column itself, and once it is NOT NULL" in str(refused.value)

@@ -193,7 +193,7 @@ async def test_a_change_the_server_cannot_make_online_is_refused_naming_the_step
         database_dsn, V1_DDL.replace("ENGINE=InnoDB", "ENGINE=InnoDB ROW_FORMAT=COMPRESSED")
     )
     assert str(refused.value).startswith(
-        "added column room_outbox.worker_id: the server cannot make this change online (ALGORITHM=INSTANT is not"
+        "adding column room_outbox.worker_id: the server cannot make this change online (ALGORITHM=INSTANT is not"
     )
     assert "so nothing was changed; make it with gh-ost or pt-online-schema-change" in str(refused.value)
     assert "worker_id" not in columns_of(database_dsn)
@@ -219,7 +219,7 @@ async def test_a_plan_the_server_would_refuse_half_way_is_refused_before_any_cha
     stored = "SMALLINT UNSIGNED AS (CRC32(room_id) % 7) STORED"
     monkeypatch.setitem(outbox.ADDED_COLUMNS["mysql"], "shard", stored)
     refused = await migrate_refused(database_dsn, V1_DDL)
-    assert str(refused.value).startswith("added column room_outbox.shard: the server cannot make this change online (")
+    assert str(refused.value).startswith("adding column room_outbox.shard: the server cannot make this change online (")
     assert "so nothing was changed; make it with gh-ost or pt-online-schema-change" in str(refused.value)
     assert {"worker_id", "lock_until_ms", "shard"}.isdisjoint(columns_of(database_dsn))
     conn = connect(database_dsn)
@@ -374,10 +374,27 @@ async def test_a_statement_waiting_for_the_tables_metadata_lock_gives_up_and_is_
         assert changes == V1_CHANGES
     finally:
         await store.aclose()
-    assert lines[0].startswith("added column room_outbox.worker_id: Waiting for table metadata lock for "), lines
+    assert lines[0].startswith("adding column room_outbox.worker_id: Waiting for table metadata lock for "), lines
     assert any(
-        re.fullmatch(r"added column room_outbox.worker_id: waited \d+s .* retrying \(1/\d+\)", line) for line in lines
+        re.fullmatch(r"adding column room_outbox.worker_id: waited \d+s .* retrying \(1/\d+\)", line) for line in lines
     ), lines
+
+
+async def test_a_statement_whose_table_stays_locked_names_the_change_it_did_not_make(
+    v1_table: str, table_reader: pymysql.connections.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mysql_online, "DDL_ATTEMPTS", 1)
+    store = await MySQLStore.connect(v1_table)
+    try:
+        with pytest.raises(SchemaError) as gave_up:
+            await store.migrate()
+    finally:
+        await store.aclose()
+    assert str(gave_up.value) == (
+        "adding column room_outbox.worker_id: the table stayed locked by other sessions (a long transaction?);"
+        f" waited 1 times {mysql_online.DDL_LOCK_WAIT}s; run migrate again later"
+    )
+    assert "worker_id" not in columns_of(v1_table)
 
 
 async def test_migrate_waits_for_a_schema_change_left_running_then_plans_again(
@@ -590,7 +607,7 @@ async def test_migrating_a_million_row_table_keeps_room_services_inserts_fast(
         worst = max(writer.latencies)
         print(f"migrate took {took:.1f}s; room-service's worst INSERT {worst * 1000:.0f} ms over {inserts} inserts")
         assert worst < 0.2, f"worst INSERT {worst * 1000:.0f} ms"
-        assert any(re.fullmatch(r"added index room_outbox\.\w+: altering table for \d+s", line) for line in lines)
+        assert any(re.fullmatch(r"adding index room_outbox\.\w+: altering table for \d+s", line) for line in lines)
         claimed = await store.claim("node#1", 10, now_ms() + 60_000)
         assert [row.event_id for row in claimed.rows] == [f"e{n}" for n in range(10)]  # the oldest pending
     finally:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import pymysql
 
 from room_outbox.errors import RoomOutboxError, SchemaError, StoreUnavailable
+from room_outbox.store.deadline import LONGER_QUERY_TIMEOUT
 from room_outbox.store.schema.registry import OUTBOX, required_columns, required_indexes
 
 if TYPE_CHECKING:
@@ -62,6 +63,9 @@ _NO_SUCH_TABLE = 1146
 _NO_SUCH_COLUMN = 1054
 #: An index a statement forces (``FORCE INDEX``) that the table lacks.
 _NO_SUCH_INDEX = 1176
+#: A row lock (``innodb_lock_wait_timeout``) or a table's metadata lock (``lock_wait_timeout``)
+#: waited for too long. room-outbox sets both, per session, to database.query_timeout.
+_LOCK_WAIT_TIMEOUT = 1205
 
 
 def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxError | None:
@@ -103,6 +107,10 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
             return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
         if code in _READ_ONLY and "read" in reason.lower():
             return _read_only(where, reason)
+        if code == _LOCK_WAIT_TIMEOUT:
+            return _lock_wait_exceeded(
+                where, reason, "innodb_lock_wait_timeout", "information_schema.innodb_trx lists the open ones"
+            )
         if isinstance(exc, pymysql.err.OperationalError):
             return StoreUnavailable(f"{where}: {reason}")
         return None
@@ -154,6 +162,8 @@ _PG_PRIVILEGE = "42501"
 _PG_TOO_MANY_CONNECTIONS = "53300"
 #: A write in a read-only transaction: a standby, or ``default_transaction_read_only``.
 _PG_READ_ONLY = "25006"
+#: ``lock_timeout`` passed (room-outbox sets it per session to database.query_timeout).
+_PG_LOCK_TIMEOUT = "55P03"
 
 
 def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOutboxError | None:
@@ -183,6 +193,8 @@ def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOu
         return StoreUnavailable(f"{where}: {reason}; {PG_PRIVILEGES_NEEDED}")
     if state == _PG_READ_ONLY:
         return _read_only(where, reason)
+    if state == _PG_LOCK_TIMEOUT:
+        return _lock_wait_exceeded(where, reason, "lock_timeout", "pg_stat_activity lists the open ones")
     if isinstance(exc, PoolTimeout) or (isinstance(exc, psycopg.OperationalError) and state is None):
         return StoreUnavailable(
             f"cannot reach {where}: {reason}; is the server running, and are database.dsn's host and port right?",
@@ -203,6 +215,17 @@ def translated(where: str, password: str = "") -> Iterator[None]:
         if mapped is None or mapped is exc:
             raise
         raise mapped from exc
+
+
+def _lock_wait_exceeded(where: str, reason: str, setting: str, open_transactions: str) -> StoreUnavailable:
+    """A statement gave up waiting for a lock another transaction held: the server's words
+    name neither the cause nor the fix."""
+    return StoreUnavailable(
+        f"{where}: {reason}: a row or table this command needed stayed locked by another transaction for"
+        f" the server's {setting} (database.query_timeout, rounded up to whole seconds): let that transaction"
+        f" end ({open_transactions} with their start), or run the command again with a longer query_timeout,"
+        f" {LONGER_QUERY_TIMEOUT}"
+    )
 
 
 def _no_connection_left(where: str, what: str) -> StoreUnavailable:

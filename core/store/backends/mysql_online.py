@@ -139,10 +139,30 @@ async def running_changes(cur: Any, tables: Sequence[str]) -> list[tuple[int, in
 REHEARSAL_SUFFIX = "_migrate_rehearsal"
 
 
+#: A plan step's first word, as migrate reports the change once made, and as a change still
+#: being made (or left unmade) is named.
+_IN_PROGRESS = {
+    "added": "adding",
+    "created": "creating",
+    "dropped": "dropping",
+    "set": "setting",
+    "rebuilt": "rebuilding",
+    "made": "making",
+    "moved": "moving",
+}
+
+
+def in_progress(change: str) -> str:
+    """``change`` ("added column t.c") as the lines about a change not made yet name it
+    ("adding column t.c"): progress, retries, and a change given up on."""
+    verb, _, rest = change.partition(" ")
+    return f"{_IN_PROGRESS[verb]} {rest}" if verb in _IN_PROGRESS else f"not yet made: {change}"
+
+
 def not_online(change: str, exc: pymysql.err.MySQLError, made: str) -> SchemaError:
     """``change`` refused by the server as not possible online, with what that left (``made``)."""
     return SchemaError(
-        f"{change}: the server cannot make this change online ({exc.args[1]}), so {made};"
+        f"{in_progress(change)}: the server cannot make this change online ({exc.args[1]}), so {made};"
         " make it with gh-ost or pt-online-schema-change (see docs/how-to/adopt-live-table.md), then run migrate again"
     )
 
@@ -248,7 +268,7 @@ class OnlineSchemaChange:
                     # The backfill had left none: the producer writes NULL there itself, and
                     # would have its INSERTs refused once the column is NOT NULL.
                     raise SchemaError(
-                        f"{change}: refused, as rows with NULL there keep arriving while migrate runs"
+                        f"{in_progress(change)}: refused, as rows with NULL there keep arriving while migrate runs"
                         f" ({exc.args[1]}): room-service writes NULL into the column itself, and once it is"
                         " NOT NULL the server would refuse those INSERTs. Make it leave the column out (its"
                         " default is set now) or write the default, then run migrate again, which goes on"
@@ -258,11 +278,12 @@ class OnlineSchemaChange:
                     raise
                 if attempt == DDL_ATTEMPTS:
                     raise SchemaError(
-                        f"{change}: the table stayed locked by other sessions (a long transaction?);"
+                        f"{in_progress(change)}: the table stayed locked by other sessions (a long transaction?);"
                         f" waited {DDL_ATTEMPTS} times {DDL_LOCK_WAIT}s; run migrate again later"
                     ) from None
                 self.report(
-                    f"{change}: waited {DDL_LOCK_WAIT}s for the table's metadata lock (a long transaction holds it);"
+                    f"{in_progress(change)}: waited {DDL_LOCK_WAIT}s for the table's metadata lock"
+                    " (a long transaction holds it);"
                     f" retrying ({attempt}/{DDL_ATTEMPTS - 1})"
                 )
                 await anyio.sleep(1.0)  # writes that queued behind the waiting statement go first
@@ -311,7 +332,7 @@ class OnlineSchemaChange:
                     await anyio.sleep(self.progress_every)
                     line = await _progress(cur, session)
                     if line:
-                        self.report(f"{change}: {line}")
+                        self.report(f"{in_progress(change)}: {line}")
         except (pymysql.err.MySQLError, OSError):
             return  # progress lines are a courtesy: the statement goes on without them
         finally:

@@ -62,7 +62,9 @@ class SQLiteAddress:
         path = unquote(parts.path)
         if not path or path.endswith("/"):
             raise ValueError("database.dsn: names no file (sqlite:///path/to/outbox.db)")
-        return cls(Path(path))
+        # sqlite:////abs/path.db (SQLAlchemy's way to write an absolute path) names the same file:
+        # shown as /abs/path.db, not with the doubled slash POSIX paths keep.
+        return cls(Path("/" + path.lstrip("/") if path.startswith("/") else path))
 
 
 #: The wait for the worker thread of a connection that failed to open, which has nothing left
