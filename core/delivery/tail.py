@@ -156,9 +156,8 @@ class TailRelay:
                         published[label] += 1
                 for label, events in published.items():
                     self._count(label, None, events)
-            full = len(tail.rows) - len(tail.requeued) >= self.store.feed_batch
         self.telemetry.flush_counts()
-        return full
+        return tail.full
 
     async def _publish(
         self, envelopes: list[EventEnvelope], while_sending: Callable[[], Coroutine[Any, Any, None]]

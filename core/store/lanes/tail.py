@@ -76,6 +76,9 @@ class TailRound:
     #: Where :attr:`while_sending` moved the cursor (None: not yet), or what it failed with.
     cursor: TailCursor | None = None
     failure: Exception | None = None
+    #: Whether the round read a whole batch (rows it passes over unsent included): more are
+    #: likely waiting, and the next round runs at once.
+    full: bool = False
 
     def park(self, row: TailRow, error: str) -> None:
         self.parked[row.outbox_id] = error[:1024]
@@ -187,7 +190,7 @@ class TailStore(LaneStore):
                 again = await self._rows(cur, requeued)
                 cancelled = await self._cancelled(cur, read) if any_cancelled else set()
                 to_send = [row for row in read if row.outbox_id not in cancelled]
-                tail = TailRound(rows=again + to_send, requeued=requeued)
+                tail = TailRound(rows=again + to_send, requeued=requeued, full=len(read) >= self.feed_batch)
                 for gone in sorted(set(requeued) - {row.outbox_id for row in again}):
                     # Deleted from room_outbox since it was parked: nothing to send, and not sent.
                     tail.parked[gone] = "requeued, but its row is no longer in room_outbox: nothing to send"
