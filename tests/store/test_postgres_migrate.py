@@ -197,7 +197,7 @@ async def test_a_change_the_server_refuses_is_named_with_what_was_made_before_it
         )
         with pytest.raises(SchemaError) as refused:
             await store.migrate()
-        assert str(refused.value).startswith("migrate: added column room_outbox.worker_id: PostgreSQL refused it: ")
+        assert str(refused.value).startswith("migrate: adding column room_outbox.worker_id: PostgreSQL refused it: ")
         assert str(refused.value).endswith("(nothing was changed)")
         assert "\n" not in str(refused.value)
     finally:

@@ -23,6 +23,7 @@ import pymysql
 
 from room_outbox.errors import SchemaError
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT, SCHEMA_CHANGE_TIMEOUT, query_deadline
+from room_outbox.store.schema.outbox import in_progress
 
 if TYPE_CHECKING:
     from room_outbox.store.backends.mysql import MySQLAddress
@@ -137,26 +138,6 @@ async def running_changes(cur: Any, tables: Sequence[str]) -> list[tuple[int, in
 
 #: The empty copy of the live table on which migrate first tries its changes.
 REHEARSAL_SUFFIX = "_migrate_rehearsal"
-
-
-#: A plan step's first word, as migrate reports the change once made, and as a change still
-#: being made (or left unmade) is named.
-_IN_PROGRESS = {
-    "added": "adding",
-    "created": "creating",
-    "dropped": "dropping",
-    "set": "setting",
-    "rebuilt": "rebuilding",
-    "made": "making",
-    "moved": "moving",
-}
-
-
-def in_progress(change: str) -> str:
-    """``change`` ("added column t.c") as the lines about a change not made yet name it
-    ("adding column t.c"): progress, retries, and a change given up on."""
-    verb, _, rest = change.partition(" ")
-    return f"{_IN_PROGRESS[verb]} {rest}" if verb in _IN_PROGRESS else f"not yet made: {change}"
 
 
 def not_online(change: str, exc: pymysql.err.MySQLError, made: str) -> SchemaError:

@@ -40,7 +40,7 @@ from room_outbox.store.deadline import (
 from room_outbox.store.dialect import POSTGRESQL
 from room_outbox.store.schema import registry
 from room_outbox.store.schema.columns import read_columns, wall_time_columns
-from room_outbox.store.schema.outbox import Migration
+from room_outbox.store.schema.outbox import Migration, in_progress
 from room_outbox.store.schema.registry import Planner
 
 #: Envelope column types read as they are: text already (see :meth:`PostgresStore.read_envelope`).
@@ -497,7 +497,7 @@ class PostgresStore(LeasedRows):
                                 changes.append(step.change)
                         return changes
                     except psycopg.errors.LockNotAvailable:
-                        waiting = step.change if step is not None else "reading the catalogue"
+                        waiting = in_progress(step.change) if step is not None else "reading the catalogue"
                         _say(
                             f"migrate: {waiting}: a table lock was not granted within {self.step_lock_wait:g}s"
                             f" (other sessions hold it); attempt {attempt} of {self.step_attempts}"
@@ -561,7 +561,7 @@ def refused_change(exc: psycopg.DatabaseError, step: Migration | None, made: lis
         return None
     before = f" (made before it: {', '.join(made)})" if made else " (nothing was changed)"
     reason = " ".join(str(exc).split()).rstrip(".")
-    return SchemaError(f"migrate: {step.change}: PostgreSQL refused it: {reason}{before}")
+    return SchemaError(f"migrate: {in_progress(step.change)}: PostgreSQL refused it: {reason}{before}")
 
 
 #: The time zone the database gives the sessions of every role: its own setting (ALTER DATABASE
@@ -620,7 +620,9 @@ async def _repeat(conn: psycopg.AsyncConnection[Any], step: Migration, statement
         changed = max((await conn.execute(statement)).rowcount, 0)
         done += changed
         if done and (not changed or time.monotonic() - reported >= PROGRESS_EVERY):
-            _say(f"migrate: {step.change}: {done:,} rows" + (f" of {total:,}" if total is not None else ""))
+            _say(
+                f"migrate: {in_progress(step.change)}: {done:,} rows" + (f" of {total:,}" if total is not None else "")
+            )
             reported = time.monotonic()
         if not changed:
             return

@@ -44,6 +44,26 @@ class Migration:
     remaining: str = ""
 
 
+#: A plan step's first word, as migrate reports the change once made, and as a change still
+#: being made (or left unmade) is named.
+_IN_PROGRESS = {
+    "added": "adding",
+    "created": "creating",
+    "dropped": "dropping",
+    "set": "setting",
+    "rebuilt": "rebuilding",
+    "made": "making",
+    "moved": "moving",
+}
+
+
+def in_progress(change: str) -> str:
+    """``change`` ("added column t.c") as the lines about a change not made yet name it
+    ("adding column t.c"): progress, retries, and a change given up on."""
+    verb, _, rest = change.partition(" ")
+    return f"{_IN_PROGRESS[verb]} {rest}" if verb in _IN_PROGRESS else f"not yet made: {change}"
+
+
 def concurrent_step(change: str, statements: tuple[str, ...]) -> Migration:
     """A step of ``statements``, run outside a transaction when one of them builds or drops an
     index ``CONCURRENTLY`` (PostgreSQL refuses that inside one)."""
