@@ -128,6 +128,13 @@ def describe_state(row: dict[str, Any], now: int, words: Profile = V1, claim_aft
         return "cancelled by an operator: never delivered"
     if status not in words.open:
         return f"status {status!r}: not a status of table profile {words.name}"
+    if words.lock in row and row[words.lock] is None:
+        # The claim's ``lock <= now`` never matches NULL: `migrate` and `run` refuse such a
+        # column with its fix, but the rows written before it stay where they are.
+        return (
+            f"stuck: its {words.lock} is NULL, which no claim takes; `room-outbox migrate` sets it where"
+            " it is NULL and makes the column NOT NULL, or names the statements that do"
+        )
     if row.get("worker_id") and lock_until > now:
         return f"in flight: leased by {row['worker_id']} for another {format_age(lock_until - now)}"
     old_enough = _old_enough_at(row, words, claim_after)

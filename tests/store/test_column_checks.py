@@ -9,6 +9,7 @@ import pytest
 from support import envelope, fetch_rows, insert_events
 from test_schema_variants import ROOM_CELL_DDL
 
+from room_outbox.cli.inspect import inspect_events
 from room_outbox.cluster.identity import longest_claim_id
 from room_outbox.errors import SchemaError
 from room_outbox.store.backends.mysql import MySQLStore
@@ -380,5 +381,41 @@ async def test_silk_columns_of_other_types_than_its_producers_are_refused_with_t
             " USING payload::jsonb (it rewrites the table under an exclusive lock: on a live table, plan it)"
         )
         assert await refusals(store) == (line, line)
+    finally:
+        await store.aclose()
+
+
+async def test_silks_nullable_next_attempt_at_is_refused_with_its_online_fix(postgresql_dsn: str) -> None:
+    """silk's table as GORM makes it from an untagged field: ``next_attempt_at`` nullable, no
+    default. A row the producer writes without it is never claimed: `migrate` and `run` refuse
+    the column with the online statements (the lock's cleared value, ``now()``: due at once);
+    until then `inspect` calls such a row stuck, not due, and a later event of its aggregate
+    (per-room order) waiting behind it. Once the statements ran, both rows are claimed."""
+    store = await open_store(postgresql_dsn, profile=SILK)
+    try:
+        await store.migrate()
+        await alter(
+            store,
+            "ALTER TABLE outbox_events ALTER COLUMN next_attempt_at DROP NOT NULL, ALTER COLUMN next_attempt_at DROP DEFAULT",
+            "INSERT INTO outbox_events (event_id, event_type, aggregate_type, aggregate_id, payload)"
+            " VALUES ('e1', 'wechat.subscribe', 'user', 'u1', '{}')",
+            "INSERT INTO outbox_events (event_id, event_type, aggregate_type, aggregate_id, payload, next_attempt_at)"
+            " VALUES ('e2', 'wechat.subscribe', 'user', 'u1', '{}', now())",
+        )
+        (stuck,) = await inspect_events(store, "e1")
+        assert stuck["state"].startswith("stuck: its next_attempt_at is NULL, which no claim takes;")
+        (behind,) = await inspect_events(store, "e2", per_room=True)
+        assert behind["state"].startswith("waiting: behind event e1 (id 1), an earlier event of its room")
+        fix = PG_NOT_NULL_FIX.replace("room_outbox", "outbox_events").format(column="next_attempt_at", value="now()")
+        line = (
+            "outbox_events.next_attempt_at is nullable, and a claim never takes a row whose next_attempt_at is NULL:"
+            f" run {fix}"
+        )
+        assert await refusals(store) == (line, line)
+        await run_fix(store, fix)
+        await check_schema(store, (), longest_claim_id("node-1"))
+        assert await store.migration_plan() == []
+        claimed = (await store.claim("a#1", 10, now_ms() + 60_000)).rows
+        assert sorted(row.event_id for row in claimed) == ["e1", "e2"]
     finally:
         await store.aclose()

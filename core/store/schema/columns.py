@@ -333,13 +333,17 @@ class _NullableValue:
 
 def _nullable_values(columns: dict[str, Column], profile: Profile) -> list[_NullableValue]:
     """Nullable columns whose NULL no row can be delivered with, where a producer leaves them
-    out: the claim's ``lock <= now`` never matches a NULL lock; a NULL ``app_code`` puts the row
-    in no room bucket (their key is built of it), and its envelope's app cannot be checked
-    against it. ``''`` is the app of a row whose producer writes none (the envelope's stands)."""
+    out: the claim's ``lock <= now`` never matches a NULL lock, whether the lock is epoch ms or
+    a timestamp (silk's ``next_attempt_at``, nullable where GORM made it untagged); the value it
+    stands for is the profile's cleared lock, due at once. A NULL ``app_code`` puts the row in no
+    room bucket (their key is built of it), and its envelope's app cannot be checked against it.
+    ``''`` is the app of a row whose producer writes none (the envelope's stands)."""
     found = []
     lock = columns.get(profile.lock)
-    if profile.ms_columns and lock is not None and lock.nullable and not lock.in_view:
-        found.append(_NullableValue(lock, "0", f"a claim never takes a row whose {profile.lock} is NULL"))
+    if lock is not None and lock.nullable and not lock.in_view:
+        found.append(
+            _NullableValue(lock, profile.lock_cleared, f"a claim never takes a row whose {profile.lock} is NULL")
+        )
     app = columns.get(profile.app_code)
     if app is not None and app.nullable and not app.in_view:
         found.append(_NullableValue(app, "''", f"a row whose {profile.app_code} is NULL is never delivered"))
