@@ -21,7 +21,7 @@ from room_outbox.store.lanes.store import LaneStore, migrate_lanes
 from room_outbox.store.membership import bucket_of
 from room_outbox.store.protocol import ReadAlong, SQLStore
 from room_outbox.store.schema.buckets import BUCKETS, row_bucket
-from room_outbox.store.schema.outbox import SILK_TABLE_DDL, V1_TABLE_DDL
+from room_outbox.store.schema.outbox import SILK_BACKFILL_BATCH, SILK_TABLE_DDL, V1_TABLE_DDL
 from room_outbox.store.schema.profiles import SILK
 
 pytestmark = pytest.mark.anyio
@@ -151,6 +151,34 @@ async def test_old_rows_keep_keys_below_rows_inserted_during_the_migration(silk:
     old = [keys[f"old-{n}"] for n in range(1, 26)] + [keys["between"]]
     assert old == sorted(old) and len(set(old)) == len(old) and min(old) > 0
     assert max(old) < keys["during"] < keys["after"]
+
+
+async def test_old_rows_of_one_transaction_are_numbered_in_their_order_of_insertion(silk: PostgresStore) -> None:
+    """silk's PublishTx writes a command's events in one transaction: one ``created_at``
+    (``now()``), random UUIDs for ids. The backfill numbers them in the order they were
+    inserted, also where a batch ends between two of them, so per-room order holds for the
+    rows there at adoption: each aggregate's ``user.created`` before its ``user.updated``."""
+    await execute(silk, *(s.format(table="outbox_events") for s in SILK_TABLE_DDL))
+    for n in range(20):
+        await execute(
+            silk,
+            *(
+                "INSERT INTO outbox_events (event_id, event_type, aggregate_type, aggregate_id)"
+                f" VALUES ('{step}{n}', 'user.{step}', 'user', 'u{n}')"
+                for step in ("created", "updated")
+            ),
+        )
+    plan = await silk.migration_plan()
+    for step in plan[:2]:  # the backfill's index left to migrate below
+        await execute(silk, *step.statements)
+    assert plan[3].change == "numbered the rows already in outbox_events"
+    async with silk.transaction() as cur:  # batches of 3: some end between a command's two events
+        (batch,) = plan[3].statements
+        while await cur.execute(batch.replace(f"LIMIT {SILK_BACKFILL_BATCH}", "LIMIT 3")) and cur.rowcount:
+            pass
+    await silk.migrate()
+    numbered = [event_id for (event_id,) in await fetch(silk, "SELECT event_id FROM outbox_events ORDER BY outbox_seq")]
+    assert numbered == [f"{step}{n}" for n in range(20) for step in ("created", "updated")]
 
 
 async def test_an_interrupted_concurrent_index_build_is_dropped_and_built_again(postgresql_dsn: str) -> None:

@@ -431,7 +431,9 @@ def silk_key_steps(table: str, state: int) -> list[Migration]:
     counted), as the column's default. The rows already there, found by a partial index, are
     numbered in small batches below that start, counting down from it newest first: an old
     row keeps a lower key than every row inserted during or after the migration, and the old
-    rows keep their order of creation. The count-down sequence stops at 1 with an error rather
+    rows keep their order of creation. Rows of one transaction share their ``created_at``
+    (``now()``) and silk's ``id`` is a random UUID: among them the physical order (``ctid``)
+    stands for the order of insertion, so one command's events keep their order. The count-down sequence stops at 1 with an error rather
     than run into the new rows' numbers. Then NOT NULL through a validated check (the check
     is validated without blocking writes; SET NOT NULL then needs no scan)."""
     sequence = f"{table}_outbox_seq_seq"
@@ -451,7 +453,7 @@ def silk_key_steps(table: str, state: int) -> list[Migration]:
         concurrent_step(
             f"added index {table}.{backfill_index}",
             (
-                f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {backfill_index} ON {table} (created_at, id)"
+                f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {backfill_index} ON {table} (created_at)"
                 " WHERE outbox_seq IS NULL",
             ),
         ),
@@ -459,9 +461,11 @@ def silk_key_steps(table: str, state: int) -> list[Migration]:
             f"numbered the rows already in {table}",
             (
                 # by ctid: each row is found again where the batch read it (by id, the planner
-                # joined the whole table); a row updated meanwhile is left to a later batch
+                # joined the whole table); a row updated meanwhile is left to a later batch.
+                # Ties of created_at by ctid, sorted within each one (an incremental sort on the
+                # index's order), newest first as the rest.
                 f"UPDATE {table} SET outbox_seq = numbered.seq FROM (SELECT ctid, nextval('{backfill}') AS seq"
-                f" FROM (SELECT ctid FROM {table} WHERE outbox_seq IS NULL ORDER BY created_at DESC, id DESC"
+                f" FROM (SELECT ctid FROM {table} WHERE outbox_seq IS NULL ORDER BY created_at DESC, ctid DESC"
                 f" LIMIT {SILK_BACKFILL_BATCH}) AS batch) AS numbered WHERE {table}.ctid = numbered.ctid",
             ),
             repeat=True,
