@@ -25,6 +25,7 @@ from room_outbox.consume.registry import NO_CONSUMER
 from room_outbox.store.backends.mysql import MySQLStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import consumer_store
+from room_outbox.store.operator.reports import error_pattern
 
 pytestmark = pytest.mark.anyio
 
@@ -197,6 +198,32 @@ async def test_status_groups_errors_that_differ_only_by_an_identifier(
     assert json.loads(out)["top_errors"][0] == {
         "last_error": "tencent_im: ErrorCode 10010 GroupId <id> group not found", "rows": 20,
     }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("error", "grouped"),
+    [
+        (  # Tencent's error for an empty group id: words after GroupId, kept as they are
+            "tencent_im: permanent: ErrorCode 10004: parameter invalid: GroupId must be a non-empty string"
+            " (GroupId , app default)",
+            "tencent_im: permanent: ErrorCode 10004: parameter invalid: GroupId must be a non-empty string"
+            " (GroupId , app default)",
+        ),
+        ("ErrorCode 10015: GroupId is invalid", "ErrorCode 10015: GroupId is invalid"),
+        ("room_id must match the envelope's", "room_id must match the envelope's"),
+        (
+            "ErrorCode 10010: group gone (GroupId g_123, app default)",
+            "ErrorCode 10010: group gone (GroupId <id>, app default)",
+        ),
+        ("GroupId 'my group' is gone", "GroupId <id> is gone"),
+        ("room_id=lobby refused", "room_id=<id> refused"),
+        ("event_id: dup", "event_id: <id>"),
+    ],
+)
+def test_status_masks_only_what_looks_like_an_identifier(error: str, grouped: str) -> None:
+    """After a name such as GroupId, a value holding a digit, quoted, or after ``=`` or ``:`` is
+    an identifier; plain words are the error's own text, which the operator must read as sent."""
+    assert error_pattern(error) == grouped
 
 
 # -- cleanup: durations as typed, --json, an interrupted run -------------------------------------

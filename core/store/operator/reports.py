@@ -228,10 +228,13 @@ async def _frequent_errors(store: SQLStore, cur: Any, statuses: Sequence[str], l
     return grouped_errors(counts)
 
 
-#: An identifier inside an error: the value after a name such as ``GroupId`` or ``room_id``, or
-#: a token of 8+ characters mixing letters and digits. Error codes (digits alone) stay.
+#: An identifier inside an error: the value after a name such as ``GroupId`` or ``room_id`` that
+#: looks like one (after ``=`` or ``:``, quoted, or holding a digit: "GroupId must be ..." keeps
+#: its words), or a token of 8+ characters mixing letters and digits. Error codes (digits alone) stay.
 _IDENTIFIER = re.compile(
-    r"(?P<key>\b(?:group_?id|room_?id|event_?id|msg_?id|to_account|id)\b\s*[=:]?\s*)(?P<value>[^\s,;)\]]+)"
+    r"(?P<key>\b(?:group_?id|room_?id|event_?id|msg_?id|to_account|id)\b"
+    r"(?:\s*[=:]\s*|\s+(?=['\"]|[^\s,;)\]]*\d)))"
+    r"(?P<value>'[^']*'|\"[^\"]*\"|[^\s,;)\]]+)"
     r"|(?P<token>\b(?=[\w#@-]*\d)(?=[\w#@-]*[A-Za-z])[\w#@-]{8,}\b)",
     re.IGNORECASE,
 )
