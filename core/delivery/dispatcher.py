@@ -439,14 +439,14 @@ class Dispatcher:
             return self._throttled(row, failure)
         if failure is None:
             if log.isEnabledFor(logging.DEBUG):  # the fields cost more than the rest of a row
-                log.debug("published", extra=self._event_fields(row, "published"))
+                log.debug("published", extra=self._event_fields(row, self.store.profile.delivered))
             self.failures.forget(row.event_id)
             return DeliveryResult(row.id, row.event_id, row.claim, Outcome.PUBLISHED)
-        attempts = row.retry_count + 1
-        if self._parks(attempts, failure):
-            outcome, status, retry_at = Outcome.PARKED, "failed", 0
+        attempts, words = row.retry_count + 1, self.store.profile  # the row's status, in its table's words
+        if self._parks(row, attempts, failure):
+            outcome, status, retry_at = Outcome.PARKED, words.parked, 0
         else:
-            outcome, status = Outcome.FAILED, "pending"
+            outcome, status = Outcome.FAILED, words.retry
             retry_at = now_ms() + int(self.options.retry.delay(attempts, failure.permanent) * 1000)
         fields = self._event_fields(
             row, status, sink=failure.sink, error=failure.error, error_class=failure.error_class
@@ -464,16 +464,20 @@ class Dispatcher:
         (no retry_count, no parking, no failure). Claimable again once the limit may have a
         slot for it, or at once when the sink cannot tell."""
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("throttled", extra=self._event_fields(row, "pending", sink=failure.sink, error=failure.error))
+            back = self.store.profile.fresh if row.retry_count == 0 else self.store.profile.retry  # as released
+            log.debug("throttled", extra=self._event_fields(row, back, sink=failure.sink, error=failure.error))
         due = 0 if failure.retry_after is None else now_ms() + math.ceil(failure.retry_after * 1000)
         return DeliveryResult(row.id, row.event_id, row.claim, Outcome.THROTTLED, retry_at_ms=due)
 
-    def _parks(self, attempts: int, failure: Failure) -> bool:
+    def _parks(self, row: OutboxRow, attempts: int, failure: Failure) -> bool:
         """Whether this failure ends the event's retries. Even without `parking`: an event no
-        sink takes (no retry can route it before the configuration changes), and with per-room
+        sink takes (no retry can route it before the configuration changes), with per-room
         ordering any failure retrying cannot fix (a bad envelope, a permanent sink error), as
-        left pending it would hold back every later event of its room for ever."""
+        left pending it would hold back every later event of its room for ever, and a row
+        whose own limit of attempts this one reaches (silk's ``max_attempts``)."""
         if failure.error_class is ErrorClass.NO_ROUTE or (self.options.per_room and failure.permanent):
+            return True
+        if row.attempts_limit is not None and attempts >= row.attempts_limit:
             return True
         return self.options.retry.parks(attempts, failure.permanent)
 

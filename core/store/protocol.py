@@ -62,6 +62,9 @@ class OutboxRow:
     envelope: str | bytes | None
     retry_count: int
     claim: str
+    #: The row's own limit (the profile's ``attempts_limit``, silk's ``max_attempts``): a failed
+    #: attempt that reaches it parks the row. None: ``outbox_worker.retry`` decides.
+    attempts_limit: int | None = None
 
 
 class Outcome(enum.Enum):
@@ -121,6 +124,11 @@ def room_heads(found: Sequence[OutboxRow], pending: Iterable[tuple[int, str, str
 
 
 class OutboxStore(Protocol):
+    @property
+    def profile(self) -> Profile:
+        """The table's name and status words (``database.profile``; a lane of its own: ``v1``)."""
+        ...
+
     async def migrate(self) -> list[str]:
         """Create or upgrade the schema idempotently; return what was changed."""
 
@@ -199,11 +207,6 @@ class SQLStore(OutboxStore, Protocol):
     #: SQL: how statements read the outbox's envelope column (an oversized one left unread; see
     #: :meth:`~.backends.leased.LeasedRows.read_envelope`).
     envelope_column: str
-
-    @property
-    def profile(self) -> Profile:
-        """The outbox table's name and status words (``database.profile``)."""
-        ...
 
     def transaction(self) -> AbstractAsyncContextManager[Any]:
         """A cursor (``execute``/``executemany`` with ``%s`` placeholders, ``fetchone``,

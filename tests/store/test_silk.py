@@ -4,12 +4,15 @@ writes it, claimed, leased, fenced, retried and parked in silk's words."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from support import RecordingSink, make_dispatcher, wait_until
 
+from bench.drive import run_until_empty
 from room_outbox.cli.inspect import inspect_events
 from room_outbox.cli.status import status_report
 from room_outbox.config import load_settings
@@ -188,3 +191,29 @@ async def test_a_silk_envelope_above_the_bound_is_claimed_unread(postgresql_dsn:
             parse_envelope(rows["big"])
     finally:
         await store.aclose()
+
+
+async def test_a_row_parked_by_its_own_max_attempts_is_logged_as_parked_in_silks_words(
+    silk: SQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """silk parks a row once its own ``max_attempts`` are used up: the dispatcher reads that
+    limit with the row, so the attempt that parks it logs "delivery failed; event parked" with
+    the row's status, ``failed``; the failures before it say ``retry``, silk's word for a row
+    waiting for its next attempt (not v1's ``pending``)."""
+    await silk.migrate()
+    await silk_publish(silk, ("m1", "u1", {}), max_attempts=3)
+    dispatcher = make_dispatcher(silk, RecordingSink(fail={"m1"}), event_types=["wechat.subscribe"])
+
+    async def parked() -> bool:
+        await run_until_empty(dispatcher)
+        return (await silk_rows(silk))["m1"]["status"] == "failed"
+
+    with caplog.at_level(logging.WARNING, logger="room_outbox"):
+        await wait_until(parked)
+    assert (await silk_rows(silk))["m1"]["attempts"] == 3
+    lines = [
+        (r.message, r.status, r.retry_count)  # type: ignore[attr-defined]
+        for r in caplog.records
+        if getattr(r, "event_id", None) == "m1"
+    ]
+    assert lines == [("delivery failed", "retry", 1), ("delivery failed; event parked", "failed", 3)]

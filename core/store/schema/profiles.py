@@ -46,7 +46,9 @@ class Profile:
     #: ``lock`` of a row no claim holds and no retry waits for: due at once.
     lock_cleared: str = "0"
     #: The attempts after which a failed row is parked, per row (SQL); None: the dispatcher
-    #: decides (``outbox_worker.retry.max_attempts``).
+    #: decides (``outbox_worker.retry.max_attempts``). Read with each claimed row, so that the
+    #: dispatcher parks the failure that reaches it and says so (log, metrics); the result's
+    #: write applies it again, for a limit lowered while the row was in flight.
     attempts_limit: str | None = None
     #: Databases the profile's table exists on; empty: all.
     databases: tuple[str, ...] = ()
