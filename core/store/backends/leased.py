@@ -77,8 +77,10 @@ def claim_sql(
     only = f" AND {bucket} IN ({_marks(range(buckets))})" if buckets else ""
     forced = hint.format(index=claim_index(table)[0])
     return (
-        f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts_made},"
-        f" {p.attempts_limit or 'NULL'} FROM {table}{forced}"
+        f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts_made}"
+        # A row's own attempts limit, where the profile has one: every column costs the driver
+        # a parse per row.
+        f"{', ' + p.attempts_limit if p.attempts_limit else ''} FROM {table}{forced}"
         f" WHERE {p.is_open()} AND {due or p.lock + ' <= ' + p.ms('%s')}{only} ORDER BY {p.lock}, {key} LIMIT %s{lock}"
     )
 
@@ -333,10 +335,16 @@ class LeasedRows:
                     if len(scanned) < limit:
                         scanned += await self._scan(cur, due, param, limit - len(scanned), buckets)
                 exhausted = len(scanned) < limit
-                found = [
-                    OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim, limit)
-                    for id, event_id, event_type, room_id, app_code, envelope, retries, limit in scanned
-                ]
+                if self.profile.attempts_limit is None:
+                    found = [
+                        OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
+                        for id, event_id, event_type, room_id, app_code, envelope, retries in scanned
+                    ]
+                else:  # the row's own attempts limit last
+                    found = [
+                        OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim, own_limit)
+                        for id, event_id, event_type, room_id, app_code, envelope, retries, own_limit in scanned
+                    ]
                 if in_flight:  # one whose lease ran out is found again: still the caller's, its result decides
                     found = [row for row in found if row.id not in in_flight]
                 if per_room and reads_first:
