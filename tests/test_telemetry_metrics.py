@@ -57,6 +57,44 @@ async def test_success_failure_latency_and_batch_size(store: MySQLStore) -> None
 
 
 @pytest.mark.anyio
+async def test_parked_events_are_counted_by_the_failure_that_parked_them(store: MySQLStore) -> None:
+    """With parking, an event whose retries ran out and one that failed for good are each
+    counted once as parked, under the class of the failure that parked it; a failure that
+    leaves the event to retry is not."""
+    from room_outbox.attempt.retry import RetryPolicy
+
+    await insert_events(store, [envelope("tired"), envelope("gone", "RoomClosed"), envelope("again", "RoomGiftSent")])
+    captured = capture()
+    sink = RecordingSink(fail={"tired", "gone", "again"})
+    errors = {"gone": PermanentSinkError("group dismissed")}
+
+    async def deliver(env: Any) -> None:
+        if env.event_id in errors:
+            raise errors[env.event_id]
+        await RecordingSink.deliver(sink, env)
+
+    sink.deliver = deliver  # type: ignore[method-assign]
+    retry = RetryPolicy(interval=0.05, max_attempts=2, parking=True)
+    dispatcher = make_dispatcher(store, sink, retry=retry)
+    dispatcher.telemetry = captured.telemetry
+    await run_until_empty(dispatcher)  # each fails once: "gone" parked for good
+    v = captured.value
+    assert v("room_outbox.parked", sink="test", event_type="RoomClosed", error_class="permanent") == 1
+    assert v("room_outbox.parked", event_type="RoomUserJoined", error_class="retryable") == 0
+
+    async def all_parked() -> bool:  # the second attempts, once due: the retries used up
+        await run_until_empty(dispatcher)
+        async with store.transaction() as cur:
+            await cur.execute("SELECT COUNT(*) FROM room_outbox WHERE status = 'failed'")
+            return int((await cur.fetchone())[0]) == 3
+
+    await wait_until(all_parked, timeout=10)
+    assert v("room_outbox.parked", sink="test", event_type="RoomUserJoined", error_class="retryable") == 1
+    assert v("room_outbox.parked", sink="test", event_type="RoomGiftSent", error_class="retryable") == 1
+    assert v("room_outbox.parked", sink="test", event_type="RoomClosed", error_class="permanent") == 1
+
+
+@pytest.mark.anyio
 async def test_a_row_published_by_the_producer_mid_delivery_is_told_apart_from_a_takeover(
     store: MySQLStore, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -269,7 +307,12 @@ def test_a_failed_attempt_adds_to_the_series_made_at_zero_not_a_second_one() -> 
         telemetry.attempt(row).finish(failed)
     telemetry.flush_counts()
     text = telemetry.prometheus_text()
-    retryable = [line for line in text.splitlines() if 'error_class="retryable",event_type="RoomGiftSent"' in line]
+    retryable = [
+        line
+        for line in text.splitlines()
+        if line.startswith("room_outbox_publish_failure_total")
+        and 'error_class="retryable",event_type="RoomGiftSent"' in line
+    ]
     assert retryable == [
         'room_outbox_publish_failure_total{error_class="retryable",event_type="RoomGiftSent",sink="tencent_im"} 1.0'
     ]

@@ -455,6 +455,9 @@ class Dispatcher:
         if outcome is Outcome.PARKED:
             log.warning("delivery failed; event parked", extra=fields)
             self.failures.forget(row.event_id)
+            if self.telemetry.metrics_enabled:
+                labels = {"sink": failure.sink, "event_type": self.router.event_label(row.event_type)}
+                self.telemetry.count(self.telemetry.metrics.parked, {**labels, "error_class": str(failure.error_class)})
         else:
             self.failures.failed(row.event_id, "delivery failed", fields, failure.error)
         return DeliveryResult(row.id, row.event_id, row.claim, outcome, failure.error, retry_at)

@@ -198,7 +198,8 @@ class TailRelay:
             raise SinkUnreachable(self._short(f"sink {self._sink_name} unreachable: {describe(exc)}")) from None
 
     def _count(self, event_label: str, error_class: str | None, events: int = 1) -> None:
-        """``events`` published (``error_class`` None) or parked, on the delivery counters."""
+        """``events`` published (``error_class`` None) or parked (a failure: this relay parks
+        every row it does not send), on the delivery counters."""
         if not self.telemetry.metrics_enabled:
             return
         metrics = self.telemetry.metrics
@@ -207,6 +208,7 @@ class TailRelay:
             self.telemetry.count(metrics.success, labels, events)
         else:
             self.telemetry.count(metrics.failure, {**labels, "error_class": error_class}, events)
+            self.telemetry.count(metrics.parked, {**labels, "error_class": error_class}, events)
 
     @property
     def _sink_name(self) -> str:

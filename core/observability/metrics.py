@@ -66,6 +66,12 @@ class OutboxMetrics:
         self.failure = meter.create_counter(
             "room_outbox.publish.failure", unit="{event}", description="Delivery attempts that failed."
         )
+        self.parked = meter.create_counter(
+            "room_outbox.parked",
+            unit="{event}",
+            description="Events parked: delivery given up on until an operator requeues them, by the class of"
+            " the failure that parked them.",
+        )
         self.throttled = meter.create_counter(
             "room_outbox.publish.throttled",
             unit="{event}",
@@ -116,9 +122,11 @@ class OutboxMetrics:
             self.throttled.add(0, labels)
             for error_class in SINK_ERROR_CLASSES:
                 self.failure.add(0, {**labels, "error_class": error_class})
+                self.parked.add(0, {**labels, "error_class": error_class})
         for event_type in sorted(event_types):
             for error_class in ROUTING_ERROR_CLASSES:
                 self.failure.add(0, {"sink": "-", "event_type": event_type, "error_class": error_class})
+                self.parked.add(0, {"sink": "-", "event_type": event_type, "error_class": error_class})
         for point, cause in LEASE_LOSSES:
             self.lost_leases.add(0, {"detected_at": point, "cause": cause})
 

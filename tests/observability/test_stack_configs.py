@@ -350,6 +350,41 @@ def test_the_first_failure_for_good_of_a_label_set_never_exported_before_pages(t
     assert_rule_tests(tmp_path / "first-failure.test.yml", tests)
 
 
+def test_events_parked_once_their_retries_ran_out_page_once(tmp_path: Path) -> None:
+    """Unit test of RoomOutboxRetriesExhausted (promtool test rules), one-minute samples: three
+    events parked once their retries ran out page for 15 minutes; an event parked by a failure
+    for good pages as RoomOutboxDeliveryFailingForGood only, not as this one too."""
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    target = 'job="room-outbox",instance="a:9464"'
+    parked = 'room_outbox_parked_total{{sink="tencent_im",event_type="RoomGiftSent",error_class="{}",' + target + "}}"
+    exhausted = expected_alert(rules["RoomOutboxRetriesExhausted"], sink="tencent_im", error_class="retryable")
+
+    def at(minute: int, fires: bool) -> dict[str, Any]:
+        return {
+            "eval_time": f"{minute}m",
+            "alertname": "RoomOutboxRetriesExhausted",
+            "exp_alerts": [exhausted] if fires else [],
+        }
+
+    tests = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {"series": "up{" + target + "}", "values": "1x60"},
+                    {"series": "process_start_time_seconds{" + target + "}", "values": "-7200x60"},
+                    {"series": parked.format("retryable"), "values": "0x20 3x40"},
+                    {"series": parked.format("permanent"), "values": "0x5 1x55"},
+                ],
+                "alert_rule_test": [at(5, False), at(10, False), at(21, True), at(35, True), at(37, False)],
+            },
+        ],
+    }
+    assert_rule_tests(tmp_path / "retries-exhausted.test.yml", tests)
+
+
 def test_a_dead_letter_of_a_label_set_never_exported_before_pages(tmp_path: Path) -> None:
     """Unit test of RoomOutboxConsumerDeadLetters (promtool test rules), one-minute samples: a
     retry row left by a handler no longer configured dies as a dead letter under that
