@@ -163,11 +163,18 @@ class TencentIMSink:
         """One app's UserSig cache's ``on_new``: each new UserSig is a secret, and the one before
         the last is forgotten (no request sends it any more). A cache renewed over and over (a
         clock behind Tencent's by more than ``usersig_ttl``: every UserSig answered 70001)
-        would otherwise pile up secrets, each making every later one dearer to add."""
+        would otherwise pile up secrets, each making every later one dearer to add.
+
+        Only distinct UserSigs are kept: those made within one second are identical (the issue
+        time is in whole seconds), so several deliveries renewing at once hand the same one in
+        again. Kept twice, it would push itself out and be forgotten while still in use."""
         kept: deque[str] = deque()
 
         def remember(usersig: str) -> None:
-            self._remember_secret(usersig)
+            if usersig in kept:
+                kept.remove(usersig)  # the newest again: it moves to the end, never pushed out
+            else:
+                self._remember_secret(usersig)
             kept.append(usersig)
             if len(kept) > USERSIGS_KEPT:
                 old = kept.popleft()
