@@ -403,3 +403,25 @@ async def test_usersigs_renewed_at_once_by_concurrent_deliveries_stay_masked() -
     assert not any(usersig in text for text in errors)  # the sink's own error texts
     assert usersig in process
     assert process.redact(f"delivery failed: error for {usersig}") == "delivery failed: error for [REDACTED]"
+
+
+async def test_a_key_or_usersig_glued_to_other_characters_in_error_info_is_masked() -> None:
+    """Tencent's ErrorInfo quoting a secret glued to a word (``appkey_<key>``,
+    ``sig_<UserSig>_end``): masked in the sink's error text and by the process's redactor."""
+
+    async def echo(request: web.Request) -> web.Response:
+        await request.read()
+        info = f"appkey_{DEV_KEY} mismatch, sig_{request.query['usersig']}_end"
+        return web.json_response({"ActionStatus": "FAIL", "ErrorCode": 70009, "ErrorInfo": info})
+
+    process = Redactor()
+    context = SinkContext("t", logging.getLogger("t"), add_secret=process.add, remove_secret=process.discard)
+    async with serving(echo, context=context) as sink:
+        with pytest.raises(PermanentSinkError) as error:
+            await sink.deliver(event("e1"))
+        usersig = sink._apps_by_code["default"].usersig.get()
+    text = str(error.value)
+    assert "appkey_[REDACTED] mismatch, sig_[REDACTED]_end" in text
+    assert DEV_KEY not in text and usersig not in text
+    quoted = f"Tencent said: appkey_{DEV_KEY} mismatch, sig_{usersig}_end"
+    assert process.redact(quoted) == "Tencent said: appkey_[REDACTED] mismatch, sig_[REDACTED]_end"
