@@ -85,11 +85,16 @@ class ThrottledSinkError(RetryableSinkError):
     slot may have opened. Raise it only when nothing was delivered for a rate limit: no
     request left the process, or the destination answered that it refused the request for
     its own rate limit. Any other request that may have reached the destination is an attempt
-    (:class:`RetryableSinkError`)."""
+    (:class:`RetryableSinkError`).
 
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    ``refused``: the destination answered that it refused it (rather than a limit of this
+    process holding it back). Still no attempt, but the row's ``last_error`` records the
+    message: an event the destination keeps refusing must show why it is still pending."""
+
+    def __init__(self, message: str, retry_after: float | None = None, *, refused: bool = False) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.refused = refused
 
 
 class PermanentSinkError(SinkError):

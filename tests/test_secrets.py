@@ -93,12 +93,18 @@ R = REDACTED
         ("abc", "Authorization: abc", f"Authorization: {R}"),
         ("abc", "mysql://app:abc@db/abcdef?password=abc", f"mysql://app:{R}@db/abcdef?password={R}"),
         ("abc", "abc def xabc abc_1", None),
+        # Long secrets (16 characters or more): masked even glued to other characters, as an
+        # error text may quote them (a gateway's "appkey_<key> mismatch"); shorter ones not.
+        ("room-outbox-dev-key-x", "appkey_room-outbox-dev-key-x mismatch", f"appkey_{R} mismatch"),
+        ("eJyrVgrxCdYrSy1S*abc", "sig_eJyrVgrxCdYrSy1S%2Aabc_end", f"sig_{R}_end"),
+        ("sup3rsecret15chr", "x_sup3rsecret15chr_y", f"x_{R}_y"),
+        ("sup3rsecret15ch", "x_sup3rsecret15ch_y sup3rsecret15ch", f"x_sup3rsecret15ch_y {R}"),
         # The special characters of the output-channel test below, percent-encoded in a DSN.
         ("Pw*0a1b/+=:@ %", "mysql://u:" + quote("Pw*0a1b/+=:@ %", safe="") + "@db/x", f"mysql://u:{R}@db/x"),
         ("Pw*0a1b/+=:@ %", '{"dsn_password": "Pw*0a1b/+=:@ %"}', f'{{"dsn_password": "{R}"}}'),
     ],
 )
-def test_a_secret_is_masked_as_a_whole_token_or_value(password: str, text: str, expected: str | None) -> None:
+def test_a_secret_is_masked_by_its_length_as_a_token_or_value(password: str, text: str, expected: str | None) -> None:
     redactor = Redactor()
     redactor.add(password)
     assert redactor.redact(text) == (text if expected is None else expected)

@@ -39,13 +39,15 @@ _PERMANENT = frozenset({ErrorClass.BAD_ENVELOPE, ErrorClass.NO_ROUTE, ErrorClass
 @dataclass(frozen=True)
 class Failure:
     """Why one attempt failed. ``error``: redacted and shortened; ``retry_after`` (throttled
-    only): seconds until the limit may have room, ``None``: unknown."""
+    only): seconds until the limit may have room, ``None``: unknown; ``refused`` (throttled
+    only): the destination refused it for its rate, rather than a limit of this process."""
 
     sink: str
     error_class: ErrorClass
     error: str
     permanent: bool = False
     retry_after: float | None = None
+    refused: bool = False
 
     @property
     def throttled(self) -> bool:

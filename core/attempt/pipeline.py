@@ -142,7 +142,8 @@ class Attempts:
             error_class, text, retry_after = ErrorClass.TIMEOUT, self._timeout_text(name), None
         else:
             error_class, text, retry_after = self.explain(name, exc)
-        return Failure(name, error_class, error_text(self.redactor, text), error_class.permanent, retry_after)
+        refused = isinstance(exc, ThrottledSinkError) and exc.refused
+        return Failure(name, error_class, error_text(self.redactor, text), error_class.permanent, retry_after, refused)
 
     def _timeout_text(self, name: str) -> str:
         return f"{name}: no answer within {self.timeout_name} {self.timeout:g}s"

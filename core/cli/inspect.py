@@ -140,6 +140,8 @@ def describe_state(row: dict[str, Any], now: int, words: Profile = V1, claim_aft
     old_enough = _old_enough_at(row, words, claim_after)
     if old_enough > max(now, lock_until):
         return _young(int(row[words.created]), old_enough, now, claim_after)
+    if lock_until > now and not retries:  # a rate limit's (last_error: the destination's refusal, if any)
+        return f"waiting: held back without an attempt (a rate limit), next try in {format_age(lock_until - now)}"
     if lock_until > now:
         return f"waiting: failed {retries} time(s), next attempt in {format_age(lock_until - now)}"
     if row.get("worker_id"):

@@ -463,14 +463,18 @@ class Dispatcher:
         return DeliveryResult(row.id, row.event_id, row.claim, outcome, failure.error, retry_at)
 
     def _throttled(self, row: OutboxRow, failure: Failure) -> DeliveryResult:
-        """This process's own rate limit held the event back: no request left, so no attempt
-        (no retry_count, no parking, no failure). Claimable again once the limit may have a
-        slot for it, or at once when the sink cannot tell."""
+        """A rate limit held the event back: this process's own (no request left) or the
+        destination's (it refused the request for its rate): no attempt either way (no
+        retry_count, no parking, no failure). Claimable again once the limit may have a slot
+        for it, or at once when the sink cannot tell. A refusal by the destination is written
+        to ``last_error`` by the same statement that releases the row: an event it keeps
+        refusing shows why in ``inspect`` and ``status``."""
         if log.isEnabledFor(logging.DEBUG):
             back = self.store.profile.fresh if row.retry_count == 0 else self.store.profile.retry  # as released
             log.debug("throttled", extra=self._event_fields(row, back, sink=failure.sink, error=failure.error))
         due = 0 if failure.retry_after is None else now_ms() + math.ceil(failure.retry_after * 1000)
-        return DeliveryResult(row.id, row.event_id, row.claim, Outcome.THROTTLED, retry_at_ms=due)
+        error = f"throttled (not counted as an attempt): {failure.error}" if failure.refused else None
+        return DeliveryResult(row.id, row.event_id, row.claim, Outcome.THROTTLED, error, due)
 
     def _parks(self, row: OutboxRow, attempts: int, failure: Failure) -> bool:
         """Whether this failure ends the event's retries. Even without `parking`: an event no

@@ -5,8 +5,9 @@ One :class:`Redactor` serves the whole process. :func:`redactor_for` makes it fr
 configuration (the DSN password, every sink or consumer setting named like a credential,
 OTLP header values); both log formatters, the span exporters, the dispatcher's ``last_error``
 and ``/readyz`` all use it, and sinks add what they create at run time (Tencent IM's UserSigs)
-through ``SinkContext.add_secret``. A secret is masked however it travels, as a whole token,
-never inside a longer one (:func:`_bounded`).
+through ``SinkContext.add_secret``. A secret is masked however it travels: a long one
+wherever it stands, even glued to other characters; a shorter one as a whole token, never
+inside a longer one (:func:`_bounded`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ REDACTED = "[REDACTED]"
 #: Shorter secrets are masked only where they are a whole value: as free-text words
 #: (``a``, ``abc``) they would mask ordinary text.
 MIN_SECRET_LENGTH = 4
+
+#: Secrets at least this long are masked wherever they stand, even glued to other characters
+#: (``appkey_<key>``, ``sig_<UserSig>_end``): a false match is no risk at that length, and
+#: an error text often glues a value to a word. Shorter ones only as whole tokens.
+GLUED_SECRET_LENGTH = 16
 
 #: Characters that continue a token: a secret next to one is part of a longer word.
 _TOKEN_CHAR = r"[\w.\-]"
@@ -112,17 +118,21 @@ class _Matcher:
 
 
 def _bounded(secret: str) -> str:
-    """``secret``'s pattern, anchored on token boundaries (a short secret: on a value's).
-    An edge that is itself a separator (``*`` in ``*abc``) needs no boundary, as ``\\b``.
+    """``secret``'s pattern: a long secret's anywhere, a shorter one's anchored on token
+    boundaries (a short secret: on a value's). An edge that is itself a separator (``*`` in
+    ``*abc``) needs no boundary, as ``\\b``.
 
     It matches the secret raw, percent-encoded as in a URL query (a UserSig's ``*`` goes out
     as ``%2A``, ``+``/``/``/``=`` as ``%2B``/``%2F``/``%3D``, a space as ``+`` or ``%20``, hex
-    digits in either case) or escaped inside a JSON string. Never inside a longer token: a
-    password ``room`` leaves ``room_outbox.app``, ``room-service`` and ``bedroom`` alone. A
-    secret of :data:`MIN_SECRET_LENGTH` characters or more is masked wherever it stands between
-    separators (spaces, quotes, ``:@=/?&,;`` and the like); a shorter one only where it is a
-    whole value: after ``=`` or ``:`` (a URL's userinfo, a query or DSN field, a header) or
-    inside quotes (a JSON string), up to the value's end."""
+    digits in either case) or escaped inside a JSON string. A shorter secret never inside a
+    longer token: a password ``room`` leaves ``room_outbox.app``, ``room-service`` and
+    ``bedroom`` alone. A secret of :data:`GLUED_SECRET_LENGTH` characters or more is masked wherever it stands,
+    inside a longer token too; one of :data:`MIN_SECRET_LENGTH` or more wherever it stands
+    between separators (spaces, quotes, ``:@=/?&,;`` and the like); a shorter one only where
+    it is a whole value: after ``=`` or ``:`` (a URL's userinfo, a query or DSN field, a
+    header) or inside quotes (a JSON string), up to the value's end."""
+    if len(secret) >= GLUED_SECRET_LENGTH:
+        return _encodings(secret)
     if len(secret) < MIN_SECRET_LENGTH:
         return _WHOLE_VALUE.format(_encodings(secret), _encodings(secret))
     before = f"(?:(?<!{_TOKEN_CHAR})|{_ESCAPE_BEFORE})" if _is_token_char(secret[0]) else ""

@@ -72,8 +72,9 @@ class Outcome(enum.Enum):
     FAILED = "failed"  # stays pending: retry_count+1, last_error, retried after retry_at_ms
     PARKED = "parked"  # status 'failed': retry_count+1, last_error; never retried unless requeued
     RELEASED = "released"  # not attempted (shutdown, or held back by its room): lease dropped
-    #: Not attempted: a rate limit of this process held it back. Lease dropped, retry_count
-    #: kept; claimable again from retry_at_ms (0: at once).
+    #: Not attempted: a rate limit held it back (this process's, or the destination's refusal,
+    #: then with its error in last_error). Lease dropped, retry_count kept; claimable again
+    #: from retry_at_ms (0: at once).
     THROTTLED = "throttled"
 
 

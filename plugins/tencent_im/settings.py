@@ -32,6 +32,12 @@ DEFAULT_BASE_URL = "https://console.tim.qq.com"
 #: Room messages users must not miss even when Tencent sheds load.
 DEFAULT_HIGH_PRIORITY = ("RoomGiftSent", "RoomUserKicked", "RoomClosed")
 
+#: The shortest ``usersig_ttl`` accepted. A UserSig is renewed at half its lifetime, so a
+#: lifetime of T tolerates a clock difference of T/2 with Tencent and renews every T/2 (its
+#: issue time in whole seconds): below a minute, a few seconds' difference already has every
+#: request refused as expired.
+MIN_USERSIG_TTL = 60.0
+
 #: Placeholders ``group_id_template`` may use.
 TEMPLATE_FIELDS = frozenset({"room_id", "app_code"})
 
@@ -127,6 +133,16 @@ class TencentIMSettings(SinkSettings):
     def _sdkappid_given(cls, value: int, info: ValidationInfo) -> int:
         if value <= 0 and info.data.get("enabled", True):
             raise ValueError("is required: the SDKAppID of the Tencent IM app (console → app → SDKAppID)")
+        return value
+
+    @field_validator("usersig_ttl")
+    @classmethod
+    def _usersig_lasts(cls, value: float) -> float:
+        if value < MIN_USERSIG_TTL:
+            raise ValueError(
+                f"{value:g}s is too short: at least {MIN_USERSIG_TTL:g}s (Tencent advises 24h); a UserSig that"
+                " short is refused as expired (ErrorCode 70001) on every request once clocks differ by a little"
+            )
         return value
 
     @field_validator("secret_key")

@@ -163,11 +163,18 @@ class TencentIMSink:
         """One app's UserSig cache's ``on_new``: each new UserSig is a secret, and the one before
         the last is forgotten (no request sends it any more). A cache renewed over and over (a
         clock behind Tencent's by more than ``usersig_ttl``: every UserSig answered 70001)
-        would otherwise pile up secrets, each making every later one dearer to add."""
+        would otherwise pile up secrets, each making every later one dearer to add.
+
+        Only distinct UserSigs are kept: those made within one second are identical (the issue
+        time is in whole seconds), so several deliveries renewing at once hand the same one in
+        again. Kept twice, it would push itself out and be forgotten while still in use."""
         kept: deque[str] = deque()
 
         def remember(usersig: str) -> None:
-            self._remember_secret(usersig)
+            if usersig in kept:
+                kept.remove(usersig)  # the newest again: it moves to the end, never pushed out
+            else:
+                self._remember_secret(usersig)
             kept.append(usersig)
             if len(kept) > USERSIGS_KEPT:
                 old = kept.popleft()
@@ -202,7 +209,7 @@ class TencentIMSink:
             app.usersig.invalidate()
             self.log.info("UserSig expired at Tencent (70001); regenerated, retrying once", extra={"app": app.name})
             answer = await self._send(app, content, group_id)
-        self._verdict(answer, app, group_id)
+        self._verdict(answer, app, group_id, envelope.event_id)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -280,7 +287,7 @@ class TencentIMSink:
             )
         return answer
 
-    def _verdict(self, answer: dict[str, Any], app: TencentApp, group_id: str) -> None:
+    def _verdict(self, answer: dict[str, Any], app: TencentApp, group_id: str, event_id: str) -> None:
         try:
             code = int(answer.get("ErrorCode", 0))
         except (TypeError, ValueError):
@@ -290,16 +297,17 @@ class TencentIMSink:
         redact = self._own_secrets.redact
         if answer.get("ActionStatus") != "OK" or code != 0:
             info = str(answer.get("ErrorInfo", ""))
-            if code in APP_RATE_CODES:
-                raise self._refused_for_rate(app.limiter, f"ErrorCode {code}: {short_info(info, redact)}", app, None)
-            if code in GROUP_RATE_CODES:
+            if code in APP_RATE_CODES | GROUP_RATE_CODES:
+                limiter = app.limiter if code in APP_RATE_CODES else self._groups.get(self._group_key(app, group_id))
                 text = f"ErrorCode {code}: {short_info(info, redact)}"
-                raise self._refused_for_rate(self._groups.get(self._group_key(app, group_id)), text, app, group_id)
+                raise self._refused_for_rate(limiter, text, app, group_id, event_id)
             raise error_for_code(code or -1, info, f"GroupId {group_id}, app {app.name}", redact)
         drop = answer.get("MsgDropReason")
         if drop == GROUP_RATE_DROP:
             text = f"MsgDropReason {GROUP_RATE_DROP}"
-            raise self._refused_for_rate(self._groups.get(self._group_key(app, group_id)), text, app, group_id)
+            raise self._refused_for_rate(
+                self._groups.get(self._group_key(app, group_id)), text, app, group_id, event_id
+            )
         if drop:
             # Accepted, then dropped by Tencent: not delivered, so not a success.
             raise RetryableSinkError(
@@ -308,24 +316,32 @@ class TencentIMSink:
             )
 
     def _refused_for_rate(
-        self, limiter: SlidingWindowLimiter, text: str, app: TencentApp, group_id: str | None
+        self, limiter: SlidingWindowLimiter, text: str, app: TencentApp, group_id: str, event_id: str
     ) -> ThrottledSinkError:
         """Tencent refused (or dropped) the message for its rate limit: nothing was delivered,
         so it is no attempt (the event keeps its retries and is never parked for it) but a
-        throttled delivery, due again once the limiter has a slot. The limiter it names is
+        throttled delivery, due again once the limiter has a slot, with the answer in the
+        row's ``last_error`` (``refused``). The limiter it names (the app's or the group's) is
         slowed down, as others (room-service's pushes) are using the rate this process's share
         assumed free; sending at the share again would only be refused again."""
         if limiter.slow_down():  # once a window at most: an app's is worth a warning
-            log = self.log.warning if group_id is None else self.log.info
+            log = self.log.warning if limiter is app.limiter else self.log.info
             log(
                 "Tencent IM refused for its rate limit; sending slower for a while",
-                extra={"app": app.name, "sdkappid": app.sdkappid, "group_id": group_id, "answer": text},
+                extra={
+                    "app": app.name,
+                    "sdkappid": app.sdkappid,
+                    "group_id": group_id,
+                    "event_id": event_id,
+                    "answer": text,
+                },
             )
         retry_after = limiter.next_slot_in()
-        where = f"app {app.name}" if group_id is None else f"GroupId {group_id}, app {app.name}"
         return ThrottledSinkError(
-            f"Tencent IM rate limit: {text} ({where}); this process sends slower for a while",
+            f"refused by Tencent IM for its rate limit: {text} (GroupId {group_id}, app {app.name});"
+            " this process sends slower for a while",
             retry_after=limiter.window if retry_after is None else retry_after,
+            refused=True,
         )
 
     def _scrub(self, exc: BaseException) -> str:

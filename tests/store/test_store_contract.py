@@ -221,6 +221,34 @@ async def test_a_throttled_row_is_released_unattempted_until_its_slot(any_store:
     assert [r.event_id for r in again.rows] == ["e1"]  # e0 waits for its slot
 
 
+async def test_a_throttled_row_the_destination_refused_records_why(any_store: SQLStore) -> None:
+    """Refused by the destination for its rate: still no attempt and the lease dropped, but
+    its error written to last_error by the release itself, each row its own; a throttled row
+    without an error keeps its last_error, a released one too."""
+    await insert_events(any_store, [envelope(f"e{i}") for i in range(4)])
+    async with any_store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET last_error = 'earlier' WHERE event_id IN ('e2', 'e3')")
+    rows = {r.event_id: r for r in (await any_store.claim("a#1", 10, now_ms() + 60_000)).rows}
+    slot = now_ms() + 60_000
+    long_error = "refused for rate: GroupId r_1 " + "y" * LAST_ERROR_MAX
+    results = [
+        DeliveryResult(rows["e0"].id, "e0", "a#1", Outcome.THROTTLED, "refused for rate: GroupId r_0", slot),
+        DeliveryResult(rows["e1"].id, "e1", "a#1", Outcome.THROTTLED, long_error, slot),
+        DeliveryResult(rows["e2"].id, "e2", "a#1", Outcome.THROTTLED, retry_at_ms=slot),  # this process's limit
+        DeliveryResult(rows["e3"].id, "e3", "a#1", Outcome.RELEASED),
+    ]
+    assert await any_store.record(results) == []
+    got = await fetch_rows(any_store)
+    state = {e: (r["status"], r["retry_count"], r["worker_id"], r["last_error"]) for e, r in got.items()}
+    assert state == {
+        "e0": ("pending", 0, None, "refused for rate: GroupId r_0"),
+        "e1": ("pending", 0, None, long_error[:LAST_ERROR_MAX]),
+        "e2": ("pending", 0, None, "earlier"),
+        "e3": ("pending", 0, None, "earlier"),
+    }
+    assert got["e0"]["lock_until_ms"] == got["e2"]["lock_until_ms"] == slot
+
+
 async def test_a_stale_claimant_changes_nothing_and_is_reported(any_store: SQLStore) -> None:
     await insert_events(any_store, [envelope("e1")])
     (row,) = (await any_store.claim("a#1", 10, now_ms() - 1)).rows  # a lease that has already run out

@@ -666,9 +666,14 @@ class LeasedRows:
             # THROTTLED: not before the latest time its limits may have room (0: at once).
             due = max(r.retry_at_ms for r in group)
             lock = words.ms("%s") if due else words.lock_cleared
-            change = f"{back}worker_id = NULL, {words.lock} = {lock}"
+            # A throttled row the destination refused records why, in this same statement
+            # (one CASE over the rows that carry an error); the others keep their last_error.
+            noted = sorted((r.row_id, r.error[:LAST_ERROR_MAX]) for r in group if r.error)
+            cases = " WHEN %s THEN %s" * len(noted)
+            note = f", last_error = CASE {self.key}{cases} ELSE last_error END" if noted else ""
+            change = f"{back}worker_id = NULL, {words.lock} = {lock}{note}"
             done = f"{words.is_waiting()} AND worker_id IS NULL"
-            params = (*((due,) if due else ()), *ids, claim)
+            params = (*((due,) if due else ()), *(value for pair in noted for value in pair), *ids, claim)
         matched = await cur.execute(
             f"UPDATE {self.table} SET {change} WHERE {self.key} IN ({_marks(ids)}) AND {held}",
             params,

@@ -76,7 +76,10 @@ async def test_usersig_expired_is_regenerated_once_and_retried(fake: FakeTencent
         await sink.deliver(event("e1"))
         assert fake.event_ids() == ["e1"]
         assert [a.error_code for a in fake.arrivals] == [70001, 0]
-        assert len(secrets) == 3  # the key, the first UserSig, the regenerated one
+        # The key, then each distinct UserSig once: the regenerated one is the first again
+        # when made within the same second (its issue time is in whole seconds).
+        assert secrets[0] == DEV_KEY and len(secrets) == len(set(secrets)) in (2, 3)
+        assert secrets[-1] == sink._apps_by_code["default"].usersig.get()
 
         fake.set_faults(fail_next=[70001, 70001])  # still expired after regenerating: retry later
         with pytest.raises(RetryableSinkError, match="ErrorCode 70001"):
@@ -118,10 +121,12 @@ async def test_http_5xx_is_retryable_and_never_quotes_the_body(fake: FakeTencent
 
 @asynccontextmanager
 async def serving(
-    handle: Callable[[web.Request], Awaitable[web.StreamResponse]], **settings: Any
+    handle: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    context: SinkContext | None = None,
+    **settings: Any,
 ) -> AsyncIterator[TencentIMSink]:
-    """A sink (with these ``settings``) whose Tencent IM is a loopback server answering every
-    request with ``handle``."""
+    """A sink (with these ``settings``, and ``context`` if given) whose Tencent IM is a loopback
+    server answering every request with ``handle``."""
     app = web.Application()
     app.router.add_route("*", "/{path:.*}", handle)
     runner = web.AppRunner(app, access_log=None)
@@ -130,7 +135,7 @@ async def serving(
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         base_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         validated = TencentIMSettings(base_url=base_url, sdkappid=DEV_SDKAPPID, secret_key=DEV_KEY, **settings)
-        sink = TencentIMSink(validated, SinkContext("t", __import__("logging").getLogger("t")))
+        sink = TencentIMSink(validated, context or SinkContext("t", logging.getLogger("t")))
         try:
             yield sink
         finally:
@@ -352,3 +357,71 @@ async def test_usersigs_renewed_over_and_over_keep_the_secrets_masked_bounded(fa
     assert masked == usersigs[-2:]  # the one in use and the one before it
     assert redactor.redact(f"usersig={usersigs[-1]}") == "usersig=[REDACTED]"
     assert len(redactor._secrets) == 3  # with the secret key
+
+
+async def test_usersigs_renewed_at_once_by_concurrent_deliveries_stay_masked() -> None:
+    """Three deliveries answered 70001 at once each renew the UserSig within one second: the
+    same UserSig three times (its issue time is in whole seconds). Kept once per renewal, it
+    pushed itself out of the kept UserSigs and was unmasked while still in use: the next
+    error quoting it showed it in clear, in last_error and in the logs."""
+    expired_answers = 3
+    all_arrived = anyio.Event()
+    arrived = 0
+
+    async def handle(request: web.Request) -> web.Response:
+        nonlocal arrived
+        await request.read()
+        arrived += 1
+        if arrived <= expired_answers:  # held until all three are in flight together
+            if arrived == expired_answers:
+                all_arrived.set()
+            await all_arrived.wait()
+            answer = {"ActionStatus": "FAIL", "ErrorCode": 70001, "ErrorInfo": "UserSig expired"}
+        else:  # a gateway quoting the UserSig it was sent, as a word of its own
+            answer = {"ActionStatus": "FAIL", "ErrorCode": 10002, "ErrorInfo": f"error for {request.query['usersig']}"}
+        return web.json_response(answer)
+
+    process = Redactor()  # what the dispatcher's last_error and the log formatters mask with
+    context = SinkContext("t", logging.getLogger("t"), add_secret=process.add, remove_secret=process.discard)
+    async with serving(handle, context=context) as sink:
+        cache = sink._apps_by_code["default"].usersig
+        cache.clock = lambda: 1_700_000_000.5  # every UserSig made within one second
+        errors: list[str] = []
+
+        async def deliver(event_id: str) -> None:
+            with pytest.raises(RetryableSinkError) as info:
+                await sink.deliver(event(event_id, room_id=f"r_{event_id}"))
+            errors.append(str(info.value))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                for n in range(expired_answers):
+                    tg.start_soon(deliver, f"e{n}")
+        usersig = cache.get()
+    assert arrived == 2 * expired_answers  # each retried once with the renewed UserSig
+    assert len(errors) == expired_answers and all("ErrorCode 10002" in text for text in errors)
+    assert not any(usersig in text for text in errors)  # the sink's own error texts
+    assert usersig in process
+    assert process.redact(f"delivery failed: error for {usersig}") == "delivery failed: error for [REDACTED]"
+
+
+async def test_a_key_or_usersig_glued_to_other_characters_in_error_info_is_masked() -> None:
+    """Tencent's ErrorInfo quoting a secret glued to a word (``appkey_<key>``,
+    ``sig_<UserSig>_end``): masked in the sink's error text and by the process's redactor."""
+
+    async def echo(request: web.Request) -> web.Response:
+        await request.read()
+        info = f"appkey_{DEV_KEY} mismatch, sig_{request.query['usersig']}_end"
+        return web.json_response({"ActionStatus": "FAIL", "ErrorCode": 70009, "ErrorInfo": info})
+
+    process = Redactor()
+    context = SinkContext("t", logging.getLogger("t"), add_secret=process.add, remove_secret=process.discard)
+    async with serving(echo, context=context) as sink:
+        with pytest.raises(PermanentSinkError) as error:
+            await sink.deliver(event("e1"))
+        usersig = sink._apps_by_code["default"].usersig.get()
+    text = str(error.value)
+    assert "appkey_[REDACTED] mismatch, sig_[REDACTED]_end" in text
+    assert DEV_KEY not in text and usersig not in text
+    quoted = f"Tencent said: appkey_{DEV_KEY} mismatch, sig_{usersig}_end"
+    assert process.redact(quoted) == "Tencent said: appkey_[REDACTED] mismatch, sig_[REDACTED]_end"

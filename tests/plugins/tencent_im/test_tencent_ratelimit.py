@@ -221,8 +221,10 @@ async def test_a_rate_limit_answer_is_no_attempt_and_slows_down_the_limiter_it_n
         with pytest.raises(ThrottledSinkError, match="ErrorCode 60011") as app_refusal:
             await sink.deliver(event("a1", room_id="r_1"))
         assert app_refusal.value.retry_after is not None and app_refusal.value.retry_after > 0.5
-        with pytest.raises(ThrottledSinkError, match="client-side rate limit: app"):
+        assert app_refusal.value.refused  # Tencent's refusal: recorded in last_error
+        with pytest.raises(ThrottledSinkError, match="client-side rate limit: app") as held_back:
             await sink.deliver(event("a2", room_id="r_2"))  # another group, the same app
+        assert not held_back.value.refused  # this process's own limit: not
         assert [a.error_code for a in fake.arrivals] == [60011]  # held back without a request
     finally:
         await sink.aclose()
@@ -231,14 +233,16 @@ async def test_a_rate_limit_answer_is_no_attempt_and_slows_down_the_limiter_it_n
     sink = make_sink(fake, rate_limit_max_wait="100ms", reserved_share=0)
     try:
         fake.set_faults(fail_next=[10023])
-        with pytest.raises(ThrottledSinkError, match="ErrorCode 10023"):
+        with pytest.raises(ThrottledSinkError, match="ErrorCode 10023") as group_refusal:
             await sink.deliver(event("g1", room_id="hot"))
+        assert group_refusal.value.refused
         await sink.deliver(event("g2", room_id="quiet"))  # another group: unaffected
         with pytest.raises(ThrottledSinkError, match="client-side rate limit: group hot"):
             await sink.deliver(event("g3", room_id="hot"))
         fake.set_faults(drop_rate=1.0)  # MsgFreqCtrl: the group's rate control dropped it
-        with pytest.raises(ThrottledSinkError, match="MsgFreqCtrl"):
+        with pytest.raises(ThrottledSinkError, match="MsgFreqCtrl") as dropped:
             await sink.deliver(event("g4", room_id="quiet"))
+        assert dropped.value.refused
         fake.set_faults(drop_rate=0.0)
         with pytest.raises(ThrottledSinkError, match="client-side rate limit: group quiet"):
             await sink.deliver(event("g5", room_id="quiet"))

@@ -52,6 +52,10 @@ def test_disabled_needs_nothing() -> None:
             "apps: app codes ['default'] are also in default_app_codes",
         ),
         ({"app_rate_limit": 0}, "app_rate_limit"),
+        ({"usersig_ttl": "0s"}, "usersig_ttl: 0s is too short: at least 60s"),
+        ({"usersig_ttl": "-5s"}, "usersig_ttl: -5s is too short"),
+        ({"usersig_ttl": "0.5s"}, "usersig_ttl: 0.5s is too short"),
+        ({"usersig_ttl": "59s"}, "usersig_ttl: 59s is too short"),
         ({"secret_kye": "x"}, "secret_kye"),
     ],
 )
@@ -59,6 +63,11 @@ def test_bad_values_name_their_key(section: dict[str, object], key: str) -> None
     with pytest.raises(ConfigError) as info:
         validate({"sdkappid": 1400000000, "secret_key": "dev-key-123", **section})
     assert f"sinks.tencent_im.{key}" in str(info.value)
+
+
+def test_a_usersig_ttl_of_a_minute_or_more_is_accepted() -> None:
+    (_, validated) = validate({"sdkappid": 1400000000, "secret_key": "dev-key-123", "usersig_ttl": "1m"})["tencent_im"]
+    assert isinstance(validated, TencentIMSettings) and validated.usersig_ttl == 60
 
 
 def test_secrets_and_app_entries_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,8 @@ once with `room-outbox run` as a process."""
 
 from __future__ import annotations
 
+import io
+import logging
 import math
 import signal
 from collections.abc import AsyncIterator
@@ -23,6 +25,8 @@ from telemetry_support import Captured, capture
 
 from bench.drive import run_until_empty
 from room_outbox import QuotaShare
+from room_outbox.cli.inspect import inspect_command
+from room_outbox.cli.status import format_status, status_report
 from room_outbox.config import Settings
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
 from room_outbox.delivery.routing import Router, build_lanes
@@ -165,6 +169,43 @@ async def test_tencent_rate_limit_answers_park_nothing_and_slow_the_process_down
     assert fake.over_quota["app"] > 0  # Tencent's limit was met
     assert fake.over_quota["app"] < events / 2  # and the process backed off
     assert captured.value(FAILED) == 0
+
+
+async def test_rows_tencent_keeps_refusing_for_its_rate_show_why_without_an_attempt(
+    fake: FakeTencentIM, store: MySQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tencent refuses every message for its rate (an OK answer with MsgDropReason
+    MsgFreqCtrl): no attempt counted, nothing parked, as before; but each row says why it is
+    still pending (last_error, shown by inspect and status), and the sink's log line names
+    the event, its app and its group."""
+    fake.set_faults(drop_rate=1.0)
+    router = await _router(fake)
+    captured = capture()
+    dispatcher = _dispatcher(store, router, captured, parking=True, retry={"max_attempts": 1})
+    await insert_events(store, [envelope(f"e{i}", room_id=f"r_{i}") for i in range(2)])
+    caplog.set_level(logging.INFO, logger="room_outbox.sink.tencent_im")
+    try:
+        with anyio.fail_after(10):
+            await run_until_empty(dispatcher)
+    finally:
+        await router.aclose()
+    rows = await fetch_rows(store)
+    assert {(r["status"], r["retry_count"]) for r in rows.values()} == {("pending", 0)}  # no attempt, not parked
+    assert fake.event_ids() == [] and captured.value(THROTTLED, sink="tencent_im") == 2
+    assert {event_id: row["last_error"] for event_id, row in rows.items()} == {
+        f"e{i}": "throttled (not counted as an attempt): tencent_im: refused by Tencent IM for its rate limit:"
+        f" MsgDropReason MsgFreqCtrl (GroupId r_{i}, app default); this process sends slower for a while"
+        for i in range(2)
+    }
+    logged = [r for r in caplog.records if r.getMessage().startswith("Tencent IM refused for its rate limit")]
+    assert {(r.event_id, r.group_id, r.app) for r in logged} == {("e0", "r_0", "default"), ("e1", "r_1", "default")}
+
+    out = io.StringIO()
+    assert await inspect_command(store, "e0", False, out, io.StringIO()) == 0
+    assert rows["e0"]["last_error"] in out.getvalue()
+    assert "state: waiting: held back without an attempt (a rate limit), next try in" in out.getvalue()
+    status = format_status(await status_report(store))
+    assert "refused by Tencent IM for its rate limit" in status
 
 
 def _run_config(path: Path, dsn: str, fake: FakeTencentIM) -> Path:
