@@ -5,13 +5,19 @@ blocked plugin is never imported; then every ``room_outbox.plugins`` entry point
 sinks are published there too); then built-ins the environment did not publish (running from
 a source tree without installing); finally ``check_pending`` rejects a hookimpl that matches
 no hookspec, which is how a misspelt hook name shows up.
+
+A plugin's name is its entry point's, and one name is one plugin: a name two distributions
+publish, or a built-in's name published for another module, stops start-up (whichever
+loaded first would otherwise replace the other without a word).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import re
 from collections.abc import Iterable
+from typing import Any, cast
 
 import pluggy
 
@@ -27,9 +33,22 @@ BUILTIN_PLUGINS = {
     "activity": "room_outbox.plugins.activity",
 }
 
+#: What a plugin raising at start-up may raise that is no ``Exception``: its own doing (an
+#: ``exit()`` in its module, say), named like any other failure of the plugin.
+_PLUGIN_ABORTS = (Exception, SystemExit, KeyboardInterrupt)
 
-def make_plugin_manager(disabled: Iterable[str] = (), extra_plugins: Iterable[object] = ()) -> pluggy.PluginManager:
-    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager, knowing where each plugin comes from (for the errors naming it)."""
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT_NAME)
+        #: Plugin name → the distribution that published it, for plugins loaded from entry points.
+        self.distributions: dict[str, str] = {}
+
+
+def make_plugin_manager(disabled: Iterable[str] = (), extra_plugins: Iterable[object] = ()) -> PluginManager:
+    pm = PluginManager()
     pm.add_hookspecs(hookspecs)
     for name in disabled:
         pm.set_blocked(name)
@@ -46,18 +65,77 @@ def make_plugin_manager(disabled: Iterable[str] = (), extra_plugins: Iterable[ob
     return pm
 
 
-def _load_entry_points(pm: pluggy.PluginManager) -> None:
+def plugin_label(pm: pluggy.PluginManager, name: str) -> str:
+    """How errors name plugin ``name``: with its distribution when it came from one."""
+    distribution = pm.distributions.get(name) if isinstance(pm, PluginManager) else None
+    return f"plugin {name!r} (distribution {distribution!r})" if distribution else f"plugin {name!r}"
+
+
+def registered_specs(pm: pluggy.PluginManager, hook: pluggy.HookCaller) -> list[tuple[str, Any]]:
+    """``(plugin name, spec)`` for each spec the plugins register through ``hook`` (one taking
+    no arguments and returning a list), in the order pluggy would call them. A plugin whose
+    hook raises stops start-up with an error naming it."""
+    found = []
+    for impl in reversed(hook.get_hookimpls()):
+        try:
+            specs = list(cast("Iterable[Any]", impl.function()))
+        except _PLUGIN_ABORTS as exc:
+            raise ConfigError(
+                f"{plugin_label(pm, impl.plugin_name)} failed in {hook.name}: {_described(exc)}; "
+                f"fix it or add {impl.plugin_name!r} to plugins.disabled"
+            ) from exc
+        found += [(impl.plugin_name, spec) for spec in specs]
+    return found
+
+
+def _load_entry_points(pm: PluginManager) -> None:
     """pluggy's ``load_setuptools_entrypoints``, except that a plugin failing to import stops
-    start-up with an error naming the plugin and its distribution instead of a bare traceback."""
+    start-up with an error naming the plugin and its distribution instead of a bare traceback,
+    and a name two distributions publish stops it too (see the module's docstring)."""
+    published: dict[str, tuple[str, importlib.metadata.EntryPoint]] = {}
     for dist in importlib.metadata.distributions():
+        distribution = dist.metadata["Name"]
         for ep in dist.entry_points:
-            if ep.group != hookspecs.ENTRY_POINT_GROUP or pm.has_plugin(ep.name) or pm.is_blocked(ep.name):
+            if ep.group != hookspecs.ENTRY_POINT_GROUP or pm.is_blocked(ep.name):
                 continue
-            try:
-                plugin = ep.load()
-            except Exception as exc:
+            if ep.name in published:
+                first, _ = published[ep.name]
+                if _canonical(first) != _canonical(distribution):  # the same one found twice on the path is fine
+                    raise ConfigError(
+                        f"plugin {ep.name!r} is published by two distributions, {first!r} and {distribution!r}: "
+                        f"uninstall one, or add {ep.name!r} to plugins.disabled to load neither"
+                    )
+                continue
+            builtin = BUILTIN_PLUGINS.get(ep.name)
+            if builtin is not None and ep.module != builtin:
                 raise ConfigError(
-                    f"plugin {ep.name!r} (distribution {dist.metadata['Name']!r}, {ep.value}) failed to load: "
-                    f"{type(exc).__name__}: {exc}; fix it or add {ep.name!r} to plugins.disabled"
-                ) from exc
-            pm.register(plugin, name=ep.name)
+                    f"plugin {ep.name!r} (distribution {distribution!r}, {ep.value}) has the name of a built-in "
+                    f"plugin: rename its entry point, uninstall it, or add {ep.name!r} to plugins.disabled "
+                    f"to load neither"
+                )
+            published[ep.name] = (distribution, ep)
+    for name, (distribution, ep) in published.items():
+        try:
+            plugin = ep.load()
+        except _PLUGIN_ABORTS as exc:
+            raise ConfigError(
+                f"plugin {name!r} (distribution {distribution!r}, {ep.value}) failed to load: "
+                f"{_described(exc)}; fix it or add {name!r} to plugins.disabled"
+            ) from exc
+        same = pm.get_name(plugin)
+        if same is not None:
+            raise ConfigError(
+                f"plugin {name!r} (distribution {distribution!r}, {ep.value}) is the module of plugin {same!r} "
+                f"already: a plugin loads once; add {name!r} to plugins.disabled"
+            )
+        pm.register(plugin, name=name)
+        pm.distributions[name] = distribution
+
+
+def _canonical(distribution: str) -> str:
+    """A distribution's name as packaging compares them (``Room_Outbox`` is ``room-outbox``)."""
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+def _described(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -208,7 +208,7 @@ class RecordingSink:
         fail: set[str] | None = None,
         hang: set[str] | None = None,
         delay: float = 0.0,
-        error: Exception | None = None,
+        error: BaseException | None = None,
     ) -> None:
         self.received: list[str] = []
         #: The last envelope received for each event_id.

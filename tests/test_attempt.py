@@ -192,6 +192,47 @@ async def test_a_disarmed_shared_scope_is_armed_again_by_the_next_call() -> None
     assert scope.cancelled_caught
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("shared_scope", [False, True])
+async def test_a_call_raising_its_own_cancelled_error_is_a_sink_bug(shared_scope: bool) -> None:
+    """Nobody cancelled the call: its CancelledError is the sink's bug, not a cancellation."""
+    watcher = _Watcher()
+
+    async def leaks(_: None) -> None:
+        raise asyncio.CancelledError
+
+    with anyio.fail_after(10), anyio.CancelScope() as scope:
+        got = await Attempts(_redactor(), 1).run("im", leaks, None, watcher, scope if shared_scope else None)
+    assert got is not None and (got.error_class, got.error) == (ErrorClass.SINK_BUG, "im: unexpected CancelledError: ")
+    assert watcher.finished == [got] and not scope.cancelled_caught
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("shared_scope", [False, True])
+async def test_a_real_cancellation_of_a_call_still_propagates(shared_scope: bool) -> None:
+    """Cancelled from outside (the service stopping): the cancellation goes on, no failure."""
+    watcher = _Watcher()
+    started = anyio.Event()
+
+    async def hangs(_: None) -> None:
+        started.set()
+        await anyio.sleep_forever()
+
+    attempts = Attempts(_redactor(), 5)
+
+    async def attempt() -> None:
+        with anyio.CancelScope() as scope:
+            await attempts.run("im", hangs, None, watcher, scope if shared_scope else None)
+        raise AssertionError("the cancellation was swallowed")
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(attempt)
+            await started.wait()
+            tg.cancel_scope.cancel()
+    assert watcher.finished == []
+
+
 def test_describe_names_the_exception_type() -> None:
     assert describe(KeyError()) == "KeyError"
     assert describe(ValueError("bad")) == "ValueError: bad"

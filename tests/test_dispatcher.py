@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -243,6 +244,32 @@ async def test_a_sink_bug_is_recorded_not_lost(store: MySQLStore) -> None:
     await insert_events(store, [envelope("e1")])
     await run_until_empty(make_dispatcher(store, RecordingSink(fail={"e1"}, error=KeyError("boom"))))
     assert (await fetch_rows(store))["e1"]["last_error"] == "test: unexpected KeyError: 'boom'"
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [asyncio.CancelledError(), SystemExit(3), BaseException("plain base"), KeyboardInterrupt()],
+    ids=["CancelledError", "SystemExit", "BaseException", "KeyboardInterrupt"],
+)
+async def test_a_sink_raising_a_base_exception_is_a_counted_sink_bug(store: MySQLStore, raised: BaseException) -> None:
+    """What no sink may raise (KeyboardInterrupt, SystemExit, its own CancelledError) is a
+    bug in the sink like any other: counted, recorded, parked after the last attempt, while
+    the lane goes on with the other events."""
+    await insert_events(store, [envelope("bad"), envelope("good", room_id="r_2")])
+    sink = RecordingSink(fail={"bad"}, error=raised)
+    dispatcher = make_dispatcher(store, sink, retry=RetryPolicy(parking=True, max_attempts=2, interval=0.05))
+
+    async def bad_parked() -> bool:
+        await run_until_empty(dispatcher)
+        return (await fetch_rows(store))["bad"]["status"] == "failed"  # parked
+
+    with anyio.fail_after(20):
+        await wait_until(bad_parked)
+    rows = await fetch_rows(store)
+    expected_error = f"test: unexpected {type(raised).__name__}: {raised}"
+    assert (rows["bad"]["retry_count"], rows["bad"]["last_error"]) == (2, expected_error)
+    assert rows["good"]["status"] == "published"
+    assert sink.received.count("bad") == 2
 
 
 async def test_a_permanent_error_stays_pending_in_v1(store: MySQLStore) -> None:

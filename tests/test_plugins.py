@@ -16,7 +16,7 @@ import pytest
 
 from room_outbox import EventEnvelope, SinkContext, SinkSettings, SinkSpec, hookimpl, hookspecs
 from room_outbox.config import ConfigError, Settings
-from room_outbox.delivery.routing import build_router
+from room_outbox.delivery.routing import build_router, registered_sinks
 from room_outbox.envelope import KNOWN_EVENT_TYPES
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import make_plugin_manager
@@ -185,6 +185,100 @@ async def test_a_plugin_that_fails_to_import_is_named(monkeypatch: pytest.Monkey
     with pytest.raises(ConfigError, match=r"plugin 'broken' \(distribution 'room-outbox-broken'.*failed to load"):
         make_plugin_manager()
     assert make_plugin_manager(disabled=["broken"])  # blocking it is the way out
+
+
+def installed(monkeypatch: pytest.MonkeyPatch, *distributions: FakeDistribution, first: bool = False) -> None:
+    """``distributions`` installed besides the real ones, listed after them or (``first``) before."""
+    real = importlib.metadata.distributions
+    if first:
+        monkeypatch.setattr(importlib.metadata, "distributions", lambda **kw: [*distributions, *real(**kw)])
+    else:
+        monkeypatch.setattr(importlib.metadata, "distributions", lambda **kw: [*real(**kw), *distributions])
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["listed-first", "listed-last"])
+def test_an_entry_point_named_like_a_built_in_is_refused(monkeypatch: pytest.MonkeyPatch, first: bool) -> None:
+    """It would replace the built-in without a word (which one loads depends on the order
+    distributions are listed in)."""
+    monkeypatch.setitem(sys.modules, "room_outbox_counting_plugin", counting_plugin_module())
+    installed(
+        monkeypatch,
+        FakeDistribution("aaa-shadow", "[room_outbox.plugins]\nnoop = room_outbox_counting_plugin\n"),
+        first=first,
+    )
+    with pytest.raises(ConfigError, match=r"plugin 'noop' .*'aaa-shadow'.*plugins.disabled"):
+        make_plugin_manager()
+    assert not make_plugin_manager(disabled=["noop"]).has_plugin("noop")  # the way out
+
+
+def test_a_name_two_distributions_publish_is_refused_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "room_outbox_counting_plugin", counting_plugin_module())
+    entry = "[room_outbox.plugins]\ncounting = room_outbox_counting_plugin\n"
+    installed(monkeypatch, FakeDistribution("counting-a", entry), FakeDistribution("counting-b", entry))
+    with pytest.raises(
+        ConfigError, match=r"'counting' is published by two distributions, 'counting-a' and 'counting-b'"
+    ):
+        make_plugin_manager()
+    assert not make_plugin_manager(disabled=["counting"]).has_plugin("counting")
+
+
+def test_one_module_under_two_entry_point_names_is_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "room_outbox_counting_plugin", counting_plugin_module())
+    both = "[room_outbox.plugins]\ncounting = room_outbox_counting_plugin\ncounting2 = room_outbox_counting_plugin\n"
+    installed(monkeypatch, FakeDistribution("room-outbox-counting", both))
+    with pytest.raises(ConfigError, match=r"plugin 'counting2' .* is the module of plugin 'counting' already"):
+        make_plugin_manager()
+    assert make_plugin_manager(disabled=["counting2"]).has_plugin("counting")
+
+
+@pytest.mark.parametrize("statement", ["raise SystemExit(7)", "raise KeyboardInterrupt"])
+def test_a_plugin_exiting_at_import_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, statement: str) -> None:
+    (tmp_path / "room_outbox_exiting_plugin.py").write_text(statement + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    installed(
+        monkeypatch,
+        FakeDistribution("room-outbox-exiting", "[room_outbox.plugins]\nexiting = room_outbox_exiting_plugin\n"),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"plugin 'exiting' \(distribution 'room-outbox-exiting'.*failed to load: (SystemExit: 7|KeyboardInterrupt); .*plugins.disabled",
+    ):
+        make_plugin_manager()
+
+
+@pytest.mark.parametrize("raised", [RuntimeError("boom"), SystemExit(3)], ids=["RuntimeError", "SystemExit"])
+def test_a_registration_hook_that_raises_is_named(monkeypatch: pytest.MonkeyPatch, raised: BaseException) -> None:
+    module = types.ModuleType("room_outbox_raising_plugin")
+
+    @hookimpl
+    def room_outbox_register_sinks() -> list[SinkSpec[CountingSettings]]:
+        raise raised
+
+    module.room_outbox_register_sinks = room_outbox_register_sinks  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "room_outbox_raising_plugin", module)
+    installed(
+        monkeypatch,
+        FakeDistribution("room-outbox-raising", "[room_outbox.plugins]\nraising = room_outbox_raising_plugin\n"),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"plugin 'raising' \(distribution 'room-outbox-raising'\) failed in room_outbox_register_sinks: .*plugins.disabled",
+    ):
+        registered_sinks(make_plugin_manager())
+
+
+def test_two_plugins_registering_one_sink_name_are_both_named(third_party_installed: None) -> None:
+    class Another:
+        @hookimpl
+        def room_outbox_register_sinks(self) -> list[SinkSpec[CountingSettings]]:
+            return [SinkSpec("counting", CountingSink, settings_model=CountingSettings)]
+
+    pm = make_plugin_manager(extra_plugins=[Another()])
+    another = pm.get_name(next(p for p in pm.get_plugins() if isinstance(p, Another)))
+    with pytest.raises(ConfigError, match="two plugins register a sink named 'counting'") as refused:
+        registered_sinks(pm)
+    assert "plugin 'counting' (distribution 'room-outbox-counting')" in str(refused.value)
+    assert f"plugin '{another}'" in str(refused.value)
 
 
 async def test_a_misspelt_hook_is_caught() -> None:

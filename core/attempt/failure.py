@@ -8,7 +8,10 @@ longer be recognised.
 
 from __future__ import annotations
 
+import asyncio
 import enum
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
@@ -62,9 +65,48 @@ def error_text(redactor: Redactor, text: str) -> str:
 def describe(exc: BaseException) -> str:
     """``"TypeName: message"``, or the type's name alone when the message is empty. A task
     group's exception group is described by what it holds (its first exception, and how many
-    more), as its own text only says that a task failed."""
+    more), as its own text only says that a task failed; a :class:`PluginBaseException` by
+    what the plugin raised."""
+    if isinstance(exc, PluginBaseException):
+        return describe(exc.raised)
     if isinstance(exc, BaseExceptionGroup):
         inner = exc.exceptions
         more = f" (and {len(inner) - 1} more)" if len(inner) > 1 else ""
         return describe(inner[0]) + more
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class PluginBaseException(Exception):
+    """A plugin's call raised a :class:`BaseException` that is no :class:`Exception`
+    (``KeyboardInterrupt``, ``SystemExit``, its own ``CancelledError``...): a bug in the
+    plugin, recorded as a failure of that call like any other. ``raised``: what it raised."""
+
+    def __init__(self, raised: BaseException) -> None:
+        super().__init__(describe(raised))
+        self.raised = raised
+
+
+@contextmanager
+def plugin_call() -> Iterator[None]:
+    """Around a call into a plugin (a sink's delivery, a handler's handling): what it raises
+    that is no :class:`Exception` leaves as a :class:`PluginBaseException`.
+
+    Left alone, such an exception would end far more than the call: asyncio lets
+    ``KeyboardInterrupt`` and ``SystemExit`` out of the event loop (the whole process
+    stops, every lane with it), and a ``CancelledError`` unwinds the task as if it were being
+    stopped. room-outbox handles signals itself, so they can only come from the plugin. A
+    cancellation of the task is real when something asked for it (``Task.cancelling()``,
+    which anyio's cancel scopes and deadlines raise too) and then goes on; a plugin's own
+    ``CancelledError``, with nobody cancelling, is the plugin's bug. ``GeneratorExit``
+    (a coroutine being closed) goes on too."""
+    try:
+        yield
+    except (Exception, GeneratorExit):
+        raise
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise
+        raise PluginBaseException(exc) from exc
+    except BaseException as exc:
+        raise PluginBaseException(exc) from exc

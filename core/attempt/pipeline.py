@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 
 import anyio
 
-from room_outbox.attempt.failure import ErrorClass, Failure, error_text
+from room_outbox.attempt.failure import ErrorClass, Failure, PluginBaseException, error_text, plugin_call
 from room_outbox.errors import PermanentSinkError, SinkError, ThrottledSinkError
 from room_outbox.observability.redaction import Redactor
 
@@ -63,7 +63,8 @@ def explain_sink_error(sink: str, exc: Exception) -> tuple[ErrorClass, str, floa
         return ErrorClass.PERMANENT, f"{sink}: permanent: {exc}", None
     if isinstance(exc, SinkError):
         return ErrorClass.RETRYABLE, f"{sink}: {exc}", None
-    return ErrorClass.SINK_BUG, f"{sink}: unexpected {type(exc).__name__}: {exc}", None
+    raised = exc.raised if isinstance(exc, PluginBaseException) else exc
+    return ErrorClass.SINK_BUG, f"{sink}: unexpected {type(raised).__name__}: {raised}", None
 
 
 class Attempts:
@@ -108,7 +109,7 @@ class Attempts:
         failure: Failure | None = None
         try:
             if scope is None:
-                with anyio.fail_after(self.timeout), observer.current(name):
+                with anyio.fail_after(self.timeout), observer.current(name), plugin_call():
                     await call(arg)
             else:
                 # The event loop's clock, which the scope's deadline is on: anyio's own
@@ -117,7 +118,7 @@ class Attempts:
                 due = asyncio.get_running_loop().time() + self.timeout
                 if not due <= scope.deadline <= due + self.rearm_slack:  # too soon, or disarmed
                     scope.deadline = due + self.rearm_slack
-                with observer.current(name):
+                with observer.current(name), plugin_call():
                     await call(arg)
                 if scope.cancel_called:  # the deadline passed as the call returned: too late
                     raise TimeoutError

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from room_outbox.attempt.failure import ErrorClass, Failure, describe, error_text
+from room_outbox.attempt.failure import ErrorClass, Failure, describe, error_text, plugin_call
 from room_outbox.attempt.pipeline import Attempts
 from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.consume.dead_letters import DeadLetters
@@ -161,7 +161,8 @@ class Handling:
                 if tx is None:
                     one.outcome = "duplicate"
                 else:
-                    await one.handler.handler.handle(one.event, HandleContext(tx, log))
+                    with plugin_call():  # its KeyboardInterrupt, say, rolls back like any failure
+                        await one.handler.handler.handle(one.event, HandleContext(tx, log))
         except LeaseLost as exc:  # not a failure of this handling: another process has it
             one.lease_lost = str(exc)
 
@@ -193,7 +194,8 @@ class Handling:
             new = [event for event, first in zip(many.events, fresh, strict=True) if first]
             if new:
                 assert isinstance(many.handler.handler, BatchHandler)
-                await many.handler.handler.handle_batch(new, HandleContext(tx, log))
+                with plugin_call():
+                    await many.handler.handler.handle_batch(new, HandleContext(tx, log))
         many.new = len(new)
 
     def record(self, message: Message, handler: BoundHandler) -> Processed:

@@ -16,6 +16,7 @@ from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.envelope import KNOWN_EVENT_TYPES
 from room_outbox.handler import Handler, HandlerFactoryContext, HandlerSpec, HandlerTable
 from room_outbox.observability.redaction import Redactor
+from room_outbox.plugin_manager import plugin_label, registered_specs
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,14 @@ class BoundHandler:
 
 def registered_handlers(pm: pluggy.PluginManager) -> dict[str, HandlerSpec[Any]]:
     found: dict[str, HandlerSpec[Any]] = {}
-    for specs in pm.hook.room_outbox_register_handlers():
-        for spec in specs:
-            if spec.name in found:
-                raise ConfigError(f"handler {spec.name!r} is registered by two plugins")
-            found[spec.name] = spec
+    owners: dict[str, str] = {}
+    for plugin, spec in registered_specs(pm, pm.hook.room_outbox_register_handlers):
+        if spec.name in found:
+            raise ConfigError(
+                f"handler {spec.name!r} is registered by two plugins: {plugin_label(pm, owners[spec.name])} "
+                f"and {plugin_label(pm, plugin)}; add one of them to plugins.disabled"
+            )
+        found[spec.name], owners[spec.name] = spec, plugin
     return found
 
 
