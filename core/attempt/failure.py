@@ -86,10 +86,9 @@ class PluginBaseException(Exception):
         self.raised = raised
 
 
-@contextmanager
-def plugin_call() -> Iterator[None]:
-    """Around a call into a plugin (a sink's delivery, a handler's handling): what it raises
-    that is no :class:`Exception` leaves as a :class:`PluginBaseException`.
+def plugins_own(exc: BaseException) -> PluginBaseException | None:
+    """``exc``, raised by a call into a plugin (a sink's delivery, a handler's handling) and
+    no :class:`Exception`, as the plugin's failure; None when it must go on.
 
     Left alone, such an exception would end far more than the call: asyncio lets
     ``KeyboardInterrupt`` and ``SystemExit`` out of the event loop (the whole process
@@ -99,14 +98,23 @@ def plugin_call() -> Iterator[None]:
     which anyio's cancel scopes and deadlines raise too) and then goes on; a plugin's own
     ``CancelledError``, with nobody cancelling, is the plugin's bug. ``GeneratorExit``
     (a coroutine being closed) goes on too."""
-    try:
-        yield
-    except (Exception, GeneratorExit):
-        raise
-    except asyncio.CancelledError as exc:
+    if isinstance(exc, Exception | GeneratorExit):
+        return None
+    if isinstance(exc, asyncio.CancelledError):
         task = asyncio.current_task()
         if task is None or task.cancelling():
-            raise
-        raise PluginBaseException(exc) from exc
+            return None
+    return PluginBaseException(exc)
+
+
+@contextmanager
+def plugin_call() -> Iterator[None]:
+    """Around a call into a plugin: what it raises that is its own failure (:func:`plugins_own`)
+    leaves as a :class:`PluginBaseException`, an :class:`Exception`."""
+    try:
+        yield
     except BaseException as exc:
-        raise PluginBaseException(exc) from exc
+        own = plugins_own(exc)
+        if own is None:
+            raise
+        raise own from exc

@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 
 import anyio
 
-from room_outbox.attempt.failure import ErrorClass, Failure, PluginBaseException, error_text, plugin_call
+from room_outbox.attempt.failure import ErrorClass, Failure, PluginBaseException, error_text, plugins_own
 from room_outbox.errors import PermanentSinkError, SinkError, ThrottledSinkError
 from room_outbox.observability.redaction import Redactor
 
@@ -109,7 +109,7 @@ class Attempts:
         failure: Failure | None = None
         try:
             if scope is None:
-                with anyio.fail_after(self.timeout), observer.current(name), plugin_call():
+                with anyio.fail_after(self.timeout), observer.current(name):
                     await call(arg)
             else:
                 # The event loop's clock, which the scope's deadline is on: anyio's own
@@ -118,12 +118,17 @@ class Attempts:
                 due = asyncio.get_running_loop().time() + self.timeout
                 if not due <= scope.deadline <= due + self.rearm_slack:  # too soon, or disarmed
                     scope.deadline = due + self.rearm_slack
-                with observer.current(name), plugin_call():
+                with observer.current(name):
                     await call(arg)
                 if scope.cancel_called:  # the deadline passed as the call returned: too late
                     raise TimeoutError
         except Exception as exc:
             failure = self.failure_of(name, exc)
+        except BaseException as exc:  # caught here, not by a context manager around every call
+            own = plugins_own(exc)
+            if own is None:
+                raise
+            failure = self.failure_of(name, own)
         observer.finish(failure)
         return failure
 
