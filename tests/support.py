@@ -438,3 +438,16 @@ class PrivateMariaDB:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+
+
+def install_plugin(site: Path, module: str, source: str, name: str = "") -> dict[str, str]:
+    """``source`` as the plugin module ``module`` of a distribution installed under ``site``,
+    its entry point ``name`` (default: the module's) in ``room_outbox.plugins``; the
+    environment variable that makes a process see it."""
+    site.mkdir()
+    (site / f"{module}.py").write_text(source)
+    info = site / f"{module}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[room_outbox.plugins]\n{name or module} = {module}\n")
+    return {"PYTHONPATH": str(site)}

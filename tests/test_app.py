@@ -14,7 +14,17 @@ from typing import Any
 
 import anyio
 import pytest
-from support import V1_DDL, RecordingSink, SinkPlugin, envelope, fetch_rows, insert_events, kill_if_running, wait_until
+from support import (
+    V1_DDL,
+    RecordingSink,
+    SinkPlugin,
+    envelope,
+    fetch_rows,
+    insert_events,
+    install_plugin,
+    kill_if_running,
+    wait_until,
+)
 
 from room_outbox.app import run_service
 from room_outbox.config import Settings
@@ -312,3 +322,64 @@ async def test_sigterm_while_waiting_for_the_database_ends_the_wait(
     run = _run_logged(config, log, env, command=command)
     await _sigterm_once(run, log, '"lifecycle": "waiting_for_database"')
     assert _lifecycle(log)[-1] == "stop_requested"
+
+
+STUCK_SINK = '''
+import asyncio
+import threading
+from pathlib import Path
+
+from room_outbox import SinkSettings, SinkSpec, hookimpl
+
+NEVER = threading.Event()
+
+
+class StuckSettings(SinkSettings):
+    started_file: str
+
+
+class StuckSink:
+    """A synchronous client's call, in a worker thread, that never returns."""
+
+    def __init__(self, settings, context):
+        self.settings = settings
+
+    async def deliver(self, envelope):
+        Path(self.settings.started_file).write_text(envelope.event_id)
+        await asyncio.to_thread(NEVER.wait)
+
+    async def aclose(self):
+        pass
+
+
+@hookimpl
+def room_outbox_register_sinks():
+    return [SinkSpec("stuck", StuckSink, settings_model=StuckSettings)]
+'''
+
+
+@pytest.mark.slow
+async def test_a_sinks_thread_that_never_returns_does_not_hold_the_stop(
+    database_dsn: str, store: MySQLStore, tmp_path: Path
+) -> None:
+    """A sink's blocking call in a worker thread never returns: publish_timeout cuts the
+    delivery, and once SIGTERM has stopped the service the process exits 0 without the thread
+    (the interpreter would wait for it at exit for ever), saying so."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
+    env.update(install_plugin(tmp_path / "site", "stuck_sink", STUCK_SINK))
+    started = tmp_path / "started"
+    sink = f"  stuck:\n    event_types: [RoomUserJoined]\n    started_file: '{started}'\n"
+    extra = "outbox_worker:\n  publish_timeout: 1s\n  poll_interval: 100ms\n  claim_after: 0s\n"
+    config = _migrated_config(tmp_path, database_dsn, env, extra)
+    config.write_text(config.read_text() + sink)
+    await insert_events(store, [envelope("e1")])
+    log = tmp_path / "run.log"
+    run = _run_logged(config, log, env)
+    try:
+        await wait_until(started.exists, timeout=60.0)
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=20) == 0, log.read_text()[-2000:]
+    finally:
+        kill_if_running(run)
+    lifecycle = _lifecycle(log)
+    assert lifecycle.index("pool_closed") < lifecycle.index("exit_forced"), lifecycle

@@ -22,6 +22,7 @@ from consume.conftest import (
     query,
     write_config,
 )
+from support import install_plugin
 
 pytestmark = pytest.mark.serial
 
@@ -83,17 +84,6 @@ def room_outbox_register_handlers():
 '''
 
 
-def install_plugin(site: Path) -> dict[str, str]:
-    """The handler ``hang`` as an installed distribution under ``site``; the environment that sees it."""
-    site.mkdir()
-    (site / "hang_handler.py").write_text(PLUGIN)
-    info = site / "hang_handler-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hang-handler\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[room_outbox.plugins]\nhang = hang_handler\n")
-    return {"PYTHONPATH": str(site)}
-
-
 def test_sigterm_while_a_handler_hangs_stops_within_handler_timeout_and_a_few_seconds(
     tmp_path: Path,
     database_dsn: str,
@@ -106,7 +96,7 @@ def test_sigterm_while_a_handler_hangs_stops_within_handler_timeout_and_a_few_se
     message (that took a second handler_timeout), and the process exits 0 within
     handler_timeout and a few seconds. The hung event was not committed past: another start
     handles it (its handler no longer hanging), and each other event once."""
-    env = install_plugin(tmp_path / "site")
+    env = install_plugin(tmp_path / "site", "hang_handler", PLUGIN, name="hang")
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])  # for the migrate below (cli passes os.environ)
     started = tmp_path / "hang-started"
     handler = {"handlers": ["hang"], "handler_timeout": f"{HANDLER_TIMEOUT}s", "max_batch": 50}
@@ -195,7 +185,7 @@ def test_sigterm_while_a_dead_letter_waits_on_a_broker_that_does_not_answer_stop
     and SIGTERM comes: the copy and the dead-letter producer's close are abandoned like the
     consumer's own broker operations, and the process exits 0 within handler_timeout and a few
     seconds, its log free of tracebacks. The dead letter is in room_consumer_retry all the same."""
-    env = install_plugin(tmp_path / "site")
+    env = install_plugin(tmp_path / "site", "hang_handler", PLUGIN, name="hang")
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])  # for the migrate below (cli passes os.environ)
     started, go = tmp_path / "held-started", tmp_path / "go"
     dying = {"dead_ids": ["d0", "d1"], "held_ids": ["d1"], "started_file": str(started), "go_file": str(go)}
