@@ -16,6 +16,7 @@ another thread) its caller sets the stop event."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Awaitable, Callable
@@ -55,3 +56,30 @@ async def _stop_on_signal(
             stop.set()
             database_wait.cancel()
             return
+
+
+#: Seconds ``run`` or ``consume`` may take to exit once its service has stopped, before
+#: threads left running hold it no longer (see :func:`exit_despite_threads`).
+EXIT_WAIT = 2.0
+
+
+def exit_despite_threads(wait: float = EXIT_WAIT) -> None:
+    """Once a service has stopped: make sure the process exits within ``wait`` seconds,
+    whatever threads still run. A plugin's blocking call in a worker thread
+    (``asyncio.to_thread``) that never returns is cut by ``publish_timeout`` or
+    ``handler_timeout``, but its thread runs on, and the interpreter waits for such threads at
+    exit, for ever: the stop would never end, past any grace period. Said at WARNING, then the
+    process exits 0 without them (the stop itself was clean)."""
+
+    def exit_now() -> None:
+        stuck = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon)
+        log.warning(
+            f"threads still running {wait:g}s after the stop (a plugin's blocking call?): exiting without them",
+            extra={"lifecycle": "exit_forced", "threads": stuck},
+        )
+        logging.shutdown()
+        os._exit(0)
+
+    watchdog = threading.Timer(wait, exit_now)
+    watchdog.daemon = True  # the process exiting in time ends it unused
+    watchdog.start()

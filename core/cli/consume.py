@@ -16,6 +16,7 @@ from room_outbox.consume.registry import registered_handlers
 from room_outbox.consume.service import run_consumers
 from room_outbox.consume.settings import consumer_settings
 from room_outbox.observability.redaction import Redactor
+from room_outbox.signals import exit_despite_threads
 from room_outbox.startup import freeze_startup_heap
 from room_outbox.store.factory import consumer_store
 from room_outbox.store.protocol import SQLStore
@@ -56,8 +57,13 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 def _run(settings: Settings, args: argparse.Namespace, redactor: Redactor) -> int:
     """``redactor``: the process's one (its log handler uses it)."""
     freeze_startup_heap()
-    anyio.run(functools.partial(run_consumers, settings, args.consumer, redactor=redactor))
+    anyio.run(functools.partial(_serve, settings, args.consumer, redactor))
     return 0
+
+
+async def _serve(settings: Settings, consumer: str | None, redactor: Redactor) -> None:
+    await run_consumers(settings, consumer, redactor=redactor)
+    exit_despite_threads()
 
 
 COMMAND = Command(
