@@ -1,7 +1,10 @@
 """Log lines for a failure that comes back every round while it lasts (the database
 unreachable, a partition): the first failure logged in full, then one line per ``interval``
 while it lasts (how many rounds failed, for how long, the latest error), and one line when a
-round succeeds again. A line per round would be one per ``poll_interval`` per lane (a
+round succeeds again. An error of a kind not logged yet while the failure lasts (its exception
+type, the text before the first ``:``) is logged at once: a transient one (a deadlock) does not
+hide for a minute the lasting one that follows it (a table without its index), and two kinds
+taking turns make no more lines than one. A line per round would be one per ``poll_interval`` per lane (a
 ten-minute outage at a one-second poll: 600 lines a lane), burying everything else in the log;
 ``/readyz`` still counts every failed round.
 """
@@ -42,14 +45,18 @@ class RepeatedFailure:
         self.failures = 0
         self._since = 0.0
         self._next_line = 0.0
+        #: The kinds of error logged while the failure lasts (see the module docstring).
+        self._kinds: set[str] = set()
 
     def failed(self, error: str, **more: object) -> None:
         now = self._clock()
         self.failures += 1
+        kind = error.partition(":")[0] if ":" in error else ""
         if self.failures == 1:
-            self._since = now
-        elif now < self._next_line:
+            self._since, self._kinds = now, set()
+        elif now < self._next_line and kind in self._kinds:
             return
+        self._kinds.add(kind)
         fields = {**self._fields, **more, "error": error}
         if self.failures > 1:
             fields |= {"failed_rounds": self.failures, "failing_for_s": round(now - self._since, 1)}

@@ -45,6 +45,24 @@ def test_a_failure_each_round_makes_a_line_when_it_begins_one_a_minute_and_one_w
     assert caplog.records[2].failing_for_s == 120.0 and caplog.records[3].failing_for_s == 149.0
 
 
+def test_an_error_of_another_kind_is_logged_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A transient error (a deadlock as a table is swapped) and then a lasting one of another
+    kind (the swapped table lacks an index): the lasting one is logged as it begins, not a
+    minute later; its repeats, and a kind logged already, wait for the minute as before."""
+    now = [100.0]
+    failing = RepeatedFailure(logging.getLogger("test.repeated"), "round failed", "ok again", 60.0, lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="test.repeated"):
+        failing.failed("OperationalError: (1213, 'Deadlock found')")
+        for second in range(1, 30):
+            now[0] = 100.0 + second
+            failing.failed("SchemaError: room_outbox lacks the index idx_room_outbox_claim")
+        failing.failed("OperationalError: (1213, 'Deadlock found')")  # a kind logged already: no line
+    assert [(r.error, getattr(r, "failed_rounds", None)) for r in caplog.records] == [
+        ("OperationalError: (1213, 'Deadlock found')", None),
+        ("SchemaError: room_outbox lacks the index idx_room_outbox_claim", 2),
+    ]
+
+
 @pytest.mark.anyio
 async def test_backlog_samples_failing_while_the_database_is_down_are_logged_once_then_their_end(
     caplog: pytest.LogCaptureFixture,
