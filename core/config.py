@@ -96,18 +96,28 @@ def parse_listen(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+#: The longest duration any setting takes: ten years. Longer ones (YAML's ``.inf`` among them)
+#: cannot be a time in the database's millisecond columns, nor a wait anyone means.
+MAX_DURATION = 3650 * 86400.0
+
+
 def parse_duration(value: Any) -> float:
-    """Seconds from ``"500ms"``, ``"1s"``, ``"2m"``, ``"1h"``, ``"7d"`` or a bare number of seconds."""
+    """Seconds from ``"500ms"``, ``"1s"``, ``"2m"``, ``"1h"``, ``"7d"`` or a bare number of
+    seconds, at most :data:`MAX_DURATION`."""
     if isinstance(value, bool):
         raise ValueError("expected a duration such as '500ms', '1s' or '2m'")
     if isinstance(value, int | float):
-        return float(value)
-    match = _DURATION.match(str(value))
-    if not match:
-        raise ValueError(
-            f"{value!r} is not a duration; use a number with ms, s, m, h or d, e.g. '500ms', '1s', '2m', '7d'"
-        )
-    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if not match:
+            raise ValueError(
+                f"{value!r} is not a duration; use a number with ms, s, m, h or d, e.g. '500ms', '1s', '2m', '7d'"
+            )
+        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    if not seconds <= MAX_DURATION:  # NaN too
+        raise ValueError(f"{value!r} is longer than any wait room-outbox takes (at most 3650d)")
+    return seconds
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
@@ -218,21 +228,29 @@ class RetrySettings(Section):
     max_attempts: int = Field(default=0, ge=0)
 
 
+#: The shortest ``poll_interval``: an idle process polls its database this often at most.
+MIN_POLL_INTERVAL = 0.05
+#: The shortest ``lease`` set explicitly.
+MIN_LEASE = 1.0
+
+
 class OutboxWorkerSettings(Section):
     """The delivery loop's options. A value ≤ 0 falls back to the default: never a busy loop,
     never a full-table scan, never an unbounded publish."""
 
     enabled: bool = True
+    #: How long an idle lane waits before it looks again; at least 50ms (a shorter poll keeps
+    #: an idle process and its database busy).
     poll_interval: Duration = 1.0
     #: At most 10,000: a batch's ids travel as bound parameters (SQLite allows 32,766).
     batch_size: int = Field(default=100, le=10_000)
     publish_timeout: Duration = 3.0
     retry_strategy: str = "fixed_interval"
-    #: Deliveries of one batch that run at the same time.
-    concurrency: int = 16
+    #: Deliveries of one batch that run at the same time (at most ``batch_size`` do).
+    concurrency: int = Field(default=16, le=10_000)
     #: How long a claimed batch stays reserved for this process. It is renewed while the
     #: batch is in flight, so it only bounds how long a crashed process's rows wait.
-    #: Default (≤ 0): 10 × publish_timeout.
+    #: Default (≤ 0): 10 × publish_timeout; at least 1s when set.
     lease: Duration = 0.0
     #: The main lane claims a row the producer wrote only once it is this old: room-service
     #: pushes each event itself right after committing it and then marks it ``published``, and
@@ -251,6 +269,26 @@ class OutboxWorkerSettings(Section):
     @classmethod
     def _non_positive_means_default(cls, value: float, info: Any) -> Any:
         return value if value > 0 else cls.model_fields[info.field_name].default
+
+    @field_validator("poll_interval")
+    @classmethod
+    def _not_a_busy_loop(cls, value: float) -> float:
+        if value < MIN_POLL_INTERVAL:
+            raise ValueError(
+                f"{value:g}s is below {MIN_POLL_INTERVAL * 1000:g}ms: an idle process would keep itself and its"
+                " database busy polling"
+            )
+        return value
+
+    @field_validator("lease")
+    @classmethod
+    def _lease_outlives_a_statement(cls, value: float) -> float:
+        if 0 < value < MIN_LEASE:
+            raise ValueError(
+                f"{value:g}s is below {MIN_LEASE:g}s: the statements' own timeout (database.query_timeout, a"
+                " quarter of the lease at most) would cut ordinary statements short"
+            )
+        return value
 
     @field_validator("retry_strategy")
     @classmethod

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import pluggy
 
 from room_outbox.cluster.identity import MAX_NODE_ID_LENGTH, longest_claim_id, stored_node_id
-from room_outbox.config import Settings
+from room_outbox.config import MAIN_LANE, Settings
 from room_outbox.consume.registry import NO_CONSUMER, check_consumers
 from room_outbox.delivery.lanes import delivery_settings, tails, unused_tail_settings
 from room_outbox.delivery.routing import registered_sinks, sink_name_problems, validate_sinks
@@ -107,8 +107,31 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager, command: s
     warnings = [
         *settings.deprecated_names,
         *filter(None, (unused_tail_settings(settings, lane) for lane in tail_lanes)),
+        *filter(None, (_batch_memory(settings, lane) for lane in [MAIN_LANE, *own_lanes])),
     ]
     return CheckedConfiguration(main_sinks, own_lanes, database, tail_lanes, consumers, warnings)
+
+
+#: The memory limit the shipped Kubernetes manifest gives a process, in bytes.
+SHIPPED_MEMORY_LIMIT = 256 << 20
+
+
+def _batch_memory(settings: Settings, lane: str) -> str | None:
+    """A warning when a batch of ``lane`` made of envelopes as long as the database reads
+    (``database.max_envelope_bytes``) would not fit the shipped memory limit: a process holds
+    about twice a batch's envelopes while it reads and parses them. None when it fits."""
+    batch = delivery_settings(settings, lane).batch_size
+    envelope = settings.database.max_envelope_bytes
+    if 2 * batch * envelope <= SHIPPED_MEMORY_LIMIT:
+        return None
+    key = "outbox_worker.batch_size" if lane == MAIN_LANE else f"outbox_worker.lanes.{lane}.batch_size"
+    return (
+        f"{key} {batch} × database.max_envelope_bytes {envelope}: a batch of envelopes that long takes up to"
+        f" {2 * batch * envelope >> 20} MiB while it is read and parsed, above the shipped memory limit (256 Mi),"
+        " and more than one statement's database.query_timeout may allow to read it; room events are a few"
+        " hundred bytes, but a backlog of long ones would get the process killed: lower either setting, or raise"
+        " the memory limit (and query_timeout) to match"
+    )
 
 
 def check_migrate_configuration(settings: Settings, pm: pluggy.PluginManager) -> None:

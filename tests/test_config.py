@@ -84,7 +84,7 @@ def test_durations(text: object, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["soon", "1 fortnight", "", "1sm", True])
+@pytest.mark.parametrize("text", ["soon", "1 fortnight", "", "1sm", True, float("inf"), float("nan"), "3651d", 1e300])
 def test_bad_durations_are_rejected(text: object) -> None:
     with pytest.raises(ValueError):
         parse_duration(text)
@@ -94,6 +94,29 @@ def test_bad_duration_in_file_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(write(tmp_path, "outbox_worker:\n  poll_interval: soon\n"))
     assert "outbox_worker.poll_interval" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "says"),
+    [
+        ("outbox_worker:\n  lease: .inf\n", "outbox_worker.lease", "longer than any wait"),
+        ("outbox_worker:\n  publish_timeout: .inf\n", "outbox_worker.publish_timeout", "longer than any wait"),
+        ("outbox_worker:\n  lease: 999999999999d\n", "outbox_worker.lease", "longer than any wait"),
+        ("outbox_worker:\n  lease: 100ms\n", "outbox_worker.lease", "below 1s"),
+        ("outbox_worker:\n  poll_interval: 1ms\n", "outbox_worker.poll_interval", "below 50ms"),
+        ("outbox_worker:\n  concurrency: 100000\n", "outbox_worker.concurrency", "less than or equal to 10000"),
+        ("outbox_worker:\n  lanes:\n    kafka:\n      poll_interval: 1ms\n", "lanes.kafka.poll_interval", "50ms"),
+    ],
+)
+def test_worker_settings_that_could_never_deliver_are_refused_naming_the_key(
+    tmp_path: Path, text: str, key: str, says: str
+) -> None:
+    """Accepted before, they started a process that never delivered: an infinite or overlong
+    wait (a lease no millisecond column holds), a lease shorter than the statements' timeout
+    allows, a poll that keeps an idle process busy, a million delivery tasks a round."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, text))
+    assert key in str(info.value) and says in str(info.value)
 
 
 def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -412,3 +435,23 @@ def test_the_database_section_names_any_store_and_mysql_stays_its_alias(
 def test_bad_database_settings_name_their_key(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_settings(write(tmp_path, text))
+
+
+def test_a_batch_of_envelopes_too_long_for_the_shipped_memory_limit_is_warned_of(tmp_path: Path) -> None:
+    """A batch of 1,000 envelopes of max_envelope_bytes each (256 KiB) takes about 500 MiB to
+    read and parse: the start says so, naming both keys and the lane; 500 fit, and so do 1,000
+    with a lower max_envelope_bytes."""
+
+    def warnings(text: str) -> list[str]:
+        config = "database: {dsn: 'sqlite:///x.db'}\nsinks:\n  tencent_im: {enabled: false}\n" + text
+        return check_configuration(load_settings(write(tmp_path, config)), make_plugin_manager()).warnings
+
+    (warning,) = warnings("outbox_worker:\n  batch_size: 1000\n")
+    assert warning.startswith(
+        "outbox_worker.batch_size 1000 × database.max_envelope_bytes 262144: a batch of envelopes that long takes"
+        " up to 500 MiB"
+    )
+    assert warnings("outbox_worker:\n  batch_size: 500\n") == []
+    small = "database: {dsn: 'sqlite:///x.db', max_envelope_bytes: 65536}\noutbox_worker:\n  batch_size: 1000\n"
+    small += "sinks:\n  tencent_im: {enabled: false}\n"
+    assert check_configuration(load_settings(write(tmp_path, small)), make_plugin_manager()).warnings == []

@@ -417,3 +417,26 @@ async def test_failed_events_are_logged_with_seed_000_fields(
     )  # fmt: skip
     assert record.error == "test: refused e1"  # type: ignore[attr-defined]
     assert record.app_code == "default"  # type: ignore[attr-defined]  # ids repeat across apps
+
+
+async def test_a_round_starts_no_more_delivery_workers_than_a_batch_holds(
+    store: MySQLStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``concurrency`` far above ``batch_size``: each round starts ``batch_size`` workers, not
+    one task per unit of concurrency (a million took the memory and delivered nothing)."""
+    from room_outbox.delivery.dispatcher import Dispatcher
+
+    started = 0
+    deliver_in_turn = Dispatcher.deliver_in_turn
+
+    async def counted(self: Any, *args: Any) -> Any:
+        nonlocal started
+        started += 1
+        return await deliver_in_turn(self, *args)
+
+    monkeypatch.setattr(Dispatcher, "deliver_in_turn", counted)
+    await insert_events(store, [envelope(f"e{n}") for n in range(3)])
+    dispatcher = make_dispatcher(store, RecordingSink(), batch_size=5, concurrency=50)
+    await run_until_empty(dispatcher)
+    assert started == 5
+    assert (await fetch_rows(store))["e2"]["status"] == "published"

@@ -228,7 +228,8 @@ class Dispatcher:
         async with anyio.create_task_group() as renewal:
             renewal.start_soon(self._keep_leases)
             async with anyio.create_task_group() as deliveries:
-                for _ in range(self.options.concurrency):
+                # No more workers than rows a round holds at once: more would wait for nothing.
+                for _ in range(min(self.options.concurrency, self.options.batch_size)):
                     deliveries.start_soon(self.deliver_in_turn, feed, self._unrecorded)
                 try:
                     while not exhausted and not self._stopping.is_set():
