@@ -88,6 +88,21 @@ def registered_specs(pm: pluggy.PluginManager, hook: pluggy.HookCaller) -> list[
     return found
 
 
+def specs_by_name(pm: pluggy.PluginManager, hook: pluggy.HookCaller, kind: str) -> dict[str, Any]:
+    """Each spec the plugins register through ``hook`` (:func:`registered_specs`) by its name;
+    a name two plugins register stops start-up, naming both (``kind``: "sink", "handler")."""
+    found: dict[str, Any] = {}
+    owners: dict[str, str] = {}
+    for plugin, spec in registered_specs(pm, hook):
+        if spec.name in found:
+            raise ConfigError(
+                f"two plugins register a {kind} named {spec.name!r}: {plugin_label(pm, owners[spec.name])} "
+                f"and {plugin_label(pm, plugin)}; add one of them to plugins.disabled"
+            )
+        found[spec.name], owners[spec.name] = spec, plugin
+    return found
+
+
 def _load_entry_points(pm: PluginManager) -> None:
     """pluggy's ``load_setuptools_entrypoints``, except that a plugin failing to import stops
     start-up with an error naming the plugin and its distribution instead of a bare traceback,

@@ -16,7 +16,7 @@ from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.envelope import KNOWN_EVENT_TYPES
 from room_outbox.handler import Handler, HandlerFactoryContext, HandlerSpec, HandlerTable
 from room_outbox.observability.redaction import Redactor
-from room_outbox.plugin_manager import plugin_label, registered_specs
+from room_outbox.plugin_manager import specs_by_name
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,7 @@ class BoundHandler:
 
 
 def registered_handlers(pm: pluggy.PluginManager) -> dict[str, HandlerSpec[Any]]:
-    found: dict[str, HandlerSpec[Any]] = {}
-    owners: dict[str, str] = {}
-    for plugin, spec in registered_specs(pm, pm.hook.room_outbox_register_handlers):
-        if spec.name in found:
-            raise ConfigError(
-                f"handler {spec.name!r} is registered by two plugins: {plugin_label(pm, owners[spec.name])} "
-                f"and {plugin_label(pm, plugin)}; add one of them to plugins.disabled"
-            )
-        found[spec.name], owners[spec.name] = spec, plugin
-    return found
+    return specs_by_name(pm, pm.hook.room_outbox_register_handlers, "handler")
 
 
 #: What ``consume`` and ``check-config --for consume`` say when no consumer is enabled.

@@ -29,7 +29,7 @@ from room_outbox.cluster.quota import QuotaShare
 from room_outbox.config import FORMER_MAIN_LANE, MAIN_LANE, ConfigError, Settings, describe_validation_error
 from room_outbox.envelope import KNOWN_EVENT_TYPES, event_type_label
 from room_outbox.observability.redaction import Redactor
-from room_outbox.plugin_manager import plugin_label, registered_specs
+from room_outbox.plugin_manager import specs_by_name
 from room_outbox.sink import Sink, SinkContext, SinkSettings, SinkSpec
 
 log = logging.getLogger("room_outbox.routing")
@@ -138,16 +138,7 @@ _BOOL = TypeAdapter(bool)
 
 
 def registered_sinks(pm: pluggy.PluginManager) -> dict[str, SinkSpec[Any]]:
-    specs: dict[str, SinkSpec[Any]] = {}
-    owners: dict[str, str] = {}
-    for plugin, spec in registered_specs(pm, pm.hook.room_outbox_register_sinks):
-        if spec.name in specs:
-            raise ConfigError(
-                f"two plugins register a sink named {spec.name!r}: {plugin_label(pm, owners[spec.name])} "
-                f"and {plugin_label(pm, plugin)}; add one of them to plugins.disabled"
-            )
-        specs[spec.name], owners[spec.name] = spec, plugin
-    return specs
+    return specs_by_name(pm, pm.hook.room_outbox_register_sinks, "sink")
 
 
 def enabled_sink_settings(
