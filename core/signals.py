@@ -73,6 +73,8 @@ def exit_despite_threads(wait: float = EXIT_WAIT) -> None:
 
     def exit_now() -> None:
         stuck = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon)
+        if not stuck:
+            return  # no thread holds the exit: the process is finishing (its last log lines, say)
         log.warning(
             f"threads still running {wait:g}s after the stop (a plugin's blocking call?): exiting without them",
             extra={"lifecycle": "exit_forced", "threads": stuck},
