@@ -120,7 +120,8 @@ async def test_per_room_delivery_with_clocks_10s_ahead_and_behind_drains_as_fast
 ) -> None:
     """Three per-room processes at the default cluster settings: first with one clock, then
     with one 10 s ahead and one 10 s behind the database's. Both waves arrive in per-room
-    order without a repeat, and the skewed wave drains within twice the time of the other."""
+    order without a repeat, and the skewed wave drains within twice the time of the other
+    (and a heartbeat)."""
     fake_im.set_faults(latency=0.003)
     config = write_config(
         tmp_path / "c.yaml", database_dsn, fake_im, ordering="per_room", batch_size=50, concurrency=16
@@ -130,7 +131,10 @@ async def test_per_room_delivery_with_clocks_10s_ahead_and_behind_drains_as_fast
     elapsed, procs = await drain_per_room(store, config, fake_im, skews, "skew", 900)
     assert_skews_measured(procs, skews)
     print(f"900 per-room events drained in {unskewed:.1f}s with one clock, {elapsed:.1f}s with ±{SKEW}s")
-    assert elapsed <= 2 * unskewed, (elapsed, unskewed)
+    # Either wave, skewed or not, now and then takes about a heartbeat longer (cluster.
+    # heartbeat_interval, 1 s: seen in both, at 1.3 s against 2.3–2.8 s): a drain this short
+    # gets that much room besides twice the other's time. A skew misjudged would cost its 10 s.
+    assert elapsed <= 2 * unskewed + 1.0, (elapsed, unskewed)
 
 
 async def test_a_clock_10s_ahead_never_takes_over_a_live_lease(
