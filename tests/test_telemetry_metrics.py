@@ -24,22 +24,26 @@ from room_outbox.store.operator.reports import sample_backlog
 from room_outbox.store.protocol import OutboxRow
 
 
+def gone_for_good(sink: RecordingSink) -> RecordingSink:
+    """``sink``, but event ``gone`` fails for good (its group dismissed)."""
+
+    async def deliver(env: Any) -> None:
+        if env.event_id == "gone":
+            raise PermanentSinkError("group dismissed")
+        await RecordingSink.deliver(sink, env)
+
+    sink.deliver = deliver  # type: ignore[method-assign]
+    return sink
+
+
 @pytest.mark.anyio
 async def test_success_failure_latency_and_batch_size(store: MySQLStore) -> None:
     await insert_events(
         store, [envelope("ok1"), envelope("ok2", "RoomGiftSent"), envelope("bad"), envelope("gone", "RoomClosed")]
     )
     captured = capture()
-    sink = RecordingSink(fail={"bad", "gone"})
+    sink = gone_for_good(RecordingSink(fail={"bad", "gone"}))
     sink.error = None
-    errors = {"gone": PermanentSinkError("group dismissed")}
-
-    async def deliver(env: Any) -> None:
-        if env.event_id in errors:
-            raise errors[env.event_id]
-        await RecordingSink.deliver(sink, env)
-
-    sink.deliver = deliver  # type: ignore[method-assign]
     dispatcher = make_dispatcher(store, sink)
     dispatcher.telemetry = captured.telemetry
     await run_until_empty(dispatcher)
@@ -65,15 +69,7 @@ async def test_parked_events_are_counted_by_the_failure_that_parked_them(store: 
 
     await insert_events(store, [envelope("tired"), envelope("gone", "RoomClosed"), envelope("again", "RoomGiftSent")])
     captured = capture()
-    sink = RecordingSink(fail={"tired", "gone", "again"})
-    errors = {"gone": PermanentSinkError("group dismissed")}
-
-    async def deliver(env: Any) -> None:
-        if env.event_id in errors:
-            raise errors[env.event_id]
-        await RecordingSink.deliver(sink, env)
-
-    sink.deliver = deliver  # type: ignore[method-assign]
+    sink = gone_for_good(RecordingSink(fail={"tired", "gone", "again"}))
     retry = RetryPolicy(interval=0.05, max_attempts=2, parking=True)
     dispatcher = make_dispatcher(store, sink, retry=retry)
     dispatcher.telemetry = captured.telemetry

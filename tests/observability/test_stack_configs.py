@@ -13,6 +13,7 @@ import json
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -283,6 +284,16 @@ def test_a_few_events_failing_for_good_page_and_a_backlog_is_not_counted_once_a_
     assert all("sum by (lane)" not in rule["expr"] for rule in backlog), backlog
 
 
+def case_at(alertname: str, alert: dict[str, Any]) -> Callable[[int, bool], dict[str, Any]]:
+    """A promtool case of ``alertname`` at a minute: firing as ``alert`` (:func:`expected_alert`),
+    or not at all."""
+
+    def at(minute: int, fires: bool) -> dict[str, Any]:
+        return {"eval_time": f"{minute}m", "alertname": alertname, "exp_alerts": [alert] if fires else []}
+
+    return at
+
+
 def expected_alert(rule: dict[str, Any], **labels: str) -> dict[str, Any]:
     """What promtool must find for ``rule`` firing with ``labels``: its severity and its
     annotations with the labels filled in."""
@@ -314,12 +325,7 @@ def test_the_first_failure_for_good_of_a_label_set_never_exported_before_pages(t
     started = "process_start_time_seconds{{" + target + "}}"
     bad_envelope = expected_alert(rules["RoomOutboxDeliveryFailingForGood"], sink="kafka", error_class="bad_envelope")
 
-    def at(minute: int, fires: bool) -> dict[str, Any]:
-        return {
-            "eval_time": f"{minute}m",
-            "alertname": "RoomOutboxDeliveryFailingForGood",
-            "exp_alerts": [bad_envelope] if fires else [],
-        }
+    at = case_at("RoomOutboxDeliveryFailingForGood", bad_envelope)
 
     tests = {
         "rule_files": [str(ALERTS)],
@@ -359,12 +365,7 @@ def test_events_parked_once_their_retries_ran_out_page_once(tmp_path: Path) -> N
     parked = 'room_outbox_parked_total{{sink="tencent_im",event_type="RoomGiftSent",error_class="{}",' + target + "}}"
     exhausted = expected_alert(rules["RoomOutboxRetriesExhausted"], sink="tencent_im", error_class="retryable")
 
-    def at(minute: int, fires: bool) -> dict[str, Any]:
-        return {
-            "eval_time": f"{minute}m",
-            "alertname": "RoomOutboxRetriesExhausted",
-            "exp_alerts": [exhausted] if fires else [],
-        }
+    at = case_at("RoomOutboxRetriesExhausted", exhausted)
 
     tests = {
         "rule_files": [str(ALERTS)],
@@ -395,12 +396,7 @@ def test_a_dead_letter_of_a_label_set_never_exported_before_pages(tmp_path: Path
     dead = 'room_outbox_consumer_dead_total{consumer="feed",handler="gone",reason="rejected",' + target + "}"
     alert = expected_alert(rules["RoomOutboxConsumerDeadLetters"], consumer="feed", handler="gone", reason="rejected")
 
-    def at(minute: int, fires: bool) -> dict[str, Any]:
-        return {
-            "eval_time": f"{minute}m",
-            "alertname": "RoomOutboxConsumerDeadLetters",
-            "exp_alerts": [alert] if fires else [],
-        }
+    at = case_at("RoomOutboxConsumerDeadLetters", alert)
 
     tests = {
         "rule_files": [str(ALERTS)],
