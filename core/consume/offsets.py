@@ -21,6 +21,7 @@ from room_outbox.attempt.failure import describe, error_text
 from room_outbox.consume.settings import ConsumerSettings
 from room_outbox.observability.metrics import ConsumerMetrics
 from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.repeated import RepeatedFailure
 
 log = logging.getLogger("room_outbox.consume")
 
@@ -86,7 +87,7 @@ class LagWatch:
     group reports every partition (the same numbers: take their max, not their sum), so a
     partition no member holds is reported too. Its own clients, outside the group, kept
     between readings (started again after a failed one); a reading that fails leaves the
-    gauges as they were, and is logged once until one succeeds again."""
+    gauges as they were, and is logged as a recurring failure (:class:`RepeatedFailure`)."""
 
     def __init__(
         self, name: str, settings: ConsumerSettings, metrics: ConsumerMetrics, redactor: Redactor, interval: float
@@ -97,7 +98,13 @@ class LagWatch:
         self.redactor = redactor
         self.interval = interval
         self._clients: tuple[AIOKafkaAdminClient, AIOKafkaConsumer] | None = None
-        self._failing = False
+        self.failing = RepeatedFailure(
+            log,
+            "consumer lag not read; its metric keeps its last values until it is",
+            "consumer lag read again",
+            level=logging.WARNING,
+            consumer=name,
+        )
 
     async def run(self, stop: anyio.Event) -> None:
         """Read the lag now, then every ``interval``, until ``stop`` is set."""
@@ -116,16 +123,9 @@ class LagWatch:
                 offsets = await group_offsets(admin, reader, self.settings.group(self.name), self.settings.topic)
         except Exception as exc:  # whatever the broker or the driver does, a metric never stops consuming
             await self._close()
-            if not self._failing:
-                log.warning(
-                    "consumer lag not read; its metric keeps its last values until it is",
-                    extra={"consumer": self.name, "error": error_text(self.redactor, describe(exc))},
-                )
-            self._failing = True
+            self.failing.failed(error_text(self.redactor, describe(exc)))
             return
-        if self._failing:
-            log.info("consumer lag read again", extra={"consumer": self.name})
-        self._failing = False
+        self.failing.succeeded()
         for tp, at in offsets.items():
             labels = {"consumer": self.name, "topic": tp.topic, "partition": tp.partition}
             self.metrics.lag.set(max(0, at.lag), labels)

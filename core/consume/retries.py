@@ -21,6 +21,7 @@ from room_outbox.consume.messages import Message, Router
 from room_outbox.consume.settings import ConsumerSettings
 from room_outbox.observability.metrics import ConsumerMetrics
 from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.store.clock import now_ms
 from room_outbox.store.consumers.protocol import NO_HANDLER, ConsumerStore, RetryRow
 
@@ -132,8 +133,8 @@ class RetryBacklogWatch:
     """A consumer's retry backlog metric (``room_outbox.consumer.retrying``), read every
     ``interval``: its rows waiting for a retry, up to RETRY_COUNT_LIMIT, as ``room-outbox
     status`` counts them. The table is the group's: every process reports the same number
-    (take their max). A reading that fails leaves the gauge as it was, and is logged once
-    until one succeeds again."""
+    (take their max). A reading that fails leaves the gauge as it was, and is logged as a
+    recurring failure (:class:`RepeatedFailure`)."""
 
     def __init__(
         self, consumer: str, store: ConsumerStore, metrics: ConsumerMetrics, redactor: Redactor, interval: float
@@ -143,7 +144,13 @@ class RetryBacklogWatch:
         self.metrics = metrics
         self.redactor = redactor
         self.interval = interval
-        self._failing = False
+        self.failing = RepeatedFailure(
+            log,
+            "retry backlog not read; its metric keeps its last value until it is",
+            "retry backlog read again",
+            level=logging.WARNING,
+            consumer=consumer,
+        )
 
     async def run(self, stop: anyio.Event) -> None:
         """Read the backlog now, then every ``interval``, until ``stop`` is set."""
@@ -156,14 +163,7 @@ class RetryBacklogWatch:
         try:
             waiting = await self.store.count_retrying(self.consumer, RETRY_COUNT_LIMIT)
         except Exception as exc:  # a metric never stops consuming (the store bounds the wait)
-            if not self._failing:
-                log.warning(
-                    "retry backlog not read; its metric keeps its last value until it is",
-                    extra={"consumer": self.consumer, "error": error_text(self.redactor, describe(exc))},
-                )
-            self._failing = True
+            self.failing.failed(error_text(self.redactor, describe(exc)))
             return
-        if self._failing:
-            log.info("retry backlog read again", extra={"consumer": self.consumer})
-        self._failing = False
+        self.failing.succeeded()
         self.metrics.retrying.set(waiting, {"consumer": self.consumer})

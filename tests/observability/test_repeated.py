@@ -4,17 +4,24 @@ lasts, and once when it ends: not once a round (the backlog gauges' samples too)
 from __future__ import annotations
 
 import logging
+import socket
 from types import SimpleNamespace
+from typing import cast
 
 import anyio
 import pytest
 from telemetry_support import capture
 
 from room_outbox.config import LanePlan
+from room_outbox.consume.offsets import LagWatch
+from room_outbox.consume.retries import RetryBacklogWatch
+from room_outbox.consume.settings import ConsumerSettings
 from room_outbox.observability import service
+from room_outbox.observability.metrics import ConsumerMetrics
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.observability.telemetry import Telemetry
+from room_outbox.store.consumers.protocol import ConsumerStore
 from room_outbox.store.schema.profiles import V1
 
 
@@ -130,3 +137,43 @@ async def test_failed_backlog_samples_are_counted_and_the_gauges_age_is_exported
             tasks.cancel_scope.cancel()
     assert "room_outbox_backlog_sample_failures_total" in text
     assert "room_outbox_backlog_sample_age_seconds" in text
+
+
+@pytest.mark.anyio
+async def test_a_consumers_gauges_read_in_vain_make_a_line_when_it_begins_and_one_when_it_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The lag (read from the broker) and the retry backlog (from the database) fail reading
+    after reading while the broker or the database is away: a warning when it begins, none for
+    the readings after it, and one when a reading succeeds again."""
+    with socket.socket() as closed:  # a port nothing listens on: the broker is away
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    settings = ConsumerSettings(handlers=["stats"], bootstrap_servers=f"127.0.0.1:{port}")
+    metrics = ConsumerMetrics(Telemetry().meter, "gifts", ["stats"])
+    lag = LagWatch("gifts", settings, metrics, Redactor(), interval=60.0)
+    down = [True]
+
+    class Store:
+        async def count_retrying(self, consumer: str, limit: int) -> int:
+            if down[0]:
+                raise ConnectionRefusedError("the database is down")
+            return 3
+
+    backlog = RetryBacklogWatch("gifts", cast(ConsumerStore, Store()), metrics, Redactor(), interval=60.0)
+    with caplog.at_level(logging.INFO, logger="room_outbox"), anyio.fail_after(30):
+        for _ in range(3):
+            await lag.read_once()
+            await backlog.read_once()
+        down[0] = False
+        await backlog.read_once()
+        await backlog.read_once()
+    ours = [r for r in caplog.records if r.name.startswith("room_outbox")]  # not the driver's own
+    lines = [(r.levelname, r.getMessage(), getattr(r, "failed_rounds", None)) for r in ours]
+    assert lines == [
+        ("WARNING", "consumer lag not read; its metric keeps its last values until it is", None),
+        ("WARNING", "retry backlog not read; its metric keeps its last value until it is", None),
+        ("WARNING", "retry backlog read again", 3),
+    ]
+    assert all(r.consumer == "gifts" for r in ours)
+    assert "KafkaConnectionError" in ours[0].error and "database is down" in ours[1].error
