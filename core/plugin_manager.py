@@ -153,4 +153,7 @@ def _canonical(distribution: str) -> str:
 
 
 def _described(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    """``Type: text``, or ``Type`` alone when the text is empty. The text is made once: a
+    plugin's exception may make it at a cost, or differently each time."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

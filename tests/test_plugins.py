@@ -555,3 +555,32 @@ def test_the_keyword_forms_do_not_warn_and_default_to_the_base_settings() -> Non
         handler = HandlerSpec("plain", lambda settings, context: None)
     assert sink.settings_model is SinkSettings and not (sink.enabled_by_default or sink.own_lane or sink.ordered_log)
     assert handler.settings_model is HandlerSettings and handler.event_types is None and handler.schema == {}
+
+
+def test_a_failing_plugins_exception_is_described_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error names the exception's text once, made once (a plugin's own ``__str__`` may be
+    dear, or say something else each time it is asked)."""
+
+    class Talkative(RuntimeError):
+        said = 0
+
+        def __str__(self) -> str:
+            Talkative.said += 1
+            return f"told {Talkative.said} time(s)"
+
+    module = types.ModuleType("room_outbox_talkative_plugin")
+
+    @hookimpl
+    def room_outbox_register_sinks() -> list[SinkSpec[CountingSettings]]:
+        raise Talkative
+
+    module.room_outbox_register_sinks = room_outbox_register_sinks  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "room_outbox_talkative_plugin", module)
+    installed(
+        monkeypatch,
+        FakeDistribution("room-outbox-talkative", "[room_outbox.plugins]\ntalkative = room_outbox_talkative_plugin\n"),
+    )
+    with pytest.raises(ConfigError) as refused:
+        registered_sinks(make_plugin_manager())
+    assert "failed in room_outbox_register_sinks: Talkative: told 1 time(s); " in str(refused.value)
+    assert Talkative.said == 1
