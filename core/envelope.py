@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable, Container, Iterator
 from typing import Any
 
@@ -85,8 +86,10 @@ class EventEnvelope(BaseModel):
 MAX_ENVELOPE_BYTES = 256 << 10
 
 #: What the stores read in place of an envelope longer than ``database.max_envelope_bytes``,
-#: followed by its size in bytes; never the start of a JSON object, so never a real envelope.
-TOO_LARGE = "room-outbox:too-large:"
+#: followed by its size in bytes. It holds a token drawn when the process starts, so that no
+#: text a producer wrote can pass for it, whatever it starts with: only this process's own
+#: statements make it, and only for an envelope truly above the bound.
+TOO_LARGE = f"room-outbox:too-large:{secrets.token_hex(16)}:"
 
 
 class EnvelopeTooLarge(EnvelopeError):
