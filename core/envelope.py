@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import secrets
 from collections.abc import Callable, Container, Iterator
 from typing import Any
 
@@ -85,8 +88,10 @@ class EventEnvelope(BaseModel):
 MAX_ENVELOPE_BYTES = 256 << 10
 
 #: What the stores read in place of an envelope longer than ``database.max_envelope_bytes``,
-#: followed by its size in bytes; never the start of a JSON object, so never a real envelope.
-TOO_LARGE = "room-outbox:too-large:"
+#: followed by its size in bytes. It holds a token drawn when the process starts, so that no
+#: text a producer wrote can pass for it, whatever it starts with: only this process's own
+#: statements make it, and only for an envelope truly above the bound.
+TOO_LARGE = f"room-outbox:too-large:{secrets.token_hex(16)}:"
 
 
 class EnvelopeTooLarge(EnvelopeError):
@@ -119,7 +124,10 @@ def parse_envelope(raw: str | bytes | None) -> EventEnvelope:
             raise EnvelopeTooLarge(
                 f"envelope too large: {size} bytes, above database.max_envelope_bytes (left unread)"
             ) from None
-        raise EnvelopeError(f"malformed envelope: {_describe(exc)}") from exc
+        # Refused as a whole (not a field of it): perhaps for a lone surrogate, which is worth naming.
+        refused_whole = exc.errors(include_url=False, include_input=False)[0]["loc"] == ()
+        problem = _lone_surrogate(raw) if refused_whole else None
+        raise EnvelopeError(f"malformed envelope: {problem or _describe(exc)}") from exc
     # The parser accepts NaN, Infinity and numbers out of range (1e999), which JSON has not:
     # they can only be floats in the payload or in unknown fields (the typed fields refuse them).
     extra = envelope.model_extra
@@ -155,6 +163,42 @@ def _non_finite(value: Any, where: str = "") -> Iterator[str]:
     elif isinstance(value, list):
         for index, item in enumerate(value):
             yield from _non_finite(item, f"{where}.{index}")
+
+
+#: Half of a UTF-16 pair: JSON may escape one (``"\\ud800"``), but it is no character.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(raw: str) -> str | None:
+    """Where the first lone surrogate of ``raw`` is (escaped, or a code point of a Python
+    caller's text), and which, when that is why the parser refused the document. The parser refuses the document without naming the field (and
+    calls a trailing half a leading one); Python's own takes each as the code point it stands
+    for, which no UTF-8 text, log line or sink can carry, so its place is found in what that
+    one reads. Only an envelope already refused pays for this."""
+    try:
+        document = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None  # not JSON for another reason: the parser's own message says why
+    for where, text, is_key in _strings(document):
+        found = _SURROGATE.search(text)
+        if found:
+            holder = "a key with a lone surrogate" if is_key else "a lone surrogate"
+            return f"{where or 'document'}: {holder} (\\u{ord(found[0]):04x}), half of a UTF-16 pair: not a character"
+    return None
+
+
+def _strings(value: Any, where: str = "") -> Iterator[tuple[str, str, bool]]:
+    """Each string in ``value``, in document order: ``(dotted path, text, whether a key)``; a
+    key comes before what it holds, so the paths named hold no surrogate themselves."""
+    if isinstance(value, str):
+        yield where, value, False
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield where, key, True
+            yield from _strings(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _strings(item, f"{where}.{index}")
 
 
 def _describe(exc: ValidationError) -> str:

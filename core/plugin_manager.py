@@ -16,7 +16,11 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import re
-from collections.abc import Iterable
+import signal
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import Any, cast
 
 import pluggy
@@ -34,7 +38,8 @@ BUILTIN_PLUGINS = {
 }
 
 #: What a plugin raising at start-up may raise that is no ``Exception``: its own doing (an
-#: ``exit()`` in its module, say), named like any other failure of the plugin.
+#: ``exit()`` in its module, say), named like any other failure of the plugin; but not the
+#: operator's Ctrl-C (see :func:`_ctrl_c_told_apart`).
 _PLUGIN_ABORTS = (Exception, SystemExit, KeyboardInterrupt)
 
 
@@ -77,13 +82,16 @@ def registered_specs(pm: pluggy.PluginManager, hook: pluggy.HookCaller) -> list[
     hook raises stops start-up with an error naming it."""
     found = []
     for impl in reversed(hook.get_hookimpls()):
-        try:
-            specs = list(cast("Iterable[Any]", impl.function()))
-        except _PLUGIN_ABORTS as exc:
-            raise ConfigError(
-                f"{plugin_label(pm, impl.plugin_name)} failed in {hook.name}: {_described(exc)}; "
-                f"fix it or add {impl.plugin_name!r} to plugins.disabled"
-            ) from exc
+        with _ctrl_c_told_apart() as ctrl_c:
+            try:
+                specs = list(cast("Iterable[Any]", impl.function()))
+            except _PLUGIN_ABORTS as exc:
+                if ctrl_c:  # the operator stopped start-up: the process ends as on any Ctrl-C
+                    raise KeyboardInterrupt from exc
+                raise ConfigError(
+                    f"{plugin_label(pm, impl.plugin_name)} failed in {hook.name}: {_described(exc)}; "
+                    f"fix it or add {impl.plugin_name!r} to plugins.disabled"
+                ) from exc
         found += [(impl.plugin_name, spec) for spec in specs]
     return found
 
@@ -130,13 +138,16 @@ def _load_entry_points(pm: PluginManager) -> None:
                 )
             published[ep.name] = (distribution, ep)
     for name, (distribution, ep) in published.items():
-        try:
-            plugin = ep.load()
-        except _PLUGIN_ABORTS as exc:
-            raise ConfigError(
-                f"plugin {name!r} (distribution {distribution!r}, {ep.value}) failed to load: "
-                f"{_described(exc)}; fix it or add {name!r} to plugins.disabled"
-            ) from exc
+        with _ctrl_c_told_apart() as ctrl_c:
+            try:
+                plugin = ep.load()
+            except _PLUGIN_ABORTS as exc:
+                if ctrl_c:  # the operator stopped start-up: the process ends as on any Ctrl-C
+                    raise KeyboardInterrupt from exc
+                raise ConfigError(
+                    f"plugin {name!r} (distribution {distribution!r}, {ep.value}) failed to load: "
+                    f"{_described(exc)}; fix it or add {name!r} to plugins.disabled"
+                ) from exc
         same = pm.get_name(plugin)
         if same is not None:
             raise ConfigError(
@@ -147,10 +158,37 @@ def _load_entry_points(pm: PluginManager) -> None:
         pm.distributions[name] = distribution
 
 
+@contextmanager
+def _ctrl_c_told_apart() -> Iterator[list[int]]:
+    """While the block runs, a SIGINT (the operator's Ctrl-C) is recorded in the list yielded,
+    then raises ``KeyboardInterrupt`` as Python's own handler does: a plugin importing when it
+    comes is not to blame, while one raising ``KeyboardInterrupt`` itself is. Only where that
+    handler is in place (the main thread, no event loop's handler instead: ``asyncio``'s turns
+    Ctrl-C into a cancellation, which no plugin's import catches)."""
+    received: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield received
+        return
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, record)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _canonical(distribution: str) -> str:
     """A distribution's name as packaging compares them (``Room_Outbox`` is ``room-outbox``)."""
     return re.sub(r"[-_.]+", "-", distribution).lower()
 
 
 def _described(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    """``Type: text``, or ``Type`` alone when the text is empty. The text is made once: a
+    plugin's exception may make it at a cost, or differently each time."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

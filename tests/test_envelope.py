@@ -68,3 +68,37 @@ def test_a_non_finite_number_is_a_bad_envelope(fields: str, where: str) -> None:
 def test_text_and_large_finite_numbers_that_look_alike_still_parse() -> None:
     env = parse_envelope(ROW % '"payload": {"text": "NaN Infinity 1e999", "big": 1e308, "e": "e123"}')
     assert env.payload == {"text": "NaN Infinity 1e999", "big": 1e308, "e": "e123"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        ('"payload": {"text": "\\ud800"}', "payload.text: a lone surrogate (\\ud800)"),
+        ('"payload": {"text": "x\\ud800\\u0041"}', "payload.text: a lone surrogate (\\ud800)"),
+        ('"payload": {"seats": [{"name": "\\udfff"}]}', "payload.seats.0.name: a lone surrogate (\\udfff)"),
+        ('"payload": {"\\udc00": 1}', "payload: a key with a lone surrogate (\\udc00)"),
+        ('"request_id": "\\ud83c"', "request_id: a lone surrogate (\\ud83c)"),
+        ('"future_field": ["\\udc00"]', "future_field.0: a lone surrogate (\\udc00)"),
+    ],
+)
+def test_a_lone_surrogate_is_a_bad_envelope_naming_its_field(fields: str, where: str) -> None:
+    """Half of a UTF-16 pair is no character: no UTF-8 text, log line or sink could carry it."""
+    with pytest.raises(EnvelopeError) as info:
+        parse_envelope(ROW % fields)
+    assert str(info.value) == f"malformed envelope: {where}, half of a UTF-16 pair: not a character"
+    str(info.value).encode()  # the error itself holds none: it is written to the row and logged
+
+
+def test_a_surrogate_pair_is_one_character() -> None:
+    assert parse_envelope(ROW % '"payload": {"text": "\\ud83c\\udf89"}').payload == {"text": "🎉"}
+
+
+def test_a_lone_surrogate_in_a_callers_text_is_named_too() -> None:
+    """Not an escape but the code point itself, in text a Python caller hands over."""
+    with pytest.raises(EnvelopeError, match=r"^malformed envelope: event_id: a lone surrogate \(\\ud800\)"):
+        parse_envelope('{"event_id": "\ud800", "event_type": "T", "room_id": "r"}')
+
+
+def test_other_invalid_json_keeps_the_parsers_message() -> None:
+    with pytest.raises(EnvelopeError, match=r"^malformed envelope: document: Invalid JSON: EOF while parsing"):
+        parse_envelope('{"event_id": "e", "payload": {"text": "x"')

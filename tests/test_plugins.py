@@ -5,8 +5,11 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import inspect
+import os
 import re
+import subprocess
 import sys
+import textwrap
 import types
 import warnings
 from pathlib import Path
@@ -555,3 +558,77 @@ def test_the_keyword_forms_do_not_warn_and_default_to_the_base_settings() -> Non
         handler = HandlerSpec("plain", lambda settings, context: None)
     assert sink.settings_model is SinkSettings and not (sink.enabled_by_default or sink.own_lane or sink.ordered_log)
     assert handler.settings_model is HandlerSettings and handler.event_types is None and handler.schema == {}
+
+
+def test_a_failing_plugins_exception_is_described_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error names the exception's text once, made once (a plugin's own ``__str__`` may be
+    dear, or say something else each time it is asked)."""
+
+    class Talkative(RuntimeError):
+        said = 0
+
+        def __str__(self) -> str:
+            Talkative.said += 1
+            return f"told {Talkative.said} time(s)"
+
+    module = types.ModuleType("room_outbox_talkative_plugin")
+
+    @hookimpl
+    def room_outbox_register_sinks() -> list[SinkSpec[CountingSettings]]:
+        raise Talkative
+
+    module.room_outbox_register_sinks = room_outbox_register_sinks  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "room_outbox_talkative_plugin", module)
+    installed(
+        monkeypatch,
+        FakeDistribution("room-outbox-talkative", "[room_outbox.plugins]\ntalkative = room_outbox_talkative_plugin\n"),
+    )
+    with pytest.raises(ConfigError) as refused:
+        registered_sinks(make_plugin_manager())
+    assert "failed in room_outbox_register_sinks: Talkative: told 1 time(s); " in str(refused.value)
+    assert Talkative.said == 1
+
+
+#: The operator's Ctrl-C while a plugin is busy: the SIGINT comes from outside (here from its
+#: own process, as a terminal sends it), while the plugin waits for it.
+CTRL_C_MEANWHILE = """\
+os.kill(os.getpid(), signal.SIGINT)
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:  # the signal ends this wait at its next tick
+    time.sleep(0.01)
+"""
+
+#: A plugin the Ctrl-C catches importing, and one it catches registering its sinks.
+INTERRUPTED_PLUGINS = {
+    "importing": "import os, signal, time\n" + CTRL_C_MEANWHILE,
+    "registering": "import os, signal, time\nfrom room_outbox import hookimpl\n\n@hookimpl\n"
+    "def room_outbox_register_sinks():\n" + textwrap.indent(CTRL_C_MEANWHILE, "    ") + "    return []\n",
+}
+
+
+@pytest.mark.parametrize("busy", list(INTERRUPTED_PLUGINS))
+def test_ctrl_c_while_a_plugin_starts_stops_the_command_as_interrupted(tmp_path: Path, busy: str) -> None:
+    """A real SIGINT while a plugin imports or registers is the operator's interruption, not
+    the plugin's failure: exit 130, "interrupted", the plugin not blamed. (A plugin raising
+    KeyboardInterrupt itself is still named: test_a_plugin_exiting_at_import_is_named.)"""
+    site = tmp_path / "site"
+    (site / "room_outbox_interrupted-0.dist-info").mkdir(parents=True)
+    (site / "room_outbox_interrupted-0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: room-outbox-interrupted\nVersion: 0\n"
+    )
+    (site / "room_outbox_interrupted-0.dist-info" / "entry_points.txt").write_text(
+        "[room_outbox.plugins]\ninterrupted = room_outbox_interrupted_plugin\n"
+    )
+    (site / "room_outbox_interrupted_plugin.py").write_text(INTERRUPTED_PLUGINS[busy])
+    config = tmp_path / "room-outbox.yaml"
+    config.write_text(
+        f"database:\n  dsn: 'sqlite:///{tmp_path / 'outbox.db'}'\nsinks:\n  tencent_im: {{enabled: false}}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run(
+        [sys.executable, "-m", "room_outbox.cli", "--config", str(config), "check-config"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert (done.returncode, done.stderr.splitlines()[-1:]) == (130, ["room-outbox: interrupted"]), done.stderr
+    assert "interrupted' (distribution" not in done.stderr

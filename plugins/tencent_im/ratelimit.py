@@ -79,6 +79,8 @@ class SlidingWindowLimiter:
         #: kept as of ``_held_until``, before which no slot is taken. 1.0: not slowed down.
         self._factor = 1.0
         self._held_until = -math.inf
+        #: Refusals since the last :meth:`slow_down` that changed something, told by the next.
+        self._refusals = 0
         #: Requests in flight: each holds its slot until its answer (or failure) is back.
         self._in_flight = 0
         #: When each answered request's slot frees, in order; entries in the past are free.
@@ -106,20 +108,24 @@ class SlidingWindowLimiter:
             self._factor = 1.0  # recovered: back to the path without clock readings
         return factor
 
-    def slow_down(self) -> bool:
+    def slow_down(self) -> int:
         """The destination refused a request for its rate: hold every new slot for a window
         and halve the rate (see the module's docstring). Refusals within the hold answer
-        requests sent before it and change nothing (``False``)."""
+        requests sent before it and change nothing (0 back). One that slows down gives how
+        many refusals there were since the last one that did, itself included: one line
+        about it then tells the scale of what it stands for."""
         now = self._clock()
+        self._refusals += 1
         if now < self._held_until:
-            return False
+            return 0
         factor = self._slowed_factor(now) if self._factor < 1.0 else 1.0
         self._factor = max(MIN_SLOWDOWN, factor / 2)
         self._held_until = now + self.window
         if self._released is not None:  # a waiter recomputes when its slot may free
             self._released.set()
             self._released = None
-        return True
+        refusals, self._refusals = self._refusals, 0
+        return refusals
 
     @property
     def slowed_down(self) -> bool:

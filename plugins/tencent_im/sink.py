@@ -324,7 +324,8 @@ class TencentIMSink:
         row's ``last_error`` (``refused``). The limiter it names (the app's or the group's) is
         slowed down, as others (room-service's pushes) are using the rate this process's share
         assumed free; sending at the share again would only be refused again."""
-        if limiter.slow_down():  # once a window at most: an app's is worth a warning
+        refused = limiter.slow_down()
+        if refused:  # once a window at most, with how many it stands for: an app's is worth a warning
             log = self.log.warning if limiter is app.limiter else self.log.info
             log(
                 "Tencent IM refused for its rate limit; sending slower for a while",
@@ -332,7 +333,8 @@ class TencentIMSink:
                     "app": app.name,
                     "sdkappid": app.sdkappid,
                     "group_id": group_id,
-                    "event_id": event_id,
+                    "event_id": event_id,  # one of them, this one
+                    "refused": refused,
                     "answer": text,
                 },
             )

@@ -168,6 +168,80 @@ async def test_a_lane_of_leased_rows_leaves_an_oversized_envelope_unread_and_goe
         await store.aclose()
 
 
+#: Text a producer wrote that reads like what the stores read in place of an oversized
+#: envelope, naming a size too: not JSON, and not too large.
+LOOKALIKE = "room-outbox:too-large:99999999"
+
+
+@pytest.mark.parametrize("lane", ["main", "lane table"])
+@pytest.mark.parametrize("column", [column for column in ALL_COLUMNS if "json" not in column])
+async def test_an_envelope_reading_like_the_too_large_marker_is_malformed_not_too_large(
+    request: pytest.FixtureRequest, column: str, lane: str
+) -> None:
+    """Only the stores' own reading of an envelope above the bound says "too large": a row's
+    text that looks like it (a column that takes any text) fails as the malformed envelope it
+    is, beside a truly oversized one, which still names its size."""
+    store = await store_with(request, column, [OVERSIZED, envelope("after")], max_envelope_bytes=BOUND)
+    try:
+        await insert_rows(store, [("default", "lookalike", "RoomUserJoined", "r_2", LOOKALIKE)])
+        sink = RecordingSink()
+        parking = RetryPolicy(interval=0.05, parking=True)
+        if lane == "main":
+            await run_until_empty(make_dispatcher(store, sink, batch_size=10, retry=parking))
+            rows = await fetch_rows(store)
+        else:
+            await run_until_empty(lane_dispatcher(store, sink, retry=parking))
+            rows = await lane_rows(store)
+        assert {event_id: row["status"] for event_id, row in rows.items()} == {
+            "huge": "failed",
+            "after": "published",
+            "lookalike": "failed",
+        }
+        assert too_large(rows["huge"]["last_error"]) > BOUND
+        assert "malformed envelope: document: Invalid JSON" in rows["lookalike"]["last_error"]
+        assert "too large" not in rows["lookalike"]["last_error"]
+    finally:
+        await store.aclose()
+
+
+#: Half of a UTF-16 pair, as JSON escapes it: valid JSON syntax, but no character.
+LONE_SURROGATE = "\\udc00"
+
+#: The columns that take it: jsonb and MariaDB's JSON (its check) refuse it on insert.
+TAKING_LONE_SURROGATES = [column for column in ALL_COLUMNS if "jsonb" not in column and column != "mariadb-json"]
+
+
+@pytest.mark.parametrize("lane", ["main", "lane table"])
+@pytest.mark.parametrize("column", TAKING_LONE_SURROGATES)
+async def test_an_envelope_holding_a_lone_surrogate_fails_at_parse_naming_the_field(
+    request: pytest.FixtureRequest, column: str, lane: str
+) -> None:
+    """A lone surrogate in a string of the envelope is a malformed envelope, refused when the
+    row is parsed with an error naming the field that holds it, and the rows after it go on."""
+    store = await store_with(request, column, [envelope("after")])
+    try:
+        lone = json.dumps(envelope("lone", room_id="r_2", payload={"text": "hi"})).replace(
+            '"hi"', f'"hi {LONE_SURROGATE}"'
+        )
+        as_written = lone.encode() if "bytea" in column else lone  # text would be read as bytea's escapes
+        await insert_rows(store, [("default", "lone", "RoomUserJoined", "r_2", as_written)])
+        sink = RecordingSink()
+        parking = RetryPolicy(interval=0.05, parking=True)
+        if lane == "main":
+            await run_until_empty(make_dispatcher(store, sink, batch_size=10, retry=parking))
+            rows = await fetch_rows(store)
+        else:
+            await run_until_empty(lane_dispatcher(store, sink, retry=parking))
+            rows = await lane_rows(store)
+        assert {event_id: row["status"] for event_id, row in rows.items()} == {"after": "published", "lone": "failed"}
+        assert rows["lone"]["last_error"] == (
+            "malformed envelope: payload.text: a lone surrogate (\\udc00), half of a UTF-16 pair: not a character"
+        )
+        assert sink.received == ["after"]
+    finally:
+        await store.aclose()
+
+
 @pytest.mark.parametrize("column", list(ALL_COLUMNS))
 async def test_the_tailing_lane_parks_an_oversized_envelope_unread_and_goes_on(
     request: pytest.FixtureRequest, column: str, kafka_broker: Broker

@@ -194,8 +194,8 @@ async def test_slowing_down_holds_a_window_halves_the_rate_once_a_window_and_rec
     before it) change nothing."""
     now = [0.0]
     limiter = SlidingWindowLimiter(rate=32, window=1.0, clock=lambda: now[0])
-    assert limiter.slow_down()
-    assert not limiter.slow_down()  # the same burst's other refusals
+    assert limiter.slow_down() == 1
+    assert limiter.slow_down() == 0  # the same burst's other refusals
     assert not limiter.try_acquire() and limiter.next_slot_in() == 1.0
     assert not await limiter.acquire(0.0)
     now[0] = 1.0  # the hold is over
@@ -203,7 +203,7 @@ async def test_slowing_down_holds_a_window_halves_the_rate_once_a_window_and_rec
     assert all(limiter.try_acquire() for _ in range(16)) and not limiter.try_acquire()
     for _ in range(16):
         limiter.release(sent=False)
-    assert limiter.slow_down()  # refused again after the hold: halved again
+    assert limiter.slow_down() == 2  # refused again after the hold: halved again, the burst's other one told
     now[0] = 2.0
     assert limiter.rate == 8 and limiter.slowed_down and not limiter.idle()
     now[0] = 6.0  # four windows without a refusal: 1/4 + 4/16 of the rate
@@ -250,6 +250,41 @@ async def test_a_rate_limit_answer_is_no_attempt_and_slows_down_the_limiter_it_n
         await sink.aclose()
     assert [a.error_code for a in fake.arrivals] == [10023, 0, 0]
     assert fake.event_ids() == ["g2"]
+
+
+async def test_the_rate_refusal_line_says_how_many_were_refused_since_the_last(
+    fake: FakeTencentIM, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A burst Tencent refuses for the app's rate is one warning when the first refusal comes
+    (the others answer requests sent before the slow-down, and change nothing); the next
+    warning counts them, so the scale shows, and names one refused event."""
+    sink = make_sink(fake, reserved_share=0, rate_limit_max_wait="10s")
+    caplog.set_level(logging.WARNING, logger="test.tencent_im")
+    fake.set_faults(error_rate=1.0, error_codes=[60011], latency=0.3)  # a burst in flight at once
+    refused: list[str] = []
+
+    async def deliver(event_id: str, room_id: str) -> None:
+        with pytest.raises(ThrottledSinkError, match="ErrorCode 60011") as refusal:
+            await sink.deliver(event(event_id, room_id=room_id))
+        assert refusal.value.refused
+        refused.append(event_id)
+
+    def said() -> list[tuple[int, str]]:
+        lines = [r for r in caplog.records if r.getMessage().startswith("Tencent IM refused for its rate limit")]
+        return [(getattr(r, "refused", None), r.event_id) for r in lines]  # type: ignore[attr-defined]
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as burst:
+                for i in range(5):
+                    burst.start_soon(deliver, f"b{i}", f"r_{i}")
+        assert len(fake.arrivals) == 5 and len(said()) == 1
+        assert said()[0] == (1, refused[0])
+        with anyio.fail_after(10):
+            await deliver("later", "r_9")  # sent once the hold is over: refused again
+    finally:
+        await sink.aclose()
+    assert said() == [(1, refused[0]), (5, "later")]  # the burst's four others, and itself
 
 
 async def test_app_codes_on_one_sdkappid_share_its_limit(fake: FakeTencentIM) -> None:
