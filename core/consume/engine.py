@@ -20,6 +20,13 @@ revoked meanwhile it is dropped (the new assignment reads from the committed off
 partitions move to another member only after this member's batch is settled and committed,
 so no message is handled by two members at the same time.
 
+**Broker errors mid-stream.** A fetch the broker or the group refuses is tried again after a
+pause, said once while it lasts (:func:`.joining.fetch_trouble`): the client rejoins its group
+or reconnects by itself. A session timeout the broker refuses stops the consumer, as it does at
+the join. A client whose group routine ended on an error says that error at every fetch and is
+no longer a member (no heartbeat goes out): the member leaves and joins again as a new one, the
+join saying what refuses it.
+
 **Stopping.** No further message is started; the handlings in progress end or time out. Every
 broker operation (fetch, commit, dead-letter copy, leaving the group) gets STOP_BROKER_TIMEOUT
 more once the stop is asked, then is abandoned (:mod:`.broker_calls`): an offset not committed
@@ -49,7 +56,13 @@ from room_outbox.config import TelemetrySettings
 from room_outbox.consume.broker_calls import STOP_BROKER_TIMEOUT, Abandoned, BrokerCalls, cancel_abandoned_commit
 from room_outbox.consume.dead_letters import DLQ_SEND_TIMEOUT, DeadLetters
 from room_outbox.consume.handling import Handling
-from room_outbox.consume.joining import broker_unavailable, refusal_hint, session_timeout_refused
+from room_outbox.consume.joining import (
+    broker_unavailable,
+    client_broken,
+    fetch_trouble,
+    refusal_hint,
+    session_timeout_refused,
+)
 from room_outbox.consume.messages import Fetched, Message, Router
 from room_outbox.consume.offsets import LagWatch, high_watermarks
 from room_outbox.consume.registry import BoundHandler
@@ -71,6 +84,8 @@ COMMIT_TIMEOUT = 10.0
 #: One attempt to reach the broker and join the group; then a pause before the next.
 JOIN_TIMEOUT = 30.0
 JOIN_RETRY_PAUSE = 2.0
+#: Pause after a fetch the broker or the group refused, before the next one.
+FETCH_RETRY_PAUSE = 1.0
 #: The look, on each assignment, at where the partitions' committed offsets stand in their logs.
 OFFSETS_CHECK_TIMEOUT = 5.0
 
@@ -125,6 +140,11 @@ class Consumer:
         self._lag_interval = lag_interval
         #: ``time.monotonic()`` when the member last had an answer from the broker (None: never).
         self._broker_reached_at: float | None = None
+        #: The error of the fetch read ahead, met by the next plain fetch (aiokafka says a group
+        #: error once, to the first fetch after it).
+        self._ahead_error: KafkaError | None = None
+        #: The kind of the failed fetches said last, said once while they last (None: fetching).
+        self._fetch_said: str | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -199,12 +219,22 @@ class Consumer:
                     tasks.start_soon(self.lag_watch.run, self._stop)
                     tasks.start_soon(self.retry_backlog.run, self._stop)
                     tasks.start_soon(self._report_membership)
-                kafka = await self._join()
-                if kafka is not None:
+                started = False
+                while (kafka := await self._join()) is not None:
                     self.running = True
-                    task_status.started()
+                    if not started:
+                        task_status.started()
+                        started = True
                     try:
                         await self._live_loop(kafka)
+                        break
+                    except _StartOver as start_over:
+                        log.warning(
+                            f"the Kafka client cannot go on ({type(start_over.error).__name__}): leaving the group"
+                            " and joining it again as a new member",
+                            extra={"consumer": self.name, "group": self.settings.group(self.name),
+                                   "error": error_text(self.redactor, describe(start_over.error))},
+                        )  # fmt: skip
                     finally:
                         self.running = False
                         # Leaves the group: the others take over at once (or, when the broker does
@@ -324,6 +354,8 @@ class Consumer:
         ahead: Fetched | None = None
         retrying: set[tuple[str, str]] = set()  # what the batch before put in the retry table
         self._kafka = kafka
+        self._ahead_error = None
+        self._fetch_said = None
         try:
             while not self._stop.is_set():
                 ahead, retrying = await self._next_batch(kafka, ahead, retrying)
@@ -337,7 +369,14 @@ class Consumer:
     ) -> tuple[Fetched | None, set[tuple[str, str]]]:
         """Settle one batch (``ahead`` if read already); returns the batch read ahead
         meanwhile and what this one put in the retry table."""
-        fetched = ahead or await self._fetch(kafka, FETCH_TIMEOUT_MS)
+        try:
+            fetched = ahead or await self._fetch(kafka, FETCH_TIMEOUT_MS)
+        except KafkaError as exc:
+            await self._fetch_failed(kafka, exc)
+            return None, retrying
+        if self._fetch_said is not None:
+            self._fetch_said = None
+            log.info("fetching again", extra={"consumer": self.name})
         if fetched is None:
             async with self._batch_lock:
                 await self._commit_settled()
@@ -401,9 +440,37 @@ class Consumer:
             )
             return
 
+    async def _fetch_failed(self, kafka: AIOKafkaConsumer, exc: KafkaError) -> None:
+        """A fetch the broker or the group refused (aiokafka's fetch says the errors of the
+        group's background routines too): say it once while it lasts and pause before the next
+        (the client rejoins or reconnects meanwhile). A session timeout the broker refuses stops
+        the consumer, as at the join; a client that cannot go on starts over (:class:`_StartOver`)."""
+        if self._stop.is_set():
+            return  # the loop ends: nothing more is fetched
+        if isinstance(exc, InvalidSessionTimeoutError):  # no join can ever succeed
+            raise await session_timeout_refused(self.settings, self.name, exc) from None
+        if client_broken(kafka):
+            raise _StartOver(exc)
+        kind = type(exc).__name__
+        if kind != self._fetch_said:
+            self._fetch_said = kind
+            level, message = fetch_trouble(exc, self.name)
+            log.log(
+                level, message,
+                extra={"consumer": self.name, "group": self.settings.group(self.name),
+                       "bootstrap_servers": self.settings.bootstrap_servers,
+                       "error": error_text(self.redactor, describe(exc))},
+            )  # fmt: skip
+        with anyio.move_on_after(FETCH_RETRY_PAUSE):
+            await self._stop.wait()
+
     async def _fetch(self, kafka: AIOKafkaConsumer, timeout_ms: int) -> Fetched | None:
         """The next batch, routed; None when none came within ``timeout_ms`` (or the consumer
-        stops and the broker does not answer)."""
+        stops and the broker does not answer). The error of the fetch read ahead, if any, is
+        this one's."""
+        if self._ahead_error is not None:
+            error, self._ahead_error = self._ahead_error, None
+            raise error
         try:
             batch = await self._on_broker(
                 lambda: kafka.getmany(timeout_ms=timeout_ms, max_records=self.settings.max_batch)
@@ -417,8 +484,9 @@ class Consumer:
         the settling batch puts in the retry table is added when it has settled)."""
         try:
             fetched = await self._fetch(kafka, 0)
-        except KafkaError:
-            return  # the next plain fetch meets it again
+        except KafkaError as exc:
+            self._ahead_error = exc  # the next plain fetch says it (aiokafka says it only once)
+            return
         if fetched is None:
             return
         into.append(fetched)
@@ -558,6 +626,15 @@ class Consumer:
 
 class _Stopping(Exception):
     """The consumer stopped while settling a batch, leaving some of it unsettled."""
+
+
+class _StartOver(Exception):
+    """The member's client cannot go on (:func:`.joining.client_broken`): it leaves and the
+    consumer joins again with a new one."""
+
+    def __init__(self, error: KafkaError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def heartbeat_interval_ms(settings: ConsumerSettings) -> int:

@@ -1,4 +1,4 @@
-"""What a consumer says when it cannot join its group, and the one refusal that stops it.
+"""What a consumer says when it cannot join its group or fetch, and the one refusal that stops it.
 
 A broker that does not answer (down, unreachable, its coordinator moving) is waited for: the
 consumer tries again and says "broker unavailable". Any other refusal of the join is the
@@ -6,20 +6,32 @@ group's or the configuration's, not the broker's health: it is named by its Kafk
 with the fix, once while it lasts (the consumer still tries again: an ACL granted or another
 application gone, it joins). A session timeout outside the broker's limits never joins: it
 stops the process, naming the setting and both values.
+
+A member's fetch says the errors of its client's group routines too (a rejoin refused, a
+heartbeat refused): the broker unavailable or the group moved on (the client rejoins by
+itself) is a warning, any other refusal the same error and fix as for the join, each once
+while it lasts; the consumer fetches again. A client whose group routine ended on an error
+cannot go on (:func:`client_broken`): it is no longer a member, and the consumer joins again
+with a new one.
 """
 
 from __future__ import annotations
 
+import logging
+
 import anyio
+from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (
     GroupAuthorizationFailedError,
+    IllegalGenerationError,
     InconsistentGroupProtocolError,
     InvalidGroupIdError,
     InvalidSessionTimeoutError,
     KafkaError,
     KafkaTimeoutError,
+    RebalanceInProgressError,
     TopicAuthorizationFailedError,
     UnknownMemberIdError,
 )
@@ -62,7 +74,31 @@ def refusal_hint(exc: BaseException, consumer: str) -> str:
     for kind, hint in _HINTS.items():
         if isinstance(exc, kind):
             return hint.replace("<name>", consumer)
-    return "the broker refused the join: its log says why"
+    return "the broker's log says why"
+
+
+def fetch_trouble(exc: BaseException, consumer: str) -> tuple[int, str]:
+    """The level and the line a failed fetch is said with (once while it lasts): a warning
+    where the client recovers by itself, the broker unavailable or the group moved on without
+    the member (the client rejoins); an error naming the refusal and its fix otherwise."""
+    kind = type(exc).__name__
+    if broker_unavailable(exc):
+        return logging.WARNING, f"broker unavailable ({kind}); fetching again"
+    if isinstance(exc, (UnknownMemberIdError, IllegalGenerationError, RebalanceInProgressError)):
+        return logging.WARNING, f"the group moved on without this member ({kind}): it rejoins; fetching again"
+    return (
+        logging.ERROR,
+        f"the broker refuses the fetch or the group join ({kind}): {refusal_hint(exc, consumer)}; trying again",
+    )
+
+
+def client_broken(kafka: AIOKafkaConsumer) -> bool:
+    """Whether the client's group coordination or heartbeat routine ended on an error: aiokafka
+    then says that error at every fetch and never recovers (no heartbeat goes out, so the broker
+    drops the member while it still fetches its partitions). One refused heartbeat is enough."""
+    coordinator = kafka._coordinator
+    routines = (getattr(coordinator, "_coordination_task", None), getattr(coordinator, "_heartbeat_task", None))
+    return any(task is not None and task.done() and not task.cancelled() and task.exception() for task in routines)
 
 
 async def session_timeout_refused(
