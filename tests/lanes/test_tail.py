@@ -57,6 +57,7 @@ from room_outbox.store.operator.changes import RequeueFilter
 from room_outbox.store.operator.retention import RetentionOptions, cleanup
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.check import check_schema
+from room_outbox.store.schema.registry import WantedSchema, migration_plan
 from room_outbox.store.schema.tail import PARKED_TABLE
 
 pytestmark = pytest.mark.anyio
@@ -464,7 +465,8 @@ async def test_the_hand_over_tails_from_the_first_row_still_owed_and_keeps_the_r
     ago) or an operator cancelled are not owed: the cursor goes back to just below the first
     row still to send, not below them, and they move to the tailing lane's parked table with
     their error, in the same step (shown by ``migrate --sql``), where ``lanes``, ``inspect``
-    and ``requeue --lane`` see them. One parked above that row is read and sent again."""
+    and ``requeue --lane`` see them. One parked above that row moves too: the tailing lane
+    reads past it unsent, and sends it once requeued."""
     statuses = ["failed", "cancelled"] + ["published"] * 6 + ["pending", "failed", "pending"]
     first = await lane_table_lane(any_store, statuses)
     async with any_store.transaction() as cur:
@@ -476,7 +478,7 @@ async def test_the_hand_over_tails_from_the_first_row_still_owed_and_keeps_the_r
     created, step = await tail_migration_plan(any_store, ["kafka"])
     assert created.change == f"created table {PARKED_TABLE}"
     assert step.change == (
-        f"moved room_outbox_lane_kafka's 1 parked row(s) up to {first + 7} and 1 cancelled row(s) to {PARKED_TABLE}; "
+        f"moved room_outbox_lane_kafka's 2 parked row(s) and 1 cancelled row(s) to {PARKED_TABLE}; "
         + HANDED_OVER.format(first + 7)
     )
     assert step.statements[0].startswith(f"INSERT INTO {PARKED_TABLE} ")
@@ -490,7 +492,7 @@ async def test_the_hand_over_tails_from_the_first_row_still_owed_and_keeps_the_r
 
     sink = OrderedLog()
     await drain(log_relay(any_store, sink), any_store)
-    assert sink.sent == ["m08-r0", "m09-r0", "m10-r0"]
+    assert sink.sent == ["m08-r0", "m10-r0"]
     async with any_store.transaction() as cur:
         await cur.execute(
             f"SELECT outbox_id, event_id, room_id, status, last_error, created_at_ms, updated_at_ms FROM {PARKED_TABLE}"
@@ -499,15 +501,16 @@ async def test_the_hand_over_tails_from_the_first_row_still_owed_and_keeps_the_r
         assert [tuple(row) for row in await cur.fetchall()] == [
             (first, "m00-r0", "r0", "parked", "too large", 5, 7),
             (first + 1, "m01-r0", "r0", "cancelled", None, 0, 0),
+            (first + 9, "m09-r0", "r0", "parked", "too large", 5, 7),
         ]
     (lane,) = (await lane_rows(any_store, LanePlan(main=False, own=("kafka",), tail=("kafka",))))[1:]
-    assert (lane.pending, lane.unfed, lane.parked) == (0, 0, 1)
-    (doc,) = await inspect_events(any_store, "m00-r0")
+    assert (lane.pending, lane.unfed, lane.parked) == (0, 0, 2)
+    (doc,) = await inspect_events(any_store, "m09-r0")
     assert doc["lanes"]["kafka"].startswith("parked")
     out, err = io.StringIO(), io.StringIO()
     assert await requeue_tail_command(any_store, "kafka", RequeueFilter(), True, out, err) == 0, err.getvalue()
     await log_relay(any_store, sink).run_once()
-    assert sink.sent[3:] == ["m00-r0"]
+    assert sink.sent[2:] == ["m00-r0", "m09-r0"]
 
 
 async def test_rows_the_lane_table_cancelled_beyond_its_first_row_still_owed_are_never_sent_by_the_tailing_lane(
@@ -515,35 +518,41 @@ async def test_rows_the_lane_table_cancelled_beyond_its_first_row_still_owed_are
 ) -> None:
     """The cursor goes back below the first row still owed, so the rows the lane table had
     finished beyond it are read again. Those an operator cancelled there move to the parked
-    table as cancelled with the rows below, and the tailing lane passes over them unsent: they
-    count nowhere as parked, and inspect says they were cancelled. A row the table parked
-    beyond it is sent again, as before."""
+    table as cancelled, and the tailing lane passes over them unsent: they count nowhere as
+    parked, and inspect says they were cancelled. A row the table parked beyond it moves as
+    parked, and is passed over too until it is requeued."""
     statuses = ["published", "pending", "cancelled", "failed", "published", "cancelled", "pending"]
     first = await lane_table_lane(any_store, statuses)
     (step,) = await tail_migration_plan(any_store, ["kafka"])
-    assert step.change.startswith(f"moved room_outbox_lane_kafka's 2 cancelled row(s) to {PARKED_TABLE}; ")
+    assert step.change.startswith(
+        f"moved room_outbox_lane_kafka's 1 parked row(s) and 2 cancelled row(s) to {PARKED_TABLE}; "
+    )
     await migrate_tail(any_store, ["kafka"])
     assert await cursor(any_store) == first
 
     sink = OrderedLog()
     relay = log_relay(any_store, sink)
     relay.store.feed_batch = len(statuses) - 1  # the rows from the first one still owed
-    assert await relay.run_once()  # a whole batch read, two rows passed over: the next round runs at once
+    assert await relay.run_once()  # a whole batch read, three rows passed over: the next round runs at once
     await drain(relay, any_store)
-    assert sink.sent == ["m01-r0", "m03-r0", "m04-r0", "m06-r0"]
+    assert sink.sent == ["m01-r0", "m04-r0", "m06-r0"]
     assert await cursor(any_store) == first + 6
     async with any_store.transaction() as cur:
         await cur.execute(f"SELECT outbox_id, status FROM {PARKED_TABLE} WHERE lane = 'kafka' ORDER BY outbox_id")
-        assert [tuple(row) for row in await cur.fetchall()] == [(first + 2, "cancelled"), (first + 5, "cancelled")]
+        assert [tuple(row) for row in await cur.fetchall()] == [
+            (first + 2, "cancelled"),
+            (first + 3, "parked"),
+            (first + 5, "cancelled"),
+        ]
     (lane,) = (await lane_rows(any_store, LanePlan(main=False, own=("kafka",), tail=("kafka",))))[1:]
-    assert (lane.pending, lane.unfed, lane.parked) == (0, 0, 0)
-    assert await log_relay(any_store, sink).store.parked() == []
+    assert (lane.pending, lane.unfed, lane.parked) == (0, 0, 1)
+    assert [row["event_id"] for row in await log_relay(any_store, sink).store.parked()] == ["m03-r0"]
     (doc,) = await inspect_events(any_store, "m05-r0")
     assert doc["lanes"]["kafka"].startswith("cancelled by an operator: never sent")
 
     await insert_events(any_store, [envelope("later")])  # the lane goes on past them
     await drain(log_relay(any_store, sink), any_store)
-    assert sink.sent[4:] == ["later"]
+    assert sink.sent[3:] == ["later"]
 
 
 async def test_a_hand_over_interrupted_half_way_is_made_whole_by_the_next_migrate(any_store: SQLStore) -> None:
@@ -556,7 +565,7 @@ async def test_a_hand_over_interrupted_half_way_is_made_whole_by_the_next_migrat
         await cur.execute(f"DELETE FROM {CURSOR_TABLE}")
     (step,) = await tail_migration_plan(any_store, ["kafka"])
     assert step.change.startswith(
-        f"moved room_outbox_lane_kafka's 1 parked row(s) up to {first + 1} to {PARKED_TABLE}; started lane"
+        f"moved room_outbox_lane_kafka's 1 parked row(s) to {PARKED_TABLE}; started lane"
         f" kafka's cursor at {first + 1}: it tails from room_outbox_lane_kafka's first row still owed;"
     )
     move, start, drop = step.statements
@@ -622,6 +631,83 @@ async def test_a_lane_is_not_switched_back_to_a_lane_table_while_events_it_parke
 
     assert await cancel_tail_command(any_store, "kafka", "huge", io.StringIO(), io.StringIO(), True) == 0
     assert (await migrate_lanes(any_store, ["kafka"]))[0] == "created table room_outbox_lane_kafka"
+
+
+async def lane_statuses(store: SQLStore) -> dict[str, str]:
+    """The Kafka lane table's rows: event id → status."""
+    async with store.transaction() as cur:
+        await cur.execute("SELECT event_id, status FROM room_outbox_lane_kafka")
+        return {str(event_id): str(status) for event_id, status in await cur.fetchall()}
+
+
+async def test_switched_back_to_a_lane_table_the_lane_never_sends_what_was_cancelled_nor_again_what_it_sent(
+    any_store: SQLStore,
+) -> None:
+    """``relay: lane_table`` after tailing, while an id below what the tailing lane sent is
+    still missing and a row is still owed: the new table is fed from the cursor's
+    ``fed_through_id``, so migrate gives it, in a step ``migrate --sql`` shows, a ``cancelled``
+    row for every event an operator cancelled (in either mode: the one cancelled while tailing
+    lies above the cursor, where the table would feed it as pending) and a ``published`` row
+    for every event the tailing lane sent above the cursor. A lane table is refused at start
+    until that step has run whole; run again after stopping half-way, it ends the same. The
+    table then owes exactly what the tailing lane owed."""
+    first = await lane_table_lane(any_store, ["published", "pending", "cancelled", "failed", "pending"])
+    await migrate_tail(any_store, ["kafka"])
+    sink = OrderedLog(too_large={"t-huge"})
+    async with id_held_open(any_store, "late") as commit_late:
+        await insert_events(any_store, [envelope("t-1"), envelope("t-huge"), envelope("t-2")])
+        tailing = log_relay(any_store, sink)
+        for _ in range(3):
+            await tailing.run_once()
+        assert sink.sent == ["m01-r0", "m04-r0", "t-1", "t-2"]
+        assert await cursor(any_store) < first + 5  # below "late", still missing
+        for cancelled in ("t-huge", "m03-r0"):  # the operator's word on what the lane parked
+            assert await cancel_tail_command(any_store, "kafka", cancelled, io.StringIO(), io.StringIO(), True) == 0
+        await insert_events(any_store, [envelope("t-3")])  # owed: not read yet
+
+        wanted = WantedSchema(outbox=False, lanes=("kafka",))
+        *made, hand_back = await migration_plan(any_store, wanted)  # the table, its room buckets, then this
+        assert made[0].change == "created table room_outbox_lane_kafka"
+        assert hand_back.change == (
+            f"moved lane kafka's 3 cancelled event(s) from {PARKED_TABLE} to room_outbox_lane_kafka: never sent;"
+            f" took the events lane kafka sent while it tailed, above {first + 4} up to {first + 8} (but for 1"
+            " range(s) still waited for), into room_outbox_lane_kafka as published: not sent again;"
+            f" lane kafka's table is fed from its cursor at {first + 4}"
+        )
+        async with any_store.transaction() as cur:  # stopped half-way: before the parked table's entries leave
+            for statement in made[0].statements + hand_back.statements[:-1]:
+                await cur.execute(statement)
+        with pytest.raises(SchemaError, match=f"{PARKED_TABLE} still holds 3 event"):
+            await check_schema(any_store, lanes=["kafka"])
+        assert (await migration_plan(any_store, wanted))[-1].change.startswith(
+            "moved lane kafka's 3 cancelled event(s)"
+        )
+        await migrate_lanes(any_store, ["kafka"])
+        await check_schema(any_store, lanes=["kafka"])
+        assert [step.change for step in await migration_plan(any_store, wanted)] == []
+
+        lane = lane_store_module.LaneStore(owner=any_store, lane="kafka", start="beginning")
+        await lane.feed()
+        commit_late.set()
+    await lane.feed()
+    assert await lane_statuses(any_store) == {
+        "m02-r0": "cancelled",
+        "m03-r0": "cancelled",
+        "t-huge": "cancelled",
+        "t-1": "published",
+        "t-2": "published",
+        "late": "pending",
+        "t-3": "pending",
+    }
+    claimed = await lane.claim("after-switch", 100, now_ms() + 60_000)
+    assert sorted(row.event_id for row in claimed.rows) == ["late", "t-3"]
+    async with any_store.transaction() as cur:
+        await cur.execute(f"SELECT COUNT(*) FROM {PARKED_TABLE}")
+        assert (await cur.fetchone())[0] == 0
+        await cur.execute("SELECT read_through_id, open_gaps FROM room_outbox_lane_cursor WHERE lane = 'kafka'")
+        assert tuple(await cur.fetchone()) == (None, None)
+    (doc,) = await inspect_events(any_store, "t-huge")
+    assert "cancelled" in doc["lanes"]["kafka"]
 
 
 async def test_a_new_owner_resumes_where_the_last_one_read_even_behind_an_id_still_missing(

@@ -195,9 +195,8 @@ class MySQLAddress:
         in one statement at connect time. MariaDB and MySQL name two of the variables
         differently: the isolation level, and the statement time limit (MySQL's applies to
         SELECTs only, the claim's among them)."""
-        isolation = "tx_isolation" if is_mariadb(server_version) else "transaction_isolation"
         return self.connect_kwargs(
-            f"{isolation} = 'READ-COMMITTED'",
+            read_committed(server_version),
             f"wait_timeout = {limits.idle_seconds}",
             f"innodb_lock_wait_timeout = {limits.lock_wait_seconds}",
             f"lock_wait_timeout = {limits.lock_wait_seconds}",
@@ -205,6 +204,12 @@ class MySQLAddress:
             f"net_write_timeout = {limits.network_seconds}",
             statement_time_limit(server_version, limits.statement_seconds),
         )
+
+
+def read_committed(server_version: str) -> str:
+    """The session assignment to READ COMMITTED, as MariaDB or MySQL names the variable."""
+    isolation = "tx_isolation" if is_mariadb(server_version) else "transaction_isolation"
+    return f"{isolation} = 'READ-COMMITTED'"
 
 
 class _NoLockWaits:
@@ -385,8 +390,11 @@ class MySQLStore(LeasedRows):
         async with exclusive_migration(self.address, [self.table], self.report_progress):
             async with self.transaction() as cur:
                 plan = await planner(cur)
-            no_limit = statement_time_limit(self.server_version, 0)
-            schema_change = OnlineSchemaChange(self.address, no_limit, self.report_progress)
+            # READ COMMITTED as every session here: a step's INSERT … SELECT from room_outbox
+            # (a lane switched back from tailing) then locks none of the rows it reads, and
+            # waits for no producer's transaction.
+            session = f"{statement_time_limit(self.server_version, 0)}, {read_committed(self.server_version)}"
+            schema_change = OnlineSchemaChange(self.address, session, self.report_progress)
             await schema_change.rehearse(self.table, plan)
             return await schema_change.run(plan)
 

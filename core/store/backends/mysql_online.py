@@ -63,8 +63,8 @@ def to_stderr(line: str) -> None:
 
 async def connect(address: MySQLAddress, statement_limit: str) -> aiomysql.Connection:
     """A connection of its own for schema changes: autocommit (each DDL commits anyway), no
-    statement time limit (``statement_limit``: the server's assignment lifting it), and a
-    short metadata-lock wait."""
+    statement time limit (``statement_limit``: the server's assignments lifting it and setting
+    the session's isolation), and a short metadata-lock wait."""
     return await address.connect(
         f"lock_wait_timeout = {DDL_LOCK_WAIT}", statement_limit, autocommit=True, db=address.database
     )

@@ -27,7 +27,7 @@ from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.dialect import text
 from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult, OutboxRow
-from room_outbox.store.schema.lanes import CURSOR_TABLE, KEPT_WIDTH, cursor_ddl, lane_ddl, lane_table
+from room_outbox.store.schema.lanes import CURSOR_TABLE, KEPT_WIDTH, copied_columns, cursor_ddl, lane_ddl, lane_table
 from room_outbox.store.schema.registry import WantedSchema, migrate
 
 if TYPE_CHECKING:
@@ -188,15 +188,8 @@ class LaneStore(LeasedRows):
 
     @property
     def _source_columns(self) -> str:
-        """What a lane copies of an outbox row, under the outbox profile's column names. Text is
-        cut to its copy's width: room-service's columns may be wider (TEXT on PostgreSQL), and
-        one value the copy refused would stop the lane's feeding at that row. The sink gets the
-        envelope, whole; a room id cut short only orders rooms sharing that prefix together."""
-        p = self.owner.profile
-        cut = ", ".join(
-            f"SUBSTR({column}, 1, {KEPT_WIDTH})" for column in (p.event_id, p.event_type, p.room_id, p.app_code)
-        )
-        return f"{p.key}, {cut}"
+        """What a lane copies of an outbox row (:func:`copied_columns`)."""
+        return copied_columns(self.owner.profile)
 
     async def feed(self) -> int:
         """One feeding round in a transaction of its own; returns rows added to the lane."""

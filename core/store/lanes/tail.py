@@ -18,8 +18,10 @@ and the ranges below it still missing (:class:`TailCursor`): an id that is missi
 for up to ``gap_timeout``, while the rounds go on sending what is above it, and a new owner
 must not send all of that again. :func:`migrate_tail` moves the cursor back below the lane
 table's first row still owed when a lane switches from its table to tailing, and moves the rows
-the table parked below it, and those it cancelled, to the parked table; a round passes over the
-rows it holds as cancelled.
+the table parked, and those it cancelled, to the parked table; a round passes over the rows it
+holds, so a parked row is sent only once requeued and a cancelled one never. The switch back
+(:func:`~room_outbox.store.schema.tail.hand_back_steps`) carries the cancelled ones, and what
+the lane sent above ``fed_through_id``, over to the new lane table.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from room_outbox.store.lanes.store import CURSOR_TABLE, Gap, LaneStore, log
 from room_outbox.store.schema.lanes import KEPT_WIDTH
 from room_outbox.store.schema.outbox import Migration
 from room_outbox.store.schema.registry import WantedSchema, migrate, migration_plan
-from room_outbox.store.schema.tail import CANCELLED, PARKED, PARKED_TABLE, REQUEUED
+from room_outbox.store.schema.tail import CANCELLED, PARKED, PARKED_TABLE, REQUEUED, open_gap_ranges
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
@@ -113,15 +115,7 @@ class TailCursor:
 
     def ranges(self) -> list[tuple[int, int, int]]:
         """``open_gaps`` as ``(low, high, since)``; ValueError when it does not parse."""
-        ranges = []
-        for part in (self.open_gaps or "").split(","):
-            if part:
-                bounds, since = part.split("@")
-                low, high = (int(bound) for bound in bounds.split("-"))
-                if low > high:
-                    raise ValueError(f"range {part} is empty")
-                ranges.append((low, high, int(since)))
-        return ranges
+        return open_gap_ranges(self.open_gaps)
 
     def passed(self, outbox_id: int) -> bool:
         """Whether the lane is past ``outbox_id``: sent it (or passed it over as before its
@@ -174,7 +168,7 @@ class TailStore(LaneStore):
                 if locked is None:
                     yield None
                     return
-                cursor, any_requeued, any_cancelled = locked
+                cursor, any_requeued, any_held = locked
                 watermark = cursor.fed_through_id
                 if cursor != self._committed:
                     self._resume(cursor)
@@ -188,8 +182,8 @@ class TailStore(LaneStore):
                 self._take_new(fresh, watermark)
                 requeued = await self._requeued(cur) if any_requeued else []
                 again = await self._rows(cur, requeued)
-                cancelled = await self._cancelled(cur, read) if any_cancelled else set()
-                to_send = [row for row in read if row.outbox_id not in cancelled]
+                held = await self._held(cur, read) if any_held else set()
+                to_send = [row for row in read if row.outbox_id not in held]
                 tail = TailRound(rows=again + to_send, requeued=requeued, full=len(read) >= self.feed_batch)
                 for gone in sorted(set(requeued) - {row.outbox_id for row in again}):
                     # Deleted from room_outbox since it was parked: nothing to send, and not sent.
@@ -291,30 +285,30 @@ class TailStore(LaneStore):
 
     async def _lock(self, cur: Any) -> tuple[TailCursor, bool, bool] | None:
         """The cursor, locked (None: another process owns the lane right now), whether any of
-        the lane's parked rows are requeued and whether any above ``fed_through_id`` are
-        cancelled (:meth:`_cancelled`), in the same statement (a locking read does not lock what
-        a subquery in its column list reads)."""
+        the lane's parked rows are requeued and whether the parked table holds any row above
+        ``fed_through_id`` (:meth:`_held`), in the same statement (a locking read does not lock
+        what a subquery in its column list reads)."""
         also = (
             f", read_through_id, open_gaps, EXISTS (SELECT 1 FROM {PARKED_TABLE} WHERE lane = %s AND status = %s),"
-            f" EXISTS (SELECT 1 FROM {PARKED_TABLE} WHERE lane = %s AND status = %s"
-            f" AND outbox_id > {CURSOR_TABLE}.fed_through_id)"
+            f" EXISTS (SELECT 1 FROM {PARKED_TABLE} WHERE lane = %s AND outbox_id > {CURSOR_TABLE}.fed_through_id)"
         )
-        row = await self._lock_cursor(cur, also, (self.lane, REQUEUED, self.lane, CANCELLED))
+        row = await self._lock_cursor(cur, also, (self.lane, REQUEUED, self.lane))
         if row is None:
             return None
-        fed, read_through, open_gaps, any_requeued, any_cancelled = row
-        return TailCursor.from_row(fed, read_through, open_gaps), bool(any_requeued), bool(any_cancelled)
+        fed, read_through, open_gaps, any_requeued, any_held = row
+        return TailCursor.from_row(fed, read_through, open_gaps), bool(any_requeued), bool(any_held)
 
-    async def _cancelled(self, cur: Any, rows: Sequence[TailRow]) -> set[int]:
-        """The ids among ``rows`` (in id order) that the parked table holds as cancelled: rows
-        the lane has not reached yet that an operator cancelled while its lane table ran (the
-        switch to tailing carries them over). The lane passes over them, unsent, as it passes
-        over rows it sent."""
+    async def _held(self, cur: Any, rows: Sequence[TailRow]) -> set[int]:
+        """The ids among ``rows`` (in id order) that the parked table holds: rows the lane has
+        not reached yet that its lane table parked or an operator cancelled there (the switch
+        to tailing carries them over), or that a round reads again (the cursor's ranges lost).
+        The lane passes over them, unsent, as it passes over rows it sent: a cancelled one is
+        never sent, a parked one only once requeued (then as a requeued row, first)."""
         if not rows:
             return set()
         await cur.execute(
-            f"SELECT outbox_id FROM {PARKED_TABLE} WHERE lane = %s AND status = %s AND outbox_id BETWEEN %s AND %s",
-            (self.lane, CANCELLED, rows[0].outbox_id, rows[-1].outbox_id),
+            f"SELECT outbox_id FROM {PARKED_TABLE} WHERE lane = %s AND outbox_id BETWEEN %s AND %s",
+            (self.lane, rows[0].outbox_id, rows[-1].outbox_id),
         )
         return {int(r[0]) for r in await cur.fetchall()}
 

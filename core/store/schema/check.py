@@ -27,6 +27,7 @@ from room_outbox.store.schema.columns import check_columns, row_security_notice,
 from room_outbox.store.schema.lanes import lane_table
 from room_outbox.store.schema.outbox import taken_index_names
 from room_outbox.store.schema.registry import WantedSchema, required_columns, required_indexes
+from room_outbox.store.schema.tail import handed_back_problems
 
 log = logging.getLogger("room_outbox.store")
 
@@ -42,7 +43,8 @@ async def check_schema(
     holds, may grow), and each lane in ``lanes`` (enabled sinks with a lane of their own) has
     its table; tailing lanes (``tail_lanes``) need the cursor and parked tables: the registry's
     required columns (:func:`.registry.required_columns`), and no table of their own left from
-    before they tailed (``migrate`` hands over from it). The outbox table needs the indexes its
+    before they tailed (``migrate`` hands over from it); lanes back from tailing, no entries left
+    in the tailing lanes' parked table (``migrate`` carries them over). The outbox table needs the indexes its
     statements read by name too (:func:`.registry.required_indexes`); on PostgreSQL, one whose
     name another table's index holds is named with that table (``migrate`` refuses to build it)."""
     wanted = WantedSchema(lanes=tuple(lanes) if lanes else None, tail_lanes=tuple(tail_lanes))
@@ -51,6 +53,9 @@ async def check_schema(
     async with store.transaction() as cur:
         await check_columns(cur, store.dialect, store.profile, claim_ids)
         refused = await sequence_problems(cur, store.dialect, store.profile) if lanes or tail_lanes else []
+        # A lane back from tailing whose switch migrate has not made whole: its table would feed
+        # and send the events an operator cancelled while it tailed.
+        refused += await handed_back_problems(cur, store.dialect, lanes)
         row_security = await row_security_notice(cur, store.dialect, store.profile)
         indexes = await index_names(cur, store.dialect, store.profile.table)
     if row_security:

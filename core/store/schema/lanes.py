@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from room_outbox.errors import ConfigurationError
 from room_outbox.store.dialect import Dialect, table_names
 from room_outbox.store.schema.buckets import bucket_plan
 from room_outbox.store.schema.outbox import ROOM_INDEX, Migration, claim_index, concurrent_step, invalid_index_steps
+
+if TYPE_CHECKING:
+    from room_outbox.store.schema.profiles import Profile
 
 CURSOR_TABLE = "room_outbox_lane_cursor"
 #: At most 36 characters: the lane table's longest derived name, its claim index
@@ -55,6 +58,19 @@ def cursor_ddl(dialect: Dialect) -> list[str]:
 #: (silk's ``aggregate_id`` holds 128 characters). A wider value (room-service's own column
 #: widened) is cut to it when copied: refused, it would stop the lane at that row.
 KEPT_WIDTH = 255
+
+
+def copied_columns(profile: Profile) -> str:
+    """SQL: what a lane's table copies of an outbox row (its key, event id, event type, room id
+    and app code), under the outbox profile's column names. Text is cut to its copy's width:
+    room-service's columns may be wider (TEXT on PostgreSQL), and one value the copy refused
+    would stop the lane's feeding at that row. The sink gets the envelope, whole; a room id cut
+    short only orders rooms sharing that prefix together."""
+    p = profile
+    cut = ", ".join(
+        f"SUBSTR({column}, 1, {KEPT_WIDTH})" for column in (p.event_id, p.event_type, p.room_id, p.app_code)
+    )
+    return f"{p.key}, {cut}"
 
 
 def lane_ddl(lane: str, dialect: Dialect) -> list[str]:

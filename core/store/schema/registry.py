@@ -38,7 +38,7 @@ from room_outbox.store.schema.outbox import (
     taken_index_names,
 )
 from room_outbox.store.schema.outbox import required_columns as outbox_columns
-from room_outbox.store.schema.tail import PARKED_TABLE, parked_while_tailing, tail_steps
+from room_outbox.store.schema.tail import PARKED_TABLE, hand_back_steps, parked_while_tailing, tail_steps
 
 if TYPE_CHECKING:
     from room_outbox.handler import HandlerTable
@@ -95,6 +95,8 @@ async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: Want
             raise SchemaError("\n".join(refused))
         # the outbox's room buckets above create the bucket function the lanes' indexes compute too
         plan += await lane_steps(cur, dialect, wanted.lanes, function_planned=wanted.outbox)
+        # a lane back from tailing: what its new table takes over (the table made just above)
+        plan += await hand_back_steps(cur, dialect, profile, wanted.lanes)
     plan += await tail_steps(cur, dialect, wanted.tail_lanes, cursor_planned=wanted.lanes is not None)
     for owner, statements in wanted.plugin_statements:
         if PLUGIN_SCHEMA in dialect.capabilities:

@@ -7,6 +7,11 @@ pass over (too large, not serialisable; or its lane table had, before it tailed)
 ``requeued`` until the lane sends them again, or ``cancelled`` by an operator: never sent, the
 entry kept as the record of it. One small table for every tailing lane, keyed by (lane,
 outbox_id).
+
+A lane switching relays carries the operator's decisions over in ``migrate``: to tailing, the
+rows its table parked or cancelled move here (:func:`tail_steps`); back to a table, the
+cancelled entries move into it, and what the lane sent above its cursor is recorded there as
+sent (:func:`hand_back_steps`), while parked ones refuse the switch (:func:`parked_while_tailing`).
 """
 
 from __future__ import annotations
@@ -14,10 +19,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from room_outbox.store.dialect import Dialect, column_names, table_names
-from room_outbox.store.schema.lanes import CURSOR_TABLE, KEPT_WIDTH, cursor_ddl, lane_table, tail_cursor_columns
+from room_outbox.store.clock import now_ms
+from room_outbox.store.dialect import Dialect, column_names, table_names, text
+from room_outbox.store.schema.lanes import (
+    CURSOR_TABLE,
+    KEPT_WIDTH,
+    copied_columns,
+    cursor_ddl,
+    lane_table,
+    tail_cursor_columns,
+)
 from room_outbox.store.schema.outbox import Migration, add_column_sql
-from room_outbox.store.schema.profiles import V1
+from room_outbox.store.schema.profiles import V1, Profile
 
 PARKED_TABLE = "room_outbox_tail_parked"
 PARKED = "parked"
@@ -73,11 +86,11 @@ async def tail_steps(cur: Any, dialect: Dialect, lanes: Sequence[str], cursor_pl
 async def _hand_over(cur: Any, lane: str, cursor_rows: bool, parked_rows: bool) -> Migration:
     """A lane switched from its own table to tailing: its cursor goes back to just below the
     table's first row still owed (``pending``: fresh, retrying or in flight), so nothing the
-    table owed is lost (what it had sent or parked beyond may be sent once more: parked again if
-    it still fails); the rows it parked (``failed``) below that move to the parked table as
-    ``parked``, their error and times kept, where ``status``, ``inspect`` and ``requeue --lane``
-    see them, instead of holding the cursor back to be sent again from there (months of events,
-    perhaps), and the rows an operator cancelled, wherever they are, as ``cancelled``, so that
+    table owed is lost (what it had sent beyond is sent once more); the rows it parked
+    (``failed``) move to the parked table as ``parked``, their error and times kept, where
+    ``status``, ``inspect`` and ``requeue --lane`` see them and the lane passes over them until
+    an operator requeues them, instead of holding the cursor back to be sent again from there
+    (months of events, perhaps), and the rows an operator cancelled as ``cancelled``, so that
     the lane never sends them (:func:`_carried_over`); then the table is dropped, in the
     same step. The cursor is the tailing lane's whole state, and a table left behind would still
     count as owed: its pending rows shown as the lane's backlog, holding back retention, and
@@ -120,7 +133,7 @@ async def _hand_over(cur: Any, lane: str, cursor_rows: bool, parked_rows: bool) 
             f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, updated_at_ms) VALUES ('{lane}', {tail_from}, 0)"
         )
         changes.append(f"started lane {lane}'s cursor at {tail_from}: it tails from {table}'s first row still owed")
-    carried = await _carried_over(cur, lane, table, tail_from, parked_rows)
+    carried = await _carried_over(cur, lane, table, parked_rows)
     if carried is not None:
         statements.insert(0, carried[0])
         changes.insert(0, carried[1])
@@ -131,20 +144,16 @@ async def _hand_over(cur: Any, lane: str, cursor_rows: bool, parked_rows: bool) 
     return Migration("; ".join(changes), tuple(statements))
 
 
-async def _carried_over(
-    cur: Any, lane: str, table: str, tail_from: int | None, parked_rows: bool
-) -> tuple[str, str] | None:
-    """The statement that copies into the parked table the rows ``table`` parked at or below
-    ``tail_from`` (all of them when None: the lane starts at its ``start``) and every row it
-    cancelled, and what it does; None when there are none. One INSERT … SELECT, however many
-    rows: the statement's size does not grow with them. Parked rows above ``tail_from`` are not
-    copied: the lane reads them again, and parks again those that still fail. Cancelled rows
-    are copied wherever they are: an operator decided they are never sent, and the tailing lane
-    passes over the rows its parked table holds as cancelled. A row the parked table has already
-    (moved by an interrupted run of this step) is left as it is. ``parked_rows``: the parked
-    table exists now (else an earlier step of the plan creates it, empty)."""
-    below = "" if tail_from is None else f" AND outbox_id <= {tail_from}"
-    rows = f"FROM {table} WHERE (status = '{V1.parked}'{below} OR status = '{V1.cancelled}')"
+async def _carried_over(cur: Any, lane: str, table: str, parked_rows: bool) -> tuple[str, str] | None:
+    """The statement that copies into the parked table every row ``table`` parked and every
+    row it cancelled, wherever they are, and what it does; None when there are none. One
+    INSERT … SELECT, however many rows: the statement's size does not grow with them. Those
+    above the cursor are ones the tailing lane reads again: it passes over the rows its parked
+    table holds, so a parked row is sent only once an operator requeues it, and a cancelled one
+    never. A row the parked table has already (moved by an interrupted run of this step) is
+    left as it is. ``parked_rows``: the parked table exists now (else an earlier step of the
+    plan creates it, empty)."""
+    rows = f"FROM {table} WHERE status IN ('{V1.parked}', '{V1.cancelled}')"
     not_moved = (
         f" AND NOT EXISTS (SELECT 1 FROM {PARKED_TABLE} p WHERE p.lane = '{lane}' AND p.outbox_id = {table}.outbox_id)"
     )
@@ -159,13 +168,146 @@ async def _carried_over(
         f" CASE status WHEN '{V1.parked}' THEN '{PARKED}' ELSE '{CANCELLED}' END,"
         f" last_error, created_at_ms, updated_at_ms {rows}{not_moved}"
     )
-    up_to = "" if tail_from is None else f" up to {tail_from}"
     kinds = [
-        f"{counts[status]} {name} row(s){where}"
-        for status, name, where in ((V1.parked, PARKED, up_to), (V1.cancelled, CANCELLED, ""))
+        f"{counts[status]} {name} row(s)"
+        for status, name in ((V1.parked, PARKED), (V1.cancelled, CANCELLED))
         if status in counts
     ]
     return statement, f"moved {table}'s {' and '.join(kinds)} to {PARKED_TABLE}"
+
+
+def open_gap_ranges(open_gaps: str | None) -> list[tuple[int, int, int]]:
+    """A tailing cursor's ``open_gaps`` (ranges still waited for, ``low-high@since`` comma
+    separated) as ``(low, high, since)``; ValueError when it does not parse."""
+    ranges = []
+    for part in (open_gaps or "").split(","):
+        if part:
+            bounds, since = part.split("@")
+            low, high = (int(bound) for bound in bounds.split("-"))
+            if low > high:
+                raise ValueError(f"range {part} is empty")
+            ranges.append((low, high, int(since)))
+    return ranges
+
+
+async def hand_back_steps(cur: Any, dialect: Dialect, profile: Profile, lanes: Sequence[str]) -> list[Migration]:
+    """What lanes switched back from tailing to a table of their own (``lanes``) carry over
+    (:func:`_hand_back`), after the step that creates their table: for a lane whose table is
+    missing (the switch) or whose entries the parked table still holds (a switch interrupted
+    half-way, or made by a version that left them there)."""
+    if not lanes:
+        return []
+    existing = await table_names(cur, dialect)
+    if CURSOR_TABLE not in existing:
+        return []
+    cursor_columns = set(await column_names(cur, dialect, CURSOR_TABLE))
+    plan = []
+    for lane in lanes:
+        step = await _hand_back(cur, profile, lane, existing, "read_through_id" in cursor_columns)
+        if step is not None:
+            plan.append(step)
+    return plan
+
+
+async def _hand_back(
+    cur: Any, profile: Profile, lane: str, existing: set[str] | list[str], tail_columns: bool
+) -> Migration | None:
+    """A lane switched from tailing back to a table of their own, whose feeder goes on from the
+    cursor's ``fed_through_id``. Two things the table would not know otherwise:
+
+    - the events an operator cancelled (the parked table's ``cancelled`` entries) become the
+      table's ``cancelled`` rows, so it never feeds them as ``pending`` and sends them; a row
+      the table has already (an interrupted step) is kept, or made ``cancelled`` while it is
+      still ``pending``; then the entries leave the parked table, last, so that a lane table
+      is refused at start while they are still there (:func:`handed_back_problems`);
+    - the events the tailing lane sent above ``fed_through_id`` (up to ``read_through_id``,
+      but for the ranges still waited for, ``open_gaps``) become ``published`` rows, so the
+      feeder does not send them again; then the cursor forgets where the tailing lane read to.
+
+    Events parked or requeued while tailing are not here: :func:`parked_while_tailing` refuses
+    the switch while there are any. The statements are written from what was read now; run
+    again (their commits one by one), they change nothing twice."""
+    table = lane_table(lane)
+    cancelled = 0
+    if PARKED_TABLE in existing:
+        await cur.execute(f"SELECT COUNT(*) FROM {PARKED_TABLE} WHERE lane = %s AND status = %s", (lane, CANCELLED))
+        (cancelled,) = await cur.fetchone()
+    if table in existing and not cancelled:
+        return None  # a lane table lane already, with nothing left to carry over
+    sent = None  # (fed_through_id, read_through_id, the ranges still waited for) of a tailing cursor
+    if tail_columns:
+        await cur.execute(
+            f"SELECT fed_through_id, read_through_id, open_gaps FROM {CURSOR_TABLE} WHERE lane = %s", (lane,)
+        )
+        found = await cur.fetchone()
+        if found is not None and (found[1] is not None or found[2] is not None):
+            fed = int(found[0])
+            try:
+                gaps = open_gap_ranges(None if found[2] is None else text(found[2]))
+                read_through = fed if found[1] is None else int(found[1])
+            except ValueError:  # the tailing lane itself would go on from fed_through_id
+                gaps, read_through = [], fed
+            sent = (fed, read_through, gaps)
+    if not cancelled and sent is None:
+        return None
+    p, now = profile, now_ms()
+    # ints and the lane's validated name from the database: safe to write into the statements
+    not_there = f" AND NOT EXISTS (SELECT 1 FROM {table} l WHERE l.outbox_id = {{key}})"
+    statements: list[str] = []
+    changes: list[str] = []
+    if cancelled:
+        entries = f"SELECT outbox_id FROM {PARKED_TABLE} WHERE lane = '{lane}' AND status = '{CANCELLED}'"
+        if table in existing:
+            statements.append(
+                f"UPDATE {table} SET status = '{V1.cancelled}', updated_at_ms = {now}"
+                f" WHERE status = '{V1.fresh}' AND outbox_id IN ({entries})"
+            )
+        of_row = "(SELECT SUBSTR({column}, 1, " + str(KEPT_WIDTH) + f") FROM {p.table} o WHERE o.{p.key} = t.outbox_id)"
+        statements.append(
+            f"INSERT INTO {table} (outbox_id, event_id, event_type, room_id, app_code, status, last_error,"
+            " created_at_ms, updated_at_ms)"
+            f" SELECT t.outbox_id, t.event_id, COALESCE({of_row.format(column=p.event_type)}, ''), t.room_id,"
+            f" COALESCE({of_row.format(column=p.app_code)}, ''), '{V1.cancelled}', t.last_error, t.created_at_ms,"
+            f" t.updated_at_ms FROM {PARKED_TABLE} t WHERE t.lane = '{lane}' AND t.status = '{CANCELLED}'"
+            + not_there.format(key="t.outbox_id")
+        )
+        changes.append(f"moved lane {lane}'s {cancelled} cancelled event(s) from {PARKED_TABLE} to {table}: never sent")
+    if sent is not None:
+        fed, read_through, gaps = sent
+        if read_through > fed:
+            waited = "".join(f" AND {p.key} NOT BETWEEN {low} AND {high}" for low, high, _ in gaps)
+            statements.append(
+                f"INSERT INTO {table} (outbox_id, event_id, event_type, room_id, app_code, status,"
+                f" created_at_ms, updated_at_ms) SELECT {copied_columns(p)}, '{V1.delivered}', {now}, {now}"
+                f" FROM {p.table} WHERE {p.key} > {fed} AND {p.key} <= {read_through}{waited}"
+                + not_there.format(key=f"{p.table}.{p.key}")
+            )
+            changes.append(
+                f"took the events lane {lane} sent while it tailed, above {fed} up to {read_through}"
+                f" (but for {len(gaps)} range(s) still waited for), into {table} as {V1.delivered}: not sent again"
+            )
+        statements.append(f"UPDATE {CURSOR_TABLE} SET read_through_id = NULL, open_gaps = NULL WHERE lane = '{lane}'")
+        changes.append(f"lane {lane}'s table is fed from its cursor at {fed}")
+    if cancelled:
+        statements.append(f"DELETE FROM {PARKED_TABLE} WHERE lane = '{lane}' AND status = '{CANCELLED}'")
+    return Migration("; ".join(changes), tuple(statements))
+
+
+async def handed_back_problems(cur: Any, dialect: Dialect, lanes: Sequence[str]) -> list[str]:
+    """Why lanes that run on a table of their own (``lanes``) cannot start: the parked table
+    still holds entries of theirs from when they tailed room_outbox. Cancelled ones that the
+    switch back has not carried over yet (its table would feed them and send them), parked or
+    requeued ones that it refuses to leave behind (:func:`parked_while_tailing`)."""
+    if not lanes or PARKED_TABLE not in await table_names(cur, dialect):
+        return []
+    held = ", ".join(["%s"] * len(lanes))
+    await cur.execute(f"SELECT lane, COUNT(*) FROM {PARKED_TABLE} WHERE lane IN ({held}) GROUP BY lane", tuple(lanes))
+    return [
+        f"lane {lane} runs on its own table (relay: lane_table), but {PARKED_TABLE} still holds {count}"
+        f" event(s) it parked or cancelled while it tailed room_outbox: run `room-outbox migrate` (it carries"
+        " the cancelled ones over to the lane's table, and names what to do with any still parked)"
+        for lane, count in sorted(await cur.fetchall())
+    ]
 
 
 async def parked_while_tailing(cur: Any, dialect: Dialect, lanes: Sequence[str]) -> list[str]:
@@ -187,4 +329,14 @@ async def parked_while_tailing(cur: Any, dialect: Dialect, lanes: Sequence[str])
     ]
 
 
-__all__ = ["PARKED", "PARKED_TABLE", "REQUEUED", "parked_ddl", "parked_while_tailing", "tail_steps"]
+__all__ = [
+    "PARKED",
+    "PARKED_TABLE",
+    "REQUEUED",
+    "hand_back_steps",
+    "handed_back_problems",
+    "open_gap_ranges",
+    "parked_ddl",
+    "parked_while_tailing",
+    "tail_steps",
+]
