@@ -74,7 +74,8 @@ class SinkSettings(BaseModel):
         return value
 
     #: Sinks with a lane of their own: where the lane starts the first time it runs —
-    #: ``now`` (events from now on), ``beginning`` (every row in room_outbox) or an outbox id.
+    #: ``now`` (events committed from now on, those whose transaction is open at the start
+    #: included), ``beginning`` (every row in room_outbox) or an outbox id.
     start: Literal["now", "beginning"] | int = "now"
     #: Sinks that keep order by themselves (``ordered_log``, such as Kafka): ``tail`` reads
     #: ``room_outbox`` after a cursor, without a row per event; ``lane_table`` keeps a row per

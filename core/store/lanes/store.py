@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.config import LanesSettings
@@ -28,6 +29,7 @@ from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.dialect import text
 from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult, OutboxRow
 from room_outbox.store.schema.lanes import CURSOR_TABLE, KEPT_WIDTH, copied_columns, cursor_ddl, lane_ddl, lane_table
+from room_outbox.store.schema.profiles import V1
 from room_outbox.store.schema.registry import WantedSchema, migrate
 
 if TYPE_CHECKING:
@@ -41,6 +43,18 @@ async def migrate_lanes(store: SQLStore, lanes: Sequence[str]) -> list[str]:
     """Create the cursor table and each lane's table (idempotent), through the one migration
     path (:mod:`room_outbox.store.schema.registry`)."""
     return await migrate(store, WantedSchema(outbox=False, lanes=tuple(lanes)))
+
+
+@dataclass(frozen=True)
+class StartPosition:
+    """Where a new lane starts: every id at or below ``fed_through_id`` is before its start, and
+    so is every id above it up to ``read_through_id`` but those in ``missing``: ids still in
+    flight at the start (a producer's transaction open then), waited for as gaps and sent once
+    they commit."""
+
+    fed_through_id: int
+    read_through_id: int | None = None
+    missing: tuple[tuple[int, int], ...] = ()
 
 
 def start_id(start: str | int, max_id: int) -> int:
@@ -69,6 +83,9 @@ STEP_EVIDENCE = 16
 ID_CHECK_INTERVAL = 60.0
 #: Ids per feeding INSERT … SELECT (placeholders: within every database's limit).
 COPY_CHUNK = 500
+#: Rows a lane starting ``now`` looks back over, at most, for ids still in flight
+#: (:meth:`LaneStore._start_now`).
+START_LOOKBACK = 10_000
 
 
 def _copied(row: OutboxRow) -> tuple[str, str, str, str]:
@@ -308,17 +325,95 @@ class LaneStore(LeasedRows):
         async with self.transaction() as cur:
             await cur.execute(f"SELECT 1 FROM {CURSOR_TABLE} WHERE lane = %s", (self.lane,))
             if await cur.fetchone() is None:
-                p = self.owner.profile
-                await cur.execute(f"SELECT COALESCE(MAX({p.key}), 0) FROM {p.table}")
-                (max_id,) = await cur.fetchone()
-                first = start_id(self.start, int(max_id))
-                insert = f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, updated_at_ms) VALUES (%s, %s, %s)"
-                await cur.execute(self.dialect.insert_skipping_duplicates(insert, "lane"), (self.lane, first, now_ms()))
-                if cur.rowcount:  # not when another process made it first
+                if self.start == "now":
+                    start = await self._start_now(cur)
+                else:
+                    p = self.owner.profile
+                    await cur.execute(f"SELECT COALESCE(MAX({p.key}), 0) FROM {p.table}")
+                    (max_id,) = await cur.fetchone()
+                    start = StartPosition(start_id(self.start, int(max_id)))
+                if await self._insert_cursor(cur, start):  # not when another process made it first
                     log.info(
-                        "lane started", extra={"lane": self.lane, "start": str(self.start), "fed_through_id": first}
+                        "lane started",
+                        extra={
+                            "lane": self.lane,
+                            "start": str(self.start),
+                            "fed_through_id": start.fed_through_id,
+                            "in_flight_ranges": len(start.missing),
+                        },
                     )
         self._cursor_made = True
+
+    async def _start_now(self, cur: Any) -> StartPosition:
+        """Where a lane starting ``now`` starts: after the highest id, but for the ids missing
+        below it that may still commit (a producer's transaction open at the start), which are
+        waited for as any gap is, up to ``gap_timeout``, and sent once they commit.
+
+        The window looked at: the rows created within ``gap_timeout`` before the start (by the
+        database's clock), at most :data:`START_LOOKBACK` of them. A lane running all along
+        would be waiting for just those ids: one missing below a row created longer ago it would
+        have seen missing that long ago and given up on (a rolled-back insert), so it is neither
+        waited for nor warned about. The bound keeps the start's one read, and the rows it
+        marks done, small on a busy table: an id missing further back belongs to a transaction
+        open while that many later rows were inserted. Ids follow the step their differences
+        show (:attr:`_step`), and at most ``max_gaps`` ranges are waited for (the highest)."""
+        p = self.owner.profile
+        await cur.execute(
+            f"SELECT {p.key}, {p.as_ms(p.created)} FROM {p.table} ORDER BY {p.key} DESC LIMIT %s", (START_LOOKBACK,)
+        )
+        rows = [(int(key), created) for key, created in await cur.fetchall()]
+        if not rows:
+            return StartPosition(0)
+        recent_from = now_ms() - self.gap_timeout * 1000
+        window: list[int] = []  # from the highest id down
+        for key, created in rows:
+            window.append(key)
+            if created is not None and int(created) < recent_from:
+                break  # made before the window: ids missing below it are given up on already
+        ids = [key for key, _ in reversed(rows)]
+        differences = [high - low for low, high in pairwise(ids)]
+        step = math.gcd(*differences) if len(differences) >= STEP_EVIDENCE else 1
+        window.reverse()
+        missing = [(low + step, high - step) for low, high in pairwise(window) if high - low > step]
+        missing = missing[-self.max_gaps :]
+        max_id = rows[0][0]
+        if not missing:
+            return StartPosition(max_id)
+        return StartPosition(missing[0][0] - 1, max_id, tuple(missing))
+
+    async def _insert_cursor(self, cur: Any, start: StartPosition) -> bool:
+        """Make the lane's cursor row at ``start``; False when another process made it first.
+        Ids still in flight at the start are waited for by the feeder, which goes on from
+        ``fed_through_id``: the rows committed above it before the start go into the lane's
+        table as done, so it neither feeds nor sends them."""
+        insert = f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, updated_at_ms) VALUES (%s, %s, %s)"
+        await cur.execute(
+            self.dialect.insert_skipping_duplicates(insert, "lane"), (self.lane, start.fed_through_id, now_ms())
+        )
+        if not cur.rowcount:
+            return False
+        if start.missing and start.read_through_id is not None:
+            p, now = self.owner.profile, now_ms()
+            # Not the ids still in flight, whether or not they have committed meanwhile.
+            waited = f" AND {p.key} NOT BETWEEN %s AND %s" * len(start.missing)
+            insert = (
+                f"INSERT INTO {self.table} (outbox_id, event_id, event_type, room_id, app_code, status, last_error,"
+                f" created_at_ms, updated_at_ms) SELECT {self._source_columns}, %s, %s, %s, %s"
+                f" FROM {p.table} WHERE {p.key} > %s AND {p.key} <= %s{waited}"
+            )
+            await cur.execute(
+                self.dialect.insert_skipping_duplicates(insert, "outbox_id"),
+                (
+                    V1.delivered,
+                    "committed before the lane's start: not sent",
+                    now,
+                    now,
+                    start.fed_through_id,
+                    start.read_through_id,
+                    *(bound for gap in start.missing for bound in gap),
+                ),
+            )
+        return True
 
     async def _lock_cursor(self, cur: Any, also: str = "", params: Sequence[Any] = ()) -> Sequence[Any] | None:
         """The lane's cursor row (:meth:`_create_cursor` made it), locked: its
@@ -476,4 +571,13 @@ class LaneStore(LeasedRows):
         self._gaps = [g for g in self._gaps if id(g) not in dropped]
 
 
-__all__ = ["CURSOR_TABLE", "LaneStore", "cursor_ddl", "lane_ddl", "lane_table", "migrate_lanes", "start_id"]
+__all__ = [
+    "CURSOR_TABLE",
+    "LaneStore",
+    "StartPosition",
+    "cursor_ddl",
+    "lane_ddl",
+    "lane_table",
+    "migrate_lanes",
+    "start_id",
+]

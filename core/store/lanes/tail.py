@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import ascii_text, marks, text
-from room_outbox.store.lanes.store import CURSOR_TABLE, Gap, LaneStore, log
+from room_outbox.store.lanes.store import CURSOR_TABLE, Gap, LaneStore, StartPosition, log
 from room_outbox.store.schema.lanes import KEPT_WIDTH
 from room_outbox.store.schema.outbox import Migration
 from room_outbox.store.schema.registry import WantedSchema, migrate, migration_plan
@@ -146,6 +146,24 @@ class TailStore(LaneStore):
 
     async def migrate(self) -> list[str]:
         return await migrate_tail(self.owner, [self.lane])
+
+    async def _insert_cursor(self, cur: Any, start: StartPosition) -> bool:
+        """Make the lane's cursor row at ``start``: the ids still in flight then are its first
+        ranges waited for (:class:`TailCursor`), seen missing at the start, so that whichever
+        process takes the lane first sends them once they commit and nothing committed before;
+        False when another process made the row first."""
+        since = now_ms() // 1000
+        open_gaps = ",".join(f"{low}-{high}@{since}" for low, high in start.missing) or None
+        read_through = start.read_through_id if open_gaps else None
+        insert = (
+            f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, read_through_id, open_gaps, updated_at_ms)"
+            " VALUES (%s, %s, %s, %s, %s)"
+        )
+        await cur.execute(
+            self.dialect.insert_skipping_duplicates(insert, "lane"),
+            (self.lane, start.fed_through_id, read_through, open_gaps, now_ms()),
+        )
+        return bool(cur.rowcount)
 
     @asynccontextmanager
     async def round(self) -> AsyncIterator[TailRound | None]:
