@@ -349,8 +349,10 @@ class LaneStore(LeasedRows):
         below it that may still commit (a producer's transaction open at the start), which are
         waited for as any gap is, up to ``gap_timeout``, and sent once they commit.
 
-        The window looked at: the rows created within ``gap_timeout`` before the start (by the
-        database's clock), at most :data:`START_LOOKBACK` of them. A lane running all along
+        The window looked at: the rows created within ``gap_timeout`` before the start, at most
+        :data:`START_LOOKBACK` of them. Their creation times are the producer's clock: the start
+        is the earlier of the database's now and the newest row's creation, so a producer's
+        clock behind the database's narrows the window by nothing. A lane running all along
         would be waiting for just those ids: one missing below a row created longer ago it would
         have seen missing that long ago and given up on (a rolled-back insert), so it is neither
         waited for nor warned about. The bound keeps the start's one read, and the rows it
@@ -364,7 +366,9 @@ class LaneStore(LeasedRows):
         rows = [(int(key), created) for key, created in await cur.fetchall()]
         if not rows:
             return StartPosition(0)
-        recent_from = now_ms() - self.gap_timeout * 1000
+        newest = rows[0][1]
+        started = now_ms() if newest is None else min(now_ms(), int(newest))
+        recent_from = started - self.gap_timeout * 1000
         window: list[int] = []  # from the highest id down
         for key, created in rows:
             window.append(key)
