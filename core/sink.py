@@ -224,6 +224,8 @@ class OrderedLogSink(Sink, Protocol):
 
         Optional, besides: ``async def reachable(self) -> None``, one cheap round trip to the
         destination, raising when it fails. After a batch failed as a whole, the relay calls it
-        (bounded by ``publish_timeout``) before its next round, outside the round's transaction,
-        so that an outage does not keep ``room_outbox`` held round after round."""
+        (each call bounded by ``publish_timeout``) before its next round, with the round rolled
+        back, so that an outage does not keep ``room_outbox`` held round after round: first
+        while it keeps the lane from the other processes, which would send the batch again,
+        then outside any transaction."""
         ...

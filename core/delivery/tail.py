@@ -6,9 +6,8 @@ sink takes to its ``publish`` at once (many in flight, order kept per key by the
 the ones that can never be delivered (bad envelope, too large) and moves the cursor with one
 write, made while the batch is on its way (with the next round's read) and committed once the
 sink has answered. A batch that fails as a whole (the broker is down, a timeout) is rolled back
-and read again after ``poll_interval``, in the same order, so nothing is skipped and a room's
-events never overtake each other; what the failed attempt did send is sent again (at least
-once: a batch's worth of duplicates at most).
+and read again, in the same order, so nothing is skipped and a room's events never overtake
+each other; what the failed attempt did send is sent again (at least once).
 
 Only the process holding the cursor row's lock runs a round; the others find it locked, wait
 ``poll_interval`` and try again, so ownership fails over as soon as the owner's connection
@@ -16,12 +15,19 @@ drops.
 
 A round's transaction holds ``room_outbox`` (its metadata lock on MySQL/MariaDB, a share lock
 on PostgreSQL) while its batch is on its way, so room-service's own schema changes wait for it,
-and its writes behind them. After a batch the sink failed as a whole, the next round therefore
-waits, outside any transaction, until the sink answers again (``OrderedLogSink``'s optional
-``reachable``): a broker that hangs holds the table for one round's ``publish_timeout`` in each
-process running the lane, not for every round of the outage. (Reading room_outbox in a short
-transaction of its own beside the round's would hold it by none, for a transaction more per
-round: a tenth of the lane's speed at small batches.)
+and its writes behind them. So a batch the sink failed as a whole is rolled back at once, and
+the process keeps the lane, the cursor row locked again in a transaction that reads nothing
+else, while it asks the sink (``OrderedLogSink``'s optional ``reachable``) each
+``poll_interval`` whether it answers again; then it sends the batch again at once. The other
+processes skip the lane meanwhile, as they would send the batch too, and a batch cut off by a
+hanging broker stays queued in its process's producer, to be written once the broker is back:
+so an outage repeats a batch once. For ``SINK_WAIT_HOLDS_LANE`` publish timeouts at most: then
+the process lets the lane go, to one that may reach the sink (this one may be cut off from it
+alone), and waits for the sink outside any transaction before any round of its own. A broker
+that hangs thus holds the table for one round's ``publish_timeout`` per such period, not for
+every round of the outage. (Reading room_outbox in a short transaction of its own beside the
+round's would hold it by none, for a transaction more per round: a tenth of the lane's speed
+at small batches.)
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.sink import OrderedLogSink, PermanentSinkError
 from room_outbox.store.deadline import database_deadline_paused
-from room_outbox.store.lanes.tail import TailRow, TailStore
+from room_outbox.store.lanes.tail import KeptLane, TailRow, TailStore
 
 log = logging.getLogger("room_outbox.tail")
 
@@ -56,12 +62,20 @@ log = logging.getLogger("room_outbox.tail")
 LANE_TABLE_ONLY_SETTINGS = ("retry_strategy", "retry", "parking", "ordering", "concurrency", "lease")
 
 
+#: How long, in publish timeouts, a process whose batch the sink failed keeps the lane while it
+#: waits for the sink: long enough to span a broker's usual outage, short enough that a
+#: process cut off from the broker alone soon lets one that can reach it take over.
+SINK_WAIT_HOLDS_LANE = 5
+
+
 class BatchFailed(Exception):
     """The sink failed a batch as a whole: the round is rolled back and read again."""
 
     def __init__(self, failure: Failure) -> None:
         super().__init__(failure.error)
         self.failure = failure
+        #: The sink answered again while the lane was kept for it: the round goes again at once.
+        self.sink_answered = False
 
 
 class SinkUnreachable(Exception):
@@ -117,12 +131,13 @@ class TailRelay:
                 self.failing_rounds.succeeded()
                 if full:
                     continue  # a backlog drains at full speed
+            except BatchFailed as exc:  # said when it failed, before the sink was waited for
+                sink_failed = not exc.sink_answered
+                if exc.sink_answered:
+                    continue  # the batch goes again at once
             except Exception as exc:
-                sink_failed = isinstance(exc, BatchFailed | SinkUnreachable)
-                error = str(exc) if sink_failed else self._short(describe(exc))
-                self.health.round_ended(error, sink_failed=sink_failed)
-                self.telemetry.round_failed(self.lane)
-                self.failing_rounds.failed(error)
+                sink_failed = isinstance(exc, SinkUnreachable)
+                self._round_failed(exc)
             with anyio.move_on_after(self.poll_interval):
                 await self._stopping.wait()
         log.info("worker stopped", extra={"lifecycle": "worker_stopped", "lane": self.lane})
@@ -145,7 +160,12 @@ class TailRelay:
                 if self.router.sink_for(envelope.event_type) is not None:
                     to_send.append((row, envelope))
             if to_send:
-                outcomes = await self._publish([envelope for _, envelope in to_send], tail.while_sending)
+                try:
+                    outcomes = await self._publish([envelope for _, envelope in to_send], tail.while_sending)
+                except BatchFailed as failed:
+                    self._round_failed(failed)
+                    failed.sink_answered = await self._keep_lane_until_sink_answers(await tail.roll_back_keeping_lane())
+                    raise
                 published: Counter[str] = Counter()
                 for (row, envelope), outcome in zip(to_send, outcomes, strict=True):
                     label = self.router.event_label(envelope.event_type)
@@ -158,6 +178,13 @@ class TailRelay:
                     self._count(label, None, events)
         self.telemetry.flush_counts()
         return tail.full
+
+    def _round_failed(self, exc: Exception) -> None:
+        sink_failed = isinstance(exc, BatchFailed | SinkUnreachable)
+        error = str(exc) if sink_failed else self._short(describe(exc))
+        self.health.round_ended(error, sink_failed=sink_failed)
+        self.telemetry.round_failed(self.lane)
+        self.failing_rounds.failed(error)
 
     async def _publish(
         self, envelopes: list[EventEnvelope], while_sending: Callable[[], Coroutine[Any, Any, None]]
@@ -180,9 +207,35 @@ class TailRelay:
             raise BatchFailed(failure)
         return outcomes
 
+    async def _keep_lane_until_sink_answers(self, kept: KeptLane | None) -> bool:
+        """After a batch the sink failed, with the round rolled back and the lane ``kept``
+        (None: another process took it in between): ask the sink again each ``poll_interval``
+        while the other processes find the lane taken (each would send the batch again, a copy
+        queued in its producer and written once the broker is back). True once the sink
+        answers; False when it has not within ``SINK_WAIT_HOLDS_LANE`` publish timeouts, or the
+        relay stops, letting the lane go to a process that may reach the sink (this one may be
+        cut off from it alone)."""
+        if kept is None or getattr(self._sink, "reachable", None) is None:
+            return False
+        give_up_at = anyio.current_time() + SINK_WAIT_HOLDS_LANE * self.publish_timeout
+        while True:
+            try:
+                with database_deadline_paused():  # each wait has a bound of its own
+                    await self._sink_reachable()
+                return True
+            except SinkUnreachable as exc:
+                self._round_failed(exc)  # counted as the waits outside a round are
+            if anyio.current_time() >= give_up_at:
+                return False
+            with database_deadline_paused(), anyio.move_on_after(self.poll_interval):
+                await self._stopping.wait()
+            if self._stopping.is_set():
+                return False
+            await kept()
+
     async def _sink_reachable(self) -> None:
         """Return once the sink answers (its optional ``reachable``), within ``publish_timeout``;
-        raise :class:`SinkUnreachable` otherwise. No transaction is open meanwhile."""
+        raise :class:`SinkUnreachable` otherwise."""
         reachable = getattr(self._sink, "reachable", None)
         if reachable is None:
             return

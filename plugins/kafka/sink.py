@@ -76,9 +76,9 @@ class KafkaSink:
 
         A publish cut off by its deadline leaves the batches it handed over queued or in
         flight in the producer, written or failed only later (up to ``request_timeout``): the
-        next publish waits for them first, within its own deadline, so that a round sent again
-        while the broker hangs adds no copy of its own and each outage repeats a batch once at
-        most."""
+        next publish waits for them first, within its own deadline, so that a round this
+        process sends again while the broker hangs adds no copy of its own (the relay keeps
+        the other processes from sending it meanwhile)."""
         if self._unresolved:
             await asyncio.wait(self._unresolved)  # cancelled by the deadline: they stay awaited
             self._unresolved = []

@@ -1290,9 +1290,10 @@ async def test_a_hung_broker_does_not_keep_room_outbox_held_round_after_round(
     any_store: SQLStore, kafka_broker: Broker
 ) -> None:
     """A round's transaction holds room_outbox while its batch is on its way: room-service's own
-    schema change waits for it, and its writes behind that. Once a batch failed, the next
-    rounds wait for the broker outside any transaction, so during the outage an exclusive
-    lock on the table (what a DDL takes) is granted at once, every time."""
+    schema change waits for it, and its writes behind that. Once a batch failed, the relay
+    waits for the broker keeping the lane (a transaction holding the cursor row alone), then
+    outside any transaction, so during the outage an exclusive lock on the table (what a DDL
+    takes) is granted at once, every time."""
     events = room_events("h", rooms=4, per_room=5)
     await insert_events(any_store, events)
     sink = kafka_sink(kafka_broker, request_timeout=1.0)

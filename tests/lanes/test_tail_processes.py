@@ -11,12 +11,14 @@ import signal
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import anyio
+import httpx
 import pytest
 from lanes.conftest import Broker
 from lanes.test_lane_lifecycle import cli, write
 from lanes.test_lanes import consume, event_ids
 from processes import DispatcherProcess
-from support import envelope, id_held_open, insert_events, wait_until
+from support import envelope, free_port, id_held_open, insert_events, wait_until
 
 from room_outbox.store.backends.mysql import MySQLStore
 
@@ -109,6 +111,74 @@ async def test_two_processes_a_kill_and_a_broker_stop_deliver_everything_in_room
             versions[message.key].append(json.loads(message.value)["room_version"])
     assert all(len(p) == 1 for p in partitions.values()), partitions
     assert all(v == list(range(60)) for v in versions.values()), versions
+
+
+async def published(port: int) -> float:
+    """The events a process's /metrics count as published to Kafka (0 while it does not answer)."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        try:
+            text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+        except httpx.TransportError:
+            return 0.0
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("room_outbox_publish_success_total{") and 'sink="kafka"' in line)  # fmt: skip
+
+
+async def test_a_broker_hanging_while_three_processes_run_the_lane_repeats_a_batch_once_at_most(
+    store: MySQLStore, database_dsn: str, kafka_broker: Broker, tmp_path: Path
+) -> None:
+    """The process whose batch the broker failed keeps the lane while it waits for the broker,
+    so the others do not send that batch too, each copy queued in its own producer and
+    written once the broker is back: one outage repeats a batch once, whatever the number of
+    processes."""
+    publish_timeout = 2.0
+    ports = [free_port() for _ in range(3)]
+    configs = [write(tmp_path / f"tail-{n}.yaml", {
+        "mysql": {"dsn": database_dsn, "pool_size": 4},
+        "outbox_worker": {"poll_interval": "50ms", "batch_size": 30, "publish_timeout": f"{publish_timeout:g}s"},
+        "sinks": {
+            "tencent_im": {"enabled": False},
+            "kafka": {"bootstrap_servers": kafka_broker.bootstrap, "start": "beginning", "request_timeout": "2s"},
+        },
+        "telemetry": {"http_listen": f"127.0.0.1:{port}"},
+    }) for n, port in enumerate(ports)]  # fmt: skip
+    migrated = cli(configs[0], "migrate")
+    assert migrated.returncode == 0, migrated.stderr
+    procs = [DispatcherProcess(config, f"tail-{n}") for n, config in enumerate(configs)]
+    assert kafka_broker.proc is not None
+    sent: list[dict[str, object]] = []
+    try:
+        # Steady traffic until each process has owned the lane with events to send: each one's
+        # producer is connected to the broker, as in a lane that has run for a while.
+        async def everyone_published() -> bool:
+            more = room_events("a", len(sent) // 10, 1)
+            await insert_events(store, more)
+            sent.extend(more)
+            return all([await published(port) > 0 for port in ports])
+
+        await wait_until(everyone_published, timeout=60, interval=0.05)
+        await consume(kafka_broker, {str(e["event_id"]) for e in sent}, timeout=60)
+        kafka_broker.proc.send_signal(signal.SIGSTOP)  # the broker hangs: the batch times out
+        try:
+            during = room_events("b", 0, 30)
+            await insert_events(store, during)
+            await wait_until(lambda: any(line.get("msg", "").startswith("tailing round failed")
+                                         for proc in procs for line in proc.lines()), timeout=30)  # fmt: skip
+            # The outage itself, not a synchronisation: long enough for every other process to
+            # take the lane and send the batch, before the fix.
+            await anyio.sleep(3 * publish_timeout)
+        finally:
+            kafka_broker.proc.send_signal(signal.SIGCONT)
+        await consume(kafka_broker, {str(e["event_id"]) for e in during}, timeout=90)
+        after = room_events("c", 0, 1)  # read last: after every copy the outage left in a producer
+        await insert_events(store, after)
+        messages = await consume(kafka_broker, {str(e["event_id"]) for e in sent + during + after}, timeout=60)
+    finally:
+        for proc in procs:
+            if proc.alive():
+                proc.terminate()
+    copies = Counter(Counter(event_ids(messages)).values())
+    assert max(copies) <= 2, copies
 
 
 @pytest.mark.serial  # a bound on time

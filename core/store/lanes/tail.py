@@ -65,6 +65,16 @@ async def _nothing() -> None:
     """A round's ``while_sending`` before the store sets it."""
 
 
+#: The lane kept after a round rolled back: call it between two waits, so that the session
+#: never sits idle longer than the server allows (it reads the cursor row again).
+KeptLane = Callable[[], Coroutine[Any, Any, object]]
+
+
+async def _not_kept() -> KeptLane | None:
+    """A round's ``roll_back_keeping_lane`` before the store sets it."""
+    return None
+
+
 @dataclass
 class TailRound:
     """The rows of one round, in id order (requeued rows first), and what the caller parks."""
@@ -75,6 +85,9 @@ class TailRound:
     #: The database's work for this round that need not wait for the sink, to run while the
     #: batch is on its way (see :meth:`TailStore.round`); never raises.
     while_sending: Callable[[], Coroutine[Any, Any, None]] = field(default=_nothing)
+    #: For a caller about to fail the round: its work undone at once and the lane kept, while
+    #: the caller waits for something of its own (:meth:`TailStore._roll_back_keeping_lane`).
+    roll_back_keeping_lane: Callable[[], Coroutine[Any, Any, KeptLane | None]] = field(default=_not_kept)
     #: Where :attr:`while_sending` moved the cursor (None: not yet), or what it failed with.
     cursor: TailCursor | None = None
     failure: Exception | None = None
@@ -214,6 +227,7 @@ class TailStore(LaneStore):
                 tail.while_sending = functools.partial(
                     self._while_sending, cur, tail, cursor, len(fresh) >= self.feed_batch
                 )
+                tail.roll_back_keeping_lane = functools.partial(self._roll_back_keeping_lane, cur)
                 try:
                     yield tail
                     if tail.failure is not None:
@@ -224,6 +238,20 @@ class TailStore(LaneStore):
                 await self._park(cur, tail)
                 committed = tail.cursor if tail.cursor is not None else await self._move_cursor(cur, cursor)
         self._committed = committed
+
+    async def _roll_back_keeping_lane(self, cur: Any) -> KeptLane | None:
+        """Roll the round back now and lock the cursor row again at once, on the same
+        connection: the lane stays this process's (the others skip it) in a transaction that
+        holds nothing of ``room_outbox``, so room-service's schema changes need not wait, while
+        the caller waits for the sink; the caller then fails the round, which lets the lane go.
+        None where another process took the lane in between, or the database has no row locks."""
+        self._ahead = None  # read in the transaction rolled back
+        if not self.dialect.row_lock:
+            return None
+        await cur.execute("ROLLBACK")
+        if await self._lock_cursor(cur) is None:
+            return None
+        return functools.partial(self._lock_cursor, cur)
 
     def _resume(self, cursor: TailCursor) -> None:
         """Take the lane over from its cursor row (the first round, or another process owned it
@@ -488,4 +516,4 @@ async def tail_migration_plan(store: SQLStore, lanes: Sequence[str]) -> list[Mig
     return await migration_plan(store, WantedSchema(outbox=False, tail_lanes=tuple(lanes)))
 
 
-__all__ = ["TailCursor", "TailRound", "TailRow", "TailStore", "migrate_tail", "tail_migration_plan"]
+__all__ = ["KeptLane", "TailCursor", "TailRound", "TailRow", "TailStore", "migrate_tail", "tail_migration_plan"]
