@@ -251,6 +251,65 @@ async def test_a_caching_id_sequence_is_refused_where_lanes_tail_room_outbox(pos
         await store.aclose()
 
 
+async def test_an_outbox_table_in_a_schema_outside_the_default_search_path_is_refused_naming_it(
+    postgresql_dsn: str,
+) -> None:
+    """room-service's table in schema app, a DSN that names no search_path: run said the table
+    did not exist and to run migrate, which made a second, empty room_outbox in public, which
+    room-outbox then read for ever while app.room_outbox's rows waited. Refused by migrate,
+    migrate --sql's plan and run's check alike, naming the schemas and the DSN's search_path,
+    nothing made; a search path the DSN chooses is taken as meant (a schema of its own beside
+    app's table)."""
+    admin = await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True)
+    try:
+        await admin.execute("CREATE SCHEMA app")
+        await admin.execute("SET search_path = app")
+        for statement in V1_TABLE_DDL["postgresql"]:
+            await admin.execute(statement.format(table="room_outbox"))
+        await admin.execute("RESET search_path")
+        store = await PostgresStore.connect(postgresql_dsn)
+        try:
+            refusal = (
+                'room_outbox is not in this session\'s search path ("$user", public) but in app'
+                " (app.room_outbox), where room-outbox does not look: migrate would make a second, empty"
+                " room_outbox in public, which room-outbox would read while room-service writes the other;"
+                " add ?search_path=app to database.dsn"
+            )
+            for refused_by in (store.migrate, lambda: registry.migration_plan(store), lambda: check_schema(store)):
+                with pytest.raises(SchemaError) as refused:
+                    await refused_by()
+                assert str(refused.value) == refusal
+        finally:
+            await store.aclose()
+        cur = await admin.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")
+        assert (await cur.fetchone()) == (0,)  # nothing made next to it
+        await admin.execute("CREATE SCHEMA billing")
+        await admin.execute("CREATE TABLE billing.room_outbox (LIKE app.room_outbox INCLUDING ALL)")
+        store = await PostgresStore.connect(postgresql_dsn)
+        try:
+            with pytest.raises(SchemaError, match=r"but in app and billing \(app.room_outbox, billing.room_outbox\)"):
+                await check_schema(store)
+        finally:
+            await store.aclose()
+        await admin.execute("CREATE SCHEMA tenant")
+        store = await PostgresStore.connect(f"{postgresql_dsn}?search_path=tenant")
+        try:
+            await store.migrate()
+            await check_schema(store)
+        finally:
+            await store.aclose()
+        store = await PostgresStore.connect(f"{postgresql_dsn}?search_path=app")
+        try:
+            await store.migrate()
+            await check_schema(store)
+        finally:
+            await store.aclose()
+        cur = await admin.execute("SELECT schemaname FROM pg_tables WHERE tablename = 'room_outbox' ORDER BY 1")
+        assert await cur.fetchall() == [("app",), ("billing",), ("tenant",)]
+    finally:
+        await admin.close()
+
+
 async def test_an_outbox_table_outside_the_sessions_first_schema_is_refused_naming_the_search_path(
     postgresql_dsn: str,
 ) -> None:

@@ -466,9 +466,11 @@ async def binlog_problems(cur: Any, dialect: Dialect) -> list[str]:
 async def schema_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[str]:
     """A PostgreSQL outbox table found through the search path in another schema than the
     session's first (the default search path starts with a schema named after the role,
-    ``"$user"``). The catalogue checks and room-outbox's own tables go by the first schema:
-    ``migrate`` would make a second, empty outbox table there, which room-outbox would read
-    while room-service writes the other."""
+    ``"$user"``), or not found through it at all while the database has one in another
+    schema and nobody chose this search path (:func:`_outside_the_search_path`). The
+    catalogue checks and room-outbox's own tables go by the first schema: ``migrate`` would
+    make a second, empty outbox table there, which room-outbox would read while room-service
+    writes the other."""
     if dialect.name != "postgresql":
         return []
     await cur.execute(
@@ -477,6 +479,8 @@ async def schema_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[
         (profile.table,),
     )
     row = await cur.fetchone()
+    if row is None:
+        return await _outside_the_search_path(cur, profile.table)
     if row is not None and row[0] != row[1]:
         found, first = row
         return [
@@ -499,6 +503,43 @@ async def schema_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[
         f"{profile.table} is in {' and '.join(schemas)}, all in the search path, and room-outbox would read"
         f" {schemas[0]}.{profile.table}: name the schema room-service writes in database.dsn"
         f" (?search_path={schemas[1]}, or ?search_path={schemas[0]} for the first)"
+    ]
+
+
+#: Where a session's search path comes from when nobody chose one for this database, role or
+#: session (``pg_settings.source``): the server's own default or its configuration.
+_SERVER_WIDE = ("default", "configuration file", "command line", "environment variable", "override")
+
+
+async def _outside_the_search_path(cur: Any, table: str) -> list[str]:
+    """A ``table`` the search path does not reach, while the database has one in another schema
+    (room-service's, ``app`` say, with a DSN that names no ``search_path``): ``run`` would say it
+    does not exist and ``migrate`` would make a second, empty one in the first schema, which
+    room-outbox would then read for ever while room-service writes the other. Only where the
+    search path is the server's default: one chosen for the DSN, role or database is taken as
+    meant (a new schema of its own beside others' tables, say)."""
+    await cur.execute(
+        "SELECT n.nspname, current_schema(), current_setting('search_path'),"
+        " (SELECT s.source FROM pg_settings s WHERE s.name = 'search_path')"
+        " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE c.relname = %s AND c.relkind IN ('r', 'p') ORDER BY n.nspname",
+        (table,),
+    )
+    rows = await cur.fetchall()
+    if not rows or rows[0][3] not in _SERVER_WIDE:
+        return []
+    schemas = [str(row[0]) for row in rows]
+    first, search_path = rows[0][1], rows[0][2]
+    where = f" in {first}" if first else ""
+    if len(schemas) == 1:
+        fix = f"add ?search_path={schemas[0]} to database.dsn"
+    else:
+        fix = f"name the schema room-service writes in database.dsn (?search_path={', or ?search_path='.join(schemas)})"
+    return [
+        f"{table} is not in this session's search path ({search_path}) but in {' and '.join(schemas)}"
+        f" ({', '.join(f'{schema}.{table}' for schema in schemas)}), where room-outbox does not look: migrate"
+        f" would make a second, empty {table}{where}, which room-outbox would read while room-service writes"
+        f" the other; {fix}"
     ]
 
 
