@@ -440,6 +440,35 @@ async def test_migrate_sql_on_postgresql_prints_the_bucket_function_and_index(
         await store.aclose()
 
 
+async def test_migrate_sql_on_postgresql_sets_the_dsns_search_path_first(
+    postgresql_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The DSN names ``search_path=app``: the script's statements name no schema, so it sets
+    that search path before them; run as printed in a session of the default search path (a
+    plain psql), it makes the tables in app and leaves migrate nothing to do. --json says it."""
+    async with await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True) as conn:
+        await conn.execute("CREATE SCHEMA app")
+    dsn = f"{postgresql_dsn}?search_path=app"
+    config = tmp_path / "config.yaml"
+    config.write_text(f"database:\n  dsn: '{dsn}'\nsinks:\n  tencent_im:\n    enabled: false\n")
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql")
+    assert code == 0
+    statements = sql_statements(out)
+    assert statements[0] == "SET search_path = app;"
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate", "--sql", "--json")
+    assert code == 0 and json.loads(out)["search_path"] == ["app"]
+    async with await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True) as conn:
+        for statement in statements:
+            await conn.execute(statement)
+        cur = await conn.execute("SELECT DISTINCT schemaname FROM pg_tables WHERE tablename LIKE 'room_%'")
+        assert await cur.fetchall() == [("app",)]
+    store = await open_store(dsn)
+    try:
+        assert await store.migration_plan() == []
+    finally:
+        await store.aclose()
+
+
 async def test_migrate_on_postgresql_creates_the_bucket_function_once(
     postgresql_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -129,6 +129,7 @@ async def print_migration(settings: Settings, pm: pluggy.PluginManager, as_json:
     try:
         with translated_errors(dsn):
             plan = await registry.migration_plan(store, wanted_schema(store, pm, settings))
+            schemas = await registry.schemas_looked_in(store)
     finally:
         await store.aclose()
     if as_json:
@@ -137,13 +138,17 @@ async def print_migration(settings: Settings, pm: pluggy.PluginManager, as_json:
             | {"autocommit": step.autocommit, "repeat": step.repeat}
             for step in plan
         ]
-        print(json.dumps({"database": describe(address), "steps": steps}, indent=2))
+        print(json.dumps({"database": describe(address), "search_path": list(schemas), "steps": steps}, indent=2))
         return 0
     print(f"-- room-outbox migrate for {describe(address)}: nothing has been run")
     if not plan:
         print("-- schema already up to date: no statement to run")
     if any(step.autocommit for step in plan):
         print("-- run statement by statement, outside a transaction (psql's default): CONCURRENTLY refuses one")
+    if plan and schemas:
+        # The statements name no schema: run by hand, they must find and make what migrate would
+        print("-- in the schemas room-outbox's sessions look in, whatever this session's search path")
+        print(f"SET search_path = {', '.join(schemas)};")
     for step in plan:
         print("\n" + "\n".join(script_lines(step, store.dialect.name == "postgresql")))
     return 0

@@ -100,15 +100,16 @@ SAID = {
     ],
     "postgresql": [
         "room_activity.room_version is int4, and its handler writes BIGINT values there:"
-        " run ALTER TABLE room_activity ALTER COLUMN room_version TYPE BIGINT",
-        "room_activity.user_id holds 32 characters, and its handler writes up to 128: run ALTER TABLE room_activity"
-        " ALTER COLUMN user_id TYPE VARCHAR(128), ALTER COLUMN user_id DROP NOT NULL",
+        " run ALTER TABLE public.room_activity ALTER COLUMN room_version TYPE BIGINT",
+        "room_activity.user_id holds 32 characters, and its handler writes up to 128: run ALTER TABLE"
+        " public.room_activity ALTER COLUMN user_id TYPE VARCHAR(128), ALTER COLUMN user_id DROP NOT NULL",
         "room_activity lacks the column occurred_at_ms, which its handler writes:"
-        " run ALTER TABLE room_activity ADD COLUMN occurred_at_ms BIGINT NULL",
+        " run ALTER TABLE public.room_activity ADD COLUMN occurred_at_ms BIGINT NULL",
         "room_activity.tenant_id is NOT NULL without a default, and its handler does not write it: every event"
-        " would fail; run ALTER TABLE room_activity ALTER COLUMN tenant_id DROP NOT NULL (or give it a default)",
+        " would fail; run ALTER TABLE public.room_activity ALTER COLUMN tenant_id DROP NOT NULL (or give it a"
+        " default)",
         "room_audit_log.envelope is jsonb, and its handler writes text there:"
-        " run ALTER TABLE room_audit_log ALTER COLUMN envelope TYPE TEXT",
+        " run ALTER TABLE public.room_audit_log ALTER COLUMN envelope TYPE TEXT",
     ],
 }
 

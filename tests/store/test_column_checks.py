@@ -101,13 +101,15 @@ async def as_enum(store: SQLStore, members: str) -> None:
     )
 
 
-#: The online fix a refusal gives for a nullable column on PostgreSQL (``column``, ``value``).
+#: The online fix a refusal gives for a nullable column on PostgreSQL (``column``, ``value``), the
+#: table named with its schema, as in every statement a fix prints.
 PG_NOT_NULL_FIX = (
-    "ALTER TABLE room_outbox ALTER COLUMN {column} SET DEFAULT {value}; then, until it changes no row,"
-    " UPDATE room_outbox SET {column} = {value} WHERE ctid IN (SELECT ctid FROM room_outbox WHERE {column} IS NULL"
-    " LIMIT 5000); then ALTER TABLE room_outbox ADD CONSTRAINT {column}_not_null CHECK ({column} IS NOT NULL)"
-    " NOT VALID; ALTER TABLE room_outbox VALIDATE CONSTRAINT {column}_not_null;"
-    " ALTER TABLE room_outbox ALTER COLUMN {column} SET NOT NULL, DROP CONSTRAINT {column}_not_null"
+    "ALTER TABLE public.room_outbox ALTER COLUMN {column} SET DEFAULT {value}; then, until it changes no row,"
+    " UPDATE public.room_outbox SET {column} = {value} WHERE ctid IN (SELECT ctid FROM public.room_outbox"
+    " WHERE {column} IS NULL LIMIT 5000); then ALTER TABLE public.room_outbox ADD CONSTRAINT {column}_not_null"
+    " CHECK ({column} IS NOT NULL) NOT VALID; ALTER TABLE public.room_outbox VALIDATE CONSTRAINT"
+    " {column}_not_null; ALTER TABLE public.room_outbox ALTER COLUMN {column} SET NOT NULL, DROP CONSTRAINT"
+    " {column}_not_null"
 )
 
 
@@ -124,7 +126,7 @@ async def test_postgresql_enum_and_nullable_lock_are_refused_with_their_fixes(pg
     await alter(pg_store, "ALTER TABLE room_outbox ALTER COLUMN lock_until_ms DROP NOT NULL")
     line = (
         "room_outbox.status is an ENUM without 'failed', 'cancelled', statuses room-outbox writes:"
-        " run ALTER TYPE outbox_status ADD VALUE 'failed'; ALTER TYPE outbox_status ADD VALUE 'cancelled'\n"
+        " run ALTER TYPE public.outbox_status ADD VALUE 'failed'; ALTER TYPE public.outbox_status ADD VALUE 'cancelled'\n"
         f"{NULLABLE_LOCK}: run {PG_NOT_NULL_FIX.format(column='lock_until_ms', value='0')}"
     )
     assert await refusals(pg_store) == (line, line)
@@ -156,9 +158,10 @@ async def test_a_check_constraint_that_refuses_a_status_is_one_line_with_its_fix
         "mysql": "`status` in ('pending','published')",
         "postgresql": "((status)::text = ANY ((ARRAY['pending'::character varying, 'published'::character varying])::text[]))",
     }[server]
+    named = {"mysql": "room_outbox", "postgresql": "public.room_outbox"}[server]
     line = (
         f"room_outbox.status: CHECK constraint ck_room_outbox_status ({clause}) refuses 'failed', 'cancelled',"
-        " statuses room-outbox writes: run ALTER TABLE room_outbox DROP CONSTRAINT ck_room_outbox_status, and add it"
+        f" statuses room-outbox writes: run ALTER TABLE {named} DROP CONSTRAINT ck_room_outbox_status, and add it"
         " again with 'failed', 'cancelled' among its values"
     )
     assert await refusals(target) == (line, line)
@@ -203,7 +206,7 @@ async def test_a_postgresql_domain_whose_check_refuses_a_status_is_refused_with_
     line = (
         "room_outbox.status: CHECK constraint outbox_status_words (CHECK (((VALUE)::text = ANY"
         " ((ARRAY['pending'::character varying, 'published'::character varying])::text[]))))"
-        " refuses 'failed', 'cancelled', statuses room-outbox writes: run ALTER DOMAIN outbox_status"
+        " refuses 'failed', 'cancelled', statuses room-outbox writes: run ALTER DOMAIN public.outbox_status"
         " DROP CONSTRAINT outbox_status_words, and add it again with 'failed', 'cancelled' among its values"
     )
     assert await refusals(pg_store) == (line, line)
@@ -375,9 +378,9 @@ async def test_silk_columns_of_other_types_than_its_producers_are_refused_with_t
         )
         line = (
             "outbox_events.next_attempt_at is int8, which room-outbox compares with timestamps: run ALTER TABLE"
-            " outbox_events ALTER COLUMN next_attempt_at TYPE timestamptz USING (its values as timestamps)\n"
+            " public.outbox_events ALTER COLUMN next_attempt_at TYPE timestamptz USING (its values as timestamps)\n"
             "outbox_events.payload is text: the envelope takes it as a JSON value, and from a text column every"
-            " row would fail as a malformed envelope: run ALTER TABLE outbox_events ALTER COLUMN payload TYPE jsonb"
+            " row would fail as a malformed envelope: run ALTER TABLE public.outbox_events ALTER COLUMN payload TYPE jsonb"
             " USING payload::jsonb (it rewrites the table under an exclusive lock: on a live table, plan it)"
         )
         assert await refusals(store) == (line, line)

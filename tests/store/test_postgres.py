@@ -234,9 +234,9 @@ async def test_a_caching_id_sequence_is_refused_where_lanes_tail_room_outbox(pos
         with pytest.raises(SchemaError) as refused:
             await check_schema(store, tail_lanes=["kafka"])
         assert str(refused.value).startswith(
-            "room_outbox.id comes from the sequence room_outbox_id_seq, which caches 20 values per session"
+            "room_outbox.id comes from the sequence public.room_outbox_id_seq, which caches 20 values per session"
         ), str(refused.value)
-        assert "run ALTER SEQUENCE room_outbox_id_seq CACHE 1, then let room-service's connections" in str(
+        assert "run ALTER SEQUENCE public.room_outbox_id_seq CACHE 1, then let room-service's connections" in str(
             refused.value
         )
         with pytest.raises(SchemaError, match="caches 20 values per session"):
@@ -249,6 +249,111 @@ async def test_a_caching_id_sequence_is_refused_where_lanes_tail_room_outbox(pos
         await check_schema(store, lanes=["audit"], tail_lanes=["kafka"])
     finally:
         await store.aclose()
+
+
+async def test_an_outbox_table_in_a_schema_outside_the_default_search_path_is_refused_naming_it(
+    postgresql_dsn: str,
+) -> None:
+    """room-service's table in schema app, a DSN that names no search_path: run said the table
+    did not exist and to run migrate, which made a second, empty room_outbox in public, which
+    room-outbox then read for ever while app.room_outbox's rows waited. Refused by migrate,
+    migrate --sql's plan and run's check alike, naming the schemas and the DSN's search_path,
+    nothing made; a search path the DSN chooses is taken as meant (a schema of its own beside
+    app's table)."""
+    admin = await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True)
+    try:
+        await admin.execute("CREATE SCHEMA app")
+        await admin.execute("SET search_path = app")
+        for statement in V1_TABLE_DDL["postgresql"]:
+            await admin.execute(statement.format(table="room_outbox"))
+        await admin.execute("RESET search_path")
+        store = await PostgresStore.connect(postgresql_dsn)
+        try:
+            refusal = (
+                'room_outbox is not in this session\'s search path ("$user", public) but in app'
+                " (app.room_outbox), where room-outbox does not look: migrate would make a second, empty"
+                " room_outbox in public, which room-outbox would read while room-service writes the other;"
+                " add ?search_path=app to database.dsn"
+            )
+            for refused_by in (store.migrate, lambda: registry.migration_plan(store), lambda: check_schema(store)):
+                with pytest.raises(SchemaError) as refused:
+                    await refused_by()
+                assert str(refused.value) == refusal
+        finally:
+            await store.aclose()
+        cur = await admin.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")
+        assert (await cur.fetchone()) == (0,)  # nothing made next to it
+        await admin.execute("CREATE SCHEMA billing")
+        await admin.execute("CREATE TABLE billing.room_outbox (LIKE app.room_outbox INCLUDING ALL)")
+        store = await PostgresStore.connect(postgresql_dsn)
+        try:
+            with pytest.raises(SchemaError, match=r"but in app and billing \(app.room_outbox, billing.room_outbox\)"):
+                await check_schema(store)
+        finally:
+            await store.aclose()
+        await admin.execute("CREATE SCHEMA tenant")
+        store = await PostgresStore.connect(f"{postgresql_dsn}?search_path=tenant")
+        try:
+            await store.migrate()
+            await check_schema(store)
+        finally:
+            await store.aclose()
+        store = await PostgresStore.connect(f"{postgresql_dsn}?search_path=app")
+        try:
+            await store.migrate()
+            await check_schema(store)
+        finally:
+            await store.aclose()
+        cur = await admin.execute("SELECT schemaname FROM pg_tables WHERE tablename = 'room_outbox' ORDER BY 1")
+        assert await cur.fetchall() == [("app",), ("billing",), ("tenant",)]
+    finally:
+        await admin.close()
+
+
+async def test_fixes_name_the_tables_and_types_with_their_schema_and_run_as_printed_in_a_plain_session(
+    postgresql_dsn: str,
+) -> None:
+    """The outbox in schema app (the DSN's search_path), its status an ENUM app.outbox_status
+    without 'failed' and 'cancelled', lock_until_ms nullable: the fixes said ``ALTER TYPE
+    outbox_status`` and ``ALTER TABLE room_outbox``, which a psql session of the default search
+    path cannot find. Named with their schema, they run there as printed. The ENUM's members
+    are its own, not those of a type of that name in another schema."""
+    admin = await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True)
+    try:
+        await admin.execute("CREATE SCHEMA app")
+        await admin.execute("CREATE TYPE public.outbox_status AS ENUM ('pending', 'published', 'failed', 'cancelled')")
+        await admin.execute("CREATE TYPE app.outbox_status AS ENUM ('pending', 'published')")
+        store = await PostgresStore.connect(f"{postgresql_dsn}?search_path=app")
+        try:
+            await store.migrate()
+            async with store.transaction() as cur:
+                for statement in (
+                    "ALTER TABLE room_outbox ALTER COLUMN status DROP DEFAULT",
+                    "ALTER TABLE room_outbox ALTER COLUMN status TYPE app.outbox_status USING status::app.outbox_status",
+                    "ALTER TABLE room_outbox ALTER COLUMN lock_until_ms DROP NOT NULL",
+                ):
+                    await cur.execute(statement)
+            with pytest.raises(SchemaError) as refused:
+                await check_schema(store)
+            enum, nullable = str(refused.value).splitlines()
+            assert enum == (
+                "room_outbox.status is an ENUM without 'failed', 'cancelled', statuses room-outbox writes:"
+                " run ALTER TYPE app.outbox_status ADD VALUE 'failed'; ALTER TYPE app.outbox_status ADD VALUE 'cancelled'"
+            )
+            assert nullable.startswith(
+                "room_outbox.lock_until_ms is nullable, and a claim never takes a row whose lock_until_ms is NULL:"
+                " run ALTER TABLE app.room_outbox ALTER COLUMN lock_until_ms SET DEFAULT 0; then, until it changes"
+                " no row, UPDATE app.room_outbox SET lock_until_ms = 0 WHERE ctid IN (SELECT ctid FROM app.room_outbox"
+            )
+            # As printed, in a session of the default search path (a plain psql)
+            fixes = [line.split(": run ", 1)[1] for line in (enum, nullable)]
+            for statement in "; ".join(fixes).replace("; then, until it changes no row, ", "; ").split("; "):
+                await admin.execute(statement.removeprefix("then "))
+            await check_schema(store)
+        finally:
+            await store.aclose()
+    finally:
+        await admin.close()
 
 
 async def test_an_outbox_table_outside_the_sessions_first_schema_is_refused_naming_the_search_path(

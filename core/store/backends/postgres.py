@@ -39,7 +39,7 @@ from room_outbox.store.deadline import (
 )
 from room_outbox.store.dialect import POSTGRESQL
 from room_outbox.store.schema import registry
-from room_outbox.store.schema.columns import read_columns, wall_time_columns
+from room_outbox.store.schema.columns import printed_name, read_columns, wall_time_columns
 from room_outbox.store.schema.outbox import Migration, in_progress
 from room_outbox.store.schema.registry import Planner
 
@@ -320,6 +320,7 @@ class PostgresStore(LeasedRows):
         profile's times are ``timestamp`` without time zone, take them in the database's zone
         (:meth:`_take_wall_times`)."""
         wall_times: list[str] = []
+        named = self.profile.table
         async with self.transaction() as cur:
             await cur.execute(
                 "SELECT format_type(CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END, NULL)"
@@ -333,13 +334,14 @@ class PostgresStore(LeasedRows):
             if wall_times:
                 await cur.execute(_TIME_ZONES)
                 database_zone, session_zone, source = await cur.fetchone()
+                named = await printed_name(cur, self.dialect, self.profile.table)
         self.envelope_type = found[0] if found else "text"
         self.use_profile(self.profile)
         if wall_times:
-            await self._take_wall_times(wall_times, database_zone, session_zone, source)
+            await self._take_wall_times(wall_times, database_zone, session_zone, source, named)
 
     async def _take_wall_times(
-        self, columns: list[str], database_zone: str | None, session_zone: str, source: str
+        self, columns: list[str], database_zone: str | None, session_zone: str, source: str, named_table: str
     ) -> None:
         """The outbox's ``columns`` hold wall times (``timestamp`` without time zone): an
         instant only in the zone their writer takes them in. room-outbox's own writes, reads
@@ -348,7 +350,7 @@ class PostgresStore(LeasedRows):
         there). So every session of this store takes the database's zone, whatever its own
         would have been (PGTZ, a role's setting): otherwise rows would look hours old to it, or
         be due hours late. Where that zone cannot be read, refused, naming the fix; else said
-        at start."""
+        at start. ``named_table``: the table as the fix names it (with its schema)."""
         table = self.profile.table
         named = ", ".join(f"{table}.{name}" for name in columns)
         retype = ", ".join(
@@ -356,7 +358,7 @@ class PostgresStore(LeasedRows):
             for name in columns
         )
         to_timestamptz = (
-            f"or make them timestamptz, which hold instants in any zone: ALTER TABLE {table} {retype} (a rewrite"
+            f"or make them timestamptz, which hold instants in any zone: ALTER TABLE {named_table} {retype} (a rewrite"
             " of the table under an exclusive lock: on a live table, plan it; migrate does not do it)"
         )
         if database_zone is None:

@@ -15,7 +15,7 @@ from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import marks
 from room_outbox.store.operator.reports import matching_event
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.columns import column_problems, read_columns
+from room_outbox.store.schema.columns import column_problems, printed_name, read_columns
 from room_outbox.store.schema.profiles import Profile, in_list
 from room_outbox.store.schema.tail import PARKED, PARKED_TABLE
 
@@ -233,6 +233,7 @@ async def _status_problem(store: SQLStore, cause: str) -> str:
     table = store.profile.table
     async with store.transaction() as cur:
         columns = await read_columns(cur, store.dialect, table)
-    refused, _fixable = column_problems(columns, store.profile, store.dialect)
+        named = await printed_name(cur, store.dialect, table)
+    refused, _fixable = column_problems(columns, store.profile, store.dialect, named=named)
     lines = [line for line in refused if line.startswith(f"{table}.status ")]
     return lines[0] if lines else f"{table}.status refused '{store.profile.cancelled}': {cause}"

@@ -13,6 +13,7 @@ from typing import Any
 
 from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import POSTGRESQL, Dialect, column_names, table_names, text
+from room_outbox.store.schema.columns import printed_name
 from room_outbox.store.schema.outbox import add_column_sql, add_index_sql, claim_index
 from room_outbox.store.schema.partitions import index_statements, partitions_of
 from room_outbox.store.schema.profiles import V1, Profile
@@ -217,7 +218,8 @@ async def _pg_bucket_steps(
         if partitions is not None:  # a partitioned index cannot be dropped without blocking writes
             raise SchemaError(
                 f"index {name} of the partitioned table {table} is an earlier version's, without the room"
-                f" bucket; drop it (DROP INDEX {name}: it blocks the table's writes while it runs) and run"
+                f" bucket; drop it (DROP INDEX {await printed_name(cur, POSTGRESQL, table, name)}: it blocks"
+                " the table's writes while it runs) and run"
                 " migrate again, which builds the new one online"
             )
         build = f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {{name}} ON {table} {columns}"

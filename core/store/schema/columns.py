@@ -102,6 +102,22 @@ async def read_columns(cur: Any, dialect: Dialect, table: str) -> dict[str, Colu
     return {}
 
 
+async def printed_name(cur: Any, dialect: Dialect, table: str, name: str = "") -> str:
+    """``name`` (``table`` itself by default, or one of its indexes) as a statement printed for
+    an operator to run names it. On PostgreSQL with ``table``'s schema (quoted where needed):
+    the sessions' search path is the DSN's, and the operator's psql session has its own, where
+    an unqualified name finds nothing or another schema's table. Elsewhere as it is."""
+    if dialect.name != "postgresql":
+        return name or table
+    await cur.execute(
+        "SELECT quote_ident(COALESCE((SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE c.oid = to_regclass(%s)), current_schema()))",
+        (table,),
+    )
+    row = await cur.fetchone()
+    return f"{row[0]}.{name or table}" if row and row[0] else name or table
+
+
 _MYSQL_COLUMNS = (
     "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE, IS_NULLABLE, CHARACTER_MAXIMUM_LENGTH, COLUMN_DEFAULT,"
     " GENERATION_EXPRESSION, CHARACTER_SET_NAME, COLLATION_NAME, COLUMN_COMMENT, EXTRA,"
@@ -110,9 +126,13 @@ _MYSQL_COLUMNS = (
     " FROM information_schema.COLUMNS c WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s"
 )
 _POSTGRESQL_COLUMNS = (
-    "SELECT c.column_name, c.data_type, c.udt_name, c.is_nullable, c.character_maximum_length, c.column_default,"
+    # A type of the database's own (an ENUM) by its schema too: the fixes name it (printed_name)
+    "SELECT c.column_name, c.data_type,"
+    " CASE WHEN c.data_type = 'USER-DEFINED' THEN quote_ident(c.udt_schema) || '.' || quote_ident(c.udt_name)"
+    " ELSE c.udt_name END, c.is_nullable, c.character_maximum_length, c.column_default,"
     " (SELECT array_agg(e.enumlabel::text ORDER BY e.enumsortorder) FROM pg_enum e"
-    "  JOIN pg_type t ON t.oid = e.enumtypid WHERE t.typname = c.udt_name)"
+    "  JOIN pg_type t ON t.oid = e.enumtypid JOIN pg_namespace n ON n.oid = t.typnamespace"
+    "  WHERE t.typname = c.udt_name AND n.nspname = c.udt_schema)"
     " , c.is_identity = 'YES' OR c.is_generated = 'ALWAYS'"
     " , (SELECT t.table_type = 'VIEW' FROM information_schema.tables t"
     "  WHERE t.table_schema = c.table_schema AND t.table_name = c.table_name)"
@@ -150,7 +170,7 @@ def _postgresql_column(row: Sequence[Any]) -> Column:
 
 
 def column_problems(
-    columns: dict[str, Column], profile: Profile, dialect: Dialect, claim_ids: int = 0
+    columns: dict[str, Column], profile: Profile, dialect: Dialect, claim_ids: int = 0, named: str = ""
 ) -> tuple[list[str], list[str]]:
     """What the profile's table cannot hold: lines refused outright, and lines ``migrate``
     fixes itself (:func:`column_fixes`). Columns that do not exist are the caller's to report.
@@ -165,20 +185,23 @@ def column_problems(
     * ``last_error``, ``worker_id`` too short or NOT NULL, times or keys that are not integers
       wide enough (timestamps, for a profile that keeps them so: ``timestamptz``, or ``timestamp``
       taken in the database's zone, :func:`wall_time_columns`), a column the envelope takes as
-      JSON that is not json or jsonb: refused, with the fix."""
+      JSON that is not json or jsonb: refused, with the fix.
+
+    ``named``: the table as the fixes' statements name it (:func:`printed_name`)."""
     table = profile.table
+    target = named or table
     refused: list[str] = []
     fixable: list[str] = []
     status = columns.get("status")
     if status is not None:
-        refused += _status_problems(table, status, _statuses(profile), dialect)
+        refused += _status_problems(table, status, _statuses(profile), dialect, target)
     last_error = columns.get("last_error")
     if last_error is not None:
-        refused += _text_problems(table, last_error, LAST_ERROR_MAX, dialect, "error texts")
+        refused += _text_problems(table, last_error, LAST_ERROR_MAX, dialect, "error texts", target)
     worker = columns.get("worker_id")
     if worker is not None:
         refused += _text_problems(
-            table, worker, claim_ids, dialect, f"this process's claim ids ({claim_ids} characters)"
+            table, worker, claim_ids, dialect, f"this process's claim ids ({claim_ids} characters)", target
         )
     if profile.ms_columns:
         for name in (profile.lock, profile.updated):
@@ -186,7 +209,7 @@ def column_problems(
             if column is not None and column.kind not in _WIDE_INTEGERS:
                 refused.append(
                     f"{table}.{name} is {column.declared}, which cannot hold epoch milliseconds:"
-                    f" run ALTER TABLE {table} {_retype(dialect, name, 'BIGINT', not column.nullable)}"
+                    f" run ALTER TABLE {target} {_retype(dialect, name, 'BIGINT', not column.nullable)}"
                 )
     else:
         for name in (profile.lock, profile.updated, profile.created):
@@ -194,7 +217,7 @@ def column_problems(
             if column is not None and not column.kind.startswith("timestamp"):
                 refused.append(
                     f"{table}.{name} is {column.declared}, which room-outbox compares with timestamps: run ALTER"
-                    f" TABLE {table} ALTER COLUMN {name} TYPE timestamptz USING (its values as timestamps)"
+                    f" TABLE {target} ALTER COLUMN {name} TYPE timestamptz USING (its values as timestamps)"
                 )
     for name in profile.json_columns:
         column = columns.get(name)
@@ -203,7 +226,7 @@ def column_problems(
             refused.append(
                 f"{table}.{name} is {column.declared}: the envelope takes it as a JSON value, and from a"
                 f" {column.declared} column every row would fail as a malformed envelope: run ALTER TABLE"
-                f" {table} ALTER COLUMN {name} TYPE jsonb USING {values} (it rewrites the table under an"
+                f" {target} ALTER COLUMN {name} TYPE jsonb USING {values} (it rewrites the table under an"
                 " exclusive lock: on a live table, plan it)"
             )
     for value in _nullable_values(columns, profile):
@@ -214,7 +237,7 @@ def column_problems(
         elif dialect.name == "mysql":
             refused.append(
                 f"{line}; the table's generated columns make NOT NULL a copy of the table, so migrate leaves it:"
-                f" set it to {empty} where NULL (in batches), then ALTER TABLE {table} MODIFY"
+                f" set it to {empty} where NULL (in batches), then ALTER TABLE {target} MODIFY"
                 f" {_not_null_declaration(value)} with gh-ost or pt-online-schema-change"
             )
         else:
@@ -223,11 +246,11 @@ def column_problems(
             # NULL alone scans the table under an exclusive lock).
             check = f"{name}_not_null"
             refused.append(
-                f"{line}: run ALTER TABLE {table} ALTER COLUMN {name} SET DEFAULT {empty}; then, until it changes"
-                f" no row, UPDATE {table} SET {name} = {empty} WHERE ctid IN (SELECT ctid FROM {table} WHERE"
-                f" {name} IS NULL LIMIT {BACKFILL_BATCH}); then ALTER TABLE {table} ADD CONSTRAINT {check}"
-                f" CHECK ({name} IS NOT NULL) NOT VALID; ALTER TABLE {table} VALIDATE CONSTRAINT {check};"
-                f" ALTER TABLE {table} ALTER COLUMN {name} SET NOT NULL, DROP CONSTRAINT {check}"
+                f"{line}: run ALTER TABLE {target} ALTER COLUMN {name} SET DEFAULT {empty}; then, until it changes"
+                f" no row, UPDATE {target} SET {name} = {empty} WHERE ctid IN (SELECT ctid FROM {target} WHERE"
+                f" {name} IS NULL LIMIT {BACKFILL_BATCH}); then ALTER TABLE {target} ADD CONSTRAINT {check}"
+                f" CHECK ({name} IS NOT NULL) NOT VALID; ALTER TABLE {target} VALIDATE CONSTRAINT {check};"
+                f" ALTER TABLE {target} ALTER COLUMN {name} SET NOT NULL, DROP CONSTRAINT {check}"
             )
     for name in (profile.key, profile.attempts):
         column = columns.get(name)
@@ -256,7 +279,9 @@ def _statuses(profile: Profile) -> tuple[str, ...]:
     return tuple(dict.fromkeys((p.fresh, p.retry, p.in_flight, p.delivered, p.parked, p.cancelled)))
 
 
-def _status_problems(table: str, column: Column, words: tuple[str, ...], dialect: Dialect) -> list[str]:
+def _status_problems(table: str, column: Column, words: tuple[str, ...], dialect: Dialect, target: str) -> list[str]:
+    """``target``: the table as the fix names it (:func:`printed_name`); an ENUM's type comes
+    named so from :func:`read_columns`."""
     if column.members:
         missing = [w for w in words if w not in column.members]
         if not missing:
@@ -266,9 +291,10 @@ def _status_problems(table: str, column: Column, words: tuple[str, ...], dialect
             fix = "; ".join(f"ALTER TYPE {column.declared} ADD VALUE '{w}'" for w in missing)
         else:
             members = ",".join(f"'{m}'" for m in (*column.members, *missing))
-            fix = f"ALTER TABLE {table} {_retype(dialect, 'status', f'ENUM({members})', not column.nullable, column)}"
+            fix = f"ALTER TABLE {target} {_retype(dialect, 'status', f'ENUM({members})', not column.nullable, column)}"
         return [f"{table}.status is an ENUM without {quoted}, statuses room-outbox writes: run {fix}"]
-    return _text_problems(table, column, max(map(len, words)), dialect, f"its statuses ('{max(words, key=len)}')")
+    longest = max(words, key=len)
+    return _text_problems(table, column, len(longest), dialect, f"its statuses ('{longest}')", target)
 
 
 #: What a text column the fixes retype becomes (longer where more is needed).
@@ -277,9 +303,9 @@ _PREFERRED_LENGTH = {"status": 16, "last_error": 1024, "worker_id": 128}
 _CLEARED = ("last_error", "worker_id")
 
 
-def _text_problems(table: str, column: Column, needed: int, dialect: Dialect, what: str) -> list[str]:
+def _text_problems(table: str, column: Column, needed: int, dialect: Dialect, what: str, target: str) -> list[str]:
     """A text column room-outbox writes up to ``needed`` characters into (and NULL, for
-    :data:`_CLEARED`)."""
+    :data:`_CLEARED`); ``target``: the table as the fix names it (:func:`printed_name`)."""
     cleared = column.name in _CLEARED
     not_text = column.kind not in _TEXTS
     short = not not_text and column.length is not None and column.length < needed
@@ -295,7 +321,7 @@ def _text_problems(table: str, column: Column, needed: int, dialect: Dialect, wh
             fix = _retype(dialect, column.name, column.declared, False, column)
     else:
         return []
-    return [f"{table}.{column.name} {problem}: run ALTER TABLE {table} {fix}"]
+    return [f"{table}.{column.name} {problem}: run ALTER TABLE {target} {fix}"]
 
 
 def _retype(dialect: Dialect, name: str, new_type: str, not_null: bool, column: Column | None = None) -> str:
@@ -466,9 +492,11 @@ async def binlog_problems(cur: Any, dialect: Dialect) -> list[str]:
 async def schema_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[str]:
     """A PostgreSQL outbox table found through the search path in another schema than the
     session's first (the default search path starts with a schema named after the role,
-    ``"$user"``). The catalogue checks and room-outbox's own tables go by the first schema:
-    ``migrate`` would make a second, empty outbox table there, which room-outbox would read
-    while room-service writes the other."""
+    ``"$user"``), or not found through it at all while the database has one in another
+    schema and nobody chose this search path (:func:`_outside_the_search_path`). The
+    catalogue checks and room-outbox's own tables go by the first schema: ``migrate`` would
+    make a second, empty outbox table there, which room-outbox would read while room-service
+    writes the other."""
     if dialect.name != "postgresql":
         return []
     await cur.execute(
@@ -477,6 +505,8 @@ async def schema_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[
         (profile.table,),
     )
     row = await cur.fetchone()
+    if row is None:
+        return await _outside_the_search_path(cur, profile.table)
     if row is not None and row[0] != row[1]:
         found, first = row
         return [
@@ -499,6 +529,43 @@ async def schema_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[
         f"{profile.table} is in {' and '.join(schemas)}, all in the search path, and room-outbox would read"
         f" {schemas[0]}.{profile.table}: name the schema room-service writes in database.dsn"
         f" (?search_path={schemas[1]}, or ?search_path={schemas[0]} for the first)"
+    ]
+
+
+#: Where a session's search path comes from when nobody chose one for this database, role or
+#: session (``pg_settings.source``): the server's own default or its configuration.
+_SERVER_WIDE = ("default", "configuration file", "command line", "environment variable", "override")
+
+
+async def _outside_the_search_path(cur: Any, table: str) -> list[str]:
+    """A ``table`` the search path does not reach, while the database has one in another schema
+    (room-service's, ``app`` say, with a DSN that names no ``search_path``): ``run`` would say it
+    does not exist and ``migrate`` would make a second, empty one in the first schema, which
+    room-outbox would then read for ever while room-service writes the other. Only where the
+    search path is the server's default: one chosen for the DSN, role or database is taken as
+    meant (a new schema of its own beside others' tables, say)."""
+    await cur.execute(
+        "SELECT n.nspname, current_schema(), current_setting('search_path'),"
+        " (SELECT s.source FROM pg_settings s WHERE s.name = 'search_path')"
+        " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE c.relname = %s AND c.relkind IN ('r', 'p') ORDER BY n.nspname",
+        (table,),
+    )
+    rows = await cur.fetchall()
+    if not rows or rows[0][3] not in _SERVER_WIDE:
+        return []
+    schemas = [str(row[0]) for row in rows]
+    first, search_path = rows[0][1], rows[0][2]
+    where = f" in {first}" if first else ""
+    if len(schemas) == 1:
+        fix = f"add ?search_path={schemas[0]} to database.dsn"
+    else:
+        fix = f"name the schema room-service writes in database.dsn (?search_path={', or ?search_path='.join(schemas)})"
+    return [
+        f"{table} is not in this session's search path ({search_path}) but in {' and '.join(schemas)}"
+        f" ({', '.join(f'{schema}.{table}' for schema in schemas)}), where room-outbox does not look: migrate"
+        f" would make a second, empty {table}{where}, which room-outbox would read while room-service writes"
+        f" the other; {fix}"
     ]
 
 
@@ -542,7 +609,9 @@ async def sequence_problems(cur: Any, dialect: Dialect, profile: Profile) -> lis
     if (await cur.fetchone())[0] is None:
         return []  # not made yet: migrate makes it with a sequence of its own
     await cur.execute(
-        "SELECT seq.seqrelid::regclass::text, seq.seqcache FROM pg_sequence seq"
+        # by its schema too, as the fix names it
+        "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname), seq.seqcache FROM pg_sequence seq"
+        " JOIN pg_class c ON c.oid = seq.seqrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
         " WHERE seq.seqrelid = pg_get_serial_sequence(%s, %s)::regclass",
         (profile.table, profile.key),
     )
@@ -575,7 +644,7 @@ async def check_constraint_problems(
         literal = f"CAST(%s AS {declared})"
     else:
         return []
-    table, problems = profile.table, []
+    table, target, problems = profile.table, "", []
     for name, clause, where in checks:
         refused = []
         for word in _statuses(profile):
@@ -587,14 +656,15 @@ async def check_constraint_problems(
                 refused.append(f"'{word}'")
         if not refused:
             continue
+        target = target or await printed_name(cur, dialect, table)
         if where == "column" and "status" in columns:  # MariaDB: part of the column's definition, unnamed
             status = columns["status"]
-            fix = f"ALTER TABLE {table} {_retype(dialect, 'status', status.declared, not status.nullable, status)}"
+            fix = f"ALTER TABLE {target} {_retype(dialect, 'status', status.declared, not status.nullable, status)}"
             fix += " (without its CHECK)"
         elif where.startswith("domain "):
             fix = f"ALTER DOMAIN {where.removeprefix('domain ')} DROP CONSTRAINT {name}"
         else:
-            fix = f"ALTER TABLE {table} DROP CONSTRAINT {name}"
+            fix = f"ALTER TABLE {target} DROP CONSTRAINT {name}"
         problems.append(
             f"{table}.status: CHECK constraint {name} ({clause}) refuses {', '.join(refused)}, statuses"
             f" room-outbox writes: run {fix}, and add it again with {', '.join(refused)} among its values"
@@ -636,15 +706,17 @@ _PG_PLAIN_TYPE = "CASE WHEN t.typtype = 'd' THEN format_type(t.typbasetype, t.ty
 
 async def _postgresql_status_checks(cur: Any, table: str) -> tuple[list[tuple[str, str, str]], str]:
     """The CHECK constraints that judge ``status`` alone: the table's (``table``) and, where the
-    column's type is a domain, the domain's (``domain <its name>``); and the column's type."""
+    column's type is a domain, the domain's (``domain <its name>``, with its schema, as the fix
+    names it); and the column's type. Names quoted where needed, as the fix names them."""
     await cur.execute(
-        "SELECT c.conname, pg_get_expr(c.conbin, c.conrelid), 'table', " + _PG_PLAIN_TYPE + ", t.typtype"
+        "SELECT quote_ident(c.conname), pg_get_expr(c.conbin, c.conrelid), 'table', " + _PG_PLAIN_TYPE + ", t.typtype"
         " FROM pg_constraint c JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attname = 'status'"
         " JOIN pg_type t ON t.oid = a.atttypid"
         " WHERE c.conrelid = to_regclass(%s) AND c.contype = 'c' AND c.conkey = ARRAY[a.attnum]"
-        " UNION ALL SELECT c.conname, pg_get_constraintdef(c.oid), 'domain ' || format_type(a.atttypid, NULL),"
-        " " + _PG_PLAIN_TYPE + ", t.typtype"
+        " UNION ALL SELECT quote_ident(c.conname), pg_get_constraintdef(c.oid),"
+        " 'domain ' || quote_ident(tn.nspname) || '.' || quote_ident(t.typname), " + _PG_PLAIN_TYPE + ", t.typtype"
         " FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid JOIN pg_constraint c ON c.contypid = t.oid"
+        " JOIN pg_namespace tn ON tn.oid = t.typnamespace"
         " WHERE a.attrelid = to_regclass(%s) AND a.attname = 'status' AND c.contype = 'c'",
         (table, table),
     )
@@ -685,7 +757,9 @@ async def checked_fixes(cur: Any, dialect: Dialect, profile: Profile) -> list[St
     """``migrate``'s side: refuse (:class:`SchemaError`, one line per problem) what it cannot
     fix; return the steps that fix the rest."""
     columns = await read_columns(cur, dialect, profile.table)
-    refused, _fixable = column_problems(columns, profile, dialect)
+    refused, _fixable = column_problems(
+        columns, profile, dialect, named=await printed_name(cur, dialect, profile.table)
+    )
     refused = await binlog_problems(cur, dialect) + await engine_problems(cur, dialect, profile.table) + refused
     refused += await check_constraint_problems(cur, dialect, profile, columns)
     if refused:
@@ -699,7 +773,9 @@ async def check_columns(cur: Any, dialect: Dialect, profile: Profile, claim_ids:
     if wrong_schema:  # its columns would be looked for in the first schema, where it is not
         raise SchemaError("\n".join(wrong_schema))
     columns = await read_columns(cur, dialect, profile.table)
-    refused, fixable = column_problems(columns, profile, dialect, claim_ids)
+    refused, fixable = column_problems(
+        columns, profile, dialect, claim_ids, named=await printed_name(cur, dialect, profile.table)
+    )
     refused = await binlog_problems(cur, dialect) + await engine_problems(cur, dialect, profile.table) + refused
     refused += await check_constraint_problems(cur, dialect, profile, columns)
     refused += await sqlite_problems(cur, dialect, profile)

@@ -21,7 +21,7 @@ from typing import Any
 
 from room_outbox.handler import HandlerColumn, HandlerTable
 from room_outbox.store.dialect import Dialect
-from room_outbox.store.schema.columns import Column, read_columns
+from room_outbox.store.schema.columns import Column, printed_name, read_columns
 
 #: Bytes of each integer type (MySQL's names and PostgreSQL's).
 _INTEGER_BYTES = {"tinyint": 1, "smallint": 2, "mediumint": 3, "int": 4, "integer": 4, "bigint": 8}
@@ -58,20 +58,21 @@ async def check_handler_tables(cur: Any, dialect: Dialect, tables: Sequence[Hand
                 checked.missing.append(table.name)
             continue
         columns, widen = {}, {}
+        named = await printed_name(cur, dialect, table.name)  # as the fixes name it
         for name, wanted in table.columns.items():
             column = found.get(name)
             if column is None:
                 checked.refused.append(
-                    f"{table.name} lacks the column {name}, which its handler writes: run ALTER TABLE {table.name}"
+                    f"{table.name} lacks the column {name}, which its handler writes: run ALTER TABLE {named}"
                     f" ADD COLUMN {name} {_definition(wanted, dialect)}{_filler(wanted)}"
                 )
                 continue
-            problem = _column_problem(table.name, wanted, column, dialect)
+            problem = _column_problem(table.name, wanted, column, dialect, named)
             if problem:
                 checked.refused.append(problem)
             columns[name] = _as_found(wanted, column, dialect)
             if wanted.type == "text" and wanted.length is None and _bounded(columns[name]):
-                widen[name] = _retype(table.name, wanted, column, dialect)
+                widen[name] = _retype(named, wanted, column, dialect)
                 bound = columns[name].max_bytes or columns[name].length
                 unit = "bytes" if columns[name].max_bytes else "characters"
                 checked.warnings.append(
@@ -79,7 +80,7 @@ async def check_handler_tables(cur: Any, dialect: Dialect, tables: Sequence[Hand
                     f" up to an envelope's size there: an event whose {name} is longer becomes a dead letter;"
                     f" to hold every one, run {widen[name]}" + _COPY_NOTE.get(dialect.name, "")
                 )
-        checked.refused += _unwritten(table, found, dialect) + _narrow_charset(table, found, dialect)
+        checked.refused += _unwritten(table, found, dialect, named) + _narrow_charset(table, found, dialect)
         checked.found[table.name] = HandlerTable(table.name, columns, widen)
     return checked
 
@@ -90,10 +91,10 @@ _COPY_NOTE = {
 }
 
 
-def _column_problem(table: str, wanted: HandlerColumn, column: Column, dialect: Dialect) -> str:
+def _column_problem(table: str, wanted: HandlerColumn, column: Column, dialect: Dialect, named: str) -> str:
     """Why ``column`` cannot hold what the handler writes as ``wanted`` (its type, else its
-    nullability), with the fix, or ``""``."""
-    where, fix = f"{table}.{column.name}", _retype(table, wanted, column, dialect)
+    nullability), with the fix (naming the table ``named``), or ``""``."""
+    where, fix = f"{table}.{column.name}", _retype(named, wanted, column, dialect)
     if wanted.type != "text":
         if _INTEGER_BYTES.get(column.kind, 0) < _INTEGER_BYTES[wanted.type]:
             return f"{where} is {column.declared}, and its handler writes {wanted.type.upper()} values there: run {fix}"
@@ -104,7 +105,7 @@ def _column_problem(table: str, wanted: HandlerColumn, column: Column, dialect: 
         if holds is not None and holds < wanted.length:
             return f"{where} holds {holds} characters, and its handler writes up to {wanted.length}: run {fix}"
     if wanted.nullable and not column.nullable:
-        fix = _nullable(table, column, dialect)
+        fix = _nullable(named, column, dialect)
         return f"{where} is NOT NULL, and its handler writes NULL there (an event without it): run {fix}"
     return ""
 
@@ -159,11 +160,12 @@ def _nullable(table: str, column: Column, dialect: Dialect) -> str:
     return f"ALTER TABLE {table} ALTER COLUMN {column.name} DROP NOT NULL"
 
 
-def _unwritten(table: HandlerTable, found: dict[str, Column], dialect: Dialect) -> list[str]:
-    """Columns the handler does not write that an INSERT cannot leave out."""
+def _unwritten(table: HandlerTable, found: dict[str, Column], dialect: Dialect, named: str) -> list[str]:
+    """Columns the handler does not write that an INSERT cannot leave out (the fix naming the
+    table ``named``)."""
     return [
         f"{table.name}.{column.name} is NOT NULL without a default, and its handler does not write it: every"
-        f" event would fail; run {_nullable(table.name, column, dialect)} (or give it a default)"
+        f" event would fail; run {_nullable(named, column, dialect)} (or give it a default)"
         for column in found.values()
         if column.name not in table.columns and not column.nullable and column.default is None and not column.filled
     ]

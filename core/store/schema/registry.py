@@ -165,6 +165,22 @@ async def migration_plan(store: SQLStore, wanted: WantedSchema = OUTBOX) -> list
         return await plan_schema(cur, store.dialect, store.profile, wanted)
 
 
+async def schemas_looked_in(store: SQLStore) -> tuple[str, ...]:
+    """The schemas this store's sessions look in, in order, each quoted where needed
+    (PostgreSQL: the DSN's ``search_path``, else the role's default with ``"$user"`` made its
+    name; elsewhere none). The statements of a plan name tables, indexes and functions without
+    a schema, so a session that runs ``migrate --sql``'s script by hand sets this search path
+    first: psql's own would put them elsewhere, or find nothing."""
+    if store.dialect.name != "postgresql":
+        return ()
+    async with store.transaction() as cur:
+        await cur.execute(
+            "SELECT quote_ident(schema) FROM unnest(current_schemas(false)) WITH ORDINALITY AS s(schema, position)"
+            " ORDER BY position"
+        )
+        return tuple(str(schema) for (schema,) in await cur.fetchall())
+
+
 async def migrate(store: SQLStore, wanted: WantedSchema = OUTBOX) -> list[str]:
     """Bring about ``wanted`` through the backend's one migration entry; return the changes."""
 
