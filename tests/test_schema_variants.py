@@ -312,8 +312,8 @@ async def test_a_result_the_table_refuses_for_one_row_leaves_the_batch_written_a
         "its parked result was refused by the database: Data truncated for column 'status' at row 1;"
     )
     assert bad["lock_until_ms"] > int(time.time() * 1000)  # not retried at once
-    refusals = [r.getMessage() for r in caplog.records if "refused by the database" in r.getMessage()]
-    assert len(refusals) == 1 and refusals[0].startswith("event bad: ")
+    [refusal] = [r for r in caplog.records if r.getMessage().startswith("result refused by the database")]
+    assert (refusal.levelname, refusal.event_id, refusal.status) == ("ERROR", "bad", "failed")
     await insert_events(store, [envelope(event_id) for event_id in ("late1", "late2")])
     assert (await dispatcher.run_once()).claimed == 2
     await dispatcher.flush()

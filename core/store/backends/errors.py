@@ -256,23 +256,36 @@ def _reason(exc: BaseException, password: str) -> str:
 
 
 #: MySQL errors of a value the column cannot take: NULL into NOT NULL, out of range, not a
-#: member of the ENUM (truncated), a wrong value, too long, a CHECK constraint (MySQL, MariaDB).
-_REFUSED_VALUE = {1048, 1264, 1265, 1366, 1406, 3819, 4025}
+#: member of the ENUM (truncated), a wrong value, too long, a CHECK constraint (MySQL, MariaDB),
+#: and a trigger's ``SIGNAL`` (1644, the number of every SIGNAL that sets none of its own).
+#: Besides these, whatever the driver counts as a data or an integrity error.
+_REFUSED_VALUE = {1048, 1264, 1265, 1366, 1406, 1644, 3819, 4025}
+#: PostgreSQL's SQLSTATE class of PL/pgSQL's errors: a trigger's ``RAISE EXCEPTION`` (P0001,
+#: unless it names another code) or ``ASSERT`` (P0004).
+_PG_PLPGSQL_CLASS = "P0"
 
 
 def refused_value(exc: BaseException) -> str | None:
-    """Why the database refused a value of one row (its words, on one line), or None when the
-    error is something else (a lost connection, a deadlock, a timeout): one row's problem, not
-    the database's."""
-    if isinstance(exc, pymysql.err.Error) and exc.args and exc.args[0] in _REFUSED_VALUE:
-        return _reason(exc, "")
-    if isinstance(exc, sqlite3.IntegrityError):
+    """Why the database refused the values of one row (its words, on one line), or None when
+    the error is something else (a lost connection, a deadlock, a timeout): one row's problem,
+    not the database's. A trigger refusing the row counts (MySQL's ``SIGNAL``, PostgreSQL's
+    ``RAISE EXCEPTION``), as do a constraint and a value its column cannot take."""
+    if isinstance(exc, pymysql.err.Error) and exc.args:
+        if exc.args[0] in _REFUSED_VALUE or isinstance(exc, pymysql.err.DataError | pymysql.err.IntegrityError):
+            return _reason(exc, "")
+        return None
+    if isinstance(exc, sqlite3.IntegrityError):  # a CHECK or a trigger's RAISE(ABORT, ...) among them
         return _reason(exc, "")
     if _postgresql_errors():
         import psycopg
 
-        if isinstance(exc, psycopg.errors.DataError | psycopg.errors.IntegrityError):
-            return _reason(exc, "")
+        if not isinstance(exc, psycopg.Error):
+            return None
+        data = isinstance(exc, psycopg.errors.DataError | psycopg.errors.IntegrityError)
+        if data or (exc.sqlstate or "").startswith(_PG_PLPGSQL_CLASS):
+            # The primary message alone: the whole text goes on with the failing row (its
+            # envelope too, into last_error and the logs) or the trigger's PL/pgSQL context.
+            return " ".join(str(exc.diag.message_primary or exc).split())
     return None
 
 

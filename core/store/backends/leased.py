@@ -52,6 +52,8 @@ from room_outbox.store.schema.profiles import V1, Profile
 CREATED_AHEAD_MS = 1_000
 #: A row whose result the database refused is due again this long after at the soonest.
 REFUSED_RETRY_MS = 60_000
+#: How many rows refused by the database a store remembers, to log each once while it lasts.
+REFUSALS_REMEMBERED = 10_000
 
 log = logging.getLogger("room_outbox.store")
 
@@ -159,6 +161,10 @@ class LeasedRows:
     _buckets_seen: Sequence[int] | None = ()
     #: Table → SQL of its rows' room bucket, read once per table (:meth:`row_bucket`).
     _row_buckets: dict[str, str] | None = None
+    #: Rows whose result the database refused (key: why), logged once while the refusal lasts
+    #: (:meth:`_report_refused`). None until the first refusal: a write that goes through
+    #: then checks nothing more.
+    _refused: dict[int, str] | None = None
 
     def use_profile(self, profile: Profile) -> None:
         """Keep the main lane's state in ``profile``'s table and words (``database.profile``)."""
@@ -601,13 +607,18 @@ class LeasedRows:
         database refuses a value, row by row, releasing the rows it refuses."""
         try:
             async with self._undone_if_refused(cur):
-                return await self._write_results(cur, group)
+                stale = await self._write_results(cur, group)
         except Exception as exc:
             cause = refused_value(exc)
             if cause is None:
                 raise
+        else:
+            if self._refused:  # a row refused before is written now: its refusal has ended
+                for result in group:
+                    self._refused.pop(result.row_id, None)
+            return stale
         if len(group) > 1:
-            stale: list[DeliveryResult] = []
+            stale = []
             for result in group:
                 stale += await self._write_or_release(cur, [result])
             return stale
@@ -699,7 +710,6 @@ class LeasedRows:
             error += f"; {result.error}"
         error = ascii_text(error)  # not refused in turn for a character its column cannot hold
         due = max(result.retry_at_ms, now_ms() + REFUSED_RETRY_MS)
-        log.warning("event %s: %s; released", result.event_id, error)
         try:
             async with self._undone_if_refused(cur):
                 await cur.execute(
@@ -712,11 +722,46 @@ class LeasedRows:
             refused = refused_value(exc)
             if refused is None:
                 raise
-            log.warning(
-                "event %s: its release was refused too (%s); taken again once its lease runs out",
-                result.event_id,
-                refused,
-            )
+            self._report_refused(result, cause, f"its release was refused too ({refused})")
+            return
+        self._report_refused(result, cause)
+
+    def _report_refused(self, result: DeliveryResult, cause: str, release_refused: str | None = None) -> None:
+        """One ERROR per row while the database goes on refusing its result for the same
+        reason (then DEBUG): such a row comes back every :data:`REFUSED_RETRY_MS`, and a
+        refusal of every parked row, say, would otherwise be a line per row per minute."""
+        refused = self._refused
+        if refused is None:
+            refused = self._refused = {}
+        again = refused.pop(result.row_id, None) == cause
+        refused[result.row_id] = cause  # the newest last: the oldest is forgotten first
+        if len(refused) > REFUSALS_REMEMBERED:
+            del refused[next(iter(refused))]
+        if release_refused is None:
+            message = "result refused by the database; the row is released, due again in a minute at the soonest (see last_error)"
+        else:
+            message = f"result refused by the database, and {release_refused}; taken again once its lease runs out"
+        fields = {
+            "table": self.table,
+            "row": result.row_id,
+            "event_id": result.event_id,
+            "outcome": result.outcome.value,
+            "status": self._status_written(result.outcome),
+            "error": cause,
+        }
+        log.log(logging.DEBUG if again else logging.ERROR, message, extra=fields)
+
+    def _status_written(self, outcome: Outcome) -> str:
+        """The status the result of ``outcome`` writes (a released row's goes back to what it
+        was before the claim)."""
+        words = self.profile
+        if outcome is Outcome.PUBLISHED:
+            return words.delivered
+        if outcome is Outcome.PARKED:
+            return words.parked
+        if outcome is Outcome.FAILED:
+            return words.retry if words.attempts_limit is None else f"{words.retry} or {words.parked}"
+        return words.in_flight if words.in_flight == words.fresh else f"{words.fresh} or {words.retry}"
 
 
 class _WrittenBeside:
