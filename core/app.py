@@ -86,7 +86,9 @@ async def _serve(
     # then the pool (last: the workers need it to write results).
     async with contextlib.AsyncExitStack() as lifecycle:
         with database_wait:  # the one wait that may be long (database.connect_wait)
-            store = await open_checked_store(settings, checked.lane_tables, checked.tail_lanes)
+            store = await open_checked_store(
+                settings, checked.lane_tables, checked.tail_lanes, bool(checked.main_sinks)
+            )
         if database_wait.cancelled_caught:
             log.info("stopped while waiting for the database", extra={"lifecycle": "stop_requested"})
             return

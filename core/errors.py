@@ -6,6 +6,8 @@
     ├── StoreError                  the database (exit 3)
     │   ├── StoreUnavailable        cannot connect, log in, or find the database
     │   ├── SchemaError             connected, but the tables are not migrated
+    │   ├── PrivilegeError          connected, but the user may not do what the command does there,
+    │   │                           or the server takes no writes
     │   └── QueryTimeout            a statement outlived mysql.query_timeout (also a ``TimeoutError``;
     │                               in :mod:`room_outbox.store.deadline`)
     ├── EnvelopeError               a row's envelope does not parse (also a ``ValueError``)
@@ -64,6 +66,12 @@ class StoreUnavailable(StoreError):
 
 class SchemaError(StoreError):
     """Connected, but a table or column room-outbox needs is missing: ``room-outbox migrate``."""
+
+
+class PrivilegeError(StoreError):
+    """Connected, but the database user lacks privileges the command needs on tables that are
+    there, or the server takes no writes (a standby, a database set read-only): the message
+    names what is missing and the fix."""
 
 
 class EnvelopeError(RoomOutboxError, ValueError):

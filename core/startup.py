@@ -6,7 +6,9 @@
    ``room-outbox check-config`` runs the same check on a machine without a database.
 2. **The database** (:func:`open_checked_store`): waited for up to ``database.connect_wait`` while
    it cannot be reached (a server still starting), then
-3. **the schema**: every column and lane table room-outbox uses, or "run `room-outbox migrate`".
+3. **the user's privileges and the schema**: what ``run`` does on each table it uses, and
+   that the server takes writes; every column and lane table room-outbox uses, or "run
+   `room-outbox migrate`".
 
 Each failure is one :class:`~room_outbox.errors.RoomOutboxError` (a configuration error, exit 2;
 the database unreachable or not migrated, exit 3).
@@ -30,6 +32,7 @@ from room_outbox.observability.telemetry import check_environment
 from room_outbox.store.backends.errors import translated
 from room_outbox.store.factory import describe, open_store, store_address
 from room_outbox.store.lanes.store import lane_table
+from room_outbox.store.privileges import check_privileges, needed_by_run
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.check import check_schema
 from room_outbox.store.schema.profiles import Profile, profile_named
@@ -152,8 +155,11 @@ def table_profile(settings: Settings) -> Profile:
     return profile_named(settings.database.profile, settings.database.table)
 
 
-async def open_checked_store(settings: Settings, own_lanes: list[str], tail_lanes: Sequence[str] = ()) -> SQLStore:
-    """The store, once reachable (waiting up to ``database.connect_wait``) and migrated."""
+async def open_checked_store(
+    settings: Settings, own_lanes: list[str], tail_lanes: Sequence[str] = (), main_lane: bool = True
+) -> SQLStore:
+    """The store, once reachable (waiting up to ``database.connect_wait``), migrated, and
+    writable by its user as ``run`` needs (``main_lane``: the main lane runs)."""
     database = settings.database
     # A tailing round's transaction waits, idle, for its batch's publish: the server's session
     # limits must allow the longest publish_timeout besides query_timeout.
@@ -170,7 +176,7 @@ async def open_checked_store(settings: Settings, own_lanes: list[str], tail_lane
     )
     try:
         with translated(describe(store_address(database.dsn.get_secret_value()))):
-            await check_run_schema(store, settings, own_lanes, tail_lanes)
+            await check_run_schema(store, settings, own_lanes, tail_lanes, main_lane)
     except BaseException:
         await store.aclose()
         raise
@@ -178,12 +184,21 @@ async def open_checked_store(settings: Settings, own_lanes: list[str], tail_lane
 
 
 async def check_run_schema(
-    store: SQLStore, settings: Settings, lane_tables: Sequence[str], tail_lanes: Sequence[str] = ()
+    store: SQLStore,
+    settings: Settings,
+    lane_tables: Sequence[str],
+    tail_lanes: Sequence[str] = (),
+    main_lane: bool = True,
 ) -> None:
-    """Start-up's schema check (step 3): raises :class:`~room_outbox.errors.SchemaError`
-    naming what ``run`` would refuse to start for. ``lane_tables``: the lanes of their own
-    kept in a table, ``tail_lanes``: those tailing the outbox. ``status`` and ``lanes`` make
-    it too: a report that looks normal must not hide that no process can start."""
+    """Start-up's schema check (step 3): raises :class:`~room_outbox.errors.PrivilegeError`
+    or :class:`~room_outbox.errors.SchemaError` naming what ``run`` would refuse to start for.
+    ``lane_tables``: the lanes of their own kept in a table, ``tail_lanes``: those tailing the
+    outbox, ``main_lane``: the main lane runs. ``status`` and ``lanes`` make it too: a report
+    that looks normal must not hide that no process can start. The user's privileges come
+    first: the catalogue may hide a table the user holds none on (MySQL's does)."""
+    claims = settings.outbox_worker.enabled
+    needed = needed_by_run(store, lane_tables, tail_lanes, main_lane, claims)
+    await check_privileges(store, needed, describe(store_address(settings.database.dsn.get_secret_value())))
     await check_schema(store, lane_tables, longest_claim_id(settings.node_id), tail_lanes)
 
 

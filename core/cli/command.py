@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from room_outbox.config import LanePlan, Settings, parse_duration
-from room_outbox.errors import ConfigurationError, SchemaError
+from room_outbox.errors import ConfigurationError, PrivilegeError, SchemaError
 from room_outbox.observability.redaction import Redactor
 from room_outbox.startup import check_run_schema, table_profile
 from room_outbox.store.backends.errors import translated
@@ -161,8 +161,8 @@ async def checked_report(
     being read fails with the problem itself, which names the fix."""
     lane_tables = [lane for lane in plan.own if lane not in plan.tail]
     try:
-        await check_run_schema(store, settings, lane_tables, plan.tail)
-    except SchemaError as exc:
+        await check_run_schema(store, settings, lane_tables, plan.tail, plan.main)
+    except (SchemaError, PrivilegeError) as exc:
         problem = exc
     else:
         return await report()

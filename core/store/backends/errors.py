@@ -42,19 +42,27 @@ _ACCESS_DENIED = (1044, 1045, 1698)
 _INSECURE_TRANSPORT = 3159
 #: A privilege the user lacks (on a table, a column, or a server-wide one).
 _PRIVILEGE = (1142, 1143, 1227)
-#: What to tell an operator whose user lacks a privilege: which commands need which.
-_PRIVILEGES_NEEDED = (
-    "grant it to the user in database.dsn, or run this command as one who has it (migrate needs"
-    " CREATE, ALTER, INDEX and DROP on the database; run and the other commands need SELECT, INSERT,"
-    " UPDATE and DELETE, and cleanup --archive CREATE too, for its archive table)"
+#: Which commands need which privileges, on MySQL/MariaDB and on PostgreSQL.
+_MYSQL_NEEDS = (
+    "migrate needs CREATE, ALTER, INDEX and DROP on the database; run and the other commands need SELECT,"
+    " INSERT, UPDATE and DELETE, and cleanup --archive CREATE too, for its archive table"
 )
-PG_PRIVILEGES_NEEDED = (
-    "grant it to the user in database.dsn, or run this command as one who has it (migrate needs"
-    " CREATE on the schema and to own the outbox table, as PostgreSQL alters a table for its"
-    " owner only; run and the other commands need SELECT, INSERT, UPDATE and DELETE, cleanup"
-    " --archive CREATE too, for its archive table, and consume USAGE on the sequence"
-    " room_consumer_retry_id_seq)"
+_PG_NEEDS = (
+    "migrate needs CREATE on the schema and to own the outbox table, as PostgreSQL alters a table for its"
+    " owner only; run and the other commands need SELECT, INSERT, UPDATE and DELETE, cleanup --archive"
+    " CREATE too, for its archive table, and consume USAGE on the sequence room_consumer_retry_id_seq"
 )
+
+
+def privileges_needed(dialect_name: str, what: str = "it") -> str:
+    """What to tell an operator whose user lacks ``what`` (a privilege: "it"; several: "them"):
+    the fix, and which commands need which privileges on this database."""
+    needs = _PG_NEEDS if dialect_name == "postgresql" else _MYSQL_NEEDS
+    return f"grant {what} to the user in database.dsn, or run this command as one who has {what} ({needs})"
+
+
+_PRIVILEGES_NEEDED = privileges_needed("mysql")
+PG_PRIVILEGES_NEEDED = privileges_needed("postgresql")
 _UNKNOWN_DATABASE = 1049
 #: Writes refused by a read-only server: ``--read-only`` (1290, on MariaDB also 1836), or a
 #: read-only transaction (1792).
@@ -106,7 +114,7 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
         if code in (_NO_SUCH_TABLE, _NO_SUCH_COLUMN, _NO_SUCH_INDEX):
             return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
         if code in _READ_ONLY and "read" in reason.lower():
-            return _read_only(where, reason)
+            return refuses_writes(where, reason)
         if code == _LOCK_WAIT_TIMEOUT:
             return _lock_wait_exceeded(
                 where, reason, "innodb_lock_wait_timeout", "information_schema.innodb_trx lists the open ones"
@@ -192,7 +200,7 @@ def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOu
     if state == _PG_PRIVILEGE:
         return StoreUnavailable(f"{where}: {reason}; {PG_PRIVILEGES_NEEDED}")
     if state == _PG_READ_ONLY:
-        return _read_only(where, reason)
+        return refuses_writes(where, reason)
     if state == _PG_LOCK_TIMEOUT:
         return _lock_wait_exceeded(where, reason, "lock_timeout", "pg_stat_activity lists the open ones")
     if isinstance(exc, PoolTimeout) or (isinstance(exc, psycopg.OperationalError) and state is None):
@@ -237,7 +245,7 @@ def _no_connection_left(where: str, what: str) -> StoreUnavailable:
     )
 
 
-def _read_only(where: str, reason: str) -> StoreUnavailable:
+def refuses_writes(where: str, reason: str) -> StoreUnavailable:
     """The server takes no writes: a replica, or a primary set read-only (as a failover leaves
     the old one). Waited for and retried, as a failover's address may soon name the new primary."""
     return StoreUnavailable(

@@ -85,16 +85,18 @@ async def open_session(
     idle_in_transaction: float = 0.0,
     database: str | None = None,
     autocommit: bool = False,
+    read_write: bool = False,
 ) -> psycopg.AsyncConnection[Any]:
     """A connection of its own, outside the pool, set up as the pool's are (through a pooler in
-    transaction mode, a session's settings would not last: there each transaction sets them)."""
+    transaction mode, a session's settings would not last: there each transaction sets them).
+    ``read_write``: see :func:`role_read_only`."""
     conn = await psycopg.AsyncConnection.connect(
         **address.connect_kwargs(query_timeout, database), autocommit=autocommit, context=JSON_AS_TEXT
     )
     if address.transaction_pooling:
         return conn
     try:
-        await set_up_session(conn, address.session_settings(query_timeout, idle_in_transaction))
+        await set_up_session(conn, address.session_settings(query_timeout, idle_in_transaction, read_write=read_write))
     except BaseException:
         await conn.close()
         raise
@@ -148,12 +150,37 @@ class SessionSetup:
         self.query_timeout = query_timeout
         self.idle_in_transaction = idle_in_transaction
         self.time_zone: str | None = None
+        #: Transactions set read-write: the role's own settings make them read-only (:func:`role_read_only`).
+        self.read_write = False
 
     def settings(self, local: bool = False) -> str:
-        return self.address.session_settings(self.query_timeout, self.idle_in_transaction, local, self.time_zone)
+        return self.address.session_settings(
+            self.query_timeout, self.idle_in_transaction, local, self.time_zone, self.read_write
+        )
 
     async def __call__(self, conn: psycopg.AsyncConnection[Any]) -> None:
         await set_up_session(conn, self.settings())
+
+
+#: Where a setting comes from (``pg_settings.source``) when the role sets it: ``ALTER ROLE … SET``,
+#: and ``ALTER ROLE … IN DATABASE … SET``.
+_ROLE_SOURCES = ("user", "database user")
+
+
+async def role_read_only(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether the role's own settings make its transactions read-only (``ALTER ROLE … SET
+    default_transaction_read_only = on``, set on the wrong role, or on one shared with reports):
+    read on a session nothing has been set on yet. Then every session sets them read-write, as
+    it sets its isolation level whatever the role's default. A database or a server set
+    read-only (``ALTER DATABASE``, the server's configuration: a freeze for maintenance, a
+    failover fencing the old primary, a managed server out of disk) is left so, and ``run``
+    refuses it at start (:mod:`room_outbox.store.privileges`)."""
+    cur = await conn.execute(
+        "SELECT setting = 'on' AND source = ANY(%s) FROM pg_settings WHERE name = 'default_transaction_read_only'",
+        (list(_ROLE_SOURCES),),
+    )
+    row = await cur.fetchone()
+    return bool(row and row[0])
 
 
 async def set_up_session(conn: psycopg.AsyncConnection[Any], settings: str) -> None:
@@ -272,6 +299,7 @@ class PostgresStore(LeasedRows):
                 # the driver's own, where the pool would only report that it timed out.
                 first = await psycopg.AsyncConnection.connect(**address.connect_kwargs(query_timeout), autocommit=True)
                 try:
+                    session.read_write = await role_read_only(first)
                     if not address.transaction_pooling:
                         await refuse_unsaid_transaction_pooling(first, address, query_timeout)
                         await set_up_session(first, session.settings())
@@ -523,7 +551,9 @@ class PostgresStore(LeasedRows):
         bounded by ``step_lock_wait``. The server checks every second that migrate is still
         there, so an index build or a batch stops soon after migrate was stopped (PostgreSQL
         ≥ 14; older servers finish the statement first)."""
-        conn = await open_session(self.address, self.query_timeout, autocommit=True)
+        conn = await open_session(
+            self.address, self.query_timeout, autocommit=True, read_write=self._session.read_write
+        )
         try:
             await conn.execute("SET statement_timeout = 0")
             await conn.execute(f"SET lock_timeout = {int(self.step_lock_wait * 1000)}")

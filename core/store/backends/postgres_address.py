@@ -103,7 +103,12 @@ class PostgresAddress:
         }
 
     def session_settings(
-        self, query_timeout: float, idle_in_transaction: float = 0.0, local: bool = False, time_zone: str | None = None
+        self,
+        query_timeout: float,
+        idle_in_transaction: float = 0.0,
+        local: bool = False,
+        time_zone: str | None = None,
+        read_write: bool = False,
     ) -> str:
         """What every session runs once it is open: the server-side bounds of
         :class:`SessionLimits` for ``query_timeout`` (and ``idle_in_transaction``):
@@ -114,6 +119,8 @@ class PostgresAddress:
         seeing what committed before it, and a stricter default would fail their concurrent
         claims with serialization errors. And the DSN's :data:`SEARCH_PATH`, if any, and
         ``time_zone``, if any (``TimeZone``: see :meth:`PostgresStore.read_column_types`).
+        ``read_write``: transactions read-write, where the role's own settings make them
+        read-only (see :func:`.postgres.role_read_only`).
 
         Set with statements, not libpq's startup ``options``: a pooler in front of the server
         (PgBouncer) refuses that parameter, or, told to ignore it, drops it. ``local``: the same
@@ -123,6 +130,8 @@ class PostgresAddress:
         scope, isolation = ("SET LOCAL", "SET TRANSACTION ISOLATION LEVEL READ COMMITTED") if local else (
             "SET", "SET default_transaction_isolation = 'read committed'"
         )  # fmt: skip
+        if read_write:
+            isolation += ", READ WRITE" if local else "; SET default_transaction_read_only = off"
         search_path = f"; {scope} search_path = {', '.join(self.search_path)}" if self.search_path else ""
         quoted_zone = (time_zone or "").replace("'", "''")
         zone = f"; {scope} TimeZone = '{quoted_zone}'" if time_zone else ""

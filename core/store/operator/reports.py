@@ -299,11 +299,10 @@ async def event_rows(
             for name in await column_names(cur, store.dialect, p.table)
             if name != "envelope"
         ]
-        await cur.execute(
-            f"SELECT {', '.join(columns)}, {', '.join(f'{sql} AS read_{name}' for name, sql in read.items())}"
-            f" FROM {p.table} WHERE {where} ORDER BY {p.key}",
-            params,
-        )
+        # The catalogue lists only the columns the user holds a privilege on: with none, the
+        # statement reads the rest alone, and the server's refusal names the privilege.
+        reads = [*columns, *(f"{sql} AS read_{name}" for name, sql in read.items())]
+        await cur.execute(f"SELECT {', '.join(reads)} FROM {p.table} WHERE {where} ORDER BY {p.key}", params)
         found = await cur.fetchall()
         names = [d[0] for d in cur.description]
     rows = [dict(zip(names, values, strict=True)) for values in found]
