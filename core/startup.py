@@ -189,16 +189,20 @@ async def check_run_schema(
     lane_tables: Sequence[str],
     tail_lanes: Sequence[str] = (),
     main_lane: bool = True,
+    reader: str | None = None,
 ) -> None:
     """Start-up's schema check (step 3): raises :class:`~room_outbox.errors.PrivilegeError`
     or :class:`~room_outbox.errors.SchemaError` naming what ``run`` would refuse to start for.
     ``lane_tables``: the lanes of their own kept in a table, ``tail_lanes``: those tailing the
     outbox, ``main_lane``: the main lane runs. ``status`` and ``lanes`` make it too: a report
     that looks normal must not hide that no process can start. The user's privileges come
-    first: the catalogue may hide a table the user holds none on (MySQL's does)."""
-    claims = settings.outbox_worker.enabled
+    first: the catalogue may hide a table the user holds none on (MySQL's does). A report
+    (``reader``: its command's name) checks only what it needs itself, SELECT: its user may
+    be a monitoring one, not ``run``'s, and a replica serves it."""
+    claims = settings.outbox_worker.enabled and reader is None
     needed = needed_by_run(store, lane_tables, tail_lanes, main_lane, claims)
-    await check_privileges(store, needed, describe(store_address(settings.database.dsn.get_secret_value())))
+    where = describe(store_address(settings.database.dsn.get_secret_value()))
+    await check_privileges(store, needed, where, reader or "run")
     await check_schema(store, lane_tables, longest_claim_id(settings.node_id), tail_lanes)
 
 

@@ -152,16 +152,17 @@ async def not_a_tailing_lane(store: SQLStore, lane: str, command: str, err: Any)
 
 
 async def checked_report(
-    store: SQLStore, settings: Settings, plan: LanePlan, report: Callable[[], Awaitable[int]], err: Any
+    store: SQLStore, settings: Settings, plan: LanePlan, report: Callable[[], Awaitable[int]], err: Any, command: str
 ) -> int:
     """A report (``status``, ``lanes``) checked as ``run`` checks the schema at start (for the
     lanes of ``plan``): a normal-looking report must not hide that no process can start. The
     report is still printed (what it reads is true), then that problem and its fix on ``err``
     as start-up words it, with start-up's exit code (3). A report the problem keeps from
-    being read fails with the problem itself, which names the fix."""
+    being read fails with the problem itself, which names the fix. Privileges are the
+    report's own (``command``'s user reads: SELECT), not ``run``'s."""
     lane_tables = [lane for lane in plan.own if lane not in plan.tail]
     try:
-        await check_run_schema(store, settings, lane_tables, plan.tail, plan.main)
+        await check_run_schema(store, settings, lane_tables, plan.tail, plan.main, reader=command)
     except (SchemaError, PrivilegeError) as exc:
         problem = exc
     else:
@@ -170,7 +171,8 @@ async def checked_report(
         await report()
     except Exception as exc:  # a missing table or column, say: the driver's words name no fix
         raise problem from exc
-    print(f"room-outbox: `run` would refuse to start: {problem}", file=err)
+    said = problem if isinstance(problem, PrivilegeError) else f"`run` would refuse to start: {problem}"
+    print(f"room-outbox: {said}", file=err)
     return problem.exit_code
 
 

@@ -133,7 +133,7 @@ async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) ->
     command = functools.partial(lanes_command, store, plan, args, sys.stdout, sys.stderr)
     if getattr(args, "lanes_action", None) == "retire":  # a change, not a report
         return await command()
-    return await checked_report(store, settings, plan, command, sys.stderr)
+    return await checked_report(store, settings, plan, command, sys.stderr, "lanes")
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:

@@ -96,7 +96,7 @@ async def status_command(store: SQLStore, as_json: bool, out: IO[str], im_lane: 
 async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
     plan = lane_plan(make_plugin_manager(settings.plugins.disabled), settings)
     report = functools.partial(status_command, store, args.json, sys.stdout, plan.main)
-    return await checked_report(store, settings, plan, report, sys.stderr)
+    return await checked_report(store, settings, plan, report, sys.stderr, "status")
 
 
 COMMAND = Command(

@@ -60,10 +60,13 @@ def needed_by_run(
     return needed
 
 
-async def check_privileges(store: SQLStore, needed: Mapping[str, tuple[str, Sequence[str]]], where: str) -> None:
+async def check_privileges(
+    store: SQLStore, needed: Mapping[str, tuple[str, Sequence[str]]], where: str, command: str = "run"
+) -> None:
     """Raise :class:`PrivilegeError` naming every table of ``needed`` (table → a column of it
     and the privileges needed there) whose privileges the user lacks, or, where a write is
-    needed, that the server takes none. ``where`` names the store as messages do."""
+    needed, that the server takes none. ``where`` names the store as messages do, ``command``
+    the command that needs them."""
     if store.dialect.name == "sqlite":
         return
     writes = any(privilege != "SELECT" for _, privileges in needed.values() for privilege in privileges)
@@ -86,7 +89,7 @@ async def check_privileges(store: SQLStore, needed: Mapping[str, tuple[str, Sequ
         what = "; ".join(f"{', '.join(privileges)} on {table}" for table, privileges in lacks.items())
         them = "it" if sum(len(privileges) for privileges in lacks.values()) == 1 else "them"
         raise PrivilegeError(
-            f"{where} lacks privileges `run` needs: {what}; {privileges_needed(store.dialect.name, them)}"
+            f"{where} lacks privileges `{command}` needs: {what}; {privileges_needed(store.dialect.name, them)}"
         )
 
 
