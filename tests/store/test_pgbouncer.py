@@ -9,7 +9,7 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import anyio
@@ -18,7 +18,7 @@ import pytest
 from support import envelope, free_port, insert_events, pg_admin, wait_until
 from test_silk_wall_times import ZONE, in_zone, producer, publish, silk_table
 
-from room_outbox.errors import ConfigurationError, StoreError
+from room_outbox.errors import ConfigurationError, StoreError, StoreUnavailable
 from room_outbox.store.backends.postgres import PostgresAddress, PostgresStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
@@ -29,12 +29,16 @@ pytestmark = pytest.mark.anyio
 
 
 @contextlib.asynccontextmanager
-async def running_pgbouncer(postgresql_dsn: str, tmp_path: Path, pool_mode: str) -> AsyncIterator[str]:
-    """A PgBouncer in front of the suite's PostgreSQL, pooling by ``pool_mode`` over at most two
-    server sessions; yields the DSN of ``postgresql_dsn``'s database through it (saying
-    ``pool_mode=transaction`` for transaction pooling). The database's default isolation is
-    serializable, as a DBA may set it for other applications: set before PgBouncer opens a
-    server session, as it keeps them."""
+async def running_pgbouncer(
+    postgresql_dsn: str, tmp_path: Path, pool_mode: str, databases: Sequence[str] = ("*",), server_sessions: int = 2
+) -> AsyncIterator[str]:
+    """A PgBouncer in front of the suite's PostgreSQL, pooling by ``pool_mode`` over at most
+    ``server_sessions`` server sessions; yields the DSN of ``postgresql_dsn``'s database through
+    it (saying ``pool_mode=transaction`` for transaction pooling). It serves every database
+    (``*``), or those ``databases`` lists, each as the server's database of that name, with its
+    users in an auth file, as deployments list them (it then refuses any other database: ``no
+    such database``). The database's default isolation is serializable, as a DBA may set it for
+    other applications: set before PgBouncer opens a server session, as it keeps them."""
     binary = shutil.which("pgbouncer", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
     if binary is None:
         pytest.fail("pgbouncer is missing: install the Debian package pgbouncer (scripts/test.sh does)")
@@ -42,12 +46,17 @@ async def running_pgbouncer(postgresql_dsn: str, tmp_path: Path, pool_mode: str)
     pg_admin(f"ALTER DATABASE \"{server.database}\" SET default_transaction_isolation = 'serializable'")
     port = free_port()
     config = tmp_path / f"pgbouncer-{pool_mode}.ini"
+    if list(databases) == ["*"]:
+        listed, auth = f"* = host={server.host} port={server.port} user={server.user}\n", "auth_type = any\n"
+    else:
+        listed = "".join(f"{name} = host={server.host} port={server.port}\n" for name in databases)
+        users = tmp_path / "pgbouncer-users.txt"
+        users.write_text(f'"{server.user}" ""\n')
+        auth = f"auth_type = trust\nauth_file = {users}\n"
     config.write_text(
-        "[databases]\n"
-        f"* = host={server.host} port={server.port} user={server.user}\n"
-        "[pgbouncer]\n"
-        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
-        f"auth_type = any\npool_mode = {pool_mode}\ndefault_pool_size = 2\nadmin_users = {server.user}\n"
+        f"[databases]\n{listed}[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n{auth}"
+        f"pool_mode = {pool_mode}\ndefault_pool_size = {server_sessions}\nadmin_users = {server.user}\n"
     )
     # PgBouncer refuses to run as root: it reads its configuration, then becomes nobody.
     as_user = ["-u", "nobody"] if os.geteuid() == 0 else []
@@ -181,6 +190,55 @@ async def test_migrate_through_transaction_pooling_is_refused_naming_the_fix(
         finally:
             await store.aclose()
         await server_sessions_left_clean(dsn, postgresql_dsn)
+
+
+@pytest.mark.parametrize("pool_mode", ["session", "transaction"])
+async def test_migrate_through_a_pooler_serving_only_its_database(
+    postgresql_dsn: str, tmp_path: Path, pool_mode: str
+) -> None:
+    """A pooler that lists the DSN's database alone (not the maintenance database ``postgres``):
+    migrate connects to its database first and never opens the maintenance one, which the
+    pooler refuses with ``no such database`` (then read as a server still starting, and waited
+    for). In session pooling it migrates (on three server sessions: its changes', its lock's and
+    the pool's); in transaction pooling the refusal names the fix."""
+    database = PostgresAddress.from_dsn(postgresql_dsn).database
+    async with running_pgbouncer(postgresql_dsn, tmp_path, pool_mode, [database], server_sessions=3) as dsn:
+        store = await open_store(dsn, create_database=True)
+        try:
+            if pool_mode == "session":
+                assert "created table room_outbox" in await store.migrate()
+            else:
+                with pytest.raises(StoreError, match=r"migrate cannot run through database\.dsn's pool_mode"):
+                    await store.migrate()
+        finally:
+            await store.aclose()
+
+
+async def test_a_database_the_pooler_lists_but_the_server_lacks_is_said_missing_with_the_fix(
+    postgresql_dsn: str, tmp_path: Path
+) -> None:
+    """The DSN's database missing on the server and the maintenance database not served: migrate
+    says the database is missing and how to create it (no wait for a server that answered); a
+    database the pooler does not list is named too, not waited for."""
+    server = PostgresAddress.from_dsn(postgresql_dsn)
+    database = server.database
+    missing = f"{database}_missing"
+    async with running_pgbouncer(postgresql_dsn, tmp_path, "session", databases=[database, missing]) as dsn:
+        at_missing = dsn.rsplit("/", 1)[0] + f"/{missing}"
+        with pytest.raises(StoreUnavailable) as refused:
+            await open_store(at_missing, create_database=True, wait=30.0)
+        assert not refused.value.transient
+        assert (
+            f"(database '{missing}', user '{server.user}'): the database does not exist, and migrate could not"
+            in str(refused.value)
+        )
+        assert f'no such database: postgres): create it (CREATE DATABASE "{missing}", as a role with CREATEDB)' in str(
+            refused.value
+        )
+        unlisted = dsn.rsplit("/", 1)[0] + f"/{database}_unlisted"
+        with pytest.raises(StoreUnavailable, match=r"serves no database '.*_unlisted': add it to the pooler") as gone:
+            await open_store(unlisted, wait=30.0)
+        assert not gone.value.transient
 
 
 async def test_transaction_pooling_the_dsn_does_not_name_is_refused_at_start_naming_the_fix(

@@ -209,6 +209,35 @@ async def test_migrate_creates_a_missing_database() -> None:
         pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+async def test_a_database_the_role_may_not_create_is_said_missing_with_how_to_create_it() -> None:
+    """A role without CREATEDB: the database's absence is what migrate reports (not a server to
+    wait for), with the statement that creates it. A database that is there but refuses the role
+    (CONNECT not granted) is reported as the server refused it: the maintenance database's
+    catalogue shows it exists, and nothing is created."""
+    role = f"ro_nocreatedb_{uuid.uuid4().hex[:8]}"
+    name = f"ro_test_{uuid.uuid4().hex[:12]}"
+    pg_admin(f"CREATE ROLE {role} LOGIN")
+    as_role = POSTGRESQL_SERVER_DSN.replace("://postgres@", f"://{role}@") + f"/{name}"
+    try:
+        with pytest.raises(StoreUnavailable) as refused:
+            await open_store(as_role, create_database=True, wait=30.0)
+        assert not refused.value.transient
+        assert str(refused.value) == (
+            f"PostgreSQL at {PostgresAddress.from_dsn(as_role).location} (database {name!r}, user {role!r}): the"
+            " database does not exist, and migrate could not create it from the maintenance database 'postgres'"
+            f' (permission denied to create database): create it (CREATE DATABASE "{name}", as a role with'
+            " CREATEDB), then run migrate again"
+        )
+        pg_admin(f'CREATE DATABASE "{name}"')
+        pg_admin(f'REVOKE CONNECT ON DATABASE "{name}" FROM PUBLIC')
+        with pytest.raises(StoreUnavailable, match=rf'permission denied for database "?{name}"?') as denied:
+            await open_store(as_role, create_database=True)
+        assert "does not exist" not in str(denied.value)
+    finally:
+        pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        pg_admin(f"DROP ROLE IF EXISTS {role}")
+
+
 async def test_postgresql_failures_name_the_server_and_the_fix_never_the_password() -> None:
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))

@@ -21,8 +21,11 @@ from room_outbox.store.lanes.store import LaneStore, migrate_lanes
 from room_outbox.store.membership import bucket_of
 from room_outbox.store.protocol import ReadAlong, SQLStore
 from room_outbox.store.schema.buckets import BUCKETS, row_bucket
+from room_outbox.store.schema.check import check_schema
 from room_outbox.store.schema.outbox import SILK_BACKFILL_BATCH, SILK_TABLE_DDL, V1_TABLE_DDL
 from room_outbox.store.schema.profiles import SILK
+from room_outbox.store.schema.registry import WantedSchema, migration_plan
+from room_outbox.store.schema.registry import migrate as migrate_schema
 
 pytestmark = pytest.mark.anyio
 
@@ -151,6 +154,23 @@ async def test_old_rows_keep_keys_below_rows_inserted_during_the_migration(silk:
     old = [keys[f"old-{n}"] for n in range(1, 26)] + [keys["between"]]
     assert old == sorted(old) and len(set(old)) == len(old) and min(old) > 0
     assert max(old) < keys["during"] < keys["after"]
+
+
+async def test_silks_table_is_adopted_with_a_lane_tailing_it(silk: PostgresStore) -> None:
+    """With Kafka's lane tailing the outbox, migrate checks the sequence behind its key, which
+    silk's table does not have yet: the plan adds ``outbox_seq`` (``migrate --sql`` shows it)
+    and migrate runs it, where both failed on the missing column. Until then ``run`` names the
+    column and migrate."""
+    await execute(silk, *(s.format(table="outbox_events") for s in SILK_TABLE_DDL))
+    await execute(silk, silk_rows_sql(5, pending_every=1))
+    tailing = WantedSchema(tail_lanes=("kafka",))
+    with pytest.raises(SchemaError, match=r"^table outbox_events lacks .*outbox_seq.*: run `room-outbox migrate`$"):
+        await check_schema(silk, tail_lanes=["kafka"])
+    plan = await migration_plan(silk, tailing)
+    assert plan[0].change == "added column outbox_events.outbox_seq"
+    assert "added column outbox_events.outbox_seq" in await migrate_schema(silk, tailing)
+    await check_schema(silk, tail_lanes=["kafka"])
+    assert len(await claim_everything(silk)) == 5
 
 
 async def test_old_rows_of_one_transaction_are_numbered_in_their_order_of_insertion(silk: PostgresStore) -> None:

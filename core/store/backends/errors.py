@@ -197,6 +197,12 @@ def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOu
         return StoreUnavailable(
             f"{where}: the database does not exist; create it, or run `room-outbox migrate`, which creates it"
         )
+    pooled = re.search(r"no such database: (\S+)", reason)
+    if pooled:  # PgBouncer's words: it lists no database of that name (not down: not waited for)
+        return StoreUnavailable(
+            f"{where}: the pooler there (PgBouncer) serves no database {pooled.group(1)!r}: add it to the"
+            " pooler's [databases], or fix the database in database.dsn"
+        )
     if state == _PG_PRIVILEGE:
         return StoreUnavailable(f"{where}: {reason}; {PG_PRIVILEGES_NEEDED}")
     if state == _PG_READ_ONLY:

@@ -26,7 +26,7 @@ from psycopg.adapt import AdaptersMap
 from psycopg.types.string import TextLoader
 from psycopg_pool import AsyncConnectionPool
 
-from room_outbox.errors import ConfigurationError, SchemaError, StoreError
+from room_outbox.errors import ConfigurationError, SchemaError, StoreError, StoreUnavailable
 from room_outbox.store.backends.errors import PG_PRIVILEGES_NEEDED, named_fix
 from room_outbox.store.backends.leased import LeasedRows
 from room_outbox.store.backends.postgres_address import POOL_MODE, PostgresAddress
@@ -293,11 +293,9 @@ class PostgresStore(LeasedRows):
         )
         try:
             with query_deadline(query_timeout):
-                if create_database:
-                    await _create_database(address, query_timeout)
                 # One connection first, alone: its error (refused, login, no such database) is
                 # the driver's own, where the pool would only report that it timed out.
-                first = await psycopg.AsyncConnection.connect(**address.connect_kwargs(query_timeout), autocommit=True)
+                first = await _first_connection(address, query_timeout, create_database)
                 try:
                     session.read_write = await role_read_only(first)
                     if not address.transaction_pooling:
@@ -701,14 +699,67 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-async def _create_database(address: PostgresAddress, query_timeout: float) -> None:
-    """Create the DSN's database when missing (``room-outbox migrate``), from the server's
-    maintenance database; the caller bounds the time."""
-    conn = await open_session(address, query_timeout, database="postgres", autocommit=True)
+#: Where ``migrate`` creates a missing database from: the server's maintenance database.
+MAINTENANCE_DATABASE = "postgres"
+#: PostgreSQL's words (in English) for a database that does not exist: a connection's error
+#: carries no SQLSTATE.
+_NO_SUCH_DATABASE = re.compile(r'database "[^"]*" does not exist')
+
+
+async def _first_connection(
+    address: PostgresAddress, query_timeout: float, create_database: bool
+) -> psycopg.AsyncConnection[Any]:
+    """A connection to the DSN's database (autocommit), which ``create_database`` creates when
+    missing. The DSN's database is tried first, and the maintenance database only when that
+    fails: a pooler serves only the databases it lists (PgBouncer: ``no such database:
+    postgres``), and a managed server may refuse CONNECT on its maintenance database."""
+    kwargs = address.connect_kwargs(query_timeout)
+    try:
+        return await psycopg.AsyncConnection.connect(**kwargs, autocommit=True)
+    except psycopg.OperationalError as refused:
+        if not create_database or not await _create_database(address, query_timeout, refused):
+            raise
+    return await psycopg.AsyncConnection.connect(**kwargs, autocommit=True)
+
+
+async def _create_database(address: PostgresAddress, query_timeout: float, refused: psycopg.OperationalError) -> bool:
+    """Create the DSN's database, whose connection failed with ``refused``, from the server's
+    maintenance database where its catalogue says it is missing (the server's words may be in
+    another language); the caller bounds the time. False where it is there (``refused`` is
+    another failure), or where the maintenance database cannot be opened and ``refused`` does
+    not say the database is missing. Where it is missing and cannot be created (the maintenance
+    database not served, CONNECT or CREATEDB not granted), say so, with how to create it."""
+    try:
+        conn = await open_session(address, query_timeout, database=MAINTENANCE_DATABASE, autocommit=True)
+    except psycopg.Error as exc:
+        if not _NO_SUCH_DATABASE.search(str(refused)):
+            return False
+        raise _not_created(address, exc) from exc
     try:
         cur = await conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (address.database,))
-        if await cur.fetchone() is None:
-            name = address.database.replace('"', '""')
-            await conn.execute(f'CREATE DATABASE "{name}"')
+        if await cur.fetchone() is not None:
+            return False
+        await conn.execute(f'CREATE DATABASE "{_quoted(address.database)}"')
+    except psycopg.errors.DuplicateDatabase:
+        pass  # another migrate made it meanwhile
+    except psycopg.Error as exc:
+        raise _not_created(address, exc) from exc
     finally:
         await conn.close()
+    return True
+
+
+def _quoted(name: str) -> str:
+    return name.replace('"', '""')
+
+
+def _not_created(address: PostgresAddress, exc: psycopg.Error) -> StoreUnavailable:
+    reason = " ".join(str(exc).split())
+    if address.password:
+        reason = reason.replace(address.password, "***")
+    return StoreUnavailable(
+        f"PostgreSQL at {address.location} (database {address.database!r}, user {address.user!r}): the database"
+        f" does not exist, and migrate could not create it from the maintenance database {MAINTENANCE_DATABASE!r}"
+        f' ({reason}): create it (CREATE DATABASE "{_quoted(address.database)}", as a role with CREATEDB), then'
+        " run migrate again"
+    )

@@ -605,9 +605,14 @@ async def sequence_problems(cur: Any, dialect: Dialect, profile: Profile) -> lis
     an auto-increment id at the insert itself.)"""
     if dialect.name != "postgresql":
         return []
-    await cur.execute("SELECT to_regclass(%s)", (profile.table,))
-    if (await cur.fetchone())[0] is None:
-        return []  # not made yet: migrate makes it with a sequence of its own
+    # Neither the table nor its key may be there yet (silk's table gets outbox_seq from migrate):
+    # migrate makes them with a sequence of its own, and pg_get_serial_sequence would fail.
+    await cur.execute(
+        "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attname = %s AND NOT attisdropped",
+        (profile.table, profile.key),
+    )
+    if await cur.fetchone() is None:
+        return []
     await cur.execute(
         # by its schema too, as the fix names it
         "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname), seq.seqcache FROM pg_sequence seq"
