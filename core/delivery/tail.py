@@ -35,13 +35,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
 from anyio.abc import TaskStatus
 
-from room_outbox.attempt.failure import Failure, describe, error_text
+from room_outbox.attempt.failure import ErrorClass, Failure, describe, error_text
 from room_outbox.attempt.pipeline import Attempts
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
@@ -49,9 +49,13 @@ from room_outbox.observability.health import LaneHealth
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.observability.telemetry import Telemetry
+from room_outbox.observability.tracing import end_attempt_span, sent_in_batch_span
 from room_outbox.sink import OrderedLogSink, PermanentSinkError
 from room_outbox.store.deadline import database_deadline_paused
 from room_outbox.store.lanes.tail import KeptLane, TailRow, TailStore
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = logging.getLogger("room_outbox.tail")
 
@@ -160,9 +164,12 @@ class TailRelay:
                 if self.router.sink_for(envelope.event_type) is not None:
                     to_send.append((row, envelope))
             if to_send:
+                traced = self._traced(to_send) if self.telemetry.tracer is not None else []
                 try:
                     outcomes = await self._publish([envelope for _, envelope in to_send], tail.while_sending)
                 except BatchFailed as failed:
+                    for _, span in traced:
+                        end_attempt_span(span, str(failed.failure.error_class), failed.failure.error)
                     self._round_failed(failed)
                     failed.sink_answered = await self._keep_lane_until_sink_answers(await tail.roll_back_keeping_lane())
                     raise
@@ -176,8 +183,29 @@ class TailRelay:
                         published[label] += 1
                 for label, events in published.items():
                     self._count(label, None, events)
+                for index, span in traced:
+                    outcome = outcomes[index]
+                    if isinstance(outcome, PermanentSinkError):
+                        end_attempt_span(span, str(ErrorClass.PERMANENT), self._short(str(outcome)))
+                    else:
+                        end_attempt_span(span, None, None)
         self.telemetry.flush_counts()
         return tail.full
+
+    def _traced(self, to_send: list[tuple[TailRow, EventEnvelope]]) -> list[tuple[int, Span]]:
+        """A span, started now, for each event of the batch whose envelope carries a sampled
+        ``traceparent`` (with its index in the batch); none for the others, which would cost
+        the relay more than the rest of their path."""
+        tracer = self.telemetry.tracer
+        assert tracer is not None
+        traced: list[tuple[int, Span]] = []
+        for index, (_, envelope) in enumerate(to_send):
+            if envelope.traceparent:
+                label = self.router.event_label(envelope.event_type)
+                span = sent_in_batch_span(tracer, envelope, label, self._sink_name)
+                if span is not None:
+                    traced.append((index, span))
+        return traced
 
     def _round_failed(self, exc: Exception) -> None:
         sink_failed = isinstance(exc, BatchFailed | SinkUnreachable)

@@ -2,7 +2,9 @@
 
 Every attempt to deliver an event is one span (:class:`AttemptSpan`); when the envelope
 carries a W3C ``traceparent`` it is a child of the producer's span, so the trace of a room
-command holds every delivery attempt of its event, retries included. A sink traces its own I/O
+command holds every delivery attempt of its event, retries included. The tailing relay, which
+sends a batch at a time, traces only the events whose ``traceparent`` is sampled
+(:func:`sent_in_batch_span`). A sink traces its own I/O
 inside that span with :func:`sink_span` or :func:`http_client_span`, which use the attempt's
 tracer and cost nothing when tracing is off. No span ever records an exception's text (it
 may carry a secret), and as a last line of defence every exporter is wrapped in
@@ -180,13 +182,7 @@ class AttemptSpan:
             _active_tracer.reset(token)
 
     def finish(self, sink: str, error_class: str | None, error: str | None) -> None:
-        span = self._span or self._start(sink)
-        if error_class is None:
-            span.set_attribute("outcome", "published")
-        else:
-            span.set_attributes({"outcome": "failed", "error.type": error_class})
-            span.set_status(Status(StatusCode.ERROR, error))
-        span.end()
+        end_attempt_span(self._span or self._start(sink), error_class, error)
 
     def throttled(self, sink: str) -> None:
         """Held back by the sink's own rate limit: no request was sent, not an error."""
@@ -196,19 +192,8 @@ class AttemptSpan:
 
     def _start(self, sink: str) -> Span:
         row = self._row
-        attributes: dict[str, AttributeValue] = {
-            "event_id": row.event_id,
-            "event_type": row.event_type,
-            "room_id": row.room_id,
-            "app_code": self.app_code,
-            "sink": sink,
-            "retry_count": row.retry_count,
-            "messaging.operation.type": "send",
-            "messaging.message.id": row.event_id,
-            "messaging.destination.name": row.room_id,
-        }
-        if sink != "-":  # bad input never reached a sink: no messaging system to name
-            attributes["messaging.system"] = sink
+        attributes = _attempt_attributes(row.event_id, row.event_type, row.room_id, self.app_code, sink)
+        attributes["retry_count"] = row.retry_count
         self._span = self._tracer.start_span(
             f"room_outbox.deliver {self._event_label}",
             context=self._parent,
@@ -219,6 +204,57 @@ class AttemptSpan:
             attributes=attributes,
         )
         return self._span
+
+
+def sent_in_batch_span(tracer: trace.Tracer, envelope: EventEnvelope, event_label: str, sink: str) -> Span | None:
+    """The span of one event a batch sends (the tailing relay's), named and attributed as an
+    :class:`AttemptSpan` but for ``retry_count`` (a batch counts no retries): a child of the
+    envelope's ``traceparent``. ``None`` when the envelope carries none, or the sampler drops
+    it: a span for every event would cost the relay more than the rest of an event's path, so
+    only the events a producer traced get one. End it with :func:`end_attempt_span`."""
+    parent = producer_context(envelope.traceparent)
+    if parent is None:
+        return None
+    span = tracer.start_span(
+        f"room_outbox.deliver {event_label}",
+        context=parent,
+        kind=SpanKind.PRODUCER,
+        record_exception=False,
+        set_status_on_exception=False,
+        attributes=_attempt_attributes(
+            envelope.event_id, envelope.event_type, envelope.room_id, envelope.app_code, sink
+        ),
+    )
+    return span if span.is_recording() else None
+
+
+def end_attempt_span(span: Span, error_class: str | None, error: str | None) -> None:
+    """End a delivery attempt's span with its outcome: ``published`` when ``error_class`` is
+    None, else ``failed`` with ``error.type`` and status ERROR carrying ``error`` (redacted)."""
+    if error_class is None:
+        span.set_attribute("outcome", "published")
+    else:
+        span.set_attributes({"outcome": "failed", "error.type": error_class})
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end()
+
+
+def _attempt_attributes(
+    event_id: str, event_type: str, room_id: str, app_code: str, sink: str
+) -> dict[str, AttributeValue]:
+    attributes: dict[str, AttributeValue] = {
+        "event_id": event_id,
+        "event_type": event_type,
+        "room_id": room_id,
+        "app_code": app_code,
+        "sink": sink,
+        "messaging.operation.type": "send",
+        "messaging.message.id": event_id,
+        "messaging.destination.name": room_id,
+    }
+    if sink != "-":  # bad input never reached a sink: no messaging system to name
+        attributes["messaging.system"] = sink
+    return attributes
 
 
 class RedactingSpanExporter(SpanExporter):

@@ -22,6 +22,7 @@ import pytest
 from aiokafka.partitioner import DefaultPartitioner
 from lanes.conftest import Broker
 from lanes.test_lanes import consume, event_ids
+from opentelemetry.trace import SpanKind, StatusCode
 from support import (
     INSERT_V1,
     envelope,
@@ -32,7 +33,7 @@ from support import (
     key_event_ids_per_app,
     wait_until,
 )
-from telemetry_support import capture
+from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, capture
 
 from room_outbox.cli.cancel import cancel_tail_command
 from room_outbox.cli.inspect import inspect_events
@@ -280,6 +281,63 @@ async def test_an_oversize_event_is_parked_with_its_error_and_the_lane_goes_on(
     finally:
         await sink.aclose()
         await raised.aclose()
+
+
+async def test_each_event_a_producer_traced_gets_a_delivery_span_ending_with_its_outcome_and_no_other_does(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """An event whose envelope carries a sampled traceparent gets a `room_outbox.deliver` span,
+    a child of the producer's, covering its batch's send and ending with what became of it:
+    published, parked, or the batch's failure (then a span for the round that sends it again).
+    An event without one, or whose producer did not sample its trace, gets none."""
+    unsampled = f"00-{PRODUCER_TRACE}-{PRODUCER_SPAN}-00"
+    await insert_events(
+        any_store,
+        [envelope("traced", "RoomGiftSent", "r_9", traceparent=TRACEPARENT), envelope("untraced"),
+         envelope("unsampled", traceparent=unsampled),
+         envelope("huge", traceparent=TRACEPARENT, payload={"blob": "x" * 4000})],
+    )  # fmt: skip
+    sink = kafka_sink(kafka_broker, max_message_bytes=2048)
+    captured = capture()
+    tail = relay(any_store, sink, telemetry=captured.telemetry)
+    # The same lane with a short publish_timeout, for a round the hung broker fails.
+    impatient = relay(any_store, sink, telemetry=captured.telemetry, publish_timeout=0.5)
+    assert kafka_broker.proc is not None
+    try:
+        await drain(tail, any_store)
+        spans = {s.attributes["event_id"]: s for s in captured.spans("room_outbox.deliver ")}
+        assert spans.keys() == {"traced", "huge"}
+        traced, huge = spans["traced"], spans["huge"]
+        assert traced.name == "room_outbox.deliver RoomGiftSent" and traced.kind is SpanKind.PRODUCER
+        assert f"{traced.context.trace_id:032x}" == PRODUCER_TRACE
+        assert traced.parent is not None and f"{traced.parent.span_id:016x}" == PRODUCER_SPAN
+        assert traced.attributes == {
+            "event_id": "traced", "event_type": "RoomGiftSent", "room_id": "r_9", "app_code": "default",
+            "sink": "kafka", "messaging.system": "kafka", "messaging.operation.type": "send",
+            "messaging.message.id": "traced", "messaging.destination.name": "r_9", "outcome": "published",
+        }  # fmt: skip
+        assert huge.attributes["outcome"] == "failed" and huge.attributes["error.type"] == "permanent"
+        assert huge.status.status_code is StatusCode.ERROR
+        assert "exceeds max_message_bytes 2048" in (huge.status.description or "")
+
+        captured.spans_exporter.clear()
+        await insert_events(any_store, [envelope("stalled", traceparent=TRACEPARENT), envelope("stalled-untraced")])
+        kafka_broker.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(BatchFailed):
+                await impatient.run_once()
+        finally:
+            kafka_broker.proc.send_signal(signal.SIGCONT)
+        await drain(tail, any_store)
+    finally:
+        await sink.aclose()
+    spans_of_stalled = captured.spans("room_outbox.deliver ")
+    assert [s.attributes["event_id"] for s in spans_of_stalled] == ["stalled", "stalled"]
+    failed, published = spans_of_stalled
+    assert failed.attributes["outcome"] == "failed" and failed.attributes["error.type"] == "timeout"
+    assert failed.status.status_code is StatusCode.ERROR
+    assert published.attributes["outcome"] == "published"
+    assert {f"{s.parent.span_id:016x}" for s in spans_of_stalled if s.parent} == {PRODUCER_SPAN}
 
 
 async def test_bad_envelopes_are_parked_with_a_clear_error_and_the_lane_goes_on(
