@@ -46,13 +46,15 @@ _PRIVILEGE = (1142, 1143, 1227)
 _PRIVILEGES_NEEDED = (
     "grant it to the user in database.dsn, or run this command as one who has it (migrate needs"
     " CREATE, ALTER, INDEX and DROP on the database; run and the other commands need SELECT, INSERT,"
-    " UPDATE and DELETE, and cleanup --archive CREATE too, for its archive table)"
+    " UPDATE and DELETE, and cleanup --archive CREATE too, for its archive table, then INSERT and SELECT"
+    " on room_outbox_archive)"
 )
 PG_PRIVILEGES_NEEDED = (
     "grant it to the user in database.dsn, or run this command as one who has it (migrate needs"
     " CREATE on the schema and to own the outbox table, as PostgreSQL alters a table for its"
     " owner only; run and the other commands need SELECT, INSERT, UPDATE and DELETE, cleanup"
-    " --archive CREATE too, for its archive table, and consume USAGE on the sequence"
+    " --archive CREATE too, for its archive table, then INSERT and SELECT on room_outbox_archive where"
+    " another role made it, and consume USAGE on the sequence"
     " room_consumer_retry_id_seq)"
 )
 _UNKNOWN_DATABASE = 1049
