@@ -45,7 +45,8 @@ _PRIVILEGE = (1142, 1143, 1227)
 #: What to tell an operator whose user lacks a privilege: which commands need which.
 _PRIVILEGES_NEEDED = (
     "grant it to the user in database.dsn, or run this command as one who has it (migrate needs"
-    " CREATE, ALTER, INDEX and DROP on the database; run and the other commands need SELECT, INSERT,"
+    " CREATE, ALTER, INDEX and DROP on the database, and SELECT, INSERT, UPDATE and DELETE as well: it"
+    " reads the tables and the catalogue and fills rows in; run and the other commands need SELECT, INSERT,"
     " UPDATE and DELETE, and cleanup --archive CREATE too, for its archive table, then INSERT and SELECT"
     " on room_outbox_archive)"
 )
