@@ -188,7 +188,10 @@ async def test_migrate_by_a_user_without_the_privilege_says_which_commands_need_
                     "room-outbox migrate: could not try the changes on an empty copy of room_outbox first (DROP"
                 )
         assert "ALTER command denied" in errors["mysql"]
-        assert "migrate needs CREATE, ALTER, INDEX and DROP on the database" in errors["mysql"]
+        assert (
+            "migrate needs CREATE, ALTER, INDEX and DROP on the database, and SELECT, INSERT, UPDATE and DELETE"
+            " as well" in errors["mysql"]
+        )
         assert "lacks CREATE on schema public and ownership of table room_outbox" in errors["postgresql"]
         assert "nothing was changed" in errors["postgresql"]
         assert "migrate needs CREATE on the schema and to own the outbox table" in errors["postgresql"]
@@ -199,6 +202,106 @@ async def test_migrate_by_a_user_without_the_privilege_says_which_commands_need_
         await pg_admin_conn.execute("DROP TABLE IF EXISTS room_outbox")
         await pg_admin_conn.execute(f"DROP ROLE IF EXISTS {user}")
         await pg_admin_conn.close()
+
+
+async def test_migrate_by_a_user_with_only_the_ddl_privileges_is_refused_before_any_change(
+    database_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CREATE, ALTER, INDEX and DROP alone (MySQL/MariaDB): the catalogue shows such a user no
+    column, so a plan read from it took room-service's table for missing, or an adopted table's
+    columns for ones to add (`Duplicate column name`); and without INSERT it stopped half-way,
+    after altering the table, at the room buckets. Each is refused first, naming the privilege."""
+    user = f"ro_ddl_{uuid.uuid4().hex[:8]}"
+    mysql = MySQLAddress.from_dsn(database_dsn)
+    admin = await mysql.connect(autocommit=True, db=mysql.database)
+
+    async def catalogue() -> list[Any]:
+        async with admin.cursor() as cur:
+            await cur.execute(
+                "SELECT TABLE_NAME, COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()"
+                " ORDER BY TABLE_NAME, ORDINAL_POSITION"
+            )
+            return list(await cur.fetchall())
+
+    async def migrate_as_user(*extra: str) -> tuple[int, list[str]]:
+        config = write_config(tmp_path, f"mysql://{user}:pw@{mysql.host}:{mysql.port}/{mysql.database}")
+        code, _, err = await cli(capsys, "--config", config, "migrate", *extra)
+        return code, err
+
+    try:
+        async with admin.cursor() as cur:
+            await cur.execute(V1_DDL)
+            await cur.execute(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'")
+            await cur.execute(f"GRANT CREATE, ALTER, INDEX, DROP ON `{mysql.database}`.* TO '{user}'@'%'")
+        v1 = await catalogue()
+        code, err = await migrate_as_user()
+        assert code == 3 and len(err) == 1, err
+        assert "this user may not read room_outbox, and the catalogue hides from it what it holds" in err[0]
+        assert "grant SELECT on it to the user in database.dsn" in err[0]
+        assert "migrate needs SELECT, INSERT, UPDATE and DELETE" in err[0]
+        assert err[0].endswith("; nothing was changed")
+        assert await catalogue() == v1
+
+        async with admin.cursor() as cur:
+            await cur.execute(f"GRANT SELECT ON `{mysql.database}`.* TO '{user}'@'%'")
+        code, err = await migrate_as_user()
+        assert code == 3 and len(err) == 1, err
+        assert "this user may not run INSERT on room_outbox_bucket, which migrate needs" in err[0]
+        assert err[0].endswith("; nothing was changed")
+        assert await catalogue() == v1
+
+        # An adopted table: never a plan to add what is there
+        async with admin.cursor() as cur:
+            await cur.execute(f"GRANT INSERT, UPDATE, DELETE ON `{mysql.database}`.* TO '{user}'@'%'")
+        assert (await migrate_as_user())[0] == 0
+        adopted = await catalogue()
+        async with admin.cursor() as cur:
+            await cur.execute(f"REVOKE SELECT, INSERT, UPDATE, DELETE ON `{mysql.database}`.* FROM '{user}'@'%'")
+        for extra in ((), ("--sql",)):
+            code, err = await migrate_as_user(*extra)
+            assert code == 3 and len(err) == 1, err
+            assert err[0].startswith(
+                "room-outbox: this user may not read room_outbox, room_consumer_processed, room_consumer_retry,"
+                " room_outbox_bucket, room_outbox_lane_cursor, room_outbox_node, and the catalogue hides from it"
+                " what they hold"
+            ), err
+        assert await catalogue() == adopted
+    finally:
+        async with admin.cursor() as cur:
+            await cur.execute(f"DROP USER IF EXISTS '{user}'@'%'")
+        admin.close()
+
+
+async def test_migrate_plans_nothing_from_tables_another_role_made_that_it_may_not_read(
+    postgresql_dsn: str,
+) -> None:
+    """PostgreSQL's catalogue hides a table whole from a role with no privilege on it: the
+    outbox table's owner would plan to create the room bucket tables another role made."""
+    role = f"ro_own_{uuid.uuid4().hex[:8]}"
+    admin = await open_store(postgresql_dsn)
+    try:
+        await admin.migrate()
+        async with admin.transaction() as cur:
+            await cur.execute(f"CREATE ROLE {role} LOGIN")
+            await cur.execute(f"GRANT CREATE ON SCHEMA public TO {role}")
+            await cur.execute(f"ALTER TABLE room_outbox OWNER TO {role}")
+        as_role = await open_store(postgresql_dsn.replace("://postgres@", f"://{role}@"))
+        try:
+            with pytest.raises(StoreUnavailable) as refused:
+                await as_role.migration_plan()
+        finally:
+            await as_role.aclose()
+        assert str(refused.value).startswith(
+            "this user may not read room_outbox_bucket, room_outbox_node, and the catalogue hides from it"
+            " what they hold"
+        ), refused.value
+        assert "migrate needs CREATE on the schema, to own the outbox table, and SELECT" in str(refused.value)
+    finally:
+        async with admin.transaction() as cur:
+            await cur.execute("ALTER TABLE room_outbox OWNER TO postgres")
+            await cur.execute(f"DROP OWNED BY {role}")
+        await admin.aclose()
+        pg_admin(f"DROP ROLE IF EXISTS {role}")
 
 
 async def test_a_server_with_no_connection_left_says_so_not_that_it_is_down(

@@ -9,21 +9,24 @@ import os
 import pty
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from support import INSERT_V1, envelope, fetch_rows, kill_if_running, wait_until
+from support import INSERT_V1, envelope, fetch_rows, insert_events, kill_if_running, pg_admin, wait_until
 
 from room_outbox.cli.main import main
 from room_outbox.config import ConfigError, RetentionSettings, load_settings
-from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.errors import StoreError, StoreUnavailable
+from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.consumers.protocol import Processed, RetryRow
 from room_outbox.store.consumers.sql import SQLConsumerStore
-from room_outbox.store.factory import consumer_store, open_store
+from room_outbox.store.dialect import table_names
+from room_outbox.store.factory import consumer_store, open_store, store_address
 from room_outbox.store.operator.retention import (
     ARCHIVE_TABLE,
     RetentionOptions,
@@ -191,6 +194,114 @@ async def test_cleanup_command(
     assert await anyio.to_thread.run_sync(main, argv) == 0
     assert f"9 published row(s) older than 48h moved to {ARCHIVE_TABLE}" in capsys.readouterr().out
     assert await fetch_rows(store) == {}
+
+
+@pytest.mark.parametrize("server", ["mysql", "postgresql"])
+async def test_archiving_a_user_cannot_write_removes_nothing_and_names_the_privilege(
+    server: str, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user with the privileges `run` needs (SELECT, INSERT, UPDATE, DELETE on every table,
+    CREATE for the archive table) has none on the archive: on MySQL its creator gets none, on
+    PostgreSQL another role made it. The catalogue then shows the user none of its columns;
+    neither cleanup nor the background job may delete a row they could not copy."""
+    dsn = request.getfixturevalue("database_dsn" if server == "mysql" else "postgresql_dsn")
+    user = f"ro_arch_{uuid.uuid4().hex[:8]}"
+    admin = await open_store(dsn)
+    try:
+        await admin.migrate()
+        await insert_events(admin, [envelope(f"e{n}") for n in range(5)])
+        async with admin.transaction() as cur:
+            await cur.execute(
+                "UPDATE room_outbox SET status = 'published', created_at_ms = %s", (now_ms() - 8 * DAY_MS,)
+            )
+        if server == "mysql":
+            database = store_address(dsn).database
+            await _as_mysql_root(dsn, f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'")
+            async with admin.transaction() as cur:
+                tables = sorted(await table_names(cur, admin.dialect))
+            for table in tables:
+                await _as_mysql_root(
+                    dsn, f"GRANT SELECT, INSERT, UPDATE, DELETE ON `{database}`.{table} TO '{user}'@'%'"
+                )
+            await _as_mysql_root(dsn, f"GRANT CREATE ON `{database}`.* TO '{user}'@'%'")
+            user_dsn = dsn.replace("://root:@", f"://{user}:pw@")
+        else:
+            async with admin.transaction() as cur:
+                await cur.execute(f"CREATE ROLE {user} LOGIN")
+                await cur.execute(f"GRANT CREATE ON SCHEMA public TO {user}")
+                await cur.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {user}")
+                await cur.execute(f"CREATE TABLE {ARCHIVE_TABLE} (LIKE room_outbox INCLUDING ALL)")
+            user_dsn = dsn.replace("://postgres@", f"://{user}@")
+        as_user = await open_store(user_dsn)
+        try:
+            with pytest.raises(StoreUnavailable) as refused:
+                await cleanup(as_user, fast(archive=True))
+            assert f"cannot see the columns of {ARCHIVE_TABLE}" in str(refused.value)
+            assert f"grant INSERT and SELECT on {ARCHIVE_TABLE} to the user in database.dsn" in str(refused.value)
+            assert len(await fetch_rows(admin)) == 5
+
+            settings = RetentionSettings(enabled=True, older_than="168h", archive=True, pause="0s", interval="1h")
+            stop = anyio.Event()
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    await tg.start(run_retention_job, as_user, settings, stop)
+                    await wait_until(lambda: any("pass failed" in r.getMessage() for r in caplog.records), timeout=5)
+                    stop.set()
+            assert len(await fetch_rows(admin)) == 5
+        finally:
+            await as_user.aclose()
+        async with admin.transaction() as cur:
+            await cur.execute(f"SELECT COUNT(*) FROM {ARCHIVE_TABLE}")
+            assert (await cur.fetchone())[0] == 0
+    finally:
+        if server == "mysql":
+            await _as_mysql_root(dsn, f"DROP USER IF EXISTS '{user}'@'%'")
+        else:
+            async with admin.transaction() as cur:  # its grants in this database first
+                await cur.execute(f"DROP OWNED BY {user}")
+            pg_admin(f"DROP ROLE IF EXISTS {user}")
+        await admin.aclose()
+
+
+async def test_a_row_the_archive_did_not_take_is_not_deleted(postgresql_dsn: str) -> None:
+    """The delete goes only with a copy of every row it takes: an archive that keeps some rows
+    out (a PostgreSQL trigger returning NULL skips them) rolls the whole batch back."""
+    store = await open_store(postgresql_dsn)
+    try:
+        await store.migrate()
+        await insert_events(store, [envelope(f"e{n}") for n in range(4)])
+        async with store.transaction() as cur:
+            await cur.execute(
+                "UPDATE room_outbox SET status = 'published', created_at_ms = %s", (now_ms() - 8 * DAY_MS,)
+            )
+            await cur.execute(f"CREATE TABLE {ARCHIVE_TABLE} (LIKE room_outbox INCLUDING ALL)")
+            await cur.execute(
+                "CREATE FUNCTION keep_out_e2() RETURNS trigger LANGUAGE plpgsql AS"
+                " $$ BEGIN IF NEW.event_id = 'e2' THEN RETURN NULL; END IF; RETURN NEW; END $$"
+            )
+            await cur.execute(
+                f"CREATE TRIGGER keep_out BEFORE INSERT ON {ARCHIVE_TABLE} FOR EACH ROW EXECUTE FUNCTION keep_out_e2()"
+            )
+        with pytest.raises(
+            StoreError, match=f"archiving copied 3 of 4 row\\(s\\) to {ARCHIVE_TABLE}; nothing was removed"
+        ):
+            await cleanup(store, fast(archive=True))
+        assert len(await fetch_rows(store)) == 4
+        async with store.transaction() as cur:
+            await cur.execute(f"SELECT COUNT(*) FROM {ARCHIVE_TABLE}")
+            assert (await cur.fetchone())[0] == 0
+    finally:
+        await store.aclose()
+
+
+async def _as_mysql_root(dsn: str, sql: str) -> None:
+    address = MySQLAddress.from_dsn(dsn)
+    conn = await address.connect(autocommit=True, db=address.database)
+    try:
+        async with conn.cursor() as cur:
+            await cur.execute(sql)
+    finally:
+        conn.close()
 
 
 def test_retention_settings(tmp_path: Path) -> None:

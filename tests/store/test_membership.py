@@ -13,12 +13,14 @@ from support import CREATED, INSERT_V1, TABLE_SHAPES, envelope, insert_events, m
 
 from room_outbox.cluster.membership import Membership
 from room_outbox.cluster.quota import QuotaShare
+from room_outbox.errors import SchemaError
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.store import LaneStore, migrate_lanes
 from room_outbox.store.membership import bucket_of, claimable_buckets, read_buckets, still_leased
 from room_outbox.store.protocol import ReadAlong, SQLStore
 from room_outbox.store.schema.buckets import BUCKET_TABLE, BUCKETS, row_bucket
+from room_outbox.store.schema.check import check_schema
 from room_outbox.store.schema.profiles import ROOM_CELL, V1
 
 pytestmark = pytest.mark.anyio
@@ -518,6 +520,28 @@ async def test_migrate_adds_the_orderings_column_to_an_earlier_node_table(store:
     assert await store.migrate() == ["added column room_outbox_node.orderings"]
     assert await store.migrate() == []
     await Membership(store, "node-a", ["room_outbox"], orderings={"main": "none"}).beat()
+
+
+async def test_a_bucket_table_left_without_its_rows_is_refused_at_start_and_filled_by_migrate(store: SQLStore) -> None:
+    """A migrate stopped between creating the bucket table and filling it (a user without
+    INSERT): no process would ever own those rooms, and per-room delivery stalled silently."""
+    async with store.transaction() as cur:
+        await cur.execute(f"DELETE FROM {BUCKET_TABLE} WHERE bucket >= 200")
+    with pytest.raises(SchemaError) as refused:
+        await check_schema(store)
+    assert str(refused.value) == (
+        f"table {BUCKET_TABLE} lacks the rows of 56 of its {BUCKETS} room buckets (a migrate stopped half-way):"
+        " no process would ever take those rooms' events; run `room-outbox migrate`, which adds them"
+    )
+    planned = await store.migration_plan()
+    assert [step.change for step in planned] == [f"added 56 missing row(s) to table {BUCKET_TABLE}"]
+    assert (
+        planned[0].statements[0].startswith(f"INSERT INTO {BUCKET_TABLE} (bucket, owner, updated_at_ms) VALUES (200,")
+    )
+    assert await store.migrate() == [f"added 56 missing row(s) to table {BUCKET_TABLE}"]
+    assert sorted(await owners(store)) == list(range(BUCKETS))
+    await check_schema(store)
+    assert await store.migrate() == []
 
 
 async def test_a_node_that_just_joined_keeps_its_heartbeats_pace_while_they_fail(database_dsn: str) -> None:

@@ -44,13 +44,16 @@ _INSECURE_TRANSPORT = 3159
 _PRIVILEGE = (1142, 1143, 1227)
 #: Which commands need which privileges, on MySQL/MariaDB and on PostgreSQL.
 _MYSQL_NEEDS = (
-    "migrate needs CREATE, ALTER, INDEX and DROP on the database; run and the other commands need SELECT,"
-    " INSERT, UPDATE and DELETE, and cleanup --archive CREATE too, for its archive table"
+    "migrate needs CREATE, ALTER, INDEX and DROP on the database, and SELECT, INSERT, UPDATE and DELETE as"
+    " well: it reads the tables and the catalogue and fills rows in; run and the other commands need SELECT,"
+    " INSERT, UPDATE and DELETE, and cleanup --archive CREATE too, for its archive table, then INSERT and"
+    " SELECT on room_outbox_archive"
 )
 _PG_NEEDS = (
     "migrate needs CREATE on the schema and to own the outbox table, as PostgreSQL alters a table for its"
     " owner only; run and the other commands need SELECT, INSERT, UPDATE and DELETE, cleanup --archive"
-    " CREATE too, for its archive table, and consume USAGE on the sequence room_consumer_retry_id_seq"
+    " CREATE too, for its archive table, then INSERT and SELECT on room_outbox_archive where another role"
+    " made it, and consume USAGE on the sequence room_consumer_retry_id_seq"
 )
 
 

@@ -20,6 +20,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from room_outbox.config import LanePlan, RetentionSettings
+from room_outbox.errors import StoreError, StoreUnavailable
 from room_outbox.store.backends.errors import mysql_error
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import column_names, table_names
@@ -190,7 +191,7 @@ async def cleanup(
     plan = plan or LanePlan(main=True, own=())
     by_status = plan.main or not plan.own
     report = CleanupReport(by_status=by_status)
-    columns = await _archive_columns(store) if options.archive and not dry_run else []
+    columns = await _archive_columns(store) if options.archive and not dry_run else None
     owers, fed_through, report.held_back_by, report.waiting_for = await _lanes(store, plan, cutoff)
     after = 0
     p = store.profile
@@ -233,11 +234,11 @@ async def _remove(
     store: SQLStore,
     candidates: list[int],
     cutoff: int,
-    archive_columns: list[str],
+    archive_columns: list[str] | None,
     owers: _Owers,
     by_status: bool,
 ) -> int:
-    """Remove (archiving first when asked) the candidates still finished and old, skipping
+    """Remove (archiving first when ``archive_columns`` names the columns to copy) the candidates still finished and old, skipping
     rows another cleaner holds; one transaction.
 
     It locks only those rows (``FOR UPDATE SKIP LOCKED``), so the claim, which reads the
@@ -301,7 +302,7 @@ async def _remove_once(
     store: SQLStore,
     candidates: list[int],
     cutoff: int,
-    archive_columns: list[str],
+    archive_columns: list[str] | None,
     owers: _Owers,
     by_status: bool,
 ) -> int:
@@ -321,13 +322,19 @@ async def _remove_once(
         if not ids:
             return 0
         held = ", ".join(["%s"] * len(ids))
-        if archive_columns:
+        if archive_columns is not None:
             names = ", ".join(archive_columns)
-            await cur.execute(
+            copied = await cur.execute(
                 f"INSERT INTO {archive_table(table)} ({names}) SELECT {names} FROM {table}{dialect.primary_hint}"
                 f" WHERE {key} IN ({held})",
                 ids,
             )
+            # A row is deleted only once its copy is made: anything short of every locked row
+            # copied rolls the whole batch back.
+            if copied != len(ids):
+                raise StoreError(
+                    f"archiving copied {copied} of {len(ids)} row(s) to {archive_table(table)}; nothing was removed"
+                )
         for lane in owers.lane_tables:  # the lanes' rows for these events are done with too
             await cur.execute(f"DELETE FROM {lane} WHERE outbox_id IN ({held})", ids)
         if dialect.primary_hint:
@@ -402,6 +409,14 @@ async def _archive_columns(store: SQLStore) -> list[str]:
                 await cur.execute(f"CREATE TABLE IF NOT EXISTS {archive} AS SELECT * FROM {table} WHERE 0")
         ours = await column_names(cur, dialect, table)
         archived = set(await column_names(cur, dialect, archive))
+        if not archived:
+            # The catalogue shows a table's columns only to a user with a privilege on it, and
+            # MySQL gives the user who creates a table none: an empty list would copy nothing.
+            raise StoreUnavailable(
+                f"cannot see the columns of {archive}, so no row can be archived (nothing was removed):"
+                f" grant INSERT and SELECT on {archive} to the user in database.dsn, or run cleanup"
+                " --archive as one who has them"
+            )
         computed: set[str] = set()
         # Generated columns (room_bucket) are computed, never copied.
         if dialect.name == "mysql":

@@ -103,6 +103,20 @@ def row_bucket(dialect: Dialect, profile: Profile = V1) -> str:
     return dialect.room_bucket(profile.app_code, profile.room_id)
 
 
+def _insert_buckets(buckets: Sequence[int]) -> str:
+    """SQL: the rows of ``buckets`` in the bucket table, owned by no process yet."""
+    rows = ", ".join(f"({bucket}, NULL, 0)" for bucket in buckets)
+    return f"INSERT INTO {BUCKET_TABLE} (bucket, owner, updated_at_ms) VALUES {rows}"
+
+
+async def missing_buckets(cur: Any) -> list[int]:
+    """The buckets the bucket table has no row for. A room whose bucket has no row is never
+    handed to any process: with per-room ordering its events would wait for ever."""
+    await cur.execute(f"SELECT bucket FROM {BUCKET_TABLE}")
+    there = {int(row[0]) for row in await cur.fetchall()}
+    return [bucket for bucket in range(BUCKETS) if bucket not in there]
+
+
 #: How a MySQL/MariaDB table holds the bucket (:func:`bucket_column_kind`).
 STORED, VIRTUAL, NO_COLUMN = "stored", "virtual", ""
 
@@ -143,7 +157,8 @@ async def bucket_plan(
     function_planned: bool = False,
 ) -> list[tuple[str, tuple[str, ...]]]:
     """What a migration adds (``(change, statements)`` steps, MySQL/MariaDB or PostgreSQL): with
-    ``membership``, the node and bucket tables when missing; for each of ``tables`` (created by
+    ``membership``, the node and bucket tables when missing, and the rows an existing bucket
+    table lacks (:func:`missing_buckets`); for each of ``tables`` (created by
     an earlier step or already there, rows shaped as ``profile`` says, keyed by ``key``,
     default the profile's), the claim's index with the room bucket last where the bucket has a
     place in it (PostgreSQL: :func:`_pg_bucket_steps`; ``function_planned``: an earlier step of
@@ -165,9 +180,16 @@ async def bucket_plan(
                 (f"added column {NODE_TABLE}.orderings", (add_column_sql(dialect, NODE_TABLE, NODE_ORDERINGS),))
             )
         if BUCKET_TABLE not in existing:
-            rows = ", ".join(f"({bucket}, NULL, 0)" for bucket in range(BUCKETS))
-            insert = f"INSERT INTO {BUCKET_TABLE} (bucket, owner, updated_at_ms) VALUES {rows}"
-            steps.append((f"created table {BUCKET_TABLE}", (bucket_ddl(dialect), insert)))
+            steps.append((f"created table {BUCKET_TABLE}", (bucket_ddl(dialect), _insert_buckets(range(BUCKETS)))))
+        else:
+            missing = await missing_buckets(cur)
+            if missing:  # a migrate stopped between the CREATE and the INSERT: those rooms had no owner
+                steps.append(
+                    (
+                        f"added {len(missing)} missing row(s) to table {BUCKET_TABLE}",
+                        (_insert_buckets(missing),),
+                    )
+                )
     if dialect.name == "postgresql":
         function = [] if function_planned else await _pg_function_steps(cur)
         return steps + function + await _pg_bucket_steps(cur, tables, existing, profile, key or profile.key)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import column_names, index_names
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.buckets import BUCKET_TABLE, BUCKETS, missing_buckets
 from room_outbox.store.schema.columns import check_columns, row_security_notice, sequence_problems
 from room_outbox.store.schema.lanes import lane_table
 from room_outbox.store.schema.outbox import taken_index_names
@@ -71,6 +72,14 @@ async def check_schema(
         if missing:
             raise SchemaError(f"table {table} lacks {', '.join(missing)}: {_FIX}")
     await _check_indexes(store, indexes)
+    if BUCKET_TABLE in required:
+        async with store.transaction() as cur:
+            unowned = await missing_buckets(cur)
+        if unowned:
+            raise SchemaError(
+                f"table {BUCKET_TABLE} lacks the rows of {len(unowned)} of its {BUCKETS} room buckets (a migrate"
+                f" stopped half-way): no process would ever take those rooms' events; {_FIX}, which adds them"
+            )
     # A lane switched to tailing hands over from its old table in migrate, which drops it: run
     # before that, it would go on from a cursor that the table's unsent rows are not behind yet.
     left = await _columns(store, [lane_table(lane) for lane in tail_lanes])

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from room_outbox.errors import SchemaError
 from room_outbox.store.dialect import PLUGIN_SCHEMA, Dialect
+from room_outbox.store.schema.access import check_readable, check_writable
 from room_outbox.store.schema.buckets import BUCKET_TABLE, NODE_TABLE, bucket_plan
 from room_outbox.store.schema.columns import schema_problems, sequence_problems
 from room_outbox.store.schema.consumers import consumer_steps
@@ -75,6 +76,8 @@ OUTBOX = WantedSchema()
 async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: WantedSchema) -> list[Migration]:
     """The changes ``wanted`` still needs, read from the catalogue in the caller's transaction."""
     plan: list[Migration] = []
+    # Never a plan read from a catalogue that hides the tables from this user
+    await check_readable(cur, dialect, profile.table)
     if wanted.outbox:
         wrong_schema = await schema_problems(cur, dialect, profile)
         if wrong_schema:  # before anything is made in the session's first schema
@@ -120,6 +123,7 @@ async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: Want
             f"cannot build index {name} on table {table}: {taken[name]}" for name, table in built if name in taken
         ]
         raise SchemaError("\n".join(dict.fromkeys(refused)))
+    await check_writable(cur, dialect, profile.table, plan)
     return plan
 
 
