@@ -544,6 +544,32 @@ async def _recorded(store: SQLStore, expected: int) -> bool:
     return len(await rows(store, "SELECT event_id FROM recorded")) >= expected
 
 
+async def test_a_consume_process_names_otel_sdk_disabled_at_start(
+    migrated: MySQLStore,
+    broker: ConsumerBroker,
+    database_dsn: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OTEL_SDK_DISABLED=true empties /metrics, where the consumers' alerts come from: the start
+    says so, as `run`'s does."""
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    settings = Settings(
+        database={"dsn": database_dsn},
+        telemetry={"http_listen": f"127.0.0.1:{free_port()}"},
+        consumers={"feed": {"bootstrap_servers": broker.bootstrap, "handlers": ["audit"], "session_timeout": "6s"}},
+    )
+    stop = anyio.Event()
+    with caplog.at_level(logging.INFO, logger="room_outbox"):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(lambda: run_consumers(settings, None, stop, False))
+            await wait_until(lambda: "consumer started" in caplog.text, timeout=30)
+            stop.set()
+    (warning,) = [r for r in caplog.records if getattr(r, "lifecycle", None) == "config_warning"]
+    assert warning.levelno == logging.WARNING and warning.getMessage().startswith("OTEL_SDK_DISABLED=true: ")
+    assert "no alert on room-outbox's metrics can fire" in warning.getMessage()
+
+
 async def test_a_consume_process_answers_healthz_and_readyz(
     migrated: MySQLStore, broker: ConsumerBroker, database_dsn: str
 ) -> None:
