@@ -28,7 +28,7 @@ from room_outbox.consume.registry import NO_CONSUMER, check_consumers
 from room_outbox.delivery.lanes import delivery_settings, tails, unused_tail_settings
 from room_outbox.delivery.routing import registered_sinks, sink_name_problems, validate_sinks
 from room_outbox.errors import ConfigurationError
-from room_outbox.observability.telemetry import check_environment
+from room_outbox.observability.telemetry import check_environment, sdk_disabled
 from room_outbox.store.backends.errors import translated
 from room_outbox.store.factory import describe, open_store, store_address
 from room_outbox.store.lanes.store import lane_table
@@ -109,6 +109,7 @@ def check_configuration(settings: Settings, pm: pluggy.PluginManager, command: s
         raise ConfigurationError("invalid configuration:\n  " + "\n  ".join(problems))
     warnings = [
         *settings.deprecated_names,
+        *filter(None, [sdk_disabled()]),
         *filter(None, (unused_tail_settings(settings, lane) for lane in tail_lanes)),
         *filter(None, (_batch_memory(settings, lane) for lane in [MAIN_LANE, *own_lanes])),
     ]

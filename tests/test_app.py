@@ -237,6 +237,27 @@ async def test_lane_settings_a_tailing_lane_ignores_are_named_once_at_start(data
     assert warning["msg"].endswith("they take effect only with relay: lane_table")
 
 
+async def test_otel_sdk_disabled_is_named_at_start_and_by_check_config(database_dsn: str, tmp_path: Path) -> None:
+    """OTEL_SDK_DISABLED=true empties /metrics too (it still answers, so Prometheus sees the
+    process up and no series, and no alert can fire): the start and check-config say so, and
+    what to set to turn off only the OTLP export."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROOM_OUTBOX", "OTEL_"))}
+    config = _migrated_config(tmp_path, database_dsn, env)
+    env["OTEL_SDK_DISABLED"] = "true"
+    checked = _cli("--config", str(config), "check-config", env=env)
+    out, err = checked.communicate(timeout=60)
+    assert checked.returncode == 0, err
+    assert "warning: OTEL_SDK_DISABLED=true: no traces and no metrics, none on /metrics either" in out
+    log = tmp_path / "run.log"
+    run = _run_logged(config, log, env)
+    await _sigterm_once(run, log, '"lifecycle": "worker_started"')
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    (warning,) = [line for line in lines if line.get("lifecycle") == "config_warning"]
+    assert warning["level"] == "warning" and warning["msg"].startswith("OTEL_SDK_DISABLED=true: ")
+    assert "no alert on room-outbox's metrics can fire" in warning["msg"]
+    assert "OTEL_TRACES_EXPORTER=none and OTEL_METRICS_EXPORTER=none" in warning["msg"]
+
+
 async def test_a_process_loads_only_what_it_runs(database_dsn: str, tmp_path: Path) -> None:
     """`room-outbox run` on MySQL/MariaDB without the Kafka lane (a start pays for every module
     it imports) imports no PostgreSQL driver, no Kafka client and no other command's module:

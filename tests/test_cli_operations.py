@@ -91,3 +91,42 @@ async def test_requeue_and_cancel_lane_from_the_command_line_take_their_filters(
     async with store.transaction() as cur:
         await cur.execute(f"SELECT event_id, status FROM {PARKED_TABLE} ORDER BY outbox_id")
         assert await cur.fetchall() == (("e1", "requeued"), ("e2", "cancelled"), ("e3", "parked"))
+
+
+async def test_status_lists_a_tailing_lanes_parked_errors_and_the_commands_that_take_them(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tailing lane's parked events are in its own table, not ``room_outbox``'s failed rows:
+    ``status`` lists their errors under the lane, grouped as the main lane's (in text and
+    ``--json``), and names ``--lane``, which ``requeue`` and ``cancel`` take them by. Entries
+    requeued or cancelled are no longer parked, and not counted."""
+    await migrate_tail(store, ["kafka"])
+    await insert_events(store, [envelope(f"e{n}") for n in range(5)])
+    async with store.transaction() as cur:
+        await cur.execute(
+            f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, read_through_id, updated_at_ms)"
+            " SELECT 'kafka', MAX(id), MAX(id), 0 FROM room_outbox"
+        )
+        await cur.execute(
+            f"INSERT INTO {PARKED_TABLE} (lane, outbox_id, event_id, room_id, status, last_error, created_at_ms,"
+            " updated_at_ms) SELECT 'kafka', id, event_id, room_id, CASE WHEN event_id = 'e4' THEN 'cancelled'"
+            " ELSE 'parked' END, CASE WHEN event_id = 'e0' THEN 'malformed envelope'"
+            " ELSE CONCAT('kafka: bad_envelope: event_id=', event_id, ' is 10200 bytes') END, 0, 0 FROM room_outbox"
+        )
+
+    def run(*argv: str) -> int:
+        return main(["--config", config, *argv])
+
+    assert await anyio.to_thread.run_sync(run, "status", "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    (lane,) = doc["lanes"]
+    assert (lane["lane"], lane["parked"]) == ("kafka", 4)
+    assert lane["top_parked_errors"] == [
+        {"last_error": "kafka: bad_envelope: event_id=<id> is 10200 bytes", "rows": 3},
+        {"last_error": "malformed envelope", "rows": 1},
+    ]
+    assert doc["top_parked_errors"] == []  # the main lane's: none parked there
+    assert await anyio.to_thread.run_sync(run, "status") == 0
+    text = capsys.readouterr().out
+    assert "most frequent last_error of lane kafka's parked rows" in text and "--lane kafka" in text
+    assert "kafka: bad_envelope: event_id=<id> is 10200 bytes" in text

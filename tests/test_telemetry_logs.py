@@ -7,13 +7,20 @@ import json
 import logging
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+from im_support import im_dispatcher, im_router
+from support import envelope, insert_events
 
-from room_outbox.observability.logs import RepeatedLibraryLines, configure_logging, span_stream
+from room_outbox.observability.logs import ConsoleFormatter, RepeatedLibraryLines, configure_logging, span_stream
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.telemetry import telemetry_from_environment
+from room_outbox.plugins.tencent_im.fake import FakeTencentIM, serve_fake_im
+from room_outbox.store.backends.mysql import MySQLStore
+
+MONITOR = Path(__file__).parents[1] / "docs" / "how-to" / "monitor.md"
 
 
 def test_json_lines_carry_seed_000_fields_and_mask_secrets() -> None:
@@ -221,3 +228,24 @@ def test_console_spans_go_to_stdout_apart_from_the_logs_unless_asked(capsys: pyt
     assert "room_outbox.deliver RoomClosed" not in capsys.readouterr().out
     _log_to(io.StringIO())  # back to the default
     assert span_stream() is sys.stdout
+
+
+@pytest.mark.anyio
+async def test_the_console_example_in_the_docs_is_the_line_a_first_timeout_writes(
+    store: MySQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """monitor.md's console example shows an event's first `delivery failed`: it is, but for its
+    time, the line the dispatcher writes when a Tencent IM request times out."""
+    (example,) = [line for line in MONITOR.read_text().splitlines() if re.match(r"\d\d:.* delivery failed ", line)]
+    async with serve_fake_im(FakeTencentIM(seed=3)) as fake:
+        fake.set_faults(hang_rate=1.0)
+        router = await im_router(fake, request_timeout="200ms")
+        try:
+            await insert_events(store, [envelope("e1", "RoomGiftSent")])
+            with caplog.at_level(logging.WARNING, logger="room_outbox.dispatcher"):
+                await im_dispatcher(store, router).run_once()
+        finally:
+            await router.aclose()
+    (failed,) = [r for r in caplog.records if r.getMessage() == "delivery failed"]
+    line = ConsoleFormatter(Redactor()).format(failed)
+    assert line.partition(" ")[2] == example.partition(" ")[2]

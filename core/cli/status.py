@@ -1,7 +1,7 @@
-"""``room-outbox status``: the backlog, retries, frequent errors (grouped; of the rows retrying
-and of the parked rows), leases, lanes and consumers at a glance. Its counts are exact (read in
-the status index); the retry histogram and the errors read a sample of each status's rows, at
-most 10,000 however large the backlog, and say so. It is for a person at a terminal, not for a
+"""``room-outbox status``: the backlog, retries, frequent errors (grouped; of the rows retrying,
+of the parked rows and of each tailing lane's parked events), leases, lanes and consumers at a
+glance. Its counts are exact (read in the status index); the retry histogram and the errors read
+a sample of each status's rows, at most 10,000 however large the backlog, and say so. It is for a person at a terminal, not for a
 timer (the metrics sample the backlog on an index instead)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from room_outbox.consume.ops import consumer_overview
 from room_outbox.delivery.lanes import lane_plan
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.clock import now_ms
-from room_outbox.store.operator.reports import StatusReport, status_report
+from room_outbox.store.operator.reports import STATUS_SAMPLE, StatusReport, status_report
 from room_outbox.store.protocol import SQLStore
 
 __all__ = ["COMMAND", "format_status", "status_command", "status_report"]
@@ -80,7 +80,15 @@ def _format_lanes(report: StatusReport) -> list[str]:
         return []
     rows = [(x.lane, x.fed_through_id, x.unfed, x.pending, x.parked) for x in report.lanes]
     numbers = ("fed through id", "unfed", "pending", "parked")
-    return ["", *format_table(("lane", *numbers), rows, right=numbers, indent="  ")]
+    lines = ["", *format_table(("lane", *numbers), rows, right=numbers, indent="  ")]
+    for lane in report.lanes:
+        if lane.top_parked_errors:  # a tailing lane's: `requeue --lane` / `cancel --lane` take them
+            title = (
+                f"most frequent last_error of lane {lane.lane}'s parked rows (among the latest {STATUS_SAMPLE:,};"
+                f" requeue or cancel them with --lane {lane.lane})"
+            )
+            lines += _format_errors(title, lane.top_parked_errors)
+    return lines
 
 
 async def status_command(store: SQLStore, as_json: bool, out: IO[str], im_lane: bool = True) -> int:
@@ -102,7 +110,8 @@ async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) ->
 COMMAND = Command(
     description="The backlog (pending rows, the oldest one's time), rows waiting for a retry, the retry-count\n"
     "histogram, lease holders, lanes of their own and the most frequent last_error values of the\n"
-    "rows retrying and, apart, of the parked (failed) rows, grouped (errors that differ only by an\n"
+    "rows retrying and, apart, of the parked (failed) rows and of each tailing lane's parked events\n"
+    "(which requeue --lane and cancel --lane take), grouped (errors that differ only by an\n"
     "identifier such as a GroupId are one line, with their count). The histogram and the errors\n"
     "are read from at most 10,000 rows of a status: the oldest still to deliver, the latest parked;\n"
     "the histogram says when it is such a sample. The schema is checked as `run`\n"

@@ -71,6 +71,7 @@ from room_outbox.consume.settings import MAX_GROUP_TIMEOUT_MS, ConsumerSettings
 from room_outbox.handler import BatchHandler
 from room_outbox.observability.metrics import ConsumerMetrics
 from room_outbox.observability.redaction import Redactor
+from room_outbox.observability.repeated import RepeatedFailure
 from room_outbox.observability.telemetry import Telemetry
 from room_outbox.store.consumers.protocol import NO_HANDLER, ConsumerBatch, ConsumerStore, RetryRow
 
@@ -130,6 +131,11 @@ class Consumer:
         self._retrying: set[tuple[str, str]] = set()
         #: Set when the consumer stopped mid-batch and left some of it unsettled.
         self._left_unsettled = False
+        #: A batch fails again after every BATCH_RETRY_PAUSE while the database is away: logged
+        #: as a recurring failure, not once a pause.
+        self.settle_failing = RepeatedFailure(
+            log, "batch not settled; fetching it again", "batches settle again", consumer=name
+        )
         self._batch_handlers = [h for h in handlers.values() if isinstance(h.handler, BatchHandler)]
         #: The lag metric, read from the broker every ``lag_interval`` (none without metrics).
         self.lag_watch = (
@@ -396,6 +402,7 @@ class Consumer:
             ahead = following[0] if following else None
             if error is None:
                 self._settled.update(fetched.offsets)
+                self.settle_failing.succeeded()
                 return ahead, retrying
             if isinstance(error, _Stopping):
                 log.info(
@@ -406,10 +413,7 @@ class Consumer:
                 return None, set()
             # Nothing of this batch is committed: fetch it again from its first offsets after a
             # pause; what it settled already is found as processed.
-            log.error(
-                "batch not settled; fetching it again",
-                extra={"consumer": self.name, "error": error_text(self.redactor, describe(error))},
-            )
+            self.settle_failing.failed(error_text(self.redactor, describe(error)))
             for tp, offset in {**(ahead.first if ahead else {}), **fetched.first}.items():
                 kafka.seek(tp, offset)
             with anyio.move_on_after(BATCH_RETRY_PAUSE):

@@ -62,6 +62,11 @@ class RetryWorker:
         #: A claimed row's lease: once it has run out, another process may claim the row.
         self.lease_ms = int((2 * settings.handler_timeout + 5) * 1000)
         self._limiter = anyio.CapacityLimiter(settings.concurrency)
+        #: A claim fails again every ``retry.poll_interval`` while the database is away: logged
+        #: as a recurring failure, not once a poll.
+        self.claim_failing = RepeatedFailure(
+            log, "retry claim failed", "retry claims succeed again", level=logging.WARNING, consumer=consumer
+        )
 
     async def run(self) -> None:
         """Take due rows (each room's first, when ordered) and handle them; again at once while
@@ -72,11 +77,10 @@ class RetryWorker:
                     self.consumer, self.owner, self.settings.concurrency, self.lease_ms, self.ordered
                 )
             except Exception as exc:
-                log.warning(
-                    "retry claim failed",
-                    extra={"consumer": self.consumer, "error": error_text(self.redactor, describe(exc))},
-                )
+                self.claim_failing.failed(error_text(self.redactor, describe(exc)))
                 rows = []
+            else:
+                self.claim_failing.succeeded()
             if not rows:
                 with anyio.move_on_after(self.settings.retry.poll_interval):
                     await self._stop.wait()

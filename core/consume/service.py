@@ -32,7 +32,7 @@ from room_outbox.observability.health import Health
 from room_outbox.observability.http_endpoint import HttpEndpoint
 from room_outbox.observability.redaction import Redactor, redactor_for
 from room_outbox.observability.systemd import notify_systemd
-from room_outbox.observability.telemetry import Telemetry, telemetry_from_environment
+from room_outbox.observability.telemetry import Telemetry, sdk_disabled, telemetry_from_environment
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.signals import stopped_by_signals
 from room_outbox.store.factory import consumer_store, open_store
@@ -66,6 +66,8 @@ async def run_consumers(
     pm = make_plugin_manager(settings.plugins.disabled, plugins)
     # Before the wait for the database: a misspelt handler, a bad TLS file is named at once.
     check_consumers(pm, settings, only)
+    if warning := sdk_disabled():
+        log.warning(warning, extra={"lifecycle": "config_warning"})
     # Signals are handled from here on: one that comes while the process waits for the
     # database or opens what the consumers need ends the start, and no consumer joins a group.
     await stopped_by_signals(

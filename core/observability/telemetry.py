@@ -269,7 +269,8 @@ def telemetry_from_environment(
     for the HTTP endpoint's ``/metrics``. Raises :class:`~room_outbox.config.ConfigError`
     naming the variable on an unknown exporter.
 
-    * ``OTEL_SDK_DISABLED=true``: nothing, whatever else is set.
+    * ``OTEL_SDK_DISABLED=true``: nothing, whatever else is set, ``/metrics`` included
+      (:func:`sdk_disabled` says so at start).
     * ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: comma-separated ``otlp``,
       ``console`` or ``none``. Unset, OTLP is used when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or
       the signal's own ``…_TRACES_ENDPOINT`` / ``…_METRICS_ENDPOINT``) is set, and nothing
@@ -299,6 +300,22 @@ def telemetry_from_environment(
         SDKMeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False) if readers else None
     )
     return Telemetry(tracer_provider, meter_provider, exposition, processors)
+
+
+def sdk_disabled(environ: Mapping[str, str] | None = None) -> str | None:
+    """The warning a start (``run``, ``consume``) and ``check-config`` give while
+    ``OTEL_SDK_DISABLED=true``; None otherwise. It turns off the metrics on ``/metrics`` too,
+    where the alerts come from: the endpoint still answers, empty, so Prometheus sees the
+    process up and no series, and no alert can fire without a word, unless one is said here."""
+    env = os.environ if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() != "true":
+        return None
+    return (
+        "OTEL_SDK_DISABLED=true: no traces and no metrics, none on /metrics either (it answers empty:"
+        " Prometheus sees the process up and no series), so no alert on room-outbox's metrics can fire;"
+        " to turn off only the OTLP export, unset it and set OTEL_TRACES_EXPORTER=none and"
+        " OTEL_METRICS_EXPORTER=none (or leave OTEL_EXPORTER_OTLP_ENDPOINT unset)"
+    )
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:

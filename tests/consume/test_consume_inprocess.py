@@ -22,6 +22,7 @@ from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, captur
 from room_outbox import hookimpl
 from room_outbox.cli.consume import migrate_consumers
 from room_outbox.config import ConfigError, Settings
+from room_outbox.consume import engine
 from room_outbox.consume.engine import Consumer, offset_out_of_range
 from room_outbox.consume.registry import build_handlers, check_consumers, registered_handlers
 from room_outbox.consume.service import run_consumers
@@ -543,6 +544,32 @@ async def _recorded(store: SQLStore, expected: int) -> bool:
     return len(await rows(store, "SELECT event_id FROM recorded")) >= expected
 
 
+async def test_a_consume_process_names_otel_sdk_disabled_at_start(
+    migrated: MySQLStore,
+    broker: ConsumerBroker,
+    database_dsn: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OTEL_SDK_DISABLED=true empties /metrics, where the consumers' alerts come from: the start
+    says so, as `run`'s does."""
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    settings = Settings(
+        database={"dsn": database_dsn},
+        telemetry={"http_listen": f"127.0.0.1:{free_port()}"},
+        consumers={"feed": {"bootstrap_servers": broker.bootstrap, "handlers": ["audit"], "session_timeout": "6s"}},
+    )
+    stop = anyio.Event()
+    with caplog.at_level(logging.INFO, logger="room_outbox"):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(lambda: run_consumers(settings, None, stop, False))
+            await wait_until(lambda: "consumer started" in caplog.text, timeout=30)
+            stop.set()
+    (warning,) = [r for r in caplog.records if getattr(r, "lifecycle", None) == "config_warning"]
+    assert warning.levelno == logging.WARNING and warning.getMessage().startswith("OTEL_SDK_DISABLED=true: ")
+    assert "no alert on room-outbox's metrics can fire" in warning.getMessage()
+
+
 async def test_a_consume_process_answers_healthz_and_readyz(
     migrated: MySQLStore, broker: ConsumerBroker, database_dsn: str
 ) -> None:
@@ -677,6 +704,79 @@ async def test_a_database_outage_mid_stream_loses_nothing_and_repeats_nothing(
         by_room.setdefault(room, []).append(int(version))
     assert all(versions == list(range(1, 151)) for versions in by_room.values()), by_room
     assert len(await rows(migrated, "SELECT event_id FROM room_consumer_processed")) == len(events)
+
+
+class CountingConsumerStore(SQLConsumerStore):
+    """Counts the retry claims and the held-back rooms' look-ups (one a batch settled) tried."""
+
+    claims = 0
+    look_ups = 0
+
+    async def claim_retries(
+        self, consumer: str, owner: str, limit: int, lease_ms: int, ordered: bool
+    ) -> list[RetryRow]:
+        self.claims += 1
+        return await super().claim_retries(consumer, owner, limit, lease_ms, ordered)
+
+    async def blocked_rooms(self, consumer: str, room_keys: set[str]) -> set[tuple[str, str]]:
+        self.look_ups += 1
+        return await super().blocked_rooms(consumer, room_keys)
+
+
+async def test_a_database_outage_makes_a_line_when_it_begins_and_one_when_it_ends_not_one_a_round(
+    migrated: MySQLStore,
+    database_dsn: str,
+    broker: ConsumerBroker,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the database is away, the batch is tried again after every pause and the retry
+    worker claims after every poll: each is logged as a recurring failure (the first in full,
+    then once a minute), not once a round, and once when it succeeds again."""
+    monkeypatch.setattr(engine, "BATCH_RETRY_PAUSE", 0.05)
+    real = MySQLAddress.from_dsn(database_dsn)
+    async with TcpProxy(real.host, real.port) as proxy, anyio.create_task_group() as tasks:
+        through_proxy = await MySQLStore.connect(
+            f"mysql://{real.user}:{real.password}@127.0.0.1:{proxy.port}/{real.database}", pool_size=2
+        )
+        settings = ConsumerSettings(
+            bootstrap_servers=broker.bootstrap, handlers=["audit"], session_timeout=6, retry={"poll_interval": 0.05}
+        )
+        store = CountingConsumerStore(through_proxy, settings.handler_timeout)
+        handlers = build_handlers(make_plugin_manager(), "feed", settings, "node-1", Redactor())
+        consumer = Consumer("feed", settings, store, handlers, "node-1", Redactor(), capture().telemetry)
+        try:
+            await tasks.start(consumer.run)
+            await proxy.cut()
+            claims, look_ups = store.claims, store.look_ups
+            await send(broker.bootstrap, [envelope(f"d{n}", "RoomUserJoined", "room_1", n + 1) for n in range(5)])
+            await wait_until(lambda: store.claims > claims + 5 and store.look_ups > look_ups + 5, timeout=60)
+            assert caplog.text.count("retry claim failed") == caplog.text.count("batch not settled") == 1
+            await proxy.restore()
+
+            async def audited() -> bool:
+                return len(await rows(migrated, "SELECT id FROM room_audit_log")) == 5
+
+            await wait_until(audited, timeout=60)
+            await wait_until(lambda: "retry claims succeed again" in caplog.text, timeout=30)
+            consumer.stop()
+        finally:
+            await through_proxy.aclose()
+        tasks.cancel_scope.cancel()
+    said = (
+        "batch not settled; fetching it again",
+        "batches settle again",
+        "retry claim failed",
+        "retry claims succeed again",
+    )
+    ours = [r for r in caplog.records if r.name == "room_outbox.consume" and r.getMessage() in said]
+    lines = {r.getMessage(): (r.levelname, getattr(r, "failed_rounds", None)) for r in ours}
+    assert len(ours) == len(lines) == 4, [(r.levelname, r.getMessage()) for r in ours]
+    assert lines["batch not settled; fetching it again"] == ("ERROR", None)
+    assert lines["retry claim failed"] == ("WARNING", None)
+    assert lines["batches settle again"][0] == lines["retry claims succeed again"][0] == "WARNING"
+    assert lines["batches settle again"][1] > 5 and lines["retry claims succeed again"][1] > 5
+    assert all(r.consumer == "feed" for r in ours)
 
 
 async def test_a_room_held_back_by_a_retry_stays_held_in_the_batches_read_ahead(

@@ -21,7 +21,7 @@ from room_outbox.store.dialect import column_names, marks, table_names, text
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.tail import PARKED_TABLE
+from room_outbox.store.schema.tail import PARKED, PARKED_TABLE
 
 
 async def ping(store: SQLStore) -> None:
@@ -90,6 +90,9 @@ class LaneStatus:
     unfed: int
     pending: int
     parked: int
+    #: A tailing lane's parked rows' most frequent errors, grouped as the main lane's
+    #: (:func:`grouped_errors`), among its latest :data:`STATUS_SAMPLE`.
+    top_parked_errors: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,8 @@ class StatusReport:
         doc = asdict(self)
         for name in ("top_errors", "top_parked_errors"):
             doc[name] = [{"last_error": error, "rows": rows} for error, rows in getattr(self, name)]
+        for lane, entry in zip(self.lanes, doc["lanes"], strict=True):
+            entry["top_parked_errors"] = [{"last_error": error, "rows": rows} for error, rows in lane.top_parked_errors]
         return doc
 
 
@@ -255,15 +260,30 @@ def grouped_errors(counts: list[tuple[str, int]]) -> list[tuple[str, int]]:
     return sorted(groups.items(), key=lambda item: (-item[1], item[0]))
 
 
-async def lane_statuses(store: SQLStore) -> list[LaneStatus]:
-    """One line per lane of its own that has run."""
+async def lane_statuses(store: SQLStore, top: int = 10) -> list[LaneStatus]:
+    """One line per lane of its own that has run; a tailing lane's parked rows' errors too."""
     lanes = []
     for lane in await stored_lanes(store):
         if lane.fed_through_id is None:
             continue
         owed = await own_lane_backlog(store, lane)
-        lanes.append(LaneStatus(lane.name, lane.fed_through_id, owed.unfed, owed.pending, owed.parked))
+        errors = [] if lane.has_table or not owed.parked else (await _tail_parked_errors(store, lane.name))[:top]
+        lanes.append(LaneStatus(lane.name, lane.fed_through_id, owed.unfed, owed.pending, owed.parked, errors))
     return lanes
+
+
+async def _tail_parked_errors(store: SQLStore, lane: str) -> list[tuple[str, int]]:
+    """The errors of a tailing lane's latest :data:`STATUS_SAMPLE` parked rows, grouped as the
+    main lane's (:func:`grouped_errors`), the most frequent first: an index range of the parked
+    table's primary key (lane, outbox_id)."""
+    async with store.transaction() as cur:
+        await cur.execute(
+            f"SELECT last_error, COUNT(*) AS n FROM (SELECT last_error FROM {PARKED_TABLE}"
+            " WHERE lane = %s AND status = %s ORDER BY outbox_id DESC LIMIT %s) AS sample"
+            " WHERE last_error IS NOT NULL GROUP BY last_error ORDER BY n DESC, last_error LIMIT %s",
+            (lane, PARKED, STATUS_SAMPLE, ERRORS_READ),
+        )
+        return grouped_errors([(str(error), int(rows)) for error, rows in await cur.fetchall()])
 
 
 def matching_event(store: SQLStore, event_id: str, app_code: str | None = None) -> tuple[str, list[Any]]:
