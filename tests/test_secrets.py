@@ -20,6 +20,7 @@ from urllib.parse import quote, quote_plus, urlencode
 
 import anyio
 import httpx
+import pymysql
 import pytest
 import yaml
 from support import envelope, fetch_rows, insert_events, insert_rows, wait_until
@@ -28,6 +29,7 @@ from room_outbox.config import Settings
 from room_outbox.observability.logs import LIBRARY_LOGGERS, configure_logging
 from room_outbox.observability.redaction import REDACTED, Redactor, redactor_for
 from room_outbox.plugins.tencent_im.fake import FakeTencentIM, serve_fake_im
+from room_outbox.store.backends.errors import translate
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 
 # -- the redactor ------------------------------------------------------------------------------
@@ -108,6 +110,29 @@ def test_a_secret_is_masked_by_its_length_as_a_token_or_value(password: str, tex
     redactor = Redactor()
     redactor.add(password)
     assert redactor.redact(text) == (text if expected is None else expected)
+
+
+@pytest.mark.parametrize(
+    ("password", "expected"),
+    [
+        ("room", f"CREATE command denied to user '{R}'@'h' for table `qa_r7`.`room_outbox`"),
+        ("r7", "CREATE command denied to user 'room'@'h' for table `qa_r7`.`room_outbox`"),
+        ("outbox", "CREATE command denied to user 'room'@'h' for table `qa_r7`.`room_outbox`"),
+    ],
+)
+def test_the_database_password_in_the_drivers_words_is_masked_as_the_redactor_masks_it(
+    password: str, expected: str
+) -> None:
+    """The store masks the password in the database's words before the redactor sees them: by
+    the same rule, so a password that is also a name leaves the longer names holding it whole."""
+    refused = pymysql.err.OperationalError(
+        1142, "CREATE command denied to user 'room'@'h' for table `qa_r7`.`room_outbox`"
+    )
+    message = str(translate(refused, "MySQL at h:3306 (database 'qa_r7', user 'room')", password))
+    assert message.startswith(f"MySQL at h:3306 (database 'qa_r7', user 'room'): {expected}; grant it"), message
+    redactor = Redactor()
+    redactor.add(password)
+    assert redactor.redact(expected) == expected
 
 
 def test_a_common_word_as_the_database_password_leaves_log_lines_intact() -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import pymysql
 
 from room_outbox.errors import RoomOutboxError, SchemaError, StoreUnavailable
+from room_outbox.masking import mask
 from room_outbox.store.deadline import LONGER_QUERY_TIMEOUT
 from room_outbox.store.schema.registry import OUTBOX, required_columns, required_indexes
 
@@ -248,11 +249,13 @@ def _read_only(where: str, reason: str) -> StoreUnavailable:
 
 
 def _reason(exc: BaseException, password: str) -> str:
-    """The driver's own words, on one line and without the password."""
+    """The driver's own words, on one line and without the password, masked as every text
+    leaving the process is (:mod:`room_outbox.masking`): a short password that is also a name
+    (the user's, part of the database's or a table's) is masked where it stands alone, as the
+    message's own ``where`` is masked, and left inside the longer names that contain it."""
     args: tuple[object, ...] = tuple(getattr(exc, "args", ()))
     text = str(args[1]) if len(args) > 1 and isinstance(args[0], int) else str(exc) or type(exc).__name__
-    text = " ".join(text.split())
-    return text.replace(password, "***") if password else text
+    return mask(" ".join(text.split()), password)
 
 
 #: MySQL errors of a value the column cannot take: NULL into NOT NULL, out of range, not a
