@@ -218,6 +218,17 @@ def translated(where: str, password: str = "") -> Iterator[None]:
         raise mapped from exc
 
 
+def privilege_fix(exc: BaseException) -> str | None:
+    """What to grant, when the database refused a statement for a privilege its user lacks
+    (None: another error), in the words the commands' refusals end with: a recurring round
+    that fails for it fails alike until someone grants it, so its log line names the fix."""
+    if isinstance(exc, pymysql.err.Error) and exc.args and exc.args[0] in _PRIVILEGE:
+        return _PRIVILEGES_NEEDED
+    if getattr(exc, "sqlstate", None) == _PG_PRIVILEGE:
+        return PG_PRIVILEGES_NEEDED
+    return None
+
+
 def _lock_wait_exceeded(where: str, reason: str, setting: str, open_transactions: str) -> StoreUnavailable:
     """A statement gave up waiting for a lock another transaction held: the server's words
     name neither the cause nor the fix."""
