@@ -20,14 +20,16 @@ from urllib.parse import quote, quote_plus, urlencode
 
 import anyio
 import httpx
+import pymysql
 import pytest
 import yaml
-from support import envelope, fetch_rows, insert_events, insert_rows, wait_until
+from support import envelope, execute, fetch_rows, insert_events, insert_rows, wait_until
 
 from room_outbox.config import Settings
 from room_outbox.observability.logs import LIBRARY_LOGGERS, configure_logging
 from room_outbox.observability.redaction import REDACTED, Redactor, redactor_for
 from room_outbox.plugins.tencent_im.fake import FakeTencentIM, serve_fake_im
+from room_outbox.store.backends.errors import translate
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 
 # -- the redactor ------------------------------------------------------------------------------
@@ -108,6 +110,29 @@ def test_a_secret_is_masked_by_its_length_as_a_token_or_value(password: str, tex
     redactor = Redactor()
     redactor.add(password)
     assert redactor.redact(text) == (text if expected is None else expected)
+
+
+@pytest.mark.parametrize(
+    ("password", "expected"),
+    [
+        ("room", f"CREATE command denied to user '{R}'@'h' for table `qa_r7`.`room_outbox`"),
+        ("r7", "CREATE command denied to user 'room'@'h' for table `qa_r7`.`room_outbox`"),
+        ("outbox", "CREATE command denied to user 'room'@'h' for table `qa_r7`.`room_outbox`"),
+    ],
+)
+def test_the_database_password_in_the_drivers_words_is_masked_as_the_redactor_masks_it(
+    password: str, expected: str
+) -> None:
+    """The store masks the password in the database's words before the redactor sees them: by
+    the same rule, so a password that is also a name leaves the longer names holding it whole."""
+    refused = pymysql.err.OperationalError(
+        1142, "CREATE command denied to user 'room'@'h' for table `qa_r7`.`room_outbox`"
+    )
+    message = str(translate(refused, "MySQL at h:3306 (database 'qa_r7', user 'room')", password))
+    assert message.startswith(f"MySQL at h:3306 (database 'qa_r7', user 'room'): {expected}; grant it"), message
+    redactor = Redactor()
+    redactor.add(password)
+    assert redactor.redact(expected) == expected
 
 
 def test_a_common_word_as_the_database_password_leaves_log_lines_intact() -> None:
@@ -416,3 +441,126 @@ def _http_port(logs: str) -> int:
     found = re.search(r'\bport"?[=:] ?(\d+)', line)
     assert found, line
     return int(found.group(1))
+
+
+# -- a password that is also a name ------------------------------------------------------------
+
+
+def _mysql_root(dsn: str, *statements: str) -> list[tuple[Any, ...]]:
+    """Run ``statements`` as the test server's administrative account: the last one's rows."""
+    import pymysql
+
+    root = MySQLAddress.from_dsn(dsn)
+    conn = pymysql.connect(host=root.host, port=root.port, user=root.user, password=root.password, connect_timeout=5)
+    try:
+        with conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+            return list(cur.fetchall())
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def name_as_password(store: MySQLStore, database_dsn: str) -> Iterator[tuple[str, str, list[str]]]:
+    """A user whose name and password are both the test database's name less its ``ro_test_``
+    prefix (short: masked as a whole token only), allowed to write: its DSN, the password, and
+    the statements that take away its writes (from the tables, where a running session feels it
+    at its next statement; on the database it would wait for the session's next USE)."""
+    database = MySQLAddress.from_dsn(database_dsn).database
+    name = database.removeprefix("ro_test_")
+    tables = [row[0] for row in _mysql_root(database_dsn, f"SHOW TABLES FROM `{database}`")]
+    _mysql_root(
+        database_dsn,
+        f"CREATE USER '{name}'@'%' IDENTIFIED BY '{name}'",
+        f"GRANT SELECT ON `{database}`.* TO '{name}'@'%'",
+        *(f"GRANT INSERT, UPDATE, DELETE ON `{database}`.`{table}` TO '{name}'@'%'" for table in tables),
+    )
+    revoke = [f"REVOKE INSERT, UPDATE, DELETE ON `{database}`.`{table}` FROM '{name}'@'%'" for table in tables]
+    try:
+        yield f"mysql://{name}:{name}@127.0.0.1:3306/{database}", name, revoke
+    finally:
+        _mysql_root(database_dsn, f"DROP USER IF EXISTS '{name}'@'%'")
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+@pytest.mark.parametrize("log_format", ["json", "console"])
+async def test_a_password_that_is_also_a_name_is_masked_alike_on_every_channel(
+    store: MySQLStore, database_dsn: str, name_as_password: tuple[str, str, list[str]], tmp_path: Path, log_format: str
+) -> None:
+    """The user's privileges to write are taken away under a running process: each heartbeat and
+    round fails naming the user and the database, as an operator command does. Wherever the
+    password stands alone (the user's name) it is masked; inside the database's name it is left
+    alone, every channel the same: neither a mangled name nor a name shown once in clear and
+    once masked tells the reader the password. The recurring lines name the fix, and the
+    stopping process says why it does not leave the membership."""
+    dsn, password, revoke_writes = name_as_password
+    database = f"ro_test_{password}"
+    await insert_events(store, [envelope("e1", "RoomCreated"), envelope("parked", "RoomCreated")])
+    await execute(store, "UPDATE room_outbox SET status = 'failed' WHERE event_id = 'parked'")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "database": {"dsn": dsn, "pool_size": 2},
+                "outbox_worker": {"poll_interval": "100ms", "publish_timeout": "2s"},
+                "sinks": {"tencent_im": {"enabled": False}, "noop": {"enabled": True}},
+                "log": {"format": log_format},
+                "telemetry": {"http_listen": "127.0.0.1:0"},
+            }
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROOM_OUTBOX", "OTEL_"))}
+    stderr = tmp_path / "run.stderr"
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "room_outbox.cli", "--config", str(config), "run"],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env,
+        )
+    try:
+
+        def logged(*lines: str) -> bool:
+            """Whether each of ``lines`` was logged, for the privilege taken away."""
+            assert proc.poll() is None, stderr.read_text()
+            text = stderr.read_text().splitlines()
+            return all(any(line in logged and "command denied" in logged for logged in text) for line in lines)
+
+        await wait_until(lambda: "worker started" in stderr.read_text(), timeout=60)
+        _mysql_root(database_dsn, *revoke_writes)
+        await wait_until(lambda: logged("membership heartbeat failed", "outbox round failed"), timeout=30)
+        port = _http_port(stderr.read_text())
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            readiness = (await client.get("/readyz")).text
+        with anyio.fail_after(30):
+            requeue = await anyio.run_process(
+                [sys.executable, "-m", "room_outbox.cli", "--config", str(config), "requeue", "--status", "failed",
+                 "--yes"],
+                env=env, check=False,
+            )  # fmt: skip
+        assert requeue.returncode == 3, requeue.stderr.decode()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+            pytest.fail("room-outbox run did not stop on SIGTERM")
+    logs = stderr.read_text()
+
+    fix = "grant it to the user in database.dsn"
+    lines = logs.splitlines()
+    for failing in ("membership heartbeat failed", "outbox round failed"):
+        assert any(failing in line and "command denied" in line and fix in line for line in lines), logs
+    (stopping,) = (line for line in lines if "not leaving the membership" in line)
+    assert "the last heartbeat failed" in stopping and "command denied" in stopping, stopping
+    channels = {"stderr logs": logs, "/readyz": readiness, "operator command": requeue.stderr.decode()}
+    for channel, text in channels.items():
+        assert not re.search(rf"(?<![\w.\-]){password}(?![\w.\-])", text), f"the password in clear in {channel}"
+        assert text.count("ro_test_") == text.count(database), f"the database's name mangled in {channel}"
+        assert not re.search(r"[\w\-]\[REDACTED\]|\[REDACTED\][\w\-]", text), f"a mask inside a name in {channel}"
+    assert "command denied" in channels["operator command"] and database in channels["operator command"]
+    assert f"'{REDACTED}'@" in channels["operator command"]  # the user, masked as its name in the prefix

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
+from room_outbox.store.backends.errors import privilege_fix
 from room_outbox.store.schema.columns import LAST_ERROR_MAX
 
 
@@ -74,6 +75,17 @@ def describe(exc: BaseException) -> str:
         more = f" (and {len(inner) - 1} more)" if len(inner) > 1 else ""
         return describe(inner[0]) + more
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def describe_round_failure(exc: BaseException) -> str:
+    """:func:`describe`, and for a statement the database refused for a privilege its user
+    lacks, what to grant (:func:`~room_outbox.store.backends.errors.privilege_fix`): a
+    recurring round (a claim, a heartbeat) fails alike until someone does."""
+    first = exc
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    fix = privilege_fix(first)
+    return f"{describe(exc)}; {fix}" if fix else describe(exc)
 
 
 class PluginBaseException(Exception):

@@ -22,6 +22,7 @@ from typing import Any
 
 import anyio
 
+from room_outbox.attempt.failure import describe_round_failure
 from room_outbox.cluster.identity import node_id_of
 from room_outbox.cluster.quota import WINDOW, QuotaShare
 from room_outbox.observability.repeated import RepeatedFailure
@@ -137,8 +138,10 @@ class Membership:
         #: Seconds until this node looks again at buckets handed over to it that wait for
         #: leases to end (:data:`FIRST_HANDOVER_CHECK`); None: none waits.
         self._handover_check: float | None = None
-        #: Whether the last heartbeat reached the database.
+        #: Whether the last heartbeat succeeded.
         self._reachable = True
+        #: Why the last failed heartbeat failed, as its log line says it.
+        self._last_beat_error = ""
         #: Heartbeats failing one after another: the first logged, then a line a minute.
         self._failing_beats = RepeatedFailure(log, "membership heartbeat failed", "membership heartbeats succeed again")
         #: Other identities made from this process's node_id: the heartbeat last seen of each,
@@ -190,9 +193,14 @@ class Membership:
             finally:
                 beats.cancel_scope.cancel()
         if not self._reachable:
-            # The last heartbeat failed (the database unreachable): a leave would only wait
-            # for its deadline. The others take the buckets over once the heartbeat is stale.
-            log.warning("not leaving the membership: the database did not answer the last heartbeat")
+            # The last heartbeat failed: the database unreachable (a leave would only wait for
+            # its deadline) or refusing its statements (as it would the leave's). The others
+            # take the buckets over once the heartbeat is stale.
+            log.warning(
+                "not leaving the membership: the last heartbeat failed; the others take this"
+                " process's buckets over once its heartbeat is stale",
+                extra={"error": self._last_beat_error},
+            )
             return
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.node_timeout):
             try:
@@ -255,7 +263,8 @@ class Membership:
             except Exception as exc:
                 self._reachable = False
                 self._settles_in = None
-                self._failing_beats.failed(f"{type(exc).__name__}: {exc}")
+                self._last_beat_error = describe_round_failure(exc)
+                self._failing_beats.failed(self._last_beat_error)
             wait = self.heartbeat_interval - (anyio.current_time() - started)
             if self._joined_ms and not self._shown_joined and self._reachable:
                 wait = 0.0  # tell the others at once: buckets move to a node once it has joined

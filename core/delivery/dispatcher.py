@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import TaskStatus
 
-from room_outbox.attempt.failure import ErrorClass, Failure, describe, error_text
+from room_outbox.attempt.failure import ErrorClass, Failure, describe_round_failure, error_text
 from room_outbox.attempt.pipeline import Attempts
 from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.config import MAIN_LANE, OutboxWorkerSettings
@@ -178,7 +178,7 @@ class Dispatcher:
                         if not round_.exhausted:
                             continue  # a backlog drains at full speed: no wait after a full batch
                     except Exception as exc:
-                        error = self._short(describe(exc))
+                        error = self._short(describe_round_failure(exc))
                         self.health.round_ended(error)
                         self.telemetry.round_failed(self.lane)
                         self.failing_rounds.failed(error, unrecorded=len(self._unrecorded))

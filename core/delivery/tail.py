@@ -41,7 +41,7 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskStatus
 
-from room_outbox.attempt.failure import ErrorClass, Failure, describe, error_text
+from room_outbox.attempt.failure import ErrorClass, Failure, describe, describe_round_failure, error_text
 from room_outbox.attempt.pipeline import Attempts
 from room_outbox.delivery.routing import Router
 from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
@@ -209,7 +209,7 @@ class TailRelay:
 
     def _round_failed(self, exc: Exception) -> None:
         sink_failed = isinstance(exc, BatchFailed | SinkUnreachable)
-        error = str(exc) if sink_failed else self._short(describe(exc))
+        error = str(exc) if sink_failed else self._short(describe_round_failure(exc))
         self.health.round_ended(error, sink_failed=sink_failed)
         self.telemetry.round_failed(self.lane)
         self.failing_rounds.failed(error)

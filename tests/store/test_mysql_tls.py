@@ -4,20 +4,24 @@ the suite's MariaDB, which offers no TLS."""
 
 from __future__ import annotations
 
+import contextlib
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pymysql
 import pytest
+from anyio.abc import SocketAttribute, SocketStream
 from support import PrivateMariaDB, envelope, insert_events, loopback_certificate, make_ca
 
 from room_outbox.errors import ConfigurationError, StoreUnavailable
 from room_outbox.kafka_security import KafkaSecurity
 from room_outbox.plugins.tencent_im.settings import TencentIMSettings
 from room_outbox.plugins.tencent_im.sink import http_client
-from room_outbox.store.backends.mysql import MySQLAddress
+from room_outbox.store.backends.mysql import MySQLAddress, offers_tls
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
 from room_outbox.store.protocol import DeliveryResult, Outcome
@@ -92,11 +96,54 @@ async def test_a_certificate_of_another_ca_is_refused_naming_the_options(tls_ser
     assert "ssl_mode and ssl_ca" in str(info.value)
 
 
-async def test_ssl_mode_refuses_a_server_that_offers_no_tls(database_dsn: str) -> None:
-    """The driver would go on in the clear with a server that does not offer TLS (the suite's
-    MariaDB offers none): the store refuses instead."""
-    with pytest.raises(StoreUnavailable, match=r"offered no TLS, and database\.dsn's ssl_mode is required"):
-        await open_store(f"{database_dsn}?ssl_mode=required")
+@asynccontextmanager
+async def recording_relay(host: str, port: int) -> AsyncIterator[tuple[int, bytearray]]:
+    """A loopback port relaying connections to ``host:port``, and every byte the clients sent."""
+    sent = bytearray()
+
+    async def pump(source: SocketStream, sink: SocketStream, record: bool) -> None:
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            async for chunk in source:
+                if record:
+                    sent.extend(chunk)
+                await sink.send(chunk)
+            await sink.send_eof()
+
+    async def relay(client: SocketStream) -> None:
+        with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            async with client, await anyio.connect_tcp(host, port) as server, anyio.create_task_group() as pumps:
+                pumps.start_soon(pump, client, server, True)
+                pumps.start_soon(pump, server, client, False)
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    async with listener, anyio.create_task_group() as serving:
+        serving.start_soon(listener.serve, relay)
+        yield listener.extra(SocketAttribute.local_port), sent
+        serving.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("password", ["", "wrong"])
+async def test_ssl_mode_refuses_a_server_that_offers_no_tls_before_the_login(database_dsn: str, password: str) -> None:
+    """The driver would log in and go on in the clear with a server that does not offer TLS
+    (the suite's MariaDB offers none): the store refuses first, having sent nothing at all,
+    whether the login would have succeeded or not (a wrong password, a user that requires TLS
+    would be refused in a wrong password's words)."""
+    server = MySQLAddress.from_dsn(database_dsn)
+    async with recording_relay(server.host, server.port) as (port, sent):
+        dsn = f"mysql://{server.user}:{password}@127.0.0.1:{port}/{server.database}?ssl_mode=required"
+        with anyio.fail_after(20), pytest.raises(StoreUnavailable) as info:
+            await open_store(dsn)
+    assert str(info.value).startswith(
+        f"MySQL at 127.0.0.1:{port} offered no TLS, and database.dsn's ssl_mode is required"
+    ), info.value
+    assert sent == b"", bytes(sent)
+
+
+def test_a_greeting_that_is_an_error_is_left_for_the_login_to_report() -> None:
+    """A server sends an error instead of its greeting when it takes no connection (too many,
+    a blocked host): the login reports it in its own words."""
+    assert offers_tls(b"\xff\x10\x04#08004Too many connections") is None
+    assert offers_tls(b"") is None
 
 
 @pytest.mark.parametrize(

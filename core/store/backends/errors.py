@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import pymysql
 
 from room_outbox.errors import RoomOutboxError, SchemaError, StoreUnavailable
+from room_outbox.masking import mask
 from room_outbox.store.deadline import LONGER_QUERY_TIMEOUT
 from room_outbox.store.schema.registry import OUTBOX, required_columns, required_indexes
 
@@ -234,6 +235,17 @@ def translated(where: str, password: str = "") -> Iterator[None]:
         raise mapped from exc
 
 
+def privilege_fix(exc: BaseException) -> str | None:
+    """What to grant, when the database refused a statement for a privilege its user lacks
+    (None: another error), in the words the commands' refusals end with: a recurring round
+    that fails for it fails alike until someone grants it, so its log line names the fix."""
+    if isinstance(exc, pymysql.err.Error) and exc.args and exc.args[0] in _PRIVILEGE:
+        return _PRIVILEGES_NEEDED
+    if getattr(exc, "sqlstate", None) == _PG_PRIVILEGE:
+        return PG_PRIVILEGES_NEEDED
+    return None
+
+
 def _lock_wait_exceeded(where: str, reason: str, setting: str, open_transactions: str) -> StoreUnavailable:
     """A statement gave up waiting for a lock another transaction held: the server's words
     name neither the cause nor the fix."""
@@ -265,11 +277,13 @@ def refuses_writes(where: str, reason: str) -> StoreUnavailable:
 
 
 def _reason(exc: BaseException, password: str) -> str:
-    """The driver's own words, on one line and without the password."""
+    """The driver's own words, on one line and without the password, masked as every text
+    leaving the process is (:mod:`room_outbox.masking`): a short password that is also a name
+    (the user's, part of the database's or a table's) is masked where it stands alone, as the
+    message's own ``where`` is masked, and left inside the longer names that contain it."""
     args: tuple[object, ...] = tuple(getattr(exc, "args", ()))
     text = str(args[1]) if len(args) > 1 and isinstance(args[0], int) else str(exc) or type(exc).__name__
-    text = " ".join(text.split())
-    return text.replace(password, "***") if password else text
+    return mask(" ".join(text.split()), password)
 
 
 #: MySQL errors of a value the column cannot take: NULL into NOT NULL, out of range, not a

@@ -23,6 +23,8 @@ from typing import Any
 
 import aiomysql
 import anyio
+import pymysql
+from anyio.streams.buffered import BufferedByteReceiveStream
 from pymysql.constants import CLIENT
 
 from room_outbox.errors import StoreUnavailable
@@ -72,6 +74,8 @@ UNGUARDED = ("sql_select_limit = 18446744073709551615", "sql_safe_updates = 0", 
 #: (encrypted, the server's certificate not checked), ``verify_ca`` (it must chain to ``ssl_ca``,
 #: or to the system's trust store) and ``verify_identity`` (that, and name the host connected to).
 SSL_MODES = ("disabled", "required", "verify_ca", "verify_identity")
+#: Seconds a new connection may take to reach the server and read its greeting.
+CONNECT_TIMEOUT = 5
 #: The DSN options a MySQL/MariaDB DSN may carry: TLS's, and the server's Unix socket.
 _DSN_OPTIONS = ("ssl_mode", "ssl_ca", "ssl_cert", "ssl_key", "unix_socket")
 
@@ -128,21 +132,46 @@ class MySQLAddress:
 
     async def connect(self, *session: str, **overrides: Any) -> aiomysql.Connection:
         """A connection of its own, outside the pool: :meth:`connect_kwargs` with ``session``'s
-        assignments and ``overrides``, its TLS checked (:meth:`check_tls`)."""
+        assignments and ``overrides``, its TLS checked before the login
+        (:meth:`refuse_without_tls`) and after (:meth:`check_tls`)."""
+        await self.refuse_without_tls()
         conn = await aiomysql.connect(**{**self.connect_kwargs(*session), **overrides})
         self.check_tls(conn)
         return conn
 
+    async def refuse_without_tls(self) -> None:
+        """Refuse a server that :attr:`ssl_mode` wants encrypted and that offers no TLS, before
+        any login: the driver would send the login unencrypted (the user's name, a scramble of the
+        password open to guessing offline, the password itself for a plugin that asks for it),
+        then go on in the clear. The offer is read from the greeting a server sends every new
+        connection, on one closed without a word: MySQL's client refuses such a server at the
+        same point."""
+        if self.ssl_mode == "disabled" or self.unix_socket:
+            return  # a Unix socket never leaves the machine: MySQL counts it as secure
+        try:
+            with anyio.fail_after(CONNECT_TIMEOUT):
+                async with await anyio.connect_tcp(self.host, self.port) as stream:
+                    greeting = await _read_packet(BufferedByteReceiveStream(stream))
+        except (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError) as exc:
+            # As the driver reports a server it cannot reach: retried while the server starts.
+            raise pymysql.err.OperationalError(2003, f"Can't connect to MySQL server on {self.host!r} ({exc})") from exc
+        if offers_tls(greeting) is False:
+            raise self._no_tls()
+
     def check_tls(self, conn: aiomysql.Connection) -> None:
-        """Refuse, closing it, a connection that :attr:`ssl_mode` wants encrypted and is not. The
-        driver goes on without TLS when the server does not offer it: a server without TLS (or
-        something between that hides the offer) must not get the statements in the clear."""
+        """Refuse, closing it, a connection that :attr:`ssl_mode` wants encrypted and is not: the
+        pool opens its connections itself, without :meth:`refuse_without_tls`. The driver goes on
+        without TLS when the server does not offer it: a server without TLS (or something
+        between that hides the offer) must not get the statements in the clear."""
         if self.ssl_mode != "disabled" and not conn._secure:
             conn.close()
-            raise StoreUnavailable(
-                f"MySQL at {self.location} offered no TLS, and database.dsn's ssl_mode is"
-                f" {self.ssl_mode}: enable TLS on the server, or check that database.dsn names it"
-            )
+            raise self._no_tls()
+
+    def _no_tls(self) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"MySQL at {self.location} offered no TLS, and database.dsn's ssl_mode is"
+            f" {self.ssl_mode}: enable TLS on the server, or check that database.dsn names it"
+        )
 
     def tls_context(self) -> ssl.SSLContext | None:
         """The TLS context :attr:`ssl_mode` asks for (None: no TLS), made once for every
@@ -179,13 +208,13 @@ class MySQLAddress:
             "host": self.host,
             "port": self.port,
             "user": self.user,
-            "password": self.password,
+            "password": driver_password(self.password),
             "charset": "utf8mb4",
             "autocommit": False,
             # Matched, not changed, rows: a fenced UPDATE then counts what it found.
             "client_flag": CLIENT.FOUND_ROWS,
             "init_command": f"SET SESSION {init}",
-            "connect_timeout": 5,
+            "connect_timeout": CONNECT_TIMEOUT,
             "ssl": self.tls_context(),
             "unix_socket": self.unix_socket or None,
         }
@@ -204,6 +233,38 @@ class MySQLAddress:
             f"net_write_timeout = {limits.network_seconds}",
             statement_time_limit(server_version, limits.statement_seconds),
         )
+
+
+def driver_password(password: str) -> str:
+    """``password`` as aiomysql must be given it for the server to receive its UTF-8 bytes, as
+    MySQL's own client sends them (and as ``IDENTIFIED BY`` over a utf8mb4 session stored them):
+    aiomysql encodes the password as Latin-1, which fails on a character outside it (CJK) and
+    sends another byte for one inside it (``é``)."""
+    return password.encode("utf-8").decode("latin-1")
+
+
+async def _read_packet(stream: BufferedByteReceiveStream) -> bytes:
+    """One packet of MySQL's protocol: its length (3 bytes, little-endian), a sequence number,
+    then its payload."""
+    header = await stream.receive_exactly(4)
+    return await stream.receive_exactly(int.from_bytes(header[:3], "little"))
+
+
+#: The protocol version a server's greeting starts with (every server since MySQL 3.21).
+_HANDSHAKE_V10 = 10
+
+
+def offers_tls(greeting: bytes) -> bool | None:
+    """Whether a server's greeting (the first packet of a connection) offers TLS: its
+    capability flags' CLIENT_SSL. None when it is no greeting: an error the server sends
+    instead (too many connections, a blocked host), left for the login to report."""
+    if not greeting or greeting[0] != _HANDSHAKE_V10:
+        return None
+    version_end = greeting.find(b"\0", 1)
+    flags_at = version_end + 1 + 4 + 8 + 1  # then the thread id, the salt's first part, a filler
+    if version_end < 0 or len(greeting) < flags_at + 2:
+        return None
+    return bool(int.from_bytes(greeting[flags_at : flags_at + 2], "little") & CLIENT.SSL)
 
 
 def read_committed(server_version: str) -> str:
