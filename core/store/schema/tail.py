@@ -332,10 +332,10 @@ async def _hand_back(
             )
         statements.append(f"UPDATE {CURSOR_TABLE} SET read_through_id = NULL, open_gaps = NULL WHERE lane = '{lane}'")
         changes.append(f"lane {lane}'s table is fed from its cursor at {fed}")
-    if cancelled:
-        statements.append(f"DELETE FROM {PARKED_TABLE} WHERE lane = '{lane}' AND status = '{CANCELLED}'")
     if SKIPPED_TABLE in existing:  # none holds an event still owed: the switch is refused while one does
         statements.append(f"DELETE FROM {SKIPPED_TABLE} WHERE lane = '{lane}'")
+    if cancelled:  # last (see above)
+        statements.append(f"DELETE FROM {PARKED_TABLE} WHERE lane = '{lane}' AND status = '{CANCELLED}'")
     return Migration("; ".join(changes), tuple(statements))
 
 
