@@ -82,7 +82,7 @@ async def test_requeue_and_cancel_lane_from_the_command_line_take_their_filters(
     doc = json.loads(capsys.readouterr().out)
     assert (doc["matched"], [r["event_id"] for r in doc["rows"]]) == (1, ["e1"])
     assert await anyio.to_thread.run_sync(run, "requeue", "--lane", "kafka", "--event-type", "NoSuchType") == 0
-    assert capsys.readouterr().out == "no parked events in lane kafka match\n"
+    assert capsys.readouterr().out == "no parked or skipped events in lane kafka match\n"
     assert await anyio.to_thread.run_sync(run, "requeue", "--lane", "kafka", "--status", "pending") == 2
     assert "--lane does not take --status" in capsys.readouterr().err
     assert await anyio.to_thread.run_sync(run, *chosen, "--yes") == 0

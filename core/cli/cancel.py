@@ -26,7 +26,7 @@ from room_outbox.store.lanes.tail import TailStore
 from room_outbox.store.operator.changes import IN_FLIGHT, SEVERAL_APPS, cancel
 from room_outbox.store.operator.reports import event_apps, event_rows
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.tail import PARKED
+from room_outbox.store.schema.tail import PARKED, SKIPPED
 
 
 async def cancel_command(
@@ -98,7 +98,7 @@ async def cancel_tail_command(
         print(several_apps("cancel", event_id, apps), file=err)
         return 1
     status = await TailStore(owner=store, lane=lane).cancel(event_id, apply, app_code)
-    done = status == PARKED
+    done = status in (PARKED, SKIPPED)
     if as_json:
         doc = {"event_id": event_id, "app_code": app_code, "lane": lane, "applied": apply,
                "cancelled": apply and done, "would_cancel": not apply and done, "status": status}  # fmt: skip
@@ -109,9 +109,9 @@ async def cancel_tail_command(
     if done and apply:
         print(f"cancelled {shown} in {where}: it will never be sent there; its parked entry is kept", file=out)
     elif done:
-        print(f"would cancel {shown} in {where} (now parked); run again with --yes to cancel it", file=out)
+        print(f"would cancel {shown} in {where} (now {status}); run again with --yes to cancel it", file=out)
     elif status is None:
-        print(f"room-outbox cancel: {shown} is not parked in {where}", file=err)
+        print(f"room-outbox cancel: {shown} is neither parked nor skipped in {where}", file=err)
     else:
         print(
             f"room-outbox cancel: {shown} is {printable(status)} in {where}: only parked events can be cancelled",

@@ -16,8 +16,9 @@ from room_outbox.cli.consumers import format_states
 from room_outbox.cli.output import format_age, format_app, format_time, printable
 from room_outbox.config import MAIN_LANE, Settings
 from room_outbox.consume.ops import consumer_states
-from room_outbox.delivery.lanes import claim_after_ms, delivery_settings
+from room_outbox.delivery.lanes import claim_after_ms, delivery_settings, lane_plan
 from room_outbox.envelope import EnvelopeError, EnvelopeTooLarge, parse_envelope
+from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.backends.leased import CREATED_AHEAD_MS
 from room_outbox.store.clock import now_ms
 from room_outbox.store.lanes.catalog import stored_lanes
@@ -27,6 +28,7 @@ from room_outbox.store.operator.reports import (
     first_young_row_before,
     lane_row,
     tail_parked_row,
+    tail_skipped_range,
 )
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.profiles import V1, Profile
@@ -39,18 +41,21 @@ def _now_ms() -> int:
 
 
 async def inspect_events(
-    store: SQLStore, event_id: str, app_code: str | None = None, per_room: bool = False
+    store: SQLStore, event_id: str, app_code: str | None = None, per_room: bool = False, main_lane: bool = True
 ) -> list[dict[str, Any]]:
     """Every row of ``event_id`` (of ``app_code`` when given; several apps may each have one
     where event ids are unique per app), lowest id first: each with its parsed envelope (or
     why it does not parse) and a sentence on its delivery state, with the store's
-    ``claim_after_ms`` and the main lane's ``per_room`` ordering. Its times are epoch ms (0 or
-    None: none)."""
+    ``claim_after_ms`` and the main lane's ``per_room`` ordering; ``main_lane``: whether the
+    configuration runs the main lane (else ``status`` is room-service's, and no scan claims
+    the row). Its times are epoch ms (0 or None: none)."""
     rows = await event_rows(store, event_id, app_code)
-    return [await _inspected(store, row, seen, per_room) for row, seen in rows]
+    return [await _inspected(store, row, seen, per_room, main_lane) for row, seen in rows]
 
 
-async def _inspected(store: SQLStore, row: dict[str, Any], seen: dict[str, Any], per_room: bool) -> dict[str, Any]:
+async def _inspected(
+    store: SQLStore, row: dict[str, Any], seen: dict[str, Any], per_room: bool, main_lane: bool = True
+) -> dict[str, Any]:
     """One row as :func:`inspect_events` shows it; ``seen``: what :func:`event_rows` read of it."""
     p = store.profile
     row.pop("envelope", None)  # shown parsed below
@@ -72,17 +77,24 @@ async def _inspected(store: SQLStore, row: dict[str, Any], seen: dict[str, Any],
         if mismatches:
             doc["envelope_error"] = "; ".join(mismatches)
     now = _now_ms()
-    doc["state"] = describe_state(row, now, p, store.claim_after_ms)
-    if doc["state"].startswith("due"):
+    if not main_lane:
+        doc["state"] = (
+            f"status {row['status']!r} is room-service's: the main lane is disabled here (no tencent_im or noop"
+            " sink enabled), so no scan of room-outbox claims this row; its lanes below say what room-outbox does"
+        )
+    else:
+        doc["state"] = describe_state(row, now, p, store.claim_after_ms)
+    if main_lane and doc["state"].startswith("due"):
         doc["state"] = await _held_back(store, seen, now, per_room) or doc["state"]
-    lanes = await _lane_states(store, int(seen["key"]), now)
+    lanes = await _lane_states(store, int(seen["key"]), str(seen["event_id"]), now)
     if lanes:
         doc["lanes"] = lanes
     return doc
 
 
-async def _lane_states(store: SQLStore, outbox_id: int, now: int) -> dict[str, str]:
-    """The event's state in each lane of its own (same vocabulary as the main lane's)."""
+async def _lane_states(store: SQLStore, outbox_id: int, event_id: str, now: int) -> dict[str, str]:
+    """The event's state in each lane of its own (same vocabulary as the main lane's); a
+    tailing lane's from its cursor, its parked entries and the id ranges it skipped."""
     states: dict[str, str] = {}
     for lane in await stored_lanes(store):
         if lane.fed_through_id is None:
@@ -100,11 +112,17 @@ async def _lane_states(store: SQLStore, outbox_id: int, now: int) -> dict[str, s
             )
         elif found is not None:
             states[lane.name] = describe_state(found, now)
+        elif not lane.has_table and not lane.tailed_past(outbox_id):
+            states[lane.name] = "not sent by the tailing lane yet"
         elif not lane.has_table:
+            skipped = await tail_skipped_range(store, lane.name, outbox_id)
             states[lane.name] = (
                 "sent by the tailing lane (or before the lane's start)"
-                if lane.tailed_past(outbox_id)
-                else "not sent by the tailing lane yet"
+                if skipped is None
+                else "skipped by the tailing lane, never sent: its id was missing longer than lanes.gap_timeout (or"
+                " beyond lanes.max_gaps) and taken as a rolled-back insert (ids"
+                f" {skipped['low_id']}-{skipped['high_id']}, given up on {format_time(skipped['skipped_at_ms'], now)});"
+                f" it committed later (`room-outbox requeue --lane {lane.name} --event-id {event_id} --yes` sends it)"
             )
         elif outbox_id > lane.fed_through_id:
             states[lane.name] = "not fed to this lane yet"
@@ -229,10 +247,11 @@ async def inspect_command(
     err: IO[str],
     app_code: str | None = None,
     per_room: bool = False,
+    main_lane: bool = True,
 ) -> int:
     """Every row of ``event_id`` (of ``app_code`` when given) and the consumers' records of
     it. ``--json``: one row's document as it is, several rows' as ``events``."""
-    docs = await inspect_events(store, event_id, app_code, per_room)
+    docs = await inspect_events(store, event_id, app_code, per_room, main_lane)
     times = store.profile.time_columns
     consumers = [s for s in await consumer_states(store, event_id) if app_code is None or s["app_code"] == app_code]
     if not docs and not consumers:
@@ -258,7 +277,10 @@ async def inspect_command(
 async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
     store.claim_after_ms = claim_after_ms(settings)  # the dispatcher's, for the states told
     per_room = delivery_settings(settings, MAIN_LANE).ordering == "per_room"
-    return await inspect_command(store, args.event_id, args.json, sys.stdout, sys.stderr, args.app_code, per_room)
+    main_lane = lane_plan(make_plugin_manager(settings.plugins.disabled), settings).main
+    return await inspect_command(
+        store, args.event_id, args.json, sys.stdout, sys.stderr, args.app_code, per_room, main_lane
+    )
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,10 +28,12 @@ from room_outbox.store.operator.changes import (
     RequeueFilter,
     find_parked_in_lane,
     find_requeue_candidates,
+    find_skipped_in_lane,
     requeue,
 )
 from room_outbox.store.operator.reports import event_apps
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.tail import PARKED, REQUEUED, SKIPPED
 
 #: Rows one ``requeue`` changes at most: one statement, a list a person can still read.
 REQUEUE_LIMIT = 10_000
@@ -143,26 +145,35 @@ async def requeue_tail_command(
     limit: int = REQUEUE_LIMIT,
     as_json: bool = False,
 ) -> int:
-    """A tailing lane's parked events that ``where`` selects (:func:`find_parked_in_lane`; all
-    of them when it names nothing), listed, and with ``apply`` marked to be sent again by the
-    lane's next round: the listed ones and no other, at most ``limit``, as
+    """A tailing lane's parked events and skipped ones (committed after the lane gave up on
+    their ids) that ``where`` selects (:func:`find_parked_in_lane`, :func:`find_skipped_in_lane`;
+    all of them when it names nothing), listed, and with ``apply`` marked to be sent by the
+    lane's next round (a skipped one becomes a requeued entry of the parked table): the listed ones and no other, at most ``limit``, as
     :func:`requeue_command` takes rows. An event id that names rows of several apps is refused
     as it refuses it."""
     if await not_a_tailing_lane(store, lane, "requeue", err):
         return 1
     if await _ids_of_several_apps(store, where.event_ids if where.app_code is None else (), err):
         return 1
-    rows = await find_parked_in_lane(store, lane, where, limit + 1)  # one more: are there more?
+    # One more of each: are there more? Skipped events are sent as requeued parked ones are.
+    found = await find_parked_in_lane(store, lane, where, limit + 1)
+    found += await find_skipped_in_lane(store, lane, where, limit + 1)
+    rows = sorted(found, key=lambda row: int(row["outbox_id"]))
     more = len(rows) > limit
     rows = rows[:limit]
     tail = TailStore(owner=store, lane=lane)
-    changed = await tail.requeue([int(row["outbox_id"]) for row in rows]) if apply and rows else 0
+    changed = 0
+    if apply and rows:
+        changed = await tail.requeue([int(row["outbox_id"]) for row in rows if row["status"] == PARKED])
+        changed += await tail.take_skipped(
+            [int(row["outbox_id"]) for row in rows if row["status"] == SKIPPED], REQUEUED
+        )
     if as_json:
         doc = {"lane": lane, "applied": apply, "matched": len(rows), "more": more, "requeued": changed, "rows": rows}
         print(json.dumps(doc, indent=2, default=str), file=out)
         return 0
     if not rows:
-        print(f"no parked events in lane {printable(lane)} match", file=out)
+        print(f"no parked or skipped events in lane {printable(lane)} match", file=out)
         return 0
     now = now_ms()  # the database's clock, which wrote created_at_ms
     cells = [
@@ -180,7 +191,7 @@ async def requeue_tail_command(
     note = f"; {len(rows) - changed} of the {len(rows)} listed changed meanwhile" if changed < len(rows) else ""
     rest = (
         f"; more than {limit:,} events matched: only the first {limit:,} (lowest ids) were taken; run it again to"
-        " reach the rest (the events just requeued are no longer parked)"
+        " reach the rest (the events just requeued are no longer parked or skipped)"
     )
     print(f"requeued {changed} event(s) in lane {printable(lane)}{note}{rest if more else ''}", file=out)
     return 0
@@ -188,7 +199,7 @@ async def requeue_tail_command(
 
 async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
     if args.lane:
-        if args.status:  # a lane's entries are all parked: a status there would select nothing or everything
+        if args.status:  # a lane's entries are all to be sent: a status there would select nothing or everything
             print(
                 "room-outbox requeue: --lane does not take --status (a lane's entries are all parked)", file=sys.stderr
             )
@@ -224,8 +235,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--lane",
-        help="a tailing lane (such as kafka): send its parked events again (those the other filters select;"
-        " without one: all)",
+        help="a tailing lane (such as kafka): send its parked events again, and the events it skipped (ids"
+        " missing longer than lanes.gap_timeout that committed later): those the other filters select;"
+        " without one: all",
     )
     add_yes_option(parser, "apply the change")
     add_json_option(parser)
@@ -237,7 +249,8 @@ COMMAND = Command(
     "parked row. At most 10,000 rows a run; it says so when more match. Published, cancelled\n"
     "and currently leased rows are never touched. An --event-id that several apps' rows have\n"
     "(event ids unique per app) is refused until --app-code names the app. With --lane, a tailing\n"
-    "lane's parked events, selected by the same filters (but --status) and capped the same way.",
+    "lane's parked events and the events it skipped (committed after lanes.gap_timeout), selected\n"
+    "by the same filters (but --status) and capped the same way.",
     examples='room-outbox requeue --error-contains "group gone"\n'
     "room-outbox requeue --status failed\n"
     "room-outbox requeue --event-type RoomGiftSent --status failed --yes\n"

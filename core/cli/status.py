@@ -78,9 +78,21 @@ def _format_errors(title: str, top: list[tuple[str, int]]) -> list[str]:
 def _format_lanes(report: StatusReport) -> list[str]:
     if not report.lanes:
         return []
-    rows = [(x.lane, x.fed_through_id, x.unfed, x.pending, x.parked) for x in report.lanes]
-    numbers = ("fed through id", "unfed", "pending", "parked")
+    # Skipped events: a column only when there are any (no round brings that figure down by itself).
+    skipped = any(x.skipped for x in report.lanes)
+    rows = [
+        (x.lane, x.fed_through_id, x.unfed, x.pending, x.parked, *((x.skipped,) if skipped else ()))
+        for x in report.lanes
+    ]
+    numbers: tuple[str, ...] = ("fed through id", "unfed", "pending", "parked", *(("skipped",) if skipped else ()))
     lines = ["", *format_table(("lane", *numbers), rows, right=numbers, indent="  ")]
+    # The operator sends them (requeue) or drops them (cancel): say how.
+    lines += [
+        f"  lane {x.lane}: {x.skipped} event(s) skipped and never sent (their ids were missing longer than"
+        f" lanes.gap_timeout, then they committed): `room-outbox requeue --lane {x.lane} --yes` sends them"
+        for x in report.lanes
+        if x.skipped
+    ]
     for lane in report.lanes:
         if lane.top_parked_errors:  # a tailing lane's: `requeue --lane` / `cancel --lane` take them
             title = (

@@ -680,8 +680,8 @@ async def test_a_lane_is_not_switched_back_to_a_lane_table_while_events_it_parke
     await insert_events(any_store, [envelope("a"), envelope("huge"), envelope("b")])
     await drain(log_relay(any_store, OrderedLog(too_large={"huge"})), any_store)
     refused = re.escape(
-        "lane kafka has 1 event(s) it parked while it tailed room_outbox (relay: tail), which a lane table"
-        " would never send: with relay: tail, requeue them (`room-outbox requeue --lane kafka`)"
+        "lane kafka has 1 event(s) it parked or skipped while it tailed room_outbox (relay: tail), which a lane"
+        " table would never send: with relay: tail, requeue them (`room-outbox requeue --lane kafka`)"
     )
     with pytest.raises(SchemaError, match=refused):
         await migrate_lanes(any_store, ["kafka"])
@@ -1004,7 +1004,11 @@ async def test_an_operator_cancels_a_parked_event_and_the_lane_never_sends_it(an
 
     assert await cancel("huge", apply=True) == (
         1, "", "room-outbox cancel: huge is cancelled in lane kafka: only parked events can be cancelled\n")  # fmt: skip
-    assert await cancel("a", apply=True) == (1, "", "room-outbox cancel: a is not parked in lane kafka\n")
+    assert await cancel("a", apply=True) == (
+        1,
+        "",
+        "room-outbox cancel: a is neither parked nor skipped in lane kafka\n",
+    )
     code, _, err = await cancel("huge", apply=True, lane="activity")
     assert code == 1 and err == "room-outbox cancel: activity is not a tailing lane (tailing lanes: kafka)\n"
     errors = io.StringIO()  # requeue --lane checks the lane the same way
@@ -1052,7 +1056,7 @@ async def test_an_event_id_several_apps_have_parked_is_changed_in_the_lane_only_
     ]
     assert [p["status"] for p in await tail.store.parked()] == ["requeued"]  # appa's entry is untouched
     assert await cancel_tail_command(any_store, "kafka", "x0", out, err, True, app_code="appc") == 1
-    assert err.getvalue().endswith("room-outbox cancel: x0 of app appc is not parked in lane kafka\n")
+    assert err.getvalue().endswith("room-outbox cancel: x0 of app appc is neither parked nor skipped in lane kafka\n")
 
 
 async def test_requeue_lane_takes_exactly_the_parked_events_its_filters_select(any_store: SQLStore) -> None:
@@ -1079,7 +1083,7 @@ async def test_requeue_lane_takes_exactly_the_parked_events_its_filters_select(a
     listed = await requeue(RequeueFilter(error_contains="messagesizetoolarge"))
     assert re.match(r"p1 +default +RoomGiftSent +r_1 +\d+ s +MessageSizeTooLargeError$", listed[1])
     assert listed[2:] == ["1 event(s) would be requeued; run again with --yes to apply"]
-    assert await requeue(RequeueFilter(event_type="NoSuchType")) == ["no parked events in lane kafka match"]
+    assert await requeue(RequeueFilter(event_type="NoSuchType")) == ["no parked or skipped events in lane kafka match"]
     assert [line.split()[0] for line in (await requeue(RequeueFilter(older_than_ms=86_400_000)))[1:-1]] == ["p3"]
     out = io.StringIO()
     joined = RequeueFilter(event_type="RoomUserJoined")
@@ -1092,13 +1096,13 @@ async def test_requeue_lane_takes_exactly_the_parked_events_its_filters_select(a
     assert set((await parked()).values()) == {"parked"}  # previews change nothing
 
     assert (await requeue(RequeueFilter(error_contains="too large"), apply=True))[-1:] == [
-        "no parked events in lane kafka match"
+        "no parked or skipped events in lane kafka match"
     ]
     taken = await requeue(joined, apply=True, limit=2)
     assert [line.split()[0] for line in taken[1:-1]] == ["p2", "p3"]
     assert taken[-1] == (
         "requeued 2 event(s) in lane kafka; more than 2 events matched: only the first 2 (lowest ids) were taken;"
-        " run it again to reach the rest (the events just requeued are no longer parked)"
+        " run it again to reach the rest (the events just requeued are no longer parked or skipped)"
     )
     assert await parked() == {"p1": "parked", "p2": "requeued", "p3": "requeued", "p4": "parked"}
     assert (await requeue(joined, apply=True, limit=2))[-1] == "requeued 1 event(s) in lane kafka"

@@ -18,7 +18,7 @@ from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import table_names
 from room_outbox.store.lanes.store import CURSOR_TABLE, lane_table
 from room_outbox.store.lanes.tail import TailCursor
-from room_outbox.store.schema.tail import PARKED, PARKED_TABLE
+from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, SKIPPED_TABLE
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
@@ -180,8 +180,8 @@ async def tailing_lanes(store: SQLStore) -> list[str]:
 
 
 async def retire_lane(store: SQLStore, lane: str) -> list[str]:
-    """Drop ``lane``'s table, cursor row and (a tailing lane) parked rows; returns what was
-    dropped (empty: nothing was there)."""
+    """Drop ``lane``'s table, cursor row and (a tailing lane) parked rows and skipped ranges;
+    returns what was dropped (empty: nothing was there)."""
     table = lane_table(lane)  # validates the name before it reaches SQL
     done: list[str] = []
     for stored in await stored_lanes(store):
@@ -191,10 +191,15 @@ async def retire_lane(store: SQLStore, lane: str) -> list[str]:
             if stored.fed_through_id is not None:
                 await cur.execute(f"DELETE FROM {CURSOR_TABLE} WHERE lane = %s", (lane,))
                 done.append(f"deleted the cursor of lane {lane} (fed through id {stored.fed_through_id})")
-            if PARKED_TABLE in await table_names(cur, store.dialect):
+            tables = await table_names(cur, store.dialect)
+            if PARKED_TABLE in tables:
                 await cur.execute(f"DELETE FROM {PARKED_TABLE} WHERE lane = %s", (lane,))
                 if cur.rowcount:
                     done.append(f"deleted {cur.rowcount} parked row(s) of lane {lane}")
+            if SKIPPED_TABLE in tables:
+                await cur.execute(f"DELETE FROM {SKIPPED_TABLE} WHERE lane = %s", (lane,))
+                if cur.rowcount:
+                    done.append(f"deleted {cur.rowcount} skipped id range(s) of lane {lane}")
             if stored.has_table:
                 await cur.execute(f"DROP TABLE IF EXISTS {table}")
                 done.append(f"dropped table {table}")

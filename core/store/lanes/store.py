@@ -546,20 +546,24 @@ class LaneStore(LeasedRows):
                 remaining.append(Gap(low, gap.high, gap.first_seen))
         self._gaps = [trimmed for gap in remaining if (trimmed := self._on_lattice(gap))]
 
-    def _expire_gaps(self) -> None:
+    def _expire_gaps(self) -> list[Gap]:
+        """Give up on the ranges missing longer than ``gap_timeout``; returns them."""
         now = time.monotonic()
-        for gap in [g for g in self._gaps if now - g.first_seen > self.gap_timeout]:
+        expired = [g for g in self._gaps if now - g.first_seen > self.gap_timeout]
+        for gap in expired:
             log.warning(
                 "ids never committed within gap_timeout; taken as rolled back and skipped",
                 extra={"lane": self.lane, "from_id": gap.low, "to_id": gap.high},
             )
         self._gaps = [g for g in self._gaps if now - g.first_seen <= self.gap_timeout]
+        return expired
 
-    def _bound_gaps(self) -> None:
-        """At most ``max_gaps`` ranges: the longest-missing beyond that are given up on now."""
+    def _bound_gaps(self) -> list[Gap]:
+        """At most ``max_gaps`` ranges: the longest-missing beyond that are given up on now;
+        returns them."""
         excess = len(self._gaps) - self.max_gaps
         if excess <= 0:
-            return
+            return []
         oldest = sorted(self._gaps, key=lambda g: (g.first_seen, g.low))[:excess]
         log.warning(
             "more ranges of ids missing than lanes.max_gaps; the longest-missing are skipped before gap_timeout",
@@ -573,6 +577,7 @@ class LaneStore(LeasedRows):
         )
         dropped = {id(g) for g in oldest}
         self._gaps = [g for g in self._gaps if id(g) not in dropped]
+        return oldest
 
 
 __all__ = [

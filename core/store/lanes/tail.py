@@ -16,8 +16,11 @@ below ``fed_through_id`` is done"). A tailing lane also keeps there the highest 
 and the ranges below it still missing (:class:`TailCursor`): an id that is missing for a while
 (a producer's transaction still open, a rolled-back insert) holds ``fed_through_id`` below it
 for up to ``gap_timeout``, while the rounds go on sending what is above it, and a new owner
-must not send all of that again. :func:`migrate_tail` moves the cursor back below the lane
-table's first row still owed when a lane switches from its table to tailing, and moves the rows
+must not send all of that again. A range given up on (missing longer than ``gap_timeout``)
+is recorded in the skipped table by the round that gives it up
+(:meth:`TailStore._record_skipped`), so that an insert that commits after all can still be
+found and sent. :func:`migrate_tail` moves the cursor back below the lane table's first row
+still owed when a lane switches from its table to tailing, and moves the rows
 the table parked, and those it cancelled, to the parked table; a round passes over the rows it
 holds, so a parked row is sent only once requeued and a cancelled one never. The switch back
 (:func:`~room_outbox.store.schema.tail.hand_back_steps`) carries the cancelled ones, and what
@@ -27,6 +30,7 @@ the lane sent above ``fed_through_id``, over to the new lane table.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import time
@@ -38,12 +42,22 @@ from typing import TYPE_CHECKING, Any
 
 from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import ascii_text, marks, text
+from room_outbox.store.dialect import ascii_text, marks, table_names, text
 from room_outbox.store.lanes.store import CURSOR_TABLE, Gap, LaneStore, StartPosition, log
 from room_outbox.store.schema.lanes import KEPT_WIDTH
 from room_outbox.store.schema.outbox import Migration
 from room_outbox.store.schema.registry import WantedSchema, migrate, migration_plan
-from room_outbox.store.schema.tail import CANCELLED, PARKED, PARKED_TABLE, REQUEUED, open_gap_ranges
+from room_outbox.store.schema.tail import (
+    CANCELLED,
+    PARKED,
+    PARKED_TABLE,
+    REQUEUED,
+    SKIPPED,
+    SKIPPED_ERROR,
+    SKIPPED_TABLE,
+    open_gap_ranges,
+    skipped_rows,
+)
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
@@ -98,6 +112,9 @@ class TailRound:
     def park(self, row: TailRow, error: str) -> None:
         self.parked[row.outbox_id] = error[:1024]
 
+
+#: Skipped ranges per statement (four placeholders each: within every database's limit).
+SKIPPED_CHUNK = 250
 
 #: Seconds between two INFO lines of one process taking a tailing lane over.
 RESUME_SAID_EVERY = 60.0
@@ -301,9 +318,11 @@ class TailStore(LaneStore):
             tail.failure = exc
 
     async def _move_cursor(self, cur: Any, before: TailCursor) -> TailCursor:
-        """Write where the lane is (:class:`TailCursor`) when it moved; return it."""
-        self._expire_gaps()
-        self._bound_gaps()
+        """Write where the lane is (:class:`TailCursor`) when it moved, and the ranges it gave
+        up on (:meth:`_record_skipped`); return it."""
+        skipped = self._expire_gaps() + self._bound_gaps()
+        if skipped:
+            await self._record_skipped(cur, skipped)
         after = TailCursor(
             min(g.low for g in self._gaps) - 1 if self._gaps else self._high,
             self._high,
@@ -316,6 +335,24 @@ class TailStore(LaneStore):
                 (after.fed_through_id, after.read_through_id, after.open_gaps, now_ms(), self.lane),
             )
         return after
+
+    async def _record_skipped(self, cur: Any, gaps: Sequence[Gap]) -> None:
+        """Record the ranges given up on, one row a range however many ids it holds, in the
+        round's transaction: an insert that commits after all is then told apart from the
+        events sent (``inspect``, ``status``) and can be sent (``requeue --lane``). A range
+        recorded before with the same first id (the cursor moved back since) is replaced."""
+        now = now_ms()
+        for first in range(0, len(gaps), SKIPPED_CHUNK):
+            chunk = gaps[first : first + SKIPPED_CHUNK]
+            lows = [gap.low for gap in chunk]
+            await cur.execute(
+                f"DELETE FROM {SKIPPED_TABLE} WHERE lane = %s AND low_id IN ({marks(lows)})", [self.lane, *lows]
+            )
+            await cur.execute(
+                f"INSERT INTO {SKIPPED_TABLE} (lane, low_id, high_id, skipped_at_ms) VALUES"
+                + ", ".join(["(%s, %s, %s, %s)"] * len(chunk)),
+                [value for gap in chunk for value in (self.lane, gap.low, gap.high, now)],
+            )
 
     def _gaps_text(self) -> str | None:
         """The ranges waited for as ``open_gaps`` (:class:`TailCursor`), None when there are none.
@@ -475,15 +512,62 @@ class TailStore(LaneStore):
             )
             return int(cur.rowcount)
 
+    async def take_skipped(self, outbox_ids: Sequence[int], status: str) -> int:
+        """Make the rows ``outbox_ids`` that lie in the lane's skipped ranges (inserts that
+        committed after the lane gave up on their ids) entries of the parked table with
+        ``status``: ``requeued``, the next round sends them as it sends a requeued parked event;
+        ``cancelled``, never sent. Their ids leave the ranges (a range splits around them), so
+        the ranges hold only what is still skipped. Returns how many entries were made."""
+        ids = sorted(set(outbox_ids))
+        if not ids:
+            return 0
+        p, now = self.owner.profile, now_ms()
+        async with self.transaction() as cur:
+            await cur.execute(
+                f"SELECT low_id, high_id, skipped_at_ms FROM {SKIPPED_TABLE}"
+                " WHERE lane = %s AND low_id <= %s AND high_id >= %s",
+                (self.lane, ids[-1], ids[0]),
+            )
+            ranges = [(int(low), int(high), int(at)) for low, high, at in await cur.fetchall()]
+            taken = [i for i in ids if any(low <= i <= high for low, high, _ in ranges)]
+            if not taken:
+                return 0
+            cut = f", SUBSTR({{column}}, 1, {KEPT_WIDTH})"  # as a lane's copies are cut
+            await cur.execute(
+                f"INSERT INTO {PARKED_TABLE} (lane, outbox_id, event_id, room_id, status, last_error,"
+                f" created_at_ms, updated_at_ms) SELECT '{self.lane}', {p.key}"
+                + cut.format(column=p.event_id)
+                + cut.format(column=p.room_id)
+                + f", '{status}', %s, {now}, {now} FROM {p.table} WHERE {p.key} IN ({marks(taken)})"
+                f" AND NOT EXISTS (SELECT 1 FROM {PARKED_TABLE} e WHERE e.lane = '{self.lane}'"
+                f" AND e.outbox_id = {p.table}.{p.key})",
+                [SKIPPED_ERROR, *taken],
+            )
+            entered = int(cur.rowcount)
+            for low, high, at in ranges:
+                inside = [i for i in taken if low <= i <= high]
+                if not inside:
+                    continue
+                bounds = [low - 1, *inside, high + 1]
+                rest = [(a + 1, b - 1) for a, b in itertools.pairwise(bounds) if a + 1 <= b - 1]
+                await cur.execute(f"DELETE FROM {SKIPPED_TABLE} WHERE lane = %s AND low_id = %s", (self.lane, low))
+                for part_low, part_high in rest:
+                    await cur.execute(
+                        f"INSERT INTO {SKIPPED_TABLE} (lane, low_id, high_id, skipped_at_ms) VALUES (%s, %s, %s, %s)",
+                        (self.lane, part_low, part_high, at),
+                    )
+        return entered
+
     async def cancel(self, event_id: str, apply: bool, app_code: str | None = None) -> str | None:
-        """The status ``event_id`` has among the lane's parked rows (None: it has none there);
-        with ``apply`` a ``parked`` one is made ``cancelled``: the lane never sends it, and
-        requeue, the backlog and retention no longer count it. Only a parked one: a requeued
-        one may be on its way already. With ``app_code``, only the entry of that app's row
+        """The status ``event_id`` has among the lane's parked rows, or ``skipped`` (None: it
+        is neither); with ``apply`` a ``parked`` one, or a skipped one (:meth:`take_skipped`),
+        is made ``cancelled``: the lane never sends it, and requeue, the backlog and retention
+        no longer count it. Not a requeued one: it may be on its way already. With ``app_code``, only the entry of that app's row
         (event ids may be unique per app only): found by the row's key, so an entry whose row
         is gone is not found."""
         where = "lane = %s AND event_id = %s"
         params: list[Any] = [self.lane, event_id]
+        skipped: list[int] = []
         async with self.transaction() as cur:
             if app_code is not None:
                 p = self.owner.profile
@@ -503,7 +587,22 @@ class TailStore(LaneStore):
                     return PARKED
             await cur.execute(f"SELECT status FROM {PARKED_TABLE} WHERE {where}", params)
             found = await cur.fetchone()
-        return None if found is None else str(found[0])
+            if found is None and SKIPPED_TABLE in await table_names(cur, self.dialect):
+                # Skipped, perhaps: an insert that committed after the lane gave up on its id.
+                p = self.owner.profile
+                of_app = "" if app_code is None else f" AND o.{p.app_code} = %s"
+                await cur.execute(
+                    f"SELECT o.{p.key}{skipped_rows(p)} AND o.{p.event_id} = %s{of_app}",
+                    (self.lane, event_id, *(() if app_code is None else (app_code,))),
+                )
+                skipped = [int(key) for (key,) in await cur.fetchall()]
+        if found is not None:
+            return str(found[0])
+        if not skipped:
+            return None
+        if apply:
+            await self.take_skipped(skipped, CANCELLED)
+        return SKIPPED
 
 
 async def migrate_tail(store: SQLStore, lanes: Sequence[str]) -> list[str]:

@@ -21,7 +21,7 @@ from room_outbox.store.dialect import column_names, marks, table_names, text
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.tail import PARKED, PARKED_TABLE
+from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, SKIPPED_TABLE, skipped_rows
 
 
 async def ping(store: SQLStore) -> None:
@@ -93,6 +93,9 @@ class LaneStatus:
     #: A tailing lane's parked rows' most frequent errors, grouped as the main lane's
     #: (:func:`grouped_errors`), among its latest :data:`STATUS_SAMPLE`.
     top_parked_errors: list[tuple[str, int]] = field(default_factory=list)
+    #: A tailing lane's events skipped and never sent: rows in the ranges it gave up on as
+    #: rolled back (missing longer than ``gap_timeout``), which committed after all.
+    skipped: int = 0
 
 
 @dataclass(frozen=True)
@@ -268,7 +271,8 @@ async def lane_statuses(store: SQLStore, top: int = 10) -> list[LaneStatus]:
             continue
         owed = await own_lane_backlog(store, lane)
         errors = [] if lane.has_table or not owed.parked else (await _tail_parked_errors(store, lane.name))[:top]
-        lanes.append(LaneStatus(lane.name, lane.fed_through_id, owed.unfed, owed.pending, owed.parked, errors))
+        skipped = 0 if lane.has_table else await skipped_late(store, lane.name)
+        lanes.append(LaneStatus(lane.name, lane.fed_through_id, owed.unfed, owed.pending, owed.parked, errors, skipped))
     return lanes
 
 
@@ -284,6 +288,15 @@ async def _tail_parked_errors(store: SQLStore, lane: str) -> list[tuple[str, int
             (lane, PARKED, STATUS_SAMPLE, ERRORS_READ),
         )
         return grouped_errors([(str(error), int(rows)) for error, rows in await cur.fetchall()])
+
+
+async def skipped_late(store: SQLStore, lane: str) -> int:
+    """How many events tailing ``lane`` skipped and never sent (:func:`.schema.tail.skipped_rows`)."""
+    async with store.transaction() as cur:
+        if SKIPPED_TABLE not in await table_names(cur, store.dialect):
+            return 0
+        await cur.execute(f"SELECT COUNT(*){skipped_rows(store.profile)}", (lane,))
+        return int((await cur.fetchone())[0])
 
 
 def matching_event(store: SQLStore, event_id: str, app_code: str | None = None) -> tuple[str, list[Any]]:
@@ -372,6 +385,23 @@ async def tail_parked_row(store: SQLStore, lane: str, outbox_id: int) -> dict[st
         )
         found = await cur.fetchone()
     return None if found is None else {"status": found[0], "last_error": found[1]}
+
+
+async def tail_skipped_range(store: SQLStore, lane: str, outbox_id: int) -> dict[str, int] | None:
+    """The range tailing ``lane`` skipped that holds ``outbox_id`` (``low_id``, ``high_id``,
+    ``skipped_at_ms``); None when no skipped range holds it."""
+    async with store.transaction() as cur:
+        if SKIPPED_TABLE not in await table_names(cur, store.dialect):
+            return None
+        await cur.execute(
+            f"SELECT low_id, high_id, skipped_at_ms FROM {SKIPPED_TABLE}"
+            " WHERE lane = %s AND low_id <= %s AND high_id >= %s",
+            (lane, outbox_id, outbox_id),
+        )
+        found = await cur.fetchone()
+    return (
+        None if found is None else {"low_id": int(found[0]), "high_id": int(found[1]), "skipped_at_ms": int(found[2])}
+    )
 
 
 async def earlier_open_rows(store: SQLStore, key: int, app_code: str, room_id: str) -> list[dict[str, Any]]:

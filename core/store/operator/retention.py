@@ -29,7 +29,7 @@ from room_outbox.store.lanes.catalog import first_row_after, owes_rows, stored_l
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.outbox import TABLE
-from room_outbox.store.schema.tail import CANCELLED, PARKED_TABLE
+from room_outbox.store.schema.tail import CANCELLED, PARKED_TABLE, SKIPPED_TABLE
 
 log = logging.getLogger("room_outbox.retention")
 
@@ -88,6 +88,8 @@ class CleanupReport:
     waiting_for: list[str] = field(default_factory=list)
     #: Whether ``status`` decided (the main lane runs, or no lane does).
     by_status: bool = True
+    #: Ranges the tailing lanes skipped that were dropped: older than ``older_than``, no row in them.
+    skipped_ranges_removed: int = 0
 
 
 @dataclass
@@ -226,8 +228,25 @@ async def cleanup(
         if dry_run:
             continue  # nothing was written: no pause owed to delivery
         await _pause(options, stop)
+    if owers.tail_skipped and not dry_run and (stop is None or not stop.is_set()):
+        report.skipped_ranges_removed = await _forget_skipped_ranges(store, cutoff)
     report.seconds = time.monotonic() - started
     return report
+
+
+async def _forget_skipped_ranges(store: SQLStore, cutoff: int) -> int:
+    """Drop the id ranges tailing lanes skipped before ``cutoff`` that hold no row: an insert
+    whose id was missing then has long been rolled back (or its row removed), so none can
+    commit in them any more. A range with a row in it stays: that event is still owed."""
+    p = store.profile
+    async with store.transaction() as cur:
+        return int(
+            await cur.execute(
+                f"DELETE FROM {SKIPPED_TABLE} WHERE skipped_at_ms <= %s AND NOT EXISTS"
+                f" (SELECT 1 FROM {p.table} o WHERE o.{p.key} BETWEEN {SKIPPED_TABLE}.low_id AND {SKIPPED_TABLE}.high_id)",
+                (cutoff,),
+            )
+        )
 
 
 async def _remove(
@@ -260,10 +279,12 @@ async def _remove(
 @dataclass(frozen=True)
 class _Owers:
     """Where the lanes of their own keep the events they still owe: each lane table's pending
-    and parked rows, and the tailing lanes' parked (or requeued) rows."""
+    and parked rows, the tailing lanes' parked (or requeued) rows, and the rows in the id
+    ranges they skipped (inserts that committed after the lane gave up on them, never sent)."""
 
     lane_tables: list[str]
     tail_parked: bool
+    tail_skipped: bool = False
 
     def not_owed(self, store: SQLStore) -> str:
         """SQL: no lane still owes the event (a requeue sends it from its row's envelope)."""
@@ -276,6 +297,8 @@ class _Owers:
             owed.append(
                 f"SELECT 1 FROM {PARKED_TABLE} t WHERE t.outbox_id = {table}.{key} AND t.status <> '{CANCELLED}'"
             )
+        if self.tail_skipped:
+            owed.append(f"SELECT 1 FROM {SKIPPED_TABLE} s WHERE {table}.{key} BETWEEN s.low_id AND s.high_id")
         return "".join(f" AND NOT EXISTS ({query})" for query in owed)
 
 
@@ -384,8 +407,9 @@ async def _lanes(store: SQLStore, plan: LanePlan, cutoff: int) -> tuple[_Owers, 
                 extra={"lane": lane.name, "fed_through_id": lane.fed_through_id, "lifecycle": "retention_held_back"},
             )
     async with store.transaction() as cur:
-        tail_parked = PARKED_TABLE in await table_names(cur, store.dialect)
-    owers = _Owers([lane_table(lane.name) for lane in stored if lane.has_table], tail_parked)
+        tables = await table_names(cur, store.dialect)
+    owers = _Owers([lane_table(lane.name) for lane in stored if lane.has_table], PARKED_TABLE in tables,
+                   SKIPPED_TABLE in tables)  # fmt: skip
     return owers, fed_through, held_back_by, waiting
 
 

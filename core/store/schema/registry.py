@@ -39,7 +39,13 @@ from room_outbox.store.schema.outbox import (
     taken_index_names,
 )
 from room_outbox.store.schema.outbox import required_columns as outbox_columns
-from room_outbox.store.schema.tail import PARKED_TABLE, hand_back_steps, parked_while_tailing, tail_steps
+from room_outbox.store.schema.tail import (
+    PARKED_TABLE,
+    SKIPPED_TABLE,
+    hand_back_steps,
+    parked_while_tailing,
+    tail_steps,
+)
 
 if TYPE_CHECKING:
     from room_outbox.handler import HandlerTable
@@ -54,7 +60,7 @@ Planner = Callable[[Any], Awaitable[list[Migration]]]
 class WantedSchema:
     """What a migration brings about. ``outbox``: the outbox table and, on a server, the
     membership and room buckets; ``lanes``: the lane cursor table and the tables of these
-    lanes of their own (None: no lane tables); ``tail_lanes``: the cursor and parked tables
+    lanes of their own (None: no lane tables); ``tail_lanes``: the cursor, parked and skipped tables
     of the lanes that tail the outbox; ``plugin_statements`` and
     ``handler_statements``: ``(what for, statements)`` of the plugins and handlers in use
     (idempotent, so they run every time); ``consumers``: the consumers' tables;
@@ -93,7 +99,7 @@ async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: Want
         if refused:
             raise SchemaError("\n".join(refused))
     if wanted.lanes is not None:
-        refused = await parked_while_tailing(cur, dialect, wanted.lanes)
+        refused = await parked_while_tailing(cur, dialect, wanted.lanes, profile)
         if refused:
             raise SchemaError("\n".join(refused))
         # the outbox's room buckets above create the bucket function the lanes' indexes compute too
@@ -146,6 +152,7 @@ def required_columns(dialect: Dialect, profile: Profile, wanted: WantedSchema) -
     if wanted.tail_lanes:
         required[CURSOR_TABLE] = ("lane", "fed_through_id", "read_through_id", "open_gaps")
         required[PARKED_TABLE] = ("lane", "outbox_id", "status", "last_error")
+        required[SKIPPED_TABLE] = ("lane", "low_id", "high_id", "skipped_at_ms")
     if wanted.outbox and server:
         required[NODE_TABLE] = ("node_id", "heartbeat_ms", "view", "view_since_ms", "orderings")
         required[BUCKET_TABLE] = ("bucket", "owner", "handing_over", "claimable_from_ms")

@@ -1,4 +1,5 @@
-"""The tailing lanes' table: rows that can never be delivered, parked with their error.
+"""The tailing lanes' tables: rows that can never be delivered, parked with their error, and
+the id ranges a lane skipped.
 
 A tailing lane (a sink with ``ordered_log=True``, such as Kafka) keeps no per-row state: its
 position is its row in the lanes' cursor table. The only rows it keeps are the ones it had to
@@ -8,10 +9,19 @@ pass over (too large, not serialisable; or its lane table had, before it tailed)
 entry kept as the record of it. One small table for every tailing lane, keyed by (lane,
 outbox_id).
 
+An id missing longer than ``lanes.gap_timeout`` (or beyond ``lanes.max_gaps``) is taken as a
+rolled-back insert and skipped: the lane goes on without it and never reads it again. Its range
+is recorded in ``room_outbox_tail_skipped``, one row per range however many ids it holds, so
+that an insert that did commit after all (its transaction held longer than ``gap_timeout``) is
+not lost from sight: ``inspect`` says it was skipped, ``status`` counts such events, and
+``requeue --lane`` sends them (as ``requeued`` entries of the parked table). Retention drops a
+range once it is older than ``retention.older_than`` and no row holds an id in it.
+
 A lane switching relays carries the operator's decisions over in ``migrate``: to tailing, the
 rows its table parked or cancelled move here (:func:`tail_steps`); back to a table, the
 cancelled entries move into it, and what the lane sent above its cursor is recorded there as
-sent (:func:`hand_back_steps`), while parked ones refuse the switch (:func:`parked_while_tailing`).
+sent (:func:`hand_back_steps`), while parked or skipped ones refuse the switch
+(:func:`parked_while_tailing`).
 """
 
 from __future__ import annotations
@@ -35,7 +45,15 @@ from room_outbox.store.schema.profiles import V1, Profile
 PARKED_TABLE = "room_outbox_tail_parked"
 PARKED = "parked"
 REQUEUED = "requeued"
+#: An event in a skipped range (not an entry's status: what ``cancel`` found it as).
+SKIPPED = "skipped"
 CANCELLED = "cancelled"
+SKIPPED_TABLE = "room_outbox_tail_skipped"
+#: What a skipped event's entry in the parked table says once an operator requeues or cancels it.
+SKIPPED_ERROR = (
+    "skipped by the tailing lane: its id was missing longer than lanes.gap_timeout (or beyond lanes.max_gaps),"
+    " taken as a rolled-back insert; it committed later"
+)
 
 
 def parked_ddl(dialect: Dialect) -> list[str]:
@@ -54,6 +72,32 @@ def parked_ddl(dialect: Dialect) -> list[str]:
     ]
 
 
+def skipped_ddl(dialect: Dialect) -> list[str]:
+    """Ranges of ids ``[low_id, high_id]`` a tailing lane skipped, and when (epoch ms, the
+    database's clock)."""
+    return [
+        f"""CREATE TABLE {SKIPPED_TABLE} (
+  lane          VARCHAR(64)   NOT NULL,
+  low_id        {dialect.id_type} NOT NULL,
+  high_id       {dialect.id_type} NOT NULL,
+  skipped_at_ms BIGINT        NOT NULL,
+  PRIMARY KEY (lane, low_id)
+){dialect.table_options}"""
+    ]
+
+
+def skipped_rows(profile: Profile) -> str:
+    """SQL: ``FROM`` … ``WHERE`` the rows of the outbox (alias ``o``, of ``profile``) whose ids
+    lie in a skipped range (alias ``s``) of the lane ``%s``, and which its parked table does not
+    hold: inserts that committed after the lane gave up on their ids, never sent. Each range
+    reads the outbox's primary key from ``low_id`` to ``high_id``: a few short reads."""
+    p = profile
+    return (
+        f" FROM {SKIPPED_TABLE} s JOIN {p.table} o ON o.{p.key} BETWEEN s.low_id AND s.high_id WHERE s.lane = %s"
+        f" AND NOT EXISTS (SELECT 1 FROM {PARKED_TABLE} e WHERE e.lane = s.lane AND e.outbox_id = o.{p.key})"
+    )
+
+
 async def tail_steps(cur: Any, dialect: Dialect, lanes: Sequence[str], cursor_planned: bool = False) -> list[Migration]:
     """What tailing ``lanes`` need, read from the catalogue in the caller's transaction: the
     cursor table (unless an earlier step of the same plan creates it: ``cursor_planned``) with
@@ -63,7 +107,7 @@ async def tail_steps(cur: Any, dialect: Dialect, lanes: Sequence[str], cursor_pl
     if not lanes:
         return []
     existing = await table_names(cur, dialect)
-    wanted = [(PARKED_TABLE, parked_ddl(dialect))]
+    wanted = [(PARKED_TABLE, parked_ddl(dialect)), (SKIPPED_TABLE, skipped_ddl(dialect))]
     if not cursor_planned:
         wanted.insert(0, (CURSOR_TABLE, cursor_ddl(dialect)))
     plan = [Migration(f"created table {name}", tuple(ddl)) for name, ddl in wanted if name not in existing]
@@ -288,7 +332,9 @@ async def _hand_back(
             )
         statements.append(f"UPDATE {CURSOR_TABLE} SET read_through_id = NULL, open_gaps = NULL WHERE lane = '{lane}'")
         changes.append(f"lane {lane}'s table is fed from its cursor at {fed}")
-    if cancelled:
+    if SKIPPED_TABLE in existing:  # none holds an event still owed: the switch is refused while one does
+        statements.append(f"DELETE FROM {SKIPPED_TABLE} WHERE lane = '{lane}'")
+    if cancelled:  # last (see above)
         statements.append(f"DELETE FROM {PARKED_TABLE} WHERE lane = '{lane}' AND status = '{CANCELLED}'")
     return Migration("; ".join(changes), tuple(statements))
 
@@ -310,22 +356,35 @@ async def handed_back_problems(cur: Any, dialect: Dialect, lanes: Sequence[str])
     ]
 
 
-async def parked_while_tailing(cur: Any, dialect: Dialect, lanes: Sequence[str]) -> list[str]:
+async def parked_while_tailing(
+    cur: Any, dialect: Dialect, lanes: Sequence[str], profile: Profile | None = None
+) -> list[str]:
     """Why lanes switched back to a lane table (``lanes``) cannot be: events they parked while
-    tailing, still parked or requeued, which a lane table would never see, count or send (its
-    feeder goes on from the cursor). The operator requeues or cancels them first."""
-    if not lanes or PARKED_TABLE not in await table_names(cur, dialect):
+    tailing, still parked or requeued, or skipped (committed after the lane gave up on their
+    ids: with ``profile``, the outbox's), which a lane table would never see, count or send
+    (its feeder goes on from the cursor). The operator requeues or cancels them first."""
+    if not lanes:
         return []
+    existing = await table_names(cur, dialect)
     held = ", ".join(["%s"] * len(lanes))
-    await cur.execute(
-        f"SELECT lane, COUNT(*) FROM {PARKED_TABLE} WHERE lane IN ({held}) AND status IN (%s, %s) GROUP BY lane",
-        (*lanes, PARKED, REQUEUED),
-    )
+    counts: dict[str, int] = {}
+    if PARKED_TABLE in existing:
+        await cur.execute(
+            f"SELECT lane, COUNT(*) FROM {PARKED_TABLE} WHERE lane IN ({held}) AND status IN (%s, %s) GROUP BY lane",
+            (*lanes, PARKED, REQUEUED),
+        )
+        counts = {str(lane): int(count) for lane, count in await cur.fetchall()}
+    if profile is not None and SKIPPED_TABLE in existing and PARKED_TABLE in existing:
+        for lane in lanes:
+            await cur.execute(f"SELECT COUNT(*){skipped_rows(profile)}", (lane,))
+            (skipped,) = await cur.fetchone()
+            if skipped:
+                counts[lane] = counts.get(lane, 0) + int(skipped)
     return [
-        f"lane {lane} has {count} event(s) it parked while it tailed room_outbox (relay: tail), which a lane"
-        f" table would never send: with relay: tail, requeue them (`room-outbox requeue --lane {lane}`) and let"
-        f" the lane send them, or cancel them (`room-outbox cancel EVENT_ID --lane {lane}`); then migrate again"
-        for lane, count in sorted(await cur.fetchall())
+        f"lane {lane} has {count} event(s) it parked or skipped while it tailed room_outbox (relay: tail), which"
+        f" a lane table would never send: with relay: tail, requeue them (`room-outbox requeue --lane {lane}`) and"
+        f" let the lane send them, or cancel them (`room-outbox cancel EVENT_ID --lane {lane}`); then migrate again"
+        for lane, count in sorted(counts.items())
     ]
 
 
@@ -333,10 +392,15 @@ __all__ = [
     "PARKED",
     "PARKED_TABLE",
     "REQUEUED",
+    "SKIPPED",
+    "SKIPPED_ERROR",
+    "SKIPPED_TABLE",
     "hand_back_steps",
     "handed_back_problems",
     "open_gap_ranges",
     "parked_ddl",
     "parked_while_tailing",
+    "skipped_ddl",
+    "skipped_rows",
     "tail_steps",
 ]
