@@ -13,15 +13,16 @@ loaded first would otherwise replace the other without a word).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import re
 import signal
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, cast
+from typing import Any, TypeVar
 
 import pluggy
 
@@ -29,6 +30,8 @@ from room_outbox import hookspecs
 from room_outbox.config import ConfigError
 
 #: Built-in plugins: entry-point name → module. Registered under these fixed names.
+T = TypeVar("T")
+
 BUILTIN_PLUGINS = {
     "noop": "room_outbox.plugins.noop",
     "tencent_im": "room_outbox.plugins.tencent_im",
@@ -82,16 +85,11 @@ def registered_specs(pm: pluggy.PluginManager, hook: pluggy.HookCaller) -> list[
     hook raises stops start-up with an error naming it."""
     found = []
     for impl in reversed(hook.get_hookimpls()):
-        with _ctrl_c_told_apart() as ctrl_c:
-            try:
-                specs = list(cast("Iterable[Any]", impl.function()))
-            except _PLUGIN_ABORTS as exc:
-                if ctrl_c:  # the operator stopped start-up: the process ends as on any Ctrl-C
-                    raise KeyboardInterrupt from exc
-                raise ConfigError(
-                    f"{plugin_label(pm, impl.plugin_name)} failed in {hook.name}: {_described(exc)}; "
-                    f"fix it or add {impl.plugin_name!r} to plugins.disabled"
-                ) from exc
+        specs = _plugins_own(
+            functools.partial(_listed, impl.function),
+            f"{plugin_label(pm, impl.plugin_name)} failed in {hook.name}",
+            impl.plugin_name,
+        )
         found += [(impl.plugin_name, spec) for spec in specs]
     return found
 
@@ -138,16 +136,9 @@ def _load_entry_points(pm: PluginManager) -> None:
                 )
             published[ep.name] = (distribution, ep)
     for name, (distribution, ep) in published.items():
-        with _ctrl_c_told_apart() as ctrl_c:
-            try:
-                plugin = ep.load()
-            except _PLUGIN_ABORTS as exc:
-                if ctrl_c:  # the operator stopped start-up: the process ends as on any Ctrl-C
-                    raise KeyboardInterrupt from exc
-                raise ConfigError(
-                    f"plugin {name!r} (distribution {distribution!r}, {ep.value}) failed to load: "
-                    f"{_described(exc)}; fix it or add {name!r} to plugins.disabled"
-                ) from exc
+        plugin = _plugins_own(
+            ep.load, f"plugin {name!r} (distribution {distribution!r}, {ep.value}) failed to load", name
+        )
         same = pm.get_name(plugin)
         if same is not None:
             raise ConfigError(
@@ -156,6 +147,24 @@ def _load_entry_points(pm: PluginManager) -> None:
             )
         pm.register(plugin, name=name)
         pm.distributions[name] = distribution
+
+
+def _plugins_own(call: Callable[[], T], what: str, name: str) -> T:
+    """``call()``, plugin ``name``'s code at start-up: whatever it raises stops start-up with a
+    :class:`ConfigError` (``what`` failed, why, and the way out), but the operator's Ctrl-C,
+    which stops it as any Ctrl-C does."""
+    with _ctrl_c_told_apart() as ctrl_c:
+        try:
+            return call()
+        except _PLUGIN_ABORTS as exc:
+            if ctrl_c:
+                raise KeyboardInterrupt from exc
+            raise ConfigError(f"{what}: {_described(exc)}; fix it or add {name!r} to plugins.disabled") from exc
+
+
+def _listed(function: Callable[[], Iterable[Any]]) -> list[Any]:
+    """What a registration hook returns, as a list (a generator's errors raised while listing)."""
+    return list(function())
 
 
 @contextmanager
