@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pluggy
 
@@ -162,9 +162,9 @@ def _plugins_own(call: Callable[[], T], what: str, name: str) -> T:
             raise ConfigError(f"{what}: {_described(exc)}; fix it or add {name!r} to plugins.disabled") from exc
 
 
-def _listed(function: Callable[[], Iterable[Any]]) -> list[Any]:
+def _listed(function: Callable[..., object]) -> list[Any]:
     """What a registration hook returns, as a list (a generator's errors raised while listing)."""
-    return list(function())
+    return list(cast("Iterable[Any]", function()))
 
 
 @contextmanager
