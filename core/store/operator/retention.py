@@ -257,8 +257,8 @@ async def _remove(
     owers: _Owers,
     by_status: bool,
 ) -> int:
-    """Remove (archiving first when ``archive_columns`` names the columns to copy) the candidates still finished and old, skipping
-    rows another cleaner holds; one transaction.
+    """Remove (archiving first when ``archive_columns`` names the columns to copy) the
+    candidates still finished and old, skipping rows another cleaner holds; one transaction.
 
     It locks only those rows (``FOR UPDATE SKIP LOCKED``), so the claim, which reads the
     ``pending`` range of another index, never waits on it, and two cleaners split a batch
