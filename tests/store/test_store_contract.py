@@ -743,7 +743,15 @@ async def test_status_lists_the_statuses_in_the_order_of_a_rows_life(any_store: 
     assert counts == ["pending", "oldest pending", "waiting for retry", "leased now", "failed", "cancelled"]
     header = next(line for line in lines if line.split()[:1] == ["lane"])
     assert header.split() == ["lane", "fed", "through", "id", "unfed", "pending", "parked"]
-    assert list(report.to_json()["lanes"][0]) == ["lane", "fed_through_id", "unfed", "pending", "parked", "skipped"]
+    assert list(report.to_json()["lanes"][0]) == [
+        "lane",
+        "fed_through_id",
+        "unfed",
+        "pending",
+        "parked",
+        "skipped",
+        "top_parked_errors",
+    ]
 
 
 # -- table profile room_cell ---------------------------------------------------------------------

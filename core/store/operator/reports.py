@@ -90,12 +90,12 @@ class LaneStatus:
     unfed: int
     pending: int
     parked: int
-    #: A tailing lane's parked rows' most frequent errors, grouped as the main lane's
-    #: (:func:`grouped_errors`), among its latest :data:`STATUS_SAMPLE`.
-    top_parked_errors: list[tuple[str, int]] = field(default_factory=list)
     #: A tailing lane's events skipped and never sent: rows in the ranges it gave up on as
     #: rolled back (missing longer than ``gap_timeout``), which committed after all.
     skipped: int = 0
+    #: A tailing lane's parked rows' most frequent errors, grouped as the main lane's
+    #: (:func:`grouped_errors`), among its latest :data:`STATUS_SAMPLE`.
+    top_parked_errors: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -272,7 +272,7 @@ async def lane_statuses(store: SQLStore, top: int = 10) -> list[LaneStatus]:
         owed = await own_lane_backlog(store, lane)
         errors = [] if lane.has_table or not owed.parked else (await _tail_parked_errors(store, lane.name))[:top]
         skipped = 0 if lane.has_table else await skipped_late(store, lane.name)
-        lanes.append(LaneStatus(lane.name, lane.fed_through_id, owed.unfed, owed.pending, owed.parked, errors, skipped))
+        lanes.append(LaneStatus(lane.name, lane.fed_through_id, owed.unfed, owed.pending, owed.parked, skipped, errors))
     return lanes
 
 
