@@ -164,8 +164,9 @@ async def test_a_fresh_process_delivers_rows_claimed_by_a_dead_session(
     await insert_events(store, [envelope(event_id) for event_id in sorted(ids)])
     async with TcpProxy(real.host, real.port) as proxy:
         # The partition starts on the COMMIT of the victim's claim: its session keeps the
-        # claimed rows locked, in a transaction that will never end on the client's word.
-        proxy.partition_at_commit(b"SET worker_id")
+        # claimed rows locked, in a transaction that will never end on the client's word. (The
+        # claim writes its worker id; start-up's privilege check sets the column to NULL.)
+        proxy.partition_at_commit(b"SET worker_id = '")
         victim_dir = tmp_path / "victim"
         victim_dir.mkdir()
         with dispatchers(config(victim_dir / "c.yaml", proxied(database_dsn, proxy), fake_im)) as (victim,):
