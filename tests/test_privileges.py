@@ -10,12 +10,14 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
 import psycopg
 import pymysql
 import pytest
+from store.test_mysql_online import connect
 from support import envelope, insert_events, mysql_global, pg_admin
 
 from room_outbox.cli.main import main
@@ -101,26 +103,14 @@ def mysql_user(database_dsn: str) -> Iterator[tuple[str, str]]:
             cur.execute(f"DROP USER IF EXISTS '{user}'@'%'")
 
 
-class mysql_admin:
+@contextmanager
+def mysql_admin(dsn: str) -> Iterator[pymysql.cursors.Cursor]:
     """A cursor of the test server's administrator, on ``dsn``'s database."""
-
-    def __init__(self, dsn: str) -> None:
-        address = MySQLAddress.from_dsn(dsn)
-        self.conn = pymysql.connect(
-            host=address.host,
-            port=address.port,
-            user=address.user,
-            password=address.password,
-            database=address.database,
-            autocommit=True,
-            connect_timeout=5,
-        )
-
-    def __enter__(self) -> pymysql.cursors.Cursor:
-        return self.conn.cursor()
-
-    def __exit__(self, *_: object) -> None:
-        self.conn.close()
+    conn = connect(dsn)
+    try:
+        yield conn.cursor()
+    finally:
+        conn.close()
 
 
 async def migrated_with_an_event(dsn: str) -> None:
