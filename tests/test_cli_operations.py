@@ -17,6 +17,8 @@ from room_outbox.store.schema.tail import PARKED_TABLE
 
 pytestmark = pytest.mark.anyio
 
+LONG_ERROR = "tencent_im: permanent: ErrorCode 10010: group gone (GroupId room-with-a-long-name-1, app default)"
+
 
 @pytest.fixture
 def config(tmp_path: Path, database_dsn: str, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -32,11 +34,12 @@ async def test_requeue_and_cancel_from_the_command_line(
     await insert_events(store, [envelope("p1"), envelope("p2", "RoomGiftSent"), envelope("c1")])
     async with store.transaction() as cur:
         await cur.execute(
-            "UPDATE room_outbox SET status = 'failed', retry_count = 5, last_error = 'tencent_im: permanent: group gone'"
-            " WHERE event_id IN ('p1', 'p2')"
+            "UPDATE room_outbox SET status = 'failed', retry_count = 5, last_error = %s WHERE event_id IN ('p1', 'p2')",
+            (LONG_ERROR,),
         )
     assert await anyio.to_thread.run_sync(main, ["--config", config, "requeue", "--error-contains", "group gone"]) == 0
-    assert "2 row(s) would be requeued" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2 row(s) would be requeued" in out and out.count(LONG_ERROR) == 2  # the whole error: its ids at the end
     assert {r["status"] for e, r in (await fetch_rows(store)).items() if e != "c1"} == {"failed"}
     argv = ["--config", config, "requeue", "--event-type", "RoomGiftSent", "--status", "failed", "--yes"]
     assert await anyio.to_thread.run_sync(main, argv) == 0

@@ -235,6 +235,24 @@ async def test_a_v1_table_on_myisam_is_refused_naming_the_engine_and_its_convers
         fake.close()
 
 
+async def test_each_of_several_problems_is_its_own_room_outbox_line(database_dsn: str, tmp_path: Path) -> None:
+    """A table refused for two things: `status` says each on a line of its own, each with the
+    prefix (the second once came bare, lost to a scanner keyed on it)."""
+    fake = FakeIMProcess(tmp_path)
+    store = await open_store(database_dsn)
+    try:
+        config = configure(tmp_path, database_dsn, fake, "room_cell")
+        await execute(
+            store, ROOM_CELL_ENUM_DDL.replace("lock_until_ms BIGINT NOT NULL DEFAULT 0", "lock_until_ms BIGINT NULL")
+        )
+        refused = room_outbox(config, "status")
+        expected = [f"room-outbox: `run` would refuse to start: {ROOM_CELL_ENUM_LINE.removeprefix('room-outbox: ')}"]
+        assert (refused.returncode, refused.stderr.splitlines()) == (3, [*expected, LOCK_LINE])
+    finally:
+        await store.aclose()
+        fake.close()
+
+
 @pytest.mark.slow
 async def test_a_room_cell_status_enum_without_cancelled_is_refused_and_cancel_is_one_line(
     database_dsn: str, tmp_path: Path

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from room_outbox.cli.output import error_text
 from room_outbox.config import LanePlan, Settings, parse_duration
 from room_outbox.errors import ConfigurationError, PrivilegeError, SchemaError
 from room_outbox.observability.redaction import Redactor
@@ -172,7 +173,7 @@ async def checked_report(
     except Exception as exc:  # a missing table or column, say: the driver's words name no fix
         raise problem from exc
     said = problem if isinstance(problem, PrivilegeError) else f"`run` would refuse to start: {problem}"
-    print(f"room-outbox: {said}", file=err)
+    print(error_text(said), file=err)
     return problem.exit_code
 
 

@@ -71,7 +71,7 @@ async def requeue_command(
     now = now_ms()  # the database's clock, which wrote created_at_ms: not this host's
     cells = [
         (r["event_id"], format_app(r["app_code"]), r["event_type"], r["status"], r["retry_count"],
-         NONE if r["created_at_ms"] is None else format_age(now - r["created_at_ms"]), (r["last_error"] or "")[:60])
+         NONE if r["created_at_ms"] is None else format_age(now - r["created_at_ms"]), r["last_error"] or "")
         for r in rows
     ]  # fmt: skip
     headers = ("event_id", "app_code", "event_type", "status", "retries", "age", "last_error")
@@ -179,7 +179,7 @@ async def requeue_tail_command(
     cells = [
         (r["event_id"], NONE if r["app_code"] is None else format_app(r["app_code"]), r["event_type"] or NONE,
          r["room_id"], NONE if r["created_at_ms"] is None else format_age(now - r["created_at_ms"]),
-         (r["last_error"] or "")[:60])
+         r["last_error"] or "")
         for r in rows
     ]  # fmt: skip
     headers = ("event_id", "app_code", "event_type", "room_id", "age", "last_error")
