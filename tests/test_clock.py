@@ -18,6 +18,7 @@ from telemetry_support import capture
 from room_outbox.config import Settings
 from room_outbox.observability.health import CLOCK_SKEWED, Health
 from room_outbox.store.clock import CLOCK, ClusterClock
+from room_outbox.store.dialect import MYSQL
 from room_outbox.store.factory import open_store
 
 pytestmark = pytest.mark.anyio
@@ -55,6 +56,32 @@ def test_a_step_of_the_hosts_wall_clock_does_not_move_the_cluster_time() -> None
     clock.observe(server_ms=1_000_000_000, monotonic_at=host.monotonic, wall_at=host.wall)
     host.wall += 3600  # a wall clock set an hour ahead between two measurements
     assert clock.now_ms() == 1_000_000_000
+
+
+class SteppingCursor:
+    """A cursor reading the server's time as ``server_ms`` while the host's wall clock is
+    stepped (and 40 ms pass) in the middle of the round trip."""
+
+    def __init__(self, host: Clocks, server_ms: int, step: float) -> None:
+        self.host, self.server_ms, self.step = host, server_ms, step
+
+    async def execute(self, statement: str) -> None:
+        self.host.advance(0.02)
+        self.host.wall += self.step
+
+    async def fetchone(self) -> tuple[int]:
+        self.host.advance(0.02)
+        return (self.server_ms,)
+
+
+async def test_a_step_of_the_hosts_clock_during_a_measurement_is_named_whole() -> None:
+    """The offset is the host's clock after the step, not the mean of the readings around it
+    (which named half the step in the one warning logged)."""
+    host = Clocks(wall=1_000_000.0)
+    clock = host.clock()
+    await clock.measure(SteppingCursor(host, server_ms=1_000_000_020, step=3600.0), MYSQL)
+    assert clock.offset == pytest.approx(3600.0, abs=0.001)
+    assert clock.now_ms() == 1_000_000_040  # the server's time, 20 ms on
 
 
 def test_a_skew_beyond_the_bound_logs_one_warning_naming_the_offset(caplog: pytest.LogCaptureFixture) -> None:

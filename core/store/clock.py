@@ -54,11 +54,14 @@ class ClusterClock:
     async def measure(self, cur: Any, dialect: Dialect) -> None:
         """Read the server's time on ``cur`` (a MySQL/MariaDB or PostgreSQL cursor, speaking
         ``dialect``) and set the offset from it."""
-        sent, sent_wall = self._monotonic(), self._wall()
+        sent = self._monotonic()
         await cur.execute(f"SELECT {dialect.now_ms}")
         (server_ms,) = await cur.fetchone()
         received, received_wall = self._monotonic(), self._wall()
-        self.observe(int(server_ms), (sent + received) / 2, (sent_wall + received_wall) / 2)
+        # The wall clock read once, taken back to the round trip's middle on the monotonic one:
+        # the mean of two wall readings would halve a step of the host's clock made in between.
+        middle = (sent + received) / 2
+        self.observe(int(server_ms), middle, received_wall - (received - middle))
 
     def observe(self, server_ms: int, monotonic_at: float, wall_at: float) -> None:
         """The server's clock read ``server_ms`` at local ``monotonic_at`` / ``wall_at``."""
