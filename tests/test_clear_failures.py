@@ -41,7 +41,7 @@ from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError, RoomOutboxError, SchemaError, StoreUnavailable
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.deadline import SessionLimits
-from room_outbox.store.factory import open_store, store_address
+from room_outbox.store.factory import is_sqlite, open_store, store_address
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.outbox import V1_TABLE_DDL
 
@@ -109,6 +109,7 @@ async def test_server_down_or_wrong_port(
         ("mysql://app:s3cret#Pw@db:3306/room", "# as %23"),
         ("mysql://app:s3cret/Pw@db:3306/room?ssl_mode=required", "/ as %2F"),
         ("postgresql://app:s3cret?Pw@db/room", "? as %3F"),
+        ("mysql://app:s3cret[Pw@db:3306/room", "[ as %5B"),
     ],
 )
 def test_a_password_holding_a_url_delimiter_is_named_not_misread(dsn: str, held: str) -> None:
@@ -119,8 +120,18 @@ def test_a_password_holding_a_url_delimiter_is_named_not_misread(dsn: str, held:
     message = str(info.value)
     assert "database.dsn: the user or password holds" in message and held in message
     assert "s3cret" not in message and "Pw" not in message
-    address = store_address(dsn.replace("#", "%23").replace("/Pw", "%2FPw").replace("?Pw", "%3FPw"))
+    encoded = dsn.replace("#", "%23").replace("/Pw", "%2FPw").replace("?Pw", "%3FPw").replace("[", "%5B")
+    address = store_address(encoded)
     assert address.host == "db" and address.password.startswith("s3cret")  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("dsn", ["postgresql://app:s3cret@[::1/room", "mysql://app:s3cret@db]/room"])
+def test_a_dsn_that_is_no_url_is_a_configuration_error_naming_it(dsn: str) -> None:
+    """Brackets not around an IPv6 host: urlsplit's own error was a traceback (exit 1)."""
+    with pytest.raises(ConfigurationError) as info:
+        store_address(dsn)
+    assert str(info.value).startswith("database.dsn: is not a URL") and "s3cret" not in str(info.value)
+    assert not is_sqlite(dsn)
 
 
 async def test_wrong_password_names_the_fix_and_never_the_password(

@@ -17,7 +17,7 @@ import anyio
 
 from room_outbox.envelope import MAX_ENVELOPE_BYTES
 from room_outbox.errors import ConfigurationError, StoreUnavailable
-from room_outbox.store.backends.dsn import DsnOptionError
+from room_outbox.store.backends.dsn import DsnOptionError, dsn_parts
 from room_outbox.store.backends.errors import translated
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.backends.postgres_address import SCHEMES as POSTGRESQL_SCHEMES
@@ -42,7 +42,10 @@ MYSQL_SCHEMES = ("mysql", "mariadb", "mysql+aiomysql")
 
 
 def is_sqlite(dsn: str) -> bool:
-    return urlsplit(dsn).scheme in SQLITE_SCHEMES
+    try:
+        return dsn_parts(dsn).scheme in SQLITE_SCHEMES
+    except ValueError:
+        return False  # no DSN at all: store_address says why
 
 
 Address = MySQLAddress | PostgresAddress | SQLiteAddress
@@ -51,8 +54,8 @@ Address = MySQLAddress | PostgresAddress | SQLiteAddress
 def store_address(dsn: str) -> Address:
     """The parsed DSN; :class:`ConfigurationError` naming ``database.dsn`` (never echoing it,
     it holds the password) when it is not one room-outbox can use."""
-    scheme = urlsplit(dsn).scheme
     try:
+        scheme = dsn_parts(dsn).scheme
         if scheme in SQLITE_SCHEMES:
             return SQLiteAddress.from_dsn(dsn)
         if scheme in POSTGRESQL_SCHEMES:

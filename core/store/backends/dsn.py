@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 
 class DsnOptionError(ValueError):
@@ -25,10 +25,20 @@ class ServerDsn:
     query: dict[str, list[str]]
 
 
+def dsn_parts(dsn: str) -> SplitResult:
+    """``dsn`` split as a URL; a :class:`ValueError` naming ``database.dsn`` (never echoing it)
+    where it cannot be: a user part holding a URL delimiter, or brackets not around an IPv6
+    host (urlsplit's own error would quote the host part, password included)."""
+    _check_userinfo(dsn)
+    try:
+        return urlsplit(dsn)
+    except ValueError:
+        raise ValueError("database.dsn: is not a URL: its host is not a name, an IPv4 address or [IPv6]") from None
+
+
 def parse_server_dsn(dsn: str, schemes: tuple[str, ...], default_port: int, default_user: str) -> ServerDsn:
     """``dsn`` read, its scheme one of ``schemes`` (the first is the one error messages show)."""
-    _check_userinfo(dsn)
-    parts = urlsplit(dsn)
+    parts = dsn_parts(dsn)
     shown = schemes[0]
     if parts.scheme not in schemes:
         raise ValueError(f"database.dsn: scheme must be {shown}:// (got {parts.scheme or 'none'}://)")
@@ -75,10 +85,11 @@ def host_and_port(host: str, port: int) -> str:
 
 
 def _check_userinfo(dsn: str) -> None:
-    """Refuse a user or password holding ``#``, ``/`` or ``?`` as written: a URL ends its user
-    part there, so the DSN would be read as another host, port or database and the error would
-    name the wrong part. The password is never shown."""
-    found = sorted({c for c in _userinfo(dsn.partition("://")[2]) if c in "#/?"})
+    """Refuse a user or password holding ``#``, ``/``, ``?``, ``[`` or ``]`` as written: a URL
+    ends its user part at the first three, so the DSN would be read as another host, port or
+    database and the error would name the wrong part; the brackets make it no URL at all. The
+    password is never shown."""
+    found = sorted({c for c in _userinfo(dsn.partition("://")[2]) if c in "#/?[]"})
     if found:
         codes = ", ".join(f"{c} as %{ord(c):02X}" for c in found)
         raise DsnOptionError(f"database.dsn: the user or password holds {' '.join(found)}; percent-encode it ({codes})")
