@@ -404,6 +404,21 @@ async def test_dead_letters_refuses_a_limit_out_of_range_naming_it(store: MySQLS
     )
 
 
+@pytest.mark.parametrize(("command", "age"), [("cleanup", "-1h"), ("cleanup", "0"), ("requeue", "-0")])
+async def test_an_age_of_zero_or_less_is_refused_naming_it(
+    store: MySQLStore, config: str, command: str, age: str
+) -> None:
+    """As retention.older_than refuses it: `cleanup --older-than=-1h --yes` deleted rows
+    published a moment ago."""
+    await add_published(store, 2, 0)
+    done = room_outbox("--config", config, command, f"--older-than={age}", "--yes")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.splitlines()[-1] == (
+        f"room-outbox {command}: error: argument --older-than: '{age}': must be a positive duration (e.g. 168h, 30d)"
+    )
+    assert len(await fetch_rows(store)) == 2
+
+
 @pytest.mark.parametrize("port", ["99999", "-1"])
 def test_fake_im_refuses_a_port_out_of_range_naming_it(port: str) -> None:
     """A port beyond 0 to 65535 reached the socket: an OverflowError traceback (exit 1)."""

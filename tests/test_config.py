@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from room_outbox.cli.command import default_config
 from room_outbox.config import ConfigError, load_settings, parse_duration
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.startup import check_configuration
@@ -455,3 +456,10 @@ def test_a_batch_of_envelopes_too_long_for_the_shipped_memory_limit_is_warned_of
     small = "database: {dsn: 'sqlite:///x.db', max_envelope_bytes: 65536}\noutbox_worker:\n  batch_size: 1000\n"
     small += "sinks:\n  tencent_im: {enabled: false}\n"
     assert check_configuration(load_settings(write(tmp_path, small)), make_plugin_manager()).warnings == []
+
+
+def test_an_empty_room_outbox_config_is_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set empty, as `-e ROOM_OUTBOX_CONFIG=` and compose's `${VAR:-}` leave it: no file, the
+    defaults and the environment (it was read as the file ".": "Is a directory", exit 2)."""
+    monkeypatch.setenv("ROOM_OUTBOX_CONFIG", "")
+    assert default_config() is None

@@ -105,10 +105,15 @@ class TypedDuration:
 
 
 def duration_argument(text: str) -> TypedDuration:
+    """An age (``--older-than``): above zero, as ``retention.older_than`` must be. Zero or
+    less would take rows written a moment ago (``cleanup`` deleting just-published ones)."""
     try:
-        return TypedDuration(text, parse_duration(text))
+        seconds = parse_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive duration (e.g. 168h, 30d)")
+    return TypedDuration(text, seconds)
 
 
 def int_argument(low: int, high: int) -> Callable[[str], int]:
@@ -221,4 +226,4 @@ def translated_errors(dsn: str) -> contextlib.AbstractContextManager[None]:
 
 
 def default_config() -> str | None:
-    return os.environ.get("ROOM_OUTBOX_CONFIG")
+    return os.environ.get("ROOM_OUTBOX_CONFIG") or None  # set empty (compose's ${VAR:-}): none
