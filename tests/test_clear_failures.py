@@ -273,8 +273,8 @@ async def test_migrate_by_a_user_with_only_the_ddl_privileges_is_refused_before_
             assert code == 3 and len(err) == 1, err
             assert err[0].startswith(
                 "room-outbox: this user may not read room_outbox, room_consumer_processed, room_consumer_retry,"
-                " room_outbox_bucket, room_outbox_lane_cursor, room_outbox_node, and the catalogue hides from it"
-                " what they hold"
+                " room_outbox_bucket, room_outbox_lane_cursor, room_outbox_node, room_outbox_tail_skipped, and the"
+                " catalogue hides from it what they hold"
             ), err
         assert await catalogue() == adopted
     finally:

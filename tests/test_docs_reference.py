@@ -187,8 +187,8 @@ def test_the_lanes_sample_is_what_the_command_prints() -> None:
     day = 86_400_000
     rows = [
         LaneRow("main", "enabled", True, None, 0, 0, 0, None),
-        LaneRow("kafka", "enabled", True, 4711, 3, 0, 1, 2_000),
-        LaneRow("audit_table", "disabled: holds back retention until retired", False, 1200, 0, 3511, 0, 3 * day),
+        LaneRow("kafka", "enabled", True, 4711, 3, 0, 1, 2_000, 0),
+        LaneRow("audit_table", "disabled: holds back retention until retired", False, 1200, 0, 3511, 0, 3 * day, 1),
     ]
     page = (ROOT / "docs" / "how-to" / "manage-lanes.md").read_text()
     (sample,) = re.findall(r"^```text\n(lane .*?)^```", page, flags=re.MULTILINE | re.DOTALL)

@@ -9,7 +9,7 @@ import contextlib
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from room_outbox.cli.output import error_text
 from room_outbox.config import LanePlan, Settings, parse_duration
@@ -21,6 +21,9 @@ from room_outbox.store.deadline import LONGER_QUERY_TIMEOUT, QueryTimeout
 from room_outbox.store.factory import describe, open_store, store_address
 from room_outbox.store.operator.reports import ping
 from room_outbox.store.protocol import SQLStore
+
+if TYPE_CHECKING:
+    from room_outbox.store.lanes.catalog import StoredLane
 
 #: What a command's ``run`` is given:
 #: ``none``: ``run(args, parser)``, no configuration read;
@@ -155,6 +158,21 @@ async def not_a_tailing_lane(store: SQLStore, lane: str, command: str, err: Any)
     names = ", ".join(tailing) or "none here"
     print(f"room-outbox {command}: {printable(lane)} is not a tailing lane (tailing lanes: {names})", file=err)
     return True
+
+
+async def lane_that_ran(store: SQLStore, lane: str, command: str, err: Any) -> StoredLane | None:
+    """``lane`` as the database holds it, a tailing lane or one of its own, once it has run
+    (``requeue --lane``); else None, said on ``err`` naming those there are."""
+    from room_outbox.cli.output import printable
+    from room_outbox.store.lanes.catalog import stored_lanes
+
+    ran = [stored for stored in await stored_lanes(store) if stored.fed_through_id is not None]
+    for stored in ran:
+        if stored.name == lane:
+            return stored
+    names = ", ".join(stored.name for stored in ran) or "none here"
+    print(f"room-outbox {command}: {printable(lane)} is not a lane that has run (lanes: {names})", file=err)
+    return None
 
 
 async def checked_report(

@@ -93,8 +93,8 @@ async def _inspected(
 
 
 async def _lane_states(store: SQLStore, outbox_id: int, event_id: str, now: int) -> dict[str, str]:
-    """The event's state in each lane of its own (same vocabulary as the main lane's); a
-    tailing lane's from its cursor, its parked entries and the id ranges it skipped."""
+    """The event's state in each lane of its own (same vocabulary as the main lane's), or the
+    id range it skipped; a tailing lane's from its cursor and its parked entries too."""
     states: dict[str, str] = {}
     for lane in await stored_lanes(store):
         if lane.fed_through_id is None:
@@ -126,6 +126,13 @@ async def _lane_states(store: SQLStore, outbox_id: int, event_id: str, now: int)
             )
         elif outbox_id > lane.fed_through_id:
             states[lane.name] = "not fed to this lane yet"
+        elif (skipped := await tail_skipped_range(store, lane.name, outbox_id)) is not None:
+            states[lane.name] = (
+                "skipped by the lane, never fed to its table: its id was missing longer than lanes.gap_timeout (or"
+                " beyond lanes.max_gaps) and taken as a rolled-back insert (ids"
+                f" {skipped['low_id']}-{skipped['high_id']}, given up on {format_time(skipped['skipped_at_ms'], now)});"
+                f" it committed later (`room-outbox requeue --lane {lane.name} --event-id {event_id} --yes` feeds it)"
+            )
         else:
             states[lane.name] = "not in this lane (before its start, or cleaned up)"
     return states

@@ -43,12 +43,15 @@ class LaneRow:
     unfed: int | None
     parked: int | None
     oldest_owed_age_ms: int | None
+    #: Events it skipped and never sent (committed after it gave up on their ids): sent once
+    #: requeued (``requeue --lane``); None for the main lane, which skips none.
+    skipped: int | None = None
 
 
 async def lane_rows(store: SQLStore, plan: LanePlan) -> list[LaneRow]:
     rows: list[LaneRow] = []
     if plan.main:
-        rows.append(_row(MAIN_LANE, "enabled", True, None, await im_lane_backlog(store)))
+        rows.append(_row(MAIN_LANE, "enabled", True, None, await im_lane_backlog(store), main=True))
     else:
         # room_outbox.status is room-service's alone then: not a backlog of anyone's here.
         state = "disabled (room_outbox.status is room-service's)"
@@ -66,8 +69,11 @@ async def lane_rows(store: SQLStore, plan: LanePlan) -> list[LaneRow]:
     return rows
 
 
-def _row(name: str, state: str, enabled: bool, fed: int | None, backlog: LaneBacklog) -> LaneRow:
-    return LaneRow(name, state, enabled, fed, backlog.pending, backlog.unfed, backlog.parked, backlog.oldest_age_ms())
+def _row(name: str, state: str, enabled: bool, fed: int | None, backlog: LaneBacklog, main: bool = False) -> LaneRow:
+    return LaneRow(
+        name, state, enabled, fed, backlog.pending, backlog.unfed, backlog.parked, backlog.oldest_age_ms(),
+        None if main else backlog.skipped,
+    )  # fmt: skip
 
 
 def format_lanes(rows: list[LaneRow]) -> str:
@@ -76,13 +82,13 @@ def format_lanes(rows: list[LaneRow]) -> str:
 
     cells = [
         (
-            r.lane, cell(r.fed_through_id), cell(r.pending), cell(r.unfed), cell(r.parked),
+            r.lane, cell(r.fed_through_id), cell(r.pending), cell(r.unfed), cell(r.parked), cell(r.skipped),
             NONE if r.oldest_owed_age_ms is None or not (r.pending or r.unfed) else format_age(r.oldest_owed_age_ms),
             r.state,
         )
         for r in rows
     ]  # fmt: skip
-    numbers = ("fed through id", "pending", "unfed", "parked", "oldest owed")
+    numbers = ("fed through id", "pending", "unfed", "parked", "skipped", "oldest owed")
     return "\n".join(format_table(("lane", *numbers, "state"), cells, right=numbers))
 
 
@@ -148,10 +154,11 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 COMMAND = Command(
     description="Every lane: the main lane, each enabled sink with a lane of its own, and every lane table or\n"
-    "cursor the database still holds, with its state, watermark (fed through id), pending, unfed\n"
-    "and parked rows and the age of the oldest event it owes. `lanes retire NAME` shows what a\n"
+    "cursor the database still holds, with its state, watermark (fed through id), pending, unfed,\n"
+    "parked and skipped rows (committed after the lane gave up on their ids; `requeue --lane`\n"
+    "sends them) and the age of the oldest event it owes. `lanes retire NAME` shows what a\n"
     "disabled lane leaves behind; with --yes it drops its table (a tailing lane: its parked\n"
-    "rows) and cursor. The list checks the schema as `run` does at start: what would stop `run`\n"
+    "rows), skipped ranges and cursor. The list checks the schema as `run` does at start: what would stop `run`\n"
     "follows it on stderr, with its fix, and the exit code is 3.",
     examples="room-outbox lanes\nroom-outbox lanes --json | jq '.[] | {lane, pending}'\n"
     "room-outbox lanes retire audit_table --yes\nroom-outbox lanes retire audit_table --config config/config.yaml",

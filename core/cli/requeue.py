@@ -17,12 +17,13 @@ from room_outbox.cli.command import (
     add_json_option,
     add_yes_option,
     duration_argument,
-    not_a_tailing_lane,
+    lane_that_ran,
     several_apps,
 )
 from room_outbox.cli.output import NONE, format_age, format_app, format_table, printable
 from room_outbox.config import Settings
 from room_outbox.store.clock import now_ms
+from room_outbox.store.lanes.store import LaneStore
 from room_outbox.store.lanes.tail import TailStore
 from room_outbox.store.operator.changes import (
     RequeueFilter,
@@ -145,29 +146,33 @@ async def requeue_tail_command(
     limit: int = REQUEUE_LIMIT,
     as_json: bool = False,
 ) -> int:
-    """A tailing lane's parked events and skipped ones (committed after the lane gave up on
-    their ids) that ``where`` selects (:func:`find_parked_in_lane`, :func:`find_skipped_in_lane`;
-    all of them when it names nothing), listed, and with ``apply`` marked to be sent by the
-    lane's next round (a skipped one becomes a requeued entry of the parked table): the listed ones and no other, at most ``limit``, as
-    :func:`requeue_command` takes rows. An event id that names rows of several apps is refused
-    as it refuses it."""
-    if await not_a_tailing_lane(store, lane, "requeue", err):
+    """A lane's skipped events (committed after the lane gave up on their ids) and a tailing
+    lane's parked ones that ``where`` selects (:func:`find_skipped_in_lane`,
+    :func:`find_parked_in_lane`; all of them when it names nothing), listed, and with ``apply``
+    made to be sent: the listed ones and no other, at most ``limit``, as :func:`requeue_command`
+    takes rows. A tailing lane's next round sends them (a skipped one becomes a requeued entry
+    of the parked table); a lane of its own's skipped ones are fed into its table, pending. An
+    event id that names rows of several apps is refused as it refuses it."""
+    stored = await lane_that_ran(store, lane, "requeue", err)
+    if stored is None:
         return 1
     if await _ids_of_several_apps(store, where.event_ids if where.app_code is None else (), err):
         return 1
     # One more of each: are there more? Skipped events are sent as requeued parked ones are.
-    found = await find_parked_in_lane(store, lane, where, limit + 1)
+    found = [] if stored.has_table else await find_parked_in_lane(store, lane, where, limit + 1)
     found += await find_skipped_in_lane(store, lane, where, limit + 1)
     rows = sorted(found, key=lambda row: int(row["outbox_id"]))
     more = len(rows) > limit
     rows = rows[:limit]
-    tail = TailStore(owner=store, lane=lane)
     changed = 0
     if apply and rows:
-        changed = await tail.requeue([int(row["outbox_id"]) for row in rows if row["status"] == PARKED])
-        changed += await tail.take_skipped(
-            [int(row["outbox_id"]) for row in rows if row["status"] == SKIPPED], REQUEUED
-        )
+        skipped = [int(row["outbox_id"]) for row in rows if row["status"] == SKIPPED]
+        if stored.has_table:
+            changed = await LaneStore(owner=store, lane=lane).take_skipped(skipped)
+        else:
+            tail = TailStore(owner=store, lane=lane)
+            changed = await tail.requeue([int(row["outbox_id"]) for row in rows if row["status"] == PARKED])
+            changed += await tail.take_skipped(skipped, REQUEUED)
     if as_json:
         doc = {"lane": lane, "applied": apply, "matched": len(rows), "more": more, "requeued": changed, "rows": rows}
         print(json.dumps(doc, indent=2, default=str), file=out)
@@ -235,9 +240,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--lane",
-        help="a tailing lane (such as kafka): send its parked events again, and the events it skipped (ids"
-        " missing longer than lanes.gap_timeout that committed later): those the other filters select;"
-        " without one: all",
+        help="a lane (such as kafka): send the events it skipped (ids missing longer than lanes.gap_timeout"
+        " that committed later) and, a tailing lane, its parked events again: those the other filters"
+        " select; without one: all",
     )
     add_yes_option(parser, "apply the change")
     add_json_option(parser)
@@ -248,9 +253,9 @@ COMMAND = Command(
     "lists the rows it would change. Filters combine freely; --status failed alone takes every\n"
     "parked row. At most 10,000 rows a run; it says so when more match. Published, cancelled\n"
     "and currently leased rows are never touched. An --event-id that several apps' rows have\n"
-    "(event ids unique per app) is refused until --app-code names the app. With --lane, a tailing\n"
-    "lane's parked events and the events it skipped (committed after lanes.gap_timeout), selected\n"
-    "by the same filters (but --status) and capped the same way.",
+    "(event ids unique per app) is refused until --app-code names the app. With --lane, the events\n"
+    "a lane skipped (committed after lanes.gap_timeout) and a tailing lane's parked events,\n"
+    "selected by the same filters (but --status) and capped the same way.",
     examples='room-outbox requeue --error-contains "group gone"\n'
     "room-outbox requeue --status failed\n"
     "room-outbox requeue --event-type RoomGiftSent --status failed --yes\n"

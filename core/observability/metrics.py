@@ -60,6 +60,13 @@ class OutboxMetrics:
             unit="s",
             description="Age of the oldest event the lane still owes; 0 when none is pending.",
         )
+        self.skipped = meter.create_gauge(
+            "room_outbox.lane.skipped",
+            unit="{event}",
+            description="Events the lane skipped and never sent: their ids were missing longer than"
+            " lanes.gap_timeout (taken as rolled-back inserts), then they committed; sent once requeued"
+            " (requeue --lane). 0 for the main lane, which skips none.",
+        )
         self.success = meter.create_counter(
             "room_outbox.publish.success", unit="{event}", description="Delivery attempts that succeeded."
         )

@@ -149,4 +149,4 @@ async def _sample_lanes(store: SQLStore, telemetry: Telemetry, plan: LanePlan) -
             lane = stored.get(name)
             if lane is not None:
                 owed = await own_lane_backlog(store, lane)
-                telemetry.backlog(owed.backlog, owed.oldest_age_ms(), name)
+                telemetry.backlog(owed.backlog, owed.oldest_age_ms(), name, owed.skipped)

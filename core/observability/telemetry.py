@@ -123,10 +123,13 @@ class Telemetry:
         if rows > 0 and self.metrics_enabled:
             self.metrics.lost_leases.add(rows, {"detected_at": detected_at, "cause": cause})
 
-    def backlog(self, pending: int, oldest_pending_age_ms: int, lane: str = "main") -> None:
+    def backlog(self, pending: int, oldest_pending_age_ms: int, lane: str = "main", skipped: int = 0) -> None:
+        """A lane's backlog sample; ``skipped``: the events it skipped and never sent (the main
+        lane skips none: its rows are claimed from room_outbox itself, 0 all the same)."""
         labels = {"lane": lane}
         self.metrics.pending.set(pending, labels)
         self.metrics.oldest_pending_age.set(oldest_pending_age_ms / 1000, labels)
+        self.metrics.skipped.set(skipped, labels)
 
     @property
     def serves_prometheus(self) -> bool:

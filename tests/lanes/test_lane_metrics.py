@@ -61,6 +61,8 @@ async def test_metrics_from_start_up(
     assert 'room_outbox_pending{lane="main"} 2.0' in lines  # RoomCreated (noop) and RoomUserJoined: no route yet
     assert 'room_outbox_pending{lane="kafka"} 2.0' in lines  # both unfed
     assert any(line.startswith('room_outbox_oldest_pending_age_seconds{lane="kafka"} ') for line in lines)
+    assert 'room_outbox_lane_skipped{lane="kafka"} 0.0' in lines  # sampled with the backlog
+    assert 'room_outbox_lane_skipped{lane="main"} 0.0' in lines  # it skips none: a series all the same
     success = [line for line in lines if line.startswith("room_outbox_publish_success_total{")]
     assert 'room_outbox_publish_success_total{event_type="RoomCreated",sink="noop"} 0.0' in success
     assert 'room_outbox_publish_success_total{event_type="RoomGiftSent",sink="kafka"} 0.0' in success

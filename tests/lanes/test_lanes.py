@@ -64,7 +64,8 @@ async def max_id(store: MySQLStore) -> int:
 
 async def test_migrate_creates_the_lane_tables_idempotently(store: MySQLStore) -> None:
     assert await migrate_lanes(store, ["kafka", "audit"]) == [
-        "created table room_outbox_lane_cursor", "created table room_outbox_lane_kafka", "created table room_outbox_lane_audit",
+        "created table room_outbox_lane_cursor", "created table room_outbox_tail_skipped",
+        "created table room_outbox_lane_kafka", "created table room_outbox_lane_audit",
         "added column room_outbox_lane_kafka.room_bucket",
         "added index room_outbox_lane_kafka.idx_room_outbox_lane_kafka_claim",  # with the bucket: after it
         "added column room_outbox_lane_audit.room_bucket",

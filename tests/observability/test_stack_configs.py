@@ -613,3 +613,36 @@ def test_the_backlog_alerts_leave_out_stale_gauges_and_say_they_are_stale(tmp_pa
         ],
     }
     assert_rule_tests(tmp_path / "backlog.test.yml", tests)
+
+
+def test_events_a_lane_skipped_page_unless_their_gauge_is_stale(tmp_path: Path) -> None:
+    """Unit test of RoomOutboxLaneSkippedEvents (promtool test rules), one-minute samples: a
+    lane's skipped events page a minute after they are counted, and stop once requeued; a
+    process whose samples fail (its gauge frozen at its last value) pages for nothing."""
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    skipped = 'room_outbox_lane_skipped{{job="room-outbox",instance="{}",lane="{}"}}'
+    sampled = 'room_outbox_backlog_sample_age_seconds{{job="room-outbox",instance="{}"}}'
+    paged = expected_alert(rules["RoomOutboxLaneSkippedEvents"], lane="audit")
+    paged["exp_annotations"]["summary"] = paged["exp_annotations"]["summary"].replace("{{ $value }}", "2")
+    tests = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {  # a counts 2 of lane audit's events skipped from minute 3 until requeued at minute 8;
+                # b's samples fail, its gauge of lane kafka frozen at 1
+                "interval": "1m",
+                "input_series": [
+                    {"series": skipped.format("a:9464", "audit"), "values": "0x2 2x5 0x10"},
+                    {"series": sampled.format("a:9464"), "values": "15x17"},
+                    {"series": skipped.format("b:9464", "kafka"), "values": "1x17"},
+                    {"series": sampled.format("b:9464"), "values": "120+60x17"},
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "3m", "alertname": "RoomOutboxLaneSkippedEvents", "exp_alerts": []},
+                    {"eval_time": "5m", "alertname": "RoomOutboxLaneSkippedEvents", "exp_alerts": [paged]},
+                    {"eval_time": "10m", "alertname": "RoomOutboxLaneSkippedEvents", "exp_alerts": []},
+                ],
+            },
+        ],
+    }
+    assert_rule_tests(tmp_path / "skipped.test.yml", tests)

@@ -18,7 +18,7 @@ from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import table_names
 from room_outbox.store.lanes.store import CURSOR_TABLE, lane_table
 from room_outbox.store.lanes.tail import TailCursor
-from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, SKIPPED_TABLE
+from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, SKIPPED_TABLE, skipped_rows
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
@@ -28,7 +28,8 @@ LANE_PREFIX = "room_outbox_lane_"
 
 @dataclass(frozen=True)
 class LaneBacklog:
-    """What a lane still owes: rows it holds pending, rows not fed to it yet, rows parked."""
+    """What a lane still owes: rows it holds pending, rows not fed to it yet, rows parked, rows
+    skipped."""
 
     pending: int
     #: Rows of ``room_outbox`` above the lane's feeding point, not in its table yet: counted up
@@ -37,6 +38,10 @@ class LaneBacklog:
     parked: int
     #: ``created_at_ms`` of the oldest event it owes (pending or unfed); None: owes nothing.
     oldest_created_ms: int | None
+    #: Events it skipped and never sent: rows in the id ranges it gave up on as rolled back
+    #: (:func:`~room_outbox.store.schema.tail.skipped_rows`), which committed after all. Not
+    #: part of :attr:`backlog`: the lane sends them only once an operator requeues them.
+    skipped: int = 0
 
     @property
     def backlog(self) -> int:
@@ -104,14 +109,20 @@ async def own_lane_backlog(store: SQLStore, lane: StoredLane, counted: int = UNF
     primary key, whole rows with their envelopes, so a million of them cannot be counted
     within a query timeout: the first ``counted`` (at least 2) are counted and the rest
     estimated from the ids above them at the density of the counted ones' ids (exact while ids
-    follow one step, whatever the step).
+    follow one step, whatever the step). Skipped rows: a short primary-key range of the outbox
+    per skipped range (one range however many ids a rolled-back transaction held).
     """
     table = lane_table(lane.name)
     p = store.profile  # the outbox the lanes are fed from
     outbox, key, created = p.table, p.key, p.as_ms(p.created)
     async with store.transaction() as cur:
-        pending = parked = 0
+        pending = parked = skipped = 0
         oldest: list[int] = []
+        tables = await table_names(cur, store.dialect)
+        # A tailing lane's rows are held in the parked table, made with the skipped table.
+        if SKIPPED_TABLE in tables and (lane.has_table or PARKED_TABLE in tables):
+            await cur.execute(f"SELECT COUNT(*){skipped_rows(p, table if lane.has_table else None)}", (lane.name,))
+            (skipped,) = await cur.fetchone()
         fed_up_to = lane.fed_through_id
         if lane.has_table:
             await cur.execute(f"SELECT COUNT(*), MIN(outbox_id) FROM {table} WHERE status = 'pending'")
@@ -128,7 +139,7 @@ async def own_lane_backlog(store: SQLStore, lane: StoredLane, counted: int = UNF
             if highest_fed is not None and fed_up_to is not None:
                 fed_up_to = max(fed_up_to, int(highest_fed))
         else:  # a tailing lane: its parked rows live in the tailing lanes' table
-            parked = await _tail_parked(cur, store, lane.name)
+            parked = await _tail_parked(cur, lane.name) if PARKED_TABLE in tables else 0
             read_through = lane.cursor.read_through_id if lane.cursor is not None else None
             if read_through is not None and fed_up_to is not None:
                 fed_up_to = max(fed_up_to, read_through)
@@ -152,12 +163,10 @@ async def own_lane_backlog(store: SQLStore, lane: StoredLane, counted: int = UNF
                 found = await cur.fetchone()
                 if found:
                     oldest.append(int(found[0]))
-    return LaneBacklog(int(pending), unfed, int(parked), min(oldest) if oldest else None)
+    return LaneBacklog(int(pending), unfed, int(parked), min(oldest) if oldest else None, int(skipped))
 
 
-async def _tail_parked(cur: Any, store: SQLStore, lane: str) -> int:
-    if PARKED_TABLE not in await table_names(cur, store.dialect):
-        return 0
+async def _tail_parked(cur: Any, lane: str) -> int:
     await cur.execute(f"SELECT COUNT(*) FROM {PARKED_TABLE} WHERE lane = %s AND status = %s", (lane, PARKED))
     (parked,) = await cur.fetchone()
     return int(parked)
@@ -180,7 +189,7 @@ async def tailing_lanes(store: SQLStore) -> list[str]:
 
 
 async def retire_lane(store: SQLStore, lane: str) -> list[str]:
-    """Drop ``lane``'s table, cursor row and (a tailing lane) parked rows and skipped ranges;
+    """Drop ``lane``'s table, cursor row, skipped ranges and (a tailing lane) parked rows;
     returns what was dropped (empty: nothing was there)."""
     table = lane_table(lane)  # validates the name before it reaches SQL
     done: list[str] = []

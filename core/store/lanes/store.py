@@ -13,6 +13,7 @@ path: no trigger, no extra write, only reads of ``room_outbox`` by primary key.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -28,9 +29,18 @@ from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import marks as _marks
 from room_outbox.store.dialect import text
 from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult, OutboxRow
-from room_outbox.store.schema.lanes import CURSOR_TABLE, KEPT_WIDTH, copied_columns, cursor_ddl, lane_ddl, lane_table
+from room_outbox.store.schema.lanes import (
+    CURSOR_TABLE,
+    KEPT_WIDTH,
+    SKIPPED_TABLE,
+    copied_columns,
+    cursor_ddl,
+    lane_ddl,
+    lane_table,
+)
 from room_outbox.store.schema.profiles import V1
 from room_outbox.store.schema.registry import WantedSchema, migrate
+from room_outbox.store.schema.tail import LANE_SKIPPED_ERROR
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
@@ -83,6 +93,8 @@ STEP_EVIDENCE = 16
 ID_CHECK_INTERVAL = 60.0
 #: Ids per feeding INSERT … SELECT (placeholders: within every database's limit).
 COPY_CHUNK = 500
+#: Skipped ranges per statement (four placeholders each: within every database's limit).
+SKIPPED_CHUNK = 250
 #: Rows a lane starting ``now`` looks back over, at most, for ids still in flight
 #: (:meth:`LaneStore._start_now`).
 START_LOOKBACK = 10_000
@@ -236,8 +248,10 @@ class LaneStore(LeasedRows):
         again for the ids it saw missing, feeding those committed since, and (3) moves the
         watermark up to just below the oldest id still missing. An id missing for longer than
         ``gap_timeout`` is taken as a rolled-back insert and given up on (logged): a producer
-        transaction that holds its id longer is not fed. At most ``max_gaps`` ranges are waited
-        for, so the query never grows past that many terms.
+        transaction that holds its id longer is not fed, but its range is recorded
+        (:meth:`_record_skipped`): once it commits, ``status`` counts it and ``requeue --lane``
+        feeds it. At most ``max_gaps`` ranges are waited for, so the query never grows past
+        that many terms.
 
         Several processes may feed one lane: the cursor row is taken with ``FOR UPDATE SKIP
         LOCKED`` (SQLite serialises every writer anyway), so one feeds at a time and the others
@@ -259,8 +273,9 @@ class LaneStore(LeasedRows):
         self._take_new(fresh, watermark)
         ids = fresh + await self._read_gaps(cur)
         await self._copy(cur, ids)
-        self._expire_gaps()
-        self._bound_gaps()
+        skipped = self._expire_gaps() + self._bound_gaps()
+        if skipped:
+            await self._record_skipped(cur, skipped)
         new_watermark = min(g.low for g in self._gaps) - 1 if self._gaps else self._high
         if new_watermark > watermark:
             await cur.execute(
@@ -545,6 +560,77 @@ class LaneStore(LeasedRows):
             if low <= gap.high:
                 remaining.append(Gap(low, gap.high, gap.first_seen))
         self._gaps = [trimmed for gap in remaining if (trimmed := self._on_lattice(gap))]
+
+    async def _record_skipped(self, cur: Any, gaps: Sequence[Gap]) -> None:
+        """Record the ranges given up on, one row a range however many ids it holds, in the
+        round's transaction: an insert that commits after all is then told apart from the
+        events sent (``inspect``, ``status``) and can be sent (``requeue --lane``). A range
+        recorded before with the same first id (the watermark moved back since) is replaced.
+        Only when a range is given up on: a round that gives up on none writes nothing here."""
+        now = now_ms()
+        for first in range(0, len(gaps), SKIPPED_CHUNK):
+            chunk = gaps[first : first + SKIPPED_CHUNK]
+            lows = [gap.low for gap in chunk]
+            await cur.execute(
+                f"DELETE FROM {SKIPPED_TABLE} WHERE lane = %s AND low_id IN ({_marks(lows)})", [self.lane, *lows]
+            )
+            await cur.execute(
+                f"INSERT INTO {SKIPPED_TABLE} (lane, low_id, high_id, skipped_at_ms) VALUES"
+                + ", ".join(["(%s, %s, %s, %s)"] * len(chunk)),
+                [value for gap in chunk for value in (self.lane, gap.low, gap.high, now)],
+            )
+
+    async def _skipped_among(self, cur: Any, ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """The lane's skipped ranges (``low_id``, ``high_id``, ``skipped_at_ms``) that may hold
+        some of ``ids`` (sorted)."""
+        await cur.execute(
+            f"SELECT low_id, high_id, skipped_at_ms FROM {SKIPPED_TABLE} WHERE lane = %s AND low_id <= %s"
+            " AND high_id >= %s",
+            (self.lane, ids[-1], ids[0]),
+        )
+        return [(int(low), int(high), int(at)) for low, high, at in await cur.fetchall()]
+
+    async def _leave_skipped(self, cur: Any, ranges: Sequence[tuple[int, int, int]], taken: Sequence[int]) -> None:
+        """Take the ids ``taken`` out of the skipped ``ranges`` (a range splits around them), so
+        that the ranges hold only what is still skipped."""
+        for low, high, at in ranges:
+            inside = [i for i in taken if low <= i <= high]
+            if not inside:
+                continue
+            bounds = [low - 1, *inside, high + 1]
+            rest = [(a + 1, b - 1) for a, b in itertools.pairwise(bounds) if a + 1 <= b - 1]
+            await cur.execute(f"DELETE FROM {SKIPPED_TABLE} WHERE lane = %s AND low_id = %s", (self.lane, low))
+            for part_low, part_high in rest:
+                await cur.execute(
+                    f"INSERT INTO {SKIPPED_TABLE} (lane, low_id, high_id, skipped_at_ms) VALUES (%s, %s, %s, %s)",
+                    (self.lane, part_low, part_high, at),
+                )
+
+    async def take_skipped(self, outbox_ids: Sequence[int], status: str = V1.fresh) -> int:
+        """Feed the rows ``outbox_ids`` that lie in the lane's skipped ranges (inserts that
+        committed after the feeder gave up on their ids) into the lane's table with ``status``:
+        ``pending``, the lane sends them as any row fed; ``cancelled``, never. Their ids leave
+        the ranges. Returns how many rows were fed."""
+        ids = sorted(set(outbox_ids))
+        if not ids:
+            return 0
+        p, now = self.owner.profile, now_ms()
+        async with self.transaction() as cur:
+            ranges = await self._skipped_among(cur, ids)
+            taken = [i for i in ids if any(low <= i <= high for low, high, _ in ranges)]
+            if not taken:
+                return 0
+            insert = (
+                f"INSERT INTO {self.table} (outbox_id, event_id, event_type, room_id, app_code, status, last_error,"
+                f" created_at_ms, updated_at_ms) SELECT {self._source_columns}, %s, %s, {now}, {now}"
+                f" FROM {p.table} WHERE {p.key} IN ({_marks(taken)})"
+            )
+            # A row fed to be sent says nothing of its own; a cancelled one, why it never was.
+            error = None if status == V1.fresh else LANE_SKIPPED_ERROR
+            await cur.execute(self.dialect.insert_skipping_duplicates(insert, "outbox_id"), [status, error, *taken])
+            fed = int(cur.rowcount)
+            await self._leave_skipped(cur, ranges, taken)
+        return fed
 
     def _expire_gaps(self) -> list[Gap]:
         """Give up on the ranges missing longer than ``gap_timeout``; returns them."""

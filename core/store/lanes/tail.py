@@ -30,7 +30,6 @@ the lane sent above ``fed_through_id``, over to the new lane table.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import math
 import time
@@ -112,9 +111,6 @@ class TailRound:
     def park(self, row: TailRow, error: str) -> None:
         self.parked[row.outbox_id] = error[:1024]
 
-
-#: Skipped ranges per statement (four placeholders each: within every database's limit).
-SKIPPED_CHUNK = 250
 
 #: Seconds between two INFO lines of one process taking a tailing lane over.
 RESUME_SAID_EVERY = 60.0
@@ -336,24 +332,6 @@ class TailStore(LaneStore):
             )
         return after
 
-    async def _record_skipped(self, cur: Any, gaps: Sequence[Gap]) -> None:
-        """Record the ranges given up on, one row a range however many ids it holds, in the
-        round's transaction: an insert that commits after all is then told apart from the
-        events sent (``inspect``, ``status``) and can be sent (``requeue --lane``). A range
-        recorded before with the same first id (the cursor moved back since) is replaced."""
-        now = now_ms()
-        for first in range(0, len(gaps), SKIPPED_CHUNK):
-            chunk = gaps[first : first + SKIPPED_CHUNK]
-            lows = [gap.low for gap in chunk]
-            await cur.execute(
-                f"DELETE FROM {SKIPPED_TABLE} WHERE lane = %s AND low_id IN ({marks(lows)})", [self.lane, *lows]
-            )
-            await cur.execute(
-                f"INSERT INTO {SKIPPED_TABLE} (lane, low_id, high_id, skipped_at_ms) VALUES"
-                + ", ".join(["(%s, %s, %s, %s)"] * len(chunk)),
-                [value for gap in chunk for value in (self.lane, gap.low, gap.high, now)],
-            )
-
     def _gaps_text(self) -> str | None:
         """The ranges waited for as ``open_gaps`` (:class:`TailCursor`), None when there are none.
         Whole seconds: the same text from round to round, though the cluster's clock is measured
@@ -512,7 +490,7 @@ class TailStore(LaneStore):
             )
             return int(cur.rowcount)
 
-    async def take_skipped(self, outbox_ids: Sequence[int], status: str) -> int:
+    async def take_skipped(self, outbox_ids: Sequence[int], status: str = REQUEUED) -> int:
         """Make the rows ``outbox_ids`` that lie in the lane's skipped ranges (inserts that
         committed after the lane gave up on their ids) entries of the parked table with
         ``status``: ``requeued``, the next round sends them as it sends a requeued parked event;
@@ -523,12 +501,7 @@ class TailStore(LaneStore):
             return 0
         p, now = self.owner.profile, now_ms()
         async with self.transaction() as cur:
-            await cur.execute(
-                f"SELECT low_id, high_id, skipped_at_ms FROM {SKIPPED_TABLE}"
-                " WHERE lane = %s AND low_id <= %s AND high_id >= %s",
-                (self.lane, ids[-1], ids[0]),
-            )
-            ranges = [(int(low), int(high), int(at)) for low, high, at in await cur.fetchall()]
+            ranges = await self._skipped_among(cur, ids)
             taken = [i for i in ids if any(low <= i <= high for low, high, _ in ranges)]
             if not taken:
                 return 0
@@ -544,18 +517,7 @@ class TailStore(LaneStore):
                 [SKIPPED_ERROR, *taken],
             )
             entered = int(cur.rowcount)
-            for low, high, at in ranges:
-                inside = [i for i in taken if low <= i <= high]
-                if not inside:
-                    continue
-                bounds = [low - 1, *inside, high + 1]
-                rest = [(a + 1, b - 1) for a, b in itertools.pairwise(bounds) if a + 1 <= b - 1]
-                await cur.execute(f"DELETE FROM {SKIPPED_TABLE} WHERE lane = %s AND low_id = %s", (self.lane, low))
-                for part_low, part_high in rest:
-                    await cur.execute(
-                        f"INSERT INTO {SKIPPED_TABLE} (lane, low_id, high_id, skipped_at_ms) VALUES (%s, %s, %s, %s)",
-                        (self.lane, part_low, part_high, at),
-                    )
+            await self._leave_skipped(cur, ranges, taken)
         return entered
 
     async def cancel(self, event_id: str, apply: bool, app_code: str | None = None) -> str | None:

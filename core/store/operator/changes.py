@@ -16,8 +16,17 @@ from room_outbox.store.dialect import marks, table_names
 from room_outbox.store.operator.reports import matching_event
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.columns import column_problems, printed_name, read_columns
+from room_outbox.store.schema.lanes import lane_table
 from room_outbox.store.schema.profiles import Profile, in_list
-from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, SKIPPED, SKIPPED_ERROR, SKIPPED_TABLE, skipped_rows
+from room_outbox.store.schema.tail import (
+    LANE_SKIPPED_ERROR,
+    PARKED,
+    PARKED_TABLE,
+    SKIPPED,
+    SKIPPED_ERROR,
+    SKIPPED_TABLE,
+    skipped_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -161,13 +170,12 @@ async def find_parked_in_lane(
 async def find_skipped_in_lane(
     store: SQLStore, lane: str, where: RequeueFilter, limit: int = 10_000
 ) -> list[dict[str, Any]]:
-    """A tailing lane's skipped events (rows in the id ranges it gave up on, committed after
-    all: :func:`~room_outbox.store.schema.tail.skipped_rows`) the filter selects, lowest outbox
-    id first, shaped as :func:`find_parked_in_lane`'s entries (``status`` ``skipped``, the error
-    :data:`~room_outbox.store.schema.tail.SKIPPED_ERROR`, which ``error_contains`` is matched
-    against)."""
-    if where.error_contains and where.error_contains.lower() not in SKIPPED_ERROR.lower():
-        return []
+    """A lane's skipped events (rows in the id ranges it gave up on, committed after all:
+    :func:`~room_outbox.store.schema.tail.skipped_rows`; a tailing lane's or a lane of its own's)
+    the filter selects, lowest outbox id first, shaped as :func:`find_parked_in_lane`'s entries
+    (``status`` ``skipped``, the error :data:`~room_outbox.store.schema.tail.SKIPPED_ERROR` or
+    :data:`~room_outbox.store.schema.tail.LANE_SKIPPED_ERROR`, which ``error_contains`` is
+    matched against)."""
     p = store.profile
     clauses: list[str] = []
     params: list[Any] = []
@@ -176,12 +184,15 @@ async def find_skipped_in_lane(
         params.extend(where.event_ids)
     of_row, of_row_params = _row_clauses(store, where)  # unqualified: the ranges' table has none of them
     async with store.transaction() as cur:
-        if SKIPPED_TABLE not in await table_names(cur, store.dialect):
+        tables = await table_names(cur, store.dialect)
+        own = lane_table(lane) if lane_table(lane) in tables else None
+        error = SKIPPED_ERROR if own is None else LANE_SKIPPED_ERROR
+        if SKIPPED_TABLE not in tables or (where.error_contains and where.error_contains.lower() not in error.lower()):
             return []
         await cur.execute(
             f"SELECT o.{p.key} AS outbox_id, o.{p.event_id} AS event_id, o.{p.room_id} AS room_id,"
             f" o.{p.app_code} AS app_code, o.{p.event_type} AS event_type, {p.as_ms('o.' + p.created)} AS created_at_ms"
-            f"{skipped_rows(p)}{''.join(f' AND {clause}' for clause in [*clauses, *of_row])}"
+            f"{skipped_rows(p, own)}{''.join(f' AND {clause}' for clause in [*clauses, *of_row])}"
             f" ORDER BY o.{p.key} LIMIT %s",
             (lane, *params, *of_row_params, limit),
         )
@@ -189,7 +200,7 @@ async def find_skipped_in_lane(
         rows = [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
     for row in rows:
         created = row["created_at_ms"]
-        row.update(status=SKIPPED, last_error=SKIPPED_ERROR, created_at_ms=None if created is None else int(created))
+        row.update(status=SKIPPED, last_error=error, created_at_ms=None if created is None else int(created))
     return rows
 
 

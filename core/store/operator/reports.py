@@ -21,7 +21,7 @@ from room_outbox.store.dialect import column_names, marks, table_names, text
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, SKIPPED_TABLE, skipped_rows
+from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, SKIPPED_TABLE
 
 
 async def ping(store: SQLStore) -> None:
@@ -90,8 +90,9 @@ class LaneStatus:
     unfed: int
     pending: int
     parked: int
-    #: A tailing lane's events skipped and never sent: rows in the ranges it gave up on as
-    #: rolled back (missing longer than ``gap_timeout``), which committed after all.
+    #: The lane's events skipped and never sent: rows in the ranges it (a lane table's feeder,
+    #: or a tailing lane) gave up on as rolled back (missing longer than ``gap_timeout``), which
+    #: committed after all.
     skipped: int = 0
     #: A tailing lane's parked rows' most frequent errors, grouped as the main lane's
     #: (:func:`grouped_errors`), among its latest :data:`STATUS_SAMPLE`.
@@ -271,8 +272,9 @@ async def lane_statuses(store: SQLStore, top: int = 10) -> list[LaneStatus]:
             continue
         owed = await own_lane_backlog(store, lane)
         errors = [] if lane.has_table or not owed.parked else (await _tail_parked_errors(store, lane.name))[:top]
-        skipped = 0 if lane.has_table else await skipped_late(store, lane.name)
-        lanes.append(LaneStatus(lane.name, lane.fed_through_id, owed.unfed, owed.pending, owed.parked, skipped, errors))
+        lanes.append(
+            LaneStatus(lane.name, lane.fed_through_id, owed.unfed, owed.pending, owed.parked, owed.skipped, errors)
+        )
     return lanes
 
 
@@ -288,15 +290,6 @@ async def _tail_parked_errors(store: SQLStore, lane: str) -> list[tuple[str, int
             (lane, PARKED, STATUS_SAMPLE, ERRORS_READ),
         )
         return grouped_errors([(str(error), int(rows)) for error, rows in await cur.fetchall()])
-
-
-async def skipped_late(store: SQLStore, lane: str) -> int:
-    """How many events tailing ``lane`` skipped and never sent (:func:`.schema.tail.skipped_rows`)."""
-    async with store.transaction() as cur:
-        if SKIPPED_TABLE not in await table_names(cur, store.dialect):
-            return 0
-        await cur.execute(f"SELECT COUNT(*){skipped_rows(store.profile)}", (lane,))
-        return int((await cur.fetchone())[0])
 
 
 def matching_event(store: SQLStore, event_id: str, app_code: str | None = None) -> tuple[str, list[Any]]:
@@ -388,8 +381,9 @@ async def tail_parked_row(store: SQLStore, lane: str, outbox_id: int) -> dict[st
 
 
 async def tail_skipped_range(store: SQLStore, lane: str, outbox_id: int) -> dict[str, int] | None:
-    """The range tailing ``lane`` skipped that holds ``outbox_id`` (``low_id``, ``high_id``,
-    ``skipped_at_ms``); None when no skipped range holds it."""
+    """The range ``lane`` (tailing, or a lane of its own's feeder) skipped that holds
+    ``outbox_id`` (``low_id``, ``high_id``, ``skipped_at_ms``); None when no skipped range
+    holds it."""
     async with store.transaction() as cur:
         if SKIPPED_TABLE not in await table_names(cur, store.dialect):
             return None

@@ -53,6 +53,24 @@ def cursor_ddl(dialect: Dialect) -> list[str]:
     ]
 
 
+SKIPPED_TABLE = "room_outbox_tail_skipped"
+
+
+def skipped_ddl(dialect: Dialect) -> list[str]:
+    """Ranges of ids ``[low_id, high_id]`` a lane skipped, and when (epoch ms, the database's
+    clock): a tailing lane's (:mod:`room_outbox.store.lanes.tail`) and a lane table's feeder's
+    alike (the table's name is from when only tailing lanes kept it)."""
+    return [
+        f"""CREATE TABLE {SKIPPED_TABLE} (
+  lane          VARCHAR(64)   NOT NULL,
+  low_id        {dialect.id_type} NOT NULL,
+  high_id       {dialect.id_type} NOT NULL,
+  skipped_at_ms BIGINT        NOT NULL,
+  PRIMARY KEY (lane, low_id)
+){dialect.table_options}"""
+    ]
+
+
 #: How wide a lane's copies of the outbox's text columns are (``event_id``, ``event_type``,
 #: ``room_id``, ``app_code``; the parked table's too): as wide as the profiles' tables make them
 #: (silk's ``aggregate_id`` holds 128 characters). A wider value (room-service's own column
@@ -103,10 +121,11 @@ async def lane_steps(
     cur: Any, dialect: Dialect, lanes: Sequence[str], function_planned: bool = False
 ) -> list[Migration]:
     """What the lanes need, read from the catalogue in the caller's transaction: the cursor
-    table and each lane's table when missing, then (on a server) their room buckets
-    (``function_planned``: an earlier step of the same plan sees to the bucket function)."""
+    table, the skipped ranges' table (where a feeder records the ids it gave up on) and each
+    lane's table when missing, then (on a server) their room buckets (``function_planned``: an
+    earlier step of the same plan sees to the bucket function)."""
     existing = await table_names(cur, dialect)
-    wanted = [(CURSOR_TABLE, cursor_ddl(dialect))]
+    wanted = [(CURSOR_TABLE, cursor_ddl(dialect)), (SKIPPED_TABLE, skipped_ddl(dialect))]
     wanted += [(lane_table(lane), lane_ddl(lane, dialect)) for lane in lanes]
     plan = [Migration(f"created table {name}", tuple(ddl)) for name, ddl in wanted if name not in existing]
     # Room buckets belong to the processes' membership: on a server, not SQLite (see .membership).

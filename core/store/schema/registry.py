@@ -59,9 +59,9 @@ Planner = Callable[[Any], Awaitable[list[Migration]]]
 @dataclass(frozen=True)
 class WantedSchema:
     """What a migration brings about. ``outbox``: the outbox table and, on a server, the
-    membership and room buckets; ``lanes``: the lane cursor table and the tables of these
-    lanes of their own (None: no lane tables); ``tail_lanes``: the cursor, parked and skipped tables
-    of the lanes that tail the outbox; ``plugin_statements`` and
+    membership and room buckets; ``lanes``: the lane cursor and skipped tables and the tables of
+    these lanes of their own (None: no lane tables); ``tail_lanes``: the cursor, parked and
+    skipped tables of the lanes that tail the outbox; ``plugin_statements`` and
     ``handler_statements``: ``(what for, statements)`` of the plugins and handlers in use
     (idempotent, so they run every time); ``consumers``: the consumers' tables;
     ``handler_tables``: the columns those handlers write, checked where their tables exist."""
@@ -148,6 +148,8 @@ def required_columns(dialect: Dialect, profile: Profile, wanted: WantedSchema) -
         required[profile.table] = outbox_columns(profile)
     if wanted.lanes is not None:
         required[CURSOR_TABLE] = ("lane", "fed_through_id")
+        # where a feeder records the ids it gave up on (LaneStore._record_skipped)
+        required[SKIPPED_TABLE] = ("lane", "low_id", "high_id", "skipped_at_ms")
         required.update({lane_table(lane): LANE_COLUMNS for lane in wanted.lanes})
     if wanted.tail_lanes:
         required[CURSOR_TABLE] = ("lane", "fed_through_id", "read_through_id", "open_gaps")

@@ -14,8 +14,11 @@ rolled-back insert and skipped: the lane goes on without it and never reads it a
 is recorded in ``room_outbox_tail_skipped``, one row per range however many ids it holds, so
 that an insert that did commit after all (its transaction held longer than ``gap_timeout``) is
 not lost from sight: ``inspect`` says it was skipped, ``status`` counts such events, and
-``requeue --lane`` sends them (as ``requeued`` entries of the parked table). Retention drops a
-range once it is older than ``retention.older_than`` and no row holds an id in it.
+``requeue --lane`` sends them (as ``requeued`` entries of the parked table). A lane of its own
+records the ranges its feeder gives up on in the same table (created with the lanes' tables,
+:func:`~.lanes.lane_steps`), its skipped events those its table does not hold (requeued: fed
+into it). Retention drops a range once it is older than ``retention.older_than`` and no row
+holds an id in it.
 
 A lane switching relays carries the operator's decisions over in ``migrate``: to tailing, the
 rows its table parked or cancelled move here (:func:`tail_steps`); back to a table, the
@@ -34,9 +37,11 @@ from room_outbox.store.dialect import Dialect, column_names, table_names, text
 from room_outbox.store.schema.lanes import (
     CURSOR_TABLE,
     KEPT_WIDTH,
+    SKIPPED_TABLE,
     copied_columns,
     cursor_ddl,
     lane_table,
+    skipped_ddl,
     tail_cursor_columns,
 )
 from room_outbox.store.schema.outbox import Migration, add_column_sql
@@ -48,10 +53,15 @@ REQUEUED = "requeued"
 #: An event in a skipped range (not an entry's status: what ``cancel`` found it as).
 SKIPPED = "skipped"
 CANCELLED = "cancelled"
-SKIPPED_TABLE = "room_outbox_tail_skipped"
 #: What a skipped event's entry in the parked table says once an operator requeues or cancels it.
 SKIPPED_ERROR = (
     "skipped by the tailing lane: its id was missing longer than lanes.gap_timeout (or beyond lanes.max_gaps),"
+    " taken as a rolled-back insert; it committed later"
+)
+#: What a lane of its own says of an event it skipped (its feeder gave up on the id) and that
+#: committed later: in ``requeue --lane``'s list, and its table's row once cancelled.
+LANE_SKIPPED_ERROR = (
+    "skipped by the lane's feeder: its id was missing longer than lanes.gap_timeout (or beyond lanes.max_gaps),"
     " taken as a rolled-back insert; it committed later"
 )
 
@@ -72,44 +82,36 @@ def parked_ddl(dialect: Dialect) -> list[str]:
     ]
 
 
-def skipped_ddl(dialect: Dialect) -> list[str]:
-    """Ranges of ids ``[low_id, high_id]`` a tailing lane skipped, and when (epoch ms, the
-    database's clock)."""
-    return [
-        f"""CREATE TABLE {SKIPPED_TABLE} (
-  lane          VARCHAR(64)   NOT NULL,
-  low_id        {dialect.id_type} NOT NULL,
-  high_id       {dialect.id_type} NOT NULL,
-  skipped_at_ms BIGINT        NOT NULL,
-  PRIMARY KEY (lane, low_id)
-){dialect.table_options}"""
-    ]
-
-
-def skipped_rows(profile: Profile) -> str:
+def skipped_rows(profile: Profile, own_table: str | None = None) -> str:
     """SQL: ``FROM`` … ``WHERE`` the rows of the outbox (alias ``o``, of ``profile``) whose ids
-    lie in a skipped range (alias ``s``) of the lane ``%s``, and which its parked table does not
-    hold: inserts that committed after the lane gave up on their ids, never sent. Each range
-    reads the outbox's primary key from ``low_id`` to ``high_id``: a few short reads."""
+    lie in a skipped range (alias ``s``) of the lane ``%s``, and which the lane does not hold:
+    inserts that committed after the lane gave up on their ids, never sent. A tailing lane holds
+    its rows in the parked table; a lane of its own in its table (``own_table``).
+    Each range reads the outbox's primary key from ``low_id`` to ``high_id``: a few short reads."""
     p = profile
+    held = (
+        f"SELECT 1 FROM {PARKED_TABLE} e WHERE e.lane = s.lane AND e.outbox_id = o.{p.key}"
+        if own_table is None
+        else f"SELECT 1 FROM {own_table} e WHERE e.outbox_id = o.{p.key}"
+    )
     return (
         f" FROM {SKIPPED_TABLE} s JOIN {p.table} o ON o.{p.key} BETWEEN s.low_id AND s.high_id WHERE s.lane = %s"
-        f" AND NOT EXISTS (SELECT 1 FROM {PARKED_TABLE} e WHERE e.lane = s.lane AND e.outbox_id = o.{p.key})"
+        f" AND NOT EXISTS ({held})"
     )
 
 
 async def tail_steps(cur: Any, dialect: Dialect, lanes: Sequence[str], cursor_planned: bool = False) -> list[Migration]:
     """What tailing ``lanes`` need, read from the catalogue in the caller's transaction: the
-    cursor table (unless an earlier step of the same plan creates it: ``cursor_planned``) with
-    the columns where a tailing lane keeps what it has read (added to a cursor table made
-    before them), and the parked table; a lane that ran on its own table before hands over
-    from it (:func:`_hand_over`)."""
+    cursor table (unless an earlier step of the same plan creates it, with the skipped table:
+    ``cursor_planned``, :func:`~.lanes.lane_steps`) with the columns where a tailing lane keeps
+    what it has read (added to a cursor table made before them), the parked and the skipped
+    tables; a lane that ran on its own table before hands over from it (:func:`_hand_over`)."""
     if not lanes:
         return []
     existing = await table_names(cur, dialect)
-    wanted = [(PARKED_TABLE, parked_ddl(dialect)), (SKIPPED_TABLE, skipped_ddl(dialect))]
+    wanted = [(PARKED_TABLE, parked_ddl(dialect))]
     if not cursor_planned:
-        wanted.insert(0, (CURSOR_TABLE, cursor_ddl(dialect)))
+        wanted = [(CURSOR_TABLE, cursor_ddl(dialect)), *wanted, (SKIPPED_TABLE, skipped_ddl(dialect))]
     plan = [Migration(f"created table {name}", tuple(ddl)) for name, ddl in wanted if name not in existing]
     if CURSOR_TABLE in existing:  # made before tailing lanes kept where they read to
         have = set(await column_names(cur, dialect, CURSOR_TABLE))
@@ -362,7 +364,8 @@ async def parked_while_tailing(
     """Why lanes switched back to a lane table (``lanes``) cannot be: events they parked while
     tailing, still parked or requeued, or skipped (committed after the lane gave up on their
     ids: with ``profile``, the outbox's), which a lane table would never see, count or send
-    (its feeder goes on from the cursor). The operator requeues or cancels them first."""
+    (its feeder goes on from the cursor). The operator requeues or cancels them first. A lane
+    whose table exists already records its own skipped ranges there: those are its table's."""
     if not lanes:
         return []
     existing = await table_names(cur, dialect)
@@ -375,7 +378,7 @@ async def parked_while_tailing(
         )
         counts = {str(lane): int(count) for lane, count in await cur.fetchall()}
     if profile is not None and SKIPPED_TABLE in existing and PARKED_TABLE in existing:
-        for lane in lanes:
+        for lane in [lane for lane in lanes if lane_table(lane) not in existing]:
             await cur.execute(f"SELECT COUNT(*){skipped_rows(profile)}", (lane,))
             (skipped,) = await cur.fetchone()
             if skipped:
@@ -389,6 +392,7 @@ async def parked_while_tailing(
 
 
 __all__ = [
+    "LANE_SKIPPED_ERROR",
     "PARKED",
     "PARKED_TABLE",
     "REQUEUED",
