@@ -82,7 +82,8 @@ class OutboxMetrics:
         self.throttled = meter.create_counter(
             "room_outbox.publish.throttled",
             unit="{event}",
-            description="Deliveries this process's own rate limits held back, unsent (not attempts).",
+            description="Deliveries held back by a rate limit, not attempts: this process's own (unsent) or the"
+            " destination's (refused for its rate: Tencent IM's 60007, 60011, 10023, MsgFreqCtrl).",
         )
         self.duration = meter.create_histogram(
             "room_outbox.publish.duration",

@@ -266,9 +266,9 @@ class TencentIMSink:
         except httpx.TimeoutException as exc:
             if exc.__cause__ is not None and not isinstance(exc.__cause__, TimeoutError):
                 # The aiohttp transport reports a refused or dropped connection as ConnectTimeout;
-                # the cause tells.
+                # the cause tells, and names it (no timeout to speak of).
                 raise RetryableSinkError(
-                    f"network error ({self._scrub(exc)}) calling Tencent IM app {app.name}"
+                    f"network error ({self._scrub(exc.__cause__)}) calling Tencent IM app {app.name}"
                 ) from exc
             raise RetryableSinkError(f"timeout ({type(exc).__name__}) calling Tencent IM app {app.name}") from exc
         except (httpx.HTTPError, aiohttp.ClientError) as exc:  # the latter: what the transport leaves untranslated
