@@ -20,7 +20,7 @@ from support import INSERT_V1, envelope, fetch_rows, insert_events, kill_if_runn
 
 from room_outbox.cli.main import main
 from room_outbox.config import ConfigError, RetentionSettings, load_settings
-from room_outbox.errors import StoreError, StoreUnavailable
+from room_outbox.errors import SchemaError, StoreError, StoreUnavailable
 from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
 from room_outbox.store.clock import now_ms
 from room_outbox.store.consumers.protocol import Processed, RetryRow
@@ -157,6 +157,29 @@ async def _count(store: MySQLStore) -> bool:
         await cur.execute("SELECT COUNT(*) FROM room_outbox WHERE status = 'published'")
         row = await cur.fetchone()
     return bool(row[0] == 0)
+
+
+async def test_a_column_added_to_the_outbox_after_the_archive_is_refused_until_the_archive_has_it(
+    store: MySQLStore,
+) -> None:
+    """room-service adds a column of its own after the archive table was made: archiving
+    copied only the columns both tables have, and deleted the rows, their new values lost."""
+    await add_rows(store, "first_", 1, 8 * DAY_MS, "published")
+    assert (await cleanup(store, fast(archive=True))).removed == 1  # the archive table made
+    async with store.transaction() as cur:
+        await cur.execute("ALTER TABLE room_outbox ADD COLUMN trace_id VARCHAR(64) NULL")
+    await add_rows(store, "traced_", 2, 8 * DAY_MS, "published")
+    async with store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET trace_id = 'trace-xyz'")
+    with pytest.raises(SchemaError, match=f"^{ARCHIVE_TABLE} lacks room_outbox's column\\(s\\) trace_id"):
+        await cleanup(store, fast(archive=True))
+    assert sorted(await fetch_rows(store)) == ["traced_0", "traced_1"]  # nothing removed
+    async with store.transaction() as cur:
+        await cur.execute(f"ALTER TABLE {ARCHIVE_TABLE} ADD COLUMN trace_id VARCHAR(64) NULL")
+    assert (await cleanup(store, fast(archive=True))).removed == 2
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT trace_id FROM {ARCHIVE_TABLE} WHERE event_id LIKE 'traced_%%'")
+        assert await cur.fetchall() == (("trace-xyz",), ("trace-xyz",))
 
 
 async def test_cleanup_command(

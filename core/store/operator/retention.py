@@ -20,7 +20,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from room_outbox.config import LanePlan, RetentionSettings
-from room_outbox.errors import StoreError, StoreUnavailable
+from room_outbox.errors import SchemaError, StoreError, StoreUnavailable
 from room_outbox.store.backends.errors import mysql_error
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import column_names, table_names
@@ -415,8 +415,9 @@ async def _lanes(store: SQLStore, plan: LanePlan, cutoff: int) -> tuple[_Owers, 
 
 async def _archive_columns(store: SQLStore) -> list[str]:
     """Create the archive table when missing (a copy of ``room_outbox``'s definition) and name
-    the columns both tables have, so a column added to ``room_outbox`` later never breaks
-    archiving (it is simply not archived until added to the archive table too)."""
+    the columns to copy. A column added to ``room_outbox`` after the archive table was made is
+    refused (:class:`SchemaError`, nothing removed) until the archive has it too: a row is
+    deleted only once copied, and copied without that column its value would be lost."""
     dialect, table = store.dialect, store.profile.table
     archive = archive_table(table)
     async with store.transaction() as cur:
@@ -457,7 +458,14 @@ async def _archive_columns(store: SQLStore) -> list[str]:
                 (table,),
             )
             computed = {str(row[0]).lower() for row in await cur.fetchall()}
-    return [column for column in ours if column in archived and column not in computed]
+    lacking = [column for column in ours if column not in archived and column not in computed]
+    if lacking:
+        raise SchemaError(
+            f"{archive} lacks {table}'s column(s) {', '.join(lacking)}, whose values archiving would lose, so no"
+            f" row was removed: add them to {archive} as {table} has them (ALTER TABLE {archive} ADD COLUMN"
+            f" {lacking[0]} …), or clean up without --archive"
+        )
+    return [column for column in ours if column not in computed]
 
 
 async def run_retention_job(
