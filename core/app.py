@@ -24,7 +24,7 @@ from room_outbox.cluster.membership import Membership
 from room_outbox.cluster.quota import QuotaShare
 from room_outbox.config import MAIN_LANE, Settings
 from room_outbox.delivery.dispatcher import Dispatcher, LaneOptions
-from room_outbox.delivery.lanes import claim_after_ms, delivery_settings, lane_plan, lane_store, tail_store
+from room_outbox.delivery.lanes import claim_after_ms, delivery_settings, lane_plan, lane_store, lease_ms, tail_store
 from room_outbox.delivery.routing import Lanes, build_lanes
 from room_outbox.delivery.tail import TailRelay
 from room_outbox.observability.health import Health
@@ -113,10 +113,11 @@ async def _serve(
         )
         unrouted = lanes.main.unrouted() if lanes.main.sinks else []
         if unrouted:  # the Tencent IM sink disabled, the noop sink left on: most rows parked
+            table = store.profile.table
             log.warning(
-                "no enabled sink takes these event types: their rows will be parked in room_outbox (status"
-                " failed, no sink for event_type); enable a sink for them or, where room_outbox.status is"
-                " not this process's to write (Kafka only), disable the main lane's sinks too"
+                f"no enabled sink takes these event types: their rows will be parked in {table} (status"
+                f" {store.profile.parked}, no sink for event_type); enable a sink for them or, where {table}.status"
+                " is not this process's to write (Kafka only), disable the main lane's sinks too"
                 " (sinks.noop.enabled: false)",
                 extra={"lifecycle": "unrouted_event_types", "event_types": unrouted, "sinks": sorted(lanes.main.sinks)},
             )
@@ -175,6 +176,7 @@ def _dispatchers(
     if lanes.main.sinks:
         options = _options(settings, MAIN_LANE)
         store.claim_after_ms = claim_after_ms(settings)
+        store.lease_ms = lease_ms(settings)
         dispatchers.append(
             Dispatcher(store, lanes.main, options, identity, redactor, telemetry, health=health.lane(MAIN_LANE))
         )

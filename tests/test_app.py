@@ -218,6 +218,29 @@ async def test_a_main_lane_that_takes_only_some_event_types_says_so_at_start(dat
     assert "sinks.noop.enabled: false" in warning["msg"]
 
 
+async def test_the_warning_on_unrouted_event_types_names_the_profiles_table(
+    postgresql_dsn: str, tmp_path: Path
+) -> None:
+    """On silk's table the rows would be parked in outbox_events, whose status is then not
+    this process's to write: the warning names that table, not room_outbox."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROOM_OUTBOX")}
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"database:\n  dsn: '{postgresql_dsn}'\n  profile: silk\nsinks:\n  tencent_im:\n    enabled: false\n"
+    )
+    migrate = _cli("--config", str(config), "migrate", env=env)
+    _, err = migrate.communicate(timeout=60)
+    assert migrate.returncode == 0, err
+    log = tmp_path / "run.log"
+    run = _run_logged(config, log, env)
+    await _sigterm_once(run, log, '"lifecycle": "worker_started"')
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    (warning,) = [line for line in lines if line.get("lifecycle") == "unrouted_event_types"]
+    assert "parked in outbox_events (status failed," in warning["msg"]
+    assert "where outbox_events.status is not this process's" in warning["msg"]
+    assert "room_outbox" not in warning["msg"]
+
+
 async def test_lane_settings_a_tailing_lane_ignores_are_named_once_at_start(database_dsn: str, tmp_path: Path) -> None:
     """Retries, parking and ordering of a lane that tails room_outbox do nothing: the start says
     which keys, once, and runs all the same (a configuration that started before still starts)."""

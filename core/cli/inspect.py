@@ -16,7 +16,7 @@ from room_outbox.cli.consumers import format_states
 from room_outbox.cli.output import format_age, format_app, format_time, printable
 from room_outbox.config import MAIN_LANE, Settings
 from room_outbox.consume.ops import consumer_states
-from room_outbox.delivery.lanes import claim_after_ms, delivery_settings, lane_plan
+from room_outbox.delivery.lanes import claim_after_ms, delivery_settings, lane_plan, lease_ms
 from room_outbox.envelope import EnvelopeError, EnvelopeTooLarge, parse_envelope
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.backends.leased import CREATED_AHEAD_MS
@@ -79,11 +79,11 @@ async def _inspected(
     now = _now_ms()
     if not main_lane:
         doc["state"] = (
-            f"status {row['status']!r} is room-service's: the main lane is disabled here (no tencent_im or noop"
+            f"status {row['status']!r} is {p.producer}'s: the main lane is disabled here (no tencent_im or noop"
             " sink enabled), so no scan of room-outbox claims this row; its lanes below say what room-outbox does"
         )
     else:
-        doc["state"] = describe_state(row, now, p, store.claim_after_ms)
+        doc["state"] = describe_state(row, now, p, store.claim_after_ms, store.lease_ms)
     if main_lane and doc["state"].startswith("due"):
         doc["state"] = await _held_back(store, seen, now, per_room) or doc["state"]
     lanes = await _lane_states(store, int(seen["key"]), str(seen["event_id"]), now)
@@ -138,10 +138,10 @@ async def _lane_states(store: SQLStore, outbox_id: int, event_id: str, now: int)
     return states
 
 
-def describe_state(row: dict[str, Any], now: int, words: Profile = V1, claim_after: int = 0) -> str:
+def describe_state(row: dict[str, Any], now: int, words: Profile = V1, claim_after: int = 0, lease: int = 0) -> str:
     """A sentence on a row's delivery state, in ``words``' vocabulary and columns (lanes speak
-    ``v1``), its times in epoch ms, ``now`` by the database's clock; ``claim_after``: the main
-    lane's ``outbox_worker.claim_after`` in ms."""
+    ``v1``), its times in epoch ms, ``now`` by the database's clock; ``claim_after`` and
+    ``lease``: the main lane's ``outbox_worker.claim_after`` and ``outbox_worker.lease`` in ms."""
     status = row["status"]
     retries = row[words.attempts] or 0  # NULL where the producer leaves a nullable column out
     lock_until = int(row.get(words.lock) or 0)
@@ -162,6 +162,15 @@ def describe_state(row: dict[str, Any], now: int, words: Profile = V1, claim_aft
         )
     if row.get("worker_id") and lock_until > now:
         return f"in flight: leased by {row['worker_id']} for another {format_age(lock_until - now)}"
+    if words.producer_claims and status == words.in_flight and not row.get("worker_id"):
+        # The claim's rule (Profile.producers_claim_ended): left to the producer's worker a lease.
+        updated = row.get(words.updated)
+        taken_over = max(lock_until, int(updated) + lease if updated is not None else 0)
+        if taken_over > now:
+            return (
+                f"in flight: claimed by {words.producer}'s own worker; taken over from"
+                f" {format_time(taken_over, now)} if still {status} then ({words.updated} a lease old)"
+            )
     old_enough = _old_enough_at(row, words, claim_after)
     if old_enough > max(now, lock_until):
         return _young(int(row[words.created]), old_enough, now, claim_after)
@@ -195,7 +204,7 @@ async def _held_back(store: SQLStore, seen: dict[str, Any], now: int, per_room: 
     key, p, claim_after = int(seen["key"]), store.profile, store.claim_after_ms
     if per_room:
         for earlier in await earlier_open_rows(store, key, seen["app_code"], seen["room_id"]):
-            state = describe_state(earlier, now, p, claim_after)
+            state = describe_state(earlier, now, p, claim_after, store.lease_ms)
             if not state.startswith("due"):
                 return (
                     f"waiting: behind event {earlier['event_id']} (id {earlier['key']}), an earlier event of its"
@@ -283,6 +292,7 @@ async def inspect_command(
 
 async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
     store.claim_after_ms = claim_after_ms(settings)  # the dispatcher's, for the states told
+    store.lease_ms = lease_ms(settings)
     per_room = delivery_settings(settings, MAIN_LANE).ordering == "per_room"
     main_lane = lane_plan(make_plugin_manager(settings.plugins.disabled), settings).main
     return await inspect_command(

@@ -53,8 +53,8 @@ async def lane_rows(store: SQLStore, plan: LanePlan) -> list[LaneRow]:
     if plan.main:
         rows.append(_row(MAIN_LANE, "enabled", True, None, await im_lane_backlog(store), main=True))
     else:
-        # room_outbox.status is room-service's alone then: not a backlog of anyone's here.
-        state = "disabled (room_outbox.status is room-service's)"
+        # The table's status is its producer's alone then: not a backlog of anyone's here.
+        state = f"disabled ({store.profile.status_owned})"
         rows.append(LaneRow(MAIN_LANE, state, False, None, None, None, None, None))
     stored = {lane.name: lane for lane in await stored_lanes(store)}
     for name in sorted(stored.keys() | set(plan.own)):

@@ -22,6 +22,7 @@ from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.clock import now_ms
 from room_outbox.store.operator.reports import STATUS_SAMPLE, StatusReport, status_report
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.profiles import V1, Profile
 
 __all__ = ["COMMAND", "format_status", "status_command", "status_report"]
 
@@ -31,10 +32,10 @@ def _now_ms() -> int:
     return now_ms()
 
 
-def format_status(report: StatusReport) -> str:
+def format_status(report: StatusReport, profile: Profile = V1) -> str:
     now = _now_ms()
     if not report.im_lane:
-        lines = ["main lane               disabled: room_outbox.status is room-service's, not a backlog here"]
+        lines = [f"main lane               disabled: {profile.status_owned}, not a backlog here"]
         lines += _format_lanes(report)
         return "\n".join(lines)
     lines = [
@@ -109,7 +110,10 @@ async def status_command(store: SQLStore, as_json: bool, out: IO[str], im_lane: 
     if as_json:
         print(json.dumps({**report.to_json(), "consumers": consumers}, indent=2), file=out)
     else:
-        print(format_status(report) + "\n".join(["", *format_overview(consumers)] if consumers else []), file=out)
+        print(
+            format_status(report, store.profile) + "\n".join(["", *format_overview(consumers)] if consumers else []),
+            file=out,
+        )
     return 0
 
 

@@ -92,6 +92,13 @@ def claim_after_ms(settings: Settings) -> int:
     return int(delivery_settings(settings, MAIN_LANE).claim_after * 1000)
 
 
+def lease_ms(settings: Settings) -> int:
+    """The main lane's lease (ms): how long its claim leaves a row the producer's own worker
+    holds (silk's) after that row's last change. Given to the dispatcher's store, and used by
+    ``inspect``."""
+    return int(delivery_settings(settings, MAIN_LANE).lease_seconds * 1000)
+
+
 async def migrate_plugins(
     store: SQLStore, pm: pluggy.PluginManager, settings: Settings, handlers: Collection[str] = ()
 ) -> list[str]:

@@ -204,6 +204,9 @@ class SQLStore(OutboxStore, Protocol):
     room_buckets: BucketReader | None
     #: The age (ms) the producer's rows must reach before a claim takes them (``outbox_worker.claim_after``).
     claim_after_ms: int
+    #: The main lane's lease (ms, ``outbox_worker.lease``): a row the producer's own worker holds
+    #: is left to it until it was last changed this long ago.
+    lease_ms: int
 
     #: SQL: how statements read the outbox's envelope column (an oversized one left unread; see
     #: :meth:`~.backends.leased.LeasedRows.read_envelope`).

@@ -13,9 +13,10 @@ import pytest
 from support import RecordingSink, make_dispatcher, wait_until
 
 from bench.drive import run_until_empty
-from room_outbox.cli.inspect import inspect_events
-from room_outbox.cli.status import status_report
-from room_outbox.config import load_settings
+from room_outbox.cli.inspect import format_inspection, inspect_events
+from room_outbox.cli.lanes import lane_rows
+from room_outbox.cli.status import format_status, status_report
+from room_outbox.config import LanePlan, load_settings
 from room_outbox.envelope import parse_envelope
 from room_outbox.errors import ConfigurationError, EnvelopeError
 from room_outbox.store.clock import now_ms
@@ -101,7 +102,7 @@ async def test_silk_rows_are_claimed_sent_retried_and_failed_after_their_own_max
     assert stale == []
     got = await silk_rows(silk)
     assert {e: (r["status"], r["attempts"]) for e, r in got.items()} == {
-        "e1": ("sent", 0), "e2": ("retry", 1), "e3": ("pending", 0), "e4": ("cancelled", 0),
+        "e1": ("sent", 1), "e2": ("retry", 1), "e3": ("pending", 0), "e4": ("cancelled", 0),
     }  # fmt: skip
     assert abs(got["e2"]["next_attempt_at"] - datetime.fromtimestamp(retry_at / 1000, UTC)) < timedelta(milliseconds=2)
     assert [r.event_id for r in (await silk.claim("b#1", 10, now_ms() + 60_000)).rows] == ["e3"]  # e2 not due yet
@@ -217,3 +218,96 @@ async def test_a_row_parked_by_its_own_max_attempts_is_logged_as_parked_in_silks
         if getattr(r, "event_id", None) == "m1"
     ]
     assert lines == [("delivery failed", "retry", 1), ("delivery failed; event parked", "failed", 3)]
+
+
+#: silk's MarkSending: GORM's Update of one column, which writes updated_at too; next_attempt_at
+#: keeps the due time the row was claimed at.
+SILK_MARK_SENDING = (
+    "UPDATE outbox_events SET status = 'sending', updated_at = now()"
+    " WHERE event_id = %s AND status IN ('pending', 'retry')"
+)
+
+
+@pytest.mark.parametrize("claim_after_ms", [0, 10_000])
+@pytest.mark.parametrize("by_bucket", [False, True])
+async def test_a_row_silks_own_worker_claimed_is_left_to_it_for_a_lease_then_taken_over(
+    silk: SQLStore, claim_after_ms: int, by_bucket: bool
+) -> None:
+    """Adopted live, silk's worker still claims rows (``sending``, no worker_id, next_attempt_at
+    still the past due time): no claim of room-outbox takes such a row until it was last changed
+    a lease ago (its worker died). room-outbox's own leases (worker_id set) are taken over once
+    they pass, however recently the row changed."""
+    await silk.migrate()
+    await silk_publish(silk, ("silks", "u1", {}), ("ours", "u2", {}), ("died", "u3", {}))
+    async with silk.transaction() as cur:
+        await cur.execute("UPDATE outbox_events SET created_at = now() - interval '1 minute'")
+        await cur.execute("UPDATE outbox_events SET next_attempt_at = now() - interval '20 seconds'")
+        for event_id in ("silks", "died"):
+            await cur.execute(SILK_MARK_SENDING, (event_id,))
+        await cur.execute("UPDATE outbox_events SET updated_at = now() - interval '61 seconds' WHERE event_id = 'died'")
+    silk.lease_ms, silk.claim_after_ms = 60_000, claim_after_ms
+    if by_bucket:  # the claim that scans without locks, then locks what it found
+
+        async def every_bucket(cur: Any, along: Any = None) -> list[int]:
+            return list(range(256))
+
+        silk.room_buckets = every_bucket
+    claimed = await silk.claim("a#1", 10, now_ms() - 1, per_room=by_bucket)  # a lease already past
+    assert sorted(row.event_id for row in claimed.rows) == ["died", "ours"]
+    claimed = await silk.claim("b#1", 10, now_ms() + 60_000, per_room=by_bucket)
+    assert sorted(row.event_id for row in claimed.rows) == ["died", "ours"]  # a#1's lease taken over
+    rows = await silk_rows(silk)
+    assert (rows["silks"]["status"], rows["silks"]["worker_id"]) == ("sending", None)
+    (doc,) = await inspect_events(silk, "silks")
+    assert doc["state"].startswith("in flight: claimed by silk's own worker; taken over from")
+
+
+async def test_a_parked_silk_row_is_due_when_parked_and_inspect_shows_that_time(silk: SQLStore) -> None:
+    """Parked, a row's next_attempt_at is the time it was parked, as silk's MarkResult writes
+    it (the profile's cleared lock, now()): not epoch 0, and inspect shows it as a time. So is
+    a row its own max_attempts park on a failure whose retry was set for later."""
+    await silk.migrate()
+    await silk_publish(silk, ("parked", "u1", {}), ("used-up", "u2", {}), max_attempts=1)
+    rows = {r.event_id: r for r in (await silk.claim("a#1", 10, now_ms() + 60_000)).rows}
+    before = datetime.now(UTC)
+    await silk.record(
+        [
+            DeliveryResult(rows["parked"].id, "parked", "a#1", Outcome.PARKED, "no such group"),
+            DeliveryResult(rows["used-up"].id, "used-up", "a#1", Outcome.FAILED, "timeout", now_ms() + 600_000),
+        ]
+    )
+    got = await silk_rows(silk)
+    for event_id in ("parked", "used-up"):
+        assert got[event_id]["status"] == "failed"
+        assert abs(got[event_id]["next_attempt_at"] - before) < timedelta(seconds=5)
+    (doc,) = await inspect_events(silk, "parked")
+    (line,) = [line for line in format_inspection(doc, SILK.time_columns).splitlines() if "next_attempt_at" in line]
+    assert line.split()[1] != "0" and len(line.split()) > 2  # the value, then when that was
+
+
+async def test_a_sent_silk_row_counts_its_successful_attempt_as_silk_does(silk: SQLStore) -> None:
+    """silk's MarkResult counts every attempt, the successful one too: a row sent at its first
+    attempt has attempts 1, one sent after a failure 2."""
+    await silk.migrate()
+    await silk_publish(silk, ("first", "u1", {}), ("second", "u2", {}))
+    rows = {r.event_id: r for r in (await silk.claim("a#1", 10, now_ms() + 60_000)).rows}
+    await silk.record(
+        [
+            DeliveryResult(rows["first"].id, "first", "a#1", Outcome.PUBLISHED),
+            DeliveryResult(rows["second"].id, "second", "a#1", Outcome.FAILED, "timeout", now_ms()),
+        ]
+    )
+    (again,) = (await silk.claim("b#1", 10, now_ms() + 60_000)).rows
+    await silk.record([DeliveryResult(again.id, "second", "b#1", Outcome.PUBLISHED)])
+    assert {e: (r["status"], r["attempts"]) for e, r in (await silk_rows(silk)).items()} == {
+        "first": ("sent", 1),
+        "second": ("sent", 2),
+    }
+
+
+async def test_status_and_lanes_name_silks_table_while_the_main_lane_is_off(silk: SQLStore) -> None:
+    await silk.migrate()
+    text = format_status(await status_report(silk, im_lane=False), silk.profile)
+    assert "main lane               disabled: outbox_events.status is silk's, not a backlog here" in text
+    (main,) = await lane_rows(silk, LanePlan(main=False, own=()))
+    assert main.state == "disabled (outbox_events.status is silk's)"

@@ -157,6 +157,10 @@ class LeasedRows:
     #: commit and then marks it published; a claim before that would send it a second time.
     #: Rows waiting for a retry or a lease's end are due by ``lock`` alone. 0: at once.
     claim_after_ms: int = 0
+    #: How long a claim leases its rows (``outbox_worker.lease``, ms; its default here): a row
+    #: the producer's own worker holds is left to it until it was last changed this long ago
+    #: (:meth:`~.profiles.Profile.producers_claim_ended`).
+    lease_ms: int = 30_000
     #: The room buckets the last per-room claim found claimable (None: all; none before the first).
     _buckets_seen: Sequence[int] | None = ()
     #: Table → SQL of its rows' room bucket, read once per table (:meth:`row_bucket`).
@@ -196,7 +200,24 @@ class LeasedRows:
         self, cur: Any, limit: int, buckets: Sequence[int] | None, bound: int | None = None
     ) -> list[tuple[str, int]]:
         """What a claim takes, in its order: due conditions for :func:`claim_sql`, each with
-        its parameter, read one after the other while the batch is not full.
+        its parameter, read one after the other while the batch is not full: rows due by
+        ``lock`` and old enough (:meth:`_due_by_age`) that the producer's own worker does not
+        hold (:meth:`_producers_claim_ended`, a filter on the rows of those ranges)."""
+        ranges = await self._due_by_age(cur, limit, buckets, bound)
+        ended = self._producers_claim_ended()
+        return [(f"{due} AND {ended}", param) for due, param in ranges] if ended else ranges
+
+    def _producers_claim_ended(self) -> str:
+        """SQL: the row is not held by the producer's own worker (see
+        :meth:`~.profiles.Profile.producers_claim_ended`), by the database's clock, as the
+        producer's times are compared with it."""
+        p = self.profile
+        return p.producers_claim_ended(p.ms(f"({self.dialect.now_ms} - {int(self.lease_ms)})"))
+
+    async def _due_by_age(
+        self, cur: Any, limit: int, buckets: Sequence[int] | None, bound: int | None
+    ) -> list[tuple[str, int]]:
+        """:meth:`_due_ranges` by ``lock`` and creation time alone.
 
         Without ``claim_after_ms``: ``lock <= now``. With it, the rows the producer wrote that
         no claim has taken yet must be that old too. Where a locking scan locks every row it
@@ -511,9 +532,10 @@ class LeasedRows:
             look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, besides=besides)
             await cur.execute(look_back, look_back_params)
             return found, [tuple(row) for row in await cur.fetchall()]
+        ended = self._producers_claim_ended()
         take = (
             f"SELECT {self.key}, {p.app_code}, {p.room_id}, 1 FROM {self.table} WHERE {self.key} IN ({_marks(ids)})"
-            f" AND {p.is_open()} AND {p.lock} <= {p.ms('%s')}{self.dialect.row_lock}"
+            f" AND {p.is_open()} AND {p.lock} <= {p.ms('%s')}{' AND ' + ended if ended else ''}{self.dialect.row_lock}"
         )
         take_params = (*ids, now_ms())
         if self.dialect.name == "mysql":
@@ -656,18 +678,29 @@ class LeasedRows:
         held = f"worker_id = %s AND status = '{words.in_flight}'"  # the fence: still this claim's
         if outcome in (Outcome.FAILED, Outcome.PARKED):
             [r] = group
-            status = f"'{words.parked}'" if outcome is Outcome.PARKED else words.after_failure()
+            # A parked row's lock is the profile's cleared one (silk's now(), not epoch 0).
+            retry_at: tuple[int, ...] = ()
+            if outcome is Outcome.PARKED:
+                status, lock = f"'{words.parked}'", words.lock_cleared
+            else:
+                status, lock, retry_at = (
+                    words.after_failure(),
+                    words.lock_after_failure(words.ms("%s")),
+                    (r.retry_at_ms,),
+                )
             matched = await cur.execute(
                 f"UPDATE {self.table} SET status = {status}, {words.attempts} = {words.attempts_made} + 1,"
-                f" last_error = %s, worker_id = NULL, {words.lock} = {words.ms('%s')},"
+                f" last_error = %s, worker_id = NULL, {words.lock} = {lock},"
                 f" {words.updated} = {words.ms('%s')} WHERE {self.key} = %s AND {held}",
-                ((r.error or "unknown error")[:LAST_ERROR_MAX], r.retry_at_ms, now, r.row_id, claim),
+                ((r.error or "unknown error")[:LAST_ERROR_MAX], *retry_at, now, r.row_id, claim),
             )
             return [] if matched else [r]
         ids = sorted(r.row_id for r in group)
         if outcome is Outcome.PUBLISHED:
+            # Where attempts counts the successful one too (silk's), in the same statement.
+            counted = f"{words.attempts} = {words.attempts_made} + 1, " if words.counts_success else ""
             change = (
-                f"status = '{words.delivered}', last_error = NULL, worker_id = NULL,"
+                f"status = '{words.delivered}', {counted}last_error = NULL, worker_id = NULL,"
                 f" {words.lock} = {words.lock_cleared}, {words.updated} = {words.ms('%s')}"
             )
             done = f"status = '{words.delivered}' AND worker_id IS NULL AND {words.updated} = {words.ms(str(int(now)))}"

@@ -54,6 +54,14 @@ class Profile:
     databases: tuple[str, ...] = ()
     #: Columns the envelope takes as JSON values (json or jsonb on the server).
     json_columns: tuple[str, ...] = ()
+    #: Who writes the table's rows, as messages name it ("``room_outbox.status`` is room-service's").
+    producer: str = "room-service"
+    #: The producer's own worker claims rows too: it writes ``in_flight`` and ``updated`` but
+    #: neither ``worker_id`` nor a lease (silk's ``MarkSending``). See :meth:`producers_claim_ended`.
+    producer_claims: bool = False
+    #: ``attempts`` counts every attempt, the successful one too (silk's ``MarkResult``); False:
+    #: the failed ones only (room-service's ``retry_count``).
+    counts_success: bool = False
 
     @property
     def open(self) -> tuple[str, ...]:
@@ -88,9 +96,39 @@ class Profile:
         """SQL: the status of a row whose attempt failed (before its attempts are counted)."""
         if self.attempts_limit is None:
             return f"'{self.retry}'"
+        return f"CASE WHEN {self._last_attempt} THEN '{self.parked}' ELSE '{self.retry}' END"
+
+    def lock_after_failure(self, retry_at: str) -> str:
+        """SQL: the ``lock`` of a row whose attempt failed: ``retry_at``, or the cleared lock
+        where its own attempts limit parks it (as every parked row has)."""
+        if self.attempts_limit is None:
+            return retry_at
+        return f"CASE WHEN {self._last_attempt} THEN {self.lock_cleared} ELSE {retry_at} END"
+
+    @property
+    def _last_attempt(self) -> str:
+        """SQL: the failed attempt (before it is counted) used up the row's own attempts limit."""
+        return f"{self.attempts_made} + 1 >= {self.attempts_limit}"
+
+    def producers_claim_ended(self, older_than: str) -> str:
+        """SQL, true but for a row the producer's own worker holds (:attr:`producer_claims`):
+        ``in_flight`` with no ``worker_id`` (room-outbox's claims always write one), changed
+        since ``older_than`` (SQL, a time in the table's type). Its ``lock`` is still the due
+        time the producer claimed it at, not a lease's end: the row is left to that worker until
+        it was last changed a lease ago, and then taken over, as a worker that died would leave
+        it ``in_flight`` for ever. A NULL ``updated`` counts as old: its age cannot be told.
+        Empty where the producer claims nothing itself."""
+        if not self.producer_claims:
+            return ""
         return (
-            f"CASE WHEN {self.attempts_made} + 1 >= {self.attempts_limit} THEN '{self.parked}' ELSE '{self.retry}' END"
+            f"(status <> '{self.in_flight}' OR worker_id IS NOT NULL OR {self.updated} IS NULL"
+            f" OR {self.updated} <= {older_than})"
         )
+
+    @property
+    def status_owned(self) -> str:
+        """Whose the table's ``status`` is while the main lane is off here: its producer's."""
+        return f"{self.table}.status is {self.producer}'s"
 
     @property
     def fresh_at_cleared_lock(self) -> bool:
@@ -146,9 +184,12 @@ SILK_ENVELOPE = (
     f" 'occurred_at_ms', {epoch_ms('created_at')}, 'payload', payload) AS TEXT)"
 )
 #: silk's ``outbox_events`` (PostgreSQL): ``pending`` and ``retry`` rows are claimable once
-#: ``next_attempt_at`` is due; ``sending`` while claimed (``next_attempt_at`` is then the
-#: lease's end); ``sent``; ``failed`` once the row's own ``max_attempts`` are used up;
-#: ``cancelled`` is never touched. migrate adds ``outbox_seq`` (a rising key) and ``worker_id``.
+#: ``next_attempt_at`` is due; ``sending`` while claimed: by room-outbox (``worker_id`` set,
+#: ``next_attempt_at`` the lease's end) or by silk's own worker (neither written; see
+#: :meth:`Profile.producers_claim_ended`); ``sent``; ``failed`` once the row's own
+#: ``max_attempts`` are used up; ``cancelled`` is never touched. ``attempts`` counts the
+#: successful attempt too, as silk's does. migrate adds ``outbox_seq`` (a rising key) and
+#: ``worker_id``.
 SILK = Profile(
     "silk",
     "outbox_events",
@@ -170,6 +211,9 @@ SILK = Profile(
     attempts_limit="CASE WHEN max_attempts > 0 THEN max_attempts ELSE 5 END",
     databases=("postgresql",),
     json_columns=("payload",),
+    producer="silk",
+    producer_claims=True,
+    counts_success=True,
 )
 PROFILES = {profile.name: profile for profile in (V1, ROOM_CELL, SILK)}
 
