@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from room_outbox.cli.output import error_text
 from room_outbox.config import LanePlan, Settings, parse_duration
 from room_outbox.errors import ConfigurationError, PrivilegeError, SchemaError
 from room_outbox.observability.redaction import Redactor
@@ -143,6 +142,13 @@ def format_duration(seconds: float) -> str:
         if seconds >= size and float(seconds / size).is_integer():
             return f"{int(seconds // size)}{unit}"
     return f"{seconds:g}s"
+
+
+def error_text(message: object) -> str:
+    """An error as a command prints it on stderr: each problem (a line not indented) said by
+    ``room-outbox:``, as the first is, so that every problem of several reads as one and a log
+    scanner keyed on the prefix finds them all; indented lines continue the problem above."""
+    return "\n".join(line if line[:1].isspace() else f"room-outbox: {line}" for line in str(message).split("\n"))
 
 
 async def not_a_tailing_lane(store: SQLStore, lane: str, command: str, err: Any) -> bool:

@@ -14,8 +14,7 @@ from typing import Any
 
 import anyio
 
-from room_outbox.cli.command import CONFIG_HELP, add_config_option, default_config, with_store
-from room_outbox.cli.output import error_text
+from room_outbox.cli.command import CONFIG_HELP, add_config_option, default_config, error_text, with_store
 from room_outbox.cli.registry import COMMANDS
 from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError, RoomOutboxError

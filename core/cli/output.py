@@ -23,13 +23,6 @@ def printable(value: object, keep_newlines: bool = False) -> str:
     return "".join(char if (keep_newlines and char == "\n") or not _hidden(char) else _escaped(char) for char in text)
 
 
-def error_text(message: object) -> str:
-    """An error as a command prints it on stderr: each problem (a line not indented) said by
-    ``room-outbox:``, as the first is, so that every problem of several reads as one and a log
-    scanner keyed on the prefix finds them all; indented lines continue the problem above."""
-    return "\n".join(line if line[:1].isspace() else f"room-outbox: {line}" for line in str(message).split("\n"))
-
-
 def format_app(app_code: str) -> str:
     """An app code as the operator would type it after ``--app-code``: the default app (``''``)
     quoted, so that it does not read as nothing."""
