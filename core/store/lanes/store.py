@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from room_outbox.config import LanesSettings
 from room_outbox.store.backends.leased import LeasedRows
@@ -110,6 +110,9 @@ class LaneStore(LeasedRows):
     """One lane: :class:`~room_outbox.store.OutboxStore` over ``room_outbox_lane_<name>``,
     sharing its owner's (the main lane's store's) connections and dialect, fed from
     ``room_outbox`` before each claim."""
+
+    #: What a skipped event taken back (:meth:`take_skipped`) is, to be sent: pending in the table.
+    skipped_to_send: ClassVar[str] = V1.fresh
 
     owner: SQLStore
     lane: str
@@ -606,31 +609,37 @@ class LaneStore(LeasedRows):
                     (self.lane, part_low, part_high, at),
                 )
 
-    async def take_skipped(self, outbox_ids: Sequence[int], status: str = V1.fresh) -> int:
-        """Feed the rows ``outbox_ids`` that lie in the lane's skipped ranges (inserts that
-        committed after the feeder gave up on their ids) into the lane's table with ``status``:
-        ``pending``, the lane sends them as any row fed; ``cancelled``, never. Their ids leave
-        the ranges. Returns how many rows were fed."""
+    async def take_skipped(self, outbox_ids: Sequence[int], status: str | None = None) -> int:
+        """Take the rows ``outbox_ids`` that lie in the lane's skipped ranges (inserts that
+        committed after the lane gave up on their ids) back into the lane with ``status``
+        (:meth:`_enter_skipped`; by default :attr:`skipped_to_send`); their ids leave the ranges (a range
+        splits around them), so the ranges hold only what is still skipped. Returns how many
+        rows were taken."""
         ids = sorted(set(outbox_ids))
         if not ids:
             return 0
-        p, now = self.owner.profile, now_ms()
         async with self.transaction() as cur:
             ranges = await self._skipped_among(cur, ids)
             taken = [i for i in ids if any(low <= i <= high for low, high, _ in ranges)]
             if not taken:
                 return 0
-            insert = (
-                f"INSERT INTO {self.table} (outbox_id, event_id, event_type, room_id, app_code, status, last_error,"
-                f" created_at_ms, updated_at_ms) SELECT {self._source_columns}, %s, %s, {now}, {now}"
-                f" FROM {p.table} WHERE {p.key} IN ({_marks(taken)})"
-            )
-            # A row fed to be sent says nothing of its own; a cancelled one, why it never was.
-            error = None if status == V1.fresh else LANE_SKIPPED_ERROR
-            await cur.execute(self.dialect.insert_skipping_duplicates(insert, "outbox_id"), [status, error, *taken])
-            fed = int(cur.rowcount)
+            entered = await self._enter_skipped(cur, taken, status or self.skipped_to_send)
             await self._leave_skipped(cur, ranges, taken)
-        return fed
+        return entered
+
+    async def _enter_skipped(self, cur: Any, taken: Sequence[int], status: str) -> int:
+        """Feed the skipped rows ``taken`` into the lane's table with ``status``: ``pending``,
+        the lane sends them as any row fed; ``cancelled``, never."""
+        p, now = self.owner.profile, now_ms()
+        insert = (
+            f"INSERT INTO {self.table} (outbox_id, event_id, event_type, room_id, app_code, status, last_error,"
+            f" created_at_ms, updated_at_ms) SELECT {self._source_columns}, %s, %s, {now}, {now}"
+            f" FROM {p.table} WHERE {p.key} IN ({_marks(taken)})"
+        )
+        # A row fed to be sent says nothing of its own; a cancelled one, why it never was.
+        error = None if status == V1.fresh else LANE_SKIPPED_ERROR
+        await cur.execute(self.dialect.insert_skipping_duplicates(insert, "outbox_id"), [status, error, *taken])
+        return int(cur.rowcount)
 
     def _expire_gaps(self) -> list[Gap]:
         """Give up on the ranges missing longer than ``gap_timeout``; returns them."""

@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
@@ -161,6 +161,8 @@ class TailCursor:
 class TailStore(LaneStore):
     """One tailing lane over ``room_outbox``; ``feed_batch`` is the round's size."""
 
+    #: A skipped event taken back to be sent is a requeued entry of the parked table.
+    skipped_to_send: ClassVar[str] = REQUEUED
     #: The cursor as this process last wrote it: another value there means another process
     #: owned the lane meanwhile, and what this one remembers (ids seen, gaps) is stale.
     _committed: TailCursor | None = None
@@ -490,35 +492,24 @@ class TailStore(LaneStore):
             )
             return int(cur.rowcount)
 
-    async def take_skipped(self, outbox_ids: Sequence[int], status: str = REQUEUED) -> int:
-        """Make the rows ``outbox_ids`` that lie in the lane's skipped ranges (inserts that
-        committed after the lane gave up on their ids) entries of the parked table with
-        ``status``: ``requeued``, the next round sends them as it sends a requeued parked event;
-        ``cancelled``, never sent. Their ids leave the ranges (a range splits around them), so
-        the ranges hold only what is still skipped. Returns how many entries were made."""
-        ids = sorted(set(outbox_ids))
-        if not ids:
-            return 0
+    async def _enter_skipped(self, cur: Any, taken: Sequence[int], status: str) -> int:
+        """Make the skipped rows ``taken`` entries of the parked table with ``status``:
+        ``requeued``, the next round sends them as it sends a requeued parked event;
+        ``cancelled``, never sent."""
         p, now = self.owner.profile, now_ms()
-        async with self.transaction() as cur:
-            ranges = await self._skipped_among(cur, ids)
-            taken = [i for i in ids if any(low <= i <= high for low, high, _ in ranges)]
-            if not taken:
-                return 0
-            cut = f", SUBSTR({{column}}, 1, {KEPT_WIDTH})"  # as a lane's copies are cut
-            await cur.execute(
-                f"INSERT INTO {PARKED_TABLE} (lane, outbox_id, event_id, room_id, status, last_error,"
-                f" created_at_ms, updated_at_ms) SELECT '{self.lane}', {p.key}"
-                + cut.format(column=p.event_id)
-                + cut.format(column=p.room_id)
-                + f", '{status}', %s, {now}, {now} FROM {p.table} WHERE {p.key} IN ({marks(taken)})"
-                f" AND NOT EXISTS (SELECT 1 FROM {PARKED_TABLE} e WHERE e.lane = '{self.lane}'"
-                f" AND e.outbox_id = {p.table}.{p.key})",
-                [SKIPPED_ERROR, *taken],
-            )
-            entered = int(cur.rowcount)
-            await self._leave_skipped(cur, ranges, taken)
-        return entered
+        cut = f", SUBSTR({{column}}, 1, {KEPT_WIDTH})"  # as a lane's copies are cut
+        await cur.execute(
+            f"INSERT INTO {PARKED_TABLE} (lane, outbox_id, event_id, room_id, status, last_error,"
+            f" created_at_ms, updated_at_ms) SELECT '{self.lane}', {p.key}"
+            + cut.format(column=p.event_id)
+            + cut.format(column=p.room_id)
+            + f", '{status}', %s, {now}, {now} FROM {p.table}"
+            f" WHERE {p.key} IN ({marks(taken)})"
+            f" AND NOT EXISTS (SELECT 1 FROM {PARKED_TABLE} e WHERE e.lane = '{self.lane}'"
+            f" AND e.outbox_id = {p.table}.{p.key})",
+            [SKIPPED_ERROR, *taken],
+        )
+        return int(cur.rowcount)
 
     async def cancel(self, event_id: str, apply: bool, app_code: str | None = None) -> str | None:
         """The status ``event_id`` has among the lane's parked rows, or ``skipped`` (None: it
