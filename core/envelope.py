@@ -128,6 +128,11 @@ def parse_envelope(raw: str | bytes | None) -> EventEnvelope:
         refused_whole = exc.errors(include_url=False, include_input=False)[0]["loc"] == ()
         problem = _lone_surrogate(raw) if refused_whole else None
         raise EnvelopeError(f"malformed envelope: {problem or _describe(exc)}") from exc
+    # The event_id is what names the event wherever it goes (processed records, clients'
+    # de-duplication): an empty or blank one names none, and a second would pass for the first.
+    event_id = envelope.event_id
+    if not event_id or event_id.isspace():
+        raise EnvelopeError(f"malformed envelope: event_id: {'blank' if event_id else 'empty'}: it names no event")
     # The parser accepts NaN, Infinity and numbers out of range (1e999), which JSON has not:
     # they can only be floats in the payload or in unknown fields (the typed fields refuse them).
     extra = envelope.model_extra

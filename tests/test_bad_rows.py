@@ -4,6 +4,7 @@ logged once, then in a periodic summary with counts."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -94,6 +95,25 @@ async def test_per_room_parks_a_row_that_can_never_succeed_even_without_parking(
     rows = await fetch_rows(store)
     assert rows["bad"]["status"] == "failed" and rows["bad"]["retry_count"] == 1
     assert [e for e in sink.received if e != "bad"] == ["after1", "after2"]
+
+
+async def test_an_envelope_whose_event_id_is_empty_is_parked_as_malformed(store: MySQLStore) -> None:
+    """An event_id that is empty names no event (clients and consumers de-duplicate by it): the
+    row is parked, its error naming the field, and its room's later events go out."""
+    await insert_rows(store, [("", "", "RoomUserJoined", "r_1", json.dumps(envelope("")))])
+    await insert_events(store, [envelope("after1")])
+    sink = RecordingSink()
+    dispatcher = make_dispatcher(store, sink, retry=V1_RETRY, per_room=True)
+
+    async def room_delivered() -> bool:
+        await dispatcher.run_once()
+        await dispatcher.flush()
+        return {r["status"] for r in (await fetch_rows(store)).values()} == {"failed", "published"}
+
+    await wait_until(room_delivered, timeout=20)
+    rows = await fetch_rows(store)
+    assert rows[""]["last_error"].startswith("malformed envelope: event_id: empty: it names no event")
+    assert sink.received == ["after1"]
 
 
 async def test_per_room_keeps_retrying_a_retryable_failure_without_parking(store: MySQLStore) -> None:

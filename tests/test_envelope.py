@@ -32,6 +32,8 @@ def test_bytes_are_decoded_as_utf8() -> None:
             '{"event_id": "e", "event_type": "T", "room_id": "r", "room_version": "x"}',
             "malformed envelope: room_version:",
         ),
+        ('{"event_id": "", "event_type": "T", "room_id": "r"}', "malformed envelope: event_id: empty: it names no"),
+        ('{"event_id": " \\t", "event_type": "T", "room_id": "r"}', "malformed envelope: event_id: blank: it names no"),
         (b"\xff", "envelope is not valid UTF-8 (byte 0)"),
         ({"event_id": "e"}, "envelope is dict, not text or bytes"),  # a driver's parsed JSON
         (None, "no envelope: the column is NULL, or the row is gone from room_outbox"),

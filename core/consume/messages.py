@@ -60,7 +60,9 @@ class Message:
     def event_id(self) -> str:
         if self.envelope is not None:
             return self.envelope.event_id
-        return self.headers.get("event_id") or f"{self.topic}:{self.partition}:{self.offset}"
+        # Unparsable: the producer's header names it, unless blank (it would name no event).
+        header = self.headers.get("event_id", "")
+        return header if header and not header.isspace() else f"{self.topic}:{self.partition}:{self.offset}"
 
     @property
     def traceparent(self) -> str | None:

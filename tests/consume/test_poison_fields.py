@@ -256,3 +256,35 @@ async def test_a_row_the_database_refuses_becomes_a_dead_letter_naming_where_the
     for offset, *_, error in dead:
         assert "refused by the test" in error and error.endswith(f"topic {TOPIC} partition 0 offset {offset}"), error
     assert await committed(broker.bootstrap, "room-outbox.feed") == len(messages)
+
+
+async def test_envelopes_whose_event_id_is_empty_or_blank_are_dead_letters_not_duplicates(
+    server_store: SQLStore, broker: ConsumerBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two different events whose event_id is empty, and one whose event_id is blank: each is a
+    dead letter naming the field, known by where it is (an empty id would make the second pass
+    for the first's duplicate, skipped without a trace; a blank event_id header names nothing
+    either), and the partition goes on."""
+    store = server_store
+    key, value, _ = good(" \t", "r3")
+    blank = [good("", "r1"), good("", "r2"), (key, value, [("event_id", b" \t")])]  # the header as blank
+    messages = [*blank, good("good1", "r4")]
+    await send_to_partition_0(broker.bootstrap, messages)
+
+    async def settled() -> bool:
+        kept = await rows(store, "SELECT event_id FROM kept")
+        return ("good1",) in kept and await committed(broker.bootstrap, "room-outbox.feed") == len(messages)
+
+    await run_until(store, broker, settled, caplog)
+    assert await rows(store, "SELECT event_id FROM kept") == [("good1",)]
+    dead = await rows(
+        store, "SELECT kafka_offset, event_id, status, last_error FROM room_consumer_retry ORDER BY kafka_offset"
+    )
+    assert [(offset, event_id, status) for offset, event_id, status, _ in dead] == [
+        (n, f"{TOPIC}:0:{n}", "dead") for n in range(len(blank))
+    ]
+    assert [error for *_, error in dead] == [
+        "unparsable value: malformed envelope: event_id: empty: it names no event",
+        "unparsable value: malformed envelope: event_id: empty: it names no event",
+        "unparsable value: malformed envelope: event_id: blank: it names no event",
+    ]

@@ -344,9 +344,9 @@ async def test_bad_envelopes_are_parked_with_a_clear_error_and_the_lane_goes_on(
     database_dsn: str, kafka_broker: Broker
 ) -> None:
     """On a table that keeps envelopes as BLOB (as some deployments do, nullable here), bytes
-    that are not UTF-8, text that is not JSON and a NULL are each parked with what is wrong,
-    and the events around them are published. One of them has a room id wider than the parked
-    table's copy, which is kept cut to its width."""
+    that are not UTF-8, text that is not JSON, a NULL and an envelope whose event_id is empty
+    are each parked with what is wrong, and the events around them are published. One of them
+    has a room id wider than the parked table's copy, which is kept cut to its width."""
     store = await open_store(database_dsn)
     sink = kafka_sink(kafka_broker)
     try:
@@ -359,18 +359,21 @@ async def test_bad_envelopes_are_parked_with_a_clear_error_and_the_lane_goes_on(
         await insert_events(store, [envelope("good-1")])
         await insert_rows(store, [("default", "bad-utf8", "RoomUserJoined", "r_1", b'{"event_id": "bad-utf8", "x": "\xff"}'),
                                   ("default", "bad-json", "RoomUserJoined", "r" * 300, b"{not json"),
-                                  ("default", "null", "RoomUserJoined", "r_1", None)])  # fmt: skip
+                                  ("default", "null", "RoomUserJoined", "r_1", None),
+                                  ("default", "", "RoomUserJoined", "r_1", b'{"event_id": "", "event_type":'
+                                   b' "RoomUserJoined", "room_id": "r_1"}')])  # fmt: skip
         await insert_events(store, [envelope("good-2")])
         tail = relay(store, sink)
         await drain(tail, store)
         messages = await consume(kafka_broker, {"good-1", "good-2"})
         assert event_ids(messages) == ["good-1", "good-2"]
         parked = {p["event_id"]: p["last_error"] for p in await tail.store.parked()}
-        assert parked.keys() == {"bad-utf8", "bad-json", "null"}
+        assert parked.keys() == {"bad-utf8", "bad-json", "null", ""}
         assert {p["room_id"] for p in await tail.store.parked()} == {"r_1", "r" * 255}
         assert parked["bad-utf8"] == "envelope is not valid UTF-8 (byte 31)"
         assert parked["bad-json"].startswith("malformed envelope: document: Invalid JSON")
         assert parked["null"] == "no envelope: the column is NULL, or the row is gone from room_outbox"
+        assert parked[""] == "malformed envelope: event_id: empty: it names no event"
     finally:
         await sink.aclose()
         await store.aclose()
