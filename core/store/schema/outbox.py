@@ -45,15 +45,26 @@ class Migration:
 
 
 #: A plan step's first word, as migrate reports the change once made, and as a change still
-#: being made (or left unmade) is named.
-_IN_PROGRESS = {
+#: being made (or left unmade) is named. Every step's change starts with one of these (a test
+#: reads them all from the planners' source).
+IN_PROGRESS = {
     "added": "adding",
+    "checked": "checking",
     "created": "creating",
     "dropped": "dropping",
-    "set": "setting",
-    "rebuilt": "rebuilding",
+    "fed": "feeding",
+    "kept": "keeping",
+    "left": "leaving",
     "made": "making",
     "moved": "moving",
+    "numbered": "numbering",
+    "ran": "running",
+    "rebuilt": "rebuilding",
+    "replaced": "replacing",
+    "set": "setting",
+    "skipped": "skipping",
+    "started": "starting",
+    "took": "taking",
 }
 
 
@@ -61,7 +72,7 @@ def in_progress(change: str) -> str:
     """``change`` ("added column t.c") as the lines about a change not made yet name it
     ("adding column t.c"): progress, retries, and a change given up on."""
     verb, _, rest = change.partition(" ")
-    return f"{_IN_PROGRESS[verb]} {rest}" if verb in _IN_PROGRESS else f"not yet made: {change}"
+    return f"{IN_PROGRESS[verb]} {rest}" if verb in IN_PROGRESS else f"not yet made: {change}"
 
 
 def concurrent_step(change: str, statements: tuple[str, ...]) -> Migration:
