@@ -96,6 +96,9 @@ class SinkContext:
     remove_secret: Callable[[str], None] = field(default=lambda _secret: None)
     #: This process's share of rate limits the deployment's processes share (one process: all).
     quota: QuotaShare = field(default_factory=QuotaShare)
+    #: The outbox column (``table.column``) envelopes' ``room_id`` comes from, for a sink's
+    #: error about an event without a room to name what the producer left empty.
+    room_column: str = "room_id"
 
 
 #: A sink's own settings model: what :attr:`SinkSpec.factory` receives, already validated.

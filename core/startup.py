@@ -8,7 +8,7 @@
    it cannot be reached (a server still starting), then
 3. **the user's privileges and the schema**: what ``run`` does on each table it uses, and
    that the server takes writes; every column and lane table room-outbox uses, or "run
-   `room-outbox migrate`".
+   `room-outbox migrate`" (a table without its producer's columns: migrate's refusal).
 
 Each failure is one :class:`~room_outbox.errors.RoomOutboxError` (a configuration error, exit 2;
 the database unreachable or not migrated, exit 3).

@@ -31,6 +31,7 @@ from room_outbox.envelope import KNOWN_EVENT_TYPES, event_type_label
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import specs_by_name
 from room_outbox.sink import Sink, SinkContext, SinkSettings, SinkSpec
+from room_outbox.store.schema.profiles import profile_named
 
 log = logging.getLogger("room_outbox.routing")
 
@@ -227,6 +228,7 @@ async def build_lanes(
     own = {name: entry for name, entry in enabled.items() if entry[0].own_lane} if include_own else {}
     routes = _main_routes({name: cfg for name, (_, cfg) in main.items()})
     sinks: dict[str, Sink] = {}
+    profile = profile_named(settings.database.profile, settings.database.table)
     for name, (spec, cfg) in {**main, **own}.items():
         context = SinkContext(
             node_id=settings.node_id,
@@ -234,6 +236,7 @@ async def build_lanes(
             add_secret=redactor.add,
             remove_secret=redactor.discard,
             quota=quota or QuotaShare(),
+            room_column=f"{profile.table}.{profile.room_column}",
         )
         try:
             sinks[name] = spec.factory(cfg, context)

@@ -40,7 +40,7 @@ import hashlib
 import json
 from typing import Any
 
-from room_outbox import EventEnvelope
+from room_outbox import EventEnvelope, PermanentSinkError
 
 #: The REST path of Tencent IM's send-to-group call (the sink calls it, the fake serves it).
 SEND_GROUP_MSG = "/v4/group_open_http_svc/send_group_msg"
@@ -80,8 +80,20 @@ def body_size(body: str) -> int:
     return len(body.encode("utf-8"))
 
 
-def group_id_for(template: str, envelope: EventEnvelope) -> str:
-    return template.format(room_id=envelope.room_id, app_code=envelope.app_code)
+def group_id_for(template: str, envelope: EventEnvelope, room_column: str = "room_id") -> str:
+    """The event's ``GroupId``. An event whose ``room_id`` is empty (its producer wrote no room
+    in ``room_column``, the outbox column it comes from) names no group when the template uses
+    it; nor does an empty group id. Both are refused as permanent, before any request: Tencent
+    would answer with a code we cannot count on knowing, and an unknown one is retried for ever."""
+    group_id = template.format(room_id=envelope.room_id, app_code=envelope.app_code)
+    if not envelope.room_id and "{room_id}" in template:
+        raise PermanentSinkError(
+            f"room_id is empty ({room_column} holds no room): no Tencent IM group to send to"
+            f" (group_id_template {template!r})"
+        )
+    if not group_id:
+        raise PermanentSinkError(f"app_code is empty: group_id_template {template!r} makes an empty GroupId of it")
+    return group_id
 
 
 def request_body(group_id: str, envelope: EventEnvelope, body: str, priority: str) -> bytes:

@@ -89,6 +89,7 @@ class TencentIMSink:
     def __init__(self, settings: TencentIMSettings, context: SinkContext) -> None:
         self.settings = settings
         self.log = context.logger
+        self._room_column = context.room_column
         self._add_secret = context.add_secret
         self._remove_secret = context.remove_secret
         # The sink's own secrets, masked in its error texts even before they reach the core
@@ -194,7 +195,7 @@ class TencentIMSink:
                 f"no Tencent IM credentials for app_code {envelope.app_code!r}: "
                 f"add sinks.tencent_im.apps.{envelope.app_code or '<app_code>'} or list it in default_app_codes"
             )
-        group_id = group_id_for(self.settings.group_id_template, envelope)
+        group_id = group_id_for(self.settings.group_id_template, envelope, self._room_column)
         body = msg_body(envelope)
         size = body_size(body)
         if size > self.settings.max_message_bytes:

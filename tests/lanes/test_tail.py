@@ -733,7 +733,7 @@ async def test_switched_back_to_a_lane_table_the_lane_never_sends_what_was_cance
             f"moved lane kafka's 3 cancelled event(s) from {PARKED_TABLE} to room_outbox_lane_kafka: never sent;"
             f" took the events lane kafka sent while it tailed, above {first + 4} up to {first + 8} (but for 1"
             " range(s) still waited for), into room_outbox_lane_kafka as published: not sent again;"
-            f" lane kafka's table is fed from its cursor at {first + 4}"
+            f" fed lane kafka's table from its cursor at {first + 4}"
         )
         async with any_store.transaction() as cur:  # stopped half-way: before the parked table's entries leave
             for statement in made[0].statements + hand_back.statements[:-1]:

@@ -18,13 +18,14 @@ from room_outbox.cli.lanes import lane_rows
 from room_outbox.cli.status import format_status, status_report
 from room_outbox.config import LanePlan, load_settings
 from room_outbox.envelope import parse_envelope
-from room_outbox.errors import ConfigurationError, EnvelopeError
+from room_outbox.errors import ConfigurationError, EnvelopeError, SchemaError
 from room_outbox.store.clock import now_ms
 from room_outbox.store.factory import open_store
 from room_outbox.store.membership import bucket_of
 from room_outbox.store.operator.changes import RequeueFilter, cancel, find_requeue_candidates, requeue
 from room_outbox.store.protocol import DeliveryResult, Outcome, SQLStore
 from room_outbox.store.schema.buckets import row_bucket
+from room_outbox.store.schema.check import check_schema
 from room_outbox.store.schema.profiles import SILK
 
 pytestmark = pytest.mark.anyio
@@ -75,6 +76,26 @@ async def test_migrate_creates_silks_table_or_adds_only_what_room_outbox_needs(s
         "added index outbox_events.idx_outbox_events_claim",  # with the bucket: after its function
     ]
     assert await silk.migrate() == []
+
+
+async def test_migrate_and_run_refuse_a_table_without_silks_columns_alike(silk: SQLStore) -> None:
+    """Another producer's table under silk's name: migrate cannot make it silk's, and run's
+    start-up check says so in the same words instead of advising migrate."""
+    async with silk.transaction() as cur:
+        await cur.execute(
+            "CREATE TABLE outbox_events (id BIGSERIAL PRIMARY KEY, event_type VARCHAR(128) NOT NULL,"
+            " payload JSONB NOT NULL, status VARCHAR(32) NOT NULL, created_at TIMESTAMPTZ NOT NULL)"
+        )
+    with pytest.raises(SchemaError) as refused:
+        await silk.migrate()
+    with pytest.raises(SchemaError) as checked:
+        await check_schema(silk)
+    assert str(checked.value) == str(refused.value)
+    assert str(refused.value).startswith(
+        "table outbox_events exists but lacks silk's outbox columns event_id, aggregate_type, aggregate_id,"
+        " attempts, max_attempts, next_attempt_at, last_error, updated_at, which its producer writes: it is not"
+        " an outbox table of profile silk; check database.table and database.profile"
+    )
 
 
 async def test_silk_rows_are_claimed_sent_retried_and_failed_after_their_own_max_attempts(silk: SQLStore) -> None:

@@ -53,6 +53,7 @@ from room_outbox.store.operator.changes import SEVERAL_APPS, RequeueFilter, canc
 from room_outbox.store.operator.reports import event_apps, event_rows
 from room_outbox.store.operator.retention import RetentionOptions, cleanup
 from room_outbox.store.protocol import Claimed, DeliveryResult, Outcome, SQLStore
+from room_outbox.store.schema.check import check_schema
 from room_outbox.store.schema.columns import LAST_ERROR_MAX
 from room_outbox.store.schema.outbox import V1_TABLE_DDL
 from room_outbox.store.schema.profiles import ROOM_CELL, profile_named
@@ -127,11 +128,37 @@ async def test_migrate_upgrades_a_v1_table_in_place_keeping_its_rows(bare_store:
     assert (row["status"], row["worker_id"], row["lock_until_ms"], row["envelope"]) == ("pending", None, 0, '{"x":1}')
 
 
-async def test_migrate_refuses_a_table_that_is_not_v1(bare_store: SQLStore) -> None:
+async def test_migrate_and_run_refuse_a_table_that_is_not_v1_alike(bare_store: SQLStore) -> None:
+    """A table without the producer's columns (another table named as database.table) is no
+    work for migrate: it refuses it, and run's start-up check says the same, not "run migrate"."""
     async with bare_store.transaction() as cur:
-        await cur.execute("CREATE TABLE room_outbox (id BIGINT PRIMARY KEY, event_id VARCHAR(64))")
-    with pytest.raises(SchemaError, match="lacks the V1 columns"):
+        await cur.execute("CREATE TABLE room_outbox (id INTEGER PRIMARY KEY, event_id VARCHAR(64), status VARCHAR(16))")
+    with pytest.raises(SchemaError) as refused:
         await bare_store.migrate()
+    with pytest.raises(SchemaError) as checked:
+        await check_schema(bare_store)
+    assert str(checked.value) == str(refused.value)
+    assert str(refused.value).startswith(
+        "table room_outbox exists but lacks the V1 columns event_type, room_id, envelope, retry_count, last_error,"
+        " created_at_ms, which its producer writes: it is not an outbox table of profile v1; check database.table"
+        " and database.profile"
+    )
+    assert "run `room-outbox migrate`" not in str(checked.value)
+
+
+async def test_run_advises_migrate_for_room_outbox_columns_only(bare_store: SQLStore) -> None:
+    """A V1 table as room-service's first releases made it: migrate adds what run misses."""
+    async with bare_store.transaction() as cur:
+        await cur.execute(
+            "CREATE TABLE room_outbox (id INTEGER PRIMARY KEY, event_id VARCHAR(64), event_type VARCHAR(64),"
+            " room_id VARCHAR(64), envelope TEXT, status VARCHAR(16), retry_count INT, last_error TEXT,"
+            " created_at_ms BIGINT)"
+        )
+    with pytest.raises(
+        SchemaError,
+        match=r"^table room_outbox lacks app_code, updated_at_ms, worker_id, lock_until_ms: run `room-outbox migrate`$",
+    ):
+        await check_schema(bare_store)
 
 
 async def test_room_service_statements_work_on_the_migrated_table(any_store: SQLStore) -> None:

@@ -26,7 +26,7 @@ from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.buckets import BUCKET_TABLE, BUCKETS, missing_buckets
 from room_outbox.store.schema.columns import check_columns, row_security_notice, sequence_problems
 from room_outbox.store.schema.lanes import lane_table
-from room_outbox.store.schema.outbox import taken_index_names
+from room_outbox.store.schema.outbox import require_producer_columns, taken_index_names
 from room_outbox.store.schema.registry import WantedSchema, required_columns, required_indexes
 from room_outbox.store.schema.tail import handed_back_problems
 
@@ -61,9 +61,12 @@ async def check_schema(
         indexes = await index_names(cur, store.dialect, store.profile.table)
     if row_security:
         log.warning(row_security)
+    found = await _columns(store, list(required))
+    # Another table, or another producer's: migrate refuses it in these words, so "run migrate"
+    # would not do
+    require_producer_columns(store.profile, found.get(store.profile.table, ()))
     if refused:
         raise SchemaError("\n".join(refused))
-    found = await _columns(store, list(required))
     for table, columns in required.items():
         have = found.get(table, set())
         if not have:

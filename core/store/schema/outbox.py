@@ -45,15 +45,26 @@ class Migration:
 
 
 #: A plan step's first word, as migrate reports the change once made, and as a change still
-#: being made (or left unmade) is named.
-_IN_PROGRESS = {
+#: being made (or left unmade) is named. Every step's change starts with one of these (a test
+#: reads them all from the planners' source).
+IN_PROGRESS = {
     "added": "adding",
+    "checked": "checking",
     "created": "creating",
     "dropped": "dropping",
-    "set": "setting",
-    "rebuilt": "rebuilding",
+    "fed": "feeding",
+    "kept": "keeping",
+    "left": "leaving",
     "made": "making",
     "moved": "moving",
+    "numbered": "numbering",
+    "ran": "running",
+    "rebuilt": "rebuilding",
+    "replaced": "replacing",
+    "set": "setting",
+    "skipped": "skipping",
+    "started": "starting",
+    "took": "taking",
 }
 
 
@@ -61,7 +72,7 @@ def in_progress(change: str) -> str:
     """``change`` ("added column t.c") as the lines about a change not made yet name it
     ("adding column t.c"): progress, retries, and a change given up on."""
     verb, _, rest = change.partition(" ")
-    return f"{_IN_PROGRESS[verb]} {rest}" if verb in _IN_PROGRESS else f"not yet made: {change}"
+    return f"{IN_PROGRESS[verb]} {rest}" if verb in IN_PROGRESS else f"not yet made: {change}"
 
 
 def concurrent_step(change: str, statements: tuple[str, ...]) -> Migration:
@@ -165,18 +176,35 @@ def claim_index(table: str, lock: str = "lock_until_ms", key: str = "id", bucket
     return f"idx_{table}_claim", f"(status, {lock}, {key}{', ' + bucket if bucket else ''})"
 
 
-def require_v1_columns(columns: set[str], table: str = TABLE) -> None:
-    """Refuse a table that is not room-service's V1 table (whatever the database)."""
-    missing = [c for c in REQUIRED_V1_COLUMNS if c not in columns]
+def producer_columns(profile: Profile) -> tuple[str, ...]:
+    """The columns of the profile's table its producer makes: migrate never adds them (it adds
+    only room-outbox's own, and the first V1 tables' ``app_code`` and ``updated_at_ms``)."""
+    if profile.name == "silk":
+        return REQUIRED_SILK_COLUMNS
+    adopted = ADOPTED_COLUMNS["mysql"]  # the same names on every database
+    return tuple(column for column in REQUIRED_V1_COLUMNS if column not in adopted)
+
+
+def require_producer_columns(profile: Profile, columns: Iterable[str]) -> None:
+    """Refuse an existing table without the columns its profile's producer makes: it is another
+    table, or another producer's. migrate refuses to upgrade it and run to start on it with
+    this one text, as migrate cannot fix it."""
+    have = set(columns)
+    missing = [column for column in producer_columns(profile) if column not in have]
     if missing:
+        kind = "silk's outbox" if profile.name == "silk" else "the V1"
         raise SchemaError(
-            f"table {table} exists but lacks the V1 columns {missing}; refusing to guess how to upgrade it"
+            f"table {profile.table} exists but lacks {kind} columns {', '.join(missing)}, which its producer"
+            f" writes: it is not an outbox table of profile {profile.name}; check database.table and"
+            " database.profile (migrate adds only room-outbox's own columns: it refuses to guess how to"
+            " upgrade this table)"
         )
 
 
-async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migration]:
+async def plan_v1(cur: Any, dialect: Dialect, profile: Profile) -> list[Migration]:
     """What creates the outbox table, or adds what is missing to room-service's V1 table, read
     from the catalogue in the caller's transaction; nothing when it is up to date."""
+    table = profile.table
     columns = set(await column_names(cur, dialect, table))
     indexes = await index_names(cur, dialect, table)
     plan: list[Migration] = []
@@ -184,8 +212,8 @@ async def plan_v1(cur: Any, dialect: Dialect, table: str = TABLE) -> list[Migrat
         ddl = tuple(statement.format(table=table).strip() for statement in V1_TABLE_DDL[dialect.name])
         plan.append(Migration(f"created table {table}", ddl))
         columns = set(REQUIRED_V1_COLUMNS)
+    require_producer_columns(profile, columns)
     plan += [Migration(c, s, repeat=r) for c, s, r in adoption_plan(columns, dialect, table)]  # first V1 tables
-    require_v1_columns(columns | set(ADOPTED_COLUMNS[dialect.name]), table)
     for name, definition in ADDED_COLUMNS[dialect.name].items():
         if name not in columns:
             plan.append(
@@ -360,8 +388,9 @@ SILK_BACKFILL_BATCH = 2_000
 SILK_KEY_HEADROOM = 1_000_000
 
 
-async def plan_silk(cur: Any, dialect: Dialect, table: str) -> list[Migration]:
+async def plan_silk(cur: Any, dialect: Dialect, profile: Profile) -> list[Migration]:
     """As :func:`plan_v1`, for silk's table."""
+    table = profile.table
     columns = set(await column_names(cur, dialect, table))
     indexes = await index_names(cur, dialect, table)
     plan: list[Migration] = []
@@ -369,11 +398,7 @@ async def plan_silk(cur: Any, dialect: Dialect, table: str) -> list[Migration]:
     if created:
         plan.append(Migration(f"created table {table}", tuple(s.format(table=table) for s in SILK_TABLE_DDL)))
         columns = set(REQUIRED_SILK_COLUMNS)
-    missing = [c for c in REQUIRED_SILK_COLUMNS if c not in columns]
-    if missing:
-        raise SchemaError(
-            f"table {table} exists but lacks silk's outbox columns {missing}; refusing to guess how to upgrade it"
-        )
+    require_producer_columns(profile, columns)
     if not created and await partitions_of(cur, table) is not None:
         raise SchemaError(
             f"table {table} is partitioned: room-outbox cannot adopt silk's table partitioned (its key,"
@@ -502,8 +527,8 @@ async def plan_outbox(cur: Any, dialect: Dialect, profile: Profile) -> list[Migr
     # refuses what its columns cannot hold, before anything changes
     fixes = [Migration(c, s, repeat=r) for c, s, r in await checked_fixes(cur, dialect, profile)]
     if profile.name == "silk":
-        return await plan_silk(cur, dialect, profile.table) + fixes
-    return await plan_v1(cur, dialect, profile.table) + fixes
+        return await plan_silk(cur, dialect, profile) + fixes
+    return await plan_v1(cur, dialect, profile) + fixes
 
 
 async def run_plan(cur: Any, plan: list[Migration]) -> list[str]:

@@ -33,6 +33,8 @@ class Profile:
     event_id: str = "event_id"
     event_type: str = "event_type"
     room_id: str = "room_id"
+    #: The producer's column ``room_id`` is read from, as errors about an empty one name it.
+    room_column: str = "room_id"
     app_code: str = "app_code"
     envelope: str = "envelope"
     attempts: str = "retry_count"
@@ -199,6 +201,7 @@ SILK = Profile(
     delivered="sent",
     key="outbox_seq",
     room_id="COALESCE(aggregate_id, '')",
+    room_column="aggregate_id",
     app_code="''",
     envelope=SILK_ENVELOPE,
     attempts="attempts",

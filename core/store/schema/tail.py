@@ -181,8 +181,8 @@ async def _hand_over(cur: Any, lane: str, cursor_rows: bool, parked_rows: bool) 
         changes.append(f"started lane {lane}'s cursor at {tail_from}: it tails from {table}'s first row still owed")
     carried = await _carried_over(cur, lane, table, parked_rows)
     if carried is not None:
-        statements.insert(0, carried[0])
-        changes.insert(0, carried[1])
+        changes.insert(0, carried[0])
+        statements.insert(0, carried[1])
     statements.append(f"DROP TABLE IF EXISTS {table}")
     changes.append(
         f"dropped {table} (room-outbox's own table): lane {lane} tails from its cursor now, which holds all it owes"
@@ -191,8 +191,8 @@ async def _hand_over(cur: Any, lane: str, cursor_rows: bool, parked_rows: bool) 
 
 
 async def _carried_over(cur: Any, lane: str, table: str, parked_rows: bool) -> tuple[str, str] | None:
-    """The statement that copies into the parked table every row ``table`` parked and every
-    row it cancelled, wherever they are, and what it does; None when there are none. One
+    """What copies into the parked table every row ``table`` parked and every row it
+    cancelled, wherever they are, and the statement that does; None when there are none. One
     INSERT … SELECT, however many rows: the statement's size does not grow with them. Those
     above the cursor are ones the tailing lane reads again: it passes over the rows its parked
     table holds, so a parked row is sent only once an operator requeues it, and a cancelled one
@@ -219,7 +219,7 @@ async def _carried_over(cur: Any, lane: str, table: str, parked_rows: bool) -> t
         for status, name in ((V1.parked, PARKED), (V1.cancelled, CANCELLED))
         if status in counts
     ]
-    return statement, f"moved {table}'s {' and '.join(kinds)} to {PARKED_TABLE}"
+    return f"moved {table}'s {' and '.join(kinds)} to {PARKED_TABLE}", statement
 
 
 def open_gap_ranges(open_gaps: str | None) -> list[tuple[int, int, int]]:
@@ -333,7 +333,7 @@ async def _hand_back(
                 f" (but for {len(gaps)} range(s) still waited for), into {table} as {V1.delivered}: not sent again"
             )
         statements.append(f"UPDATE {CURSOR_TABLE} SET read_through_id = NULL, open_gaps = NULL WHERE lane = '{lane}'")
-        changes.append(f"lane {lane}'s table is fed from its cursor at {fed}")
+        changes.append(f"fed lane {lane}'s table from its cursor at {fed}")
     if SKIPPED_TABLE in existing:  # none holds an event still owed: the switch is refused while one does
         statements.append(f"DELETE FROM {SKIPPED_TABLE} WHERE lane = '{lane}'")
     if cancelled:  # last (see above)

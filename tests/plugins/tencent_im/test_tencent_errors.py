@@ -15,7 +15,10 @@ import pytest
 from aiohttp import web
 from im_support import event, im_section, make_sink
 
+from room_outbox.config import Settings
+from room_outbox.delivery.routing import build_router
 from room_outbox.observability.redaction import Redactor
+from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.plugins.tencent_im.errors import (
     APP_RATE_CODES,
     ERROR_INFO_MAX,
@@ -301,6 +304,47 @@ async def test_the_fake_refuses_what_the_sink_would_have_refused(fake: FakeTence
             await sink.deliver(event("big", payload={"blob": "x" * 8000}))
     finally:
         await sink.aclose()
+
+
+async def test_an_empty_room_id_is_permanent_without_a_request(fake: FakeTencentIM) -> None:
+    """A producer that wrote no room (silk's NULL aggregate_id, a V1 row's room_id '') gives no
+    group: refused at once, naming the empty room_id, while the next event goes out."""
+    sink = make_sink(fake)
+    try:
+        with pytest.raises(PermanentSinkError, match=r"^room_id is empty \(room_id holds no room\)"):
+            await sink.deliver(event("no-room", room_id=""))
+        await sink.deliver(event("roomed"))
+    finally:
+        await sink.aclose()
+    assert fake.event_ids() == ["roomed"]
+    assert [a.group_id for a in fake.arrivals] == ["r_1"]  # no request for the empty one
+
+
+async def test_an_empty_group_id_is_permanent_without_a_request(fake: FakeTencentIM) -> None:
+    sink = make_sink(fake, group_id_template="{app_code}")
+    try:
+        with pytest.raises(PermanentSinkError, match=r"app_code is empty: group_id_template '\{app_code\}'"):
+            await sink.deliver(event("no-app", app_code=""))
+    finally:
+        await sink.aclose()
+    assert fake.arrivals == []
+
+
+async def test_an_empty_room_id_names_the_profiles_column(fake: FakeTencentIM) -> None:
+    """The sink built for a run names the producer's column: silk's aggregate_id."""
+    settings = Settings(
+        node_id="test",
+        database={"dsn": "postgresql://postgres@127.0.0.1:5432/room", "profile": "silk"},
+        sinks={"tencent_im": im_section(fake)},
+    )
+    router = await build_router(make_plugin_manager(), settings, Redactor())
+    try:
+        _, sink = router.sink_for("RoomUserJoined") or pytest.fail("no sink for RoomUserJoined")
+        with pytest.raises(PermanentSinkError, match=r"room_id is empty \(outbox_events\.aggregate_id holds no room\)"):
+            await sink.deliver(event("no-aggregate", room_id=""))
+    finally:
+        await router.aclose()
+    assert fake.arrivals == []
 
 
 async def test_app_code_without_credentials_fails_clearly(fake: FakeTencentIM) -> None:
