@@ -15,6 +15,7 @@ from room_outbox.cli.command import (
     add_app_code_option,
     add_json_option,
     add_yes_option,
+    has_lane_table,
     not_a_tailing_lane,
     several_apps,
 )
@@ -23,9 +24,10 @@ from room_outbox.cli.output import format_app, printable
 from room_outbox.config import Settings
 from room_outbox.store.clock import now_ms
 from room_outbox.store.lanes.tail import TailStore
-from room_outbox.store.operator.changes import IN_FLIGHT, SEVERAL_APPS, cancel
+from room_outbox.store.operator.changes import IN_FLIGHT, SEVERAL_APPS, cancel, cancel_in_lane_table
 from room_outbox.store.operator.reports import event_apps, event_rows
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.profiles import V1
 from room_outbox.store.schema.tail import PARKED, SKIPPED
 
 
@@ -120,6 +122,48 @@ async def cancel_tail_command(
     return 0 if done else 1
 
 
+async def cancel_lane_table_command(
+    store: SQLStore,
+    lane: str,
+    event_id: str,
+    out: Any,
+    err: Any,
+    apply: bool = True,
+    as_json: bool = False,
+    app_code: str | None = None,
+) -> int:
+    """``cancel --lane`` for a lane table: the event's parked row there made ``cancelled``
+    (:func:`cancel_in_lane_table`: the lane never sends it; the row in room_outbox is left as
+    it is). Result on ``out``; why nothing was (or would be) cancelled on ``err`` (exit code
+    1). An event id that names rows of several apps is refused unless ``app_code`` says which."""
+    apps = await event_apps(store, event_id) if app_code is None else []
+    if len(apps) > 1:
+        print(several_apps("cancel", event_id, apps), file=err)
+        return 1
+    status = await cancel_in_lane_table(store, lane, event_id, apply, app_code)
+    done = status == V1.parked
+    if as_json:
+        doc = {"event_id": event_id, "app_code": app_code, "lane": lane, "applied": apply,
+               "cancelled": apply and done, "would_cancel": not apply and done, "status": status}  # fmt: skip
+        print(json.dumps(doc, indent=2), file=out)
+        return 0 if done else 1
+    shown = printable(event_id) + (f" of app {format_app(app_code)}" if app_code is not None else "")
+    where = f"lane {printable(lane)}"
+    if done and apply:
+        print(f"cancelled {shown} in {where}: it will never be sent there; its row there is kept", file=out)
+    elif done:
+        print(f"would cancel {shown} in {where} (now {status}); run again with --yes to cancel it", file=out)
+    elif status is None:
+        print(f"room-outbox cancel: {shown} has no row in {where} (not fed to it, or cleaned up)", file=err)
+    else:
+        print(
+            f"room-outbox cancel: {shown} is {printable(status)} in {where}: only parked ({V1.parked}) events can"
+            " be cancelled",
+            file=err,
+        )
+    return 0 if done else 1
+
+
 async def _status_now(store: SQLStore, event_id: str, app_code: str | None) -> str | None:
     """The event's status as :func:`cancel` would report it, read without changing it."""
     found = await event_rows(store, event_id, app_code)
@@ -138,7 +182,11 @@ def _cancellable(store: SQLStore, status: str) -> bool:
 
 async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
     if args.lane:
-        return await cancel_tail_command(
+        own_table = await has_lane_table(store, args.lane, "cancel", sys.stderr)
+        if own_table is None:
+            return 1
+        command = cancel_lane_table_command if own_table else cancel_tail_command
+        return await command(
             store, args.lane, args.event_id, sys.stdout, sys.stderr, args.yes, args.json, args.app_code
         )
     return await cancel_command(store, args.event_id, sys.stdout, sys.stderr, args.yes, args.json, args.app_code)
@@ -149,8 +197,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     add_app_code_option(parser, "the app whose event it is; needed where several apps have an event with this id")
     parser.add_argument(
         "--lane",
-        help="a tailing lane (such as kafka): cancel the event's parked entry there instead (that lane never"
-        " sends it; the row itself is left as it is)",
+        help="a lane of its own (a lane table, or a tailing lane such as kafka): cancel the event's parked"
+        " row or entry there instead (that lane never sends it; the row in room_outbox is left as it is)",
     )
     add_yes_option(parser, "cancel it")
     add_json_option(parser)
@@ -158,12 +206,14 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 COMMAND = Command(
     description="Mark a pending or parked event cancelled: it is never delivered; the row is kept.\n"
-    "With --lane, an event a tailing lane parked: that lane never sends it; the parked entry is\n"
-    "kept as cancelled. Without --yes it only says what it would do. An event id that several\n"
+    "With --lane, an event a lane of its own parked (a lane table's row, a tailing lane's entry):\n"
+    "that lane never sends it; its row or entry there is kept as cancelled, room_outbox's row is\n"
+    "left as it is. Without --yes it only says what it would do. An event id that several\n"
     "apps' rows have (event ids unique per app) is refused until --app-code names the app.",
     examples="room-outbox cancel evt_01J9ZQ\nroom-outbox cancel evt_01J9ZQ --yes\n"
     "room-outbox cancel evt_01J9ZQ --app-code appa --yes\n"
     "room-outbox cancel evt_01J9ZQ --lane kafka --yes\n"
+    "room-outbox cancel evt_01J9ZQ --lane audit_table --yes\n"
     "room-outbox cancel evt_01J9ZQ --lane kafka --app-code appa --yes",
     needs="store",
     arguments=_arguments,

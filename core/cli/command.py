@@ -137,8 +137,9 @@ def format_duration(seconds: float) -> str:
 
 
 async def not_a_tailing_lane(store: SQLStore, lane: str, command: str, err: Any) -> bool:
-    """Whether ``lane`` is not one of the database's tailing lanes (``--lane`` of ``requeue`` and
-    ``cancel``); then says so on ``err``, naming those there are."""
+    """Whether ``lane`` is not one of the database's tailing lanes (what ``requeue --lane`` and
+    ``cancel --lane`` take for one, :func:`has_lane_table` having told it from a lane table);
+    then says so on ``err``, naming those there are."""
     # Imported here: only these two commands need them, and every command imports this module.
     from room_outbox.cli.output import printable
     from room_outbox.store.lanes.catalog import tailing_lanes
@@ -149,6 +150,28 @@ async def not_a_tailing_lane(store: SQLStore, lane: str, command: str, err: Any)
     names = ", ".join(tailing) or "none here"
     print(f"room-outbox {command}: {printable(lane)} is not a tailing lane (tailing lanes: {names})", file=err)
     return True
+
+
+async def has_lane_table(store: SQLStore, lane: str, command: str, err: Any) -> bool | None:
+    """Whether ``lane`` (``--lane`` of ``requeue`` and ``cancel``) keeps a table of its own
+    (``relay: lane_table``), or tails (False); None when the database holds no such lane, after
+    saying so on ``err``, naming those there are."""
+    # Imported here: only these two commands need them, and every command imports this module.
+    from room_outbox.cli.output import printable
+    from room_outbox.store.lanes.catalog import stored_lanes
+
+    stored = await stored_lanes(store)
+    for found in stored:
+        if found.name == lane:
+            return found.has_table
+    tailing = ", ".join(x.name for x in stored if not x.has_table) or "none"
+    tables = ", ".join(x.name for x in stored if x.has_table) or "none"
+    print(
+        f"room-outbox {command}: {printable(lane)} is not a lane here (tailing lanes: {tailing};"
+        f" lane tables: {tables})",
+        file=err,
+    )
+    return None
 
 
 async def checked_report(

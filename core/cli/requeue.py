@@ -17,6 +17,7 @@ from room_outbox.cli.command import (
     add_json_option,
     add_yes_option,
     duration_argument,
+    has_lane_table,
     not_a_tailing_lane,
     several_apps,
 )
@@ -27,9 +28,11 @@ from room_outbox.store.lanes.tail import TailStore
 from room_outbox.store.operator.changes import (
     RequeueFilter,
     find_parked_in_lane,
+    find_parked_in_lane_table,
     find_requeue_candidates,
     find_skipped_in_lane,
     requeue,
+    requeue_in_lane_table,
 )
 from room_outbox.store.operator.reports import event_apps
 from room_outbox.store.protocol import SQLStore
@@ -168,12 +171,52 @@ async def requeue_tail_command(
         changed += await tail.take_skipped(
             [int(row["outbox_id"]) for row in rows if row["status"] == SKIPPED], REQUEUED
         )
+    return _report_lane_requeue(lane, rows, more, changed, apply, limit, as_json, out, "parked or skipped")
+
+
+async def requeue_lane_table_command(
+    store: SQLStore,
+    lane: str,
+    where: RequeueFilter,
+    apply: bool,
+    out: Any,
+    err: Any,
+    limit: int = REQUEUE_LIMIT,
+    as_json: bool = False,
+) -> int:
+    """A lane table's parked rows that ``where`` selects (:func:`find_parked_in_lane_table`;
+    all of them when it names nothing), listed, and with ``apply`` made pending and due now in
+    that table (:func:`requeue_in_lane_table`; room_outbox's row is left as it is): the listed
+    ones and no other, at most ``limit``, as :func:`requeue_command` takes rows. An event id
+    that names rows of several apps is refused as it refuses it."""
+    if await _ids_of_several_apps(store, where.event_ids if where.app_code is None else (), err):
+        return 1
+    rows = await find_parked_in_lane_table(store, lane, where, limit + 1)  # one more: are there more?
+    more = len(rows) > limit
+    rows = rows[:limit]
+    changed = await requeue_in_lane_table(store, lane, [int(row["outbox_id"]) for row in rows]) if apply else 0
+    return _report_lane_requeue(lane, rows, more, changed, apply, limit, as_json, out, "parked")
+
+
+def _report_lane_requeue(
+    lane: str,
+    rows: list[dict[str, Any]],
+    more: bool,
+    changed: int,
+    apply: bool,
+    limit: int,
+    as_json: bool,
+    out: Any,
+    kinds: str,
+) -> int:
+    """What ``requeue --lane`` found in ``lane`` and did, on ``out``; ``kinds``: what it takes
+    there ("parked", "parked or skipped")."""
     if as_json:
         doc = {"lane": lane, "applied": apply, "matched": len(rows), "more": more, "requeued": changed, "rows": rows}
         print(json.dumps(doc, indent=2, default=str), file=out)
         return 0
     if not rows:
-        print(f"no parked or skipped events in lane {printable(lane)} match", file=out)
+        print(f"no {kinds} events in lane {printable(lane)} match", file=out)
         return 0
     now = now_ms()  # the database's clock, which wrote created_at_ms
     cells = [
@@ -191,7 +234,7 @@ async def requeue_tail_command(
     note = f"; {len(rows) - changed} of the {len(rows)} listed changed meanwhile" if changed < len(rows) else ""
     rest = (
         f"; more than {limit:,} events matched: only the first {limit:,} (lowest ids) were taken; run it again to"
-        " reach the rest (the events just requeued are no longer parked or skipped)"
+        f" reach the rest (the events just requeued are no longer {kinds})"
     )
     print(f"requeued {changed} event(s) in lane {printable(lane)}{note}{rest if more else ''}", file=out)
     return 0
@@ -204,7 +247,11 @@ async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -
                 "room-outbox requeue: --lane does not take --status (a lane's entries are all parked)", file=sys.stderr
             )
             return 2
-        return await requeue_tail_command(
+        own_table = await has_lane_table(store, args.lane, "requeue", sys.stderr)
+        if own_table is None:
+            return 1
+        command = requeue_lane_table_command if own_table else requeue_tail_command
+        return await command(
             store, args.lane, requeue_filter(args), args.yes, sys.stdout, sys.stderr, as_json=args.json
         )
     if not _filtered(args):
@@ -235,9 +282,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--lane",
-        help="a tailing lane (such as kafka): send its parked events again, and the events it skipped (ids"
-        " missing longer than lanes.gap_timeout that committed later): those the other filters select;"
-        " without one: all",
+        help="a lane of its own: send its parked events again (a lane table's parked rows; a tailing lane's,"
+        " such as kafka, and the events it skipped: ids missing longer than lanes.gap_timeout that committed"
+        " later): those the other filters select; without one: all. The lane's rows alone change",
     )
     add_yes_option(parser, "apply the change")
     add_json_option(parser)
@@ -248,13 +295,15 @@ COMMAND = Command(
     "lists the rows it would change. Filters combine freely; --status failed alone takes every\n"
     "parked row. At most 10,000 rows a run; it says so when more match. Published, cancelled\n"
     "and currently leased rows are never touched. An --event-id that several apps' rows have\n"
-    "(event ids unique per app) is refused until --app-code names the app. With --lane, a tailing\n"
-    "lane's parked events and the events it skipped (committed after lanes.gap_timeout), selected\n"
-    "by the same filters (but --status) and capped the same way.",
+    "(event ids unique per app) is refused until --app-code names the app. With --lane, a lane's\n"
+    "parked events, made due again there (room_outbox's row is left as it is): a lane table's\n"
+    "parked rows, or a tailing lane's parked events and the events it skipped (committed after\n"
+    "lanes.gap_timeout); selected by the same filters (but --status) and capped the same way.",
     examples='room-outbox requeue --error-contains "group gone"\n'
     "room-outbox requeue --status failed\n"
     "room-outbox requeue --event-type RoomGiftSent --status failed --yes\n"
-    'room-outbox requeue --lane kafka --error-contains "too large" --yes',
+    'room-outbox requeue --lane kafka --error-contains "too large" --yes\n'
+    "room-outbox requeue --lane audit_table --yes",
     needs="store",
     arguments=_arguments,
     run=_run,
