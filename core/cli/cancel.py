@@ -15,7 +15,7 @@ from room_outbox.cli.command import (
     add_app_code_option,
     add_json_option,
     add_yes_option,
-    not_a_tailing_lane,
+    lane_named,
     several_apps,
 )
 from room_outbox.cli.inspect import describe_state
@@ -23,9 +23,10 @@ from room_outbox.cli.output import format_app, printable
 from room_outbox.config import Settings
 from room_outbox.store.clock import now_ms
 from room_outbox.store.lanes.tail import TailStore
-from room_outbox.store.operator.changes import IN_FLIGHT, SEVERAL_APPS, cancel
+from room_outbox.store.operator.changes import IN_FLIGHT, SEVERAL_APPS, cancel, cancel_in_lane_table
 from room_outbox.store.operator.reports import event_apps, event_rows
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.profiles import V1
 from room_outbox.store.schema.tail import PARKED, SKIPPED
 
 
@@ -77,7 +78,7 @@ async def cancel_command(
     return 1
 
 
-async def cancel_tail_command(
+async def cancel_lane_command(
     store: SQLStore,
     lane: str,
     event_id: str,
@@ -87,18 +88,25 @@ async def cancel_tail_command(
     as_json: bool = False,
     app_code: str | None = None,
 ) -> int:
-    """``cancel --lane``: the event's parked entry in a tailing lane made ``cancelled`` (the lane
-    never sends it; the row in room_outbox is left as it is). Result on ``out``; why nothing was
-    (or would be) cancelled on ``err`` (exit code 1). An event id that names rows of several
-    apps is refused unless ``app_code`` says which (their entries share the id)."""
-    if await not_a_tailing_lane(store, lane, "cancel", err):
+    """``cancel --lane``: the event parked or skipped in a lane of its own made ``cancelled``
+    there (the lane never sends it; the row in room_outbox is left as it is): a lane table's
+    row (:func:`cancel_in_lane_table`), a tailing lane's parked entry (:meth:`TailStore.cancel`).
+    Result on ``out``; why nothing was (or would be) cancelled on ``err`` (exit code 1). An
+    event id that names rows of several apps is refused unless ``app_code`` says which."""
+    stored = await lane_named(store, lane, "cancel", err)
+    if stored is None:
         return 1
     apps = await event_apps(store, event_id) if app_code is None else []
     if len(apps) > 1:
         print(several_apps("cancel", event_id, apps), file=err)
         return 1
-    status = await TailStore(owner=store, lane=lane).cancel(event_id, apply, app_code)
-    done = status in (PARKED, SKIPPED)
+    if stored.has_table:
+        status = await cancel_in_lane_table(store, lane, event_id, apply, app_code)
+        parked, kept = V1.parked, "its row there is kept"
+    else:
+        status = await TailStore(owner=store, lane=lane).cancel(event_id, apply, app_code)
+        parked, kept = PARKED, "its parked entry is kept"
+    done = status in (parked, SKIPPED)
     if as_json:
         doc = {"event_id": event_id, "app_code": app_code, "lane": lane, "applied": apply,
                "cancelled": apply and done, "would_cancel": not apply and done, "status": status}  # fmt: skip
@@ -107,14 +115,15 @@ async def cancel_tail_command(
     shown = printable(event_id) + (f" of app {format_app(app_code)}" if app_code is not None else "")
     where = f"lane {printable(lane)}"
     if done and apply:
-        print(f"cancelled {shown} in {where}: it will never be sent there; its parked entry is kept", file=out)
+        print(f"cancelled {shown} in {where}: it will never be sent there; {kept}", file=out)
     elif done:
         print(f"would cancel {shown} in {where} (now {status}); run again with --yes to cancel it", file=out)
     elif status is None:
         print(f"room-outbox cancel: {shown} is neither parked nor skipped in {where}", file=err)
     else:
+        named = PARKED if parked == PARKED else f"{PARKED} ({parked})"  # a lane table's word for it: failed
         print(
-            f"room-outbox cancel: {shown} is {printable(status)} in {where}: only parked events can be cancelled",
+            f"room-outbox cancel: {shown} is {printable(status)} in {where}: only {named} events can be cancelled",
             file=err,
         )
     return 0 if done else 1
@@ -138,7 +147,7 @@ def _cancellable(store: SQLStore, status: str) -> bool:
 
 async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
     if args.lane:
-        return await cancel_tail_command(
+        return await cancel_lane_command(
             store, args.lane, args.event_id, sys.stdout, sys.stderr, args.yes, args.json, args.app_code
         )
     return await cancel_command(store, args.event_id, sys.stdout, sys.stderr, args.yes, args.json, args.app_code)
@@ -149,8 +158,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     add_app_code_option(parser, "the app whose event it is; needed where several apps have an event with this id")
     parser.add_argument(
         "--lane",
-        help="a tailing lane (such as kafka): cancel the event's parked entry there instead (that lane never"
-        " sends it; the row itself is left as it is)",
+        help="a lane of its own (a lane table, or a tailing lane such as kafka): cancel the event that lane"
+        " parked or skipped instead (that lane never sends it; the row in room_outbox is left as it is)",
     )
     add_yes_option(parser, "cancel it")
     add_json_option(parser)
@@ -158,12 +167,14 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 COMMAND = Command(
     description="Mark a pending or parked event cancelled: it is never delivered; the row is kept.\n"
-    "With --lane, an event a tailing lane parked: that lane never sends it; the parked entry is\n"
-    "kept as cancelled. Without --yes it only says what it would do. An event id that several\n"
+    "With --lane, an event a lane of its own parked or skipped: that lane never sends it; its row\n"
+    "(a lane table's) or entry (a tailing lane's) there is kept as cancelled, room_outbox's row is\n"
+    "left as it is. Without --yes it only says what it would do. An event id that several\n"
     "apps' rows have (event ids unique per app) is refused until --app-code names the app.",
     examples="room-outbox cancel evt_01J9ZQ\nroom-outbox cancel evt_01J9ZQ --yes\n"
     "room-outbox cancel evt_01J9ZQ --app-code appa --yes\n"
     "room-outbox cancel evt_01J9ZQ --lane kafka --yes\n"
+    "room-outbox cancel evt_01J9ZQ --lane audit_table --yes\n"
     "room-outbox cancel evt_01J9ZQ --lane kafka --app-code appa --yes",
     needs="store",
     arguments=_arguments,

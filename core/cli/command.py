@@ -144,40 +144,32 @@ def format_duration(seconds: float) -> str:
     return f"{seconds:g}s"
 
 
-def error_text(message: object) -> str:
+def error_lines(message: object) -> str:
     """An error as a command prints it on stderr: each problem (a line not indented) said by
     ``room-outbox:``, as the first is, so that every problem of several reads as one and a log
     scanner keyed on the prefix finds them all; indented lines continue the problem above."""
     return "\n".join(line if line[:1].isspace() else f"room-outbox: {line}" for line in str(message).split("\n"))
 
 
-async def not_a_tailing_lane(store: SQLStore, lane: str, command: str, err: Any) -> bool:
-    """Whether ``lane`` is not one of the database's tailing lanes (``--lane`` of ``requeue`` and
-    ``cancel``); then says so on ``err``, naming those there are."""
+async def lane_named(store: SQLStore, lane: str, command: str, err: Any) -> StoredLane | None:
+    """``lane`` as the database holds it (``--lane`` of ``requeue`` and ``cancel``): a lane
+    table (``relay: lane_table``) or a tailing lane; None when it holds no such lane, after
+    saying so on ``err``, naming those there are of each kind."""
     # Imported here: only these two commands need them, and every command imports this module.
-    from room_outbox.cli.output import printable
-    from room_outbox.store.lanes.catalog import tailing_lanes
-
-    tailing = await tailing_lanes(store)
-    if lane in tailing:
-        return False
-    names = ", ".join(tailing) or "none here"
-    print(f"room-outbox {command}: {printable(lane)} is not a tailing lane (tailing lanes: {names})", file=err)
-    return True
-
-
-async def lane_that_ran(store: SQLStore, lane: str, command: str, err: Any) -> StoredLane | None:
-    """``lane`` as the database holds it, a tailing lane or one of its own, once it has run
-    (``requeue --lane``); else None, said on ``err`` naming those there are."""
     from room_outbox.cli.output import printable
     from room_outbox.store.lanes.catalog import stored_lanes
 
-    ran = [stored for stored in await stored_lanes(store) if stored.fed_through_id is not None]
-    for stored in ran:
-        if stored.name == lane:
-            return stored
-    names = ", ".join(stored.name for stored in ran) or "none here"
-    print(f"room-outbox {command}: {printable(lane)} is not a lane that has run (lanes: {names})", file=err)
+    stored = await stored_lanes(store)
+    for found in stored:
+        if found.name == lane:
+            return found
+    tailing = ", ".join(x.name for x in stored if not x.has_table) or "none"
+    tables = ", ".join(x.name for x in stored if x.has_table) or "none"
+    print(
+        f"room-outbox {command}: {printable(lane)} is not a lane here (tailing lanes: {tailing};"
+        f" lane tables: {tables})",
+        file=err,
+    )
     return None
 
 
@@ -202,7 +194,7 @@ async def checked_report(
     except Exception as exc:  # a missing table or column, say: the driver's words name no fix
         raise problem from exc
     said = problem if isinstance(problem, PrivilegeError) else f"`run` would refuse to start: {problem}"
-    print(error_text(said), file=err)
+    print(error_lines(said), file=err)
     return problem.exit_code
 
 

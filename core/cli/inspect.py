@@ -111,7 +111,7 @@ async def _lane_states(store: SQLStore, outbox_id: int, event_id: str, now: int)
                 f" (`room-outbox requeue --lane {lane.name}` sends it again)"
             )
         elif found is not None:
-            states[lane.name] = describe_state(found, now)
+            states[lane.name] = describe_state(found, now, requeue=f"room-outbox requeue --lane {lane.name}")
         elif not lane.has_table and not lane.tailed_past(outbox_id):
             states[lane.name] = "not sent by the tailing lane yet"
         elif not lane.has_table:
@@ -138,17 +138,25 @@ async def _lane_states(store: SQLStore, outbox_id: int, event_id: str, now: int)
     return states
 
 
-def describe_state(row: dict[str, Any], now: int, words: Profile = V1, claim_after: int = 0, lease: int = 0) -> str:
+def describe_state(
+    row: dict[str, Any],
+    now: int,
+    words: Profile = V1,
+    claim_after: int = 0,
+    lease: int = 0,
+    requeue: str = "room-outbox requeue",
+) -> str:
     """A sentence on a row's delivery state, in ``words``' vocabulary and columns (lanes speak
     ``v1``), its times in epoch ms, ``now`` by the database's clock; ``claim_after`` and
-    ``lease``: the main lane's ``outbox_worker.claim_after`` and ``outbox_worker.lease`` in ms."""
+    ``lease``: the main lane's ``outbox_worker.claim_after`` and ``outbox_worker.lease`` in ms;
+    ``requeue``: the command that sends a parked row again (a lane table's names its lane)."""
     status = row["status"]
     retries = row[words.attempts] or 0  # NULL where the producer leaves a nullable column out
     lock_until = int(row.get(words.lock) or 0)
     if status == words.delivered:
         return f"{status}: delivered (or pushed by room-service itself); nothing left to do"
     if status == words.parked:
-        return f"parked after {retries} attempt(s): never retried until `room-outbox requeue`"
+        return f"parked after {retries} attempt(s): never retried until `{requeue}`"
     if status == words.cancelled:
         return "cancelled by an operator: never delivered"
     if status not in words.open:

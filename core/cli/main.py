@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from room_outbox.cli.command import CONFIG_HELP, add_config_option, default_config, error_text, with_store
+from room_outbox.cli.command import CONFIG_HELP, add_config_option, default_config, error_lines, with_store
 from room_outbox.cli.registry import COMMANDS
 from room_outbox.config import load_settings
 from room_outbox.errors import ConfigurationError, RoomOutboxError
@@ -176,7 +176,7 @@ def _command(args: argparse.Namespace, parser: argparse.ArgumentParser, redactor
 
 def _fail(exc: RoomOutboxError, redactor: Redactor) -> int:
     flush_logs()  # the log lines before it come first
-    print(redactor.redact(error_text(exc)), file=sys.stderr)
+    print(redactor.redact(error_lines(exc)), file=sys.stderr)
     return exc.exit_code
 
 

@@ -17,7 +17,7 @@ from room_outbox.cli.command import (
     add_json_option,
     add_yes_option,
     duration_argument,
-    lane_that_ran,
+    lane_named,
     several_apps,
 )
 from room_outbox.cli.output import NONE, format_age, format_app, format_table, printable
@@ -28,13 +28,15 @@ from room_outbox.store.lanes.tail import TailStore
 from room_outbox.store.operator.changes import (
     RequeueFilter,
     find_parked_in_lane,
+    find_parked_in_lane_table,
     find_requeue_candidates,
     find_skipped_in_lane,
     requeue,
+    requeue_in_lane_table,
 )
 from room_outbox.store.operator.reports import event_apps
 from room_outbox.store.protocol import SQLStore
-from room_outbox.store.schema.tail import PARKED, REQUEUED, SKIPPED
+from room_outbox.store.schema.tail import REQUEUED, SKIPPED
 
 #: Rows one ``requeue`` changes at most: one statement, a list a person can still read.
 REQUEUE_LIMIT = 10_000
@@ -136,7 +138,7 @@ def _filtered(args: argparse.Namespace) -> bool:
     return bool(args.event_id or args.event_type or args.error_contains or args.older_than or args.status)
 
 
-async def requeue_tail_command(
+async def requeue_lane_command(
     store: SQLStore,
     lane: str,
     where: RequeueFilter,
@@ -146,32 +148,37 @@ async def requeue_tail_command(
     limit: int = REQUEUE_LIMIT,
     as_json: bool = False,
 ) -> int:
-    """A lane's skipped events (committed after the lane gave up on their ids) and a tailing
-    lane's parked ones that ``where`` selects (:func:`find_skipped_in_lane`,
-    :func:`find_parked_in_lane`; all of them when it names nothing), listed, and with ``apply``
-    made to be sent: the listed ones and no other, at most ``limit``, as :func:`requeue_command`
-    takes rows. A tailing lane's next round sends them (a skipped one becomes a requeued entry
-    of the parked table); a lane of its own's skipped ones are fed into its table, pending. An
-    event id that names rows of several apps is refused as it refuses it."""
-    stored = await lane_that_ran(store, lane, "requeue", err)
+    """A lane's parked events and skipped ones (committed after the lane gave up on their ids)
+    that ``where`` selects (:func:`find_parked_in_lane_table` for a lane table,
+    :func:`find_parked_in_lane` for a tailing lane, :func:`find_skipped_in_lane`; all of them
+    when it names nothing), listed together, and with ``apply`` made to be sent: the listed
+    ones and no other, at most ``limit``, as :func:`requeue_command` takes rows. A lane table's
+    parked rows become pending, due now, there (:func:`requeue_in_lane_table`) and its skipped
+    ones are fed into it, pending; a tailing lane's next round sends them (a skipped one becomes
+    a requeued entry of the parked table). room_outbox's rows are left as they are. An event id
+    that names rows of several apps is refused as :func:`requeue_command` refuses it."""
+    stored = await lane_named(store, lane, "requeue", err)
     if stored is None:
         return 1
     if await _ids_of_several_apps(store, where.event_ids if where.app_code is None else (), err):
         return 1
     # One more of each: are there more? Skipped events are sent as requeued parked ones are.
-    found = [] if stored.has_table else await find_parked_in_lane(store, lane, where, limit + 1)
+    find_parked = find_parked_in_lane_table if stored.has_table else find_parked_in_lane
+    found = await find_parked(store, lane, where, limit + 1)
     found += await find_skipped_in_lane(store, lane, where, limit + 1)
     rows = sorted(found, key=lambda row: int(row["outbox_id"]))
     more = len(rows) > limit
     rows = rows[:limit]
     changed = 0
     if apply and rows:
+        parked = [int(row["outbox_id"]) for row in rows if row["status"] != SKIPPED]
         skipped = [int(row["outbox_id"]) for row in rows if row["status"] == SKIPPED]
         if stored.has_table:
-            changed = await LaneStore(owner=store, lane=lane).take_skipped(skipped)
+            changed = await requeue_in_lane_table(store, lane, parked)
+            changed += await LaneStore(owner=store, lane=lane).take_skipped(skipped)
         else:
             tail = TailStore(owner=store, lane=lane)
-            changed = await tail.requeue([int(row["outbox_id"]) for row in rows if row["status"] == PARKED])
+            changed = await tail.requeue(parked)
             changed += await tail.take_skipped(skipped, REQUEUED)
     if as_json:
         doc = {"lane": lane, "applied": apply, "matched": len(rows), "more": more, "requeued": changed, "rows": rows}
@@ -206,10 +213,11 @@ async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -
     if args.lane:
         if args.status:  # a lane's entries are all to be sent: a status there would select nothing or everything
             print(
-                "room-outbox requeue: --lane does not take --status (a lane's entries are all parked)", file=sys.stderr
+                "room-outbox requeue: --lane does not take --status (it takes a lane's parked and skipped events)",
+                file=sys.stderr,
             )
             return 2
-        return await requeue_tail_command(
+        return await requeue_lane_command(
             store, args.lane, requeue_filter(args), args.yes, sys.stdout, sys.stderr, as_json=args.json
         )
     if not _filtered(args):
@@ -240,9 +248,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--lane",
-        help="a lane (such as kafka): send the events it skipped (ids missing longer than lanes.gap_timeout"
-        " that committed later) and, a tailing lane, its parked events again: those the other filters"
-        " select; without one: all",
+        help="a lane of its own (a lane table, or a tailing lane such as kafka): send its parked events again,"
+        " and the events it skipped (ids missing longer than lanes.gap_timeout that committed later): those the"
+        " other filters select; without one: all. The lane's rows alone change",
     )
     add_yes_option(parser, "apply the change")
     add_json_option(parser)
@@ -253,13 +261,16 @@ COMMAND = Command(
     "lists the rows it would change. Filters combine freely; --status failed alone takes every\n"
     "parked row. At most 10,000 rows a run; it says so when more match. Published, cancelled\n"
     "and currently leased rows are never touched. An --event-id that several apps' rows have\n"
-    "(event ids unique per app) is refused until --app-code names the app. With --lane, the events\n"
-    "a lane skipped (committed after lanes.gap_timeout) and a tailing lane's parked events,\n"
-    "selected by the same filters (but --status) and capped the same way.",
+    "(event ids unique per app) is refused until --app-code names the app. With --lane, a lane's\n"
+    "parked events (a lane table's parked rows, a tailing lane's parked entries) and the events it\n"
+    "skipped (committed after lanes.gap_timeout), listed together, made to be sent again there\n"
+    "(room_outbox's row is left as it is); selected by the same filters (but --status) and capped\n"
+    "the same way.",
     examples='room-outbox requeue --error-contains "group gone"\n'
     "room-outbox requeue --status failed\n"
     "room-outbox requeue --event-type RoomGiftSent --status failed --yes\n"
-    'room-outbox requeue --lane kafka --error-contains "too large" --yes',
+    'room-outbox requeue --lane kafka --error-contains "too large" --yes\n'
+    "room-outbox requeue --lane audit_table --yes",
     needs="store",
     arguments=_arguments,
     run=_run,

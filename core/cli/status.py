@@ -1,5 +1,5 @@
 """``room-outbox status``: the backlog, retries, frequent errors (grouped; of the rows retrying,
-of the parked rows and of each tailing lane's parked events), leases, lanes and consumers at a
+of the parked rows and of each lane's parked events), leases, lanes and consumers at a
 glance. Its counts are exact (read in the status index); the retry histogram and the errors read
 a sample of each status's rows, at most 10,000 however large the backlog, and say so. It is for a person at a terminal, not for a
 timer (the metrics sample the backlog on an index instead)."""
@@ -95,7 +95,7 @@ def _format_lanes(report: StatusReport) -> list[str]:
         if x.skipped
     ]
     for lane in report.lanes:
-        if lane.top_parked_errors:  # a tailing lane's: `requeue --lane` / `cancel --lane` take them
+        if lane.top_parked_errors:  # `requeue --lane` / `cancel --lane` take them
             title = (
                 f"most frequent last_error of lane {lane.lane}'s parked rows (among the latest {STATUS_SAMPLE:,};"
                 f" requeue or cancel them with --lane {lane.lane})"
@@ -126,7 +126,7 @@ async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) ->
 COMMAND = Command(
     description="The backlog (pending rows, the oldest one's time), rows waiting for a retry, the retry-count\n"
     "histogram, lease holders, lanes of their own and the most frequent last_error values of the\n"
-    "rows retrying and, apart, of the parked (failed) rows and of each tailing lane's parked events\n"
+    "rows retrying and, apart, of the parked (failed) rows and of each lane's parked events\n"
     "(which requeue --lane and cancel --lane take), grouped (errors that differ only by an\n"
     "identifier such as a GroupId are one line, with their count). The histogram and the errors\n"
     "are read from at most 10,000 rows of a status: the oldest still to deliver, the latest parked;\n"

@@ -35,10 +35,10 @@ from support import (
 )
 from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, capture
 
-from room_outbox.cli.cancel import cancel_tail_command
+from room_outbox.cli.cancel import cancel_lane_command
 from room_outbox.cli.inspect import inspect_events
 from room_outbox.cli.lanes import lane_rows
-from room_outbox.cli.requeue import requeue_tail_command
+from room_outbox.cli.requeue import requeue_lane_command
 from room_outbox.config import LanePlan
 from room_outbox.delivery.routing import Router
 from room_outbox.delivery.tail import BatchFailed, TailRelay
@@ -569,7 +569,7 @@ async def test_the_hand_over_tails_from_the_first_row_still_owed_and_keeps_the_r
     (doc,) = await inspect_events(any_store, "m09-r0")
     assert doc["lanes"]["kafka"].startswith("parked")
     out, err = io.StringIO(), io.StringIO()
-    assert await requeue_tail_command(any_store, "kafka", RequeueFilter(), True, out, err) == 0, err.getvalue()
+    assert await requeue_lane_command(any_store, "kafka", RequeueFilter(), True, out, err) == 0, err.getvalue()
     await log_relay(any_store, sink).run_once()
     assert sink.sent[2:] == ["m00-r0", "m09-r0"]
 
@@ -663,9 +663,9 @@ async def test_a_lane_handed_over_to_tailing_owes_nothing_to_its_old_table(any_s
     (lane,) = (await lane_rows(any_store, LanePlan(main=False, own=("kafka",), tail=("kafka",))))[1:]
     assert (lane.lane, lane.pending, lane.unfed, lane.parked) == ("kafka", 0, 0, 1)
     out, err = io.StringIO(), io.StringIO()
-    assert await requeue_tail_command(any_store, "kafka", RequeueFilter(), False, out, err) == 0, err.getvalue()
+    assert await requeue_lane_command(any_store, "kafka", RequeueFilter(), False, out, err) == 0, err.getvalue()
     assert out.getvalue().splitlines()[1].startswith("bad-1 ")
-    assert await cancel_tail_command(any_store, "kafka", "bad-1", out, err, True) == 0, err.getvalue()
+    assert await cancel_lane_command(any_store, "kafka", "bad-1", out, err, True) == 0, err.getvalue()
 
     async with any_store.transaction() as cur:  # delivered to IM long ago
         await cur.execute("UPDATE room_outbox SET status = 'published', created_at_ms = created_at_ms - 864000000")
@@ -690,7 +690,7 @@ async def test_a_lane_is_not_switched_back_to_a_lane_table_while_events_it_parke
         await migrate_lanes(any_store, ["kafka"])
     assert [lane.has_table for lane in await stored_lanes(any_store)] == [False]
 
-    assert await cancel_tail_command(any_store, "kafka", "huge", io.StringIO(), io.StringIO(), True) == 0
+    assert await cancel_lane_command(any_store, "kafka", "huge", io.StringIO(), io.StringIO(), True) == 0
     assert (await migrate_lanes(any_store, ["kafka"]))[0] == "created table room_outbox_lane_kafka"
 
 
@@ -723,7 +723,7 @@ async def test_switched_back_to_a_lane_table_the_lane_never_sends_what_was_cance
         assert sink.sent == ["m01-r0", "m04-r0", "t-1", "t-2"]
         assert await cursor(any_store) < first + 5  # below "late", still missing
         for cancelled in ("t-huge", "m03-r0"):  # the operator's word on what the lane parked
-            assert await cancel_tail_command(any_store, "kafka", cancelled, io.StringIO(), io.StringIO(), True) == 0
+            assert await cancel_lane_command(any_store, "kafka", cancelled, io.StringIO(), io.StringIO(), True) == 0
         await insert_events(any_store, [envelope("t-3")])  # owed: not read yet
 
         wanted = WantedSchema(outbox=False, lanes=("kafka",))
@@ -987,13 +987,13 @@ async def test_an_operator_cancels_a_parked_event_and_the_lane_never_sends_it(an
 
     async def cancel(event_id: str, apply: bool, lane: str = "kafka") -> tuple[int, str, str]:
         out, err = io.StringIO(), io.StringIO()
-        code = await cancel_tail_command(any_store, lane, event_id, out, err, apply)
+        code = await cancel_lane_command(any_store, lane, event_id, out, err, apply)
         return code, out.getvalue(), err.getvalue()
 
     assert await cancel("huge", apply=False) == (
         0, "would cancel huge in lane kafka (now parked); run again with --yes to cancel it\n", "")  # fmt: skip
     out = io.StringIO()
-    assert await cancel_tail_command(any_store, "kafka", "huge", out, io.StringIO(), False, as_json=True) == 0
+    assert await cancel_lane_command(any_store, "kafka", "huge", out, io.StringIO(), False, as_json=True) == 0
     assert json.loads(out.getvalue()) == {"event_id": "huge", "app_code": None, "lane": "kafka", "applied": False,
                                           "cancelled": False, "would_cancel": True, "status": "parked"}  # fmt: skip
     assert [p["status"] for p in await tail.store.parked()] == ["parked"]  # a preview changes nothing
@@ -1013,10 +1013,16 @@ async def test_an_operator_cancels_a_parked_event_and_the_lane_never_sends_it(an
         "room-outbox cancel: a is neither parked nor skipped in lane kafka\n",
     )
     code, _, err = await cancel("huge", apply=True, lane="activity")
-    assert code == 1 and err == "room-outbox cancel: activity is not a tailing lane (tailing lanes: kafka)\n"
-    errors = io.StringIO()  # requeue --lane takes any lane that has run (its skipped events)
-    assert await requeue_tail_command(any_store, "activity", RequeueFilter(), True, io.StringIO(), errors) == 1
-    assert errors.getvalue() == "room-outbox requeue: activity is not a lane that has run (lanes: kafka)\n"
+    assert (
+        code == 1
+        and err == "room-outbox cancel: activity is not a lane here (tailing lanes: kafka; lane tables: none)\n"
+    )
+    errors = io.StringIO()  # requeue --lane takes any lane the database holds, a tailing lane or a lane table
+    assert await requeue_lane_command(any_store, "activity", RequeueFilter(), True, io.StringIO(), errors) == 1
+    assert (
+        errors.getvalue()
+        == "room-outbox requeue: activity is not a lane here (tailing lanes: kafka; lane tables: none)\n"
+    )
 
     async with any_store.transaction() as cur:  # delivered to IM long ago
         await cur.execute("UPDATE room_outbox SET status = 'published', created_at_ms = created_at_ms - 864000000")
@@ -1035,8 +1041,8 @@ async def test_an_event_id_several_apps_have_parked_is_changed_in_the_lane_only_
     await drain(tail, any_store)
     refused = "room-outbox {}: event id x0 names rows of several apps (appa, appb): nothing changed; {}\n"
     out, err = io.StringIO(), io.StringIO()
-    assert await cancel_tail_command(any_store, "kafka", "x0", out, err, True) == 1
-    assert await requeue_tail_command(any_store, "kafka", RequeueFilter(event_ids=("x0",)), True, out, err) == 1
+    assert await cancel_lane_command(any_store, "kafka", "x0", out, err, True) == 1
+    assert await requeue_lane_command(any_store, "kafka", RequeueFilter(event_ids=("x0",)), True, out, err) == 1
     assert (out.getvalue(), err.getvalue()) == (
         "",
         refused.format("cancel", "say which app's event with --app-code")
@@ -1044,21 +1050,21 @@ async def test_an_event_id_several_apps_have_parked_is_changed_in_the_lane_only_
     )
     assert [p["status"] for p in await tail.store.parked()] == ["parked", "parked"]
     appa = RequeueFilter(event_ids=("x0",), app_code="appa")
-    assert await requeue_tail_command(any_store, "kafka", appa, True, out, err) == 0
+    assert await requeue_lane_command(any_store, "kafka", appa, True, out, err) == 0
     assert re.search(r"^x0 +appa +RoomUserJoined +r_1 ", out.getvalue(), re.M) and "appb" not in out.getvalue()
     assert [p["status"] for p in await tail.store.parked()] == ["requeued", "parked"]
 
     out = io.StringIO()
-    assert await cancel_tail_command(any_store, "kafka", "x0", out, err, True, app_code="appa") == 1  # requeued
-    assert await cancel_tail_command(any_store, "kafka", "x0", out, err, False, app_code="appb") == 0
+    assert await cancel_lane_command(any_store, "kafka", "x0", out, err, True, app_code="appa") == 1  # requeued
+    assert await cancel_lane_command(any_store, "kafka", "x0", out, err, False, app_code="appb") == 0
     assert [p["status"] for p in await tail.store.parked()] == ["requeued", "parked"]  # a preview
-    assert await cancel_tail_command(any_store, "kafka", "x0", out, err, True, app_code="appb") == 0
+    assert await cancel_lane_command(any_store, "kafka", "x0", out, err, True, app_code="appb") == 0
     assert out.getvalue().splitlines() == [
         "would cancel x0 of app appb in lane kafka (now parked); run again with --yes to cancel it",
         "cancelled x0 of app appb in lane kafka: it will never be sent there; its parked entry is kept",
     ]
     assert [p["status"] for p in await tail.store.parked()] == ["requeued"]  # appa's entry is untouched
-    assert await cancel_tail_command(any_store, "kafka", "x0", out, err, True, app_code="appc") == 1
+    assert await cancel_lane_command(any_store, "kafka", "x0", out, err, True, app_code="appc") == 1
     assert err.getvalue().endswith("room-outbox cancel: x0 of app appc is neither parked nor skipped in lane kafka\n")
 
 
@@ -1077,7 +1083,7 @@ async def test_requeue_lane_takes_exactly_the_parked_events_its_filters_select(a
 
     async def requeue(where: RequeueFilter, apply: bool = False, limit: int = 100) -> list[str]:
         out = io.StringIO()
-        assert await requeue_tail_command(any_store, "kafka", where, apply, out, io.StringIO(), limit) == 0
+        assert await requeue_lane_command(any_store, "kafka", where, apply, out, io.StringIO(), limit) == 0
         return out.getvalue().splitlines()
 
     async def parked() -> dict[str, str]:
@@ -1090,7 +1096,7 @@ async def test_requeue_lane_takes_exactly_the_parked_events_its_filters_select(a
     assert [line.split()[0] for line in (await requeue(RequeueFilter(older_than_ms=86_400_000)))[1:-1]] == ["p3"]
     out = io.StringIO()
     joined = RequeueFilter(event_type="RoomUserJoined")
-    assert await requeue_tail_command(any_store, "kafka", joined, False, out, io.StringIO(), as_json=True) == 0
+    assert await requeue_lane_command(any_store, "kafka", joined, False, out, io.StringIO(), as_json=True) == 0
     doc = json.loads(out.getvalue())
     assert (doc["lane"], doc["applied"], doc["matched"], doc["more"], doc["requeued"]) == ("kafka", False, 3, False, 0)
     assert [(r["event_id"], r["event_type"], r["app_code"]) for r in doc["rows"]] == [

@@ -20,9 +20,9 @@ from lanes.test_tail import OrderedLog
 from processes import DispatcherProcess
 from support import envelope, fetch_rows, id_held_open, insert_events, wait_until
 
-from room_outbox.cli.cancel import cancel_tail_command
+from room_outbox.cli.cancel import cancel_lane_command
 from room_outbox.cli.inspect import inspect_command, inspect_events
-from room_outbox.cli.requeue import requeue_tail_command
+from room_outbox.cli.requeue import requeue_lane_command
 from room_outbox.config import LanePlan
 from room_outbox.delivery.routing import Router
 from room_outbox.delivery.tail import TailRelay
@@ -136,7 +136,7 @@ async def test_an_event_committed_after_the_lane_skipped_its_id_is_shown_counted
     assert list(await fetch_rows(any_store)) == ["late"]
 
     out, err = io.StringIO(), io.StringIO()
-    assert await requeue_tail_command(any_store, "kafka", RequeueFilter(event_ids=("late",)), True, out, err) == 0
+    assert await requeue_lane_command(any_store, "kafka", RequeueFilter(event_ids=("late",)), True, out, err) == 0
     assert "requeued 1 event(s) in lane kafka" in out.getvalue(), out.getvalue() + err.getvalue()
     await relay.run_once()
     assert sink.sent == ["before", "after", "late"]
@@ -156,7 +156,7 @@ async def test_requeue_lane_selects_skipped_events_with_its_filters_and_cancel_d
 
     async def requeue(where: RequeueFilter, apply: bool = False) -> str:
         out, err = io.StringIO(), io.StringIO()
-        assert await requeue_tail_command(any_store, "kafka", where, apply, out, err) == 0, err.getvalue()
+        assert await requeue_lane_command(any_store, "kafka", where, apply, out, err) == 0, err.getvalue()
         return out.getvalue()
 
     assert "2 event(s) would be requeued" in await requeue(RequeueFilter())  # no filter: all of them
@@ -166,7 +166,7 @@ async def test_requeue_lane_selects_skipped_events_with_its_filters_and_cancel_d
     assert "no parked or skipped events" in await requeue(RequeueFilter(event_type="NoSuchType"))
 
     out, err = io.StringIO(), io.StringIO()
-    assert await cancel_tail_command(any_store, "kafka", "late-1", out, err) == 0, err.getvalue()
+    assert await cancel_lane_command(any_store, "kafka", "late-1", out, err) == 0, err.getvalue()
     assert "cancelled late-1 in lane kafka" in out.getvalue()
     assert (await lane_state(any_store, "late-1")).startswith("cancelled by an operator")
     assert "requeued 1 event(s) in lane kafka" in await requeue(RequeueFilter(), apply=True)
@@ -283,6 +283,6 @@ async def test_a_lane_is_not_switched_back_to_a_lane_table_while_an_event_it_ski
     await skip_late(any_store, OrderedLog())
     with pytest.raises(SchemaError, match=re.escape("lane kafka has 1 event(s) it parked or skipped while it tailed")):
         await migrate_lanes(any_store, ["kafka"])
-    assert await cancel_tail_command(any_store, "kafka", "late", io.StringIO(), io.StringIO()) == 0
+    assert await cancel_lane_command(any_store, "kafka", "late", io.StringIO(), io.StringIO()) == 0
     assert (await migrate_lanes(any_store, ["kafka"]))[0] == "created table room_outbox_lane_kafka"
     assert await skipped_ranges(any_store) == []

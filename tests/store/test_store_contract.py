@@ -744,10 +744,14 @@ async def test_status_and_inspect_report_the_im_lane_and_the_lanes(any_store: SQ
     (im_row, *_) = (await any_store.claim("node-a#1", 1, now_ms() + 60_000)).rows
     report = await status_report(any_store)
     assert (report.pending, report.leased, [h.node for h in report.holders]) == (3, 1, ["node-a"])
-    assert [(x.lane, x.pending, x.parked, x.unfed) for x in report.lanes] == [("audit", 2, 1, 0)]
+    assert [(x.lane, x.pending, x.parked, x.unfed, x.top_parked_errors) for x in report.lanes] == [
+        ("audit", 2, 1, 0, [("bad", 1)])
+    ]
     (doc,) = await inspect_events(any_store, im_row.event_id)
     assert doc["state"].startswith("in flight: leased by node-a#1")
-    assert doc["lanes"] == {"audit": "parked after 1 attempt(s): never retried until `room-outbox requeue`"}
+    assert doc["lanes"] == {
+        "audit": "parked after 1 attempt(s): never retried until `room-outbox requeue --lane audit`"
+    }
     assert doc["envelope"]["event_id"] == im_row.event_id
 
 

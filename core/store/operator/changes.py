@@ -1,6 +1,7 @@
 """The statements of the operator commands that change rows: ``requeue`` and ``cancel``, in
 SQL all three stores speak and the words of the table's profile (see :mod:`room_outbox.cli.requeue` for the commands themselves),
-and the selection of ``requeue --lane`` among a tailing lane's parked entries."""
+and the selection of ``requeue --lane`` among a lane's parked rows (a tailing lane's entries, a
+lane table's rows) and the events it skipped."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.by_status import status_read
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import marks, table_names
+from room_outbox.store.lanes.store import LaneStore
 from room_outbox.store.operator.reports import matching_event
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.columns import column_problems, printed_name, read_columns
-from room_outbox.store.schema.lanes import lane_table
-from room_outbox.store.schema.profiles import Profile, in_list
+from room_outbox.store.schema.lanes import PARKED_ORDER, lane_table
+from room_outbox.store.schema.profiles import V1, Profile, in_list
 from room_outbox.store.schema.tail import (
     LANE_SKIPPED_ERROR,
     PARKED,
@@ -132,19 +134,42 @@ async def find_parked_in_lane(
     entry answers the event id and the error, its row the app, the event type and the age: an
     entry whose row is gone matches none of those. ``statuses`` is not the lane's to answer
     (its entries are all parked), nor is a lease (a lane's round holds no row)."""
+    return await _parked_entries(store, PARKED_TABLE, ["lane = %s", "status = %s"], [lane, PARKED], where, limit)
+
+
+async def find_parked_in_lane_table(
+    store: SQLStore, lane: str, where: RequeueFilter, limit: int = 10_000
+) -> list[dict[str, Any]]:
+    """A lane table's parked (``failed``) rows the filter selects (``requeue --lane``), shaped
+    and matched as :func:`find_parked_in_lane`'s entries (its row's copies answer the event id,
+    room_outbox's row the app, the event type and the age: the lane's ``created_at_ms`` is when
+    it was fed), lowest outbox id first."""
+    parked = f"status = '{V1.parked}'"  # a lane table speaks v1
+    return await _parked_entries(store, lane_table(lane), [parked], [], where, limit, ", ".join(PARKED_ORDER))
+
+
+async def _parked_entries(
+    store: SQLStore,
+    table: str,
+    clauses: list[str],
+    params: list[Any],
+    where: RequeueFilter,
+    limit: int,
+    order: str = "outbox_id",
+) -> list[dict[str, Any]]:
+    """The rows of ``table`` (a lane's: keyed by ``outbox_id``) that meet ``clauses`` and the
+    filter, in ``order``, each with its outbox row's app, event type and creation time."""
     p = store.profile
-    clauses, params = ["lane = %s", "status = %s"], [lane, PARKED]
-    _id_and_error_clauses(store, where, "event_id", clauses, params)  # the event id as the entry keeps it
+    clauses, params = [*clauses], [*params]
+    _id_and_error_clauses(store, where, "event_id", clauses, params)  # the event id as the lane keeps it
     of_row, of_row_params = _row_clauses(store, where)
     if of_row:  # each entry's one row, by its key: the lane's few entries lead, never a scan of the outbox
-        clauses.append(
-            f"EXISTS (SELECT 1 FROM {p.table} WHERE {p.key} = {PARKED_TABLE}.outbox_id AND {' AND '.join(of_row)})"
-        )
+        clauses.append(f"EXISTS (SELECT 1 FROM {p.table} WHERE {p.key} = {table}.outbox_id AND {' AND '.join(of_row)})")
         params.extend(of_row_params)
     async with store.transaction() as cur:
         await cur.execute(
-            f"SELECT outbox_id, event_id, room_id, status, last_error FROM {PARKED_TABLE}"
-            f" WHERE {' AND '.join(clauses)} ORDER BY outbox_id LIMIT %s",
+            f"SELECT outbox_id, event_id, room_id, status, last_error FROM {table}"
+            f" WHERE {' AND '.join(clauses)} ORDER BY {order} LIMIT %s",
             (*params, limit),
         )
         names = [d[0] for d in cur.description]
@@ -164,7 +189,7 @@ async def find_parked_in_lane(
     for entry in entries:
         app_code, event_type, created = rows.get(int(entry["outbox_id"]), (None, None, None))
         entry.update(app_code=app_code, event_type=event_type, created_at_ms=created)
-    return entries
+    return sorted(entries, key=lambda entry: int(entry["outbox_id"]))
 
 
 async def find_skipped_in_lane(
@@ -220,6 +245,65 @@ async def requeue(store: SQLStore, row_ids: Sequence[int]) -> int:
                 (now_ms(), *row_ids, now_ms()),
             )
         )
+
+
+async def requeue_in_lane_table(store: SQLStore, lane: str, outbox_ids: Sequence[int]) -> int:
+    """Make a lane table's parked rows ``outbox_ids`` pending and due now with a fresh attempt
+    count, as :func:`requeue` makes the main lane's: the lane's next claim takes them. Only
+    rows still parked change (never room_outbox's); returns how many did."""
+    if not outbox_ids:
+        return 0
+    async with store.transaction() as cur:
+        return int(
+            await cur.execute(
+                f"UPDATE {lane_table(lane)} SET status = '{V1.fresh}', retry_count = 0, lock_until_ms = 0,"
+                f" worker_id = NULL, updated_at_ms = %s WHERE outbox_id IN ({marks(outbox_ids)})"
+                f" AND status = '{V1.parked}'",
+                (now_ms(), *outbox_ids),
+            )
+        )
+
+
+async def cancel_in_lane_table(
+    store: SQLStore, lane: str, event_id: str, apply: bool, app_code: str | None = None
+) -> str | None:
+    """The status of ``event_id``'s row in a lane table, or ``skipped`` (None: it is neither);
+    with ``apply`` a parked one is made ``cancelled`` and ``failed`` returned, or a skipped one
+    is fed into the table as ``cancelled`` (:meth:`LaneStore.take_skipped`): the lane never
+    claims it, and requeue, the backlog and retention no longer count it, as a tailing lane's
+    ``cancel`` does. The row is found through room_outbox's row (:func:`matching_event`, by its
+    event id index), then by key: the lane table has no index on its copy of the event id."""
+    p, table = store.profile, lane_table(lane)
+    where, params = matching_event(store, event_id, app_code)
+    skipped: list[int] = []
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT {p.key} FROM {p.table} WHERE {where}", params)
+        keys = [int(key) for (key,) in await cur.fetchall()]
+        if not keys:
+            return None
+        if apply:
+            await cur.execute(
+                f"UPDATE {table} SET status = '{V1.cancelled}', updated_at_ms = %s"
+                f" WHERE outbox_id IN ({marks(keys)}) AND status = '{V1.parked}'",
+                (now_ms(), *keys),
+            )
+            if cur.rowcount:
+                return V1.parked
+        await cur.execute(f"SELECT status FROM {table} WHERE outbox_id IN ({marks(keys)})", keys)
+        found = await cur.fetchone()
+        if found is None and SKIPPED_TABLE in await table_names(cur, store.dialect):
+            # Skipped, perhaps: an insert that committed after the lane's feeder gave up on its id.
+            await cur.execute(
+                f"SELECT o.{p.key}{skipped_rows(p, table)} AND o.{p.key} IN ({marks(keys)})", (lane, *keys)
+            )
+            skipped = [int(key) for (key,) in await cur.fetchall()]
+    if found is not None:
+        return str(found[0])
+    if not skipped:
+        return None
+    if apply:
+        await LaneStore(owner=store, lane=lane).take_skipped(skipped, V1.cancelled)
+    return SKIPPED
 
 
 #: :func:`cancel`'s status for an event leased right now: its delivery may be under way.

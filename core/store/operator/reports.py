@@ -21,6 +21,8 @@ from room_outbox.store.dialect import column_names, marks, table_names, text
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.protocol import SQLStore
+from room_outbox.store.schema.lanes import PARKED_ORDER
+from room_outbox.store.schema.profiles import V1
 from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, SKIPPED_TABLE
 
 
@@ -94,7 +96,7 @@ class LaneStatus:
     #: or a tailing lane) gave up on as rolled back (missing longer than ``gap_timeout``), which
     #: committed after all.
     skipped: int = 0
-    #: A tailing lane's parked rows' most frequent errors, grouped as the main lane's
+    #: The lane's parked rows' most frequent errors, grouped as the main lane's
     #: (:func:`grouped_errors`), among its latest :data:`STATUS_SAMPLE`.
     top_parked_errors: list[tuple[str, int]] = field(default_factory=list)
 
@@ -265,17 +267,40 @@ def grouped_errors(counts: list[tuple[str, int]]) -> list[tuple[str, int]]:
 
 
 async def lane_statuses(store: SQLStore, top: int = 10) -> list[LaneStatus]:
-    """One line per lane of its own that has run; a tailing lane's parked rows' errors too."""
+    """One line per lane of its own that has run, with its parked rows' errors."""
     lanes = []
     for lane in await stored_lanes(store):
         if lane.fed_through_id is None:
             continue
         owed = await own_lane_backlog(store, lane)
-        errors = [] if lane.has_table or not owed.parked else (await _tail_parked_errors(store, lane.name))[:top]
+        errors = [] if not owed.parked else (await _parked_errors(store, lane.name, lane.has_table))[:top]
         lanes.append(
             LaneStatus(lane.name, lane.fed_through_id, owed.unfed, owed.pending, owed.parked, owed.skipped, errors)
         )
     return lanes
+
+
+async def _parked_errors(store: SQLStore, lane: str, has_table: bool) -> list[tuple[str, int]]:
+    """The errors of a lane's latest :data:`STATUS_SAMPLE` parked rows, grouped as the main
+    lane's (:func:`grouped_errors`), the most frequent first: from its own table (``relay:
+    lane_table``) or the tailing lanes' parked table."""
+    if has_table:
+        return await _lane_table_parked_errors(store, lane)
+    return await _tail_parked_errors(store, lane)
+
+
+async def _lane_table_parked_errors(store: SQLStore, lane: str) -> list[tuple[str, int]]:
+    """The errors of a lane table's latest :data:`STATUS_SAMPLE` parked rows: a backward walk of
+    its claim index (:data:`~room_outbox.store.schema.lanes.PARKED_ORDER`)."""
+    order = ", ".join(f"{column} DESC" for column in PARKED_ORDER)
+    async with store.transaction() as cur:
+        await cur.execute(
+            f"SELECT last_error, COUNT(*) AS n FROM (SELECT last_error FROM {lane_table(lane)}"
+            f" WHERE status = '{V1.parked}' ORDER BY {order} LIMIT %s) AS sample"
+            " WHERE last_error IS NOT NULL GROUP BY last_error ORDER BY n DESC, last_error LIMIT %s",
+            (STATUS_SAMPLE, ERRORS_READ),
+        )
+        return grouped_errors([(str(error), int(rows)) for error, rows in await cur.fetchall()])
 
 
 async def _tail_parked_errors(store: SQLStore, lane: str) -> list[tuple[str, int]]:

@@ -78,6 +78,12 @@ def skipped_ddl(dialect: Dialect) -> list[str]:
 KEPT_WIDTH = 255
 
 
+#: A lane table's parked (``failed``) rows in its claim index's order (``status``,
+#: ``lock_until_ms``, ``outbox_id``): read by a walk of the index, no sort. A parked result
+#: clears ``lock_until_ms`` to 0, so within ``failed`` this is the key's order.
+PARKED_ORDER = ("lock_until_ms", "outbox_id")
+
+
 def copied_columns(profile: Profile) -> str:
     """SQL: what a lane's table copies of an outbox row (its key, event id, event type, room id
     and app code), under the outbox profile's column names. Text is cut to its copy's width:
