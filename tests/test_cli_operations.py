@@ -133,3 +133,25 @@ async def test_status_lists_a_tailing_lanes_parked_errors_and_the_commands_that_
     text = capsys.readouterr().out
     assert "most frequent last_error of lane kafka's parked rows" in text and "--lane kafka" in text
     assert "kafka: bad_envelope: event_id=<id> is 10200 bytes" in text
+
+
+async def test_requeue_and_cancel_change_no_outbox_row_while_the_main_lane_is_off(
+    store: MySQLStore, tmp_path: Path, database_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No sink writes room_outbox.status here (Kafka only): the status is room-service's, its own
+    worker reads it. requeue reset a pending row of room-service's and cancel made one
+    cancelled; both now refuse (exit 2) and point at --lane."""
+    config = tmp_path / "off.yaml"
+    config.write_text(
+        f"mysql:\n  dsn: '{database_dsn}'\nsinks:\n  tencent_im:\n    enabled: false\n  noop:\n    enabled: false\n"
+    )
+    await insert_events(store, [envelope("p1"), envelope("c1")])
+    before = await fetch_rows(store)
+    for argv in (["requeue", "--event-id", "p1", "--yes"], ["cancel", "c1", "--yes"]):
+        assert await anyio.to_thread.run_sync(main, ["--config", str(config), *argv]) == 2
+        assert capsys.readouterr().err == (
+            f"room-outbox {argv[0]}: the main lane is off in this configuration (room_outbox.status is"
+            f" room-service's): {argv[0]} changes none of its rows; for a lane's events give --lane NAME"
+            " (`room-outbox lanes` lists them)\n"
+        )
+    assert await fetch_rows(store) == before

@@ -16,6 +16,7 @@ from room_outbox.cli.command import (
     add_json_option,
     add_yes_option,
     lane_named,
+    main_lane_off,
     several_apps,
 )
 from room_outbox.cli.inspect import describe_state
@@ -145,11 +146,13 @@ def _cancellable(store: SQLStore, status: str) -> bool:
     return status in (*words.open, words.parked)
 
 
-async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
+async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
     if args.lane:
         return await cancel_lane_command(
             store, args.lane, args.event_id, sys.stdout, sys.stderr, args.yes, args.json, args.app_code
         )
+    if main_lane_off(store, settings, "cancel", sys.stderr):
+        return 2
     return await cancel_command(store, args.event_id, sys.stdout, sys.stderr, args.yes, args.json, args.app_code)
 
 
@@ -170,7 +173,9 @@ COMMAND = Command(
     "With --lane, an event a lane of its own parked or skipped: that lane never sends it; its row\n"
     "(a lane table's) or entry (a tailing lane's) there is kept as cancelled, room_outbox's row is\n"
     "left as it is. Without --yes it only says what it would do. An event id that several\n"
-    "apps' rows have (event ids unique per app) is refused until --app-code names the app.",
+    "apps' rows have (event ids unique per app) is refused until --app-code names the app.\n"
+    "Without --lane it is refused while the configuration runs no main lane: room_outbox.status\n"
+    "is then room-service's.",
     examples="room-outbox cancel evt_01J9ZQ\nroom-outbox cancel evt_01J9ZQ --yes\n"
     "room-outbox cancel evt_01J9ZQ --app-code appa --yes\n"
     "room-outbox cancel evt_01J9ZQ --lane kafka --yes\n"

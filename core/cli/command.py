@@ -151,6 +151,24 @@ def error_lines(message: object) -> str:
     return "\n".join(line if line[:1].isspace() else f"room-outbox: {line}" for line in str(message).split("\n"))
 
 
+def main_lane_off(store: SQLStore, settings: Settings, command: str, err: Any) -> bool:
+    """Whether ``settings`` run no main lane (no enabled sink writes the outbox's status): then
+    the status is its producer's, and ``command`` (``requeue``, ``cancel``) must change none of
+    its rows, room-service's own worker reading them; said on ``err``, with the way to a lane's."""
+    # Imported here: only these two commands need them, and every command imports this module.
+    from room_outbox.delivery.lanes import lane_plan
+    from room_outbox.plugin_manager import make_plugin_manager
+
+    if lane_plan(make_plugin_manager(settings.plugins.disabled), settings).main:
+        return False
+    print(
+        f"room-outbox {command}: the main lane is off in this configuration ({store.profile.status_owned}):"
+        f" {command} changes none of its rows; for a lane's events give --lane NAME (`room-outbox lanes` lists them)",
+        file=err,
+    )
+    return True
+
+
 async def lane_named(store: SQLStore, lane: str, command: str, err: Any) -> StoredLane | None:
     """``lane`` as the database holds it (``--lane`` of ``requeue`` and ``cancel``): a lane
     table (``relay: lane_table``) or a tailing lane; None when it holds no such lane, after

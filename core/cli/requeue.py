@@ -18,6 +18,7 @@ from room_outbox.cli.command import (
     add_yes_option,
     duration_argument,
     lane_named,
+    main_lane_off,
     several_apps,
 )
 from room_outbox.cli.output import NONE, format_age, format_app, format_table, printable
@@ -209,7 +210,7 @@ async def requeue_lane_command(
     return 0
 
 
-async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -> int:
+async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
     if args.lane:
         if args.status:  # a lane's entries are all to be sent: a status there would select nothing or everything
             print(
@@ -226,6 +227,8 @@ async def _run(store: SQLStore, _settings: Settings, args: argparse.Namespace) -
             " --status",
             file=sys.stderr,
         )
+        return 2
+    if main_lane_off(store, settings, "requeue", sys.stderr):
         return 2
     return await requeue_command(store, requeue_filter(args), args.yes, sys.stdout, as_json=args.json)
 
@@ -265,7 +268,8 @@ COMMAND = Command(
     "parked events (a lane table's parked rows, a tailing lane's parked entries) and the events it\n"
     "skipped (committed after lanes.gap_timeout), listed together, made to be sent again there\n"
     "(room_outbox's row is left as it is); selected by the same filters (but --status) and capped\n"
-    "the same way.",
+    "the same way. Without --lane it is refused while the configuration runs no main lane:\n"
+    "room_outbox.status is then room-service's.",
     examples='room-outbox requeue --error-contains "group gone"\n'
     "room-outbox requeue --status failed\n"
     "room-outbox requeue --event-type RoomGiftSent --status failed --yes\n"
