@@ -134,7 +134,12 @@ async def _lane_states(store: SQLStore, outbox_id: int, event_id: str, now: int)
                 f" it committed later (`room-outbox requeue --lane {lane.name} --event-id {event_id} --yes` feeds it)"
             )
         else:
-            states[lane.name] = "not in this lane (before its start, or cleaned up)"
+            # Its row is still here, and retention removes a lane's rows with it: it came before
+            # the lane started (start: now), or a feeder recording no skipped ids passed it.
+            states[lane.name] = (
+                "not in this lane: written before the lane started, or skipped by an earlier version of"
+                " room-outbox, whose feeder recorded no skipped ids"
+            )
     return states
 
 

@@ -107,6 +107,22 @@ async def test_a_row_committed_after_the_feeder_gave_up_on_its_id_is_shown_count
     assert str(doc["lanes"]["t"]).startswith("published"), doc["lanes"]
 
 
+async def test_inspect_names_a_skip_no_range_recorded_as_an_earlier_versions(any_store: SQLStore) -> None:
+    """A feeder of an earlier version skipped ids without recording them: the row is still in
+    room_outbox and below the lane's watermark, and inspect said "before its start, or cleaned
+    up", neither true (retention removes a lane's rows with the outbox's)."""
+    dispatcher = lane_dispatcher(any_store, RecordingSink(), gap_timeout=GAP_TIMEOUT)
+    async with id_held_open(any_store, "late"):
+        await insert_events(any_store, [envelope("after")])
+        await past_everything(dispatcher, any_store)
+    await execute(any_store, f"DELETE FROM {SKIPPED_TABLE}")  # as that version left it: no range
+    (doc,) = await inspect_events(any_store, "late")
+    assert doc["lanes"]["t"] == (
+        "not in this lane: written before the lane started, or skipped by an earlier version of room-outbox,"
+        " whose feeder recorded no skipped ids"
+    )
+
+
 async def test_requeue_lane_takes_a_lane_tables_parked_and_skipped_events_together_and_cancel_either(
     any_store: SQLStore,
 ) -> None:
