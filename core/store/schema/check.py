@@ -63,8 +63,9 @@ async def check_schema(
         log.warning(row_security)
     found = await _columns(store, list(required))
     # Another table, or another producer's: migrate refuses it in these words, so "run migrate"
-    # would not do
-    require_producer_columns(store.profile, found.get(store.profile.table, ()))
+    # would not do. (A table not there at all is migrate's to create: said below.)
+    if found.get(store.profile.table):
+        require_producer_columns(store.profile, found[store.profile.table])
     if refused:
         raise SchemaError("\n".join(refused))
     for table, columns in required.items():
