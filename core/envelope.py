@@ -6,7 +6,7 @@ import json
 import math
 import re
 import secrets
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -17,11 +17,15 @@ __all__ = [
     "KNOWN_EVENT_TYPES",
     "MAX_ENVELOPE_BYTES",
     "OTHER_EVENT_TYPE",
+    "ROW_COLUMNS",
+    "ROW_COLUMNS_SEPARATOR",
     "TOO_LARGE",
     "EnvelopeError",
     "EnvelopeTooLarge",
     "EventEnvelope",
+    "columns_differ",
     "event_type_label",
+    "joined_columns_differ",
     "parse_envelope",
 ]
 
@@ -78,6 +82,41 @@ class EventEnvelope(BaseModel):
     command_id: str | None = None
     traceparent: str | None = None
     payload: dict[str, Any] | None = None
+
+
+#: The row's columns its envelope must agree with: a row whose columns differ from its envelope
+#: is a bad envelope, never delivered (the sink goes by the envelope, ordering by the row).
+ROW_COLUMNS = ("event_id", "event_type", "room_id", "app_code")
+#: Joins :data:`ROW_COLUMNS`' values into one text (the unit separator: no id holds it), so
+#: that a relay reads them as one column and compares them with one comparison.
+ROW_COLUMNS_SEPARATOR = "\x1f"
+
+
+def columns_differ(envelope: EventEnvelope, columns: Sequence[str]) -> str | None:
+    """The error of a row whose columns (:data:`ROW_COLUMNS`' values, in order) differ from its
+    envelope, naming the first that does; None when they agree. A row whose app_code is ''
+    (the default of a column its producer never writes) has none of its own: the envelope's
+    stands, and its rooms are ordered with the default app's."""
+    for name, column in zip(ROW_COLUMNS, columns, strict=True):
+        if name == "app_code" and column == "":
+            continue
+        value = getattr(envelope, name)
+        if value != column:
+            return f"envelope {name} {value!r} differs from the row's {column!r}"
+    return None
+
+
+def joined_columns_differ(envelope: EventEnvelope, joined: str | bytes) -> str | None:
+    """:func:`columns_differ` for columns read as one text, joined by
+    :data:`ROW_COLUMNS_SEPARATOR` (bytes where a column is binary): one comparison when they
+    agree, as they do but for a bad row."""
+    if joined == ROW_COLUMNS_SEPARATOR.join(
+        (envelope.event_id, envelope.event_type, envelope.room_id, envelope.app_code)
+    ):
+        return None
+    if not isinstance(joined, str):
+        joined = bytes(joined).decode("utf-8", "replace")
+    return columns_differ(envelope, joined.split(ROW_COLUMNS_SEPARATOR, len(ROW_COLUMNS) - 1))
 
 
 #: The default of ``database.max_envelope_bytes``: the longest envelope the stores read. Room

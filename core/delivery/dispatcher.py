@@ -28,7 +28,7 @@ from room_outbox.attempt.retry import RetryPolicy
 from room_outbox.config import MAIN_LANE, OutboxWorkerSettings
 from room_outbox.delivery.failure_log import FailureLog
 from room_outbox.delivery.routing import Router
-from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
+from room_outbox.envelope import EnvelopeError, EventEnvelope, columns_differ, parse_envelope
 from room_outbox.observability.health import LaneHealth
 from room_outbox.observability.metrics import LEASE_LOSS_CAUSES
 from room_outbox.observability.redaction import Redactor
@@ -516,14 +516,9 @@ class Dispatcher:
         except EnvelopeError as exc:
             raise _BadEvent(str(exc), ErrorClass.BAD_ENVELOPE) from exc
         # app_code too: the sink picks credentials by the envelope's, ordering goes by the row's.
-        # A row whose app_code is '' (the default of a column its producer never writes) has
-        # none of its own: the envelope's stands, and its rooms are ordered with the default app's.
-        for name in ("event_id", "event_type", "room_id", "app_code"):
-            if name == "app_code" and row.app_code == "":
-                continue
-            if getattr(envelope, name) != getattr(row, name):
-                mismatch = f"envelope {name} {getattr(envelope, name)!r} differs from the row's {getattr(row, name)!r}"
-                raise _BadEvent(mismatch, ErrorClass.BAD_ENVELOPE)
+        mismatch = columns_differ(envelope, (row.event_id, row.event_type, row.room_id, row.app_code))
+        if mismatch is not None:
+            raise _BadEvent(mismatch, ErrorClass.BAD_ENVELOPE)
         return envelope
 
     async def _keep_leases(self) -> None:

@@ -44,7 +44,7 @@ from anyio.abc import TaskStatus
 from room_outbox.attempt.failure import ErrorClass, Failure, describe, describe_round_failure, error_text
 from room_outbox.attempt.pipeline import Attempts
 from room_outbox.delivery.routing import Router
-from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
+from room_outbox.envelope import EnvelopeError, EventEnvelope, joined_columns_differ, parse_envelope
 from room_outbox.observability.health import LaneHealth
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.repeated import RepeatedFailure
@@ -161,6 +161,12 @@ class TailRelay:
                     tail.park(row, self._short(str(exc)))
                     self._count("other", "bad_envelope")  # no event type to trust
                     continue
+                if row.columns is not None:
+                    mismatch = joined_columns_differ(envelope, row.columns)
+                    if mismatch is not None:  # the sink would go by the envelope, ordering by the row
+                        tail.park(row, self._short(mismatch))
+                        self._count("other", "bad_envelope")
+                        continue
                 if self.router.sink_for(envelope.event_type) is not None:
                     to_send.append((row, envelope))
             if to_send:

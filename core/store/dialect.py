@@ -95,6 +95,9 @@ class Dialect:
     octet_length: str = "octet_length({value})"
     #: SQL: the text ``{first}`` followed by ``{second}``.
     concat: str = "{first} || {second}"
+    #: SQL: the one character of :data:`~room_outbox.envelope.ROW_COLUMNS_SEPARATOR`, as text
+    #: (MySQL's CHAR() alone makes bytes).
+    unit_separator: str = "chr(31)"
 
     @property
     def room_buckets(self) -> bool:
@@ -112,6 +115,16 @@ class Dialect:
     def room_bucket(self, app_code: str = "app_code", room_id: str = "room_id") -> str:
         """SQL: the room bucket of a row whose app code and room are these columns (or expressions)."""
         return self.row_bucket.format(app_code=app_code, room_id=room_id)
+
+    def joined_text(self, values: Sequence[str]) -> str:
+        """SQL: the texts ``values`` joined by :attr:`unit_separator`, a NULL one read as ''
+        (MySQL's CONCAT_WS would leave it out, shifting the rest)."""
+        sql = f"COALESCE({values[0]}, '')"
+        for value in values[1:]:
+            sql = self.concat.format(
+                first=self.concat.format(first=sql, second=self.unit_separator), second=f"COALESCE({value}, '')"
+            )
+        return sql
 
     def bounded_envelope(self, envelope: str, max_bytes: int, marker: str = "{}") -> str:
         """SQL: the envelope ``envelope`` (text or bytes) as read, or, when it is longer than
@@ -153,6 +166,7 @@ MYSQL = Dialect(
     online_index=", ALGORITHM=INPLACE, LOCK=NONE",
     octet_length="LENGTH({value})",
     concat="CONCAT({first}, {second})",
+    unit_separator="CHAR(31 USING utf8mb4)",
     next_id_sql="SELECT (SELECT AUTO_INCREMENT FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE()"
     " AND TABLE_NAME = '{table}'), (SELECT MAX({key}) FROM {table})",
 )
@@ -210,6 +224,7 @@ SQLITE = Dialect(
     capabilities=frozenset(),
     union_after_limit="SELECT * FROM ({first}) AS first UNION ALL {second}",
     octet_length="length(CAST({value} AS BLOB))",  # length() of text counts characters
+    unit_separator="char(31)",
 )
 
 

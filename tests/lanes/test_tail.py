@@ -23,6 +23,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from lanes.conftest import Broker
 from lanes.test_lanes import consume, event_ids
 from opentelemetry.trace import SpanKind, StatusCode
+from store.test_silk import silk_publish
 from support import (
     INSERT_V1,
     envelope,
@@ -58,6 +59,7 @@ from room_outbox.store.operator.changes import RequeueFilter
 from room_outbox.store.operator.retention import RetentionOptions, cleanup
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.check import check_schema
+from room_outbox.store.schema.profiles import SILK
 from room_outbox.store.schema.registry import WantedSchema, migration_plan
 from room_outbox.store.schema.tail import PARKED_TABLE
 
@@ -374,6 +376,67 @@ async def test_bad_envelopes_are_parked_with_a_clear_error_and_the_lane_goes_on(
         assert parked["bad-json"].startswith("malformed envelope: document: Invalid JSON")
         assert parked["null"] == "no envelope: the column is NULL, or the row is gone from room_outbox"
         assert parked[""] == "malformed envelope: event_id: empty: it names no event"
+    finally:
+        await sink.aclose()
+        await store.aclose()
+
+
+async def test_a_row_whose_columns_differ_from_its_envelope_is_parked_and_stays_parked_when_requeued(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """A row whose event_id, event_type, room_id or app_code differs from its envelope's is a
+    bad envelope, parked with the field named as the dispatcher names it, never sent; a row
+    whose app_code is '' has none of its own (the envelope's stands) and is sent. Requeued, a
+    mismatched row is parked again."""
+
+    def row(app_code: str, event_id: str, event_type: str, room_id: str, /, **envelope_has: str) -> tuple[str, ...]:
+        fields = {"event_id": event_id, "event_type": event_type, "room_id": room_id, "app_code": "live"}
+        return (app_code, event_id, event_type, room_id, json.dumps({**fields, **envelope_has}))
+
+    await insert_events(any_store, [envelope("good-1")])
+    await insert_rows(any_store, [row("live", "room", "RoomUserJoined", "room-x", room_id="room-y"),
+                                  row("live", "type", "RoomUserJoined", "r_1", event_type="RoomUserLeft"),
+                                  row("live", "id", "RoomUserJoined", "r_1", event_id="id-2"),
+                                  row("other", "app", "RoomUserJoined", "r_1"),
+                                  row("", "no-app", "RoomUserJoined", "r_1")])  # fmt: skip
+    await insert_events(any_store, [envelope("good-2")])
+    sink = kafka_sink(kafka_broker)
+    captured = capture()
+    tail = relay(any_store, sink, telemetry=captured.telemetry)
+    try:
+        await drain(tail, any_store)
+        errors = {
+            "room": "envelope room_id 'room-y' differs from the row's 'room-x'",
+            "type": "envelope event_type 'RoomUserLeft' differs from the row's 'RoomUserJoined'",
+            "id": "envelope event_id 'id-2' differs from the row's 'id'",
+            "app": "envelope app_code 'live' differs from the row's 'other'",
+        }
+        assert {p["event_id"]: p["last_error"] for p in await tail.store.parked()} == errors
+        failed = captured.value("room_outbox.publish.failure", sink="kafka", error_class="bad_envelope")
+        assert failed == len(errors)
+
+        assert await tail.store.requeue() == len(errors)
+        await insert_events(any_store, [envelope("good-3")])
+        await drain(tail, any_store)
+        assert {(p["event_id"], p["status"]) for p in await tail.store.parked()} == {(e, "parked") for e in errors}
+        messages = await consume(kafka_broker, {"good-1", "no-app", "good-2", "good-3"})
+        assert event_ids(messages) == ["good-1", "no-app", "good-2", "good-3"]
+    finally:
+        await sink.aclose()
+
+
+async def test_silks_tailing_lane_sends_its_events(postgresql_dsn: str, kafka_broker: Broker) -> None:
+    """silk's envelope is built from its row's columns: nothing to compare, and none read to."""
+    store = await open_store(postgresql_dsn, profile=SILK)
+    sink = kafka_sink(kafka_broker)
+    try:
+        await store.migrate()
+        await migrate_tail(store, ["kafka"])
+        await silk_publish(store, ("s-1", "u1", {"n": 1}), ("s-2", "u2", {"n": 2}))
+        tail = relay(store, sink)
+        await tail.run_once()  # one round reads both
+        assert sorted(event_ids(await consume(kafka_broker, {"s-1", "s-2"}))) == ["s-1", "s-2"]
+        assert await tail.store.parked() == []
     finally:
         await sink.aclose()
         await store.aclose()

@@ -3,8 +3,8 @@
 
 A round is one transaction: lock the lane's cursor row (``FOR UPDATE SKIP LOCKED``), read the
 rows after it with the feeder's gap-safe rule (:class:`~room_outbox.store.lanes.store.LaneStore`:
-ids still in flight below the highest id read are waited for, up to ``gap_timeout``), ids and
-envelopes in one statement, let the caller publish them (meanwhile the cursor's one write is
+ids still in flight below the highest id read are waited for, up to ``gap_timeout``), ids,
+envelopes and the columns an envelope must agree with in one statement, let the caller publish them (meanwhile the cursor's one write is
 made and the next round's rows are read), then park what can never be delivered and commit.
 The cursor row's lock is the lane's ownership: one process tails a lane at a time, the others
 skip it, and a process that dies (even by kill -9) drops its connection and with it the lock, so
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from room_outbox.envelope import ROW_COLUMNS
 from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import ascii_text, marks, table_names, text
@@ -64,14 +65,17 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass costs twice as much to build, once per row
 class TailRow:
-    """A row as a round reads it: its key and envelope, nothing else (each column read costs
-    the relay CPU per event; what parking needs besides is read for the parked rows alone).
-    The envelope is as the driver gives it: the parser decodes bytes from a BLOB column and
-    names what is wrong (bytes that are not UTF-8, a NULL) as that row's error, never the
-    round's."""
+    """A row as a round reads it: its key, envelope and the columns the envelope must agree
+    with, nothing else (each column read costs the relay CPU per event; what parking needs
+    besides is read for the parked rows alone). The envelope is as the driver gives it: the
+    parser decodes bytes from a BLOB column and names what is wrong (bytes that are not UTF-8,
+    a NULL) as that row's error, never the round's."""
 
     outbox_id: int
     envelope: str | bytes | None
+    #: The row's :data:`~room_outbox.envelope.ROW_COLUMNS` read as one column, joined (one
+    #: column read, one comparison); None where the profile builds the envelope from them.
+    columns: str | bytes | None = None
 
 
 async def _nothing() -> None:
@@ -379,26 +383,40 @@ class TailStore(LaneStore):
         """In one statement, in id order: the rows above the highest id seen, up to
         ``feed_batch``, and the rows that turned up in the ranges seen missing (ids that
         were in flight)."""
-        p, envelope = self.owner.profile, self.owner.envelope_column
-        above = f"SELECT {p.key}, {envelope} FROM {p.table} WHERE {p.key} > %s ORDER BY {p.key} LIMIT %s"
+        p, read = self.owner.profile, self._row_columns()
+        above = f"SELECT {read} FROM {p.table} WHERE {p.key} > %s ORDER BY {p.key} LIMIT %s"
         if not self._gaps:
             await cur.execute(above, (self._high, self.feed_batch))
-            return [TailRow(int(r[0]), r[1]) for r in await cur.fetchall()]
+            return self._tail_rows(await cur.fetchall())
         ranges, bounds = self._gap_ranges()
-        late = f"SELECT {p.key}, {envelope} FROM {p.table} WHERE {ranges}"
+        late = f"SELECT {read} FROM {p.table} WHERE {ranges}"
         await cur.execute(
             self.owner.dialect.union_after_limit.format(first=above, second=late),
             (self._high, self.feed_batch, *bounds),
         )
-        return sorted((TailRow(int(r[0]), r[1]) for r in await cur.fetchall()), key=attrgetter("outbox_id"))
+        return sorted(self._tail_rows(await cur.fetchall()), key=attrgetter("outbox_id"))
 
     async def _rows(self, cur: Any, ids: Sequence[int]) -> list[TailRow]:
         if not ids:
             return []
-        p, envelope = self.owner.profile, self.owner.envelope_column
-        await cur.execute(f"SELECT {p.key}, {envelope} FROM {p.table} WHERE {p.key} IN ({marks(ids)})", list(ids))
-        found = {int(r[0]): TailRow(int(r[0]), r[1]) for r in await cur.fetchall()}
+        p = self.owner.profile
+        await cur.execute(f"SELECT {self._row_columns()} FROM {p.table} WHERE {p.key} IN ({marks(ids)})", list(ids))
+        found = {row.outbox_id: row for row in self._tail_rows(await cur.fetchall())}
         return [found[i] for i in ids if i in found]
+
+    def _row_columns(self) -> str:
+        """SQL: what a round reads of a row (:class:`TailRow`). The columns its envelope must
+        agree with come as one text, not where the profile builds the envelope from them."""
+        p = self.owner.profile
+        if p.envelope_from_columns:
+            return f"{p.key}, {self.owner.envelope_column}"
+        columns = self.dialect.joined_text([getattr(p, name) for name in ROW_COLUMNS])
+        return f"{p.key}, {self.owner.envelope_column}, {columns}"
+
+    def _tail_rows(self, fetched: Sequence[Sequence[Any]]) -> list[TailRow]:
+        if self.owner.profile.envelope_from_columns:
+            return [TailRow(int(r[0]), r[1]) for r in fetched]
+        return [TailRow(int(r[0]), r[1], r[2]) for r in fetched]
 
     async def _requeued(self, cur: Any) -> list[int]:
         await cur.execute(

@@ -37,6 +37,9 @@ class Profile:
     room_column: str = "room_id"
     app_code: str = "app_code"
     envelope: str = "envelope"
+    #: :attr:`envelope` is built from the row's own columns (SQL), so it cannot differ from
+    #: them: a relay need not read them to compare.
+    envelope_from_columns: bool = False
     attempts: str = "retry_count"
     #: Not claimable before this time (a lease's end, a retry's time).
     lock: str = "lock_until_ms"
@@ -204,6 +207,7 @@ SILK = Profile(
     room_column="aggregate_id",
     app_code="''",
     envelope=SILK_ENVELOPE,
+    envelope_from_columns=True,
     attempts="attempts",
     lock="next_attempt_at",
     updated="updated_at",
