@@ -4,8 +4,9 @@
 A round is one transaction: lock the lane's cursor row (``FOR UPDATE SKIP LOCKED``), read the
 rows after it with the feeder's gap-safe rule (:class:`~room_outbox.store.lanes.store.LaneStore`:
 ids still in flight below the highest id read are waited for, up to ``gap_timeout``), ids,
-envelopes and the columns an envelope must agree with in one statement, let the caller publish them (meanwhile the cursor's one write is
-made and the next round's rows are read), then park what can never be delivered and commit.
+envelopes and the columns an envelope must agree with in one statement, let the caller publish
+them (meanwhile the cursor's one write is made and the next round's rows are read), then park
+what can never be delivered and commit.
 The cursor row's lock is the lane's ownership: one process tails a lane at a time, the others
 skip it, and a process that dies (even by kill -9) drops its connection and with it the lock, so
 another takes over from the cursor — repeating at most the round in flight. A round that fails
