@@ -176,6 +176,9 @@ async def test_sink_child_span_nests_and_secrets_stay_out_of_spans_logs_and_last
     sink_line = next(json.loads(line) for line in logs.splitlines() if "sending with" in line)
     assert sink_line["trace_id"] == PRODUCER_TRACE  # a sink's log line is tied to its attempt
     assert sink_line["span_id"] == _hex(http.context.span_id, 16)
+    failed_line = next(json.loads(line) for line in logs.splitlines() if '"delivery failed' in line)
+    # The dispatcher's line on the outcome too, written once the attempt ended: an SRE goes from it to the trace.
+    assert (failed_line["trace_id"], failed_line["span_id"]) == (PRODUCER_TRACE, _hex(attempt.context.span_id, 16))
     assert "eJwSECRETSIG" not in (await fetch_rows(store))["e1"]["last_error"]
 
 

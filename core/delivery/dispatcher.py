@@ -432,7 +432,11 @@ class Dispatcher:
         current.attempt = (
             telemetry.attempt(row, self.router.event_label(row.event_type)) if telemetry.recording else NO_ATTEMPT
         )
-        return self._result(row, await self._deliver_one(row, current))
+        failure = await self._deliver_one(row, current)
+        if failure is None:
+            return self._result(row, None)
+        with current.attempt.ended():  # the failure's log lines carry the attempt's trace
+            return self._result(row, failure)
 
     def _result(self, row: OutboxRow, failure: Failure | None) -> DeliveryResult:
         self.health.progressed()

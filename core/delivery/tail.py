@@ -44,7 +44,15 @@ from anyio.abc import TaskStatus
 from room_outbox.attempt.failure import ErrorClass, Failure, describe, describe_round_failure, error_text
 from room_outbox.attempt.pipeline import Attempts
 from room_outbox.delivery.routing import Router
-from room_outbox.envelope import EnvelopeError, EventEnvelope, joined_columns_differ, parse_envelope
+from room_outbox.envelope import (
+    OTHER_EVENT_TYPE,
+    ROW_COLUMNS,
+    ROW_COLUMNS_SEPARATOR,
+    EnvelopeError,
+    EventEnvelope,
+    joined_columns_differ,
+    parse_envelope,
+)
 from room_outbox.observability.health import LaneHealth
 from room_outbox.observability.redaction import Redactor
 from room_outbox.observability.repeated import RepeatedFailure
@@ -159,13 +167,13 @@ class TailRelay:
                     envelope = parse_envelope(row.envelope)
                 except EnvelopeError as exc:
                     tail.park(row, self._short(str(exc)))
-                    self._count("other", "bad_envelope")  # no event type to trust
+                    self._count(self._row_label(row), "bad_envelope")
                     continue
                 if row.columns is not None:
                     mismatch = joined_columns_differ(envelope, row.columns)
                     if mismatch is not None:  # the sink would go by the envelope, ordering by the row
                         tail.park(row, self._short(mismatch))
-                        self._count("other", "bad_envelope")
+                        self._count(self._row_label(row), "bad_envelope")
                         continue
                 if self.router.sink_for(envelope.event_type) is not None:
                     to_send.append((row, envelope))
@@ -197,6 +205,15 @@ class TailRelay:
                         end_attempt_span(span, None, None)
         self.telemetry.flush_counts()
         return tail.full
+
+    def _row_label(self, row: TailRow) -> str:
+        """The event label of a row whose envelope is not to be trusted: its ``event_type``
+        column's, as the main lane counts it, where the round read it; else ``other``."""
+        if row.columns is None:
+            return OTHER_EVENT_TYPE
+        columns = row.columns if isinstance(row.columns, str) else bytes(row.columns).decode("utf-8", "replace")
+        values = columns.split(ROW_COLUMNS_SEPARATOR)
+        return self.router.event_label(values[ROW_COLUMNS.index("event_type")])
 
     def _traced(self, to_send: list[tuple[TailRow, EventEnvelope]]) -> list[tuple[int, Span]]:
         """A span, started now, for each event of the batch whose envelope carries a sampled

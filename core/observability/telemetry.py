@@ -208,6 +208,11 @@ class DeliveryAttempt:
         self._sink = sink
         return self._span.delivering(sink) if self._span is not None else _NULL_CONTEXT
 
+    def ended(self) -> AbstractContextManager[None]:
+        """Around the lines logged about the attempt's outcome, once it is finished: its span is
+        current again, so that they carry its ``trace_id`` and ``span_id`` as the sink's do."""
+        return self._span.ended() if self._span is not None else _NULL_CONTEXT
+
     def finish(self, failure: Failure | None) -> None:
         """End the span and record the outcome; ``failure`` is ``None`` on success."""
         elapsed = time.perf_counter() - self._t0
@@ -248,6 +253,9 @@ class _NoAttempt(DeliveryAttempt):
         pass
 
     def current(self, sink: str) -> AbstractContextManager[None]:
+        return _NULL_CONTEXT
+
+    def ended(self) -> AbstractContextManager[None]:
         return _NULL_CONTEXT
 
     def finish(self, failure: Failure | None) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextvars
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -180,6 +180,12 @@ class AttemptSpan:
                 yield
         finally:
             _active_tracer.reset(token)
+
+    def ended(self) -> AbstractContextManager[Any]:
+        """The ended span current again (:meth:`DeliveryAttempt.ended`); none before it began."""
+        if self._span is None:
+            return nullcontext()
+        return trace.use_span(self._span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
 
     def finish(self, sink: str, error_class: str | None, error: str | None) -> None:
         end_attempt_span(self._span or self._start(sink), error_class, error)

@@ -306,8 +306,9 @@ def expected_alert(rule: dict[str, Any], **labels: str) -> dict[str, Any]:
 
 def test_the_first_failure_for_good_of_a_label_set_never_exported_before_pages(tmp_path: Path) -> None:
     """Unit tests of RoomOutboxDeliveryFailingForGood (promtool test rules), one-minute samples,
-    for a label set not exported at 0 beforehand (a tailing lane's bad envelope, counted as
-    ``event_type="other"``), whose first sample is 1: increase() alone never saw it. It pages
+    for a label set not exported at 0 beforehand (a tailing lane's bad envelope of a type the
+    routing does not know, ``event_type="other"``), whose first sample is 1: increase() alone
+    never saw it. It pages
     for 15 minutes when it appears in a process running for long, and when it appears again
     in a process restarted since (same instance: increase() saw 1 then 1). A process running
     since before Prometheus started, its counter above 0 from its first scrape, does not."""

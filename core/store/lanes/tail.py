@@ -447,11 +447,12 @@ class TailStore(LaneStore):
                 error = ascii_text(error)
                 await self._park_one(cur, outbox_id, error, outbox_id in tail.requeued, named, now)
             if outbox_id not in tail.requeued:
-                event_id = named.get(outbox_id, ("", ""))[0]
+                event_id, room_id = named.get(outbox_id, ("", ""))
                 log.warning(
                     "event parked: it can never be delivered",
-                    extra={"lane": self.lane, "outbox_id": outbox_id, "event_id": event_id, "error": error},
-                )
+                    extra={"lane": self.lane, "outbox_id": outbox_id, "event_id": event_id, "room_id": room_id,
+                           "error": error},
+                )  # fmt: skip
 
     async def _park_one(
         self, cur: Any, outbox_id: int, error: str, requeued: bool, named: dict[int, tuple[str, str]], now: int
