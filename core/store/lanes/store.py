@@ -27,7 +27,7 @@ from room_outbox.config import LanesSettings
 from room_outbox.store.backends.leased import LeasedRows
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.dialect import text
+from room_outbox.store.dialect import table_names, text
 from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult, OutboxRow
 from room_outbox.store.schema.lanes import (
     CURSOR_TABLE,
@@ -40,7 +40,7 @@ from room_outbox.store.schema.lanes import (
 )
 from room_outbox.store.schema.profiles import V1
 from room_outbox.store.schema.registry import WantedSchema, migrate
-from room_outbox.store.schema.tail import LANE_SKIPPED_ERROR
+from room_outbox.store.schema.tail import LANE_SKIPPED_ERROR, skipped_rows
 
 if TYPE_CHECKING:
     from room_outbox.store.protocol import SQLStore
@@ -608,6 +608,20 @@ class LaneStore(LeasedRows):
                     f"INSERT INTO {SKIPPED_TABLE} (lane, low_id, high_id, skipped_at_ms) VALUES (%s, %s, %s, %s)",
                     (self.lane, part_low, part_high, at),
                 )
+
+    def _held_in(self) -> str | None:
+        """Where the lane holds the rows it was given (:func:`skipped_rows`): its table."""
+        return self.table
+
+    async def skipped_keys(self, cur: Any, condition: str, params: Sequence[Any]) -> list[int]:
+        """The keys of the outbox's rows (alias ``o``) meeting ``condition`` that lie in the
+        lane's skipped ranges and that it does not hold: inserts that committed after it gave
+        up on their ids; none before the skipped ranges' table exists."""
+        if SKIPPED_TABLE not in await table_names(cur, self.dialect):
+            return []
+        p = self.owner.profile
+        await cur.execute(f"SELECT o.{p.key}{skipped_rows(p, self._held_in())} AND {condition}", (self.lane, *params))
+        return [int(key) for (key,) in await cur.fetchall()]
 
     async def take_skipped(self, outbox_ids: Sequence[int], status: str | None = None) -> int:
         """Take the rows ``outbox_ids`` that lie in the lane's skipped ranges (inserts that

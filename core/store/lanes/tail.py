@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from room_outbox.envelope import ROW_COLUMNS
 from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import ascii_text, marks, table_names, text
+from room_outbox.store.dialect import ascii_text, marks, text
 from room_outbox.store.lanes.store import CURSOR_TABLE, Gap, LaneStore, StartPosition, log
 from room_outbox.store.schema.lanes import KEPT_WIDTH
 from room_outbox.store.schema.outbox import Migration
@@ -55,9 +55,7 @@ from room_outbox.store.schema.tail import (
     REQUEUED,
     SKIPPED,
     SKIPPED_ERROR,
-    SKIPPED_TABLE,
     open_gap_ranges,
-    skipped_rows,
 )
 
 if TYPE_CHECKING:
@@ -512,6 +510,10 @@ class TailStore(LaneStore):
             )
             return int(cur.rowcount)
 
+    def _held_in(self) -> str | None:
+        """A tailing lane holds the rows it was given in the parked table alone."""
+        return None
+
     async def _enter_skipped(self, cur: Any, taken: Sequence[int], status: str) -> int:
         """Make the skipped rows ``taken`` entries of the parked table with ``status``:
         ``requeued``, the next round sends them as it sends a requeued parked event;
@@ -560,15 +562,12 @@ class TailStore(LaneStore):
                     return PARKED
             await cur.execute(f"SELECT status FROM {PARKED_TABLE} WHERE {where}", params)
             found = await cur.fetchone()
-            if found is None and SKIPPED_TABLE in await table_names(cur, self.dialect):
-                # Skipped, perhaps: an insert that committed after the lane gave up on its id.
+            if found is None:  # skipped, perhaps: an insert that committed after the lane gave up on its id
                 p = self.owner.profile
                 of_app = "" if app_code is None else f" AND o.{p.app_code} = %s"
-                await cur.execute(
-                    f"SELECT o.{p.key}{skipped_rows(p)} AND o.{p.event_id} = %s{of_app}",
-                    (self.lane, event_id, *(() if app_code is None else (app_code,))),
+                skipped = await self.skipped_keys(
+                    cur, f"o.{p.event_id} = %s{of_app}", (event_id, *(() if app_code is None else (app_code,)))
                 )
-                skipped = [int(key) for (key,) in await cur.fetchall()]
         if found is not None:
             return str(found[0])
         if not skipped:

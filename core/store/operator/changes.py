@@ -273,7 +273,7 @@ async def cancel_in_lane_table(
     claims it, and requeue, the backlog and retention no longer count it, as a tailing lane's
     ``cancel`` does. The row is found through room_outbox's row (:func:`matching_event`, by its
     event id index), then by key: the lane table has no index on its copy of the event id."""
-    p, table = store.profile, lane_table(lane)
+    p, table, feeder = store.profile, lane_table(lane), LaneStore(owner=store, lane=lane)
     where, params = matching_event(store, event_id, app_code)
     skipped: list[int] = []
     async with store.transaction() as cur:
@@ -291,18 +291,14 @@ async def cancel_in_lane_table(
                 return V1.parked
         await cur.execute(f"SELECT status FROM {table} WHERE outbox_id IN ({marks(keys)})", keys)
         found = await cur.fetchone()
-        if found is None and SKIPPED_TABLE in await table_names(cur, store.dialect):
-            # Skipped, perhaps: an insert that committed after the lane's feeder gave up on its id.
-            await cur.execute(
-                f"SELECT o.{p.key}{skipped_rows(p, table)} AND o.{p.key} IN ({marks(keys)})", (lane, *keys)
-            )
-            skipped = [int(key) for (key,) in await cur.fetchall()]
+        if found is None:  # skipped, perhaps: an insert that committed after the feeder gave up on its id
+            skipped = await feeder.skipped_keys(cur, f"o.{p.key} IN ({marks(keys)})", keys)
     if found is not None:
         return str(found[0])
     if not skipped:
         return None
     if apply:
-        await LaneStore(owner=store, lane=lane).take_skipped(skipped, V1.cancelled)
+        await feeder.take_skipped(skipped, V1.cancelled)
     return SKIPPED
 
 
