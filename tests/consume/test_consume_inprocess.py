@@ -707,7 +707,8 @@ async def test_a_database_outage_mid_stream_loses_nothing_and_repeats_nothing(
 
 
 class CountingConsumerStore(SQLConsumerStore):
-    """Counts the retry claims and the held-back rooms' look-ups (one a batch settled) tried."""
+    """Counts the retry claims and the held-back rooms' look-ups (one a batch settled) that failed.
+    Failures, not calls: a call still in flight when the database comes back succeeds."""
 
     claims = 0
     look_ups = 0
@@ -715,12 +716,18 @@ class CountingConsumerStore(SQLConsumerStore):
     async def claim_retries(
         self, consumer: str, owner: str, limit: int, lease_ms: int, ordered: bool
     ) -> list[RetryRow]:
-        self.claims += 1
-        return await super().claim_retries(consumer, owner, limit, lease_ms, ordered)
+        try:
+            return await super().claim_retries(consumer, owner, limit, lease_ms, ordered)
+        except Exception:
+            self.claims += 1
+            raise
 
     async def blocked_rooms(self, consumer: str, room_keys: set[str]) -> set[tuple[str, str]]:
-        self.look_ups += 1
-        return await super().blocked_rooms(consumer, room_keys)
+        try:
+            return await super().blocked_rooms(consumer, room_keys)
+        except Exception:
+            self.look_ups += 1
+            raise
 
 
 async def test_a_database_outage_makes_a_line_when_it_begins_and_one_when_it_ends_not_one_a_round(
