@@ -204,6 +204,24 @@ async def test_an_event_id_several_apps_have_is_shown_per_app_and_changed_only_f
     assert await statuses_by_app(store, "x0") == {"appa": "pending", "appb": "cancelled"}
 
 
+async def test_requeue_of_thousands_of_event_ids_finds_the_one_several_apps_have_however_it_is_cased(
+    store: MySQLStore, config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The ids are checked in statements of many ids each, grouped by the table's own comparison:
+    an id listed past the first statement's ids, naming rows of two apps that differ only in
+    case under the table's case-insensitive collation, is refused as ``=`` would find it."""
+    await key_event_ids_per_app(store)
+    await insert_events(store, [envelope("x0", app_code="appa"), envelope("X0", app_code="appb"),
+                                envelope("y1", app_code="appa")])  # fmt: skip
+    listed = [f"none{n}" for n in range(1500)] + ["x0"] + [f"none{n}" for n in range(1500, 2500)]
+    argv = [arg for event_id in listed for arg in ("--event-id", event_id)]
+    code, out, err = await cli(capsys, "--config", config, "requeue", *argv)
+    assert (code, out) == (1, "") and "event id x0 names rows of several apps (appa, appb)" in err
+    code, out, err = await cli(capsys, "--config", config, "requeue", *argv[:3000], "--event-id", "y1")
+    assert code == 0 and re.search(r"^y1 +appa +RoomUserJoined +pending ", out, re.M), (out, err)
+    assert await statuses_by_app(store, "X0") == {"appa": "pending", "appb": "pending"}
+
+
 # -- human times ----------------------------------------------------------------------------------
 
 

@@ -35,7 +35,7 @@ from room_outbox.store.operator.changes import (
     requeue,
     requeue_in_lane_table,
 )
-from room_outbox.store.operator.reports import event_apps
+from room_outbox.store.operator.reports import any_event_of_several_apps, event_apps
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.tail import REQUEUED, SKIPPED
 
@@ -96,7 +96,10 @@ async def requeue_command(
 
 
 async def _ids_of_several_apps(store: SQLStore, event_ids: Sequence[str], err: Any) -> bool:
-    """Whether one of ``event_ids`` names rows of several apps; then says so on ``err``."""
+    """Whether one of ``event_ids`` names rows of several apps; then says so on ``err``, for
+    each such id (looked up one by one only then: the operator may list thousands)."""
+    if not await any_event_of_several_apps(store, event_ids):
+        return False
     several = False
     for event_id in event_ids:
         apps = await event_apps(store, event_id)

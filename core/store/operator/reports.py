@@ -371,6 +371,28 @@ async def event_apps(store: SQLStore, event_id: str) -> list[str]:
         return [text(app_code) for (app_code,) in await cur.fetchall()]
 
 
+#: Event ids looked up per statement by :func:`any_event_of_several_apps`.
+EVENT_IDS_PER_LOOKUP = 1000
+
+
+async def any_event_of_several_apps(store: SQLStore, event_ids: Sequence[str]) -> bool:
+    """Whether one of ``event_ids`` names rows of several apps, in a statement per
+    :data:`EVENT_IDS_PER_LOOKUP` ids. The rows are grouped by the column itself, so the table's
+    own comparison decides which ids are one (as ``=`` does in :func:`event_apps`)."""
+    p = store.profile
+    for first in range(0, len(event_ids), EVENT_IDS_PER_LOOKUP):
+        chunk = list(event_ids[first : first + EVENT_IDS_PER_LOOKUP])
+        async with store.transaction() as cur:
+            await cur.execute(
+                f"SELECT 1 FROM {p.table} WHERE {p.event_id} IN ({marks(chunk)})"
+                f" GROUP BY {p.event_id} HAVING COUNT(DISTINCT {p.app_code}) > 1 LIMIT 1",
+                chunk,
+            )
+            if await cur.fetchone() is not None:
+                return True
+    return False
+
+
 async def apps_of_rows(store: SQLStore, keys: Sequence[int]) -> dict[int, str]:
     """The app code of each of the rows ``keys`` (the profile's key) still in the table."""
     p = store.profile
