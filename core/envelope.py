@@ -7,9 +7,10 @@ import math
 import re
 import secrets
 from collections.abc import Callable, Container, Iterator, Sequence
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, GetPydanticSchema, ValidationError, WithJsonSchema
+from pydantic_core import core_schema
 
 from room_outbox.errors import EnvelopeError
 
@@ -67,6 +68,37 @@ def event_type_label(event_type: str, routed: Container[str] = frozenset()) -> s
     return event_type if event_type in KNOWN_EVENT_TYPES or event_type in routed else OTHER_EVENT_TYPE
 
 
+#: The error of an integer field given anything else (see :data:`_Integer`).
+_INTEGER_ERROR = "integer_type"
+
+#: An integer field's value as JSON gives it: a JSON integer; a number with no fractional part
+#: (JSON Schema's "integer" admits ``1.0`` and ``1.7648928e12``); or, so that a producer writing
+#: it as a string keeps working, plain decimal digits with an optional leading minus, read as
+#: that integer. Anything else (``true``, ``"5_000"``, ``" 7 "``, ``"+5"``, ``1.5``, ``"1e3"``)
+#: is refused, never rewritten into a number the sinks would send on. Tried left to right, all
+#: in pydantic-core, so that a JSON integer, the common case, costs what a plain ``int`` does.
+_INTEGER_SCHEMA = core_schema.union_schema(
+    [
+        core_schema.int_schema(strict=True),
+        # lax int of a float: its value when whole and within 64 bits, else an error
+        core_schema.chain_schema([core_schema.float_schema(strict=True), core_schema.int_schema()]),
+        # [0-9], not \d, which matches other scripts' digits; $ is the text's end (Rust regex)
+        core_schema.chain_schema(
+            [core_schema.str_schema(strict=True, pattern=r"^-?[0-9]+$"), core_schema.int_schema()]
+        ),
+    ],
+    mode="left_to_right",
+    custom_error_type=_INTEGER_ERROR,
+    custom_error_message="Input should be an integer (a whole number, or its decimal digits in a string)",
+    serialization=core_schema.simple_ser_schema("int"),
+)
+#: An ``int`` field that takes only what :data:`_INTEGER_SCHEMA` does; its JSON Schema says
+#: integer (the digit strings are tolerated, not published).
+_Integer = Annotated[
+    int, GetPydanticSchema(lambda _source, _handler: _INTEGER_SCHEMA), WithJsonSchema({"type": "integer"})
+]
+
+
 class EventEnvelope(BaseModel):
     """One room event. Unknown fields are kept (``model_extra``) and otherwise ignored."""
 
@@ -76,8 +108,8 @@ class EventEnvelope(BaseModel):
     event_type: str
     room_id: str
     app_code: str = ""
-    room_version: int | None = None
-    occurred_at_ms: int | None = None
+    room_version: _Integer | None = None
+    occurred_at_ms: _Integer | None = None
     request_id: str | None = None
     command_id: str | None = None
     traceparent: str | None = None
@@ -247,8 +279,29 @@ def _strings(value: Any, where: str = "") -> Iterator[tuple[str, str, bool]]:
 
 def _describe(exc: ValidationError) -> str:
     problems = []
-    for error in exc.errors(include_url=False, include_input=False)[:3]:
+    for error in exc.errors(include_url=False)[:3]:
         where = ".".join(str(part) for part in error["loc"]) or "document"
-        problems.append(f"{where}: {error['msg']}")
+        given = f", not {_given(error['input'])}" if error["type"] == _INTEGER_ERROR else ""
+        problems.append(f"{where}: {error['msg']}{given}")
     more = exc.error_count() - len(problems)
     return "; ".join(problems) + (f" (+{more} more)" if more > 0 else "")
+
+
+def _given(value: Any) -> str:
+    """What an integer field was given instead, in a few words: never the value of a string,
+    which may be long."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return "a number that is not finite"
+        return "a number beyond 64 bits" if value.is_integer() else "a number with a fractional part"
+    if isinstance(value, str):
+        return "a string of too many digits" if _DIGITS.fullmatch(value) else "a string other than decimal digits"
+    if isinstance(value, dict):
+        return "an object"
+    return "an array" if isinstance(value, list) else type(value).__name__
+
+
+#: The digit strings :data:`_INTEGER_SCHEMA` takes (Python's ``$`` would take a trailing newline).
+_DIGITS = re.compile(r"-?[0-9]+")

@@ -299,6 +299,8 @@ async def test_a_permanent_error_stays_pending_in_v1(store: MySQLStore) -> None:
         (("", "not_finite", "RoomHeatChanged", "r_1", '{"event_id": "not_finite", "event_type": "RoomHeatChanged", "room_id": "r_1", "payload": {"heat": NaN}}'),
          "malformed envelope: payload.heat: not a finite number"),
         (("", "null_envelope", "RoomUserJoined", "r_1", None), "no envelope: the column is NULL"),
+        (("", "bool_version", "RoomUserJoined", "r_1", '{"event_id": "bool_version", "event_type": "RoomUserJoined", "room_id": "r_1", "room_version": true}'),
+         "malformed envelope: room_version: Input should be an integer (a whole number, or its decimal digits in a string), not true"),
     ],
 )  # fmt: skip
 async def test_bad_input_gets_a_clear_error_and_blocks_nothing(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from room_outbox.envelope import EnvelopeError, parse_envelope
+import pytest
+from pydantic import ValidationError
+
+from room_outbox.consume.messages import Message, Router
+from room_outbox.envelope import EnvelopeError, EventEnvelope, parse_envelope
 
 
 def test_parses_the_design_example_and_keeps_unknown_fields() -> None:
@@ -104,3 +108,86 @@ def test_a_lone_surrogate_in_a_callers_text_is_named_too() -> None:
 def test_other_invalid_json_keeps_the_parsers_message() -> None:
     with pytest.raises(EnvelopeError, match=r"^malformed envelope: document: Invalid JSON: EOF while parsing"):
         parse_envelope('{"event_id": "e", "payload": {"text": "x"')
+
+
+@pytest.mark.parametrize(
+    ("value", "read"),
+    [
+        ("17", 17),
+        ("-3", -3),
+        ("0", 0),
+        ("123456789012345678901234567890", 123456789012345678901234567890),  # as before: no bound
+        ("17.0", 17),  # JSON Schema's "integer" admits a number with no fractional part
+        ("1.7648928e12", 1764892800000),
+        ("-0.0", 0),
+        ('"17"', 17),  # a producer writing it as a string keeps working
+        ('"-3"', -3),
+        ('"007"', 7),
+        ("null", None),
+    ],
+)
+@pytest.mark.parametrize("field", ["room_version", "occurred_at_ms"])
+def test_an_integer_field_takes_an_integer_a_whole_number_or_a_digit_string(
+    field: str, value: str, read: int | None
+) -> None:
+    assert getattr(parse_envelope(ROW % f'"{field}": {value}'), field) == read
+
+
+@pytest.mark.parametrize(
+    ("value", "given"),
+    [
+        ("true", "true"),
+        ("false", "false"),
+        ('"5_000"', "a string other than decimal digits"),
+        ('" 7 "', "a string other than decimal digits"),
+        ('"7\\n"', "a string other than decimal digits"),
+        ('"+5"', "a string other than decimal digits"),
+        ('"--5"', "a string other than decimal digits"),
+        ('"-"', "a string other than decimal digits"),
+        ('""', "a string other than decimal digits"),
+        ('"5.0"', "a string other than decimal digits"),
+        ('"1e3"', "a string other than decimal digits"),
+        ('"0x10"', "a string other than decimal digits"),
+        ('"\\u0663"', "a string other than decimal digits"),  # ARABIC-INDIC DIGIT THREE
+        (f'"{"1" * 5000}"', "a string of too many digits"),
+        ("1.5", "a number with a fractional part"),
+        ("-0.25", "a number with a fractional part"),
+        ("1e300", "a number beyond 64 bits"),
+        ("NaN", "a number that is not finite"),
+        ("-Infinity", "a number that is not finite"),
+        ("[1]", "an array"),
+        ('{"v": 1}', "an object"),
+    ],
+)
+@pytest.mark.parametrize("field", ["room_version", "occurred_at_ms"])
+def test_an_integer_field_refuses_anything_else_naming_the_field(field: str, value: str, given: str) -> None:
+    """Never rewritten into a number the sinks would send on (``true`` as 1, ``"5_000"`` as 5000)."""
+    with pytest.raises(EnvelopeError) as info:
+        parse_envelope(ROW % f'"{field}": {value}')
+    assert str(info.value) == (
+        f"malformed envelope: {field}: Input should be an integer"
+        f" (a whole number, or its decimal digits in a string), not {given}"
+    )
+
+
+def test_integers_read_from_other_forms_go_on_as_json_integers() -> None:
+    """What the sinks send (the Kafka value, the IM message's data) holds the integer read."""
+    env = parse_envelope(ROW % '"room_version": "17", "occurred_at_ms": 1.7648928e12')
+    sent = json.loads(env.model_dump_json())
+    assert (sent["room_version"], sent["occurred_at_ms"]) == (17, 1764892800000)
+
+
+def test_a_producer_building_an_envelope_in_python_is_held_to_the_same_rule() -> None:
+    assert EventEnvelope(event_id="e", event_type="T", room_id="r", room_version="17").room_version == 17
+    with pytest.raises(ValidationError, match="room_version"):
+        EventEnvelope(event_id="e", event_type="T", room_id="r", room_version=True)
+
+
+def test_a_consumer_rejects_a_message_whose_integer_field_is_no_integer() -> None:
+    """The consumer parses each Kafka value as the relays parse each row: a dead letter naming the field."""
+    message = Message(
+        topic="t", partition=0, offset=0, key="", value=(ROW % '"room_version": true').encode(), headers={}
+    )
+    Router.parse(message)
+    assert message.rejected is not None and message.envelope is None
+    assert message.rejected.startswith("unparsable value: malformed envelope: room_version: Input should be an integer")

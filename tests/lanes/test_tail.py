@@ -381,6 +381,47 @@ async def test_bad_envelopes_are_parked_with_a_clear_error_and_the_lane_goes_on(
         await store.aclose()
 
 
+async def test_an_integer_field_that_is_no_integer_is_parked_naming_it_and_the_others_go_as_integers(
+    any_store: SQLStore, kafka_broker: Broker
+) -> None:
+    """A room_version of ``true`` or ``"5_000"`` is parked, its error naming the field, never
+    sent on as 1 or 5000; a whole number (``17.0``) and a digit string (``"18"``, as a producer
+    writing strings sends) go to Kafka as the integers they are, in the room's order."""
+    store = any_store
+    sink = kafka_sink(kafka_broker)
+    try:
+        fields = {
+            "as-true": '"room_version": true',
+            "as-underscored": '"room_version": "5_000"',
+            "as-whole": '"room_version": 17.0, "occurred_at_ms": 1.7648928e12',
+            "as-digits": '"room_version": "18", "occurred_at_ms": "1764892800001"',
+        }
+        raw = '{"event_id": "%s", "event_type": "RoomUserJoined", "app_code": "default", "room_id": "r_1", %s}'
+        await insert_rows(store, [("default", event_id, "RoomUserJoined", "r_1", raw % (event_id, more))
+                                  for event_id, more in fields.items()])  # fmt: skip
+        tail = relay(store, sink)
+        await drain(tail, store)
+        messages = await consume(kafka_broker, {"as-whole", "as-digits"})
+        assert event_ids(messages) == ["as-whole", "as-digits"]
+        sent = {dict(m.headers)["event_id"].decode(): json.loads(m.value) for m in messages}
+        assert {event_id: (value["room_version"], value["occurred_at_ms"]) for event_id, value in sent.items()} == {
+            "as-whole": (17, 1764892800000),
+            "as-digits": (18, 1764892800001),
+        }
+        assert [type(value["room_version"]) for value in sent.values()] == [int, int]  # not true, not a string
+        parked = {p["event_id"]: p["last_error"] for p in await tail.store.parked()}
+        refused = (
+            "malformed envelope: room_version: Input should be an integer"
+            " (a whole number, or its decimal digits in a string), not"
+        )
+        assert parked == {
+            "as-true": f"{refused} true",
+            "as-underscored": f"{refused} a string other than decimal digits",
+        }
+    finally:
+        await sink.aclose()
+
+
 async def test_a_row_whose_columns_differ_from_its_envelope_is_parked_and_stays_parked_when_requeued(
     any_store: SQLStore, kafka_broker: Broker
 ) -> None:
