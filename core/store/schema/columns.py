@@ -74,10 +74,11 @@ class Column:
 
 
 def compares_exactly(column: Column) -> bool:
-    """Whether a MySQL/MariaDB text column tells apart values that differ only in letter case or
-    accents: a binary collation (``…_bin``, or ``binary`` bytes). Not text (no collation): yes."""
+    """Whether a MySQL/MariaDB text column tells apart values that differ only in letter case:
+    a binary collation (``…_bin``, or ``binary`` bytes) or a case-sensitive one (``…_cs``). Not
+    text (no collation): yes."""
     collation = (column.collation or "binary").lower()
-    return collation == "binary" or collation.endswith("_bin")
+    return collation == "binary" or collation.endswith(("_bin", "_cs"))
 
 
 def inexact_note(table: str, columns: Sequence[Column], kept: str, fix: str) -> str:
