@@ -123,6 +123,12 @@ class HandlerSettings(BaseModel):
 #: The kinds of column a handler declares: text, and integers of 4 and 8 bytes.
 ColumnType = Literal["text", "int", "bigint"]
 
+#: The collation of MySQL/MariaDB text compared exactly, as PostgreSQL and SQLite compare all
+#: text: byte for byte, so that ids differing only in letter case or accents are two ids (the
+#: default collations take them for one). It still ignores trailing spaces, as every collation
+#: MySQL and MariaDB share does.
+EXACT_COLLATION = "utf8mb4_bin"
+
 #: The range of each integer type.
 _INTEGER_RANGES = {"int": range(-(1 << 31), 1 << 31), "bigint": range(-(1 << 63), 1 << 63)}
 
@@ -137,6 +143,10 @@ class HandlerColumn:
     length: int | None = None
     #: Whether the handler writes NULL there.
     nullable: bool = False
+    #: Text that identifies what the handler keeps (an event's ``event_id`` and ``app_code``, in
+    #: a unique key): compared exactly (:data:`EXACT_COLLATION` on MySQL/MariaDB), so that two
+    #: events whose ids differ only in letter case are two rows, never one taken for the other.
+    exact: bool = False
     #: Text, as found in the table at start: the bytes it holds where the server counts bytes
     #: (MySQL's TEXT types); None: no such bound. The check at start sets it, never the handler.
     max_bytes: int | None = None
@@ -147,6 +157,8 @@ class HandlerColumn:
             sql = self.type.upper()
         elif self.length is not None:
             sql = f"VARCHAR({self.length})"
+            if self.exact and dialect == "mysql":
+                sql += f" CHARACTER SET utf8mb4 COLLATE {EXACT_COLLATION}"
         else:
             sql = "LONGTEXT" if dialect == "mysql" else "TEXT"
         return f"{sql:<12} {'NULL' if self.nullable else 'NOT NULL'}"

@@ -39,6 +39,7 @@ from room_outbox.store.factory import consumer_store, open_store
 from room_outbox.store.operator.reports import ping
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.columns import binlog_problems
+from room_outbox.store.schema.consumers import inexact_tables
 from room_outbox.store.schema.handler_tables import CheckedTables, check_handler_tables
 
 log = logging.getLogger("room_outbox.consume")
@@ -149,11 +150,13 @@ async def _checked_tables(
 ) -> CheckedTables:
     """The tables of the chosen consumers' handlers as found, checked as ``migrate`` checks
     them: one that cannot hold what its handler writes stops the start (:class:`SchemaError`
-    naming the column and the fix) rather than failing events one at a time."""
+    naming the column and the fix) rather than failing events one at a time. What ``migrate``
+    only warns about (the consumers' own tables included) is logged as a warning."""
     specs = registered_handlers(pm)
     names = sorted({name for options in chosen.values() for name in options.handlers if name in specs})
     async with store.transaction() as cur:
         checked = await check_handler_tables(cur, store.dialect, [t for name in names for t in specs[name].tables])
+        checked.warnings[:0] = await inexact_tables(cur, store.dialect)
     refused = [f"table {table} does not exist: run `room-outbox migrate`" for table in checked.missing]
     if refused or checked.refused:
         raise SchemaError("\n".join(refused + checked.refused))

@@ -42,14 +42,15 @@ ACTIVITY_KINDS = {
 #: The columns it writes (all but the id): ``migrate`` creates them and, where the table was made
 #: beforehand, checks it can hold them; the handler's rows are checked against them. The
 #: detail (the payload's JSON, up to an envelope's size) is LONGTEXT on MySQL, whose TEXT holds
-#: 64 KB.
+#: 64 KB. The unique key's app_code and event_id compare exactly: ids differing only in letter
+#: case are two events, each written.
 COLUMNS = HandlerTable(
     TABLE,
     {
-        "app_code": HandlerColumn("text", 64),
+        "app_code": HandlerColumn("text", 64, exact=True),
         "room_id": HandlerColumn("text", 64),
         "room_version": HandlerColumn("bigint", nullable=True),
-        "event_id": HandlerColumn("text", 128),
+        "event_id": HandlerColumn("text", 128, exact=True),
         "event_type": HandlerColumn("text", 64),
         "kind": HandlerColumn("text", 16),
         "user_id": HandlerColumn("text", 128, nullable=True),

@@ -34,12 +34,13 @@ TABLE = "room_audit_log"
 
 #: The columns it writes (all but the id): ``migrate`` creates them and, where the table was made
 #: beforehand, checks it can hold them; the handler's rows are checked against them. The
-#: envelope is LONGTEXT on MySQL, whose TEXT holds 64 KB.
+#: envelope is LONGTEXT on MySQL, whose TEXT holds 64 KB. The unique key's app_code and event_id
+#: compare exactly: ids differing only in letter case are two events, each logged.
 COLUMNS = HandlerTable(
     TABLE,
     {
-        "app_code": HandlerColumn("text", 64),
-        "event_id": HandlerColumn("text", 128),
+        "app_code": HandlerColumn("text", 64, exact=True),
+        "event_id": HandlerColumn("text", 128, exact=True),
         "event_type": HandlerColumn("text", 64),
         "room_id": HandlerColumn("text", 64),
         "room_version": HandlerColumn("bigint", nullable=True),

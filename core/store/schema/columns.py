@@ -73,6 +73,27 @@ class Column:
     filled: bool = False
 
 
+def compares_exactly(column: Column) -> bool:
+    """Whether a MySQL/MariaDB text column tells apart values that differ only in letter case:
+    a binary collation (``…_bin``, or ``binary`` bytes) or a case-sensitive one (``…_cs``). Not
+    text (no collation): yes."""
+    collation = (column.collation or "binary").lower()
+    return collation == "binary" or collation.endswith(("_bin", "_cs"))
+
+
+def inexact_note(table: str, columns: Sequence[Column], kept: str, fix: str) -> str:
+    """The warning about ``table``'s key ``columns`` that do not compare exactly: events whose
+    ids differ only in letter case are taken for one, the second not ``kept``; ``fix``: the
+    statement, which copies the table."""
+    names = ", ".join(f"{column.name} ({column.collation})" for column in columns)
+    return (
+        f"{table} compares {names} ignoring letter case: of two events whose ids differ only so, the"
+        f" second is taken for the first and not {kept}; to tell them apart run {fix} (MySQL and MariaDB"
+        " change a key column's collation only by copying the table, writes blocked meanwhile, so the"
+        " consumers wait: on a large table, plan it or use pt-online-schema-change)"
+    )
+
+
 def adoption_plan(columns: set[str], dialect: Dialect, table: str) -> list[Step]:
     """Add what room-service's first V1 tables lack (``app_code``, ``updated_at_ms``) to an
     existing table, with constant defaults (catalogue-only changes): the producer's INSERT,

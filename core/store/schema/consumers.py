@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from room_outbox.handler import EXACT_COLLATION
 from room_outbox.store.dialect import Dialect, index_names, table_names
+from room_outbox.store.schema.columns import compares_exactly, inexact_note, read_columns
 from room_outbox.store.schema.outbox import Migration
 
 PROCESSED = "room_consumer_processed"
@@ -51,6 +53,18 @@ def _retry_columns(id_column: str, blob: str) -> str:
   updated_at_ms   BIGINT        NOT NULL,"""
 
 
+#: The MySQL/MariaDB tables' options. Their text compares exactly (:data:`EXACT_COLLATION`), as
+#: on PostgreSQL: room-service's table may hold two events whose ids differ only in letter case,
+#: and under a default collation the second would find the first's processed record and be
+#: taken for a duplicate, never handled.
+_MYSQL_OPTIONS = f"ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE={EXACT_COLLATION}"
+#: Per table, the columns that identify a handling (its key) or a room (the retry rows' order):
+#: the ones that must compare exactly.
+IDENTITY_COLUMNS = {
+    PROCESSED: ("consumer", "handler", "app_code", "event_id"),
+    RETRY: ("consumer", "handler", "app_code", "event_id", "room_key"),
+}
+
 #: Each table's creation, in order, per database: (table, its CREATE TABLE, its CREATE INDEX statements).
 CONSUMER_TABLES: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
     "mysql": (
@@ -59,7 +73,7 @@ CONSUMER_TABLES: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
             f"""CREATE TABLE IF NOT EXISTS {PROCESSED} (
 {_PROCESSED_COLUMNS},
   KEY {AGE_INDEX} (processed_at_ms)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
+) {_MYSQL_OPTIONS}""",
             (),
         ),
         (
@@ -70,7 +84,7 @@ CONSUMER_TABLES: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
   KEY idx_room_consumer_retry_due (consumer, status, due_at_ms, id),
   KEY idx_room_consumer_retry_room (consumer, room_key, status, handler, id),
   KEY idx_room_consumer_retry_event (event_id)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4""",
+) {_MYSQL_OPTIONS}""",
             (),
         ),
     ),
@@ -117,4 +131,22 @@ async def consumer_steps(cur: Any, dialect: Dialect) -> list[Migration]:
     for table, index, statement in CONSUMER_ADDED_INDEXES[dialect.name]:
         if table in existing and index not in await index_names(cur, dialect, table):
             plan.append(Migration(f"added index {table}.{index}", (statement,)))
+    plan += [Migration(f"left as it is: {warning}", ()) for warning in await inexact_tables(cur, dialect)]
     return plan
+
+
+async def inexact_tables(cur: Any, dialect: Dialect) -> list[str]:
+    """A warning per consumers' table made by an earlier version on MySQL/MariaDB, whose
+    identity columns ignore letter case (the server's default collation). ``migrate`` leaves
+    them as they are: the change copies the table with writes blocked, which an operator plans;
+    ``migrate`` and ``consume`` say so, with the statement."""
+    if dialect.name != "mysql":
+        return []
+    warnings = []
+    for table, identity in IDENTITY_COLUMNS.items():
+        found = await read_columns(cur, dialect, table)
+        inexact = [found[name] for name in identity if name in found and not compares_exactly(found[name])]
+        if inexact:
+            fix = f"ALTER TABLE {table} CONVERT TO CHARACTER SET utf8mb4 COLLATE {EXACT_COLLATION}"
+            warnings.append(inexact_note(table, inexact, "handled", fix))
+    return warnings

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from room_outbox.handler import HandlerColumn, HandlerTable
+from room_outbox.handler import EXACT_COLLATION, HandlerColumn, HandlerTable
 from room_outbox.store.dialect import Dialect
-from room_outbox.store.schema.columns import Column, printed_name, read_columns
+from room_outbox.store.schema.columns import Column, compares_exactly, inexact_note, printed_name, read_columns
 
 #: Bytes of each integer type (MySQL's names and PostgreSQL's).
 _INTEGER_BYTES = {"tinyint": 1, "smallint": 2, "mediumint": 3, "int": 4, "integer": 4, "bigint": 8}
@@ -81,6 +81,7 @@ async def check_handler_tables(cur: Any, dialect: Dialect, tables: Sequence[Hand
                     f" to hold every one, run {widen[name]}" + _COPY_NOTE.get(dialect.name, "")
                 )
         checked.refused += _unwritten(table, found, dialect, named) + _narrow_charset(table, found, dialect)
+        checked.warnings += _inexact(table, found, dialect, named)
         checked.found[table.name] = HandlerTable(table.name, columns, widen)
     return checked
 
@@ -185,3 +186,22 @@ def _narrow_charset(table: HandlerTable, found: dict[str, Column], dialect: Dial
         f"{table.name}'s columns {names} cannot hold every character events carry (CJK, emoji): run ALTER TABLE"
         f" {table.name} CONVERT TO CHARACTER SET utf8mb4 (a copy of the table)"
     ]
+
+
+def _inexact(table: HandlerTable, found: dict[str, Column], dialect: Dialect, named: str) -> list[str]:
+    """MySQL text columns the handler keys on (``exact``) in a collation that takes ids differing
+    only in letter case for one, as one warning line: the change copies the table, so it is the
+    operator's to plan (migrate makes changes online only)."""
+    inexact = [
+        found[name]
+        for name, wanted in table.columns.items()
+        if wanted.exact and name in found and not compares_exactly(found[name])
+    ]
+    if dialect.name != "mysql" or not inexact:
+        return []
+    modify = ", ".join(
+        f"MODIFY {column.name} {column.declared} CHARACTER SET utf8mb4 COLLATE {EXACT_COLLATION}"
+        f" {'NULL' if column.nullable else 'NOT NULL'}"
+        for column in inexact
+    )
+    return [inexact_note(table.name, inexact, "written", f"ALTER TABLE {named} {modify}")]
