@@ -21,6 +21,7 @@ import pytest
 from support import (
     EARLIER_ADOPTION,
     V1_DDL,
+    PrivateMariaDB,
     envelope,
     execute,
     insert_events,
@@ -612,3 +613,110 @@ async def test_migrating_a_million_row_table_keeps_room_services_inserts_fast(
         assert [row.event_id for row in claimed.rows] == [f"e{n}" for n in range(10)]  # the oldest pending
     finally:
         await store.aclose()
+
+
+@pytest.fixture(scope="module")
+def short_wait_timeout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateMariaDB]:
+    """A server whose sessions idle for 2 s at most, unless they say otherwise (a DBA's
+    ``wait_timeout``, shorter than a change to a large table takes)."""
+    server = PrivateMariaDB(tmp_path_factory.mktemp("wait-timeout-mariadb"), "--wait-timeout=2")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+def migrate_lock_holder(conn: pymysql.connections.Connection) -> int | None:
+    """The session holding migrate's lock on ``conn``'s database (None: free)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT IS_USED_LOCK(LEFT(CONCAT(%s, ':', DATABASE()), 64))", (mysql_online.LOCK_NAME,))
+        holder = cur.fetchone()[0]
+    return None if holder is None else int(holder)
+
+
+async def test_migrate_keeps_its_lock_and_progress_past_the_servers_wait_timeout(
+    short_wait_timeout: PrivateMariaDB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's ``wait_timeout`` (2 s) is shorter than a change waits: the session holding
+    migrate's lock is the same one throughout, and the progress lines (every 2.5 s, their
+    session idle meanwhile) keep coming."""
+    monkeypatch.setattr(mysql_online, "PROGRESS_EVERY", 2.5)
+    dsn = short_wait_timeout.dsn(database=f"room_{uuid.uuid4().hex[:8]}")
+    address = MySQLAddress.from_dsn(dsn)
+    admin = pymysql.connect(host=address.host, port=address.port, user="root", autocommit=True, connect_timeout=5)
+    with admin.cursor() as cur:
+        cur.execute("SET SESSION wait_timeout = 600")
+        cur.execute(f"CREATE DATABASE {address.database}")
+        cur.execute(f"USE {address.database}")
+        cur.execute(V1_DDL)
+    reader = connect(dsn)  # holds the table's metadata lock, as a long transaction would
+    lines: list[str] = []
+    store = await MySQLStore.connect(dsn)
+    store.report_progress = lines.append
+    changes: list[str] = []
+    try:
+        with reader.cursor() as cur:
+            cur.execute("SET SESSION wait_timeout = 600")
+            reader.begin()
+            cur.execute("SELECT COUNT(*) FROM room_outbox")
+
+        async def migrate() -> None:
+            changes.extend(await store.migrate())
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(migrate)
+            await wait_until(lambda: migrate_lock_holder(admin) is not None, timeout=30)
+            holder = migrate_lock_holder(admin)
+            await wait_until(lambda: any("retrying (1/" in line for line in lines), timeout=30)  # 3 s and more
+            waited = [line for line in lines if "Waiting for table metadata lock" in line]
+            assert waited, lines  # read at 2.5 s, its session idle since it opened
+            assert migrate_lock_holder(admin) == holder
+            reader.commit()
+        assert changes == V1_CHANGES
+    finally:
+        reader.close()
+        admin.close()
+        await store.aclose()
+
+
+async def test_migrate_whose_lock_session_ends_stops_its_statement_and_says_so(
+    v1_table: str,
+    config: Path,
+    table_reader: pymysql.connections.Connection,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The session holding migrate's lock ends (here a DBA's KILL) while an ALTER waits for the
+    table: migrate stops the ALTER on the server and says, in one line, that its lock was lost;
+    a rerun finishes."""
+    monkeypatch.setattr(mysql_online, "DDL_LOCK_WAIT", 20)  # the ALTER waits on, unless stopped
+    monkeypatch.setattr(mysql_online, "DDL_ATTEMPTS", 1)
+    admin = connect(v1_table)
+    try:
+        async with anyio.create_task_group() as group:
+            outcome: list[tuple[int, str, str]] = []
+
+            async def migrate() -> None:
+                outcome.append(await cli(capsys, "--config", str(config), "migrate"))
+
+            group.start_soon(migrate)
+            await wait_until(lambda: schema_changes_running(v1_table) != [], timeout=30)
+            with admin.cursor() as cur:
+                cur.execute(f"KILL {migrate_lock_holder(admin)}")
+            await wait_until(lambda: outcome != [], timeout=40)
+        [(code, out, err)] = outcome
+        assert code == 3 and out == "", err
+        [said] = err.splitlines()
+        assert said.startswith("room-outbox: migrate stopped: the database session holding its lock"), said
+        assert said.endswith("run migrate again to finish"), said
+        assert schema_changes_running(v1_table) == []  # stopped, not left waiting
+        with admin.cursor() as cur:
+            cur.execute("SHOW TABLES LIKE 'room_outbox_migrate%%'")
+            assert cur.fetchall() == ()
+    finally:
+        admin.close()
+    table_reader.commit()
+    assert "worker_id" not in columns_of(v1_table)
+    code, out, _ = await cli(capsys, "--config", str(config), "migrate")
+    assert code == 0 and out.splitlines()[: len(V1_CHANGES)] == V1_CHANGES

@@ -491,3 +491,46 @@ async def test_row_level_security_on_the_outbox_is_said_at_start(
         await admin.execute(f"DROP OWNED BY {role}")
         await admin.execute(f"DROP ROLE {role}")
         await admin.close()
+
+
+async def test_a_roles_idle_session_timeout_does_not_end_the_pools_idle_sessions(postgresql_dsn: str) -> None:
+    """The role's ``idle_session_timeout`` (here in the test's database only): the pool's session
+    idles past it and is still the one the next transaction runs on; sessions opened outside the
+    pool (migrate's) lift it too."""
+    pg_admin(f'ALTER ROLE postgres IN DATABASE "{postgresql_dsn.rsplit("/", 1)[1]}" SET idle_session_timeout = 500')
+    store = await PostgresStore.connect(postgresql_dsn, pool_size=1)
+    try:
+        async with store.transaction() as cur:
+            await cur.execute("SELECT pg_backend_pid(), current_setting('idle_session_timeout')")
+            pid, setting = await cur.fetchone()
+        assert setting == "0"
+        async with await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True) as admin:
+            await admin.execute("SET idle_session_timeout = 0")
+
+            async def idle_past_the_limit_or_gone() -> bool:
+                cur = await admin.execute(
+                    "SELECT now() - state_change > interval '1.5 s' FROM pg_stat_activity WHERE pid = %s", (pid,)
+                )
+                row = await cur.fetchone()
+                return row is None or bool(row[0])
+
+            await wait_until(idle_past_the_limit_or_gone, timeout=10)
+        async with store.transaction() as cur:
+            await cur.execute("SELECT pg_backend_pid()")
+            assert (await cur.fetchone())[0] == pid
+        own = await open_session(store.address, 1.0)
+        try:
+            assert (await (await own.execute("SHOW idle_session_timeout")).fetchone())[0] == "0"
+        finally:
+            await own.close()
+    finally:
+        await store.aclose()
+
+
+def test_idle_session_timeout_is_lifted_only_where_the_server_has_it() -> None:
+    """PostgreSQL 14 added ``idle_session_timeout``: an older server refuses to set it, and in a
+    transaction's own settings (a pooler's transaction pooling) it would last no longer than that."""
+    address = PostgresAddress.from_dsn("postgresql://app@db/room")
+    assert "SET idle_session_timeout = 0" in address.session_settings(5.0, server_version=140000)
+    assert "idle_session_timeout" not in address.session_settings(5.0, server_version=130012)
+    assert "idle_session_timeout" not in address.session_settings(5.0, local=True, server_version=150000)

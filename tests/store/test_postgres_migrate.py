@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import anyio
 import psycopg
 import pytest
-from support import envelope, execute, insert_events, pg_producing, wait_until
+from support import envelope, execute, insert_events, pg_admin, pg_producing, wait_until
 
 from room_outbox.errors import SchemaError, StoreError
 from room_outbox.store.backends.postgres import MIGRATE_LOCK_KEY, PostgresStore
@@ -408,3 +408,102 @@ async def test_a_table_owner_without_create_on_the_schema_is_refused_before_any_
         await admin.execute(f"DROP OWNED BY {role} CASCADE")
         await admin.execute(f"DROP ROLE IF EXISTS {role}")
         await admin.close()
+
+
+def database_of(dsn: str) -> str:
+    return dsn.rsplit("/", 1)[1]
+
+
+async def building_for(admin: psycopg.AsyncConnection[object], seconds: float) -> bool:
+    """Whether migrate's concurrent index build has been running (waiting for an old
+    snapshot) for ``seconds``."""
+    cur = await admin.execute(
+        "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'CREATE INDEX CONCURRENTLY%%'"
+        " AND state = 'active' AND now() - query_start > make_interval(secs => %s)",
+        (seconds,),
+    )
+    return await cur.fetchone() is not None
+
+
+@contextmanager
+def old_snapshot(dsn: str) -> Iterator[psycopg.Connection[object]]:
+    """A transaction holding a snapshot, which every concurrent index build waits for."""
+    with psycopg.connect(dsn, connect_timeout=5) as old:
+        old.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        old.execute("SELECT 1")
+        yield old
+
+
+async def test_migrate_keeps_its_lock_under_a_roles_idle_session_timeout(postgresql_dsn: str) -> None:
+    """The role's ``idle_session_timeout`` (here in the test's database only) is shorter than
+    the index build migrate waits on: the session holding migrate's lock, which idles meanwhile,
+    is not ended, and migrate finishes."""
+    pg_admin(f'ALTER ROLE postgres IN DATABASE "{database_of(postgresql_dsn)}" SET idle_session_timeout = 300')
+    store = await open_store(postgresql_dsn)
+    assert isinstance(store, PostgresStore)
+    store.step_lock_wait = 60.0  # the build waits for the old snapshot until it is gone
+    changes: list[str] = []
+    try:
+        await execute(store, *(s.format(table="room_outbox") for s in V1_TABLE_DDL["postgresql"]))
+        async with await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True) as admin:
+            await admin.execute("SET idle_session_timeout = 0")
+            with old_snapshot(postgresql_dsn) as old:
+                old.execute("SET idle_session_timeout = 0")
+                async with anyio.create_task_group() as group:
+
+                    async def migrate() -> None:
+                        changes.extend(await store.migrate())
+
+                    group.start_soon(migrate)
+                    # Six times the role's limit: the lock's session would have been ended.
+                    await wait_until(lambda: building_for(admin, 1.8), timeout=30)
+                    old.rollback()
+        assert "added index room_outbox.idx_room_outbox_room" in changes
+        await check_schema(store)
+    finally:
+        await store.aclose()
+
+
+async def test_migrate_whose_lock_session_ends_stops_cleanly_and_a_rerun_finishes(postgresql_dsn: str) -> None:
+    """The session holding migrate's lock ends (here a DBA's pg_terminate_backend) while an index
+    build waits: migrate stops its build and says its lock was lost, in one line; the rerun
+    drops the interrupted build and finishes."""
+    store = await open_store(postgresql_dsn)
+    assert isinstance(store, PostgresStore)
+    store.step_lock_wait = 60.0
+    try:
+        await execute(store, *(s.format(table="room_outbox") for s in V1_TABLE_DDL["postgresql"]))
+        async with await psycopg.AsyncConnection.connect(postgresql_dsn, autocommit=True) as admin:
+            with old_snapshot(postgresql_dsn) as old:
+                errors: list[Exception] = []
+
+                async def migrate() -> None:
+                    try:
+                        await store.migrate()
+                    except Exception as exc:
+                        errors.append(exc)
+
+                with anyio.fail_after(30):
+                    async with anyio.create_task_group() as group:
+                        group.start_soon(migrate)
+                        await wait_until(lambda: building_for(admin, 0), timeout=30)
+                        await admin.execute(
+                            "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                        )
+
+                async def build_stopped() -> bool:  # not left waiting on the server
+                    return not await building_for(admin, 0)
+
+                await wait_until(build_stopped, timeout=5)
+                old.rollback()
+        [lost] = errors
+        assert isinstance(lost, SchemaError)
+        message = str(lost)
+        assert message.startswith("migrate stopped: the database session holding its lock"), message
+        assert "run migrate again to finish" in message and "\n" not in message
+        changes = await store.migrate()
+        assert "added index room_outbox.idx_room_outbox_room" in changes
+        await check_schema(store)
+    finally:
+        await store.aclose()

@@ -22,6 +22,7 @@ import anyio
 import pymysql
 
 from room_outbox.errors import SchemaError
+from room_outbox.store.backends.migrate_lock import lock_kept
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT, SCHEMA_CHANGE_TIMEOUT, query_deadline
 from room_outbox.store.schema.outbox import in_progress
 
@@ -42,6 +43,11 @@ DDL_ATTEMPTS = 5
 PROGRESS_EVERY = 5.0
 #: How long ``migrate`` waits for a schema change already running on the outbox's tables.
 RUNNING_DDL_WAIT = 600.0
+#: The idle limit (``wait_timeout``, seconds) of migrate's sessions that wait between their
+#: statements (its lock's, its progress lines'), whatever the server's default: a DBA's
+#: ``wait_timeout`` shorter than a long change ended the lock's session, and a second migrate
+#: ran beside the first. Still bounded: a session whose client vanished ends, its lock freed.
+HELD_SESSION_IDLE = 60
 
 ER_LOCK_WAIT_TIMEOUT = 1205
 #: The algorithm or lock a statement names is not possible for it (a compressed table, say).
@@ -78,8 +84,9 @@ async def exclusive_migration(
     change still running on ``tables`` or any ``room_outbox…`` table, such as an ``ALTER
     TABLE`` an interrupted migrate left on the server: the plan is read from the catalogue it
     is changing. Another migrate holding the lock for longer than :data:`LOCK_WAIT` is a
-    :class:`SchemaError`."""
-    conn = await address.connect(autocommit=True, db=address.database)
+    :class:`SchemaError`; the lock's session ending meanwhile stops the block
+    (:func:`.migrate_lock.lock_kept`)."""
+    conn = await held_session(address, db=address.database)
     try:
         async with conn.cursor() as cur:
             with query_deadline(LOCK_WAIT + DEFAULT_QUERY_TIMEOUT):
@@ -91,9 +98,22 @@ async def exclusive_migration(
                     f" (waited {LOCK_WAIT}s for it); try again once it has finished"
                 )
             await wait_for_running_changes(cur, tables, report)
-        yield
+        async with lock_kept(lambda: _answers(conn), DEFAULT_QUERY_TIMEOUT):
+            yield
     finally:
         conn.close()  # the lock goes with the session
+
+
+async def held_session(address: MySQLAddress, **overrides: Any) -> aiomysql.Connection:
+    """A connection (autocommit) for a session that waits between its statements for as long
+    as migrate runs, with :data:`HELD_SESSION_IDLE` as its idle limit."""
+    return await address.connect(f"wait_timeout = {HELD_SESSION_IDLE}", autocommit=True, **overrides)
+
+
+async def _answers(conn: aiomysql.Connection) -> None:
+    """A trivial round trip on ``conn``: its session is still there."""
+    async with conn.cursor() as cur:
+        await cur.execute("SELECT 1")
 
 
 async def wait_for_running_changes(
@@ -307,7 +327,7 @@ class OnlineSchemaChange:
         its elapsed time, and on MariaDB how far it has come."""
         conn = None
         try:
-            conn = await self.address.connect(autocommit=True)
+            conn = await held_session(self.address)
             async with conn.cursor() as cur:
                 while True:
                     await anyio.sleep(self.progress_every)

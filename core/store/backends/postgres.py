@@ -29,6 +29,7 @@ from psycopg_pool import AsyncConnectionPool
 from room_outbox.errors import ConfigurationError, SchemaError, StoreError, StoreUnavailable
 from room_outbox.store.backends.errors import PG_PRIVILEGES_NEEDED, named_fix
 from room_outbox.store.backends.leased import LeasedRows
+from room_outbox.store.backends.migrate_lock import lock_kept
 from room_outbox.store.backends.postgres_address import POOL_MODE, PostgresAddress
 from room_outbox.store.deadline import (
     DEFAULT_QUERY_TIMEOUT,
@@ -96,7 +97,10 @@ async def open_session(
     if address.transaction_pooling:
         return conn
     try:
-        await set_up_session(conn, address.session_settings(query_timeout, idle_in_transaction, read_write=read_write))
+        settings = address.session_settings(
+            query_timeout, idle_in_transaction, read_write=read_write, server_version=conn.info.server_version
+        )
+        await set_up_session(conn, settings)
     except BaseException:
         await conn.close()
         raise
@@ -153,13 +157,13 @@ class SessionSetup:
         #: Transactions set read-write: the role's own settings make them read-only (:func:`role_read_only`).
         self.read_write = False
 
-    def settings(self, local: bool = False) -> str:
+    def settings(self, local: bool = False, server_version: int = 0) -> str:
         return self.address.session_settings(
-            self.query_timeout, self.idle_in_transaction, local, self.time_zone, self.read_write
+            self.query_timeout, self.idle_in_transaction, local, self.time_zone, self.read_write, server_version
         )
 
     async def __call__(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        await set_up_session(conn, self.settings())
+        await set_up_session(conn, self.settings(server_version=conn.info.server_version))
 
 
 #: Where a setting comes from (``pg_settings.source``) when the role sets it: ``ALTER ROLE … SET``,
@@ -300,7 +304,7 @@ class PostgresStore(LeasedRows):
                     session.read_write = await role_read_only(first)
                     if not address.transaction_pooling:
                         await refuse_unsaid_transaction_pooling(first, address, query_timeout)
-                        await set_up_session(first, session.settings())
+                        await set_up_session(first, session.settings(server_version=first.info.server_version))
                     encoding = first.info.parameter_status("server_encoding") or "UTF8"
                 finally:
                     await first.close()
@@ -514,7 +518,11 @@ class PostgresStore(LeasedRows):
             )
         changes: list[str] = []
         with query_deadline(SCHEMA_CHANGE_TIMEOUT):
-            async with self._migrate_lock() as watcher, self._migration_session() as conn:
+            async with (
+                self._migrate_lock() as watcher,
+                lock_kept(lambda: watcher.execute("SELECT 1"), self.query_timeout),
+                self._migration_session() as conn,
+            ):
                 for attempt in range(1, self.step_attempts + 1):
                     step = None
                     made_before = set(changes)  # an attempt after a lock wait plans some of them again
@@ -567,7 +575,7 @@ class PostgresStore(LeasedRows):
         ends with that session, whatever stops migrate: :meth:`connect` refuses a pooler's
         transaction pooling the DSN does not name, where it would outlive migrate, and
         :meth:`run_migration` one it names); that connection also reads the progress of index
-        builds."""
+        builds. Its session ending meanwhile stops migrate (:func:`.migrate_lock.lock_kept`)."""
         conn = await open_session(self.address, self.query_timeout, autocommit=True)
         try:
             await conn.execute(f"SET lock_timeout = {int(self.migrate_lock_wait * 1000)}")
@@ -677,14 +685,19 @@ async def _build(
 
 async def _report_build(watcher: psycopg.AsyncConnection[Any], pid: int, change: str) -> None:
     """Report an index build's phase on stderr every :data:`PROGRESS_EVERY` seconds, until
-    cancelled (each read shielded: cancelled half-way, it would close ``watcher``)."""
+    cancelled (each read shielded: cancelled half-way, it would close ``watcher``). Progress
+    lines are a courtesy: a read that fails ends them, the build goes on (``watcher`` is the
+    session of migrate's lock, whose end stops migrate: :func:`.migrate_lock.lock_kept`)."""
     while True:
         await anyio.sleep(PROGRESS_EVERY)
         with anyio.CancelScope(shield=True):
-            cur = await watcher.execute(
-                "SELECT phase, blocks_done, blocks_total FROM pg_stat_progress_create_index WHERE pid = %s", (pid,)
-            )
-            row = await cur.fetchone()
+            try:
+                cur = await watcher.execute(
+                    "SELECT phase, blocks_done, blocks_total FROM pg_stat_progress_create_index WHERE pid = %s", (pid,)
+                )
+                row = await cur.fetchone()
+            except psycopg.Error:
+                return
         if row is not None:
             phase, done, total = row
             _say(f"migrate: {change}: {phase}" + (f", {100 * done // total}% of the blocks" if total else ""))

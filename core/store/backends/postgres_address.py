@@ -109,6 +109,7 @@ class PostgresAddress:
         local: bool = False,
         time_zone: str | None = None,
         read_write: bool = False,
+        server_version: int = 0,
     ) -> str:
         """What every session runs once it is open: the server-side bounds of
         :class:`SessionLimits` for ``query_timeout`` (and ``idle_in_transaction``):
@@ -121,6 +122,11 @@ class PostgresAddress:
         ``time_zone``, if any (``TimeZone``: see :meth:`PostgresStore.read_column_types`).
         ``read_write``: transactions read-write, where the role's own settings make them
         read-only (see :func:`.postgres.role_read_only`).
+
+        And no ``idle_session_timeout`` (PostgreSQL ≥ 14, ``server_version`` as libpq gives it:
+        140000): a role's or server's limit ended the pool's idle sessions under it, and the
+        session holding migrate's lock while others make the changes. An idle session outside a
+        transaction holds no row lock; one idle in a transaction is still ended, as above.
 
         Set with statements, not libpq's startup ``options``: a pooler in front of the server
         (PgBouncer) refuses that parameter, or, told to ignore it, drops it. ``local``: the same
@@ -135,8 +141,10 @@ class PostgresAddress:
         search_path = f"; {scope} search_path = {', '.join(self.search_path)}" if self.search_path else ""
         quoted_zone = (time_zone or "").replace("'", "''")
         zone = f"; {scope} TimeZone = '{quoted_zone}'" if time_zone else ""
+        # Only a session's own idle time counts, after its transaction: nothing to set for one.
+        idle = "; SET idle_session_timeout = 0" if server_version >= 140000 and not local else ""
         return (
             f"{isolation}; {scope} statement_timeout = {limits.statement_seconds * 1000};"
             f" {scope} lock_timeout = {limits.lock_wait_seconds * 1000};"
-            f" {scope} idle_in_transaction_session_timeout = {limits.idle_seconds * 1000}{search_path}{zone}"
+            f" {scope} idle_in_transaction_session_timeout = {limits.idle_seconds * 1000}{search_path}{zone}{idle}"
         )
