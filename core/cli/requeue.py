@@ -23,6 +23,7 @@ from room_outbox.cli.command import (
 )
 from room_outbox.cli.output import NONE, format_age, format_app, format_table, printable
 from room_outbox.config import Settings
+from room_outbox.delivery.lanes import claim_after_ms
 from room_outbox.store.clock import now_ms
 from room_outbox.store.lanes.store import LaneStore
 from room_outbox.store.lanes.tail import TailStore
@@ -75,7 +76,7 @@ async def requeue_command(
     now = now_ms()  # the database's clock, which wrote created_at_ms: not this host's
     cells = [
         (r["event_id"], format_app(r["app_code"]), r["event_type"], r["status"], r["retry_count"],
-         NONE if r["created_at_ms"] is None else format_age(now - r["created_at_ms"]), r["last_error"] or "")
+         _age(r["created_at_ms"], now), r["last_error"] or "")
         for r in rows
     ]  # fmt: skip
     headers = ("event_id", "app_code", "event_type", "status", "retries", "age", "last_error")
@@ -93,6 +94,13 @@ async def requeue_command(
         )
     print(f"requeued {changed} row(s){note}{_reaching_the_rest(where, limit) if more else ''}", file=out)
     return 0
+
+
+def _age(created: int | None, now: int) -> str:
+    """A row's age for the list; of a row created ahead of the database's clock, how far."""
+    if created is None:
+        return NONE
+    return format_age(now - created) if created <= now else f"{format_age(created - now)} ahead"
 
 
 async def _ids_of_several_apps(store: SQLStore, event_ids: Sequence[str], err: Any) -> bool:
@@ -233,6 +241,7 @@ async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) ->
         return 2
     if main_lane_off(store, settings, "requeue", sys.stderr):
         return 2
+    store.claim_after_ms = claim_after_ms(settings)  # the dispatcher's: which rows it holds back as young
     return await requeue_command(store, requeue_filter(args), args.yes, sys.stdout, as_json=args.json)
 
 
@@ -265,7 +274,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 COMMAND = Command(
     description="Make pending or parked (failed) rows due now with retry_count 0. Without --yes it only\n"
     "lists the rows it would change. Filters combine freely; --status failed alone takes every\n"
-    "parked row. At most 10,000 rows a run; it says so when more match. Published, cancelled\n"
+    "parked row. Rows created more than outbox_worker.claim_after ahead of the database's clock\n"
+    "(a producer's clock or unit gone wrong), which the main lane would leave until then, are made\n"
+    "due now too. At most 10,000 rows a run; it says so when more match. Published, cancelled\n"
     "and currently leased rows are never touched. An --event-id that several apps' rows have\n"
     "(event ids unique per app) is refused until --app-code names the app. With --lane, a lane's\n"
     "parked events (a lane table's parked rows, a tailing lane's parked entries) and the events it\n"

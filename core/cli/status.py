@@ -14,10 +14,10 @@ from typing import IO
 
 from room_outbox.cli.command import Command, add_json_option, checked_report
 from room_outbox.cli.consumers import format_overview
-from room_outbox.cli.output import format_table, format_time
+from room_outbox.cli.output import format_age, format_table, format_time
 from room_outbox.config import Settings
 from room_outbox.consume.ops import consumer_overview
-from room_outbox.delivery.lanes import lane_plan
+from room_outbox.delivery.lanes import claim_after_ms, lane_plan
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.store.clock import now_ms
 from room_outbox.store.operator.reports import STATUS_SAMPLE, StatusReport, status_report
@@ -40,10 +40,16 @@ def format_status(report: StatusReport, profile: Profile = V1) -> str:
         return "\n".join(lines)
     lines = [
         f"pending               {report.pending}",
-        f"oldest pending        {format_time(now - report.oldest_pending_age_ms, now) if report.pending else '-'}",
+        f"oldest pending        {_oldest_pending(report, now)}",
         f"waiting for retry     {report.waiting_for_retry}",
         f"leased now            {report.leased}",
     ]
+    if report.created_ahead:
+        lines.append(
+            f"created ahead         {report.created_ahead}  (up to {format_age(report.created_ahead_ms)} ahead of the"
+            " database's clock, by more than outbox_worker.claim_after: claimed only once that old by their"
+            f" {profile.created}, unless requeued; among the oldest {report.error_sample:,} not claimed yet)"
+        )
     lines += [f"{status:<22}{count}" for status, count in report.other_statuses.items()]  # in the report's order
     sample = f"{report.error_sample:,}"
     lines += ["", "retries  pending rows"]
@@ -67,6 +73,17 @@ def format_status(report: StatusReport, profile: Profile = V1) -> str:
         report.top_parked_errors,
     )
     return "\n".join(lines)
+
+
+def _oldest_pending(report: StatusReport, now: int) -> str:
+    """When the oldest pending row was created; of one created ahead of the database's clock
+    (its producer's clock runs ahead), that it was, rather than an age of 0 s."""
+    if not report.pending:
+        return "-"
+    created = report.oldest_pending_created_ms
+    if created is not None and created > now:
+        return f"{format_time(created, now)}: created ahead of the database's clock"
+    return format_time(now - report.oldest_pending_age_ms, now)
 
 
 def _format_errors(title: str, top: list[tuple[str, int]]) -> list[str]:
@@ -119,6 +136,7 @@ async def status_command(store: SQLStore, as_json: bool, out: IO[str], im_lane: 
 
 async def _run(store: SQLStore, settings: Settings, args: argparse.Namespace) -> int:
     plan = lane_plan(make_plugin_manager(settings.plugins.disabled), settings)
+    store.claim_after_ms = claim_after_ms(settings)  # the dispatcher's: which rows it holds back as young
     report = functools.partial(status_command, store, args.json, sys.stdout, plan.main)
     return await checked_report(store, settings, plan, report, sys.stderr, "status")
 
@@ -130,7 +148,10 @@ COMMAND = Command(
     "(which requeue --lane and cancel --lane take), grouped (errors that differ only by an\n"
     "identifier such as a GroupId are one line, with their count). The histogram and the errors\n"
     "are read from at most 10,000 rows of a status: the oldest still to deliver, the latest parked;\n"
-    "the histogram says when it is such a sample. The schema is checked as `run`\n"
+    "the histogram says when it is such a sample. Pending rows created more than\n"
+    "outbox_worker.claim_after ahead of the database's clock (a producer's clock or unit gone\n"
+    "wrong) are counted apart, with how far ahead: the main lane leaves them until then unless\n"
+    "requeued (among the oldest 10,000 not claimed yet). The schema is checked as `run`\n"
     "checks it at start: what would stop `run` (a missing index, say) follows the report on stderr,\n"
     "with its fix, and the exit code is 3.",
     examples="room-outbox status\nroom-outbox status --json | jq .oldest_pending_age_ms",

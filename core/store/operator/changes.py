@@ -231,20 +231,56 @@ async def find_skipped_in_lane(
 
 async def requeue(store: SQLStore, row_ids: Sequence[int]) -> int:
     """Make rows pending and due now, with a fresh attempt count (``max_attempts`` starts
-    over); ``last_error`` is kept until the next attempt. Returns rows changed."""
+    over); ``last_error`` is kept until the next attempt. Returns rows changed.
+
+    A row created ahead of the database's clock (:func:`_created_ahead`) would be left young
+    until then, by the claim's rule for the producer's rows: it is written as a row already
+    taken once (:func:`_taken_now`), which the claim takes by ``lock`` alone. The operator
+    asked for it; its producer's push, if any, ended long ago."""
     if not row_ids:
         return 0
     words = store.profile
+    now = now_ms()
+    status, lock, params = f"'{words.fresh}'", words.lock_cleared, list[Any]()
+    ahead = _created_ahead(store, now)
+    if ahead is not None:
+        status, lock, params = _taken_now(words, ahead[0], now, ahead[1])
     async with store.transaction() as cur:
         return int(
             await cur.execute(
-                f"UPDATE {words.table} SET status = '{words.fresh}', {words.attempts} = 0,"
-                f" {words.lock} = {words.lock_cleared}, worker_id = NULL, {words.updated} = {words.ms('%s')}"
+                f"UPDATE {words.table} SET status = {status}, {words.attempts} = 0,"
+                f" {words.lock} = {lock}, worker_id = NULL, {words.updated} = {words.ms('%s')}"
                 f" WHERE {words.key} IN ({marks(row_ids)}) AND {in_list('status', (*words.open, words.parked))}"
                 f" AND NOT (worker_id IS NOT NULL AND {words.lock} > {words.ms('%s')})",
-                (now_ms(), *row_ids, now_ms()),
+                (*params, now, *row_ids, now),
             )
         )
+
+
+def _created_ahead(store: SQLStore, now: int) -> tuple[str, int] | None:
+    """SQL and its parameter: the row was created more than ``claim_after`` ahead of the
+    database's clock (``now``), so the claim's rule for the producer's rows holds it back
+    until that time and more; None without ``claim_after`` (no row is held back then). A row
+    up to ``claim_after`` ahead is left to that rule: it is claimable within twice
+    ``claim_after``, and may still be in its producer's own push."""
+    if store.claim_after_ms <= 0:
+        return None
+    p = store.profile
+    return f"{p.created} > {p.ms('%s')}", now + store.claim_after_ms
+
+
+def _taken_now(words: Profile, ahead: str, now: int, ahead_param: int) -> tuple[str, str, list[Any]]:
+    """SQL of a requeued row's status and ``lock`` with their parameters: where ``ahead``
+    holds, those of a row a claim has taken before and that is due now, which the claim takes
+    whatever its creation time; else the producer's fresh row. Where the producer's rows sit
+    at a constant cleared ``lock`` (v1, room_cell), that is ``lock`` at ``now`` (the status
+    stays the producer's, as a rate limit's hold leaves it); elsewhere (silk, whose cleared
+    ``lock`` is the time itself) the retry status, its due time now."""
+    if words.fresh_at_cleared_lock:
+        lock = f"CASE WHEN {ahead} THEN {words.ms('%s')} ELSE {words.lock_cleared} END"
+        return f"'{words.fresh}'", lock, [ahead_param, now]
+    status = f"CASE WHEN {ahead} THEN '{words.retry}' ELSE '{words.fresh}' END"
+    return status, words.lock_cleared, [ahead_param]
 
 
 async def requeue_in_lane_table(store: SQLStore, lane: str, outbox_ids: Sequence[int]) -> int:

@@ -17,11 +17,12 @@ from typing import Any
 from room_outbox.store.backends.leased import CREATED_AHEAD_MS, bounded_by_key
 from room_outbox.store.by_status import open_rows, status_read
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import column_names, marks, table_names, text
+from room_outbox.store.dialect import column_names, index_names, marks, table_names, text
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.lanes import PARKED_ORDER
+from room_outbox.store.schema.outbox import claim_index
 from room_outbox.store.schema.profiles import V1
 from room_outbox.store.schema.tail import PARKED, PARKED_TABLE, SKIPPED_TABLE
 
@@ -57,8 +58,11 @@ async def status_by_event(store: SQLStore, event_id_prefix: str) -> dict[str, st
 class Backlog:
     pending: int
     #: Age of the lowest-id pending row (ids rise with inserts, so it is the oldest but for
-    #: transactions that committed late); 0 when nothing is pending.
+    #: transactions that committed late); 0 when nothing is pending or it was created ahead
+    #: of the database's clock.
     oldest_pending_age_ms: int
+    #: That row's creation time (epoch ms); None: none is pending, or it has none.
+    oldest_pending_created_ms: int | None = None
 
 
 async def sample_backlog(store: SQLStore) -> Backlog:
@@ -66,7 +70,7 @@ async def sample_backlog(store: SQLStore) -> Backlog:
     and one row by primary key, however many published rows the table holds."""
     async with store.transaction() as cur:
         pending, oldest = await open_rows(cur, store)
-    return Backlog(pending, 0 if oldest is None else max(0, now_ms() - oldest))
+    return Backlog(pending, 0 if oldest is None else max(0, now_ms() - oldest), oldest)
 
 
 #: Retry-count histogram buckets of the status report: (label, lowest, highest).
@@ -128,6 +132,15 @@ class StatusReport:
     error_sample: int = 0
     #: Whether the retry histogram counts a sample (more rows are still to deliver than it read).
     retry_histogram_sampled: bool = False
+    #: The oldest pending row's creation time (epoch ms; None: none pending or it has none):
+    #: ahead of now where its producer's clock is (``oldest_pending_age_ms`` is 0 then).
+    oldest_pending_created_ms: int | None = None
+    #: The producer's rows no claim has taken that were created more than ``claim_after``
+    #: ahead of the database's clock, among the oldest :data:`STATUS_SAMPLE` of them: the
+    #: claim leaves them until they are that old by their creation time, unless requeued.
+    created_ahead: int = 0
+    #: How far the furthest of them is ahead of the database's clock (ms); 0: none.
+    created_ahead_ms: int = 0
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -164,6 +177,7 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
             (now,),
         )
         (waiting,) = await cur.fetchone()
+        ahead, ahead_ms = await _created_ahead(store, cur, now)
         other: dict[str, int] = {}
         for status in (words.parked, words.cancelled):  # each an index range count; absent statuses cost nothing
             await cur.execute(f"SELECT COUNT(*) FROM {table} WHERE status = %s", (status,))
@@ -188,6 +202,9 @@ async def status_report(store: SQLStore, top: int = 10, im_lane: bool = True) ->
         other_statuses=other,
         retry_histogram=histogram,
         retry_histogram_sampled=sum(histogram.values()) < backlog.pending,
+        oldest_pending_created_ms=backlog.oldest_pending_created_ms,
+        created_ahead=ahead,
+        created_ahead_ms=ahead_ms,
         top_errors=top_errors,
         top_parked_errors=top_parked_errors,
         error_sample=STATUS_SAMPLE,
@@ -206,6 +223,46 @@ ERRORS_READ = 1000
 #: :mod:`room_outbox.store.by_status`), never the other statuses'. Counts of rows are exact
 #: (the status index counts them without reading the rows).
 STATUS_SAMPLE = 10_000
+
+
+async def _created_ahead(store: SQLStore, cur: Any, now: int) -> tuple[int, int]:
+    """How many of the producer's rows no claim has taken were created more than
+    ``claim_after`` ahead of the database's clock (``now``), and how far the furthest is (ms):
+    the claim holds them back until then (see
+    :meth:`~room_outbox.store.backends.leased.LeasedRows._due_by_age`). No index holds the
+    creation time: the oldest :data:`STATUS_SAMPLE` of those rows are read, where such rows
+    stay while the others are claimed, on an exact index range (:func:`_unclaimed_rows`).
+    (0, 0) without ``claim_after``."""
+    if store.claim_after_ms <= 0:
+        return 0, 0
+    sample = await _unclaimed_rows(store, cur, f"{store.profile.as_ms(store.profile.created)} AS created")
+    await cur.execute(
+        f"SELECT COUNT(*), MAX(created) FROM ({sample}) AS sample WHERE created > %s",
+        (STATUS_SAMPLE, now + store.claim_after_ms),
+    )
+    count, furthest = await cur.fetchone()
+    return int(count), 0 if furthest is None else int(furthest) - now
+
+
+async def _unclaimed_rows(store: SQLStore, cur: Any, columns: str) -> str:
+    """SQL: ``columns`` of the first rows no claim has taken (the producer's status and, where
+    its rows sit at the cleared ``lock``, that ``lock``: v1, room_cell), in key order, as many as
+    its one ``%s``. Those of v1 and room_cell are the claim index's range (status, the cleared
+    ``lock``) where the table has it: the status index would also pass over the rows waiting for
+    a retry, which share the status there (v1), however many."""
+    p = store.profile
+    read = await status_read(cur, store)
+    if not p.fresh_at_cleared_lock:
+        return read.first_rows(columns, p.fresh)
+    unclaimed = [f"{p.lock} = {p.lock_cleared}"]
+    claim = claim_index(p.table)[0]
+    if claim.lower() not in await index_names(cur, store.dialect, p.table):
+        return read.first_rows(columns, p.fresh, unclaimed)
+    conditions = " AND ".join([f"status = '{p.fresh}'", *unclaimed])
+    return (
+        f"SELECT {columns} FROM {p.table}{store.dialect.index_hint.format(index=claim)}"
+        f" WHERE {conditions} ORDER BY {p.key} LIMIT %s"
+    )
 
 
 async def _retries_sampled(store: SQLStore, cur: Any) -> dict[int, int]:
