@@ -18,7 +18,16 @@ from typing import Any
 
 import psycopg
 import pytest
-from support import POSTGRESQL_SERVER_DSN, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, pg_admin
+from support import (
+    INSERT_V1,
+    POSTGRESQL_SERVER_DSN,
+    envelope,
+    fetch_rows,
+    insert_events,
+    insert_rows,
+    make_dispatcher,
+    pg_admin,
+)
 
 from bench.drive import run_until_empty
 from room_outbox.attempt.retry import RetryPolicy
@@ -29,7 +38,8 @@ from room_outbox.delivery.tail import TailRelay
 from room_outbox.observability.redaction import Redactor
 from room_outbox.sink import PermanentSinkError, RetryableSinkError
 from room_outbox.store.backends import mysql_online
-from room_outbox.store.backends.mysql import MySQLAddress, MySQLStore
+from room_outbox.store.backends.leased import open_rows_of_rooms_sql
+from room_outbox.store.backends.mysql import CLAIM_SQL, MySQLAddress, MySQLStore
 from room_outbox.store.backends.postgres import PostgresStore
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.tail import TailStore, migrate_tail
@@ -359,3 +369,35 @@ async def test_emoji_room_ids_and_payloads_are_delivered_intact_whatever_the_log
         assert "envelope_error" not in inspected, inspected  # its room_id column reads the same
     finally:
         await store.aclose()
+
+
+@pytest.mark.parametrize("charset", ["utf8mb4", "utf8mb3", "latin1"])
+async def test_the_claim_and_the_per_room_look_up_read_their_indexes_whatever_the_tables_character_set(
+    database_dsn: str, utf8mb3_logins: None, charset: str
+) -> None:
+    """The session's collation is utf8mb4's, the table's may be narrower: a literal compared
+    with a column takes the column's collation, so the status and room literals still lead
+    the claim and the per-room look-up into their indexes (a conversion of the column would
+    read every row)."""
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        await store.migrate()
+        async with store.transaction() as cur:
+            await cur.execute(f"ALTER TABLE room_outbox CONVERT TO CHARACTER SET {charset}")
+            rows = [("default", f"p{i}", "RoomUserJoined", f"r_{i % 300}", "{}", 1, 1) for i in range(3000)]
+            await cur.executemany(INSERT_V1, rows)
+            await cur.execute("UPDATE room_outbox SET status = 'published'")
+            await cur.executemany(INSERT_V1, [(app, f"q{event}", *rest) for app, event, *rest in rows[:20]])
+            await cur.execute("ANALYZE TABLE room_outbox")
+            await cur.fetchall()
+            plans = {}
+            for name, sql, args in (
+                ("claim", CLAIM_SQL, (10**13, 100)),
+                ("rooms", open_rows_of_rooms_sql("room_outbox", "id", 2), ("r_1", "r_2", 10**13)),
+            ):
+                await cur.execute("EXPLAIN " + sql, args)
+                plan = dict(zip([d[0] for d in cur.description], await cur.fetchone(), strict=True))
+                plans[name] = (plan["key"], plan["type"])
+    finally:
+        await store.aclose()
+    assert plans == {"claim": ("idx_room_outbox_claim", "range"), "rooms": ("idx_room_outbox_room", "range")}
