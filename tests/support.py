@@ -200,6 +200,41 @@ async def _truth(value: Awaitable[bool] | bool) -> bool:
     return await value if inspect.isawaitable(value) else bool(value)
 
 
+class StatementLog:
+    """The statements a store's transactions send from :meth:`watch` on: each one's number of
+    parameters, and on MySQL/MariaDB its size as the server receives it (the driver puts the
+    parameters in the text), which a server's ``max_allowed_packet`` bounds."""
+
+    def __init__(self) -> None:
+        self.parameters: list[int] = []
+        self.sizes: list[int] = []
+
+    def watch(self, store: Any, monkeypatch: pytest.MonkeyPatch) -> StatementLog:
+        given = store.transaction
+
+        @contextlib.asynccontextmanager
+        async def watched(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            async with given(*args, **kwargs) as cur:
+                yield _LoggingCursor(cur, self)
+
+        monkeypatch.setattr(store, "transaction", watched)
+        return self
+
+
+class _LoggingCursor:
+    def __init__(self, cur: Any, log: StatementLog) -> None:
+        self._cur, self._log = cur, log
+
+    async def execute(self, sql: str, args: Any = None) -> Any:
+        self._log.parameters.append(len(args or ()))
+        if hasattr(self._cur, "mogrify"):  # aiomysql's: the text it sends
+            self._log.sizes.append(len(self._cur.mogrify(sql, args).encode()))
+        return await self._cur.execute(sql, args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cur, name)
+
+
 class RecordingSink:
     """A sink that records what it received and can fail, hang or dawdle per event_id."""
 

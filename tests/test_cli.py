@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 import psycopg
 import pytest
-from support import V1_DDL, envelope, insert_events, key_event_ids_per_app, statuses_by_app
+from support import V1_DDL, StatementLog, envelope, insert_events, key_event_ids_per_app, statuses_by_app
 
 from room_outbox.cli.main import EXIT_CODES, build_parser, main
 from room_outbox.cli.migrate import script_lines
@@ -333,6 +333,33 @@ async def test_requeue_says_when_more_rows_match_than_it_changes(store: MySQLSto
     out = io.StringIO()  # the rows just requeued are pending now: --status failed reaches the rest
     assert await requeue_command(store, where, True, out, limit=3) == 0
     assert out.getvalue().splitlines()[-1] == "requeued 2 row(s)"  # nothing more to say
+
+
+#: A key of BIGINT's widest: nineteen digits.
+WIDE_KEY = 9_000_000_000_000_000_000
+
+
+async def test_requeue_of_thousands_of_wide_keys_sends_statements_a_small_max_allowed_packet_takes(
+    store: MySQLStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every key in one UPDATE: 10,000 keys of ten digits made 120 kB, 4,000 of nineteen digits
+    84 kB; a server whose max_allowed_packet is 64 kB refused it, and the command changed
+    nothing. (The setting is global, not one a test on a shared server may lower: the
+    statements' sizes are what is checked.) The keys now go a chunk per statement, in one
+    transaction, and every row is requeued."""
+    async with store.transaction() as cur:
+        await cur.execute(f"ALTER TABLE room_outbox AUTO_INCREMENT = {WIDE_KEY}")
+    await insert_events(store, [envelope(f"e{n}") for n in range(4000)])
+    async with store.transaction() as cur:
+        await cur.execute("UPDATE room_outbox SET status = 'failed', retry_count = 3, last_error = 'gone'")
+    sent = StatementLog().watch(store, monkeypatch)
+    out = io.StringIO()
+    assert await requeue_command(store, RequeueFilter(statuses=("failed",)), True, out) == 0
+    assert out.getvalue().splitlines()[-1] == "requeued 4000 row(s)"
+    assert max(sent.sizes) < 64 * 1024, max(sent.sizes)
+    async with store.transaction() as cur:
+        await cur.execute("SELECT status, retry_count, MIN(id), COUNT(*) FROM room_outbox GROUP BY 1, 2")
+        assert await cur.fetchall() == (("pending", 0, WIDE_KEY, 4000),)
 
 
 # -- migrate --sql --------------------------------------------------------------------------------

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import anyio
 import pytest
-from support import envelope, fetch_rows, insert_events, without_room_outbox_environment
+from support import StatementLog, envelope, fetch_rows, insert_events, without_room_outbox_environment
 
 from room_outbox.cli.main import main
+from room_outbox.cli.requeue import requeue_lane_command
 from room_outbox.store.backends.mysql import MySQLStore
-from room_outbox.store.lanes.store import CURSOR_TABLE
+from room_outbox.store.dialect import KEYS_PER_STATEMENT
+from room_outbox.store.lanes.store import CURSOR_TABLE, migrate_lanes
 from room_outbox.store.lanes.tail import migrate_tail
-from room_outbox.store.schema.tail import PARKED_TABLE
+from room_outbox.store.operator.changes import RequeueFilter
+from room_outbox.store.schema.lanes import lane_table
+from room_outbox.store.schema.tail import PARKED_TABLE, SKIPPED_TABLE
 
 pytestmark = pytest.mark.anyio
 
@@ -155,3 +160,53 @@ async def test_requeue_and_cancel_change_no_outbox_row_while_the_main_lane_is_of
             " (`room-outbox lanes` lists them)\n"
         )
     assert await fetch_rows(store) == before
+
+
+#: Events of each kind (parked, skipped) in the test below: more than one statement's keys.
+MANY = KEYS_PER_STATEMENT + 500
+
+
+@pytest.mark.parametrize("relay", ["tail", "lane_table"])
+async def test_requeue_lane_of_more_events_than_one_statement_holds_takes_them_all(
+    store: MySQLStore, monkeypatch: pytest.MonkeyPatch, relay: str
+) -> None:
+    """``requeue --lane`` changes up to 10,000 parked and skipped events by their keys: every
+    key in one statement passed a small max_allowed_packet with wide keys (see the main lane's
+    requeue in test_cli), and nothing changed. Each statement now holds
+    :data:`KEYS_PER_STATEMENT` keys at most, and every event is taken, on a tailing lane and on
+    a lane table alike."""
+    await insert_events(store, [envelope(f"e{n}") for n in range(2 * MANY)])
+    parked_table = PARKED_TABLE if relay == "tail" else lane_table("k")
+    async with store.transaction() as cur:
+        await cur.execute("SELECT id FROM room_outbox ORDER BY id LIMIT 1 OFFSET %s", (MANY,))
+        (first_skipped,) = await cur.fetchone()
+    if relay == "tail":
+        await migrate_tail(store, ["k"])
+        copy = "'k', id, event_id, room_id, 'parked', 'too large', 0, 0"
+        columns = "lane, outbox_id, event_id, room_id, status, last_error, created_at_ms, updated_at_ms"
+    else:
+        await migrate_lanes(store, ["k"])
+        copy = "id, event_id, event_type, room_id, app_code, 'failed', 'too large', 0, 0"
+        columns = "outbox_id, event_id, event_type, room_id, app_code, status, last_error, created_at_ms, updated_at_ms"
+    async with store.transaction() as cur:
+        await cur.execute(
+            f"INSERT INTO {CURSOR_TABLE} (lane, fed_through_id, updated_at_ms) SELECT 'k', MAX(id), 0 FROM room_outbox"
+        )
+        await cur.execute(
+            f"INSERT INTO {parked_table} ({columns}) SELECT {copy} FROM room_outbox WHERE id < %s", (first_skipped,)
+        )
+        await cur.execute(
+            f"INSERT INTO {SKIPPED_TABLE} (lane, low_id, high_id, skipped_at_ms) SELECT 'k', %s, MAX(id), 0 FROM room_outbox",
+            (first_skipped,),
+        )
+    sent = StatementLog().watch(store, monkeypatch)
+    out, err = io.StringIO(), io.StringIO()
+    assert await requeue_lane_command(store, "k", RequeueFilter(), True, out, err, as_json=True) == 0, err.getvalue()
+    assert json.loads(out.getvalue())["requeued"] == 2 * MANY
+    assert max(sent.parameters) <= KEYS_PER_STATEMENT + 10, max(sent.parameters)  # keys, and a few of its own
+    where = "lane = 'k'" if relay == "tail" else "1 = 1"
+    async with store.transaction() as cur:
+        await cur.execute(f"SELECT status, COUNT(*) FROM {parked_table} WHERE {where} GROUP BY status")
+        assert await cur.fetchall() == (("requeued" if relay == "tail" else "pending", 2 * MANY),)
+        await cur.execute(f"SELECT COUNT(*) FROM {SKIPPED_TABLE}")
+        assert await cur.fetchone() == (0,)

@@ -40,7 +40,7 @@ from room_outbox.store.operator.reports import any_event_of_several_apps, event_
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.tail import REQUEUED, SKIPPED
 
-#: Rows one ``requeue`` changes at most: one statement, a list a person can still read.
+#: Rows one ``requeue`` changes at most (in one transaction): a list a person can still read.
 REQUEUE_LIMIT = 10_000
 
 

@@ -8,9 +8,9 @@ once with ``%s`` placeholders and takes these pieces where the databases disagre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from room_outbox.envelope import TOO_LARGE
 
@@ -245,6 +245,21 @@ async def index_names(cur: Any, dialect: Dialect, table: str) -> set[str]:
 
 def marks(values: Sequence[object]) -> str:
     return ", ".join(["%s"] * len(values))
+
+
+#: Row keys one statement's ``IN`` list holds at most. The operator commands change up to
+#: 10,000 rows by key: in one statement those keys could pass a MySQL server's
+#: ``max_allowed_packet``, and the whole command failed, having changed nothing. A thousand
+#: keys, of twenty digits at most, keep a statement well within a 64 kB packet.
+KEYS_PER_STATEMENT = 1000
+
+T = TypeVar("T")
+
+
+def key_chunks(keys: Sequence[T], size: int = KEYS_PER_STATEMENT) -> Iterator[list[T]]:
+    """``keys`` in lists of at most ``size``, in order: one statement's ``IN`` list each."""
+    for first in range(0, len(keys), size):
+        yield list(keys[first : first + size])
 
 
 def text(value: Any) -> str:

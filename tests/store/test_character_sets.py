@@ -18,7 +18,16 @@ from typing import Any
 
 import psycopg
 import pytest
-from support import POSTGRESQL_SERVER_DSN, envelope, fetch_rows, insert_events, insert_rows, make_dispatcher, pg_admin
+from support import (
+    INSERT_V1,
+    POSTGRESQL_SERVER_DSN,
+    envelope,
+    fetch_rows,
+    insert_events,
+    insert_rows,
+    make_dispatcher,
+    pg_admin,
+)
 
 from bench.drive import run_until_empty
 from room_outbox.attempt.retry import RetryPolicy
@@ -28,7 +37,9 @@ from room_outbox.delivery.routing import Router
 from room_outbox.delivery.tail import TailRelay
 from room_outbox.observability.redaction import Redactor
 from room_outbox.sink import PermanentSinkError, RetryableSinkError
-from room_outbox.store.backends.mysql import MySQLStore
+from room_outbox.store.backends import mysql_online
+from room_outbox.store.backends.leased import open_rows_of_rooms_sql
+from room_outbox.store.backends.mysql import CLAIM_SQL, MySQLAddress, MySQLStore
 from room_outbox.store.backends.postgres import PostgresStore
 from room_outbox.store.factory import open_store
 from room_outbox.store.lanes.tail import TailStore, migrate_tail
@@ -252,3 +263,141 @@ async def test_a_tailing_lane_parks_an_error_its_table_cannot_hold_escaped_and_g
         "bad": r"malformed envelope: payload.\u91d1\u989d: not a finite number (NaN, Infinity or out of range)",
         "refused": r"ErrorCode 10010: \u7fa4\u7ec4\u4e0d\u5b58\u5728",
     }, parked
+
+
+#: What a session reads its character set variables as.
+SESSION_CHARACTER_SET = (
+    "SELECT @@character_set_client, @@character_set_connection, @@character_set_results, @@collation_connection"
+)
+UTF8MB4 = ("utf8mb4", "utf8mb4", "utf8mb4", "utf8mb4_general_ci")
+
+
+def log_in_as_utf8mb3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every session room-outbox opens from here on logs in as utf8mb3: the state a server's
+    ``init_connect='SET NAMES utf8'`` or ``skip-character-set-client-handshake`` leaves a
+    session in before room-outbox's first statement, reached through the handshake's
+    character set (the server's own settings are shared by every test). Every kind of session
+    takes its parameters from :meth:`MySQLAddress.connect_kwargs`: the pool, migrate's and the
+    operator commands' connections of their own."""
+    given = MySQLAddress.connect_kwargs
+
+    def in_utf8mb3(self: MySQLAddress, *session: str) -> dict[str, Any]:
+        return {**given(self, *session), "charset": "utf8mb3"}
+
+    monkeypatch.setattr(MySQLAddress, "connect_kwargs", in_utf8mb3)
+
+
+@pytest.fixture
+def utf8mb3_logins(monkeypatch: pytest.MonkeyPatch) -> None:
+    log_in_as_utf8mb3(monkeypatch)
+
+
+async def _character_set(conn: Any) -> tuple[str, ...]:
+    async with conn.cursor() as cur:
+        await cur.execute(SESSION_CHARACTER_SET)
+        return tuple(await cur.fetchone())
+
+
+async def test_every_mysql_session_reads_and_writes_utf8mb4_whatever_the_login_left(
+    database_dsn: str, utf8mb3_logins: None
+) -> None:
+    """A session left in utf8mb3 at login read every emoji as ``?``; each kind of session
+    room-outbox opens sets utf8mb4 itself, in the statement that sets its other variables."""
+    address = MySQLAddress.from_dsn(database_dsn)
+    bare = await address.connect(init_command=None)  # the login alone: what the server left
+    try:
+        assert (await _character_set(bare))[:3] == ("utf8mb3", "utf8mb3", "utf8mb3")
+    finally:
+        bare.close()
+    own = await address.connect()  # migrate's lock, progress and KILL connections, the store's first
+    ddl = await mysql_online.connect(address, "max_statement_time = 0")  # migrate's schema changes
+    try:
+        assert await _character_set(own) == UTF8MB4
+        assert await _character_set(ddl) == UTF8MB4
+    finally:
+        own.close()
+        ddl.close()
+    store = await MySQLStore.connect(database_dsn, pool_size=2)  # the pool: claims, results, operator commands
+    try:
+        async with store.transaction() as first, store.transaction() as second:
+            assert await _character_set(first.connection) == UTF8MB4
+            assert await _character_set(second.connection) == UTF8MB4
+    finally:
+        await store.aclose()
+
+
+async def test_emoji_room_ids_and_payloads_are_delivered_intact_whatever_the_login_left(
+    database_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """room-service writes in utf8mb4; room-outbox's sessions log in as utf8mb3
+    (:func:`log_in_as_utf8mb3`). Rooms whose ids differ by an emoji alone stay apart (they read as
+    one, ``room-?``), and the payload reaches the sink as written, as ``inspect`` shows it."""
+    rooms = {"party": "room-🎉", "smile": "room-😀"}
+    writer = await MySQLStore.connect(database_dsn)  # room-service: a utf8mb4 session
+    try:
+        await writer.migrate()
+        events = [
+            envelope(event_id, room_id=room, payload={"text": f"hi {room[-1]}"}) for event_id, room in rooms.items()
+        ]
+        await insert_rows(
+            writer,
+            [
+                ("default", e["event_id"], e["event_type"], e["room_id"], json.dumps(e, ensure_ascii=False))
+                for e in events
+            ],
+        )
+    finally:
+        await writer.aclose()
+    log_in_as_utf8mb3(monkeypatch)
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        rooms_seen: dict[str, str] = {}
+
+        class Rooms(ErringSink):
+            async def deliver(self, event: Any) -> None:
+                rooms_seen[event.event_id] = event.room_id
+                await super().deliver(event)
+
+        sink = Rooms()
+        dispatcher = make_dispatcher(store, sink)
+        assert (await dispatcher.run_once()).claimed == 2
+        await dispatcher.flush()
+        assert rooms_seen == rooms
+        assert sink.payloads == {"party": {"text": "hi 🎉"}, "smile": {"text": "hi 😀"}}
+        (inspected,) = await inspect_events(store, "party")
+        assert inspected["envelope"]["room_id"] == "room-🎉", inspected
+        assert "envelope_error" not in inspected, inspected  # its room_id column reads the same
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.parametrize("charset", ["utf8mb4", "utf8mb3", "latin1"])
+async def test_the_claim_and_the_per_room_look_up_read_their_indexes_whatever_the_tables_character_set(
+    database_dsn: str, utf8mb3_logins: None, charset: str
+) -> None:
+    """The session's collation is utf8mb4's, the table's may be narrower: a literal compared
+    with a column takes the column's collation, so the status and room literals still lead
+    the claim and the per-room look-up into their indexes (a conversion of the column would
+    read every row)."""
+    store = await MySQLStore.connect(database_dsn)
+    try:
+        await store.migrate()
+        async with store.transaction() as cur:
+            await cur.execute(f"ALTER TABLE room_outbox CONVERT TO CHARACTER SET {charset}")
+            rows = [("default", f"p{i}", "RoomUserJoined", f"r_{i % 300}", "{}", 1, 1) for i in range(3000)]
+            await cur.executemany(INSERT_V1, rows)
+            await cur.execute("UPDATE room_outbox SET status = 'published'")
+            await cur.executemany(INSERT_V1, [(app, f"q{event}", *rest) for app, event, *rest in rows[:20]])
+            await cur.execute("ANALYZE TABLE room_outbox")
+            await cur.fetchall()
+            plans = {}
+            for name, sql, args in (
+                ("claim", CLAIM_SQL, (10**13, 100)),
+                ("rooms", open_rows_of_rooms_sql("room_outbox", "id", 2), ("r_1", "r_2", 10**13)),
+            ):
+                await cur.execute("EXPLAIN " + sql, args)
+                plan = dict(zip([d[0] for d in cur.description], await cur.fetchone(), strict=True))
+                plans[name] = (plan["key"], plan["type"])
+    finally:
+        await store.aclose()
+    assert plans == {"claim": ("idx_room_outbox_claim", "range"), "rooms": ("idx_room_outbox_room", "range")}

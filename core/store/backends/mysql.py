@@ -62,6 +62,18 @@ SQL_MODE = "STRICT_TRANS_TABLES,NO_ENGINE_SUBSTITUTION"
 #: daylight saving time, the hour repeated when the clocks go back reads an hour early the
 #: second time, and leases, retries and ``claim_after`` would wait an hour more.
 TIME_ZONE = "+00:00"
+#: Every session's character set for what it sends and reads, whatever the login left it in:
+#: the driver asks for utf8mb4 in its handshake, but a server's ``init_connect`` (``SET NAMES
+#: utf8``, run for users without SUPER) or ``skip-character-set-client-handshake`` overrides
+#: that, and utf8mb3 turns every 4-byte character (emoji) read into ``?``: a room id, a payload.
+#: The session's init statement runs after ``init_connect``, so it has the last word. The
+#: collation is the one the handshake asks for (a literal compared with a column takes the
+#: column's, so no index use depends on it).
+CHARACTER_SET = (
+    "character_set_client = utf8mb4",
+    "character_set_results = utf8mb4",
+    "collation_connection = utf8mb4_general_ci",  # sets character_set_connection too
+)
 
 
 #: Every session without the guards a server's default may put on ad-hoc statements, which
@@ -202,8 +214,11 @@ class MySQLAddress:
 
     def connect_kwargs(self, *session: str) -> dict[str, Any]:
         """aiomysql's parameters; the session's init statement sets :data:`SQL_MODE`,
-        :data:`TIME_ZONE`, :data:`UNGUARDED` and the assignments in ``session``."""
-        init = ", ".join((f"sql_mode = '{SQL_MODE}'", f"time_zone = '{TIME_ZONE}'", *UNGUARDED, *session))
+        :data:`TIME_ZONE`, :data:`CHARACTER_SET`, :data:`UNGUARDED` and the assignments in
+        ``session``."""
+        init = ", ".join(
+            (f"sql_mode = '{SQL_MODE}'", f"time_zone = '{TIME_ZONE}'", *CHARACTER_SET, *UNGUARDED, *session)
+        )
         return {
             "host": self.host,
             "port": self.port,

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from room_outbox.config import LanesSettings
 from room_outbox.store.backends.leased import LeasedRows
 from room_outbox.store.clock import now_ms
+from room_outbox.store.dialect import key_chunks, table_names, text
 from room_outbox.store.dialect import marks as _marks
-from room_outbox.store.dialect import table_names, text
 from room_outbox.store.protocol import BucketReader, Claimed, DeliveryResult, OutboxRow
 from room_outbox.store.schema.lanes import (
     CURSOR_TABLE,
@@ -645,15 +645,18 @@ class LaneStore(LeasedRows):
         """Feed the skipped rows ``taken`` into the lane's table with ``status``: ``pending``,
         the lane sends them as any row fed; ``cancelled``, never."""
         p, now = self.owner.profile, now_ms()
-        insert = (
-            f"INSERT INTO {self.table} (outbox_id, event_id, event_type, room_id, app_code, status, last_error,"
-            f" created_at_ms, updated_at_ms) SELECT {self._source_columns}, %s, %s, {now}, {now}"
-            f" FROM {p.table} WHERE {p.key} IN ({_marks(taken)})"
-        )
         # A row fed to be sent says nothing of its own; a cancelled one, why it never was.
         error = None if status == V1.fresh else LANE_SKIPPED_ERROR
-        await cur.execute(self.dialect.insert_skipping_duplicates(insert, "outbox_id"), [status, error, *taken])
-        return int(cur.rowcount)
+        entered = 0
+        for chunk in key_chunks(taken):
+            insert = (
+                f"INSERT INTO {self.table} (outbox_id, event_id, event_type, room_id, app_code, status, last_error,"
+                f" created_at_ms, updated_at_ms) SELECT {self._source_columns}, %s, %s, {now}, {now}"
+                f" FROM {p.table} WHERE {p.key} IN ({_marks(chunk)})"
+            )
+            await cur.execute(self.dialect.insert_skipping_duplicates(insert, "outbox_id"), [status, error, *chunk])
+            entered += int(cur.rowcount)
+        return entered
 
     def _expire_gaps(self) -> list[Gap]:
         """Give up on the ranges missing longer than ``gap_timeout``; returns them."""

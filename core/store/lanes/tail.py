@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from room_outbox.envelope import ROW_COLUMNS
 from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import ascii_text, marks, text
+from room_outbox.store.dialect import ascii_text, key_chunks, marks, text
 from room_outbox.store.lanes.store import CURSOR_TABLE, Gap, LaneStore, StartPosition, log
 from room_outbox.store.schema.lanes import KEPT_WIDTH
 from room_outbox.store.schema.outbox import Migration
@@ -496,19 +496,19 @@ class TailStore(LaneStore):
 
     async def requeue(self, outbox_ids: Sequence[int] | None = None) -> int:
         """Send parked rows again (all of the lane's when ``outbox_ids`` is None); returns how many."""
-        where, params = "lane = %s AND status = %s", [self.lane, PARKED]
-        ids: list[object] = []
-        if outbox_ids is not None:
-            if not outbox_ids:
-                return 0
-            where += f" AND outbox_id IN ({marks(outbox_ids)})"
-            ids = list(outbox_ids)
+        update = f"UPDATE {PARKED_TABLE} SET status = %s, updated_at_ms = %s WHERE lane = %s AND status = %s"
+        params = [REQUEUED, now_ms(), self.lane, PARKED]
+        if outbox_ids is not None and not outbox_ids:
+            return 0
         async with self.transaction() as cur:
-            await cur.execute(
-                f"UPDATE {PARKED_TABLE} SET status = %s, updated_at_ms = %s WHERE {where}",
-                [REQUEUED, now_ms(), *params, *ids],
-            )
-            return int(cur.rowcount)
+            if outbox_ids is None:
+                await cur.execute(update, params)
+                return int(cur.rowcount)
+            changed = 0
+            for chunk in key_chunks(outbox_ids):  # a statement per chunk of keys, all or none applied
+                await cur.execute(f"{update} AND outbox_id IN ({marks(chunk)})", [*params, *chunk])
+                changed += int(cur.rowcount)
+            return changed
 
     def _held_in(self) -> str | None:
         """A tailing lane holds the rows it was given in the parked table alone."""
@@ -520,18 +520,21 @@ class TailStore(LaneStore):
         ``cancelled``, never sent."""
         p, now = self.owner.profile, now_ms()
         cut = f", SUBSTR({{column}}, 1, {KEPT_WIDTH})"  # as a lane's copies are cut
-        await cur.execute(
-            f"INSERT INTO {PARKED_TABLE} (lane, outbox_id, event_id, room_id, status, last_error,"
-            f" created_at_ms, updated_at_ms) SELECT '{self.lane}', {p.key}"
-            + cut.format(column=p.event_id)
-            + cut.format(column=p.room_id)
-            + f", '{status}', %s, {now}, {now} FROM {p.table}"
-            f" WHERE {p.key} IN ({marks(taken)})"
-            f" AND NOT EXISTS (SELECT 1 FROM {PARKED_TABLE} e WHERE e.lane = '{self.lane}'"
-            f" AND e.outbox_id = {p.table}.{p.key})",
-            [SKIPPED_ERROR, *taken],
-        )
-        return int(cur.rowcount)
+        entered = 0
+        for chunk in key_chunks(taken):
+            await cur.execute(
+                f"INSERT INTO {PARKED_TABLE} (lane, outbox_id, event_id, room_id, status, last_error,"
+                f" created_at_ms, updated_at_ms) SELECT '{self.lane}', {p.key}"
+                + cut.format(column=p.event_id)
+                + cut.format(column=p.room_id)
+                + f", '{status}', %s, {now}, {now} FROM {p.table}"
+                f" WHERE {p.key} IN ({marks(chunk)})"
+                f" AND NOT EXISTS (SELECT 1 FROM {PARKED_TABLE} e WHERE e.lane = '{self.lane}'"
+                f" AND e.outbox_id = {p.table}.{p.key})",
+                [SKIPPED_ERROR, *chunk],
+            )
+            entered += int(cur.rowcount)
+        return entered
 
     async def cancel(self, event_id: str, apply: bool, app_code: str | None = None) -> str | None:
         """The status ``event_id`` has among the lane's parked rows, or ``skipped`` (None: it

@@ -13,7 +13,7 @@ from room_outbox.errors import SchemaError
 from room_outbox.store.backends.errors import refused_value
 from room_outbox.store.by_status import status_read
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import marks, table_names
+from room_outbox.store.dialect import key_chunks, marks, table_names
 from room_outbox.store.lanes.store import LaneStore
 from room_outbox.store.operator.reports import matching_event
 from room_outbox.store.protocol import SQLStore
@@ -176,16 +176,16 @@ async def _parked_entries(
         entries = [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
         keys = [int(entry["outbox_id"]) for entry in entries]
         rows: dict[int, tuple[Any, ...]] = {}
-        if keys:
+        for chunk in key_chunks(keys):
             await cur.execute(
                 f"SELECT {p.key}, {p.app_code}, {p.event_type}, {p.as_ms(p.created)} FROM {p.table}"
-                f" WHERE {p.key} IN ({marks(keys)})",
-                keys,
+                f" WHERE {p.key} IN ({marks(chunk)})",
+                chunk,
             )
-            rows = {
-                int(key): (app, event_type, None if created is None else int(created))  # a nullable creation time
+            rows.update(
+                (int(key), (app, event_type, None if created is None else int(created)))  # a nullable creation time
                 for key, app, event_type, created in await cur.fetchall()
-            }
+            )
     for entry in entries:
         app_code, event_type, created = rows.get(int(entry["outbox_id"]), (None, None, None))
         entry.update(app_code=app_code, event_type=event_type, created_at_ms=created)
@@ -245,16 +245,19 @@ async def requeue(store: SQLStore, row_ids: Sequence[int]) -> int:
     ahead = _created_ahead(store, now)
     if ahead is not None:
         status, lock, params = _taken_now(words, ahead[0], now, ahead[1])
-    async with store.transaction() as cur:
-        return int(
-            await cur.execute(
-                f"UPDATE {words.table} SET status = {status}, {words.attempts} = 0,"
-                f" {words.lock} = {lock}, worker_id = NULL, {words.updated} = {words.ms('%s')}"
-                f" WHERE {words.key} IN ({marks(row_ids)}) AND {in_list('status', (*words.open, words.parked))}"
-                f" AND NOT (worker_id IS NOT NULL AND {words.lock} > {words.ms('%s')})",
-                (*params, now, *row_ids, now),
+    changed = 0
+    async with store.transaction() as cur:  # a statement per chunk of keys, all or none applied
+        for chunk in key_chunks(row_ids):
+            changed += int(
+                await cur.execute(
+                    f"UPDATE {words.table} SET status = {status}, {words.attempts} = 0,"
+                    f" {words.lock} = {lock}, worker_id = NULL, {words.updated} = {words.ms('%s')}"
+                    f" WHERE {words.key} IN ({marks(chunk)}) AND {in_list('status', (*words.open, words.parked))}"
+                    f" AND NOT (worker_id IS NOT NULL AND {words.lock} > {words.ms('%s')})",
+                    (*params, now, *chunk, now),
+                )
             )
-        )
+    return changed
 
 
 def _created_ahead(store: SQLStore, now: int) -> tuple[str, int] | None:
@@ -289,15 +292,18 @@ async def requeue_in_lane_table(store: SQLStore, lane: str, outbox_ids: Sequence
     rows still parked change (never room_outbox's); returns how many did."""
     if not outbox_ids:
         return 0
-    async with store.transaction() as cur:
-        return int(
-            await cur.execute(
-                f"UPDATE {lane_table(lane)} SET status = '{V1.fresh}', retry_count = 0, lock_until_ms = 0,"
-                f" worker_id = NULL, updated_at_ms = %s WHERE outbox_id IN ({marks(outbox_ids)})"
-                f" AND status = '{V1.parked}'",
-                (now_ms(), *outbox_ids),
+    changed = 0
+    async with store.transaction() as cur:  # a statement per chunk of keys, all or none applied
+        for chunk in key_chunks(outbox_ids):
+            changed += int(
+                await cur.execute(
+                    f"UPDATE {lane_table(lane)} SET status = '{V1.fresh}', retry_count = 0, lock_until_ms = 0,"
+                    f" worker_id = NULL, updated_at_ms = %s WHERE outbox_id IN ({marks(chunk)})"
+                    f" AND status = '{V1.parked}'",
+                    (now_ms(), *chunk),
+                )
             )
-        )
+    return changed
 
 
 async def cancel_in_lane_table(

@@ -17,7 +17,7 @@ from typing import Any
 from room_outbox.store.backends.leased import CREATED_AHEAD_MS, bounded_by_key
 from room_outbox.store.by_status import open_rows, status_read
 from room_outbox.store.clock import now_ms
-from room_outbox.store.dialect import column_names, index_names, marks, table_names, text
+from room_outbox.store.dialect import column_names, index_names, key_chunks, marks, table_names, text
 from room_outbox.store.lanes.catalog import own_lane_backlog, stored_lanes
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.protocol import SQLStore
@@ -428,8 +428,10 @@ async def event_apps(store: SQLStore, event_id: str) -> list[str]:
         return [text(app_code) for (app_code,) in await cur.fetchall()]
 
 
-#: Event ids looked up per statement by :func:`any_event_of_several_apps`.
-EVENT_IDS_PER_LOOKUP = 1000
+#: Event ids looked up per statement by :func:`any_event_of_several_apps`: ids of up to a
+#: hundred-odd characters, so fewer than row keys (:data:`KEYS_PER_STATEMENT`) to keep a
+#: statement within a 64 kB ``max_allowed_packet``.
+EVENT_IDS_PER_LOOKUP = 250
 
 
 async def any_event_of_several_apps(store: SQLStore, event_ids: Sequence[str]) -> bool:
@@ -437,8 +439,7 @@ async def any_event_of_several_apps(store: SQLStore, event_ids: Sequence[str]) -
     :data:`EVENT_IDS_PER_LOOKUP` ids. The rows are grouped by the column itself, so the table's
     own comparison decides which ids are one (as ``=`` does in :func:`event_apps`)."""
     p = store.profile
-    for first in range(0, len(event_ids), EVENT_IDS_PER_LOOKUP):
-        chunk = list(event_ids[first : first + EVENT_IDS_PER_LOOKUP])
+    for chunk in key_chunks(event_ids, EVENT_IDS_PER_LOOKUP):
         async with store.transaction() as cur:
             await cur.execute(
                 f"SELECT 1 FROM {p.table} WHERE {p.event_id} IN ({marks(chunk)})"
