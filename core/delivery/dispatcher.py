@@ -290,13 +290,11 @@ class Dispatcher:
                     self._failed_claims.append(claim)
                 if not isinstance(exc, ClaimFailedAfterResults):
                     raise
-                self._forget(written)
-                self._report_stale(exc.stale)
+                self._report_stale(self._forget(written, exc.stale))
                 raise exc.__cause__ or exc from None
-            self._forget(written)
             # In this turn: the stale rows have left the rows held, so a renewal must not
             # find them gone before the counts they were seen under are settled.
-            self._report_stale(claimed.stale)
+            self._report_stale(self._forget(written, claimed.stale))
             if claimed.rows:
                 self._held[claim] = {row.id: (row.app_code, row.room_id) for row in claimed.rows}
                 if not fed:
@@ -312,9 +310,7 @@ class Dispatcher:
         self.telemetry.flush_counts()
         if self._unrecorded:
             written = self._unrecorded[:]
-            stale = await self.store.record(written)
-            self._forget(written)
-            self._report_stale(stale)
+            self._report_stale(self._forget(written, await self.store.record(written)))
 
     def _in_flight(self, written: Sequence[DeliveryResult]) -> dict[int, tuple[str, str]]:
         """The rows held whose results are not among ``written`` (id: room): rows being
@@ -332,16 +328,25 @@ class Dispatcher:
         unpublished = {r.row_id for r in self._unrecorded if r.outcome is not Outcome.PUBLISHED} if after else set()
         self._release_queues(feed, feed.put(self._queues(rows), len(rows), after, unpublished), self._unrecorded)
 
-    def _forget(self, written: Sequence[DeliveryResult]) -> None:
-        """These results, the head of ``_unrecorded``, are written (or stale): their rows are no
-        longer held."""
-        del self._unrecorded[: len(written)]
+    def _forget(self, written: Sequence[DeliveryResult], unwritten: Sequence[DeliveryResult]) -> list[DeliveryResult]:
+        """These results, the head of ``_unrecorded``, were written but for ``unwritten``:
+        their rows are no longer held. Those whose row another session held locked
+        (``row_locked``) stay, first in line for the next write, their rows still held; the
+        others are stale, returned."""
+        waiting = {(r.row_id, r.claim) for r in unwritten if r.row_locked}
+        if not waiting:
+            del self._unrecorded[: len(written)]
+        else:
+            self._unrecorded[: len(written)] = [r for r in written if (r.row_id, r.claim) in waiting]
         for result in written:
+            if waiting and (result.row_id, result.claim) in waiting:
+                continue
             rows = self._held.get(result.claim)
             if rows is not None:
                 rows.pop(result.row_id, None)
                 if not rows:
                     del self._held[result.claim]
+        return [r for r in unwritten if not r.row_locked] if waiting else list(unwritten)
 
     # -- delivery ------------------------------------------------------------------------
 
@@ -559,6 +564,12 @@ class Dispatcher:
     async def _final_flush(self) -> None:
         try:
             await self.flush()
+            if self._unrecorded:
+                log.warning(
+                    "results not written at shutdown: another session holds their rows locked;"
+                    " their rows stay leased until the lease expires",
+                    extra={"lane": self.lane, "unrecorded": len(self._unrecorded)},
+                )
         except Exception as exc:
             log.error(
                 "could not write results at shutdown; their rows stay leased until the lease expires",

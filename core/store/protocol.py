@@ -90,12 +90,17 @@ class DeliveryResult:
     #: Set on a stale result whose row the producer published while this claim still held
     #: it (room-service's own push succeeded): not a lease lost to another process.
     published_by_producer: bool = False
+    #: Set on a result left unwritten because another session (room-service's transaction)
+    #: holds its row locked: not stale, its claim still holds the row. The caller keeps it and
+    #: hands it to a later write, as waiting for the lock would hold up every other result.
+    row_locked: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Claimed:
     rows: list[OutboxRow]
-    #: Results of the previous round whose claim no longer held their row.
+    #: Results of the previous round not written: those whose claim no longer held their row,
+    #: and those whose row another session held locked (``row_locked``, to be written later).
     stale: list[DeliveryResult]
     #: The scan found fewer claimable rows than asked for, and left none for a busy room: no
     #: need to come back at once.
@@ -147,7 +152,9 @@ class OutboxStore(Protocol):
         """Record ``results`` and claim up to ``limit`` pending rows. The results are written
         in the claim's transaction, or beside it in one of their own, committed before the
         claim writes its leases (so that the rows held never exceed what the caller holds):
-        should the claim then fail, it raises :class:`ClaimFailedAfterResults`.
+        should the claim then fail, it raises :class:`ClaimFailedAfterResults`. A result
+        whose row another session holds locked is not waited for where the results are
+        written beside the claim: it comes back among ``stale``, ``row_locked``.
 
         With ``per_room``, a row is claimed only if no earlier pending row of its room is
         left outside the claim (waiting for a retry, leased elsewhere, or skipped); a row
@@ -166,7 +173,8 @@ class OutboxStore(Protocol):
         """
 
     async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
-        """Record results in one transaction; return the stale ones."""
+        """Record results in one transaction; return those not written: the stale ones, and
+        those whose row another session holds locked (``row_locked``)."""
 
     async def renew(self, claim: str, row_ids: Sequence[int], lease_until_ms: int) -> int:
         """Extend the lease of rows still held by ``claim``; return how many are, counting the

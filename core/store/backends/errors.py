@@ -393,6 +393,22 @@ def _missing(exc: BaseException) -> Missing | None:
     return None
 
 
+#: MySQL's lock wait timeout: with ``innodb_lock_wait_timeout`` 0, a row lock held elsewhere.
+_LOCK_WAIT_TIMEOUT = 1205
+
+
+def row_lock_not_granted(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the driver's error it was translated from) says a statement that
+    may not wait for a row lock met one: MySQL/MariaDB's lock wait timeout, PostgreSQL's
+    ``lock_timeout``."""
+    error: BaseException | None = exc
+    while error is not None:
+        if mysql_error(error, _LOCK_WAIT_TIMEOUT) or getattr(error, "sqlstate", None) == _PG_LOCK_TIMEOUT:
+            return True
+        error = error.__cause__
+    return False
+
+
 def mysql_error(exc: BaseException, *codes: int) -> bool:
     """Whether ``exc`` is a MySQL/MariaDB server error numbered one of ``codes``: for the store's
     modules that handle one such error and import no driver themselves."""

@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 
 from room_outbox.envelope import MAX_ENVELOPE_BYTES
-from room_outbox.store.backends.errors import refused_value
+from room_outbox.store.backends.errors import refused_value, row_lock_not_granted
 from room_outbox.store.clock import now_ms
 from room_outbox.store.dialect import MYSQL, Dialect, ascii_text
 from room_outbox.store.dialect import marks as _marks
@@ -54,6 +54,8 @@ CREATED_AHEAD_MS = 1_000
 REFUSED_RETRY_MS = 60_000
 #: How many rows refused by the database a store remembers, to log each once while it lasts.
 REFUSALS_REMEMBERED = 10_000
+#: A result whose row another session holds locked this long (seconds) is logged as waiting.
+LOCKED_RESULT_WARN_S = 1.0
 
 log = logging.getLogger("room_outbox.store")
 
@@ -169,6 +171,10 @@ class LeasedRows:
     #: (:meth:`_report_refused`). None until the first refusal: a write that goes through
     #: then checks nothing more.
     _refused: dict[int, str] | None = None
+    #: Rows whose results wait for another session's lock on them: since when (the event
+    #: loop's clock), and whether that was logged (:meth:`_report_waiting`). None until the
+    #: first such row.
+    _waiting_since: dict[int, tuple[float, bool]] | None = None
 
     def use_profile(self, profile: Profile) -> None:
         """Keep the main lane's state in ``profile``'s table and words (``database.profile``)."""
@@ -384,7 +390,9 @@ class LeasedRows:
                     untaken = [row for row in found if row.id not in written]
                     rows = await self._heads_of_rooms(cur, untaken, hold_back_ms, bool(buckets), closing, in_flight)
                     stale = await write_results(cur)
-                    if any(r.row_id in closing and not r.published_by_producer for r in stale):
+                    # A row whose result waits for another session's lock stays this process's, and
+                    # is closed once that is written: it does not make the claim look again.
+                    if any(r.row_id in closing and not (r.published_by_producer or r.row_locked) for r in stale):
                         rows = []  # a row counted as closed is open elsewhere: look again next claim
                 else:
                     rows = found
@@ -557,6 +565,17 @@ class LeasedRows:
     async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
         if not results:
             return []
+        if self.writes_beside_claims:
+            # As beside a claim: no waiting for a row lock; where one is held, again with the
+            # rows locked elsewhere skipped (:meth:`_apply_results`).
+            try:
+                async with self._beside_transaction() as cur:
+                    return await self._apply_results(cur, results)
+            except Exception as exc:
+                if not row_lock_not_granted(exc):
+                    raise
+            async with self.transaction() as cur:
+                return await self._apply_results(cur, results, skip_locked=True)
         async with self.transaction() as cur:
             return await self._apply_results(cur, results)
 
@@ -564,16 +583,71 @@ class LeasedRows:
         if not row_ids:
             return 0
         async with self.transaction() as cur:
-            held = int(
-                await cur.execute(
-                    f"UPDATE {self.table} SET {self.profile.lock} = {self.profile.ms('%s')}"
-                    f" WHERE {self.key} IN ({_marks(row_ids)}) AND worker_id = %s AND status = '{self.profile.in_flight}'",
-                    (lease_until_ms, *row_ids, claim),
+            # The rows another session holds locked are skipped, not waited for: a renewal
+            # waiting for one row would renew none until that session ends (and hold up the
+            # claims, which take turns with renewals). They are still this claim's, counted as
+            # held; their leases are renewed once their locks are released.
+            locked = await self._locked_elsewhere(cur, row_ids) if self.dialect.row_lock else set()
+            free = [row_id for row_id in row_ids if row_id not in locked]
+            held = len(locked)
+            if free:
+                held += int(
+                    await cur.execute(
+                        f"UPDATE {self.table} SET {self.profile.lock} = {self.profile.ms('%s')}"
+                        f" WHERE {self.key} IN ({_marks(free)}) AND worker_id = %s AND status = '{self.profile.in_flight}'",
+                        (lease_until_ms, *free, claim),
+                    )
                 )
-            )
-            if held < len(row_ids):
-                held += len(await self._published_under(cur, claim, row_ids))
+            if held < len(row_ids) and free:
+                held += len(await self._published_under(cur, claim, free))
             return held
+
+    async def _locked_elsewhere(self, cur: Any, row_ids: Sequence[int]) -> set[int]:
+        """Of ``row_ids``, the rows another session holds locked (room-service's transaction
+        that updated one, say), read without waiting; the others are locked by this
+        transaction from then on, so that its writes to them wait for no one. A row that is
+        gone is not among them (its write finds it stale)."""
+        await cur.execute(
+            f"SELECT {self.key} FROM {self.table} WHERE {self.key} IN ({_marks(row_ids)}){self.dialect.row_lock}",
+            row_ids,
+        )
+        free = {row[0] for row in await cur.fetchall()}
+        if len(free) == len(row_ids):
+            return set()
+        skipped = [row_id for row_id in row_ids if row_id not in free]
+        await cur.execute(f"SELECT {self.key} FROM {self.table} WHERE {self.key} IN ({_marks(skipped)})", skipped)
+        return {row[0] for row in await cur.fetchall()}
+
+    def _report_waiting(self, results: Sequence[DeliveryResult], locked: Collection[int]) -> None:
+        """Log a result whose row another session holds locked once, when it has waited
+        :data:`LOCKED_RESULT_WARN_S` (a claim of another process locks a row it passes for
+        milliseconds; a lock held longer is a transaction of another program), and once
+        more when its row is written; the rounds in between say nothing."""
+        since = self._waiting_since
+        if since is None:
+            since = self._waiting_since = {}
+        now = anyio.current_time()
+        for result in results:
+            if result.row_id in locked:
+                first, warned = since.get(result.row_id, (now, False))
+                waited = now - first
+                if not warned and waited >= LOCKED_RESULT_WARN_S:
+                    log.warning(
+                        "result not written: another session holds its row locked; written once the lock is released",
+                        extra={**self._waiting_fields(result), "waited_s": round(waited, 1)},
+                    )
+                    warned = True
+                since[result.row_id] = (first, warned)
+            elif result.row_id in since:
+                first, warned = since.pop(result.row_id)
+                log.log(
+                    logging.WARNING if warned else logging.DEBUG,
+                    "result written: the row another session held locked is free again",
+                    extra={**self._waiting_fields(result), "waited_s": round(now - first, 1)},
+                )
+
+    def _waiting_fields(self, result: DeliveryResult) -> dict[str, Any]:
+        return {"table": self.table, "row": result.row_id, "event_id": result.event_id, "claim": result.claim}
 
     async def _published_under(self, cur: Any, claim: str, row_ids: Sequence[int]) -> set[int]:
         """Of ``row_ids``, those the producer published while ``claim`` held them: delivered
@@ -597,8 +671,15 @@ class LeasedRows:
             for r in stale
         ]
 
-    async def _apply_results(self, cur: Any, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
+    async def _apply_results(
+        self, cur: Any, results: Sequence[DeliveryResult], skip_locked: bool = False
+    ) -> list[DeliveryResult]:
         """Write results whose claim still holds the row; return the others (stale).
+
+        ``skip_locked``: first lock the results' rows, skipping those another session holds
+        locked (:meth:`_locked_elsewhere`); their results are not written but returned with
+        ``row_locked``, for a later write. Waiting for such a lock would hold every other
+        result, and the locks already taken on their rows, until the other session ends.
 
         Every write is fenced in its WHERE (``worker_id`` = the claim, still ``pending``), so
         a claimant that lost a row changes nothing. Published and released rows go in one
@@ -612,6 +693,16 @@ class LeasedRows:
         row, and a refused row is released with the cause in ``last_error``
         (:meth:`_release_refused`). Otherwise one row would fail its lane's every result
         write, and every claim that carries them, for ever."""
+        locked = await self._locked_elsewhere(cur, sorted({r.row_id for r in results})) if skip_locked else set()
+        stale = await self._write_each(cur, [r for r in results if r.row_id not in locked] if locked else results)
+        if locked or self._waiting_since:  # once written: a write that failed has written nothing
+            self._report_waiting(results, locked)
+        if not locked:
+            return stale
+        return stale + [dataclasses.replace(r, row_locked=True) for r in results if r.row_id in locked]
+
+    async def _write_each(self, cur: Any, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
+        """:meth:`_apply_results` for rows none of which another session holds locked."""
         stale: list[DeliveryResult] = []
         groups: dict[tuple[str, Outcome], list[DeliveryResult]] = {}
         for result in results:
@@ -826,8 +917,10 @@ class _WrittenBeside:
     async def finish(self, cur: Any) -> tuple[list[DeliveryResult], bool]:
         """The stale results, and whether the results are committed: once written beside,
         yes; where that failed, they are written in the claim's transaction (``cur``), not
-        yet committed."""
+        yet committed. There, the rows another session holds locked are skipped (their
+        results come back ``row_locked``): the claim waits for no one else's lock, so that
+        the lane goes on and the other rows it locks are not held for as long."""
         await self.done.wait()
         if self.stale is not None:
             return self.stale, True
-        return await self.rows._apply_results(cur, self.results), False
+        return await self.rows._apply_results(cur, self.results, skip_locked=True), False
