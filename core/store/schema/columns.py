@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.errors import SchemaError
-from room_outbox.store.dialect import Dialect, index_names
+from room_outbox.store.dialect import Dialect, IndexNames, index_names
 
 if TYPE_CHECKING:
     from room_outbox.store.schema.profiles import Profile
@@ -387,7 +387,7 @@ def _not_null_declaration(value: _NullableValue) -> str:
     return f"{column.name} {column.declared}{kept} NOT NULL{default}"
 
 
-def column_fixes(columns: dict[str, Column], indexes: set[str], profile: Profile, dialect: Dialect) -> list[Step]:
+def column_fixes(columns: dict[str, Column], indexes: IndexNames, profile: Profile, dialect: Dialect) -> list[Step]:
     """What ``migrate`` changes itself (MySQL/MariaDB), for each nullable column of
     :func:`_nullable_values`: a default (metadata only) where it has none; an index on it built
     online, so that each batch of the backfill reads the NULLs left instead of scanning past
