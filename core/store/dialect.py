@@ -238,9 +238,19 @@ async def column_names(cur: Any, dialect: Dialect, table: str) -> list[str]:
     return [str(row[0]).lower() for row in await cur.fetchall()]
 
 
-async def index_names(cur: Any, dialect: Dialect, table: str) -> set[str]:
+class IndexNames(frozenset[str]):
+    """A table's index names, in lower case, where ``in`` ignores case: the index names
+    room-outbox expects carry the table's name as configured (``idx_RoomOutbox_room``), while
+    MySQL/MariaDB and SQLite compare index names case-insensitively and PostgreSQL folds the
+    unquoted ones to lower case."""
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and super().__contains__(name.lower())
+
+
+async def index_names(cur: Any, dialect: Dialect, table: str) -> IndexNames:
     await cur.execute(dialect.indexes_sql, (table,))
-    return {str(row[0]).lower() for row in await cur.fetchall()}
+    return IndexNames(str(row[0]).lower() for row in await cur.fetchall())
 
 
 def marks(values: Sequence[object]) -> str:

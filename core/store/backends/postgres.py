@@ -11,6 +11,7 @@ runs online (:meth:`PostgresStore.run_migration`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import sys
@@ -42,6 +43,7 @@ from room_outbox.store.dialect import POSTGRESQL
 from room_outbox.store.schema import registry
 from room_outbox.store.schema.columns import printed_name, read_columns, wall_time_columns
 from room_outbox.store.schema.outbox import Migration, in_progress
+from room_outbox.store.schema.profiles import Profile
 from room_outbox.store.schema.registry import Planner
 
 #: Envelope column types read as they are: text already (see :meth:`PostgresStore.read_envelope`).
@@ -320,6 +322,12 @@ class PostgresStore(LeasedRows):
         if address.transaction_pooling:
             store._transaction_settings = session.settings(local=True)
         return store
+
+    def use_profile(self, profile: Profile) -> None:
+        """As :meth:`LeasedRows.use_profile`, on the table's name as PostgreSQL reads it: every
+        statement names it unquoted, which PostgreSQL folds to lower case (``RoomOutbox`` is
+        ``roomoutbox``), so the catalogue is searched, and its indexes named, in lower case too."""
+        super().use_profile(dataclasses.replace(profile, table=profile.table.lower()))
 
     def read_envelope(self, column: str) -> str:
         """As :meth:`LeasedRows.read_envelope`, as this database and the column's type need.

@@ -27,6 +27,23 @@ SEARCH_PATH = "search_path"
 SOCKET_DIRECTORY = "host"
 
 
+def _plain_schema(name: str) -> str:
+    """A schema of :data:`SEARCH_PATH` as PostgreSQL reads it unquoted, which is how the
+    sessions set it: in lower case (``RoomSvc`` is ``roomsvc``). A quoted name, capitals kept,
+    is refused: room-outbox names every object unquoted (see
+    :func:`~room_outbox.store.schema.columns.schema_problems`)."""
+    if name.startswith('"'):
+        lower = name.strip('"').lower()
+        raise DsnOptionError(
+            f"database.dsn: {SEARCH_PATH}: {name!r} is quoted: room-outbox names schemas unquoted, which"
+            " PostgreSQL reads in lower case, and cannot use a schema named with capitals; rename it in"
+            f" lower case (ALTER SCHEMA {name} RENAME TO {lower}) and name that here"
+        )
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_$]*", name) or len(name) > 63:
+        raise DsnOptionError(f"database.dsn: {SEARCH_PATH}: {name!r} is not a plain schema name")
+    return name.lower()
+
+
 @dataclass(frozen=True)
 class PostgresAddress:
     host: str
@@ -54,10 +71,7 @@ class PostgresAddress:
             raise DsnOptionError(f"database.dsn: unsupported options {sorted(unknown)} (allowed: {', '.join(allowed)})")
         socket_directory = socket_option(parsed, SOCKET_DIRECTORY)
         options = {name: values[-1] for name, values in sorted(parsed.query.items()) if name != SOCKET_DIRECTORY}
-        schemas = tuple(name.strip() for name in options.pop(SEARCH_PATH, "").split(",") if name.strip())
-        for schema in schemas:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_$]*", schema) or len(schema) > 63:
-                raise DsnOptionError(f"database.dsn: {SEARCH_PATH}: {schema!r} is not a plain schema name")
+        schemas = tuple(_plain_schema(name.strip()) for name in options.pop(SEARCH_PATH, "").split(",") if name.strip())
         pool_mode = options.pop(POOL_MODE, "session")
         if pool_mode not in _POOL_MODES:
             raise DsnOptionError(

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Sequence
 
 from room_outbox.errors import SchemaError
-from room_outbox.store.dialect import column_names, index_names
+from room_outbox.store.dialect import IndexNames, column_names, index_names
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.buckets import BUCKET_TABLE, BUCKETS, missing_buckets
 from room_outbox.store.schema.columns import check_columns, row_security_notice, sequence_problems
@@ -105,7 +105,7 @@ async def check_indexes(store: SQLStore) -> None:
     await _check_indexes(store, indexes)
 
 
-async def _check_indexes(store: SQLStore, indexes: set[str]) -> None:
+async def _check_indexes(store: SQLStore, indexes: IndexNames) -> None:
     """Raise :class:`SchemaError` naming those of the outbox table's required indexes not among
     ``indexes`` (its indexes' names, lower case) and the fix."""
     table = store.profile.table

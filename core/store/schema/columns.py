@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.errors import SchemaError
-from room_outbox.store.dialect import Dialect, index_names
+from room_outbox.store.dialect import Dialect, IndexNames, index_names
 
 if TYPE_CHECKING:
     from room_outbox.store.schema.profiles import Profile
@@ -408,7 +408,7 @@ def _not_null_declaration(value: _NullableValue) -> str:
     return f"{column.name} {column.declared}{kept} NOT NULL{default}"
 
 
-def column_fixes(columns: dict[str, Column], indexes: set[str], profile: Profile, dialect: Dialect) -> list[Step]:
+def column_fixes(columns: dict[str, Column], indexes: IndexNames, profile: Profile, dialect: Dialect) -> list[Step]:
     """What ``migrate`` changes itself (MySQL/MariaDB), for each nullable column of
     :func:`_nullable_values`: a default (metadata only) where it has none; an index on it built
     online, so that each batch of the backfill reads the NULLs left instead of scanning past
@@ -517,9 +517,13 @@ async def schema_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[
     schema and nobody chose this search path (:func:`_outside_the_search_path`). The
     catalogue checks and room-outbox's own tables go by the first schema: ``migrate`` would
     make a second, empty outbox table there, which room-outbox would read while room-service
-    writes the other."""
+    writes the other. First, a schema of the search path or the table that PostgreSQL has only
+    under a name with capitals (:func:`_schemas_with_capitals`, :func:`_tables_with_capitals`)."""
     if dialect.name != "postgresql":
         return []
+    capitals = await _schemas_with_capitals(cur)
+    if capitals:  # the session looks in other schemas than those named: nothing else is said right
+        return capitals
     await cur.execute(
         "SELECT n.nspname, current_schema() FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
         " WHERE c.oid = to_regclass(%s)",
@@ -527,7 +531,7 @@ async def schema_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[
     )
     row = await cur.fetchone()
     if row is None:
-        return await _outside_the_search_path(cur, profile.table)
+        return await _tables_with_capitals(cur, profile.table) or await _outside_the_search_path(cur, profile.table)
     if row is not None and row[0] != row[1]:
         found, first = row
         return [
@@ -550,6 +554,43 @@ async def schema_problems(cur: Any, dialect: Dialect, profile: Profile) -> list[
         f"{profile.table} is in {' and '.join(schemas)}, all in the search path, and room-outbox would read"
         f" {schemas[0]}.{profile.table}: name the schema room-service writes in database.dsn"
         f" (?search_path={schemas[1]}, or ?search_path={schemas[0]} for the first)"
+    ]
+
+
+async def _schemas_with_capitals(cur: Any) -> list[str]:
+    """PostgreSQL: a schema the search path names that the catalogue has only under a name with
+    capitals (created quoted, as some ORMs do). The sessions set the DSN's search path unquoted,
+    which PostgreSQL folds to lower case: they would look in a schema that does not exist, and
+    migrate would blame a privilege on no schema. Said up front, with the rename that fixes it."""
+    await cur.execute(
+        "SELECT s.nspname FROM pg_namespace s WHERE s.nspname <> lower(s.nspname)"
+        " AND lower(s.nspname) = ANY(regexp_split_to_array(current_setting('search_path'), '\\s*,\\s*'))"
+        " AND NOT EXISTS (SELECT 1 FROM pg_namespace f WHERE f.nspname = lower(s.nspname)) ORDER BY 1",
+    )
+    return [
+        f'schema "{name}" has capitals (it was created quoted): room-outbox sets database.dsn\'s search_path'
+        f" unquoted, which PostgreSQL reads as {name.lower()}, a schema that does not exist; rename it in lower"
+        f' case (ALTER SCHEMA "{name}" RENAME TO {name.lower()}: statements that quote the name need the new one)'
+        for (name,) in await cur.fetchall()
+    ]
+
+
+async def _tables_with_capitals(cur: Any, table: str) -> list[str]:
+    """PostgreSQL: the outbox ``table``, not there, in any schema under its name with capitals
+    (created quoted). Every statement names it unquoted, which PostgreSQL folds to lower case
+    (see :meth:`.postgres.PostgresStore.use_profile`): said with the rename that fixes it,
+    rather than as a table outside the search path, missing or lacking columns."""
+    await cur.execute(
+        "SELECT quote_ident(n.nspname), c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE lower(c.relname) = %s AND c.relname <> %s AND c.relkind IN ('r', 'p') ORDER BY 1",
+        (table.lower(), table.lower()),
+    )
+    return [
+        f'table {schema}."{name}" has capitals (it was created quoted): room-outbox names database.table'
+        f" unquoted, which PostgreSQL reads as {table.lower()}, a table that does not exist; rename it in lower"
+        f' case (ALTER TABLE {schema}."{name}" RENAME TO {table.lower()}: its producer\'s statements that quote'
+        " the name need the new one)"
+        for schema, name in await cur.fetchall()
     ]
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from room_outbox.errors import SchemaError
-from room_outbox.store.dialect import Dialect, column_names, index_names
+from room_outbox.store.dialect import Dialect, IndexNames, column_names, index_names
 from room_outbox.store.schema.columns import ADOPTED_COLUMNS, adoption_plan, checked_fixes
 from room_outbox.store.schema.partitions import Partition, index_statements, partition_index, partitions_of, quoted
 
@@ -425,7 +425,7 @@ async def plan_silk(cur: Any, dialect: Dialect, profile: Profile) -> list[Migrat
 KEY_MISSING, KEY_COLUMN, KEY_DEFAULT, KEY_LEFTOVERS, KEY_DONE = range(5)
 
 
-async def _key_state(cur: Any, table: str, has_column: bool, indexes: set[str]) -> int:
+async def _key_state(cur: Any, table: str, has_column: bool, indexes: IndexNames) -> int:
     if not has_column:
         return KEY_MISSING
     await cur.execute(
