@@ -473,14 +473,48 @@ async def test_a_row_locked_past_the_lock_wait_on_mysql_says_so_and_what_to_do(
         3,
         [
             f"room-outbox: MySQL at {address.host}:{address.port} (database '{address.database}', user"
-            f" '{address.user}'): Lock wait timeout exceeded; try restarting transaction: a row or table this"
-            " command needed stayed locked by another transaction for the server's innodb_lock_wait_timeout"
-            " (database.query_timeout, rounded up to whole seconds): let that transaction end"
-            " (information_schema.innodb_trx lists the open ones with their start), or run the command"
-            " again with a longer query_timeout, such as ROOM_OUTBOX__DATABASE__QUERY_TIMEOUT=30s (below a third"
-            " of outbox_worker.lease: raise it too for the command, such as ROOM_OUTBOX__OUTBOX_WORKER__LEASE=120s)"
+            f" '{address.user}'): Lock wait timeout exceeded; try restarting transaction: waited for a lock another"
+            " session holds on a row or table this command needed for the server's innodb_lock_wait_timeout"
+            " (database.query_timeout, rounded up to whole seconds): find that session"
+            " (information_schema.INNODB_TRX lists the open transactions with their start) and let its transaction"
+            " end, or end it; then run the command again"
         ],
     )
+
+
+async def test_a_row_locked_past_query_timeout_on_mysql_names_the_transaction_holding_it(
+    store: MySQLStore,
+    database_dsn: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client gives up before the server's lock wait does (longer here): InnoDB's lock
+    waits still name the transaction the abandoned statement waits for."""
+    for_query_timeout = SessionLimits.for_query_timeout
+
+    def long_lock_wait(query_timeout: float, idle_in_transaction: float = 0.0) -> SessionLimits:
+        return dataclasses.replace(for_query_timeout(query_timeout, idle_in_transaction), lock_wait_seconds=30)
+
+    monkeypatch.setattr(SessionLimits, "for_query_timeout", long_lock_wait)
+    await insert_events(store, [envelope("held")])
+    config = write_config(tmp_path, database_dsn, QUIET_SINKS + "database:\n  query_timeout: 1s\n")
+    holder = await MySQLStore.connect(database_dsn)
+    try:
+        async with holder.transaction(timeout=60) as cur:
+            await cur.execute("SELECT CONNECTION_ID()")
+            (connection,) = await cur.fetchone()
+            await cur.execute("SELECT id FROM room_outbox WHERE event_id = 'held' FOR UPDATE")
+            with anyio.fail_after(30):
+                code, _, err = await cli(capsys, "--config", config, "cancel", "held", "--yes")
+    finally:
+        await holder.aclose()
+    assert code == 3, err
+    assert err[-1].startswith(
+        "room-outbox: the database answers, but a statement of this command ran longer than database.query_timeout"
+        f" (1s) and was abandoned, most likely waiting for a lock another session holds on room_outbox or its rows:"
+        f" connection {connection}, in a transaction since "
+    ), err
 
 
 async def test_a_row_locked_past_the_lock_wait_on_postgresql_says_so_and_what_to_do(
@@ -507,12 +541,53 @@ async def test_a_row_locked_past_the_lock_wait_on_postgresql_says_so_and_what_to
     assert code == 3 and len(err) == 1, err
     assert "canceling statement due to lock timeout" in err[0]
     assert err[0].endswith(
-        ": a row or table this command needed stayed locked by another transaction for the server's lock_timeout"
-        " (database.query_timeout, rounded up to whole seconds): let that transaction end (pg_stat_activity lists"
-        " the open ones with their start), or run the command again with a longer query_timeout, such as"
-        " ROOM_OUTBOX__DATABASE__QUERY_TIMEOUT=30s (below a third of outbox_worker.lease: raise it too for the"
-        " command, such as ROOM_OUTBOX__OUTBOX_WORKER__LEASE=120s)"
+        ": waited for a lock another session holds on room_outbox (a row of it) for the server's lock_timeout"
+        " (database.query_timeout, rounded up to whole seconds): find that session (pg_stat_activity lists the"
+        " sessions and their transactions with their start) and let its transaction end, or end it; then run the"
+        " command again"
     ), err
+
+
+@pytest.mark.parametrize(
+    "command", [("status",), ("lanes",), ("cleanup", "--yes"), ("requeue", "--status", "failed", "--yes")]
+)
+async def test_a_command_held_up_by_a_table_lock_past_query_timeout_names_the_session_holding_it(
+    postgresql_dsn: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: tuple[str, ...],
+) -> None:
+    """A DBA's ACCESS EXCLUSIVE lock (VACUUM FULL, ALTER TABLE) outlasting query_timeout: the
+    client gives up first (the server's lock wait is longer here), and the line names the
+    session holding the lock, not a slow statement a longer timeout would fix."""
+    for_query_timeout = SessionLimits.for_query_timeout
+
+    def long_lock_wait(query_timeout: float, idle_in_transaction: float = 0.0) -> SessionLimits:
+        return dataclasses.replace(for_query_timeout(query_timeout, idle_in_transaction), lock_wait_seconds=30)
+
+    monkeypatch.setattr(SessionLimits, "for_query_timeout", long_lock_wait)
+    store = await open_store(postgresql_dsn, pool_size=1)
+    try:
+        await store.migrate()
+        await insert_events(store, [envelope("held")])  # type: ignore[arg-type]
+    finally:
+        await store.aclose()
+    config = write_config(tmp_path, postgresql_dsn, QUIET_SINKS + "database:\n  query_timeout: 1s\n")
+    async with await psycopg.AsyncConnection.connect(postgresql_dsn, application_name="dba") as holder:
+        await holder.execute("LOCK TABLE room_outbox IN ACCESS EXCLUSIVE MODE")
+        holder_pid = holder.info.backend_pid
+        with anyio.fail_after(30):
+            code, _, err = await cli(capsys, "--config", config, *command)
+        await holder.rollback()
+    assert code == 3, err
+    assert err[-1].startswith(
+        "room-outbox: the database answers, but a statement of this command ran longer than database.query_timeout"
+        " (1s) and was abandoned, most likely waiting for a lock another session holds on room_outbox or its rows:"
+        f" session {holder_pid} (postgres, dba), in a transaction since "
+    ), err
+    assert "LOCK TABLE room_outbox IN ACCESS EXCLUSIVE MODE" in err[-1]
+    assert err[-1].endswith("let that transaction end (or end the session), then run the command again"), err
 
 
 @pytest.mark.parametrize("command", ["status", "cancel"])

@@ -4,6 +4,7 @@ processed records and resolved retry rows on MariaDB and PostgreSQL."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -134,6 +135,53 @@ async def test_two_cleaners_at_once_remove_each_row_once(store: MySQLStore) -> N
         await cur.execute(f"SELECT COUNT(*), COUNT(DISTINCT event_id) FROM {ARCHIVE_TABLE}")
         assert await cur.fetchone() == (400, 400)
     assert sorted(await fetch_rows(store)) == sorted(f"pending_{n}" for n in range(20))
+
+
+@contextlib.asynccontextmanager
+async def row_held(dsn: str, event_id: str) -> AsyncIterator[None]:
+    """``event_id``'s row locked by another session for the block, as room-service's
+    ``SELECT … FOR UPDATE`` of an old row does."""
+    holder = await MySQLStore.connect(dsn)
+    try:
+        async with holder.transaction(timeout=300) as cur:
+            await cur.execute("SELECT id FROM room_outbox WHERE event_id = %s FOR UPDATE", (event_id,))
+            yield
+    finally:
+        await holder.aclose()
+
+
+@pytest.mark.parametrize("archive", [False, True])
+async def test_a_row_another_session_holds_is_skipped_and_the_rest_removed_at_once(
+    store: MySQLStore, database_dsn: str, archive: bool
+) -> None:
+    # The batch is most of this small table: read whole, the locked row would hold the
+    # DELETE up until the lock wait (query_timeout, longer than the deadline here) ran out.
+    await add_rows(store, "old_", 50, 8 * DAY_MS, "published")
+    async with row_held(database_dsn, "old_29"):
+        with anyio.fail_after(3):
+            report = await cleanup(store, fast(batch_size=1000, archive=archive))
+    assert report.removed == 49
+    assert sorted(await fetch_rows(store)) == ["old_29"]
+    if archive:
+        async with store.transaction() as cur:
+            await cur.execute(f"SELECT COUNT(*) FROM {ARCHIVE_TABLE} WHERE event_id <> 'old_29'")
+            assert await cur.fetchone() == (49,)
+
+
+async def test_the_background_job_skips_a_row_another_session_holds(store: MySQLStore, database_dsn: str) -> None:
+    await add_rows(store, "old_", 50, 8 * DAY_MS, "published")
+    settings = RetentionSettings(enabled=True, older_than="168h", pause="0s", interval="50ms")
+    stop = anyio.Event()
+    async with row_held(database_dsn, "old_29"):
+        with anyio.fail_after(3):
+            async with anyio.create_task_group() as tg:
+                await tg.start(run_retention_job, store, settings, stop)
+                await wait_until(lambda: _only_left(store, "old_29"), timeout=3)
+                stop.set()
+
+
+async def _only_left(store: MySQLStore, event_id: str) -> bool:
+    return sorted(await fetch_rows(store)) == [event_id]
 
 
 async def test_background_job_cleans_until_stopped(store: MySQLStore) -> None:

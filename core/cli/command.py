@@ -18,7 +18,7 @@ from room_outbox.startup import check_run_schema, table_profile
 from room_outbox.store.backends.errors import translated
 from room_outbox.store.deadline import LONGER_QUERY_TIMEOUT, QueryTimeout
 from room_outbox.store.factory import describe, open_store, store_address
-from room_outbox.store.operator.reports import ping
+from room_outbox.store.operator.reports import lock_blockers, ping
 from room_outbox.store.protocol import SQLStore
 
 if TYPE_CHECKING:
@@ -239,18 +239,41 @@ async def with_store(settings: Settings, work: Callable[[SQLStore], Awaitable[in
 
 async def _timed_out(store: SQLStore, exc: QueryTimeout) -> QueryTimeout:
     """A command's database call past ``query_timeout``: when the database answers a ping now
-    it is up and one of the command's statements was too slow, which the operator can work
-    around, not the outage the bare timeout suggests (both exit 3)."""
+    it is up, and one of the command's statements was too slow or waited for a lock another
+    session holds (a DBA's ``LOCK TABLE``, ``VACUUM FULL``, ``ALTER TABLE``, a long
+    transaction). The operator's fix differs, so the sessions that hold others up are looked
+    up (:func:`lock_blockers`) and named; a longer timeout helps only when none is. Both exit
+    3, as the bare timeout would."""
     try:
         await ping(store)
     except Exception:  # no answer now either: the timeout's own words stand
         return exc
+    abandoned = (
+        f"a statement of this command ran longer than database.query_timeout ({exc.seconds:g}s) and was abandoned"
+    )
+    blockers = await lock_blockers(store)
+    if blockers:
+        return QueryTimeout(
+            exc.seconds,
+            f"the database answers, but {abandoned}, most likely waiting for a lock another session holds on"
+            f" {store.profile.table} or its rows: {'; '.join(blockers)}; let that transaction end (or end the"
+            " session), then run the command again",
+        )
     return QueryTimeout(
         exc.seconds,
-        f"the database answers, but a statement of this command ran longer than database.query_timeout"
-        f" ({exc.seconds:g}s) and was abandoned: run the command again with a longer one, {LONGER_QUERY_TIMEOUT},"
-        " and find the statement in the database's slow query log",
+        f"the database answers, but {abandoned}: run the command again with a longer one, {LONGER_QUERY_TIMEOUT},"
+        " and find the statement in the database's slow query log; or it waited for a lock another session held"
+        f" on {store.profile.table} ({_open_transactions(store)})",
     )
+
+
+def _open_transactions(store: SQLStore) -> str:
+    """Where the database lists the sessions and the locks they hold, for an operator."""
+    if store.dialect.name == "postgresql":
+        return "pg_stat_activity and pg_locks list the sessions and their locks"
+    if store.dialect.name == "mysql":
+        return "information_schema.INNODB_TRX lists the open transactions, with their start"
+    return "another process writing the file"
 
 
 def translated_errors(dsn: str) -> contextlib.AbstractContextManager[None]:

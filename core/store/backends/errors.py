@@ -26,7 +26,6 @@ import pymysql
 
 from room_outbox.errors import RoomOutboxError, SchemaError, StoreUnavailable
 from room_outbox.masking import mask
-from room_outbox.store.deadline import LONGER_QUERY_TIMEOUT
 from room_outbox.store.schema.registry import OUTBOX, required_columns, required_indexes
 
 if TYPE_CHECKING:
@@ -121,7 +120,7 @@ def translate(exc: BaseException, where: str, password: str = "") -> RoomOutboxE
             return refuses_writes(where, reason)
         if code == _LOCK_WAIT_TIMEOUT:
             return _lock_wait_exceeded(
-                where, reason, "innodb_lock_wait_timeout", "information_schema.innodb_trx lists the open ones"
+                where, reason, "innodb_lock_wait_timeout", "information_schema.INNODB_TRX lists the open transactions"
             )
         if isinstance(exc, pymysql.err.OperationalError):
             return StoreUnavailable(f"{where}: {reason}")
@@ -212,7 +211,9 @@ def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOu
     if state == _PG_READ_ONLY:
         return refuses_writes(where, reason)
     if state == _PG_LOCK_TIMEOUT:
-        return _lock_wait_exceeded(where, reason, "lock_timeout", "pg_stat_activity lists the open ones")
+        return _lock_wait_exceeded(
+            where, reason, "lock_timeout", "pg_stat_activity lists the sessions and their transactions"
+        )
     if isinstance(exc, PoolTimeout) or (isinstance(exc, psycopg.OperationalError) and state is None):
         return StoreUnavailable(
             f"cannot reach {where}: {reason}; is the server running, and are database.dsn's host and port right?",
@@ -247,13 +248,15 @@ def privilege_fix(exc: BaseException) -> str | None:
 
 
 def _lock_wait_exceeded(where: str, reason: str, setting: str, open_transactions: str) -> StoreUnavailable:
-    """A statement gave up waiting for a lock another transaction held: the server's words
-    name neither the cause nor the fix."""
+    """A statement gave up waiting for a lock another session held: the server's words name
+    neither the cause nor the fix. A longer query_timeout is no fix: the lock stays until that
+    session's transaction ends, so the message says where to find it."""
+    held = re.search(r'in relation "([^"]+)"', reason)
+    what = f"{held.group(1)} (a row of it)" if held else "a row or table this command needed"
     return StoreUnavailable(
-        f"{where}: {reason}: a row or table this command needed stayed locked by another transaction for"
-        f" the server's {setting} (database.query_timeout, rounded up to whole seconds): let that transaction"
-        f" end ({open_transactions} with their start), or run the command again with a longer query_timeout,"
-        f" {LONGER_QUERY_TIMEOUT}"
+        f"{where}: {reason}: waited for a lock another session holds on {what} for the server's {setting}"
+        f" (database.query_timeout, rounded up to whole seconds): find that session ({open_transactions}"
+        " with their start) and let its transaction end, or end it; then run the command again"
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 from room_outbox.store.backends.leased import CREATED_AHEAD_MS, bounded_by_key
@@ -31,6 +32,56 @@ async def ping(store: SQLStore) -> None:
     """One round trip: raises when the database does not answer (the readiness check)."""
     async with store.transaction() as cur:
         await cur.execute("SELECT 1")
+
+
+#: PostgreSQL's table lock modes that hold up a write (a row lock's RowExclusiveLock): a DBA's
+#: ``LOCK TABLE``, ``VACUUM FULL``, ``ALTER TABLE``, ``CREATE INDEX`` without CONCURRENTLY.
+_PG_WRITE_BLOCKING = ("ShareLock", "ShareRowExclusiveLock", "ExclusiveLock", "AccessExclusiveLock")
+#: At most this many blocking sessions are named.
+_BLOCKERS_NAMED = 3
+
+
+async def lock_blockers(store: SQLStore) -> list[str]:
+    """The sessions most likely holding this command up with a lock, each in a few words (the
+    session's id, what it runs, since when), for a statement abandoned at query_timeout: on
+    PostgreSQL those holding a lock on the outbox table that holds up writes, and those any
+    session of this database waits for; on MariaDB the transactions others wait for (InnoDB's
+    lock waits: row locks). One query, run once the command has failed; [] where nothing is
+    known (no blocker, SQLite, or the catalogue not readable: no PROCESS privilege, MySQL 8)."""
+    try:
+        async with store.transaction() as cur:
+            if store.dialect.name == "postgresql":
+                await cur.execute(
+                    "SELECT a.pid, a.usename, a.application_name, a.xact_start, a.query FROM pg_stat_activity a"
+                    " WHERE a.pid <> pg_backend_pid() AND a.datname = current_database() AND (a.pid IN"
+                    " (SELECT l.pid FROM pg_locks l WHERE l.granted AND l.relation = to_regclass(%s) AND l.mode = ANY(%s))"
+                    " OR a.pid IN (SELECT unnest(pg_blocking_pids(w.pid)) FROM pg_stat_activity w"
+                    " WHERE w.datname = current_database() AND w.wait_event_type = 'Lock'))"
+                    " ORDER BY a.xact_start LIMIT %s",
+                    (store.profile.table, list(_PG_WRITE_BLOCKING), _BLOCKERS_NAMED),
+                )
+                found = await cur.fetchall()
+                return [_session(f"session {pid} ({user}, {app or 'no application name'})", since, query)
+                        for pid, user, app, since, query in found]  # fmt: skip
+            if store.dialect.name == "mysql":
+                await cur.execute(
+                    "SELECT t.trx_mysql_thread_id, t.trx_started, t.trx_query FROM information_schema.INNODB_TRX t"
+                    " WHERE t.trx_id IN (SELECT blocking_trx_id FROM information_schema.INNODB_LOCK_WAITS)"
+                    " ORDER BY t.trx_started LIMIT %s",
+                    (_BLOCKERS_NAMED,),
+                )
+                found = await cur.fetchall()
+                return [_session(f"connection {thread}", since, query) for thread, since, query in found]
+    except Exception:  # the command's own error says what is known: this only adds to it
+        return []
+    return []
+
+
+def _session(who: str, since: object, query: object) -> str:
+    """A blocking session in a few words: its transaction's start and its last statement."""
+    statement = " ".join(str(query or "").split())[:80] or "idle"
+    started = since.isoformat(sep=" ", timespec="seconds") if isinstance(since, datetime) else since
+    return f"{who}, in a transaction since {started}: {statement}"
 
 
 async def count_by_status(store: SQLStore, event_id_prefix: str) -> dict[str, int]:

@@ -344,14 +344,8 @@ async def _remove_once(
         ids = [row[0] for row in await cur.fetchall()]
         if not ids:
             return 0
-        held = ", ".join(["%s"] * len(ids))
         if archive_columns is not None:
-            names = ", ".join(archive_columns)
-            copied = await cur.execute(
-                f"INSERT INTO {archive_table(table)} ({names}) SELECT {names} FROM {table}{dialect.primary_hint}"
-                f" WHERE {key} IN ({held})",
-                ids,
-            )
+            copied = await cur.execute(*_copy_listed(store, archive_columns, ids))
             # A row is deleted only once its copy is made: anything short of every locked row
             # copied rolls the whole batch back.
             if copied != len(ids):
@@ -359,14 +353,40 @@ async def _remove_once(
                     f"archiving copied {copied} of {len(ids)} row(s) to {archive_table(table)}; nothing was removed"
                 )
         for lane in owers.lane_tables:  # the lanes' rows for these events are done with too
-            await cur.execute(f"DELETE FROM {lane} WHERE outbox_id IN ({held})", ids)
-        if dialect.primary_hint:
-            # The multi-table form, because only it takes an index hint: on a small table the
-            # optimizer would otherwise scan all rows and wait on those another cleaner holds.
-            delete = f"DELETE o FROM {table} AS o{dialect.primary_hint} WHERE o.id IN ({held})"
-        else:
-            delete = f"DELETE FROM {table} WHERE {key} IN ({held})"
-        return int(await cur.execute(delete, ids))
+            await cur.execute(*_delete_listed(store, lane, "outbox_id", ids))
+        return int(await cur.execute(*_delete_listed(store, table, key, ids)))
+
+
+def _listed_ids(ids: list[int]) -> str:
+    """MySQL: ``ids`` as a derived table ``h`` of one column ``id``, one row each.
+
+    InnoDB locks every row a DELETE reads (at READ COMMITTED too) and waits for those another
+    session holds. Where the ids are most of the table (a small one), the optimizer reads it
+    whole instead of looking each id up, index hint or not (``FORCE INDEX (PRIMARY)`` still
+    allows reading the whole primary key): one row a session holds locked, room-service's
+    ``SELECT … FOR UPDATE`` or a lane's claim, then holds the batch up until the lock wait
+    times out. Joined first (``STRAIGHT_JOIN``), this table makes each row be found by its key
+    alone: a statement reads exactly the rows listed, which the batch holds."""
+    return "(" + " UNION ALL ".join(["SELECT %s AS id"] + ["SELECT %s"] * (len(ids) - 1)) + ") AS h"
+
+
+def _delete_listed(store: SQLStore, table: str, key: str, ids: list[int]) -> tuple[str, list[int]]:
+    """The DELETE of the rows of ``table`` whose ``key`` is one of ``ids``, reading no other row."""
+    if store.dialect.name == "mysql":
+        return f"DELETE t FROM {_listed_ids(ids)} STRAIGHT_JOIN {table} AS t ON t.{key} = h.id", ids
+    return f"DELETE FROM {table} WHERE {key} IN ({', '.join(['%s'] * len(ids))})", ids
+
+
+def _copy_listed(store: SQLStore, columns: list[str], ids: list[int]) -> tuple[str, list[int]]:
+    """The copy of the rows of ``ids`` to the archive table, reading no other row (as
+    :func:`_delete_listed`)."""
+    table, key = store.profile.table, store.profile.key
+    names = ", ".join(columns)
+    insert = f"INSERT INTO {archive_table(table)} ({names}) SELECT"
+    if store.dialect.name == "mysql":
+        picked = ", ".join(f"t.{column}" for column in columns)
+        return f"{insert} {picked} FROM {_listed_ids(ids)} STRAIGHT_JOIN {table} AS t ON t.{key} = h.id", ids
+    return f"{insert} {names} FROM {table} WHERE {key} IN ({', '.join(['%s'] * len(ids))})", ids
 
 
 async def _lanes(store: SQLStore, plan: LanePlan, cutoff: int) -> tuple[_Owers, int, list[str], list[str]]:
