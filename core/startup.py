@@ -8,7 +8,9 @@
    it cannot be reached (a server still starting), then
 3. **the user's privileges and the schema**: what ``run`` does on each table it uses, and
    that the server takes writes; every column and lane table room-outbox uses, or "run
-   `room-outbox migrate`" (a table without its producer's columns: migrate's refusal).
+   `room-outbox migrate`" (a table without its producer's columns: migrate's refusal). Within
+   step 2's wait: a connection lost while they run (a session terminated, a server
+   restarting) is waited out too, from a new pool; what they refuse ends the start at once.
 
 Each failure is one :class:`~room_outbox.errors.RoomOutboxError` (a configuration error, exit 2;
 the database unreachable or not migrated, exit 3).
@@ -29,7 +31,6 @@ from room_outbox.delivery.lanes import delivery_settings, tails, unused_tail_set
 from room_outbox.delivery.routing import registered_sinks, sink_name_problems, validate_sinks
 from room_outbox.errors import ConfigurationError
 from room_outbox.observability.telemetry import check_environment, sdk_disabled
-from room_outbox.store.backends.errors import translated
 from room_outbox.store.factory import describe, open_store, store_address
 from room_outbox.store.lanes.store import lane_table
 from room_outbox.store.privileges import check_privileges, needed_by_run
@@ -160,12 +161,13 @@ async def open_checked_store(
     settings: Settings, own_lanes: list[str], tail_lanes: Sequence[str] = (), main_lane: bool = True
 ) -> SQLStore:
     """The store, once reachable (waiting up to ``database.connect_wait``), migrated, and
-    writable by its user as ``run`` needs (``main_lane``: the main lane runs)."""
+    writable by its user as ``run`` needs (``main_lane``: the main lane runs). The checks run
+    within that wait: a connection lost meanwhile is waited out, a refusal ends the start."""
     database = settings.database
     # A tailing round's transaction waits, idle, for its batch's publish: the server's session
     # limits must allow the longest publish_timeout besides query_timeout.
     publishing = max((delivery_settings(settings, lane).publish_timeout for lane in tail_lanes), default=0.0)
-    store = await open_store(
+    return await open_store(
         database.dsn.get_secret_value(),
         database.pool_size,
         query_timeout=database.query_timeout,
@@ -174,14 +176,8 @@ async def open_checked_store(
         idle_in_transaction=publishing,
         max_envelope_bytes=database.max_envelope_bytes,
         existing_only=True,  # a SQLite file is migrate's to create: run would find no table in a new one
+        check=lambda store: check_run_schema(store, settings, own_lanes, tail_lanes, main_lane),
     )
-    try:
-        with translated(describe(store_address(database.dsn.get_secret_value()))):
-            await check_run_schema(store, settings, own_lanes, tail_lanes, main_lane)
-    except BaseException:
-        await store.aclose()
-        raise
-    return store
 
 
 async def check_run_schema(

@@ -35,6 +35,7 @@ from room_outbox.observability.systemd import notify_systemd
 from room_outbox.observability.telemetry import Telemetry, sdk_disabled, telemetry_from_environment
 from room_outbox.plugin_manager import make_plugin_manager
 from room_outbox.signals import stopped_by_signals
+from room_outbox.store.consumers.sql import SQLConsumerStore
 from room_outbox.store.factory import consumer_store, open_store
 from room_outbox.store.operator.reports import ping
 from room_outbox.store.protocol import SQLStore
@@ -90,6 +91,20 @@ async def _consume(
     # A handler runs inside its transaction: the session stays idle while it works, for up to
     # the slowest consumer's handler_timeout, and the server's session limits must allow that.
     handler_timeout = max(c.handler_timeout for c in chosen.values())
+    opened: list[tuple[SQLConsumerStore, CheckedTables]] = []
+
+    async def check(store: SQLStore) -> None:
+        # Run within the wait for the database: a connection lost meanwhile is waited out too.
+        # A handling's transaction may take as long as the slowest consumer's handler_timeout.
+        consumers_store = consumer_store(store, handler_timeout)
+        if consumers_store is None:
+            raise ConfigError("consumers: need a MySQL or PostgreSQL database (database.dsn names SQLite)")
+        async with store.transaction() as cur:
+            refused = await binlog_problems(cur, store.dialect)  # every handling's write would fail
+        if refused:
+            raise SchemaError(refused[0])
+        opened[:] = [(consumers_store, await _checked_tables(store, pm, chosen))]
+
     with database_wait:  # the one wait that may be long (database.connect_wait)
         store = await open_store(
             settings.database.dsn.get_secret_value(),
@@ -97,21 +112,14 @@ async def _consume(
             query_timeout=settings.database.query_timeout,
             wait=settings.database.connect_wait,
             idle_in_transaction=handler_timeout,
+            check=check,
         )
     if database_wait.cancelled_caught:
         log.info("stopped while waiting for the database", extra={"lifecycle": "stop_requested"})
         return
     handlers: list[BoundHandler] = []
     try:
-        async with store.transaction() as cur:
-            refused = await binlog_problems(cur, store.dialect)  # every handling's write would fail
-        if refused:
-            raise SchemaError(refused[0])
-        # A handling's transaction may take as long as the slowest consumer's handler_timeout.
-        consumers_store = consumer_store(store, handler_timeout)
-        if consumers_store is None:
-            raise ConfigError("consumers: need a MySQL or PostgreSQL database (database.dsn names SQLite)")
-        tables = await _checked_tables(store, pm, chosen)
+        ((consumers_store, tables),) = opened
         async with _observed(settings, store, redactor) as (telemetry, health):
             # Retry leases are held by the identity, unique per start (see cluster.identity).
             identity = process_identity(settings.node_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
@@ -104,6 +105,7 @@ async def open_store(
     idle_in_transaction: float = 0.0,
     max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
     existing_only: bool = False,
+    check: Callable[[SQLStore], Awaitable[None]] | None = None,
 ) -> SQLStore:
     """Connect to the store ``dsn`` names, keeping the main lane's state in ``profile``'s table
     and words. ``create_database`` creates a missing MySQL or PostgreSQL database; a SQLite
@@ -119,7 +121,12 @@ async def open_store(
     (:class:`~.deadline.QueryTimeout`) is tried again for up to ``wait`` seconds, pausing 0.25 s, 0.5 s, 1 s ... at most 5 s between attempts, each
     logged; then, like every other failure, it raises :class:`StoreUnavailable` (or
     :class:`ConfigurationError` for a DSN that does not parse, or a profile whose table lives
-    on another kind of database)."""
+    on another kind of database).
+
+    ``check``: what the store must pass before it is returned (the start-up checks of privileges
+    and schema), run within the same wait: the connection lost while it runs (the session
+    terminated, the server restarting) is waited out as an unreachable server is, from a new
+    pool; what it refuses (:class:`SchemaError`, :class:`PrivilegeError`) ends the wait at once."""
     address = store_address(dsn)
     kind = dialect_of(address)
     if profile.databases and kind not in profile.databases:
@@ -151,7 +158,7 @@ async def open_store(
                     )
                 store.max_envelope_bytes = max_envelope_bytes
                 store.use_profile(profile)
-                await _read_server(store)
+                await _read_server(store, check)
                 return store
         except (StoreUnavailable, QueryTimeout) as exc:
             _raise_if_cancellation_was_lost()
@@ -176,14 +183,18 @@ async def open_store(
             attempt += 1
 
 
-async def _read_server(store: MySQLStore | PostgresStore | SQLiteStore) -> None:
+async def _read_server(
+    store: MySQLStore | PostgresStore | SQLiteStore, check: Callable[[SQLStore], Awaitable[None]] | None
+) -> None:
     """Read what the store needs of its table's columns and, on a server, measure the process's
-    offset from the server's clock; close the pool if either fails."""
+    offset from the server's clock, then run the caller's ``check``; close the pool if any fails."""
     try:
         await store.read_column_types()
         if not isinstance(store, SQLiteStore):
             async with store.transaction() as cur:
                 await CLOCK.measure(cur, store.dialect)
+        if check is not None:
+            await check(store)
     except BaseException:
         await store.aclose()
         raise

@@ -16,13 +16,14 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from consume.conftest import TOPIC, ConsumerBroker, envelope
 from faults.tcp_proxy import TcpProxy
 from opentelemetry.trace import StatusCode
+from store.test_start_checks import end_sessions
 from support import free_port, running, wait_until
 from telemetry_support import PRODUCER_SPAN, PRODUCER_TRACE, TRACEPARENT, capture
 
 from room_outbox import hookimpl
 from room_outbox.cli.consume import migrate_consumers
 from room_outbox.config import ConfigError, Settings
-from room_outbox.consume import engine
+from room_outbox.consume import engine, service
 from room_outbox.consume.engine import Consumer, offset_out_of_range
 from room_outbox.consume.registry import build_handlers, check_consumers, registered_handlers
 from room_outbox.consume.service import run_consumers
@@ -602,6 +603,49 @@ async def test_a_consume_process_answers_healthz_and_readyz(
             "broker feed": "ok",
         }
         stop.set()
+
+
+async def test_consume_waits_out_a_session_ended_while_it_checks_its_tables(
+    server_dsn: str, broker: ConsumerBroker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A session of consume's ended by the server while it checks the handlers' tables at start
+    (pg_terminate_backend, KILL CONNECTION) ended the process, as run's did; now it is waited
+    out within database.connect_wait, logged as a database not reachable yet, and the consumer
+    starts."""
+    store = await open_store(server_dsn)
+    try:
+        await migrate_for_consumers(store)
+    finally:
+        await store.aclose()
+    checked_tables = service._checked_tables
+    calls: list[int] = []
+
+    async def ended_once(store: SQLStore, *args: Any) -> Any:
+        calls.append(1)
+        if len(calls) > 1:
+            return await checked_tables(store, *args)
+        result: list[Any] = []
+
+        async def check() -> None:
+            result.append(await checked_tables(store, *args))
+
+        await end_sessions(server_dsn, check(), table="room_audit_log")
+        return result[0]
+
+    monkeypatch.setattr(service, "_checked_tables", ended_once)
+    settings = Settings(
+        database={"dsn": server_dsn, "connect_wait": "20s"},
+        consumers={"feed": {"bootstrap_servers": broker.bootstrap, "handlers": ["audit"], "session_timeout": "6s"}},
+    )
+    stop = anyio.Event()
+    with caplog.at_level(logging.INFO, logger="room_outbox"):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(lambda: run_consumers(settings, None, stop, False))
+            await wait_until(lambda: "consumer started" in caplog.text, timeout=30)
+            stop.set()
+    assert len(calls) == 2
+    waits = [r for r in caplog.records if getattr(r, "lifecycle", None) == "waiting_for_database"]
+    assert len(waits) == 1, [r.getMessage() for r in caplog.records]
 
 
 async def test_consume_waits_for_a_broker_that_is_down_at_start_up(

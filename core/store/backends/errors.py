@@ -34,7 +34,12 @@ if TYPE_CHECKING:
 
 #: MySQL client and server error numbers, by what they mean to an operator.
 _CANNOT_CONNECT = {2003: "connection refused or unreachable", 2005: "unknown host"}
-_CONNECTION_LOST = {2006: "server has gone away", 2013: "lost connection during the query"}
+_CONNECTION_LOST = {
+    2006: "server has gone away",
+    2013: "lost connection during the query",
+    1927: "connection killed (KILL CONNECTION)",  # MariaDB's words to the session killed mid-statement
+    1053: "server shutting down",
+}
 _BUSY = {1040: "too many connections", 1203: "user has too many connections"}
 #: A user's resource limit: ``max_user_connections`` among them (MariaDB's per-user limit).
 _USER_LIMIT = 1226
@@ -173,6 +178,10 @@ _PG_PRIVILEGE = "42501"
 _PG_TOO_MANY_CONNECTIONS = "53300"
 #: A write in a read-only transaction: a standby, or ``default_transaction_read_only``.
 _PG_READ_ONLY = "25006"
+#: The server ended the session: terminated (``pg_terminate_backend``), shutting down, or
+#: restarting after another backend crashed; and class 08, a connection failure.
+_PG_SESSION_ENDED = ("57P01", "57P02", "57P03")
+_PG_CONNECTION_CLASS = "08"
 #: ``lock_timeout`` passed (room-outbox sets it per session to database.query_timeout).
 _PG_LOCK_TIMEOUT = "55P03"
 
@@ -186,6 +195,13 @@ def _translate_postgresql(exc: BaseException, where: str, reason: str) -> RoomOu
     busy = re.search(r"too many connections for role|too many clients|remaining connection slots are reserved", reason)
     if state == _PG_TOO_MANY_CONNECTIONS or busy:
         return _no_connection_left(where, reason)
+    if state in _PG_SESSION_ENDED or (state or "").startswith(_PG_CONNECTION_CLASS):
+        # Gone with the session, not refused: a new connection may well work (waited for at start)
+        return StoreUnavailable(
+            f"lost the connection to {where}: {reason}; the server ended the session (terminated, shutting"
+            " down or restarting)",
+            transient=True,
+        )
     if state in _PG_SCHEMA:
         return SchemaError(f"{where}: {reason}; run `room-outbox migrate`")
     role = re.search(r'role "([^"]*)" does not exist', reason)

@@ -664,35 +664,51 @@ async def sequence_problems(cur: Any, dialect: Dialect, profile: Profile) -> lis
     each producer session takes a block of ids and uses them over its life, long after other
     sessions' later ids have committed. The lanes wait for a missing id only ``lanes.gap_timeout``
     and then take it as rolled back, so those events would never reach them. (MySQL allocates
-    an auto-increment id at the insert itself.)"""
+    an auto-increment id at the insert itself, and MariaDB's sequences share one cache among
+    all sessions.)"""
     if dialect.name != "postgresql":
         return []
     # Neither the table nor its key may be there yet (silk's table gets outbox_seq from migrate):
-    # migrate makes them with a sequence of its own, and pg_get_serial_sequence would fail.
+    # migrate makes them with a sequence of its own.
     await cur.execute(
-        "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attname = %s AND NOT attisdropped",
+        "SELECT attrelid, attnum, attidentity <> '' FROM pg_attribute"
+        " WHERE attrelid = to_regclass(%s) AND attname = %s AND NOT attisdropped",
         (profile.table, profile.key),
     )
-    if await cur.fetchone() is None:
+    key = await cur.fetchone()
+    if key is None:
         return []
+    table, column, identity = key
     await cur.execute(
         # by its schema too, as the fix names it
         "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname), seq.seqcache FROM pg_sequence seq"
         " JOIN pg_class c ON c.oid = seq.seqrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE seq.seqrelid = pg_get_serial_sequence(%s, %s)::regclass",
-        (profile.table, profile.key),
+        f" WHERE seq.seqcache > 1 AND seq.seqrelid IN ({_KEY_SEQUENCES}) ORDER BY 1",
+        (table, column, identity, table, column),
     )
-    row = await cur.fetchone()
-    if row is None or row[1] <= 1:
-        return []
-    sequence, cache = row
     return [
         f"{profile.table}.{profile.key} comes from the sequence {sequence}, which caches {cache} values per"
         " session (CACHE): a session uses its cached ids long after other sessions' later ids commit,"
         " and the lanes take an id missing for lanes.gap_timeout as rolled back, so they would never"
         f" send those events; run ALTER SEQUENCE {sequence} CACHE 1, then let room-service's"
         " connections reconnect (each keeps the ids it has cached)"
+        for sequence, cache in await cur.fetchall()
     ]
+
+
+#: The sequences a key column's ids come from (its table's oid, its number, whether it is an
+#: identity column, the oid and number again): an identity column's own, or those its default
+#: names (``nextval('ids')``: SERIAL's, or one made apart and never OWNED BY the column, which
+#: pg_get_serial_sequence does not find). PostgreSQL records a default's dependency on each
+#: sequence it names.
+_KEY_SEQUENCES = (
+    "SELECT d.refobjid FROM pg_attrdef ad JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass"
+    " AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass"
+    " WHERE ad.adrelid = %s AND ad.adnum = %s"
+    " UNION SELECT d.objid FROM pg_depend d WHERE %s AND d.classid = 'pg_class'::regclass"
+    " AND d.refclassid = 'pg_class'::regclass AND d.refobjid = %s AND d.refobjsubid = %s"
+    " AND d.deptype = 'i'"
+)
 
 
 async def check_constraint_problems(
