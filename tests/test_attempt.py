@@ -209,6 +209,63 @@ async def test_a_call_raising_its_own_cancelled_error_is_a_sink_bug(shared_scope
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("shared_scope", [False, True])
+async def test_a_call_raising_generator_exit_itself_is_a_sink_bug(shared_scope: bool) -> None:
+    """Its coroutine was not being closed: the GeneratorExit is the sink's bug, failing the
+    call, not something to let out of the task (it would end the whole process)."""
+    watcher = _Watcher()
+
+    async def exits(_: None) -> None:
+        await anyio.sleep(0)
+        raise GeneratorExit("sink bug")
+
+    with anyio.fail_after(10), anyio.CancelScope() as scope:
+        got = await Attempts(_redactor(), 1).run("im", exits, None, watcher, scope if shared_scope else None)
+    assert got is not None and (got.error_class, got.error) == (ErrorClass.SINK_BUG, "im: unexpected GeneratorExit: sink bug")
+    assert watcher.finished == [got]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("closer", ["another task", "no task"])
+async def test_a_call_whose_coroutine_is_closed_lets_generator_exit_out(closer: str) -> None:
+    """Closing a coroutine in the middle of a call (``close()``, by whoever holds it, as the
+    garbage collector closes an abandoned task's) is no failure of the call: the
+    GeneratorExit goes on and the coroutine ends. (A dispatcher's shared scope: the only
+    scope a closed coroutine can leave is one entered outside it.)"""
+    watcher = _Watcher()
+    started = anyio.Event()
+    ended: list[str] = []
+
+    async def waits(_: None) -> None:
+        started.set()
+        await anyio.sleep_forever()
+
+    async def attempt() -> None:
+        try:
+            await Attempts(_redactor(), 5).run("im", waits, None, watcher, anyio.CancelScope())
+        except GeneratorExit:
+            ended.append("closed")
+            raise
+        ended.append("returned")
+
+    coroutine = attempt()
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(coroutine)
+    with anyio.fail_after(10):
+        await started.wait()
+        if closer == "another task":
+            coroutine.close()
+        else:
+            closed = anyio.Event()
+            loop.call_soon(lambda: (coroutine.close(), closed.set()))
+            await closed.wait()
+    assert ended == ["closed"] and watcher.finished == []
+    task.cancel()  # its coroutine is closed: stepping it again raises
+    with pytest.raises((asyncio.CancelledError, RuntimeError)):
+        await task
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("shared_scope", [False, True])
 async def test_a_real_cancellation_of_a_call_still_propagates(shared_scope: bool) -> None:
     """Cancelled from outside (the service stopping): the cancellation goes on, no failure."""
     watcher = _Watcher()

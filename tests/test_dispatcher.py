@@ -248,13 +248,13 @@ async def test_a_sink_bug_is_recorded_not_lost(store: MySQLStore) -> None:
 
 @pytest.mark.parametrize(
     "raised",
-    [asyncio.CancelledError(), SystemExit(3), BaseException("plain base"), KeyboardInterrupt()],
-    ids=["CancelledError", "SystemExit", "BaseException", "KeyboardInterrupt"],
+    [asyncio.CancelledError(), SystemExit(3), BaseException("plain base"), KeyboardInterrupt(), GeneratorExit("bug")],
+    ids=["CancelledError", "SystemExit", "BaseException", "KeyboardInterrupt", "GeneratorExit"],
 )
 async def test_a_sink_raising_a_base_exception_is_a_counted_sink_bug(store: MySQLStore, raised: BaseException) -> None:
-    """What no sink may raise (KeyboardInterrupt, SystemExit, its own CancelledError) is a
-    bug in the sink like any other: counted, recorded, parked after the last attempt, while
-    the lane goes on with the other events."""
+    """What no sink may raise (KeyboardInterrupt, SystemExit, its own CancelledError or
+    GeneratorExit) is a bug in the sink like any other: counted, recorded, parked after the
+    last attempt, while the lane goes on with the other events."""
     await insert_events(store, [envelope("bad"), envelope("good", room_id="r_2")])
     sink = RecordingSink(fail={"bad"}, error=raised)
     dispatcher = make_dispatcher(store, sink, retry=RetryPolicy(parking=True, max_attempts=2, interval=0.05))

@@ -13,6 +13,7 @@ import enum
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.store.backends.errors import privilege_fix
@@ -98,9 +99,10 @@ class PluginBaseException(Exception):
         self.raised = raised
 
 
-def plugins_own(exc: BaseException) -> PluginBaseException | None:
-    """``exc``, raised by a call into a plugin (a sink's delivery, a handler's handling) and
-    no :class:`Exception`, as the plugin's failure; None when it must go on.
+def plugins_own(exc: BaseException, caller: asyncio.Task[Any] | None) -> PluginBaseException | None:
+    """``exc``, raised by a call into a plugin (a sink's delivery, a handler's handling) that
+    task ``caller`` made, and no :class:`Exception`, as the plugin's failure; None when it
+    must go on.
 
     Left alone, such an exception would end far more than the call: asyncio lets
     ``KeyboardInterrupt`` and ``SystemExit`` out of the event loop (the whole process
@@ -108,11 +110,17 @@ def plugins_own(exc: BaseException) -> PluginBaseException | None:
     stopped. room-outbox handles signals itself, so they can only come from the plugin. A
     cancellation of the task is real when something asked for it (``Task.cancelling()``,
     which anyio's cancel scopes and deadlines raise too) and then goes on; a plugin's own
-    ``CancelledError``, with nobody cancelling, is the plugin's bug. ``GeneratorExit``
-    (a coroutine being closed) goes on too."""
-    if isinstance(exc, Exception | GeneratorExit):
+    ``CancelledError``, with nobody cancelling, is the plugin's bug. A ``GeneratorExit``
+    goes on when it closes the call's coroutine (``close()``): that is done by whoever holds
+    the coroutine (another task, the garbage collector finalising an abandoned task's, the
+    event loop's own code), never by the task running it; one raised while ``caller`` runs
+    the call is the plugin's bug."""
+    if isinstance(exc, Exception):
         return None
-    if isinstance(exc, asyncio.CancelledError):
+    if isinstance(exc, GeneratorExit):
+        if caller is None or asyncio.current_task() is not caller:
+            return None
+    elif isinstance(exc, asyncio.CancelledError):
         task = asyncio.current_task()
         if task is None or task.cancelling():
             return None
@@ -123,10 +131,11 @@ def plugins_own(exc: BaseException) -> PluginBaseException | None:
 def plugin_call() -> Iterator[None]:
     """Around a call into a plugin: what it raises that is its own failure (:func:`plugins_own`)
     leaves as a :class:`PluginBaseException`, an :class:`Exception`."""
+    caller = asyncio.current_task()
     try:
         yield
     except BaseException as exc:
-        own = plugins_own(exc)
+        own = plugins_own(exc, caller)
         if own is None:
             raise
         raise own from exc

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
@@ -95,6 +95,7 @@ class Attempts:
         arg: T,
         observer: Observer = UNOBSERVED,
         scope: anyio.CancelScope | None = None,
+        task: asyncio.Task[Any] | None = None,
     ) -> Failure | None:
         """``await call(arg)`` as attempt ``name`` (a sink's or a handler's); ``None`` on
         success. ``scope``: a cancel scope the caller keeps around many calls and disarms
@@ -105,7 +106,11 @@ class Attempts:
         ``timeout``, and then by ``timeout`` and a little more (``rearm_slack``): a call
         is cut between ``timeout`` and ``timeout`` plus that slack after it starts. Setting a
         deadline schedules and cancels a timer; calls that answer at once, one after the
-        other, would otherwise pay for two per call."""
+        other, would otherwise pay for two per call.
+
+        ``task``: the task making the call, which a caller making many (a delivery worker)
+        looks up once; else it is looked up here (see :func:`plugins_own`)."""
+        caller = task or asyncio.current_task()
         failure: Failure | None = None
         try:
             if scope is None:
@@ -125,7 +130,7 @@ class Attempts:
         except Exception as exc:
             failure = self.failure_of(name, exc)
         except BaseException as exc:  # caught here, not by a context manager around every call
-            own = plugins_own(exc)
+            own = plugins_own(exc, caller)
             if own is None:
                 raise
             failure = self.failure_of(name, own)

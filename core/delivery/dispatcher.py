@@ -11,6 +11,7 @@ failing again and again is logged once, then summarised (:mod:`.delivery.failure
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import math
@@ -516,7 +517,7 @@ class Dispatcher:
             no_route = f"no sink for event_type {row.event_type}"
             return self.attempts.refused("-", ErrorClass.NO_ROUTE, no_route, attempt)
         current.sink, sink = route
-        return await self.attempts.run(current.sink, sink.deliver, envelope, attempt, current.scope)
+        return await self.attempts.run(current.sink, sink.deliver, envelope, attempt, current.scope, current.task)
 
     @staticmethod
     def _envelope_of(row: OutboxRow) -> EventEnvelope:
@@ -810,9 +811,11 @@ class _InFlight:
     row being attempted (its queue and position), its sink and its attempt, so that an
     overrun can be recorded once the scope has ended."""
 
-    __slots__ = ("attempt", "position", "queue", "scope", "sink")
+    __slots__ = ("attempt", "position", "queue", "scope", "sink", "task")
 
     def __init__(self) -> None:
+        #: The worker's task, which makes every call (see :func:`~room_outbox.attempt.failure.plugins_own`).
+        self.task = asyncio.current_task()
         self.scope = anyio.CancelScope()
         self.queue: Sequence[OutboxRow] = ()
         self.position = 0

@@ -1,7 +1,7 @@
 """A handler raising what no handler may raise (KeyboardInterrupt, SystemExit, its own
-CancelledError) fails its handling like any other bug: rolled back, retried, then a dead letter
-naming the handler, while the rest of its batch is settled and the consumer goes on. On tansu
-with MariaDB."""
+CancelledError or GeneratorExit) fails its handling like any other bug: rolled back, retried,
+then a dead letter naming the handler, while the rest of its batch is settled and the consumer
+goes on. On tansu with MariaDB."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ class UnrulyPlugin:
 
 @pytest.mark.parametrize(
     "raised",
-    [asyncio.CancelledError(), SystemExit(4), BaseException("plain base"), KeyboardInterrupt()],
-    ids=["CancelledError", "SystemExit", "BaseException", "KeyboardInterrupt"],
+    [asyncio.CancelledError(), SystemExit(4), BaseException("plain base"), KeyboardInterrupt(), GeneratorExit("bug")],
+    ids=["CancelledError", "SystemExit", "BaseException", "KeyboardInterrupt", "GeneratorExit"],
 )
 async def test_a_handler_raising_a_base_exception_fails_only_its_own_message(
     database_dsn: str, broker: ConsumerBroker, raised: BaseException
