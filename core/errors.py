@@ -119,3 +119,37 @@ class RetryableHandlerError(HandlerError):
 
 class PermanentHandlerError(HandlerError):
     """Handling can never succeed for this message: it becomes a dead letter at once."""
+
+
+def exception_message(exc: BaseException) -> str:
+    """``str(exc)``, or, where that raises (a plugin's exception whose ``__str__`` fails), its
+    type's name and why its message could not be read. Turning a failure into text must never
+    fail in turn: the failure would go unrecorded (no attempt counted, no error kept, the event
+    delivered again for ever) and the error raised instead would name neither the plugin nor
+    the event."""
+    text = _read(exc)
+    return text if isinstance(text, str) else _unreadable(exc, text)
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``"TypeName: message"``, the type's name alone when the message is empty, or its name
+    and why its message could not be read (:func:`exception_message`). The text is read once:
+    an exception may make it at a cost, or differently each time."""
+    text = _read(exc)
+    if not isinstance(text, str):
+        return _unreadable(exc, text)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _read(exc: BaseException) -> str | Exception:
+    """``str(exc)``, or what it raised."""
+    try:
+        return str(exc)
+    except Exception as failed:
+        return failed
+
+
+def _unreadable(exc: BaseException, failed: Exception) -> str:
+    why = _read(failed)
+    reason = f"{type(failed).__name__}: {why}" if isinstance(why, str) and why else type(failed).__name__
+    return f"{type(exc).__name__} (its message could not be read: {reason})"

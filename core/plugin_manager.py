@@ -28,6 +28,7 @@ import pluggy
 
 from room_outbox import hookspecs
 from room_outbox.config import ConfigError
+from room_outbox.errors import describe_exception
 
 #: Built-in plugins: entry-point name → module. Registered under these fixed names.
 T = TypeVar("T")
@@ -159,7 +160,7 @@ def _plugins_own(call: Callable[[], T], what: str, name: str) -> T:
         except _PLUGIN_ABORTS as exc:
             if ctrl_c:
                 raise KeyboardInterrupt from exc
-            raise ConfigError(f"{what}: {_described(exc)}; fix it or add {name!r} to plugins.disabled") from exc
+            raise ConfigError(f"{what}: {describe_exception(exc)}; fix it or add {name!r} to plugins.disabled") from exc
 
 
 def _listed(function: Callable[..., object]) -> list[Any]:
@@ -194,10 +195,3 @@ def _ctrl_c_told_apart() -> Iterator[list[int]]:
 def _canonical(distribution: str) -> str:
     """A distribution's name as packaging compares them (``Room_Outbox`` is ``room-outbox``)."""
     return re.sub(r"[-_.]+", "-", distribution).lower()
-
-
-def _described(exc: BaseException) -> str:
-    """``Type: text``, or ``Type`` alone when the text is empty. The text is made once: a
-    plugin's exception may make it at a cost, or differently each time."""
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -43,6 +43,35 @@ def test_failure_of_maps_each_sink_exception_to_its_error_class(
     assert got.error.startswith("im: ")
 
 
+class _Unprintable(Exception):
+    """A plugin's exception whose message cannot be read."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("str exploded")
+
+
+@pytest.mark.parametrize(
+    ("exc", "error_class", "error"),
+    [
+        (_Unprintable(), ErrorClass.SINK_BUG, "im: unexpected _Unprintable (its message could not be read: RuntimeError: str exploded)"),
+        (RetryableSinkError(_Unprintable()), ErrorClass.RETRYABLE, "im: RetryableSinkError (its message could not be read: RuntimeError: str exploded)"),
+        (PermanentSinkError(_Unprintable()), ErrorClass.PERMANENT, "im: permanent: PermanentSinkError (its message could not be read: RuntimeError: str exploded)"),
+    ],
+    ids=["bare", "retryable", "permanent"],
+)  # fmt: skip
+def test_failure_of_an_exception_whose_message_cannot_be_read_names_its_type(
+    exc: Exception, error_class: ErrorClass, error: str
+) -> None:
+    """Its failure is recorded all the same (an error here would leave the event unrecorded,
+    delivered again for ever), naming the type and why its message could not be read."""
+    got = Attempts(_redactor(), 1).failure_of("im", exc)
+    assert (got.error_class, got.error) == (error_class, error)
+
+
+def test_describe_an_exception_whose_message_cannot_be_read() -> None:
+    assert describe(_Unprintable()) == "_Unprintable (its message could not be read: RuntimeError: str exploded)"
+
+
 def test_failure_of_names_the_deadline_of_a_timeout() -> None:
     got = Attempts(_redactor(), 2.5, "handler_timeout").failure_of("im", TimeoutError())
     assert got.error == "im: no answer within handler_timeout 2.5s"
@@ -203,7 +232,7 @@ async def test_a_call_raising_its_own_cancelled_error_is_a_sink_bug(shared_scope
 
     with anyio.fail_after(10), anyio.CancelScope() as scope:
         got = await Attempts(_redactor(), 1).run("im", leaks, None, watcher, scope if shared_scope else None)
-    assert got is not None and (got.error_class, got.error) == (ErrorClass.SINK_BUG, "im: unexpected CancelledError: ")
+    assert got is not None and (got.error_class, got.error) == (ErrorClass.SINK_BUG, "im: unexpected CancelledError")
     assert watcher.finished == [got] and not scope.cancelled_caught
 
 
@@ -220,7 +249,10 @@ async def test_a_call_raising_generator_exit_itself_is_a_sink_bug(shared_scope: 
 
     with anyio.fail_after(10), anyio.CancelScope() as scope:
         got = await Attempts(_redactor(), 1).run("im", exits, None, watcher, scope if shared_scope else None)
-    assert got is not None and (got.error_class, got.error) == (ErrorClass.SINK_BUG, "im: unexpected GeneratorExit: sink bug")
+    assert got is not None and (got.error_class, got.error) == (
+        ErrorClass.SINK_BUG,
+        "im: unexpected GeneratorExit: sink bug",
+    )
     assert watcher.finished == [got]
 
 

@@ -23,7 +23,7 @@ from support import (
 
 from bench.drive import run_until_empty
 from room_outbox.attempt.retry import RetryPolicy
-from room_outbox.sink import PermanentSinkError, ThrottledSinkError
+from room_outbox.sink import PermanentSinkError, RetryableSinkError, ThrottledSinkError
 from room_outbox.store.backends.mysql import MySQLStore
 
 pytestmark = pytest.mark.anyio
@@ -266,7 +266,43 @@ async def test_a_sink_raising_a_base_exception_is_a_counted_sink_bug(store: MySQ
     with anyio.fail_after(20):
         await wait_until(bad_parked)
     rows = await fetch_rows(store)
-    expected_error = f"test: unexpected {type(raised).__name__}: {raised}"
+    expected_error = f"test: unexpected {type(raised).__name__}" + (f": {raised}" if str(raised) else "")
+    assert (rows["bad"]["retry_count"], rows["bad"]["last_error"]) == (2, expected_error)
+    assert rows["good"]["status"] == "published"
+    assert sink.received.count("bad") == 2
+
+
+class Unprintable(Exception):
+    """A sink's exception whose message cannot be read."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("str exploded")
+
+
+@pytest.mark.parametrize(
+    ("raised", "expected_error"),
+    [
+        (Unprintable(), "test: unexpected Unprintable (its message could not be read: RuntimeError: str exploded)"),
+        (RetryableSinkError(Unprintable()), "test: RetryableSinkError (its message could not be read: RuntimeError: str exploded)"),
+    ],
+    ids=["bare", "wrapped"],
+)  # fmt: skip
+async def test_a_sink_exception_whose_message_cannot_be_read_is_counted_and_parked(
+    store: MySQLStore, raised: Exception, expected_error: str
+) -> None:
+    """Its attempts are recorded and counted like any failure's (the round never fails over
+    it, the event is not delivered again for ever), and max_attempts parks it."""
+    await insert_events(store, [envelope("bad"), envelope("good", room_id="r_2")])
+    sink = RecordingSink(fail={"bad"}, error=raised)
+    dispatcher = make_dispatcher(store, sink, retry=RetryPolicy(parking=True, max_attempts=2, interval=0.05))
+
+    async def bad_parked() -> bool:
+        await run_until_empty(dispatcher)
+        return (await fetch_rows(store))["bad"]["status"] == "failed"  # parked
+
+    with anyio.fail_after(20):
+        await wait_until(bad_parked)
+    rows = await fetch_rows(store)
     assert (rows["bad"]["retry_count"], rows["bad"]["last_error"]) == (2, expected_error)
     assert rows["good"]["status"] == "published"
     assert sink.received.count("bad") == 2

@@ -249,8 +249,25 @@ def test_a_plugin_exiting_at_import_is_named(monkeypatch: pytest.MonkeyPatch, tm
         make_plugin_manager()
 
 
-@pytest.mark.parametrize("raised", [RuntimeError("boom"), SystemExit(3)], ids=["RuntimeError", "SystemExit"])
-def test_a_registration_hook_that_raises_is_named(monkeypatch: pytest.MonkeyPatch, raised: BaseException) -> None:
+class Unprintable(Exception):
+    """A plugin's exception whose message cannot be read."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("str exploded")
+
+
+@pytest.mark.parametrize(
+    ("raised", "said"),
+    [
+        (RuntimeError("boom"), "RuntimeError: boom"),
+        (SystemExit(3), "SystemExit: 3"),
+        (Unprintable(), "Unprintable (its message could not be read: RuntimeError: str exploded)"),
+    ],
+    ids=["RuntimeError", "SystemExit", "unprintable"],
+)
+def test_a_registration_hook_that_raises_is_named(
+    monkeypatch: pytest.MonkeyPatch, raised: BaseException, said: str
+) -> None:
     module = types.ModuleType("room_outbox_raising_plugin")
 
     @hookimpl
@@ -265,7 +282,9 @@ def test_a_registration_hook_that_raises_is_named(monkeypatch: pytest.MonkeyPatc
     )
     with pytest.raises(
         ConfigError,
-        match=r"plugin 'raising' \(distribution 'room-outbox-raising'\) failed in room_outbox_register_sinks: .*plugins.disabled",
+        match=r"plugin 'raising' \(distribution 'room-outbox-raising'\) failed in room_outbox_register_sinks: "
+        + re.escape(said)
+        + "; .*plugins.disabled",
     ):
         registered_sinks(make_plugin_manager())
 

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from room_outbox.errors import describe_exception
 from room_outbox.observability.redaction import Redactor, redact_and_shorten
 from room_outbox.store.backends.errors import privilege_fix
 from room_outbox.store.schema.columns import LAST_ERROR_MAX
@@ -75,7 +76,7 @@ def describe(exc: BaseException) -> str:
         inner = exc.exceptions
         more = f" (and {len(inner) - 1} more)" if len(inner) > 1 else ""
         return describe(inner[0]) + more
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return describe_exception(exc)  # a plugin's exception whose message cannot be read included
 
 
 def describe_round_failure(exc: BaseException) -> str:

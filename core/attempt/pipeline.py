@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 
 from room_outbox.attempt.failure import ErrorClass, Failure, PluginBaseException, error_text, plugins_own
-from room_outbox.errors import PermanentSinkError, SinkError, ThrottledSinkError
+from room_outbox.errors import PermanentSinkError, SinkError, ThrottledSinkError, describe_exception, exception_message
 from room_outbox.observability.redaction import Redactor
 
 T = TypeVar("T")
@@ -58,13 +58,13 @@ def explain_sink_error(sink: str, exc: Exception) -> tuple[ErrorClass, str, floa
     """A sink's exception: the sink's own classes, and anything else as a bug in the sink
     (recorded as a failure, never lost)."""
     if isinstance(exc, ThrottledSinkError):  # never sent: not an attempt
-        return ErrorClass.THROTTLED, f"{sink}: {exc}", exc.retry_after
+        return ErrorClass.THROTTLED, f"{sink}: {exception_message(exc)}", exc.retry_after
     if isinstance(exc, PermanentSinkError):
-        return ErrorClass.PERMANENT, f"{sink}: permanent: {exc}", None
+        return ErrorClass.PERMANENT, f"{sink}: permanent: {exception_message(exc)}", None
     if isinstance(exc, SinkError):
-        return ErrorClass.RETRYABLE, f"{sink}: {exc}", None
+        return ErrorClass.RETRYABLE, f"{sink}: {exception_message(exc)}", None
     raised = exc.raised if isinstance(exc, PluginBaseException) else exc
-    return ErrorClass.SINK_BUG, f"{sink}: unexpected {type(raised).__name__}: {raised}", None
+    return ErrorClass.SINK_BUG, f"{sink}: unexpected {describe_exception(raised)}", None
 
 
 class Attempts:

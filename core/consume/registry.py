@@ -14,6 +14,7 @@ from room_outbox.cluster.identity import process_identity
 from room_outbox.config import ConfigError, Settings, describe_validation_error
 from room_outbox.consume.settings import ConsumerSettings, consumer_settings
 from room_outbox.envelope import KNOWN_EVENT_TYPES
+from room_outbox.errors import exception_message
 from room_outbox.handler import Handler, HandlerFactoryContext, HandlerSpec, HandlerTable
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import specs_by_name
@@ -129,6 +130,8 @@ def build_handlers(
         try:
             handler = spec.factory(handler_settings, context)
         except Exception as exc:
-            raise ConfigError(redactor.redact(f"{where}: handler {name!r} failed to start: {exc}")) from None
+            raise ConfigError(
+                redactor.redact(f"{where}: handler {name!r} failed to start: {exception_message(exc)}")
+            ) from None
         bound[name] = BoundHandler(spec, handler)
     return bound

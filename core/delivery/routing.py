@@ -28,6 +28,7 @@ from pydantic import TypeAdapter, ValidationError
 from room_outbox.cluster.quota import QuotaShare
 from room_outbox.config import FORMER_MAIN_LANE, MAIN_LANE, ConfigError, Settings, describe_validation_error
 from room_outbox.envelope import KNOWN_EVENT_TYPES, event_type_label
+from room_outbox.errors import exception_message
 from room_outbox.observability.redaction import Redactor
 from room_outbox.plugin_manager import specs_by_name
 from room_outbox.sink import Sink, SinkContext, SinkSettings, SinkSpec
@@ -242,7 +243,7 @@ async def build_lanes(
             sinks[name] = spec.factory(cfg, context)
         except Exception as exc:
             await Router(sinks, {}).aclose()  # the caller never sees half-built lanes
-            raise ConfigError(f"sinks.{name}: could not be created: {redactor.redact(str(exc))}") from exc
+            raise ConfigError(f"sinks.{name}: could not be created: {redactor.redact(exception_message(exc))}") from exc
     default_sink = next((name for name, (_, cfg) in main.items() if cfg.event_types is None), None)
     return Lanes(
         main=Router(
