@@ -80,34 +80,41 @@ def plugin_label(pm: pluggy.PluginManager, name: str) -> str:
     return f"plugin {name!r} (distribution {distribution!r})" if distribution else f"plugin {name!r}"
 
 
-def registered_specs(pm: pluggy.PluginManager, hook: pluggy.HookCaller) -> list[tuple[str, Any]]:
+def registered_specs(pm: pluggy.PluginManager, hook: pluggy.HookCaller, spec_type: type[T]) -> list[tuple[str, T]]:
     """``(plugin name, spec)`` for each spec the plugins register through ``hook`` (one taking
-    no arguments and returning a list), in the order pluggy would call them. A plugin whose
-    hook raises stops start-up with an error naming it."""
+    no arguments and returning a list of ``spec_type``), in the order pluggy would call them.
+    A plugin whose hook raises, or returns anything else, stops start-up with an error naming
+    it."""
     found = []
     for impl in reversed(hook.get_hookimpls()):
-        specs = _plugins_own(
-            functools.partial(_listed, impl.function),
-            f"{plugin_label(pm, impl.plugin_name)} failed in {hook.name}",
-            impl.plugin_name,
-        )
-        found += [(impl.plugin_name, spec) for spec in specs]
+        found += [(impl.plugin_name, spec) for spec in hook_result(pm, impl, hook.name, spec_type)]
     return found
 
 
-def specs_by_name(pm: pluggy.PluginManager, hook: pluggy.HookCaller, kind: str) -> dict[str, Any]:
+def specs_by_name(pm: pluggy.PluginManager, hook: pluggy.HookCaller, kind: str, spec_type: type[T]) -> dict[str, T]:
     """Each spec the plugins register through ``hook`` (:func:`registered_specs`) by its name;
     a name two plugins register stops start-up, naming both (``kind``: "sink", "handler")."""
-    found: dict[str, Any] = {}
+    found: dict[str, T] = {}
     owners: dict[str, str] = {}
-    for plugin, spec in registered_specs(pm, hook):
-        if spec.name in found:
+    for plugin, spec in registered_specs(pm, hook, spec_type):
+        name = cast("Any", spec).name
+        if name in found:
             raise ConfigError(
-                f"two plugins register a {kind} named {spec.name!r}: {plugin_label(pm, owners[spec.name])} "
+                f"two plugins register a {kind} named {name!r}: {plugin_label(pm, owners[name])} "
                 f"and {plugin_label(pm, plugin)}; add one of them to plugins.disabled"
             )
-        found[spec.name], owners[spec.name] = spec, plugin
+        found[name], owners[name] = spec, plugin
     return found
+
+
+def hook_result(pm: pluggy.PluginManager, impl: pluggy.HookImpl, hook: str, item_type: type[T]) -> list[T]:
+    """What plugin ``impl`` answers to ``hook`` (taking no arguments, returning a list of
+    ``item_type``): a hook that raises, or returns anything but such a list, stops start-up
+    with an error naming the plugin and its distribution."""
+    name = impl.plugin_name
+    return _plugins_own(
+        functools.partial(_listed, impl.function, item_type), f"{plugin_label(pm, name)} failed in {hook}", name
+    )
 
 
 def _load_entry_points(pm: PluginManager) -> None:
@@ -163,9 +170,19 @@ def _plugins_own(call: Callable[[], T], what: str, name: str) -> T:
             raise ConfigError(f"{what}: {describe_exception(exc)}; fix it or add {name!r} to plugins.disabled") from exc
 
 
-def _listed(function: Callable[..., object]) -> list[Any]:
-    """What a registration hook returns, as a list (a generator's errors raised while listing)."""
-    return list(cast("Iterable[Any]", function()))
+def _listed(function: Callable[..., object], item_type: type[T]) -> list[T]:
+    """What a hook returns, as a list (a generator's errors raised while listing), checked:
+    a list of ``item_type``, never a str taken for its characters. A wrong value is named by
+    its type only (it may be long, or hold a secret)."""
+    returned = function()
+    wanted = f"where a list of {item_type.__name__} is expected"
+    if isinstance(returned, str | bytes) or not isinstance(returned, Iterable):
+        raise TypeError(f"it returned a {type(returned).__name__}, {wanted}")
+    items = list(returned)
+    for position, item in enumerate(items):
+        if not isinstance(item, item_type):
+            raise TypeError(f"item {position} of what it returned is a {type(item).__name__}, {wanted}")
+    return items
 
 
 @contextmanager

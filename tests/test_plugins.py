@@ -13,7 +13,7 @@ import textwrap
 import types
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -289,6 +289,40 @@ def test_a_registration_hook_that_raises_is_named(
         registered_sinks(make_plugin_manager())
 
 
+@pytest.mark.parametrize(
+    ("returned", "said"),
+    [
+        ("wrong", "it returned a str, where a list of SinkSpec is expected"),
+        ([None], "item 0 of what it returned is a NoneType, where a list of SinkSpec is expected"),
+        (3, "it returned a int, where a list of SinkSpec is expected"),
+    ],
+    ids=["str", "None item", "int"],
+)
+def test_a_registration_hook_returning_the_wrong_type_is_named(
+    monkeypatch: pytest.MonkeyPatch, returned: object, said: str
+) -> None:
+    """Checked where it is called: a one-line error naming the plugin and its distribution
+    (exit 2, as for a hook that raises), never a traceback from deep inside start-up."""
+    module = types.ModuleType("room_outbox_wrong_plugin")
+
+    @hookimpl
+    def room_outbox_register_sinks() -> list[SinkSpec[CountingSettings]]:
+        return cast("list[SinkSpec[CountingSettings]]", returned)
+
+    module.room_outbox_register_sinks = room_outbox_register_sinks  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "room_outbox_wrong_plugin", module)
+    installed(
+        monkeypatch, FakeDistribution("room-outbox-wrong", "[room_outbox.plugins]\nwrong = room_outbox_wrong_plugin\n")
+    )
+    with pytest.raises(ConfigError) as raised:
+        registered_sinks(make_plugin_manager())
+    assert str(raised.value) == (
+        "plugin 'wrong' (distribution 'room-outbox-wrong') failed in room_outbox_register_sinks: TypeError: "
+        f"{said}; fix it or add 'wrong' to plugins.disabled"
+    )
+    assert raised.value.exit_code == 2
+
+
 def test_two_plugins_registering_one_sink_name_are_both_named(third_party_installed: None) -> None:
     class Another:
         @hookimpl
@@ -435,10 +469,78 @@ def test_a_plugins_statements_are_used_while_a_sink_or_handler_it_registers_is_e
             return ["CREATE TABLE IF NOT EXISTS tally (id INT PRIMARY KEY)", "CREATE INDEX i ON tally (id)"]
 
     pm = make_plugin_manager(extra_plugins=[SinkWithTable(), HandlerWithTable()])
-    used = dict(used_plugin_statements(pm, sinks={"tencent_im"}, handlers={"audit"}))
+    used = {u.owner: u.statements for u in used_plugin_statements(pm, sinks={"tencent_im"}, handlers={"audit"})}
     assert not {"sink archive", "handler tally"} & set(used)  # installed, not enabled
-    used = dict(used_plugin_statements(pm, sinks={"archive"}, handlers={"tally"}))
+    used = {u.owner: u.statements for u in used_plugin_statements(pm, sinks={"archive"}, handlers={"tally"})}
     assert len(used["sink archive"]) == 1 and len(used["handler tally"]) == 2
+
+
+class _SinkWithMigrations:
+    """A plugin with a sink of its own (``archive``) and a ``room_outbox_migrations`` hook
+    answering ``answer`` (raised when an exception)."""
+
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+        self.asked = 0
+
+    @hookimpl
+    def room_outbox_register_sinks(self) -> list[SinkSpec[SinkSettings]]:
+        return [SinkSpec("archive", lambda settings, context: None)]  # never built here
+
+    @hookimpl
+    def room_outbox_migrations(self) -> list[str]:
+        self.asked += 1
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return cast("list[str]", self.answer)
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (RuntimeError("migrations hook raised"), "RuntimeError: migrations hook raised"),
+        (
+            "CREATE TABLE IF NOT EXISTS archive (id INT)",
+            "TypeError: it returned a str, where a list of str is expected",
+        ),
+        ([None], "TypeError: item 0 of what it returned is a NoneType, where a list of str is expected"),
+    ],
+    ids=["raises", "str", "None item"],
+)
+def test_a_migrations_hook_is_called_only_for_a_plugin_in_use_and_its_errors_named(answer: object, said: str) -> None:
+    """An installed plugin whose sinks are all disabled is not asked for its statements at
+    all; asked, a hook that raises or returns anything but a list of str stops migrate with a
+    one-line error naming the plugin (a str is never run character by character)."""
+    from room_outbox.store.schema.plugins import used_plugin_statements
+
+    plugin = _SinkWithMigrations(answer)
+    pm = make_plugin_manager(extra_plugins=[plugin])
+    name = pm.get_name(plugin)
+    assert used_plugin_statements(pm, sinks={"tencent_im"}, handlers=set()) == []
+    assert plugin.asked == 0
+    with pytest.raises(ConfigError) as raised:
+        used_plugin_statements(pm, sinks={"archive"}, handlers=set())
+    assert str(raised.value) == (
+        f"plugin {name!r} failed in room_outbox_migrations: {said}; fix it or add {name!r} to plugins.disabled"
+    )
+
+
+async def test_a_plugin_statement_the_server_refuses_names_the_plugin(store: Any) -> None:
+    """Bad SQL from a plugin stops migrate with an error naming the plugin and the step,
+    not a bare driver error."""
+    from room_outbox.delivery.lanes import migrate_plugins
+
+    plugin = _SinkWithMigrations(["CREATE TABLE archive (a int"])
+    pm = make_plugin_manager(extra_plugins=[plugin])
+    cfg = settings(sinks={"tencent_im": {"enabled": False}, "archive": {"enabled": True}})
+    with pytest.raises(ConfigError) as raised:
+        await migrate_plugins(store, pm, cfg)
+    said = str(raised.value)
+    assert said.startswith(
+        f"migrate: running 1 schema statement(s) for sink archive: the server refused a statement of plugin"
+        f" {pm.get_name(plugin)!r} (You have an error in your SQL syntax"
+    ), said
+    assert said.endswith("then run migrate again") and raised.value.exit_code == 2
 
 
 async def test_migrate_on_sqlite_skips_plugin_tables_but_creates_own_lanes(tmp_path: Path) -> None:

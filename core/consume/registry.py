@@ -36,7 +36,7 @@ class BoundHandler:
 
 
 def registered_handlers(pm: pluggy.PluginManager) -> dict[str, HandlerSpec[Any]]:
-    return specs_by_name(pm, pm.hook.room_outbox_register_handlers, "handler")
+    return specs_by_name(pm, pm.hook.room_outbox_register_handlers, "handler", HandlerSpec)
 
 
 #: What ``consume`` and ``check-config --for consume`` say when no consumer is enabled.

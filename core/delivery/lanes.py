@@ -21,7 +21,7 @@ from room_outbox.store.lanes.store import LaneStore
 from room_outbox.store.lanes.tail import TailStore
 from room_outbox.store.protocol import SQLStore
 from room_outbox.store.schema.plugins import used_plugin_statements
-from room_outbox.store.schema.registry import WantedSchema, migrate, steps_of
+from room_outbox.store.schema.registry import WantedSchema, migrate
 
 
 def lane_plan(pm: pluggy.PluginManager, settings: Settings) -> LanePlan:
@@ -72,7 +72,7 @@ def plugins_schema(pm: pluggy.PluginManager, settings: Settings, handlers: Colle
     statements = used_plugin_statements(pm, enabled_sinks(pm, settings), handlers)
     plan = lane_plan(pm, settings)
     own = tuple(own_lane_sinks(pm, settings))
-    return WantedSchema(outbox=False, lanes=own, tail_lanes=plan.tail, plugin_statements=steps_of(statements))
+    return WantedSchema(outbox=False, lanes=own, tail_lanes=plan.tail, plugin_statements=tuple(statements))
 
 
 def own_lane_sinks(pm: pluggy.PluginManager, settings: Settings) -> list[str]:

@@ -140,7 +140,7 @@ _BOOL = TypeAdapter(bool)
 
 
 def registered_sinks(pm: pluggy.PluginManager) -> dict[str, SinkSpec[Any]]:
-    return specs_by_name(pm, pm.hook.room_outbox_register_sinks, "sink")
+    return specs_by_name(pm, pm.hook.room_outbox_register_sinks, "sink", SinkSpec)
 
 
 def enabled_sink_settings(

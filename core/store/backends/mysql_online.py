@@ -21,7 +21,7 @@ import aiomysql
 import anyio
 import pymysql
 
-from room_outbox.errors import SchemaError
+from room_outbox.errors import ConfigurationError, SchemaError
 from room_outbox.store.backends.migrate_lock import lock_kept
 from room_outbox.store.deadline import DEFAULT_QUERY_TIMEOUT, SCHEMA_CHANGE_TIMEOUT, query_deadline
 from room_outbox.store.schema.outbox import in_progress
@@ -156,6 +156,14 @@ async def running_changes(cur: Any, tables: Sequence[str]) -> list[tuple[int, in
     return running
 
 
+def refused_statement(exc: pymysql.err.MySQLError) -> bool:
+    """Whether the server refused the statement itself (its syntax, a table or column it
+    names): a server error, not the connection's (codes from 2000 are the client's), nor a
+    privilege the user lacks, which the command's own translation says how to grant."""
+    code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
+    return code is not None and code < 2000 and code not in ER_ACCESS_DENIED and len(exc.args) > 1
+
+
 #: The empty copy of the live table on which migrate first tries its changes.
 REHEARSAL_SUFFIX = "_migrate_rehearsal"
 
@@ -193,9 +201,18 @@ class OnlineSchemaChange:
         """Run ``plan``; return its changes. A ``repeat`` step's statement (a backfill's batch)
         runs again until it changes no row, each batch committed on its own connection."""
         for step in plan:
-            for statement in step.statements:
-                while await self.execute(statement, step.change) and step.repeat:
-                    pass
+            try:
+                for statement in step.statements:
+                    while await self.execute(statement, step.change) and step.repeat:
+                        pass
+            except pymysql.err.MySQLError as exc:
+                if not step.author or not refused_statement(exc):
+                    raise
+                raise ConfigurationError(
+                    f"migrate: {in_progress(step.change)}: the server refused a statement of {step.author}"
+                    f" ({exc.args[1]}); fix the plugin, or add it to plugins.disabled (or disable what it"
+                    " registers), then run migrate again"
+                ) from exc
         return [step.change for step in plan]
 
     async def rehearse(self, table: str, plan: Sequence[Migration]) -> None:

@@ -42,6 +42,9 @@ class Migration:
     repeat: bool = False
     #: A repeated step's progress: SQL counting the rows it has left to change (read once).
     remaining: str = ""
+    #: Whose statements these are when not room-outbox's (a plugin, with its distribution):
+    #: a statement the database refuses names it, the one to fix or disable.
+    author: str = ""
 
 
 #: A plan step's first word, as migrate reports the change once made, and as a change still

@@ -4,36 +4,55 @@ capability."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
-from typing import Any, cast
+from collections.abc import Collection
+from typing import NamedTuple
 
 import pluggy
+
+from room_outbox.plugin_manager import hook_result, plugin_label
+
+
+class PluginStatements(NamedTuple):
+    """One plugin's statements: what for (``"sink audit"``), the statements, and the plugin as
+    errors name it (with its distribution), for a statement the database refuses."""
+
+    owner: str
+    statements: tuple[str, ...]
+    plugin: str
 
 
 def used_plugin_statements(
     pm: pluggy.PluginManager, sinks: Collection[str], handlers: Collection[str]
-) -> list[tuple[str, tuple[str, ...]]]:
-    """``(what for, statements)`` of each plugin whose tables the configuration needs, e.g.
-    ``("sink audit", (…,))``. A plugin's statements create what its sinks and handlers store,
-    so they run only while one of them is enabled (``sinks``, ``handlers``: the enabled names);
-    a plugin registering neither has nothing to tie them to, so its statements always run."""
+) -> list[PluginStatements]:
+    """The statements of each plugin whose tables the configuration needs, e.g. for ``"sink
+    audit"``. A plugin's statements create what its sinks and handlers store, so they are
+    asked for (its hook called) only while one of them is enabled (``sinks``, ``handlers``: the
+    enabled names): an installed plugin left unused is not called at all. A plugin registering
+    neither has nothing to tie them to, so its statements always run. A hook that raises or
+    returns anything but a list of str stops ``migrate`` with an error naming the plugin."""
     used = []
     for impl in pm.hook.room_outbox_migrations.get_hookimpls():
-        statements = tuple(str(ddl) for ddl in _called(impl))
-        own_sinks = _registered_by(pm.hook.room_outbox_register_sinks, impl.plugin)
-        own_handlers = _registered_by(pm.hook.room_outbox_register_handlers, impl.plugin)
-        enabled = [f"sink {name}" for name in own_sinks if name in sinks]
-        enabled += [f"handler {name}" for name in own_handlers if name in handlers]
-        if statements and (enabled or not (own_sinks or own_handlers)):
-            used.append((", ".join(enabled) or f"plugin {pm.get_name(impl.plugin)}", statements))
+        name = impl.plugin_name
+        own_sinks = _registered_by(pm, pm.hook.room_outbox_register_sinks, name)
+        own_handlers = _registered_by(pm, pm.hook.room_outbox_register_handlers, name)
+        enabled = [f"sink {sink}" for sink in own_sinks if sink in sinks]
+        enabled += [f"handler {handler}" for handler in own_handlers if handler in handlers]
+        if not enabled and (own_sinks or own_handlers):
+            continue
+        statements = tuple(hook_result(pm, impl, "room_outbox_migrations", str))
+        if statements:
+            used.append(PluginStatements(", ".join(enabled) or f"plugin {name}", statements, plugin_label(pm, name)))
     return used
 
 
-def _registered_by(hook: pluggy.HookCaller, plugin: object) -> list[str]:
-    """Names of the specs (sinks, handlers) ``plugin`` registers through ``hook``."""
-    return [str(spec.name) for impl in hook.get_hookimpls() if impl.plugin is plugin for spec in _called(impl)]
-
-
-def _called(impl: pluggy.HookImpl) -> list[Any]:
-    """One plugin's answer to a hook; these hooks take no arguments and return lists."""
-    return list(cast("Iterable[Any]", impl.function()))
+def _registered_by(pm: pluggy.PluginManager, hook: pluggy.HookCaller, plugin: str) -> list[str]:
+    """Names of the specs (sinks, handlers) plugin ``plugin`` registers through ``hook``. The
+    specs' types are checked where they are used (``registered_sinks``, ``registered_handlers``,
+    which ``migrate`` checks first): here only their names count."""
+    specs = (
+        spec
+        for impl in hook.get_hookimpls()
+        if impl.plugin_name == plugin
+        for spec in hook_result(pm, impl, hook.name, object)
+    )
+    return [name for name in (getattr(spec, "name", None) for spec in specs) if isinstance(name, str)]

@@ -50,6 +50,7 @@ from room_outbox.store.schema.tail import (
 if TYPE_CHECKING:
     from room_outbox.handler import HandlerTable
     from room_outbox.store.protocol import SQLStore
+    from room_outbox.store.schema.plugins import PluginStatements
     from room_outbox.store.schema.profiles import Profile
 
 #: Reads a plan from the catalogue in the transaction of the cursor it is given.
@@ -62,14 +63,15 @@ class WantedSchema:
     membership and room buckets; ``lanes``: the lane cursor and skipped tables and the tables of
     these lanes of their own (None: no lane tables); ``tail_lanes``: the cursor, parked and
     skipped tables of the lanes that tail the outbox; ``plugin_statements`` and
-    ``handler_statements``: ``(what for, statements)`` of the plugins and handlers in use
-    (idempotent, so they run every time); ``consumers``: the consumers' tables;
+    ``handler_statements``: ``(what for, statements)`` of the plugins (with the plugin, named
+    by an error of its statements) and handlers in use (idempotent, so they run every time);
+    ``consumers``: the consumers' tables;
     ``handler_tables``: the columns those handlers write, checked where their tables exist."""
 
     outbox: bool = True
     lanes: tuple[str, ...] | None = None
     tail_lanes: tuple[str, ...] = ()
-    plugin_statements: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    plugin_statements: tuple[PluginStatements, ...] = ()
     consumers: bool = False
     handler_statements: tuple[tuple[str, tuple[str, ...]], ...] = ()
     handler_tables: tuple[HandlerTable, ...] = ()
@@ -107,9 +109,9 @@ async def plan_schema(cur: Any, dialect: Dialect, profile: Profile, wanted: Want
         # a lane back from tailing: what its new table takes over (the table made just above)
         plan += await hand_back_steps(cur, dialect, profile, wanted.lanes)
     plan += await tail_steps(cur, dialect, wanted.tail_lanes, cursor_planned=wanted.lanes is not None)
-    for owner, statements in wanted.plugin_statements:
+    for owner, statements, plugin in wanted.plugin_statements:
         if PLUGIN_SCHEMA in dialect.capabilities:
-            plan.append(Migration(f"ran {len(statements)} schema statement(s) for {owner}", statements))
+            plan.append(Migration(f"ran {len(statements)} schema statement(s) for {owner}", statements, author=plugin))
         else:  # plugin statements are written in MySQL's dialect
             plan.append(Migration(f"skipped {len(statements)} schema statement(s) for {owner}: they are MySQL's", ()))
     if wanted.consumers:
