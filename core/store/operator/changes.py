@@ -5,7 +5,7 @@ lane table's rows) and the events it skipped."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,18 +245,28 @@ async def requeue(store: SQLStore, row_ids: Sequence[int]) -> int:
     ahead = _created_ahead(store, now)
     if ahead is not None:
         status, lock, params = _taken_now(words, ahead[0], now, ahead[1])
+    return await _changed_in_chunks(
+        store,
+        row_ids,
+        lambda chunk: (
+            f"UPDATE {words.table} SET status = {status}, {words.attempts} = 0,"
+            f" {words.lock} = {lock}, worker_id = NULL, {words.updated} = {words.ms('%s')}"
+            f" WHERE {words.key} IN ({marks(chunk)}) AND {in_list('status', (*words.open, words.parked))}"
+            f" AND NOT (worker_id IS NOT NULL AND {words.lock} > {words.ms('%s')})",
+            [*params, now, *chunk, now],
+        ),
+    )
+
+
+async def _changed_in_chunks(
+    store: SQLStore, keys: Sequence[int], statement: Callable[[list[int]], tuple[str, list[Any]]]
+) -> int:
+    """Rows changed by ``statement`` (SQL and parameters for a chunk of ``keys``), run once per
+    chunk (:func:`key_chunks`), all in one transaction: all or none applied."""
     changed = 0
-    async with store.transaction() as cur:  # a statement per chunk of keys, all or none applied
-        for chunk in key_chunks(row_ids):
-            changed += int(
-                await cur.execute(
-                    f"UPDATE {words.table} SET status = {status}, {words.attempts} = 0,"
-                    f" {words.lock} = {lock}, worker_id = NULL, {words.updated} = {words.ms('%s')}"
-                    f" WHERE {words.key} IN ({marks(chunk)}) AND {in_list('status', (*words.open, words.parked))}"
-                    f" AND NOT (worker_id IS NOT NULL AND {words.lock} > {words.ms('%s')})",
-                    (*params, now, *chunk, now),
-                )
-            )
+    async with store.transaction() as cur:
+        for chunk in key_chunks(keys):
+            changed += int(await cur.execute(*statement(chunk)))
     return changed
 
 
@@ -292,18 +302,17 @@ async def requeue_in_lane_table(store: SQLStore, lane: str, outbox_ids: Sequence
     rows still parked change (never room_outbox's); returns how many did."""
     if not outbox_ids:
         return 0
-    changed = 0
-    async with store.transaction() as cur:  # a statement per chunk of keys, all or none applied
-        for chunk in key_chunks(outbox_ids):
-            changed += int(
-                await cur.execute(
-                    f"UPDATE {lane_table(lane)} SET status = '{V1.fresh}', retry_count = 0, lock_until_ms = 0,"
-                    f" worker_id = NULL, updated_at_ms = %s WHERE outbox_id IN ({marks(chunk)})"
-                    f" AND status = '{V1.parked}'",
-                    (now_ms(), *chunk),
-                )
-            )
-    return changed
+    now = now_ms()
+    return await _changed_in_chunks(
+        store,
+        outbox_ids,
+        lambda chunk: (
+            f"UPDATE {lane_table(lane)} SET status = '{V1.fresh}', retry_count = 0, lock_until_ms = 0,"
+            f" worker_id = NULL, updated_at_ms = %s WHERE outbox_id IN ({marks(chunk)})"
+            f" AND status = '{V1.parked}'",
+            [now, *chunk],
+        ),
+    )
 
 
 async def cancel_in_lane_table(
