@@ -440,6 +440,28 @@ async def test_a_statement_past_query_timeout_on_a_database_that_answers_says_so
     assert "ROOM_OUTBOX__DATABASE__QUERY_TIMEOUT" in err[-1]
 
 
+def lock_wait_of(monkeypatch: pytest.MonkeyPatch, seconds: int) -> None:
+    """Sessions opened from now on wait ``seconds`` for a lock (their server-side lock wait),
+    whatever their query_timeout: shorter, the server's error ends a wait; longer, the client's
+    deadline does."""
+    for_query_timeout = SessionLimits.for_query_timeout
+
+    def limits(query_timeout: float, idle_in_transaction: float = 0.0) -> SessionLimits:
+        return dataclasses.replace(for_query_timeout(query_timeout, idle_in_transaction), lock_wait_seconds=seconds)
+
+    monkeypatch.setattr(SessionLimits, "for_query_timeout", limits)
+
+
+async def migrated_with_event(dsn: str, event_id: str) -> None:
+    """The database ``dsn`` migrated, holding one pending event ``event_id``."""
+    store = await open_store(dsn, pool_size=1)
+    try:
+        await store.migrate()
+        await insert_events(store, [envelope(event_id)])  # type: ignore[arg-type]
+    finally:
+        await store.aclose()
+
+
 @pytest.mark.parametrize("command", [("cancel", "held", "--yes"), ("requeue", "--event-id", "held", "--yes")])
 async def test_a_row_locked_past_the_lock_wait_on_mysql_says_so_and_what_to_do(
     store: MySQLStore,
@@ -453,12 +475,7 @@ async def test_a_row_locked_past_the_lock_wait_on_mysql_says_so_and_what_to_do(
     wait (query_timeout): MySQL/MariaDB's own words name no cause nor fix; the line adds both."""
     # The session's lock wait is query_timeout rounded up, so the server's error and the
     # client's deadline race; a shorter lock wait makes the server's error the one that ends it.
-    for_query_timeout = SessionLimits.for_query_timeout
-
-    def short_lock_wait(query_timeout: float, idle_in_transaction: float = 0.0) -> SessionLimits:
-        return dataclasses.replace(for_query_timeout(query_timeout, idle_in_transaction), lock_wait_seconds=1)
-
-    monkeypatch.setattr(SessionLimits, "for_query_timeout", short_lock_wait)
+    lock_wait_of(monkeypatch, seconds=1)
     await insert_events(store, [envelope("held")])
     config = write_config(tmp_path, database_dsn, QUIET_SINKS + "database:\n  query_timeout: 3s\n")
     holder = await MySQLStore.connect(database_dsn)
@@ -491,12 +508,7 @@ async def test_a_row_locked_past_query_timeout_on_mysql_names_the_transaction_ho
 ) -> None:
     """The client gives up before the server's lock wait does (longer here): InnoDB's lock
     waits still name the transaction the abandoned statement waits for."""
-    for_query_timeout = SessionLimits.for_query_timeout
-
-    def long_lock_wait(query_timeout: float, idle_in_transaction: float = 0.0) -> SessionLimits:
-        return dataclasses.replace(for_query_timeout(query_timeout, idle_in_transaction), lock_wait_seconds=30)
-
-    monkeypatch.setattr(SessionLimits, "for_query_timeout", long_lock_wait)
+    lock_wait_of(monkeypatch, seconds=30)
     await insert_events(store, [envelope("held")])
     config = write_config(tmp_path, database_dsn, QUIET_SINKS + "database:\n  query_timeout: 1s\n")
     holder = await MySQLStore.connect(database_dsn)
@@ -521,18 +533,8 @@ async def test_a_row_locked_past_the_lock_wait_on_postgresql_says_so_and_what_to
     postgresql_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """PostgreSQL's lock_timeout, as MySQL's lock wait above: the line adds the cause and the fix."""
-    for_query_timeout = SessionLimits.for_query_timeout
-
-    def short_lock_wait(query_timeout: float, idle_in_transaction: float = 0.0) -> SessionLimits:
-        return dataclasses.replace(for_query_timeout(query_timeout, idle_in_transaction), lock_wait_seconds=1)
-
-    monkeypatch.setattr(SessionLimits, "for_query_timeout", short_lock_wait)
-    store = await open_store(postgresql_dsn, pool_size=1)
-    try:
-        await store.migrate()
-        await insert_events(store, [envelope("held")])  # type: ignore[arg-type]
-    finally:
-        await store.aclose()
+    lock_wait_of(monkeypatch, seconds=1)
+    await migrated_with_event(postgresql_dsn, "held")
     config = write_config(tmp_path, postgresql_dsn, QUIET_SINKS + "database:\n  query_timeout: 3s\n")
     async with await psycopg.AsyncConnection.connect(postgresql_dsn) as holder:
         await holder.execute("SELECT id FROM room_outbox WHERE event_id = 'held' FOR UPDATE")
@@ -561,18 +563,8 @@ async def test_a_command_held_up_by_a_table_lock_past_query_timeout_names_the_se
     """A DBA's ACCESS EXCLUSIVE lock (VACUUM FULL, ALTER TABLE) outlasting query_timeout: the
     client gives up first (the server's lock wait is longer here), and the line names the
     session holding the lock, not a slow statement a longer timeout would fix."""
-    for_query_timeout = SessionLimits.for_query_timeout
-
-    def long_lock_wait(query_timeout: float, idle_in_transaction: float = 0.0) -> SessionLimits:
-        return dataclasses.replace(for_query_timeout(query_timeout, idle_in_transaction), lock_wait_seconds=30)
-
-    monkeypatch.setattr(SessionLimits, "for_query_timeout", long_lock_wait)
-    store = await open_store(postgresql_dsn, pool_size=1)
-    try:
-        await store.migrate()
-        await insert_events(store, [envelope("held")])  # type: ignore[arg-type]
-    finally:
-        await store.aclose()
+    lock_wait_of(monkeypatch, seconds=30)
+    await migrated_with_event(postgresql_dsn, "held")
     config = write_config(tmp_path, postgresql_dsn, QUIET_SINKS + "database:\n  query_timeout: 1s\n")
     async with await psycopg.AsyncConnection.connect(postgresql_dsn, application_name="dba") as holder:
         await holder.execute("LOCK TABLE room_outbox IN ACCESS EXCLUSIVE MODE")
@@ -596,12 +588,7 @@ async def test_a_statement_past_query_timeout_on_postgresql_is_one_line_on_stder
 ) -> None:
     """The table locked by another transaction: the command's whole stderr is its one line (no
     library warning about the connection it closed before)."""
-    store = await open_store(postgresql_dsn, pool_size=1)
-    try:
-        await store.migrate()
-        await insert_events(store, [envelope("e1")])  # type: ignore[arg-type]
-    finally:
-        await store.aclose()
+    await migrated_with_event(postgresql_dsn, "e1")
     # 1.5s: before the session's lock_timeout (rounded up to 2s), so the client's deadline ends the wait.
     config = write_config(tmp_path, postgresql_dsn, QUIET_SINKS + "database:\n  query_timeout: 1500ms\n")
     args = {"status": ["status"], "cancel": ["cancel", "e1", "--yes"]}[command]

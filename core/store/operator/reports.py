@@ -45,8 +45,8 @@ async def lock_blockers(store: SQLStore) -> list[str]:
     """The sessions most likely holding this command up with a lock, each in a few words (the
     session's id, what it runs, since when), for a statement abandoned at query_timeout: on
     PostgreSQL those holding a lock on the outbox table that holds up writes, and those any
-    session of this database waits for; on MariaDB the transactions others wait for (InnoDB's
-    lock waits: row locks). One query, run once the command has failed; [] where nothing is
+    session of this database waits for; on MariaDB the transactions others wait for on a lock
+    of the outbox table (InnoDB's lock waits: row locks). One query, run once the command has failed; [] where nothing is
     known (no blocker, SQLite, or the catalogue not readable: no PROCESS privilege, MySQL 8)."""
     try:
         async with store.transaction() as cur:
@@ -64,11 +64,15 @@ async def lock_blockers(store: SQLStore) -> list[str]:
                 return [_session(f"session {pid} ({user}, {app or 'no application name'})", since, query)
                         for pid, user, app, since, query in found]  # fmt: skip
             if store.dialect.name == "mysql":
+                # Only the waits for a lock on the outbox table: the server's other databases
+                # have lock waits of their own, which hold nothing of this command's up.
                 await cur.execute(
                     "SELECT t.trx_mysql_thread_id, t.trx_started, t.trx_query FROM information_schema.INNODB_TRX t"
-                    " WHERE t.trx_id IN (SELECT blocking_trx_id FROM information_schema.INNODB_LOCK_WAITS)"
+                    " WHERE t.trx_id IN (SELECT w.blocking_trx_id FROM information_schema.INNODB_LOCK_WAITS w"
+                    " JOIN information_schema.INNODB_LOCKS l ON l.lock_id = w.blocking_lock_id"
+                    " WHERE l.lock_table = CONCAT('`', DATABASE(), '`.`', %s, '`'))"
                     " ORDER BY t.trx_started LIMIT %s",
-                    (_BLOCKERS_NAMED,),
+                    (store.profile.table, _BLOCKERS_NAMED),
                 )
                 found = await cur.fetchall()
                 return [_session(f"connection {thread}", since, query) for thread, since, query in found]
