@@ -79,11 +79,41 @@ def start_id(start: str | int, max_id: int) -> int:
 
 @dataclass
 class Gap:
-    """Ids in ``[low, high]`` on the feeder's lattice, missing since ``first_seen`` (monotonic)."""
+    """Ids in ``[low, high]`` on the feeder's lattice, missing since ``first_seen`` (monotonic),
+    but those of ``read``."""
 
     low: int
     high: int
     first_seen: float
+    #: ``(step, residue)``: the ids equal to ``residue`` modulo ``step`` are not waited for, read
+    #: already when the step got finer (:meth:`LaneStore._learn_step`); None: every id.
+    read: tuple[int, int] | None = None
+
+    def waits_for(self, outbox_id: int) -> bool:
+        """Whether ``outbox_id`` is one of the ids the gap waits for."""
+        return self.low <= outbox_id <= self.high and not self.was_read(outbox_id)
+
+    def was_read(self, outbox_id: int) -> bool:
+        """Whether ``outbox_id`` is among the ids ``read`` names (in the range or not)."""
+        return self.read is not None and (outbox_id - self.read[1]) % self.read[0] == 0
+
+    def trimmed(self) -> Gap | None:
+        """The gap without ids read at its ends (two such ids are never next to each other),
+        None when nothing is left."""
+        low = self.low + 1 if self.was_read(self.low) else self.low
+        high = self.high - 1 if self.was_read(self.high) else self.high
+        return dataclasses.replace(self, low=low, high=high) if low <= high else None
+
+    def waited_ranges(self) -> list[Gap]:
+        """The gap as ranges of ids waited for alone (every id in each): what is recorded when
+        it is given up on, so that no id read before is taken as skipped."""
+        if self.read is None:
+            return [self]
+        step, residue = self.read
+        first_read = self.low + (residue - self.low) % step  # the lowest id read at or above low
+        bounds = range(first_read - step, self.high + 1, step)  # ids read, one before low
+        ranges = (Gap(max(b + 1, self.low), min(b + step - 1, self.high), self.first_seen) for b in bounds)
+        return [gap for gap in ranges if gap.low <= gap.high]
 
 
 _FEEDING = LanesSettings()
@@ -274,7 +304,7 @@ class LaneStore(LeasedRows):
             fresh = await self._fetch_new(cur)
         self._gaps = [g for g in self._gaps if g.high > watermark]
         self._take_new(fresh, watermark)
-        ids = fresh + await self._read_gaps(cur)
+        ids = fresh + await self._read_gaps(cur, watermark)
         await self._copy(cur, ids)
         skipped = self._expire_gaps() + self._bound_gaps()
         if skipped:
@@ -471,7 +501,7 @@ class LaneStore(LeasedRows):
         if self._gcd != 1:  # a step of 1 is final: no difference makes it finer
             for row_id in ids:  # learn the step before deciding what is missing
                 if previous is not None:
-                    self._learn_step(row_id - previous, watermark, now)
+                    self._learn_step(row_id, previous, watermark, now)
                 previous = row_id
         after = self._high
         for row_id in ids:
@@ -497,24 +527,28 @@ class LaneStore(LeasedRows):
         by 2 whatever the step."""
         return self._gcd if self._differences >= STEP_EVIDENCE else 1
 
-    def _learn_step(self, difference: int, watermark: int, now: float) -> None:
-        """Take one more difference between ids read into :attr:`_step`. An id off the lattice
-        (another writer with another offset) makes it finer: then every id read within
-        ``gap_timeout`` is looked at again once, so that writer's late commits are still fed."""
+    def _learn_step(self, row_id: int, known: int, watermark: int, now: float) -> None:
+        """Take one more difference between ids read, ``row_id`` and ``known``, into
+        :attr:`_step`. An id off the lattice (another writer with another offset) makes it
+        finer: then the ids off the old lattice within ``gap_timeout`` are waited for, so that
+        writer's late commits are still sent."""
         before = self._step
-        self._gcd = math.gcd(self._gcd, difference)
+        self._gcd = math.gcd(self._gcd, row_id - known)
         self._differences += 1
         step = self._step
         if step < before:
             # A finer lattice: ids between the old lattice's points were never waited for.
-            # Look at everything read within gap_timeout once more (rows fed already are
-            # inserted again as no-ops); what stays missing is waited for as usual.
+            # Those on it, ``known``'s, were read (or are in the gaps, which stay): waiting
+            # for them again would send them twice (a tailing lane). Costs nothing until it
+            # happens: one more range term while the new gap lasts.
             low = min([watermark, *(first_id - 1 for _, first_id in self._recent)]) + 1
             log.warning(
-                "room_outbox ids follow a finer step than seen so far; recent ids are looked at again",
+                "room_outbox ids follow a finer step than seen so far; recent ids off the old step are looked at again",
                 extra={"lane": self.lane, "step": step, "previous_step": before, "from_id": low},
             )
-            self._gaps = [Gap(low, self._high, now)] if low <= self._high else []
+            gap = Gap(low, self._high, now, read=(before, known % before)).trimmed()
+            if gap is not None:
+                self._gaps.append(gap)
 
     def _add_gap(self, after: int, before: int, now: float) -> None:
         """Wait for the ids strictly between ``after`` and the id ``before`` that was just read."""
@@ -527,12 +561,19 @@ class LaneStore(LeasedRows):
         anchor = self._last_id if anchor is None else anchor
         step = self._step
         if anchor is None or step == 1:
-            return gap if gap.low <= gap.high else None
+            return gap.trimmed() if gap.low <= gap.high else None
+        if gap.read is not None and step % gap.read[0] == 0 and gap.was_read(anchor):
+            return None  # every id on the lattice was read (the step is coarse again)
         low = gap.low + (anchor - gap.low) % step
         high = gap.high - (gap.high - anchor) % step
-        return Gap(low, high, gap.first_seen) if low <= high else None
+        # An id read at an end: the next lattice point is not one (no two points in a row are).
+        if gap.was_read(low):
+            low += step
+        if gap.was_read(high):
+            high -= step
+        return dataclasses.replace(gap, low=low, high=high) if low <= high else None
 
-    async def _read_gaps(self, cur: Any) -> list[int]:
+    async def _read_gaps(self, cur: Any, watermark: int) -> list[int]:
         """Ids that have committed inside the ranges seen missing (:meth:`_turned_up`)."""
         if not self._gaps:
             return []
@@ -540,28 +581,45 @@ class LaneStore(LeasedRows):
         key = self.owner.profile.key
         await cur.execute(f"SELECT {key} FROM {self.owner.profile.table} WHERE {ranges} ORDER BY {key}", bounds)
         found = [int(row[0]) for row in await cur.fetchall()]
-        self._turned_up(found)
+        self._turned_up(found, watermark)
         return found
 
     def _gap_ranges(self) -> tuple[str, list[int]]:
-        """SQL matching the ids in the ranges seen missing, and its parameters."""
-        ranges = " OR ".join([f"{self.owner.profile.key} BETWEEN %s AND %s"] * len(self._gaps))
-        return f"({ranges})", [bound for gap in self._gaps for bound in (gap.low, gap.high)]
+        """SQL matching the ids in the ranges seen missing, and its parameters. A range's ids
+        read already (:attr:`Gap.read`) are not matched: ``%%`` is the modulo of every database
+        (MySQL, PostgreSQL, SQLite) written for the driver's paramstyle."""
+        key = self.owner.profile.key
+        terms = [
+            f"{key} BETWEEN %s AND %s" if gap.read is None else f"({key} BETWEEN %s AND %s AND ({key} - %s) %% %s <> 0)"
+            for gap in self._gaps
+        ]
+        bounds = [
+            bound
+            for gap in self._gaps
+            for bound in ((gap.low, gap.high) if gap.read is None else (gap.low, gap.high, gap.read[1], gap.read[0]))
+        ]
+        return f"({' OR '.join(terms)})", bounds
 
-    def _turned_up(self, found: Sequence[int]) -> None:
+    def _turned_up(self, found: Sequence[int], watermark: int) -> None:
         """``found`` (in id order) have committed: the ranges seen missing shrink to what is
         still missing (a range splits around a row that turned up)."""
         if not found:
             return
+        if self._gcd != 1 and self._last_id is not None:
+            # A late id off the lattice makes the step finer too; the range then waited for
+            # holds ``found``, read now, so learnt before the ranges shrink.
+            now = time.monotonic()
+            for row_id in found:
+                self._learn_step(row_id, self._last_id, watermark, now)
         remaining: list[Gap] = []
         for gap in self._gaps:
             low = gap.low
             for row_id in (i for i in found if gap.low <= i <= gap.high):
                 if row_id > low:
-                    remaining.append(Gap(low, row_id - 1, gap.first_seen))
+                    remaining.append(dataclasses.replace(gap, low=low, high=row_id - 1))
                 low = row_id + 1
             if low <= gap.high:
-                remaining.append(Gap(low, gap.high, gap.first_seen))
+                remaining.append(dataclasses.replace(gap, low=low))
         self._gaps = [trimmed for gap in remaining if (trimmed := self._on_lattice(gap))]
 
     async def _record_skipped(self, cur: Any, gaps: Sequence[Gap]) -> None:
@@ -569,8 +627,10 @@ class LaneStore(LeasedRows):
         round's transaction: an insert that commits after all is then told apart from the
         events sent (``inspect``, ``status``) and can be sent (``requeue --lane``). A range
         recorded before with the same first id (the watermark moved back since) is replaced.
-        Only when a range is given up on: a round that gives up on none writes nothing here."""
+        Only when a range is given up on: a round that gives up on none writes nothing here.
+        Of a range with ids read already (:attr:`Gap.read`) only the ids waited for."""
         now = now_ms()
+        gaps = [part for gap in gaps for part in gap.waited_ranges()]
         for first in range(0, len(gaps), SKIPPED_CHUNK):
             chunk = gaps[first : first + SKIPPED_CHUNK]
             lows = [gap.low for gap in chunk]

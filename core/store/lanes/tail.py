@@ -125,7 +125,8 @@ class TailCursor:
     parked, or given up on as never committed); above it, up to ``read_through_id``, every id
     is done but those in ``open_gaps``: the ranges still waited for, comma separated, each
     ``low-high@since``, ``since`` being when it was first seen missing in the cluster's epoch
-    seconds (the database's clock), so that ``gap_timeout`` runs on across handovers. So a new
+    seconds (the database's clock), so that ``gap_timeout`` runs on across handovers; then
+    ``/step:residue`` where the range's ids of that residue were read (:attr:`Gap.read`). So a new
     owner (after a kill, a failover, a restart) sends nothing again that a committed round
     sent, even while an id below it is still missing."""
 
@@ -142,8 +143,9 @@ class TailCursor:
             None if open_gaps is None else text(open_gaps),
         )
 
-    def ranges(self) -> list[tuple[int, int, int]]:
-        """``open_gaps`` as ``(low, high, since)``; ValueError when it does not parse."""
+    def ranges(self) -> list[tuple[int, int, int, tuple[int, int] | None]]:
+        """``open_gaps`` as ``(low, high, since, read)`` (:func:`open_gap_ranges`); ValueError
+        when it does not parse."""
         return open_gap_ranges(self.open_gaps)
 
     def passed(self, outbox_id: int) -> bool:
@@ -155,7 +157,7 @@ class TailCursor:
         if self.read_through_id is None or outbox_id > self.read_through_id:
             return False
         try:
-            return not any(low <= outbox_id <= high for low, high, _ in self.ranges())
+            return not any(Gap(low, high, 0.0, read).waits_for(outbox_id) for low, high, _, read in self.ranges())
         except ValueError:
             return False
 
@@ -227,7 +229,7 @@ class TailStore(LaneStore):
                 fresh = [row.outbox_id for row in read if row.outbox_id > self._high]
                 if not read:
                     await self._warn_if_ids_started_again(cur, self._high)
-                self._turned_up([row.outbox_id for row in read if row.outbox_id <= self._high])
+                self._turned_up([row.outbox_id for row in read if row.outbox_id <= self._high], watermark)
                 self._take_new(fresh, watermark)
                 requeued = await self._requeued(cur) if any_requeued else []
                 again = await self._rows(cur, requeued)
@@ -292,8 +294,8 @@ class TailStore(LaneStore):
                 now, cluster_now = time.monotonic(), now_ms() / 1000
                 self._high = read_through
                 self._gaps = [
-                    Gap(max(low, cursor.fed_through_id + 1), high, now - max(0.0, cluster_now - since))
-                    for low, high, since in ranges
+                    Gap(max(low, cursor.fed_through_id + 1), high, now - max(0.0, cluster_now - since), read)
+                    for low, high, since, read in ranges
                     if high > cursor.fed_through_id
                 ]
         # With light traffic and several processes the lane changes hands at almost every round
@@ -346,6 +348,7 @@ class TailStore(LaneStore):
         now, cluster_now = time.monotonic(), now_ms() / 1000
         return ",".join(
             f"{g.low}-{g.high}@{round(cluster_now - (now - g.first_seen))}"
+            + ("" if g.read is None else f"/{g.read[0]}:{g.read[1]}")
             for g in sorted(self._gaps, key=attrgetter("low"))
         )
 

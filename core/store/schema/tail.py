@@ -222,18 +222,36 @@ async def _carried_over(cur: Any, lane: str, table: str, parked_rows: bool) -> t
     return f"moved {table}'s {' and '.join(kinds)} to {PARKED_TABLE}", statement
 
 
-def open_gap_ranges(open_gaps: str | None) -> list[tuple[int, int, int]]:
+def open_gap_ranges(open_gaps: str | None) -> list[tuple[int, int, int, tuple[int, int] | None]]:
     """A tailing cursor's ``open_gaps`` (ranges still waited for, ``low-high@since`` comma
-    separated) as ``(low, high, since)``; ValueError when it does not parse."""
+    separated, ``/step:residue`` after it where the ids equal to ``residue`` modulo ``step``
+    in the range were read already) as ``(low, high, since, (step, residue) or None)``;
+    ValueError when it does not parse."""
     ranges = []
     for part in (open_gaps or "").split(","):
         if part:
-            bounds, since = part.split("@")
+            bounds, seen = part.split("@")
             low, high = (int(bound) for bound in bounds.split("-"))
+            since, _, lattice = seen.partition("/")
+            read = None
+            if lattice:
+                step, residue = (int(value) for value in lattice.split(":"))
+                if step < 2 or not 0 <= residue < step:
+                    raise ValueError(f"range {part} has no such step")
+                read = (step, residue)
             if low > high:
                 raise ValueError(f"range {part} is empty")
-            ranges.append((low, high, int(since)))
+            ranges.append((low, high, int(since), read))
     return ranges
+
+
+def _not_waited_for(key: str, low: int, high: int, read: tuple[int, int] | None) -> str:
+    """SQL: ``key`` is not among the ids an open range waits for (:func:`open_gap_ranges`).
+    A statement without parameters: ``%`` is the modulo as written."""
+    if read is None:
+        return f" AND {key} NOT BETWEEN {low} AND {high}"
+    step, residue = read
+    return f" AND NOT ({key} BETWEEN {low} AND {high} AND ({key} - {residue}) % {step} <> 0)"
 
 
 async def hand_back_steps(cur: Any, dialect: Dialect, profile: Profile, lanes: Sequence[str]) -> list[Migration]:
@@ -321,7 +339,7 @@ async def _hand_back(
     if sent is not None:
         fed, read_through, gaps = sent
         if read_through > fed:
-            waited = "".join(f" AND {p.key} NOT BETWEEN {low} AND {high}" for low, high, _ in gaps)
+            waited = "".join(_not_waited_for(p.key, low, high, read) for low, high, _, read in gaps)
             statements.append(
                 f"INSERT INTO {table} (outbox_id, event_id, event_type, room_id, app_code, status,"
                 f" created_at_ms, updated_at_ms) SELECT {copied_columns(p)}, '{V1.delivered}', {now}, {now}"
