@@ -177,11 +177,11 @@ def _listed(function: Callable[..., object], item_type: type[T]) -> list[T]:
     returned = function()
     wanted = f"where a list of {item_type.__name__} is expected"
     if isinstance(returned, str | bytes) or not isinstance(returned, Iterable):
-        raise TypeError(f"it returned a {type(returned).__name__}, {wanted}")
+        raise TypeError(f"it returned a value of type {type(returned).__name__}, {wanted}")
     items = list(returned)
     for position, item in enumerate(items):
         if not isinstance(item, item_type):
-            raise TypeError(f"item {position} of what it returned is a {type(item).__name__}, {wanted}")
+            raise TypeError(f"item {position} of what it returned is of type {type(item).__name__}, {wanted}")
     return items
 
 

@@ -292,9 +292,9 @@ def test_a_registration_hook_that_raises_is_named(
 @pytest.mark.parametrize(
     ("returned", "said"),
     [
-        ("wrong", "it returned a str, where a list of SinkSpec is expected"),
-        ([None], "item 0 of what it returned is a NoneType, where a list of SinkSpec is expected"),
-        (3, "it returned a int, where a list of SinkSpec is expected"),
+        ("wrong", "it returned a value of type str, where a list of SinkSpec is expected"),
+        ([None], "item 0 of what it returned is of type NoneType, where a list of SinkSpec is expected"),
+        (3, "it returned a value of type int, where a list of SinkSpec is expected"),
     ],
     ids=["str", "None item", "int"],
 )
@@ -501,9 +501,9 @@ class _SinkWithMigrations:
         (RuntimeError("migrations hook raised"), "RuntimeError: migrations hook raised"),
         (
             "CREATE TABLE IF NOT EXISTS archive (id INT)",
-            "TypeError: it returned a str, where a list of str is expected",
+            "TypeError: it returned a value of type str, where a list of str is expected",
         ),
-        ([None], "TypeError: item 0 of what it returned is a NoneType, where a list of str is expected"),
+        ([None], "TypeError: item 0 of what it returned is of type NoneType, where a list of str is expected"),
     ],
     ids=["raises", "str", "None item"],
 )

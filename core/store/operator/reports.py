@@ -506,16 +506,6 @@ async def any_event_of_several_apps(store: SQLStore, event_ids: Sequence[str]) -
     return False
 
 
-async def apps_of_rows(store: SQLStore, keys: Sequence[int]) -> dict[int, str]:
-    """The app code of each of the rows ``keys`` (the profile's key) still in the table."""
-    p = store.profile
-    if not keys:
-        return {}
-    async with store.transaction() as cur:
-        await cur.execute(f"SELECT {p.key}, {p.app_code} FROM {p.table} WHERE {p.key} IN ({marks(keys)})", list(keys))
-        return {int(key): text(app_code) for key, app_code in await cur.fetchall()}
-
-
 async def lane_row(store: SQLStore, lane: str, outbox_id: int) -> dict[str, Any] | None:
     """Outbox row ``outbox_id``'s row in a lane of its own; ``None`` when the lane has none
     (or keeps no table: a tailing lane, see :func:`tail_parked_row`)."""
