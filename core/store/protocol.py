@@ -157,8 +157,10 @@ class OutboxStore(Protocol):
         written beside the claim: it comes back among ``stale``, ``row_locked``.
 
         With ``per_room``, a row is claimed only if no earlier pending row of its room is
-        left outside the claim (waiting for a retry, leased elsewhere, or skipped); a row
-        held back is not looked at again for ``hold_back_ms``. ``in_flight`` (row id:
+        left outside the claim (waiting for a retry, leased elsewhere, or skipped). A room the
+        scan meets only through later rows has its first pending row claimed instead where
+        that row may go now. A row held back is not looked at again until its room's first
+        pending row may go, for ``hold_back_ms`` at most. ``in_flight`` (row id:
         ``(app_code, room_id)``): rows the caller holds whose results are not among
         ``results``. They do not hold their rooms back: the caller delivers a later row of
         their room only once they are published, and releases it otherwise, so that a claim

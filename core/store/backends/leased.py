@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -81,12 +81,18 @@ def claim_sql(
     only = f" AND {bucket} IN ({_marks(range(buckets))})" if buckets else ""
     forced = hint.format(index=claim_index(table)[0])
     return (
-        f"SELECT {key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts_made}"
-        # A row's own attempts limit, where the profile has one: every column costs the driver
-        # a parse per row.
-        f"{', ' + p.attempts_limit if p.attempts_limit else ''} FROM {table}{forced}"
+        f"SELECT {claimed_columns(key, envelope, p)} FROM {table}{forced}"
         f" WHERE {p.is_open()} AND {due or p.lock + ' <= ' + p.ms('%s')}{only} ORDER BY {p.lock}, {key} LIMIT %s{lock}"
     )
+
+
+def claimed_columns(key: str, envelope: str, profile: Profile = V1) -> str:
+    """SQL: the columns a claim reads of each row it takes (:meth:`LeasedRows._outbox_rows`)."""
+    p = profile
+    # A row's own attempts limit, where the profile has one: every column costs the driver
+    # a parse per row.
+    limit = f", {p.attempts_limit}" if p.attempts_limit else ""
+    return f"{key}, {p.event_id}, {p.event_type}, {p.room_id}, {p.app_code}, {envelope}, {p.attempts_made}{limit}"
 
 
 def bounded_by_key(claim_after_ms: int, dialect: Dialect, profile: Profile) -> bool:
@@ -107,7 +113,8 @@ def open_rows_of_rooms_sql(
 ) -> str:
     """Per-room ordering's look-up: the open rows of ``rooms`` rooms (placeholders, then the
     highest key found, then ``besides`` keys to leave out) below that key, read by the room
-    index. ``hint``: the dialect's ``index_hint``; left to choose, MySQL's optimizer read the
+    index, each with its ``lock`` in ms (when it may go: see :meth:`LeasedRows._heads_of_rooms`).
+    ``hint``: the dialect's ``index_hint``; left to choose, MySQL's optimizer read the
     (status, id) range below the key instead, which grows with every published row, while the
     room index's reads do not. ``also``: more columns to select (", 0"). ``besides``: the keys
     of rows to leave out (the claim's own), which the index entries rule out (the key is in
@@ -116,7 +123,7 @@ def open_rows_of_rooms_sql(
     forced = hint.format(index=ROOM_INDEX.format(table=table))
     leave_out = f" AND {key} NOT IN ({_marks(range(besides))})" if besides else ""
     return (
-        f"SELECT {key}, {p.app_code}, {p.room_id}{also} FROM {table}{forced}"
+        f"SELECT {key}, {p.app_code}, {p.room_id}, {p.as_ms(p.lock)}{also} FROM {table}{forced}"
         f" WHERE {p.room_id} IN ({_marks(range(rooms))}) AND {p.is_open()} AND {key} < %s{leave_out}"
     )
 
@@ -128,6 +135,40 @@ def _fresh_bound_of(row: Sequence[Any]) -> int:
     if last is None:
         return 0
     return int(last) if first_young is None else min(int(last), int(first_young) - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoomsMet:
+    """What a per-room claim knows of the rooms its scan meets (see
+    :meth:`LeasedRows._heads_of_rooms`): its ``claim`` and ``limit``, how long it holds rows
+    back, the open rows that do not hold their rooms back (``closing``: those the results it
+    writes publish or park; ``in_flight``: those the caller delivers before any later row of
+    their rooms), and ``written``: rows whose result it writes, which it never takes."""
+
+    claim: str
+    limit: int
+    hold_back_ms: int
+    closing: Collection[int] = ()
+    in_flight: Mapping[int, tuple[str, str]] | None = None
+    written: Collection[int] = ()
+
+
+def _first_earlier_rows(
+    found: Sequence[OutboxRow], earlier: Iterable[tuple[int, str, str, int | None]]
+) -> dict[tuple[str, str], tuple[int, int | None]]:
+    """Of every room some found rows of which are not heads (:func:`room_heads`): its first
+    open row outside ``found`` (``earlier``: key, room and ``lock``), as (key, ``lock``), the
+    rooms in the order ``found`` meets them (the scan's)."""
+    highest: dict[tuple[str, str], int] = {}
+    for row in found:
+        room = (row.app_code, row.room_id)
+        highest[room] = max(row.id, highest.get(room, row.id))
+    firsts: dict[tuple[str, str], tuple[int, int | None]] = {}
+    for row_id, app_code, room_id, lock in earlier:
+        room = (app_code, room_id)
+        if row_id < highest.get(room, -1) and row_id < firsts.get(room, (row_id + 1, None))[0]:
+            firsts[room] = (row_id, lock)
+    return {room: firsts[room] for room in highest if room in firsts}
 
 
 class LeasedRows:
@@ -240,9 +281,7 @@ class LeasedRows:
         lock_due = f"{p.lock} <= {p.ms('%s')}"
         if self.claim_after_ms <= 0:
             return [(lock_due, now_ms())]
-        old_enough = (
-            f"{p.created} <= {p.ms(f'({self.dialect.now_ms} - {int(self.claim_after_ms)})')} OR {p.created} IS NULL"
-        )
+        old_enough = self._old_enough()
         if self._bound_by_key:
             if bound is None:
                 bound = await self._fresh_bound(cur, limit, buckets)
@@ -251,8 +290,23 @@ class LeasedRows:
                 (f"{p.lock} = {p.lock_cleared} AND {self.key} <= %s AND ({old_enough})", bound),
                 (f"{p.lock} > {p.lock_cleared} AND {lock_due}", now_ms()),
             ]
+        return [self._due_now()]
+
+    def _old_enough(self) -> str:
+        """SQL: the row was created ``claim_after_ms`` ago or more, by the database's clock (or
+        has no creation time, see :meth:`_due_by_age`)."""
+        p = self.profile
+        return f"{p.created} <= {p.ms(f'({self.dialect.now_ms} - {int(self.claim_after_ms)})')} OR {p.created} IS NULL"
+
+    def _due_now(self) -> tuple[str, int]:
+        """A due condition (as :meth:`_due_by_age`'s) with its parameter, for rows read by key:
+        due by ``lock``, and old enough if the producer wrote it and no claim has taken it yet."""
+        p = self.profile
+        lock_due = f"{p.lock} <= {p.ms('%s')}"
+        if self.claim_after_ms <= 0:
+            return lock_due, now_ms()
         claimed_before = f"{p.lock} > {p.lock_cleared}" if p.fresh_at_cleared_lock else f"status <> '{p.fresh}'"
-        return [(f"{lock_due} AND ({claimed_before} OR {old_enough})", now_ms())]
+        return f"{lock_due} AND ({claimed_before} OR {self._old_enough()})", now_ms()
 
     async def _fresh_bound(self, cur: Any, limit: int, buckets: Sequence[int] | None) -> int:
         """The key up to which the producer's unclaimed rows are claimable: those of the
@@ -368,16 +422,7 @@ class LeasedRows:
                     if len(scanned) < limit:
                         scanned += await self._scan(cur, due, param, limit - len(scanned), buckets)
                 exhausted = len(scanned) < limit
-                if self.profile.attempts_limit is None:
-                    found = [
-                        OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
-                        for id, event_id, event_type, room_id, app_code, envelope, retries in scanned
-                    ]
-                else:  # the row's own attempts limit last
-                    found = [
-                        OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim, own_limit)
-                        for id, event_id, event_type, room_id, app_code, envelope, retries, own_limit in scanned
-                    ]
+                found = self._outbox_rows(scanned, claim)
                 if in_flight:  # one whose lease ran out is found again: still the caller's, its result decides
                     found = [row for row in found if row.id not in in_flight]
                 if per_room and reads_first:
@@ -388,7 +433,8 @@ class LeasedRows:
                     closing = _closing(results)
                     written = {r.row_id for r in results}
                     untaken = [row for row in found if row.id not in written]
-                    rows = await self._heads_of_rooms(cur, untaken, hold_back_ms, bool(buckets), closing, in_flight)
+                    rooms = _RoomsMet(claim, limit, hold_back_ms, closing, in_flight, written)
+                    rows = await self._heads_of_rooms(cur, untaken, rooms, bool(buckets))
                     stale = await write_results(cur)
                     # A row whose result waits for another session's lock stays this process's, and
                     # is closed once that is written: it does not make the claim look again.
@@ -397,7 +443,8 @@ class LeasedRows:
                 else:
                     rows = found
                     if per_room:
-                        rows = await self._heads_of_rooms(cur, found, hold_back_ms, bool(buckets), (), in_flight)
+                        rooms = _RoomsMet(claim, limit, hold_back_ms, (), in_flight)
+                        rows = await self._heads_of_rooms(cur, found, rooms, bool(buckets))
                     if reads_first:
                         stale = await write_results(cur)
                 if rows:
@@ -481,55 +528,118 @@ class LeasedRows:
             await cur.execute(sql, (param, *buckets, limit))
         return list(await cur.fetchall())
 
-    async def _heads_of_rooms(
-        self,
-        cur: Any,
-        found: list[OutboxRow],
-        hold_back_ms: int,
-        lock: bool = False,
-        closing: Collection[int] = (),
-        in_flight: Mapping[int, tuple[str, str]] | None = None,
-    ) -> list[OutboxRow]:
-        """Keep a found row only if every earlier pending row of its room was found too.
-        ``lock``: the rows were found without locks (:meth:`_scan` with buckets): lock those
-        still claimable first, skipping the others, in the same statement where the dialect
-        allows (:meth:`_lock_and_look_back`). ``closing``: open rows that count as closed (those
-        the results this transaction writes next publish or park). ``in_flight``: open rows
-        the caller delivers before any later row of their rooms (see :meth:`claim`), which
-        do not hold their rooms back either.
+    def _outbox_rows(self, read: Sequence[Sequence[Any]], claim: str) -> list[OutboxRow]:
+        """The rows read by :func:`claimed_columns`, as claimed by ``claim``."""
+        if self.profile.attempts_limit is None:
+            return [
+                OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim)
+                for id, event_id, event_type, room_id, app_code, envelope, retries in read
+            ]
+        # the row's own attempts limit last
+        return [
+            OutboxRow(id, event_id, event_type, room_id, app_code, envelope, retries, claim, own_limit)
+            for id, event_id, event_type, room_id, app_code, envelope, retries, own_limit in read
+        ]
 
-        A row held back this way is made unclaimable for ``hold_back_ms``: otherwise a room
-        with a long backlog behind a waiting event would fill every later scan with rows
-        that cannot be taken, and the events they wait for would never come up.
+    async def _heads_of_rooms(
+        self, cur: Any, found: list[OutboxRow], rooms: _RoomsMet, lock: bool = False
+    ) -> list[OutboxRow]:
+        """Keep a found row only if every earlier open row of its room was found too (or passes,
+        see :class:`_RoomsMet`). ``lock``: the rows were found without locks (:meth:`_scan`
+        with buckets): lock those still claimable first, skipping the others, in the same
+        statement where the dialect allows (:meth:`_lock_and_look_back`).
+
+        A room whose found rows are not all heads has its head taken instead, where that row
+        may go now (due, not leased, not one whose result the claim writes): one statement for
+        all of them (:meth:`_take_heads`), within the batch, as the room's found rows wait. A scan in ``lock``
+        order meets a room through any of its open rows, and once rows were held back (a
+        backlog behind failing events, as in an outage) mostly through rows that are not its
+        head: so a claim takes a row of every room it meets, however long the backlog and
+        whatever order its rows' locks are in.
+
+        The found rows of a room that cannot go on now are held back: made unclaimable until
+        its head may go (its ``lock``), for ``hold_back_ms`` at most (a head leased elsewhere,
+        or published or requeued before its retry, says nothing of when its room goes on).
+        Otherwise a room with a long backlog behind a waiting event would fill every later
+        scan with rows that cannot be taken. At its head's own lock they come up again right
+        behind it in the claim index, in key order, and are taken with it. The found rows of a
+        room that goes on are left as they are: the next claim takes the room's next row.
         """
         if not found:
             return found
-        passing = set(closing)
-        if in_flight:
-            rooms = {(row.app_code, row.room_id) for row in found}
-            passing.update(row_id for row_id, room in in_flight.items() if room in rooms)
+        passing = set(rooms.closing)
+        if rooms.in_flight:
+            met = {(row.app_code, row.room_id) for row in found}
+            passing.update(row_id for row_id, room in rooms.in_flight.items() if room in met)
         found, earlier = await self._lock_and_look_back(cur, found, lock, sorted(passing))
-        heads = room_heads(found, earlier)
-        held_back = sorted({r.id for r in found} - {r.id for r in heads})
-        if held_back:
-            await cur.execute(
-                f"UPDATE {self.table} SET {self.profile.lock} = {self.profile.ms('%s')}"
-                f" WHERE {self.key} IN ({_marks(held_back)})",
-                (now_ms() + hold_back_ms, *held_back),
-            )
-        return heads
+        heads = room_heads(found, [(row_id, app_code, room_id) for row_id, app_code, room_id, _ in earlier])
+        now = now_ms()
+        firsts = _first_earlier_rows(found, earlier)
+        may_go = [
+            first for first, due in firsts.values() if due is not None and due <= now and first not in rooms.written
+        ]
+        # Within the batch: each of those rooms has a found row that is not taken.
+        taken = await self._take_heads(cur, may_go[: rooms.limit - len(heads)], rooms.claim)
+        going_on = {(row.app_code, row.room_id) for row in taken}
+        head_ids = {row.id for row in heads}
+        until: dict[int, list[int]] = {}
+        for row in found:
+            room = (row.app_code, row.room_id)
+            if row.id in head_ids or room in going_on:
+                continue
+            _first, due = firsts[room]
+            held_until = now + rooms.hold_back_ms
+            if due is not None and now < due < held_until:
+                held_until = due
+            until.setdefault(held_until, []).append(row.id)
+        await self._hold_back(cur, until)
+        return heads + taken
+
+    async def _take_heads(self, cur: Any, row_ids: Sequence[int], claim: str) -> list[OutboxRow]:
+        """Of ``row_ids`` (rooms' heads outside the scan's rows), lock and read those still open
+        and due, as the scan would take them, skipping those locked by others."""
+        if not row_ids:
+            return []
+        due, param = self._due_now()
+        ended = self._producers_claim_ended()
+        await cur.execute(
+            f"SELECT {claimed_columns(self.key, self.envelope_column, self.profile)} FROM {self.table}"
+            f" WHERE {self.key} IN ({_marks(row_ids)}) AND {self.profile.is_open()} AND {due}"
+            f"{' AND ' + ended if ended else ''}{self.dialect.row_lock}",
+            (*row_ids, param),
+        )
+        return self._outbox_rows(await cur.fetchall(), claim)
+
+    async def _hold_back(self, cur: Any, until: Mapping[int, Sequence[int]]) -> None:
+        """Make rows unclaimable until a time (ms → the rows' keys), in one statement."""
+        if not until:
+            return
+        p = self.profile
+        held = sorted(row_id for rows in until.values() for row_id in rows)
+        params: tuple[int, ...]
+        if len(until) == 1:
+            [(held_until, _rows)] = until.items()
+            lock, params = p.ms("%s"), (held_until,)
+        else:
+            cases = " ".join(f"WHEN {self.key} IN ({_marks(rows)}) THEN {p.ms('%s')}" for rows in until.values())
+            lock = f"CASE {cases} END"
+            params = tuple(value for held_until, rows in until.items() for value in (*rows, held_until))
+        await cur.execute(
+            f"UPDATE {self.table} SET {p.lock} = {lock} WHERE {self.key} IN ({_marks(held)})", (*params, *held)
+        )
 
     async def _lock_and_look_back(
         self, cur: Any, found: list[OutboxRow], lock: bool, passing: Sequence[int] = ()
-    ) -> tuple[list[OutboxRow], list[tuple[int, str, str]]]:
+    ) -> tuple[list[OutboxRow], list[tuple[int, str, str, int | None]]]:
         """The found rows (with ``lock``: those locked, the others skipped) and the open rows
-        of their rooms below the highest of them (:func:`open_rows_of_rooms_sql`), but for the
-        found rows and ``passing`` (left out in the index entries, before their rows are read).
-        A found row that fails the lock counts among its room's earlier open rows, open or not
-        by now (one closed meanwhile holds its room back one claim: the safe side); read again
-        by the look-back, each found row would cost the claim a row more to send and parse.
-        On MySQL/MariaDB the lock and the look-back are one statement (a locking read may be
-        one part of a UNION there, not on PostgreSQL)."""
+        of their rooms below the highest of them (:func:`open_rows_of_rooms_sql`), each with
+        its ``lock`` in ms, but for the found rows and ``passing`` (left out in the index
+        entries, before their rows are read). A found row that fails the lock counts among its
+        room's earlier open rows, open or not by now (one closed meanwhile holds its room back
+        one claim: the safe side), with no ``lock`` (None: not to be taken by this claim); read
+        again by the look-back, each found row would cost the claim a row more to send and
+        parse. On MySQL/MariaDB the lock and the look-back are one statement (a locking read
+        may be one part of a UNION there, not on PostgreSQL)."""
         p = self.profile
         rooms = sorted({row.room_id for row in found})
         hint = self.dialect.index_hint
@@ -542,24 +652,26 @@ class LeasedRows:
             return found, [tuple(row) for row in await cur.fetchall()]
         ended = self._producers_claim_ended()
         take = (
-            f"SELECT {self.key}, {p.app_code}, {p.room_id}, 1 FROM {self.table} WHERE {self.key} IN ({_marks(ids)})"
-            f" AND {p.is_open()} AND {p.lock} <= {p.ms('%s')}{' AND ' + ended if ended else ''}{self.dialect.row_lock}"
+            f"SELECT {self.key}, {p.app_code}, {p.room_id}, {p.as_ms(p.lock)}, 1 FROM {self.table}"
+            f" WHERE {self.key} IN ({_marks(ids)}) AND {p.is_open()} AND {p.lock} <= {p.ms('%s')}"
+            f"{' AND ' + ended if ended else ''}{self.dialect.row_lock}"
         )
         take_params = (*ids, now_ms())
+        earlier: list[tuple[int, str, str, int | None]]
         if self.dialect.name == "mysql":
             # The look-back's rows are told apart by the last column (0).
             look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, ", 0", besides)
             await cur.execute(f"({take}) UNION ALL ({look_back})", (*take_params, *look_back_params))
             both = await cur.fetchall()
-            locked = {row[0] for row in both if row[3]}
-            earlier = [(row[0], row[1], row[2]) for row in both if not row[3]]
+            locked = {row[0] for row in both if row[4]}
+            earlier = [(row[0], row[1], row[2], row[3]) for row in both if not row[4]]
         else:
             await cur.execute(take, take_params)
             locked = {row[0] for row in await cur.fetchall()}
             look_back = open_rows_of_rooms_sql(self.table, self.key, len(rooms), p, hint, besides=besides)
             await cur.execute(look_back, look_back_params)
             earlier = [tuple(row) for row in await cur.fetchall()]
-        earlier += [(row.id, row.app_code, row.room_id) for row in found if row.id not in locked]
+        earlier += [(row.id, row.app_code, row.room_id, None) for row in found if row.id not in locked]
         return [row for row in found if row.id in locked], earlier
 
     async def record(self, results: Sequence[DeliveryResult]) -> list[DeliveryResult]:
