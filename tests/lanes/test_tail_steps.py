@@ -160,17 +160,23 @@ async def test_several_finer_steps_in_a_row_send_every_event_once(any_store: SQL
     once_each(sink.sent, expected)
 
 
+async def odd_rows_then_an_even_one(store: SQLStore, tail: TailRelay) -> tuple[dict[int, str], int]:
+    """Writer A's rows on odd ids, sent by ``tail``, then writer B's first row ("b-next"), even
+    and above them, which makes the step finer: A's rows and the highest of their ids."""
+    a_rows = {2 * n + 1: f"a{n}" for n in range(FIRST_ROWS)}
+    await insert_at(store, a_rows)
+    await rounds(tail)
+    high = max(a_rows)
+    await insert_at(store, {high + 3: "b-next"})  # the step gets finer here
+    await rounds(tail)
+    return a_rows, high
+
+
 async def test_a_new_owner_after_the_step_got_finer_waits_for_the_new_ids_alone(any_store: SQLStore) -> None:
     """The cursor keeps, with the range still waited for, which of its ids were read: a new
     owner (a restart) sends nothing it was sent before, and a late row of the new writer once."""
     sink = OrderedLog()
-    first = log_relay(any_store, sink)
-    a_rows = {2 * n + 1: f"a{n}" for n in range(FIRST_ROWS)}
-    await insert_at(any_store, a_rows)
-    await rounds(first)
-    high = max(a_rows)
-    await insert_at(any_store, {high + 3: "b-next"})  # the step gets finer here
-    await rounds(first)
+    a_rows, high = await odd_rows_then_an_even_one(any_store, log_relay(any_store, sink))
     gaps = await open_gaps(any_store)
     assert gaps is not None and f"-{high - 1}@" in gaps and "/2:1" in gaps, gaps  # odd ids there were read
     await rounds(log_relay(any_store, sink))  # a restart: nothing sent again
@@ -183,13 +189,7 @@ async def test_new_ids_given_up_on_are_recorded_as_skipped_without_the_ids_read(
     """Given up on after ``gap_timeout``, the range waited for since the step got finer is
     recorded as its ids not read: a row sent is never taken for a skipped one."""
     sink = OrderedLog()
-    tail = log_relay(any_store, sink)
-    a_rows = {2 * n + 1: f"a{n}" for n in range(FIRST_ROWS)}
-    await insert_at(any_store, a_rows)
-    await rounds(tail)
-    high = max(a_rows)
-    await insert_at(any_store, {high + 3: "b-next"})
-    await rounds(tail)
+    a_rows, high = await odd_rows_then_an_even_one(any_store, log_relay(any_store, sink))
     gaps = await open_gaps(any_store)
     assert gaps is not None
     an_hour_ago = re.sub(r"@(\d+)", lambda m: f"@{int(m[1]) - 3600}", gaps)  # as if first seen missing then
