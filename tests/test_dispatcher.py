@@ -246,15 +246,11 @@ async def test_a_sink_bug_is_recorded_not_lost(store: MySQLStore) -> None:
     assert (await fetch_rows(store))["e1"]["last_error"] == "test: unexpected KeyError: 'boom'"
 
 
-@pytest.mark.parametrize(
-    "raised",
-    [asyncio.CancelledError(), SystemExit(3), BaseException("plain base"), KeyboardInterrupt(), GeneratorExit("bug")],
-    ids=["CancelledError", "SystemExit", "BaseException", "KeyboardInterrupt", "GeneratorExit"],
-)
-async def test_a_sink_raising_a_base_exception_is_a_counted_sink_bug(store: MySQLStore, raised: BaseException) -> None:
-    """What no sink may raise (KeyboardInterrupt, SystemExit, its own CancelledError or
-    GeneratorExit) is a bug in the sink like any other: counted, recorded, parked after the
-    last attempt, while the lane goes on with the other events."""
+async def bad_failing_until_parked(
+    store: MySQLStore, raised: BaseException
+) -> tuple[dict[str, dict[str, Any]], RecordingSink]:
+    """Events "bad", whose delivery raises ``raised``, and "good" (another room), delivered with
+    two attempts and parking until "bad" is parked: the rows then, and the sink."""
     await insert_events(store, [envelope("bad"), envelope("good", room_id="r_2")])
     sink = RecordingSink(fail={"bad"}, error=raised)
     dispatcher = make_dispatcher(store, sink, retry=RetryPolicy(parking=True, max_attempts=2, interval=0.05))
@@ -265,7 +261,19 @@ async def test_a_sink_raising_a_base_exception_is_a_counted_sink_bug(store: MySQ
 
     with anyio.fail_after(20):
         await wait_until(bad_parked)
-    rows = await fetch_rows(store)
+    return await fetch_rows(store), sink
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [asyncio.CancelledError(), SystemExit(3), BaseException("plain base"), KeyboardInterrupt(), GeneratorExit("bug")],
+    ids=["CancelledError", "SystemExit", "BaseException", "KeyboardInterrupt", "GeneratorExit"],
+)
+async def test_a_sink_raising_a_base_exception_is_a_counted_sink_bug(store: MySQLStore, raised: BaseException) -> None:
+    """What no sink may raise (KeyboardInterrupt, SystemExit, its own CancelledError or
+    GeneratorExit) is a bug in the sink like any other: counted, recorded, parked after the
+    last attempt, while the lane goes on with the other events."""
+    rows, sink = await bad_failing_until_parked(store, raised)
     expected_error = f"test: unexpected {type(raised).__name__}" + (f": {raised}" if str(raised) else "")
     assert (rows["bad"]["retry_count"], rows["bad"]["last_error"]) == (2, expected_error)
     assert rows["good"]["status"] == "published"
@@ -292,17 +300,7 @@ async def test_a_sink_exception_whose_message_cannot_be_read_is_counted_and_park
 ) -> None:
     """Its attempts are recorded and counted like any failure's (the round never fails over
     it, the event is not delivered again for ever), and max_attempts parks it."""
-    await insert_events(store, [envelope("bad"), envelope("good", room_id="r_2")])
-    sink = RecordingSink(fail={"bad"}, error=raised)
-    dispatcher = make_dispatcher(store, sink, retry=RetryPolicy(parking=True, max_attempts=2, interval=0.05))
-
-    async def bad_parked() -> bool:
-        await run_until_empty(dispatcher)
-        return (await fetch_rows(store))["bad"]["status"] == "failed"  # parked
-
-    with anyio.fail_after(20):
-        await wait_until(bad_parked)
-    rows = await fetch_rows(store)
+    rows, sink = await bad_failing_until_parked(store, raised)
     assert (rows["bad"]["retry_count"], rows["bad"]["last_error"]) == (2, expected_error)
     assert rows["good"]["status"] == "published"
     assert sink.received.count("bad") == 2
